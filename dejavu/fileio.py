@@ -1,0 +1,32 @@
+"""Atomic file writes: write to a temporary name beside the target, rename when complete."""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from dejavu.errors import DejavuError
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yield a temporary path in the target's folder; rename it to `path` on success.
+
+    On any exception the temporary file is removed, so no partial output is left behind.
+    """
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise DejavuError(f"output folder does not exist: {folder}")
+    if not os.access(folder, os.W_OK):
+        raise DejavuError(f"output folder is not writable: {folder}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,1 @@
+"""dejavu.runtime"""
