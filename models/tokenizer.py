@@ -1,0 +1,54 @@
+"""A small text <-> ids wrapper over a `tokenizers.Tokenizer` (what the CLIs and runtime use).
+
+BOS is added here, not by the tokenizer's post-processor, so a tokenizer.json with or
+without OPT's `</s>` template gives the same ids: `encode(text)` = [bos] + BPE ids.
+"""
+from __future__ import annotations
+
+import os
+
+
+class TextTokenizer:
+    """encode / decode with OPT's special ids (bos = eos = `</s>`, pad = `<pad>`)."""
+
+    def __init__(self, tokenizer, bos_id: int | None = None, eos_id: int | None = None,
+                 pad_id: int | None = None):
+        from tokenizers import Tokenizer
+
+        from dejavu.errors import DejavuError
+
+        if isinstance(tokenizer, str):
+            try:
+                tokenizer = Tokenizer.from_str(tokenizer)
+            except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+                raise DejavuError(f"unreadable tokenizer JSON ({str(e).splitlines()[0]})") from None
+        self.tokenizer = tokenizer
+        eos_tok = tokenizer.token_to_id("</s>")
+        self.bos_id = bos_id if bos_id is not None else eos_tok
+        self.eos_id = eos_id if eos_id is not None else eos_tok
+        self.pad_id = pad_id if pad_id is not None else tokenizer.token_to_id("<pad>")
+        if self.bos_id is None or self.eos_id is None:
+            raise DejavuError("tokenizer has no '</s>' token; pass bos_id and eos_id explicitly")
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike) -> "TextTokenizer":
+        """From a model folder / preset / hub id; special ids from its config.json when present."""
+        from dejavu.models.loader import load_config, load_tokenizer
+
+        cfg = load_config(name_or_path)
+        return cls(load_tokenizer(name_or_path), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The whole tokenizer.json text (what an engine header stores)."""
+        return self.tokenizer.to_str()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.bos_id] + ids if add_bos else ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)

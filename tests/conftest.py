@@ -1,0 +1,87 @@
+"""Shared fixtures: a random tiny OPT checkpoint folder in Hugging Face layout.
+
+    tiny_opt_dir        session-wide folder (treat as read-only): config.json,
+                        model.safetensors (no lm_head: tied), tokenizer.json
+    make_tiny_opt_dir   factory: make_tiny_opt_dir(seed=0, **config_overrides) -> Path,
+                        a fresh folder under the test's tmp_path (free to modify)
+
+The model: vocab 320, hidden 32, 2 layers, 4 heads, ffn 128, 64 positions, pre-LN, with
+random weights (LayerNorm and biases too, so bugs in them show). The tokenizer is a
+byte-level BPE trained on a slice of the shipped WikiText-2 test text, `</s>` = id 2.
+Needs only torch, safetensors and tokenizers (no transformers).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CONFIG = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=32)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer_json(vocab_size: int = 320) -> str:
+    """tokenizer.json text of a small byte-level BPE (<s>, <pad>, </s>, <unk> = ids 0..3)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    import dejavu
+
+    text = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text[:50_000].splitlines(), trainer)
+    return tok.to_str()
+
+
+def random_opt_state(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """State dict (HF names, without the tied lm_head) of a randomly initialised OPT."""
+    from dejavu.models.opt import OPTForCausalLM
+
+    torch.manual_seed(seed)
+    model = OPTForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1 if p.dim() == 1 else 0.15)
+    return {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+
+def write_tiny_opt(folder: Path, seed: int = 0, **overrides) -> Path:
+    """Write config.json, model.safetensors and tokenizer.json of a random OPT into `folder`."""
+    from safetensors.torch import save_file
+
+    from dejavu.models.opt import OPTConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = OPTConfig(**{**TINY_CONFIG, **overrides})
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True))
+    save_file(random_opt_state(cfg, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if cfg.vocab_size >= 320:
+        (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_dir(tmp_path_factory) -> Path:
+    """A random tiny OPT folder shared by the whole session; do not modify it."""
+    return write_tiny_opt(tmp_path_factory.mktemp("tiny-opt"))
+
+
+@pytest.fixture
+def make_tiny_opt_dir(tmp_path):
+    """Factory for fresh tiny OPT folders: make_tiny_opt_dir(seed=0, **config_overrides)."""
+    count = iter(range(1_000_000))
+
+    def make(seed: int = 0, **overrides) -> Path:
+        return write_tiny_opt(tmp_path / f"tiny-opt-{next(count)}", seed, **overrides)
+
+    return make
