@@ -1,0 +1,313 @@
+"""The `.engine` file: one safetensors file, a JSON header in its metadata, format version 1.
+
+Layout (valid safetensors; written by hand so the bytes are deterministic):
+
+    u64 little-endian N | N bytes of JSON (canonical, space-padded to a multiple of 8) | data
+
+The JSON maps tensor names (sorted) to {dtype, shape, data_offsets}; tensors are packed in
+name order with no gaps. `__metadata__` holds three strings:
+
+- `dejavu_header`: JSON (sorted keys, compact) of the header dict (see docs/ARCHITECTURE.md).
+- `dejavu_checksum`: sha256 hex over the tensors sorted by name; for each tensor
+  `name NUL dtype NUL json(shape) NUL` then its raw bytes.
+- `dejavu_header_checksum`: sha256 hex of the `dejavu_header` text (so an edited header that
+  is still valid JSON is caught too).
+
+Reading verifies, in this order and before allocating anything large: the 8-byte header
+length against the file size, the JSON header (it must equal its canonical re-encoding, so
+any edited byte is caught), offsets (contiguous, ending exactly at the end of the file),
+format name and version, both checksums, and the tensor names/shapes required by the model
+config. Every failure is a `DejavuError`; nothing here unpickles.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.fileio import atomic_path
+
+FORMAT_NAME = "dejavu-engine"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own cap; a tokenizer.json is ~2 MB
+
+_DTYPES = {  # safetensors dtype name <-> torch dtype
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# --------------------------------------------------------------------------- encoding
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _checksum(items) -> str:
+    """sha256 over (name, dtype, shape, bytes) for items sorted by name."""
+    h = hashlib.sha256()
+    for name, dtype, shape, data in items:
+        h.update(f"{name}\0{dtype}\0{json.dumps(list(shape))}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def _header_blob(meta: dict, entries: dict) -> bytes:
+    obj = dict(entries)
+    obj["__metadata__"] = meta
+    blob = _canonical(obj).encode()
+    return blob + b" " * (-len(blob) % 8)
+
+
+def encode_engine(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
+    """The engine file's bytes (deterministic: same header and tensors, same bytes)."""
+    if not isinstance(header, dict):
+        raise DejavuError("engine header must be a dict")
+    try:
+        header_text = _canonical(header)
+    except (TypeError, ValueError) as e:
+        raise DejavuError(f"engine header is not JSON-serialisable: {e}") from None
+    entries, chunks, items, off = {}, [], [], 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise DejavuError(f"engine tensor {name!r} is not a torch.Tensor")
+        if t.dtype not in _NAMES:
+            raise DejavuError(f"engine tensor {name!r} has unsupported dtype {t.dtype}")
+        data = _tensor_bytes(t)
+        shape = list(t.shape)
+        entries[name] = {"dtype": _NAMES[t.dtype], "shape": shape, "data_offsets": [off, off + len(data)]}
+        items.append((name, _NAMES[t.dtype], shape, data))
+        chunks.append(data)
+        off += len(data)
+    meta = {"dejavu_header": header_text,
+            "dejavu_header_checksum": hashlib.sha256(header_text.encode()).hexdigest(),
+            "dejavu_checksum": _checksum(items)}
+    blob = _header_blob(meta, entries)
+    return struct.pack("<Q", len(blob)) + blob + b"".join(chunks)
+
+
+def write_engine(path: str | os.PathLike, header: dict, tensors: dict[str, torch.Tensor]) -> int:
+    """Write an engine atomically (temporary name, then rename); return its size in bytes."""
+    blob = encode_engine(header, tensors)
+    try:
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+    except OSError as e:
+        raise DejavuError(f"cannot write engine {path}: {e.strerror or e}") from None
+    return len(blob)
+
+
+# --------------------------------------------------------------------------- decoding
+
+def _corrupt(path, why: str) -> DejavuError:
+    return DejavuError(f"{path}: not a valid dejavu engine ({why})")
+
+
+def _parse_container(buf, path) -> tuple[dict, dict, int]:
+    """Validate the safetensors framing; return (metadata, tensor entries, data start)."""
+    size = len(buf)
+    if size < 8:
+        raise _corrupt(path, f"file is {size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", bytes(buf[:8]))
+    if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+        raise _corrupt(path, f"header length {n} does not fit the file size {size} (truncated or corrupt)")
+    raw = bytes(buf[8:8 + n])
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _corrupt(path, "header is not valid JSON") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("__metadata__"), dict):
+        raise _corrupt(path, "header has no __metadata__")
+    meta = obj.pop("__metadata__")
+    for k in ("dejavu_header", "dejavu_checksum", "dejavu_header_checksum"):
+        if not isinstance(meta.get(k), str):
+            raise _corrupt(path, f"metadata field {k!r} is missing")
+    entries, end = {}, 0
+    for name in sorted(obj):
+        e = obj[name]
+        if not (isinstance(e, dict) and set(e) == {"dtype", "shape", "data_offsets"}):
+            raise _corrupt(path, f"tensor entry {name!r} is malformed")
+        dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        ok_shape = isinstance(shape, list) and len(shape) <= 8 and all(
+            type(s) is int and 0 <= s < 2**40 for s in shape)
+        ok_offs = isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+        if dt not in _DTYPES or not ok_shape or not ok_offs:
+            raise _corrupt(path, f"tensor entry {name!r} is malformed")
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * _DTYPES[dt].itemsize
+        if offs[0] != end or offs[1] - offs[0] != nbytes:
+            raise _corrupt(path, f"tensor {name!r} has inconsistent data offsets")
+        end = offs[1]
+        entries[name] = (dt, shape, offs[0], offs[1])
+    if _header_blob(meta, {k: obj[k] for k in obj}) != raw:
+        raise _corrupt(path, "header bytes are not in canonical form (edited)")
+    if 8 + n + end != size:
+        raise _corrupt(path, f"data section is {size - 8 - n} bytes, expected {end} (truncated or padded)")
+    return meta, entries, 8 + n
+
+
+def _parse_header(meta: dict, path) -> dict:
+    text = meta["dejavu_header"]
+    if hashlib.sha256(text.encode()).hexdigest() != meta["dejavu_header_checksum"]:
+        raise _corrupt(path, "header checksum mismatch (edited header)")
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError):
+        raise _corrupt(path, "dejavu_header is not valid JSON") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        raise _corrupt(path, f"format is not {FORMAT_NAME!r}")
+    version = header.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DejavuError(f"{path}: engine format version {version!r} is not supported "
+                          f"(this dejavu reads version {FORMAT_VERSION}); rebuild it with dejavu-compile")
+    return header
+
+
+def _open(path):
+    p = Path(path)
+    if not p.is_file():
+        raise DejavuError(f"engine file not found: {path}")
+    try:
+        return open(p, "rb")
+    except OSError as e:
+        raise DejavuError(f"cannot read engine {path}: {e.strerror or e}") from None
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The header dict, from the safetensors header only (cheap; the data is not checked)."""
+    with _open(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        if len(first) < 8:
+            raise _corrupt(path, f"file is {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", first)
+        if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+            raise _corrupt(path, f"header length {n} does not fit the file size {size} (truncated or corrupt)")
+        raw = f.read(n)
+    # Reuse the full framing check on a view that claims the data is present; offsets
+    # beyond the file are caught by read_engine, which checks the whole file.
+    meta, _, _ = _parse_container(_HeaderOnly(first + raw, size), path)
+    return _parse_header(meta, path)
+
+
+class _HeaderOnly:
+    """A bytes view of the first 8+N bytes that reports the real file size."""
+
+    def __init__(self, data: bytes, size: int):
+        self.data, self.size = data, size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, s):
+        return self.data[s]
+
+
+def expected_shapes(header: dict) -> dict[str, list[int]]:
+    """Tensor name → shape required by `header['model_config']` / `['build_config']`.
+
+    Predictor ranks are free (read from the `.a` tensors by the caller's check)."""
+    from dejavu.models.opt import OPTConfig  # models is upstream of the engine format
+
+    cfg = OPTConfig.from_hf_dict(header.get("model_config"))
+    V, E, D, F, H = cfg.vocab_size, cfg.word_embed_proj_dim, cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
+    s = {"embed_tokens": [V, E], "embed_positions": [cfg.max_position_embeddings + 2, D]}
+    if E != D:
+        s["project_in"], s["project_out"] = [D, E], [E, D]
+    if cfg.has_final_layer_norm:
+        s["final_ln.weight"] = s["final_ln.bias"] = [D]
+    for l in range(cfg.num_hidden_layers):
+        p = f"layers.{l}."
+        s.update({p + "ln_attn.weight": [D], p + "ln_attn.bias": [D], p + "ln_mlp.weight": [D],
+                  p + "ln_mlp.bias": [D], p + "attn.wq": [D, D], p + "attn.bq": [D],
+                  p + "attn.wkv": [2 * D, D], p + "attn.bkv": [2 * D], p + "attn.wo_t": [D, D],
+                  p + "attn.bo": [D], p + "mlp.w1": [F, D], p + "mlp.b1": [F], p + "mlp.w2_t": [F, D],
+                  p + "mlp.b2": [D]})
+    return s
+
+
+def _check_contents(header: dict, entries: dict, path) -> None:
+    try:
+        want = expected_shapes(header)
+    except DejavuError as e:
+        raise _corrupt(path, f"model_config: {e}") from None
+    bc = header.get("build_config")
+    if not isinstance(bc, dict):
+        raise _corrupt(path, "build_config is missing")
+    mc = header["model_config"]
+    L, F, H, D = mc["num_hidden_layers"], mc["ffn_dim"], mc["num_attention_heads"], mc["hidden_size"]
+    for key, n in (("mlp_k", F), ("attn_k", H)):
+        ks = bc.get(key)
+        if not (isinstance(ks, list) and len(ks) == L and all(type(k) is int and 1 <= k <= n for k in ks)):
+            raise _corrupt(path, f"build_config.{key} must list {L} integers in [1, {n}]")
+    if bc.get("predictors", True):
+        for l in range(L):
+            for kind, n in (("pred_mlp", F), ("pred_attn", H)):
+                a = entries.get(f"layers.{l}.{kind}.a")
+                r = a[1][0] if a and len(a[1]) == 2 else -1
+                want.update({f"layers.{l}.{kind}.a": [r, D], f"layers.{l}.{kind}.b": [n, r],
+                             f"layers.{l}.{kind}.bias": [n]})
+    missing = sorted(set(want) - set(entries))
+    extra = sorted(set(entries) - set(want))
+    if missing:
+        raise _corrupt(path, f"missing tensor {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    if extra:
+        raise _corrupt(path, f"unexpected tensor {extra[0]!r}")
+    dtype = header.get("dtype")
+    if dtype not in DTYPE_NAMES:
+        raise _corrupt(path, f"dtype {dtype!r} is not one of {sorted(DTYPE_NAMES)}")
+    for name, shape in want.items():
+        dt, got = entries[name][0], entries[name][1]
+        if got != shape:
+            raise _corrupt(path, f"tensor {name!r} has shape {got}, expected {shape}")
+        if _DTYPES[dt] != DTYPE_NAMES[dtype]:
+            raise _corrupt(path, f"tensor {name!r} is {dt}, expected the engine dtype {dtype}")
+
+
+def read_engine(path: str | os.PathLike, device: str | torch.device = "cpu",
+                verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Load and verify an engine: (header, {name: tensor}) with tensors on `device`.
+
+    `verify=False` skips only the data checksum (for quick loads of trusted files)."""
+    with _open(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise _corrupt(path, "file is empty")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            meta, entries, start = _parse_container(mm, path)
+            header = _parse_header(meta, path)
+            _check_contents(header, entries, path)
+            data = bytearray(mm[start:])
+    view = memoryview(data)
+    if verify:
+        items = ((n, dt, shape, view[a:b]) for n, (dt, shape, a, b) in entries.items())
+        if _checksum(items) != meta["dejavu_checksum"]:
+            raise _corrupt(path, "tensor checksum mismatch (corrupt data)")
+    tensors = {}
+    for name, (dt, shape, a, b) in entries.items():
+        if b > a:
+            t = torch.frombuffer(data, dtype=_DTYPES[dt], count=(b - a) // _DTYPES[dt].itemsize, offset=a)
+        else:
+            t = torch.empty(0, dtype=_DTYPES[dt])
+        tensors[name] = t.view(shape).to(device)
+    return header, tensors
