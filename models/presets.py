@@ -75,11 +75,11 @@ def resolve(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None
     if p.exists():
         raise DejavuError(f"model {name!r} is a file, expected a model folder (config.json + weights)")
     target = PRESETS.get(name, name)
-    if Path(target).is_absolute():  # a shipped folder (opt-mini)
+    if name in PRESETS and Path(target).is_absolute():  # a shipped folder (opt-mini)
         if not Path(target).is_dir():
             raise DejavuError(f"preset {name!r}: the shipped folder {target} is missing from this install")
         return Path(target)
     parts = target.split("/")
     if len(parts) != 2 or not all(parts) or name.startswith((".", "/", "~")):
-        raise _not_found(name)
+        raise _not_found(name)  # a path that does not exist, or an unknown short name
     return _from_hub(target, name, cache_dir)
