@@ -1,0 +1,276 @@
+"""Low-rank predictors of the active MLP neurons and important attention heads, per layer.
+
+`scores = (x @ A.T) @ B.T + bias` with A [r, D], B [N, r], bias [N]; x is the raw residual
+`src[l - lookahead]` (docs/ARCHITECTURE.md, "Lookahead convention"). Since the map is
+linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H.
+
+Labels: MLP neuron j is positive when its post-ReLU activation is > 0. Head h is positive
+when it is among the top ceil(attn_label_density * H) heads of the token by the L2 norm of
+its slice of the out_proj input (a per-token rank label: a fixed norm threshold would mark
+nearly all or no heads depending on the layer's scale).
+
+Training: class-weighted BCE (pos_weight = (1-p)/p per output from the label frequency,
+clipped), Adam, mini-batches of tokens, early stopping on the held-out tail of the stream
+(whole windows), seeded. Inputs are standardised during training and the affine map is
+folded into A and bias afterwards, so the stored predictor reads the raw residual.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dejavu.compiler.calibrate import Calibration
+from dejavu.errors import DejavuError
+from dejavu.models.opt import OPTConfig
+
+# The lookahead decision (docs/predictors.md): layer l's predictors read layer l-1's
+# attention input, which exists before layer l-1 starts, so they can run on a side stream
+# one layer ahead. Same-layer inputs are more accurate but serialise prediction.
+DEFAULT_PREDICTOR_INPUT = {"source": "attn_in", "lookahead": 1}
+CANDIDATE_INPUTS = [{"source": "attn_in", "lookahead": 0},
+                    {"source": "attn_in", "lookahead": 1},
+                    {"source": "mlp_in", "lookahead": 1}]
+
+
+@dataclass
+class PredictorSettings:
+    """Predictor training settings; the one place for their defaults."""
+
+    mlp_rank: int | None = None  # None: the largest multiple of 8 within cost_budget
+    attn_rank: int | None = None  # None: min(H, budget) (rank > H adds nothing to a linear map)
+    cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern
+    source: str = DEFAULT_PREDICTOR_INPUT["source"]
+    lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]
+    attn_label_density: float = 0.5  # head labels: top ceil(this * H) heads by norm
+    lr: float = 3e-3
+    batch_tokens: int = 1024
+    max_epochs: int = 12
+    patience: int = 2
+    holdout: float = 0.1  # fraction of the stream (tail windows) held out
+    max_pos_weight: float = 50.0
+    report_density: float = 0.3  # K for the recall/precision report when none is given
+    curve_tokens: int = 1024  # held-out tokens used for the recall-vs-K curves
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.source not in ("attn_in", "mlp_in") or self.lookahead not in (0, 1):
+            raise DejavuError(f"predictor input must be source attn_in|mlp_in, lookahead 0|1; got "
+                              f"{self.source!r}, {self.lookahead!r}")
+        if self.source == "mlp_in" and self.lookahead == 0:
+            raise DejavuError("predictor input mlp_in with lookahead 0 does not exist before the "
+                              "layer's attention runs; use lookahead 1")
+        for name in ("mlp_rank", "attn_rank"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise DejavuError(f"{name} must be a positive integer, got {v}")
+
+    @property
+    def predictor_input(self) -> dict:
+        return {"source": self.source, "lookahead": self.lookahead}
+
+
+def _budget_rank(budget: float, dense_bytes: int, d: int, n: int, multiple: int = 8) -> int:
+    r = int((budget * dense_bytes - n) // (d + n))  # r*(D+N) + N <= budget * dense
+    return max(1, r // multiple * multiple) if r >= multiple else max(1, r)
+
+
+def default_ranks(cfg: OPTConfig, settings: PredictorSettings) -> tuple[int, int]:
+    """(mlp_rank, attn_rank): the settings' values, else the largest within the budget."""
+    D, Fd, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
+    mlp = settings.mlp_rank or min(D, _budget_rank(settings.cost_budget, 2 * D * Fd + Fd + D, D, Fd))
+    attn = settings.attn_rank or min(H, _budget_rank(settings.cost_budget, 4 * D * D + 4 * D, D, H, 1))
+    return mlp, attn
+
+
+def predictor_cost(cfg: OPTConfig, mlp_rank: int, attn_rank: int) -> dict:
+    """Parameter counts (same dtype: ratios of bytes) of predictors vs the dense layers they govern."""
+    D, Fd, H, L = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads, cfg.num_hidden_layers
+    mlp_p, mlp_d = mlp_rank * (D + Fd) + Fd, 2 * D * Fd + Fd + D  # A, B, bias vs fc1+fc2
+    attn_p, attn_d = attn_rank * (D + H) + H, 4 * D * D + 4 * D  # vs q, k, v, out_proj
+    return {"mlp_rank": mlp_rank, "attn_rank": attn_rank,
+            "mlp_predictor_params": L * mlp_p, "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_p / mlp_d,
+            "attn_predictor_params": L * attn_p, "attn_dense_params": L * attn_d,
+            "attn_ratio": attn_p / attn_d, "total_ratio": (mlp_p + attn_p) / (mlp_d + attn_d)}
+
+
+@dataclass
+class Predictors:
+    """Trained predictors: per layer {"a": [r, D], "b": [N, r], "bias": [N]} for mlp and attn."""
+
+    mlp: list[dict[str, torch.Tensor]]
+    attn: list[dict[str, torch.Tensor]]
+    predictor_input: dict
+    metrics: dict = field(default_factory=dict)
+    recall_curves: dict = field(default_factory=dict)  # {"mlp"|"attn": [np.ndarray[N]] per layer}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Engine tensor names: layers.{l}.pred_mlp.a/.b/.bias, layers.{l}.pred_attn.a/.b/.bias."""
+        out = {}
+        for kind, layers in (("pred_mlp", self.mlp), ("pred_attn", self.attn)):
+            for l, p in enumerate(layers):
+                for name in ("a", "b", "bias"):
+                    out[f"layers.{l}.{kind}.{name}"] = p[name].contiguous()
+        return out
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, torch.Tensor], predictor_input: dict) -> "Predictors":
+        L = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers.") and ".pred_" in k)
+        get = lambda kind: [{n: sd[f"layers.{l}.{kind}.{n}"] for n in ("a", "b", "bias")} for l in range(L)]
+        return cls(get("pred_mlp"), get("pred_attn"), dict(predictor_input))
+
+    def scores(self, kind: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Predictor scores [..., N] for residual x [..., D] (kind "mlp" or "attn")."""
+        p = (self.mlp if kind == "mlp" else self.attn)[layer]
+        a, b, bias = (p[n].to(device=x.device, dtype=x.dtype) for n in ("a", "b", "bias"))
+        return (x @ a.T) @ b.T + bias
+
+    def to(self, device=None, dtype=None) -> "Predictors":
+        conv = lambda ps: [{n: t.to(device=device, dtype=dtype) for n, t in p.items()} for p in ps]
+        return Predictors(conv(self.mlp), conv(self.attn), self.predictor_input, self.metrics,
+                          self.recall_curves)
+
+
+def _head_labels(norms: torch.Tensor, k: int) -> torch.Tensor:
+    # norms: [T, H] -> bool [T, H], True for the top-k heads of each token
+    idx = norms.topk(k, dim=-1).indices
+    return torch.zeros_like(norms, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def _fit(x_tr, y_tr, x_va, y_va, rank: int, s: PredictorSettings, gen: torch.Generator) -> dict:
+    """Fit one low-rank predictor; x: [T, D] float32, y: [T, N] bool. Returns folded a/b/bias."""
+    dev = x_tr.device
+    D, N = x_tr.shape[1], y_tr.shape[1]
+    mu = x_tr.mean(0)
+    sd = x_tr.std(0).clamp_min(1e-6)
+    p = y_tr.float().mean(0).clamp(1e-4, 1 - 1e-4)  # [N] label frequency
+    pos_weight = ((1 - p) / p).clamp(1.0 / s.max_pos_weight, s.max_pos_weight)
+    a = (torch.randn(rank, D, generator=gen) / math.sqrt(D)).to(dev).requires_grad_()
+    b = (torch.randn(N, rank, generator=gen) / math.sqrt(rank)).to(dev).requires_grad_()
+    bias = torch.log(p / (1 - p)).to(dev).requires_grad_()
+    opt = torch.optim.Adam([a, b, bias], lr=s.lr)
+    norm = lambda x: (x - mu) / sd
+
+    def loss_on(x, y):
+        return F.binary_cross_entropy_with_logits((norm(x) @ a.T) @ b.T + bias, y.float(),
+                                                  pos_weight=pos_weight)
+
+    best, best_state, bad = float("inf"), None, 0
+    T = x_tr.shape[0]
+    for _ in range(s.max_epochs):
+        perm = torch.randperm(T, generator=gen).to(dev)
+        for i in range(0, T, s.batch_tokens):
+            rows = perm[i:i + s.batch_tokens]
+            opt.zero_grad(set_to_none=True)
+            loss_on(x_tr[rows], y_tr[rows]).backward()
+            opt.step()
+        with torch.no_grad():
+            val = sum(loss_on(x_va[i:i + 4096], y_va[i:i + 4096]).item() * len(y_va[i:i + 4096])
+                      for i in range(0, len(x_va), 4096)) / len(x_va)
+        if val < best - 1e-5:
+            best, best_state, bad = val, (a.detach().clone(), b.detach().clone(), bias.detach().clone()), 0
+        else:
+            bad += 1
+            if bad >= s.patience:
+                break
+    a_, b_, bias_ = (t.double() for t in best_state)
+    a_fold = a_ / sd.double()  # scores = B A' (x - mu)/sd + bias = B (A'/sd) x + (bias - B A' mu/sd)
+    bias_fold = bias_ - b_ @ (a_ @ (mu.double() / sd.double()))
+    return {"a": a_fold.float().cpu(), "b": b_.float().cpu(), "bias": bias_fold.float().cpu(),
+            "val_loss": best}
+
+
+def _evaluate(scores: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[float, float]:
+    """(recall, precision) of top-k of scores [T, N] against bool labels [T, N]."""
+    hits = labels.gather(-1, scores.topk(k, dim=-1).indices).sum().item()
+    return hits / max(1, labels.sum().item()), hits / (k * labels.shape[0])
+
+
+def _curve(scores: torch.Tensor, weight: torch.Tensor) -> np.ndarray:
+    """Captured fraction of `weight` [T, N] (labels or norms) by predicted top-k, k = 1..N."""
+    order = scores.argsort(dim=-1, descending=True)
+    got = weight.float().gather(-1, order).sum(0).cumsum(0)  # [N]
+    return (got / got[-1].clamp_min(1e-12)).double().cpu().numpy()
+
+
+def _layer_data(cal: Calibration, l: int, s: PredictorSettings, dev):
+    n_val_windows = max(1, round(cal.n_windows * s.holdout))
+    split = min(cal.n_tokens - 1, (cal.n_windows - n_val_windows) * cal.window)
+    x = torch.from_numpy(np.array(cal.predictor_input(l, s.source, s.lookahead), dtype=np.float32)).to(dev)
+    y_mlp = torch.from_numpy(cal.mlp_labels(l)).to(dev)
+    norms = torch.from_numpy(np.array(cal.head_importance(l))).to(dev)
+    return x, y_mlp, norms, split
+
+
+def train_predictors(cal: Calibration, settings: PredictorSettings | None = None, progress: bool = True,
+                     mlp_k: list[int] | None = None, attn_k: list[int] | None = None) -> Predictors:
+    """Train MLP and head predictors for every layer from a complete calibration.
+
+    Metrics (per layer: recall, precision at the K used, validation loss) are reported at
+    `mlp_k` / `attn_k` when given, else at `settings.report_density`.
+    """
+    s = settings or PredictorSettings()
+    if not cal.complete:
+        raise DejavuError(f"calibration in {cal.folder} is incomplete ({cal.windows_done}/"
+                          f"{cal.n_windows} windows); run it again to resume")
+    cfg = cal.cfg
+    L, Fd, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
+    dev = torch.device(s.device)
+    mlp_rank, attn_rank = default_ranks(cfg, s)
+    k_lab = max(1, math.ceil(s.attn_label_density * H))
+    mlp_k = mlp_k or [max(1, round(s.report_density * Fd))] * L
+    attn_k = attn_k or [max(1, round(s.report_density * H))] * L
+    gen = torch.Generator().manual_seed(s.seed)
+    mlp, attn, per_layer = [], [], []
+    curves = {"mlp": [], "attn": []}
+    it = range(L)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="predictors", unit="layer")
+    for l in it:
+        x, y_mlp, norms, split = _layer_data(cal, l, s, dev)
+        y_att = _head_labels(norms, k_lab)
+        pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, s, gen)
+        pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, s, gen)
+        with torch.no_grad():
+            xv = x[split:].cpu()
+            sm = (xv @ pm["a"].T) @ pm["b"].T + pm["bias"]  # [Tv, F]
+            sa = (xv @ pa["a"].T) @ pa["b"].T + pa["bias"]  # [Tv, H]
+            yv, nv = y_mlp[split:].cpu(), norms[split:].cpu()
+            m_rec, m_prec = _evaluate(sm, yv, mlp_k[l])
+            a_rec, _ = _evaluate(sa, _head_labels(nv, attn_k[l]), attn_k[l])
+            a_mass = nv.gather(-1, sa.topk(attn_k[l], -1).indices).sum().item() / nv.sum().item()
+            c = slice(0, s.curve_tokens)
+            curves["mlp"].append(_curve(sm[c], yv[c]))
+            curves["attn"].append(_curve(sa[c], nv[c]))
+        per_layer.append({"layer": l, "mlp_k": mlp_k[l], "mlp_recall": m_rec, "mlp_precision": m_prec,
+                          "mlp_active_fraction": yv.float().mean().item(), "mlp_val_loss": pm.pop("val_loss"),
+                          "attn_k": attn_k[l], "attn_recall": a_rec, "attn_precision": a_rec,
+                          "attn_norm_mass": a_mass, "attn_val_loss": pa.pop("val_loss")})
+        mlp.append(pm)
+        attn.append(pa)
+    mean = lambda key: float(np.mean([m[key] for m in per_layer]))
+    metrics = {"per_layer": per_layer, "mlp_recall_mean": mean("mlp_recall"),
+               "mlp_precision_mean": mean("mlp_precision"), "attn_recall_mean": mean("attn_recall"),
+               "cost": predictor_cost(cfg, mlp_rank, attn_rank), "settings": asdict(s),
+               "holdout_tokens": cal.n_tokens - split}
+    return Predictors(mlp, attn, s.predictor_input, metrics, curves)
+
+
+def measure_lookahead(cal: Calibration, settings: PredictorSettings | None = None,
+                      candidates: list[dict] | None = None, progress: bool = True) -> list[dict]:
+    """Train predictors on each candidate input; mean and per-layer recall at the report K."""
+    base = settings or PredictorSettings()
+    out = []
+    for c in candidates or CANDIDATE_INPUTS:
+        s = PredictorSettings(**{**asdict(base), **c})
+        m = train_predictors(cal, s, progress=progress).metrics
+        out.append({**c, "mlp_recall_mean": m["mlp_recall_mean"], "attn_recall_mean": m["attn_recall_mean"],
+                    "mlp_recall": [r["mlp_recall"] for r in m["per_layer"]],
+                    "attn_recall": [r["attn_recall"] for r in m["per_layer"]],
+                    "mlp_precision_mean": m["mlp_precision_mean"]})
+    return out
