@@ -1,1 +1,63 @@
-"""dejavu.compiler.passes"""
+"""Rewrite passes on the exported ONNX graph, run in one ordered list.
+
+Each pass is `pass(model: onnx.ModelProto, settings: PassSettings) -> onnx.ModelProto`, lives in
+its own file, and logs (logger `dejavu.compiler.passes.<name>`) what it rewrote:
+
+1. `insert_predictors`        per layer: scores = (src @ A.T) @ B.T + bias, src per the lookahead
+2. `rewrite_sparse_mlp`       fc1/Relu/fc2 → TopK → Gather(W1 rows) → MatMul → Relu → Gather(W2ᵀ rows) → MatMul
+3. `rewrite_sparse_attention` Q / attention / out_proj over the top-k heads (K/V stay dense)
+4. `to_plugin_form`           (form "plugin" only) the subgraphs → `dejavu.Predictor`,
+                              `dejavu.SparseMLP`, `dejavu.SparseAttention` custom-domain nodes
+
+After passes 1–3 the graph is form (a): standard ONNX ops only (ONNX Runtime runs it and it
+equals the masked-dense reference). After pass 4 it is form (b).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import onnx
+
+from dejavu.errors import DejavuError
+
+log = logging.getLogger(__name__)
+
+TENSORRT_TOPK_LIMIT = 3840
+
+
+@dataclass
+class PassSettings:
+    """What the passes need: per-layer K, the predictors (engine tensor names), the form."""
+
+    mlp_k: list[int]
+    attn_k: list[int]
+    predictors: dict = field(default_factory=dict)  # layers.{l}.pred_{mlp,attn}.{a,b,bias}
+    predictor_input: dict = field(default_factory=lambda: {"source": "attn_in", "lookahead": 1})
+    form: str = "standard"  # "standard" (form a) or "plugin" (form b)
+    topk_limit: int = TENSORRT_TOPK_LIMIT
+
+    def __post_init__(self):
+        if self.form not in ("standard", "plugin"):
+            raise DejavuError(f"ONNX form must be 'standard' or 'plugin', got {self.form!r}")
+        if self.topk_limit < 1:
+            raise DejavuError(f"topk_limit must be positive, got {self.topk_limit}")
+
+
+from dejavu.compiler.passes.insert_predictors import insert_predictors  # noqa: E402
+from dejavu.compiler.passes.rewrite_sparse_attention import rewrite_sparse_attention  # noqa: E402
+from dejavu.compiler.passes.rewrite_sparse_mlp import rewrite_sparse_mlp  # noqa: E402
+from dejavu.compiler.passes.to_plugin_form import to_plugin_form  # noqa: E402
+
+PASSES = [insert_predictors, rewrite_sparse_mlp, rewrite_sparse_attention, to_plugin_form]
+
+
+def run_passes(model: onnx.ModelProto, settings: PassSettings, passes=None) -> onnx.ModelProto:
+    """Apply `passes` (default: PASSES) in order to a copy of `model`."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for p in PASSES if passes is None else passes:
+        before = len(out.graph.node)
+        out = p(out, settings)
+        log.debug("%s: %d -> %d nodes", p.__name__, before, len(out.graph.node))
+    return out

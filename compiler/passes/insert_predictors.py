@@ -1,0 +1,65 @@
+"""Pass 1: add each layer's predictor subgraphs (scores only; the rewrite passes add TopK).
+
+For layer l and kind in (mlp, attn) with K < N, reading `src[l - lookahead]`
+(`layers.{j}.attn_in` / `layers.{j}.mlp_in`, layer 0's attention input when j < 0):
+
+    layers.{l}.pred_{kind}/MatMul_a : src @ A.T      (initializer layers.{l}.pred_{kind}.a_t  [D, r])
+    layers.{l}.pred_{kind}/MatMul_b : . @ B.T        (initializer layers.{l}.pred_{kind}.b_t  [r, N])
+    layers.{l}.pred_{kind}/Add      : . + bias  ->  tensor layers.{l}.pred_{kind}.scores [B, S, N]
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+
+from dejavu.compiler.onnx_export import GraphBuilder
+from dejavu.compiler.passes._graph import has_tensor, init_array, replace
+from dejavu.errors import DejavuError
+
+log = logging.getLogger(__name__)
+
+
+def predictor_source(l: int, predictor_input: dict) -> str:
+    """The tensor layer l's predictors read (docs/ARCHITECTURE.md, lookahead convention)."""
+    src, la = predictor_input.get("source"), predictor_input.get("lookahead")
+    if src not in ("attn_in", "mlp_in") or la not in (0, 1):
+        raise DejavuError(f"predictor_input must be source attn_in|mlp_in, lookahead 0|1; got {predictor_input}")
+    if src == "mlp_in" and la == 0:
+        raise DejavuError("predictor input mlp_in with lookahead 0 is produced after the layer's attention; "
+                          "the head predictor cannot read it")
+    j = l - la
+    return "layers.0.attn_in" if j < 0 else f"layers.{j}.{src}"
+
+
+def _np(t) -> np.ndarray:
+    return np.asarray(t.detach().float().cpu().numpy() if hasattr(t, "detach") else t, dtype=np.float32)
+
+
+def insert_predictors(model: onnx.ModelProto, settings) -> onnx.ModelProto:
+    g = GraphBuilder(model.graph)
+    n_layers = len(settings.mlp_k)
+    added = []
+    for l in range(n_layers):
+        src = predictor_source(l, settings.predictor_input)
+        if not has_tensor(model, src):
+            raise DejavuError(f"insert_predictors: the graph has no tensor {src!r}")
+        F = init_array(model, f"layers.{l}.fc1.weight_t").shape[1]
+        H = int(init_array(model, f"layers.{l}.heads_shape")[2])
+        for kind, k, n in (("mlp", settings.mlp_k[l], F), ("attn", settings.attn_k[l], H)):
+            if k >= n:  # K = N: the layer stays dense, no predictor needed
+                continue
+            p = f"layers.{l}.pred_{kind}"
+            try:
+                a, b, bias = (_np(settings.predictors[f"{p}.{n}"]) for n in ("a", "b", "bias"))
+            except KeyError as e:
+                raise DejavuError(f"insert_predictors: predictor tensor {e.args[0]!r} is missing") from None
+            h = g.op("MatMul", [src, g.const(f"{p}.a_t", a.T)], f"{p}/MatMul_a")
+            h = g.op("MatMul", [h, g.const(f"{p}.b_t", b.T)], f"{p}/MatMul_b")
+            g.op("Add", [h, g.const(f"{p}.bias", bias)], f"{p}/Add", outputs=[f"{p}.scores"])
+            added.append(f"{p}(r={a.shape[0]}, N={b.shape[0]}, src={src})")
+    replace(model, [], g)
+    log.info("insert_predictors: added %d predictor subgraphs%s", len(added),
+             (": " + ", ".join(added[:4]) + (" ..." if len(added) > 4 else "")) if added else "")
+    return model

@@ -1,0 +1,82 @@
+"""Pass 4 (form "plugin" only): collapse the sparse subgraphs into custom-domain nodes.
+
+    layers.{l}.pred_{kind}/* + .topk/*  → dejavu.Predictor(src, a, b, bias) -> idx [B,S,K]
+    layers.{l}.sparse_mlp/*             → dejavu.SparseMLP(x, idx, w1, b1, w2_t, b2) -> mlp_out
+    layers.{l}.sparse_attn/*            → dejavu.SparseAttention(x, idx, wq, bq, keys, values,
+                                              attn_mask_bias, wo_t, bo) -> attn_out
+
+Weights are in the engine's kernel layout (a [r,D], b [N,r], w1 [F,D], w2_t [F,D], wq/bq
+with 1/sqrt(hd) folded in, wo_t [D,D]). Every node carries what a TensorRT plugin needs:
+`plugin_namespace="dejavu"`, `plugin_version="1"` (TensorRT maps op_type → plugin name),
+plus k and the dimensions. Domain `dejavu` (version 1) is added to opset_import.
+"""
+from __future__ import annotations
+
+import logging
+
+import onnx
+from onnx import helper
+
+from dejavu.compiler.onnx_export import GraphBuilder
+from dejavu.compiler.passes._graph import group, init_array, replace, set_opset
+
+log = logging.getLogger(__name__)
+
+DOMAIN = "dejavu"
+_PLUGIN = {"plugin_namespace": DOMAIN, "plugin_version": "1"}
+
+
+def _src(nodes, name: str) -> str:
+    return next(n for n in nodes if n.name == name).input[0]
+
+
+def _collapse_predictor(model, g, p: str, kind: str, k: int) -> list:
+    old = group(model, f"{p}.pred_{kind}/") + group(model, f"{p}.pred_{kind}.topk/")
+    if not old:
+        return []
+    at = init_array(model, f"{p}.pred_{kind}.a_t")  # [D, r]
+    bt = init_array(model, f"{p}.pred_{kind}.b_t")  # [r, N]
+    a, b = g.const(f"{p}.pred_{kind}.a", at.T), g.const(f"{p}.pred_{kind}.b", bt.T)
+    g.op("Predictor", [_src(old, f"{p}.pred_{kind}/MatMul_a"), a, b, f"{p}.pred_{kind}.bias"],
+         f"{p}.pred_{kind}", outputs=[f"{p}.pred_{kind}.idx"], domain=DOMAIN, k=k, kind=kind,
+         rank=int(at.shape[1]), hidden_size=int(at.shape[0]), num_outputs=int(bt.shape[1]), **_PLUGIN)
+    return old
+
+
+def to_plugin_form(model: onnx.ModelProto, settings) -> onnx.ModelProto:
+    if settings.form != "plugin":
+        log.info("to_plugin_form: skipped (form %r keeps standard ONNX ops)", settings.form)
+        return model
+    g = GraphBuilder(model.graph)
+    remove, counts = [], {"Predictor": 0, "SparseMLP": 0, "SparseAttention": 0}
+    for l in range(len(settings.mlp_k)):
+        p = f"layers.{l}"
+        for kind, k in (("mlp", settings.mlp_k[l]), ("attn", settings.attn_k[l])):
+            old = _collapse_predictor(model, g, p, kind, k)
+            remove += old
+            counts["Predictor"] += bool(old)
+        old = group(model, f"{p}.sparse_mlp/")
+        if old:
+            D, F = (int(v) for v in init_array(model, f"{p}.mlp.w2_t").shape[::-1])
+            x = _src(old, f"{p}.sparse_mlp/x_col")
+            g.op("SparseMLP", [x, f"{p}.pred_mlp.idx", f"{p}.mlp.w1", f"{p}.mlp.b1", f"{p}.mlp.w2_t",
+                               f"{p}.mlp.b2"], f"{p}.sparse_mlp", outputs=[f"{p}.mlp_out"], domain=DOMAIN,
+                 k=settings.mlp_k[l], hidden_size=D, ffn_dim=F, activation="relu", **_PLUGIN)
+            remove += old
+            counts["SparseMLP"] += 1
+        old = group(model, f"{p}.sparse_attn/")
+        if old:
+            _, _, H, hd = (int(v) for v in init_array(model, f"{p}.heads_shape"))
+            x = _src(old, f"{p}.sparse_attn/x_col")
+            g.op("SparseAttention", [x, f"{p}.pred_attn.idx", f"{p}.attn.wq", f"{p}.attn.bq", f"{p}.keys",
+                                     f"{p}.values", "attn_mask_bias", f"{p}.attn.wo_t", f"{p}.attn.bo"],
+                 f"{p}.sparse_attn", outputs=[f"{p}.attn_out"], domain=DOMAIN, k=settings.attn_k[l],
+                 num_heads=H, head_dim=hd, q_scale_folded=1, **_PLUGIN)
+            remove += old
+            counts["SparseAttention"] += 1
+    replace(model, remove, g)
+    if any(counts.values()):
+        set_opset(model, DOMAIN, 1)
+    log.info("to_plugin_form: %s custom nodes (domain %r), removed %d standard nodes",
+             ", ".join(f"{v} {DOMAIN}.{k}" for k, v in counts.items()), DOMAIN, len(remove))
+    return model
