@@ -100,13 +100,12 @@ def encode_text(tokenizer, text: str, bos_id: int | None = 2, max_tokens: int | 
     """
     lines = text.split("\n")
     out: list[int] = [bos_id] if bos_id is not None else []
-    step = 2048
-    for i in range(0, len(lines), step):
+    i, step = 0, 64
+    while i < len(lines) and (max_tokens is None or len(out) < max_tokens):
         chunk = [ln + "\n" for ln in lines[i:i + step]]
         for e in tokenizer.encode_batch(chunk, add_special_tokens=False):
             out.extend(e.ids)
-        if max_tokens is not None and len(out) >= max_tokens:
-            break
+        i, step = i + step, min(2 * step, 4096)  # small first chunks: short runs stay cheap
     ids = np.asarray(out if max_tokens is None else out[:max_tokens], dtype=np.int32)
     return ids
 
