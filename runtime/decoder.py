@@ -1,0 +1,180 @@
+"""The sparse OPT decoder over engine tensors (kernel layout, docs/ARCHITECTURE.md).
+
+Three passes over the same weights:
+- `prefill(ids)`: dense over a right-padded prompt batch, K/V of every head into the cache.
+- `decode_step(tokens, pos)`: one token per sequence, sparse heads and neurons chosen by the
+  predictors, static shapes and no host sync (so a CUDA graph can capture it; graphs.py).
+- `forward_tokens(ids)`: token-parallel sparse logits for evaluation; every position gets
+  its own selection, as if decoded one token at a time from an empty cache.
+Layers whose K equals N run dense (no predictor), so density 1.0 is the dense model.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from dejavu.runtime.ops import Ops, attend
+from dejavu.runtime.predictors import PredictorRunner, schedule
+from dejavu.runtime.spec import EngineSpec
+
+POSITION_OFFSET = 2  # OPT's learned positions are shifted by 2
+
+
+def _layer_weights(t: dict[str, torch.Tensor], l: int) -> SimpleNamespace:
+    p = f"layers.{l}."
+    g = lambda n: t[p + n]  # noqa: E731
+    return SimpleNamespace(
+        ln_attn=(g("ln_attn.weight"), g("ln_attn.bias")), ln_mlp=(g("ln_mlp.weight"), g("ln_mlp.bias")),
+        wq=g("attn.wq"), bq=g("attn.bq"), wkv=g("attn.wkv"), bkv=g("attn.bkv"), wo_t=g("attn.wo_t"),
+        bo=g("attn.bo"), w1=g("mlp.w1"), b1=g("mlp.b1"), w2_t=g("mlp.w2_t"), b2=g("mlp.b2"))
+
+
+class SparseDecoder:
+    """Holds the weights, the static KV cache and the predictor runner of one engine."""
+
+    def __init__(self, spec: EngineSpec, tensors: dict[str, torch.Tensor], device: torch.device,
+                 ops: Ops, overlap: bool = True, shared_index: bool = False):
+        self.spec, self.t, self.device, self.ops = spec, tensors, device, ops
+        self.layers = [_layer_weights(tensors, l) for l in range(spec.num_layers)]
+        preds = []
+        for l in range(spec.num_layers):
+            p = f"layers.{l}."
+            pm = tuple(tensors[p + "pred_mlp." + n] for n in ("a", "b", "bias")) if spec.sparse_mlp(l) else None
+            pa = tuple(tensors[p + "pred_attn." + n] for n in ("a", "b", "bias")) if spec.sparse_attn(l) else None
+            preds.append({"mlp": pm, "attn": pa})
+        ks = list(zip(spec.mlp_k, spec.attn_k))
+        plan = schedule(spec.num_layers, spec.source, spec.lookahead)
+        self.pred = PredictorRunner(preds, ks, plan, ops.predictor_topk, device, overlap, shared_index)
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.batch = self.max_seq = 0
+
+    # ------------------------------------------------------------------ cache
+    def setup(self, batch: int, max_seq: int) -> None:
+        """Allocate the static KV cache: per layer k, v: [batch, H, max_seq, hd]."""
+        s = self.spec
+        if (batch, max_seq) == (self.batch, self.max_seq):
+            return
+        self.k_cache = self.v_cache = []  # free the old cache before allocating the new one
+        shape = (batch, s.num_heads, max_seq, s.head_dim)
+        kw = dict(dtype=s.dtype, device=self.device)
+        self.k_cache = [torch.zeros(shape, **kw) for _ in range(s.num_layers)]
+        self.v_cache = [torch.zeros(shape, **kw) for _ in range(s.num_layers)]
+        self.rows = torch.arange(batch, device=self.device)  # [B]
+        self.slots = torch.arange(max_seq, device=self.device)  # [T]
+        self.batch, self.max_seq = batch, max_seq
+
+    # ------------------------------------------------------------------ pieces
+    def _ln(self, x, wb):
+        return F.layer_norm(x, (x.shape[-1],), wb[0], wb[1], 1e-5)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., D] from tokens [...] at positions [...] (0-based)."""
+        x = F.embedding(tokens, self.t["embed_tokens"])  # [..., E]
+        if "project_in" in self.t:
+            x = F.linear(x, self.t["project_in"])
+        return x + F.embedding(positions + POSITION_OFFSET, self.t["embed_positions"])
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] from the last hidden state x [..., D]."""
+        if self.spec.final_ln:
+            x = F.layer_norm(x, (x.shape[-1],), self.t["final_ln.weight"], self.t["final_ln.bias"], 1e-5)
+        if "project_out" in self.t:
+            x = F.linear(x, self.t["project_out"])
+        return F.linear(x, self.t["embed_tokens"])
+
+    def _mlp(self, w, h, x, idx):
+        # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
+        if idx is None:
+            return x + torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t + w.b2
+        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
+        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
+
+    # ------------------------------------------------------------------ decode
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device).
+
+        Writes this token's K/V (all heads) at slot pos[b]; attends to slots <= pos[b]."""
+        s, run = self.spec, self.pred
+        B, H, hd = tokens.shape[0], s.num_heads, s.head_dim
+        valid = self.slots[None, :] <= pos[:, None]  # [B, T]
+        x = self.embed(tokens, pos)  # [B, D]
+        run.begin_step()
+        for l, w in enumerate(self.layers):
+            run.point("attn_in", l, x)
+            h = self._ln(x, w.ln_attn) if s.pre_ln else x
+            kv = F.linear(h, w.wkv, w.bkv).view(B, 2, H, hd)
+            kc, vc = self.k_cache[l], self.v_cache[l]
+            kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
+            vc[self.rows, :, pos] = kv[:, 1]
+            idx = run.heads(l)
+            if idx is None:
+                q = F.linear(h, w.wq, w.bq).view(B, H, hd)
+                x = x + attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t + w.bo
+            else:
+                x = self.ops.sparse_attn(h, w.wq, w.bq, w.wo_t, w.bo, kc, vc, valid, idx, x)
+            if not s.pre_ln:
+                x = self._ln(x, w.ln_attn)
+            run.point("mlp_in", l, x)
+            h = self._ln(x, w.ln_mlp) if s.pre_ln else x
+            x = self._mlp(w, h, x, run.neurons(l))
+            if not s.pre_ln:
+                x = self._ln(x, w.ln_mlp)
+        return self.head(x)
+
+    # ------------------------------------------------------------------ sequences
+    def forward_tokens(self, ids: torch.Tensor, sparse: bool = True, write_cache: bool = False,
+                       last: torch.Tensor | None = None) -> torch.Tensor:
+        """logits for ids [B, S] at positions 0..S-1: [B, S, V], or [B, V] at positions `last` [B].
+
+        sparse=False: the dense model (prefill). sparse=True: per-token selection (masked
+        heads / neurons), equal to decoding the tokens one by one from an empty cache.
+        write_cache: store K/V of every head at slots 0..S-1 (needs `setup` with this batch)."""
+        s, run = self.spec, self.pred
+        B, S = ids.shape
+        H, hd = s.num_heads, s.head_dim
+        pos = torch.arange(S, device=ids.device)
+        x = self.embed(ids, pos[None, :].expand(B, S))  # [B, S, D]
+        shared, run.shared = run.shared, False  # token-parallel: one selection per row
+        try:
+            run.begin_step()
+            for l, w in enumerate(self.layers):
+                if sparse:
+                    run.point("attn_in", l, x)
+                h = self._ln(x, w.ln_attn) if s.pre_ln else x
+                q = F.linear(h, w.wq, w.bq).view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
+                k, v = F.linear(h, w.wkv, w.bkv).view(B, S, 2, H, hd).permute(2, 0, 3, 1, 4)
+                if write_cache:
+                    self.k_cache[l][:, :, :S] = k
+                    self.v_cache[l][:, :, :S] = v
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+                o = o.transpose(1, 2)  # [B, S, H, hd]
+                idx = run.heads(l) if sparse else None
+                if idx is not None:  # zero the unselected heads of each token
+                    keep = torch.zeros(B * S, H, dtype=o.dtype, device=o.device).scatter_(1, idx.long(), 1)
+                    o = o * keep.view(B, S, H, 1)
+                x = x + o.reshape(B, S, -1) @ w.wo_t + w.bo
+                if not s.pre_ln:
+                    x = self._ln(x, w.ln_attn)
+                if sparse:
+                    run.point("mlp_in", l, x)
+                h = self._ln(x, w.ln_mlp) if s.pre_ln else x
+                a = torch.relu(F.linear(h, w.w1, w.b1))  # [B, S, F]
+                idx = run.neurons(l) if sparse else None
+                if idx is not None:
+                    keep = torch.zeros(B * S, s.ffn_dim, dtype=a.dtype, device=a.device).scatter_(1, idx.long(), 1)
+                    a = a * keep.view(B, S, -1)
+                x = x + a @ w.w2_t + w.b2
+                if not s.pre_ln:
+                    x = self._ln(x, w.ln_mlp)
+        finally:
+            run.shared = shared
+        if last is not None:
+            x = x[torch.arange(B, device=x.device), last]  # [B, D]
+        return self.head(x)
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V]."""
+        return self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1)

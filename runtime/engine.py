@@ -1,0 +1,171 @@
+"""`Engine`: a loaded `.engine` file ready to generate (the runtime's public API).
+
+    engine = Engine.load("opt-mini-0.3.engine", device="cuda")       # or "cpu"
+    outs = engine.generate(["Hello"], max_new_tokens=32)              # new token ids per prompt
+    texts = engine.complete(["Hello"], max_new_tokens=32)             # the same, decoded
+    logits = engine.logits(ids)                                       # token-parallel sparse [B, S, V]
+
+On CPU everything runs through PyTorch reference ops; on CUDA the sparse ops are the
+`dejavu.plugins` Triton kernels, each decode step is one CUDA-graph replay, and the
+predictors of the next layer run on a side stream (`overlap=False` runs them inline).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.runtime.decoder import SparseDecoder
+from dejavu.runtime.ops import Ops
+from dejavu.runtime.spec import DTYPES, check_tensors, spec_from_header
+
+BATCH_POLICIES = ("per_sequence", "shared")
+DEFAULT_BATCH_POLICY = "per_sequence"  # [B, K] index sets: the masked-dense semantics exactly
+
+
+def _device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DejavuError(f"unknown device {device!r} (use 'cpu' or 'cuda')") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DejavuError("device 'cuda' requested but no CUDA GPU is available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise DejavuError(f"unsupported device {device!r} (use 'cpu' or 'cuda')")
+    return dev
+
+
+class Engine:
+    """A sparse OPT engine on one device. Build with `load` (file) or `from_tensors` (memory)."""
+
+    def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", overlap: bool = True,
+                 batch_policy: str = DEFAULT_BATCH_POLICY, use_graphs: bool = True, dtype=None,
+                 backend: str | None = None):
+        self.device = _device(device)
+        if batch_policy not in BATCH_POLICIES:
+            raise DejavuError(f"batch_policy must be one of {BATCH_POLICIES}, got {batch_policy!r}")
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise DejavuError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            dtype = DTYPES[dtype]
+        self.header = header
+        spec = spec_from_header(header)
+        if dtype is not None and dtype != spec.dtype:
+            import dataclasses
+            spec = dataclasses.replace(spec, dtype=dtype)
+        check_tensors(spec, tensors)
+        self.spec = spec
+        self.tensors = {n: t.to(device=self.device, dtype=spec.dtype if t.is_floating_point() else t.dtype)
+                        for n, t in tensors.items()}
+        on_gpu = self.device.type == "cuda"
+        self.ops = Ops(backend or ("triton" if on_gpu else "ref"))
+        self.overlap, self.batch_policy = overlap, batch_policy
+        self.use_graphs = use_graphs and on_gpu
+        # Activation: streams, events and index buffers are created here, once.
+        self.decoder = SparseDecoder(spec, self.tensors, self.device, self.ops, overlap,
+                                     shared_index=batch_policy == "shared")
+        self._graph = None
+        self._tokenizer = None
+        self.stats = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, path: str | os.PathLike, device="cpu", overlap: bool = True, **kw) -> "Engine":
+        """Read and verify an engine file, then activate it on `device`."""
+        from dejavu.engine_file import read_engine
+
+        if not os.path.isfile(path):
+            raise DejavuError(f"engine file not found: {path}")
+        dev = _device(device)
+        header, tensors = read_engine(path, "cpu" if dev.type == "cpu" else dev)
+        return cls(header, tensors, dev, overlap=overlap, **kw)
+
+    @classmethod
+    def from_tensors(cls, header: dict, tensors: dict[str, torch.Tensor], device="cpu", **kw) -> "Engine":
+        """An engine built in memory (header dict + kernel-layout tensors, no file)."""
+        return cls(header, tensors, device, **kw)
+
+    @property
+    def tokenizer(self):
+        """`dejavu.models.tokenizer.TextTokenizer` from the header's `tokenizer_json`."""
+        if self._tokenizer is None:
+            from dejavu.models.tokenizer import TextTokenizer
+
+            tj = self.header.get("tokenizer_json")
+            if not tj:
+                raise DejavuError("this engine carries no tokenizer (header field tokenizer_json); pass token ids")
+            s = self.spec
+            self._tokenizer = TextTokenizer(tj, s.bos_id, s.eos_id, s.pad_id)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ running
+    def activate(self, batch: int, need: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Size the KV cache for `batch` sequences of `need` tokens; the decode-step function.
+
+        The cache is rounded up to a multiple of 64 slots so nearby lengths share a graph."""
+        T = min(-(-need // 64) * 64, self.spec.max_positions)
+        dec = self.decoder
+        if (batch, T) != (dec.batch, dec.max_seq):
+            self._graph = None  # release the old graph's memory before the new cache
+            dec.setup(batch, T)
+        if not self.use_graphs:
+            return dec.decode_step
+        if self._graph is None:
+            from dejavu.runtime.graphs import DecodeGraph
+
+            self._graph = DecodeGraph(dec)
+        return self._graph.run
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stream: Callable[[list[int | None]], None] | None = None,
+                 stop_at_eos: bool = True) -> list[list[int]]:
+        """New token ids for each prompt (text, or token-id lists). See runtime/generate.py."""
+        from dejavu.runtime.generate import generate
+
+        return generate(self, self._encode(prompts), max_new_tokens, temperature, top_k, top_p, seed,
+                        stream, stop_at_eos)
+
+    def complete(self, prompts: Sequence[str], max_new_tokens: int = 32, **kw) -> list[str]:
+        """Generated text (without the prompt) for each text prompt."""
+        return [self.tokenizer.decode(t) for t in self.generate(prompts, max_new_tokens, **kw)]
+
+    @torch.inference_mode()
+    def logits(self, input_ids) -> torch.Tensor:
+        """Token-parallel sparse logits [B, S, V] (float32) for input_ids [B, S] (or one list):
+        each position gets its own selection, as token-by-token decode from an empty cache."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise DejavuError(f"input_ids must be [B, S] with S >= 1, got {list(ids.shape)}")
+        if ids.shape[1] > self.spec.max_positions:
+            raise DejavuError(f"{ids.shape[1]} tokens exceed max_position_embeddings {self.spec.max_positions}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+            raise DejavuError(f"token ids must be in [0, {self.spec.vocab_size})")
+        return self.decoder.forward_tokens(ids.to(self.device), sparse=True).float()
+
+    def _encode(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise DejavuError("prompts must be a non-empty list of strings or of token-id lists")
+        if all(isinstance(p, str) for p in prompts):
+            return [self.tokenizer.encode(p) for p in prompts]
+        try:
+            return [[int(t) for t in p] for p in prompts]
+        except (TypeError, ValueError):
+            raise DejavuError("prompts must be a non-empty list of strings or of token-id lists") from None
+
+    def describe(self) -> dict:
+        """Settings worth logging: dims, densities, kernels, overlap, graphs."""
+        s = self.spec
+        return {"layers": s.num_layers, "hidden": s.hidden_size, "ffn": s.ffn_dim, "heads": s.num_heads,
+                "dtype": str(s.dtype).replace("torch.", ""), "device": str(self.device),
+                "mlp_density": round(s.density[0], 4), "attn_density": round(s.density[1], 4),
+                "predictor_input": {"source": s.source, "lookahead": s.lookahead},
+                "kernels": dict(self.ops.kernels), "overlap": self.decoder.pred.overlapping,
+                "cuda_graph": self.use_graphs, "batch_policy": self.batch_policy}

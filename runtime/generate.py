@@ -1,0 +1,118 @@
+"""Batched generation: dense prefill, sparse decode steps, sampling, streaming, timings."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.models.sampling import check_sampling, sample_next
+
+
+@dataclass
+class GenerationStats:
+    """Wall times of the last generate call (seconds; device-synchronised at the edges)."""
+
+    batch: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # decode steps run (after the prefill's token)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    setup_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ms_per_token(self) -> float:
+        """Decode latency per step (one token for every sequence of the batch)."""
+        return 1e3 * self.decode_s / max(self.new_tokens, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def right_pad(prompts: Sequence[Sequence[int]], pad_id: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, S_max] right-padded with pad_id, and lengths [B]."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DejavuError("every prompt needs at least one token")
+    S = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), S), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        row = torch.as_tensor(list(p), dtype=torch.long)
+        if int(row.min()) < 0 or int(row.max()) >= vocab:
+            raise DejavuError(f"prompt {b}: token ids must be in [0, {vocab})")
+        ids[b, :len(p)] = row
+    return ids, torch.tensor([len(p) for p in prompts], dtype=torch.long)
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             stream: Callable[[list[int | None]], None] | None = None,
+             stop_at_eos: bool = True) -> list[list[int]]:
+    """New tokens per prompt (the prompt excluded; ends with EOS when one was produced).
+
+    The first new token comes from the dense prefill; every later one from a sparse decode
+    step (a CUDA-graph replay on GPU). `stream`, if given, is called after each step with one
+    entry per sequence: its new token, or None once it has finished. Without `stream` and
+    with stop_at_eos=False the loop never waits for the device (benchmark mode)."""
+    check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 0:
+        raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    spec, dec, dev = engine.spec, engine.decoder, engine.device
+    ids, lengths = right_pad(prompts, spec.pad_id if spec.pad_id is not None else 0, spec.vocab_size)
+    B, S = ids.shape
+    stats = engine.stats = GenerationStats(batch=B, prompt_tokens=int(lengths.sum()))
+    if max_new_tokens == 0:
+        return [[] for _ in range(B)]
+    need = int(lengths.max()) + max_new_tokens
+    if need > spec.max_positions:
+        raise DejavuError(f"prompt ({int(lengths.max())}) + max_new_tokens ({max_new_tokens}) = {need} "
+                          f"exceeds the model's max_position_embeddings {spec.max_positions}")
+    t0 = _sync(dev)
+    step_fn = engine.activate(B, need)
+    ids, pos = ids.to(dev), lengths.to(dev)
+    gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+    eos = spec.eos_id if stop_at_eos else None
+    t1 = _sync(dev)
+    logits = dec.prefill(ids, pos)  # [B, V]
+    t2 = _sync(dev)
+    out_dev = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    host_loop = stream is not None or eos is not None
+    steps = 0
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, gen)  # [B]
+        out_dev[:, step] = nxt
+        if host_loop:
+            emitted: list[int | None] = []
+            for b, t in enumerate(nxt.tolist()):
+                if done[b]:
+                    emitted.append(None)
+                    continue
+                out[b].append(t)
+                emitted.append(t)
+                done[b] = eos is not None and t == eos
+            if stream is not None:
+                stream(emitted)
+            if all(done):
+                break
+        if step == max_new_tokens - 1:
+            break
+        logits = step_fn(nxt, pos)
+        pos = pos + 1
+        steps += 1
+    t3 = _sync(dev)
+    stats.setup_s, stats.prefill_s, stats.decode_s, stats.new_tokens = t1 - t0, t2 - t1, t3 - t2, steps
+    if not host_loop:
+        out = out_dev.tolist()
+    return out

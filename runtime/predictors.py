@@ -1,0 +1,97 @@
+"""When each layer's predictors run, and the one place that overlaps them on a side stream.
+
+Lookahead convention (docs/ARCHITECTURE.md): the predictors of layer l read src[l - lookahead]
+(src = "attn_in" or "mlp_in" of that layer; layer 0's "attn_in" when l - lookahead < 0).
+The decoder calls `point(kind, j, x)` at every source point and `heads(l)` / `neurons(l)`
+right before it needs layer l's indices. The same code orders the predictor calls whether
+the overlap is on or off; with `overlap=False` (or on CPU) they run inline on the current
+stream, with it on they run on a side CUDA stream, fenced by per-layer events. Streams,
+events and index buffers are created once, in `__init__` (engine activation).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def schedule(num_layers: int, source: str, lookahead: int) -> dict[tuple[str, int], list[int]]:
+    """{(point kind, layer j): [layers whose predictors read that point]}."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for l in range(num_layers):
+        j = l - lookahead
+        key = (source, j) if j >= 0 else ("attn_in", 0)
+        out.setdefault(key, []).append(l)
+    return out
+
+
+class PredictorRunner:
+    """Runs predictor + top-k per layer; `overlap` puts them on a side stream (CUDA only).
+
+    preds[l] = {"mlp": (a, b, bias) | None, "attn": (a, b, bias) | None}; ks[l] = (k_mlp, k_attn).
+    `topk(x, a, b, bias, k, shared)` is the op; `shared` selects one index set per batch.
+    """
+
+    def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False):
+        self.preds, self.ks, self.plan, self.topk, self.shared = preds, ks, plan, topk, shared
+        L = len(preds)
+        self.idx: list[dict[str, torch.Tensor | None]] = [{"mlp": None, "attn": None} for _ in range(L)]
+        self.trace: list | None = None  # tests: append (layer, kind, idx) for every call
+        self._keep: list[torch.Tensor] = []
+        self.side = None
+        if overlap and device.type == "cuda":
+            self.side = torch.cuda.Stream(device=device)
+            self.src_ready = {key: torch.cuda.Event() for key in plan}
+            self.done = [torch.cuda.Event() for _ in range(L)]
+
+    @property
+    def overlapping(self) -> bool:
+        return self.side is not None
+
+    def begin_step(self) -> None:
+        """Start a forward pass (every index of the previous one has been consumed)."""
+        self._keep.clear()
+
+    def point(self, kind: str, j: int, x: torch.Tensor) -> None:
+        """x: [..., D] is layer j's `kind` input; launch the predictors that read it."""
+        layers = self.plan.get((kind, j))
+        if not layers:
+            return
+        x2 = x.reshape(-1, x.shape[-1])  # [rows, D]
+        if self.side is None:
+            for l in layers:
+                self._predict(l, x2)
+            return
+        # Overlap: the side stream waits for x, then runs these layers' predictors while the
+        # main stream goes on; x stays referenced until the step ends (no allocator reuse).
+        ev = self.src_ready[(kind, j)]
+        ev.record()
+        self.side.wait_event(ev)
+        self._keep.append(x2)
+        with torch.cuda.stream(self.side):
+            for l in layers:
+                self._predict(l, x2)
+                self.done[l].record()
+
+    def _predict(self, l: int, x: torch.Tensor) -> None:
+        for kind, k in zip(("mlp", "attn"), self.ks[l]):
+            p = self.preds[l][kind]
+            if p is None:
+                continue
+            idx = self.topk(x, *p, k, self.shared)
+            self.idx[l][kind] = idx
+            if self.trace is not None:
+                self.trace.append((l, kind, idx.detach().clone()))
+
+    def _get(self, l: int, kind: str) -> torch.Tensor | None:
+        if self.preds[l][kind] is None:
+            return None
+        if self.side is not None:
+            torch.cuda.current_stream().wait_event(self.done[l])
+        return self.idx[l][kind]
+
+    def heads(self, l: int) -> torch.Tensor | None:
+        """Selected heads of layer l ([rows, Kh] or [Kh]); None = all heads (dense)."""
+        return self._get(l, "attn")
+
+    def neurons(self, l: int) -> torch.Tensor | None:
+        """Selected MLP neurons of layer l ([rows, K] or [K]); None = all (dense)."""
+        return self._get(l, "mlp")

@@ -1,0 +1,139 @@
+"""What the runtime reads from an engine header: dimensions, per-layer K, predictor input.
+
+The runtime never imports the compiler: everything it needs is in the header and tensors
+(docs/ARCHITECTURE.md, "Engine file").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dejavu.errors import DejavuError
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+SOURCES = ("attn_in", "mlp_in")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Model dimensions and sparsity settings of one engine (all from its header)."""
+
+    vocab_size: int
+    hidden_size: int  # D
+    ffn_dim: int  # F
+    num_heads: int  # H
+    num_layers: int  # L
+    max_positions: int
+    embed_dim: int  # E (word_embed_proj_dim)
+    pre_ln: bool
+    final_ln: bool
+    mlp_k: tuple[int, ...]
+    attn_k: tuple[int, ...]
+    has_predictors: bool
+    source: str  # "attn_in" | "mlp_in"
+    lookahead: int  # 0 | 1
+    dtype: torch.dtype
+    eos_id: int | None
+    bos_id: int | None
+    pad_id: int | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def density(self) -> tuple[float, float]:
+        """Mean (mlp, attn) fraction kept per token."""
+        return (sum(self.mlp_k) / (self.num_layers * self.ffn_dim),
+                sum(self.attn_k) / (self.num_layers * self.num_heads))
+
+    def sparse_mlp(self, l: int) -> bool:
+        return self.mlp_k[l] < self.ffn_dim
+
+    def sparse_attn(self, l: int) -> bool:
+        return self.attn_k[l] < self.num_heads
+
+
+def _int(d: dict, key: str, default=None) -> int:
+    v = d.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise DejavuError(f"engine header: model_config.{key} must be a positive integer, got {v!r}")
+    return v
+
+
+def spec_from_header(header: dict) -> EngineSpec:
+    """Validate the parts of the header the runtime uses; DejavuError naming the bad field."""
+    if not isinstance(header, dict):
+        raise DejavuError("engine header is not a JSON object")
+    mc, bc = header.get("model_config"), header.get("build_config")
+    if not isinstance(mc, dict) or not isinstance(bc, dict):
+        raise DejavuError("engine header lacks model_config or build_config")
+    if mc.get("activation_function", "relu") != "relu":
+        raise DejavuError("engine header: only ReLU OPT models are supported")
+    D, F, H, L = (_int(mc, k) for k in ("hidden_size", "ffn_dim", "num_attention_heads", "num_hidden_layers"))
+    if D % H:
+        raise DejavuError("engine header: hidden_size is not divisible by num_attention_heads")
+    ks = {}
+    for key, n in (("mlp_k", F), ("attn_k", H)):
+        v = bc.get(key, [n] * L)
+        if not (isinstance(v, list) and len(v) == L and all(type(k) is int and 1 <= k <= n for k in v)):
+            raise DejavuError(f"engine header: build_config.{key} must list {L} integers in [1, {n}]")
+        ks[key] = tuple(v)
+    pi = bc.get("predictor_input") or {"source": "attn_in", "lookahead": 0}
+    source, lookahead = pi.get("source"), pi.get("lookahead")
+    if source not in SOURCES or lookahead not in (0, 1):
+        raise DejavuError(f"engine header: build_config.predictor_input {pi!r} is not "
+                          "{source: attn_in|mlp_in, lookahead: 0|1}")
+    has_pred = bool(bc.get("predictors", True))
+    sparse = any(k < F for k in ks["mlp_k"]) or any(k < H for k in ks["attn_k"])
+    if sparse and not has_pred:
+        raise DejavuError("engine header: K < N for some layer but the engine has no predictors")
+    if source == "mlp_in" and lookahead == 0 and any(k < H for k in ks["attn_k"]):
+        # the head predictor of layer l would read layer l's attention output: not causal
+        raise DejavuError("engine header: predictor_input mlp_in with lookahead 0 cannot drive "
+                          "the attention-head predictor (it would read its own layer's output)")
+    dtype = header.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise DejavuError(f"engine header: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    eos = mc.get("eos_token_id", 2)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return EngineSpec(
+        vocab_size=_int(mc, "vocab_size"), hidden_size=D, ffn_dim=F, num_heads=H, num_layers=L,
+        max_positions=_int(mc, "max_position_embeddings"),
+        embed_dim=_int(mc, "word_embed_proj_dim", D) if mc.get("word_embed_proj_dim") else D,
+        pre_ln=bool(mc.get("do_layer_norm_before", True)),
+        final_ln=bool(mc.get("do_layer_norm_before", True)) and not bool(mc.get("_remove_final_layer_norm", False)),
+        mlp_k=ks["mlp_k"], attn_k=ks["attn_k"], has_predictors=has_pred, source=source,
+        lookahead=lookahead, dtype=DTYPES[dtype], eos_id=eos,
+        bos_id=mc.get("bos_token_id", 2), pad_id=mc.get("pad_token_id", 1))
+
+
+def check_tensors(spec: EngineSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Shapes of the tensors the decoder reads (engines from memory skip engine_file's checks)."""
+    D, F, H, E = spec.hidden_size, spec.ffn_dim, spec.num_heads, spec.embed_dim
+    want = {"embed_tokens": (spec.vocab_size, E), "embed_positions": (spec.max_positions + 2, D)}
+    if E != D:
+        want.update(project_in=(D, E), project_out=(E, D))
+    if spec.final_ln:
+        want.update({"final_ln.weight": (D,), "final_ln.bias": (D,)})
+    for l in range(spec.num_layers):
+        p = f"layers.{l}."
+        want.update({p + "ln_attn.weight": (D,), p + "ln_attn.bias": (D,), p + "ln_mlp.weight": (D,),
+                     p + "ln_mlp.bias": (D,), p + "attn.wq": (D, D), p + "attn.bq": (D,),
+                     p + "attn.wkv": (2 * D, D), p + "attn.bkv": (2 * D,), p + "attn.wo_t": (D, D),
+                     p + "attn.bo": (D,), p + "mlp.w1": (F, D), p + "mlp.b1": (F,),
+                     p + "mlp.w2_t": (F, D), p + "mlp.b2": (D,)})
+        if spec.sparse_mlp(l):
+            r = tuple(tensors.get(p + "pred_mlp.a", torch.empty(0, 0)).shape)[:1]
+            want.update({p + "pred_mlp.a": r + (D,), p + "pred_mlp.b": (F,) + r, p + "pred_mlp.bias": (F,)})
+        if spec.sparse_attn(l):
+            r = tuple(tensors.get(p + "pred_attn.a", torch.empty(0, 0)).shape)[:1]
+            want.update({p + "pred_attn.a": r + (D,), p + "pred_attn.b": (H,) + r, p + "pred_attn.bias": (H,)})
+    for name, shape in want.items():
+        t = tensors.get(name)
+        if t is None:
+            raise DejavuError(f"engine lacks tensor {name!r}")
+        if tuple(t.shape) != shape:
+            raise DejavuError(f"engine tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
