@@ -1,0 +1,266 @@
+"""`dejavu-compare`: an engine's logits against the dense model, through Polygraphy.
+
+    dejavu-compare opt-mini-1.0.engine --dense opt-mini
+    dejavu-compare opt-mini-0.3.engine --dense opt-mini --onnx-dir build/onnx --atol 5 --top1-min 0.8
+
+Runners (`dejavu.runtime.polygraphy_runners`), fed the same real text (WikiText-2 test by
+default, tokenised with the engine's tokenizer):
+
+    dense-torch  the dense PyTorch model (reference)
+    dense-onnx   ONNX Runtime on the dense ONNX in --onnx-dir (when present)
+    engine       the engine's token-parallel sparse logits
+    sparse-onnx  ONNX Runtime on the sparse ONNX in --onnx-dir (when present)
+
+Comparisons (Polygraphy `Comparator.compare_accuracy` with `SimpleCompareFunc`):
+dense-torch vs engine, dense-torch vs dense-onnx, engine vs sparse-onnx. Outputs compared:
+`logits` and `logprobs` (log-softmax, shift-invariant), each with its own tolerances.
+Top-1 token agreement with the reference of each comparison is reported and gated by
+`--top1-min`. Exit status: 0 all pass, 1 an accuracy failure, 2 a usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dejavu.errors import DejavuError, cli_entry
+
+OUTPUTS = ("logits", "logprobs")
+
+
+@dataclass
+class CompareSettings:
+    """Defaults of dejavu-compare (the CLI reads them from here)."""
+
+    atol: float = 1e-3
+    rtol: float = 1e-3
+    check_error_stat: str = "max"  # Polygraphy: max | mean | median | elemwise
+    top1_min: float = 0.99  # fraction of positions whose argmax token equals the reference's
+    tokens: int = 128  # tokens per sample (clamped to the model's positions)
+    samples: int = 2
+    device: str = "cpu"
+
+
+def parse_tolerance(values: list[str] | None, default: float, flag: str) -> dict[str, float]:
+    """`--atol 1e-3 --atol logprobs:0.5` -> {"": 1e-3, "logprobs": 0.5} (Polygraphy's syntax)."""
+    out = {"": default}
+    for v in values or []:
+        name, _, num = v.rpartition(":")
+        if name and name not in OUTPUTS:
+            raise DejavuError(f"{flag}: unknown output {name!r} (outputs: {', '.join(OUTPUTS)})")
+        try:
+            tol = float(num)
+        except ValueError:
+            raise DejavuError(f"{flag}: {v!r} is not [OUTPUT:]NUMBER") from None
+        if tol < 0:
+            raise DejavuError(f"{flag}: tolerance must be >= 0, got {tol}")
+        out[name] = tol
+    return out
+
+
+def source_model(header: dict) -> str | None:
+    """The dense model an engine was built from, if the header records it."""
+    bc = header.get("build_config") or {}
+    for d in (bc, header):
+        for key in ("source_model", "model", "model_name", "model_path"):
+            if isinstance(d.get(key), str) and d[key]:
+                return d[key]
+    return None
+
+
+def find_onnx(folder: str | None) -> tuple[Path | None, Path | None]:
+    """(dense, sparse) ONNX files of an --onnx-dir: names containing 'dense' / 'sparse'."""
+    if folder is None:
+        return None, None
+    d = Path(folder)
+    if not d.is_dir():
+        raise DejavuError(f"--onnx-dir: not a folder: {d}")
+    files = sorted(d.glob("*.onnx"))
+    dense = [f for f in files if "dense" in f.name]
+    sparse = [f for f in files if "sparse" in f.name]
+    if not dense and not sparse:
+        raise DejavuError(f"--onnx-dir {d}: no *dense*.onnx or *sparse*.onnx file")
+    return (dense[0] if dense else None), (sparse[0] if sparse else None)
+
+
+def sample_feeds(tokenizer, text: str, tokens: int, samples: int) -> list[dict]:
+    """`samples` consecutive windows of `tokens` ids from the text: [{"input_ids": [1, S]}]."""
+    import numpy as np
+
+    ids = tokenizer.encode(text[: 64 * tokens * samples], add_bos=True)
+    if len(ids) < tokens * samples:
+        raise DejavuError(f"the comparison text has {len(ids)} tokens, fewer than "
+                          f"--tokens x --samples = {tokens * samples}")
+    return [{"input_ids": np.asarray(ids[i * tokens:(i + 1) * tokens], dtype=np.int64)[None]}
+            for i in range(samples)]
+
+
+class _WithLogprobs:
+    """Wrap a runner so it also returns log_softmax(logits) as `logprobs`."""
+
+    @staticmethod
+    def add(outputs: dict) -> dict:
+        import numpy as np
+
+        x = outputs["logits"].astype(np.float64)
+        m = x.max(-1, keepdims=True)
+        lse = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+        outputs["logprobs"] = (x - lse).astype(np.float32)
+        return outputs
+
+
+def _runner_classes():
+    """Runner subclasses that add the logprobs output (Polygraphy imported only here)."""
+    from dejavu.runtime import polygraphy_runners as pr
+
+    def with_logprobs(cls):
+        class Runner(cls):
+            def infer_impl(self, feed_dict):
+                return _WithLogprobs.add(dict(super().infer_impl(feed_dict)))
+
+        Runner.__name__ = cls.__name__
+        return Runner
+
+    return (with_logprobs(pr.DenseTorchRunner), with_logprobs(pr.EngineRunner),
+            with_logprobs(pr.OnnxLogitsRunner))
+
+
+def top1_agreement(ref_iters, test_iters) -> float:
+    """Fraction of positions where the argmax of `logits` agrees (over all iterations)."""
+    import numpy as np
+
+    same = total = 0
+    for a, b in zip(ref_iters, test_iters):
+        ta, tb = np.asarray(a["logits"]).argmax(-1), np.asarray(b["logits"]).argmax(-1)
+        same += int((ta == tb).sum())
+        total += ta.size
+    return same / max(total, 1)
+
+
+def run_comparison(engine_path: str, dense: str, onnx_dir: str | None, s: CompareSettings,
+                   atol: dict, rtol: dict, text: str) -> dict:
+    """Run every runner on the same feeds; compare through Polygraphy; return a report dict."""
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
+    from polygraphy.logger import G_LOGGER
+
+    from dejavu.engine_file import read_header
+    from dejavu.models.tokenizer import TextTokenizer
+
+    header = read_header(engine_path)
+    mc = header.get("model_config", {})
+    tok = TextTokenizer(header["tokenizer_json"], mc.get("bos_token_id"), mc.get("eos_token_id"),
+                        mc.get("pad_token_id"))
+    tokens = min(s.tokens, int(mc.get("max_position_embeddings", s.tokens)))
+    feeds = sample_feeds(tok, text, tokens, s.samples)
+
+    Dense, Engine, Onnx = _runner_classes()
+    runners = [Dense(dense, s.device, name="dense-torch"), Engine(engine_path, s.device, name="engine")]
+    dense_onnx, sparse_onnx = find_onnx(onnx_dir)
+    comparisons = [(0, 1)]
+    if dense_onnx is not None:
+        runners.append(Onnx(str(dense_onnx), name="dense-onnx"))
+        comparisons.append((0, len(runners) - 1))
+    if sparse_onnx is not None:
+        runners.append(Onnx(str(sparse_onnx), name="sparse-onnx"))
+        comparisons.append((1, len(runners) - 1))
+
+    G_LOGGER.module_severity = G_LOGGER.WARNING
+    results = Comparator.run(runners, data_loader=feeds)
+    func = SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat=s.check_error_stat)
+    acc = Comparator.compare_accuracy(results, comparisons=comparisons, compare_func=func)
+    if not hasattr(acc, "keys"):  # Polygraphy >= 0.53: a list with one AccuracyResult per compare func
+        acc = acc[0]
+
+    report = {"engine": engine_path, "dense": dense, "tokens": tokens, "samples": s.samples,
+              "density": (header.get("build_config") or {}).get("density"),
+              "atol": atol, "rtol": rtol, "check_error_stat": s.check_error_stat,
+              "top1_min": s.top1_min, "comparisons": []}
+    ok_all = True
+    for i, j in comparisons:
+        (ref_name, ref_iters), (test_name, test_iters) = results[i], results[j]
+        per_out = {}
+        for it in acc[(ref_name, test_name)]:
+            for out, res in it.items():
+                d = per_out.setdefault(out, {"passed": True, "max_absdiff": 0.0, "mean_absdiff": 0.0,
+                                             "max_reldiff": 0.0})
+                d["passed"] &= bool(res)
+                d["max_absdiff"] = max(d["max_absdiff"], res.max_absdiff)
+                d["max_reldiff"] = max(d["max_reldiff"], res.max_reldiff)
+                d["mean_absdiff"] = max(d["mean_absdiff"], res.mean_absdiff)
+        top1 = top1_agreement(ref_iters, test_iters)
+        ok = all(d["passed"] for d in per_out.values()) and top1 >= s.top1_min
+        ok_all &= ok
+        report["comparisons"].append({"reference": ref_name, "test": test_name, "passed": ok,
+                                      "top1_agreement": top1, "outputs": per_out})
+    report["passed"] = ok_all
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = [f"dejavu-compare: {r['engine']} (density {r['density']}) vs {r['dense']}, "
+             f"{r['samples']} x {r['tokens']} tokens, error stat {r['check_error_stat']}"]
+    for c in r["comparisons"]:
+        lines.append(f"  {c['test']} vs {c['reference']}: {'PASS' if c['passed'] else 'FAIL'}  "
+                     f"top-1 agreement {c['top1_agreement']:.4f} (min {r['top1_min']})")
+        for out, d in c["outputs"].items():
+            at, rt = r["atol"].get(out, r["atol"][""]), r["rtol"].get(out, r["rtol"][""])
+            lines.append(f"    {out:9s} {'ok  ' if d['passed'] else 'FAIL'} max|diff| {d['max_absdiff']:.3g} "
+                         f"mean|diff| {d['mean_absdiff']:.3g} max rel {d['max_reldiff']:.3g} "
+                         f"(atol {at:g}, rtol {rt:g})")
+    lines.append("PASSED" if r["passed"] else "FAILED")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = CompareSettings()
+    p = argparse.ArgumentParser(prog="dejavu-compare",
+                                description="Compare an engine with its dense model through Polygraphy "
+                                            "(exit 0 pass, 1 accuracy failure, 2 usage error).")
+    p.add_argument("engine", metavar="FILE.engine")
+    p.add_argument("--dense", metavar="MODEL",
+                   help="dense model (preset, folder or hub id); default: the one the engine header names")
+    p.add_argument("--onnx-dir", metavar="DIR", help="folder with *dense*.onnx and/or *sparse*.onnx")
+    p.add_argument("--atol", action="append", metavar="[OUT:]TOL",
+                   help=f"absolute tolerance, per output with OUT: ({', '.join(OUTPUTS)}); default {d.atol}")
+    p.add_argument("--rtol", action="append", metavar="[OUT:]TOL", help=f"relative tolerance; default {d.rtol}")
+    p.add_argument("--check-error-stat", default=d.check_error_stat,
+                   choices=["max", "mean", "median", "elemwise"], help="which error statistic must be within tolerance")
+    p.add_argument("--top1-min", type=float, default=d.top1_min, metavar="F",
+                   help=f"minimum top-1 token agreement with the reference (default {d.top1_min})")
+    p.add_argument("--tokens", type=int, default=d.tokens, metavar="N", help="tokens per sample")
+    p.add_argument("--samples", type=int, default=d.samples, metavar="N", help="number of text samples")
+    p.add_argument("--text", metavar="FILE", help="text to feed (default: WikiText-2 test)")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return p
+
+
+@cli_entry
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from dejavu.engine_file import read_header
+    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
+
+    if not Path(args.engine).is_file():
+        raise DejavuError(f"engine file not found: {args.engine}")
+    if not 0.0 <= args.top1_min <= 1.0:
+        raise DejavuError(f"--top1-min must be in [0, 1], got {args.top1_min}")
+    if args.tokens < 2 or args.samples < 1:
+        raise DejavuError("--tokens must be >= 2 and --samples >= 1")
+    s = CompareSettings(top1_min=args.top1_min, tokens=args.tokens, samples=args.samples,
+                        check_error_stat=args.check_error_stat, device=args.device)
+    atol = parse_tolerance(args.atol, s.atol, "--atol")
+    rtol = parse_tolerance(args.rtol, s.rtol, "--rtol")
+    dense = args.dense or source_model(read_header(args.engine))
+    if dense is None:
+        raise DejavuError("the engine header does not name its dense model; pass --dense MODEL")
+    text = read_text(args.text or DEFAULT_PPL_FILE)
+    report = run_comparison(args.engine, dense, args.onnx_dir, s, atol, rtol, text)
+    print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
