@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 class _Streamer:
     """Prints the decoded continuation as it grows (waits out incomplete UTF-8 sequences)."""
 
-    def __init__(self, tok, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tok, out, [], 0
+    def __init__(self, tok, out=None):
+        self.tok, self.out, self.ids, self.shown = tok, out or sys.stdout, [], 0
 
     def __call__(self, step_tokens) -> None:
         t = step_tokens[0]

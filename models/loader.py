@@ -9,6 +9,7 @@ fp16, not 120 GB). Key prefixes `model.decoder.` and `decoder.` are both accepte
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -128,6 +129,21 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tenso
             yield path, key, t
 
 
+@contextlib.contextmanager
+def _no_init():
+    """Skip parameter init while building on meta: it is wasted work, and filling Embedding's
+    padding row on a meta tensor imports torch._dynamo (seconds of CLI start-up)."""
+    classes = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm)
+    saved = [c.__dict__["reset_parameters"] for c in classes]
+    try:
+        for c in classes:
+            c.reset_parameters = lambda self: None
+        yield
+    finally:
+        for c, fn in zip(classes, saved):
+            c.reset_parameters = fn
+
+
 def _name_some(keys, n: int = 4) -> str:
     keys = sorted(keys)
     more = f" (+{len(keys) - n} more)" if len(keys) > n else ""
@@ -144,7 +160,7 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DejavuError("device 'cuda' requested but no CUDA device is available")
 
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = OPTForCausalLM(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     state: dict[str, torch.Tensor] = {}

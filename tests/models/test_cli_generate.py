@@ -1,0 +1,56 @@
+"""dejavu-generate: streamed text, defaults from GenerateSettings, one-line errors."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from dejavu.models.cli import GenerateSettings, build_parser, main
+from dejavu.models.generate import generate
+from dejavu.models.loader import load_model
+from dejavu.models.tokenizer import TextTokenizer
+
+
+def test_defaults_come_from_settings():
+    args = build_parser().parse_args(["m", "--prompt", "x"])
+    for f in dataclasses.fields(GenerateSettings):
+        assert getattr(args, f.name) == f.default
+
+
+def test_greedy_text_matches_generate(tiny_opt_dir, capsys):
+    assert main([str(tiny_opt_dir), "--prompt", "The city", "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    model, _ = load_model(tiny_opt_dir)
+    tok = TextTokenizer.from_pretrained(tiny_opt_dir)
+    ids = generate(model, [tok.encode("The city")], 8, eos_id=tok.eos_id)[0]
+    assert out == "The city" + tok.decode(ids) + "\n"
+    assert "tokens in" in err
+
+
+def test_sampled_text_reproducible(tiny_opt_dir, capsys):
+    argv = [str(tiny_opt_dir), "--prompt", "A", "--max-new-tokens", "8", "--temperature", "1.0",
+            "--top-k", "20", "--top-p", "0.9", "--seed", "7", "--dtype", "bf16"]
+    main(argv)
+    first = capsys.readouterr().out
+    main(argv)
+    assert capsys.readouterr().out == first
+
+
+def test_missing_model_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["/no/such/model", "--prompt", "hi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dejavu: error: model '/no/such/model' not found") and err.count("\n") == 1
+
+
+def test_cli_subprocess_llama_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    r = subprocess.run([sys.executable, "-c", "import sys; from dejavu.models.cli import main; sys.exit(main())",
+                        str(tmp_path), "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model_type" in lines[0] and lines[0].startswith("dejavu: error:")
