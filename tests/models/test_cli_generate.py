@@ -54,3 +54,14 @@ def test_cli_subprocess_llama_config(tmp_path):
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "model_type" in lines[0] and lines[0].startswith("dejavu: error:")
+
+
+def test_cuda_without_gpu_is_one_line(tiny_opt_dir, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_opt_dir), "--prompt", "hi", "--device", "cuda"])
+    assert e.value.code == 2
+    assert "no CUDA device" in capsys.readouterr().err

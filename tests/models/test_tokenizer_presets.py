@@ -111,7 +111,17 @@ def test_opt_mini_preset():
         pytest.skip("models/opt-mini is not in this checkout yet (shipped by the lead)")
     model, cfg = load_model("opt-mini")
     tok = TextTokenizer.from_pretrained("opt-mini")
-    ids = tok.encode("The king said")
-    assert max(ids) < cfg.vocab_size
+    ids = tok.encode("The king said unto them,")
+    assert ids[0] == cfg.bos_token_id and max(ids) < cfg.vocab_size
+    x = torch.tensor([ids])
     with torch.no_grad():
-        assert model(torch.tensor([ids])).shape == (1, len(ids), cfg.vocab_size)
+        ours = model(x)
+    assert ours.shape == (1, len(ids), cfg.vocab_size)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        presets.OPT_MINI_DIR, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        err = (hf(input_ids=x).logits - ours).abs().max().item()
+    assert err <= 1e-4
+    hf_tok = transformers.AutoTokenizer.from_pretrained(presets.OPT_MINI_DIR)
+    assert hf_tok("The king said unto them,", add_special_tokens=False)["input_ids"] == ids[1:]
