@@ -2,10 +2,10 @@
 
 Uniform by default: K = round(density * N) in every layer. With measured recall curves
 (`Predictors.recall_curves`: per layer, the fraction of true activity captured by the
-predicted top-k for k = 1..N) the same total is spread where it buys the most recall:
-each layer first gets `min_share` of the uniform K, then the remaining budget goes to the
-largest marginal recall gains over all layers (curves made concave, so a layer's picks
-form a prefix). The total stays round(density * N * L), each K in [1, N].
+predicted top-k for k = 1..N) the same total is spread to equalise recall: every layer gets
+the smallest K that reaches a common recall target, the largest target the budget allows
+(so layers whose predictor is worse get more), but never below `min_share` of the uniform
+K. The total stays round(density * N * L), each K in [1, N].
 """
 from __future__ import annotations
 
@@ -38,19 +38,21 @@ def allocate(density: float, n: int, layers: int, curves=None, min_share: float 
         return [base + (1 if l < extra else 0) for l in range(layers)]
     if len(curves) != layers or any(len(c) != n for c in curves):
         raise DejavuError(f"recall curves must be {layers} arrays of {n} values")
+    c = np.maximum.accumulate(np.asarray(curves, dtype=np.float64), axis=1)  # [L, n], c[:, k-1] = recall at k
     floor = max(1, min(n, int(min_share * total / layers)))
-    gains = []
-    for c in curves:
-        c = np.asarray(c, dtype=np.float64)
-        g = np.diff(np.concatenate([[0.0], c]))[floor:]  # gain of going from k to k+1, k >= floor
-        gains.append(np.minimum.accumulate(np.maximum(g, 0.0)))  # non-increasing: picks are prefixes
-    flat = np.concatenate(gains)
-    owner = np.repeat(np.arange(layers), [len(g) for g in gains])
-    pos = np.concatenate([np.arange(len(g)) for g in gains])
-    rest = total - floor * layers
-    # largest gain first; ties: earlier layer, then lower k (stable and prefix-preserving)
-    order = np.lexsort((pos, owner, -flat))[:rest]
-    k = np.full(layers, floor) + np.bincount(owner[order], minlength=layers)
+
+    def ks_for(target: float) -> np.ndarray:  # smallest k per layer reaching the target recall
+        k = np.array([np.searchsorted(row, target, side="left") + 1 for row in c])
+        return np.clip(k, floor, n)
+
+    lo, hi = 0.0, 1.0  # largest common recall target whose K fit the budget
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ks_for(mid).sum() <= total else (lo, mid)
+    k = ks_for(lo)
+    while k.sum() < total:  # leftovers (and ties) one by one to the worst-recall layer
+        rec = np.where(k < n, c[np.arange(layers), k - 1], np.inf)
+        k[int(np.argmin(rec))] += 1
     return [int(v) for v in k]
 
 

@@ -1,0 +1,127 @@
+"""Predictor training, cost budget, per-layer density, and opt-mini recall (CPU)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.density import allocate, resolve_density
+from dejavu.compiler.predictors import (PredictorSettings, Predictors, default_ranks, measure_lookahead,
+                                        predictor_cost, train_predictors)
+from dejavu.errors import DejavuError
+from dejavu.models.loader import load_model, load_tokenizer
+from dejavu.models.opt import OPTConfig
+from dejavu.models.presets import OPT_MINI_DIR
+
+FAST = dict(max_epochs=4, patience=1, batch_tokens=256)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls on a shared 2-core machine: one thread avoids spin-wait overhead."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_cal(tiny_opt_dir, tmp_path_factory):
+    model, _ = load_model(tiny_opt_dir)
+    s = CalibSettings(calib_tokens=2048, window=64, cache_dir=str(tmp_path_factory.mktemp("cal")))
+    return calibrate(model, load_tokenizer(tiny_opt_dir), s, progress=False)
+
+
+def test_state_dict_names_shapes_and_determinism(tiny_cal):
+    cfg = tiny_cal.cfg
+    s = PredictorSettings(**FAST)
+    p = train_predictors(tiny_cal, s, progress=False)
+    r, rh = default_ranks(cfg, s)
+    D, F, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
+    sd = p.state_dict()
+    want = {}
+    for l in range(cfg.num_hidden_layers):
+        want.update({f"layers.{l}.pred_mlp.a": (r, D), f"layers.{l}.pred_mlp.b": (F, r),
+                     f"layers.{l}.pred_mlp.bias": (F,), f"layers.{l}.pred_attn.a": (rh, D),
+                     f"layers.{l}.pred_attn.b": (H, rh), f"layers.{l}.pred_attn.bias": (H,)})
+    assert {k: tuple(v.shape) for k, v in sd.items()} == want
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    assert p.predictor_input == {"source": "attn_in", "lookahead": 1}
+    again = train_predictors(tiny_cal, s, progress=False).state_dict()
+    assert all(torch.equal(sd[k], again[k]) for k in sd)  # seeded: same bytes
+    back = Predictors.from_state_dict(sd, p.predictor_input)
+    x = torch.randn(3, D)
+    assert torch.equal(back.scores("mlp", 1, x), p.scores("mlp", 1, x))
+    # the report: recall/precision at the K used, per layer, and curves for the density allocator
+    m = p.metrics["per_layer"][0]
+    assert m["mlp_k"] == round(0.3 * F) and 0 < m["mlp_recall"] <= 1 and 0 < m["mlp_precision"] <= 1
+    assert len(p.recall_curves["mlp"]) == cfg.num_hidden_layers and len(p.recall_curves["mlp"][0]) == F
+    assert p.recall_curves["mlp"][0][-1] == pytest.approx(1.0)
+    # even a random ReLU model is predictable above chance (uniform choice recalls 0.3)
+    assert p.metrics["mlp_recall_mean"] > 0.33
+
+
+def test_lookahead_candidates_and_settings_errors(tiny_cal):
+    res = measure_lookahead(tiny_cal, PredictorSettings(**{**FAST, "max_epochs": 1}), progress=False)
+    assert [(r["source"], r["lookahead"]) for r in res] == [("attn_in", 0), ("attn_in", 1), ("mlp_in", 1)]
+    assert all(0 < r["mlp_recall_mean"] <= 1 for r in res)
+    with pytest.raises(DejavuError, match="lookahead 1"):
+        PredictorSettings(source="mlp_in", lookahead=0)
+    with pytest.raises(DejavuError, match="mlp_rank must be a positive"):
+        PredictorSettings(mlp_rank=0)
+
+
+@pytest.mark.parametrize("dims", [(384, 1536, 12, 7),  # opt-mini
+                                  (768, 3072, 12, 12), (7168, 28672, 56, 48), (12288, 49152, 96, 96)])
+def test_default_ranks_fit_the_cost_budget(dims):
+    D, F, H, L = dims
+    cfg = OPTConfig.from_hf_dict(dict(model_type="opt", vocab_size=100, hidden_size=D, ffn_dim=F,
+                                      num_attention_heads=H, num_hidden_layers=L, max_position_embeddings=64))
+    r, rh = default_ranks(cfg, PredictorSettings())
+    cost = predictor_cost(cfg, r, rh)
+    assert cost["mlp_ratio"] <= 0.10 and cost["attn_ratio"] <= 0.10 and cost["total_ratio"] <= 0.10
+    assert cost["mlp_ratio"] > 0.08  # and they use most of it
+    assert rh == H and r % 8 == 0
+
+
+def test_density_errors():
+    cfg = OPTConfig.from_hf_dict(dict(model_type="opt", vocab_size=100, hidden_size=32, ffn_dim=64,
+                                      num_attention_heads=4, num_hidden_layers=3, max_position_embeddings=64))
+    for bad in (0, 0.0, 1.5, -0.1, float("nan")):
+        with pytest.raises(DejavuError, match=r"--density must be in \(0, 1\]"):
+            resolve_density(cfg, bad)
+    with pytest.raises(DejavuError, match=r"--density must be a number"):
+        resolve_density(cfg, "half")
+    with pytest.raises(DejavuError, match=r"--mlp-density must be in \(0, 1\]"):
+        resolve_density(cfg, 0.5, mlp_density=2)
+    with pytest.raises(DejavuError, match=r"--attn-density must be in \(0, 1\]"):
+        resolve_density(cfg, 0.5, attn_density=0)
+    assert resolve_density(cfg, 1.0) == ([64] * 3, [4] * 3)
+    assert resolve_density(cfg, 0.5) == ([32] * 3, [2] * 3)
+    assert resolve_density(cfg, 0.5, mlp_density=0.25, attn_density=1.0) == ([16] * 3, [4] * 3)
+    assert resolve_density(cfg, 0.001) == ([1] * 3, [1] * 3)  # K >= 1
+    mk, ak = resolve_density(cfg, 0.3)
+    assert sum(mk) == round(0.3 * 64 * 3) and sum(ak) == round(0.3 * 4 * 3)
+
+
+def test_density_follows_recall_curves():
+    n, L = 200, 4
+    k = np.arange(1, n + 1)
+    # layer 2 is hard to predict (recall rises slowly), layer 0 easy
+    curves = [1 - np.exp(-k / s) for s in (10, 30, 120, 30)]
+    curves = [c / c[-1] for c in curves]
+    for d in (0.1, 0.3, 0.5, 0.9):
+        ks = allocate(d, n, L, curves)
+        assert abs(sum(ks) - round(d * n * L)) <= 1 and all(1 <= v <= n for v in ks)
+        assert ks[2] >= ks[1] >= ks[0] and ks[2] > ks[0]
+        assert min(ks) >= int(0.5 * round(d * n * L) / L)  # min_share floor
+    assert allocate(1.0, n, L, curves) == [n] * L
+
+
+@pytest.mark.skipif(not (OPT_MINI_DIR / "config.json").is_file(), reason="models/opt-mini is not there yet")
+def test_opt_mini_recall_at_density_0_3(tmp_path):
+    """Held-out recall of opt-mini's predictors at density 0.3 (WikiText-2 test text)."""
+    pytest.skip("bound not measured yet")
