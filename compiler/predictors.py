@@ -261,6 +261,25 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     return Predictors(mlp, attn, s.predictor_input, metrics, curves)
 
 
+def evaluate_predictors(cal: Calibration, predictors: Predictors, mlp_k: list[int],
+                        attn_k: list[int]) -> dict:
+    """Recall/precision at K of trained predictors on every token of another calibration
+    (e.g. held-out text). Per layer and mean; head recall = overlap with the true top-K heads."""
+    pi = predictors.predictor_input
+    rows = []
+    for l in range(cal.cfg.num_hidden_layers):
+        x = torch.from_numpy(np.array(cal.predictor_input(l, pi["source"], pi["lookahead"]), dtype=np.float32))
+        norms = torch.from_numpy(np.array(cal.head_importance(l)))
+        with torch.no_grad():
+            m_rec, m_prec = _evaluate(predictors.scores("mlp", l, x), torch.from_numpy(cal.mlp_labels(l)), mlp_k[l])
+            a_rec, _ = _evaluate(predictors.scores("attn", l, x), _head_labels(norms, attn_k[l]), attn_k[l])
+        rows.append({"layer": l, "mlp_k": mlp_k[l], "mlp_recall": m_rec, "mlp_precision": m_prec,
+                     "attn_k": attn_k[l], "attn_recall": a_rec})
+    mean = lambda key: float(np.mean([r[key] for r in rows]))
+    return {"per_layer": rows, "mlp_recall_mean": mean("mlp_recall"), "mlp_precision_mean": mean("mlp_precision"),
+            "attn_recall_mean": mean("attn_recall"), "tokens": cal.n_tokens}
+
+
 def measure_lookahead(cal: Calibration, settings: PredictorSettings | None = None,
                       candidates: list[dict] | None = None, progress: bool = True) -> list[dict]:
     """Train predictors on each candidate input; mean and per-layer recall at the report K."""

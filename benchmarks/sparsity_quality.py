@@ -1,0 +1,157 @@
+"""Perplexity vs density with exact selection semantics (masked dense), and the lookahead study.
+
+    python benchmarks/sparsity_quality.py --model opt-mini --eval-tokens 16384
+
+Steps: calibrate on the shipped WikiText-2 train head; train predictors on each candidate
+input (same-layer attn_in, attn_in of l-1, mlp_in of l-1) and report held-out recall at the
+report density; with the default input, compute WikiText-2 *test* perplexity at each density
+for predicted (recall-allocated K and uniform K), oracle and random top-k selection.
+Writes docs/results/sparsity_quality.{json,md} and docs/img/ppl_vs_density.png. Asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.density import resolve_density
+from dejavu.compiler.masking import masked_sparsity
+from dejavu.compiler.predictors import (CANDIDATE_INPUTS, DEFAULT_PREDICTOR_INPUT, PredictorSettings,
+                                        train_predictors)
+from dejavu.compiler.text import WIKITEXT2_TEST, encode_text
+from dejavu.fileio import atomic_path
+from dejavu.models.loader import load_model, load_tokenizer
+from dejavu.models.metrics import perplexity
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ["predicted", "predicted-uniform", "oracle", "random"]
+
+
+def curve_recall(curves: list, ks: list[int]) -> float:
+    """Mean over layers of the held-out recall at each layer's K."""
+    return float(np.mean([c[k - 1] for c, k in zip(curves, ks)]))
+
+
+def lookahead_study(cal, base: PredictorSettings) -> tuple[list[dict], object]:
+    rows, default = [], None
+    for cand in CANDIDATE_INPUTS:
+        t = time.time()
+        p = train_predictors(cal, PredictorSettings(**{**asdict(base), **cand}), progress=True)
+        m = p.metrics
+        rows.append({**cand, "mlp_recall_mean": m["mlp_recall_mean"], "mlp_precision_mean": m["mlp_precision_mean"],
+                     "attn_recall_mean": m["attn_recall_mean"],
+                     "mlp_recall": [r["mlp_recall"] for r in m["per_layer"]],
+                     "attn_recall": [r["attn_recall"] for r in m["per_layer"]], "train_s": time.time() - t})
+        if cand == DEFAULT_PREDICTOR_INPUT:
+            default = p
+    return rows, default
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    dense = results["dense_ppl"]
+    for mode, style in zip(MODES, ["o-", "s--", "^-", "x:"]):
+        pts = [(r["density"], r[mode]["perplexity"]) for r in results["rows"] if mode in r]
+        ax.plot(*zip(*pts), style, label=mode)
+    ax.axhline(dense, color="gray", lw=0.8, ls="--", label=f"dense ({dense:.2f})")
+    ax.set_xlabel("density (fraction of MLP neurons and heads read per token)")
+    ax.set_ylabel("WikiText-2 test perplexity")
+    ax.set_yscale("log")
+    ax.set_title(f"{results['model']}: perplexity vs density ({results['eval_tokens']} tokens)")
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def table(results: dict) -> str:
+    lines = ["| density | predicted | predicted (uniform K) | oracle | random | MLP recall (pred.) | head norm captured (pred.) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        cells = [f"{r[m]['perplexity']:.2f}" for m in MODES]
+        lines.append(f"| {r['density']:.1f} | " + " | ".join(cells) +
+                     f" | {r['mlp_recall']:.3f} | {r['attn_recall']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="opt-mini")
+    ap.add_argument("--calib-tokens", type=int, default=CalibSettings.calib_tokens)
+    ap.add_argument("--eval-tokens", type=int, default=16384, help="WikiText-2 test tokens (0: all)")
+    ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.3, 0.2, 0.1])
+    ap.add_argument("--no-lookahead-study", action="store_true")
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, cfg = load_model(args.model)
+    tok = load_tokenizer(args.model)
+    cal = calibrate(model, tok, CalibSettings(calib_tokens=args.calib_tokens, cache_dir=args.cache_dir),
+                    model_id=str(args.model))
+    base = PredictorSettings()
+    study, preds = ([], None) if args.no_lookahead_study else lookahead_study(cal, base)
+    if preds is None:
+        preds = train_predictors(cal, base)
+    window = min(512, cfg.max_position_embeddings)
+    ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
+                      max_tokens=args.eval_tokens or None)
+    ids = torch.from_numpy(ids.astype(np.int64))
+
+    def ppl() -> dict:
+        t = time.time()
+        r = perplexity(lambda x: model(x), ids, window, batch=4)
+        return {**r, "seconds": time.time() - t}
+
+    dense = ppl()
+    print(f"dense: ppl {dense['perplexity']:.3f} over {dense['tokens']} tokens")
+    rows = []
+    for d in args.densities:
+        mlp_k, attn_k = resolve_density(cfg, d, recall_curves=preds.recall_curves)
+        uni = resolve_density(cfg, d)
+        row = {"density": d, "mlp_k": mlp_k, "attn_k": attn_k, "uniform_mlp_k": uni[0], "uniform_attn_k": uni[1],
+               "mlp_recall": curve_recall(preds.recall_curves["mlp"], mlp_k),
+               "attn_recall": curve_recall(preds.recall_curves["attn"], attn_k)}
+        for mode in MODES:
+            if d >= 1.0:
+                row[mode] = dense
+                continue
+            mk, ak = uni if mode == "predicted-uniform" else (mlp_k, attn_k)
+            with torch.no_grad(), masked_sparsity(model, mk, ak, mode.split("-")[0], preds, seed=0):
+                row[mode] = ppl()
+            print(f"density {d}: {mode:18s} ppl {row[mode]['perplexity']:.3f} ({row[mode]['seconds']:.0f}s)")
+        rows.append(row)
+    results = {"model": str(args.model), "model_config": cfg.to_hf_dict(), "calib_tokens": cal.n_tokens,
+               "eval_tokens": dense["tokens"], "window": window, "dense_ppl": dense["perplexity"],
+               "predictor_input": preds.predictor_input, "predictor_settings": asdict(base),
+               "cost": preds.metrics["cost"], "predictor_metrics": preds.metrics["per_layer"],
+               "holdout_tokens": preds.metrics["holdout_tokens"], "lookahead_study": study, "rows": rows}
+    out = Path(args.out)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    (out / "img").mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "results" / "sparsity_quality.json") as tmp:
+        tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
+    with atomic_path(out / "results" / "sparsity_quality.md") as tmp:
+        tmp.write_text(table(results))
+    plot(results, out / "img" / "ppl_vs_density.png")
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
