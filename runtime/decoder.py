@@ -105,16 +105,16 @@ class SparseDecoder:
         for l, w in enumerate(self.layers):
             run.point("attn_in", l, x)
             h = self._ln(x, w.ln_attn) if s.pre_ln else x
-            kv = F.linear(h, w.wkv, w.bkv).view(B, 2, H, hd)
             kc, vc = self.k_cache[l], self.v_cache[l]
-            kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
-            vc[self.rows, :, pos] = kv[:, 1]
             idx = run.heads(l)
-            if idx is None:
+            if idx is None:  # dense: K/V and Q of every head
+                kv = F.linear(h, w.wkv, w.bkv).view(B, 2, H, hd)
+                kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
+                vc[self.rows, :, pos] = kv[:, 1]
                 q = F.linear(h, w.wq, w.bq).view(B, H, hd)
                 x = x + attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t + w.bo
-            else:
-                x = self.ops.sparse_attn(h, w.wq, w.bq, w.wo_t, w.bo, kc, vc, valid, idx, x)
+            else:  # K/V of every head written at pos; Q, attention, output of selected heads
+                x = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, x)
             if not s.pre_ln:
                 x = self._ln(x, w.ln_attn)
             run.point("mlp_in", l, x)

@@ -64,6 +64,8 @@ class Engine:
                         for n, t in tensors.items()}
         on_gpu = self.device.type == "cuda"
         self.ops = Ops(backend or ("triton" if on_gpu else "ref"))
+        # each Triton kernel once against its reference on this engine's weights
+        self.kernel_check = self.ops.verify(self.tensors, spec, 2, batch_policy == "shared")
         self.overlap, self.batch_policy = overlap, batch_policy
         self.use_graphs = use_graphs and on_gpu
         # Activation: streams, events and index buffers are created here, once.
@@ -167,5 +169,5 @@ class Engine:
                 "dtype": str(s.dtype).replace("torch.", ""), "device": str(self.device),
                 "mlp_density": round(s.density[0], 4), "attn_density": round(s.density[1], 4),
                 "predictor_input": {"source": s.source, "lookahead": s.lookahead},
-                "kernels": dict(self.ops.kernels), "overlap": self.decoder.pred.overlapping,
+                "kernels": dict(self.ops.kernels), "kernel_check": self.kernel_check, "overlap": self.decoder.pred.overlapping,
                 "cuda_graph": self.use_graphs, "batch_policy": self.batch_policy}

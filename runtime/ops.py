@@ -1,13 +1,17 @@
-"""The four sparse operations the decoder calls, with two backends.
+"""The four sparse operations the decoder calls, bound to a backend (signatures of dejavu.plugins):
 
-- "ref": pure PyTorch (gather the selected rows / heads, then compute). The CPU path and
-  the fallback for any kernel that is missing. `dejavu.plugins`' own `*_ref` functions are
-  the kernel colleague's references; these are the runtime's, written against the contract
-  in docs/ARCHITECTURE.md so the runtime runs before (and independently of) the plugins.
-- "triton": `dejavu.plugins` launchers on CUDA tensors (per op, when present and when a
-  trial call at activation succeeds; otherwise that op stays on "ref" with a warning).
+    predictor_topk(x[B,D], a, b, bias, k, shared=False) -> idx[B,k] | [k]
+    sparse_fc1(x[B,D], w1, b1, idx) -> h[B,K]
+    sparse_fc2(h[B,K], w2_t, b2, idx, residual) -> y[B,D]
+    sparse_attn(x_ln[B,D], wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos[B], residual) -> y[B,D]
+        (K/V of every head are written into the caches at pos; only selected heads attend)
 
-Index tensors are [B, K] (per sequence) or [K] (one set shared by the batch).
+- "ref": the plugins' PyTorch references (the CPU path). If `dejavu.plugins` cannot be
+  imported, the runtime's own gather-based references below stand in.
+- "triton": the plugins' Triton launchers (CUDA). `verify()` runs each kernel once against
+  its reference on the engine's real weights at activation; a kernel that raises or
+  disagrees is replaced by its reference with a warning, so a GPU run never silently
+  produces a different function.
 """
 from __future__ import annotations
 
@@ -16,87 +20,145 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn")
+
 
 def _rows(idx: torch.Tensor, B: int) -> torch.Tensor:
-    """[B, K] int64 index rows from [B, K] or shared [K]."""
     idx = idx.long()
     return idx.expand(B, -1) if idx.dim() == 1 else idx
 
 
-def predictor_topk_ref(x, a, b, bias, k: int, shared: bool = False) -> torch.Tensor:
-    """idx [B, k] (or [k] when shared) = top-k of (x @ a.T) @ b.T + bias; x: [B, D]."""
-    s = F.linear(F.linear(x, a), b, bias)  # [B, N]
-    if shared:  # one set for the whole batch: top-k of the summed scores
-        s = s.float().sum(0)
-    return torch.topk(s, k, dim=-1, sorted=False).indices
-
-
-def sparse_fc1_ref(x, w1, b1, idx) -> torch.Tensor:
-    """h [B, K] = relu(w1[idx] @ x + b1[idx]); x: [B, D]."""
-    idx = _rows(idx, x.shape[0])
-    h = torch.einsum("bkd,bd->bk", w1[idx], x) + b1[idx]
-    return torch.relu(h)
-
-
-def sparse_fc2_ref(h, w2_t, b2, idx, residual=None) -> torch.Tensor:
-    """y [B, D] = w2_t[idx].T @ h + b2 (+ residual); h: [B, K]."""
-    idx = _rows(idx, h.shape[0])
-    y = torch.einsum("bk,bkd->bd", h, w2_t[idx]) + b2
-    return y if residual is None else y + residual
-
-
 def attend(q, k_cache, v_cache, valid) -> torch.Tensor:
     """o [B, h, hd] for one query per sequence; q: [B, h, hd] (scale folded in),
-    caches [B, h, T, hd], valid [B, T] bool (keys a query may see)."""
+    caches [B, h, T, hd], valid [B, T] bool (keys each query may see)."""
     o = F.scaled_dot_product_attention(q[:, :, None], k_cache, v_cache,
                                        attn_mask=valid[:, None, None, :], scale=1.0)
     return o[:, :, 0]
 
 
-def sparse_attn_ref(h, wq, bq, wo_t, bo, k_cache, v_cache, valid, idx, residual=None):
-    """Selected heads only: y [B, D] = sum over heads j in idx of attn_j(h) @ wo_t[rows of j] + bo.
+# ---- the runtime's own references (used only when dejavu.plugins is missing) ----------
+def _predictor_topk(x, a, b, bias, k, shared=False):
+    s = F.linear(F.linear(x, a), b, bias)  # [B, N]
+    if shared:
+        s = s.amax(0)
+    return torch.topk(s, k, dim=-1, sorted=True).indices
 
-    h: [B, D] (attention input after LayerNorm); the caches already hold this token's K/V;
-    idx: [B, Kh] or [Kh] head ids."""
-    B, D = h.shape
-    H, hd, _ = k_cache.shape[1], k_cache.shape[3], None
+
+def _sparse_fc1(x, w1, b1, idx):
+    idx = _rows(idx, x.shape[0])
+    return torch.relu(torch.einsum("bkd,bd->bk", w1[idx], x) + b1[idx])
+
+
+def _sparse_fc2(h, w2_t, b2, idx, residual=None):
+    y = torch.einsum("bk,bkd->bd", h, w2_t[_rows(idx, h.shape[0])]) + b2
+    return y if residual is None else y + residual
+
+
+def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, residual=None):
+    B, D = x_ln.shape
+    H, T, hd = k_cache.shape[1:]
+    rows = torch.arange(B, device=x_ln.device)
+    kv = F.linear(x_ln, wkv, bkv).view(B, 2, H, hd)
+    k_cache[rows, :, pos] = kv[:, 0]
+    v_cache[rows, :, pos] = kv[:, 1]
     idx = _rows(idx, B)  # [B, Kh]
-    rows = torch.arange(B, device=h.device)[:, None]
-    q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[idx], h) + bq.view(H, hd)[idx]  # [B, Kh, hd]
-    o = attend(q, k_cache[rows, idx], v_cache[rows, idx], valid)  # [B, Kh, hd]
+    q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[idx], x_ln) + bq.view(H, hd)[idx]
+    valid = torch.arange(T, device=x_ln.device)[None, :] <= pos[:, None]
+    o = attend(q, k_cache[rows[:, None], idx], v_cache[rows[:, None], idx], valid)  # [B, Kh, hd]
     y = torch.einsum("bkj,bkjd->bd", o, wo_t.view(H, hd, D)[idx]) + bo
     return y if residual is None else y + residual
 
 
+_LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
+          "sparse_attn": _sparse_attn}
+_PLUGIN = {"predictor_topk": "predictor_topk", "sparse_fc1": "sparse_fc1", "sparse_fc2": "sparse_fc2",
+           "sparse_attn": "sparse_attn_decode"}
+
+
+def _plugins():
+    try:
+        import dejavu.plugins as P
+        return P
+    except Exception as e:  # noqa: BLE001 - any import failure: the local references stand in
+        warnings.warn(f"dejavu.plugins unavailable ({e}); using the runtime's own reference ops")
+        return None
+
+
 class Ops:
-    """The sparse ops of one engine: `backend` "ref" or "triton" (CUDA only)."""
+    """The sparse ops of one engine; `kernels` says which implementation each op uses."""
 
     def __init__(self, backend: str = "ref"):
         self.backend = backend
-        self.predictor_topk = predictor_topk_ref
-        self.sparse_fc1 = sparse_fc1_ref
-        self.sparse_fc2 = sparse_fc2_ref
-        self.sparse_attn = sparse_attn_ref
-        self.kernels: dict[str, str] = {n: "ref" for n in ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn")}
-        if backend == "triton":
-            self._bind_plugins()
-
-    def _bind_plugins(self) -> None:
-        try:
-            import dejavu.plugins as P
-        except Exception as e:  # noqa: BLE001 - any import failure: stay on the reference ops
-            warnings.warn(f"dejavu.plugins unavailable ({e}); using PyTorch reference ops on GPU")
-            return
-        from dejavu.runtime import plugin_adapters as A
-
-        for name in self.kernels:
-            fn = A.bind(name, P)
-            if fn is not None:
-                setattr(self, name, fn)
-                self.kernels[name] = "triton"
+        P = _plugins()
+        self.kernels: dict[str, str] = {}
+        self._ref: dict = {}
+        for name in NAMES:
+            ref = getattr(P, _PLUGIN[name] + "_ref", None) if P is not None else None
+            fast = getattr(P, _PLUGIN[name], None) if (P is not None and backend == "triton") else None
+            self._ref[name] = ref or _LOCAL[name]
+            setattr(self, name, fast or self._ref[name])
+            self.kernels[name] = "triton" if fast else ("plugin_ref" if ref else "local_ref")
 
     def demote(self, name: str, why: str) -> None:
-        """Fall back to the reference op for `name` (a kernel failed its trial call)."""
-        warnings.warn(f"kernel {name} failed its trial call ({why}); using the PyTorch reference")
-        setattr(self, name, globals()[f"{name}_ref"])
-        self.kernels[name] = "ref"
+        """Use the reference for `name` from now on."""
+        warnings.warn(f"kernel {name}: {why}; using its PyTorch reference instead")
+        setattr(self, name, self._ref[name])
+        self.kernels[name] = "plugin_ref" if self._ref[name] is not _LOCAL[name] else "local_ref"
+
+    @torch.inference_mode()
+    def verify(self, t: dict, spec, batch: int, shared: bool, tol: float = 3e-2) -> dict:
+        """Run each Triton op once on layer 0's weights against its reference; demote failures.
+
+        Returns {op: relative error or the exception text}."""
+        if self.backend != "triton":
+            return {}
+        dev, dt = t["embed_tokens"].device, spec.dtype
+        g = torch.Generator(device=dev).manual_seed(0)
+        D, H, hd = spec.hidden_size, spec.num_heads, spec.head_dim
+        x = torch.randn(batch, D, generator=g, device=dev, dtype=torch.float32).to(dt)
+        res = torch.randn(batch, D, generator=g, device=dev, dtype=torch.float32).to(dt)
+        l, p = 0, "layers.0."
+        km, ka = max(1, spec.mlp_k[l] // 2), max(1, spec.attn_k[l] // 2)
+
+        def idx(n, k):
+            r = torch.rand((k,) if shared else (batch, n), generator=g, device=dev)
+            return (torch.randperm(n, device=dev)[:k] if shared else r.argsort(-1)[:, :k]).to(torch.int32).contiguous()
+
+        im, ia = idx(spec.ffn_dim, km), idx(H, ka)
+        h = torch.relu(torch.randn(batch, km, generator=g, device=dev)).to(dt)
+        T = 16
+        caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]
+        pos = torch.arange(batch, device=dev) % T
+        cases = {
+            "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
+            "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res),
+            "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
+                                       t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos, res),
+        }
+        report = {}
+        for name, run in cases.items():
+            if self.kernels[name] != "triton":
+                continue
+            try:
+                got, want = run(getattr(self, name)).float(), run(self._ref[name]).float()
+                err = float((got - want).norm() / want.norm().clamp_min(1e-6))
+                report[name] = err
+                if not err <= tol:
+                    self.demote(name, f"relative error {err:.2e} against the reference")
+            except Exception as e:  # noqa: BLE001 - any kernel failure: fall back, keep running
+                report[name] = f"{type(e).__name__}: {e}"
+                self.demote(name, f"raised {type(e).__name__}: {e}")
+        if self.kernels["predictor_topk"] == "triton" and f"{p}pred_mlp.a" in t:
+            try:
+                out = self.predictor_topk(x, t[p + "pred_mlp.a"], t[p + "pred_mlp.b"], t[p + "pred_mlp.bias"],
+                                          spec.mlp_k[l], shared=shared)
+                want = self._ref["predictor_topk"](x, t[p + "pred_mlp.a"], t[p + "pred_mlp.b"],
+                                                   t[p + "pred_mlp.bias"], spec.mlp_k[l], shared=shared)
+                same = float((out.long().sort(-1).values == want.long().sort(-1).values).float().mean())
+                report["predictor_topk"] = same
+                if out.shape != want.shape:
+                    self.demote("predictor_topk", f"shape {tuple(out.shape)} != {tuple(want.shape)}")
+            except Exception as e:  # noqa: BLE001
+                report["predictor_topk"] = f"{type(e).__name__}: {e}"
+                self.demote("predictor_topk", f"raised {type(e).__name__}: {e}")
+        return report

@@ -27,7 +27,7 @@ class PredictorRunner:
     """Runs predictor + top-k per layer; `overlap` puts them on a side stream (CUDA only).
 
     preds[l] = {"mlp": (a, b, bias) | None, "attn": (a, b, bias) | None}; ks[l] = (k_mlp, k_attn).
-    `topk(x, a, b, bias, k, shared)` is the op; `shared` selects one index set per batch.
+    `topk(x, a, b, bias, k, shared=...)` is the op; `shared` selects one index set per batch.
     """
 
     def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False):
@@ -76,7 +76,7 @@ class PredictorRunner:
             p = self.preds[l][kind]
             if p is None:
                 continue
-            idx = self.topk(x, *p, k, self.shared)
+            idx = self.topk(x, *p, k, shared=self.shared)
             self.idx[l][kind] = idx
             if self.trace is not None:
                 self.trace.append((l, kind, idx.detach().clone()))

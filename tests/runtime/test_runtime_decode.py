@@ -146,3 +146,17 @@ def test_errors():
         eng.generate(["text needs a tokenizer"], 2)
     with pytest.raises(DejavuError, match="temperature"):
         eng.generate([PROMPT], 2, temperature=-1)
+
+
+def test_local_reference_ops_equal_plugin_references():
+    from dejavu.runtime import ops as O
+
+    model = tiny_model(seed=12)
+    header, tensors = engine_from_dense(model, 0.5, 0.5)
+    a = Engine.from_tensors(header, tensors, "cpu")
+    b = Engine.from_tensors(header, tensors, "cpu")
+    for name, fn in O._LOCAL.items():
+        setattr(b.ops, name, fn)
+        setattr(b.decoder.pred, "topk", O._LOCAL["predictor_topk"])
+    assert a.ops.kernels["sparse_attn"] == "plugin_ref"
+    assert a.generate([PROMPT], 24, stop_at_eos=False) == b.generate([PROMPT], 24, stop_at_eos=False)
