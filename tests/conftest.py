@@ -5,6 +5,7 @@
     make_tiny_opt_dir   factory: make_tiny_opt_dir(seed=0, **config_overrides) -> Path,
                         a fresh folder under the test's tmp_path (free to modify)
 
+config.json says torch_dtype float32 (the stored dtype), so transformers loads it in fp32.
 The model: vocab 320, hidden 32, 2 layers, 4 heads, ffn 128, 64 positions, pre-LN, with
 random weights (LayerNorm and biases too, so bugs in them show). The tokenizer is a
 byte-level BPE trained on a slice of the shipped WikiText-2 test text, `</s>` = id 2.
@@ -63,7 +64,8 @@ def write_tiny_opt(folder: Path, seed: int = 0, **overrides) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = OPTConfig(**{**TINY_CONFIG, **overrides})
-    (folder / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2, sort_keys=True))
+    hf = {**cfg.to_hf_dict(), "torch_dtype": "float32"}  # the stored weights are fp32
+    (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     save_file(random_opt_state(cfg, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
     if cfg.vocab_size >= 320:
         (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
