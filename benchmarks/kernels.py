@@ -1,0 +1,467 @@
+"""Benchmark (and GPU-check) the dejavu.plugins kernels on OPT-30B/66B layer shapes.
+
+    python benchmarks/kernels.py [--quick] [--check] [--sweep] [--out PATH]
+
+--check   correctness on the GPU against float64 references (fresh random inputs, odd and
+          real shapes, fp16/bf16/fp32, per-sequence and shared indices, CUDA-graph replay
+          with a device-side pos). Exit status 1 when a check fails.
+--sweep   try a few block configurations per kernel path and use the fastest for the run
+          (the winners are printed and written to the JSON: copy them into FC1_CONFIG /
+          FC2_CONFIG so the runtime's choice stays deterministic).
+Measures the copy and read bandwidth in the same run; times are medians of
+triton.testing.do_bench (L2 flushed before each call), plus CUDA-graph replays for batch 1.
+Writes JSON to --out (default $OUT/kernels.json when OUT is set) and prints markdown tables.
+Asserts nothing (benchmarks/ never does); --check is the exception, and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as Fn
+
+SHAPES = {"opt-30b": (7168, 28672, 56), "opt-66b": (9216, 36864, 72)}
+DENSITIES = [0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0]
+BATCHES = [1, 2, 4, 8, 16, 32]
+# "cpu" (with TRITON_INTERPRET=1) smoke-tests --check's small cases without a GPU
+DEV = os.environ.get("DEJAVU_BENCH_DEVICE", "cuda")
+
+
+def _import_plugins():
+    """dejavu.plugins, installed or straight from this checkout (the device has no install)."""
+    try:
+        import dejavu.plugins as plugins
+        return plugins
+    except ImportError:
+        import importlib.util
+        root = Path(__file__).resolve().parents[1]
+        sys.path.insert(0, str(root))
+        import dejavu  # noqa: F401  (the dejavu/ folder at the root)
+        spec = importlib.util.spec_from_file_location(
+            "dejavu.plugins", root / "plugins" / "__init__.py",
+            submodule_search_locations=[str(root / "plugins")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["dejavu.plugins"] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+
+P = _import_plugins()
+from dejavu.plugins import sparse_mlp as SM  # noqa: E402
+
+
+def bench(fn, rep=40, warmup=10):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, rep=40):
+    import triton.testing
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - report, don't die
+        print(f"  (cuda graph timing failed: {type(e).__name__}: {e})")
+        return None
+
+
+def randn(*shape, dtype=torch.float16, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def rand_idx(B, F, K, shared):
+    if shared:
+        return torch.randperm(F, device=DEV)[:K].to(torch.int32)
+    return torch.stack([torch.randperm(F, device=DEV)[:K] for _ in range(B)]).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------ bandwidth
+
+def measure_bandwidth():
+    n = 1 << 29  # 1 GiB of fp16
+    x = torch.randn(n, device=DEV, dtype=torch.float16)
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x), rep=100)
+    t_read = bench(lambda: x.sum(dtype=torch.float32), rep=100)
+    nbytes = x.numel() * 2
+    out = {"copy_GBps": 2 * nbytes / t_copy / 1e6, "read_GBps": nbytes / t_read / 1e6,
+           "copy_ms": t_copy, "read_ms": t_read, "bytes": nbytes}
+    del x, y
+    torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------ check
+
+def _err_ok(out, ref, torch_out, atol, rel):
+    err = (out.double() - ref).abs().max().item()
+    terr = (torch_out.double() - ref).abs().max().item()
+    relnorm = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    ok = bool(torch.isfinite(out).all()) and err <= 2 * terr + atol and relnorm <= rel
+    return ok, {"err": err, "torch_err": terr, "relnorm": relnorm}
+
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 5e-3), torch.bfloat16: (1e-2, 3e-2)}
+
+
+def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual):
+    x = randn(B, D, dtype=dtype)
+    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
+    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
+    res = randn(B, D, dtype=dtype) if residual else None
+    idx = rand_idx(B, F, K, shared).to(idx_dtype)
+    h = torch.full((B, K), float("nan"), dtype=dtype, device=DEV)
+    P.sparse_fc1(x, w1, b1, idx, out=h, validate=True)
+    h_ref = P.sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx)
+    ok1, e1 = _err_ok(h, h_ref, P.sparse_fc1_ref(x, w1, b1, idx), *TOL[dtype])
+    y = torch.full((B, D), float("nan"), dtype=dtype, device=DEV)
+    P.sparse_fc2(h, w2_t, b2, idx, res, out=y, validate=True)
+    args64 = (h.double(), w2_t.double(), b2.double(), idx, None if res is None else res.double())
+    y_ref = P.sparse_fc2_ref(*args64)
+    ok2, e2 = _err_ok(y, y_ref, P.sparse_fc2_ref(h, w2_t, b2, idx, res), *TOL[dtype])
+    return ok1 and ok2, {"fc1": e1, "fc2": e2}
+
+
+def _attn_inputs(B, H, hd, S, dtype):
+    D = H * hd
+    w = {"wq": randn(D, D, dtype=dtype, scale=D ** -0.5), "bq": randn(D, dtype=dtype, scale=0.1),
+         "wkv": randn(2 * D, D, dtype=dtype, scale=D ** -0.5), "bkv": randn(2 * D, dtype=dtype, scale=0.1),
+         "wo_t": randn(D, D, dtype=dtype, scale=D ** -0.5), "bo": randn(D, dtype=dtype, scale=0.1)}
+    kc, vc = randn(B, H, S, hd, dtype=dtype), randn(B, H, S, hd, dtype=dtype)
+    return randn(B, D, dtype=dtype), w, kc, vc
+
+
+def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False):
+    x, w, kc, vc = _attn_inputs(B, H, hd, S, dtype)
+    res = randn(B, H * hd, dtype=dtype)
+    hidx = rand_idx(B, H, kh, shared)
+    wl = [w[k] for k in ("wq", "bq", "wkv", "bkv", "wo_t", "bo")]
+    kc1, vc1 = kc.clone(), vc.clone()
+    pos_t = torch.tensor([pos], device=DEV, dtype=torch.int32)
+    y = torch.full((B, H * hd), float("nan"), dtype=dtype, device=DEV)
+    if graph:  # capture with one pos, replay with another: the kernel must follow pos_t
+        pos_t.fill_(1)
+        P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y)  # warm up / compile
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y)
+        kc1.copy_(kc), vc1.copy_(vc), y.fill_(float("nan"))
+        pos_t.fill_(pos)
+        g.replay()
+    else:
+        P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y, validate=True)
+    kc2, vc2 = kc.double(), vc.double()
+    ref = P.sparse_attn_decode_ref(x.double(), *[t.double() for t in wl], hidx, kc2, vc2, pos_t,
+                                   res.double())
+    kc3, vc3 = kc.clone(), vc.clone()
+    t_out = P.sparse_attn_decode_ref(x, *wl, hidx, kc3, vc3, pos_t, res)
+    ok, e = _err_ok(y, ref, t_out, *TOL[dtype])
+    cache_err = (kc1.double() - kc2).abs().max().item()
+    ok = ok and cache_err <= 2 * (kc3.double() - kc2).abs().max().item() + TOL[dtype][0]
+    e["cache_err"] = cache_err
+    return ok, e
+
+
+def check_predictor(B, D, N, r, k, shared):
+    x, a = randn(B, D, dtype=torch.float32), randn(r, D, dtype=torch.float32)
+    b, bias = randn(N, r, dtype=torch.float32), randn(N, dtype=torch.float32)
+    idx = P.predictor_topk(x, a, b, bias, k, shared=shared)
+    scores = P.predictor_scores(x.double(), a.double(), b.double(), bias.double())
+    if shared:
+        scores = scores.amax(0)
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    picked = scores.gather(-1, idx.long())
+    # the picked set is a top-k set up to fp32 rounding at the boundary
+    margin = (picked.min(-1, keepdim=True).values - kth).min().item()
+    ok = (margin >= -1e-4 * scores.abs().max().item() and idx.dtype == torch.int32
+          and idx.device.type == DEV
+          and all(r.unique().numel() == k for r in idx.reshape(-1, k)))
+    return ok, {"margin": margin}
+
+
+def run_checks():
+    results = []
+    cases = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for B, shared in ((1, False), (3, False), (3, True), (8, True), (32, True), (5, False)):
+            for idx_dtype in (torch.int32, torch.int64):
+                cases.append(("mlp", dict(D=200, F=1000, K=333, B=B, dtype=dtype, shared=shared,
+                                          idx_dtype=idx_dtype, residual=B % 2 == 1)))
+    big = DEV != "cpu"
+    for B, shared in ((1, False), (8, True), (8, False))[:3 if big else 0]:
+        cases.append(("mlp", dict(D=7168, F=28672, K=2867, B=B, dtype=torch.float16, shared=shared,
+                                  idx_dtype=torch.int32, residual=True)))
+    if big:
+        cases.append(("mlp", dict(D=9216, F=36864, K=11059, B=4, dtype=torch.bfloat16, shared=True,
+                                  idx_dtype=torch.int64, residual=False)))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for B, shared in ((1, False), (3, False), (3, True)):
+            cases.append(("attn", dict(B=B, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=shared)))
+    for B, shared in ((1, False), (4, True), (4, False))[:3 if big else 0]:
+        cases.append(("attn", dict(B=B, H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16,
+                                   shared=shared)))
+    cases.append(("attn", dict(B=2, H=56 if big else 6, hd=128 if big else 16, S=320, pos=200,
+                               kh=17 if big else 3, dtype=torch.bfloat16, shared=False, graph=big)))
+    for B, shared in ((1, False), (4, False), (4, True)):
+        cases.append(("pred", dict(B=B, D=512, N=2000, r=64, k=150, shared=shared)))
+    fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor}
+    for kind, kw in cases:
+        torch.manual_seed(len(results))
+        try:
+            ok, info = fns[kind](**kw)
+        except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported
+            ok, info = False, {"exception": f"{type(e).__name__}: {e}"}
+        row = {"kind": kind, **{k: str(v) for k, v in kw.items()}, "ok": ok, **info}
+        results.append(row)
+        if not ok:
+            print("CHECK FAIL", json.dumps(row, default=str))
+    n_ok = sum(r["ok"] for r in results)
+    print(f"checks: {n_ok}/{len(results)} passed")
+    return results
+
+
+# ------------------------------------------------------------------------------ MLP
+
+class MLP:
+    def __init__(self, D, F):
+        self.D, self.F = D, F
+        self.w1, self.b1 = randn(F, D, scale=0.02), randn(F, scale=0.02)
+        self.w2_t, self.b2 = randn(F, D, scale=0.02), randn(D, scale=0.02)
+
+    def dense(self, x):
+        return Fn.linear(Fn.linear(x, self.w1, self.b1).relu_(), self.w2_t.t(), self.b2)
+
+    def sparse(self, x, idx, c1=None, c2=None):
+        h = P.sparse_fc1(x, self.w1, self.b1, idx, validate=False, config=c1)
+        return P.sparse_fc2(h, self.w2_t, self.b2, idx, validate=False, config=c2)
+
+
+FC1_SWEEP = {"gemv": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r, d, w in
+                      [(2, 512, 4), (4, 512, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8),
+                       (16, 512, 8), (4, 256, 4), (8, 256, 4), (2, 1024, 4)]],
+             "dot": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=s) for r, d, w, s in
+                     [(32, 128, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 256, 8, 3),
+                      (64, 64, 4, 4), (16, 128, 4, 4)]]}
+FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w) for k, d, w in
+                      [(16, 256, 4), (32, 256, 4), (8, 512, 4), (16, 512, 8), (32, 128, 4),
+                       (64, 128, 4), (16, 1024, 8), (8, 256, 4)]],
+             "dot": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for k, d, w, s in
+                     [(64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (128, 64, 4, 3),
+                      (32, 128, 4, 4)]]}
+
+
+def sweep(mlps, quick):
+    """Time each config; per path keep the one with the lowest summed time over the cases."""
+    out = {"fc1": {}, "fc2": {}, "rows": []}
+    for path, B, shared, dens in (("gemv", 1, False, (0.1, 0.5)), ("dot", 8, True, (0.3,))):
+        for kernel, table, cfgs in (("fc1", SM.FC1_CONFIG, FC1_SWEEP[path]),
+                                    ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path])):
+            totals = []
+            for cfg in (cfgs[:3] if quick else cfgs):
+                total = 0.0
+                try:
+                    for name, mlp in mlps.items():
+                        for d in dens:
+                            K = int(d * mlp.F)
+                            x = randn(B, mlp.D)
+                            idx = rand_idx(B, mlp.F, K, shared)
+                            if kernel == "fc1":
+                                t = bench(lambda: P.sparse_fc1(x, mlp.w1, mlp.b1, idx, validate=False, config=cfg))
+                            else:
+                                h = randn(B, K)
+                                t = bench(lambda: P.sparse_fc2(h, mlp.w2_t, mlp.b2, idx, validate=False, config=cfg))
+                            out["rows"].append({"kernel": kernel, "path": path, "shape": name, "density": d,
+                                                "B": B, "config": cfg, "ms": t})
+                            total += t
+                except Exception as e:  # noqa: BLE001
+                    print(f"  sweep {kernel}/{path} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                    total = float("inf")
+                totals.append((total, cfg))
+            best = min(totals, key=lambda tc: tc[0])
+            print(f"sweep {kernel}/{path}: best {best[1]} ({best[0]:.4f} ms summed); "
+                  f"default {table[path]} ({dict((str(c), t) for t, c in totals).get(str(table[path]), 'n/a')})")
+            if best[0] < float("inf"):
+                table[path] = dict(best[1])
+            out[kernel][path] = dict(best[1])
+    return out
+
+
+def bench_mlp(mlps, bw, quick):
+    rows = []
+    dens = [0.1, 0.3, 1.0] if quick else DENSITIES
+    batches = [1, 8] if quick else BATCHES
+    for name, mlp in mlps.items():
+        D, F = mlp.D, mlp.F
+        dense_bytes = 2 * F * D * 2
+        for B in batches:
+            x = randn(B, D)
+            t_dense = bench(lambda: mlp.dense(x))
+            for d in dens:
+                K = max(1, int(round(d * F)))
+                for shared in ((False,) if B == 1 else (False, True)):
+                    idx = rand_idx(B, F, K, shared)
+                    uniq = K if shared else int(torch.unique(idx).numel())
+                    t = bench(lambda: mlp.sparse(x, idx))
+                    row = {"shape": name, "B": B, "density": d, "K": K,
+                           "policy": "shared" if shared else "per_seq", "ms": t, "dense_ms": t_dense,
+                           "speedup": t_dense / t, "bytes": 2 * uniq * D * 2,
+                           "GBps": 2 * uniq * D * 2 / t / 1e6,
+                           "dense_GBps": dense_bytes / t_dense / 1e6}
+                    row["bw_frac"] = row["GBps"] / bw["copy_GBps"]
+                    if B == 1:
+                        h = torch.randn(B, K, device=DEV, dtype=torch.float16)
+                        row["fc1_ms"] = bench(lambda: P.sparse_fc1(x, mlp.w1, mlp.b1, idx, validate=False))
+                        row["fc2_ms"] = bench(lambda: P.sparse_fc2(h, mlp.w2_t, mlp.b2, idx, validate=False))
+                        row["graph_ms"] = bench_graph(lambda: mlp.sparse(x, idx))
+                        row["dense_graph_ms"] = bench_graph(lambda: mlp.dense(x))
+                    rows.append(row)
+            print(f"  mlp {name} B={B} done")
+    return rows
+
+
+# ------------------------------------------------------------------------------ attention
+
+def bench_attn(quick):
+    rows = []
+    for name, (D, F, H) in SHAPES.items():
+        hd = D // H
+        for B in ((1,) if quick else (1, 8)):
+            x, w, _, _ = _attn_inputs(1, H, hd, 1, torch.float16)
+            x = randn(B, D)
+            wl = [w[k] for k in ("wq", "bq", "wkv", "bkv", "wo_t", "bo")]
+            for ctx in (128, 1024):
+                S = ctx + 64
+                kc, vc = randn(B, H, S, hd), randn(B, H, S, hd)
+                pos_t = torch.tensor([ctx], device=DEV, dtype=torch.int32)
+
+                def dense():
+                    q = Fn.linear(x, w["wq"], w["bq"]).view(B, H, 1, hd)
+                    kv = Fn.linear(x, w["wkv"], w["bkv"]).view(B, 2, H, 1, hd)
+                    kc.index_copy_(2, pos_t.long(), kv[:, 0])
+                    vc.index_copy_(2, pos_t.long(), kv[:, 1])
+                    o = Fn.scaled_dot_product_attention(q, kc[:, :, :ctx + 1], vc[:, :, :ctx + 1], scale=1.0)
+                    return Fn.linear(o.reshape(B, D), w["wo_t"].t(), w["bo"])
+                t_dense = bench(dense)
+                for d in ((0.3, 1.0) if quick else (0.2, 0.3, 0.5, 1.0)):
+                    kh = max(1, int(round(d * H)))
+                    for shared in ((False,) if B == 1 else (False, True)):
+                        hidx = rand_idx(B, H, kh, shared)
+                        t = bench(lambda: P.sparse_attn_decode(x, *wl, hidx, kc, vc, pos_t, validate=False))
+                        nbytes = (2 * D * D + 2 * kh * hd * D * (1 if shared else B)
+                                  + 2 * B * kh * (ctx + 1) * hd) * 2
+                        rows.append({"shape": name, "B": B, "ctx": ctx, "density": d, "heads": kh,
+                                     "policy": "shared" if shared else "per_seq", "ms": t,
+                                     "dense_ms": t_dense, "speedup": t_dense / t,
+                                     "GBps": nbytes / t / 1e6,
+                                     "graph_ms": bench_graph(lambda: P.sparse_attn_decode(
+                                         x, *wl, hidx, kc, vc, pos_t, validate=False)) if B == 1 else None})
+            print(f"  attn {name} B={B} done")
+    return rows
+
+
+# ------------------------------------------------------------------------------ predictor
+
+def bench_predictor(mlps, mlp_rows, quick):
+    rows = []
+    for name, mlp in mlps.items():
+        D, F, H = SHAPES[name]
+        ah, bh, biash = randn(128, D, scale=0.02), randn(H, 128, scale=0.02), randn(H)
+        for B in ((1,) if quick else (1, 8)):
+            x = randn(B, D)
+            for r in ((512,) if quick else (256, 512, 1024)):
+                a, b, bias = randn(r, D, scale=0.02), randn(F, r, scale=0.02), randn(F)
+                for d in (0.1, 0.3):
+                    k = int(round(d * F))
+                    for shared in ((False,) if B == 1 else (False, True)):
+                        t = bench(lambda: P.predictor_topk(x, a, b, bias, k, shared=shared))
+                        t_heads = bench(lambda: P.predictor_topk(x, ah, bh, biash, int(0.3 * H), shared=shared))
+                        t_scores = bench(lambda: P.predictor_scores(x, a, b, bias))
+                        pol = "shared" if shared else "per_seq"
+                        mlp_ms = next((m["ms"] for m in mlp_rows if m["shape"] == name and m["B"] == B
+                                       and m["density"] == d and m["policy"] == pol), None)
+                        rows.append({"shape": name, "B": B, "rank": r, "density": d, "k": k, "policy": pol,
+                                     "ms": t, "scores_ms": t_scores, "heads_ms": t_heads,
+                                     "bytes_frac_dense": r * (D + F) / (2 * D * F),
+                                     "sparse_mlp_ms": mlp_ms,
+                                     "frac_of_sparse_mlp": (t / mlp_ms) if mlp_ms else None})
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+def table(rows, cols):
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
+    args = ap.parse_args(argv)
+    out = args.out or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else "kernels.json")
+    if DEV == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    t0 = time.time()
+    res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
+           "triton": triton.__version__, "quick": args.quick}
+    fail = False
+    if args.check:
+        res["check"] = run_checks()
+        fail = not all(r["ok"] for r in res["check"])
+        print(f"[{time.time() - t0:.0f}s] checks done")
+    if not args.no_bench or args.sweep:
+        res["bandwidth"] = bw = measure_bandwidth()
+        print(f"copy {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s")
+        mlps = {name: MLP(D, F) for name, (D, F, H) in SHAPES.items()}
+        if args.sweep:
+            res["sweep"] = sweep(mlps, args.quick)
+            print(f"[{time.time() - t0:.0f}s] sweep done")
+        res["kernel_settings"] = SM.kernel_settings()
+        if not args.no_bench:
+            res["mlp"] = bench_mlp(mlps, bw, args.quick)
+            print(f"[{time.time() - t0:.0f}s] mlp done")
+            res["predictor"] = bench_predictor(mlps, res["mlp"], args.quick)
+            del mlps
+            torch.cuda.empty_cache()
+            res["attn"] = bench_attn(args.quick)
+            print(f"[{time.time() - t0:.0f}s] attn done")
+    res["wall_s"] = time.time() - t0
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1, default=str))
+    if "mlp" in res:
+        b1 = [r for r in res["mlp"] if r["B"] == 1]
+        print("\n## Sparse MLP, batch 1 (fp16)\n")
+        print(table(b1, ["shape", "density", "ms", "graph_ms", "fc1_ms", "fc2_ms", "dense_ms",
+                         "dense_graph_ms", "speedup", "GBps", "bw_frac"]))
+        print("\n## Sparse MLP, batches (speedup vs dense cuBLAS)\n")
+        bt = [r for r in res["mlp"] if r["B"] > 1 and r["density"] in (0.1, 0.3, 0.5)]
+        print(table(bt, ["shape", "B", "density", "policy", "ms", "dense_ms", "speedup", "bw_frac"]))
+        print("\n## Predictor + top-k\n")
+        print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "ms", "scores_ms",
+                                       "heads_ms", "sparse_mlp_ms", "frac_of_sparse_mlp"]))
+        print("\n## Sparse attention decode\n")
+        print(table(res["attn"], ["shape", "B", "ctx", "density", "policy", "ms", "graph_ms",
+                                  "dense_ms", "speedup", "GBps"]))
+    print(f"\nwrote {out} ({res['wall_s']:.0f}s)")
+    return 1 if fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

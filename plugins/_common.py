@@ -1,0 +1,138 @@
+"""Shared launcher plumbing for the Triton plugins: lazy Triton import, input checks.
+
+Triton is imported only when a kernel is launched, so `dejavu.plugins` (and its PyTorch
+references) imports without Triton and without a GPU stack.
+
+Kernels are plain module-level functions (string annotations via `from __future__ import
+annotations`, so `tl.constexpr` needs no Triton at import); `jit(fn)` wraps one on first
+use and puts `tl` into the kernel module's globals, where both Triton's compiler and its
+interpreter look it up.
+
+CPU tensors run under Triton's interpreter, which must be switched on (`TRITON_INTERPRET=1`)
+before `triton` is first imported: Triton decides at import time whether its own library
+functions (`tl.sum`, `tl.max`, ...) are interpreted. `tests/plugins/conftest.py` sets it;
+a launch on CPU tensors in a process where Triton was imported without it is a DejavuError.
+"""
+from __future__ import annotations
+
+import torch
+
+from dejavu.errors import DejavuError
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+_JITTED: dict = {}
+
+
+def _triton():
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise DejavuError("the Triton kernels need triton (pip install 'dejavu[gpu]')") from e
+    return triton
+
+
+def interpreting() -> bool:
+    """True when Triton was imported in interpreter mode (TRITON_INTERPRET=1)."""
+    triton = _triton()
+    return type(triton.language.standard.max).__name__ == "InterpretedFunction"
+
+
+def jit(fn, device: torch.device):
+    """The Triton kernel for plain function `fn`, ready to launch on `device`'s tensors."""
+    if device.type == "cpu" and not interpreting():
+        raise DejavuError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first "
+            "imported (use the *_ref functions for a CPU path)")
+    if device.type not in ("cpu", "cuda"):
+        raise DejavuError(f"Triton kernels run on cuda (or cpu in interpreter mode), not {device}")
+    kernel = _JITTED.get(fn)
+    if kernel is None:
+        triton = _triton()
+        if device.type == "cpu":
+            _patch_interpreter_index()
+        fn.__globals__["tl"] = triton.language
+        kernel = _JITTED[fn] = triton.jit(fn)
+    return kernel
+
+
+def _patch_interpreter_index():
+    """Make Triton 3.6's interpreter work with numpy >= 2.4 (loops over runtime bounds).
+
+    The interpreter keeps scalars as 1-element 1-d arrays and defines `tensor.__index__` as
+    `int(array)`, which numpy 2.4 no longer allows for 1-d arrays, so `range(0, D, BLOCK)`
+    with a runtime D fails. Re-patch `__index__` after the interpreter's own patching (its
+    scope restores in reverse order, so the original is restored after each launch).
+    """
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp._patch_lang_tensor, "_dejavu_index_fix", False):
+        return
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._dejavu_index_fix = True
+    interp._patch_lang_tensor = patched
+
+
+def check_tensor(name, t, *, ndim=None, shape=None, dtype=None, device=None, dtypes=None):
+    """Raise DejavuError unless `t` is a contiguous tensor of the given rank/shape/dtype/device."""
+    if not isinstance(t, torch.Tensor):
+        raise DejavuError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise DejavuError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise DejavuError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise DejavuError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise DejavuError(f"{name}: dtype {t.dtype} not supported (use one of {list(dtypes)})")
+    if device is not None and t.device != device:
+        raise DejavuError(f"{name}: on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise DejavuError(f"{name}: must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+
+
+def check_index(name, idx, *, batch, upper, device, validate):
+    """Check an index tensor [B, K] or [K] of int32/int64 with values in [0, upper).
+
+    Returns (K, shared). The range check reads min/max back to the host (a sync): only
+    when `validate` is true.
+    """
+    check_tensor(name, idx, dtypes=INDEX_DTYPES, device=device)
+    if idx.dim() == 2:
+        if idx.shape[0] != batch:
+            raise DejavuError(f"{name}: shape {tuple(idx.shape)} does not match batch {batch}")
+        shared = False
+    elif idx.dim() == 1:
+        shared = True
+    else:
+        raise DejavuError(f"{name}: expected [B, K] or [K], got shape {tuple(idx.shape)}")
+    k = idx.shape[-1]
+    if validate and idx.numel() > 0:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= upper:
+            raise DejavuError(f"{name}: indices out of range [0, {upper}) (min {lo}, max {hi})")
+    return k, shared
+
+
+def default_validate(validate, device) -> bool:
+    """Range checks default on for CPU (tests) and off on GPU (the hot path: no host sync)."""
+    return device.type == "cpu" if validate is None else bool(validate)
+
+
+def check_out(out, shape, dtype, device):
+    """An `out=` tensor must match exactly; None allocates."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor("out", out, shape=shape, dtype=dtype, device=device)
+    return out
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()

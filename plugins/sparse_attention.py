@@ -1,0 +1,179 @@
+"""Sparse attention heads for decode (one new token per sequence) over a static KV cache.
+
+    sparse_attn_decode(x_ln[B,D], wq[D,D], bq[D], wkv[2D,D], bkv[2D], wo_t[D,D], bo[D],
+                       head_idx[B,Kh]|[Kh], k_cache[B,H,S_max,hd], v_cache[B,H,S_max,hd],
+                       pos, residual[B,D]|None, *, out=None, validate=None) -> y[B,D]
+
+Policy (ARCHITECTURE.md, "Sparsity semantics"): K and V are projected for *all* heads
+(one dense GEMV on wkv, cuBLAS) and written into the caches at `pos`, so a head selected at
+a later step sees every past key; Q is projected only for the selected heads (gathered
+rows of wq, head-major, 1/sqrt(hd) already folded into wq/bq); attention runs over
+positions 0..pos for the selected heads; the output projection reads only the selected
+heads' rows of wo_t (= out_proj.weight transposed) and adds bo (+ residual). Unselected
+heads contribute zero, exactly as the masked-dense model.
+
+Pieces (each a launch, all CUDA-graph capturable, no host sync with validate off):
+  1. kv = x_ln @ wkv.T + bkv (torch/cuBLAS), scattered into k_cache/v_cache at pos
+  2. q[B, Kh*hd] (fp32) = gathered GEMV on wq rows  (sparse_mlp.gather_gemv, no ReLU)
+  3. o[B, Kh*hd] (fp32) = softmax(q.k) v per selected head   (_attn_decode_kernel)
+  4. y = o @ wo_t[rows] + bo (+ residual)            (sparse_mlp.gather_gemv_t)
+
+`pos` is an int, or an int32/int64 tensor on the device of shape [] / [1] (one position for
+the batch) or [B] (one per sequence). Pass a tensor to capture decode in a CUDA graph: the
+kernel reads the position from memory, so replays follow the tensor's current value. The
+caches are updated in place (the reference does the same). Limits: hd <= 256 and a power of
+two or not (masked); one program per (sequence, selected head), no split over the context
+(fine at decode lengths here, see docs/kernels.md); duplicate head indices are not allowed
+(top-k never makes them; the output projection would count such a head twice).
+"""
+from __future__ import annotations
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out,
+                                    check_tensor, default_validate, jit, next_pow2)
+from dejavu.plugins.sparse_mlp import gather_gemv, gather_gemv_t
+
+tl = None  # triton.language, bound on first launch (see _common.jit)
+
+ATTN_CONFIG = {"BLOCK_S": 64, "num_warps": 4}
+
+
+def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, KH, HD,
+                        stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
+                        BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
+    # o[b, j] = softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in [0, pos[b]],
+    # head = head_idx[b, j]; grid (B, Kh). Online softmax in fp32.
+    pid_b = tl.program_id(0)
+    pid_j = tl.program_id(1)
+    head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
+    pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_HD)
+    dmask = offs_d < HD
+    qo = (pid_b.to(tl.int64) * KH + pid_j) * HD
+    q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    base = pid_b.to(tl.int64) * stride_cb + head * stride_ch
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
+    for s0 in range(0, pos + 1, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        smask = offs_s <= pos
+        tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        mask = smask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1)
+        s = tl.where(smask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    tl.store(o_ptr + qo + offs_d, acc / l_i, mask=dmask)
+
+
+def _positions(pos, batch, device):
+    """pos (int or tensor) -> (tensor on device, batch stride 0 or 1)."""
+    if isinstance(pos, int):
+        return torch.full((1,), pos, dtype=torch.int32, device=device), 0
+    if not isinstance(pos, torch.Tensor) or pos.dtype not in INDEX_DTYPES:
+        raise DejavuError("pos: expected an int or an int32/int64 tensor")
+    if pos.device != device:
+        raise DejavuError(f"pos: on {pos.device}, expected {device}")
+    if pos.numel() == 1:
+        return pos.reshape(1), 0
+    if pos.dim() == 1 and pos.shape[0] == batch:
+        check_tensor("pos", pos)
+        return pos, 1
+    raise DejavuError(f"pos: expected shape [], [1] or [B={batch}], got {tuple(pos.shape)}")
+
+
+def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, residual, validate):
+    check_tensor("x_ln", x_ln, ndim=2, dtypes=FLOAT_DTYPES)
+    B, D = x_ln.shape
+    dt, dev = x_ln.dtype, x_ln.device
+    check_tensor("wq", wq, shape=(D, D), dtype=dt, device=dev)
+    check_tensor("bq", bq, shape=(D,), dtype=dt, device=dev)
+    check_tensor("wkv", wkv, shape=(2 * D, D), dtype=dt, device=dev)
+    check_tensor("bkv", bkv, shape=(2 * D,), dtype=dt, device=dev)
+    check_tensor("wo_t", wo_t, shape=(D, D), dtype=dt, device=dev)
+    check_tensor("bo", bo, shape=(D,), dtype=dt, device=dev)
+    check_tensor("k_cache", k_cache, ndim=4, dtype=dt, device=dev)
+    H, S, hd = k_cache.shape[1:]
+    if k_cache.shape[0] != B or H * hd != D:
+        raise DejavuError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, D={D}")
+    if hd > 256:
+        raise DejavuError(f"head dim {hd} > 256 is not supported")
+    check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=dt, device=dev)
+    if residual is not None:
+        check_tensor("residual", residual, shape=(B, D), dtype=dt, device=dev)
+    kh, _ = check_index("head_idx", head_idx, batch=B, upper=H, device=dev, validate=validate)
+    return B, D, H, S, hd, kh
+
+
+def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
+                       residual=None, *, out=None, validate=None):
+    """Decode one token through the selected heads; updates the caches at pos; y[B,D]."""
+    validate = default_validate(validate, x_ln.device)
+    B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
+                                     v_cache, residual, validate)
+    pos_t, stride_pb = _positions(pos, B, x_ln.device)
+    if validate:
+        lo, hi = int(pos_t.min()), int(pos_t.max())
+        if lo < 0 or hi >= S:
+            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
+    out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
+
+    # 1. K/V for all heads, written at pos (index_put_: graph-capturable, no sync)
+    kv = torch.nn.functional.linear(x_ln, wkv, bkv).view(B, 2, H, hd)
+    b_idx = torch.arange(B, device=x_ln.device)
+    p_idx = pos_t.long().expand(B)
+    k_cache[b_idx, :, p_idx] = kv[:, 0]
+    v_cache[b_idx, :, p_idx] = kv[:, 1]
+    if kh == 0:
+        out.copy_(bo.expand(B, D) if residual is None else bo + residual)
+        return out
+
+    # 2. Q for the selected heads: rows head*hd + c of wq
+    rows = (head_idx.long().unsqueeze(-1) * hd + torch.arange(hd, device=x_ln.device))
+    rows = rows.flatten(-2)  # [B, Kh*hd] or [Kh*hd]
+    q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
+    gather_gemv(x_ln, wq, bq, rows, q, relu=False)
+
+    # 3. attention over 0..pos for the selected heads
+    o = torch.empty_like(q)
+    kernel = jit(_attn_decode_kernel, x_ln.device)
+    kernel[(B, kh)](q, k_cache, v_cache, head_idx, pos_t, o, kh, hd,
+                    0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
+                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                    BLOCK_S=ATTN_CONFIG["BLOCK_S"], BLOCK_HD=max(16, next_pow2(hd)),
+                    num_warps=ATTN_CONFIG["num_warps"])
+
+    # 4. output projection over the selected heads' rows of wo_t
+    return gather_gemv_t(o, wo_t, bo, rows, residual, out)
+
+
+def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
+                           residual=None):
+    """PyTorch reference (masked dense): same signature and cache update; y[B,D]."""
+    B, D = x_ln.shape
+    H, S, hd = k_cache.shape[1:]
+    q = (x_ln @ wq.T + bq).view(B, H, hd)
+    kv = (x_ln @ wkv.T + bkv).view(B, 2, H, hd)
+    if isinstance(pos, int):
+        pos = torch.tensor(pos)
+    p_idx = pos.to(x_ln.device).long().reshape(-1).expand(B)
+    b_idx = torch.arange(B, device=x_ln.device)
+    k_cache[b_idx, :, p_idx] = kv[:, 0]
+    v_cache[b_idx, :, p_idx] = kv[:, 1]
+    scores = torch.einsum("bhd,bhsd->bhs", q, k_cache)
+    visible = torch.arange(S, device=x_ln.device)[None, :] <= p_idx[:, None]  # [B, S]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    o = torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v_cache)
+    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
+    keep = torch.zeros(B, H, dtype=o.dtype, device=o.device).scatter_(1, heads, 1.0)
+    y = (o * keep[:, :, None]).reshape(B, D) @ wo_t + bo
+    return y if residual is None else y + residual

@@ -1,0 +1,357 @@
+"""Sparse MLP for decode: gathered GEMVs over the selected neurons (Triton) + references.
+
+    sparse_fc1(x[B,D], w1[F,D], b1[F], idx[B,K]|[K]) -> h[B,K] = relu(w1[idx] @ x + b1[idx])
+    sparse_fc2(h[B,K], w2_t[F,D], b2[D], idx, residual[B,D]|None) -> y[B,D]
+                                                   = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual)
+
+Limits and choices (see docs/kernels.md for the measurements behind them):
+- dtypes fp16, bf16, fp32 (weights in the activation dtype); accumulation in fp32; the
+  output has the activation dtype. fp32 dots run in IEEE fp32 (no tf32).
+- idx int32 or int64, `[B, K]` (one set per sequence) or `[K]` (one set for the batch).
+  Per-sequence sets run one GEMV per sequence (each sequence reads its own rows); a shared
+  set with B >= DOT_MIN_BATCH reads each gathered row once and multiplies it against the whole
+  batch with `tl.dot` (batch padded to >= 16), which is what makes batches cheap.
+- Index values are trusted in the kernel (gathering a bad row reads out of bounds); the
+  launcher checks the range only when `validate` is true (default: CPU yes, GPU no, since
+  the check syncs with the host). Duplicated indices are allowed (fc2 sums them).
+- fc2 splits K across programs (two passes: fp32 partials [SPLIT, B, D], then one small
+  reduction that adds bias and residual): deterministic, no atomics, no zeroed workspace.
+- No host sync on the GPU path; launches are CUDA-graph capturable.
+- Block sizes are fixed per path (FC1_CONFIG / FC2_CONFIG, picked on an H200, recorded by
+  `kernel_settings()`); `config=` overrides them (the benchmark's sweep).
+"""
+from __future__ import annotations
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
+                                    default_validate, jit, next_pow2)
+
+tl = None  # triton.language, bound on first launch (see _common.jit)
+
+# Deterministic block choices per path (H200, OPT-30B/66B shapes; docs/kernels.md).
+FC1_CONFIG = {
+    "gemv": {"BLOCK_R": 4, "BLOCK_D": 512, "num_warps": 4},
+    "dot": {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
+}
+FC2_CONFIG = {
+    "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4},
+    "dot": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
+}
+DOT_MIN_BATCH = 2       # shared index sets from this batch size use the tl.dot kernels
+TARGET_PROGRAMS = 528   # fc2 split-K aims at ~4 programs per SM on 132 SMs
+REDUCE_BLOCK = 1024
+
+
+def kernel_settings() -> dict:
+    """The block choices in force, for the engine header's target.kernel_settings."""
+    return {"fc1": {k: dict(v) for k, v in FC1_CONFIG.items()},
+            "fc2": {k: dict(v) for k, v in FC2_CONFIG.items()},
+            "dot_min_batch": DOT_MIN_BATCH, "fc2_target_programs": TARGET_PROGRAMS}
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+
+def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
+                        stride_xb, stride_ib, stride_ob,
+                        RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                        EVEN_D: tl.constexpr):
+    # out[b, r] = act(w[idx[b, r]] @ x[b] + bias[idx[b, r]]); grid (B, cdiv(K, BLOCK_R)).
+    # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
+    # reading the same rows run together and share them through L2.
+    pid_b = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < K
+    # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
+    rows = tl.load(idx_ptr + pid_b * stride_ib + offs_r, mask=rmask, other=0).to(tl.int64)
+    w_rows = w_ptr + rows[:, None] * D
+    x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            xv = tl.load(x_row + offs_d).to(tl.float32)
+            wv = tl.load(w_rows + offs_d[None, :]).to(tl.float32)
+        else:
+            dmask = offs_d < D
+            xv = tl.load(x_row + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
+    if RELU:
+        h = tl.maximum(h, 0.0)
+    tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + offs_r,
+             h.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob,
+                       RELU: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    # Shared index set: out[b, r] = act(w[idx[r]] @ x[b] + bias[idx[r]]) for all b at once;
+    # grid (cdiv(K, BLOCK_R),). Each gathered row is read once for the whole batch.
+    pid_r = tl.program_id(0)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < K
+    rows = tl.load(idx_ptr + offs_r, mask=rmask, other=0).to(tl.int64)
+    offs_b = tl.arange(0, BLOCK_B)
+    bmask = offs_b < B
+    w_rows = w_ptr + rows[:, None] * D
+    x_cols = x_ptr + offs_b[None, :].to(tl.int64) * stride_xb
+    acc = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            wv = tl.load(w_rows + offs_d[None, :])
+            xt = tl.load(x_cols + offs_d[:, None], mask=bmask[None, :], other=0.0)
+        else:
+            dmask = offs_d < D
+            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            xt = tl.load(x_cols + offs_d[:, None], mask=bmask[None, :] & dmask[:, None], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(wv.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(wv, xt.to(wv.dtype), acc)
+    h = acc + tl.load(b_ptr + rows).to(tl.float32)[:, None]
+    if RELU:
+        h = tl.maximum(h, 0.0)
+    out = out_ptr + offs_b[None, :].to(tl.int64) * stride_ob + offs_r[:, None]
+    tl.store(out, h.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & bmask[None, :])
+
+
+def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
+                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib,
+                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    # y[b, d] = sum_k h[b, k] * w_t[idx[b, k], d]; grid (B, SPLIT, cdiv(D, BLOCK_D)).
+    # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < k_end
+        rows = tl.load(idx_ptr + pid_b * stride_ib + offs_k, mask=kmask, other=0).to(tl.int64)
+        hv = tl.load(h_ptr + pid_b * stride_hb + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        if EVEN_D:
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :]).to(tl.float32)
+        else:
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
+                         other=0.0).to(tl.float32)
+        acc += wv * hv[:, None]
+    y = tl.sum(acc, axis=0)
+    row = pid_b.to(tl.int64) * D
+    if FINAL:
+        y += tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            y += tl.load(res_ptr + row + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row + offs_d, y.to(out_ptr.dtype.element_ty), mask=dmask)
+    else:
+        tl.store(part_ptr + pid_s.to(tl.int64) * B * D + row + offs_d, y, mask=dmask)
+
+
+def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
+                         B, D, K, K_PER_SPLIT, stride_hb,
+                         FINAL: tl.constexpr, HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+                         EVEN_D: tl.constexpr):
+    # Shared index set: y[b, :] = h[b, :] @ w_t[idx] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
+    pid_d = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_b = tl.arange(0, BLOCK_B)
+    bmask = offs_b < B
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < k_end
+        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+        hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
+                     mask=bmask[:, None] & kmask[None, :], other=0.0)
+        if EVEN_D:
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :])
+        else:
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
+                         other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hv.to(wv.dtype), wv, acc)
+    rows_b = offs_b[:, None].to(tl.int64) * D
+    mask = bmask[:, None] & dmask[None, :]
+    if FINAL:
+        y = acc + tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            y += tl.load(res_ptr + rows_b + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows_b + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_s.to(tl.int64) * B * D + rows_b + offs_d[None, :], acc, mask=mask)
+
+
+def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    # out[b, d] = sum_s part[s, b, d] + bias[d] (+ residual[b, d]); grid (B, cdiv(D, BLOCK)).
+    pid_b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    row = pid_b.to(tl.int64) * D
+    y = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for s in range(0, SPLIT):
+        y += tl.load(part_ptr + s * B * D + row + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        y += tl.load(res_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------
+# launchers (internal: no checks; the public functions below check)
+
+def _dot_fp32(dtype, device) -> bool:
+    # fp32 dots in IEEE fp32 (Triton's default would be tf32). Triton 3.6's interpreter
+    # computes bf16 dots wrongly (garbage), so on CPU bf16 operands are upcast first.
+    return dtype == torch.float32 or (device.type == "cpu" and dtype == torch.bfloat16)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None):
+    """out[B,K] = act(w[idx] @ x + bias[idx]) (checked inputs; out may be wider than x)."""
+    B, D = x.shape
+    K = idx.shape[-1]
+    if K == 0 or B == 0:
+        return out
+    shared = idx.dim() == 1
+    if shared and B >= DOT_MIN_BATCH:
+        cfg = {**FC1_CONFIG["dot"], **(config or {})}
+        kernel = jit(_gather_dot_kernel, x.device)
+        kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
+            x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
+            RELU=relu, DOT_FP32=_dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
+            BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
+            EVEN_D=D % cfg["BLOCK_D"] == 0, num_warps=cfg["num_warps"],
+            num_stages=cfg.get("num_stages", 3))
+    else:
+        cfg = {**FC1_CONFIG["gemv"], **(config or {})}
+        kernel = jit(_gather_gemv_kernel, x.device)
+        kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
+            x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0),
+            RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
+            EVEN_D=D % cfg["BLOCK_D"] == 0, num_warps=cfg["num_warps"],
+            num_stages=cfg.get("num_stages", 2))
+    return out
+
+
+def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None):
+    """out[B,D] = h @ w_t[idx] + bias (+ residual) (checked inputs; h may be fp32)."""
+    B, K = h.shape
+    D = w_t.shape[1]
+    if B == 0:
+        return out
+    shared = idx.dim() == 1
+    dot = shared and B >= DOT_MIN_BATCH
+    cfg = {**FC2_CONFIG["dot" if dot else "gemv"], **(config or {})}
+    block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
+    n_d = _cdiv(D, block_d)
+    k_blocks = max(1, _cdiv(K, block_k))
+    split = cfg.get("SPLIT") or max(1, min(k_blocks, TARGET_PROGRAMS // (n_d * (1 if dot else B))))
+    k_per_split = _cdiv(k_blocks, split) * block_k
+    split = max(1, _cdiv(K, k_per_split))
+    final = split == 1
+    part = out if final else torch.empty((split, B, D), dtype=torch.float32, device=h.device)
+    res = residual if residual is not None else out  # never read when HAS_RES is false
+    common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
+                  EVEN_D=D % block_d == 0, num_warps=cfg["num_warps"])
+    if dot:
+        kernel = jit(_gather_dot_t_kernel, h.device)
+        kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0),
+                             DOT_FP32=_dot_fp32(w_t.dtype, h.device), BLOCK_B=max(16, next_pow2(B)),
+                             num_stages=cfg.get("num_stages", 3), **common)
+    else:
+        kernel = jit(_gather_gemv_t_kernel, h.device)
+        kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split,
+                                h.stride(0), 0 if shared else idx.stride(0),
+                                num_stages=cfg.get("num_stages", 2), **common)
+    if not final:
+        reduce = jit(_split_reduce_kernel, h.device)
+        reduce[(B, _cdiv(D, REDUCE_BLOCK))](part, bias, res, out, B, D, split,
+                                            HAS_RES=residual is not None, BLOCK=REDUCE_BLOCK,
+                                            num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# public API
+
+def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None):
+    """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D], w1 [F,D], b1 [F], idx [B,K] or [K]."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, D = x.shape
+    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
+    F = w1.shape[0]
+    if w1.shape[1] != D:
+        raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
+    check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
+    K, _ = check_index("idx", idx, batch=B, upper=F, device=x.device,
+                       validate=default_validate(validate, x.device))
+    out = check_out(out, (B, K), x.dtype, x.device)
+    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config)
+
+
+def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, validate=None, config=None):
+    """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K]."""
+    check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
+    B, K = h.shape
+    check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)
+    F, D = w2_t.shape
+    check_tensor("b2", b2, shape=(D,), dtype=h.dtype, device=h.device)
+    k, _ = check_index("idx", idx, batch=B, upper=F, device=h.device,
+                       validate=default_validate(validate, h.device))
+    if k != K:
+        raise DejavuError(f"idx: K={k} does not match h's K={K}")
+    if residual is not None:
+        check_tensor("residual", residual, shape=(B, D), dtype=h.dtype, device=h.device)
+    out = check_out(out, (B, D), h.dtype, h.device)
+    return gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config)
+
+
+def sparse_mlp(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
+    """fc2(relu(fc1(x))) over the selected neurons: y[B,D]."""
+    h = sparse_fc1(x, w1, b1, idx, validate=validate)
+    return sparse_fc2(h, w2_t, b2, idx, residual, validate=False)
+
+
+# ---------------------------------------------------------------------------------------
+# references (PyTorch, any device/dtype; compute in the inputs' dtype unless upcast first)
+
+def _expand_idx(idx, batch):
+    return idx.long().expand(batch, -1) if idx.dim() == 1 else idx.long()
+
+
+def sparse_fc1_ref(x, w1, b1, idx):
+    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K]."""
+    rows = _expand_idx(idx, x.shape[0])
+    h = torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows]
+    return torch.relu(h)
+
+
+def sparse_fc2_ref(h, w2_t, b2, idx, residual=None):
+    """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]."""
+    rows = _expand_idx(idx, h.shape[0])
+    y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
+    return y if residual is None else y + residual
+
+
+def sparse_mlp_ref(x, w1, b1, w2_t, b2, idx, residual=None):
+    return sparse_fc2_ref(sparse_fc1_ref(x, w1, b1, idx), w2_t, b2, idx, residual)

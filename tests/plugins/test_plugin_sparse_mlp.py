@@ -1,0 +1,120 @@
+"""sparse_fc1 / sparse_fc2 (Triton, interpreter) against float64 references on the same index set."""
+import pytest
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins import sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref, sparse_mlp
+
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+D, F, K = 72, 200, 37  # not multiples of any block size
+
+
+def make(B, dtype, shared, idx_dtype=torch.int32, k=K):
+    x = torch.randn(B, D).to(dtype)
+    w1, b1 = (torch.randn(F, D) / D ** 0.5).to(dtype), torch.randn(F).to(dtype)
+    w2_t, b2 = (torch.randn(F, D) / k ** 0.5).to(dtype), torch.randn(D).to(dtype)
+    if shared:
+        idx = torch.randperm(F)[:k].to(idx_dtype)
+    else:
+        idx = torch.stack([torch.randperm(F)[:k] for _ in range(B)]).to(idx_dtype)
+    return x, w1, b1, w2_t, b2, idx
+
+
+def run_fc1(x, w1, b1, idx):
+    h = torch.full((x.shape[0], idx.shape[-1]), float("nan"), dtype=x.dtype)
+    out = sparse_fc1(x, w1, b1, idx, out=h)
+    assert out is h
+    return h
+
+
+CASES = [(1, False), (3, False), (3, True), (1, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared", CASES)
+def test_fc1_fc2_match_reference(triton_interp, close, dtype, B, shared):
+    x, w1, b1, w2_t, b2, idx = make(B, dtype, shared, torch.int64 if B == 3 else torch.int32)
+    h = run_fc1(x, w1, b1, idx)
+    h_ref = sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx)
+    close(h, h_ref, sparse_fc1_ref(x, w1, b1, idx))
+
+    res = torch.randn(B, D).to(dtype)
+    y = torch.full((B, D), float("nan"), dtype=dtype)
+    sparse_fc2(h, w2_t, b2, idx, res, out=y)
+    y_ref = sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double())
+    close(y, y_ref, sparse_fc2_ref(h, w2_t, b2, idx, res))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("split", [1, 2])
+def test_fc2_split_paths_without_residual(triton_interp, close, shared, split):
+    # SPLIT=1 stores directly (bias in the main kernel); SPLIT=2 goes through the reduction
+    x, w1, b1, w2_t, b2, idx = make(3, torch.float16, shared)
+    h = torch.randn(3, K).to(torch.float16)
+    y = torch.full((3, D), float("nan"), dtype=torch.float16)
+    sparse_fc2(h, w2_t, b2, idx, out=y, config={"SPLIT": split, "BLOCK_K": 16})
+    y_ref = sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx)
+    close(y, y_ref, sparse_fc2_ref(h, w2_t, b2, idx))
+
+
+def test_full_density_is_the_dense_mlp(triton_interp):
+    # idx = every neuron reproduces the dense layer (density 1.0)
+    x, w1, b1, w2_t, b2, _ = make(2, torch.float32, True)
+    idx = torch.arange(F, dtype=torch.int32)
+    y = sparse_mlp(x, w1, b1, w2_t, b2, idx)
+    dense = torch.relu(x.double() @ w1.double().T + b1.double()) @ w2_t.double() + b2.double()
+    assert torch.allclose(y.double(), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_oracle_selection_matches_dense(triton_interp):
+    # keeping every neuron that is active (relu > 0) for this token reproduces the dense MLP
+    x, w1, b1, w2_t, b2, _ = make(1, torch.float32, False)
+    pre = x.double() @ w1.double().T + b1.double()
+    idx = torch.nonzero(pre[0] > 0).flatten().to(torch.int32)[None]
+    y = sparse_mlp(x, w1, b1, w2_t, b2, idx)
+    dense = torch.relu(pre) @ w2_t.double() + b2.double()
+    assert torch.allclose(y.double(), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_duplicates_and_empty_selection(triton_interp):
+    x, w1, b1, w2_t, b2, _ = make(1, torch.float32, False)
+    idx = torch.tensor([[5, 5, 7]], dtype=torch.int32)
+    h = sparse_fc1(x, w1, b1, idx)
+    assert torch.equal(h[0, 0], h[0, 1])
+    y = sparse_fc2(h, w2_t, b2, idx)
+    assert torch.allclose(y.double(), sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx))
+    empty = torch.zeros(1, 0, dtype=torch.int32)
+    assert sparse_fc1(x, w1, b1, empty).shape == (1, 0)
+    y0 = sparse_fc2(torch.zeros(1, 0), w2_t, b2, empty)
+    assert torch.equal(y0[0], b2)
+
+
+def test_bad_inputs_rejected():
+    x, w1, b1, w2_t, b2, idx = make(2, torch.float16, False)
+    with pytest.raises(DejavuError, match="w1: expected dtype"):
+        sparse_fc1(x, w1.float(), b1, idx)
+    with pytest.raises(DejavuError, match="x: dtype torch.int64 not supported"):
+        sparse_fc1(x.long(), w1, b1, idx)
+    with pytest.raises(DejavuError, match="idx: dtype torch.float32 not supported"):
+        sparse_fc1(x, w1, b1, idx.float())
+    with pytest.raises(DejavuError, match="w1: must be contiguous"):
+        sparse_fc1(x, w1.t().contiguous().t(), b1, idx)
+    with pytest.raises(DejavuError, match="idx: must be contiguous"):
+        sparse_fc1(x, w1, b1, torch.cat([idx, idx], 1)[:, ::2])
+    with pytest.raises(DejavuError, match="out of range"):
+        sparse_fc1(x, w1, b1, torch.full_like(idx, F))
+    with pytest.raises(DejavuError, match="out of range"):
+        sparse_fc2(torch.randn(2, K).half(), w2_t, b2, torch.full_like(idx, -1))
+    with pytest.raises(DejavuError, match="does not match batch"):
+        sparse_fc1(x, w1, b1, idx[:1])
+    with pytest.raises(DejavuError, match="expected \\[B, K\\] or \\[K\\]"):
+        sparse_fc1(x, w1, b1, idx[None])
+    with pytest.raises(DejavuError, match="w1: shape"):
+        sparse_fc1(x, w1[:, :-1].contiguous(), b1, idx)
+    with pytest.raises(DejavuError, match="does not match h's K"):
+        sparse_fc2(torch.randn(2, K + 1).half(), w2_t, b2, idx)
+    with pytest.raises(DejavuError, match="residual: expected shape"):
+        sparse_fc2(torch.randn(2, K).half(), w2_t, b2, idx, torch.randn(2, D + 1).half())
+    with pytest.raises(DejavuError, match="out: expected shape"):
+        sparse_fc1(x, w1, b1, idx, out=torch.empty(2, K + 1, dtype=torch.float16))
