@@ -20,6 +20,7 @@ Top-1 token agreement with the reference of each comparison is reported and gate
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -71,18 +72,23 @@ def source_model(header: dict) -> str | None:
 
 
 def find_onnx(folder: str | None) -> tuple[Path | None, Path | None]:
-    """(dense, sparse) ONNX files of an --onnx-dir: names containing 'dense' / 'sparse'."""
+    """(dense, sparse) full-sequence ONNX graphs of an --onnx-dir.
+
+    dejavu-compile --onnx-out writes prefill.onnx (dense), prefill.sparse.onnx (form (a),
+    standard ops), prefill.plugin.onnx (custom ops: not runnable in plain ONNX Runtime) and
+    the decode-step graphs; other names: *dense*.onnx and *sparse*.onnx."""
     if folder is None:
         return None, None
     d = Path(folder)
     if not d.is_dir():
         raise DejavuError(f"--onnx-dir: not a folder: {d}")
-    files = sorted(d.glob("*.onnx"))
-    dense = [f for f in files if "dense" in f.name]
+    files = [f for f in sorted(d.glob("*.onnx")) if "decode" not in f.name and "plugin" not in f.name]
+    dense = [f for f in files if "sparse" not in f.name]
     sparse = [f for f in files if "sparse" in f.name]
+    pick = lambda fs: min(fs, key=lambda f: ("prefill" not in f.name, "dense" not in f.name, f.name))  # noqa: E731
     if not dense and not sparse:
-        raise DejavuError(f"--onnx-dir {d}: no *dense*.onnx or *sparse*.onnx file")
-    return (dense[0] if dense else None), (sparse[0] if sparse else None)
+        raise DejavuError(f"--onnx-dir {d}: no prefill.onnx / prefill.sparse.onnx (or *dense*.onnx / *sparse*.onnx)")
+    return (pick(dense) if dense else None), (pick(sparse) if sparse else None)
 
 
 def sample_feeds(tokenizer, text: str, tokens: int, samples: int) -> list[dict]:
@@ -167,9 +173,10 @@ def run_comparison(engine_path: str, dense: str, onnx_dir: str | None, s: Compar
         comparisons.append((1, len(runners) - 1))
 
     G_LOGGER.module_severity = G_LOGGER.WARNING
-    results = Comparator.run(runners, data_loader=feeds)
-    func = SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat=s.check_error_stat)
-    acc = Comparator.compare_accuracy(results, comparisons=comparisons, compare_func=func)
+    with contextlib.redirect_stdout(sys.stderr):  # Polygraphy's log on stderr; stdout = our report
+        results = Comparator.run(runners, data_loader=feeds)
+        func = SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat=s.check_error_stat)
+        acc = Comparator.compare_accuracy(results, comparisons=comparisons, compare_func=func)
     if not hasattr(acc, "keys"):  # Polygraphy >= 0.53: a list with one AccuracyResult per compare func
         acc = acc[0]
 

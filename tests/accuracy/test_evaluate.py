@@ -1,0 +1,149 @@
+"""dejavu-eval: perplexity against transformers, task scoring against a hand computation,
+engine = dense at density 1.0, report, and the error paths."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.runtime.evaluate import load_scoring_model, main
+from dejavu.runtime.tasks import evaluate_task, load_task
+
+from _helpers import write_test_engine
+
+TEXT_CHARS = 6000
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    import dejavu
+
+    from pathlib import Path
+
+    src = Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt"
+    p = tmp_path_factory.mktemp("text") / "wiki.txt"
+    p.write_text(src.read_text(encoding="utf-8")[:TEXT_CHARS], encoding="utf-8")
+    return p
+
+
+@pytest.fixture(scope="module")
+def dense_engine(tiny_opt_dir, tmp_path_factory):
+    return write_test_engine(tiny_opt_dir, tmp_path_factory.mktemp("eng") / "d1.engine")
+
+
+def _run_json(capsys, argv) -> dict:
+    assert main(argv + ["--json", "--quiet"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_perplexity_equals_transformers(tiny_opt_dir, text_file, capsys):
+    transformers = pytest.importorskip("transformers")
+    from dejavu.models.tokenizer import TextTokenizer
+
+    got = _run_json(capsys, [str(tiny_opt_dir), "--ppl", str(text_file)])
+    hf = transformers.OPTForCausalLM.from_pretrained(tiny_opt_dir, attn_implementation="eager").float().eval()
+    ids = torch.tensor(TextTokenizer.from_pretrained(tiny_opt_dir).encode(text_file.read_text(encoding="utf-8")))
+    window = hf.config.max_position_embeddings
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, ids.numel(), window):
+            c = ids[i:i + window]
+            if c.numel() < 2:
+                continue
+            logits = hf(c[None]).logits[0].double()
+            nll += torch.nn.functional.cross_entropy(logits[:-1], c[1:], reduction="sum").item()
+            n += c.numel() - 1
+    assert got["ppl_tokens"] == n
+    assert got["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-3)
+
+
+def _hand_logprob(model, tok, context: str, continuation: str) -> float:
+    """log p(continuation | </s> context), one sequence, no batching, no shared code."""
+    ctx = [tok.bos_id] + tok.encode(context, add_bos=False)
+    cont = tok.encode(continuation, add_bos=False)
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids)[0].double(), -1)
+    return sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
+
+
+def test_task_scoring_equals_hand_computation(tiny_opt_dir, tmp_path):
+    rows = [{"query": "The cat sat on the", "choices": ["mat.", "history of the world."], "gold": 0},
+            {"query": "In 2004 he had a role in", "choices": ["the play", "a film", "rain"], "gold": 2}]
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    sm = load_scoring_model(str(tiny_opt_dir))
+    model, tok = sm.info["model"], sm.tokenizer
+    res = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len,
+                        batch_size=2, progress=False)
+    correct = correct_norm = 0
+    for row, d in zip(rows, res.details):
+        hand = [_hand_logprob(model, tok, row["query"], " " + c) for c in row["choices"]]
+        assert d["logprobs"] == pytest.approx(hand, abs=1e-4)
+        correct += max(range(len(hand)), key=hand.__getitem__) == row["gold"]
+        norm = [h / len(" " + c) for h, c in zip(hand, row["choices"])]
+        correct_norm += max(range(len(norm)), key=norm.__getitem__) == row["gold"]
+    assert res.acc == correct / 2 and res.acc_norm == correct_norm / 2
+
+
+def test_shipped_task_formats():
+    assert load_task("rte", 2).examples[0].pairs[0][0].endswith(" True or False? Answer:")
+    assert [p[1] for p in load_task("rte", 1).examples[0].pairs] == [" True", " False"]
+    w = load_task("winogrande", 1).examples[0]
+    assert len(w.pairs) == 2 and w.pairs[0][1] == w.pairs[1][1] and w.pairs[0][1].startswith(" ")
+    assert load_task("lambada_openai", 3).examples[0].kind == "greedy"
+    assert load_task("piqa", 1).examples[0].pairs[0][0].endswith("\nAnswer:")
+    assert load_task("openbookqa", 1).metrics == ("acc", "acc_norm")
+
+
+def test_engine_density_1_matches_dense(tiny_opt_dir, dense_engine, text_file, capsys):
+    argv = ["--ppl", str(text_file), "--task", "copa", "winogrande", "--limit", "4"]
+    dense = _run_json(capsys, [str(tiny_opt_dir)] + argv)
+    eng = _run_json(capsys, [str(dense_engine)] + argv)
+    assert eng["kind"] == "engine" and eng["density"] == 1.0
+    assert eng["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-4)
+    assert eng["tasks"] == dense["tasks"]
+
+
+def test_report_for_several_runs(tiny_opt_dir, dense_engine, tmp_path, text_file, capsys):
+    sparse = write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)
+    out = _run_json(capsys, [str(tiny_opt_dir), str(dense_engine), str(sparse), "--ppl", str(text_file),
+                             "--ppl-tokens", "200", "--task", "copa", "--limit", "2",
+                             "--report", str(tmp_path / "rep")])
+    assert [r["density"] for r in out["runs"]] == [None, 1.0, 0.5]
+    md = (tmp_path / "rep" / "README.md").read_text()
+    assert "| copa |" in md and "metrics_vs_density.png" in md
+    assert (tmp_path / "rep" / "metrics_vs_density.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--task", "nosuchtask"], "unknown task 'nosuchtask'"),
+    (["--task", "missing.jsonl"], "task file not found"),
+    (["--ppl", "/nonexistent/text.txt"], "text file not found"),
+    (["--limit", "0"], "--limit must be positive"),
+])
+def test_bad_inputs(tiny_opt_dir, argv, match):
+    with pytest.raises(DejavuError, match=match):
+        main.__wrapped__([str(tiny_opt_dir)] + argv)
+
+
+def test_missing_engine_and_bad_task_file(tmp_path):
+    with pytest.raises(DejavuError, match="engine file not found"):
+        load_scoring_model(str(tmp_path / "nope.engine"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(DejavuError, match="unknown task format"):
+        load_task(str(bad))
+    bad.write_text('{"query": "x", "choices": ["a"], "gold": 3}\n')
+    with pytest.raises(DejavuError, match="gold index 3 out of range"):
+        load_task(str(bad))
+
+
+def test_cli_exit_status(tiny_opt_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_opt_dir), "--task", "nosuchtask"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("dejavu: error: unknown task")
