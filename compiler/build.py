@@ -199,6 +199,16 @@ def _recall_at(curves, ks) -> list[float | None]:
     return [round(float(c[k - 1]), 6) for c, k in zip(curves, ks)]
 
 
+def _check_inputs(model_name_or_path, config: BuildConfig) -> None:
+    """Cheap checks before any progress output: the model resolves, the corpus exists."""
+    from dejavu.models.presets import resolve
+
+    resolve(model_name_or_path)
+    c = config.calib
+    if c is not None and not str(c).startswith("hf:") and not Path(str(c)).expanduser().exists():
+        raise DejavuError(f"corpus {c!r} not found (a text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG[:SPLIT]])")
+
+
 def _check_output(out_path) -> Path:
     out = Path(out_path)
     folder = out.parent if str(out.parent) else Path(".")
@@ -257,8 +267,11 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
     if onnx_out is not None and Path(onnx_out).exists() and not Path(onnx_out).is_dir():
         raise DejavuError(f"--onnx-out {onnx_out} exists and is not a folder")
     target = target_info(config.device)  # fails early when CUDA is asked for and absent
+    _check_inputs(model_name_or_path, config)
     stages = _Stages(progress)
     t_start = time.perf_counter()
+    if target["device"] == "cpu":  # CPU kernels are deterministic already (and the switch imports dynamo: 8 s)
+        return _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:

@@ -1,0 +1,115 @@
+"""Engine build: BuildConfig JSON, kernel layout, determinism, dense builds, ONNX output (tiny OPT, CPU)."""
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from dejavu.compiler.build import BuildConfig, build_engine, kernel_layout
+from dejavu.compiler.predictors import Predictors
+from dejavu.engine_file import read_engine, read_header
+from dejavu.errors import DejavuError
+from dejavu.models.loader import load_config, load_model
+from helpers_compiler import random_predictors
+
+PI = {"source": "attn_in", "lookahead": 1}
+
+
+@pytest.fixture(scope="module")
+def preds(tiny_opt_dir):
+    return Predictors.from_state_dict(random_predictors(load_config(tiny_opt_dir), rank=8, rank_attn=4), PI)
+
+
+def _build(tiny_opt_dir, path, preds, **kw):
+    onnx_out = kw.pop("onnx_out", None)
+    return build_engine(tiny_opt_dir, BuildConfig(**{"density": 0.3, **kw}), path, onnx_out=onnx_out,
+                        progress=False, predictors=preds)
+
+
+def test_config_json_round_trip_and_unknown_keys():
+    c = BuildConfig(density=0.3, mlp_density=0.25, dtype="bf16", calib_tokens=1000)
+    assert c.dtype == "bfloat16"
+    assert BuildConfig.from_json(c.to_json()) == c
+    with pytest.raises(DejavuError, match="unknown build config key.*bogus"):
+        BuildConfig.from_json('{"density": 0.5, "bogus": 1}')
+    with pytest.raises(DejavuError, match="not valid JSON"):
+        BuildConfig.from_json("{")
+
+
+@pytest.mark.parametrize("kw,msg", [({"density": 0}, "density"), ({"density": 1.5}, "density"),
+                                    ({"density": "x"}, "density"), ({"mlp_density": -0.1}, "mlp-density"),
+                                    ({"dtype": "int8"}, "dtype"), ({"device": "tpu"}, "device"),
+                                    ({"calib_tokens": 0}, "calib-tokens"),
+                                    ({"no_predictors": True}, "no-predictors"),
+                                    ({"predictor_source": "mlp_in", "predictor_lookahead": 0}, "lookahead")])
+def test_config_rejects_bad_values(kw, msg):
+    with pytest.raises(DejavuError, match=msg):
+        BuildConfig(**{"density": 0.5, **kw})
+
+
+def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
+    s = _build(tiny_opt_dir, tmp_path / "m.engine", preds, dtype="float32")
+    header, t = read_engine(tmp_path / "m.engine")
+    model, cfg = load_model(tiny_opt_dir)
+    bc = header["build_config"]
+    assert header["format_version"] == 1 and header["dtype"] == "float32"
+    assert header["target"] == {"device": "cpu", "arch": None, "kernel_settings": {}}
+    assert bc["mlp_k"] == s["mlp_k"] and sum(bc["mlp_k"]) == round(0.3 * 128 * 2)
+    assert bc["predictor_input"] == PI and bc["predictor_rank_mlp"] == 8 and bc["predictors"] is True
+    assert header["tokenizer_json"] == (tiny_opt_dir / "tokenizer.json").read_text()
+    assert header["model_config"] == cfg.to_hf_dict()
+    a, hd = model.decoder.layers[1].self_attn, cfg.head_dim
+    torch.testing.assert_close(t["layers.1.attn.wq"], a.q_proj.weight * hd**-0.5)
+    torch.testing.assert_close(t["layers.1.attn.bq"], a.q_proj.bias * hd**-0.5)
+    assert torch.equal(t["layers.1.attn.wkv"], torch.cat([a.k_proj.weight, a.v_proj.weight]))
+    assert torch.equal(t["layers.1.attn.wo_t"], a.out_proj.weight.T)
+    assert torch.equal(t["layers.0.mlp.w2_t"], model.decoder.layers[0].fc2.weight.T)
+    assert torch.equal(t["layers.0.mlp.w1"], model.decoder.layers[0].fc1.weight)
+    assert torch.equal(t["layers.0.ln_mlp.weight"], model.decoder.layers[0].final_layer_norm.weight)
+    assert torch.equal(t["layers.1.pred_mlp.b"], preds.mlp[1]["b"])
+    assert torch.equal(t["embed_positions"], model.decoder.embed_positions.weight)
+
+
+def test_same_inputs_same_bytes(tiny_opt_dir, preds, tmp_path):
+    _build(tiny_opt_dir, tmp_path / "a.engine", preds)
+    _build(tiny_opt_dir, tmp_path / "b.engine", preds)
+    assert (tmp_path / "a.engine").read_bytes() == (tmp_path / "b.engine").read_bytes()
+    assert read_header(tmp_path / "a.engine")["dtype"] == "float16"
+
+
+def test_dense_build_without_predictors(tiny_opt_dir, tmp_path):
+    s = build_engine(tiny_opt_dir, BuildConfig(density=1.0, no_predictors=True), tmp_path / "d.engine",
+                     progress=False)
+    header, t = read_engine(tmp_path / "d.engine")
+    assert header["build_config"]["predictors"] is False
+    assert s["mlp_k"] == [128, 128] and s["attn_k"] == [4, 4]
+    assert not any(".pred_" in k for k in t)
+    assert s["stage_seconds"].keys() >= {"load model", "resolve K", "kernel layout", "write engine"}
+
+
+def test_onnx_out_matches_engine(tiny_opt_dir, preds, tmp_path):
+    pytest.importorskip("onnxruntime")
+    s = _build(tiny_opt_dir, tmp_path / "m.engine", preds, dtype="float32", onnx_out=tmp_path / "onnx")
+    assert s["onnx"]["form_a_max_abs_diff"] <= 1e-4
+    names = {p.name for p in (tmp_path / "onnx").iterdir()}
+    assert {"prefill.onnx", "decode.onnx", "decode.sparse.onnx", "decode.plugin.onnx"} <= names
+    plugin = onnx.load(str(tmp_path / "onnx" / "decode.plugin.onnx"))
+    _, t = read_engine(tmp_path / "m.engine")
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in plugin.graph.initializer}
+    for name in ("layers.0.mlp.w1", "layers.1.mlp.w2_t", "layers.0.attn.wq", "layers.1.attn.bq",
+                 "layers.0.attn.wo_t", "layers.1.pred_mlp.a", "layers.0.pred_attn.b", "embed_tokens"):
+        torch.testing.assert_close(torch.from_numpy(inits[name].copy()), t[name], rtol=1e-6, atol=1e-7)
+
+
+def test_bad_output_fails_before_work(tiny_opt_dir, preds, tmp_path):
+    with pytest.raises(DejavuError, match="does not exist"):
+        _build(tiny_opt_dir, tmp_path / "no" / "m.engine", preds)
+    with pytest.raises(DejavuError, match="is a folder"):
+        _build(tiny_opt_dir, tmp_path, preds)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kernel_layout_dtype(tiny_opt_dir):
+    model, _ = load_model(tiny_opt_dir)
+    t = kernel_layout(model, torch.bfloat16)
+    assert all(v.dtype == torch.bfloat16 and v.is_contiguous() for v in t.values())

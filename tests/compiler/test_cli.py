@@ -1,0 +1,121 @@
+"""dejavu-compile / dejavu-inspect: a real tiny build, determinism, and every bad input → one line, exit 2."""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from dejavu.compiler.cli import inspect_main, main
+from dejavu.engine_file import encode_engine, read_engine, read_header
+
+QUICK = ["--calib-tokens", "600", "--calib-window", "64", "--predictor-epochs", "1", "-q"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def built(tiny_opt_dir, tmp_path_factory):
+    """One real compile (calibration + training) of the tiny OPT, shared by the tests below."""
+    d = tmp_path_factory.mktemp("built")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DEJAVU_CACHE", str(d / "cache"))
+    try:
+        assert main([str(tiny_opt_dir), "--density", "0.3", "-o", str(d / "a.engine"), *QUICK]) == 0
+        assert main([str(tiny_opt_dir), "--density", "0.3", "-o", str(d / "b.engine"), *QUICK]) == 0
+    finally:
+        mp.undo()
+    return d
+
+
+def _fails(capsys, fn, argv, match):
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dejavu: error:"), err
+    assert match in err, err
+    return err
+
+
+def test_compile_twice_same_bytes_and_cache_reused(built):
+    a, b = (built / "a.engine").read_bytes(), (built / "b.engine").read_bytes()
+    assert a == b
+    assert len(list((built / "cache" / "calib").iterdir())) == 1  # one calibration, reused
+    header, tensors = read_engine(built / "a.engine")
+    assert header["build_config"]["calibration"]["n_tokens"] == 600
+    assert header["build_config"]["calibration"]["corpus"].startswith("dejavu/data/")
+    assert "layers.1.pred_attn.bias" in tensors
+
+
+def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
+    out = tmp_path / "s.engine"
+    assert main([str(tiny_opt_dir), "--density", "0.5", "--mlp-density", "0.25", "-o", str(out),
+                 "--summary-json", str(tmp_path / "s.json"), "--allocation", "uniform", *QUICK]) == 0
+    text = capsys.readouterr().out
+    assert "K_mlp" in text and "recall" in text and "time" in text and "MiB" in text
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["mlp_k"] == [32, 32] and s["attn_k"] == [2, 2]
+    assert read_header(out)["build_config"]["mlp_density"] == 0.25
+
+
+def test_inspect(built, capsys):
+    assert inspect_main([str(built / "a.engine")]) == 0
+    text = capsys.readouterr().out
+    assert "dejavu-engine v1" in text and "mlp_k" in text and "float16" in text
+    assert inspect_main([str(built / "a.engine"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == read_header(built / "a.engine")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["opt-nonexistent", "--density", "0.3"], "not found"),
+    (["MODEL", "--density", "0"], "density"),
+    (["MODEL", "--density", "1.5"], "density"),
+    (["MODEL", "--density", "abc"], "density"),
+    (["MODEL", "--density", "0.3", "--attn-density", "2"], "attn-density"),
+    (["MODEL"], "--density"),
+    (["MODEL", "--density", "0.3", "--dtype", "int4"], "dtype"),
+    (["MODEL", "--density", "0.3", "--calib", "/nonexistent/corpus.txt"], "corpus"),
+])
+def test_compile_bad_input(tiny_opt_dir, tmp_path, capsys, argv, match):
+    argv = [str(tiny_opt_dir) if a == "MODEL" else a for a in argv]
+    _fails(capsys, main, [*argv, "-o", str(tmp_path / "x.engine"), *QUICK], match)
+    assert not [p for p in tmp_path.iterdir() if p.name != "cache"]  # no partial or temporary file
+
+
+def test_compile_unwritable_output(tiny_opt_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for out, match in ((tmp_path / "missing" / "x.engine", "does not exist"),
+                       (tmp_path / "file" / "x.engine", "does not exist"), (tmp_path, "is a folder")):
+        _fails(capsys, main, [str(tiny_opt_dir), "--density", "0.3", "-o", str(out), *QUICK], match)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_inspect_bad_engines(built, tmp_path, capsys):
+    good = (built / "a.engine").read_bytes()
+    (n,) = struct.unpack("<Q", good[:8])
+    header, tensors = read_engine(built / "a.engine")
+    cases = {"truncated": good[: len(good) // 2], "flipped-data": good[:-10] + bytes([good[-10] ^ 0xFF]) + good[-9:],
+             "flipped-header": good[:20] + bytes([good[20] ^ 0x01]) + good[21:], "empty": b"",
+             "wrong-version": encode_engine({**header, "format_version": 2}, tensors)}
+    for name, data in cases.items():
+        p = tmp_path / f"{name}.engine"
+        p.write_bytes(data)
+        err = _fails(capsys, inspect_main, [str(p)], str(p))
+        if name == "wrong-version":
+            assert "version 2" in err and "version 1" in err
+    _fails(capsys, inspect_main, [str(tmp_path / "none.engine")], "not found")
+
+
+def test_console_scripts_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-c", "from dejavu.compiler.cli import main; main()", "opt-nope",
+                        "--density", "0.3", "-o", str(tmp_path / "x.engine")],
+                       capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "x.engine").exists()
