@@ -52,7 +52,8 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     if max_new_tokens == 0:
         return [[] for _ in range(B)]
     if int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
-        raise DejavuError(f"token ids must be in [0, {cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+        raise DejavuError(f"token ids must be in [0, {cfg.vocab_size}), "
+                          f"got {int(ids.min())}..{int(ids.max())}")
     total = S + max_new_tokens
     if total > cfg.max_position_embeddings:
         raise DejavuError(f"prompt ({S}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "

@@ -48,8 +48,9 @@ def test_missing_model_is_one_line_exit_2(capsys):
 
 def test_cli_subprocess_llama_config(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
-    r = subprocess.run([sys.executable, "-c", "import sys; from dejavu.models.cli import main; sys.exit(main())",
-                        str(tmp_path), "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    code = "import sys; from dejavu.models.cli import main; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()

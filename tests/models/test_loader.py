@@ -182,7 +182,8 @@ def test_shape_mismatch_names_tensor_and_shapes(make_tiny_opt_dir):
     d = json.loads((folder / "config.json").read_text())
     d["ffn_dim"] = 96  # the weights have 128
     (folder / "config.json").write_text(json.dumps(d))
-    with pytest.raises(DejavuError, match=r"tensor 'model\.decoder\.layers\.0\.fc1\.\w+' has shape \[128.*implies \[96"):
+    pattern = r"tensor 'model\.decoder\.layers\.0\.fc1\.\w+' has shape \[128.*implies \[96"
+    with pytest.raises(DejavuError, match=pattern):
         load_model(folder)
 
 
