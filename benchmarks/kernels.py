@@ -241,15 +241,17 @@ class MLP:
         return P.sparse_fc2(h, self.w2_t, self.b2, idx, validate=False, config=c2)
 
 
-FC1_SWEEP = {"gemv": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r, d, w in
-                      [(2, 512, 4), (4, 512, 4), (8, 512, 4), (4, 1024, 4), (8, 1024, 8),
-                       (16, 512, 8), (4, 256, 4), (8, 256, 4), (2, 1024, 4)]],
+FC1_SWEEP = {"gemv": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=s) for r, d, w, s in
+                      [(2, 512, 4, 2), (4, 512, 4, 2), (8, 512, 4, 2), (4, 1024, 4, 2), (8, 1024, 8, 2),
+                       (16, 512, 8, 2), (4, 256, 4, 2), (8, 256, 4, 3), (2, 1024, 4, 2),
+                       (4, 512, 4, 4), (8, 512, 8, 3)]],
              "dot": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=s) for r, d, w, s in
                      [(32, 128, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 256, 8, 3),
                       (64, 64, 4, 4), (16, 128, 4, 4)]]}
-FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w) for k, d, w in
-                      [(16, 256, 4), (32, 256, 4), (8, 512, 4), (16, 512, 8), (32, 128, 4),
-                       (64, 128, 4), (16, 1024, 8), (8, 256, 4)]],
+FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for k, d, w, s in
+                      [(16, 256, 4, 2), (32, 256, 4, 2), (8, 512, 4, 2), (16, 512, 8, 2), (32, 128, 4, 2),
+                       (64, 128, 4, 2), (16, 1024, 8, 2), (8, 256, 4, 2), (32, 256, 8, 3)]]
+             + [dict(BLOCK_K=16, BLOCK_D=256, num_warps=4, SPLIT=s) for s in (4, 8, 32)],
              "dot": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for k, d, w, s in
                      [(64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (128, 64, 4, 3),
                       (32, 128, 4, 4)]]}

@@ -134,18 +134,28 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     dmask = offs_d < D
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    idx_row = idx_ptr + pid_b * stride_ib
+    h_row = h_ptr + pid_b * stride_hb
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    # the row indices of the next block are loaded one iteration ahead, so the gathered
+    # weight loads do not wait on a dependent index load each iteration
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    kmask = offs_k < k_end
+    rows = tl.load(idx_row + offs_k, mask=kmask, other=0).to(tl.int64)
+    hv = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < k_end
-        rows = tl.load(idx_ptr + pid_b * stride_ib + offs_k, mask=kmask, other=0).to(tl.int64)
-        hv = tl.load(h_ptr + pid_b * stride_hb + offs_k, mask=kmask, other=0.0).to(tl.float32)
         if EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :]).to(tl.float32)
         else:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
                          other=0.0).to(tl.float32)
+        offs_k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = offs_k < k_end
+        rows_next = tl.load(idx_row + offs_k, mask=kmask, other=0).to(tl.int64)
+        h_next = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
         acc += wv * hv[:, None]
+        rows = rows_next
+        hv = h_next
     y = tl.sum(acc, axis=0)
     row = pid_b.to(tl.int64) * D
     if FINAL:
