@@ -207,3 +207,15 @@ def test_index_listing_a_missing_shard(make_tiny_opt_dir):
         json.dumps({"weight_map": {"model.decoder.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(DejavuError, match=r"model-00001-of-00002\.safetensors, which is missing"):
         load_model(folder)
+
+
+def test_in_place_edits_do_not_touch_the_file(make_tiny_opt_dir):
+    """Weights may stay memory-mapped; writing to them must not write through to the checkpoint."""
+    folder = make_tiny_opt_dir()
+    model, _ = load_model(folder)
+    w = model.decoder.layers[0].fc1.weight
+    before = w.detach().clone()
+    with torch.no_grad():
+        w.add_(1.0)
+    again, _ = load_model(folder)
+    assert torch.equal(again.decoder.layers[0].fc1.weight.detach(), before)
