@@ -36,12 +36,19 @@ class DejavuLM(LM):
         self.max_gen_toks = int(max_gen_toks)
 
     @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        import torch
+
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+            extra.pop("device")  # lm_eval's default device is cuda; ours is cpu unless asked
+        return cls(**{**extra, **dict(arg_dict or {})})
+
+    @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
         from lm_eval.utils import simple_parse_args_string
 
-        args = simple_parse_args_string(arg_string)
-        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls(**{**extra, **args})
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # ------------------------------------------------------------------ helpers
     @property
