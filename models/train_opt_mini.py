@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dejavu.models.metrics import encode_document
+
 ARCH = dict(vocab_size=6144, hidden_size=384, num_hidden_layers=7, num_attention_heads=12,
             ffn_dim=1536, max_position_embeddings=512)
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # OPT's ids: pad 1, bos = eos = </s> 2
@@ -48,22 +50,14 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def encode_stream(tok, text: str) -> np.ndarray:
-    """One document as token ids, starting with </s>; lines encoded in batch for speed."""
-    lines = text.split("\n")
-    enc = tok.encode_batch([ln + "\n" for ln in lines], add_special_tokens=False)
-    ids = [2] + [i for e in enc for i in e.ids]
-    return np.asarray(ids, dtype=np.uint16)
-
-
 def prepare(data: Path, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     texts = [(data / f).read_text(encoding="utf-8") for f in TRAIN_FILES]
     tok = build_tokenizer(texts, ARCH["vocab_size"])
     tok.save(str(work / "tokenizer.json"))
-    train = np.concatenate([encode_stream(tok, t) for t in texts])
-    valid = encode_stream(tok, (data / "wikitext-2/valid.txt").read_text(encoding="utf-8"))
-    test = encode_stream(tok, (data / "wikitext-2/test.txt").read_text(encoding="utf-8"))
+    train = np.concatenate([encode_document(tok, t) for t in texts])
+    valid = encode_document(tok, (data / "wikitext-2/valid.txt").read_text(encoding="utf-8"))
+    test = encode_document(tok, (data / "wikitext-2/test.txt").read_text(encoding="utf-8"))
     for name, arr in [("train", train), ("valid", valid), ("test", test)]:
         arr.tofile(work / f"{name}.u16")
     stats = {k: int(v.size) for k, v in [("train", train), ("valid", valid), ("test", test)]}
@@ -182,7 +176,7 @@ def train(work: Path, out: Path, budget_s: float, batch: int, lr: float, epochs:
         return r["nll"]
 
     t0 = time.time()
-    step, seen, best, log = 0, 0, float("inf"), []
+    step, seen, best, best_step, log = 0, 0, float("inf"), 0, []
     best_state = None
     model.train()
     while step < max_steps and time.time() - t0 < budget_s:
@@ -205,7 +199,7 @@ def train(work: Path, out: Path, budget_s: float, batch: int, lr: float, epochs:
                         "elapsed_s": round(time.time() - t0, 1)})
             print(json.dumps(log[-1]), flush=True)
             if v < best:
-                best = v
+                best, best_step = v, step
                 best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
     for h in hooks:
         h.remove()
@@ -222,7 +216,7 @@ def train(work: Path, out: Path, budget_s: float, batch: int, lr: float, epochs:
         valid = perplexity(lambda x: model(x.to(dev)), valid_ids, S, batch=32)
         sparsity = relu_zero_fraction(model, test_ids.to(dev), S)
     result = {"params": sum(p.numel() for p in model.parameters()), "steps": step, "tokens_seen": seen,
-              "train_tokens": int(train_ids.numel()), "best_valid_nll": best,
+              "train_tokens": int(train_ids.numel()), "best_valid_nll": best, "best_step": best_step,
               "wikitext2_valid_ppl": valid["perplexity"], "wikitext2_test_ppl": test["perplexity"],
               "test_tokens": test["tokens"], "relu_zero_fraction": sparsity, "log": log,
               "train_seconds": round(time.time() - t0, 1), "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
@@ -249,7 +243,7 @@ subject. Trained from scratch by `python -m dejavu.models.train_opt_mini` (seed 
 | parameters | {r['params']:,} (embeddings tied) |
 | weights | fp16, sharded safetensors (`model.safetensors.index.json`) |
 | training data | Shakespeare (Project Gutenberg, public domain), King James Bible (public domain), WikiText-2 train (CC BY-SA 3.0): {r['train_tokens']:,} tokens |
-| tokens seen | {r['tokens_seen']:,} ({r['steps']} steps of {r['batch']} x {cfg.max_position_embeddings}) |
+| tokens seen | {r['tokens_seen']:,} ({r['steps']} steps of {r['batch']} x {cfg.max_position_embeddings}); the shipped weights are the checkpoint with the best validation loss, step {r['best_step']} ({r['best_step'] * r['batch'] * cfg.max_position_embeddings:,} tokens) |
 | trained on | {r['gpu']}, {r['train_seconds']} s, torch {r['torch']}, bf16 autocast, AdamW lr {r['lr']}, residual dropout 0.1 |
 | WikiText-2 valid perplexity | {r['wikitext2_valid_ppl']:.2f} |
 | **WikiText-2 test perplexity** | **{r['wikitext2_test_ppl']:.2f}** |
