@@ -29,8 +29,11 @@ def _offline() -> bool:
 
 
 def _not_found(name: str, why: str = "") -> DejavuError:
-    msg = (f"model {name!r} not found: not a folder, not a preset, and not in the Hugging Face "
-           f"cache (presets: {', '.join(PRESETS)})")
+    if name in PRESETS:  # a known preset that is neither cached nor downloadable
+        msg = f"model {name!r} ({PRESETS[name]}) not found: not in the Hugging Face cache"
+    else:
+        msg = (f"model {name!r} not found: not a folder, not a preset, and not in the Hugging Face "
+               f"cache (presets: {', '.join(PRESETS)})")
     return DejavuError(msg + (f"; {why}" if why else ""))
 
 

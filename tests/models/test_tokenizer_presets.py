@@ -78,7 +78,7 @@ def test_resolve_folder_and_unknown_names(tiny_opt_dir, tmp_path):
 
 def test_resolve_offline_cache_miss(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(DejavuError, match=r"model 'opt-125m' not found: .*HF_HUB_OFFLINE is set"):
+    with pytest.raises(DejavuError, match=r"model 'opt-125m' \(facebook/opt-125m\) not found: not in the .*HF_HUB_OFFLINE is set"):
         resolve("opt-125m", cache_dir=tmp_path)
     with pytest.raises(DejavuError, match=r"model 'someone/opt-x' not found"):
         resolve("someone/opt-x", cache_dir=tmp_path)
