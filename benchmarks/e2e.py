@@ -268,8 +268,11 @@ def smoke() -> dict:
 
 
 # ------------------------------------------------------------------ timed systems
-def time_engine(eng, c: dict, B: int, P: int, N: int, seed: int = 0) -> dict:
-    """Generate N tokens for B random prompts of P tokens; decode latency per step."""
+def time_engine(eng, c: dict, B: int, P: int, N: int, cap_s: float, seed: int = 0) -> dict:
+    """Generate N tokens for B random prompts of P tokens; decode latency per step.
+
+    A short probe first (it also warms the prefill); if N steps would take longer than
+    cap_s, fewer are timed (recorded as steps)."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(4, c["vocab_size"], (B, P), generator=g).tolist()
     t0 = time.perf_counter()
@@ -277,10 +280,14 @@ def time_engine(eng, c: dict, B: int, P: int, N: int, seed: int = 0) -> dict:
         eng.activate(B, P + N)  # KV cache + CUDA-graph capture (warm-up compiles the kernels)
     sync()
     setup = time.perf_counter() - t0
-    eng.generate(prompts, N, stop_at_eos=False)
+    eng.generate(prompts, 8, stop_at_eos=False)
+    est_ms = eng.stats.ms_per_token
+    n = N if est_ms * N <= 1e3 * cap_s else max(16, int(1e3 * cap_s / est_ms))
+    eng.generate(prompts, n, stop_at_eos=False)
     st = eng.stats
     row = {"ms_per_step": st.ms_per_token, "tokens_per_s": st.tokens_per_s, "prefill_ms": 1e3 * st.prefill_s,
-           "setup_s": setup, "steps": st.new_tokens}
+           "setup_s": setup, "steps": st.new_tokens, "probe_ms_per_step": est_ms,
+           "cuda_graph": eng.use_graphs}
     pr = eng.decoder.pred
     um = [int(torch.unique(pr.idx[l]["mlp"]).numel()) if pr.idx[l]["mlp"] is not None else c["ffn_dim"]
           for l in range(c["num_hidden_layers"])]
@@ -356,14 +363,17 @@ def mini_shape() -> dict | None:
 
 
 # ------------------------------------------------------------------ driver
-def bench_model(run: Run, name: str, c: dict, a, bw: float) -> None:
+SHARE_S = {"opt-30b": 150.0, "opt-1.3b": 60.0, "opt-mini": 30.0}  # time kept for models still to run
+
+
+def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0) -> None:
     from dejavu.runtime import Engine
 
     dtype, esize = torch.float16, 2
     ranks = default_ranks(c)
     P, N = a.prompt_len, a.new_tokens
     ctx = P + N / 2  # mean context length over the decode
-    hf_reserve = a.hf_reserve if name == "opt-30b" and not a.no_hf else 10.0
+    hf_reserve = later_s + (0.0 if a.no_hf else (a.hf_reserve if name == "opt-30b" else 15.0))
     base = {"model": name, "shape": c, "dtype": "float16", "weights": "random", "predictors": "random",
             "predictor_ranks": list(ranks), "prompt_len": P, "new_tokens": N}
     dense_floor = {B: floor_bytes(c, B, ctx, esize) for B in a.batches}
@@ -380,19 +390,24 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float) -> None:
         dtype = torch.float32
     t = random_tensors(c, dtype, DEV, ranks)
     try:
-        systems = [("dense_graph", None, True)] + [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o)
-                                                 for d in a.densities for o in (True, False)]
         for B in a.batches:  # batch 1 first: the headline numbers
-            for system, d, overlap in systems:
+            systems = [("dense_graph", None, True, "per_sequence")]
+            if a.batch_policy != "shared" or B == 1:  # at batch 1 both policies are the same
+                systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence")
+                            for d in a.densities for o in (True, False)]
+            if a.batch_policy != "per_sequence" and B > 1:
+                systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_shared", d, o, "shared")
+                            for d in a.densities for o in ((True,) if a.batch_policy == "both" else (True, False))]
+            for system, d, overlap, policy in systems:
                 if run.left() < hf_reserve:
                     run.add("skipped", {"model": name, "system": system, "batch": B, "why": "time budget"})
                     continue
                 try:
                     eng = Engine.from_tensors(header_for(c, d, str(dtype)[6:], ranks), t, DEV, overlap=overlap,
-                                              batch_policy=a.batch_policy)
-                    row, um, ua = time_engine(eng, c, B, P, N)
-                    row.update(kernels=dict(eng.ops.kernels), overlap=overlap, density=d or 1.0,
-                               batch_policy=a.batch_policy)
+                                              batch_policy=policy)
+                    row, um, ua = time_engine(eng, c, B, P, N, a.cap_s)
+                    row.update(kernels=dict(eng.ops.kernels), kernel_check=eng.kernel_check, overlap=overlap,
+                               density=d or 1.0, batch_policy=policy)
                     fb = dense_floor[B] if d is None else floor_bytes(
                         c, B, ctx, esize, um, ua, list(eng.spec.attn_k), ranks)
                     record(system, B, row, fb)
@@ -415,7 +430,7 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float) -> None:
         return
     try:
         for B in a.hf_batches:
-            if run.left() < 5:
+            if run.left() < later_s + 5:
                 run.add("skipped", {"model": name, "system": "hf_eager", "batch": B, "why": "time budget"})
                 continue
             try:
@@ -423,7 +438,7 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float) -> None:
             except Exception as ex:  # noqa: BLE001
                 run.add("errors", {"model": name, "system": "hf_eager", "batch": B, "error": f"{type(ex).__name__}: {ex}"})
                 print(f"  {name} B={B} hf_eager: {type(ex).__name__}: {ex}", flush=True)
-        if a.hf_compile and run.left() > a.hf_compile_min_left:
+        if a.hf_compile and run.left() > a.hf_compile_min_left + later_s:
             try:
                 record("hf_static_compile", 1, time_hf(m, c, 1, P, N, static=True), dense_floor[1])
             except Exception as ex:  # noqa: BLE001
@@ -460,7 +475,9 @@ def main(argv=None) -> int:
     p.add_argument("--densities", default=None, help="default 0.5,0.3,0.2,0.1 (quick: 0.3,0.1)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 64)")
-    p.add_argument("--batch-policy", default="per_sequence", choices=["per_sequence", "shared"])
+    p.add_argument("--batch-policy", default="both", choices=["per_sequence", "shared", "both"],
+                   help="index sets per sequence [B,K], one shared [K], or both (shared with overlap on)")
+    p.add_argument("--cap-s", type=float, default=4.0, help="max seconds of timed decode per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip transformers baselines")
     p.add_argument("--hf-batches", default=None, help="default: the same as --batches")
     p.add_argument("--hf-compile", action="store_true", help="also HF static cache + compile at batch 1 (slow build)")
@@ -506,7 +523,8 @@ def main(argv=None) -> int:
     ms = mini_shape()
     if ms:
         shapes["opt-mini"] = ms
-    for name in a.models.split(","):
+    names = a.models.split(",")
+    for i, name in enumerate(names):
         if name not in shapes:
             run.add("skipped", {"model": name, "why": "shape unknown (opt-mini config not shipped?)"})
             continue
@@ -514,7 +532,8 @@ def main(argv=None) -> int:
             run.add("skipped", {"model": name, "why": "time budget"})
             continue
         print(f"{name}: {shapes[name]}", flush=True)
-        bench_model(run, name, shapes[name], a, bw["copy_GBps"])
+        later = sum(SHARE_S.get(m, 10.0) for m in names[i + 1:] if m in shapes)
+        bench_model(run, name, shapes[name], a, bw["copy_GBps"], later)
     run.data["meta"]["elapsed_s"] = time.perf_counter() - run.t0
     run.save()
     print()

@@ -109,18 +109,27 @@ class Engine:
     def activate(self, batch: int, need: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Size the KV cache for `batch` sequences of `need` tokens; the decode-step function.
 
-        The cache is rounded up to a multiple of 64 slots so nearby lengths share a graph."""
-        T = min(-(-need // 64) * 64, self.spec.max_positions)
+        The cache is rounded up to a multiple of 64 slots, and a larger cache of the same batch
+        is reused, so nearby lengths share one CUDA graph. If capture fails, decode runs
+        eagerly (same kernels) with a warning."""
         dec = self.decoder
-        if (batch, T) != (dec.batch, dec.max_seq):
+        if batch != dec.batch or need > dec.max_seq:
             self._graph = None  # release the old graph's memory before the new cache
-            dec.setup(batch, T)
+            dec.setup(batch, min(-(-need // 64) * 64, self.spec.max_positions))
         if not self.use_graphs:
             return dec.decode_step
         if self._graph is None:
             from dejavu.runtime.graphs import DecodeGraph
 
-            self._graph = DecodeGraph(dec)
+            try:
+                self._graph = DecodeGraph(dec)
+            except Exception as e:  # noqa: BLE001 - keep serving without the graph
+                import warnings
+
+                warnings.warn(f"CUDA-graph capture failed ({type(e).__name__}: {e}); decoding eagerly")
+                self.use_graphs = False
+                torch.cuda.synchronize(self.device)
+                return dec.decode_step
         return self._graph.run
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 32,
