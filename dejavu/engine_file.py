@@ -159,7 +159,11 @@ def _parse_container(buf, path) -> tuple[dict, dict, int]:
             raise _corrupt(path, f"tensor {name!r} has inconsistent data offsets")
         end = offs[1]
         entries[name] = (dt, shape, offs[0], offs[1])
-    if _header_blob(meta, {k: obj[k] for k in obj}) != raw:
+    try:
+        canonical = _header_blob(meta, {k: obj[k] for k in obj})
+    except (TypeError, ValueError):  # NaN / Infinity and the like are never written
+        raise _corrupt(path, "header holds values dejavu never writes (edited)") from None
+    if canonical != raw:
         raise _corrupt(path, "header bytes are not in canonical form (edited)")
     if 8 + n + end != size:
         raise _corrupt(path, f"data section is {size - 8 - n} bytes, expected {end} (truncated or padded)")
@@ -247,6 +251,10 @@ def expected_shapes(header: dict) -> dict[str, list[int]]:
 
 
 def _check_contents(header: dict, entries: dict, path) -> None:
+    mc = header.get("model_config")
+    L = mc.get("num_hidden_layers") if isinstance(mc, dict) else None
+    if type(L) is int and L * 14 > len(entries):  # bound the work before listing names per layer
+        raise _corrupt(path, f"model_config has {L} layers but the file holds {len(entries)} tensors")
     try:
         want = expected_shapes(header)
     except DejavuError as e:
@@ -254,7 +262,6 @@ def _check_contents(header: dict, entries: dict, path) -> None:
     bc = header.get("build_config")
     if not isinstance(bc, dict):
         raise _corrupt(path, "build_config is missing")
-    mc = header["model_config"]
     L, F, H, D = mc["num_hidden_layers"], mc["ffn_dim"], mc["num_attention_heads"], mc["hidden_size"]
     for key, n in (("mlp_k", F), ("attn_k", H)):
         ks = bc.get(key)

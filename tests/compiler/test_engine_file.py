@@ -104,6 +104,8 @@ def _mutations(blob: bytes, rng: random.Random):
     yield "append", blob + b"\0" * 8
     yield "huge-length", struct.pack("<Q", 2**63) + blob[8:]
     yield "empty", b""
+    yield "nan-header", struct.pack("<Q", 16) + b'{"a":NaN}       ' + blob[8 + n:]
+    yield "deep-json", struct.pack("<Q", 20000) + b"[" * 20000 + blob[8 + n:]
     meta = json.loads(blob[8:8 + n])
     hdr = json.loads(meta["__metadata__"]["dejavu_header"])
     edits = [("density", lambda h: h["build_config"].update(mlp_k=[1, 1])),
@@ -116,6 +118,37 @@ def _mutations(blob: bytes, rng: random.Random):
         m["__metadata__"]["dejavu_header"] = json.dumps(h, sort_keys=True, separators=(",", ":"))
         j = json.dumps(m).encode()
         yield f"edit-{name}", struct.pack("<Q", len(j)) + j + blob[8 + n:]
+
+
+def _semantic_edits(header, tensors):
+    """Headers that are consistently checksummed (a buggy writer) but say the wrong thing."""
+    def edit(**kw):
+        h = json.loads(json.dumps(header))
+        for k, v in kw.items():
+            node = h
+            *path, last = k.split("__")
+            for p in path:
+                node = node[p]
+            node[last] = v
+        return h
+    return [edit(model_config__num_hidden_layers=10**9), edit(model_config__num_hidden_layers=3),
+            edit(model_config__hidden_size=64), edit(model_config="x"), edit(build_config__mlp_k=[1]),
+            edit(build_config__attn_k=[0, 9]), edit(build_config="x"), edit(dtype="int8"),
+            edit(format="other"), edit(format_version="1"), edit(model_config__model_type="gpt2")]
+
+
+def test_consistent_but_wrong_headers_rejected(tmp_path):
+    header, tensors = _engine()
+    p = tmp_path / "bad.engine"
+    for h in _semantic_edits(header, tensors):
+        p.write_bytes(encode_engine(h, tensors))
+        t0 = time.monotonic()
+        with pytest.raises(DejavuError):
+            read_engine(p)
+        assert time.monotonic() - t0 < 2.0, h
+    p.write_bytes(encode_engine(header, {**tensors, "extra": torch.zeros(2)}))
+    with pytest.raises(DejavuError, match="unexpected tensor 'extra'"):
+        read_engine(p)
 
 
 def test_fuzz_corruption_always_dejavu_error(tmp_path):
