@@ -305,28 +305,8 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         if predictors is not None:
             tensors.update({k: v.detach().cpu().to(dtype).contiguous()
                             for k, v in predictors.state_dict().items()})
-    rc = predictors.recall_curves if predictors is not None else {}
-    recall = {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)}
-    pred_sd = predictors.state_dict() if predictors is not None else {}
-    ranks = {kind: (int(pred_sd[f"layers.0.pred_{kind}.a"].shape[0]) if pred_sd else None)
-             for kind in ("mlp", "attn")}
-    header = {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
-        "model": Path(str(model_name_or_path)).name if Path(str(model_name_or_path)).is_dir()
-        else str(model_name_or_path),
-        "model_config": cfg.to_hf_dict(), "dtype": config.dtype, "target": target,
-        "build_config": {
-            "density": config.density, "mlp_density": config.mlp_density or config.density,
-            "attn_density": config.attn_density or config.density, "mlp_k": mlp_k, "attn_k": attn_k,
-            "predictors": predictors is not None,
-            "predictor_rank_mlp": ranks["mlp"], "predictor_rank_attn": ranks["attn"],
-            "predictor_input": dict(predictors.predictor_input) if predictors is not None else None,
-            "predictor_recall": recall,
-            "calibration": (predictors.metrics.get("calibration") if predictors is not None else None),
-            "settings": config.to_dict(),
-        },
-        "tokenizer_json": _tokenizer_json(folder, tokenizer),
-    }
+    header = make_header(model_name_or_path, cfg, config, target, predictors, mlp_k, attn_k,
+                         _tokenizer_json(folder, tokenizer))
     with stages("write engine"):
         size = write_engine(out, header, tensors)
     n_pred = sum(v.numel() for k, v in tensors.items() if ".pred_" in k)
@@ -334,12 +314,38 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred * elem,
                "weight_bytes": sum(v.numel() for v in tensors.values()) * elem - n_pred * elem,
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
-               "predictor_recall": recall, "predictor_input": header["build_config"]["predictor_input"],
+               "predictor_recall": header["build_config"]["predictor_recall"],
+               "predictor_input": header["build_config"]["predictor_input"],
                "stage_seconds": stages.times, "total_seconds": round(time.perf_counter() - t_start, 3),
                "dtype": config.dtype, "target": target}
     if onnx_out is not None:
         summary["onnx"] = onnx_report
     return summary
+
+
+def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, predictors, mlp_k, attn_k,
+                tokenizer_json: str) -> dict:
+    """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths."""
+    rc = predictors.recall_curves if predictors is not None else {}
+    pred_sd = predictors.state_dict() if predictors is not None else {}
+    rank = lambda kind: int(pred_sd[f"layers.0.pred_{kind}.a"].shape[0]) if pred_sd else None
+    name = str(model_name_or_path)
+    return {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+        "model": Path(name).name if Path(name).is_dir() else name,
+        "model_config": cfg.to_hf_dict(), "dtype": config.dtype, "target": target,
+        "build_config": {
+            "density": config.density, "mlp_density": config.mlp_density or config.density,
+            "attn_density": config.attn_density or config.density, "mlp_k": mlp_k, "attn_k": attn_k,
+            "predictors": predictors is not None,
+            "predictor_rank_mlp": rank("mlp"), "predictor_rank_attn": rank("attn"),
+            "predictor_input": dict(predictors.predictor_input) if predictors is not None else None,
+            "predictor_recall": {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)},
+            "calibration": predictors.metrics.get("calibration") if predictors is not None else None,
+            "settings": config.to_dict(),
+        },
+        "tokenizer_json": tokenizer_json,
+    }
 
 
 def export_graphs(model, predictors, mlp_k, attn_k, config: BuildConfig, out_dir: Path) -> dict:
