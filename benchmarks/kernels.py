@@ -53,7 +53,7 @@ def _import_plugins():
 
 
 P = _import_plugins()
-from dejavu.plugins import sparse_mlp as SM  # noqa: E402
+SM = sys.modules["dejavu.plugins.sparse_mlp"]  # the module (the package exports functions)
 
 
 def bench(fn, rep=40, warmup=10):
@@ -167,10 +167,10 @@ def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False):
     return ok, e
 
 
-def check_predictor(B, D, N, r, k, shared):
+def check_predictor(B, D, N, r, k, shared, method="torch"):
     x, a = randn(B, D, dtype=torch.float32), randn(r, D, dtype=torch.float32)
     b, bias = randn(N, r, dtype=torch.float32), randn(N, dtype=torch.float32)
-    idx = P.predictor_topk(x, a, b, bias, k, shared=shared)
+    idx = P.predictor_topk(x, a, b, bias, k, shared=shared, method=method)
     scores = P.predictor_scores(x.double(), a.double(), b.double(), bias.double())
     if shared:
         scores = scores.amax(0)
@@ -207,8 +207,13 @@ def run_checks():
                                    shared=shared)))
     cases.append(("attn", dict(B=2, H=56 if big else 6, hd=128 if big else 16, S=320, pos=200,
                                kh=17 if big else 3, dtype=torch.bfloat16, shared=False, graph=big)))
-    for B, shared in ((1, False), (4, False), (4, True)):
-        cases.append(("pred", dict(B=B, D=512, N=2000, r=64, k=150, shared=shared)))
+    for method in ("torch", "triton"):
+        for B, shared in ((1, False), (4, False), (4, True)):
+            cases.append(("pred", dict(B=B, D=512, N=2000, r=64, k=150, shared=shared, method=method)))
+        if big:
+            for B, shared, N in ((1, False, 28672), (8, False, 36864), (8, True, 28672), (1, False, 56)):
+                cases.append(("pred", dict(B=B, D=1024, N=N, r=128, k=max(1, N // 10), shared=shared,
+                                           method=method)))
     fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor}
     for kind, kw in cases:
         torch.manual_seed(len(results))
@@ -244,7 +249,7 @@ class MLP:
 FC1_SWEEP = {"gemv": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=s) for r, d, w, s in
                       [(2, 512, 4, 2), (4, 512, 4, 2), (8, 512, 4, 2), (4, 1024, 4, 2), (8, 1024, 8, 2),
                        (16, 512, 8, 2), (4, 256, 4, 2), (8, 256, 4, 3), (2, 1024, 4, 2),
-                       (4, 512, 4, 4), (8, 512, 8, 3)]],
+                       (4, 512, 4, 4), (8, 512, 8, 3), (4, 2048, 8, 2), (2, 2048, 4, 2)]],
              "dot": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=s) for r, d, w, s in
                      [(32, 128, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 256, 8, 3),
                       (64, 64, 4, 4), (16, 128, 4, 4)]]}
@@ -380,17 +385,23 @@ def bench_predictor(mlps, mlp_rows, quick):
                 for d in (0.1, 0.3):
                     k = int(round(d * F))
                     for shared in ((False,) if B == 1 else (False, True)):
-                        t = bench(lambda: P.predictor_topk(x, a, b, bias, k, shared=shared))
-                        t_heads = bench(lambda: P.predictor_topk(x, ah, bh, biash, int(0.3 * H), shared=shared))
-                        t_scores = bench(lambda: P.predictor_scores(x, a, b, bias))
-                        pol = "shared" if shared else "per_seq"
-                        mlp_ms = next((m["ms"] for m in mlp_rows if m["shape"] == name and m["B"] == B
-                                       and m["density"] == d and m["policy"] == pol), None)
-                        rows.append({"shape": name, "B": B, "rank": r, "density": d, "k": k, "policy": pol,
-                                     "ms": t, "scores_ms": t_scores, "heads_ms": t_heads,
-                                     "bytes_frac_dense": r * (D + F) / (2 * D * F),
-                                     "sparse_mlp_ms": mlp_ms,
-                                     "frac_of_sparse_mlp": (t / mlp_ms) if mlp_ms else None})
+                        for method in ("torch", "triton"):
+                            try:
+                                t = bench(lambda: P.predictor_topk(x, a, b, bias, k, shared=shared, method=method))
+                                t_heads = bench(lambda: P.predictor_topk(x, ah, bh, biash, int(0.3 * H),
+                                                                         shared=shared, method=method))
+                            except Exception as e:  # noqa: BLE001
+                                print(f"  predictor {method} failed: {type(e).__name__}: {str(e)[:200]}")
+                                continue
+                            t_scores = bench(lambda: P.predictor_scores(x, a, b, bias))
+                            pol = "shared" if shared else "per_seq"
+                            mlp_ms = next((m["ms"] for m in mlp_rows if m["shape"] == name and m["B"] == B
+                                           and m["density"] == d and m["policy"] == pol), None)
+                            rows.append({"shape": name, "B": B, "rank": r, "density": d, "k": k, "policy": pol,
+                                         "method": method, "ms": t, "scores_ms": t_scores, "heads_ms": t_heads,
+                                         "bytes_frac_dense": r * (D + F) / (2 * D * F),
+                                         "sparse_mlp_ms": mlp_ms,
+                                         "frac_of_sparse_mlp": (t / mlp_ms) if mlp_ms else None})
     return rows
 
 
@@ -414,6 +425,8 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip the remaining sections once this many seconds have passed")
     args = ap.parse_args(argv)
     out = args.out or (os.path.join(os.environ["OUT"], "kernels.json") if os.environ.get("OUT") else "kernels.json")
     if DEV == "cuda" and not torch.cuda.is_available():
@@ -424,29 +437,45 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
            "triton": triton.__version__, "quick": args.quick}
     fail = False
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save(section):  # partial results survive a timeout
+        res["wall_s"] = time.time() - t0
+        Path(out).write_text(json.dumps(res, indent=1, default=str))
+        print(f"[{res['wall_s']:.0f}s] {section} done", flush=True)
+
+    def in_budget(section):
+        if args.budget_s is not None and time.time() - t0 > args.budget_s:
+            print(f"skipping {section}: over --budget-s")
+            res.setdefault("skipped", []).append(section)
+            return False
+        return True
+
     if args.check:
         res["check"] = run_checks()
         fail = not all(r["ok"] for r in res["check"])
-        print(f"[{time.time() - t0:.0f}s] checks done")
+        save("checks")
     if not args.no_bench or args.sweep:
         res["bandwidth"] = bw = measure_bandwidth()
         print(f"copy {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s")
         mlps = {name: MLP(D, F) for name, (D, F, H) in SHAPES.items()}
-        if args.sweep:
+        if args.sweep and in_budget("sweep"):
             res["sweep"] = sweep(mlps, args.quick)
-            print(f"[{time.time() - t0:.0f}s] sweep done")
+            save("sweep")
         res["kernel_settings"] = SM.kernel_settings()
         if not args.no_bench:
-            res["mlp"] = bench_mlp(mlps, bw, args.quick)
-            print(f"[{time.time() - t0:.0f}s] mlp done")
-            res["predictor"] = bench_predictor(mlps, res["mlp"], args.quick)
+            if in_budget("mlp"):
+                res["mlp"] = bench_mlp(mlps, bw, args.quick)
+                save("mlp")
+            if in_budget("predictor"):
+                res["predictor"] = bench_predictor(mlps, res.get("mlp", []), args.quick)
+                save("predictor")
             del mlps
             torch.cuda.empty_cache()
-            res["attn"] = bench_attn(args.quick)
-            print(f"[{time.time() - t0:.0f}s] attn done")
-    res["wall_s"] = time.time() - t0
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(res, indent=1, default=str))
+            if in_budget("attn"):
+                res["attn"] = bench_attn(args.quick)
+                save("attn")
+    save("all")
     if "mlp" in res:
         b1 = [r for r in res["mlp"] if r["B"] == 1]
         print("\n## Sparse MLP, batch 1 (fp16)\n")
@@ -455,9 +484,11 @@ def main(argv=None):
         print("\n## Sparse MLP, batches (speedup vs dense cuBLAS)\n")
         bt = [r for r in res["mlp"] if r["B"] > 1 and r["density"] in (0.1, 0.3, 0.5)]
         print(table(bt, ["shape", "B", "density", "policy", "ms", "dense_ms", "speedup", "bw_frac"]))
+    if "predictor" in res:
         print("\n## Predictor + top-k\n")
-        print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "ms", "scores_ms",
+        print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "method", "ms", "scores_ms",
                                        "heads_ms", "sparse_mlp_ms", "frac_of_sparse_mlp"]))
+    if "attn" in res:
         print("\n## Sparse attention decode\n")
         print(table(res["attn"], ["shape", "B", "ctx", "density", "policy", "ms", "graph_ms",
                                   "dense_ms", "speedup", "GBps"]))

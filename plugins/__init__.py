@@ -7,11 +7,11 @@ from dejavu.plugins.predictor import (predictor_scores, predictor_topk, predicto
                                       predictor_topk_shared)
 from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_decode_ref
 from dejavu.plugins.sparse_mlp import (kernel_settings, sparse_fc1, sparse_fc1_ref, sparse_fc2,
-                                       sparse_fc2_ref, sparse_mlp, sparse_mlp_ref)
+                                       sparse_fc2_ref, sparse_mlp_layer, sparse_mlp_layer_ref)
 
 __all__ = [
     "kernel_settings",
     "predictor_scores", "predictor_topk", "predictor_topk_ref", "predictor_topk_shared",
     "sparse_attn_decode", "sparse_attn_decode_ref",
-    "sparse_fc1", "sparse_fc1_ref", "sparse_fc2", "sparse_fc2_ref", "sparse_mlp", "sparse_mlp_ref",
+    "sparse_fc1", "sparse_fc1_ref", "sparse_fc2", "sparse_fc2_ref", "sparse_mlp_layer", "sparse_mlp_layer_ref",
 ]

@@ -32,11 +32,11 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # Deterministic block choices per path (H200, OPT-30B/66B shapes; docs/kernels.md).
 FC1_CONFIG = {
-    "gemv": {"BLOCK_R": 4, "BLOCK_D": 512, "num_warps": 4},
+    "gemv": {"BLOCK_R": 4, "BLOCK_D": 512, "num_warps": 4, "num_stages": 2},
     "dot": {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
 }
 FC2_CONFIG = {
-    "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4},
+    "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4, "num_stages": 2},
     "dot": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
 }
 DOT_MIN_BATCH = 2       # shared index sets from this batch size use the tl.dot kernels
@@ -336,7 +336,7 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, validate=None, conf
     return gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config)
 
 
-def sparse_mlp(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
+def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
     """fc2(relu(fc1(x))) over the selected neurons: y[B,D]."""
     h = sparse_fc1(x, w1, b1, idx, validate=validate)
     return sparse_fc2(h, w2_t, b2, idx, residual, validate=False)
@@ -363,5 +363,5 @@ def sparse_fc2_ref(h, w2_t, b2, idx, residual=None):
     return y if residual is None else y + residual
 
 
-def sparse_mlp_ref(x, w1, b1, w2_t, b2, idx, residual=None):
+def sparse_mlp_layer_ref(x, w1, b1, w2_t, b2, idx, residual=None):
     return sparse_fc2_ref(sparse_fc1_ref(x, w1, b1, idx), w2_t, b2, idx, residual)

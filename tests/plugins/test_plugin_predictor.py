@@ -44,3 +44,26 @@ def test_bad_inputs_rejected():
         predictor_topk(x, a.half(), b, bias, 5)
     with pytest.raises(DejavuError, match="x: must be contiguous"):
         predictor_topk(torch.randn(D, 2).t(), a, b, bias, 5)
+
+
+@pytest.mark.parametrize("B,shared", [(1, False), (3, False), (3, True)])
+def test_triton_topk_selects_the_same_set(triton_interp, B, shared):
+    x, a, b, bias = make(B)
+    idx = predictor_topk(x, a, b, bias, 37, shared=shared, method="triton")
+    ref = predictor_topk(x, a, b, bias, 37, shared=shared, method="torch")
+    assert idx.dtype == torch.int32 and idx.shape == ref.shape
+    assert torch.equal(idx.sort(-1).values, ref.sort(-1).values)
+
+
+def test_triton_topk_ties_and_extremes(triton_interp):
+    from dejavu.plugins.predictor import topk_triton
+
+    s = torch.randn(2, 300)
+    s[0, :50] = 1e30  # 50 tied maxima, k = 20: exactly 20 of them (the lowest indices)
+    s[1, 7] = -float("inf")
+    idx = topk_triton(s, 20)
+    assert torch.equal(idx[0].sort().values, torch.arange(20, dtype=torch.int32))
+    assert torch.equal(s[1].gather(0, idx[1].long()).sort().values, s[1].topk(20).values.sort().values)
+    assert topk_triton(s, 300)[1].sort().values.equal(torch.arange(300, dtype=torch.int32))
+    with pytest.raises(DejavuError, match="unknown method"):
+        predictor_topk(*make(1), 5, method="heap")
