@@ -31,15 +31,20 @@ class PredictorRunner:
     """
 
     def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False):
-        self.preds, self.ks, self.plan, self.topk, self.shared = preds, ks, plan, topk, shared
+        self.preds, self.ks, self.topk, self.shared = preds, ks, topk, shared
+        # Only layers with a predictor are launched: every launch is then consumed by heads()
+        # or neurons(), so under CUDA-graph capture the side stream always rejoins the main one.
+        active = lambda l: preds[l]["mlp"] is not None or preds[l]["attn"] is not None  # noqa: E731
+        self.plan = {key: [l for l in ls if active(l)] for key, ls in plan.items()}
+        self.plan = {key: ls for key, ls in self.plan.items() if ls}
         L = len(preds)
         self.idx: list[dict[str, torch.Tensor | None]] = [{"mlp": None, "attn": None} for _ in range(L)]
         self.trace: list | None = None  # tests: append (layer, kind, idx) for every call
         self._keep: list[torch.Tensor] = []
         self.side = None
-        if overlap and device.type == "cuda":
+        if overlap and device.type == "cuda" and self.plan:
             self.side = torch.cuda.Stream(device=device)
-            self.src_ready = {key: torch.cuda.Event() for key in plan}
+            self.src_ready = {key: torch.cuda.Event() for key in self.plan}
             self.done = [torch.cuda.Event() for _ in range(L)]
 
     @property
