@@ -237,9 +237,10 @@ class MLP:
         self.D, self.F = D, F
         self.w1, self.b1 = randn(F, D, scale=0.02), randn(F, scale=0.02)
         self.w2_t, self.b2 = randn(F, D, scale=0.02), randn(D, scale=0.02)
+        self.w2 = self.w2_t.t().contiguous()  # the dense model's fc2.weight [D, F]
 
     def dense(self, x):
-        return Fn.linear(Fn.linear(x, self.w1, self.b1).relu_(), self.w2_t.t(), self.b2)
+        return Fn.linear(Fn.linear(x, self.w1, self.b1).relu_(), self.w2, self.b2)
 
     def sparse(self, x, idx, c1=None, c2=None):
         h = P.sparse_fc1(x, self.w1, self.b1, idx, validate=False, config=c1)
