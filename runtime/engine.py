@@ -132,6 +132,14 @@ class Engine:
                 return dec.decode_step
         return self._graph.run
 
+    def release(self) -> None:
+        """Free the KV cache and the CUDA graph (the weights stay); the next call re-activates."""
+        self._graph = None
+        self.decoder.k_cache = self.decoder.v_cache = []
+        self.decoder.batch = self.decoder.max_seq = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 32,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[list[int | None]], None] | None = None,

@@ -105,8 +105,11 @@ def test_shared_batch_policy_at_batch_one_equals_per_sequence():
     a = Engine.from_tensors(header, tensors, "cpu").generate([PROMPT], 16, stop_at_eos=False)
     b = Engine.from_tensors(header, tensors, "cpu", batch_policy="shared").generate([PROMPT], 16, stop_at_eos=False)
     assert a == b
-    two = Engine.from_tensors(header, tensors, "cpu", batch_policy="shared").generate([PROMPT, PROMPT[:4]], 8)
+    eng = Engine.from_tensors(header, tensors, "cpu", batch_policy="shared")
+    two = eng.generate([PROMPT, PROMPT[:4]], 8)
     assert len(two) == 2
+    eng.release()
+    assert eng.generate([PROMPT, PROMPT[:4]], 8) == two
 
 
 def test_sampling_is_seeded_and_eos_stops():
