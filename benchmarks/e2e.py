@@ -472,7 +472,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default $OUT/e2e.json, else ./e2e.json)")
     p.add_argument("--models", default="opt-30b,opt-1.3b,opt-mini")
     p.add_argument("--batches", default=None, help="default 1,8,32 (quick: 1,8)")
-    p.add_argument("--densities", default=None, help="default 0.5,0.3,0.2,0.1 (quick: 0.3,0.1)")
+    p.add_argument("--densities", default=None, help="default 0.3,0.1,0.5,0.2 (quick: 0.3,0.1); run in this order")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 64)")
     p.add_argument("--batch-policy", default="both", choices=["per_sequence", "shared", "both"],
@@ -488,7 +488,7 @@ def main(argv=None) -> int:
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
     a.hf_batches = [int(x) for x in (a.hf_batches or ",".join(map(str, a.batches))).split(",")]
-    a.densities = [float(x) for x in (a.densities or ("0.3,0.1" if q else "0.5,0.3,0.2,0.1")).split(",")]
+    a.densities = [float(x) for x in (a.densities or ("0.3,0.1" if q else "0.3,0.1,0.5,0.2")).split(",")]
     a.new_tokens = a.new_tokens or (64 if q else 128)
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e.json")
     if DEV == "cuda" and not torch.cuda.is_available():
