@@ -21,10 +21,11 @@ Pieces (each a launch, all CUDA-graph capturable, no host sync with validate off
 `pos` is an int, or an int32/int64 tensor on the device of shape [] / [1] (one position for
 the batch) or [B] (one per sequence). Pass a tensor to capture decode in a CUDA graph: the
 kernel reads the position from memory, so replays follow the tensor's current value. The
-caches are updated in place (the reference does the same). Limits: hd <= 256 and a power of
-two or not (masked); one program per (sequence, selected head), no split over the context
-(fine at decode lengths here, see docs/kernels.md); duplicate head indices are not allowed
-(top-k never makes them; the output projection would count such a head twice).
+caches are updated in place (the reference does the same). Limits: hd <= 256 (any value,
+masked); one program per (sequence, selected head, chunk of CHUNK positions of S_max), a
+second small kernel combines the chunks' softmax partials when S_max > CHUNK (programs of
+chunks past pos exit at once); duplicate head indices are not allowed (top-k never makes
+them; the output projection would count such a head twice).
 """
 from __future__ import annotations
 
@@ -37,18 +38,25 @@ from dejavu.plugins.sparse_mlp import gather_gemv, gather_gemv_t
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-ATTN_CONFIG = {"BLOCK_S": 64, "num_warps": 4}
+# CHUNK: positions per program (the context is split into chunks of this many positions,
+# each chunk's partial softmax combined by a second kernel, flash-decoding style).
+ATTN_CONFIG = {"BLOCK_S": 64, "CHUNK": 256, "num_warps": 4}
 
 
-def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, KH, HD,
-                        stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
-                        BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
-    # o[b, j] = softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in [0, pos[b]],
-    # head = head_idx[b, j]; grid (B, Kh). Online softmax in fp32.
+def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
+                        KH, HD, CHUNK, NCHUNK, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
+                        PARTIAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
+    # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
+    # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
+    # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
+    # else (one chunk) store o directly.
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
+    pid_c = tl.program_id(2)
     head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
     pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+    start = pid_c * CHUNK
+    end = tl.minimum(start + CHUNK, pos + 1)
     offs_d = tl.arange(0, BLOCK_HD)
     dmask = offs_d < HD
     qo = (pid_b.to(tl.int64) * KH + pid_j) * HD
@@ -57,9 +65,9 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, KH, HD,
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
-    for s0 in range(0, pos + 1, BLOCK_S):
+    for s0 in range(start, end, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
-        smask = offs_s <= pos
+        smask = offs_s < end
         tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         mask = smask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
@@ -72,7 +80,34 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, KH, HD,
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
-    tl.store(o_ptr + qo + offs_d, acc / l_i, mask=dmask)
+    if PARTIAL:
+        slot = (pid_b.to(tl.int64) * KH + pid_j) * NCHUNK + pid_c
+        tl.store(part_ptr + slot * HD + offs_d, acc, mask=dmask)
+        one = tl.arange(0, 1)
+        tl.store(ml_ptr + slot * 2 + one, m_i)
+        tl.store(ml_ptr + slot * 2 + 1 + one, l_i)
+    else:
+        tl.store(o_ptr + qo + offs_d, acc / l_i, mask=dmask)
+
+
+def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK,
+                         BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr):
+    # o = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c; grid (B * Kh,).
+    # Chunks past pos have m = -inf, l = 0, acc = 0 and weigh nothing.
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < NCHUNK
+    offs_d = tl.arange(0, BLOCK_HD)
+    dmask = offs_d < HD
+    slots = row * NCHUNK + offs_c
+    m_c = tl.load(ml_ptr + slots * 2, mask=cmask, other=float("-inf"))
+    l_c = tl.load(ml_ptr + slots * 2 + 1, mask=cmask, other=0.0)
+    w = tl.exp(m_c - tl.max(m_c, axis=0))
+    w = tl.where(cmask & (m_c > float("-inf")), w, 0.0)
+    accs = tl.load(part_ptr + slots[:, None] * HD + offs_d[None, :],
+                   mask=cmask[:, None] & dmask[None, :], other=0.0)
+    o = tl.sum(accs * w[:, None], axis=0) / tl.sum(w * l_c, axis=0)
+    tl.store(o_ptr + row * HD + offs_d, o, mask=dmask)
 
 
 def _positions(pos, batch, device):
@@ -115,7 +150,7 @@ def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, re
 
 
 def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                       residual=None, *, out=None, validate=None):
+                       residual=None, *, out=None, validate=None, config=None):
     """Decode one token through the selected heads; updates the caches at pos; y[B,D]."""
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
@@ -143,14 +178,25 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     gather_gemv(x_ln, wq, bq, rows, q, relu=False)
 
-    # 3. attention over 0..pos for the selected heads
+    # 3. attention over 0..pos for the selected heads, the context split into chunks
+    cfg = {**ATTN_CONFIG, **(config or {})}
+    nchunk = -(-S // cfg["CHUNK"])  # from S_max, not pos: no sync, graph-safe
     o = torch.empty_like(q)
+    part = ml = o  # unused unless split
+    if nchunk > 1:
+        part = torch.empty((B * kh * nchunk, hd), dtype=torch.float32, device=x_ln.device)
+        ml = torch.empty((B * kh * nchunk, 2), dtype=torch.float32, device=x_ln.device)
+    block_hd = max(16, next_pow2(hd))
     kernel = jit(_attn_decode_kernel, x_ln.device)
-    kernel[(B, kh)](q, k_cache, v_cache, head_idx, pos_t, o, kh, hd,
-                    0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
-                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                    BLOCK_S=ATTN_CONFIG["BLOCK_S"], BLOCK_HD=max(16, next_pow2(hd)),
-                    num_warps=ATTN_CONFIG["num_warps"])
+    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, kh, hd,
+                            cfg["CHUNK"], nchunk, 0 if head_idx.dim() == 1 else head_idx.stride(0),
+                            stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                            PARTIAL=nchunk > 1, BLOCK_S=cfg["BLOCK_S"], BLOCK_HD=block_hd,
+                            num_warps=cfg["num_warps"])
+    if nchunk > 1:
+        combine = jit(_attn_combine_kernel, x_ln.device)
+        combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
+                           BLOCK_HD=block_hd, num_warps=4)
 
     # 4. output projection over the selected heads' rows of wo_t
     return gather_gemv_t(o, wo_t, bo, rows, residual, out)

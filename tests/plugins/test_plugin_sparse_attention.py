@@ -66,6 +66,20 @@ def test_all_heads_is_dense_attention_and_positions_per_sequence(triton_interp):
         assert torch.allclose(y[b].double(), o @ wo_t + bo, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_context_split_into_chunks(triton_interp, close, chunk):
+    # S = 20 positions in chunks of 4 or 8: partial softmaxes combined; chunks past pos unused
+    B = 2
+    w, (kc, vc) = make(B, torch.float16)
+    x, hidx = torch.randn(B, D).half(), heads(B, 3, False)
+    pos = torch.tensor([5, 17])
+    k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()
+    y = torch.full((B, D), float("nan"), dtype=torch.float16)
+    sparse_attn_decode(x, *w, hidx, kc, vc, pos, out=y, config={"CHUNK": chunk, "BLOCK_S": 4})
+    ref = sparse_attn_decode_ref(x.double(), *[t.double() for t in w], hidx, k64, v64, pos)
+    close(y, ref, sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos))
+
+
 def test_python_int_pos_and_no_heads(triton_interp):
     w, (kc, vc) = make(1, torch.float32)
     x, res = torch.randn(1, D), torch.randn(1, D)
