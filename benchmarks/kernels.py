@@ -31,6 +31,14 @@ DENSITIES = [0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0]
 BATCHES = [1, 2, 4, 8, 16, 32]
 # "cpu" (with TRITON_INTERPRET=1) smoke-tests --check's small cases without a GPU
 DEV = os.environ.get("DEJAVU_BENCH_DEVICE", "cuda")
+DEADLINE = [float("inf")]  # time.time() after which loops stop early (--budget-s)
+
+
+def late(what):
+    if time.time() > DEADLINE[0]:
+        print(f"  out of time budget: stopping {what}")
+        return True
+    return False
 
 
 def _import_plugins():
@@ -271,6 +279,8 @@ def sweep(mlps, quick):
                                     ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path])):
             totals = []
             for cfg in (cfgs[:3] if quick else cfgs):
+                if late("sweep") and totals:
+                    break
                 total = 0.0
                 try:
                     for name, mlp in mlps.items():
@@ -307,6 +317,8 @@ def bench_mlp(mlps, bw, quick):
         D, F = mlp.D, mlp.F
         dense_bytes = 2 * F * D * 2
         for B in batches:
+            if late("mlp"):
+                break
             x = randn(B, D)
             t_dense = bench(lambda: mlp.dense(x))
             for d in dens:
@@ -339,6 +351,8 @@ def bench_attn(quick):
     for name, (D, F, H) in SHAPES.items():
         hd = D // H
         for B in ((1,) if quick else (1, 8)):
+            if late("attn"):
+                break
             x, w, _, _ = _attn_inputs(1, H, hd, 1, torch.float16)
             x = randn(B, D)
             wl = [w[k] for k in ("wq", "bq", "wkv", "bkv", "wo_t", "bo")]
@@ -380,6 +394,8 @@ def bench_predictor(mlps, mlp_rows, quick):
         D, F, H = SHAPES[name]
         ah, bh, biash = randn(128, D, scale=0.02), randn(H, 128, scale=0.02), randn(H)
         for B in ((1,) if quick else (1, 8)):
+            if late("predictor"):
+                break
             x = randn(B, D)
             for r in ((512,) if quick else (256, 512, 1024)):
                 a, b, bias = randn(r, D, scale=0.02), randn(F, r, scale=0.02), randn(F)
@@ -435,6 +451,8 @@ def main(argv=None):
         return 2
     import triton
     t0 = time.time()
+    if args.budget_s is not None:
+        DEADLINE[0] = t0 + args.budget_s
     res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
            "triton": triton.__version__, "quick": args.quick}
     fail = False
