@@ -446,6 +446,11 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                                    "error": f"{type(ex).__name__}: {ex}"})
     finally:
         m = None
+        if a.hf_compile:  # compiled code keeps references to the model's weights
+            try:
+                torch._dynamo.reset()
+            except Exception:  # noqa: BLE001
+                pass
         free()
 
 
