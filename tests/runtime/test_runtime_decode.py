@@ -163,3 +163,16 @@ def test_local_reference_ops_equal_plugin_references():
         setattr(b.decoder.pred, "topk", O._LOCAL["predictor_topk"])
     assert a.ops.kernels["sparse_attn"] == "plugin_ref"
     assert a.generate([PROMPT], 24, stop_at_eos=False) == b.generate([PROMPT], 24, stop_at_eos=False)
+
+
+def test_post_ln_with_projections_350m_style():
+    over = dict(do_layer_norm_before=False, word_embed_proj_dim=16)
+    model = tiny_model(seed=13, **over)
+    header, tensors = engine_from_dense(model, 1.0, 1.0)
+    eng = Engine.from_tensors(header, tensors, "cpu")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        torch.testing.assert_close(eng.logits(ids), model(ids), atol=1e-5, rtol=1e-5)
+    header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
+    eng = Engine.from_tensors(header, tensors, "cpu")
+    assert eng.generate([PROMPT], 24, stop_at_eos=False)[0] == MaskedDense(model, header, tensors).generate(PROMPT, 24)
