@@ -22,8 +22,7 @@ import torch
 from dejavu.compiler.calibrate import CalibSettings, calibrate
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
-from dejavu.compiler.predictors import (CANDIDATE_INPUTS, DEFAULT_PREDICTOR_INPUT, PredictorSettings,
-                                        train_predictors)
+from dejavu.compiler.predictors import CANDIDATE_INPUTS, PredictorSettings, train_predictors
 from dejavu.compiler.text import WIKITEXT2_TEST, encode_text
 from dejavu.fileio import atomic_path
 from dejavu.models.loader import load_model, load_tokenizer
@@ -38,8 +37,8 @@ def curve_recall(curves: list, ks: list[int]) -> float:
     return float(np.mean([c[k - 1] for c, k in zip(curves, ks)]))
 
 
-def lookahead_study(cal, base: PredictorSettings) -> tuple[list[dict], object]:
-    rows, default = [], None
+def lookahead_study(cal, base: PredictorSettings) -> list[dict]:
+    rows = []
     for cand in CANDIDATE_INPUTS:
         t = time.time()
         p = train_predictors(cal, PredictorSettings(**{**asdict(base), **cand}), progress=True)
@@ -48,9 +47,7 @@ def lookahead_study(cal, base: PredictorSettings) -> tuple[list[dict], object]:
                      "attn_recall_mean": m["attn_recall_mean"],
                      "mlp_recall": [r["mlp_recall"] for r in m["per_layer"]],
                      "attn_recall": [r["attn_recall"] for r in m["per_layer"]], "train_s": time.time() - t})
-        if cand == DEFAULT_PREDICTOR_INPUT:
-            default = p
-    return rows, default
+    return rows
 
 
 def plot(results: dict, path: Path) -> None:
@@ -93,6 +90,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-tokens", type=int, default=16384, help="WikiText-2 test tokens (0: all)")
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.3, 0.2, 0.1])
     ap.add_argument("--no-lookahead-study", action="store_true")
+    ap.add_argument("--study-epochs", type=int, default=0,
+                    help="BCE epochs per candidate in the lookahead study (0: least-squares fit only)")
+    ap.add_argument("--epochs", type=int, default=None, help="BCE epochs of the final predictors "
+                    "(default: PredictorSettings.max_epochs)")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -104,10 +105,10 @@ def main(argv=None) -> dict:
     tok = load_tokenizer(args.model)
     cal = calibrate(model, tok, CalibSettings(calib_tokens=args.calib_tokens, cache_dir=args.cache_dir),
                     model_id=str(args.model))
-    base = PredictorSettings()
-    study, preds = ([], None) if args.no_lookahead_study else lookahead_study(cal, base)
-    if preds is None:
-        preds = train_predictors(cal, base)
+    base = PredictorSettings(**({} if args.epochs is None else {"max_epochs": args.epochs}))
+    study_settings = PredictorSettings(**{**asdict(base), "max_epochs": args.study_epochs})
+    study = [] if args.no_lookahead_study else lookahead_study(cal, study_settings)
+    preds = train_predictors(cal, base)
     window = min(512, cfg.max_position_embeddings)
     ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
                       max_tokens=args.eval_tokens or None)
@@ -139,6 +140,7 @@ def main(argv=None) -> dict:
     results = {"model": str(args.model), "model_config": cfg.to_hf_dict(), "calib_tokens": cal.n_tokens,
                "eval_tokens": dense["tokens"], "window": window, "dense_ppl": dense["perplexity"],
                "predictor_input": preds.predictor_input, "predictor_settings": asdict(base),
+               "study_settings": asdict(study_settings),
                "cost": preds.metrics["cost"], "predictor_metrics": preds.metrics["per_layer"],
                "holdout_tokens": preds.metrics["holdout_tokens"], "lookahead_study": study, "rows": rows}
     out = Path(args.out)

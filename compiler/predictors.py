@@ -9,9 +9,10 @@ when it is among the top ceil(attn_label_density * H) heads of the token by the 
 its slice of the out_proj input (a per-token rank label: a fixed norm threshold would mark
 nearly all or no heads depending on the layer's scale).
 
-Training: class-weighted BCE (pos_weight = (1-p)/p per output from the label frequency,
-clipped), Adam, mini-batches of tokens, early stopping on the held-out tail of the stream
-(whole windows), seeded. Inputs are standardised during training and the affine map is
+Training: a reduced-rank least-squares start (one streamed pass, closed form), then
+class-weighted BCE (pos_weight = (1-p)/p per output from the label frequency, clipped),
+Adam, mini-batches of tokens, early stopping on held-out recall at the report K over the
+tail of the stream (whole windows), seeded. Inputs are standardised during training and the affine map is
 folded into A and bias afterwards, so the stored predictor reads the raw residual.
 """
 from __future__ import annotations
@@ -47,11 +48,12 @@ class PredictorSettings:
     lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]
     attn_label_density: float = 0.5  # head labels: top ceil(this * H) heads by norm
     lr: float = 3e-3
-    batch_tokens: int = 1024
-    max_epochs: int = 12
-    patience: int = 2
+    batch_tokens: int = 2048
+    max_epochs: int = 1  # BCE epochs after the least-squares start (0: least squares only)
+    patience: int = 1
     holdout: float = 0.1  # fraction of the stream (tail windows) held out
     max_pos_weight: float = 50.0
+    ridge: float = 1e-3  # ridge of the least-squares initialisation (times the token count)
     report_density: float = 0.3  # K for the recall/precision report when none is given
     curve_tokens: int = 1024  # held-out tokens used for the recall-vs-K curves
     seed: int = 0
@@ -141,16 +143,43 @@ def _head_labels(norms: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(norms, dtype=torch.bool).scatter_(-1, idx, True)
 
 
-def _fit(x_tr, y_tr, x_va, y_va, rank: int, s: PredictorSettings, gen: torch.Generator) -> dict:
-    """Fit one low-rank predictor; x: [T, D] float32, y: [T, N] bool. Returns folded a/b/bias."""
+def _rrr_init(x, y, mu, sd, rank: int, ridge: float, chunk: int = 8192):
+    """Reduced-rank ridge regression of the ±1 labels on standardised x: A' [r, D], B' [N, r].
+
+    One streamed pass for XᵀX and XᵀY; then W = (XᵀX + λI)⁻¹ XᵀY, and the rank-r map with
+    the least fitted error is W V_r V_rᵀ, V_r the top right singular vectors of Lᵀ W
+    (L Lᵀ = XᵀX + λI). A good start makes a few BCE epochs enough.
+    """
+    D, N = x.shape[1], y.shape[1]
+    xtx = torch.zeros(D, D, dtype=torch.float64, device=x.device)
+    xty = torch.zeros(D, N, dtype=torch.float64, device=x.device)
+    for i in range(0, x.shape[0], chunk):
+        xn = (x[i:i + chunk] - mu) / sd  # fp32 products per chunk, fp64 sums across chunks
+        xtx += (xn.T @ xn).double()
+        xty += (xn.T @ (y[i:i + chunk].float() * 2 - 1)).double()
+    reg = xtx + ridge * x.shape[0] * torch.eye(D, dtype=torch.float64, device=x.device)
+    w = torch.linalg.solve(reg, xty)  # [D, N]
+    chol = torch.linalg.cholesky(reg)
+    vh = torch.linalg.svd(chol.T @ w, full_matrices=False).Vh[:rank]  # [r, N]
+    a = (w @ vh.T).T  # [r, D]
+    scale = 1.0 / (a.norm(dim=1, keepdim=True).clamp_min(1e-12))  # balance the factors
+    return (a * scale).float(), (vh.T / scale.T).float()
+
+
+def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, gen: torch.Generator) -> dict:
+    """Fit one low-rank predictor; x: [T, D] float32, y: [T, N] bool. Returns folded a/b/bias.
+
+    Early stopping keeps the epoch (0 = the least-squares start) with the best held-out
+    recall at k_eval, the quantity the selection needs (BCE tracks it only loosely).
+    """
     dev = x_tr.device
     D, N = x_tr.shape[1], y_tr.shape[1]
     mu = x_tr.mean(0)
     sd = x_tr.std(0).clamp_min(1e-6)
     p = y_tr.float().mean(0).clamp(1e-4, 1 - 1e-4)  # [N] label frequency
     pos_weight = ((1 - p) / p).clamp(1.0 / s.max_pos_weight, s.max_pos_weight)
-    a = (torch.randn(rank, D, generator=gen) / math.sqrt(D)).to(dev).requires_grad_()
-    b = (torch.randn(N, rank, generator=gen) / math.sqrt(rank)).to(dev).requires_grad_()
+    a0, b0 = _rrr_init(x_tr, y_tr, mu, sd, rank, s.ridge)
+    a, b = a0.requires_grad_(), b0.requires_grad_()
     bias = torch.log(p / (1 - p)).to(dev).requires_grad_()
     opt = torch.optim.Adam([a, b, bias], lr=s.lr)
     norm = lambda x: (x - mu) / sd
@@ -159,7 +188,15 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, s: PredictorSettings, gen: torch.Gen
         return F.binary_cross_entropy_with_logits((norm(x) @ a.T) @ b.T + bias, y.float(),
                                                   pos_weight=pos_weight)
 
-    best, best_state, bad = float("inf"), None, 0
+    def val_loss() -> float:  # minus held-out recall at k_eval
+        with torch.no_grad():
+            hits = sum(y_va[i:i + 4096].gather(-1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias)
+                                               .topk(k_eval, dim=-1).indices).sum().item()
+                       for i in range(0, len(x_va), 4096))
+        return -hits / max(1, y_va.sum().item())
+
+    snapshot = lambda: (a.detach().clone(), b.detach().clone(), bias.detach().clone())
+    best, best_state, bad = val_loss(), snapshot(), 0  # the least-squares start counts as epoch 0
     T = x_tr.shape[0]
     for _ in range(s.max_epochs):
         perm = torch.randperm(T, generator=gen).to(dev)
@@ -168,11 +205,9 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, s: PredictorSettings, gen: torch.Gen
             opt.zero_grad(set_to_none=True)
             loss_on(x_tr[rows], y_tr[rows]).backward()
             opt.step()
-        with torch.no_grad():
-            val = sum(loss_on(x_va[i:i + 4096], y_va[i:i + 4096]).item() * len(y_va[i:i + 4096])
-                      for i in range(0, len(x_va), 4096)) / len(x_va)
+        val = val_loss()
         if val < best - 1e-5:
-            best, best_state, bad = val, (a.detach().clone(), b.detach().clone(), bias.detach().clone()), 0
+            best, best_state, bad = val, snapshot(), 0
         else:
             bad += 1
             if bad >= s.patience:
@@ -180,7 +215,8 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, s: PredictorSettings, gen: torch.Gen
     a_, b_, bias_ = (t.double() for t in best_state)
     a_fold = a_ / sd.double()  # scores = B A' (x - mu)/sd + bias = B (A'/sd) x + (bias - B A' mu/sd)
     bias_fold = bias_ - b_ @ (a_ @ (mu.double() / sd.double()))
-    return {"a": a_fold.float().cpu(), "b": b_.float().cpu(), "bias": bias_fold.float().cpu(),
+    return {"a": a_fold.float().cpu().contiguous(), "b": b_.float().cpu().contiguous(),
+            "bias": bias_fold.float().cpu().contiguous(),
             "val_loss": best}
 
 
@@ -234,8 +270,8 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     for l in it:
         x, y_mlp, norms, split = _layer_data(cal, l, s, dev)
         y_att = _head_labels(norms, k_lab)
-        pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, s, gen)
-        pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, s, gen)
+        pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, mlp_k[l], s, gen)
+        pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, k_lab, s, gen)
         with torch.no_grad():
             xv = x[split:].cpu()
             sm = (xv @ pm["a"].T) @ pm["b"].T + pm["bias"]  # [Tv, F]
@@ -248,9 +284,9 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
             curves["mlp"].append(_curve(sm[c], yv[c]))
             curves["attn"].append(_curve(sa[c], nv[c]))
         per_layer.append({"layer": l, "mlp_k": mlp_k[l], "mlp_recall": m_rec, "mlp_precision": m_prec,
-                          "mlp_active_fraction": yv.float().mean().item(), "mlp_val_loss": pm.pop("val_loss"),
+                          "mlp_active_fraction": yv.float().mean().item(), "mlp_val_recall": -pm.pop("val_loss"),
                           "attn_k": attn_k[l], "attn_recall": a_rec, "attn_precision": a_rec,
-                          "attn_norm_mass": a_mass, "attn_val_loss": pa.pop("val_loss")})
+                          "attn_norm_mass": a_mass, "attn_val_label_recall": -pa.pop("val_loss")})
         mlp.append(pm)
         attn.append(pa)
     mean = lambda key: float(np.mean([m[key] for m in per_layer]))
