@@ -119,3 +119,15 @@ def test_console_scripts_exit_2(tmp_path):
                        capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "x.engine").exists()
+
+
+def test_config_file_and_overrides(tmp_path, capsys):
+    from dejavu.compiler.cli import _config, compile_parser
+
+    f = tmp_path / "build.json"
+    f.write_text(json.dumps({"density": 0.4, "dtype": "float32", "seed": 3}))
+    argv = ["m", "--density", "0.3", "--config", str(f), "--seed", "5"]
+    c = _config(compile_parser().parse_args(argv), argv)
+    assert (c.density, c.dtype, c.seed) == (0.3, "float32", 5)
+    f.write_text(json.dumps({"density": 0.4, "bogus": 1}))
+    _fails(capsys, main, ["m", "--density", "0.3", "--config", str(f)], "bogus")
