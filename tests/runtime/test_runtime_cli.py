@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dejavu.engine_file import write_engine
 from dejavu.runtime import Engine
