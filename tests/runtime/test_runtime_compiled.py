@@ -34,3 +34,16 @@ def test_compiled_engine_greedy_equals_masked_dense(tiny_opt_dir, tmp_path):
     prompt = eng.tokenizer.encode("The game began")
     ref = MaskedDense(model, header, tensors)
     assert eng.generate([prompt], 32, stop_at_eos=False)[0] == ref.generate(prompt, 32)
+
+
+def test_compiled_dense_engine_equals_dense_model(tiny_opt_dir, tmp_path):
+    from dejavu.models.loader import load_model
+
+    model, _ = load_model(tiny_opt_dir, dtype=torch.float32)
+    path = tmp_path / "d.engine"
+    build.build_engine(tiny_opt_dir, build.BuildConfig(density=1.0, no_predictors=True, dtype="float32"),
+                       path, progress=False)
+    eng = Engine.load(path)
+    ids = torch.tensor([eng.tokenizer.encode("In 1990 the game")])
+    with torch.no_grad():
+        torch.testing.assert_close(eng.logits(ids), model(ids), atol=1e-5, rtol=1e-5)
