@@ -1,7 +1,7 @@
 """lm-evaluation-harness model `dejavu`: evaluate an engine (or the dense model) with lm_eval.
 
     pip install lm_eval                        # 0.4.x; pulls no torch
-    python -m dejavu.runtime.lm_eval_adapter --model dejavu \\
+    python -m dejavu.runtime.lm_eval_adapter run --model dejavu \\
         --model_args model=opt-mini-0.3.engine,device=cpu --tasks piqa --limit 100
 
 (`python -m` imports this module first, so `dejavu` is registered; in Python,

@@ -159,14 +159,23 @@ def tokenize_pair(encode: Callable[[str], list[int]], context: str, continuation
     return TokenizedPair(ids, min(len(cont), len(ids) - 1))
 
 
-def score_pairs(logits_fn, pairs: Sequence[TokenizedPair], batch_size: int = 8) -> list[PairScore]:
-    """Log-likelihood of each pair's continuation; right-padded batches (causal, so the
-    padding after a sequence never changes its logits)."""
+def score_pairs(logits_fn, pairs: Sequence[TokenizedPair], batch_size: int = 8,
+                progress: str | None = None) -> list[PairScore]:
+    """Log-likelihood of each pair's continuation, in input order.
+
+    Pairs are run in batches of similar length (sorted), right-padded: the model is causal,
+    so padding after a sequence never changes its logits."""
     import torch
 
-    out: list[PairScore] = []
-    for s in range(0, len(pairs), batch_size):
-        chunk = pairs[s:s + batch_size]
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i].ids))
+    out: list[PairScore | None] = [None] * len(pairs)
+    starts = range(0, len(order), batch_size)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc=progress, unit="batch")
+    for s in starts:
+        chunk = [pairs[i] for i in order[s:s + batch_size]]
         S = max(len(p.ids) for p in chunk) - 1
         inp = torch.zeros(len(chunk), S, dtype=torch.long)  # [B, S]
         for b, p in enumerate(chunk):
@@ -178,8 +187,8 @@ def score_pairs(logits_fn, pairs: Sequence[TokenizedPair], batch_size: int = 8) 
             rows = logp[b, L - n:L]  # [n, V]: predictions for the continuation tokens
             tgt = torch.tensor(p.ids[-n:])
             lp = rows.gather(1, tgt[:, None]).sum().item()
-            out.append(PairScore(lp, bool((rows.argmax(-1) == tgt).all()), n))
-    return out
+            out[order[s + b]] = PairScore(lp, bool((rows.argmax(-1) == tgt).all()), n)
+    return out  # type: ignore[return-value]
 
 
 @dataclass
@@ -191,7 +200,7 @@ class TaskResult:
     details: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        d = {"accuracy": self.acc, "n": self.n}
+        d = {"accuracy": self.acc, "n": self.n, "preds": [x["pred"] for x in self.details]}
         if self.acc_norm is not None:
             d["acc_norm"] = self.acc_norm
         return d
@@ -200,13 +209,14 @@ class TaskResult:
 def evaluate_task(task: Task, logits_fn, encode, bos: int | None, max_len: int,
                   batch_size: int = 8, progress: bool = True) -> TaskResult:
     """Accuracy (and acc_norm where the task reports it) of one task through `logits_fn`."""
-    from tqdm import tqdm
-
+    toks = [tokenize_pair(encode, c, x, bos, max_len) for ex in task.examples for c, x in ex.pairs]
+    flat = score_pairs(logits_fn, toks, batch_size, progress=task.name if progress else None)
     correct = correct_norm = 0
     details = []
-    for ex in tqdm(task.examples, desc=task.name, disable=not progress, unit="ex"):
-        toks = [tokenize_pair(encode, c, x, bos, max_len) for c, x in ex.pairs]
-        scores = score_pairs(logits_fn, toks, batch_size)
+    pos = 0
+    for ex in task.examples:
+        scores = flat[pos:pos + len(ex.pairs)]
+        pos += len(ex.pairs)
         if ex.kind == "greedy":
             pred = pred_norm = 0 if scores[0].greedy else -1
         else:
