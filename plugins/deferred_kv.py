@@ -1,0 +1,234 @@
+"""Deferred K/V recompute (DejaVu-style): K and V only for the heads that attend.
+
+    recompute_kv(x_hist[B,S,D], wkv[2D,D], bkv[2D], head_idx[B,Kh]|[Kh],
+                 k_cache[B,H,S,hd], v_cache[B,H,S,hd], valid_len[B,H] int32, pos) -> None
+    sparse_attn_decode_deferred(x_ln[B,D], wq, bq, wkv, bkv, wo_t, bo, head_idx,
+                                k_cache, v_cache, x_hist, valid_len, pos, residual=None,
+                                *, out=None, validate=None, config=None) -> y[B,D]
+
+Policy: instead of projecting K/V of every head at every step (sparse_attention.py), keep
+per layer the history of the attention input `x_hist[b, p] = x_ln` (LayerNorm'd, [B,S,D])
+and per (sequence, head) the number of cache slots already filled, `valid_len[b, h]`.
+When head h is selected at position pos, its K/V for the missing slots
+`min(valid_len[b,h], pos) .. pos` are computed from the stored inputs (one read of the
+head's 2*hd rows of wkv), then the selected heads attend as before. K/V of position p
+depend only on x_ln(p), which never changes, so the output equals the masked-dense
+semantics (ARCHITECTURE.md) in exact arithmetic; only the bytes read change: attention
+reads 4*d*D^2 weight bytes instead of (2 + 2d)*D^2 at head density d.
+
+Kernel `_recompute_kv_kernel`: grid (B*Kh, cdiv(2*hd, BLOCK_R)); a program owns BLOCK_R of
+its head's 2*hd output rows (K rows then V rows) and loops over the missing positions in
+blocks of BLOCK_P (tl.dot, both >= 16) and over D in BLOCK_D chunks, fp32 accumulation.
+The bounds (valid_len, pos) are read from device memory: CUDA-graph safe, no host sync.
+valid_len is updated by a separate scatter_ after the kernel (programs of one head would
+race if the kernel wrote it). Slots of unselected heads and slots outside the range are
+not touched. Limits: hd <= 256; duplicate head indices not allowed (top-k never makes them).
+"""
+from __future__ import annotations
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
+                                    default_validate, jit, next_pow2)
+from dejavu.plugins.sparse_attention import (ATTN_CONFIG, _attn_combine_kernel, _attn_decode_kernel,
+                                             _check_attn, _positions)
+from dejavu.plugins.sparse_mlp import _dot_fp32, gather_gemv, gather_gemv_t
+
+tl = None  # triton.language, bound on first launch (see _common.jit)
+
+RECOMPUTE_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "num_warps": 4, "num_stages": 2}
+
+
+def _recompute_kv_kernel(x_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, vl_ptr, pos_ptr,
+                         KH, H, D, HD, stride_xb, stride_xs, stride_hb, stride_pb,
+                         stride_cb, stride_ch, stride_cs,
+                         DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    # kv[p, r] = x_hist[b, p] . wkv[row(r)] + bkv[row(r)] for p in [min(valid_len, pos), pos],
+    # r in this program's block of the head's 2*HD rows (r < HD: K row r, else V row r - HD).
+    pid = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = pid // KH
+    j = pid % KH
+    head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
+    pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
+    start = tl.minimum(tl.load(vl_ptr + b * H + head).to(tl.int32), pos)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < 2 * HD
+    is_k = offs_r < HD
+    col = tl.where(is_k, offs_r, offs_r - HD)  # channel within the head
+    rows = tl.where(is_k, 0, D) + head * HD + col  # row of wkv
+    rows = tl.where(rmask, rows, 0).to(tl.int64)
+    bias = tl.load(b_ptr + rows).to(tl.float32)
+    x_base = x_ptr + b.to(tl.int64) * stride_xb
+    c_base = b.to(tl.int64) * stride_cb + head * stride_ch
+    for p0 in range(start, pos + 1, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        pmask = offs_p <= pos
+        acc = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            dmask = offs_d < D
+            xt = tl.load(x_base + offs_p[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
+                         mask=pmask[:, None] & dmask[None, :], other=0.0)
+            wt = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, tl.trans(wt), acc)
+        kv = acc + bias[None, :]
+        dst = c_base + offs_p[:, None].to(tl.int64) * stride_cs + col[None, :]
+        m = pmask[:, None] & rmask[None, :]
+        tl.store(k_ptr + dst, kv.to(k_ptr.dtype.element_ty), mask=m & is_k[None, :])
+        tl.store(v_ptr + dst, kv.to(v_ptr.dtype.element_ty), mask=m & (offs_r >= HD)[None, :])
+
+
+def _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate):
+    check_tensor("x_hist", x_hist, ndim=3, dtypes=FLOAT_DTYPES)
+    B, S, D = x_hist.shape
+    dt, dev = x_hist.dtype, x_hist.device
+    check_tensor("wkv", wkv, shape=(2 * D, D), dtype=dt, device=dev)
+    check_tensor("bkv", bkv, shape=(2 * D,), dtype=dt, device=dev)
+    check_tensor("k_cache", k_cache, ndim=4, dtype=dt, device=dev)
+    H, hd = k_cache.shape[1], k_cache.shape[3]
+    if k_cache.shape[0] != B or k_cache.shape[2] != S or H * hd != D:
+        raise DejavuError(f"k_cache: shape {tuple(k_cache.shape)} does not fit x_hist {tuple(x_hist.shape)}")
+    if hd > 256:
+        raise DejavuError(f"head dim {hd} > 256 is not supported")
+    check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=dt, device=dev)
+    check_tensor("valid_len", valid_len, shape=(B, H), dtype=torch.int32, device=dev)
+    kh, _ = check_index("head_idx", head_idx, batch=B, upper=H, device=dev, validate=validate)
+    return B, S, D, H, hd, kh
+
+
+def _mark_valid(valid_len, head_idx, pos_t):
+    """valid_len[b, head_idx[b, j]] = pos[b] + 1 (scatter_: static shapes, no sync)."""
+    B = valid_len.shape[0]
+    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
+    val = (pos_t.reshape(-1, 1).to(torch.int32) + 1).expand(B, heads.shape[1])
+    valid_len.scatter_(1, heads, val)
+
+
+def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
+                 config=None) -> None:
+    """Fill K/V of the selected heads at slots min(valid_len, pos)..pos from x_hist; mark them valid."""
+    validate = default_validate(validate, x_hist.device)
+    B, S, D, H, hd, kh = _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate)
+    pos_t, stride_pb = _positions(pos, B, x_hist.device)
+    if validate:
+        lo, hi = int(pos_t.min()), int(pos_t.max())
+        if lo < 0 or hi >= S:
+            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
+        if valid_len.numel() and int(valid_len.min()) < 0:
+            raise DejavuError("valid_len: negative entries")
+    if kh == 0 or B == 0:
+        return
+    cfg = {**RECOMPUTE_CONFIG, **(config or {})}
+    kernel = jit(_recompute_kv_kernel, x_hist.device)
+    grid = (B * kh, -(-2 * hd // cfg["BLOCK_R"]))
+    kernel[grid](x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t,
+                 kh, H, D, hd, x_hist.stride(0), x_hist.stride(1),
+                 0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
+                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                 DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device), BLOCK_P=cfg["BLOCK_P"],
+                 BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"])
+    _mark_valid(valid_len, head_idx, pos_t)
+
+
+def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
+    """PyTorch reference of recompute_kv (same in-place updates); any device/dtype."""
+    B, S, D = x_hist.shape
+    H, hd = k_cache.shape[1], k_cache.shape[3]
+    if isinstance(pos, int):
+        pos = torch.tensor(pos)
+    p = pos.to(x_hist.device).long().reshape(-1).expand(B)  # [B]
+    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
+    if heads.shape[1] == 0:
+        return
+    w = wkv.view(2, H, hd, D)[:, heads].permute(1, 2, 0, 3, 4)  # [B, Kh, 2, hd, D]
+    bias = bkv.view(2, H, hd)[:, heads].permute(1, 2, 0, 3)  # [B, Kh, 2, hd]
+    kv = torch.einsum("bsd,bkcjd->bkcsj", x_hist, w) + bias[:, :, :, None, :]  # [B, Kh, 2, S, hd]
+    start = torch.minimum(valid_len.long().gather(1, heads), p[:, None])  # [B, Kh]
+    s = torch.arange(S, device=x_hist.device)
+    fill = (s[None, None, :] >= start[:, :, None]) & (s[None, None, :] <= p[:, None, None])  # [B, Kh, S]
+    rows = torch.arange(B, device=x_hist.device)[:, None]
+    for cache, c in ((k_cache, 0), (v_cache, 1)):
+        cur = cache[rows, heads]  # [B, Kh, S, hd] (a copy)
+        cache[rows, heads] = torch.where(fill[..., None], kv[:, :, c].to(cache.dtype), cur)
+    _mark_valid(valid_len, head_idx, p)
+
+
+def _write_hist(x_hist, x_ln, pos_t):
+    """x_hist[b, pos[b]] = x_ln[b] (index_put_: graph-capturable)."""
+    B = x_ln.shape[0]
+    b_idx = torch.arange(B, device=x_ln.device)
+    x_hist[b_idx, pos_t.long().reshape(-1).expand(B)] = x_ln
+
+
+def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
+                                valid_len, pos, residual=None, *, out=None, validate=None, config=None):
+    """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
+
+    Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
+    attention and the output projection of the selected heads (sparse_attention's pieces)."""
+    validate = default_validate(validate, x_ln.device)
+    B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
+                                     v_cache, residual, validate)
+    check_tensor("x_hist", x_hist, shape=(B, S, D), dtype=x_ln.dtype, device=x_ln.device)
+    pos_t, stride_pb = _positions(pos, B, x_ln.device)
+    out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
+    _write_hist(x_hist, x_ln, pos_t)
+    recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, validate=validate,
+                 config=(config or {}).get("recompute"))
+    if kh == 0:
+        out.copy_(bo.expand(B, D) if residual is None else bo + residual)
+        return out
+    # from here on: sparse_attention.sparse_attn_decode's steps 2-4 (its kernels, unchanged)
+    rows = (head_idx.long().unsqueeze(-1) * hd + torch.arange(hd, device=x_ln.device)).flatten(-2)
+    q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
+    gather_gemv(x_ln, wq, bq, rows, q, relu=False)
+    cfg = {**ATTN_CONFIG, **{k: v for k, v in (config or {}).items() if k != "recompute"}}
+    nchunk = -(-S // cfg["CHUNK"])
+    o = torch.empty_like(q)
+    part = ml = o
+    if nchunk > 1:
+        part = torch.empty((B * kh * nchunk, hd), dtype=torch.float32, device=x_ln.device)
+        ml = torch.empty((B * kh * nchunk, 2), dtype=torch.float32, device=x_ln.device)
+    block_hd = max(16, next_pow2(hd))
+    kernel = jit(_attn_decode_kernel, x_ln.device)
+    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, kh, hd,
+                            cfg["CHUNK"], nchunk, 0 if head_idx.dim() == 1 else head_idx.stride(0),
+                            stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                            PARTIAL=nchunk > 1, BLOCK_S=cfg["BLOCK_S"], BLOCK_HD=block_hd,
+                            num_warps=cfg["num_warps"])
+    if nchunk > 1:
+        combine = jit(_attn_combine_kernel, x_ln.device)
+        combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
+                           BLOCK_HD=block_hd, num_warps=4)
+    return gather_gemv_t(o, wo_t, bo, rows, residual, out)
+
+
+def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,
+                                    x_hist, valid_len, pos, residual=None):
+    """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads."""
+    B, D = x_ln.shape
+    H, S, hd = k_cache.shape[1:]
+    if isinstance(pos, int):
+        pos = torch.tensor(pos)
+    p = pos.to(x_ln.device).long().reshape(-1).expand(B)
+    _write_hist(x_hist, x_ln, p)
+    recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p)
+    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
+    rows = torch.arange(B, device=x_ln.device)[:, None]
+    q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[heads], x_ln) + bq.view(H, hd)[heads]
+    visible = torch.arange(S, device=x_ln.device)[None, :] <= p[:, None]  # [B, S]
+    seen = visible[:, None, :, None]  # slots past pos may hold anything (NaN): never read them
+    kc = torch.where(seen, k_cache[rows, heads], 0.0)  # [B, Kh, S, hd]
+    vc = torch.where(seen, v_cache[rows, heads], 0.0)
+    scores = torch.einsum("bkj,bksj->bks", q, kc)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    o = torch.einsum("bks,bksj->bkj", torch.softmax(scores, dim=-1), vc)  # [B, Kh, hd]
+    y = torch.einsum("bkj,bkjd->bd", o, wo_t.view(H, hd, D)[heads]) + bo
+    return y if residual is None else y + residual

@@ -1,0 +1,159 @@
+"""recompute_kv and sparse_attn_decode_deferred (Triton, interpreter) against float64 references."""
+import pytest
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins.deferred_kv import (recompute_kv, recompute_kv_ref, sparse_attn_decode_deferred,
+                                        sparse_attn_decode_deferred_ref)
+from dejavu.plugins.sparse_attention import sparse_attn_decode_ref
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+H, HD, S = 5, 12, 21  # D = 60, 2*hd = 24: not block multiples (BLOCK_R 16, BLOCK_D 128, BLOCK_P 16)
+D = H * HD
+
+
+def weights(dtype):
+    w = [torch.randn(D, D) / D ** 0.5, torch.randn(D) / 4, torch.randn(2 * D, D) / D ** 0.5,
+         torch.randn(2 * D) / 4, torch.randn(D, D) / D ** 0.5, torch.randn(D) / 4]
+    return [t.to(dtype) for t in w]
+
+
+def nan_caches(B, dtype):
+    return [torch.full((B, H, S, HD), float("nan"), dtype=dtype) for _ in range(2)]
+
+
+def heads(B, kh, shared):
+    if shared:
+        return torch.randperm(H)[:kh].to(torch.int32)
+    return torch.stack([torch.randperm(H)[:kh] for _ in range(B)]).to(torch.int64)
+
+
+def expected_written(B, hidx, valid_len, pos):
+    """bool [B, H, S]: slots the call must fill (selected heads, min(valid_len, pos)..pos)."""
+    hs = hidx.long().expand(B, -1) if hidx.dim() == 1 else hidx.long()
+    p = pos.long().reshape(-1).expand(B)
+    w = torch.zeros(B, H, S, dtype=torch.bool)
+    for b in range(B):
+        for h in hs[b].tolist():
+            lo = min(int(valid_len[b, h]), int(p[b]))
+            w[b, h, lo:int(p[b]) + 1] = True
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared", [(1, False), (3, False), (3, True)])
+def test_recompute_fills_only_missing_slots(triton_interp, close, dtype, B, shared):
+    w = weights(dtype)
+    wkv, bkv = w[2], w[3]
+    x_hist = torch.randn(B, S, D).to(dtype)
+    kc, vc = nan_caches(B, dtype)
+    valid_len = torch.randint(0, 8, (B, H), dtype=torch.int32)
+    pos = torch.tensor([19, 7, 18][:B], dtype=torch.int64) if B > 1 else torch.tensor(19)  # up to 20 missing
+    hidx = heads(B, 3, shared)
+    vl0 = valid_len.clone()
+    recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, valid_len, pos)
+    k64, v64 = nan_caches(B, torch.float64)
+    vl64 = vl0.clone()
+    recompute_kv_ref(x_hist.double(), wkv.double(), bkv.double(), hidx, k64, v64, vl64, pos)
+    kt, vt = nan_caches(B, dtype)
+    recompute_kv_ref(x_hist, wkv, bkv, hidx, kt, vt, vl0.clone(), pos)
+    mask = expected_written(B, hidx, vl0, pos)
+    for got, ref, tor in ((kc, k64, kt), (vc, v64, vt)):
+        assert torch.equal(torch.isfinite(got).all(-1), mask), "written slots differ from the missing ones"
+        assert torch.equal(torch.isnan(got).all(-1), ~mask)
+        assert torch.equal(torch.isfinite(ref).all(-1), mask)
+        close(got[mask], ref[mask], tor[mask])
+    assert torch.equal(valid_len, vl64)
+    # selected heads now valid up to pos; the others unchanged
+    sel = mask.any(-1)  # [B, H]
+    p = pos.reshape(-1).expand(B)
+    assert torch.equal(valid_len, torch.where(sel, (p[:, None] + 1).int(), vl0))
+    # and the values are the K/V projection of the stored inputs
+    kv = (x_hist.double() @ wkv.double().T + bkv.double()).view(B, S, 2, H, HD).permute(2, 0, 3, 1, 4)
+    assert torch.allclose(k64[mask], kv[0][mask]) and torch.allclose(v64[mask], kv[1][mask])
+
+
+def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
+    # valid_len > pos (a rewound position): only slot pos is recomputed for the selected heads
+    B = 2
+    w = weights(torch.float32)
+    x_hist = torch.randn(B, S, D)
+    kc, vc = nan_caches(B, torch.float32)
+    valid_len = torch.full((B, H), 15, dtype=torch.int32)
+    hidx = heads(B, 2, False)
+    recompute_kv(x_hist, w[2], w[3], hidx, kc, vc, valid_len, torch.tensor(4, dtype=torch.int32))
+    fin = torch.isfinite(kc).any(-1)  # [B, H, S]
+    assert fin.sum() == B * 2 and fin[:, :, 4].sum() == B * 2
+    assert (valid_len == 5).sum() == B * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shared", [False, True])
+def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, shared):
+    """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""
+    B = 3
+    w = weights(dtype)
+    w64 = [t.double() for t in w]
+    # a history of earlier inputs (slots before the first pos, and skipped ones), and the full
+    # policy's caches holding their K/V for every head
+    x0 = torch.randn(B, S, D).to(dtype)
+    full_k, full_v = (x0.double() @ w64[2].T + w64[3]).view(B, S, 2, H, HD).permute(2, 0, 3, 1, 4).contiguous()
+    kc, vc = nan_caches(B, dtype)  # deferred (kernel): unselected slots stay NaN
+    kt, vt = nan_caches(B, dtype)  # deferred (reference in dtype)
+    k64, v64 = nan_caches(B, torch.float64)
+    hist, hist_t, hist64 = x0.clone(), x0.clone(), x0.double()
+    vl, vl_t, vl64 = [torch.zeros(B, H, dtype=torch.int32) for _ in range(3)]
+    pos = torch.tensor([0, 3, 5])
+    for step in range(6):
+        x, res = torch.randn(B, D).to(dtype), torch.randn(B, D).to(dtype)
+        hidx = heads(B, 2, shared)
+        y = torch.full((B, D), float("nan"), dtype=dtype)
+        sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, out=y)
+        ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, hist64, vl64, pos, res.double())
+        tor = sparse_attn_decode_deferred_ref(x, *w, hidx, kt, vt, hist_t, vl_t, pos, res)
+        full = sparse_attn_decode_ref(x.double(), *w64, hidx, full_k, full_v, pos, res.double())
+        assert torch.allclose(ref, full, atol=1e-10, rtol=1e-10)  # the policy changes nothing
+        close(y, ref, tor)
+        assert torch.equal(vl, vl64)
+        written = torch.isfinite(kc)
+        assert torch.equal(written, torch.isfinite(k64))
+        assert torch.allclose(k64[written], full_k[written]) and torch.allclose(v64[written], full_v[written])
+        pos = pos + torch.tensor([1, 2, 1])  # sequence 1 skips slots: their K/V come from the history
+
+
+def test_deferred_no_heads_and_int_pos(triton_interp):
+    w = weights(torch.float32)
+    kc, vc = nan_caches(1, torch.float32)
+    hist, vl = torch.zeros(1, S, D), torch.zeros(1, H, dtype=torch.int32)
+    x, res = torch.randn(1, D), torch.randn(1, D)
+    y = sparse_attn_decode_deferred(x, *w, torch.zeros(1, 0, dtype=torch.int32), kc, vc, hist, vl, 2, res)
+    assert torch.allclose(y, w[5] + res)
+    assert torch.equal(hist[0, 2], x[0]) and torch.isnan(kc).all() and (vl == 0).all()
+
+
+def test_bad_inputs_rejected():
+    B = 2
+    w = weights(torch.float16)
+    wkv, bkv = w[2], w[3]
+    x_hist = torch.randn(B, S, D).half()
+    kc, vc = nan_caches(B, torch.float16)
+    vl = torch.zeros(B, H, dtype=torch.int32)
+    hidx = heads(B, 2, False)
+    with pytest.raises(DejavuError, match="head_idx: indices out of range"):
+        recompute_kv(x_hist, wkv, bkv, torch.full_like(hidx, H), kc, vc, vl, 3)
+    with pytest.raises(DejavuError, match="pos: out of range"):
+        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl, torch.tensor(S))
+    with pytest.raises(DejavuError, match="valid_len: expected dtype torch.int32"):
+        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl.long(), 3)
+    with pytest.raises(DejavuError, match="valid_len: expected shape"):
+        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl[:, :-1].contiguous(), 3)
+    with pytest.raises(DejavuError, match="valid_len: negative"):
+        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl - 1, 3)
+    with pytest.raises(DejavuError, match="x_hist: must be contiguous"):
+        recompute_kv(x_hist.transpose(0, 1).contiguous().transpose(0, 1), wkv, bkv, hidx, kc, vc, vl, 3)
+    with pytest.raises(DejavuError, match="k_cache: shape"):
+        recompute_kv(x_hist, wkv, bkv, hidx, kc[:, :, :-1].contiguous(), vc, vl, 3)
+    with pytest.raises(DejavuError, match="wkv: expected dtype"):
+        recompute_kv(x_hist, wkv.float(), bkv, hidx, kc, vc, vl, 3)
+    with pytest.raises(DejavuError, match="x_hist: expected shape"):
+        sparse_attn_decode_deferred(torch.randn(B, D).half(), *w, hidx, kc, vc, x_hist[:, :-1].contiguous(), vl, 3)
