@@ -178,6 +178,9 @@ def evaluate(sm: ScoringModel, settings: EvalSettings, tasks: list[str], ppl: bo
              progress: bool = True) -> dict:
     """One JSON-able result: {"model", "kind", "density", "perplexity", "tasks": {...}}."""
     out: dict = {"model": sm.name, "kind": sm.kind, "density": sm.density}
+    if sm.header is not None:  # the per-kind densities (they differ with --mlp-density/--attn-density)
+        bc = sm.header.get("build_config") or {}
+        out.update(mlp_density=bc.get("mlp_density", sm.density), attn_density=bc.get("attn_density", sm.density))
     t0 = time.perf_counter()
     if ppl:
         r = eval_perplexity(sm, read_text(settings.ppl_file), settings.window, settings.ppl_tokens,
@@ -266,8 +269,15 @@ def agreement_table(results: list[dict]) -> str | None:
             a, b = dense["tasks"][t]["preds"], r["tasks"].get(t, {}).get("preds")
             ok = b is not None and len(a) == len(b)
             cells.append(f"{100 * sum(x == y for x, y in zip(a, b)) / len(a):.1f}" if ok else "")
-        lines.append(f"| {r['model']} | {r['density']:g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['model']} | {_density_label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _density_label(r: dict) -> str:
+    if r["density"] is None:
+        return "dense"
+    m, a = r.get("mlp_density", r["density"]), r.get("attn_density", r["density"])
+    return f"{r['density']:g}" if m == a else f"mlp {m:g} / heads {a:g}"
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -280,9 +290,17 @@ def markdown_table(results: list[dict]) -> str:
         for _, task, key in cols:
             v = _value(r, task, key)
             cells.append("" if v is None else (f"{v:.3f}" if task is None else f"{100 * v:.1f}"))
-        dens = "dense" if r["density"] is None else f"{r['density']:g}"
+        dens = _density_label(r)
         lines.append(f"| {r['model']} | {dens} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _shown_path(p) -> str:
+    """Shipped data as `dejavu/data/...` (not this machine's install path)."""
+    try:
+        return "dejavu/data/" + Path(p).resolve().relative_to(DEFAULT_PPL_FILE.parents[1].resolve()).as_posix()
+    except ValueError:
+        return str(p)
 
 
 def write_report(results: list[dict], folder: str | Path, settings: EvalSettings, tasks: list[str]) -> Path:
@@ -303,7 +321,7 @@ def write_report(results: list[dict], folder: str | Path, settings: EvalSettings
     if agree:
         md += ["Agreement with the dense model's prediction, per example (percent):", "", agree, ""]
     md += [
-          f"- perplexity: `{settings.ppl_file}`, "
+          f"- perplexity: `{_shown_path(settings.ppl_file)}`, "
           f"{first.get('ppl_tokens', 'n/a')} tokens, window {first.get('ppl_window', 'n/a')}",
           f"- tasks: {', '.join(tasks) or 'none'}; examples per task: {lim}",
           "", f"![metrics vs density]({png.name})", ""]
@@ -312,6 +330,20 @@ def write_report(results: list[dict], folder: str | Path, settings: EvalSettings
         tmp.write_text("\n".join(md), encoding="utf-8")
     (folder / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True), encoding="utf-8")
     return out
+
+
+def _series(results: list[dict], task: str | None, key: str) -> dict[str, list[tuple[float, float]]]:
+    """Engine points per series: same density for MLP and heads, or MLP only (heads 1.0)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        v = _value(r, task, key)
+        if r["density"] is None or v is None:
+            continue
+        m, a = r.get("mlp_density", r["density"]), r.get("attn_density", r["density"])
+        label = "engine" if m == a else ("engine, MLP only" if a == 1.0 else None)
+        if label:
+            out.setdefault(label, []).append((m, v))
+    return {k: sorted(v) for k, v in out.items()}
 
 
 def plot_metrics(results: list[dict], path: Path) -> None:
@@ -329,11 +361,9 @@ def plot_metrics(results: list[dict], path: Path) -> None:
     nrow = (n + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 2.8 * nrow), squeeze=False)
     for ax, (title, task, key) in zip(axes.flat, cols):
-        pts = sorted((r["density"], _value(r, task, key)) for r in results
-                     if r["density"] is not None and _value(r, task, key) is not None)
         scale = 1 if task is None else 100
-        if pts:
-            ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], "o-", label="engine")
+        for label, pts in _series(results, task, key).items():
+            ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], "o-", label=label)
         for r in results:
             v = _value(r, task, key)
             if r["density"] is None and v is not None:
