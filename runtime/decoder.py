@@ -7,6 +7,15 @@ Three passes over the same weights:
 - `forward_tokens(ids)`: token-parallel sparse logits for evaluation; every position gets
   its own selection, as if decoded one token at a time from an empty cache.
 Layers whose K equals N run dense (no predictor), so density 1.0 is the dense model.
+
+K/V policy of the sparse-attention layers (`kv_policy`):
+- "full": every decode step projects K/V of every head into the cache (the contract's
+  description, plugins/sparse_attention.py).
+- "deferred" (default): the layer keeps `x_hist[l]` [B, S, D], its attention inputs after
+  LayerNorm, and `valid_len[l]` [B, H] int32, the cache slots already filled per head; a
+  decode step computes K/V only for the selected heads, over their missing slots
+  (plugins/deferred_kv.py). Same output in exact arithmetic (K/V of slot p depend only on
+  the input at p); fewer bytes read. Dense prefill fills every head: valid_len = length.
 """
 from __future__ import annotations
 
@@ -18,6 +27,8 @@ import torch.nn.functional as F
 from dejavu.runtime.ops import Ops, attend
 from dejavu.runtime.predictors import PredictorRunner, schedule
 from dejavu.runtime.spec import EngineSpec
+
+KV_POLICIES = ("deferred", "full")
 
 POSITION_OFFSET = 2  # OPT's learned positions are shifted by 2
 
@@ -35,8 +46,11 @@ class SparseDecoder:
     """Holds the weights, the static KV cache and the predictor runner of one engine."""
 
     def __init__(self, spec: EngineSpec, tensors: dict[str, torch.Tensor], device: torch.device,
-                 ops: Ops, overlap: bool = True, shared_index: bool = False):
+                 ops: Ops, overlap: bool = True, shared_index: bool = False, kv_policy: str = "deferred"):
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         self.spec, self.t, self.device, self.ops = spec, tensors, device, ops
+        self.kv_policy = kv_policy
         self.layers = [_layer_weights(tensors, l) for l in range(spec.num_layers)]
         preds = []
         for l in range(spec.num_layers):
@@ -49,22 +63,39 @@ class SparseDecoder:
         self.pred = PredictorRunner(preds, ks, plan, ops.predictor_topk, device, overlap, shared_index)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        self.x_hist: list[torch.Tensor | None] = []  # deferred policy, sparse-attention layers only
+        self.valid_len: list[torch.Tensor | None] = []
         self.batch = self.max_seq = 0
+
+    def deferred(self, l: int) -> bool:
+        """Layer l computes K/V of the selected heads only (deferred policy, sparse attention)."""
+        return self.kv_policy == "deferred" and self.spec.sparse_attn(l)
 
     # ------------------------------------------------------------------ cache
     def setup(self, batch: int, max_seq: int) -> None:
-        """Allocate the static KV cache: per layer k, v: [batch, H, max_seq, hd]."""
+        """Allocate the static KV cache: per layer k, v: [batch, H, max_seq, hd]; with the
+        deferred policy also x_hist [batch, max_seq, D] and valid_len [batch, H] (int32, 0)
+        for the sparse-attention layers (None for the others)."""
         s = self.spec
         if (batch, max_seq) == (self.batch, self.max_seq):
             return
-        self.k_cache = self.v_cache = []  # free the old cache before allocating the new one
+        self.release()  # free the old cache before allocating the new one
         shape = (batch, s.num_heads, max_seq, s.head_dim)
         kw = dict(dtype=s.dtype, device=self.device)
         self.k_cache = [torch.zeros(shape, **kw) for _ in range(s.num_layers)]
         self.v_cache = [torch.zeros(shape, **kw) for _ in range(s.num_layers)]
+        d = [self.deferred(l) for l in range(s.num_layers)]
+        self.x_hist = [torch.zeros(batch, max_seq, s.hidden_size, **kw) if d[l] else None for l in range(s.num_layers)]
+        self.valid_len = [torch.zeros(batch, s.num_heads, dtype=torch.int32, device=self.device) if d[l] else None
+                          for l in range(s.num_layers)]
         self.rows = torch.arange(batch, device=self.device)  # [B]
         self.slots = torch.arange(max_seq, device=self.device)  # [T]
         self.batch, self.max_seq = batch, max_seq
+
+    def release(self) -> None:
+        """Drop the caches (the next `setup` allocates again)."""
+        self.k_cache, self.v_cache, self.x_hist, self.valid_len = [], [], [], []
+        self.batch = self.max_seq = 0
 
     # ------------------------------------------------------------------ pieces
     def _ln(self, x, wb):
@@ -113,6 +144,9 @@ class SparseDecoder:
                 vc[self.rows, :, pos] = kv[:, 1]
                 q = F.linear(h, w.wq, w.bq).view(B, H, hd)
                 x = x + attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t + w.bo
+            elif self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
+                x = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
+                                                  self.x_hist[l], self.valid_len[l], pos, x)
             else:  # K/V of every head written at pos; Q, attention, output of selected heads
                 x = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, x)
             if not s.pre_ln:
@@ -131,7 +165,8 @@ class SparseDecoder:
 
         sparse=False: the dense model (prefill). sparse=True: per-token selection (masked
         heads / neurons), equal to decoding the tokens one by one from an empty cache.
-        write_cache: store K/V of every head at slots 0..S-1 (needs `setup` with this batch)."""
+        write_cache: store K/V of every head at slots 0..S-1 (needs `setup` with this batch), and
+        the attention inputs into x_hist (deferred layers)."""
         s, run = self.spec, self.pred
         B, S = ids.shape
         H, hd = s.num_heads, s.head_dim
@@ -149,6 +184,8 @@ class SparseDecoder:
                 if write_cache:
                     self.k_cache[l][:, :, :S] = k
                     self.v_cache[l][:, :, :S] = v
+                    if self.x_hist and self.x_hist[l] is not None:
+                        self.x_hist[l][:, :S] = h
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
                 o = o.transpose(1, 2)  # [B, S, H, hd]
                 idx = run.heads(l) if sparse else None
@@ -176,5 +213,13 @@ class SparseDecoder:
         return self.head(x)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V]."""
-        return self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1)
+        """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V].
+
+        Every head's K/V is written at slots 0..S-1, so (deferred policy) valid_len[b, :] =
+        lengths[b]: a sequence's padding slots count as missing and are recomputed from its
+        own inputs when a head needs them."""
+        out = self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1)
+        for vl in self.valid_len:
+            if vl is not None:
+                vl.copy_(lengths.to(vl.device, torch.int32)[:, None].expand_as(vl))
+        return out

@@ -17,12 +17,13 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.runtime.decoder import SparseDecoder
+from dejavu.runtime.decoder import KV_POLICIES, SparseDecoder
 from dejavu.runtime.ops import Ops
 from dejavu.runtime.spec import DTYPES, check_tensors, spec_from_header
 
 BATCH_POLICIES = ("per_sequence", "shared")
 DEFAULT_BATCH_POLICY = "per_sequence"  # [B, K] index sets: the masked-dense semantics exactly
+DEFAULT_KV_POLICY = "deferred"  # K/V of the selected heads only, missing slots recomputed (same output)
 
 
 def _device(device) -> torch.device:
@@ -45,10 +46,13 @@ class Engine:
 
     def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", overlap: bool = True,
                  batch_policy: str = DEFAULT_BATCH_POLICY, use_graphs: bool = True, dtype=None,
-                 backend: str | None = None):
+                 backend: str | None = None, kv_policy: str = DEFAULT_KV_POLICY):
         self.device = _device(device)
         if batch_policy not in BATCH_POLICIES:
             raise DejavuError(f"batch_policy must be one of {BATCH_POLICIES}, got {batch_policy!r}")
+        if kv_policy not in KV_POLICIES:
+            raise DejavuError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
+        self.kv_policy = kv_policy
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise DejavuError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -70,7 +74,7 @@ class Engine:
         self.use_graphs = use_graphs and on_gpu
         # Activation: streams, events and index buffers are created here, once.
         self.decoder = SparseDecoder(spec, self.tensors, self.device, self.ops, overlap,
-                                     shared_index=batch_policy == "shared")
+                                     shared_index=batch_policy == "shared", kv_policy=kv_policy)
         self._graph = None
         self._tokenizer = None
         self.stats = None
@@ -135,8 +139,7 @@ class Engine:
     def release(self) -> None:
         """Free the KV cache and the CUDA graph (the weights stay); the next call re-activates."""
         self._graph = None
-        self.decoder.k_cache = self.decoder.v_cache = []
-        self.decoder.batch = self.decoder.max_seq = 0
+        self.decoder.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -187,4 +190,5 @@ class Engine:
                 "mlp_density": round(s.density[0], 4), "attn_density": round(s.density[1], 4),
                 "predictor_input": {"source": s.source, "lookahead": s.lookahead},
                 "kernels": dict(self.ops.kernels), "kernel_check": self.kernel_check, "overlap": self.decoder.pred.overlapping,
-                "cuda_graph": self.use_graphs, "batch_policy": self.batch_policy}
+                "cuda_graph": self.use_graphs, "batch_policy": self.batch_policy,
+                "kv_policy": self.kv_policy}

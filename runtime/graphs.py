@@ -20,7 +20,9 @@ class DecodeGraph:
         dev = decoder.device
         self.tokens = torch.zeros(B, dtype=torch.long, device=dev)
         # Warm-up and capture write K/V at the last slot: any real step reaches a slot only
-        # after writing it, so that garbage is never read.
+        # after writing it, so that garbage is never read. (Deferred K/V policy: warm-up also
+        # fills the selected heads' earlier slots from a garbage x_hist and marks them valid;
+        # prefill resets valid_len to the prompt lengths, so they are recomputed before use.)
         self.pos = torch.full((B,), T - 1, dtype=torch.long, device=dev)
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream(dev))

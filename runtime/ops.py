@@ -5,6 +5,10 @@
     sparse_fc2(h[B,K], w2_t, b2, idx, residual) -> y[B,D]
     sparse_attn(x_ln[B,D], wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos[B], residual) -> y[B,D]
         (K/V of every head are written into the caches at pos; only selected heads attend)
+    sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache,
+                         x_hist[B,S,D], valid_len[B,H] int32, pos[B], residual) -> y[B,D]
+        (kv_policy "deferred": x_ln stored at x_hist[:, pos]; K/V computed only for the
+        selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py)
 
 - "ref": the plugins' PyTorch references (the CPU path). If `dejavu.plugins` cannot be
   imported, the runtime's own gather-based references below stand in.
@@ -20,7 +24,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn")
+NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred")
 
 
 def _rows(idx: torch.Tensor, B: int) -> torch.Tensor:
@@ -69,15 +73,41 @@ def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, r
     return y if residual is None else y + residual
 
 
+def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, x_hist, valid_len, pos,
+                          residual=None):
+    B, D = x_ln.shape
+    H, T, hd = k_cache.shape[1:]
+    rows = torch.arange(B, device=x_ln.device)
+    x_hist[rows, pos] = x_ln
+    idx = _rows(idx, B)  # [B, Kh]
+    # K/V of the selected heads over every slot, kept only at their missing ones (min(valid, pos)..pos)
+    kv_rows = torch.cat([idx, idx + H], 1)  # [B, 2Kh]: K heads then V heads
+    kv = torch.einsum("bsd,bkjd->bksj", x_hist, wkv.view(2 * H, hd, D)[kv_rows])
+    kv = (kv + bkv.view(2 * H, hd)[kv_rows][:, :, None]).view(B, 2, -1, T, hd)
+    start = torch.minimum(valid_len.long().gather(1, idx), pos[:, None])  # [B, Kh]
+    slot = torch.arange(T, device=x_ln.device)
+    fill = ((slot >= start[..., None]) & (slot <= pos[:, None, None]))[..., None]  # [B, Kh, T, 1]
+    sel = (rows[:, None], idx)
+    k_cache[sel] = torch.where(fill, kv[:, 0], k_cache[sel])
+    v_cache[sel] = torch.where(fill, kv[:, 1], v_cache[sel])
+    valid_len.scatter_(1, idx, (pos[:, None] + 1).to(valid_len.dtype).expand_as(idx))
+    q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[idx], x_ln) + bq.view(H, hd)[idx]
+    valid = slot[None, :] <= pos[:, None]
+    o = attend(q, k_cache[sel], v_cache[sel], valid)  # [B, Kh, hd]
+    y = torch.einsum("bkj,bkjd->bd", o, wo_t.view(H, hd, D)[idx]) + bo
+    return y if residual is None else y + residual
+
+
 _LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
-          "sparse_attn": _sparse_attn}
+          "sparse_attn": _sparse_attn, "sparse_attn_deferred": _sparse_attn_deferred}
 _PLUGIN = {"predictor_topk": "predictor_topk", "sparse_fc1": "sparse_fc1", "sparse_fc2": "sparse_fc2",
-           "sparse_attn": "sparse_attn_decode"}
+           "sparse_attn": "sparse_attn_decode", "sparse_attn_deferred": "deferred_kv.sparse_attn_decode_deferred"}
 
 
 def _plugins():
     try:
         import dejavu.plugins as P
+        import dejavu.plugins.deferred_kv  # noqa: F401 - a submodule: P.deferred_kv
         return P
     except Exception as e:  # noqa: BLE001 - any import failure: the local references stand in
         warnings.warn(f"dejavu.plugins unavailable ({e}); using the runtime's own reference ops")
@@ -92,9 +122,15 @@ class Ops:
         P = _plugins()
         self.kernels: dict[str, str] = {}
         self._ref: dict = {}
+        def find(path):  # "fn" or "submodule.fn" in dejavu.plugins
+            obj = P
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            return obj
+
         for name in NAMES:
-            ref = getattr(P, _PLUGIN[name] + "_ref", None) if P is not None else None
-            fast = getattr(P, _PLUGIN[name], None) if (P is not None and backend == "triton") else None
+            ref = find(_PLUGIN[name] + "_ref") if P is not None else None
+            fast = find(_PLUGIN[name]) if (P is not None and backend == "triton") else None
             self._ref[name] = ref or _LOCAL[name]
             setattr(self, name, fast or self._ref[name])
             self.kernels[name] = "triton" if fast else ("plugin_ref" if ref else "local_ref")
@@ -128,12 +164,18 @@ class Ops:
         h = torch.relu(torch.randn(batch, km, generator=g, device=dev)).to(dt)
         T = 16
         caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]
-        pos = torch.arange(batch, device=dev) % T
+        pos = (torch.arange(batch, device=dev) * 5 + 9) % T
+        hist = torch.randn(batch, T, D, generator=g, device=dev).to(dt)
+        valid_len = (pos[:, None] * torch.rand(batch, H, generator=g, device=dev)).to(torch.int32)
         cases = {
             "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
             "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res),
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                                        t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos, res),
+            # several missing slots per head (valid_len < pos), a history of random inputs
+            "sparse_attn_deferred": lambda f: f(
+                x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"], t[p + "attn.wo_t"],
+                t[p + "attn.bo"], ia, *[c.clone() for c in caches], hist.clone(), valid_len.clone(), pos, res),
         }
         report = {}
         for name, run in cases.items():

@@ -20,13 +20,13 @@ from dejavu.runtime import Engine
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
 out = {}
-for policy in ("per_sequence", "shared"):
+for policy, kv in (("per_sequence", "deferred"), ("shared", "deferred"), ("per_sequence", "full")):
     h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        a = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy=policy)
-    b = Engine.from_tensors(h, t, "cpu", batch_policy=policy)
-    out[policy] = {"kernels": a.ops.kernels, "check": {k: str(v) for k, v in a.kernel_check.items()},
+        a = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy=policy, kv_policy=kv)
+    b = Engine.from_tensors(h, t, "cpu", batch_policy=policy, kv_policy=kv)
+    out[policy if kv == "deferred" else "full"] = {"kernels": a.ops.kernels, "check": {k: str(v) for k, v in a.kernel_check.items()},
                    "same": a.generate(P, 4, stop_at_eos=False) == b.generate(P, 4, stop_at_eos=False),
                    "warnings": [str(x.message) for x in w]}
 print(json.dumps(out))
@@ -41,6 +41,7 @@ def test_triton_backend_in_interpreter_equals_reference():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     per = out["per_sequence"]
     assert per["kernels"] == {"predictor_topk": "triton", "sparse_fc1": "triton", "sparse_fc2": "triton",
-                              "sparse_attn": "triton"}, per
+                              "sparse_attn": "triton", "sparse_attn_deferred": "triton"}, per
     assert per["same"], per
+    assert out["full"]["same"], out["full"]
     assert out["shared"]["same"], out["shared"]  # kernels that fail their check fall back, still equal
