@@ -9,13 +9,17 @@ import torch
 
 from dejavu.compiler.calibrate import CalibSettings, calibrate
 from dejavu.compiler.density import allocate, resolve_density
-from dejavu.compiler.predictors import (PredictorSettings, Predictors, default_ranks, measure_lookahead,
-                                        predictor_cost, train_predictors)
+from dejavu.compiler.predictors import (PredictorSettings, Predictors, default_ranks, evaluate_predictors,
+                                        measure_lookahead, predictor_cost, train_predictors)
+from dejavu.compiler.text import WIKITEXT2_TEST
 from dejavu.errors import DejavuError
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.opt import OPTConfig
 from dejavu.models.presets import OPT_MINI_DIR
 
+# opt-mini at density 0.3, held-out WikiText-2 test text (see the test): measured MLP recall
+# 0.714 mean / 0.631 worst layer, head recall 0.608; bounds a margin below.
+MLP_BOUND, MLP_LAYER_BOUND, ATTN_BOUND = 0.65, 0.55, 0.55
 FAST = dict(max_epochs=4, patience=1, batch_tokens=256)
 
 
@@ -121,7 +125,25 @@ def test_density_follows_recall_curves():
     assert allocate(1.0, n, L, curves) == [n] * L
 
 
-@pytest.mark.skipif(not (OPT_MINI_DIR / "config.json").is_file(), reason="models/opt-mini is not there yet")
+@pytest.mark.skipif(not (OPT_MINI_DIR / "config.json").is_file(), reason="models/opt-mini is not there")
 def test_opt_mini_recall_at_density_0_3(tmp_path):
-    """Held-out recall of opt-mini's predictors at density 0.3 (WikiText-2 test text)."""
-    pytest.skip("bound not measured yet")
+    """Held-out recall of opt-mini's predictors at density 0.3, on WikiText-2 *test* text.
+
+    Small for CI: 4096 calibration tokens (WikiText-2 train head), default training settings
+    (least-squares start + 1 BCE epoch), evaluated on 1024 test tokens. Measured (CPU, torch 2.13): MLP recall 0.714 mean
+    (per layer 0.631 0.713 0.741 0.748 0.712 0.714 0.741), head recall 0.608; the bounds sit
+    a little below (the full-size run is in
+    docs/predictors.md).
+    """
+    model, cfg = load_model(OPT_MINI_DIR)
+    tok = load_tokenizer(OPT_MINI_DIR)
+    cal = calibrate(model, tok, CalibSettings(calib_tokens=4096, cache_dir=str(tmp_path)), progress=False)
+    preds = train_predictors(cal, PredictorSettings(), progress=False)
+    held = calibrate(model, tok, CalibSettings(calib_tokens=1024, corpus=str(WIKITEXT2_TEST),
+                                               cache_dir=str(tmp_path)), progress=False)
+    mlp_k, attn_k = resolve_density(cfg, 0.3)
+    m = evaluate_predictors(held, preds, mlp_k, attn_k)
+    print({k: v for k, v in m.items() if k != "per_layer"}, [round(r["mlp_recall"], 3) for r in m["per_layer"]])
+    assert m["mlp_recall_mean"] >= MLP_BOUND
+    assert min(r["mlp_recall"] for r in m["per_layer"]) >= MLP_LAYER_BOUND
+    assert m["attn_recall_mean"] >= ATTN_BOUND
