@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 import onnx
-from onnx import helper
 
 from dejavu.compiler.onnx_export import GraphBuilder
 from dejavu.compiler.passes._graph import group, init_array, replace, set_opset
