@@ -304,7 +304,10 @@ def read_engine(path: str | os.PathLike, device: str | torch.device = "cpu",
             meta, entries, start = _parse_container(mm, path)
             header = _parse_header(meta, path)
             _check_contents(header, entries, path)
-            data = bytearray(mm[start:])
+        data = bytearray(size - start)  # one copy of the tensor bytes, read straight into place
+        f.seek(start)
+        if f.readinto(data) != len(data):
+            raise _corrupt(path, "file changed while reading")
     view = memoryview(data)
     if verify:
         items = ((n, dt, shape, view[a:b]) for n, (dt, shape, a, b) in entries.items())
@@ -312,8 +315,10 @@ def read_engine(path: str | os.PathLike, device: str | torch.device = "cpu",
             raise _corrupt(path, "tensor checksum mismatch (corrupt data)")
     tensors = {}
     for name, (dt, shape, a, b) in entries.items():
-        if b > a:
+        if b > a and a % _DTYPES[dt].itemsize == 0:
             t = torch.frombuffer(data, dtype=_DTYPES[dt], count=(b - a) // _DTYPES[dt].itemsize, offset=a)
+        elif b > a:  # misaligned for its dtype (mixed dtypes): copy to aligned memory
+            t = torch.frombuffer(bytearray(view[a:b]), dtype=_DTYPES[dt])
         else:
             t = torch.empty(0, dtype=_DTYPES[dt])
         tensors[name] = t.view(shape).to(device)
