@@ -131,8 +131,8 @@ class OPTAttention(nn.Module):
         self.out_proj = nn.Linear(d, d, bias=b)
         self.cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, cache_pos: torch.Tensor | None) -> torch.Tensor:
-        # x: [B, S, D]; mask: [B, 1, S, T] boolean (True = attend); cache_pos: [S] or None
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache_pos: torch.Tensor | None) -> torch.Tensor:
+        # x: [B, S, D]; mask: [B, 1, S, T] boolean (True = attend) or None (causal); cache_pos: [S] or None
         B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
         q = (self.q_proj(x) * hd**-0.5).view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
@@ -140,7 +140,10 @@ class OPTAttention(nn.Module):
         v = self.v_proj(x).view(B, S, H, hd).transpose(1, 2)
         if self.cache is not None and cache_pos is not None:
             k, v = self.cache.update(cache_pos, k, v)  # [B, H, S_max, hd]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)  # [B, H, S, hd]
+        if mask is None:  # plain causal prefill without cache or padding (training)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)  # [B, H, S, hd]
         y = y.transpose(1, 2).reshape(B, S, D)  # heads concatenated: the out_proj input
         return self.out_proj(y)
 
@@ -246,6 +249,8 @@ class OPTForCausalLM(nn.Module):
             mask = mask | (~mask.any(-1, keepdim=True))  # fully padded query rows: avoid NaN
         else:
             positions = q_pos[None, :].expand(B, S)
+            if not cached:
+                mask = None  # causal over the S new tokens: lets SDPA pick its fused kernels
         x = dec.embed_tokens(input_ids)  # [B, S, E]
         if dec.project_in is not None:
             x = dec.project_in(x)
