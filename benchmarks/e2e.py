@@ -3,22 +3,26 @@
     pip install --no-deps --no-build-isolation -q . && python benchmarks/e2e.py [--quick] [--smoke]
 
 Models: OPT-30B and OPT-1.3B shapes, and opt-mini's shape when its config is shipped, all
-in fp16 with RANDOM weights and RANDOM predictors of the real shapes (the compiler's
-default ranks): latency does not depend on the weights' values, and no OPT weights can be
-downloaded here. Engines are built in memory (`Engine.from_tensors`), one weight set per
+in fp16 with RANDOM weights and RANDOM predictors of the real shapes (ranks: the setting
+MLP min(10%-budget rank, 512), heads 128, read from dejavu.compiler's defaults when they
+agree; --mlp-rank/--attn-rank override): latency does not depend on the weights' values,
+and no OPT weights can be downloaded here. Engines are built in memory (`Engine.from_tensors`), one weight set per
 model shared by every density (only K changes).
 
 Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS stop):
   hf_eager        transformers OPTForCausalLM fp16, eager (the paper's baseline)
   hf_static_compile   transformers static cache + its built-in compile (--hf-compile; slow to build)
   dense_graph     our dense decode step in a CUDA graph (FasterTransformer stand-in)
-  dejavu_d{D}_{on|off}   density D, predictor overlap on / off (CUDA graph)
-and for each the bandwidth floor: bytes that must be read per step / copy bandwidth
+  dejavu_d{D}_{on|off}   density D, predictor overlap on / off (CUDA graph), kv_policy
+                  "deferred" (K/V of the selected heads only; the headline)
+  dejavu_d{D}_on_fullkv  the same with kv_policy "full" (K/V of every head each step),
+                  at --full-kv-densities (default 0.3), overlap on
+and for each the bandwidth floor: bytes that policy must read per step / copy bandwidth
 measured in this run. Per-step latency = decode time / steps (one token per sequence).
 
 --smoke first checks the GPU path against the CPU reference semantics on a tiny random
-model (fp32 GPU vs fp32 CPU: same tokens and indices; graph vs eager; overlap on vs off;
-fp16 GPU close). It runs by default before the timings (--no-smoke skips it); --smoke
+model (fp32 GPU vs fp32 CPU with kv_policy "full": same tokens and indices; graph vs eager;
+overlap on vs off; kv_policy deferred and full; fp16 GPU close). It runs by default before the timings (--no-smoke skips it); --smoke
 alone runs only it. JSON to --out (default $OUT/e2e.json), rewritten after every
 measurement, and a markdown table on stdout. Benchmarks assert nothing.
 """
@@ -85,13 +89,35 @@ def free():
 
 
 # ------------------------------------------------------------------ engines in memory
-def default_ranks(c: dict, budget: float = 0.10) -> tuple[int, int]:
-    """The compiler's default predictor ranks (largest within 10% of the governed bytes)."""
+MLP_RANK_CAP, ATTN_RANK = 512, 128  # the rank setting: MLP min(10%-budget rank, 512), heads 128
+
+
+def budget_ranks(c: dict, budget: float = 0.10) -> tuple[int, int]:
+    """The largest ranks within 10% of the governed bytes (the compiler's old default)."""
     D, F, H = c["hidden_size"], c["ffn_dim"], c["num_attention_heads"]
     r = int((budget * (2 * D * F + F + D) - F) // (D + F))
     mlp = min(D, r // 8 * 8 if r >= 8 else max(1, r))
     ra = int((budget * (4 * D * D + 4 * D) - H) // (D + H))
     return mlp, max(1, min(H, ra))
+
+
+def default_ranks(c: dict, mlp: int | None = None, attn: int | None = None) -> tuple[tuple[int, int], str]:
+    """(mlp_rank, attn_rank), source. The setting MLP min(budget rank, 512), heads 128; taken
+    from dejavu.compiler's defaults when they agree (the benchmark may import the compiler,
+    the runtime never does), else the setting itself (the compiler's value is reported)."""
+    setting = (min(budget_ranks(c)[0], MLP_RANK_CAP), ATTN_RANK)
+    if mlp or attn:
+        return (mlp or setting[0], attn or setting[1]), "command line"
+    try:
+        from dejavu.compiler.predictors import PredictorSettings, default_ranks as compiler_ranks
+        from dejavu.models.opt import OPTConfig
+
+        comp = tuple(int(r) for r in compiler_ranks(OPTConfig.from_hf_dict({**COMMON, **c}), PredictorSettings()))
+    except Exception as e:  # noqa: BLE001 - the setting stands on its own
+        return setting, f"setting (compiler default unavailable: {type(e).__name__})"
+    if comp == setting:
+        return comp, "dejavu.compiler default"
+    return setting, f"setting (dejavu.compiler default is {list(comp)})"
 
 
 def random_tensors(c: dict, dtype, device, ranks, seed: int = 0) -> dict:
@@ -162,10 +188,12 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> dict:
 
 
 def floor_bytes(c: dict, B: int, ctx: float, esize: int, union_mlp=None, union_attn=None, k_attn=None,
-                ranks=None) -> float:
+                ranks=None, kv_policy: str = "full") -> float:
     """Bytes one decode step must read: weights (selected rows: the union over the batch;
     None = all rows, dense), predictors, the K/V read by the attending heads (ctx positions),
-    the K/V written, the LM head."""
+    the K/V written, the LM head. kv_policy "full": wkv read whole (K/V of every head);
+    "deferred": only the selected heads' wkv rows, plus the input written to and read back
+    from the history (one position per step in steady state)."""
     D, F, H, L, V, E = (c[k] for k in ("hidden_size", "ffn_dim", "num_attention_heads", "num_hidden_layers",
                                        "vocab_size", "word_embed_proj_dim"))
     hd = D // H
@@ -173,13 +201,19 @@ def floor_bytes(c: dict, B: int, ctx: float, esize: int, union_mlp=None, union_a
     for l in range(L):
         um = F if union_mlp is None else union_mlp[l]
         ua = H if union_attn is None else union_attn[l]
-        total += 2 * D * D + 2 * D + 4 * D  # wkv, bkv (K/V of every head), LayerNorms
+        heads = H if k_attn is None else k_attn[l]
+        deferred = kv_policy == "deferred" and union_attn is not None and ua < H
+        total += 4 * D  # LayerNorms
+        if deferred:  # wkv rows and bkv of the selected heads; x_ln written + read back
+            total += 2 * ua * hd * D + 2 * ua * hd + 2 * B * D
+        else:
+            total += 2 * D * D + 2 * D  # wkv, bkv (K/V of every head)
         total += 2 * ua * hd * D + ua * hd + D  # wq rows, wo_t rows, bq, bo
         total += 2 * um * D + um + D  # w1 rows, w2_t rows, b1, b2
         if union_mlp is not None and ranks:
             total += ranks[0] * (D + F) + F + ranks[1] * (D + H) + H  # predictors
-        heads = H if k_attn is None else k_attn[l]
-        total += B * 2 * ctx * hd * heads + B * 2 * D  # K/V read by attending heads, K/V written
+        kv_heads = heads if deferred else H
+        total += B * 2 * ctx * hd * heads + B * 2 * hd * kv_heads  # K/V read by attending heads, K/V written
     return total * esize
 
 
@@ -214,8 +248,25 @@ def _same_sets(a, b) -> float:
     return sum(x[:2] == y[:2] and torch.equal(x[2], y[2]) for x, y in zip(a, b)) / len(a)
 
 
+def _cache_err(eng, ref) -> float | None:
+    """Relative error of eng's cache slots that its deferred layers mark valid, against ref's
+    (kv_policy full) caches; both after the same _forced_logits run. None: nothing deferred."""
+    dec, num, den = eng.decoder, 0.0, 0.0
+    for l, vl in enumerate(dec.valid_len):
+        if vl is None:
+            continue
+        T = dec.k_cache[l].shape[2]
+        mask = (torch.arange(T, device=vl.device)[None, None, :] < vl[:, :, None]).cpu()  # [B, H, T]
+        for mine, theirs in ((dec.k_cache[l], ref.decoder.k_cache[l]), (dec.v_cache[l], ref.decoder.v_cache[l])):
+            a, b = mine.float().cpu()[mask], theirs.float().cpu()[:, :, :T][mask]
+            num += float((a - b).norm() ** 2)
+            den += float(b.norm() ** 2)
+    return None if den == 0 else (num / den) ** 0.5
+
+
 def smoke() -> dict:
-    """Tiny random model: GPU fp32 (graph/eager, overlap on/off) against the CPU reference."""
+    """Tiny random model: GPU fp32 (graph/eager, overlap on/off, kv_policy deferred/full)
+    against the CPU reference with kv_policy full (the contract's description)."""
     from dejavu.runtime import Engine
 
     c, ranks, n = TINY, (64, 8), 24
@@ -224,34 +275,49 @@ def smoke() -> dict:
     prompts = [torch.randint(3, c["vocab_size"], (k,), generator=g).tolist() for k in (17, 9, 30)]
     t32 = random_tensors(c, torch.float32, DEV, ranks, seed=1)
     h32 = header_for(c, 0.3, "float32", ranks)
-    cpu = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu")
+    cpu = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="full")
     want = cpu.generate(prompts, n, stop_at_eos=False)
     want_trace = _traced(cpu, prompts, n)
     toks = torch.tensor(want)
     want_logits = _forced_logits(cpu, prompts, toks)
     checks = {}
-    for overlap in (True, False):
-        for graphs in (True, False):
-            key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'}"
-            try:
-                e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs)
-                got = e.generate(prompts, n, stop_at_eos=False)
-                lg = _forced_logits(e, prompts, toks)
-                err = float((lg - want_logits).norm() / want_logits.norm())
-                row = {"tokens_equal": got == want, "logits_rel_err": err, "kernels": e.ops.kernels,
-                       "kernel_check": e.kernel_check}
-                if not graphs:
-                    row["index_sets_equal_frac"] = _same_sets(_traced(e, prompts, n), want_trace)
-                row["ok"] = bool(row["tokens_equal"] and err < 1e-3 and row.get("index_sets_equal_frac", 1.0) > 0.98)
-                checks[key] = row
-                del e
-            except Exception as ex:  # noqa: BLE001 - report and go on
-                checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-    for key, kw in (("fp16 per_sequence", {}), ("fp16 shared", {"batch_policy": "shared"})):
+    try:  # the CPU references of the two policies agree
+        cd = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="deferred")
+        same = cd.generate(prompts, n, stop_at_eos=False) == want
+        lg = _forced_logits(cd, prompts, toks)
+        err = float((lg - want_logits).norm() / want_logits.norm())
+        cerr = _cache_err(cd, cpu)
+        checks["cpu deferred vs full"] = {"tokens_equal": same, "logits_rel_err": err, "cache_rel_err": cerr,
+                                          "ok": bool(same and err < 1e-4 and (cerr or 0) < 1e-4)}
+        del cd
+    except Exception as ex:  # noqa: BLE001
+        checks["cpu deferred vs full"] = {"ok": False, "error": f"{type(ex).__name__}: {ex}",
+                                          "trace": traceback.format_exc()[-2000:]}
+    combos = [(o, gr, "deferred") for o in (True, False) for gr in (True, False)] + [(True, True, "full"), (False, False, "full")]
+    for overlap, graphs, kv in combos:
+        key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
+        try:
+            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv)
+            got = e.generate(prompts, n, stop_at_eos=False)
+            lg = _forced_logits(e, prompts, toks)
+            err = float((lg - want_logits).norm() / want_logits.norm())
+            row = {"tokens_equal": got == want, "logits_rel_err": err, "kernels": e.ops.kernels,
+                   "kernel_check": e.kernel_check, "cache_rel_err": _cache_err(e, cpu)}
+            if not graphs:
+                row["index_sets_equal_frac"] = _same_sets(_traced(e, prompts, n), want_trace)
+            row["ok"] = bool(row["tokens_equal"] and err < 1e-3 and row.get("index_sets_equal_frac", 1.0) > 0.98
+                             and (row["cache_rel_err"] or 0.0) < 1e-3)
+            checks[key] = row
+            del e
+        except Exception as ex:  # noqa: BLE001 - report and go on
+            checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
+    for key, kw in (("fp16 per_sequence", {}), ("fp16 shared", {"batch_policy": "shared"}),
+                    ("fp16 per_sequence kv=full", {"kv_policy": "full"})):
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)
-            ref = Engine.from_tensors(h16, {k: v.cpu() for k, v in t16.items()}, "cpu", dtype="float32", **kw)
+            ref = Engine.from_tensors(h16, {k: v.cpu() for k, v in t16.items()}, "cpu", dtype="float32",
+                                      **{**kw, "kv_policy": "full"})
             e = Engine.from_tensors(h16, t16, DEV, **kw)
             lg, rl = _forced_logits(e, prompts, toks), _forced_logits(ref, prompts, toks)
             err = float((lg - rl).norm() / rl.norm())
@@ -370,12 +436,13 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
     from dejavu.runtime import Engine
 
     dtype, esize = torch.float16, 2
-    ranks = default_ranks(c)
+    ranks, rank_source = default_ranks(c, a.mlp_rank, a.attn_rank)
+    print(f"  predictor ranks {ranks} ({rank_source})", flush=True)
     P, N = a.prompt_len, a.new_tokens
     ctx = P + N / 2  # mean context length over the decode
     hf_reserve = later_s + (0.0 if a.no_hf else (a.hf_reserve if name == "opt-30b" else 15.0))
     base = {"model": name, "shape": c, "dtype": "float16", "weights": "random", "predictors": "random",
-            "predictor_ranks": list(ranks), "prompt_len": P, "new_tokens": N}
+            "predictor_ranks": list(ranks), "predictor_rank_source": rank_source, "prompt_len": P, "new_tokens": N}
     dense_floor = {B: floor_bytes(c, B, ctx, esize) for B in a.batches}
 
     def record(system, B, row, floor_b):
@@ -391,25 +458,30 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
     t = random_tensors(c, dtype, DEV, ranks)
     try:
         for B in a.batches:  # batch 1 first: the headline numbers
-            systems = [("dense_graph", None, True, "per_sequence")]
+            systems = [("dense_graph", None, True, "per_sequence", "full")]
+            kv0 = a.kv_policies[0]  # the headline policy (deferred by default)
+            sfx = lambda kv: "" if kv == kv0 else ("_fullkv" if kv == "full" else "_deferredkv")  # noqa: E731
+            extra = [kv for kv in a.kv_policies[1:]]
             if a.batch_policy != "shared" or B == 1:  # at batch 1 both policies are the same
-                systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence")
-                            for d in a.densities for o in (True, False)]
+                for d in a.densities:
+                    systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence", kv0) for o in (True, False)]
+                    if d in a.full_kv_densities:  # the other policy next to it, overlap on
+                        systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
             if a.batch_policy != "per_sequence" and B > 1:
-                systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_shared", d, o, "shared")
+                systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_shared", d, o, "shared", kv0)
                             for d in a.densities for o in ((True,) if a.batch_policy == "both" else (True, False))]
-            for system, d, overlap, policy in systems:
+            for system, d, overlap, policy, kv in systems:
                 if run.left() < hf_reserve:
                     run.add("skipped", {"model": name, "system": system, "batch": B, "why": "time budget"})
                     continue
                 try:
                     eng = Engine.from_tensors(header_for(c, d, str(dtype)[6:], ranks), t, DEV, overlap=overlap,
-                                              batch_policy=policy)
+                                              batch_policy=policy, kv_policy=kv)
                     row, um, ua = time_engine(eng, c, B, P, N, a.cap_s)
                     row.update(kernels=dict(eng.ops.kernels), kernel_check=eng.kernel_check, overlap=overlap,
-                               density=d or 1.0, batch_policy=policy)
+                               density=d or 1.0, batch_policy=policy, kv_policy=kv)
                     fb = dense_floor[B] if d is None else floor_bytes(
-                        c, B, ctx, esize, um, ua, list(eng.spec.attn_k), ranks)
+                        c, B, ctx, esize, um, ua, list(eng.spec.attn_k), ranks, kv)
                     record(system, B, row, fb)
                 except Exception as ex:  # noqa: BLE001 - record and go on
                     run.add("errors", {"model": name, "system": system, "batch": B,
@@ -482,6 +554,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 64)")
     p.add_argument("--batch-policy", default="both", choices=["per_sequence", "shared", "both"],
                    help="index sets per sequence [B,K], one shared [K], or both (shared with overlap on)")
+    p.add_argument("--kv-policies", default="deferred,full",
+                   help="K/V policies; the first is the headline (every density), the others run "
+                        "at --full-kv-densities with overlap on")
+    p.add_argument("--full-kv-densities", default="0.3", help="densities that also get the other K/V policies")
+    p.add_argument("--mlp-rank", type=int, default=None, help="predictor rank (default: min(budget rank, 512))")
+    p.add_argument("--attn-rank", type=int, default=None, help="head predictor rank (default: 128)")
     p.add_argument("--cap-s", type=float, default=4.0, help="max seconds of timed decode per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip transformers baselines")
     p.add_argument("--hf-batches", default=None, help="default: the same as --batches")
@@ -495,6 +573,10 @@ def main(argv=None) -> int:
     a.hf_batches = [int(x) for x in (a.hf_batches or ",".join(map(str, a.batches))).split(",")]
     a.densities = [float(x) for x in (a.densities or ("0.3,0.1" if q else "0.3,0.1,0.5,0.2")).split(",")]
     a.new_tokens = a.new_tokens or (64 if q else 128)
+    a.kv_policies = [x for x in a.kv_policies.split(",") if x]
+    if not a.kv_policies or any(x not in ("deferred", "full") for x in a.kv_policies):
+        p.error("--kv-policies: a comma list of deferred, full")
+    a.full_kv_densities = [float(x) for x in a.full_kv_densities.split(",") if x]
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e.json")
     if DEV == "cuda" and not torch.cuda.is_available():
         print("e2e: no CUDA GPU here; this benchmark needs one", file=sys.stderr)

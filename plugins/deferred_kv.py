@@ -147,16 +147,19 @@ def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, po
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
     if heads.shape[1] == 0:
         return
+    start = torch.minimum(valid_len.long().gather(1, heads), p[:, None])  # [B, Kh]
+    lo, hi = 0, S  # on the GPU every slot (static shapes, graph-safe); on CPU only the window needed
+    if x_hist.device.type == "cpu":
+        lo, hi = int(start.min()), int(p.max()) + 1
     w = wkv.view(2, H, hd, D)[:, heads].permute(1, 2, 0, 3, 4)  # [B, Kh, 2, hd, D]
     bias = bkv.view(2, H, hd)[:, heads].permute(1, 2, 0, 3)  # [B, Kh, 2, hd]
-    kv = torch.einsum("bsd,bkcjd->bkcsj", x_hist, w) + bias[:, :, :, None, :]  # [B, Kh, 2, S, hd]
-    start = torch.minimum(valid_len.long().gather(1, heads), p[:, None])  # [B, Kh]
-    s = torch.arange(S, device=x_hist.device)
-    fill = (s[None, None, :] >= start[:, :, None]) & (s[None, None, :] <= p[:, None, None])  # [B, Kh, S]
+    kv = torch.einsum("bsd,bkcjd->bkcsj", x_hist[:, lo:hi], w) + bias[:, :, :, None, :]  # [B, Kh, 2, W, hd]
+    s = torch.arange(lo, hi, device=x_hist.device)
+    fill = (s[None, None, :] >= start[:, :, None]) & (s[None, None, :] <= p[:, None, None])  # [B, Kh, W]
     rows = torch.arange(B, device=x_hist.device)[:, None]
     for cache, c in ((k_cache, 0), (v_cache, 1)):
-        cur = cache[rows, heads]  # [B, Kh, S, hd] (a copy)
-        cache[rows, heads] = torch.where(fill[..., None], kv[:, :, c].to(cache.dtype), cur)
+        cur = cache[rows, heads, lo:hi]  # [B, Kh, W, hd] (a copy)
+        cache[rows, heads, lo:hi] = torch.where(fill[..., None], kv[:, :, c].to(cache.dtype), cur)
     _mark_valid(valid_len, head_idx, p)
 
 
