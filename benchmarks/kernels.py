@@ -390,6 +390,13 @@ def bench_mlp(mlps, bw, quick):
                         h = torch.randn(B, K, device=DEV, dtype=torch.float16)
                         row["fc1_ms"] = bench(lambda: P.sparse_fc1(x, mlp.w1, mlp.b1, idx, validate=False))
                         row["fc2_ms"] = bench(lambda: P.sparse_fc2(h, mlp.w2_t, mlp.b2, idx, validate=False))
+                        # per-kernel times in a graph (rotating copies), to attribute graph_ms
+                        row["fc1_graph_ms"] = bench_graph([
+                            lambda i=i: P.sparse_fc1(x, mlp.copies[i % 4][0], mlp.copies[i % 4][1], idx,
+                                                     validate=False) for i in range(8)])
+                        row["fc2_graph_ms"] = bench_graph([
+                            lambda i=i: P.sparse_fc2(h, mlp.copies[i % 4][2], mlp.copies[i % 4][3], idx,
+                                                     validate=False) for i in range(8)])
                     rows.append(row)
             print(f"  mlp {name} B={B} done")
     return rows
@@ -452,8 +459,10 @@ def bench_predictor(mlps, mlp_rows, quick):
             if late("predictor"):
                 break
             x = randn(B, D)
-            for r in ((512,) if quick else (256, 512, 1024)):
+            for r in ((512,) if quick else (256, 512)):
                 a, b, bias = randn(r, D, scale=0.02), randn(F, r, scale=0.02), randn(F)
+                extra = [(randn(r, D, scale=0.02), randn(F, r, scale=0.02), randn(F)) for _ in range(3)]
+                wsets = [(a, b, bias)] + extra  # rotated in graph timing: cold L2 like a real step
                 for d in (0.1, 0.3):
                     k = int(round(d * F))
                     for shared in ((False,) if B == 1 else (False, True)):
@@ -466,14 +475,18 @@ def bench_predictor(mlps, mlp_rows, quick):
                                 print(f"  predictor {method} failed: {type(e).__name__}: {str(e)[:200]}")
                                 continue
                             t_scores = bench(lambda: P.predictor_scores(x, a, b, bias))
+                            t_graph = bench_graph([lambda w=w: P.predictor_topk(x, *w, k, shared=shared, method=method)
+                                                   for w in wsets * 2])
+                            t_sgraph = bench_graph([lambda w=w: P.predictor_scores(x, *w) for w in wsets * 2])
                             pol = "shared" if shared else "per_seq"
-                            mlp_ms = next((m["ms"] for m in mlp_rows if m["shape"] == name and m["B"] == B
+                            mlp_ms = next((m.get("graph_ms") for m in mlp_rows if m["shape"] == name and m["B"] == B
                                            and m["density"] == d and m["policy"] == pol), None)
                             rows.append({"shape": name, "B": B, "rank": r, "density": d, "k": k, "policy": pol,
                                          "method": method, "ms": t, "scores_ms": t_scores, "heads_ms": t_heads,
+                                         "graph_ms": t_graph, "scores_graph_ms": t_sgraph,
                                          "bytes_frac_dense": r * (D + F) / (2 * D * F),
                                          "sparse_mlp_ms": mlp_ms,
-                                         "frac_of_sparse_mlp": (t / mlp_ms) if mlp_ms else None})
+                                         "frac_of_sparse_mlp": (t_graph / mlp_ms) if (mlp_ms and t_graph) else None})
     return rows
 
 
@@ -553,16 +566,16 @@ def main(argv=None):
     if "mlp" in res:
         b1 = [r for r in res["mlp"] if r["B"] == 1]
         print("\n## Sparse MLP, batch 1 (fp16)\n")
-        print(table(b1, ["shape", "density", "ms", "graph_ms", "fc1_ms", "fc2_ms", "dense_ms",
-                         "dense_graph_ms", "speedup", "graph_speedup", "bw_frac", "graph_bw_frac"]))
+        print(table(b1, ["shape", "density", "graph_ms", "fc1_graph_ms", "fc2_graph_ms",
+                         "dense_graph_ms", "graph_speedup", "graph_bw_frac", "speedup"]))
         print("\n## Sparse MLP, batches (speedup vs dense cuBLAS)\n")
         bt = [r for r in res["mlp"] if r["B"] > 1 and r["density"] in (0.1, 0.3, 0.5)]
         print(table(bt, ["shape", "B", "density", "policy", "ms", "graph_ms", "dense_graph_ms",
                          "graph_speedup", "graph_bw_frac"]))
     if "predictor" in res:
         print("\n## Predictor + top-k\n")
-        print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "method", "ms", "scores_ms",
-                                       "heads_ms", "sparse_mlp_ms", "frac_of_sparse_mlp"]))
+        print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "method", "ms", "graph_ms",
+                                       "scores_graph_ms", "sparse_mlp_ms", "frac_of_sparse_mlp"]))
     if "attn" in res:
         print("\n## Sparse attention decode\n")
         print(table(res["attn"], ["shape", "B", "ctx", "density", "policy", "ms", "graph_ms",
