@@ -30,6 +30,8 @@ from dejavu.models.metrics import perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ["predicted", "predicted-uniform", "oracle", "random"]
+SCOPES = {"both": "MLP neurons and heads", "mlp": "MLP neurons only (all heads)",
+          "attn": "heads only (all MLP neurons)"}
 
 
 def curve_recall(curves: list, ks: list[int]) -> float:
@@ -55,32 +57,38 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, axes = plt.subplots(1, len(SCOPES), figsize=(15, 4.4), sharey=True)
     dense = results["dense_ppl"]
-    for mode, style in zip(MODES, ["o-", "s--", "^-", "x:"]):
-        pts = [(r["density"], r[mode]["perplexity"]) for r in results["rows"] if mode in r]
-        ax.plot(*zip(*pts), style, label=mode)
-    ax.axhline(dense, color="gray", lw=0.8, ls="--", label=f"dense ({dense:.2f})")
-    ax.set_xlabel("density (fraction of MLP neurons and heads read per token)")
-    ax.set_ylabel("WikiText-2 test perplexity")
-    ax.set_yscale("log")
-    ax.set_title(f"{results['model']}: perplexity vs density ({results['eval_tokens']} tokens)")
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
+    for ax, (scope, title) in zip(axes, SCOPES.items()):
+        for mode, style in zip(MODES, ["o-", "s--", "^-", "x:"]):
+            pts = [(r["density"], r[mode]["perplexity"]) for r in results["rows"][scope]]
+            ax.plot(*zip(*pts), style, label=mode)
+        ax.axhline(dense, color="gray", lw=0.8, ls="--", label=f"dense ({dense:.2f})")
+        ax.set_xlabel("density (fraction read per token)")
+        ax.set_title(f"sparse: {title}", fontsize=10)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("WikiText-2 test perplexity")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{results['model']}: perplexity vs density, masked dense ({results['eval_tokens']} test tokens)")
     fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 
 
 def table(results: dict) -> str:
-    lines = ["| density | predicted | predicted (uniform K) | oracle | random | MLP recall (pred.) | head norm captured (pred.) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results["rows"]:
-        cells = [f"{r[m]['perplexity']:.2f}" for m in MODES]
-        lines.append(f"| {r['density']:.1f} | " + " | ".join(cells) +
-                     f" | {r['mlp_recall']:.3f} | {r['attn_recall']:.3f} |")
-    return "\n".join(lines) + "\n"
+    out = []
+    for scope, title in SCOPES.items():
+        out += [f"**Sparse: {title}**", "",
+                "| density | predicted | predicted (uniform K) | oracle | random | MLP recall (pred.) "
+                "| head norm captured (pred.) |", "|---|---|---|---|---|---|---|"]
+        for r in results["rows"][scope]:
+            cells = [f"{r[m]['perplexity']:.2f}" for m in MODES]
+            out.append(f"| {r['density']:.1f} | " + " | ".join(cells) +
+                       f" | {r['mlp_recall']:.3f} | {r['attn_recall']:.3f} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main(argv=None) -> dict:
@@ -90,6 +98,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-tokens", type=int, default=16384, help="WikiText-2 test tokens (0: all)")
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.3, 0.2, 0.1])
     ap.add_argument("--no-lookahead-study", action="store_true")
+    ap.add_argument("--allocate-attn", action="store_true",
+                    help="spread heads by measured head-norm curves too (default: uniform heads)")
+    ap.add_argument("--study-from", default=None, help="reuse the lookahead study of an earlier JSON")
     ap.add_argument("--study-epochs", type=int, default=0,
                     help="BCE epochs per candidate in the lookahead study (0: least-squares fit only)")
     ap.add_argument("--epochs", type=int, default=None, help="BCE epochs of the final predictors "
@@ -107,7 +118,10 @@ def main(argv=None) -> dict:
                     model_id=str(args.model))
     base = PredictorSettings(**({} if args.epochs is None else {"max_epochs": args.epochs}))
     study_settings = PredictorSettings(**{**asdict(base), "max_epochs": args.study_epochs})
-    study = [] if args.no_lookahead_study else lookahead_study(cal, study_settings)
+    if args.study_from:
+        study = json.loads(Path(args.study_from).read_text())["lookahead_study"]
+    else:
+        study = [] if args.no_lookahead_study else lookahead_study(cal, study_settings)
     preds = train_predictors(cal, base)
     window = min(512, cfg.max_position_embeddings)
     ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
@@ -121,22 +135,27 @@ def main(argv=None) -> dict:
 
     dense = ppl()
     print(f"dense: ppl {dense['perplexity']:.3f} over {dense['tokens']} tokens")
-    rows = []
-    for d in args.densities:
-        mlp_k, attn_k = resolve_density(cfg, d, recall_curves=preds.recall_curves)
-        uni = resolve_density(cfg, d)
-        row = {"density": d, "mlp_k": mlp_k, "attn_k": attn_k, "uniform_mlp_k": uni[0], "uniform_attn_k": uni[1],
-               "mlp_recall": curve_recall(preds.recall_curves["mlp"], mlp_k),
-               "attn_recall": curve_recall(preds.recall_curves["attn"], attn_k)}
-        for mode in MODES:
-            if d >= 1.0:
-                row[mode] = dense
-                continue
-            mk, ak = uni if mode == "predicted-uniform" else (mlp_k, attn_k)
-            with torch.no_grad(), masked_sparsity(model, mk, ak, mode.split("-")[0], preds, seed=0):
-                row[mode] = ppl()
-            print(f"density {d}: {mode:18s} ppl {row[mode]['perplexity']:.3f} ({row[mode]['seconds']:.0f}s)")
-        rows.append(row)
+    rows = {scope: [] for scope in SCOPES}
+    for scope in SCOPES:
+        for d in args.densities:
+            dm, da = {"both": (d, d), "mlp": (d, 1.0), "attn": (1.0, d)}[scope]
+            mlp_k, attn_k = resolve_density(cfg, d, dm, da, recall_curves=preds.recall_curves,
+                                            allocate_attn=args.allocate_attn)
+            uni = resolve_density(cfg, d, dm, da)
+            row = {"density": d, "mlp_density": dm, "attn_density": da, "mlp_k": mlp_k, "attn_k": attn_k,
+                   "uniform_mlp_k": uni[0], "uniform_attn_k": uni[1],
+                   "mlp_recall": curve_recall(preds.recall_curves["mlp"], mlp_k),
+                   "attn_recall": curve_recall(preds.recall_curves["attn"], attn_k)}
+            for mode in MODES:
+                if d >= 1.0:
+                    row[mode] = dense
+                    continue
+                mk, ak = uni if mode == "predicted-uniform" else (mlp_k, attn_k)
+                with torch.no_grad(), masked_sparsity(model, mk, ak, mode.split("-")[0], preds, seed=0):
+                    row[mode] = ppl()
+                print(f"{scope} density {d}: {mode:18s} ppl {row[mode]['perplexity']:.3f} "
+                      f"({row[mode]['seconds']:.0f}s)", flush=True)
+            rows[scope].append(row)
     results = {"model": str(args.model), "model_config": cfg.to_hf_dict(), "calib_tokens": cal.n_tokens,
                "eval_tokens": dense["tokens"], "window": window, "dense_ppl": dense["perplexity"],
                "predictor_input": preds.predictor_input, "predictor_settings": asdict(base),
