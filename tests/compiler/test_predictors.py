@@ -130,10 +130,9 @@ def test_opt_mini_recall_at_density_0_3(tmp_path):
     """Held-out recall of opt-mini's predictors at density 0.3, on WikiText-2 *test* text.
 
     Small for CI: 4096 calibration tokens (WikiText-2 train head), default training settings
-    (least-squares start + 1 BCE epoch), evaluated on 1024 test tokens. Measured (CPU, torch 2.13): MLP recall 0.714 mean
-    (per layer 0.631 0.713 0.741 0.748 0.712 0.714 0.741), head recall 0.608; the bounds sit
-    a little below (the full-size run is in
-    docs/predictors.md).
+    (least-squares start + 1 BCE epoch), evaluated on 1024 test tokens. Measured (CPU,
+    torch 2.13): MLP recall 0.714 mean (per layer 0.631 0.713 0.741 0.748 0.712 0.714 0.741),
+    head recall 0.608; the bounds sit a little below. The full-size run: docs/predictors.md.
     """
     model, cfg = load_model(OPT_MINI_DIR)
     tok = load_tokenizer(OPT_MINI_DIR)
@@ -147,3 +146,15 @@ def test_opt_mini_recall_at_density_0_3(tmp_path):
     assert m["mlp_recall_mean"] >= MLP_BOUND
     assert min(r["mlp_recall"] for r in m["per_layer"]) >= MLP_LAYER_BOUND
     assert m["attn_recall_mean"] >= ATTN_BOUND
+
+
+def test_resolve_density_uses_curves_for_mlp_and_heads_only_on_request():
+    cfg = OPTConfig.from_hf_dict(dict(model_type="opt", vocab_size=100, hidden_size=32, ffn_dim=64,
+                                      num_attention_heads=8, num_hidden_layers=3, max_position_embeddings=64))
+    mk = lambda n, scales: [np.cumsum(w) / np.sum(w) for w in (np.exp(-np.arange(n) / s) for s in scales)]
+    curves = {"mlp": mk(64, (2, 8, 40)), "attn": mk(8, (0.5, 1, 6))}
+    mlp_k, attn_k = resolve_density(cfg, 0.3, recall_curves=curves)
+    assert mlp_k[2] > mlp_k[0] and sum(mlp_k) == round(0.3 * 64 * 3)
+    assert attn_k == resolve_density(cfg, 0.3)[1]  # heads uniform by default
+    _, attn_alloc = resolve_density(cfg, 0.3, recall_curves=curves, allocate_attn=True)
+    assert attn_alloc[2] > attn_alloc[0] and sum(attn_alloc) == round(0.3 * 8 * 3)
