@@ -146,7 +146,16 @@ def _err_ok(out, ref, torch_out, atol, rel):
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 5e-3), torch.bfloat16: (1e-2, 3e-2)}
 
 
-def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual):
+def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, dot_min_batch=None):
+    old = SM.DOT_MIN_BATCH
+    SM.DOT_MIN_BATCH = dot_min_batch or old
+    try:
+        return _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual)
+    finally:
+        SM.DOT_MIN_BATCH = old
+
+
+def _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual):
     x = randn(B, D, dtype=dtype)
     w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
     w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
@@ -233,7 +242,12 @@ def run_checks():
     for B, shared in ((1, False), (8, True), (8, False))[:3 if big else 0]:
         cases.append(("mlp", dict(D=7168, F=28672, K=2867, B=B, dtype=torch.float16, shared=shared,
                                   idx_dtype=torch.int32, residual=True)))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):  # batch 1 through the dot kernels
+        cases.append(("mlp", dict(D=200, F=1000, K=333, B=1, dtype=dtype, shared=False,
+                                  idx_dtype=torch.int32, residual=True, dot_min_batch=1)))
     if big:
+        cases.append(("mlp", dict(D=7168, F=28672, K=2867, B=1, dtype=torch.float16, shared=False,
+                                  idx_dtype=torch.int32, residual=True, dot_min_batch=1)))
         cases.append(("mlp", dict(D=9216, F=36864, K=11059, B=4, dtype=torch.bfloat16, shared=True,
                                   idx_dtype=torch.int64, residual=False)))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -356,6 +370,9 @@ def sweep(mlps, quick):
     return out
 
 
+DOT_MIN_BATCH0 = SM.DOT_MIN_BATCH
+
+
 def bench_mlp(mlps, bw, quick):
     rows = []
     dens = [0.1, 0.3, 1.0] if quick else DENSITIES
@@ -370,13 +387,16 @@ def bench_mlp(mlps, bw, quick):
             t_dense = bench(lambda: mlp.dense(x))
             for d in dens:
                 K = max(1, int(round(d * F)))
-                for shared in ((False,) if B == 1 else (False, True)):
-                    idx = rand_idx(B, F, K, shared)
+                for shared in ((False, "dot") if B == 1 else (False, True)):
+                    # B == 1, "dot": the batch-1 set through the tl.dot kernels (DOT_MIN_BATCH=1)
+                    SM.DOT_MIN_BATCH = 1 if shared == "dot" else DOT_MIN_BATCH0
+                    idx = rand_idx(B, F, K, bool(shared) and B > 1)
                     uniq = K if shared else int(torch.unique(idx).numel())
                     t = bench(lambda: mlp.sparse(x, idx))
                     g_sparse, g_dense = mlp.graph_times(x, [idx] + [rand_idx(B, F, K, shared) for _ in range(7)])
                     row = {"shape": name, "B": B, "density": d, "K": K,
-                           "policy": "shared" if shared else "per_seq", "ms": t, "dense_ms": t_dense,
+                           "policy": ("dot_b1" if shared == "dot" else "shared" if shared else "per_seq"),
+                           "ms": t, "dense_ms": t_dense,
                            "speedup": t_dense / t, "bytes": 2 * uniq * D * 2,
                            "GBps": 2 * uniq * D * 2 / t / 1e6,
                            "dense_GBps": dense_bytes / t_dense / 1e6,
@@ -398,6 +418,7 @@ def bench_mlp(mlps, bw, quick):
                             lambda i=i: P.sparse_fc2(h, mlp.copies[i % 4][2], mlp.copies[i % 4][3], idx,
                                                      validate=False) for i in range(8)])
                     rows.append(row)
+                    SM.DOT_MIN_BATCH = DOT_MIN_BATCH0
             print(f"  mlp {name} B={B} done")
     return rows
 
@@ -566,7 +587,7 @@ def main(argv=None):
     if "mlp" in res:
         b1 = [r for r in res["mlp"] if r["B"] == 1]
         print("\n## Sparse MLP, batch 1 (fp16)\n")
-        print(table(b1, ["shape", "density", "graph_ms", "fc1_graph_ms", "fc2_graph_ms",
+        print(table(b1, ["shape", "density", "policy", "graph_ms", "fc1_graph_ms", "fc2_graph_ms",
                          "dense_graph_ms", "graph_speedup", "graph_bw_frac", "speedup"]))
         print("\n## Sparse MLP, batches (speedup vs dense cuBLAS)\n")
         bt = [r for r in res["mlp"] if r["B"] > 1 and r["density"] in (0.1, 0.3, 0.5)]

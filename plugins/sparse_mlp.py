@@ -260,7 +260,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, rows_per_idx=1):
     if K == 0 or B == 0:
         return out
     shared = idx.dim() == 1
-    if shared and B >= DOT_MIN_BATCH:
+    if (shared or B == 1) and B >= DOT_MIN_BATCH:  # B == 1: [1, K] is the same set as [K]
         cfg = {**FC1_CONFIG["dot"], **(config or {})}
         kernel = jit(_gather_dot_kernel, x.device)
         kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
@@ -287,7 +287,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, rows_per_idx
     if B == 0:
         return out
     shared = idx.dim() == 1
-    dot = shared and B >= DOT_MIN_BATCH
+    dot = (shared or B == 1) and B >= DOT_MIN_BATCH
     cfg = {**FC2_CONFIG["dot" if dot else "gemv"], **(config or {})}
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
     n_d = _cdiv(D, block_d)

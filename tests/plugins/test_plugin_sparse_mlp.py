@@ -1,4 +1,6 @@
 """sparse_fc1 / sparse_fc2 (Triton, interpreter) against float64 references on the same index set."""
+import sys
+
 import pytest
 import torch
 
@@ -118,3 +120,15 @@ def test_bad_inputs_rejected():
         sparse_fc2(torch.randn(2, K).half(), w2_t, b2, idx, torch.randn(2, D + 1).half())
     with pytest.raises(DejavuError, match="out: expected shape"):
         sparse_fc1(x, w1, b1, idx, out=torch.empty(2, K + 1, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
+    # DOT_MIN_BATCH = 1 sends a batch-1 set ([1, K]) through the tl.dot kernels
+    monkeypatch.setattr(sys.modules["dejavu.plugins.sparse_mlp"], "DOT_MIN_BATCH", 1)
+    x, w1, b1, w2_t, b2, idx = make(1, dtype, False)
+    h = run_fc1(x, w1, b1, idx)
+    close(h, sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx), sparse_fc1_ref(x, w1, b1, idx))
+    y = torch.full((1, D), float("nan"), dtype=dtype)
+    sparse_fc2(h, w2_t, b2, idx, out=y)
+    close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx), sparse_fc2_ref(h, w2_t, b2, idx))
