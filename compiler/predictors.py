@@ -270,7 +270,8 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     for l in it:
         x, y_mlp, norms, split = _layer_data(cal, l, s, dev)
         y_att = _head_labels(norms, k_lab)
-        pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, mlp_k[l], s, gen)
+        k_stop = max(1, min(mlp_k[l], Fd // 2))  # at K near N every epoch scores recall 1.0
+        pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, k_stop, s, gen)
         pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, k_lab, s, gen)
         with torch.no_grad():
             xv = x[split:].cpu()
