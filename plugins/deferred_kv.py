@@ -40,13 +40,15 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 RECOMPUTE_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "num_warps": 4, "num_stages": 2}
 
 
-def _recompute_kv_kernel(x_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, vl_ptr, pos_ptr,
-                         KH, H, D, HD, stride_xb, stride_xs, stride_hb, stride_pb,
+def _recompute_kv_kernel(x_ptr, xnew_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, vl_ptr, pos_ptr,
+                         KH, H, D, HD, stride_xb, stride_xs, stride_nb, stride_hb, stride_pb,
                          stride_cb, stride_ch, stride_cs,
-                         DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         HAS_NEW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # kv[p, r] = x_hist[b, p] . wkv[row(r)] + bkv[row(r)] for p in [min(valid_len, pos), pos],
     # r in this program's block of the head's 2*HD rows (r < HD: K row r, else V row r - HD).
+    # HAS_NEW: position pos reads x_new[b] (this step's input; _commit_kernel stores it into
+    # x_hist afterwards, so no program reads a row another one writes).
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     b = pid // KH
@@ -62,6 +64,7 @@ def _recompute_kv_kernel(x_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, vl_ptr, po
     rows = tl.where(rmask, rows, 0).to(tl.int64)
     bias = tl.load(b_ptr + rows).to(tl.float32)
     x_base = x_ptr + b.to(tl.int64) * stride_xb
+    n_base = xnew_ptr + b.to(tl.int64) * stride_nb
     c_base = b.to(tl.int64) * stride_cb + head * stride_ch
     for p0 in range(start, pos + 1, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
@@ -70,8 +73,14 @@ def _recompute_kv_kernel(x_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, vl_ptr, po
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             dmask = offs_d < D
-            xt = tl.load(x_base + offs_p[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
-                         mask=pmask[:, None] & dmask[None, :], other=0.0)
+            if HAS_NEW:
+                xt = tl.load(x_base + offs_p[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
+                             mask=(offs_p < pos)[:, None] & dmask[None, :], other=0.0)
+                xn = tl.load(n_base + offs_d, mask=dmask, other=0.0)
+                xt = tl.where((offs_p == pos)[:, None], xn[None, :], xt)
+            else:
+                xt = tl.load(x_base + offs_p[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
+                             mask=pmask[:, None] & dmask[None, :], other=0.0)
             wt = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
             if DOT_FP32:
                 acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
@@ -82,6 +91,24 @@ def _recompute_kv_kernel(x_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, vl_ptr, po
         m = pmask[:, None] & rmask[None, :]
         tl.store(k_ptr + dst, kv.to(k_ptr.dtype.element_ty), mask=m & is_k[None, :])
         tl.store(v_ptr + dst, kv.to(v_ptr.dtype.element_ty), mask=m & (offs_r >= HD)[None, :])
+
+
+def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
+                   stride_hb, stride_pb, HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    # After _recompute_kv_kernel: valid_len[b, head_idx[b, j]] = pos[b] + 1 and (HAS_NEW)
+    # x_hist[b, pos[b]] = x_new[b]; grid (B,).
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
+    offs_k = tl.arange(0, BLOCK_K)
+    kmask = offs_k < KH
+    heads = tl.load(head_ptr + b * stride_hb + offs_k, mask=kmask, other=0).to(tl.int64)
+    tl.store(vl_ptr + b * H + heads, tl.zeros([BLOCK_K], dtype=tl.int32) + pos + 1, mask=kmask)
+    if HAS_NEW:
+        dst = x_ptr + b * stride_xb + pos.to(tl.int64) * stride_xs
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            dmask = offs_d < D
+            tl.store(dst + offs_d, tl.load(xnew_ptr + b * stride_nb + offs_d, mask=dmask), mask=dmask)
 
 
 def _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate):
@@ -110,6 +137,30 @@ def _mark_valid(valid_len, head_idx, pos_t):
     valid_len.scatter_(1, heads, val)
 
 
+def _launch(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, x_new, config):
+    """The recompute kernel (if any head), then the commit kernel (checked inputs; 2 launches)."""
+    B, S, D = x_hist.shape
+    H, hd = k_cache.shape[1], k_cache.shape[3]
+    kh = head_idx.shape[-1]
+    stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
+    new = x_new if x_new is not None else x_hist  # never read when HAS_NEW is false
+    cfg = {**RECOMPUTE_CONFIG, **(config or {})}
+    if kh > 0:
+        kernel = jit(_recompute_kv_kernel, x_hist.device)
+        grid = (B * kh, -(-2 * hd // cfg["BLOCK_R"]))
+        kernel[grid](x_hist, new, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t,
+                     kh, H, D, hd, x_hist.stride(0), x_hist.stride(1), new.stride(0), stride_hb, stride_pb,
+                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     HAS_NEW=x_new is not None, DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device),
+                     BLOCK_P=cfg["BLOCK_P"], BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
+                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if kh > 0 or x_new is not None:
+        commit = jit(_commit_kernel, x_hist.device)
+        commit[(B,)](new, x_hist, head_idx, valid_len, pos_t, kh, H, D, new.stride(0), x_hist.stride(0),
+                     x_hist.stride(1), stride_hb, stride_pb, HAS_NEW=x_new is not None,
+                     BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4)
+
+
 def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
                  config=None) -> None:
     """Fill K/V of the selected heads at slots min(valid_len, pos)..pos from x_hist; mark them valid."""
@@ -124,17 +175,7 @@ def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *
             raise DejavuError("valid_len: negative entries")
     if kh == 0 or B == 0:
         return
-    cfg = {**RECOMPUTE_CONFIG, **(config or {})}
-    kernel = jit(_recompute_kv_kernel, x_hist.device)
-    grid = (B * kh, -(-2 * hd // cfg["BLOCK_R"]))
-    kernel[grid](x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t,
-                 kh, H, D, hd, x_hist.stride(0), x_hist.stride(1),
-                 0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
-                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                 DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device), BLOCK_P=cfg["BLOCK_P"],
-                 BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
-                 num_stages=cfg["num_stages"])
-    _mark_valid(valid_len, head_idx, pos_t)
+    _launch(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, None, config)
 
 
 def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
@@ -180,11 +221,17 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
     check_tensor("x_hist", x_hist, shape=(B, S, D), dtype=x_ln.dtype, device=x_ln.device)
+    check_tensor("valid_len", valid_len, shape=(B, H), dtype=torch.int32, device=x_ln.device)
     pos_t, stride_pb = _positions(pos, B, x_ln.device)
+    if validate:
+        lo, hi = int(pos_t.min()), int(pos_t.max())
+        if lo < 0 or hi >= S:
+            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
-    _write_hist(x_hist, x_ln, pos_t)
-    recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, validate=validate,
-                 config=(config or {}).get("recompute"))
+    # K/V of the selected heads' missing slots (slot pos from x_ln), then x_hist[:, pos] = x_ln
+    # and valid_len = pos + 1 for them: two launches
+    _launch(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, x_ln,
+            (config or {}).get("recompute"))
     if kh == 0:
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
