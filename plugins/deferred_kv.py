@@ -20,8 +20,10 @@ Kernel `_recompute_kv_kernel`: grid (B*Kh, cdiv(2*hd, BLOCK_R)); a program owns 
 its head's 2*hd output rows (K rows then V rows) and loops over the missing positions in
 blocks of BLOCK_P (tl.dot, both >= 16) and over D in BLOCK_D chunks, fp32 accumulation.
 The bounds (valid_len, pos) are read from device memory: CUDA-graph safe, no host sync.
-valid_len is updated by a separate scatter_ after the kernel (programs of one head would
-race if the kernel wrote it). Slots of unselected heads and slots outside the range are
+valid_len is updated by a separate small kernel after it (`_commit_kernel`, grid (B,)):
+programs of one head would race if the recompute kernel wrote it. In the decode function
+slot pos is read from x_ln directly and the same commit kernel stores x_ln into x_hist
+afterwards, so a layer adds two launches. Slots of unselected heads and slots outside the range are
 not touched. Limits: hd <= 256; duplicate head indices not allowed (top-k never makes them).
 """
 from __future__ import annotations
