@@ -157,3 +157,25 @@ def test_bad_inputs_rejected():
         recompute_kv(x_hist, wkv.float(), bkv, hidx, kc, vc, vl, 3)
     with pytest.raises(DejavuError, match="x_hist: expected shape"):
         sparse_attn_decode_deferred(torch.randn(B, D).half(), *w, hidx, kc, vc, x_hist[:, :-1].contiguous(), vl, 3)
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32}])
+def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, config):
+    # D = 60 in chunks of 32 or 16 (masked tail), 2*hd = 24 rows in blocks of 16 or 32, up to 21 slots
+    B, dtype = 2, torch.float16
+    w = weights(dtype)
+    x_hist = torch.randn(B, S, D).to(dtype)
+    kc, vc = nan_caches(B, dtype)
+    vl0 = torch.tensor([[0, 3, 0, 9, 20], [1, 0, 2, 2, 0]], dtype=torch.int32)
+    pos, hidx = torch.tensor([20, 17]), torch.tensor([[0, 3, 4], [4, 1, 2]], dtype=torch.int32)
+    valid_len = vl0.clone()
+    recompute_kv(x_hist, w[2], w[3], hidx, kc, vc, valid_len, pos, config=config)
+    k64, v64 = nan_caches(B, torch.float64)
+    recompute_kv_ref(x_hist.double(), w[2].double(), w[3].double(), hidx, k64, v64, vl0.clone(), pos)
+    kt, vt = nan_caches(B, dtype)
+    recompute_kv_ref(x_hist, w[2], w[3], hidx, kt, vt, vl0.clone(), pos)
+    mask = expected_written(B, hidx, vl0, pos)
+    assert mask.sum() == (21 + 12 + 1) + (18 + 18 + 16)  # two position blocks for most heads, one slot for one
+    for got, ref, tor in ((kc, k64, kt), (vc, v64, vt)):
+        assert torch.equal(torch.isfinite(got).all(-1), mask) and torch.isnan(got[~mask]).all()
+        close(got[mask], ref[mask], tor[mask])
