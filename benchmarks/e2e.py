@@ -528,15 +528,16 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
 
 def table(results: list[dict]) -> str:
     base = {(r["model"], r["batch"], r["system"]): r for r in results}
-    lines = ["| model | batch | system | ms/step | tokens/s | floor ms | x floor | speedup vs dense_graph | vs hf_eager |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | batch | system | kv | ms/step | tokens/s | floor ms | x floor | speedup vs dense_graph | vs hf_eager |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         ms = r.get("ms_per_step")
         if not ms:
             continue
         dg, hf = base.get((r["model"], r["batch"], "dense_graph")), base.get((r["model"], r["batch"], "hf_eager"))
         sp = lambda o: f"{o['ms_per_step'] / ms:.2f}x" if o and o.get("ms_per_step") else "-"  # noqa: E731
-        lines.append(f"| {r['model']} | {r['batch']} | {r['system']} | {ms:.3f} | {r['tokens_per_s']:.1f} | "
+        kv = r.get("kv_policy", "-") if r.get("density", 1.0) < 1.0 else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['system']} | {kv} | {ms:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['floor_ms']:.3f} | {r['vs_floor']:.2f} | {sp(dg)} | {sp(hf)} |")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-_SYS = re.compile(r"dejavu_d(?P<d>[0-9.]+)_(?P<ov>on|off)(?P<sh>_shared)?$")
+_SYS = re.compile(r"dejavu_d(?P<d>[0-9.]+)_(?P<ov>on|off)(?P<kv>_fullkv|_deferredkv)?(?P<sh>_shared)?$")
 
 
 def series(results: list[dict], model: str, batch: int) -> dict:
@@ -26,6 +26,7 @@ def series(results: list[dict], model: str, batch: int) -> dict:
         m = _SYS.match(r["system"])
         if m:
             label = f"dejavu overlap {m['ov']}" + (" (shared idx)" if m["sh"] else "")
+            label += {"_fullkv": " (full K/V)", "_deferredkv": " (deferred K/V)"}.get(m["kv"] or "", "")
             out.setdefault(label, []).append((float(m["d"]), r["ms_per_step"], r["floor_ms"]))
         else:
             out.setdefault(r["system"], []).append((1.0, r["ms_per_step"], r["floor_ms"]))
