@@ -172,9 +172,11 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
 
-    # 2. Q for the selected heads: rows head*hd + c of wq (expanded inside the kernel)
+    # 2. Q for the selected heads: rows head*hd + c of wq
+    rows = (head_idx.long().unsqueeze(-1) * hd + torch.arange(hd, device=x_ln.device))
+    rows = rows.flatten(-2)  # [B, Kh*hd] or [Kh*hd]
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, rows_per_idx=hd)
+    gather_gemv(x_ln, wq, bq, rows, q, relu=False)
 
     # 3. attention over 0..pos for the selected heads, the context split into chunks
     cfg = {**ATTN_CONFIG, **(config or {})}
@@ -197,7 +199,7 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
                            BLOCK_HD=block_hd, num_warps=4)
 
     # 4. output projection over the selected heads' rows of wo_t
-    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, rows_per_idx=hd)
+    return gather_gemv_t(o, wo_t, bo, rows, residual, out)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,

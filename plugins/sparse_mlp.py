@@ -30,7 +30,6 @@ from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# Deterministic block choices per path (H200, OPT-30B/66B shapes; docs/kernels.md).
 # Chosen by `benchmarks/kernels.py --sweep` on an H200 (2026-12-02, run 1; summed time over
 # OPT-30B/66B at density 0.1 and 0.5, batch 1, and 0.3 at batch 8 shared).
 FC1_CONFIG = {
@@ -57,21 +56,10 @@ def kernel_settings() -> dict:
 # ---------------------------------------------------------------------------------------
 # kernels
 
-def _rows(idx_ptr, offs, mask, RPI: tl.constexpr):
-    # weight rows for positions offs: idx[offs] (RPI == 1), or for head indices
-    # idx[offs // RPI] * RPI + offs % RPI (RPI = head dim: a head's rows are contiguous).
-    # Masked positions gather row 0: in bounds, never stored.
-    if RPI == 1:
-        rows = tl.load(idx_ptr + offs, mask=mask, other=0).to(tl.int64)
-    else:
-        rows = tl.load(idx_ptr + offs // RPI, mask=mask, other=0).to(tl.int64) * RPI + offs % RPI
-    return rows
-
-
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
                         stride_xb, stride_ib, stride_ob,
-                        RELU: tl.constexpr, RPI: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+                        RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                        EVEN_D: tl.constexpr):
     # out[b, r] = act(w[idx[b, r]] @ x[b] + bias[idx[b, r]]); grid (B, cdiv(K, BLOCK_R)).
     # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
     # reading the same rows run together and share them through L2.
@@ -80,7 +68,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
     # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
-    rows = _rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, RPI)
+    rows = tl.load(idx_ptr + pid_b * stride_ib + offs_r, mask=rmask, other=0).to(tl.int64)
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
@@ -102,15 +90,14 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
 
 
 def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob,
-                       RELU: tl.constexpr, DOT_FP32: tl.constexpr, RPI: tl.constexpr,
-                       BLOCK_R: tl.constexpr,
+                       RELU: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
     # Shared index set: out[b, r] = act(w[idx[r]] @ x[b] + bias[idx[r]]) for all b at once;
     # grid (cdiv(K, BLOCK_R),). Each gathered row is read once for the whole batch.
     pid_r = tl.program_id(0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
-    rows = _rows(idx_ptr, offs_r, rmask, RPI)
+    rows = tl.load(idx_ptr + offs_r, mask=rmask, other=0).to(tl.int64)
     offs_b = tl.arange(0, BLOCK_B)
     bmask = offs_b < B
     w_rows = w_ptr + rows[:, None] * D
@@ -138,8 +125,8 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
 
 def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
                           B, D, K, K_PER_SPLIT, stride_hb, stride_ib,
-                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, RPI: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
     # y[b, d] = sum_k h[b, k] * w_t[idx[b, k], d]; grid (B, SPLIT, cdiv(D, BLOCK_D)).
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
     pid_b = tl.program_id(0)
@@ -156,7 +143,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     # weight loads do not wait on a dependent index load each iteration
     offs_k = k_start + tl.arange(0, BLOCK_K)
     kmask = offs_k < k_end
-    rows = _rows(idx_row, offs_k, kmask, RPI)
+    rows = tl.load(idx_row + offs_k, mask=kmask, other=0).to(tl.int64)
     hv = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_D:
@@ -166,7 +153,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
                          other=0.0).to(tl.float32)
         offs_k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        rows_next = _rows(idx_row, offs_k, kmask, RPI)
+        rows_next = tl.load(idx_row + offs_k, mask=kmask, other=0).to(tl.int64)
         h_next = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
         acc += wv * hv[:, None]
         rows = rows_next
@@ -185,7 +172,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
 def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
                          B, D, K, K_PER_SPLIT, stride_hb,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr,
-                         RPI: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
                          EVEN_D: tl.constexpr):
     # Shared index set: y[b, :] = h[b, :] @ w_t[idx] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     pid_d = tl.program_id(0)
@@ -200,7 +187,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        rows = _rows(idx_ptr, offs_k, kmask, RPI)
+        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
         hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
                      mask=bmask[:, None] & kmask[None, :], other=0.0)
         if EVEN_D:
@@ -251,12 +238,10 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def gather_gemv(x, w, bias, idx, out, *, relu, config=None, rows_per_idx=1):
-    """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x).
-
-    rows = idx (rows_per_idx 1) or each index expanded to rows_per_idx consecutive rows."""
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None):
+    """out[B,K] = act(w[idx] @ x + bias[idx]) (checked inputs; out may be wider than x)."""
     B, D = x.shape
-    K = idx.shape[-1] * rows_per_idx
+    K = idx.shape[-1]
     if K == 0 or B == 0:
         return out
     shared = idx.dim() == 1
@@ -265,7 +250,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, rows_per_idx=1):
         kernel = jit(_gather_dot_kernel, x.device)
         kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
             x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
-            RELU=relu, DOT_FP32=_dot_fp32(w.dtype, x.device), RPI=rows_per_idx, BLOCK_R=cfg["BLOCK_R"],
+            RELU=relu, DOT_FP32=_dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
             BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 3))
@@ -274,14 +259,14 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, rows_per_idx=1):
         kernel = jit(_gather_gemv_kernel, x.device)
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
             x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0),
-            RELU=relu, RPI=rows_per_idx, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
+            RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2))
     return out
 
 
-def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, rows_per_idx=1):
-    """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32)."""
+def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None):
+    """out[B,D] = h @ w_t[idx] + bias (+ residual) (checked inputs; h may be fp32)."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -298,7 +283,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, rows_per_idx
     final = split == 1
     part = out if final else torch.empty((split, B, D), dtype=torch.float32, device=h.device)
     res = residual if residual is not None else out  # never read when HAS_RES is false
-    common = dict(FINAL=final, HAS_RES=residual is not None, RPI=rows_per_idx, BLOCK_K=block_k, BLOCK_D=block_d,
+    common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
                   EVEN_D=D % block_d == 0, num_warps=cfg["num_warps"])
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
