@@ -3,9 +3,9 @@
     pip install --no-deps --no-build-isolation -q . && python benchmarks/e2e.py [--quick] [--smoke]
 
 Models: OPT-30B and OPT-1.3B shapes, and opt-mini's shape when its config is shipped, all
-in fp16 with RANDOM weights and RANDOM predictors of the real shapes (ranks: the setting
-MLP min(10%-budget rank, 512), heads 128, read from dejavu.compiler's defaults when they
-agree; --mlp-rank/--attn-rank override): latency does not depend on the weights' values,
+in fp16 with RANDOM weights and RANDOM predictors of the real shapes (ranks: dejavu.compiler's
+defaults for the shape, MLP min(10%-budget rank, 512) and heads min(H, budget);
+--mlp-rank/--attn-rank override): latency does not depend on the weights' values,
 and no OPT weights can be downloaded here. Engines are built in memory (`Engine.from_tensors`), one weight set per
 model shared by every density (only K changes).
 
@@ -89,35 +89,16 @@ def free():
 
 
 # ------------------------------------------------------------------ engines in memory
-MLP_RANK_CAP, ATTN_RANK = 512, 128  # the rank setting: MLP min(10%-budget rank, 512), heads 128
-
-
-def budget_ranks(c: dict, budget: float = 0.10) -> tuple[int, int]:
-    """The largest ranks within 10% of the governed bytes (the compiler's old default)."""
-    D, F, H = c["hidden_size"], c["ffn_dim"], c["num_attention_heads"]
-    r = int((budget * (2 * D * F + F + D) - F) // (D + F))
-    mlp = min(D, r // 8 * 8 if r >= 8 else max(1, r))
-    ra = int((budget * (4 * D * D + 4 * D) - H) // (D + H))
-    return mlp, max(1, min(H, ra))
-
-
 def default_ranks(c: dict, mlp: int | None = None, attn: int | None = None) -> tuple[tuple[int, int], str]:
-    """(mlp_rank, attn_rank), source. The setting MLP min(budget rank, 512), heads 128; taken
-    from dejavu.compiler's defaults when they agree (the benchmark may import the compiler,
-    the runtime never does), else the setting itself (the compiler's value is reported)."""
-    setting = (min(budget_ranks(c)[0], MLP_RANK_CAP), ATTN_RANK)
-    if mlp or attn:
-        return (mlp or setting[0], attn or setting[1]), "command line"
-    try:
-        from dejavu.compiler.predictors import PredictorSettings, default_ranks as compiler_ranks
-        from dejavu.models.opt import OPTConfig
+    """(mlp_rank, attn_rank), source: the compiler's defaults for this shape (the benchmark
+    may import the compiler; the runtime never does), unless given on the command line."""
+    from dejavu.compiler.predictors import PredictorSettings, default_ranks as compiler_ranks
+    from dejavu.models.opt import OPTConfig
 
-        comp = tuple(int(r) for r in compiler_ranks(OPTConfig.from_hf_dict({**COMMON, **c}), PredictorSettings()))
-    except Exception as e:  # noqa: BLE001 - the setting stands on its own
-        return setting, f"setting (compiler default unavailable: {type(e).__name__})"
-    if comp == setting:
-        return comp, "dejavu.compiler default"
-    return setting, f"setting (dejavu.compiler default is {list(comp)})"
+    comp = tuple(int(r) for r in compiler_ranks(OPTConfig.from_hf_dict({**COMMON, **c}), PredictorSettings()))
+    if mlp or attn:
+        return (mlp or comp[0], attn or comp[1]), "command line"
+    return comp, "dejavu.compiler default"
 
 
 def random_tensors(c: dict, dtype, device, ranks, seed: int = 0) -> dict:

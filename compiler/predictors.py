@@ -44,6 +44,10 @@ class PredictorSettings:
     mlp_rank: int | None = None  # None: the largest multiple of 8 within cost_budget
     attn_rank: int | None = None  # None: min(H, budget) (rank > H adds nothing to a linear map)
     cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern
+    # The budget rank grows with the model (1144 at OPT-30B: 82 MB a layer, as many bytes as
+    # the sparse MLP reads at density 0.1); DejaVu's predictors stay near rank 1000 even at
+    # 175B. Above this cap, extra rank costs decode bandwidth for little recall.
+    max_auto_rank: int = 512
     source: str = DEFAULT_PREDICTOR_INPUT["source"]
     lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]
     attn_label_density: float = 0.5  # head labels: top ceil(this * H) heads by norm
@@ -84,7 +88,8 @@ def _budget_rank(budget: float, dense_bytes: int, d: int, n: int, multiple: int 
 def default_ranks(cfg: OPTConfig, settings: PredictorSettings) -> tuple[int, int]:
     """(mlp_rank, attn_rank): the settings' values, else the largest within the budget."""
     D, Fd, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
-    mlp = settings.mlp_rank or min(D, _budget_rank(settings.cost_budget, 2 * D * Fd + Fd + D, D, Fd))
+    mlp = settings.mlp_rank or min(D, settings.max_auto_rank,
+                                   _budget_rank(settings.cost_budget, 2 * D * Fd + Fd + D, D, Fd))
     attn = settings.attn_rank or min(H, _budget_rank(settings.cost_budget, 4 * D * D + 4 * D, D, H, 1))
     return mlp, attn
 
