@@ -278,7 +278,8 @@ def smoke() -> dict:
     for overlap, graphs, kv in combos:
         key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
         try:
-            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv)
+            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv,
+                                   batch_policy="per_sequence")
             got = e.generate(prompts, n, stop_at_eos=False)
             lg = _forced_logits(e, prompts, toks)
             err = float((lg - want_logits).norm() / want_logits.norm())
@@ -292,8 +293,8 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001 - report and go on
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-    for key, kw in (("fp16 per_sequence", {}), ("fp16 shared", {"batch_policy": "shared"}),
-                    ("fp16 per_sequence kv=full", {"kv_policy": "full"})):
+    for key, kw in (("fp16 per_sequence", {"batch_policy": "per_sequence"}), ("fp16 shared", {"batch_policy": "shared"}),
+                    ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"})):
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)
@@ -540,8 +541,8 @@ def main(argv=None) -> int:
                    help="K/V policies; the first is the headline (every density), the others run "
                         "at --full-kv-densities with overlap on")
     p.add_argument("--full-kv-densities", default="0.3", help="densities that also get the other K/V policies")
-    p.add_argument("--mlp-rank", type=int, default=None, help="predictor rank (default: min(budget rank, 512))")
-    p.add_argument("--attn-rank", type=int, default=None, help="head predictor rank (default: 128)")
+    p.add_argument("--mlp-rank", type=int, default=None, help="MLP predictor rank (default: the compiler's, min(budget rank, 512))")
+    p.add_argument("--attn-rank", type=int, default=None, help="head predictor rank (default: the compiler's, min(H, budget))")
     p.add_argument("--cap-s", type=float, default=4.0, help="max seconds of timed decode per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip transformers baselines")
     p.add_argument("--hf-batches", default=None, help="default: the same as --batches")

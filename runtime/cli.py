@@ -20,7 +20,7 @@ class RunSettings:
     top_p: float = 1.0
     seed: int | None = None
     device: str = "cpu"
-    batch_policy: str = "per_sequence"
+    batch_policy: str | None = None  # shared on CUDA, per_sequence on CPU (runtime/engine.py)
 
 
 class _TextStream:
