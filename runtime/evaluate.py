@@ -329,7 +329,18 @@ def write_report(results: list[dict], folder: str | Path, settings: EvalSettings
     with atomic_path(out) as tmp:
         tmp.write_text("\n".join(md), encoding="utf-8")
     (folder / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True), encoding="utf-8")
+    _readable(out, png)
     return out
+
+
+def _readable(*paths: Path) -> None:
+    """Temporary files are created 0600; a report is for everyone (the umask decides)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in paths:
+        os.chmod(p, 0o666 & ~umask)
 
 
 def _series(results: list[dict], task: str | None, key: str) -> dict[str, list[tuple[float, float]]]:
