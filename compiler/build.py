@@ -49,6 +49,7 @@ class BuildConfig:
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = 3840  # TensorRT TopK limit: larger K is emitted as chunked TopK in ONNX
     seed: int = 0
+    tp: int = 1  # tensor-parallel ranks: one engine file per rank (docs/tensor_parallel.md)
 
     def __post_init__(self):
         self.validate()
@@ -65,7 +66,7 @@ class BuildConfig:
         self.dtype = dt
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit"):
+        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -289,6 +290,9 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         folder = resolve(model_name_or_path)
         model, cfg = load_model(folder, dtype=torch.float32, device=config.device)
         tokenizer = load_tokenizer(folder)
+    if config.tp > 1:  # before the long stages
+        from dejavu.compiler.tensor_parallel import check_tp
+        check_tp(cfg.num_attention_heads, cfg.ffn_dim, config.tp)
     if predictors is None and not config.no_predictors:
         predictors = train_stage(model, tokenizer, str(model_name_or_path), config, progress, stages)
     with stages("resolve K"):
@@ -308,7 +312,12 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     header = make_header(model_name_or_path, cfg, config, target, predictors, mlp_k, attn_k,
                          _tokenizer_json(folder, tokenizer))
     with stages("write engine"):
-        size = write_engine(out, header, tensors)
+        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path
+            from dejavu.compiler.tensor_parallel import write_shards
+            size, files = write_shards(out, header, tensors, config.tp)
+            out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
+        else:
+            size = write_engine(out, header, tensors)
     n_pred = sum(v.numel() for k, v in tensors.items() if ".pred_" in k)
     elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
     summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred * elem,

@@ -48,6 +48,8 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="dense engine without predictors (needs --density 1.0)")
     p.add_argument("--topk-limit", type=int, default=_default("topk_limit"))
     p.add_argument("--seed", type=int, default=_default("seed"))
+    p.add_argument("--tp", type=int, default=_default("tp"),
+                   help="tensor-parallel ranks: writes OUT.rank{r}-of-{N}.engine per rank, or -o with {rank}")
     p.add_argument("--config", default=None, help="BuildConfig JSON file; command-line options override it")
     p.add_argument("--onnx-out", default=None, help="folder for the ONNX graphs (dense, form a, plugin form)")
     p.add_argument("--summary-json", default=None, help="also write the summary as JSON to this file")

@@ -233,8 +233,13 @@ def expected_shapes(header: dict) -> dict[str, list[int]]:
     Predictor ranks are free (read from the `.a` tensors by the caller's check)."""
     from dejavu.models.opt import OPTConfig  # models is upstream of the engine format
 
+    from dejavu.shards import tp_info
+
     cfg = OPTConfig.from_hf_dict(header.get("model_config"))
     V, E, D, F, H = cfg.vocab_size, cfg.word_embed_proj_dim, cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
+    tp = tp_info(header)  # a tensor-parallel shard holds H/n heads and F/n neurons (docs/tensor_parallel.md)
+    Dq = D if tp is None else tp["num_heads"] * (D // H)
+    F = F if tp is None else tp["ffn_dim"]
     s = {"embed_tokens": [V, E], "embed_positions": [cfg.max_position_embeddings + 2, D]}
     if E != D:
         s["project_in"], s["project_out"] = [D, E], [E, D]
@@ -243,8 +248,8 @@ def expected_shapes(header: dict) -> dict[str, list[int]]:
     for l in range(cfg.num_hidden_layers):
         p = f"layers.{l}."
         s.update({p + "ln_attn.weight": [D], p + "ln_attn.bias": [D], p + "ln_mlp.weight": [D],
-                  p + "ln_mlp.bias": [D], p + "attn.wq": [D, D], p + "attn.bq": [D],
-                  p + "attn.wkv": [2 * D, D], p + "attn.bkv": [2 * D], p + "attn.wo_t": [D, D],
+                  p + "ln_mlp.bias": [D], p + "attn.wq": [Dq, D], p + "attn.bq": [Dq],
+                  p + "attn.wkv": [2 * Dq, D], p + "attn.bkv": [2 * Dq], p + "attn.wo_t": [Dq, D],
                   p + "attn.bo": [D], p + "mlp.w1": [F, D], p + "mlp.b1": [F], p + "mlp.w2_t": [F, D],
                   p + "mlp.b2": [D]})
     return s
@@ -268,8 +273,10 @@ def _check_contents(header: dict, entries: dict, path) -> None:
         if not (isinstance(ks, list) and len(ks) == L and all(type(k) is int and 1 <= k <= n for k in ks)):
             raise _corrupt(path, f"build_config.{key} must list {L} integers in [1, {n}]")
     if bc.get("predictors", True):
+        tp = bc.get("tp")  # validated by expected_shapes: predictor rows of this shard only
+        Fr, Hr = (F, H) if tp is None else (tp["ffn_dim"], tp["num_heads"])
         for l in range(L):
-            for kind, n in (("pred_mlp", F), ("pred_attn", H)):
+            for kind, n in (("pred_mlp", Fr), ("pred_attn", Hr)):
                 a = entries.get(f"layers.{l}.{kind}.a")
                 r = a[1][0] if a and len(a[1]) == 2 else -1
                 want.update({f"layers.{l}.{kind}.a": [r, D], f"layers.{l}.{kind}.b": [n, r],

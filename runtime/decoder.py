@@ -66,6 +66,17 @@ class SparseDecoder:
         self.x_hist: list[torch.Tensor | None] = []  # deferred policy, sparse-attention layers only
         self.valid_len: list[torch.Tensor | None] = []
         self.batch = self.max_seq = 0
+        # Tensor parallel (runtime/tp.py): `reduce(y)` all-reduces (sums) the partial output of
+        # each row-parallel op (attention out-proj, fc2) before the residual add; None = one rank.
+        # With it set, the residual is not fused into the kernels (it would be summed n times).
+        self.reduce = None
+
+    def _add(self, x, y, b=None):
+        """x + y + b (the residual plus an unfused output and its bias); under tensor parallelism
+        x + all_reduce(y + b). The one-rank order is kept (same bits as before the hook)."""
+        if self.reduce is None:
+            return x + y if b is None else x + y + b
+        return x + self.reduce(y if b is None else y + b)
 
     def deferred(self, l: int) -> bool:
         """Layer l computes K/V of the selected heads only (deferred policy, sparse attention)."""
@@ -119,8 +130,10 @@ class SparseDecoder:
     def _mlp(self, w, h, x, idx):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         if idx is None:
-            return x + torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t + w.b2
+            return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
+        if self.reduce is not None:
+            return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
         return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
 
     # ------------------------------------------------------------------ decode
@@ -143,12 +156,15 @@ class SparseDecoder:
                 kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
                 vc[self.rows, :, pos] = kv[:, 1]
                 q = F.linear(h, w.wq, w.bq).view(B, H, hd)
-                x = x + attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t + w.bo
-            elif self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
-                x = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
-                                                  self.x_hist[l], self.valid_len[l], pos, x)
-            else:  # K/V of every head written at pos; Q, attention, output of selected heads
-                x = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, x)
+                x = self._add(x, attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t, w.bo)
+            else:
+                res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
+                if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
+                    y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
+                                                      self.x_hist[l], self.valid_len[l], pos, res)
+                else:  # K/V of every head written at pos; Q, attention, output of selected heads
+                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res)
+                x = y if res is not None else self._add(x, y)
             if not s.pre_ln:
                 x = self._ln(x, w.ln_attn)
             run.point("mlp_in", l, x)
@@ -192,7 +208,7 @@ class SparseDecoder:
                 if idx is not None:  # zero the unselected heads of each token
                     keep = torch.zeros(B * S, H, dtype=o.dtype, device=o.device).scatter_(1, idx.long(), 1)
                     o = o * keep.view(B, S, H, 1)
-                x = x + o.reshape(B, S, -1) @ w.wo_t + w.bo
+                x = self._add(x, o.reshape(B, S, -1) @ w.wo_t, w.bo)
                 if not s.pre_ln:
                     x = self._ln(x, w.ln_attn)
                 if sparse:
@@ -203,7 +219,7 @@ class SparseDecoder:
                 if idx is not None:
                     keep = torch.zeros(B * S, s.ffn_dim, dtype=a.dtype, device=a.device).scatter_(1, idx.long(), 1)
                     a = a * keep.view(B, S, -1)
-                x = x + a @ w.w2_t + w.b2
+                x = self._add(x, a @ w.w2_t, w.b2)
                 if not s.pre_ln:
                     x = self._ln(x, w.ln_mlp)
         finally:

@@ -65,7 +65,7 @@ class Engine:
                 raise DejavuError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
         self.header = header
-        spec = spec_from_header(header)
+        spec = self._spec(header)
         if dtype is not None and dtype != spec.dtype:
             import dataclasses
             spec = dataclasses.replace(spec, dtype=dtype)
@@ -87,6 +87,15 @@ class Engine:
         self.stats = None
 
     # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _spec(header: dict):
+        """The decoder's spec (runtime/tp.py overrides this for a shard's heads and neurons)."""
+        tp = (header.get("build_config") or {}).get("tp") if isinstance(header, dict) else None
+        if tp:
+            raise DejavuError(f"this engine is tensor-parallel shard {tp.get('rank')} of {tp.get('size')}: "
+                              "run it with dejavu.runtime.tp (torchrun), see docs/tensor_parallel.md")
+        return spec_from_header(header)
+
     @classmethod
     def load(cls, path: str | os.PathLike, device="cpu", overlap: bool = True, **kw) -> "Engine":
         """Read and verify an engine file, then activate it on `device`."""

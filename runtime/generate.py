@@ -89,9 +89,12 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     host_loop = stream is not None or eos is not None
+    agree = getattr(engine, "agree_tokens", None)  # tensor parallel: rank 0's tokens on every rank
     steps = 0
     for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, gen)  # [B]
+        if agree is not None:
+            nxt = agree(nxt)
         out_dev[:, step] = nxt
         if host_loop:
             emitted: list[int | None] = []

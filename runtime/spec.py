@@ -113,6 +113,7 @@ def spec_from_header(header: dict) -> EngineSpec:
 def check_tensors(spec: EngineSpec, tensors: dict[str, torch.Tensor]) -> None:
     """Shapes of the tensors the decoder reads (engines from memory skip engine_file's checks)."""
     D, F, H, E = spec.hidden_size, spec.ffn_dim, spec.num_heads, spec.embed_dim
+    Dq = H * spec.head_dim  # D, or the rows of a tensor-parallel shard's heads (runtime/tp.py)
     want = {"embed_tokens": (spec.vocab_size, E), "embed_positions": (spec.max_positions + 2, D)}
     if E != D:
         want.update(project_in=(D, E), project_out=(E, D))
@@ -121,8 +122,8 @@ def check_tensors(spec: EngineSpec, tensors: dict[str, torch.Tensor]) -> None:
     for l in range(spec.num_layers):
         p = f"layers.{l}."
         want.update({p + "ln_attn.weight": (D,), p + "ln_attn.bias": (D,), p + "ln_mlp.weight": (D,),
-                     p + "ln_mlp.bias": (D,), p + "attn.wq": (D, D), p + "attn.bq": (D,),
-                     p + "attn.wkv": (2 * D, D), p + "attn.bkv": (2 * D,), p + "attn.wo_t": (D, D),
+                     p + "ln_mlp.bias": (D,), p + "attn.wq": (Dq, D), p + "attn.bq": (Dq,),
+                     p + "attn.wkv": (2 * Dq, D), p + "attn.bkv": (2 * Dq,), p + "attn.wo_t": (Dq, D),
                      p + "attn.bo": (D,), p + "mlp.w1": (F, D), p + "mlp.b1": (F,),
                      p + "mlp.w2_t": (F, D), p + "mlp.b2": (D,)})
         if spec.sparse_mlp(l):

@@ -1,0 +1,94 @@
+"""Megatron-style tensor-parallel shards of a kernel-layout engine (docs/tensor_parallel.md).
+
+Rank r of n holds heads [r*H/n, (r+1)*H/n) and neurons [r*F/n, (r+1)*F/n):
+
+    attn.wq [D, D], bq          column split: rows of the rank's heads      -> [Dq, D], Dq = H/n*hd
+    attn.wkv [2D, D], bkv       K rows then V rows of the rank's heads     -> [2Dq, D]
+    attn.wo_t [D, D]            row split (rows = input channels)           -> [Dq, D]
+    mlp.w1 [F, D], b1, w2_t     rows of the rank's neurons                  -> [F/n, D]
+    attn.bo, mlp.b2             rank 0 only (zeros elsewhere): the all-reduce sums them once
+    pred_*.a                    replicated;  pred_*.b / .bias: rows of the rank's neurons/heads
+    everything else             replicated (embeddings, LayerNorms, project_in/out)
+
+Per-layer K becomes `k_per_rank = min(N/n, ceil(K/n))`: every rank takes the top-k_r of *its
+own shard's* scores (balanced work). That is a different selection from the global top-K
+(the union of per-shard top-k_r, not the top-K of all scores); at density 1.0 they agree.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.shards import shard_path
+
+_REPLICATED = re.compile(r"(embed_tokens|embed_positions|project_in|project_out|final_ln\.(weight|bias)"
+                         r"|layers\.\d+\.(ln_attn|ln_mlp)\.(weight|bias)|layers\.\d+\.pred_(mlp|attn)\.a)$")
+
+
+def check_tp(num_heads: int, ffn_dim: int, tp: int) -> None:
+    """DejavuError unless tp >= 1 divides both the head count and the MLP width."""
+    if type(tp) is not int or tp < 1:
+        raise DejavuError(f"--tp must be a positive integer, got {tp!r}")
+    if num_heads % tp or ffn_dim % tp:
+        raise DejavuError(f"--tp {tp} must divide num_attention_heads ({num_heads}) and ffn_dim ({ffn_dim})")
+
+
+def k_per_rank(k: int, n: int, tp: int) -> int:
+    """Rows each rank keeps for a global K of N: ceil(K/tp), at most N/tp (never below K in total)."""
+    return min(n // tp, -(-k // tp))
+
+
+def shard_engine(header: dict, tensors: dict[str, torch.Tensor], tp: int) -> list[tuple[dict, dict]]:
+    """[(header_r, tensors_r)] for r in 0..tp-1 from a single-rank engine (kernel layout).
+
+    tp == 1 returns the engine unchanged. Raises DejavuError when tp does not divide the
+    heads and the MLP width, or on a tensor this function does not know how to split."""
+    mc, bc = header["model_config"], header["build_config"]
+    H, F, D, L = mc["num_attention_heads"], mc["ffn_dim"], mc["hidden_size"], mc["num_hidden_layers"]
+    check_tp(H, F, tp)
+    if bc.get("tp"):
+        raise DejavuError("engine is already a tensor-parallel shard")
+    if tp == 1:
+        return [(header, tensors)]
+    Hr, Fr = H // tp, F // tp
+    Dq = Hr * (D // H)
+    ks = {"mlp": [k_per_rank(k, F, tp) for k in bc["mlp_k"]], "attn": [k_per_rank(k, H, tp) for k in bc["attn_k"]]}
+    out = []
+    for r in range(tp):
+        q, f = slice(r * Dq, (r + 1) * Dq), slice(r * Fr, (r + 1) * Fr)
+        h = slice(r * Hr, (r + 1) * Hr)
+        t = {}
+        for name, w in tensors.items():
+            kind = name.split(".", 2)[-1] if name.startswith("layers.") else name
+            if _REPLICATED.match(name):
+                t[name] = w
+            elif kind in ("attn.wq", "attn.bq", "attn.wo_t"):
+                t[name] = w[q]
+            elif kind in ("attn.wkv", "attn.bkv"):  # K rows then V rows, each head-major
+                t[name] = torch.cat([w[:D][q], w[D:][q]])
+            elif kind in ("mlp.w1", "mlp.b1", "mlp.w2_t", "pred_mlp.b", "pred_mlp.bias"):
+                t[name] = w[f]
+            elif kind in ("pred_attn.b", "pred_attn.bias"):
+                t[name] = w[h]
+            elif kind in ("attn.bo", "mlp.b2"):  # row-parallel outputs: added once, after the all-reduce
+                t[name] = w if r == 0 else torch.zeros_like(w)
+            else:
+                raise DejavuError(f"shard_engine: no split rule for tensor {name!r}")
+        hr = copy.deepcopy(header)
+        hr["build_config"]["tp"] = {"size": tp, "rank": r, "num_heads": Hr, "ffn_dim": Fr, "k_per_rank": ks}
+        out.append((hr, {n: v.contiguous() for n, v in t.items()}))
+    return out
+
+
+def write_shards(out, header: dict, tensors: dict[str, torch.Tensor], tp: int) -> tuple[int, list[str]]:
+    """Shard and write one engine per rank (`dejavu.shards.shard_path` names); (total bytes, paths)."""
+    from dejavu.engine_file import write_engine
+
+    total, paths = 0, []
+    for r, (h, t) in enumerate(shard_engine(header, tensors, tp)):
+        paths.append(shard_path(out, r, tp))
+        total += write_engine(paths[-1], h, t)
+    return total, paths
