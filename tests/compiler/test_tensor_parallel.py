@@ -1,0 +1,44 @@
+"""Tensor-parallel builds: `BuildConfig.tp` / `dejavu-compile --tp` write one shard per rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.cli import main
+from dejavu.compiler.predictors import Predictors
+from dejavu.compiler.tensor_parallel import shard_engine
+from dejavu.engine_file import read_engine
+from dejavu.errors import DejavuError
+from dejavu.models.loader import load_config
+from helpers_compiler import random_predictors
+
+
+def test_build_tp2_equals_sharded_single_build(tiny_opt_dir, tmp_path):
+    preds = Predictors.from_state_dict(random_predictors(load_config(tiny_opt_dir), rank=8, rank_attn=4),
+                                       {"source": "attn_in", "lookahead": 1})
+    cfg = dict(density=0.3, dtype="float32")
+    build_engine(tiny_opt_dir, BuildConfig(**cfg), tmp_path / "one.engine", progress=False, predictors=preds)
+    s = build_engine(tiny_opt_dir, BuildConfig(**cfg, tp=2), tmp_path / "m.engine", progress=False,
+                     predictors=preds)
+    assert "m.rank0-of-2.engine" in s["engine"]
+    header, tensors = read_engine(tmp_path / "one.engine")
+    for r, (hr, tr) in enumerate(shard_engine(header, tensors, 2)):
+        got_h, got_t = read_engine(tmp_path / f"m.rank{r}-of-2.engine")
+        assert got_h["build_config"]["tp"] == hr["build_config"]["tp"]
+        assert got_h["build_config"]["tp"]["k_per_rank"]["mlp"] == [-(-k // 2) for k in s["mlp_k"]]
+        assert got_t.keys() == tr.keys() and all(torch.equal(got_t[n], tr[n]) for n in tr)
+    assert not (tmp_path / "m.engine").exists()
+
+
+def test_cli_tp_pattern_and_errors(tiny_opt_dir, tmp_path, capsys):
+    out = str(tmp_path / "d-{rank}-of-{size}.engine")
+    assert main([str(tiny_opt_dir), "--density", "1.0", "--no-predictors", "--tp", "2", "-o", out, "-q"]) == 0
+    assert (tmp_path / "d-0-of-2.engine").is_file() and (tmp_path / "d-1-of-2.engine").is_file()
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_opt_dir), "--density", "1.0", "--no-predictors", "--tp", "3", "-q",
+              "-o", str(tmp_path / "x.engine")])
+    assert e.value.code == 2 and not list(tmp_path.glob("x*"))
+    assert "--tp 3 must divide num_attention_heads" in capsys.readouterr().err
+    with pytest.raises(DejavuError, match="tp"):
+        BuildConfig(tp=0)
