@@ -41,11 +41,14 @@ def _run_json(capsys, argv) -> dict:
 
 def test_perplexity_equals_transformers(tiny_opt_dir, text_file, capsys):
     transformers = pytest.importorskip("transformers")
-    from dejavu.models.tokenizer import TextTokenizer
+    from tokenizers import Tokenizer
 
     got = _run_json(capsys, [str(tiny_opt_dir), "--ppl", str(text_file)])
     hf = transformers.OPTForCausalLM.from_pretrained(tiny_opt_dir, attn_implementation="eager").float().eval()
-    ids = torch.tensor(TextTokenizer.from_pretrained(tiny_opt_dir).encode(text_file.read_text(encoding="utf-8")))
+    tok = Tokenizer.from_file(str(tiny_opt_dir / "tokenizer.json"))
+    lines = text_file.read_text(encoding="utf-8").split("\n")  # line by line, as opt-mini was trained
+    ids = torch.tensor([2] + [i for e in tok.encode_batch([ln + "\n" for ln in lines], add_special_tokens=False)
+                              for i in e.ids])
     window = hf.config.max_position_embeddings
     nll, n = 0.0, 0
     with torch.no_grad():
@@ -58,6 +61,15 @@ def test_perplexity_equals_transformers(tiny_opt_dir, text_file, capsys):
             n += c.numel() - 1
     assert got["ppl_tokens"] == n
     assert got["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-3)
+
+
+def test_ppl_tokens_prefix_equals_whole_text_prefix(tiny_opt_dir, text_file):
+    from dejavu.runtime.evaluate import text_ids
+
+    sm = load_scoring_model(str(tiny_opt_dir))
+    text = text_file.read_text(encoding="utf-8")
+    full = text_ids(sm, text)
+    assert torch.equal(text_ids(sm, text, 300), full[:300]) and full[0].item() == sm.bos_id
 
 
 def _hand_logprob(model, tok, context: str, continuation: str) -> float:
