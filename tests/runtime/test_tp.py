@@ -152,3 +152,26 @@ def test_shard_errors_and_names():
     assert shard_engine(header, tensors, 1)[0][1] is tensors
     assert shard_path("out/m.engine", 1, 4) == os.path.join("out", "m.rank1-of-4.engine")
     assert shard_path("m-{rank}-{size}.bin", 0, 2) == "m-0-2.bin"
+
+
+def test_torchrun_entry_point(tmp_path):
+    """`torchrun -m dejavu.runtime.tp OUT.engine --prompt TEXT`: rank 0 prints the text once,
+    and it equals the single-rank engine's completion."""
+    import subprocess
+    import sys
+
+    from runtime_helpers import tiny_tokenizer_json
+
+    tj = tiny_tokenizer_json(300)
+    # density 1.0: the per-shard selection equals the single-rank one only there
+    header, tensors = engine_from_dense(tiny_model(seed=2, vocab_size=300), 1.0, 1.0, tokenizer_json=tj)
+    write_shards(tmp_path / "m.engine", header, tensors, TP)
+    prompt = "The tower is"
+    want = prompt + Engine.from_tensors(header, tensors, "cpu").complete([prompt], 8)[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), "-m", "dejavu.runtime.tp",
+           str(tmp_path / "m.engine"), "--prompt", prompt, "--max-new-tokens", "8"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == want.strip()
