@@ -95,7 +95,11 @@ def sample_feeds(tokenizer, text: str, tokens: int, samples: int) -> list[dict]:
     """`samples` consecutive windows of `tokens` ids from the text: [{"input_ids": [1, S]}]."""
     import numpy as np
 
-    ids = tokenizer.encode(text[: 64 * tokens * samples], add_bos=True)
+    from dejavu.models.metrics import encode_document
+
+    head = text[: 64 * tokens * samples]
+    ids = encode_document(tokenizer.tokenizer, head[: head.rfind("\n") + 1] or head).astype("int64").tolist()
+    ids[0] = tokenizer.bos_id  # line by line, as dejavu-eval's perplexity (and opt-mini's training)
     if len(ids) < tokens * samples:
         raise DejavuError(f"the comparison text has {len(ids)} tokens, fewer than "
                           f"--tokens x --samples = {tokens * samples}")
