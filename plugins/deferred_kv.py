@@ -33,9 +33,8 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
                                     default_validate, jit, next_pow2)
-from dejavu.plugins.sparse_attention import (ATTN_CONFIG, _attn_combine_kernel, _attn_decode_kernel,
-                                             _check_attn, _positions)
-from dejavu.plugins.sparse_mlp import _dot_fp32, gather_gemv, gather_gemv_t
+from dejavu.plugins.sparse_attention import _attend_selected, _check_attn, _positions
+from dejavu.plugins.sparse_mlp import _dot_fp32
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -239,29 +238,9 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     if kh == 0:
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
-    # from here on: sparse_attention.sparse_attn_decode's steps 2-4 (its kernels, unchanged)
-    rows = (head_idx.long().unsqueeze(-1) * hd + torch.arange(hd, device=x_ln.device)).flatten(-2)
-    q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    gather_gemv(x_ln, wq, bq, rows, q, relu=False)
-    cfg = {**ATTN_CONFIG, **{k: v for k, v in (config or {}).items() if k != "recompute"}}
-    nchunk = -(-S // cfg["CHUNK"])
-    o = torch.empty_like(q)
-    part = ml = o
-    if nchunk > 1:
-        part = torch.empty((B * kh * nchunk, hd), dtype=torch.float32, device=x_ln.device)
-        ml = torch.empty((B * kh * nchunk, 2), dtype=torch.float32, device=x_ln.device)
-    block_hd = max(16, next_pow2(hd))
-    kernel = jit(_attn_decode_kernel, x_ln.device)
-    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, kh, hd,
-                            cfg["CHUNK"], nchunk, 0 if head_idx.dim() == 1 else head_idx.stride(0),
-                            stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                            PARTIAL=nchunk > 1, BLOCK_S=cfg["BLOCK_S"], BLOCK_HD=block_hd,
-                            num_warps=cfg["num_warps"])
-    if nchunk > 1:
-        combine = jit(_attn_combine_kernel, x_ln.device)
-        combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
-                           BLOCK_HD=block_hd, num_warps=4)
-    return gather_gemv_t(o, wo_t, bo, rows, residual, out)
+    # Q, attention and output projection of the selected heads: sparse_attention's steps 2-4
+    return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
+                            residual, out, {k: v for k, v in (config or {}).items() if k != "recompute"})
 
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,

@@ -172,6 +172,17 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
 
+    return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
+                            residual, out, config)
+
+
+
+def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
+                     config):
+    """Steps 2-4 of a decode step, shared with the deferred-K/V variant: Q of the selected
+    heads, attention over cache slots 0..pos, the output projection of those heads; y[B,D]."""
+    B, H, S, hd = k_cache.shape
+    kh = head_idx.shape[-1]
     # 2. Q for the selected heads: rows head*hd + c of wq
     rows = (head_idx.long().unsqueeze(-1) * hd + torch.arange(hd, device=x_ln.device))
     rows = rows.flatten(-2)  # [B, Kh*hd] or [Kh*hd]
