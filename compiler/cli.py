@@ -145,6 +145,10 @@ def format_header(h: dict, path: str, size: int) -> str:
             lines.append(f"recall {kind:<4} " + " ".join("-" if r is None else f"{r:.3f}" for r in rec[kind]))
     if bc.get("calibration"):
         lines.append(f"calibration {json.dumps(bc['calibration'], sort_keys=True)}")
+    if bc.get("tp"):
+        tp = bc["tp"]
+        lines.append(f"tp          shard {tp['rank']} of {tp['size']}: heads {tp['num_heads']}, ffn {tp['ffn_dim']}, "
+                     f"k_per_rank mlp {tp['k_per_rank']['mlp']} attn {tp['k_per_rank']['attn']}")
     lines.append(f"tokenizer   {len(h.get('tokenizer_json') or '')} chars of tokenizer.json")
     return "\n".join(lines)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dejavu.compiler.build import BuildConfig, build_engine
-from dejavu.compiler.cli import main
+from dejavu.compiler.cli import inspect_main, main
 from dejavu.compiler.predictors import Predictors
 from dejavu.compiler.tensor_parallel import shard_engine
 from dejavu.engine_file import read_engine
@@ -35,6 +35,9 @@ def test_cli_tp_pattern_and_errors(tiny_opt_dir, tmp_path, capsys):
     out = str(tmp_path / "d-{rank}-of-{size}.engine")
     assert main([str(tiny_opt_dir), "--density", "1.0", "--no-predictors", "--tp", "2", "-o", out, "-q"]) == 0
     assert (tmp_path / "d-0-of-2.engine").is_file() and (tmp_path / "d-1-of-2.engine").is_file()
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "d-1-of-2.engine")]) == 0
+    assert "tp          shard 1 of 2: heads 2, ffn 64" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main([str(tiny_opt_dir), "--density", "1.0", "--no-predictors", "--tp", "3", "-q",
               "-o", str(tmp_path / "x.engine")])
