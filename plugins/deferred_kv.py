@@ -63,7 +63,7 @@ def _recompute_kv_kernel(x_ptr, xnew_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, 
     rmask = offs_r < 2 * HD
     is_k = offs_r < HD
     col = tl.where(is_k, offs_r, offs_r - HD)  # channel within the head
-    rows = tl.where(is_k, 0, D) + head * HD + col  # row of wkv
+    rows = tl.where(is_k, 0, H * HD) + head * HD + col  # row of wkv (V rows follow the H*HD K rows)
     rows = tl.where(rmask, rows, 0).to(tl.int64)
     bias = tl.load(b_ptr + rows).to(tl.float32)
     x_base = x_ptr + b.to(tl.int64) * stride_xb
@@ -118,11 +118,11 @@ def _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, va
     check_tensor("x_hist", x_hist, ndim=3, dtypes=FLOAT_DTYPES)
     B, S, D = x_hist.shape
     dt, dev = x_hist.dtype, x_hist.device
-    check_tensor("wkv", wkv, shape=(2 * D, D), dtype=dt, device=dev)
-    check_tensor("bkv", bkv, shape=(2 * D,), dtype=dt, device=dev)
     check_tensor("k_cache", k_cache, ndim=4, dtype=dt, device=dev)
-    H, hd = k_cache.shape[1], k_cache.shape[3]
-    if k_cache.shape[0] != B or k_cache.shape[2] != S or H * hd != D:
+    H, hd = k_cache.shape[1], k_cache.shape[3]  # H*hd < D on a tensor-parallel shard
+    check_tensor("wkv", wkv, shape=(2 * H * hd, D), dtype=dt, device=dev)
+    check_tensor("bkv", bkv, shape=(2 * H * hd,), dtype=dt, device=dev)
+    if k_cache.shape[0] != B or k_cache.shape[2] != S or H * hd > D:
         raise DejavuError(f"k_cache: shape {tuple(k_cache.shape)} does not fit x_hist {tuple(x_hist.shape)}")
     if hd > 256:
         raise DejavuError(f"head dim {hd} > 256 is not supported")

@@ -127,19 +127,21 @@ def _positions(pos, batch, device):
 
 
 def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, residual, validate):
+    # H*hd may be less than D: a tensor-parallel shard holds H/tp heads of a D-wide model.
     check_tensor("x_ln", x_ln, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x_ln.shape
     dt, dev = x_ln.dtype, x_ln.device
-    check_tensor("wq", wq, shape=(D, D), dtype=dt, device=dev)
-    check_tensor("bq", bq, shape=(D,), dtype=dt, device=dev)
-    check_tensor("wkv", wkv, shape=(2 * D, D), dtype=dt, device=dev)
-    check_tensor("bkv", bkv, shape=(2 * D,), dtype=dt, device=dev)
-    check_tensor("wo_t", wo_t, shape=(D, D), dtype=dt, device=dev)
-    check_tensor("bo", bo, shape=(D,), dtype=dt, device=dev)
     check_tensor("k_cache", k_cache, ndim=4, dtype=dt, device=dev)
     H, S, hd = k_cache.shape[1:]
-    if k_cache.shape[0] != B or H * hd != D:
+    if k_cache.shape[0] != B or H * hd > D:
         raise DejavuError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, D={D}")
+    HH = H * hd
+    check_tensor("wq", wq, shape=(HH, D), dtype=dt, device=dev)
+    check_tensor("bq", bq, shape=(HH,), dtype=dt, device=dev)
+    check_tensor("wkv", wkv, shape=(2 * HH, D), dtype=dt, device=dev)
+    check_tensor("bkv", bkv, shape=(2 * HH,), dtype=dt, device=dev)
+    check_tensor("wo_t", wo_t, shape=(HH, D), dtype=dt, device=dev)
+    check_tensor("bo", bo, shape=(D,), dtype=dt, device=dev)
     if hd > 256:
         raise DejavuError(f"head dim {hd} > 256 is not supported")
     check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=dt, device=dev)
@@ -232,5 +234,5 @@ def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, 
     o = torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v_cache)
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
     keep = torch.zeros(B, H, dtype=o.dtype, device=o.device).scatter_(1, heads, 1.0)
-    y = (o * keep[:, :, None]).reshape(B, D) @ wo_t + bo
+    y = (o * keep[:, :, None]).reshape(B, -1) @ wo_t + bo
     return y if residual is None else y + residual
