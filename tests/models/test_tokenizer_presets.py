@@ -104,11 +104,15 @@ def test_resolve_and_load_from_hf_cache(tiny_opt_dir, tmp_path, monkeypatch):
     assert cfg.hidden_size == 32  # sizes come from the cached config.json, not the preset name
 
 
+def test_opt_mini_missing_folder_is_one_line_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(presets, "OPT_MINI_DIR", tmp_path / "opt-mini")
+    monkeypatch.setitem(presets.PRESETS, "opt-mini", str(tmp_path / "opt-mini"))
+    with pytest.raises(DejavuError, match="shipped folder .* is missing"):
+        resolve("opt-mini")
+
+
 def test_opt_mini_preset():
-    if not presets.OPT_MINI_DIR.is_dir():
-        with pytest.raises(DejavuError, match="shipped folder .* is missing"):
-            resolve("opt-mini")
-        pytest.skip("models/opt-mini is not in this checkout yet (shipped by the lead)")
+    assert presets.OPT_MINI_DIR.is_dir(), "the shipped opt-mini folder is part of the package"
     model, cfg = load_model("opt-mini")
     tok = TextTokenizer.from_pretrained("opt-mini")
     ids = tok.encode("The king said unto them,")
