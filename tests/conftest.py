@@ -24,6 +24,16 @@ TINY_CONFIG = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_atte
                    ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=32)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Every test uses tiny models, which run fastest on one thread on the small, shared CI
+    machines (more threads only spin-wait)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @functools.lru_cache(maxsize=1)
 def tiny_tokenizer_json(vocab_size: int = 320) -> str:
     """tokenizer.json text of a small byte-level BPE (<s>, <pad>, </s>, <unk> = ids 0..3)."""

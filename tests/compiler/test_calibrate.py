@@ -15,14 +15,6 @@ from dejavu.models.loader import load_model, load_tokenizer
 ARRAYS = ("attn_in", "mlp_in", "mlp_active", "head_norm", "tokens")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a shared 2-core machine: one thread avoids spin-wait overhead."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tiny(tiny_opt_dir):

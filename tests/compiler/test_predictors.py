@@ -1,7 +1,6 @@
 """Predictor training, cost budget, per-layer density, and opt-mini recall (CPU)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -22,14 +21,6 @@ from dejavu.models.presets import OPT_MINI_DIR
 MLP_BOUND, MLP_LAYER_BOUND, ATTN_BOUND = 0.65, 0.55, 0.55
 FAST = dict(max_epochs=4, patience=1, batch_tokens=256)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a shared 2-core machine: one thread avoids spin-wait overhead."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
