@@ -16,6 +16,7 @@ Asserts nothing (benchmarks/ never does); --check is the exception, and says so.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -61,6 +62,7 @@ def _import_plugins():
 
 
 P = _import_plugins()
+importlib.import_module("dejavu.plugins.deferred_kv")  # sys.modules entry used below
 SM = sys.modules["dejavu.plugins.sparse_mlp"]  # the module (the package exports functions)
 
 
@@ -213,6 +215,39 @@ def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False):
     return ok, e
 
 
+def _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap):
+    """Inputs of sparse_attn_decode_deferred with every head missing up to `gap` slots before pos."""
+    x, w, kc, vc = _attn_inputs(B, H, hd, S, dtype)
+    hist = randn(B, S, H * hd, dtype=dtype)
+    pos_t = torch.full((B,), pos, device=DEV, dtype=torch.int64)
+    vl = (pos - torch.randint(0, gap + 1, (B, H), device=DEV)).clamp_min(0).to(torch.int32)
+    wl = [w[k] for k in ("wq", "bq", "wkv", "bkv", "wo_t", "bo")]
+    return x, wl, kc, vc, hist, vl, pos_t, rand_idx(B, H, kh, shared)
+
+
+def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap):
+    """Deferred K/V decode (Q/K/V kernel + attention with commit + out-proj) vs float64."""
+    DK = sys.modules["dejavu.plugins.deferred_kv"]
+    x, wl, kc, vc, hist, vl, pos_t, hidx = _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap)
+    res = randn(B, H * hd, dtype=dtype)
+    st = [t.clone() for t in (kc, vc, hist, vl)]
+    y = torch.full((B, H * hd), float("nan"), dtype=dtype, device=DEV)
+    DK.sparse_attn_decode_deferred(x, *wl, hidx, *st, pos_t, res, out=y, validate=True)
+    s64 = [kc.double(), vc.double(), hist.double(), vl.clone()]
+    ref = DK.sparse_attn_decode_deferred_ref(x.double(), *[t.double() for t in wl], hidx, *s64, pos_t, res.double())
+    s16 = [t.clone() for t in (kc, vc, hist, vl)]
+    t_out = DK.sparse_attn_decode_deferred_ref(x, *wl, hidx, *s16, pos_t, res)
+    ok, e = _err_ok(y, ref, t_out, *TOL[dtype])
+    written = st[0].double() != kc.double()  # slots this call wrote
+    e["cache_err"] = (st[0].double() - s64[0]).abs().max().item()
+    e["valid_len_equal"] = bool(torch.equal(st[3], s64[3]))
+    e["hist_equal"] = bool(torch.equal(st[2].double(), s64[2]))
+    e["slots_written"] = int(written.any(-1).sum())
+    ok = ok and e["valid_len_equal"] and e["hist_equal"] and \
+        e["cache_err"] <= 2 * (s16[0].double() - s64[0]).abs().max().item() + TOL[dtype][0]
+    return ok, e
+
+
 def check_predictor(B, D, N, r, k, shared, method="torch"):
     x, a = randn(B, D, dtype=torch.float32), randn(r, D, dtype=torch.float32)
     b, bias = randn(N, r, dtype=torch.float32), randn(N, dtype=torch.float32)
@@ -258,6 +293,12 @@ def run_checks():
                                    shared=shared)))
     cases.append(("attn", dict(B=2, H=56 if big else 6, hd=128 if big else 16, S=320, pos=200,
                                kh=17 if big else 3, dtype=torch.bfloat16, shared=False, graph=big)))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for B, shared, gap in ((1, False, 3), (3, False, 40), (3, True, 0)):
+            cases.append(("deferred", dict(B=B, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=shared, gap=gap)))
+    for B, shared, gap in ((1, False, 3), (1, False, 100), (4, True, 5))[:3 if big else 0]:
+        cases.append(("deferred", dict(B=B, H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16,
+                                       shared=shared, gap=gap)))
     for method in ("torch", "triton"):
         for B, shared in ((1, False), (4, False), (4, True)):
             cases.append(("pred", dict(B=B, D=512, N=2000, r=64, k=150, shared=shared, method=method)))
@@ -265,7 +306,7 @@ def run_checks():
             for B, shared, N in ((1, False, 28672), (8, False, 36864), (8, True, 28672), (1, False, 56)):
                 cases.append(("pred", dict(B=B, D=1024, N=N, r=128, k=max(1, N // 10), shared=shared,
                                            method=method)))
-    fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor}
+    fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred}
     for kind, kw in cases:
         torch.manual_seed(len(results))
         try:
@@ -469,6 +510,128 @@ def bench_attn(quick):
     return rows
 
 
+# ------------------------------------------------------------------------------ deferred attention
+
+QKV_SWEEP = [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=st)
+             for r in (16, 32) for d in (256, 512, 1024) for w in (4, 8) for st in (1, 2)
+             if r * d <= 16384]
+ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=w) for c in (64, 128, 256) for bs in (32, 64) for w in (2, 4)]
+
+
+def _deferred_call(args, cfg=None):
+    """One steady-state decode call: valid_len restored first (every head misses its gap)."""
+    DK = sys.modules["dejavu.plugins.deferred_kv"]
+    x, wl, kc, vc, hist, vl, vl0, pos_t, hidx = args
+
+    def f():
+        vl.copy_(vl0)
+        return DK.sparse_attn_decode_deferred(x, *wl, hidx, kc, vc, hist, vl, pos_t, x, validate=False, config=cfg)
+    return f
+
+
+def _deferred_args(D, H, B, ctx, kh, shared, gap, copies=4):
+    """`copies` independent argument sets (weights too: consecutive calls find nothing in L2)."""
+    hd = D // H
+    out = []
+    for _ in range(copies):
+        x, wl, kc, vc, hist, vl, pos_t, hidx = _deferred_inputs(B, H, hd, ctx + 64, ctx, kh, torch.float16,
+                                                               shared, gap)
+        out.append((x, wl, kc, vc, hist, vl, vl.clone(), pos_t, hidx))
+    return out
+
+
+def sweep_attn(quick):
+    """Q/K/V kernel configs, then attention configs, on OPT-30B, B=1, head density 0.3, gap 3;
+    the fastest (summed over contexts 128 and 1024) is kept for the run and reported."""
+    DK, SA = sys.modules["dejavu.plugins.deferred_kv"], sys.modules["dejavu.plugins.sparse_attention"]
+    D, F, H = SHAPES["opt-30b"]
+    kh = round(0.3 * H)
+    sets = {ctx: _deferred_args(D, H, 1, ctx, kh, False, 3) for ctx in (128, 1024)}
+    out = {"rows": []}
+    for key, table, cfgs in (("qkv", DK.QKV_CONFIG, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)):
+        totals = []
+        for cfg in (cfgs[:4] if quick else cfgs):
+            if late("sweep_attn") and totals:
+                break
+            try:
+                total = 0.0
+                for ctx, args in sets.items():
+                    t = bench_graph([_deferred_call(a, {key: cfg}) for a in args])
+                    out["rows"].append({"kernel": key, "ctx": ctx, "config": cfg, "graph_ms": t})
+                    total += t
+            except Exception as e:  # noqa: BLE001
+                print(f"  sweep {key} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                total = float("inf")
+            totals.append((total, cfg))
+        best = min(totals, key=lambda tc: tc[0])
+        print(f"sweep {key}: best {best[1]} ({best[0]:.4f} ms summed); default {table}")
+        if best[0] < float("inf"):
+            table.clear()
+            table.update(best[1])
+        out[key] = dict(table)
+    del sets
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_deferred(quick):
+    """The deferred-K/V decode attention (the runtime's default) per layer, in CUDA graphs:
+    whole call, and the valid_len reset alone (subtracted). gap = missing slots per head."""
+    rows = []
+    for name, (D, F, H) in SHAPES.items():
+        for B, shared in (((1, False),) if quick else ((1, False), (8, True))):
+            for ctx in (128, 1024):
+                if late("deferred"):
+                    return rows
+                x, w, kc, vc = _attn_inputs(B, H, D // H, ctx + 64, torch.float16)
+                pos_t = torch.tensor([ctx], device=DEV, dtype=torch.int32)
+
+                def dense():
+                    q = Fn.linear(x, w["wq"], w["bq"]).view(B, H, 1, D // H)
+                    kv = Fn.linear(x, w["wkv"], w["bkv"]).view(B, 2, H, 1, D // H)
+                    kc.index_copy_(2, pos_t.long(), kv[:, 0])
+                    vc.index_copy_(2, pos_t.long(), kv[:, 1])
+                    o = Fn.scaled_dot_product_attention(q, kc[:, :, :ctx + 1], vc[:, :, :ctx + 1], scale=1.0)
+                    return Fn.linear(o.reshape(B, D), w["wo_t"].t(), w["bo"])
+                t_dense = bench_graph([dense] * 4)
+                del x, w, kc, vc
+                for d in ((0.3,) if quick else (0.1, 0.3, 0.5, 1.0)):
+                    kh = max(1, round(d * H))
+                    for gap in (0, 3, 16):
+                        args = _deferred_args(D, H, B, ctx, kh, shared, gap)
+                        t = bench_graph([_deferred_call(a) for a in args])
+                        t_reset = bench_graph([lambda a=a: a[5].copy_(a[6]) for a in args])
+                        t = t - (t_reset or 0.0) if t else None
+                        hd = D // H
+                        heads_read = kh * (1 if shared else B)
+                        nbytes = 2 * (4 * heads_read * hd * D + 2 * B * kh * (ctx + 1) * hd
+                                      + B * kh * gap * D)
+                        rows.append({"shape": name, "B": B, "ctx": ctx, "density": d, "heads": kh, "gap": gap,
+                                     "policy": "shared" if shared else "per_seq", "graph_ms": t,
+                                     "reset_ms": t_reset, "dense_graph_ms": t_dense,
+                                     "graph_speedup": t_dense / t if t and t_dense else None,
+                                     "bytes": nbytes, "GBps": nbytes / t / 1e6 if t else None})
+                        del args
+            print(f"  deferred {name} B={B} done")
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_layer_norm():
+    """torch LayerNorm vs the plugin's at decode shapes (graph, per call)."""
+    rows = []
+    ln = getattr(P, "layer_norm", None)
+    for D in (7168, 9216):
+        w, b = randn(D), randn(D)
+        for B in (1, 8, 32):
+            xs = [randn(B, D) for _ in range(4)]
+            row = {"D": D, "B": B, "torch_graph_ms": bench_graph([lambda x=x: Fn.layer_norm(x, (D,), w, b) for x in xs])}
+            if ln is not None:
+                row["triton_graph_ms"] = bench_graph([lambda x=x: ln(x, w, b) for x in xs])
+            rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------------------ predictor
 
 def bench_predictor(mlps, mlp_rows, quick):
@@ -530,6 +693,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-attn", action="store_true",
+                    help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
+    ap.add_argument("--sections", default="mlp,predictor,attn,deferred,layer_norm",
+                    help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the remaining sections once this many seconds have passed")
@@ -567,22 +734,30 @@ def main(argv=None):
         res["bandwidth"] = bw = measure_bandwidth()
         print(f"copy {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s")
         mlps = {name: MLP(D, F) for name, (D, F, H) in SHAPES.items()}
+        sections = args.sections.split(",")
         if args.sweep and in_budget("sweep"):
             res["sweep"] = sweep(mlps, args.quick)
             save("sweep")
-        res["kernel_settings"] = SM.kernel_settings()
+        if args.sweep_attn and in_budget("sweep_attn"):
+            res["sweep_attn"] = sweep_attn(args.quick)
+            save("sweep_attn")
+        res["kernel_settings"] = {**SM.kernel_settings(),
+                                  "qkv": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG),
+                                  "attn": dict(sys.modules["dejavu.plugins.sparse_attention"].ATTN_CONFIG)}
         if not args.no_bench:
-            if in_budget("mlp"):
+            if "mlp" in sections and in_budget("mlp"):
                 res["mlp"] = bench_mlp(mlps, bw, args.quick)
                 save("mlp")
-            if in_budget("predictor"):
+            if "predictor" in sections and in_budget("predictor"):
                 res["predictor"] = bench_predictor(mlps, res.get("mlp", []), args.quick)
                 save("predictor")
             del mlps
             torch.cuda.empty_cache()
-            if in_budget("attn"):
-                res["attn"] = bench_attn(args.quick)
-                save("attn")
+            for sec, fn in (("attn", bench_attn), ("deferred", bench_deferred),
+                            ("layer_norm", lambda q: bench_layer_norm())):
+                if sec in sections and in_budget(sec):
+                    res[sec] = fn(args.quick)
+                    save(sec)
     save("all")
     if "mlp" in res:
         b1 = [r for r in res["mlp"] if r["B"] == 1]
@@ -601,6 +776,13 @@ def main(argv=None):
         print("\n## Sparse attention decode\n")
         print(table(res["attn"], ["shape", "B", "ctx", "density", "policy", "ms", "graph_ms",
                                   "dense_ms", "dense_graph_ms", "speedup", "graph_speedup"]))
+    if "deferred" in res:
+        print("\n## Sparse attention decode, deferred K/V (graph, per layer)\n")
+        print(table(res["deferred"], ["shape", "B", "ctx", "density", "heads", "gap", "policy", "graph_ms",
+                                      "dense_graph_ms", "graph_speedup", "GBps"]))
+    if "layer_norm" in res:
+        print("\n## LayerNorm (graph, per call)\n")
+        print(table(res["layer_norm"], ["D", "B", "torch_graph_ms", "triton_graph_ms"]))
     print(f"\nwrote {out} ({res['wall_s']:.0f}s)")
     return 1 if fail else 0
 

@@ -6,7 +6,8 @@ references) imports without Triton and without a GPU stack.
 Kernels are plain module-level functions (string annotations via `from __future__ import
 annotations`, so `tl.constexpr` needs no Triton at import); `jit(fn)` wraps one on first
 use and puts `tl` into the kernel module's globals, where both Triton's compiler and its
-interpreter look it up.
+interpreter look it up. Device functions the kernels call are marked `@helper` and wrapped
+at the same time.
 
 CPU tensors run under Triton's interpreter, which must be switched on (`TRITON_INTERPRET=1`)
 before `triton` is first imported: Triton decides at import time whether its own library
@@ -40,6 +41,13 @@ def interpreting() -> bool:
     return type(triton.language.standard.max).__name__ == "InterpretedFunction"
 
 
+def helper(fn):
+    """Mark a plain function as a Triton helper that kernels call: `jit` wraps it with
+    `triton.jit` (in its module's globals) before the first kernel of that module compiles."""
+    fn._dejavu_helper = True
+    return fn
+
+
 def jit(fn, device: torch.device):
     """The Triton kernel for plain function `fn`, ready to launch on `device`'s tensors."""
     if device.type == "cpu" and not interpreting():
@@ -53,7 +61,11 @@ def jit(fn, device: torch.device):
         triton = _triton()
         if device.type == "cpu":
             _patch_interpreter_index()
-        fn.__globals__["tl"] = triton.language
+        g = fn.__globals__
+        g["tl"] = triton.language
+        for name, obj in list(g.items()):  # helpers the kernels call must be JIT functions too
+            if getattr(obj, "_dejavu_helper", False) and callable(obj) and not hasattr(obj, "run"):
+                g[name] = triton.jit(obj)
         kernel = _JITTED[fn] = triton.jit(fn)
     return kernel
 

@@ -16,15 +16,19 @@ depend only on x_ln(p), which never changes, so the output equals the masked-den
 semantics (ARCHITECTURE.md) in exact arithmetic; only the bytes read change: attention
 reads 4*d*D^2 weight bytes instead of (2 + 2d)*D^2 at head density d.
 
-Kernel `_recompute_kv_kernel`: grid (B*Kh, cdiv(2*hd, BLOCK_R)); a program owns BLOCK_R of
-its head's 2*hd output rows (K rows then V rows) and loops over the missing positions in
-blocks of BLOCK_P (tl.dot, both >= 16) and over D in BLOCK_D chunks, fp32 accumulation.
-The bounds (valid_len, pos) are read from device memory: CUDA-graph safe, no host sync.
-valid_len is updated by a separate small kernel after it (`_commit_kernel`, grid (B,)):
-programs of one head would race if the recompute kernel wrote it. In the decode function
-slot pos is read from x_ln directly and the same commit kernel stores x_ln into x_hist
-afterwards, so a layer adds two launches. Slots of unselected heads and slots outside the range are
-not touched. Limits: hd <= 256; duplicate head indices not allowed (top-k never makes them).
+Kernel `_qkv_kernel` (one launch for Q, K and V of the selected heads): grid (B*Kh,
+rows), a program owns BLOCK_R rows of one of its head's three hd-row segments (Q, K or V)
+and reads them once, in BLOCK_D chunks: a GEMV with this step's input gives the row's value
+at pos (Q: into an fp32 buffer; K/V: into the cache at pos), and, for K/V rows, a tl.dot with
+the history inputs gives the missing slots min(valid_len, pos)..pos-1 from the same weight
+chunk (the first BLOCK_P of them; a head unselected for longer reads its rows again per
+further block). The bounds are read from device memory: CUDA-graph safe, no host sync.
+valid_len and x_hist[:, pos] are updated after the kernel, by the attention kernel that
+follows it (programs of one head would race if this kernel wrote them), or by
+`_commit_kernel` when nothing attends. A decode layer is then three launches: Q/K/V,
+attention (+ commit), output projection (+ its split-K reduction). Slots of unselected
+heads and slots outside the range are not touched. Limits: hd <= 256; duplicate head
+indices not allowed (top-k never makes them).
 """
 from __future__ import annotations
 
@@ -33,67 +37,104 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
                                     default_validate, jit, next_pow2)
-from dejavu.plugins.sparse_attention import _attend_selected, _check_attn, _positions
+from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
 from dejavu.plugins.sparse_mlp import _dot_fp32
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# Untuned on the H200: BLOCK_D / warps / stages of sparse_mlp's swept tl.dot path; BLOCK_R 16
-# gives B*Kh*16 programs (272 at OPT-30B, density 0.3, batch 1: about 2 per SM).
-RECOMPUTE_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3}
+# BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
+# dot's N); picked by `benchmarks/kernels.py --sweep-attn` on an H200 (see docs/kernels.md).
+QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 512, "num_warps": 4, "num_stages": 2}
 
 
-def _recompute_kv_kernel(x_ptr, xnew_ptr, w_ptr, b_ptr, head_ptr, k_ptr, v_ptr, vl_ptr, pos_ptr,
-                         KH, H, D, HD, stride_xb, stride_xs, stride_nb, stride_hb, stride_pb,
-                         stride_cb, stride_ch, stride_cs,
-                         HAS_NEW: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    # kv[p, r] = x_hist[b, p] . wkv[row(r)] + bkv[row(r)] for p in [min(valid_len, pos), pos],
-    # r in this program's block of the head's 2*HD rows (r < HD: K row r, else V row r - HD).
-    # HAS_NEW: position pos reads x_new[b] (this step's input; _commit_kernel stores it into
-    # x_hist afterwards, so no program reads a row another one writes).
+def _qkv_kernel(xnew_ptr, xh_ptr, wq_ptr, bq_ptr, wkv_ptr, bkv_ptr, head_ptr, q_ptr, k_ptr, v_ptr,
+                vl_ptr, pos_ptr, KH, H, D, HD, NB, stride_nb, stride_xb, stride_xs, stride_hb, stride_pb,
+                stride_cb, stride_ch, stride_cs,
+                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
+    # grid (B*KH, (3 - FIRST_SEG) * NB), NB = cdiv(HD, BLOCK_R). Segment 0: q[b, j, c] (fp32)
+    # = wq[head*HD + c] . x_new + bq; 1 / 2: K / V rows (wkv rows head*HD + c, then H*HD + ...)
+    # at pos from x_new and at the missing slots [min(valid_len, pos), pos) from x_hist.
+    # HAS_NEW false: the input at pos is x_hist[b, pos] (recompute_kv).
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     b = pid // KH
     j = pid % KH
+    b64 = b.to(tl.int64)
     head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
     pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
-    start = tl.minimum(tl.load(vl_ptr + b * H + head).to(tl.int32), pos)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = offs_r < 2 * HD
-    is_k = offs_r < HD
-    col = tl.where(is_k, offs_r, offs_r - HD)  # channel within the head
-    rows = tl.where(is_k, 0, H * HD) + head * HD + col  # row of wkv (V rows follow the H*HD K rows)
-    rows = tl.where(rmask, rows, 0).to(tl.int64)
-    bias = tl.load(b_ptr + rows).to(tl.float32)
-    x_base = x_ptr + b.to(tl.int64) * stride_xb
-    n_base = xnew_ptr + b.to(tl.int64) * stride_nb
-    c_base = b.to(tl.int64) * stride_cb + head * stride_ch
-    for p0 in range(start, pos + 1, BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)
-        pmask = offs_p <= pos
-        acc = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            dmask = offs_d < D
-            if HAS_NEW:
-                xt = tl.load(x_base + offs_p[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
-                             mask=(offs_p < pos)[:, None] & dmask[None, :], other=0.0)
-                xn = tl.load(n_base + offs_d, mask=dmask, other=0.0)
-                xt = tl.where((offs_p == pos)[:, None], xn[None, :], xt)
-            else:
-                xt = tl.load(x_base + offs_p[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
-                             mask=pmask[:, None] & dmask[None, :], other=0.0)
-            wt = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+    seg = FIRST_SEG + pid_r // NB
+    offs_c = (pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cmask = offs_c < HD
+    c = tl.where(cmask, offs_c, 0)  # masked rows read channel 0 (in bounds) and are never stored
+    if seg == 0:
+        rows = head * HD + c
+        w_rows = wq_ptr + rows[:, None] * D
+        bias = tl.load(bq_ptr + rows).to(tl.float32)
+        start = pos
+    else:
+        rows = (seg - 1).to(tl.int64) * H * HD + head * HD + c
+        w_rows = wkv_ptr + rows[:, None] * D
+        bias = tl.load(bkv_ptr + rows).to(tl.float32)
+        start = tl.minimum(tl.load(vl_ptr + b * H + head).to(tl.int32), pos)
+    if HAS_NEW:
+        xn_row = xnew_ptr + b64 * stride_nb
+    else:
+        xn_row = xh_ptr + b64 * stride_xb + pos.to(tl.int64) * stride_xs
+    xh_row = xh_ptr + b64 * stride_xb
+    offs_p = start + tl.arange(0, BLOCK_P)
+    pmask = offs_p < pos  # the first block of missing slots before pos
+    hist = start < pos
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    acc_h = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        if EVEN_D:
+            w = tl.load(w_rows + offs_d[None, :])
+            xn = tl.load(xn_row + offs_d)
+        else:
+            w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            xn = tl.load(xn_row + offs_d, mask=dmask, other=0.0)
+        acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
+        if hist:  # the same weight chunk for the missing slots
+            xt = tl.load(xh_row + offs_p[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
+                         mask=pmask[:, None] & dmask[None, :], other=0.0)
             if DOT_FP32:
-                acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+                acc_h = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_h, input_precision="ieee")
             else:
-                acc = tl.dot(xt, tl.trans(wt), acc)
-        kv = acc + bias[None, :]
-        dst = c_base + offs_p[:, None].to(tl.int64) * stride_cs + col[None, :]
-        m = pmask[:, None] & rmask[None, :]
-        tl.store(k_ptr + dst, kv.to(k_ptr.dtype.element_ty), mask=m & is_k[None, :])
-        tl.store(v_ptr + dst, kv.to(v_ptr.dtype.element_ty), mask=m & (offs_r >= HD)[None, :])
+                acc_h = tl.dot(xt, tl.trans(w), acc_h)
+    new = tl.sum(acc, axis=1) + bias
+    if seg == 0:
+        tl.store(q_ptr + (b64 * KH + j) * HD + offs_c, new, mask=cmask)
+    else:
+        if seg == 1:
+            cache = k_ptr + b64 * stride_cb + head * stride_ch
+        else:
+            cache = v_ptr + b64 * stride_cb + head * stride_ch
+        dt = k_ptr.dtype.element_ty
+        tl.store(cache + pos.to(tl.int64) * stride_cs + offs_c, new.to(dt), mask=cmask)
+        kv = acc_h + bias[None, :]
+        tl.store(cache + offs_p[:, None].to(tl.int64) * stride_cs + offs_c[None, :], kv.to(dt),
+                 mask=pmask[:, None] & cmask[None, :])
+        # a head unselected for more than BLOCK_P steps: further blocks read its rows again
+        for p0 in range(start + BLOCK_P, pos, BLOCK_P):
+            offs_q = p0 + tl.arange(0, BLOCK_P)
+            qmask = offs_q < pos
+            acc_q = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                dmask = offs_d < D
+                w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
+                xt = tl.load(xh_row + offs_q[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
+                             mask=qmask[:, None] & dmask[None, :], other=0.0)
+                if DOT_FP32:
+                    acc_q = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_q, input_precision="ieee")
+                else:
+                    acc_q = tl.dot(xt, tl.trans(w), acc_q)
+            kv = acc_q + bias[None, :]
+            tl.store(cache + offs_q[:, None].to(tl.int64) * stride_cs + offs_c[None, :], kv.to(dt),
+                     mask=qmask[:, None] & cmask[None, :])
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
@@ -140,28 +181,38 @@ def _mark_valid(valid_len, head_idx, pos_t):
     valid_len.scatter_(1, heads, val)
 
 
-def _launch(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, x_new, config):
-    """The recompute kernel (if any head), then the commit kernel (checked inputs; 2 launches)."""
+def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
+                q, config):
+    """`_qkv_kernel` (checked inputs, Kh > 0). q [B, Kh*hd] fp32 gets Q (x_new given), or None:
+    K/V only, the input at pos read from x_hist (recompute_kv)."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
-    stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
+    cfg = {**QKV_CONFIG, **(config or {})}
+    nb = -(-hd // cfg["BLOCK_R"])
+    first = 0 if q is not None else 1
     new = x_new if x_new is not None else x_hist  # never read when HAS_NEW is false
-    cfg = {**RECOMPUTE_CONFIG, **(config or {})}
-    if kh > 0:
-        kernel = jit(_recompute_kv_kernel, x_hist.device)
-        grid = (B * kh, -(-2 * hd // cfg["BLOCK_R"]))
-        kernel[grid](x_hist, new, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t,
-                     kh, H, D, hd, x_hist.stride(0), x_hist.stride(1), new.stride(0), stride_hb, stride_pb,
-                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                     HAS_NEW=x_new is not None, DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device),
-                     BLOCK_P=cfg["BLOCK_P"], BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
-                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if kh > 0 or x_new is not None:
-        commit = jit(_commit_kernel, x_hist.device)
-        commit[(B,)](new, x_hist, head_idx, valid_len, pos_t, kh, H, D, new.stride(0), x_hist.stride(0),
-                     x_hist.stride(1), stride_hb, stride_pb, HAS_NEW=x_new is not None,
-                     BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4)
+    kernel = jit(_qkv_kernel, x_hist.device)
+    kernel[(B * kh, (3 - first) * nb)](
+        new, x_hist, wq, bq, wkv, bkv, head_idx, q if q is not None else x_hist, k_cache, v_cache, valid_len,
+        pos_t, kh, H, D, hd, nb, new.stride(0), x_hist.stride(0), x_hist.stride(1),
+        0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device),
+        BLOCK_P=cfg["BLOCK_P"], BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=D % cfg["BLOCK_D"] == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
+    """valid_len[b, heads] = pos + 1 and (x_new given) x_hist[b, pos] = x_new[b]: one launch."""
+    B, S, D = x_hist.shape
+    H = valid_len.shape[1]
+    kh = head_idx.shape[-1]
+    new = x_new if x_new is not None else x_hist
+    commit = jit(_commit_kernel, x_hist.device)
+    commit[(B,)](new, x_hist, head_idx, valid_len, pos_t, kh, H, D, new.stride(0), x_hist.stride(0),
+                 x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
+                 HAS_NEW=x_new is not None, BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4)
 
 
 def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
@@ -178,7 +229,10 @@ def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *
             raise DejavuError("valid_len: negative entries")
     if kh == 0 or B == 0:
         return
-    _launch(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, None, config)
+    # wq / bq are never read without Q rows: pass wkv's first rows in their place
+    _launch_qkv(None, x_hist, wkv, bkv, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
+                None, config)
+    _commit(None, x_hist, head_idx, valid_len, pos_t, stride_pb)
 
 
 def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
@@ -231,16 +285,19 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         if lo < 0 or hi >= S:
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
-    # K/V of the selected heads' missing slots (slot pos from x_ln), then x_hist[:, pos] = x_ln
-    # and valid_len = pos + 1 for them: two launches
-    _launch(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, x_ln,
-            (config or {}).get("recompute"))
-    if kh == 0:
+    if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
+        _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
-    # Q, attention and output projection of the selected heads: sparse_attention's steps 2-4
-    return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
-                            residual, out, {k: v for k, v in (config or {}).items() if k != "recompute"})
+    cfg = config or {}
+    # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch)
+    q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
+    _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
+                cfg.get("qkv"))
+    # 2. attention over 0..pos, committing valid_len and x_hist[:, pos]; 3. output projection
+    o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, cfg.get("attn"),
+                     commit=(valid_len, x_ln, x_hist))
+    return project_out(o, wo_t, bo, head_idx, residual, out)
 
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,

@@ -44,17 +44,31 @@ ATTN_CONFIG = {"BLOCK_S": 64, "CHUNK": 256, "num_warps": 4}
 
 
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
-                        KH, HD, CHUNK, NCHUNK, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
-                        PARTIAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr):
+                        vl_ptr, xnew_ptr, xh_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
+                        stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
+                        PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
     # else (one chunk) store o directly.
+    # COMMIT (deferred K/V, after deferred_kv._qkv_kernel): valid_len[b, head] = pos + 1 and
+    # x_hist[b, pos] = x_new[b] (no program here reads either).
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
     pid_c = tl.program_id(2)
     head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
     pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+    if COMMIT:
+        if pid_c == 0:
+            tl.store(vl_ptr + pid_b * H + head, pos + 1)
+            if pid_j == 0:
+                src = xnew_ptr + pid_b.to(tl.int64) * stride_nb
+                dst = xh_ptr + pid_b.to(tl.int64) * stride_xb + pos.to(tl.int64) * stride_xs
+                for d0 in range(0, D, BLOCK_X):
+                    offs_x = d0 + tl.arange(0, BLOCK_X)
+                    xm = offs_x < D
+                    tl.store(dst + offs_x, tl.load(src + offs_x, mask=xm), mask=xm)
     start = pid_c * CHUNK
     end = tl.minimum(start + CHUNK, pos + 1)
     offs_d = tl.arange(0, BLOCK_HD)
@@ -181,38 +195,52 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
 
 def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
                      config):
-    """Steps 2-4 of a decode step, shared with the deferred-K/V variant: Q of the selected
-    heads, attention over cache slots 0..pos, the output projection of those heads; y[B,D]."""
+    """Steps 2-4 of a decode step: Q of the selected heads, attention over cache slots
+    0..pos, the output projection of those heads; y[B,D]."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     # 2. Q for the selected heads: rows head*hd + c of wq
-    rows = (head_idx.long().unsqueeze(-1) * hd + torch.arange(hd, device=x_ln.device))
-    rows = rows.flatten(-2)  # [B, Kh*hd] or [Kh*hd]
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    gather_gemv(x_ln, wq, bq, rows, q, relu=False)
+    gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
+    # 3. attention; 4. output projection
+    o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config)
+    return project_out(o, wo_t, bo, head_idx, residual, out)
 
-    # 3. attention over 0..pos for the selected heads, the context split into chunks
+
+def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None):
+    """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
+    cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
+    store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V)."""
+    B, H, S, hd = k_cache.shape
+    kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
     nchunk = -(-S // cfg["CHUNK"])  # from S_max, not pos: no sync, graph-safe
     o = torch.empty_like(q)
     part = ml = o  # unused unless split
     if nchunk > 1:
-        part = torch.empty((B * kh * nchunk, hd), dtype=torch.float32, device=x_ln.device)
-        ml = torch.empty((B * kh * nchunk, 2), dtype=torch.float32, device=x_ln.device)
+        part = torch.empty((B * kh * nchunk, hd), dtype=torch.float32, device=q.device)
+        ml = torch.empty((B * kh * nchunk, 2), dtype=torch.float32, device=q.device)
     block_hd = max(16, next_pow2(hd))
-    kernel = jit(_attn_decode_kernel, x_ln.device)
-    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, kh, hd,
+    vl, xn, xh = commit if commit is not None else (head_idx, q, q)  # never touched without COMMIT
+    D = xh.shape[-1]
+    kernel = jit(_attn_decode_kernel, q.device)
+    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, vl, xn, xh, kh, H, hd, D,
                             cfg["CHUNK"], nchunk, 0 if head_idx.dim() == 1 else head_idx.stride(0),
                             stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                            PARTIAL=nchunk > 1, BLOCK_S=cfg["BLOCK_S"], BLOCK_HD=block_hd,
-                            num_warps=cfg["num_warps"])
+                            xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
+                            PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
+                            BLOCK_HD=block_hd, BLOCK_X=1024, num_warps=cfg["num_warps"])
     if nchunk > 1:
-        combine = jit(_attn_combine_kernel, x_ln.device)
+        combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
                            BLOCK_HD=block_hd, num_warps=4)
+    return o
 
-    # 4. output projection over the selected heads' rows of wo_t
-    return gather_gemv_t(o, wo_t, bo, rows, residual, out)
+
+def project_out(o, wo_t, bo, head_idx, residual, out):
+    """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual)."""
+    hd = o.shape[1] // head_idx.shape[-1]
+    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,

@@ -26,7 +26,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
-                                    default_validate, jit, next_pow2)
+                                    default_validate, helper, jit, next_pow2)
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -56,11 +56,23 @@ def kernel_settings() -> dict:
 # ---------------------------------------------------------------------------------------
 # kernels
 
+@helper
+def _group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
+    # Weight rows of positions offs: idx[offs // GROUP] * GROUP + offs % GROUP, int64; masked
+    # positions give row 0 (in bounds; what is computed from them is never stored).
+    if GROUP == 1:
+        rows = tl.load(idx_row + offs, mask=mask, other=0).to(tl.int64)
+    else:
+        g = tl.load(idx_row + offs // GROUP, mask=mask, other=0).to(tl.int64)
+        rows = tl.where(mask, g * GROUP + offs % GROUP, 0)
+    return rows
+
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
                         stride_xb, stride_ib, stride_ob,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                        EVEN_D: tl.constexpr):
-    # out[b, r] = act(w[idx[b, r]] @ x[b] + bias[idx[b, r]]); grid (B, cdiv(K, BLOCK_R)).
+                        EVEN_D: tl.constexpr, GROUP: tl.constexpr):
+    # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
+    # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
     # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
     # reading the same rows run together and share them through L2.
     pid_b = tl.program_id(0)
@@ -68,7 +80,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
     # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
-    rows = tl.load(idx_ptr + pid_b * stride_ib + offs_r, mask=rmask, other=0).to(tl.int64)
+    rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
@@ -91,13 +103,14 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
 
 def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob,
                        RELU: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    # Shared index set: out[b, r] = act(w[idx[r]] @ x[b] + bias[idx[r]]) for all b at once;
+                       BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                       GROUP: tl.constexpr):
+    # Shared index set: out[b, r] = act(w[row(r)] @ x[b] + bias[row(r)]) for all b at once;
     # grid (cdiv(K, BLOCK_R),). Each gathered row is read once for the whole batch.
     pid_r = tl.program_id(0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
-    rows = tl.load(idx_ptr + offs_r, mask=rmask, other=0).to(tl.int64)
+    rows = _group_rows(idx_ptr, offs_r, rmask, GROUP)
     offs_b = tl.arange(0, BLOCK_B)
     bmask = offs_b < B
     w_rows = w_ptr + rows[:, None] * D
@@ -126,8 +139,9 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
 def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
                           B, D, K, K_PER_SPLIT, stride_hb, stride_ib,
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    # y[b, d] = sum_k h[b, k] * w_t[idx[b, k], d]; grid (B, SPLIT, cdiv(D, BLOCK_D)).
+                          BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, GROUP: tl.constexpr):
+    # y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
+    # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -143,7 +157,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     # weight loads do not wait on a dependent index load each iteration
     offs_k = k_start + tl.arange(0, BLOCK_K)
     kmask = offs_k < k_end
-    rows = tl.load(idx_row + offs_k, mask=kmask, other=0).to(tl.int64)
+    rows = _group_rows(idx_row, offs_k, kmask, GROUP)
     hv = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_D:
@@ -153,7 +167,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
                          other=0.0).to(tl.float32)
         offs_k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        rows_next = tl.load(idx_row + offs_k, mask=kmask, other=0).to(tl.int64)
+        rows_next = _group_rows(idx_row, offs_k, kmask, GROUP)
         h_next = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
         acc += wv * hv[:, None]
         rows = rows_next
@@ -173,8 +187,8 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          B, D, K, K_PER_SPLIT, stride_hb,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-                         EVEN_D: tl.constexpr):
-    # Shared index set: y[b, :] = h[b, :] @ w_t[idx] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
+                         EVEN_D: tl.constexpr, GROUP: tl.constexpr):
+    # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -187,7 +201,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+        rows = _group_rows(idx_ptr, offs_k, kmask, GROUP)
         hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
                      mask=bmask[:, None] & kmask[None, :], other=0.0)
         if EVEN_D:
@@ -238,10 +252,11 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def gather_gemv(x, w, bias, idx, out, *, relu, config=None):
-    """out[B,K] = act(w[idx] @ x + bias[idx]) (checked inputs; out may be wider than x)."""
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
+    """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
+    rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group)."""
     B, D = x.shape
-    K = idx.shape[-1]
+    K = idx.shape[-1] * group
     if K == 0 or B == 0:
         return out
     shared = idx.dim() == 1
@@ -252,7 +267,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None):
             x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
             RELU=relu, DOT_FP32=_dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
             BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
-            EVEN_D=D % cfg["BLOCK_D"] == 0, num_warps=cfg["num_warps"],
+            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 3))
     else:
         cfg = {**FC1_CONFIG["gemv"], **(config or {})}
@@ -260,13 +275,14 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None):
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
             x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0),
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
-            EVEN_D=D % cfg["BLOCK_D"] == 0, num_warps=cfg["num_warps"],
+            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2))
     return out
 
 
-def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None):
-    """out[B,D] = h @ w_t[idx] + bias (+ residual) (checked inputs; h may be fp32)."""
+def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1):
+    """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
+    in gather_gemv (h's K = idx's K * group)."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -284,7 +300,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None):
     part = out if final else torch.empty((split, B, D), dtype=torch.float32, device=h.device)
     res = residual if residual is not None else out  # never read when HAS_RES is false
     common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
-                  EVEN_D=D % block_d == 0, num_warps=cfg["num_warps"])
+                  EVEN_D=D % block_d == 0, GROUP=group, num_warps=cfg["num_warps"])
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0),

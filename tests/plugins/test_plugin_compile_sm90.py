@@ -18,15 +18,20 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
+    import dejavu.plugins.deferred_kv as DK
+    import dejavu.plugins.layer_norm as LN
     import dejavu.plugins.predictor as PR
     import dejavu.plugins.sparse_attention as SA
     import dejavu.plugins.sparse_mlp as SM
 
-    INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr"}
+    INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr"}
     F32_PTRS = {"part_ptr", "ml_ptr", "q_ptr", "o_ptr", "s_ptr"}
 
     def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None):
         mod.tl = tl
+        for name, obj in list(vars(mod).items()):  # @helper device functions, as _common.jit does
+            if getattr(obj, "_dejavu_helper", False) and not isinstance(obj, JITFunction):
+                setattr(mod, name, triton.jit(obj))
         sig = {}
         for name in inspect.signature(fn).parameters:
             if name in constexprs:
@@ -42,17 +47,29 @@ SCRIPT = textwrap.dedent('''
         print("compiled", fn.__name__, constexprs)
 
     for dt in ("fp16",):  # bf16 differs only in the element type
-        compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=4, BLOCK_D=1024, EVEN_D=True), dt)
+        for group in (1, 128):
+            compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=4, BLOCK_D=1024, EVEN_D=True,
+                                                          GROUP=group), dt)
+            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
+                                                            EVEN_D=True, GROUP=group), dt)
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
-                                                     BLOCK_D=128, EVEN_D=False), dt)
-        compile_sm90(SM, SM._gather_gemv_t_kernel, dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
-                                                        EVEN_D=True), dt)
+                                                     BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
         compile_sm90(SM, SM._gather_dot_t_kernel, dict(FINAL=True, HAS_RES=True, DOT_FP32=False, BLOCK_K=128,
-                                                       BLOCK_B=32, BLOCK_D=64, EVEN_D=False), dt)
+                                                       BLOCK_B=32, BLOCK_D=64, EVEN_D=False, GROUP=128), dt)
     compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024))
-    compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, BLOCK_S=64, BLOCK_HD=128))
+    for commit in (False, True):
+        compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=commit, COMMIT=commit, BLOCK_S=64, BLOCK_HD=128,
+                                                      BLOCK_X=1024))
+    for dt, f32 in (("fp16", False), ("bf16", False), ("fp32", True)):
+        for new, first in ((True, 0), (False, 1)):
+            compile_sm90(DK, DK._qkv_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16,
+                                                  BLOCK_R=16, BLOCK_D=512, EVEN_D=new), dt)
+    compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK_N=2048), overrides={"out_ptr": "*i32"})
+    for dt in ("fp16", "bf16"):
+        compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), dt, {"eps": "fp32"})
+        compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=True, BLOCK=4096), dt, {"eps": "fp32"})
     print("ALL OK")
 ''')
 
