@@ -112,6 +112,11 @@ class SparseDecoder:
     def _ln(self, x, wb):
         return F.layer_norm(x, (x.shape[-1],), wb[0], wb[1], 1e-5)
 
+    def _ln_step(self, x, wb):
+        """LayerNorm of the decode step's rows [B, D]: the Triton kernel on the GPU (PyTorch's
+        runs one block per row: ~12 us at D 7168), PyTorch's on the CPU path."""
+        return self.ops.layer_norm(x, wb[0], wb[1])
+
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., D] from tokens [...] at positions [...] (0-based)."""
         x = F.embedding(tokens, self.t["embed_tokens"])  # [..., E]
@@ -119,10 +124,10 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_in"])
         return x + F.embedding(positions + POSITION_OFFSET, self.t["embed_positions"])
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """logits [..., V] from the last hidden state x [..., D]."""
+    def head(self, x: torch.Tensor, ln=None) -> torch.Tensor:
+        """logits [..., V] from the last hidden state x [..., D] (ln: the LayerNorm to use)."""
         if self.spec.final_ln:
-            x = F.layer_norm(x, (x.shape[-1],), self.t["final_ln.weight"], self.t["final_ln.bias"], 1e-5)
+            x = (ln or self._ln)(x, (self.t["final_ln.weight"], self.t["final_ln.bias"]))
         if "project_out" in self.t:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
@@ -148,7 +153,7 @@ class SparseDecoder:
         run.begin_step()
         for l, w in enumerate(self.layers):
             run.point("attn_in", l, x)
-            h = self._ln(x, w.ln_attn) if s.pre_ln else x
+            h = self._ln_step(x, w.ln_attn) if s.pre_ln else x
             kc, vc = self.k_cache[l], self.v_cache[l]
             idx = run.heads(l)
             if idx is None:  # dense: K/V and Q of every head
@@ -166,13 +171,13 @@ class SparseDecoder:
                     y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res)
                 x = y if res is not None else self._add(x, y)
             if not s.pre_ln:
-                x = self._ln(x, w.ln_attn)
+                x = self._ln_step(x, w.ln_attn)
             run.point("mlp_in", l, x)
-            h = self._ln(x, w.ln_mlp) if s.pre_ln else x
+            h = self._ln_step(x, w.ln_mlp) if s.pre_ln else x
             x = self._mlp(w, h, x, run.neurons(l))
             if not s.pre_ln:
-                x = self._ln(x, w.ln_mlp)
-        return self.head(x)
+                x = self._ln_step(x, w.ln_mlp)
+        return self.head(x, self._ln_step)
 
     # ------------------------------------------------------------------ sequences
     def forward_tokens(self, ids: torch.Tensor, sparse: bool = True, write_cache: bool = False,

@@ -9,6 +9,7 @@
                          x_hist[B,S,D], valid_len[B,H] int32, pos[B], residual) -> y[B,D]
         (kv_policy "deferred": x_ln stored at x_hist[:, pos]; K/V computed only for the
         selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py)
+    layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
 
 - "ref": the plugins' PyTorch references (the CPU path). If `dejavu.plugins` cannot be
   imported, the runtime's own gather-based references below stand in.
@@ -24,7 +25,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred")
+NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm")
 
 
 def _rows(idx: torch.Tensor, B: int) -> torch.Tensor:
@@ -98,10 +99,16 @@ def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cach
     return y if residual is None else y + residual
 
 
+def _layer_norm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-5)
+
+
 _LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
-          "sparse_attn": _sparse_attn, "sparse_attn_deferred": _sparse_attn_deferred}
+          "sparse_attn": _sparse_attn, "sparse_attn_deferred": _sparse_attn_deferred, "layer_norm": _layer_norm}
 _PLUGIN = {"predictor_topk": "predictor_topk", "sparse_fc1": "sparse_fc1", "sparse_fc2": "sparse_fc2",
-           "sparse_attn": "sparse_attn_decode", "sparse_attn_deferred": "deferred_kv.sparse_attn_decode_deferred"}
+           "sparse_attn": "sparse_attn_decode", "sparse_attn_deferred": "deferred_kv.sparse_attn_decode_deferred",
+           "layer_norm": "layer_norm"}
+_TORCH_REF = {"layer_norm"}  # ops whose reference is PyTorch's own op (the dense model's exact function)
 
 
 def _plugins():
@@ -129,7 +136,7 @@ class Ops:
             return obj
 
         for name in NAMES:
-            ref = find(_PLUGIN[name] + "_ref") if P is not None else None
+            ref = find(_PLUGIN[name] + "_ref") if P is not None and name not in _TORCH_REF else None
             fast = find(_PLUGIN[name]) if (P is not None and backend == "triton") else None
             self._ref[name] = ref or _LOCAL[name]
             setattr(self, name, fast or self._ref[name])
@@ -170,6 +177,7 @@ class Ops:
         cases = {
             "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
             "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res),
+            "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                                        t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos, res),
             # several missing slots per head (valid_len < pos), a history of random inputs
