@@ -88,6 +88,26 @@ def free():
         torch.cuda.empty_cache()
 
 
+def apply_tuned(path: str | None) -> dict:
+    """Use the kernel configs a `kernels.py --sweep-attn` run picked (its JSON's "sweep_attn"
+    section) for this process: benchmarks only; the shipped defaults live in the plugins."""
+    if not path:
+        return {}
+    import importlib
+
+    found = json.loads(Path(path).read_text()).get("sweep_attn") or {}
+    used = {}
+    for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG"),
+                           ("attn", "dejavu.plugins.sparse_attention", "ATTN_CONFIG")):
+        if found.get(key):
+            table = getattr(importlib.import_module(mod), name)
+            table.clear()
+            table.update(found[key])
+            used[key] = dict(found[key])
+    print(f"kernel configs from {path}: {used}", flush=True)
+    return used
+
+
 # ------------------------------------------------------------------ engines in memory
 def default_ranks(c: dict, mlp: int | None = None, attn: int | None = None) -> tuple[tuple[int, int], str]:
     """(mlp_rank, attn_rank), source: the compiler's defaults for this shape (the benchmark
@@ -550,6 +570,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf-compile-min-left", type=float, default=150.0)
     p.add_argument("--hf-reserve", type=float, default=60.0, help="seconds kept for OPT-30B's HF runs")
     p.add_argument("--budget", type=float, default=400.0, help="seconds; later measurements are skipped")
+    p.add_argument("--tuned", default=None, help="kernels.py JSON whose sweep_attn configs to use")
     a = p.parse_args(argv)
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
@@ -578,6 +599,7 @@ def main(argv=None) -> int:
         meta["transformers"] = transformers.__version__
     except ImportError:
         a.no_hf = True
+    meta["tuned"] = apply_tuned(a.tuned)
     run = Run(out, a.budget, meta)
     if not a.no_smoke:
         s = smoke()

@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kv-policy", default="deferred", choices=["deferred", "full"])
     p.add_argument("--out", default=None)
+    p.add_argument("--tuned", default=None, help="kernels.py JSON whose sweep_attn configs to use")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
     from dejavu.runtime import Engine
     from dejavu.runtime.generate import right_pad
 
+    tuned = e2e.apply_tuned(a.tuned)
     c = dict(e2e.SHAPES[a.model])
     if a.layers:
         c["num_hidden_layers"] = a.layers
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
     t = e2e.random_tensors(c, torch.float16, "cuda", ranks)
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "profile.json")
     data = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
-                     "shape": c, "ranks": list(ranks),
+                     "shape": c, "ranks": list(ranks), "tuned": tuned,
                      "note": "random weights and predictors of the real shapes; per decode step"}, "configs": []}
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, c["vocab_size"], (a.batch, a.prompt_len), generator=g).tolist()
