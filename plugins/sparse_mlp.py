@@ -9,8 +9,9 @@ Limits and choices (see docs/kernels.md for the measurements behind them):
   output has the activation dtype. fp32 dots run in IEEE fp32 (no tf32).
 - idx int32 or int64, `[B, K]` (one set per sequence) or `[K]` (one set for the batch).
   Per-sequence sets run one GEMV per sequence (each sequence reads its own rows); a shared
-  set with B >= DOT_MIN_BATCH reads each gathered row once and multiplies it against the whole
-  batch with `tl.dot` (batch padded to >= 16), which is what makes batches cheap.
+  set with B >= DOT_MIN_BATCH (fc1) / FC2_DOT_MIN_BATCH (fc2) reads each gathered row once and
+  multiplies it against the whole batch with `tl.dot` (batch padded to >= 16), which is what
+  makes batches cheap (and fc2 faster at batch 1 too).
 - Index values are trusted in the kernel (gathering a bad row reads out of bounds); the
   launcher checks the range only when `validate` is true (default: CPU yes, GPU no, since
   the check syncs with the host). Duplicated indices are allowed (fc2 sums them).
@@ -41,7 +42,11 @@ FC2_CONFIG = {
     "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4, "SPLIT": 32},
     "dot": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
 }
-DOT_MIN_BATCH = 2       # shared index sets from this batch size use the tl.dot kernels
+DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
+# fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
+# the tl.dot fc2 took 37.5 us at density 0.3 and 17.2 at 0.1, the split-K GEMV 50.5 and 27.9;
+# fc1 is faster as a GEMV (33.6 vs 37.5 us; benchmarks/results/kernels-h200.json).
+FC2_DOT_MIN_BATCH = 1
 TARGET_PROGRAMS = 528   # fc2 split-K without a fixed SPLIT: ~4 programs per SM (132 SMs)
 REDUCE_BLOCK = 1024
 
@@ -50,7 +55,8 @@ def kernel_settings() -> dict:
     """The block choices in force, for the engine header's target.kernel_settings."""
     return {"fc1": {k: dict(v) for k, v in FC1_CONFIG.items()},
             "fc2": {k: dict(v) for k, v in FC2_CONFIG.items()},
-            "dot_min_batch": DOT_MIN_BATCH, "fc2_target_programs": TARGET_PROGRAMS}
+            "dot_min_batch": DOT_MIN_BATCH, "fc2_dot_min_batch": FC2_DOT_MIN_BATCH,
+            "fc2_target_programs": TARGET_PROGRAMS}
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,7 +294,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1):
     if B == 0:
         return out
     shared = idx.dim() == 1
-    dot = (shared or B == 1) and B >= DOT_MIN_BATCH
+    dot = (shared or B == 1) and B >= FC2_DOT_MIN_BATCH
     cfg = {**FC2_CONFIG["dot" if dot else "gemv"], **(config or {})}
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
     n_d = _cdiv(D, block_d)
