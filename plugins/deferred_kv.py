@@ -16,19 +16,23 @@ depend only on x_ln(p), which never changes, so the output equals the masked-den
 semantics (ARCHITECTURE.md) in exact arithmetic; only the bytes read change: attention
 reads 4*d*D^2 weight bytes instead of (2 + 2d)*D^2 at head density d.
 
-Kernel `_qkv_kernel` (one launch for Q, K and V of the selected heads): grid (B*Kh,
-rows), a program owns BLOCK_R rows of one of its head's three hd-row segments (Q, K or V)
-and reads them once, in BLOCK_D chunks: a GEMV with this step's input gives the row's value
-at pos (Q: into an fp32 buffer; K/V: into the cache at pos), and, for K/V rows, a tl.dot with
-the history inputs gives the missing slots min(valid_len, pos)..pos-1 from the same weight
-chunk (the first BLOCK_P of them; a head unselected for longer reads its rows again per
-further block). The bounds are read from device memory: CUDA-graph safe, no host sync.
-valid_len and x_hist[:, pos] are updated after the kernel, by the attention kernel that
-follows it (programs of one head would race if this kernel wrote them), or by
-`_commit_kernel` when nothing attends. A decode layer is then three launches: Q/K/V,
-attention (+ commit), output projection (+ its split-K reduction). Slots of unselected
-heads and slots outside the range are not touched. Limits: hd <= 256; duplicate head
-indices not allowed (top-k never makes them).
+Q/K/V of the selected heads take two launches. `_qkv_partial_kernel`: grid (B*Kh, rows,
+SPLIT): a program owns BLOCK_R rows of one of its head's three hd-row segments (Q, K or V)
+and one of SPLIT slices of D, and reads that weight block once, in BLOCK_D chunks: a GEMV
+with this step's input gives the rows' partial value at pos and, for K/V rows, a tl.dot
+with the history inputs the partial values at the first BLOCK_P missing slots
+min(valid_len, pos)..pos-1, from the same weight chunk (fp32 partials, [SPLIT, ...]).
+Splitting D keeps ~1000 programs in flight at any head count (a whole-D program per row
+block ran at ~1.5 TB/s on the H200). `_qkv_finish_kernel`: grid (B*Kh, rows): sums the
+partials, adds the bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those
+slots; a head unselected for more than BLOCK_P steps gets its further slots here, from
+whole-D tl.dot passes over its rows (rare: the slow path). The bounds are read from
+device memory: CUDA-graph safe, no host sync. valid_len and x_hist[:, pos] are updated
+after both, by the attention kernel that follows (programs of one head would race if
+these kernels wrote them), or by `_commit_kernel` when nothing attends. A decode layer is
+then: Q/K/V partial + finish, attention (+ commit), output projection (+ its reduction).
+Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
+duplicate head indices not allowed (top-k never makes them).
 """
 from __future__ import annotations
 
@@ -36,47 +40,60 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
-                                    default_validate, jit, next_pow2)
+                                    default_validate, helper, jit, next_pow2)
 from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
 from dejavu.plugins.sparse_mlp import _dot_fp32
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
-# dot's N); picked by `benchmarks/kernels.py --sweep-attn` on an H200 (see docs/kernels.md).
-QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 512, "num_warps": 4, "num_stages": 2}
+# dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs); FINISH_R: rows
+# per finishing program. Picked by `benchmarks/kernels.py --sweep-attn` on an H200.
+QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 256, "SPLIT": None, "TARGET_PROGRAMS": 1056,
+              "FINISH_R": 32, "num_warps": 4, "num_stages": 1}
 
 
-def _qkv_kernel(xnew_ptr, xh_ptr, wq_ptr, bq_ptr, wkv_ptr, bkv_ptr, head_ptr, q_ptr, k_ptr, v_ptr,
-                vl_ptr, pos_ptr, KH, H, D, HD, NB, stride_nb, stride_xb, stride_xs, stride_hb, stride_pb,
-                stride_cb, stride_ch, stride_cs,
-                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr):
-    # grid (B*KH, (3 - FIRST_SEG) * NB), NB = cdiv(HD, BLOCK_R). Segment 0: q[b, j, c] (fp32)
-    # = wq[head*HD + c] . x_new + bq; 1 / 2: K / V rows (wkv rows head*HD + c, then H*HD + ...)
-    # at pos from x_new and at the missing slots [min(valid_len, pos), pos) from x_hist.
-    # HAS_NEW false: the input at pos is x_hist[b, pos] (recompute_kv).
-    pid = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    b = pid // KH
-    j = pid % KH
-    b64 = b.to(tl.int64)
+@helper
+def _qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb,
+              FIRST_SEG: tl.constexpr, BLOCK_R: tl.constexpr):
+    # This program's head, pos, segment (0 Q, 1 K, 2 V), channels, weight rows (row of wq for
+    # Q, of wkv for K/V; masked channels map to channel 0) and first missing slot (pos for Q).
     head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
     pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
     seg = FIRST_SEG + pid_r // NB
     offs_c = (pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R)
     cmask = offs_c < HD
-    c = tl.where(cmask, offs_c, 0)  # masked rows read channel 0 (in bounds) and are never stored
+    c = tl.where(cmask, offs_c, 0)
     if seg == 0:
         rows = head * HD + c
-        w_rows = wq_ptr + rows[:, None] * D
-        bias = tl.load(bq_ptr + rows).to(tl.float32)
         start = pos
     else:
         rows = (seg - 1).to(tl.int64) * H * HD + head * HD + c
-        w_rows = wkv_ptr + rows[:, None] * D
-        bias = tl.load(bkv_ptr + rows).to(tl.float32)
         start = tl.minimum(tl.load(vl_ptr + b * H + head).to(tl.int32), pos)
+    return head, pos, seg, offs_c, cmask, rows, start
+
+
+def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
+                        B, KH, H, D, HD, NB, D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_hb, stride_pb,
+                        HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                        EVEN_D: tl.constexpr):
+    # grid (B*KH, (3 - FIRST_SEG) * NB, SPLIT). Partial dot products over D slice pid_s:
+    # pnew[s, b, j, seg*HD + c] (value at pos) and, for K/V rows with missing slots,
+    # phist[s, b, j, p, (seg-1)*HD + c] for the first BLOCK_P slots p from min(valid_len, pos).
+    # HAS_NEW false: the input at pos is x_hist[b, pos] (recompute_kv).
+    pid = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid // KH
+    j = pid % KH
+    b64 = b.to(tl.int64)
+    head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
+        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
+    if seg == 0:
+        w_rows = wq_ptr + rows[:, None] * D
+    else:
+        w_rows = wkv_ptr + rows[:, None] * D
     if HAS_NEW:
         xn_row = xnew_ptr + b64 * stride_nb
     else:
@@ -85,11 +102,13 @@ def _qkv_kernel(xnew_ptr, xh_ptr, wq_ptr, bq_ptr, wkv_ptr, bkv_ptr, head_ptr, q_
     offs_p = start + tl.arange(0, BLOCK_P)
     pmask = offs_p < pos  # the first block of missing slots before pos
     hist = start < pos
+    d_lo = pid_s * D_PER_SPLIT
+    d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     acc_h = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(d_lo, d_hi, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        dmask = offs_d < D
+        dmask = offs_d < d_hi
         if EVEN_D:
             w = tl.load(w_rows + offs_d[None, :])
             xn = tl.load(xn_row + offs_d)
@@ -104,20 +123,54 @@ def _qkv_kernel(xnew_ptr, xh_ptr, wq_ptr, bq_ptr, wkv_ptr, bkv_ptr, head_ptr, q_
                 acc_h = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_h, input_precision="ieee")
             else:
                 acc_h = tl.dot(xt, tl.trans(w), acc_h)
-    new = tl.sum(acc, axis=1) + bias
+    slot = (pid_s.to(tl.int64) * B + b) * KH + j
+    tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
+    if seg > 0:
+        dst = phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD + offs_c[None, :]
+        tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
+
+
+def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
+                       q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, stride_xb, stride_xs, stride_hb,
+                       stride_pb, stride_cb, stride_ch, stride_cs,
+                       FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # grid (B*KH, (3 - FIRST_SEG) * NB): sum the SPLIT partials, add the bias, store Q (fp32)
+    # or K/V at pos and at the first BLOCK_P missing slots; then any further missing slots
+    # (whole-D dot passes over this program's rows).
+    pid = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = pid // KH
+    j = pid % KH
+    b64 = b.to(tl.int64)
+    head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
+        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
+    offs_p = start + tl.arange(0, BLOCK_P)
+    pmask = offs_p < pos
+    new = tl.zeros([BLOCK_R], dtype=tl.float32)
+    hist = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        slot = (s * B + b64) * KH + j
+        new += tl.load(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, mask=cmask, other=0.0)
+        if seg > 0:
+            src = phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD + offs_c[None, :]
+            hist += tl.load(src, mask=pmask[:, None] & cmask[None, :], other=0.0)
     if seg == 0:
-        tl.store(q_ptr + (b64 * KH + j) * HD + offs_c, new, mask=cmask)
+        bias = tl.load(bq_ptr + rows).to(tl.float32)
+        tl.store(q_ptr + (b64 * KH + j) * HD + offs_c, new + bias, mask=cmask)
     else:
+        bias = tl.load(bkv_ptr + rows).to(tl.float32)
         if seg == 1:
             cache = k_ptr + b64 * stride_cb + head * stride_ch
         else:
             cache = v_ptr + b64 * stride_cb + head * stride_ch
         dt = k_ptr.dtype.element_ty
-        tl.store(cache + pos.to(tl.int64) * stride_cs + offs_c, new.to(dt), mask=cmask)
-        kv = acc_h + bias[None, :]
-        tl.store(cache + offs_p[:, None].to(tl.int64) * stride_cs + offs_c[None, :], kv.to(dt),
+        tl.store(cache + pos.to(tl.int64) * stride_cs + offs_c, (new + bias).to(dt), mask=cmask)
+        tl.store(cache + offs_p[:, None].to(tl.int64) * stride_cs + offs_c[None, :], (hist + bias[None, :]).to(dt),
                  mask=pmask[:, None] & cmask[None, :])
-        # a head unselected for more than BLOCK_P steps: further blocks read its rows again
+        # a head unselected for more than BLOCK_P steps: its further slots, whole-D passes
+        w_rows = wkv_ptr + rows[:, None] * D
+        xh_row = xh_ptr + b64 * stride_xb
         for p0 in range(start + BLOCK_P, pos, BLOCK_P):
             offs_q = p0 + tl.arange(0, BLOCK_P)
             qmask = offs_q < pos
@@ -132,9 +185,8 @@ def _qkv_kernel(xnew_ptr, xh_ptr, wq_ptr, bq_ptr, wkv_ptr, bkv_ptr, head_ptr, q_
                     acc_q = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_q, input_precision="ieee")
                 else:
                     acc_q = tl.dot(xt, tl.trans(w), acc_q)
-            kv = acc_q + bias[None, :]
-            tl.store(cache + offs_q[:, None].to(tl.int64) * stride_cs + offs_c[None, :], kv.to(dt),
-                     mask=qmask[:, None] & cmask[None, :])
+            tl.store(cache + offs_q[:, None].to(tl.int64) * stride_cs + offs_c[None, :],
+                     (acc_q + bias[None, :]).to(dt), mask=qmask[:, None] & cmask[None, :])
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
@@ -183,24 +235,40 @@ def _mark_valid(valid_len, head_idx, pos_t):
 
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
                 q, config):
-    """`_qkv_kernel` (checked inputs, Kh > 0). q [B, Kh*hd] fp32 gets Q (x_new given), or None:
-    K/V only, the input at pos read from x_hist (recompute_kv)."""
+    """The two Q/K/V kernels (checked inputs, Kh > 0). q [B, Kh*hd] fp32 gets Q (x_new given),
+    or None: K/V only, the input at pos read from x_hist (recompute_kv)."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
     cfg = {**QKV_CONFIG, **(config or {})}
-    nb = -(-hd // cfg["BLOCK_R"])
+    bd, bp = cfg["BLOCK_D"], cfg["BLOCK_P"]
     first = 0 if q is not None else 1
+    nb = -(-hd // cfg["BLOCK_R"])
+    progs = B * kh * (3 - first) * nb
+    d_blocks = -(-D // bd)
+    split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // progs))
+    d_per = -(-d_blocks // split) * bd
+    split = -(-D // d_per)
+    dev = x_hist.device
+    pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
+    phist = torch.empty((split, B, kh, bp, 2 * hd), dtype=torch.float32, device=dev)
     new = x_new if x_new is not None else x_hist  # never read when HAS_NEW is false
-    kernel = jit(_qkv_kernel, x_hist.device)
-    kernel[(B * kh, (3 - first) * nb)](
-        new, x_hist, wq, bq, wkv, bkv, head_idx, q if q is not None else x_hist, k_cache, v_cache, valid_len,
-        pos_t, kh, H, D, hd, nb, new.stride(0), x_hist.stride(0), x_hist.stride(1),
-        0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
+    stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
+    dot32 = _dot_fp32(x_hist.dtype, dev)
+    part = jit(_qkv_partial_kernel, dev)
+    part[(B * kh, (3 - first) * nb, split)](
+        new, x_hist, wq, wkv, head_idx, valid_len, pos_t, pnew, phist, B, kh, H, D, hd, nb, d_per,
+        new.stride(0), x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb,
+        HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"],
+        BLOCK_D=bd, EVEN_D=D % d_per == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    fr = cfg["FINISH_R"]
+    nbf = -(-hd // fr)
+    finish = jit(_qkv_finish_kernel, dev)
+    finish[(B * kh, (3 - first) * nbf)](
+        x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, q if q is not None else pnew,
+        k_cache, v_cache, B, kh, H, D, hd, nbf, split, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device),
-        BLOCK_P=cfg["BLOCK_P"], BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=D % cfg["BLOCK_D"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=128, num_warps=4)
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):

@@ -87,9 +87,13 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
     assert (valid_len == 5).sum() == B * 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype,config", [(torch.float16, None), (torch.float32, None),
+                                          # D = 60 in 2 slices of 32 (masked tail), rows in 16s
+                                          (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
+                                                                   "FINISH_R": 16}, "attn": {"CHUNK": 4}})],
+                         ids=["fp16", "fp32", "fp16-split-D"])
 @pytest.mark.parametrize("shared", [False, True])
-def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, shared):
+def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""
     B = 3
     w = weights(dtype)
@@ -108,7 +112,7 @@ def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, shar
         x, res = torch.randn(B, D).to(dtype), torch.randn(B, D).to(dtype)
         hidx = heads(B, 2, shared)
         y = torch.full((B, D), float("nan"), dtype=dtype)
-        sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, out=y)
+        sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, out=y, config=config)
         ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, hist64, vl64, pos, res.double())
         tor = sparse_attn_decode_deferred_ref(x, *w, hidx, kt, vt, hist_t, vl_t, pos, res)
         full = sparse_attn_decode_ref(x.double(), *w64, hidx, full_k, full_v, pos, res.double())

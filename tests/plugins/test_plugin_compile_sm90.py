@@ -62,8 +62,12 @@ SCRIPT = textwrap.dedent('''
                                                       BLOCK_X=1024))
     for dt, f32 in (("fp16", False), ("bf16", False), ("fp32", True)):
         for new, first in ((True, 0), (False, 1)):
-            compile_sm90(DK, DK._qkv_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16,
-                                                  BLOCK_R=16, BLOCK_D=512, EVEN_D=new), dt)
+            compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16,
+                                                          BLOCK_R=32, BLOCK_D=256, EVEN_D=new), dt,
+                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
+            compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
+                                                         BLOCK_D=128), dt,
+                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
     compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK_N=2048), overrides={"out_ptr": "*i32"})
