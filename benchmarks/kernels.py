@@ -512,10 +512,11 @@ def bench_attn(quick):
 
 # ------------------------------------------------------------------------------ deferred attention
 
-QKV_SWEEP = [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=st)
-             for r in (16, 32) for d in (256, 512, 1024) for w in (4, 8) for st in (1, 2)
-             if r * d <= 16384]
-ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=w) for c in (64, 128, 256) for bs in (32, 64) for w in (2, 4)]
+QKV_SWEEP = [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=w,
+                  num_stages=st)
+             for r in (16, 32) for d in (128, 256, 512) for t in (528, 1056, 2112) for w in (4,) for st in (1, 2)
+             if r * d <= 8192]
+ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=4) for c in (32, 64, 128) for bs in (32, 64) if bs <= c]
 
 
 def _deferred_call(args, cfg=None):

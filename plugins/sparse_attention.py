@@ -40,7 +40,10 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # CHUNK: positions per program (the context is split into chunks of this many positions,
 # each chunk's partial softmax combined by a second kernel, flash-decoding style).
-ATTN_CONFIG = {"BLOCK_S": 64, "CHUNK": 256, "num_warps": 4}
+# CHUNK 64 (one program per 64 positions and selected head) was the fastest of 12 configs in
+# `benchmarks/kernels.py --sweep-attn` on the H200 (OPT-30B, head density 0.3, contexts 128
+# and 1024): 164 vs 186 us summed for CHUNK 256.
+ATTN_CONFIG = {"BLOCK_S": 64, "CHUNK": 64, "num_warps": 4}
 
 
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
