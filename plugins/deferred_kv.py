@@ -134,7 +134,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, stride_xb, stride_xs, stride_hb,
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     # grid (B*KH, (3 - FIRST_SEG) * NB): sum the SPLIT partials, add the bias, store Q (fp32)
     # or K/V at pos and at the first BLOCK_P missing slots; then any further missing slots
     # (whole-D dot passes over this program's rows).
@@ -147,14 +147,19 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
         head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
     offs_p = start + tl.arange(0, BLOCK_P)
     pmask = offs_p < pos
-    new = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # every split's partials in one load each (one memory round trip, not SPLIT)
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < SPLIT
+    slot = (offs_s.to(tl.int64) * B + b64) * KH + j  # [BLOCK_S]
+    new = tl.sum(tl.load(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :],
+                         mask=smask[:, None] & cmask[None, :], other=0.0), axis=0)
     hist = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
-    for s in range(0, SPLIT):
-        slot = (s * B + b64) * KH + j
-        new += tl.load(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, mask=cmask, other=0.0)
-        if seg > 0:
-            src = phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD + offs_c[None, :]
-            hist += tl.load(src, mask=pmask[:, None] & cmask[None, :], other=0.0)
+    if seg > 0:
+        if start < pos:
+            src = (phist_ptr + ((slot[:, None, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :, None]) * 2 * HD
+                                + (seg - 1) * HD + offs_c[None, None, :]))
+            m = smask[:, None, None] & pmask[None, :, None] & cmask[None, None, :]
+            hist = tl.sum(tl.load(src, mask=m, other=0.0), axis=0)
     if seg == 0:
         bias = tl.load(bq_ptr + rows).to(tl.float32)
         tl.store(q_ptr + (b64 * KH + j) * HD + offs_c, new + bias, mask=cmask)
@@ -268,7 +273,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, q if q is not None else pnew,
         k_cache, v_cache, B, kh, H, D, hd, nbf, split, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=128, num_warps=4)
+        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=128, BLOCK_S=next_pow2(split),
+        num_warps=4)
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):

@@ -65,13 +65,12 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     if COMMIT:
         if pid_c == 0:
             tl.store(vl_ptr + pid_b * H + head, pos + 1)
-            if pid_j == 0:
+            if pid_j == 0:  # the whole row at once (BLOCK_X >= D): one memory round trip
                 src = xnew_ptr + pid_b.to(tl.int64) * stride_nb
                 dst = xh_ptr + pid_b.to(tl.int64) * stride_xb + pos.to(tl.int64) * stride_xs
-                for d0 in range(0, D, BLOCK_X):
-                    offs_x = d0 + tl.arange(0, BLOCK_X)
-                    xm = offs_x < D
-                    tl.store(dst + offs_x, tl.load(src + offs_x, mask=xm), mask=xm)
+                offs_x = tl.arange(0, BLOCK_X)
+                xm = offs_x < D
+                tl.store(dst + offs_x, tl.load(src + offs_x, mask=xm), mask=xm)
     start = pid_c * CHUNK
     end = tl.minimum(start + CHUNK, pos + 1)
     offs_d = tl.arange(0, BLOCK_HD)
@@ -232,7 +231,8 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
                             PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
-                            BLOCK_HD=block_hd, BLOCK_X=1024, num_warps=cfg["num_warps"])
+                            BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
+                            num_warps=cfg["num_warps"])
     if nchunk > 1:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),

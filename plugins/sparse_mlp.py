@@ -231,15 +231,18 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
 
 
 def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     # out[b, d] = sum_s part[s, b, d] + bias[d] (+ residual[b, d]); grid (B, cdiv(D, BLOCK)).
+    # All SPLIT partials in one [BLOCK_S, BLOCK] load (one memory round trip, not SPLIT).
     pid_b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     row = pid_b.to(tl.int64) * D
     y = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    for s in range(0, SPLIT):
-        y += tl.load(part_ptr + s * B * D + row + offs, mask=mask, other=0.0)
+    offs_s = tl.arange(0, BLOCK_S)
+    parts = tl.load(part_ptr + offs_s[:, None].to(tl.int64) * B * D + row + offs[None, :],
+                    mask=(offs_s < SPLIT)[:, None] & mask[None, :], other=0.0)
+    y += tl.sum(parts, axis=0)
     if HAS_RES:
         y += tl.load(res_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -319,8 +322,10 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1):
                                 num_stages=cfg.get("num_stages", 2), **common)
     if not final:
         reduce = jit(_split_reduce_kernel, h.device)
-        reduce[(B, _cdiv(D, REDUCE_BLOCK))](part, bias, res, out, B, D, split,
-                                            HAS_RES=residual is not None, BLOCK=REDUCE_BLOCK,
+        block_s = next_pow2(split)
+        block = max(128, REDUCE_BLOCK * 4 // block_s)  # ~4096 partials per program
+        reduce[(B, _cdiv(D, block))](part, bias, res, out, B, D, split,
+                                     HAS_RES=residual is not None, BLOCK=block, BLOCK_S=block_s,
                                             num_warps=4)
     return out
 

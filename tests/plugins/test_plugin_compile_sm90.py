@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent('''
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
         compile_sm90(SM, SM._gather_dot_t_kernel, dict(FINAL=True, HAS_RES=True, DOT_FP32=False, BLOCK_K=128,
                                                        BLOCK_B=32, BLOCK_D=64, EVEN_D=False, GROUP=128), dt)
-    compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024))
+    compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4))
     for commit in (False, True):
         compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=commit, COMMIT=commit, BLOCK_S=64, BLOCK_HD=128,
                                                       BLOCK_X=1024))
@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent('''
                                                           BLOCK_R=32, BLOCK_D=256, EVEN_D=new), dt,
                          overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
             compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
-                                                         BLOCK_D=128), dt,
+                                                         BLOCK_D=128, BLOCK_S=8), dt,
                          overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
     compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
