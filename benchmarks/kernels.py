@@ -618,6 +618,46 @@ def bench_deferred(quick):
     return rows
 
 
+def bench_deferred_parts(quick):
+    """The deferred call's pieces alone (graph, per call): Q/K/V (partial + finish), attention
+    (+ commit, + combine), output projection (+ reduction); OPT-30B/66B, B=1, head density 0.3."""
+    DK, SA = sys.modules["dejavu.plugins.deferred_kv"], sys.modules["dejavu.plugins.sparse_attention"]
+    rows = []
+    for name, (D, F, H) in SHAPES.items():
+        hd, kh = D // H, round(0.3 * H)
+        for ctx in (128, 1024):
+            for gap in (0, 3):
+                if late("deferred_parts"):
+                    return rows
+                args = _deferred_args(D, H, 1, ctx, kh, False, gap)
+                qs = [torch.empty(1, kh * hd, device=DEV) for _ in args]
+                outs = [torch.empty(1, D, device=DEV, dtype=torch.float16) for _ in args]
+
+                def qkv(a, q):
+                    x, wl, kc, vc, hist, vl, vl0, pos_t, hidx = a
+                    vl.copy_(vl0)
+                    DK._launch_qkv(x, hist, wl[0], wl[1], wl[2], wl[3], hidx, kc, vc, vl, pos_t, 1, q, None)
+
+                def attn(a, q):
+                    x, wl, kc, vc, hist, vl, vl0, pos_t, hidx = a
+                    return SA.attend_heads(q, hidx, kc, vc, pos_t, 1, None, commit=(vl, x, hist))
+
+                def proj(a, o, out):
+                    return SA.project_out(o, a[1][4], a[1][5], a[8], a[0], out)
+
+                reset = bench_graph([lambda a=a: a[5].copy_(a[6]) for a in args]) or 0.0
+                t_qkv = bench_graph([lambda a=a, q=q: qkv(a, q) for a, q in zip(args, qs)])
+                t_attn = bench_graph([lambda a=a, q=q: attn(a, q) for a, q in zip(args, qs)])
+                t_proj = bench_graph([lambda a=a, q=q, o=o: proj(a, q, o) for a, q, o in zip(args, qs, outs)])
+                t_all = bench_graph([_deferred_call(a) for a in args])
+                rows.append({"shape": name, "ctx": ctx, "gap": gap, "heads": kh,
+                             "qkv_ms": t_qkv - reset if t_qkv else None, "attn_ms": t_attn, "proj_ms": t_proj,
+                             "all_ms": t_all - reset if t_all else None,
+                             "qkv_bytes": 2 * 3 * kh * hd * D, "proj_bytes": 2 * kh * hd * D})
+                del args, qs, outs
+    return rows
+
+
 def bench_layer_norm():
     """torch LayerNorm vs the plugin's at decode shapes (graph, per call)."""
     rows = []
@@ -696,7 +736,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-attn", action="store_true",
                     help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
-    ap.add_argument("--sections", default="mlp,predictor,attn,deferred,layer_norm",
+    ap.add_argument("--sections", default="mlp,predictor,attn,deferred,deferred_parts,layer_norm",
                     help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -754,7 +794,7 @@ def main(argv=None):
                 save("predictor")
             del mlps
             torch.cuda.empty_cache()
-            for sec, fn in (("attn", bench_attn), ("deferred", bench_deferred),
+            for sec, fn in (("attn", bench_attn), ("deferred", bench_deferred), ("deferred_parts", bench_deferred_parts),
                             ("layer_norm", lambda q: bench_layer_norm())):
                 if sec in sections and in_budget(sec):
                     res[sec] = fn(args.quick)
@@ -781,6 +821,9 @@ def main(argv=None):
         print("\n## Sparse attention decode, deferred K/V (graph, per layer)\n")
         print(table(res["deferred"], ["shape", "B", "ctx", "density", "heads", "gap", "policy", "graph_ms",
                                       "dense_graph_ms", "graph_speedup", "GBps"]))
+    if "deferred_parts" in res:
+        print("\n## Deferred attention pieces (graph, per call, B=1, head density 0.3)\n")
+        print(table(res["deferred_parts"], ["shape", "ctx", "gap", "heads", "qkv_ms", "attn_ms", "proj_ms", "all_ms"]))
     if "layer_norm" in res:
         print("\n## LayerNorm (graph, per call)\n")
         print(table(res["layer_norm"], ["D", "B", "torch_graph_ms", "triton_graph_ms"]))
