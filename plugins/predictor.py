@@ -5,70 +5,271 @@
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
 (`shared=False`, per-sequence sets) or top-k of the batch's max score per column
 (`shared=True`, one set for the batch: the union policy of the MLP kernels' fast batch
-path). Scoring is two cuBLAS GEMVs (torch.nn.functional.linear; fp32 accumulation, scores
-in the input dtype, as the reference). Top-k (`method`): "torch" = torch.topk(sorted=False);
-"triton" = `_topk_kernel`, an exact radix select in one program per row (4 passes of 8-bit
-digit histograms over the order-preserving integer keys of the fp32 scores, then a prefix-sum
-compaction; N <= 65536). Neither returns sorted indices (the kernels do not need order).
-Everything stays on the device: no host sync, CUDA-graph capturable. Ties at the k-th
-score: torch breaks them its own way, the Triton kernel takes the lowest indices.
+path; with B == 1 the single row is used as is). Scoring is two cuBLAS GEMVs
+(torch.nn.functional.linear; fp32 accumulation, scores in the input dtype, as the
+reference). Top-k (`method`): "torch" = torch.topk(sorted=False); "triton" = `topk_triton`.
+Neither returns sorted indices (the kernels do not need order). Everything stays on the
+device: no host sync, CUDA-graph capturable.
+
+`_topk_kernel` is an exact radix select on order-preserving unsigned keys of the scores'
+own bits (16-bit keys for fp16/bf16, 32-bit for fp32; -0.0 ties +0.0, NaN ranks highest as
+in torch.topk), 8 bits per round, most significant first. A row is split over NB programs
+of BLOCK scores (NB = 1 when the row fits one block). Per round each program counts the
+digits of its candidates (keys matching the prefix found so far) into its own 256-bin slot
+of a workspace; every program then reads all NB slots of the row, so each knows the
+row's histogram (-> the next digit of the k-th largest key) and the counts of the
+programs before it. After the last round each program knows the threshold key T, how
+many ties at T to take, and where its own output starts, and writes its indices with one
+prefix sum: keys > T, then ties at T lowest index first. The output is deterministic.
+
+Rounds are separated either by a grid barrier inside one launch (`fused`) or by kernel
+boundaries (one launch per round plus one to compact; always so under the interpreter,
+which runs programs one after another). Limits: N <= 65536; fused only on CUDA with
+rows * NB <= the SM count (every program of the launch resident, so spinning ones cannot
+keep a late one off the GPU); its barrier counters persist between calls (zeroed once per
+device, one lane per stream: see `_barrier_state`).
 """
 from __future__ import annotations
 
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, jit, next_pow2
+from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, helper, jit, next_pow2
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 TOPK_METHOD = "torch"  # default top-k implementation (benchmarks/kernels.py compares both)
+TOPK_MAX_N = 65536
+
+# Launch choices of topk_triton (a benchmark sweeps them through `config=`):
+#   block: scores per program when a row is split (power of 2); a row of N <= block is one
+#          program. Raised automatically so that a row has at most 8 * warps programs (each
+#          program reads a [NB, 256] tile of histograms: <= 64 values per thread).
+#   warps: num_warps of every program.
+#   fused: one launch with a grid barrier per round (CUDA only, when rows * NB <= the SM
+#          count so that all programs are resident, and the barrier state was created outside
+#          CUDA-graph capture); else one launch per round and one to compact.
+#   atomic_hist: per-program digit histograms by one global atomic per candidate on the
+#          program's own slot (~10 instructions per score and round); False: tl.histogram
+#          (warp ballots, ~100 instructions per score and round, no atomics).
+TOPK_CONFIG = {"block": 1024, "warps": 8, "fused": True, "atomic_hist": True}
+
+_SINGLE, _FUSED, _SPLIT = 0, 1, 2  # _topk_kernel MODE
+_BARRIERS: dict = {}  # device -> (int32 [_LANES, _LANE_ROWS, 2] barrier state, {stream: lane})
+_LANES, _LANE_ROWS = 64, 256  # a fused launch has rows * NB <= SM count, so rows <= 256
+_SM_COUNT: dict = {}
 
 
-def _topk_kernel(s_ptr, out_ptr, N, K, stride_s, stride_o, BLOCK_N: tl.constexpr):
-    # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (rows,).
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_N)
-    mask = offs < N
-    s = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
-    # order-preserving key in [0, 2^32): flip negatives, set the sign bit of positives
-    u = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    key = tl.where(u >= 0x80000000, 0xFFFFFFFF - u, u + 0x80000000)
+@helper
+def _order_keys(x, KEY_BITS: tl.constexpr):
+    # Unsigned keys in the scores' order from their own bits: flip negatives, set the sign
+    # bit of positives; -0.0 gets +0.0's key (they tie), NaN (either sign) the largest, as in
+    # torch.topk.
+    if KEY_BITS == 16:
+        u = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+        key = tl.where(u == 0x8000, 0x8000, tl.where(u > 0x8000, 0xFFFF - u, u | 0x8000))
+        key = tl.where(x != x, 0xFFFF, key)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        key = tl.where(u == 0x80000000, 0x80000000, tl.where(u > 0x80000000, 0xFFFFFFFF - u, u | 0x80000000))
+        key = tl.where(x != x, 0xFFFFFFFF, key)
+    return key
+
+
+@helper
+def _count_digits(slot, digit, cand, ATOMIC_HIST: tl.constexpr):
+    # slot[0:256] = histogram of this program's candidate digits
     bins = tl.arange(0, 256)
-    prefix = tl.full([], 0, tl.int64)
-    remaining = tl.full([], 0, tl.int32) + K
-    for p in tl.static_range(4):
-        # digit p covers bits [24 - 8p, 32 - 8p) of the key
-        if p == 0:
-            cand = mask
-        else:
-            cand = mask & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-        digit = ((key >> (24 - 8 * p)) & 0xFF).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=cand)
-        at_or_above = tl.cumsum(hist, 0, reverse=True)  # candidates with digit >= bin
-        d = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)
-        remaining -= tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix = prefix | (d.to(tl.int64) << (24 - 8 * p))
-    # prefix is the k-th largest key; take all keys above it and `remaining` ties (lowest first)
-    gt = mask & (key > prefix)
-    eq = mask & (key == prefix)
-    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= remaining))
-    dst = tl.cumsum(sel.to(tl.int32), 0) - 1
-    tl.store(out_ptr + row * stride_o + dst, offs, mask=sel)
+    if ATOMIC_HIST:
+        tl.store(slot + bins, tl.zeros([256], tl.int32))
+        tl.debug_barrier()  # the zeros are in place before any thread's add
+        tl.atomic_add(slot + digit, 1, mask=cand, sem="relaxed")
+    else:
+        tl.store(slot + bins, tl.histogram(digit, 256, mask=cand))
 
 
-def topk_triton(scores, k):
-    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32."""
+@helper
+def _grid_barrier(count_ptr, base, target):
+    # Wait until the row's programs have added `target` to *count_ptr since `base` (all of
+    # them are resident: _topk_plan). Thread 0 does the scalar atomics; its release comes
+    # after bar.sync, so it covers the whole block's earlier writes. No resets: the count
+    # only grows (mod 2^32) and `base` is its value before this launch.
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release")
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire").to(tl.uint32)
+    while seen - base < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire").to(tl.uint32)
+    tl.debug_barrier()
+
+
+@helper
+def _row_counts(round_ws, pid, NB, NB_P2: tl.constexpr):
+    # (the row's histogram, the histogram of the programs before pid) from the NB slots.
+    # L2, not L1: the slots were written by other programs. One reduction for both sums:
+    # the programs before pid in the high half; both halves fit 16 bits (N <= 65536) except
+    # the whole row in one bin, which only pid 0 can see in its low half (nothing before it).
+    blk = tl.arange(0, NB_P2)
+    tile = tl.load(round_ws + blk[:, None] * 256 + tl.arange(0, 256)[None, :], mask=(blk < NB)[:, None],
+                   other=0, cache_modifier=".cg")
+    packed = tl.sum(tile.to(tl.uint32) << (16 * (blk < pid))[:, None].to(tl.uint32), 0)
+    hi = tl.where(pid > 0, packed >> 16, 0)
+    return (packed - (hi << 16) + hi).to(tl.int32), hi.to(tl.int32)
+
+
+@helper
+def _next_digit(tot, bef, need):
+    # The k-th largest candidate's digit d (fewer than `need` candidates above d), how many
+    # are still needed among those with digit d, and the before-this-program counts of
+    # candidates above d and at d.
+    bins = tl.arange(0, 256)
+    above_or_at = tl.cumsum(tot, 0, reverse=True)
+    d = tl.max(tl.where(above_or_at >= need, bins, -1), 0)
+    need -= tl.sum(tl.where(bins > d, tot, 0), 0)
+    return d, need, tl.sum(tl.where(bins > d, bef, 0), 0), tl.sum(tl.where(bins == d, bef, 0), 0)
+
+
+def _topk_kernel(s_ptr, out_ptr, ws_ptr, bar_ptr, N, K, NB, stride_s, stride_o,
+                 BLOCK: tl.constexpr, NB_P2: tl.constexpr, KEY_BITS: tl.constexpr, MODE: tl.constexpr,
+                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr, ATOMIC_HIST: tl.constexpr):
+    # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (NB, rows).
+    # MODE 0: NB == 1, histograms in registers. MODE 1: one launch, a grid barrier after each
+    # round. MODE 2: rounds FIRST..LAST-1 are counted here into ws[row, round, NB, 256];
+    # earlier rounds were counted by earlier launches and are only read back.
+    ROUNDS: tl.constexpr = KEY_BITS // 8
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    key = _order_keys(tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0), KEY_BITS)
+    if MODE == 1:
+        base = tl.atomic_add(bar_ptr + 2 * row + 1, 0, sem="relaxed").to(tl.uint32)
+    prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's digits found so far
+    need = K  # how many of the candidates (keys matching prefix) are still to be taken
+    gt_before = 0  # keys above the k-th largest in the programs before this one
+    for r in tl.static_range(ROUNDS):
+        if r < LAST:
+            shift = KEY_BITS - 8 * (r + 1)
+            if r == 0:
+                cand = mask
+            else:
+                cand = mask & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            digit = ((key >> shift) & 0xFF).to(tl.int32)
+            round_ws = ws_ptr + (row * ROUNDS + r) * NB * 256
+            if MODE == 0:
+                tot = tl.histogram(digit, 256, mask=cand)
+                bef = tot * 0
+            else:
+                if r >= FIRST:
+                    _count_digits(round_ws + pid * 256, digit, cand, ATOMIC_HIST)
+                    if MODE == 1:
+                        _grid_barrier(bar_ptr + 2 * row, base, NB * (r + 1))
+                tot, bef = _row_counts(round_ws, pid, NB, NB_P2)
+            if MODE != 2 or r < FIRST:
+                d, need, gt_add, eq_before = _next_digit(tot, bef, need)
+                gt_before += gt_add
+                prefix = prefix | (d.to(tl.uint32) << shift)
+    if COMPACT:
+        # prefix is now the k-th largest key T: take the keys above it and `need` ties at T,
+        # lowest index first; eq_before ties at T sit in the programs before this one.
+        gt = mask & (key > prefix)
+        eq = mask & (key == prefix)
+        c = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)  # both counts (BLOCK <= 16384)
+        gt_x = (c & 0xFFFF) - gt.to(tl.int32)  # exclusive
+        eq_x = (c >> 16) - eq.to(tl.int32)
+        ties = tl.maximum(need - eq_before, 0)  # ties this program may still take
+        sel = gt | (eq & (eq_x < ties))
+        dst = gt_before + tl.minimum(eq_before, need) + gt_x + tl.minimum(eq_x, ties)
+        tl.store(out_ptr + row * stride_o + dst, offs, mask=sel)
+    if MODE == 1:
+        if pid == 0:  # every program has read `base` (they all passed the last barrier)
+            tl.store(bar_ptr + 2 * row + 1, (base + NB * ROUNDS).to(tl.int32))
+
+
+def _barrier_state(device, rows):
+    """int32 [rows, 2] (arrival count, count before the launch) for the fused kernel's barriers.
+
+    Zeroed once per device, when first needed outside CUDA-graph capture (zeros made during
+    capture would only be written at replay); None otherwise, and that launch is split
+    instead. A launch leaves both words equal again, so the state stays valid between calls
+    and graph replays. Each stream gets its own lane (the first 64 streams seen), so
+    launches on different streams do not share counters; two launches that share a lane
+    must not run at once (replaying one graph on two streams concurrently would).
+    """
+    state = _BARRIERS.get(device)
+    if state is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        state = _BARRIERS[device] = (torch.zeros(_LANES, _LANE_ROWS, 2, dtype=torch.int32, device=device), {})
+    counters, lanes = state
+    if rows > _LANE_ROWS:
+        return None
+    lane = lanes.setdefault(torch.cuda.current_stream(device).cuda_stream, len(lanes) % _LANES)
+    return counters[lane]
+
+
+def _sm_count(device):
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def _topk_plan(scores, config):
+    """(block, NB, warps, mode, atomic_hist) for scores[R, N] under TOPK_CONFIG + config."""
+    cfg = dict(TOPK_CONFIG)
+    for name, value in (config or {}).items():
+        if name not in cfg:
+            raise DejavuError(f"topk_triton: unknown config key {name!r} (known: {sorted(cfg)})")
+        cfg[name] = value
+    block, warps = int(cfg["block"]), int(cfg["warps"])
+    if block < 32 or block > 16384 or block & (block - 1) or warps not in (1, 2, 4, 8, 16, 32):
+        raise DejavuError(f"topk_triton: block must be a power of 2 in [32, 16384] and warps one of "
+                          f"1..32 (got block={block}, warps={warps})")
     R, N = scores.shape
+    if N <= block:
+        # one program per row; small rows get fewer warps (a warp per 256 scores at most)
+        b = max(32, next_pow2(N))
+        return b, 1, max(1, min(warps, b // 256)), _SINGLE, bool(cfg["atomic_hist"])
+    # each program reads the [NB, 256] histograms of its row: at most 64 ints per thread
+    while next_pow2(-(-N // block)) > 8 * warps:
+        block *= 2
+    nb = -(-N // block)
+    fused = (bool(cfg["fused"]) and scores.is_cuda and R * nb <= _sm_count(scores.device))
+    return block, nb, warps, _FUSED if fused else _SPLIT, bool(cfg["atomic_hist"])
+
+
+def topk_triton(scores, k, config=None):
+    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32.
+
+    Exact; ties at the k-th value are broken by lowest index. `config` overrides TOPK_CONFIG.
+    """
+    check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
+    R, N = scores.shape
+    if N > TOPK_MAX_N:
+        raise DejavuError(f"topk_triton: N={N} > {TOPK_MAX_N}")
+    if not isinstance(k, int) or not 0 <= k <= N:
+        raise DejavuError(f"topk_triton: k must be an int in [0, {N}], got {k!r}")
+    block, nb, warps, mode, atomic_hist = _topk_plan(scores, config)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     if k == 0 or R == 0:
         return out
-    if N > 65536:
-        raise DejavuError(f"topk_triton: N={N} > 65536")
-    block = max(256, next_pow2(N))
+    key_bits = 32 if scores.dtype == torch.float32 else 16
+    rounds = key_bits // 8
     kernel = jit(_topk_kernel, scores.device)
-    kernel[(R,)](scores, out, N, k, scores.stride(0), out.stride(0), BLOCK_N=block,
-                 num_warps=32 if block >= 32768 else 16)
+    ws = bar = out  # unused by a single program per row
+    if mode == _FUSED:
+        state = _barrier_state(scores.device, R)
+        mode, bar = (_SPLIT, out) if state is None else (_FUSED, state)
+    if mode != _SINGLE:
+        ws = torch.empty((R, rounds, nb, 256), dtype=torch.int32, device=scores.device)
+    args = (scores, out, ws, bar, N, k, nb, scores.stride(0), out.stride(0))
+    consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode,
+                  ATOMIC_HIST=atomic_hist, num_warps=warps)
+    if mode == _SPLIT:  # one launch per round, then one to compact
+        for r in range(rounds):
+            kernel[(nb, R)](*args, FIRST=r, LAST=r + 1, COMPACT=False, **consts)
+        kernel[(nb, R)](*args, FIRST=rounds, LAST=rounds, COMPACT=True, **consts)
+    else:
+        kernel[(nb, R)](*args, FIRST=0, LAST=rounds, COMPACT=True, **consts)
     return out
 
 
@@ -98,8 +299,8 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None):
     _check(x, a, b, bias, k)
     method = method or TOPK_METHOD
     scores = predictor_scores(x, a, b, bias)
-    if shared:
-        scores = scores.amax(dim=0, keepdim=True)
+    if shared and scores.shape[0] > 1:
+        scores = scores.amax(dim=0, keepdim=True)  # [1, N]; with B == 1 the row itself
     if method == "triton":
         idx = topk_triton(scores.contiguous(), k)
     elif method == "torch":

@@ -1,9 +1,16 @@
 """predictor_topk: the top-k of the low-rank scores, per sequence or shared by the batch."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins import predictor_scores, predictor_topk, predictor_topk_ref, predictor_topk_shared
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 D, N, R = 72, 200, 16
 
@@ -67,3 +74,167 @@ def test_triton_topk_ties_and_extremes(triton_interp):
     assert topk_triton(s, 300)[1].sort().values.equal(torch.arange(300, dtype=torch.int32))
     with pytest.raises(DejavuError, match="unknown method"):
         predictor_topk(*make(1), 5, method="heap")
+
+
+# ------------------------------------------------------------------------ topk_triton itself
+# The expected set is unique given the tie rule: a stable descending sort (equal scores keep
+# index order; -0.0 == +0.0; NaN first, as torch.topk ranks it) and its first k indices.
+# Configs force the paths: one program per row, rows split over programs (split launches
+# under the interpreter), tl.histogram instead of atomics.
+ONE, MANY, BALLOT = None, dict(block=256), dict(block=256, atomic_hist=False)
+
+
+def expected_set(s, k):
+    return torch.sort(s.float(), dim=-1, descending=True, stable=True).indices[:, :k].int()
+
+
+def assert_topk(s, idx, k):
+    """idx[R,k] is s's top-k set with ties at the k-th value taken lowest index first."""
+    assert idx.dtype == torch.int32 and idx.shape == (s.shape[0], k)
+    for row, (si, ii) in enumerate(zip(s.float(), idx.long())):
+        assert len(set(ii.tolist())) == k, f"row {row}: repeated indices"
+        if 0 < k < s.shape[1]:
+            chosen = torch.zeros(s.shape[1], dtype=torch.bool)
+            chosen[ii] = True
+            assert si[chosen].min() >= si[~chosen].max(), f"row {row}: a larger score was left out"
+    assert torch.equal(idx.sort(-1).values, expected_set(s, k).sort(-1).values)
+
+
+@pytest.mark.parametrize("N,config", [(1, ONE), (56, ONE), (1000, ONE), (1000, MANY), (5000, ONE)])
+def test_topk_triton_equals_torch_topk(triton_interp, N, config):
+    from dejavu.plugins.predictor import topk_triton
+
+    s = (torch.randperm(2 * N).float() - N).view(2, N) * 1e-3  # distinct, both signs
+    for k in sorted({0, 1, int(0.3 * N), N} if N < 5000 else {0, int(0.3 * N)}):  # 5000: slow
+        idx = topk_triton(s, k, config)
+        assert idx.shape == (2, k)
+        ref = torch.topk(s, k, dim=-1, sorted=False).indices.int()
+        assert torch.equal(idx.sort(-1).values, ref.sort(-1).values), (N, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [ONE, MANY, BALLOT])
+def test_topk_triton_ties_follow_the_lowest_index_rule(triton_interp, dtype, config):
+    from dejavu.plugins.predictor import topk_triton
+
+    N = 1000
+    s = torch.cat([torch.randn(1, N), torch.randint(-6, 6, (1, N)) / 4]).to(dtype)  # row 1: ties
+    for k in (300, N - 1):
+        assert_topk(s, topk_triton(s, k, config), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_triton_signs_zeros_and_extremes(triton_interp, dtype):
+    from dejavu.plugins.predictor import topk_triton
+
+    big = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).smallest_normal / 4  # subnormal
+    vals = torch.tensor([0.0, -0.0, big, -big, float("inf"), -float("inf"), tiny, -tiny, 1.0, -1.0])
+    s = vals[torch.randint(0, len(vals), (2, 777))].to(dtype)
+    s[1] = torch.randn(777).to(dtype) * big / 4
+    s[1, ::7] = -0.0
+    s[1, 3::7] = 0.0
+    for config in (ONE, MANY):
+        for k in (1, 400, 776):
+            assert_topk(s, topk_triton(s, k, config), k)
+    z = torch.tensor([[0.0, -0.0, -0.0, 0.0, -1.0]], dtype=dtype)  # -0.0 ties +0.0: lowest index wins
+    assert topk_triton(z, 2).sort().values.tolist() == [[0, 1]]
+    assert topk_triton(torch.tensor([[1.0, float("nan"), 2.0]], dtype=dtype), 1).tolist() == [[1]]
+
+
+def test_topk_triton_many_programs_per_row(triton_interp):
+    from dejavu.plugins.predictor import topk_triton
+
+    s = torch.randn(2, 2000).half()
+    s[1, 500:1500] = 0.5  # the k-th value's ties spread over several programs
+    for k in (1000, 1999):  # 16 programs of 128 per row (a [16, 256] tile at 2 warps)
+        assert_topk(s, topk_triton(s, k, dict(block=128, warps=2)), k)
+    # block raised until NB <= 8 * warps = 8: 2000 / 256 -> 8 programs
+    assert_topk(s, topk_triton(s, 1000, dict(block=128, warps=1)), 1000)
+
+
+def test_topk_triton_opt30b_mlp_row(triton_interp):
+    from dejavu.plugins.predictor import topk_triton
+
+    s = torch.randn(1, 28672).half()  # OPT-30B's MLP width at 30% density
+    assert_topk(s, topk_triton(s, 8602), 8602)
+
+
+def test_topk_triton_fused_barrier_bookkeeping(triton_interp):
+    """The fused kernel with a single program per row (the interpreter runs programs one at a
+    time, so it cannot wait on a second one): the barrier passes and leaves its state clean."""
+    from dejavu.plugins import predictor as P
+
+    s = torch.randn(2, 300)
+    out = torch.empty(2, 90, dtype=torch.int32)
+    ws = torch.empty(2, 4, 1, 256, dtype=torch.int32)
+    bar = torch.tensor([5, 5, -2, -2], dtype=torch.int32)  # (arrivals, arrivals before) per row
+    kernel = P.jit(P._topk_kernel, s.device)
+    kernel[(1, 2)](s, out, ws, bar, 300, 90, 1, s.stride(0), out.stride(0), BLOCK=512, NB_P2=1, KEY_BITS=32,
+                   MODE=P._FUSED, FIRST=0, LAST=4, COMPACT=True, ATOMIC_HIST=True, num_warps=4)
+    assert_topk(s, out, 90)
+    assert bar.tolist() == [9, 9, 2, 2]  # four rounds, four arrivals (row 1 wraps past 2^32)
+
+
+def test_topk_triton_rejects_bad_input(triton_interp):
+    from dejavu.plugins.predictor import topk_triton
+
+    with pytest.raises(DejavuError, match="N=65537 > 65536"):
+        topk_triton(torch.randn(1, 65537), 5)
+    with pytest.raises(DejavuError, match="k must be an int in \\[0, 10\\]"):
+        topk_triton(torch.randn(2, 10), 11)
+    with pytest.raises(DejavuError, match="scores: expected 2 dims"):
+        topk_triton(torch.randn(10), 3)
+    with pytest.raises(DejavuError, match="scores: dtype torch.float64 not supported"):
+        topk_triton(torch.randn(2, 10, dtype=torch.float64), 3)
+    with pytest.raises(DejavuError, match="unknown config key 'blocks'"):
+        topk_triton(torch.randn(2, 10), 3, dict(blocks=64))
+    with pytest.raises(DejavuError, match="block must be a power of 2"):
+        topk_triton(torch.randn(2, 10), 3, dict(block=100))
+
+
+@pytest.mark.parametrize("method", ["torch", "triton"])
+def test_shared_with_one_sequence_is_its_own_top_k(triton_interp, method):
+    x, a, b, bias = make(1)
+    shared = predictor_topk(x, a, b, bias, 37, shared=True, method=method)
+    per_seq = predictor_topk(x, a, b, bias, 37, method=method)
+    assert shared.shape == (37,) and torch.equal(shared, per_seq[0])
+
+
+COMPILE = textwrap.dedent('''
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+    import dejavu.plugins.predictor as PR
+
+    PR.tl = tl
+    for name, obj in list(vars(PR).items()):  # @helper device functions, as _common.jit does
+        if getattr(obj, "_dejavu_helper", False) and not isinstance(obj, JITFunction):
+            setattr(PR, name, triton.jit(obj))
+    SIG = {"s_ptr": "*fp16", "out_ptr": "*i32", "ws_ptr": "*i32", "bar_ptr": "*i32", "N": "i32", "K": "i32",
+           "NB": "i32", "stride_s": "i32", "stride_o": "i32"}
+    for dt, bits in (("fp16", 16), ("bf16", 16), ("fp32", 32)):
+        rounds = bits // 8
+        variants = [(PR._FUSED, 0, rounds, True, True, 32)]
+        if dt == "fp16":
+            variants += [(PR._FUSED, 0, rounds, True, False, 32), (PR._SINGLE, 0, rounds, True, True, 1),
+                         (PR._SPLIT, 1, 2, False, True, 32), (PR._SPLIT, rounds, rounds, True, True, 32)]
+        for mode, first, last, compact, atomic, nb_p2 in variants:
+            c = dict(BLOCK=1024 if nb_p2 > 1 else 64, NB_P2=nb_p2, KEY_BITS=bits, MODE=mode, FIRST=first,
+                     LAST=last, COMPACT=compact, ATOMIC_HIST=atomic)
+            sig = dict(SIG, s_ptr="*" + dt, **{name: "constexpr" for name in c})
+            src = ASTSource(JITFunction(PR._topk_kernel), signature=sig, constexprs=c)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8 if nb_p2 > 1 else 1))
+            assert "cubin" in k.asm
+    print("ALL OK")
+''')
+
+
+def test_topk_kernel_compiles_for_sm90_in_every_mode():
+    """The fused (grid barrier) variant never runs under the interpreter: compile it for real."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
