@@ -63,6 +63,7 @@ def _import_plugins():
 
 P = _import_plugins()
 importlib.import_module("dejavu.plugins.deferred_kv")  # sys.modules entry used below
+PR = importlib.import_module("dejavu.plugins.predictor")
 SM = sys.modules["dejavu.plugins.sparse_mlp"]  # the module (the package exports functions)
 
 
@@ -249,6 +250,15 @@ def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap):
 
 
 def check_predictor(B, D, N, r, k, shared, method="torch"):
+    # the fused (grid-barrier) top-k is exercised only by --sections topk, under a timeout
+    PR.TOPK_CONFIG["fused"], fused = False, PR.TOPK_CONFIG["fused"]
+    try:
+        return _check_predictor(B, D, N, r, k, shared, method)
+    finally:
+        PR.TOPK_CONFIG["fused"] = fused
+
+
+def _check_predictor(B, D, N, r, k, shared, method):
     x, a = randn(B, D, dtype=torch.float32), randn(r, D, dtype=torch.float32)
     b, bias = randn(N, r, dtype=torch.float32), randn(N, dtype=torch.float32)
     idx = P.predictor_topk(x, a, b, bias, k, shared=shared, method=method)
@@ -715,6 +725,43 @@ def bench_predictor(mlps, mlp_rows, quick):
     return rows
 
 
+TOPK_SWEEP = ([dict(fused=False, block=b, warps=w, atomic_hist=h) for b in (1024, 2048) for w in (4, 8)
+               for h in (True, False)]
+              + [dict(fused=True, block=b, warps=w, atomic_hist=True) for b in (1024, 2048) for w in (4, 8)])
+
+
+def bench_topk(quick):
+    """Top-k alone on predictor-score rows [B, N] fp16, k = 30%: torch.topk against
+    topk_triton configs (unfused first; the grid-barrier `fused` ones last: run this
+    section under `timeout`). Each config is checked (a valid top-k set) before timing."""
+    rows = []
+    for N, B in ((28672, 1), (36864, 1), (56, 1), (28672, 8), (28672, 32)):
+        k = int(0.3 * N)
+        ss = [randn(B, N) for _ in range(4)]
+        want = [s.float().topk(k, -1).values[:, -1:] for s in ss]
+        t_torch = bench_graph([lambda s=s: torch.topk(s, k, -1, sorted=False) for s in ss])
+        rows.append({"N": N, "B": B, "k": k, "method": "torch", "graph_ms": t_torch, "ok": True})
+        print(f"  topk N={N} B={B} torch {t_torch * 1e3:.1f} us", flush=True)
+        for cfg in (TOPK_SWEEP[:2] if quick else TOPK_SWEEP):
+            if late("topk"):
+                return rows
+            try:
+                ok = True
+                for s, kth in zip(ss, want):
+                    idx = PR.topk_triton(s, k, config=cfg).long()
+                    picked = s.float().gather(-1, idx)
+                    ok &= bool((picked >= kth).all()) and all(r.unique().numel() == k for r in idx)
+                torch.cuda.synchronize()
+                t = bench_graph([lambda s=s: PR.topk_triton(s, k, config=cfg) for s in ss]) if ok else None
+            except Exception as e:  # noqa: BLE001
+                print(f"  topk {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                ok, t = False, None
+            rows.append({"N": N, "B": B, "k": k, "method": "triton", "config": cfg, "graph_ms": t, "ok": ok,
+                         "vs_torch": (t_torch / t) if t and t_torch else None})
+            print(f"  topk N={N} B={B} {cfg}: ok={ok} {t * 1e3 if t else float('nan'):.1f} us", flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------------------ report
 
 def table(rows, cols):
@@ -736,7 +783,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-attn", action="store_true",
                     help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
-    ap.add_argument("--sections", default="mlp,predictor,attn,deferred,deferred_parts,layer_norm",
+    ap.add_argument("--sections", default="mlp,predictor,attn,deferred,deferred_parts,layer_norm,topk",
                     help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -795,7 +842,7 @@ def main(argv=None):
             del mlps
             torch.cuda.empty_cache()
             for sec, fn in (("attn", bench_attn), ("deferred", bench_deferred), ("deferred_parts", bench_deferred_parts),
-                            ("layer_norm", lambda q: bench_layer_norm())):
+                            ("layer_norm", lambda q: bench_layer_norm()), ("topk", bench_topk)):
                 if sec in sections and in_budget(sec):
                     res[sec] = fn(args.quick)
                     save(sec)
@@ -824,6 +871,9 @@ def main(argv=None):
     if "deferred_parts" in res:
         print("\n## Deferred attention pieces (graph, per call, B=1, head density 0.3)\n")
         print(table(res["deferred_parts"], ["shape", "ctx", "gap", "heads", "qkv_ms", "attn_ms", "proj_ms", "all_ms"]))
+    if "topk" in res:
+        print("\n## Top-k alone (graph, per call, fp16 scores, k = 30%)\n")
+        print(table(res["topk"], ["N", "B", "method", "config", "ok", "graph_ms", "vs_torch"]))
     if "layer_norm" in res:
         print("\n## LayerNorm (graph, per call)\n")
         print(table(res["layer_norm"], ["D", "B", "torch_graph_ms", "triton_graph_ms"]))

@@ -49,8 +49,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
 # dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs); FINISH_R: rows
 # per finishing program. Picked by `benchmarks/kernels.py --sweep-attn` on an H200.
-QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 256, "SPLIT": None, "TARGET_PROGRAMS": 1056,
-              "FINISH_R": 32, "num_warps": 4, "num_stages": 1}
+QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
+              "FINISH_R": 32, "num_warps": 4, "num_stages": 2}
 
 
 @helper

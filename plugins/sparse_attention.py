@@ -40,10 +40,11 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # CHUNK: positions per program (the context is split into chunks of this many positions,
 # each chunk's partial softmax combined by a second kernel, flash-decoding style).
-# CHUNK 64 (one program per 64 positions and selected head) was the fastest of 12 configs in
-# `benchmarks/kernels.py --sweep-attn` on the H200 (OPT-30B, head density 0.3, contexts 128
-# and 1024): 164 vs 186 us summed for CHUNK 256.
-ATTN_CONFIG = {"BLOCK_S": 64, "CHUNK": 64, "num_warps": 4}
+# Small chunks (one program per CHUNK positions and selected head) won the
+# `benchmarks/kernels.py --sweep-attn` runs on the H200 (OPT-30B, head density 0.3, contexts
+# 128 and 1024): CHUNK 64 164 us summed vs 186 for 256 (first run); CHUNK 32 141.5 vs 142.5
+# for 64 after the split-D Q/K/V kernel (second run).
+ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4}
 
 
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
