@@ -45,7 +45,7 @@ FC2_CONFIG = {
 DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
 # fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
 # the tl.dot fc2 took 37.5 us at density 0.3 and 17.2 at 0.1, the split-K GEMV 50.5 and 27.9;
-# fc1 is faster as a GEMV (33.6 vs 37.5 us; benchmarks/results/kernels-h200.json).
+# fc1 is faster as a GEMV (33.6 vs 37.5 us; benchmarks/results/kernels-h200-session1.json).
 FC2_DOT_MIN_BATCH = 1
 TARGET_PROGRAMS = 528   # fc2 split-K without a fixed SPLIT: ~4 programs per SM (132 SMs)
 REDUCE_BLOCK = 1024
