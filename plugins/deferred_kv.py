@@ -49,8 +49,10 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
 # dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs); FINISH_R: rows
 # per finishing program. Picked by `benchmarks/kernels.py --sweep-attn` on an H200.
+# SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
+# (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
-              "FINISH_R": 32, "num_warps": 4, "num_stages": 2}
+              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4}
 
 
 @helper
@@ -130,14 +132,81 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos
         tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
 
 
+def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr,
+                               phist_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT, stride_nb, stride_xb, stride_xs,
+                               stride_pb, HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr,
+                               DOT_FP32: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                               EVEN_D: tl.constexpr):
+    # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
+    # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
+    # rows: row m is sequence m // P at slot pos (m % P == 0) or at the (m % P)-th missing
+    # slot from min(valid_len, pos) (K/V rows; P - 1 of them, the finishing kernel does the rest).
+    # Partials go where _qkv_partial_kernel puts them (pnew, phist[..., p, ...] with p < P - 1).
+    j = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
+        head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
+    if seg == 0:
+        w_rows = wq_ptr + rows[:, None] * D
+    else:
+        w_rows = wkv_ptr + rows[:, None] * D
+    offs_m = tl.arange(0, BLOCK_M)
+    mb = offs_m // P
+    mp = offs_m % P
+    bmask = mb < B
+    mb64 = mb.to(tl.int64)
+    pos_m = tl.load(pos_ptr + mb * stride_pb, mask=bmask, other=0).to(tl.int32)
+    if seg == 0:
+        start_m = pos_m
+    else:
+        start_m = tl.minimum(tl.load(vl_ptr + mb * H + head, mask=bmask, other=0).to(tl.int32), pos_m)
+    slot_m = tl.where(mp == 0, pos_m, start_m + mp - 1)
+    is_new = bmask & (mp == 0)
+    is_hist = bmask & (mp > 0) & (slot_m < pos_m)
+    if HAS_NEW:
+        new_rows = xnew_ptr + mb64 * stride_nb
+        hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
+        take_hist = is_hist
+    else:  # the input at pos is x_hist[b, pos] too
+        new_rows = xh_ptr  # never read (take_new is all false)
+        hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
+        take_hist = is_hist | is_new
+    take_new = is_new & HAS_NEW
+    d_lo = pid_s * D_PER_SPLIT
+    d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < d_hi
+        if EVEN_D:
+            w = tl.load(w_rows + offs_d[None, :])
+        else:
+            w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
+        x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
+        if HAS_NEW:
+            x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    slot = (pid_s.to(tl.int64) * B + mb64) * KH + j  # [BLOCK_M]
+    tl.store(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :], acc,
+             mask=is_new[:, None] & cmask[None, :])
+    if seg > 0:
+        dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
+        tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
+
+
 def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
-                       q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, stride_xb, stride_xs, stride_hb,
+                       q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_hb,
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     # grid (B*KH, (3 - FIRST_SEG) * NB): sum the SPLIT partials, add the bias, store Q (fp32)
-    # or K/V at pos and at the first BLOCK_P missing slots; then any further missing slots
-    # (whole-D dot passes over this program's rows).
+    # or K/V at pos and at the first HIST_LEN (<= BLOCK_P) missing slots, which the partial
+    # kernel computed; then any further missing slots (whole-D dot passes over this program's rows).
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     b = pid // KH
@@ -146,7 +215,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
     head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
         head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
     offs_p = start + tl.arange(0, BLOCK_P)
-    pmask = offs_p < pos
+    pmask = (offs_p < pos) & (tl.arange(0, BLOCK_P) < HIST_LEN)
     # every split's partials in one load each (one memory round trip, not SPLIT)
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < SPLIT
@@ -176,7 +245,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
         # a head unselected for more than BLOCK_P steps: its further slots, whole-D passes
         w_rows = wkv_ptr + rows[:, None] * D
         xh_row = xh_ptr + b64 * stride_xb
-        for p0 in range(start + BLOCK_P, pos, BLOCK_P):
+        for p0 in range(start + HIST_LEN, pos, BLOCK_P):
             offs_q = p0 + tl.arange(0, BLOCK_P)
             qmask = offs_q < pos
             acc_q = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
@@ -249,7 +318,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     bd, bp = cfg["BLOCK_D"], cfg["BLOCK_P"]
     first = 0 if q is not None else 1
     nb = -(-hd // cfg["BLOCK_R"])
-    progs = B * kh * (3 - first) * nb
+    shared = head_idx.dim() == 1 and B >= cfg["SHARED_MIN_BATCH"]
+    progs = (1 if shared else B) * kh * (3 - first) * nb
     d_blocks = -(-D // bd)
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // progs))
     d_per = -(-d_blocks // split) * bd
@@ -260,18 +330,29 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     new = x_new if x_new is not None else x_hist  # never read when HAS_NEW is false
     stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
     dot32 = _dot_fp32(x_hist.dtype, dev)
-    part = jit(_qkv_partial_kernel, dev)
-    part[(B * kh, (3 - first) * nb, split)](
-        new, x_hist, wq, wkv, head_idx, valid_len, pos_t, pnew, phist, B, kh, H, D, hd, nb, d_per,
-        new.stride(0), x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb,
-        HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"],
-        BLOCK_D=bd, EVEN_D=D % d_per == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"],
+                  BLOCK_D=bd, EVEN_D=D % d_per == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
+        sp = cfg["SHARED_P"]
+        hist_len = sp - 1
+        part = jit(_qkv_partial_shared_kernel, dev)
+        part[(kh, (3 - first) * nb, split)](
+            new, x_hist, wq, wkv, head_idx, valid_len, pos_t, pnew, phist, B, kh, H, D, hd, nb, d_per,
+            new.stride(0), x_hist.stride(0), x_hist.stride(1), stride_pb,
+            P=sp, BLOCK_M=max(16, next_pow2(B) * sp), **common)
+    else:
+        hist_len = bp
+        part = jit(_qkv_partial_kernel, dev)
+        part[(B * kh, (3 - first) * nb, split)](
+            new, x_hist, wq, wkv, head_idx, valid_len, pos_t, pnew, phist, B, kh, H, D, hd, nb, d_per,
+            new.stride(0), x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, **common)
     fr = cfg["FINISH_R"]
     nbf = -(-hd // fr)
     finish = jit(_qkv_finish_kernel, dev)
     finish[(B * kh, (3 - first) * nbf)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, q if q is not None else pnew,
-        k_cache, v_cache, B, kh, H, D, hd, nbf, split, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb,
+        k_cache, v_cache, B, kh, H, D, hd, nbf, split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb,
+        stride_pb,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=128, BLOCK_S=next_pow2(split),
         num_warps=4)

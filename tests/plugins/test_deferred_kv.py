@@ -90,8 +90,11 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
 @pytest.mark.parametrize("dtype,config", [(torch.float16, None), (torch.float32, None),
                                           # D = 60 in 2 slices of 32 (masked tail), rows in 16s
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
-                                                                   "FINISH_R": 16}, "attn": {"CHUNK": 4}})],
-                         ids=["fp16", "fp32", "fp16-split-D"])
+                                                                   "FINISH_R": 16}, "attn": {"CHUNK": 4}}),
+                                          # shared sets: one missing slot per dot row block, the
+                                          # rest through the finishing kernel's slow path
+                                          (torch.float32, {"qkv": {"SHARED_P": 2, "BLOCK_D": 32}})],
+                         ids=["fp16", "fp32", "fp16-split-D", "fp32-shared-P2"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""
@@ -161,6 +164,25 @@ def test_bad_inputs_rejected():
         recompute_kv(x_hist, wkv.float(), bkv, hidx, kc, vc, vl, 3)
     with pytest.raises(DejavuError, match="x_hist: expected shape"):
         sparse_attn_decode_deferred(torch.randn(B, D).half(), *w, hidx, kc, vc, x_hist[:, :-1].contiguous(), vl, 3)
+
+
+def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
+    """Batch 3 with one head set: the shared-set Q/K/V kernel (weights read once for the batch)
+    and the per-sequence one (forced by SHARED_MIN_BATCH) write the same caches and outputs."""
+    B, dtype = 3, torch.float32
+    w = weights(dtype)
+    x_hist, x, res = torch.randn(B, S, D), torch.randn(B, D), torch.randn(B, D)
+    vl0 = torch.tensor([[0, 9, 13, 20, 2], [1, 0, 2, 2, 0], [5, 5, 5, 5, 5]], dtype=torch.int32)
+    pos, hidx = torch.tensor([20, 17, 6]), torch.tensor([0, 3, 4], dtype=torch.int32)
+    outs = []
+    for cfg in ({"qkv": {"SHARED_MIN_BATCH": 2}}, {"qkv": {"SHARED_MIN_BATCH": 99}}):
+        kc, vc = nan_caches(B, dtype)
+        vl, hist = vl0.clone(), x_hist.clone()
+        y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
+        outs.append((y, kc, vc, vl, hist))
+    for a, b in zip(*outs):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32}])

@@ -65,6 +65,10 @@ SCRIPT = textwrap.dedent('''
             compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16,
                                                           BLOCK_R=32, BLOCK_D=256, EVEN_D=new), dt,
                          overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
+            compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, P=4,
+                                                                 BLOCK_M=32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128,
+                                                                 EVEN_D=new), dt,
+                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
             compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
                                                          BLOCK_D=128, BLOCK_S=8), dt,
                          overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
