@@ -51,8 +51,11 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # per finishing program. Picked by `benchmarks/kernels.py --sweep-attn` on an H200.
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
+# None (the default) keeps the per-sequence kernel, the one measured on the H200: the
+# shared-set kernel is checked in the interpreter and compiled for sm_90, but no GPU time was
+# left to time it (BENCHMARKS.md: at batch 8 the per-sequence kernel is slower than dense).
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
-              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4}
+              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": None, "SHARED_P": 4}
 
 
 @helper
@@ -318,7 +321,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     bd, bp = cfg["BLOCK_D"], cfg["BLOCK_P"]
     first = 0 if q is not None else 1
     nb = -(-hd // cfg["BLOCK_R"])
-    shared = head_idx.dim() == 1 and B >= cfg["SHARED_MIN_BATCH"]
+    smin = cfg["SHARED_MIN_BATCH"]
+    shared = head_idx.dim() == 1 and smin is not None and B >= smin
     progs = (1 if shared else B) * kh * (3 - first) * nb
     d_blocks = -(-D // bd)
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // progs))

@@ -93,7 +93,7 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
                                                                    "FINISH_R": 16}, "attn": {"CHUNK": 4}}),
                                           # shared sets: one missing slot per dot row block, the
                                           # rest through the finishing kernel's slow path
-                                          (torch.float32, {"qkv": {"SHARED_P": 2, "BLOCK_D": 32}})],
+                                          (torch.float32, {"qkv": {"SHARED_MIN_BATCH": 2, "SHARED_P": 2, "BLOCK_D": 32}})],
                          ids=["fp16", "fp32", "fp16-split-D", "fp32-shared-P2"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
@@ -175,7 +175,7 @@ def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
     vl0 = torch.tensor([[0, 9, 13, 20, 2], [1, 0, 2, 2, 0], [5, 5, 5, 5, 5]], dtype=torch.int32)
     pos, hidx = torch.tensor([20, 17, 6]), torch.tensor([0, 3, 4], dtype=torch.int32)
     outs = []
-    for cfg in ({"qkv": {"SHARED_MIN_BATCH": 2}}, {"qkv": {"SHARED_MIN_BATCH": 99}}):
+    for cfg in ({"qkv": {"SHARED_MIN_BATCH": 2}}, {"qkv": {"SHARED_MIN_BATCH": None}}):
         kc, vc = nan_caches(B, dtype)
         vl, hist = vl0.clone(), x_hist.clone()
         y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
