@@ -161,7 +161,7 @@ def target_info(device: str) -> dict:
     settings = {}
     try:
         from dejavu.plugins import kernel_settings
-        settings = {"sparse_mlp": kernel_settings()}
+        settings = kernel_settings()
     except ImportError:
         pass
     return {"device": "cuda", "arch": f"sm_{major}{minor}", "name": torch.cuda.get_device_name(device),

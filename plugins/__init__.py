@@ -7,8 +7,22 @@ from dejavu.plugins.layer_norm import layer_norm, layer_norm_ref
 from dejavu.plugins.predictor import (predictor_scores, predictor_topk, predictor_topk_ref,
                                       predictor_topk_shared)
 from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_decode_ref
-from dejavu.plugins.sparse_mlp import (kernel_settings, sparse_fc1, sparse_fc1_ref, sparse_fc2,
-                                       sparse_fc2_ref, sparse_mlp_layer, sparse_mlp_layer_ref)
+from dejavu.plugins.sparse_mlp import (sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref,
+                                       sparse_mlp_layer, sparse_mlp_layer_ref)
+
+
+def kernel_settings() -> dict:
+    """Every kernel's block choices in force (JSON-ready): the engine header's
+    target.kernel_settings, so an engine records what it was built and measured with."""
+    import importlib
+
+    mod = lambda name: importlib.import_module(f"dejavu.plugins.{name}")  # noqa: E731
+    pr = mod("predictor")
+    return {"sparse_mlp": mod("sparse_mlp").kernel_settings(),
+            "deferred_qkv": dict(mod("deferred_kv").QKV_CONFIG),
+            "attention": dict(mod("sparse_attention").ATTN_CONFIG),
+            "topk": {"method": pr.TOPK_METHOD, **pr.TOPK_CONFIG},
+            "layer_norm": {k: v for k, v in mod("layer_norm").LN_CONFIG.items()}}
 
 __all__ = [
     "kernel_settings",

@@ -31,6 +31,10 @@ device memory: CUDA-graph safe, no host sync. valid_len and x_hist[:, pos] are u
 after both, by the attention kernel that follows (programs of one head would race if
 these kernels wrote them), or by `_commit_kernel` when nothing attends. A decode layer is
 then: Q/K/V partial + finish, attention (+ commit), output projection (+ its reduction).
+A shared index set (one [Kh] set for the batch) can take `_qkv_partial_shared_kernel`
+instead, which reads each weight block once for the whole batch (tl.dot over batch x
+(new slot + SHARED_P - 1 missing slots) rows); it is opt-in (QKV_CONFIG["SHARED_MIN_BATCH"],
+default None): checked here and compiled for sm_90, not yet timed on a GPU.
 Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
 duplicate head indices not allowed (top-k never makes them).
 """
@@ -268,7 +272,8 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
                    stride_hb, stride_pb, HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    # After _recompute_kv_kernel: valid_len[b, head_idx[b, j]] = pos[b] + 1 and (HAS_NEW)
+    # After the Q/K/V kernels when nothing else commits (recompute_kv, or no head attends):
+    # valid_len[b, head_idx[b, j]] = pos[b] + 1 and (HAS_NEW)
     # x_hist[b, pos[b]] = x_new[b]; grid (B,).
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
@@ -449,7 +454,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
     cfg = config or {}
-    # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch)
+    # 1. Q, and K/V at pos and at the missing slots, of the selected heads (partial + finish)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
                 cfg.get("qkv"))

@@ -38,7 +38,7 @@ from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, helper, jit, next
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-TOPK_METHOD = "triton"  # H200, N 28672, k 30%, B=1, graph: 8.5 us vs torch.topk 32.7 (kernels-h200 topk)
+TOPK_METHOD = "triton"  # H200, N 28672, k 30%, B=1, graph: 8.1 us vs torch.topk 31.5 (BENCHMARKS.md, top-k)
 TOPK_MAX_N = 65536
 
 # Launch choices of topk_triton (a benchmark sweeps them through `config=`):
@@ -272,6 +272,13 @@ def topk_triton(scores, k, config=None):
     else:
         kernel[(nb, R)](*args, FIRST=0, LAST=rounds, COMPACT=True, **consts)
     return out
+
+
+def topk_triton_ref(scores, k):
+    """Reference of topk_triton: the set it must return, [R,k] int32 (in score order): a stable
+    descending sort keeps ties in index order (lowest first), -0.0 == +0.0, NaN ranks first
+    (as torch.topk ranks it)."""
+    return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[:, :k].to(torch.int32)
 
 
 def _check(x, a, b, bias, k):

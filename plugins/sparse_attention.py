@@ -42,8 +42,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # each chunk's partial softmax combined by a second kernel, flash-decoding style).
 # Small chunks (one program per CHUNK positions and selected head) won the
 # `benchmarks/kernels.py --sweep-attn` runs on the H200 (OPT-30B, head density 0.3, contexts
-# 128 and 1024): CHUNK 64 164 us summed vs 186 for 256 (first run); CHUNK 32 141.5 vs 142.5
-# for 64 after the split-D Q/K/V kernel (second run).
+# 128 and 1024): CHUNK 64 164 us summed vs 186 for 256 (first run); CHUNK 32 141.5 vs 143.5
+# for 64 after the split-D Q/K/V kernel (second run, kernels-h200-sweep-attn.json).
 ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4}
 
 
@@ -56,7 +56,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
     # else (one chunk) store o directly.
-    # COMMIT (deferred K/V, after deferred_kv._qkv_kernel): valid_len[b, head] = pos + 1 and
+    # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
     # x_hist[b, pos] = x_new[b] (no program here reads either).
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)

@@ -145,7 +145,8 @@ class SparseDecoder:
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device).
 
-        Writes this token's K/V (all heads) at slot pos[b]; attends to slots <= pos[b]."""
+        Writes this token's K/V at slot pos[b] (kv_policy "full": every head; "deferred": the
+        selected heads, plus their missing earlier slots); attends to slots <= pos[b]."""
         s, run = self.spec, self.pred
         B, H, hd = tokens.shape[0], s.num_heads, s.head_dim
         valid = self.slots[None, :] <= pos[:, None]  # [B, T]
