@@ -571,6 +571,9 @@ def main(argv=None) -> int:
     p.add_argument("--hf-reserve", type=float, default=60.0, help="seconds kept for OPT-30B's HF runs")
     p.add_argument("--budget", type=float, default=400.0, help="seconds; later measurements are skipped")
     p.add_argument("--tuned", default=None, help="kernels.py JSON whose sweep_attn configs to use")
+    p.add_argument("--qkv-shared-min-batch", type=int, default=None,
+                   help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
+                        "default: the plugin's, off)")
     a = p.parse_args(argv)
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
@@ -600,6 +603,11 @@ def main(argv=None) -> int:
     except ImportError:
         a.no_hf = True
     meta["tuned"] = apply_tuned(a.tuned)
+    if a.qkv_shared_min_batch is not None:  # benchmark-only override of the plugin default
+        import importlib
+
+        importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG["SHARED_MIN_BATCH"] = a.qkv_shared_min_batch
+        meta["tuned"]["qkv_shared_min_batch"] = a.qkv_shared_min_batch
     run = Run(out, a.budget, meta)
     if not a.no_smoke:
         s = smoke()

@@ -608,9 +608,11 @@ def bench_deferred(quick):
                 del x, w, kc, vc
                 for d in ((0.3,) if quick else (0.1, 0.3, 0.5, 1.0)):
                     kh = max(1, round(d * H))
-                    for gap in (0, 3, 16):
+                    for gap, kernel in [(g, "per_seq") for g in (0, 3, 16)] + (
+                            [(g, "shared") for g in (0, 3)] if shared else []):
                         args = _deferred_args(D, H, B, ctx, kh, shared, gap)
-                        t = bench_graph([_deferred_call(a) for a in args])
+                        cfg = {"qkv": {"SHARED_MIN_BATCH": 2}} if kernel == "shared" else None
+                        t = bench_graph([_deferred_call(a, cfg) for a in args])
                         t_reset = bench_graph([lambda a=a: a[5].copy_(a[6]) for a in args])
                         t = t - (t_reset or 0.0) if t else None
                         hd = D // H
@@ -618,7 +620,7 @@ def bench_deferred(quick):
                         nbytes = 2 * (4 * heads_read * hd * D + 2 * B * kh * (ctx + 1) * hd
                                       + B * kh * gap * D)
                         rows.append({"shape": name, "B": B, "ctx": ctx, "density": d, "heads": kh, "gap": gap,
-                                     "policy": "shared" if shared else "per_seq", "graph_ms": t,
+                                     "policy": "shared" if shared else "per_seq", "qkv_kernel": kernel, "graph_ms": t,
                                      "reset_ms": t_reset, "dense_graph_ms": t_dense,
                                      "graph_speedup": t_dense / t if t and t_dense else None,
                                      "bytes": nbytes, "GBps": nbytes / t / 1e6 if t else None})
@@ -866,7 +868,7 @@ def main(argv=None):
                                   "dense_ms", "dense_graph_ms", "speedup", "graph_speedup"]))
     if "deferred" in res:
         print("\n## Sparse attention decode, deferred K/V (graph, per layer)\n")
-        print(table(res["deferred"], ["shape", "B", "ctx", "density", "heads", "gap", "policy", "graph_ms",
+        print(table(res["deferred"], ["shape", "B", "ctx", "density", "heads", "gap", "policy", "qkv_kernel", "graph_ms",
                                       "dense_graph_ms", "graph_speedup", "GBps"]))
     if "deferred_parts" in res:
         print("\n## Deferred attention pieces (graph, per call, B=1, head density 0.3)\n")
