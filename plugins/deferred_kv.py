@@ -82,6 +82,16 @@ def _qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stri
     return head, pos, seg, offs_c, cmask, rows, start
 
 
+@helper
+def _weight_rows(wq_ptr, wkv_ptr, rows, seg, D):
+    # [BLOCK_R, 1] pointers to the rows' starts: wq for Q (segment 0), wkv for K/V
+    if seg == 0:
+        w_rows = wq_ptr + rows[:, None] * D
+    else:
+        w_rows = wkv_ptr + rows[:, None] * D
+    return w_rows
+
+
 def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
                         B, KH, H, D, HD, NB, D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_hb, stride_pb,
                         HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -99,10 +109,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos
     b64 = b.to(tl.int64)
     head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
         head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
-    if seg == 0:
-        w_rows = wq_ptr + rows[:, None] * D
-    else:
-        w_rows = wkv_ptr + rows[:, None] * D
+    w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
     if HAS_NEW:
         xn_row = xnew_ptr + b64 * stride_nb
     else:
@@ -155,10 +162,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_p
     pid_s = tl.program_id(2)
     head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
         head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
-    if seg == 0:
-        w_rows = wq_ptr + rows[:, None] * D
-    else:
-        w_rows = wkv_ptr + rows[:, None] * D
+    w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
     offs_m = tl.arange(0, BLOCK_M)
     mb = offs_m // P
     mp = offs_m % P
