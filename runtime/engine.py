@@ -25,8 +25,9 @@ BATCH_POLICIES = ("per_sequence", "shared")
 # per_sequence: [B, K] index sets, the masked-dense semantics of each sequence exactly.
 # shared: one [K] set for the batch (top-k of the batch's max score), weights read once per
 # step; at B = 8, density 0.3 the sparse MLP is 2.63x faster than dense where per-sequence
-# sets are 0.46x (benchmarks/results/kernels-h200.json, BENCHMARKS.md). At B = 1 both are the same. None picks shared
-# on CUDA and per_sequence on CPU (the reference path, where exactness is what is wanted).
+# sets are 0.46x (benchmarks/results/kernels-h200.json, BENCHMARKS.md). At B = 1 both are the
+# same. None picks shared on CUDA and per_sequence on CPU (the reference path, where
+# exactness is what is wanted).
 DEFAULT_BATCH_POLICY = None
 DEFAULT_KV_POLICY = "deferred"  # K/V of the selected heads only, missing slots recomputed (same output)
 
