@@ -24,6 +24,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 _JITTED: dict = {}
+tl = None  # triton.language, bound by the first `jit` (for the helpers defined here)
 
 
 def _triton():
@@ -48,6 +49,21 @@ def helper(fn):
     return fn
 
 
+@helper
+def last_arrival(counter_ptr, n):
+    # Called once by each of the n programs of a launch that share int32 *counter_ptr (0 on
+    # entry): true in the one that arrives last, which may then read what all of them wrote
+    # to global memory (load it with cache_modifier=".cg": from L2, not a stale L1). The
+    # counter is 0 again afterwards (the last one resets it), ready for the next launch.
+    # bar.sync first, so thread 0's scalar acq_rel atomic orders the whole block's earlier
+    # writes (the usual threadfence-reduction pattern; plugins/predictor.py's grid barrier).
+    tl.debug_barrier()
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == n - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+    return last
+
+
 def jit(fn, device: torch.device):
     """The Triton kernel for plain function `fn`, ready to launch on `device`'s tensors."""
     if device.type == "cpu" and not interpreting():
@@ -62,7 +78,7 @@ def jit(fn, device: torch.device):
         if device.type == "cpu":
             _patch_interpreter_index()
         g = fn.__globals__
-        g["tl"] = triton.language
+        g["tl"] = globals()["tl"] = triton.language
         for name, obj in list(g.items()):  # helpers the kernels call must be JIT functions too
             if getattr(obj, "_dejavu_helper", False) and callable(obj) and not hasattr(obj, "run"):
                 g[name] = triton.jit(obj)

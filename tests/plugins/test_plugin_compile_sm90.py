@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
+    import dejavu.plugins._common as C
     import dejavu.plugins.deferred_kv as DK
     import dejavu.plugins.predictor as PR
     import dejavu.plugins.sparse_attention as SA
@@ -28,7 +29,7 @@ SCRIPT = textwrap.dedent('''
     F32_PTRS = {"part_ptr", "ml_ptr", "q_ptr", "o_ptr", "s_ptr"}
 
     def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None):
-        mod.tl = tl
+        mod.tl = C.tl = tl  # C: helpers defined in _common (last_arrival) look tl up there
         for name, obj in list(vars(mod).items()):  # @helper device functions, as _common.jit does
             if getattr(obj, "_dejavu_helper", False) and not isinstance(obj, JITFunction):
                 setattr(mod, name, triton.jit(obj))
