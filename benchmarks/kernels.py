@@ -380,15 +380,24 @@ FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for 
              + [dict(BLOCK_K=16, BLOCK_D=256, num_warps=4, SPLIT=s) for s in (4, 8, 32)],
              "dot": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for k, d, w, s in
                      [(64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (128, 64, 4, 3),
-                      (32, 128, 4, 4)]]}
+                      (32, 128, 4, 4)]],
+             # batch 1 through the tl.dot kernel (FC2_CONFIG["dot1"])
+             "dot1": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s, TARGET_PROGRAMS=t)
+                      for k, d, w, s, t in
+                      [(128, 64, 4, 3, 528), (64, 128, 4, 3, 528), (32, 256, 4, 3, 528), (64, 256, 8, 3, 528),
+                       (128, 128, 8, 3, 528), (64, 128, 4, 4, 528), (128, 64, 4, 3, 1056), (64, 128, 4, 3, 1056),
+                       (32, 256, 4, 4, 1056), (16, 512, 4, 3, 528), (128, 64, 8, 4, 528), (64, 64, 4, 4, 1056)]]}
 
 
 def sweep(mlps, quick):
     """Time each config; per path keep the one with the lowest summed time over the cases."""
     out = {"fc1": {}, "fc2": {}, "rows": []}
-    for path, B, shared, dens in (("gemv", 1, False, (0.1, 0.5)), ("dot", 8, True, (0.3,))):
-        for kernel, table, cfgs in (("fc1", SM.FC1_CONFIG, FC1_SWEEP[path]),
+    for path, B, shared, dens in (("gemv", 1, False, (0.1, 0.5)), ("dot", 8, True, (0.3,)),
+                                  ("dot1", 1, False, (0.1, 0.3))):
+        for kernel, table, cfgs in (("fc1", SM.FC1_CONFIG, FC1_SWEEP.get(path)),
                                     ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path])):
+            if cfgs is None:
+                continue
             totals = []
             for cfg in (cfgs[:3] if quick else cfgs):
                 if late("sweep") and totals:
@@ -524,7 +533,7 @@ def bench_attn(quick):
 
 QKV_SWEEP = [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=w,
                   num_stages=st)
-             for r in (16, 32) for d in (128, 256, 512) for t in (528, 1056, 2112) for w in (4,) for st in (1, 2)
+             for r in (32, 64) for d in (64, 128, 256) for t in (528, 1056, 2112) for w in (4, 8) for st in (2, 3)
              if r * d <= 8192]
 ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=4) for c in (32, 64, 128) for bs in (32, 64) if bs <= c]
 

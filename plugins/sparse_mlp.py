@@ -41,6 +41,8 @@ FC2_CONFIG = {
     # SPLIT 32 (~900 programs at D 7168) beat the 528-program target by 16% in the sweep
     "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4, "SPLIT": 32},
     "dot": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
+    # batch 1 through the tl.dot kernel (FC2_DOT_MIN_BATCH): its own blocks (swept at B=1)
+    "dot1": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
 }
 DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
 # fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
@@ -298,11 +300,12 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1):
         return out
     shared = idx.dim() == 1
     dot = (shared or B == 1) and B >= FC2_DOT_MIN_BATCH
-    cfg = {**FC2_CONFIG["dot" if dot else "gemv"], **(config or {})}
+    cfg = {**FC2_CONFIG[("dot1" if B == 1 else "dot") if dot else "gemv"], **(config or {})}
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
     n_d = _cdiv(D, block_d)
     k_blocks = max(1, _cdiv(K, block_k))
-    split = cfg.get("SPLIT") or max(1, min(k_blocks, TARGET_PROGRAMS // (n_d * (1 if dot else B))))
+    target = cfg.get("TARGET_PROGRAMS", TARGET_PROGRAMS)
+    split = cfg.get("SPLIT") or max(1, min(k_blocks, target // (n_d * (1 if dot else B))))
     k_per_split = _cdiv(k_blocks, split) * block_k
     split = max(1, _cdiv(K, k_per_split))
     final = split == 1
