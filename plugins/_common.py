@@ -108,6 +108,25 @@ def _patch_interpreter_index():
     interp._patch_lang_tensor = patched
 
 
+_COUNTERS: dict = {}
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 counters, all 0, for `last_arrival` (shared by every kernel on `device`: the
+    last program of each launch puts its counter back to 0, so launches on one stream can
+    reuse them; kernels running at the same time on two streams must not both use them).
+    Allocated on first use (64 Ki, grown by doubling): under CUDA-graph capture the buffer must
+    exist already (run the step once before capturing, as the runtime does)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise DejavuError("plugins: counters must be allocated before CUDA-graph capture "
+                              "(run one step eagerly first)")
+        size = max(1 << 16, next_pow2(n))
+        buf = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf[:n]
+
+
 def check_tensor(name, t, *, ndim=None, shape=None, dtype=None, device=None, dtypes=None):
     """Raise DejavuError unless `t` is a contiguous tensor of the given rank/shape/dtype/device."""
     if not isinstance(t, torch.Tensor):
