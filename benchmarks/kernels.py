@@ -392,10 +392,12 @@ FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for 
 def sweep(mlps, quick):
     """Time each config; per path keep the one with the lowest summed time over the cases."""
     out = {"fc1": {}, "fc2": {}, "rows": []}
+    # batch 1 runs fc1 as a GEMV and fc2 through the dot kernel ("dot1": FC2_DOT_MIN_BATCH = 1);
+    # the per-sequence fc2 GEMV (batch > 1, one set per sequence) keeps its blocks
     for path, B, shared, dens in (("gemv", 1, False, (0.1, 0.5)), ("dot", 8, True, (0.3,)),
                                   ("dot1", 1, False, (0.1, 0.3))):
         for kernel, table, cfgs in (("fc1", SM.FC1_CONFIG, FC1_SWEEP.get(path)),
-                                    ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path])):
+                                    ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path] if path != "gemv" else None)):
             if cfgs is None:
                 continue
             totals = []
@@ -408,12 +410,19 @@ def sweep(mlps, quick):
                         for d in dens:
                             K = int(d * mlp.F)
                             x = randn(B, mlp.D)
-                            idx = rand_idx(B, mlp.F, K, shared)
+                            h = randn(B, K)
+                            idxs = [rand_idx(B, mlp.F, K, shared) for _ in range(mlp.COPIES)]
+                            # in a CUDA graph over rotating weight copies: do_bench on a
+                            # ~30 us kernel times the Python launcher as much as the GPU
                             if kernel == "fc1":
-                                t = bench(lambda: P.sparse_fc1(x, mlp.w1, mlp.b1, idx, validate=False, config=cfg))
+                                fns = [lambda c=c: P.sparse_fc1(x, mlp.copies[c][0], mlp.copies[c][1], idxs[c],
+                                                                validate=False, config=cfg)
+                                       for c in range(mlp.COPIES)]
                             else:
-                                h = randn(B, K)
-                                t = bench(lambda: P.sparse_fc2(h, mlp.w2_t, mlp.b2, idx, validate=False, config=cfg))
+                                fns = [lambda c=c: P.sparse_fc2(h, mlp.copies[c][2], mlp.copies[c][3], idxs[c],
+                                                                validate=False, config=cfg)
+                                       for c in range(mlp.COPIES)]
+                            t = bench_graph(fns)
                             out["rows"].append({"kernel": kernel, "path": path, "shape": name, "density": d,
                                                 "B": B, "config": cfg, "ms": t})
                             total += t
@@ -586,8 +595,7 @@ def sweep_attn(quick):
         best = min(totals, key=lambda tc: tc[0])
         print(f"sweep {key}: best {best[1]} ({best[0]:.4f} ms summed); default {table}")
         if best[0] < float("inf"):
-            table.clear()
-            table.update(best[1])
+            table.update(best[1])  # keys the sweep does not vary (SHARED_*) stay
         out[key] = dict(table)
     del sets
     torch.cuda.empty_cache()
