@@ -3,6 +3,7 @@
     sparse_fc1(x[B,D], w1[F,D], b1[F], idx[B,K]|[K]) -> h[B,K] = relu(w1[idx] @ x + b1[idx])
     sparse_fc2(h[B,K], w2_t[F,D], b2[D], idx, residual[B,D]|None) -> y[B,D]
                                                    = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual)
+    sparse_fc2(..., ln=(weight[D], bias[D])) -> (y[B,D], LayerNorm(y)[B,D])   (eps 1e-5)
 
 Limits and choices (see docs/kernels.md for the measurements behind them):
 - dtypes fp16, bf16, fp32 (weights in the activation dtype); accumulation in fp32; the
@@ -15,8 +16,15 @@ Limits and choices (see docs/kernels.md for the measurements behind them):
 - Index values are trusted in the kernel (gathering a bad row reads out of bounds); the
   launcher checks the range only when `validate` is true (default: CPU yes, GPU no, since
   the check syncs with the host). Duplicated indices are allowed (fc2 sums them).
-- fc2 splits K across programs (two passes: fp32 partials [SPLIT, B, D], then one small
-  reduction that adds bias and residual): deterministic, no atomics, no zeroed workspace.
+- fc2 splits K across programs: fp32 partials [SPLIT, B, D], summed in a fixed order with
+  bias and residual (deterministic). FUSED_FINISH (B <= FUSED_MAX_BATCH): in the same
+  launch, the last program of each D block to arrive (`_common.last_arrival`, int32 counters
+  from `_common.counters`, back to 0 afterwards) sums that block's partials for all rows;
+  with `ln=`, the last of those then computes LayerNorm of the stored y (fp32 statistics:
+  mean, then the mean of squared deviations, y re-read from L2) into `ln_out`, as the model
+  normalises its rounded residual stream. Otherwise (switch off, or larger batches, where
+  one program per D block or one program for every row's LayerNorm would be slow) a second
+  small kernel reduces the partials and `layer_norm.layer_norm` follows.
 - No host sync on the GPU path; launches are CUDA-graph capturable.
 - Block sizes are fixed per path (FC1_CONFIG / FC2_CONFIG, picked on an H200, recorded by
   `kernel_settings()`); `config=` overrides them (the benchmark's sweep).
@@ -26,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
-                                    default_validate, helper, jit, next_pow2)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
+                                    default_validate, helper, jit, last_arrival, next_pow2)
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -51,6 +59,14 @@ DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl
 FC2_DOT_MIN_BATCH = 1
 TARGET_PROGRAMS = 528   # fc2 split-K without a fixed SPLIT: ~4 programs per SM (132 SMs)
 REDUCE_BLOCK = 1024
+# Fused split-K finish (module docstring). The finishing programs read B * SPLIT * BLOCK_D
+# partials each and the LayerNorm program B * D values three times: cheap at decode batches,
+# not at large B, which keeps the separate reduction (parallel over rows and D blocks).
+FUSED_FINISH = True
+FUSED_MAX_BATCH = 8
+FIN_PARTIALS = 4096     # partials per load in a finishing program (SPLIT rows of BLOCK_D)
+LN_BLOCK = 1024         # LayerNorm of the fused finish: elements per load
+LN_EPS = 1e-5
 
 
 def kernel_settings() -> dict:
@@ -58,7 +74,8 @@ def kernel_settings() -> dict:
     return {"fc1": {k: dict(v) for k, v in FC1_CONFIG.items()},
             "fc2": {k: dict(v) for k, v in FC2_CONFIG.items()},
             "dot_min_batch": DOT_MIN_BATCH, "fc2_dot_min_batch": FC2_DOT_MIN_BATCH,
-            "fc2_target_programs": TARGET_PROGRAMS}
+            "fc2_target_programs": TARGET_PROGRAMS, "fused_finish": FUSED_FINISH,
+            "fused_max_batch": FUSED_MAX_BATCH}
 
 
 # ---------------------------------------------------------------------------------------
@@ -144,13 +161,89 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
     tl.store(out, h.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & bmask[None, :])
 
 
+@helper
+def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, pid_d, B, D, SPLIT,
+                  HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # y[b, block pid_d] = sum_s part[s, b, block] + bias (+ residual) for every row b, the
+    # partials in order of s as _split_reduce_kernel; .cg: other programs wrote them (L2).
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    bias = tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    offs_s = tl.arange(0, BLOCK_S)
+    for b in range(0, B):
+        y = bias
+        for s0 in range(0, SPLIT, BLOCK_S):
+            s = s0 + offs_s
+            parts = tl.load(part_ptr + (s[:, None].to(tl.int64) * B + b) * D + offs_d[None, :],
+                            mask=(s < SPLIT)[:, None] & dmask[None, :], other=0.0,
+                            cache_modifier=".cg")
+            y += tl.sum(parts, axis=0)
+        if HAS_RES:
+            y += tl.load(res_ptr + b * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + b * D + offs_d, y.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@helper
+def _ln_rows(y_ptr, w_ptr, b_ptr, out_ptr, B, D, eps, BLOCK: tl.constexpr):
+    # out[b] = LayerNorm(y[b]) for every row, fp32 statistics as layer_norm.py: the mean, then
+    # the mean of squared deviations, then normalise; y (the stored, rounded rows, written
+    # by other programs) is read three times from L2 (.cg).
+    offs = tl.arange(0, BLOCK)
+    for b in range(0, B):
+        row = y_ptr + b * D
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK):
+            m = d0 + offs < D
+            acc += tl.load(row + d0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        mean = tl.sum(acc, axis=0) / D
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK):
+            m = d0 + offs < D
+            x = tl.load(row + d0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            xc = tl.where(m, x - mean, 0.0)
+            acc += xc * xc
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
+        for d0 in range(0, D, BLOCK):
+            m = d0 + offs < D
+            x = tl.load(row + d0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(w_ptr + d0 + offs, mask=m, other=0.0).to(tl.float32)
+            bb = tl.load(b_ptr + d0 + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + b * D + d0 + offs, ((x - mean) * rstd * w + bb).to(out_ptr.dtype.element_ty),
+                     mask=m)
+
+
+@helper
+def _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, pid_d, B, D,
+            SPLIT, N_COL, N_LN, eps, FINAL: tl.constexpr, HAS_RES: tl.constexpr, LN: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LN_BLOCK: tl.constexpr):
+    # The fused finish, after this program stored its partials (FINAL: its part of y).
+    # Counters: cnt[1 + pid_d] for the N_COL programs of D block pid_d (the last sums the
+    # block's partials into y), cnt[0] for the N_LN programs that store y (the last
+    # normalises every row into ln). Each last_arrival orders the writes before it.
+    if FINAL:
+        if LN:
+            if last_arrival(cnt_ptr, N_LN):
+                _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, B, D, eps, LN_BLOCK)
+    else:
+        if last_arrival(cnt_ptr + 1 + pid_d, N_COL):
+            _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, pid_d, B, D, SPLIT, HAS_RES, BLOCK_D,
+                          BLOCK_S)
+            if LN:
+                if last_arrival(cnt_ptr, N_LN):
+                    _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, B, D, eps, LN_BLOCK)
+
+
 def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
-                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib,
-                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, GROUP: tl.constexpr):
+                          cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr,
+                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib, SPLIT, N_COL, N_LN, eps,
+                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
+                          LN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                          EVEN_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr,
+                          LN_BLOCK: tl.constexpr):
     # y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
+    # FUSED: finish in this launch (_finish: partial sums, LayerNorm when LN).
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -189,14 +282,20 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
         tl.store(out_ptr + row + offs_d, y.to(out_ptr.dtype.element_ty), mask=dmask)
     else:
         tl.store(part_ptr + pid_s.to(tl.int64) * B * D + row + offs_d, y, mask=dmask)
+    if FUSED:
+        _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, pid_d, B, D,
+                SPLIT, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, LN_BLOCK)
 
 
 def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
-                         B, D, K, K_PER_SPLIT, stride_hb,
-                         FINAL: tl.constexpr, HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-                         EVEN_D: tl.constexpr, GROUP: tl.constexpr):
+                         cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr,
+                         B, D, K, K_PER_SPLIT, stride_hb, SPLIT, N_COL, N_LN, eps,
+                         FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
+                         LN: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_S: tl.constexpr, LN_BLOCK: tl.constexpr):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
+    # FINAL, FUSED, LN as in _gather_gemv_t_kernel.
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -230,6 +329,9 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         tl.store(out_ptr + rows_b + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + pid_s.to(tl.int64) * B * D + rows_b + offs_d[None, :], acc, mask=mask)
+    if FUSED:
+        _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, pid_d, B, D,
+                SPLIT, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, LN_BLOCK)
 
 
 def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
@@ -291,9 +393,10 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
     return out
 
 
-def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1):
+def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
-    in gather_gemv (h's K = idx's K * group)."""
+    in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
+    LayerNorm(out) (eps LN_EPS). Returns out."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -309,28 +412,57 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1):
     k_per_split = _cdiv(k_blocks, split) * block_k
     split = max(1, _cdiv(K, k_per_split))
     final = split == 1
+    per_col = 1 if dot else B  # programs per (split, D block)
+    # in-kernel finish: partial sums unless SPLIT is 1, LayerNorm if asked (FUSED_FINISH)
+    fused = FUSED_FINISH and B <= FUSED_MAX_BATCH and (not final or ln is not None)
     part = out if final else torch.empty((split, B, D), dtype=torch.float32, device=h.device)
     res = residual if residual is not None else out  # never read when HAS_RES is false
-    common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
-                  EVEN_D=D % block_d == 0, GROUP=group, num_warps=cfg["num_warps"])
+    cnt = counters(h.device, n_d + 1) if fused else idx  # never touched unless FUSED
+    lnw, lnb = ln if (fused and ln is not None) else (bias, bias)
+    lno = ln_out if (fused and ln is not None) else out
+    fin = (cnt, lnw, lnb, lno)
+    sizes = (split, split * per_col, n_d * per_col if final else n_d, LN_EPS)  # SPLIT, N_COL, N_LN, eps
+    common = dict(FINAL=final, HAS_RES=residual is not None, FUSED=fused, LN=fused and ln is not None,
+                  BLOCK_K=block_k, BLOCK_D=block_d, EVEN_D=D % block_d == 0, GROUP=group,
+                  BLOCK_S=min(next_pow2(split), max(1, FIN_PARTIALS // block_d)), LN_BLOCK=LN_BLOCK,
+                  num_warps=cfg["num_warps"])
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
-        kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0),
-                             DOT_FP32=_dot_fp32(w_t.dtype, h.device), BLOCK_B=max(16, next_pow2(B)),
-                             num_stages=cfg.get("num_stages", 3), **common)
+        kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
+                             h.stride(0), *sizes, DOT_FP32=_dot_fp32(w_t.dtype, h.device),
+                             BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
+                             **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
-        kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split,
-                                h.stride(0), 0 if shared else idx.stride(0),
+        kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
+                                h.stride(0), 0 if shared else idx.stride(0), *sizes,
                                 num_stages=cfg.get("num_stages", 2), **common)
-    if not final:
+    if not final and not fused:
         reduce = jit(_split_reduce_kernel, h.device)
         block_s = next_pow2(split)
         block = max(128, REDUCE_BLOCK * 4 // block_s)  # ~4096 partials per program
         reduce[(B, _cdiv(D, block))](part, bias, res, out, B, D, split,
                                      HAS_RES=residual is not None, BLOCK=block, BLOCK_S=block_s,
-                                            num_warps=4)
+                                     num_warps=4)
+    if ln is not None and not fused:
+        from dejavu.plugins.layer_norm import layer_norm
+        layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
     return out
+
+
+def check_ln(ln, ln_out, B, D, dtype, device):
+    """Check the `ln=(weight[D], bias[D])` / `ln_out[B,D]` options of the fused finish; returns
+    ln_out (allocated when None), or None without ln."""
+    if ln is None:
+        if ln_out is not None:
+            raise DejavuError("ln_out: given without ln=(weight, bias)")
+        return None
+    if not isinstance(ln, (tuple, list)) or len(ln) != 2:
+        raise DejavuError("ln: expected a (weight, bias) pair")
+    check_tensor("ln weight", ln[0], shape=(D,), dtype=dtype, device=device)
+    check_tensor("ln bias", ln[1], shape=(D,), dtype=dtype, device=device)
+    ln_out = check_out(ln_out, (B, D), dtype, device)
+    return ln_out
 
 
 # ---------------------------------------------------------------------------------------
@@ -351,8 +483,10 @@ def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None):
     return gather_gemv(x, w1, b1, idx, out, relu=True, config=config)
 
 
-def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, validate=None, config=None):
-    """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K]."""
+def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
+               config=None):
+    """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
+    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out)."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
     check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)
@@ -365,7 +499,9 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, validate=None, conf
     if residual is not None:
         check_tensor("residual", residual, shape=(B, D), dtype=h.dtype, device=h.device)
     out = check_out(out, (B, D), h.dtype, h.device)
-    return gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config)
+    ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
+    y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out)
+    return y if ln is None else (y, ln_out)
 
 
 def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
@@ -388,11 +524,20 @@ def sparse_fc1_ref(x, w1, b1, idx):
     return torch.relu(h)
 
 
-def sparse_fc2_ref(h, w2_t, b2, idx, residual=None):
-    """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]."""
+def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None):
+    """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),
+    (y, F.layer_norm(y))."""
     rows = _expand_idx(idx, h.shape[0])
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
-    return y if residual is None else y + residual
+    return with_ln_ref(y if residual is None else y + residual, ln)
+
+
+def with_ln_ref(y, ln):
+    """y, or (y, F.layer_norm(y) with ln = (weight, bias), eps 1e-5) in y's dtype: the
+    references' form of the fused LayerNorm (the dense model's own function)."""
+    if ln is None:
+        return y
+    return y, torch.nn.functional.layer_norm(y, (y.shape[-1],), ln[0], ln[1], LN_EPS)
 
 
 def sparse_mlp_layer_ref(x, w1, b1, w2_t, b2, idx, residual=None):

@@ -51,12 +51,17 @@ SCRIPT = textwrap.dedent('''
         for group in (1, 128):
             compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=4, BLOCK_D=1024, EVEN_D=True,
                                                           GROUP=group), dt)
-            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
-                                                            EVEN_D=True, GROUP=group), dt)
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
-        compile_sm90(SM, SM._gather_dot_t_kernel, dict(FINAL=True, HAS_RES=True, DOT_FP32=False, BLOCK_K=128,
-                                                       BLOCK_B=32, BLOCK_D=64, EVEN_D=False, GROUP=128), dt)
+        # fc2 / out-proj: split-K with the separate reduction, fused finish (+ LayerNorm), one split + LayerNorm
+        for final, fused, ln, group in ((False, False, False, 1), (False, True, False, 128), (False, True, True, 1),
+                                        (True, True, True, 128), (True, False, False, 1)):
+            fin = dict(FINAL=final, HAS_RES=True, FUSED=fused, LN=ln, LN_BLOCK=1024, GROUP=group)
+            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, BLOCK_S=16, **fin),
+                         dt, overrides={"cnt_ptr": "*i32", "eps": "fp32"})
+            compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=128, BLOCK_B=16, BLOCK_D=64,
+                                                           EVEN_D=False, BLOCK_S=4, **fin),
+                         dt, overrides={"cnt_ptr": "*i32", "eps": "fp32"})
     compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4))
     for commit in (False, True):
         compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=commit, COMMIT=commit, BLOCK_S=64, BLOCK_HD=128,
