@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins import sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref, sparse_mlp_layer
+from dejavu.plugins import (layer_norm_ref, sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref,
+                            sparse_mlp_layer)
 
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -132,3 +133,119 @@ def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
     y = torch.full((1, D), float("nan"), dtype=dtype)
     sparse_fc2(h, w2_t, b2, idx, out=y)
     close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx), sparse_fc2_ref(h, w2_t, b2, idx))
+
+
+# ---------------------------------------------------------------------------------------
+# fused split-K finish (FUSED_FINISH): the last program per D block sums the partials, the
+# last of those computes LayerNorm(y). The interpreter runs programs one after another: these
+# check the logic and the numbers; benchmarks/kernels.py --check runs them on the H200.
+
+SM = sys.modules["dejavu.plugins.sparse_mlp"]
+
+
+def ln_weights(dtype):
+    return (1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype)
+
+
+def launched(monkeypatch):
+    """The kernel functions sparse_mlp launches from now on (a list, filled as they run)."""
+    names, jit = [], SM.jit
+    monkeypatch.setattr(SM, "jit", lambda fn, dev: names.append(fn.__name__) or jit(fn, dev))
+    return names
+
+
+def check_fc2_ln(close, h, w2_t, b2, idx, res, ln, config=None):
+    """sparse_fc2 into NaN-poisoned outputs: y against the float64 reference, LN(y) against
+    float64 LayerNorm of the rounded y; the counters are 0 again afterwards."""
+    B, dtype = h.shape[0], h.dtype
+    y = torch.full((B, D), float("nan"), dtype=dtype)
+    y_ln = torch.full((B, D), float("nan"), dtype=dtype) if ln else None
+    got = sparse_fc2(h, w2_t, b2, idx, res, out=y, ln=ln, ln_out=y_ln, config=config)
+    r64 = res.double() if res is not None else None
+    close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, r64), sparse_fc2_ref(h, w2_t, b2, idx, res))
+    if ln is None:
+        assert got is y
+    else:
+        assert got[0] is y and got[1] is y_ln
+        ref64 = torch.nn.functional.layer_norm(y.double(), (D,), ln[0].double(), ln[1].double(), 1e-5)
+        close(y_ln, ref64, layer_norm_ref(y, *ln))
+    assert not SM.counters(torch.device("cpu"), 64).any(), "counters not reset"
+
+
+# (batch, shared set, FC2_DOT_MIN_BATCH): the dot kernel at B 1 and 3 (shared), the GEMV-T
+# kernel per sequence at B 3 and 1, and for a shared set
+PATHS = [(1, True, 1), (3, True, 1), (3, False, 1), (1, False, 99), (3, True, 99)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared,dot_min", PATHS)
+@pytest.mark.parametrize("split", [1, 3])
+def test_fused_finish_with_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, dot_min, split):
+    # SPLIT 3 over D blocks of 32 (D 72: a partial last block); LayerNorm in blocks of 32
+    monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
+    monkeypatch.setattr(SM, "LN_BLOCK", 32)
+    _, _, _, w2_t, b2, idx = make(B, dtype, shared)
+    h, res = torch.randn(B, K).to(dtype), torch.randn(B, D).to(dtype)
+    kernels = launched(monkeypatch)
+    check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(dtype),
+                 {"SPLIT": split, "BLOCK_K": 16, "BLOCK_D": 32})
+    want = "_gather_dot_t_kernel" if (shared or B == 1) and B >= dot_min else "_gather_gemv_t_kernel"
+    assert kernels == [want], kernels  # one launch: no reduction, no LayerNorm kernel
+
+
+@pytest.mark.parametrize("B,shared,dot_min", PATHS[:3])
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_finish_without_layer_norm(triton_interp, close, monkeypatch, B, shared, dot_min, residual):
+    monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
+    _, _, _, w2_t, b2, idx = make(B, torch.float16, shared)
+    h = torch.randn(B, K).half()
+    res = torch.randn(B, D).half() if residual else None
+    kernels = launched(monkeypatch)
+    check_fc2_ln(close, h, w2_t, b2, idx, res, None, {"SPLIT": 3, "BLOCK_K": 16, "BLOCK_D": 32})
+    assert len(kernels) == 1, kernels
+    check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(torch.float16))  # default blocks, LN without residual
+
+
+@pytest.mark.parametrize("why", ["switch", "batch"])
+def test_fallback_reduction_and_layer_norm_kernels(triton_interp, close, monkeypatch, why):
+    # FUSED_FINISH off, or a batch above FUSED_MAX_BATCH: split reduction + layer_norm launches
+    if why == "switch":
+        monkeypatch.setattr(SM, "FUSED_FINISH", False)
+    else:
+        monkeypatch.setattr(SM, "FUSED_MAX_BATCH", 2)
+    _, _, _, w2_t, b2, idx = make(3, torch.float16, False)
+    h, res = torch.randn(3, K).half(), torch.randn(3, D).half()
+    kernels = launched(monkeypatch)
+    check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(torch.float16), {"SPLIT": 3, "BLOCK_K": 16})
+    assert kernels == ["_gather_gemv_t_kernel", "_split_reduce_kernel"], kernels  # + layer_norm's own kernel
+    assert SM.kernel_settings()["fused_finish"] is (why != "switch")
+
+
+def test_fused_finish_allocates_ln_out_and_matches_unfused(triton_interp, monkeypatch):
+    _, _, _, w2_t, b2, idx = make(1, torch.float32, True)
+    h, res, ln = torch.randn(1, K), torch.randn(1, D), ln_weights(torch.float32)
+    y, y_ln = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, config={"SPLIT": 2, "BLOCK_K": 16})
+    monkeypatch.setattr(SM, "FUSED_FINISH", False)
+    y2, y2_ln = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, config={"SPLIT": 2, "BLOCK_K": 16})
+    assert torch.equal(y, y2)  # same partials, same order of summation
+    assert torch.allclose(y_ln, y2_ln, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_layer_norm_weights_rejected():
+    _, _, _, w2_t, b2, idx = make(2, torch.float16, False)
+    h = torch.randn(2, K).half()
+    lw, lb = ln_weights(torch.float16)
+    with pytest.raises(DejavuError, match="ln: expected a \\(weight, bias\\) pair"):
+        sparse_fc2(h, w2_t, b2, idx, ln=lw)
+    with pytest.raises(DejavuError, match="ln weight: expected shape"):
+        sparse_fc2(h, w2_t, b2, idx, ln=(lw[:-1].contiguous(), lb))
+    with pytest.raises(DejavuError, match="ln bias: expected dtype"):
+        sparse_fc2(h, w2_t, b2, idx, ln=(lw, lb.float()))
+    with pytest.raises(DejavuError, match="ln weight: on meta"):
+        sparse_fc2(h, w2_t, b2, idx, ln=(lw.to("meta"), lb))
+    with pytest.raises(DejavuError, match="ln bias: must be contiguous"):
+        sparse_fc2(h, w2_t, b2, idx, ln=(lw, torch.stack([lb, lb], 1)[:, 0]))
+    with pytest.raises(DejavuError, match="ln_out: given without ln"):
+        sparse_fc2(h, w2_t, b2, idx, ln_out=torch.empty(2, D).half())
+    with pytest.raises(DejavuError, match="out: expected shape"):
+        sparse_fc2(h, w2_t, b2, idx, ln=(lw, lb), ln_out=torch.empty(2, D + 1).half())
