@@ -3,6 +3,7 @@
     sparse_attn_decode(x_ln[B,D], wq[D,D], bq[D], wkv[2D,D], bkv[2D], wo_t[D,D], bo[D],
                        head_idx[B,Kh]|[Kh], k_cache[B,H,S_max,hd], v_cache[B,H,S_max,hd],
                        pos, residual[B,D]|None, *, out=None, validate=None) -> y[B,D]
+    sparse_attn_decode(..., ln=(weight[D], bias[D])) -> (y[B,D], LayerNorm(y)[B,D])
 
 Policy (ARCHITECTURE.md, "Sparsity semantics"): K and V are projected for *all* heads
 (one dense GEMV on wkv, cuBLAS) and written into the caches at `pos`, so a head selected at
@@ -17,6 +18,8 @@ Pieces (each a launch, all CUDA-graph capturable, no host sync with validate off
   2. q[B, Kh*hd] (fp32) = gathered GEMV on wq rows  (sparse_mlp.gather_gemv, no ReLU)
   3. o[B, Kh*hd] (fp32) = softmax(q.k) v per selected head   (_attn_decode_kernel)
   4. y = o @ wo_t[rows] + bo (+ residual)            (sparse_mlp.gather_gemv_t)
+     (with ln=: also LayerNorm(y), the next LayerNorm of a pre-LN decoder, in the same
+     launch at decode batches: sparse_mlp's fused split-K finish)
 
 `pos` is an int, or an int32/int64 tensor on the device of shape [] / [1] (one position for
 the batch) or [B] (one per sequence). Pass a tensor to capture decode in a CUDA graph: the
@@ -34,7 +37,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out,
                                     check_tensor, default_validate, jit, next_pow2)
-from dejavu.plugins.sparse_mlp import gather_gemv, gather_gemv_t
+from dejavu.plugins.sparse_mlp import LN_EPS, check_ln, gather_gemv, gather_gemv_t, with_ln_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -169,8 +172,9 @@ def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, re
 
 
 def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                       residual=None, *, out=None, validate=None, config=None):
-    """Decode one token through the selected heads; updates the caches at pos; y[B,D]."""
+                       residual=None, *, out=None, ln=None, ln_out=None, validate=None, config=None):
+    """Decode one token through the selected heads; updates the caches at pos; y[B,D].
+    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out)."""
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
@@ -180,6 +184,7 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
         if lo < 0 or hi >= S:
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
+    ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
 
     # 1. K/V for all heads, written at pos (index_put_: graph-capturable, no sync)
     kv = torch.nn.functional.linear(x_ln, wkv, bkv).view(B, 2, H, hd)
@@ -189,15 +194,23 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
     v_cache[b_idx, :, p_idx] = kv[:, 1]
     if kh == 0:
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
+        return no_heads_ln(out, ln, ln_out)
+
+    y = _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
+                         residual, out, config, ln, ln_out)
+    return y if ln is None else (y, ln_out)
+
+
+def no_heads_ln(out, ln, ln_out):
+    """The return value when no head attends (out = bias (+ residual) already stored)."""
+    if ln is None:
         return out
-
-    return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
-                            residual, out, config)
-
+    from dejavu.plugins.layer_norm import layer_norm
+    return out, layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
 
 
 def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
-                     config):
+                     config, ln=None, ln_out=None):
     """Steps 2-4 of a decode step: Q of the selected heads, attention over cache slots
     0..pos, the output projection of those heads; y[B,D]."""
     B, H, S, hd = k_cache.shape
@@ -207,7 +220,7 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
     gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
     # 3. attention; 4. output projection
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config)
-    return project_out(o, wo_t, bo, head_idx, residual, out)
+    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out)
 
 
 def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None):
@@ -241,15 +254,17 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     return o
 
 
-def project_out(o, wo_t, bo, head_idx, residual, out):
-    """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual)."""
+def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None):
+    """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual); with
+    ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). Returns y."""
     hd = o.shape[1] // head_idx.shape[-1]
-    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd)
+    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                           residual=None):
-    """PyTorch reference (masked dense): same signature and cache update; y[B,D]."""
+                           residual=None, *, ln=None):
+    """PyTorch reference (masked dense): same signature and cache update; y[B,D], or
+    (y, F.layer_norm(y)) with ln = (weight, bias)."""
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
     q = (x_ln @ wq.T + bq).view(B, H, hd)
@@ -267,4 +282,4 @@ def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, 
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
     keep = torch.zeros(B, H, dtype=o.dtype, device=o.device).scatter_(1, heads, 1.0)
     y = (o * keep[:, :, None]).reshape(B, -1) @ wo_t + bo
-    return y if residual is None else y + residual
+    return with_ln_ref(y if residual is None else y + residual, ln)

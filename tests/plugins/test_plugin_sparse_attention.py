@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins import sparse_attn_decode, sparse_attn_decode_ref
+from dejavu.plugins import layer_norm_ref, sparse_attn_decode, sparse_attn_decode_ref
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 H, HD, S = 6, 12, 20  # D = 72; head dim not a power of two
@@ -107,3 +107,38 @@ def test_bad_inputs_rejected():
         sparse_attn_decode(x, w[0], w[1], w[2][:D].contiguous(), *w[3:], hidx, kc, vc, 0)
     with pytest.raises(DejavuError, match="head_idx: dtype torch.float32"):
         sparse_attn_decode(x, *w, hidx.float(), kc, vc, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("B,shared", [(1, False), (3, False), (3, True)])
+def test_output_projection_with_layer_norm(triton_interp, close, dtype, B, shared):
+    # ln=: the output projection's launch also normalises y (the next LayerNorm, ln_mlp)
+    w, (kc, vc) = make(B, dtype)
+    x, res, hidx = torch.randn(B, D).to(dtype), torch.randn(B, D).to(dtype), heads(B, 4, shared)
+    lw, lb = (1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype)
+    y = torch.full((B, D), float("nan"), dtype=dtype)
+    y_ln = torch.full((B, D), float("nan"), dtype=dtype)
+    k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()
+    pos = torch.tensor([9, 4, 13][:B])
+    got = sparse_attn_decode(x, *w, hidx, kc, vc, pos, res, out=y, ln=(lw, lb), ln_out=y_ln)
+    assert got[0] is y and got[1] is y_ln
+    ref, ref_ln = sparse_attn_decode_ref(x.double(), *[t.double() for t in w], hidx, k64, v64, pos,
+                                         res.double(), ln=(lw.double(), lb.double()))
+    t_out, _ = sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos, res, ln=(lw, lb))
+    close(y, ref, t_out)
+    ln64 = torch.nn.functional.layer_norm(y.double(), (D,), lw.double(), lb.double(), 1e-5)
+    close(y_ln, ln64, layer_norm_ref(y, lw, lb))
+
+
+def test_layer_norm_without_heads_and_bad_weights(triton_interp):
+    w, (kc, vc) = make(1, torch.float32)
+    x, res = torch.randn(1, D), torch.randn(1, D)
+    lw, lb = 1 + 0.2 * torch.randn(D), 0.2 * torch.randn(D)
+    empty = torch.zeros(1, 0, dtype=torch.int32)
+    y, y_ln = sparse_attn_decode(x, *w, empty, kc, vc, 0, res, ln=(lw, lb))
+    assert torch.allclose(y, w[5] + res)
+    assert torch.allclose(y_ln, torch.nn.functional.layer_norm(y, (D,), lw, lb, 1e-5), atol=1e-5)
+    with pytest.raises(DejavuError, match="ln weight: expected dtype"):
+        sparse_attn_decode(x, *w, empty, kc, vc, 0, res, ln=(lw.half(), lb))
+    with pytest.raises(DejavuError, match="ln bias: expected shape"):
+        sparse_attn_decode(x, *w, empty, kc, vc, 0, res, ln=(lw, lb[None]))
