@@ -437,11 +437,15 @@ def _write_hist(x_hist, x_ln, pos_t):
 
 
 def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
-                                valid_len, pos, residual=None, *, out=None, validate=None, config=None):
+                                valid_len, pos, residual=None, *, out=None, ln=None, ln_out=None,
+                                validate=None, config=None):
     """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
+    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) (as sparse_attn_decode).
 
     Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
     attention and the output projection of the selected heads (sparse_attention's pieces)."""
+    from dejavu.plugins.sparse_attention import no_heads_ln
+    from dejavu.plugins.sparse_mlp import check_ln
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
@@ -453,10 +457,11 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         if lo < 0 or hi >= S:
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
+    ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
         _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
-        return out
+        return no_heads_ln(out, ln, ln_out)
     cfg = config or {}
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (partial + finish)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
@@ -465,12 +470,15 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos]; 3. output projection
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, cfg.get("attn"),
                      commit=(valid_len, x_ln, x_hist))
-    return project_out(o, wo_t, bo, head_idx, residual, out)
+    y = project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out)  # + LayerNorm(y) with ln
+    return y if ln is None else (y, ln_out)
 
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,
-                                    x_hist, valid_len, pos, residual=None):
-    """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads."""
+                                    x_hist, valid_len, pos, residual=None, *, ln=None):
+    """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads;
+    y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias)."""
+    from dejavu.plugins.sparse_mlp import with_ln_ref
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
     if isinstance(pos, int):
@@ -489,4 +497,4 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     o = torch.einsum("bks,bksj->bkj", torch.softmax(scores, dim=-1), vc)  # [B, Kh, hd]
     y = torch.einsum("bkj,bkjd->bd", o, wo_t.view(H, hd, D)[heads]) + bo
-    return y if residual is None else y + residual
+    return with_ln_ref(y if residual is None else y + residual, ln)
