@@ -16,25 +16,33 @@ depend only on x_ln(p), which never changes, so the output equals the masked-den
 semantics (ARCHITECTURE.md) in exact arithmetic; only the bytes read change: attention
 reads 4*d*D^2 weight bytes instead of (2 + 2d)*D^2 at head density d.
 
-Q/K/V of the selected heads take two launches. `_qkv_partial_kernel`: grid (B*Kh, rows,
-SPLIT): a program owns BLOCK_R rows of one of its head's three hd-row segments (Q, K or V)
-and one of SPLIT slices of D, and reads that weight block once, in BLOCK_D chunks: a GEMV
-with this step's input gives the rows' partial value at pos and, for K/V rows, a tl.dot
-with the history inputs the partial values at the first BLOCK_P missing slots
+Q/K/V of the selected heads take one launch. `_qkv_partial_kernel`: grid (B*Kh, rows, SPLIT):
+a program owns BLOCK_R rows of one of its head's three hd-row segments (Q, K or V) and one
+of SPLIT slices of D, and reads that weight block once, in BLOCK_D chunks: a GEMV with this
+step's input gives the rows' partial value at pos and, for K/V rows, a tl.dot with the
+history inputs the partial values at the first BLOCK_P missing slots
 min(valid_len, pos)..pos-1, from the same weight chunk (fp32 partials, [SPLIT, ...]).
 Splitting D keeps ~1000 programs in flight at any head count (a whole-D program per row
-block ran at ~1.5 TB/s on the H200). `_qkv_finish_kernel`: grid (B*Kh, rows): sums the
-partials, adds the bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those
-slots; a head unselected for more than BLOCK_P steps gets its further slots here, from
-whole-D tl.dot passes over its rows (rare: the slow path). The bounds are read from
-device memory: CUDA-graph safe, no host sync. valid_len and x_hist[:, pos] are updated
-after both, by the attention kernel that follows (programs of one head would race if
-these kernels wrote them), or by `_commit_kernel` when nothing attends. A decode layer is
-then: Q/K/V partial + finish, attention (+ commit), output projection (+ its reduction).
+block ran at ~1.5 TB/s on the H200). The last of the SPLIT programs of a row block to store
+its partials (`_common.last_arrival`, one counter per row block from `_common.counters`)
+finishes the rows (`_finish_rows`): sums the partials (.cg loads: L2, not L1), adds the
+bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those slots; a head
+unselected for more than BLOCK_P steps gets its further slots there, from whole-D tl.dot
+passes over its rows (rare: the slow path). With SPLIT == 1 the program finishes from its
+registers (no counter). QKV_CONFIG["FUSED_FINISH"] = False restores the two launches (the
+same `_finish_rows` in `_qkv_finish_kernel`, grid (B*Kh, rows of FINISH_R)), for timing:
+the finish kernel cost ~8 us per layer on the H200, mostly launch latency and the
+dependency bubble. The counters are shared per device: two Q/K/V launches must not run at
+the same time on two streams. The bounds are read from device memory: CUDA-graph safe, no
+host sync. valid_len and x_hist[:, pos] are updated after the Q/K/V launch, by the
+attention kernel that follows (programs of one head would race if these kernels wrote
+them), or by `_commit_kernel` when nothing attends. A decode layer is then: Q/K/V,
+attention (+ commit), output projection (+ its reduction).
 A shared index set (one [Kh] set for the batch) can take `_qkv_partial_shared_kernel`
 instead, which reads each weight block once for the whole batch (tl.dot over batch x
-(new slot + SHARED_P - 1 missing slots) rows); it is opt-in (QKV_CONFIG["SHARED_MIN_BATCH"],
-default None): checked here and compiled for sm_90, not yet timed on a GPU.
+(new slot + SHARED_P - 1 missing slots) rows; its finishing program does every sequence of
+its rows); it is opt-in (QKV_CONFIG["SHARED_MIN_BATCH"], default None): checked here and
+compiled for sm_90, not yet timed on a GPU.
 Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
 duplicate head indices not allowed (top-k never makes them).
 """
@@ -43,23 +51,26 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor,
-                                    default_validate, helper, jit, next_pow2)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
+                                    default_validate, helper, jit, last_arrival, next_pow2)
 from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
 from dejavu.plugins.sparse_mlp import _dot_fp32
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
-# dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs); FINISH_R: rows
-# per finishing program. Picked by `benchmarks/kernels.py --sweep-attn` on an H200.
+# dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs). Picked by
+# `benchmarks/kernels.py --sweep-attn` on an H200. FUSED_FINISH: the last program of each row
+# block finishes it (one launch); False: a separate _qkv_finish_kernel with FINISH_R rows per
+# program (the two-launch path, kept to time against).
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
 # None (the default) keeps the per-sequence kernel, the one measured on the H200: the
 # shared-set kernel is checked in the interpreter and compiled for sm_90, but no GPU time was
 # left to time it (BENCHMARKS.md: at batch 8 the per-sequence kernel is slower than dense).
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
-              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": None, "SHARED_P": 4}
+              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": None, "SHARED_P": 4,
+              "FUSED_FINISH": True}
 
 
 @helper
@@ -92,15 +103,19 @@ def _weight_rows(wq_ptr, wkv_ptr, rows, seg, D):
     return w_rows
 
 
-def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
-                        B, KH, H, D, HD, NB, D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_hb, stride_pb,
+def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
+                        pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                        stride_nb, stride_xb, stride_xs, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
                         HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
-                        BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                        EVEN_D: tl.constexpr):
+                        FINISH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr):
     # grid (B*KH, (3 - FIRST_SEG) * NB, SPLIT). Partial dot products over D slice pid_s:
     # pnew[s, b, j, seg*HD + c] (value at pos) and, for K/V rows with missing slots,
     # phist[s, b, j, p, (seg-1)*HD + c] for the first BLOCK_P slots p from min(valid_len, pos).
     # HAS_NEW false: the input at pos is x_hist[b, pos] (recompute_kv).
+    # FINISH 0: partials only (_qkv_finish_kernel follows); 1: the last of the SPLIT programs
+    # of these rows (counter cnt[(b*KH + j) * rows + pid_r]) sums them and finishes the rows;
+    # 2: SPLIT == 1, this program holds the whole sums and finishes from registers.
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -139,24 +154,39 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos
                 acc_h = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_h, input_precision="ieee")
             else:
                 acc_h = tl.dot(xt, tl.trans(w), acc_h)
-    slot = (pid_s.to(tl.int64) * B + b) * KH + j
-    tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
-    if seg > 0:
-        dst = phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD + offs_c[None, :]
-        tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
+    if FINISH == 2:
+        _store_qkv(tl.sum(acc, axis=1), acc_h, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j,
+                   head, pos, seg, offs_c, cmask, rows, start, KH, D, HD, BLOCK_P, stride_xb, stride_xs, stride_cb,
+                   stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
+    else:
+        slot = (pid_s.to(tl.int64) * B + b) * KH + j
+        tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
+        if seg > 0:
+            dst = (phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD
+                   + offs_c[None, :])
+            tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
+        if FINISH == 1:
+            group = (b64 * KH + j) * tl.num_programs(1) + pid_r
+            if last_arrival(cnt_ptr + group, tl.num_programs(2)):
+                _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j,
+                             head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, tl.num_programs(2),
+                             BLOCK_P, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32,
+                             BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
 
 
-def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr,
-                               phist_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT, stride_nb, stride_xb, stride_xs,
-                               stride_pb, HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr,
-                               DOT_FP32: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
+                               pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                               stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
+                               HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
+                               FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               EVEN_D: tl.constexpr):
+                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
     # rows: row m is sequence m // P at slot pos (m % P == 0) or at the (m % P)-th missing
     # slot from min(valid_len, pos) (K/V rows; P - 1 of them, the finishing kernel does the rest).
     # Partials go where _qkv_partial_kernel puts them (pnew, phist[..., p, ...] with p < P - 1).
+    # FINISH as there (counter cnt[j * rows + pid_r]); the finishing program does every sequence.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -208,38 +238,53 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_p
     if seg > 0:
         dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
         tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
+    if FINISH == 2:
+        tl.debug_barrier()  # SPLIT == 1: the block's own partials, stored by its other threads
+        last = True
+    elif FINISH == 1:
+        last = last_arrival(cnt_ptr + j * tl.num_programs(1) + pid_r, tl.num_programs(2))
+    else:
+        last = False
+    if last:
+        for b in range(0, B):  # (b is a Python int in the interpreter: tl.cast, not .to)
+            _, pos, _, _, _, _, start = _qkv_rows(
+                head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
+            _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
+                         tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
+                         tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
+                         DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
 
 
-def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
-                       q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_hb,
-                       stride_pb, stride_cb, stride_ch, stride_cs,
-                       FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    # grid (B*KH, (3 - FIRST_SEG) * NB): sum the SPLIT partials, add the bias, store Q (fp32)
-    # or K/V at pos and at the first HIST_LEN (<= BLOCK_P) missing slots, which the partial
-    # kernel computed; then any further missing slots (whole-D dot passes over this program's rows).
-    pid = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    b = pid // KH
-    j = pid % KH
-    b64 = b.to(tl.int64)
-    head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
-        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
-    offs_p = start + tl.arange(0, BLOCK_P)
-    pmask = (offs_p < pos) & (tl.arange(0, BLOCK_P) < HIST_LEN)
-    # every split's partials in one load each (one memory round trip, not SPLIT)
+@helper
+def _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B, KH, HD, SPLIT, HIST_LEN,
+                  BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    # The rows' sums over the SPLIT slices of D: value at pos [BLOCK_R] and, for K/V rows, at the
+    # first HIST_LEN missing slots [BLOCK_P, BLOCK_R]. Every split in one load each (one memory
+    # round trip, not SPLIT); .cg: in the fused path other programs wrote them (L2, not L1).
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < SPLIT
     slot = (offs_s.to(tl.int64) * B + b64) * KH + j  # [BLOCK_S]
     new = tl.sum(tl.load(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :],
-                         mask=smask[:, None] & cmask[None, :], other=0.0), axis=0)
+                         mask=smask[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
     hist = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
     if seg > 0:
         if start < pos:
-            src = (phist_ptr + ((slot[:, None, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :, None]) * 2 * HD
+            offs_p = tl.arange(0, BLOCK_P)
+            pmask = (start + offs_p < pos) & (offs_p < HIST_LEN)
+            src = (phist_ptr + ((slot[:, None, None] * BLOCK_P + offs_p[None, :, None]) * 2 * HD
                                 + (seg - 1) * HD + offs_c[None, None, :]))
             m = smask[:, None, None] & pmask[None, :, None] & cmask[None, None, :]
-            hist = tl.sum(tl.load(src, mask=m, other=0.0), axis=0)
+            hist = tl.sum(tl.load(src, mask=m, other=0.0, cache_modifier=".cg"), axis=0)
+    return new, hist
+
+
+@helper
+def _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg, offs_c,
+               cmask, rows, start, KH, D, HD, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
+               DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Add the bias to the rows' whole sums and store Q (fp32 buffer) or K/V at pos and at the
+    # first HIST_LEN (<= BLOCK_P) missing slots; then any further missing slots of K/V rows
+    # (a head unselected for long: whole-D tl.dot passes over these rows, the slow path).
     if seg == 0:
         bias = tl.load(bq_ptr + rows).to(tl.float32)
         tl.store(q_ptr + (b64 * KH + j) * HD + offs_c, new + bias, mask=cmask)
@@ -250,10 +295,11 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
         else:
             cache = v_ptr + b64 * stride_cb + head * stride_ch
         dt = k_ptr.dtype.element_ty
+        offs_p = start + tl.arange(0, BLOCK_P)
+        pmask = (offs_p < pos) & (tl.arange(0, BLOCK_P) < HIST_LEN)
         tl.store(cache + pos.to(tl.int64) * stride_cs + offs_c, (new + bias).to(dt), mask=cmask)
         tl.store(cache + offs_p[:, None].to(tl.int64) * stride_cs + offs_c[None, :], (hist + bias[None, :]).to(dt),
                  mask=pmask[:, None] & cmask[None, :])
-        # a head unselected for more than BLOCK_P steps: its further slots, whole-D passes
         w_rows = wkv_ptr + rows[:, None] * D
         xh_row = xh_ptr + b64 * stride_xb
         for p0 in range(start + HIST_LEN, pos, BLOCK_P):
@@ -272,6 +318,37 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                     acc_q = tl.dot(xt, tl.trans(w), acc_q)
             tl.store(cache + offs_q[:, None].to(tl.int64) * stride_cs + offs_c[None, :],
                      (acc_q + bias[None, :]).to(dt), mask=qmask[:, None] & cmask[None, :])
+
+
+@helper
+def _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos,
+                 seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_cb,
+                 stride_ch, stride_cs, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # What finishes a row block: the SPLIT partials summed, then _store_qkv.
+    new, hist = _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B, KH, HD, SPLIT,
+                              HIST_LEN, BLOCK_P, BLOCK_R, BLOCK_S)
+    _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg, offs_c,
+               cmask, rows, start, KH, D, HD, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
+               DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
+
+
+def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
+                       q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_hb,
+                       stride_pb, stride_cb, stride_ch, stride_cs,
+                       FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB),
+    # after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R rows.
+    pid = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = pid // KH
+    j = pid % KH
+    head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
+        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
+    _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
+                 head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb, stride_xs,
+                 stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
@@ -321,8 +398,9 @@ def _mark_valid(valid_len, head_idx, pos_t):
 
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
                 q, config):
-    """The two Q/K/V kernels (checked inputs, Kh > 0). q [B, Kh*hd] fp32 gets Q (x_new given),
-    or None: K/V only, the input at pos read from x_hist (recompute_kv)."""
+    """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
+    q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
+    x_hist (recompute_kv)."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
@@ -332,41 +410,44 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     nb = -(-hd // cfg["BLOCK_R"])
     smin = cfg["SHARED_MIN_BATCH"]
     shared = head_idx.dim() == 1 and smin is not None and B >= smin
-    progs = (1 if shared else B) * kh * (3 - first) * nb
+    groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
     d_blocks = -(-D // bd)
-    split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // progs))
+    split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
     d_per = -(-d_blocks // split) * bd
     split = -(-D // d_per)
     dev = x_hist.device
+    fused = cfg["FUSED_FINISH"]
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
     phist = torch.empty((split, B, kh, bp, 2 * hd), dtype=torch.float32, device=dev)
+    cnt = counters(dev, groups) if fused and split > 1 else valid_len  # valid_len: never used as one
     new = x_new if x_new is not None else x_hist  # never read when HAS_NEW is false
+    qbuf = q if q is not None else pnew  # never written without Q rows
     stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
     dot32 = _dot_fp32(x_hist.dtype, dev)
-    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"],
-                  BLOCK_D=bd, EVEN_D=D % d_per == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (new, x_hist, wq, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, cnt, qbuf, k_cache, v_cache,
+            B, kh, H, D, hd, nb, d_per, new.stride(0), x_hist.stride(0), x_hist.stride(1))
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=(2 if split == 1 else 1) if fused
+                  else 0, BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=next_pow2(split),
+                  EVEN_D=D % d_per == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         hist_len = sp - 1
         part = jit(_qkv_partial_shared_kernel, dev)
-        part[(kh, (3 - first) * nb, split)](
-            new, x_hist, wq, wkv, head_idx, valid_len, pos_t, pnew, phist, B, kh, H, D, hd, nb, d_per,
-            new.stride(0), x_hist.stride(0), x_hist.stride(1), stride_pb,
-            P=sp, BLOCK_M=max(16, next_pow2(B) * sp), **common)
+        part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, P=sp,
+                                            BLOCK_M=max(16, next_pow2(B) * sp), **common)
     else:
         hist_len = bp
         part = jit(_qkv_partial_kernel, dev)
-        part[(B * kh, (3 - first) * nb, split)](
-            new, x_hist, wq, wkv, head_idx, valid_len, pos_t, pnew, phist, B, kh, H, D, hd, nb, d_per,
-            new.stride(0), x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, **common)
+        part[(B * kh, (3 - first) * nb, split)](*args, stride_hb, stride_pb, *cache_strides, **common)
+    if fused:
+        return
     fr = cfg["FINISH_R"]
     nbf = -(-hd // fr)
     finish = jit(_qkv_finish_kernel, dev)
     finish[(B * kh, (3 - first) * nbf)](
-        x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, q if q is not None else pnew,
-        k_cache, v_cache, B, kh, H, D, hd, nbf, split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb,
-        stride_pb,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
+        split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=128, BLOCK_S=next_pow2(split),
         num_warps=4)
 
@@ -463,7 +544,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return no_heads_ln(out, ln, ln_out)
     cfg = config or {}
-    # 1. Q, and K/V at pos and at the missing slots, of the selected heads (partial + finish)
+    # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
                 cfg.get("qkv"))
