@@ -7,7 +7,7 @@ import dejavu.plugins as P
 
 def test_kernel_settings_cover_every_kernel_and_follow_the_configs(monkeypatch):
     s = P.kernel_settings()
-    assert set(s) == {"sparse_mlp", "deferred_qkv", "attention", "topk", "layer_norm"}
+    assert set(s) == {"sparse_mlp", "fused_mlp", "deferred_qkv", "attention", "topk", "layer_norm"}
     assert json.loads(json.dumps(s)) == json.loads(json.dumps(s))  # JSON-ready (tuples become lists)
     dk = sys.modules["dejavu.plugins.deferred_kv"]
     monkeypatch.setitem(dk.QKV_CONFIG, "BLOCK_D", 64)
