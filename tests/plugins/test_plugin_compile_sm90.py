@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent('''
     from triton.runtime.jit import JITFunction
     import dejavu.plugins._common as C
     import dejavu.plugins.deferred_kv as DK
+    import dejavu.plugins.fused_mlp as FM
     import dejavu.plugins.predictor as PR
     import dejavu.plugins.sparse_attention as SA
     import dejavu.plugins.sparse_mlp as SM
@@ -63,6 +64,12 @@ SCRIPT = textwrap.dedent('''
                                                            EVEN_D=False, BLOCK_S=4, **fin),
                          dt, overrides={"cnt_ptr": "*i32", "eps": "fp32"})
     compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4))
+    for dt, red, pre in (("fp16", 0, True), ("fp16", 0, False), ("fp16", 1, True), ("fp16", 1, False),
+                         ("fp16", 2, True), ("bf16", 0, False), ("fp32", 1, True)):  # every fused MLP variant
+        compile_sm90(FM, FM._fused_mlp_kernel, dict(HAS_RES=red != 1, REDUCE=red, PREFETCH=pre, BLOCK_R=2,
+                                                    PIECE_A=8192, PIECE_B=1024, RED_P=256 if red else 1,
+                                                    RED_N=32 if red else 8192),
+                     dt, overrides={"cnt_ptr": "*i32"})
     for commit in (False, True):
         compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=commit, COMMIT=commit, BLOCK_S=64, BLOCK_HD=128,
                                                       BLOCK_X=1024))
