@@ -70,6 +70,10 @@ class SparseDecoder:
         # each row-parallel op (attention out-proj, fc2) before the residual add; None = one rank.
         # With it set, the residual is not fused into the kernels (it would be summed n times).
         self.reduce = None
+        # Pre-LN, one rank: each LayerNorm after a sparse attention or MLP layer comes out of
+        # that op's last kernel (plugins/sparse_mlp.py, fused split-K finish); False: the
+        # separate layer_norm op, as before (the benchmark times both).
+        self.fuse_ln = True
 
     def _add(self, x, y, b=None):
         """x + y + b (the residual plus an unfused output and its bias); under tensor parallelism
@@ -124,37 +128,58 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_in"])
         return x + F.embedding(positions + POSITION_OFFSET, self.t["embed_positions"])
 
-    def head(self, x: torch.Tensor, ln=None) -> torch.Tensor:
-        """logits [..., V] from the last hidden state x [..., D] (ln: the LayerNorm to use)."""
-        if self.spec.final_ln:
+    def head(self, x: torch.Tensor, ln=None, x_ln=None) -> torch.Tensor:
+        """logits [..., V] from the last hidden state x [..., D] (ln: the LayerNorm to use;
+        x_ln: final_ln(x), already computed by the last layer's fused kernel)."""
+        if x_ln is not None:
+            x = x_ln
+        elif self.spec.final_ln:
             x = (ln or self._ln)(x, (self.t["final_ln.weight"], self.t["final_ln.bias"]))
         if "project_out" in self.t:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
 
-    def _mlp(self, w, h, x, idx):
+    def _mlp(self, w, h, x, idx, ln=None):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
+        # ln: (weight, bias) of the next LayerNorm, fused into fc2 (sparse, one rank): returns
+        # (x, LN(x)) then; x alone otherwise
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
         if self.reduce is not None:
             return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
+        if ln is not None:
+            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln)
         return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
+
+    def _next_ln(self, l: int):
+        """(weight, bias) of the LayerNorm after layer l's MLP in a pre-LN decoder: the next
+        layer's ln_attn, or final_ln after the last layer (None without one)."""
+        if l + 1 < len(self.layers):
+            return self.layers[l + 1].ln_attn
+        return (self.t["final_ln.weight"], self.t["final_ln.bias"]) if self.spec.final_ln else None
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device).
 
         Writes this token's K/V at slot pos[b] (kv_policy "full": every head; "deferred": the
-        selected heads, plus their missing earlier slots); attends to slots <= pos[b]."""
+        selected heads, plus their missing earlier slots); attends to slots <= pos[b].
+
+        Pre-LN, one rank: a sparse attention op also returns LN_mlp of its output, a sparse
+        MLP op LN_attn of the next layer (final_ln after the last), computed in the same
+        launch on the GPU (plugins/sparse_mlp.py, fused split-K finish); `h_ln` carries it."""
         s, run = self.spec, self.pred
         B, H, hd = tokens.shape[0], s.num_heads, s.head_dim
         valid = self.slots[None, :] <= pos[:, None]  # [B, T]
+        fuse = s.pre_ln and self.reduce is None and self.fuse_ln  # LayerNorms from the sparse ops
         x = self.embed(tokens, pos)  # [B, D]
+        h_ln = None  # LN of x for the next LayerNorm, when the last op computed it
         run.begin_step()
         for l, w in enumerate(self.layers):
             run.point("attn_in", l, x)
-            h = self._ln_step(x, w.ln_attn) if s.pre_ln else x
+            h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_attn) if s.pre_ln else x)
+            h_ln = None
             kc, vc = self.k_cache[l], self.v_cache[l]
             idx = run.heads(l)
             if idx is None:  # dense: K/V and Q of every head
@@ -165,20 +190,28 @@ class SparseDecoder:
                 x = self._add(x, attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t, w.bo)
             else:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
+                ln = {"ln": w.ln_mlp} if fuse else {}
                 if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
                     y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
-                                                      self.x_hist[l], self.valid_len[l], pos, res)
+                                                      self.x_hist[l], self.valid_len[l], pos, res, **ln)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads
-                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res)
+                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res, **ln)
+                if fuse:
+                    y, h_ln = y
                 x = y if res is not None else self._add(x, y)
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_attn)
             run.point("mlp_in", l, x)
-            h = self._ln_step(x, w.ln_mlp) if s.pre_ln else x
-            x = self._mlp(w, h, x, run.neurons(l))
+            h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_mlp) if s.pre_ln else x)
+            h_ln = None
+            idx = run.neurons(l)
+            ln = self._next_ln(l) if fuse and idx is not None else None
+            x = self._mlp(w, h, x, idx, ln)
+            if ln is not None:
+                x, h_ln = x
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_mlp)
-        return self.head(x, self._ln_step)
+        return self.head(x, self._ln_step, x_ln=h_ln)
 
     # ------------------------------------------------------------------ sequences
     def forward_tokens(self, ids: torch.Tensor, sparse: bool = True, write_cache: bool = False,

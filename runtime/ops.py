@@ -11,6 +11,11 @@
         selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py)
     layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
 
+sparse_fc2, sparse_attn and sparse_attn_deferred also take `ln=(weight, bias)` and then return
+(y, layer_norm(y)): the next LayerNorm of a pre-LN decoder, which the Triton kernels compute
+in the same launch as y (plugins/sparse_mlp.py, fused split-K finish); the references apply
+F.layer_norm to y, the function the unfused step applies.
+
 - "ref": the plugins' PyTorch references (the CPU path). If `dejavu.plugins` cannot be
   imported, the runtime's own gather-based references below stand in.
 - "triton": the plugins' Triton launchers (CUDA). `verify()` runs each kernel once against
@@ -54,12 +59,16 @@ def _sparse_fc1(x, w1, b1, idx):
     return torch.relu(torch.einsum("bkd,bd->bk", w1[idx], x) + b1[idx])
 
 
-def _sparse_fc2(h, w2_t, b2, idx, residual=None):
+def _with_ln(y, ln):
+    return y if ln is None else (y, _layer_norm(y, *ln))
+
+
+def _sparse_fc2(h, w2_t, b2, idx, residual=None, *, ln=None):
     y = torch.einsum("bk,bkd->bd", h, w2_t[_rows(idx, h.shape[0])]) + b2
-    return y if residual is None else y + residual
+    return _with_ln(y if residual is None else y + residual, ln)
 
 
-def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, residual=None):
+def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, residual=None, *, ln=None):
     B, D = x_ln.shape
     H, T, hd = k_cache.shape[1:]
     rows = torch.arange(B, device=x_ln.device)
@@ -71,11 +80,11 @@ def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, r
     valid = torch.arange(T, device=x_ln.device)[None, :] <= pos[:, None]
     o = attend(q, k_cache[rows[:, None], idx], v_cache[rows[:, None], idx], valid)  # [B, Kh, hd]
     y = torch.einsum("bkj,bkjd->bd", o, wo_t.view(H, hd, D)[idx]) + bo
-    return y if residual is None else y + residual
+    return _with_ln(y if residual is None else y + residual, ln)
 
 
 def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, x_hist, valid_len, pos,
-                          residual=None):
+                          residual=None, *, ln=None):
     B, D = x_ln.shape
     H, T, hd = k_cache.shape[1:]
     rows = torch.arange(B, device=x_ln.device)
@@ -96,11 +105,16 @@ def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cach
     valid = slot[None, :] <= pos[:, None]
     o = attend(q, k_cache[sel], v_cache[sel], valid)  # [B, Kh, hd]
     y = torch.einsum("bkj,bkjd->bd", o, wo_t.view(H, hd, D)[idx]) + bo
-    return y if residual is None else y + residual
+    return _with_ln(y if residual is None else y + residual, ln)
 
 
 def _layer_norm(x, weight, bias):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-5)
+
+
+def _flat(out) -> torch.Tensor:
+    """An op's output (a tensor, or the (y, layer_norm(y)) pair) as one flat fp32 tensor."""
+    return torch.cat([o.float().flatten() for o in (out if isinstance(out, tuple) else (out,))])
 
 
 _LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
@@ -151,6 +165,8 @@ class Ops:
     @torch.inference_mode()
     def verify(self, t: dict, spec, batch: int, shared: bool, tol: float = 3e-2) -> dict:
         """Run each Triton op once on layer 0's weights against its reference; demote failures.
+        For a pre-LN model the ops that take `ln=` run with it (as the decode step calls them),
+        both outputs compared.
 
         Returns {op: relative error or the exception text}."""
         if self.backend != "triton":
@@ -174,23 +190,25 @@ class Ops:
         pos = (torch.arange(batch, device=dev) * 5 + 9) % T
         hist = torch.randn(batch, T, D, generator=g, device=dev).to(dt)
         valid_len = (pos[:, None] * torch.rand(batch, H, generator=g, device=dev)).to(torch.int32)
+        ln = {"ln": (t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"])} if spec.pre_ln else {}
         cases = {
             "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
-            "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res),
+            "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
-                                       t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos, res),
+                                       t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos, res,
+                                       **ln),
             # several missing slots per head (valid_len < pos), a history of random inputs
             "sparse_attn_deferred": lambda f: f(
                 x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"], t[p + "attn.wo_t"],
-                t[p + "attn.bo"], ia, *[c.clone() for c in caches], hist.clone(), valid_len.clone(), pos, res),
+                t[p + "attn.bo"], ia, *[c.clone() for c in caches], hist.clone(), valid_len.clone(), pos, res, **ln),
         }
         report = {}
         for name, run in cases.items():
             if self.kernels[name] != "triton":
                 continue
             try:
-                got, want = run(getattr(self, name)).float(), run(self._ref[name]).float()
+                got, want = _flat(run(getattr(self, name))), _flat(run(self._ref[name]))
                 err = float((got - want).norm() / want.norm().clamp_min(1e-6))
                 report[name] = err
                 if not err <= tol:

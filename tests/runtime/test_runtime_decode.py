@@ -176,3 +176,36 @@ def test_post_ln_with_projections_350m_style():
     header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
     eng = Engine.from_tensors(header, tensors, "cpu")
     assert eng.generate([PROMPT], 24, stop_at_eos=False)[0] == MaskedDense(model, header, tensors).generate(PROMPT, 24)
+
+
+def _decode_logits(eng, prompts, n, fuse):
+    """Logits of every decode step of a greedy run, with the decoder's LayerNorm fusion on or off,
+    and how many times the step called the separate layer_norm op."""
+    dec, out, calls = eng.decoder, [], []
+    step, ln = dec.decode_step, eng.ops.layer_norm
+    dec.fuse_ln = fuse
+    dec.decode_step = lambda tokens, pos: out.append(step(tokens, pos).clone()) or out[-1]
+    eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
+    try:
+        eng.generate(prompts, n, stop_at_eos=False)
+    finally:
+        del dec.decode_step
+        eng.ops.layer_norm, dec.fuse_ln = ln, True
+    return out, len(calls)
+
+
+@pytest.mark.parametrize("kv_policy", ["deferred", "full"])
+def test_fused_layer_norms_equal_separate_ones(kv_policy):
+    # pre-LN: sparse attention / MLP ops return the next LayerNorm too; on the CPU path that is
+    # F.layer_norm of the same y, so every decode step's logits are bit-identical
+    model = tiny_model(seed=6)
+    header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
+    header["build_config"]["mlp_k"][1] = model.config.ffn_dim  # layer 1's MLP dense: no fused LN after it
+    eng = Engine.from_tensors(header, tensors, "cpu", kv_policy=kv_policy)
+    assert not eng.decoder.spec.sparse_mlp(1) and eng.decoder.spec.sparse_mlp(0)
+    (fused, n_fused), (sep, n_sep) = (_decode_logits(eng, [PROMPT, PROMPT[:3]], 6, f) for f in (True, False))
+    assert len(fused) == len(sep) == 5
+    assert all(torch.equal(a, b) for a, b in zip(fused, sep))
+    # separate: 2 per layer + final per step; fused: layer 0's ln_attn and, after the dense MLP
+    # of layer 1, layer 2's ln_attn
+    assert (n_sep, n_fused) == (5 * 7, 5 * 2)
