@@ -5,6 +5,9 @@
 --check   correctness on the GPU against float64 references (fresh random inputs, odd and
           real shapes, fp16/bf16/fp32, per-sequence and shared indices, CUDA-graph replay
           with a device-side pos). Exit status 1 when a check fails.
+--sections fused_mlp  the one-launch MLP (sparse_mlp_fused) at B=1: every FUSED_SWEEP config vs
+          sparse_fc1 + sparse_fc2; the config with the lowest summed time is reported (copy it
+          into fused_mlp.FUSED_MLP_CONFIG). REDUCE "barrier" spins: run under `timeout`.
 --sweep   try a few block configurations per kernel path and use the fastest for the run
           (the winners are printed and written to the JSON: copy them into FC1_CONFIG /
           FC2_CONFIG so the runtime's choice stays deterministic).
@@ -65,6 +68,7 @@ P = _import_plugins()
 importlib.import_module("dejavu.plugins.deferred_kv")  # sys.modules entry used below
 PR = importlib.import_module("dejavu.plugins.predictor")
 SM = sys.modules["dejavu.plugins.sparse_mlp"]  # the module (the package exports functions)
+FM = sys.modules["dejavu.plugins.fused_mlp"]
 
 
 def bench(fn, rep=40, warmup=10):
@@ -249,6 +253,44 @@ def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap):
     return ok, e
 
 
+def check_fused(D, F, K, B, dtype, shared, residual, config=None, graph=False):
+    """sparse_mlp_fused vs float64; with `graph`, two replays of one captured call (new
+    inputs before the second) must both be right, and the counters / atomic buffer end at 0."""
+    x = randn(B, D, dtype=dtype)
+    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
+    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
+    res = randn(B, D, dtype=dtype) if residual else None
+    idx = rand_idx(B, F, K, shared)
+    y = torch.full((B, D), float("nan"), dtype=dtype, device=DEV)
+    call = lambda: P.sparse_mlp_fused(x, w1, b1, w2_t, b2, idx, res, out=y, validate=not graph,  # noqa: E731
+                                      config=config)
+    call()
+    outs = []
+    if graph and DEV == "cuda":
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        for _ in range(2):
+            y.fill_(float("nan"))
+            x.copy_(randn(B, D, dtype=dtype))
+            idx.copy_(rand_idx(B, F, K, shared))
+            g.replay()
+            outs.append((y.clone(), x.clone(), idx.clone()))
+        torch.cuda.synchronize()
+    else:
+        outs.append((y, x, idx))
+    ok, info = True, {}
+    for y_, x_, idx_ in outs:
+        args = (w1, b1, w2_t, b2)
+        ref = P.sparse_mlp_fused_ref(x_.double(), *[t.double() for t in args], idx_,
+                                     None if res is None else res.double())
+        ok_, info = _err_ok(y_, ref, P.sparse_mlp_fused_ref(x_, *args, idx_, res), *TOL[dtype])
+        ok = ok and ok_
+    info["counters_zero"] = not bool(sys.modules["dejavu.plugins._common"].counters(x.device, 2).any())
+    info["buffer_zero"] = not bool(FM._zeroed_f32(x.device, B * D).any())
+    return ok and info["counters_zero"] and info["buffer_zero"], info
+
+
 def check_predictor(B, D, N, r, k, shared, method="torch"):
     # the fused (grid-barrier) top-k is exercised only by --sections topk, under a timeout
     PR.TOPK_CONFIG["fused"], fused = False, PR.TOPK_CONFIG["fused"]
@@ -316,7 +358,22 @@ def run_checks():
             for B, shared, N in ((1, False, 28672), (8, False, 36864), (8, True, 28672), (1, False, 56)):
                 cases.append(("pred", dict(B=B, D=1024, N=N, r=128, k=max(1, N // 10), shared=shared,
                                            method=method)))
-    fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred}
+    # the one-launch MLP: every reduction, with/without prefetch, odd shapes; real shapes; a graph
+    # (REDUCE "barrier" spins: run --check under `timeout`)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for i, (red, pre, r) in enumerate((("atomic", True, 1), ("atomic", False, 2), ("barrier", True, 2),
+                                           ("barrier", False, 1), ("kernel", True, 4))):
+            cases.append(("fused", dict(D=200, F=1000, K=333, B=1 if i % 2 == 0 else 2, dtype=dtype,
+                                        shared=i == 4, residual=i != 3,
+                                        config=dict(REDUCE=red, PREFETCH=pre, BLOCK_R=r))))
+    for red in (("atomic", "barrier", "kernel") if big else ()):
+        for (D, F), K in (((7168, 28672), 2867), ((9216, 36864), 11059)):
+            cases.append(("fused", dict(D=D, F=F, K=K, B=1, dtype=torch.float16, shared=False, residual=True,
+                                        config=dict(REDUCE=red))))
+        cases.append(("fused", dict(D=7168, F=28672, K=1433, B=1, dtype=torch.bfloat16, shared=False,
+                                    residual=True, config=dict(REDUCE=red, PER_SM=2, num_warps=4), graph=True)))
+    fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
+           "fused": check_fused}
     for kind, kw in cases:
         torch.manual_seed(len(results))
         try:
@@ -358,6 +415,10 @@ class MLP:
         w1, b1, w2_t, b2, _ = self.copies[c]
         h = P.sparse_fc1(x, w1, b1, idx, validate=False, config=c1)
         return P.sparse_fc2(h, w2_t, b2, idx, validate=False, config=c2)
+
+    def fused(self, x, idx, config=None, c=0):
+        w1, b1, w2_t, b2, _ = self.copies[c]
+        return P.sparse_mlp_fused(x, w1, b1, w2_t, b2, idx, validate=False, config=config)
 
     def graph_times(self, x, idx_sets):
         """(sparse, dense) ms per call in a CUDA graph, rotating copies and index sets."""
@@ -490,6 +551,81 @@ def bench_mlp(mlps, bw, quick):
                     SM.DOT_MIN_BATCH = DOT_MIN_BATCH0
             print(f"  mlp {name} B={B} done")
     return rows
+
+
+# one-launch MLP (plugins/fused_mlp.py) configs: (REDUCE, BLOCK_R, PREFETCH, num_warps, PER_SM). All
+# are spill-free at D 7168 and 9216 by ptxas -v on sm_90a (R2/prefetch/16 warps: 168 B at 9216);
+# PER_SM 2 fits two programs per SM only where the registers allow (4 warps: both shapes; 8: 7168).
+FUSED_SWEEP = [dict(REDUCE=red, BLOCK_R=r, PREFETCH=pre, num_warps=w, PER_SM=x) for red, r, pre, w, x in
+               [("atomic", 1, True, 8, 1), ("atomic", 1, True, 16, 1), ("atomic", 2, True, 16, 1),
+                ("atomic", 1, False, 4, 2), ("atomic", 2, False, 8, 1), ("atomic", 2, False, 16, 1),
+                ("atomic", 4, False, 16, 1), ("atomic", 1, False, 8, 2), ("barrier", 1, True, 16, 1),
+                ("barrier", 1, False, 4, 2), ("kernel", 1, True, 16, 1), ("barrier", 1, True, 8, 1)]]
+FUSED_DENSITIES = [0.05, 0.1, 0.2, 0.3, 0.5]
+
+
+def _cfg_name(cfg):
+    return (f"{cfg['REDUCE']}/R{cfg['BLOCK_R']}/{'pre' if cfg['PREFETCH'] else 'nopre'}/"
+            f"w{cfg['num_warps']}/x{cfg['PER_SM']}")
+
+
+def bench_fused_mlp(mlps, bw, quick):
+    """sparse_mlp_fused (each FUSED_SWEEP config) vs sparse_fc1 + sparse_fc2, B=1, per-sequence
+    idx, in CUDA graphs of 8 calls rotating 4 weight copies and 8 index sets (cold L2).
+    bytes = the selected rows of w1 and w2_t; bw_frac against the measured copy bandwidth."""
+    rows = []
+    cfgs = FUSED_SWEEP[:4] if quick else FUSED_SWEEP
+    for name, mlp in mlps.items():
+        D, F = mlp.D, mlp.F
+        x = randn(1, D)
+        for d in ((0.1, 0.3) if quick else FUSED_DENSITIES):
+            if late("fused_mlp"):
+                return rows
+            K = max(1, int(round(d * F)))
+            sets = [rand_idx(1, F, K, False) for _ in range(8)]
+            nbytes = 2 * K * D * 2
+            t_pair = bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)])
+            base = {"shape": name, "density": d, "K": K, "bytes": nbytes, "pair_graph_ms": t_pair}
+            rows.append({**base, "config": "fc1+fc2", "graph_ms": t_pair})
+            for cfg in cfgs:
+                try:
+                    t = bench_graph([lambda i=i: mlp.fused(x, sets[i], cfg, c=i % mlp.COPIES) for i in range(8)])
+                except Exception as e:  # noqa: BLE001 - report, don't die
+                    print(f"  fused {_cfg_name(cfg)} failed: {type(e).__name__}: {str(e)[:200]}")
+                    t = None
+                rows.append({**base, "config": _cfg_name(cfg), "cfg": dict(cfg), "graph_ms": t})
+            for r in rows[-len(cfgs) - 1:]:
+                t = r["graph_ms"]
+                if t:
+                    r["GBps"] = nbytes / t / 1e6
+                    r["bw_frac"] = r["GBps"] / bw["copy_GBps"]
+                    r["speedup"] = t_pair / t if t_pair else None
+            best = min((r for r in rows[-len(cfgs):] if r["graph_ms"]), key=lambda r: r["graph_ms"], default=None)
+            print(f"  fused_mlp {name} d={d}: fc1+fc2 {t_pair * 1e3 if t_pair else float('nan'):.1f} us, "
+                  f"best {best['config'] if best else None} "
+                  f"{best['graph_ms'] * 1e3 if best else float('nan'):.1f} us", flush=True)
+            del sets
+    return rows
+
+
+def fused_summary(rows):
+    """Per config: summed graph time over every (shape, density) case, and the bandwidth
+    fractions; the best config has the lowest sum (None when a case failed)."""
+    cases = {(r["shape"], r["density"]) for r in rows}
+    out = []
+    for name in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == name]
+        ok = len(mine) == len(cases) and all(r["graph_ms"] for r in mine)
+        fr = [r["bw_frac"] for r in mine if r.get("bw_frac") and r["density"] >= 0.1]
+        out.append({"config": name, "cfg": mine[0].get("cfg"), "sum_ms": sum(r["graph_ms"] for r in mine) if ok else None,
+                    "min_bw_frac_d>=0.1": min(fr) if fr else None,
+                    "mean_bw_frac_d>=0.1": sum(fr) / len(fr) if fr else None})
+    pair = next((o["sum_ms"] for o in out if o["config"] == "fc1+fc2"), None)
+    for o in out:
+        o["speedup_vs_pair"] = pair / o["sum_ms"] if pair and o["sum_ms"] else None
+    fused = [o for o in out if o["config"] != "fc1+fc2" and o["sum_ms"]]
+    best = min(fused, key=lambda o: o["sum_ms"]) if fused else None
+    return {"configs": out, "best": best}
 
 
 # ------------------------------------------------------------------------------ attention
@@ -802,7 +938,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-attn", action="store_true",
                     help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
-    ap.add_argument("--sections", default="mlp,predictor,attn,deferred,deferred_parts,layer_norm,topk",
+    ap.add_argument("--sections", default="mlp,fused_mlp,predictor,attn,deferred,deferred_parts,layer_norm,topk",
                     help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -848,13 +984,17 @@ def main(argv=None):
         if args.sweep_attn and in_budget("sweep_attn"):
             res["sweep_attn"] = sweep_attn(args.quick)
             save("sweep_attn")
-        res["kernel_settings"] = {**SM.kernel_settings(),
+        res["kernel_settings"] = {**SM.kernel_settings(), "fused_mlp": FM.kernel_settings(),
                                   "qkv": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG),
                                   "attn": dict(sys.modules["dejavu.plugins.sparse_attention"].ATTN_CONFIG)}
         if not args.no_bench:
             if "mlp" in sections and in_budget("mlp"):
                 res["mlp"] = bench_mlp(mlps, bw, args.quick)
                 save("mlp")
+            if "fused_mlp" in sections and in_budget("fused_mlp"):
+                res["fused_mlp"] = bench_fused_mlp(mlps, bw, args.quick)
+                res["fused_mlp_summary"] = fused_summary(res["fused_mlp"])
+                save("fused_mlp")
             if "predictor" in sections and in_budget("predictor"):
                 res["predictor"] = bench_predictor(mlps, res.get("mlp", []), args.quick)
                 save("predictor")
@@ -875,6 +1015,18 @@ def main(argv=None):
         bt = [r for r in res["mlp"] if r["B"] > 1 and r["density"] in (0.1, 0.3, 0.5)]
         print(table(bt, ["shape", "B", "density", "policy", "ms", "graph_ms", "dense_graph_ms",
                          "graph_speedup", "graph_bw_frac"]))
+    if "fused_mlp" in res:
+        summ = res["fused_mlp_summary"]
+        best = summ["best"]
+        print("\n## One-launch sparse MLP (sparse_mlp_fused), batch 1, per config (summed over shapes x densities)\n")
+        print(table(summ["configs"], ["config", "sum_ms", "speedup_vs_pair", "min_bw_frac_d>=0.1",
+                                      "mean_bw_frac_d>=0.1"]))
+        print(f"\nbest config (lowest summed graph time): {best['config'] if best else None}: "
+              f"{best['cfg'] if best else None}")
+        keep = {"fc1+fc2", best["config"] if best else None}
+        print("\n## One-launch sparse MLP, best config vs fc1+fc2 (graph, per call, fp16)\n")
+        print(table([r for r in res["fused_mlp"] if r["config"] in keep],
+                    ["shape", "density", "K", "config", "graph_ms", "GBps", "bw_frac", "speedup"]))
     if "predictor" in res:
         print("\n## Predictor + top-k\n")
         print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "method", "ms", "graph_ms",
