@@ -91,10 +91,14 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
                                           # D = 60 in 2 slices of 32 (masked tail), rows in 16s
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
                                                                    "FINISH_R": 16}, "attn": {"CHUNK": 4}}),
+                                          # the same through the separate finishing kernel
+                                          (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
+                                                                   "FINISH_R": 16, "FUSED_FINISH": False},
+                                                           "attn": {"CHUNK": 4}}),
                                           # shared sets: one missing slot per dot row block, the
-                                          # rest through the finishing kernel's slow path
+                                          # rest through the finishing slow path
                                           (torch.float32, {"qkv": {"SHARED_MIN_BATCH": 2, "SHARED_P": 2, "BLOCK_D": 32}})],
-                         ids=["fp16", "fp32", "fp16-split-D", "fp32-shared-P2"])
+                         ids=["fp16", "fp32", "fp16-split-D", "fp16-split-D-two-launch", "fp32-shared-P2"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""
@@ -175,17 +179,23 @@ def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
     vl0 = torch.tensor([[0, 9, 13, 20, 2], [1, 0, 2, 2, 0], [5, 5, 5, 5, 5]], dtype=torch.int32)
     pos, hidx = torch.tensor([20, 17, 6]), torch.tensor([0, 3, 4], dtype=torch.int32)
     outs = []
-    for cfg in ({"qkv": {"SHARED_MIN_BATCH": 2}}, {"qkv": {"SHARED_MIN_BATCH": None}}):
+    for cfg in ({"qkv": {"SHARED_MIN_BATCH": 2, "FUSED_FINISH": f}} for f in (True, False)):
         kc, vc = nan_caches(B, dtype)
         vl, hist = vl0.clone(), x_hist.clone()
         y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
         outs.append((y, kc, vc, vl, hist))
-    for a, b in zip(*outs):
-        assert torch.equal(torch.isnan(a), torch.isnan(b))
-        assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
+    cfg = {"qkv": {"SHARED_MIN_BATCH": None}}
+    kc, vc = nan_caches(B, dtype)
+    vl, hist = vl0.clone(), x_hist.clone()
+    y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
+    for out in outs:  # shared-set kernel, fused finish and two launches, against per-sequence
+        for a, b in zip(out, (y, kc, vc, vl, hist)):
+            assert torch.equal(torch.isnan(a), torch.isnan(b))
+            assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32}])
+@pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32},
+                                    {"BLOCK_D": 16, "BLOCK_R": 32, "FUSED_FINISH": False}])
 def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, config):
     # D = 60 in chunks of 32 or 16 (masked tail), 2*hd = 24 rows in blocks of 16 or 32, up to 21 slots
     B, dtype = 2, torch.float16
@@ -205,3 +215,76 @@ def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, co
     for got, ref, tor in ((kc, k64, kt), (vc, v64, vt)):
         assert torch.equal(torch.isfinite(got).all(-1), mask) and torch.isnan(got[~mask]).all()
         close(got[mask], ref[mask], tor[mask])
+
+
+def _same(a, b):
+    """Equal, NaN where the other is NaN (unwritten slots)."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@pytest.mark.parametrize("split", [1, 4], ids=["split1", "split4"])
+@pytest.mark.parametrize("shared", [False, True], ids=["per-seq", "shared"])
+@pytest.mark.parametrize("op", ["decode", "recompute"])
+def test_fused_finish_equals_two_launches(triton_interp, close, op, shared, split):
+    """The last program of each row block finishes it (SPLIT 4: last_arrival; SPLIT 1: no
+    counter), for Q/K/V (decode) and K/V only (recompute_kv, FIRST_SEG 1), per-sequence and
+    shared sets, with gaps of 0 (valid_len >= pos), 1..16 (partials) and 17..20 (slow path):
+    the same values as the separate finishing kernel and the float64 reference; the counters
+    are back to 0, so a second fused call finishes too."""
+    from dejavu.plugins._common import counters
+    B, dtype = 3, torch.float16
+    w = weights(dtype)
+    x_hist, x, res = torch.randn(B, S, D).to(dtype), torch.randn(B, D).to(dtype), torch.randn(B, D).to(dtype)
+    vl0 = torch.tensor([[0, 9, 13, 20, 2], [1, 0, 2, 17, 20], [5, 6, 2, 0, 3]], dtype=torch.int32)
+    pos = torch.tensor([20, 17, 6])
+    hidx = torch.tensor([0, 3, 4], dtype=torch.int32) if shared else \
+        torch.tensor([[0, 3, 4], [1, 3, 4], [2, 3, 4]], dtype=torch.int32)
+    # D = 60 in 4 slices of 16 (masked tail); hd 12 rows in one block of 16
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "FINISH_R": 16, "SPLIT": split,
+           "SHARED_MIN_BATCH": 2 if shared else None, "SHARED_P": 4}
+
+    # the caches hold the K/V of the slots below valid_len (attention reads them), NaN elsewhere
+    kv64 = (x_hist.double() @ w[2].double().T + w[3].double()).view(B, S, 2, H, HD).permute(2, 0, 3, 1, 4)
+    filled = (torch.arange(S)[None, None, :] < vl0[:, :, None])[..., None]  # [B, H, S, 1]
+
+    def caches(dt):
+        return [torch.where(filled, kv64[c], float("nan")).to(dt) for c in (0, 1)]
+
+    def run(fused):
+        kc, vc = caches(dtype)
+        vl, hist = vl0.clone(), x_hist.clone()
+        cfg = {**qkv, "FUSED_FINISH": fused}
+        if op == "decode":
+            y = torch.full((B, D), float("nan"), dtype=dtype)
+            sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, out=y, config={"qkv": cfg})
+        else:
+            y = torch.zeros(0)
+            recompute_kv(hist, w[2], w[3], hidx, kc, vc, vl, pos, config=cfg)
+        return y, kc, vc, vl, hist
+
+    fused = run(True)
+    assert (counters(torch.device("cpu"), 1 << 16) == 0).all()
+    again = run(True)
+    two = run(False)
+    for a, b, c in zip(fused, again, two):
+        assert _same(a, b) and _same(a, c)
+    y, kc, vc, vl, hist = fused
+    k64, v64 = caches(torch.float64)
+    kt, vt = caches(dtype)
+    if op == "decode":
+        w64 = [t.double() for t in w]
+        ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, x_hist.double(), vl0.clone(), pos,
+                                              res.double())
+        tor = sparse_attn_decode_deferred_ref(x, *w, hidx, kt, vt, x_hist.clone(), vl0.clone(), pos, res)
+        close(y, ref, tor)
+    else:
+        recompute_kv_ref(x_hist.double(), w[2].double(), w[3].double(), hidx, k64, v64, vl0.clone(), pos)
+        recompute_kv_ref(x_hist, w[2], w[3], hidx, kt, vt, vl0.clone(), pos)
+    mask = expected_written(B, hidx, vl0, pos)
+    # slots before pos to fill per head (+ pos itself): [20, 0, 18], [17 or 16, 0, 0 (rewound)], [4 or 1, 6, 3]
+    assert mask.sum() == (21 + 1 + 19) + (17 + 1 + 1) + (2 + 7 + 4) if shared else \
+        (21 + 1 + 19) + (18 + 1 + 1) + (5 + 7 + 4)
+    fin = mask | filled[..., 0]
+    for got, ref64, tor in ((kc, k64, kt), (vc, v64, vt)):
+        assert torch.equal(torch.isfinite(got).all(-1), fin) and torch.isnan(got[~fin]).all()
+        close(got[mask], ref64[mask], tor[mask])

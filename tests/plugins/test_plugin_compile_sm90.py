@@ -75,13 +75,16 @@ SCRIPT = textwrap.dedent('''
                                                       BLOCK_X=1024))
     for dt, f32 in (("fp16", False), ("bf16", False), ("fp32", True)):
         for new, first in ((True, 0), (False, 1)):
-            compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16,
-                                                          BLOCK_R=32, BLOCK_D=256, EVEN_D=new), dt,
-                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
-            compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, P=4,
-                                                                 BLOCK_M=32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128,
-                                                                 EVEN_D=new), dt,
-                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
+            # FINISH 0: partials only (two launches); 1: last_arrival finish; 2: SPLIT 1 (fp16 only)
+            for fin in (0, 1, 2) if dt == "fp16" else (1,):
+                qkv_ptrs = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32"}
+                compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, FINISH=fin,
+                                                              BLOCK_P=16, BLOCK_R=32, BLOCK_D=256, BLOCK_S=8,
+                                                              EVEN_D=new), dt, overrides=qkv_ptrs)
+                compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32,
+                                                                     FINISH=fin, P=4, BLOCK_M=32, BLOCK_P=16,
+                                                                     BLOCK_R=32, BLOCK_D=128, BLOCK_S=8, EVEN_D=new),
+                             dt, overrides=qkv_ptrs)
             compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
                                                          BLOCK_D=128, BLOCK_S=8), dt,
                          overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
