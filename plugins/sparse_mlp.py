@@ -20,9 +20,10 @@ Limits and choices (see docs/kernels.md for the measurements behind them):
   bias and residual (deterministic). FUSED_FINISH (B <= FUSED_MAX_BATCH): in the same
   launch, the last program of each D block to arrive (`_common.last_arrival`, int32 counters
   from `_common.counters`, back to 0 afterwards) sums that block's partials for all rows;
-  with `ln=`, the last of those then computes LayerNorm of the stored y (fp32 statistics:
-  mean, then the mean of squared deviations, y re-read from L2) into `ln_out`, as the model
-  normalises its rounded residual stream. Otherwise (switch off, or larger batches, where
+  with `ln=`, the programs that store y also store each D block's mean and sum of squared
+  deviations of the stored (rounded) y, and the last of them merges those per row (fp32,
+  as stable as mean-then-variance) and normalises y into `ln_out` in one pass: LayerNorm
+  of the rounded residual stream, as the model computes it. Otherwise (switch off, or larger batches, where
   one program per D block or one program for every row's LayerNorm would be slow) a second
   small kernel reduces the partials and `layer_norm.layer_norm` follows.
 - No host sync on the GPU path; launches are CUDA-graph capturable.
@@ -65,7 +66,7 @@ REDUCE_BLOCK = 1024
 FUSED_FINISH = True
 FUSED_MAX_BATCH = 8
 FIN_PARTIALS = 4096     # partials per load in a finishing program (SPLIT rows of BLOCK_D)
-LN_BLOCK = 1024         # LayerNorm of the fused finish: elements per load
+LN_BLOCK = 2048         # LayerNorm of the fused finish: elements per load (one pass over y)
 LN_EPS = 1e-5
 
 
@@ -162,14 +163,27 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
 
 
 @helper
-def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, pid_d, B, D, SPLIT,
-                  HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _block_stats(y, mask, rmask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr):
+    # (mean, M2) of each row of y [R, BLOCK_D] (the rounded values, fp32) over D block pid_d,
+    # stored at st_ptr [R] (pointers to the rows' slots): LayerNorm merges the blocks' pairs
+    n_b = tl.minimum(D - pid_d * BLOCK_D, BLOCK_D).to(tl.float32)
+    mean_b = tl.sum(tl.where(mask, y, 0.0), axis=1) / n_b
+    yc = tl.where(mask, y - mean_b[:, None], 0.0)
+    tl.store(st_ptr, mean_b, mask=rmask)
+    tl.store(st_ptr + 1, tl.sum(yc * yc, axis=1), mask=rmask)
+
+
+@helper
+def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT, N_D,
+                  HAS_RES: tl.constexpr, LN: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
     # y[b, block pid_d] = sum_s part[s, b, block] + bias (+ residual) for every row b, the
-    # partials in order of s as _split_reduce_kernel; .cg: other programs wrote them (L2).
+    # partials in order of s; .cg: other programs wrote them (L2). LN: the block's stats too.
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     bias = tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
     offs_s = tl.arange(0, BLOCK_S)
+    one = tl.arange(0, 1)
     for b in range(0, B):
         y = bias
         for s0 in range(0, SPLIT, BLOCK_S):
@@ -180,66 +194,72 @@ def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, pid_d, B, D, SPLIT,
             y += tl.sum(parts, axis=0)
         if HAS_RES:
             y += tl.load(res_ptr + b * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + b * D + offs_d, y.to(out_ptr.dtype.element_ty), mask=dmask)
+        yo = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * D + offs_d, yo, mask=dmask)
+        if LN:
+            _block_stats(yo.to(tl.float32)[None, :], dmask[None, :], one < 1,
+                         st_ptr + (b * N_D + pid_d) * 2 + one, pid_d, D, BLOCK_D)
 
 
 @helper
-def _ln_rows(y_ptr, w_ptr, b_ptr, out_ptr, B, D, eps, BLOCK: tl.constexpr):
-    # out[b] = LayerNorm(y[b]) for every row, fp32 statistics as layer_norm.py: the mean, then
-    # the mean of squared deviations, then normalise; y (the stored, rounded rows, written
-    # by other programs) is read three times from L2 (.cg).
+def _ln_rows(y_ptr, w_ptr, b_ptr, out_ptr, st_ptr, B, D, N_D, eps, BLOCK_D: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    # out[b] = LayerNorm(y[b]) for every row: the N_D blocks' (mean, M2) merged in fp32 (the
+    # parallel form of mean-then-squared-deviations, as layer_norm.py's chunked path), then
+    # one pass over y (the stored, rounded rows; other programs wrote them: .cg) to normalise.
+    offs_n = tl.arange(0, BLOCK_N)
+    nmask = offs_n < N_D
+    n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)
     offs = tl.arange(0, BLOCK)
     for b in range(0, B):
-        row = y_ptr + b * D
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        st = st_ptr + (b * N_D + offs_n) * 2
+        mean_b = tl.load(st, mask=nmask, other=0.0, cache_modifier=".cg")
+        m2_b = tl.load(st + 1, mask=nmask, other=0.0, cache_modifier=".cg")
+        mean = tl.sum(tl.where(nmask, n_b * mean_b, 0.0), axis=0) / D
+        delta = mean_b - mean
+        m2 = tl.sum(tl.where(nmask, m2_b + n_b * delta * delta, 0.0), axis=0)
+        rstd = 1.0 / tl.sqrt(m2 / D + eps)
         for d0 in range(0, D, BLOCK):
             m = d0 + offs < D
-            acc += tl.load(row + d0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-        mean = tl.sum(acc, axis=0) / D
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK):
-            m = d0 + offs < D
-            x = tl.load(row + d0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            xc = tl.where(m, x - mean, 0.0)
-            acc += xc * xc
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + eps)
-        for d0 in range(0, D, BLOCK):
-            m = d0 + offs < D
-            x = tl.load(row + d0 + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+            x = tl.load(y_ptr + b * D + d0 + offs, mask=m, other=0.0, cache_modifier=".cg")
             w = tl.load(w_ptr + d0 + offs, mask=m, other=0.0).to(tl.float32)
             bb = tl.load(b_ptr + d0 + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(out_ptr + b * D + d0 + offs, ((x - mean) * rstd * w + bb).to(out_ptr.dtype.element_ty),
-                     mask=m)
+            y = (x.to(tl.float32) - mean) * rstd * w + bb
+            tl.store(out_ptr + b * D + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @helper
-def _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, pid_d, B, D,
-            SPLIT, N_COL, N_LN, eps, FINAL: tl.constexpr, HAS_RES: tl.constexpr, LN: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, LN_BLOCK: tl.constexpr):
-    # The fused finish, after this program stored its partials (FINAL: its part of y).
-    # Counters: cnt[1 + pid_d] for the N_COL programs of D block pid_d (the last sums the
-    # block's partials into y), cnt[0] for the N_LN programs that store y (the last
-    # normalises every row into ln). Each last_arrival orders the writes before it.
+def _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, pid_d,
+            B, D, SPLIT, N_D, N_COL, N_LN, eps, FINAL: tl.constexpr, HAS_RES: tl.constexpr,
+            LN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+            BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr):
+    # The fused finish, after this program stored its partials (FINAL: its part of y and,
+    # LN, that part's stats). Counters: cnt[1 + pid_d] for the N_COL programs of D block
+    # pid_d (the last sums the block's partials into y and its stats), cnt[0] for the N_LN
+    # programs that store y (the last normalises every row into ln). Each last_arrival
+    # orders the writes before it.
     if FINAL:
         if LN:
             if last_arrival(cnt_ptr, N_LN):
-                _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, B, D, eps, LN_BLOCK)
+                _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, B, D, N_D, eps, BLOCK_D,
+                         BLOCK_N, LN_BLOCK)
     else:
         if last_arrival(cnt_ptr + 1 + pid_d, N_COL):
-            _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, pid_d, B, D, SPLIT, HAS_RES, BLOCK_D,
-                          BLOCK_S)
+            _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT, N_D,
+                          HAS_RES, LN, BLOCK_D, BLOCK_S)
             if LN:
                 if last_arrival(cnt_ptr, N_LN):
-                    _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, B, D, eps, LN_BLOCK)
+                    _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, B, D, N_D, eps, BLOCK_D,
+                             BLOCK_N, LN_BLOCK)
 
 
 def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
-                          cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr,
-                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib, SPLIT, N_COL, N_LN, eps,
+                          cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
+                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib, SPLIT, N_D, N_COL, N_LN, eps,
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
                           LN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                           EVEN_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr,
-                          LN_BLOCK: tl.constexpr):
+                          BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr):
     # y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
@@ -279,21 +299,28 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
         y += tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
         if HAS_RES:
             y += tl.load(res_ptr + row + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + offs_d, y.to(out_ptr.dtype.element_ty), mask=dmask)
+        yo = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row + offs_d, yo, mask=dmask)
+        if LN:
+            one = tl.arange(0, 1)
+            _block_stats(yo.to(tl.float32)[None, :], dmask[None, :], one < 1,
+                         st_ptr + (pid_b * N_D + pid_d) * 2 + one, pid_d, D, BLOCK_D)
     else:
         tl.store(part_ptr + pid_s.to(tl.int64) * B * D + row + offs_d, y, mask=dmask)
     if FUSED:
-        _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, pid_d, B, D,
-                SPLIT, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, LN_BLOCK)
+        _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, pid_d,
+                B, D, SPLIT, N_D, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, BLOCK_N,
+                LN_BLOCK)
 
 
 def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
-                         cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr,
-                         B, D, K, K_PER_SPLIT, stride_hb, SPLIT, N_COL, N_LN, eps,
+                         cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
+                         B, D, K, K_PER_SPLIT, stride_hb, SPLIT, N_D, N_COL, N_LN, eps,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
                          LN: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                         GROUP: tl.constexpr, BLOCK_S: tl.constexpr, LN_BLOCK: tl.constexpr):
+                         GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         LN_BLOCK: tl.constexpr):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel.
     pid_d = tl.program_id(0)
@@ -326,12 +353,17 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         y = acc + tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
         if HAS_RES:
             y += tl.load(res_ptr + rows_b + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows_b + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        yo = y.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows_b + offs_d[None, :], yo, mask=mask)
+        if LN:
+            _block_stats(yo.to(tl.float32), mask, bmask, st_ptr + (offs_b * N_D + pid_d) * 2, pid_d, D,
+                         BLOCK_D)
     else:
         tl.store(part_ptr + pid_s.to(tl.int64) * B * D + rows_b + offs_d[None, :], acc, mask=mask)
     if FUSED:
-        _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, pid_d, B, D,
-                SPLIT, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, LN_BLOCK)
+        _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, pid_d,
+                B, D, SPLIT, N_D, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, BLOCK_N,
+                LN_BLOCK)
 
 
 def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
@@ -418,14 +450,18 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     part = out if final else torch.empty((split, B, D), dtype=torch.float32, device=h.device)
     res = residual if residual is not None else out  # never read when HAS_RES is false
     cnt = counters(h.device, n_d + 1) if fused else idx  # never touched unless FUSED
-    lnw, lnb = ln if (fused and ln is not None) else (bias, bias)
-    lno = ln_out if (fused and ln is not None) else out
-    fin = (cnt, lnw, lnb, lno)
-    sizes = (split, split * per_col, n_d * per_col if final else n_d, LN_EPS)  # SPLIT, N_COL, N_LN, eps
-    common = dict(FINAL=final, HAS_RES=residual is not None, FUSED=fused, LN=fused and ln is not None,
+    fused_ln = fused and ln is not None
+    lnw, lnb = ln if fused_ln else (bias, bias)
+    lno = ln_out if fused_ln else out
+    # per (row, D block): mean and M2 of the stored y, merged by the LayerNorm program
+    stats = torch.empty((B, n_d, 2), dtype=torch.float32, device=h.device) if fused_ln else part
+    fin = (cnt, lnw, lnb, lno, stats)
+    # SPLIT, N_D, N_COL (programs per D block), N_LN (programs that store y), eps
+    sizes = (split, n_d, split * per_col, n_d * per_col if final else n_d, LN_EPS)
+    common = dict(FINAL=final, HAS_RES=residual is not None, FUSED=fused, LN=fused_ln,
                   BLOCK_K=block_k, BLOCK_D=block_d, EVEN_D=D % block_d == 0, GROUP=group,
-                  BLOCK_S=min(next_pow2(split), max(1, FIN_PARTIALS // block_d)), LN_BLOCK=LN_BLOCK,
-                  num_warps=cfg["num_warps"])
+                  BLOCK_S=min(next_pow2(split), max(1, FIN_PARTIALS // block_d)),
+                  BLOCK_N=max(2, next_pow2(n_d)), LN_BLOCK=LN_BLOCK, num_warps=cfg["num_warps"])
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,

@@ -57,12 +57,12 @@ SCRIPT = textwrap.dedent('''
         # fc2 / out-proj: split-K with the separate reduction, fused finish (+ LayerNorm), one split + LayerNorm
         for final, fused, ln, group in ((False, False, False, 1), (False, True, False, 128), (False, True, True, 1),
                                         (True, True, True, 128), (True, False, False, 1)):
-            fin = dict(FINAL=final, HAS_RES=True, FUSED=fused, LN=ln, LN_BLOCK=1024, GROUP=group)
+            fin = dict(FINAL=final, HAS_RES=True, FUSED=fused, LN=ln, BLOCK_N=128, LN_BLOCK=2048, GROUP=group)
             compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, BLOCK_S=16, **fin),
-                         dt, overrides={"cnt_ptr": "*i32", "eps": "fp32"})
+                         dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"})
             compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=128, BLOCK_B=16, BLOCK_D=64,
                                                            EVEN_D=False, BLOCK_S=4, **fin),
-                         dt, overrides={"cnt_ptr": "*i32", "eps": "fp32"})
+                         dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"})
     compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4))
     for dt, red, pre in (("fp16", 0, True), ("fp16", 0, False), ("fp16", 1, True), ("fp16", 1, False),
                          ("fp16", 2, True), ("bf16", 0, False), ("fp32", 1, True)):  # every fused MLP variant
