@@ -62,7 +62,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs). Picked by
 # `benchmarks/kernels.py --sweep-attn` on an H200. FUSED_FINISH: the last program of each row
 # block finishes it (one launch); False: a separate _qkv_finish_kernel with FINISH_R rows per
-# program (the two-launch path, kept to time against).
+# program (the two-launch path, kept to time against). FINISH_S: slices of D summed per load
+# when finishing (a power of 2; more splits take more loads, fewer registers).
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
 # None (the default) keeps the per-sequence kernel, the one measured on the H200: the
@@ -70,7 +71,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # left to time it (BENCHMARKS.md: at batch 8 the per-sequence kernel is slower than dense).
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": None, "SHARED_P": 4,
-              "FUSED_FINISH": True}
+              "FUSED_FINISH": True, "FINISH_S": 8}
 
 
 @helper
@@ -259,22 +260,25 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
 def _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B, KH, HD, SPLIT, HIST_LEN,
                   BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     # The rows' sums over the SPLIT slices of D: value at pos [BLOCK_R] and, for K/V rows, at the
-    # first HIST_LEN missing slots [BLOCK_P, BLOCK_R]. Every split in one load each (one memory
-    # round trip, not SPLIT); .cg: in the fused path other programs wrote them (L2, not L1).
-    offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < SPLIT
-    slot = (offs_s.to(tl.int64) * B + b64) * KH + j  # [BLOCK_S]
-    new = tl.sum(tl.load(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :],
-                         mask=smask[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
+    # first HIST_LEN missing slots [BLOCK_P, BLOCK_R]. BLOCK_S splits per load (few memory round
+    # trips, not SPLIT; capped so the fused partial kernel keeps its registers); .cg: in the
+    # fused path other programs wrote them (L2, not L1).
+    new = tl.zeros([BLOCK_R], dtype=tl.float32)
     hist = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
-    if seg > 0:
-        if start < pos:
-            offs_p = tl.arange(0, BLOCK_P)
-            pmask = (start + offs_p < pos) & (offs_p < HIST_LEN)
-            src = (phist_ptr + ((slot[:, None, None] * BLOCK_P + offs_p[None, :, None]) * 2 * HD
-                                + (seg - 1) * HD + offs_c[None, None, :]))
-            m = smask[:, None, None] & pmask[None, :, None] & cmask[None, None, :]
-            hist = tl.sum(tl.load(src, mask=m, other=0.0, cache_modifier=".cg"), axis=0)
+    offs_p = tl.arange(0, BLOCK_P)
+    pmask = (start + offs_p < pos) & (offs_p < HIST_LEN)
+    for s0 in range(0, SPLIT, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        smask = offs_s < SPLIT
+        slot = (offs_s.to(tl.int64) * B + b64) * KH + j  # [BLOCK_S]
+        new += tl.sum(tl.load(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :],
+                              mask=smask[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg"), axis=0)
+        if seg > 0:
+            if start < pos:
+                src = (phist_ptr + ((slot[:, None, None] * BLOCK_P + offs_p[None, :, None]) * 2 * HD
+                                    + (seg - 1) * HD + offs_c[None, None, :]))
+                m = smask[:, None, None] & pmask[None, :, None] & cmask[None, None, :]
+                hist += tl.sum(tl.load(src, mask=m, other=0.0, cache_modifier=".cg"), axis=0)
     return new, hist
 
 
@@ -427,9 +431,11 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     args = (new, x_hist, wq, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, cnt, qbuf, k_cache, v_cache,
             B, kh, H, D, hd, nb, d_per, new.stride(0), x_hist.stride(0), x_hist.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
-    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=(2 if split == 1 else 1) if fused
-                  else 0, BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=next_pow2(split),
-                  EVEN_D=D % d_per == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    bs = min(cfg["FINISH_S"], next_pow2(split))
+    finish_mode = (2 if split == 1 else 1) if fused else 0
+    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
+                  BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         hist_len = sp - 1
@@ -448,8 +454,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     finish[(B * kh, (3 - first) * nbf)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
-        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=next_pow2(split),
-        num_warps=4)
+        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, num_warps=4)
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):

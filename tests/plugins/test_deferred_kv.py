@@ -240,7 +240,7 @@ def test_fused_finish_equals_two_launches(triton_interp, close, op, shared, spli
     hidx = torch.tensor([0, 3, 4], dtype=torch.int32) if shared else \
         torch.tensor([[0, 3, 4], [1, 3, 4], [2, 3, 4]], dtype=torch.int32)
     # D = 60 in 4 slices of 16 (masked tail); hd 12 rows in one block of 16
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "FINISH_R": 16, "SPLIT": split,
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "FINISH_R": 16, "SPLIT": split, "FINISH_S": 2,  # 2 loads of 2 splits
            "SHARED_MIN_BATCH": 2 if shared else None, "SHARED_P": 4}
 
     # the caches hold the K/V of the slots below valid_len (attention reads them), NaN elsewhere
