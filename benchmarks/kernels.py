@@ -230,14 +230,16 @@ def _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap):
     return x, wl, kc, vc, hist, vl, pos_t, rand_idx(B, H, kh, shared)
 
 
-def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap):
-    """Deferred K/V decode (Q/K/V kernel + attention with commit + out-proj) vs float64."""
+def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap, config=None):
+    """Deferred K/V decode (Q/K/V kernel + attention with commit + out-proj) vs float64;
+    `config`: QKV_CONFIG overrides (SPLIT, FUSED_FINISH, ...)."""
     DK = sys.modules["dejavu.plugins.deferred_kv"]
     x, wl, kc, vc, hist, vl, pos_t, hidx = _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap)
     res = randn(B, H * hd, dtype=dtype)
     st = [t.clone() for t in (kc, vc, hist, vl)]
     y = torch.full((B, H * hd), float("nan"), dtype=dtype, device=DEV)
-    DK.sparse_attn_decode_deferred(x, *wl, hidx, *st, pos_t, res, out=y, validate=True)
+    DK.sparse_attn_decode_deferred(x, *wl, hidx, *st, pos_t, res, out=y, validate=True,
+                                   config={"qkv": config} if config else None)
     s64 = [kc.double(), vc.double(), hist.double(), vl.clone()]
     ref = DK.sparse_attn_decode_deferred_ref(x.double(), *[t.double() for t in wl], hidx, *s64, pos_t, res.double())
     s16 = [t.clone() for t in (kc, vc, hist, vl)]
@@ -250,6 +252,33 @@ def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap):
     e["slots_written"] = int(written.any(-1).sum())
     ok = ok and e["valid_len_equal"] and e["hist_equal"] and \
         e["cache_err"] <= 2 * (s16[0].double() - s64[0]).abs().max().item() + TOL[dtype][0]
+    e["counters_zero"] = _counters_zero(x.device)  # each last_arrival put its counter back
+    return ok and e["counters_zero"], e
+
+
+def _counters_zero(device):
+    """The shared last_arrival counters (plugins/_common.counters) are all back at 0."""
+    C = sys.modules["dejavu.plugins._common"]
+    buf = C._COUNTERS.get(device)
+    return buf is None or not bool(buf.any())
+
+
+def check_recompute(B, H, hd, S, pos, kh, dtype, shared, gap, config=None):
+    """recompute_kv (K/V only, the input at pos from x_hist) vs float64: cache and valid_len."""
+    DK = sys.modules["dejavu.plugins.deferred_kv"]
+    _, wl, kc, vc, hist, vl, pos_t, hidx = _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap)
+    wkv, bkv = wl[2], wl[3]
+    st = [t.clone() for t in (kc, vc, vl)]
+    DK.recompute_kv(hist, wkv, bkv, hidx, st[0], st[1], st[2], pos_t, validate=True, config=config)
+    s64 = [kc.double(), vc.double(), vl.clone()]
+    DK.recompute_kv_ref(hist.double(), wkv.double(), bkv.double(), hidx, *s64, pos_t)
+    s16 = [t.clone() for t in (kc, vc, vl)]
+    DK.recompute_kv_ref(hist, wkv, bkv, hidx, *s16, pos_t)
+    e = {"cache_err": max((st[i].double() - s64[i]).abs().max().item() for i in (0, 1)),
+         "torch_err": max((s16[i].double() - s64[i]).abs().max().item() for i in (0, 1)),
+         "valid_len_equal": bool(torch.equal(st[2], s64[2])),
+         "counters_zero": _counters_zero(hist.device)}
+    ok = e["valid_len_equal"] and e["counters_zero"] and e["cache_err"] <= 2 * e["torch_err"] + TOL[dtype][0]
     return ok, e
 
 
@@ -351,6 +380,19 @@ def run_checks():
     for B, shared, gap in ((1, False, 3), (1, False, 100), (4, True, 5))[:3 if big else 0]:
         cases.append(("deferred", dict(B=B, H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16,
                                        shared=shared, gap=gap)))
+    # the Q/K/V finish in the partial kernels' last program (last_arrival), on real shapes:
+    # many programs per counter, SPLIT 1, the two-launch path, the slow path (gap 40)
+    deep = dict(H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16)
+    for gap in ((0, 3, 40) if big else ()):
+        for cfg in ({}, {"SPLIT": 56}, {"SPLIT": 56, "FINISH_S": 2}, {"SPLIT": 1}, {"SPLIT": 56, "FUSED_FINISH": False}):
+            cases.append(("deferred", dict(B=1, shared=False, gap=gap, config=cfg, **deep)))
+        cases.append(("deferred", dict(B=4, shared=False, gap=gap, config={"SPLIT": 28}, **deep)))
+        cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 28}, **deep)))
+        cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 1}, **deep)))
+        cases.append(("recompute", dict(B=2, shared=False, gap=gap, config={"SPLIT": 56}, **deep)))
+    for dtype in (torch.bfloat16, torch.float32):  # fp32: the DOT_FP32 path; D=144 in 9 slices of 16
+        cases.append(("deferred", dict(B=3, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=False, gap=40,
+                                       config={"BLOCK_D": 16, "SPLIT": 9})))
     for method in ("torch", "triton"):
         for B, shared in ((1, False), (4, False), (4, True)):
             cases.append(("pred", dict(B=B, D=512, N=2000, r=64, k=150, shared=shared, method=method)))
@@ -373,7 +415,7 @@ def run_checks():
         cases.append(("fused", dict(D=7168, F=28672, K=1433, B=1, dtype=torch.bfloat16, shared=False,
                                     residual=True, config=dict(REDUCE=red, PER_SM=2, num_warps=4), graph=True)))
     fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-           "fused": check_fused}
+           "recompute": check_recompute, "fused": check_fused}
     for kind, kw in cases:
         torch.manual_seed(len(results))
         try:
