@@ -153,16 +153,22 @@ def _err_ok(out, ref, torch_out, atol, rel):
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 5e-3), torch.bfloat16: (1e-2, 3e-2)}
 
 
-def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, dot_min_batch=None):
+def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, dot_min_batch=None, ln=False, config=None,
+              repeat=1):
     old = SM.DOT_MIN_BATCH
     SM.DOT_MIN_BATCH = dot_min_batch or old
     try:
-        return _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual)
+        return _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, ln, config, repeat)
     finally:
         SM.DOT_MIN_BATCH = old
 
 
-def _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual):
+def _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, ln=False, config=None, repeat=1):
+    """fc1 and fc2 vs float64; `ln`: fc2's fused LayerNorm output too (vs float64 LayerNorm of
+    the kernel's own y); `repeat`: fc2 run that many times back to back without a sync, every
+    result bit-equal to the first (the last-program finish is deterministic: a race shows)."""
+    if ln:
+        return _check_fc2_ln(D, F, K, B, dtype, shared, idx_dtype, residual, config, repeat)
     x = randn(B, D, dtype=dtype)
     w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
     w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
@@ -178,6 +184,28 @@ def _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual):
     y_ref = P.sparse_fc2_ref(*args64)
     ok2, e2 = _err_ok(y, y_ref, P.sparse_fc2_ref(h, w2_t, b2, idx, res), *TOL[dtype])
     return ok1 and ok2, {"fc1": e1, "fc2": e2}
+
+
+def _check_fc2_ln(D, F, K, B, dtype, shared, idx_dtype, residual, config, repeat):
+    h = randn(B, K, dtype=dtype)
+    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
+    lw, lb = 1.0 + 0.1 * randn(D, dtype=dtype), 0.1 * randn(D, dtype=dtype)
+    res = randn(B, D, dtype=dtype) if residual else None
+    idx = rand_idx(B, F, K, shared).to(idx_dtype)
+    outs = []
+    for _ in range(repeat):
+        y = torch.full((B, D), float("nan"), dtype=dtype, device=DEV)
+        y_ln = torch.full((B, D), float("nan"), dtype=dtype, device=DEV)
+        P.sparse_fc2(h, w2_t, b2, idx, res, out=y, ln=(lw, lb), ln_out=y_ln, validate=True, config=config)
+        outs.append((y, y_ln))
+    y, y_ln = outs[0]
+    args64 = (h.double(), w2_t.double(), b2.double(), idx, None if res is None else res.double())
+    ok1, e1 = _err_ok(y, P.sparse_fc2_ref(*args64), P.sparse_fc2_ref(h, w2_t, b2, idx, res), *TOL[dtype])
+    ln64 = Fn.layer_norm(y.double(), (D,), lw.double(), lb.double(), 1e-5)
+    ok2, e2 = _err_ok(y_ln, ln64, Fn.layer_norm(y, (D,), lw, lb, 1e-5), *TOL[dtype])
+    same = all(torch.equal(a, y) and torch.equal(b, y_ln) for a, b in outs)
+    zero = _counters_zero(h.device)
+    return ok1 and ok2 and same and zero, {"fc2": e1, "ln": e2, "repeats_equal": same, "counters_zero": zero}
 
 
 def _attn_inputs(B, H, hd, S, dtype):
@@ -366,6 +394,20 @@ def run_checks():
                                   idx_dtype=torch.int32, residual=True, dot_min_batch=1)))
         cases.append(("mlp", dict(D=9216, F=36864, K=11059, B=4, dtype=torch.bfloat16, shared=True,
                                   idx_dtype=torch.int64, residual=False)))
+    # fc2's fused finish + LayerNorm (last program per D block, then per launch): dot path at B 1
+    # and 8, the GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for B in (1, 3):
+            cases.append(("mlp", dict(D=200, F=1000, K=333, B=B, dtype=dtype, shared=False, idx_dtype=torch.int32,
+                                      residual=True, ln=True)))
+    if big:
+        for B, shared, cfg, rep in ((1, False, None, 20), (8, True, None, 5), (8, False, None, 5),
+                                    (1, False, {"SPLIT": 1}, 1), (3, False, {"SPLIT": 1}, 1),
+                                    (1, False, {"SPLIT": 64, "BLOCK_D": 64}, 5)):
+            cases.append(("mlp", dict(D=7168, F=28672, K=2867, B=B, dtype=torch.float16, shared=shared,
+                                      idx_dtype=torch.int32, residual=True, ln=True, config=cfg, repeat=rep)))
+        cases.append(("mlp", dict(D=9216, F=36864, K=11059, B=4, dtype=torch.bfloat16, shared=True,
+                                  idx_dtype=torch.int64, residual=False, ln=True, repeat=3)))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for B, shared in ((1, False), (3, False), (3, True)):
             cases.append(("attn", dict(B=B, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=shared)))
