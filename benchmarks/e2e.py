@@ -88,6 +88,32 @@ def free():
         torch.cuda.empty_cache()
 
 
+def _ablate_fused_mlp(eng):
+    """fc1 + fc2 in one launch (plugins/fused_mlp.py) instead of the pair + fused LayerNorm."""
+    eng.decoder.fused_mlp = True
+    return None
+
+
+def _ablate_unfused_ln(eng):
+    """The LayerNorms as separate launches (the split-K finish and LayerNorm not fused)."""
+    eng.decoder.fuse_ln = False
+    return None
+
+
+def _ablate_two_launch_qkv(eng):
+    """The deferred Q/K/V finish as its own kernel again (QKV_CONFIG FUSED_FINISH off)."""
+    import importlib
+
+    cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG
+    old = cfg.get("FUSED_FINISH", True)
+    cfg["FUSED_FINISH"] = False
+    return lambda: cfg.__setitem__("FUSED_FINISH", old)
+
+
+# --ablate-densities: rows `dejavu_d{D}_on_{name}` at batch 1, each one change from the headline
+ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "twolaunchqkv": _ablate_two_launch_qkv}
+
+
 def apply_tuned(path: str | None) -> dict:
     """Use the kernel configs a `kernels.py --sweep-attn` run picked (its JSON's "sweep_attn"
     section) for this process: benchmarks only; the shipped defaults live in the plugins."""
@@ -95,15 +121,25 @@ def apply_tuned(path: str | None) -> dict:
         return {}
     import importlib
 
-    found = json.loads(Path(path).read_text()).get("sweep_attn") or {}
+    res = json.loads(Path(path).read_text())
+    found = res.get("sweep_attn") or {}
     used = {}
     for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG"),
                            ("attn", "dejavu.plugins.sparse_attention", "ATTN_CONFIG")):
         if found.get(key):
             table = getattr(importlib.import_module(mod), name)
-            table.clear()
             table.update(found[key])
             used[key] = dict(found[key])
+    SM = importlib.import_module("dejavu.plugins.sparse_mlp")
+    for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):  # kernels.py --sweep
+        for path, cfg in ((res.get("sweep") or {}).get(kernel) or {}).items():
+            table[path] = dict(cfg)
+            used[f"{kernel}/{path}"] = dict(cfg)
+    best = (res.get("fused_mlp_summary") or {}).get("best")  # kernels.py --sections fused_mlp
+    if best and best.get("cfg"):
+        FM = importlib.import_module("dejavu.plugins.fused_mlp")
+        FM.FUSED_MLP_CONFIG.update(best["cfg"])
+        used["fused_mlp"] = dict(FM.FUSED_MLP_CONFIG)
     print(f"kernel configs from {path}: {used}", flush=True)
     return used
 
@@ -469,6 +505,9 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence", kv0) for o in (True, False)]
                     if d in a.full_kv_densities:  # the other policy next to it, overlap on
                         systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
+            if B == 1:  # one change at a time against the headline row, overlap on
+                systems += [(f"dejavu_d{d}_on_{v}", d, True, "per_sequence", kv0)
+                            for d in a.ablate_densities for v in ABLATIONS]
             if a.batch_policy != "per_sequence" and B > 1:
                 systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_shared", d, o, "shared", kv0)
                             for d in a.densities for o in ((True,) if a.batch_policy == "both" else (True, False))]
@@ -476,10 +515,16 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                 if run.left() < hf_reserve:
                     run.add("skipped", {"model": name, "system": system, "batch": B, "why": "time budget"})
                     continue
+                variant = system.rsplit("_", 1)[-1] if system.rsplit("_", 1)[-1] in ABLATIONS else None
+                undo = None
                 try:
                     eng = Engine.from_tensors(header_for(c, d, str(dtype)[6:], ranks), t, DEV, overlap=overlap,
                                               batch_policy=policy, kv_policy=kv)
+                    if variant:
+                        undo = ABLATIONS[variant](eng)
                     row, um, ua = time_engine(eng, c, B, P, N, a.cap_s)
+                    if variant:
+                        row["variant"] = variant
                     row.update(kernels=dict(eng.ops.kernels), kernel_check=eng.kernel_check, overlap=overlap,
                                density=d or 1.0, batch_policy=policy, kv_policy=kv)
                     fb = dense_floor[B] if d is None else floor_bytes(
@@ -490,6 +535,8 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                                        "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-3000:]})
                     print(f"  {name} B={B} {system}: {type(ex).__name__}: {ex}", flush=True)
                 finally:
+                    if undo:
+                        undo()
                     eng = None
                     free()
     finally:
@@ -570,7 +617,10 @@ def main(argv=None) -> int:
     p.add_argument("--hf-compile-min-left", type=float, default=150.0)
     p.add_argument("--hf-reserve", type=float, default=60.0, help="seconds kept for OPT-30B's HF runs")
     p.add_argument("--budget", type=float, default=400.0, help="seconds; later measurements are skipped")
-    p.add_argument("--tuned", default=None, help="kernels.py JSON whose sweep_attn configs to use")
+    p.add_argument("--tuned", default=None,
+                   help="kernels.py JSON whose sweep / sweep_attn / fused_mlp choices to use")
+    p.add_argument("--ablate-densities", default="0.3",
+                   help="densities that also get the batch-1 ablation rows (" + ", ".join(ABLATIONS) + ")")
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
                    help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
                         "default: the plugin's, off)")
@@ -584,6 +634,7 @@ def main(argv=None) -> int:
     if not a.kv_policies or any(x not in ("deferred", "full") for x in a.kv_policies):
         p.error("--kv-policies: a comma list of deferred, full")
     a.full_kv_densities = [float(x) for x in a.full_kv_densities.split(",") if x]
+    a.ablate_densities = [float(x) for x in a.ablate_densities.split(",") if x]
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e.json")
     if DEV == "cuda" and not torch.cuda.is_available():
         print("e2e: no CUDA GPU here; this benchmark needs one", file=sys.stderr)

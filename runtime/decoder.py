@@ -74,6 +74,10 @@ class SparseDecoder:
         # that op's last kernel (plugins/sparse_mlp.py, fused split-K finish); False: the
         # separate layer_norm op, as before (the benchmark times both).
         self.fuse_ln = True
+        # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
+        # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
+        # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).
+        self.fused_mlp = False
 
     def _add(self, x, y, b=None):
         """x + y + b (the residual plus an unfused output and its bias); under tensor parallelism
@@ -145,6 +149,9 @@ class SparseDecoder:
         # (x, LN(x)) then; x alone otherwise
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
+        if self.fused_mlp and h.shape[0] == 1 and self.reduce is None:
+            y = self.ops.sparse_mlp(h, w.w1, w.b1, w.w2_t, w.b2, idx, x)
+            return y if ln is None else (y, self._ln_step(y, ln))
         a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
         if self.reduce is not None:
             return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))

@@ -10,6 +10,9 @@
         (kv_policy "deferred": x_ln stored at x_hist[:, pos]; K/V computed only for the
         selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py)
     layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
+    sparse_mlp(x[1,D], w1, b1, w2_t, b2, idx, residual) -> y[1,D]
+        (fc1 + ReLU + fc2 in one launch at batch 1: plugins/fused_mlp.py; the decoder uses
+        it when `SparseDecoder.fused_mlp` is on)
 
 sparse_fc2, sparse_attn and sparse_attn_deferred also take `ln=(weight, bias)` and then return
 (y, layer_norm(y)): the next LayerNorm of a pre-LN decoder, which the Triton kernels compute
@@ -30,7 +33,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm")
+NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
+         "sparse_mlp")
 
 
 def _rows(idx: torch.Tensor, B: int) -> torch.Tensor:
@@ -112,16 +116,21 @@ def _layer_norm(x, weight, bias):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-5)
 
 
+def _sparse_mlp(x, w1, b1, w2_t, b2, idx, residual=None):
+    return _sparse_fc2(_sparse_fc1(x, w1, b1, idx), w2_t, b2, idx, residual)
+
+
 def _flat(out) -> torch.Tensor:
     """An op's output (a tensor, or the (y, layer_norm(y)) pair) as one flat fp32 tensor."""
     return torch.cat([o.float().flatten() for o in (out if isinstance(out, tuple) else (out,))])
 
 
 _LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
-          "sparse_attn": _sparse_attn, "sparse_attn_deferred": _sparse_attn_deferred, "layer_norm": _layer_norm}
+          "sparse_attn": _sparse_attn, "sparse_attn_deferred": _sparse_attn_deferred, "layer_norm": _layer_norm,
+          "sparse_mlp": _sparse_mlp}
 _PLUGIN = {"predictor_topk": "predictor_topk", "sparse_fc1": "sparse_fc1", "sparse_fc2": "sparse_fc2",
            "sparse_attn": "sparse_attn_decode", "sparse_attn_deferred": "deferred_kv.sparse_attn_decode_deferred",
-           "layer_norm": "layer_norm"}
+           "layer_norm": "layer_norm", "sparse_mlp": "sparse_mlp_fused"}
 _TORCH_REF = {"layer_norm"}  # ops whose reference is PyTorch's own op (the dense model's exact function)
 
 
@@ -195,6 +204,8 @@ class Ops:
             "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
             "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
+            "sparse_mlp": lambda f: f(x[:1], t[p + "mlp.w1"], t[p + "mlp.b1"], t[p + "mlp.w2_t"], t[p + "mlp.b2"],
+                                      im[:1] if im.dim() == 2 else im, res[:1]),
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                                        t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos, res,
                                        **ln),

@@ -29,6 +29,16 @@ for policy, kv in (("per_sequence", "deferred"), ("shared", "deferred"), ("per_s
     out[policy if kv == "deferred" else "full"] = {"kernels": a.ops.kernels, "check": {k: str(v) for k, v in a.kernel_check.items()},
                    "same": a.generate(P, 4, stop_at_eos=False) == b.generate(P, 4, stop_at_eos=False),
                    "warnings": [str(x.message) for x in w]}
+# batch 1 with fc1 + fc2 in one launch (SparseDecoder.fused_mlp): same greedy tokens
+h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
+a = Engine.from_tensors(h, t, "cpu", backend="triton")
+a.decoder.fused_mlp = True
+b = Engine.from_tensors(h, t, "cpu")
+calls = []
+fused = a.ops.sparse_mlp
+a.ops.sparse_mlp = lambda *args, **kw: calls.append(1) or fused(*args, **kw)
+out["fused_mlp"] = {"same": a.generate(P[:1], 4, stop_at_eos=False) == b.generate(P[:1], 4, stop_at_eos=False),
+                    "calls": len(calls), "check": str(a.kernel_check.get("sparse_mlp"))}
 print(json.dumps(out))
 """
 
@@ -41,8 +51,10 @@ def test_triton_backend_in_interpreter_equals_reference():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     per = out["per_sequence"]
     assert per["kernels"] == {"predictor_topk": "triton", "sparse_fc1": "triton", "sparse_fc2": "triton",
-                              "sparse_attn": "triton", "sparse_attn_deferred": "triton", "layer_norm": "triton"}, per
+                              "sparse_attn": "triton", "sparse_attn_deferred": "triton", "layer_norm": "triton",
+                              "sparse_mlp": "triton"}, per
     assert per["same"], per
+    assert out["fused_mlp"]["same"] and out["fused_mlp"]["calls"] > 0, out["fused_mlp"]
     assert out["full"]["same"], out["full"]
     assert out["shared"]["same"], out["shared"]  # kernels that fail their check fall back, still equal
 
