@@ -121,7 +121,12 @@ def apply_tuned(path: str | None) -> dict:
         return {}
     import importlib
 
-    res = json.loads(Path(path).read_text())
+    res = {}
+    for one in path.split(","):  # several kernels.py JSONs: later ones win
+        if Path(one).is_file():
+            res.update(json.loads(Path(one).read_text()))
+        else:
+            print(f"--tuned: {one} not found, skipped", flush=True)
     found = res.get("sweep_attn") or {}
     used = {}
     for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG"),
@@ -132,9 +137,9 @@ def apply_tuned(path: str | None) -> dict:
             used[key] = dict(found[key])
     SM = importlib.import_module("dejavu.plugins.sparse_mlp")
     for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):  # kernels.py --sweep
-        for path, cfg in ((res.get("sweep") or {}).get(kernel) or {}).items():
-            table[path] = dict(cfg)
-            used[f"{kernel}/{path}"] = dict(cfg)
+        for route, cfg in ((res.get("sweep") or {}).get(kernel) or {}).items():
+            table[route] = dict(cfg)
+            used[f"{kernel}/{route}"] = dict(cfg)
     best = (res.get("fused_mlp_summary") or {}).get("best")  # kernels.py --sections fused_mlp
     if best and best.get("cfg"):
         FM = importlib.import_module("dejavu.plugins.fused_mlp")
@@ -618,7 +623,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf-reserve", type=float, default=60.0, help="seconds kept for OPT-30B's HF runs")
     p.add_argument("--budget", type=float, default=400.0, help="seconds; later measurements are skipped")
     p.add_argument("--tuned", default=None,
-                   help="kernels.py JSON whose sweep / sweep_attn / fused_mlp choices to use")
+                   help="kernels.py JSON(s), comma-separated, whose sweep / sweep_attn / fused_mlp choices to use")
     p.add_argument("--ablate-densities", default="0.3",
                    help="densities that also get the batch-1 ablation rows (" + ", ".join(ABLATIONS) + ")")
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
