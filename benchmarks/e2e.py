@@ -110,8 +110,16 @@ def _ablate_two_launch_qkv(eng):
     return lambda: cfg.__setitem__("FUSED_FINISH", old)
 
 
-# --ablate-densities: rows `dejavu_d{D}_on_{name}` at batch 1, each one change from the headline
-ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "twolaunchqkv": _ablate_two_launch_qkv}
+def _ablate_no_fusion(eng):
+    """Both fusions of this session off: separate LayerNorms and the two-launch Q/K/V."""
+    _ablate_unfused_ln(eng)
+    return _ablate_two_launch_qkv(eng)
+
+
+# --ablations at --ablate-densities and --ablate-batches: rows `dejavu_d{D}_on[_shared]_{name}`,
+# each one change from the row without the suffix
+ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "twolaunchqkv": _ablate_two_launch_qkv,
+             "nofuse": _ablate_no_fusion}
 
 
 def apply_tuned(path: str | None) -> dict:
@@ -510,12 +518,15 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence", kv0) for o in (True, False)]
                     if d in a.full_kv_densities:  # the other policy next to it, overlap on
                         systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
-            if B == 1:  # one change at a time against the headline row, overlap on
+            if B in a.ablate_batches:  # one change at a time against the headline row, overlap on
                 systems += [(f"dejavu_d{d}_on_{v}", d, True, "per_sequence", kv0)
-                            for d in a.ablate_densities for v in ABLATIONS]
+                            for d in a.ablate_densities for v in a.ablations]
             if a.batch_policy != "per_sequence" and B > 1:
                 systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_shared", d, o, "shared", kv0)
                             for d in a.densities for o in ((True,) if a.batch_policy == "both" else (True, False))]
+                if B in a.ablate_batches:
+                    systems += [(f"dejavu_d{d}_on_shared_{v}", d, True, "shared", kv0)
+                                for d in a.ablate_densities for v in a.ablations]
             for system, d, overlap, policy, kv in systems:
                 if run.left() < hf_reserve:
                     run.add("skipped", {"model": name, "system": system, "batch": B, "why": "time budget"})
@@ -624,8 +635,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=400.0, help="seconds; later measurements are skipped")
     p.add_argument("--tuned", default=None,
                    help="kernels.py JSON(s), comma-separated, whose sweep / sweep_attn / fused_mlp choices to use")
-    p.add_argument("--ablate-densities", default="0.3",
-                   help="densities that also get the batch-1 ablation rows (" + ", ".join(ABLATIONS) + ")")
+    p.add_argument("--ablations", default="unfusedln,twolaunchqkv,nofuse",
+                   help="ablation rows, from: " + ", ".join(ABLATIONS))
+    p.add_argument("--ablate-densities", default="0.3", help="densities that get the ablation rows")
+    p.add_argument("--ablate-batches", default="1", help="batches that get the ablation rows")
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
                    help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
                         "default: the plugin's, off)")
@@ -640,6 +653,10 @@ def main(argv=None) -> int:
         p.error("--kv-policies: a comma list of deferred, full")
     a.full_kv_densities = [float(x) for x in a.full_kv_densities.split(",") if x]
     a.ablate_densities = [float(x) for x in a.ablate_densities.split(",") if x]
+    a.ablate_batches = [int(x) for x in a.ablate_batches.split(",") if x]
+    a.ablations = [x for x in a.ablations.split(",") if x]
+    if any(x not in ABLATIONS for x in a.ablations):
+        p.error("--ablations: a comma list of " + ", ".join(ABLATIONS))
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e.json")
     if DEV == "cuda" and not torch.cuda.is_available():
         print("e2e: no CUDA GPU here; this benchmark needs one", file=sys.stderr)

@@ -42,9 +42,12 @@ from dejavu.plugins.sparse_mlp import sparse_mlp_layer_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# Not yet measured: benchmarks/kernels.py --sections fused_mlp sweeps FUSED_MLP_SWEEP on the
-# H200 and reports the fastest (summed over OPT-30B/66B, densities 0.05-0.5, batch 1).
-FUSED_MLP_CONFIG = {"BLOCK_R": 1, "num_warps": 8, "PREFETCH": True, "PER_SM": 1, "REDUCE": "atomic"}
+# Measured on the H200 (2026-12-02, session 3; BENCHMARKS.md): no config beats sparse_fc1 +
+# sparse_fc2 summed over OPT-30B/66B at densities 0.05-0.5 (best 0.692 ms vs the pair's
+# 0.685), and REDUCE "atomic" gave wrong sums at the real shapes there (3 of the GPU checks;
+# small shapes pass; not found), so CUDA launches refuse it. The runtime keeps the pair
+# (SparseDecoder.fused_mlp off); this kernel stays for the benchmark.
+FUSED_MLP_CONFIG = {"BLOCK_R": 1, "num_warps": 16, "PREFETCH": True, "PER_SM": 1, "REDUCE": "kernel"}
 REDUCE_MODES = {"atomic": 0, "barrier": 1, "kernel": 2}
 MAX_D = 16384
 DEFAULT_SMS = 132  # H200; the CPU (interpreter) launches use it as the SM count
@@ -275,6 +278,9 @@ def sparse_mlp_fused(x, w1, b1, w2_t, b2, idx, residual=None, *, out=None, valid
     with REDUCE "kernel"); x [B,D], w1 and w2_t [F,D], b1 [F], b2 [D], idx [B,K] or [K]."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
+    if x.device.type == "cuda" and {**FUSED_MLP_CONFIG, **(config or {})}.get("REDUCE") == "atomic":
+        raise DejavuError("sparse_mlp_fused: REDUCE 'atomic' failed its H200 checks at real shapes "
+                          "(BENCHMARKS.md); use 'kernel' or 'barrier'")
     if D > MAX_D:
         raise DejavuError(f"sparse_mlp_fused: D={D} > {MAX_D} (use sparse_fc1 + sparse_fc2)")
     check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
