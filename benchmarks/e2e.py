@@ -116,10 +116,25 @@ def _ablate_no_fusion(eng):
     return _ablate_two_launch_qkv(eng)
 
 
+def _ablate_no_fusion_at_all(eng):
+    """nofuse, and fc2 / the out-projection reduced by their own kernel (sparse_mlp FUSED_FINISH off)."""
+    import importlib
+
+    SM = importlib.import_module("dejavu.plugins.sparse_mlp")
+    undo_qkv = _ablate_no_fusion(eng)
+    old = SM.FUSED_FINISH
+    SM.FUSED_FINISH = False
+
+    def undo():
+        SM.FUSED_FINISH = old
+        undo_qkv()
+    return undo
+
+
 # --ablations at --ablate-densities and --ablate-batches: rows `dejavu_d{D}_on[_shared]_{name}`,
 # each one change from the row without the suffix
 ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "twolaunchqkv": _ablate_two_launch_qkv,
-             "nofuse": _ablate_no_fusion}
+             "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all}
 
 
 def apply_tuned(path: str | None) -> dict:

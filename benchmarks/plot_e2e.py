@@ -23,6 +23,8 @@ def series(results: list[dict], model: str, batch: int) -> dict:
     for r in results:
         if r.get("model") != model or r.get("batch") != batch or not r.get("ms_per_step"):
             continue
+        if r.get("variant"):  # ablation rows (e2e.py --ablations): plot_ablation.py draws them
+            continue
         m = _SYS.match(r["system"])
         if m:
             label = f"dejavu overlap {m['ov']}" + (" (shared idx)" if m["sh"] else "")

@@ -29,10 +29,12 @@ finishes the rows (`_finish_rows`): sums the partials (.cg loads: L2, not L1), a
 bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those slots; a head
 unselected for more than BLOCK_P steps gets its further slots there, from whole-D tl.dot
 passes over its rows (rare: the slow path). With SPLIT == 1 the program finishes from its
-registers (no counter). QKV_CONFIG["FUSED_FINISH"] = False restores the two launches (the
-same `_finish_rows` in `_qkv_finish_kernel`, grid (B*Kh, rows of FINISH_R)), for timing:
-the finish kernel cost ~8 us per layer on the H200, mostly launch latency and the
-dependency bubble. The counters are shared per device: two Q/K/V launches must not run at
+registers (no counter). That one-launch form is opt-in (QKV_CONFIG["FUSED_FINISH"]): on the
+H200 it made the decode step slower (OPT-30B shape, density 0.3, batch 1: 8.28 vs 7.70
+ms/token with both of this session's fusions on vs off; the fused partial kernel needs ~250
+registers against ~170, and the finishing program's serial tail costs about what the
+separate launch did; BENCHMARKS.md). The default is two launches: the same `_finish_rows`
+in `_qkv_finish_kernel`, grid (B*Kh, rows of FINISH_R). The counters are shared per device: two Q/K/V launches must not run at
 the same time on two streams. The bounds are read from device memory: CUDA-graph safe, no
 host sync. valid_len and x_hist[:, pos] are updated after the Q/K/V launch, by the
 attention kernel that follows (programs of one head would race if these kernels wrote
@@ -61,8 +63,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
 # dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs). Picked by
 # `benchmarks/kernels.py --sweep-attn` on an H200. FUSED_FINISH: the last program of each row
-# block finishes it (one launch); False: a separate _qkv_finish_kernel with FINISH_R rows per
-# program (the two-launch path, kept to time against). FINISH_S: slices of D summed per load
+# block finishes it (one launch; slower on the H200, see the docstring); False (default): a
+# separate _qkv_finish_kernel with FINISH_R rows per program. FINISH_S: slices of D summed per load
 # when finishing (a power of 2; more splits take more loads, fewer registers).
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
@@ -71,7 +73,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # left to time it (BENCHMARKS.md: at batch 8 the per-sequence kernel is slower than dense).
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": None, "SHARED_P": 4,
-              "FUSED_FINISH": True, "FINISH_S": 8}
+              "FUSED_FINISH": False, "FINISH_S": 8}
 
 
 @helper

@@ -23,9 +23,12 @@ Limits and choices (see docs/kernels.md for the measurements behind them):
   with `ln=`, the programs that store y also store each D block's mean and sum of squared
   deviations of the stored (rounded) y, and the last of them merges those per row (fp32,
   as stable as mean-then-variance) and normalises y into `ln_out` in one pass: LayerNorm
-  of the rounded residual stream, as the model computes it. Otherwise (switch off, or larger batches, where
-  one program per D block or one program for every row's LayerNorm would be slow) a second
-  small kernel reduces the partials and `layer_norm.layer_norm` follows.
+  of the rounded residual stream, as the model computes it. Otherwise (the default: switch
+  off; or larger batches, where one program per D block or one program for every row's
+  LayerNorm would be slow) a second small kernel reduces the partials and
+  `layer_norm.layer_norm` follows. The fused finish is opt-in: on the H200 it did not pay
+  (OPT-30B shape, density 0.3: batch 1 within 1%, batch 8 per-sequence 44.5 vs 34.2
+  ms/step; BENCHMARKS.md).
 - No host sync on the GPU path; launches are CUDA-graph capturable.
 - Block sizes are fixed per path (FC1_CONFIG / FC2_CONFIG, picked on an H200, recorded by
   `kernel_settings()`); `config=` overrides them (the benchmark's sweep).
@@ -63,7 +66,8 @@ REDUCE_BLOCK = 1024
 # Fused split-K finish (module docstring). The finishing programs read B * SPLIT * BLOCK_D
 # partials each and the LayerNorm program B * D values three times: cheap at decode batches,
 # not at large B, which keeps the separate reduction (parallel over rows and D blocks).
-FUSED_FINISH = True
+# Off by default: measured no gain at batch 1 and a loss at batch 8 on the H200 (docstring).
+FUSED_FINISH = False
 FUSED_MAX_BATCH = 8
 FIN_PARTIALS = 4096     # partials per load in a finishing program (SPLIT rows of BLOCK_D)
 LN_BLOCK = 2048         # LayerNorm of the fused finish: elements per load (one pass over y)

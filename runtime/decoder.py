@@ -70,10 +70,11 @@ class SparseDecoder:
         # each row-parallel op (attention out-proj, fc2) before the residual add; None = one rank.
         # With it set, the residual is not fused into the kernels (it would be summed n times).
         self.reduce = None
-        # Pre-LN, one rank: each LayerNorm after a sparse attention or MLP layer comes out of
-        # that op's last kernel (plugins/sparse_mlp.py, fused split-K finish); False: the
-        # separate layer_norm op, as before (the benchmark times both).
-        self.fuse_ln = True
+        # Pre-LN, one rank: True takes each LayerNorm after a sparse attention or MLP layer
+        # from that op (ln=; on the GPU computed in the op's last kernel when
+        # plugins.sparse_mlp.FUSED_FINISH is on). Off by default: on the H200 the fused finish
+        # did not pay (BENCHMARKS.md, session 3); False runs the separate layer_norm op.
+        self.fuse_ln = False
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
         # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).

@@ -90,15 +90,16 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
 @pytest.mark.parametrize("dtype,config", [(torch.float16, None), (torch.float32, None),
                                           # D = 60 in 2 slices of 32 (masked tail), rows in 16s
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
-                                                                   "FINISH_R": 16}, "attn": {"CHUNK": 4}}),
-                                          # the same through the separate finishing kernel
+                                                                   "FINISH_R": 16, "FUSED_FINISH": True},
+                                                           "attn": {"CHUNK": 4}}),
+                                          # the same through the separate finishing kernel (the default)
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
                                                                    "FINISH_R": 16, "FUSED_FINISH": False},
                                                            "attn": {"CHUNK": 4}}),
                                           # shared sets: one missing slot per dot row block, the
                                           # rest through the finishing slow path
                                           (torch.float32, {"qkv": {"SHARED_MIN_BATCH": 2, "SHARED_P": 2, "BLOCK_D": 32}})],
-                         ids=["fp16", "fp32", "fp16-split-D", "fp16-split-D-two-launch", "fp32-shared-P2"])
+                         ids=["fp16", "fp32", "fp16-split-D-fused", "fp16-split-D-two-launch", "fp32-shared-P2"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""

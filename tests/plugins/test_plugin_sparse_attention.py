@@ -1,4 +1,6 @@
 """sparse_attn_decode (Triton, interpreter) against the masked-dense float64 reference."""
+import sys
+
 import pytest
 import torch
 
@@ -111,8 +113,11 @@ def test_bad_inputs_rejected():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("B,shared", [(1, False), (3, False), (3, True)])
-def test_output_projection_with_layer_norm(triton_interp, close, dtype, B, shared):
-    # ln=: the output projection's launch also normalises y (the next LayerNorm, ln_mlp)
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce-kernel", "fused-finish"])
+def test_output_projection_with_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, fused):
+    # ln=: y and LayerNorm(y) (the next LayerNorm, ln_mlp): from the reduction + layer_norm
+    # kernels (default) or from the output projection's own launch (sparse_mlp.FUSED_FINISH)
+    monkeypatch.setattr(sys.modules["dejavu.plugins.sparse_mlp"], "FUSED_FINISH", fused)
     w, (kc, vc) = make(B, dtype)
     x, res, hidx = torch.randn(B, D).to(dtype), torch.randn(B, D).to(dtype), heads(B, 4, shared)
     lw, lb = (1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype)

@@ -147,6 +147,12 @@ def ln_weights(dtype):
     return (1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype)
 
 
+@pytest.fixture
+def fused_on(monkeypatch):
+    """The fused finish is opt-in (off by default: BENCHMARKS.md, session 3): these tests turn it on."""
+    monkeypatch.setattr(SM, "FUSED_FINISH", True)
+
+
 def launched(monkeypatch):
     """The kernel functions sparse_mlp launches from now on (a list, filled as they run)."""
     names, jit = [], SM.jit
@@ -180,7 +186,7 @@ PATHS = [(1, True, 1), (3, True, 1), (3, False, 1), (1, False, 99), (3, True, 99
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared,dot_min", PATHS)
 @pytest.mark.parametrize("split", [1, 3])
-def test_fused_finish_with_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, dot_min, split):
+def test_fused_finish_with_layer_norm(triton_interp, close, monkeypatch, fused_on, dtype, B, shared, dot_min, split):
     # SPLIT 3 over D blocks of 32 (D 72: a partial last block); LayerNorm in blocks of 32
     monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
     monkeypatch.setattr(SM, "LN_BLOCK", 32)
@@ -195,7 +201,7 @@ def test_fused_finish_with_layer_norm(triton_interp, close, monkeypatch, dtype, 
 
 @pytest.mark.parametrize("B,shared,dot_min", PATHS[:3])
 @pytest.mark.parametrize("residual", [False, True])
-def test_fused_finish_without_layer_norm(triton_interp, close, monkeypatch, B, shared, dot_min, residual):
+def test_fused_finish_without_layer_norm(triton_interp, close, monkeypatch, fused_on, B, shared, dot_min, residual):
     monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
     _, _, _, w2_t, b2, idx = make(B, torch.float16, shared)
     h = torch.randn(B, K).half()
@@ -207,7 +213,7 @@ def test_fused_finish_without_layer_norm(triton_interp, close, monkeypatch, B, s
 
 
 @pytest.mark.parametrize("why", ["switch", "batch"])
-def test_fallback_reduction_and_layer_norm_kernels(triton_interp, close, monkeypatch, why):
+def test_fallback_reduction_and_layer_norm_kernels(triton_interp, close, monkeypatch, fused_on, why):
     # FUSED_FINISH off, or a batch above FUSED_MAX_BATCH: split reduction + layer_norm launches
     if why == "switch":
         monkeypatch.setattr(SM, "FUSED_FINISH", False)
@@ -221,7 +227,7 @@ def test_fallback_reduction_and_layer_norm_kernels(triton_interp, close, monkeyp
     assert SM.kernel_settings()["fused_finish"] is (why != "switch")
 
 
-def test_fused_finish_allocates_ln_out_and_matches_unfused(triton_interp, monkeypatch):
+def test_fused_finish_allocates_ln_out_and_matches_unfused(triton_interp, monkeypatch, fused_on):
     _, _, _, w2_t, b2, idx = make(1, torch.float32, True)
     h, res, ln = torch.randn(1, K), torch.randn(1, D), ln_weights(torch.float32)
     y, y_ln = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, config={"SPLIT": 2, "BLOCK_K": 16})
@@ -229,6 +235,15 @@ def test_fused_finish_allocates_ln_out_and_matches_unfused(triton_interp, monkey
     y2, y2_ln = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, config={"SPLIT": 2, "BLOCK_K": 16})
     assert torch.equal(y, y2)  # same partials, same order of summation
     assert torch.allclose(y_ln, y2_ln, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_finish_is_off_by_default(triton_interp, monkeypatch):
+    # the shipped default launches the split reduction (fused finish measured slower on the H200)
+    _, _, _, w2_t, b2, idx = make(1, torch.float16, True)
+    kernels = launched(monkeypatch)
+    sparse_fc2(torch.randn(1, K).half(), w2_t, b2, idx, config={"SPLIT": 2, "BLOCK_K": 16})
+    assert kernels == ["_gather_dot_t_kernel", "_split_reduce_kernel"], kernels
+    assert SM.kernel_settings()["fused_finish"] is False
 
 
 def test_bad_layer_norm_weights_rejected():

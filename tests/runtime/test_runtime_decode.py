@@ -182,7 +182,7 @@ def _decode_logits(eng, prompts, n, fuse):
     """Logits of every decode step of a greedy run, with the decoder's LayerNorm fusion on or off,
     and how many times the step called the separate layer_norm op."""
     dec, out, calls = eng.decoder, [], []
-    step, ln = dec.decode_step, eng.ops.layer_norm
+    step, ln, fuse0 = dec.decode_step, eng.ops.layer_norm, dec.fuse_ln
     dec.fuse_ln = fuse
     dec.decode_step = lambda tokens, pos: out.append(step(tokens, pos).clone()) or out[-1]
     eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
@@ -190,7 +190,7 @@ def _decode_logits(eng, prompts, n, fuse):
         eng.generate(prompts, n, stop_at_eos=False)
     finally:
         del dec.decode_step
-        eng.ops.layer_norm, dec.fuse_ln = ln, True
+        eng.ops.layer_norm, dec.fuse_ln = ln, fuse0
     return out, len(calls)
 
 
