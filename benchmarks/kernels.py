@@ -443,14 +443,17 @@ def run_checks():
                 cases.append(("pred", dict(B=B, D=1024, N=N, r=128, k=max(1, N // 10), shared=shared,
                                            method=method)))
     # the one-launch MLP: every reduction, with/without prefetch, odd shapes; real shapes; a graph
-    # (REDUCE "barrier" spins: run --check under `timeout`)
+    # (REDUCE "barrier" spins: run --check under `timeout`). REDUCE "atomic" gave wrong sums at
+    # the real shapes on the H200 (session 3) and is refused on CUDA: interpreter only.
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for i, (red, pre, r) in enumerate((("atomic", True, 1), ("atomic", False, 2), ("barrier", True, 2),
                                            ("barrier", False, 1), ("kernel", True, 4))):
+            if red == "atomic" and DEV != "cpu":
+                continue
             cases.append(("fused", dict(D=200, F=1000, K=333, B=1 if i % 2 == 0 else 2, dtype=dtype,
                                         shared=i == 4, residual=i != 3,
                                         config=dict(REDUCE=red, PREFETCH=pre, BLOCK_R=r))))
-    for red in (("atomic", "barrier", "kernel") if big else ()):
+    for red in (("barrier", "kernel") if big else ()):
         for (D, F), K in (((7168, 28672), 2867), ((9216, 36864), 11059)):
             cases.append(("fused", dict(D=D, F=F, K=K, B=1, dtype=torch.float16, shared=False, residual=True,
                                         config=dict(REDUCE=red))))
@@ -641,10 +644,10 @@ def bench_mlp(mlps, bw, quick):
 # are spill-free at D 7168 and 9216 by ptxas -v on sm_90a (R2/prefetch/16 warps: 168 B at 9216);
 # PER_SM 2 fits two programs per SM only where the registers allow (4 warps: both shapes; 8: 7168).
 FUSED_SWEEP = [dict(REDUCE=red, BLOCK_R=r, PREFETCH=pre, num_warps=w, PER_SM=x) for red, r, pre, w, x in
-               [("atomic", 1, True, 8, 1), ("atomic", 1, True, 16, 1), ("atomic", 2, True, 16, 1),
-                ("atomic", 1, False, 4, 2), ("atomic", 2, False, 8, 1), ("atomic", 2, False, 16, 1),
-                ("atomic", 4, False, 16, 1), ("atomic", 1, False, 8, 2), ("barrier", 1, True, 16, 1),
-                ("barrier", 1, False, 4, 2), ("kernel", 1, True, 16, 1), ("barrier", 1, True, 8, 1)]]
+               # "atomic" (fastest in session 3, but wrong at these shapes: refused on CUDA) is out
+               [("kernel", 1, True, 8, 1), ("kernel", 1, True, 16, 1), ("kernel", 2, True, 16, 1),
+                ("kernel", 1, False, 4, 2), ("kernel", 2, False, 16, 1), ("kernel", 1, False, 8, 2),
+                ("barrier", 1, True, 16, 1), ("barrier", 1, False, 4, 2), ("barrier", 1, True, 8, 1)]]
 FUSED_DENSITIES = [0.05, 0.1, 0.2, 0.3, 0.5]
 
 
