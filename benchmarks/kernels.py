@@ -537,6 +537,22 @@ FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for 
                        (32, 256, 4, 4, 1056), (16, 512, 4, 3, 528), (128, 64, 8, 4, 528), (64, 64, 4, 4, 1056)]]}
 
 
+def pick_best(cfgs, total_ms, what, section):
+    """(best, totals): each config's summed time total_ms(cfg) (inf when it raised, reported),
+    in order until `section`'s time budget runs out (one config at least); best = (ms, cfg)."""
+    totals = []
+    for cfg in cfgs:
+        if late(section) and totals:
+            break
+        try:
+            total = total_ms(cfg)
+        except Exception as e:  # noqa: BLE001 - a config that fails is reported, not fatal
+            print(f"  sweep {what} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+            total = float("inf")
+        totals.append((total, cfg))
+    return min(totals, key=lambda tc: tc[0]), totals
+
+
 def sweep(mlps, quick):
     """Time each config; per path keep the one with the lowest summed time over the cases."""
     out = {"fc1": {}, "fc2": {}, "rows": []}
@@ -548,37 +564,31 @@ def sweep(mlps, quick):
                                     ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path] if path != "gemv" else None)):
             if cfgs is None:
                 continue
-            totals = []
-            for cfg in (cfgs[:3] if quick else cfgs):
-                if late("sweep") and totals:
-                    break
+            def total_ms(cfg):
                 total = 0.0
-                try:
-                    for name, mlp in mlps.items():
-                        for d in dens:
-                            K = int(d * mlp.F)
-                            x = randn(B, mlp.D)
-                            h = randn(B, K)
-                            idxs = [rand_idx(B, mlp.F, K, shared) for _ in range(mlp.COPIES)]
-                            # in a CUDA graph over rotating weight copies: do_bench on a
-                            # ~30 us kernel times the Python launcher as much as the GPU
-                            if kernel == "fc1":
-                                fns = [lambda c=c: P.sparse_fc1(x, mlp.copies[c][0], mlp.copies[c][1], idxs[c],
-                                                                validate=False, config=cfg)
-                                       for c in range(mlp.COPIES)]
-                            else:
-                                fns = [lambda c=c: P.sparse_fc2(h, mlp.copies[c][2], mlp.copies[c][3], idxs[c],
-                                                                validate=False, config=cfg)
-                                       for c in range(mlp.COPIES)]
-                            t = bench_graph(fns)
-                            out["rows"].append({"kernel": kernel, "path": path, "shape": name, "density": d,
-                                                "B": B, "config": cfg, "ms": t})
-                            total += t
-                except Exception as e:  # noqa: BLE001
-                    print(f"  sweep {kernel}/{path} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                    total = float("inf")
-                totals.append((total, cfg))
-            best = min(totals, key=lambda tc: tc[0])
+                for name, mlp in mlps.items():
+                    for d in dens:
+                        K = int(d * mlp.F)
+                        x = randn(B, mlp.D)
+                        h = randn(B, K)
+                        idxs = [rand_idx(B, mlp.F, K, shared) for _ in range(mlp.COPIES)]
+                        # in a CUDA graph over rotating weight copies: do_bench on a
+                        # ~30 us kernel times the Python launcher as much as the GPU
+                        if kernel == "fc1":
+                            fns = [lambda c=c: P.sparse_fc1(x, mlp.copies[c][0], mlp.copies[c][1], idxs[c],
+                                                            validate=False, config=cfg)
+                                   for c in range(mlp.COPIES)]
+                        else:
+                            fns = [lambda c=c: P.sparse_fc2(h, mlp.copies[c][2], mlp.copies[c][3], idxs[c],
+                                                            validate=False, config=cfg)
+                                   for c in range(mlp.COPIES)]
+                        t = bench_graph(fns)
+                        out["rows"].append({"kernel": kernel, "path": path, "shape": name, "density": d,
+                                            "B": B, "config": cfg, "ms": t})
+                        total += t
+                return total
+
+            best, totals = pick_best(cfgs[:3] if quick else cfgs, total_ms, f"{kernel}/{path}", "sweep")
             print(f"sweep {kernel}/{path}: best {best[1]} ({best[0]:.4f} ms summed); "
                   f"default {table[path]} ({dict((str(c), t) for t, c in totals).get(str(table[path]), 'n/a')})")
             if best[0] < float("inf"):
@@ -802,21 +812,15 @@ def sweep_attn(quick):
     sets = {ctx: _deferred_args(D, H, 1, ctx, kh, False, 3) for ctx in (128, 1024)}
     out = {"rows": []}
     for key, table, cfgs in (("qkv", DK.QKV_CONFIG, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)):
-        totals = []
-        for cfg in (cfgs[:4] if quick else cfgs):
-            if late("sweep_attn") and totals:
-                break
-            try:
-                total = 0.0
-                for ctx, args in sets.items():
-                    t = bench_graph([_deferred_call(a, {key: cfg}) for a in args])
-                    out["rows"].append({"kernel": key, "ctx": ctx, "config": cfg, "graph_ms": t})
-                    total += t
-            except Exception as e:  # noqa: BLE001
-                print(f"  sweep {key} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
-                total = float("inf")
-            totals.append((total, cfg))
-        best = min(totals, key=lambda tc: tc[0])
+        def total_ms(cfg):
+            total = 0.0
+            for ctx, args in sets.items():
+                t = bench_graph([_deferred_call(a, {key: cfg}) for a in args])
+                out["rows"].append({"kernel": key, "ctx": ctx, "config": cfg, "graph_ms": t})
+                total += t
+            return total
+
+        best, _ = pick_best(cfgs[:4] if quick else cfgs, total_ms, key, "sweep_attn")
         print(f"sweep {key}: best {best[1]} ({best[0]:.4f} ms summed); default {table}")
         if best[0] < float("inf"):
             table.update(best[1])  # keys the sweep does not vary (SHARED_*) stay
