@@ -156,9 +156,7 @@ class SparseDecoder:
         a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
         if self.reduce is not None:
             return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
-        if ln is not None:
-            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln)
-        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
+        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln)  # ln None: y alone
 
     def _next_ln(self, l: int):
         """(weight, bias) of the LayerNorm after layer l's MLP in a pre-LN decoder: the next
