@@ -15,8 +15,9 @@
         it when `SparseDecoder.fused_mlp` is on)
 
 sparse_fc2, sparse_attn and sparse_attn_deferred also take `ln=(weight, bias)` and then return
-(y, layer_norm(y)): the next LayerNorm of a pre-LN decoder, which the Triton kernels compute
-in the same launch as y (plugins/sparse_mlp.py, fused split-K finish); the references apply
+(y, layer_norm(y)): the next LayerNorm of a pre-LN decoder (used when SparseDecoder.fuse_ln
+is on; off by default). The Triton kernels compute it in the same launch as y when
+plugins.sparse_mlp.FUSED_FINISH is on, else with the layer_norm kernel; the references apply
 F.layer_norm to y, the function the unfused step applies.
 
 - "ref": the plugins' PyTorch references (the CPU path). If `dejavu.plugins` cannot be
