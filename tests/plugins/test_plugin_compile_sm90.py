@@ -47,6 +47,7 @@ SCRIPT = textwrap.dedent('''
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
         assert "cubin" in k.asm
         print("compiled", fn.__name__, constexprs)
+        return k
 
     for dt in ("fp16",):  # bf16 differs only in the element type
         for group in (1, 128):
@@ -97,6 +98,11 @@ SCRIPT = textwrap.dedent('''
     for dt in ("fp16", "bf16"):
         compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), dt, {"eps": "fp32"})
         compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=True, BLOCK=4096), dt, {"eps": "fp32"})
+    PF = importlib.import_module("dejavu.plugins.prefetch")
+    for ev in ("evict_last", ""):  # the L2 hint is in the PTX only when asked for
+        k = compile_sm90(PF, PF._prefetch_rows_kernel, dict(GROUP=128, BLOCK_R=4, BLOCK_D=1024, EVICT=ev),
+                         "fp16", {"out_ptr": "*fp32"})
+        assert ("L2::evict_last" in k.asm["ptx"]) == (ev == "evict_last"), ev
     print("ALL OK")
 ''')
 
