@@ -68,6 +68,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # when finishing (a power of 2; more splits take more loads, fewer registers).
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
+# SHARED_MIN_BATCH 1 takes it at batch 1 too: one tl.dot over [x at pos, SHARED_P - 1 missing
+# slots] instead of a GEMV plus a tl.dot over BLOCK_P missing slots.
 # None (the default) keeps the per-sequence kernel, the one measured on the H200: the
 # shared-set kernel is checked in the interpreter and compiled for sm_90, but no GPU time was
 # left to time it (BENCHMARKS.md: at batch 8 the per-sequence kernel is slower than dense).
@@ -415,7 +417,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     first = 0 if q is not None else 1
     nb = -(-hd // cfg["BLOCK_R"])
     smin = cfg["SHARED_MIN_BATCH"]
-    shared = head_idx.dim() == 1 and smin is not None and B >= smin
+    # one set for the batch: a [Kh] set, or batch 1 (its [1, Kh] set is the batch's only one)
+    shared = (head_idx.dim() == 1 or B == 1) and smin is not None and B >= smin
     groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
     d_blocks = -(-D // bd)
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
@@ -440,6 +443,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
+        if not 1 <= sp - 1 <= bp:
+            raise DejavuError(f"config: SHARED_P - 1 must be in [1, BLOCK_P={bp}], got SHARED_P={sp}")
         hist_len = sp - 1
         part = jit(_qkv_partial_shared_kernel, dev)
         part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, P=sp,
@@ -526,9 +531,12 @@ def _write_hist(x_hist, x_ln, pos_t):
 
 def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
                                 valid_len, pos, residual=None, *, out=None, ln=None, ln_out=None,
-                                validate=None, config=None):
+                                validate=None, config=None, after_qkv=None):
     """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
     ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) (as sparse_attn_decode).
+    after_qkv: called with no arguments once the Q/K/V kernels are launched, before
+    attention (the runtime launches side-stream work there: the predictors and L2 prefetches
+    then overlap the latency-bound attention kernels, not the Q/K/V kernel).
 
     Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
     attention and the output projection of the selected heads (sparse_attention's pieces)."""
@@ -548,6 +556,8 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
         _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)
+        if after_qkv is not None:
+            after_qkv()
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return no_heads_ln(out, ln, ln_out)
     cfg = config or {}
@@ -555,6 +565,8 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
                 cfg.get("qkv"))
+    if after_qkv is not None:
+        after_qkv()
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos]; 3. output projection
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, cfg.get("attn"),
                      commit=(valid_len, x_ln, x_hist))
@@ -563,9 +575,10 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
 
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,
-                                    x_hist, valid_len, pos, residual=None, *, ln=None):
+                                    x_hist, valid_len, pos, residual=None, *, ln=None, after_qkv=None):
     """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads;
-    y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias)."""
+    y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias); after_qkv() is called after the
+    K/V recompute (where the kernel path calls it)."""
     from dejavu.plugins.sparse_mlp import with_ln_ref
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
@@ -574,6 +587,8 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
     p = pos.to(x_ln.device).long().reshape(-1).expand(B)
     _write_hist(x_hist, x_ln, p)
     recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p)
+    if after_qkv is not None:
+        after_qkv()
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
     rows = torch.arange(B, device=x_ln.device)[:, None]
     q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[heads], x_ln) + bq.view(H, hd)[heads]

@@ -195,6 +195,30 @@ def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
             assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split,fused", [(None, False), (1, True), (3, True)])
+def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, fused):
+    """Batch 1 with its [1, Kh] set through the shared-set kernel (SHARED_MIN_BATCH 1, SHARED_P
+    16: x at pos and 15 missing slots in one tl.dot; more go through the finishing slow path)
+    writes the same caches, valid_len, history and output as the per-sequence kernel."""
+    dtype = torch.float32
+    w = weights(dtype)
+    x_hist, x, res = torch.randn(1, S, D), torch.randn(1, D), torch.randn(1, D)
+    vl0 = torch.tensor([[0, 9, 20, 20, 2]], dtype=torch.int32)  # gaps 20 (slow path), 11, 0, 0, 18
+    pos, hidx = torch.tensor([20]), torch.tensor([[0, 1, 3, 4]], dtype=torch.int32)
+    outs = []
+    for smin in (1, None):
+        kc, vc = nan_caches(1, dtype)
+        vl, hist = vl0.clone(), x_hist.clone()
+        cfg = {"qkv": {"SHARED_MIN_BATCH": smin, "SHARED_P": 16, "BLOCK_D": 16, "SPLIT": split,
+                       "FUSED_FINISH": fused}}
+        y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
+        outs.append((y, kc, vc, vl, hist))
+    assert torch.isfinite(outs[0][1][0, 0, :21]).all() and torch.isnan(outs[0][1][0, 2]).all()
+    for a, b in zip(*outs):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32},
                                     {"BLOCK_D": 16, "BLOCK_R": 32, "FUSED_FINISH": False}])
 def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, config):
