@@ -61,6 +61,9 @@ class SparseDecoder:
         ks = list(zip(spec.mlp_k, spec.attn_k))
         plan = schedule(spec.num_layers, spec.source, spec.lookahead)
         self.pred = PredictorRunner(preds, ks, plan, ops.predictor_topk, device, overlap, shared_index)
+        src = {l: key for key, ls in plan.items() for l in ls}  # layer -> the point its predictors read
+        self._neurons_early = [preds[l]["mlp"] is not None and (src[l][0] == "attn_in" and src[l][1] <= l
+                                                                 or src[l][1] < l) for l in range(spec.num_layers)]
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.x_hist: list[torch.Tensor | None] = []  # deferred policy, sparse-attention layers only
@@ -79,6 +82,18 @@ class SparseDecoder:
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
         # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).
         self.fused_mlp = False
+        # When a step's held predictors start (decode, deferred-K/V layers): "attn_in" at the
+        # layer's input (they overlap its LayerNorm and bandwidth-bound Q/K/V kernel), or
+        # "after_qkv": once its Q/K/V kernels are issued (they overlap the latency-bound
+        # attention kernels). Same inputs, same indices either way; only the timing moves.
+        self.pred_window = "attn_in"
+        # L2 warm-up (GPU, plugins/prefetch.py) on its own side stream, launched with the
+        # held predictors after a deferred layer's Q/K/V kernels: {"out": max bytes of the
+        # output projection's rows of the selected heads, "fc1": max bytes of fc1's rows of
+        # the selected neurons}. {} (default) = off. Changes timing only, never outputs.
+        self.l2_prefetch: dict[str, int] = {}
+        self._pf = None  # (stream, per-layer start and done events, sums buffer), made at first use
+        self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
 
     def _add(self, x, y, b=None):
         """x + y + b (the residual plus an unfused output and its bias); under tensor parallelism
@@ -165,6 +180,51 @@ class SparseDecoder:
             return self.layers[l + 1].ln_attn
         return (self.t["final_ln.weight"], self.t["final_ln.bias"]) if self.spec.final_ln else None
 
+    # ------------------------------------------------------------------ side work
+    def _prefetch_state(self):
+        if self._pf is None:
+            from dejavu.plugins.prefetch import prefetch_plan
+            s, L = self.spec, len(self.layers)
+            esize = torch.finfo(s.dtype).bits // 8
+            n = max(prefetch_plan(s.num_heads, s.head_dim, s.hidden_size, esize)[1],
+                    prefetch_plan(s.ffn_dim * max(1, self.batch), 1, s.hidden_size, esize)[1])
+            self._pf = (torch.cuda.Stream(device=self.device), [torch.cuda.Event() for _ in range(L)],
+                        [torch.cuda.Event() for _ in range(L)],
+                        torch.empty(n, dtype=torch.float32, device=self.device))
+        return self._pf
+
+    def _side_work(self, l: int, w, heads):
+        """The hook a deferred attention op calls after its Q/K/V kernels (None when there is
+        nothing to do): launch the held predictors, then (GPU) the L2 warm-up of this layer's
+        output-projection and fc1 rows on the prefetch stream. Returns (hook, join): join()
+        makes the current stream wait for the prefetch stream (before the layer ends)."""
+        pf = self.l2_prefetch if (self.ops.prefetch_rows is not None and self.side_streams) else {}
+        pf = {k: v for k, v in pf.items() if v}
+        if self.pred_window != "after_qkv" and not pf:
+            return None, None
+        # fc1's rows only when this step's neurons of layer l exist before its attention (its
+        # predictors read an earlier point); else the tensor may be from the last step
+        neurons = self.pred.idx[l]["mlp"] if self._neurons_early[l] else None
+
+        def hook():
+            self.pred.flush()
+            if not pf:
+                return
+            stream, start, done, buf = self._prefetch_state()
+            start[l].record()
+            stream.wait_event(start[l])
+            with torch.cuda.stream(stream):  # rows only: nothing the main stream reads is written
+                if "out" in pf:
+                    self.ops.prefetch_rows(w.wo_t, heads, self.spec.head_dim, max_bytes=pf["out"], out=buf)
+                if "fc1" in pf and neurons is not None:
+                    self.ops.prefetch_rows(w.w1, neurons, 1, max_bytes=pf["fc1"], out=buf)
+                done[l].record()
+
+        def join():
+            if pf:
+                torch.cuda.current_stream().wait_event(self._prefetch_state()[2][l])
+        return hook, join
+
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device).
@@ -182,12 +242,14 @@ class SparseDecoder:
         x = self.embed(tokens, pos)  # [B, D]
         h_ln = None  # LN of x for the next LayerNorm, when the last op computed it
         run.begin_step()
+        hold = self.pred_window == "after_qkv"
         for l, w in enumerate(self.layers):
-            run.point("attn_in", l, x)
+            run.point("attn_in", l, x, hold=hold and self.x_hist[l] is not None)
             h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_attn) if s.pre_ln else x)
             h_ln = None
             kc, vc = self.k_cache[l], self.v_cache[l]
             idx = run.heads(l)
+            join = None
             if idx is None:  # dense: K/V and Q of every head
                 kv = F.linear(h, w.wkv, w.bkv).view(B, 2, H, hd)
                 kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
@@ -196,15 +258,19 @@ class SparseDecoder:
                 x = self._add(x, attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t, w.bo)
             else:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
-                ln = {"ln": w.ln_mlp} if fuse else {}
+                kw = {"ln": w.ln_mlp} if fuse else {}
                 if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
+                    hook, join = self._side_work(l, w, idx)
+                    if hook is not None:
+                        kw["after_qkv"] = hook
                     y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
-                                                      self.x_hist[l], self.valid_len[l], pos, res, **ln)
+                                                      self.x_hist[l], self.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads
-                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res, **ln)
+                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res, **kw)
                 if fuse:
                     y, h_ln = y
                 x = y if res is not None else self._add(x, y)
+            run.flush()  # anything still held (an op that did not call the hook)
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_attn)
             run.point("mlp_in", l, x)
@@ -215,6 +281,8 @@ class SparseDecoder:
             x = self._mlp(w, h, x, idx, ln)
             if ln is not None:
                 x, h_ln = x
+            if join is not None:
+                join()
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_mlp)
         return self.head(x, self._ln_step, x_ln=h_ln)

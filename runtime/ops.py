@@ -6,9 +6,10 @@
     sparse_attn(x_ln[B,D], wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos[B], residual) -> y[B,D]
         (K/V of every head are written into the caches at pos; only selected heads attend)
     sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache,
-                         x_hist[B,S,D], valid_len[B,H] int32, pos[B], residual) -> y[B,D]
+                         x_hist[B,S,D], valid_len[B,H] int32, pos[B], residual, after_qkv=None) -> y[B,D]
         (kv_policy "deferred": x_ln stored at x_hist[:, pos]; K/V computed only for the
-        selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py)
+        selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py;
+        after_qkv() is called once the Q/K/V work is issued, before attention)
     layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
     sparse_mlp(x[1,D], w1, b1, w2_t, b2, idx, residual) -> y[1,D]
         (fc1 + ReLU + fc2 in one launch at batch 1: plugins/fused_mlp.py; the decoder uses
@@ -89,7 +90,7 @@ def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, r
 
 
 def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, x_hist, valid_len, pos,
-                          residual=None, *, ln=None):
+                          residual=None, *, ln=None, after_qkv=None):
     B, D = x_ln.shape
     H, T, hd = k_cache.shape[1:]
     rows = torch.arange(B, device=x_ln.device)
@@ -106,6 +107,8 @@ def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cach
     k_cache[sel] = torch.where(fill, kv[:, 0], k_cache[sel])
     v_cache[sel] = torch.where(fill, kv[:, 1], v_cache[sel])
     valid_len.scatter_(1, idx, (pos[:, None] + 1).to(valid_len.dtype).expand_as(idx))
+    if after_qkv is not None:
+        after_qkv()
     q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[idx], x_ln) + bq.view(H, hd)[idx]
     valid = slot[None, :] <= pos[:, None]
     o = attend(q, k_cache[sel], v_cache[sel], valid)  # [B, Kh, hd]
@@ -139,6 +142,7 @@ def _plugins():
     try:
         import dejavu.plugins as P
         import dejavu.plugins.deferred_kv  # noqa: F401 - a submodule: P.deferred_kv
+        import dejavu.plugins.prefetch  # noqa: F401
         return P
     except Exception as e:  # noqa: BLE001 - any import failure: the local references stand in
         warnings.warn(f"dejavu.plugins unavailable ({e}); using the runtime's own reference ops")
@@ -165,6 +169,9 @@ class Ops:
             self._ref[name] = ref or _LOCAL[name]
             setattr(self, name, fast or self._ref[name])
             self.kernels[name] = "triton" if fast else ("plugin_ref" if ref else "local_ref")
+        # L2 warm-up of gathered weight rows (plugins/prefetch.py): a GPU-only optimisation with
+        # no effect on any output, so no reference stands in; None off the Triton backend.
+        self.prefetch_rows = find("prefetch.prefetch_rows") if (P is not None and backend == "triton") else None
 
     def demote(self, name: str, why: str) -> None:
         """Use the reference for `name` from now on."""

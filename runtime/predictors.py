@@ -7,6 +7,12 @@ right before it needs layer l's indices. The same code orders the predictor call
 the overlap is on or off; with `overlap=False` (or on CPU) they run inline on the current
 stream, with it on they run on a side CUDA stream, fenced by per-layer events. Streams,
 events and index buffers are created once, in `__init__` (engine activation).
+
+`point(..., hold=True)` keeps the launch pending until `flush()` (the decoder calls it
+from inside the attention op, after the Q/K/V kernels: the side stream's predictor reads
+then overlap the latency-bound attention kernels instead of the bandwidth-bound Q/K/V
+kernel). The predictors still read the same x; a layer whose indices are asked for while
+pending is flushed first, so holding never changes what is selected.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ class PredictorRunner:
         self.idx: list[dict[str, torch.Tensor | None]] = [{"mlp": None, "attn": None} for _ in range(L)]
         self.trace: list | None = None  # tests: append (layer, kind, idx) for every call
         self._keep: list[torch.Tensor] = []
+        self._pending: list[tuple] = []  # held point() calls: (kind, j, layers, x2)
         self.side = None
         if overlap and device.type == "cuda" and self.plan:
             self.side = torch.cuda.Stream(device=device)
@@ -54,13 +61,27 @@ class PredictorRunner:
     def begin_step(self) -> None:
         """Start a forward pass (every index of the previous one has been consumed)."""
         self._keep.clear()
+        self._pending.clear()
 
-    def point(self, kind: str, j: int, x: torch.Tensor) -> None:
-        """x: [..., D] is layer j's `kind` input; launch the predictors that read it."""
+    def point(self, kind: str, j: int, x: torch.Tensor, hold: bool = False) -> None:
+        """x: [..., D] is layer j's `kind` input; launch the predictors that read it (hold:
+        at the next `flush()`, or when one of their layers' indices is asked for)."""
         layers = self.plan.get((kind, j))
         if not layers:
             return
         x2 = x.reshape(-1, x.shape[-1])  # [rows, D]
+        if hold:
+            self._pending.append((kind, j, layers, x2))
+            return
+        self._launch(kind, j, layers, x2)
+
+    def flush(self) -> None:
+        """Launch the held predictors (in the order they were held)."""
+        pending, self._pending = self._pending, []
+        for args in pending:
+            self._launch(*args)
+
+    def _launch(self, kind, j, layers, x2) -> None:
         if self.side is None:
             for l in layers:
                 self._predict(l, x2)
@@ -89,6 +110,8 @@ class PredictorRunner:
     def _get(self, l: int, kind: str) -> torch.Tensor | None:
         if self.preds[l][kind] is None:
             return None
+        if any(l in p[2] for p in self._pending):
+            self.flush()
         if self.side is not None:
             torch.cuda.current_stream().wait_event(self.done[l])
         return self.idx[l][kind]

@@ -20,13 +20,14 @@ PROMPT = [2, 17, 40, 5, 88, 63, 9]
 
 class FakeCuda:
     def __init__(self):
-        self.log, self.main = [], SimpleNamespace(name="main")
+        self.log, self.main, self.streams = [], SimpleNamespace(name="main"), []
         self.cur = self.main
         fake = self
 
         class Stream:
             def __init__(self, device=None):
-                self.name = "side"
+                self.name = f"side{len(fake.streams) or ''}"  # side, side1, ...
+                fake.streams.append(self)
 
             def wait_event(self, ev):
                 fake.log.append(("wait", self.name, ev))
@@ -50,10 +51,17 @@ class FakeCuda:
             self.cur = prev
 
 
-@pytest.mark.parametrize("source,lookahead,dens", [("attn_in", 1, (0.5, 0.5)), ("mlp_in", 1, (0.5, 0.5)),
-                                                    ("attn_in", 0, (0.5, 0.5)), ("attn_in", 1, (0.5, 1.0)),
-                                                    ("attn_in", 1, (1.0, 1.0))])
-def test_side_stream_joins_and_selects_the_same(monkeypatch, source, lookahead, dens):
+SIDE_CASES = [("attn_in", 1, (0.5, 0.5), "attn_in", False), ("mlp_in", 1, (0.5, 0.5), "attn_in", False),
+              ("attn_in", 0, (0.5, 0.5), "attn_in", False), ("attn_in", 1, (0.5, 1.0), "attn_in", False),
+              ("attn_in", 1, (1.0, 1.0), "attn_in", False),
+              # predictors held until after Q/K/V, and the L2 prefetch stream (fake prefetch op)
+              ("attn_in", 1, (0.5, 0.5), "after_qkv", False), ("attn_in", 0, (0.5, 0.5), "after_qkv", True),
+              ("mlp_in", 1, (0.5, 0.5), "after_qkv", True), ("attn_in", 1, (0.5, 0.5), "after_qkv", True),
+              ("attn_in", 1, (0.5, 0.5), "attn_in", True), ("attn_in", 1, (1.0, 0.5), "after_qkv", True)]
+
+
+@pytest.mark.parametrize("source,lookahead,dens,window,prefetch", SIDE_CASES)
+def test_side_stream_joins_and_selects_the_same(monkeypatch, source, lookahead, dens, window, prefetch):
     model = tiny_model(seed=2)
     header, tensors = engine_from_dense(model, dens[0], dens[1], source, lookahead)
     plain = Engine.from_tensors(header, tensors, "cpu", overlap=False)
@@ -63,25 +71,73 @@ def test_side_stream_joins_and_selects_the_same(monkeypatch, source, lookahead, 
     for name in ("Stream", "Event", "current_stream", "stream"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     eng = Engine.from_tensors(header, tensors, "cpu", overlap=True)
-    old = eng.decoder.pred
-    eng.decoder.pred = PredictorRunner(old.preds, old.ks, {k: list(v) for k, v in _plan(eng).items()}, old.topk,
-                                       SimpleNamespace(type="cuda"), overlap=True)
-    assert eng.decoder.pred.overlapping == (dens != (1.0, 1.0))
+    dec = eng.decoder
+    old = dec.pred
+    dec.pred = PredictorRunner(old.preds, old.ks, {k: list(v) for k, v in _plan(eng).items()}, old.topk,
+                               SimpleNamespace(type="cuda"), overlap=True)
+    dec.pred_window = window
+    fetched = []
+    if prefetch:  # a fake L2 warm-up op: logs which weight, rows and stream
+        dec.side_streams = True
+        dec.l2_prefetch = {"out": 1 << 30, "fc1": 1 << 30}
+
+        def fake_prefetch(w, idx, group, *, max_bytes, out):
+            fetched.append((w, idx.clone(), group, fake.cur.name))
+            fake.log.append(("prefetch", fake.cur.name, None))
+        eng.ops.prefetch_rows = fake_prefetch
+    attn = eng.ops.sparse_attn_deferred
+
+    def logged_attn(*a, **k):  # marks where each deferred attention op starts and ends
+        fake.log.append(("attn_begin", "main", None))
+        y = attn(*a, **k)
+        fake.log.append(("attn_end", "main", None))
+        return y
+    eng.ops.sparse_attn_deferred = logged_attn
+    assert dec.pred.overlapping == (dens != (1.0, 1.0))
     assert eng.generate([PROMPT, PROMPT[:3]], 10, stop_at_eos=False) == want
-    if not eng.decoder.pred.overlapping:
+    if window == "after_qkv" and (source, lookahead) == ("attn_in", 1) and dens[1] < 1.0:
+        # predictor launches (the side stream's waits) happen inside the attention op, except
+        # those reading layer 0's input (layer 0's own indices are needed before its attention)
+        inside, n = False, 0
+        first = dec.pred.src_ready[("attn_in", 0)]
+        for op, stream, ev in fake.log:
+            inside = {"attn_begin": True, "attn_end": False}.get(op, inside)
+            if op == "wait" and stream == "side" and ev is not first:
+                n += 1
+                assert inside
+        assert n > 0
+    if not dec.pred.overlapping:
         assert fake.log == []
         return
-    # every event recorded on the side stream is waited for by the main stream later on
+    side = {s.name for s in fake.streams}
+    # every event recorded on a side stream is waited for by the main stream later on
     for i, (op, stream, ev) in enumerate(fake.log):
-        if op == "record" and stream == "side":
+        if op == "record" and stream in side:
             assert any(o == "wait" and s == "main" and e is ev for o, s, e in fake.log[i + 1:])
-    # the side stream starts each batch of work by waiting for an event the main stream recorded
+    # a side stream starts each batch of work by waiting for an event the main stream recorded
     for i, (op, stream, ev) in enumerate(fake.log):
-        if op == "wait" and stream == "side":
+        if op == "wait" and stream in side:
             assert any(o == "record" and s == "main" and e is ev for o, s, e in fake.log[:i])
-    # the last thing the side stream does in a step is joined: nothing on it after its last wait by main
-    last_side = max(i for i, (op, s, _) in enumerate(fake.log) if s == "side")
-    assert fake.log[last_side][0] == "record"
+    # the last thing each side stream does in a step is joined: nothing on it after its last wait by main
+    for name in side:
+        last = max(i for i, (op, s, _) in enumerate(fake.log) if s == name)
+        assert fake.log[last][0] == "record"
+    sparse_attn = [l for l in range(eng.spec.num_layers) if eng.spec.sparse_attn(l)]
+    if not prefetch or not sparse_attn:
+        assert fetched == []
+        return
+    # the prefetch stream reads the selected heads' output-projection rows (and fc1's rows when
+    # the layer's neurons are known before its attention: not with mlp_in / lookahead 0 ... of
+    # the same layer), never on the main or predictor stream
+    assert {f[3] for f in fetched} == {"side1"} and len(side) == 2
+    wo = {id(dec.layers[l].wo_t): l for l in sparse_attn}
+    w1 = {id(dec.layers[l].w1): l for l in range(eng.spec.num_layers)}
+    outs = [f for f in fetched if id(f[0]) in wo]
+    assert outs and all(f[2] == eng.spec.head_dim for f in outs)
+    fc1 = [f for f in fetched if id(f[0]) in w1]
+    early = [dec._neurons_early[l] for l in sparse_attn]
+    assert bool(fc1) == any(early)
+    assert all(f[2] == 1 and f[1].shape[-1] == eng.spec.mlp_k[w1[id(f[0])]] for f in fc1)
 
 
 def _plan(eng):
