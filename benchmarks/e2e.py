@@ -131,10 +131,42 @@ def _ablate_no_fusion_at_all(eng):
     return undo
 
 
+def _side(window="attn_in", **prefetch_mb):
+    """SparseDecoder.pred_window and .l2_prefetch ({"out": MB, "fc1": MB})."""
+    def apply(eng):
+        eng.decoder.pred_window = window
+        eng.decoder.l2_prefetch = {k: int(v * 2**20) for k, v in prefetch_mb.items()}
+    return apply
+
+
+QKV_FROM: dict = {}  # --qkv-from: a kernels.py --sweep-attn JSON's Q/K/V choice, for the "qkvswept" rows
+
+
+def _ablate_qkv_swept(eng):
+    """The Q/K/V kernel config a --sweep-attn run picked (--qkv-from), for this row only."""
+    import importlib
+
+    cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG
+    if not QKV_FROM:
+        raise ValueError("the qkvswept ablation needs --qkv-from FILE (a kernels.py --sweep-attn JSON)")
+    old = dict(cfg)
+    cfg.update(QKV_FROM)
+
+    def undo():
+        cfg.clear()
+        cfg.update(old)
+    return undo
+
+
 # --ablations at --ablate-densities and --ablate-batches: rows `dejavu_d{D}_on[_shared]_{name}`,
 # each one change from the row without the suffix
 ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "twolaunchqkv": _ablate_two_launch_qkv,
-             "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all}
+             "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,
+             # side-stream timing: predictors after Q/K/V; L2 warm-up of out-proj (and fc1) rows
+             "predqkv": _side("after_qkv"), "predattnin": _side("attn_in"),
+             "pfout": _side(out=64), "pfout16": _side(out=16), "pfall": _side(out=64, fc1=16),
+             "predqkvpfout": _side("after_qkv", out=64), "predqkvpfall": _side("after_qkv", out=64, fc1=16),
+             "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _ablate_qkv_swept}
 
 
 def apply_tuned(path: str | None) -> dict:
@@ -657,6 +689,7 @@ def main(argv=None) -> int:
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
                    help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
                         "default: the plugin's, off)")
+    p.add_argument("--qkv-from", default=None, help="kernels.py --sweep-attn JSON for the qkvswept ablation rows")
     a = p.parse_args(argv)
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
@@ -691,6 +724,11 @@ def main(argv=None) -> int:
     except ImportError:
         a.no_hf = True
     meta["tuned"] = apply_tuned(a.tuned)
+    if a.qkv_from:
+        if Path(a.qkv_from).is_file():
+            QKV_FROM.update((json.loads(Path(a.qkv_from).read_text()).get("sweep_attn") or {}).get("qkv") or {})
+        meta["qkv_from"] = dict(QKV_FROM)
+        print(f"--qkv-from: {QKV_FROM or 'nothing found'}", flush=True)
     if a.qkv_shared_min_batch is not None:  # benchmark-only override of the plugin default
         import importlib
 

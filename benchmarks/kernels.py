@@ -778,6 +778,17 @@ QKV_SWEEP = [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=
                   num_stages=st)
              for r in (32, 64) for d in (64, 128, 256) for t in (528, 1056, 2112) for w in (4, 8) for st in (2, 3)
              if r * d <= 8192]
+# batch-1 shapes the first sweep did not try: 16-row blocks, whole-D programs finishing from
+# registers (SPLIT 1, FUSED_FINISH), and the shared-set kernel at batch 1 (one tl.dot over x at
+# pos and SHARED_P - 1 missing slots)
+QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=16, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=4,
+                   num_stages=st) for d in (128, 256, 512) for t in (528, 1056) for st in (2, 3)]
+QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=1, FUSED_FINISH=True, FINISH_R=32, num_warps=w,
+                   num_stages=3, SHARED_MIN_BATCH=sm, SHARED_P=16)
+              for r in (16, 32) for d in (128, 256) for w in (4, 8) for sm in (None, 1)]
+QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=4,
+                   num_stages=st, SHARED_MIN_BATCH=1, SHARED_P=16)
+              for r in (16, 32, 64) for d in (64, 128, 256) for t in (528, 1056) for st in (2, 3) if r * d <= 8192]
 ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=4) for c in (32, 64, 128) for bs in (32, 64) if bs <= c]
 
 
