@@ -139,23 +139,49 @@ def _side(window="attn_in", **prefetch_mb):
     return apply
 
 
-QKV_FROM: dict = {}  # --qkv-from: a kernels.py --sweep-attn JSON's Q/K/V choice, for the "qkvswept" rows
-
-
-def _ablate_qkv_swept(eng):
-    """The Q/K/V kernel config a --sweep-attn run picked (--qkv-from), for this row only."""
+def _ablate_qkv_shared(eng):
+    """Batches with a shared index set take the shared-set Q/K/V kernel (QKV_CONFIG SHARED_MIN_BATCH 2)."""
     import importlib
 
     cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG
-    if not QKV_FROM:
-        raise ValueError("the qkvswept ablation needs --qkv-from FILE (a kernels.py --sweep-attn JSON)")
-    old = dict(cfg)
-    cfg.update(QKV_FROM)
+    old = cfg["SHARED_MIN_BATCH"]
+    cfg["SHARED_MIN_BATCH"] = 2
+    return lambda: cfg.__setitem__("SHARED_MIN_BATCH", old)
 
-    def undo():
-        cfg.clear()
-        cfg.update(old)
-    return undo
+
+SWEPT: dict = {}  # --swept-from: a kernels.py --sweep / --sweep-attn JSON, for the "*swept" rows
+
+
+def _swept(*parts):
+    """Apply parts of the SWEPT choices for one row: "qkv" (QKV_CONFIG_B1), "attn" (ATTN_CONFIG),
+    "proj" (FC2_CONFIG proj1), "mlp" (FC1_CONFIG / FC2_CONFIG gemv, dot, dot1); undo restores."""
+    import copy
+    import importlib
+
+    def apply(eng):
+        if not SWEPT:
+            raise ValueError("the *swept ablations need --swept-from FILE (a kernels.py sweep JSON)")
+        DK = importlib.import_module("dejavu.plugins.deferred_kv")
+        SA = importlib.import_module("dejavu.plugins.sparse_attention")
+        SM = importlib.import_module("dejavu.plugins.sparse_mlp")
+        tables = (DK.QKV_CONFIG_B1, SA.ATTN_CONFIG, SM.FC1_CONFIG, SM.FC2_CONFIG)
+        saved = [copy.deepcopy(t) for t in tables]
+        sa, sw = SWEPT.get("sweep_attn") or {}, SWEPT.get("sweep") or {}
+        if "qkv" in parts and sa.get("qkv"):
+            DK.QKV_CONFIG_B1.update(sa["qkv"])
+        if "attn" in parts and sa.get("attn"):
+            SA.ATTN_CONFIG.update(sa["attn"])
+        for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):
+            for route, cfg in (sw.get(kernel) or {}).items():
+                if ("proj" in parts and route == "proj1") or ("mlp" in parts and route != "proj1"):
+                    table[route] = dict(cfg)
+
+        def undo():
+            for t, old in zip(tables, saved):
+                t.clear()
+                t.update(old)
+        return undo
+    return apply
 
 
 # --ablations at --ablate-densities and --ablate-batches: rows `dejavu_d{D}_on[_shared]_{name}`,
@@ -166,7 +192,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "tw
              "predqkv": _side("after_qkv"), "predattnin": _side("attn_in"),
              "pfout": _side(out=64), "pfout16": _side(out=16), "pfall": _side(out=64, fc1=16),
              "predqkvpfout": _side("after_qkv", out=64), "predqkvpfall": _side("after_qkv", out=64, fc1=16),
-             "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _ablate_qkv_swept}
+             "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _swept("qkv"), "projswept": _swept("proj"), "mlpswept": _swept("mlp"),
+             "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared}
 
 
 def apply_tuned(path: str | None) -> dict:
@@ -184,7 +211,7 @@ def apply_tuned(path: str | None) -> dict:
             print(f"--tuned: {one} not found, skipped", flush=True)
     found = res.get("sweep_attn") or {}
     used = {}
-    for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG"),
+    for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG_B1"),  # swept at batch 1
                            ("attn", "dejavu.plugins.sparse_attention", "ATTN_CONFIG")):
         if found.get(key):
             table = getattr(importlib.import_module(mod), name)
@@ -689,7 +716,7 @@ def main(argv=None) -> int:
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
                    help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
                         "default: the plugin's, off)")
-    p.add_argument("--qkv-from", default=None, help="kernels.py --sweep-attn JSON for the qkvswept ablation rows")
+    p.add_argument("--swept-from", default=None, help="kernels.py --sweep/--sweep-attn JSON for the *swept ablation rows")
     a = p.parse_args(argv)
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
@@ -724,11 +751,12 @@ def main(argv=None) -> int:
     except ImportError:
         a.no_hf = True
     meta["tuned"] = apply_tuned(a.tuned)
-    if a.qkv_from:
-        if Path(a.qkv_from).is_file():
-            QKV_FROM.update((json.loads(Path(a.qkv_from).read_text()).get("sweep_attn") or {}).get("qkv") or {})
-        meta["qkv_from"] = dict(QKV_FROM)
-        print(f"--qkv-from: {QKV_FROM or 'nothing found'}", flush=True)
+    if a.swept_from:
+        if Path(a.swept_from).is_file():
+            found = json.loads(Path(a.swept_from).read_text())
+            SWEPT.update({k: found[k] for k in ("sweep", "sweep_attn") if found.get(k)})
+        meta["swept_from"] = {k: {kk: v for kk, v in d.items() if kk != "rows"} for k, d in SWEPT.items()}
+        print(f"--swept-from: {meta['swept_from'] or 'nothing found'}", flush=True)
     if a.qkv_shared_min_batch is not None:  # benchmark-only override of the plugin default
         import importlib
 

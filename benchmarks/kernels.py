@@ -535,6 +535,10 @@ FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for 
                       [(128, 64, 4, 3, 528), (64, 128, 4, 3, 528), (32, 256, 4, 3, 528), (64, 256, 8, 3, 528),
                        (128, 128, 8, 3, 528), (64, 128, 4, 4, 528), (128, 64, 4, 3, 1056), (64, 128, 4, 3, 1056),
                        (32, 256, 4, 4, 1056), (16, 512, 4, 3, 528), (128, 64, 8, 4, 528), (64, 64, 4, 4, 1056)]]}
+# batch 1, the attention output projection (FC2_CONFIG["proj1"]: rows in groups of hd)
+FC2_SWEEP["proj1"] = [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s, TARGET_PROGRAMS=t)
+                      for k in (32, 64, 128) for d in (64, 128, 256) for t in (264, 528, 1056) for s in (3, 4)
+                      for w in (4,) if k * d <= 16384]
 
 
 def pick_best(cfgs, total_ms, what, section):
@@ -559,7 +563,7 @@ def sweep(mlps, quick):
     # batch 1 runs fc1 as a GEMV and fc2 through the dot kernel ("dot1": FC2_DOT_MIN_BATCH = 1);
     # the per-sequence fc2 GEMV (batch > 1, one set per sequence) keeps its blocks
     for path, B, shared, dens in (("gemv", 1, False, (0.1, 0.5)), ("dot", 8, True, (0.3,)),
-                                  ("dot1", 1, False, (0.1, 0.3))):
+                                  ("dot1", 1, False, (0.1, 0.3)), ("proj1", 1, False, (0.1, 0.3))):
         for kernel, table, cfgs in (("fc1", SM.FC1_CONFIG, FC1_SWEEP.get(path)),
                                     ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path] if path != "gemv" else None)):
             if cfgs is None:
@@ -574,7 +578,16 @@ def sweep(mlps, quick):
                         idxs = [rand_idx(B, mlp.F, K, shared) for _ in range(mlp.COPIES)]
                         # in a CUDA graph over rotating weight copies: do_bench on a
                         # ~30 us kernel times the Python launcher as much as the GPU
-                        if kernel == "fc1":
+                        if path == "proj1":  # heads of hd rows out of the first D rows of w2_t
+                            H = SHAPES[name][2]
+                            hd, kh = mlp.D // H, max(1, round(d * H))
+                            o = torch.randn(1, kh * hd, device=DEV)  # attention output: fp32
+                            hs = [rand_idx(1, H, kh, False) for _ in range(mlp.COPIES)]
+                            out1 = torch.empty(1, mlp.D, device=DEV, dtype=torch.float16)
+                            fns = [lambda c=c: SM.gather_gemv_t(o, mlp.copies[c][2], mlp.copies[c][3], hs[c], None,
+                                                                out1, config=cfg, group=hd)
+                                   for c in range(mlp.COPIES)]
+                        elif kernel == "fc1":
                             fns = [lambda c=c: P.sparse_fc1(x, mlp.copies[c][0], mlp.copies[c][1], idxs[c],
                                                             validate=False, config=cfg)
                                    for c in range(mlp.COPIES)]
@@ -775,14 +788,14 @@ def bench_attn(quick):
 # ------------------------------------------------------------------------------ deferred attention
 
 QKV_SWEEP = [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=w,
-                  num_stages=st)
+                  num_stages=st, SHARED_MIN_BATCH=None)
              for r in (32, 64) for d in (64, 128, 256) for t in (528, 1056, 2112) for w in (4, 8) for st in (2, 3)
              if r * d <= 8192]
 # batch-1 shapes the first sweep did not try: 16-row blocks, whole-D programs finishing from
 # registers (SPLIT 1, FUSED_FINISH), and the shared-set kernel at batch 1 (one tl.dot over x at
 # pos and SHARED_P - 1 missing slots)
 QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=16, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=4,
-                   num_stages=st) for d in (128, 256, 512) for t in (528, 1056) for st in (2, 3)]
+                   num_stages=st, SHARED_MIN_BATCH=None) for d in (128, 256, 512) for t in (528, 1056) for st in (2, 3)]
 QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=1, FUSED_FINISH=True, FINISH_R=32, num_warps=w,
                    num_stages=3, SHARED_MIN_BATCH=sm, SHARED_P=16)
               for r in (16, 32) for d in (128, 256) for w in (4, 8) for sm in (None, 1)]
@@ -815,14 +828,15 @@ def _deferred_args(D, H, B, ctx, kh, shared, gap, copies=4):
 
 
 def sweep_attn(quick):
-    """Q/K/V kernel configs, then attention configs, on OPT-30B, B=1, head density 0.3, gap 3;
-    the fastest (summed over contexts 128 and 1024) is kept for the run and reported."""
+    """Q/K/V kernel configs (QKV_CONFIG_B1: batch 1), then attention configs, on OPT-30B, B=1,
+    head density 0.3, gap 3; the fastest (summed over contexts 128 and 1024) is kept for the
+    run and reported."""
     DK, SA = sys.modules["dejavu.plugins.deferred_kv"], sys.modules["dejavu.plugins.sparse_attention"]
     D, F, H = SHAPES["opt-30b"]
     kh = round(0.3 * H)
     sets = {ctx: _deferred_args(D, H, 1, ctx, kh, False, 3) for ctx in (128, 1024)}
     out = {"rows": []}
-    for key, table, cfgs in (("qkv", DK.QKV_CONFIG, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)):
+    for key, table, cfgs in (("qkv", DK.QKV_CONFIG_B1, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)):
         def total_ms(cfg):
             total = 0.0
             for ctx, args in sets.items():
@@ -864,10 +878,13 @@ def bench_deferred(quick):
                 del x, w, kc, vc
                 for d in ((0.3,) if quick else (0.1, 0.3, 0.5, 1.0)):
                     kh = max(1, round(d * H))
+                    # batch 1: the shared-set kernel is the default (QKV_CONFIG_B1), the per-sequence
+                    # one forced; batches: the per-sequence kernel is the default, the shared one forced
                     for gap, kernel in [(g, "per_seq") for g in (0, 3, 16)] + (
-                            [(g, "shared") for g in (0, 3)] if shared else []):
+                            [(g, "shared") for g in ((0, 3) if B > 1 else (0, 3, 16))] if shared or B == 1 else []):
                         args = _deferred_args(D, H, B, ctx, kh, shared, gap)
-                        cfg = {"qkv": {"SHARED_MIN_BATCH": 2}} if kernel == "shared" else None
+                        cfg = ({"qkv": {"SHARED_MIN_BATCH": 2}} if kernel == "shared" and B > 1 else
+                               {"qkv": {"SHARED_MIN_BATCH": None}} if kernel == "per_seq" and B == 1 else None)
                         t = bench_graph([_deferred_call(a, cfg) for a in args])
                         t_reset = bench_graph([lambda a=a: a[5].copy_(a[6]) for a in args])
                         t = t - (t_reset or 0.0) if t else None
@@ -1089,6 +1106,7 @@ def main(argv=None):
             save("sweep_attn")
         res["kernel_settings"] = {**SM.kernel_settings(), "fused_mlp": FM.kernel_settings(),
                                   "qkv": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG),
+                                  "qkv_b1": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG_B1),
                                   "attn": dict(sys.modules["dejavu.plugins.sparse_attention"].ATTN_CONFIG)}
         if not args.no_bench:
             if "mlp" in sections and in_budget("mlp"):

@@ -22,6 +22,7 @@ def kernel_settings() -> dict:
     return {"sparse_mlp": mod("sparse_mlp").kernel_settings(),
             "fused_mlp": mod("fused_mlp").kernel_settings(),
             "deferred_qkv": dict(mod("deferred_kv").QKV_CONFIG),
+            "deferred_qkv_b1": dict(mod("deferred_kv").QKV_CONFIG_B1),
             "attention": dict(mod("sparse_attention").ATTN_CONFIG),
             "topk": {"method": pr.TOPK_METHOD, **pr.TOPK_CONFIG},
             "layer_norm": {k: v for k, v in mod("layer_norm").LN_CONFIG.items()}}

@@ -43,8 +43,11 @@ attention (+ commit), output projection (+ its reduction).
 A shared index set (one [Kh] set for the batch) can take `_qkv_partial_shared_kernel`
 instead, which reads each weight block once for the whole batch (tl.dot over batch x
 (new slot + SHARED_P - 1 missing slots) rows; its finishing program does every sequence of
-its rows); it is opt-in (QKV_CONFIG["SHARED_MIN_BATCH"], default None): checked here and
-compiled for sm_90, not yet timed on a GPU.
+its rows). Batch 1 uses it by default (QKV_CONFIG_B1: one tl.dot over [x at pos, 15 missing
+slots], 64-row blocks): on the H200 (OPT-30B shape, head density 0.3, gap 3) the whole
+deferred attention call took 59.7 us against 71.2 with the per-sequence kernel's best
+config, and the decode step 7.28 against 7.74 ms (BENCHMARKS.md, session 4). For batches
+it stays opt-in (QKV_CONFIG["SHARED_MIN_BATCH"], default None).
 Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
 duplicate head indices not allowed (top-k never makes them).
 """
@@ -70,12 +73,15 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
 # SHARED_MIN_BATCH 1 takes it at batch 1 too: one tl.dot over [x at pos, SHARED_P - 1 missing
 # slots] instead of a GEMV plus a tl.dot over BLOCK_P missing slots.
-# None (the default) keeps the per-sequence kernel, the one measured on the H200: the
-# shared-set kernel is checked in the interpreter and compiled for sm_90, but no GPU time was
-# left to time it (BENCHMARKS.md: at batch 8 the per-sequence kernel is slower than dense).
+# QKV_CONFIG serves batches >= 2; batch 1 starts from QKV_CONFIG_B1 (both overridden by
+# `config=`). For batches, None (the default) keeps the per-sequence kernel.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": None, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8}
+# Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
+# of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3).
+QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
+                 "SHARED_MIN_BATCH": 1, "SHARED_P": 16}
 
 
 @helper
@@ -412,7 +418,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
-    cfg = {**QKV_CONFIG, **(config or {})}
+    cfg = {**(QKV_CONFIG_B1 if B == 1 else QKV_CONFIG), **(config or {})}
     bd, bp = cfg["BLOCK_D"], cfg["BLOCK_P"]
     first = 0 if q is not None else 1
     nb = -(-hd // cfg["BLOCK_R"])

@@ -55,6 +55,9 @@ FC2_CONFIG = {
     "dot": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
     # batch 1 through the tl.dot kernel (FC2_DOT_MIN_BATCH): its own blocks (swept at B=1)
     "dot1": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
+    # batch 1, rows gathered in groups (the attention output projection: hd rows per head;
+    # K = heads * hd, a few thousand rows against fc2's ~10^4)
+    "proj1": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
 }
 DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
 # fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
@@ -439,7 +442,8 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         return out
     shared = idx.dim() == 1
     dot = (shared or B == 1) and B >= FC2_DOT_MIN_BATCH
-    cfg = {**FC2_CONFIG[("dot1" if B == 1 else "dot") if dot else "gemv"], **(config or {})}
+    route = (("proj1" if group > 1 else "dot1") if B == 1 else "dot") if dot else "gemv"
+    cfg = {**FC2_CONFIG[route], **(config or {})}
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
     n_d = _cdiv(D, block_d)
     k_blocks = max(1, _cdiv(K, block_k))
