@@ -100,6 +100,13 @@ def _ablate_unfused_ln(eng):
     return None
 
 
+def _ablate_fused_ln(eng):
+    """Each LayerNorm after a sparse op from that op (ln=): at batch 1 the split-K reduction
+    and the LayerNorm in one launch (sparse_mlp._split_reduce_ln_kernel)."""
+    eng.decoder.fuse_ln = True
+    return None
+
+
 def _ablate_two_launch_qkv(eng):
     """The deferred Q/K/V finish as its own kernel again (QKV_CONFIG FUSED_FINISH off)."""
     import importlib
@@ -186,7 +193,8 @@ def _swept(*parts):
 
 # --ablations at --ablate-densities and --ablate-batches: rows `dejavu_d{D}_on[_shared]_{name}`,
 # each one change from the row without the suffix
-ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "twolaunchqkv": _ablate_two_launch_qkv,
+ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fuseln": _ablate_fused_ln,
+             "twolaunchqkv": _ablate_two_launch_qkv,
              "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,
              # side-stream timing: predictors after Q/K/V; L2 warm-up of out-proj (and fc1) rows
              "predqkv": _side("after_qkv"), "predattnin": _side("attn_in"),
@@ -715,7 +723,7 @@ def main(argv=None) -> int:
     p.add_argument("--ablate-batches", default="1", help="batches that get the ablation rows")
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
                    help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
-                        "default: the plugin's, off)")
+                        "default: the plugin's, 2)")
     p.add_argument("--swept-from", default=None, help="kernels.py --sweep/--sweep-attn JSON for the *swept ablation rows")
     a = p.parse_args(argv)
     q = a.quick

@@ -43,11 +43,13 @@ attention (+ commit), output projection (+ its reduction).
 A shared index set (one [Kh] set for the batch) can take `_qkv_partial_shared_kernel`
 instead, which reads each weight block once for the whole batch (tl.dot over batch x
 (new slot + SHARED_P - 1 missing slots) rows; its finishing program does every sequence of
-its rows). Batch 1 uses it by default (QKV_CONFIG_B1: one tl.dot over [x at pos, 15 missing
-slots], 64-row blocks): on the H200 (OPT-30B shape, head density 0.3, gap 3) the whole
-deferred attention call took 59.7 us against 71.2 with the per-sequence kernel's best
-config, and the decode step 7.28 against 7.74 ms (BENCHMARKS.md, session 4). For batches
-it stays opt-in (QKV_CONFIG["SHARED_MIN_BATCH"], default None).
+its rows). It is the default for shared sets from batch 2 (QKV_CONFIG["SHARED_MIN_BATCH"])
+and at batch 1 (QKV_CONFIG_B1: one tl.dot over [x at pos, 15 missing slots], 64-row
+blocks): on the H200 (OPT-30B shape, head density 0.3, gap 3) the whole deferred attention
+call took 53-57 us at batch 1 against 69-72 with the per-sequence kernel, and 83 against
+259 us at batch 8; the decode step 7.28 against 7.74 ms at batch 1, 10.4 against 16.8 at
+batch 8 (BENCHMARKS.md, session 4). Per-sequence sets (batch > 1) keep
+`_qkv_partial_kernel`.
 Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
 duplicate head indices not allowed (top-k never makes them).
 """
@@ -74,9 +76,11 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # SHARED_MIN_BATCH 1 takes it at batch 1 too: one tl.dot over [x at pos, SHARED_P - 1 missing
 # slots] instead of a GEMV plus a tl.dot over BLOCK_P missing slots.
 # QKV_CONFIG serves batches >= 2; batch 1 starts from QKV_CONFIG_B1 (both overridden by
-# `config=`). For batches, None (the default) keeps the per-sequence kernel.
+# `config=`). Batches with a shared set take the shared-set kernel (SHARED_MIN_BATCH 2): on
+# the H200 (OPT-30B, head density 0.3, batch 8, gap 3) the deferred attention call took 83
+# against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
-              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": None, "SHARED_P": 4,
+              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3).

@@ -43,21 +43,24 @@ from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# Chosen by `benchmarks/kernels.py --sweep` on an H200 (2026-12-02, run 1; summed time over
-# OPT-30B/66B at density 0.1 and 0.5, batch 1, and 0.3 at batch 8 shared).
+# Chosen by `benchmarks/kernels.py --sweep` on an H200, timed in CUDA graphs (2026-12-02,
+# session 4, benchmarks/results/kernels-h200-s4-sweep.json; summed time over OPT-30B/66B at
+# density 0.1 and 0.5 (fc1 GEMV), 0.1 and 0.3 (batch-1 dot paths), 0.3 at batch 8 shared).
+# The decode step with these blocks: 7.04 against 7.27 ms/token (OPT-30B d0.3, BENCHMARKS.md).
 FC1_CONFIG = {
-    "gemv": {"BLOCK_R": 4, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2},
-    "dot": {"BLOCK_R": 32, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
+    "gemv": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2},
+    "dot": {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
 }
 FC2_CONFIG = {
     # SPLIT 32 (~900 programs at D 7168) beat the 528-program target by 16% in the sweep
+    # (session 1; the per-sequence path, not swept since)
     "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4, "SPLIT": 32},
-    "dot": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
+    "dot": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
     # batch 1 through the tl.dot kernel (FC2_DOT_MIN_BATCH): its own blocks (swept at B=1)
-    "dot1": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
+    "dot1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "TARGET_PROGRAMS": 528},
     # batch 1, rows gathered in groups (the attention output projection: hd rows per head;
-    # K = heads * hd, a few thousand rows against fc2's ~10^4)
-    "proj1": {"BLOCK_K": 128, "BLOCK_D": 64, "num_warps": 4, "num_stages": 3},
+    # K = heads * hd, a few thousand rows against fc2's ~10^4): 14.0 vs 16.5 us (30B, d0.3)
+    "proj1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "TARGET_PROGRAMS": 528},
 }
 DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
 # fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
@@ -72,9 +75,14 @@ REDUCE_BLOCK = 1024
 # Off by default: measured no gain at batch 1 and a loss at batch 8 on the H200 (docstring).
 FUSED_FINISH = False
 FUSED_MAX_BATCH = 8
+# The separate split-K reduction with `ln=`: batches up to REDUCE_LN_MAX_BATCH take one
+# launch (_split_reduce_ln_kernel: the reduction's programs store y and their block's
+# LayerNorm stats, the last to finish normalises the rows) instead of reduce + layer_norm.
+REDUCE_LN_MAX_BATCH = 1
 FIN_PARTIALS = 4096     # partials per load in a finishing program (SPLIT rows of BLOCK_D)
 LN_BLOCK = 2048         # LayerNorm of the fused finish: elements per load (one pass over y)
 LN_EPS = 1e-5
+LN_BLOCK_ROW = 8192     # _split_reduce_ln_kernel's LayerNorm: a row of D <= 8192 in one load
 
 
 def kernel_settings() -> dict:
@@ -391,6 +399,20 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
     tl.store(out_ptr + row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _split_reduce_ln_kernel(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
+                            B, D, SPLIT, N_D, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr):
+    # grid (N_D,): program pid_d sums D block pid_d of every row's partials (+ bias, residual)
+    # into y and stores the block's (mean, M2) of the rounded y; the last program to arrive
+    # (cnt[0]) merges them per row and writes ln = LayerNorm(y): reduction and LayerNorm in
+    # one launch (the fused finish's helpers, in a kernel of its own).
+    pid_d = tl.program_id(0)
+    _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT, N_D, HAS_RES, True,
+                  BLOCK_D, BLOCK_S)
+    if last_arrival(cnt_ptr, N_D):
+        _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, B, D, N_D, eps, BLOCK_D, BLOCK_N, LN_BLOCK)
+
+
 # ---------------------------------------------------------------------------------------
 # launchers (internal: no checks; the public functions below check)
 
@@ -481,6 +503,16 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
                                 h.stride(0), 0 if shared else idx.stride(0), *sizes,
                                 num_stages=cfg.get("num_stages", 2), **common)
+    if not final and not fused and ln is not None and B <= REDUCE_LN_MAX_BATCH:
+        block_s = next_pow2(split)
+        block = max(128, REDUCE_BLOCK * 4 // block_s)  # as the plain reduction below
+        n_blk = _cdiv(D, block)
+        st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device)
+        kernel = jit(_split_reduce_ln_kernel, h.device)
+        kernel[(n_blk,)](part, bias, res, out, counters(h.device, 1), ln[0], ln[1], ln_out, st, B, D, split, n_blk,
+                         LN_EPS, HAS_RES=residual is not None, BLOCK_D=block, BLOCK_S=block_s,
+                         BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)), num_warps=8)
+        return out
     if not final and not fused:
         reduce = jit(_split_reduce_kernel, h.device)
         block_s = next_pow2(split)

@@ -65,6 +65,9 @@ SCRIPT = textwrap.dedent('''
                                                            EVEN_D=False, BLOCK_S=4, **fin),
                          dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"})
     compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4))
+    compile_sm90(SM, SM._split_reduce_ln_kernel, dict(HAS_RES=True, BLOCK_D=256, BLOCK_S=16, BLOCK_N=32,
+                                                      LN_BLOCK=8192),
+                 overrides={"part_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"})
     for dt, red, pre in (("fp16", 0, True), ("fp16", 0, False), ("fp16", 1, True), ("fp16", 1, False),
                          ("fp16", 2, True), ("bf16", 0, False), ("fp32", 1, True)):  # every fused MLP variant
         compile_sm90(FM, FM._fused_mlp_kernel, dict(HAS_RES=red != 1, REDUCE=red, PREFETCH=pre, BLOCK_R=2,

@@ -280,3 +280,41 @@ def test_fused_layer_norm_with_large_mean(triton_interp, monkeypatch, split):
     bound = 8 * 2.0 ** -23 * (yd.mean(1).abs() / yd.std(1, unbiased=False)).max().item() * ln[0].abs().max().item()
     err = (y_ln.double() - ref64).abs().max().item()
     assert 1e-3 < bound < 2e-2 and err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shared,dot_min", [(True, 1), (False, 1), (False, 99)])
+@pytest.mark.parametrize("row_block", [32, 8192])
+def test_split_reduction_with_layer_norm_is_one_launch_at_batch_1(triton_interp, close, monkeypatch, dtype, shared,
+                                                                   dot_min, row_block):
+    # the default (no fused finish), batch 1, ln given: the split reduction also normalises
+    # (its last program), so fc2 + LayerNorm are two launches; LN rows in blocks of 32 or whole
+    monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
+    monkeypatch.setattr(SM, "LN_BLOCK_ROW", row_block)
+    _, _, _, w2_t, b2, idx = make(1, dtype, shared)
+    h, res = torch.randn(1, K).to(dtype), torch.randn(1, D).to(dtype)
+    kernels = launched(monkeypatch)
+    check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(dtype), {"SPLIT": 3, "BLOCK_K": 16})
+    main = "_gather_dot_t_kernel" if dot_min == 1 else "_gather_gemv_t_kernel"
+    assert kernels == [main, "_split_reduce_ln_kernel"], kernels
+    # y bit-equal to the plain reduction's (same partials, same order); LN within fp32 rounding
+    y = sparse_fc2(h, w2_t, b2, idx, res, config={"SPLIT": 3, "BLOCK_K": 16})  # no ln: the plain reduction
+    ln = ln_weights(dtype)
+    y1, y1_ln = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, config={"SPLIT": 3, "BLOCK_K": 16})
+    monkeypatch.setattr(SM, "REDUCE_LN_MAX_BATCH", 0)
+    y2, y2_ln = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, config={"SPLIT": 3, "BLOCK_K": 16})
+    assert torch.equal(y1, y2) and torch.equal(y1, y)
+    assert torch.allclose(y1_ln.float(), y2_ln.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
+
+
+def test_split_reduction_with_layer_norm_large_mean(triton_interp, monkeypatch):
+    monkeypatch.setattr(SM, "LN_BLOCK_ROW", 32)
+    _, _, _, w2_t, b2, idx = make(1, torch.float32, False)
+    h, ln = torch.randn(1, K), ln_weights(torch.float32)
+    kernels = launched(monkeypatch)
+    y, y_ln = sparse_fc2(h, w2_t, b2 + 3000.0, idx, ln=ln, config={"SPLIT": 3, "BLOCK_K": 16, "BLOCK_D": 32})
+    assert kernels[-1] == "_split_reduce_ln_kernel"
+    ref64 = torch.nn.functional.layer_norm(y.double(), (D,), ln[0].double(), ln[1].double(), 1e-5)
+    yd = y.double()
+    bound = 8 * 2.0 ** -23 * (yd.mean(1).abs() / yd.std(1, unbiased=False)).max().item() * ln[0].abs().max().item()
+    assert (y_ln.double() - ref64).abs().max().item() <= bound
