@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-_SYS = re.compile(r"dejavu_d(?P<d>[0-9.]+)_on(?P<sh>_shared)?(?:_(?P<var>[a-z]+))?$")
+_SYS = re.compile(r"dejavu_d(?P<d>[0-9.]+)_on(?P<sh>_shared)?(?:_(?P<var>[a-z0-9]+))?$")
 
 
 def collect(paths, model, density):
@@ -47,7 +47,10 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted(data)
+    keys = sorted(k for k in data if "" in data[k])  # panels with the unchanged row to compare against
+    if not keys:
+        print("no ablation row has its unchanged row in these files", file=sys.stderr)
+        return 1
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
         rows = data[key]
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
         for b, n, v in zip(bars, names, ms):
             ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}\n({len(rows[n])}x)", ha="center", va="bottom",
                     fontsize=7)
-        ax.set_xticks(range(len(names)), [n or "all fused (as run)" for n in names], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(range(len(names)), [n or "defaults (as run)" for n in names], rotation=30, ha="right", fontsize=8)
         ax.set_title(f"batch {key[0]}, {key[1]}", fontsize=9)
         ax.set_ylabel("ms per decode step")
         ax.set_ylim(0, max(ms) * 1.25)

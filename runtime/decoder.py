@@ -76,7 +76,9 @@ class SparseDecoder:
         # Pre-LN, one rank: True takes each LayerNorm after a sparse attention or MLP layer
         # from that op (ln=; on the GPU computed in the op's last kernel when
         # plugins.sparse_mlp.FUSED_FINISH is on). Off by default: on the H200 the fused finish
-        # did not pay (BENCHMARKS.md, session 3); False runs the separate layer_norm op.
+        # did not pay (BENCHMARKS.md, session 3), nor did the one-launch reduction + LayerNorm
+        # that batch 1 gets without it (7.10 vs 7.03 ms/token, session 4); False runs the
+        # separate layer_norm op.
         self.fuse_ln = False
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
@@ -86,11 +88,14 @@ class SparseDecoder:
         # layer's input (they overlap its LayerNorm and bandwidth-bound Q/K/V kernel), or
         # "after_qkv": once its Q/K/V kernels are issued (they overlap the latency-bound
         # attention kernels). Same inputs, same indices either way; only the timing moves.
+        # "attn_in" (default): on the H200 "after_qkv" was slower (OPT-30B d0.3 batch 1: 7.33
+        # vs 7.03 ms/token; BENCHMARKS.md, session 4).
         self.pred_window = "attn_in"
         # L2 warm-up (GPU, plugins/prefetch.py) on its own side stream, launched with the
         # held predictors after a deferred layer's Q/K/V kernels: {"out": max bytes of the
         # output projection's rows of the selected heads, "fc1": max bytes of fc1's rows of
         # the selected neurons}. {} (default) = off. Changes timing only, never outputs.
+        # Off: every variant measured was slower (8.1-8.8 vs 7.7 ms/token; session 4).
         self.l2_prefetch: dict[str, int] = {}
         self._pf = None  # (stream, per-layer start and done events, sums buffer), made at first use
         self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
