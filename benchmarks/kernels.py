@@ -802,6 +802,9 @@ QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=1, FUSED_FINISH=True,
 QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=4,
                    num_stages=st, SHARED_MIN_BATCH=1, SHARED_P=16)
               for r in (16, 32, 64) for d in (64, 128, 256) for t in (528, 1056) for st in (2, 3) if r * d <= 8192]
+# --qkv-sweep finish: the batch-1 Q/K/V finishing kernel's rows per program and partial loads,
+# on top of QKV_CONFIG_B1 (the profile of session 4 put that kernel at ~10 us per layer)
+QKV_FINISH_SWEEP = [dict(FINISH_R=r, FINISH_S=fs) for r in (16, 32, 64, 128) for fs in (1, 2, 4, 8)]
 ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=4) for c in (32, 64, 128) for bs in (32, 64) if bs <= c]
 
 
@@ -827,7 +830,7 @@ def _deferred_args(D, H, B, ctx, kh, shared, gap, copies=4):
     return out
 
 
-def sweep_attn(quick):
+def sweep_attn(quick, which="wide"):
     """Q/K/V kernel configs (QKV_CONFIG_B1: batch 1), then attention configs, on OPT-30B, B=1,
     head density 0.3, gap 3; the fastest (summed over contexts 128 and 1024) is kept for the
     run and reported."""
@@ -836,7 +839,9 @@ def sweep_attn(quick):
     kh = round(0.3 * H)
     sets = {ctx: _deferred_args(D, H, 1, ctx, kh, False, 3) for ctx in (128, 1024)}
     out = {"rows": []}
-    for key, table, cfgs in (("qkv", DK.QKV_CONFIG_B1, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)):
+    lists = ((("qkv", DK.QKV_CONFIG_B1, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)) if which == "wide" else
+             (("qkv", DK.QKV_CONFIG_B1, [{**DK.QKV_CONFIG_B1, **c} for c in QKV_FINISH_SWEEP]),))
+    for key, table, cfgs in lists:
         def total_ms(cfg):
             total = 0.0
             for ctx, args in sets.items():
@@ -1058,6 +1063,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-attn", action="store_true",
                     help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
+    ap.add_argument("--qkv-sweep", default="wide", choices=["wide", "finish"],
+                    help="--sweep-attn: every Q/K/V and attention config, or only the batch-1 finish blocks")
     ap.add_argument("--sections", default="mlp,fused_mlp,predictor,attn,deferred,deferred_parts,layer_norm,topk",
                     help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
@@ -1102,7 +1109,7 @@ def main(argv=None):
             res["sweep"] = sweep(mlps, args.quick)
             save("sweep")
         if args.sweep_attn and in_budget("sweep_attn"):
-            res["sweep_attn"] = sweep_attn(args.quick)
+            res["sweep_attn"] = sweep_attn(args.quick, args.qkv_sweep)
             save("sweep_attn")
         res["kernel_settings"] = {**SM.kernel_settings(), "fused_mlp": FM.kernel_settings(),
                                   "qkv": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG),
