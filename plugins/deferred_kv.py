@@ -83,9 +83,12 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
-# of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3).
+# of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
+# the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
+# 111.6 vs 116.0 us per two calls; decode step 6.93 vs 7.03 ms). A copy made at import:
+# later edits of QKV_CONFIG do not reach batch 1.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
-                 "SHARED_MIN_BATCH": 1, "SHARED_P": 16}
+                 "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1}
 
 
 @helper
