@@ -503,23 +503,21 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
                                 h.stride(0), 0 if shared else idx.stride(0), *sizes,
                                 num_stages=cfg.get("num_stages", 2), **common)
-    if not final and not fused and ln is not None and B <= REDUCE_LN_MAX_BATCH:
-        block_s = next_pow2(split)
-        block = max(128, REDUCE_BLOCK * 4 // block_s)  # as the plain reduction below
-        n_blk = _cdiv(D, block)
-        st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device)
-        kernel = jit(_split_reduce_ln_kernel, h.device)
-        kernel[(n_blk,)](part, bias, res, out, counters(h.device, 1), ln[0], ln[1], ln_out, st, B, D, split, n_blk,
-                         LN_EPS, HAS_RES=residual is not None, BLOCK_D=block, BLOCK_S=block_s,
-                         BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)), num_warps=8)
-        return out
-    if not final and not fused:
-        reduce = jit(_split_reduce_kernel, h.device)
+    if not final and not fused:  # the separate split reduction (+ LayerNorm at small batch)
         block_s = next_pow2(split)
         block = max(128, REDUCE_BLOCK * 4 // block_s)  # ~4096 partials per program
-        reduce[(B, _cdiv(D, block))](part, bias, res, out, B, D, split,
-                                     HAS_RES=residual is not None, BLOCK=block, BLOCK_S=block_s,
-                                     num_warps=4)
+        n_blk = _cdiv(D, block)
+        if ln is not None and B <= REDUCE_LN_MAX_BATCH:
+            st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device)
+            kernel = jit(_split_reduce_ln_kernel, h.device)
+            kernel[(n_blk,)](part, bias, res, out, counters(h.device, 1), ln[0], ln[1], ln_out, st, B, D, split,
+                             n_blk, LN_EPS, HAS_RES=residual is not None, BLOCK_D=block, BLOCK_S=block_s,
+                             BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)),
+                             num_warps=8)
+            return out
+        reduce = jit(_split_reduce_kernel, h.device)
+        reduce[(B, n_blk)](part, bias, res, out, B, D, split, HAS_RES=residual is not None, BLOCK=block,
+                           BLOCK_S=block_s, num_warps=4)
     if ln is not None and not fused:
         from dejavu.plugins.layer_norm import layer_norm
         layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
