@@ -107,14 +107,19 @@ def _ablate_fused_ln(eng):
     return None
 
 
-def _ablate_two_launch_qkv(eng):
-    """The deferred Q/K/V finish as its own kernel again (QKV_CONFIG FUSED_FINISH off)."""
+def _qkv_setting(key, value):
+    """Set QKV_CONFIG[key] for one row (the undo restores it)."""
     import importlib
 
     cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG
-    old = cfg.get("FUSED_FINISH", True)
-    cfg["FUSED_FINISH"] = False
-    return lambda: cfg.__setitem__("FUSED_FINISH", old)
+    old = cfg[key]
+    cfg[key] = value
+    return lambda: cfg.__setitem__(key, old)
+
+
+def _ablate_two_launch_qkv(eng):
+    """The deferred Q/K/V finish as its own kernel again (QKV_CONFIG FUSED_FINISH off)."""
+    return _qkv_setting("FUSED_FINISH", False)
 
 
 def _ablate_no_fusion(eng):
@@ -148,12 +153,7 @@ def _side(window="attn_in", **prefetch_mb):
 
 def _ablate_qkv_shared(eng):
     """Batches with a shared index set take the shared-set Q/K/V kernel (QKV_CONFIG SHARED_MIN_BATCH 2)."""
-    import importlib
-
-    cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG
-    old = cfg["SHARED_MIN_BATCH"]
-    cfg["SHARED_MIN_BATCH"] = 2
-    return lambda: cfg.__setitem__("SHARED_MIN_BATCH", old)
+    return _qkv_setting("SHARED_MIN_BATCH", 2)
 
 
 SWEPT: dict = {}  # --swept-from: a kernels.py --sweep / --sweep-attn JSON, for the "*swept" rows
