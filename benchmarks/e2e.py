@@ -156,6 +156,19 @@ def _ablate_qkv_shared(eng):
     return _qkv_setting("SHARED_MIN_BATCH", 2)
 
 
+def _pdl(tiles):
+    """Programmatic dependent launch for the main decode kernels (_common.PDL_CONFIG), with
+    `tiles` weight tiles prefetched into L2 before each kernel's wait (0: none)."""
+    def apply(eng):
+        import importlib
+
+        cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
+        old = dict(cfg)
+        cfg.update(ENABLED=True, PREFETCH_TILES=tiles)
+        return lambda: cfg.update(old)
+    return apply
+
+
 SWEPT: dict = {}  # --swept-from: a kernels.py --sweep / --sweep-attn JSON, for the "*swept" rows
 
 
@@ -201,7 +214,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "pfout": _side(out=64), "pfout16": _side(out=16), "pfall": _side(out=64, fc1=16),
              "predqkvpfout": _side("after_qkv", out=64), "predqkvpfall": _side("after_qkv", out=64, fc1=16),
              "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _swept("qkv"), "projswept": _swept("proj"), "mlpswept": _swept("mlp"),
-             "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared}
+             "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared,
+             "pdl0": _pdl(0), "pdl": _pdl(1), "pdl2": _pdl(2), "pdl4": _pdl(4)}
 
 
 def apply_tuned(path: str | None) -> dict:
@@ -425,9 +439,15 @@ def smoke() -> dict:
     except Exception as ex:  # noqa: BLE001
         checks["cpu deferred vs full"] = {"ok": False, "error": f"{type(ex).__name__}: {ex}",
                                           "trace": traceback.format_exc()[-2000:]}
-    combos = [(o, gr, "deferred") for o in (True, False) for gr in (True, False)] + [(True, True, "full"), (False, False, "full")]
-    for overlap, graphs, kv in combos:
+    combos = [(o, gr, "deferred", False) for o in (True, False) for gr in (True, False)] + [
+        (True, True, "full", False), (False, False, "full", False),
+        # programmatic dependent launch (_common.PDL_CONFIG), graph and eager, side stream or not
+        (True, True, "deferred", True), (False, True, "deferred", True), (True, False, "deferred", True),
+        (True, True, "full", True)]
+    for overlap, graphs, kv, pdl in combos:
         key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
+        key += " pdl" if pdl else ""
+        undo = _pdl(1)(None) if pdl else None
         try:
             e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv,
                                    batch_policy="per_sequence")
@@ -444,21 +464,31 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001 - report and go on
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-    for key, kw in (("fp16 per_sequence", {"batch_policy": "per_sequence"}), ("fp16 shared", {"batch_policy": "shared"}),
-                    ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"})):
+        finally:
+            if undo:
+                undo()
+    fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, False, 3),
+            ("fp16 shared", {"batch_policy": "shared"}, False, 3),
+            ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, False, 3),
+            ("fp16 batch 1", {}, False, 1), ("fp16 batch 1 pdl", {}, True, 1), ("fp16 shared pdl", {"batch_policy": "shared"}, True, 3)]
+    for key, kw, pdl, nb in fp16:
+        undo = _pdl(1)(None) if pdl else None
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)
             ref = Engine.from_tensors(h16, {k: v.cpu() for k, v in t16.items()}, "cpu", dtype="float32",
                                       **{**kw, "kv_policy": "full"})
             e = Engine.from_tensors(h16, t16, DEV, **kw)
-            lg, rl = _forced_logits(e, prompts, toks), _forced_logits(ref, prompts, toks)
+            lg, rl = _forced_logits(e, prompts[:nb], toks[:nb]), _forced_logits(ref, prompts[:nb], toks[:nb])
             err = float((lg - rl).norm() / rl.norm())
             checks[key] = {"logits_rel_err_vs_cpu_fp32": err, "kernels": e.ops.kernels,
                            "kernel_check": e.kernel_check, "ok": err < 0.15}  # top-k flips from fp16 rounding: ~0.03-0.07 seen on CPU
             del e
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
+        finally:
+            if undo:
+                undo()
     out["checks"] = checks
     out["ok"] = all(r.get("ok") for r in checks.values())
     del t32

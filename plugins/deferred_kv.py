@@ -59,7 +59,8 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, helper, jit, last_arrival, next_pow2)
+                                    default_validate, gdc_enter, helper, jit, last_arrival, next_pow2,
+                                    pdl_args, prefetch_rows_l2)
 from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
 from dejavu.plugins.sparse_mlp import _dot_fp32
 
@@ -112,6 +113,22 @@ def _qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stri
 
 
 @helper
+def _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, head_off, pid_r, d_lo, H, HD, NB, D, FIRST_SEG: tl.constexpr,
+                  PF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Before gdc_enter (PDL): L2 prefetch of the first PF blocks of this program's weight rows
+    # from column d_lo, the head index clamped into [0, H) (it may be stale: only a hint).
+    head = tl.minimum(tl.maximum(tl.load(head_ptr + head_off).to(tl.int64), 0), H - 1)
+    seg = FIRST_SEG + pid_r // NB
+    c = tl.minimum((pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R), HD - 1)
+    if seg == 0:
+        w_rows = wq_ptr + (head * HD + c) * D
+    else:
+        w_rows = wkv_ptr + ((seg - 1).to(tl.int64) * H * HD + head * HD + c) * D
+    for t in tl.static_range(PF):
+        prefetch_rows_l2(w_rows, d_lo + t * BLOCK_D, D, BLOCK_D)
+
+
+@helper
 def _weight_rows(wq_ptr, wkv_ptr, rows, seg, D):
     # [BLOCK_R, 1] pointers to the rows' starts: wq for Q (segment 0), wkv for K/V
     if seg == 0:
@@ -126,7 +143,8 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
                         stride_nb, stride_xb, stride_xs, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
                         HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                         FINISH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr,
+                        GDC: tl.constexpr = False, PF: tl.constexpr = 0):
     # grid (B*KH, (3 - FIRST_SEG) * NB, SPLIT). Partial dot products over D slice pid_s:
     # pnew[s, b, j, seg*HD + c] (value at pos) and, for K/V rows with missing slots,
     # phist[s, b, j, p, (seg-1)*HD + c] for the first BLOCK_P slots p from min(valid_len, pos).
@@ -140,6 +158,10 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
     b = pid // KH
     j = pid % KH
     b64 = b.to(tl.int64)
+    if GDC:
+        _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, b * stride_hb + j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D,
+                      FIRST_SEG, PF, BLOCK_R, BLOCK_D)
+    gdc_enter(GDC)
     head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
         head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
     w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
@@ -198,7 +220,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                                FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr):
+                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, GDC: tl.constexpr = False,
+                               PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
     # rows: row m is sequence m // P at slot pos (m % P == 0) or at the (m % P)-th missing
@@ -208,6 +231,10 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
+    if GDC:
+        _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
+                      BLOCK_R, BLOCK_D)
+    gdc_enter(GDC)
     head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
         head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
     w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
@@ -358,9 +385,11 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_hb,
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                       GDC: tl.constexpr = False, PF: tl.constexpr = 0):
     # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB),
     # after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R rows.
+    gdc_enter(GDC)
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     b = pid // KH
@@ -373,10 +402,12 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
-                   stride_hb, stride_pb, HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                   stride_hb, stride_pb, HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                   GDC: tl.constexpr = False, PF: tl.constexpr = 0):
     # After the Q/K/V kernels when nothing else commits (recompute_kv, or no head attends):
     # valid_len[b, head_idx[b, j]] = pos[b] + 1 and (HAS_NEW)
     # x_hist[b, pos[b]] = x_new[b]; grid (B,).
+    gdc_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
     offs_k = tl.arange(0, BLOCK_K)
@@ -453,7 +484,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     finish_mode = (2 if split == 1 else 1) if fused else 0
     common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
                   BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(dev))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         if not 1 <= sp - 1 <= bp:
@@ -474,7 +505,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     finish[(B * kh, (3 - first) * nbf)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
-        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, num_warps=4)
+        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, num_warps=4,
+        **pdl_args(dev))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
@@ -486,7 +518,8 @@ def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
     commit = jit(_commit_kernel, x_hist.device)
     commit[(B,)](new, x_hist, head_idx, valid_len, pos_t, kh, H, D, new.stride(0), x_hist.stride(0),
                  x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
-                 HAS_NEW=x_new is not None, BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4)
+                 HAS_NEW=x_new is not None, BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4,
+                 **pdl_args(x_hist.device))
 
 
 def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,

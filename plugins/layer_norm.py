@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, jit, next_pow2
+from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, gdc_enter, jit, next_pow2, pdl_args
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -41,8 +41,10 @@ LN_CONFIG = {
 # kernel
 
 def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
-                       CHUNKED: tl.constexpr, BLOCK: tl.constexpr):
+                       CHUNKED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+                       PF: tl.constexpr = 0):
     # out[r] = (x[r] - mean) * rstd * w + b; grid (R,). Rows are contiguous (stride D).
+    gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64) * D
     offs = tl.arange(0, BLOCK)
     if not CHUNKED:
@@ -112,7 +114,7 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
     block, chunked, num_warps = _plan(D, config)
     kernel = jit(_layer_norm_kernel, x.device)
     kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block,
-                 num_warps=num_warps)
+                 num_warps=num_warps, **pdl_args(x.device))
     return out
 
 

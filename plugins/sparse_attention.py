@@ -36,7 +36,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out,
-                                    check_tensor, default_validate, jit, next_pow2)
+                                    check_tensor, default_validate, gdc_enter, jit, next_pow2, pdl_args)
 from dejavu.plugins.sparse_mlp import LN_EPS, check_ln, gather_gemv, gather_gemv_t, with_ln_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -54,13 +54,15 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
                         vl_ptr, xnew_ptr, xh_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr):
+                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, GDC: tl.constexpr = False,
+                        PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
     # else (one chunk) store o directly.
     # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
     # x_hist[b, pos] = x_new[b] (no program here reads either).
+    gdc_enter(GDC)
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -111,9 +113,11 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
 
 
 def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK,
-                         BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr):
+                         BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, GDC: tl.constexpr = False,
+                         PF: tl.constexpr = 0):
     # o = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c; grid (B * Kh,).
     # Chunks past pos have m = -inf, l = 0, acc = 0 and weigh nothing.
+    gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < NCHUNK
@@ -246,11 +250,11 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
                             PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
-                            num_warps=cfg["num_warps"])
+                            num_warps=cfg["num_warps"], **pdl_args(q.device))
     if nchunk > 1:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
-                           BLOCK_HD=block_hd, num_warps=4)
+                           BLOCK_HD=block_hd, num_warps=4, **pdl_args(q.device))
     return o
 
 

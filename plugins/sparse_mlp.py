@@ -39,7 +39,8 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, helper, jit, last_arrival, next_pow2)
+                                    default_validate, gdc_enter, helper, jit, last_arrival, next_pow2,
+                                    pdl_args, prefetch_rows_l2)
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -108,10 +109,20 @@ def _group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
         rows = tl.where(mask, g * GROUP + offs % GROUP, 0)
     return rows
 
+
+@helper
+def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Before gdc_enter (PDL): an L2 prefetch of columns col0.. of the weight rows of positions
+    # offs, from index values clamped into [0, N_ROWS) (they may be stale: only a hint).
+    rows = tl.minimum(tl.maximum(_group_rows(idx_row, offs, mask, GROUP), 0), N_ROWS - 1)
+    prefetch_rows_l2(w_ptr + rows * D, col0, D, BLOCK_D)
+
+
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
-                        stride_xb, stride_ib, stride_ob,
+                        stride_xb, stride_ib, stride_ob, N_ROWS,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                        EVEN_D: tl.constexpr, GROUP: tl.constexpr):
+                        EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = False,
+                        PF: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
     # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
     # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
@@ -120,6 +131,11 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
+    if GDC:
+        for t in tl.static_range(PF):
+            _prefetch_tile(w_ptr, idx_ptr + pid_b * stride_ib, offs_r, rmask, t * BLOCK_D, N_ROWS, D, GROUP,
+                           BLOCK_D)
+    gdc_enter(GDC)
     # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
     rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
     w_rows = w_ptr + rows[:, None] * D
@@ -142,15 +158,19 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
              h.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob,
+def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob, N_ROWS,
                        RELU: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                       GROUP: tl.constexpr):
+                       GROUP: tl.constexpr, GDC: tl.constexpr = False, PF: tl.constexpr = 0):
     # Shared index set: out[b, r] = act(w[row(r)] @ x[b] + bias[row(r)]) for all b at once;
     # grid (cdiv(K, BLOCK_R),). Each gathered row is read once for the whole batch.
     pid_r = tl.program_id(0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
+    if GDC:
+        for t in tl.static_range(PF):
+            _prefetch_tile(w_ptr, idx_ptr, offs_r, rmask, t * BLOCK_D, N_ROWS, D, GROUP, BLOCK_D)
+    gdc_enter(GDC)
     rows = _group_rows(idx_ptr, offs_r, rmask, GROUP)
     offs_b = tl.arange(0, BLOCK_B)
     bmask = offs_b < B
@@ -270,11 +290,12 @@ def _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr
 
 def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
                           cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
-                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib, SPLIT, N_D, N_COL, N_LN, eps,
+                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib, SPLIT, N_D, N_COL, N_LN, eps, N_ROWS,
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
                           LN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                           EVEN_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr):
+                          BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+                          PF: tl.constexpr = 0):
     # y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
@@ -287,6 +308,11 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     idx_row = idx_ptr + pid_b * stride_ib
+    if GDC:
+        for t in tl.static_range(PF):
+            offs_k = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
+            _prefetch_tile(w_ptr, idx_row, offs_k, offs_k < k_end, pid_d * BLOCK_D, N_ROWS, D, GROUP, BLOCK_D)
+    gdc_enter(GDC)
     h_row = h_ptr + pid_b * stride_hb
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     # the row indices of the next block are loaded one iteration ahead, so the gathered
@@ -330,12 +356,12 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
 
 def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
                          cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
-                         B, D, K, K_PER_SPLIT, stride_hb, SPLIT, N_D, N_COL, N_LN, eps,
+                         B, D, K, K_PER_SPLIT, stride_hb, SPLIT, N_D, N_COL, N_LN, eps, N_ROWS,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
                          LN: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                         LN_BLOCK: tl.constexpr):
+                         LN_BLOCK: tl.constexpr, GDC: tl.constexpr = False, PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel.
     pid_d = tl.program_id(0)
@@ -346,6 +372,11 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     bmask = offs_b < B
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    if GDC:
+        for t in tl.static_range(PF):
+            offs_k = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
+            _prefetch_tile(w_ptr, idx_ptr, offs_k, offs_k < k_end, pid_d * BLOCK_D, N_ROWS, D, GROUP, BLOCK_D)
+    gdc_enter(GDC)
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -382,9 +413,11 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
 
 
 def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                         GDC: tl.constexpr = False, PF: tl.constexpr = 0):
     # out[b, d] = sum_s part[s, b, d] + bias[d] (+ residual[b, d]); grid (B, cdiv(D, BLOCK)).
     # All SPLIT partials in one [BLOCK_S, BLOCK] load (one memory round trip, not SPLIT).
+    gdc_enter(GDC)
     pid_b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -401,11 +434,13 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
 
 def _split_reduce_ln_kernel(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
                             B, D, SPLIT, N_D, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr):
+                            BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr,
+                            GDC: tl.constexpr = False, PF: tl.constexpr = 0):
     # grid (N_D,): program pid_d sums D block pid_d of every row's partials (+ bias, residual)
     # into y and stores the block's (mean, M2) of the rounded y; the last program to arrive
     # (cnt[0]) merges them per row and writes ln = LayerNorm(y): reduction and LayerNorm in
     # one launch (the fused finish's helpers, in a kernel of its own).
+    gdc_enter(GDC)
     pid_d = tl.program_id(0)
     _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT, N_D, HAS_RES, True,
                   BLOCK_D, BLOCK_S)
@@ -438,19 +473,19 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
         cfg = {**FC1_CONFIG["dot"], **(config or {})}
         kernel = jit(_gather_dot_kernel, x.device)
         kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
-            x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
+            x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0), w.shape[0],
             RELU=relu, DOT_FP32=_dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
             BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 3))
+            num_stages=cfg.get("num_stages", 3), **pdl_args(x.device))
     else:
         cfg = {**FC1_CONFIG["gemv"], **(config or {})}
         kernel = jit(_gather_gemv_kernel, x.device)
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
-            x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0),
+            x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0), w.shape[0],
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 2))
+            num_stages=cfg.get("num_stages", 2), **pdl_args(x.device))
     return out
 
 
@@ -487,11 +522,12 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     stats = torch.empty((B, n_d, 2), dtype=torch.float32, device=h.device) if fused_ln else part
     fin = (cnt, lnw, lnb, lno, stats)
     # SPLIT, N_D, N_COL (programs per D block), N_LN (programs that store y), eps
-    sizes = (split, n_d, split * per_col, n_d * per_col if final else n_d, LN_EPS)
+    sizes = (split, n_d, split * per_col, n_d * per_col if final else n_d, LN_EPS, w_t.shape[0])
     common = dict(FINAL=final, HAS_RES=residual is not None, FUSED=fused, LN=fused_ln,
                   BLOCK_K=block_k, BLOCK_D=block_d, EVEN_D=D % block_d == 0, GROUP=group,
                   BLOCK_S=min(next_pow2(split), max(1, FIN_PARTIALS // block_d)),
-                  BLOCK_N=max(2, next_pow2(n_d)), LN_BLOCK=LN_BLOCK, num_warps=cfg["num_warps"])
+                  BLOCK_N=max(2, next_pow2(n_d)), LN_BLOCK=LN_BLOCK, num_warps=cfg["num_warps"],
+                  **pdl_args(h.device))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
@@ -513,11 +549,11 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
             kernel[(n_blk,)](part, bias, res, out, counters(h.device, 1), ln[0], ln[1], ln_out, st, B, D, split,
                              n_blk, LN_EPS, HAS_RES=residual is not None, BLOCK_D=block, BLOCK_S=block_s,
                              BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)),
-                             num_warps=8)
+                             num_warps=8, **pdl_args(h.device))
             return out
         reduce = jit(_split_reduce_kernel, h.device)
         reduce[(B, n_blk)](part, bias, res, out, B, D, split, HAS_RES=residual is not None, BLOCK=block,
-                           BLOCK_S=block_s, num_warps=4)
+                           BLOCK_S=block_s, num_warps=4, **pdl_args(h.device))
     if ln is not None and not fused:
         from dejavu.plugins.layer_norm import layer_norm
         layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)

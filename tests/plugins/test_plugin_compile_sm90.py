@@ -35,7 +35,10 @@ SCRIPT = textwrap.dedent('''
             if getattr(obj, "_dejavu_helper", False) and not isinstance(obj, JITFunction):
                 setattr(mod, name, triton.jit(obj))
         sig = {}
-        for name in inspect.signature(fn).parameters:
+        params = inspect.signature(fn).parameters
+        # constexprs with defaults (GDC, PF: the PDL form) compile at their defaults unless given
+        constexprs = {**{n: p.default for n, p in params.items() if p.default is not p.empty}, **constexprs}
+        for name in params:
             if name in constexprs:
                 sig[name] = "constexpr"
             elif name.endswith("_ptr"):
@@ -106,6 +109,44 @@ SCRIPT = textwrap.dedent('''
         k = compile_sm90(PF, PF._prefetch_rows_kernel, dict(GROUP=128, BLOCK_R=4, BLOCK_D=1024, EVICT=ev),
                          "fp16", {"out_ptr": "*fp32"})
         assert ("L2::evict_last" in k.asm["ptx"]) == (ev == "evict_last"), ev
+    # PDL (_common.pdl_args): every kernel launched with launch_pdl waits (griddepcontrol.wait)
+    # and releases the next one; the weight kernels prefetch their first tile into L2 before it
+    pdl = dict(GDC=True, PF=1)
+    f2 = {"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"}
+    qkv_ptrs = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32"}
+    fin = dict(FINAL=False, HAS_RES=True, FUSED=False, LN=False, BLOCK_N=128, LN_BLOCK=2048, GROUP=128)
+    cases = [
+        (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1), {}, True),
+        (SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=64, BLOCK_B=16, BLOCK_D=128,
+                                         EVEN_D=True, GROUP=1), {}, True),
+        (SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, BLOCK_S=16, **fin), f2, True),
+        (SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128, EVEN_D=True,
+                                           BLOCK_S=4, **fin), f2, True),
+        (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4), {}, False),
+        (SM, SM._split_reduce_ln_kernel, dict(HAS_RES=True, BLOCK_D=256, BLOCK_S=16, BLOCK_N=32, LN_BLOCK=8192),
+         {"part_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"}, False),
+        (DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, BLOCK_P=16,
+                                          BLOCK_R=32, BLOCK_D=128, BLOCK_S=8, EVEN_D=True), qkv_ptrs, True),
+        (DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16,
+                                                 BLOCK_M=16, BLOCK_P=16, BLOCK_R=64, BLOCK_D=128, BLOCK_S=1,
+                                                 EVEN_D=True), qkv_ptrs, True),
+        (DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
+                                         BLOCK_S=1), {"pnew_ptr": "*fp32", "phist_ptr": "*fp32"}, False),
+        (DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024), {}, False),
+        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192), {},
+         False),
+        (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), {}, False),
+        (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), {"eps": "fp32"}, False),
+    ]
+    for mod, fn, consts, over, prefetches in cases:
+        ptx = compile_sm90(mod, fn, {**consts, **pdl}, "fp16", over).asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert ptx.index("griddepcontrol.launch_dependents") > wait, fn.__name__
+        # before the wait: no store, and no load but the index (and position) reads of the prefetch
+        assert "st.global" not in ptx[:wait], fn.__name__
+        assert ("prefetch.global.L2" in ptx[:wait]) == prefetches, fn.__name__
+        plain = compile_sm90(mod, fn, consts, "fp16", over).asm["ptx"]
+        assert "griddepcontrol" not in plain and "prefetch.global.L2 " not in plain, fn.__name__
     print("ALL OK")
 ''')
 
