@@ -156,15 +156,16 @@ def _ablate_qkv_shared(eng):
     return _qkv_setting("SHARED_MIN_BATCH", 2)
 
 
-def _pdl(tiles):
+def _pdl(tiles, trigger="late"):
     """Programmatic dependent launch for the main decode kernels (_common.PDL_CONFIG), with
-    `tiles` weight tiles prefetched into L2 before each kernel's wait (0: none)."""
+    `tiles` weight tiles prefetched into L2 before each kernel's wait (0: none) and the next
+    kernel let in `trigger` ("early": right after the wait; "late": after the main loop)."""
     def apply(eng):
         import importlib
 
         cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
         old = dict(cfg)
-        cfg.update(ENABLED=True, PREFETCH_TILES=tiles)
+        cfg.update(ENABLED=True, PREFETCH_TILES=tiles, TRIGGER=trigger)
         return lambda: cfg.update(old)
     return apply
 
@@ -215,7 +216,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "predqkvpfout": _side("after_qkv", out=64), "predqkvpfall": _side("after_qkv", out=64, fc1=16),
              "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _swept("qkv"), "projswept": _swept("proj"), "mlpswept": _swept("mlp"),
              "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared,
-             "pdl0": _pdl(0), "pdl": _pdl(1), "pdl2": _pdl(2), "pdl4": _pdl(4)}
+             "pdl0": _pdl(0), "pdl": _pdl(1), "pdl2": _pdl(2), "pdl4": _pdl(4),
+             "pdl0early": _pdl(0, "early"), "pdl1early": _pdl(1, "early")}
 
 
 def apply_tuned(path: str | None) -> dict:
@@ -439,15 +441,15 @@ def smoke() -> dict:
     except Exception as ex:  # noqa: BLE001
         checks["cpu deferred vs full"] = {"ok": False, "error": f"{type(ex).__name__}: {ex}",
                                           "trace": traceback.format_exc()[-2000:]}
-    combos = [(o, gr, "deferred", False) for o in (True, False) for gr in (True, False)] + [
-        (True, True, "full", False), (False, False, "full", False),
-        # programmatic dependent launch (_common.PDL_CONFIG), graph and eager, side stream or not
-        (True, True, "deferred", True), (False, True, "deferred", True), (True, False, "deferred", True),
-        (True, True, "full", True)]
+    combos = [(o, gr, "deferred", None) for o in (True, False) for gr in (True, False)] + [
+        (True, True, "full", None), (False, False, "full", None),
+        # programmatic dependent launch (_common.PDL_CONFIG; its trigger), graph and eager, side stream or not
+        (True, True, "deferred", "late"), (False, True, "deferred", "late"), (True, False, "deferred", "late"),
+        (True, True, "full", "late"), (True, True, "deferred", "early"), (False, True, "deferred", "early")]
     for overlap, graphs, kv, pdl in combos:
         key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
-        key += " pdl" if pdl else ""
-        undo = _pdl(1)(None) if pdl else None
+        key += f" pdl {pdl}" if pdl else ""
+        undo = _pdl(1, pdl)(None) if pdl else None
         try:
             e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv,
                                    batch_policy="per_sequence")
@@ -467,12 +469,13 @@ def smoke() -> dict:
         finally:
             if undo:
                 undo()
-    fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, False, 3),
-            ("fp16 shared", {"batch_policy": "shared"}, False, 3),
-            ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, False, 3),
-            ("fp16 batch 1", {}, False, 1), ("fp16 batch 1 pdl", {}, True, 1), ("fp16 shared pdl", {"batch_policy": "shared"}, True, 3)]
+    fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, None, 3),
+            ("fp16 shared", {"batch_policy": "shared"}, None, 3),
+            ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, None, 3),
+            ("fp16 batch 1", {}, None, 1), ("fp16 batch 1 pdl", {}, "late", 1),
+            ("fp16 batch 1 pdl early", {}, "early", 1), ("fp16 shared pdl", {"batch_policy": "shared"}, "late", 3)]
     for key, kw, pdl, nb in fp16:
-        undo = _pdl(1)(None) if pdl else None
+        undo = _pdl(1, pdl)(None) if pdl else None
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)

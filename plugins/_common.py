@@ -65,36 +65,51 @@ def last_arrival(counter_ptr, n):
 
 
 # Programmatic dependent launch (PDL, sm_90+). With PDL_CONFIG["ENABLED"] the main decode
-# kernels are launched with `launch_pdl=True`: the next kernel of a stream may start while
-# this one finishes, so its launch and its first weight reads overlap the previous kernel's
-# tail. Every kernel launched so (`pdl_args`) starts with `gdc_enter(GDC)`: griddepcontrol.wait
-# (the previous kernel has completed and its writes are visible) before its first load of
-# anything another kernel writes and before its first store, then launch_dependents. Since
-# each kernel waits before it lets the next one start, at most two kernels of a stream are
-# in flight and everything older has completed. Before the wait a kernel may only issue
-# `prefetch_rows_l2` on weight rows (PDL_CONFIG["PREFETCH_TILES"] tiles of its first
-# loop blocks): a hint into L2, from index values clamped into range (an index buffer read
-# before the wait may still hold an older step's values; that only wastes the prefetch).
-# Off on CPU (the interpreter has no griddepcontrol) and below sm_90.
-PDL_CONFIG = {"ENABLED": False, "PREFETCH_TILES": 1}
+# kernels are launched with `launch_pdl=True`: the next kernel of a stream may be launched
+# before this one has completed, so its launch (and its first weight reads) overlap this
+# kernel's tail. Every kernel launched so (`pdl_args`) calls `gdc_enter(GDC)` before its first
+# load of anything another kernel writes and before its first store: griddepcontrol.wait (the
+# previous kernel has completed, its writes visible). It lets the next kernel launch
+# (griddepcontrol.launch_dependents) only after that wait: right there with TRIGGER "early",
+# after its main loop (`gdc_release`, kernels that have one) or at exit with "late". So at most
+# two kernels of a stream are in flight and everything older has completed. Waiting programs
+# hold their SM's registers: an early trigger lets a kernel's whole grid sit waiting behind a
+# one-program LayerNorm, which also keeps the side stream's programs off the SMs.
+# Before the wait a kernel may only issue `prefetch_rows_l2` on weight rows
+# (PREFETCH_TILES tiles of its first loop blocks): a hint into L2, from index values clamped
+# into range (an index buffer read before the wait may hold an older step's values; that only
+# wastes the prefetch). Off on CPU (the interpreter has no griddepcontrol) and below sm_90.
+PDL_CONFIG = {"ENABLED": False, "PREFETCH_TILES": 0, "TRIGGER": "late"}
 
 
 def pdl_args(device: torch.device) -> dict:
     """Launch options for a kernel that calls `gdc_enter`: {} (plain launch) or
-    {"GDC": True, "PF": tiles to prefetch, "launch_pdl": True}."""
+    {"GDC": 1 (late trigger) or 2 (early), "PF": tiles to prefetch, "launch_pdl": True}."""
     if not PDL_CONFIG["ENABLED"] or device.type != "cuda" or interpreting():
         return {}
     if torch.cuda.get_device_capability(device)[0] < 9:
         return {}
-    return {"GDC": True, "PF": int(PDL_CONFIG["PREFETCH_TILES"]), "launch_pdl": True}
+    if PDL_CONFIG["TRIGGER"] not in ("early", "late"):
+        raise DejavuError(f"PDL_CONFIG TRIGGER: 'early' or 'late', not {PDL_CONFIG['TRIGGER']!r}")
+    gdc = 2 if PDL_CONFIG["TRIGGER"] == "early" else 1
+    return {"GDC": gdc, "PF": int(PDL_CONFIG["PREFETCH_TILES"]), "launch_pdl": True}
 
 
 @helper
 def gdc_enter(GDC: tl.constexpr):
-    # PDL: wait for the previous kernel of the stream (its writes visible), then let the next
-    # one launch. A no-op unless GDC (pdl_args).
+    # PDL: wait for the previous kernel of the stream (its writes visible); GDC 2 (early
+    # trigger) then lets the next one launch. A no-op when GDC is 0 (pdl_args).
     if GDC:
         tl.extra.cuda.gdc_wait()
+        if GDC == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@helper
+def gdc_release(GDC: tl.constexpr):
+    # PDL, late trigger (GDC 1): after this program's main loop, let the next kernel launch
+    # (its programs then take the SM slots of programs that are only storing results).
+    if GDC == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -102,8 +117,12 @@ def gdc_enter(GDC: tl.constexpr):
 def prefetch_rows_l2(row_ptrs, col0, n_cols, BLOCK_D: tl.constexpr):
     # L2 prefetch (a hint: nothing is loaded into registers) of columns col0 .. col0 + BLOCK_D
     # of each row (clamped to the row's n_cols), one prefetch per 64 elements (a 128-byte line
-    # in fp16/bf16); row_ptrs [R] must point at rows of the weights. BLOCK_D >= 64.
-    cols = tl.minimum(col0 + tl.arange(0, BLOCK_D // 64) * 64, n_cols - 1)
+    # in fp16/bf16; a block narrower than 64 gets one per row); row_ptrs [R] point at rows of
+    # the weights.
+    if BLOCK_D >= 64:
+        cols = tl.minimum(col0 + tl.arange(0, BLOCK_D // 64) * 64, n_cols - 1)
+    else:
+        cols = tl.minimum(col0 + tl.arange(0, 1), n_cols - 1)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                               [row_ptrs[:, None] + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1)
 

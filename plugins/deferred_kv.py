@@ -59,7 +59,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, gdc_enter, helper, jit, last_arrival, next_pow2,
+                                    default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
                                     pdl_args, prefetch_rows_l2)
 from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
 from dejavu.plugins.sparse_mlp import _dot_fp32
@@ -194,6 +194,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
                 acc_h = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_h, input_precision="ieee")
             else:
                 acc_h = tl.dot(xt, tl.trans(w), acc_h)
+    gdc_release(GDC)
     if FINISH == 2:
         _store_qkv(tl.sum(acc, axis=1), acc_h, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j,
                    head, pos, seg, offs_c, cmask, rows, start, KH, D, HD, BLOCK_P, stride_xb, stride_xs, stride_cb,
@@ -277,6 +278,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    gdc_release(GDC)
     slot = (pid_s.to(tl.int64) * B + mb64) * KH + j  # [BLOCK_M]
     tl.store(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :], acc,
              mask=is_new[:, None] & cmask[None, :])

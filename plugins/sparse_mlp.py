@@ -39,7 +39,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, gdc_enter, helper, jit, last_arrival, next_pow2,
+                                    default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
                                     pdl_args, prefetch_rows_l2)
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -151,6 +151,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
             xv = tl.load(x_row + offs_d, mask=dmask, other=0.0).to(tl.float32)
             wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
         acc += wv * xv[None, :]
+    gdc_release(GDC)
     h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
     if RELU:
         h = tl.maximum(h, 0.0)
@@ -190,6 +191,7 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
             acc = tl.dot(wv.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(wv, xt.to(wv.dtype), acc)
+    gdc_release(GDC)
     h = acc + tl.load(b_ptr + rows).to(tl.float32)[:, None]
     if RELU:
         h = tl.maximum(h, 0.0)
@@ -334,6 +336,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
         acc += wv * hv[:, None]
         rows = rows_next
         hv = h_next
+    gdc_release(GDC)
     y = tl.sum(acc, axis=0)
     row = pid_b.to(tl.int64) * D
     if FINAL:
@@ -393,6 +396,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
             acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(hv.to(wv.dtype), wv, acc)
+    gdc_release(GDC)
     rows_b = offs_b[:, None].to(tl.int64) * D
     mask = bmask[:, None] & dmask[None, :]
     if FINAL:

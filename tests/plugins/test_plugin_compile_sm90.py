@@ -111,7 +111,6 @@ SCRIPT = textwrap.dedent('''
         assert ("L2::evict_last" in k.asm["ptx"]) == (ev == "evict_last"), ev
     # PDL (_common.pdl_args): every kernel launched with launch_pdl waits (griddepcontrol.wait)
     # and releases the next one; the weight kernels prefetch their first tile into L2 before it
-    pdl = dict(GDC=True, PF=1)
     f2 = {"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"}
     qkv_ptrs = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32"}
     fin = dict(FINAL=False, HAS_RES=True, FUSED=False, LN=False, BLOCK_N=128, LN_BLOCK=2048, GROUP=128)
@@ -138,13 +137,20 @@ SCRIPT = textwrap.dedent('''
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), {}, False),
         (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), {"eps": "fp32"}, False),
     ]
-    for mod, fn, consts, over, prefetches in cases:
-        ptx = compile_sm90(mod, fn, {**consts, **pdl}, "fp16", over).asm["ptx"]
-        wait = ptx.index("griddepcontrol.wait")
-        assert ptx.index("griddepcontrol.launch_dependents") > wait, fn.__name__
-        # before the wait: no store, and no load but the index (and position) reads of the prefetch
-        assert "st.global" not in ptx[:wait], fn.__name__
-        assert ("prefetch.global.L2" in ptx[:wait]) == prefetches, fn.__name__
+    # a Q/K/V block narrower than a cache line (one prefetch per row)
+    cases.append((DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, BLOCK_P=16,
+                                                   BLOCK_R=16, BLOCK_D=16, BLOCK_S=8, EVEN_D=False), qkv_ptrs, True))
+    for mod, fn, consts, over, looped in cases:  # looped: a main loop over weights (prefetch, gdc_release)
+        for gdc in (1, 2):  # late / early trigger
+            ptx = compile_sm90(mod, fn, {**consts, "GDC": gdc, "PF": 1}, "fp16", over).asm["ptx"]
+            wait = ptx.index("griddepcontrol.wait")
+            # before the wait: no store, and no load but the index reads of the prefetch
+            assert "st.global" not in ptx[:wait], fn.__name__
+            assert ("prefetch.global.L2" in ptx[:wait]) == looped, fn.__name__
+            if gdc == 2 or looped:  # the next kernel is let in only after the wait
+                assert ptx.index("griddepcontrol.launch_dependents") > wait, fn.__name__
+            else:  # late trigger without a main loop: at exit
+                assert "griddepcontrol.launch_dependents" not in ptx, fn.__name__
         plain = compile_sm90(mod, fn, consts, "fp16", over).asm["ptx"]
         assert "griddepcontrol" not in plain and "prefetch.global.L2 " not in plain, fn.__name__
     print("ALL OK")
