@@ -170,6 +170,30 @@ def _pdl(tiles, trigger="late"):
     return apply
 
 
+def _topk_split(eng):
+    """The predictors' top-k in one launch per radix round (predictor.TOPK_CONFIG fused off):
+    no grid barrier, whose spinning programs wait for SM room next to the main stream."""
+    import importlib
+
+    cfg = importlib.import_module("dejavu.plugins.predictor").TOPK_CONFIG
+    old = cfg["fused"]
+    cfg["fused"] = False
+    return lambda: cfg.__setitem__("fused", old)
+
+
+def _both(*fs):
+    """Several ablations in one row (undone in reverse)."""
+    def apply(eng):
+        undos = [f(eng) for f in fs]
+
+        def undo():
+            for u in reversed(undos):
+                if u:
+                    u()
+        return undo
+    return apply
+
+
 SWEPT: dict = {}  # --swept-from: a kernels.py --sweep / --sweep-attn JSON, for the "*swept" rows
 
 
@@ -217,7 +241,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _swept("qkv"), "projswept": _swept("proj"), "mlpswept": _swept("mlp"),
              "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared,
              "pdl0": _pdl(0), "pdl": _pdl(1), "pdl2": _pdl(2), "pdl4": _pdl(4),
-             "pdl0early": _pdl(0, "early"), "pdl1early": _pdl(1, "early")}
+             "pdl0early": _pdl(0, "early"), "pdl1early": _pdl(1, "early"), "tksplit": _topk_split,
+             "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "early"), _topk_split),
+             "pdl1earlytk": _both(_pdl(1, "early"), _topk_split)}
 
 
 def apply_tuned(path: str | None) -> dict:
