@@ -156,16 +156,22 @@ def _ablate_qkv_shared(eng):
     return _qkv_setting("SHARED_MIN_BATCH", 2)
 
 
-def _pdl(tiles, trigger="late"):
+PDL_SMALL = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")  # no main loop
+PDL_LOOP = ("fc1", "qkv_full", "fc2", "proj", "qkv")
+
+
+def _pdl(tiles, early=()):
     """Programmatic dependent launch for the main decode kernels (_common.PDL_CONFIG), with
-    `tiles` weight tiles prefetched into L2 before each kernel's wait (0: none) and the next
-    kernel let in `trigger` ("early": right after the wait; "late": after the main loop)."""
+    `tiles` weight tiles prefetched into L2 before each kernel's wait (0: none); the kinds of
+    kernel in `early` ("all": every kind) let the next kernel in right after their wait, the
+    others after their main loop or at exit."""
     def apply(eng):
         import importlib
 
-        cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
+        C = importlib.import_module("dejavu.plugins._common")
+        cfg = C.PDL_CONFIG
         old = dict(cfg)
-        cfg.update(ENABLED=True, PREFETCH_TILES=tiles, TRIGGER=trigger)
+        cfg.update(ENABLED=True, PREFETCH_TILES=tiles, EARLY=C.PDL_KINDS if early == "all" else tuple(early))
         return lambda: cfg.update(old)
     return apply
 
@@ -241,9 +247,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _swept("qkv"), "projswept": _swept("proj"), "mlpswept": _swept("mlp"),
              "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared,
              "pdl0": _pdl(0), "pdl": _pdl(1), "pdl2": _pdl(2), "pdl4": _pdl(4),
-             "pdl0early": _pdl(0, "early"), "pdl1early": _pdl(1, "early"), "tksplit": _topk_split,
-             "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "early"), _topk_split),
-             "pdl1earlytk": _both(_pdl(1, "early"), _topk_split)}
+             "pdl0early": _pdl(0, "all"), "pdl1early": _pdl(1, "all"), "tksplit": _topk_split,
+             "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
+             "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
+             "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),
+             **{f"pdl0e{k.replace('_', '')}": _pdl(0, (k,)) for k in PDL_SMALL + PDL_LOOP}}
 
 
 def apply_tuned(path: str | None) -> dict:
@@ -475,7 +483,7 @@ def smoke() -> dict:
     for overlap, graphs, kv, pdl in combos:
         key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
         key += f" pdl {pdl}" if pdl else ""
-        undo = _pdl(1, pdl)(None) if pdl else None
+        undo = _pdl(1, () if pdl == "late" else "all")(None) if pdl else None
         try:
             e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv,
                                    batch_policy="per_sequence")
@@ -501,7 +509,7 @@ def smoke() -> dict:
             ("fp16 batch 1", {}, None, 1), ("fp16 batch 1 pdl", {}, "late", 1),
             ("fp16 batch 1 pdl early", {}, "early", 1), ("fp16 shared pdl", {"batch_policy": "shared"}, "late", 3)]
     for key, kw, pdl, nb in fp16:
-        undo = _pdl(1, pdl)(None) if pdl else None
+        undo = _pdl(1, () if pdl == "late" else "all")(None) if pdl else None
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)

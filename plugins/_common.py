@@ -70,28 +70,34 @@ def last_arrival(counter_ptr, n):
 # kernel's tail. Every kernel launched so (`pdl_args`) calls `gdc_enter(GDC)` before its first
 # load of anything another kernel writes and before its first store: griddepcontrol.wait (the
 # previous kernel has completed, its writes visible). It lets the next kernel launch
-# (griddepcontrol.launch_dependents) only after that wait: right there with TRIGGER "early",
-# after its main loop (`gdc_release`, kernels that have one) or at exit with "late". So at most
-# two kernels of a stream are in flight and everything older has completed. Waiting programs
-# hold their SM's registers: an early trigger lets a kernel's whole grid sit waiting behind a
-# one-program LayerNorm, which also keeps the side stream's programs off the SMs.
+# (griddepcontrol.launch_dependents) only after that wait: right there for the kinds of kernel
+# in PDL_CONFIG["EARLY"], else after its main loop (`gdc_release`, kernels
+# that have one) or at exit. So at most two kernels of a stream are in flight and everything
+# older has completed. Waiting programs hold their SM's registers: an early trigger lets the
+# next kernel's whole grid sit waiting behind a one-program LayerNorm.
 # Before the wait a kernel may only issue `prefetch_rows_l2` on weight rows
 # (PREFETCH_TILES tiles of its first loop blocks): a hint into L2, from index values clamped
 # into range (an index buffer read before the wait may hold an older step's values; that only
 # wastes the prefetch). Off on CPU (the interpreter has no griddepcontrol) and below sm_90.
-PDL_CONFIG = {"ENABLED": False, "PREFETCH_TILES": 0, "TRIGGER": "late"}
+# Kinds (pdl_args): fc1 and qkv_full (gather_gemv: fc1, Q/K/V of every head), fc2 and proj
+# (gather_gemv_t: fc2, the attention output projection), reduce (their split-K reductions),
+# qkv, qkv_finish, commit (deferred K/V), attn, attn_combine, layer_norm.
+PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
+             "layer_norm")
+PDL_CONFIG = {"ENABLED": False, "PREFETCH_TILES": 0, "EARLY": ()}
 
 
-def pdl_args(device: torch.device) -> dict:
-    """Launch options for a kernel that calls `gdc_enter`: {} (plain launch) or
-    {"GDC": 1 (late trigger) or 2 (early), "PF": tiles to prefetch, "launch_pdl": True}."""
+def pdl_args(device: torch.device, kind: str) -> dict:
+    """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter`: {} (plain
+    launch) or {"GDC": 1 (late trigger) or 2 (early), "PF": tiles to prefetch, "launch_pdl": True}."""
     if not PDL_CONFIG["ENABLED"] or device.type != "cuda" or interpreting():
         return {}
     if torch.cuda.get_device_capability(device)[0] < 9:
         return {}
-    if PDL_CONFIG["TRIGGER"] not in ("early", "late"):
-        raise DejavuError(f"PDL_CONFIG TRIGGER: 'early' or 'late', not {PDL_CONFIG['TRIGGER']!r}")
-    gdc = 2 if PDL_CONFIG["TRIGGER"] == "early" else 1
+    bad = [k for k in (kind, *PDL_CONFIG["EARLY"]) if k not in PDL_KINDS]
+    if bad:
+        raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
+    gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
     return {"GDC": gdc, "PF": int(PDL_CONFIG["PREFETCH_TILES"]), "launch_pdl": True}
 
 

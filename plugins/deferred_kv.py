@@ -486,7 +486,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     finish_mode = (2 if split == 1 else 1) if fused else 0
     common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
                   BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(dev))
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(dev, "qkv"))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         if not 1 <= sp - 1 <= bp:
@@ -508,7 +508,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, num_warps=4,
-        **pdl_args(dev))
+        **pdl_args(dev, "qkv_finish"))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
@@ -521,7 +521,7 @@ def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
     commit[(B,)](new, x_hist, head_idx, valid_len, pos_t, kh, H, D, new.stride(0), x_hist.stride(0),
                  x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
                  HAS_NEW=x_new is not None, BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4,
-                 **pdl_args(x_hist.device))
+                 **pdl_args(x_hist.device, "commit"))
 
 
 def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,

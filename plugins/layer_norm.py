@@ -114,7 +114,7 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
     block, chunked, num_warps = _plan(D, config)
     kernel = jit(_layer_norm_kernel, x.device)
     kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block,
-                 num_warps=num_warps, **pdl_args(x.device))
+                 num_warps=num_warps, **pdl_args(x.device, "layer_norm"))
     return out
 
 

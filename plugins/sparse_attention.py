@@ -250,11 +250,11 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
                             PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
-                            num_warps=cfg["num_warps"], **pdl_args(q.device))
+                            num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
     if nchunk > 1:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
-                           BLOCK_HD=block_hd, num_warps=4, **pdl_args(q.device))
+                           BLOCK_HD=block_hd, num_warps=4, **pdl_args(q.device, "attn_combine"))
     return o
 
 

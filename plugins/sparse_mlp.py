@@ -473,6 +473,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
     if K == 0 or B == 0:
         return out
     shared = idx.dim() == 1
+    kind = "qkv_full" if group > 1 else "fc1"
     if (shared or B == 1) and B >= DOT_MIN_BATCH:  # B == 1: [1, K] is the same set as [K]
         cfg = {**FC1_CONFIG["dot"], **(config or {})}
         kernel = jit(_gather_dot_kernel, x.device)
@@ -481,7 +482,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
             RELU=relu, DOT_FP32=_dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
             BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 3), **pdl_args(x.device))
+            num_stages=cfg.get("num_stages", 3), **pdl_args(x.device, kind))
     else:
         cfg = {**FC1_CONFIG["gemv"], **(config or {})}
         kernel = jit(_gather_gemv_kernel, x.device)
@@ -489,7 +490,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
             x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0), w.shape[0],
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 2), **pdl_args(x.device))
+            num_stages=cfg.get("num_stages", 2), **pdl_args(x.device, kind))
     return out
 
 
@@ -531,7 +532,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                   BLOCK_K=block_k, BLOCK_D=block_d, EVEN_D=D % block_d == 0, GROUP=group,
                   BLOCK_S=min(next_pow2(split), max(1, FIN_PARTIALS // block_d)),
                   BLOCK_N=max(2, next_pow2(n_d)), LN_BLOCK=LN_BLOCK, num_warps=cfg["num_warps"],
-                  **pdl_args(h.device))
+                  **pdl_args(h.device, "proj" if group > 1 else "fc2"))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
@@ -553,11 +554,11 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
             kernel[(n_blk,)](part, bias, res, out, counters(h.device, 1), ln[0], ln[1], ln_out, st, B, D, split,
                              n_blk, LN_EPS, HAS_RES=residual is not None, BLOCK_D=block, BLOCK_S=block_s,
                              BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)),
-                             num_warps=8, **pdl_args(h.device))
+                             num_warps=8, **pdl_args(h.device, "reduce"))
             return out
         reduce = jit(_split_reduce_kernel, h.device)
         reduce[(B, n_blk)](part, bias, res, out, B, D, split, HAS_RES=residual is not None, BLOCK=block,
-                           BLOCK_S=block_s, num_warps=4, **pdl_args(h.device))
+                           BLOCK_S=block_s, num_warps=4, **pdl_args(h.device, "reduce"))
     if ln is not None and not fused:
         from dejavu.plugins.layer_norm import layer_norm
         layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
