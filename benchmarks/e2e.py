@@ -156,6 +156,26 @@ def _ablate_qkv_shared(eng):
     return _qkv_setting("SHARED_MIN_BATCH", 2)
 
 
+def _no_pdl(eng):
+    """Plain launches (_common.PDL_CONFIG ENABLED off)."""
+    import importlib
+
+    cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
+    old = cfg["ENABLED"]
+    cfg["ENABLED"] = False
+    return lambda: cfg.__setitem__("ENABLED", old)
+
+
+def _pdl_mode(mode):
+    """The smoke test's PDL forms: None (the defaults), "off", "late" (every trigger late,
+    1 prefetched tile), "early" (every trigger early, 1 prefetched tile); returns the undo."""
+    if mode is None:
+        return None
+    if mode == "off":
+        return _no_pdl(None)
+    return _pdl(1, () if mode == "late" else "all")(None)
+
+
 PDL_SMALL = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")  # no main loop
 PDL_LOOP = ("fc1", "qkv_full", "fc2", "proj", "qkv")
 
@@ -250,7 +270,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "pdl0early": _pdl(0, "all"), "pdl1early": _pdl(1, "all"), "tksplit": _topk_split,
              "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
              "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
-             "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),
+             "nopdl": _no_pdl, "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),
              **{f"pdl0e{k.replace('_', '')}": _pdl(0, (k,)) for k in PDL_SMALL + PDL_LOOP}}
 
 
@@ -479,11 +499,12 @@ def smoke() -> dict:
         (True, True, "full", None), (False, False, "full", None),
         # programmatic dependent launch (_common.PDL_CONFIG; its trigger), graph and eager, side stream or not
         (True, True, "deferred", "late"), (False, True, "deferred", "late"), (True, False, "deferred", "late"),
-        (True, True, "full", "late"), (True, True, "deferred", "early"), (False, True, "deferred", "early")]
+        (True, True, "full", "late"), (True, True, "deferred", "early"), (False, True, "deferred", "early"),
+        (True, True, "deferred", "off"), (False, True, "deferred", "off")]
     for overlap, graphs, kv, pdl in combos:
         key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
         key += f" pdl {pdl}" if pdl else ""
-        undo = _pdl(1, () if pdl == "late" else "all")(None) if pdl else None
+        undo = _pdl_mode(pdl)
         try:
             e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv,
                                    batch_policy="per_sequence")
@@ -506,10 +527,10 @@ def smoke() -> dict:
     fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, None, 3),
             ("fp16 shared", {"batch_policy": "shared"}, None, 3),
             ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, None, 3),
-            ("fp16 batch 1", {}, None, 1), ("fp16 batch 1 pdl", {}, "late", 1),
+            ("fp16 batch 1", {}, None, 1), ("fp16 batch 1 pdl off", {}, "off", 1), ("fp16 batch 1 pdl", {}, "late", 1),
             ("fp16 batch 1 pdl early", {}, "early", 1), ("fp16 shared pdl", {"batch_policy": "shared"}, "late", 3)]
     for key, kw, pdl, nb in fp16:
-        undo = _pdl(1, () if pdl == "late" else "all")(None) if pdl else None
+        undo = _pdl_mode(pdl)
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)

@@ -1068,8 +1068,8 @@ def main(argv=None):
     ap.add_argument("--sections", default="mlp,fused_mlp,predictor,attn,deferred,deferred_parts,layer_norm,topk",
                     help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
-    ap.add_argument("--pdl", action="store_true",
-                    help="launch the decode kernels with programmatic dependent launch (_common.PDL_CONFIG)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="plain launches (default: programmatic dependent launch as _common.PDL_CONFIG says)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the remaining sections once this many seconds have passed")
     args = ap.parse_args(argv)
@@ -1078,13 +1078,14 @@ def main(argv=None):
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
-    if args.pdl:
-        sys.modules["dejavu.plugins._common"].PDL_CONFIG["ENABLED"] = True
+    pdl = sys.modules["dejavu.plugins._common"].PDL_CONFIG
+    if args.no_pdl:
+        pdl["ENABLED"] = False
     t0 = time.time()
     if args.budget_s is not None:
         DEADLINE[0] = t0 + args.budget_s
     res = {"device": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "torch": torch.__version__,
-           "triton": triton.__version__, "quick": args.quick, "pdl": args.pdl}
+           "triton": triton.__version__, "quick": args.quick, "pdl": dict(pdl)}
     fail = False
     Path(out).parent.mkdir(parents=True, exist_ok=True)
 

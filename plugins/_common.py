@@ -84,7 +84,14 @@ def last_arrival(counter_ptr, n):
 # qkv, qkv_finish, commit (deferred K/V), attn, attn_combine, layer_norm.
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
              "layer_norm")
-PDL_CONFIG = {"ENABLED": False, "PREFETCH_TILES": 0, "EARLY": ()}
+# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md session 5):
+# PDL with late triggers only: 6.80-6.85 vs 6.89-6.93 ms/token at density 0.3, 5.04-5.06 vs 5.11 at
+# 0.1; early triggers everywhere: 7.30 at 0.3 (the early trigger of fc1, alone: 7.37), 4.66-4.68 at
+# 0.1; early for the kernels without a main loop: 6.75 at 0.3, 4.97 at 0.1. Prefetching weight tiles
+# before the wait never paid (late, 1 tile: 6.93 at 0.3; 2 tiles 7.16-7.59).
+PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
+              "EARLY": ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
+                        "layer_norm")}
 
 
 def pdl_args(device: torch.device, kind: str) -> dict:

@@ -8,7 +8,7 @@ import dejavu.plugins as P
 def test_kernel_settings_cover_every_kernel_and_follow_the_configs(monkeypatch):
     s = P.kernel_settings()
     assert set(s) == {"sparse_mlp", "fused_mlp", "deferred_qkv", "deferred_qkv_b1", "attention", "topk",
-                      "layer_norm"}
+                      "layer_norm", "pdl"}
     assert json.loads(json.dumps(s)) == json.loads(json.dumps(s))  # JSON-ready (tuples become lists)
     dk = sys.modules["dejavu.plugins.deferred_kv"]
     monkeypatch.setitem(dk.QKV_CONFIG, "BLOCK_D", 64)
@@ -16,3 +16,29 @@ def test_kernel_settings_cover_every_kernel_and_follow_the_configs(monkeypatch):
     monkeypatch.setitem(dk.QKV_CONFIG_B1, "SHARED_P", 8)
     assert P.kernel_settings()["deferred_qkv_b1"]["SHARED_P"] == 8
     assert P.kernel_settings()["topk"]["method"] == sys.modules["dejavu.plugins.predictor"].TOPK_METHOD
+
+
+def test_pdl_launch_options_follow_the_config(monkeypatch):
+    import pytest
+    import torch
+
+    from dejavu.errors import DejavuError
+
+    C = sys.modules["dejavu.plugins._common"]
+    assert C.pdl_args(torch.device("cpu"), "fc1") == {}  # never on CPU (no griddepcontrol there)
+    monkeypatch.setattr(C, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(C.PDL_CONFIG, "ENABLED", True)
+    monkeypatch.setitem(C.PDL_CONFIG, "EARLY", ("attn",))
+    monkeypatch.setitem(C.PDL_CONFIG, "PREFETCH_TILES", 2)
+    assert C.pdl_args(cuda, "attn") == {"GDC": 2, "PF": 2, "launch_pdl": True}
+    assert C.pdl_args(cuda, "fc1") == {"GDC": 1, "PF": 2, "launch_pdl": True}
+    with pytest.raises(DejavuError, match="unknown kernel kind"):
+        C.pdl_args(cuda, "fc3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert C.pdl_args(cuda, "attn") == {}  # below sm_90: plain launches
+    monkeypatch.setitem(C.PDL_CONFIG, "ENABLED", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert C.pdl_args(cuda, "attn") == {}
+    assert P.kernel_settings()["pdl"]["EARLY"] == ["attn"]
