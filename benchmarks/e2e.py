@@ -176,18 +176,6 @@ def _pdl_mode(mode):
     return _pdl(1, () if mode == "late" else "all")(None)
 
 
-def _pdl_cap(nbytes):
-    """The default PDL triggers with EARLY_MAX_BYTES = nbytes (None: no cap)."""
-    def apply(eng):
-        import importlib
-
-        cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
-        old = cfg.get("EARLY_MAX_BYTES")
-        cfg["EARLY_MAX_BYTES"] = float("inf") if nbytes is None else nbytes
-        return lambda: cfg.__setitem__("EARLY_MAX_BYTES", old)
-    return apply
-
-
 PDL_SMALL = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")  # no main loop
 PDL_LOOP = ("fc1", "qkv_full", "fc2", "proj", "qkv")
 
@@ -282,7 +270,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "pdl0early": _pdl(0, "all"), "pdl1early": _pdl(1, "all"), "tksplit": _topk_split,
              "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
              "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
-             "nopdl": _no_pdl, "same": lambda eng: None, "pdlnocap": _pdl_cap(None),  # the headline row again (run-to-run spread)
+             "nopdl": _no_pdl, "same": lambda eng: None,  # the headline row again (run-to-run spread)
              "pdlxqkv": _pdl(0, tuple(k for k in PDL_SMALL + PDL_LOOP if k not in ("fc1", "qkv"))),
              "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),
              **{f"pdl0e{k.replace('_', '')}": _pdl(0, (k,)) for k in PDL_SMALL + PDL_LOOP}}

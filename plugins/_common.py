@@ -89,20 +89,14 @@ PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "c
 # 0.1; early triggers everywhere: 7.30 at 0.3 (the early trigger of fc1, alone: 7.37), 4.66-4.68 at
 # 0.1; early for the kernels without a main loop: 6.75 at 0.3, 4.97 at 0.1. Prefetching weight tiles
 # before the wait never paid (late, 1 tile: 6.93 at 0.3; 2 tiles 7.16-7.59).
-# A kind in EARLY whose launch reads more than EARLY_MAX_BYTES of weights (`pdl_args`' nbytes) keeps the
-# late trigger: the next kernel's programs would wait through all of it (density 0.3: 6.70 with
-# fc2, Q/K/V and the output projection late vs 6.74 early; at 0.1, where they read 11-41 MB, early
-# gave 4.57 vs 4.97).
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
               "EARLY": ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
-                        "layer_norm"),
-              "EARLY_MAX_BYTES": 64 << 20}
+                        "layer_norm")}
 
 
-def pdl_args(device: torch.device, kind: str, nbytes: int = 0) -> dict:
-    """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter` and reads
-    `nbytes` of weights: {} (plain launch) or {"GDC": 1 (late trigger) or 2 (early), "PF":
-    tiles to prefetch, "launch_pdl": True}."""
+def pdl_args(device: torch.device, kind: str) -> dict:
+    """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter`: {} (plain
+    launch) or {"GDC": 1 (late trigger) or 2 (early), "PF": tiles to prefetch, "launch_pdl": True}."""
     if not PDL_CONFIG["ENABLED"] or device.type != "cuda" or interpreting():
         return {}
     if torch.cuda.get_device_capability(device)[0] < 9:
@@ -110,8 +104,7 @@ def pdl_args(device: torch.device, kind: str, nbytes: int = 0) -> dict:
     bad = [k for k in (kind, *PDL_CONFIG["EARLY"]) if k not in PDL_KINDS]
     if bad:
         raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
-    early = kind in PDL_CONFIG["EARLY"] and nbytes <= PDL_CONFIG.get("EARLY_MAX_BYTES", float("inf"))
-    gdc = 2 if early else 1
+    gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
     return {"GDC": gdc, "PF": int(PDL_CONFIG["PREFETCH_TILES"]), "launch_pdl": True}
 
 

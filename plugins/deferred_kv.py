@@ -486,8 +486,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     finish_mode = (2 if split == 1 else 1) if fused else 0
     common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
                   BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  **pdl_args(dev, "qkv", kh * (3 - first) * hd * D * x_hist.element_size()))
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(dev, "qkv"))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         if not 1 <= sp - 1 <= bp:

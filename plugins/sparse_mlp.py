@@ -482,7 +482,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
             RELU=relu, DOT_FP32=_dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
             BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 3), **pdl_args(x.device, kind, K * D * w.element_size()))
+            num_stages=cfg.get("num_stages", 3), **pdl_args(x.device, kind))
     else:
         cfg = {**FC1_CONFIG["gemv"], **(config or {})}
         kernel = jit(_gather_gemv_kernel, x.device)
@@ -490,7 +490,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
             x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0), w.shape[0],
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 2), **pdl_args(x.device, kind, K * D * w.element_size()))
+            num_stages=cfg.get("num_stages", 2), **pdl_args(x.device, kind))
     return out
 
 
@@ -532,7 +532,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                   BLOCK_K=block_k, BLOCK_D=block_d, EVEN_D=D % block_d == 0, GROUP=group,
                   BLOCK_S=min(next_pow2(split), max(1, FIN_PARTIALS // block_d)),
                   BLOCK_N=max(2, next_pow2(n_d)), LN_BLOCK=LN_BLOCK, num_warps=cfg["num_warps"],
-                  **pdl_args(h.device, "proj" if group > 1 else "fc2", K * D * w_t.element_size()))
+                  **pdl_args(h.device, "proj" if group > 1 else "fc2"))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,

@@ -42,18 +42,3 @@ def test_pdl_launch_options_follow_the_config(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert C.pdl_args(cuda, "attn") == {}
     assert P.kernel_settings()["pdl"]["EARLY"] == ["attn"]
-
-
-def test_pdl_early_trigger_only_for_kernels_that_read_little(monkeypatch):
-    import torch
-
-    C = sys.modules["dejavu.plugins._common"]
-    monkeypatch.setattr(C, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setitem(C.PDL_CONFIG, "ENABLED", True)
-    monkeypatch.setitem(C.PDL_CONFIG, "EARLY", ("fc2",))
-    monkeypatch.setitem(C.PDL_CONFIG, "EARLY_MAX_BYTES", 1000)
-    cuda = torch.device("cuda", 0)
-    assert C.pdl_args(cuda, "fc2", 1000)["GDC"] == 2
-    assert C.pdl_args(cuda, "fc2", 1001)["GDC"] == 1
-    assert C.pdl_args(cuda, "fc1", 10)["GDC"] == 1  # not an early kind at any size
