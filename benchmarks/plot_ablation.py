@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     if not keys:
         print("no ablation row has its unchanged row in these files", file=sys.stderr)
         return 1
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+    width = max(5.5, 0.6 * max(len(data[k]) for k in keys) + 1.5)  # wide enough for the title and labels
+    fig, axes = plt.subplots(1, len(keys), figsize=(width * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
         rows = data[key]
         names = [""] + sorted(v for v in rows if v)

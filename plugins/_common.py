@@ -85,10 +85,11 @@ def last_arrival(counter_ptr, n):
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
              "layer_norm")
 # Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md session 5):
-# PDL with late triggers only: 6.80-6.85 vs 6.89-6.93 ms/token at density 0.3, 5.04-5.06 vs 5.11 at
-# 0.1; early triggers everywhere: 7.30 at 0.3 (the early trigger of fc1, alone: 7.37), 4.66-4.68 at
-# 0.1; early for the kernels without a main loop: 6.75 at 0.3, 4.97 at 0.1. Prefetching weight tiles
-# before the wait never paid (late, 1 tile: 6.93 at 0.3; 2 tiles 7.16-7.59).
+# these defaults 6.74-6.78 ms/token at density 0.3 (plain launches 6.89-6.94 in the same runs), 4.57-4.59
+# at 0.1 (5.12); late triggers only: 6.79-6.85 and 5.04-5.06; early everywhere: 7.30-7.32 at 0.3 (fc1's
+# early trigger alone: 7.37; it is the one left late) and 4.66-4.68 at 0.1; early only for the kernels
+# without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching weight tiles before the wait
+# never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16). OPT-1.3B shape, d0.3: 1.05 vs 1.21.
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
               "EARLY": ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
                         "layer_norm")}
