@@ -144,7 +144,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
                         HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                         FINISH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr,
-                        GDC: tl.constexpr = False, PF: tl.constexpr = 0):
+                        GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # grid (B*KH, (3 - FIRST_SEG) * NB, SPLIT). Partial dot products over D slice pid_s:
     # pnew[s, b, j, seg*HD + c] (value at pos) and, for K/V rows with missing slots,
     # phist[s, b, j, p, (seg-1)*HD + c] for the first BLOCK_P slots p from min(valid_len, pos).
@@ -221,7 +221,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                                FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, GDC: tl.constexpr = False,
+                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, GDC: tl.constexpr = 0,
                                PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -388,7 +388,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                       GDC: tl.constexpr = False, PF: tl.constexpr = 0):
+                       GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB),
     # after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R rows.
     gdc_enter(GDC)
@@ -405,7 +405,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
                    stride_hb, stride_pb, HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                   GDC: tl.constexpr = False, PF: tl.constexpr = 0):
+                   GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # After the Q/K/V kernels when nothing else commits (recompute_kv, or no head attends):
     # valid_len[b, head_idx[b, j]] = pos[b] + 1 and (HAS_NEW)
     # x_hist[b, pos[b]] = x_new[b]; grid (B,).

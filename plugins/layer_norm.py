@@ -41,7 +41,7 @@ LN_CONFIG = {
 # kernel
 
 def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
-                       CHUNKED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+                       CHUNKED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = 0,
                        PF: tl.constexpr = 0):
     # out[r] = (x[r] - mean) * rstd * w + b; grid (R,). Rows are contiguous (stride D).
     gdc_enter(GDC)

@@ -54,7 +54,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
                         vl_ptr, xnew_ptr, xh_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, GDC: tl.constexpr = False,
+                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, GDC: tl.constexpr = 0,
                         PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
@@ -113,7 +113,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
 
 
 def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK,
-                         BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, GDC: tl.constexpr = False,
+                         BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, GDC: tl.constexpr = 0,
                          PF: tl.constexpr = 0):
     # o = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c; grid (B * Kh,).
     # Chunks past pos have m = -inf, l = 0, acc = 0 and weigh nothing.

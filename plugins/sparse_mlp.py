@@ -121,7 +121,7 @@ def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.conste
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
                         stride_xb, stride_ib, stride_ob, N_ROWS,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                        EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = False,
+                        EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = 0,
                         PF: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
     # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
@@ -162,7 +162,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
 def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob, N_ROWS,
                        RELU: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                       GROUP: tl.constexpr, GDC: tl.constexpr = False, PF: tl.constexpr = 0):
+                       GROUP: tl.constexpr, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Shared index set: out[b, r] = act(w[row(r)] @ x[b] + bias[row(r)]) for all b at once;
     # grid (cdiv(K, BLOCK_R),). Each gathered row is read once for the whole batch.
     pid_r = tl.program_id(0)
@@ -296,7 +296,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
                           LN: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                           EVEN_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr,
-                          BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+                          BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr, GDC: tl.constexpr = 0,
                           PF: tl.constexpr = 0):
     # y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
@@ -364,7 +364,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          LN: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                         LN_BLOCK: tl.constexpr, GDC: tl.constexpr = False, PF: tl.constexpr = 0):
+                         LN_BLOCK: tl.constexpr, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel.
     pid_d = tl.program_id(0)
@@ -418,7 +418,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
 
 def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                         GDC: tl.constexpr = False, PF: tl.constexpr = 0):
+                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # out[b, d] = sum_s part[s, b, d] + bias[d] (+ residual[b, d]); grid (B, cdiv(D, BLOCK)).
     # All SPLIT partials in one [BLOCK_S, BLOCK] load (one memory round trip, not SPLIT).
     gdc_enter(GDC)
@@ -439,7 +439,7 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
 def _split_reduce_ln_kernel(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
                             B, D, SPLIT, N_D, eps, HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, LN_BLOCK: tl.constexpr,
-                            GDC: tl.constexpr = False, PF: tl.constexpr = 0):
+                            GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # grid (N_D,): program pid_d sums D block pid_d of every row's partials (+ bias, residual)
     # into y and stores the block's (mean, M2) of the rounded y; the last program to arrive
     # (cnt[0]) merges them per row and writes ln = LayerNorm(y): reduction and LayerNorm in

@@ -200,7 +200,7 @@ class Engine:
             raise DejavuError("prompts must be a non-empty list of strings or of token-id lists") from None
 
     def describe(self) -> dict:
-        """Settings worth logging: dims, densities, kernels, overlap, graphs."""
+        """Settings worth logging: dims, densities, kernels, overlap, graphs, programmatic launch."""
         s = self.spec
         return {"layers": s.num_layers, "hidden": s.hidden_size, "ffn": s.ffn_dim, "heads": s.num_heads,
                 "dtype": str(s.dtype).replace("torch.", ""), "device": str(self.device),
@@ -208,4 +208,13 @@ class Engine:
                 "predictor_input": {"source": s.source, "lookahead": s.lookahead},
                 "kernels": dict(self.ops.kernels), "kernel_check": self.kernel_check, "overlap": self.decoder.pred.overlapping,
                 "cuda_graph": self.use_graphs, "batch_policy": self.batch_policy,
-                "kv_policy": self.kv_policy}
+                "kv_policy": self.kv_policy, "programmatic_launch": self._programmatic_launch()}
+
+    def _programmatic_launch(self) -> bool:
+        """Whether the decode kernels launch with PDL here (plugins/_common.py: sm_90+ CUDA,
+        PDL_CONFIG on, the Triton kernels in use)."""
+        if self.device.type != "cuda" or self.ops.kernels.get("sparse_fc1") != "triton":
+            return False
+        from dejavu.plugins._common import pdl_args
+
+        return bool(pdl_args(self.device, "fc1"))
