@@ -22,7 +22,8 @@ measured in this run. Per-step latency = decode time / steps (one token per sequ
 
 --smoke first checks the GPU path against the CPU reference semantics on a tiny random
 model (fp32 GPU vs fp32 CPU with kv_policy "full": same tokens and indices; graph vs eager;
-overlap on vs off; kv_policy deferred and full; fp16 GPU close). It runs by default before the timings (--no-smoke skips it); --smoke
+overlap on vs off; kv_policy deferred and full; programmatic dependent launch with its default,
+late, early triggers and off; fp16 GPU close, at batch 3 and 1). It runs by default before the timings (--no-smoke skips it); --smoke
 alone runs only it. JSON to --out (default $OUT/e2e.json), rewritten after every
 measurement, and a markdown table on stdout. Benchmarks assert nothing.
 """

@@ -8,6 +8,8 @@
 --sections fused_mlp  the one-launch MLP (sparse_mlp_fused) at B=1: every FUSED_SWEEP config vs
           sparse_fc1 + sparse_fc2; the config with the lowest summed time is reported (copy it
           into fused_mlp.FUSED_MLP_CONFIG). REDUCE "barrier" spins: run under `timeout`.
+--no-pdl  plain launches (default: programmatic dependent launch as plugins/_common.py's
+          PDL_CONFIG says, on sm_90+; --check then runs the PDL forms of the kernels).
 --sweep   try a few block configurations per kernel path and use the fastest for the run
           (the winners are printed and written to the JSON: copy them into FC1_CONFIG /
           FC2_CONFIG so the runtime's choice stays deterministic).
