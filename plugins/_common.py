@@ -95,12 +95,18 @@ PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
                         "layer_norm")}
 
 
+_SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
+
+
 def pdl_args(device: torch.device, kind: str) -> dict:
     """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter`: {} (plain
     launch) or {"GDC": 1 (late trigger) or 2 (early), "PF": tiles to prefetch, "launch_pdl": True}."""
     if not PDL_CONFIG["ENABLED"] or device.type != "cuda" or interpreting():
         return {}
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    sm90 = _SM90.get(device)
+    if sm90 is None:
+        sm90 = _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    if not sm90:
         return {}
     bad = [k for k in (kind, *PDL_CONFIG["EARLY"]) if k not in PDL_KINDS]
     if bad:

@@ -28,6 +28,7 @@ def test_pdl_launch_options_follow_the_config(monkeypatch):
     assert C.pdl_args(torch.device("cpu"), "fc1") == {}  # never on CPU (no griddepcontrol there)
     monkeypatch.setattr(C, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(C, "_SM90", {})
     cuda = torch.device("cuda", 0)
     monkeypatch.setitem(C.PDL_CONFIG, "ENABLED", True)
     monkeypatch.setitem(C.PDL_CONFIG, "EARLY", ("attn",))
@@ -37,8 +38,10 @@ def test_pdl_launch_options_follow_the_config(monkeypatch):
     with pytest.raises(DejavuError, match="unknown kernel kind"):
         C.pdl_args(cuda, "fc3")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(C, "_SM90", {})  # the capability is asked once per device
     assert C.pdl_args(cuda, "attn") == {}  # below sm_90: plain launches
     monkeypatch.setitem(C.PDL_CONFIG, "ENABLED", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(C, "_SM90", {})
     assert C.pdl_args(cuda, "attn") == {}
     assert P.kernel_settings()["pdl"]["EARLY"] == ["attn"]
