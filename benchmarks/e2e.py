@@ -23,7 +23,8 @@ measured in this run. Per-step latency = decode time / steps (one token per sequ
 --smoke first checks the GPU path against the CPU reference semantics on a tiny random
 model (fp32 GPU vs fp32 CPU with kv_policy "full": same tokens and indices; graph vs eager;
 overlap on vs off; kv_policy deferred and full; programmatic dependent launch with its default,
-late, early triggers and off; fp16 GPU close, at batch 3 and 1). It runs by default before the timings (--no-smoke skips it); --smoke
+late, early triggers and off; batch 1 with the predictors' products in Triton; fp16 GPU close,
+at batch 3 and 1). It runs by default before the timings (--no-smoke skips it); --smoke
 alone runs only it. JSON to --out (default $OUT/e2e.json), rewritten after every
 measurement, and a markdown table on stdout. Benchmarks assert nothing.
 """
@@ -208,6 +209,46 @@ def _topk_split(eng):
     return lambda: cfg.__setitem__("fused", old)
 
 
+def _scoring(method, early=False):
+    """The predictors' two products by `method` (predictor.SCORE_METHOD: "torch" = cuBLAS,
+    "triton" = gather_gemv at batch 1); early: their PDL trigger right after the wait."""
+    def apply(eng):
+        import importlib
+
+        PR = importlib.import_module("dejavu.plugins.predictor")
+        C = importlib.import_module("dejavu.plugins._common")
+        old, old_early = PR.SCORE_METHOD, C.PDL_CONFIG["EARLY"]
+        PR.SCORE_METHOD = method
+        if early:
+            C.PDL_CONFIG["EARLY"] = tuple(old_early) + ("pred",)
+
+        def undo():
+            PR.SCORE_METHOD = old
+            C.PDL_CONFIG["EARLY"] = old_early
+        return undo
+    return apply
+
+
+def _no_predictors(eng):
+    """No predictor work at all: every layer gets a fixed random index set of its K (drawn
+    once, sorted), so the step runs the same sparse kernels without predictor GEMVs and
+    top-ks: the row's distance to the headline row is what the predictors cost."""
+    sets: dict = {}
+
+    def fixed(x, a, b, bias, k, shared=False):
+        key = (b.shape[0], k, x.shape[0], shared, x.device)
+        if key not in sets:
+            g = torch.Generator().manual_seed(b.shape[0] * 7919 + k)
+            one = torch.randperm(b.shape[0], generator=g)[:k].sort().values.to(torch.int32).to(x.device)
+            sets[key] = one if shared else one.expand(x.shape[0], k).contiguous()
+        return sets[key]
+
+    pred = eng.decoder.pred
+    old = pred.topk
+    pred.topk = fixed
+    return lambda: setattr(pred, "topk", old)
+
+
 def _both(*fs):
     """Several ablations in one row (undone in reverse)."""
     def apply(eng):
@@ -272,6 +313,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
              "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
              "nopdl": _no_pdl, "same": lambda eng: None,  # the headline row again (run-to-run spread)
+             "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", early=True),
+             "cublasscore": _scoring("torch"), "nopred": _no_predictors,
              "pdlxqkv": _pdl(0, tuple(k for k in PDL_SMALL + PDL_LOOP if k not in ("fc1", "qkv"))),
              "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),
              **{f"pdl0e{k.replace('_', '')}": _pdl(0, (k,)) for k in PDL_SMALL + PDL_LOOP}}
@@ -303,6 +346,12 @@ def apply_tuned(path: str | None) -> dict:
         for route, cfg in ((res.get("sweep") or {}).get(kernel) or {}).items():
             table[route] = dict(cfg)
             used[f"{kernel}/{route}"] = dict(cfg)
+    pg = (res.get("pred_gemv") or {}).get("best")  # kernels.py --sections pred_gemv
+    if pg:
+        PR = importlib.import_module("dejavu.plugins.predictor")
+        for part, cfg in pg.items():
+            PR.SCORE_CONFIG[part] = {**PR.SCORE_CONFIG[part], **cfg}
+        used["pred_gemv"] = {k: dict(v) for k, v in PR.SCORE_CONFIG.items()}
     best = (res.get("fused_mlp_summary") or {}).get("best")  # kernels.py --sections fused_mlp
     if best and best.get("cfg"):
         FM = importlib.import_module("dejavu.plugins.fused_mlp")
@@ -527,6 +576,24 @@ def smoke() -> dict:
         finally:
             if undo:
                 undo()
+    # batch 1 with the predictors' products in Triton (predictor.SCORE_METHOD "triton": batch 1
+    # only), fp32 against the CPU reference of the same single prompt
+    want1 = cpu.generate(prompts[:1], n, stop_at_eos=False)
+    lg1 = _forced_logits(cpu, prompts[:1], toks[:1])
+    for overlap, graphs in ((True, True), (False, False)):
+        key = f"fp32 batch 1 triton scoring overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'}"
+        undo = _scoring("triton")(None)
+        try:
+            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs)
+            got = e.generate(prompts[:1], n, stop_at_eos=False)
+            err = float((_forced_logits(e, prompts[:1], toks[:1]) - lg1).norm() / lg1.norm())
+            checks[key] = {"tokens_equal": got == want1, "logits_rel_err": err, "kernels": e.ops.kernels,
+                           "ok": bool(got == want1 and err < 1e-3)}
+            del e
+        except Exception as ex:  # noqa: BLE001
+            checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
+        finally:
+            undo()
     fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, None, 3),
             ("fp16 shared", {"batch_policy": "shared"}, None, 3),
             ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, None, 3),

@@ -1007,6 +1007,92 @@ def bench_predictor(mlps, mlp_rows, quick):
     return rows
 
 
+PRED_SWEEP = {"a": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r in (1, 2, 4) for d in (512, 1024, 2048)
+                      for w in (4, 8) if r * d <= 4096],
+              "b": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r in (2, 4, 8, 16) for d in (256, 512)
+                    for w in (4, 8) if r * d <= 8192]}
+
+
+def bench_pred_gemv(bw, quick):
+    """Batch 1, fp16: the two products of a layer's predictors, cuBLAS (F.linear) against
+    predictor_scores_triton's gather_gemv route. Each Triton block config of "a" (h = x @ a.T,
+    r rows of D) and "b" (scores = h @ b.T + bias, N rows of r) is timed alone (graph, weights
+    rotated over 4 copies: cold L2) on the MLP predictor (rank 512); then one layer's whole
+    prediction (MLP and head predictors, both top-ks) with cuBLAS vs the best configs.
+    Returns {"rows": [...], "best": {"a": cfg, "b": cfg}} (e2e.py --tuned reads "best")."""
+    rows, totals = [], {"a": {}, "b": {}}
+    copies = 4
+    for name, (D, F, H) in SHAPES.items():
+        if late("pred_gemv"):
+            break
+        r = 512
+        x = randn(1, D)
+        ws = [(randn(r, D, scale=0.02), randn(F, r, scale=0.02), randn(F)) for _ in range(copies)]
+        heads = [(randn(H, D, scale=0.02), randn(H, H, scale=0.2), randn(H)) for _ in range(copies)]
+        hs = [randn(1, r) for _ in range(copies)]
+        zero_r, ident = torch.zeros(r, device=DEV, dtype=torch.float16), torch.arange(max(r, F), device=DEV,
+                                                                                     dtype=torch.int32)
+        want = Fn.linear(Fn.linear(x, ws[0][0]), ws[0][1], ws[0][2]).float()
+        for part, nbytes in (("a", r * D * 2), ("b", F * r * 2 + F * 2)):
+            if part == "a":
+                fns_t = [lambda w=w: Fn.linear(x, w[0]) for w in ws]
+            else:
+                fns_t = [lambda w=w, h=h: Fn.linear(h, w[1], w[2]) for w, h in zip(ws, hs)]
+            t = bench_graph(fns_t * 2)
+            rows.append({"shape": name, "part": part, "method": "cublas", "graph_ms": t, "bytes": nbytes,
+                         "bw_frac": nbytes / (t * 1e6) / bw["copy_GBps"] if t else None})
+            for cfg in (PRED_SWEEP[part][:4] if quick else PRED_SWEEP[part]):
+                if late("pred_gemv"):
+                    break
+                outs = [torch.empty(1, r if part == "a" else F, device=DEV, dtype=torch.float16) for _ in ws]
+                if part == "a":
+                    fns = [lambda w=w, o=o: SM.gather_gemv(x, w[0], zero_r, ident[:r], o, relu=False, config=cfg,
+                                                           kind="pred") for w, o in zip(ws, outs)]
+                else:
+                    fns = [lambda w=w, h=h, o=o: SM.gather_gemv(h, w[1], w[2], ident[:F], o, relu=False, config=cfg,
+                                                                kind="pred") for w, h, o in zip(ws, hs, outs)]
+                try:
+                    fns[0]()
+                    ref = Fn.linear(x, ws[0][0]) if part == "a" else Fn.linear(hs[0], ws[0][1], ws[0][2])
+                    err = ((outs[0].float() - ref.float()).norm() / ref.float().norm()).item()
+                    tc = bench_graph(fns * 2) if err < 1e-2 else None
+                except Exception as e:  # noqa: BLE001
+                    print(f"  pred_gemv {part} {cfg} failed: {type(e).__name__}: {str(e)[:200]}")
+                    err, tc = None, None
+                rows.append({"shape": name, "part": part, "method": "triton", "config": cfg, "graph_ms": tc,
+                             "rel_err": err, "bytes": nbytes, "vs_cublas": (t / tc) if t and tc else None,
+                             "bw_frac": nbytes / (tc * 1e6) / bw["copy_GBps"] if tc else None})
+                key = json.dumps(cfg, sort_keys=True)
+                totals[part][key] = totals[part].get(key, 0.0) + (tc if tc else float("inf"))
+                print(f"  pred_gemv {name} {part} {cfg}: {tc * 1e3 if tc else float('nan'):.1f} us "
+                      f"(cuBLAS {t * 1e3 if t else float('nan'):.1f})", flush=True)
+        best = {part: json.loads(min(tt, key=tt.get)) for part, tt in totals.items() if tt}
+        # one layer's prediction, both predictors and both top-ks, at density 0.3
+        km, kh = int(0.3 * F), max(1, int(0.3 * H))
+        for scoring in ("torch", "triton"):
+            old = dict(PR.SCORE_CONFIG)
+            PR.SCORE_CONFIG.update({k: {**PR.SCORE_CONFIG[k], **v} for k, v in best.items()})
+            try:
+                fns = [lambda w=w, hw=hw: (P.predictor_topk(x, *w, km, scoring=scoring),
+                                           P.predictor_topk(x, *hw, kh, scoring=scoring)) for w, hw in zip(ws, heads)]
+                got = P.predictor_topk(x, *ws[0], km, scoring=scoring).long()
+                picked = Fn.linear(Fn.linear(x, ws[0][0]), ws[0][1], ws[0][2]).float().gather(-1, got)
+                margin = (picked.min() - want.topk(km).values[0, -1]).item()
+                tl_ = bench_graph(fns * 2)
+            finally:
+                PR.SCORE_CONFIG.clear()
+                PR.SCORE_CONFIG.update(old)
+            nbytes = (r * (D + F) + F + H * (D + H) + H) * 2
+            rows.append({"shape": name, "part": "layer", "method": scoring, "config": best if scoring == "triton"
+                         else None, "graph_ms": tl_, "bytes": nbytes, "topk_margin": margin,
+                         "bw_frac": nbytes / (tl_ * 1e6) / bw["copy_GBps"] if tl_ else None})
+            print(f"  pred_gemv {name} layer ({scoring}): {tl_ * 1e3 if tl_ else float('nan'):.1f} us", flush=True)
+        del ws, heads
+        torch.cuda.empty_cache()
+    best = {part: json.loads(min(tt, key=tt.get)) for part, tt in totals.items() if tt}
+    return {"rows": rows, "best": best}
+
+
 TOPK_SWEEP = ([dict(fused=False, block=b, warps=w, atomic_hist=h) for b in (1024, 2048) for w in (4, 8)
                for h in (True, False)]
               + [dict(fused=True, block=b, warps=w, atomic_hist=True) for b in (1024, 2048) for w in (4, 8)])
@@ -1067,7 +1153,7 @@ def main(argv=None):
                     help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
     ap.add_argument("--qkv-sweep", default="wide", choices=["wide", "finish"],
                     help="--sweep-attn: every Q/K/V and attention config, or only the batch-1 finish blocks")
-    ap.add_argument("--sections", default="mlp,fused_mlp,predictor,attn,deferred,deferred_parts,layer_norm,topk",
+    ap.add_argument("--sections", default="mlp,fused_mlp,predictor,pred_gemv,attn,deferred,deferred_parts,layer_norm,topk",
                     help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     ap.add_argument("--no-pdl", action="store_true",
@@ -1133,6 +1219,9 @@ def main(argv=None):
             if "predictor" in sections and in_budget("predictor"):
                 res["predictor"] = bench_predictor(mlps, res.get("mlp", []), args.quick)
                 save("predictor")
+            if "pred_gemv" in sections and in_budget("pred_gemv"):
+                res["pred_gemv"] = bench_pred_gemv(bw, args.quick)
+                save("pred_gemv")
             del mlps
             torch.cuda.empty_cache()
             for sec, fn in (("attn", bench_attn), ("deferred", bench_deferred), ("deferred_parts", bench_deferred_parts),
@@ -1166,6 +1255,11 @@ def main(argv=None):
         print("\n## Predictor + top-k\n")
         print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "method", "ms", "graph_ms",
                                        "scores_graph_ms", "sparse_mlp_ms", "frac_of_sparse_mlp"]))
+    if "pred_gemv" in res:
+        print("\n## Predictor products, batch 1 (graph, per call, fp16): cuBLAS vs Triton gather_gemv\n")
+        print(table(res["pred_gemv"]["rows"], ["shape", "part", "method", "config", "graph_ms", "bw_frac",
+                                               "vs_cublas"]))
+        print(f"\nbest: {res['pred_gemv']['best']}")
     if "attn" in res:
         print("\n## Sparse attention decode\n")
         print(table(res["attn"], ["shape", "B", "ctx", "density", "policy", "ms", "graph_ms",

@@ -81,9 +81,10 @@ def last_arrival(counter_ptr, n):
 # wastes the prefetch). Off on CPU (the interpreter has no griddepcontrol) and below sm_90.
 # Kinds (pdl_args): fc1 and qkv_full (gather_gemv: fc1, Q/K/V of every head), fc2 and proj
 # (gather_gemv_t: fc2, the attention output projection), reduce (their split-K reductions),
-# qkv, qkv_finish, commit (deferred K/V), attn, attn_combine, layer_norm.
+# qkv, qkv_finish, commit (deferred K/V), attn, attn_combine, layer_norm, pred (the predictors'
+# two gather_gemv products when predictor.SCORE_METHOD is "triton", on the side stream).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
-             "layer_norm")
+             "layer_norm", "pred")
 # Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md session 5):
 # these defaults 6.74-6.78 ms/token at density 0.3 (plain launches 6.89-6.94 in the same runs), 4.57-4.59
 # at 0.1 (5.12); late triggers only: 6.79-6.85 and 5.04-5.06; early everywhere: 7.30-7.32 at 0.3 (fc1's

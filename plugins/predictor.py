@@ -5,11 +5,14 @@
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
 (`shared=False`, per-sequence sets) or top-k of the batch's max score per column
 (`shared=True`, one set for the batch: the union policy of the MLP kernels' fast batch
-path; with B == 1 the single row is used as is). Scoring is two cuBLAS GEMVs
-(torch.nn.functional.linear; fp32 accumulation, scores in the input dtype, as the
-reference). Top-k (`method`): "torch" = torch.topk(sorted=False); "triton" = `topk_triton`.
-Neither returns sorted indices (the kernels do not need order). Everything stays on the
-device: no host sync, CUDA-graph capturable.
+path; with B == 1 the single row is used as is). Scoring (`scoring`, SCORE_METHOD): "torch"
+= two cuBLAS GEMVs (torch.nn.functional.linear); "triton" = the same two products by
+`sparse_mlp.gather_gemv` over every row (an identity index, no ReLU; x @ a.T with a zero
+bias): `predictor_scores_triton`. Both accumulate in fp32 and round h = x @ a.T and the
+scores to the input dtype, as the reference does; they differ only in summation order.
+Top-k (`method`): "torch" = torch.topk(sorted=False); "triton" = `topk_triton`. Neither
+returns sorted indices (the kernels do not need order). Everything stays on the device: no
+host sync, CUDA-graph capturable.
 
 `_topk_kernel` is an exact radix select on order-preserving unsigned keys of the scores'
 own bits (16-bit keys for fp16/bf16, 32-bit for fp32; -0.0 ties +0.0, NaN ranks highest as
@@ -40,6 +43,13 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 TOPK_METHOD = "triton"  # H200, N 28672, k 30%, B=1, graph: 8.1 us vs torch.topk 31.5 (BENCHMARKS.md, top-k)
 TOPK_MAX_N = 65536
+# "triton": predictor_scores_triton at batch 1 (batches keep cuBLAS); benchmarks/kernels.py
+# --sections pred_gemv compares them.
+SCORE_METHOD = "torch"
+# predictor_scores_triton's gather_gemv blocks (its GEMV route): "a" for h = x @ a.T (r rows
+# of D), "b" for scores = h @ b.T + bias (N rows of r).
+SCORE_CONFIG = {"a": {"BLOCK_R": 1, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2},
+                "b": {"BLOCK_R": 4, "BLOCK_D": 512, "num_warps": 4, "num_stages": 2}}
 
 # Launch choices of topk_triton (a benchmark sweeps them through `config=`):
 #   block: scores per program when a row is split (power of 2); a row of N <= block is one
@@ -302,11 +312,54 @@ def predictor_scores(x, a, b, bias):
     return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b, bias)
 
 
-def predictor_topk(x, a, b, bias, k, *, shared=False, method=None):
+_IDENT: dict = {}  # device -> (int32 arange, zeros of the input dtypes) grown on demand
+
+
+def _identity(n, dtype, device):
+    """(arange(n) int32, zeros(n) of dtype): the identity index and the zero bias of a dense
+    product through gather_gemv. Cached per device; under CUDA-graph capture they must exist
+    already (the runtime runs a step eagerly first)."""
+    ar, zs = _IDENT.get(device, (None, {}))
+    if ar is None or ar.numel() < n or dtype not in zs or zs[dtype].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise DejavuError("predictor_scores_triton: first call inside CUDA-graph capture "
+                              "(run one step eagerly first)")
+        m = max(n, 0 if ar is None else ar.numel())
+        ar = torch.arange(m, dtype=torch.int32, device=device)
+        zs = {dt: torch.zeros(m, dtype=dt, device=device) for dt in (*zs, dtype)}
+        _IDENT[device] = (ar, zs)
+    return ar[:n], zs[dtype][:n]
+
+
+def predictor_scores_triton(x, a, b, bias, config=None):
+    """scores[1,N] = (x @ a.T) @ b.T + bias by two gather_gemv launches over every row
+    (identity index): h[1,r] then the scores, each rounded to x's dtype. Batch 1 (the GEMV
+    route; checked inputs). config: {"a": {..}, "b": {..}} overrides SCORE_CONFIG."""
+    from dejavu.plugins.sparse_mlp import gather_gemv
+
+    B, r, N = x.shape[0], a.shape[0], b.shape[0]
+    if B != 1:
+        raise DejavuError(f"predictor_scores_triton: batch 1 only (got {B})")
+    ident, zero = _identity(max(r, N), x.dtype, x.device)
+    h = torch.empty((B, r), dtype=x.dtype, device=x.device)
+    scores = torch.empty((B, N), dtype=x.dtype, device=x.device)
+    cfg = {part: {**SCORE_CONFIG[part], **((config or {}).get(part) or {})} for part in ("a", "b")}
+    gather_gemv(x, a, zero[:r], ident[:r], h, relu=False, config=cfg["a"], kind="pred")
+    gather_gemv(h, b, bias, ident[:N], scores, relu=False, config=cfg["b"], kind="pred")
+    return scores
+
+
+def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None):
     """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared)."""
     _check(x, a, b, bias, k)
     method = method or TOPK_METHOD
-    scores = predictor_scores(x, a, b, bias)
+    scoring = scoring or SCORE_METHOD
+    if scoring not in ("torch", "triton"):
+        raise DejavuError(f"predictor_topk: unknown scoring {scoring!r} (torch, triton)")
+    if scoring == "triton" and x.shape[0] == 1:  # batches: cuBLAS (gather_gemv's dot route has no split-K)
+        scores = predictor_scores_triton(x, a, b, bias)
+    else:
+        scores = predictor_scores(x, a, b, bias)
     if shared and scores.shape[0] > 1:
         scores = scores.amax(dim=0, keepdim=True)  # [1, N]; with B == 1 the row itself
     if method == "triton":

@@ -465,15 +465,16 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1):
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
-    rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group)."""
+    rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
+    kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1)."""
     B, D = x.shape
     K = idx.shape[-1] * group
     if K == 0 or B == 0:
         return out
     shared = idx.dim() == 1
-    kind = "qkv_full" if group > 1 else "fc1"
+    kind = kind or ("qkv_full" if group > 1 else "fc1")
     if (shared or B == 1) and B >= DOT_MIN_BATCH:  # B == 1: [1, K] is the same set as [K]
         cfg = {**FC1_CONFIG["dot"], **(config or {})}
         kernel = jit(_gather_dot_kernel, x.device)

@@ -239,3 +239,41 @@ def test_topk_kernel_compiles_for_sm90_in_every_mode():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------ Triton scoring
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(72, 16, 200), (1030, 56, 77)])  # D, r, N: none a block multiple
+def test_triton_scores_match_float64(triton_interp, close, dtype, shape):
+    from dejavu.plugins.predictor import predictor_scores_triton
+
+    Dx, r, n = shape
+    x, a = torch.randn(1, Dx).to(dtype), (torch.randn(r, Dx) / Dx ** 0.5).to(dtype)
+    b, bias = (torch.randn(n, r) / r ** 0.5).to(dtype), torch.randn(n).to(dtype)
+    ref = predictor_scores(x.double(), a.double(), b.double(), bias.double())
+    for config in (None, {"a": {"BLOCK_R": 2, "BLOCK_D": 256}, "b": {"BLOCK_R": 8, "BLOCK_D": 32}}):
+        out = predictor_scores_triton(x, a, b, bias, config=config)
+        assert out.dtype == dtype
+        close(out, ref, predictor_scores(x, a, b, bias))
+
+
+def test_triton_scoring_selects_a_top_k_set(triton_interp):
+    x, a, b, bias = make(1)
+    for shared in (False, True):
+        idx = predictor_topk(x, a, b, bias, 37, shared=shared, scoring="triton")
+        ref = predictor_topk_ref(x.double(), a.double(), b.double(), bias.double(), 37, shared=shared)
+        assert idx.dtype == torch.int32 and idx.shape == ref.shape
+        assert torch.equal(idx.sort(-1).values, ref.sort(-1).values)
+    # batches score with cuBLAS (the same function: the same sets as scoring="torch")
+    x3 = torch.randn(3, D)
+    assert torch.equal(predictor_topk(x3, a, b, bias, 37, scoring="triton"),
+                       predictor_topk(x3, a, b, bias, 37, scoring="torch"))
+    with pytest.raises(DejavuError, match="unknown scoring 'cublas'"):
+        predictor_topk(x, a, b, bias, 5, scoring="cublas")
+
+
+def test_triton_scores_batch_one_only(triton_interp):
+    from dejavu.plugins.predictor import predictor_scores_triton
+
+    with pytest.raises(DejavuError, match="batch 1 only"):
+        predictor_scores_triton(*make(2))
