@@ -209,22 +209,26 @@ def _topk_split(eng):
     return lambda: cfg.__setitem__("fused", old)
 
 
-def _scoring(method, early=False):
+def _scoring(method, pdl="late"):
     """The predictors' two products by `method` (predictor.SCORE_METHOD: "torch" = cuBLAS,
-    "triton" = gather_gemv at batch 1); early: their PDL trigger right after the wait."""
+    "triton" = gather_gemv at batch 1); pdl: their PDL trigger ("late", "early": right after
+    the wait) or "plain" launches."""
     def apply(eng):
         import importlib
 
         PR = importlib.import_module("dejavu.plugins.predictor")
         C = importlib.import_module("dejavu.plugins._common")
-        old, old_early = PR.SCORE_METHOD, C.PDL_CONFIG["EARLY"]
+        old, old_pdl = PR.SCORE_METHOD, dict(C.PDL_CONFIG)
         PR.SCORE_METHOD = method
-        if early:
-            C.PDL_CONFIG["EARLY"] = tuple(old_early) + ("pred",)
+        if pdl == "early":
+            C.PDL_CONFIG["EARLY"] = tuple(old_pdl["EARLY"]) + ("pred",)
+        elif pdl == "plain":
+            C.PDL_CONFIG["PLAIN"] = tuple(old_pdl.get("PLAIN", ())) + ("pred",)
 
         def undo():
             PR.SCORE_METHOD = old
-            C.PDL_CONFIG["EARLY"] = old_early
+            C.PDL_CONFIG.clear()
+            C.PDL_CONFIG.update(old_pdl)
         return undo
     return apply
 
@@ -313,7 +317,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
              "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
              "nopdl": _no_pdl, "same": lambda eng: None,  # the headline row again (run-to-run spread)
-             "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", early=True),
+             "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
+             "tritonscoreplain": _scoring("triton", "plain"),
              "cublasscore": _scoring("torch"), "nopred": _no_predictors,
              "pdlxqkv": _pdl(0, tuple(k for k in PDL_SMALL + PDL_LOOP if k not in ("fc1", "qkv"))),
              "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),

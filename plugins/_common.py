@@ -91,9 +91,11 @@ PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "c
 # early trigger alone: 7.37; it is the one left late) and 4.66-4.68 at 0.1; early only for the kernels
 # without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching weight tiles before the wait
 # never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16). OPT-1.3B shape, d0.3: 1.05 vs 1.21.
+# "PLAIN": kinds launched without PDL even when it is enabled (an ablation's switch).
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
               "EARLY": ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
-                        "layer_norm")}
+                        "layer_norm"),
+              "PLAIN": ()}
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
@@ -109,9 +111,11 @@ def pdl_args(device: torch.device, kind: str) -> dict:
         sm90 = _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
     if not sm90:
         return {}
-    bad = [k for k in (kind, *PDL_CONFIG["EARLY"]) if k not in PDL_KINDS]
+    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG.get("PLAIN", ())) if k not in PDL_KINDS]
     if bad:
         raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
+    if kind in PDL_CONFIG.get("PLAIN", ()):
+        return {}
     gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
     return {"GDC": gdc, "PF": int(PDL_CONFIG["PREFETCH_TILES"]), "launch_pdl": True}
 

@@ -37,6 +37,12 @@ def test_pdl_launch_options_follow_the_config(monkeypatch):
     assert C.pdl_args(cuda, "fc1") == {"GDC": 1, "PF": 2, "launch_pdl": True}
     with pytest.raises(DejavuError, match="unknown kernel kind"):
         C.pdl_args(cuda, "fc3")
+    monkeypatch.setitem(C.PDL_CONFIG, "PLAIN", ("pred",))  # kinds kept off PDL
+    assert C.pdl_args(cuda, "pred") == {} and C.pdl_args(cuda, "fc1")["launch_pdl"]
+    monkeypatch.setitem(C.PDL_CONFIG, "PLAIN", ("fc9",))
+    with pytest.raises(DejavuError, match="unknown kernel kind 'fc9'"):
+        C.pdl_args(cuda, "fc1")
+    monkeypatch.setitem(C.PDL_CONFIG, "PLAIN", ())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(C, "_SM90", {})  # the capability is asked once per device
     assert C.pdl_args(cuda, "attn") == {}  # below sm_90: plain launches
