@@ -253,6 +253,17 @@ def _no_predictors(eng):
     return lambda: setattr(pred, "topk", old)
 
 
+def _side_priority(eng):
+    """The predictors' side stream at the highest priority (the block scheduler then gives
+    its kernels freed SM slots before the main stream's queued ones)."""
+    pred = eng.decoder.pred
+    if pred.side is None:
+        return None
+    old = pred.side
+    pred.side = torch.cuda.Stream(device=eng.device, priority=-100)  # mapped to the highest
+    return lambda: setattr(pred, "side", old)
+
+
 def _both(*fs):
     """Several ablations in one row (undone in reverse)."""
     def apply(eng):
@@ -320,6 +331,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
              "tritonscoreplain": _scoring("triton", "plain"),
              "cublasscore": _scoring("torch"), "nopred": _no_predictors,
+             "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),
+             "sidehighsmall": _both(_side_priority, _pdl(0, PDL_SMALL)),
+             "tspsmall": _both(_scoring("triton", "plain"), _pdl(0, PDL_SMALL)),
+             "sidehightspsmall": _both(_side_priority, _scoring("triton", "plain"), _pdl(0, PDL_SMALL)),
              "pdlxqkv": _pdl(0, tuple(k for k in PDL_SMALL + PDL_LOOP if k not in ("fc1", "qkv"))),
              "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),
              **{f"pdl0e{k.replace('_', '')}": _pdl(0, (k,)) for k in PDL_SMALL + PDL_LOOP}}
