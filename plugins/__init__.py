@@ -25,6 +25,7 @@ def kernel_settings() -> dict:
             "deferred_qkv_b1": dict(mod("deferred_kv").QKV_CONFIG_B1),
             "attention": dict(mod("sparse_attention").ATTN_CONFIG),
             "topk": {"method": pr.TOPK_METHOD, **pr.TOPK_CONFIG},
+            "scoring": {"method": pr.SCORE_METHOD, **{k: dict(v) for k, v in pr.SCORE_CONFIG.items()}},
             "layer_norm": {k: v for k, v in mod("layer_norm").LN_CONFIG.items()},
             "pdl": {k: (list(v) if isinstance(v, tuple) else v) for k, v in mod("_common").PDL_CONFIG.items()}}
 

@@ -91,11 +91,13 @@ PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "c
 # early trigger alone: 7.37; it is the one left late) and 4.66-4.68 at 0.1; early only for the kernels
 # without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching weight tiles before the wait
 # never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16). OPT-1.3B shape, d0.3: 1.05 vs 1.21.
-# "PLAIN": kinds launched without PDL even when it is enabled (an ablation's switch).
+# "PLAIN": kinds launched without PDL even when it is enabled: the predictors' products on the
+# side stream (their next kernel's programs waiting on an SM cost the main stream more than the
+# early launch gains: Triton scoring with late triggers 6.82 ms/token at density 0.3, plain 6.73).
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
               "EARLY": ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
                         "layer_norm"),
-              "PLAIN": ()}
+              "PLAIN": ("pred",)}
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)

@@ -43,13 +43,17 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 TOPK_METHOD = "triton"  # H200, N 28672, k 30%, B=1, graph: 8.1 us vs torch.topk 31.5 (BENCHMARKS.md, top-k)
 TOPK_MAX_N = 65536
-# "triton": predictor_scores_triton at batch 1 (batches keep cuBLAS); benchmarks/kernels.py
-# --sections pred_gemv compares them.
-SCORE_METHOD = "torch"
+# "triton": predictor_scores_triton at batch 1 (batches keep cuBLAS). H200, OPT-30B shape,
+# batch 1, ms/token with cuBLAS -> Triton scoring (plain launches: _common.PDL_CONFIG["PLAIN"]
+# holds "pred"), two runs: density 0.3 6.742 -> 6.733 and 6.800 -> 6.773, density 0.1
+# 4.570 -> 4.456 and 4.584 -> 4.460 (BENCHMARKS.md, session 6). Alone, per layer in a graph:
+# x @ a.T 3.4 vs 6.0 us (cuBLAS split-K), h @ b.T 10.9 vs 10.3 us (benchmarks/kernels.py
+# --sections pred_gemv, which picked SCORE_CONFIG).
+SCORE_METHOD = "triton"
 # predictor_scores_triton's gather_gemv blocks (its GEMV route): "a" for h = x @ a.T (r rows
 # of D), "b" for scores = h @ b.T + bias (N rows of r).
-SCORE_CONFIG = {"a": {"BLOCK_R": 1, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2},
-                "b": {"BLOCK_R": 4, "BLOCK_D": 512, "num_warps": 4, "num_stages": 2}}
+SCORE_CONFIG = {"a": {"BLOCK_R": 1, "BLOCK_D": 1024, "num_warps": 8, "num_stages": 2},
+                "b": {"BLOCK_R": 8, "BLOCK_D": 256, "num_warps": 4, "num_stages": 2}}
 
 # Launch choices of topk_triton (a benchmark sweeps them through `config=`):
 #   block: scores per program when a row is split (power of 2); a row of N <= block is one

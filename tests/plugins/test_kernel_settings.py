@@ -8,7 +8,7 @@ import dejavu.plugins as P
 def test_kernel_settings_cover_every_kernel_and_follow_the_configs(monkeypatch):
     s = P.kernel_settings()
     assert set(s) == {"sparse_mlp", "fused_mlp", "deferred_qkv", "deferred_qkv_b1", "attention", "topk",
-                      "layer_norm", "pdl"}
+                      "scoring", "layer_norm", "pdl"}
     assert json.loads(json.dumps(s)) == json.loads(json.dumps(s))  # JSON-ready (tuples become lists)
     dk = sys.modules["dejavu.plugins.deferred_kv"]
     monkeypatch.setitem(dk.QKV_CONFIG, "BLOCK_D", 64)
@@ -16,6 +16,10 @@ def test_kernel_settings_cover_every_kernel_and_follow_the_configs(monkeypatch):
     monkeypatch.setitem(dk.QKV_CONFIG_B1, "SHARED_P", 8)
     assert P.kernel_settings()["deferred_qkv_b1"]["SHARED_P"] == 8
     assert P.kernel_settings()["topk"]["method"] == sys.modules["dejavu.plugins.predictor"].TOPK_METHOD
+    pr = sys.modules["dejavu.plugins.predictor"]
+    monkeypatch.setattr(pr, "SCORE_METHOD", "torch")
+    monkeypatch.setitem(pr.SCORE_CONFIG, "b", {"BLOCK_R": 2})
+    assert P.kernel_settings()["scoring"] == {"method": "torch", "a": pr.SCORE_CONFIG["a"], "b": {"BLOCK_R": 2}}
 
 
 def test_pdl_launch_options_follow_the_config(monkeypatch):
