@@ -253,6 +253,14 @@ def _no_predictors(eng):
     return lambda: setattr(pred, "topk", old)
 
 
+def _neurons_first(eng):
+    """The predictor schedule before session 6: a layer's neuron predictor first, and the main
+    stream waits for both of its predictors before the layer's attention."""
+    pred = eng.decoder.pred
+    pred.heads_first = False
+    return lambda: setattr(pred, "heads_first", True)
+
+
 def _side_priority(eng):
     """The predictors' side stream at the highest priority (the block scheduler then gives
     its kernels freed SM slots before the main stream's queued ones)."""
@@ -331,7 +339,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
              "tritonscoreplain": _scoring("triton", "plain"),
              "cublasscore": _scoring("torch"), "nopred": _no_predictors,
-             "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),
+             "neuronsfirst": _neurons_first, "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),
              "sidehighsmall": _both(_side_priority, _pdl(0, PDL_SMALL)),
              "tspsmall": _both(_scoring("triton", "plain"), _pdl(0, PDL_SMALL)),
              "sidehightspsmall": _both(_side_priority, _scoring("triton", "plain"), _pdl(0, PDL_SMALL)),

@@ -13,10 +13,17 @@ from inside the attention op, after the Q/K/V kernels: the side stream's predict
 then overlap the latency-bound attention kernels instead of the bandwidth-bound Q/K/V
 kernel). The predictors still read the same x; a layer whose indices are asked for while
 pending is flushed first, so holding never changes what is selected.
+
+A layer's head predictor runs before its neuron predictor, each with its own event: the main
+stream waits only for the heads before that layer's attention, so the neuron predictor's
+work overlaps the attention too.
 """
 from __future__ import annotations
 
 import torch
+
+
+KINDS = ("attn", "mlp")  # the order a layer's predictors run in (heads are needed first)
 
 
 def schedule(num_layers: int, source: str, lookahead: int) -> dict[tuple[str, int], list[int]]:
@@ -49,10 +56,16 @@ class PredictorRunner:
         self._keep: list[torch.Tensor] = []
         self._pending: list[tuple] = []  # held point() calls: (kind, j, layers, x2)
         self.side = None
+        # False: the schedule before session 6 (neurons first, the main stream waits for both
+        # of a layer's predictors before its attention); kept for the benchmark's ablation
+        self.heads_first = True
         if overlap and device.type == "cuda" and self.plan:
             self.side = torch.cuda.Stream(device=device)
             self.src_ready = {key: torch.cuda.Event() for key in self.plan}
-            self.done = [torch.cuda.Event() for _ in range(L)]
+            # one event per layer and kind: the head predictor runs first and its event lets the
+            # main stream start that layer's attention while the neuron predictor still runs
+            self.done = [{kind: torch.cuda.Event() for kind in KINDS if preds[l][kind] is not None}
+                         for l in range(L)]
 
     @property
     def overlapping(self) -> bool:
@@ -94,16 +107,19 @@ class PredictorRunner:
         self._keep.append(x2)
         with torch.cuda.stream(self.side):
             for l in layers:
-                self._predict(l, x2)
-                self.done[l].record()
+                self._predict(l, x2, self.done[l])
 
-    def _predict(self, l: int, x: torch.Tensor) -> None:
-        for kind, k in zip(("mlp", "attn"), self.ks[l]):
+    def _predict(self, l: int, x: torch.Tensor, done: dict | None = None) -> None:
+        """Layer l's indices, heads first (needed first); done: per-kind events to record."""
+        for kind in (KINDS if self.heads_first else KINDS[::-1]):
             p = self.preds[l][kind]
             if p is None:
                 continue
-            idx = self.topk(x, *p, k, shared=self.shared)
+            k_mlp, k_attn = self.ks[l]
+            idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
             self.idx[l][kind] = idx
+            if done is not None:
+                done[kind].record()
             if self.trace is not None:
                 self.trace.append((l, kind, idx.detach().clone()))
 
@@ -113,7 +129,8 @@ class PredictorRunner:
         if any(l in p[2] for p in self._pending):
             self.flush()
         if self.side is not None:
-            torch.cuda.current_stream().wait_event(self.done[l])
+            for k in ((kind,) if self.heads_first else self.done[l]):
+                torch.cuda.current_stream().wait_event(self.done[l][k])
         return self.idx[l][kind]
 
     def heads(self, l: int) -> torch.Tensor | None:

@@ -145,3 +145,43 @@ def _plan(eng):
 
     s = eng.spec
     return schedule(s.num_layers, s.source, s.lookahead)
+
+
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_heads_are_waited_for_before_attention_and_neurons_after(monkeypatch, heads_first):
+    """A layer's head predictor runs first with its own event: the main stream waits for it
+    before the layer's attention and for the neuron predictor only after (heads_first False:
+    the older schedule, both waited for before the attention). Same tokens either way."""
+    model = tiny_model(seed=2)
+    header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
+    want = Engine.from_tensors(header, tensors, "cpu", overlap=False).generate([PROMPT], 6, stop_at_eos=False)
+    fake = FakeCuda()
+    for name in ("Stream", "Event", "current_stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    eng = Engine.from_tensors(header, tensors, "cpu", overlap=True)
+    dec = eng.decoder
+    old = dec.pred
+    dec.pred = PredictorRunner(old.preds, old.ks, {k: list(v) for k, v in _plan(eng).items()}, old.topk,
+                               SimpleNamespace(type="cuda"), overlap=True)
+    dec.pred.heads_first = heads_first
+    attn = eng.ops.sparse_attn_deferred
+
+    def logged_attn(*a, **k):
+        fake.log.append(("attn_begin", "main", None))
+        return attn(*a, **k)
+    eng.ops.sparse_attn_deferred = logged_attn
+    assert eng.generate([PROMPT], 6, stop_at_eos=False) == want
+    both = [l for l in range(eng.spec.num_layers) if eng.spec.sparse_attn(l) and eng.spec.sparse_mlp(l)]
+    assert both
+    for l in both:
+        ev = dec.pred.done[l]
+        recs = [i for i, (op, s, e) in enumerate(fake.log) if op == "record" and s == "side" and e in ev.values()]
+        order = [next(k for k, e in ev.items() if e is fake.log[i][2]) for i in recs[:2]]
+        assert order == (["attn", "mlp"] if heads_first else ["mlp", "attn"])
+        waits = {k: [i for i, (op, s, e) in enumerate(fake.log) if op == "wait" and s == "main" and e is ev[k]]
+                 for k in ev}
+        begins = [i for i, (op, _, _) in enumerate(fake.log) if op == "attn_begin"]
+        # the first step's waits: is there an attention start between the heads' and the neurons' wait?
+        a, m = waits["attn"][0], waits["mlp"][0]
+        between = any(a < b < m for b in begins)
+        assert between == heads_first
