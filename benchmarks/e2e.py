@@ -339,7 +339,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
              "tritonscoreplain": _scoring("triton", "plain"),
              "cublasscore": _scoring("torch"), "nopred": _no_predictors,
-             "neuronsfirst": _neurons_first, "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),
+             "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
+             "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
+             "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),
              "sidehighsmall": _both(_side_priority, _pdl(0, PDL_SMALL)),
              "tspsmall": _both(_scoring("triton", "plain"), _pdl(0, PDL_SMALL)),
              "sidehightspsmall": _both(_side_priority, _scoring("triton", "plain"), _pdl(0, PDL_SMALL)),
