@@ -180,6 +180,7 @@ def _pdl_mode(mode):
 
 PDL_SMALL = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")  # no main loop
 PDL_LOOP = ("fc1", "qkv_full", "fc2", "proj", "qkv")
+S5_EARLY = ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")
 
 
 def _pdl(tiles, early=()):
@@ -341,6 +342,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "cublasscore": _scoring("torch"), "nopred": _no_predictors,
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
+             # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring
+             "s5early": _pdl(0, S5_EARLY),
+             "s5defaults": _both(_neurons_first, _scoring("torch"), _pdl(0, S5_EARLY)),
              "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),
              "sidehighsmall": _both(_side_priority, _pdl(0, PDL_SMALL)),
              "tspsmall": _both(_scoring("triton", "plain"), _pdl(0, PDL_SMALL)),

@@ -85,18 +85,20 @@ def last_arrival(counter_ptr, n):
 # two gather_gemv products when predictor.SCORE_METHOD is "triton", on the side stream).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
              "layer_norm", "pred")
-# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md session 5):
-# these defaults 6.74-6.78 ms/token at density 0.3 (plain launches 6.89-6.94 in the same runs), 4.57-4.59
-# at 0.1 (5.12); late triggers only: 6.79-6.85 and 5.04-5.06; early everywhere: 7.30-7.32 at 0.3 (fc1's
-# early trigger alone: 7.37; it is the one left late) and 4.66-4.68 at 0.1; early only for the kernels
-# without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching weight tiles before the wait
-# never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16). OPT-1.3B shape, d0.3: 1.05 vs 1.21.
+# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md sessions 5-6).
+# Session 5 (neuron predictor first, cuBLAS scoring): every kind but fc1 early 6.74-6.78 ms/token at
+# density 0.3 (plain launches 6.89-6.94), 4.57-4.59 at 0.1 (5.12); late triggers only: 6.79-6.85 and
+# 5.04-5.06; early everywhere: 7.30-7.32 and 4.66-4.68 (fc1's early trigger alone: 7.37 at 0.3);
+# early only for the kernels without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching
+# weight tiles before the wait never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16).
+# Session 6, with the head predictor run first on the side stream (runtime/predictors.py) and
+# Triton scoring: early only for the kernels without a main loop (these defaults) 6.653-6.656 at
+# 0.3 and 4.391-4.401 at 0.1 (two rows each, two runs), against 6.905-6.914 and 4.498-4.511 with
+# the session-5 set in the same runs.
 # "PLAIN": kinds launched without PDL even when it is enabled: the predictors' products on the
-# side stream (their next kernel's programs waiting on an SM cost the main stream more than the
-# early launch gains: Triton scoring with late triggers 6.82 ms/token at density 0.3, plain 6.73).
+# side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; session 6).
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
-              "EARLY": ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
-                        "layer_norm"),
+              "EARLY": ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm"),
               "PLAIN": ("pred",)}
 
 
