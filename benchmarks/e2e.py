@@ -273,6 +273,16 @@ def _side_priority(eng):
     return lambda: setattr(pred, "side", old)
 
 
+def _topk_fused(eng):
+    """The predictors' top-k in one launch with a grid barrier per round (TOPK_CONFIG fused on)."""
+    import importlib
+
+    cfg = importlib.import_module("dejavu.plugins.predictor").TOPK_CONFIG
+    old = cfg["fused"]
+    cfg["fused"] = True
+    return lambda: cfg.__setitem__("fused", old)
+
+
 def _both(*fs):
     """Several ablations in one row (undone in reverse)."""
     def apply(eng):
@@ -333,7 +343,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _swept("qkv"), "projswept": _swept("proj"), "mlpswept": _swept("mlp"),
              "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared,
              "pdl0": _pdl(0), "pdl": _pdl(1), "pdl2": _pdl(2), "pdl4": _pdl(4),
-             "pdl0early": _pdl(0, "all"), "pdl1early": _pdl(1, "all"), "tksplit": _topk_split,
+             "pdl0early": _pdl(0, "all"), "pdl1early": _pdl(1, "all"), "tksplit": _topk_split, "tkfused": _topk_fused,
              "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
              "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
              "nopdl": _no_pdl, "same": lambda eng: None,  # the headline row again (run-to-run spread)

@@ -66,8 +66,13 @@ SCORE_CONFIG = {"a": {"BLOCK_R": 1, "BLOCK_D": 1024, "num_warps": 8, "num_stages
 #   atomic_hist: per-program digit histograms by one global atomic per candidate on the
 #          program's own slot (~10 instructions per score and round); False: tl.histogram
 #          (warp ballots, ~100 instructions per score and round, no atomics).
-# block 1024 / 4 warps / fused: the fastest of 12 configs on the H200 at B=1 (N 28672 and 36864)
-TOPK_CONFIG = {"block": 1024, "warps": 4, "fused": True, "atomic_hist": True}
+# block 1024 / 4 warps: the fastest of 12 configs on the H200 at B=1 (N 28672 and 36864), fused
+# there. In the decode step (side stream) the split form costs nothing measurable (session 6,
+# OPT-30B batch 1: 6.627 vs 6.626-6.634 ms/token at density 0.3, 4.385 vs 4.393-4.400 at 0.1;
+# batch 8 shared 10.085 vs 10.100), and it does not spin: the fused barrier assumes every program
+# of the launch is resident, which the main stream's kernels beside it can delay (a stall, not a
+# deadlock; two rare slow d0.1 rows, sessions 5 and 6, are unexplained). So split by default.
+TOPK_CONFIG = {"block": 1024, "warps": 4, "fused": False, "atomic_hist": True}
 
 _SINGLE, _FUSED, _SPLIT = 0, 1, 2  # _topk_kernel MODE
 _BARRIERS: dict = {}  # device -> (int32 [_LANES, _LANE_ROWS, 2] barrier state, {stream: lane})
