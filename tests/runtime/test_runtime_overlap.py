@@ -51,6 +51,20 @@ class FakeCuda:
             self.cur = prev
 
 
+def _fake_cuda_engine(monkeypatch, header, tensors):
+    """(fake, engine, decoder): a CPU engine with overlap on whose PredictorRunner believes it
+    runs on CUDA, its streams and events the FakeCuda's (which logs every record and wait)."""
+    fake = FakeCuda()
+    for name in ("Stream", "Event", "current_stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    eng = Engine.from_tensors(header, tensors, "cpu", overlap=True)
+    dec = eng.decoder
+    old = dec.pred
+    dec.pred = PredictorRunner(old.preds, old.ks, {k: list(v) for k, v in _plan(eng).items()}, old.topk,
+                               SimpleNamespace(type="cuda"), overlap=True)
+    return fake, eng, dec
+
+
 SIDE_CASES = [("attn_in", 1, (0.5, 0.5), "attn_in", False), ("mlp_in", 1, (0.5, 0.5), "attn_in", False),
               ("attn_in", 0, (0.5, 0.5), "attn_in", False), ("attn_in", 1, (0.5, 1.0), "attn_in", False),
               ("attn_in", 1, (1.0, 1.0), "attn_in", False),
@@ -67,14 +81,7 @@ def test_side_stream_joins_and_selects_the_same(monkeypatch, source, lookahead, 
     plain = Engine.from_tensors(header, tensors, "cpu", overlap=False)
     want = plain.generate([PROMPT, PROMPT[:3]], 10, stop_at_eos=False)
 
-    fake = FakeCuda()
-    for name in ("Stream", "Event", "current_stream", "stream"):
-        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    eng = Engine.from_tensors(header, tensors, "cpu", overlap=True)
-    dec = eng.decoder
-    old = dec.pred
-    dec.pred = PredictorRunner(old.preds, old.ks, {k: list(v) for k, v in _plan(eng).items()}, old.topk,
-                               SimpleNamespace(type="cuda"), overlap=True)
+    fake, eng, dec = _fake_cuda_engine(monkeypatch, header, tensors)
     dec.pred_window = window
     fetched = []
     if prefetch:  # a fake L2 warm-up op: logs which weight, rows and stream
@@ -155,14 +162,7 @@ def test_heads_are_waited_for_before_attention_and_neurons_after(monkeypatch, he
     model = tiny_model(seed=2)
     header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
     want = Engine.from_tensors(header, tensors, "cpu", overlap=False).generate([PROMPT], 6, stop_at_eos=False)
-    fake = FakeCuda()
-    for name in ("Stream", "Event", "current_stream", "stream"):
-        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    eng = Engine.from_tensors(header, tensors, "cpu", overlap=True)
-    dec = eng.decoder
-    old = dec.pred
-    dec.pred = PredictorRunner(old.preds, old.ks, {k: list(v) for k, v in _plan(eng).items()}, old.topk,
-                               SimpleNamespace(type="cuda"), overlap=True)
+    fake, eng, dec = _fake_cuda_engine(monkeypatch, header, tensors)
     dec.pred.heads_first = heads_first
     attn = eng.ops.sparse_attn_deferred
 
