@@ -8,6 +8,8 @@
 --sections fused_mlp  the one-launch MLP (sparse_mlp_fused) at B=1: every FUSED_SWEEP config vs
           sparse_fc1 + sparse_fc2; the config with the lowest summed time is reported (copy it
           into fused_mlp.FUSED_MLP_CONFIG). REDUCE "barrier" spins: run under `timeout`.
+--sections pred_gemv  the predictors' two products at batch 1: cuBLAS vs Triton gather_gemv block
+          configs (the best goes to the JSON's pred_gemv.best; e2e.py --tuned applies it).
 --no-pdl  plain launches (default: programmatic dependent launch as plugins/_common.py's
           PDL_CONFIG says, on sm_90+; --check then runs the PDL forms of the kernels).
 --sweep   try a few block configurations per kernel path and use the fastest for the run
