@@ -1,6 +1,8 @@
 """Low-rank predictor + top-k: which neurons / heads to compute for the next token.
 
-    predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False) -> idx[B,k] | [k] int32
+    predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False, method=None, scoring=None)
+        -> idx[B,k] | [k] int32
+    predictor_scores_triton(x[1,D], a, b, bias, config=None) -> scores[1,N]
 
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
 (`shared=False`, per-sequence sets) or top-k of the batch's max score per column
@@ -47,8 +49,8 @@ TOPK_MAX_N = 65536
 # batch 1, ms/token with cuBLAS -> Triton scoring (plain launches: _common.PDL_CONFIG["PLAIN"]
 # holds "pred"), two runs: density 0.3 6.742 -> 6.733 and 6.800 -> 6.773, density 0.1
 # 4.570 -> 4.456 and 4.584 -> 4.460 (BENCHMARKS.md, session 6). Alone, per layer in a graph:
-# x @ a.T 3.4 vs 6.0 us (cuBLAS split-K), h @ b.T 10.9 vs 10.3 us (benchmarks/kernels.py
-# --sections pred_gemv, which picked SCORE_CONFIG).
+# x @ a.T 3.2 vs 6.2 us (cuBLAS split-K + its reduction), h @ b.T 11.0 vs 10.3 us
+# (benchmarks/kernels.py --sections pred_gemv, which picked SCORE_CONFIG).
 SCORE_METHOD = "triton"
 # predictor_scores_triton's gather_gemv blocks (its GEMV route): "a" for h = x @ a.T (r rows
 # of D), "b" for scores = h @ b.T + bias (N rows of r).
