@@ -352,27 +352,29 @@ def check_fused(D, F, K, B, dtype, shared, residual, config=None, graph=False):
     return ok and info["counters_zero"] and info["buffer_zero"], info
 
 
-def check_predictor(B, D, N, r, k, shared, method="torch"):
+def check_predictor(B, D, N, r, k, shared, method="torch", dtype=torch.float32, scoring=None):
     # the fused (grid-barrier) top-k is exercised only by --sections topk, under a timeout
     PR.TOPK_CONFIG["fused"], fused = False, PR.TOPK_CONFIG["fused"]
     try:
-        return _check_predictor(B, D, N, r, k, shared, method)
+        return _check_predictor(B, D, N, r, k, shared, method, dtype, scoring)
     finally:
         PR.TOPK_CONFIG["fused"] = fused
 
 
-def _check_predictor(B, D, N, r, k, shared, method):
-    x, a = randn(B, D, dtype=torch.float32), randn(r, D, dtype=torch.float32)
-    b, bias = randn(N, r, dtype=torch.float32), randn(N, dtype=torch.float32)
-    idx = P.predictor_topk(x, a, b, bias, k, shared=shared, method=method)
+def _check_predictor(B, D, N, r, k, shared, method, dtype, scoring):
+    x, a = randn(B, D, dtype=dtype), randn(r, D, dtype=dtype, scale=D ** -0.5)
+    b, bias = randn(N, r, dtype=dtype, scale=r ** -0.5), randn(N, dtype=dtype)
+    idx = P.predictor_topk(x, a, b, bias, k, shared=shared, method=method, scoring=scoring)
     scores = P.predictor_scores(x.double(), a.double(), b.double(), bias.double())
     if shared:
         scores = scores.amax(0)
     kth = scores.topk(k, dim=-1).values[..., -1:]
     picked = scores.gather(-1, idx.long())
-    # the picked set is a top-k set up to fp32 rounding at the boundary
+    # the picked set is a top-k set up to rounding at the boundary (h and the scores are
+    # rounded to the input dtype: a few of its ulps of the largest score)
     margin = (picked.min(-1, keepdim=True).values - kth).min().item()
-    ok = (margin >= -1e-4 * scores.abs().max().item() and idx.dtype == torch.int32
+    tol = (1e-4 if dtype == torch.float32 else 8 * torch.finfo(dtype).eps) * scores.abs().max().item()
+    ok = (margin >= -tol and idx.dtype == torch.int32
           and idx.device.type == DEV
           and all(r.unique().numel() == k for r in idx.reshape(-1, k)))
     return ok, {"margin": margin}
@@ -446,6 +448,15 @@ def run_checks():
             for B, shared, N in ((1, False, 28672), (8, False, 36864), (8, True, 28672), (1, False, 56)):
                 cases.append(("pred", dict(B=B, D=1024, N=N, r=128, k=max(1, N // 10), shared=shared,
                                            method=method)))
+    # batch 1 scoring by Triton (SCORE_METHOD) and cuBLAS, in each dtype; real shapes on the GPU
+    for scoring in ("triton", "torch"):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            cases.append(("pred", dict(B=1, D=200, N=1000, r=40, k=300, shared=False, method="triton",
+                                       dtype=dtype, scoring=scoring)))
+        for (D, N, r), dtype in ((((7168, 28672, 512), torch.float16), ((7168, 56, 56), torch.float16),
+                                  ((9216, 36864, 512), torch.bfloat16)) if big else ()):
+            cases.append(("pred", dict(B=1, D=D, N=N, r=r, k=max(1, int(0.3 * N)), shared=False, method="triton",
+                                       dtype=dtype, scoring=scoring)))
     # the one-launch MLP: every reduction, with/without prefetch, odd shapes; real shapes; a graph
     # (REDUCE "barrier" spins: run --check under `timeout`). REDUCE "atomic" gave wrong sums at
     # the real shapes on the H200 (session 3) and is refused on CUDA: interpreter only.
