@@ -224,7 +224,7 @@ def _scoring(method, pdl="late"):
         if pdl == "early":
             C.PDL_CONFIG["EARLY"] = tuple(old_pdl["EARLY"]) + ("pred",)
         elif pdl == "plain":
-            C.PDL_CONFIG["PLAIN"] = tuple(old_pdl.get("PLAIN", ())) + ("pred",)
+            C.PDL_CONFIG["PLAIN"] = tuple(old_pdl["PLAIN"]) + ("pred",)
 
         def undo():
             PR.SCORE_METHOD = old

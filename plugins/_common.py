@@ -115,10 +115,10 @@ def pdl_args(device: torch.device, kind: str) -> dict:
         sm90 = _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
     if not sm90:
         return {}
-    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG.get("PLAIN", ())) if k not in PDL_KINDS]
+    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"]) if k not in PDL_KINDS]
     if bad:
         raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
-    if kind in PDL_CONFIG.get("PLAIN", ()):
+    if kind in PDL_CONFIG["PLAIN"]:
         return {}
     gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
     return {"GDC": gdc, "PF": int(PDL_CONFIG["PREFETCH_TILES"]), "launch_pdl": True}
