@@ -11,12 +11,22 @@ of kernel times above the wall time means streams overlapped; below it, the gap 
 latency and idle time between kernels.
 
 Configurations: dense (graph), dejavu at each density with overlap off (eager, one
-stream: every kernel in order) and on (graph, the shipped path), kv_policy deferred.
+stream: every kernel in order) and on (graph, the shipped path), kv_policy deferred;
+`--ablations a,b` adds graph rows with e2e.py's ablations applied (e.g. nopdl, nopred).
 JSON to --out (default $OUT/profile.json) and a table per configuration on stdout.
+
+Timeline (`timeline` in each configuration's JSON, from the profiler's Chrome trace): the
+stream with the most kernels is the main stream. Each main-stream kernel is charged the
+time from its start to the next main-stream kernel's start (the last one: to its end), so
+the charges of a step add up to the main stream's span: with programmatic dependent launch
+a kernel's own duration includes its wait for the previous one, the charge does not. Also
+the main stream's idle time (no kernel of it running) and how long side-stream kernels ran
+while a main-stream kernel did. `--trace-dir D` keeps the raw traces (gzip).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -38,7 +48,49 @@ def _short(name: str) -> str:
     return n[:60]
 
 
-def profile_steps(step, tokens, pos, steps: int) -> dict:
+def timeline(events: list[dict], steps: int) -> dict:
+    """Critical-path charges of the main stream from Chrome-trace kernel events (ts/dur in us)."""
+    by_stream: dict = defaultdict(list)
+    for e in events:
+        by_stream[e["tid"]].append((e["ts"], e["ts"] + e["dur"], _short(e["name"])))
+    if not by_stream:
+        return {}
+    main = max(by_stream, key=lambda k: len(by_stream[k]))
+    ks = sorted(by_stream[main])
+    charge: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    idle, end = 0.0, ks[0][0]
+    for i, (t0, t1, name) in enumerate(ks):
+        nxt = ks[i + 1][0] if i + 1 < len(ks) else t1
+        charge[name][0] += nxt - t0
+        charge[name][1] += 1
+        idle += max(0.0, t0 - end)
+        end = max(end, t1)
+    span = ks[-1][1] - ks[0][0]
+    side = [iv for k, v in by_stream.items() if k != main for iv in v]
+    side_us = sum(t1 - t0 for t0, t1, _ in side)
+    # side-stream time that ran while some main-stream kernel was running (merged main intervals)
+    merged: list[list[float]] = []
+    for t0, t1, _ in ks:
+        if merged and t0 <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t1)
+        else:
+            merged.append([t0, t1])
+    import bisect
+    starts = [m[0] for m in merged]
+    over = 0.0
+    for t0, t1, _ in side:
+        i = max(0, bisect.bisect_right(starts, t0) - 1)
+        while i < len(merged) and merged[i][0] < t1:
+            over += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
+            i += 1
+    rows = sorted(([k, v[0] / steps, v[1] / steps] for k, v in charge.items()), key=lambda r: -r[1])
+    return {"main_stream": str(main), "streams": len(by_stream), "span_ms_per_step": span / steps / 1e3,
+            "main_idle_ms_per_step": idle / steps / 1e3, "side_kernel_ms_per_step": side_us / steps / 1e3,
+            "side_overlapping_main_ms_per_step": over / steps / 1e3,
+            "charges": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows]}
+
+
+def profile_steps(step, tokens, pos, steps: int, trace: Path | None = None) -> dict:
     """Time `steps` decode steps, then profile as many more; each step one position further
     (so the deferred K/V policy sees its steady state: newly selected heads catch up)."""
     from torch.profiler import ProfilerActivity, profile
@@ -71,9 +123,18 @@ def profile_steps(step, tokens, pos, steps: int) -> dict:
         a[1] += 1
         total += us
     rows = sorted(([k, v[0] / steps, v[1] / steps] for k, v in agg.items()), key=lambda r: -r[1])
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"dejavu-trace-{os.getpid()}.json"
+    prof.export_chrome_trace(str(tmp))
+    raw = tmp.read_bytes()
+    tmp.unlink()
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_bytes(gzip.compress(raw))
+    kern = [e for e in json.loads(raw).get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
     return {"wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": total / steps / 1e3,
             "launches_per_step": sum(r[2] for r in rows),
-            "kernels": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows]}
+            "kernels": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows],
+            "timeline": timeline(kern, steps)}
 
 
 def main(argv=None) -> int:
@@ -87,6 +148,10 @@ def main(argv=None) -> int:
     p.add_argument("--kv-policy", default="deferred", choices=["deferred", "full"])
     p.add_argument("--out", default=None)
     p.add_argument("--tuned", default=None, help="kernels.py JSON whose sweep_attn configs to use")
+    p.add_argument("--ablations", default="", help="graph rows with these e2e.py ablations (comma list)")
+    p.add_argument("--no-eager", action="store_true", help="skip the overlap-off eager rows")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense graph row")
+    p.add_argument("--trace-dir", default=None, help="keep each configuration's Chrome trace here (gzip)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
@@ -106,19 +171,31 @@ def main(argv=None) -> int:
                      "note": "random weights and predictors of the real shapes; per decode step"}, "configs": []}
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, c["vocab_size"], (a.batch, a.prompt_len), generator=g).tolist()
-    configs = [("dense_graph", None, True, True)]
+    abl = [x for x in a.ablations.split(",") if x]
+    if any(x not in e2e.ABLATIONS for x in abl):
+        p.error("--ablations: a comma list of " + ", ".join(e2e.ABLATIONS))
+    configs = [] if a.no_dense else [("dense_graph", None, True, True, None)]
     for d in (float(x) for x in a.densities.split(",")):
-        configs += [(f"d{d}_off_eager", d, False, False), (f"d{d}_on_graph", d, True, True)]
-    for name, d, overlap, graphs in configs:
+        configs += [] if a.no_eager else [(f"d{d}_off_eager", d, False, False, None)]
+        configs += [(f"d{d}_on_graph", d, True, True, None)]
+        configs += [(f"d{d}_on_graph_{x}", d, True, True, x) for x in abl]
+    trace_dir = Path(a.trace_dir) if a.trace_dir else None
+    for name, d, overlap, graphs, ablation in configs:
         eng = Engine.from_tensors(e2e.header_for(c, d, "float16", ranks), t, "cuda", overlap=overlap,
                                   use_graphs=graphs, kv_policy=a.kv_policy)
-        with torch.inference_mode():
-            ids, lens = right_pad(prompts, 1, c["vocab_size"])
-            step = eng.activate(a.batch, a.prompt_len + 2 * a.steps + 8)
-            pos = lens.cuda()
-            eng.decoder.prefill(ids.cuda(), pos)
-            tokens = torch.full((a.batch,), 5, dtype=torch.long, device="cuda")
-            r = profile_steps(step, tokens, pos, a.steps)
+        undo = e2e.ABLATIONS[ablation](eng) if ablation else None
+        try:
+            with torch.inference_mode():
+                ids, lens = right_pad(prompts, 1, c["vocab_size"])
+                step = eng.activate(a.batch, a.prompt_len + 2 * a.steps + 8)
+                pos = lens.cuda()
+                eng.decoder.prefill(ids.cuda(), pos)
+                tokens = torch.full((a.batch,), 5, dtype=torch.long, device="cuda")
+                r = profile_steps(step, tokens, pos, a.steps,
+                                  trace_dir / f"trace-{name}.json.gz" if trace_dir else None)
+        finally:
+            if undo:
+                undo()
         r["config"] = name
         data["configs"].append(r)
         tmp = out.with_suffix(".tmp")
@@ -129,6 +206,13 @@ def main(argv=None) -> int:
               f"{r['launches_per_step']:.0f} launches/step")
         for k in r["kernels"][:25]:
             print(f"  {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['name']}")
+        tl = r["timeline"]
+        if tl:
+            print(f"  main stream: span {tl['span_ms_per_step']:.3f} ms/step, idle {tl['main_idle_ms_per_step']:.3f} ms, "
+                  f"side kernels {tl['side_kernel_ms_per_step']:.3f} ms ({tl['side_overlapping_main_ms_per_step']:.3f} "
+                  f"beside main); charges (start to next start):")
+            for k in tl["charges"][:20]:
+                print(f"  {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['name']}")
         eng = None
         torch.cuda.empty_cache()
     print(f"JSON: {out}")
