@@ -254,6 +254,44 @@ def _no_predictors(eng):
     return lambda: setattr(pred, "topk", old)
 
 
+def _no_predictors_random(eng):
+    """No predictor GEMVs: every predictor call takes the next of a pool of 61 random index sets
+    of its K (drawn once, sorted), by a device-side call counter, so a layer's heads change from
+    step to step as the predictors' do on random weights (the deferred K/V catch-up still runs;
+    `nopred`'s fixed sets leave it nothing to do). Three tiny launches per call replace the
+    predictor's GEMVs and top-k."""
+    pools: dict = {}
+    n = 61  # prime: a layer's call number modulo n differs from step to step
+
+    def cycled(x, a, b, bias, k, shared=False):
+        key = (b.shape[0], k, x.device)
+        if key not in pools:
+            g = torch.Generator().manual_seed(b.shape[0] * 7919 + k)
+            sets = torch.stack([torch.randperm(b.shape[0], generator=g)[:k].sort().values for _ in range(n)])
+            pools[key] = (sets.to(torch.int32).to(x.device), torch.zeros(1, dtype=torch.long, device=x.device))
+        sets, ctr = pools[key]
+        ctr.add_(1)
+        one = sets.index_select(0, ctr.remainder(n))  # [1, k]
+        return one[0] if shared else one.expand(x.shape[0], k).contiguous()
+
+    pred = eng.decoder.pred
+    old = pred.topk
+    pred.topk = cycled
+    return lambda: setattr(pred, "topk", old)
+
+
+def _qkv_b1(**kv):
+    """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
+    def apply(eng):
+        import importlib
+
+        cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG_B1
+        old = dict(cfg)
+        cfg.update(kv)
+        return lambda: (cfg.clear(), cfg.update(old))
+    return apply
+
+
 def _neurons_first(eng):
     """The predictor schedule before session 6: a layer's neuron predictor first, and the main
     stream waits for both of its predictors before the layer's attention."""
@@ -349,7 +387,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "nopdl": _no_pdl, "same": lambda eng: None,  # the headline row again (run-to-run spread)
              "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
              "tritonscoreplain": _scoring("triton", "plain"),
-             "cublasscore": _scoring("torch"), "nopred": _no_predictors,
+             "cublasscore": _scoring("torch"), "nopred": _no_predictors, "nopredrand": _no_predictors_random,
+             # deferred K/V at batch 1: 31 missing slots per tl.dot (heads unselected for up to 31
+             # steps catch up in the partial kernel, not the finishing kernel's serial slow path)
+             "qkvp32": _qkv_b1(BLOCK_P=32, SHARED_P=32),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring

@@ -15,8 +15,11 @@ stream: every kernel in order) and on (graph, the shipped path), kv_policy defer
 `--ablations a,b` adds graph rows with e2e.py's ablations applied (e.g. nopdl, nopred).
 JSON to --out (default $OUT/profile.json) and a table per configuration on stdout.
 
-Timeline (`timeline` in each configuration's JSON, from the profiler's Chrome trace): the
-stream with the most kernels is the main stream. Each main-stream kernel is charged the
+Timeline (`timeline` in each configuration's JSON, from the profiler's Chrome trace): kernels
+are told apart by name and launch shape, not by stream (a graph replay runs its kernels on
+streams of its own; with PDL on, dozens): the predictors' kernels (top-k, and the scoring
+GEMVs: 8-warp blocks or the grid of the N / BLOCK_R score rows) are side work, the rest is
+the main stream. Each main-stream kernel is charged the
 time from its start to the next main-stream kernel's start (the last one: to its end), so
 the charges of a step add up to the main stream's span: with programmatic dependent launch
 a kernel's own duration includes its wait for the previous one, the charge does not. Also
@@ -48,14 +51,28 @@ def _short(name: str) -> str:
     return n[:60]
 
 
-def timeline(events: list[dict], steps: int) -> dict:
-    """Critical-path charges of the main stream from Chrome-trace kernel events (ts/dur in us)."""
+def side_kernel(score_rows: set[int]):
+    """The predicate of side-stream (predictor) kernels for `timeline`: top-k, and the scoring
+    gather_gemv launches (8-warp blocks: `x @ a.T`; grid (1, N / BLOCK_R) for N in
+    score_rows: `h @ b.T`). fc1's gather_gemv has 4-warp blocks and grid (B, K / 2)."""
+    def side(e: dict) -> bool:
+        n, g, b = e["name"], e.get("args", {}).get("grid") or [0, 0], e.get("args", {}).get("block") or [0]
+        if "_topk_kernel" in n:
+            return True
+        return "_gather_gemv_kernel" in n and (b[0] == 256 or g[1] in score_rows)
+    return side
+
+
+def timeline(events: list[dict], steps: int, side_fn=None) -> dict:
+    """Critical-path charges of the main stream from Chrome-trace kernel events (ts/dur in us);
+    side_fn(event) True: a side-stream kernel (None: the stream with the most kernels is main)."""
     by_stream: dict = defaultdict(list)
     for e in events:
-        by_stream[e["tid"]].append((e["ts"], e["ts"] + e["dur"], _short(e["name"])))
+        tid = ("side" if side_fn(e) else "main") if side_fn else e["tid"]
+        by_stream[tid].append((e["ts"], e["ts"] + e["dur"], _short(e["name"])))
     if not by_stream:
         return {}
-    main = max(by_stream, key=lambda k: len(by_stream[k]))
+    main = "main" if side_fn else max(by_stream, key=lambda k: len(by_stream[k]))
     ks = sorted(by_stream[main])
     charge: dict[str, list] = defaultdict(lambda: [0.0, 0])
     idle, end = 0.0, ks[0][0]
@@ -90,7 +107,7 @@ def timeline(events: list[dict], steps: int) -> dict:
             "charges": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows]}
 
 
-def profile_steps(step, tokens, pos, steps: int, trace: Path | None = None) -> dict:
+def profile_steps(step, tokens, pos, steps: int, trace: Path | None = None, side_fn=None) -> dict:
     """Time `steps` decode steps, then profile as many more; each step one position further
     (so the deferred K/V policy sees its steady state: newly selected heads catch up)."""
     from torch.profiler import ProfilerActivity, profile
@@ -134,7 +151,7 @@ def profile_steps(step, tokens, pos, steps: int, trace: Path | None = None) -> d
     return {"wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": total / steps / 1e3,
             "launches_per_step": sum(r[2] for r in rows),
             "kernels": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows],
-            "timeline": timeline(kern, steps)}
+            "timeline": timeline(kern, steps, side_fn)}
 
 
 def main(argv=None) -> int:
@@ -180,6 +197,9 @@ def main(argv=None) -> int:
         configs += [(f"d{d}_on_graph", d, True, True, None)]
         configs += [(f"d{d}_on_graph_{x}", d, True, True, x) for x in abl]
     trace_dir = Path(a.trace_dir) if a.trace_dir else None
+    from dejavu.plugins.predictor import SCORE_CONFIG
+    br = SCORE_CONFIG["b"]["BLOCK_R"]
+    side = side_kernel({-(-c["ffn_dim"] // br), -(-c["num_attention_heads"] // br)})
     for name, d, overlap, graphs, ablation in configs:
         eng = Engine.from_tensors(e2e.header_for(c, d, "float16", ranks), t, "cuda", overlap=overlap,
                                   use_graphs=graphs, kv_policy=a.kv_policy)
@@ -192,7 +212,7 @@ def main(argv=None) -> int:
                 eng.decoder.prefill(ids.cuda(), pos)
                 tokens = torch.full((a.batch,), 5, dtype=torch.long, device="cuda")
                 r = profile_steps(step, tokens, pos, a.steps,
-                                  trace_dir / f"trace-{name}.json.gz" if trace_dir else None)
+                                  trace_dir / f"trace-{name}.json.gz" if trace_dir else None, side)
         finally:
             if undo:
                 undo()

@@ -489,8 +489,9 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(dev, "qkv"))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
-        if not 1 <= sp - 1 <= bp:
-            raise DejavuError(f"config: SHARED_P - 1 must be in [1, BLOCK_P={bp}], got SHARED_P={sp}")
+        if not 1 <= sp - 1 <= bp or sp & (sp - 1):
+            raise DejavuError(f"config: SHARED_P must be a power of 2 with SHARED_P - 1 in [1, BLOCK_P={bp}], "
+                              f"got SHARED_P={sp}")
         hist_len = sp - 1
         part = jit(_qkv_partial_shared_kernel, dev)
         part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, P=sp,

@@ -161,6 +161,9 @@ def test_bad_inputs_rejected():
         recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl[:, :-1].contiguous(), 3)
     with pytest.raises(DejavuError, match="valid_len: negative"):
         recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl - 1, 3)
+    for sp in (3, 24):  # the shared-set kernel's tl.dot has next_pow2(B) * SHARED_P rows
+        with pytest.raises(DejavuError, match="SHARED_P must be a power of 2"):
+            recompute_kv(x_hist, wkv, bkv, hidx[0].contiguous(), kc, vc, vl, 3, config={"SHARED_P": sp, "BLOCK_P": 32})
     with pytest.raises(DejavuError, match="x_hist: must be contiguous"):
         recompute_kv(x_hist.transpose(0, 1).contiguous().transpose(0, 1), wkv, bkv, hidx, kc, vc, vl, 3)
     with pytest.raises(DejavuError, match="k_cache: shape"):
@@ -195,11 +198,13 @@ def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
             assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split,fused", [(None, False), (1, True), (3, True)])
-def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, fused):
+@pytest.mark.parametrize("split,fused,sp,bp", [(None, False, 16, 16), (1, True, 16, 16), (3, True, 16, 16),
+                                              (None, False, 32, 32), (3, True, 32, 32)])
+def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, fused, sp, bp):
     """Batch 1 with its [1, Kh] set through the shared-set kernel (SHARED_MIN_BATCH 1, SHARED_P
-    16: x at pos and 15 missing slots in one tl.dot; more go through the finishing slow path)
-    writes the same caches, valid_len, history and output as the per-sequence kernel."""
+    16: x at pos and 15 missing slots in one tl.dot; more go through the finishing slow path;
+    SHARED_P 32 with BLOCK_P 32: 31 slots, no slow path at these gaps) writes the same
+    caches, valid_len, history and output as the per-sequence kernel."""
     dtype = torch.float32
     w = weights(dtype)
     x_hist, x, res = torch.randn(1, S, D), torch.randn(1, D), torch.randn(1, D)
@@ -209,7 +214,7 @@ def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, f
     for smin in (1, None):
         kc, vc = nan_caches(1, dtype)
         vl, hist = vl0.clone(), x_hist.clone()
-        cfg = {"qkv": {"SHARED_MIN_BATCH": smin, "SHARED_P": 16, "BLOCK_D": 16, "SPLIT": split,
+        cfg = {"qkv": {"SHARED_MIN_BATCH": smin, "SHARED_P": sp, "BLOCK_P": bp, "BLOCK_D": 16, "SPLIT": split,
                        "FUSED_FINISH": fused}}
         y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
         outs.append((y, kc, vc, vl, hist))
