@@ -391,6 +391,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # deferred K/V at batch 1: 31 missing slots per tl.dot (heads unselected for up to 31
              # steps catch up in the partial kernel, not the finishing kernel's serial slow path)
              "qkvp32": _qkv_b1(BLOCK_P=32, SHARED_P=32),
+             # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
+             # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
+             "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),
+             "qkvt264": _qkv_b1(TARGET_PROGRAMS=264), "qkvt1056": _qkv_b1(TARGET_PROGRAMS=1056),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring
