@@ -395,6 +395,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),
              "qkvt264": _qkv_b1(TARGET_PROGRAMS=264), "qkvt1056": _qkv_b1(TARGET_PROGRAMS=1056),
+             # the finishing kernel's slow path (slots beyond the partials) shared out over Z programs
+             "slowz4": _qkv_b1(SLOW_Z=4), "slowz8": _qkv_b1(SLOW_Z=8),
+             "slowz4finishs16": _qkv_b1(SLOW_Z=4, FINISH_S=16),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring

@@ -70,7 +70,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs). Picked by
 # `benchmarks/kernels.py --sweep-attn` on an H200. FUSED_FINISH: the last program of each row
 # block finishes it (one launch; slower on the H200, see the docstring); False (default): a
-# separate _qkv_finish_kernel with FINISH_R rows per program. FINISH_S: slices of D summed per load
+# separate _qkv_finish_kernel with FINISH_R rows per program (SLOW_Z programs share the slow path's
+# chunks of a head unselected for more than SHARED_P - 1 steps). FINISH_S: slices of D summed per load
 # when finishing (a power of 2; more splits take more loads, fewer registers).
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
@@ -82,7 +83,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
-              "FUSED_FINISH": False, "FINISH_S": 8}
+              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
@@ -331,10 +332,11 @@ def _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B
 @helper
 def _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg, offs_c,
                cmask, rows, start, KH, D, HD, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-               DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+               DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+               SLOW: tl.constexpr = 1):
     # Add the bias to the rows' whole sums and store Q (fp32 buffer) or K/V at pos and at the
-    # first HIST_LEN (<= BLOCK_P) missing slots; then any further missing slots of K/V rows
-    # (a head unselected for long: whole-D tl.dot passes over these rows, the slow path).
+    # first HIST_LEN (<= BLOCK_P) missing slots; then (SLOW) any further missing slots of K/V
+    # rows (a head unselected for long: whole-D tl.dot passes over these rows, the slow path).
     if seg == 0:
         bias = tl.load(bq_ptr + rows).to(tl.float32)
         tl.store(q_ptr + (b64 * KH + j) * HD + offs_c, new + bias, mask=cmask)
@@ -350,24 +352,37 @@ def _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr,
         tl.store(cache + pos.to(tl.int64) * stride_cs + offs_c, (new + bias).to(dt), mask=cmask)
         tl.store(cache + offs_p[:, None].to(tl.int64) * stride_cs + offs_c[None, :], (hist + bias[None, :]).to(dt),
                  mask=pmask[:, None] & cmask[None, :])
-        w_rows = wkv_ptr + rows[:, None] * D
-        xh_row = xh_ptr + b64 * stride_xb
-        for p0 in range(start + HIST_LEN, pos, BLOCK_P):
-            offs_q = p0 + tl.arange(0, BLOCK_P)
-            qmask = offs_q < pos
-            acc_q = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                dmask = offs_d < D
-                w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
-                xt = tl.load(xh_row + offs_q[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
-                             mask=qmask[:, None] & dmask[None, :], other=0.0)
-                if DOT_FP32:
-                    acc_q = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_q, input_precision="ieee")
-                else:
-                    acc_q = tl.dot(xt, tl.trans(w), acc_q)
-            tl.store(cache + offs_q[:, None].to(tl.int64) * stride_cs + offs_c[None, :],
-                     (acc_q + bias[None, :]).to(dt), mask=qmask[:, None] & cmask[None, :])
+        if SLOW:
+            _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, 0, 1, D,
+                        stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
+
+
+@helper
+def _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, first, z, Z, D, stride_xb, stride_xs,
+                stride_cs, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    # K or V of the rows (bias added) at the missing slots first..pos-1 that no partial holds,
+    # from whole-D tl.dot passes over the rows and x_hist: chunks z, z + Z, ... of BLOCK_P slots
+    # (a head unselected for long; Z programs share the chunks, SLOW_Z of the finishing kernel).
+    dt = cache.dtype.element_ty
+    w_rows = wkv_ptr + rows[:, None] * D
+    xh_row = xh_ptr + b64 * stride_xb
+    for p0 in range(first + z * BLOCK_P, pos, Z * BLOCK_P):
+        offs_q = p0 + tl.arange(0, BLOCK_P)
+        qmask = offs_q < pos
+        acc_q = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            dmask = offs_d < D
+            w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            xt = tl.load(xh_row + offs_q[:, None].to(tl.int64) * stride_xs + offs_d[None, :],
+                         mask=qmask[:, None] & dmask[None, :], other=0.0)
+            if DOT_FP32:
+                acc_q = tl.dot(xt.to(tl.float32), tl.trans(w.to(tl.float32)), acc_q, input_precision="ieee")
+            else:
+                acc_q = tl.dot(xt, tl.trans(w), acc_q)
+        tl.store(cache + offs_q[:, None].to(tl.int64) * stride_cs + offs_c[None, :],
+                 (acc_q + bias[None, :]).to(dt), mask=qmask[:, None] & cmask[None, :])
 
 
 @helper
@@ -388,19 +403,37 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                       GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
-    # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB),
-    # after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R rows.
+                       SLOW_Z: tl.constexpr = 1, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+    # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB,
+    # SLOW_Z), after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R
+    # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
+    # BLOCK_P chunks over the SLOW_Z programs of the rows (z > 0 do only those).
     gdc_enter(GDC)
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
+    z = tl.program_id(2)
     b = pid // KH
     j = pid % KH
     head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
         head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
-    _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
-                 head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb, stride_xs,
-                 stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
+    if SLOW_Z == 1:
+        _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
+                     head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb,
+                     stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
+    else:
+        b64 = b.to(tl.int64)
+        if z == 0:  # the partials' slots (HIST_LEN 0 in _store_qkv: it runs no slow path itself)
+            new, hist = _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B, KH, HD,
+                                      SPLIT, HIST_LEN, BLOCK_P, BLOCK_R, BLOCK_S)
+            _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg,
+                       offs_c, cmask, rows, start, KH, D, HD, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch,
+                       stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, 0)
+        if seg > 0:
+            if start + HIST_LEN + z * BLOCK_P < pos:
+                cache = (k_ptr if seg == 1 else v_ptr) + b64 * stride_cb + head * stride_ch
+                bias = tl.load(bkv_ptr + rows).to(tl.float32)
+                _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, z,
+                            SLOW_Z, D, stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
@@ -502,13 +535,13 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         part[(B * kh, (3 - first) * nb, split)](*args, stride_hb, stride_pb, *cache_strides, **common)
     if fused:
         return
-    fr = cfg["FINISH_R"]
+    fr, z = cfg["FINISH_R"], cfg.get("SLOW_Z", 1)
     nbf = -(-hd // fr)
     finish = jit(_qkv_finish_kernel, dev)
-    finish[(B * kh, (3 - first) * nbf)](
+    finish[(B * kh, (3 - first) * nbf, z)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
-        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, num_warps=4,
+        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z, num_warps=4,
         **pdl_args(dev, "qkv_finish"))
 
 

@@ -224,6 +224,32 @@ def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, f
         assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_slow_path_shared_out_over_programs(triton_interp, B):
+    """SLOW_Z programs per row block share the finishing kernel's slow path (SHARED_P 2: one missing
+    slot from the partials, the rest in whole-D chunks of BLOCK_P 16; gaps up to 20 = two chunks):
+    for SLOW_Z 1, 2 and 3 the output, caches and valid_len equal the float64 reference's (caches
+    start random: the slots below valid_len stand for earlier steps' K/V)."""
+    dtype = torch.float32
+    w = weights(dtype)
+    x_hist, x, res = torch.randn(B, S, D), torch.randn(B, D), torch.randn(B, D)
+    kc0, vc0 = torch.randn(B, H, S, HD), torch.randn(B, H, S, HD)
+    vl0 = torch.tensor([[0, 9, 20, 20, 2], [3, 0, 1, 20, 0]][:B], dtype=torch.int32)  # gaps 20, 11, 0, 18
+    pos, hidx = torch.tensor([20, 19][:B]), torch.tensor([0, 1, 3, 4], dtype=torch.int32)
+    hidx = hidx if B > 1 else hidx[None]
+    w64 = [t.double() for t in w]
+    k64, v64, vl64 = kc0.double(), vc0.double(), vl0.clone()
+    ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, x_hist.double(), vl64, pos,
+                                          res.double())
+    for z in (1, 2, 3):
+        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist.clone()
+        cfg = {"qkv": {"SHARED_MIN_BATCH": 1, "SHARED_P": 2, "BLOCK_D": 16, "SLOW_Z": z}}
+        y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
+        assert torch.equal(vl, vl64)
+        for got, want in ((y, ref), (kc, k64), (vc, v64)):
+            assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), z
+
+
 @pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32},
                                     {"BLOCK_D": 16, "BLOCK_R": 32, "FUSED_FINISH": False}])
 def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, config):

@@ -92,9 +92,10 @@ SCRIPT = textwrap.dedent('''
                                                                      FINISH=fin, P=4, BLOCK_M=32, BLOCK_P=16,
                                                                      BLOCK_R=32, BLOCK_D=128, BLOCK_S=8, EVEN_D=new),
                              dt, overrides=qkv_ptrs)
-            compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
-                                                         BLOCK_D=128, BLOCK_S=8), dt,
-                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
+            for z in (1, 4):  # SLOW_Z 4: the slow path shared out over 4 programs
+                compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
+                                                             BLOCK_D=128, BLOCK_S=8, SLOW_Z=z), dt,
+                             overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
     compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._FUSED, FIRST=0, LAST=2,
