@@ -292,6 +292,18 @@ def _qkv_b1(**kv):
     return apply
 
 
+def _attn_setting(**kv):
+    """sparse_attention.ATTN_CONFIG entries for one row."""
+    def apply(eng):
+        import importlib
+
+        cfg = importlib.import_module("dejavu.plugins.sparse_attention").ATTN_CONFIG
+        old = dict(cfg)
+        cfg.update(kv)
+        return lambda: (cfg.clear(), cfg.update(old))
+    return apply
+
+
 def _neurons_first(eng):
     """The predictor schedule before session 6: a layer's neuron predictor first, and the main
     stream waits for both of its predictors before the layer's attention."""
@@ -398,6 +410,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # the finishing kernel's slow path (slots beyond the partials) shared out over Z programs
              "slowz4": _qkv_b1(SLOW_Z=4), "slowz8": _qkv_b1(SLOW_Z=8),
              "slowz4finishs16": _qkv_b1(SLOW_Z=4, FINISH_S=16),
+             # batch 1: the attention chunks combined inside the output projection (no combine launch)
+             "foldcombine": _attn_setting(FOLD_COMBINE=True),
+             "foldslowz4": _both(_attn_setting(FOLD_COMBINE=True), _qkv_b1(SLOW_Z=4)),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring

@@ -262,16 +262,17 @@ def _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap):
     return x, wl, kc, vc, hist, vl, pos_t, rand_idx(B, H, kh, shared)
 
 
-def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap, config=None):
+def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap, config=None, attn=None):
     """Deferred K/V decode (Q/K/V kernel + attention with commit + out-proj) vs float64;
-    `config`: QKV_CONFIG overrides (SPLIT, FUSED_FINISH, ...)."""
+    `config`: QKV_CONFIG overrides (SPLIT, FUSED_FINISH, SLOW_Z, ...); `attn`: ATTN_CONFIG
+    overrides (FOLD_COMBINE)."""
     DK = sys.modules["dejavu.plugins.deferred_kv"]
     x, wl, kc, vc, hist, vl, pos_t, hidx = _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap)
     res = randn(B, H * hd, dtype=dtype)
     st = [t.clone() for t in (kc, vc, hist, vl)]
     y = torch.full((B, H * hd), float("nan"), dtype=dtype, device=DEV)
-    DK.sparse_attn_decode_deferred(x, *wl, hidx, *st, pos_t, res, out=y, validate=True,
-                                   config={"qkv": config} if config else None)
+    cfg = {k: v for k, v in (("qkv", config), ("attn", attn)) if v}
+    DK.sparse_attn_decode_deferred(x, *wl, hidx, *st, pos_t, res, out=y, validate=True, config=cfg or None)
     s64 = [kc.double(), vc.double(), hist.double(), vl.clone()]
     ref = DK.sparse_attn_decode_deferred_ref(x.double(), *[t.double() for t in wl], hidx, *s64, pos_t, res.double())
     s16 = [t.clone() for t in (kc, vc, hist, vl)]
@@ -438,6 +439,12 @@ def run_checks():
         cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 28}, **deep)))
         cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 1}, **deep)))
         cases.append(("recompute", dict(B=2, shared=False, gap=gap, config={"SPLIT": 56}, **deep)))
+    # the slow path shared out over SLOW_Z programs; the attention chunks combined in the projection
+    for gap in ((3, 40, 100) if big else ()):
+        cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 4}, **deep)))
+        cases.append(("deferred", dict(B=1, shared=False, gap=gap, attn={"FOLD_COMBINE": True}, **deep)))
+        cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 8},
+                                       attn={"FOLD_COMBINE": True}, **deep)))
     for dtype in (torch.bfloat16, torch.float32):  # fp32: the DOT_FP32 path; D=144 in 9 slices of 16
         cases.append(("deferred", dict(B=3, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=False, gap=40,
                                        config={"BLOCK_D": 16, "SPLIT": 9})))

@@ -651,7 +651,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         after_qkv()
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos]; 3. output projection
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, cfg.get("attn"),
-                     commit=(valid_len, x_ln, x_hist))
+                     commit=(valid_len, x_ln, x_hist), fold=True)
     y = project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out)  # + LayerNorm(y) with ln
     return y if ln is None else (y, ln_out)
 

@@ -32,6 +32,8 @@ them; the output projection would count such a head twice).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dejavu.errors import DejavuError
@@ -47,7 +49,19 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # `benchmarks/kernels.py --sweep-attn` runs on the H200 (OPT-30B, head density 0.3, contexts
 # 128 and 1024): CHUNK 64 164 us summed vs 186 for 256 (first run); CHUNK 32 141.5 vs 143.5
 # for 64 after the split-D Q/K/V kernel (second run, kernels-h200-sweep-attn.json).
-ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4}
+# FOLD_COMBINE: at batch 1 (the projection through the dot kernel), the output projection
+# combines the chunks' partials itself (sparse_mlp._combined_heads, per k-block) instead of
+# _attn_combine_kernel: one launch fewer per layer; up to FOLD_MAX_CHUNKS chunks (more: the
+# per-block loads grow with the chunk count, and the combine kernel runs).
+ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16}
+
+
+class AttnParts(NamedTuple):
+    """attend_heads(fold=True) at batch 1: the per-chunk partials, for project_out to combine."""
+    acc: torch.Tensor  # [Kh * nchunk, hd] fp32, unnormalised
+    ml: torch.Tensor  # [Kh * nchunk, 2] fp32: running max, sum
+    nchunk: int
+    q: torch.Tensor  # [1, Kh * hd]: the shape of o (not read)
 
 
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
@@ -223,18 +237,22 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
     # 3. attention; 4. output projection
-    o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config)
+    o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, fold=True)
     return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out)
 
 
-def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None):
+def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False):
     """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
     cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
-    store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V)."""
+    store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V).
+    fold=True: where FOLD_COMBINE applies, AttnParts instead of o (for project_out)."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
     nchunk = -(-S // cfg["CHUNK"])  # from S_max, not pos: no sync, graph-safe
+    from dejavu.plugins import sparse_mlp
+    fold = (fold and cfg["FOLD_COMBINE"] and B == 1 and 1 < nchunk <= cfg["FOLD_MAX_CHUNKS"]
+            and sparse_mlp.FC2_DOT_MIN_BATCH <= 1)
     o = torch.empty_like(q)
     part = ml = o  # unused unless split
     if nchunk > 1:
@@ -251,6 +269,8 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
                             num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
+    if fold:
+        return AttnParts(part, ml, nchunk, q)
     if nchunk > 1:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
@@ -260,9 +280,13 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
 
 def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None):
     """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual); with
-    ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). Returns y."""
+    ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). o may be
+    attend_heads' AttnParts (combined inside the projection kernel). Returns y."""
+    combine = None
+    if isinstance(o, AttnParts):
+        o, combine = o.q, (o.acc, o.ml, o.nchunk)
     hd = o.shape[1] // head_idx.shape[-1]
-    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out)
+    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out, combine=combine)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,

@@ -360,13 +360,19 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
 def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
                          cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
                          B, D, K, K_PER_SPLIT, stride_hb, SPLIT, N_D, N_COL, N_LN, eps, N_ROWS,
+                         apart_ptr, ml_ptr, NCHUNK,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
                          LN: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                         LN_BLOCK: tl.constexpr, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         LN_BLOCK: tl.constexpr, COMBINE: tl.constexpr = 0, BLOCK_C: tl.constexpr = 2,
+                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel.
+    # COMBINE (B == 1, the attention output projection): h is not read; its values come from the
+    # attention kernel's per-chunk partials (sparse_attention._attn_decode_kernel, PARTIAL):
+    # h[k] = sum_c exp(m_c - M) acc_c[k % GROUP] / sum_c exp(m_c - M) l_c over the NCHUNK chunks
+    # of head slot k // GROUP (what _attn_combine_kernel computes, here per k-block: no launch).
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -385,8 +391,12 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
         rows = _group_rows(idx_ptr, offs_k, kmask, GROUP)
-        hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
-                     mask=bmask[:, None] & kmask[None, :], other=0.0)
+        if COMBINE:
+            ov = _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP, BLOCK_C)
+            hv = tl.where((offs_b == 0)[:, None], ov[None, :], 0.0)
+        else:
+            hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
+                         mask=bmask[:, None] & kmask[None, :], other=0.0)
         if EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :])
         else:
@@ -414,6 +424,22 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, pid_d,
                 B, D, SPLIT, N_D, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, BLOCK_N,
                 LN_BLOCK)
+
+
+@helper
+def _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Attention output o[k] (fp32, batch 1) of positions offs_k from the per-chunk partials:
+    # acc [slot * NCHUNK + c, GROUP], (m, l) [slot * NCHUNK + c, 2], slot = k // GROUP; chunks
+    # past pos have m = -inf, l = 0 and weigh nothing (as in _attn_combine_kernel).
+    offs_c = tl.arange(0, BLOCK_C)
+    cm = kmask[:, None] & (offs_c < NCHUNK)[None, :]
+    row = ((offs_k // GROUP).to(tl.int64) * NCHUNK)[:, None] + offs_c[None, :]  # [BLOCK_K, BLOCK_C]
+    m = tl.load(ml_ptr + row * 2, mask=cm, other=float("-inf"))
+    l = tl.load(ml_ptr + row * 2 + 1, mask=cm, other=0.0)
+    top = tl.max(m, axis=1)
+    w = tl.where(cm & (m > float("-inf")), tl.exp(m - top[:, None]), 0.0)
+    acc = tl.load(apart_ptr + row * GROUP + (offs_k % GROUP)[:, None], mask=cm, other=0.0)
+    return tl.where(kmask, tl.sum(acc * w, axis=1) / tl.where(kmask, tl.sum(w * l, axis=1), 1.0), 0.0)
 
 
 def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
@@ -495,10 +521,13 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
     return out
 
 
-def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None):
+def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
+                  combine=None):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
-    LayerNorm(out) (eps LN_EPS). Returns out."""
+    LayerNorm(out) (eps LN_EPS). combine = (acc [Kh * nchunk, group], ml [Kh * nchunk, 2],
+    nchunk): batch 1 through the dot kernel only; h's values come from these attention partials
+    inside the kernel (h gives the shape and is not read). Returns out."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -506,6 +535,8 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     shared = idx.dim() == 1
     dot = (shared or B == 1) and B >= FC2_DOT_MIN_BATCH
     route = (("proj1" if group > 1 else "dot1") if B == 1 else "dot") if dot else "gemv"
+    if combine is not None and not (dot and B == 1):
+        raise DejavuError("gather_gemv_t: combine= needs batch 1 through the dot kernel")
     cfg = {**FC2_CONFIG[route], **(config or {})}
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
     n_d = _cdiv(D, block_d)
@@ -536,10 +567,11 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                   **pdl_args(h.device, "proj" if group > 1 else "fc2"))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
+        apart, ml, nchunk = combine if combine is not None else (h, h, 1)  # never read without COMBINE
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
-                             h.stride(0), *sizes, DOT_FP32=_dot_fp32(w_t.dtype, h.device),
+                             h.stride(0), *sizes, apart, ml, nchunk, DOT_FP32=_dot_fp32(w_t.dtype, h.device),
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
-                             **common)
+                             COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,

@@ -250,6 +250,25 @@ def test_slow_path_shared_out_over_programs(triton_interp, B):
             assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), z
 
 
+def test_deferred_with_combine_folded(triton_interp):
+    """Batch 1 deferred decode with the attention chunks combined in the output projection
+    (ATTN FOLD_COMBINE, 6 chunks of 4 slots): the float64 reference's output, caches, valid_len."""
+    w = weights(torch.float32)
+    x_hist, x, res = torch.randn(1, S, D), torch.randn(1, D), torch.randn(1, D)
+    kc0, vc0 = torch.randn(1, H, S, HD), torch.randn(1, H, S, HD)
+    vl0 = torch.tensor([[0, 9, 20, 20, 2]], dtype=torch.int32)
+    pos, hidx = torch.tensor([20]), torch.tensor([[0, 1, 3, 4]], dtype=torch.int32)
+    k64, v64, vl64 = kc0.double(), vc0.double(), vl0.clone()
+    ref = sparse_attn_decode_deferred_ref(x.double(), *[t.double() for t in w], hidx, k64, v64,
+                                          x_hist.double(), vl64, pos, res.double())
+    kc, vc, vl = kc0.clone(), vc0.clone(), vl0.clone()
+    y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, x_hist.clone(), vl, pos, res,
+                                    config={"attn": {"CHUNK": 4, "BLOCK_S": 4, "FOLD_COMBINE": True}})
+    assert torch.equal(vl, vl64)
+    for got, want in ((y, ref), (kc, k64), (vc, v64)):
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32},
                                     {"BLOCK_D": 16, "BLOCK_R": 32, "FUSED_FINISH": False}])
 def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, config):

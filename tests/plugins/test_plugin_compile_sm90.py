@@ -67,6 +67,13 @@ SCRIPT = textwrap.dedent('''
             compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=128, BLOCK_B=16, BLOCK_D=64,
                                                            EVEN_D=False, BLOCK_S=4, **fin),
                          dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"})
+        # the attention output projection combining the chunks' partials (ATTN FOLD_COMBINE)
+        compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
+                                                       EVEN_D=True, BLOCK_S=4, FINAL=False, HAS_RES=True, FUSED=False,
+                                                       LN=False, BLOCK_N=128, LN_BLOCK=2048, GROUP=128, COMBINE=True,
+                                                       BLOCK_C=16),
+                     dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32", "apart_ptr": "*fp32",
+                                    "h_ptr": "*fp32"})
     compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4))
     compile_sm90(SM, SM._split_reduce_ln_kernel, dict(HAS_RES=True, BLOCK_D=256, BLOCK_S=16, BLOCK_N=32,
                                                       LN_BLOCK=8192),

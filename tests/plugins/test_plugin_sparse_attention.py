@@ -82,6 +82,38 @@ def test_context_split_into_chunks(triton_interp, close, chunk):
     close(y, ref, sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("pos", [5, 17])
+def test_combine_folded_into_projection(triton_interp, close, dtype, pos):
+    """Batch 1, FOLD_COMBINE: the output projection combines the chunks' partials itself (k-blocks
+    of 64 rows span several 12-channel heads; chunks past pos weigh nothing): the float64
+    reference's output, and the unfolded path's within rounding."""
+    w, (kc, vc) = make(1, dtype)
+    x, res, hidx = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype), heads(1, 4, False)
+    k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()
+    ys = []
+    for fold in (True, False):
+        k, v = kc.clone(), vc.clone()
+        y = torch.full((1, D), float("nan"), dtype=dtype)
+        sparse_attn_decode(x, *w, hidx, k, v, torch.tensor(pos), res, out=y,
+                           config={"CHUNK": 4, "BLOCK_S": 4, "FOLD_COMBINE": fold})
+        ys.append(y)
+    ref = sparse_attn_decode_ref(x.double(), *[t.double() for t in w], hidx, k64, v64, pos, res.double())
+    close(ys[0], ref, sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos, res))
+    assert torch.allclose(ys[0].float(), ys[1].float(), rtol=1e-2 if dtype == torch.float16 else 1e-5,
+                          atol=1e-2 if dtype == torch.float16 else 1e-5)
+
+
+def test_fold_only_at_batch1_dot_route():
+    """FOLD_COMBINE applies at batch 1 only; gather_gemv_t rejects combine= elsewhere."""
+    from dejavu.plugins.sparse_mlp import gather_gemv_t
+    w, _ = make(2, torch.float32)
+    h = torch.randn(2, 4 * HD)
+    with pytest.raises(DejavuError, match="combine= needs batch 1"):
+        gather_gemv_t(h, w[4], w[5], heads(2, 4, False), None, torch.empty(2, D),
+                      group=HD, combine=(h, h, 2))
+
+
 def test_python_int_pos_and_no_heads(triton_interp):
     w, (kc, vc) = make(1, torch.float32)
     x, res = torch.randn(1, D), torch.randn(1, D)
