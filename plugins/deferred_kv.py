@@ -83,14 +83,18 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
-              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1}
+              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
 # 111.6 vs 116.0 us per two calls; decode step 6.93 vs 7.03 ms). A copy made at import:
 # later edits of QKV_CONFIG do not reach batch 1.
+# SLOW_Z None: as many programs per row block as fill ~SLOW_TARGET finishing programs (at most
+# 8): OPT-30B shape, batch 1, d0.1 (6 heads, 144 row blocks): 4, 4.20 vs 4.39 ms/token with 1;
+# d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, session 8).
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
-                 "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1}
+                 "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
+                 "SLOW_Z": None, "SLOW_TARGET": 640}
 
 
 @helper
@@ -475,6 +479,15 @@ def _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, va
     return B, S, D, H, hd, kh
 
 
+def slow_z(cfg: dict, row_blocks: int) -> int:
+    """Programs per row block of the finishing kernel: cfg's SLOW_Z, or (None) as many as fill
+    ~SLOW_TARGET programs, 1 to 8."""
+    z = cfg.get("SLOW_Z", 1)
+    if z is None:
+        z = max(1, min(8, cfg["SLOW_TARGET"] // max(1, row_blocks)))
+    return z
+
+
 def _mark_valid(valid_len, head_idx, pos_t):
     """valid_len[b, head_idx[b, j]] = pos[b] + 1 (scatter_: static shapes, no sync)."""
     B = valid_len.shape[0]
@@ -537,6 +550,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         return
     fr, z = cfg["FINISH_R"], cfg.get("SLOW_Z", 1)
     nbf = -(-hd // fr)
+    z = slow_z(cfg, B * kh * (3 - first) * nbf)
     finish = jit(_qkv_finish_kernel, dev)
     finish[(B * kh, (3 - first) * nbf, z)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,

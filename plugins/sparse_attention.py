@@ -52,7 +52,10 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # FOLD_COMBINE: at batch 1 (the projection through the dot kernel), the output projection
 # combines the chunks' partials itself (sparse_mlp._combined_heads, per k-block) instead of
 # _attn_combine_kernel: one launch fewer per layer; up to FOLD_MAX_CHUNKS chunks (more: the
-# per-block loads grow with the chunk count, and the combine kernel runs).
+# per-block loads grow with the chunk count, and the combine kernel runs). Off: on the H200 it
+# made the decode step slower (OPT-30B shape, batch 1: 7.44 vs 6.59 ms/token at d0.3, 4.56 vs
+# 4.39 at d0.1; BENCHMARKS.md, session 8): the partials' loads slow every k-block of the
+# bandwidth-bound projection more than the launch it saves.
 ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16}
 
 

@@ -228,7 +228,7 @@ def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, f
 def test_slow_path_shared_out_over_programs(triton_interp, B):
     """SLOW_Z programs per row block share the finishing kernel's slow path (SHARED_P 2: one missing
     slot from the partials, the rest in whole-D chunks of BLOCK_P 16; gaps up to 20 = two chunks):
-    for SLOW_Z 1, 2 and 3 the output, caches and valid_len equal the float64 reference's (caches
+    for SLOW_Z 1, 2, 3 and auto the output, caches and valid_len equal the float64 reference's (caches
     start random: the slots below valid_len stand for earlier steps' K/V)."""
     dtype = torch.float32
     w = weights(dtype)
@@ -241,13 +241,22 @@ def test_slow_path_shared_out_over_programs(triton_interp, B):
     k64, v64, vl64 = kc0.double(), vc0.double(), vl0.clone()
     ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, x_hist.double(), vl64, pos,
                                           res.double())
-    for z in (1, 2, 3):
+    for z in (1, 2, 3, None):  # None: 640 // 12 row blocks -> 8
         kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist.clone()
         cfg = {"qkv": {"SHARED_MIN_BATCH": 1, "SHARED_P": 2, "BLOCK_D": 16, "SLOW_Z": z}}
         y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
         assert torch.equal(vl, vl64)
         for got, want in ((y, ref), (kc, k64), (vc, v64)):
             assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), z
+
+
+def test_slow_z_fills_one_wave():
+    """SLOW_Z None: programs per row block so that ~SLOW_TARGET finishing programs run (1 to 8)."""
+    from dejavu.plugins.deferred_kv import QKV_CONFIG_B1, slow_z
+    cfg = {**QKV_CONFIG_B1, "SLOW_Z": None, "SLOW_TARGET": 640}
+    # OPT-30B, batch 1: 6 heads (d0.1) x 3 segments x 8 blocks of 16 rows; 17 heads (d0.3); 3 heads
+    assert [slow_z(cfg, n) for n in (144, 408, 72, 30, 700)] == [4, 1, 8, 8, 1]
+    assert slow_z({**cfg, "SLOW_Z": 3}, 408) == 3 and slow_z({"SLOW_Z": 1}, 5) == 1
 
 
 def test_deferred_with_combine_folded(triton_interp):
