@@ -400,6 +400,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
              "tritonscoreplain": _scoring("triton", "plain"),
              "cublasscore": _scoring("torch"), "nopred": _no_predictors, "nopredrand": _no_predictors_random,
+             "nopredrand2": _no_predictors_random,  # a second row in one run (spread)
              # deferred K/V at batch 1: 31 missing slots per tl.dot (heads unselected for up to 31
              # steps catch up in the partial kernel, not the finishing kernel's serial slow path)
              "qkvp32": _qkv_b1(BLOCK_P=32, SHARED_P=32),
