@@ -280,28 +280,26 @@ def _no_predictors_random(eng):
     return lambda: setattr(pred, "topk", old)
 
 
-def _qkv_b1(**kv):
-    """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
+def _table(module: str, name: str, **kv):
+    """Entries of the config table dejavu.plugins.<module>.<name> for one row (undo restores it)."""
     def apply(eng):
         import importlib
 
-        cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG_B1
+        cfg = getattr(importlib.import_module(f"dejavu.plugins.{module}"), name)
         old = dict(cfg)
         cfg.update(kv)
         return lambda: (cfg.clear(), cfg.update(old))
     return apply
+
+
+def _qkv_b1(**kv):
+    """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
+    return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
 
 
 def _attn_setting(**kv):
     """sparse_attention.ATTN_CONFIG entries for one row."""
-    def apply(eng):
-        import importlib
-
-        cfg = importlib.import_module("dejavu.plugins.sparse_attention").ATTN_CONFIG
-        old = dict(cfg)
-        cfg.update(kv)
-        return lambda: (cfg.clear(), cfg.update(old))
-    return apply
+    return _table("sparse_attention", "ATTN_CONFIG", **kv)
 
 
 def _neurons_first(eng):

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         return 2
     model = a.model or res[0]["model"]
     batches = sorted({r["batch"] for r in res if r["model"] == model})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.2 * len(batches), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(max(7.0, 5.2 * len(batches)), 4.2), squeeze=False)
     for ax, B in zip(axes[0], batches):
         s = series(res, model, B)
         floor_done = False
