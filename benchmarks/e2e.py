@@ -411,6 +411,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "slowz4finishs16": _qkv_b1(SLOW_Z=4, FINISH_S=16),
              # batch 1: the attention chunks combined inside the output projection (no combine launch)
              "foldcombine": _attn_setting(FOLD_COMBINE=True),
+             # attention chunk length (positions per program; fewer chunks to combine)
+             "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
+             "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),
              "foldslowz4": _both(_attn_setting(FOLD_COMBINE=True), _qkv_b1(SLOW_Z=4)),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
