@@ -297,6 +297,19 @@ def _qkv_b1(**kv):
     return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
 
 
+def _fc2_route(route: str, **kv):
+    """sparse_mlp.FC2_CONFIG[route] entries for one row ("dot1": fc2 at batch 1, "proj1": the
+    attention output projection at batch 1)."""
+    def apply(eng):
+        import importlib
+
+        table = importlib.import_module("dejavu.plugins.sparse_mlp").FC2_CONFIG
+        old = dict(table[route])
+        table[route] = {**old, **kv}
+        return lambda: table.__setitem__(route, old)
+    return apply
+
+
 def _attn_setting(**kv):
     """sparse_attention.ATTN_CONFIG entries for one row."""
     return _table("sparse_attention", "ATTN_CONFIG", **kv)
@@ -411,6 +424,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "slowz4finishs16": _qkv_b1(SLOW_Z=4, FINISH_S=16),
              # batch 1: the attention chunks combined inside the output projection (no combine launch)
              "foldcombine": _attn_setting(FOLD_COMBINE=True),
+             # block shapes of the weight-streaming kernels inside the step (batch 1)
+             "qkvr32": _qkv_b1(BLOCK_R=32), "qkvs4": _qkv_b1(num_stages=4), "qkvd256": _qkv_b1(BLOCK_D=256),
+             "proj1056": _fc2_route("proj1", TARGET_PROGRAMS=1056), "fc2t1056": _fc2_route("dot1", TARGET_PROGRAMS=1056),
+             "fc2s4": _fc2_route("dot1", num_stages=4),
              # attention chunk length (positions per program; fewer chunks to combine)
              "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
              "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),
