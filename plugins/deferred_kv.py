@@ -28,7 +28,9 @@ its partials (`_common.last_arrival`, one counter per row block from `_common.co
 finishes the rows (`_finish_rows`): sums the partials (.cg loads: L2, not L1), adds the
 bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those slots; a head
 unselected for more than BLOCK_P steps gets its further slots there, from whole-D tl.dot
-passes over its rows (rare: the slow path). With SPLIT == 1 the program finishes from its
+passes over its rows (the slow path: ~20% of selections with random sets at head density
+0.1, ~1% with opt-mini's trained predictors; the separate finishing kernel shares its chunks
+out over SLOW_Z programs per row block). With SPLIT == 1 the program finishes from its
 registers (no counter). That one-launch form is opt-in (QKV_CONFIG["FUSED_FINISH"]): on the
 H200 it made the decode step slower (OPT-30B shape, density 0.3, batch 1: 8.28 vs 7.70
 ms/token with both of this session's fusions on vs off; the fused partial kernel needs ~250
@@ -426,7 +428,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                      stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
     else:
         b64 = b.to(tl.int64)
-        if z == 0:  # the partials' slots (HIST_LEN 0 in _store_qkv: it runs no slow path itself)
+        if z == 0:  # the slots the partials hold (SLOW 0: _store_qkv leaves the slow path to the loop below)
             new, hist = _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B, KH, HD,
                                       SPLIT, HIST_LEN, BLOCK_P, BLOCK_R, BLOCK_S)
             _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg,
