@@ -29,6 +29,7 @@ while a main-stream kernel did. `--trace-dir D` keeps the raw traces (gzip).
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import os
@@ -63,17 +64,15 @@ def side_kernel(score_rows: set[int]):
     return side
 
 
-def timeline(events: list[dict], steps: int, side_fn=None) -> dict:
+def timeline(events: list[dict], steps: int, side_fn) -> dict:
     """Critical-path charges of the main stream from Chrome-trace kernel events (ts/dur in us);
-    side_fn(event) True: a side-stream kernel (None: the stream with the most kernels is main)."""
-    by_stream: dict = defaultdict(list)
+    side_fn(event) True: a side-stream (predictor) kernel."""
+    by_stream: dict = {"main": [], "side": []}
     for e in events:
-        tid = ("side" if side_fn(e) else "main") if side_fn else e["tid"]
-        by_stream[tid].append((e["ts"], e["ts"] + e["dur"], _short(e["name"])))
-    if not by_stream:
+        by_stream["side" if side_fn(e) else "main"].append((e["ts"], e["ts"] + e["dur"], _short(e["name"])))
+    ks = sorted(by_stream["main"])
+    if not ks:
         return {}
-    main = "main" if side_fn else max(by_stream, key=lambda k: len(by_stream[k]))
-    ks = sorted(by_stream[main])
     charge: dict[str, list] = defaultdict(lambda: [0.0, 0])
     idle, end = 0.0, ks[0][0]
     for i, (t0, t1, name) in enumerate(ks):
@@ -83,7 +82,7 @@ def timeline(events: list[dict], steps: int, side_fn=None) -> dict:
         idle += max(0.0, t0 - end)
         end = max(end, t1)
     span = ks[-1][1] - ks[0][0]
-    side = [iv for k, v in by_stream.items() if k != main for iv in v]
+    side = by_stream["side"]
     side_us = sum(t1 - t0 for t0, t1, _ in side)
     # side-stream time that ran while some main-stream kernel was running (merged main intervals)
     merged: list[list[float]] = []
@@ -92,7 +91,6 @@ def timeline(events: list[dict], steps: int, side_fn=None) -> dict:
             merged[-1][1] = max(merged[-1][1], t1)
         else:
             merged.append([t0, t1])
-    import bisect
     starts = [m[0] for m in merged]
     over = 0.0
     for t0, t1, _ in side:
@@ -101,13 +99,13 @@ def timeline(events: list[dict], steps: int, side_fn=None) -> dict:
             over += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
             i += 1
     rows = sorted(([k, v[0] / steps, v[1] / steps] for k, v in charge.items()), key=lambda r: -r[1])
-    return {"main_stream": str(main), "streams": len(by_stream), "span_ms_per_step": span / steps / 1e3,
+    return {"span_ms_per_step": span / steps / 1e3,
             "main_idle_ms_per_step": idle / steps / 1e3, "side_kernel_ms_per_step": side_us / steps / 1e3,
             "side_overlapping_main_ms_per_step": over / steps / 1e3,
             "charges": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows]}
 
 
-def profile_steps(step, tokens, pos, steps: int, trace: Path | None = None, side_fn=None) -> dict:
+def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = None) -> dict:
     """Time `steps` decode steps, then profile as many more; each step one position further
     (so the deferred K/V policy sees its steady state: newly selected heads catch up)."""
     from torch.profiler import ProfilerActivity, profile
@@ -211,8 +209,8 @@ def main(argv=None) -> int:
                 pos = lens.cuda()
                 eng.decoder.prefill(ids.cuda(), pos)
                 tokens = torch.full((a.batch,), 5, dtype=torch.long, device="cuda")
-                r = profile_steps(step, tokens, pos, a.steps,
-                                  trace_dir / f"trace-{name}.json.gz" if trace_dir else None, side)
+                r = profile_steps(step, tokens, pos, a.steps, side,
+                                  trace_dir / f"trace-{name}.json.gz" if trace_dir else None)
         finally:
             if undo:
                 undo()

@@ -39,6 +39,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out,
                                     check_tensor, default_validate, gdc_enter, jit, next_pow2, pdl_args)
+from dejavu.plugins import sparse_mlp
 from dejavu.plugins.sparse_mlp import LN_EPS, check_ln, gather_gemv, gather_gemv_t, with_ln_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -253,7 +254,6 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
     nchunk = -(-S // cfg["CHUNK"])  # from S_max, not pos: no sync, graph-safe
-    from dejavu.plugins import sparse_mlp
     fold = (fold and cfg["FOLD_COMBINE"] and B == 1 and 1 < nchunk <= cfg["FOLD_MAX_CHUNKS"]
             and sparse_mlp.FC2_DOT_MIN_BATCH <= 1)
     o = torch.empty_like(q)
