@@ -334,6 +334,14 @@ def _side_priority(eng):
     return lambda: setattr(pred, "side", old)
 
 
+def _main_priority(eng):
+    """The decode graph captured on a stream of the highest priority (SparseDecoder.graph_priority):
+    the main stream's latency-bound kernels take freed SM slots before the predictors' queued ones."""
+    dec = eng.decoder
+    dec.graph_priority = -100  # mapped to the highest
+    return lambda: setattr(dec, "graph_priority", 0)
+
+
 def _topk_fused(eng):
     """The predictors' top-k in one launch with a grid barrier per round (TOPK_CONFIG fused on)."""
     import importlib
@@ -428,6 +436,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "qkvr32": _qkv_b1(BLOCK_R=32), "qkvs4": _qkv_b1(num_stages=4), "qkvd256": _qkv_b1(BLOCK_D=256),
              "proj1056": _fc2_route("proj1", TARGET_PROGRAMS=1056), "fc2t1056": _fc2_route("dot1", TARGET_PROGRAMS=1056),
              "fc2s4": _fc2_route("dot1", num_stages=4),
+             # session 9: the main stream's graph at the highest priority; the attention chunks
+             # combined by the last chunk program of each head (no combine launch); both
+             "mainhigh": _main_priority, "lastcombine": _attn_setting(LAST_COMBINE=True),
+             "lastcombinehigh": _both(_main_priority, _attn_setting(LAST_COMBINE=True)),
              # attention chunk length (positions per program; fewer chunks to combine)
              "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
              "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),

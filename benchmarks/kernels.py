@@ -221,7 +221,9 @@ def _attn_inputs(B, H, hd, S, dtype):
     return randn(B, D, dtype=dtype), w, kc, vc
 
 
-def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False):
+def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False, attn=None):
+    """sparse_attn_decode vs float64 (output and cache); `graph`: through a captured CUDA graph
+    replayed at another pos; `attn`: ATTN_CONFIG overrides (LAST_COMBINE)."""
     x, w, kc, vc = _attn_inputs(B, H, hd, S, dtype)
     res = randn(B, H * hd, dtype=dtype)
     hidx = rand_idx(B, H, kh, shared)
@@ -231,15 +233,15 @@ def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False):
     y = torch.full((B, H * hd), float("nan"), dtype=dtype, device=DEV)
     if graph:  # capture with one pos, replay with another: the kernel must follow pos_t
         pos_t.fill_(1)
-        P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y)  # warm up / compile
+        P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y, config=attn)  # warm up / compile
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y)
+            P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y, config=attn)
         kc1.copy_(kc), vc1.copy_(vc), y.fill_(float("nan"))
         pos_t.fill_(pos)
         g.replay()
     else:
-        P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y, validate=True)
+        P.sparse_attn_decode(x, *wl, hidx, kc1, vc1, pos_t, res, out=y, validate=True, config=attn)
     kc2, vc2 = kc.double(), vc.double()
     ref = P.sparse_attn_decode_ref(x.double(), *[t.double() for t in wl], hidx, kc2, vc2, pos_t,
                                    res.double())
@@ -249,7 +251,8 @@ def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False):
     cache_err = (kc1.double() - kc2).abs().max().item()
     ok = ok and cache_err <= 2 * (kc3.double() - kc2).abs().max().item() + TOL[dtype][0]
     e["cache_err"] = cache_err
-    return ok, e
+    e["counters_zero"] = _counters_zero(x.device)  # each last_arrival put its counter back
+    return ok and e["counters_zero"], e
 
 
 def _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap):
@@ -423,6 +426,13 @@ def run_checks():
                                    shared=shared)))
     cases.append(("attn", dict(B=2, H=56 if big else 6, hd=128 if big else 16, S=320, pos=200,
                                kh=17 if big else 3, dtype=torch.bfloat16, shared=False, graph=big)))
+    # the chunks combined by the attention kernel's last program per head (LAST_COMBINE): real
+    # shapes (10 chunks of 32), batch 4, a graph replayed at another pos
+    for B, shared, graph in ((1, False, False), (4, True, False), (4, False, False), (1, False, True))[:4 if big else 0]:
+        cases.append(("attn", dict(B=B, H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16, shared=shared,
+                                   graph=graph, attn={"LAST_COMBINE": True})))
+    cases.append(("attn", dict(B=2, H=6, hd=24, S=90, pos=70, kh=4, dtype=torch.float32, shared=False,
+                               attn={"LAST_COMBINE": True})))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for B, shared, gap in ((1, False, 3), (3, False, 40), (3, True, 0)):
             cases.append(("deferred", dict(B=B, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=shared, gap=gap)))
@@ -445,6 +455,7 @@ def run_checks():
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, attn={"FOLD_COMBINE": True}, **deep)))
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 8},
                                        attn={"FOLD_COMBINE": True}, **deep)))
+        cases.append(("deferred", dict(B=1, shared=False, gap=gap, attn={"LAST_COMBINE": True}, **deep)))
     for dtype in (torch.bfloat16, torch.float32):  # fp32: the DOT_FP32 path; D=144 in 9 slices of 16
         cases.append(("deferred", dict(B=3, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=False, gap=40,
                                        config={"BLOCK_D": 16, "SPLIT": 9})))

@@ -37,8 +37,8 @@ from typing import NamedTuple
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out,
-                                    check_tensor, default_validate, gdc_enter, jit, next_pow2, pdl_args)
+from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out, check_tensor, counters,
+                                    default_validate, gdc_enter, helper, jit, last_arrival, next_pow2, pdl_args)
 from dejavu.plugins import sparse_mlp
 from dejavu.plugins.sparse_mlp import LN_EPS, check_ln, gather_gemv, gather_gemv_t, with_ln_ref
 
@@ -57,7 +57,12 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # made the decode step slower (OPT-30B shape, batch 1: 7.44 vs 6.59 ms/token at d0.3, 4.56 vs
 # 4.39 at d0.1; BENCHMARKS.md, session 8): the partials' loads slow every k-block of the
 # bandwidth-bound projection more than the launch it saves.
-ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16}
+# LAST_COMBINE: the last of a head's chunk programs to finish (`_common.last_arrival`, one
+# counter per (sequence, head) from `_common.counters`) combines the chunks' partials in the
+# attention launch itself (`_combine_row`, .cg loads) instead of _attn_combine_kernel: one launch
+# fewer per layer at every batch, its work moved to the tail of the attention kernel.
+ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16,
+               "LAST_COMBINE": False}
 
 
 class AttnParts(NamedTuple):
@@ -68,16 +73,37 @@ class AttnParts(NamedTuple):
     q: torch.Tensor  # [1, Kh * hd]: the shape of o (not read)
 
 
+@helper
+def _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr):
+    # o[row] = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c over the row's NCHUNK chunk
+    # partials (.cg: from L2, where another program of the same launch may just have put them).
+    # Chunks past pos have m = -inf, l = 0, acc = 0 and weigh nothing.
+    offs_c = tl.arange(0, BLOCK_C)
+    cmask = offs_c < NCHUNK
+    offs_d = tl.arange(0, BLOCK_HD)
+    dmask = offs_d < HD
+    slots = row * NCHUNK + offs_c
+    m_c = tl.load(ml_ptr + slots * 2, mask=cmask, other=float("-inf"), cache_modifier=".cg")
+    l_c = tl.load(ml_ptr + slots * 2 + 1, mask=cmask, other=0.0, cache_modifier=".cg")
+    w = tl.exp(m_c - tl.max(m_c, axis=0))
+    w = tl.where(cmask & (m_c > float("-inf")), w, 0.0)
+    accs = tl.load(part_ptr + slots[:, None] * HD + offs_d[None, :],
+                   mask=cmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+    o = tl.sum(accs * w[:, None], axis=0) / tl.sum(w * l_c, axis=0)
+    tl.store(o_ptr + row * HD + offs_d, o, mask=dmask)
+
+
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
-                        vl_ptr, xnew_ptr, xh_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
+                        vl_ptr, xnew_ptr, xh_ptr, cnt_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, GDC: tl.constexpr = 0,
-                        PF: tl.constexpr = 0):
+                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, LAST_COMBINE: tl.constexpr = 0,
+                        BLOCK_C: tl.constexpr = 2, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
-    # else (one chunk) store o directly.
+    # else (one chunk) store o directly. LAST_COMBINE (with PARTIAL): the last of the row's
+    # NCHUNK programs to store its partials combines them into o (no combine launch).
     # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
     # x_hist[b, pos] = x_new[b] (no program here reads either).
     gdc_enter(GDC)
@@ -126,6 +152,10 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
         one = tl.arange(0, 1)
         tl.store(ml_ptr + slot * 2 + one, m_i)
         tl.store(ml_ptr + slot * 2 + 1 + one, l_i)
+        if LAST_COMBINE:
+            row = pid_b.to(tl.int64) * KH + pid_j
+            if last_arrival(cnt_ptr + row, NCHUNK):
+                _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C, BLOCK_HD)
     else:
         tl.store(o_ptr + qo + offs_d, acc / l_i, mask=dmask)
 
@@ -133,23 +163,9 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
 def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK,
                          BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, GDC: tl.constexpr = 0,
                          PF: tl.constexpr = 0):
-    # o = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c; grid (B * Kh,).
-    # Chunks past pos have m = -inf, l = 0, acc = 0 and weigh nothing.
+    # o = the chunks' partials combined (_combine_row); grid (B * Kh,).
     gdc_enter(GDC)
-    row = tl.program_id(0).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
-    cmask = offs_c < NCHUNK
-    offs_d = tl.arange(0, BLOCK_HD)
-    dmask = offs_d < HD
-    slots = row * NCHUNK + offs_c
-    m_c = tl.load(ml_ptr + slots * 2, mask=cmask, other=float("-inf"))
-    l_c = tl.load(ml_ptr + slots * 2 + 1, mask=cmask, other=0.0)
-    w = tl.exp(m_c - tl.max(m_c, axis=0))
-    w = tl.where(cmask & (m_c > float("-inf")), w, 0.0)
-    accs = tl.load(part_ptr + slots[:, None] * HD + offs_d[None, :],
-                   mask=cmask[:, None] & dmask[None, :], other=0.0)
-    o = tl.sum(accs * w[:, None], axis=0) / tl.sum(w * l_c, axis=0)
-    tl.store(o_ptr + row * HD + offs_d, o, mask=dmask)
+    _combine_row(part_ptr, ml_ptr, o_ptr, tl.program_id(0).to(tl.int64), HD, NCHUNK, BLOCK_C, BLOCK_HD)
 
 
 def _positions(pos, batch, device):
@@ -264,19 +280,23 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     block_hd = max(16, next_pow2(hd))
     vl, xn, xh = commit if commit is not None else (head_idx, q, q)  # never touched without COMMIT
     D = xh.shape[-1]
+    last = bool(cfg["LAST_COMBINE"]) and nchunk > 1 and not fold
+    cnt = counters(q.device, B * kh) if last else head_idx  # never touched without LAST_COMBINE
+    block_c = max(2, next_pow2(nchunk))
     kernel = jit(_attn_decode_kernel, q.device)
-    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, vl, xn, xh, kh, H, hd, D,
+    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, vl, xn, xh, cnt, kh, H, hd, D,
                             cfg["CHUNK"], nchunk, 0 if head_idx.dim() == 1 else head_idx.stride(0),
                             stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
                             PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
-                            num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
+                            LAST_COMBINE=last, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+                            **pdl_args(q.device, "attn"))
     if fold:
         return AttnParts(part, ml, nchunk, q)
-    if nchunk > 1:
+    if nchunk > 1 and not last:
         combine = jit(_attn_combine_kernel, q.device)
-        combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=max(2, next_pow2(nchunk)),
+        combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=block_c,
                            BLOCK_HD=block_hd, num_warps=4, **pdl_args(q.device, "attn_combine"))
     return o
 

@@ -97,6 +97,11 @@ class SparseDecoder:
         # the selected neurons}. {} (default) = off. Changes timing only, never outputs.
         # Off: every variant measured was slower (8.1-8.8 vs 7.7 ms/token; session 4).
         self.l2_prefetch: dict[str, int] = {}
+        # The priority of the stream the decode step's CUDA graph is captured on (graphs.py;
+        # PyTorch instantiates graphs with per-node priorities, so the main stream's kernels keep
+        # it while the predictor side stream stays at the default 0). Lower is higher; torch maps
+        # out-of-range values to the nearest valid one. 0 (default): both streams equal.
+        self.graph_priority = 0
         self._pf = None  # (stream, per-layer start and done events, sums buffer), made at first use
         self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
 

@@ -25,7 +25,8 @@ class DecodeGraph:
         # fills the selected heads' earlier slots from a garbage x_hist and marks them valid;
         # prefill resets valid_len to the prompt lengths, so they are recomputed before use.)
         self.pos = torch.full((B,), T - 1, dtype=torch.long, device=dev)
-        s = torch.cuda.Stream(device=dev)
+        # warm-up and capture on one stream of decoder.graph_priority (the captured kernels keep it)
+        s = torch.cuda.Stream(device=dev, priority=decoder.graph_priority)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for _ in range(warmup):
@@ -33,7 +34,7 @@ class DecodeGraph:
         torch.cuda.current_stream(dev).wait_stream(s)
         torch.cuda.synchronize(dev)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=s):
             self.logits = decoder.decode_step(self.tokens, self.pos)  # [B, V], static
         torch.cuda.synchronize(dev)
 

@@ -259,9 +259,11 @@ def test_slow_z_fills_one_wave():
     assert slow_z({**cfg, "SLOW_Z": 3}, 408) == 3 and slow_z({"SLOW_Z": 1}, 5) == 1
 
 
-def test_deferred_with_combine_folded(triton_interp):
+@pytest.mark.parametrize("attn", [{"FOLD_COMBINE": True}, {"LAST_COMBINE": True}], ids=["fold", "last"])
+def test_deferred_with_combine_folded(triton_interp, attn):
     """Batch 1 deferred decode with the attention chunks combined in the output projection
-    (ATTN FOLD_COMBINE, 6 chunks of 4 slots): the float64 reference's output, caches, valid_len."""
+    (ATTN FOLD_COMBINE) or by the attention kernel's last chunk program per head (LAST_COMBINE),
+    6 chunks of 4 slots: the float64 reference's output, caches, valid_len."""
     w = weights(torch.float32)
     x_hist, x, res = torch.randn(1, S, D), torch.randn(1, D), torch.randn(1, D)
     kc0, vc0 = torch.randn(1, H, S, HD), torch.randn(1, H, S, HD)
@@ -272,7 +274,7 @@ def test_deferred_with_combine_folded(triton_interp):
                                           x_hist.double(), vl64, pos, res.double())
     kc, vc, vl = kc0.clone(), vc0.clone(), vl0.clone()
     y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, x_hist.clone(), vl, pos, res,
-                                    config={"attn": {"CHUNK": 4, "BLOCK_S": 4, "FOLD_COMBINE": True}})
+                                    config={"attn": {"CHUNK": 4, "BLOCK_S": 4, **attn}})
     assert torch.equal(vl, vl64)
     for got, want in ((y, ref), (kc, k64), (vc, v64)):
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)

@@ -86,7 +86,11 @@ SCRIPT = textwrap.dedent('''
                      dt, overrides={"cnt_ptr": "*i32"})
     for commit in (False, True):
         compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=commit, COMMIT=commit, BLOCK_S=64, BLOCK_HD=128,
-                                                      BLOCK_X=1024))
+                                                      BLOCK_X=1024), overrides={"cnt_ptr": "*i32"})
+    # LAST_COMBINE: the last chunk program of each head combines (no combine launch)
+    compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128,
+                                                  BLOCK_X=8192, LAST_COMBINE=True, BLOCK_C=8),
+                 overrides={"cnt_ptr": "*i32"})
     for dt, f32 in (("fp16", False), ("bf16", False), ("fp32", True)):
         for new, first in ((True, 0), (False, 1)):
             # FINISH 0: partials only (two launches); 1: last_arrival finish; 2: SPLIT 1 (fp16 only)
@@ -140,8 +144,10 @@ SCRIPT = textwrap.dedent('''
         (DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
                                          BLOCK_S=1), {"pnew_ptr": "*fp32", "phist_ptr": "*fp32"}, False),
         (DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024), {}, False),
-        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192), {},
-         False),
+        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192),
+         {"cnt_ptr": "*i32"}, False),
+        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192,
+                                          LAST_COMBINE=True, BLOCK_C=8), {"cnt_ptr": "*i32"}, False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), {}, False),
         (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), {"eps": "fp32"}, False),
     ]

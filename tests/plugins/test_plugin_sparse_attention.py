@@ -68,18 +68,40 @@ def test_all_heads_is_dense_attention_and_positions_per_sequence(triton_interp):
         assert torch.allclose(y[b].double(), o @ wo_t + bo, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["combine_kernel", "last_combine"])
 @pytest.mark.parametrize("chunk", [4, 8])
-def test_context_split_into_chunks(triton_interp, close, chunk):
-    # S = 20 positions in chunks of 4 or 8: partial softmaxes combined; chunks past pos unused
+def test_context_split_into_chunks(triton_interp, close, chunk, last):
+    # S = 20 positions in chunks of 4 or 8: partial softmaxes combined (by a second kernel, or by
+    # the last chunk program of each head to finish: LAST_COMBINE); chunks past pos unused
+    from dejavu.plugins._common import counters
     B = 2
     w, (kc, vc) = make(B, torch.float16)
     x, hidx = torch.randn(B, D).half(), heads(B, 3, False)
     pos = torch.tensor([5, 17])
     k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()
-    y = torch.full((B, D), float("nan"), dtype=torch.float16)
-    sparse_attn_decode(x, *w, hidx, kc, vc, pos, out=y, config={"CHUNK": chunk, "BLOCK_S": 4})
-    ref = sparse_attn_decode_ref(x.double(), *[t.double() for t in w], hidx, k64, v64, pos)
-    close(y, ref, sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos))
+    for step in range(2):  # the counters are back to 0 after a launch: a second one combines too
+        y = torch.full((B, D), float("nan"), dtype=torch.float16)
+        sparse_attn_decode(x, *w, hidx, kc, vc, pos, out=y,
+                           config={"CHUNK": chunk, "BLOCK_S": 4, "LAST_COMBINE": last})
+        ref = sparse_attn_decode_ref(x.double(), *[t.double() for t in w], hidx, k64, v64, pos)
+        close(y, ref, sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos))
+        assert not counters(x.device, B * 3).any()
+        pos += 1
+
+
+def test_last_combine_launches_one_kernel_fewer(triton_interp, monkeypatch):
+    """LAST_COMBINE: no _attn_combine_kernel launch (with a mutation check: that kernel's launch
+    is what the default path takes)."""
+    import dejavu.plugins.sparse_attention as SA
+    launched = []
+    real_jit = SA.jit
+    monkeypatch.setattr(SA, "jit", lambda fn, dev: launched.append(fn.__name__) or real_jit(fn, dev))
+    w, (kc, vc) = make(1, torch.float32)
+    x, hidx = torch.randn(1, D), heads(1, 2, False)
+    for last in (False, True):
+        launched.clear()
+        sparse_attn_decode(x, *w, hidx, kc, vc, 9, config={"CHUNK": 4, "BLOCK_S": 4, "LAST_COMBINE": last})
+        assert ("_attn_combine_kernel" in launched) != last
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
