@@ -443,6 +443,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # the held predictors launched after a layer's Q/K/V kernels (they then overlap the
              # latency-bound attention kernels), with the main stream at the highest priority
              "predqkvhigh": _both(_side("after_qkv"), _main_priority), "mainhigh2": _main_priority,
+             # the held predictors launched after a layer's attention op (they overlap its MLP)
+             "predattn": _side("after_attn"), "predattnhigh": _both(_side("after_attn"), _main_priority),
              # attention chunk length (positions per program; fewer chunks to combine)
              "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
              "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),

@@ -87,7 +87,9 @@ class SparseDecoder:
         # When a step's held predictors start (decode, deferred-K/V layers): "attn_in" at the
         # layer's input (they overlap its LayerNorm and bandwidth-bound Q/K/V kernel), or
         # "after_qkv": once its Q/K/V kernels are issued (they overlap the latency-bound
-        # attention kernels). Same inputs, same indices either way; only the timing moves.
+        # attention kernels); "after_attn": once its attention op is issued (they overlap the
+        # MLP's bandwidth-bound kernels and leave the attention kernels alone). Same inputs, same
+        # indices every way; only the timing moves.
         # "attn_in" (default): on the H200 "after_qkv" was slower (OPT-30B d0.3 batch 1: 7.33
         # vs 7.03 ms/token; BENCHMARKS.md, session 4).
         self.pred_window = "attn_in"
@@ -252,7 +254,7 @@ class SparseDecoder:
         x = self.embed(tokens, pos)  # [B, D]
         h_ln = None  # LN of x for the next LayerNorm, when the last op computed it
         run.begin_step()
-        hold = self.pred_window == "after_qkv"
+        hold = self.pred_window in ("after_qkv", "after_attn")  # launched by the hook / flush() below
         for l, w in enumerate(self.layers):
             run.point("attn_in", l, x, hold=hold and self.x_hist[l] is not None)
             h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_attn) if s.pre_ln else x)
@@ -280,7 +282,7 @@ class SparseDecoder:
                 if fuse:
                     y, h_ln = y
                 x = y if res is not None else self._add(x, y)
-            run.flush()  # anything still held (an op that did not call the hook)
+            run.flush()  # anything still held ("after_attn"; an op that did not call the hook)
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_attn)
             run.point("mlp_in", l, x)

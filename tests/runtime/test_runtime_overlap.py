@@ -71,7 +71,10 @@ SIDE_CASES = [("attn_in", 1, (0.5, 0.5), "attn_in", False), ("mlp_in", 1, (0.5, 
               # predictors held until after Q/K/V, and the L2 prefetch stream (fake prefetch op)
               ("attn_in", 1, (0.5, 0.5), "after_qkv", False), ("attn_in", 0, (0.5, 0.5), "after_qkv", True),
               ("mlp_in", 1, (0.5, 0.5), "after_qkv", True), ("attn_in", 1, (0.5, 0.5), "after_qkv", True),
-              ("attn_in", 1, (0.5, 0.5), "attn_in", True), ("attn_in", 1, (1.0, 0.5), "after_qkv", True)]
+              ("attn_in", 1, (0.5, 0.5), "attn_in", True), ("attn_in", 1, (1.0, 0.5), "after_qkv", True),
+              # held until after the attention op (the predictors then overlap the MLP)
+              ("attn_in", 1, (0.5, 0.5), "after_attn", False), ("mlp_in", 1, (0.5, 0.5), "after_attn", False),
+              ("attn_in", 0, (0.5, 0.5), "after_attn", False)]
 
 
 @pytest.mark.parametrize("source,lookahead,dens,window,prefetch", SIDE_CASES)
@@ -112,6 +115,19 @@ def test_side_stream_joins_and_selects_the_same(monkeypatch, source, lookahead, 
             if op == "wait" and stream == "side" and ev is not first:
                 n += 1
                 assert inside
+        assert n > 0
+    if window == "after_attn" and (source, lookahead) == ("attn_in", 1) and dens[1] < 1.0:
+        # the predictors reading layer j's input are launched (the side stream waits for it)
+        # only once layer j's attention op has been issued, outside any attention op (layer 0's
+        # input excepted: layer 0's own indices are needed before its attention)
+        key = {id(e): k for k, e in dec.pred.src_ready.items()}
+        inside, done, n, first = False, 0, 0, dec.pred.src_ready[("attn_in", 0)]
+        for op, stream, ev in fake.log:
+            inside = {"attn_begin": True, "attn_end": False}.get(op, inside)
+            done += op == "attn_end"
+            if op == "wait" and stream == "side" and ev is not first and id(ev) in key:
+                n += 1
+                assert not inside and done % len(dec.layers) > key[id(ev)][1] or done % len(dec.layers) == 0
         assert n > 0
     if not dec.pred.overlapping:
         assert fake.log == []
