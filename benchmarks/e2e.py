@@ -334,12 +334,16 @@ def _side_priority(eng):
     return lambda: setattr(pred, "side", old)
 
 
-def _main_priority(eng):
-    """The decode graph captured on a stream of the highest priority (SparseDecoder.graph_priority):
-    the main stream's latency-bound kernels take freed SM slots before the predictors' queued ones."""
-    dec = eng.decoder
-    dec.graph_priority = -100  # mapped to the highest
-    return lambda: setattr(dec, "graph_priority", 0)
+def _main_priority(prio):
+    """The decode graph captured on a stream of priority `prio` (SparseDecoder.graph_priority;
+    None: the highest, the default since session 9; 0: the default priority, the same as the
+    predictors' side stream, as before)."""
+    def apply(eng):
+        dec = eng.decoder
+        old = dec.graph_priority
+        dec.graph_priority = prio
+        return lambda: setattr(dec, "graph_priority", old)
+    return apply
 
 
 def _topk_fused(eng):
@@ -436,15 +440,17 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "qkvr32": _qkv_b1(BLOCK_R=32), "qkvs4": _qkv_b1(num_stages=4), "qkvd256": _qkv_b1(BLOCK_D=256),
              "proj1056": _fc2_route("proj1", TARGET_PROGRAMS=1056), "fc2t1056": _fc2_route("dot1", TARGET_PROGRAMS=1056),
              "fc2s4": _fc2_route("dot1", num_stages=4),
-             # session 9: the main stream's graph at the highest priority; the attention chunks
-             # combined by the last chunk program of each head (no combine launch); both
-             "mainhigh": _main_priority, "lastcombine": _attn_setting(LAST_COMBINE=True),
-             "lastcombinehigh": _both(_main_priority, _attn_setting(LAST_COMBINE=True)),
+             # session 9: the main stream's graph at the highest priority (default since) or at the
+             # side stream's (mainzero: before); the attention chunks combined by the last chunk
+             # program of each head (no combine launch)
+             "mainhigh": _main_priority(None), "mainzero": _main_priority(0),
+             "lastcombine": _attn_setting(LAST_COMBINE=True),
+             "lastcombinehigh": _both(_main_priority(None), _attn_setting(LAST_COMBINE=True)),
              # the held predictors launched after a layer's Q/K/V kernels (they then overlap the
              # latency-bound attention kernels), with the main stream at the highest priority
-             "predqkvhigh": _both(_side("after_qkv"), _main_priority), "mainhigh2": _main_priority,
+             "predqkvhigh": _both(_side("after_qkv"), _main_priority(None)), "mainhigh2": _main_priority(None),
              # the held predictors launched after a layer's attention op (they overlap its MLP)
-             "predattn": _side("after_attn"), "predattnhigh": _both(_side("after_attn"), _main_priority),
+             "predattn": _side("after_attn"), "predattnhigh": _both(_side("after_attn"), _main_priority(None)),
              # attention chunk length (positions per program; fewer chunks to combine)
              "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
              "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),

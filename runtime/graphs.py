@@ -26,7 +26,10 @@ class DecodeGraph:
         # prefill resets valid_len to the prompt lengths, so they are recomputed before use.)
         self.pos = torch.full((B,), T - 1, dtype=torch.long, device=dev)
         # warm-up and capture on one stream of decoder.graph_priority (the captured kernels keep it)
-        s = torch.cuda.Stream(device=dev, priority=decoder.graph_priority)
+        prio = decoder.graph_priority
+        if prio is None:
+            prio = torch.cuda.Stream.priority_range()[1]  # (least, greatest): the highest
+        s = torch.cuda.Stream(device=dev, priority=prio)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for _ in range(warmup):
