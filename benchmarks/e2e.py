@@ -449,6 +449,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # the held predictors launched after a layer's Q/K/V kernels (they then overlap the
              # latency-bound attention kernels), with the main stream at the highest priority
              "predqkvhigh": _both(_side("after_qkv"), _main_priority(None)), "mainhigh2": _main_priority(None),
+             # LayerNorm's weight and bias loaded after the PDL wait and the statistics (before session 9)
+             "lnlate": _table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False),
+             # ... and the attention / Q/K/V finishing kernels' index and position reads after it too
+             "latereads": _both(_table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False),
+                                _attn_setting(EARLY_READS=False), _qkv_b1(EARLY_READS=False)),
              # the held predictors launched after a layer's attention op (they overlap its MLP)
              "predattn": _side("after_attn"), "predattnhigh": _both(_side("after_attn"), _main_priority(None)),
              # attention chunk length (positions per program; fewer chunks to combine)

@@ -85,7 +85,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
-              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640}
+              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
@@ -409,19 +409,27 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                       SLOW_Z: tl.constexpr = 1, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                       SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                       PF: tl.constexpr = 0):
     # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB,
     # SLOW_Z), after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R
     # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
     # BLOCK_P chunks over the SLOW_Z programs of the rows (z > 0 do only those).
-    gdc_enter(GDC)
+    # EARLY_READS: the head index, pos and valid_len before the PDL wait (none is written by the
+    # partial kernel before this one: the heads come from the side stream, waited for before it;
+    # valid_len is written by the attention kernel after this one), saving a round trip after it.
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     z = tl.program_id(2)
     b = pid // KH
     j = pid % KH
-    head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
-        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
+    if EARLY_READS:
+        head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
+            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
+    gdc_enter(GDC)
+    if not EARLY_READS:
+        head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
+            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
     if SLOW_Z == 1:
         _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
                      head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb,
@@ -557,8 +565,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     finish[(B * kh, (3 - first) * nbf, z)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
-        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z, num_warps=4,
-        **pdl_args(dev, "qkv_finish"))
+        FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z,
+        EARLY_READS=bool(cfg["EARLY_READS"]), num_warps=4, **pdl_args(dev, "qkv_finish"))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):

@@ -61,8 +61,9 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # counter per (sequence, head) from `_common.counters`) combines the chunks' partials in the
 # attention launch itself (`_combine_row`, .cg loads) instead of _attn_combine_kernel: one launch
 # fewer per layer at every batch, its work moved to the tail of the attention kernel.
+# EARLY_READS: the head index and pos read before the PDL wait (the kernel's docstring).
 ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16,
-               "LAST_COMBINE": False}
+               "LAST_COMBINE": False, "EARLY_READS": True}
 
 
 class AttnParts(NamedTuple):
@@ -98,7 +99,8 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, LAST_COMBINE: tl.constexpr = 0,
-                        BLOCK_C: tl.constexpr = 2, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        BLOCK_C: tl.constexpr = 2, EARLY_READS: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                        PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
@@ -106,12 +108,19 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # NCHUNK programs to store its partials combines them into o (no combine launch).
     # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
     # x_hist[b, pos] = x_new[b] (no program here reads either).
-    gdc_enter(GDC)
+    # EARLY_READS: the head index and pos before the PDL wait (neither is written by the kernel
+    # before this one: the heads come from the side stream, whose event the main stream waited
+    # for before the Q/K/V kernels; pos is the step's input), saving a round trip after it.
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
     pid_c = tl.program_id(2)
-    head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
-    pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+    if EARLY_READS:
+        head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
+        pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+    gdc_enter(GDC)
+    if not EARLY_READS:
+        head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
+        pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
     if COMMIT:
         if pid_c == 0:
             tl.store(vl_ptr + pid_b * H + head, pos + 1)
@@ -290,7 +299,8 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
                             PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
-                            LAST_COMBINE=last, BLOCK_C=block_c, num_warps=cfg["num_warps"],
+                            LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
+                            num_warps=cfg["num_warps"],
                             **pdl_args(q.device, "attn"))
     if fold:
         return AttnParts(part, ml, nchunk, q)

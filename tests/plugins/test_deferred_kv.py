@@ -98,8 +98,12 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
                                                            "attn": {"CHUNK": 4}}),
                                           # shared sets: one missing slot per dot row block, the
                                           # rest through the finishing slow path
-                                          (torch.float32, {"qkv": {"SHARED_MIN_BATCH": 2, "SHARED_P": 2, "BLOCK_D": 32}})],
-                         ids=["fp16", "fp32", "fp16-split-D-fused", "fp16-split-D-two-launch", "fp32-shared-P2"])
+                                          (torch.float32, {"qkv": {"SHARED_MIN_BATCH": 2, "SHARED_P": 2, "BLOCK_D": 32}}),
+                                          # index and position reads after the PDL wait (EARLY_READS off)
+                                          (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "EARLY_READS": False},
+                                                           "attn": {"CHUNK": 4, "EARLY_READS": False}})],
+                         ids=["fp16", "fp32", "fp16-split-D-fused", "fp16-split-D-two-launch", "fp32-shared-P2",
+                              "fp16-late-reads"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""

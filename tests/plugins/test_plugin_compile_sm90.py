@@ -143,13 +143,19 @@ SCRIPT = textwrap.dedent('''
                                                  EVEN_D=True), qkv_ptrs, True),
         (DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
                                          BLOCK_S=1), {"pnew_ptr": "*fp32", "phist_ptr": "*fp32"}, False),
+        (DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
+                                         BLOCK_S=1, EARLY_READS=True), {"pnew_ptr": "*fp32", "phist_ptr": "*fp32"},
+         False),
         (DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024), {}, False),
         (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192),
          {"cnt_ptr": "*i32"}, False),
         (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192,
                                           LAST_COMBINE=True, BLOCK_C=8), {"cnt_ptr": "*i32"}, False),
+        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192,
+                                          EARLY_READS=True), {"cnt_ptr": "*i32"}, False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), {}, False),
         (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), {"eps": "fp32"}, False),
+        (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192, EARLY_W=True), {"eps": "fp32"}, False),
     ]
     # a Q/K/V block narrower than a cache line (one prefetch per row)
     cases.append((DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, BLOCK_P=16,
@@ -161,6 +167,9 @@ SCRIPT = textwrap.dedent('''
             # before the wait: no store, and no load but the index reads of the prefetch
             assert "st.global" not in ptx[:wait], fn.__name__
             assert ("prefetch.global.L2" in ptx[:wait]) == looped, fn.__name__
+            if not looped:  # loads before the wait only with EARLY_W (LayerNorm) / EARLY_READS
+                early = bool(consts.get("EARLY_W") or consts.get("EARLY_READS"))
+                assert ("ld.global" in ptx[:wait]) == early, fn.__name__
             if gdc == 2 or looped:  # the next kernel is let in only after the wait
                 assert ptx.index("griddepcontrol.launch_dependents") > wait, fn.__name__
             else:  # late trigger without a main loop: at exit
