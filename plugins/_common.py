@@ -75,10 +75,14 @@ def last_arrival(counter_ptr, n):
 # that have one) or at exit. So at most two kernels of a stream are in flight and everything
 # older has completed. Waiting programs hold their SM's registers: an early trigger lets the
 # next kernel's whole grid sit waiting behind a one-program LayerNorm.
-# Before the wait a kernel may only issue `prefetch_rows_l2` on weight rows
-# (PREFETCH_TILES tiles of its first loop blocks): a hint into L2, from index values clamped
-# into range (an index buffer read before the wait may hold an older step's values; that only
-# wastes the prefetch). Off on CPU (the interpreter has no griddepcontrol) and below sm_90.
+# Before the wait a kernel may issue `prefetch_rows_l2` on weight rows (PREFETCH_TILES tiles
+# of its first loop blocks): a hint into L2, from index values clamped into range (an index
+# buffer read before the wait may hold an older step's values; that only wastes the prefetch).
+# It may also load what no kernel writes while decoding (weights: LayerNorm's EARLY_WEIGHTS) and
+# what only kernels two or more launches back wrote (the previous kernel has passed its own wait,
+# so those have completed): the head index, pos and valid_len (EARLY_READS of the attention and
+# Q/K/V finishing kernels; the heads come from the side stream, whose event the main stream
+# waited for before the Q/K/V kernels). Off on CPU (the interpreter has no griddepcontrol) and below sm_90.
 # Kinds (pdl_args): fc1 and qkv_full (gather_gemv: fc1, Q/K/V of every head), fc2 and proj
 # (gather_gemv_t: fc2, the attention output projection), reduce (their split-K reductions),
 # qkv, qkv_finish, commit (deferred K/V), attn, attn_combine, layer_norm, pred (the predictors'
