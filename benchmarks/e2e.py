@@ -454,6 +454,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # ... and the attention / Q/K/V finishing kernels' index and position reads after it too
              "latereads": _both(_table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False),
                                 _attn_setting(EARLY_READS=False), _qkv_b1(EARLY_READS=False)),
+             # fc2 at batch 1 with few programs: SPLIT 1 (one program per D block walks all of K, no
+             # reduction launch) with 64- / 128- / 32-wide D blocks
+             "fc2lowa": _fc2_route("dot1", BLOCK_K=128, BLOCK_D=64, num_stages=4, TARGET_PROGRAMS=112),
+             "fc2lowb": _fc2_route("dot1", BLOCK_K=64, BLOCK_D=128, num_stages=4, TARGET_PROGRAMS=56),
+             "fc2lowc": _fc2_route("dot1", BLOCK_K=128, BLOCK_D=32, num_stages=4, TARGET_PROGRAMS=224),
              # the held predictors launched after a layer's attention op (they overlap its MLP)
              "predattn": _side("after_attn"), "predattnhigh": _both(_side("after_attn"), _main_priority(None)),
              # attention chunk length (positions per program; fewer chunks to combine)

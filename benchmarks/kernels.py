@@ -567,7 +567,13 @@ FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for 
                       for k, d, w, s, t in
                       [(128, 64, 4, 3, 528), (64, 128, 4, 3, 528), (32, 256, 4, 3, 528), (64, 256, 8, 3, 528),
                        (128, 128, 8, 3, 528), (64, 128, 4, 4, 528), (128, 64, 4, 3, 1056), (64, 128, 4, 3, 1056),
-                       (32, 256, 4, 4, 1056), (16, 512, 4, 3, 528), (128, 64, 8, 4, 528), (64, 64, 4, 4, 1056)]]}
+                       (32, 256, 4, 4, 1056), (16, 512, 4, 3, 528), (128, 64, 8, 4, 528), (64, 64, 4, 4, 1056)]]
+                     # session 9: few programs, SPLIT 1 or 2 (one program per narrow D block walks all of
+                     # K: no split-K reduction launch), for the small K of density 0.1
+                     + [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s, TARGET_PROGRAMS=t)
+                        for k, d, w, s, t in
+                        [(128, 64, 4, 4, 112), (64, 64, 4, 4, 112), (128, 32, 4, 4, 224), (64, 128, 4, 4, 56),
+                         (128, 64, 4, 4, 224), (64, 128, 4, 3, 112), (256, 32, 4, 4, 224), (128, 64, 8, 4, 112)]]}
 # batch 1, the attention output projection (FC2_CONFIG["proj1"]: rows in groups of hd)
 FC2_SWEEP["proj1"] = [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s, TARGET_PROGRAMS=t)
                       for k in (32, 64, 128) for d in (64, 128, 256) for t in (264, 528, 1056) for s in (3, 4)
@@ -590,13 +596,16 @@ def pick_best(cfgs, total_ms, what, section):
     return min(totals, key=lambda tc: tc[0]), totals
 
 
-def sweep(mlps, quick):
-    """Time each config; per path keep the one with the lowest summed time over the cases."""
+def sweep(mlps, quick, paths=None):
+    """Time each config; per path keep the one with the lowest summed time over the cases
+    (`paths`: only these of gemv, dot, dot1, proj1)."""
     out = {"fc1": {}, "fc2": {}, "rows": []}
     # batch 1 runs fc1 as a GEMV and fc2 through the dot kernel ("dot1": FC2_DOT_MIN_BATCH = 1);
     # the per-sequence fc2 GEMV (batch > 1, one set per sequence) keeps its blocks
     for path, B, shared, dens in (("gemv", 1, False, (0.1, 0.5)), ("dot", 8, True, (0.3,)),
                                   ("dot1", 1, False, (0.1, 0.3)), ("proj1", 1, False, (0.1, 0.3))):
+        if paths and path not in paths:
+            continue
         for kernel, table, cfgs in (("fc1", SM.FC1_CONFIG, FC1_SWEEP.get(path)),
                                     ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path] if path != "gemv" else None)):
             if cfgs is None:
@@ -1180,6 +1189,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-paths", default=None,
+                    help="--sweep only these MLP paths (comma list of gemv, dot, dot1, proj1)")
     ap.add_argument("--sweep-attn", action="store_true",
                     help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
     ap.add_argument("--qkv-sweep", default="wide", choices=["wide", "finish"],
@@ -1230,7 +1241,7 @@ def main(argv=None):
         mlps = {name: MLP(D, F) for name, (D, F, H) in SHAPES.items()}
         sections = args.sections.split(",")
         if args.sweep and in_budget("sweep"):
-            res["sweep"] = sweep(mlps, args.quick)
+            res["sweep"] = sweep(mlps, args.quick, args.sweep_paths.split(",") if args.sweep_paths else None)
             save("sweep")
         if args.sweep_attn and in_budget("sweep_attn"):
             res["sweep_attn"] = sweep_attn(args.quick, args.qkv_sweep)
