@@ -27,7 +27,8 @@ kernel reads the position from memory, so replays follow the tensor's current va
 caches are updated in place (the reference does the same). Limits: hd <= 256 (any value,
 masked); one program per (sequence, selected head, chunk of CHUNK positions of S_max), a
 second small kernel combines the chunks' softmax partials when S_max > CHUNK (programs of
-chunks past pos exit at once); duplicate head indices are not allowed (top-k never makes
+chunks past pos exit at once; ATTN_CONFIG["LAST_COMBINE"]: the last chunk program of each head
+combines them instead, no second launch); duplicate head indices are not allowed (top-k never makes
 them; the output projection would count such a head twice).
 """
 from __future__ import annotations

@@ -91,7 +91,8 @@ class SparseDecoder:
         # MLP's bandwidth-bound kernels and leave the attention kernels alone). Same inputs, same
         # indices every way; only the timing moves.
         # "attn_in" (default): on the H200 "after_qkv" was slower (OPT-30B d0.3 batch 1: 7.33
-        # vs 7.03 ms/token; BENCHMARKS.md, session 4).
+        # vs 7.03 ms/token; BENCHMARKS.md, session 4); "after_attn" equal (6.65 vs 6.64 at d0.3,
+        # 4.20 vs 4.20 at d0.1; session 9): the attention kernels gain what the MLP loses.
         self.pred_window = "attn_in"
         # L2 warm-up (GPU, plugins/prefetch.py) on its own side stream, launched with the
         # held predictors after a deferred layer's Q/K/V kernels: {"out": max bytes of the

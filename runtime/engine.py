@@ -207,7 +207,8 @@ class Engine:
                 "mlp_density": round(s.density[0], 4), "attn_density": round(s.density[1], 4),
                 "predictor_input": {"source": s.source, "lookahead": s.lookahead},
                 "kernels": dict(self.ops.kernels), "kernel_check": self.kernel_check, "overlap": self.decoder.pred.overlapping,
-                "cuda_graph": self.use_graphs, "batch_policy": self.batch_policy,
+                "cuda_graph": self.use_graphs, "graph_priority": self.decoder.graph_priority,
+                "pred_window": self.decoder.pred_window, "batch_policy": self.batch_policy,
                 "kv_policy": self.kv_policy, "programmatic_launch": self._programmatic_launch()}
 
     def _programmatic_launch(self) -> bool:
