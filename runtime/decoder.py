@@ -105,8 +105,8 @@ class SparseDecoder:
         # it while the predictor side stream stays at the default 0, the lowest). Lower numbers
         # are higher priorities; None (default): the highest the device allows, so the block
         # scheduler gives freed SM slots to the main stream's queued kernels (the latency-bound
-        # attention chain) before the predictors'. On the H200 (OPT-30B shape, batch 1): 6.60 vs
-        # 6.67 ms/token at density 0.3, 4.11 vs 4.19 at 0.1 with 0 (BENCHMARKS.md, session 9).
+        # attention chain) before the predictors'. On the H200 (OPT-30B shape, batch 1): 6.58 vs
+        # 6.73 ms/token at density 0.3, 4.04 vs 4.12 at 0.1 with 0 (BENCHMARKS.md, session 9).
         self.graph_priority: int | None = None
         self._pf = None  # (stream, per-layer start and done events, sums buffer), made at first use
         self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
