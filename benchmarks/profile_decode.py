@@ -64,6 +64,25 @@ def side_kernel(score_rows: set[int]):
     return side
 
 
+# Main-stream kernels by what bounds them (`sections`): weight streaming (Q/K/V, fc1, the output
+# projection and fc2, the LM head's cuBLAS GEMV), the attention section (Q/K/V finish, attention,
+# chunk combine, commit), LayerNorms and split-K reductions; the rest is "other".
+SECTIONS = (("weights", ("_qkv_partial", "_gather_gemv_kernel", "_gather_dot_t_kernel", "_gather_dot_kernel",
+                         "_gather_gemv_t_kernel", "nvjet", "gemv", "gemm")),
+            ("attention", ("_qkv_finish", "_attn_decode", "_attn_combine", "_commit_kernel")),
+            ("norms", ("_layer_norm", "_split_reduce")))
+
+
+def sections(charges: list[dict]) -> dict:
+    """us per step of the main-stream charges (timeline's) summed by SECTIONS (first match)."""
+    out = {name: 0.0 for name, _ in SECTIONS}
+    out["other"] = 0.0
+    for c in charges:
+        sec = next((name for name, keys in SECTIONS if any(k in c["name"] for k in keys)), "other")
+        out[sec] += c["us_per_step"]
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def timeline(events: list[dict], steps: int, side_fn) -> dict:
     """Critical-path charges of the main stream from Chrome-trace kernel events (ts/dur in us);
     side_fn(event) True: a side-stream (predictor) kernel."""
@@ -99,10 +118,11 @@ def timeline(events: list[dict], steps: int, side_fn) -> dict:
             over += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
             i += 1
     rows = sorted(([k, v[0] / steps, v[1] / steps] for k, v in charge.items()), key=lambda r: -r[1])
+    charges = [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows]
     return {"span_ms_per_step": span / steps / 1e3,
             "main_idle_ms_per_step": idle / steps / 1e3, "side_kernel_ms_per_step": side_us / steps / 1e3,
             "side_overlapping_main_ms_per_step": over / steps / 1e3,
-            "charges": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows]}
+            "charges": charges, "sections": sections(charges)}
 
 
 def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = None) -> dict:
@@ -231,6 +251,7 @@ def main(argv=None) -> int:
                   f"beside main); charges (start to next start):")
             for k in tl["charges"][:20]:
                 print(f"  {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['name']}")
+            print("  by section (us/step): " + ", ".join(f"{k} {v:.1f}" for k, v in tl["sections"].items()))
         eng = None
         torch.cuda.empty_cache()
     print(f"JSON: {out}")
