@@ -346,6 +346,9 @@ def _main_priority(prio):
     return apply
 
 
+_LN_LATE = _table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False)  # LayerNorm's weights after the wait
+
+
 def _topk_fused(eng):
     """The predictors' top-k in one launch with a grid barrier per round (TOPK_CONFIG fused on)."""
     import importlib
@@ -450,10 +453,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # latency-bound attention kernels), with the main stream at the highest priority
              "predqkvhigh": _both(_side("after_qkv"), _main_priority(None)), "mainhigh2": _main_priority(None),
              # LayerNorm's weight and bias loaded after the PDL wait and the statistics (before session 9)
-             "lnlate": _table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False),
+             "lnlate": _LN_LATE,
              # ... and the attention / Q/K/V finishing kernels' index and position reads after it too
-             "latereads": _both(_table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False),
-                                _attn_setting(EARLY_READS=False), _qkv_b1(EARLY_READS=False)),
+             "latereads": _both(_LN_LATE, _attn_setting(EARLY_READS=False), _qkv_b1(EARLY_READS=False)),
              # fc2 at batch 1 with few programs: SPLIT 1 (one program per D block walks all of K, no
              # reduction launch) with 64- / 128- / 32-wide D blocks
              "fc2lowa": _fc2_route("dot1", BLOCK_K=128, BLOCK_D=64, num_stages=4, TARGET_PROGRAMS=112),

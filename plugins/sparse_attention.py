@@ -301,8 +301,7 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
                             LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
-                            num_warps=cfg["num_warps"],
-                            **pdl_args(q.device, "attn"))
+                            num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
     if fold:
         return AttnParts(part, ml, nchunk, q)
     if nchunk > 1 and not last:
