@@ -109,6 +109,16 @@ def _ablate_fused_ln(eng):
     return None
 
 
+def _defer_ln(on: bool):
+    """SparseDecoder.defer_ln for one row (the LayerNorm before a sparse MLP left to fc1)."""
+    def apply(eng):
+        dec = eng.decoder
+        old = dec.defer_ln
+        dec.defer_ln = on
+        return lambda: setattr(dec, "defer_ln", old)
+    return apply
+
+
 def _qkv_setting(key, value):
     """Set QKV_CONFIG[key] for one row (the undo restores it)."""
     import importlib
@@ -467,6 +477,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
              "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),
              "foldslowz4": _both(_attn_setting(FOLD_COMBINE=True), _qkv_b1(SLOW_Z=4)),
+             # session 10: the MLP's LayerNorm as its own launch again (before: fc1 applies it from the
+             # output projection reduction's block stats, SparseDecoder.defer_ln)
+             "nodeferln": _defer_ln(False),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring

@@ -637,9 +637,9 @@ def _write_hist(x_hist, x_ln, pos_t):
 
 def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
                                 valid_len, pos, residual=None, *, out=None, ln=None, ln_out=None,
-                                validate=None, config=None, after_qkv=None):
+                                validate=None, config=None, after_qkv=None, ln_defer=False):
     """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
-    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) (as sparse_attn_decode).
+    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) (as sparse_attn_decode; ln_defer too).
     after_qkv: called with no arguments once the Q/K/V kernels are launched, before
     attention (the runtime launches side-stream work there: the predictors and L2 prefetches
     then overlap the latency-bound attention kernels, not the Q/K/V kernel).
@@ -676,12 +676,13 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos]; 3. output projection
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, cfg.get("attn"),
                      commit=(valid_len, x_ln, x_hist), fold=True)
-    y = project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out)  # + LayerNorm(y) with ln
-    return y if ln is None else (y, ln_out)
+    y = project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)  # + LayerNorm(y) with ln
+    return y if ln is None or ln_defer else (y, ln_out)
 
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,
-                                    x_hist, valid_len, pos, residual=None, *, ln=None, after_qkv=None):
+                                    x_hist, valid_len, pos, residual=None, *, ln=None, after_qkv=None,
+                                    ln_defer=False):
     """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads;
     y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias); after_qkv() is called after the
     K/V recompute (where the kernel path calls it)."""

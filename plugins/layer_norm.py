@@ -18,8 +18,18 @@ Limits and choices:
   "BLOCK" (a power of two; the row is chunked when BLOCK < D) and "num_warps" (tests use a
   small BLOCK to run the chunked path on small shapes).
 - No host sync; launches are CUDA-graph capturable. eps is a launch argument (fp32).
+
+A LayerNorm can also be left to the kernel that reads its output (`PendingLN`): the kernel
+that produced x stored, per row, each block of `width` columns' mean and sum of squared
+deviations (the split-K reduction, `sparse_mlp.gather_gemv_t(..., ln_defer=True)`), and the
+consumer (fc1's GEMV at batch 1 or per-sequence sets) merges those pairs into the row's mean
+and variance and normalises x as it loads it: one launch fewer per LayerNorm. Consumers that
+cannot fold it call `materialize` (this kernel). `pending_ln` builds one with PyTorch stats
+(tests, the runtime's kernel check).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -126,6 +136,77 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
     kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block, EARLY_W=early,
                  num_warps=num_warps, **pdl_args(x.device, "layer_norm"))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# LayerNorm left to the consumer
+
+class PendingLN(NamedTuple):
+    """LayerNorm(x) (eps 1e-5) not computed yet. stats [B, N, 2] fp32: per row of x, each
+    block of `width` columns' (mean, M2) of x's stored values (N = cdiv(D, width)); the last
+    block may be short."""
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    stats: torch.Tensor
+    width: int
+
+
+def block_stats(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, N, 2] fp32: (mean, sum of squared deviations) of each block of `width` columns of
+    x [B, D] (PyTorch; what the reduction kernel stores with ln_defer)."""
+    B, D = x.shape
+    n = -(-D // width)
+    xf = torch.nn.functional.pad(x.float(), (0, n * width - D)).view(B, n, width)
+    cnt = torch.clamp(D - torch.arange(n, device=x.device) * width, max=width).float()  # [N]
+    mean = xf.sum(-1) / cnt
+    valid = (torch.arange(n * width, device=x.device) < D).view(n, width)
+    m2 = torch.where(valid, xf - mean[..., None], 0.0).square().sum(-1)
+    return torch.stack([mean, m2], -1).contiguous()
+
+
+def pending_ln(x, weight, bias, width: int = 256) -> PendingLN:
+    """A PendingLN of x with its block stats from PyTorch."""
+    return PendingLN(x, weight, bias, block_stats(x, width), int(width))
+
+
+def check_pending(p: PendingLN, dtypes=FLOAT_DTYPES) -> None:
+    """Raise DejavuError unless p is a consistent PendingLN."""
+    check_tensor("PendingLN.x", p.x, ndim=2, dtypes=dtypes)
+    B, D = p.x.shape
+    check_tensor("PendingLN.weight", p.weight, shape=(D,), dtype=p.x.dtype, device=p.x.device)
+    check_tensor("PendingLN.bias", p.bias, shape=(D,), dtype=p.x.dtype, device=p.x.device)
+    if not isinstance(p.width, int) or p.width < 1:
+        raise DejavuError(f"PendingLN.width: expected a positive int, got {p.width!r}")
+    check_tensor("PendingLN.stats", p.stats, shape=(B, -(-D // p.width), 2), dtype=torch.float32,
+                 device=p.x.device)
+
+
+def from_stats_ref(p: PendingLN, eps=1e-5) -> torch.Tensor:
+    """LayerNorm(p.x) with the mean and variance merged from p.stats (PyTorch, fp32, in x's
+    dtype): what a consumer kernel computes, so checking it checks the stored stats."""
+    B, D = p.x.shape
+    n = p.stats.shape[1]
+    cnt = torch.clamp(D - torch.arange(n, device=p.x.device) * p.width, max=p.width).float()
+    mean_b, m2_b = p.stats[..., 0], p.stats[..., 1]
+    mean = (cnt * mean_b).sum(-1, keepdim=True) / D
+    var = (m2_b + cnt * (mean_b - mean).square()).sum(-1, keepdim=True) / D
+    y = (p.x.float() - mean) * torch.rsqrt(var + eps) * p.weight.float() + p.bias.float()
+    return y.to(p.x.dtype)
+
+
+def materialize(x, eps=1e-5):
+    """x itself, or a PendingLN's LayerNorm computed now by the layer_norm kernel (launchers
+    of consumers that cannot fold it)."""
+    return layer_norm(x.x, x.weight, x.bias, eps) if isinstance(x, PendingLN) else x
+
+
+def materialize_ref(x, eps=1e-5):
+    """materialize for the references: F.layer_norm in x's dtype (the dense model's own
+    function, as the references' ln= outputs)."""
+    if not isinstance(x, PendingLN):
+        return x
+    return torch.nn.functional.layer_norm(x.x, (x.x.shape[-1],), x.weight, x.bias, eps)
 
 
 # ---------------------------------------------------------------------------------------

@@ -220,9 +220,11 @@ def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, re
 
 
 def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                       residual=None, *, out=None, ln=None, ln_out=None, validate=None, config=None):
+                       residual=None, *, out=None, ln=None, ln_out=None, validate=None, config=None,
+                       ln_defer=False):
     """Decode one token through the selected heads; updates the caches at pos; y[B,D].
-    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out)."""
+    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out);
+    with ln_defer the second may be a layer_norm.PendingLN (for sparse_fc1)."""
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
@@ -245,8 +247,8 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
         return no_heads_ln(out, ln, ln_out)
 
     y = _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
-                         residual, out, config, ln, ln_out)
-    return y if ln is None else (y, ln_out)
+                         residual, out, config, ln, ln_out, ln_defer)
+    return y if ln is None or ln_defer else (y, ln_out)
 
 
 def no_heads_ln(out, ln, ln_out):
@@ -258,7 +260,7 @@ def no_heads_ln(out, ln, ln_out):
 
 
 def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
-                     config, ln=None, ln_out=None):
+                     config, ln=None, ln_out=None, ln_defer=False):
     """Steps 2-4 of a decode step: Q of the selected heads, attention over cache slots
     0..pos, the output projection of those heads; y[B,D]."""
     B, H, S, hd = k_cache.shape
@@ -268,7 +270,7 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
     gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
     # 3. attention; 4. output projection
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, fold=True)
-    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out)
+    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
 
 
 def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False):
@@ -311,21 +313,23 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     return o
 
 
-def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None):
+def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False):
     """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual); with
     ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). o may be
-    attend_heads' AttnParts (combined inside the projection kernel). Returns y."""
+    attend_heads' AttnParts (combined inside the projection kernel). Returns y; with ln and
+    ln_defer, (y, ln_out or a PendingLN) (gather_gemv_t)."""
     combine = None
     if isinstance(o, AttnParts):
         o, combine = o.q, (o.acc, o.ml, o.nchunk)
     hd = o.shape[1] // head_idx.shape[-1]
-    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out, combine=combine)
+    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out, combine=combine,
+                         ln_defer=ln_defer and ln is not None)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                           residual=None, *, ln=None):
+                           residual=None, *, ln=None, ln_defer=False):
     """PyTorch reference (masked dense): same signature and cache update; y[B,D], or
-    (y, F.layer_norm(y)) with ln = (weight, bias)."""
+    (y, F.layer_norm(y)) with ln = (weight, bias) (also with ln_defer: computed here)."""
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
     q = (x_ln @ wq.T + bq).view(B, H, hd)

@@ -41,6 +41,7 @@ from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
                                     default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
                                     pdl_args, prefetch_rows_l2)
+from dejavu.plugins.layer_norm import PendingLN, check_pending, layer_norm, materialize, materialize_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -118,15 +119,18 @@ def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.conste
     prefetch_rows_l2(w_ptr + rows * D, col0, D, BLOCK_D)
 
 
-def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
-                        stride_xb, stride_ib, stride_ob, N_ROWS,
+def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr, st_ptr, D, K,
+                        stride_xb, stride_ib, stride_ob, N_ROWS, N_ST, ST_W, eps,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                        EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = 0,
-                        PF: tl.constexpr = 0):
+                        EVEN_D: tl.constexpr, GROUP: tl.constexpr, LN_IN: tl.constexpr = 0,
+                        BLOCK_N: tl.constexpr = 2, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
     # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
     # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
     # reading the same rows run together and share them through L2.
+    # LN_IN: x is LayerNorm(x) (a PendingLN): the row's mean and rstd merged from the N_ST
+    # blocks' stats at st[b] (blocks of ST_W columns), each x chunk normalised as it is
+    # loaded and rounded to x's dtype (the values the layer_norm kernel would have stored).
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -140,17 +144,27 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K,
     rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
+    if LN_IN:
+        mean, rstd = _ln_merge(st_ptr + pid_b.to(tl.int64) * N_ST * 2, N_ST, D, eps, ST_W, BLOCK_N)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         if EVEN_D:
-            xv = tl.load(x_row + offs_d).to(tl.float32)
+            xv = tl.load(x_row + offs_d)
             wv = tl.load(w_rows + offs_d[None, :]).to(tl.float32)
+            if LN_IN:
+                g = tl.load(lnw_ptr + offs_d).to(tl.float32)
+                gb = tl.load(lnb_ptr + offs_d).to(tl.float32)
         else:
             dmask = offs_d < D
-            xv = tl.load(x_row + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
             wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
-        acc += wv * xv[None, :]
+            if LN_IN:
+                g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        if LN_IN:
+            xv = ((xv.to(tl.float32) - mean) * rstd * g + gb).to(x_ptr.dtype.element_ty)
+        acc += wv * xv.to(tl.float32)[None, :]
     gdc_release(GDC)
     h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
     if RELU:
@@ -239,23 +253,31 @@ def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT,
 
 
 @helper
-def _ln_rows(y_ptr, w_ptr, b_ptr, out_ptr, st_ptr, B, D, N_D, eps, BLOCK_D: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
-    # out[b] = LayerNorm(y[b]) for every row: the N_D blocks' (mean, M2) merged in fp32 (the
-    # parallel form of mean-then-squared-deviations, as layer_norm.py's chunked path), then
-    # one pass over y (the stored, rounded rows; other programs wrote them: .cg) to normalise.
+def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr):
+    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (blocks of
+    # BLOCK_D columns, the last one short), merged in fp32: the parallel form of
+    # mean-then-squared-deviations (as layer_norm.py's chunked path). .cg: another kernel or
+    # another program of this one wrote them.
     offs_n = tl.arange(0, BLOCK_N)
     nmask = offs_n < N_D
     n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)
+    st = st_ptr + offs_n * 2
+    mean_b = tl.load(st, mask=nmask, other=0.0, cache_modifier=".cg")
+    m2_b = tl.load(st + 1, mask=nmask, other=0.0, cache_modifier=".cg")
+    mean = tl.sum(tl.where(nmask, n_b * mean_b, 0.0), axis=0) / D
+    delta = mean_b - mean
+    m2 = tl.sum(tl.where(nmask, m2_b + n_b * delta * delta, 0.0), axis=0)
+    return mean, 1.0 / tl.sqrt(m2 / D + eps)
+
+
+@helper
+def _ln_rows(y_ptr, w_ptr, b_ptr, out_ptr, st_ptr, B, D, N_D, eps, BLOCK_D: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    # out[b] = LayerNorm(y[b]) for every row: the N_D blocks' stats merged (_ln_merge), then
+    # one pass over y (the stored, rounded rows; other programs wrote them: .cg) to normalise.
     offs = tl.arange(0, BLOCK)
     for b in range(0, B):
-        st = st_ptr + (b * N_D + offs_n) * 2
-        mean_b = tl.load(st, mask=nmask, other=0.0, cache_modifier=".cg")
-        m2_b = tl.load(st + 1, mask=nmask, other=0.0, cache_modifier=".cg")
-        mean = tl.sum(tl.where(nmask, n_b * mean_b, 0.0), axis=0) / D
-        delta = mean_b - mean
-        m2 = tl.sum(tl.where(nmask, m2_b + n_b * delta * delta, 0.0), axis=0)
-        rstd = 1.0 / tl.sqrt(m2 / D + eps)
+        mean, rstd = _ln_merge(st_ptr + b * N_D * 2, N_D, D, eps, BLOCK_D, BLOCK_N)
         for d0 in range(0, D, BLOCK):
             m = d0 + offs < D
             x = tl.load(y_ptr + b * D + d0 + offs, mask=m, other=0.0, cache_modifier=".cg")
@@ -442,14 +464,17 @@ def _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP: tl.constexp
     return tl.where(kmask, tl.sum(acc * w, axis=1) / tl.where(kmask, tl.sum(w * l, axis=1), 1.0), 0.0)
 
 
-def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
+def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, B, D, SPLIT, N_BLK,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         STATS: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # out[b, d] = sum_s part[s, b, d] + bias[d] (+ residual[b, d]); grid (B, cdiv(D, BLOCK)).
     # All SPLIT partials in one [BLOCK_S, BLOCK] load (one memory round trip, not SPLIT).
+    # STATS: also the block's (mean, M2) of the stored (rounded) out at st[b, block] (N_BLK
+    # blocks per row), for a consumer that applies the next LayerNorm itself (PendingLN).
     gdc_enter(GDC)
     pid_b = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pid_d = tl.program_id(1)
+    offs = pid_d * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
     row = pid_b.to(tl.int64) * D
     y = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -459,7 +484,12 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, B, D, SPLIT,
     y += tl.sum(parts, axis=0)
     if HAS_RES:
         y += tl.load(res_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    yo = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row + offs, yo, mask=mask)
+    if STATS:
+        one = tl.arange(0, 1)
+        _block_stats(yo.to(tl.float32)[None, :], mask[None, :], one < 1,
+                     st_ptr + (pid_b * N_BLK + pid_d) * 2 + one, pid_d, D, BLOCK)
 
 
 def _split_reduce_ln_kernel(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
@@ -494,14 +524,19 @@ def _cdiv(a, b):
 def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
     rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
+    x may be a PendingLN (its LayerNorm): the GEMV route normalises x as it loads it, the
+    tl.dot route (shared sets from DOT_MIN_BATCH) runs the layer_norm kernel first.
     kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1)."""
-    B, D = x.shape
+    pending = x if isinstance(x, PendingLN) else None
+    xt = x.x if pending is not None else x
+    B, D = xt.shape
     K = idx.shape[-1] * group
     if K == 0 or B == 0:
         return out
     shared = idx.dim() == 1
     kind = kind or ("qkv_full" if group > 1 else "fc1")
     if (shared or B == 1) and B >= DOT_MIN_BATCH:  # B == 1: [1, K] is the same set as [K]
+        x = materialize(x)
         cfg = {**FC1_CONFIG["dot"], **(config or {})}
         kernel = jit(_gather_dot_kernel, x.device)
         kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
@@ -512,22 +547,31 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
             num_stages=cfg.get("num_stages", 3), **pdl_args(x.device, kind))
     else:
         cfg = {**FC1_CONFIG["gemv"], **(config or {})}
-        kernel = jit(_gather_gemv_kernel, x.device)
+        kernel = jit(_gather_gemv_kernel, xt.device)
+        if pending is not None:
+            lnw, lnb, st, n_st, st_w = pending.weight, pending.bias, pending.stats, pending.stats.shape[1], pending.width
+        else:
+            lnw, lnb, st, n_st, st_w = xt, xt, xt, 1, 1  # never read without LN_IN
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
-            x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0), w.shape[0],
+            xt, w, bias, idx, out, lnw, lnb, st, D, K, xt.stride(0), 0 if shared else idx.stride(0), out.stride(0),
+            w.shape[0], n_st, st_w, LN_EPS,
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
-            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 2), **pdl_args(x.device, kind))
+            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=pending is not None,
+            BLOCK_N=max(2, next_pow2(n_st)), num_warps=cfg["num_warps"],
+            num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
     return out
 
 
 def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
-                  combine=None):
+                  combine=None, ln_defer=False):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
     LayerNorm(out) (eps LN_EPS). combine = (acc [Kh * nchunk, group], ml [Kh * nchunk, 2],
     nchunk): batch 1 through the dot kernel only; h's values come from these attention partials
-    inside the kernel (h gives the shape and is not read). Returns out."""
+    inside the kernel (h gives the shape and is not read). Returns out.
+    ln_defer (with ln): returns (out, LayerNorm(out)) where the second is a PendingLN when the
+    separate split-K reduction runs (it stores the block stats; no LayerNorm launch), else
+    ln_out computed as above."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -581,7 +625,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         block_s = next_pow2(split)
         block = max(128, REDUCE_BLOCK * 4 // block_s)  # ~4096 partials per program
         n_blk = _cdiv(D, block)
-        if ln is not None and B <= REDUCE_LN_MAX_BATCH:
+        if ln is not None and not ln_defer and B <= REDUCE_LN_MAX_BATCH:
             st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device)
             kernel = jit(_split_reduce_ln_kernel, h.device)
             kernel[(n_blk,)](part, bias, res, out, counters(h.device, 1), ln[0], ln[1], ln_out, st, B, D, split,
@@ -589,13 +633,16 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                              BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)),
                              num_warps=8, **pdl_args(h.device, "reduce"))
             return out
+        defer = ln is not None and ln_defer
+        st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device) if defer else out
         reduce = jit(_split_reduce_kernel, h.device)
-        reduce[(B, n_blk)](part, bias, res, out, B, D, split, HAS_RES=residual is not None, BLOCK=block,
-                           BLOCK_S=block_s, num_warps=4, **pdl_args(h.device, "reduce"))
+        reduce[(B, n_blk)](part, bias, res, out, st, B, D, split, n_blk, HAS_RES=residual is not None, BLOCK=block,
+                           BLOCK_S=block_s, STATS=defer, num_warps=4, **pdl_args(h.device, "reduce"))
+        if defer:
+            return out, PendingLN(out, ln[0], ln[1], st, block)
     if ln is not None and not fused:
-        from dejavu.plugins.layer_norm import layer_norm
         layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
-    return out
+    return (out, ln_out) if ln is not None and ln_defer else out
 
 
 def check_ln(ln, ln_out, B, D, dtype, device):
@@ -617,24 +664,29 @@ def check_ln(ln, ln_out, B, D, dtype, device):
 # public API
 
 def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None):
-    """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D], w1 [F,D], b1 [F], idx [B,K] or [K]."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, D = x.shape
-    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
+    """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D] (or a PendingLN: its LayerNorm), w1 [F,D],
+    b1 [F], idx [B,K] or [K]."""
+    if isinstance(x, PendingLN):
+        check_pending(x)
+    xt = x.x if isinstance(x, PendingLN) else x
+    check_tensor("x", xt, ndim=2, dtypes=FLOAT_DTYPES)
+    B, D = xt.shape
+    check_tensor("w1", w1, ndim=2, dtype=xt.dtype, device=xt.device)
     F = w1.shape[0]
     if w1.shape[1] != D:
         raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
-    check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
-    K, _ = check_index("idx", idx, batch=B, upper=F, device=x.device,
-                       validate=default_validate(validate, x.device))
-    out = check_out(out, (B, K), x.dtype, x.device)
+    check_tensor("b1", b1, shape=(F,), dtype=xt.dtype, device=xt.device)
+    K, _ = check_index("idx", idx, batch=B, upper=F, device=xt.device,
+                       validate=default_validate(validate, xt.device))
+    out = check_out(out, (B, K), xt.dtype, xt.device)
     return gather_gemv(x, w1, b1, idx, out, relu=True, config=config)
 
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
-               config=None):
+               config=None, ln_defer=False):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
-    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out)."""
+    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out).
+    ln_defer (with ln): the second output may be a PendingLN (gather_gemv_t), for sparse_fc1."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
     check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)
@@ -648,8 +700,9 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
         check_tensor("residual", residual, shape=(B, D), dtype=h.dtype, device=h.device)
     out = check_out(out, (B, D), h.dtype, h.device)
     ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
-    y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out)
-    return y if ln is None else (y, ln_out)
+    y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out,
+                      ln_defer=ln_defer and ln is not None)
+    return y if ln is None or ln_defer else (y, ln_out)
 
 
 def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
@@ -666,15 +719,16 @@ def _expand_idx(idx, batch):
 
 
 def sparse_fc1_ref(x, w1, b1, idx):
-    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K]."""
+    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K] (x a tensor or a PendingLN)."""
+    x = materialize_ref(x)
     rows = _expand_idx(idx, x.shape[0])
     h = torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows]
     return torch.relu(h)
 
 
-def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None):
+def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False):
     """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),
-    (y, F.layer_norm(y))."""
+    (y, F.layer_norm(y)) (ln_defer changes nothing here: the LayerNorm is computed)."""
     rows = _expand_idx(idx, h.shape[0])
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
     return with_ln_ref(y if residual is None else y + residual, ln)

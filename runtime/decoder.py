@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from dejavu.runtime.ops import Ops, attend
+from dejavu.runtime.ops import Ops, PendingLN, attend
 from dejavu.runtime.predictors import PredictorRunner, schedule
 from dejavu.runtime.spec import EngineSpec
 
@@ -80,6 +80,11 @@ class SparseDecoder:
         # that batch 1 gets without it (7.10 vs 7.03 ms/token, session 4); False runs the
         # separate layer_norm op.
         self.fuse_ln = False
+        # Pre-LN, one rank, fuse_ln off: the LayerNorm before a sparse MLP is left to fc1 (its
+        # GEMV normalises its input as it loads it, from block statistics the attention output
+        # projection's split-K reduction stores; plugins/layer_norm.PendingLN), one launch fewer
+        # per layer. Where a kernel cannot (other routes, the references), the op computes it.
+        self.defer_ln = True
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
         # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).
@@ -157,6 +162,10 @@ class SparseDecoder:
         runs one block per row: ~12 us at D 7168), PyTorch's on the CPU path."""
         return self.ops.layer_norm(x, wb[0], wb[1])
 
+    def _materialize(self, h):
+        """h, or a PendingLN's LayerNorm computed now (for ops that take a plain input)."""
+        return self._ln_step(h.x, (h.weight, h.bias)) if isinstance(h, PendingLN) else h
+
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., D] from tokens [...] at positions [...] (0-based)."""
         x = F.embedding(tokens, self.t["embed_tokens"])  # [..., E]
@@ -179,10 +188,12 @@ class SparseDecoder:
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, fused into fc2 (sparse, one rank): returns
         # (x, LN(x)) then; x alone otherwise
+        # h may be a PendingLN (defer_ln): sparse_fc1 applies it, the other paths compute it
         if idx is None:
+            h = self._materialize(h)
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
-        if self.fused_mlp and h.shape[0] == 1 and self.reduce is None:
-            y = self.ops.sparse_mlp(h, w.w1, w.b1, w.w2_t, w.b2, idx, x)
+        if self.fused_mlp and x.shape[0] == 1 and self.reduce is None:
+            y = self.ops.sparse_mlp(self._materialize(h), w.w1, w.b1, w.w2_t, w.b2, idx, x)
             return y if ln is None else (y, self._ln_step(y, ln))
         a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
         if self.reduce is not None:
@@ -274,7 +285,9 @@ class SparseDecoder:
                 x = self._add(x, attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t, w.bo)
             else:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
-                kw = {"ln": w.ln_mlp} if fuse else {}
+                defer = (self.defer_ln and not fuse and s.pre_ln and self.reduce is None
+                         and self.spec.sparse_mlp(l))
+                kw = {"ln": w.ln_mlp} if fuse else {"ln": w.ln_mlp, "ln_defer": True} if defer else {}
                 if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
                     hook, join = self._side_work(l, w, idx)
                     if hook is not None:
@@ -283,7 +296,7 @@ class SparseDecoder:
                                                       self.x_hist[l], self.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads
                     y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res, **kw)
-                if fuse:
+                if fuse or defer:
                     y, h_ln = y
                 x = y if res is not None else self._add(x, y)
             run.flush()  # anything still held ("after_attn"; an op that did not call the hook)

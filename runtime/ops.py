@@ -19,7 +19,10 @@ sparse_fc2, sparse_attn and sparse_attn_deferred also take `ln=(weight, bias)` a
 (y, layer_norm(y)): the next LayerNorm of a pre-LN decoder (used when SparseDecoder.fuse_ln
 is on; off by default). The Triton kernels compute it in the same launch as y when
 plugins.sparse_mlp.FUSED_FINISH is on, else with the layer_norm kernel; the references apply
-F.layer_norm to y, the function the unfused step applies.
+F.layer_norm to y, the function the unfused step applies. With `ln_defer=True` as well, the
+second output may be a `PendingLN` (plugins/layer_norm.py: y plus per-block statistics from
+the split-K reduction, no LayerNorm launch) that sparse_fc1 takes as its input and
+normalises as it loads it (SparseDecoder.defer_ln); the references return the tensor.
 
 - "ref": the plugins' PyTorch references (the CPU path). If `dejavu.plugins` cannot be
   imported, the runtime's own gather-based references below stand in.
@@ -34,6 +37,12 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+try:
+    from dejavu.plugins.layer_norm import PendingLN
+except Exception:  # noqa: BLE001 - without the plugins no op makes one
+    class PendingLN:  # type: ignore[no-redef]
+        """Stand-in: nothing returns one when dejavu.plugins is missing."""
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
          "sparse_mlp")
@@ -69,12 +78,13 @@ def _with_ln(y, ln):
     return y if ln is None else (y, _layer_norm(y, *ln))
 
 
-def _sparse_fc2(h, w2_t, b2, idx, residual=None, *, ln=None):
+def _sparse_fc2(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False):
     y = torch.einsum("bk,bkd->bd", h, w2_t[_rows(idx, h.shape[0])]) + b2
     return _with_ln(y if residual is None else y + residual, ln)
 
 
-def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, residual=None, *, ln=None):
+def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, residual=None, *, ln=None,
+                 ln_defer=False):
     B, D = x_ln.shape
     H, T, hd = k_cache.shape[1:]
     rows = torch.arange(B, device=x_ln.device)
@@ -90,7 +100,7 @@ def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, r
 
 
 def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, x_hist, valid_len, pos,
-                          residual=None, *, ln=None, after_qkv=None):
+                          residual=None, *, ln=None, after_qkv=None, ln_defer=False):
     B, D = x_ln.shape
     H, T, hd = k_cache.shape[1:]
     rows = torch.arange(B, device=x_ln.device)
@@ -125,7 +135,11 @@ def _sparse_mlp(x, w1, b1, w2_t, b2, idx, residual=None):
 
 
 def _flat(out) -> torch.Tensor:
-    """An op's output (a tensor, or the (y, layer_norm(y)) pair) as one flat fp32 tensor."""
+    """An op's output (a tensor, or the (y, layer_norm(y)) pair; a PendingLN as the LayerNorm
+    its block statistics give) as one flat fp32 tensor."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], PendingLN):
+        from dejavu.plugins.layer_norm import from_stats_ref
+        out = (out[0], from_stats_ref(out[1]))
     return torch.cat([o.float().flatten() for o in (out if isinstance(out, tuple) else (out,))])
 
 
@@ -182,8 +196,8 @@ class Ops:
     @torch.inference_mode()
     def verify(self, t: dict, spec, batch: int, shared: bool, tol: float = 3e-2) -> dict:
         """Run each Triton op once on layer 0's weights against its reference; demote failures.
-        For a pre-LN model the ops that take `ln=` run with it (as the decode step calls them),
-        both outputs compared.
+        For a pre-LN model the ops that take `ln=` run with it (as the decode step calls them,
+        `ln_defer` too), both outputs compared, and sparse_fc1 also takes a PendingLN input.
 
         Returns {op: relative error or the exception text}."""
         if self.backend != "triton":
@@ -207,9 +221,14 @@ class Ops:
         pos = (torch.arange(batch, device=dev) * 5 + 9) % T
         hist = torch.randn(batch, T, D, generator=g, device=dev).to(dt)
         valid_len = (pos[:, None] * torch.rand(batch, H, generator=g, device=dev)).to(torch.int32)
-        ln = {"ln": (t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"])} if spec.pre_ln else {}
+        # pre-LN: the ops that take ln= run with it, deferred as the decode step asks for it
+        # (SparseDecoder.defer_ln; a PendingLN compared through the LayerNorm its stats give)
+        ln = {"ln": (t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"]), "ln_defer": True} if spec.pre_ln else {}
+        from dejavu.plugins.layer_norm import pending_ln
+        pend = pending_ln(x, t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"]) if spec.pre_ln else x
         cases = {
-            "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
+            "sparse_fc1": lambda f: (f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
+                                     f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im)),
             "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_mlp": lambda f: f(x[:1], t[p + "mlp.w1"], t[p + "mlp.b1"], t[p + "mlp.w2_t"], t[p + "mlp.b2"],

@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent('''
     import dejavu.plugins.sparse_mlp as SM
 
     INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr"}
+    LN_IN = {"st_ptr": "*fp32", "eps": "fp32"}
     F32_PTRS = {"part_ptr", "ml_ptr", "q_ptr", "o_ptr", "s_ptr"}
 
     def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None):
@@ -55,7 +56,10 @@ SCRIPT = textwrap.dedent('''
     for dt in ("fp16",):  # bf16 differs only in the element type
         for group in (1, 128):
             compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=4, BLOCK_D=1024, EVEN_D=True,
-                                                          GROUP=group), dt)
+                                                          GROUP=group), dt, overrides=LN_IN)
+        for even in (True, False):  # fc1 normalising its input (a PendingLN from the split reduction)
+            compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=even,
+                                                          GROUP=1, LN_IN=True, BLOCK_N=32), dt, overrides=LN_IN)
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
         # fc2 / out-proj: split-K with the separate reduction, fused finish (+ LayerNorm), one split + LayerNorm
@@ -74,7 +78,9 @@ SCRIPT = textwrap.dedent('''
                                                        BLOCK_C=16),
                      dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32", "apart_ptr": "*fp32",
                                     "h_ptr": "*fp32"})
-    compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4))
+    for stats in (False, True):
+        compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4, STATS=stats),
+                     overrides={"part_ptr": "*fp32", "st_ptr": "*fp32"})
     compile_sm90(SM, SM._split_reduce_ln_kernel, dict(HAS_RES=True, BLOCK_D=256, BLOCK_S=16, BLOCK_N=32,
                                                       LN_BLOCK=8192),
                  overrides={"part_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"})
@@ -127,13 +133,17 @@ SCRIPT = textwrap.dedent('''
     qkv_ptrs = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32"}
     fin = dict(FINAL=False, HAS_RES=True, FUSED=False, LN=False, BLOCK_N=128, LN_BLOCK=2048, GROUP=128)
     cases = [
-        (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1), {}, True),
+        (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1), LN_IN, True),
+        (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1, LN_IN=True,
+                                          BLOCK_N=32), LN_IN, True),
         (SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=64, BLOCK_B=16, BLOCK_D=128,
                                          EVEN_D=True, GROUP=1), {}, True),
         (SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, BLOCK_S=16, **fin), f2, True),
         (SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128, EVEN_D=True,
                                            BLOCK_S=4, **fin), f2, True),
-        (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4), {}, False),
+        (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4), {"st_ptr": "*fp32"}, False),
+        (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4, STATS=True),
+         {"part_ptr": "*fp32", "st_ptr": "*fp32"}, False),
         (SM, SM._split_reduce_ln_kernel, dict(HAS_RES=True, BLOCK_D=256, BLOCK_S=16, BLOCK_N=32, LN_BLOCK=8192),
          {"part_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"}, False),
         (DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, BLOCK_P=16,

@@ -178,19 +178,20 @@ def test_post_ln_with_projections_350m_style():
     assert eng.generate([PROMPT], 24, stop_at_eos=False)[0] == MaskedDense(model, header, tensors).generate(PROMPT, 24)
 
 
-def _decode_logits(eng, prompts, n, fuse):
-    """Logits of every decode step of a greedy run, with the decoder's LayerNorm fusion on or off,
-    and how many times the step called the separate layer_norm op."""
+def _decode_logits(eng, prompts, n, fuse, defer=False):
+    """Logits of every decode step of a greedy run, with the decoder's LayerNorm fusion on or off
+    (and its deferred LayerNorm, `defer`), and how many times the step called the separate
+    layer_norm op."""
     dec, out, calls = eng.decoder, [], []
-    step, ln, fuse0 = dec.decode_step, eng.ops.layer_norm, dec.fuse_ln
-    dec.fuse_ln = fuse
+    step, ln, fuse0, defer0 = dec.decode_step, eng.ops.layer_norm, dec.fuse_ln, dec.defer_ln
+    dec.fuse_ln, dec.defer_ln = fuse, defer
     dec.decode_step = lambda tokens, pos: out.append(step(tokens, pos).clone()) or out[-1]
     eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
     try:
         eng.generate(prompts, n, stop_at_eos=False)
     finally:
         del dec.decode_step
-        eng.ops.layer_norm, dec.fuse_ln = ln, fuse0
+        eng.ops.layer_norm, dec.fuse_ln, dec.defer_ln = ln, fuse0, defer0
     return out, len(calls)
 
 
@@ -209,3 +210,8 @@ def test_fused_layer_norms_equal_separate_ones(kv_policy):
     # separate: 2 per layer + final per step; fused: layer 0's ln_attn and, after the dense MLP
     # of layer 1, layer 2's ln_attn
     assert (n_sep, n_fused) == (5 * 7, 5 * 2)
+    # deferred (the default): the MLP's LayerNorm comes from the attention op (computed there
+    # by the references) before the sparse MLPs of layers 0 and 2, not before layer 1's dense one
+    deferred, n_deferred = _decode_logits(eng, [PROMPT, PROMPT[:3]], 6, False, True)
+    assert all(torch.equal(a, b) for a, b in zip(deferred, sep))
+    assert n_deferred == 5 * 5 and eng.decoder.defer_ln

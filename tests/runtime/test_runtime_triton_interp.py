@@ -75,7 +75,7 @@ for policy in ("per_sequence", "shared"):
         SM.FUSED_FINISH = finish  # "fallback": ln= through the kernels' fallback (a layer_norm launch)
         eng = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy=policy)
         dec, got, calls = eng.decoder, [], []
-        dec.fuse_ln, step, ln = fuse, dec.decode_step, eng.ops.layer_norm
+        dec.fuse_ln, dec.defer_ln, step, ln = fuse, False, dec.decode_step, eng.ops.layer_norm
         dec.decode_step = lambda tokens, pos: got.append(step(tokens, pos).clone()) or got[-1]
         eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
         eng.generate(P, 3, stop_at_eos=False)
@@ -101,3 +101,55 @@ def test_fused_layer_norms_in_interpreter_equal_separate_ones():
         assert out[policy]["fused"] < 1e-5 and out[policy]["fallback"] < 1e-5, out
         # 2 steps x (3 layers x 2 + final) separate; fused: layer 0's ln_attn only
         assert (out[policy + "_ln_calls_separate"], out[policy + "_ln_calls_fused"]) == (14, 2), out
+
+
+DEFER_SCRIPT = r"""
+import torch, json
+torch.set_num_threads(1)
+from runtime_helpers import engine_from_dense, tiny_model
+from dejavu.runtime import Engine
+from dejavu.plugins.layer_norm import PendingLN
+import dejavu.plugins.sparse_mlp as SM
+# blocks of 16 rows and 32 selected rows (2 heads of 16): the projection splits K, so its
+# reduction runs (and stores the stats) on every route
+for route in ("proj1", "dot", "gemv"):
+    SM.FC2_CONFIG[route] = {**SM.FC2_CONFIG[route], "BLOCK_K": 16}
+m = tiny_model(seed=3, hidden_size=64, word_embed_proj_dim=64)
+P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
+h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
+out = {}
+for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
+    logits = {}
+    for defer in (True, False):
+        eng = Engine.from_tensors(h, t, "cpu", backend="triton",
+                                  batch_policy="shared" if policy == "shared" else "per_sequence")
+        dec, got, pend = eng.decoder, [], []
+        dec.defer_ln, step, fc1 = defer, dec.decode_step, eng.ops.sparse_fc1
+        dec.decode_step = lambda tokens, pos: got.append(step(tokens, pos).clone()) or got[-1]
+        eng.ops.sparse_fc1 = lambda x, *a, **k: pend.append(isinstance(x, PendingLN)) or fc1(x, *a, **k)
+        toks = eng.generate(prompts, 3, stop_at_eos=False)
+        logits[defer] = torch.stack(got)
+        out[f"{policy}_{defer}"] = {"pending": sum(pend), "fc1": len(pend), "kernels": eng.ops.kernels,
+                                    "check": {k: str(v) for k, v in eng.kernel_check.items()}, "tokens": toks}
+    ref = logits[False]
+    out[policy] = float((logits[True] - ref).abs().max() / ref.abs().max())
+print(json.dumps(out))
+"""
+
+
+def test_deferred_layer_norm_in_interpreter_equals_separate_one():
+    # SparseDecoder.defer_ln (fc1 normalising its input from the projection reduction's block
+    # stats) against the separate LayerNorm kernel: Triton backend in the interpreter, fp32
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
+    r = subprocess.run([sys.executable, "-c", DEFER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for policy in ("per_sequence", "shared", "batch1"):
+        on, off = out[f"{policy}_True"], out[f"{policy}_False"]
+        assert set(on["kernels"].values()) == {"triton"}, on  # the kernel check passed, incl. PendingLN
+        assert out[policy] < 1e-5 and on["tokens"] == off["tokens"], out
+        assert off["pending"] == 0 and on["fc1"] == off["fc1"] > 0, out
+        # a shared set at batch 2 takes fc1's tl.dot route, which computes the LayerNorm first:
+        # the op still gets the PendingLN (and materializes it)
+        assert on["pending"] == on["fc1"], out

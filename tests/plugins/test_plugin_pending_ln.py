@@ -1,0 +1,153 @@
+"""A LayerNorm left to its consumer (layer_norm.PendingLN): the split-K reduction stores block
+stats instead of a LayerNorm launch, fc1's GEMV normalises its input as it loads it. Against
+float64 references (Triton interpreter)."""
+import sys
+
+import pytest
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins import sparse_fc1, sparse_fc1_ref, sparse_fc2
+from dejavu.plugins.layer_norm import PendingLN, block_stats, layer_norm, pending_ln
+
+SM = sys.modules["dejavu.plugins.sparse_mlp"]
+LN = sys.modules["dejavu.plugins.layer_norm"]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+D, F, K = 72, 200, 37  # not multiples of any block size
+
+
+def weights(dtype, k=K):
+    w1, b1 = (torch.randn(F, D) / D ** 0.5).to(dtype), torch.randn(F).to(dtype)
+    w2_t, b2 = (torch.randn(F, D) / k ** 0.5).to(dtype), torch.randn(D).to(dtype)
+    g, beta = (1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype)
+    return w1, b1, w2_t, b2, (g, beta)
+
+
+def index(B, shared, k=K):
+    if shared:
+        return torch.randperm(F)[:k].to(torch.int32)
+    return torch.stack([torch.randperm(F)[:k] for _ in range(B)]).to(torch.int32)
+
+
+def launched(monkeypatch, *mods):
+    """Kernel functions launched from now on through the given modules' jit (a list)."""
+    names = []
+    for mod in mods:
+        jit = mod.jit
+        monkeypatch.setattr(mod, "jit", lambda fn, dev, jit=jit: names.append(fn.__name__) or jit(fn, dev))
+    return names
+
+
+def ln64(x, ln):
+    return torch.nn.functional.layer_norm(x.double(), (D,), ln[0].double(), ln[1].double(), 1e-5)
+
+
+@pytest.mark.parametrize("width", [32, 256, 7])
+def test_block_stats_against_float64(width):
+    x = torch.randn(3, D) * 4 + 2
+    st = block_stats(x, width)
+    n = -(-D // width)
+    assert st.shape == (3, n, 2) and st.dtype == torch.float32
+    for i in range(n):
+        blk = x.double()[:, i * width:(i + 1) * width]
+        assert torch.allclose(st[:, i, 0].double(), blk.mean(1), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(st[:, i, 1].double(), (blk - blk.mean(1, keepdim=True)).square().sum(1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared", [(1, True), (1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("width", [32, 128])
+def test_fc1_of_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, width):
+    # the GEMV route (batch 1, per-sequence sets) normalises in the kernel: one launch; the
+    # tl.dot route (a shared set from batch 2) runs the layer_norm kernel first
+    w1, b1, _, _, ln = weights(dtype)
+    x = (torch.randn(B, D) * 3 + 0.5).to(dtype)
+    idx = index(B, shared)
+    p = pending_ln(x, *ln, width=width)
+    names = launched(monkeypatch, SM, LN)
+    h = torch.full((B, K), float("nan"), dtype=dtype)
+    assert sparse_fc1(p, w1, b1, idx, out=h) is h
+    gemv = not (shared and B >= SM.DOT_MIN_BATCH)
+    assert names == (["_gather_gemv_kernel"] if gemv else ["_layer_norm_kernel", "_gather_dot_kernel"]), names
+    # reference: LayerNorm then fc1 in float64. The same-dtype baseline: the worse of PyTorch
+    # (F.layer_norm then fc1) and the unfused kernels (layer_norm kernel then fc1); in bf16 the
+    # rounding of LN(x) to 8 bits dominates and lands differently in each
+    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
+    paths = [sparse_fc1_ref(p, w1, b1, idx), sparse_fc1(layer_norm(x, *ln), w1, b1, idx)]
+    close(h, want, max(paths, key=lambda t: (t.double() - want).abs().max().item()))
+
+
+def test_fc1_of_pending_layer_norm_equals_fc1_of_the_kernels_layer_norm(triton_interp):
+    # same input values as layer_norm's kernel would store (rounded to fp16), up to the
+    # last bits of the merged stats
+    w1, b1, _, _, ln = weights(torch.float16)
+    x = torch.randn(1, D).half()
+    idx = index(1, False)
+    a = sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx)
+    b = sparse_fc1(layer_norm(x, *ln), w1, b1, idx)
+    assert (a.float() - b.float()).abs().max().item() <= 2e-3 * b.float().abs().max().item()
+
+
+def test_fc1_of_pending_layer_norm_with_large_mean(triton_interp):
+    # |mean| >> std: the block (mean, M2) merge keeps the fp32 LayerNorm accurate
+    w1, b1, _, _, ln = weights(torch.float32)
+    x = torch.randn(2, D) + 3000.0
+    idx = index(2, False)
+    h = sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx)
+    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
+    assert (h.double() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared", [(1, True), (1, False), (3, False)])
+def test_fc2_with_deferred_layer_norm_stores_stats_not_a_layer_norm(triton_interp, monkeypatch, dtype, B, shared):
+    # split reduction: y as without ln (bit-equal), block stats of the stored y, no LayerNorm launch
+    _, _, w2_t, b2, ln = weights(dtype)
+    idx = index(B, shared)
+    h, res = torch.randn(B, K).to(dtype), torch.randn(B, D).to(dtype)
+    cfg = {"SPLIT": 3, "BLOCK_K": 16}
+    y0 = sparse_fc2(h, w2_t, b2, idx, res, config=cfg)
+    names = launched(monkeypatch, SM, LN)
+    y, p = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer=True, config=cfg)
+    assert names[-1] == "_split_reduce_kernel" and "_layer_norm_kernel" not in names, names
+    assert isinstance(p, PendingLN) and p.x is y and p.weight is ln[0] and p.bias is ln[1]
+    assert torch.equal(y, y0)
+    want = block_stats(y, p.width)
+    assert p.stats.shape == want.shape
+    assert torch.allclose(p.stats, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fc2_with_deferred_layer_norm_then_fc1(triton_interp, close):
+    # the decode step's pair: fc2's reduction leaves LN(y) pending, fc1 applies it
+    w1, b1, w2_t, b2, ln = weights(torch.float16)
+    idx = index(1, False)
+    h, res = torch.randn(1, K).half(), torch.randn(1, D).half()
+    y, p = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer=True, config={"SPLIT": 3, "BLOCK_K": 16})
+    got = sparse_fc1(p, w1, b1, idx)
+    want = sparse_fc1_ref(ln64(y, ln), w1.double(), b1.double(), idx)
+    close(got, want, sparse_fc1_ref(torch.nn.functional.layer_norm(y, (D,), *ln, 1e-5), w1, b1, idx))
+
+
+def test_fc2_with_deferred_layer_norm_without_a_reduction_computes_it(triton_interp, monkeypatch):
+    # SPLIT 1 (no reduction kernel to store stats): the LayerNorm is computed, a tensor returned
+    _, _, w2_t, b2, ln = weights(torch.float32)
+    idx = index(1, True)
+    h = torch.randn(1, K)
+    y, y_ln = sparse_fc2(h, w2_t, b2, idx, ln=ln, ln_defer=True, config={"SPLIT": 1})
+    assert isinstance(y_ln, torch.Tensor)
+    assert torch.allclose(y_ln.double(), ln64(y, ln), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_pending_layer_norm_rejected():
+    w1, b1, _, _, ln = weights(torch.float16)
+    x = torch.randn(1, D).half()
+    idx = index(1, False)
+    good = pending_ln(x, *ln, width=32)
+    with pytest.raises(DejavuError, match="PendingLN.stats: expected shape"):
+        sparse_fc1(good._replace(width=64), w1, b1, idx)
+    with pytest.raises(DejavuError, match="PendingLN.stats: expected dtype"):
+        sparse_fc1(good._replace(stats=good.stats.half()), w1, b1, idx)
+    with pytest.raises(DejavuError, match="PendingLN.weight: expected shape"):
+        sparse_fc1(good._replace(weight=ln[0][:-1].contiguous()), w1, b1, idx)
+    with pytest.raises(DejavuError, match="PendingLN.width: expected a positive int"):
+        sparse_fc1(good._replace(width=0), w1, b1, idx)
