@@ -320,6 +320,18 @@ def _fc2_route(route: str, **kv):
     return apply
 
 
+def _fc1_gemv(**kv):
+    """sparse_mlp.FC1_CONFIG["gemv"] entries for one row (fc1 at batch 1, per-sequence sets)."""
+    def apply(eng):
+        import importlib
+
+        table = importlib.import_module("dejavu.plugins.sparse_mlp").FC1_CONFIG
+        old = dict(table["gemv"])
+        table["gemv"] = {**old, **kv}
+        return lambda: table.__setitem__("gemv", old)
+    return apply
+
+
 def _attn_setting(**kv):
     """sparse_attention.ATTN_CONFIG entries for one row."""
     return _table("sparse_attention", "ATTN_CONFIG", **kv)
@@ -480,6 +492,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # session 10: the MLP's LayerNorm as its own launch again (before: fc1 applies it from the
              # output projection reduction's block stats, SparseDecoder.defer_ln)
              "nodeferln": _defer_ln(False),
+             # fc1's GEMV with 4 / 8 rows per program (x, or with defer_ln y and the LayerNorm's
+             # weight and bias, read once for more rows), with and without the deferred LayerNorm
+             "fc1r4": _fc1_gemv(BLOCK_R=4), "fc1r8": _fc1_gemv(BLOCK_R=8),
+             "nodeferlnr4": _both(_defer_ln(False), _fc1_gemv(BLOCK_R=4)),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring
