@@ -119,6 +119,17 @@ def _defer_ln(on: bool):
     return apply
 
 
+def _fold_ln(on: bool):
+    """SparseDecoder.fold_ln for one row (with defer_ln: fc1 takes the LayerNorm folded into its
+    rows, or normalises its input chunks in its loop)."""
+    def apply(eng):
+        dec = eng.decoder
+        old = dec.fold_ln
+        dec.fold_ln = on
+        return lambda: setattr(dec, "fold_ln", old)
+    return apply
+
+
 def _qkv_setting(key, value):
     """Set QKV_CONFIG[key] for one row (the undo restores it)."""
     import importlib
@@ -491,7 +502,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "foldslowz4": _both(_attn_setting(FOLD_COMBINE=True), _qkv_b1(SLOW_Z=4)),
              # session 10: the MLP's LayerNorm as its own launch again (before: fc1 applies it from the
              # output projection reduction's block stats, SparseDecoder.defer_ln)
-             "nodeferln": _defer_ln(False),
+             "nodeferln": _defer_ln(False), "nodeferln2": _defer_ln(False), "deferloop": _fold_ln(False),
              # fc1's GEMV with 4 / 8 rows per program (x, or with defer_ln y and the LayerNorm's
              # weight and bias, read once for more rows), with and without the deferred LayerNorm
              "fc1r4": _fc1_gemv(BLOCK_R=4), "fc1r8": _fc1_gemv(BLOCK_R=8),

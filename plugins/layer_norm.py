@@ -182,6 +182,31 @@ def check_pending(p: PendingLN, dtypes=FLOAT_DTYPES) -> None:
                  device=p.x.device)
 
 
+class LNFold(NamedTuple):
+    """A linear layer (rows w[R, D], bias b[R]) with a LayerNorm (weight g, bias beta) folded in:
+        w[r] @ LayerNorm(x) + b[r] = rstd * (w[r] @ (g * x)) - rstd * mean * wg[r] + wb[r]
+    with wg = w @ g and wb = w @ beta + b (fp32, [R]). A consumer of a PendingLN then needs
+    the row's mean and rstd only after its dot product (no dependent load before its main
+    loop), reads x and g, and never rounds LayerNorm(x)."""
+    wg: torch.Tensor
+    wb: torch.Tensor
+
+
+@torch.no_grad()
+def ln_fold(w, b, weight, bias, rows_per_chunk: int = 4096) -> LNFold:
+    """LNFold of w [R, D], b [R] and a LayerNorm's weight, bias [D] (fp32 products, computed
+    a chunk of rows at a time so the fp32 copy of w stays small)."""
+    g, beta = weight.float(), bias.float()
+    wg = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    wb = torch.empty_like(wg)
+    for r0 in range(0, w.shape[0], rows_per_chunk):
+        blk = w[r0:r0 + rows_per_chunk].float()
+        wg[r0:r0 + rows_per_chunk] = blk @ g
+        wb[r0:r0 + rows_per_chunk] = blk @ beta
+    wb += b.float()
+    return LNFold(wg, wb)
+
+
 def from_stats_ref(p: PendingLN, eps=1e-5) -> torch.Tensor:
     """LayerNorm(p.x) with the mean and variance merged from p.stats (PyTorch, fp32, in x's
     dtype): what a consumer kernel computes, so checking it checks the stored stats."""

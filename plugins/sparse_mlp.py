@@ -119,7 +119,7 @@ def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.conste
     prefetch_rows_l2(w_ptr + rows * D, col0, D, BLOCK_D)
 
 
-def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr, st_ptr, D, K,
+def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr, st_ptr, wg_ptr, D, K,
                         stride_xb, stride_ib, stride_ob, N_ROWS, N_ST, ST_W, eps,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, LN_IN: tl.constexpr = 0,
@@ -128,9 +128,14 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
     # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
     # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
     # reading the same rows run together and share them through L2.
-    # LN_IN: x is LayerNorm(x) (a PendingLN): the row's mean and rstd merged from the N_ST
-    # blocks' stats at st[b] (blocks of ST_W columns), each x chunk normalised as it is
-    # loaded and rounded to x's dtype (the values the layer_norm kernel would have stored).
+    # x is LayerNorm(x) (a PendingLN) when LN_IN: the row's mean and rstd merged from the N_ST
+    # blocks' stats at st[b] (blocks of ST_W columns), and
+    #   LN_IN 1: each x chunk normalised as it is loaded and rounded to x's dtype (the values
+    #            the layer_norm kernel would have stored);
+    #   LN_IN 2: the LayerNorm folded into the rows (layer_norm.LNFold): the loop sums
+    #            w * (g * x) (a product of two 16-bit values: exact in fp32), the epilogue
+    #            applies rstd * acc - rstd * mean * wg[row] + wb[row] (wb holds the bias; b_ptr
+    #            is wb then): mean and rstd are needed only after the loop.
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -154,6 +159,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
             wv = tl.load(w_rows + offs_d[None, :]).to(tl.float32)
             if LN_IN:
                 g = tl.load(lnw_ptr + offs_d).to(tl.float32)
+            if LN_IN == 1:
                 gb = tl.load(lnb_ptr + offs_d).to(tl.float32)
         else:
             dmask = offs_d < D
@@ -161,12 +167,19 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
             wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
             if LN_IN:
                 g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            if LN_IN == 1:
                 gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        if LN_IN:
+        if LN_IN == 1:
             xv = ((xv.to(tl.float32) - mean) * rstd * g + gb).to(x_ptr.dtype.element_ty)
-        acc += wv * xv.to(tl.float32)[None, :]
+        if LN_IN == 2:
+            acc += wv * (xv.to(tl.float32) * g)[None, :]
+        else:
+            acc += wv * xv.to(tl.float32)[None, :]
     gdc_release(GDC)
-    h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
+    if LN_IN == 2:
+        h = rstd * tl.sum(acc, axis=1) - (rstd * mean) * tl.load(wg_ptr + rows) + tl.load(b_ptr + rows)
+    else:
+        h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
     if RELU:
         h = tl.maximum(h, 0.0)
     tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + offs_r,
@@ -521,11 +534,12 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, ln_fold=None):
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
     rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
-    x may be a PendingLN (its LayerNorm): the GEMV route normalises x as it loads it, the
-    tl.dot route (shared sets from DOT_MIN_BATCH) runs the layer_norm kernel first.
+    x may be a PendingLN (its LayerNorm): the GEMV route normalises x as it loads it, or with
+    ln_fold (a layer_norm.LNFold of w, bias and the LayerNorm; group 1) takes it folded into
+    the rows; the tl.dot route (shared sets from DOT_MIN_BATCH) runs the layer_norm kernel first.
     kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1)."""
     pending = x if isinstance(x, PendingLN) else None
     xt = x.x if pending is not None else x
@@ -548,15 +562,17 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
     else:
         cfg = {**FC1_CONFIG["gemv"], **(config or {})}
         kernel = jit(_gather_gemv_kernel, xt.device)
+        fold = pending is not None and ln_fold is not None and group == 1
         if pending is not None:
             lnw, lnb, st, n_st, st_w = pending.weight, pending.bias, pending.stats, pending.stats.shape[1], pending.width
         else:
             lnw, lnb, st, n_st, st_w = xt, xt, xt, 1, 1  # never read without LN_IN
+        b_in, wg = (ln_fold.wb, ln_fold.wg) if fold else (bias, xt)  # wg never read unless folded
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
-            xt, w, bias, idx, out, lnw, lnb, st, D, K, xt.stride(0), 0 if shared else idx.stride(0), out.stride(0),
-            w.shape[0], n_st, st_w, LN_EPS,
+            xt, w, b_in, idx, out, lnw, lnb, st, wg, D, K, xt.stride(0), 0 if shared else idx.stride(0),
+            out.stride(0), w.shape[0], n_st, st_w, LN_EPS,
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
-            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=pending is not None,
+            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=0 if pending is None else 2 if fold else 1,
             BLOCK_N=max(2, next_pow2(n_st)), num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
     return out
@@ -663,9 +679,10 @@ def check_ln(ln, ln_out, B, D, dtype, device):
 # ---------------------------------------------------------------------------------------
 # public API
 
-def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None):
+def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, ln_fold=None):
     """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D] (or a PendingLN: its LayerNorm), w1 [F,D],
-    b1 [F], idx [B,K] or [K]."""
+    b1 [F], idx [B,K] or [K]. ln_fold: layer_norm.ln_fold(w1, b1, x.weight, x.bias), used
+    when x is a PendingLN (the LayerNorm folded into the rows; gather_gemv)."""
     if isinstance(x, PendingLN):
         check_pending(x)
     xt = x.x if isinstance(x, PendingLN) else x
@@ -679,7 +696,10 @@ def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None):
     K, _ = check_index("idx", idx, batch=B, upper=F, device=xt.device,
                        validate=default_validate(validate, xt.device))
     out = check_out(out, (B, K), xt.dtype, xt.device)
-    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config)
+    if ln_fold is not None:
+        check_tensor("ln_fold.wg", ln_fold.wg, shape=(F,), dtype=torch.float32, device=xt.device)
+        check_tensor("ln_fold.wb", ln_fold.wb, shape=(F,), dtype=torch.float32, device=xt.device)
+    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, ln_fold=ln_fold)
 
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
@@ -718,8 +738,9 @@ def _expand_idx(idx, batch):
     return idx.long().expand(batch, -1) if idx.dim() == 1 else idx.long()
 
 
-def sparse_fc1_ref(x, w1, b1, idx):
-    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K] (x a tensor or a PendingLN)."""
+def sparse_fc1_ref(x, w1, b1, idx, *, ln_fold=None):
+    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K] (x a tensor or a PendingLN; ln_fold, a
+    speed option of the kernel, changes nothing here)."""
     x = materialize_ref(x)
     rows = _expand_idx(idx, x.shape[0])
     h = torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows]

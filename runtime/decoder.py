@@ -85,6 +85,12 @@ class SparseDecoder:
         # projection's split-K reduction stores; plugins/layer_norm.PendingLN), one launch fewer
         # per layer. Where a kernel cannot (other routes, the references), the op computes it.
         self.defer_ln = True
+        # With defer_ln: fc1 takes that LayerNorm folded into its rows (plugins/layer_norm.LNFold:
+        # per layer w1 @ g and w1 @ beta + b1, fp32, computed at first use), so its programs need
+        # the row's mean and rstd only after their loop; False: fc1 normalises each chunk of its
+        # input in the loop (measured slower on the H200: BENCHMARKS.md, session 10).
+        self.fold_ln = True
+        self._folds: dict[int, object] = {}
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
         # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).
@@ -147,6 +153,10 @@ class SparseDecoder:
         self.rows = torch.arange(batch, device=self.device)  # [B]
         self.slots = torch.arange(max_seq, device=self.device)  # [T]
         self.batch, self.max_seq = batch, max_seq
+        if s.pre_ln and self.ops.kernels.get("sparse_fc1") == "triton":  # before any graph capture
+            for l, w in enumerate(self.layers):
+                if s.sparse_mlp(l):
+                    self._fc1_fold(l, w, force=True)
 
     def release(self) -> None:
         """Drop the caches (the next `setup` allocates again)."""
@@ -161,6 +171,17 @@ class SparseDecoder:
         """LayerNorm of the decode step's rows [B, D]: the Triton kernel on the GPU (PyTorch's
         runs one block per row: ~12 us at D 7168), PyTorch's on the CPU path."""
         return self.ops.layer_norm(x, wb[0], wb[1])
+
+    def _fc1_fold(self, l: int, w, force: bool = False) -> dict:
+        """{"ln_fold": LNFold} for layer l's fc1 when its input is a PendingLN and fold_ln is on
+        (force: compute it regardless; setup does, outside any CUDA-graph capture)."""
+        if not (self.fold_ln or force):
+            return {}
+        fold = self._folds.get(l)
+        if fold is None:
+            from dejavu.plugins.layer_norm import ln_fold
+            fold = self._folds[l] = ln_fold(w.w1, w.b1, *w.ln_mlp)
+        return {"ln_fold": fold}
 
     def _materialize(self, h):
         """h, or a PendingLN's LayerNorm computed now (for ops that take a plain input)."""
@@ -184,7 +205,7 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
 
-    def _mlp(self, w, h, x, idx, ln=None):
+    def _mlp(self, w, h, x, idx, ln=None, l=None):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, fused into fc2 (sparse, one rank): returns
         # (x, LN(x)) then; x alone otherwise
@@ -195,7 +216,8 @@ class SparseDecoder:
         if self.fused_mlp and x.shape[0] == 1 and self.reduce is None:
             y = self.ops.sparse_mlp(self._materialize(h), w.w1, w.b1, w.w2_t, w.b2, idx, x)
             return y if ln is None else (y, self._ln_step(y, ln))
-        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
+        fold = self._fc1_fold(l, w) if isinstance(h, PendingLN) else {}
+        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx, **fold)  # [rows, K]
         if self.reduce is not None:
             return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
         return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln)  # ln None: y alone
@@ -307,7 +329,7 @@ class SparseDecoder:
             h_ln = None
             idx = run.neurons(l)
             ln = self._next_ln(l) if fuse and idx is not None else None
-            x = self._mlp(w, h, x, idx, ln)
+            x = self._mlp(w, h, x, idx, ln, l)
             if ln is not None:
                 x, h_ln = x
             if join is not None:

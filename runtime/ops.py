@@ -1,7 +1,7 @@
 """The four sparse operations the decoder calls, bound to a backend (signatures of dejavu.plugins):
 
     predictor_topk(x[B,D], a, b, bias, k, shared=False) -> idx[B,k] | [k]
-    sparse_fc1(x[B,D], w1, b1, idx) -> h[B,K]
+    sparse_fc1(x[B,D], w1, b1, idx, ln_fold=None) -> h[B,K]   (x may be a PendingLN, below)
     sparse_fc2(h[B,K], w2_t, b2, idx, residual) -> y[B,D]
     sparse_attn(x_ln[B,D], wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos[B], residual) -> y[B,D]
         (K/V of every head are written into the caches at pos; only selected heads attend)
@@ -22,7 +22,8 @@ plugins.sparse_mlp.FUSED_FINISH is on, else with the layer_norm kernel; the refe
 F.layer_norm to y, the function the unfused step applies. With `ln_defer=True` as well, the
 second output may be a `PendingLN` (plugins/layer_norm.py: y plus per-block statistics from
 the split-K reduction, no LayerNorm launch) that sparse_fc1 takes as its input and
-normalises as it loads it (SparseDecoder.defer_ln); the references return the tensor.
+normalises as it loads it, or with `ln_fold=` (layer_norm.LNFold of its weights) folded into
+its rows (SparseDecoder.defer_ln, fold_ln); the references return the tensor and ignore the fold.
 
 - "ref": the plugins' PyTorch references (the CPU path). If `dejavu.plugins` cannot be
   imported, the runtime's own gather-based references below stand in.
@@ -69,7 +70,7 @@ def _predictor_topk(x, a, b, bias, k, shared=False):
     return torch.topk(s, k, dim=-1, sorted=True).indices
 
 
-def _sparse_fc1(x, w1, b1, idx):
+def _sparse_fc1(x, w1, b1, idx, *, ln_fold=None):
     idx = _rows(idx, x.shape[0])
     return torch.relu(torch.einsum("bkd,bd->bk", w1[idx], x) + b1[idx])
 
@@ -224,11 +225,14 @@ class Ops:
         # pre-LN: the ops that take ln= run with it, deferred as the decode step asks for it
         # (SparseDecoder.defer_ln; a PendingLN compared through the LayerNorm its stats give)
         ln = {"ln": (t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"]), "ln_defer": True} if spec.pre_ln else {}
-        from dejavu.plugins.layer_norm import pending_ln
-        pend = pending_ln(x, t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"]) if spec.pre_ln else x
+        from dejavu.plugins.layer_norm import ln_fold, pending_ln
+        lnw = (t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"])
+        pend = pending_ln(x, *lnw) if spec.pre_ln else x
+        fold = {"ln_fold": ln_fold(t[p + "mlp.w1"], t[p + "mlp.b1"], *lnw)} if spec.pre_ln else {}
         cases = {
             "sparse_fc1": lambda f: (f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
-                                     f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im)),
+                                     f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
+                                     f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im, **fold)),
             "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_mlp": lambda f: f(x[:1], t[p + "mlp.w1"], t[p + "mlp.b1"], t[p + "mlp.w2_t"], t[p + "mlp.b2"],

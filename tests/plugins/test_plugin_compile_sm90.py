@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent('''
     import dejavu.plugins.sparse_mlp as SM
 
     INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr"}
-    LN_IN = {"st_ptr": "*fp32", "eps": "fp32"}
+    LN_IN = {"st_ptr": "*fp32", "eps": "fp32", "wg_ptr": "*fp32"}
     F32_PTRS = {"part_ptr", "ml_ptr", "q_ptr", "o_ptr", "s_ptr"}
 
     def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None):
@@ -57,9 +57,10 @@ SCRIPT = textwrap.dedent('''
         for group in (1, 128):
             compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=4, BLOCK_D=1024, EVEN_D=True,
                                                           GROUP=group), dt, overrides=LN_IN)
-        for even in (True, False):  # fc1 normalising its input (a PendingLN from the split reduction)
-            compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=even,
-                                                          GROUP=1, LN_IN=True, BLOCK_N=32), dt, overrides=LN_IN)
+        for even in (True, False):  # fc1 normalising its input (a PendingLN), or with the LayerNorm folded in
+            for mode in (1, 2):
+                compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=even,
+                                                              GROUP=1, LN_IN=mode, BLOCK_N=32), dt, overrides=LN_IN)
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
         # fc2 / out-proj: split-K with the separate reduction, fused finish (+ LayerNorm), one split + LayerNorm
@@ -134,7 +135,9 @@ SCRIPT = textwrap.dedent('''
     fin = dict(FINAL=False, HAS_RES=True, FUSED=False, LN=False, BLOCK_N=128, LN_BLOCK=2048, GROUP=128)
     cases = [
         (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1), LN_IN, True),
-        (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1, LN_IN=True,
+        (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1, LN_IN=1,
+                                          BLOCK_N=32), LN_IN, True),
+        (SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1, LN_IN=2,
                                           BLOCK_N=32), LN_IN, True),
         (SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=64, BLOCK_B=16, BLOCK_D=128,
                                          EVEN_D=True, GROUP=1), {}, True),

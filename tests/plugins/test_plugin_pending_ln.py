@@ -8,7 +8,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins import sparse_fc1, sparse_fc1_ref, sparse_fc2
-from dejavu.plugins.layer_norm import PendingLN, block_stats, layer_norm, pending_ln
+from dejavu.plugins.layer_norm import PendingLN, block_stats, layer_norm, ln_fold, pending_ln
 
 SM = sys.modules["dejavu.plugins.sparse_mlp"]
 LN = sys.modules["dejavu.plugins.layer_norm"]
@@ -75,6 +75,40 @@ def test_fc1_of_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, 
     want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
     paths = [sparse_fc1_ref(p, w1, b1, idx), sparse_fc1(layer_norm(x, *ln), w1, b1, idx)]
     close(h, want, max(paths, key=lambda t: (t.double() - want).abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared", [(1, True), (3, False), (3, True)])
+def test_fc1_with_the_layer_norm_folded_into_its_rows(triton_interp, close, monkeypatch, dtype, B, shared):
+    # ln_fold: w1 @ g and w1 @ beta + b1 per row; the GEMV sums w1 * (g * x) and applies mean
+    # and rstd after its loop (LN(x) never rounded); the tl.dot route ignores the fold
+    w1, b1, _, _, ln = weights(dtype)
+    x = (torch.randn(B, D) * 3 + 0.5).to(dtype)
+    idx = index(B, shared)
+    fold = ln_fold(w1, b1, *ln, rows_per_chunk=64)  # several chunks
+    wg64 = w1.double() @ ln[0].double()
+    assert torch.allclose(fold.wg.double(), wg64, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(fold.wb.double(), w1.double() @ ln[1].double() + b1.double(), rtol=1e-5, atol=1e-5)
+    names = launched(monkeypatch, SM, LN)
+    h = torch.full((B, K), float("nan"), dtype=dtype)
+    sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx, out=h, ln_fold=fold)
+    gemv = not (shared and B >= SM.DOT_MIN_BATCH)
+    assert names == (["_gather_gemv_kernel"] if gemv else ["_layer_norm_kernel", "_gather_dot_kernel"]), names
+    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
+    close(h, want, sparse_fc1_ref(pending_ln(x, *ln), w1, b1, idx))
+    if gemv:  # no LN(x) rounding: as close to float64 as fc1 of an exact input, up to fp32 sums
+        exact = sparse_fc1(ln64(x, ln).float(), w1.float(), b1.float(), idx)
+        assert (h.double() - want).abs().max() <= 2 * (exact.to(dtype).double() - want).abs().max() + 1e-5
+
+
+def test_fc1_with_the_layer_norm_folded_and_a_large_mean(triton_interp):
+    # rstd * (w @ (g x)) - rstd * mean * (w @ g): cancellation when |mean| >> std, in fp32
+    w1, b1, _, _, ln = weights(torch.float32)
+    x = torch.randn(2, D) + 3000.0
+    idx = index(2, False)
+    h = sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx, ln_fold=ln_fold(w1, b1, *ln))
+    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
+    assert (h.double() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
 
 
 def test_fc1_of_pending_layer_norm_equals_fc1_of_the_kernels_layer_norm(triton_interp):
@@ -151,3 +185,8 @@ def test_bad_pending_layer_norm_rejected():
         sparse_fc1(good._replace(weight=ln[0][:-1].contiguous()), w1, b1, idx)
     with pytest.raises(DejavuError, match="PendingLN.width: expected a positive int"):
         sparse_fc1(good._replace(width=0), w1, b1, idx)
+    fold = ln_fold(w1, b1, *ln)
+    with pytest.raises(DejavuError, match="ln_fold.wg: expected shape"):
+        sparse_fc1(good, w1, b1, idx, ln_fold=fold._replace(wg=fold.wg[:-1].contiguous()))
+    with pytest.raises(DejavuError, match="ln_fold.wb: expected dtype"):
+        sparse_fc1(good, w1, b1, idx, ln_fold=fold._replace(wb=fold.wb.half()))

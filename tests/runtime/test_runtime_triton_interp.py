@@ -120,19 +120,20 @@ h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
 out = {}
 for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
     logits = {}
-    for defer in (True, False):
+    for name, defer, fold in (("fold", True, True), ("loop", True, False), ("off", False, True)):
         eng = Engine.from_tensors(h, t, "cpu", backend="triton",
                                   batch_policy="shared" if policy == "shared" else "per_sequence")
-        dec, got, pend = eng.decoder, [], []
-        dec.defer_ln, step, fc1 = defer, dec.decode_step, eng.ops.sparse_fc1
+        dec, got, pend, folds = eng.decoder, [], [], []
+        dec.defer_ln, dec.fold_ln, step, fc1 = defer, fold, dec.decode_step, eng.ops.sparse_fc1
         dec.decode_step = lambda tokens, pos: got.append(step(tokens, pos).clone()) or got[-1]
-        eng.ops.sparse_fc1 = lambda x, *a, **k: pend.append(isinstance(x, PendingLN)) or fc1(x, *a, **k)
+        eng.ops.sparse_fc1 = lambda x, *a, **k: (pend.append(isinstance(x, PendingLN)) or folds.append("ln_fold" in k)
+                                                 or fc1(x, *a, **k))
         toks = eng.generate(prompts, 3, stop_at_eos=False)
-        logits[defer] = torch.stack(got)
-        out[f"{policy}_{defer}"] = {"pending": sum(pend), "fc1": len(pend), "kernels": eng.ops.kernels,
-                                    "check": {k: str(v) for k, v in eng.kernel_check.items()}, "tokens": toks}
-    ref = logits[False]
-    out[policy] = float((logits[True] - ref).abs().max() / ref.abs().max())
+        logits[name] = torch.stack(got)
+        out[f"{policy}_{name}"] = {"pending": sum(pend), "folds": sum(folds), "fc1": len(pend), "kernels": eng.ops.kernels,
+                                   "check": {k: str(v) for k, v in eng.kernel_check.items()}, "tokens": toks}
+    ref = logits["off"]
+    out[policy] = {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in logits.items()}
 print(json.dumps(out))
 """
 
@@ -146,10 +147,13 @@ def test_deferred_layer_norm_in_interpreter_equals_separate_one():
     import json
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for policy in ("per_sequence", "shared", "batch1"):
-        on, off = out[f"{policy}_True"], out[f"{policy}_False"]
-        assert set(on["kernels"].values()) == {"triton"}, on  # the kernel check passed, incl. PendingLN
-        assert out[policy] < 1e-5 and on["tokens"] == off["tokens"], out
-        assert off["pending"] == 0 and on["fc1"] == off["fc1"] > 0, out
-        # a shared set at batch 2 takes fc1's tl.dot route, which computes the LayerNorm first:
-        # the op still gets the PendingLN (and materializes it)
-        assert on["pending"] == on["fc1"], out
+        off = out[f"{policy}_off"]
+        assert off["pending"] == off["folds"] == 0 and off["fc1"] > 0, out
+        for name in ("fold", "loop"):
+            on = out[f"{policy}_{name}"]
+            assert set(on["kernels"].values()) == {"triton"}, on  # the kernel check passed, incl. PendingLN
+            assert out[policy][name] < 1e-5 and on["tokens"] == off["tokens"], out
+            # every fc1 gets the PendingLN (a shared set at batch 2 takes the tl.dot route, which
+            # computes the LayerNorm first), with its layer's fold when fold_ln is on
+            assert on["pending"] == on["fc1"] == off["fc1"], out
+            assert on["folds"] == (on["fc1"] if name == "fold" else 0), out
