@@ -507,6 +507,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # weight and bias, read once for more rows), with and without the deferred LayerNorm
              "fc1r4": _fc1_gemv(BLOCK_R=4), "fc1r8": _fc1_gemv(BLOCK_R=8),
              "nodeferlnr4": _both(_defer_ln(False), _fc1_gemv(BLOCK_R=4)),
+             # fc1's weight loads L2-only (.cg) or evict-first in L1, so the input vector every
+             # program re-reads stays in L1; with and without the deferred LayerNorm
+             "fc1cg": _fc1_gemv(W_CM=".cg"), "fc1ef": _fc1_gemv(W_EV="evict_first"),
+             "nodeferlncg": _both(_defer_ln(False), _fc1_gemv(W_CM=".cg")),
+             "nodeferlnef": _both(_defer_ln(False), _fc1_gemv(W_EV="evict_first")),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring

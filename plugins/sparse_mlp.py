@@ -123,8 +123,11 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
                         stride_xb, stride_ib, stride_ob, N_ROWS, N_ST, ST_W, eps,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, LN_IN: tl.constexpr = 0,
-                        BLOCK_N: tl.constexpr = 2, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        BLOCK_N: tl.constexpr = 2, W_CM: tl.constexpr = "", W_EV: tl.constexpr = "",
+                        GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
+    # W_CM / W_EV: cache modifier / eviction policy of the weight loads (".cg": L2 only, so the
+    # streamed rows do not push the input vector, which every program re-reads, out of L1).
     # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
     # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
     # reading the same rows run together and share them through L2.
@@ -156,7 +159,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
         offs_d = d0 + tl.arange(0, BLOCK_D)
         if EVEN_D:
             xv = tl.load(x_row + offs_d)
-            wv = tl.load(w_rows + offs_d[None, :]).to(tl.float32)
+            wv = tl.load(w_rows + offs_d[None, :], cache_modifier=W_CM, eviction_policy=W_EV).to(tl.float32)
             if LN_IN:
                 g = tl.load(lnw_ptr + offs_d).to(tl.float32)
             if LN_IN == 1:
@@ -164,7 +167,8 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
         else:
             dmask = offs_d < D
             xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
-            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0).to(tl.float32)
+            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=W_CM,
+                         eviction_policy=W_EV).to(tl.float32)
             if LN_IN:
                 g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
             if LN_IN == 1:
@@ -573,7 +577,8 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
             out.stride(0), w.shape[0], n_st, st_w, LN_EPS,
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=0 if pending is None else 2 if fold else 1,
-            BLOCK_N=max(2, next_pow2(n_st)), num_warps=cfg["num_warps"],
+            BLOCK_N=max(2, next_pow2(n_st)), W_CM=cfg.get("W_CM", ""), W_EV=cfg.get("W_EV", ""),
+            num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
     return out
 
