@@ -512,6 +512,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "fc1cg": _fc1_gemv(W_CM=".cg"), "fc1ef": _fc1_gemv(W_EV="evict_first"),
              "nodeferlncg": _both(_defer_ln(False), _fc1_gemv(W_CM=".cg")),
              "nodeferlnef": _both(_defer_ln(False), _fc1_gemv(W_EV="evict_first")),
+             # session 10 final: fc1 (and the predictors' GEMVs, which share its config) without the
+             # evict-first hint (before); the deferred LayerNorm on (fold); the same hint on fc2 /
+             # the output projection (tl.dot kernel at batch 1) / the Q/K/V partial kernel
+             "fc1noef": _fc1_gemv(W_EV=""), "deferln": _defer_ln(True),
+             "fc2ef": _fc2_route("dot1", W_EV="evict_first"), "projef": _fc2_route("proj1", W_EV="evict_first"),
+             "qkvef": _qkv_b1(W_EV="evict_first"),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring

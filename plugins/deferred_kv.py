@@ -228,9 +228,10 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                                FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, GDC: tl.constexpr = 0,
-                               PF: tl.constexpr = 0):
+                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
+                               GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
+    # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
     # rows: row m is sequence m // P at slot pos (m % P == 0) or at the (m % P)-th missing
     # slot from min(valid_len, pos) (K/V rows; P - 1 of them, the finishing kernel does the rest).
@@ -275,9 +276,9 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         offs_d = d0 + tl.arange(0, BLOCK_D)
         dmask = offs_d < d_hi
         if EVEN_D:
-            w = tl.load(w_rows + offs_d[None, :])
+            w = tl.load(w_rows + offs_d[None, :], eviction_policy=W_EV)
         else:
-            w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
         x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
         if HAS_NEW:
             x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
@@ -551,7 +552,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         hist_len = sp - 1
         part = jit(_qkv_partial_shared_kernel, dev)
         part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, P=sp,
-                                            BLOCK_M=max(16, next_pow2(B) * sp), **common)
+                                            BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
+                                            **common)
     else:
         hist_len = bp
         part = jit(_qkv_partial_kernel, dev)

@@ -49,8 +49,12 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # session 4, benchmarks/results/kernels-h200-s4-sweep.json; summed time over OPT-30B/66B at
 # density 0.1 and 0.5 (fc1 GEMV), 0.1 and 0.3 (batch-1 dot paths), 0.3 at batch 8 shared).
 # The decode step with these blocks: 7.04 against 7.27 ms/token (OPT-30B d0.3, BENCHMARKS.md).
+# W_EV "evict_first" (session 10): the streamed weight rows leave L1 first, so the input vector
+# every program re-reads stays there; OPT-30B shape, batch 1: 3.940 vs 4.054 ms/token at density
+# 0.1, 6.569 vs 6.593 at 0.3 (".cg", L2 only: no gain). The predictors' GEMVs inherit it (their
+# SCORE_CONFIG sets only block sizes). BENCHMARKS.md, session 10.
 FC1_CONFIG = {
-    "gemv": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2},
+    "gemv": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2, "W_EV": "evict_first"},
     "dot": {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
 }
 FC2_CONFIG = {
@@ -405,9 +409,9 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          LN_BLOCK: tl.constexpr, COMBINE: tl.constexpr = 0, BLOCK_C: tl.constexpr = 2,
-                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         W_EV: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
-    # FINAL, FUSED, LN as in _gather_gemv_t_kernel.
+    # FINAL, FUSED, LN as in _gather_gemv_t_kernel; W_EV: eviction policy of the weight loads.
     # COMBINE (B == 1, the attention output projection): h is not read; its values come from the
     # attention kernel's per-chunk partials (sparse_attention._attn_decode_kernel, PARTIAL):
     # h[k] = sum_c exp(m_c - M) acc_c[k % GROUP] / sum_c exp(m_c - M) l_c over the NCHUNK chunks
@@ -437,10 +441,10 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
             hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
                          mask=bmask[:, None] & kmask[None, :], other=0.0)
         if EVEN_D:
-            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :])
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], eviction_policy=W_EV)
         else:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
-                         other=0.0)
+                         other=0.0, eviction_policy=W_EV)
         if DOT_FP32:
             acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -636,7 +640,8 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
                              h.stride(0), *sizes, apart, ml, nchunk, DOT_FP32=_dot_fp32(w_t.dtype, h.device),
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
-                             COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)), **common)
+                             COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)),
+                             W_EV=cfg.get("W_EV", ""), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,

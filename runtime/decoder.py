@@ -84,7 +84,11 @@ class SparseDecoder:
         # GEMV normalises its input as it loads it, from block statistics the attention output
         # projection's split-K reduction stores; plugins/layer_norm.PendingLN), one launch fewer
         # per layer. Where a kernel cannot (other routes, the references), the op computes it.
-        self.defer_ln = True
+        # Off by default: on the H200 (OPT-30B shape, batch 1) fc1 reading g and x instead of
+        # LN(x) got ~20% slower at density 0.3 (profile: 38.9 vs 32.4 us per layer), more than the
+        # LayerNorm launch it saves: 6.81-6.85 vs 6.58-6.59 ms/token; equal at 0.1 (4.05-4.08 vs
+        # 4.05-4.06); normalising in the loop (fold_ln False) the same (BENCHMARKS.md, session 10).
+        self.defer_ln = False
         # With defer_ln: fc1 takes that LayerNorm folded into its rows (plugins/layer_norm.LNFold:
         # per layer w1 @ g and w1 @ beta + b1, fp32, computed at first use), so its programs need
         # the row's mean and rstd only after their loop; False: fc1 normalises each chunk of its

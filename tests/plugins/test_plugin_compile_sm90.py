@@ -57,6 +57,22 @@ SCRIPT = textwrap.dedent('''
         for group in (1, 128):
             compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=4, BLOCK_D=1024, EVEN_D=True,
                                                           GROUP=group), dt, overrides=LN_IN)
+        # the weight streams' eviction hint (fc1 / predictors, fc2 / projection, Q/K/V): in the PTX only when asked
+        for ev in ("evict_first", ""):
+            k = compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True,
+                                                              GROUP=1, W_EV=ev), dt, overrides=LN_IN)
+            assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
+            k = compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
+                                                               EVEN_D=True, BLOCK_S=4, FINAL=False, HAS_RES=True,
+                                                               FUSED=False, LN=False, BLOCK_N=128, LN_BLOCK=2048,
+                                                               GROUP=1, W_EV=ev),
+                             dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32"})
+            assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
+            k = compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False,
+                                                                     FINISH=0, P=16, BLOCK_M=16, BLOCK_P=16, BLOCK_R=64,
+                                                                     BLOCK_D=128, BLOCK_S=1, EVEN_D=True, W_EV=ev),
+                             dt, overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32"})
+            assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
         for even in (True, False):  # fc1 normalising its input (a PendingLN), or with the LayerNorm folded in
             for mode in (1, 2):
                 compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=even,

@@ -210,8 +210,8 @@ def test_fused_layer_norms_equal_separate_ones(kv_policy):
     # separate: 2 per layer + final per step; fused: layer 0's ln_attn and, after the dense MLP
     # of layer 1, layer 2's ln_attn
     assert (n_sep, n_fused) == (5 * 7, 5 * 2)
-    # deferred (the default): the MLP's LayerNorm comes from the attention op (computed there
-    # by the references) before the sparse MLPs of layers 0 and 2, not before layer 1's dense one
+    # deferred (opt-in): the MLP's LayerNorm comes from the attention op (computed there by the
+    # references) before the sparse MLPs of layers 0 and 2, not before layer 1's dense one
     deferred, n_deferred = _decode_logits(eng, [PROMPT, PROMPT[:3]], 6, False, True)
     assert all(torch.equal(a, b) for a, b in zip(deferred, sep))
-    assert n_deferred == 5 * 5 and eng.decoder.defer_ln
+    assert n_deferred == 5 * 5 and not eng.decoder.defer_ln
