@@ -343,6 +343,25 @@ def _fc1_gemv(**kv):
     return apply
 
 
+def _pred_gemv(**kv):
+    """predictor.SCORE_CONFIG["a"] and ["b"] entries for one row (the predictors' GEMVs; they
+    inherit the rest from sparse_mlp.FC1_CONFIG["gemv"])."""
+    def apply(eng):
+        import copy
+        import importlib
+
+        table = importlib.import_module("dejavu.plugins.predictor").SCORE_CONFIG
+        old = copy.deepcopy(table)
+        for part in ("a", "b"):
+            table[part] = {**table[part], **kv}
+
+        def undo():
+            table.clear()
+            table.update(old)
+        return undo
+    return apply
+
+
 def _attn_setting(**kv):
     """sparse_attention.ATTN_CONFIG entries for one row."""
     return _table("sparse_attention", "ATTN_CONFIG", **kv)
@@ -430,7 +449,7 @@ def _swept(*parts):
         for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):
             for route, cfg in (sw.get(kernel) or {}).items():
                 if ("proj" in parts and route == "proj1") or ("mlp" in parts and route != "proj1"):
-                    table[route] = dict(cfg)
+                    table[route] = {**table[route], **cfg}
 
         def undo():
             for t, old in zip(tables, saved):
@@ -518,6 +537,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "fc1noef": _fc1_gemv(W_EV=""), "deferln": _defer_ln(True),
              "fc2ef": _fc2_route("dot1", W_EV="evict_first"), "projef": _fc2_route("proj1", W_EV="evict_first"),
              "qkvef": _qkv_b1(W_EV="evict_first"),
+             # the predictors' GEMVs without the evict-first hint (fc1 keeps it)
+             "prednoef": _pred_gemv(W_EV=""),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring

@@ -647,7 +647,7 @@ def sweep(mlps, quick, paths=None):
             print(f"sweep {kernel}/{path}: best {best[1]} ({best[0]:.4f} ms summed); "
                   f"default {table[path]} ({dict((str(c), t) for t, c in totals).get(str(table[path]), 'n/a')})")
             if best[0] < float("inf"):
-                table[path] = dict(best[1])
+                table[path] = {**table[path], **best[1]}  # keeps keys the sweep does not set (W_EV)
             out[kernel][path] = dict(best[1])
     return out
 
