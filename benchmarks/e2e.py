@@ -321,44 +321,34 @@ def _qkv_b1(**kv):
 def _fc2_route(route: str, **kv):
     """sparse_mlp.FC2_CONFIG[route] entries for one row ("dot1": fc2 at batch 1, "proj1": the
     attention output projection at batch 1)."""
-    def apply(eng):
-        import importlib
-
-        table = importlib.import_module("dejavu.plugins.sparse_mlp").FC2_CONFIG
-        old = dict(table[route])
-        table[route] = {**old, **kv}
-        return lambda: table.__setitem__(route, old)
-    return apply
+    return _table_entry("sparse_mlp", "FC2_CONFIG", route, **kv)
 
 
 def _fc1_gemv(**kv):
     """sparse_mlp.FC1_CONFIG["gemv"] entries for one row (fc1 at batch 1, per-sequence sets)."""
-    def apply(eng):
-        import importlib
-
-        table = importlib.import_module("dejavu.plugins.sparse_mlp").FC1_CONFIG
-        old = dict(table["gemv"])
-        table["gemv"] = {**old, **kv}
-        return lambda: table.__setitem__("gemv", old)
-    return apply
+    return _table_entry("sparse_mlp", "FC1_CONFIG", "gemv", **kv)
 
 
 def _pred_gemv(**kv):
     """predictor.SCORE_CONFIG["a"] and ["b"] entries for one row (the predictors' GEMVs; they
     inherit the rest from sparse_mlp.FC1_CONFIG["gemv"])."""
+    return _both(_pred_a(**kv), _table_entry("predictor", "SCORE_CONFIG", "b", **kv))
+
+
+def _pred_a(**kv):
+    """predictor.SCORE_CONFIG["a"] entries for one row (the predictors' x @ a.T GEMV)."""
+    return _table_entry("predictor", "SCORE_CONFIG", "a", **kv)
+
+
+def _table_entry(module, table, key, **kv):
+    """dejavu.plugins.<module>.<table>[key] entries for one row (undo restores the entry)."""
     def apply(eng):
-        import copy
         import importlib
 
-        table = importlib.import_module("dejavu.plugins.predictor").SCORE_CONFIG
-        old = copy.deepcopy(table)
-        for part in ("a", "b"):
-            table[part] = {**table[part], **kv}
-
-        def undo():
-            table.clear()
-            table.update(old)
-        return undo
+        t = getattr(importlib.import_module(f"dejavu.plugins.{module}"), table)
+        old = dict(t[key])
+        t[key] = {**old, **kv}
+        return lambda: t.__setitem__(key, old)
     return apply
 
 
@@ -539,6 +529,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "qkvef": _qkv_b1(W_EV="evict_first"),
              # the predictors' GEMVs without the evict-first hint (fc1 keeps it)
              "prednoef": _pred_gemv(W_EV=""),
+             # with the input vector in L1: fc1 with 1 row per program / 2048-wide chunks; the
+             # predictors' x @ a.T with 2 rows per program
+             "fc1r1": _fc1_gemv(BLOCK_R=1), "fc1d2048": _fc1_gemv(BLOCK_D=2048),
+             "preda2": _pred_a(BLOCK_R=2),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
              # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring
