@@ -90,7 +90,7 @@ class SparseDecoder:
         # 4.05-4.06); normalising in the loop (fold_ln False) the same (BENCHMARKS.md, session 10).
         self.defer_ln = False
         # With defer_ln: fc1 takes that LayerNorm folded into its rows (plugins/layer_norm.LNFold:
-        # per layer w1 @ g and w1 @ beta + b1, fp32, computed at first use), so its programs need
+        # per layer w1 @ g and w1 @ beta + b1, fp32, computed once), so its programs need
         # the row's mean and rstd only after their loop; False: fc1 normalises each chunk of its
         # input in the loop (measured slower on the H200: BENCHMARKS.md, session 10).
         self.fold_ln = True
@@ -157,10 +157,10 @@ class SparseDecoder:
         self.rows = torch.arange(batch, device=self.device)  # [B]
         self.slots = torch.arange(max_seq, device=self.device)  # [T]
         self.batch, self.max_seq = batch, max_seq
-        if s.pre_ln and self.ops.kernels.get("sparse_fc1") == "triton":  # before any graph capture
-            for l, w in enumerate(self.layers):
+        if s.pre_ln and self.defer_ln and self.ops.kernels.get("sparse_fc1") == "triton":
+            for l, w in enumerate(self.layers):  # the folds, before any graph capture (else: at first use)
                 if s.sparse_mlp(l):
-                    self._fc1_fold(l, w, force=True)
+                    self._fc1_fold(l, w)
 
     def release(self) -> None:
         """Drop the caches (the next `setup` allocates again)."""
@@ -176,10 +176,10 @@ class SparseDecoder:
         runs one block per row: ~12 us at D 7168), PyTorch's on the CPU path."""
         return self.ops.layer_norm(x, wb[0], wb[1])
 
-    def _fc1_fold(self, l: int, w, force: bool = False) -> dict:
+    def _fc1_fold(self, l: int, w) -> dict:
         """{"ln_fold": LNFold} for layer l's fc1 when its input is a PendingLN and fold_ln is on
-        (force: compute it regardless; setup does, outside any CUDA-graph capture)."""
-        if not (self.fold_ln or force):
+        (computed once, at setup when defer_ln is on then, else at first use: a warm-up step)."""
+        if not self.fold_ln:
             return {}
         fold = self._folds.get(l)
         if fold is None:
