@@ -109,25 +109,25 @@ def _ablate_fused_ln(eng):
     return None
 
 
-def _defer_ln(on: bool):
-    """SparseDecoder.defer_ln for one row (the LayerNorm before a sparse MLP left to fc1)."""
+def _decoder_attr(name: str, value):
+    """SparseDecoder.<name> = value for one row (the undo restores it)."""
     def apply(eng):
         dec = eng.decoder
-        old = dec.defer_ln
-        dec.defer_ln = on
-        return lambda: setattr(dec, "defer_ln", old)
+        old = getattr(dec, name)
+        setattr(dec, name, value)
+        return lambda: setattr(dec, name, old)
     return apply
+
+
+def _defer_ln(on: bool):
+    """SparseDecoder.defer_ln for one row (the LayerNorm before a sparse MLP left to fc1)."""
+    return _decoder_attr("defer_ln", on)
 
 
 def _fold_ln(on: bool):
     """SparseDecoder.fold_ln for one row (with defer_ln: fc1 takes the LayerNorm folded into its
     rows, or normalises its input chunks in its loop)."""
-    def apply(eng):
-        dec = eng.decoder
-        old = dec.fold_ln
-        dec.fold_ln = on
-        return lambda: setattr(dec, "fold_ln", old)
-    return apply
+    return _decoder_attr("fold_ln", on)
 
 
 def _qkv_setting(key, value):
@@ -380,12 +380,7 @@ def _main_priority(prio):
     """The decode graph captured on a stream of priority `prio` (SparseDecoder.graph_priority;
     None: the highest, the default since session 9; 0: the default priority, the same as the
     predictors' side stream, as before)."""
-    def apply(eng):
-        dec = eng.decoder
-        old = dec.graph_priority
-        dec.graph_priority = prio
-        return lambda: setattr(dec, "graph_priority", old)
-    return apply
+    return _decoder_attr("graph_priority", prio)
 
 
 _LN_LATE = _table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False)  # LayerNorm's weights after the wait

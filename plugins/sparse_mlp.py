@@ -246,6 +246,17 @@ def _block_stats(y, mask, rmask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr):
 
 
 @helper
+def _store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, STATS: tl.constexpr):
+    # out[offs] = y rounded to out's dtype (one row's D block pid_d); STATS: also that block's
+    # (mean, M2) of the stored values at st_ptr (one pair), for the LayerNorm that follows
+    yo = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, yo, mask=mask)
+    if STATS:
+        one = tl.arange(0, 1)
+        _block_stats(yo.to(tl.float32)[None, :], mask[None, :], one < 1, st_ptr + one, pid_d, D, BLOCK_D)
+
+
+@helper
 def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT, N_D,
                   HAS_RES: tl.constexpr, LN: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_S: tl.constexpr):
@@ -255,7 +266,6 @@ def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT,
     dmask = offs_d < D
     bias = tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
     offs_s = tl.arange(0, BLOCK_S)
-    one = tl.arange(0, 1)
     for b in range(0, B):
         y = bias
         for s0 in range(0, SPLIT, BLOCK_S):
@@ -266,11 +276,7 @@ def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT,
             y += tl.sum(parts, axis=0)
         if HAS_RES:
             y += tl.load(res_ptr + b * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        yo = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + b * D + offs_d, yo, mask=dmask)
-        if LN:
-            _block_stats(yo.to(tl.float32)[None, :], dmask[None, :], one < 1,
-                         st_ptr + (b * N_D + pid_d) * 2 + one, pid_d, D, BLOCK_D)
+        _store_row(y, out_ptr, b * D + offs_d, dmask, st_ptr + (b * N_D + pid_d) * 2, pid_d, D, BLOCK_D, LN)
 
 
 @helper
@@ -386,12 +392,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
         y += tl.load(b_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
         if HAS_RES:
             y += tl.load(res_ptr + row + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        yo = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row + offs_d, yo, mask=dmask)
-        if LN:
-            one = tl.arange(0, 1)
-            _block_stats(yo.to(tl.float32)[None, :], dmask[None, :], one < 1,
-                         st_ptr + (pid_b * N_D + pid_d) * 2 + one, pid_d, D, BLOCK_D)
+        _store_row(y, out_ptr, row + offs_d, dmask, st_ptr + (pid_b * N_D + pid_d) * 2, pid_d, D, BLOCK_D, LN)
     else:
         tl.store(part_ptr + pid_s.to(tl.int64) * B * D + row + offs_d, y, mask=dmask)
     if FUSED:
@@ -505,12 +506,7 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, B, D, SPLIT,
     y += tl.sum(parts, axis=0)
     if HAS_RES:
         y += tl.load(res_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    yo = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row + offs, yo, mask=mask)
-    if STATS:
-        one = tl.arange(0, 1)
-        _block_stats(yo.to(tl.float32)[None, :], mask[None, :], one < 1,
-                     st_ptr + (pid_b * N_BLK + pid_d) * 2 + one, pid_d, D, BLOCK)
+    _store_row(y, out_ptr, row + offs, mask, st_ptr + (pid_b * N_BLK + pid_d) * 2, pid_d, D, BLOCK, STATS)
 
 
 def _split_reduce_ln_kernel(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
