@@ -170,6 +170,13 @@ class MaskedDense:
             self.enabled = False
 
 
+def record_steps(dec, got: list) -> None:
+    """Make dec.decode_step append a copy of each step's logits to `got` (graph outputs are
+    static buffers); `del dec.decode_step` undoes it."""
+    step = dec.decode_step
+    dec.decode_step = lambda tokens, pos: got.append(step(tokens, pos).clone()) or got[-1]
+
+
 def tiny_tokenizer_json(vocab_size: int = 300) -> str:
     """A byte-level BPE over a few lines of the shipped WikiText text (`</s>` = id 2)."""
     from pathlib import Path

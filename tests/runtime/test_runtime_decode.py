@@ -6,7 +6,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.runtime import Engine
-from runtime_helpers import MaskedDense, engine_from_dense, tiny_model
+from runtime_helpers import MaskedDense, engine_from_dense, record_steps, tiny_model
 
 PROMPT = [2, 17, 40, 5, 88, 63, 9]
 
@@ -183,9 +183,9 @@ def _decode_logits(eng, prompts, n, fuse, defer=False):
     (and its deferred LayerNorm, `defer`), and how many times the step called the separate
     layer_norm op."""
     dec, out, calls = eng.decoder, [], []
-    step, ln, fuse0, defer0 = dec.decode_step, eng.ops.layer_norm, dec.fuse_ln, dec.defer_ln
+    ln, fuse0, defer0 = eng.ops.layer_norm, dec.fuse_ln, dec.defer_ln
     dec.fuse_ln, dec.defer_ln = fuse, defer
-    dec.decode_step = lambda tokens, pos: out.append(step(tokens, pos).clone()) or out[-1]
+    record_steps(dec, out)
     eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
     try:
         eng.generate(prompts, n, stop_at_eos=False)

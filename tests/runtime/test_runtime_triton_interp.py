@@ -3,6 +3,7 @@ through Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set befo
 is imported). Greedy tokens must equal the reference backend's."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,14 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+
+def _run(script: str, timeout: int) -> dict:
+    """Run a script in a subprocess with Triton's interpreter on; the JSON of its last line."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
 
 SCRIPT = r"""
 import torch, warnings, json
@@ -44,11 +53,7 @@ print(json.dumps(out))
 
 
 def test_triton_backend_in_interpreter_equals_reference():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run(SCRIPT, timeout=300)
     per = out["per_sequence"]
     assert per["kernels"] == {"predictor_topk": "triton", "sparse_fc1": "triton", "sparse_fc2": "triton",
                               "sparse_attn": "triton", "sparse_attn_deferred": "triton", "layer_norm": "triton",
@@ -65,6 +70,7 @@ torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
 import dejavu.plugins.sparse_mlp as SM
+from runtime_helpers import record_steps
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
@@ -75,8 +81,8 @@ for policy in ("per_sequence", "shared"):
         SM.FUSED_FINISH = finish  # "fallback": ln= through the kernels' fallback (a layer_norm launch)
         eng = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy=policy)
         dec, got, calls = eng.decoder, [], []
-        dec.fuse_ln, dec.defer_ln, step, ln = fuse, False, dec.decode_step, eng.ops.layer_norm
-        dec.decode_step = lambda tokens, pos: got.append(step(tokens, pos).clone()) or got[-1]
+        dec.fuse_ln, dec.defer_ln, ln = fuse, False, eng.ops.layer_norm
+        record_steps(dec, got)
         eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
         eng.generate(P, 3, stop_at_eos=False)
         logits[name] = torch.stack(got)
@@ -91,11 +97,7 @@ print(json.dumps(out))
 def test_fused_layer_norms_in_interpreter_equal_separate_ones():
     # the decode step with LayerNorms from the fused kernels (and from their fallback) against
     # the step with the separate LayerNorm kernel, Triton backend in the interpreter, fp32
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
-    r = subprocess.run([sys.executable, "-c", FUSED_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run(FUSED_SCRIPT, timeout=300)
     for policy in ("per_sequence", "shared"):
         assert set(out[policy + "_kernels"].values()) == {"triton"}, out
         assert out[policy]["fused"] < 1e-5 and out[policy]["fallback"] < 1e-5, out
@@ -110,6 +112,7 @@ from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
 from dejavu.plugins.layer_norm import PendingLN
 import dejavu.plugins.sparse_mlp as SM
+from runtime_helpers import record_steps
 # blocks of 16 rows and 32 selected rows (2 heads of 16): the projection splits K, so its
 # reduction runs (and stores the stats) on every route
 for route in ("proj1", "dot", "gemv"):
@@ -124,8 +127,8 @@ for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
         eng = Engine.from_tensors(h, t, "cpu", backend="triton",
                                   batch_policy="shared" if policy == "shared" else "per_sequence")
         dec, got, pend, folds = eng.decoder, [], [], []
-        dec.defer_ln, dec.fold_ln, step, fc1 = defer, fold, dec.decode_step, eng.ops.sparse_fc1
-        dec.decode_step = lambda tokens, pos: got.append(step(tokens, pos).clone()) or got[-1]
+        dec.defer_ln, dec.fold_ln, fc1 = defer, fold, eng.ops.sparse_fc1
+        record_steps(dec, got)
         eng.ops.sparse_fc1 = lambda x, *a, **k: (pend.append(isinstance(x, PendingLN)) or folds.append("ln_fold" in k)
                                                  or fc1(x, *a, **k))
         toks = eng.generate(prompts, 3, stop_at_eos=False)
@@ -141,11 +144,7 @@ print(json.dumps(out))
 def test_deferred_layer_norm_in_interpreter_equals_separate_one():
     # SparseDecoder.defer_ln (fc1 normalising its input from the projection reduction's block
     # stats) against the separate LayerNorm kernel: Triton backend in the interpreter, fp32
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
-    r = subprocess.run([sys.executable, "-c", DEFER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run(DEFER_SCRIPT, timeout=600)
     for policy in ("per_sequence", "shared", "batch1"):
         off = out[f"{policy}_off"]
         assert off["pending"] == off["folds"] == 0 and off["fc1"] > 0, out
