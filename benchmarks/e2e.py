@@ -520,6 +520,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # evict-first hint (before); the deferred LayerNorm on (fold); the same hint on fc2 /
              # the output projection (tl.dot kernel at batch 1) / the Q/K/V partial kernel
              "fc1noef": _fc1_gemv(W_EV=""), "deferln": _defer_ln(True),
+             # session 11: the LayerNorm before a deferred-K/V attention left to its Q/K/V kernel
+             # (SparseDecoder.defer_ln_attn; fc2's reduction stores block stats), alone and with
+             # the MLP's LayerNorm left to fc1 too
+             "lnqkv": _decoder_attr("defer_ln_attn", True), "lnqkv2": _decoder_attr("defer_ln_attn", True),
+             "nolnqkv": _decoder_attr("defer_ln_attn", False),
+             "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              "fc2ef": _fc2_route("dot1", W_EV="evict_first"), "projef": _fc2_route("proj1", W_EV="evict_first"),
              "qkvef": _qkv_b1(W_EV="evict_first"),
              # the predictors' GEMVs without the evict-first hint (fc1 keeps it)
@@ -816,6 +822,31 @@ def smoke() -> dict:
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
         finally:
             undo()
+    # LayerNorms left to the kernels that read them (SparseDecoder.defer_ln_attn / defer_ln), fp32,
+    # graph on, against the CPU reference of the same batch policy
+    for key, kw, attrs, nb in (("fp32 batch 1 defer_ln_attn", {}, {"defer_ln_attn": True}, 1),
+                               ("fp32 shared defer_ln_attn", {"batch_policy": "shared"}, {"defer_ln_attn": True}, 3),
+                               ("fp32 per_sequence defer_ln_attn", {"batch_policy": "per_sequence"},
+                                {"defer_ln_attn": True}, 3),
+                               ("fp32 batch 1 defer_ln_attn defer_ln", {}, {"defer_ln_attn": True, "defer_ln": True}, 1)):
+        try:
+            ref = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="full", **kw)
+            e = Engine.from_tensors(h32, t32, DEV, **kw)
+            for name, value in attrs.items():
+                setattr(e.decoder, name, value)
+            from dejavu.plugins.layer_norm import PendingLN
+            att, pend = e.ops.sparse_attn_deferred, []  # the attention calls that got a PendingLN
+            e.ops.sparse_attn_deferred = lambda x, *a, **k: pend.append(isinstance(x, PendingLN)) or att(x, *a, **k)
+            got, want_b = e.generate(prompts[:nb], n, stop_at_eos=False), ref.generate(prompts[:nb], n, stop_at_eos=False)
+            lg, rl = _forced_logits(e, prompts[:nb], toks[:nb]), _forced_logits(ref, prompts[:nb], toks[:nb])
+            err = float((lg - rl).norm() / rl.norm())
+            exercised = sum(pend) > 0 or e.ops.kernels["sparse_attn_deferred"] != "triton"  # (graphs: capture calls)
+            checks[key] = {"tokens_equal": got == want_b, "logits_rel_err": err, "kernels": e.ops.kernels,
+                           "kernel_check": e.kernel_check, "pending_attn_calls": sum(pend),
+                           "ok": bool(got == want_b and err < 1e-3 and exercised)}
+            del e, ref
+        except Exception as ex:  # noqa: BLE001
+            checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
     fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, None, 3),
             ("fp16 shared", {"batch_policy": "shared"}, None, 3),
             ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, None, 3),

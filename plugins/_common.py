@@ -173,13 +173,26 @@ def jit(fn, device: torch.device):
         triton = _triton()
         if device.type == "cpu":
             _patch_interpreter_index()
-        g = fn.__globals__
-        g["tl"] = globals()["tl"] = triton.language
-        for name, obj in list(g.items()):  # helpers the kernels call must be JIT functions too
-            if getattr(obj, "_dejavu_helper", False) and callable(obj) and not hasattr(obj, "run"):
-                g[name] = triton.jit(obj)
+        globals()["tl"] = triton.language
+        _bind_helpers(fn.__globals__, triton)
         kernel = _JITTED[fn] = triton.jit(fn)
     return kernel
+
+
+def _bind_helpers(g: dict, triton, seen=None) -> None:
+    """Bind `tl` in module globals g and wrap the helpers there with triton.jit (kernels call
+    them, so they must be JIT functions too); then the same in the modules of helpers imported
+    from elsewhere (their own helpers and `tl` live in their module's globals)."""
+    seen = set() if seen is None else seen
+    if id(g) in seen:
+        return
+    seen.add(id(g))
+    g["tl"] = triton.language
+    for name, obj in list(g.items()):
+        if getattr(obj, "_dejavu_helper", False) and callable(obj):
+            if not hasattr(obj, "run"):
+                g[name] = triton.jit(obj)
+            _bind_helpers(getattr(obj, "fn", obj).__globals__, triton, seen)
 
 
 def _patch_interpreter_index():

@@ -64,7 +64,8 @@ from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_
                                     default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
                                     pdl_args, prefetch_rows_l2)
 from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
-from dejavu.plugins.sparse_mlp import _dot_fp32
+from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
+from dejavu.plugins.sparse_mlp import LN_EPS, _dot_fp32, _ln_merge_rows
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -225,10 +226,12 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
 def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
                                pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
                                stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
+                               lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps,
                                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                                FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
+                               LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2,
                                GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
@@ -237,6 +240,12 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # slot from min(valid_len, pos) (K/V rows; P - 1 of them, the finishing kernel does the rest).
     # Partials go where _qkv_partial_kernel puts them (pnew, phist[..., p, ...] with p < P - 1).
     # FINISH as there (counter cnt[j * rows + pid_r]); the finishing program does every sequence.
+    # LN_IN (HAS_NEW): the input at pos is LayerNorm(x_new) (a PendingLN): each sequence's mean
+    # and rstd merged from the N_ST blocks' stats at st[b] (blocks of ST_W columns), each chunk
+    # of x_new normalised as it is loaded and rounded to x_hist's dtype (the values the
+    # layer_norm kernel would store); the programs of head slot 0's first row block (together
+    # they cover D once) store those rows at x_hist[b, pos] (no program of this launch reads
+    # that slot; the attention kernel then commits valid_len only).
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -269,6 +278,12 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
         take_hist = is_hist | is_new
     take_new = is_new & HAS_NEW
+    if LN_IN:
+        mean, rstd = _ln_merge_rows(st_ptr + mb64 * N_ST * 2, take_new, N_ST, D, eps, ST_W, BLOCK_N)
+        # x_hist[b, pos] = LayerNorm(x_new[b]) by head slot 0's first row block (j + pid_r == 0;
+        # a [BLOCK_M] compare: the interpreter rejects a store mask that mixes in a scalar)
+        put_hist = take_new & (mb * 0 + j + pid_r == 0)
+        new_hist = xh_ptr + mb64 * stride_xb + pos_m.to(tl.int64) * stride_xs
     d_lo = pid_s * D_PER_SPLIT
     d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -281,7 +296,15 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
             w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
         x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
         if HAS_NEW:
-            x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
+            nm = take_new[:, None] & dmask[None, :]
+            xn = tl.load(new_rows[:, None] + offs_d[None, :], mask=nm, other=0.0)
+            if LN_IN:
+                g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                xf = (xn.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + gb[None, :]
+                xn = tl.where(nm, xf, 0.0).to(x.dtype)
+                tl.store(new_hist[:, None] + offs_d[None, :], xn, mask=put_hist[:, None] & dmask[None, :])
+            x += xn
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -507,21 +530,33 @@ def _mark_valid(valid_len, head_idx, pos_t):
     valid_len.scatter_(1, heads, val)
 
 
+def _qkv_cfg(B, config):
+    return {**(QKV_CONFIG_B1 if B == 1 else QKV_CONFIG), **(config or {})}
+
+
+def _shared_qkv(B, head_idx, cfg) -> bool:
+    """The Q/K/V work of one index set for the batch (a [Kh] set, or batch 1, whose [1, Kh] set
+    is the batch's only one) takes _qkv_partial_shared_kernel (from SHARED_MIN_BATCH)."""
+    smin = cfg["SHARED_MIN_BATCH"]
+    return (head_idx.dim() == 1 or B == 1) and smin is not None and B >= smin
+
+
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                q, config):
+                q, config, pending=None):
     """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
-    x_hist (recompute_kv)."""
+    x_hist (recompute_kv). pending: x_new's PendingLN (shared-set kernel only), normalised
+    in the kernel, which also stores it at x_hist[:, pos]."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
-    cfg = {**(QKV_CONFIG_B1 if B == 1 else QKV_CONFIG), **(config or {})}
+    cfg = _qkv_cfg(B, config)
     bd, bp = cfg["BLOCK_D"], cfg["BLOCK_P"]
     first = 0 if q is not None else 1
     nb = -(-hd // cfg["BLOCK_R"])
-    smin = cfg["SHARED_MIN_BATCH"]
-    # one set for the batch: a [Kh] set, or batch 1 (its [1, Kh] set is the batch's only one)
-    shared = (head_idx.dim() == 1 or B == 1) and smin is not None and B >= smin
+    shared = _shared_qkv(B, head_idx, cfg)
+    if pending is not None and not (shared and x_new is not None):
+        raise DejavuError("_launch_qkv: a PendingLN input needs the shared-set kernel and x_new")
     groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
     d_blocks = -(-D // bd)
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
@@ -550,9 +585,15 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
             raise DejavuError(f"config: SHARED_P must be a power of 2 with SHARED_P - 1 in [1, BLOCK_P={bp}], "
                               f"got SHARED_P={sp}")
         hist_len = sp - 1
+        if pending is not None:
+            n_st = pending.stats.shape[1]
+            ln_args = (pending.weight, pending.bias, pending.stats, n_st, pending.width, LN_EPS)
+        else:
+            n_st, ln_args = 1, (new, new, pnew, 1, 1, LN_EPS)  # never read without LN_IN
         part = jit(_qkv_partial_shared_kernel, dev)
-        part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, P=sp,
+        part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
                                             BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
+                                            LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                             **common)
     else:
         hist_len = bp
@@ -647,9 +688,16 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     then overlap the latency-bound attention kernels, not the Q/K/V kernel).
 
     Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
-    attention and the output projection of the selected heads (sparse_attention's pieces)."""
+    attention and the output projection of the selected heads (sparse_attention's pieces).
+    x_ln may be a PendingLN (the LayerNorm before attention, not computed yet): the shared-set
+    Q/K/V kernel (batch 1, or a [Kh] set) normalises it as it loads it and stores it at
+    x_hist[:, pos] (no LayerNorm launch); other routes compute it first (layer_norm kernel)."""
     from dejavu.plugins.sparse_attention import no_heads_ln
     from dejavu.plugins.sparse_mlp import check_ln
+    pending = x_ln if isinstance(x_ln, PendingLN) else None
+    if pending is not None:
+        check_pending(pending)
+        x_ln = pending.x
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
@@ -662,22 +710,25 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
     ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
+    cfg = config or {}
+    if pending is not None and (kh == 0 or not _shared_qkv(B, head_idx, _qkv_cfg(B, cfg.get("qkv")))):
+        x_ln, pending = materialize(pending), None
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
         _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)
         if after_qkv is not None:
             after_qkv()
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return no_heads_ln(out, ln, ln_out)
-    cfg = config or {}
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
-                cfg.get("qkv"))
+                cfg.get("qkv"), pending)
     if after_qkv is not None:
         after_qkv()
-    # 2. attention over 0..pos, committing valid_len and x_hist[:, pos]; 3. output projection
+    # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored
+    # that slot when it normalised a PendingLN); 3. output projection
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, cfg.get("attn"),
-                     commit=(valid_len, x_ln, x_hist), fold=True)
+                     commit=(valid_len, None if pending is not None else x_ln, x_hist), fold=True)
     y = project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)  # + LayerNorm(y) with ln
     return y if ln is None or ln_defer else (y, ln_out)
 
@@ -687,8 +738,10 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
                                     ln_defer=False):
     """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads;
     y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias); after_qkv() is called after the
-    K/V recompute (where the kernel path calls it)."""
+    K/V recompute (where the kernel path calls it). x_ln may be a PendingLN (F.layer_norm of
+    its tensor)."""
     from dejavu.plugins.sparse_mlp import with_ln_ref
+    x_ln = materialize_ref(x_ln)
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
     if isinstance(pos, int):

@@ -108,7 +108,8 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # else (one chunk) store o directly. LAST_COMBINE (with PARTIAL): the last of the row's
     # NCHUNK programs to store its partials combines them into o (no combine launch).
     # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
-    # x_hist[b, pos] = x_new[b] (no program here reads either).
+    # (COMMIT 1) x_hist[b, pos] = x_new[b] (no program here reads either); COMMIT 2: valid_len
+    # only (the Q/K/V kernel stored x_hist[b, pos] itself).
     # EARLY_READS: the head index and pos before the PDL wait (neither is written by the kernel
     # before this one: the heads come from the side stream, whose event the main stream waited
     # for before the Q/K/V kernels; pos is the step's input), saving a round trip after it.
@@ -125,7 +126,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     if COMMIT:
         if pid_c == 0:
             tl.store(vl_ptr + pid_b * H + head, pos + 1)
-            if pid_j == 0:  # the whole row at once (BLOCK_X >= D): one memory round trip
+            if COMMIT == 1 and pid_j == 0:  # the whole row at once (BLOCK_X >= D): one memory round trip
                 src = xnew_ptr + pid_b.to(tl.int64) * stride_nb
                 dst = xh_ptr + pid_b.to(tl.int64) * stride_xb + pos.to(tl.int64) * stride_xs
                 offs_x = tl.arange(0, BLOCK_X)
@@ -276,7 +277,8 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
 def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False):
     """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
     cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
-    store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V).
+    store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V; x_new
+    None: valid_len only).
     fold=True: where FOLD_COMBINE applies, AttnParts instead of o (for project_out)."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
@@ -291,6 +293,8 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
         ml = torch.empty((B * kh * nchunk, 2), dtype=torch.float32, device=q.device)
     block_hd = max(16, next_pow2(hd))
     vl, xn, xh = commit if commit is not None else (head_idx, q, q)  # never touched without COMMIT
+    commit_mode = 0 if commit is None else 1 if xn is not None else 2
+    xn = q if xn is None else xn  # never touched unless COMMIT == 1
     D = xh.shape[-1]
     last = bool(cfg["LAST_COMBINE"]) and nchunk > 1 and not fold
     cnt = counters(q.device, B * kh) if last else head_idx  # never touched without LAST_COMBINE
@@ -300,8 +304,8 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             cfg["CHUNK"], nchunk, 0 if head_idx.dim() == 1 else head_idx.stride(0),
                             stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
-                            PARTIAL=nchunk > 1, COMMIT=commit is not None, BLOCK_S=cfg["BLOCK_S"],
-                            BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit is not None else 16,
+                            PARTIAL=nchunk > 1, COMMIT=commit_mode, BLOCK_S=cfg["BLOCK_S"],
+                            BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit_mode == 1 else 16,
                             LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
                             num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
     if fold:

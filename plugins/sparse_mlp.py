@@ -281,19 +281,27 @@ def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT,
 
 @helper
 def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr):
-    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (blocks of
-    # BLOCK_D columns, the last one short), merged in fp32: the parallel form of
-    # mean-then-squared-deviations (as layer_norm.py's chunked path). .cg: another kernel or
-    # another program of this one wrote them.
+    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (_ln_merge_rows)
+    one = tl.arange(0, 1)
+    mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N)
+    return tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
+
+
+@helper
+def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr):
+    # (mean, rstd) [R] of rows whose N_D blocks' (mean, M2) are at st_rows [R] (pointers to
+    # [N_D, 2] each; blocks of BLOCK_D columns, the last one short), merged in fp32: the
+    # parallel form of mean-then-squared-deviations (as layer_norm.py's chunked path). Masked
+    # rows read nothing. .cg: another kernel or another program of this one wrote them.
     offs_n = tl.arange(0, BLOCK_N)
-    nmask = offs_n < N_D
-    n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)
-    st = st_ptr + offs_n * 2
-    mean_b = tl.load(st, mask=nmask, other=0.0, cache_modifier=".cg")
-    m2_b = tl.load(st + 1, mask=nmask, other=0.0, cache_modifier=".cg")
-    mean = tl.sum(tl.where(nmask, n_b * mean_b, 0.0), axis=0) / D
-    delta = mean_b - mean
-    m2 = tl.sum(tl.where(nmask, m2_b + n_b * delta * delta, 0.0), axis=0)
+    m = rmask[:, None] & (offs_n < N_D)[None, :]
+    n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)[None, :]
+    st = st_rows[:, None] + offs_n[None, :] * 2
+    mean_b = tl.load(st, mask=m, other=0.0, cache_modifier=".cg")
+    m2_b = tl.load(st + 1, mask=m, other=0.0, cache_modifier=".cg")
+    mean = tl.sum(tl.where(m, n_b * mean_b, 0.0), axis=1) / D
+    delta = mean_b - mean[:, None]
+    m2 = tl.sum(tl.where(m, m2_b + n_b * delta * delta, 0.0), axis=1)
     return mean, 1.0 / tl.sqrt(m2 / D + eps)
 
 

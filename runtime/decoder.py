@@ -95,6 +95,13 @@ class SparseDecoder:
         # input in the loop (measured slower on the H200: BENCHMARKS.md, session 10).
         self.fold_ln = True
         self._folds: dict[int, object] = {}
+        # Pre-LN, one rank, fuse_ln off: the LayerNorm before a deferred-K/V attention layer is
+        # left to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores per-block
+        # statistics (ln_defer) and the shared-set Q/K/V kernel (batch 1, or one set for the
+        # batch) normalises the slice of x each program reads, and stores LN(x) into x_hist
+        # (plugins/deferred_kv.py); one launch fewer per layer. Other routes compute it first.
+        self.defer_ln_attn = False
+        self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
         # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).
@@ -209,10 +216,10 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
 
-    def _mlp(self, w, h, x, idx, ln=None, l=None):
+    def _mlp(self, w, h, x, idx, ln=None, l=None, ln_defer=False):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, fused into fc2 (sparse, one rank): returns
-        # (x, LN(x)) then; x alone otherwise
+        # (x, LN(x)) then (ln_defer: LN(x) may be a PendingLN); x alone otherwise
         # h may be a PendingLN (defer_ln): sparse_fc1 applies it, the other paths compute it
         if idx is None:
             h = self._materialize(h)
@@ -224,7 +231,16 @@ class SparseDecoder:
         a = self.ops.sparse_fc1(h, w.w1, w.b1, idx, **fold)  # [rows, K]
         if self.reduce is not None:
             return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
+        if ln_defer:
+            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True)
         return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln)  # ln None: y alone
+
+    def _defers_attn_ln(self, l: int) -> bool:
+        """Layer l's sparse MLP leaves the next layer's attention LayerNorm pending
+        (defer_ln_attn; the next layer has deferred K/V and both ops run as kernels)."""
+        return (self.defer_ln_attn and self.spec.pre_ln and self.reduce is None and not self.fuse_ln
+                and l + 1 < len(self.layers) and self.x_hist[l + 1] is not None
+                and all(self.ops.kernels.get(n) == "triton" for n in self._pending_ops))
 
     def _next_ln(self, l: int):
         """(weight, bias) of the LayerNorm after layer l's MLP in a pre-LN decoder: the next
@@ -303,6 +319,8 @@ class SparseDecoder:
             kc, vc = self.k_cache[l], self.v_cache[l]
             idx = run.heads(l)
             join = None
+            if idx is None or self.x_hist[l] is None:  # ops that take a plain input
+                h = self._materialize(h)
             if idx is None:  # dense: K/V and Q of every head
                 kv = F.linear(h, w.wkv, w.bkv).view(B, 2, H, hd)
                 kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
@@ -332,8 +350,9 @@ class SparseDecoder:
             h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_mlp) if s.pre_ln else x)
             h_ln = None
             idx = run.neurons(l)
-            ln = self._next_ln(l) if fuse and idx is not None else None
-            x = self._mlp(w, h, x, idx, ln, l)
+            defer_next = idx is not None and not fuse and self._defers_attn_ln(l)
+            ln = self._next_ln(l) if (fuse or defer_next) and idx is not None else None
+            x = self._mlp(w, h, x, idx, ln, l, ln_defer=defer_next)
             if ln is not None:
                 x, h_ln = x
             if join is not None:

@@ -9,7 +9,8 @@
                          x_hist[B,S,D], valid_len[B,H] int32, pos[B], residual, after_qkv=None) -> y[B,D]
         (kv_policy "deferred": x_ln stored at x_hist[:, pos]; K/V computed only for the
         selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py;
-        after_qkv() is called once the Q/K/V work is issued, before attention)
+        after_qkv() is called once the Q/K/V work is issued, before attention; x_ln may be a
+        PendingLN, the LayerNorm then applied by the Q/K/V kernel: SparseDecoder.defer_ln_attn)
     layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
     sparse_mlp(x[1,D], w1, b1, w2_t, b2, idx, residual) -> y[1,D]
         (fc1 + ReLU + fc2 in one launch at batch 1: plugins/fused_mlp.py; the decoder uses
@@ -136,12 +137,14 @@ def _sparse_mlp(x, w1, b1, w2_t, b2, idx, residual=None):
 
 
 def _flat(out) -> torch.Tensor:
-    """An op's output (a tensor, or the (y, layer_norm(y)) pair; a PendingLN as the LayerNorm
-    its block statistics give) as one flat fp32 tensor."""
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], PendingLN):
+    """An op's output (a tensor, the (y, layer_norm(y)) pair, or a tuple of those; a PendingLN
+    as the LayerNorm its block statistics give) as one flat fp32 tensor."""
+    if isinstance(out, PendingLN):
         from dejavu.plugins.layer_norm import from_stats_ref
-        out = (out[0], from_stats_ref(out[1]))
-    return torch.cat([o.float().flatten() for o in (out if isinstance(out, tuple) else (out,))])
+        return from_stats_ref(out).float().flatten()
+    if isinstance(out, tuple):
+        return torch.cat([_flat(o) for o in out])
+    return out.float().flatten()
 
 
 _LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
@@ -240,11 +243,19 @@ class Ops:
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                                        t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos, res,
                                        **ln),
-            # several missing slots per head (valid_len < pos), a history of random inputs
-            "sparse_attn_deferred": lambda f: f(
-                x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"], t[p + "attn.wo_t"],
-                t[p + "attn.bo"], ia, *[c.clone() for c in caches], hist.clone(), valid_len.clone(), pos, res, **ln),
+            # several missing slots per head (valid_len < pos), a history of random inputs; pre-LN:
+            # also with its input's LayerNorm pending (SparseDecoder.defer_ln_attn), the history
+            # slot it stores compared too
+            "sparse_attn_deferred": lambda f: tuple(_attn_deferred(f, xin) for xin in (x, pend_attn)[:1 + spec.pre_ln]),
         }
+
+        def _attn_deferred(f, xin):
+            h = hist.clone()
+            y = f(xin, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"], t[p + "attn.wo_t"],
+                  t[p + "attn.bo"], ia, *[c.clone() for c in caches], h, valid_len.clone(), pos, res, **ln)
+            return y, h[torch.arange(batch, device=dev), pos]
+
+        pend_attn = pending_ln(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]) if spec.pre_ln else x
         report = {}
         for name, run in cases.items():
             if self.kernels[name] != "triton":

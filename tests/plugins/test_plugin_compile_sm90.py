@@ -31,10 +31,10 @@ SCRIPT = textwrap.dedent('''
     F32_PTRS = {"part_ptr", "ml_ptr", "q_ptr", "o_ptr", "s_ptr"}
 
     def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None):
-        mod.tl = C.tl = tl  # C: helpers defined in _common (last_arrival) look tl up there
-        for name, obj in list(vars(mod).items()):  # @helper device functions, as _common.jit does
-            if getattr(obj, "_dejavu_helper", False) and not isinstance(obj, JITFunction):
-                setattr(mod, name, triton.jit(obj))
+        # tl and the @helper device functions, in mod and in the modules of helpers it imports
+        # (_common's last_arrival, sparse_mlp's LayerNorm merge), as _common.jit binds them
+        C.tl = tl
+        C._bind_helpers(vars(mod), triton)
         sig = {}
         params = inspect.signature(fn).parameters
         # constexprs with defaults (GDC, PF: the PDL form) compile at their defaults unless given
@@ -107,9 +107,16 @@ SCRIPT = textwrap.dedent('''
                                                     PIECE_A=8192, PIECE_B=1024, RED_P=256 if red else 1,
                                                     RED_N=32 if red else 8192),
                      dt, overrides={"cnt_ptr": "*i32"})
-    for commit in (False, True):
-        compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=commit, COMMIT=commit, BLOCK_S=64, BLOCK_HD=128,
+    for commit in (0, 1, 2):  # 2: valid_len only (the Q/K/V kernel stored the history slot)
+        compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=commit > 0, COMMIT=commit, BLOCK_S=64, BLOCK_HD=128,
                                                       BLOCK_X=1024), overrides={"cnt_ptr": "*i32"})
+    for even in (True, False):  # the shared-set Q/K/V kernel normalising its input (a PendingLN)
+        for b in (16, 64):  # batch 1 (P 16), or batch 4 with P 16
+            compile_sm90(DK, DK._qkv_partial_shared_kernel,
+                         dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16, BLOCK_M=b, BLOCK_P=16,
+                              BLOCK_R=64, BLOCK_D=128, BLOCK_S=1, EVEN_D=even, LN_IN=1, BLOCK_N=8),
+                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32",
+                                    "st_ptr": "*fp32", "eps": "fp32"})
     # LAST_COMBINE: the last chunk program of each head combines (no combine launch)
     compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128,
                                                   BLOCK_X=8192, LAST_COMBINE=True, BLOCK_C=8),

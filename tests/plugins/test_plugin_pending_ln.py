@@ -39,7 +39,7 @@ def launched(monkeypatch, *mods):
 
 
 def ln64(x, ln):
-    return torch.nn.functional.layer_norm(x.double(), (D,), ln[0].double(), ln[1].double(), 1e-5)
+    return torch.nn.functional.layer_norm(x.double(), (x.shape[-1],), ln[0].double(), ln[1].double(), 1e-5)
 
 
 @pytest.mark.parametrize("width", [32, 256, 7])
@@ -190,3 +190,62 @@ def test_bad_pending_layer_norm_rejected():
         sparse_fc1(good, w1, b1, idx, ln_fold=fold._replace(wg=fold.wg[:-1].contiguous()))
     with pytest.raises(DejavuError, match="ln_fold.wb: expected dtype"):
         sparse_fc1(good, w1, b1, idx, ln_fold=fold._replace(wb=fold.wb.half()))
+
+
+# ---- the LayerNorm before a deferred-K/V attention, left to its Q/K/V kernel -------------
+H_A, HD_A, S_A = 5, 12, 21  # D_A = 60: not a multiple of any block
+D_A = H_A * HD_A
+
+
+def attn_weights(dtype):
+    w = [torch.randn(D_A, D_A) / D_A ** 0.5, torch.randn(D_A) / 4, torch.randn(2 * D_A, D_A) / D_A ** 0.5,
+         torch.randn(2 * D_A) / 4, torch.randn(D_A, D_A) / D_A ** 0.5, torch.randn(D_A) / 4]
+    ln = ((1 + 0.2 * torch.randn(D_A)).to(dtype), (0.2 * torch.randn(D_A)).to(dtype))
+    return [t.to(dtype) for t in w], ln
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared,config", [
+    (1, False, None),  # batch 1: the shared-set kernel (QKV_CONFIG_B1)
+    (1, False, {"qkv": {"SPLIT": 3, "BLOCK_D": 16}}),  # several slices of D: every program normalises its own
+    (3, True, {"qkv": {"SPLIT": 2, "BLOCK_D": 16}}),  # a [Kh] set for the batch: per-sequence stats
+    (2, False, None),  # per-sequence sets: the per-sequence kernel, the LayerNorm computed first
+    (1, False, {"qkv": {"SHARED_MIN_BATCH": None}})])  # batch 1 on the per-sequence kernel
+def test_deferred_attention_of_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, config):
+    from dejavu.plugins.deferred_kv import sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
+    DK = sys.modules["dejavu.plugins.deferred_kv"]
+    w, ln = attn_weights(dtype)
+    w64 = [t.double() for t in w]
+    hist0 = torch.randn(B, S_A, D_A).to(dtype)
+    vl0 = torch.randint(0, 6, (B, H_A), dtype=torch.int32)
+    pos = torch.tensor([7, 9, 12][:B])
+    hidx = torch.randperm(H_A)[:3].to(torch.int32) if shared else torch.stack(
+        [torch.randperm(H_A)[:3] for _ in range(B)]).to(torch.int32)
+    x, res = (torch.randn(B, D_A) * 2 + 0.7).to(dtype), torch.randn(B, D_A).to(dtype)
+    p = pending_ln(x, *ln, width=16)
+    names = launched(monkeypatch, DK, LN)
+    k0, v0 = [torch.randn(B, H_A, S_A, HD_A).to(dtype) for _ in range(2)]  # slots < valid_len: as filled
+    kc, vc, hist, vl = k0.clone(), v0.clone(), hist0.clone(), vl0.clone()
+    y = sparse_attn_decode_deferred(p, *w, hidx, kc, vc, hist, vl, pos, res, config=config)
+    in_kernel = (shared or B == 1) and not (config or {}).get("qkv", {}).get("SHARED_MIN_BATCH", 1) is None
+    assert ("_layer_norm_kernel" in names) != in_kernel, names
+    assert ("_qkv_partial_shared_kernel" in names) == in_kernel, names
+    # x_hist[b, pos] holds LayerNorm(x) as the layer_norm kernel rounds it (up to the stats' last bits)
+    rows = torch.arange(B)
+    want_ln = ln64(x, ln)
+    err = (hist[rows, pos].double() - want_ln).abs().max().item()
+    assert err <= 2 * (layer_norm(x, *ln).double() - want_ln).abs().max().item() + 1e-6, err
+    others = torch.ones(B, S_A, dtype=torch.bool)
+    others[rows, pos] = False
+    assert torch.equal(hist[others], hist0[others])  # no other slot touched
+    # y, the caches and valid_len against the float64 reference of the LayerNorm'd input
+    k64, v64, vl64 = k0.double(), v0.double(), vl0.clone()
+    ref = sparse_attn_decode_deferred_ref(want_ln, *w64, hidx, k64, v64, hist0.double(), vl64, pos, res.double())
+    kt, vt = k0.clone(), v0.clone()
+    tor = sparse_attn_decode_deferred_ref(p, *w, hidx, kt, vt, hist0.clone(), vl0.clone(), pos, res)
+    close(y, ref, tor)
+    assert torch.equal(vl, vl64)
+    written = k64 != k0.double()  # the selected heads' slots min(valid_len, pos)..pos
+    assert written.any() and torch.equal(kc[~written], k0[~written]) and torch.equal(vc[~written], v0[~written])
+    close(kc[written], k64[written], kt[written])
+    close(vc[written], v64[written], vt[written])

@@ -115,7 +115,7 @@ import dejavu.plugins.sparse_mlp as SM
 from runtime_helpers import record_steps
 # blocks of 16 rows and 32 selected rows (2 heads of 16): the projection splits K, so its
 # reduction runs (and stores the stats) on every route
-for route in ("proj1", "dot", "gemv"):
+for route in ("proj1", "dot", "gemv", "dot1"):
     SM.FC2_CONFIG[route] = {**SM.FC2_CONFIG[route], "BLOCK_K": 16}
 m = tiny_model(seed=3, hidden_size=64, word_embed_proj_dim=64)
 P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
@@ -123,17 +123,24 @@ h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
 out = {}
 for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
     logits = {}
-    for name, defer, fold in (("fold", True, True), ("loop", True, False), ("off", False, True)):
+    # (name, defer_ln, fold_ln, defer_ln_attn): the LayerNorm before the MLP left to fc1, the one
+    # before attention left to the Q/K/V kernel (SparseDecoder.defer_ln_attn), both, neither
+    variants = [("fold", True, True, False), ("loop", True, False, False), ("attn", False, True, True),
+                ("off", False, True, False)] + ([("both", True, True, True)] if policy == "batch1" else [])
+    for name, defer, fold, attn in variants:
         eng = Engine.from_tensors(h, t, "cpu", backend="triton",
                                   batch_policy="shared" if policy == "shared" else "per_sequence")
-        dec, got, pend, folds = eng.decoder, [], [], []
-        dec.defer_ln, dec.fold_ln, fc1 = defer, fold, eng.ops.sparse_fc1
+        dec, got, pend, folds, pend_attn = eng.decoder, [], [], [], []
+        dec.defer_ln, dec.fold_ln, dec.defer_ln_attn = defer, fold, attn
+        fc1, att = eng.ops.sparse_fc1, eng.ops.sparse_attn_deferred
         record_steps(dec, got)
         eng.ops.sparse_fc1 = lambda x, *a, **k: (pend.append(isinstance(x, PendingLN)) or folds.append("ln_fold" in k)
                                                  or fc1(x, *a, **k))
+        eng.ops.sparse_attn_deferred = lambda x, *a, **k: pend_attn.append(isinstance(x, PendingLN)) or att(x, *a, **k)
         toks = eng.generate(prompts, 3, stop_at_eos=False)
         logits[name] = torch.stack(got)
         out[f"{policy}_{name}"] = {"pending": sum(pend), "folds": sum(folds), "fc1": len(pend), "kernels": eng.ops.kernels,
+                                   "pending_attn": sum(pend_attn), "attn": len(pend_attn),
                                    "check": {k: str(v) for k, v in eng.kernel_check.items()}, "tokens": toks}
     ref = logits["off"]
     out[policy] = {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in logits.items()}
@@ -144,10 +151,18 @@ print(json.dumps(out))
 def test_deferred_layer_norm_in_interpreter_equals_separate_one():
     # SparseDecoder.defer_ln (fc1 normalising its input from the projection reduction's block
     # stats) against the separate LayerNorm kernel: Triton backend in the interpreter, fp32
-    out = _run(DEFER_SCRIPT, timeout=600)
+    out = _run(DEFER_SCRIPT, timeout=900)
     for policy in ("per_sequence", "shared", "batch1"):
         off = out[f"{policy}_off"]
-        assert off["pending"] == off["folds"] == 0 and off["fc1"] > 0, out
+        assert off["pending"] == off["folds"] == off["pending_attn"] == 0 and off["fc1"] > 0, out
+        # defer_ln_attn: every decode step's attention but layer 0's gets a PendingLN (prefill is
+        # dense); the per-sequence kernel (batch 2, per-sequence sets) computes it first
+        for name in ("attn",) + (("both",) if policy == "batch1" else ()):
+            on = out[f"{policy}_{name}"]
+            assert set(on["kernels"].values()) == {"triton"}, on
+            assert out[policy][name] < 1e-5 and on["tokens"] == off["tokens"], out
+            assert on["attn"] == off["attn"] > 0 and on["pending_attn"] == on["attn"] * 2 // 3, out
+        assert out["batch1_both"]["pending"] == out["batch1_both"]["fc1"], out
         for name in ("fold", "loop"):
             on = out[f"{policy}_{name}"]
             assert set(on["kernels"].values()) == {"triton"}, on  # the kernel check passed, incl. PendingLN
