@@ -526,6 +526,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "lnqkv": _decoder_attr("defer_ln_attn", True), "lnqkv2": _decoder_attr("defer_ln_attn", True),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
+             # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1
+             # reads z instead of x and the LayerNorm weight), alone and with lnqkv
+             "deferlnz": _both(_defer_ln(True), _fold_ln("z")),
+             "lnqkvz": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True), _fold_ln("z")),
              "fc2ef": _fc2_route("dot1", W_EV="evict_first"), "projef": _fc2_route("proj1", W_EV="evict_first"),
              "qkvef": _qkv_b1(W_EV="evict_first"),
              # the predictors' GEMVs without the evict-first hint (fc1 keeps it)
@@ -828,7 +832,9 @@ def smoke() -> dict:
                                ("fp32 shared defer_ln_attn", {"batch_policy": "shared"}, {"defer_ln_attn": True}, 3),
                                ("fp32 per_sequence defer_ln_attn", {"batch_policy": "per_sequence"},
                                 {"defer_ln_attn": True}, 3),
-                               ("fp32 batch 1 defer_ln_attn defer_ln", {}, {"defer_ln_attn": True, "defer_ln": True}, 1)):
+                               ("fp32 batch 1 defer_ln_attn defer_ln", {}, {"defer_ln_attn": True, "defer_ln": True}, 1),
+                               ("fp32 batch 1 defer_ln_attn defer_ln z", {},
+                                {"defer_ln_attn": True, "defer_ln": True, "fold_ln": "z"}, 1)):
         try:
             ref = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="full", **kw)
             e = Engine.from_tensors(h32, t32, DEV, **kw)

@@ -265,7 +265,7 @@ def fused_mlp(x, w1, b1, w2_t, b2, idx, residual, out, *, config=None):
         block_s = next_pow2(n_prog)
         block = max(16, 8192 // block_s)
         reduce = jit(_split_reduce_kernel, dev)
-        reduce[(B, -(-D // block))](part, b2, res, out, out, B, D, n_prog, 1, HAS_RES=residual is not None,
+        reduce[(B, -(-D // block))](part, b2, res, out, out, out, out, B, D, n_prog, 1, HAS_RES=residual is not None,
                                     BLOCK=block, BLOCK_S=block_s, num_warps=4)
     return out
 

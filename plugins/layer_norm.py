@@ -144,12 +144,14 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
 class PendingLN(NamedTuple):
     """LayerNorm(x) (eps 1e-5) not computed yet. stats [B, N, 2] fp32: per row of x, each
     block of `width` columns' (mean, M2) of x's stored values (N = cdiv(D, width)); the last
-    block may be short."""
+    block may be short. z (optional) [B, D] in x's dtype: weight * (x - its block's mean),
+    rounded (what a consumer with a block fold, `LNFold.wgb`, reads instead of x)."""
     x: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
     stats: torch.Tensor
     width: int
+    z: torch.Tensor | None = None
 
 
 def block_stats(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -165,9 +167,18 @@ def block_stats(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.stack([mean, m2], -1).contiguous()
 
 
-def pending_ln(x, weight, bias, width: int = 256) -> PendingLN:
-    """A PendingLN of x with its block stats from PyTorch."""
-    return PendingLN(x, weight, bias, block_stats(x, width), int(width))
+def pending_ln(x, weight, bias, width: int = 256, z: bool = False) -> PendingLN:
+    """A PendingLN of x with its block stats (and, z, its centred product) from PyTorch."""
+    st = block_stats(x, width)
+    return PendingLN(x, weight, bias, st, int(width), block_centred(x, weight, st, width) if z else None)
+
+
+def block_centred(x: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, width: int) -> torch.Tensor:
+    """weight * (x - the mean of x's block of `width` columns), in fp32, rounded to x's dtype
+    (PendingLN.z; what the reduction kernel stores with ln_defer="z")."""
+    B, D = x.shape
+    mean = stats[..., 0].repeat_interleave(width, dim=1)[:, :D]  # [B, D]
+    return ((x.float() - mean) * weight.float()).to(x.dtype)
 
 
 def check_pending(p: PendingLN, dtypes=FLOAT_DTYPES) -> None:
@@ -180,6 +191,8 @@ def check_pending(p: PendingLN, dtypes=FLOAT_DTYPES) -> None:
         raise DejavuError(f"PendingLN.width: expected a positive int, got {p.width!r}")
     check_tensor("PendingLN.stats", p.stats, shape=(B, -(-D // p.width), 2), dtype=torch.float32,
                  device=p.x.device)
+    if p.z is not None:
+        check_tensor("PendingLN.z", p.z, shape=(B, D), dtype=p.x.dtype, device=p.x.device)
 
 
 class LNFold(NamedTuple):
@@ -187,24 +200,38 @@ class LNFold(NamedTuple):
         w[r] @ LayerNorm(x) + b[r] = rstd * (w[r] @ (g * x)) - rstd * mean * wg[r] + wb[r]
     with wg = w @ g and wb = w @ beta + b (fp32, [R]). A consumer of a PendingLN then needs
     the row's mean and rstd only after its dot product (no dependent load before its main
-    loop), reads x and g, and never rounds LayerNorm(x)."""
+    loop), reads x and g, and never rounds LayerNorm(x).
+    wgb (optional, [R, N] fp32, blocks of `width` columns as a PendingLN's stats): the per-block
+    sums of w * g, for a consumer that reads PendingLN.z = g * (x - m_n) (m_n: x's mean over
+    block n) instead of x and g:
+        w[r] @ LayerNorm(x) + b[r] = rstd * (w[r] @ z + sum_n (m_n - mean) * wgb[r, n]) + wb[r]
+    (z is centred per block, so its rounding costs what rounding LayerNorm(x) does, whatever
+    the row's mean)."""
     wg: torch.Tensor
     wb: torch.Tensor
+    wgb: torch.Tensor | None = None
+    width: int = 0
 
 
 @torch.no_grad()
-def ln_fold(w, b, weight, bias, rows_per_chunk: int = 4096) -> LNFold:
+def ln_fold(w, b, weight, bias, rows_per_chunk: int = 4096, width: int | None = None) -> LNFold:
     """LNFold of w [R, D], b [R] and a LayerNorm's weight, bias [D] (fp32 products, computed
-    a chunk of rows at a time so the fp32 copy of w stays small)."""
+    a chunk of rows at a time so the fp32 copy of w stays small); with `width`, also wgb."""
+    R, D = w.shape
     g, beta = weight.float(), bias.float()
-    wg = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    wg = torch.empty(R, dtype=torch.float32, device=w.device)
     wb = torch.empty_like(wg)
-    for r0 in range(0, w.shape[0], rows_per_chunk):
+    n = -(-D // width) if width else 0
+    wgb = torch.empty(R, n, dtype=torch.float32, device=w.device) if width else None
+    for r0 in range(0, R, rows_per_chunk):
         blk = w[r0:r0 + rows_per_chunk].float()
         wg[r0:r0 + rows_per_chunk] = blk @ g
         wb[r0:r0 + rows_per_chunk] = blk @ beta
+        if width:
+            prod = torch.nn.functional.pad(blk * g, (0, n * width - D))
+            wgb[r0:r0 + rows_per_chunk] = prod.view(-1, n, width).sum(-1)
     wb += b.float()
-    return LNFold(wg, wb)
+    return LNFold(wg, wb, wgb, int(width or 0))
 
 
 def from_stats_ref(p: PendingLN, eps=1e-5) -> torch.Tensor:

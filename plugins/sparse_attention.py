@@ -327,7 +327,7 @@ def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_d
         o, combine = o.q, (o.acc, o.ml, o.nchunk)
     hd = o.shape[1] // head_idx.shape[-1]
     return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out, combine=combine,
-                         ln_defer=ln_defer and ln is not None)
+                         ln_defer=ln_defer if ln is not None else False)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,

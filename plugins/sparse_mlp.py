@@ -143,6 +143,9 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
     #            w * (g * x) (a product of two 16-bit values: exact in fp32), the epilogue
     #            applies rstd * acc - rstd * mean * wg[row] + wb[row] (wb holds the bias; b_ptr
     #            is wb then): mean and rstd are needed only after the loop.
+    #   LN_IN 3: x is PendingLN.z = g * (x - block mean) (the loop is LN_IN 0's), the epilogue
+    #            applies rstd * (acc + sum_n (m_n - mean) * wgb[row, n]) + wb[row] (wg_ptr is
+    #            LNFold.wgb [rows, N_ST] then, b_ptr wb): no extra load in the loop.
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -156,15 +159,16 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
     rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
-    if LN_IN:
-        mean, rstd = _ln_merge(st_ptr + pid_b.to(tl.int64) * N_ST * 2, N_ST, D, eps, ST_W, BLOCK_N)
+    st_row = st_ptr + pid_b.to(tl.int64) * N_ST * 2
+    if LN_IN == 1:  # the loop normalises: the stats first
+        mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         if EVEN_D:
             xv = tl.load(x_row + offs_d)
             wv = tl.load(w_rows + offs_d[None, :], cache_modifier=W_CM, eviction_policy=W_EV).to(tl.float32)
-            if LN_IN:
+            if LN_IN == 1 or LN_IN == 2:
                 g = tl.load(lnw_ptr + offs_d).to(tl.float32)
             if LN_IN == 1:
                 gb = tl.load(lnb_ptr + offs_d).to(tl.float32)
@@ -173,7 +177,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
             xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
             wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=W_CM,
                          eviction_policy=W_EV).to(tl.float32)
-            if LN_IN:
+            if LN_IN == 1 or LN_IN == 2:
                 g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
             if LN_IN == 1:
                 gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
@@ -184,8 +188,17 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
         else:
             acc += wv * xv.to(tl.float32)[None, :]
     gdc_release(GDC)
+    if LN_IN >= 2:  # folded: the stats only now
+        mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N)
     if LN_IN == 2:
         h = rstd * tl.sum(acc, axis=1) - (rstd * mean) * tl.load(wg_ptr + rows) + tl.load(b_ptr + rows)
+    elif LN_IN == 3:
+        offs_n = tl.arange(0, BLOCK_N)
+        nmask = offs_n < N_ST
+        m_b = tl.load(st_row + offs_n * 2, mask=nmask, other=0.0, cache_modifier=".cg")
+        wgb = tl.load(wg_ptr + rows[:, None] * N_ST + offs_n[None, :], mask=nmask[None, :], other=0.0)
+        corr = tl.sum(wgb * (m_b - mean)[None, :], axis=1)
+        h = rstd * (tl.sum(acc, axis=1) + corr) + tl.load(b_ptr + rows)
     else:
         h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
     if RELU:
@@ -494,13 +507,14 @@ def _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP: tl.constexp
     return tl.where(kmask, tl.sum(acc * w, axis=1) / tl.where(kmask, tl.sum(w * l, axis=1), 1.0), 0.0)
 
 
-def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, B, D, SPLIT, N_BLK,
+def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, g_ptr, z_ptr, B, D, SPLIT, N_BLK,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                          STATS: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # out[b, d] = sum_s part[s, b, d] + bias[d] (+ residual[b, d]); grid (B, cdiv(D, BLOCK)).
     # All SPLIT partials in one [BLOCK_S, BLOCK] load (one memory round trip, not SPLIT).
     # STATS: also the block's (mean, M2) of the stored (rounded) out at st[b, block] (N_BLK
-    # blocks per row), for a consumer that applies the next LayerNorm itself (PendingLN).
+    # blocks per row), for a consumer that applies the next LayerNorm itself (PendingLN);
+    # STATS 2: and z[b, d] = g[d] * (out[b, d] - the block's mean), rounded (PendingLN.z).
     gdc_enter(GDC)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -515,6 +529,11 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, B, D, SPLIT,
     if HAS_RES:
         y += tl.load(res_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
     _store_row(y, out_ptr, row + offs, mask, st_ptr + (pid_b * N_BLK + pid_d) * 2, pid_d, D, BLOCK, STATS)
+    if STATS == 2:
+        yo = tl.where(mask, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+        mean_b = tl.sum(yo, axis=0) / tl.minimum(D - pid_d * BLOCK, BLOCK).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(z_ptr + row + offs, ((yo - mean_b) * g).to(z_ptr.dtype.element_ty), mask=mask)
 
 
 def _split_reduce_ln_kernel(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
@@ -579,12 +598,16 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
             lnw, lnb, st, n_st, st_w = pending.weight, pending.bias, pending.stats, pending.stats.shape[1], pending.width
         else:
             lnw, lnb, st, n_st, st_w = xt, xt, xt, 1, 1  # never read without LN_IN
-        b_in, wg = (ln_fold.wb, ln_fold.wg) if fold else (bias, xt)  # wg never read unless folded
+        # the block fold: the centred product z instead of x (its stats' blocks and the fold's match)
+        centred = fold and pending.z is not None and ln_fold.wgb is not None and ln_fold.width == st_w
+        ln_in = 0 if pending is None else 3 if centred else 2 if fold else 1
+        b_in, wg = (ln_fold.wb, ln_fold.wgb if centred else ln_fold.wg) if fold else (bias, xt)  # wg: folds only
+        xt = pending.z if centred else xt
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
             xt, w, b_in, idx, out, lnw, lnb, st, wg, D, K, xt.stride(0), 0 if shared else idx.stride(0),
             out.stride(0), w.shape[0], n_st, st_w, LN_EPS,
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
-            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=0 if pending is None else 2 if fold else 1,
+            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=ln_in,
             BLOCK_N=max(2, next_pow2(n_st)), W_CM=cfg.get("W_CM", ""), W_EV=cfg.get("W_EV", ""),
             num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
@@ -600,7 +623,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     inside the kernel (h gives the shape and is not read). Returns out.
     ln_defer (with ln): returns (out, LayerNorm(out)) where the second is a PendingLN when the
     separate split-K reduction runs (it stores the block stats; no LayerNorm launch), else
-    ln_out computed as above."""
+    ln_out computed as above. ln_defer="z": the PendingLN also carries z (PendingLN's doc)."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -663,13 +686,16 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                              BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)),
                              num_warps=8, **pdl_args(h.device, "reduce"))
             return out
-        defer = ln is not None and ln_defer
+        defer = ln is not None and bool(ln_defer)
+        centred = defer and ln_defer == "z"
         st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device) if defer else out
+        z = torch.empty_like(out) if centred else None
         reduce = jit(_split_reduce_kernel, h.device)
-        reduce[(B, n_blk)](part, bias, res, out, st, B, D, split, n_blk, HAS_RES=residual is not None, BLOCK=block,
-                           BLOCK_S=block_s, STATS=defer, num_warps=4, **pdl_args(h.device, "reduce"))
+        reduce[(B, n_blk)](part, bias, res, out, st, ln[0] if centred else bias, z if centred else out, B, D, split,
+                           n_blk, HAS_RES=residual is not None, BLOCK=block, BLOCK_S=block_s,
+                           STATS=2 if centred else int(defer), num_warps=4, **pdl_args(h.device, "reduce"))
         if defer:
-            return out, PendingLN(out, ln[0], ln[1], st, block)
+            return out, PendingLN(out, ln[0], ln[1], st, block, z)
     if ln is not None and not fused:
         layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
     return (out, ln_out) if ln is not None and ln_defer else out
@@ -696,7 +722,8 @@ def check_ln(ln, ln_out, B, D, dtype, device):
 def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, ln_fold=None):
     """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D] (or a PendingLN: its LayerNorm), w1 [F,D],
     b1 [F], idx [B,K] or [K]. ln_fold: layer_norm.ln_fold(w1, b1, x.weight, x.bias), used
-    when x is a PendingLN (the LayerNorm folded into the rows; gather_gemv)."""
+    when x is a PendingLN (the LayerNorm folded into the rows; gather_gemv); with the block
+    fold (ln_fold(..., width=x.width)) and x.z, fc1 reads z instead of x and the weight."""
     if isinstance(x, PendingLN):
         check_pending(x)
     xt = x.x if isinstance(x, PendingLN) else x
@@ -713,6 +740,9 @@ def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, ln_fold=
     if ln_fold is not None:
         check_tensor("ln_fold.wg", ln_fold.wg, shape=(F,), dtype=torch.float32, device=xt.device)
         check_tensor("ln_fold.wb", ln_fold.wb, shape=(F,), dtype=torch.float32, device=xt.device)
+        if ln_fold.wgb is not None:
+            check_tensor("ln_fold.wgb", ln_fold.wgb, shape=(F, -(-D // max(1, ln_fold.width))),
+                         dtype=torch.float32, device=xt.device)
     return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, ln_fold=ln_fold)
 
 
@@ -735,7 +765,7 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
     out = check_out(out, (B, D), h.dtype, h.device)
     ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
     y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out,
-                      ln_defer=ln_defer and ln is not None)
+                      ln_defer=ln_defer if ln is not None else False)
     return y if ln is None or ln_defer else (y, ln_out)
 
 

@@ -93,6 +93,9 @@ class SparseDecoder:
         # per layer w1 @ g and w1 @ beta + b1, fp32, computed once), so its programs need
         # the row's mean and rstd only after their loop; False: fc1 normalises each chunk of its
         # input in the loop (measured slower on the H200: BENCHMARKS.md, session 10).
+        # "z": the reduction also stores z = g * (x - block mean) (PendingLN.z) and fc1 reads it
+        # instead of x and g (the fold's per-block sums of w1 * g correct for the block means
+        # after the loop): fc1's loop reads what it reads without the deferral.
         self.fold_ln = True
         self._folds: dict[int, object] = {}
         # Pre-LN, one rank, fuse_ln off: the LayerNorm before a deferred-K/V attention layer is
@@ -164,7 +167,7 @@ class SparseDecoder:
         self.rows = torch.arange(batch, device=self.device)  # [B]
         self.slots = torch.arange(max_seq, device=self.device)  # [T]
         self.batch, self.max_seq = batch, max_seq
-        if s.pre_ln and self.defer_ln and self.ops.kernels.get("sparse_fc1") == "triton":
+        if s.pre_ln and self.defer_ln and self.fold_ln is True and self.ops.kernels.get("sparse_fc1") == "triton":
             for l, w in enumerate(self.layers):  # the folds, before any graph capture (else: at first use)
                 if s.sparse_mlp(l):
                     self._fc1_fold(l, w)
@@ -183,16 +186,22 @@ class SparseDecoder:
         runs one block per row: ~12 us at D 7168), PyTorch's on the CPU path."""
         return self.ops.layer_norm(x, wb[0], wb[1])
 
-    def _fc1_fold(self, l: int, w) -> dict:
+    def _fc1_fold(self, l: int, w, width: int | None = None) -> dict:
         """{"ln_fold": LNFold} for layer l's fc1 when its input is a PendingLN and fold_ln is on
-        (computed once, at setup when defer_ln is on then, else at first use: a warm-up step)."""
+        (computed once, at setup when defer_ln is on then, else at first use: a warm-up step);
+        width: the PendingLN's stats blocks, for the block fold of fold_ln "z"."""
         if not self.fold_ln:
             return {}
-        fold = self._folds.get(l)
+        fold = self._folds.get((l, width))
         if fold is None:
             from dejavu.plugins.layer_norm import ln_fold
-            fold = self._folds[l] = ln_fold(w.w1, w.b1, *w.ln_mlp)
+            fold = self._folds[(l, width)] = ln_fold(w.w1, w.b1, *w.ln_mlp, width=width)
         return {"ln_fold": fold}
+
+    def _mlp_ln_defer(self):
+        """The attention op's ln_defer for the LayerNorm before the MLP (defer_ln): "z" (the
+        reduction also stores the centred product PendingLN.z, fold_ln "z") or True."""
+        return "z" if self.fold_ln == "z" else True
 
     def _materialize(self, h):
         """h, or a PendingLN's LayerNorm computed now (for ops that take a plain input)."""
@@ -227,7 +236,8 @@ class SparseDecoder:
         if self.fused_mlp and x.shape[0] == 1 and self.reduce is None:
             y = self.ops.sparse_mlp(self._materialize(h), w.w1, w.b1, w.w2_t, w.b2, idx, x)
             return y if ln is None else (y, self._ln_step(y, ln))
-        fold = self._fc1_fold(l, w) if isinstance(h, PendingLN) else {}
+        fold = (self._fc1_fold(l, w, h.width if h.z is not None else None) if isinstance(h, PendingLN)
+                else {})
         a = self.ops.sparse_fc1(h, w.w1, w.b1, idx, **fold)  # [rows, K]
         if self.reduce is not None:
             return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
@@ -331,7 +341,7 @@ class SparseDecoder:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
                 defer = (self.defer_ln and not fuse and s.pre_ln and self.reduce is None
                          and self.spec.sparse_mlp(l))
-                kw = {"ln": w.ln_mlp} if fuse else {"ln": w.ln_mlp, "ln_defer": True} if defer else {}
+                kw = {"ln": w.ln_mlp} if fuse else {"ln": w.ln_mlp, "ln_defer": self._mlp_ln_defer()} if defer else {}
                 if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
                     hook, join = self._side_work(l, w, idx)
                     if hook is not None:

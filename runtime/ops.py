@@ -232,10 +232,14 @@ class Ops:
         lnw = (t[p + "ln_mlp.weight"], t[p + "ln_mlp.bias"])
         pend = pending_ln(x, *lnw) if spec.pre_ln else x
         fold = {"ln_fold": ln_fold(t[p + "mlp.w1"], t[p + "mlp.b1"], *lnw)} if spec.pre_ln else {}
+        # the block fold with the centred product (SparseDecoder.fold_ln "z")
+        pend_z = pending_ln(x, *lnw, width=256, z=True) if spec.pre_ln else x
+        fold_z = {"ln_fold": ln_fold(t[p + "mlp.w1"], t[p + "mlp.b1"], *lnw, width=256)} if spec.pre_ln else {}
         cases = {
             "sparse_fc1": lambda f: (f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
                                      f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
-                                     f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im, **fold)),
+                                     f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im, **fold),
+                                     f(pend_z, t[p + "mlp.w1"], t[p + "mlp.b1"], im, **fold_z)),
             "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_mlp": lambda f: f(x[:1], t[p + "mlp.w1"], t[p + "mlp.b1"], t[p + "mlp.w2_t"], t[p + "mlp.b2"],

@@ -74,7 +74,7 @@ SCRIPT = textwrap.dedent('''
                              dt, overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32"})
             assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
         for even in (True, False):  # fc1 normalising its input (a PendingLN), or with the LayerNorm folded in
-            for mode in (1, 2):
+            for mode in (1, 2, 3):
                 compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=even,
                                                               GROUP=1, LN_IN=mode, BLOCK_N=32), dt, overrides=LN_IN)
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
@@ -95,7 +95,7 @@ SCRIPT = textwrap.dedent('''
                                                        BLOCK_C=16),
                      dt, overrides={"cnt_ptr": "*i32", "st_ptr": "*fp32", "eps": "fp32", "apart_ptr": "*fp32",
                                     "h_ptr": "*fp32"})
-    for stats in (False, True):
+    for stats in (0, 1, 2):  # 2: and the centred product z (PendingLN.z)
         compile_sm90(SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4, STATS=stats),
                      overrides={"part_ptr": "*fp32", "st_ptr": "*fp32"})
     compile_sm90(SM, SM._split_reduce_ln_kernel, dict(HAS_RES=True, BLOCK_D=256, BLOCK_S=16, BLOCK_N=32,

@@ -249,3 +249,55 @@ def test_deferred_attention_of_pending_layer_norm(triton_interp, close, monkeypa
     assert written.any() and torch.equal(kc[~written], k0[~written]) and torch.equal(vc[~written], v0[~written])
     close(kc[written], k64[written], kt[written])
     close(vc[written], v64[written], vt[written])
+
+
+# ---- the centred product: fc1 reads z = g * (x - block mean) with the block fold ----------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,shared", [(1, True), (3, False)])
+@pytest.mark.parametrize("mean", [0.5, 300.0])
+def test_fc1_of_centred_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, mean):
+    # one GEMV launch reading z; the block means' correction after the loop keeps it as close to
+    # float64 as fc1 of the rounded LayerNorm, whatever the row's mean (z is centred per block)
+    w1, b1, _, _, ln = weights(dtype)
+    x = (torch.randn(B, D) * 3 + mean).to(dtype)
+    idx = index(B, shared)
+    p = pending_ln(x, *ln, width=32, z=True)
+    fold = ln_fold(w1, b1, *ln, rows_per_chunk=64, width=32)
+    assert fold.wgb.shape == (F, 3) and fold.width == 32
+    g64 = w1.double() * ln[0].double()
+    for n in range(3):
+        assert torch.allclose(fold.wgb[:, n].double(), g64[:, n * 32:(n + 1) * 32].sum(1), rtol=1e-5, atol=1e-5)
+    names = launched(monkeypatch, SM, LN)
+    h = torch.full((B, K), float("nan"), dtype=dtype)
+    sparse_fc1(p, w1, b1, idx, out=h, ln_fold=fold)
+    assert names == ["_gather_gemv_kernel"], names
+    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
+    paths = [sparse_fc1_ref(p, w1, b1, idx), sparse_fc1(layer_norm(x, *ln), w1, b1, idx)]
+    close(h, want, max(paths, key=lambda t: (t.double() - want).abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fc2_reduction_stores_the_centred_product(triton_interp, monkeypatch, dtype):
+    _, _, w2_t, b2, ln = weights(dtype)
+    idx = index(1, False)
+    h, res = torch.randn(1, K).to(dtype), torch.randn(1, D).to(dtype)
+    cfg = {"SPLIT": 3, "BLOCK_K": 16}
+    y0, p0 = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer=True, config=cfg)
+    names = launched(monkeypatch, SM, LN)
+    y, p = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer="z", config=cfg)
+    assert names[-1] == "_split_reduce_kernel" and "_layer_norm_kernel" not in names, names
+    assert torch.equal(y, y0) and torch.equal(p.stats, p0.stats) and p0.z is None
+    want = LN.block_centred(y, ln[0], p.stats, p.width)
+    ulp = torch.finfo(dtype).eps * want.abs().double()
+    assert ((p.z.double() - want.double()).abs() <= ulp + 1e-6).all()
+
+
+def test_bad_block_fold_rejected():
+    w1, b1, _, _, ln = weights(torch.float16)
+    x = torch.randn(1, D).half()
+    p = pending_ln(x, *ln, width=32, z=True)
+    fold = ln_fold(w1, b1, *ln, width=32)
+    with pytest.raises(DejavuError, match="ln_fold.wgb: expected shape"):
+        sparse_fc1(p, w1, b1, index(1, False), ln_fold=fold._replace(width=16))
+    with pytest.raises(DejavuError, match="PendingLN.z: expected dtype"):
+        sparse_fc1(p._replace(z=p.z.float()), w1, b1, index(1, False), ln_fold=fold)

@@ -126,21 +126,24 @@ for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
     # (name, defer_ln, fold_ln, defer_ln_attn): the LayerNorm before the MLP left to fc1, the one
     # before attention left to the Q/K/V kernel (SparseDecoder.defer_ln_attn), both, neither
     variants = [("fold", True, True, False), ("loop", True, False, False), ("attn", False, True, True),
-                ("off", False, True, False)] + ([("both", True, True, True)] if policy == "batch1" else [])
+                ("off", False, True, False)] + ([("both", True, True, True), ("z", True, "z", True)]
+                                                  if policy == "batch1" else [])
     for name, defer, fold, attn in variants:
         eng = Engine.from_tensors(h, t, "cpu", backend="triton",
                                   batch_policy="shared" if policy == "shared" else "per_sequence")
-        dec, got, pend, folds, pend_attn = eng.decoder, [], [], [], []
+        dec, got, pend, folds, pend_attn, centred = eng.decoder, [], [], [], [], []
         dec.defer_ln, dec.fold_ln, dec.defer_ln_attn = defer, fold, attn
         fc1, att = eng.ops.sparse_fc1, eng.ops.sparse_attn_deferred
         record_steps(dec, got)
         eng.ops.sparse_fc1 = lambda x, *a, **k: (pend.append(isinstance(x, PendingLN)) or folds.append("ln_fold" in k)
+                                                 or centred.append(getattr(x, "z", None) is not None
+                                                                   and k["ln_fold"].wgb is not None)
                                                  or fc1(x, *a, **k))
         eng.ops.sparse_attn_deferred = lambda x, *a, **k: pend_attn.append(isinstance(x, PendingLN)) or att(x, *a, **k)
         toks = eng.generate(prompts, 3, stop_at_eos=False)
         logits[name] = torch.stack(got)
         out[f"{policy}_{name}"] = {"pending": sum(pend), "folds": sum(folds), "fc1": len(pend), "kernels": eng.ops.kernels,
-                                   "pending_attn": sum(pend_attn), "attn": len(pend_attn),
+                                   "pending_attn": sum(pend_attn), "attn": len(pend_attn), "centred": sum(centred),
                                    "check": {k: str(v) for k, v in eng.kernel_check.items()}, "tokens": toks}
     ref = logits["off"]
     out[policy] = {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in logits.items()}
@@ -157,12 +160,14 @@ def test_deferred_layer_norm_in_interpreter_equals_separate_one():
         assert off["pending"] == off["folds"] == off["pending_attn"] == 0 and off["fc1"] > 0, out
         # defer_ln_attn: every decode step's attention but layer 0's gets a PendingLN (prefill is
         # dense); the per-sequence kernel (batch 2, per-sequence sets) computes it first
-        for name in ("attn",) + (("both",) if policy == "batch1" else ()):
+        for name in ("attn",) + (("both", "z") if policy == "batch1" else ()):
             on = out[f"{policy}_{name}"]
             assert set(on["kernels"].values()) == {"triton"}, on
             assert out[policy][name] < 1e-5 and on["tokens"] == off["tokens"], out
             assert on["attn"] == off["attn"] > 0 and on["pending_attn"] == on["attn"] * 2 // 3, out
-        assert out["batch1_both"]["pending"] == out["batch1_both"]["fc1"], out
+        for name in ("both", "z"):
+            assert out["batch1_" + name]["pending"] == out["batch1_" + name]["fc1"], out
+        assert out["batch1_z"]["centred"] == out["batch1_z"]["fc1"] and out["batch1_both"]["centred"] == 0, out
         for name in ("fold", "loop"):
             on = out[f"{policy}_{name}"]
             assert set(on["kernels"].values()) == {"triton"}, on  # the kernel check passed, incl. PendingLN
