@@ -231,7 +231,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
-                               LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2,
+                               LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, HIST_W: tl.constexpr = 1,
                                GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
@@ -303,7 +303,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                 gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
                 xf = (xn.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + gb[None, :]
                 xn = tl.where(nm, xf, 0.0).to(x.dtype)
-                tl.store(new_hist[:, None] + offs_d[None, :], xn, mask=put_hist[:, None] & dmask[None, :])
+                if HIST_W:
+                    tl.store(new_hist[:, None] + offs_d[None, :], xn, mask=put_hist[:, None] & dmask[None, :])
             x += xn
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -594,6 +595,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
                                             BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
                                             LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
+                                            HIST_W=cfg.get("HIST_W", 1),
                                             **common)
     else:
         hist_len = bp

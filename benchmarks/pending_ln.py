@@ -1,0 +1,101 @@
+"""Kernel-level cost of leaving a LayerNorm to its consumer (plugins/layer_norm.PendingLN), on
+the GPU, OPT-30B layer shapes, batch 1, fp16, random weights (speed only):
+
+- fc1 (sparse_fc1 at the MLP density): plain input, PendingLN normalised in the loop (LN_IN 1),
+  folded (LN_IN 2), centred product z with the block fold (LN_IN 3);
+- the deferred-K/V attention op (Q/K/V, attention, projection) with a plain input and with a
+  PendingLN (normalised in the shared-set Q/K/V kernel), and the Q/K/V kernels alone.
+
+Each: median of triton.testing.do_bench (warm L2 for the small vectors, weights larger than
+L2), and whether the outputs are finite and agree with the plain path.
+
+    python3 benchmarks/pending_ln.py --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--density", type=float, default=0.3)
+    ap.add_argument("--width", type=int, default=256, help="stats block width (the projection reduction's)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (TRITON_INTERPRET=1): a dry run")
+    a = ap.parse_args()
+    import triton.testing as tt
+
+    import dejavu.plugins as P
+    from dejavu.plugins.deferred_kv import sparse_attn_decode_deferred
+    from dejavu.plugins.layer_norm import layer_norm, ln_fold, pending_ln
+    DK = sys.modules["dejavu.plugins.deferred_kv"]
+    dev, dt = torch.device("cpu" if a.tiny else "cuda"), torch.float16
+    D, F, H, S = (64, 256, 4, 16) if a.tiny else (7168, 28672, 56, 256)
+    hd = D // H
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dt)
+
+    rows = {}
+
+    def time_us(fn):
+        return float("nan") if a.tiny else 1e3 * tt.do_bench(fn, warmup=25, rep=200)
+    x = rnd(1, D, scale=2.0) + 0.3
+    ln = (1 + rnd(D, scale=0.1), rnd(D, scale=0.1))
+    w1, b1 = rnd(F, D, scale=D ** -0.5), rnd(F)
+    k = int(a.density * F)
+    idx = torch.randperm(F, device=dev)[:k].sort().values.to(torch.int32)[None]
+    p1 = pending_ln(x, *ln, width=a.width)
+    pz = pending_ln(x, *ln, width=a.width, z=True)
+    fold, fold_z = ln_fold(w1, b1, *ln), ln_fold(w1, b1, *ln, width=a.width)
+    xl = layer_norm(x, *ln)
+    ref = P.sparse_fc1(xl, w1, b1, idx)
+    for name, fn in (("fc1 plain", lambda: P.sparse_fc1(xl, w1, b1, idx)),
+                     ("fc1 LN_IN 1 (loop)", lambda: P.sparse_fc1(p1, w1, b1, idx)),
+                     ("fc1 LN_IN 2 (fold)", lambda: P.sparse_fc1(p1, w1, b1, idx, ln_fold=fold)),
+                     ("fc1 LN_IN 3 (z)", lambda: P.sparse_fc1(pz, w1, b1, idx, ln_fold=fold_z)),
+                     ("layer_norm", lambda: layer_norm(x, *ln))):
+        out = fn()
+        rows[name] = {"us": time_us(fn), "finite": bool(torch.isfinite(out).all()),
+                      "rel_err": float((out.float() - ref.float()).norm() / ref.float().norm()) if "fc1" in name else None}
+        print(name, rows[name])
+    kh = max(1, int(a.density * H))
+    heads = torch.randperm(H, device=dev)[:kh].sort().values.to(torch.int32)[None]
+    wq, bq, wkv, bkv = rnd(D, D, scale=D ** -0.5), rnd(D), rnd(2 * D, D, scale=D ** -0.5), rnd(2 * D)
+    wo_t, bo = rnd(D, D, scale=D ** -0.5), rnd(D)
+    kc, vc = rnd(1, H, S, hd), rnd(1, H, S, hd)
+    hist = rnd(1, S, D)
+    pos = torch.tensor([S - 6], device=dev)
+    vl0 = torch.full((1, H), S - 9, dtype=torch.int32, device=dev)  # 3 missing slots per head
+
+    def attn(xin, cfg=None, qkv_only=False):
+        vl = vl0.clone()
+        if qkv_only:
+            xt = xin.x if hasattr(xin, "x") else xin
+            q = torch.empty(1, kh * hd, dtype=torch.float32, device=dev)
+            DK._launch_qkv(xt, hist, wq, bq, wkv, bkv, heads, kc, vc, vl, pos, 0, q, cfg,
+                           xin if hasattr(xin, "x") else None)
+            return q
+        return sparse_attn_decode_deferred(xin, wq, bq, wkv, bkv, wo_t, bo, heads, kc, vc, hist, vl, pos, x,
+                                           config={"qkv": cfg} if cfg else None)
+
+    ref = attn(xl)
+    for name, fn in (("attn plain", lambda: attn(xl)), ("attn pending", lambda: attn(p1)),
+                     ("qkv plain", lambda: attn(xl, qkv_only=True)), ("qkv pending", lambda: attn(p1, qkv_only=True)),
+                     ("qkv pending, no history store", lambda: attn(p1, {"HIST_W": 0}, qkv_only=True))):
+        out = fn()
+        rows[name] = {"us": time_us(fn), "finite": bool(torch.isfinite(out).all())}
+        if name.startswith("attn"):
+            rows[name]["rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
+        print(name, rows[name])
+    json.dump({"device": "cpu" if a.tiny else torch.cuda.get_device_name(), "density": a.density, "width": a.width, "rows": rows},
+              open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
