@@ -93,8 +93,55 @@ def main() -> None:
         if name.startswith("attn"):
             rows[name]["rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
         print(name, rows[name])
+    rows["decode"] = decode_check(a.tiny)
     json.dump({"device": "cpu" if a.tiny else torch.cuda.get_device_name(), "density": a.density, "width": a.width, "rows": rows},
               open(a.out, "w"), indent=1)
+
+
+def decode_check(tiny: bool) -> dict:
+    """A 4-layer engine of the OPT-30B shape (random weights, fp16): decode 8 tokens with each
+    deferral on; are the logits finite, the index sets free of duplicates, equal to the plain
+    step's? And the eager step time (no graph) of each."""
+    import time
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import e2e
+
+    from dejavu.runtime import Engine
+    c = dict(e2e.TINY if tiny else {**e2e.SHAPES["opt-30b"], "num_hidden_layers": 4})
+    dev = "cpu" if tiny else "cuda"
+    t = e2e.random_tensors(c, torch.float16, dev, (64, 8) if tiny else (512, 56), seed=1)
+    out = {}
+    prompt = [list(range(5, 21))]
+    base = None
+    for name, attrs in (("plain", {}), ("lnqkv", {"defer_ln_attn": True}), ("deferln", {"defer_ln": True}),
+                        ("deferlnz", {"defer_ln": True, "fold_ln": "z"})):
+        eng = Engine.from_tensors(e2e.header_for(c, 0.3, "float16", (64, 8) if tiny else (512, 56)), t, dev,
+                                  use_graphs=False, backend="ref" if tiny else "triton")
+        for k, v in attrs.items():
+            setattr(eng.decoder, k, v)
+        got = []
+        step = eng.decoder.decode_step
+        eng.decoder.decode_step = lambda tok, pos: got.append(step(tok, pos).clone()) or got[-1]
+        toks = eng.generate(prompt, 8, stop_at_eos=False)
+        if not tiny:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate(prompt, 8, stop_at_eos=False)
+        if not tiny:
+            torch.cuda.synchronize()
+        lg = torch.stack(got[:8]).float()
+        dup = [int(i.numel() - torch.unique(i).numel()) for d in eng.decoder.pred.idx for i in d.values() if i is not None]
+        row = {"finite": bool(torch.isfinite(lg).all()), "duplicates": sum(dup), "tokens": toks,
+               "ms_16_steps_eager": 1e3 * (time.perf_counter() - t0)}
+        if base is None:
+            base = lg
+        else:
+            row["logits_rel_err_vs_plain"] = float((lg - base).norm() / base.norm())
+        out[name] = row
+        print("decode", name, row)
+        del eng
+    return out
 
 
 if __name__ == "__main__":
