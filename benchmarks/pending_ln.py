@@ -145,9 +145,14 @@ def decode_check(tiny: bool) -> dict:
         row = {"finite": bool(torch.isfinite(lg).all()), "duplicates": sum(dup), "tokens": toks,
                "ms_16_steps_eager": 1e3 * (time.perf_counter() - t0)}
         if base is None:
-            base = lg
+            base, base_toks = lg, toks[0]
         else:
             row["logits_rel_err_vs_plain"] = float((lg - base).norm() / base.norm())
+            # up to the first step whose token differs (later steps see different inputs)
+            same = next((i for i, (u, v) in enumerate(zip(toks[0], base_toks)) if u != v), len(toks[0]))
+            n = max(1, same)
+            row["same_steps"] = same
+            row["logits_rel_err_same_steps"] = float((lg[:n] - base[:n]).norm() / base[:n].norm())
         out[name] = row
         print("decode", name, row)
         del eng
