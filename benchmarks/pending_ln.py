@@ -69,6 +69,11 @@ def main() -> None:
                      ("fc1 LN_IN 1 (loop)", lambda: P.sparse_fc1(p1, w1, b1, idx)),
                      ("fc1 LN_IN 2 (fold)", lambda: P.sparse_fc1(p1, w1, b1, idx, ln_fold=fold)),
                      ("fc1 LN_IN 3 (z)", lambda: P.sparse_fc1(pz, w1, b1, idx, ln_fold=fold_z)),
+                     # the stats through L2 only (.cg: every program's load goes to the same L2 lines)
+                     ("fc1 LN_IN 2 (fold), stats .cg",
+                      lambda: P.sparse_fc1(p1, w1, b1, idx, ln_fold=fold, config={"ST_CM": ".cg"})),
+                     ("fc1 LN_IN 3 (z), stats .cg",
+                      lambda: P.sparse_fc1(pz, w1, b1, idx, ln_fold=fold_z, config={"ST_CM": ".cg"})),
                      ("layer_norm", lambda: layer_norm(x, *ln))):
         out = fn()
         rows[name] = {"us": time_us(fn), "finite": bool(torch.isfinite(out).all()),
@@ -97,7 +102,8 @@ def main() -> None:
     ref = attn(xl)
     for name, fn in (("attn plain", lambda: attn(xl)), ("attn pending", lambda: attn(p1)),
                      ("qkv plain", lambda: attn(xl, qkv_only=True)), ("qkv pending", lambda: attn(p1, qkv_only=True)),
-                     ("qkv pending, no history store", lambda: attn(p1, {"HIST_W": 0}, qkv_only=True))):
+                     ("qkv pending, no history store", lambda: attn(p1, {"HIST_W": 0}, qkv_only=True)),
+                     ("qkv pending, stats .cg", lambda: attn(p1, {"ST_CM": ".cg"}, qkv_only=True))):
         out = fn()
         rows[name] = {"us": time_us(fn), "finite": bool(torch.isfinite(out).all())}
         if name.startswith("attn"):

@@ -232,6 +232,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, HIST_W: tl.constexpr = 1,
+                               ST_CM: tl.constexpr = "",
                                GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
@@ -279,7 +280,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         take_hist = is_hist | is_new
     take_new = is_new & HAS_NEW
     if LN_IN:
-        mean, rstd = _ln_merge_rows(st_ptr + mb64 * N_ST * 2, take_new, N_ST, D, eps, ST_W, BLOCK_N)
+        mean, rstd = _ln_merge_rows(st_ptr + mb64 * N_ST * 2, take_new, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
         # x_hist[b, pos] = LayerNorm(x_new[b]) by head slot 0's first row block (j + pid_r == 0;
         # a [BLOCK_M] compare: the interpreter rejects a store mask that mixes in a scalar)
         put_hist = take_new & (mb * 0 + j + pid_r == 0)
@@ -595,7 +596,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
                                             BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
                                             LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
-                                            HIST_W=cfg.get("HIST_W", 1),
+                                            HIST_W=cfg.get("HIST_W", 1), ST_CM=cfg.get("ST_CM", ""),
                                             **common)
     else:
         hist_len = bp

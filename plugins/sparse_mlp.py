@@ -128,7 +128,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, LN_IN: tl.constexpr = 0,
                         BLOCK_N: tl.constexpr = 2, W_CM: tl.constexpr = "", W_EV: tl.constexpr = "",
-                        GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        ST_CM: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
     # W_CM / W_EV: cache modifier / eviction policy of the weight loads (".cg": L2 only, so the
     # streamed rows do not push the input vector, which every program re-reads, out of L1).
@@ -160,8 +160,8 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     st_row = st_ptr + pid_b.to(tl.int64) * N_ST * 2
-    if LN_IN == 1:  # the loop normalises: the stats first
-        mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N)
+    if LN_IN == 1:  # the loop normalises: the stats first (an earlier kernel's: plain loads)
+        mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -189,13 +189,13 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
             acc += wv * xv.to(tl.float32)[None, :]
     gdc_release(GDC)
     if LN_IN >= 2:  # folded: the stats only now
-        mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N)
+        mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
     if LN_IN == 2:
         h = rstd * tl.sum(acc, axis=1) - (rstd * mean) * tl.load(wg_ptr + rows) + tl.load(b_ptr + rows)
     elif LN_IN == 3:
         offs_n = tl.arange(0, BLOCK_N)
         nmask = offs_n < N_ST
-        m_b = tl.load(st_row + offs_n * 2, mask=nmask, other=0.0, cache_modifier=".cg")
+        m_b = tl.load(st_row + offs_n * 2, mask=nmask, other=0.0, cache_modifier=ST_CM)
         wgb = tl.load(wg_ptr + rows[:, None] * N_ST + offs_n[None, :], mask=nmask[None, :], other=0.0)
         corr = tl.sum(wgb * (m_b - mean)[None, :], axis=1)
         h = rstd * (tl.sum(acc, axis=1) + corr) + tl.load(b_ptr + rows)
@@ -293,25 +293,28 @@ def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT,
 
 
 @helper
-def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr):
+def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr = ".cg"):
     # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (_ln_merge_rows)
     one = tl.arange(0, 1)
-    mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N)
+    mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N, CM)
     return tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
 
 
 @helper
-def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr):
+def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr = ".cg"):
     # (mean, rstd) [R] of rows whose N_D blocks' (mean, M2) are at st_rows [R] (pointers to
     # [N_D, 2] each; blocks of BLOCK_D columns, the last one short), merged in fp32: the
     # parallel form of mean-then-squared-deviations (as layer_norm.py's chunked path). Masked
-    # rows read nothing. .cg: another kernel or another program of this one wrote them.
+    # rows read nothing. CM ".cg" (L2, not L1) where another program of this launch wrote them
+    # (a last-arrival finish); "" where an earlier kernel did and thousands of programs read the
+    # same few lines (L1 then serves all but the first warp of each SM; after the PDL wait no
+    # stale copy can be in L1).
     offs_n = tl.arange(0, BLOCK_N)
     m = rmask[:, None] & (offs_n < N_D)[None, :]
     n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)[None, :]
     st = st_rows[:, None] + offs_n[None, :] * 2
-    mean_b = tl.load(st, mask=m, other=0.0, cache_modifier=".cg")
-    m2_b = tl.load(st + 1, mask=m, other=0.0, cache_modifier=".cg")
+    mean_b = tl.load(st, mask=m, other=0.0, cache_modifier=CM)
+    m2_b = tl.load(st + 1, mask=m, other=0.0, cache_modifier=CM)
     mean = tl.sum(tl.where(m, n_b * mean_b, 0.0), axis=1) / D
     delta = mean_b - mean[:, None]
     m2 = tl.sum(tl.where(m, m2_b + n_b * delta * delta, 0.0), axis=1)
@@ -609,6 +612,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=ln_in,
             BLOCK_N=max(2, next_pow2(n_st)), W_CM=cfg.get("W_CM", ""), W_EV=cfg.get("W_EV", ""),
+            ST_CM=cfg.get("ST_CM", ""),
             num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
     return out
