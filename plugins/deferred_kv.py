@@ -65,7 +65,7 @@ from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_
                                     pdl_args, prefetch_rows_l2)
 from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
-from dejavu.plugins.sparse_mlp import LN_EPS, _dot_fp32, _ln_merge_rows
+from dejavu.plugins.sparse_mlp import LN_EPS, _dot_fp32, _ln_merge
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -241,12 +241,14 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # slot from min(valid_len, pos) (K/V rows; P - 1 of them, the finishing kernel does the rest).
     # Partials go where _qkv_partial_kernel puts them (pnew, phist[..., p, ...] with p < P - 1).
     # FINISH as there (counter cnt[j * rows + pid_r]); the finishing program does every sequence.
-    # LN_IN (HAS_NEW): the input at pos is LayerNorm(x_new) (a PendingLN): each sequence's mean
-    # and rstd merged from the N_ST blocks' stats at st[b] (blocks of ST_W columns), each chunk
-    # of x_new normalised as it is loaded and rounded to x_hist's dtype (the values the
-    # layer_norm kernel would store); the programs of head slot 0's first row block (together
-    # they cover D once) store those rows at x_hist[b, pos] (no program of this launch reads
-    # that slot; the attention kernel then commits valid_len only).
+    # LN_IN (HAS_NEW, batch 1): the input at pos is LayerNorm(x_new) (a PendingLN): its mean and
+    # rstd merged from the N_ST blocks' stats at st (blocks of ST_W columns; ST_CM "": plain
+    # loads, an earlier kernel wrote them), each chunk of x_new normalised as it is loaded and
+    # rounded to x_hist's dtype (the values the layer_norm kernel would store); the programs of
+    # head slot 0's first row block (together they cover D once) store it at x_hist[0, pos] (no
+    # program of this launch reads that slot; the attention kernel then commits valid_len only).
+    # (A per-row form for batches, stats merged into [BLOCK_M] vectors and the tile normalised,
+    # ran ~3x slower on the H200: BENCHMARKS.md, session 11.)
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -279,12 +281,10 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
         take_hist = is_hist | is_new
     take_new = is_new & HAS_NEW
-    if LN_IN:
-        mean, rstd = _ln_merge_rows(st_ptr + mb64 * N_ST * 2, take_new, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
-        # x_hist[b, pos] = LayerNorm(x_new[b]) by head slot 0's first row block (j + pid_r == 0;
-        # a [BLOCK_M] compare: the interpreter rejects a store mask that mixes in a scalar)
-        put_hist = take_new & (mb * 0 + j + pid_r == 0)
-        new_hist = xh_ptr + mb64 * stride_xb + pos_m.to(tl.int64) * stride_xs
+    if LN_IN:  # batch 1: the sequence's mean and rstd (scalars); its row is normalised as a vector
+        mean, rstd = _ln_merge(st_ptr, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
+        new_hist = xh_ptr + pos0.to(tl.int64) * stride_xs  # x_hist[0, pos]
+        row0 = offs_m == 0  # the tile's row of the input at pos
     d_lo = pid_s * D_PER_SPLIT
     d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -296,17 +296,16 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         else:
             w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
         x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
-        if HAS_NEW:
-            nm = take_new[:, None] & dmask[None, :]
-            xn = tl.load(new_rows[:, None] + offs_d[None, :], mask=nm, other=0.0)
-            if LN_IN:
-                g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                xf = (xn.to(tl.float32) - mean[:, None]) * rstd[:, None] * g[None, :] + gb[None, :]
-                xn = tl.where(nm, xf, 0.0).to(x.dtype)
-                if HIST_W:
-                    tl.store(new_hist[:, None] + offs_d[None, :], xn, mask=put_hist[:, None] & dmask[None, :])
-            x += xn
+        if LN_IN:
+            xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
+            if HIST_W:  # by head slot 0's first row block (a vector mask: the interpreter wants one)
+                tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
+            x += tl.where(row0[:, None], xn[None, :], tl.zeros_like(xn)[None, :])
+        elif HAS_NEW:
+            x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -557,8 +556,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     first = 0 if q is not None else 1
     nb = -(-hd // cfg["BLOCK_R"])
     shared = _shared_qkv(B, head_idx, cfg)
-    if pending is not None and not (shared and x_new is not None):
-        raise DejavuError("_launch_qkv: a PendingLN input needs the shared-set kernel and x_new")
+    if pending is not None and not (shared and B == 1 and x_new is not None):
+        raise DejavuError("_launch_qkv: a PendingLN input needs batch 1 on the shared-set kernel and x_new")
     groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
     d_blocks = -(-D // bd)
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
@@ -692,9 +691,9 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
 
     Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
     attention and the output projection of the selected heads (sparse_attention's pieces).
-    x_ln may be a PendingLN (the LayerNorm before attention, not computed yet): the shared-set
-    Q/K/V kernel (batch 1, or a [Kh] set) normalises it as it loads it and stores it at
-    x_hist[:, pos] (no LayerNorm launch); other routes compute it first (layer_norm kernel)."""
+    x_ln may be a PendingLN (the LayerNorm before attention, not computed yet): at batch 1 the
+    shared-set Q/K/V kernel normalises it as it loads it and stores it at x_hist[:, pos] (no
+    LayerNorm launch); other routes and batches compute it first (layer_norm kernel)."""
     from dejavu.plugins.sparse_attention import no_heads_ln
     from dejavu.plugins.sparse_mlp import check_ln
     pending = x_ln if isinstance(x_ln, PendingLN) else None
@@ -714,7 +713,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
     ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
     cfg = config or {}
-    if pending is not None and (kh == 0 or not _shared_qkv(B, head_idx, _qkv_cfg(B, cfg.get("qkv")))):
+    if pending is not None and (kh == 0 or B != 1 or not _shared_qkv(B, head_idx, _qkv_cfg(B, cfg.get("qkv")))):
         x_ln, pending = materialize(pending), None
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
         _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)

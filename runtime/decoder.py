@@ -98,11 +98,11 @@ class SparseDecoder:
         # after the loop): fc1's loop reads what it reads without the deferral.
         self.fold_ln = True
         self._folds: dict[int, object] = {}
-        # Pre-LN, one rank, fuse_ln off: the LayerNorm before a deferred-K/V attention layer is
-        # left to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores per-block
-        # statistics (ln_defer) and the shared-set Q/K/V kernel (batch 1, or one set for the
-        # batch) normalises the slice of x each program reads, and stores LN(x) into x_hist
-        # (plugins/deferred_kv.py); one launch fewer per layer. Other routes compute it first.
+        # Pre-LN, one rank, fuse_ln off, batch 1: the LayerNorm before a deferred-K/V attention
+        # layer is left to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores
+        # per-block statistics (ln_defer) and the shared-set Q/K/V kernel normalises the slice
+        # of x each program reads, and stores LN(x) into x_hist (plugins/deferred_kv.py); one
+        # launch fewer per layer. Off by default: measured on the H200 (BENCHMARKS.md, session 11).
         self.defer_ln_attn = False
         self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
@@ -249,7 +249,7 @@ class SparseDecoder:
         """Layer l's sparse MLP leaves the next layer's attention LayerNorm pending
         (defer_ln_attn; the next layer has deferred K/V and both ops run as kernels)."""
         return (self.defer_ln_attn and self.spec.pre_ln and self.reduce is None and not self.fuse_ln
-                and l + 1 < len(self.layers) and self.x_hist[l + 1] is not None
+                and self.batch == 1 and l + 1 < len(self.layers) and self.x_hist[l + 1] is not None
                 and all(self.ops.kernels.get(n) == "triton" for n in self._pending_ops))
 
     def _next_ln(self, l: int):
