@@ -102,8 +102,9 @@ class SparseDecoder:
         # layer is left to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores
         # per-block statistics (ln_defer) and the shared-set Q/K/V kernel normalises the slice
         # of x each program reads, and stores LN(x) into x_hist (plugins/deferred_kv.py); one
-        # launch fewer per layer. Off by default: measured on the H200 (BENCHMARKS.md, session 11).
-        self.defer_ln_attn = False
+        # launch fewer per layer. On the H200 (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at
+        # density 0.3, 3.830 vs 3.949 at 0.1 (BENCHMARKS.md, session 11).
+        self.defer_ln_attn = True
         self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
