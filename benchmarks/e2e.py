@@ -521,8 +521,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # the output projection (tl.dot kernel at batch 1) / the Q/K/V partial kernel
              "fc1noef": _fc1_gemv(W_EV=""), "deferln": _defer_ln(True),
              # session 11: the LayerNorm before a deferred-K/V attention left to its Q/K/V kernel
-             # (SparseDecoder.defer_ln_attn; fc2's reduction stores block stats), alone and with
-             # the MLP's LayerNorm left to fc1 too
+             # (SparseDecoder.defer_ln_attn; fc2's reduction stores block stats; the default since
+             # session 11: `nolnqkv` is the row without it), alone and with the MLP's LayerNorm
+             # left to fc1 too
              "lnqkv": _decoder_attr("defer_ln_attn", True), "lnqkv2": _decoder_attr("defer_ln_attn", True),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),

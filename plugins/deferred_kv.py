@@ -546,8 +546,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                 q, config, pending=None):
     """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
-    x_hist (recompute_kv). pending: x_new's PendingLN (shared-set kernel only), normalised
-    in the kernel, which also stores it at x_hist[:, pos]."""
+    x_hist (recompute_kv). pending: x_new's PendingLN (batch 1 on the shared-set kernel only),
+    normalised in the kernel, which also stores it at x_hist[:, pos]."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]

@@ -97,7 +97,7 @@ class SparseDecoder:
         # instead of x and g (the fold's per-block sums of w1 * g correct for the block means
         # after the loop): fc1's loop reads what it reads without the deferral.
         self.fold_ln = True
-        self._folds: dict[int, object] = {}
+        self._folds: dict[tuple, object] = {}  # (layer, stats width or None) -> LNFold
         # Pre-LN, one rank, fuse_ln off, batch 1: the LayerNorm before a deferred-K/V attention
         # layer is left to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores
         # per-block statistics (ln_defer) and the shared-set Q/K/V kernel normalises the slice
