@@ -1,4 +1,4 @@
-"""plugins/_common.py's device helper `last_arrival` (interpreter; tests/plugins/conftest.py).
+"""plugins/_common.py: the device helper `last_arrival`, and `jit` binding helpers across modules (interpreter; tests/plugins/conftest.py).
 
 The interpreter runs a launch's programs one after another, so this checks the logic (one
 last program per launch, the counter back to 0 for the next launch), not the GPU memory
@@ -40,3 +40,19 @@ def test_last_arrival_one_last_program_and_reset(n_prog):
         assert int(cnt.item()) == 0
         assert out[0].item() == pytest.approx(x.double().sum().item(), abs=1e-5)
         assert out[1].item() == n_prog - 1  # the interpreter runs programs in order: the last is the last
+
+
+def test_jit_binds_helpers_in_the_modules_they_come_from(triton_interp):
+    # a kernel calling a helper imported from another plugin module (deferred_kv's Q/K/V kernel
+    # calls sparse_mlp._ln_merge, which calls _ln_merge_rows there): the helper is wrapped where
+    # the kernel sees it, and `tl` and the helpers of the helper's own module are bound too
+    import triton
+
+    import dejavu.plugins._common as C
+    import dejavu.plugins.sparse_mlp as SM
+    raw = getattr(SM._ln_merge, "fn", SM._ln_merge)  # the plain function (jit may have wrapped it)
+    assert raw._dejavu_helper
+    g = {"_ln_merge": raw, "__name__": "a_kernel_module"}
+    C._bind_helpers(g, triton)
+    assert g["tl"] is triton.language and hasattr(g["_ln_merge"], "run")
+    assert SM.tl is triton.language and hasattr(SM._ln_merge_rows, "run")
