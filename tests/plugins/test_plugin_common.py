@@ -1,4 +1,5 @@
-"""plugins/_common.py: the device helper `last_arrival`, and `jit` binding helpers across modules (interpreter; tests/plugins/conftest.py).
+"""plugins/_common.py: the device helper `last_arrival`, and `jit` binding helpers across
+modules (interpreter; tests/plugins/conftest.py).
 
 The interpreter runs a launch's programs one after another, so this checks the logic (one
 last program per launch, the counter back to 0 for the next launch), not the GPU memory
