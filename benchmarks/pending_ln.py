@@ -102,7 +102,6 @@ def main() -> None:
     ref = attn(xl)
     for name, fn in (("attn plain", lambda: attn(xl)), ("attn pending", lambda: attn(p1)),
                      ("qkv plain", lambda: attn(xl, qkv_only=True)), ("qkv pending", lambda: attn(p1, qkv_only=True)),
-                     ("qkv pending, no history store", lambda: attn(p1, {"HIST_W": 0}, qkv_only=True)),
                      ("qkv pending, stats .cg", lambda: attn(p1, {"ST_CM": ".cg"}, qkv_only=True))):
         out = fn()
         rows[name] = {"us": time_us(fn), "finite": bool(torch.isfinite(out).all())}

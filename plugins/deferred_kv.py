@@ -231,8 +231,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
-                               LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, HIST_W: tl.constexpr = 1,
-                               ST_CM: tl.constexpr = "",
+                               LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
@@ -301,8 +300,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
             g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
             gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
             xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
-            if HIST_W:  # by head slot 0's first row block (a vector mask: the interpreter wants one)
-                tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
+            # by head slot 0's first row block (a vector mask: the interpreter wants one)
+            tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
             x += tl.where(row0[:, None], xn[None, :], tl.zeros_like(xn)[None, :])
         elif HAS_NEW:
             x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
@@ -595,7 +594,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
                                             BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
                                             LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
-                                            HIST_W=cfg.get("HIST_W", 1), ST_CM=cfg.get("ST_CM", ""),
+                                            ST_CM=cfg.get("ST_CM", ""),
                                             **common)
     else:
         hist_len = bp

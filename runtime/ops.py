@@ -235,6 +235,14 @@ class Ops:
         # the block fold with the centred product (SparseDecoder.fold_ln "z")
         pend_z = pending_ln(x, *lnw, width=256, z=True) if spec.pre_ln else x
         fold_z = {"ln_fold": ln_fold(t[p + "mlp.w1"], t[p + "mlp.b1"], *lnw, width=256)} if spec.pre_ln else {}
+        pend_attn = pending_ln(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]) if spec.pre_ln else x
+
+        def attn_deferred(f, xin):  # y, and the history slot the op stored
+            xh = hist.clone()
+            y = f(xin, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"], t[p + "attn.wo_t"],
+                  t[p + "attn.bo"], ia, *[c.clone() for c in caches], xh, valid_len.clone(), pos, res, **ln)
+            return y, xh[torch.arange(batch, device=dev), pos]
+
         cases = {
             "sparse_fc1": lambda f: (f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
                                      f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
@@ -250,16 +258,9 @@ class Ops:
             # several missing slots per head (valid_len < pos), a history of random inputs; pre-LN:
             # also with its input's LayerNorm pending (SparseDecoder.defer_ln_attn), the history
             # slot it stores compared too
-            "sparse_attn_deferred": lambda f: tuple(_attn_deferred(f, xin) for xin in (x, pend_attn)[:1 + spec.pre_ln]),
+            "sparse_attn_deferred": lambda f: tuple(attn_deferred(f, xin) for xin in (x, pend_attn)[:1 + spec.pre_ln]),
         }
 
-        def _attn_deferred(f, xin):
-            h = hist.clone()
-            y = f(xin, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"], t[p + "attn.wo_t"],
-                  t[p + "attn.bo"], ia, *[c.clone() for c in caches], h, valid_len.clone(), pos, res, **ln)
-            return y, h[torch.arange(batch, device=dev), pos]
-
-        pend_attn = pending_ln(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]) if spec.pre_ln else x
         report = {}
         for name, run in cases.items():
             if self.kernels[name] != "triton":
