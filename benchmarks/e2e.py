@@ -525,6 +525,17 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # session 11: `nolnqkv` is the row without it), alone and with the MLP's LayerNorm
              # left to fc1 too
              "lnqkv": _decoder_attr("defer_ln_attn", True), "lnqkv2": _decoder_attr("defer_ln_attn", True),
+             # session 12: attention and the output projection in one launch at batch 1 (short
+             # contexts; sparse_attention.attend_project), and its block / program / prefetch variants
+             "attnproj": _attn_setting(PROJ_MAX_S=4096), "attnproj2": _attn_setting(PROJ_MAX_S=4096),
+             "noattnproj": _attn_setting(PROJ_MAX_S=0),
+             "attnprojd128": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_D=128, PROJ_WARPS=8),
+             "attnprojw8": _attn_setting(PROJ_MAX_S=4096, PROJ_WARPS=8),
+             "attnprojnopf": _attn_setting(PROJ_MAX_S=4096, PROJ_PF=False),
+             "attnprojt132": _attn_setting(PROJ_MAX_S=4096, PROJ_TARGET=132),
+             "attnprojt528": _attn_setting(PROJ_MAX_S=4096, PROJ_TARGET=528),
+             "attnprojs64": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_S=64),
+             "attnprojs16": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_S=16),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

@@ -63,7 +63,7 @@ from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
                                     default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
                                     pdl_args, prefetch_rows_l2)
-from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_heads, project_out
+from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_project
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
 from dejavu.plugins.sparse_mlp import LN_EPS, _dot_fp32, _ln_merge
 
@@ -728,9 +728,9 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         after_qkv()
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored
     # that slot when it normalised a PendingLN); 3. output projection
-    o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, cfg.get("attn"),
-                     commit=(valid_len, None if pending is not None else x_ln, x_hist), fold=True)
-    y = project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)  # + LayerNorm(y) with ln
+    y = attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, cfg.get("attn"),
+                       commit=(valid_len, None if pending is not None else x_ln, x_hist), ln=ln, ln_out=ln_out,
+                       ln_defer=ln_defer)  # + LayerNorm(y) with ln
     return y if ln is None or ln_defer else (y, ln_out)
 
 

@@ -39,7 +39,8 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, gdc_enter, helper, jit, last_arrival, next_pow2, pdl_args)
+                                    default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
+                                    pdl_args, prefetch_rows_l2)
 from dejavu.plugins import sparse_mlp
 from dejavu.plugins.sparse_mlp import LN_EPS, check_ln, gather_gemv, gather_gemv_t, with_ln_ref
 
@@ -63,8 +64,20 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # attention launch itself (`_combine_row`, .cg loads) instead of _attn_combine_kernel: one launch
 # fewer per layer at every batch, its work moved to the tail of the attention kernel.
 # EARLY_READS: the head index and pos read before the PDL wait (the kernel's docstring).
+# PROJ_MAX_S: at batch 1 with S_max <= PROJ_MAX_S (0: never), attention and the output projection in
+# one launch (_attn_proj_kernel, `attend_project`): a program per (selected head, group of output
+# columns) attends over the whole context (each group redoes its head's attention from
+# L2: cheap for short contexts, hence the bound) and multiplies the head's output by its hd rows of
+# wo_t in those columns; a split-K reduction over the heads follows. No chunks, no combine launch,
+# and the projection's weight rows are prefetched into L2 (PROJ_PF) before the PDL wait and the
+# attention, so their reads overlap the attention's latency. PROJ_TARGET: programs aimed at (a
+# group is cdiv(Kh * cdiv(D, PROJ_BLOCK_D), PROJ_TARGET) tiles of PROJ_BLOCK_D columns);
+# PROJ_DOT: the product as a 16-row tl.dot (row 0 the head's output; pipelined loads) or a
+# broadcast-sum in fp32.
 ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16,
-               "LAST_COMBINE": False, "EARLY_READS": True}
+               "LAST_COMBINE": False, "EARLY_READS": True, "PROJ_MAX_S": 0, "PROJ_TARGET": 264,
+               "PROJ_BLOCK_D": 64, "PROJ_BLOCK_S": 32, "PROJ_PF": True, "PROJ_DOT": True, "PROJ_WARPS": 4,
+               "PROJ_STAGES": 3}
 
 
 class AttnParts(NamedTuple):
@@ -179,6 +192,80 @@ def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK,
     _combine_row(part_ptr, ml_ptr, o_ptr, tl.program_id(0).to(tl.int64), HD, NCHUNK, BLOCK_C, BLOCK_HD)
 
 
+def _attn_proj_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, w_ptr, part_ptr, vl_ptr, xnew_ptr, xh_ptr,
+                      KH, H, HD, D, N_TILES, stride_ch, stride_cs, stride_xs,
+                      COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_X: tl.constexpr,
+                      DOT: tl.constexpr, DOT_FP32: tl.constexpr, PF_L2: tl.constexpr,
+                      GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+    # Batch 1; grid (KH, column groups). part[j, cols] = o_j @ wo_t[head*HD + c, cols] (fp32) for
+    # the N_TILES * BLOCK_D columns of group pid_n, where o_j = softmax(q_j . k[head, s]) v[head, s]
+    # over s in [0, pos] (online softmax in fp32, every group of the head computing it: the K/V
+    # rows come from L2 after the first). PF_L2: the group's weight rows are prefetched into L2
+    # before the PDL wait (the weights and the head index are not written by the kernel before:
+    # the heads come from the side stream, whose event the main stream waited for before the
+    # Q/K/V kernels), so HBM streams them while the attention runs. COMMIT as in
+    # _attn_decode_kernel (by the head's first group; x_hist by head slot 0's).
+    pid_j = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    head = tl.load(head_ptr + pid_j).to(tl.int64)
+    pos = tl.load(pos_ptr).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_HD)
+    dmask = offs_d < HD
+    col0 = pid_n * (N_TILES * BLOCK_D)
+    col_end = tl.minimum(col0 + N_TILES * BLOCK_D, D)
+    w_rows = w_ptr + (head * HD + tl.where(dmask, offs_d, 0)) * D  # [BLOCK_HD] row starts
+    if PF_L2:
+        for t in range(N_TILES):
+            prefetch_rows_l2(w_rows, col0 + t * BLOCK_D, col_end, BLOCK_D)
+    gdc_enter(GDC)
+    if COMMIT:
+        if pid_n == 0:
+            tl.store(vl_ptr + head, pos + 1)
+            if COMMIT == 1 and pid_j == 0:  # the whole row at once (BLOCK_X >= D)
+                offs_x = tl.arange(0, BLOCK_X)
+                xm = offs_x < D
+                tl.store(xh_ptr + pos.to(tl.int64) * stride_xs + offs_x, tl.load(xnew_ptr + offs_x, mask=xm),
+                         mask=xm)
+    q = tl.load(q_ptr + pid_j * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    base = head * stride_ch
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
+    for s0 in range(0, pos + 1, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        smask = offs_s <= pos
+        tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        mask = smask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+        s = tl.where(smask, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    o = tl.where(dmask, acc / l_i, 0.0)
+    if DOT:
+        offs_r = tl.arange(0, 16)
+        hv = tl.where((offs_r == 0)[:, None], o[None, :], 0.0)  # [16, BLOCK_HD]: row 0 is o
+    for t in range(N_TILES):
+        cols = col0 + t * BLOCK_D + tl.arange(0, BLOCK_D)
+        cmask = cols < col_end
+        wv = tl.load(w_rows[:, None] + cols[None, :], mask=dmask[:, None] & cmask[None, :], other=0.0)
+        if DOT:
+            if DOT_FP32:
+                y2 = tl.dot(hv, wv.to(tl.float32), input_precision="ieee")
+            else:
+                y2 = tl.dot(hv.to(wv.dtype), wv)
+            y = tl.sum(y2, axis=0)  # rows 1.. are 0
+        else:
+            y = tl.sum(o[:, None] * wv.to(tl.float32), axis=0)
+        tl.store(part_ptr + pid_j.to(tl.int64) * D + cols, y, mask=cmask)
+    gdc_release(GDC)
+
+
 def _positions(pos, batch, device):
     """pos (int or tensor) -> (tensor on device, batch stride 0 or 1)."""
     if isinstance(pos, int):
@@ -270,8 +357,8 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
     # 3. attention; 4. output projection
-    o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, fold=True)
-    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
+    return attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config,
+                          ln=ln, ln_out=ln_out, ln_defer=ln_defer)
 
 
 def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False):
@@ -315,6 +402,38 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
         combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=block_c,
                            BLOCK_HD=block_hd, num_warps=4, **pdl_args(q.device, "attn_combine"))
     return o
+
+
+def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
+                   commit=None, ln=None, ln_out=None, ln_defer=False):
+    """attend_heads then project_out (same arguments and return value), in one launch plus the
+    split-K reduction over the heads (`_attn_proj_kernel`) where it applies: batch 1 (a shared or
+    one-row head set) with S_max <= ATTN_CONFIG["PROJ_MAX_S"]."""
+    B, H, S, hd = k_cache.shape
+    kh = head_idx.shape[-1]
+    cfg = {**ATTN_CONFIG, **(config or {})}
+    if not (B == 1 and 0 < S <= cfg["PROJ_MAX_S"]):
+        o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, fold=True)
+        return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
+    D = wo_t.shape[1]
+    vl, xn, xh = commit if commit is not None else (head_idx, q, q)  # never touched without COMMIT
+    commit_mode = 0 if commit is None else 1 if xn is not None else 2
+    xn = q if xn is None else xn  # never touched unless COMMIT == 1
+    block_d = cfg["PROJ_BLOCK_D"]
+    n_blk = -(-D // block_d)
+    tiles = max(1, -(-(kh * n_blk) // cfg["PROJ_TARGET"]))
+    n_col = -(-n_blk // tiles)
+    part = torch.empty((kh, 1, D), dtype=torch.float32, device=q.device)
+    kernel = jit(_attn_proj_kernel, q.device)
+    kernel[(kh, n_col)](q, k_cache, v_cache, head_idx, pos_t, wo_t, part, vl, xn, xh, kh, H, hd, D, tiles,
+                        k_cache.stride(1), k_cache.stride(2), xh.stride(1) if xh.dim() == 3 else 0,
+                        COMMIT=commit_mode, BLOCK_S=cfg["PROJ_BLOCK_S"],
+                        BLOCK_HD=max(16, next_pow2(hd)), BLOCK_D=block_d,
+                        BLOCK_X=next_pow2(xh.shape[-1]) if commit_mode == 1 else 16,
+                        DOT=bool(cfg["PROJ_DOT"]), DOT_FP32=sparse_mlp._dot_fp32(wo_t.dtype, q.device),
+                        PF_L2=bool(cfg["PROJ_PF"]) and q.device.type == "cuda",
+                        num_warps=cfg["PROJ_WARPS"], num_stages=cfg["PROJ_STAGES"], **pdl_args(q.device, "attn"))
+    return sparse_mlp.reduce_partials(part, bo, residual, out, ln, ln_out, ln_defer if ln is not None else False)
 
 
 def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False):

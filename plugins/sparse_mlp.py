@@ -679,30 +679,43 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                                 h.stride(0), 0 if shared else idx.stride(0), *sizes,
                                 num_stages=cfg.get("num_stages", 2), **common)
     if not final and not fused:  # the separate split reduction (+ LayerNorm at small batch)
-        block_s = next_pow2(split)
-        block = max(128, REDUCE_BLOCK * 4 // block_s)  # ~4096 partials per program
-        n_blk = _cdiv(D, block)
-        if ln is not None and not ln_defer and B <= REDUCE_LN_MAX_BATCH:
-            st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device)
-            kernel = jit(_split_reduce_ln_kernel, h.device)
-            kernel[(n_blk,)](part, bias, res, out, counters(h.device, 1), ln[0], ln[1], ln_out, st, B, D, split,
-                             n_blk, LN_EPS, HAS_RES=residual is not None, BLOCK_D=block, BLOCK_S=block_s,
-                             BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)),
-                             num_warps=8, **pdl_args(h.device, "reduce"))
-            return out
-        defer = ln is not None and bool(ln_defer)
-        centred = defer and ln_defer == "z"
-        st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=h.device) if defer else out
-        z = torch.empty_like(out) if centred else None
-        reduce = jit(_split_reduce_kernel, h.device)
-        reduce[(B, n_blk)](part, bias, res, out, st, ln[0] if centred else bias, z if centred else out, B, D, split,
-                           n_blk, HAS_RES=residual is not None, BLOCK=block, BLOCK_S=block_s,
-                           STATS=2 if centred else int(defer), num_warps=4, **pdl_args(h.device, "reduce"))
-        if defer:
-            return out, PendingLN(out, ln[0], ln[1], st, block, z)
+        return reduce_partials(part, bias, residual, out, ln, ln_out, ln_defer)
     if ln is not None and not fused:
         layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
     return (out, ln_out) if ln is not None and ln_defer else out
+
+
+def reduce_partials(part, bias, residual, out, ln=None, ln_out=None, ln_defer=False):
+    """out[B,D] = sum_s part[s] + bias (+ residual), part [SPLIT, B, D] fp32 (split-K partial
+    sums); ln, ln_out, ln_defer and the return value as gather_gemv_t's. The reduction kernel;
+    with ln at batch <= REDUCE_LN_MAX_BATCH (not deferred) the one-launch reduction + LayerNorm."""
+    split, B, D = part.shape
+    dev = part.device
+    block_s = next_pow2(split)
+    block = max(128, REDUCE_BLOCK * 4 // block_s)  # ~4096 partials per program
+    n_blk = _cdiv(D, block)
+    res = residual if residual is not None else out  # never read when HAS_RES is false
+    if ln is not None and not ln_defer and B <= REDUCE_LN_MAX_BATCH:
+        st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=dev)
+        kernel = jit(_split_reduce_ln_kernel, dev)
+        kernel[(n_blk,)](part, bias, res, out, counters(dev, 1), ln[0], ln[1], ln_out, st, B, D, split,
+                         n_blk, LN_EPS, HAS_RES=residual is not None, BLOCK_D=block, BLOCK_S=block_s,
+                         BLOCK_N=max(2, next_pow2(n_blk)), LN_BLOCK=min(LN_BLOCK_ROW, next_pow2(D)),
+                         num_warps=8, **pdl_args(dev, "reduce"))
+        return out
+    defer = ln is not None and bool(ln_defer)
+    centred = defer and ln_defer == "z"
+    st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=dev) if defer else out
+    z = torch.empty_like(out) if centred else None
+    reduce = jit(_split_reduce_kernel, dev)
+    reduce[(B, n_blk)](part, bias, res, out, st, ln[0] if centred else bias, z if centred else out, B, D, split,
+                       n_blk, HAS_RES=residual is not None, BLOCK=block, BLOCK_S=block_s,
+                       STATS=2 if centred else int(defer), num_warps=4, **pdl_args(dev, "reduce"))
+    if defer:
+        return out, PendingLN(out, ln[0], ln[1], st, block, z)
+    if ln is not None:
+        layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
+    return out
 
 
 def check_ln(ln, ln_out, B, D, dtype, device):
