@@ -536,6 +536,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "attnprojt528": _attn_setting(PROJ_MAX_S=4096, PROJ_TARGET=528),
              "attnprojs64": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_S=64),
              "attnprojs16": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_S=16),
+             # one wave of programs: the Q/K/V partial kernel (3 per SM at 3 stages: 510 programs are
+             # 1.3 waves) at 396 programs or 2 stages; the output projection at 396 programs or 3 stages
+             "qkvt396": _qkv_b1(TARGET_PROGRAMS=396), "qkvs2": _qkv_b1(num_stages=2),
+             "projt396": _fc2_route("proj1", TARGET_PROGRAMS=396), "projs3": _fc2_route("proj1", num_stages=3),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

@@ -293,7 +293,7 @@ def _sum_partials(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, pid_d, B, D, SPLIT,
 
 
 @helper
-def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr = ".cg"):
+def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
     # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (_ln_merge_rows)
     one = tl.arange(0, 1)
     mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N, CM)
@@ -301,7 +301,7 @@ def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.conste
 
 
 @helper
-def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr = ".cg"):
+def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
     # (mean, rstd) [R] of rows whose N_D blocks' (mean, M2) are at st_rows [R] (pointers to
     # [N_D, 2] each; blocks of BLOCK_D columns, the last one short), merged in fp32: the
     # parallel form of mean-then-squared-deviations (as layer_norm.py's chunked path). Masked
@@ -328,7 +328,7 @@ def _ln_rows(y_ptr, w_ptr, b_ptr, out_ptr, st_ptr, B, D, N_D, eps, BLOCK_D: tl.c
     # one pass over y (the stored, rounded rows; other programs wrote them: .cg) to normalise.
     offs = tl.arange(0, BLOCK)
     for b in range(0, B):
-        mean, rstd = _ln_merge(st_ptr + b * N_D * 2, N_D, D, eps, BLOCK_D, BLOCK_N)
+        mean, rstd = _ln_merge(st_ptr + b * N_D * 2, N_D, D, eps, BLOCK_D, BLOCK_N, ".cg")
         for d0 in range(0, D, BLOCK):
             m = d0 + offs < D
             x = tl.load(y_ptr + b * D + d0 + offs, mask=m, other=0.0, cache_modifier=".cg")

@@ -213,7 +213,8 @@ class SparseDecoder:
         x = F.embedding(tokens, self.t["embed_tokens"])  # [..., E]
         if "project_in" in self.t:
             x = F.linear(x, self.t["project_in"])
-        return x + F.embedding(positions + POSITION_OFFSET, self.t["embed_positions"])
+        # the shifted table is a view: no launch for positions + POSITION_OFFSET in the decode graph
+        return x + F.embedding(positions, self.t["embed_positions"][POSITION_OFFSET:])
 
     def head(self, x: torch.Tensor, ln=None, x_ln=None) -> torch.Tensor:
         """logits [..., V] from the last hidden state x [..., D] (ln: the LayerNorm to use;
@@ -317,7 +318,7 @@ class SparseDecoder:
         launch on the GPU (plugins/sparse_mlp.py, fused split-K finish); `h_ln` carries it."""
         s, run = self.spec, self.pred
         B, H, hd = tokens.shape[0], s.num_heads, s.head_dim
-        valid = self.slots[None, :] <= pos[:, None]  # [B, T]
+        valid = None  # [B, T] slots <= pos, made for the first dense layer (none in a sparse step)
         fuse = s.pre_ln and self.reduce is None and self.fuse_ln  # LayerNorms from the sparse ops
         x = self.embed(tokens, pos)  # [B, D]
         h_ln = None  # LN of x for the next LayerNorm, when the last op computed it
@@ -337,6 +338,8 @@ class SparseDecoder:
                 kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
                 vc[self.rows, :, pos] = kv[:, 1]
                 q = F.linear(h, w.wq, w.bq).view(B, H, hd)
+                if valid is None:
+                    valid = self.slots[None, :] <= pos[:, None]
                 x = self._add(x, attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t, w.bo)
             else:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce

@@ -263,11 +263,14 @@ def test_slow_z_fills_one_wave():
     assert slow_z({**cfg, "SLOW_Z": 3}, 408) == 3 and slow_z({"SLOW_Z": 1}, 5) == 1
 
 
-@pytest.mark.parametrize("attn", [{"FOLD_COMBINE": True}, {"LAST_COMBINE": True}], ids=["fold", "last"])
+@pytest.mark.parametrize("attn", [{"FOLD_COMBINE": True}, {"LAST_COMBINE": True},
+                                  {"PROJ_MAX_S": 32, "PROJ_BLOCK_S": 8, "PROJ_BLOCK_D": 16, "PROJ_TARGET": 5}],
+                         ids=["fold", "last", "attn-proj"])
 def test_deferred_with_combine_folded(triton_interp, attn):
     """Batch 1 deferred decode with the attention chunks combined in the output projection
-    (ATTN FOLD_COMBINE) or by the attention kernel's last chunk program per head (LAST_COMBINE),
-    6 chunks of 4 slots: the float64 reference's output, caches, valid_len."""
+    (ATTN FOLD_COMBINE), by the attention kernel's last chunk program per head (LAST_COMBINE), or
+    attention and projection in one launch (PROJ_MAX_S; 4 heads x 2 column groups), 6 chunks of
+    4 slots: the float64 reference's output, caches, valid_len, the history slot at pos."""
     w = weights(torch.float32)
     x_hist, x, res = torch.randn(1, S, D), torch.randn(1, D), torch.randn(1, D)
     kc0, vc0 = torch.randn(1, H, S, HD), torch.randn(1, H, S, HD)
@@ -277,9 +280,11 @@ def test_deferred_with_combine_folded(triton_interp, attn):
     ref = sparse_attn_decode_deferred_ref(x.double(), *[t.double() for t in w], hidx, k64, v64,
                                           x_hist.double(), vl64, pos, res.double())
     kc, vc, vl = kc0.clone(), vc0.clone(), vl0.clone()
-    y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, x_hist.clone(), vl, pos, res,
+    hist = x_hist.clone()
+    y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res,
                                     config={"attn": {"CHUNK": 4, "BLOCK_S": 4, **attn}})
     assert torch.equal(vl, vl64)
+    assert torch.equal(hist[0, 20], x[0]) and torch.equal(hist[0, :20], x_hist[0, :20])
     for got, want in ((y, ref), (kc, k64), (vc, v64)):
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
 

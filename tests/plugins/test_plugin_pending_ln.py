@@ -210,7 +210,9 @@ def attn_weights(dtype):
     (1, False, {"qkv": {"SPLIT": 3, "BLOCK_D": 16}}),  # several slices of D: every program normalises its own
     (3, True, {"qkv": {"SPLIT": 2, "BLOCK_D": 16}}),  # a [Kh] set for the batch: the LayerNorm computed first
     (2, False, None),  # per-sequence sets: the per-sequence kernel, the LayerNorm computed first
-    (1, False, {"qkv": {"SHARED_MIN_BATCH": None}})])  # batch 1 on the per-sequence kernel
+    (1, False, {"qkv": {"SHARED_MIN_BATCH": None}}),  # batch 1 on the per-sequence kernel
+    # batch 1, attention and output projection in one launch (valid_len committed there)
+    (1, True, {"attn": {"PROJ_MAX_S": 32, "PROJ_BLOCK_D": 16, "PROJ_TARGET": 5, "PROJ_BLOCK_S": 4}})])
 def test_deferred_attention_of_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, config):
     from dejavu.plugins.deferred_kv import sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
     DK = sys.modules["dejavu.plugins.deferred_kv"]

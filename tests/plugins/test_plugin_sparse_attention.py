@@ -136,6 +136,61 @@ def test_fold_only_at_batch1_dot_route():
                       group=HD, combine=(h, h, 2))
 
 
+# batch 1 with S_max <= PROJ_MAX_S: attention and output projection in one launch. D = 72 in
+# column tiles of 16: 4 heads x 5 tiles, 3 tiles per group (PROJ_TARGET 9) -> 2 groups, the
+# second with a masked tile; BLOCK_S 4 -> several position blocks with a masked tail.
+PROJ = {"PROJ_MAX_S": 64, "PROJ_BLOCK_S": 4, "PROJ_BLOCK_D": 16, "PROJ_TARGET": 9}
+
+
+def launched_kernels(monkeypatch):
+    import dejavu.plugins.sparse_attention as SA
+    import dejavu.plugins.sparse_mlp as SM
+    names = []
+    for mod in (SA, SM):
+        real = mod.jit
+        monkeypatch.setattr(mod, "jit", lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev))
+    return names
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dot", [True, False], ids=["dot", "sum"])
+@pytest.mark.parametrize("shared", [False, True], ids=["one-row", "shared"])
+def test_attention_and_projection_in_one_launch(triton_interp, close, monkeypatch, dtype, dot, shared):
+    """Three steps (positions 0, 9, 19): _attn_proj_kernel and the reduction over heads (no
+    chunked attention, combine or projection kernel); y, and the MLP's LayerNorm of y through the
+    one-launch reduction, and the caches against float64."""
+    w, (kc, vc) = make(1, dtype)
+    lnw = ((1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype))
+    k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()
+    names = launched_kernels(monkeypatch)
+    for pos in (0, 9, 19):
+        x, res, hidx = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype), heads(1, 4, shared)
+        y, ln_out = [torch.full((1, D), float("nan"), dtype=dtype) for _ in range(2)]
+        names.clear()
+        sparse_attn_decode(x, *w, hidx, kc, vc, torch.tensor(pos), res, out=y, ln=lnw, ln_out=ln_out,
+                           config={**PROJ, "PROJ_DOT": dot})
+        assert "_attn_proj_kernel" in names and "_split_reduce_ln_kernel" in names, names
+        assert not {"_attn_decode_kernel", "_attn_combine_kernel", "_gather_dot_t_kernel"} & set(names), names
+        ref = sparse_attn_decode_ref(x.double(), *[t.double() for t in w], hidx, k64, v64, pos, res.double())
+        close(y, ref, sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos, res))
+        # the LayerNorm of the stored (rounded) y, as the layer_norm kernel would compute it
+        ln64 = torch.nn.functional.layer_norm(y.double(), (D,), *[t.double() for t in lnw], 1e-5)
+        close(ln_out, ln64, layer_norm_ref(y, *lnw))
+        close(kc, k64, kt)
+        close(vc, v64, vt)
+
+
+def test_one_launch_only_for_short_contexts_at_batch1(triton_interp, monkeypatch):
+    """S_max above PROJ_MAX_S, or batch 2: the chunked attention and the projection kernel."""
+    names = launched_kernels(monkeypatch)
+    for B, max_s in ((1, S - 1), (2, 64), (1, S)):
+        w, (kc, vc) = make(B, torch.float32)
+        names.clear()
+        sparse_attn_decode(torch.randn(B, D), *w, heads(B, 2, True), kc, vc, 7,
+                           config={**PROJ, "PROJ_MAX_S": max_s})
+        assert ("_attn_proj_kernel" in names) == (B == 1 and max_s >= S), (B, max_s, names)
+        assert ("_attn_decode_kernel" in names) != ("_attn_proj_kernel" in names), names
+
 def test_python_int_pos_and_no_heads(triton_interp):
     w, (kc, vc) = make(1, torch.float32)
     x, res = torch.randn(1, D), torch.randn(1, D)
