@@ -540,6 +540,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # 1.3 waves) at 396 programs or 2 stages; the output projection at 396 programs or 3 stages
              "qkvt396": _qkv_b1(TARGET_PROGRAMS=396), "qkvs2": _qkv_b1(num_stages=2),
              "projt396": _fc2_route("proj1", TARGET_PROGRAMS=396), "projs3": _fc2_route("proj1", num_stages=3),
+             # the MLP's LayerNorm computed by the output projection's split-K reduction (one launch:
+             # its last program normalises; SparseDecoder.ln_from_attn)
+             "lnfromattn": _decoder_attr("ln_from_attn", True),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

@@ -105,6 +105,11 @@ class SparseDecoder:
         # launch fewer per layer. On the H200 (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at
         # density 0.3, 3.830 vs 3.949 at 0.1 (BENCHMARKS.md, session 11).
         self.defer_ln_attn = True
+        # Pre-LN, one rank, neither fuse_ln nor defer_ln: the attention op also returns the
+        # LayerNorm before the MLP (ln=), which at batch 1 its split-K reduction computes in the
+        # same launch (the last of its programs normalises the row: sparse_mlp.reduce_partials);
+        # one launch fewer per layer.
+        self.ln_from_attn = False
         self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
@@ -345,7 +350,9 @@ class SparseDecoder:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
                 defer = (self.defer_ln and not fuse and s.pre_ln and self.reduce is None
                          and self.spec.sparse_mlp(l))
-                kw = {"ln": w.ln_mlp} if fuse else {"ln": w.ln_mlp, "ln_defer": self._mlp_ln_defer()} if defer else {}
+                from_attn = self.ln_from_attn and not (fuse or defer) and s.pre_ln and self.reduce is None
+                kw = ({"ln": w.ln_mlp} if fuse or from_attn else
+                      {"ln": w.ln_mlp, "ln_defer": self._mlp_ln_defer()} if defer else {})
                 if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
                     hook, join = self._side_work(l, w, idx)
                     if hook is not None:
@@ -354,7 +361,7 @@ class SparseDecoder:
                                                       self.x_hist[l], self.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads
                     y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res, **kw)
-                if fuse or defer:
+                if fuse or defer or from_attn:
                     y, h_ln = y
                 x = y if res is not None else self._add(x, y)
             run.flush()  # anything still held ("after_attn"; an op that did not call the hook)

@@ -156,15 +156,16 @@ def launched_kernels(monkeypatch):
 @pytest.mark.parametrize("dot", [True, False], ids=["dot", "sum"])
 @pytest.mark.parametrize("shared", [False, True], ids=["one-row", "shared"])
 def test_attention_and_projection_in_one_launch(triton_interp, close, monkeypatch, dtype, dot, shared):
-    """Three steps (positions 0, 9, 19): _attn_proj_kernel and the reduction over heads (no
-    chunked attention, combine or projection kernel); y, and the MLP's LayerNorm of y through the
-    one-launch reduction, and the caches against float64."""
+    """Three steps (positions 1, 9, 19): _attn_proj_kernel and the reduction over heads (no
+    chunked attention, combine or projection kernel); y, the MLP's LayerNorm of y through the
+    one-launch reduction, and the caches against float64; y against the chunked path's."""
     w, (kc, vc) = make(1, dtype)
     lnw = ((1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype))
     k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()
     names = launched_kernels(monkeypatch)
-    for pos in (0, 9, 19):
+    for pos in (1, 9, 19):
         x, res, hidx = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype), heads(1, 4, shared)
+        kc2, vc2 = kc.clone(), vc.clone()
         y, ln_out = [torch.full((1, D), float("nan"), dtype=dtype) for _ in range(2)]
         names.clear()
         sparse_attn_decode(x, *w, hidx, kc, vc, torch.tensor(pos), res, out=y, ln=lnw, ln_out=ln_out,
@@ -178,6 +179,9 @@ def test_attention_and_projection_in_one_launch(triton_interp, close, monkeypatc
         close(ln_out, ln64, layer_norm_ref(y, *lnw))
         close(kc, k64, kt)
         close(vc, v64, vt)
+        chunked = sparse_attn_decode(x, *w, hidx, kc2, vc2, torch.tensor(pos), res)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+        assert torch.allclose(y.float(), chunked.float(), rtol=tol, atol=tol)
 
 
 def test_one_launch_only_for_short_contexts_at_batch1(triton_interp, monkeypatch):
