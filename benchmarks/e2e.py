@@ -220,6 +220,19 @@ def _pdl(tiles, early=()):
     return apply
 
 
+def _pdl_prefetch(**tiles):
+    """PDL_CONFIG["PREFETCH"] for one row: {kind: weight tiles prefetched into L2 before the wait}
+    (the shipped trigger set unchanged)."""
+    def apply(eng):
+        import importlib
+
+        cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
+        old = dict(cfg.get("PREFETCH") or {})
+        cfg["PREFETCH"] = {**old, **tiles}
+        return lambda: cfg.__setitem__("PREFETCH", old)
+    return apply
+
+
 def _topk_split(eng):
     """The predictors' top-k in one launch per radix round (predictor.TOPK_CONFIG fused off):
     no grid barrier, whose spinning programs wait for SM room next to the main stream."""
@@ -543,6 +556,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # the MLP's LayerNorm computed by the output projection's split-K reduction (one launch:
              # its last program normalises; SparseDecoder.ln_from_attn)
              "lnfromattn": _decoder_attr("ln_from_attn", True),
+             # weight tiles prefetched into L2 before the PDL wait, per kind of kernel (the output
+             # projection waits behind the attention and its combine, both early triggers; fc1
+             # behind the reduction and the LayerNorm)
+             "pfproj1": _pdl_prefetch(proj=1), "pfproj2": _pdl_prefetch(proj=2), "pfproj4": _pdl_prefetch(proj=4),
+             "pffc1": _pdl_prefetch(fc1=1), "pfproj2fc1": _pdl_prefetch(proj=2, fc1=1),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

@@ -101,9 +101,11 @@ PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "c
 # the session-5 set in the same runs.
 # "PLAIN": kinds launched without PDL even when it is enabled: the predictors' products on the
 # side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; session 6).
+# "PREFETCH": {kind: tiles}, overriding PREFETCH_TILES for those kinds (a kernel launched behind
+# an early trigger waits longest: the output projection behind the attention and its combine).
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
               "EARLY": ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm"),
-              "PLAIN": ("pred",)}
+              "PLAIN": ("pred",), "PREFETCH": {}}
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
@@ -119,13 +121,14 @@ def pdl_args(device: torch.device, kind: str) -> dict:
         sm90 = _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
     if not sm90:
         return {}
-    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"]) if k not in PDL_KINDS]
+    per_kind = PDL_CONFIG.get("PREFETCH") or {}
+    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"], *per_kind) if k not in PDL_KINDS]
     if bad:
         raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
     if kind in PDL_CONFIG["PLAIN"]:
         return {}
     gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
-    return {"GDC": gdc, "PF": int(PDL_CONFIG["PREFETCH_TILES"]), "launch_pdl": True}
+    return {"GDC": gdc, "PF": int(per_kind.get(kind, PDL_CONFIG["PREFETCH_TILES"])), "launch_pdl": True}
 
 
 @helper
