@@ -212,6 +212,20 @@ SCRIPT = textwrap.dedent('''
                 assert "griddepcontrol.launch_dependents" not in ptx, fn.__name__
         plain = compile_sm90(mod, fn, consts, "fp16", over).asm["ptx"]
         assert "griddepcontrol" not in plain and "prefetch.global.L2 " not in plain, fn.__name__
+    # batch 1: attention and output projection in one launch (COMMIT 0/1/2, tl.dot or a sum, fp16 /
+    # fp32); with PDL the weight rows' L2 prefetch (and the head / pos reads) before the wait, no
+    # store before it, the next kernel let in after it
+    for commit in (0, 1, 2):
+        for dot in (True, False):
+            for dt, f32 in (("fp16", False), ("fp32", True)):
+                consts = dict(COMMIT=commit, BLOCK_S=32, BLOCK_HD=128, BLOCK_D=64, DOT=dot, DOT_FP32=f32,
+                              BLOCK_X=8192 if commit == 1 else 16, PF_L2=True)
+                compile_sm90(SA, SA._attn_proj_kernel, consts, dt)
+    for gdc in (1, 2):
+        ptx = compile_sm90(SA, SA._attn_proj_kernel, {**consts, "DOT_FP32": False, "GDC": gdc}).asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert "st.global" not in ptx[:wait] and "prefetch.global.L2" in ptx[:wait]
+        assert ptx.index("griddepcontrol.launch_dependents") > wait
     print("ALL OK")
 ''')
 
