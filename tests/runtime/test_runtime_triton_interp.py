@@ -123,16 +123,22 @@ h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
 out = {}
 for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
     logits = {}
-    # (name, defer_ln, fold_ln, defer_ln_attn): the LayerNorm before the MLP left to fc1, the one
-    # before attention left to the Q/K/V kernel (SparseDecoder.defer_ln_attn), both, neither
-    variants = [("fold", True, True, False), ("loop", True, False, False), ("attn", False, True, True),
-                ("off", False, True, False)] + ([("both", True, True, True), ("z", True, "z", True)]
-                                                  if policy == "batch1" else [])
-    for name, defer, fold, attn in variants:
+    # (name, defer_ln, fold_ln, defer_ln_attn, ln_from_attn): the LayerNorm before the MLP left to
+    # fc1, the one before attention left to the Q/K/V kernel (SparseDecoder.defer_ln_attn), both,
+    # neither; the one before the MLP from the attention op's reduction (ln_from_attn)
+    variants = [("fold", True, True, False, False), ("loop", True, False, False, False),
+                ("attn", False, True, True, False), ("off", False, True, False, False),
+                ("fromattn", False, True, True, True)] + ([("both", True, True, True, False),
+                                                           ("z", True, "z", True, False)]
+                                                          if policy == "batch1" else [])
+    for name, defer, fold, attn, from_attn in variants:
         eng = Engine.from_tensors(h, t, "cpu", backend="triton",
                                   batch_policy="shared" if policy == "shared" else "per_sequence")
         dec, got, pend, folds, pend_attn, centred = eng.decoder, [], [], [], [], []
-        dec.defer_ln, dec.fold_ln, dec.defer_ln_attn = defer, fold, attn
+        dec.defer_ln, dec.fold_ln, dec.defer_ln_attn, dec.ln_from_attn = defer, fold, attn, from_attn
+        lns = []
+        ln_op = eng.ops.layer_norm
+        eng.ops.layer_norm = lambda *a, **k: lns.append(1) or ln_op(*a, **k)
         fc1, att = eng.ops.sparse_fc1, eng.ops.sparse_attn_deferred
         record_steps(dec, got)
         eng.ops.sparse_fc1 = lambda x, *a, **k: (pend.append(isinstance(x, PendingLN)) or folds.append("ln_fold" in k)
@@ -144,6 +150,7 @@ for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
         logits[name] = torch.stack(got)
         out[f"{policy}_{name}"] = {"pending": sum(pend), "folds": sum(folds), "fc1": len(pend), "kernels": eng.ops.kernels,
                                    "pending_attn": sum(pend_attn), "attn": len(pend_attn), "centred": sum(centred),
+                                   "ln_calls": len(lns),
                                    "check": {k: str(v) for k, v in eng.kernel_check.items()}, "tokens": toks}
     ref = logits["off"]
     out[policy] = {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in logits.items()}
@@ -166,6 +173,11 @@ def test_deferred_layer_norm_in_interpreter_equals_separate_one():
             assert out[policy][name] < 1e-5 and on["tokens"] == off["tokens"], out
             want = on["attn"] * 2 // 3 if policy == "batch1" else 0
             assert on["attn"] == off["attn"] > 0 and on["pending_attn"] == want, out
+        # ln_from_attn: the LayerNorm before each MLP from the attention op (no layer_norm call for
+        # it); the same tokens, logits within 1e-5
+        on, base = out[f"{policy}_fromattn"], out[f"{policy}_attn"]
+        assert set(on["kernels"].values()) == {"triton"} and on["tokens"] == off["tokens"], out
+        assert out[policy]["fromattn"] < 1e-5 and on["ln_calls"] < base["ln_calls"], out
         for name in ("both", "z"):
             assert out["batch1_" + name]["pending"] == out["batch1_" + name]["fc1"], out
         assert out["batch1_z"]["centred"] == out["batch1_z"]["fc1"] and out["batch1_both"]["centred"] == 0, out
