@@ -561,6 +561,14 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # behind the reduction and the LayerNorm)
              "pfproj1": _pdl_prefetch(proj=1), "pfproj2": _pdl_prefetch(proj=2), "pfproj4": _pdl_prefetch(proj=4),
              "pffc1": _pdl_prefetch(fc1=1), "pfproj2fc1": _pdl_prefetch(proj=2, fc1=1),
+             # the weight kernels' blocks inside the step (batch 1): warps, row / column blocks, programs
+             "qkvw8": _qkv_b1(num_warps=8), "qkvr128": _qkv_b1(BLOCK_R=128), "qkvd64": _qkv_b1(BLOCK_D=64),
+             "qkvt792": _qkv_b1(TARGET_PROGRAMS=792),
+             "fc2w8": _fc2_route("dot1", num_warps=8), "fc2d64": _fc2_route("dot1", BLOCK_D=64),
+             "fc2k128": _fc2_route("dot1", BLOCK_K=128), "fc2t396": _fc2_route("dot1", TARGET_PROGRAMS=396),
+             "projw8": _fc2_route("proj1", num_warps=8), "projd64": _fc2_route("proj1", BLOCK_D=64),
+             "projk32": _fc2_route("proj1", BLOCK_K=32),
+             "fc1w8": _fc1_gemv(num_warps=8), "fc1s3": _fc1_gemv(num_stages=3),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1
