@@ -473,6 +473,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
              "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
              "nopdl": _no_pdl, "same": lambda eng: None,  # the headline row again (run-to-run spread)
+             "same2": lambda eng: None,  # and once more, later in the run
              "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
              "tritonscoreplain": _scoring("triton", "plain"),
              "cublasscore": _scoring("torch"), "nopred": _no_predictors, "nopredrand": _no_predictors_random,
