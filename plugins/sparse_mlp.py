@@ -63,7 +63,10 @@ FC2_CONFIG = {
     "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4, "SPLIT": 32},
     "dot": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
     # batch 1 through the tl.dot kernel (FC2_DOT_MIN_BATCH): its own blocks (swept at B=1)
-    "dot1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "TARGET_PROGRAMS": 528},
+    # (TARGET_PROGRAMS 396, three per SM: one wave; OPT-30B shape batch 1 in the decode step:
+    # 6.336-6.343 vs 6.368-6.378 ms/token at density 0.3, 3.770 vs 3.814-3.818 at 0.1 with 528;
+    # BENCHMARKS.md, session 12)
+    "dot1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "TARGET_PROGRAMS": 396},
     # batch 1, rows gathered in groups (the attention output projection: hd rows per head;
     # K = heads * hd, a few thousand rows against fc2's ~10^4): 14.0 vs 16.5 us (30B, d0.3)
     "proj1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "TARGET_PROGRAMS": 528},
