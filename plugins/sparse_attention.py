@@ -72,8 +72,13 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # and the projection's weight rows are prefetched into L2 (PROJ_PF) before the PDL wait and the
 # attention, so their reads overlap the attention's latency. PROJ_TARGET: programs aimed at (a
 # group is cdiv(Kh * cdiv(D, PROJ_BLOCK_D), PROJ_TARGET) tiles of PROJ_BLOCK_D columns);
-# PROJ_DOT: the product as a 16-row tl.dot (row 0 the head's output; pipelined loads) or a
-# broadcast-sum in fp32.
+# PROJ_DOT: the product as a 16-row tl.dot (row 0 the head's output) or a broadcast-sum in fp32.
+# Off (PROJ_MAX_S 0): on the H200 every form was slower. OPT-30B shape, batch 1, S_max 256: the
+# decode step 7.44-7.53 vs 6.31-6.37 ms/token at density 0.3, 4.73-4.75 vs 3.81 at 0.1 (fewer
+# programs, 128-wide tiles, no prefetch: 7.19-7.68); attention + projection alone 30.0 vs 19.2 us
+# (24.4 with 64-position blocks), the whole attention op 80 vs 53 us; OPT-1.3B shape 1.055 vs
+# 0.946 ms/token. Each program's serial chain (its head's whole attention, then its weight tiles)
+# outlasts the three short launches it replaces (BENCHMARKS.md, session 12).
 ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16,
                "LAST_COMBINE": False, "EARLY_READS": True, "PROJ_MAX_S": 0, "PROJ_TARGET": 264,
                "PROJ_BLOCK_D": 64, "PROJ_BLOCK_S": 32, "PROJ_PF": True, "PROJ_DOT": True, "PROJ_WARPS": 4,

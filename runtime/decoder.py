@@ -108,7 +108,8 @@ class SparseDecoder:
         # Pre-LN, one rank, neither fuse_ln nor defer_ln: the attention op also returns the
         # LayerNorm before the MLP (ln=), which at batch 1 its split-K reduction computes in the
         # same launch (the last of its programs normalises the row: sparse_mlp.reduce_partials);
-        # one launch fewer per layer.
+        # one launch fewer per layer. Off by default: on the H200 (OPT-30B shape, batch 1) 6.479-6.488
+        # vs 6.345-6.378 ms/token at density 0.3, 3.943 vs 3.814 at 0.1 (BENCHMARKS.md, session 12).
         self.ln_from_attn = False
         self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
