@@ -572,6 +572,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "projw8": _fc2_route("proj1", num_warps=8), "projd64": _fc2_route("proj1", BLOCK_D=64),
              "projk32": _fc2_route("proj1", BLOCK_K=32),
              "fc1w8": _fc1_gemv(num_warps=8), "fc1s3": _fc1_gemv(num_stages=3),
+             # the side stream's predictor GEMVs with fewer, longer programs (scores = h @ b.T: 8 rows
+             # of r per program by default; h = x @ a.T: 1 row of D in 1024-wide chunks)
+             "predb16": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=16),
+             "predb32": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=32),
+             "predbw8": _table_entry("predictor", "SCORE_CONFIG", "b", num_warps=8),
+             "preda2048": _pred_a(BLOCK_D=2048),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1
