@@ -411,9 +411,10 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
 
 def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
                    commit=None, ln=None, ln_out=None, ln_defer=False):
-    """attend_heads then project_out (same arguments and return value), in one launch plus the
-    split-K reduction over the heads (`_attn_proj_kernel`) where it applies: batch 1 (a shared or
-    one-row head set) with S_max <= ATTN_CONFIG["PROJ_MAX_S"]."""
+    """attend_heads(q, head_idx, ..., commit) then project_out(o, wo_t, bo, head_idx, residual, out,
+    ln, ln_out, ln_defer), returning what project_out returns; where it applies, batch 1 (a shared
+    or one-row head set) with S_max <= ATTN_CONFIG["PROJ_MAX_S"], both in one launch
+    (`_attn_proj_kernel`) plus the split-K reduction over the heads (`sparse_mlp.reduce_partials`)."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
