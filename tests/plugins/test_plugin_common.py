@@ -57,3 +57,30 @@ def test_jit_binds_helpers_in_the_modules_they_come_from(triton_interp):
     C._bind_helpers(g, triton)
     assert g["tl"] is triton.language and hasattr(g["_ln_merge"], "run")
     assert SM.tl is triton.language and hasattr(SM._ln_merge_rows, "run")
+
+
+def _to_bf16_kernel(x_ptr, y_ptr, z_ptr, N, BLOCK: tl.constexpr):
+    # y: an explicit cast; z: the implicit cast of a store into a bf16 tensor
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, x.to(tl.bfloat16), mask=m)
+    tl.store(z_ptr + offs, x * 1.0, mask=m)
+
+
+def test_interpreter_rounds_fp32_to_bf16_as_the_gpu(triton_interp):
+    """_common patches the interpreter's fp32 -> bf16 cast (it truncates) to round to nearest
+    even: bit for bit torch's conversion, ties, NaN, infinities, overflow, subnormals included."""
+    special = torch.tensor([4.214, 1.2406, -0.97065, 1 + 2 ** -8, 1 + 3 * 2 ** -8, float("nan"), float("inf"),
+                            -float("inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-40, -3e-39])
+    x = torch.cat([special, torch.randn(3000) * 10, torch.randn(500) * 1e-38])
+    y, z = (torch.empty(x.numel(), dtype=torch.bfloat16) for _ in range(2))
+    jit(_to_bf16_kernel, x.device)[(triton_cdiv(x.numel(), 1024),)](x, y, z, x.numel(), BLOCK=1024)
+    want = x.to(torch.bfloat16)
+    for got in (y, z):
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert same.all(), x[~same][:5]
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
