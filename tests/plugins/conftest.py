@@ -40,6 +40,19 @@ def close():
 
 
 @pytest.fixture
+def launched(monkeypatch):
+    """launched(*modules): a list that fills with the names of the kernel functions launched from
+    now on through those plugin modules' `jit`."""
+    def watch(*mods):
+        names = []
+        for mod in mods:
+            real = mod.jit
+            monkeypatch.setattr(mod, "jit", lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev))
+        return names
+    return watch
+
+
+@pytest.fixture
 def triton_interp():
     """Skip kernel tests where triton is not installed (it is an optional dependency)."""
     pytest.importorskip("triton")

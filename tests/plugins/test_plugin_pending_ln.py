@@ -29,15 +29,6 @@ def index(B, shared, k=K):
     return torch.stack([torch.randperm(F)[:k] for _ in range(B)]).to(torch.int32)
 
 
-def launched(monkeypatch, *mods):
-    """Kernel functions launched from now on through the given modules' jit (a list)."""
-    names = []
-    for mod in mods:
-        jit = mod.jit
-        monkeypatch.setattr(mod, "jit", lambda fn, dev, jit=jit: names.append(fn.__name__) or jit(fn, dev))
-    return names
-
-
 def ln64(x, ln):
     return torch.nn.functional.layer_norm(x.double(), (x.shape[-1],), ln[0].double(), ln[1].double(), 1e-5)
 
@@ -57,14 +48,14 @@ def test_block_stats_against_float64(width):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared", [(1, True), (1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("width", [32, 128])
-def test_fc1_of_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, width):
+def test_fc1_of_pending_layer_norm(launched, triton_interp, close, dtype, B, shared, width):
     # the GEMV route (batch 1, per-sequence sets) normalises in the kernel: one launch; the
     # tl.dot route (a shared set from batch 2) runs the layer_norm kernel first
     w1, b1, _, _, ln = weights(dtype)
     x = (torch.randn(B, D) * 3 + 0.5).to(dtype)
     idx = index(B, shared)
     p = pending_ln(x, *ln, width=width)
-    names = launched(monkeypatch, SM, LN)
+    names = launched(SM, LN)
     h = torch.full((B, K), float("nan"), dtype=dtype)
     assert sparse_fc1(p, w1, b1, idx, out=h) is h
     gemv = not (shared and B >= SM.DOT_MIN_BATCH)
@@ -79,7 +70,7 @@ def test_fc1_of_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared", [(1, True), (3, False), (3, True)])
-def test_fc1_with_the_layer_norm_folded_into_its_rows(triton_interp, close, monkeypatch, dtype, B, shared):
+def test_fc1_with_the_layer_norm_folded_into_its_rows(launched, triton_interp, close, dtype, B, shared):
     # ln_fold: w1 @ g and w1 @ beta + b1 per row; the GEMV sums w1 * (g * x) and applies mean
     # and rstd after its loop (LN(x) never rounded); the tl.dot route ignores the fold
     w1, b1, _, _, ln = weights(dtype)
@@ -89,7 +80,7 @@ def test_fc1_with_the_layer_norm_folded_into_its_rows(triton_interp, close, monk
     wg64 = w1.double() @ ln[0].double()
     assert torch.allclose(fold.wg.double(), wg64, rtol=1e-5, atol=1e-5)
     assert torch.allclose(fold.wb.double(), w1.double() @ ln[1].double() + b1.double(), rtol=1e-5, atol=1e-5)
-    names = launched(monkeypatch, SM, LN)
+    names = launched(SM, LN)
     h = torch.full((B, K), float("nan"), dtype=dtype)
     sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx, out=h, ln_fold=fold)
     gemv = not (shared and B >= SM.DOT_MIN_BATCH)
@@ -134,14 +125,14 @@ def test_fc1_of_pending_layer_norm_with_large_mean(triton_interp):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared", [(1, True), (1, False), (3, False)])
-def test_fc2_with_deferred_layer_norm_stores_stats_not_a_layer_norm(triton_interp, monkeypatch, dtype, B, shared):
+def test_fc2_with_deferred_layer_norm_stores_stats_not_a_layer_norm(launched, triton_interp, dtype, B, shared):
     # split reduction: y as without ln (bit-equal), block stats of the stored y, no LayerNorm launch
     _, _, w2_t, b2, ln = weights(dtype)
     idx = index(B, shared)
     h, res = torch.randn(B, K).to(dtype), torch.randn(B, D).to(dtype)
     cfg = {"SPLIT": 3, "BLOCK_K": 16}
     y0 = sparse_fc2(h, w2_t, b2, idx, res, config=cfg)
-    names = launched(monkeypatch, SM, LN)
+    names = launched(SM, LN)
     y, p = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer=True, config=cfg)
     assert names[-1] == "_split_reduce_kernel" and "_layer_norm_kernel" not in names, names
     assert isinstance(p, PendingLN) and p.x is y and p.weight is ln[0] and p.bias is ln[1]
@@ -213,7 +204,7 @@ def attn_weights(dtype):
     (1, False, {"qkv": {"SHARED_MIN_BATCH": None}}),  # batch 1 on the per-sequence kernel
     # batch 1, attention and output projection in one launch (valid_len committed there)
     (1, True, {"attn": {"PROJ_MAX_S": 32, "PROJ_BLOCK_D": 16, "PROJ_TARGET": 5, "PROJ_BLOCK_S": 4}})])
-def test_deferred_attention_of_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, config):
+def test_deferred_attention_of_pending_layer_norm(launched, triton_interp, close, dtype, B, shared, config):
     from dejavu.plugins.deferred_kv import sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
     DK = sys.modules["dejavu.plugins.deferred_kv"]
     w, ln = attn_weights(dtype)
@@ -225,7 +216,7 @@ def test_deferred_attention_of_pending_layer_norm(triton_interp, close, monkeypa
         [torch.randperm(H_A)[:3] for _ in range(B)]).to(torch.int32)
     x, res = (torch.randn(B, D_A) * 2 + 0.7).to(dtype), torch.randn(B, D_A).to(dtype)
     p = pending_ln(x, *ln, width=16)
-    names = launched(monkeypatch, DK, LN)
+    names = launched(DK, LN)
     k0, v0 = [torch.randn(B, H_A, S_A, HD_A).to(dtype) for _ in range(2)]  # slots < valid_len: as filled
     kc, vc, hist, vl = k0.clone(), v0.clone(), hist0.clone(), vl0.clone()
     y = sparse_attn_decode_deferred(p, *w, hidx, kc, vc, hist, vl, pos, res, config=config)
@@ -257,7 +248,7 @@ def test_deferred_attention_of_pending_layer_norm(triton_interp, close, monkeypa
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared", [(1, True), (3, False)])
 @pytest.mark.parametrize("mean", [0.5, 300.0])
-def test_fc1_of_centred_pending_layer_norm(triton_interp, close, monkeypatch, dtype, B, shared, mean):
+def test_fc1_of_centred_pending_layer_norm(launched, triton_interp, close, dtype, B, shared, mean):
     # one GEMV launch reading z; the block means' correction after the loop keeps it as close to
     # float64 as fc1 of the rounded LayerNorm, whatever the row's mean (z is centred per block)
     w1, b1, _, _, ln = weights(dtype)
@@ -269,7 +260,7 @@ def test_fc1_of_centred_pending_layer_norm(triton_interp, close, monkeypatch, dt
     g64 = w1.double() * ln[0].double()
     for n in range(3):
         assert torch.allclose(fold.wgb[:, n].double(), g64[:, n * 32:(n + 1) * 32].sum(1), rtol=1e-5, atol=1e-5)
-    names = launched(monkeypatch, SM, LN)
+    names = launched(SM, LN)
     h = torch.full((B, K), float("nan"), dtype=dtype)
     sparse_fc1(p, w1, b1, idx, out=h, ln_fold=fold)
     assert names == ["_gather_gemv_kernel"], names
@@ -279,13 +270,13 @@ def test_fc1_of_centred_pending_layer_norm(triton_interp, close, monkeypatch, dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fc2_reduction_stores_the_centred_product(triton_interp, monkeypatch, dtype):
+def test_fc2_reduction_stores_the_centred_product(launched, triton_interp, dtype):
     _, _, w2_t, b2, ln = weights(dtype)
     idx = index(1, False)
     h, res = torch.randn(1, K).to(dtype), torch.randn(1, D).to(dtype)
     cfg = {"SPLIT": 3, "BLOCK_K": 16}
     y0, p0 = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer=True, config=cfg)
-    names = launched(monkeypatch, SM, LN)
+    names = launched(SM, LN)
     y, p = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer="z", config=cfg)
     assert names[-1] == "_split_reduce_kernel" and "_layer_norm_kernel" not in names, names
     assert torch.equal(y, y0) and torch.equal(p.stats, p0.stats) and p0.z is None

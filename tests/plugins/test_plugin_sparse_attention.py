@@ -140,29 +140,20 @@ def test_fold_only_at_batch1_dot_route():
 # column tiles of 16: 4 heads x 5 tiles, 3 tiles per group (PROJ_TARGET 9) -> 2 groups, the
 # second with a masked tile; BLOCK_S 4 -> several position blocks with a masked tail.
 PROJ = {"PROJ_MAX_S": 64, "PROJ_BLOCK_S": 4, "PROJ_BLOCK_D": 16, "PROJ_TARGET": 9}
-
-
-def launched_kernels(monkeypatch):
-    import dejavu.plugins.sparse_attention as SA
-    import dejavu.plugins.sparse_mlp as SM
-    names = []
-    for mod in (SA, SM):
-        real = mod.jit
-        monkeypatch.setattr(mod, "jit", lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev))
-    return names
+SA, SM = sys.modules["dejavu.plugins.sparse_attention"], sys.modules["dejavu.plugins.sparse_mlp"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dot", [True, False], ids=["dot", "sum"])
 @pytest.mark.parametrize("shared", [False, True], ids=["one-row", "shared"])
-def test_attention_and_projection_in_one_launch(triton_interp, close, monkeypatch, dtype, dot, shared):
+def test_attention_and_projection_in_one_launch(launched, triton_interp, close, dtype, dot, shared):
     """Three steps (positions 1, 9, 19): _attn_proj_kernel and the reduction over heads (no
     chunked attention, combine or projection kernel); y, the MLP's LayerNorm of y through the
     one-launch reduction, and the caches against float64; y against the chunked path's."""
     w, (kc, vc) = make(1, dtype)
     lnw = ((1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype))
     k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()
-    names = launched_kernels(monkeypatch)
+    names = launched(SA, SM)
     for pos in (1, 9, 19):
         x, res, hidx = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype), heads(1, 4, shared)
         kc2, vc2 = kc.clone(), vc.clone()
@@ -185,9 +176,9 @@ def test_attention_and_projection_in_one_launch(triton_interp, close, monkeypatc
         assert torch.allclose(y.float(), chunked.float(), rtol=tol, atol=tol)
 
 
-def test_one_launch_only_for_short_contexts_at_batch1(triton_interp, monkeypatch):
+def test_one_launch_only_for_short_contexts_at_batch1(launched, triton_interp):
     """S_max above PROJ_MAX_S, or batch 2: the chunked attention and the projection kernel."""
-    names = launched_kernels(monkeypatch)
+    names = launched(SA, SM)
     for B, max_s in ((1, S - 1), (2, 64), (1, S)):
         w, (kc, vc) = make(B, torch.float32)
         names.clear()

@@ -153,13 +153,6 @@ def fused_on(monkeypatch):
     monkeypatch.setattr(SM, "FUSED_FINISH", True)
 
 
-def launched(monkeypatch):
-    """The kernel functions sparse_mlp launches from now on (a list, filled as they run)."""
-    names, jit = [], SM.jit
-    monkeypatch.setattr(SM, "jit", lambda fn, dev: names.append(fn.__name__) or jit(fn, dev))
-    return names
-
-
 def check_fc2_ln(close, h, w2_t, b2, idx, res, ln, config=None):
     """sparse_fc2 into NaN-poisoned outputs: y against the float64 reference, LN(y) against
     float64 LayerNorm of the rounded y; the counters are 0 again afterwards."""
@@ -186,13 +179,14 @@ PATHS = [(1, True, 1), (3, True, 1), (3, False, 1), (1, False, 99), (3, True, 99
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared,dot_min", PATHS)
 @pytest.mark.parametrize("split", [1, 3])
-def test_fused_finish_with_layer_norm(triton_interp, close, monkeypatch, fused_on, dtype, B, shared, dot_min, split):
+def test_fused_finish_with_layer_norm(launched, triton_interp, close, monkeypatch, fused_on, dtype, B, shared,
+                                     dot_min, split):
     # SPLIT 3 over D blocks of 32 (D 72: a partial last block); LayerNorm in blocks of 32
     monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
     monkeypatch.setattr(SM, "LN_BLOCK", 32)
     _, _, _, w2_t, b2, idx = make(B, dtype, shared)
     h, res = torch.randn(B, K).to(dtype), torch.randn(B, D).to(dtype)
-    kernels = launched(monkeypatch)
+    kernels = launched(SM)
     check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(dtype),
                  {"SPLIT": split, "BLOCK_K": 16, "BLOCK_D": 32})
     want = "_gather_dot_t_kernel" if (shared or B == 1) and B >= dot_min else "_gather_gemv_t_kernel"
@@ -201,19 +195,20 @@ def test_fused_finish_with_layer_norm(triton_interp, close, monkeypatch, fused_o
 
 @pytest.mark.parametrize("B,shared,dot_min", PATHS[:3])
 @pytest.mark.parametrize("residual", [False, True])
-def test_fused_finish_without_layer_norm(triton_interp, close, monkeypatch, fused_on, B, shared, dot_min, residual):
+def test_fused_finish_without_layer_norm(launched, triton_interp, close, monkeypatch, fused_on, B, shared, dot_min,
+                                        residual):
     monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
     _, _, _, w2_t, b2, idx = make(B, torch.float16, shared)
     h = torch.randn(B, K).half()
     res = torch.randn(B, D).half() if residual else None
-    kernels = launched(monkeypatch)
+    kernels = launched(SM)
     check_fc2_ln(close, h, w2_t, b2, idx, res, None, {"SPLIT": 3, "BLOCK_K": 16, "BLOCK_D": 32})
     assert len(kernels) == 1, kernels
     check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(torch.float16))  # default blocks, LN without residual
 
 
 @pytest.mark.parametrize("why", ["switch", "batch"])
-def test_fallback_reduction_and_layer_norm_kernels(triton_interp, close, monkeypatch, fused_on, why):
+def test_fallback_reduction_and_layer_norm_kernels(launched, triton_interp, close, monkeypatch, fused_on, why):
     # FUSED_FINISH off, or a batch above FUSED_MAX_BATCH: split reduction + layer_norm launches
     if why == "switch":
         monkeypatch.setattr(SM, "FUSED_FINISH", False)
@@ -221,7 +216,7 @@ def test_fallback_reduction_and_layer_norm_kernels(triton_interp, close, monkeyp
         monkeypatch.setattr(SM, "FUSED_MAX_BATCH", 2)
     _, _, _, w2_t, b2, idx = make(3, torch.float16, False)
     h, res = torch.randn(3, K).half(), torch.randn(3, D).half()
-    kernels = launched(monkeypatch)
+    kernels = launched(SM)
     check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(torch.float16), {"SPLIT": 3, "BLOCK_K": 16})
     assert kernels == ["_gather_gemv_t_kernel", "_split_reduce_kernel"], kernels  # + layer_norm's own kernel
     assert SM.kernel_settings()["fused_finish"] is (why != "switch")
@@ -237,10 +232,10 @@ def test_fused_finish_allocates_ln_out_and_matches_unfused(triton_interp, monkey
     assert torch.allclose(y_ln, y2_ln, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_finish_is_off_by_default(triton_interp, monkeypatch):
+def test_fused_finish_is_off_by_default(launched, triton_interp):
     # the shipped default launches the split reduction (fused finish measured slower on the H200)
     _, _, _, w2_t, b2, idx = make(1, torch.float16, True)
-    kernels = launched(monkeypatch)
+    kernels = launched(SM)
     sparse_fc2(torch.randn(1, K).half(), w2_t, b2, idx, config={"SPLIT": 2, "BLOCK_K": 16})
     assert kernels == ["_gather_dot_t_kernel", "_split_reduce_kernel"], kernels
     assert SM.kernel_settings()["fused_finish"] is False
@@ -285,15 +280,15 @@ def test_fused_layer_norm_with_large_mean(triton_interp, monkeypatch, split):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shared,dot_min", [(True, 1), (False, 1), (False, 99)])
 @pytest.mark.parametrize("row_block", [32, 8192])
-def test_split_reduction_with_layer_norm_is_one_launch_at_batch_1(triton_interp, close, monkeypatch, dtype, shared,
-                                                                   dot_min, row_block):
+def test_split_reduction_with_layer_norm_is_one_launch_at_batch_1(launched, triton_interp, close, monkeypatch, dtype,
+                                                                   shared, dot_min, row_block):
     # the default (no fused finish), batch 1, ln given: the split reduction also normalises
     # (its last program), so fc2 + LayerNorm are two launches; LN rows in blocks of 32 or whole
     monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
     monkeypatch.setattr(SM, "LN_BLOCK_ROW", row_block)
     _, _, _, w2_t, b2, idx = make(1, dtype, shared)
     h, res = torch.randn(1, K).to(dtype), torch.randn(1, D).to(dtype)
-    kernels = launched(monkeypatch)
+    kernels = launched(SM)
     check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(dtype), {"SPLIT": 3, "BLOCK_K": 16})
     main = "_gather_dot_t_kernel" if dot_min == 1 else "_gather_gemv_t_kernel"
     assert kernels == [main, "_split_reduce_ln_kernel"], kernels
@@ -307,11 +302,11 @@ def test_split_reduction_with_layer_norm_is_one_launch_at_batch_1(triton_interp,
     assert torch.allclose(y1_ln.float(), y2_ln.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
 
 
-def test_split_reduction_with_layer_norm_large_mean(triton_interp, monkeypatch):
+def test_split_reduction_with_layer_norm_large_mean(launched, triton_interp, monkeypatch):
     monkeypatch.setattr(SM, "LN_BLOCK_ROW", 32)
     _, _, _, w2_t, b2, idx = make(1, torch.float32, False)
     h, ln = torch.randn(1, K), ln_weights(torch.float32)
-    kernels = launched(monkeypatch)
+    kernels = launched(SM)
     y, y_ln = sparse_fc2(h, w2_t, b2 + 3000.0, idx, ln=ln, config={"SPLIT": 3, "BLOCK_K": 16, "BLOCK_D": 32})
     assert kernels[-1] == "_split_reduce_ln_kernel"
     ref64 = torch.nn.functional.layer_norm(y.double(), (D,), ln[0].double(), ln[1].double(), 1e-5)
