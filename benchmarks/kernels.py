@@ -705,6 +705,67 @@ def bench_mlp(mlps, bw, quick):
     return rows
 
 
+def _pdl_variant(early=(), **prefetch):
+    """PDL_CONFIG with `early` kinds added to the early-trigger set and {kind: tiles} L2 prefetches."""
+    def apply():
+        cfg = sys.modules["dejavu.plugins._common"].PDL_CONFIG
+        old = {k: (tuple(v) if isinstance(v, (list, tuple)) else dict(v) if isinstance(v, dict) else v)
+               for k, v in cfg.items()}
+        cfg["EARLY"] = tuple(cfg["EARLY"]) + tuple(early)
+        cfg["PREFETCH"] = {**(cfg.get("PREFETCH") or {}), **prefetch}
+        return lambda: cfg.update(old)
+    return apply
+
+
+def _module_setting(name, value):
+    def apply():
+        old = getattr(SM, name)
+        setattr(SM, name, value)
+        return lambda: setattr(SM, name, old)
+    return apply
+
+
+def _fc2_dot1(**kv):
+    def apply():
+        old = dict(SM.FC2_CONFIG["dot1"])
+        SM.FC2_CONFIG["dot1"] = {**old, **kv}
+        return lambda: SM.FC2_CONFIG.__setitem__("dot1", old)
+    return apply
+
+
+# --mlp-variants: the batch-1 pair (fc1 + fc2 + reduction) in CUDA graphs under one change each
+MLP_VARIANTS = {"default": lambda: None,
+                "fc2pf1": _pdl_variant(fc2=1), "fc2pf2": _pdl_variant(fc2=2), "fc2pf4": _pdl_variant(fc2=4),
+                "fc1pf1": _pdl_variant(fc1=1), "fc1early": _pdl_variant(("fc1",)),
+                "fc1earlyfc2pf2": _pdl_variant(("fc1",), fc2=2),
+                "fusedfinish": _module_setting("FUSED_FINISH", True),
+                "fc2t528": _fc2_dot1(TARGET_PROGRAMS=528), "fc2t792": _fc2_dot1(TARGET_PROGRAMS=792)}
+VARIANT_DENSITIES = (0.1, 0.2, 0.3)
+
+
+def bench_mlp_variants(mlps, bw, names):
+    """Batch 1 (per-sequence route), densities VARIANT_DENSITIES: the pair's time in a graph of 8
+    calls (rotating weight copies and index sets) under each variant, and its bandwidth fraction."""
+    rows = []
+    for name, mlp in mlps.items():
+        x = randn(1, mlp.D)
+        for d in VARIANT_DENSITIES:
+            K = max(1, int(round(d * mlp.F)))
+            sets = [rand_idx(1, mlp.F, K, False) for _ in range(8)]
+            nbytes = 2 * K * mlp.D * 2
+            for v in names:
+                undo = MLP_VARIANTS[v]()
+                try:
+                    t = bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)])
+                finally:
+                    if undo:
+                        undo()
+                rows.append({"shape": name, "density": d, "K": K, "variant": v, "graph_ms": t, "bytes": nbytes,
+                             "graph_bw_frac": nbytes / t / 1e6 / bw["copy_GBps"] if t else None})
+                print(f"  {name} d{d} {v}: {t * 1e3 if t else float('nan'):.1f} us", flush=True)
+    return rows
+
+
 # one-launch MLP (plugins/fused_mlp.py) configs: (REDUCE, BLOCK_R, PREFETCH, num_warps, PER_SM). All
 # are spill-free at D 7168 and 9216 by ptxas -v on sm_90a (R2/prefetch/16 warps: 168 B at 9216);
 # PER_SM 2 fits two programs per SM only where the registers allow (4 warps: both shapes; 8: 7168).
@@ -1205,6 +1266,8 @@ def main(argv=None):
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     ap.add_argument("--no-pdl", action="store_true",
                     help="plain launches (default: programmatic dependent launch as _common.PDL_CONFIG says)")
+    ap.add_argument("--mlp-variants", default=None,
+                    help="comma list of MLP_VARIANTS names: the batch-1 pair under each (section mlp_variants)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the remaining sections once this many seconds have passed")
     args = ap.parse_args(argv)
@@ -1256,6 +1319,13 @@ def main(argv=None):
                                   "qkv_b1": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG_B1),
                                   "attn": dict(sys.modules["dejavu.plugins.sparse_attention"].ATTN_CONFIG)}
         if not args.no_bench:
+            if args.mlp_variants and in_budget("mlp_variants"):
+                names = args.mlp_variants.split(",")
+                bad = [v for v in names if v not in MLP_VARIANTS]
+                if bad:
+                    raise SystemExit(f"--mlp-variants: unknown {bad} (known: {', '.join(MLP_VARIANTS)})")
+                res["mlp_variants"] = bench_mlp_variants(mlps, bw, names)
+                save("mlp_variants")
             if "mlp" in sections and in_budget("mlp"):
                 res["mlp"] = bench_mlp(mlps, bw, args.quick)
                 save("mlp")
@@ -1286,6 +1356,9 @@ def main(argv=None):
         bt = [r for r in res["mlp"] if r["B"] > 1 and r["density"] in (0.1, 0.3, 0.5)]
         print(table(bt, ["shape", "B", "density", "policy", "ms", "graph_ms", "dense_graph_ms",
                          "graph_speedup", "graph_bw_frac"]))
+    if "mlp_variants" in res:
+        print("\n## Sparse MLP variants, batch 1 (graph, per call)\n")
+        print(table(res["mlp_variants"], ["shape", "density", "variant", "graph_ms", "graph_bw_frac"]))
     if "fused_mlp" in res:
         summ = res["fused_mlp_summary"]
         best = summ["best"]

@@ -142,6 +142,8 @@ SCRIPT = textwrap.dedent('''
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._FUSED, FIRST=0, LAST=2,
                                            COMPACT=True, ATOMIC_HIST=True),
                  overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "bar_ptr": "*i32", "s_ptr": "*fp16"})
+    for ev, even in (("evict_first", True), ("", False)):  # the persistent scoring GEMV (opt-in)
+        compile_sm90(PR, PR._score_gemv_kernel, dict(BLOCK_R=32, BLOCK_D=256, EVEN_D=even, W_EV=ev))
     LN = importlib.import_module("dejavu.plugins.layer_norm")  # the attribute is the function
     for dt in ("fp16", "bf16"):
         compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), dt, {"eps": "fp32"})
