@@ -610,6 +610,14 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # early trigger (fc2's programs launch beside fc1's), alone and with fc2's prefetch
              "pffc2a": _pdl_prefetch(fc2=1), "pffc2b": _pdl_prefetch(fc2=2),
              "fc1early": _pdl_early("fc1"), "fc1earlypffc2": _both(_pdl_early("fc1"), _pdl_prefetch(fc2=2)),
+             # the output projection's / fc2's first PRE row blocks loaded into registers before the PDL
+             # wait (FC2_CONFIG[route]["PRE"]): the projection waits behind the attention and its combine
+             "projpre1": _fc2_route("proj1", PRE=1), "projpre2": _fc2_route("proj1", PRE=2),
+             "fc2pre1": _fc2_route("dot1", PRE=1), "fc2pre2": _fc2_route("dot1", PRE=2),
+             "projpre2fc2pre2": _both(_fc2_route("proj1", PRE=2), _fc2_route("dot1", PRE=2)),
+             # the persistent predictor GEMVs with gather_gemv-sized tiles at 2 stages (less shared memory)
+             "predp264m": _persist(264, {"BLOCK_R": 2, "num_stages": 2}, {"BLOCK_R": 16, "num_stages": 2}),
+             "predp528m": _persist(528, {"BLOCK_R": 2, "num_stages": 2}, {"BLOCK_R": 16, "num_stages": 2}),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

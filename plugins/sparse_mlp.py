@@ -437,9 +437,14 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          LN_BLOCK: tl.constexpr, COMBINE: tl.constexpr = 0, BLOCK_C: tl.constexpr = 2,
-                         W_EV: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         W_EV: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0,
+                         PRE: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel; W_EV: eviction policy of the weight loads.
+    # PRE: the split's first PRE * BLOCK_K rows are loaded into registers before the PDL wait
+    # (their index values too: only for index sets no kernel of this stream may still be
+    # writing, as the runtime's, which the side stream made) and multiplied after it, in one
+    # tl.dot; the loop does the rest. Without PDL it is a peeled first step.
     # COMBINE (B == 1, the attention output projection): h is not read; its values come from the
     # attention kernel's per-chunk partials (sparse_attention._attn_decode_kernel, PARTIAL):
     # h[k] = sum_c exp(m_c - M) acc_c[k % GROUP] / sum_c exp(m_c - M) l_c over the NCHUNK chunks
@@ -456,27 +461,27 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         for t in tl.static_range(PF):
             offs_k = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             _prefetch_tile(w_ptr, idx_ptr, offs_k, offs_k < k_end, pid_d * BLOCK_D, N_ROWS, D, GROUP, BLOCK_D)
+    if PRE:
+        offs_p = k_start + tl.arange(0, PRE * BLOCK_K)
+        pmask = offs_p < k_end
+        w_pre = tl.load(w_ptr + _group_rows(idx_ptr, offs_p, pmask, GROUP)[:, None] * D + offs_d[None, :],
+                        mask=pmask[:, None] & dmask[None, :], other=0.0, eviction_policy=W_EV)
     gdc_enter(GDC)
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    if PRE:
+        acc = _dot_t_step(h_ptr, apart_ptr, ml_ptr, offs_b, bmask, offs_p, pmask, stride_hb, w_pre, acc, NCHUNK,
+                          COMBINE, DOT_FP32, GROUP, BLOCK_C)
+    for k0 in range(k_start + PRE * BLOCK_K, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
         rows = _group_rows(idx_ptr, offs_k, kmask, GROUP)
-        if COMBINE:
-            ov = _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP, BLOCK_C)
-            hv = tl.where((offs_b == 0)[:, None], ov[None, :], 0.0)
-        else:
-            hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
-                         mask=bmask[:, None] & kmask[None, :], other=0.0)
         if EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], eviction_policy=W_EV)
         else:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
                          other=0.0, eviction_policy=W_EV)
-        if DOT_FP32:
-            acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(hv.to(wv.dtype), wv, acc)
+        acc = _dot_t_step(h_ptr, apart_ptr, ml_ptr, offs_b, bmask, offs_k, kmask, stride_hb, wv, acc, NCHUNK,
+                          COMBINE, DOT_FP32, GROUP, BLOCK_C)
     gdc_release(GDC)
     rows_b = offs_b[:, None].to(tl.int64) * D
     mask = bmask[:, None] & dmask[None, :]
@@ -495,6 +500,24 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, pid_d,
                 B, D, SPLIT, N_D, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, BLOCK_N,
                 LN_BLOCK)
+
+
+@helper
+def _dot_t_step(h_ptr, apart_ptr, ml_ptr, offs_b, bmask, offs_k, kmask, stride_hb, wv, acc, NCHUNK,
+                COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, GROUP: tl.constexpr, BLOCK_C: tl.constexpr):
+    # acc += h[:, offs_k] @ wv (wv: the weight rows of positions offs_k); h from the attention
+    # partials with COMBINE (_gather_dot_t_kernel)
+    if COMBINE:
+        ov = _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP, BLOCK_C)
+        hv = tl.where((offs_b == 0)[:, None], ov[None, :], 0.0)
+    else:
+        hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
+                     mask=bmask[:, None] & kmask[None, :], other=0.0)
+    if DOT_FP32:
+        acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(hv.to(wv.dtype), wv, acc)
+    return acc
 
 
 @helper
@@ -675,7 +698,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                              h.stride(0), *sizes, apart, ml, nchunk, DOT_FP32=_dot_fp32(w_t.dtype, h.device),
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
                              COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)),
-                             W_EV=cfg.get("W_EV", ""), **common)
+                             W_EV=cfg.get("W_EV", ""), PRE=int(cfg.get("PRE", 0)), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,

@@ -214,6 +214,16 @@ SCRIPT = textwrap.dedent('''
                 assert "griddepcontrol.launch_dependents" not in ptx, fn.__name__
         plain = compile_sm90(mod, fn, consts, "fp16", over).asm["ptx"]
         assert "griddepcontrol" not in plain and "prefetch.global.L2 " not in plain, fn.__name__
+    # the tl.dot fc2 / projection with PRE row blocks loaded before the wait: their weight loads
+    # come before it (in the PTX), no store and no product (it needs h, the previous kernel's)
+    for combine in (False, True):
+        ptx = compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
+                                                             EVEN_D=True, BLOCK_S=4, **fin, COMBINE=combine,
+                                                             BLOCK_C=16, PRE=2, GDC=1),
+                           "fp16", {**f2, "apart_ptr": "*fp32"}).asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait] and "mma" not in ptx[:wait]
+        assert "mma" in ptx[wait:]
     # batch 1: attention and output projection in one launch (COMMIT 0/1/2, tl.dot or a sum, fp16 /
     # fp32); with PDL the weight rows' L2 prefetch (and the head / pos reads) before the wait, no
     # store before it, the next kernel let in after it

@@ -135,6 +135,23 @@ def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
     close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx), sparse_fc2_ref(h, w2_t, b2, idx))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("pre,split", [(1, 3), (2, 3), (2, 1), (4, 2)])
+def test_fc2_rows_loaded_before_the_wait(triton_interp, close, launched, dtype, pre, split):
+    """Batch 1 through the tl.dot kernel with PRE row blocks taken before the (PDL) wait and
+    multiplied in one step, the loop doing the rest: a split shorter than the PRE block (masked
+    rows), longer (the loop runs after it), one split (no reduction): the float64 reference."""
+    x, w1, b1, w2_t, b2, idx = make(1, dtype, False, k=150)
+    h = torch.randn(1, 150).to(dtype)
+    res = torch.randn(1, D).to(dtype)
+    ref = sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double())
+    y = torch.full((1, D), float("nan"), dtype=dtype)
+    names = launched(SM)
+    sparse_fc2(h, w2_t, b2, idx, res, out=y, config={"BLOCK_K": 16, "BLOCK_D": 32, "SPLIT": split, "PRE": pre})
+    assert names[0] == "_gather_dot_t_kernel" and ("_split_reduce_kernel" in names) == (split > 1)
+    close(y, ref, sparse_fc2_ref(h, w2_t, b2, idx, res))
+
+
 # ---------------------------------------------------------------------------------------
 # fused split-K finish (FUSED_FINISH): the last program per D block sums the partials, the
 # last of those computes LayerNorm(y). The interpreter runs programs one after another: these
