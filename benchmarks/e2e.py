@@ -615,6 +615,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "projpre1": _fc2_route("proj1", PRE=1), "projpre2": _fc2_route("proj1", PRE=2),
              "fc2pre1": _fc2_route("dot1", PRE=1), "fc2pre2": _fc2_route("dot1", PRE=2),
              "projpre2fc2pre2": _both(_fc2_route("proj1", PRE=2), _fc2_route("dot1", PRE=2)),
+             # fc1's GEMV with its first chunk loaded before the wait (behind the LayerNorm's early trigger)
+             "fc1pre": _fc1_gemv(PRE=1),
+             "allpre": _both(_fc2_route("proj1", PRE=2), _fc2_route("dot1", PRE=2), _fc1_gemv(PRE=1)),
              # the persistent predictor GEMVs with gather_gemv-sized tiles at 2 stages (less shared memory)
              "predp264m": _persist(264, {"BLOCK_R": 2, "num_stages": 2}, {"BLOCK_R": 16, "num_stages": 2}),
              "predp528m": _persist(528, {"BLOCK_R": 2, "num_stages": 2}, {"BLOCK_R": 16, "num_stages": 2}),

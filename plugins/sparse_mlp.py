@@ -126,12 +126,50 @@ def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.conste
     prefetch_rows_l2(w_ptr + rows * D, col0, D, BLOCK_D)
 
 
+@helper
+def _gemv_w(w_rows, offs_d, D, EVEN_D: tl.constexpr, W_CM: tl.constexpr, W_EV: tl.constexpr):
+    # columns offs_d of the rows at w_rows [R, 1] (fp32), for _gather_gemv_kernel
+    if EVEN_D:
+        wv = tl.load(w_rows + offs_d[None, :], cache_modifier=W_CM, eviction_policy=W_EV)
+    else:
+        wv = tl.load(w_rows + offs_d[None, :], mask=(offs_d < D)[None, :], other=0.0, cache_modifier=W_CM,
+                     eviction_policy=W_EV)
+    return wv.to(tl.float32)
+
+
+@helper
+def _gemv_step(acc, wv, x_row, lnw_ptr, lnb_ptr, offs_d, D, mean, rstd, EVEN_D: tl.constexpr, LN_IN: tl.constexpr):
+    # acc += wv * x[offs_d] (x normalised as loaded with LN_IN 1, times the LayerNorm weight with
+    # LN_IN 2; _gather_gemv_kernel's comment)
+    if EVEN_D:
+        xv = tl.load(x_row + offs_d)
+        if LN_IN == 1 or LN_IN == 2:
+            g = tl.load(lnw_ptr + offs_d).to(tl.float32)
+        if LN_IN == 1:
+            gb = tl.load(lnb_ptr + offs_d).to(tl.float32)
+    else:
+        dmask = offs_d < D
+        xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
+        if LN_IN == 1 or LN_IN == 2:
+            g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        if LN_IN == 1:
+            gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    if LN_IN == 1:
+        xv = ((xv.to(tl.float32) - mean) * rstd * g + gb).to(x_row.dtype.element_ty)
+    if LN_IN == 2:
+        acc += wv * (xv.to(tl.float32) * g)[None, :]
+    else:
+        acc += wv * xv.to(tl.float32)[None, :]
+    return acc
+
+
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr, st_ptr, wg_ptr, D, K,
                         stride_xb, stride_ib, stride_ob, N_ROWS, N_ST, ST_W, eps,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, LN_IN: tl.constexpr = 0,
                         BLOCK_N: tl.constexpr = 2, W_CM: tl.constexpr = "", W_EV: tl.constexpr = "",
-                        ST_CM: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        ST_CM: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0,
+                        PRE: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
     # W_CM / W_EV: cache modifier / eviction policy of the weight loads (".cg": L2 only, so the
     # streamed rows do not push the input vector, which every program re-reads, out of L1).
@@ -149,6 +187,9 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
     #   LN_IN 3: x is PendingLN.z = g * (x - block mean) (the loop is LN_IN 0's), the epilogue
     #            applies rstd * (acc + sum_n (m_n - mean) * wgb[row, n]) + wb[row] (wg_ptr is
     #            LNFold.wgb [rows, N_ST] then, b_ptr wb): no extra load in the loop.
+    # PRE (0 or 1): the first BLOCK_D columns of the rows (and the index values) are loaded before
+    # the PDL wait (only for index sets no kernel of this stream may still be writing, as the
+    # runtime's, made on the side stream) and used after it; the loop does the rest.
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -157,39 +198,27 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
         for t in tl.static_range(PF):
             _prefetch_tile(w_ptr, idx_ptr + pid_b * stride_ib, offs_r, rmask, t * BLOCK_D, N_ROWS, D, GROUP,
                            BLOCK_D)
+    if PRE:
+        rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
+        w_pre = _gemv_w(w_ptr + rows[:, None] * D, tl.arange(0, BLOCK_D), D, EVEN_D, W_CM, W_EV)
     gdc_enter(GDC)
     # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
-    rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
+    if not PRE:
+        rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     st_row = st_ptr + pid_b.to(tl.int64) * N_ST * 2
+    mean = 0.0
+    rstd = 1.0
     if LN_IN == 1:  # the loop normalises: the stats first (an earlier kernel's: plain loads)
         mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    if PRE:
+        acc = _gemv_step(acc, w_pre, x_row, lnw_ptr, lnb_ptr, tl.arange(0, BLOCK_D), D, mean, rstd, EVEN_D, LN_IN)
+    for d0 in range(PRE * BLOCK_D, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        if EVEN_D:
-            xv = tl.load(x_row + offs_d)
-            wv = tl.load(w_rows + offs_d[None, :], cache_modifier=W_CM, eviction_policy=W_EV).to(tl.float32)
-            if LN_IN == 1 or LN_IN == 2:
-                g = tl.load(lnw_ptr + offs_d).to(tl.float32)
-            if LN_IN == 1:
-                gb = tl.load(lnb_ptr + offs_d).to(tl.float32)
-        else:
-            dmask = offs_d < D
-            xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
-            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=W_CM,
-                         eviction_policy=W_EV).to(tl.float32)
-            if LN_IN == 1 or LN_IN == 2:
-                g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            if LN_IN == 1:
-                gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        if LN_IN == 1:
-            xv = ((xv.to(tl.float32) - mean) * rstd * g + gb).to(x_ptr.dtype.element_ty)
-        if LN_IN == 2:
-            acc += wv * (xv.to(tl.float32) * g)[None, :]
-        else:
-            acc += wv * xv.to(tl.float32)[None, :]
+        wv = _gemv_w(w_rows, offs_d, D, EVEN_D, W_CM, W_EV)
+        acc = _gemv_step(acc, wv, x_row, lnw_ptr, lnb_ptr, offs_d, D, mean, rstd, EVEN_D, LN_IN)
     gdc_release(GDC)
     if LN_IN >= 2:  # folded: the stats only now
         mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
@@ -638,7 +667,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=ln_in,
             BLOCK_N=max(2, next_pow2(n_st)), W_CM=cfg.get("W_CM", ""), W_EV=cfg.get("W_EV", ""),
-            ST_CM=cfg.get("ST_CM", ""),
+            ST_CM=cfg.get("ST_CM", ""), PRE=int(cfg.get("PRE", 0)),
             num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
     return out

@@ -224,6 +224,13 @@ SCRIPT = textwrap.dedent('''
         wait = ptx.index("griddepcontrol.wait")
         assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait] and "mma" not in ptx[:wait]
         assert "mma" in ptx[wait:]
+    # fc1's GEMV with its first chunk loaded before the wait (plain input and the LayerNorm forms)
+    for ln_in in (0, 1, 2, 3):
+        ptx = compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
+                                                            LN_IN=ln_in, BLOCK_N=32, PRE=1, GDC=2),
+                           "fp16", LN_IN).asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait], ln_in
     # batch 1: attention and output projection in one launch (COMMIT 0/1/2, tl.dot or a sum, fp16 /
     # fp32); with PDL the weight rows' L2 prefetch (and the head / pos reads) before the wait, no
     # store before it, the next kernel let in after it
