@@ -614,6 +614,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # wait (FC2_CONFIG[route]["PRE"]): the projection waits behind the attention and its combine
              "projpre1": _fc2_route("proj1", PRE=1), "projpre2": _fc2_route("proj1", PRE=2),
              "fc2pre1": _fc2_route("dot1", PRE=1), "fc2pre2": _fc2_route("dot1", PRE=2),
+             "fc2pre0": _fc2_route("dot1", PRE=0), "fc2pre0b": _fc2_route("dot1", PRE=0),  # before session 13
+             "fc2pre4": _fc2_route("dot1", PRE=4),
              "projpre2fc2pre2": _both(_fc2_route("proj1", PRE=2), _fc2_route("dot1", PRE=2)),
              # fc1's GEMV with its first chunk loaded before the wait (behind the LayerNorm's early trigger)
              "fc1pre": _fc1_gemv(PRE=1),
