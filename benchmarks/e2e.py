@@ -353,15 +353,6 @@ def _pred_a(**kv):
     return _table_entry("predictor", "SCORE_CONFIG", "a", **kv)
 
 
-def _persist(programs, a=None, b=None):
-    """The predictors' two GEMVs on a persistent grid of `programs` programs (0: one per SM;
-    predictor.score_gemv), by default with larger tiles than gather_gemv's (4 rows of 1024 for
-    x @ a.T, 32 rows of 256 for h @ b.T, 3 stages: a few programs must keep enough loads in flight)."""
-    a = {"BLOCK_R": 4, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 3, **(a or {})}
-    b = {"BLOCK_R": 32, "BLOCK_D": 256, "num_warps": 4, "num_stages": 3, **(b or {})}
-    return _both(_pred_a(PROGRAMS=programs, **a), _table_entry("predictor", "SCORE_CONFIG", "b", PROGRAMS=programs, **b))
-
-
 def _pdl_early(*kinds):
     """PDL_CONFIG["EARLY"] plus `kinds` for one row (their next kernel launches right after their wait)."""
     def apply(eng):
@@ -599,30 +590,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "predb32": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=32),
              "predbw8": _table_entry("predictor", "SCORE_CONFIG", "b", num_warps=8),
              "preda2048": _pred_a(BLOCK_D=2048),
-             # session 13: the predictors' GEMVs on a persistent grid of P programs (the side stream
-             # then holds at most P program slots; by default one program per row block fills every
-             # SM and the main stream's latency-bound kernels wait for slots), with larger tiles; and
-             # with gather_gemv's tiles (`small`)
-             "predp33": _persist(33), "predp66": _persist(66), "predp132": _persist(0), "predp264": _persist(264),
-             "predp132small": _persist(0, {"BLOCK_R": 1, "num_warps": 8, "num_stages": 2},
-                                       {"BLOCK_R": 8, "num_stages": 2}),
-             # fc2's first weight tiles into L2 before its PDL wait (behind fc1's late trigger); fc1 with an
-             # early trigger (fc2's programs launch beside fc1's), alone and with fc2's prefetch
+             # session 13: fc2's first weight tiles into L2 before its PDL wait (behind fc1's late trigger);
+             # fc1 with an early trigger (fc2's programs launch beside fc1's), alone and with fc2's prefetch.
+             # (Also measured that session, code since removed: the predictors' GEMVs on a persistent grid
+             # and weight rows loaded into registers before the PDL wait; BENCHMARKS.md, session 13.)
              "pffc2a": _pdl_prefetch(fc2=1), "pffc2b": _pdl_prefetch(fc2=2),
              "fc1early": _pdl_early("fc1"), "fc1earlypffc2": _both(_pdl_early("fc1"), _pdl_prefetch(fc2=2)),
-             # the output projection's / fc2's first PRE row blocks loaded into registers before the PDL
-             # wait (FC2_CONFIG[route]["PRE"]): the projection waits behind the attention and its combine
-             "projpre1": _fc2_route("proj1", PRE=1), "projpre2": _fc2_route("proj1", PRE=2),
-             "fc2pre1": _fc2_route("dot1", PRE=1), "fc2pre2": _fc2_route("dot1", PRE=2),
-             "fc2pre0": _fc2_route("dot1", PRE=0), "fc2pre0b": _fc2_route("dot1", PRE=0),  # before session 13
-             "fc2pre4": _fc2_route("dot1", PRE=4),
-             "projpre2fc2pre2": _both(_fc2_route("proj1", PRE=2), _fc2_route("dot1", PRE=2)),
-             # fc1's GEMV with its first chunk loaded before the wait (behind the LayerNorm's early trigger)
-             "fc1pre": _fc1_gemv(PRE=1),
-             "allpre": _both(_fc2_route("proj1", PRE=2), _fc2_route("dot1", PRE=2), _fc1_gemv(PRE=1)),
-             # the persistent predictor GEMVs with gather_gemv-sized tiles at 2 stages (less shared memory)
-             "predp264m": _persist(264, {"BLOCK_R": 2, "num_stages": 2}, {"BLOCK_R": 16, "num_stages": 2}),
-             "predp528m": _persist(528, {"BLOCK_R": 2, "num_stages": 2}, {"BLOCK_R": 16, "num_stages": 2}),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

@@ -739,9 +739,7 @@ MLP_VARIANTS = {"default": lambda: None,
                 "fc1pf1": _pdl_variant(fc1=1), "fc1early": _pdl_variant(("fc1",)),
                 "fc1earlyfc2pf2": _pdl_variant(("fc1",), fc2=2),
                 "fusedfinish": _module_setting("FUSED_FINISH", True),
-                "fc2t528": _fc2_dot1(TARGET_PROGRAMS=528), "fc2t792": _fc2_dot1(TARGET_PROGRAMS=792),
-                "fc2pre0": _fc2_dot1(PRE=0), "fc2pre1": _fc2_dot1(PRE=1), "fc2pre2": _fc2_dot1(PRE=2),
-                "fc2pre4": _fc2_dot1(PRE=4)}
+                "fc2t528": _fc2_dot1(TARGET_PROGRAMS=528), "fc2t792": _fc2_dot1(TARGET_PROGRAMS=792)}
 VARIANT_DENSITIES = (0.1, 0.2, 0.3)
 
 

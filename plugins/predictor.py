@@ -56,11 +56,6 @@ SCORE_METHOD = "triton"
 # of D), "b" for scores = h @ b.T + bias (N rows of r).
 SCORE_CONFIG = {"a": {"BLOCK_R": 1, "BLOCK_D": 1024, "num_warps": 8, "num_stages": 2},
                 "b": {"BLOCK_R": 8, "BLOCK_D": 256, "num_warps": 4, "num_stages": 2}}
-# A part given "PROGRAMS": P takes `_score_gemv_kernel` instead: a persistent grid of P
-# programs (0: one per SM), each walking row blocks p, p + P, ... in one pipelined loop over
-# (row block, D chunk) pairs. The side stream then holds at most P program slots at a time
-# (gather_gemv's grid of one program per row block fills every SM, and the main stream's
-# latency-bound kernels wait for slots to free). Off by default (benchmark ablations).
 
 # Launch choices of topk_triton (a benchmark sweeps them through `config=`):
 #   block: scores per program when a row is split (power of 2); a row of N <= block is one
@@ -360,60 +355,9 @@ def predictor_scores_triton(x, a, b, bias, config=None):
     h = torch.empty((B, r), dtype=x.dtype, device=x.device)
     scores = torch.empty((B, N), dtype=x.dtype, device=x.device)
     cfg = {part: {**SCORE_CONFIG[part], **((config or {}).get(part) or {})} for part in ("a", "b")}
-    for vec, w, bvec, out, c in ((x, a, zero[:r], h, cfg["a"]), (h, b, bias, scores, cfg["b"])):
-        if c.get("PROGRAMS") is not None:
-            score_gemv(vec, w, bvec, out, c)
-        else:
-            gather_gemv(vec, w, bvec, ident[:w.shape[0]], out, relu=False, config=c, kind="pred")
+    gather_gemv(x, a, zero[:r], ident[:r], h, relu=False, config=cfg["a"], kind="pred")
+    gather_gemv(h, b, bias, ident[:N], scores, relu=False, config=cfg["b"], kind="pred")
     return scores
-
-
-def _score_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, D, N_RB, NC, BLOCK_R: tl.constexpr,
-                       BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr):
-    # out[n] = w[n] @ x + b[n] (fp32 sums, rounded to out's dtype); grid (P,): program p takes
-    # row blocks p, p + P, ... ; one loop over its (row block, D chunk) pairs, so the weight
-    # loads stream across row blocks (the software pipeline does not stop at a block's end).
-    # The sums are gather_gemv's: a [BLOCK_R, BLOCK_D] fp32 tile over the chunks, then a row sum.
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    n_mine = (N_RB - pid + P - 1) // P
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for t in range(0, n_mine * NC):
-        rb = pid + (t // NC) * P
-        c = t % NC
-        offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-        rows = tl.minimum(offs_r, N - 1).to(tl.int64)  # past-the-end rows read row N-1, not stored
-        offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
-        if EVEN_D:
-            xv = tl.load(x_ptr + offs_d)
-            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], eviction_policy=W_EV)
-        else:
-            dmask = offs_d < D
-            xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0)
-            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0,
-                         eviction_policy=W_EV)
-        acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
-        if c == NC - 1:
-            y = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
-            tl.store(out_ptr + offs_r, y.to(out_ptr.dtype.element_ty), mask=offs_r < N)
-            acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-
-
-def score_gemv(x, w, bias, out, config):
-    """out[1,N] = x[1,D] @ w[N,D].T + bias[N] through `_score_gemv_kernel` (checked by the
-    caller; contiguous). config: SCORE_CONFIG's keys with "PROGRAMS" (0: the SM count)."""
-    N, D = w.shape
-    if N == 0:
-        return out
-    block_r, block_d = config["BLOCK_R"], config["BLOCK_D"]
-    n_rb = -(-N // block_r)
-    progs = int(config["PROGRAMS"]) or (_sm_count(x.device) if x.is_cuda else 4)
-    kernel = jit(_score_gemv_kernel, x.device)
-    kernel[(max(1, min(progs, n_rb)),)](x, w, bias, out, N, D, n_rb, -(-D // block_d), BLOCK_R=block_r,
-                                        BLOCK_D=block_d, EVEN_D=D % block_d == 0,
-                                        W_EV=config.get("W_EV", "evict_first"), num_warps=config["num_warps"],
-                                        num_stages=config.get("num_stages", 2))
-    return out
 
 
 def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None):

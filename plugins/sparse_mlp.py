@@ -66,13 +66,7 @@ FC2_CONFIG = {
     # (TARGET_PROGRAMS 396, three per SM: one wave; OPT-30B shape batch 1 in the decode step:
     # 6.336-6.343 vs 6.368-6.378 ms/token at density 0.3, 3.770 vs 3.814-3.818 at 0.1 with 528;
     # BENCHMARKS.md, session 12)
-    # PRE 2: each program's first two row blocks loaded before the PDL wait (fc2 launches behind fc1's
-    # late trigger, so they overlap fc1's tail): OPT-30B shape batch 1, 6.401 vs 6.429-6.438
-    # ms/token at density 0.3, 3.766 vs 3.793-3.811 at 0.1; the pair fc1 + fc2 alone 1-1.5% faster
-    # (BENCHMARKS.md, session 13). The output projection (behind the attention's early triggers)
-    # and fc1 (behind the LayerNorm's) got slower with it: their early loads slow the short
-    # latency-bound kernel they wait for.
-    "dot1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "TARGET_PROGRAMS": 396, "PRE": 2},
+    "dot1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "TARGET_PROGRAMS": 396},
     # batch 1, rows gathered in groups (the attention output projection: hd rows per head;
     # K = heads * hd, a few thousand rows against fc2's ~10^4): 14.0 vs 16.5 us (30B, d0.3)
     "proj1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "TARGET_PROGRAMS": 528},
@@ -125,15 +119,6 @@ def _group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
 
 
 @helper
-def _pre_rows(idx_row, offs, mask, N_ROWS, GROUP: tl.constexpr):
-    # PRE, before the PDL wait: the rows of positions offs clamped into [0, N_ROWS). A kernel
-    # of this stream may still be writing the index values then; the kernel reads them again
-    # after the wait and loads the rows again where they differ (a rare path: the runtime's
-    # index sets come from the side stream, complete before the launch).
-    return tl.minimum(tl.maximum(_group_rows(idx_row, offs, mask, GROUP), 0), N_ROWS - 1)
-
-
-@helper
 def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
     # Before gdc_enter (PDL): an L2 prefetch of columns col0.. of the weight rows of positions
     # offs, from index values clamped into [0, N_ROWS) (they may be stale: only a hint).
@@ -141,55 +126,12 @@ def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.conste
     prefetch_rows_l2(w_ptr + rows * D, col0, D, BLOCK_D)
 
 
-@helper
-def _gemv_w(w_rows, offs_d, D, EVEN_D: tl.constexpr, W_CM: tl.constexpr, W_EV: tl.constexpr):
-    # columns offs_d of the rows at w_rows [R, 1] (fp32), for _gather_gemv_kernel
-    if EVEN_D:
-        wv = tl.load(w_rows + offs_d[None, :], cache_modifier=W_CM, eviction_policy=W_EV)
-    else:
-        wv = tl.load(w_rows + offs_d[None, :], mask=(offs_d < D)[None, :], other=0.0, cache_modifier=W_CM,
-                     eviction_policy=W_EV)
-    return wv.to(tl.float32)
-
-
-@helper
-def _gemv_step(acc, w, x_row, lnw_ptr, lnb_ptr, offs_d, D, mean, rstd, EVEN_D: tl.constexpr, LN_IN: tl.constexpr,
-               W_LOADED: tl.constexpr, W_CM: tl.constexpr, W_EV: tl.constexpr):
-    # acc += w[:, offs_d] * x[offs_d] (x normalised as loaded with LN_IN 1, times the LayerNorm
-    # weight with LN_IN 2; _gather_gemv_kernel's comment). w: the rows' pointers [R, 1], or with
-    # W_LOADED their values at offs_d (fp32). The loads in the order the loop had before the
-    # helper: x, w, then the LayerNorm's.
-    if EVEN_D:
-        xv = tl.load(x_row + offs_d)
-        wv = w if W_LOADED else _gemv_w(w, offs_d, D, EVEN_D, W_CM, W_EV)
-        if LN_IN == 1 or LN_IN == 2:
-            g = tl.load(lnw_ptr + offs_d).to(tl.float32)
-        if LN_IN == 1:
-            gb = tl.load(lnb_ptr + offs_d).to(tl.float32)
-    else:
-        dmask = offs_d < D
-        xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
-        wv = w if W_LOADED else _gemv_w(w, offs_d, D, EVEN_D, W_CM, W_EV)
-        if LN_IN == 1 or LN_IN == 2:
-            g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        if LN_IN == 1:
-            gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    if LN_IN == 1:
-        xv = ((xv.to(tl.float32) - mean) * rstd * g + gb).to(x_row.dtype.element_ty)
-    if LN_IN == 2:
-        acc += wv * (xv.to(tl.float32) * g)[None, :]
-    else:
-        acc += wv * xv.to(tl.float32)[None, :]
-    return acc
-
-
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr, st_ptr, wg_ptr, D, K,
                         stride_xb, stride_ib, stride_ob, N_ROWS, N_ST, ST_W, eps,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, LN_IN: tl.constexpr = 0,
                         BLOCK_N: tl.constexpr = 2, W_CM: tl.constexpr = "", W_EV: tl.constexpr = "",
-                        ST_CM: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0,
-                        PRE: tl.constexpr = 0):
+                        ST_CM: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
     # W_CM / W_EV: cache modifier / eviction policy of the weight loads (".cg": L2 only, so the
     # streamed rows do not push the input vector, which every program re-reads, out of L1).
@@ -207,8 +149,6 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
     #   LN_IN 3: x is PendingLN.z = g * (x - block mean) (the loop is LN_IN 0's), the epilogue
     #            applies rstd * (acc + sum_n (m_n - mean) * wgb[row, n]) + wb[row] (wg_ptr is
     #            LNFold.wgb [rows, N_ST] then, b_ptr wb): no extra load in the loop.
-    # PRE (0 or 1): the first BLOCK_D columns of the rows are loaded before the PDL wait (their
-    # index values checked after it: _pre_rows) and used after it; the loop does the rest.
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -217,29 +157,39 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
         for t in tl.static_range(PF):
             _prefetch_tile(w_ptr, idx_ptr + pid_b * stride_ib, offs_r, rmask, t * BLOCK_D, N_ROWS, D, GROUP,
                            BLOCK_D)
-    if PRE:
-        rows_pre = _pre_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, N_ROWS, GROUP)
-        w_pre = _gemv_w(w_ptr + rows_pre[:, None] * D, tl.arange(0, BLOCK_D), D, EVEN_D, W_CM, W_EV)
     gdc_enter(GDC)
     # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
     rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
-    if PRE:  # index values read before the wait that have changed since: those rows again
-        if tl.max((rows != rows_pre).to(tl.int32), axis=0) > 0:
-            w_pre = _gemv_w(w_ptr + rows[:, None] * D, tl.arange(0, BLOCK_D), D, EVEN_D, W_CM, W_EV)
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     st_row = st_ptr + pid_b.to(tl.int64) * N_ST * 2
-    mean = 0.0
-    rstd = 1.0
     if LN_IN == 1:  # the loop normalises: the stats first (an earlier kernel's: plain loads)
         mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    if PRE:
-        acc = _gemv_step(acc, w_pre, x_row, lnw_ptr, lnb_ptr, tl.arange(0, BLOCK_D), D, mean, rstd, EVEN_D, LN_IN,
-                         True, W_CM, W_EV)
-    for d0 in range(PRE * BLOCK_D, D, BLOCK_D):
-        acc = _gemv_step(acc, w_rows, x_row, lnw_ptr, lnb_ptr, d0 + tl.arange(0, BLOCK_D), D, mean, rstd, EVEN_D,
-                         LN_IN, False, W_CM, W_EV)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            xv = tl.load(x_row + offs_d)
+            wv = tl.load(w_rows + offs_d[None, :], cache_modifier=W_CM, eviction_policy=W_EV).to(tl.float32)
+            if LN_IN == 1 or LN_IN == 2:
+                g = tl.load(lnw_ptr + offs_d).to(tl.float32)
+            if LN_IN == 1:
+                gb = tl.load(lnb_ptr + offs_d).to(tl.float32)
+        else:
+            dmask = offs_d < D
+            xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
+            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, cache_modifier=W_CM,
+                         eviction_policy=W_EV).to(tl.float32)
+            if LN_IN == 1 or LN_IN == 2:
+                g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            if LN_IN == 1:
+                gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        if LN_IN == 1:
+            xv = ((xv.to(tl.float32) - mean) * rstd * g + gb).to(x_ptr.dtype.element_ty)
+        if LN_IN == 2:
+            acc += wv * (xv.to(tl.float32) * g)[None, :]
+        else:
+            acc += wv * xv.to(tl.float32)[None, :]
     gdc_release(GDC)
     if LN_IN >= 2:  # folded: the stats only now
         mean, rstd = _ln_merge(st_row, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
@@ -487,13 +437,9 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          LN_BLOCK: tl.constexpr, COMBINE: tl.constexpr = 0, BLOCK_C: tl.constexpr = 2,
-                         W_EV: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0,
-                         PRE: tl.constexpr = 0):
+                         W_EV: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel; W_EV: eviction policy of the weight loads.
-    # PRE: the split's first PRE * BLOCK_K rows are loaded into registers before the PDL wait
-    # (their index values checked after it: _pre_rows) and multiplied after it, in one tl.dot;
-    # the loop does the rest. Without PDL it is a peeled first step.
     # COMBINE (B == 1, the attention output projection): h is not read; its values come from the
     # attention kernel's per-chunk partials (sparse_attention._attn_decode_kernel, PARTIAL):
     # h[k] = sum_c exp(m_c - M) acc_c[k % GROUP] / sum_c exp(m_c - M) l_c over the NCHUNK chunks
@@ -510,27 +456,27 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         for t in tl.static_range(PF):
             offs_k = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             _prefetch_tile(w_ptr, idx_ptr, offs_k, offs_k < k_end, pid_d * BLOCK_D, N_ROWS, D, GROUP, BLOCK_D)
-    if PRE:
-        offs_p = k_start + tl.arange(0, PRE * BLOCK_K)
-        pmask = offs_p < k_end
-        rows_pre = _pre_rows(idx_ptr, offs_p, pmask, N_ROWS, GROUP)
-        w_pre = tl.load(w_ptr + rows_pre[:, None] * D + offs_d[None, :], mask=pmask[:, None] & dmask[None, :],
-                        other=0.0, eviction_policy=W_EV)
     gdc_enter(GDC)
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-    if PRE:
-        rows_now = _group_rows(idx_ptr, offs_p, pmask, GROUP)
-        if tl.max((rows_now != rows_pre).to(tl.int32), axis=0) > 0:  # index values changed since: again
-            w_pre = tl.load(w_ptr + rows_now[:, None] * D + offs_d[None, :], mask=pmask[:, None] & dmask[None, :],
-                            other=0.0, eviction_policy=W_EV)
-        acc = _dot_t_step(h_ptr, apart_ptr, ml_ptr, offs_b, bmask, offs_p, pmask, stride_hb, w_pre, offs_d, dmask, D,
-                          acc, NCHUNK, COMBINE, DOT_FP32, GROUP, BLOCK_C, EVEN_D, W_EV, True)
-    for k0 in range(k_start + PRE * BLOCK_K, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
         rows = _group_rows(idx_ptr, offs_k, kmask, GROUP)
-        acc = _dot_t_step(h_ptr, apart_ptr, ml_ptr, offs_b, bmask, offs_k, kmask, stride_hb, w_ptr + rows[:, None] * D,
-                          offs_d, dmask, D, acc, NCHUNK, COMBINE, DOT_FP32, GROUP, BLOCK_C, EVEN_D, W_EV, False)
+        if COMBINE:
+            ov = _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP, BLOCK_C)
+            hv = tl.where((offs_b == 0)[:, None], ov[None, :], 0.0)
+        else:
+            hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
+                         mask=bmask[:, None] & kmask[None, :], other=0.0)
+        if EVEN_D:
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], eviction_policy=W_EV)
+        else:
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
+                         other=0.0, eviction_policy=W_EV)
+        if DOT_FP32:
+            acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hv.to(wv.dtype), wv, acc)
     gdc_release(GDC)
     rows_b = offs_b[:, None].to(tl.int64) * D
     mask = bmask[:, None] & dmask[None, :]
@@ -549,32 +495,6 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, pid_d,
                 B, D, SPLIT, N_D, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, BLOCK_N,
                 LN_BLOCK)
-
-
-@helper
-def _dot_t_step(h_ptr, apart_ptr, ml_ptr, offs_b, bmask, offs_k, kmask, stride_hb, w, offs_d, dmask, D, acc, NCHUNK,
-                COMBINE: tl.constexpr, DOT_FP32: tl.constexpr, GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
-                EVEN_D: tl.constexpr, W_EV: tl.constexpr, W_LOADED: tl.constexpr):
-    # acc += h[:, offs_k] @ (weight rows of positions offs_k); h from the attention partials with
-    # COMBINE (_gather_dot_t_kernel). w: those rows' pointers [BLOCK_K, 1], or with W_LOADED
-    # their values at offs_d. The loads in the loop's order before this helper: h, then w.
-    if COMBINE:
-        ov = _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP, BLOCK_C)
-        hv = tl.where((offs_b == 0)[:, None], ov[None, :], 0.0)
-    else:
-        hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
-                     mask=bmask[:, None] & kmask[None, :], other=0.0)
-    if W_LOADED:
-        wv = w
-    elif EVEN_D:
-        wv = tl.load(w + offs_d[None, :], eviction_policy=W_EV)
-    else:
-        wv = tl.load(w + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
-    if DOT_FP32:
-        acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(hv.to(wv.dtype), wv, acc)
-    return acc
 
 
 @helper
@@ -695,7 +615,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=ln_in,
             BLOCK_N=max(2, next_pow2(n_st)), W_CM=cfg.get("W_CM", ""), W_EV=cfg.get("W_EV", ""),
-            ST_CM=cfg.get("ST_CM", ""), PRE=int(cfg.get("PRE", 0)),
+            ST_CM=cfg.get("ST_CM", ""),
             num_warps=cfg["num_warps"],
             num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
     return out
@@ -755,7 +675,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                              h.stride(0), *sizes, apart, ml, nchunk, DOT_FP32=_dot_fp32(w_t.dtype, h.device),
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
                              COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)),
-                             W_EV=cfg.get("W_EV", ""), PRE=int(cfg.get("PRE", 0)), **common)
+                             W_EV=cfg.get("W_EV", ""), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,

@@ -142,8 +142,6 @@ SCRIPT = textwrap.dedent('''
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._FUSED, FIRST=0, LAST=2,
                                            COMPACT=True, ATOMIC_HIST=True),
                  overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "bar_ptr": "*i32", "s_ptr": "*fp16"})
-    for ev, even in (("evict_first", True), ("", False)):  # the persistent scoring GEMV (opt-in)
-        compile_sm90(PR, PR._score_gemv_kernel, dict(BLOCK_R=32, BLOCK_D=256, EVEN_D=even, W_EV=ev))
     LN = importlib.import_module("dejavu.plugins.layer_norm")  # the attribute is the function
     for dt in ("fp16", "bf16"):
         compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), dt, {"eps": "fp32"})
@@ -214,23 +212,6 @@ SCRIPT = textwrap.dedent('''
                 assert "griddepcontrol.launch_dependents" not in ptx, fn.__name__
         plain = compile_sm90(mod, fn, consts, "fp16", over).asm["ptx"]
         assert "griddepcontrol" not in plain and "prefetch.global.L2 " not in plain, fn.__name__
-    # the tl.dot fc2 / projection with PRE row blocks loaded before the wait: their weight loads
-    # come before it (in the PTX), no store and no product (it needs h, the previous kernel's)
-    for combine in (False, True):
-        ptx = compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
-                                                             EVEN_D=True, BLOCK_S=4, **fin, COMBINE=combine,
-                                                             BLOCK_C=16, PRE=2, GDC=1),
-                           "fp16", {**f2, "apart_ptr": "*fp32"}).asm["ptx"]
-        wait = ptx.index("griddepcontrol.wait")
-        assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait] and "mma" not in ptx[:wait]
-        assert "mma" in ptx[wait:]
-    # fc1's GEMV with its first chunk loaded before the wait (plain input and the LayerNorm forms)
-    for ln_in in (0, 1, 2, 3):
-        ptx = compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
-                                                            LN_IN=ln_in, BLOCK_N=32, PRE=1, GDC=2),
-                           "fp16", LN_IN).asm["ptx"]
-        wait = ptx.index("griddepcontrol.wait")
-        assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait], ln_in
     # batch 1: attention and output projection in one launch (COMMIT 0/1/2, tl.dot or a sum, fp16 /
     # fp32); with PDL the weight rows' L2 prefetch (and the head / pos reads) before the wait, no
     # store before it, the next kernel let in after it

@@ -294,33 +294,3 @@ def test_bad_block_fold_rejected():
         sparse_fc1(p, w1, b1, index(1, False), ln_fold=fold._replace(width=16))
     with pytest.raises(DejavuError, match="PendingLN.z: expected dtype"):
         sparse_fc1(p._replace(z=p.z.float()), w1, b1, index(1, False), ln_fold=fold)
-
-
-# ---- fc1 with its first chunk loaded before the PDL wait (FC1_CONFIG["gemv"]["PRE"]) ------
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("form", ["plain", "pending", "fold", "centred"])
-@pytest.mark.parametrize("block_d", [32, 128])  # three chunks (the last partial), or one wider than D
-def test_fc1_first_chunk_before_the_wait_changes_nothing(launched, triton_interp, close, dtype, form, block_d):
-    # PRE 1 peels the loop's first chunk (its weights loaded before the wait on the GPU): the
-    # same operations in the same order, so the same bits as PRE 0, at every input form
-    w1, b1, _, _, ln = weights(dtype)
-    x = (torch.randn(3, D) * 3 + 0.5).to(dtype)
-    idx = index(3, False)
-    kw = {}
-    if form == "plain":
-        inp = x
-    else:
-        inp = pending_ln(x, *ln, width=32, z=form == "centred")
-        if form != "pending":
-            kw["ln_fold"] = ln_fold(w1, b1, *ln, rows_per_chunk=64, width=32 if form == "centred" else None)
-    outs = []
-    for pre in (0, 1):
-        names = launched(SM, LN)
-        h = torch.full((3, K), float("nan"), dtype=dtype)
-        sparse_fc1(inp, w1, b1, idx, out=h, config={"BLOCK_D": block_d, "PRE": pre}, **kw)
-        assert names == ["_gather_gemv_kernel"], names
-        outs.append(h)
-    assert torch.equal(outs[0], outs[1])
-    want = sparse_fc1_ref(x.double() if form == "plain" else ln64(x, ln), w1.double(), b1.double(), idx)
-    base = sparse_fc1_ref(x, w1, b1, idx) if form == "plain" else sparse_fc1(layer_norm(x, *ln), w1, b1, idx)
-    close(outs[1], want, base)

@@ -106,14 +106,10 @@ def test_last_combine_launches_one_kernel_fewer(triton_interp, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("pos", [5, 17])
-@pytest.mark.parametrize("pre", [0, 2])
-def test_combine_folded_into_projection(triton_interp, close, monkeypatch, dtype, pos, pre):
+def test_combine_folded_into_projection(triton_interp, close, dtype, pos):
     """Batch 1, FOLD_COMBINE: the output projection combines the chunks' partials itself (k-blocks
     of 64 rows span several 12-channel heads; chunks past pos weigh nothing): the float64
-    reference's output, and the unfolded path's within rounding. pre: the projection's first
-    two row blocks loaded before the wait (FC2_CONFIG["proj1"]["PRE"]), combined in one step."""
-    SM = sys.modules["dejavu.plugins.sparse_mlp"]
-    monkeypatch.setitem(SM.FC2_CONFIG, "proj1", {**SM.FC2_CONFIG["proj1"], "PRE": pre, "BLOCK_K": 16})
+    reference's output, and the unfolded path's within rounding."""
     w, (kc, vc) = make(1, dtype)
     x, res, hidx = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype), heads(1, 4, False)
     k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()

@@ -135,23 +135,6 @@ def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
     close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx), sparse_fc2_ref(h, w2_t, b2, idx))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("pre,split", [(1, 3), (2, 3), (2, 1), (4, 2)])
-def test_fc2_rows_loaded_before_the_wait(triton_interp, close, launched, dtype, pre, split):
-    """Batch 1 through the tl.dot kernel with PRE row blocks taken before the (PDL) wait and
-    multiplied in one step, the loop doing the rest: a split shorter than the PRE block (masked
-    rows), longer (the loop runs after it), one split (no reduction): the float64 reference."""
-    x, w1, b1, w2_t, b2, idx = make(1, dtype, False, k=150)
-    h = torch.randn(1, 150).to(dtype)
-    res = torch.randn(1, D).to(dtype)
-    ref = sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double())
-    y = torch.full((1, D), float("nan"), dtype=dtype)
-    names = launched(SM)
-    sparse_fc2(h, w2_t, b2, idx, res, out=y, config={"BLOCK_K": 16, "BLOCK_D": 32, "SPLIT": split, "PRE": pre})
-    assert names[0] == "_gather_dot_t_kernel" and ("_split_reduce_kernel" in names) == (split > 1)
-    close(y, ref, sparse_fc2_ref(h, w2_t, b2, idx, res))
-
-
 # ---------------------------------------------------------------------------------------
 # fused split-K finish (FUSED_FINISH): the last program per D block sums the partials, the
 # last of those computes LayerNorm(y). The interpreter runs programs one after another: these
@@ -330,32 +313,3 @@ def test_split_reduction_with_layer_norm_large_mean(launched, triton_interp, mon
     yd = y.double()
     bound = 8 * 2.0 ** -23 * (yd.mean(1).abs() / yd.std(1, unbiased=False)).max().item() * ln[0].abs().max().item()
     assert (y_ln.double() - ref64).abs().max().item() <= bound
-
-
-@pytest.mark.parametrize("which", ["fc1", "fc2"])
-def test_rows_loaded_before_the_wait_follow_changed_indices(triton_interp, monkeypatch, tmp_path, which):
-    """PRE reads the index values before the PDL wait, when the previous kernel may still be
-    writing them, and again after it: rows whose value changed are loaded again. Here the early
-    read sees stale values (every row the last one) and the output must still be the current
-    index set's (the same bits as without PRE)."""
-    import importlib.util
-
-    x, w1, b1, w2_t, b2, idx = make(1, torch.float32, False, k=150)
-    h = torch.randn(1, 150)
-    if which == "fc1":
-        run = lambda cfg: sparse_fc1(x, w1, b1, idx, config={"BLOCK_D": 32, **cfg})  # noqa: E731
-    else:
-        run = lambda cfg: sparse_fc2(h, w2_t, b2, idx, config={"BLOCK_K": 16, "BLOCK_D": 32, "SPLIT": 3, **cfg})  # noqa: E731
-    want = run({})
-    assert torch.equal(run({"PRE": 1}), want)
-    SM.jit(SM._gather_dot_t_kernel, torch.device("cpu"))  # bind the helpers, then swap one
-
-    src = tmp_path / "stale_rows.py"  # a JIT function needs its source in a file
-    src.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
-                   "def stale_rows(idx_row, offs, mask, N_ROWS, GROUP: tl.constexpr):\n"
-                   "    return tl.zeros_like(offs).to(tl.int64) + (N_ROWS - 1)\n")
-    spec = importlib.util.spec_from_file_location("stale_rows", src)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.setattr(SM, "_pre_rows", mod.stale_rows)
-    assert torch.equal(run({"PRE": 1}), want)
