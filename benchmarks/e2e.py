@@ -596,6 +596,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # and weight rows loaded into registers before the PDL wait; BENCHMARKS.md, session 13.)
              "pffc2a": _pdl_prefetch(fc2=1), "pffc2b": _pdl_prefetch(fc2=2),
              "fc1early": _pdl_early("fc1"), "fc1earlypffc2": _both(_pdl_early("fc1"), _pdl_prefetch(fc2=2)),
+             # the side stream's scores = h @ b.T with shorter programs (default 8 rows of 256: two chunks
+             # of r = 512): 4 rows, or the whole rank in one chunk (2 / 4 / 8 rows)
+             "predbr4": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=4),
+             "predbr2d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=2, BLOCK_D=512),
+             "predbr4d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=4, BLOCK_D=512),
+             "predbr8d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=8, BLOCK_D=512),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1
