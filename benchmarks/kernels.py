@@ -753,6 +753,8 @@ def bench_mlp_variants(mlps, bw, names):
             K = max(1, int(round(d * mlp.F)))
             sets = [rand_idx(1, mlp.F, K, False) for _ in range(8)]
             nbytes = 2 * K * mlp.D * 2
+            # one untimed graph first: the first timed one ran ~20% slow in session 13's runs
+            bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)], reps=5)
             for v in names:
                 undo = MLP_VARIANTS[v]()
                 try:
