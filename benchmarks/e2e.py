@@ -602,6 +602,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "predbr2d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=2, BLOCK_D=512),
              "predbr4d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=4, BLOCK_D=512),
              "predbr8d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=8, BLOCK_D=512),
+             # the head predictors at the layer's input, the neuron predictors held until after the
+             # Q/K/V kernels / the attention op (SparseDecoder.pred_window "split_qkv" / "split_attn")
+             "predsplitqkv": _side("split_qkv"), "predsplitattn": _side("split_attn"),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

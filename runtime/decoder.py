@@ -125,6 +125,9 @@ class SparseDecoder:
         # "attn_in" (default): on the H200 "after_qkv" was slower (OPT-30B d0.3 batch 1: 7.33
         # vs 7.03 ms/token; BENCHMARKS.md, session 4); "after_attn" equal (6.65 vs 6.64 at d0.3,
         # 4.20 vs 4.20 at d0.1; session 9): the attention kernels gain what the MLP loses.
+        # "split_qkv" / "split_attn": the head predictors at the layer's input, the neuron
+        # predictors (nearly all of the predictors' reads) held until after the Q/K/V kernels /
+        # the attention op.
         self.pred_window = "attn_in"
         # L2 warm-up (GPU, plugins/prefetch.py) on its own side stream, launched with the
         # held predictors after a deferred layer's Q/K/V kernels: {"out": max bytes of the
@@ -287,7 +290,7 @@ class SparseDecoder:
         makes the current stream wait for the prefetch stream (before the layer ends)."""
         pf = self.l2_prefetch if (self.ops.prefetch_rows is not None and self.side_streams) else {}
         pf = {k: v for k, v in pf.items() if v}
-        if self.pred_window != "after_qkv" and not pf:
+        if self.pred_window not in ("after_qkv", "split_qkv") and not pf:
             return None, None
         # fc1's rows only when this step's neurons of layer l exist before its attention (its
         # predictors read an earlier point); else the tensor may be from the last step
@@ -329,7 +332,9 @@ class SparseDecoder:
         x = self.embed(tokens, pos)  # [B, D]
         h_ln = None  # LN of x for the next LayerNorm, when the last op computed it
         run.begin_step()
-        hold = self.pred_window in ("after_qkv", "after_attn")  # launched by the hook / flush() below
+        # launched by the hook / flush() below (the split windows hold the neuron predictors only)
+        hold = self.pred_window in ("after_qkv", "after_attn", "split_qkv", "split_attn")
+        run.hold_kinds = ("mlp",) if self.pred_window.startswith("split") else ("attn", "mlp")
         for l, w in enumerate(self.layers):
             run.point("attn_in", l, x, hold=hold and self.x_hist[l] is not None)
             h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_attn) if s.pre_ln else x)

@@ -11,8 +11,10 @@ events and index buffers are created once, in `__init__` (engine activation).
 `point(..., hold=True)` keeps the launch pending until `flush()` (the decoder calls it
 from inside the attention op, after the Q/K/V kernels: the side stream's predictor reads
 then overlap the latency-bound attention kernels instead of the bandwidth-bound Q/K/V
-kernel). The predictors still read the same x; a layer whose indices are asked for while
-pending is flushed first, so holding never changes what is selected.
+kernel). `hold_kinds` says which predictors a hold keeps back (default both; ("mlp",): the
+head predictors launch at once, the neuron predictors at the flush). The predictors still
+read the same x; a layer whose indices are asked for while pending is flushed first, so
+holding never changes what is selected.
 
 A layer's head predictor runs before its neuron predictor, each with its own event: the main
 stream waits only for the heads before that layer's attention, so the neuron predictor's
@@ -54,7 +56,8 @@ class PredictorRunner:
         self.idx: list[dict[str, torch.Tensor | None]] = [{"mlp": None, "attn": None} for _ in range(L)]
         self.trace: list | None = None  # tests: append (layer, kind, idx) for every call
         self._keep: list[torch.Tensor] = []
-        self._pending: list[tuple] = []  # held point() calls: (kind, j, layers, x2)
+        self._pending: list[tuple] = []  # held point() calls: (kind, j, layers, x2, kinds)
+        self.hold_kinds: tuple[str, ...] = KINDS  # the predictors a hold keeps back
         self.side = None
         # False: the schedule before session 6 (neurons first, the main stream waits for both
         # of a layer's predictors before its attention); kept for the benchmark's ablation
@@ -84,9 +87,12 @@ class PredictorRunner:
             return
         x2 = x.reshape(-1, x.shape[-1])  # [rows, D]
         if hold:
-            self._pending.append((kind, j, layers, x2))
+            now = tuple(k for k in KINDS if k not in self.hold_kinds)
+            if now:
+                self._launch(kind, j, layers, x2, now)
+            self._pending.append((kind, j, layers, x2, tuple(k for k in KINDS if k in self.hold_kinds)))
             return
-        self._launch(kind, j, layers, x2)
+        self._launch(kind, j, layers, x2, KINDS)
 
     def flush(self) -> None:
         """Launch the held predictors (in the order they were held)."""
@@ -94,10 +100,10 @@ class PredictorRunner:
         for args in pending:
             self._launch(*args)
 
-    def _launch(self, kind, j, layers, x2) -> None:
+    def _launch(self, kind, j, layers, x2, kinds) -> None:
         if self.side is None:
             for l in layers:
-                self._predict(l, x2)
+                self._predict(l, x2, kinds=kinds)
             return
         # Overlap: the side stream waits for x, then runs these layers' predictors while the
         # main stream goes on; x stays referenced until the step ends (no allocator reuse).
@@ -107,13 +113,13 @@ class PredictorRunner:
         self._keep.append(x2)
         with torch.cuda.stream(self.side):
             for l in layers:
-                self._predict(l, x2, self.done[l])
+                self._predict(l, x2, self.done[l], kinds)
 
-    def _predict(self, l: int, x: torch.Tensor, done: dict | None = None) -> None:
-        """Layer l's indices, heads first (needed first); done: per-kind events to record."""
+    def _predict(self, l: int, x: torch.Tensor, done: dict | None = None, kinds=KINDS) -> None:
+        """Layer l's indices of `kinds`, heads first (needed first); done: per-kind events to record."""
         for kind in (KINDS if self.heads_first else KINDS[::-1]):
             p = self.preds[l][kind]
-            if p is None:
+            if p is None or kind not in kinds:
                 continue
             k_mlp, k_attn = self.ks[l]
             idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
@@ -126,7 +132,8 @@ class PredictorRunner:
     def _get(self, l: int, kind: str) -> torch.Tensor | None:
         if self.preds[l][kind] is None:
             return None
-        if any(l in p[2] for p in self._pending):
+        need = (kind,) if self.heads_first else KINDS  # the events waited for below
+        if any(l in p[2] and any(k in p[4] for k in need) for p in self._pending):
             self.flush()
         if self.side is not None:
             for k in ((kind,) if self.heads_first else self.done[l]):

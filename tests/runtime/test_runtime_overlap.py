@@ -74,7 +74,11 @@ SIDE_CASES = [("attn_in", 1, (0.5, 0.5), "attn_in", False), ("mlp_in", 1, (0.5, 
               ("attn_in", 1, (0.5, 0.5), "attn_in", True), ("attn_in", 1, (1.0, 0.5), "after_qkv", True),
               # held until after the attention op (the predictors then overlap the MLP)
               ("attn_in", 1, (0.5, 0.5), "after_attn", False), ("mlp_in", 1, (0.5, 0.5), "after_attn", False),
-              ("attn_in", 0, (0.5, 0.5), "after_attn", False)]
+              ("attn_in", 0, (0.5, 0.5), "after_attn", False),
+              # only the neuron predictors held (after Q/K/V, after the attention op)
+              ("attn_in", 1, (0.5, 0.5), "split_qkv", False), ("attn_in", 1, (0.5, 0.5), "split_attn", False),
+              ("mlp_in", 1, (0.5, 0.5), "split_qkv", False), ("attn_in", 0, (0.5, 0.5), "split_attn", False),
+              ("attn_in", 1, (0.5, 0.5), "split_qkv", True)]
 
 
 @pytest.mark.parametrize("source,lookahead,dens,window,prefetch", SIDE_CASES)
@@ -129,6 +133,22 @@ def test_side_stream_joins_and_selects_the_same(monkeypatch, source, lookahead, 
                 n += 1
                 assert not inside and done % len(dec.layers) > key[id(ev)][1] or done % len(dec.layers) == 0
         assert n > 0
+    if window.startswith("split") and (source, lookahead) == ("attn_in", 1) and dens[1] < 1.0:
+        # each layer input after the first is waited for twice by the side stream: for the head
+        # predictors outside any attention op (at the point), then for the neuron predictors inside
+        # the attention op that reads it (split_qkv) or after it (split_attn)
+        waits = {}
+        inside = False
+        for op, stream, ev in fake.log:
+            inside = {"attn_begin": True, "attn_end": False}.get(op, inside)
+            if op == "wait" and stream == "side":
+                waits.setdefault(id(ev), []).append(inside)
+        first = dec.pred.src_ready[("attn_in", 0)]
+        later = [v for k, v in waits.items() if k != id(first)]
+        assert later and all(len(v) % 2 == 0 for v in later)
+        for v in later:
+            for a, b in zip(v[::2], v[1::2]):
+                assert not a and b == (window == "split_qkv")
     if not dec.pred.overlapping:
         assert fake.log == []
         return
