@@ -127,7 +127,8 @@ class SparseDecoder:
         # 4.20 vs 4.20 at d0.1; session 9): the attention kernels gain what the MLP loses.
         # "split_qkv" / "split_attn": the head predictors at the layer's input, the neuron
         # predictors (nearly all of the predictors' reads) held until after the Q/K/V kernels /
-        # the attention op.
+        # the attention op: slower too (6.59 / 7.33 vs 6.34-6.35 at d0.3, 3.86 / 4.16 vs 3.78 at
+        # d0.1; "after_qkv" 7.26, "after_attn" 6.51 in the same run; session 13).
         self.pred_window = "attn_in"
         # L2 warm-up (GPU, plugins/prefetch.py) on its own side stream, launched with the
         # held predictors after a deferred layer's Q/K/V kernels: {"out": max bytes of the
