@@ -88,9 +88,11 @@ class PredictorRunner:
         x2 = x.reshape(-1, x.shape[-1])  # [rows, D]
         if hold:
             now = tuple(k for k in KINDS if k not in self.hold_kinds)
+            held = tuple(k for k in KINDS if k in self.hold_kinds)
             if now:
                 self._launch(kind, j, layers, x2, now)
-            self._pending.append((kind, j, layers, x2, tuple(k for k in KINDS if k in self.hold_kinds)))
+            if held:
+                self._pending.append((kind, j, layers, x2, held))
             return
         self._launch(kind, j, layers, x2, KINDS)
 
