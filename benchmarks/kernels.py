@@ -23,6 +23,7 @@ Asserts nothing (benchmarks/ never does); --check is the exception, and says so.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import os
@@ -709,8 +710,7 @@ def _pdl_variant(early=(), **prefetch):
     """PDL_CONFIG with `early` kinds added to the early-trigger set and {kind: tiles} L2 prefetches."""
     def apply():
         cfg = sys.modules["dejavu.plugins._common"].PDL_CONFIG
-        old = {k: (tuple(v) if isinstance(v, (list, tuple)) else dict(v) if isinstance(v, dict) else v)
-               for k, v in cfg.items()}
+        old = copy.deepcopy(cfg)
         cfg["EARLY"] = tuple(cfg["EARLY"]) + tuple(early)
         cfg["PREFETCH"] = {**(cfg.get("PREFETCH") or {}), **prefetch}
         return lambda: cfg.update(old)

@@ -134,11 +134,11 @@ class PredictorRunner:
     def _get(self, l: int, kind: str) -> torch.Tensor | None:
         if self.preds[l][kind] is None:
             return None
-        need = (kind,) if self.heads_first else KINDS  # the events waited for below
+        need = [k for k in ((kind,) if self.heads_first else KINDS) if self.preds[l][k] is not None]
         if any(l in p[2] and any(k in p[4] for k in need) for p in self._pending):
             self.flush()
         if self.side is not None:
-            for k in ((kind,) if self.heads_first else self.done[l]):
+            for k in need:  # the events of those predictors
                 torch.cuda.current_stream().wait_event(self.done[l][k])
         return self.idx[l][kind]
 
