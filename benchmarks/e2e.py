@@ -605,6 +605,13 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # the head predictors at the layer's input, the neuron predictors held until after the
              # Q/K/V kernels / the attention op (SparseDecoder.pred_window "split_qkv" / "split_attn")
              "predsplitqkv": _side("split_qkv"), "predsplitattn": _side("split_attn"),
+             # session 14: no Q/K/V finishing kernel at batch 1: attention sums the partials (Q, and K/V
+             # at pos and the 15 missing slots the partials hold) and the partial kernel's first
+             # z-slices fill longer gaps (FOLD_FINISH); with 2 slow-path chunk sets / 32-row sub-blocks
+             "foldfinish": _qkv_b1(FOLD_FINISH=True), "foldfinish2": _qkv_b1(FOLD_FINISH=True),
+             "foldfinishz2": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_Z=2),
+             "foldfinishr32": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_R=32),
+             "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
              # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1

@@ -63,7 +63,7 @@ from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
                                     default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
                                     pdl_args, prefetch_rows_l2)
-from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_project
+from dejavu.plugins.sparse_attention import QKVPartials, _check_attn, _positions, attend_project, folds_finish
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
 from dejavu.plugins.sparse_mlp import LN_EPS, _dot_fp32, _ln_merge
 
@@ -86,7 +86,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
-              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True}
+              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
+              "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
@@ -95,6 +96,13 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
 # SLOW_Z None: as many programs per row block as fill ~SLOW_TARGET finishing programs (at most
 # 8): OPT-30B shape, batch 1, d0.1 (6 heads, 144 row blocks): 4, 4.20 vs 4.39 ms/token with 1;
 # d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, session 8).
+# FOLD_FINISH (batch 1, shared-set kernel, FUSED_FINISH off, attention with a combine launch:
+# `sparse_attention.folds_finish`): no finishing kernel; the attention kernel sums the partials
+# itself (Q in every chunk program; K/V at pos and at the P - 1 slots the partials hold in the
+# program of pos's chunk, which stores them into the caches), the combine kernel commits
+# valid_len, and the partial kernel's first z-slices (FOLD_SLOW_Z chunk sets x sub-blocks of
+# FOLD_SLOW_R rows) fill any further missing slots from whole-D passes. One launch fewer in
+# each layer's latency-bound chain.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640}
@@ -232,8 +240,9 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
-                               GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
-    # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SPLIT); a program reads its
+                               SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, GDC: tl.constexpr = 0,
+                               PF: tl.constexpr = 0):
+    # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
     # rows: row m is sequence m // P at slot pos (m % P == 0) or at the (m % P)-th missing
@@ -248,89 +257,134 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # program of this launch reads that slot; the attention kernel then commits valid_len only).
     # (A per-row form for batches, stats merged into [BLOCK_M] vectors and the tile normalised,
     # ran ~3x slower on the H200: BENCHMARKS.md, session 11.)
+    # SLOW > 0 (batch 1, FINISH 0, the finishing kernel folded into attention: QKV_CONFIG_B1
+    # FOLD_FINISH): z-slices 0 .. SLOW-1 are _fold_slow_program's (the slots no partial holds),
+    # slice SLOW + s is D slice s.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    if GDC:
-        _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
-                      BLOCK_R, BLOCK_D)
-    gdc_enter(GDC)
-    head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
-        head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
-    w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
-    offs_m = tl.arange(0, BLOCK_M)
-    mb = offs_m // P
-    mp = offs_m % P
-    bmask = mb < B
-    mb64 = mb.to(tl.int64)
-    pos_m = tl.load(pos_ptr + mb * stride_pb, mask=bmask, other=0).to(tl.int32)
-    if seg == 0:
-        start_m = pos_m
+    slow = False
+    if SLOW:  # batch 1, the attention kernel finishing the rows: the first SLOW z-slices are the slow path
+        slow = tl.program_id(2) < SLOW
+    if slow:
+        _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, j, pid_r, H, D, HD, NB,
+                           stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG, DOT_FP32, P, BLOCK_P, BLOCK_R,
+                           BLOCK_D, SLOW, SLOW_R, GDC)
     else:
-        start_m = tl.minimum(tl.load(vl_ptr + mb * H + head, mask=bmask, other=0).to(tl.int32), pos_m)
-    slot_m = tl.where(mp == 0, pos_m, start_m + mp - 1)
-    is_new = bmask & (mp == 0)
-    is_hist = bmask & (mp > 0) & (slot_m < pos_m)
-    if HAS_NEW:
-        new_rows = xnew_ptr + mb64 * stride_nb
-        hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
-        take_hist = is_hist
-    else:  # the input at pos is x_hist[b, pos] too
-        new_rows = xh_ptr  # never read (take_new is all false)
-        hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
-        take_hist = is_hist | is_new
-    take_new = is_new & HAS_NEW
-    if LN_IN:  # batch 1: the sequence's mean and rstd (scalars); its row is normalised as a vector
-        mean, rstd = _ln_merge(st_ptr, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
-        new_hist = xh_ptr + pos0.to(tl.int64) * stride_xs  # x_hist[0, pos]
-        row0 = offs_m == 0  # the tile's row of the input at pos
-    d_lo = pid_s * D_PER_SPLIT
-    d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        dmask = offs_d < d_hi
-        if EVEN_D:
-            w = tl.load(w_rows + offs_d[None, :], eviction_policy=W_EV)
+        pid_s = tl.program_id(2) - SLOW
+        if GDC:
+            _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
+                          BLOCK_R, BLOCK_D)
+        gdc_enter(GDC)
+        head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
+            head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
+        w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
+        offs_m = tl.arange(0, BLOCK_M)
+        mb = offs_m // P
+        mp = offs_m % P
+        bmask = mb < B
+        mb64 = mb.to(tl.int64)
+        pos_m = tl.load(pos_ptr + mb * stride_pb, mask=bmask, other=0).to(tl.int32)
+        if seg == 0:
+            start_m = pos_m
         else:
-            w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
-        x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
-        if LN_IN:
-            xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
-            # by head slot 0's first row block (a vector mask: the interpreter wants one)
-            tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
-            x += tl.where(row0[:, None], xn[None, :], tl.zeros_like(xn)[None, :])
-        elif HAS_NEW:
-            x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            start_m = tl.minimum(tl.load(vl_ptr + mb * H + head, mask=bmask, other=0).to(tl.int32), pos_m)
+        slot_m = tl.where(mp == 0, pos_m, start_m + mp - 1)
+        is_new = bmask & (mp == 0)
+        is_hist = bmask & (mp > 0) & (slot_m < pos_m)
+        if HAS_NEW:
+            new_rows = xnew_ptr + mb64 * stride_nb
+            hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
+            take_hist = is_hist
+        else:  # the input at pos is x_hist[b, pos] too
+            new_rows = xh_ptr  # never read (take_new is all false)
+            hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
+            take_hist = is_hist | is_new
+        take_new = is_new & HAS_NEW
+        if LN_IN:  # batch 1: the sequence's mean and rstd (scalars); its row is normalised as a vector
+            mean, rstd = _ln_merge(st_ptr, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
+            new_hist = xh_ptr + pos0.to(tl.int64) * stride_xs  # x_hist[0, pos]
+            row0 = offs_m == 0  # the tile's row of the input at pos
+        d_lo = pid_s * D_PER_SPLIT
+        d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for d0 in range(d_lo, d_hi, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            dmask = offs_d < d_hi
+            if EVEN_D:
+                w = tl.load(w_rows + offs_d[None, :], eviction_policy=W_EV)
+            else:
+                w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
+            x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
+            if LN_IN:
+                xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+                xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
+                # by head slot 0's first row block (a vector mask: the interpreter wants one)
+                tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
+                x += tl.where(row0[:, None], xn[None, :], tl.zeros_like(xn)[None, :])
+            elif HAS_NEW:
+                x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        gdc_release(GDC)
+        slot = (pid_s.to(tl.int64) * B + mb64) * KH + j  # [BLOCK_M]
+        tl.store(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :], acc,
+                 mask=is_new[:, None] & cmask[None, :])
+        if seg > 0:
+            dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
+            tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
+        if FINISH == 2:
+            tl.debug_barrier()  # SPLIT == 1: the block's own partials, stored by its other threads
+            last = True
+        elif FINISH == 1:
+            last = last_arrival(cnt_ptr + j * tl.num_programs(1) + pid_r, tl.num_programs(2))
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    gdc_release(GDC)
-    slot = (pid_s.to(tl.int64) * B + mb64) * KH + j  # [BLOCK_M]
-    tl.store(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :], acc,
-             mask=is_new[:, None] & cmask[None, :])
+            last = False
+        if last:
+            for b in range(0, B):  # (b is a Python int in the interpreter: tl.cast, not .to)
+                _, pos, _, _, _, _, start = _qkv_rows(
+                    head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
+                _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
+                             tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
+                             tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
+                             DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
+
+
+@helper
+def _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, j, pid_r, H, D, HD, NB,
+                       stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
+                       P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                       SLOW: tl.constexpr, SLOW_R: tl.constexpr, GDC: tl.constexpr):
+    # Batch 1, the finishing kernel folded into attention (_qkv_partial_shared_kernel's z-slices
+    # 0 .. SLOW-1): K or V of head slot j's rows at the missing slots past the P - 1 the partials
+    # hold (start + P - 1 .. pos - 1; a head unselected for long), bias added, into the cache,
+    # from whole-D tl.dot passes (_slow_slots). Slice z takes sub-block z % (BLOCK_R // SLOW_R)
+    # of SLOW_R rows of row block pid_r and BLOCK_P-slot chunks z // that, + SLOW // that, ...
+    # Q rows and heads without such slots exit at once (before the PDL wait: the reads are of
+    # what this layer's kernels of earlier steps wrote, or the side stream's heads, complete
+    # before this launch); a program with work waits first (its stores after the wait).
+    seg = FIRST_SEG + pid_r // NB
     if seg > 0:
-        dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
-        tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
-    if FINISH == 2:
-        tl.debug_barrier()  # SPLIT == 1: the block's own partials, stored by its other threads
-        last = True
-    elif FINISH == 1:
-        last = last_arrival(cnt_ptr + j * tl.num_programs(1) + pid_r, tl.num_programs(2))
-    else:
-        last = False
-    if last:
-        for b in range(0, B):  # (b is a Python int in the interpreter: tl.cast, not .to)
-            _, pos, _, _, _, _, start = _qkv_rows(
-                head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
-            _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
-                         tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
-                         tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-                         DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
+        n_sub: tl.constexpr = BLOCK_R // SLOW_R
+        z = tl.program_id(2)
+        head = tl.load(head_ptr + j).to(tl.int64)
+        pos = tl.load(pos_ptr).to(tl.int32)
+        first = tl.minimum(tl.load(vl_ptr + head).to(tl.int32), pos) + P - 1
+        if first + (z // n_sub) * BLOCK_P < pos:
+            gdc_enter(GDC)
+            offs_c = (pid_r % NB) * BLOCK_R + (z % n_sub) * SLOW_R + tl.arange(0, SLOW_R)
+            cmask = offs_c < HD
+            rows = (seg - 1).to(tl.int64) * H * HD + head * HD + tl.where(cmask, offs_c, 0)
+            bias = tl.load(bkv_ptr + rows).to(tl.float32)
+            if seg == 1:
+                cache = k_ptr + head * stride_ch
+            else:
+                cache = v_ptr + head * stride_ch
+            _slow_slots(xh_ptr, wkv_ptr, cache, bias, 0, pos, offs_c, cmask, rows, first, z // n_sub,
+                        SLOW // n_sub, D, stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, SLOW_R, BLOCK_D)
 
 
 @helper
@@ -542,11 +596,14 @@ def _shared_qkv(B, head_idx, cfg) -> bool:
 
 
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                q, config, pending=None):
+                q, config, pending=None, fold=False):
     """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
     x_hist (recompute_kv). pending: x_new's PendingLN (batch 1 on the shared-set kernel only),
-    normalised in the kernel, which also stores it at x_hist[:, pos]."""
+    normalised in the kernel, which also stores it at x_hist[:, pos].
+    fold (batch 1 on the shared-set kernel, x_new given, FUSED_FINISH off): no finishing kernel;
+    the partial kernel's first z-slices fill the slots no partial holds (_fold_slow_program) and
+    the QKVPartials returned go to the attention kernel, which finishes the rest (q stays unwritten)."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
@@ -557,6 +614,9 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     shared = _shared_qkv(B, head_idx, cfg)
     if pending is not None and not (shared and B == 1 and x_new is not None):
         raise DejavuError("_launch_qkv: a PendingLN input needs batch 1 on the shared-set kernel and x_new")
+    if fold and not (shared and B == 1 and x_new is not None and not cfg["FUSED_FINISH"]):
+        raise DejavuError("_launch_qkv: folding the finish needs batch 1 on the shared-set kernel, x_new and "
+                          "FUSED_FINISH off")
     groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
     d_blocks = -(-D // bd)
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
@@ -590,12 +650,16 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
             ln_args = (pending.weight, pending.bias, pending.stats, n_st, pending.width, LN_EPS)
         else:
             n_st, ln_args = 1, (new, new, pnew, 1, 1, LN_EPS)  # never read without LN_IN
+        slow_r = min(cfg["BLOCK_R"], cfg["FOLD_SLOW_R"])
+        n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if fold else 0
         part = jit(_qkv_partial_shared_kernel, dev)
-        part[(kh, (3 - first) * nb, split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
-                                            BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
-                                            LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
-                                            ST_CM=cfg.get("ST_CM", ""),
-                                            **common)
+        part[(kh, (3 - first) * nb, n_slow + split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
+                                                     BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
+                                                     LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
+                                                     ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
+                                                     **common)
+        if fold:
+            return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:
         hist_len = bp
         part = jit(_qkv_partial_kernel, dev)
@@ -712,7 +776,8 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
     ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
     cfg = config or {}
-    if pending is not None and (kh == 0 or B != 1 or not _shared_qkv(B, head_idx, _qkv_cfg(B, cfg.get("qkv")))):
+    qcfg = _qkv_cfg(B, cfg.get("qkv"))
+    if pending is not None and (kh == 0 or B != 1 or not _shared_qkv(B, head_idx, qcfg)):
         x_ln, pending = materialize(pending), None
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
         _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)
@@ -722,15 +787,17 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         return no_heads_ln(out, ln, ln_out)
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
-                cfg.get("qkv"), pending)
+    fold = (qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]
+            and folds_finish(B, S, cfg.get("attn")))
+    parts = _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
+                        cfg.get("qkv"), pending, fold=fold)
     if after_qkv is not None:
         after_qkv()
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored
     # that slot when it normalised a PendingLN); 3. output projection
     y = attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, cfg.get("attn"),
                        commit=(valid_len, None if pending is not None else x_ln, x_hist), ln=ln, ln_out=ln_out,
-                       ln_defer=ln_defer)  # + LayerNorm(y) with ln
+                       ln_defer=ln_defer, finish=parts)  # + LayerNorm(y) with ln
     return y if ln is None or ln_defer else (y, ln_out)
 
 

@@ -93,6 +93,46 @@ class AttnParts(NamedTuple):
     q: torch.Tensor  # [1, Kh * hd]: the shape of o (not read)
 
 
+class QKVPartials(NamedTuple):
+    """deferred_kv's Q/K/V partial sums at batch 1 with the finishing kernel folded into attention
+    (QKV_CONFIG_B1 FOLD_FINISH): the attention kernel finishes them (`_fold_rows`)."""
+    pnew: torch.Tensor  # [SPLIT, 1, Kh, 3*hd] fp32: Q, K, V rows at pos, per slice of D
+    phist: torch.Tensor  # [SPLIT, 1, Kh, block_p, 2*hd] fp32: K, V rows at the first missing slots
+    split: int
+    hist_len: int  # missing slots the partials hold (from min(valid_len, pos))
+    block_p: int  # phist's slot stride
+    bq: torch.Tensor
+    bkv: torch.Tensor
+
+
+def folds_finish(B: int, S: int, config=None) -> bool:
+    """Whether attend_project can take the Q/K/V partials (QKVPartials) at batch 1 with S_max S:
+    the chunked kernel with a separate combine launch (which commits valid_len after every
+    chunk program has read it), not LAST_COMBINE / FOLD_COMBINE / the one-launch projection."""
+    cfg = {**ATTN_CONFIG, **(config or {})}
+    return (B == 1 and S > cfg["CHUNK"] and not cfg["LAST_COMBINE"] and not cfg["FOLD_COMBINE"]
+            and not 0 < S <= cfg["PROJ_MAX_S"])
+
+
+@helper
+def _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, cache, head, slot_f, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD,
+               SPLIT, BLOCK_PH, stride_cs, seg: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_HD: tl.constexpr):
+    # K (seg 1) or V (seg 2) of head slot slot0 % KH at the fresh slots slot_f [BLOCK_F] (row 0: pos,
+    # from pnew; rows f >= 1: the (f-1)-th missing slot, from phist; fm2 masks the rest): the SPLIT
+    # partials summed in order, the bias added, rounded to the cache's dtype and stored there, as
+    # deferred_kv's finishing kernel does; returned in fp32 (what attention reads back).
+    acc = tl.zeros([BLOCK_F, BLOCK_HD], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        slot = s * KH + slot0
+        p_new = pnew_ptr + slot * 3 * HD + seg * HD + offs_d[None, :]
+        p_hist = phist_ptr + ((slot * BLOCK_PH + offs_f[:, None] - 1) * 2 * HD + (seg - 1) * HD + offs_d[None, :])
+        acc += tl.load(tl.where(offs_f[:, None] == 0, p_new, p_hist), mask=fm2, other=0.0, cache_modifier=".cg")
+    bias = tl.load(bkv_ptr + (seg - 1) * H * HD + head * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    val = (acc + bias[None, :]).to(cache.dtype.element_ty)
+    tl.store(cache + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], val, mask=fm2)
+    return val.to(tl.float32)
+
+
 @helper
 def _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr):
     # o[row] = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c over the row's NCHUNK chunk
@@ -116,10 +156,11 @@ def _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C: tl.constexpr
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
                         vl_ptr, xnew_ptr, xh_ptr, cnt_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
+                        pnew_ptr, phist_ptr, bq_ptr, bkv_ptr, SPLIT, HIST_LEN, BLOCK_PH,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, LAST_COMBINE: tl.constexpr = 0,
-                        BLOCK_C: tl.constexpr = 2, EARLY_READS: tl.constexpr = 0, GDC: tl.constexpr = 0,
-                        PF: tl.constexpr = 0):
+                        BLOCK_C: tl.constexpr = 2, EARLY_READS: tl.constexpr = 0, FOLD: tl.constexpr = 0,
+                        BLOCK_F: tl.constexpr = 16, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
@@ -131,19 +172,30 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # EARLY_READS: the head index and pos before the PDL wait (neither is written by the kernel
     # before this one: the heads come from the side stream, whose event the main stream waited
     # for before the Q/K/V kernels; pos is the step's input), saving a round trip after it.
+    # FOLD (batch 1, PARTIAL, after deferred_kv's partial kernel with no finishing kernel): q is the
+    # sum of the SPLIT Q partials at pnew + bq; the fresh slots (pos and the missing slots
+    # start .. min(start + HIST_LEN, pos) - 1 from start = min(valid_len, pos), whose K/V only
+    # the partials hold) are left out of the cache tiles and attended by the program of pos's
+    # chunk, which finishes them (_fold_rows: stores them into the caches). valid_len (read here
+    # by every chunk program) is committed by the combine kernel, not here.
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
     pid_c = tl.program_id(2)
     if EARLY_READS:
         head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
         pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+        if FOLD:
+            fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
     gdc_enter(GDC)
     if not EARLY_READS:
         head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
         pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+        if FOLD:
+            fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
     if COMMIT:
         if pid_c == 0:
-            tl.store(vl_ptr + pid_b * H + head, pos + 1)
+            if not FOLD:
+                tl.store(vl_ptr + pid_b * H + head, pos + 1)
             if COMMIT == 1 and pid_j == 0:  # the whole row at once (BLOCK_X >= D): one memory round trip
                 src = xnew_ptr + pid_b.to(tl.int64) * stride_nb
                 dst = xh_ptr + pid_b.to(tl.int64) * stride_xb + pos.to(tl.int64) * stride_xs
@@ -155,7 +207,15 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     offs_d = tl.arange(0, BLOCK_HD)
     dmask = offs_d < HD
     qo = (pid_b.to(tl.int64) * KH + pid_j) * HD
-    q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    if FOLD:  # Q partials summed in order, as the finishing kernel does, + bias
+        slot0 = pid_b.to(tl.int64) * KH + pid_j
+        q = tl.zeros([BLOCK_HD], dtype=tl.float32)
+        for sp in range(0, SPLIT):
+            q += tl.load(pnew_ptr + (sp * KH + slot0) * 3 * HD + offs_d, mask=dmask, other=0.0, cache_modifier=".cg")
+        q = q + tl.load(bq_ptr + head * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        fend = tl.minimum(fstart + HIST_LEN, pos)
+    else:
+        q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
     base = pid_b.to(tl.int64) * stride_cb + head * stride_ch
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], dtype=tl.float32)
@@ -163,18 +223,41 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     for s0 in range(start, end, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         smask = offs_s < end
+        if FOLD:  # the fresh slots are not in the cache yet
+            smask = smask & ((offs_s < fstart) | (offs_s >= fend)) & (offs_s != pos)
         tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
         mask = smask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1)
         s = tl.where(smask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        if FOLD:  # a tile of fresh slots only: nothing to add (exp(-inf - 0) = 0, no NaN)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
         v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        if FOLD:
+            m_new = tl.where(l_i == 0.0, float("-inf"), m_new)
         m_i = m_new
+    if FOLD:
+        if pid_c == pos // CHUNK:  # the fresh slots, finished here and attended
+            offs_f = tl.arange(0, BLOCK_F)
+            slot_f = tl.where(offs_f == 0, pos, fstart + offs_f - 1)
+            fmask = (offs_f == 0) | (slot_f < fend)
+            fm2 = fmask[:, None] & dmask[None, :]
+            k = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, k_ptr + base, head, slot_f, offs_f, fm2, offs_d, dmask,
+                           slot0, KH, H, HD, SPLIT, BLOCK_PH, stride_cs, 1, BLOCK_F, BLOCK_HD)
+            v = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, v_ptr + base, head, slot_f, offs_f, fm2, offs_d, dmask,
+                           slot0, KH, H, HD, SPLIT, BLOCK_PH, stride_cs, 2, BLOCK_F, BLOCK_HD)
+            s = tl.where(fmask, tl.sum(k * q[None, :], axis=1), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: row 0 is pos
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m_i = m_new
     if PARTIAL:
         slot = (pid_b.to(tl.int64) * KH + pid_j) * NCHUNK + pid_c
         tl.store(part_ptr + slot * HD + offs_d, acc, mask=dmask)
@@ -189,12 +272,18 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
         tl.store(o_ptr + qo + offs_d, acc / l_i, mask=dmask)
 
 
-def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK,
-                         BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, GDC: tl.constexpr = 0,
-                         PF: tl.constexpr = 0):
-    # o = the chunks' partials combined (_combine_row); grid (B * Kh,).
+def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK, vl_ptr, head_ptr, pos_ptr, KH, H, stride_hb,
+                         stride_pb, BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, COMMIT: tl.constexpr = 0,
+                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+    # o = the chunks' partials combined (_combine_row); grid (B * Kh,). COMMIT (the attention
+    # kernel's FOLD, whose chunk programs read valid_len): valid_len[b, head] = pos + 1.
     gdc_enter(GDC)
-    _combine_row(part_ptr, ml_ptr, o_ptr, tl.program_id(0).to(tl.int64), HD, NCHUNK, BLOCK_C, BLOCK_HD)
+    row = tl.program_id(0).to(tl.int64)
+    if COMMIT:
+        b = row // KH
+        head = tl.load(head_ptr + b * stride_hb + row % KH).to(tl.int64)
+        tl.store(vl_ptr + b * H + head, tl.load(pos_ptr + b * stride_pb).to(tl.int32) + 1)
+    _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C, BLOCK_HD)
 
 
 def _attn_proj_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, w_ptr, part_ptr, vl_ptr, xnew_ptr, xh_ptr,
@@ -366,16 +455,22 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
                           ln=ln, ln_out=ln_out, ln_defer=ln_defer)
 
 
-def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False):
+def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False,
+                 finish=None):
     """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
     cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
     store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V; x_new
     None: valid_len only).
-    fold=True: where FOLD_COMBINE applies, AttnParts instead of o (for project_out)."""
+    fold=True: where FOLD_COMBINE applies, AttnParts instead of o (for project_out).
+    finish: QKVPartials (batch 1, `folds_finish`, with commit): q is not read; the kernel sums
+    Q and the fresh K/V slots from the partials and stores those slots into the caches."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
     nchunk = -(-S // cfg["CHUNK"])  # from S_max, not pos: no sync, graph-safe
+    if finish is not None and (commit is None or not folds_finish(B, S, config)):
+        raise DejavuError("attend_heads: Q/K/V partials need batch 1, a commit and the chunked attention "
+                          "with its combine launch (sparse_attention.folds_finish)")
     fold = (fold and cfg["FOLD_COMBINE"] and B == 1 and 1 < nchunk <= cfg["FOLD_MAX_CHUNKS"]
             and sparse_mlp.FC2_DOT_MIN_BATCH <= 1)
     o = torch.empty_like(q)
@@ -391,35 +486,43 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     last = bool(cfg["LAST_COMBINE"]) and nchunk > 1 and not fold
     cnt = counters(q.device, B * kh) if last else head_idx  # never touched without LAST_COMBINE
     block_c = max(2, next_pow2(nchunk))
+    stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
+    # Q/K/V partials (finish): never touched without FOLD
+    f = finish or QKVPartials(q, q, 0, 0, 0, q, q)
     kernel = jit(_attn_decode_kernel, q.device)
     kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, vl, xn, xh, cnt, kh, H, hd, D,
-                            cfg["CHUNK"], nchunk, 0 if head_idx.dim() == 1 else head_idx.stride(0),
+                            cfg["CHUNK"], nchunk, stride_hb,
                             stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
+                            f.pnew, f.phist, f.bq, f.bkv, f.split, f.hist_len, f.block_p,
                             PARTIAL=nchunk > 1, COMMIT=commit_mode, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit_mode == 1 else 16,
                             LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
+                            FOLD=finish is not None, BLOCK_F=next_pow2(f.hist_len + 1),
                             num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
     if fold:
         return AttnParts(part, ml, nchunk, q)
     if nchunk > 1 and not last:
         combine = jit(_attn_combine_kernel, q.device)
-        combine[(B * kh,)](part, ml, o, hd, nchunk, BLOCK_C=block_c,
-                           BLOCK_HD=block_hd, num_warps=4, **pdl_args(q.device, "attn_combine"))
+        combine[(B * kh,)](part, ml, o, hd, nchunk, vl, head_idx, pos_t, kh, H, stride_hb, stride_pb,
+                           BLOCK_C=block_c, BLOCK_HD=block_hd, COMMIT=finish is not None, num_warps=4,
+                           **pdl_args(q.device, "attn_combine"))
     return o
 
 
 def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
-                   commit=None, ln=None, ln_out=None, ln_defer=False):
+                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None):
     """attend_heads(q, head_idx, ..., commit) then project_out(o, wo_t, bo, head_idx, residual, out,
     ln, ln_out, ln_defer), returning what project_out returns; where it applies, batch 1 (a shared
     or one-row head set) with S_max <= ATTN_CONFIG["PROJ_MAX_S"], both in one launch
-    (`_attn_proj_kernel`) plus the split-K reduction over the heads (`sparse_mlp.reduce_partials`)."""
+    (`_attn_proj_kernel`) plus the split-K reduction over the heads (`sparse_mlp.reduce_partials`).
+    finish: Q/K/V partials for attend_heads (`folds_finish` must hold)."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
     if not (B == 1 and 0 < S <= cfg["PROJ_MAX_S"]):
-        o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, fold=True)
+        o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, fold=True,
+                         finish=finish)
         return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
     D = wo_t.shape[1]
     vl, xn, xh = commit if commit is not None else (head_idx, q, q)  # never touched without COMMIT

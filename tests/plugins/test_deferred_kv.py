@@ -383,3 +383,77 @@ def test_fused_finish_equals_two_launches(triton_interp, close, op, shared, spli
     for got, ref64, tor in ((kc, k64, kt), (vc, v64, vt)):
         assert torch.equal(torch.isfinite(got).all(-1), fin) and torch.isnan(got[~fin]).all()
         close(got[mask], ref64[mask], tor[mask])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("pending", [False, True], ids=["x_ln", "pending-ln"])
+@pytest.mark.parametrize("slow", [{}, {"FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 8}], ids=["z1r16", "z2r8"])
+def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, dtype, pending, slow):
+    """Batch 1 with the Q/K/V finishing kernel folded into attention (FOLD_FINISH): over four steps
+    with gaps of 0, 1..3 (the partials, SHARED_P 4) and up to 41 (the partial kernel's first
+    z-slices: several 16-slot chunks, over 1 or 2 chunk sets x 1 or 2 row sub-blocks), in chunks
+    of 8 positions (fresh slots spanning two chunks; a chunk holding only pos), the caches,
+    valid_len and history equal the finishing kernel's bit for bit, the output is close to the
+    float64 reference, and no finishing kernel runs (and one does with FOLD_FINISH off)."""
+    from dejavu.plugins import deferred_kv as DK, sparse_attention as SA
+    from dejavu.plugins.layer_norm import pending_ln
+    S2 = 48
+    w = weights(dtype)
+    w64 = [t.double() for t in w]
+    ln = (torch.rand(D) + 0.5).to(dtype), (torch.randn(D) / 4).to(dtype)
+    x_hist0 = torch.randn(1, S2, D).to(dtype)
+    kc0, vc0 = torch.randn(1, H, S2, HD).to(dtype), torch.randn(1, H, S2, HD).to(dtype)
+    vl0 = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32)
+    steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]  # pos, heads
+    inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, **slow}
+    attn = {"CHUNK": 8, "BLOCK_S": 8}
+    runs = {}
+    for fold in (True, False):
+        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
+        k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
+        ys = []
+        for (p, hs), (x, res) in zip(steps, inputs):
+            names = launched(DK, SA)
+            x_in = pending_ln(x, *ln, width=32) if pending else x
+            hidx = torch.tensor([hs], dtype=torch.int32)
+            y = sparse_attn_decode_deferred(x_in, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res,
+                                            config={"qkv": {**qkv, "FOLD_FINISH": fold}, "attn": attn})
+            assert ("_qkv_finish_kernel" in names) != fold, names
+            assert "_attn_combine_kernel" in names and "_layer_norm_kernel" not in names, names
+            x64 = torch.nn.functional.layer_norm(x.double(), (D,), *[t.double() for t in ln]) if pending else x.double()
+            ref = sparse_attn_decode_deferred_ref(x64, *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
+                                                  res.double())
+            assert torch.equal(vl, vl64)
+            assert torch.allclose(y.double(), ref, rtol=2e-2 if dtype == torch.float16 else 1e-4,
+                                  atol=2e-2 if dtype == torch.float16 else 1e-4)
+            ys.append(y)
+        runs[fold] = (ys, kc, vc, vl, hist)
+    (ys_f, *state_f), (ys_u, *state_u) = runs[True], runs[False]
+    for a, b in zip(state_f, state_u):
+        assert torch.equal(a, b)
+    for a, b in zip(ys_f, ys_u):  # attention sums the fresh slots in another order: fp32 rounding only
+        assert torch.allclose(a.double(), b.double(), rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-3)
+    # every slot of the selected heads up to their last pos is filled (the slow path ran)
+    assert runs[True][3][0].tolist() == [44, 44, 45, 45, 45]
+
+
+def test_folded_finish_needs_a_combine_launch():
+    """FOLD_FINISH applies only where the attention kernel has a combine launch after it (which
+    commits valid_len): not for one chunk, LAST_COMBINE, FOLD_COMBINE or the one-launch projection;
+    attend_heads refuses the partials otherwise."""
+    from dejavu.plugins.sparse_attention import QKVPartials, attend_heads, folds_finish
+    from dejavu.plugins.deferred_kv import QKV_CONFIG_B1
+    assert QKV_CONFIG_B1["FOLD_FINISH"] in (True, False)
+    assert folds_finish(1, 64) and not folds_finish(2, 64) and not folds_finish(1, 32)
+    assert not folds_finish(1, 64, {"LAST_COMBINE": True}) and not folds_finish(1, 64, {"FOLD_COMBINE": True})
+    assert not folds_finish(1, 64, {"PROJ_MAX_S": 64}) and folds_finish(1, 65, {"PROJ_MAX_S": 64})
+    q = torch.zeros(1, HD)
+    parts = QKVPartials(q, q, 1, 3, 16, q, q)
+    kc = torch.zeros(1, H, 64, HD)
+    hidx, vl = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, H, dtype=torch.int32)
+    with pytest.raises(DejavuError, match="Q/K/V partials need batch 1"):  # no commit
+        attend_heads(q, hidx, kc, kc, torch.tensor([3]), 1, finish=parts)
+    with pytest.raises(DejavuError, match="Q/K/V partials need batch 1"):  # one chunk: no combine launch
+        attend_heads(q, hidx, kc[:, :, :32], kc[:, :, :32], torch.tensor([3]), 1, commit=(vl, None, q),
+                     finish=parts)
