@@ -385,7 +385,8 @@ def _check_predictor(B, D, N, r, k, shared, method, dtype, scoring):
     return ok, {"margin": margin}
 
 
-def run_checks():
+def run_checks(kinds=None):
+    """The --check cases (kinds: only those kinds, e.g. {"deferred"}); a list of result rows."""
     results = []
     cases = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -457,6 +458,12 @@ def run_checks():
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 8},
                                        attn={"FOLD_COMBINE": True}, **deep)))
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, attn={"LAST_COMBINE": True}, **deep)))
+    # session 14: batch 1 with the Q/K/V finish folded into attention (FOLD_FINISH): the partials
+    # summed by the attention kernel, longer gaps by the partial kernel's slow z-slices
+    fold_shape = deep if big else dict(H=6, hd=24, S=90, pos=70, kh=4, dtype=torch.float16)
+    for gap in ((0, 3, 40, 100) if big else (0, 40)):
+        for cfg in ({"FOLD_FINISH": True}, {"FOLD_FINISH": True, "FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 32}):
+            cases.append(("deferred", dict(B=1, shared=False, gap=gap, config=cfg, **fold_shape)))
     for dtype in (torch.bfloat16, torch.float32):  # fp32: the DOT_FP32 path; D=144 in 9 slices of 16
         cases.append(("deferred", dict(B=3, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=False, gap=40,
                                        config={"BLOCK_D": 16, "SPLIT": 9})))
@@ -496,6 +503,8 @@ def run_checks():
     fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
            "recompute": check_recompute, "fused": check_fused}
     for kind, kw in cases:
+        if kinds and kind not in kinds:
+            continue
         torch.manual_seed(len(results))
         try:
             ok, info = fns[kind](**kw)
@@ -1256,6 +1265,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check-kinds", default=None,
+                    help="with --check: only these kinds (comma list of mlp, attn, pred, deferred, recompute, fused)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-paths", default=None,
                     help="--sweep only these MLP paths (comma list of gemv, dot, dot1, proj1)")
@@ -1302,7 +1313,7 @@ def main(argv=None):
         return True
 
     if args.check:
-        res["check"] = run_checks()
+        res["check"] = run_checks(set(args.check_kinds.split(",")) if args.check_kinds else None)
         fail = not all(r["ok"] for r in res["check"])
         save("checks")
     if not args.no_bench or args.sweep:

@@ -226,6 +226,32 @@ SCRIPT = textwrap.dedent('''
         wait = ptx.index("griddepcontrol.wait")
         assert "st.global" not in ptx[:wait] and "prefetch.global.L2" in ptx[:wait]
         assert ptx.index("griddepcontrol.launch_dependents") > wait
+    # the Q/K/V finish folded into attention (batch 1, QKV_CONFIG_B1 FOLD_FINISH): the partial
+    # kernel's slow-path z-slices, the attention kernel summing the partials, the combine kernel
+    # committing valid_len; with PDL no store before a wait (the slow path waits on its own branch)
+    fold_ptrs = {**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32"}
+    for gdc in (0, 1):
+        for slow_r in (16, 64):
+            ptx = compile_sm90(DK, DK._qkv_partial_shared_kernel,
+                               dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16, BLOCK_M=16, BLOCK_P=16,
+                                    BLOCK_R=64, BLOCK_D=128, BLOCK_S=1, EVEN_D=True, LN_IN=1, BLOCK_N=8,
+                                    SLOW=2 * 64 // slow_r, SLOW_R=slow_r, GDC=gdc), overrides=fold_ptrs).asm["ptx"]
+            if gdc:
+                assert "st.global" not in ptx[:ptx.index("griddepcontrol.wait")]
+                assert ptx.count("griddepcontrol.wait") >= 2
+            else:
+                assert "griddepcontrol" not in ptx
+    for dt in ("fp16", "bf16", "fp32"):
+        for gdc in (0, 2):
+            ptx = compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128,
+                                                                BLOCK_X=16, EARLY_READS=True, FOLD=True, BLOCK_F=16,
+                                                                GDC=gdc),
+                               dt, {"cnt_ptr": "*i32", "pnew_ptr": "*fp32", "phist_ptr": "*fp32"}).asm["ptx"]
+            if gdc:
+                wait = ptx.index("griddepcontrol.wait")
+                assert "st.global" not in ptx[:wait] and ptx.index("griddepcontrol.launch_dependents") > wait
+    ptx = compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, GDC=2)).asm["ptx"]
+    assert "st.global" not in ptx[:ptx.index("griddepcontrol.wait")]
     print("ALL OK")
 ''')
 
