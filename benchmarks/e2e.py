@@ -611,6 +611,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "foldfinish": _qkv_b1(FOLD_FINISH=True), "foldfinish2": _qkv_b1(FOLD_FINISH=True),
              "foldfinishz2": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_Z=2),
              "foldfinishr32": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_R=32),
+             # ... up to 16 slices of D unrolled (d0.1 has 14), or the partial kernel on 264 programs
+             "foldfinishm16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16),
+             "foldfinisht264": _qkv_b1(FOLD_FINISH=True, TARGET_PROGRAMS=264),
+             "foldfinishz4m16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, FOLD_SLOW_Z=4),
              "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),

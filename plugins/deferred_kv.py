@@ -87,7 +87,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
-              "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1}
+              "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
@@ -102,7 +102,8 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
 # program of pos's chunk, which stores them into the caches), the combine kernel commits
 # valid_len, and the partial kernel's first z-slices (FOLD_SLOW_Z chunk sets x sub-blocks of
 # FOLD_SLOW_R rows) fill any further missing slots from whole-D passes. One launch fewer in
-# each layer's latency-bound chain.
+# each layer's latency-bound chain. Up to FOLD_MAX_SPLIT slices of D (the attention kernel
+# unrolls their loads); more: the finishing kernel runs.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640}
@@ -603,7 +604,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     normalised in the kernel, which also stores it at x_hist[:, pos].
     fold (batch 1 on the shared-set kernel, x_new given, FUSED_FINISH off): no finishing kernel;
     the partial kernel's first z-slices fill the slots no partial holds (_fold_slow_program) and
-    the QKVPartials returned go to the attention kernel, which finishes the rest (q stays unwritten)."""
+    the QKVPartials returned go to the attention kernel, which finishes the rest (q stays unwritten);
+    with more than FOLD_MAX_SPLIT slices of D the finishing kernel runs instead (None returned)."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
@@ -622,6 +624,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
     d_per = -(-d_blocks // split) * bd
     split = -(-D // d_per)
+    fold = fold and split <= cfg["FOLD_MAX_SPLIT"]  # the attention kernel's unrolled partial loads
     dev = x_hist.device
     fused = cfg["FUSED_FINISH"]
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)

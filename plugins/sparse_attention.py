@@ -108,29 +108,28 @@ class QKVPartials(NamedTuple):
 def folds_finish(B: int, S: int, config=None) -> bool:
     """Whether attend_project can take the Q/K/V partials (QKVPartials) at batch 1 with S_max S:
     the chunked kernel with a separate combine launch (which commits valid_len after every
-    chunk program has read it), not LAST_COMBINE / FOLD_COMBINE / the one-launch projection."""
+    chunk program has read it) over chunks of one tile (BLOCK_S >= CHUNK), not LAST_COMBINE /
+    FOLD_COMBINE / the one-launch projection."""
     cfg = {**ATTN_CONFIG, **(config or {})}
-    return (B == 1 and S > cfg["CHUNK"] and not cfg["LAST_COMBINE"] and not cfg["FOLD_COMBINE"]
-            and not 0 < S <= cfg["PROJ_MAX_S"])
+    return (B == 1 and S > cfg["CHUNK"] and cfg["BLOCK_S"] >= cfg["CHUNK"] and not cfg["LAST_COMBINE"]
+            and not cfg["FOLD_COMBINE"] and not 0 < S <= cfg["PROJ_MAX_S"])
 
 
 @helper
-def _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, cache, head, slot_f, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD,
-               SPLIT, BLOCK_PH, stride_cs, seg: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_HD: tl.constexpr):
-    # K (seg 1) or V (seg 2) of head slot slot0 % KH at the fresh slots slot_f [BLOCK_F] (row 0: pos,
-    # from pnew; rows f >= 1: the (f-1)-th missing slot, from phist; fm2 masks the rest): the SPLIT
-    # partials summed in order, the bias added, rounded to the cache's dtype and stored there, as
-    # deferred_kv's finishing kernel does; returned in fp32 (what attention reads back).
+def _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD, BLOCK_PH,
+               seg: tl.constexpr, SPLIT: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_HD: tl.constexpr):
+    # K (seg 1) or V (seg 2) of head slot slot0 at the fresh slots [BLOCK_F] (row 0: pos, from pnew;
+    # row f >= 1: the (f-1)-th missing slot, from phist; fm2 masks the rest) in fp32: the SPLIT
+    # partials summed in order (unrolled: the loads go out together), + the bias, as deferred_kv's
+    # finishing kernel computes them (the caller rounds them to the cache's dtype).
     acc = tl.zeros([BLOCK_F, BLOCK_HD], dtype=tl.float32)
-    for s in range(0, SPLIT):
-        slot = s * KH + slot0
+    for sp in tl.static_range(SPLIT):
+        slot = sp * KH + slot0
         p_new = pnew_ptr + slot * 3 * HD + seg * HD + offs_d[None, :]
         p_hist = phist_ptr + ((slot * BLOCK_PH + offs_f[:, None] - 1) * 2 * HD + (seg - 1) * HD + offs_d[None, :])
         acc += tl.load(tl.where(offs_f[:, None] == 0, p_new, p_hist), mask=fm2, other=0.0, cache_modifier=".cg")
     bias = tl.load(bkv_ptr + (seg - 1) * H * HD + head * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    val = (acc + bias[None, :]).to(cache.dtype.element_ty)
-    tl.store(cache + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], val, mask=fm2)
-    return val.to(tl.float32)
+    return acc + bias[None, :]
 
 
 @helper
@@ -156,11 +155,12 @@ def _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C: tl.constexpr
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
                         vl_ptr, xnew_ptr, xh_ptr, cnt_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
-                        pnew_ptr, phist_ptr, bq_ptr, bkv_ptr, SPLIT, HIST_LEN, BLOCK_PH,
+                        pnew_ptr, phist_ptr, bq_ptr, bkv_ptr, HIST_LEN, BLOCK_PH,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, LAST_COMBINE: tl.constexpr = 0,
                         BLOCK_C: tl.constexpr = 2, EARLY_READS: tl.constexpr = 0, FOLD: tl.constexpr = 0,
-                        BLOCK_F: tl.constexpr = 16, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        FOLD_SPLIT: tl.constexpr = 1, BLOCK_F: tl.constexpr = 16, GDC: tl.constexpr = 0,
+                        PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
@@ -176,8 +176,10 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # sum of the SPLIT Q partials at pnew + bq; the fresh slots (pos and the missing slots
     # start .. min(start + HIST_LEN, pos) - 1 from start = min(valid_len, pos), whose K/V only
     # the partials hold) are left out of the cache tiles and attended by the program of pos's
-    # chunk, which finishes them (_fold_rows: stores them into the caches). valid_len (read here
-    # by every chunk program) is committed by the combine kernel, not here.
+    # chunk, which finishes them (_fold_rows) and stores them into the caches. Straight-line code
+    # (one tile per program, BLOCK_S >= CHUNK; the FOLD_SPLIT partial loads unrolled), so the loads
+    # go out together. valid_len (read here by every chunk program) is committed by the combine
+    # kernel, not here.
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -207,54 +209,58 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     offs_d = tl.arange(0, BLOCK_HD)
     dmask = offs_d < HD
     qo = (pid_b.to(tl.int64) * KH + pid_j) * HD
-    if FOLD:  # Q partials summed in order, as the finishing kernel does, + bias
+    base = pid_b.to(tl.int64) * stride_cb + head * stride_ch
+    if FOLD:  # straight-line (one tile: BLOCK_S >= CHUNK), so every load can be issued at once
         slot0 = pid_b.to(tl.int64) * KH + pid_j
         q = tl.zeros([BLOCK_HD], dtype=tl.float32)
-        for sp in range(0, SPLIT):
+        for sp in tl.static_range(FOLD_SPLIT):  # Q partials summed in order, as the finishing kernel does
             q += tl.load(pnew_ptr + (sp * KH + slot0) * 3 * HD + offs_d, mask=dmask, other=0.0, cache_modifier=".cg")
         q = q + tl.load(bq_ptr + head * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
         fend = tl.minimum(fstart + HIST_LEN, pos)
+        offs_f = tl.arange(0, BLOCK_F)
+        slot_f = tl.where(offs_f == 0, pos, fstart + offs_f - 1)
+        # pos's chunk program only (a vector comparison: the interpreter wants vector masks)
+        fmask = ((offs_f == 0) | (slot_f < fend)) & (offs_f * 0 + pid_c == pos // CHUNK)
+        fm2 = fmask[:, None] & dmask[None, :]
+        kf = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD, BLOCK_PH,
+                        1, FOLD_SPLIT, BLOCK_F, BLOCK_HD).to(k_ptr.dtype.element_ty)
+        vf = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD, BLOCK_PH,
+                        2, FOLD_SPLIT, BLOCK_F, BLOCK_HD).to(v_ptr.dtype.element_ty)
+        offs_s = start + tl.arange(0, BLOCK_S)  # the chunk's cached slots (the fresh ones are not there yet)
+        cached = (offs_s < end) & ((offs_s < fstart) | (offs_s >= fend)) & (offs_s != pos)
+        tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        mask = cached[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+        s = tl.where(cached, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        sf = tl.where(fmask, tl.sum(kf.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+        m = tl.maximum(tl.max(s, axis=0), tl.max(sf, axis=0))
+        m = tl.where(m == float("-inf"), 0.0, m)  # nothing here (a chunk past pos): exp(-inf) = 0, no NaN
+        p = tl.exp(s - m)
+        pf = tl.exp(sf - m)
+        l_i = tl.zeros([1], dtype=tl.float32) + (tl.sum(p, axis=0) + tl.sum(pf, axis=0))
+        acc = tl.sum(p[:, None] * v, axis=0) + tl.sum(pf[:, None] * vf.to(tl.float32), axis=0)
+        m_i = tl.where(l_i == 0.0, float("-inf"), m)
+        # the finished slots into the caches (K, V)
+        tl.store(k_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], kf, mask=fm2)
+        tl.store(v_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], vf, mask=fm2)
     else:
         q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    base = pid_b.to(tl.int64) * stride_cb + head * stride_ch
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
-    for s0 in range(start, end, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        smask = offs_s < end
-        if FOLD:  # the fresh slots are not in the cache yet
-            smask = smask & ((offs_s < fstart) | (offs_s >= fend)) & (offs_s != pos)
-        tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
-        mask = smask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1)
-        s = tl.where(smask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        if FOLD:  # a tile of fresh slots only: nothing to add (exp(-inf - 0) = 0, no NaN)
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        if FOLD:
-            m_new = tl.where(l_i == 0.0, float("-inf"), m_new)
-        m_i = m_new
-    if FOLD:
-        if pid_c == pos // CHUNK:  # the fresh slots, finished here and attended
-            offs_f = tl.arange(0, BLOCK_F)
-            slot_f = tl.where(offs_f == 0, pos, fstart + offs_f - 1)
-            fmask = (offs_f == 0) | (slot_f < fend)
-            fm2 = fmask[:, None] & dmask[None, :]
-            k = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, k_ptr + base, head, slot_f, offs_f, fm2, offs_d, dmask,
-                           slot0, KH, H, HD, SPLIT, BLOCK_PH, stride_cs, 1, BLOCK_F, BLOCK_HD)
-            v = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, v_ptr + base, head, slot_f, offs_f, fm2, offs_d, dmask,
-                           slot0, KH, H, HD, SPLIT, BLOCK_PH, stride_cs, 2, BLOCK_F, BLOCK_HD)
-            s = tl.where(fmask, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: row 0 is pos
+        m_i = tl.full([1], float("-inf"), tl.float32)
+        l_i = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
+        for s0 in range(start, end, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            smask = offs_s < end
+            tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+            mask = smask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], axis=1)
+            s = tl.where(smask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new)
+            v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m_i = m_new
@@ -494,11 +500,11 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             cfg["CHUNK"], nchunk, stride_hb,
                             stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
-                            f.pnew, f.phist, f.bq, f.bkv, f.split, f.hist_len, f.block_p,
+                            f.pnew, f.phist, f.bq, f.bkv, f.hist_len, f.block_p,
                             PARTIAL=nchunk > 1, COMMIT=commit_mode, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit_mode == 1 else 16,
                             LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
-                            FOLD=finish is not None, BLOCK_F=next_pow2(f.hist_len + 1),
+                            FOLD=finish is not None, FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
                             num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
     if fold:
         return AttnParts(part, ml, nchunk, q)

@@ -457,3 +457,24 @@ def test_folded_finish_needs_a_combine_launch():
     with pytest.raises(DejavuError, match="Q/K/V partials need batch 1"):  # one chunk: no combine launch
         attend_heads(q, hidx, kc[:, :, :32], kc[:, :, :32], torch.tensor([3]), 1, commit=(vl, None, q),
                      finish=parts)
+
+
+def test_folded_finish_falls_back_past_max_split(triton_interp, launched):
+    """More slices of D than FOLD_MAX_SPLIT (the attention kernel unrolls their loads): the finishing
+    kernel runs instead, with the same result as FOLD_FINISH off."""
+    from dejavu.plugins import deferred_kv as DK, sparse_attention as SA
+    w = weights(torch.float32)
+    x, res = torch.randn(1, D), torch.randn(1, D)
+    x_hist, kc0 = torch.randn(1, 40, D), torch.randn(1, H, 40, HD)
+    outs = []
+    for fold in (True, False):
+        kc, vc, vl, hist = kc0.clone(), kc0.clone(), torch.tensor([[0, 30, 39, 2, 5]], dtype=torch.int32), x_hist.clone()
+        names = launched(DK, SA)
+        y = sparse_attn_decode_deferred(x, *w, torch.tensor([[1, 3]], dtype=torch.int32), kc, vc, hist, vl,
+                                        torch.tensor([39]), res,
+                                        config={"qkv": {"FOLD_FINISH": fold, "FOLD_MAX_SPLIT": 3, "SPLIT": 4,
+                                                        "BLOCK_D": 16}})
+        assert "_qkv_finish_kernel" in names, names
+        outs.append((y, kc, vc, vl, hist))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
