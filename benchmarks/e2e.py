@@ -615,6 +615,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "foldfinishm16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16),
              "foldfinisht264": _qkv_b1(FOLD_FINISH=True, TARGET_PROGRAMS=264),
              "foldfinishz4m16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, FOLD_SLOW_Z=4),
+             # ... the slow-path z-slices after the D slices; at most 8 D slices instead of the finishing kernel
+             "foldlast": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_LAST=True),
+             "foldcap": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True),
+             "foldcaplast": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True),
+             "foldcaplastz2": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True, FOLD_SLOW_Z=2),
              "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),

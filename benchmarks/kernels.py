@@ -462,7 +462,8 @@ def run_checks(kinds=None):
     # summed by the attention kernel, longer gaps by the partial kernel's slow z-slices
     fold_shape = deep if big else dict(H=6, hd=24, S=90, pos=70, kh=4, dtype=torch.float16)
     for gap in ((0, 3, 40, 100) if big else (0, 40)):
-        for cfg in ({"FOLD_FINISH": True}, {"FOLD_FINISH": True, "FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 32}):
+        for cfg in ({"FOLD_FINISH": True}, {"FOLD_FINISH": True, "FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 32},
+                    {"FOLD_FINISH": True, "FOLD_CAP": True, "FOLD_MAX_SPLIT": 4, "FOLD_SLOW_LAST": True}):
             cases.append(("deferred", dict(B=1, shared=False, gap=gap, config=cfg, **fold_shape)))
     for dtype in (torch.bfloat16, torch.float32):  # fp32: the DOT_FP32 path; D=144 in 9 slices of 16
         cases.append(("deferred", dict(B=3, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=False, gap=40,

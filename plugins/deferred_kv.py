@@ -87,7 +87,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
-              "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8}
+              "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
+              "FOLD_SLOW_LAST": False}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
@@ -103,7 +104,8 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
 # valid_len, and the partial kernel's first z-slices (FOLD_SLOW_Z chunk sets x sub-blocks of
 # FOLD_SLOW_R rows) fill any further missing slots from whole-D passes. One launch fewer in
 # each layer's latency-bound chain. Up to FOLD_MAX_SPLIT slices of D (the attention kernel
-# unrolls their loads); more: the finishing kernel runs.
+# unrolls their loads); more: the finishing kernel runs (FOLD_CAP: the partial kernel takes
+# FOLD_MAX_SPLIT slices instead). FOLD_SLOW_LAST: the slow z-slices after the D slices in the grid.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640}
@@ -241,8 +243,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
-                               SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, GDC: tl.constexpr = 0,
-                               PF: tl.constexpr = 0):
+                               SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
+                               GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -260,18 +262,27 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # ran ~3x slower on the H200: BENCHMARKS.md, session 11.)
     # SLOW > 0 (batch 1, FINISH 0, the finishing kernel folded into attention: QKV_CONFIG_B1
     # FOLD_FINISH): z-slices 0 .. SLOW-1 are _fold_slow_program's (the slots no partial holds),
-    # slice SLOW + s is D slice s.
+    # slice SLOW + s is D slice s; SLOW_LAST: the last SLOW z-slices are, after the D slices.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
-    if SLOW:  # batch 1, the attention kernel finishing the rows: the first SLOW z-slices are the slow path
-        slow = tl.program_id(2) < SLOW
+    z_lo = 0  # the first z-slice of the D slices
+    if SLOW:  # batch 1, the attention kernel finishing the rows: SLOW z-slices are the slow path
+        if SLOW_LAST:
+            slow = tl.program_id(2) >= tl.num_programs(2) - SLOW
+        else:
+            slow = tl.program_id(2) < SLOW
+            z_lo = SLOW
     if slow:
-        _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, j, pid_r, H, D, HD, NB,
-                           stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG, DOT_FP32, P, BLOCK_P, BLOCK_R,
-                           BLOCK_D, SLOW, SLOW_R, GDC)
+        if SLOW_LAST:
+            z_slow = tl.program_id(2) + SLOW - tl.num_programs(2)
+        else:
+            z_slow = tl.program_id(2)
+        _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, j, pid_r, z_slow,
+                           H, D, HD, NB, stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG, DOT_FP32, P, BLOCK_P,
+                           BLOCK_R, BLOCK_D, SLOW, SLOW_R, GDC)
     else:
-        pid_s = tl.program_id(2) - SLOW
+        pid_s = tl.program_id(2) - z_lo
         if GDC:
             _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
                           BLOCK_R, BLOCK_D)
@@ -355,12 +366,12 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
 
 
 @helper
-def _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, j, pid_r, H, D, HD, NB,
+def _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, j, pid_r, z, H, D, HD, NB,
                        stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                        SLOW: tl.constexpr, SLOW_R: tl.constexpr, GDC: tl.constexpr):
-    # Batch 1, the finishing kernel folded into attention (_qkv_partial_shared_kernel's z-slices
-    # 0 .. SLOW-1): K or V of head slot j's rows at the missing slots past the P - 1 the partials
+    # Batch 1, the finishing kernel folded into attention (_qkv_partial_shared_kernel's SLOW slow
+    # z-slices, this one z of them): K or V of head slot j's rows at the missing slots past the P - 1 the partials
     # hold (start + P - 1 .. pos - 1; a head unselected for long), bias added, into the cache,
     # from whole-D tl.dot passes (_slow_slots). Slice z takes sub-block z % (BLOCK_R // SLOW_R)
     # of SLOW_R rows of row block pid_r and BLOCK_P-slot chunks z // that, + SLOW // that, ...
@@ -370,7 +381,6 @@ def _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_pt
     seg = FIRST_SEG + pid_r // NB
     if seg > 0:
         n_sub: tl.constexpr = BLOCK_R // SLOW_R
-        z = tl.program_id(2)
         head = tl.load(head_ptr + j).to(tl.int64)
         pos = tl.load(pos_ptr).to(tl.int32)
         first = tl.minimum(tl.load(vl_ptr + head).to(tl.int32), pos) + P - 1
@@ -624,7 +634,12 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
     d_per = -(-d_blocks // split) * bd
     split = -(-D // d_per)
-    fold = fold and split <= cfg["FOLD_MAX_SPLIT"]  # the attention kernel's unrolled partial loads
+    if fold and split > cfg["FOLD_MAX_SPLIT"]:  # the attention kernel unrolls the partial loads
+        if cfg["FOLD_CAP"]:  # fewer, longer programs
+            d_per = -(-d_blocks // cfg["FOLD_MAX_SPLIT"]) * bd
+            split = -(-D // d_per)
+        else:  # the finishing kernel runs
+            fold = False
     dev = x_hist.device
     fused = cfg["FUSED_FINISH"]
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
@@ -660,6 +675,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
+                                                     SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]),
                                                      **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)

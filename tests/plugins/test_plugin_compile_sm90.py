@@ -231,11 +231,12 @@ SCRIPT = textwrap.dedent('''
     # committing valid_len; with PDL no store before a wait (the slow path waits on its own branch)
     fold_ptrs = {**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32"}
     for gdc in (0, 1):
-        for slow_r in (16, 64):
+        for slow_r, last in ((16, False), (64, False), (16, True)):
             ptx = compile_sm90(DK, DK._qkv_partial_shared_kernel,
                                dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16, BLOCK_M=16, BLOCK_P=16,
                                     BLOCK_R=64, BLOCK_D=128, BLOCK_S=1, EVEN_D=True, LN_IN=1, BLOCK_N=8,
-                                    SLOW=2 * 64 // slow_r, SLOW_R=slow_r, GDC=gdc), overrides=fold_ptrs).asm["ptx"]
+                                    SLOW=2 * 64 // slow_r, SLOW_R=slow_r, SLOW_LAST=last, GDC=gdc),
+                               overrides=fold_ptrs).asm["ptx"]
             if gdc:
                 assert "st.global" not in ptx[:ptx.index("griddepcontrol.wait")]
                 assert ptx.count("griddepcontrol.wait") >= 2
