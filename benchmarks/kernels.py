@@ -465,6 +465,8 @@ def run_checks(kinds=None):
         for cfg in ({"FOLD_FINISH": True}, {"FOLD_FINISH": True, "FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 32},
                     {"FOLD_FINISH": True, "FOLD_CAP": True, "FOLD_MAX_SPLIT": 4, "FOLD_SLOW_LAST": True}):
             cases.append(("deferred", dict(B=1, shared=False, gap=gap, config=cfg, **fold_shape)))
+        # batch 1's default ("wide"): 6 heads (OPT-30B d0.1: 14 slices, capped to 8, folded)
+        cases.append(("deferred", dict(B=1, shared=False, gap=gap, **{**fold_shape, "kh": 6 if big else 2})))
     for dtype in (torch.bfloat16, torch.float32):  # fp32: the DOT_FP32 path; D=144 in 9 slices of 16
         cases.append(("deferred", dict(B=3, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=False, gap=40,
                                        config={"BLOCK_D": 16, "SPLIT": 9})))

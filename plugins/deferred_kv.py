@@ -106,9 +106,15 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
 # each layer's latency-bound chain. Up to FOLD_MAX_SPLIT slices of D (the attention kernel
 # unrolls their loads); more: the finishing kernel runs (FOLD_CAP: the partial kernel takes
 # FOLD_MAX_SPLIT slices instead). FOLD_SLOW_LAST: the slow z-slices after the D slices in the grid.
+# FOLD_FINISH "wide" (batch 1's default): fold only where the partial kernel would take more than
+# FOLD_MAX_SPLIT slices (few heads: OPT-30B d0.1, 14 slices, capped to 8), where the finishing
+# kernel is at its slowest (one load per slice, and the slow path of frequent long gaps). On the
+# H200 (OPT-30B shape, batch 1, session 14): d0.1 3.53 vs 3.77 ms/token (capped, slow z-slices
+# last, FOLD_SLOW_Z 2); at d0.3 (5 slices) every folded form was slower, 6.36-6.52 vs 6.28-6.34.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
-                 "SLOW_Z": None, "SLOW_TARGET": 640}
+                 "SLOW_Z": None, "SLOW_TARGET": 640,
+                 "FOLD_FINISH": "wide", "FOLD_SLOW_Z": 2, "FOLD_SLOW_LAST": True}
 
 
 @helper
@@ -634,12 +640,15 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
     d_per = -(-d_blocks // split) * bd
     split = -(-D // d_per)
+    wide = cfg["FOLD_FINISH"] == "wide"  # fold only where the finishing kernel would sum many slices
     if fold and split > cfg["FOLD_MAX_SPLIT"]:  # the attention kernel unrolls the partial loads
-        if cfg["FOLD_CAP"]:  # fewer, longer programs
+        if cfg["FOLD_CAP"] or wide:  # fewer, longer programs
             d_per = -(-d_blocks // cfg["FOLD_MAX_SPLIT"]) * bd
             split = -(-D // d_per)
         else:  # the finishing kernel runs
             fold = False
+    elif wide:
+        fold = False
     dev = x_hist.device
     fused = cfg["FUSED_FINISH"]
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)

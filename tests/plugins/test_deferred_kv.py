@@ -407,7 +407,7 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
     vl0 = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32)
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]  # pos, heads
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, **slow}
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_SLOW_Z": 1, "FOLD_SLOW_LAST": False, **slow}
     attn = {"CHUNK": 8, "BLOCK_S": 8}
     runs = {}
     for fold in (True, False):
@@ -445,7 +445,7 @@ def test_folded_finish_needs_a_combine_launch():
     attend_heads refuses the partials otherwise."""
     from dejavu.plugins.sparse_attention import QKVPartials, attend_heads, folds_finish
     from dejavu.plugins.deferred_kv import QKV_CONFIG_B1
-    assert QKV_CONFIG_B1["FOLD_FINISH"] in (True, False)
+    assert QKV_CONFIG_B1["FOLD_FINISH"] == "wide"  # batch 1 default (session 14)
     assert folds_finish(1, 64) and not folds_finish(2, 64) and not folds_finish(1, 32)
     assert not folds_finish(1, 64, {"LAST_COMBINE": True}) and not folds_finish(1, 64, {"FOLD_COMBINE": True})
     assert not folds_finish(1, 64, {"PROJ_MAX_S": 64}) and folds_finish(1, 65, {"PROJ_MAX_S": 64})
@@ -460,11 +460,13 @@ def test_folded_finish_needs_a_combine_launch():
                      finish=parts)
 
 
-@pytest.mark.parametrize("cap", [False, True])
-def test_folded_finish_falls_back_past_max_split(triton_interp, launched, cap):
-    """More slices of D than FOLD_MAX_SPLIT (the attention kernel unrolls their loads): the finishing
-    kernel runs instead, with the same result as FOLD_FINISH off; with FOLD_CAP the partial kernel
-    takes FOLD_MAX_SPLIT slices and no finishing kernel runs (same caches, output within rounding)."""
+@pytest.mark.parametrize("mode,cap,max_split,folds", [(True, False, 3, False), (True, True, 3, True),
+                                                       ("wide", False, 3, True), ("wide", False, 4, False)])
+def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, cap, max_split, folds):
+    """4 slices of D: with FOLD_FINISH True and more slices than FOLD_MAX_SPLIT (the attention kernel
+    unrolls their loads) the finishing kernel runs instead, with the same result as FOLD_FINISH off;
+    with FOLD_CAP the partial kernel takes FOLD_MAX_SPLIT slices and no finishing kernel runs (same
+    caches, output within rounding). "wide" (batch 1's default) folds, capped, only past FOLD_MAX_SPLIT."""
     from dejavu.plugins import deferred_kv as DK, sparse_attention as SA
     w = weights(torch.float32)
     x, res = torch.randn(1, D), torch.randn(1, D)
@@ -475,11 +477,11 @@ def test_folded_finish_falls_back_past_max_split(triton_interp, launched, cap):
         names = launched(DK, SA)
         y = sparse_attn_decode_deferred(x, *w, torch.tensor([[1, 3]], dtype=torch.int32), kc, vc, hist, vl,
                                         torch.tensor([39]), res,
-                                        config={"qkv": {"FOLD_FINISH": fold, "FOLD_MAX_SPLIT": 3, "SPLIT": 4,
-                                                        "BLOCK_D": 16, "FOLD_CAP": cap}})
-        assert ("_qkv_finish_kernel" in names) != (fold and cap), names
+                                        config={"qkv": {"FOLD_FINISH": mode if fold else False, "SPLIT": 4,
+                                                        "FOLD_MAX_SPLIT": max_split, "BLOCK_D": 16, "FOLD_CAP": cap}})
+        assert ("_qkv_finish_kernel" in names) != (fold and folds), names
         assert names.count("_qkv_partial_shared_kernel") == 1, names
         outs.append((y, kc, vc, vl, hist))
     for a, b in zip(outs[0][1:], outs[1][1:]):
-        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5) if cap else torch.equal(a, b)
-    assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5) if cap else torch.equal(outs[0][0], outs[1][0])
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5) if folds else torch.equal(a, b)
+    assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5) if folds else torch.equal(outs[0][0], outs[1][0])
