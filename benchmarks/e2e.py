@@ -621,7 +621,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              # always folded (never: nofoldfinish) / slow z-slices first / Z 1 or 4
              "foldalways": _qkv_b1(FOLD_FINISH=True),
              "foldfirst": _qkv_b1(FOLD_SLOW_LAST=False), "foldz1": _qkv_b1(FOLD_SLOW_Z=1),
-             "foldz4": _qkv_b1(FOLD_SLOW_Z=4),
+             "foldz4": _qkv_b1(FOLD_SLOW_Z=4), "foldz8": _qkv_b1(FOLD_SLOW_Z=8),
              "foldcap": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True),
              "foldcaplast": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True),
              "foldcaplastz2": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True, FOLD_SLOW_Z=2),
