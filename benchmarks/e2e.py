@@ -617,11 +617,13 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "foldfinishz4m16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, FOLD_SLOW_Z=4),
              # ... the slow-path z-slices after the D slices; at most 8 D slices instead of the finishing kernel
              "foldlast": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_LAST=True),
-             # the default since session 14 is FOLD_FINISH "wide" (capped, slow z-slices last, Z 2):
+             # the default since session 14 is FOLD_FINISH "wide" (capped, slow z-slices last, Z 4 since
+             # run 6, Z 2 before):
              # always folded (never: nofoldfinish) / slow z-slices first / Z 1 or 4
              "foldalways": _qkv_b1(FOLD_FINISH=True),
              "foldfirst": _qkv_b1(FOLD_SLOW_LAST=False), "foldz1": _qkv_b1(FOLD_SLOW_Z=1),
              "foldz4": _qkv_b1(FOLD_SLOW_Z=4), "foldz8": _qkv_b1(FOLD_SLOW_Z=8),
+             "foldz2": _qkv_b1(FOLD_SLOW_Z=2),
              "foldcap": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True),
              "foldcaplast": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True),
              "foldcaplastz2": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True, FOLD_SLOW_Z=2),

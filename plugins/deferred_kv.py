@@ -109,12 +109,13 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
 # FOLD_FINISH "wide" (batch 1's default): fold only where the partial kernel would take more than
 # FOLD_MAX_SPLIT slices (few heads: OPT-30B d0.1, 14 slices, capped to 8), where the finishing
 # kernel is at its slowest (one load per slice, and the slow path of frequent long gaps). On the
-# H200 (OPT-30B shape, batch 1, session 14): d0.1 3.53 vs 3.77 ms/token (capped, slow z-slices
-# last, FOLD_SLOW_Z 2); at d0.3 (5 slices) every folded form was slower, 6.36-6.52 vs 6.28-6.34.
+# H200 (OPT-30B shape, batch 1, session 14): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
+# last, FOLD_SLOW_Z 4; Z 2 3.52-3.54, Z 8 3.50, Z 1 3.69); at d0.3 (5 slices) every folded form was
+# slower, 6.36-6.52 vs 6.28-6.35. OPT-1.3B shape (16 slices at d0.3): 0.870 vs 0.950 ms/token.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640,
-                 "FOLD_FINISH": "wide", "FOLD_SLOW_Z": 2, "FOLD_SLOW_LAST": True}
+                 "FOLD_FINISH": "wide", "FOLD_SLOW_Z": 4, "FOLD_SLOW_LAST": True}
 
 
 @helper
