@@ -41,7 +41,9 @@ the same time on two streams. The bounds are read from device memory: CUDA-graph
 host sync. valid_len and x_hist[:, pos] are updated after the Q/K/V launch, by the
 attention kernel that follows (programs of one head would race if these kernels wrote
 them), or by `_commit_kernel` when nothing attends. A decode layer is then: Q/K/V,
-attention (+ commit), output projection (+ its reduction).
+attention (+ commit), output projection (+ its reduction). At batch 1 the finishing kernel can be
+folded into attention (QKV_CONFIG_B1 FOLD_FINISH, docs/kernels.md): the attention kernel sums the
+partials, the combine kernel commits valid_len.
 A shared index set (one [Kh] set for the batch) can take `_qkv_partial_shared_kernel`
 instead, which reads each weight block once for the whole batch (tl.dot over batch x
 (new slot + SHARED_P - 1 missing slots) rows; its finishing program does every sequence of
