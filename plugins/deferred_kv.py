@@ -379,9 +379,9 @@ def _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_pt
                        stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                        P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                        SLOW: tl.constexpr, SLOW_R: tl.constexpr, GDC: tl.constexpr):
-    # Batch 1, the finishing kernel folded into attention (_qkv_partial_shared_kernel's SLOW slow
-    # z-slices, this one z of them): K or V of head slot j's rows at the missing slots past the P - 1 the partials
-    # hold (start + P - 1 .. pos - 1; a head unselected for long), bias added, into the cache,
+    # Batch 1, the finishing kernel folded into attention (slow z-slice z of the SLOW of
+    # _qkv_partial_shared_kernel): K or V of head slot j's rows at the missing slots past the P - 1
+    # the partials hold (start + P - 1 .. pos - 1; a head unselected for long), bias added, into the cache,
     # from whole-D tl.dot passes (_slow_slots). Slice z takes sub-block z % (BLOCK_R // SLOW_R)
     # of SLOW_R rows of row block pid_r and BLOCK_P-slot chunks z // that, + SLOW // that, ...
     # Q rows and heads without such slots exit at once (before the PDL wait: the reads are of

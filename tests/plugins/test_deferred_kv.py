@@ -473,7 +473,8 @@ def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, 
     x_hist, kc0 = torch.randn(1, 40, D), torch.randn(1, H, 40, HD)
     outs = []
     for fold in (True, False):
-        kc, vc, vl, hist = kc0.clone(), kc0.clone(), torch.tensor([[0, 30, 39, 2, 5]], dtype=torch.int32), x_hist.clone()
+        kc, vc, hist = kc0.clone(), kc0.clone(), x_hist.clone()
+        vl = torch.tensor([[0, 30, 39, 2, 5]], dtype=torch.int32)
         names = launched(DK, SA)
         y = sparse_attn_decode_deferred(x, *w, torch.tensor([[1, 3]], dtype=torch.int32), kc, vc, hist, vl,
                                         torch.tensor([39]), res,
@@ -484,4 +485,5 @@ def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, 
         outs.append((y, kc, vc, vl, hist))
     for a, b in zip(outs[0][1:], outs[1][1:]):
         assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5) if folds else torch.equal(a, b)
-    assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5) if folds else torch.equal(outs[0][0], outs[1][0])
+    y_f, y_u = outs[0][0], outs[1][0]
+    assert torch.allclose(y_f, y_u, rtol=1e-5, atol=1e-5) if folds else torch.equal(y_f, y_u)

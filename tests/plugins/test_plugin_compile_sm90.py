@@ -245,8 +245,8 @@ SCRIPT = textwrap.dedent('''
     for dt in ("fp16", "bf16", "fp32"):
         for gdc in (0, 2):
             ptx = compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128,
-                                                                BLOCK_X=16, EARLY_READS=True, FOLD=True, FOLD_SPLIT=5, BLOCK_F=16,
-                                                                GDC=gdc),
+                                                                BLOCK_X=16, EARLY_READS=True, FOLD=True, FOLD_SPLIT=5,
+                                                                BLOCK_F=16, GDC=gdc),
                                dt, {"cnt_ptr": "*i32", "pnew_ptr": "*fp32", "phist_ptr": "*fp32"}).asm["ptx"]
             if gdc:
                 wait = ptx.index("griddepcontrol.wait")
