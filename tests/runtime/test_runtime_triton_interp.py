@@ -189,3 +189,41 @@ def test_deferred_layer_norm_in_interpreter_equals_separate_one():
             # computes the LayerNorm first), with its layer's fold when fold_ln is on
             assert on["pending"] == on["fc1"] == off["fc1"], out
             assert on["folds"] == (on["fc1"] if name == "fold" else 0), out
+
+
+FOLD_SCRIPT = r"""
+import torch, json
+torch.set_num_threads(1)
+from runtime_helpers import engine_from_dense, tiny_model
+from dejavu.runtime import Engine
+import dejavu.plugins.deferred_kv as DK, dejavu.plugins.sparse_attention as SA
+m = tiny_model(seed=3)
+P = [[2, 17, 40, 5, 88, 63, 9]]
+h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
+SA.ATTN_CONFIG.update(CHUNK=4, BLOCK_S=4)  # contexts of several chunks: the fold applies
+names = []
+for mod in (DK, SA):
+    real = mod.jit
+    mod.jit = lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev)
+out = {}
+for fold in (True, False):
+    DK.QKV_CONFIG_B1["FOLD_FINISH"] = fold
+    a = Engine.from_tensors(h, t, "cpu", backend="triton")
+    a.generate(P, 1, stop_at_eos=False)  # activation: verify() checks each kernel (a batch: no fold)
+    names.clear()
+    toks = a.generate(P, 8, stop_at_eos=False)
+    out[str(fold)] = {"tokens": toks, "finish": names.count("_qkv_finish_kernel"),
+                      "attn": names.count("_attn_decode_kernel"), "check": str(a.kernel_check.get("sparse_attn_deferred"))}
+out["ref"] = Engine.from_tensors(h, t, "cpu").generate(P, 8, stop_at_eos=False)
+print(json.dumps(out))
+"""
+
+
+def test_folded_qkv_finish_in_the_runtime_equals_reference():
+    """Batch 1 through the Triton backend with the Q/K/V finish folded into attention (FOLD_FINISH
+    True, chunks of 4 positions so it applies; the default "wide" needs more than 8 slices of D):
+    the same greedy tokens as the reference backend and as without the fold, no finishing kernel."""
+    out = _run(FOLD_SCRIPT, timeout=600)
+    on, off = out["True"], out["False"]
+    assert on["attn"] > 0 and on["finish"] == 0 and off["finish"] > 0, out
+    assert on["tokens"] == off["tokens"] == out["ref"], out
