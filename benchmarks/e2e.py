@@ -326,6 +326,10 @@ def _table(module: str, name: str, **kv):
     return apply
 
 
+# the folded finish's slow-path layout in session 14's first runs (before "wide": Z 1, z-slices first)
+_FOLD_S14 = {"FOLD_SLOW_Z": 1, "FOLD_SLOW_LAST": False}
+
+
 def _qkv_b1(**kv):
     """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
     return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
@@ -607,26 +611,26 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "predsplitqkv": _side("split_qkv"), "predsplitattn": _side("split_attn"),
              # session 14: no Q/K/V finishing kernel at batch 1: attention sums the partials (Q, and K/V
              # at pos and the 15 missing slots the partials hold) and the partial kernel's first
-             # z-slices fill longer gaps (FOLD_FINISH); with 2 slow-path chunk sets / 32-row sub-blocks
-             "foldfinish": _qkv_b1(FOLD_FINISH=True), "foldfinish2": _qkv_b1(FOLD_FINISH=True),
-             "foldfinishz2": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_Z=2),
-             "foldfinishr32": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_R=32),
+             # z-slices fill longer gaps (FOLD_FINISH); with 2 slow-path chunk sets / 32-row sub-blocks.
+             # Every setting the rows were measured with is spelled out (the defaults moved since).
+             "foldfinish": _qkv_b1(FOLD_FINISH=True, **_FOLD_S14),
+             "foldfinish2": _qkv_b1(FOLD_FINISH=True, **_FOLD_S14),
+             "foldfinishz2": _qkv_b1(FOLD_FINISH=True, **{**_FOLD_S14, "FOLD_SLOW_Z": 2}),
+             "foldfinishr32": _qkv_b1(FOLD_FINISH=True, **{**_FOLD_S14, "FOLD_SLOW_R": 32}),
              # ... up to 16 slices of D unrolled (d0.1 has 14), or the partial kernel on 264 programs
-             "foldfinishm16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16),
-             "foldfinisht264": _qkv_b1(FOLD_FINISH=True, TARGET_PROGRAMS=264),
-             "foldfinishz4m16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, FOLD_SLOW_Z=4),
+             "foldfinishm16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, **_FOLD_S14),
+             "foldfinisht264": _qkv_b1(FOLD_FINISH=True, TARGET_PROGRAMS=264, **_FOLD_S14),
+             "foldfinishz4m16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, **{**_FOLD_S14, "FOLD_SLOW_Z": 4}),
              # ... the slow-path z-slices after the D slices; at most 8 D slices instead of the finishing kernel
-             "foldlast": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_LAST=True),
-             # the default since session 14 is FOLD_FINISH "wide" (capped, slow z-slices last, Z 4 since
-             # run 6, Z 2 before):
-             # always folded (never: nofoldfinish) / slow z-slices first / Z 1 or 4
-             "foldalways": _qkv_b1(FOLD_FINISH=True),
-             "foldfirst": _qkv_b1(FOLD_SLOW_LAST=False), "foldz1": _qkv_b1(FOLD_SLOW_Z=1),
-             "foldz4": _qkv_b1(FOLD_SLOW_Z=4), "foldz8": _qkv_b1(FOLD_SLOW_Z=8),
-             "foldz2": _qkv_b1(FOLD_SLOW_Z=2),
-             "foldcap": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True),
-             "foldcaplast": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True),
+             "foldlast": _qkv_b1(FOLD_FINISH=True, **{**_FOLD_S14, "FOLD_SLOW_LAST": True}),
+             "foldcap": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, **_FOLD_S14),
+             "foldcaplast": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, **{**_FOLD_S14, "FOLD_SLOW_LAST": True}),
              "foldcaplastz2": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True, FOLD_SLOW_Z=2),
+             # the default since is FOLD_FINISH "wide" (capped, slow z-slices last; Z 2 in the final run,
+             # Z 4 since run 6): always folded (never: nofoldfinish), slow z-slices first, Z 1 / 2 / 4 / 8
+             "foldalways": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_Z=2),
+             "foldfirst": _qkv_b1(FOLD_SLOW_LAST=False, FOLD_SLOW_Z=2), "foldz1": _qkv_b1(FOLD_SLOW_Z=1),
+             "foldz2": _qkv_b1(FOLD_SLOW_Z=2), "foldz4": _qkv_b1(FOLD_SLOW_Z=4), "foldz8": _qkv_b1(FOLD_SLOW_Z=8),
              "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
              "nolnqkv": _decoder_attr("defer_ln_attn", False),
              "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
