@@ -5,6 +5,8 @@
 --check   correctness on the GPU against float64 references (fresh random inputs, odd and
           real shapes, fp16/bf16/fp32, per-sequence and shared indices, CUDA-graph replay
           with a device-side pos). Exit status 1 when a check fails.
+--sections mlp_parts  batch 1: the pair piece by piece (fc1, fc2, the reduction) beside one-launch
+          and cuBLAS readings of the same bytes (not in the default sections).
 --sections fused_mlp  the one-launch MLP (sparse_mlp_fused) at B=1: every FUSED_SWEEP config vs
           sparse_fc1 + sparse_fc2; the config with the lowest summed time is reported (copy it
           into fused_mlp.FUSED_MLP_CONFIG). REDUCE "barrier" spins: run under `timeout`.
@@ -751,7 +753,15 @@ MLP_VARIANTS = {"default": lambda: None,
                 "fc1pf1": _pdl_variant(fc1=1), "fc1early": _pdl_variant(("fc1",)),
                 "fc1earlyfc2pf2": _pdl_variant(("fc1",), fc2=2),
                 "fusedfinish": _module_setting("FUSED_FINISH", True),
-                "fc2t528": _fc2_dot1(TARGET_PROGRAMS=528), "fc2t792": _fc2_dot1(TARGET_PROGRAMS=792)}
+                "fc2t528": _fc2_dot1(TARGET_PROGRAMS=528), "fc2t792": _fc2_dot1(TARGET_PROGRAMS=792),
+                # fc2 reading longer pieces of each gathered row (BLOCK_D 256 / 512 / 1024 columns: 0.5-2 KB
+                # against 256 B), more K splits to keep the program count (session 15)
+                "fc2w256": _fc2_dot1(BLOCK_K=32, BLOCK_D=256, num_stages=4),
+                "fc2w256t792": _fc2_dot1(BLOCK_K=32, BLOCK_D=256, num_stages=4, TARGET_PROGRAMS=792),
+                "fc2w512": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4),
+                "fc2w512t792": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4, TARGET_PROGRAMS=792),
+                "fc2w512s6": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=6, TARGET_PROGRAMS=264),
+                "fc2w1024": _fc2_dot1(BLOCK_K=16, BLOCK_D=1024, num_warps=8, num_stages=3, TARGET_PROGRAMS=264)}
 VARIANT_DENSITIES = (0.1, 0.2, 0.3)
 
 
@@ -777,6 +787,60 @@ def bench_mlp_variants(mlps, bw, names):
                 rows.append({"shape": name, "density": d, "K": K, "variant": v, "graph_ms": t, "bytes": nbytes,
                              "graph_bw_frac": nbytes / t / 1e6 / bw["copy_GBps"] if t else None})
                 print(f"  {name} d{d} {v}: {t * 1e3 if t else float('nan'):.1f} us", flush=True)
+    return rows
+
+
+PART_DENSITIES = (0.1, 0.3)
+
+
+def _fc2_split(K, D):
+    """The split count gather_gemv_t takes at batch 1 (FC2_CONFIG["dot1"]) for K rows of width D."""
+    cfg = SM.FC2_CONFIG["dot1"]
+    n_d = -(-D // cfg["BLOCK_D"])
+    k_blocks = max(1, -(-K // cfg["BLOCK_K"]))
+    split = cfg.get("SPLIT") or max(1, min(k_blocks, cfg.get("TARGET_PROGRAMS", SM.TARGET_PROGRAMS) // n_d))
+    k_per_split = -(-k_blocks // split) * cfg["BLOCK_K"]
+    return max(1, -(-K // k_per_split))
+
+
+def bench_mlp_parts(mlps, bw):
+    """Batch 1, where the pair's time goes (session 15). Per shape and density, each in a CUDA
+    graph of 8 calls over rotating weight copies and index sets: the pair, fc1 alone, fc2 alone
+    (with its split reduction), the reduction alone (fc2's split count), fc1's kernel over 2K
+    rows (the pair's bytes in one launch), and cuBLAS on contiguous weights of the same bytes
+    (fc1 and fc2 as two GEMVs; one GEMV of 2K rows). bw_frac: bytes read / time / copy bandwidth."""
+    rows = []
+    for name, mlp in mlps.items():
+        D, F, C = mlp.D, mlp.F, mlp.COPIES
+        x = randn(1, D)
+        for d in PART_DENSITIES:
+            if late("mlp_parts"):
+                return rows
+            K = max(1, int(round(d * F)))
+            sets = [rand_idx(1, F, K, False) for _ in range(8)]
+            sets2 = [rand_idx(1, F, 2 * K, False) for _ in range(8)]
+            h = randn(1, K)
+            split = _fc2_split(K, D)
+            parts = [torch.randn(split, 1, D, device=DEV) for _ in range(8)]
+            y = torch.empty(1, D, device=DEV, dtype=torch.float16)
+            cp = mlp.copies
+            cases = {
+                "pair": (2 * K, lambda i: mlp.sparse(x, sets[i], c=i % C)),
+                "fc1": (K, lambda i: P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False)),
+                "fc2": (K, lambda i: P.sparse_fc2(h, cp[i % C][2], cp[i % C][3], sets[i], validate=False)),
+                "reduce": (0, lambda i: SM.reduce_partials(parts[i], cp[i % C][3], None, y)),
+                "fc1_2k_rows": (2 * K, lambda i: P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets2[i],
+                                                              validate=False)),
+                "cublas_pair": (2 * K, lambda i: torch.mm(Fn.linear(x, cp[i % C][0][:K]).relu_(),
+                                                          cp[i % C][2][:K])),
+                "cublas_2k_rows": (2 * K, lambda i: Fn.linear(x, cp[i % C][0][:2 * K])),
+            }
+            for case, (n_rows, fn) in cases.items():
+                t = bench_graph([lambda i=i, fn=fn: fn(i) for i in range(8)])
+                nbytes = n_rows * D * 2
+                rows.append({"shape": name, "density": d, "K": K, "case": case, "split": split, "graph_ms": t,
+                             "bytes": nbytes, "bw_frac": nbytes / t / 1e6 / bw["copy_GBps"] if t and nbytes else None})
+                print(f"  parts {name} d{d} {case}: {t * 1e3 if t else float('nan'):.2f} us", flush=True)
     return rows
 
 
@@ -1342,6 +1406,9 @@ def main(argv=None):
                     raise SystemExit(f"--mlp-variants: unknown {bad} (known: {', '.join(MLP_VARIANTS)})")
                 res["mlp_variants"] = bench_mlp_variants(mlps, bw, names)
                 save("mlp_variants")
+            if "mlp_parts" in sections and in_budget("mlp_parts"):
+                res["mlp_parts"] = bench_mlp_parts(mlps, bw)
+                save("mlp_parts")
             if "mlp" in sections and in_budget("mlp"):
                 res["mlp"] = bench_mlp(mlps, bw, args.quick)
                 save("mlp")
@@ -1375,6 +1442,9 @@ def main(argv=None):
     if "mlp_variants" in res:
         print("\n## Sparse MLP variants, batch 1 (graph, per call)\n")
         print(table(res["mlp_variants"], ["shape", "density", "variant", "graph_ms", "graph_bw_frac"]))
+    if "mlp_parts" in res:
+        print("\n## Sparse MLP at batch 1, piece by piece (graph, per call)\n")
+        print(table(res["mlp_parts"], ["shape", "density", "K", "case", "split", "graph_ms", "bw_frac"]))
     if "fused_mlp" in res:
         summ = res["fused_mlp_summary"]
         best = summ["best"]
