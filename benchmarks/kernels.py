@@ -359,6 +359,43 @@ def check_fused(D, F, K, B, dtype, shared, residual, config=None, graph=False):
     return ok and info["counters_zero"] and info["buffer_zero"], info
 
 
+def check_chain(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
+    """sparse_mlp_chain (batch 1, fc1 and fc2 in one launch) vs float64 (h rounded as the kernel
+    stores it) and vs sparse_fc1 + sparse_fc2; `repeat` calls back to back without a sync (the
+    tiles wait on counters: a race or a counter not put back to 0 shows as a different y or a hang),
+    then the chain's counters must all be 0."""
+    x = randn(1, D, dtype=dtype)
+    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
+    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
+    res = randn(1, D, dtype=dtype) if residual else None
+    lnw = (1.0 + 0.1 * randn(D, dtype=dtype), 0.1 * randn(D, dtype=dtype)) if ln else None
+    idx = rand_idx(1, F, K, False)
+    y = torch.full((1, D), float("nan"), dtype=dtype, device=DEV)
+    out = P.sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, res, out=y, ln=lnw, validate=True, config=config,
+                             ln_defer=ln == "defer")
+    outs = [(out[0] if isinstance(out, tuple) else out).clone()]
+    for _ in range(repeat - 1):
+        o = P.sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, res, ln=lnw, validate=False, config=config,
+                               ln_defer=ln == "defer")
+        outs.append(o[0] if isinstance(o, tuple) else o)
+    torch.cuda.synchronize() if DEV == "cuda" else None
+    ref = P.sparse_mlp_chain_ref(x.double(), w1.double(), b1.double(), w2_t.double(), b2.double(), idx,
+                                 None if res is None else res.double())
+    ok, info = _err_ok(y, ref, P.sparse_mlp_chain_ref(x, w1, b1, w2_t, b2, idx, res), *TOL[dtype])
+    pair = P.sparse_fc2(P.sparse_fc1(x, w1, b1, idx, validate=False), w2_t, b2, idx, res, validate=False)
+    info["vs_pair_max"] = (y.double() - pair.double()).abs().max().item()
+    info["repeats_equal"] = all(torch.equal(o, outs[0]) for o in outs)
+    cnt = sys.modules["dejavu.plugins._common"].counters(y.device, SM.CHAIN_COUNTERS + 4096)[SM.CHAIN_COUNTERS:]
+    info["counters_zero"] = int(cnt.abs().sum().item()) == 0
+    if ln:
+        got = out[1]
+        got = got if isinstance(got, torch.Tensor) else sys.modules["dejavu.plugins.layer_norm"].materialize(got)
+        want = Fn.layer_norm(y.double(), (D,), lnw[0].double(), lnw[1].double(), 1e-5)
+        info["ln_err"] = (got.double() - want).abs().max().item()
+        ok = ok and info["ln_err"] < TOL[dtype][1] * 20
+    return ok and info["repeats_equal"] and info["counters_zero"], info
+
+
 def check_predictor(B, D, N, r, k, shared, method="torch", dtype=torch.float32, scoring=None):
     # the fused (grid-barrier) top-k is exercised only by --sections topk, under a timeout
     PR.TOPK_CONFIG["fused"], fused = False, PR.TOPK_CONFIG["fused"]
@@ -505,8 +542,21 @@ def run_checks(kinds=None):
                                         config=dict(REDUCE=red))))
         cases.append(("fused", dict(D=7168, F=28672, K=1433, B=1, dtype=torch.bfloat16, shared=False,
                                     residual=True, config=dict(REDUCE=red, PER_SM=2, num_warps=4), graph=True)))
+    # fc1 and fc2 in one launch (sparse_mlp_chain): odd shapes, every dtype, the split's LayerNorm
+    # both ways; real shapes with 20 calls back to back (tiles wait on counters)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for i, (D, F, K) in enumerate(((200, 1000, 333), (256, 512, 130), (300, 800, 257))):
+            cases.append(("chain", dict(D=D, F=F, K=K, dtype=dtype, residual=i != 1,
+                                        ln=(None, True, "defer")[i])))
+    cases.append(("chain", dict(D=256, F=512, K=200, dtype=torch.float16, residual=True,
+                                config={"fc2": {"TARGET_PROGRAMS": 8}})))
+    if big:
+        for (D, F), K in (((7168, 28672), 2867), ((7168, 28672), 8602), ((9216, 36864), 3686)):
+            cases.append(("chain", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20)))
+        cases.append(("chain", dict(D=7168, F=28672, K=2867, dtype=torch.bfloat16, residual=True, ln="defer",
+                                    repeat=5, config={"fc1": {"BLOCK_R": 4}})))
     fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-           "recompute": check_recompute, "fused": check_fused}
+           "recompute": check_recompute, "fused": check_fused, "chain": check_chain}
     for kind, kw in cases:
         if kinds and kind not in kinds:
             continue
@@ -791,6 +841,10 @@ def bench_mlp_variants(mlps, bw, names):
 
 
 PART_DENSITIES = (0.1, 0.3)
+# sparse_mlp_chain configs (over sparse_mlp.CHAIN_CONFIG) timed by --sections mlp_parts
+CHAIN_VARIANTS = {"chain": None, "chain_r4": {"fc1": {"BLOCK_R": 4}}, "chain_r8": {"fc1": {"BLOCK_R": 8, "BLOCK_D": 512}},
+                  "chain_t528": {"fc2": {"TARGET_PROGRAMS": 528}}, "chain_t264": {"fc2": {"TARGET_PROGRAMS": 264}},
+                  "chain_s4": {"fc2": {"num_stages": 4}}, "chain_w2": {"fc2": {"BLOCK_K": 32, "BLOCK_D": 256}}}
 
 
 def _fc2_split(K, D):
@@ -835,6 +889,9 @@ def bench_mlp_parts(mlps, bw):
                                                           cp[i % C][2][:K])),
                 "cublas_2k_rows": (2 * K, lambda i: Fn.linear(x, cp[i % C][0][:2 * K])),
             }
+            for cname, ccfg in CHAIN_VARIANTS.items():  # fc1 and fc2 in one launch
+                cases[cname] = (2 * K, lambda i, ccfg=ccfg: SM.sparse_mlp_chain(
+                    x, cp[i % C][0], cp[i % C][1], cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=ccfg))
             for case, (n_rows, fn) in cases.items():
                 t = bench_graph([lambda i=i, fn=fn: fn(i) for i in range(8)])
                 nbytes = n_rows * D * 2
@@ -1333,7 +1390,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--check-kinds", default=None,
-                    help="with --check: only these kinds (comma list of mlp, attn, pred, deferred, recompute, fused)")
+                    help="with --check: only these kinds (comma list of mlp, attn, pred, deferred, recompute, fused, "
+                         "chain)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-paths", default=None,
                     help="--sweep only these MLP paths (comma list of gemv, dot, dot1, proj1)")

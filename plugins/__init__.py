@@ -9,7 +9,8 @@ from dejavu.plugins.predictor import (predictor_scores, predictor_topk, predicto
                                       predictor_topk_shared)
 from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_decode_ref
 from dejavu.plugins.sparse_mlp import (sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref,
-                                       sparse_mlp_layer, sparse_mlp_layer_ref)
+                                       sparse_mlp_chain, sparse_mlp_chain_ref, sparse_mlp_layer,
+                                       sparse_mlp_layer_ref)
 
 
 def kernel_settings() -> dict:
@@ -35,5 +36,6 @@ __all__ = [
     "predictor_scores", "predictor_topk", "predictor_topk_ref", "predictor_topk_shared",
     "sparse_attn_decode", "sparse_attn_decode_ref",
     "sparse_fc1", "sparse_fc1_ref", "sparse_fc2", "sparse_fc2_ref", "sparse_mlp_layer", "sparse_mlp_layer_ref",
+    "sparse_mlp_chain", "sparse_mlp_chain_ref",
     "sparse_mlp_fused", "sparse_mlp_fused_ref",
 ]

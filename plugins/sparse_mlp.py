@@ -71,6 +71,14 @@ FC2_CONFIG = {
     # K = heads * hd, a few thousand rows against fc2's ~10^4): 14.0 vs 16.5 us (30B, d0.3)
     "proj1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "TARGET_PROGRAMS": 528},
 }
+# Batch 1, fc1 and fc2 in one launch (`sparse_mlp_chain`, `_mlp_chain_kernel`): fc1's programs (its
+# GEMV blocks) first, then fc2's tl.dot tiles (its dot1 blocks and split), each tile waiting on a
+# counter for the fc1 programs of its K split only. CHAIN_COUNTERS: the offset of its counters in
+# `_common.counters` (2 per split), away from the ones other kernels take from 0.
+CHAIN_CONFIG = {"fc1": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_stages": 2, "W_EV": "evict_first"},
+                "fc2": {"BLOCK_K": 64, "BLOCK_D": 128, "num_stages": 3, "TARGET_PROGRAMS": 396},
+                "num_warps": 4}
+CHAIN_COUNTERS = 1 << 15
 DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
 # fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
 # the tl.dot fc2 took 37.5 us at density 0.3 and 17.2 at 0.1, the split-K GEMV 50.5 and 27.9;
@@ -100,7 +108,8 @@ def kernel_settings() -> dict:
             "fc2": {k: dict(v) for k, v in FC2_CONFIG.items()},
             "dot_min_batch": DOT_MIN_BATCH, "fc2_dot_min_batch": FC2_DOT_MIN_BATCH,
             "fc2_target_programs": TARGET_PROGRAMS, "fused_finish": FUSED_FINISH,
-            "fused_max_batch": FUSED_MAX_BATCH}
+            "fused_max_batch": FUSED_MAX_BATCH,
+            "chain": {k: dict(v) if isinstance(v, dict) else v for k, v in CHAIN_CONFIG.items()}}
 
 
 # ---------------------------------------------------------------------------------------
@@ -558,6 +567,85 @@ def _split_reduce_ln_kernel(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr,
         _ln_rows(out_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, B, D, N_D, eps, BLOCK_D, BLOCK_N, LN_BLOCK)
 
 
+def _mlp_chain_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, idx_ptr, h_ptr, part_ptr, cnt_ptr, D, K, N1,
+                      K_PER_SPLIT, SPLIT, N_D,
+                      BLOCK_R: tl.constexpr, BLOCK_D1: tl.constexpr, EVEN_D1: tl.constexpr,
+                      STAGES1: tl.constexpr, W_EV: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                      STAGES2: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0,
+                      PF: tl.constexpr = 0):
+    # Batch 1: fc1 and fc2 of the selected rows in one launch; grid (N1 + SPLIT * N_D,).
+    # Programs [0, N1): fc1, BLOCK_R rows each (_gather_gemv_kernel's loop): h = relu(w1[rows] @ x
+    #   + b1[rows]), stored (activation dtype) to h, then counted on cnt[s], s the K split of the
+    #   rows (K_PER_SPLIT is a multiple of BLOCK_R: a program's rows lie in one split).
+    # Programs N1 + s * N_D + j: fc2's tile (D block j, split s) (_gather_dot_t_kernel's loop):
+    #   waits until cnt[s] counts the split's fc1 programs, then part[s, j block] = h[split] @
+    #   w2_t[rows]; the last of the split's N_D tiles to arrive (cnt[SPLIT + s]) puts cnt[s] back to 0.
+    # The tiles of split s start as soon as that split's h is stored, while later fc1 programs still
+    # stream: no drain between fc1 and fc2. A waiting tile needs the fc1 programs it waits for to
+    # run: they have lower program ids, which the GPU dispatches first (as CUTLASS's serial split-K
+    # assumes); under the interpreter programs run in id order, so no tile ever waits.
+    pid = tl.program_id(0)
+    gdc_enter(GDC)
+    if pid < N1:
+        offs_r1 = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask1 = offs_r1 < K
+        rows1 = tl.load(idx_ptr + offs_r1, mask=rmask1, other=0).to(tl.int64)
+        w_rows = w1_ptr + rows1[:, None] * D
+        acc1 = tl.zeros([BLOCK_R, BLOCK_D1], dtype=tl.float32)
+        for d0 in tl.range(0, D, BLOCK_D1, num_stages=STAGES1):
+            offs_d1 = d0 + tl.arange(0, BLOCK_D1)
+            if EVEN_D1:
+                xv1 = tl.load(x_ptr + offs_d1)
+                wv1 = tl.load(w_rows + offs_d1[None, :], eviction_policy=W_EV).to(tl.float32)
+            else:
+                dmask1 = offs_d1 < D
+                xv1 = tl.load(x_ptr + offs_d1, mask=dmask1, other=0.0)
+                wv1 = tl.load(w_rows + offs_d1[None, :], mask=dmask1[None, :], other=0.0,
+                              eviction_policy=W_EV).to(tl.float32)
+            acc1 += wv1 * xv1.to(tl.float32)[None, :]
+        gdc_release(GDC)
+        h = tl.maximum(tl.sum(acc1, axis=1) + tl.load(b1_ptr + rows1).to(tl.float32), 0.0)
+        tl.store(h_ptr + offs_r1, h.to(h_ptr.dtype.element_ty), mask=rmask1)
+        tl.debug_barrier()  # every thread's h stored before thread 0's release
+        tl.atomic_add(cnt_ptr + (pid * BLOCK_R) // K_PER_SPLIT, 1, sem="release")
+    else:
+        t = pid - N1
+        pid_s = t // N_D
+        pid_d = t % N_D
+        k_start = pid_s * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        need = (k_end - k_start + BLOCK_R - 1) // BLOCK_R
+        seen = tl.atomic_add(cnt_ptr + pid_s, 0, sem="acquire")
+        while seen < need:
+            seen = tl.atomic_add(cnt_ptr + pid_s, 0, sem="acquire")
+        tl.debug_barrier()
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        offs_b = tl.arange(0, BLOCK_B)
+        acc2 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES2):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < k_end
+            rows2 = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+            # h: other programs of this launch stored it; .cg reads L2, never a stale L1 line
+            hv = tl.load(h_ptr + offs_b[:, None] * 0 + offs_k[None, :],
+                         mask=(offs_b == 0)[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg")
+            if EVEN_D:
+                wv2 = tl.load(w2_ptr + rows2[:, None] * D + offs_d[None, :])
+            else:
+                wv2 = tl.load(w2_ptr + rows2[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            if DOT_FP32:
+                acc2 = tl.dot(hv.to(tl.float32), wv2.to(tl.float32), acc2, input_precision="ieee")
+            else:
+                acc2 = tl.dot(hv.to(wv2.dtype), wv2, acc2)
+        gdc_release(GDC)
+        tl.store(part_ptr + pid_s.to(tl.int64) * D + offs_b[:, None] * 0 + offs_d[None, :], acc2,
+                 mask=(offs_b == 0)[:, None] & dmask[None, :])
+        if last_arrival(cnt_ptr + SPLIT + pid_s, N_D):  # every tile of the split is past its wait
+            tl.atomic_xchg(cnt_ptr + pid_s, 0, sem="relaxed")
+
+
 # ---------------------------------------------------------------------------------------
 # launchers (internal: no checks; the public functions below check)
 
@@ -721,6 +809,38 @@ def reduce_partials(part, bias, residual, out, ln=None, ln_out=None, ln_defer=Fa
     return out
 
 
+def mlp_chain(x, w1, b1, w2_t, b2, idx, residual, out, *, ln=None, ln_out=None, ln_defer=False, config=None):
+    """Batch 1 (checked inputs): fc2(relu(fc1(x))) over the rows idx in one launch
+    (`_mlp_chain_kernel`), then the split reduction as gather_gemv_t's (reduce_partials: bias,
+    residual, ln / ln_defer). config: {"fc1": {...}, "fc2": {...}, "num_warps": n} over CHAIN_CONFIG."""
+    config = config or {}
+    c1 = {**CHAIN_CONFIG["fc1"], **config.get("fc1", {})}
+    c2 = {**CHAIN_CONFIG["fc2"], **config.get("fc2", {})}
+    D = x.shape[1]
+    K = idx.shape[-1]
+    dev = x.device
+    r1, block_k, block_d = c1["BLOCK_R"], c2["BLOCK_K"], c2["BLOCK_D"]
+    if block_k % r1:
+        raise DejavuError(f"mlp_chain: fc2's BLOCK_K {block_k} is not a multiple of fc1's BLOCK_R {r1}")
+    n_d = _cdiv(D, block_d)
+    k_blocks = max(1, _cdiv(K, block_k))
+    split = max(1, min(k_blocks, c2.get("TARGET_PROGRAMS", TARGET_PROGRAMS) // n_d))
+    k_per_split = _cdiv(k_blocks, split) * block_k
+    split = max(1, _cdiv(K, k_per_split))
+    n1 = _cdiv(K, r1)
+    h = torch.empty(K, dtype=x.dtype, device=dev)
+    part = torch.empty((split, 1, D), dtype=torch.float32, device=dev)
+    cnt = counters(dev, CHAIN_COUNTERS + 2 * split)[CHAIN_COUNTERS:]
+    kernel = jit(_mlp_chain_kernel, dev)
+    kernel[(n1 + split * n_d,)](
+        x, w1, b1, w2_t, idx, h, part, cnt, D, K, n1, k_per_split, split, n_d,
+        BLOCK_R=r1, BLOCK_D1=c1["BLOCK_D"], EVEN_D1=D % c1["BLOCK_D"] == 0, STAGES1=c1["num_stages"],
+        W_EV=c1.get("W_EV", ""), BLOCK_K=block_k, BLOCK_B=16, BLOCK_D=block_d, EVEN_D=D % block_d == 0,
+        STAGES2=c2["num_stages"], DOT_FP32=_dot_fp32(w2_t.dtype, dev),
+        num_warps=config.get("num_warps", CHAIN_CONFIG["num_warps"]), **pdl_args(dev, "fc1"))
+    return reduce_partials(part, b2, residual, out, ln, ln_out, ln_defer)
+
+
 def check_ln(ln, ln_out, B, D, dtype, device):
     """Check the `ln=(weight[D], bias[D])` / `ln_out[B,D]` options of the fused finish; returns
     ln_out (allocated when None), or None without ln."""
@@ -795,6 +915,35 @@ def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
     return sparse_fc2(h, w2_t, b2, idx, residual, validate=False)
 
 
+def sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
+                     config=None, ln_defer=False):
+    """Batch 1: y[1,D] = relu(w1[idx] @ x + b1[idx]) @ w2_t[idx] + b2 (+ residual), fc1 and fc2 in one
+    launch (then the split reduction); x [1,D], idx [1,K] or [K]. ln, ln_out, ln_defer and the return
+    value as sparse_fc2's. h is rounded to x's dtype between the two, as sparse_fc1 + sparse_fc2 do."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, D = x.shape
+    if B != 1:
+        raise DejavuError(f"sparse_mlp_chain: batch 1 only, got x of shape {tuple(x.shape)}")
+    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
+    F = w1.shape[0]
+    if w1.shape[1] != D:
+        raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
+    check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
+    check_tensor("w2_t", w2_t, shape=(F, D), dtype=x.dtype, device=x.device)
+    check_tensor("b2", b2, shape=(D,), dtype=x.dtype, device=x.device)
+    K, _ = check_index("idx", idx, batch=1, upper=F, device=x.device,
+                       validate=default_validate(validate, x.device))
+    if residual is not None:
+        check_tensor("residual", residual, shape=(1, D), dtype=x.dtype, device=x.device)
+    out = check_out(out, (1, D), x.dtype, x.device)
+    ln_out = check_ln(ln, ln_out, 1, D, x.dtype, x.device)
+    if K == 0:
+        raise DejavuError("idx: K = 0 (no rows selected)")
+    y = mlp_chain(x, w1, b1, w2_t, b2, idx.reshape(-1), residual, out, ln=ln, ln_out=ln_out,
+                  ln_defer=ln_defer if ln is not None else False, config=config)
+    return y if ln is None or ln_defer else (y, ln_out)
+
+
 # ---------------------------------------------------------------------------------------
 # references (PyTorch, any device/dtype; compute in the inputs' dtype unless upcast first)
 
@@ -829,3 +978,10 @@ def with_ln_ref(y, ln):
 
 def sparse_mlp_layer_ref(x, w1, b1, w2_t, b2, idx, residual=None):
     return sparse_fc2_ref(sparse_fc1_ref(x, w1, b1, idx), w2_t, b2, idx, residual)
+
+
+def sparse_mlp_chain_ref(x, w1, b1, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False):
+    """sparse_fc2_ref(sparse_fc1_ref(x)) with h rounded to x's dtype between them (as the kernel
+    stores it); ln as sparse_fc2_ref's."""
+    h = sparse_fc1_ref(x, w1, b1, idx).to(x.dtype)
+    return sparse_fc2_ref(h, w2_t, b2, idx, residual, ln=ln)

@@ -253,6 +253,23 @@ SCRIPT = textwrap.dedent('''
                 assert "st.global" not in ptx[:wait] and ptx.index("griddepcontrol.launch_dependents") > wait
     ptx = compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, GDC=2)).asm["ptx"]
     assert "st.global" not in ptx[:ptx.index("griddepcontrol.wait")]
+    # fc1 and fc2 in one launch (sparse_mlp_chain): fp16 / bf16 / fp32, even and odd D; the tiles'
+    # wait on their split's counter is an acquire, the fc1 programs' count a release
+    chain = dict(BLOCK_R=2, BLOCK_D1=1024, STAGES1=2, W_EV="evict_first", BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
+                 STAGES2=3)
+    for dt, f32 in (("fp16", False), ("bf16", False), ("fp32", True)):
+        for even in (True, False):
+            for gdc in (0, 1):
+                ptx = compile_sm90(SM, SM._mlp_chain_kernel, {**chain, "EVEN_D1": even, "EVEN_D": even,
+                                                               "DOT_FP32": f32, "GDC": gdc},
+                                   dt, {"cnt_ptr": "*i32"}).asm["ptx"]
+                assert "ld.global.gpu.acquire" in ptx and "red.global.gpu.release" in ptx, dt
+                if gdc:
+                    wait = ptx.index("griddepcontrol.wait")
+                    assert "st.global" not in ptx[:wait] and "ld.global" not in ptx[:wait]
+                    assert ptx.index("griddepcontrol.launch_dependents") > wait
+                else:
+                    assert "griddepcontrol" not in ptx
     print("ALL OK")
 ''')
 
