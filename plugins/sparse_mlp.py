@@ -572,12 +572,14 @@ def _mlp_chain_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, idx_ptr, h_ptr, part_ptr, c
                       BLOCK_R: tl.constexpr, BLOCK_D1: tl.constexpr, EVEN_D1: tl.constexpr,
                       STAGES1: tl.constexpr, W_EV: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                      STAGES2: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0,
-                      PF: tl.constexpr = 0):
+                      STAGES2: tl.constexpr, DOT_FP32: tl.constexpr, ROW_ACC: tl.constexpr = 1,
+                      GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Batch 1: fc1 and fc2 of the selected rows in one launch; grid (N1 + SPLIT * N_D,).
     # Programs [0, N1): fc1, BLOCK_R rows each (_gather_gemv_kernel's loop): h = relu(w1[rows] @ x
     #   + b1[rows]), stored (activation dtype) to h, then counted on cnt[s], s the K split of the
-    #   rows (K_PER_SPLIT is a multiple of BLOCK_R: a program's rows lie in one split).
+    #   rows (K_PER_SPLIT is a multiple of BLOCK_R: a program's rows lie in one split). ROW_ACC 1:
+    #   a [BLOCK_R, BLOCK_D1] accumulator, summed after the loop (as fc1's kernel: the same h bit for
+    #   bit); ROW_ACC = BLOCK_D1: each chunk summed as it comes, so longer tiles fit the registers.
     # Programs N1 + s * N_D + j: fc2's tile (D block j, split s) (_gather_dot_t_kernel's loop):
     #   waits until cnt[s] counts the split's fc1 programs, then part[s, j block] = h[split] @
     #   w2_t[rows]; the last of the split's N_D tiles to arrive (cnt[SPLIT + s]) puts cnt[s] back to 0.
@@ -592,7 +594,7 @@ def _mlp_chain_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, idx_ptr, h_ptr, part_ptr, c
         rmask1 = offs_r1 < K
         rows1 = tl.load(idx_ptr + offs_r1, mask=rmask1, other=0).to(tl.int64)
         w_rows = w1_ptr + rows1[:, None] * D
-        acc1 = tl.zeros([BLOCK_R, BLOCK_D1], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_R, BLOCK_D1 // ROW_ACC], dtype=tl.float32)
         for d0 in tl.range(0, D, BLOCK_D1, num_stages=STAGES1):
             offs_d1 = d0 + tl.arange(0, BLOCK_D1)
             if EVEN_D1:
@@ -603,7 +605,10 @@ def _mlp_chain_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, idx_ptr, h_ptr, part_ptr, c
                 xv1 = tl.load(x_ptr + offs_d1, mask=dmask1, other=0.0)
                 wv1 = tl.load(w_rows + offs_d1[None, :], mask=dmask1[None, :], other=0.0,
                               eviction_policy=W_EV).to(tl.float32)
-            acc1 += wv1 * xv1.to(tl.float32)[None, :]
+            if ROW_ACC == 1:
+                acc1 += wv1 * xv1.to(tl.float32)[None, :]
+            else:  # summed per chunk: a [BLOCK_R, 1] accumulator (registers for longer tiles)
+                acc1 += tl.sum(wv1 * xv1.to(tl.float32)[None, :], axis=1, keep_dims=True)
         gdc_release(GDC)
         h = tl.maximum(tl.sum(acc1, axis=1) + tl.load(b1_ptr + rows1).to(tl.float32), 0.0)
         tl.store(h_ptr + offs_r1, h.to(h_ptr.dtype.element_ty), mask=rmask1)
@@ -837,6 +842,7 @@ def mlp_chain(x, w1, b1, w2_t, b2, idx, residual, out, *, ln=None, ln_out=None, 
         BLOCK_R=r1, BLOCK_D1=c1["BLOCK_D"], EVEN_D1=D % c1["BLOCK_D"] == 0, STAGES1=c1["num_stages"],
         W_EV=c1.get("W_EV", ""), BLOCK_K=block_k, BLOCK_B=16, BLOCK_D=block_d, EVEN_D=D % block_d == 0,
         STAGES2=c2["num_stages"], DOT_FP32=_dot_fp32(w2_t.dtype, dev),
+        ROW_ACC=c1["BLOCK_D"] if c1.get("ROW_ACC") else 1,
         num_warps=config.get("num_warps", CHAIN_CONFIG["num_warps"]), **pdl_args(dev, "fc1"))
     return reduce_partials(part, b2, residual, out, ln, ln_out, ln_defer)
 
