@@ -554,7 +554,10 @@ def run_checks(kinds=None):
         for (D, F), K in (((7168, 28672), 2867), ((7168, 28672), 8602), ((9216, 36864), 3686)):
             cases.append(("chain", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20)))
         cases.append(("chain", dict(D=7168, F=28672, K=2867, dtype=torch.bfloat16, residual=True, ln="defer",
-                                    repeat=5, config={"fc1": {"BLOCK_R": 8, "ROW_ACC": True}})))
+                                    repeat=5, config={"fc1": {"BLOCK_R": 2, "ROW_ACC": False}})))
+        for (D, F), K in (((7168, 28672), 2867), ((9216, 36864), 11059)):  # tiles without tl.dot
+            cases.append(("chain", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20,
+                                        config={"fc2": dict(_ND, TARGET_PROGRAMS=792)})))
     fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
            "recompute": check_recompute, "fused": check_fused, "chain": check_chain}
     for kind, kw in cases:
@@ -842,11 +845,16 @@ def bench_mlp_variants(mlps, bw, names):
 
 PART_DENSITIES = (0.1, 0.3)
 # sparse_mlp_chain configs (over sparse_mlp.CHAIN_CONFIG) timed by --sections mlp_parts
+_ND = {"DOT": False, "BLOCK_K": 16, "BLOCK_D": 256, "num_stages": 2}  # fc2 tiles without tl.dot: 72 registers
 CHAIN_VARIANTS = {"chain": None,  # CHAIN_CONFIG: fc1 8 rows x 1024 columns, 3 stages, summed per chunk
-                  "chain_r2tile": {"fc1": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_stages": 2, "ROW_ACC": False}},
-                  **{f"chain_r{r}d{d}s{st}": {"fc1": {"BLOCK_R": r, "BLOCK_D": d, "num_stages": st, "ROW_ACC": True}}
-                     for r, d, st in ((16, 1024, 2), (32, 256, 3))},
-                  "chain_t528": {"fc2": {"TARGET_PROGRAMS": 528}}}
+                  "chain_t528": {"fc2": {"TARGET_PROGRAMS": 528}},
+                  "chain_nd": {"fc2": _ND},
+                  "chain_nd_t792": {"fc2": {**_ND, "TARGET_PROGRAMS": 792}},
+                  "chain_nd_t1056": {"fc2": {**_ND, "TARGET_PROGRAMS": 1056}},
+                  "chain_nd_k8": {"fc2": {**_ND, "BLOCK_K": 8, "BLOCK_D": 512, "num_stages": 3}},
+                  "chain_nd_r4": {"fc1": {"BLOCK_R": 4, "BLOCK_D": 1024, "num_stages": 2, "ROW_ACC": True}, "fc2": _ND},
+                  "chain_nd_r2tile": {"fc1": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_stages": 2, "ROW_ACC": False},
+                                      "fc2": _ND}}
 
 
 def _fc2_split(K, D):

@@ -577,6 +577,7 @@ def _mlp_chain_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, idx_ptr, h_ptr, part_ptr, c
                       STAGES1: tl.constexpr, W_EV: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                       STAGES2: tl.constexpr, DOT_FP32: tl.constexpr, ROW_ACC: tl.constexpr = 1,
+                      FC2_DOT: tl.constexpr = True,
                       GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Batch 1: fc1 and fc2 of the selected rows in one launch; grid (N1 + SPLIT * N_D,).
     # Programs [0, N1): fc1, BLOCK_R rows each (_gather_gemv_kernel's loop): h = relu(w1[rows] @ x
@@ -586,7 +587,8 @@ def _mlp_chain_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, idx_ptr, h_ptr, part_ptr, c
     #   bit); ROW_ACC = BLOCK_D1: each chunk summed as it comes, so longer tiles fit the registers.
     # Programs N1 + s * N_D + j: fc2's tile (D block j, split s) (_gather_dot_t_kernel's loop):
     #   waits until cnt[s] counts the split's fc1 programs, then part[s, j block] = h[split] @
-    #   w2_t[rows]; the last of the split's N_D tiles to arrive (cnt[SPLIT + s]) puts cnt[s] back to 0.
+    #   w2_t[rows] (tl.dot, or with FC2_DOT off a multiply-and-sum tile: fewer registers); the last
+    #   of the split's N_D tiles to arrive (cnt[SPLIT + s]) puts cnt[s] back to 0.
     # The tiles of split s start as soon as that split's h is stored, while later fc1 programs still
     # stream: no drain between fc1 and fc2. A waiting tile needs the fc1 programs it waits for to
     # run: they have lower program ids, which the GPU dispatches first (as CUTLASS's serial split-K
@@ -631,26 +633,41 @@ def _mlp_chain_kernel(x_ptr, w1_ptr, b1_ptr, w2_ptr, idx_ptr, h_ptr, part_ptr, c
         tl.debug_barrier()
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         dmask = offs_d < D
-        offs_b = tl.arange(0, BLOCK_B)
-        acc2 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES2):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            kmask = offs_k < k_end
-            rows2 = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
-            # h: other programs of this launch stored it; .cg reads L2, never a stale L1 line
-            hv = tl.load(h_ptr + offs_b[:, None] * 0 + offs_k[None, :],
-                         mask=(offs_b == 0)[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg")
-            if EVEN_D:
-                wv2 = tl.load(w2_ptr + rows2[:, None] * D + offs_d[None, :])
-            else:
-                wv2 = tl.load(w2_ptr + rows2[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
-            if DOT_FP32:
-                acc2 = tl.dot(hv.to(tl.float32), wv2.to(tl.float32), acc2, input_precision="ieee")
-            else:
-                acc2 = tl.dot(hv.to(wv2.dtype), wv2, acc2)
-        gdc_release(GDC)
-        tl.store(part_ptr + pid_s.to(tl.int64) * D + offs_b[:, None] * 0 + offs_d[None, :], acc2,
-                 mask=(offs_b == 0)[:, None] & dmask[None, :])
+        if FC2_DOT:
+            offs_b = tl.arange(0, BLOCK_B)
+            acc2 = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+            for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES2):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                kmask = offs_k < k_end
+                rows2 = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+                # h: other programs of this launch stored it; .cg reads L2, never a stale L1 line
+                hv = tl.load(h_ptr + offs_b[:, None] * 0 + offs_k[None, :],
+                             mask=(offs_b == 0)[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg")
+                if EVEN_D:
+                    wv2 = tl.load(w2_ptr + rows2[:, None] * D + offs_d[None, :])
+                else:
+                    wv2 = tl.load(w2_ptr + rows2[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+                if DOT_FP32:
+                    acc2 = tl.dot(hv.to(tl.float32), wv2.to(tl.float32), acc2, input_precision="ieee")
+                else:
+                    acc2 = tl.dot(hv.to(wv2.dtype), wv2, acc2)
+            gdc_release(GDC)
+            tl.store(part_ptr + pid_s.to(tl.int64) * D + offs_b[:, None] * 0 + offs_d[None, :], acc2,
+                     mask=(offs_b == 0)[:, None] & dmask[None, :])
+        else:  # multiply and sum (batch 1 needs no tl.dot): fewer registers, more programs per SM
+            acc3 = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+            for k1 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES2):
+                offs_k3 = k1 + tl.arange(0, BLOCK_K)
+                kmask3 = offs_k3 < k_end
+                rows3 = tl.load(idx_ptr + offs_k3, mask=kmask3, other=0).to(tl.int64)
+                hv3 = tl.load(h_ptr + offs_k3, mask=kmask3, other=0.0, cache_modifier=".cg").to(tl.float32)
+                if EVEN_D:
+                    wv3 = tl.load(w2_ptr + rows3[:, None] * D + offs_d[None, :])
+                else:
+                    wv3 = tl.load(w2_ptr + rows3[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+                acc3 += wv3.to(tl.float32) * hv3[:, None]
+            gdc_release(GDC)
+            tl.store(part_ptr + pid_s.to(tl.int64) * D + offs_d, tl.sum(acc3, axis=0), mask=dmask)
         if last_arrival(cnt_ptr + SPLIT + pid_s, N_D):  # every tile of the split is past its wait
             tl.atomic_xchg(cnt_ptr + pid_s, 0, sem="relaxed")
 
@@ -846,7 +863,7 @@ def mlp_chain(x, w1, b1, w2_t, b2, idx, residual, out, *, ln=None, ln_out=None, 
         BLOCK_R=r1, BLOCK_D1=c1["BLOCK_D"], EVEN_D1=D % c1["BLOCK_D"] == 0, STAGES1=c1["num_stages"],
         W_EV=c1.get("W_EV", ""), BLOCK_K=block_k, BLOCK_B=16, BLOCK_D=block_d, EVEN_D=D % block_d == 0,
         STAGES2=c2["num_stages"], DOT_FP32=_dot_fp32(w2_t.dtype, dev),
-        ROW_ACC=c1["BLOCK_D"] if c1.get("ROW_ACC") else 1,
+        ROW_ACC=c1["BLOCK_D"] if c1.get("ROW_ACC") else 1, FC2_DOT=c2.get("DOT", True),
         num_warps=config.get("num_warps", CHAIN_CONFIG["num_warps"]), **pdl_args(dev, "fc1"))
     return reduce_partials(part, b2, residual, out, ln, ln_out, ln_defer)
 

@@ -37,8 +37,9 @@ def chain_counters_zero(n=64):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", [None, PAIRLIKE, SMALL, {**SMALL, "fc1": {**SMALL["fc1"], "ROW_ACC": True}}],
-                         ids=["default", "pairlike", "small", "small-rowacc"])
+@pytest.mark.parametrize("config", [None, PAIRLIKE, SMALL, {**SMALL, "fc1": {**SMALL["fc1"], "ROW_ACC": True}},
+                                    {**SMALL, "fc2": {**SMALL["fc2"], "DOT": False}}],
+                         ids=["default", "pairlike", "small", "small-rowacc", "small-nodot"])
 def test_matches_float64_and_the_pair(triton_interp, close, dtype, config):
     args = make(dtype)
     res = torch.randn(1, D).to(dtype)

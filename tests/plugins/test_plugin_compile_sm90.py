@@ -262,7 +262,8 @@ SCRIPT = textwrap.dedent('''
             for gdc in (0, 1):
                 ptx = compile_sm90(SM, SM._mlp_chain_kernel, {**chain, "EVEN_D1": even, "EVEN_D": even,
                                                                "DOT_FP32": f32, "GDC": gdc,
-                                                               "ROW_ACC": 1 if gdc else 1024},
+                                                               "ROW_ACC": 1 if gdc else 1024,
+                                                               "FC2_DOT": not (even and gdc)},
                                    dt, {"cnt_ptr": "*i32"}).asm["ptx"]
                 assert "ld.global.gpu.acquire" in ptx and "red.global.gpu.release" in ptx, dt
                 if gdc:
