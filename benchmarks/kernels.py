@@ -854,7 +854,11 @@ CHAIN_VARIANTS = {"chain": None,  # CHAIN_CONFIG: fc1 8 rows x 1024 columns, 3 s
                   "chain_nd_k8": {"fc2": {**_ND, "BLOCK_K": 8, "BLOCK_D": 512, "num_stages": 3}},
                   "chain_nd_r4": {"fc1": {"BLOCK_R": 4, "BLOCK_D": 1024, "num_stages": 2, "ROW_ACC": True}, "fc2": _ND},
                   "chain_nd_r2tile": {"fc1": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_stages": 2, "ROW_ACC": False},
-                                      "fc2": _ND}}
+                                      "fc2": _ND},
+                  # smaller tl.dot tiles: 56-88 registers (offline sm_90 compile) against 124
+                  **{f"chain_k{k}d{d}t{t}": {"fc2": {"BLOCK_K": k, "BLOCK_D": d, "TARGET_PROGRAMS": t}}
+                     for k, d, t in ((64, 64, 396), (64, 64, 792), (64, 64, 1056), (32, 64, 792), (32, 128, 528),
+                                     (16, 128, 792))}}
 
 
 def _fc2_split(K, D):
