@@ -40,8 +40,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e  # noqa: E402  (random engines of OPT shapes)
+_HERE = str(Path(__file__).resolve().parent)
+_ADDED = _HERE not in sys.path  # imported from elsewhere (the tests), not run as a script
+if _ADDED:
+    sys.path.insert(0, _HERE)
+try:
+    import e2e  # noqa: E402  (random engines of OPT shapes)
+finally:
+    if _ADDED:  # leave sys.path as found: benchmarks/kernels.py would shadow HF's `kernels` package
+        sys.path.remove(_HERE)
 
 
 def _short(name: str) -> str:

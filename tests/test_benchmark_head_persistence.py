@@ -4,8 +4,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import head_persistence as hp  # noqa: E402
+_BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
+sys.path.insert(0, _BENCH)  # for this import only (benchmarks/kernels.py must not shadow HF's `kernels`)
+try:
+    import head_persistence as hp  # noqa: E402
+finally:
+    sys.path.remove(_BENCH)
 
 
 def test_gaps_turnover_and_slow_path_share():

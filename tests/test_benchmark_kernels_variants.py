@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import kernels as K  # noqa: E402
+# benchmarks/ leaves sys.path again, and the module is renamed: a top-level "kernels" would be taken
+# for Hugging Face's `kernels` package (transformers >= 5.2x looks for it with find_spec)
+_BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
+sys.path.insert(0, _BENCH)
+try:
+    import kernels as K  # noqa: E402
+finally:
+    sys.path.remove(_BENCH)
+    sys.modules["dejavu_bench_kernels"] = sys.modules.pop("kernels")
 
 
 def settings():

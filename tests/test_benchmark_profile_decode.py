@@ -2,8 +2,12 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import profile_decode as pd  # noqa: E402
+_BENCH = str(Path(__file__).resolve().parents[1] / "benchmarks")
+sys.path.insert(0, _BENCH)  # for this import only (benchmarks/kernels.py must not shadow HF's `kernels`)
+try:
+    import profile_decode as pd  # noqa: E402
+finally:
+    sys.path.remove(_BENCH)
 
 
 def ev(name, ts, dur, grid=(1, 1), block=(128,)):

@@ -432,7 +432,12 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
         runs[fold] = (ys, kc, vc, vl, hist)
     (ys_f, *state_f), (ys_u, *state_u) = runs[True], runs[False]
     for a, b in zip(state_f, state_u):
-        assert torch.equal(a, b)
+        if slow.get("FOLD_SLOW_R", 16) == qkv["BLOCK_R"]:
+            assert torch.equal(a, b)
+        else:  # slow sub-blocks of another height: the interpreter's dots (numpy's BLAS) may sum the
+            # same products in another order (1 fp32 ulp with numpy 2.4.6; equal with the numpy CI had
+            # in session 14); the float64 bound above holds either way
+            assert torch.allclose(a, b, rtol=2 ** -10 if dtype == torch.float16 else 1e-6, atol=1e-6)
     for a, b in zip(ys_f, ys_u):  # attention sums the fresh slots in another order: fp32 rounding only
         assert torch.allclose(a.double(), b.double(), rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-3)
     # every slot of the selected heads up to their last pos is filled (the slow path ran)
