@@ -38,7 +38,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
                                     default_validate, helper, jit, last_arrival, next_pow2)
-from dejavu.plugins.sparse_mlp import sparse_mlp_layer_ref
+from dejavu.plugins.sparse_mlp import check_mlp_weights, sparse_mlp_layer_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -283,13 +283,7 @@ def sparse_mlp_fused(x, w1, b1, w2_t, b2, idx, residual=None, *, out=None, valid
                           "(BENCHMARKS.md); use 'kernel' or 'barrier'")
     if D > MAX_D:
         raise DejavuError(f"sparse_mlp_fused: D={D} > {MAX_D} (use sparse_fc1 + sparse_fc2)")
-    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
-    F = w1.shape[0]
-    if w1.shape[1] != D:
-        raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
-    check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
-    check_tensor("w2_t", w2_t, shape=(F, D), dtype=x.dtype, device=x.device)
-    check_tensor("b2", b2, shape=(D,), dtype=x.dtype, device=x.device)
+    F = check_mlp_weights(x, w1, b1, w2_t, b2)
     check_index("idx", idx, batch=B, upper=F, device=x.device,
                 validate=default_validate(validate, x.device))
     if residual is not None:

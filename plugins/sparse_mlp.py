@@ -942,6 +942,20 @@ def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
     return sparse_fc2(h, w2_t, b2, idx, residual, validate=False)
 
 
+def check_mlp_weights(x, w1, b1, w2_t, b2) -> int:
+    """Check one layer's MLP weights against x [B,D] (w1, w2_t [F,D], b1 [F], b2 [D], x's dtype and
+    device) for the one-launch MLPs; returns F."""
+    D = x.shape[1]
+    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
+    F = w1.shape[0]
+    if w1.shape[1] != D:
+        raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
+    check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
+    check_tensor("w2_t", w2_t, shape=(F, D), dtype=x.dtype, device=x.device)
+    check_tensor("b2", b2, shape=(D,), dtype=x.dtype, device=x.device)
+    return F
+
+
 def sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
                      config=None, ln_defer=False):
     """Batch 1: y[1,D] = relu(w1[idx] @ x + b1[idx]) @ w2_t[idx] + b2 (+ residual), fc1 and fc2 in one
@@ -951,13 +965,7 @@ def sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, residual=None, *, out=None, ln=No
     B, D = x.shape
     if B != 1:
         raise DejavuError(f"sparse_mlp_chain: batch 1 only, got x of shape {tuple(x.shape)}")
-    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
-    F = w1.shape[0]
-    if w1.shape[1] != D:
-        raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
-    check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
-    check_tensor("w2_t", w2_t, shape=(F, D), dtype=x.dtype, device=x.device)
-    check_tensor("b2", b2, shape=(D,), dtype=x.dtype, device=x.device)
+    F = check_mlp_weights(x, w1, b1, w2_t, b2)
     K, _ = check_index("idx", idx, batch=1, upper=F, device=x.device,
                        validate=default_validate(validate, x.device))
     if residual is not None:
