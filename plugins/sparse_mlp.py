@@ -75,10 +75,11 @@ FC2_CONFIG = {
 # GEMV blocks) first, then fc2's tl.dot tiles (its dot1 blocks and split), each tile waiting on a
 # counter for the fc1 programs of its K split only. CHAIN_COUNTERS: the offset of its counters in
 # `_common.counters` (2 per split), away from the ones other kernels take from 0.
-# Measured on the H200 (session 15, kernels.py --sections mlp_parts): not faster than the pair in
-# any config (the tl.dot tiles' 124 registers leave fc1's programs 4 per SM instead of 10); kept
-# opt-in with its tests, not used by the runtime. 8 rows x 1024 columns summed per chunk (ROW_ACC)
-# was the best fc1 block at OPT-30B d0.1 (28.8 vs the pair's ~28.1 us).
+# Measured on the H200 (session 15, kernels.py --sections mlp_parts; BENCHMARKS.md): not faster
+# than the pair in any config (the tl.dot tiles' 124 registers leave fc1's programs 4 per SM instead
+# of 10; with 64 x 64 tiles, 56 registers, it only ties); kept opt-in with its tests, not used by the
+# runtime. 8 rows x 1024 columns summed per chunk (ROW_ACC) was the best fc1 block: OPT-30B d0.1
+# 28.8-29.6 us against the pair's 28.5-29.3 in the same runs.
 CHAIN_CONFIG = {"fc1": {"BLOCK_R": 8, "BLOCK_D": 1024, "num_stages": 3, "W_EV": "evict_first", "ROW_ACC": True},
                 "fc2": {"BLOCK_K": 64, "BLOCK_D": 128, "num_stages": 3, "TARGET_PROGRAMS": 396},
                 "num_warps": 4}
