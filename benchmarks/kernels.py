@@ -378,7 +378,8 @@ def check_chain(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
         o = P.sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, res, ln=lnw, validate=False, config=config,
                                ln_defer=ln == "defer")
         outs.append(o[0] if isinstance(o, tuple) else o)
-    torch.cuda.synchronize() if DEV == "cuda" else None
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     ref = P.sparse_mlp_chain_ref(x.double(), w1.double(), b1.double(), w2_t.double(), b2.double(), idx,
                                  None if res is None else res.double())
     ok, info = _err_ok(y, ref, P.sparse_mlp_chain_ref(x, w1, b1, w2_t, b2, idx, res), *TOL[dtype])
