@@ -96,6 +96,12 @@ def _ablate_fused_mlp(eng):
     return None
 
 
+def _ablate_mlp_overlap(eng):
+    """Batch 1: fc2 starts on each K split once fc1 has stored it (sparse_mlp.fc2_overlap)."""
+    eng.decoder.mlp_overlap = True
+    return None
+
+
 def _ablate_unfused_ln(eng):
     """The LayerNorms as separate launches (the split-K finish and LayerNorm not fused)."""
     eng.decoder.fuse_ln = False
@@ -475,7 +481,7 @@ def _swept(*parts):
 
 # --ablations at --ablate-densities and --ablate-batches: rows `dejavu_d{D}_on[_shared]_{name}`,
 # each one change from the row without the suffix
-ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fuseln": _ablate_fused_ln,
+ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfusedln": _ablate_unfused_ln, "fuseln": _ablate_fused_ln,
              "twolaunchqkv": _ablate_two_launch_qkv,
              "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,
              # side-stream timing: predictors after Q/K/V; L2 warm-up of out-proj (and fc1) rows
@@ -592,6 +598,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "unfusedln": _ablate_unfused_ln, "fu
              "projw8": _fc2_route("proj1", num_warps=8), "projd64": _fc2_route("proj1", BLOCK_D=64),
              "projk32": _fc2_route("proj1", BLOCK_K=32),
              "fc1w8": _fc1_gemv(num_warps=8), "fc1s3": _fc1_gemv(num_stages=3),
+             # fc2 started per K split while fc1 runs (session 16), with fc1's default blocks / 4 rows
+             # per program (fewer programs: fc2 may launch sooner) / fc2 on 528 programs
+             "mlpovr4": _both(_ablate_mlp_overlap, _fc1_gemv(BLOCK_R=4)),
+             "mlpovt528": _both(_ablate_mlp_overlap, _fc2_route("dot1", TARGET_PROGRAMS=528)),
              # the side stream's predictor GEMVs with fewer, longer programs (scores = h @ b.T: 8 rows
              # of r per program by default; h = x @ a.T: 1 row of D in 1024-wide chunks)
              "predb16": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=16),

@@ -397,6 +397,44 @@ def check_chain(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
     return ok and info["repeats_equal"] and info["counters_zero"], info
 
 
+def check_overlap(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
+    """sparse_fc1 + sparse_fc2 with `overlap=` (batch 1: fc2's tiles start per K split on fc1's
+    counts; with PDL while fc1 still runs) vs float64 and bit for bit vs the same pair without it;
+    `repeat` pairs back to back without a sync (a missed count or a counter not put back to 0 shows
+    as a different y or a hang), then the counters must all be 0. config: {"fc1": .., "fc2": ..}."""
+    c1, c2 = (config or {}).get("fc1"), (config or {}).get("fc2")
+    x = randn(1, D, dtype=dtype)
+    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
+    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
+    res = randn(1, D, dtype=dtype) if residual else None
+    lnw = (1.0 + 0.1 * randn(D, dtype=dtype), 0.1 * randn(D, dtype=dtype)) if ln else None
+    idx = rand_idx(1, F, K, False)
+    ov = SM.fc2_overlap(K, D, DEV, fc1_config=c1, fc2_config=c2)
+
+    def pair(o):
+        h = P.sparse_fc1(x, w1, b1, idx, validate=False, config=c1, overlap=o)
+        out = P.sparse_fc2(h, w2_t, b2, idx, res, validate=False, config=c2, ln=lnw, ln_defer=ln == "defer",
+                           overlap=o)
+        return out if isinstance(out, tuple) else (out,)
+
+    outs = [pair(ov) for _ in range(repeat)]
+    plain = pair(None)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    y = outs[0][0]
+    ref = P.sparse_mlp_layer_ref(x.double(), w1.double(), b1.double(), w2_t.double(), b2.double(), idx,
+                                 None if res is None else res.double())
+    ok, info = _err_ok(y, ref, P.sparse_mlp_layer_ref(x, w1, b1, w2_t, b2, idx, res), *TOL[dtype])
+    info["split"] = ov.cnt.numel() // 2
+    info["equal_to_plain"] = all(torch.equal(o[0], plain[0]) for o in outs)
+    if ln:
+        mat = sys.modules["dejavu.plugins.layer_norm"].materialize
+        info["ln_equal"] = all(torch.equal(mat(o[1]), mat(plain[1])) for o in outs)
+        ok = ok and info["ln_equal"]
+    info["counters_zero"] = int(ov.cnt.abs().sum().item()) == 0
+    return ok and info["equal_to_plain"] and info["counters_zero"], info
+
+
 def check_predictor(B, D, N, r, k, shared, method="torch", dtype=torch.float32, scoring=None):
     # the fused (grid-barrier) top-k is exercised only by --sections topk, under a timeout
     PR.TOPK_CONFIG["fused"], fused = False, PR.TOPK_CONFIG["fused"]
@@ -559,8 +597,22 @@ def run_checks(kinds=None):
         for (D, F), K in (((7168, 28672), 2867), ((9216, 36864), 11059)):  # tiles without tl.dot
             cases.append(("chain", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20,
                                         config={"fc2": dict(_ND, TARGET_PROGRAMS=792)})))
+    # fc1 -> fc2 hand-over per K split (fc2_overlap): odd shapes, every dtype, the next LayerNorm both
+    # ways; real shapes and densities with 20 pairs back to back (fc2 starts while fc1 runs)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for i, (D, F, K) in enumerate(((200, 1000, 333), (256, 512, 130), (300, 800, 257))):
+            cases.append(("overlap", dict(D=D, F=F, K=K, dtype=dtype, residual=i != 1,
+                                          ln=(None, True, "defer")[i])))
+    if big:
+        for (D, F), K in (((7168, 28672), 2867), ((7168, 28672), 8602), ((9216, 36864), 3686),
+                          ((2048, 8192), 2458)):
+            for cfg in (None, {"fc1": {"BLOCK_R": 4}}, {"fc2": {"TARGET_PROGRAMS": 528}}):
+                cases.append(("overlap", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20,
+                                              config=cfg)))
+        cases.append(("overlap", dict(D=7168, F=28672, K=2867, dtype=torch.bfloat16, residual=True, ln="defer",
+                                      repeat=5)))
     fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-           "recompute": check_recompute, "fused": check_fused, "chain": check_chain}
+           "recompute": check_recompute, "fused": check_fused, "chain": check_chain, "overlap": check_overlap}
     for kind, kw in cases:
         if kinds and kind not in kinds:
             continue
@@ -864,20 +916,23 @@ CHAIN_VARIANTS = {"chain": None,  # CHAIN_CONFIG: fc1 8 rows x 1024 columns, 3 s
 
 def _fc2_split(K, D):
     """The split count gather_gemv_t takes at batch 1 (FC2_CONFIG["dot1"]) for K rows of width D."""
-    cfg = SM.FC2_CONFIG["dot1"]
-    n_d = -(-D // cfg["BLOCK_D"])
-    k_blocks = max(1, -(-K // cfg["BLOCK_K"]))
-    split = cfg.get("SPLIT") or max(1, min(k_blocks, cfg.get("TARGET_PROGRAMS", SM.TARGET_PROGRAMS) // n_d))
-    k_per_split = -(-k_blocks // split) * cfg["BLOCK_K"]
-    return max(1, -(-K // k_per_split))
+    return SM._split_plan(K, D, SM.FC2_CONFIG["dot1"])[1]
 
 
-def bench_mlp_parts(mlps, bw):
+# fc2 started per K split while fc1 runs (fc2_overlap, session 16): {"fc1": .., "fc2": ..} overrides
+OVERLAP_VARIANTS = {"overlap": {}, "overlap_r4": {"fc1": {"BLOCK_R": 4}},
+                    "overlap_t528": {"fc2": {"TARGET_PROGRAMS": 528}},
+                    "overlap_r4_t264": {"fc1": {"BLOCK_R": 4}, "fc2": {"TARGET_PROGRAMS": 264}}}
+
+
+def bench_mlp_parts(mlps, bw, only=None):
     """Batch 1, where the pair's time goes (session 15). Per shape and density, each in a CUDA
     graph of 8 calls over rotating weight copies and index sets: the pair, fc1 alone, fc2 alone
     (with its split reduction), the reduction alone (fc2's split count), fc1's kernel over 2K
     rows (the pair's bytes in one launch), and cuBLAS on contiguous weights of the same bytes
-    (fc1 and fc2 as two GEMVs; one GEMV of 2K rows). bw_frac: bytes read / time / copy bandwidth."""
+    (fc1 and fc2 as two GEMVs; one GEMV of 2K rows), the one-launch chain's and the fc2_overlap
+    variants; `only`: the cases whose names start with one of these. bw_frac: bytes read / time /
+    copy bandwidth."""
     rows = []
     for name, mlp in mlps.items():
         D, F, C = mlp.D, mlp.F, mlp.COPIES
@@ -904,12 +959,24 @@ def bench_mlp_parts(mlps, bw):
                                                           cp[i % C][2][:K])),
                 "cublas_2k_rows": (2 * K, lambda i: Fn.linear(x, cp[i % C][0][:2 * K])),
             }
+            for oname, ocfg in OVERLAP_VARIANTS.items():
+                c1, c2 = ocfg.get("fc1"), ocfg.get("fc2")
+                ov = SM.fc2_overlap(K, D, DEV, fc1_config=c1, fc2_config=c2)
+                cases[oname] = (2 * K, lambda i, c1=c1, c2=c2, ov=ov: P.sparse_fc2(
+                    P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False, config=c1, overlap=ov),
+                    cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=c2, overlap=ov))
+                if ocfg:  # the same blocks without the hand-over
+                    cases[oname.replace("overlap", "plain")] = (2 * K, lambda i, c1=c1, c2=c2: P.sparse_fc2(
+                        P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False, config=c1),
+                        cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=c2))
             for cname, ccfg in CHAIN_VARIANTS.items():  # fc1 and fc2 in one launch
                 cases[cname] = (2 * K, lambda i, ccfg=ccfg: SM.sparse_mlp_chain(
                     x, cp[i % C][0], cp[i % C][1], cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=ccfg))
             # one untimed graph first: a section's first graph runs slow (sessions 13, 15)
             bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % C) for i in range(8)], reps=5)
             for case, (n_rows, fn) in cases.items():
+                if only and not case.startswith(tuple(only)):
+                    continue
                 t = bench_graph([lambda i=i, fn=fn: fn(i) for i in range(8)])
                 nbytes = n_rows * D * 2
                 rows.append({"shape": name, "density": d, "K": K, "case": case, "split": split, "graph_ms": t,
@@ -1408,7 +1475,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--check-kinds", default=None,
                     help="with --check: only these kinds (comma list of mlp, attn, pred, deferred, recompute, fused, "
-                         "chain)")
+                         "chain, overlap)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-paths", default=None,
                     help="--sweep only these MLP paths (comma list of gemv, dot, dot1, proj1)")
@@ -1423,6 +1490,8 @@ def main(argv=None):
                     help="plain launches (default: programmatic dependent launch as _common.PDL_CONFIG says)")
     ap.add_argument("--mlp-variants", default=None,
                     help="comma list of MLP_VARIANTS names: the batch-1 pair under each (section mlp_variants)")
+    ap.add_argument("--parts", default=None,
+                    help="section mlp_parts: only the cases whose names start with one of these (comma list)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the remaining sections once this many seconds have passed")
     args = ap.parse_args(argv)
@@ -1485,7 +1554,7 @@ def main(argv=None):
                 res["mlp"] = bench_mlp(mlps, bw, args.quick)
                 save("mlp")
             if "mlp_parts" in sections and in_budget("mlp_parts"):  # after mlp: a warm GPU
-                res["mlp_parts"] = bench_mlp_parts(mlps, bw)
+                res["mlp_parts"] = bench_mlp_parts(mlps, bw, args.parts.split(",") if args.parts else None)
                 save("mlp_parts")
             if "fused_mlp" in sections and in_budget("fused_mlp"):
                 res["fused_mlp"] = bench_fused_mlp(mlps, bw, args.quick)

@@ -35,6 +35,8 @@ Limits and choices (see docs/kernels.md for the measurements behind them):
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dejavu.errors import DejavuError
@@ -84,6 +86,11 @@ CHAIN_CONFIG = {"fc1": {"BLOCK_R": 8, "BLOCK_D": 1024, "num_stages": 3, "W_EV": 
                 "fc2": {"BLOCK_K": 64, "BLOCK_D": 128, "num_stages": 3, "TARGET_PROGRAMS": 396},
                 "num_warps": 4}
 CHAIN_COUNTERS = 1 << 15
+# Batch 1, fc2 started while fc1 still runs (`fc2_overlap`, sparse_fc1 / sparse_fc2 `overlap=`): two
+# launches, fc1 letting fc2 launch at its start (PDL early trigger) and counting its programs per
+# K split of fc2, fc2's tiles waiting on their split's count instead of on fc1's completion. Its
+# counters (2 per split) from OVERLAP_COUNTERS in `_common.counters`, away from the chain's.
+OVERLAP_COUNTERS = CHAIN_COUNTERS + (1 << 12)
 DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
 # fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
 # the tl.dot fc2 took 37.5 us at density 0.3 and 17.2 at 0.1, the split-K GEMV 50.5 and 27.9;
@@ -141,11 +148,12 @@ def _prefetch_tile(w_ptr, idx_row, offs, mask, col0, N_ROWS, D, GROUP: tl.conste
 
 
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr, st_ptr, wg_ptr, D, K,
-                        stride_xb, stride_ib, stride_ob, N_ROWS, N_ST, ST_W, eps,
+                        stride_xb, stride_ib, stride_ob, N_ROWS, N_ST, ST_W, eps, cnt_ptr, K_PER_SPLIT,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, LN_IN: tl.constexpr = 0,
                         BLOCK_N: tl.constexpr = 2, W_CM: tl.constexpr = "", W_EV: tl.constexpr = "",
-                        ST_CM: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        ST_CM: tl.constexpr = "", SIGNAL: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                        PF: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
     # W_CM / W_EV: cache modifier / eviction policy of the weight loads (".cg": L2 only, so the
     # streamed rows do not push the input vector, which every program re-reads, out of L1).
@@ -163,6 +171,9 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
     #   LN_IN 3: x is PendingLN.z = g * (x - block mean) (the loop is LN_IN 0's), the epilogue
     #            applies rstd * (acc + sum_n (m_n - mean) * wgb[row, n]) + wb[row] (wg_ptr is
     #            LNFold.wgb [rows, N_ST] then, b_ptr wb): no extra load in the loop.
+    # SIGNAL (batch 1, fc2 overlapped: Fc2Overlap): after storing its rows, the program counts
+    # itself on cnt[its rows' K split] (release; K_PER_SPLIT a multiple of BLOCK_R), where fc2's
+    # tiles of that split wait (_gather_dot_t_kernel WAIT).
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -222,6 +233,9 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, lnw_ptr, lnb_ptr,
         h = tl.maximum(h, 0.0)
     tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + offs_r,
              h.to(out_ptr.dtype.element_ty), mask=rmask)
+    if SIGNAL:
+        tl.debug_barrier()  # every thread's h stored before thread 0's release
+        tl.atomic_add(cnt_ptr + (pid_r * BLOCK_R) // K_PER_SPLIT, 1, sem="release")
 
 
 def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob, N_ROWS,
@@ -445,19 +459,26 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
 def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
                          cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr,
                          B, D, K, K_PER_SPLIT, stride_hb, SPLIT, N_D, N_COL, N_LN, eps, N_ROWS,
-                         apart_ptr, ml_ptr, NCHUNK,
+                         apart_ptr, ml_ptr, NCHUNK, R1,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, FUSED: tl.constexpr,
                          LN: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          LN_BLOCK: tl.constexpr, COMBINE: tl.constexpr = 0, BLOCK_C: tl.constexpr = 2,
-                         W_EV: tl.constexpr = "", GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         W_EV: tl.constexpr = "", WAIT: tl.constexpr = 0, H_CM: tl.constexpr = "",
+                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel; W_EV: eviction policy of the weight loads.
     # COMBINE (B == 1, the attention output projection): h is not read; its values come from the
     # attention kernel's per-chunk partials (sparse_attention._attn_decode_kernel, PARTIAL):
     # h[k] = sum_c exp(m_c - M) acc_c[k % GROUP] / sum_c exp(m_c - M) l_c over the NCHUNK chunks
     # of head slot k // GROUP (what _attn_combine_kernel computes, here per k-block: no launch).
+    # WAIT (batch 1, not FUSED: Fc2Overlap): h comes from an fc1 launch that may still be running
+    # (it triggers this launch at its start, SIGNAL): the tile waits (acquire) until cnt[its split]
+    # counts the split's fc1 programs of R1 rows each, reads h with H_CM ".cg" (L2: no stale L1
+    # line), and passes the PDL wait only after its loop, before any store (fc1 has completed by
+    # then, so everything older has too); the last of the split's N_D tiles (cnt[SPLIT + split])
+    # puts cnt[split] back to 0.
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -470,7 +491,14 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         for t in tl.static_range(PF):
             offs_k = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             _prefetch_tile(w_ptr, idx_ptr, offs_k, offs_k < k_end, pid_d * BLOCK_D, N_ROWS, D, GROUP, BLOCK_D)
-    gdc_enter(GDC)
+    if WAIT:
+        need = (k_end - k_start + R1 - 1) // R1
+        seen = tl.atomic_add(cnt_ptr + pid_s, 0, sem="acquire")
+        while seen < need:
+            seen = tl.atomic_add(cnt_ptr + pid_s, 0, sem="acquire")
+        tl.debug_barrier()
+    else:
+        gdc_enter(GDC)
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -481,7 +509,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
             hv = tl.where((offs_b == 0)[:, None], ov[None, :], 0.0)
         else:
             hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
-                         mask=bmask[:, None] & kmask[None, :], other=0.0)
+                         mask=bmask[:, None] & kmask[None, :], other=0.0, cache_modifier=H_CM)
         if EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], eviction_policy=W_EV)
         else:
@@ -491,6 +519,8 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
             acc = tl.dot(hv.to(tl.float32), wv.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(hv.to(wv.dtype), wv, acc)
+    if WAIT:
+        gdc_enter(GDC)
     gdc_release(GDC)
     rows_b = offs_b[:, None].to(tl.int64) * D
     mask = bmask[:, None] & dmask[None, :]
@@ -509,6 +539,9 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         _finish(part_ptr, b_ptr, res_ptr, out_ptr, cnt_ptr, lnw_ptr, lnb_ptr, ln_ptr, st_ptr, pid_d,
                 B, D, SPLIT, N_D, N_COL, N_LN, eps, FINAL, HAS_RES, LN, BLOCK_D, BLOCK_S, BLOCK_N,
                 LN_BLOCK)
+    if WAIT:
+        if last_arrival(cnt_ptr + SPLIT + pid_s, N_D):  # every tile of the split is past its wait
+            tl.atomic_xchg(cnt_ptr + pid_s, 0, sem="relaxed")
 
 
 @helper
@@ -686,13 +719,46 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
-def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, ln_fold=None):
+def _split_plan(K, D, cfg, programs_per_split=1):
+    """fc2's split-K plan: (n_d D blocks, split, k_per_split rows, a multiple of BLOCK_K)."""
+    n_d = _cdiv(D, cfg["BLOCK_D"])
+    k_blocks = max(1, _cdiv(K, cfg["BLOCK_K"]))
+    target = cfg.get("TARGET_PROGRAMS", TARGET_PROGRAMS)
+    split = cfg.get("SPLIT") or max(1, min(k_blocks, target // (n_d * programs_per_split)))
+    k_per_split = _cdiv(k_blocks, split) * cfg["BLOCK_K"]
+    return n_d, max(1, _cdiv(K, k_per_split)), k_per_split
+
+
+class Fc2Overlap(NamedTuple):
+    """One batch-1 MLP's fc1 -> fc2 hand-over by K split (`fc2_overlap`): pass the same object as
+    `overlap=` to sparse_fc1 and then to sparse_fc2 (both with the configs it was made for)."""
+    cnt: torch.Tensor  # int32 [2 * split]: fc1 programs stored per split, then fc2 tiles past their wait
+    k_per_split: int   # fc2's rows per split (a multiple of rows)
+    rows: int          # fc1's rows per program (FC1_CONFIG["gemv"]["BLOCK_R"] or its override)
+
+
+def fc2_overlap(K, D, device, *, fc1_config=None, fc2_config=None) -> Fc2Overlap:
+    """The hand-over for a batch-1 MLP of K selected neurons and width D (GPU only: on CPU the
+    launches run one after the other anyway, and so does this). Counters must exist before a
+    CUDA-graph capture, as for `_common.counters`."""
+    rows = {**FC1_CONFIG["gemv"], **(fc1_config or {})}["BLOCK_R"]
+    _, split, k_per_split = _split_plan(K, D, {**FC2_CONFIG["dot1"], **(fc2_config or {})})
+    if k_per_split % rows:
+        raise DejavuError(f"fc2_overlap: fc2's {k_per_split} rows per split are not a multiple of fc1's "
+                          f"{rows} rows per program")
+    cnt = counters(torch.device(device), OVERLAP_COUNTERS + 2 * split)[OVERLAP_COUNTERS:OVERLAP_COUNTERS + 2 * split]
+    return Fc2Overlap(cnt, k_per_split, rows)
+
+
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, ln_fold=None, overlap=None):
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
     rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
     x may be a PendingLN (its LayerNorm): the GEMV route normalises x as it loads it, or with
     ln_fold (a layer_norm.LNFold of w, bias and the LayerNorm; group 1) takes it folded into
     the rows; the tl.dot route (shared sets from DOT_MIN_BATCH) runs the layer_norm kernel first.
-    kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1)."""
+    kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1).
+    overlap: a Fc2Overlap (batch 1, group 1, the GEMV route): each program counts its stored
+    rows for fc2, and on PDL GPUs the next launch (that fc2) may start at once."""
     pending = x if isinstance(x, PendingLN) else None
     xt = x.x if pending is not None else x
     B, D = xt.shape
@@ -702,6 +768,8 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     shared = idx.dim() == 1
     kind = kind or ("qkv_full" if group > 1 else "fc1")
     if (shared or B == 1) and B >= DOT_MIN_BATCH:  # B == 1: [1, K] is the same set as [K]
+        if overlap is not None:
+            raise DejavuError("gather_gemv: overlap= needs batch 1 (the GEMV route)")
         x = materialize(x)
         cfg = {**FC1_CONFIG["dot"], **(config or {})}
         kernel = jit(_gather_dot_kernel, x.device)
@@ -713,6 +781,9 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
             num_stages=cfg.get("num_stages", 3), **pdl_args(x.device, kind))
     else:
         cfg = {**FC1_CONFIG["gemv"], **(config or {})}
+        if overlap is not None and (B != 1 or group != 1 or overlap.rows != cfg["BLOCK_R"]):
+            raise DejavuError(f"gather_gemv: overlap= needs batch 1, group 1 and {overlap.rows} rows per "
+                              f"program (got batch {B}, group {group}, BLOCK_R {cfg['BLOCK_R']})")
         kernel = jit(_gather_gemv_kernel, xt.device)
         fold = pending is not None and ln_fold is not None and group == 1
         if pending is not None:
@@ -724,20 +795,24 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
         ln_in = 0 if pending is None else 3 if centred else 2 if fold else 1
         b_in, wg = (ln_fold.wb, ln_fold.wgb if centred else ln_fold.wg) if fold else (bias, xt)  # wg: folds only
         xt = pending.z if centred else xt
+        pdl = pdl_args(xt.device, kind)
+        if overlap is not None and pdl:
+            pdl["GDC"] = 2  # early trigger: fc2's tiles wait on the counts, not on this launch's end
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
             xt, w, b_in, idx, out, lnw, lnb, st, wg, D, K, xt.stride(0), 0 if shared else idx.stride(0),
             out.stride(0), w.shape[0], n_st, st_w, LN_EPS,
+            overlap.cnt if overlap is not None else idx, overlap.k_per_split if overlap is not None else 1,
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, LN_IN=ln_in,
             BLOCK_N=max(2, next_pow2(n_st)), W_CM=cfg.get("W_CM", ""), W_EV=cfg.get("W_EV", ""),
-            ST_CM=cfg.get("ST_CM", ""),
+            ST_CM=cfg.get("ST_CM", ""), SIGNAL=overlap is not None,
             num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 2), **pdl_args(xt.device, kind))
+            num_stages=cfg.get("num_stages", 2), **pdl)
     return out
 
 
 def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
-                  combine=None, ln_defer=False):
+                  combine=None, ln_defer=False, overlap=None):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
     LayerNorm(out) (eps LN_EPS). combine = (acc [Kh * nchunk, group], ml [Kh * nchunk, 2],
@@ -745,7 +820,9 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     inside the kernel (h gives the shape and is not read). Returns out.
     ln_defer (with ln): returns (out, LayerNorm(out)) where the second is a PendingLN when the
     separate split-K reduction runs (it stores the block stats; no LayerNorm launch), else
-    ln_out computed as above. ln_defer="z": the PendingLN also carries z (PendingLN's doc)."""
+    ln_out computed as above. ln_defer="z": the PendingLN also carries z (PendingLN's doc).
+    overlap: the Fc2Overlap the fc1 launch that made h counted on (batch 1, group 1, the dot
+    route, the split it was planned with, no fused finish)."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -757,19 +834,19 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         raise DejavuError("gather_gemv_t: combine= needs batch 1 through the dot kernel")
     cfg = {**FC2_CONFIG[route], **(config or {})}
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
-    n_d = _cdiv(D, block_d)
-    k_blocks = max(1, _cdiv(K, block_k))
-    target = cfg.get("TARGET_PROGRAMS", TARGET_PROGRAMS)
-    split = cfg.get("SPLIT") or max(1, min(k_blocks, target // (n_d * (1 if dot else B))))
-    k_per_split = _cdiv(k_blocks, split) * block_k
-    split = max(1, _cdiv(K, k_per_split))
-    final = split == 1
     per_col = 1 if dot else B  # programs per (split, D block)
+    n_d, split, k_per_split = _split_plan(K, D, cfg, per_col)
+    final = split == 1
     # in-kernel finish: partial sums unless SPLIT is 1, LayerNorm if asked (FUSED_FINISH)
     fused = FUSED_FINISH and B <= FUSED_MAX_BATCH and (not final or ln is not None)
+    if overlap is not None and (route != "dot1" or fused or overlap.k_per_split != k_per_split
+                                or overlap.cnt.numel() != 2 * split):
+        raise DejavuError("gather_gemv_t: overlap= needs batch 1, group 1, no fused finish and the split "
+                          f"it was made for ({overlap.k_per_split} rows per split; this launch: {k_per_split}, "
+                          f"{split} splits)")
     part = out if final else torch.empty((split, B, D), dtype=torch.float32, device=h.device)
     res = residual if residual is not None else out  # never read when HAS_RES is false
-    cnt = counters(h.device, n_d + 1) if fused else idx  # never touched unless FUSED
+    cnt = counters(h.device, n_d + 1) if fused else overlap.cnt if overlap is not None else idx  # FUSED / WAIT
     fused_ln = fused and ln is not None
     lnw, lnb = ln if fused_ln else (bias, bias)
     lno = ln_out if fused_ln else out
@@ -787,10 +864,12 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         kernel = jit(_gather_dot_t_kernel, h.device)
         apart, ml, nchunk = combine if combine is not None else (h, h, 1)  # never read without COMBINE
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
-                             h.stride(0), *sizes, apart, ml, nchunk, DOT_FP32=_dot_fp32(w_t.dtype, h.device),
+                             h.stride(0), *sizes, apart, ml, nchunk, overlap.rows if overlap is not None else 1,
+                             DOT_FP32=_dot_fp32(w_t.dtype, h.device),
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
                              COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)),
-                             W_EV=cfg.get("W_EV", ""), **common)
+                             W_EV=cfg.get("W_EV", ""), WAIT=overlap is not None,
+                             H_CM=".cg" if overlap is not None else "", **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
@@ -849,11 +928,7 @@ def mlp_chain(x, w1, b1, w2_t, b2, idx, residual, out, *, ln=None, ln_out=None, 
     r1, block_k, block_d = c1["BLOCK_R"], c2["BLOCK_K"], c2["BLOCK_D"]
     if block_k % r1:
         raise DejavuError(f"mlp_chain: fc2's BLOCK_K {block_k} is not a multiple of fc1's BLOCK_R {r1}")
-    n_d = _cdiv(D, block_d)
-    k_blocks = max(1, _cdiv(K, block_k))
-    split = max(1, min(k_blocks, c2.get("TARGET_PROGRAMS", TARGET_PROGRAMS) // n_d))
-    k_per_split = _cdiv(k_blocks, split) * block_k
-    split = max(1, _cdiv(K, k_per_split))
+    n_d, split, k_per_split = _split_plan(K, D, {k: v for k, v in c2.items() if k != "SPLIT"})
     n1 = _cdiv(K, r1)
     h = torch.empty(K, dtype=x.dtype, device=dev)
     part = torch.empty((split, 1, D), dtype=torch.float32, device=dev)
@@ -887,11 +962,13 @@ def check_ln(ln, ln_out, B, D, dtype, device):
 # ---------------------------------------------------------------------------------------
 # public API
 
-def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, ln_fold=None):
+def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, ln_fold=None, overlap=None):
     """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D] (or a PendingLN: its LayerNorm), w1 [F,D],
     b1 [F], idx [B,K] or [K]. ln_fold: layer_norm.ln_fold(w1, b1, x.weight, x.bias), used
     when x is a PendingLN (the LayerNorm folded into the rows; gather_gemv); with the block
-    fold (ln_fold(..., width=x.width)) and x.z, fc1 reads z instead of x and the weight."""
+    fold (ln_fold(..., width=x.width)) and x.z, fc1 reads z instead of x and the weight.
+    overlap: a `fc2_overlap(K, D, device)` for the sparse_fc2 call that follows (batch 1): fc2
+    then starts on each K split as soon as fc1 has stored it."""
     if isinstance(x, PendingLN):
         check_pending(x)
     xt = x.x if isinstance(x, PendingLN) else x
@@ -911,14 +988,15 @@ def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, ln_fold=
         if ln_fold.wgb is not None:
             check_tensor("ln_fold.wgb", ln_fold.wgb, shape=(F, -(-D // max(1, ln_fold.width))),
                          dtype=torch.float32, device=xt.device)
-    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, ln_fold=ln_fold)
+    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, ln_fold=ln_fold, overlap=overlap)
 
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
-               config=None, ln_defer=False):
+               config=None, ln_defer=False, overlap=None):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
     ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out).
-    ln_defer (with ln): the second output may be a PendingLN (gather_gemv_t), for sparse_fc1."""
+    ln_defer (with ln): the second output may be a PendingLN (gather_gemv_t), for sparse_fc1.
+    overlap: the Fc2Overlap the sparse_fc1 call that made h was given (h must be that output)."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
     check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)
@@ -933,7 +1011,7 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
     out = check_out(out, (B, D), h.dtype, h.device)
     ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
     y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out,
-                      ln_defer=ln_defer if ln is not None else False)
+                      ln_defer=ln_defer if ln is not None else False, overlap=overlap)
     return y if ln is None or ln_defer else (y, ln_out)
 
 

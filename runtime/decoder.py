@@ -116,6 +116,10 @@ class SparseDecoder:
         # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
         # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).
         self.fused_mlp = False
+        # Batch 1, Triton: fc2 starts on each K split as soon as fc1 has stored it, while fc1
+        # still runs (plugins/sparse_mlp.py fc2_overlap: PDL early trigger + per-split counts)
+        # instead of after fc1's end. Off by default until measured (BENCHMARKS.md, session 16).
+        self.mlp_overlap = False
         # When a step's held predictors start (decode, deferred-K/V layers): "attn_in" at the
         # layer's input (they overlap its LayerNorm and bandwidth-bound Q/K/V kernel), or
         # "after_qkv": once its Q/K/V kernels are issued (they overlap the latency-bound
@@ -250,12 +254,22 @@ class SparseDecoder:
             return y if ln is None else (y, self._ln_step(y, ln))
         fold = (self._fc1_fold(l, w, h.width if h.z is not None else None) if isinstance(h, PendingLN)
                 else {})
-        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx, **fold)  # [rows, K]
+        ov = self._fc2_overlap(idx, w, x.shape[0])
+        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx, **fold, **ov)  # [rows, K]
         if self.reduce is not None:
-            return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
+            return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None, **ov))
         if ln_defer:
-            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True)
-        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln)  # ln None: y alone
+            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True, **ov)
+        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, **ov)  # ln None: y alone
+
+    def _fc2_overlap(self, idx, w, rows: int) -> dict:
+        """{"overlap": the fc1 -> fc2 hand-over} for the sparse_fc1 / sparse_fc2 kernels (mlp_overlap,
+        one row, both ops Triton), else {}."""
+        if not (self.mlp_overlap and rows == 1 and self.device.type == "cuda"
+                and self.ops.kernels.get("sparse_fc1") == "triton" and self.ops.kernels.get("sparse_fc2") == "triton"):
+            return {}
+        from dejavu.plugins.sparse_mlp import fc2_overlap
+        return {"overlap": fc2_overlap(idx.shape[-1], w.w1.shape[1], self.device)}
 
     def _defers_attn_ln(self, l: int) -> bool:
         """Layer l's sparse MLP leaves the next layer's attention LayerNorm pending

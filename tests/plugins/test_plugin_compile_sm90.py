@@ -272,6 +272,26 @@ SCRIPT = textwrap.dedent('''
                     assert ptx.index("griddepcontrol.launch_dependents") > wait
                 else:
                     assert "griddepcontrol" not in ptx
+    # fc1 -> fc2 hand-over per K split (fc2_overlap): fc1 counts its programs (release) and lets the
+    # next launch start right after its PDL wait; fc2's tiles wait on the count (acquire), read h
+    # from L2 (.cg), and pass the PDL wait (fc1 completed) only after their loop, before any store
+    for dt in ("fp16", "bf16"):
+        ptx = compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
+                                                            LN_IN=3, W_EV="evict_first", SIGNAL=1, GDC=2),
+                           dt, {"cnt_ptr": "*i32", **LN_IN}).asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert wait < ptx.index("griddepcontrol.launch_dependents") < ptx.index("ld.global")
+        assert "red.global.gpu.release" in ptx or "atom.global.gpu.release" in ptx
+        ptx = compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
+                                                             EVEN_D=True, FINAL=False, HAS_RES=False, FUSED=False,
+                                                             LN=False, GROUP=1, BLOCK_S=8, BLOCK_N=64, LN_BLOCK=2048,
+                                                             WAIT=1, H_CM=".cg", GDC=1),
+                           dt, {"cnt_ptr": "*i32", "eps": "fp32"}).asm["ptx"]
+        acquire = ptx.index("ld.global.gpu.acquire") if "ld.global.gpu.acquire" in ptx else \
+            ptx.index("atom.global.gpu.acquire")
+        wait = ptx.index("griddepcontrol.wait")
+        assert acquire < ptx.index("ld.global.cg") < wait < ptx.index("griddepcontrol.launch_dependents")
+        assert "st.global" not in ptx[:wait], dt
     print("ALL OK")
 ''')
 
