@@ -602,6 +602,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # per program (fewer programs: fc2 may launch sooner) / fc2 on 528 programs
              "mlpovr4": _both(_ablate_mlp_overlap, _fc1_gemv(BLOCK_R=4)),
              "mlpovt528": _both(_ablate_mlp_overlap, _fc2_route("dot1", TARGET_PROGRAMS=528)),
+             # ... with the waiting fc2 tiles sleeping between polls of their counter
+             "mlpovs512": _both(_ablate_mlp_overlap, _fc2_route("dot1", SPIN_NS=512)),
+             "mlpovs2048": _both(_ablate_mlp_overlap, _fc2_route("dot1", SPIN_NS=2048)),
              # the side stream's predictor GEMVs with fewer, longer programs (scores = h @ b.T: 8 rows
              # of r per program by default; h = x @ a.T: 1 row of D in 1024-wide chunks)
              "predb16": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=16),

@@ -606,7 +606,8 @@ def run_checks(kinds=None):
     if big:
         for (D, F), K in (((7168, 28672), 2867), ((7168, 28672), 8602), ((9216, 36864), 3686),
                           ((2048, 8192), 2458)):
-            for cfg in (None, {"fc1": {"BLOCK_R": 4}}, {"fc2": {"TARGET_PROGRAMS": 528}}):
+            for cfg in (None, {"fc1": {"BLOCK_R": 4}}, {"fc2": {"TARGET_PROGRAMS": 528}},
+                        {"fc2": {"SPIN_NS": 512}}):
                 cases.append(("overlap", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20,
                                               config=cfg)))
         cases.append(("overlap", dict(D=7168, F=28672, K=2867, dtype=torch.bfloat16, residual=True, ln="defer",
@@ -922,7 +923,10 @@ def _fc2_split(K, D):
 # fc2 started per K split while fc1 runs (fc2_overlap, session 16): {"fc1": .., "fc2": ..} overrides
 OVERLAP_VARIANTS = {"overlap": {}, "overlap_r4": {"fc1": {"BLOCK_R": 4}},
                     "overlap_t528": {"fc2": {"TARGET_PROGRAMS": 528}},
-                    "overlap_r4_t264": {"fc1": {"BLOCK_R": 4}, "fc2": {"TARGET_PROGRAMS": 264}}}
+                    "overlap_r4_t264": {"fc1": {"BLOCK_R": 4}, "fc2": {"TARGET_PROGRAMS": 264}},
+                    # waiting tiles sleep between polls of their counter (SPIN_NS)
+                    **{f"overlap_s{ns}": {"fc2": {"SPIN_NS": ns}} for ns in (128, 512, 2048)},
+                    **{f"overlap_t528_s{ns}": {"fc2": {"TARGET_PROGRAMS": 528, "SPIN_NS": ns}} for ns in (512, 2048)}}
 
 
 def bench_mlp_parts(mlps, bw, only=None):
@@ -965,7 +969,7 @@ def bench_mlp_parts(mlps, bw, only=None):
                 cases[oname] = (2 * K, lambda i, c1=c1, c2=c2, ov=ov: P.sparse_fc2(
                     P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False, config=c1, overlap=ov),
                     cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=c2, overlap=ov))
-                if ocfg:  # the same blocks without the hand-over
+                if ocfg and "SPIN_NS" not in (c2 or {}):  # the same blocks without the hand-over
                     cases[oname.replace("overlap", "plain")] = (2 * K, lambda i, c1=c1, c2=c2: P.sparse_fc2(
                         P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False, config=c1),
                         cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=c2))

@@ -466,7 +466,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          LN_BLOCK: tl.constexpr, COMBINE: tl.constexpr = 0, BLOCK_C: tl.constexpr = 2,
                          W_EV: tl.constexpr = "", WAIT: tl.constexpr = 0, H_CM: tl.constexpr = "",
-                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         SPIN_NS: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel; W_EV: eviction policy of the weight loads.
     # COMBINE (B == 1, the attention output projection): h is not read; its values come from the
@@ -495,7 +495,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         need = (k_end - k_start + R1 - 1) // R1
         seen = tl.atomic_add(cnt_ptr + pid_s, 0, sem="acquire")
         while seen < need:
-            seen = tl.atomic_add(cnt_ptr + pid_s, 0, sem="acquire")
+            seen = tl.atomic_add(_backoff(cnt_ptr + pid_s, SPIN_NS), 0, sem="acquire")
         tl.debug_barrier()
     else:
         gdc_enter(GDC)
@@ -542,6 +542,22 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     if WAIT:
         if last_arrival(cnt_ptr + SPLIT + pid_s, N_D):  # every tile of the split is past its wait
             tl.atomic_xchg(cnt_ptr + pid_s, 0, sem="relaxed")
+
+
+@helper
+def _backoff(ptr, NS: tl.constexpr):
+    # ptr, after sleeping about NS nanoseconds (0: at once; 128, 512 or 2048): a waiting tile polls
+    # its counter less often, so the atomics of hundreds of waiting tiles do not crowd L2
+    if NS == 128:
+        ptr = tl.inline_asm_elementwise("nanosleep.u32 128;\n\tmov.b64 $0, $1;", "=l,l", [ptr],
+                                        dtype=ptr.dtype, is_pure=False, pack=1)
+    elif NS == 512:
+        ptr = tl.inline_asm_elementwise("nanosleep.u32 512;\n\tmov.b64 $0, $1;", "=l,l", [ptr],
+                                        dtype=ptr.dtype, is_pure=False, pack=1)
+    elif NS == 2048:
+        ptr = tl.inline_asm_elementwise("nanosleep.u32 2048;\n\tmov.b64 $0, $1;", "=l,l", [ptr],
+                                        dtype=ptr.dtype, is_pure=False, pack=1)
+    return ptr
 
 
 @helper
@@ -868,7 +884,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                              DOT_FP32=_dot_fp32(w_t.dtype, h.device),
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
                              COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)),
-                             W_EV=cfg.get("W_EV", ""), WAIT=overlap is not None,
+                             W_EV=cfg.get("W_EV", ""), WAIT=overlap is not None, SPIN_NS=cfg.get("SPIN_NS", 0),
                              H_CM=".cg" if overlap is not None else "", **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
