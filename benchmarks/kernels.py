@@ -359,17 +359,23 @@ def check_fused(D, F, K, B, dtype, shared, residual, config=None, graph=False):
     return ok and info["counters_zero"] and info["buffer_zero"], info
 
 
-def check_chain(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
-    """sparse_mlp_chain (batch 1, fc1 and fc2 in one launch) vs float64 (h rounded as the kernel
-    stores it) and vs sparse_fc1 + sparse_fc2; `repeat` calls back to back without a sync (the
-    tiles wait on counters: a race or a counter not put back to 0 shows as a different y or a hang),
-    then the chain's counters must all be 0."""
+def _mlp_inputs(D, F, K, dtype, residual, ln):
+    """Batch-1 MLP inputs for the one-set checks: x, w1, b1, w2_t, b2, residual (or None), the next
+    LayerNorm's (weight, bias) (or None), idx [1, K]."""
     x = randn(1, D, dtype=dtype)
     w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
     w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
     res = randn(1, D, dtype=dtype) if residual else None
     lnw = (1.0 + 0.1 * randn(D, dtype=dtype), 0.1 * randn(D, dtype=dtype)) if ln else None
-    idx = rand_idx(1, F, K, False)
+    return x, w1, b1, w2_t, b2, res, lnw, rand_idx(1, F, K, False)
+
+
+def check_chain(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
+    """sparse_mlp_chain (batch 1, fc1 and fc2 in one launch) vs float64 (h rounded as the kernel
+    stores it) and vs sparse_fc1 + sparse_fc2; `repeat` calls back to back without a sync (the
+    tiles wait on counters: a race or a counter not put back to 0 shows as a different y or a hang),
+    then the chain's counters must all be 0."""
+    x, w1, b1, w2_t, b2, res, lnw, idx = _mlp_inputs(D, F, K, dtype, residual, ln)
     y = torch.full((1, D), float("nan"), dtype=dtype, device=DEV)
     out = P.sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, res, out=y, ln=lnw, validate=True, config=config,
                              ln_defer=ln == "defer")
@@ -403,12 +409,7 @@ def check_overlap(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
     `repeat` pairs back to back without a sync (a missed count or a counter not put back to 0 shows
     as a different y or a hang), then the counters must all be 0. config: {"fc1": .., "fc2": ..}."""
     c1, c2 = (config or {}).get("fc1"), (config or {}).get("fc2")
-    x = randn(1, D, dtype=dtype)
-    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
-    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
-    res = randn(1, D, dtype=dtype) if residual else None
-    lnw = (1.0 + 0.1 * randn(D, dtype=dtype), 0.1 * randn(D, dtype=dtype)) if ln else None
-    idx = rand_idx(1, F, K, False)
+    x, w1, b1, w2_t, b2, res, lnw, idx = _mlp_inputs(D, F, K, dtype, residual, ln)
     ov = SM.fc2_overlap(K, D, DEV, fc1_config=c1, fc2_config=c2)
 
     def pair(o):
