@@ -118,7 +118,8 @@ class SparseDecoder:
         self.fused_mlp = False
         # Batch 1, Triton: fc2 starts on each K split as soon as fc1 has stored it, while fc1
         # still runs (plugins/sparse_mlp.py fc2_overlap: PDL early trigger + per-split counts)
-        # instead of after fc1's end. Off by default until measured (BENCHMARKS.md, session 16).
+        # instead of after fc1's end. Off: on the H200 (OPT-30B shape, batch 1) 6.77-7.13 vs
+        # 6.33-6.34 ms/token at density 0.3, 3.70-3.85 vs 3.49 at 0.1 (BENCHMARKS.md, session 16).
         self.mlp_overlap = False
         # When a step's held predictors start (decode, deferred-K/V layers): "attn_in" at the
         # layer's input (they overlap its LayerNorm and bandwidth-bound Q/K/V kernel), or
