@@ -91,6 +91,10 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
               "FOLD_SLOW_LAST": False}
+# catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
+# BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
+# cache has fewer chunks).
+CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_warps": 4, "num_stages": 2}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
 # of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
@@ -172,7 +176,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
                         HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
                         FINISH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr,
-                        GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        CAUGHT_UP: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # grid (B*KH, (3 - FIRST_SEG) * NB, SPLIT). Partial dot products over D slice pid_s:
     # pnew[s, b, j, seg*HD + c] (value at pos) and, for K/V rows with missing slots,
     # phist[s, b, j, p, (seg-1)*HD + c] for the first BLOCK_P slots p from min(valid_len, pos).
@@ -180,6 +184,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
     # FINISH 0: partials only (_qkv_finish_kernel follows); 1: the last of the SPLIT programs
     # of these rows (counter cnt[(b*KH + j) * rows + pid_r]) sums them and finishes the rows;
     # 2: SPLIT == 1, this program holds the whole sums and finishes from registers.
+    # CAUGHT_UP: the slots past the first BLOCK_P missing ones are in the cache already (catch_up_kv).
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -226,7 +231,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
     if FINISH == 2:
         _store_qkv(tl.sum(acc, axis=1), acc_h, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j,
                    head, pos, seg, offs_c, cmask, rows, start, KH, D, HD, BLOCK_P, stride_xb, stride_xs, stride_cb,
-                   stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
+                   stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, CAUGHT_UP == 0)
     else:
         slot = (pid_s.to(tl.int64) * B + b) * KH + j
         tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
@@ -240,7 +245,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
                 _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j,
                              head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, tl.num_programs(2),
                              BLOCK_P, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32,
-                             BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
+                             BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0)
 
 
 def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
@@ -253,7 +258,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
-                               GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                               CAUGHT_UP: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -272,6 +277,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # SLOW > 0 (batch 1, FINISH 0, the finishing kernel folded into attention: QKV_CONFIG_B1
     # FOLD_FINISH): z-slices 0 .. SLOW-1 are _fold_slow_program's (the slots no partial holds),
     # slice SLOW + s is D slice s; SLOW_LAST: the last SLOW z-slices are, after the D slices.
+    # CAUGHT_UP (SLOW 0 then): the slots past the P - 1 missing ones are in the cache already (catch_up_kv).
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
@@ -371,7 +377,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                 _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
                              tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
                              tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-                             DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
+                             DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0)
 
 
 @helper
@@ -493,13 +499,13 @@ def _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, fir
 def _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos,
                  seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_cb,
                  stride_ch, stride_cs, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    # What finishes a row block: the SPLIT partials summed, then _store_qkv.
+                 BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLOW: tl.constexpr = 1):
+    # What finishes a row block: the SPLIT partials summed, then _store_qkv (SLOW: its slow path too).
     new, hist = _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B, KH, HD, SPLIT,
                               HIST_LEN, BLOCK_P, BLOCK_R, BLOCK_S)
     _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg, offs_c,
                cmask, rows, start, KH, D, HD, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-               DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
+               DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, SLOW)
 
 
 def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
@@ -507,12 +513,13 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                       SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, GDC: tl.constexpr = 0,
-                       PF: tl.constexpr = 0):
+                       SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, CAUGHT_UP: tl.constexpr = 0,
+                       GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB,
     # SLOW_Z), after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R
     # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
-    # BLOCK_P chunks over the SLOW_Z programs of the rows (z > 0 do only those).
+    # BLOCK_P chunks over the SLOW_Z programs of the rows (z > 0 do only those). CAUGHT_UP: those
+    # slots are in the cache already (catch_up_kv; SLOW_Z 1).
     # EARLY_READS: the head index, pos and valid_len before the PDL wait (none is written by the
     # partial kernel before this one: the heads come from the side stream, waited for before it;
     # valid_len is written by the attention kernel after this one), saving a round trip after it.
@@ -531,7 +538,8 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
     if SLOW_Z == 1:
         _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
                      head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb,
-                     stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S)
+                     stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S,
+                     CAUGHT_UP == 0)
     else:
         b64 = b.to(tl.int64)
         if z == 0:  # the slots the partials hold (SLOW 0: _store_qkv leaves the slow path to the loop below)
@@ -546,6 +554,34 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                 bias = tl.load(bkv_ptr + rows).to(tl.float32)
                 _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, z,
                             SLOW_Z, D, stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
+
+
+def _catch_up_kernel(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, KH, H, D, HD, NB, HIST_LEN,
+                     stride_xb, stride_xs, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
+                     DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # catch_up_kv: grid (B*KH, 2 * NB, Z). K (pid_r < NB) or V rows of head slot j of sequence b at the
+    # missing slots min(valid_len, pos) + HIST_LEN .. pos - 1 (the ones the Q/K/V kernels leave to their
+    # slow path), chunks z, z + Z, ... of BLOCK_P slots, from whole-D tl.dot passes (_slow_slots).
+    # Programs with no such chunk exit after three loads. Reads only what earlier steps wrote
+    # (x_hist below pos, valid_len) and writes only those slots: no other kernel of the step touches them.
+    pid = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    z = tl.program_id(2)
+    b = pid // KH
+    j = pid % KH
+    head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
+    pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
+    first = tl.minimum(tl.load(vl_ptr + b * H + head).to(tl.int32), pos) + HIST_LEN
+    if first + z * BLOCK_P < pos:
+        b64 = b.to(tl.int64)
+        seg = 1 + pid_r // NB
+        offs_c = (pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cmask = offs_c < HD
+        rows = (seg - 1).to(tl.int64) * H * HD + head * HD + tl.where(cmask, offs_c, 0)
+        bias = tl.load(bkv_ptr + rows).to(tl.float32)
+        cache = (k_ptr if seg == 1 else v_ptr) + b64 * stride_cb + head * stride_ch
+        _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, first, z, tl.num_programs(2), D,
+                    stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
@@ -615,8 +651,16 @@ def _shared_qkv(B, head_idx, cfg) -> bool:
     return (head_idx.dim() == 1 or B == 1) and smin is not None and B >= smin
 
 
+def hist_slots(B: int, head_idx, config=None) -> int:
+    """How many missing slots of a selected head (from min(valid_len, pos)) the Q/K/V kernels of a
+    deferred decode step with this Q/K/V config compute from their partial products; the slow path
+    (or catch_up_kv, before) does the slots past them."""
+    cfg = _qkv_cfg(B, config)
+    return cfg["SHARED_P"] - 1 if _shared_qkv(B, head_idx, cfg) else cfg["BLOCK_P"]
+
+
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                q, config, pending=None, fold=False):
+                q, config, pending=None, fold=False, caught_up=False):
     """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
     x_hist (recompute_kv). pending: x_new's PendingLN (batch 1 on the shared-set kernel only),
@@ -624,7 +668,9 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     fold (batch 1 on the shared-set kernel, x_new given, FUSED_FINISH off): no finishing kernel;
     the partial kernel's first z-slices fill the slots no partial holds (_fold_slow_program) and
     the QKVPartials returned go to the attention kernel, which finishes the rest (q stays unwritten);
-    with more than FOLD_MAX_SPLIT slices of D the finishing kernel runs instead (None returned)."""
+    with more than FOLD_MAX_SPLIT slices of D the finishing kernel runs instead (None returned).
+    caught_up: the slots past the first hist_slots missing ones are in the caches (catch_up_kv):
+    no slow path (no slow z-slices, one finishing program per row block)."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
@@ -667,7 +713,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     bs = min(cfg["FINISH_S"], next_pow2(split))
     finish_mode = (2 if split == 1 else 1) if fused else 0
     common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
-                  BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0,
+                  BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0, CAUGHT_UP=caught_up,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(dev, "qkv"))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
@@ -681,7 +727,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         else:
             n_st, ln_args = 1, (new, new, pnew, 1, 1, LN_EPS)  # never read without LN_IN
         slow_r = min(cfg["BLOCK_R"], cfg["FOLD_SLOW_R"])
-        n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if fold else 0
+        n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if fold and not caught_up else 0
         part = jit(_qkv_partial_shared_kernel, dev)
         part[(kh, (3 - first) * nb, n_slow + split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
                                                      BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
@@ -699,13 +745,13 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         return
     fr, z = cfg["FINISH_R"], cfg.get("SLOW_Z", 1)
     nbf = -(-hd // fr)
-    z = slow_z(cfg, B * kh * (3 - first) * nbf)
+    z = 1 if caught_up else slow_z(cfg, B * kh * (3 - first) * nbf)
     finish = jit(_qkv_finish_kernel, dev)
     finish[(B * kh, (3 - first) * nbf, z)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z,
-        EARLY_READS=bool(cfg["EARLY_READS"]), num_warps=4, **pdl_args(dev, "qkv_finish"))
+        EARLY_READS=bool(cfg["EARLY_READS"]), CAUGHT_UP=caught_up, num_warps=4, **pdl_args(dev, "qkv_finish"))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
@@ -741,30 +787,84 @@ def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *
     _commit(None, x_hist, head_idx, valid_len, pos_t, stride_pb)
 
 
-def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
-    """PyTorch reference of recompute_kv (same in-place updates); any device/dtype."""
-    B, S, D = x_hist.shape
-    H, hd = k_cache.shape[1], k_cache.shape[3]
+def catch_up_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
+                config=None) -> None:
+    """K/V of the selected heads at the missing slots that a deferred decode step with the same
+    heads, pos and config would leave to its slow path: min(valid_len, pos) + hist_slots ..
+    pos - 1 (a head unselected for long). valid_len is not changed. Run it ahead of the step (the
+    runtime launches it on the predictors' side stream right after the head top-k) and pass
+    `caught_up=True` to sparse_attn_decode_deferred, whose Q/K/V kernels then skip those slots.
+    config: the deferred op's config ({"qkv": ..., "catchup": ...}; CATCHUP_CONFIG)."""
+    validate = default_validate(validate, x_hist.device)
+    B, S, D, H, hd, kh = _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate)
+    pos_t, stride_pb = _positions(pos, B, x_hist.device)
+    if validate:
+        lo, hi = int(pos_t.min()), int(pos_t.max())
+        if lo < 0 or hi >= S:
+            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
+    cfg = {**CATCHUP_CONFIG, **((config or {}).get("catchup") or {})}
+    hist = hist_slots(B, head_idx, (config or {}).get("qkv"))
+    bp = cfg["BLOCK_P"]
+    if kh == 0 or B == 0 or S - 1 <= hist:  # no slot can be past the partials
+        return
+    z = max(1, min(cfg["Z"], -(-(S - 1 - hist) // bp)))
+    nb = -(-hd // cfg["BLOCK_R"])
+    kernel = jit(_catch_up_kernel, x_hist.device)
+    kernel[(B * kh, 2 * nb, z)](x_hist, wkv, bkv, head_idx, valid_len, pos_t, k_cache, v_cache, kh, H, D, hd, nb,
+                                hist, x_hist.stride(0), x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0),
+                                stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device), BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"],
+                                BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def catch_up_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, config=None) -> None:
+    """PyTorch reference of catch_up_kv (same in-place updates; valid_len unchanged)."""
+    B = x_hist.shape[0]
+    p = _pos_rows(pos, B, x_hist.device)
+    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
+    if heads.shape[1] == 0:
+        return
+    first = torch.minimum(valid_len.long().gather(1, heads), p[:, None]) + hist_slots(B, head_idx,
+                                                                                     (config or {}).get("qkv"))
+    _fill_kv_ref(x_hist, wkv, bkv, heads, k_cache, v_cache, first, p - 1)
+
+
+def _pos_rows(pos, B, device) -> torch.Tensor:
     if isinstance(pos, int):
         pos = torch.tensor(pos)
-    p = pos.to(x_hist.device).long().reshape(-1).expand(B)  # [B]
+    return pos.to(device).long().reshape(-1).expand(B)  # [B]
+
+
+def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
+    """PyTorch reference of recompute_kv (same in-place updates); any device/dtype."""
+    B = x_hist.shape[0]
+    p = _pos_rows(pos, B, x_hist.device)
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
     if heads.shape[1] == 0:
         return
     start = torch.minimum(valid_len.long().gather(1, heads), p[:, None])  # [B, Kh]
+    _fill_kv_ref(x_hist, wkv, bkv, heads, k_cache, v_cache, start, p)
+    _mark_valid(valid_len, head_idx, p)
+
+
+def _fill_kv_ref(x_hist, wkv, bkv, heads, k_cache, v_cache, first, last) -> None:
+    """K/V of heads [B, Kh] at slots first[b, j] .. last[b] (inclusive) from x_hist."""
+    B, S, D = x_hist.shape
+    H, hd = k_cache.shape[1], k_cache.shape[3]
     lo, hi = 0, S  # on the GPU every slot (static shapes, graph-safe); on CPU only the window needed
     if x_hist.device.type == "cpu":
-        lo, hi = int(start.min()), int(p.max()) + 1
+        lo, hi = min(int(first.min()), S), min(max(int(last.max()) + 1, 0), S)
+        if lo >= hi:
+            return
     w = wkv.view(2, H, hd, D)[:, heads].permute(1, 2, 0, 3, 4)  # [B, Kh, 2, hd, D]
     bias = bkv.view(2, H, hd)[:, heads].permute(1, 2, 0, 3)  # [B, Kh, 2, hd]
     kv = torch.einsum("bsd,bkcjd->bkcsj", x_hist[:, lo:hi], w) + bias[:, :, :, None, :]  # [B, Kh, 2, W, hd]
     s = torch.arange(lo, hi, device=x_hist.device)
-    fill = (s[None, None, :] >= start[:, :, None]) & (s[None, None, :] <= p[:, None, None])  # [B, Kh, W]
+    fill = (s[None, None, :] >= first[:, :, None]) & (s[None, None, :] <= last[:, None, None])  # [B, Kh, W]
     rows = torch.arange(B, device=x_hist.device)[:, None]
     for cache, c in ((k_cache, 0), (v_cache, 1)):
         cur = cache[rows, heads, lo:hi]  # [B, Kh, W, hd] (a copy)
         cache[rows, heads, lo:hi] = torch.where(fill[..., None], kv[:, :, c].to(cache.dtype), cur)
-    _mark_valid(valid_len, head_idx, p)
 
 
 def _write_hist(x_hist, x_ln, pos_t):
@@ -776,7 +876,7 @@ def _write_hist(x_hist, x_ln, pos_t):
 
 def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
                                 valid_len, pos, residual=None, *, out=None, ln=None, ln_out=None,
-                                validate=None, config=None, after_qkv=None, ln_defer=False):
+                                validate=None, config=None, after_qkv=None, ln_defer=False, caught_up=False):
     """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
     ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) (as sparse_attn_decode; ln_defer too).
     after_qkv: called with no arguments once the Q/K/V kernels are launched, before
@@ -787,7 +887,9 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     attention and the output projection of the selected heads (sparse_attention's pieces).
     x_ln may be a PendingLN (the LayerNorm before attention, not computed yet): at batch 1 the
     shared-set Q/K/V kernel normalises it as it loads it and stores it at x_hist[:, pos] (no
-    LayerNorm launch); other routes and batches compute it first (layer_norm kernel)."""
+    LayerNorm launch); other routes and batches compute it first (layer_norm kernel).
+    caught_up: catch_up_kv already ran for these heads, pos and config, so the slots past the first
+    hist_slots missing ones are in the caches (the Q/K/V kernels skip their slow path)."""
     from dejavu.plugins.sparse_attention import no_heads_ln
     from dejavu.plugins.sparse_mlp import check_ln
     pending = x_ln if isinstance(x_ln, PendingLN) else None
@@ -821,7 +923,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     fold = (qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]
             and folds_finish(B, S, cfg.get("attn")))
     parts = _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
-                        cfg.get("qkv"), pending, fold=fold)
+                        cfg.get("qkv"), pending, fold=fold, caught_up=caught_up)
     if after_qkv is not None:
         after_qkv()
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored
@@ -834,11 +936,12 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,
                                     x_hist, valid_len, pos, residual=None, *, ln=None, after_qkv=None,
-                                    ln_defer=False):
+                                    ln_defer=False, caught_up=False):
     """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads;
     y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias); after_qkv() is called after the
     K/V recompute (where the kernel path calls it). x_ln may be a PendingLN (F.layer_norm of
-    its tensor)."""
+    its tensor). caught_up changes nothing here: every missing slot is recomputed (catch_up_kv
+    gives those slots the same values)."""
     from dejavu.plugins.sparse_mlp import with_ln_ref
     x_ln = materialize_ref(x_ln)
     B, D = x_ln.shape

@@ -150,6 +150,15 @@ class SparseDecoder:
         # 6.73 ms/token at density 0.3, 4.04 vs 4.12 at 0.1 with 0 (BENCHMARKS.md, session 9).
         self.graph_priority: int | None = None
         self._pf = None  # (stream, per-layer start and done events, sums buffer), made at first use
+        # Deferred K/V, Triton kernels: the missing slots of a selected head past the ones the Q/K/V
+        # kernels compute from their partials (a head unselected for long: their serial slow path)
+        # are computed ahead, right after the layer's head top-k on the predictors' side stream
+        # (ops.kv_catch_up, plugins/deferred_kv.catch_up_kv), so the main stream's attention never
+        # waits for them; the op is then told so (caught_up=True). Same values either way.
+        self.catch_up = True
+        self._catch_pos: torch.Tensor | None = None  # this decode step's pos while it is being issued
+        self._caught: list[bool] = []  # layers whose catch-up this step has launched
+        self.pred.on_heads = self._catch_up
         self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
 
     def _add(self, x, y, b=None):
@@ -331,6 +340,20 @@ class SparseDecoder:
                 torch.cuda.current_stream().wait_event(self._prefetch_state()[2][l])
         return hook, join
 
+    def _catch_up(self, l: int, idx: torch.Tensor) -> None:
+        """PredictorRunner.on_heads: launch layer l's deferred K/V catch-up with its new heads (in a
+        decode step, on the stream the head top-k ran on)."""
+        if self._catch_pos is None or self.x_hist[l] is None:
+            return
+        w = self.layers[l]
+        self.ops.kv_catch_up(self.x_hist[l], w.wkv, w.bkv, idx, self.k_cache[l], self.v_cache[l], self.valid_len[l],
+                             self._catch_pos)
+        self._caught[l] = True
+
+    def _catching_up(self) -> bool:
+        return (self.catch_up and self.kv_policy == "deferred" and self.ops.kernels.get("kv_catch_up") == "triton"
+                and self.ops.kernels.get("sparse_attn_deferred") == "triton")
+
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device).
@@ -341,6 +364,14 @@ class SparseDecoder:
         Pre-LN, one rank: a sparse attention op also returns LN_mlp of its output, a sparse
         MLP op LN_attn of the next layer (final_ln after the last), computed in the same
         launch on the GPU (plugins/sparse_mlp.py, fused split-K finish); `h_ln` carries it."""
+        self._caught = [False] * len(self.layers)
+        self._catch_pos = pos if self._catching_up() else None
+        try:
+            return self._decode_step(tokens, pos)
+        finally:
+            self._catch_pos = None
+
+    def _decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         s, run = self.spec, self.pred
         B, H, hd = tokens.shape[0], s.num_heads, s.head_dim
         valid = None  # [B, T] slots <= pos, made for the first dense layer (none in a sparse step)
@@ -379,6 +410,8 @@ class SparseDecoder:
                     hook, join = self._side_work(l, w, idx)
                     if hook is not None:
                         kw["after_qkv"] = hook
+                    if self._caught[l]:
+                        kw["caught_up"] = True
                     y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
                                                       self.x_hist[l], self.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads

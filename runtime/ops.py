@@ -15,6 +15,10 @@
     sparse_mlp(x[1,D], w1, b1, w2_t, b2, idx, residual) -> y[1,D]
         (fc1 + ReLU + fc2 in one launch at batch 1: plugins/fused_mlp.py; the decoder uses
         it when `SparseDecoder.fused_mlp` is on)
+    kv_catch_up(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos[B])
+        (deferred K/V, ahead of the step: K/V of the selected heads at the missing slots the Q/K/V
+        kernels would leave to their slow path; then sparse_attn_deferred(..., caught_up=True);
+        plugins/deferred_kv.catch_up_kv; the decoder launches it on the predictors' side stream)
 
 sparse_fc2, sparse_attn and sparse_attn_deferred also take `ln=(weight, bias)` and then return
 (y, layer_norm(y)): the next LayerNorm of a pre-LN decoder (used when SparseDecoder.fuse_ln
@@ -47,7 +51,7 @@ except Exception:  # noqa: BLE001 - without the plugins no op makes one
         """Stand-in: nothing returns one when dejavu.plugins is missing."""
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
-         "sparse_mlp")
+         "sparse_mlp", "kv_catch_up")
 
 
 def _rows(idx: torch.Tensor, B: int) -> torch.Tensor:
@@ -102,7 +106,8 @@ def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, r
 
 
 def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, x_hist, valid_len, pos,
-                          residual=None, *, ln=None, after_qkv=None, ln_defer=False):
+                          residual=None, *, ln=None, after_qkv=None, ln_defer=False, caught_up=False):
+    # caught_up: every missing slot is recomputed here anyway (kv_catch_up's slots included)
     B, D = x_ln.shape
     H, T, hd = k_cache.shape[1:]
     rows = torch.arange(B, device=x_ln.device)
@@ -128,6 +133,23 @@ def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cach
     return _with_ln(y if residual is None else y + residual, ln)
 
 
+def _kv_catch_up(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos, *, config=None):
+    # Every missing slot before pos (min(valid_len, pos) .. pos - 1): the plugin's op fills only those
+    # past the Q/K/V kernels' partials, a subset; _sparse_attn_deferred recomputes them all anyway.
+    B, T, D = x_hist.shape
+    H, hd = k_cache.shape[1], k_cache.shape[3]
+    idx = _rows(idx, B)  # [B, Kh]
+    rows = torch.arange(B, device=x_hist.device)[:, None]
+    kv_rows = torch.cat([idx, idx + H], 1)  # [B, 2Kh]
+    kv = torch.einsum("bsd,bkjd->bksj", x_hist, wkv.view(2 * H, hd, D)[kv_rows])
+    kv = (kv + bkv.view(2 * H, hd)[kv_rows][:, :, None]).view(B, 2, -1, T, hd)
+    start = torch.minimum(valid_len.long().gather(1, idx), pos[:, None])  # [B, Kh]
+    slot = torch.arange(T, device=x_hist.device)
+    fill = ((slot >= start[..., None]) & (slot < pos[:, None, None]))[..., None]  # [B, Kh, T, 1]
+    for cache, c in ((k_cache, 0), (v_cache, 1)):
+        cache[rows, idx] = torch.where(fill, kv[:, c].to(cache.dtype), cache[rows, idx])
+
+
 def _layer_norm(x, weight, bias):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-5)
 
@@ -149,10 +171,10 @@ def _flat(out) -> torch.Tensor:
 
 _LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
           "sparse_attn": _sparse_attn, "sparse_attn_deferred": _sparse_attn_deferred, "layer_norm": _layer_norm,
-          "sparse_mlp": _sparse_mlp}
+          "sparse_mlp": _sparse_mlp, "kv_catch_up": _kv_catch_up}
 _PLUGIN = {"predictor_topk": "predictor_topk", "sparse_fc1": "sparse_fc1", "sparse_fc2": "sparse_fc2",
            "sparse_attn": "sparse_attn_decode", "sparse_attn_deferred": "deferred_kv.sparse_attn_decode_deferred",
-           "layer_norm": "layer_norm", "sparse_mlp": "sparse_mlp_fused"}
+           "layer_norm": "layer_norm", "sparse_mlp": "sparse_mlp_fused", "kv_catch_up": "deferred_kv.catch_up_kv"}
 _TORCH_REF = {"layer_norm"}  # ops whose reference is PyTorch's own op (the dense model's exact function)
 
 
@@ -243,6 +265,23 @@ class Ops:
                   t[p + "attn.bo"], ia, *[c.clone() for c in caches], xh, valid_len.clone(), pos, res, **ln)
             return y, xh[torch.arange(batch, device=dev), pos]
 
+        # kv_catch_up, then the deferred op told so (caught_up=True; the op as verified above): caches and
+        # output against both references, on a longer history whose heads miss more slots than the
+        # Q/K/V kernels' partials hold
+        T2 = 64
+        hist2 = torch.randn(batch, T2, D, generator=g, device=dev).to(dt)
+        caches2 = [torch.randn(batch, H, T2, hd, generator=g, device=dev).to(dt) for _ in range(2)]
+        pos2 = 40 + (torch.arange(batch, device=dev) * 7) % 24
+        vl2 = (pos2[:, None] * 0.5 * torch.rand(batch, H, generator=g, device=dev)).to(torch.int32)
+
+        def catch_up(f):
+            deferred = self.sparse_attn_deferred if f is self.kv_catch_up else self._ref["sparse_attn_deferred"]
+            kc, vc, xh, vl = [c.clone() for c in caches2] + [hist2.clone(), vl2.clone()]
+            f(xh, t[p + "attn.wkv"], t[p + "attn.bkv"], ia, kc, vc, vl, pos2)
+            y = deferred(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
+                         t[p + "attn.wo_t"], t[p + "attn.bo"], ia, kc, vc, xh, vl, pos2, res, caught_up=True, **ln)
+            return y, kc, vc
+
         cases = {
             "sparse_fc1": lambda f: (f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
                                      f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
@@ -259,6 +298,7 @@ class Ops:
             # also with its input's LayerNorm pending (SparseDecoder.defer_ln_attn), the history
             # slot it stores compared too
             "sparse_attn_deferred": lambda f: tuple(attn_deferred(f, xin) for xin in (x, pend_attn)[:1 + spec.pre_ln]),
+            "kv_catch_up": catch_up,
         }
 
         report = {}

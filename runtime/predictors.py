@@ -18,7 +18,9 @@ holding never changes what is selected.
 
 A layer's head predictor runs before its neuron predictor, each with its own event: the main
 stream waits only for the heads before that layer's attention, so the neuron predictor's
-work overlaps the attention too.
+work overlaps the attention too. `on_heads(l, idx)`, when set, is called right after a layer's
+head top-k, before its event: work that needs the heads and must be done before the layer's
+attention (the decoder's deferred K/V catch-up) then runs on the side stream too.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class PredictorRunner:
         # False: the schedule before session 6 (neurons first, the main stream waits for both
         # of a layer's predictors before its attention); kept for the benchmark's ablation
         self.heads_first = True
+        self.on_heads = None  # callable(l, idx) after a layer's head top-k (module docstring)
         if overlap and device.type == "cuda" and self.plan:
             self.side = torch.cuda.Stream(device=device)
             self.src_ready = {key: torch.cuda.Event() for key in self.plan}
@@ -126,6 +129,8 @@ class PredictorRunner:
             k_mlp, k_attn = self.ks[l]
             idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
             self.idx[l][kind] = idx
+            if kind == "attn" and self.on_heads is not None:
+                self.on_heads(l, idx)
             if done is not None:
                 done[kind].record()
             if self.trace is not None:

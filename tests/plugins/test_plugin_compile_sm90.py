@@ -137,6 +137,24 @@ SCRIPT = textwrap.dedent('''
                 compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
                                                              BLOCK_D=128, BLOCK_S=8, SLOW_Z=z), dt,
                              overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
+    # the slots past the partials caught up ahead (catch_up_kv): the kernel, and the Q/K/V kernels
+    # that then skip their slow path
+    for dt, f32 in (("fp16", False), ("fp32", True)):
+        compile_sm90(DK, DK._catch_up_kernel, dict(DOT_FP32=f32, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128), dt)
+    qkv_ptrs = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for caught in (False, True):  # caught up: no slow path, so no tensor-core dot left in the finishing kernel
+        k = compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16,
+                                                         BLOCK_D=128, BLOCK_S=1, CAUGHT_UP=caught),
+                         overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
+        assert ("mma" in k.asm["ptx"]) != caught
+    for fin in (1, 2):
+        compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=fin,
+                                                      BLOCK_P=16, BLOCK_R=32, BLOCK_D=256, BLOCK_S=8, EVEN_D=True,
+                                                      CAUGHT_UP=True), overrides=qkv_ptrs)
+        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=fin,
+                                                             P=4, BLOCK_M=32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128,
+                                                             BLOCK_S=8, EVEN_D=True, CAUGHT_UP=True),
+                     overrides=qkv_ptrs)
     compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._FUSED, FIRST=0, LAST=2,
