@@ -483,11 +483,19 @@ def _swept(*parts):
 # each one change from the row without the suffix
 ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfusedln": _ablate_unfused_ln, "fuseln": _ablate_fused_ln,
              "twolaunchqkv": _ablate_two_launch_qkv,
-             # session 17: deferred K/V slots past the Q/K/V partials left to the main stream's slow path
-             # (before) instead of caught up on the predictors' side stream (SparseDecoder.catch_up);
-             # the catch-up with 4 / 16 programs per row block (CATCHUP_CONFIG Z, default 8)
-             "nocatchup": _decoder_attr("catch_up", False), "catchupz4": _table("deferred_kv", "CATCHUP_CONFIG", Z=4),
-             "catchupz16": _table("deferred_kv", "CATCHUP_CONFIG", Z=16),
+             # session 17: deferred K/V slots past the Q/K/V partials caught up on the predictors' side
+             # stream (SparseDecoder.catch_up) instead of the finishing kernel's slow path; with 4 / 16
+             # programs per row block (CATCHUP_CONFIG Z, default 8), or 512-column chunks (a quarter of
+             # the serial loads)
+             "catchup": _decoder_attr("catch_up", True),
+             "catchupz4": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=4)),
+             "catchupz16": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=16)),
+             "catchupd512": _both(_decoder_attr("catch_up", True),
+                                  _table("deferred_kv", "CATCHUP_CONFIG", BLOCK_D=512, num_warps=8)),
+             # ... or in the Q/K/V partial kernel's slow z-slices (QKV_CONFIG_B1 PARTIAL_SLOW; FOLD_SLOW_Z
+             # chunk sets, default 4)
+             "partslow": _qkv_b1(PARTIAL_SLOW=True), "partslowz2": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=2),
+             "partslowz8": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=8),
              "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,
              # side-stream timing: predictors after Q/K/V; L2 warm-up of out-proj (and fc1) rows
              "predqkv": _side("after_qkv"), "predattnin": _side("attn_in"),

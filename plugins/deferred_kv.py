@@ -90,7 +90,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
-              "FOLD_SLOW_LAST": False}
+              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -112,6 +112,9 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # each layer's latency-bound chain. Up to FOLD_MAX_SPLIT slices of D (the attention kernel
 # unrolls their loads); more: the finishing kernel runs (FOLD_CAP: the partial kernel takes
 # FOLD_MAX_SPLIT slices instead). FOLD_SLOW_LAST: the slow z-slices after the D slices in the grid.
+# PARTIAL_SLOW (batch 1, shared-set kernel, two launches): those slow z-slices of the partial kernel
+# without the fold: the finishing kernel still sums the partials but leaves the slots past them to
+# the z-slices (which run beside the bandwidth-bound partial programs instead of after them).
 # FOLD_FINISH "wide" (batch 1's default): fold only where the partial kernel would take more than
 # FOLD_MAX_SPLIT slices (few heads: OPT-30B d0.1, 14 slices, capped to 8), where the finishing
 # kernel is at its slowest (one load per slice, and the slow path of frequent long gaps). On the
@@ -727,7 +730,12 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         else:
             n_st, ln_args = 1, (new, new, pnew, 1, 1, LN_EPS)  # never read without LN_IN
         slow_r = min(cfg["BLOCK_R"], cfg["FOLD_SLOW_R"])
-        n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if fold and not caught_up else 0
+        # the slow path in the partial kernel's z-slices: folded, or PARTIAL_SLOW (the finishing kernel
+        # then skips it, as after catch_up_kv)
+        part_slow = ((fold or (cfg["PARTIAL_SLOW"] and B == 1 and x_new is not None and not fused))
+                     and not caught_up)
+        n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if part_slow else 0
+        caught_up = caught_up or n_slow > 0
         part = jit(_qkv_partial_shared_kernel, dev)
         part[(kh, (3 - first) * nb, n_slow + split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
                                                      BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),

@@ -155,7 +155,10 @@ class SparseDecoder:
         # are computed ahead, right after the layer's head top-k on the predictors' side stream
         # (ops.kv_catch_up, plugins/deferred_kv.catch_up_kv), so the main stream's attention never
         # waits for them; the op is then told so (caught_up=True). Same values either way.
-        self.catch_up = True
+        # Off: on the H200 (OPT-30B shape, batch 1, random predictors) 6.37-6.38 vs 6.33 ms/token at
+        # density 0.3, 4.19-4.21 vs 3.48 at 0.1: the catch-up's serial whole-D passes, beside the
+        # main stream's weight streams, took ~65 us where it had work (BENCHMARKS.md, session 17).
+        self.catch_up = False
         self._catch_pos: torch.Tensor | None = None  # this decode step's pos while it is being issued
         self._caught: list[bool] = []  # layers whose catch-up this step has launched
         self.pred.on_heads = self._catch_up

@@ -134,3 +134,59 @@ def test_catch_up_bad_inputs_rejected():
         catch_up_kv(x_hist.half(), w[2], w[3], hidx, kc, vc, vl, torch.tensor([3]), validate=True)
     with pytest.raises(DejavuError):
         catch_up_kv(x_hist, w[2], w[3], torch.tensor([[0, H]]), kc, vc, vl, torch.tensor([3]), validate=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("z", [1, 2])
+def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dtype, z):
+    """Batch 1, PARTIAL_SLOW: the slots past the partials come from the Q/K/V partial kernel's slow
+    z-slices (FOLD_SLOW_Z chunk sets) while the finishing kernel still runs, skipping them: output,
+    caches, valid_len and history over steps with gaps of up to 40 equal the finishing kernel's slow
+    path (same 16-row dots: bit for bit) and are close to the float64 reference."""
+    from dejavu.plugins import deferred_kv as DK
+    w = weights(dtype)
+    w64 = [t.double() for t in w]
+    x_hist0 = torch.randn(1, S, D).to(dtype)
+    kc0, vc0 = torch.randn(1, H, S, HD).to(dtype), torch.randn(1, H, S, HD).to(dtype)
+    vl0 = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32)
+    steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]
+    inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+    grids = []  # (kernel name, grid, SLOW / CAUGHT_UP constexprs) of every launch through deferred_kv.jit
+    real_jit = DK.jit
+
+    class Spy:
+        def __init__(self, fn, dev):
+            self.fn, self.k = fn, real_jit(fn, dev)
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                grids.append((self.fn.__name__, tuple(grid), kw.get("SLOW"), kw.get("CAUGHT_UP")))
+                return self.k[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(DK, "jit", Spy)
+    runs = {}
+    for part in (True, False):
+        cfg = {"qkv": {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "FOLD_FINISH": False,
+                       "PARTIAL_SLOW": part, "FOLD_SLOW_Z": z, "FOLD_SLOW_R": 16}}
+        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
+        k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
+        ys = []
+        for (p, hs), (x, res) in zip(steps, inputs):
+            hidx = torch.tensor([hs], dtype=torch.int32)
+            grids.clear()
+            y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res, config=cfg)
+            (pn, pgrid, slow, _), (fn, _, _, caught) = grids[:2]
+            assert (pn, fn) == ("_qkv_partial_shared_kernel", "_qkv_finish_kernel"), grids
+            # z slow z-slices beside the 4 slices of D (60 columns in 16-column blocks), the finish told so
+            assert (slow, pgrid[2], bool(caught)) == ((z, 4 + z, True) if part else (0, 4, False)), grids
+            ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
+                                                  res.double())
+            assert torch.equal(vl, vl64)
+            assert torch.allclose(y.double(), ref, **tol)
+            ys.append(y)
+        runs[part] = (ys, kc, vc, vl, hist)
+    for a, b in zip(runs[True][0] + list(runs[True][1:]), runs[False][0] + list(runs[False][1:])):
+        assert torch.equal(a, b)
+    assert runs[True][3][0].tolist() == [44, 44, 45, 45, 45]  # every selected slot filled
