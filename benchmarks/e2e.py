@@ -496,6 +496,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # chunk sets, default 4)
              "partslow": _qkv_b1(PARTIAL_SLOW=True), "partslowz2": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=2),
              "partslowz8": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=8),
+             # the slow path's slots per whole-D pass (QKV_CONFIG_B1 SLOW_P, default 16)
+             "slowp32": _qkv_b1(SLOW_P=32), "slowp64": _qkv_b1(SLOW_P=64), "slowp128": _qkv_b1(SLOW_P=128),
              "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,
              # side-stream timing: predictors after Q/K/V; L2 warm-up of out-proj (and fc1) rows
              "predqkv": _side("after_qkv"), "predattnin": _side("attn_in"),

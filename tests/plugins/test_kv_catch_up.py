@@ -190,3 +190,31 @@ def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dty
     for a, b in zip(runs[True][0] + list(runs[True][1:]), runs[False][0] + list(runs[False][1:])):
         assert torch.equal(a, b)
     assert runs[True][3][0].tolist() == [44, 44, 45, 45, 45]  # every selected slot filled
+
+
+@pytest.mark.parametrize("slow_p", [32, 64])
+@pytest.mark.parametrize("route", ["finish", "finish-z2", "partial", "fold"])
+def test_slow_path_slots_per_pass(triton_interp, slow_p, route):
+    """SLOW_P slots per whole-D pass of the slow path (finishing kernel, with 1 or 2 programs per row
+    block; the partial kernel's slow z-slices; folded): gaps of up to 40 slots past the partials in one
+    or two passes give the float64 reference's output, caches and valid_len over four steps."""
+    dtype = torch.float32
+    w = weights(dtype)
+    w64 = [t.double() for t in w]
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "SLOW_P": slow_p,
+           "FOLD_FINISH": route == "fold", "PARTIAL_SLOW": route == "partial", "FOLD_SLOW_Z": 2,
+           "SLOW_Z": 2 if route == "finish-z2" else 1}
+    cfg = {"qkv": qkv, "attn": {"CHUNK": 8, "BLOCK_S": 8}}
+    kc, vc = torch.randn(1, H, S, HD), torch.randn(1, H, S, HD)
+    vl, hist = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32), torch.randn(1, S, D)
+    k64, v64, vl64, h64 = kc.double(), vc.double(), vl.clone(), hist.double()
+    for p, hs in [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (47, [4, 3, 2])]:
+        x, res = torch.randn(1, D), torch.randn(1, D)
+        hidx = torch.tensor([hs], dtype=torch.int32)
+        y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res, config=cfg)
+        ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
+                                              res.double())
+        assert torch.equal(vl, vl64)
+        for got, want in ((y, ref), (kc, k64), (vc, v64)):
+            assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+    assert vl[0].tolist() == [44, 44, 48, 48, 48]
