@@ -523,7 +523,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),
              "qkvt264": _qkv_b1(TARGET_PROGRAMS=264), "qkvt1056": _qkv_b1(TARGET_PROGRAMS=1056),
              # the finishing kernel's slow path (slots beyond the partials) shared out over Z programs
-             "slowz1": _qkv_b1(SLOW_Z=1), "slowz4": _qkv_b1(SLOW_Z=4), "slowz8": _qkv_b1(SLOW_Z=8),
+             "slowz1": _qkv_b1(SLOW_Z=1), "slowz2": _qkv_b1(SLOW_Z=2), "slowz4": _qkv_b1(SLOW_Z=4), "slowz8": _qkv_b1(SLOW_Z=8),
              "slowz4finishs16": _qkv_b1(SLOW_Z=4, FINISH_S=16),
              # batch 1: the attention chunks combined inside the output projection (no combine launch)
              "foldcombine": _attn_setting(FOLD_COMBINE=True),
