@@ -496,6 +496,14 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # chunk sets, default 4)
              "partslow": _qkv_b1(PARTIAL_SLOW=True), "partslowz2": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=2),
              "partslowz8": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=8),
+             # registers per thread capped (maxnreg; ptxas spills the rest) so more programs fit per SM: the
+             # Q/K/V partial kernel (255 registers, 2 programs of 4 warps per SM), fc2's and the output
+             # projection's tl.dot kernel (230), or all three
+             "qkvreg168": _qkv_b1(maxnreg=168), "qkvreg128": _qkv_b1(maxnreg=128),
+             "fc2reg168": _fc2_route("dot1", maxnreg=168), "fc2reg128": _fc2_route("dot1", maxnreg=128),
+             "projreg168": _fc2_route("proj1", maxnreg=168),
+             "allreg168": _both(_qkv_b1(maxnreg=168), _fc2_route("dot1", maxnreg=168), _fc2_route("proj1", maxnreg=168)),
+             "allreg128": _both(_qkv_b1(maxnreg=128), _fc2_route("dot1", maxnreg=128), _fc2_route("proj1", maxnreg=128)),
              # the slow path's slots per whole-D pass (QKV_CONFIG_B1 SLOW_P, default 16)
              "slowp32": _qkv_b1(SLOW_P=32), "slowp64": _qkv_b1(SLOW_P=64), "slowp128": _qkv_b1(SLOW_P=128),
              "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,

@@ -133,6 +133,14 @@ def pdl_args(device: torch.device, kind: str) -> dict:
     return {"GDC": gdc, "PF": int(per_kind.get(kind, PDL_CONFIG["PREFETCH_TILES"])), "launch_pdl": True}
 
 
+def reg_cap(cfg: dict, device: torch.device) -> dict:
+    """Launch options capping a kernel's registers per thread at cfg["maxnreg"] (None: the
+    compiler's choice; ptxas spills the rest to local memory), so more programs fit on an SM.
+    CUDA only (the interpreter has no registers)."""
+    n = cfg.get("maxnreg")
+    return {"maxnreg": int(n)} if n and device.type == "cuda" and not interpreting() else {}
+
+
 @helper
 def gdc_enter(GDC: tl.constexpr):
     # PDL: wait for the previous kernel of the stream (its writes visible); GDC 2 (early

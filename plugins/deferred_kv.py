@@ -64,7 +64,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
                                     default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
-                                    pdl_args, prefetch_rows_l2)
+                                    pdl_args, prefetch_rows_l2, reg_cap)
 from dejavu.plugins.sparse_attention import QKVPartials, _check_attn, _positions, attend_project, folds_finish
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
 from dejavu.plugins.sparse_mlp import LN_EPS, _dot_fp32, _ln_merge
@@ -722,7 +722,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     finish_mode = (2 if split == 1 else 1) if fused else 0
     common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
                   BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0, CAUGHT_UP=caught_up,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(dev, "qkv"))
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **reg_cap(cfg, dev), **pdl_args(dev, "qkv"))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         if not 1 <= sp - 1 <= bp or sp & (sp - 1):

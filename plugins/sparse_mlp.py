@@ -42,7 +42,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
                                     default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
-                                    pdl_args, prefetch_rows_l2)
+                                    pdl_args, prefetch_rows_l2, reg_cap)
 from dejavu.plugins.layer_norm import PendingLN, check_pending, layer_norm, materialize, materialize_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -885,7 +885,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
                              COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)),
                              W_EV=cfg.get("W_EV", ""), WAIT=overlap is not None, SPIN_NS=cfg.get("SPIN_NS", 0),
-                             H_CM=".cg" if overlap is not None else "", **common)
+                             H_CM=".cg" if overlap is not None else "", **reg_cap(cfg, h.device), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,
