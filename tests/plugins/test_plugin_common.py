@@ -84,3 +84,16 @@ def test_interpreter_rounds_fp32_to_bf16_as_the_gpu(triton_interp):
 
 def triton_cdiv(a, b):
     return -(-a // b)
+
+
+def test_reg_cap_only_for_cuda_launches(triton_interp, monkeypatch):
+    """reg_cap: the maxnreg launch option from a config's "maxnreg" on CUDA devices; nothing for the
+    interpreter (CPU tensors), nor when the key is unset or None."""
+    import dejavu.plugins._common as C
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(C, "interpreting", lambda: False)
+    assert C.reg_cap({"maxnreg": 168}, cuda) == {"maxnreg": 168}
+    assert C.reg_cap({"maxnreg": None}, cuda) == {} and C.reg_cap({}, cuda) == {}
+    assert C.reg_cap({"maxnreg": 168}, torch.device("cpu")) == {}
+    monkeypatch.setattr(C, "interpreting", lambda: True)
+    assert C.reg_cap({"maxnreg": 168}, cuda) == {}
