@@ -780,9 +780,8 @@ def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
                  **pdl_args(x_hist.device, "commit"))
 
 
-def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
-                 config=None) -> None:
-    """Fill K/V of the selected heads at slots min(valid_len, pos)..pos from x_hist; mark them valid."""
+def _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, validate):
+    """recompute_kv's and catch_up_kv's checks: (B, S, D, H, hd, Kh, pos tensor, its batch stride)."""
     validate = default_validate(validate, x_hist.device)
     B, S, D, H, hd, kh = _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate)
     pos_t, stride_pb = _positions(pos, B, x_hist.device)
@@ -792,6 +791,14 @@ def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
         if valid_len.numel() and int(valid_len.min()) < 0:
             raise DejavuError("valid_len: negative entries")
+    return B, S, D, H, hd, kh, pos_t, stride_pb
+
+
+def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
+                 config=None) -> None:
+    """Fill K/V of the selected heads at slots min(valid_len, pos)..pos from x_hist; mark them valid."""
+    B, S, D, H, hd, kh, pos_t, stride_pb = _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache,
+                                                             valid_len, pos, validate)
     if kh == 0 or B == 0:
         return
     # wq / bq are never read without Q rows: pass wkv's first rows in their place
@@ -808,13 +815,8 @@ def catch_up_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *,
     runtime launches it on the predictors' side stream right after the head top-k) and pass
     `caught_up=True` to sparse_attn_decode_deferred, whose Q/K/V kernels then skip those slots.
     config: the deferred op's config ({"qkv": ..., "catchup": ...}; CATCHUP_CONFIG)."""
-    validate = default_validate(validate, x_hist.device)
-    B, S, D, H, hd, kh = _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate)
-    pos_t, stride_pb = _positions(pos, B, x_hist.device)
-    if validate:
-        lo, hi = int(pos_t.min()), int(pos_t.max())
-        if lo < 0 or hi >= S:
-            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
+    B, S, D, H, hd, kh, pos_t, stride_pb = _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache,
+                                                             valid_len, pos, validate)
     cfg = {**CATCHUP_CONFIG, **((config or {}).get("catchup") or {})}
     hist = hist_slots(B, head_idx, (config or {}).get("qkv"))
     bp = cfg["BLOCK_P"]
