@@ -504,7 +504,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "projreg168": _fc2_route("proj1", maxnreg=168),
              "allreg168": _both(_qkv_b1(maxnreg=168), _fc2_route("dot1", maxnreg=168), _fc2_route("proj1", maxnreg=168)),
              "allreg128": _both(_qkv_b1(maxnreg=128), _fc2_route("dot1", maxnreg=128), _fc2_route("proj1", maxnreg=128)),
-             # the slow path's slots per whole-D pass (QKV_CONFIG_B1 SLOW_P, default 16)
+             # the slow path's columns per load (SLOW_D, default BLOCK_D 128) and slots per whole-D pass (SLOW_P, default 16)
+             "slowd256": _qkv_b1(SLOW_D=256), "slowd512": _qkv_b1(SLOW_D=512),
              "slowp32": _qkv_b1(SLOW_P=32), "slowp64": _qkv_b1(SLOW_P=64), "slowp128": _qkv_b1(SLOW_P=128),
              "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,
              # side-stream timing: predictors after Q/K/V; L2 warm-up of out-proj (and fc1) rows

@@ -90,7 +90,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
-              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16}
+              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -114,6 +114,8 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # FOLD_MAX_SPLIT slices instead). FOLD_SLOW_LAST: the slow z-slices after the D slices in the grid.
 # SLOW_P: slots per whole-D pass of the slow path (the finishing kernel's, the slow z-slices'): its
 # tl.dot's M; each pass re-reads the rows' weights, so more slots per pass read them fewer times.
+# SLOW_D: columns per load of the finishing kernel's slow passes (None: BLOCK_D; wider: fewer
+# serial round trips per pass).
 # PARTIAL_SLOW (batch 1, shared-set kernel, two launches): those slow z-slices of the partial kernel
 # without the fold: the finishing kernel still sums the partials but leaves the slots past them to
 # the z-slices (which run beside the bandwidth-bound partial programs instead of after them).
@@ -236,7 +238,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
     if FINISH == 2:
         _store_qkv(tl.sum(acc, axis=1), acc_h, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j,
                    head, pos, seg, offs_c, cmask, rows, start, KH, D, HD, BLOCK_P, stride_xb, stride_xs, stride_cb,
-                   stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, CAUGHT_UP == 0)
+                   stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, CAUGHT_UP == 0, 16, BLOCK_D)
     else:
         slot = (pid_s.to(tl.int64) * B + b) * KH + j
         tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
@@ -250,7 +252,7 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
                 _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j,
                              head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, tl.num_programs(2),
                              BLOCK_P, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32,
-                             BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0)
+                             BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0, 16, BLOCK_D)
 
 
 def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
@@ -384,7 +386,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                 _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
                              tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
                              tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-                             DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0)
+                             DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0, SLOW_P, BLOCK_D)
 
 
 @helper
@@ -450,7 +452,7 @@ def _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B
 def _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg, offs_c,
                cmask, rows, start, KH, D, HD, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
                DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-               SLOW: tl.constexpr = 1, SLOW_P: tl.constexpr = 16):
+               SLOW: tl.constexpr = 1, SLOW_P: tl.constexpr = 16, SLOW_D: tl.constexpr = 128):
     # Add the bias to the rows' whole sums and store Q (fp32 buffer) or K/V at pos and at the
     # first HIST_LEN (<= BLOCK_P) missing slots; then (SLOW) any further missing slots of K/V
     # rows (a head unselected for long: whole-D tl.dot passes over these rows, the slow path).
@@ -471,7 +473,7 @@ def _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr,
                  mask=pmask[:, None] & cmask[None, :])
         if SLOW:
             _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, 0, 1, D,
-                        stride_xb, stride_xs, stride_cs, DOT_FP32, SLOW_P, BLOCK_R, BLOCK_D)
+                        stride_xb, stride_xs, stride_cs, DOT_FP32, SLOW_P, BLOCK_R, SLOW_D)
 
 
 @helper
@@ -506,13 +508,14 @@ def _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, fir
 def _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos,
                  seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_cb,
                  stride_ch, stride_cs, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLOW: tl.constexpr = 1, SLOW_P: tl.constexpr = 16):
+                 BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLOW: tl.constexpr = 1, SLOW_P: tl.constexpr = 16,
+                 SLOW_D: tl.constexpr = 128):
     # What finishes a row block: the SPLIT partials summed, then _store_qkv (SLOW: its slow path too).
     new, hist = _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B, KH, HD, SPLIT,
                               HIST_LEN, BLOCK_P, BLOCK_R, BLOCK_S)
     _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j, head, pos, seg, offs_c,
                cmask, rows, start, KH, D, HD, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-               DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, SLOW, SLOW_P)
+               DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, SLOW, SLOW_P, SLOW_D)
 
 
 def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
@@ -521,7 +524,8 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                        SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, CAUGHT_UP: tl.constexpr = 0,
-                       SLOW_P: tl.constexpr = 16, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                       SLOW_P: tl.constexpr = 16, SLOW_D: tl.constexpr = 128, GDC: tl.constexpr = 0,
+                       PF: tl.constexpr = 0):
     # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB,
     # SLOW_Z), after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R
     # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
@@ -547,7 +551,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
         _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
                      head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb,
                      stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S,
-                     CAUGHT_UP == 0, SLOW_P)
+                     CAUGHT_UP == 0, SLOW_P, SLOW_D)
     else:
         b64 = b.to(tl.int64)
         if z == 0:  # the slots the partials hold (SLOW 0: _store_qkv leaves the slow path to the loop below)
@@ -561,7 +565,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                 cache = (k_ptr if seg == 1 else v_ptr) + b64 * stride_cb + head * stride_ch
                 bias = tl.load(bkv_ptr + rows).to(tl.float32)
                 _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, z,
-                            SLOW_Z, D, stride_xb, stride_xs, stride_cs, DOT_FP32, SLOW_P, BLOCK_R, BLOCK_D)
+                            SLOW_Z, D, stride_xb, stride_xs, stride_cs, DOT_FP32, SLOW_P, BLOCK_R, SLOW_D)
 
 
 def _catch_up_kernel(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, KH, H, D, HD, NB, HIST_LEN,
@@ -764,7 +768,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z,
-        EARLY_READS=bool(cfg["EARLY_READS"]), CAUGHT_UP=caught_up, SLOW_P=cfg["SLOW_P"], num_warps=4, **pdl_args(dev, "qkv_finish"))
+        EARLY_READS=bool(cfg["EARLY_READS"]), CAUGHT_UP=caught_up, SLOW_P=cfg["SLOW_P"],
+        SLOW_D=cfg.get("SLOW_D") or bd, num_warps=4, **pdl_args(dev, "qkv_finish"))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):

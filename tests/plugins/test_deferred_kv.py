@@ -670,16 +670,17 @@ def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dty
     assert runs[True][3][0].tolist() == [44, 44, 45, 45, 45]  # every selected slot filled
 
 
-@pytest.mark.parametrize("slow_p", [32, 64])
+@pytest.mark.parametrize("slow_p,slow_d", [(32, None), (64, None), (16, 64)])
 @pytest.mark.parametrize("route", ["finish", "finish-z2", "partial", "fold"])
-def test_slow_path_slots_per_pass(triton_interp, slow_p, route):
+def test_slow_path_slots_per_pass(triton_interp, slow_p, slow_d, route):
     """SLOW_P slots per whole-D pass of the slow path (finishing kernel, with 1 or 2 programs per row
-    block; the partial kernel's slow z-slices; folded): gaps of up to 40 slots past the partials in one
-    or two passes give the float64 reference's output, caches and valid_len over four steps."""
+    block; the partial kernel's slow z-slices; folded), SLOW_D columns per load (the finishing
+    kernel's): gaps of up to 40 slots past the partials in one or more passes give the float64
+    reference's output, caches and valid_len over four steps."""
     dtype = torch.float32
     w = weights(dtype)
     w64 = [t.double() for t in w]
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "SLOW_P": slow_p,
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "SLOW_P": slow_p, "SLOW_D": slow_d,
            "FOLD_FINISH": route == "fold", "PARTIAL_SLOW": route == "partial", "FOLD_SLOW_Z": 2,
            "SLOW_Z": 2 if route == "finish-z2" else 1}
     cfg = {"qkv": qkv, "attn": {"CHUNK": 8, "BLOCK_S": 8}}
