@@ -115,10 +115,14 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # SLOW_P: slots per whole-D pass of the slow path (the finishing kernel's, the slow z-slices'): its
 # tl.dot's M; each pass re-reads the rows' weights, so more slots per pass read them fewer times.
 # SLOW_D: columns per load of the finishing kernel's slow passes (None: BLOCK_D; wider: fewer
-# serial round trips per pass).
+# serial round trips per pass). On the H200 (OPT-30B shape, batch 1, d0.3) neither paid: SLOW_P 32 /
+# 64 / 128 6.36 / 6.37 / 6.48 ms/token, SLOW_D 256 / 512 6.33 / 6.36, against 6.33-6.35
+# (BENCHMARKS.md, session 17).
 # PARTIAL_SLOW (batch 1, shared-set kernel, two launches): those slow z-slices of the partial kernel
 # without the fold: the finishing kernel still sums the partials but leaves the slots past them to
 # the z-slices (which run beside the bandwidth-bound partial programs instead of after them).
+# Off: on the H200 (OPT-30B shape, batch 1, d0.3) 6.41-6.46 vs 6.33 ms/token; the attention section
+# gained 0.23 ms per step, the partial kernel and fc2 / projection lost 0.40 (session 17).
 # FOLD_FINISH "wide" (batch 1's default): fold only where the partial kernel would take more than
 # FOLD_MAX_SPLIT slices (few heads: OPT-30B d0.1, 14 slices, capped to 8), where the finishing
 # kernel is at its slowest (one load per slice, and the slow path of frequent long gaps). On the
