@@ -137,7 +137,7 @@ def reg_cap(cfg: dict, device: torch.device) -> dict:
     """Launch options capping a kernel's registers per thread at cfg["maxnreg"] (None: the
     compiler's choice; ptxas spills the rest to local memory), so more programs fit on an SM.
     CUDA only (the interpreter has no registers). No config sets it: on the H200 caps of 168 / 128
-    on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, session 17).
+    on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, session 17)."""
     n = cfg.get("maxnreg")
     return {"maxnreg": int(n)} if n and device.type == "cuda" and not interpreting() else {}
 
