@@ -554,8 +554,8 @@ CONFIGS = {  # name: (batch, shared set, op config)
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("name,dtype", [(n, torch.float16 if i % 2 == 0 else torch.float32)
+                                        for i, n in enumerate(CONFIGS)], ids=list(CONFIGS))
 def test_caught_up_steps_equal_the_reference(triton_interp, dtype, name):
     """Decode steps with gaps past the partials: catch_up_kv then the op with caught_up=True gives the
     float64 reference's output, caches and valid_len; the op alone with caught_up=True leaves exactly
@@ -614,8 +614,7 @@ def test_catch_up_bad_inputs_rejected():
         catch_up_kv(x_hist, w[2], w[3], torch.tensor([[0, H]]), kc, vc, vl, torch.tensor([3]), validate=True)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("z", [1, 2])
+@pytest.mark.parametrize("z,dtype", [(1, torch.float32), (2, torch.float16)], ids=["z1-fp32", "z2-fp16"])
 def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dtype, z):
     """Batch 1, PARTIAL_SLOW: the slots past the partials come from the Q/K/V partial kernel's slow
     z-slices (FOLD_SLOW_Z chunk sets) while the finishing kernel still runs, skipping them: output,
@@ -670,8 +669,8 @@ def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dty
     assert runs[True][3][0].tolist() == [44, 44, 45, 45, 45]  # every selected slot filled
 
 
-@pytest.mark.parametrize("slow_p,slow_d", [(32, None), (64, None), (16, 64)])
-@pytest.mark.parametrize("route", ["finish", "finish-z2", "partial", "fold"])
+@pytest.mark.parametrize("route,slow_p,slow_d", [("finish", 32, None), ("fold", 32, None), ("finish-z2", 64, None),
+                                                  ("partial", 64, None), ("finish", 16, 64)])
 def test_slow_path_slots_per_pass(triton_interp, slow_p, slow_d, route):
     """SLOW_P slots per whole-D pass of the slow path (finishing kernel, with 1 or 2 programs per row
     block; the partial kernel's slow z-slices; folded), SLOW_D columns per load (the finishing
