@@ -488,6 +488,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # programs per row block (CATCHUP_CONFIG Z, default 8), or 512-column chunks (a quarter of
              # the serial loads)
              "catchup": _decoder_attr("catch_up", True),
+             # session 18: refresh heads (SparseDecoder.kv_refresh, batch 1): up to N heads that do not attend
+             # but lag hist_slots behind get their K/V in the step's Q/K/V launches (no slow path later)
+             "refresh1": _decoder_attr("kv_refresh", 1), "refresh2": _decoder_attr("kv_refresh", 2),
+             "refresh4": _decoder_attr("kv_refresh", 4), "refresh8": _decoder_attr("kv_refresh", 8),
+             "norefresh": _decoder_attr("kv_refresh", 0),
              "catchupz4": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=4)),
              "catchupz16": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=16)),
              "catchupd512": _both(_decoder_attr("catch_up", True),

@@ -61,12 +61,12 @@ def _short(name: str) -> str:
 
 def side_kernel(score_rows: set[int]):
     """The predicate of side-stream (predictor) kernels for `timeline`: top-k, the deferred K/V
-    catch-up after the head top-k, and the scoring gather_gemv launches (8-warp blocks: `x @ a.T`;
+    catch-up or refresh pick after the head top-k, and the scoring gather_gemv launches (8-warp blocks: `x @ a.T`;
     grid (1, N / BLOCK_R) for N in score_rows: `h @ b.T`). fc1's gather_gemv has 4-warp blocks
     and grid (B, K / 2)."""
     def side(e: dict) -> bool:
         n, g, b = e["name"], e.get("args", {}).get("grid") or [0, 0], e.get("args", {}).get("block") or [0]
-        if "_topk_kernel" in n or "_catch_up_kernel" in n:
+        if "_topk_kernel" in n or "_catch_up_kernel" in n or "_refresh_kernel" in n:
             return True
         return "_gather_gemv_kernel" in n and (b[0] == 256 or g[1] in score_rows)
     return side

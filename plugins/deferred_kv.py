@@ -65,7 +65,8 @@ from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
                                     default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
                                     pdl_args, prefetch_rows_l2, reg_cap)
-from dejavu.plugins.sparse_attention import QKVPartials, _check_attn, _positions, attend_project, folds_finish
+from dejavu.plugins.sparse_attention import (ATTN_CONFIG, QKVPartials, _check_attn, _positions, attend_project,
+                                             folds_finish)
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
 from dejavu.plugins.sparse_mlp import LN_EPS, _dot_fp32, _ln_merge
 
@@ -137,21 +138,31 @@ QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stage
 
 @helper
 def _qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb,
-              FIRST_SEG: tl.constexpr, BLOCK_R: tl.constexpr):
+              FIRST_SEG: tl.constexpr, BLOCK_R: tl.constexpr, ref_ptr=None, KH_Q=0, REFRESH: tl.constexpr = 0):
     # This program's head, pos, segment (0 Q, 1 K, 2 V), channels, weight rows (row of wq for
     # Q, of wkv for K/V; masked channels map to channel 0) and first missing slot (pos for Q).
-    head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
+    # REFRESH (batch 1): head slots j >= KH_Q are the refresh heads ref[j - KH_Q] (-1: none; the
+    # rows and start are then head 0's, and the caller does nothing).
+    if REFRESH:
+        if j < KH_Q:
+            head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
+        else:
+            head = tl.load(ref_ptr + (j - KH_Q)).to(tl.int64)
+        h = tl.maximum(head, 0)
+    else:
+        head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
+        h = head
     pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
     seg = FIRST_SEG + pid_r // NB
     offs_c = (pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R)
     cmask = offs_c < HD
     c = tl.where(cmask, offs_c, 0)
     if seg == 0:
-        rows = head * HD + c
+        rows = h * HD + c
         start = pos
     else:
-        rows = (seg - 1).to(tl.int64) * H * HD + head * HD + c
-        start = tl.minimum(tl.load(vl_ptr + b * H + head).to(tl.int32), pos)
+        rows = (seg - 1).to(tl.int64) * H * HD + h * HD + c
+        start = tl.minimum(tl.load(vl_ptr + b * H + h).to(tl.int32), pos)
     return head, pos, seg, offs_c, cmask, rows, start
 
 
@@ -269,8 +280,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
-                               CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, GDC: tl.constexpr = 0,
-                               PF: tl.constexpr = 0):
+                               CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, ref_ptr=None, KH_Q=0,
+                               REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -291,6 +302,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # slice SLOW + s is D slice s; SLOW_LAST: the last SLOW z-slices are, after the D slices.
     # CAUGHT_UP (SLOW 0 then): the slots past the P - 1 missing ones are in the cache already (catch_up_kv).
     # SLOW_P: slots per whole-D pass of the slow z-slices (their tl.dot's M).
+    # REFRESH (batch 1, SLOW 0): head slots KH_Q.. are refresh heads (ref_ptr; -1: none): K/V rows only,
+    # like a selected head's (no Q); the programs of a -1 slot or of a refresh head's Q rows do nothing.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
@@ -311,86 +324,114 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                            BLOCK_R, BLOCK_D, SLOW, SLOW_R, GDC)
     else:
         pid_s = tl.program_id(2) - z_lo
-        if GDC:
+        if GDC and not REFRESH:
             _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
                           BLOCK_R, BLOCK_D)
         gdc_enter(GDC)
         head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
-            head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
-        w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
-        offs_m = tl.arange(0, BLOCK_M)
-        mb = offs_m // P
-        mp = offs_m % P
-        bmask = mb < B
-        mb64 = mb.to(tl.int64)
-        pos_m = tl.load(pos_ptr + mb * stride_pb, mask=bmask, other=0).to(tl.int32)
-        if seg == 0:
-            start_m = pos_m
+            head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
+            REFRESH)
+        if REFRESH:  # a real head (not -1); a refresh head (slot >= KH_Q) has no Q rows
+            live = (head >= 0) & ((j < KH_Q) | (seg > 0))
         else:
-            start_m = tl.minimum(tl.load(vl_ptr + mb * H + head, mask=bmask, other=0).to(tl.int32), pos_m)
-        slot_m = tl.where(mp == 0, pos_m, start_m + mp - 1)
-        is_new = bmask & (mp == 0)
-        is_hist = bmask & (mp > 0) & (slot_m < pos_m)
-        if HAS_NEW:
-            new_rows = xnew_ptr + mb64 * stride_nb
-            hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
-            take_hist = is_hist
-        else:  # the input at pos is x_hist[b, pos] too
-            new_rows = xh_ptr  # never read (take_new is all false)
-            hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
-            take_hist = is_hist | is_new
-        take_new = is_new & HAS_NEW
-        if LN_IN:  # batch 1: the sequence's mean and rstd (scalars); its row is normalised as a vector
-            mean, rstd = _ln_merge(st_ptr, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
-            new_hist = xh_ptr + pos0.to(tl.int64) * stride_xs  # x_hist[0, pos]
-            row0 = offs_m == 0  # the tile's row of the input at pos
-        d_lo = pid_s * D_PER_SPLIT
-        d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for d0 in range(d_lo, d_hi, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            dmask = offs_d < d_hi
-            if EVEN_D:
-                w = tl.load(w_rows + offs_d[None, :], eviction_policy=W_EV)
-            else:
-                w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
-            x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
-            if LN_IN:
-                xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-                xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
-                # by head slot 0's first row block (a vector mask: the interpreter wants one)
-                tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
-                x += tl.where(row0[:, None], xn[None, :], tl.zeros_like(xn)[None, :])
-            elif HAS_NEW:
-                x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
-            if DOT_FP32:
-                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        gdc_release(GDC)
-        slot = (pid_s.to(tl.int64) * B + mb64) * KH + j  # [BLOCK_M]
-        tl.store(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :], acc,
-                 mask=is_new[:, None] & cmask[None, :])
-        if seg > 0:
-            dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
-            tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
-        if FINISH == 2:
-            tl.debug_barrier()  # SPLIT == 1: the block's own partials, stored by its other threads
-            last = True
-        elif FINISH == 1:
-            last = last_arrival(cnt_ptr + j * tl.num_programs(1) + pid_r, tl.num_programs(2))
+            live = True
+        if live:
+            _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
+                                 pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                                 stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
+                                 lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0, seg, offs_c,
+                                 cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32, FINISH, P, BLOCK_M,
+                                 BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP,
+                                 SLOW_P, REFRESH, GDC)
+
+
+@helper
+def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
+                         pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                         stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
+                         lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0, seg, offs_c, cmask,
+                         rows, start0, ref_ptr, KH_Q, HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr,
+                         DOT_FP32: tl.constexpr, FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         EVEN_D: tl.constexpr, W_EV: tl.constexpr, LN_IN: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ST_CM: tl.constexpr, CAUGHT_UP: tl.constexpr, SLOW_P: tl.constexpr, REFRESH: tl.constexpr,
+                         GDC: tl.constexpr):
+    # _qkv_partial_shared_kernel's D-slice program (one with work: REFRESH's live)
+    w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
+    offs_m = tl.arange(0, BLOCK_M)
+    mb = offs_m // P
+    mp = offs_m % P
+    bmask = mb < B
+    mb64 = mb.to(tl.int64)
+    pos_m = tl.load(pos_ptr + mb * stride_pb, mask=bmask, other=0).to(tl.int32)
+    if seg == 0:
+        start_m = pos_m
+    else:
+        start_m = tl.minimum(tl.load(vl_ptr + mb * H + head, mask=bmask, other=0).to(tl.int32), pos_m)
+    slot_m = tl.where(mp == 0, pos_m, start_m + mp - 1)
+    is_new = bmask & (mp == 0)
+    is_hist = bmask & (mp > 0) & (slot_m < pos_m)
+    if HAS_NEW:
+        new_rows = xnew_ptr + mb64 * stride_nb
+        hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
+        take_hist = is_hist
+    else:  # the input at pos is x_hist[b, pos] too
+        new_rows = xh_ptr  # never read (take_new is all false)
+        hist_rows = xh_ptr + mb64 * stride_xb + slot_m.to(tl.int64) * stride_xs
+        take_hist = is_hist | is_new
+    take_new = is_new & HAS_NEW
+    if LN_IN:  # batch 1: the sequence's mean and rstd (scalars); its row is normalised as a vector
+        mean, rstd = _ln_merge(st_ptr, N_ST, D, eps, ST_W, BLOCK_N, ST_CM)
+        new_hist = xh_ptr + pos0.to(tl.int64) * stride_xs  # x_hist[0, pos]
+        row0 = offs_m == 0  # the tile's row of the input at pos
+    d_lo = pid_s * D_PER_SPLIT
+    d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < d_hi
+        if EVEN_D:
+            w = tl.load(w_rows + offs_d[None, :], eviction_policy=W_EV)
         else:
-            last = False
-        if last:
-            for b in range(0, B):  # (b is a Python int in the interpreter: tl.cast, not .to)
-                _, pos, _, _, _, _, start = _qkv_rows(
-                    head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R)
-                _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
-                             tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
-                             tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-                             DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0, SLOW_P, BLOCK_D)
+            w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
+        x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
+        if LN_IN:
+            xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
+            # by head slot 0's first row block (a vector mask: the interpreter wants one)
+            tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
+            x += tl.where(row0[:, None], xn[None, :], tl.zeros_like(xn)[None, :])
+        elif HAS_NEW:
+            x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    gdc_release(GDC)
+    slot = (pid_s.to(tl.int64) * B + mb64) * KH + j  # [BLOCK_M]
+    tl.store(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :], acc,
+             mask=is_new[:, None] & cmask[None, :])
+    if seg > 0:
+        dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
+        tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
+    if FINISH == 2:
+        tl.debug_barrier()  # SPLIT == 1: the block's own partials, stored by its other threads
+        last = True
+    elif FINISH == 1:
+        last = last_arrival(cnt_ptr + j * tl.num_programs(1) + pid_r, tl.num_programs(2))
+    else:
+        last = False
+    if last:
+        for b in range(0, B):  # (b is a Python int in the interpreter: tl.cast, not .to)
+            _, pos, _, _, _, _, start = _qkv_rows(
+                head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
+                KH_Q, REFRESH)
+            _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
+                         tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
+                         tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
+                         DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0, SLOW_P, BLOCK_D)
 
 
 @helper
@@ -528,8 +569,8 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                        SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, CAUGHT_UP: tl.constexpr = 0,
-                       SLOW_P: tl.constexpr = 16, SLOW_D: tl.constexpr = 128, GDC: tl.constexpr = 0,
-                       PF: tl.constexpr = 0):
+                       SLOW_P: tl.constexpr = 16, SLOW_D: tl.constexpr = 128, ref_ptr=None, KH_Q=0,
+                       REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB,
     # SLOW_Z), after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R
     # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
@@ -539,6 +580,7 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
     # EARLY_READS: the head index, pos and valid_len before the PDL wait (none is written by the
     # partial kernel before this one: the heads come from the side stream, waited for before it;
     # valid_len is written by the attention kernel after this one), saving a round trip after it.
+    # REFRESH: head slots KH_Q.. are refresh heads, as in _qkv_partial_shared_kernel.
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     z = tl.program_id(2)
@@ -546,11 +588,31 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
     j = pid % KH
     if EARLY_READS:
         head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
-            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
+            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
+            KH_Q, REFRESH)
     gdc_enter(GDC)
     if not EARLY_READS:
         head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
-            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
+            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
+            KH_Q, REFRESH)
+    if REFRESH:  # a real head (not -1); a refresh head (slot >= KH_Q) has no Q rows
+        live = (head >= 0) & ((j < KH_Q) | (seg > 0))
+    else:
+        live = True
+    if live:
+        _finish_program(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, D, HD,
+                        SPLIT, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, b, j, z, head, pos,
+                        seg, offs_c, cmask, rows, start, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, SLOW_Z,
+                        CAUGHT_UP, SLOW_P, SLOW_D)
+
+
+@helper
+def _finish_program(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, D, HD, SPLIT,
+                    HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, b, j, z, head, pos, seg, offs_c,
+                    cmask, rows, start, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLOW_Z: tl.constexpr, CAUGHT_UP: tl.constexpr,
+                    SLOW_P: tl.constexpr, SLOW_D: tl.constexpr):
+    # _qkv_finish_kernel's work for its rows (z: its share of the slow path)
     if SLOW_Z == 1:
         _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
                      head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb,
@@ -598,6 +660,27 @@ def _catch_up_kernel(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr,
         cache = (k_ptr if seg == 1 else v_ptr) + b64 * stride_cb + head * stride_ch
         _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, first, z, tl.num_programs(2), D,
                     stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
+
+
+def _refresh_kernel(head_ptr, vl_ptr, pos_ptr, out_ptr, KH, H, LAG, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    # refresh_heads: grid (1,). out[r] = the r-th most lagging head (lag = pos - min(valid_len, pos) >= LAG,
+    # ties: the lower head) among those head_idx leaves out; -1 past the last such head.
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    pos = tl.load(pos_ptr).to(tl.int64)
+    vl = tl.load(vl_ptr + offs_h, mask=hmask, other=0).to(tl.int64)
+    lag = pos - tl.minimum(vl, pos)
+    offs_k = tl.arange(0, BLOCK_K)
+    sel = tl.load(head_ptr + offs_k, mask=offs_k < KH, other=-1).to(tl.int64)
+    chosen = tl.sum((sel[None, :] == offs_h[:, None]).to(tl.int32), axis=1) > 0
+    # one key per head: lag first, then the lower head index; -1 for heads that are not candidates
+    key = tl.where(hmask & (chosen == 0) & (lag >= LAG), lag * BLOCK_H + (BLOCK_H - 1 - offs_h), -1)
+    for r in tl.static_range(R):
+        m = tl.max(key, axis=0)
+        h = BLOCK_H - 1 - m % BLOCK_H
+        tl.store(out_ptr + r, tl.where(m >= 0, h, -1).to(tl.int32))
+        key = tl.where(offs_h == h, -1, key)
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
@@ -675,8 +758,28 @@ def hist_slots(B: int, head_idx, config=None) -> int:
     return cfg["SHARED_P"] - 1 if _shared_qkv(B, head_idx, cfg) else cfg["BLOCK_P"]
 
 
+def _qkv_split(cfg: dict, D: int, groups: int, fold: bool) -> tuple[int, int, bool]:
+    """(slices of D, columns per slice, whether the finish is folded into attention) of the Q/K/V
+    partial kernel with `groups` row blocks per slice, `fold` asked for (checked by the caller)."""
+    bd = cfg["BLOCK_D"]
+    d_blocks = -(-D // bd)
+    split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
+    d_per = -(-d_blocks // split) * bd
+    split = -(-D // d_per)
+    wide = cfg["FOLD_FINISH"] == "wide"  # fold only where the finishing kernel would sum many slices
+    if fold and split > cfg["FOLD_MAX_SPLIT"]:  # the attention kernel unrolls the partial loads
+        if cfg["FOLD_CAP"] or wide:  # fewer, longer programs
+            d_per = -(-d_blocks // cfg["FOLD_MAX_SPLIT"]) * bd
+            split = -(-D // d_per)
+        else:  # the finishing kernel runs
+            fold = False
+    elif wide:
+        fold = False
+    return split, d_per, fold
+
+
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                q, config, pending=None, fold=False, caught_up=False):
+                q, config, pending=None, fold=False, caught_up=False, refresh=None):
     """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
     x_hist (recompute_kv). pending: x_new's PendingLN (batch 1 on the shared-set kernel only),
@@ -686,7 +789,9 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     the QKVPartials returned go to the attention kernel, which finishes the rest (q stays unwritten);
     with more than FOLD_MAX_SPLIT slices of D the finishing kernel runs instead (None returned).
     caught_up: the slots past the first hist_slots missing ones are in the caches (catch_up_kv):
-    no slow path (no slow z-slices, one finishing program per row block)."""
+    no slow path (no slow z-slices, one finishing program per row block).
+    refresh: [R] int32 refresh heads (`refresh_route` holds; -1: none): head slots Kh.. of both
+    kernels, K/V only; the split of D stays the one of the selected heads."""
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
@@ -701,21 +806,15 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         raise DejavuError("_launch_qkv: folding the finish needs batch 1 on the shared-set kernel, x_new and "
                           "FUSED_FINISH off")
     groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
-    d_blocks = -(-D // bd)
-    split = cfg["SPLIT"] or max(1, min(d_blocks, cfg["TARGET_PROGRAMS"] // groups))
-    d_per = -(-d_blocks // split) * bd
-    split = -(-D // d_per)
-    wide = cfg["FOLD_FINISH"] == "wide"  # fold only where the finishing kernel would sum many slices
-    if fold and split > cfg["FOLD_MAX_SPLIT"]:  # the attention kernel unrolls the partial loads
-        if cfg["FOLD_CAP"] or wide:  # fewer, longer programs
-            d_per = -(-d_blocks // cfg["FOLD_MAX_SPLIT"]) * bd
-            split = -(-D // d_per)
-        else:  # the finishing kernel runs
-            fold = False
-    elif wide:
-        fold = False
+    split, d_per, fold = _qkv_split(cfg, D, groups, fold)
     dev = x_hist.device
     fused = cfg["FUSED_FINISH"]
+    n_ref = 0 if refresh is None else refresh.shape[0]
+    if n_ref and (fold or fused or not shared or B != 1 or x_new is None):
+        raise DejavuError("_launch_qkv: refresh heads need batch 1 on the shared-set kernel, x_new, no fold and "
+                          "FUSED_FINISH off")
+    ref_args = dict(ref_ptr=refresh, KH_Q=kh, REFRESH=1) if n_ref else {}
+    kh_q, kh = kh, kh + n_ref  # head slots: the selected heads, then the refresh heads
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
     phist = torch.empty((split, B, kh, bp, 2 * hd), dtype=torch.float32, device=dev)
     cnt = counters(dev, groups) if fused and split > 1 else valid_len  # valid_len: never used as one
@@ -747,6 +846,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         # then skips it, as after catch_up_kv)
         part_slow = ((fold or (cfg["PARTIAL_SLOW"] and B == 1 and x_new is not None and not fused))
                      and not caught_up)
+        if n_ref and part_slow:
+            raise DejavuError("_launch_qkv: refresh heads and PARTIAL_SLOW do not go together")
         n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if part_slow else 0
         caught_up = caught_up or n_slow > 0
         part = jit(_qkv_partial_shared_kernel, dev)
@@ -755,7 +856,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
                                                      SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), SLOW_P=cfg["SLOW_P"],
-                                                     **common)
+                                                     **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:
@@ -766,14 +867,14 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         return
     fr, z = cfg["FINISH_R"], cfg.get("SLOW_Z", 1)
     nbf = -(-hd // fr)
-    z = 1 if caught_up else slow_z(cfg, B * kh * (3 - first) * nbf)
+    z = 1 if caught_up else slow_z(cfg, B * kh_q * (3 - first) * nbf)
     finish = jit(_qkv_finish_kernel, dev)
     finish[(B * kh, (3 - first) * nbf, z)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z,
         EARLY_READS=bool(cfg["EARLY_READS"]), CAUGHT_UP=caught_up, SLOW_P=cfg["SLOW_P"],
-        SLOW_D=cfg.get("SLOW_D") or bd, num_warps=4, **pdl_args(dev, "qkv_finish"))
+        SLOW_D=cfg.get("SLOW_D") or bd, num_warps=4, **ref_args, **pdl_args(dev, "qkv_finish"))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
@@ -853,6 +954,74 @@ def catch_up_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos
     _fill_kv_ref(x_hist, wkv, bkv, heads, k_cache, v_cache, first, p - 1)
 
 
+def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, out=None, config=None,
+                  validate=None) -> torch.Tensor:
+    """Batch 1: the heads whose K/V a deferred decode step should compute although they do not
+    attend (`sparse_attn_decode_deferred(..., refresh=)`), so that no head falls further behind
+    than the Q/K/V kernels' partials reach: [r] int32, the r most lagging heads (lag = pos -
+    min(valid_len, pos) missing slots, ties: the lower head) of those head_idx leaves out, with lag
+    >= `lag` (default hist_slots: a head that would need the slow path if it were selected a step
+    later), -1 after the last. One small launch (no host sync, CUDA-graph capturable); the
+    runtime runs it on the predictors' side stream right after the head top-k."""
+    validate = default_validate(validate, valid_len.device)
+    dev = valid_len.device
+    check_tensor("valid_len", valid_len, ndim=2, dtype=torch.int32, device=dev)
+    B, H = valid_len.shape
+    if B != 1:
+        raise DejavuError(f"refresh_heads: batch 1 only, got valid_len of shape {tuple(valid_len.shape)}")
+    kh, _ = check_index("head_idx", head_idx, batch=1, upper=H, device=dev, validate=validate)
+    if r < 1:
+        raise DejavuError(f"refresh_heads: r must be >= 1, got {r}")
+    pos_t, _ = _positions(pos, 1, dev)
+    lag = hist_slots(1, head_idx, config) if lag is None else int(lag)
+    if lag < 1:
+        raise DejavuError(f"refresh_heads: lag must be >= 1, got {lag}")
+    out = check_out(out, (r,), torch.int32, dev)
+    kernel = jit(_refresh_kernel, dev)
+    kernel[(1,)](head_idx, valid_len, pos_t, out, kh, H, lag, R=r, BLOCK_H=max(16, next_pow2(H)),
+                 BLOCK_K=max(16, next_pow2(kh)), num_warps=4)
+    return out
+
+
+def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = None, out=None, config=None,
+                      validate=None) -> torch.Tensor:
+    """PyTorch reference of refresh_heads."""
+    H = valid_len.shape[1]
+    lag = hist_slots(1, head_idx, config) if lag is None else int(lag)
+    p = _pos_rows(pos, 1, valid_len.device)[0]
+    miss = p - torch.minimum(valid_len[0].long(), p)  # [H]
+    cand = miss >= lag
+    cand[head_idx.reshape(-1).long()] = False
+    key = torch.where(cand, miss * H + (H - 1 - torch.arange(H, device=valid_len.device)), -1)
+    top = key.sort(descending=True).values[:r]
+    res = torch.full((r,), -1, dtype=torch.int32, device=valid_len.device)
+    n = min(r, H)
+    res[:n] = torch.where(top >= 0, H - 1 - top % H, -1).to(torch.int32)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None, caught_up: bool = False) -> bool:
+    """Whether sparse_attn_decode_deferred with this shape, head set and config takes refresh heads
+    (batch 1 on the shared-set Q/K/V kernel with its finishing kernel: not FUSED_FINISH, not folded
+    into attention, not PARTIAL_SLOW, not caught_up; attention through the chunked kernel, which
+    commits them); elsewhere it leaves them out (they catch up when selected: same outputs)."""
+    cfg = config or {}
+    qcfg = _qkv_cfg(B, cfg.get("qkv"))
+    kh = head_idx.shape[-1]
+    if not (B == 1 and kh > 0 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]
+            and not qcfg["PARTIAL_SLOW"] and not caught_up):
+        return False
+    acfg = {**ATTN_CONFIG, **(cfg.get("attn") or {})}
+    if 0 < S <= acfg["PROJ_MAX_S"]:  # attention + projection in one launch: no refresh commit there
+        return False
+    fold = bool(qcfg["FOLD_FINISH"]) and folds_finish(B, S, cfg.get("attn"))
+    groups = kh * 3 * -(-hd // qcfg["BLOCK_R"])
+    return not _qkv_split(qcfg, D, groups, fold)[2]
+
+
 def _pos_rows(pos, B, device) -> torch.Tensor:
     if isinstance(pos, int):
         pos = torch.tensor(pos)
@@ -900,7 +1069,8 @@ def _write_hist(x_hist, x_ln, pos_t):
 
 def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
                                 valid_len, pos, residual=None, *, out=None, ln=None, ln_out=None,
-                                validate=None, config=None, after_qkv=None, ln_defer=False, caught_up=False):
+                                validate=None, config=None, after_qkv=None, ln_defer=False, caught_up=False,
+                                refresh=None):
     """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
     ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) (as sparse_attn_decode; ln_defer too).
     after_qkv: called with no arguments once the Q/K/V kernels are launched, before
@@ -913,7 +1083,11 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
     shared-set Q/K/V kernel normalises it as it loads it and stores it at x_hist[:, pos] (no
     LayerNorm launch); other routes and batches compute it first (layer_norm kernel).
     caught_up: catch_up_kv already ran for these heads, pos and config, so the slots past the first
-    hist_slots missing ones are in the caches (the Q/K/V kernels skip their slow path)."""
+    hist_slots missing ones are in the caches (the Q/K/V kernels skip their slow path).
+    refresh: batch 1, [R] int32 heads not in head_idx (-1: none; refresh_heads picks them) whose
+    K/V at pos and at their missing slots are computed in the same Q/K/V launches (no Q, no
+    attention) and valid_len set to pos + 1, where `refresh_route` holds; elsewhere they are left
+    out (a hint: the outputs are the same either way)."""
     from dejavu.plugins.sparse_attention import no_heads_ln
     from dejavu.plugins.sparse_mlp import check_ln
     pending = x_ln if isinstance(x_ln, PendingLN) else None
@@ -942,30 +1116,40 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
             after_qkv()
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return no_heads_ln(out, ln, ln_out)
+    if refresh is not None:
+        check_tensor("refresh", refresh, ndim=1, dtype=torch.int32, device=x_ln.device)
+        if validate and refresh.numel():
+            sel = set(head_idx.reshape(-1).tolist())
+            bad = [h for h in refresh.tolist() if h >= H or h < -1 or h in sel]
+            if bad or len(set(h for h in refresh.tolist() if h >= 0)) != sum(h >= 0 for h in refresh.tolist()):
+                raise DejavuError(f"refresh: heads must be distinct, in [0, {H}) or -1, and not selected; got "
+                                  f"{refresh.tolist()}")
+        if not refresh.numel() or not refresh_route(B, S, D, hd, head_idx, cfg, caught_up):
+            refresh = None
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     fold = (qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]
             and folds_finish(B, S, cfg.get("attn")))
     parts = _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
-                        cfg.get("qkv"), pending, fold=fold, caught_up=caught_up)
+                        cfg.get("qkv"), pending, fold=fold, caught_up=caught_up, refresh=refresh)
     if after_qkv is not None:
         after_qkv()
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored
     # that slot when it normalised a PendingLN); 3. output projection
     y = attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, cfg.get("attn"),
                        commit=(valid_len, None if pending is not None else x_ln, x_hist), ln=ln, ln_out=ln_out,
-                       ln_defer=ln_defer, finish=parts)  # + LayerNorm(y) with ln
+                       ln_defer=ln_defer, finish=parts, refresh=refresh)  # + LayerNorm(y) with ln
     return y if ln is None or ln_defer else (y, ln_out)
 
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,
                                     x_hist, valid_len, pos, residual=None, *, ln=None, after_qkv=None,
-                                    ln_defer=False, caught_up=False):
+                                    ln_defer=False, caught_up=False, refresh=None):
     """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads;
     y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias); after_qkv() is called after the
     K/V recompute (where the kernel path calls it). x_ln may be a PendingLN (F.layer_norm of
     its tensor). caught_up changes nothing here: every missing slot is recomputed (catch_up_kv
-    gives those slots the same values)."""
+    gives those slots the same values). refresh: those heads (-1 skipped) are brought up to pos too."""
     from dejavu.plugins.sparse_mlp import with_ln_ref
     x_ln = materialize_ref(x_ln)
     B, D = x_ln.shape
@@ -975,6 +1159,8 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
     p = pos.to(x_ln.device).long().reshape(-1).expand(B)
     _write_hist(x_hist, x_ln, p)
     recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p)
+    if refresh is not None:
+        recompute_kv_ref(x_hist, wkv, bkv, refresh[refresh >= 0], k_cache, v_cache, valid_len, p)
     if after_qkv is not None:
         after_qkv()
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]

@@ -159,8 +159,8 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
                         BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, LAST_COMBINE: tl.constexpr = 0,
                         BLOCK_C: tl.constexpr = 2, EARLY_READS: tl.constexpr = 0, FOLD: tl.constexpr = 0,
-                        FOLD_SPLIT: tl.constexpr = 1, BLOCK_F: tl.constexpr = 16, GDC: tl.constexpr = 0,
-                        PF: tl.constexpr = 0):
+                        FOLD_SPLIT: tl.constexpr = 1, BLOCK_F: tl.constexpr = 16, ref_ptr=None, N_REF=0,
+                        BLOCK_REF: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
@@ -168,7 +168,9 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # NCHUNK programs to store its partials combines them into o (no combine launch).
     # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
     # (COMMIT 1) x_hist[b, pos] = x_new[b] (no program here reads either); COMMIT 2: valid_len
-    # only (the Q/K/V kernel stored x_hist[b, pos] itself).
+    # only (the Q/K/V kernel stored x_hist[b, pos] itself). BLOCK_REF > 0 (COMMIT, not FOLD, batch 1):
+    # valid_len[0, ref[r]] = pos + 1 too for the N_REF refresh heads at ref_ptr (-1: none), whose K/V the
+    # Q/K/V kernels computed (deferred_kv.refresh_heads).
     # EARLY_READS: the head index and pos before the PDL wait (neither is written by the kernel
     # before this one: the heads come from the side stream, whose event the main stream waited
     # for before the Q/K/V kernels; pos is the step's input), saving a round trip after it.
@@ -198,6 +200,12 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
         if pid_c == 0:
             if not FOLD:
                 tl.store(vl_ptr + pid_b * H + head, pos + 1)
+                if BLOCK_REF > 0:
+                    if pid_j == 0:
+                        offs_r = tl.arange(0, BLOCK_REF)
+                        ref = tl.load(ref_ptr + offs_r, mask=offs_r < N_REF, other=-1).to(tl.int64)
+                        tl.store(vl_ptr + pid_b * H + ref, tl.zeros([BLOCK_REF], dtype=tl.int32) + pos + 1,
+                                 mask=ref >= 0)
             if COMMIT == 1 and pid_j == 0:  # the whole row at once (BLOCK_X >= D): one memory round trip
                 src = xnew_ptr + pid_b.to(tl.int64) * stride_nb
                 dst = xh_ptr + pid_b.to(tl.int64) * stride_xb + pos.to(tl.int64) * stride_xs
@@ -462,14 +470,16 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
 
 
 def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False,
-                 finish=None):
+                 finish=None, refresh=None):
     """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
     cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
     store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V; x_new
     None: valid_len only).
     fold=True: where FOLD_COMBINE applies, AttnParts instead of o (for project_out).
     finish: QKVPartials (batch 1, `folds_finish`, with commit): q is not read; the kernel sums
-    Q and the fresh K/V slots from the partials and stores those slots into the caches."""
+    Q and the fresh K/V slots from the partials and stores those slots into the caches.
+    refresh: [R] int32 refresh heads (deferred_kv.refresh_heads; batch 1, with commit, no finish):
+    their valid_len is committed too."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
@@ -477,6 +487,10 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     if finish is not None and (commit is None or not folds_finish(B, S, config)):
         raise DejavuError("attend_heads: Q/K/V partials need batch 1, a commit and the chunked attention "
                           "with its combine launch (sparse_attention.folds_finish)")
+    if refresh is not None and (B != 1 or commit is None or finish is not None):
+        raise DejavuError("attend_heads: refresh heads need batch 1 and a commit, without Q/K/V partials")
+    ref_args = ({"ref_ptr": refresh, "N_REF": refresh.shape[0], "BLOCK_REF": max(16, next_pow2(refresh.shape[0]))}
+                if refresh is not None and refresh.shape[0] else {})
     fold = (fold and cfg["FOLD_COMBINE"] and B == 1 and 1 < nchunk <= cfg["FOLD_MAX_CHUNKS"]
             and sparse_mlp.FC2_DOT_MIN_BATCH <= 1)
     o = torch.empty_like(q)
@@ -505,7 +519,7 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit_mode == 1 else 16,
                             LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
                             FOLD=finish is not None, FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
-                            num_warps=cfg["num_warps"], **pdl_args(q.device, "attn"))
+                            num_warps=cfg["num_warps"], **ref_args, **pdl_args(q.device, "attn"))
     if fold:
         return AttnParts(part, ml, nchunk, q)
     if nchunk > 1 and not last:
@@ -517,19 +531,22 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
 
 
 def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
-                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None):
+                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None, refresh=None):
     """attend_heads(q, head_idx, ..., commit) then project_out(o, wo_t, bo, head_idx, residual, out,
     ln, ln_out, ln_defer), returning what project_out returns; where it applies, batch 1 (a shared
     or one-row head set) with S_max <= ATTN_CONFIG["PROJ_MAX_S"], both in one launch
     (`_attn_proj_kernel`) plus the split-K reduction over the heads (`sparse_mlp.reduce_partials`).
-    finish: Q/K/V partials for attend_heads (`folds_finish` must hold)."""
+    finish: Q/K/V partials for attend_heads (`folds_finish` must hold). refresh: attend_heads' (not
+    with the one-launch form)."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     cfg = {**ATTN_CONFIG, **(config or {})}
     if not (B == 1 and 0 < S <= cfg["PROJ_MAX_S"]):
         o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, fold=True,
-                         finish=finish)
+                         finish=finish, refresh=refresh)
         return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
+    if refresh is not None:
+        raise DejavuError("attend_project: refresh heads need the chunked attention (S_max > PROJ_MAX_S)")
     D = wo_t.shape[1]
     vl, xn, xh = commit if commit is not None else (head_idx, q, q)  # never touched without COMMIT
     commit_mode = 0 if commit is None else 1 if xn is not None else 2

@@ -161,7 +161,14 @@ class SparseDecoder:
         self.catch_up = False
         self._catch_pos: torch.Tensor | None = None  # this decode step's pos while it is being issued
         self._caught: list[bool] = []  # layers whose catch-up this step has launched
-        self.pred.on_heads = self._catch_up
+        # Deferred K/V at batch 1: after each layer's head top-k (on the predictors' side stream), pick up to
+        # kv_refresh heads that do not attend but lag hist_slots or more slots behind (ops.kv_refresh,
+        # plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in the same Q/K/V
+        # launches (no Q, no attention), so a head selected later never has more missing slots than the
+        # partials hold (no serial slow path). Same outputs. 0: off.
+        self.kv_refresh = 0
+        self._refresh: list = []  # this step's refresh heads per layer (None: none launched)
+        self.pred.on_heads = self._on_heads
         self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
 
     def _add(self, x, y, b=None):
@@ -343,19 +350,25 @@ class SparseDecoder:
                 torch.cuda.current_stream().wait_event(self._prefetch_state()[2][l])
         return hook, join
 
-    def _catch_up(self, l: int, idx: torch.Tensor) -> None:
-        """PredictorRunner.on_heads: launch layer l's deferred K/V catch-up with its new heads (in a
-        decode step, on the stream the head top-k ran on)."""
+    def _on_heads(self, l: int, idx: torch.Tensor) -> None:
+        """PredictorRunner.on_heads: launch layer l's deferred K/V catch-up with its new heads, or pick its
+        refresh heads (in a decode step, on the stream the head top-k ran on)."""
         if self._catch_pos is None or self.x_hist[l] is None:
             return
-        w = self.layers[l]
-        self.ops.kv_catch_up(self.x_hist[l], w.wkv, w.bkv, idx, self.k_cache[l], self.v_cache[l], self.valid_len[l],
-                             self._catch_pos)
-        self._caught[l] = True
+        if self._catching_up():
+            w = self.layers[l]
+            self.ops.kv_catch_up(self.x_hist[l], w.wkv, w.bkv, idx, self.k_cache[l], self.v_cache[l],
+                                 self.valid_len[l], self._catch_pos)
+            self._caught[l] = True
+        elif self._refreshing():
+            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self.kv_refresh)
 
     def _catching_up(self) -> bool:
         return (self.catch_up and self.kv_policy == "deferred" and self.ops.kernels.get("kv_catch_up") == "triton"
                 and self.ops.kernels.get("sparse_attn_deferred") == "triton")
+
+    def _refreshing(self) -> bool:
+        return self.kv_refresh > 0 and self.kv_policy == "deferred" and self.batch == 1
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -368,7 +381,8 @@ class SparseDecoder:
         MLP op LN_attn of the next layer (final_ln after the last), computed in the same
         launch on the GPU (plugins/sparse_mlp.py, fused split-K finish); `h_ln` carries it."""
         self._caught = [False] * len(self.layers)
-        self._catch_pos = pos if self._catching_up() else None
+        self._refresh = [None] * len(self.layers)
+        self._catch_pos = pos if self._catching_up() or self._refreshing() else None
         try:
             return self._decode_step(tokens, pos)
         finally:
@@ -415,6 +429,8 @@ class SparseDecoder:
                         kw["after_qkv"] = hook
                     if self._caught[l]:
                         kw["caught_up"] = True
+                    if self._refresh[l] is not None:
+                        kw["refresh"] = self._refresh[l]
                     y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
                                                       self.x_hist[l], self.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads

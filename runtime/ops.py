@@ -19,6 +19,10 @@
         (deferred K/V, ahead of the step: K/V of the selected heads at the missing slots the Q/K/V
         kernels would leave to their slow path; then sparse_attn_deferred(..., caught_up=True);
         plugins/deferred_kv.catch_up_kv; the decoder launches it on the predictors' side stream)
+    kv_refresh(idx, valid_len[1,H], pos[1], r) -> [r] int32
+        (deferred K/V, batch 1: the r most lagging heads outside idx, -1 past the last, whose K/V
+        sparse_attn_deferred(..., refresh=) then computes too; plugins/deferred_kv.refresh_heads;
+        the decoder launches it on the predictors' side stream when SparseDecoder.kv_refresh is set)
 
 sparse_fc2, sparse_attn and sparse_attn_deferred also take `ln=(weight, bias)` and then return
 (y, layer_norm(y)): the next LayerNorm of a pre-LN decoder (used when SparseDecoder.fuse_ln
@@ -51,7 +55,7 @@ except Exception:  # noqa: BLE001 - without the plugins no op makes one
         """Stand-in: nothing returns one when dejavu.plugins is missing."""
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
-         "sparse_mlp", "kv_catch_up")
+         "sparse_mlp", "kv_catch_up", "kv_refresh")
 
 
 def _rows(idx: torch.Tensor, B: int) -> torch.Tensor:
@@ -106,12 +110,15 @@ def _sparse_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos, r
 
 
 def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, x_hist, valid_len, pos,
-                          residual=None, *, ln=None, after_qkv=None, ln_defer=False, caught_up=False):
+                          residual=None, *, ln=None, after_qkv=None, ln_defer=False, caught_up=False, refresh=None):
     # caught_up: every missing slot is recomputed here anyway (kv_catch_up's slots included)
     B, D = x_ln.shape
     H, T, hd = k_cache.shape[1:]
     rows = torch.arange(B, device=x_ln.device)
     x_hist[rows, pos] = x_ln
+    if refresh is not None:  # batch 1: the refresh heads (-1: none) brought up to pos, as selected ones are
+        _kv_fill(x_hist, wkv, bkv, refresh[refresh >= 0][None, :], k_cache, v_cache, valid_len, pos, last=0)
+        valid_len[0, refresh[refresh >= 0].long()] = (pos.reshape(-1)[0] + 1).to(valid_len.dtype)
     idx = _rows(idx, B)  # [B, Kh]
     # K/V of the selected heads over every slot, kept only at their missing ones (min(valid, pos)..pos)
     kv_rows = torch.cat([idx, idx + H], 1)  # [B, 2Kh]: K heads then V heads
@@ -136,6 +143,24 @@ def _sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cach
 def _kv_catch_up(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos, *, config=None):
     # Every missing slot before pos (min(valid_len, pos) .. pos - 1): the plugin's op fills only those
     # past the Q/K/V kernels' partials, a subset; _sparse_attn_deferred recomputes them all anyway.
+    _kv_fill(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos, last=-1)
+
+
+def _kv_refresh(idx, valid_len, pos, r, *, lag=15, **_):
+    # The r most lagging heads outside idx with >= lag missing slots (ties: the lower head), -1 after
+    H = valid_len.shape[1]
+    p = pos.reshape(-1)[0].long()
+    miss = p - torch.minimum(valid_len[0].long(), p)
+    key = torch.where(miss >= lag, miss * H + (H - 1 - torch.arange(H, device=valid_len.device)), -1)
+    key[idx.reshape(-1).long()] = -1
+    top = key.sort(descending=True).values[:r]
+    out = torch.full((r,), -1, dtype=torch.int32, device=valid_len.device)
+    out[:top.shape[0]] = torch.where(top >= 0, H - 1 - top % H, -1).to(torch.int32)
+    return out
+
+
+def _kv_fill(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos, last):
+    # K/V of heads idx at their missing slots min(valid_len, pos) .. pos + last
     B, T, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     idx = _rows(idx, B)  # [B, Kh]
@@ -145,7 +170,7 @@ def _kv_catch_up(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos, *, con
     kv = (kv + bkv.view(2 * H, hd)[kv_rows][:, :, None]).view(B, 2, -1, T, hd)
     start = torch.minimum(valid_len.long().gather(1, idx), pos[:, None])  # [B, Kh]
     slot = torch.arange(T, device=x_hist.device)
-    fill = ((slot >= start[..., None]) & (slot < pos[:, None, None]))[..., None]  # [B, Kh, T, 1]
+    fill = ((slot >= start[..., None]) & (slot <= pos[:, None, None] + last))[..., None]  # [B, Kh, T, 1]
     for cache, c in ((k_cache, 0), (v_cache, 1)):
         cache[rows, idx] = torch.where(fill, kv[:, c].to(cache.dtype), cache[rows, idx])
 
@@ -171,10 +196,11 @@ def _flat(out) -> torch.Tensor:
 
 _LOCAL = {"predictor_topk": _predictor_topk, "sparse_fc1": _sparse_fc1, "sparse_fc2": _sparse_fc2,
           "sparse_attn": _sparse_attn, "sparse_attn_deferred": _sparse_attn_deferred, "layer_norm": _layer_norm,
-          "sparse_mlp": _sparse_mlp, "kv_catch_up": _kv_catch_up}
+          "sparse_mlp": _sparse_mlp, "kv_catch_up": _kv_catch_up, "kv_refresh": _kv_refresh}
 _PLUGIN = {"predictor_topk": "predictor_topk", "sparse_fc1": "sparse_fc1", "sparse_fc2": "sparse_fc2",
            "sparse_attn": "sparse_attn_decode", "sparse_attn_deferred": "deferred_kv.sparse_attn_decode_deferred",
-           "layer_norm": "layer_norm", "sparse_mlp": "sparse_mlp_fused", "kv_catch_up": "deferred_kv.catch_up_kv"}
+           "layer_norm": "layer_norm", "sparse_mlp": "sparse_mlp_fused", "kv_catch_up": "deferred_kv.catch_up_kv",
+           "kv_refresh": "deferred_kv.refresh_heads"}
 _TORCH_REF = {"layer_norm"}  # ops whose reference is PyTorch's own op (the dense model's exact function)
 
 
@@ -282,6 +308,21 @@ class Ops:
                          t[p + "attn.wo_t"], t[p + "attn.bo"], ia, kc, vc, xh, vl, pos2, res, caught_up=True, **ln)
             return y, kc, vc
 
+        def refresh(f):  # the pick (exactly the reference's), then at batch 1 the deferred op with it
+            ia1 = ia if ia.dim() == 1 else ia[:1]
+            got = f(ia1, vl2[:1], pos2[:1], 4)
+            want = self._ref["kv_refresh"](ia1, vl2[:1], pos2[:1], 4)
+            if not torch.equal(got.cpu(), want.cpu()):
+                raise ValueError(f"picked {got.tolist()}, the reference {want.tolist()}")
+            from dejavu.plugins.deferred_kv import refresh_route
+            deferred = self.sparse_attn_deferred if f is self.kv_refresh else self._ref["sparse_attn_deferred"]
+            kc, vc, xh, vl = [c[:1].clone() for c in caches2] + [hist2[:1].clone(), vl2[:1].clone()]
+            takes = refresh_route(1, T2, D, hd, ia1)  # else the kernels leave them out (the reference would not)
+            y = deferred(x[:1], t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
+                         t[p + "attn.wo_t"], t[p + "attn.bo"], ia1, kc, vc, xh, vl, pos2[:1], res[:1],
+                         refresh=got if takes else None, **ln)
+            return y, kc, vc, vl.float()
+
         cases = {
             "sparse_fc1": lambda f: (f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
                                      f(pend, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
@@ -299,6 +340,7 @@ class Ops:
             # slot it stores compared too
             "sparse_attn_deferred": lambda f: tuple(attn_deferred(f, xin) for xin in (x, pend_attn)[:1 + spec.pre_ln]),
             "kv_catch_up": catch_up,
+            "kv_refresh": refresh,
         }
 
         report = {}

@@ -696,3 +696,142 @@ def test_slow_path_slots_per_pass(triton_interp, slow_p, slow_d, route):
         for got, want in ((y, ref), (kc, k64), (vc, v64)):
             assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
     assert vl[0].tolist() == [44, 44, 48, 48, 48]
+
+
+# ---------------------------------------------------------------------------------------
+# refresh heads (batch 1): K/V of heads that do not attend, so none falls past the partials
+
+def _refresh_expected(hidx, vl, pos, r, lag):
+    sel = set(hidx.reshape(-1).tolist())
+    lags = [(p, h) for h in range(vl.shape[1]) for p in [pos - min(int(vl[0, h]), pos)] if h not in sel and p >= lag]
+    order = [h for _, h in sorted(lags, key=lambda t: (-t[0], t[1]))][:r]
+    return order + [-1] * (r - len(order))
+
+
+@pytest.mark.parametrize("r,lag", [(1, None), (3, None), (4, 2), (8, 1)])
+def test_refresh_heads_picks_the_most_lagging_unselected(triton_interp, r, lag):
+    """The r most lagging heads outside the head set with at least `lag` missing slots (default
+    hist_slots), ties to the lower head, -1 after the last: kernel, reference and a plain sort."""
+    from dejavu.plugins.deferred_kv import refresh_heads, refresh_heads_ref
+    g = torch.Generator().manual_seed(r * 7 + (lag or 0))
+    for trial in range(6):
+        Hh = [5, 12, 40][trial % 3]
+        pos = 30 + trial
+        vl = torch.randint(0, 40, (1, Hh), generator=g, dtype=torch.int32)
+        vl[0, :2] = vl[0, 2]  # ties
+        hidx = torch.randperm(Hh, generator=g)[:max(1, Hh // 4)].to(torch.int32)
+        hidx = hidx if trial % 2 else hidx[None, :]
+        thr = hist_slots(1, hidx) if lag is None else lag
+        want = _refresh_expected(hidx, vl, pos, r, thr)
+        got = refresh_heads(hidx, vl, torch.tensor([pos]), r, lag=lag)
+        ref = refresh_heads_ref(hidx, vl, torch.tensor([pos]), r, lag=lag)
+        assert got.dtype == torch.int32 and got.tolist() == want, (trial, got.tolist(), want)
+        assert ref.tolist() == want
+
+
+def test_refresh_heads_bad_inputs_rejected():
+    from dejavu.plugins.deferred_kv import refresh_heads
+    vl = torch.zeros(1, H, dtype=torch.int32)
+    hidx = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(DejavuError, match="batch 1"):
+        refresh_heads(hidx, torch.zeros(2, H, dtype=torch.int32), torch.tensor([3]), 2)
+    with pytest.raises(DejavuError, match="r must"):
+        refresh_heads(hidx, vl, torch.tensor([3]), 0)
+    with pytest.raises(DejavuError):
+        refresh_heads(torch.tensor([0, H], dtype=torch.int32), vl, torch.tensor([3]), 2, validate=True)
+    with pytest.raises(DejavuError):
+        refresh_heads(hidx, vl.long(), torch.tensor([3]), 2)
+
+
+REFRESH_CONFIGS = {  # name: (op config, whether the route takes refresh heads)
+    "two-launch": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": False}}, True),
+    "two-launch-slowz2": ({"qkv": {"BLOCK_D": 32, "SHARED_P": 4, "FOLD_FINISH": False, "SLOW_Z": 2}}, True),
+    "folded": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": True, "FOLD_SLOW_Z": 2},
+                "attn": {"CHUNK": 8, "BLOCK_S": 8}}, False),
+    "fused": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FUSED_FINISH": True}}, False),
+}
+
+
+@pytest.mark.parametrize("name,dtype", [(n, torch.float32 if i % 2 == 0 else torch.float16)
+                                        for i, n in enumerate(REFRESH_CONFIGS)], ids=list(REFRESH_CONFIGS))
+def test_refresh_steps_equal_the_reference(triton_interp, dtype, name):
+    """Batch 1 decode steps with refresh heads from refresh_heads (some past the partials: the slow
+    path, and -1 slots): output, caches and valid_len equal the float64 reference's where the route
+    takes them (the refresh heads' slots up to pos written, valid_len pos + 1, nothing else of theirs
+    touched); on routes that leave them out, the same output and the refresh heads untouched."""
+    from dejavu.plugins.deferred_kv import refresh_heads, refresh_route
+    cfg, takes = REFRESH_CONFIGS[name]
+    w = weights(dtype)
+    w64 = [t.double() for t in w]
+    x_hist0 = torch.randn(1, S2, D).to(dtype)
+    kc0, vc0 = torch.randn(1, H, S2, HD).to(dtype), torch.randn(1, H, S2, HD).to(dtype)
+    vl0 = torch.tensor([[0, 29, 40, 33, 12]], dtype=torch.int32)
+    steps = [(40, [1]), (41, [2, 4]), (43, [0]), (44, [3, 2])]
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+    kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
+    k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
+    refreshed = 0
+    for p, hs in steps:
+        x, res = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)
+        pos = torch.tensor([p])
+        hidx = torch.tensor(hs, dtype=torch.int32)
+        ref_h = refresh_heads(hidx, vl, pos, 3, lag=2)  # 3 slots: a -1 at some steps
+        assert refresh_route(1, S2, D, HD, hidx, cfg) == takes
+        before = [(kc.clone(), vc.clone(), vl.clone())]
+        y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg, refresh=ref_h)
+        live = [h for h in ref_h.tolist() if h >= 0]
+        refreshed += len(live)
+        if takes:
+            want = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, pos, res.double(),
+                                                   refresh=ref_h)
+            for h in live:
+                assert int(vl[0, h]) == p + 1
+        else:  # the refresh heads as they were; the reference without them
+            want = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, pos, res.double())
+            kb, vb, vlb = before[0]
+            for h in live:
+                assert int(vl[0, h]) == int(vlb[0, h])
+                assert torch.equal(kc[0, h], kb[0, h]) and torch.equal(vc[0, h], vb[0, h])
+        assert torch.equal(vl, vl64)
+        assert torch.allclose(y.double(), want, **tol)
+        for got, ref in ((kc, k64), (vc, v64), (hist, h64)):
+            assert torch.allclose(got.double(), ref, **tol)
+    assert refreshed >= 4
+
+
+def test_refresh_leaves_caches_outside_the_refresh_heads_alone(triton_interp):
+    """NaN-poisoned caches: one step with refresh heads writes exactly the selected and refresh
+    heads' slots min(valid_len, pos)..pos (a -1 slot writes nothing), with float64 K/V values."""
+    dtype = torch.float32
+    cfg = {"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": False}}
+    w = weights(dtype)
+    x_hist = torch.randn(1, S2, D)
+    vl0 = torch.tensor([[40, 35, 20, 41, 38]], dtype=torch.int32)
+    pos = torch.tensor([41])
+    hidx = torch.tensor([0], dtype=torch.int32)
+    refresh = torch.tensor([2, -1, 4], dtype=torch.int32)  # 2: 21 missing slots (slow path), 4: 3
+    kc, vc = nan_caches(1, dtype, S2)
+    vl = vl0.clone()
+    sparse_attn_decode_deferred(torch.randn(1, D), *w, hidx, kc, vc, x_hist, vl, pos, torch.randn(1, D),
+                                config=cfg, refresh=refresh)
+    mask = torch.zeros(1, H, S2, dtype=torch.bool)
+    for h in (0, 2, 4):
+        mask[0, h, min(int(vl0[0, h]), 41):42] = True
+    assert torch.equal(torch.isfinite(kc).all(-1), mask) and torch.equal(torch.isfinite(vc).all(-1), mask)
+    kv = (x_hist[0].double() @ w[2].double().T + w[3].double()).view(S2, 2, H, HD).permute(1, 2, 0, 3)
+    assert torch.allclose(kc[0][mask[0]].double(), kv[0][mask[0]], atol=1e-4)
+    assert torch.allclose(vc[0][mask[0]].double(), kv[1][mask[0]], atol=1e-4)
+    assert vl.tolist() == [[42, 35, 42, 41, 42]]
+
+
+def test_refresh_bad_inputs_rejected():
+    w = weights(torch.float32)
+    kc, vc = nan_caches(1, torch.float32, S2)
+    args = (torch.randn(1, D), *w, torch.tensor([0, 1], dtype=torch.int32), kc, vc, torch.randn(1, S2, D),
+            torch.zeros(1, H, dtype=torch.int32), torch.tensor([5]))
+    for bad in (torch.tensor([1], dtype=torch.int32), torch.tensor([H], dtype=torch.int32),
+                torch.tensor([2, 2], dtype=torch.int32), torch.tensor([-2], dtype=torch.int32)):
+        with pytest.raises(DejavuError, match="refresh"):
+            sparse_attn_decode_deferred(*args, validate=True, refresh=bad)
+    with pytest.raises(DejavuError, match="refresh"):
+        sparse_attn_decode_deferred(*args, validate=True, refresh=torch.tensor([2]))  # int64

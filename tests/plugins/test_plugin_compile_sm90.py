@@ -39,6 +39,7 @@ SCRIPT = textwrap.dedent('''
         params = inspect.signature(fn).parameters
         # constexprs with defaults (GDC, PF: the PDL form) compile at their defaults unless given
         constexprs = {**{n: p.default for n, p in params.items() if p.default is not p.empty}, **constexprs}
+        constexprs = {n: v for n, v in constexprs.items() if n not in (overrides or {})}  # typed arguments
         for name in params:
             if name in constexprs:
                 sig[name] = "constexpr"
@@ -155,6 +156,20 @@ SCRIPT = textwrap.dedent('''
                                                              P=4, BLOCK_M=32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128,
                                                              BLOCK_S=8, EVEN_D=True, CAUGHT_UP=True),
                      overrides=qkv_ptrs)
+    # refresh heads (batch 1): head slots past KH_Q read from ref_ptr, K/V only; their valid_len committed by
+    # the attention kernel; the pick itself
+    ref = {"ref_ptr": "*i32", "KH_Q": "i32"}
+    for gdc in (0, 1):
+        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16,
+                                                             BLOCK_M=16, BLOCK_P=16, BLOCK_R=64, BLOCK_D=128,
+                                                             BLOCK_S=1, EVEN_D=True, LN_IN=1, REFRESH=1, GDC=gdc),
+                     overrides={**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32", **ref})
+        compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
+                                                     BLOCK_S=1, EARLY_READS=True, REFRESH=1, GDC=gdc),
+                     overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32", **ref})
+    compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16,
+                                                  BLOCK_REF=16), overrides={"ref_ptr": "*i32", "N_REF": "i32"})
+    compile_sm90(DK, DK._refresh_kernel, dict(R=4, BLOCK_H=64, BLOCK_K=32), overrides={"out_ptr": "*i32"})
     compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._FUSED, FIRST=0, LAST=2,
