@@ -493,6 +493,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "refresh1": _decoder_attr("kv_refresh", 1), "refresh2": _decoder_attr("kv_refresh", 2),
              "refresh4": _decoder_attr("kv_refresh", 4), "refresh8": _decoder_attr("kv_refresh", 8),
              "norefresh": _decoder_attr("kv_refresh", 0),
+             # ... only heads at exactly hist_slots missing slots (none already past the partials), or at 12-15
+             "refresh2h": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, "hist"))),
+             "refresh4h": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, "hist"))),
+             "refresh8h": _both(_decoder_attr("kv_refresh", 8), _decoder_attr("kv_refresh_lags", (None, "hist"))),
+             "refresh4w12": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (12, "hist"))),
              "catchupz4": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=4)),
              "catchupz16": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=16)),
              "catchupd512": _both(_decoder_attr("catch_up", True),

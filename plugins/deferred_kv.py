@@ -662,10 +662,10 @@ def _catch_up_kernel(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr,
                     stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
 
 
-def _refresh_kernel(head_ptr, vl_ptr, pos_ptr, out_ptr, KH, H, LAG, R: tl.constexpr, BLOCK_H: tl.constexpr,
+def _refresh_kernel(head_ptr, vl_ptr, pos_ptr, out_ptr, KH, H, LAG, MAX_LAG, R: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    # refresh_heads: grid (1,). out[r] = the r-th most lagging head (lag = pos - min(valid_len, pos) >= LAG,
-    # ties: the lower head) among those head_idx leaves out; -1 past the last such head.
+    # refresh_heads: grid (1,). out[r] = the r-th most lagging head (lag = pos - min(valid_len, pos) in
+    # [LAG, MAX_LAG], ties: the lower head) among those head_idx leaves out; -1 past the last such head.
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     pos = tl.load(pos_ptr).to(tl.int64)
@@ -675,7 +675,8 @@ def _refresh_kernel(head_ptr, vl_ptr, pos_ptr, out_ptr, KH, H, LAG, R: tl.conste
     sel = tl.load(head_ptr + offs_k, mask=offs_k < KH, other=-1).to(tl.int64)
     chosen = tl.sum((sel[None, :] == offs_h[:, None]).to(tl.int32), axis=1) > 0
     # one key per head: lag first, then the lower head index; -1 for heads that are not candidates
-    key = tl.where(hmask & (chosen == 0) & (lag >= LAG), lag * BLOCK_H + (BLOCK_H - 1 - offs_h), -1)
+    key = tl.where(hmask & (chosen == 0) & (lag >= LAG) & (lag <= MAX_LAG), lag * BLOCK_H + (BLOCK_H - 1 - offs_h),
+                   -1)
     for r in tl.static_range(R):
         m = tl.max(key, axis=0)
         h = BLOCK_H - 1 - m % BLOCK_H
@@ -954,14 +955,15 @@ def catch_up_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos
     _fill_kv_ref(x_hist, wkv, bkv, heads, k_cache, v_cache, first, p - 1)
 
 
-def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, out=None, config=None,
-                  validate=None) -> torch.Tensor:
+def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, max_lag: int | None = None,
+                  out=None, config=None, validate=None) -> torch.Tensor:
     """Batch 1: the heads whose K/V a deferred decode step should compute although they do not
     attend (`sparse_attn_decode_deferred(..., refresh=)`), so that no head falls further behind
     than the Q/K/V kernels' partials reach: [r] int32, the r most lagging heads (lag = pos -
     min(valid_len, pos) missing slots, ties: the lower head) of those head_idx leaves out, with lag
     >= `lag` (default hist_slots: a head that would need the slow path if it were selected a step
-    later), -1 after the last. One small launch (no host sync, CUDA-graph capturable); the
+    later) and <= `max_lag` (default: any; hist_slots keeps heads already past the partials out:
+    refreshing those takes the slow path), -1 after the last. One small launch (no host sync, CUDA-graph capturable); the
     runtime runs it on the predictors' side stream right after the head top-k."""
     validate = default_validate(validate, valid_len.device)
     dev = valid_len.device
@@ -974,23 +976,24 @@ def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, o
         raise DejavuError(f"refresh_heads: r must be >= 1, got {r}")
     pos_t, _ = _positions(pos, 1, dev)
     lag = hist_slots(1, head_idx, config) if lag is None else int(lag)
-    if lag < 1:
-        raise DejavuError(f"refresh_heads: lag must be >= 1, got {lag}")
+    max_lag = (1 << 30) if max_lag is None else int(max_lag)
+    if lag < 1 or max_lag < lag:
+        raise DejavuError(f"refresh_heads: need 1 <= lag <= max_lag, got lag {lag}, max_lag {max_lag}")
     out = check_out(out, (r,), torch.int32, dev)
     kernel = jit(_refresh_kernel, dev)
-    kernel[(1,)](head_idx, valid_len, pos_t, out, kh, H, lag, R=r, BLOCK_H=max(16, next_pow2(H)),
+    kernel[(1,)](head_idx, valid_len, pos_t, out, kh, H, lag, max_lag, R=r, BLOCK_H=max(16, next_pow2(H)),
                  BLOCK_K=max(16, next_pow2(kh)), num_warps=4)
     return out
 
 
-def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = None, out=None, config=None,
-                      validate=None) -> torch.Tensor:
+def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = None, max_lag: int | None = None,
+                      out=None, config=None, validate=None) -> torch.Tensor:
     """PyTorch reference of refresh_heads."""
     H = valid_len.shape[1]
     lag = hist_slots(1, head_idx, config) if lag is None else int(lag)
     p = _pos_rows(pos, 1, valid_len.device)[0]
     miss = p - torch.minimum(valid_len[0].long(), p)  # [H]
-    cand = miss >= lag
+    cand = (miss >= lag) & (miss <= (1 << 30 if max_lag is None else int(max_lag)))
     cand[head_idx.reshape(-1).long()] = False
     key = torch.where(cand, miss * H + (H - 1 - torch.arange(H, device=valid_len.device)), -1)
     top = key.sort(descending=True).values[:r]

@@ -166,8 +166,14 @@ class SparseDecoder:
         # plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in the same Q/K/V
         # launches (no Q, no attention), so a head selected later never has more missing slots than the
         # partials hold (no serial slow path). Same outputs. 0: off.
+        # kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"): only heads
+        # at exactly hist_slots missing slots, never one already past the partials (that would take the slow
+        # path for a head that may not attend again). The pick runs only on layers whose attention op takes
+        # refresh heads (plugins/deferred_kv.refresh_route: not the folded finish of few heads, e.g.).
         self.kv_refresh = 0
+        self.kv_refresh_lags: tuple = (None, None)
         self._refresh: list = []  # this step's refresh heads per layer (None: none launched)
+        self._refresh_takes: dict = {}  # layer -> whether its attention op takes refresh heads
         self.pred.on_heads = self._on_heads
         self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
 
@@ -202,6 +208,7 @@ class SparseDecoder:
         self.rows = torch.arange(batch, device=self.device)  # [B]
         self.slots = torch.arange(max_seq, device=self.device)  # [T]
         self.batch, self.max_seq = batch, max_seq
+        self._refresh_takes = {}
         if s.pre_ln and self.defer_ln and self.fold_ln is True and self.ops.kernels.get("sparse_fc1") == "triton":
             for l, w in enumerate(self.layers):  # the folds, before any graph capture (else: at first use)
                 if s.sparse_mlp(l):
@@ -360,8 +367,31 @@ class SparseDecoder:
             self.ops.kv_catch_up(self.x_hist[l], w.wkv, w.bkv, idx, self.k_cache[l], self.v_cache[l],
                                  self.valid_len[l], self._catch_pos)
             self._caught[l] = True
-        elif self._refreshing():
-            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self.kv_refresh)
+        elif self._refreshing() and self._takes_refresh(l, idx):
+            lag, max_lag = self.kv_refresh_lags
+            if max_lag == "hist" or lag is None:
+                try:
+                    from dejavu.plugins.deferred_kv import hist_slots
+                    hist = hist_slots(1, idx)
+                except ImportError:  # the runtime's own references: batch 1's default partials
+                    hist = 15
+                lag = hist if lag is None else lag
+                max_lag = hist if max_lag == "hist" else max_lag
+            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self.kv_refresh,
+                                                   lag=lag, max_lag=max_lag)
+
+    def _takes_refresh(self, l: int, idx: torch.Tensor) -> bool:
+        """Layer l's attention op uses refresh heads (the reference op always does; the kernels on
+        `refresh_route`). Asked once per layer and engine activation (static shapes)."""
+        takes = self._refresh_takes.get(l)
+        if takes is None:
+            takes = True
+            if self.ops.kernels.get("sparse_attn_deferred") == "triton":
+                from dejavu.plugins.deferred_kv import refresh_route
+                s = self.spec
+                takes = refresh_route(1, self.max_seq, s.hidden_size, s.head_dim, idx)
+            self._refresh_takes[l] = takes
+        return takes
 
     def _catching_up(self) -> bool:
         return (self.catch_up and self.kv_policy == "deferred" and self.ops.kernels.get("kv_catch_up") == "triton"

@@ -19,7 +19,7 @@
         (deferred K/V, ahead of the step: K/V of the selected heads at the missing slots the Q/K/V
         kernels would leave to their slow path; then sparse_attn_deferred(..., caught_up=True);
         plugins/deferred_kv.catch_up_kv; the decoder launches it on the predictors' side stream)
-    kv_refresh(idx, valid_len[1,H], pos[1], r) -> [r] int32
+    kv_refresh(idx, valid_len[1,H], pos[1], r, lag=None, max_lag=None) -> [r] int32
         (deferred K/V, batch 1: the r most lagging heads outside idx, -1 past the last, whose K/V
         sparse_attn_deferred(..., refresh=) then computes too; plugins/deferred_kv.refresh_heads;
         the decoder launches it on the predictors' side stream when SparseDecoder.kv_refresh is set)
@@ -146,12 +146,13 @@ def _kv_catch_up(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos, *, con
     _kv_fill(x_hist, wkv, bkv, idx, k_cache, v_cache, valid_len, pos, last=-1)
 
 
-def _kv_refresh(idx, valid_len, pos, r, *, lag=15, **_):
-    # The r most lagging heads outside idx with >= lag missing slots (ties: the lower head), -1 after
+def _kv_refresh(idx, valid_len, pos, r, *, lag=15, max_lag=None, **_):
+    # The r most lagging heads outside idx with lag..max_lag missing slots (ties: the lower head), -1 after
     H = valid_len.shape[1]
     p = pos.reshape(-1)[0].long()
     miss = p - torch.minimum(valid_len[0].long(), p)
-    key = torch.where(miss >= lag, miss * H + (H - 1 - torch.arange(H, device=valid_len.device)), -1)
+    ok = (miss >= lag) & (miss <= (1 << 30 if max_lag is None else max_lag))
+    key = torch.where(ok, miss * H + (H - 1 - torch.arange(H, device=valid_len.device)), -1)
     key[idx.reshape(-1).long()] = -1
     top = key.sort(descending=True).values[:r]
     out = torch.full((r,), -1, dtype=torch.int32, device=valid_len.device)

@@ -701,17 +701,20 @@ def test_slow_path_slots_per_pass(triton_interp, slow_p, slow_d, route):
 # ---------------------------------------------------------------------------------------
 # refresh heads (batch 1): K/V of heads that do not attend, so none falls past the partials
 
-def _refresh_expected(hidx, vl, pos, r, lag):
+def _refresh_expected(hidx, vl, pos, r, lag, max_lag=None):
     sel = set(hidx.reshape(-1).tolist())
-    lags = [(p, h) for h in range(vl.shape[1]) for p in [pos - min(int(vl[0, h]), pos)] if h not in sel and p >= lag]
+    hi = 1 << 30 if max_lag is None else max_lag
+    lags = [(p, h) for h in range(vl.shape[1]) for p in [pos - min(int(vl[0, h]), pos)]
+            if h not in sel and lag <= p <= hi]
     order = [h for _, h in sorted(lags, key=lambda t: (-t[0], t[1]))][:r]
     return order + [-1] * (r - len(order))
 
 
-@pytest.mark.parametrize("r,lag", [(1, None), (3, None), (4, 2), (8, 1)])
-def test_refresh_heads_picks_the_most_lagging_unselected(triton_interp, r, lag):
-    """The r most lagging heads outside the head set with at least `lag` missing slots (default
-    hist_slots), ties to the lower head, -1 after the last: kernel, reference and a plain sort."""
+@pytest.mark.parametrize("r,lag,max_lag", [(1, None, None), (3, None, None), (4, 2, None), (8, 1, None),
+                                           (4, 3, 12), (6, 15, 15)])
+def test_refresh_heads_picks_the_most_lagging_unselected(triton_interp, r, lag, max_lag):
+    """The r most lagging heads outside the head set with `lag` (default hist_slots) to `max_lag`
+    missing slots, ties to the lower head, -1 after the last: kernel, reference and a plain sort."""
     from dejavu.plugins.deferred_kv import refresh_heads, refresh_heads_ref
     g = torch.Generator().manual_seed(r * 7 + (lag or 0))
     for trial in range(6):
@@ -722,9 +725,9 @@ def test_refresh_heads_picks_the_most_lagging_unselected(triton_interp, r, lag):
         hidx = torch.randperm(Hh, generator=g)[:max(1, Hh // 4)].to(torch.int32)
         hidx = hidx if trial % 2 else hidx[None, :]
         thr = hist_slots(1, hidx) if lag is None else lag
-        want = _refresh_expected(hidx, vl, pos, r, thr)
-        got = refresh_heads(hidx, vl, torch.tensor([pos]), r, lag=lag)
-        ref = refresh_heads_ref(hidx, vl, torch.tensor([pos]), r, lag=lag)
+        want = _refresh_expected(hidx, vl, pos, r, thr, max_lag)
+        got = refresh_heads(hidx, vl, torch.tensor([pos]), r, lag=lag, max_lag=max_lag)
+        ref = refresh_heads_ref(hidx, vl, torch.tensor([pos]), r, lag=lag, max_lag=max_lag)
         assert got.dtype == torch.int32 and got.tolist() == want, (trial, got.tolist(), want)
         assert ref.tolist() == want
 
@@ -737,6 +740,8 @@ def test_refresh_heads_bad_inputs_rejected():
         refresh_heads(hidx, torch.zeros(2, H, dtype=torch.int32), torch.tensor([3]), 2)
     with pytest.raises(DejavuError, match="r must"):
         refresh_heads(hidx, vl, torch.tensor([3]), 0)
+    with pytest.raises(DejavuError, match="max_lag"):
+        refresh_heads(hidx, vl, torch.tensor([3]), 2, lag=4, max_lag=3)
     with pytest.raises(DejavuError):
         refresh_heads(torch.tensor([0, H], dtype=torch.int32), vl, torch.tensor([3]), 2, validate=True)
     with pytest.raises(DejavuError):

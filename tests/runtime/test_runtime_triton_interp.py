@@ -124,11 +124,16 @@ P = [[2, 17, 40, 5, 88, 63, 9]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
 out = {}
 logits = {}
-for name, backend, r in (("ref", "ref", 0), ("ref_refresh", "ref", 2), ("refresh", "triton", 1),
-                         ("refresh2", "triton", 2), ("slow_path", "triton", 0)):
+for name, backend, r, lags_ in (("ref", "ref", 0, None), ("ref_refresh", "ref", 2, None),
+                                ("refresh", "triton", 1, None), ("refresh2", "triton", 2, None),
+                                ("refresh_hist", "triton", 2, (None, "hist")), ("slow_path", "triton", 0, None),
+                                ("folded", "triton", 2, None)):
+    DK.QKV_CONFIG_B1.update(FOLD_FINISH=True if name == "folded" else "wide", FOLD_MAX_SPLIT=8)
     eng = Engine.from_tensors(h, t, "cpu", backend=backend)
     dec, got, picks, lags = eng.decoder, [], [], []
     dec.kv_refresh = r
+    if lags_:
+        dec.kv_refresh_lags = lags_
     real = eng.ops.kv_refresh
     def pick(*a, **k):
         res = real(*a, **k)
@@ -163,8 +168,12 @@ def test_decoder_refresh_heads_keep_lags_bounded():
     assert out["refresh_picks"] > 0 and out["refresh2_picks"] > 0 and out["ref_refresh_picks"] > 0, out
     assert out["slow_path_picks"] == 0 and out["slow_path_max_lag"] > 1, out
     assert out["refresh2_max_lag"] <= 1 and out["ref_refresh_max_lag"] <= 1, out
+    assert out["refresh_hist_picks"] > 0, out
+    # a route that leaves refresh heads out (the finish folded into attention) does not pick any
+    assert out["folded_picks"] == 0 and out["folded_max_lag"] > 1, out
     assert max(out["err"].values()) < 1e-5, out
-    assert out["refresh_tokens"] == out["ref_tokens"] == out["refresh2_tokens"] == out["slow_path_tokens"], out
+    assert (out["refresh_tokens"] == out["ref_tokens"] == out["refresh2_tokens"] == out["slow_path_tokens"]
+            == out["refresh_hist_tokens"] == out["folded_tokens"]), out
 
 
 FUSED_SCRIPT = r"""
