@@ -489,9 +489,13 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # the serial loads)
              "catchup": _decoder_attr("catch_up", True),
              # session 18: refresh heads (SparseDecoder.kv_refresh, batch 1): up to N heads that do not attend
-             # but lag hist_slots behind get their K/V in the step's Q/K/V launches (no slow path later)
-             "refresh1": _decoder_attr("kv_refresh", 1), "refresh2": _decoder_attr("kv_refresh", 2),
-             "refresh4": _decoder_attr("kv_refresh", 4), "refresh8": _decoder_attr("kv_refresh", 8),
+             # but lag hist_slots behind get their K/V in the step's Q/K/V launches (no slow path later);
+             # refreshN: any lag past hist_slots (the most lagging first), refreshNh: exactly hist_slots (the
+             # default since session 18: 4 heads; `norefresh` is the row without)
+             "refresh1": _both(_decoder_attr("kv_refresh", 1), _decoder_attr("kv_refresh_lags", (None, None))),
+             "refresh2": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, None))),
+             "refresh4": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, None))),
+             "refresh8": _both(_decoder_attr("kv_refresh", 8), _decoder_attr("kv_refresh_lags", (None, None))),
              "norefresh": _decoder_attr("kv_refresh", 0),
              # ... only heads at exactly hist_slots missing slots (none already past the partials), or at 12-15
              "refresh2h": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, "hist"))),

@@ -165,13 +165,15 @@ class SparseDecoder:
         # kv_refresh heads that do not attend but lag hist_slots or more slots behind (ops.kv_refresh,
         # plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in the same Q/K/V
         # launches (no Q, no attention), so a head selected later never has more missing slots than the
-        # partials hold (no serial slow path). Same outputs. 0: off.
-        # kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"): only heads
-        # at exactly hist_slots missing slots, never one already past the partials (that would take the slow
-        # path for a head that may not attend again). The pick runs only on layers whose attention op takes
+        # partials hold (no serial slow path). Same outputs. 0: off; None (default): 4 when the attention op
+        # is the Triton kernel, else off. With kv_refresh_lags (None, "hist"), on the H200 (OPT-30B shape, batch
+        # 1, density 0.3, random predictors): 6.316-6.319 vs 6.334-6.351 ms/token (BENCHMARKS.md, session 18).
+        # kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"), the default:
+        # only heads at exactly hist_slots missing slots, never one already past the partials (that would take
+        # the slow path for a head that may not attend again). The pick runs only on layers whose attention op takes
         # refresh heads (plugins/deferred_kv.refresh_route: not the folded finish of few heads, e.g.).
-        self.kv_refresh = 0
-        self.kv_refresh_lags: tuple = (None, None)
+        self.kv_refresh: int | None = None
+        self.kv_refresh_lags: tuple = (None, "hist")
         self._refresh: list = []  # this step's refresh heads per layer (None: none launched)
         self._refresh_takes: dict = {}  # layer -> whether its attention op takes refresh heads
         self.pred.on_heads = self._on_heads
@@ -377,7 +379,7 @@ class SparseDecoder:
                     hist = 15
                 lag = hist if lag is None else lag
                 max_lag = hist if max_lag == "hist" else max_lag
-            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self.kv_refresh,
+            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self._refresh_slots(),
                                                    lag=lag, max_lag=max_lag)
 
     def _takes_refresh(self, l: int, idx: torch.Tensor) -> bool:
@@ -397,8 +399,14 @@ class SparseDecoder:
         return (self.catch_up and self.kv_policy == "deferred" and self.ops.kernels.get("kv_catch_up") == "triton"
                 and self.ops.kernels.get("sparse_attn_deferred") == "triton")
 
+    def _refresh_slots(self) -> int:
+        """Refresh heads per layer and step: kv_refresh, or (None) 4 with the Triton attention op, else 0."""
+        if self.kv_refresh is not None:
+            return self.kv_refresh
+        return 4 if self.ops.kernels.get("sparse_attn_deferred") == "triton" else 0
+
     def _refreshing(self) -> bool:
-        return self.kv_refresh > 0 and self.kv_policy == "deferred" and self.batch == 1
+        return self._refresh_slots() > 0 and self.kv_policy == "deferred" and self.batch == 1
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

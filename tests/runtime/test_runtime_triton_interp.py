@@ -132,8 +132,7 @@ for name, backend, r, lags_ in (("ref", "ref", 0, None), ("ref_refresh", "ref", 
     eng = Engine.from_tensors(h, t, "cpu", backend=backend)
     dec, got, picks, lags = eng.decoder, [], [], []
     dec.kv_refresh = r
-    if lags_:
-        dec.kv_refresh_lags = lags_
+    dec.kv_refresh_lags = lags_ or (None, None)
     real = eng.ops.kv_refresh
     def pick(*a, **k):
         res = real(*a, **k)
