@@ -496,7 +496,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "refresh2": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, None))),
              "refresh4": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, None))),
              "refresh8": _both(_decoder_attr("kv_refresh", 8), _decoder_attr("kv_refresh_lags", (None, None))),
-             "norefresh": _decoder_attr("kv_refresh", 0),
+             "norefresh": _decoder_attr("kv_refresh", 0), "norefresh2": _decoder_attr("kv_refresh", 0),
              # ... only heads at exactly hist_slots missing slots (none already past the partials), or at 12-15
              "refresh2h": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, "hist"))),
              "refresh4h": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, "hist"))),
