@@ -165,14 +165,15 @@ class SparseDecoder:
         # kv_refresh heads that do not attend but lag hist_slots or more slots behind (ops.kv_refresh,
         # plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in the same Q/K/V
         # launches (no Q, no attention), so a head selected later never has more missing slots than the
-        # partials hold (no serial slow path). Same outputs. 0: off; None (default): 4 when the attention op
-        # is the Triton kernel, else off. With kv_refresh_lags (None, "hist"), on the H200 (OPT-30B shape, batch
-        # 1, density 0.3, random predictors): 6.316-6.319 vs 6.334-6.351 ms/token (BENCHMARKS.md, session 18).
+        # partials hold (no serial slow path). Same outputs. 0 (default): off; None: 4 when the attention op is
+        # the Triton kernel, else off. Off: on the H200 (random predictors; BENCHMARKS.md, session 18) it gained
+        # 0.2-0.5% on the OPT-30B shape at density 0.3 (6.316-6.332 vs 6.334-6.351 ms/token, 4 heads at exactly
+        # hist_slots) and cost 8-10% on opt-mini's shape (launch-bound: the pick's launch per layer).
         # kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"), the default:
         # only heads at exactly hist_slots missing slots, never one already past the partials (that would take
         # the slow path for a head that may not attend again). The pick runs only on layers whose attention op takes
         # refresh heads (plugins/deferred_kv.refresh_route: not the folded finish of few heads, e.g.).
-        self.kv_refresh: int | None = None
+        self.kv_refresh: int | None = 0
         self.kv_refresh_lags: tuple = (None, "hist")
         self._refresh: list = []  # this step's refresh heads per layer (None: none launched)
         self._refresh_takes: dict = {}  # layer -> whether its attention op takes refresh heads
