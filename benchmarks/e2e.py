@@ -490,13 +490,15 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "catchup": _decoder_attr("catch_up", True),
              # session 18: refresh heads (SparseDecoder.kv_refresh, batch 1): up to N heads that do not attend
              # but lag hist_slots behind get their K/V in the step's Q/K/V launches (no slow path later);
-             # refreshN: any lag past hist_slots (the most lagging first), refreshNh: exactly hist_slots (off by
-             # default: within 0.5% at OPT-30B d0.3, 8-10% slower on opt-mini; norefresh: kv_refresh 0)
+             # refreshN: any lag past hist_slots (the most lagging first), refreshNh: exactly hist_slots (the
+             # default is decoder.REFRESH_AUTO's rule: 4 heads from 40% of the heads attending, hidden >= 4096;
+             # norefresh: kv_refresh 0, autorefresh: None)
              "refresh1": _both(_decoder_attr("kv_refresh", 1), _decoder_attr("kv_refresh_lags", (None, None))),
              "refresh2": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, None))),
              "refresh4": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, None))),
              "refresh8": _both(_decoder_attr("kv_refresh", 8), _decoder_attr("kv_refresh_lags", (None, None))),
              "norefresh": _decoder_attr("kv_refresh", 0), "norefresh2": _decoder_attr("kv_refresh", 0),
+             "autorefresh": _decoder_attr("kv_refresh", None),
              # ... only heads at exactly hist_slots missing slots (none already past the partials), or at 12-15
              "refresh2h": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, "hist"))),
              "refresh4h": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, "hist"))),

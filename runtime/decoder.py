@@ -42,6 +42,11 @@ def _layer_weights(t: dict[str, torch.Tensor], l: int) -> SimpleNamespace:
         bo=g("attn.bo"), w1=g("mlp.w1"), b1=g("mlp.b1"), w2_t=g("mlp.w2_t"), b2=g("mlp.b2"))
 
 
+# SparseDecoder.kv_refresh None: (refresh heads per layer, least fraction of the heads attending, least hidden
+# size) where refresh heads are on (BENCHMARKS.md, session 18)
+REFRESH_AUTO = (4, 0.4, 4096)
+
+
 class SparseDecoder:
     """Holds the weights, the static KV cache and the predictor runner of one engine."""
 
@@ -165,15 +170,16 @@ class SparseDecoder:
         # kv_refresh heads that do not attend but lag hist_slots or more slots behind (ops.kv_refresh,
         # plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in the same Q/K/V
         # launches (no Q, no attention), so a head selected later never has more missing slots than the
-        # partials hold (no serial slow path). Same outputs. 0 (default): off; None: 4 when the attention op is
-        # the Triton kernel, else off. Off: on the H200 (random predictors; BENCHMARKS.md, session 18) it gained
-        # 0.2-0.5% on the OPT-30B shape at density 0.3 (6.316-6.332 vs 6.334-6.351 ms/token, 4 heads at exactly
-        # hist_slots) and cost 8-10% on opt-mini's shape (launch-bound: the pick's launch per layer).
+        # partials hold (no serial slow path). Same outputs. An int: that many per layer (0: off). None (default):
+        # REFRESH_AUTO[0] where it paid on the H200 (random predictors; BENCHMARKS.md, session 18): the Triton
+        # attention op, hidden size >= REFRESH_AUTO[2] and at least REFRESH_AUTO[1] of the heads attending
+        # (OPT-30B shape: head density 0.5 2.7% faster, 0.3 within 0.5%, 0.2 1.2% slower; opt-mini's
+        # launch-bound shape 7-8% slower: the pick's launch per layer).
         # kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"), the default:
         # only heads at exactly hist_slots missing slots, never one already past the partials (that would take
         # the slow path for a head that may not attend again). The pick runs only on layers whose attention op takes
         # refresh heads (plugins/deferred_kv.refresh_route: not the folded finish of few heads, e.g.).
-        self.kv_refresh: int | None = 0
+        self.kv_refresh: int | None = None
         self.kv_refresh_lags: tuple = (None, "hist")
         self._refresh: list = []  # this step's refresh heads per layer (None: none launched)
         self._refresh_takes: dict = {}  # layer -> whether its attention op takes refresh heads
@@ -370,7 +376,7 @@ class SparseDecoder:
             self.ops.kv_catch_up(self.x_hist[l], w.wkv, w.bkv, idx, self.k_cache[l], self.v_cache[l],
                                  self.valid_len[l], self._catch_pos)
             self._caught[l] = True
-        elif self._refreshing() and self._takes_refresh(l, idx):
+        elif self._refreshing() and self._refresh_slots(idx) > 0 and self._takes_refresh(l, idx):
             lag, max_lag = self.kv_refresh_lags
             if max_lag == "hist" or lag is None:
                 try:
@@ -380,7 +386,7 @@ class SparseDecoder:
                     hist = 15
                 lag = hist if lag is None else lag
                 max_lag = hist if max_lag == "hist" else max_lag
-            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self._refresh_slots(),
+            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self._refresh_slots(idx),
                                                    lag=lag, max_lag=max_lag)
 
     def _takes_refresh(self, l: int, idx: torch.Tensor) -> bool:
@@ -400,14 +406,19 @@ class SparseDecoder:
         return (self.catch_up and self.kv_policy == "deferred" and self.ops.kernels.get("kv_catch_up") == "triton"
                 and self.ops.kernels.get("sparse_attn_deferred") == "triton")
 
-    def _refresh_slots(self) -> int:
-        """Refresh heads per layer and step: kv_refresh, or (None) 4 with the Triton attention op, else 0."""
+    def _refresh_slots(self, idx: torch.Tensor) -> int:
+        """Refresh heads for a layer with head set idx: kv_refresh, or (None) REFRESH_AUTO's rule."""
         if self.kv_refresh is not None:
             return self.kv_refresh
-        return 4 if self.ops.kernels.get("sparse_attn_deferred") == "triton" else 0
+        n, frac, min_d = REFRESH_AUTO
+        s = self.spec
+        on = (self.ops.kernels.get("sparse_attn_deferred") == "triton" and s.hidden_size >= min_d
+              and idx.shape[-1] >= frac * s.num_heads)
+        return n if on else 0
 
     def _refreshing(self) -> bool:
-        return self._refresh_slots() > 0 and self.kv_policy == "deferred" and self.batch == 1
+        """This decode step may pick refresh heads (per layer: _refresh_slots, _takes_refresh)."""
+        return (self.kv_refresh is None or self.kv_refresh > 0) and self.kv_policy == "deferred" and self.batch == 1
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
