@@ -54,6 +54,11 @@ call took 53-57 us at batch 1 against 69-72 with the per-sequence kernel, and 83
 259 us at batch 8; the decode step 7.28 against 7.74 ms at batch 1, 10.4 against 16.8 at
 batch 8 (BENCHMARKS.md, session 4). Per-sequence sets (batch > 1) keep
 `_qkv_partial_kernel`.
+Refresh heads (batch 1, `refresh_heads` then `sparse_attn_decode_deferred(..., refresh=)`): heads that
+do not attend but have fallen hist_slots behind get their K/V in the same two Q/K/V launches (extra
+head slots without Q rows, constexpr REFRESH), valid_len committed by the attention kernel, so no
+head reaches the slow path when it is selected again (`refresh_route` says where the kernels take
+them; the runtime's default uses them from 40% of the heads attending: BENCHMARKS.md, session 18).
 Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
 duplicate head indices not allowed (top-k never makes them).
 """

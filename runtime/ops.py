@@ -6,11 +6,13 @@
     sparse_attn(x_ln[B,D], wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache, pos[B], residual) -> y[B,D]
         (K/V of every head are written into the caches at pos; only selected heads attend)
     sparse_attn_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, idx, k_cache, v_cache,
-                         x_hist[B,S,D], valid_len[B,H] int32, pos[B], residual, after_qkv=None) -> y[B,D]
+                         x_hist[B,S,D], valid_len[B,H] int32, pos[B], residual, after_qkv=None,
+                         refresh=None) -> y[B,D]
         (kv_policy "deferred": x_ln stored at x_hist[:, pos]; K/V computed only for the
         selected heads, over their missing slots valid_len..pos; plugins/deferred_kv.py;
         after_qkv() is called once the Q/K/V work is issued, before attention; x_ln may be a
-        PendingLN, the LayerNorm then applied by the Q/K/V kernel: SparseDecoder.defer_ln_attn)
+        PendingLN, the LayerNorm then applied by the Q/K/V kernel: SparseDecoder.defer_ln_attn;
+        refresh: batch 1, kv_refresh's heads, brought up to pos too)
     layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
     sparse_mlp(x[1,D], w1, b1, w2_t, b2, idx, residual) -> y[1,D]
         (fc1 + ReLU + fc2 in one launch at batch 1: plugins/fused_mlp.py; the decoder uses
