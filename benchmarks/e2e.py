@@ -544,6 +544,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # deferred K/V at batch 1: 31 missing slots per tl.dot (heads unselected for up to 31
              # steps catch up in the partial kernel, not the finishing kernel's serial slow path)
              "qkvp32": _qkv_b1(BLOCK_P=32, SHARED_P=32),
+             # ... with the partial kernel kept at 4 programs per SM (2 stages / a 128-register cap), or one
+             # wave of 3 per SM (396 programs)
+             "qkvp32s2": _qkv_b1(BLOCK_P=32, SHARED_P=32, num_stages=2),
+             "qkvp32r128": _qkv_b1(BLOCK_P=32, SHARED_P=32, maxnreg=128),
+             "qkvp32t396": _qkv_b1(BLOCK_P=32, SHARED_P=32, TARGET_PROGRAMS=396),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),
