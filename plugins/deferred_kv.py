@@ -96,7 +96,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
-              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None}
+              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -135,7 +135,13 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # H200 (OPT-30B shape, batch 1, session 14): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
 # last, FOLD_SLOW_Z 4; Z 2 3.52-3.54, Z 8 3.50, Z 1 3.69); at d0.3 (5 slices) every folded form was
 # slower, 6.36-6.52 vs 6.28-6.35. OPT-1.3B shape (16 slices at d0.3): 0.870 vs 0.950 ms/token.
-QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
+# SHARED_P_WIDE (batch 1, the partial kernel with its finishing kernel, not folded): the K/V programs of
+# a head more than SHARED_P - 1 slots behind take a tl.dot of SHARED_P_WIDE rows instead (a branch per
+# program), so the finishing kernel's serial slow path starts only past SHARED_P_WIDE - 1 missing slots.
+# On the H200 (OPT-30B shape, batch 1, d0.3, 128 steps after a 128-token prompt) a quarter of the
+# layers of a step then had a head past 15 slots, ~3.6% of the step in the slow path (session 19's
+# census and profile); SHARED_P 32 for every program cut that but made the partial kernel 8.6% slower.
+QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3, "SHARED_P_WIDE": 32,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640,
                  "FOLD_FINISH": "wide", "FOLD_SLOW_Z": 4, "FOLD_SLOW_LAST": True}
@@ -286,7 +292,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
                                CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, ref_ptr=None, KH_Q=0,
-                               REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                               REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                               PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -309,6 +316,9 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # SLOW_P: slots per whole-D pass of the slow z-slices (their tl.dot's M).
     # REFRESH (batch 1, SLOW 0): head slots KH_Q.. are refresh heads (ref_ptr; -1: none): K/V rows only,
     # like a selected head's (no Q); the programs of a -1 slot or of a refresh head's Q rows do nothing.
+    # P_WIDE (batch 1, SLOW 0, FINISH 0): the K/V programs of a head more than P - 1 slots behind take a
+    # tile of M = P_WIDE rows (P_WIDE - 1 missing slots; phist's BLOCK_P >= P_WIDE - 1) instead of P: a
+    # branch per program on its head's lag, so the usual heads keep the small tile.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
@@ -341,13 +351,31 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         else:
             live = True
         if live:
-            _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                                 pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
-                                 stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
-                                 lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0, seg, offs_c,
-                                 cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32, FINISH, P, BLOCK_M,
-                                 BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP,
-                                 SLOW_P, REFRESH, GDC)
+            if P_WIDE:  # the wide tile for a head whose missing slots the small one does not hold
+                if pos0 - start0 > P - 1:  # (start0 = pos0 for Q rows)
+                    _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
+                                         pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
+                                         D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
+                                         stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
+                                         pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
+                                         DOT_FP32, FINISH, P_WIDE, P_WIDE, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D,
+                                         W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
+                else:
+                    _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
+                                         pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
+                                         D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
+                                         stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
+                                         pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
+                                         DOT_FP32, FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV,
+                                         LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
+            else:
+                _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
+                                     pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
+                                     D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
+                                     stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0,
+                                     seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32,
+                                     FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN,
+                                     BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
 
 
 @helper
@@ -756,6 +784,19 @@ def _shared_qkv(B, head_idx, cfg) -> bool:
     return (head_idx.dim() == 1 or B == 1) and smin is not None and B >= smin
 
 
+def _wide_p(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool, caught_up: bool) -> int:
+    """The partial kernel's P_WIDE for this launch: cfg's SHARED_P_WIDE where it applies (batch 1 on the
+    shared-set kernel with x_new and its finishing kernel: not folded, FUSED_FINISH, PARTIAL_SLOW or caught
+    up; above SHARED_P), else 0."""
+    wide = cfg.get("SHARED_P_WIDE") or 0
+    if not (wide > cfg["SHARED_P"] and shared and B == 1 and has_new and not fold and not cfg["FUSED_FINISH"]
+            and not cfg["PARTIAL_SLOW"] and not caught_up):
+        return 0
+    if wide & (wide - 1):
+        raise DejavuError(f"config: SHARED_P_WIDE must be a power of 2, got {wide}")
+    return wide
+
+
 def hist_slots(B: int, head_idx, config=None) -> int:
     """How many missing slots of a selected head (from min(valid_len, pos)) the Q/K/V kernels of a
     deferred decode step with this Q/K/V config compute from their partial products; the slow path
@@ -821,6 +862,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                           "FUSED_FINISH off")
     ref_args = dict(ref_ptr=refresh, KH_Q=kh, REFRESH=1) if n_ref else {}
     kh_q, kh = kh, kh + n_ref  # head slots: the selected heads, then the refresh heads
+    p_wide = _wide_p(cfg, B, shared, x_new is not None, fold, caught_up)
+    bp = max(bp, p_wide)  # phist holds the wide tile's P_WIDE - 1 slots
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
     phist = torch.empty((split, B, kh, bp, 2 * hd), dtype=torch.float32, device=dev)
     cnt = counters(dev, groups) if fused and split > 1 else valid_len  # valid_len: never used as one
@@ -841,7 +884,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         if not 1 <= sp - 1 <= bp or sp & (sp - 1):
             raise DejavuError(f"config: SHARED_P must be a power of 2 with SHARED_P - 1 in [1, BLOCK_P={bp}], "
                               f"got SHARED_P={sp}")
-        hist_len = sp - 1
+        hist_len = max(sp, p_wide) - 1
         if pending is not None:
             n_st = pending.stats.shape[1]
             ln_args = (pending.weight, pending.bias, pending.stats, n_st, pending.width, LN_EPS)
@@ -862,7 +905,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
                                                      SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), SLOW_P=cfg["SLOW_P"],
-                                                     **ref_args, **common)
+                                                     P_WIDE=p_wide, **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:

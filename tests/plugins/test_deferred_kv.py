@@ -407,7 +407,9 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
     vl0 = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32)
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]  # pos, heads
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_SLOW_Z": 1, "FOLD_SLOW_LAST": False, **slow}
+    # (SHARED_P_WIDE 0: the unfolded path's partials hold the slots the folded one's do)
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "SHARED_P_WIDE": 0, "FOLD_SLOW_Z": 1, "FOLD_SLOW_LAST": False,
+           **slow}
     attn = {"CHUNK": 8, "BLOCK_S": 8}
     runs = {}
     for fold in (True, False):
@@ -506,6 +508,60 @@ def test_hist_slots_follow_the_qkv_route():
     assert hist_slots(3, torch.zeros(3, 2, dtype=torch.int32)) == 16
     assert hist_slots(3, torch.zeros(2, dtype=torch.int32)) == 3
     assert hist_slots(1, torch.zeros(1, 2, dtype=torch.int32), {"SHARED_P": 2}) == 1
+
+
+@pytest.mark.parametrize("dtype,split", [(torch.float16, None), (torch.float32, 3)], ids=["fp16", "fp32-split3"])
+def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close, dtype, split):
+    """Batch 1, SHARED_P 4 with SHARED_P_WIDE 8: heads 0..3 slots behind take the small tile, 4..7 the
+    wide one, more the wide one and the finishing kernel's slow path past 7. Over four steps the output,
+    caches and valid_len match float64 and, within rounding, the path without the wide tile (every head
+    past 3 in the slow path). The finishing kernel reads 7 slots of partials for those heads, so a wide
+    tile that did not fill them would leave phist's uninitialised values in the caches."""
+    from dejavu.plugins import deferred_kv as DK
+    S2 = 56
+    w = weights(dtype)
+    w64 = [t.double() for t in w]
+    x_hist0 = torch.randn(1, S2, D).to(dtype)
+    kc0, vc0 = torch.randn(1, H, S2, HD).to(dtype), torch.randn(1, H, S2, HD).to(dtype)
+    vl0 = torch.tensor([[0, 35, 40, 38, 12]], dtype=torch.int32)
+    # (pos, heads): gaps 40 / 5 / 2 / 28, then 1 / 0, then 6 / 6, then 11 / 10
+    steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (47, [1, 3]), (52, [4, 2])]
+    inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
+    base = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_FINISH": False, "SPLIT": split}
+    cfg = DK._qkv_cfg(1, {**base, "SHARED_P_WIDE": 8})
+    assert DK._wide_p(cfg, 1, True, True, False, False) == 8
+    assert 0 == DK._wide_p(cfg, 1, True, True, True, False) == DK._wide_p(cfg, 1, True, True, False, True) \
+        == DK._wide_p(cfg, 2, True, True, False, False) == DK._wide_p({**cfg, "FUSED_FINISH": True}, 1, True, True,
+                                                                      False, False) \
+        == DK._wide_p({**cfg, "SHARED_P_WIDE": 4}, 1, True, True, False, False)  # folded, caught up, B 2, ...
+    runs = {}
+    for wide in (8, 0):
+        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
+        k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
+        kt, vt, vlt, ht = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
+        ys = []
+        for (p, hs), (x, res) in zip(steps, inputs):
+            names = launched(DK)
+            hidx = torch.tensor([hs], dtype=torch.int32)
+            y = torch.full((1, D), float("nan"), dtype=dtype)
+            sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res, out=y,
+                                        config={"qkv": {**base, "SHARED_P_WIDE": wide}})
+            assert names.count("_qkv_partial_shared_kernel") == 1 and "_qkv_finish_kernel" in names, names
+            ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
+                                                  res.double())
+            tor = sparse_attn_decode_deferred_ref(x, *w, hidx, kt, vt, ht, vlt, torch.tensor([p]), res)
+            close(y, ref, tor)
+            assert torch.equal(vl, vl64)
+            close(kc, k64, kt)
+            close(vc, v64, vt)
+            ys.append(y)
+        runs[wide] = ys, kc, vc
+    for a, b in zip(runs[8][0] + list(runs[8][1:]), runs[0][0] + list(runs[0][1:])):
+        assert torch.allclose(a.double(), b.double(), rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-5)
+    with pytest.raises(DejavuError, match="SHARED_P_WIDE"):
+        sparse_attn_decode_deferred(inputs[0][0], *w, torch.tensor([[0]], dtype=torch.int32), kc0.clone(),
+                                    vc0.clone(), x_hist0.clone(), vl0.clone(), torch.tensor([40]), inputs[0][1],
+                                    config={"qkv": {**base, "SHARED_P_WIDE": 12}})
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -645,8 +701,9 @@ def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dty
     monkeypatch.setattr(DK, "jit", Spy)
     runs = {}
     for part in (True, False):
+        # (SHARED_P_WIDE 0: both paths' partials hold SHARED_P - 1 slots)
         cfg = {"qkv": {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "FOLD_FINISH": False,
-                       "PARTIAL_SLOW": part, "FOLD_SLOW_Z": z, "FOLD_SLOW_R": 16}}
+                       "PARTIAL_SLOW": part, "FOLD_SLOW_Z": z, "FOLD_SLOW_R": 16, "SHARED_P_WIDE": 0}}
         kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
         k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
         ys = []
