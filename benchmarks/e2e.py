@@ -554,8 +554,6 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "nowide": _qkv_b1(SHARED_P_WIDE=0), "nowide2": _qkv_b1(SHARED_P_WIDE=0),
              "wide64": _qkv_b1(SHARED_P_WIDE=64), "wide64r128": _qkv_b1(SHARED_P_WIDE=64, maxnreg=128),
              "wider128": _qkv_b1(maxnreg=128),
-             # the partial kernel's tl.dot as weights @ inputs^T (M = 64 rows: wgmma), alone / with the wide tile off
-             "wlhs": _qkv_b1(W_LHS=True), "wlhsnowide": _qkv_b1(W_LHS=True, SHARED_P_WIDE=0),
              "refresh4h31": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (31, 31))),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)

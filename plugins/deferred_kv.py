@@ -96,8 +96,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
-              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0,
-              "W_LHS": False}
+              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -293,8 +292,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
                                CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, ref_ptr=None, KH_Q=0,
-                               REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, W_LHS: tl.constexpr = 0,
-                               GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                               REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                               PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -320,8 +319,6 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # P_WIDE (batch 1, SLOW 0, FINISH 0): the K/V programs of a head more than P - 1 slots behind take a
     # tile of M = P_WIDE rows (P_WIDE - 1 missing slots; phist's BLOCK_P >= P_WIDE - 1) instead of P: a
     # branch per program on its head's lag, so the usual heads keep the small tile.
-    # W_LHS: the tl.dot as weights @ inputs^T (M = BLOCK_R rows, N = the slots; one transpose after the
-    # loop) instead of inputs @ weights^T (M = the slots): an M of 64 rows suits Hopper's wgmma.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
@@ -362,7 +359,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                          stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
                                          pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
                                          DOT_FP32, FINISH, P_WIDE, P_WIDE, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D,
-                                         W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, W_LHS)
+                                         W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
                 else:
                     _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
                                          pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
@@ -370,7 +367,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                          stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
                                          pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
                                          DOT_FP32, FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV,
-                                         LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, W_LHS)
+                                         LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
             else:
                 _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
                                      pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
@@ -378,7 +375,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                      stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0,
                                      seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32,
                                      FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN,
-                                     BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, W_LHS)
+                                     BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
 
 
 @helper
@@ -391,7 +388,7 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
                          BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                          EVEN_D: tl.constexpr, W_EV: tl.constexpr, LN_IN: tl.constexpr, BLOCK_N: tl.constexpr,
                          ST_CM: tl.constexpr, CAUGHT_UP: tl.constexpr, SLOW_P: tl.constexpr, REFRESH: tl.constexpr,
-                         GDC: tl.constexpr, W_LHS: tl.constexpr):
+                         GDC: tl.constexpr):
     # _qkv_partial_shared_kernel's D-slice program (one with work: REFRESH's live)
     w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
     offs_m = tl.arange(0, BLOCK_M)
@@ -422,10 +419,7 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
         row0 = offs_m == 0  # the tile's row of the input at pos
     d_lo = pid_s * D_PER_SPLIT
     d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
-    if W_LHS:
-        acc_t = tl.zeros([BLOCK_R, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for d0 in range(d_lo, d_hi, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         dmask = offs_d < d_hi
@@ -444,18 +438,10 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
             x += tl.where(row0[:, None], xn[None, :], tl.zeros_like(xn)[None, :])
         elif HAS_NEW:
             x += tl.load(new_rows[:, None] + offs_d[None, :], mask=take_new[:, None] & dmask[None, :], other=0.0)
-        if W_LHS:
-            if DOT_FP32:
-                acc_t = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc_t, input_precision="ieee")
-            else:
-                acc_t = tl.dot(w, tl.trans(x), acc_t)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
-            if DOT_FP32:
-                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-    if W_LHS:
-        acc = tl.trans(acc_t)
+            acc = tl.dot(x, tl.trans(w), acc)
     gdc_release(GDC)
     slot = (pid_s.to(tl.int64) * B + mb64) * KH + j  # [BLOCK_M]
     tl.store(pnew_ptr + slot[:, None] * 3 * HD + seg * HD + offs_c[None, :], acc,
@@ -919,8 +905,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
                                                      SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), SLOW_P=cfg["SLOW_P"],
-                                                     P_WIDE=p_wide, W_LHS=bool(cfg.get("W_LHS")), **ref_args,
-                                                     **common)
+                                                     P_WIDE=p_wide, **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:

@@ -510,15 +510,13 @@ def test_hist_slots_follow_the_qkv_route():
     assert hist_slots(1, torch.zeros(1, 2, dtype=torch.int32), {"SHARED_P": 2}) == 1
 
 
-@pytest.mark.parametrize("dtype,split,w_lhs", [(torch.float16, None, False), (torch.float32, 3, True),
-                                               (torch.float16, 3, True)], ids=["fp16", "fp32-split3-wlhs", "fp16-wlhs"])
-def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close, dtype, split, w_lhs):
+@pytest.mark.parametrize("dtype,split", [(torch.float16, None), (torch.float32, 3)], ids=["fp16", "fp32-split3"])
+def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close, dtype, split):
     """Batch 1, SHARED_P 4 with SHARED_P_WIDE 8: heads 0..3 slots behind take the small tile, 4..7 the
     wide one, more the wide one and the finishing kernel's slow path past 7. Over four steps the output,
     caches and valid_len match float64 and, within rounding, the path without the wide tile (every head
     past 3 in the slow path). The finishing kernel reads 7 slots of partials for those heads, so a wide
-    tile that did not fill them would leave phist's uninitialised values in the caches. W_LHS: the
-    partial kernel's dot as weights @ inputs^T, the same sums."""
+    tile that did not fill them would leave phist's uninitialised values in the caches."""
     from dejavu.plugins import deferred_kv as DK
     S2 = 56
     w = weights(dtype)
@@ -529,7 +527,7 @@ def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close,
     # (pos, heads): gaps 40 / 5 / 2 / 28, then 1 / 0, then 6 / 6, then 11 / 10
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (47, [1, 3]), (52, [4, 2])]
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    base = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_FINISH": False, "SPLIT": split, "W_LHS": w_lhs}
+    base = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_FINISH": False, "SPLIT": split}
     cfg = DK._qkv_cfg(1, {**base, "SHARED_P_WIDE": 8})
     assert DK._wide_p(cfg, 1, True, True, False, False) == 8
     assert 0 == DK._wide_p(cfg, 1, True, True, True, False) == DK._wide_p(cfg, 1, True, True, False, True) \
