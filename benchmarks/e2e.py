@@ -549,12 +549,14 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "qkvp32s2": _qkv_b1(BLOCK_P=32, SHARED_P=32, num_stages=2),
              "qkvp32r128": _qkv_b1(BLOCK_P=32, SHARED_P=32, maxnreg=128),
              "qkvp32t396": _qkv_b1(BLOCK_P=32, SHARED_P=32, TARGET_PROGRAMS=396),
-             # session 19: the wide tile only for the heads more than 15 slots behind (SHARED_P_WIDE, the
-             # default 32): off (nowide), 64 slots (with a 128-register cap), refresh heads at exactly 31
-             "nowide": _qkv_b1(SHARED_P_WIDE=0), "nowide2": _qkv_b1(SHARED_P_WIDE=0),
+             # session 19: the wide tile only for the heads more than 15 slots behind (SHARED_P_WIDE; off by
+             # default since): 32 (wide), off (nowide, the default), 64 slots (with a 128-register cap), with a
+             # 128-register cap; refresh heads at exactly 31 (with wide)
+             "wide": _qkv_b1(SHARED_P_WIDE=32), "nowide": _qkv_b1(SHARED_P_WIDE=0), "nowide2": _qkv_b1(SHARED_P_WIDE=0),
              "wide64": _qkv_b1(SHARED_P_WIDE=64), "wide64r128": _qkv_b1(SHARED_P_WIDE=64, maxnreg=128),
-             "wider128": _qkv_b1(maxnreg=128),
-             "refresh4h31": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (31, 31))),
+             "wider128": _qkv_b1(SHARED_P_WIDE=32, maxnreg=128),
+             "refresh4h31": _both(_qkv_b1(SHARED_P_WIDE=32), _decoder_attr("kv_refresh", 4),
+                                  _decoder_attr("kv_refresh_lags", (31, 31))),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),

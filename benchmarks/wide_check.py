@@ -1,12 +1,12 @@
-"""GPU check of the deferred Q/K/V kernels' wide tile (QKV_CONFIG_B1 SHARED_P_WIDE) at a real shape.
+"""GPU check of the deferred Q/K/V kernels' wide tile (QKV_CONFIG_B1 SHARED_P_WIDE, opt-in) at a real shape.
 
     source benchmarks/device_env.sh && python3 benchmarks/wide_check.py [--out F]
 
 OPT-30B attention shape (56 heads of 128, D 7168), batch 1, random weights: decode steps whose
 selected heads are 0 to 60 slots behind (the small tile up to 15, the wide tile to 31, then the
-finishing kernel's slow path), through `sparse_attn_decode_deferred` with the default config, with
-SHARED_P_WIDE 0 (every head past 15 in the slow path) and through the float64 reference (on the
-GPU). Reports the relative errors of the output and of the caches written; fails (exit 1) past
+finishing kernel's slow path), through `sparse_attn_decode_deferred` with SHARED_P_WIDE 32, with
+SHARED_P_WIDE 0 (the default: every head past 15 in the slow path) and through the float64 reference
+(on the GPU). Reports the relative errors of the output and of the caches written; fails (exit 1) past
 2e-3 (fp16) / 1e-5 (fp32) relative to float64.
 """
 from __future__ import annotations
@@ -42,10 +42,10 @@ def main(argv=None) -> int:
         pos0 = 100
         lag = torch.arange(H, device=dev) % 61  # 0..60 slots behind
         vl0 = (pos0 - lag).to(torch.int32).reshape(1, H)
-        for wide in (None, 0):
+        for wide in (32, 0):
             kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), hist0.clone()
             k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), hist0.double()
-            cfg = None if wide is None else {"qkv": {"SHARED_P_WIDE": wide}}
+            cfg = {"qkv": {"SHARED_P_WIDE": wide}}
             for step in range(4):
                 pos = pos0 + 3 * step
                 heads = torch.randperm(H, device=dev, generator=g)[: max(1, H * 3 // 10)].to(torch.int32).reshape(1, -1)
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
                 same_vl = bool(torch.equal(vl, vl64))
                 good = max(e_y, e_k, e_v) <= tol and same_vl
                 ok &= good
-                rows.append({"dtype": str(dtype)[6:], "shared_p_wide": "default" if wide is None else wide,
+                rows.append({"dtype": str(dtype)[6:], "shared_p_wide": wide,
                              "step": step, "max_lag": max(lags), "lags_over_15": sum(x > 15 for x in lags),
                              "rel_err_y": e_y, "rel_err_k": e_k, "rel_err_v": e_v, "valid_len_equal": same_vl,
                              "ok": good})

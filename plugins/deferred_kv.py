@@ -135,13 +135,16 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # H200 (OPT-30B shape, batch 1, session 14): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
 # last, FOLD_SLOW_Z 4; Z 2 3.52-3.54, Z 8 3.50, Z 1 3.69); at d0.3 (5 slices) every folded form was
 # slower, 6.36-6.52 vs 6.28-6.35. OPT-1.3B shape (16 slices at d0.3): 0.870 vs 0.950 ms/token.
-# SHARED_P_WIDE (batch 1, the partial kernel with its finishing kernel, not folded): the K/V programs of
-# a head more than SHARED_P - 1 slots behind take a tl.dot of SHARED_P_WIDE rows instead (a branch per
-# program), so the finishing kernel's serial slow path starts only past SHARED_P_WIDE - 1 missing slots.
-# On the H200 (OPT-30B shape, batch 1, d0.3, 128 steps after a 128-token prompt) a quarter of the
-# layers of a step then had a head past 15 slots, ~3.6% of the step in the slow path (session 19's
-# census and profile); SHARED_P 32 for every program cut that but made the partial kernel 8.6% slower.
-QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3, "SHARED_P_WIDE": 32,
+# SHARED_P_WIDE (batch 1, the partial kernel with its finishing kernel, not folded; 0 off): the K/V
+# programs of a head more than SHARED_P - 1 slots behind take a tl.dot of SHARED_P_WIDE rows instead (a
+# branch per program), so the finishing kernel's serial slow path starts only past SHARED_P_WIDE - 1.
+# Off: on the H200 (OPT-30B shape, batch 1, 128 steps after a 128-token prompt; BENCHMARKS.md, session
+# 19) a quarter of a d0.3 step's layers have a head past 15 slots and the slow path is ~3.4% of the
+# step; 32 removed it from the attention kernel's wait (-216 us per step) but the wide programs set the
+# partial kernel's tail and the finishing kernel read twice the partials: d0.3 6.292-6.342 vs 6.294-
+# 6.335 ms/token, d0.5 9.33-9.35 vs 8.88 (with refresh heads the kernel took 142 registers: 3 programs
+# per SM). SHARED_P 32 for every program: 6.239-6.300 (-0.5 to -1%) at d0.3, 3.72 vs 3.48 at d0.1.
+QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640,
                  "FOLD_FINISH": "wide", "FOLD_SLOW_Z": 4, "FOLD_SLOW_LAST": True}
