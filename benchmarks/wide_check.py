@@ -50,12 +50,12 @@ def main(argv=None) -> int:
                 pos = pos0 + 3 * step
                 heads = torch.randperm(H, device=dev, generator=g)[: max(1, H * 3 // 10)].to(torch.int32).reshape(1, -1)
                 x, res = r(1, D), r(1, D)
+                lags = (pos - torch.minimum(vl64[0, heads[0].long()], torch.tensor(pos, device=dev))).tolist()
                 y = sparse_attn_decode_deferred(x, *w, heads, kc, vc, hist, vl, torch.tensor([pos], device=dev), res,
                                                 config=cfg)
                 ref = sparse_attn_decode_deferred_ref(x.double(), *w64, heads, k64, v64, h64, vl64,
                                                       torch.tensor([pos], device=dev), res.double())
                 torch.cuda.synchronize()
-                lags = (pos - torch.minimum(vl64[0, heads[0].long()], torch.tensor(pos, device=dev))).tolist()
                 e_y = float((y.double() - ref).norm() / ref.norm())
                 e_k = float((kc.double() - k64).norm() / k64.norm())
                 e_v = float((vc.double() - v64).norm() / v64.norm())
