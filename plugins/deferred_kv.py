@@ -803,7 +803,9 @@ def _wide_p(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool, caught_u
 def hist_slots(B: int, head_idx, config=None) -> int:
     """How many missing slots of a selected head (from min(valid_len, pos)) the Q/K/V kernels of a
     deferred decode step with this Q/K/V config compute from their partial products; the slow path
-    (or catch_up_kv, before) does the slots past them."""
+    (or catch_up_kv, before) does the slots past them. With SHARED_P_WIDE on, a head further behind
+    gets up to SHARED_P_WIDE - 1 from the partials where `_wide_p` applies (never after catch_up_kv):
+    this is the reach every selected head has."""
     cfg = _qkv_cfg(B, config)
     return cfg["SHARED_P"] - 1 if _shared_qkv(B, head_idx, cfg) else cfg["BLOCK_P"]
 
