@@ -552,6 +552,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # session 19: the wide tile only for the heads more than 15 slots behind (SHARED_P_WIDE; off by
              # default since): 32 (wide), off (nowide, the default), 64 slots (with a 128-register cap), with a
              # 128-register cap; refresh heads at exactly 31 (with wide)
+             # batch 1's unfolded route with SHARED_P 32 and a 128-register cap (SHARED_P_UNFOLDED, the default
+             # since session 19): off (SHARED_P 16 everywhere, the default before)
+             "nounfolded": _qkv_b1(SHARED_P_UNFOLDED=None), "nounfolded2": _qkv_b1(SHARED_P_UNFOLDED=None),
              "wide": _qkv_b1(SHARED_P_WIDE=32), "nowide": _qkv_b1(SHARED_P_WIDE=0), "nowide2": _qkv_b1(SHARED_P_WIDE=0),
              "wide64": _qkv_b1(SHARED_P_WIDE=64), "wide64r128": _qkv_b1(SHARED_P_WIDE=64, maxnreg=128),
              "wider128": _qkv_b1(SHARED_P_WIDE=32, maxnreg=128),

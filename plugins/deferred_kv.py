@@ -96,7 +96,8 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
-              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0}
+              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0,
+              "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -144,7 +145,15 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # partial kernel's tail and the finishing kernel read twice the partials: d0.3 6.292-6.342 vs 6.294-
 # 6.335 ms/token, d0.5 9.33-9.35 vs 8.88 (with refresh heads the kernel took 142 registers: 3 programs
 # per SM). SHARED_P 32 for every program: 6.239-6.300 (-0.5 to -1%) at d0.3, 3.72 vs 3.48 at d0.1.
+# SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
+# SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
+# register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32
+# with a 128-register cap took d0.3 to 6.222 / 6.295 ms/token against 6.287-6.288 / 6.351-6.355 (runs 3,
+# 10), d0.2 to 5.030 vs 5.134: the partial kernel gets 8.6% slower, the slow path (a quarter of the
+# layers) is gone. With refresh heads (d0.5 by default) 8.936 vs 8.898-8.902, so they keep P 16; the
+# folded route (d0.1) too (its attention kernel sums the partials' slots: 3.72 vs 3.48 with P 32).
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
+                 "SHARED_P_UNFOLDED": 32, "UNFOLDED_MAXNREG": 128,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640,
                  "FOLD_FINISH": "wide", "FOLD_SLOW_Z": 4, "FOLD_SLOW_LAST": True}
@@ -787,13 +796,28 @@ def _shared_qkv(B, head_idx, cfg) -> bool:
     return (head_idx.dim() == 1 or B == 1) and smin is not None and B >= smin
 
 
-def _wide_p(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool, caught_up: bool) -> int:
-    """The partial kernel's P_WIDE for this launch: cfg's SHARED_P_WIDE where it applies (batch 1 on the
-    shared-set kernel with x_new and its finishing kernel: not folded, FUSED_FINISH, PARTIAL_SLOW or caught
-    up; above SHARED_P), else 0."""
+def _batch1_unfolded(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool, caught_up: bool) -> bool:
+    """Batch 1 on the shared-set kernel with x_new and its finishing kernel (not folded, FUSED_FINISH,
+    PARTIAL_SLOW or caught up): where SHARED_P_UNFOLDED and SHARED_P_WIDE apply."""
+    return (shared and B == 1 and has_new and not fold and not cfg["FUSED_FINISH"] and not cfg["PARTIAL_SLOW"]
+            and not caught_up)
+
+
+def _unfolded_cfg(cfg: dict, unfolded: bool, n_ref: int) -> dict:
+    """cfg with SHARED_P_UNFOLDED as SHARED_P (BLOCK_P at least that, UNFOLDED_MAXNREG as the register cap
+    unless cfg sets one) where it applies: the unfolded batch-1 route without refresh heads."""
+    sp = cfg.get("SHARED_P_UNFOLDED") or 0
+    if not (unfolded and not n_ref and sp > cfg["SHARED_P"]):
+        return cfg
+    cap = cfg.get("maxnreg") or cfg.get("UNFOLDED_MAXNREG")
+    return {**cfg, "SHARED_P": sp, "BLOCK_P": max(cfg["BLOCK_P"], sp), **({"maxnreg": cap} if cap else {})}
+
+
+def _wide_p(cfg: dict, unfolded: bool) -> int:
+    """The partial kernel's P_WIDE for this launch: cfg's SHARED_P_WIDE on the unfolded batch-1 route
+    (above the SHARED_P in force), else 0."""
     wide = cfg.get("SHARED_P_WIDE") or 0
-    if not (wide > cfg["SHARED_P"] and shared and B == 1 and has_new and not fold and not cfg["FUSED_FINISH"]
-            and not cfg["PARTIAL_SLOW"] and not caught_up):
+    if not (unfolded and wide > cfg["SHARED_P"]):
         return 0
     if wide & (wide - 1):
         raise DejavuError(f"config: SHARED_P_WIDE must be a power of 2, got {wide}")
@@ -803,9 +827,9 @@ def _wide_p(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool, caught_u
 def hist_slots(B: int, head_idx, config=None) -> int:
     """How many missing slots of a selected head (from min(valid_len, pos)) the Q/K/V kernels of a
     deferred decode step with this Q/K/V config compute from their partial products; the slow path
-    (or catch_up_kv, before) does the slots past them. With SHARED_P_WIDE on, a head further behind
-    gets up to SHARED_P_WIDE - 1 from the partials where `_wide_p` applies (never after catch_up_kv):
-    this is the reach every selected head has."""
+    (or catch_up_kv, before) does the slots past them. On the unfolded batch-1 route SHARED_P_UNFOLDED
+    (without refresh heads) and SHARED_P_WIDE (opt-in) reach further (never after catch_up_kv): this
+    is the reach every selected head has."""
     cfg = _qkv_cfg(B, config)
     return cfg["SHARED_P"] - 1 if _shared_qkv(B, head_idx, cfg) else cfg["BLOCK_P"]
 
@@ -867,8 +891,10 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                           "FUSED_FINISH off")
     ref_args = dict(ref_ptr=refresh, KH_Q=kh, REFRESH=1) if n_ref else {}
     kh_q, kh = kh, kh + n_ref  # head slots: the selected heads, then the refresh heads
-    p_wide = _wide_p(cfg, B, shared, x_new is not None, fold, caught_up)
-    bp = max(bp, p_wide)  # phist holds the wide tile's P_WIDE - 1 slots
+    unfolded = _batch1_unfolded(cfg, B, shared, x_new is not None, fold, caught_up)
+    cfg = _unfolded_cfg(cfg, unfolded, n_ref)
+    p_wide = _wide_p(cfg, unfolded)
+    bp = max(cfg["BLOCK_P"], p_wide)  # phist holds the wide tile's P_WIDE - 1 slots
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
     phist = torch.empty((split, B, kh, bp, 2 * hd), dtype=torch.float32, device=dev)
     cnt = counters(dev, groups) if fused and split > 1 else valid_len  # valid_len: never used as one

@@ -407,9 +407,9 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
     vl0 = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32)
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]  # pos, heads
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    # (SHARED_P_WIDE 0: the unfolded path's partials hold the slots the folded one's do)
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "SHARED_P_WIDE": 0, "FOLD_SLOW_Z": 1, "FOLD_SLOW_LAST": False,
-           **slow}
+    # (SHARED_P_UNFOLDED None, SHARED_P_WIDE 0: the unfolded path's partials hold the slots the folded one's do)
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "SHARED_P_UNFOLDED": None, "SHARED_P_WIDE": 0, "FOLD_SLOW_Z": 1,
+           "FOLD_SLOW_LAST": False, **slow}
     attn = {"CHUNK": 8, "BLOCK_S": 8}
     runs = {}
     for fold in (True, False):
@@ -510,13 +510,16 @@ def test_hist_slots_follow_the_qkv_route():
     assert hist_slots(1, torch.zeros(1, 2, dtype=torch.int32), {"SHARED_P": 2}) == 1
 
 
-@pytest.mark.parametrize("dtype,split", [(torch.float16, None), (torch.float32, 3)], ids=["fp16", "fp32-split3"])
-def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close, dtype, split):
+@pytest.mark.parametrize("dtype,split,form", [(torch.float16, None, "wide"), (torch.float32, 3, "wide"),
+                                              (torch.float32, None, "unfolded"), (torch.float16, 3, "unfolded")],
+                         ids=["fp16-wide", "fp32-split3-wide", "fp32-unfolded", "fp16-split3-unfolded"])
+def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close, dtype, split, form):
     """Batch 1, SHARED_P 4 with SHARED_P_WIDE 8: heads 0..3 slots behind take the small tile, 4..7 the
-    wide one, more the wide one and the finishing kernel's slow path past 7. Over four steps the output,
-    caches and valid_len match float64 and, within rounding, the path without the wide tile (every head
-    past 3 in the slow path). The finishing kernel reads 7 slots of partials for those heads, so a wide
-    tile that did not fill them would leave phist's uninitialised values in the caches."""
+    wide one, more the wide one and the finishing kernel's slow path past 7; or SHARED_P_UNFOLDED 8:
+    every program takes the 8-row tile. Over four steps the output, caches and valid_len match float64
+    and, within rounding, the path without either (every head past 3 in the slow path). The finishing
+    kernel reads 7 slots of partials for those heads, so a tile that did not fill them would leave
+    phist's uninitialised values in the caches."""
     from dejavu.plugins import deferred_kv as DK
     S2 = 56
     w = weights(dtype)
@@ -528,12 +531,19 @@ def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close,
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (47, [1, 3]), (52, [4, 2])]
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
     base = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_FINISH": False, "SPLIT": split}
-    cfg = DK._qkv_cfg(1, {**base, "SHARED_P_WIDE": 8})
-    assert DK._wide_p(cfg, 1, True, True, False, False) == 8
-    assert 0 == DK._wide_p(cfg, 1, True, True, True, False) == DK._wide_p(cfg, 1, True, True, False, True) \
-        == DK._wide_p(cfg, 2, True, True, False, False) == DK._wide_p({**cfg, "FUSED_FINISH": True}, 1, True, True,
-                                                                      False, False) \
-        == DK._wide_p({**cfg, "SHARED_P_WIDE": 4}, 1, True, True, False, False)  # folded, caught up, B 2, ...
+    longer = {"SHARED_P_WIDE": 8, "SHARED_P_UNFOLDED": None} if form == "wide" else {"SHARED_P_UNFOLDED": 8}
+    cfg = DK._qkv_cfg(1, {**base, **longer})
+    unf = DK._batch1_unfolded
+    assert unf(cfg, 1, True, True, False, False)
+    assert not (unf(cfg, 1, True, True, True, False) or unf(cfg, 1, True, True, False, True)  # folded, caught up
+                or unf(cfg, 2, True, True, False, False) or unf(cfg, 1, True, False, False, False)  # B 2, no x_new
+                or unf({**cfg, "FUSED_FINISH": True}, 1, True, True, False, False))
+    if form == "wide":
+        assert DK._wide_p(cfg, True) == 8 and DK._wide_p(cfg, False) == 0
+        assert DK._wide_p({**cfg, "SHARED_P_WIDE": 4}, True) == 0  # not above SHARED_P
+    else:  # the unfolded route's SHARED_P, unless refresh heads are in the launch
+        assert DK._unfolded_cfg(cfg, True, 0)["SHARED_P"] == 8 and DK._unfolded_cfg(cfg, True, 0)["BLOCK_P"] >= 8
+        assert DK._unfolded_cfg(cfg, True, 2) is cfg and DK._unfolded_cfg(cfg, False, 0) is cfg
     runs = {}
     for wide in (8, 0):
         kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
@@ -544,8 +554,9 @@ def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close,
             names = launched(DK)
             hidx = torch.tensor([hs], dtype=torch.int32)
             y = torch.full((1, D), float("nan"), dtype=dtype)
+            on = longer if wide else {"SHARED_P_WIDE": 0, "SHARED_P_UNFOLDED": None}
             sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res, out=y,
-                                        config={"qkv": {**base, "SHARED_P_WIDE": wide}})
+                                        config={"qkv": {**base, **on}})
             assert names.count("_qkv_partial_shared_kernel") == 1 and "_qkv_finish_kernel" in names, names
             ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
                                                   res.double())
@@ -561,7 +572,44 @@ def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close,
     with pytest.raises(DejavuError, match="SHARED_P_WIDE"):
         sparse_attn_decode_deferred(inputs[0][0], *w, torch.tensor([[0]], dtype=torch.int32), kc0.clone(),
                                     vc0.clone(), x_hist0.clone(), vl0.clone(), torch.tensor([40]), inputs[0][1],
-                                    config={"qkv": {**base, "SHARED_P_WIDE": 12}})
+                                    config={"qkv": {**base, "SHARED_P_WIDE": 12, "SHARED_P_UNFOLDED": None}})
+
+
+def test_unfolded_route_takes_shared_p_unfolded(triton_interp, monkeypatch):
+    """Batch 1's default config: the partial kernel's P is SHARED_P_UNFOLDED (32) on the unfolded route
+    and SHARED_P (16) with refresh heads in the launch, after catch_up_kv, or folded into attention."""
+    from dejavu.plugins import deferred_kv as DK
+    from dejavu.plugins.deferred_kv import refresh_heads
+    seen = []
+    real_jit = DK.jit
+
+    class Spy:
+        def __init__(self, fn, dev):
+            self.fn, self.k = fn, real_jit(fn, dev)
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                if self.fn.__name__ == "_qkv_partial_shared_kernel":
+                    seen.append((kw["P"], kw["BLOCK_P"]))
+                return self.k[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(DK, "jit", Spy)
+    w = weights(torch.float32)
+    hidx = torch.tensor([[1, 3]], dtype=torch.int32)
+    vl = torch.tensor([[0, 20, 40, 2, 12]], dtype=torch.int32)
+    cases = [({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": False}}, {}, (32, 32)),
+             ({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": False}}, {"refresh": "pick"}, (16, 16)),
+             ({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": False}}, {"caught_up": True}, (16, 16)),
+             ({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": True}, "attn": {"CHUNK": 8, "BLOCK_S": 8}}, {}, (16, 16))]
+    for cfg, kw, want in cases:
+        seen.clear()
+        if kw.get("refresh") == "pick":
+            kw = {"refresh": refresh_heads(hidx, vl, torch.tensor([40]), 2, lag=1)}
+        kc, vc = torch.randn(1, H, 48, HD), torch.randn(1, H, 48, HD)
+        sparse_attn_decode_deferred(torch.randn(1, D), *w, hidx, kc, vc, torch.randn(1, 48, D), vl.clone(),
+                                    torch.tensor([40]), torch.randn(1, D), config=cfg, **kw)
+        assert seen == [want], (cfg, kw, seen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -701,9 +749,10 @@ def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dty
     monkeypatch.setattr(DK, "jit", Spy)
     runs = {}
     for part in (True, False):
-        # (SHARED_P_WIDE 0: both paths' partials hold SHARED_P - 1 slots)
+        # (SHARED_P_UNFOLDED None, SHARED_P_WIDE 0: both paths' partials hold SHARED_P - 1 slots)
         cfg = {"qkv": {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "FOLD_FINISH": False,
-                       "PARTIAL_SLOW": part, "FOLD_SLOW_Z": z, "FOLD_SLOW_R": 16, "SHARED_P_WIDE": 0}}
+                       "PARTIAL_SLOW": part, "FOLD_SLOW_Z": z, "FOLD_SLOW_R": 16, "SHARED_P_WIDE": 0,
+                       "SHARED_P_UNFOLDED": None}}
         kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
         k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
         ys = []
