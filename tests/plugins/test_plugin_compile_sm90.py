@@ -178,6 +178,11 @@ SCRIPT = textwrap.dedent('''
     compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128,
                                                  BLOCK_S=1, EARLY_READS=True, GDC=1),
                  overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
+    # batch 1's unfolded route by default (SHARED_P_UNFOLDED): every program's dot over 31 missing slots
+    compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=32,
+                                                         BLOCK_M=32, BLOCK_P=32, BLOCK_R=64, BLOCK_D=128, BLOCK_S=1,
+                                                         EVEN_D=True, LN_IN=1, GDC=1),
+                 overrides={**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32"})
     compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16,
                                                   BLOCK_REF=16), overrides={"ref_ptr": "*i32", "N_REF": "i32"})
     compile_sm90(DK, DK._refresh_kernel, dict(R=4, BLOCK_H=64, BLOCK_K=32), overrides={"out_ptr": "*i32"})
