@@ -40,6 +40,24 @@ def expected_written(B, hidx, valid_len, pos):
     return w
 
 
+
+def spy_launches(monkeypatch, record):
+    """Route every launch through deferred_kv.jit to record(kernel name, grid, launch kwargs) first."""
+    from dejavu.plugins import deferred_kv as DK
+    real_jit = DK.jit
+
+    class Spy:
+        def __init__(self, fn, dev):
+            self.fn, self.k = fn, real_jit(fn, dev)
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                record(self.fn.__name__, tuple(grid), kw)
+                return self.k[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(DK, "jit", Spy)
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared", [(1, False), (3, False), (3, True)])
 def test_recompute_fills_only_missing_slots(triton_interp, close, dtype, B, shared):
@@ -578,23 +596,10 @@ def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close,
 def test_unfolded_route_takes_shared_p_unfolded(triton_interp, monkeypatch):
     """Batch 1's default config: the partial kernel's P is SHARED_P_UNFOLDED (32) on the unfolded route
     and SHARED_P (16) with refresh heads in the launch, after catch_up_kv, or folded into attention."""
-    from dejavu.plugins import deferred_kv as DK
     from dejavu.plugins.deferred_kv import refresh_heads
     seen = []
-    real_jit = DK.jit
-
-    class Spy:
-        def __init__(self, fn, dev):
-            self.fn, self.k = fn, real_jit(fn, dev)
-
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                if self.fn.__name__ == "_qkv_partial_shared_kernel":
-                    seen.append((kw["P"], kw["BLOCK_P"]))
-                return self.k[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(DK, "jit", Spy)
+    spy_launches(monkeypatch, lambda name, grid, kw: seen.append((kw["P"], kw["BLOCK_P"]))
+                 if name == "_qkv_partial_shared_kernel" else None)
     w = weights(torch.float32)
     hidx = torch.tensor([[1, 3]], dtype=torch.int32)
     vl = torch.tensor([[0, 20, 40, 2, 12]], dtype=torch.int32)
@@ -724,7 +729,6 @@ def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dty
     z-slices (FOLD_SLOW_Z chunk sets) while the finishing kernel still runs, skipping them: output,
     caches, valid_len and history over steps with gaps of up to 40 equal the finishing kernel's slow
     path (same 16-row dots: bit for bit) and are close to the float64 reference."""
-    from dejavu.plugins import deferred_kv as DK
     w = weights(dtype)
     w64 = [t.double() for t in w]
     x_hist0 = torch.randn(1, S2, D).to(dtype)
@@ -734,19 +738,7 @@ def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dty
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
     grids = []  # (kernel name, grid, SLOW / CAUGHT_UP constexprs) of every launch through deferred_kv.jit
-    real_jit = DK.jit
-
-    class Spy:
-        def __init__(self, fn, dev):
-            self.fn, self.k = fn, real_jit(fn, dev)
-
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                grids.append((self.fn.__name__, tuple(grid), kw.get("SLOW"), kw.get("CAUGHT_UP")))
-                return self.k[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(DK, "jit", Spy)
+    spy_launches(monkeypatch, lambda name, grid, kw: grids.append((name, grid, kw.get("SLOW"), kw.get("CAUGHT_UP"))))
     runs = {}
     for part in (True, False):
         # (SHARED_P_UNFOLDED None, SHARED_P_WIDE 0: both paths' partials hold SHARED_P - 1 slots)
