@@ -555,10 +555,14 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # batch 1's unfolded route with SHARED_P 32 and a 128-register cap (SHARED_P_UNFOLDED, the default
              # since session 19): off (SHARED_P 16 everywhere, the default before)
              "nounfolded": _qkv_b1(SHARED_P_UNFOLDED=None), "nounfolded2": _qkv_b1(SHARED_P_UNFOLDED=None),
-             "wide": _qkv_b1(SHARED_P_WIDE=32), "nowide": _qkv_b1(SHARED_P_WIDE=0), "nowide2": _qkv_b1(SHARED_P_WIDE=0),
-             "wide64": _qkv_b1(SHARED_P_WIDE=64), "wide64r128": _qkv_b1(SHARED_P_WIDE=64, maxnreg=128),
-             "wider128": _qkv_b1(SHARED_P_WIDE=32, maxnreg=128),
-             "refresh4h31": _both(_qkv_b1(SHARED_P_WIDE=32), _decoder_attr("kv_refresh", 4),
+             # (measured on SHARED_P 16, before SHARED_P_UNFOLDED: these rows turn it off to stay that)
+             "wide": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None),
+             "nowide": _qkv_b1(SHARED_P_WIDE=0, SHARED_P_UNFOLDED=None),
+             "nowide2": _qkv_b1(SHARED_P_WIDE=0, SHARED_P_UNFOLDED=None),
+             "wide64": _qkv_b1(SHARED_P_WIDE=64, SHARED_P_UNFOLDED=None),
+             "wide64r128": _qkv_b1(SHARED_P_WIDE=64, SHARED_P_UNFOLDED=None, maxnreg=128),
+             "wider128": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None, maxnreg=128),
+             "refresh4h31": _both(_qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None), _decoder_attr("kv_refresh", 4),
                                   _decoder_attr("kv_refresh_lags", (31, 31))),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)

@@ -84,7 +84,7 @@ def recorded_sets(eng, prompt, new_tokens: int, layers: list[int]) -> list[list[
 
     def recording(tokens, pos):
         out = step(tokens, pos)
-        sets.append([dec.pred.idx[l]["attn"].reshape(-1).cpu() for l in layers])
+        sets.append([dec.pred.idx[l]["attn"].reshape(-1).to("cpu", copy=True) for l in layers])
         return out
 
     dec.decode_step = recording

@@ -145,6 +145,7 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # partial kernel's tail and the finishing kernel read twice the partials: d0.3 6.292-6.342 vs 6.294-
 # 6.335 ms/token, d0.5 9.33-9.35 vs 8.88 (with refresh heads the kernel took 142 registers: 3 programs
 # per SM). SHARED_P 32 for every program: 6.239-6.300 (-0.5 to -1%) at d0.3, 3.72 vs 3.48 at d0.1.
+# (Measured on SHARED_P 16; where SHARED_P_UNFOLDED is in force it applies only above that.)
 # SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
 # SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
 # register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32
