@@ -564,6 +564,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "wider128": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None, maxnreg=128),
              "refresh4h31": _both(_qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None), _decoder_attr("kv_refresh", 4),
                                   _decoder_attr("kv_refresh_lags", (31, 31))),
+             # session 20: the wide tile for every K/V program of a launch in which some selected head is past
+             # 15 slots (SHARED_P_WIDE_ALL: one branch per launch), none otherwise; with the 128-register cap of
+             # the unfolded route (wideall) or without (wideallnc)
+             "wideall": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128),
+             "wideall2": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128),
+             "wideallnc": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),

@@ -4,10 +4,12 @@
 
 OPT-30B attention shape (56 heads of 128, D 7168), batch 1, random weights: decode steps whose
 selected heads are 0 to 60 slots behind (the small tile up to 15, the wide tile to 31, then the
-finishing kernel's slow path), through `sparse_attn_decode_deferred` with SHARED_P_WIDE 32 (on
-SHARED_P 16), with neither it nor SHARED_P_UNFOLDED (every head past 15 in the slow path), with the
-default (SHARED_P_UNFOLDED 32: every program's dot over 31 slots) and through the float64 reference
-(on the GPU). Session 19 ran it on trees before SHARED_P_UNFOLDED existed (the first two forms).
+finishing kernel's slow path; a fifth step with every head 3 behind), through
+`sparse_attn_decode_deferred` with SHARED_P_WIDE 32 (on SHARED_P 16), with neither it nor
+SHARED_P_UNFOLDED (every head past 15 in the slow path), with the default (SHARED_P_UNFOLDED 32: every
+program's dot over 31 slots), with SHARED_P_WIDE_ALL (all32: every K/V program wide in a launch with a
+head past 15, none otherwise; session 20), and through the float64 reference (on the GPU). Session 19
+ran it on trees before SHARED_P_UNFOLDED existed (the first two forms).
 Reports the relative errors of the output and of the caches written; fails (exit 1) past 2e-3
 (fp16) / 1e-5 (fp32) relative to float64.
 """
@@ -45,12 +47,17 @@ def main(argv=None) -> int:
         lag = torch.arange(H, device=dev) % 61  # 0..60 slots behind
         vl0 = (pos0 - lag).to(torch.int32).reshape(1, H)
         for wide, cfg in ((32, {"qkv": {"SHARED_P_WIDE": 32, "SHARED_P_UNFOLDED": None}}),
-                          (0, {"qkv": {"SHARED_P_WIDE": 0, "SHARED_P_UNFOLDED": None}}), ("default", None)):
+                          (0, {"qkv": {"SHARED_P_WIDE": 0, "SHARED_P_UNFOLDED": None}}), ("default", None),
+                          ("all32", {"qkv": {"SHARED_P_WIDE": 32, "SHARED_P_WIDE_ALL": True, "SHARED_P_UNFOLDED": None,
+                                             "maxnreg": 128}})):
             kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), hist0.clone()
             k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), hist0.double()
-            for step in range(4):
+            for step in range(5):
                 pos = pos0 + 3 * step
-                heads = torch.randperm(H, device=dev, generator=g)[: max(1, H * 3 // 10)].to(torch.int32).reshape(1, -1)
+                if step < 4:
+                    heads = torch.randperm(H, device=dev, generator=g)[: max(1, H * 3 // 10)].to(torch.int32)
+                    heads = heads.reshape(1, -1)
+                # step 4 takes step 3's heads again (3 slots behind): no head past 15 (all32's small-tile launch)
                 x, res = r(1, D), r(1, D)
                 lags = (pos - torch.minimum(vl64[0, heads[0].long()], torch.tensor(pos, device=dev))).tolist()
                 y = sparse_attn_decode_deferred(x, *w, heads, kc, vc, hist, vl, torch.tensor([pos], device=dev), res,

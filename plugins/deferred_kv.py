@@ -97,7 +97,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
               "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0,
-              "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None}
+              "SHARED_P_WIDE_ALL": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -146,6 +146,9 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # 6.335 ms/token, d0.5 9.33-9.35 vs 8.88 (with refresh heads the kernel took 142 registers: 3 programs
 # per SM). SHARED_P 32 for every program: 6.239-6.300 (-0.5 to -1%) at d0.3, 3.72 vs 3.48 at d0.1.
 # (Measured on SHARED_P 16; where SHARED_P_UNFOLDED is in force it applies only above that.)
+# SHARED_P_WIDE_ALL (with SHARED_P_WIDE): one branch for the whole launch instead of one per program: every
+# K/V program takes the wide tile when any selected head is more than SHARED_P - 1 slots behind, none when
+# none is (a launch then runs as with SHARED_P_UNFOLDED = SHARED_P_WIDE, or as without it).
 # SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
 # SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
 # register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32
@@ -305,8 +308,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
                                CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, ref_ptr=None, KH_Q=0,
-                               REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, GDC: tl.constexpr = 0,
-                               PF: tl.constexpr = 0):
+                               REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, WIDE_ALL: tl.constexpr = 0,
+                               BLOCK_KH: tl.constexpr = 16, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -331,7 +334,9 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # like a selected head's (no Q); the programs of a -1 slot or of a refresh head's Q rows do nothing.
     # P_WIDE (batch 1, SLOW 0, FINISH 0): the K/V programs of a head more than P - 1 slots behind take a
     # tile of M = P_WIDE rows (P_WIDE - 1 missing slots; phist's BLOCK_P >= P_WIDE - 1) instead of P: a
-    # branch per program on its head's lag, so the usual heads keep the small tile.
+    # branch per program on its head's lag, so the usual heads keep the small tile. WIDE_ALL: every K/V
+    # program of the launch takes it when any selected head (the first KH, or KH_Q with REFRESH; BLOCK_KH >=
+    # that) is more than P - 1 slots behind, none when none is (one branch for the whole launch).
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
@@ -365,7 +370,14 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
             live = True
         if live:
             if P_WIDE:  # the wide tile for a head whose missing slots the small one does not hold
-                if pos0 - start0 > P - 1:  # (start0 = pos0 for Q rows)
+                if WIDE_ALL:  # ... for every K/V program of a launch in which some selected head needs it
+                    n_sel = KH
+                    if REFRESH:
+                        n_sel = KH_Q
+                    wide = (seg > 0) & (_max_lag(head_ptr, vl_ptr, pos0, n_sel, BLOCK_KH) > P - 1)
+                else:
+                    wide = pos0 - start0 > P - 1  # (start0 = pos0 for Q rows)
+                if wide:
                     _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
                                          pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
                                          D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
@@ -389,6 +401,16 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                      seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32,
                                      FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN,
                                      BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
+
+
+@helper
+def _max_lag(head_ptr, vl_ptr, pos, n, BLOCK_KH: tl.constexpr):
+    # Batch 1: the most missing slots (pos - min(valid_len, pos)) of the n heads at head_ptr.
+    offs = tl.arange(0, BLOCK_KH)
+    m = offs < n
+    h = tl.load(head_ptr + offs, mask=m, other=0).to(tl.int64)
+    vl = tl.load(vl_ptr + h, mask=m, other=0).to(tl.int32)
+    return tl.max(tl.where(m, pos - tl.minimum(vl, pos), 0), axis=0)
 
 
 @helper
@@ -937,7 +959,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
                                                      SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), SLOW_P=cfg["SLOW_P"],
-                                                     P_WIDE=p_wide, **ref_args, **common)
+                                                     P_WIDE=p_wide, WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]),
+                                                     BLOCK_KH=max(16, next_pow2(kh_q)), **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:
