@@ -570,6 +570,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "wideall": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128),
              "wideall2": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128),
              "wideallnc": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None),
+             # ... the partial kernel's head, pos and valid_len (and those lags) read before the PDL wait
+             # (PARTIAL_EARLY_READS): on the default path, with wideall, with the per-program wide tile
+             "earlyrows": _qkv_b1(PARTIAL_EARLY_READS=True), "earlyrows2": _qkv_b1(PARTIAL_EARLY_READS=True),
+             "wideallearly": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128,
+                                     PARTIAL_EARLY_READS=True),
+             "wideearly": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None, maxnreg=128, PARTIAL_EARLY_READS=True),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),

@@ -97,7 +97,8 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
               "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0,
-              "SHARED_P_WIDE_ALL": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None}
+              "SHARED_P_WIDE_ALL": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None,
+              "PARTIAL_EARLY_READS": False}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -149,6 +150,8 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # SHARED_P_WIDE_ALL (with SHARED_P_WIDE): one branch for the whole launch instead of one per program: every
 # K/V program takes the wide tile when any selected head is more than SHARED_P - 1 slots behind, none when
 # none is (a launch then runs as with SHARED_P_UNFOLDED = SHARED_P_WIDE, or as without it).
+# PARTIAL_EARLY_READS: the shared-set partial kernel's programs read their head, pos and valid_len before the
+# PDL wait (as the finishing kernel's EARLY_READS).
 # SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
 # SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
 # register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32
@@ -309,7 +312,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
                                CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, ref_ptr=None, KH_Q=0,
                                REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, WIDE_ALL: tl.constexpr = 0,
-                               BLOCK_KH: tl.constexpr = 16, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                               BLOCK_KH: tl.constexpr = 16, EARLY_READS: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                               PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -337,6 +341,9 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # branch per program on its head's lag, so the usual heads keep the small tile. WIDE_ALL: every K/V
     # program of the launch takes it when any selected head (the first KH, or KH_Q with REFRESH; BLOCK_KH >=
     # that) is more than P - 1 slots behind, none when none is (one branch for the whole launch).
+    # EARLY_READS (SLOW 0): the D-slice programs read their head, pos and valid_len (and WIDE_ALL's lags)
+    # before the PDL wait, as _qkv_finish_kernel's EARLY_READS (none is written by the kernel before this
+    # one): the weight loads start right after it.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
@@ -360,10 +367,19 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         if GDC and not REFRESH:
             _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
                           BLOCK_R, BLOCK_D)
+        if EARLY_READS:
+            head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
+                head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
+                REFRESH)
+            if WIDE_ALL:
+                lag_all = _launch_lag(head_ptr, vl_ptr, pos0, KH, KH_Q, REFRESH, BLOCK_KH)
         gdc_enter(GDC)
-        head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
-            head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
-            REFRESH)
+        if not EARLY_READS:
+            head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
+                head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
+                REFRESH)
+            if WIDE_ALL:
+                lag_all = _launch_lag(head_ptr, vl_ptr, pos0, KH, KH_Q, REFRESH, BLOCK_KH)
         if REFRESH:  # a real head (not -1); a refresh head (slot >= KH_Q) has no Q rows
             live = (head >= 0) & ((j < KH_Q) | (seg > 0))
         else:
@@ -371,10 +387,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         if live:
             if P_WIDE:  # the wide tile for a head whose missing slots the small one does not hold
                 if WIDE_ALL:  # ... for every K/V program of a launch in which some selected head needs it
-                    n_sel = KH
-                    if REFRESH:
-                        n_sel = KH_Q
-                    wide = (seg > 0) & (_max_lag(head_ptr, vl_ptr, pos0, n_sel, BLOCK_KH) > P - 1)
+                    wide = (seg > 0) & (lag_all > P - 1)
                 else:
                     wide = pos0 - start0 > P - 1  # (start0 = pos0 for Q rows)
                 if wide:
@@ -404,8 +417,12 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
 
 
 @helper
-def _max_lag(head_ptr, vl_ptr, pos, n, BLOCK_KH: tl.constexpr):
-    # Batch 1: the most missing slots (pos - min(valid_len, pos)) of the n heads at head_ptr.
+def _launch_lag(head_ptr, vl_ptr, pos, KH, KH_Q, REFRESH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    # Batch 1: the most missing slots (pos - min(valid_len, pos)) of the launch's selected heads at
+    # head_ptr (KH of them, KH_Q with REFRESH).
+    n = KH
+    if REFRESH:
+        n = KH_Q
     offs = tl.arange(0, BLOCK_KH)
     m = offs < n
     h = tl.load(head_ptr + offs, mask=m, other=0).to(tl.int64)
@@ -959,8 +976,9 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
                                                      SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), SLOW_P=cfg["SLOW_P"],
-                                                     P_WIDE=p_wide, WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]),
-                                                     BLOCK_KH=max(16, next_pow2(kh_q)), **ref_args, **common)
+                                                     P_WIDE=p_wide, WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]) and p_wide > 0,
+                                                     BLOCK_KH=max(16, next_pow2(kh_q)),
+                                                     EARLY_READS=bool(cfg["PARTIAL_EARLY_READS"]), **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:

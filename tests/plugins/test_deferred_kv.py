@@ -530,9 +530,10 @@ def test_hist_slots_follow_the_qkv_route():
 
 @pytest.mark.parametrize("dtype,split,form", [(torch.float16, None, "wide"), (torch.float32, 3, "wide"),
                                               (torch.float32, None, "unfolded"), (torch.float16, 3, "unfolded"),
-                                              (torch.float32, 3, "wideall"), (torch.float16, None, "wideall")],
+                                              (torch.float32, 3, "wideall"), (torch.float16, None, "wideall-early"),
+                                              (torch.float32, None, "unfolded-early")],
                          ids=["fp16-wide", "fp32-split3-wide", "fp32-unfolded", "fp16-split3-unfolded",
-                              "fp32-split3-wideall", "fp16-wideall"])
+                              "fp32-split3-wideall", "fp16-wideall-early", "fp32-unfolded-early"])
 def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close, dtype, split, form):
     """Batch 1, SHARED_P 4 with SHARED_P_WIDE 8: heads 0..3 slots behind take the small tile, 4..7 the
     wide one, more the wide one and the finishing kernel's slow path past 7; with SHARED_P_WIDE_ALL every
@@ -552,15 +553,16 @@ def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close,
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (47, [1, 3]), (52, [4, 2])]
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
     base = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_FINISH": False, "SPLIT": split}
-    longer = ({"SHARED_P_WIDE": 8, "SHARED_P_WIDE_ALL": form == "wideall", "SHARED_P_UNFOLDED": None}
-              if form != "unfolded" else {"SHARED_P_UNFOLDED": 8})
+    longer = ({"SHARED_P_WIDE": 8, "SHARED_P_WIDE_ALL": form.startswith("wideall"), "SHARED_P_UNFOLDED": None}
+              if not form.startswith("unfolded") else {"SHARED_P_UNFOLDED": 8})
+    longer["PARTIAL_EARLY_READS"] = form.endswith("-early")  # the rows read before the PDL wait (none here)
     cfg = DK._qkv_cfg(1, {**base, **longer})
     unf = DK._batch1_unfolded
     assert unf(cfg, 1, True, True, False, False)
     assert not (unf(cfg, 1, True, True, True, False) or unf(cfg, 1, True, True, False, True)  # folded, caught up
                 or unf(cfg, 2, True, True, False, False) or unf(cfg, 1, True, False, False, False)  # B 2, no x_new
                 or unf({**cfg, "FUSED_FINISH": True}, 1, True, True, False, False))
-    if form != "unfolded":
+    if not form.startswith("unfolded"):
         assert DK._wide_p(cfg, True) == 8 and DK._wide_p(cfg, False) == 0
         assert DK._wide_p({**cfg, "SHARED_P_WIDE": 4}, True) == 0  # not above SHARED_P
     else:  # the unfolded route's SHARED_P, unless refresh heads are in the launch

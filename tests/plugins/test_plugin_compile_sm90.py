@@ -169,21 +169,25 @@ SCRIPT = textwrap.dedent('''
                      overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32", **ref})
     # the wide tile (batch 1's default: a branch per program between M = 16 and M = P_WIDE), with and
     # without refresh heads; the finishing kernel then reads P_WIDE - 1 slots of phist (BLOCK_P 32)
-    # (WIDE_ALL: one branch for the launch, on the most missing slots of its selected heads)
-    for refresh, wide_all in ((0, 0), (1, 0), (0, 1), (1, 1)):
+    # (WIDE_ALL: one branch for the launch, on the most missing slots of its selected heads; EARLY_READS: the
+    # rows and lags read before the PDL wait)
+    for refresh, wide_all, early in ((0, 0, 0), (1, 0, 1), (0, 1, 1), (1, 1, 0)):
         compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0,
                                                              P=16, BLOCK_M=16, BLOCK_P=32, BLOCK_R=64, BLOCK_D=128,
                                                              BLOCK_S=1, EVEN_D=True, LN_IN=1, REFRESH=refresh,
-                                                             P_WIDE=32, WIDE_ALL=wide_all, BLOCK_KH=32, GDC=1),
+                                                             P_WIDE=32, WIDE_ALL=wide_all, BLOCK_KH=32,
+                                                             EARLY_READS=early, GDC=1),
                      overrides={**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32", **(ref if refresh else {})})
     compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128,
                                                  BLOCK_S=1, EARLY_READS=True, GDC=1),
                  overrides={"pnew_ptr": "*fp32", "phist_ptr": "*fp32"})
-    # batch 1's unfolded route by default (SHARED_P_UNFOLDED): every program's dot over 31 missing slots
-    compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=32,
-                                                         BLOCK_M=32, BLOCK_P=32, BLOCK_R=64, BLOCK_D=128, BLOCK_S=1,
-                                                         EVEN_D=True, LN_IN=1, GDC=1),
-                 overrides={**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32"})
+    # batch 1's unfolded route by default (SHARED_P_UNFOLDED): every program's dot over 31 missing slots (and with
+    # its rows read before the PDL wait: PARTIAL_EARLY_READS)
+    for early in (0, 1):
+        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0,
+                                                             P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64, BLOCK_D=128,
+                                                             BLOCK_S=1, EVEN_D=True, LN_IN=1, EARLY_READS=early, GDC=1),
+                     overrides={**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32"})
     compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16,
                                                   BLOCK_REF=16), overrides={"ref_ptr": "*i32", "N_REF": "i32"})
     compile_sm90(DK, DK._refresh_kernel, dict(R=4, BLOCK_H=64, BLOCK_K=32), overrides={"out_ptr": "*i32"})
