@@ -149,9 +149,14 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # (Measured on SHARED_P 16; where SHARED_P_UNFOLDED is in force it applies only above that.)
 # SHARED_P_WIDE_ALL (with SHARED_P_WIDE): one branch for the whole launch instead of one per program: every
 # K/V program takes the wide tile when any selected head is more than SHARED_P - 1 slots behind, none when
-# none is (a launch then runs as with SHARED_P_UNFOLDED = SHARED_P_WIDE, or as without it).
+# none is (a launch then runs as with SHARED_P_UNFOLDED = SHARED_P_WIDE, or as without it). Off: on the H200
+# (OPT-30B shape, batch 1, 128-register cap; session 20) d0.3 6.284-6.285 against 6.239-6.245 ms/token with
+# SHARED_P_UNFOLDED (no faster than SHARED_P 16, 6.290), d0.2 4.968 against 4.986-4.992: the branch waits on
+# the launch's valid_len loads before any weight load.
 # PARTIAL_EARLY_READS: the shared-set partial kernel's programs read their head, pos and valid_len before the
-# PDL wait (as the finishing kernel's EARLY_READS).
+# PDL wait (as the finishing kernel's EARLY_READS). Off: within the runs' spread on the H200 (session 20):
+# d0.3 6.269 / 6.279 against 6.279-6.298 ms/token, d0.2 4.994 / 4.994 against 5.018-5.025, d0.1 3.490-3.499
+# against 3.484-3.490; with SHARED_P_WIDE_ALL d0.3 6.343, per-program SHARED_P_WIDE 6.367 (d0.2 4.985 / 4.953).
 # SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
 # SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
 # register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32

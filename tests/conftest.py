@@ -24,6 +24,31 @@ TINY_CONFIG = dict(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_atte
                    ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=32)
 
 
+_BACKGROUND_MODULES: list = []
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(config, items):
+    """Test modules with a `start_background(names)` (tests/runtime/test_runtime_triton_interp.py: decode
+    runs in the Triton interpreter, in subprocesses of minutes each) get the names of their collected tests
+    now, so their scripts run beside the rest of the suite; `stop_background()` at the session's end."""
+    if config.option.collectonly:
+        return
+    names: dict = {}
+    for item in items:
+        mod = getattr(item, "module", None)
+        if mod is not None and callable(getattr(mod, "start_background", None)):
+            names.setdefault(mod, []).append(item.originalname)
+    for mod, ns in names.items():
+        mod.start_background(ns)
+        _BACKGROUND_MODULES.append(mod)
+
+
+def pytest_sessionfinish(session):
+    for mod in _BACKGROUND_MODULES:
+        mod.stop_background()
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Every test uses tiny models, which run fastest on one thread on the small, shared CI

@@ -1,24 +1,79 @@
 """The runtime's Triton backend path (argument order, dtypes, index layouts) on CPU tensors
 through Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before triton
-is imported). Greedy tokens must equal the reference backend's."""
+is imported). Greedy tokens must equal the reference backend's.
+
+Each test's script takes up to a few minutes of one core; tests/conftest.py starts the scripts of
+the collected tests in the background (start_background, one at a time, the longest first) as soon
+as collection ends, so they run on the CI machine's second core beside the rest of the suite, and
+each test waits for its own result."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-def _run(script: str, timeout: int) -> dict:
+BACKGROUND: dict[str, tuple[str, int]] = {}  # test name -> (script, timeout s), filled below
+_FUTURES: dict[str, Future] = {}
+_PROCS: list[subprocess.Popen] = []
+
+
+def _run_now(script: str, timeout: int) -> dict:
     """Run a script in a subprocess with Triton's interpreter on; the JSON of its last line."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parent))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    _PROCS.append(p)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def start_background(names) -> None:
+    """Run the scripts of these (collected) tests one after another in a thread, in BACKGROUND's order."""
+    todo = [n for n in BACKGROUND if n in set(names) and n not in _FUTURES]
+    for n in todo:
+        _FUTURES[n] = Future()
+
+    def work():
+        for n in todo:
+            fut = _FUTURES[n]
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(_run_now(*BACKGROUND[n]))
+            except BaseException as e:  # the test re-raises it
+                fut.set_exception(e)
+
+    if todo:
+        threading.Thread(target=work, name="interpreter-scripts", daemon=True).start()
+
+
+def stop_background() -> None:
+    """End of the session: drop what has not started, kill what runs."""
+    for fut in _FUTURES.values():
+        fut.cancel()
+    for p in _PROCS:
+        if p.poll() is None:
+            p.kill()
+
+
+def _run(name: str) -> dict:
+    """Test `name`'s script result: from the background run, or run now (not started: e.g. called directly)."""
+    fut = _FUTURES.get(name)
+    return fut.result() if fut is not None else _run_now(*BACKGROUND[name])
 
 
 SCRIPT = r"""
@@ -53,7 +108,7 @@ print(json.dumps(out))
 
 
 def test_triton_backend_in_interpreter_equals_reference():
-    out = _run(SCRIPT, timeout=300)
+    out = _run("test_triton_backend_in_interpreter_equals_reference")
     per = out["per_sequence"]
     assert per["kernels"] == {"predictor_topk": "triton", "sparse_fc1": "triton", "sparse_fc2": "triton",
                               "sparse_attn": "triton", "sparse_attn_deferred": "triton", "layer_norm": "triton",
@@ -102,7 +157,7 @@ def test_decoder_catches_up_deferred_kv_on_the_heads_stream():
     # Triton backend in the interpreter, batch 1, gaps past the partials: with the catch-up the
     # logits equal the reference backend's as without it (the Q/K/V kernels' slow path); the
     # catch-up runs; and the step does rely on it (an op told "caught up" with nothing filled differs)
-    out = _run(CATCH_UP_SCRIPT, timeout=300)
+    out = _run("test_decoder_catches_up_deferred_kv_on_the_heads_stream")
     assert out["catch_up_kernels"]["kv_catch_up"] == "triton", out
     assert out["catch_up_calls"] > 0 and out["slow_path_calls"] == 0, out
     assert out["err"]["catch_up"] < 1e-5 and out["err"]["slow_path"] < 1e-5, out
@@ -161,7 +216,7 @@ def test_decoder_refresh_heads_keep_lags_bounded():
     # logits equal the reference's without them; heads get picked; and with two refresh slots (as
     # many as the heads that do not attend) no selected head ever lags more than the partials hold,
     # which without refresh happens
-    out = _run(REFRESH_SCRIPT, timeout=300)
+    out = _run("test_decoder_refresh_heads_keep_lags_bounded")
     assert out["refresh2_kernels"]["kv_refresh"] == "triton", out
     assert out["refresh2_picks"] > 0 and out["ref_refresh_picks"] > 0, out
     assert out["ref_picks"] == 0 and out["ref_max_lag"] > 1, out
@@ -207,7 +262,7 @@ print(json.dumps(out))
 def test_fused_layer_norms_in_interpreter_equal_separate_ones():
     # the decode step with LayerNorms from the fused kernels (and from their fallback) against
     # the step with the separate LayerNorm kernel, Triton backend in the interpreter, fp32
-    out = _run(FUSED_SCRIPT, timeout=300)
+    out = _run("test_fused_layer_norms_in_interpreter_equal_separate_ones")
     for policy in ("per_sequence", "shared"):
         assert set(out[policy + "_kernels"].values()) == {"triton"}, out
         assert out[policy]["fused"] < 1e-5 and out[policy]["fallback"] < 1e-5, out
@@ -271,7 +326,7 @@ print(json.dumps(out))
 def test_deferred_layer_norm_in_interpreter_equals_separate_one():
     # SparseDecoder.defer_ln (fc1 normalising its input from the projection reduction's block
     # stats) against the separate LayerNorm kernel: Triton backend in the interpreter, fp32
-    out = _run(DEFER_SCRIPT, timeout=900)
+    out = _run("test_deferred_layer_norm_in_interpreter_equals_separate_one")
     for policy in ("per_sequence", "shared", "batch1"):
         off = out[f"{policy}_off"]
         assert off["pending"] == off["folds"] == off["pending_attn"] == 0 and off["fc1"] > 0, out
@@ -333,7 +388,18 @@ def test_folded_qkv_finish_in_the_runtime_equals_reference():
     """Batch 1 through the Triton backend with the Q/K/V finish folded into attention (FOLD_FINISH
     True, chunks of 4 positions so it applies; the default "wide" needs more than 8 slices of D):
     the same greedy tokens as the reference backend and as without the fold, no finishing kernel."""
-    out = _run(FOLD_SCRIPT, timeout=600)
+    out = _run("test_folded_qkv_finish_in_the_runtime_equals_reference")
     on, off = out["True"], out["False"]
     assert on["attn"] > 0 and on["finish"] == 0 and off["finish"] > 0, out
     assert on["tokens"] == off["tokens"] == out["ref"], out
+
+
+# the longest first (their durations on one CI core: ~140, 87, 62, 62, 54, 45 s)
+BACKGROUND.update({
+    "test_deferred_layer_norm_in_interpreter_equals_separate_one": (DEFER_SCRIPT, 900),
+    "test_decoder_refresh_heads_keep_lags_bounded": (REFRESH_SCRIPT, 300),
+    "test_decoder_catches_up_deferred_kv_on_the_heads_stream": (CATCH_UP_SCRIPT, 300),
+    "test_folded_qkv_finish_in_the_runtime_equals_reference": (FOLD_SCRIPT, 600),
+    "test_triton_backend_in_interpreter_equals_reference": (SCRIPT, 300),
+    "test_fused_layer_norms_in_interpreter_equal_separate_ones": (FUSED_SCRIPT, 300),
+})
