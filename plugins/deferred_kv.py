@@ -981,7 +981,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
                                                      SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), SLOW_P=cfg["SLOW_P"],
-                                                     P_WIDE=p_wide, WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]) and p_wide > 0,
+                                                     P_WIDE=p_wide,
+                                                     WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]) and p_wide > 0,
                                                      BLOCK_KH=max(16, next_pow2(kh_q)),
                                                      EARLY_READS=bool(cfg["PARTIAL_EARLY_READS"]), **ref_args, **common)
         if fold:
@@ -1001,7 +1002,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z,
         EARLY_READS=bool(cfg["EARLY_READS"]), CAUGHT_UP=caught_up, SLOW_P=cfg["SLOW_P"],
-        SLOW_D=cfg.get("SLOW_D") or bd, num_warps=4, **ref_args, **pdl_args(dev, "qkv_finish"))
+        SLOW_D=cfg.get("SLOW_D") or bd, num_warps=4, **ref_args, **reg_cap({"maxnreg": cfg.get("FINISH_MAXNREG")}, dev),
+        **pdl_args(dev, "qkv_finish"))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
