@@ -579,7 +579,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # the finishing kernel in one wave at d0.3 (17 heads x 24 row blocks = 408 programs, 3 per SM by its
              # 168 registers: 396 slots): 32 rows per program (204), or a 128-register cap (4 per SM)
              "finishr32": _qkv_b1(FINISH_R=32), "finishreg128": _qkv_b1(FINISH_MAXNREG=128),
-             "finishr32b": _qkv_b1(FINISH_R=32),
+             "finishr32b": _qkv_b1(FINISH_R=32), "finishreg128b": _qkv_b1(FINISH_MAXNREG=128),
+             "finishreg96": _qkv_b1(FINISH_MAXNREG=96),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),
