@@ -581,6 +581,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "finishr32": _qkv_b1(FINISH_R=32), "finishreg128": _qkv_b1(FINISH_MAXNREG=128),
              "finishr32b": _qkv_b1(FINISH_R=32), "finishreg128b": _qkv_b1(FINISH_MAXNREG=128),
              "finishreg96": _qkv_b1(FINISH_MAXNREG=96),
+             # the Q/K/V partial kernel's first weight tiles prefetched into L2 before its PDL wait (the window of
+             # fc2's split reduction, where the predictors' stream is idle): 1 / 2 / 4 tiles of 128 columns
+             "pfqkv1": _pdl_prefetch(qkv=1), "pfqkv2": _pdl_prefetch(qkv=2), "pfqkv4": _pdl_prefetch(qkv=4),
+             "pfqkv2b": _pdl_prefetch(qkv=2),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),

@@ -33,6 +33,7 @@ import bisect
 import gzip
 import json
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -133,6 +134,64 @@ def timeline(events: list[dict], steps: int, side_fn) -> dict:
             "charges": charges, "sections": sections(charges)}
 
 
+def layer_timeline(events: list[dict], side_fn, anchor: str = "_qkv_partial") -> dict:
+    """One decoder layer's main-stream kernels, from Chrome-trace kernel events (ts/dur in us): the
+    layers start at each kernel whose name contains `anchor` (the batch-1 deferred step's Q/K/V partial
+    kernel); a kernel is labelled by its short name, with #2, #3 for its later launches in the layer.
+    Per label (in order of start): the median start and end from the layer's anchor start, the median
+    time from the previous label's end to its end (what it adds to the layer; the anchor: its duration),
+    and the fraction of that window in which a side-stream kernel ran; kernels of at most half the layers are left out.
+    `period_us`: the median anchor-to-anchor time. {} without anchors."""
+    main = sorted((e["ts"], e["ts"] + e["dur"], _short(e["name"])) for e in events if not side_fn(e))
+    side = [(e["ts"], e["ts"] + e["dur"]) for e in events if side_fn(e)]
+    layers: list[dict] = []
+    for t0, t1, name in main:
+        if anchor in name:
+            layers.append({"_t0": t0})
+        if not layers:
+            continue
+        lay = layers[-1]
+        label, k = name, 1
+        while label in lay:
+            k += 1
+            label = f"{name}#{k}"
+        lay[label] = (t0 - lay["_t0"], t1 - lay["_t0"])
+    if not layers:
+        return {}
+    gaps = [b["_t0"] - a["_t0"] for a, b in zip(layers, layers[1:])]
+    period = statistics.median(gaps) if gaps else None
+    seen: dict[str, int] = defaultdict(int)
+    for lay in layers:
+        for k in lay:
+            seen[k] += 1
+    # kernels of most layers (not the LM head and sampling after the last one, nor the first LayerNorm)
+    labels = sorted((k for k, n in seen.items() if k != "_t0" and 2 * n > len(layers)),
+                    key=lambda k: statistics.median(lay[k][0] for lay in layers if k in lay))
+
+    def busy(a: float, b: float) -> float:
+        return sum(max(0.0, min(t1, b) - max(t0, a)) for t0, t1 in side) / (b - a) if b > a else 0.0
+
+    rows, prev = [], None
+    for k in labels:
+        have = [lay for lay in layers if k in lay]
+        ends = [lay[k][1] for lay in have]
+        row = {"kernel": k, "layers": len(have), "start_us": round(statistics.median(lay[k][0] for lay in have), 2),
+               "end_us": round(statistics.median(ends), 2)}
+        if prev is None:  # the anchor: from its start
+            row["adds_us"] = round(statistics.median(lay[k][1] - lay[k][0] for lay in have), 2)
+            row["side_busy"] = round(statistics.median(
+                busy(lay["_t0"] + lay[k][0], lay["_t0"] + lay[k][1]) for lay in have), 3)
+        else:
+            both = [lay for lay in have if prev in lay]
+            if both:
+                row["adds_us"] = round(statistics.median(lay[k][1] - lay[prev][1] for lay in both), 2)
+                row["side_busy"] = round(statistics.median(
+                    busy(lay["_t0"] + lay[prev][1], lay["_t0"] + lay[k][1]) for lay in both), 3)
+        rows.append(row)
+        prev = k
+    return {"anchor": anchor, "layers": len(layers), "period_us": period and round(period, 2), "kernels": rows}
+
+
 def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = None) -> dict:
     """Time `steps` decode steps, then profile as many more; each step one position further
     (so the deferred K/V policy sees its steady state: newly selected heads catch up)."""
@@ -177,7 +236,7 @@ def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = N
     return {"wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": total / steps / 1e3,
             "launches_per_step": sum(r[2] for r in rows),
             "kernels": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows],
-            "timeline": timeline(kern, steps, side_fn)}
+            "timeline": timeline(kern, steps, side_fn), "layer": layer_timeline(kern, side_fn)}
 
 
 def main(argv=None) -> int:
@@ -260,6 +319,13 @@ def main(argv=None) -> int:
             for k in tl["charges"][:20]:
                 print(f"  {k['us_per_step']:9.1f} us  {k['launches_per_step']:6.1f}x  {k['name']}")
             print("  by section (us/step): " + ", ".join(f"{k} {v:.1f}" for k, v in tl["sections"].items()))
+        lay = r.get("layer")
+        if lay:
+            print(f"  one layer (median of {lay['layers']}, period {lay['period_us']} us; from its "
+                  f"{lay['anchor']} start): kernel, start, end, adds, side stream busy")
+            for k in lay["kernels"]:
+                print(f"  {k['kernel']:34s} {k['start_us']:7.1f} {k['end_us']:7.1f} "
+                      f"{k.get('adds_us', k['end_us']):6.1f} {k.get('side_busy', 0):5.2f}")
         eng = None
         torch.cuda.empty_cache()
     print(f"JSON: {out}")

@@ -29,9 +29,12 @@ _BACKGROUND_MODULES: list = []
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
-    """Test modules with a `start_background(names)` (tests/runtime/test_runtime_triton_interp.py: decode
-    runs in the Triton interpreter, in subprocesses of minutes each) get the names of their collected tests
-    now, so their scripts run beside the rest of the suite; `stop_background()` at the session's end."""
+    """Test modules with a `start_background(names)` and a BACKGROUND dict (tests/runtime/
+    test_runtime_triton_interp.py: decode runs in the Triton interpreter, in subprocesses of minutes each)
+    get the names of their collected tests now, so their scripts run beside the rest of the suite;
+    `stop_background()` at the session's end. Under pytest-xdist (`-n 2`) each worker runs them inline
+    instead, and those tests go first (in BACKGROUND's order, the same in every worker) so the workers
+    start on them rather than end on them."""
     if config.option.collectonly:
         return
     names: dict = {}
@@ -39,6 +42,11 @@ def pytest_collection_modifyitems(config, items):
         mod = getattr(item, "module", None)
         if mod is not None and callable(getattr(mod, "start_background", None)):
             names.setdefault(mod, []).append(item.originalname)
+    if hasattr(config, "workerinput"):
+        order = {(mod, n): i for mod in names for i, n in enumerate(mod.BACKGROUND)}
+        items.sort(key=lambda it: order.get((getattr(it, "module", None), getattr(it, "originalname", None)),
+                                            len(order)))  # a stable sort: the rest keep their order
+        return
     for mod, ns in names.items():
         mod.start_background(ns)
         _BACKGROUND_MODULES.append(mod)

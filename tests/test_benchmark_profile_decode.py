@@ -49,3 +49,31 @@ def test_sections_fall_back_to_other():
                        {"name": "_split_reduce_kernel", "us_per_step": 1.5},
                        {"name": "nvjet_sm90_hsh_512x8", "us_per_step": 170.0}])
     assert sec == {"weights": 170.0, "attention": 0.0, "norms": 1.5, "other": 3.0}
+
+
+def test_layer_timeline_medians_labels_and_side_stream():
+    # three layers of: Q/K/V partial (anchor), finish, fc1 (gather_gemv, main), fc2 (dot_t) + a second dot_t
+    # (labelled #2); one side-stream scoring GEMV beside each layer's finish; an LM-head kernel after the last
+    # layer only (left out: in one layer of three). Layer k is shifted by 100 us and its fc1 lasts 20 + k us.
+    events = []
+    for k in range(3):
+        t = 100 * k
+        events += [ev("_qkv_partial_shared_kernel", t, 30), ev("_qkv_finish_kernel", t + 30, 4),
+                   ev("_gather_gemv_kernel", t + 34, 20 + k, grid=(1, 4301)),
+                   ev("_gather_dot_t_kernel", t + 60, 10), ev("_gather_dot_t_kernel", t + 72, 8),
+                   ev("_gather_gemv_kernel", t + 28, 8, grid=(1, 3584))]  # side: 28..36
+    events.append(ev("nvjet_sm90_lm_head", 290, 50))
+    lay = pd.layer_timeline(events, pd.side_kernel({3584}))
+    assert lay["layers"] == 3 and lay["period_us"] == 100
+    rows = {r["kernel"]: r for r in lay["kernels"]}
+    assert [r["kernel"] for r in lay["kernels"]] == ["_qkv_partial_shared_kernel", "_qkv_finish_kernel",
+                                                    "_gather_gemv_kernel", "_gather_dot_t_kernel",
+                                                    "_gather_dot_t_kernel#2"]
+    assert rows["_gather_gemv_kernel"]["end_us"] == 34 + 21  # the median of 20, 21, 22 us
+    assert rows["_qkv_finish_kernel"]["adds_us"] == 4 and rows["_gather_dot_t_kernel#2"]["adds_us"] == 10
+    # the side GEMV (28..36) covers 2 of the anchor's 30 us, all of the finish's window (30..34), and 2 of
+    # fc1's (34..55)
+    assert rows["_qkv_partial_shared_kernel"]["side_busy"] == round(2 / 30, 3)
+    assert rows["_qkv_finish_kernel"]["side_busy"] == 1.0
+    assert rows["_gather_gemv_kernel"]["side_busy"] == round(2 / 21, 3)
+    assert pd.layer_timeline(events, pd.side_kernel({3584}), anchor="_no_such_kernel") == {}
