@@ -104,7 +104,9 @@ PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "c
 # "PREFETCH": {kind: tiles}, overriding PREFETCH_TILES for those kinds (a kernel launched behind
 # an early trigger waits longest: the output projection behind the attention and its combine).
 # Session 12 (these defaults otherwise): the projection with 2 / 4 tiles 6.407 / 6.470 ms/token at
-# density 0.3, fc1 with 1 tile 6.448, against 6.345-6.353 without.
+# density 0.3, fc1 with 1 tile 6.448, against 6.345-6.353 without. Session 20: the Q/K/V partial kernel
+# (behind fc2's split reduction, while the predictors' stream is idle) with 1 / 2 / 4 tiles 6.328 /
+# 6.351-6.356 / 6.377 against 6.289-6.300, slower at d0.2 and d0.1 too.
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
               "EARLY": ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm"),
               "PLAIN": ("pred",), "PREFETCH": {}}
