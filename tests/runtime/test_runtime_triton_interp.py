@@ -2,10 +2,11 @@
 through Triton's interpreter, in a subprocess (TRITON_INTERPRET must be set before triton
 is imported). Greedy tokens must equal the reference backend's.
 
-Each test's script takes up to a few minutes of one core; tests/conftest.py starts the scripts of
-the collected tests in the background (start_background, one at a time, the longest first) as soon
-as collection ends, so they run on the CI machine's second core beside the rest of the suite, and
-each test waits for its own result."""
+Each test's script takes up to a few minutes of one core. Under pytest-xdist (`pytest -n 2`, the
+README's command) tests/conftest.py puts these tests first in every worker, which runs them inline;
+in one process it starts the scripts of the collected tests in the background (start_background,
+one at a time, the longest first) as soon as collection ends, so they run on the machine's second
+core beside the rest of the suite, and each test waits for its own result."""
 from __future__ import annotations
 
 import json
