@@ -576,8 +576,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "wideallearly": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128,
                                      PARTIAL_EARLY_READS=True),
              "wideearly": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None, maxnreg=128, PARTIAL_EARLY_READS=True),
-             # the finishing kernel in one wave at d0.3 (17 heads x 24 row blocks = 408 programs, 3 per SM by its
-             # 168 registers: 396 slots): 32 rows per program (204), or a 128-register cap (4 per SM)
+             # the finishing kernel's blocks: 32 rows per program (204 at d0.3 instead of 408), or a register cap
+             # (QKV_CONFIG FINISH_MAXNREG; its decode form has 64 registers, so 408 programs are one wave already)
              "finishr32": _qkv_b1(FINISH_R=32), "finishreg128": _qkv_b1(FINISH_MAXNREG=128),
              "finishr32b": _qkv_b1(FINISH_R=32), "finishreg128b": _qkv_b1(FINISH_MAXNREG=128),
              "finishreg96": _qkv_b1(FINISH_MAXNREG=96),

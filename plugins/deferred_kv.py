@@ -98,7 +98,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
               "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0,
               "SHARED_P_WIDE_ALL": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None,
-              "PARTIAL_EARLY_READS": False}
+              "PARTIAL_EARLY_READS": False, "FINISH_MAXNREG": None}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -157,6 +157,10 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # PDL wait (as the finishing kernel's EARLY_READS). Off: within the runs' spread on the H200 (session 20):
 # d0.3 6.269 / 6.279 against 6.279-6.298 ms/token, d0.2 4.994 / 4.994 against 5.018-5.025, d0.1 3.490-3.499
 # against 3.484-3.490; with SHARED_P_WIDE_ALL d0.3 6.343, per-program SHARED_P_WIDE 6.367 (d0.2 4.985 / 4.953).
+# FINISH_MAXNREG: a register cap for the finishing kernel (None: the compiler's; its decode form takes 64,
+# 8 programs per SM, so d0.3's 408 programs are one wave). Off: with 128 / 96 ptxas takes 78-80 and the H200
+# (session 20) gave d0.3 6.245-6.253 against 6.283-6.288 ms/token but d0.2 5.044-5.046 against 5.016-5.021,
+# d0.5 equal; 32 rows per program (FINISH_R) 6.303-6.304 at d0.3.
 # SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
 # SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
 # register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32
