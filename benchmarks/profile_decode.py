@@ -92,6 +92,27 @@ def sections(charges: list[dict]) -> dict:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def _union(intervals) -> tuple[list[list[float]], list[float]]:
+    """Intervals (t0, t1) merged into disjoint sorted ones, with their starts (for `_covered`)."""
+    merged: list[list[float]] = []
+    for t0, t1 in sorted(intervals):
+        if merged and t0 <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t1)
+        else:
+            merged.append([t0, t1])
+    return merged, [m[0] for m in merged]
+
+
+def _covered(union, a: float, b: float) -> float:
+    """How much of [a, b] the merged intervals of `_union` cover."""
+    merged, starts = union
+    i, tot = max(0, bisect.bisect_right(starts, a) - 1), 0.0
+    while i < len(merged) and merged[i][0] < b:
+        tot += max(0.0, min(merged[i][1], b) - max(merged[i][0], a))
+        i += 1
+    return tot
+
+
 def timeline(events: list[dict], steps: int, side_fn) -> dict:
     """Critical-path charges of the main stream from Chrome-trace kernel events (ts/dur in us);
     side_fn(event) True: a side-stream (predictor) kernel."""
@@ -113,19 +134,8 @@ def timeline(events: list[dict], steps: int, side_fn) -> dict:
     side = by_stream["side"]
     side_us = sum(t1 - t0 for t0, t1, _ in side)
     # side-stream time that ran while some main-stream kernel was running (merged main intervals)
-    merged: list[list[float]] = []
-    for t0, t1, _ in ks:
-        if merged and t0 <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], t1)
-        else:
-            merged.append([t0, t1])
-    starts = [m[0] for m in merged]
-    over = 0.0
-    for t0, t1, _ in side:
-        i = max(0, bisect.bisect_right(starts, t0) - 1)
-        while i < len(merged) and merged[i][0] < t1:
-            over += max(0.0, min(t1, merged[i][1]) - max(t0, merged[i][0]))
-            i += 1
+    merged = _union((t0, t1) for t0, t1, _ in ks)
+    over = sum(_covered(merged, t0, t1) for t0, t1, _ in side)
     rows = sorted(([k, v[0] / steps, v[1] / steps] for k, v in charge.items()), key=lambda r: -r[1])
     charges = [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows]
     return {"span_ms_per_step": span / steps / 1e3,
@@ -168,8 +178,10 @@ def layer_timeline(events: list[dict], side_fn, anchor: str = "_qkv_partial") ->
     labels = sorted((k for k, n in seen.items() if k != "_t0" and 2 * n > len(layers)),
                     key=lambda k: statistics.median(lay[k][0] for lay in layers if k in lay))
 
+    side_busy = _union(side)
+
     def busy(a: float, b: float) -> float:
-        return sum(max(0.0, min(t1, b) - max(t0, a)) for t0, t1 in side) / (b - a) if b > a else 0.0
+        return _covered(side_busy, a, b) / (b - a) if b > a else 0.0
 
     rows, prev = [], None
     for k in labels:
