@@ -376,19 +376,15 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         if GDC and not REFRESH:
             _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
                           BLOCK_R, BLOCK_D)
-        if EARLY_READS:
-            head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
-                head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
-                REFRESH)
-            if WIDE_ALL:
-                lag_all = _launch_lag(head_ptr, vl_ptr, pos0, KH, KH_Q, REFRESH, BLOCK_KH)
-        gdc_enter(GDC)
         if not EARLY_READS:
-            head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
-                head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
-                REFRESH)
-            if WIDE_ALL:
-                lag_all = _launch_lag(head_ptr, vl_ptr, pos0, KH, KH_Q, REFRESH, BLOCK_KH)
+            gdc_enter(GDC)
+        head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
+            head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
+            REFRESH)
+        if WIDE_ALL:
+            lag_all = _launch_lag(head_ptr, vl_ptr, pos0, KH, KH_Q, REFRESH, BLOCK_KH)
+        if EARLY_READS:
+            gdc_enter(GDC)
         if REFRESH:  # a real head (not -1); a refresh head (slot >= KH_Q) has no Q rows
             live = (head >= 0) & ((j < KH_Q) | (seg > 0))
         else:
