@@ -585,6 +585,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # fc2's split reduction, where the predictors' stream is idle): 1 / 2 / 4 tiles of 128 columns
              "pfqkv1": _pdl_prefetch(qkv=1), "pfqkv2": _pdl_prefetch(qkv=2), "pfqkv4": _pdl_prefetch(qkv=4),
              "pfqkv2b": _pdl_prefetch(qkv=2),
+             # session 21: the attention kernel's stable cache slots (below min(valid_len, pos)) loaded before its
+             # PDL wait, valid_len committed by the combine kernel (ATTN_CONFIG EARLY_KV); with 16- / 64-slot chunks
+             "earlykv": _attn_setting(EARLY_KV=True), "earlykv2": _attn_setting(EARLY_KV=True),
+             "earlykvc16": _attn_setting(EARLY_KV=True, CHUNK=16, BLOCK_S=16),
+             "earlykvc64": _attn_setting(EARLY_KV=True, CHUNK=64, BLOCK_S=64),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),

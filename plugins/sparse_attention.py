@@ -80,7 +80,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # 0.946 ms/token. Each program's serial chain (its head's whole attention, then its weight tiles)
 # outlasts the three short launches it replaces (BENCHMARKS.md, session 12).
 ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16,
-               "LAST_COMBINE": False, "EARLY_READS": True, "PROJ_MAX_S": 0, "PROJ_TARGET": 264,
+               "LAST_COMBINE": False, "EARLY_READS": True, "EARLY_KV": False, "PROJ_MAX_S": 0, "PROJ_TARGET": 264,
                "PROJ_BLOCK_D": 64, "PROJ_BLOCK_S": 32, "PROJ_PF": True, "PROJ_DOT": True, "PROJ_WARPS": 4,
                "PROJ_STAGES": 3}
 
@@ -160,7 +160,8 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
                         BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, LAST_COMBINE: tl.constexpr = 0,
                         BLOCK_C: tl.constexpr = 2, EARLY_READS: tl.constexpr = 0, FOLD: tl.constexpr = 0,
                         FOLD_SPLIT: tl.constexpr = 1, BLOCK_F: tl.constexpr = 16, ref_ptr=None, N_REF=0,
-                        BLOCK_REF: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        BLOCK_REF: tl.constexpr = 0, EARLY_KV: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                        PF: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
@@ -182,14 +183,33 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # (one tile per program, BLOCK_S >= CHUNK; the FOLD_SPLIT partial loads unrolled), so the loads
     # go out together. valid_len (read here by every chunk program) is committed by the combine
     # kernel, not here.
+    # EARLY_KV (with EARLY_READS, not FOLD; one tile per program, BLOCK_S >= CHUNK): the chunk's cache
+    # slots below min(valid_len, pos) (COMMIT: deferred K/V) or below pos (no COMMIT: the full policy)
+    # are loaded before the PDL wait: no kernel in flight writes them (the Q/K/V kernels write slots
+    # from min(valid_len, pos) on). After the wait only q and the fresh slots are loaded. valid_len is
+    # then committed by the combine kernel (attend_heads), so no program here reads a value this
+    # launch wrote.
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
     pid_c = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_HD)
+    dmask = offs_d < HD
     if EARLY_READS:
         head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
         pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
         if FOLD:
             fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
+        if EARLY_KV:
+            if COMMIT:
+                stable = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
+            else:
+                stable = pos
+            offs_e = pid_c * CHUNK + tl.arange(0, BLOCK_S)
+            etile = (pid_b.to(tl.int64) * stride_cb + head * stride_ch + offs_e[:, None].to(tl.int64) * stride_cs
+                     + offs_d[None, :])
+            emask = (offs_e < tl.minimum(stable, pid_c * CHUNK + CHUNK))[:, None] & dmask[None, :]
+            k_early = tl.load(k_ptr + etile, mask=emask, other=0.0)
+            v_early = tl.load(v_ptr + etile, mask=emask, other=0.0)
     gdc_enter(GDC)
     if not EARLY_READS:
         head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
@@ -198,7 +218,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
             fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
     if COMMIT:
         if pid_c == 0:
-            if not FOLD:
+            if not FOLD and not EARLY_KV:
                 tl.store(vl_ptr + pid_b * H + head, pos + 1)
                 if BLOCK_REF > 0:
                     if pid_j == 0:
@@ -214,8 +234,6 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
                 tl.store(dst + offs_x, tl.load(src + offs_x, mask=xm), mask=xm)
     start = pid_c * CHUNK
     end = tl.minimum(start + CHUNK, pos + 1)
-    offs_d = tl.arange(0, BLOCK_HD)
-    dmask = offs_d < HD
     qo = (pid_b.to(tl.int64) * KH + pid_j) * HD
     base = pid_b.to(tl.int64) * stride_cb + head * stride_ch
     if FOLD:  # straight-line (one tile: BLOCK_S >= CHUNK), so every load can be issued at once
@@ -252,6 +270,19 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
         # the finished slots into the caches (K, V)
         tl.store(k_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], kf, mask=fm2)
         tl.store(v_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], vf, mask=fm2)
+    elif EARLY_KV:  # straight-line: the early tile plus the fresh slots (slots >= stable) loaded now
+        q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        smask = offs_e < end
+        fresh = (smask & (offs_e >= stable))[:, None] & dmask[None, :]
+        k = tl.where(emask, k_early, tl.load(k_ptr + etile, mask=fresh, other=0.0)).to(tl.float32)
+        v = tl.where(emask, v_early, tl.load(v_ptr + etile, mask=fresh, other=0.0)).to(tl.float32)
+        s = tl.where(smask, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m = tl.max(s, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a chunk past pos: exp(-inf) = 0, no NaN
+        p = tl.exp(s - m)
+        l_i = tl.zeros([1], dtype=tl.float32) + tl.sum(p, axis=0)
+        acc = tl.sum(p[:, None] * v, axis=0)
+        m_i = tl.where(l_i == 0.0, float("-inf"), m)
     else:
         q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
         m_i = tl.full([1], float("-inf"), tl.float32)
@@ -288,15 +319,23 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
 
 def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK, vl_ptr, head_ptr, pos_ptr, KH, H, stride_hb,
                          stride_pb, BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, COMMIT: tl.constexpr = 0,
-                         GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         ref_ptr=None, N_REF=0, BLOCK_REF: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                         PF: tl.constexpr = 0):
     # o = the chunks' partials combined (_combine_row); grid (B * Kh,). COMMIT (the attention
-    # kernel's FOLD, whose chunk programs read valid_len): valid_len[b, head] = pos + 1.
+    # kernel's FOLD or EARLY_KV, whose chunk programs read valid_len): valid_len[b, head] = pos + 1,
+    # and (BLOCK_REF > 0, batch 1, by row 0) for the N_REF refresh heads at ref_ptr (-1: none).
     gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
     if COMMIT:
         b = row // KH
         head = tl.load(head_ptr + b * stride_hb + row % KH).to(tl.int64)
-        tl.store(vl_ptr + b * H + head, tl.load(pos_ptr + b * stride_pb).to(tl.int32) + 1)
+        pos1 = tl.load(pos_ptr + b * stride_pb).to(tl.int32) + 1
+        tl.store(vl_ptr + b * H + head, pos1)
+        if BLOCK_REF > 0:
+            if row == 0:
+                offs_r = tl.arange(0, BLOCK_REF)
+                ref = tl.load(ref_ptr + offs_r, mask=offs_r < N_REF, other=-1).to(tl.int64)
+                tl.store(vl_ptr + ref, tl.zeros([BLOCK_REF], dtype=tl.int32) + pos1, mask=ref >= 0)
     _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C, BLOCK_HD)
 
 
@@ -509,6 +548,10 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
     # Q/K/V partials (finish): never touched without FOLD
     f = finish or QKVPartials(q, q, 0, 0, 0, q, q)
+    # EARLY_KV: deferred K/V moves the valid_len commit (and the refresh heads') to the combine launch
+    early_kv = (bool(cfg["EARLY_KV"]) and bool(cfg["EARLY_READS"]) and finish is None
+                and cfg["BLOCK_S"] >= cfg["CHUNK"] and (commit is None or (nchunk > 1 and not last and not fold)))
+    late_commit = finish is not None or (early_kv and commit is not None)
     kernel = jit(_attn_decode_kernel, q.device)
     kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, vl, xn, xh, cnt, kh, H, hd, D,
                             cfg["CHUNK"], nchunk, stride_hb,
@@ -519,14 +562,15 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit_mode == 1 else 16,
                             LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
                             FOLD=finish is not None, FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
-                            num_warps=cfg["num_warps"], **ref_args, **pdl_args(q.device, "attn"))
+                            EARLY_KV=early_kv, num_warps=cfg["num_warps"], **(ref_args if not late_commit else {}),
+                            **pdl_args(q.device, "attn"))
     if fold:
         return AttnParts(part, ml, nchunk, q)
     if nchunk > 1 and not last:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, vl, head_idx, pos_t, kh, H, stride_hb, stride_pb,
-                           BLOCK_C=block_c, BLOCK_HD=block_hd, COMMIT=finish is not None, num_warps=4,
-                           **pdl_args(q.device, "attn_combine"))
+                           BLOCK_C=block_c, BLOCK_HD=block_hd, COMMIT=late_commit, num_warps=4,
+                           **(ref_args if late_commit else {}), **pdl_args(q.device, "attn_combine"))
     return o
 
 

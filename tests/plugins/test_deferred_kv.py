@@ -119,9 +119,15 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
                                           (torch.float32, {"qkv": {"SHARED_MIN_BATCH": 2, "SHARED_P": 2, "BLOCK_D": 32}}),
                                           # index and position reads after the PDL wait (EARLY_READS off)
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "EARLY_READS": False},
-                                                           "attn": {"CHUNK": 4, "EARLY_READS": False}})],
+                                                           "attn": {"CHUNK": 4, "EARLY_READS": False}}),
+                                          # the stable cache slots loaded before the PDL wait, valid_len
+                                          # committed by the combine kernel (EARLY_KV; a tile wider than
+                                          # the chunk in fp16)
+                                          (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3},
+                                                           "attn": {"CHUNK": 4, "BLOCK_S": 8, "EARLY_KV": True}}),
+                                          (torch.float32, {"attn": {"CHUNK": 4, "BLOCK_S": 4, "EARLY_KV": True}})],
                          ids=["fp16", "fp32", "fp16-split-D-fused", "fp16-split-D-two-launch", "fp32-shared-P2",
-                              "fp16-late-reads"])
+                              "fp16-late-reads", "fp16-early-kv", "fp32-early-kv"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""
@@ -858,6 +864,9 @@ REFRESH_CONFIGS = {  # name: (op config, whether the route takes refresh heads)
     "folded": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": True, "FOLD_SLOW_Z": 2},
                 "attn": {"CHUNK": 8, "BLOCK_S": 8}}, False),
     "fused": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FUSED_FINISH": True}}, False),
+    # EARLY_KV: the refresh heads' valid_len committed by the combine kernel
+    "two-launch-early-kv": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": False},
+                             "attn": {"CHUNK": 8, "BLOCK_S": 8, "EARLY_KV": True}}, True),
 }
 
 

@@ -243,7 +243,15 @@ SCRIPT = textwrap.dedent('''
                                           LAST_COMBINE=True, BLOCK_C=8), {"cnt_ptr": "*i32"}, False),
         (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192,
                                           EARLY_READS=True), {"cnt_ptr": "*i32"}, False),
+        # the cache tiles' stable slots loaded before the wait (EARLY_KV), deferred (COMMIT 2) and full (0)
+        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16,
+                                          EARLY_READS=True, EARLY_KV=True), {"cnt_ptr": "*i32"}, False),
+        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=0, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16,
+                                          EARLY_READS=True, EARLY_KV=True), {"cnt_ptr": "*i32"}, False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), {}, False),
+        (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, BLOCK_REF=16),
+         {"ref_ptr": "*i32", "N_REF": "i32"},
+         False),
         (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), {"eps": "fp32"}, False),
         (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192, EARLY_W=True), {"eps": "fp32"}, False),
     ]

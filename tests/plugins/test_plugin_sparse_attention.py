@@ -68,11 +68,13 @@ def test_all_heads_is_dense_attention_and_positions_per_sequence(triton_interp):
         assert torch.allclose(y[b].double(), o @ wo_t + bo, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("last", [False, True], ids=["combine_kernel", "last_combine"])
+@pytest.mark.parametrize("last,early", [(False, False), (True, False), (False, True)],
+                         ids=["combine_kernel", "last_combine", "early_kv"])
 @pytest.mark.parametrize("chunk", [4, 8])
-def test_context_split_into_chunks(triton_interp, close, chunk, last):
+def test_context_split_into_chunks(triton_interp, close, chunk, last, early):
     # S = 20 positions in chunks of 4 or 8: partial softmaxes combined (by a second kernel, or by
-    # the last chunk program of each head to finish: LAST_COMBINE); chunks past pos unused
+    # the last chunk program of each head to finish: LAST_COMBINE); chunks past pos unused;
+    # EARLY_KV: the slots before pos loaded before the PDL wait, slot pos after it (8-slot tiles)
     from dejavu.plugins._common import counters
     B = 2
     w, (kc, vc) = make(B, torch.float16)
@@ -82,7 +84,8 @@ def test_context_split_into_chunks(triton_interp, close, chunk, last):
     for step in range(2):  # the counters are back to 0 after a launch: a second one combines too
         y = torch.full((B, D), float("nan"), dtype=torch.float16)
         sparse_attn_decode(x, *w, hidx, kc, vc, pos, out=y,
-                           config={"CHUNK": chunk, "BLOCK_S": 4, "LAST_COMBINE": last})
+                           config={"CHUNK": chunk, "BLOCK_S": 8 if early else 4, "LAST_COMBINE": last,
+                                   "EARLY_KV": early})
         ref = sparse_attn_decode_ref(x.double(), *[t.double() for t in w], hidx, k64, v64, pos)
         close(y, ref, sparse_attn_decode_ref(x, *w, hidx, kt, vt, pos))
         assert not counters(x.device, B * 3).any()
