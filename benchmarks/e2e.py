@@ -590,6 +590,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "earlykv": _attn_setting(EARLY_KV=True), "earlykv2": _attn_setting(EARLY_KV=True),
              "earlykvc16": _attn_setting(EARLY_KV=True, CHUNK=16, BLOCK_S=16),
              "earlykvc64": _attn_setting(EARLY_KV=True, CHUNK=64, BLOCK_S=64),
+             # ... with the predictors' top-k in one launch (their stream's chain shorter), or fc2 at batch 1 on
+             # 528 / 264 programs (the predictors then spill into the MLP: fc2's one wave of 396 is broken)
+             "earlykvtk": _both(_attn_setting(EARLY_KV=True), _topk_fused),
+             "earlykvf528": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=528)),
+             "earlykvf264": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=264)),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
              # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
              "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),
