@@ -151,32 +151,31 @@ def layer_timeline(events: list[dict], side_fn, anchor: str = "_qkv_partial") ->
     Per label (in order of start): the median start and end from the layer's anchor start, the median
     time from the previous label's end to its end (what it adds to the layer; the anchor: its duration),
     and the fraction of that window in which a side-stream kernel ran; kernels of at most half the layers are left out.
-    `period_us`: the median anchor-to-anchor time. {} without anchors."""
+    `period_us`: the median anchor-to-anchor time. `side`: the side stream's kernels that start in a layer's
+    window (from its anchor to the next), labelled and placed the same way (start, end, duration). {} without
+    anchors."""
     main = sorted((e["ts"], e["ts"] + e["dur"], _short(e["name"])) for e in events if not side_fn(e))
-    side = [(e["ts"], e["ts"] + e["dur"]) for e in events if side_fn(e)]
+    side_k = sorted((e["ts"], e["ts"] + e["dur"], _short(e["name"])) for e in events if side_fn(e))
+    side = [(t0, t1) for t0, t1, _ in side_k]
     layers: list[dict] = []
     for t0, t1, name in main:
         if anchor in name:
             layers.append({"_t0": t0})
         if not layers:
             continue
-        lay = layers[-1]
-        label, k = name, 1
-        while label in lay:
-            k += 1
-            label = f"{name}#{k}"
-        lay[label] = (t0 - lay["_t0"], t1 - lay["_t0"])
+        _place(layers[-1], name, t0, t1)
     if not layers:
         return {}
+    starts = [lay["_t0"] for lay in layers]
+    side_layers = [{"_t0": t} for t in starts]
+    for t0, t1, name in side_k:
+        i = bisect.bisect_right(starts, t0) - 1
+        if i >= 0:
+            _place(side_layers[i], name, t0, t1)
     gaps = [b["_t0"] - a["_t0"] for a, b in zip(layers, layers[1:])]
     period = statistics.median(gaps) if gaps else None
-    seen: dict[str, int] = defaultdict(int)
-    for lay in layers:
-        for k in lay:
-            seen[k] += 1
     # kernels of most layers (not the LM head and sampling after the last one, nor the first LayerNorm)
-    labels = sorted((k for k, n in seen.items() if k != "_t0" and 2 * n > len(layers)),
-                    key=lambda k: statistics.median(lay[k][0] for lay in layers if k in lay))
+    labels = _labels(layers)
 
     side_busy = _union(side)
 
@@ -201,7 +200,32 @@ def layer_timeline(events: list[dict], side_fn, anchor: str = "_qkv_partial") ->
                     busy(lay["_t0"] + lay[prev][1], lay["_t0"] + lay[k][1]) for lay in both), 3)
         rows.append(row)
         prev = k
-    return {"anchor": anchor, "layers": len(layers), "period_us": period and round(period, 2), "kernels": rows}
+    side_rows = [{"kernel": k, "layers": len(have), "start_us": round(statistics.median(lay[k][0] for lay in have), 2),
+                  "end_us": round(statistics.median(lay[k][1] for lay in have), 2),
+                  "dur_us": round(statistics.median(lay[k][1] - lay[k][0] for lay in have), 2)}
+                 for k in _labels(side_layers) for have in [[lay for lay in side_layers if k in lay]]]
+    return {"anchor": anchor, "layers": len(layers), "period_us": period and round(period, 2), "kernels": rows,
+            "side": side_rows}
+
+
+def _place(lay: dict, name: str, t0: float, t1: float) -> None:
+    """Put a kernel into one layer's dict under its short name, #2, #3 ... for later launches, as (start, end)
+    from the layer's anchor start `_t0`."""
+    label, k = name, 1
+    while label in lay:
+        k += 1
+        label = f"{name}#{k}"
+    lay[label] = (t0 - lay["_t0"], t1 - lay["_t0"])
+
+
+def _labels(layers: list[dict]) -> list[str]:
+    """The labels of more than half the layers, by median start."""
+    seen: dict[str, int] = defaultdict(int)
+    for lay in layers:
+        for k in lay:
+            seen[k] += 1
+    return sorted((k for k, n in seen.items() if k != "_t0" and 2 * n > len(layers)),
+                  key=lambda k: statistics.median(lay[k][0] for lay in layers if k in lay))
 
 
 def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = None) -> dict:
@@ -338,6 +362,9 @@ def main(argv=None) -> int:
             for k in lay["kernels"]:
                 print(f"  {k['kernel']:34s} {k['start_us']:7.1f} {k['end_us']:7.1f} "
                       f"{k.get('adds_us', k['end_us']):6.1f} {k.get('side_busy', 0):5.2f}")
+            print("  side stream, kernels starting in the layer's window: kernel, start, end, duration")
+            for k in lay.get("side", []):
+                print(f"  {k['kernel']:34s} {k['start_us']:7.1f} {k['end_us']:7.1f} {k['dur_us']:6.1f}")
         eng = None
         torch.cuda.empty_cache()
     print(f"JSON: {out}")

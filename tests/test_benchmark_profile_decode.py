@@ -76,4 +76,6 @@ def test_layer_timeline_medians_labels_and_side_stream():
     assert rows["_qkv_partial_shared_kernel"]["side_busy"] == round(2 / 30, 3)
     assert rows["_qkv_finish_kernel"]["side_busy"] == 1.0
     assert rows["_gather_gemv_kernel"]["side_busy"] == round(2 / 21, 3)
+    # the side stream's kernels by layer window: the GEMV at 28..36 from each layer's anchor
+    assert lay["side"] == [{"kernel": "_gather_gemv_kernel", "layers": 3, "start_us": 28, "end_us": 36, "dur_us": 8}]
     assert pd.layer_timeline(events, pd.side_kernel({3584}), anchor="_no_such_kernel") == {}
