@@ -593,6 +593,12 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # ... with the predictors' top-k in one launch (their stream's chain shorter), or fc2 at batch 1 on
              # 528 / 264 programs (the predictors then spill into the MLP: fc2's one wave of 396 is broken)
              "earlykvtk": _both(_attn_setting(EARLY_KV=True), _topk_fused),
+             # the Q/K/V partial kernel (4 programs per SM fill the register file) aimed at 512 / 480 programs, so
+             # free SM slots let the predictors' first GEMVs start beside it (TARGET_PROGRAMS 528 fills every slot
+             # at head density 0.2: 8 slices x 66 row blocks; 512 -> 7 slices, 462; 480 also d0.3 -> 4 slices, 408)
+             "qkvt512": _qkv_b1(TARGET_PROGRAMS=512), "qkvt480": _qkv_b1(TARGET_PROGRAMS=480),
+             "earlykvt512": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=512)),
+             "earlykvt480": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=480)),
              "earlykvf528": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=528)),
              "earlykvf264": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=264)),
              # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
