@@ -392,6 +392,14 @@ def _attn_setting(**kv):
     return _table("sparse_attention", "ATTN_CONFIG", **kv)
 
 
+def _neurons_before_heads(eng):
+    """A layer's neuron predictor before its head predictor on the side stream (the main stream still
+    waits for each kind's own event: PredictorRunner.neurons_first)."""
+    pred = eng.decoder.pred
+    pred.neurons_first = True
+    return lambda: setattr(pred, "neurons_first", False)
+
+
 def _neurons_first(eng):
     """The predictor schedule before session 6: a layer's neuron predictor first, and the main
     stream waits for both of its predictors before the layer's attention."""
@@ -597,6 +605,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # free SM slots let the predictors' first GEMVs start beside it (TARGET_PROGRAMS 528 fills every slot
              # at head density 0.2: 8 slices x 66 row blocks; 512 -> 7 slices, 462; 480 also d0.3 -> 4 slices, 408)
              "qkvt512": _qkv_b1(TARGET_PROGRAMS=512), "qkvt480": _qkv_b1(TARGET_PROGRAMS=480),
+             "qkvt528": _qkv_b1(TARGET_PROGRAMS=528),  # the default before session 21 (512 since)
+             # the neuron predictor first on the side stream (its 37 MB read beside the Q/K/V kernel, the head
+             # predictor's latency-bound chain beside attention), alone and with earlykv
+             "nfirst": _neurons_before_heads, "nfirst2": _neurons_before_heads,
+             "nfirstearlykv": _both(_neurons_before_heads, _attn_setting(EARLY_KV=True)),
              "earlykvt512": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=512)),
              "earlykvt480": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=480)),
              "earlykvf528": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=528)),

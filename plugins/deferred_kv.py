@@ -168,7 +168,13 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # 10), d0.2 to 5.030 vs 5.134: the partial kernel gets 8.6% slower, the slow path (a quarter of the
 # layers) is gone. With refresh heads (d0.5 by default) 8.936 vs 8.898-8.902, so they keep P 16; the
 # folded route (d0.1) too (its attention kernel sums the partials' slots: 3.72 vs 3.48 with P 32).
-QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 528, "num_stages": 3,
+# TARGET_PROGRAMS (batch 1) 512, not 528 = 4 x 132 SMs: the partial kernel's programs fill the register file
+# 4 to an SM (126-128 registers), so a launch of 528 (OPT-30B d0.2: 8 slices x 66 row blocks) leaves no slot
+# for the predictors' stream, whose first GEMV then starts only as the partial kernel drains (16.8 vs 1.5 us
+# into the layer) and whose chain runs into fc1 / fc2. 512 takes 7 slices (462 programs) there: d0.2 4.828-
+# 4.832 against 4.985-4.990 ms/token on the H200 (session 21); d0.1 / d0.3 / d0.5 launch the same programs
+# either way (504 / 510 / 504); 480 (d0.3: 4 slices, 408 programs) 6.432 against 6.236-6.238 at d0.3.
+QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 512, "num_stages": 3,
                  "SHARED_P_UNFOLDED": 32, "UNFOLDED_MAXNREG": 128,
                  "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
                  "SLOW_Z": None, "SLOW_TARGET": 640,

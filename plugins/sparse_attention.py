@@ -64,6 +64,13 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # attention launch itself (`_combine_row`, .cg loads) instead of _attn_combine_kernel: one launch
 # fewer per layer at every batch, its work moved to the tail of the attention kernel.
 # EARLY_READS: the head index and pos read before the PDL wait (the kernel's docstring).
+# EARLY_KV (with EARLY_READS; attend_heads: one tile per program, and with deferred K/V a combine launch
+# to commit valid_len): the chunk's cache slots that no kernel in flight writes are loaded before the PDL
+# wait. Off: on the H200 (OPT-30B shape, batch 1; session 21) the attention kernel adds 2.5-4.0 us to a
+# layer instead of 5.4-7.6, but the layer's attention part then ends before the predictors' stream has
+# read its ~37 MB, which spill beside the output projection (d0.3) or fc1 / fc2 (d0.2): d0.3 6.336-6.339
+# against 6.284-6.298 ms/token, d0.2 5.215-5.221 against 5.017-5.023 (4.866-4.871 against 4.828-4.832 with
+# the Q/K/V partial kernel on 462 programs); 16- / 64-slot chunks no better.
 # PROJ_MAX_S: at batch 1 with S_max <= PROJ_MAX_S (0: never), attention and the output projection in
 # one launch (_attn_proj_kernel, `attend_project`): a program per (selected head, group of output
 # columns) attends over the whole context (each group redoes its head's attention from

@@ -64,6 +64,9 @@ class PredictorRunner:
         # False: the schedule before session 6 (neurons first, the main stream waits for both
         # of a layer's predictors before its attention); kept for the benchmark's ablation
         self.heads_first = True
+        # True: a layer's neuron predictor runs before its head predictor on the side stream, each kind's
+        # indices still awaited on their own event (heads_first's waits); changes timing only
+        self.neurons_first = False
         self.on_heads = None  # callable(l, idx) after a layer's head top-k (module docstring)
         if overlap and device.type == "cuda" and self.plan:
             self.side = torch.cuda.Stream(device=device)
@@ -122,7 +125,7 @@ class PredictorRunner:
 
     def _predict(self, l: int, x: torch.Tensor, done: dict | None = None, kinds=KINDS) -> None:
         """Layer l's indices of `kinds`, heads first (needed first); done: per-kind events to record."""
-        for kind in (KINDS if self.heads_first else KINDS[::-1]):
+        for kind in (KINDS if self.heads_first and not self.neurons_first else KINDS[::-1]):
             p = self.preds[l][kind]
             if p is None or kind not in kinds:
                 continue

@@ -190,16 +190,18 @@ def _plan(eng):
     return schedule(s.num_layers, s.source, s.lookahead)
 
 
-@pytest.mark.parametrize("heads_first", [True, False])
-def test_heads_are_waited_for_before_attention_and_neurons_after(monkeypatch, heads_first):
+@pytest.mark.parametrize("heads_first,neurons_first", [(True, False), (False, False), (True, True)],
+                         ids=["heads-first", "old-schedule", "neurons-first"])
+def test_heads_are_waited_for_before_attention_and_neurons_after(monkeypatch, heads_first, neurons_first):
     """A layer's head predictor runs first with its own event: the main stream waits for it
     before the layer's attention and for the neuron predictor only after (heads_first False:
-    the older schedule, both waited for before the attention). Same tokens either way."""
+    the older schedule, both waited for before the attention; neurons_first: the neuron predictor
+    runs first on the side stream, the waits as heads_first's). Same tokens either way."""
     model = tiny_model(seed=2)
     header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
     want = Engine.from_tensors(header, tensors, "cpu", overlap=False).generate([PROMPT], 6, stop_at_eos=False)
     fake, eng, dec = _fake_cuda_engine(monkeypatch, header, tensors)
-    dec.pred.heads_first = heads_first
+    dec.pred.heads_first, dec.pred.neurons_first = heads_first, neurons_first
     attn = eng.ops.sparse_attn_deferred
 
     def logged_attn(*a, **k):
@@ -213,7 +215,7 @@ def test_heads_are_waited_for_before_attention_and_neurons_after(monkeypatch, he
         ev = dec.pred.done[l]
         recs = [i for i, (op, s, e) in enumerate(fake.log) if op == "record" and s == "side" and e in ev.values()]
         order = [next(k for k, e in ev.items() if e is fake.log[i][2]) for i in recs[:2]]
-        assert order == (["attn", "mlp"] if heads_first else ["mlp", "attn"])
+        assert order == (["attn", "mlp"] if heads_first and not neurons_first else ["mlp", "attn"])
         waits = {k: [i for i, (op, s, e) in enumerate(fake.log) if op == "wait" and s == "main" and e is ev[k]]
                  for k in ev}
         begins = [i for i, (op, _, _) in enumerate(fake.log) if op == "attn_begin"]
