@@ -610,6 +610,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # predictor's latency-bound chain beside attention), alone and with earlykv
              "nfirst": _neurons_before_heads, "nfirst2": _neurons_before_heads,
              "nfirstearlykv": _both(_neurons_before_heads, _attn_setting(EARLY_KV=True)),
+             # the predictors' x @ a.T with 4 / 8 rows per program (fewer programs for the few SM slots the Q/K/V
+             # kernel leaves: the head predictor's chain shorter), alone and with earlykv
+             "preda4": _pred_a(BLOCK_R=4), "preda4earlykv": _both(_pred_a(BLOCK_R=4), _attn_setting(EARLY_KV=True)),
+             "preda8earlykv": _both(_pred_a(BLOCK_R=8), _attn_setting(EARLY_KV=True)),
              "earlykvt512": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=512)),
              "earlykvt480": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=480)),
              "earlykvf528": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=528)),
