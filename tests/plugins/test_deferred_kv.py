@@ -953,3 +953,19 @@ def test_refresh_bad_inputs_rejected():
             sparse_attn_decode_deferred(*args, validate=True, refresh=bad)
     with pytest.raises(DejavuError, match="refresh"):
         sparse_attn_decode_deferred(*args, validate=True, refresh=torch.tensor([2]))  # int64
+
+
+def test_batch1_qkv_launch_leaves_sm_slots():
+    """Batch 1's Q/K/V partial launch (shared-set kernel, before any fold cap) stays within
+    QKV_CONFIG_B1's TARGET_PROGRAMS, below the 528 = 4 x 132 slots its programs fill on an H200 (4 per SM),
+    so the predictors' stream can start beside it; its slices of D cover D. OPT shapes, every head count."""
+    from dejavu.plugins.deferred_kv import QKV_CONFIG_B1, _qkv_split
+    cfg = QKV_CONFIG_B1
+    assert cfg["TARGET_PROGRAMS"] < 4 * 132
+    for D, H in ((2048, 32), (5120, 40), (7168, 56), (9216, 72), (12288, 96)):
+        nb = -(-(D // H) // cfg["BLOCK_R"])
+        for kh in range(1, H + 1):
+            groups = kh * 3 * nb
+            split, d_per, _ = _qkv_split(cfg, D, groups, False)
+            assert split == 1 or split * groups <= cfg["TARGET_PROGRAMS"], (D, kh, split)
+            assert d_per % cfg["BLOCK_D"] == 0 and d_per * (split - 1) < D <= d_per * split
