@@ -614,6 +614,14 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # kernel leaves: the head predictor's chain shorter), alone and with earlykv
              "preda4": _pred_a(BLOCK_R=4), "preda4earlykv": _both(_pred_a(BLOCK_R=4), _attn_setting(EARLY_KV=True)),
              "preda8earlykv": _both(_pred_a(BLOCK_R=8), _attn_setting(EARLY_KV=True)),
+             # ... the neuron predictor's h @ b.T (29 MB beside the attention chain) with 16 rows / the whole rank /
+             # 8 warps per program, with earlykv (its chain must end sooner for the shorter attention chain)
+             "earlykvb16": _both(_table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=16),
+                                 _attn_setting(EARLY_KV=True)),
+             "earlykvbd512": _both(_table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_D=512),
+                                   _attn_setting(EARLY_KV=True)),
+             "earlykvbw8": _both(_table_entry("predictor", "SCORE_CONFIG", "b", num_warps=8),
+                                 _attn_setting(EARLY_KV=True)),
              "earlykvt512": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=512)),
              "earlykvt480": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=480)),
              "earlykvf528": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=528)),
