@@ -25,6 +25,10 @@ the charges of a step add up to the main stream's span: with programmatic depend
 a kernel's own duration includes its wait for the previous one, the charge does not. Also
 the main stream's idle time (no kernel of it running) and how long side-stream kernels ran
 while a main-stream kernel did. `--trace-dir D` keeps the raw traces (gzip).
+
+Layer timeline (`layer`, printed as "one layer"): per main-stream kernel of a decoder layer, its median
+start / end from the layer's Q/K/V partial kernel, what it adds and how busy the side stream is beside
+it; `side`: the side stream's kernels that start in each layer's window, placed the same way.
 """
 from __future__ import annotations
 
