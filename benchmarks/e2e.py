@@ -355,12 +355,17 @@ def _fc1_gemv(**kv):
 def _pred_gemv(**kv):
     """predictor.SCORE_CONFIG["a"] and ["b"] entries for one row (the predictors' GEMVs; they
     inherit the rest from sparse_mlp.FC1_CONFIG["gemv"])."""
-    return _both(_pred_a(**kv), _table_entry("predictor", "SCORE_CONFIG", "b", **kv))
+    return _both(_pred_a(**kv), _pred_b(**kv))
 
 
 def _pred_a(**kv):
     """predictor.SCORE_CONFIG["a"] entries for one row (the predictors' x @ a.T GEMV)."""
     return _table_entry("predictor", "SCORE_CONFIG", "a", **kv)
+
+
+def _pred_b(**kv):
+    """predictor.SCORE_CONFIG["b"] entries for one row (the predictors' h @ b.T GEMV)."""
+    return _table_entry("predictor", "SCORE_CONFIG", "b", **kv)
 
 
 def _pdl_early(*kinds):
@@ -616,12 +621,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "preda8earlykv": _both(_pred_a(BLOCK_R=8), _attn_setting(EARLY_KV=True)),
              # ... the neuron predictor's h @ b.T (29 MB beside the attention chain) with 16 rows / the whole rank /
              # 8 warps per program, with earlykv (its chain must end sooner for the shorter attention chain)
-             "earlykvb16": _both(_table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=16),
-                                 _attn_setting(EARLY_KV=True)),
-             "earlykvbd512": _both(_table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_D=512),
-                                   _attn_setting(EARLY_KV=True)),
-             "earlykvbw8": _both(_table_entry("predictor", "SCORE_CONFIG", "b", num_warps=8),
-                                 _attn_setting(EARLY_KV=True)),
+             "earlykvb16": _both(_pred_b(BLOCK_R=16), _attn_setting(EARLY_KV=True)),
+             "earlykvbd512": _both(_pred_b(BLOCK_D=512), _attn_setting(EARLY_KV=True)),
+             "earlykvbw8": _both(_pred_b(num_warps=8), _attn_setting(EARLY_KV=True)),
              "earlykvt512": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=512)),
              "earlykvt480": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=480)),
              "earlykvf528": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=528)),
@@ -730,9 +732,9 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "mlpovs2048": _both(_ablate_mlp_overlap, _fc2_route("dot1", SPIN_NS=2048)),
              # the side stream's predictor GEMVs with fewer, longer programs (scores = h @ b.T: 8 rows
              # of r per program by default; h = x @ a.T: 1 row of D in 1024-wide chunks)
-             "predb16": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=16),
-             "predb32": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=32),
-             "predbw8": _table_entry("predictor", "SCORE_CONFIG", "b", num_warps=8),
+             "predb16": _pred_b(BLOCK_R=16),
+             "predb32": _pred_b(BLOCK_R=32),
+             "predbw8": _pred_b(num_warps=8),
              "preda2048": _pred_a(BLOCK_D=2048),
              # session 13: fc2's first weight tiles into L2 before its PDL wait (behind fc1's late trigger);
              # fc1 with an early trigger (fc2's programs launch beside fc1's), alone and with fc2's prefetch.
@@ -742,10 +744,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "fc1early": _pdl_early("fc1"), "fc1earlypffc2": _both(_pdl_early("fc1"), _pdl_prefetch(fc2=2)),
              # the side stream's scores = h @ b.T with shorter programs (default 8 rows of 256: two chunks
              # of r = 512): 4 rows, or the whole rank in one chunk (2 / 4 / 8 rows)
-             "predbr4": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=4),
-             "predbr2d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=2, BLOCK_D=512),
-             "predbr4d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=4, BLOCK_D=512),
-             "predbr8d512": _table_entry("predictor", "SCORE_CONFIG", "b", BLOCK_R=8, BLOCK_D=512),
+             "predbr4": _pred_b(BLOCK_R=4),
+             "predbr2d512": _pred_b(BLOCK_R=2, BLOCK_D=512),
+             "predbr4d512": _pred_b(BLOCK_R=4, BLOCK_D=512),
+             "predbr8d512": _pred_b(BLOCK_R=8, BLOCK_D=512),
              # the head predictors at the layer's input, the neuron predictors held until after the
              # Q/K/V kernels / the attention op (SparseDecoder.pred_window "split_qkv" / "split_attn")
              "predsplitqkv": _side("split_qkv"), "predsplitattn": _side("split_attn"),

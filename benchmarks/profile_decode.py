@@ -204,10 +204,13 @@ def layer_timeline(events: list[dict], side_fn, anchor: str = "_qkv_partial") ->
                     busy(lay["_t0"] + lay[prev][1], lay["_t0"] + lay[k][1]) for lay in both), 3)
         rows.append(row)
         prev = k
-    side_rows = [{"kernel": k, "layers": len(have), "start_us": round(statistics.median(lay[k][0] for lay in have), 2),
-                  "end_us": round(statistics.median(lay[k][1] for lay in have), 2),
-                  "dur_us": round(statistics.median(lay[k][1] - lay[k][0] for lay in have), 2)}
-                 for k in _labels(side_layers) for have in [[lay for lay in side_layers if k in lay]]]
+    side_rows = []
+    for k in _labels(side_layers):
+        spans = [lay[k] for lay in side_layers if k in lay]
+        side_rows.append({"kernel": k, "layers": len(spans),
+                          "start_us": round(statistics.median(t0 for t0, _ in spans), 2),
+                          "end_us": round(statistics.median(t1 for _, t1 in spans), 2),
+                          "dur_us": round(statistics.median(t1 - t0 for t0, t1 in spans), 2)})
     return {"anchor": anchor, "layers": len(layers), "period_us": period and round(period, 2), "kernels": rows,
             "side": side_rows}
 
