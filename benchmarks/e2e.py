@@ -611,6 +611,18 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # at head density 0.2: 8 slices x 66 row blocks; 512 -> 7 slices, 462; 480 also d0.3 -> 4 slices, 408)
              "qkvt512": _qkv_b1(TARGET_PROGRAMS=512), "qkvt480": _qkv_b1(TARGET_PROGRAMS=480),
              "qkvt528": _qkv_b1(TARGET_PROGRAMS=528),  # the default before session 21 (512 since)
+             # session 22: the tl.dot fc2 / projection kernel with its row indices loaded one K block ahead
+             # (ROWS_AHEAD), so its weight tiles are multi-buffered (cp.async) instead of one at a time
+             "fc2ahead": _fc2_route("dot1", ROWS_AHEAD=True),
+             "fc2ahead4": _fc2_route("dot1", ROWS_AHEAD=True, num_stages=4),
+             "fc2aheadt528": _fc2_route("dot1", ROWS_AHEAD=True, TARGET_PROGRAMS=528),
+             "projahead": _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3),
+             "projahead4": _fc2_route("proj1", ROWS_AHEAD=True),
+             "ahead": _both(_fc2_route("dot1", ROWS_AHEAD=True), _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
+             "ahead4": _both(_fc2_route("dot1", ROWS_AHEAD=True, num_stages=4),
+                             _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
+             "aheadt528": _both(_fc2_route("dot1", ROWS_AHEAD=True, TARGET_PROGRAMS=528),
+                                _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
              # the neuron predictor first on the side stream (its 37 MB read beside the Q/K/V kernel, the head
              # predictor's latency-bound chain beside attention), alone and with earlykv
              "nfirst": _neurons_before_heads, "nfirst2": _neurons_before_heads,

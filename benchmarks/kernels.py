@@ -186,7 +186,7 @@ def _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, ln=False, config=
     h_ref = P.sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx)
     ok1, e1 = _err_ok(h, h_ref, P.sparse_fc1_ref(x, w1, b1, idx), *TOL[dtype])
     y = torch.full((B, D), float("nan"), dtype=dtype, device=DEV)
-    P.sparse_fc2(h, w2_t, b2, idx, res, out=y, validate=True)
+    P.sparse_fc2(h, w2_t, b2, idx, res, out=y, validate=True, config=config)
     args64 = (h.double(), w2_t.double(), b2.double(), idx, None if res is None else res.double())
     y_ref = P.sparse_fc2_ref(*args64)
     ok2, e2 = _err_ok(y, y_ref, P.sparse_fc2_ref(h, w2_t, b2, idx, res), *TOL[dtype])
@@ -485,6 +485,13 @@ def run_checks(kinds=None):
                                   idx_dtype=torch.int32, residual=True, dot_min_batch=1)))
         cases.append(("mlp", dict(D=9216, F=36864, K=11059, B=4, dtype=torch.bfloat16, shared=True,
                                   idx_dtype=torch.int64, residual=False)))
+    # fc2's row indices one K block ahead (ROWS_AHEAD): the tl.dot route at B 1 and at a shared set
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        cases.append(("mlp", dict(D=200, F=1000, K=333, B=1, dtype=dtype, shared=False, idx_dtype=torch.int32,
+                                  residual=True, config={"ROWS_AHEAD": True, "BLOCK_K": 32})))
+    for B, shared, K in ((1, False, 2867), (1, False, 8602), (8, True, 8602))[:3 if big else 0]:
+        cases.append(("mlp", dict(D=7168, F=28672, K=K, B=B, dtype=torch.float16, shared=shared,
+                                  idx_dtype=torch.int32, residual=True, config={"ROWS_AHEAD": True})))
     # fc2's fused finish + LayerNorm (last program per D block, then per launch): dot path at B 1
     # and 8, the GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -869,7 +876,15 @@ MLP_VARIANTS = {"default": lambda: None,
                 "fc2w512": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4),
                 "fc2w512t792": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4, TARGET_PROGRAMS=792),
                 "fc2w512s6": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=6, TARGET_PROGRAMS=264),
-                "fc2w1024": _fc2_dot1(BLOCK_K=16, BLOCK_D=1024, num_warps=8, num_stages=3, TARGET_PROGRAMS=264)}
+                "fc2w1024": _fc2_dot1(BLOCK_K=16, BLOCK_D=1024, num_warps=8, num_stages=3, TARGET_PROGRAMS=264),
+                # fc2's row indices one K block ahead (ROWS_AHEAD, session 22): its weight tiles multi-buffered
+                "ahead": _fc2_dot1(ROWS_AHEAD=True), "ahead4": _fc2_dot1(ROWS_AHEAD=True, num_stages=4),
+                "ahead_t528": _fc2_dot1(ROWS_AHEAD=True, TARGET_PROGRAMS=528),
+                "ahead_t792": _fc2_dot1(ROWS_AHEAD=True, TARGET_PROGRAMS=792),
+                "ahead4_t528": _fc2_dot1(ROWS_AHEAD=True, num_stages=4, TARGET_PROGRAMS=528),
+                "ahead_k32s4": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4),
+                "ahead_k32s4_t528": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4, TARGET_PROGRAMS=528),
+                "ahead_w256": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, BLOCK_D=256, num_stages=3)}
 VARIANT_DENSITIES = (0.1, 0.2, 0.3)
 
 

@@ -466,7 +466,8 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          LN_BLOCK: tl.constexpr, COMBINE: tl.constexpr = 0, BLOCK_C: tl.constexpr = 2,
                          W_EV: tl.constexpr = "", WAIT: tl.constexpr = 0, H_CM: tl.constexpr = "",
-                         SPIN_NS: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                         SPIN_NS: tl.constexpr = 0, ROWS_AHEAD: tl.constexpr = 0, GDC: tl.constexpr = 0,
+                         PF: tl.constexpr = 0):
     # Shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL, FUSED, LN as in _gather_gemv_t_kernel; W_EV: eviction policy of the weight loads.
     # COMBINE (B == 1, the attention output projection): h is not read; its values come from the
@@ -479,6 +480,10 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     # line), and passes the PDL wait only after its loop, before any store (fc1 has completed by
     # then, so everything older has too); the last of the split's N_D tiles (cnt[SPLIT + split])
     # puts cnt[split] back to 0.
+    # ROWS_AHEAD: the row indices of the next K block are loaded one iteration ahead (carried by
+    # the loop), so the weight tile's address does not hang on a load of the same iteration and
+    # Triton's pipeliner multi-buffers the tile (cp.async, num_stages - 1 tiles in flight); with
+    # the index load in the iteration it issues one tile and waits for it (one smem buffer).
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -500,10 +505,18 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     else:
         gdc_enter(GDC)
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    if ROWS_AHEAD:
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        rows_next = _group_rows(idx_ptr, offs_k, offs_k < k_end, GROUP)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        rows = _group_rows(idx_ptr, offs_k, kmask, GROUP)
+        if ROWS_AHEAD:
+            rows = rows_next
+            offs_n = offs_k + BLOCK_K
+            rows_next = _group_rows(idx_ptr, offs_n, offs_n < k_end, GROUP)
+        else:
+            rows = _group_rows(idx_ptr, offs_k, kmask, GROUP)
         if COMBINE:
             ov = _combined_heads(apart_ptr, ml_ptr, offs_k, kmask, NCHUNK, GROUP, BLOCK_C)
             hv = tl.where((offs_b == 0)[:, None], ov[None, :], 0.0)
@@ -885,7 +898,8 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                              BLOCK_B=max(16, next_pow2(B)), num_stages=cfg.get("num_stages", 3),
                              COMBINE=combine is not None, BLOCK_C=max(2, next_pow2(nchunk)),
                              W_EV=cfg.get("W_EV", ""), WAIT=overlap is not None, SPIN_NS=cfg.get("SPIN_NS", 0),
-                             H_CM=".cg" if overlap is not None else "", **reg_cap(cfg, h.device), **common)
+                             H_CM=".cg" if overlap is not None else "", ROWS_AHEAD=bool(cfg.get("ROWS_AHEAD")),
+                             **reg_cap(cfg, h.device), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, *fin, B, D, K, k_per_split,

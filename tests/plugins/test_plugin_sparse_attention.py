@@ -109,10 +109,17 @@ def test_last_combine_launches_one_kernel_fewer(triton_interp, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("pos", [5, 17])
-def test_combine_folded_into_projection(triton_interp, close, dtype, pos):
+@pytest.mark.parametrize("ahead", [False, True], ids=["rows_in_loop", "rows_ahead"])
+def test_combine_folded_into_projection(triton_interp, close, monkeypatch, dtype, pos, ahead):
     """Batch 1, FOLD_COMBINE: the output projection combines the chunks' partials itself (k-blocks
     of 64 rows span several 12-channel heads; chunks past pos weigh nothing): the float64
-    reference's output, and the unfolded path's within rounding."""
+    reference's output, and the unfolded path's within rounding. rows_ahead: the projection's
+    row indices loaded one K block ahead (ROWS_AHEAD), 16-row blocks in one split: 3 iterations
+    whose blocks straddle heads."""
+    if ahead:
+        SM = sys.modules["dejavu.plugins.sparse_mlp"]
+        monkeypatch.setitem(SM.FC2_CONFIG, "proj1",
+                            {**SM.FC2_CONFIG["proj1"], "ROWS_AHEAD": True, "BLOCK_K": 16, "SPLIT": 1})
     w, (kc, vc) = make(1, dtype)
     x, res, hidx = torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype), heads(1, 4, False)
     k64, v64, kt, vt = kc.double(), vc.double(), kc.clone(), vc.clone()

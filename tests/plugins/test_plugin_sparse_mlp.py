@@ -135,6 +135,21 @@ def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
     close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx), sparse_fc2_ref(h, w2_t, b2, idx))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("B,shared", [(1, False), (3, True)])
+@pytest.mark.parametrize("split", [1, 2])
+def test_fc2_rows_ahead(triton_interp, close, dtype, B, shared, split):
+    # ROWS_AHEAD: the tl.dot kernel loads the next K block's row indices one iteration ahead; with
+    # 16-row blocks the 37 rows take 3 iterations in one split, 2 + 1 (a partial block) in two
+    x, w1, b1, w2_t, b2, idx = make(B, dtype, shared)
+    h = torch.randn(B, K).to(dtype)
+    res = torch.randn(B, D).to(dtype)
+    y = torch.full((B, D), float("nan"), dtype=dtype)
+    sparse_fc2(h, w2_t, b2, idx, res, out=y, config={"ROWS_AHEAD": True, "BLOCK_K": 16, "SPLIT": split})
+    close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double()),
+          sparse_fc2_ref(h, w2_t, b2, idx, res))
+
+
 # ---------------------------------------------------------------------------------------
 # fused split-K finish (FUSED_FINISH): the last program per D block sums the partials, the
 # last of those computes LayerNorm(y). The interpreter runs programs one after another: these
