@@ -98,7 +98,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
               "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0,
               "SHARED_P_WIDE_ALL": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None,
-              "PARTIAL_EARLY_READS": False, "FINISH_MAXNREG": None}
+              "PARTIAL_EARLY_READS": False, "FINISH_MAXNREG": None, "LN_AHEAD": 0}
 # catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
 # BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
 # cache has fewer chunks).
@@ -157,6 +157,10 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # PDL wait (as the finishing kernel's EARLY_READS). Off: within the runs' spread on the H200 (session 20):
 # d0.3 6.269 / 6.279 against 6.279-6.298 ms/token, d0.2 4.994 / 4.994 against 5.018-5.025, d0.1 3.490-3.499
 # against 3.484-3.490; with SHARED_P_WIDE_ALL d0.3 6.343, per-program SHARED_P_WIDE 6.367 (d0.2 4.985 / 4.953).
+# LN_AHEAD (batch 1, the partial kernel normalising its input, LN_IN): 1 loads x_new's next D chunk one
+# iteration ahead, 2 also the LayerNorm's weight and bias (140 registers uncapped, 8 bytes spilled under the
+# 128 cap; 1 stays at 128): in the loop those loads are plain ones (only the weight and history tiles go
+# through cp.async), which each iteration otherwise waits for before its tl.dot. 0 (off) until measured.
 # FINISH_MAXNREG: a register cap for the finishing kernel (None: the compiler's; its decode form takes 64,
 # 8 programs per SM, so d0.3's 408 programs are one wave). Off: with 128 / 96 ptxas takes 78-80 and the H200
 # (session 20) gave d0.3 6.245-6.253 against 6.283-6.288 ms/token but d0.2 5.044-5.046 against 5.016-5.021,
@@ -327,8 +331,8 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
                                CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, ref_ptr=None, KH_Q=0,
                                REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, WIDE_ALL: tl.constexpr = 0,
-                               BLOCK_KH: tl.constexpr = 16, EARLY_READS: tl.constexpr = 0, GDC: tl.constexpr = 0,
-                               PF: tl.constexpr = 0):
+                               BLOCK_KH: tl.constexpr = 16, EARLY_READS: tl.constexpr = 0, LN_AHEAD: tl.constexpr = 0,
+                               GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
@@ -408,7 +412,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                          stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
                                          pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
                                          DOT_FP32, FINISH, P_WIDE, P_WIDE, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D,
-                                         W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
+                                         W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, LN_AHEAD)
                 else:
                     _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
                                          pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
@@ -416,7 +420,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                          stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
                                          pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
                                          DOT_FP32, FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV,
-                                         LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
+                                         LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, LN_AHEAD)
             else:
                 _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
                                      pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
@@ -424,7 +428,19 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
                                      stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0,
                                      seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32,
                                      FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN,
-                                     BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC)
+                                     BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, LN_AHEAD)
+
+
+@helper
+def _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask, X: tl.constexpr = True):
+    # LN_IN: a chunk of the input at pos (X; else 0) and of the LayerNorm's weight and bias, as fp32
+    if X:
+        xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    else:
+        xv = 0.0
+    g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    return xv, g, gb
 
 
 @helper
@@ -451,7 +467,7 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
                          BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                          EVEN_D: tl.constexpr, W_EV: tl.constexpr, LN_IN: tl.constexpr, BLOCK_N: tl.constexpr,
                          ST_CM: tl.constexpr, CAUGHT_UP: tl.constexpr, SLOW_P: tl.constexpr, REFRESH: tl.constexpr,
-                         GDC: tl.constexpr):
+                         GDC: tl.constexpr, LN_AHEAD: tl.constexpr = 0):
     # _qkv_partial_shared_kernel's D-slice program (one with work: REFRESH's live)
     w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
     offs_m = tl.arange(0, BLOCK_M)
@@ -483,6 +499,9 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
     d_lo = pid_s * D_PER_SPLIT
     d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    if LN_IN and LN_AHEAD:  # the first chunk's x_new, g, beta; the loop loads the next ones a chunk ahead
+        offs_n = d_lo + tl.arange(0, BLOCK_D)
+        xv_n, g_n, gb_n = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_n, offs_n < d_hi)
     for d0 in range(d_lo, d_hi, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         dmask = offs_d < d_hi
@@ -492,9 +511,17 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
             w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
         x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
         if LN_IN:
-            xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            if LN_AHEAD == 1:  # x_new a chunk ahead, the weights in the iteration
+                xv = xv_n
+                _, g, gb = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask, X=False)
+                offs_n = offs_d + BLOCK_D
+                xv_n = tl.load(xnew_ptr + offs_n, mask=offs_n < d_hi, other=0.0).to(tl.float32)
+            elif LN_AHEAD:
+                xv, g, gb = xv_n, g_n, gb_n
+                offs_n = offs_d + BLOCK_D
+                xv_n, g_n, gb_n = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_n, offs_n < d_hi)
+            else:
+                xv, g, gb = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask)
             xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
             # by head slot 0's first row block (a vector mask: the interpreter wants one)
             tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
@@ -990,7 +1017,8 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      P_WIDE=p_wide,
                                                      WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]) and p_wide > 0,
                                                      BLOCK_KH=max(16, next_pow2(kh_q)),
-                                                     EARLY_READS=bool(cfg["PARTIAL_EARLY_READS"]), **ref_args, **common)
+                                                     EARLY_READS=bool(cfg["PARTIAL_EARLY_READS"]),
+                                                     LN_AHEAD=bool(cfg.get("LN_AHEAD")), **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:

@@ -969,3 +969,44 @@ def test_batch1_qkv_launch_leaves_sm_slots():
             split, d_per, _ = _qkv_split(cfg, D, groups, False)
             assert split == 1 or split * groups <= cfg["TARGET_PROGRAMS"], (D, kh, split)
             assert d_per % cfg["BLOCK_D"] == 0 and d_per * (split - 1) < D <= d_per * split
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("ahead", [1, 2], ids=["x-ahead", "x-g-b-ahead"])
+def test_ln_ahead_equals_ln_in_the_loop(triton_interp, close, dtype, split, ahead):
+    """Batch 1, the input's LayerNorm applied by the Q/K/V partial kernel (a PendingLN): with LN_AHEAD
+    (x_new, or x_new and the LayerNorm's weight and bias, loaded a D chunk ahead) the outputs, caches,
+    valid_len and history equal the in-loop loads' bit for bit over two steps (16-column chunks: 4 in
+    one slice of D = 60, the last partial; 2 + 2 in two), and the output is close to float64."""
+    from dejavu.plugins.layer_norm import pending_ln
+    w = weights(dtype)
+    w64 = [t.double() for t in w]
+    ln = (torch.rand(D) + 0.5).to(dtype), (torch.randn(D) / 4).to(dtype)
+    S2 = 48
+    x_hist0 = torch.randn(1, S2, D).to(dtype)
+    kc0, vc0 = torch.randn(1, H, S2, HD).to(dtype), torch.randn(1, H, S2, HD).to(dtype)
+    vl0 = torch.tensor([[0, 29, 40, 38, 12]], dtype=torch.int32)
+    steps = [(40, [1, 2, 3]), (41, [3, 0])]
+    inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
+    runs = {}
+    for la in (0, ahead):
+        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
+        k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
+        ys = []
+        for (p, hs), (x, res) in zip(steps, inputs):
+            hidx = torch.tensor([hs], dtype=torch.int32)
+            y = sparse_attn_decode_deferred(pending_ln(x, *ln, width=32), *w, hidx, kc, vc, hist, vl,
+                                            torch.tensor([p]), res,
+                                            config={"qkv": {"BLOCK_D": 16, "SPLIT": split, "FOLD_FINISH": False,
+                                                            "LN_AHEAD": la}})
+            x64 = torch.nn.functional.layer_norm(x.double(), (D,), *[t.double() for t in ln])
+            ref = sparse_attn_decode_deferred_ref(x64, *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
+                                                  res.double())
+            assert torch.equal(vl, vl64)
+            assert torch.allclose(y.double(), ref, rtol=2e-2 if dtype == torch.float16 else 1e-4,
+                                  atol=2e-2 if dtype == torch.float16 else 1e-4)
+            ys.append(y)
+        runs[la] = ys + [kc, vc, vl, hist]
+    for a, b in zip(runs[0], runs[ahead]):
+        assert torch.equal(a, b)

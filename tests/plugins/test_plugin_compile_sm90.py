@@ -156,6 +156,12 @@ SCRIPT = textwrap.dedent('''
                                                              P=4, BLOCK_M=32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128,
                                                              BLOCK_S=8, EVEN_D=True, CAUGHT_UP=True),
                      overrides=qkv_ptrs)
+    # the input's LayerNorm chunks loaded a D chunk ahead (LN_AHEAD 1: x_new; 2: with the weight and bias)
+    for ahead in (1, 2):
+        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=32,
+                                                             BLOCK_M=32, BLOCK_P=32, BLOCK_R=64, BLOCK_D=128,
+                                                             BLOCK_S=1, EVEN_D=True, LN_IN=1, LN_AHEAD=ahead, GDC=1),
+                     overrides={**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32"})
     # refresh heads (batch 1): head slots past KH_Q read from ref_ptr, K/V only; their valid_len committed by
     # the attention kernel; the pick itself
     ref = {"ref_ptr": "*i32", "KH_Q": "i32"}
