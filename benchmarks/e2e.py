@@ -622,7 +622,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "ahead4": _both(_fc2_route("dot1", ROWS_AHEAD=True, num_stages=4),
                              _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
              # the Q/K/V partial kernel's LayerNorm input loaded a D chunk ahead (x_new / with the LN weights)
-             "lnahead1": _qkv_b1(LN_AHEAD=1), "lnahead2": _qkv_b1(LN_AHEAD=2),
+             "lnahead1": _qkv_b1(LN_AHEAD=1), "lnahead2": _qkv_b1(LN_AHEAD=2), "lnahead1b": _qkv_b1(LN_AHEAD=1),
              "aheadt528": _both(_fc2_route("dot1", ROWS_AHEAD=True, TARGET_PROGRAMS=528),
                                 _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
              # the neuron predictor first on the side stream (its 37 MB read beside the Q/K/V kernel, the head
