@@ -73,6 +73,11 @@ FC2_CONFIG = {
     # K = heads * hd, a few thousand rows against fc2's ~10^4): 14.0 vs 16.5 us (30B, d0.3)
     "proj1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "TARGET_PROGRAMS": 528},
 }
+# "ROWS_AHEAD" (any tl.dot route, opt-in): _gather_dot_t_kernel loads each K block's row indices one
+# iteration ahead, so its weight tiles are multi-buffered (with the indices loaded in the iteration
+# Triton gives them one buffer). No faster on the H200 (session 22: OPT-30B batch 1 d0.3 6.340 / 6.246
+# ms/token with it on fc2 / the projection against 6.235-6.241; the pair alone 28.4-29.9 vs 28.2 us at
+# d0.1); BENCHMARKS.md.
 # Batch 1, fc1 and fc2 in one launch (`sparse_mlp_chain`, `_mlp_chain_kernel`): fc1's programs (its
 # GEMV blocks) first, then fc2's tl.dot tiles (its dot1 blocks and split), each tile waiting on a
 # counter for the fc1 programs of its K split only. CHAIN_COUNTERS: the offset of its counters in
