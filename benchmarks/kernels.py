@@ -884,7 +884,10 @@ MLP_VARIANTS = {"default": lambda: None,
                 "ahead4_t528": _fc2_dot1(ROWS_AHEAD=True, num_stages=4, TARGET_PROGRAMS=528),
                 "ahead_k32s4": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4),
                 "ahead_k32s4_t528": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4, TARGET_PROGRAMS=528),
-                "ahead_w256": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, BLOCK_D=256, num_stages=3)}
+                "ahead_w256": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, BLOCK_D=256, num_stages=3),
+                # many waves of fc2 programs instead of one (session 22)
+                "fc2t1188": _fc2_dot1(TARGET_PROGRAMS=1188), "fc2t2376": _fc2_dot1(TARGET_PROGRAMS=2376),
+                "fc2t1188k32": _fc2_dot1(TARGET_PROGRAMS=1188, BLOCK_K=32)}
 VARIANT_DENSITIES = (0.1, 0.2, 0.3)
 
 
