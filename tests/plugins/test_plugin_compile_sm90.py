@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent('''
     LN_IN = {"st_ptr": "*fp32", "eps": "fp32", "wg_ptr": "*fp32"}
     F32_PTRS = {"part_ptr", "ml_ptr", "q_ptr", "o_ptr", "s_ptr"}
 
-    def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None):
+    def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None, num_stages=None, div16=()):
         # tl and the @helper device functions, in mod and in the modules of helpers it imports
         # (_common's last_arrival, sparse_mlp's LayerNorm merge), as _common.jit binds them
         C.tl = tl
@@ -48,8 +48,13 @@ SCRIPT = textwrap.dedent('''
             else:
                 sig[name] = "i32"
         sig.update(overrides or {})
-        src = ASTSource(JITFunction(fn), signature=sig, constexprs=constexprs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        # div16: pointers and these integer arguments marked divisible by 16, as the launcher's
+        # specialisation marks them on the GPU (vectorised loads, cp.async; without it neither)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(params)
+                 if div16 and (sig[name].startswith("*") or name in div16)}
+        src = ASTSource(JITFunction(fn), signature=sig, constexprs=constexprs, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_stages": num_stages} if num_stages else {})
         assert "cubin" in k.asm
         print("compiled", fn.__name__, constexprs)
         return k
@@ -360,6 +365,26 @@ SCRIPT = textwrap.dedent('''
         wait = ptx.index("griddepcontrol.wait")
         assert acquire < ptx.index("ld.global.cg") < wait < ptx.index("griddepcontrol.launch_dependents")
         assert "st.global" not in ptx[:wait], dt
+    # the weight streams are multi-buffered (cp.async, num_stages - 1 tiles in shared memory) when the
+    # integer arguments are specialised as on the GPU: the batch-1 Q/K/V partial kernel's 64 x 128 tiles,
+    # and the fc2 / projection kernel's 64 x 128 tiles with ROWS_AHEAD (its row indices a K block ahead;
+    # without it the tile hangs on an index load of the same iteration and gets one buffer: docs/kernels.md)
+    tile = 64 * 128 * 2
+    div = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
+           "stride_cb", "stride_ch", "stride_cs"}
+    k = compile_sm90(DK, DK._qkv_partial_shared_kernel,
+                     dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64,
+                          BLOCK_D=128, BLOCK_S=1, EVEN_D=True, LN_IN=1, BLOCK_N=32, GDC=1),
+                     overrides={**qkv_ptrs, "st_ptr": "*fp32", "eps": "fp32"}, num_stages=3, div16=div)
+    assert "cp.async" in k.asm["ptx"] and k.metadata.shared >= 2 * tile, k.metadata.shared
+    fc2 = dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128, EVEN_D=True, FINAL=False, HAS_RES=True,
+               FUSED=False, LN=False, BLOCK_S=4, BLOCK_N=64, LN_BLOCK=2048, W_EV="evict_first", GDC=1)
+    for group, combine in ((1, 0), (128, 1)):
+        for stages in (3, 4):
+            k = compile_sm90(SM, SM._gather_dot_t_kernel, {**fc2, "GROUP": group, "COMBINE": combine, "BLOCK_C": 8,
+                                                           "ROWS_AHEAD": 1},
+                             overrides={"cnt_ptr": "*i32", "eps": "fp32"}, num_stages=stages, div16=div)
+            assert k.metadata.shared >= (stages - 1) * tile, (group, stages, k.metadata.shared)
     print("ALL OK")
 ''')
 
