@@ -1280,13 +1280,24 @@ def bench_deferred_parts(quick):
                 def proj(a, o, out):
                     return SA.project_out(o, a[1][4], a[1][5], a[8], a[0], out)
 
+                # the same Q/K/V weight rows (one [wq; wkv] copy per argument set) streamed by fc1's GEMV
+                # kernel (rows of hd per head and segment): what a plain stream of these bytes takes
+                wqkv = [(torch.cat([a[1][0], a[1][2]]), torch.cat([a[1][1], a[1][3]])) for a in args]
+                sel = [torch.cat([a[8].reshape(1, -1) + s * H for s in range(3)], dim=1).to(torch.int32).contiguous()
+                       for a in args]
+                g_out = torch.empty(1, 3 * kh * hd, device=DEV, dtype=torch.float16)
+                t_gemv = bench_graph([lambda a=a, w=w, i=i: SM.gather_gemv(a[0], w[0], w[1], i, g_out, relu=False,
+                                                                            group=hd)
+                                      for a, w, i in zip(args, wqkv, sel)])
+                del wqkv
                 reset = bench_graph([lambda a=a: a[5].copy_(a[6]) for a in args]) or 0.0
                 t_qkv = bench_graph([lambda a=a, q=q: qkv(a, q) for a, q in zip(args, qs)])
                 t_attn = bench_graph([lambda a=a, q=q: attn(a, q) for a, q in zip(args, qs)])
                 t_proj = bench_graph([lambda a=a, q=q, o=o: proj(a, q, o) for a, q, o in zip(args, qs, outs)])
                 t_all = bench_graph([_deferred_call(a) for a in args])
                 rows.append({"shape": name, "ctx": ctx, "gap": gap, "heads": kh,
-                             "qkv_ms": t_qkv - reset if t_qkv else None, "attn_ms": t_attn, "proj_ms": t_proj,
+                             "qkv_ms": t_qkv - reset if t_qkv else None, "qkv_gemv_ms": t_gemv,
+                             "attn_ms": t_attn, "proj_ms": t_proj,
                              "all_ms": t_all - reset if t_all else None,
                              "qkv_bytes": 2 * 3 * kh * hd * D, "proj_bytes": 2 * kh * hd * D})
                 del args, qs, outs
@@ -1643,7 +1654,8 @@ def main(argv=None):
                                       "dense_graph_ms", "graph_speedup", "GBps"]))
     if "deferred_parts" in res:
         print("\n## Deferred attention pieces (graph, per call, B=1, head density 0.3)\n")
-        print(table(res["deferred_parts"], ["shape", "ctx", "gap", "heads", "qkv_ms", "attn_ms", "proj_ms", "all_ms"]))
+        print(table(res["deferred_parts"], ["shape", "ctx", "gap", "heads", "qkv_ms", "qkv_gemv_ms", "attn_ms", "proj_ms",
+                                            "all_ms"]))
     if "topk" in res:
         print("\n## Top-k alone (graph, per call, fp16 scores, k = 30%)\n")
         print(table(res["topk"], ["N", "B", "method", "config", "ok", "graph_ms", "vs_torch"]))
