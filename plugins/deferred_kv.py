@@ -709,15 +709,13 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
     z = tl.program_id(2)
     b = pid // KH
     j = pid % KH
-    if EARLY_READS:
-        head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
-            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
-            KH_Q, REFRESH)
-    gdc_enter(GDC)
     if not EARLY_READS:
-        head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
-            head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
-            KH_Q, REFRESH)
+        gdc_enter(GDC)
+    head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
+        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
+        KH_Q, REFRESH)
+    if EARLY_READS:
+        gdc_enter(GDC)
     if REFRESH:  # a real head (not -1); a refresh head (slot >= KH_Q) has no Q rows
         live = (head >= 0) & ((j < KH_Q) | (seg > 0))
     else:
