@@ -1,0 +1,155 @@
+"""The batch-1 weight kernels compiled for sm_90 (H200) on this machine's CPU: no GPU needed.
+
+    python3 benchmarks/sm90_offline.py [--base REV] [--out FILE]
+
+Compiles the weight-streaming kernels of a batch-1 decode step (fc1's GEMV, the tl.dot fc2 and
+output projection, the deferred Q/K/V partial and finishing kernels; their default blocks and
+constexprs) with the installed Triton for GPUTarget("cuda", 90, 32). Pointers and the dimension /
+stride arguments are marked divisible by 16, as the launcher's specialisation marks them on the GPU
+(without that Triton emits neither vectorised loads nor cp.async, and the shared memory and
+registers differ from the GPU's). For each kernel it prints the shared memory, ptxas's registers and
+spills (Triton's bundled ptxas) and whether its loads go through cp.async; with --base REV it also
+compiles the tree at git revision REV (a `git archive` in a temporary folder) and says whether each
+kernel's PTX instructions are the same (comments, .loc / .file lines and debug labels dropped): a
+refactoring that should not change the generated code can be checked without a GPU. Triton's
+version matters (the device runs 3.6; pip's 3.6.0 wheel installs here in a virtual environment).
+JSON to --out (default: none).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (module, kernel, constexprs, num_stages, typed arguments beyond the defaults)
+QKV = dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, BLOCK_R=64, BLOCK_D=128, BLOCK_S=1, EVEN_D=True,
+           BLOCK_N=32, GDC=1)
+FC2 = dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128, EVEN_D=True, BLOCK_S=4, FINAL=False, HAS_RES=True,
+           FUSED=False, LN=False, BLOCK_N=64, LN_BLOCK=2048, BLOCK_C=8, GDC=1)
+F32 = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "q_ptr": "*fp32", "st_ptr": "*fp32", "part_ptr": "*fp32",
+       "ml_ptr": "*fp32", "apart_ptr": "*fp32", "wg_ptr": "*fp32", "eps": "fp32"}
+KERNELS = {
+    "fc1": ("sparse_mlp", "_gather_gemv_kernel",
+            dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1, W_EV="evict_first", GDC=1), 2),
+    "fc2": ("sparse_mlp", "_gather_dot_t_kernel", dict(FC2, GROUP=1), 3),
+    "projection": ("sparse_mlp", "_gather_dot_t_kernel", dict(FC2, GROUP=128, COMBINE=0), 4),
+    "qkv_partial_p32": ("deferred_kv", "_qkv_partial_shared_kernel", dict(QKV, P=32, BLOCK_M=32, BLOCK_P=32, LN_IN=1), 3),
+    "qkv_partial_p16": ("deferred_kv", "_qkv_partial_shared_kernel", dict(QKV, P=16, BLOCK_M=16, BLOCK_P=16, LN_IN=1), 3),
+    "qkv_finish": ("deferred_kv", "_qkv_finish_kernel",
+                   dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128, BLOCK_S=1, EARLY_READS=True,
+                        GDC=2), 3),
+}
+INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr"}
+DIV16 = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
+         "stride_cb", "stride_ch", "stride_cs", "stride_ob", "stride_ib"}
+
+# Run in a fresh interpreter per tree (its own `dejavu` import): prints one JSON line.
+CHILD = r'''
+import hashlib, importlib, inspect, json, re, subprocess, sys, os
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()]
+sys.path.insert(0, sys.argv[1])
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+import dejavu.plugins._common as C
+spec = json.loads(sys.argv[2])
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = {}
+for name, (modname, kname, consts, stages) in spec["kernels"].items():
+    mod = importlib.import_module("dejavu.plugins." + modname)
+    assert mod.__file__.startswith(sys.argv[1]), mod.__file__
+    C.tl = tl
+    C._bind_helpers(vars(mod), triton)
+    fn = getattr(mod, kname)
+    params = inspect.signature(fn).parameters
+    consts = {**{n: p.default for n, p in params.items() if p.default is not p.empty}, **consts}
+    consts = {n: v for n, v in consts.items() if n not in spec["f32"]}
+    sig, attrs = {}, {}
+    for i, n in enumerate(params):
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in spec["f32"]:
+            sig[n] = spec["f32"][n]
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32" if n in spec["int_ptrs"] else "*fp16"
+        else:
+            sig[n] = "i32"
+        if sig[n].startswith("*") or n in spec["div16"]:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(JITFunction(fn), signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_stages": stages})
+    ptx = k.asm["ptx"]
+    body = "\n".join(l.split("//")[0] for l in ptx.split(".section")[0].splitlines()
+                     if not re.match(r"\s*(\.(loc|file)\b|\$L__tmp)", l))
+    row = {"shared": k.metadata.shared, "cp_async": "cp.async" in ptx, "ptx_md5": hashlib.md5(body.encode()).hexdigest()}
+    if os.path.exists(ptxas):
+        with open(spec["tmp"], "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", spec["tmp"], "-o", os.devnull], capture_output=True, text=True)
+        regs = re.findall(r"Used (\d+) registers", r.stderr)
+        spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+        row.update(regs=int(regs[0]) if regs else None, spill_bytes=int(spills[0]) if spills else None)
+    out[name] = row
+print(json.dumps(out))
+'''
+
+
+def compile_tree(root: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"kernels": KERNELS, "f32": F32, "int_ptrs": sorted(INT_PTRS), "div16": sorted(DIV16),
+                "tmp": os.path.join(tmp, "k.ptx")}
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(root), json.dumps(spec)], capture_output=True,
+                              text=True, env=env, timeout=900)
+    if proc.returncode:
+        raise SystemExit(f"sm90_offline: compiling {root} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tree_at(rev: str, dest: Path) -> Path:
+    """`git archive REV` unpacked in dest, with the dejavu/ links device_env.sh makes."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=data, check=True)
+    for p in ("models", "compiler", "runtime", "plugins"):
+        link = dest / "dejavu" / p
+        if not link.exists():
+            link.symlink_to(Path("..") / p)
+    return dest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default=None, help="git revision to compare the work tree's PTX with")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import triton
+
+    res = {"triton": triton.__version__, "work_tree": compile_tree(ROOT)}
+    if a.base:
+        with tempfile.TemporaryDirectory() as tmp:
+            res["base"] = {"rev": a.base, "kernels": compile_tree(tree_at(a.base, Path(tmp)))}
+    print(f"Triton {res['triton']}, sm_90")
+    print("| kernel | shared B | regs | spill B | cp.async |" + (" same PTX as base |" if a.base else ""))
+    print("|---|---:|---:|---:|---|" + ("---|" if a.base else ""))
+    for name, r in res["work_tree"].items():
+        line = f"| {name} | {r['shared']} | {r.get('regs')} | {r.get('spill_bytes')} | {r['cp_async']} |"
+        if a.base:
+            b = res["base"]["kernels"].get(name)
+            line += f" {b is not None and b['ptx_md5'] == r['ptx_md5']} |"
+        print(line)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
