@@ -62,7 +62,11 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 import dejavu.plugins._common as C
 spec = json.loads(sys.argv[2])
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+try:  # the ptxas Triton itself would run for sm_90 (its version matches the PTX Triton emits)
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path
+except Exception:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = {}
 for name, (modname, kname, consts, stages) in spec["kernels"].items():
     mod = importlib.import_module("dejavu.plugins." + modname)
