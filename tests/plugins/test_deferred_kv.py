@@ -409,6 +409,17 @@ def test_fused_finish_equals_two_launches(triton_interp, close, op, shared, spli
         close(got[mask], ref64[mask], tor[mask])
 
 
+def check_step(y, x, ln, w64, hidx, state64, vl, p, res):
+    """One batch-1 deferred step's output y (and valid_len vl) against the float64 reference, whose
+    state (caches, history, valid_len) state64 it advances; ln: the input's LayerNorm (a PendingLN
+    input), None: x is the normalised input."""
+    x64 = torch.nn.functional.layer_norm(x.double(), (D,), *[t.double() for t in ln]) if ln else x.double()
+    ref = sparse_attn_decode_deferred_ref(x64, *w64, hidx, *state64, torch.tensor([p]), res.double())
+    assert torch.equal(vl, state64[3])
+    tol = 2e-2 if y.dtype == torch.float16 else 1e-4
+    assert torch.allclose(y.double(), ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("pending", [False, True], ids=["x_ln", "pending-ln"])
 @pytest.mark.parametrize("slow", [{}, {"FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 8}, {"FOLD_SLOW_LAST": True, "FOLD_SLOW_Z": 2}],
@@ -448,12 +459,7 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
                                             config={"qkv": {**qkv, "FOLD_FINISH": fold}, "attn": attn})
             assert ("_qkv_finish_kernel" in names) != fold, names
             assert "_attn_combine_kernel" in names and "_layer_norm_kernel" not in names, names
-            x64 = torch.nn.functional.layer_norm(x.double(), (D,), *[t.double() for t in ln]) if pending else x.double()
-            ref = sparse_attn_decode_deferred_ref(x64, *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
-                                                  res.double())
-            assert torch.equal(vl, vl64)
-            assert torch.allclose(y.double(), ref, rtol=2e-2 if dtype == torch.float16 else 1e-4,
-                                  atol=2e-2 if dtype == torch.float16 else 1e-4)
+            check_step(y, x, ln if pending else None, w64, hidx, (k64, v64, h64, vl64), vl, p, res)
             ys.append(y)
         runs[fold] = (ys, kc, vc, vl, hist)
     (ys_f, *state_f), (ys_u, *state_u) = runs[True], runs[False]
@@ -1000,12 +1006,7 @@ def test_ln_ahead_equals_ln_in_the_loop(triton_interp, close, dtype, split, ahea
                                             torch.tensor([p]), res,
                                             config={"qkv": {"BLOCK_D": 16, "SPLIT": split, "FOLD_FINISH": False,
                                                             "LN_AHEAD": la}})
-            x64 = torch.nn.functional.layer_norm(x.double(), (D,), *[t.double() for t in ln])
-            ref = sparse_attn_decode_deferred_ref(x64, *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
-                                                  res.double())
-            assert torch.equal(vl, vl64)
-            assert torch.allclose(y.double(), ref, rtol=2e-2 if dtype == torch.float16 else 1e-4,
-                                  atol=2e-2 if dtype == torch.float16 else 1e-4)
+            check_step(y, x, ln, w64, hidx, (k64, v64, h64, vl64), vl, p, res)
             ys.append(y)
         runs[la] = ys + [kc, vc, vl, hist]
     for a, b in zip(runs[0], runs[ahead]):
