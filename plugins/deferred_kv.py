@@ -160,7 +160,9 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # LN_AHEAD (batch 1, the partial kernel normalising its input, LN_IN): 1 loads x_new's next D chunk one
 # iteration ahead, 2 also the LayerNorm's weight and bias (140 registers uncapped, 8 bytes spilled under the
 # 128 cap; 1 stays at 128): in the loop those loads are plain ones (only the weight and history tiles go
-# through cp.async), which each iteration otherwise waits for before its tl.dot. 0 (off) until measured.
+# through cp.async), which each iteration otherwise waits for before its tl.dot. Off: 1 no faster on the H200
+# (OPT-30B batch 1, session 22: d0.3 6.310-6.314 vs 6.307-6.308 ms/token, d0.2 4.867-4.875 vs 4.868-4.871);
+# 2 not measured.
 # FINISH_MAXNREG: a register cap for the finishing kernel (None: the compiler's; its decode form takes 64,
 # 8 programs per SM, so d0.3's 408 programs are one wave). Off: with 128 / 96 ptxas takes 78-80 and the H200
 # (session 20) gave d0.3 6.245-6.253 against 6.283-6.288 ms/token but d0.2 5.044-5.046 against 5.016-5.021,
@@ -1016,7 +1018,7 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
                                                      WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]) and p_wide > 0,
                                                      BLOCK_KH=max(16, next_pow2(kh_q)),
                                                      EARLY_READS=bool(cfg["PARTIAL_EARLY_READS"]),
-                                                     LN_AHEAD=bool(cfg.get("LN_AHEAD")), **ref_args, **common)
+                                                     LN_AHEAD=int(cfg.get("LN_AHEAD") or 0), **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:

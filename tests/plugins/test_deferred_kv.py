@@ -980,12 +980,16 @@ def test_batch1_qkv_launch_leaves_sm_slots():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("ahead", [1, 2], ids=["x-ahead", "x-g-b-ahead"])
-def test_ln_ahead_equals_ln_in_the_loop(triton_interp, close, dtype, split, ahead):
+def test_ln_ahead_equals_ln_in_the_loop(triton_interp, monkeypatch, dtype, split, ahead):
     """Batch 1, the input's LayerNorm applied by the Q/K/V partial kernel (a PendingLN): with LN_AHEAD
     (x_new, or x_new and the LayerNorm's weight and bias, loaded a D chunk ahead) the outputs, caches,
     valid_len and history equal the in-loop loads' bit for bit over two steps (16-column chunks: 4 in
-    one slice of D = 60, the last partial; 2 + 2 in two), and the output is close to float64."""
+    one slice of D = 60, the last partial; 2 + 2 in two), and the output is close to float64. The
+    partial kernel is launched with the mode asked for."""
     from dejavu.plugins.layer_norm import pending_ln
+    modes = []
+    spy_launches(monkeypatch, lambda name, grid, kw: modes.append(kw["LN_AHEAD"])
+                 if name == "_qkv_partial_shared_kernel" else None)
     w = weights(dtype)
     w64 = [t.double() for t in w]
     ln = (torch.rand(D) + 0.5).to(dtype), (torch.randn(D) / 4).to(dtype)
@@ -1009,5 +1013,6 @@ def test_ln_ahead_equals_ln_in_the_loop(triton_interp, close, dtype, split, ahea
             check_step(y, x, ln, w64, hidx, (k64, v64, h64, vl64), vl, p, res)
             ys.append(y)
         runs[la] = ys + [kc, vc, vl, hist]
+    assert modes == [0] * len(steps) + [ahead] * len(steps)
     for a, b in zip(runs[0], runs[ahead]):
         assert torch.equal(a, b)
