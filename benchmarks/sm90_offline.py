@@ -53,9 +53,17 @@ DIV16 = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "s
 
 # Run in a fresh interpreter per tree (its own `dejavu` import): prints one JSON line.
 CHILD = r'''
-import hashlib, importlib, inspect, json, re, subprocess, sys, os
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()]
-sys.path.insert(0, sys.argv[1])
+import hashlib, importlib, importlib.util, inspect, json, re, subprocess, sys, os
+root = sys.argv[1]
+sys.path.insert(0, root)  # `dejavu` from this tree (the path finder runs before an editable install's)
+import dejavu
+assert dejavu.__file__.startswith(root), dejavu.__file__
+# dejavu.plugins is the tree's plugins/ folder (what the install maps; no dejavu/plugins link needed)
+_spec = importlib.util.spec_from_file_location("dejavu.plugins", os.path.join(root, "plugins", "__init__.py"),
+                                               submodule_search_locations=[os.path.join(root, "plugins")])
+_mod = importlib.util.module_from_spec(_spec)
+sys.modules["dejavu.plugins"] = _mod
+_spec.loader.exec_module(_mod)
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -70,7 +78,7 @@ except Exception:
 out = {}
 for name, (modname, kname, consts, stages) in spec["kernels"].items():
     mod = importlib.import_module("dejavu.plugins." + modname)
-    assert mod.__file__.startswith(sys.argv[1]), mod.__file__
+    assert mod.__file__.startswith(root), mod.__file__
     C.tl = tl
     C._bind_helpers(vars(mod), triton)
     fn = getattr(mod, kname)
@@ -120,13 +128,9 @@ def compile_tree(root: Path) -> dict:
 
 
 def tree_at(rev: str, dest: Path) -> Path:
-    """`git archive REV` unpacked in dest, with the dejavu/ links device_env.sh makes."""
+    """`git archive REV` unpacked in dest."""
     data = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=data, check=True)
-    for p in ("models", "compiler", "runtime", "plugins"):
-        link = dest / "dejavu" / p
-        if not link.exists():
-            link.symlink_to(Path("..") / p)
     return dest
 
 
