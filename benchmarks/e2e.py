@@ -621,14 +621,14 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "ahead": _both(_fc2_route("dot1", ROWS_AHEAD=True), _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
              "ahead4": _both(_fc2_route("dot1", ROWS_AHEAD=True, num_stages=4),
                              _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
+             "aheadt528": _both(_fc2_route("dot1", ROWS_AHEAD=True, TARGET_PROGRAMS=528),
+                                _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
              # the Q/K/V partial kernel's LayerNorm input loaded a D chunk ahead (x_new / with the LN weights)
              "lnahead1": _qkv_b1(LN_AHEAD=1), "lnahead2": _qkv_b1(LN_AHEAD=2), "lnahead1b": _qkv_b1(LN_AHEAD=1),
              # many waves instead of one (the one-wave weight kernels' tail): fc2 / projection / Q/K/V programs
              "fc2t1188": _fc2_route("dot1", TARGET_PROGRAMS=1188), "fc2t2376": _fc2_route("dot1", TARGET_PROGRAMS=2376),
              "projt1056": _fc2_route("proj1", TARGET_PROGRAMS=1056), "projt2112": _fc2_route("proj1", TARGET_PROGRAMS=2112),
              "qkvt1024": _qkv_b1(TARGET_PROGRAMS=1024), "qkvt2048": _qkv_b1(TARGET_PROGRAMS=2048),
-             "aheadt528": _both(_fc2_route("dot1", ROWS_AHEAD=True, TARGET_PROGRAMS=528),
-                                _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
              # the neuron predictor first on the side stream (its 37 MB read beside the Q/K/V kernel, the head
              # predictor's latency-bound chain beside attention), alone and with earlykv
              "nfirst": _neurons_before_heads, "nfirst2": _neurons_before_heads,

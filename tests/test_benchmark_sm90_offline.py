@@ -22,8 +22,14 @@ def test_weight_kernels_compile_and_a_clean_tree_matches_head():
     tile = 64 * 128 * 2  # the Q/K/V partial kernel's weight tile: multi-buffered through cp.async
     assert rows["qkv_partial_p32"]["cp_async"] and rows["qkv_partial_p32"]["shared"] >= 2 * tile
     assert all(len(r["ptx_md5"]) == 32 for r in rows.values())
-    clean = subprocess.run(["git", "-C", str(S.ROOT), "diff", "--quiet", "HEAD", "--", "plugins"]).returncode == 0
-    if not clean:
+    try:
+        rc = subprocess.run(["git", "-C", str(S.ROOT), "diff", "--quiet", "HEAD", "--", "plugins"],
+                            capture_output=True).returncode
+    except FileNotFoundError:
+        pytest.skip("no git here: the same-tree comparison needs a git checkout")
+    if rc not in (0, 1):
+        pytest.skip("not a git checkout: the same-tree comparison needs one")
+    if rc == 1:
         pytest.skip("plugins/ differs from HEAD: the same-tree comparison needs a clean checkout")
     with tempfile.TemporaryDirectory() as tmp:
         base = S.compile_tree(S.tree_at("HEAD", Path(tmp)))
