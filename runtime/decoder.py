@@ -223,6 +223,14 @@ class SparseDecoder:
                 if s.sparse_mlp(l):
                     self._fc1_fold(l, w)
 
+    def empty_cache(self) -> None:
+        """Start the next sequence at slot 0 without a prefill: no slot of any head holds K/V
+        (a decode step at pos writes slot pos of every head it computes; the deferred layers
+        recompute the slots a selected head is missing)."""
+        for vl in self.valid_len:
+            if vl is not None:
+                vl.zero_()
+
     def release(self) -> None:
         """Drop the caches (the next `setup` allocates again)."""
         self.k_cache, self.v_cache, self.x_hist, self.valid_len = [], [], [], []

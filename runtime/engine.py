@@ -4,6 +4,7 @@
     outs = engine.generate(["Hello"], max_new_tokens=32)              # new token ids per prompt
     texts = engine.complete(["Hello"], max_new_tokens=32)             # the same, decoded
     logits = engine.logits(ids)                                       # token-parallel sparse [B, S, V]
+    logits = engine.decode_logits(ids)                                # the same through the decode loop
 
 On CPU everything runs through PyTorch reference ops; on CUDA the sparse ops are the
 `dejavu.plugins` Triton kernels, each decode step is one CUDA-graph replay, and the
@@ -178,6 +179,21 @@ class Engine:
     def logits(self, input_ids) -> torch.Tensor:
         """Token-parallel sparse logits [B, S, V] (float32) for input_ids [B, S] (or one list):
         each position gets its own selection, as token-by-token decode from an empty cache."""
+        ids = self._check_ids(input_ids)
+        return self.decoder.forward_tokens(ids.to(self.device), sparse=True).float()
+
+    def decode_logits(self, input_ids, prompt_len=0) -> torch.Tensor:
+        """Logits [B, S, V] (float32) of input_ids [B, S] (or one list) through the decode loop
+        `generate` runs, fed these tokens (runtime/generate.py `decode_logits`). prompt_len 0:
+        every token through a sparse decode step (`logits`' quantity, through the decode
+        kernels); p >= 1 (or one per row): a dense prefill of each row's first p tokens, then
+        the decode steps (positions before p - 1 are NaN)."""
+        from dejavu.runtime.generate import decode_logits
+
+        ids = self._check_ids(input_ids)
+        return decode_logits(self, ids, prompt_len)
+
+    def _check_ids(self, input_ids) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids[None]
@@ -187,7 +203,7 @@ class Engine:
             raise DejavuError(f"{ids.shape[1]} tokens exceed max_position_embeddings {self.spec.max_positions}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise DejavuError(f"token ids must be in [0, {self.spec.vocab_size})")
-        return self.decoder.forward_tokens(ids.to(self.device), sparse=True).float()
+        return ids
 
     def _encode(self, prompts) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:

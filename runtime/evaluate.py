@@ -5,9 +5,16 @@
     dejavu-eval opt-mini a.engine b.engine --task piqa copa --report docs/accuracy
 
 A model name (preset, folder, hub id) runs the dense PyTorch model; a `.engine` file runs
-the engine's token-parallel sparse logits (`Engine.logits`: kernels on GPU, references on
-CPU). Both go through the same tokenisation (the tokenizer stored in the engine is the
-model's) and the same scoring code (`dejavu.runtime.tasks`).
+the engine's sparse logits, computed one of three ways (`--path`):
+- parallel (default): token-parallel, every position with its own selection, through masked
+  dense ops (`Engine.logits`; fast on CPU);
+- decode: the same quantity through the decode loop users run, one decode step per token
+  from an empty cache (`Engine.decode_logits`: on CUDA the Triton kernels in a CUDA graph
+  with the predictors on the side stream; on CPU their PyTorch references);
+- generate: the decode loop as `generate` runs it: each perplexity window's first token and
+  each task example's context through the dense prefill, the rest decoded sparse.
+Both go through the same tokenisation (the tokenizer stored in the engine is the model's)
+and the same scoring code (`dejavu.runtime.tasks`).
 """
 from __future__ import annotations
 
@@ -35,6 +42,10 @@ class EvalSettings:
     limit: int | None = None  # examples per task (None: all)
     batch_size: int = 8
     device: str = "cpu"
+    path: str = "parallel"  # how an engine's logits are computed: one of PATHS
+
+
+PATHS = ("parallel", "decode", "generate")
 
 
 @dataclass
@@ -43,7 +54,7 @@ class ScoringModel:
 
     name: str
     kind: str  # "dense" | "engine"
-    logits_fn: Callable  # ids[B, S] (cpu, long) -> logits[B, S, V]
+    logits_fn: Callable  # (ids[B, S] (cpu, long), prompt_lens[B] or None) -> logits[B, S, V]
     tokenizer: object  # dejavu.models.tokenizer.TextTokenizer
     max_len: int
     density: float | None  # None for the dense model
@@ -73,33 +84,52 @@ def _text_tokenizer(tok, model_config: dict | None):
 
 
 def _wrap_logits(fn, device: str) -> Callable:
+    """logits_fn(ids, prompt_lens=None) for a function of ids alone (prompt_lens is ignored)."""
     import torch
 
-    def logits_fn(ids):
+    def logits_fn(ids, prompt_lens=None):
         with torch.no_grad():
             return fn(ids.to(device)).float().cpu()
 
     return logits_fn
 
 
-def load_scoring_model(spec: str, device: str = "cpu") -> ScoringModel:
-    """A dense model (preset / folder / hub id) or an engine file, ready to score text."""
+def _engine_logits(engine, path: str) -> Callable:
+    """logits_fn(ids, prompt_lens=None) of an engine along `path` (module docstring)."""
+    if path == "parallel":
+        return _wrap_logits(engine.logits, engine.device)
+
+    def logits_fn(ids, prompt_lens=None):
+        p = 0 if path == "decode" else (1 if prompt_lens is None else prompt_lens)
+        return engine.decode_logits(ids, p).cpu()
+
+    return logits_fn
+
+
+def load_scoring_model(spec: str, device: str = "cpu", path: str = "parallel") -> ScoringModel:
+    """A dense model (preset / folder / hub id) or an engine file, ready to score text.
+
+    path (engines only; a dense model is dense whichever): parallel | decode | generate."""
+    if path not in PATHS:
+        raise DejavuError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     if is_engine_path(spec):
         if not Path(spec).is_file():
             raise DejavuError(f"engine file not found: {spec}")
         from dejavu.runtime.engine import Engine
 
-        engine = Engine.load(spec, device)
+        # the decode loop with each sequence's own selection, whatever the device's default
+        engine = Engine.load(spec, device, batch_policy="per_sequence")
         header = engine.header
         mc = header.get("model_config", {})
         bc = header.get("build_config", {}) or {}
         tok = getattr(engine, "tokenizer", None)
         if tok is None:
             tok = header["tokenizer_json"]
-        return ScoringModel(Path(spec).name, "engine", _wrap_logits(engine.logits, device),
+        return ScoringModel(Path(spec).name, "engine", _engine_logits(engine, path),
                             _text_tokenizer(tok, mc), int(mc["max_position_embeddings"]),
                             float(bc.get("density", 1.0)), header,
-                            {"engine": engine, "source_model": bc.get("source_model") or bc.get("model")})
+                            {"engine": engine, "source_model": bc.get("source_model") or bc.get("model"),
+                             "path": path})
     from dejavu.models.loader import load_model
     from dejavu.models.tokenizer import TextTokenizer
 
@@ -191,9 +221,11 @@ def evaluate(sm: ScoringModel, settings: EvalSettings, tasks: list[str], ppl: bo
              progress: bool = True) -> dict:
     """One JSON-able result: {"model", "kind", "density", "perplexity", "tasks": {...}}."""
     out: dict = {"model": sm.name, "kind": sm.kind, "density": sm.density}
+    path = sm.info.get("path")
     if sm.header is not None:  # the per-kind densities (they differ with --mlp-density/--attn-density)
         bc = sm.header.get("build_config") or {}
-        out.update(mlp_density=bc.get("mlp_density", sm.density), attn_density=bc.get("attn_density", sm.density))
+        out.update(mlp_density=bc.get("mlp_density", sm.density), attn_density=bc.get("attn_density", sm.density),
+                   path=path, device=str(sm.info["engine"].device) if "engine" in sm.info else None)
     t0 = time.perf_counter()
     if ppl:
         r = eval_perplexity(sm, read_text(settings.ppl_file), settings.window, settings.ppl_tokens,
@@ -204,7 +236,7 @@ def evaluate(sm: ScoringModel, settings: EvalSettings, tasks: list[str], ppl: bo
     for name in tasks:
         task = load_task(name, settings.limit)
         res = evaluate_task(task, sm.logits_fn, sm.encode, sm.bos_id, sm.max_len,
-                            settings.batch_size, progress)
+                            settings.batch_size, progress, contexts_as_prompts=path == "generate")
         out["tasks"][task.name] = res.as_dict()
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
@@ -239,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=d.limit, metavar="N", help="first N examples per task")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--device", default=d.device, help="cpu or cuda (default: cpu)")
+    p.add_argument("--path", choices=PATHS, default=d.path,
+                   help="how an engine's logits are computed: parallel (token-parallel masked ops, the "
+                        "default), decode (one decode step per token through the decode kernels, the same "
+                        "quantity), generate (the decode loop with each window's first token and each "
+                        "example's context prefilled dense, as generate does)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--report", metavar="DIR", help="write DIR/README.md and DIR/*.png (metric vs density)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -290,7 +327,9 @@ def _density_label(r: dict) -> str:
     if r["density"] is None:
         return "dense"
     m, a = r.get("mlp_density", r["density"]), r.get("attn_density", r["density"])
-    return f"{r['density']:g}" if m == a else f"mlp {m:g} / heads {a:g}"
+    label = f"{r['density']:g}" if m == a else f"mlp {m:g} / heads {a:g}"
+    path = r.get("path")
+    return label if path in (None, "parallel") else f"{label} ({path} path)"
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -337,6 +376,7 @@ def write_report(results: list[dict], folder: str | Path, settings: EvalSettings
           f"- perplexity: `{_shown_path(settings.ppl_file)}`, "
           f"{first.get('ppl_tokens', 'n/a')} tokens, window {first.get('ppl_window', 'n/a')}",
           f"- tasks: {', '.join(tasks) or 'none'}; examples per task: {lim}",
+          f"- engine logits: `--path {settings.path}` on `{settings.device}` (`dejavu-eval --help`)",
           "", f"![metrics vs density]({png.name})", ""]
     out = folder / "README.md"
     with atomic_path(out) as tmp:
@@ -419,10 +459,11 @@ def main(argv=None) -> int:
         load_task(t, limit=1)
     if not args.no_ppl:
         read_text(args.ppl)
-    settings = EvalSettings(args.ppl, args.ppl_tokens, args.window, args.limit, args.batch_size, args.device)
+    settings = EvalSettings(args.ppl, args.ppl_tokens, args.window, args.limit, args.batch_size, args.device,
+                            args.path)
     results = []
     for spec in args.models:
-        sm = load_scoring_model(spec, args.device)
+        sm = load_scoring_model(spec, args.device, args.path)
         results.append(evaluate(sm, settings, tasks, ppl=not args.no_ppl, progress=not args.quiet))
     if args.report:
         write_report(results, args.report, settings, tasks)

@@ -119,3 +119,45 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp
     if not host_loop:
         out = out_dev.tolist()
     return out
+
+
+@torch.inference_mode()
+def decode_logits(engine, ids: torch.Tensor, prompt_len: int | Sequence[int] | torch.Tensor = 0) -> torch.Tensor:
+    """Logits [B, S, V] (float32, on the engine's device) of ids [B, S] through the loop that
+    `generate` runs, fed the given tokens instead of sampled ones (teacher forcing).
+
+    prompt_len 0: every token through a sparse decode step from an empty cache, position 0
+    included: the quantity `Engine.logits` computes token-parallel with masked dense ops,
+    here through the kernels users run (on CUDA: the Triton kernels, one CUDA-graph replay
+    per step, the predictors on the side stream). prompt_len p >= 1 (one for all rows, or one
+    per row): what `generate` does with a p-token prompt: the first p tokens of the row through
+    the dense prefill (its logits fill position p - 1; earlier positions are NaN, the prefill
+    returns its last only), every later token through a sparse decode step. Rows are decoded
+    side by side at their own positions; a row that has reached its end repeats its last
+    token until the longest is done (its logits are dropped; with the engine's "shared" batch
+    policy such rows still take part in the batch's selection)."""
+    spec, dec, dev = engine.spec, engine.decoder, engine.device
+    B, S = ids.shape
+    plen = torch.as_tensor(prompt_len, dtype=torch.long).reshape(-1)
+    if plen.numel() not in (1, B):
+        raise DejavuError(f"prompt_len must be one length or one per row ({B}), got {plen.numel()}")
+    plen = plen.expand(B).clone()
+    every = bool((plen == 0).all())
+    if not every and not (int(plen.min()) >= 1 and int(plen.max()) <= S):
+        raise DejavuError(f"prompt_len must be 0, or between 1 and the sequence length {S} for every row, "
+                          f"got {plen.tolist()}")
+    step_fn = engine.activate(B, S)
+    ids = ids.to(dev)
+    rows = torch.arange(B, device=dev)
+    out = torch.full((B, S + 1, spec.vocab_size), float("nan"), dtype=torch.float32, device=dev)  # S: dropped
+    pos = plen.to(dev)
+    if every:
+        dec.empty_cache()
+    else:
+        p = int(plen.max())
+        out[rows, pos - 1] = dec.prefill(ids[:, :p], pos).float()
+    for _ in range(S - int(plen.min())):
+        at = pos.clamp(max=S - 1)
+        out[rows, pos.clamp(max=S)] = step_fn(ids[rows, at], at).float()
+        pos = pos + 1
+    return out[:, :S]

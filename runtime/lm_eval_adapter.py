@@ -7,7 +7,8 @@
 (`python -m` imports this module first, so `dejavu` is registered; in Python,
 `import dejavu.runtime.lm_eval_adapter` then `lm_eval.simple_evaluate(model="dejavu", ...)`.)
 
-`model=` takes what `dejavu-eval` takes: a .engine file (scored with `Engine.logits`) or a
+`model=` takes what `dejavu-eval` takes: a .engine file (scored with `Engine.logits`, or
+through the decode loop with `path=decode` / `path=generate`, as `dejavu-eval --path`) or a
 model name / folder (dense PyTorch). Scoring shares `dejavu.runtime.tasks`: context and
 continuation are tokenised separately, a BOS (`</s>`) is prepended, and the continuation's
 log-probabilities are summed; rolling log-likelihood uses lm_eval's disjoint windows.
@@ -29,9 +30,9 @@ class DejavuLM(LM):
     """lm_eval LM over a dejavu engine or dense model (log-likelihoods + greedy generation)."""
 
     def __init__(self, model: str | ScoringModel = "opt-mini", device: str = "cpu",
-                 batch_size: int | str = 8, max_gen_toks: int = 64, **_ignored):
+                 batch_size: int | str = 8, max_gen_toks: int = 64, path: str = "parallel", **_ignored):
         super().__init__()
-        self.sm = model if isinstance(model, ScoringModel) else load_scoring_model(str(model), device)
+        self.sm = model if isinstance(model, ScoringModel) else load_scoring_model(str(model), device, path)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
         self.max_gen_toks = int(max_gen_toks)
 
@@ -60,7 +61,8 @@ class DejavuLM(LM):
         return f"dejavu:{self.sm.name}"
 
     def _scores(self, pairs: list[TokenizedPair]):
-        return score_pairs(self.sm.logits_fn, pairs, self.batch_size)
+        return score_pairs(self.sm.logits_fn, pairs, self.batch_size,
+                           contexts_as_prompts=self.sm.info.get("path") == "generate")
 
     # ------------------------------------------------------------------ lm_eval API
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -2,8 +2,9 @@
 
 Every task becomes a list of `Example`s: a few (context, continuation) pairs and a gold
 index. The scorer is the same for every backend (dense PyTorch model or engine): it only
-needs `logits_fn(ids[B, S]) -> logits[B, S, V]`, so a dense run and an engine run compare
-the same tokens the same way.
+needs `logits_fn(ids[B, S]) -> logits[B, S, V]` (with `contexts_as_prompts`,
+`logits_fn(ids, prompt_lens[B])`: an engine's decode loop prefills each example's context
+as a prompt), so a dense run and an engine run compare the same tokens the same way.
 
 Task formats (one JSON object per line), detected from the keys:
 - `{"query", "choices", "gold"}`  multiple choice: context = query, continuation = " " + choice
@@ -160,11 +161,13 @@ def tokenize_pair(encode: Callable[[str], list[int]], context: str, continuation
 
 
 def score_pairs(logits_fn, pairs: Sequence[TokenizedPair], batch_size: int = 8,
-                progress: str | None = None) -> list[PairScore]:
+                progress: str | None = None, contexts_as_prompts: bool = False) -> list[PairScore]:
     """Log-likelihood of each pair's continuation, in input order.
 
     Pairs are run in batches of similar length (sorted), right-padded: the model is causal,
-    so padding after a sequence never changes its logits."""
+    so padding after a sequence never changes its logits. contexts_as_prompts: call
+    logits_fn(ids, prompt_lens) with each row's context length (the tokens before its
+    continuation), for an engine's `generate` path."""
     import torch
 
     order = sorted(range(len(pairs)), key=lambda i: len(pairs[i].ids))
@@ -181,7 +184,11 @@ def score_pairs(logits_fn, pairs: Sequence[TokenizedPair], batch_size: int = 8,
         for b, p in enumerate(chunk):
             inp[b, :len(p.ids) - 1] = torch.tensor(p.ids[:-1])
         with torch.no_grad():
-            logp = torch.log_softmax(logits_fn(inp).float(), dim=-1)  # [B, S, V]
+            if contexts_as_prompts:
+                logits = logits_fn(inp, [len(p.ids) - p.n_cont for p in chunk])
+            else:
+                logits = logits_fn(inp)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # [B, S, V]
         for b, p in enumerate(chunk):
             n, L = p.n_cont, len(p.ids) - 1
             rows = logp[b, L - n:L]  # [n, V]: predictions for the continuation tokens
@@ -207,10 +214,11 @@ class TaskResult:
 
 
 def evaluate_task(task: Task, logits_fn, encode, bos: int | None, max_len: int,
-                  batch_size: int = 8, progress: bool = True) -> TaskResult:
+                  batch_size: int = 8, progress: bool = True, contexts_as_prompts: bool = False) -> TaskResult:
     """Accuracy (and acc_norm where the task reports it) of one task through `logits_fn`."""
     toks = [tokenize_pair(encode, c, x, bos, max_len) for ex in task.examples for c, x in ex.pairs]
-    flat = score_pairs(logits_fn, toks, batch_size, progress=task.name if progress else None)
+    flat = score_pairs(logits_fn, toks, batch_size, progress=task.name if progress else None,
+                       contexts_as_prompts=contexts_as_prompts)
     correct = correct_norm = 0
     details = []
     pos = 0

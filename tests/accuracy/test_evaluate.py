@@ -131,6 +131,43 @@ def test_report_for_several_runs(tiny_opt_dir, dense_engine, tmp_path, text_file
     assert (tmp_path / "rep" / "metrics_vs_density.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_decode_path_equals_parallel_path(tiny_opt_dir, tmp_path, text_file, capsys):
+    # --path decode: one decode step per token from an empty cache (the runtime's decode loop), the
+    # quantity --path parallel computes token-parallel: the same perplexity and task predictions
+    sparse = write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)
+    argv = [str(sparse), "--ppl", str(text_file), "--ppl-tokens", "300", "--window", "64",
+            "--task", "copa", "winogrande", "--limit", "3", "--batch-size", "3"]
+    par, dec = _run_json(capsys, argv), _run_json(capsys, argv + ["--path", "decode"])
+    assert (par["path"], dec["path"]) == ("parallel", "decode")
+    assert dec["ppl_tokens"] == par["ppl_tokens"] == 300 - 5  # 5 windows, each with a first token unscored
+    assert dec["perplexity"] == pytest.approx(par["perplexity"], rel=1e-5)
+    assert dec["tasks"] == par["tasks"]
+
+
+def test_generate_path_prefills_each_context(tiny_opt_dir, tmp_path):
+    # --path generate: each example's context is a prompt (dense prefill), its continuation decoded
+    # sparse, in batches of rows with different context lengths; against one sequence at a time
+    rows = [{"query": "The cat sat on the", "choices": ["mat.", "history of the world."], "gold": 0},
+            {"query": "In 2004 he had a role in", "choices": ["the play", "a film", "rain"], "gold": 2}]
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)
+    sm = load_scoring_model(str(path), path="generate")
+    engine, tok = sm.info["engine"], sm.tokenizer
+    res = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len,
+                        batch_size=3, progress=False, contexts_as_prompts=True)
+    par = evaluate_task(load_task(str(f)), load_scoring_model(str(path)).logits_fn, sm.encode, sm.bos_id,
+                        sm.max_len, batch_size=3, progress=False)
+    for row, d, p in zip(rows, res.details, par.details):
+        hand = []
+        for c in row["choices"]:
+            ctx, cont = [tok.bos_id] + tok.encode(row["query"], add_bos=False), tok.encode(" " + c, add_bos=False)
+            logp = torch.log_softmax(engine.decode_logits([ctx + cont], len(ctx))[0].double(), -1)
+            hand.append(sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont)))
+        assert d["logprobs"] == pytest.approx(hand, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(d["logprobs"], p["logprobs"])) > 1e-3  # dense contexts differ
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--task", "nosuchtask"], "unknown task 'nosuchtask'"),
     (["--task", "missing.jsonl"], "task file not found"),

@@ -51,6 +51,26 @@ def test_methods_match_our_scorer(adapter, tiny_opt_dir, tmp_path):
     assert isinstance(gen, str) and "\n" not in gen
 
 
+def test_generate_path_through_the_adapter(tiny_opt_dir, tmp_path):
+    # path=generate: lm_eval's requests scored as dejavu-eval --path generate scores them (contexts
+    # prefilled dense, continuations through the decode loop)
+    from _helpers import write_test_engine
+
+    from dejavu.runtime.lm_eval_adapter import DejavuLM
+    from dejavu.runtime.tasks import evaluate_task, load_task
+
+    eng = DejavuLM(model=str(write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)),
+                   batch_size=2, path="generate")
+    f = tmp_path / "t.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in ROWS))
+    sm = eng.sm
+    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, progress=False,
+                         contexts_as_prompts=True)
+    for row, d in zip(ROWS, ours.details):
+        got = eng.loglikelihood([_Req(row["query"], " " + c) for c in row["choices"]])
+        assert [g[0] for g in got] == pytest.approx(d["logprobs"], abs=1e-5)
+
+
 def test_local_yaml_task_through_lm_eval(adapter, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager

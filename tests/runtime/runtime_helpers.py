@@ -161,6 +161,23 @@ class MaskedDense:
         return out
 
     @torch.no_grad()
+    def teacher_forced(self, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Logits [S - p + 1, V] at positions p-1..S-1 of one sequence ids [1, S]: a dense pass
+        over its first p tokens, then each later token through the masked model and the cache
+        (generate's semantics, fed the given tokens)."""
+        m, S = self.model, ids.shape[1]
+        m.setup_caches(1, S)
+        try:
+            self.enabled = False
+            out = [m(ids[:, :prompt_len], 0)[0, -1]]
+            self.enabled = True
+            out += [m(ids[:, t:t + 1], t)[0, -1] for t in range(prompt_len, S)]
+        finally:
+            self.enabled = False
+            m.clear_caches()
+        return torch.stack(out)
+
+    @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """Token-parallel masked logits [B, S, V] (no cache)."""
         self.enabled = True

@@ -75,6 +75,53 @@ def test_token_parallel_logits_equal_masked_dense_and_stepwise_decode():
     torch.testing.assert_close(steps, par[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_policy", ["deferred", "full"])
+def test_decode_logits_equal_masked_dense(kv_policy):
+    # Engine.decode_logits (the decode loop fed given tokens, runtime/generate.py) against the
+    # masked-dense reference: every position decoded sparse from an empty cache = the token-parallel
+    # masked model; with per-row prompts = a dense pass over each prompt, then masked cached steps
+    model = tiny_model(seed=6)
+    header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
+    eng = Engine.from_tensors(header, tensors, "cpu", kv_policy=kv_policy)
+    ref = MaskedDense(model, header, tensors)
+    ids = torch.tensor([PROMPT + [30, 31, 32, 33, 34], [2, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80]])
+    eng.generate([[2, 90, 91, 92], [2, 93]], 20, stop_at_eos=False)  # a used cache of this batch: not to be read
+    torch.testing.assert_close(eng.decode_logits(ids), ref.logits(ids), atol=1e-4, rtol=1e-4)
+    plens = [len(PROMPT), 3]
+    got = eng.decode_logits(ids, plens)
+    for b, p in enumerate(plens):
+        torch.testing.assert_close(got[b, p - 1:], ref.teacher_forced(ids[b:b + 1], p), atol=1e-4, rtol=1e-4)
+        assert got[b, :p - 1].isnan().all()
+    # the prompt's positions are dense there: the empty-cache form differs from it
+    assert (got[1, 3:] - eng.decode_logits(ids)[1, 3:]).abs().max() > 1e-3
+
+
+def test_decode_logits_replay_generate():
+    # fed generate's own greedy tokens, the decode loop gives back generate's step logits (and argmax)
+    model = tiny_model(seed=3)
+    header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
+    eng = Engine.from_tensors(header, tensors, "cpu")
+    got: list = []
+    record_steps(eng.decoder, got)
+    new = eng.generate([PROMPT], 12, stop_at_eos=False)[0]
+    del eng.decoder.decode_step
+    seq = torch.tensor([PROMPT + new])
+    out = eng.decode_logits(seq, len(PROMPT))[0]
+    assert out[len(PROMPT) - 1:-1].argmax(-1).tolist() == new
+    torch.testing.assert_close(out[len(PROMPT):-1], torch.cat(got), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_logits_errors():
+    model = tiny_model(seed=3)
+    eng = Engine.from_tensors(*engine_from_dense(model, 0.5, 0.5, "attn_in", 1), "cpu")
+    ids = torch.tensor([PROMPT, PROMPT])
+    for bad in (8, -1, [0, 2], [3, 3, 3]):
+        with pytest.raises(DejavuError, match="prompt_len"):
+            eng.decode_logits(ids, bad)
+    with pytest.raises(DejavuError, match="token ids"):
+        eng.decode_logits([[2, 10 ** 6]])
+
+
 def test_decode_with_cache_equals_full_recompute():
     model = tiny_model(seed=7)
     header, tensors = engine_from_dense(model, 1.0, 1.0)

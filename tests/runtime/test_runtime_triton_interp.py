@@ -395,7 +395,36 @@ def test_folded_qkv_finish_in_the_runtime_equals_reference():
     assert on["tokens"] == off["tokens"] == out["ref"], out
 
 
-# the longest first (their durations on one CI core: ~140, 87, 62, 62, 54, 45 s)
+DECODE_LOGITS_SCRIPT = r"""
+import torch, json
+torch.set_num_threads(1)
+from runtime_helpers import engine_from_dense, tiny_model
+from dejavu.runtime import Engine
+m = tiny_model(seed=3)
+ids = torch.tensor([[2, 17, 40, 5, 88, 63, 9, 31], [2, 33, 7, 64, 12, 90, 41, 8]])
+h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
+a = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy="per_sequence")
+b = Engine.from_tensors(h, t, "cpu", batch_policy="per_sequence")
+out = {"kernels": a.ops.kernels}
+for name, p in (("empty", 0), ("prompts", [3, 5])):
+    x, y = a.decode_logits(ids, p), b.decode_logits(ids, p)
+    ok = ~y.isnan()
+    out[name] = {"err": float((x - y)[ok].abs().max() / y[ok].abs().max()), "nan_same": bool((x.isnan() == ~ok).all())}
+print(json.dumps(out))
+"""
+
+
+def test_decode_logits_in_interpreter_equal_reference():
+    # Engine.decode_logits (the decode loop fed given tokens, what `dejavu-eval --path decode /
+    # generate` scores) through the Triton backend in the interpreter against the reference backend:
+    # from an empty cache, and with per-row dense prompts
+    out = _run("test_decode_logits_in_interpreter_equal_reference")
+    assert set(out["kernels"].values()) == {"triton"}, out
+    for name in ("empty", "prompts"):
+        assert out[name]["err"] < 1e-5 and out[name]["nan_same"], out
+
+
+# the longest first (their durations on one CI core: ~140, 87, 62, 62, 54, 45, 20 s)
 BACKGROUND.update({
     "test_deferred_layer_norm_in_interpreter_equals_separate_one": (DEFER_SCRIPT, 900),
     "test_decoder_refresh_heads_keep_lags_bounded": (REFRESH_SCRIPT, 300),
@@ -403,4 +432,5 @@ BACKGROUND.update({
     "test_folded_qkv_finish_in_the_runtime_equals_reference": (FOLD_SCRIPT, 600),
     "test_triton_backend_in_interpreter_equals_reference": (SCRIPT, 300),
     "test_fused_layer_norms_in_interpreter_equal_separate_ones": (FUSED_SCRIPT, 300),
+    "test_decode_logits_in_interpreter_equal_reference": (DECODE_LOGITS_SCRIPT, 300),
 })
