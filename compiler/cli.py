@@ -164,3 +164,7 @@ def inspect_main(argv=None) -> int:
     else:
         print(format_header(header, args.engine, Path(args.engine).stat().st_size))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

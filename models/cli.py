@@ -94,3 +94,7 @@ def main(argv=None) -> int:
           f"prompt {len(ids)} tokens, {args.dtype} on {args.device}]", file=sys.stderr)
     return 0
 
+
+
+if __name__ == "__main__":
+    sys.exit(main())

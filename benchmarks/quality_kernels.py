@@ -1,0 +1,124 @@
+"""Quality of trained engines through the kernels users run: perplexity and zero-shot accuracy of
+`opt-mini` engines along each `dejavu-eval --path`, on each device, beside the dense model.
+
+    python3 benchmarks/quality_kernels.py --devices cuda,cpu --out quality.json     # on the H200
+    python3 benchmarks/quality_kernels.py --devices cpu --ppl-tokens 4096 --limit 10 # here, smaller
+
+Engines are built here with `dejavu-compile`'s defaults (calibration and predictor training on
+the CPU, so a build is the same file on any machine: each engine's sha256 is recorded), one per
+`--engines` entry MLP/heads density. Then for every device and path (`parallel`: token-parallel
+masked ops; `decode`: the decode loop from an empty cache, on CUDA the Triton kernels in a CUDA
+graph with the side-stream predictors; `generate`: the decode loop with prompts prefilled dense,
+as `generate` runs it) the perplexity over the first --ppl-tokens of the shipped WikiText-2 test
+and the accuracy on --tasks (first --limit examples each). Prints a table; JSON to --out. Asserts
+nothing. Quality, on a trained model: say so beside the numbers (BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.fileio import atomic_path
+from dejavu.runtime.evaluate import PATHS, EvalSettings, _expand_tasks, evaluate, load_scoring_model
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build(model: str, specs: list[tuple[float, float]], dtype: str, folder: Path) -> list[dict]:
+    """One engine per (MLP density, head density), built as `dejavu-compile` builds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for m, a in specs:
+        path = folder / f"{Path(model).name}-m{m:g}-a{a:g}-{dtype}.engine"
+        t0 = time.perf_counter()
+        if not path.exists():
+            build_engine(model, BuildConfig(density=m, attn_density=a, dtype=dtype), path, progress=False)
+        out.append({"path": str(path), "mlp_density": m, "attn_density": a, "dtype": dtype,
+                    "sha256": _sha256(path), "build_s": round(time.perf_counter() - t0, 1)})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    tasks = sorted({t for r in rows for t in r.get("tasks", {})})
+    lines = ["| run | device | path | ppl | vs dense | " + " | ".join(tasks) + " |",
+             "|---|---|---|---:|---:|" + "---:|" * len(tasks)]
+    dense = {r["device"]: r["perplexity"] for r in rows if r["kind"] == "dense"}
+    for r in rows:
+        d = dense.get(r["device"])
+        rel = f"{100 * (r['perplexity'] / d - 1):+.2f}%" if d and r["kind"] != "dense" else ""
+        accs = [f"{100 * r['tasks'][t]['accuracy']:.0f}" if t in r.get("tasks", {}) else "" for t in tasks]
+        lines.append(f"| {Path(r['model']).name} | {r['device']} | {r.get('path') or 'dense'} | "
+                     f"{r['perplexity']:.3f} | {rel} | " + " | ".join(accs) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="opt-mini")
+    ap.add_argument("--engines", default="0.3/1.0,0.5/1.0,0.5/0.5,0.3/0.3",
+                    help="MLP/heads densities, comma-separated")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--devices", default="cuda,cpu")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--cpu-paths", default="parallel", help="paths run on the CPU (the decode loop is slow there)")
+    ap.add_argument("--ppl-tokens", type=int, default=32768)
+    ap.add_argument("--tasks", default="all")
+    ap.add_argument("--limit", type=int, default=50)
+    ap.add_argument("--work", default="build/quality", help="folder for the engines")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    specs = [tuple(float(x) for x in e.split("/")) for e in a.engines.split(",")]
+    devices = [d for d in a.devices.split(",") if d]
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise SystemExit("quality_kernels: --devices cuda but no CUDA GPU")
+    tasks = _expand_tasks(a.tasks.split(","))
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": sys.argv[1:],
+            "torch": torch.__version__, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "note": "quality on a trained model (opt-mini); engines built on the CPU with dejavu-compile's defaults"}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    engines = build(a.model, specs, a.dtype, Path(a.work))
+    rows = []
+    for dev in devices:
+        settings = EvalSettings(ppl_tokens=a.ppl_tokens, limit=a.limit, device=dev)
+        t0 = time.perf_counter()
+        r = evaluate(load_scoring_model(a.model, dev), settings, tasks, progress=False)
+        rows.append({**r, "device": dev, "path": None, "wall_s": round(time.perf_counter() - t0, 1)})
+        paths = a.paths.split(",") if dev != "cpu" else a.cpu_paths.split(",")
+        for e in engines:
+            for path in paths:
+                t0 = time.perf_counter()
+                sm = load_scoring_model(e["path"], dev, path)
+                r = evaluate(sm, EvalSettings(ppl_tokens=a.ppl_tokens, limit=a.limit, device=dev, path=path),
+                             tasks, progress=False)
+                rows.append({**r, "device": dev, "sha256": e["sha256"], "wall_s": round(time.perf_counter() - t0, 1),
+                             "kernels": dict(sm.info["engine"].ops.kernels)})
+                print(f"{Path(e['path']).name} {dev} {path}: ppl {r['perplexity']:.3f} ({rows[-1]['wall_s']} s)",
+                      flush=True)
+    print(table(rows))
+    if a.out:
+        with atomic_path(Path(a.out)) as tmp:
+            tmp.write_text(json.dumps({"meta": meta, "engines": engines, "results": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
