@@ -96,28 +96,41 @@ def main(argv=None) -> int:
     except ImportError:
         meta["triton"] = None
     engines = build(a.model, specs, a.dtype, Path(a.work))
-    rows = []
-    for dev in devices:
-        settings = EvalSettings(ppl_tokens=a.ppl_tokens, limit=a.limit, device=dev)
+    rows: list[dict] = []
+    errors: list[dict] = []
+
+    def save() -> None:  # after every run: what finished survives a later failure or a time limit
+        if a.out:
+            with atomic_path(Path(a.out)) as tmp:
+                tmp.write_text(json.dumps({"meta": meta, "engines": engines, "results": rows, "errors": errors},
+                                          indent=1))
+
+    def run(spec: str, dev: str, path: str | None, extra: dict) -> None:
         t0 = time.perf_counter()
-        r = evaluate(load_scoring_model(a.model, dev), settings, tasks, progress=False)
-        rows.append({**r, "device": dev, "path": None, "wall_s": round(time.perf_counter() - t0, 1)})
-        paths = a.paths.split(",") if dev != "cpu" else a.cpu_paths.split(",")
+        try:
+            sm = load_scoring_model(spec, dev, path or "parallel")
+            r = evaluate(sm, EvalSettings(ppl_tokens=a.ppl_tokens, limit=a.limit, device=dev, path=path or "parallel"),
+                         tasks, progress=False)
+        except Exception as e:  # noqa: BLE001 - record it, go on with the other runs
+            errors.append({"run": Path(spec).name, "device": dev, "path": path, "error": f"{type(e).__name__}: {e}"})
+            print(f"{Path(spec).name} {dev} {path}: FAILED {errors[-1]['error']}", flush=True)
+        else:
+            if "engine" in sm.info:
+                extra = {**extra, "kernels": dict(sm.info["engine"].ops.kernels)}
+            rows.append({**r, "device": dev, "path": path, "wall_s": round(time.perf_counter() - t0, 1), **extra})
+            print(f"{Path(spec).name} {dev} {path or 'dense'}: ppl {r['perplexity']:.3f} ({rows[-1]['wall_s']} s)",
+                  flush=True)
+        save()
+
+    for dev in devices:
+        run(a.model, dev, None, {})
         for e in engines:
-            for path in paths:
-                t0 = time.perf_counter()
-                sm = load_scoring_model(e["path"], dev, path)
-                r = evaluate(sm, EvalSettings(ppl_tokens=a.ppl_tokens, limit=a.limit, device=dev, path=path),
-                             tasks, progress=False)
-                rows.append({**r, "device": dev, "sha256": e["sha256"], "wall_s": round(time.perf_counter() - t0, 1),
-                             "kernels": dict(sm.info["engine"].ops.kernels)})
-                print(f"{Path(e['path']).name} {dev} {path}: ppl {r['perplexity']:.3f} ({rows[-1]['wall_s']} s)",
-                      flush=True)
+            for path in (a.paths if dev != "cpu" else a.cpu_paths).split(","):
+                run(e["path"], dev, path, {"sha256": e["sha256"]})
     print(table(rows))
-    if a.out:
-        with atomic_path(Path(a.out)) as tmp:
-            tmp.write_text(json.dumps({"meta": meta, "engines": engines, "results": rows}, indent=1))
-    return 0
+    for e in errors:
+        print(f"failed: {e}")
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
