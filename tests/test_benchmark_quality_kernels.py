@@ -1,0 +1,33 @@
+"""benchmarks/quality_kernels.py on a tiny model, CPU: engines built, each path scored, the JSON."""
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+# loaded from its file: benchmarks/ stays off sys.path (a top-level "kernels" module there would be taken
+# for Hugging Face's `kernels` package by transformers in the same process)
+_SPEC = importlib.util.spec_from_file_location(
+    "dejavu_bench_quality_kernels", Path(__file__).resolve().parents[1] / "benchmarks" / "quality_kernels.py")
+Q = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(Q)
+
+
+def test_quality_runs_on_a_tiny_model(tiny_opt_dir, tmp_path, capsys):
+    out = tmp_path / "q.json"
+    argv = ["--model", str(tiny_opt_dir), "--engines", "0.5/1.0", "--dtype", "float32", "--devices", "cpu",
+            "--cpu-paths", "parallel,decode,generate", "--ppl-tokens", "200", "--tasks", "copa", "--limit", "3",
+            "--work", str(tmp_path / "engines"), "--out", str(out)]
+    assert Q.main(argv) == 0
+    got = json.loads(out.read_text())
+    assert got["errors"] == [] and got["meta"]["torch"]
+    (eng,) = got["engines"]
+    assert eng["sha256"] == hashlib.sha256(Path(eng["path"]).read_bytes()).hexdigest()
+    rows = {r["path"]: r for r in got["results"]}
+    assert set(rows) == {None, "parallel", "decode", "generate"} and rows[None]["kind"] == "dense"
+    # the decode loop from an empty cache scores what the token-parallel path scores
+    assert rows["decode"]["perplexity"] == pytest.approx(rows["parallel"]["perplexity"], rel=1e-5)
+    assert rows["decode"]["tasks"] == rows["parallel"]["tasks"]
+    assert all(r["sha256"] == eng["sha256"] for p, r in rows.items() if p)
+    assert "| parallel |" in capsys.readouterr().out
