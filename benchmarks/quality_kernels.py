@@ -105,12 +105,11 @@ def main(argv=None) -> int:
                 tmp.write_text(json.dumps({"meta": meta, "engines": engines, "results": rows, "errors": errors},
                                           indent=1))
 
-    def run(spec: str, dev: str, path: str | None, extra: dict) -> None:
+    def run(spec: str, dev: str, path: str | None, extra: dict) -> None:  # path None: the dense model
         t0 = time.perf_counter()
+        settings = EvalSettings(ppl_tokens=a.ppl_tokens, limit=a.limit, device=dev, path=path or "parallel")
         try:
-            sm = load_scoring_model(spec, dev, path or "parallel")
-            r = evaluate(sm, EvalSettings(ppl_tokens=a.ppl_tokens, limit=a.limit, device=dev, path=path or "parallel"),
-                         tasks, progress=False)
+            r = evaluate(sm := load_scoring_model(spec, dev, settings.path), settings, tasks, progress=False)
         except Exception as e:  # noqa: BLE001 - record it, go on with the other runs
             errors.append({"run": Path(spec).name, "device": dev, "path": path, "error": f"{type(e).__name__}: {e}"})
             print(f"{Path(spec).name} {dev} {path}: FAILED {errors[-1]['error']}", flush=True)

@@ -225,7 +225,7 @@ def evaluate(sm: ScoringModel, settings: EvalSettings, tasks: list[str], ppl: bo
     if sm.header is not None:  # the per-kind densities (they differ with --mlp-density/--attn-density)
         bc = sm.header.get("build_config") or {}
         out.update(mlp_density=bc.get("mlp_density", sm.density), attn_density=bc.get("attn_density", sm.density),
-                   path=path, device=str(sm.info["engine"].device) if "engine" in sm.info else None)
+                   path=path, device=str(sm.info["engine"].device))
     t0 = time.perf_counter()
     if ppl:
         r = eval_perplexity(sm, read_text(settings.ppl_file), settings.window, settings.ppl_tokens,
