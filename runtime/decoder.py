@@ -74,6 +74,7 @@ class SparseDecoder:
         self.x_hist: list[torch.Tensor | None] = []  # deferred policy, sparse-attention layers only
         self.valid_len: list[torch.Tensor | None] = []
         self.batch = self.max_seq = 0
+        self._all_rows = None  # setup's whole-cache tensors (use_rows takes views of them)
         # Tensor parallel (runtime/tp.py): `reduce(y)` all-reduces (sums) the partial output of
         # each row-parallel op (attention out-proj, fc2) before the residual add; None = one rank.
         # With it set, the residual is not fused into the kernels (it would be summed n times).
@@ -217,6 +218,7 @@ class SparseDecoder:
         self.rows = torch.arange(batch, device=self.device)  # [B]
         self.slots = torch.arange(max_seq, device=self.device)  # [T]
         self.batch, self.max_seq = batch, max_seq
+        self._all_rows = (self.k_cache, self.v_cache, self.x_hist, self.valid_len, self.rows, batch)
         self._refresh_takes = {}
         if s.pre_ln and self.defer_ln and self.fold_ln is True and self.ops.kernels.get("sparse_fc1") == "triton":
             for l, w in enumerate(self.layers):  # the folds, before any graph capture (else: at first use)
@@ -235,6 +237,21 @@ class SparseDecoder:
         """Drop the caches (the next `setup` allocates again)."""
         self.k_cache, self.v_cache, self.x_hist, self.valid_len = [], [], [], []
         self.batch = self.max_seq = 0
+        self._all_rows = None
+
+    def use_rows(self, n: int) -> None:
+        """Decode steps (and a CUDA graph captured now) run on the first n rows of the cache
+        `setup` allocated: the caches become views of rows 0..n-1 (no copy; n = the allocated
+        batch restores them whole). A server's continuous batching keeps its live sequences in
+        the lowest rows and steps only as many rows as the highest one needs."""
+        k, v, x, vl, rows, full = self._all_rows
+        if not 1 <= n <= full:
+            raise ValueError(f"use_rows: n must be in [1, {full}], got {n}")
+        self.k_cache, self.v_cache = [t[:n] for t in k], [t[:n] for t in v]
+        self.x_hist = [None if t is None else t[:n] for t in x]
+        self.valid_len = [None if t is None else t[:n] for t in vl]
+        self.rows, self.batch = rows[:n], n
+        self._refresh_takes = {}
 
     # ------------------------------------------------------------------ pieces
     def _ln(self, x, wb):
@@ -516,13 +533,14 @@ class SparseDecoder:
 
     # ------------------------------------------------------------------ sequences
     def forward_tokens(self, ids: torch.Tensor, sparse: bool = True, write_cache: bool = False,
-                       last: torch.Tensor | None = None) -> torch.Tensor:
+                       last: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """logits for ids [B, S] at positions 0..S-1: [B, S, V], or [B, V] at positions `last` [B].
 
         sparse=False: the dense model (prefill). sparse=True: per-token selection (masked
         heads / neurons), equal to decoding the tokens one by one from an empty cache.
         write_cache: store K/V of every head at slots 0..S-1 (needs `setup` with this batch), and
-        the attention inputs into x_hist (deferred layers)."""
+        the attention inputs into x_hist (deferred layers); with `rows` [B] (long, device) into
+        those cache rows instead of rows 0..B-1."""
         s, run = self.spec, self.pred
         B, S = ids.shape
         H, hd = s.num_heads, s.head_dim
@@ -538,10 +556,11 @@ class SparseDecoder:
                 q = F.linear(h, w.wq, w.bq).view(B, S, H, hd).transpose(1, 2)  # [B, H, S, hd]
                 k, v = F.linear(h, w.wkv, w.bkv).view(B, S, 2, H, hd).permute(2, 0, 3, 1, 4)
                 if write_cache:
-                    self.k_cache[l][:, :, :S] = k
-                    self.v_cache[l][:, :, :S] = v
+                    at = slice(None) if rows is None else rows
+                    self.k_cache[l][at, :, :S] = k
+                    self.v_cache[l][at, :, :S] = v
                     if self.x_hist and self.x_hist[l] is not None:
-                        self.x_hist[l][:, :S] = h
+                        self.x_hist[l][at, :S] = h
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
                 o = o.transpose(1, 2)  # [B, S, H, hd]
                 idx = run.heads(l) if sparse else None
@@ -568,14 +587,20 @@ class SparseDecoder:
             x = x[torch.arange(B, device=x.device), last]  # [B, D]
         return self.head(x)
 
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V].
 
         Every head's K/V is written at slots 0..S-1, so (deferred policy) valid_len[b, :] =
         lengths[b]: a sequence's padding slots count as missing and are recomputed from its
-        own inputs when a head needs them."""
-        out = self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1)
+        own inputs when a head needs them. rows [B] (long, device): the cache rows to fill
+        (default 0..B-1); the other rows are left as they are (a server admitting a newcomer
+        beside running sequences)."""
+        out = self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows)
         for vl in self.valid_len:
             if vl is not None:
-                vl.copy_(lengths.to(vl.device, torch.int32)[:, None].expand_as(vl))
+                n = lengths.to(vl.device, torch.int32)[:, None].expand(-1, vl.shape[1])
+                if rows is None:
+                    vl.copy_(n)
+                else:
+                    vl[rows] = n
         return out

@@ -1,0 +1,268 @@
+"""The OpenAI request bodies `dejavu-serve` accepts, checked field by field, and the response
+objects it returns (the legacy completions and the chat completions API).
+
+A mistake raises `ApiError(status, message, param)`, which the server turns into OpenAI's
+error object: {"error": {"message", "type", "param", "code"}}. Fields that the OpenAI API
+defines but this server does not implement are accepted only at their neutral value (n = 1,
+echo false, no logprobs, penalties 0, ...); unknown fields are rejected, as OpenAI does.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP status, message, the offending parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+                503: "service_unavailable"}.get(self.status, "invalid_request_error")
+        if self.status >= 500 and self.status != 503:
+            kind = "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Defaults of a request's fields (OpenAI's: temperature 1, top_p 1; max_tokens 16 for
+    completions, the rest of the context for chat)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # an extension (vLLM's): 0 or -1 = off
+    completion_max_tokens: int = 16
+    max_stop: int = 4  # stop strings per request (OpenAI's limit)
+
+
+@dataclass
+class Params:
+    """A checked request: prompts (token ids) and how to complete them."""
+
+    model: str | None
+    prompts: list[list[int]]
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    chat: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "presence_penalty": 0,
+           "frequency_penalty": 0, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
+           "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
+           "service_tier": None}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options"}
+COMPLETION_FIELDS = COMMON | {"prompt"} | (NEUTRAL.keys() - {"top_logprobs", "tools", "tool_choice",
+                                                              "parallel_tool_calls", "response_format", "store",
+                                                              "metadata", "service_tier"})
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | (NEUTRAL.keys() - {"best_of", "echo", "suffix"})
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+def _number(body, name, default, lo, hi, lo_open=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(f"'{name}' must be a number, got {type(v).__name__}", name)
+    if v < lo or (lo_open and v == lo) or v > hi:
+        rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise _bad(f"'{name}' must be in {rng}, got {v}", name)
+    return float(v)
+
+
+def _int(body, name, default=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"'{name}' must be an integer, got {type(v).__name__}", name)
+    return v
+
+
+def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise _bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    for name, neutral in NEUTRAL.items():
+        if name in allowed and body.get(name) not in (None, neutral):
+            raise _bad(f"'{name}' = {body[name]!r} is not supported by dejavu-serve (only {neutral!r})", name)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stop) > defaults.max_stop:
+        raise _bad(f"'stop' takes at most {defaults.max_stop} strings, got {len(stop)}", "stop")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not isinstance(
+                opts.get("include_usage", False), bool):
+            raise _bad("'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    top_k = _int(body, "top_k", defaults.top_k)
+    if top_k < -1:
+        raise _bad(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
+    return dict(model=model, temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
+                top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
+                stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
+                include_usage=bool((opts or {}).get("include_usage", False)))
+
+
+def _prompts(prompt, tokenizer, vocab: int) -> list[list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of those",
+                   "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise _bad("this engine carries no tokenizer: send token ids", "prompt")
+            out.append(tokenizer.encode(p))
+        elif (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+            if min(p) < 0 or max(p) >= vocab:
+                raise _bad(f"token ids must be in [0, {vocab})", "prompt")
+            out.append(list(p))
+        else:
+            raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of those",
+                       "prompt")
+    return out
+
+
+def completion_params(body, tokenizer, vocab: int, defaults: SamplingDefaults) -> Params:
+    c = _common(body, COMPLETION_FIELDS, defaults)
+    if "prompt" not in body:
+        raise _bad("'prompt' is required", "prompt")
+    max_tokens = _int(body, "max_tokens", defaults.completion_max_tokens)
+    return Params(prompts=_prompts(body["prompt"], tokenizer, vocab), max_tokens=max_tokens, **c)
+
+
+def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params:
+    """template: a `chat_template.ChatTemplate` (None: the engine has none -> 400)."""
+    c = _common(body, CHAT_FIELDS, defaults)
+    if template is None:
+        raise _bad("this engine's tokenizer has no chat template (engine header field 'chat_template'); "
+                   "use /v1/completions", "messages")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        clean.append({"role": m["role"], "content": content})
+    mt = _int(body, "max_completion_tokens")
+    mt = _int(body, "max_tokens") if mt is None else mt
+    return Params(prompts=[template.encode(clean)], max_tokens=mt, chat=True, **c)
+
+
+def check_lengths(p: Params, context: int) -> None:
+    """Every prompt fits the context with its completion; max_tokens None -> the rest of it."""
+    if p.max_tokens is not None and p.max_tokens < 1:
+        raise _bad(f"'max_tokens' must be at least 1, got {p.max_tokens}", "max_tokens")
+    for ids in p.prompts:
+        want = len(ids) + (p.max_tokens or 1)
+        if want > context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                                f"{want} tokens ({len(ids)} in the prompt, {p.max_tokens or 1} for the completion). "
+                                "Please reduce the prompt or the completion length.",
+                           "max_tokens" if len(ids) < context else "prompt", "context_length_exceeded")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_object(rid: str, model: str, created: int, choices: list[dict], use: dict | None,
+                      chat: bool, chunk: bool) -> dict:
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    out = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+    if use is not None or not chunk:
+        out["usage"] = use
+    return out
+
+
+def choice(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool, role: bool = False) -> dict:
+    if not chat:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if chunk:
+        delta = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+            "finish_reason": finish}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class ChatTemplate:
+    """An engine header's `chat_template` (a Jinja template, as in a Hugging Face
+    tokenizer_config.json), rendered in Jinja's sandbox: messages -> prompt token ids."""
+
+    def __init__(self, source: str, tokenizer):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self.template = env.from_string(source)
+        self.tok = tokenizer
+        ids = tokenizer.tokenizer
+        self.bos = ids.id_to_token(tokenizer.bos_id) or ""
+        self.eos = ids.id_to_token(tokenizer.eos_id) or ""
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos,
+                                        eos_token=self.eos)
+        except Exception as e:  # noqa: BLE001 - a template may raise on messages it refuses
+            raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
+        # a template that writes the BOS token itself gets no second one
+        return self.tok.encode(text, add_bos=not (self.bos and text.startswith(self.bos)))

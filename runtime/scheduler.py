@@ -1,0 +1,319 @@
+"""Continuous batching for `dejavu-serve`: one thread owns the engine; requests join and leave
+the running decode batch between steps.
+
+Slots: the decoder's static cache is allocated once, for `max_batch` rows of the model's whole
+context (`SparseDecoder.setup`); a request holds one row from its prefill to its last token,
+the lowest row free when it is admitted. Nothing is cleared when a row is freed: the next
+prefill overwrites the row's K/V, attention inputs and valid lengths (`prefill(rows=)`), and
+a decode step reads a row's slots only up to its own position.
+
+One loop iteration (`Scheduler._iteration`):
+1. rows of finished or cancelled requests are freed;
+2. at most ONE waiting request is admitted: the dense prefill of its prompt into its row, its
+   first token sampled from the prefill's logits (so the running sequences wait at most one
+   prompt's prefill between two of their steps; prompts are not chunked);
+3. one decode step over rows 0..n-1, n the smallest bucket (powers of two, and max_batch)
+   holding the highest live row (`SparseDecoder.use_rows`): live rows feed their last token
+   at their position, idle rows inside the bucket a pad token at position 0 (their cache row
+   is theirs alone). On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
+   captured at start, before any request holds a row.
+Each live row then samples its next token with its own settings and generator.
+
+With the per-sequence batch policy (the CPU default) a row's selection and arithmetic are its
+own: a greedy request gives the tokens it gives alone (a test). With the shared policy (CUDA)
+the batch's rows, idle ones included, pick one index set together, so a request's tokens may
+depend on its neighbours (benchmarks/serve.py --agreement measures how often).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dejavu.models.sampling import sample_next
+
+log = logging.getLogger("dejavu.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_queue requests (the server answers 429)."""
+
+
+@dataclass
+class Request:
+    """One prompt to complete. `sink(event)` is called from the scheduler thread with
+    ("token", text delta, token id), then once ("done", finish_reason, completion tokens) or
+    ("error", message)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sink: Callable[[tuple], None]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stop_at_eos: bool = True
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class TextTracker:
+    """Incremental detokenization with stop strings: `add(token)` -> (text to send, stopped).
+    Text waits while it ends in an incomplete UTF-8 character or in a prefix of a stop string;
+    a stop string ends the text before it."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tok, self.stop = tokenizer, stop
+        self.pending: list[int] = []  # tokens not yet in text (an incomplete character)
+        self.text, self.sent = "", 0
+
+    def add(self, token: int) -> tuple[str, bool]:
+        self.pending.append(token)
+        piece = self.tok.decode(self.pending)
+        if piece.endswith("\ufffd"):
+            return "", False
+        self.pending = []
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            return self.flush(), True
+        hold = max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        delta, self.sent = self.text[self.sent:end], end
+        return delta, False
+
+    def flush(self) -> str:
+        """All text not yet sent (at the end: an incomplete character too, as decode gives it)."""
+        if self.pending:
+            self.text += self.tok.decode(self.pending)
+            self.pending = []
+        delta, self.sent = self.text[self.sent:], len(self.text)
+        return delta
+
+
+class _Seq:
+    """A request holding a cache row."""
+
+    def __init__(self, req: Request, row: int, tokenizer, device):
+        self.req, self.row = req, row
+        self.pos = len(req.prompt)  # the slot the next decode step writes
+        self.tokens: list[int] = []
+        self.text = TextTracker(tokenizer, req.stop) if tokenizer is not None else None
+        self.gen = None
+        if req.temperature > 0:
+            self.gen = torch.Generator(device=device)
+            if req.seed is not None:
+                self.gen.manual_seed(req.seed)
+            else:
+                self.gen.seed()
+        self.last_t = 0.0
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes: powers of two below max_batch, and max_batch."""
+    out, n = [], 1
+    while n < max_batch:
+        out.append(n)
+        n *= 2
+    return out + [max_batch]
+
+
+class Scheduler:
+    """Owns `engine` on its own thread; `submit` requests from any thread."""
+
+    def __init__(self, engine, max_batch: int, max_queue: int, context: int | None = None, metrics=None):
+        """context: cache slots per row (prompt + completion), at most the model's positions
+        (None: all of them)."""
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.engine, self.spec, self.dec = engine, engine.spec, engine.decoder
+        self.max_batch, self.max_queue, self.metrics = max_batch, max_queue, metrics
+        try:
+            self.tokenizer = engine.tokenizer
+        except Exception:  # noqa: BLE001 - no tokenizer: token ids only, no text
+            self.tokenizer = None
+        self.context = min(context or self.spec.max_positions, self.spec.max_positions)
+        self.buckets = buckets(max_batch)
+        self.rows: list[_Seq | None] = [None] * max_batch
+        self.waiting: deque[Request] = deque()
+        self.cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.graphs: dict[int, object] = {}
+        self.steps = 0
+        self.error: str | None = None
+
+    # ------------------------------------------------------------------ public
+    def start(self) -> None:
+        """Allocate the cache (and capture the CUDA graphs), then start the thread."""
+        eng, dec = self.engine, self.dec
+        eng._graph = None  # the engine's own single-batch graph is not used by the server
+        dec.setup(self.max_batch, self.context)
+        if eng.use_graphs:
+            from dejavu.runtime.graphs import DecodeGraph
+
+            with torch.inference_mode():
+                for n in self.buckets:  # before any row is live: warm-up writes garbage at the last slot
+                    dec.use_rows(n)
+                    self.graphs[n] = DecodeGraph(dec)
+                dec.use_rows(self.max_batch)
+                dec.empty_cache()
+        self._thread = threading.Thread(target=self._run, name="dejavu-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, reqs: list[Request]) -> None:
+        """Queue requests (all or none); QueueFull when the queue cannot take them all."""
+        with self.cv:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) + len(reqs) > self.max_queue:
+                raise QueueFull(f"the queue holds {len(self.waiting)} of {self.max_queue} requests")
+            self.waiting.extend(reqs)
+            self.cv.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop after its current step; requests still waiting or running get an error."""
+        with self.cv:
+            self._stop = True
+            self.cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.rows)
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        with torch.inference_mode():
+            while True:
+                with self.cv:
+                    while not self._stop and not self.waiting and self.running == 0:
+                        self.cv.wait()
+                    if self._stop:
+                        break
+                try:
+                    self._iteration()
+                except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep serving
+                    log.error("decode step failed:\n%s", traceback.format_exc())
+                    self.error = f"{type(e).__name__}: {e}"
+                    for i, s in enumerate(self.rows):
+                        if s is not None:
+                            self._finish(i, ("error", f"internal error in the decode step ({self.error})"))
+        for i, s in enumerate(self.rows):
+            if s is not None:
+                self._finish(i, ("error", "the server is shutting down"))
+        with self.cv:
+            rest, self.waiting = list(self.waiting), deque()
+        for r in rest:
+            r.sink(("error", "the server is shutting down"))
+
+    def _iteration(self) -> None:
+        for i, s in enumerate(self.rows):
+            if s is not None and s.req.cancelled:
+                self._finish(i, None)
+        req = None
+        if None in self.rows:
+            with self.cv:
+                while self.waiting and req is None:
+                    req = self.waiting.popleft()
+                    if req.cancelled:
+                        req = None
+        if req is not None:
+            self._admit(req)
+        live = [s for s in self.rows if s is not None]
+        if live:
+            self._step(live)
+
+    def _admit(self, req: Request) -> None:
+        row = self.rows.index(None)
+        seq = self.rows[row] = _Seq(req, row, self.tokenizer, self.engine.device)
+        dev = self.engine.device
+        ids = torch.tensor([req.prompt], dtype=torch.long, device=dev)
+        self.dec.use_rows(self.max_batch)
+        logits = self.dec.prefill(ids, torch.tensor([len(req.prompt)], device=dev),
+                                  rows=torch.tensor([row], device=dev))  # [1, V]
+        if self.metrics is not None:
+            self.metrics.prompt_tokens(len(req.prompt))
+        self._emit(seq, self._sample(seq, logits[0], None))
+
+    def _step(self, live: list[_Seq]) -> None:
+        n = next(b for b in self.buckets if b > max(s.row for s in live))
+        dev = self.engine.device
+        tokens = [0] * n
+        pos = [0] * n
+        for s in live:
+            tokens[s.row], pos[s.row] = s.tokens[-1], s.pos
+        self.dec.use_rows(n)
+        tok_t = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        step = self.graphs[n].run if n in self.graphs else self.dec.decode_step
+        logits = step(tok_t, pos_t)  # [n, V]
+        greedy = logits.argmax(dim=-1).tolist()
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.batch(len(live))
+        for s in live:
+            s.pos += 1
+            self._emit(s, self._sample(s, logits[s.row], greedy[s.row]))
+
+    def _sample(self, seq: _Seq, logits: torch.Tensor, greedy: int | None) -> int:
+        r = seq.req
+        if r.temperature == 0.0:
+            return int(logits.argmax()) if greedy is None else greedy
+        return int(sample_next(logits[None], r.temperature, r.top_k, r.top_p, seq.gen)[0])
+
+    def _emit(self, seq: _Seq, token: int) -> None:
+        """Hand token to the request; free its row when it is done."""
+        r, now = seq.req, time.perf_counter()
+        seq.tokens.append(token)
+        if self.metrics is not None:
+            self.metrics.token(now - r.arrival if len(seq.tokens) == 1 else None,
+                               now - seq.last_t if len(seq.tokens) > 1 else None)
+        seq.last_t = now
+        eos = r.stop_at_eos and token == self.spec.eos_id
+        stopped = False
+        delta = ""
+        if seq.text is not None and not eos:
+            delta, stopped = seq.text.add(token)
+        if delta or (seq.text is None and not eos):
+            r.sink(("token", delta, token))
+        if eos or stopped:
+            reason = "stop"
+        elif len(seq.tokens) >= r.max_tokens or seq.pos >= self.context:
+            reason = "length"
+        else:
+            return
+        if seq.text is not None and not stopped:
+            tail = seq.text.flush()
+            if tail:
+                r.sink(("token", tail, None))
+        self._finish(seq.row, ("done", reason, len(seq.tokens)))
+
+    def _finish(self, row: int, event: tuple | None) -> None:
+        seq, self.rows[row] = self.rows[row], None
+        if event is not None:
+            seq.req.sink(event)
+        if self.metrics is not None:
+            self.metrics.finished(seq.req, event)

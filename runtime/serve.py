@@ -1,0 +1,359 @@
+"""`dejavu-serve ENGINE`: an OpenAI-compatible HTTP server for a `.engine` file.
+
+    dejavu-serve opt-mini.engine --port 8000 --max-batch 8
+    curl -N localhost:8000/v1/completions -H 'Content-Type: application/json' \
+         -d '{"prompt": "The king said", "max_tokens": 32, "stream": true}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (engines whose header carries a
+`chat_template`), GET /v1/models, GET /health, GET /metrics (Prometheus text). Streaming is
+server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+
+The stack is Starlette on uvicorn: the ASGI toolkit FastAPI itself is built on, without
+FastAPI's pydantic layer, because the request checks here are OpenAI's (its error object, its
+messages, 400 rather than FastAPI's 422) and are clearer written out (openai_protocol.py).
+One scheduler thread owns the engine (runtime/scheduler.py: continuous batching); the event
+loop only parses, queues, and relays tokens. docs/serving.md has the design and figures.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dejavu.errors import DejavuError, cli_entry
+from dejavu.runtime.openai_protocol import (ApiError, ChatTemplate, SamplingDefaults, chat_params, check_lengths,
+                                            choice, completion_object, completion_params, new_id, now, usage)
+from dejavu.runtime.scheduler import QueueFull, Request, Scheduler
+from dejavu.runtime.serve_metrics import ServeMetrics
+
+log = logging.getLogger("dejavu.serve")
+
+
+@dataclass
+class ServeSettings:
+    """Defaults of `dejavu-serve` (defined once; argparse reads them from here)."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    max_batch: int = 8  # rows of the decode batch (KV-cache slots)
+    max_queue: int = 64  # requests waiting for a row; beyond: 429 with Retry-After
+    max_context: int | None = None  # tokens per row (prompt + completion); None: the model's positions
+    api_key: str | None = None  # when set, /v1/* need `Authorization: Bearer KEY`
+    model_name: str | None = None  # the served model id; None: the engine file's stem
+    device: str = "cpu"
+    dtype: str | None = None
+    batch_policy: str | None = None  # shared on CUDA, per_sequence on CPU (runtime/engine.py)
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish, then are cancelled
+    retry_after_s: int = 1
+    max_body_bytes: int = 1 << 22
+    log_level: str = "warning"
+
+
+def _error(e: ApiError):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client has gone (the request body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Server:
+    """The ASGI app around one engine and its scheduler (`Server(...).app`)."""
+
+    def __init__(self, engine, settings: ServeSettings, model_name: str,
+                 defaults: SamplingDefaults = SamplingDefaults()):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        self.engine, self.settings, self.name, self.defaults = engine, settings, model_name, defaults
+        self.metrics = ServeMetrics(settings.max_batch)
+        self.scheduler = Scheduler(engine, settings.max_batch, settings.max_queue, settings.max_context, self.metrics)
+        self.metrics.queue_depth = lambda: self.scheduler.queue_depth
+        self.metrics.running = lambda: self.scheduler.running
+        self.context = self.scheduler.context
+        self.tokenizer = self.scheduler.tokenizer
+        src = engine.header.get("chat_template")
+        self.template = ChatTemplate(src, self.tokenizer) if src and self.tokenizer is not None else None
+        self.created = now()
+
+        async def http_error(request, exc: HTTPException):
+            return _error(ApiError(exc.status_code, str(exc.detail)))
+
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ], exception_handlers={HTTPException: http_error}, lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        self.scheduler.start()
+        try:
+            yield
+        finally:
+            self.scheduler.stop()
+
+    # ------------------------------------------------------------------ small endpoints
+    def _auth(self, request) -> None:
+        key = self.settings.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            raise ApiError(401, "Incorrect API key provided (send `Authorization: Bearer KEY`)",
+                           code="invalid_api_key")
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            self._auth(request)
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                                         "owned_by": "dejavu", "max_model_len": self.context}]})
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        ok = self.scheduler.alive
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    async def prometheus(self, request):
+        from starlette.responses import PlainTextResponse
+
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, request):
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request):
+        return await self._generate(request, chat=True)
+
+    async def _body(self, request):
+        raw = await request.body()
+        if len(raw) > self.settings.max_body_bytes:
+            raise ApiError(413, f"the request body exceeds {self.settings.max_body_bytes} bytes")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+
+    def _params(self, body, chat: bool):
+        vocab = self.engine.spec.vocab_size
+        p = (chat_params(body, self.tokenizer, self.template, self.defaults) if chat else
+             completion_params(body, self.tokenizer, vocab, self.defaults))
+        if p.model is not None and p.model != self.name:
+            raise ApiError(404, f"The model `{p.model}` does not exist (this server serves `{self.name}`).",
+                           "model", "model_not_found")
+        check_lengths(p, self.context)
+        return p
+
+    async def _generate(self, request, chat: bool):
+        endpoint = request.url.path
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            self._auth(request)
+            p = self._params(await self._body(request), chat)
+
+            def sink(i):
+                def put(ev):
+                    with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown)
+                        loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                return put
+
+            reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids), sink=sink(i),
+                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
+                            seed=p.seed) for i, ids in enumerate(p.prompts)]
+            try:
+                self.scheduler.submit(reqs)
+            except QueueFull as e:
+                raise ApiError(429, f"the server is busy: {e}; retry later", code="queue_full",
+                               headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except ApiError as e:
+            self.metrics.request(endpoint, e.status)
+            return _error(e)
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        prompt_tokens = sum(len(r.prompt) for r in reqs)
+        if p.stream:
+            from starlette.responses import StreamingResponse
+
+            self.metrics.request(endpoint, 200)
+            return StreamingResponse(self._stream(reqs, events, p, rid, created, prompt_tokens),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._collect(request, endpoint, reqs, events, p, rid, created, prompt_tokens)
+
+    async def _collect(self, request, endpoint, reqs, events, p, rid, created, prompt_tokens):
+        from starlette.responses import JSONResponse
+
+        k = len(reqs)
+        texts, ntok, reasons = [""] * k, [0] * k, [None] * k
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            for _ in range(k):
+                while True:
+                    get = asyncio.ensure_future(events.get())
+                    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():  # the client left: free its rows
+                        get.cancel()
+                        self.metrics.request(endpoint, 499)
+                        return JSONResponse({}, status_code=499)
+                    i, ev = get.result()
+                    if ev[0] == "token":
+                        texts[i] += ev[1]
+                        continue
+                    if ev[0] == "error":
+                        e = ApiError(503, ev[1])
+                        self.metrics.request(endpoint, e.status)
+                        return _error(e)
+                    reasons[i], ntok[i] = ev[1], ev[2]
+                    break
+        finally:
+            gone.cancel()
+            for r in reqs:
+                r.cancel()  # no-op for finished ones
+        self.metrics.request(endpoint, 200)
+        choices = [choice(i, texts[i], reasons[i], p.chat, False) for i in range(k)]
+        return JSONResponse(completion_object(rid, self.name, created, choices, usage(prompt_tokens, sum(ntok)),
+                                              p.chat, False))
+
+    async def _stream(self, reqs, events, p, rid, created, prompt_tokens):
+        k, left, total = len(reqs), len(reqs), 0
+
+        def chunk(choices, use=None):
+            return _sse(completion_object(rid, self.name, created, choices, use, p.chat, True))
+
+        try:
+            if p.chat:  # OpenAI's first chunk: the role
+                for i in range(k):
+                    yield chunk([choice(i, "", None, True, True, role=True)])
+            while left:
+                i, ev = await events.get()
+                if ev[0] == "token":
+                    yield chunk([choice(i, ev[1], None, p.chat, True)])
+                    continue
+                left -= 1
+                if ev[0] == "error":
+                    yield _sse(ApiError(503, ev[1]).body())
+                    continue
+                total += ev[2]
+                last = left == 0 and not p.include_usage
+                yield chunk([choice(i, None if p.chat else "", ev[1], p.chat, True)],
+                            usage(prompt_tokens, total) if last else None)
+            if p.include_usage:
+                yield chunk([], usage(prompt_tokens, total))
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects (the task is cancelled): free the rows
+            for r in reqs:
+                r.cancel()
+
+
+# ---------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    d = ServeSettings()
+    p = argparse.ArgumentParser(prog="dejavu-serve", description="Serve a dejavu .engine file over the OpenAI "
+                                "HTTP API (completions, chat completions, streaming) with continuous batching.")
+    p.add_argument("engine", help="the .engine file (from dejavu-compile)")
+    p.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=d.port, help="0: any free port (printed at start)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (cache rows)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests before 429")
+    p.add_argument("--max-context", type=int, default=d.max_context,
+                   help="tokens per sequence, prompt + completion (default: the model's positions)")
+    p.add_argument("--api-key", default=d.api_key, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--model-name", default=d.model_name, help="the model id clients send (default: file stem)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda")
+    p.add_argument("--dtype", default=d.dtype, help="override the engine dtype (e.g. float32 on CPU)")
+    p.add_argument("--batch-policy", default=d.batch_policy, choices=["per_sequence", "shared"])
+    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _settings(args) -> ServeSettings:
+    s = ServeSettings(host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+                      max_context=args.max_context, api_key=args.api_key, model_name=args.model_name,
+                      device=args.device, dtype=args.dtype, batch_policy=args.batch_policy,
+                      shutdown_grace_s=args.shutdown_grace, log_level=args.log_level)
+    if not 0 <= s.port <= 65535:
+        raise DejavuError(f"--port must be in [0, 65535], got {s.port}")
+    if s.max_batch < 1:
+        raise DejavuError(f"--max-batch must be >= 1, got {s.max_batch}")
+    if s.max_queue < 0:
+        raise DejavuError(f"--max-queue must be >= 0, got {s.max_queue}")
+    if s.max_context is not None and s.max_context < 2:
+        raise DejavuError(f"--max-context must be >= 2, got {s.max_context}")
+    if s.api_key is not None and not s.api_key:
+        raise DejavuError("--api-key must not be empty")
+    return s
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        raise DejavuError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+def run(server: Server, sock: socket.socket, settings: ServeSettings) -> None:
+    """Serve until SIGINT / SIGTERM (uvicorn's graceful shutdown, then the scheduler stops)."""
+    import uvicorn
+
+    cfg = uvicorn.Config(server.app, log_level=settings.log_level, access_log=False,
+                         timeout_graceful_shutdown=settings.shutdown_grace_s)
+    uvicorn.Server(cfg).run(sockets=[sock])
+
+
+@cli_entry
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    settings = _settings(args)
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise DejavuError("dejavu-serve needs Starlette and uvicorn: pip install 'dejavu[serve]'") from None
+    from dejavu.runtime.engine import Engine
+
+    path = Path(args.engine)
+    engine = Engine.load(path, device=settings.device, batch_policy=settings.batch_policy, dtype=settings.dtype)
+    if settings.max_context is not None and settings.max_context > engine.spec.max_positions:
+        raise DejavuError(f"--max-context {settings.max_context} exceeds the model's {engine.spec.max_positions} "
+                          "positions")
+    server = Server(engine, settings, settings.model_name or path.stem)
+    sock = bind(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    print(f"dejavu-serve: {server.name} on http://{host}:{port} (device {engine.device}, batch policy "
+          f"{engine.batch_policy}, max batch {settings.max_batch}, context {server.context}, chat "
+          f"{'on' if server.template else 'off'})", file=sys.stderr, flush=True)
+    if host not in ("127.0.0.1", "::1", "localhost") and settings.api_key is None:
+        print("dejavu-serve: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
+    run(server, sock, settings)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
