@@ -55,6 +55,7 @@ class Params:
     seed: int | None
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
     chat: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -63,7 +64,8 @@ NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs"
            "frequency_penalty": 0, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options"}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
+          "ignore_eos"}  # top_k, ignore_eos: vLLM's extensions
 COMPLETION_FIELDS = COMMON | {"prompt"} | (NEUTRAL.keys() - {"top_logprobs", "tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
@@ -126,13 +128,16 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
         if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not isinstance(
                 opts.get("include_usage", False), bool):
             raise _bad("'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
     top_k = _int(body, "top_k", defaults.top_k)
     if top_k < -1:
         raise _bad(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
     return dict(model=model, temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
                 top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
                 stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
-                include_usage=bool((opts or {}).get("include_usage", False)))
+                include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos)
 
 
 def _prompts(prompt, tokenizer, vocab: int) -> list[list[int]]:

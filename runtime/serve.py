@@ -180,7 +180,7 @@ class Server:
 
             reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids), sink=sink(i),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                            seed=p.seed) for i, ids in enumerate(p.prompts)]
+                            seed=p.seed, stop_at_eos=not p.ignore_eos) for i, ids in enumerate(p.prompts)]
             try:
                 self.scheduler.submit(reqs)
             except QueueFull as e:

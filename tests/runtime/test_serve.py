@@ -1,0 +1,349 @@
+"""`dejavu-serve` with real clients on loopback (CPU, the tiny test engine): the official
+`openai` package, raw SSE framing through httpx, errors, the queue, disconnects, SIGTERM, and
+a load test whose every token sequence must equal the prompt's solo greedy run."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from dejavu.engine_file import write_engine  # noqa: E402
+from dejavu.runtime import Engine  # noqa: E402
+from dejavu.runtime.serve import ServeSettings, Server, bind, main  # noqa: E402
+from runtime_helpers import engine_from_dense, tiny_model, tiny_tokenizer_json  # noqa: E402
+
+KEY = "sk-test"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+class Live:
+    """A Server under uvicorn on a free loopback port, in a thread of this process."""
+
+    def __init__(self, engine, name="tiny", **settings):
+        self.server = Server(engine, ServeSettings(**settings), name)
+        sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, log_level="error", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.uv.started:
+            assert self.thread.is_alive() and time.time() - t0 < 30, "server did not start"
+            time.sleep(0.01)
+
+    def client(self, key=KEY):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def close(self):
+        self.uv.should_exit = True
+        self.thread.join(15)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = tiny_model(seed=11, vocab_size=300)
+    header, tensors = engine_from_dense(model, 0.5, 0.5, tokenizer_json=tiny_tokenizer_json())
+    path = tmp_path_factory.mktemp("serve") / "tiny.engine"
+    write_engine(path, header, tensors)
+    return path, header, tensors
+
+
+@pytest.fixture(scope="module")
+def ref(tiny):
+    """A second engine for solo greedy references (the served one belongs to its scheduler)."""
+    return Engine.from_tensors(tiny[1], tiny[2])
+
+
+@pytest.fixture(scope="module")
+def live(tiny):
+    torch.set_num_threads(1)
+    srv = Live(Engine.from_tensors(tiny[1], tiny[2]), api_key=KEY, max_batch=8, max_queue=512)
+    yield srv
+    srv.close()
+
+
+def solo(ref, prompt, n) -> list[int]:
+    ids = ref.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    return ref.generate([ids], n)[0]
+
+
+def post(live, path, body=None, content=None, key=KEY):
+    return httpx.post(live.url + path, json=body, content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def test_openai_client_completion_stream_models(live, ref):
+    c = live.client()
+    want = solo(ref, "The game", 12)
+    text = ref.tokenizer.decode(want)
+    r = c.completions.create(model="tiny", prompt="The game", max_tokens=12, temperature=0)
+    assert r.choices[0].text == text and r.object == "text_completion"
+    assert r.choices[0].finish_reason == ("stop" if want[-1] == ref.spec.eos_id else "length")
+    n_prompt = len(ref.tokenizer.encode("The game"))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        n_prompt, len(want), n_prompt + len(want))
+    chunks = list(c.completions.create(model="tiny", prompt="The game", max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want)
+    # a list of prompts (token ids too): one choice each, in order
+    other = [5, 17, 42, 7]
+    r = c.completions.create(model="tiny", prompt=[[5, 17, 42, 7], [9, 9, 31]], max_tokens=6, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert r.choices[0].text == ref.tokenizer.decode(solo(ref, other, 6))
+    assert r.usage.prompt_tokens == 7
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_sampling_seeded_and_stop(live, ref):
+    c = live.client()
+    a = c.completions.create(model="tiny", prompt="In 1990", max_tokens=10, temperature=0.9, top_p=0.8, seed=3)
+    b = c.completions.create(model="tiny", prompt="In 1990", max_tokens=10, temperature=0.9, top_p=0.8, seed=3)
+    assert a.choices[0].text == b.choices[0].text  # seeded: reproducible
+    want = ref.tokenizer.decode(solo(ref, "In 1990", 16))
+    stop = want[4:6]
+    cut = want[:want.find(stop)]
+    r = c.completions.create(model="tiny", prompt="In 1990", max_tokens=16, temperature=0, stop=[stop, "\x00zz"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    s = c.completions.create(model="tiny", prompt="In 1990", max_tokens=16, temperature=0, stop=stop, stream=True)
+    assert "".join(ch.choices[0].text for ch in s) == cut
+
+
+def test_sse_framing(live):
+    body = {"model": "tiny", "prompt": "The game", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    objs = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: {") and "\n" not in e for e in events[:-2])
+    assert len({o["id"] for o in objs}) == 1 and all(o["object"] == "text_completion" for o in objs)
+    assert objs[-1]["choices"][0]["finish_reason"] is not None and objs[-1]["usage"]["completion_tokens"] >= 1
+    assert all(o["choices"][0]["finish_reason"] is None for o in objs[:-1])
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens"),
+    ({"prompt": [7] * 200, "max_tokens": 1}, 400, "prompt"),
+    ({"prompt": [7, 300]}, 400, "prompt"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "stop": ["a", 3]}, 400, "stop"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ([1, 2], 400, None),
+])
+def test_bad_requests_get_openai_errors(live, body, status, param):
+    r = post(live, "/v1/completions", content=body) if isinstance(body, bytes) else post(live, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+
+
+def test_errors_through_openai_client_and_server_keeps_serving(live, ref):
+    c = live.client()
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        c.completions.create(model="tiny", prompt="x", max_tokens=500)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.AuthenticationError):
+        live.client(key="wrong").completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert post(live, "/v1/models", key=None).status_code == 405  # GET only
+    assert httpx.get(live.url + "/v1/models").status_code == 401
+    assert httpx.get(live.url + "/nowhere").json()["error"]["type"] == "not_found_error"
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}  # open without the key
+    r = c.completions.create(model="tiny", prompt="The game", max_tokens=4, temperature=0)
+    assert r.choices[0].text == ref.tokenizer.decode(solo(ref, "The game", 4))
+
+
+def test_metrics_prometheus_text(live):
+    live.client().completions.create(model="tiny", prompt="The", max_tokens=3, temperature=0)
+    text = httpx.get(live.url + "/metrics").text
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines}
+    assert vals['dejavu_requests_total{endpoint="/v1/completions",code="200"}'] >= 1
+    assert vals["dejavu_generation_tokens_total"] >= 3 and vals["dejavu_prompt_tokens_total"] >= 2
+    assert vals["dejavu_queue_depth"] == 0 and vals["dejavu_running_sequences"] == 0
+    for h in ("dejavu_time_to_first_token_seconds", "dejavu_time_per_output_token_seconds", "dejavu_batch_size"):
+        assert f"# TYPE {h} histogram" in text
+        assert vals[f'{h}_bucket{{le="+Inf"}}'] == vals[f"{h}_count"] >= 1
+
+
+def test_load_32_streaming_clients_equal_solo(live, ref):
+    """200 short streaming requests from 32 concurrent clients (max batch 8): every one completes,
+    its streamed text is its tokens' text, and its tokens are the solo greedy run's."""
+    rng = random.Random(0)
+    words = ["The game", "In 1990 the", "He said", "A new", "It was the", "She", "They were not", "On the"]
+    cases = [(rng.choice(words) + " " * rng.randint(0, 2), rng.randint(1, 12)) for _ in range(200)]
+    full = {w: solo(ref, w, 12) for w in {w for w, _ in cases}}  # greedy: n tokens = the first n of 12
+    want = {(w, n): full[w][:n] for w, n in set(cases)}
+    c = live.client()
+
+    def one(case):
+        prompt, n = case
+        chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, cases))
+    for case, (text, n) in zip(cases, got):
+        assert (text, n) == (ref.tokenizer.decode(want[case]), len(want[case])), case
+    assert max(live.server.metrics.batch_size.counts) > 0
+    assert live.server.metrics.batch_size.count > live.server.metrics.batch_size.counts[2]  # steps with > 4 rows
+
+
+class _Gate:
+    """Holds the scheduler's iterations until opened (and slows each by `delay` s)."""
+
+    def __init__(self, scheduler, delay=0.0):
+        self.open, self.delay, inner = threading.Event(), delay, scheduler._iteration
+
+        def iteration():
+            self.open.wait()
+            time.sleep(self.delay)
+            inner()
+        scheduler._iteration = iteration
+
+
+def test_full_queue_answers_429_then_serves(tiny, ref):
+    srv = Live(Engine.from_tensors(tiny[1], tiny[2]), max_batch=1, max_queue=2)
+    try:
+        gate = _Gate(srv.server.scheduler)
+        body = {"prompt": "The game", "max_tokens": 3, "temperature": 0}
+        with cf.ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(post, srv, "/v1/completions", body, None, None) for _ in range(2)]
+            t0 = time.time()
+            while srv.server.scheduler.queue_depth < 2:
+                assert time.time() - t0 < 10
+                time.sleep(0.01)
+            r = post(srv, "/v1/completions", body, key=None)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert "dejavu_queue_depth 2" in httpx.get(srv.url + "/metrics").text
+            gate.open.set()
+            texts = [f.result().json()["choices"][0]["text"] for f in held]
+        assert texts == [ref.tokenizer.decode(solo(ref, "The game", 3))] * 2
+    finally:
+        srv.server.scheduler._iteration = lambda: None
+        srv.close()
+
+
+def test_client_disconnect_frees_row(tiny):
+    srv = Live(Engine.from_tensors(tiny[1], tiny[2]), max_batch=1)
+    try:
+        gate = _Gate(srv.server.scheduler, delay=0.02)
+        gate.open.set()
+        body = {"prompt": "The game", "max_tokens": 100, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            next(r.iter_lines())  # the first token arrived; leave
+        t0 = time.time()
+        m = srv.server.metrics
+        while m.finish.get("cancelled", 0) < 1:
+            assert time.time() - t0 < 5, "the row was not freed"
+            time.sleep(0.02)
+        assert srv.server.scheduler.running == 0 and m.generation_total < 100
+        r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key=None)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        srv.close()
+
+
+def test_chat_template_engine(tiny, ref):
+    header = {**tiny[1], "chat_template": CHAT_TEMPLATE}
+    srv = Live(Engine.from_tensors(header, tiny[2]), name="tiny-chat")
+    try:
+        c = srv.client()
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The game"}]
+        ids = ref.tokenizer.encode("system: Be brief.\nuser: The game\nassistant:")
+        want = ref.tokenizer.decode(solo(ref, ids, 8))
+        r = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == len(ids) and r.object == "chat.completion"
+        chunks = list(c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8, temperature=0,
+                                                stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens >= 1
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="tiny-chat", messages=[{"content": "no role"}])
+    finally:
+        srv.close()
+
+
+def test_sigterm_finishes_inflight_stream(tiny, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dejavu.runtime.serve", str(tiny[0]), "--port", "0",
+                             "--max-batch", "2"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("dejavu-serve: tiny on http://127.0.0.1:"), line
+        url = line.split(" on ")[1].split(" ")[0]
+        t0 = time.time()
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() - t0 < 60
+            time.sleep(0.05)
+        body = {"prompt": "The game", "max_tokens": 60, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [first] + list(lines)
+        data = [ln for ln in rest if ln]
+        assert data[-1] == "data: [DONE]"  # the in-flight stream finished
+        assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+        # uvicorn ends by re-raising the signal it handled, after its graceful shutdown
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "ERROR" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["/nonexistent.engine"], "not found"),
+    (["{engine}", "--max-batch", "0"], "max-batch"),
+    (["{engine}", "--port", "70000"], "port"),
+    (["{engine}", "--max-context", "1000"], "exceeds"),
+])
+def test_cli_errors_one_line_exit_2(tiny, capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        main([a.replace("{engine}", str(tiny[0])) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("dejavu: error:") and msg in err and err.count("\n") == 1
