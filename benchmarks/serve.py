@@ -101,12 +101,12 @@ async def one_request(client, url, prompt, args):
     times, tokens = [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return {"error": r.status_code}
+            return {"error": r.status_code, "body": (await r.aread()).decode()[:300]}
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
-            if obj["choices"] and obj["choices"][0]["text"]:
+            if obj["choices"] and obj["choices"][0]["finish_reason"] is None:  # a token chunk
                 times.append(time.perf_counter())
             if obj.get("usage"):
                 tokens = obj["usage"]["completion_tokens"]
@@ -132,6 +132,10 @@ async def level(url, n_clients, args, vocab):
         res = [r for rs in await asyncio.gather(*(worker(i) for i in range(n_clients))) for r in rs]
         wall = time.perf_counter() - t0
     ok = [r for r in res if "error" not in r]
+    if len(ok) < len(res):
+        print(f"  errors: {[r for r in res if 'error' in r][:3]}", file=sys.stderr, flush=True)
+    if not ok:
+        raise RuntimeError("every request failed")
     gaps = [g for r in ok for g in r["gaps"]]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     toks = sum(r["tokens"] for r in ok)
@@ -171,6 +175,73 @@ def bench_engine(kind: str, args) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+# ---------------------------------------------------------------------- no HTTP
+def level_scheduler(sched, n_clients, args, vocab):
+    """The same load straight into the scheduler (no HTTP, no child process): n client threads,
+    each submitting its requests one after another; token times taken in the sink."""
+    import random
+    import threading
+
+    from dejavu.runtime.scheduler import Request
+
+    rng = random.Random(n_clients)
+    prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(n_clients * args.requests)]
+    res = []
+
+    def one(prompt):
+        times, done = [], threading.Event()
+        t0 = time.perf_counter()
+
+        def sink(ev):
+            if ev[0] == "token":
+                times.append(time.perf_counter())
+            else:
+                done.set()
+        sched.submit([Request(prompt=prompt, max_tokens=args.max_tokens, sink=sink, stop_at_eos=False)])
+        done.wait()
+        return {"ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)}
+
+    def worker(i):
+        for j in range(args.requests):
+            r = one(prompts[i * args.requests + j])
+            res.append(r)
+
+    one(prompts[0])  # warm-up
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    gaps = [g for r in res for g in r["gaps"]]
+    ttft = [r["ttft"] for r in res]
+    toks = sum(r["tokens"] for r in res)
+    return {"clients": n_clients, "requests": len(res), "errors": 0, "output_tokens": toks, "wall_s": round(wall, 3),
+            "tokens_per_s": round(toks / wall, 2), "ttft_p50_ms": round(1e3 * pct(ttft, 50), 2),
+            "ttft_p99_ms": round(1e3 * pct(ttft, 99), 2), "itl_p50_ms": round(1e3 * pct(gaps, 50), 3),
+            "itl_p99_ms": round(1e3 * pct(gaps, 99), 3)}
+
+
+def bench_engine_scheduler(kind: str, args) -> dict:
+    from dejavu.runtime.scheduler import Scheduler
+
+    eng = build_engine(args, kind == "dense")
+    direct = direct_ms_per_token(eng, args)
+    sched = Scheduler(eng, args.max_batch, 4096, args.max_context)
+    sched.start()
+    levels = []
+    try:
+        for n in args.clients:
+            levels.append(level_scheduler(sched, n, args, eng.spec.vocab_size))
+            print(f"  {kind} {n} clients (no HTTP): {levels[-1]}", file=sys.stderr, flush=True)
+    finally:
+        sched.stop()
+    out = {"direct_ms_per_token": round(direct, 3), "describe": eng.describe(), "levels": levels}
+    del eng, sched
+    return out
 
 
 # ---------------------------------------------------------------------- agreement
@@ -240,6 +311,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--agreement", type=int, default=0, help="prompts for the solo-vs-batch comparison (0: skip)")
+    p.add_argument("--no-http", action="store_true",
+                   help="drive the scheduler in this process instead of clients against dejavu-serve")
     p.add_argument("--out", default=None)
     p.add_argument("--_serve", choices=["dense", "sparse"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -256,10 +329,10 @@ def main() -> int:
     res = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-           "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+           "http": not args.no_http, "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                     text=True).stdout.strip() or None, "engines": {}}
     for kind in ("dense", "sparse"):
-        res["engines"][kind] = bench_engine(kind, args)
+        res["engines"][kind] = bench_engine_scheduler(kind, args) if args.no_http else bench_engine(kind, args)
         out_path.write_text(json.dumps(res, indent=1))
     if args.agreement:
         res["agreement"] = agreement(args)

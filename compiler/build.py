@@ -194,6 +194,18 @@ def _tokenizer_json(folder: Path, tokenizer) -> str:
     return tj.read_text(encoding="utf-8") if tj.is_file() else tokenizer.to_str()
 
 
+def _chat_template(folder: Path) -> str | None:
+    """tokenizer_config.json's `chat_template` (a Jinja string; dejavu-serve's chat endpoint), if any."""
+    tc = folder / "tokenizer_config.json"
+    if not tc.is_file():
+        return None
+    try:
+        t = json.loads(tc.read_text(encoding="utf-8")).get("chat_template")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return t if isinstance(t, str) and t else None
+
+
 def _recall_at(curves, ks) -> list[float | None]:
     if not curves:
         return [None] * len(ks)
@@ -311,6 +323,9 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                             for k, v in predictors.state_dict().items()})
     header = make_header(model_name_or_path, cfg, config, target, predictors, mlp_k, attn_k,
                          _tokenizer_json(folder, tokenizer))
+    chat = _chat_template(folder)
+    if chat is not None:  # only then: headers of models without one are unchanged
+        header["chat_template"] = chat
     with stages("write engine"):
         if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path
             from dejavu.compiler.tensor_parallel import write_shards

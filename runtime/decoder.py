@@ -225,13 +225,16 @@ class SparseDecoder:
                 if s.sparse_mlp(l):
                     self._fc1_fold(l, w)
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, rows: torch.Tensor | None = None) -> None:
         """Start the next sequence at slot 0 without a prefill: no slot of any head holds K/V
         (a decode step at pos writes slot pos of every head it computes; the deferred layers
-        recompute the slots a selected head is missing)."""
+        recompute the slots a selected head is missing). rows: only these cache rows."""
         for vl in self.valid_len:
             if vl is not None:
-                vl.zero_()
+                if rows is None:
+                    vl.zero_()
+                else:
+                    vl[rows] = 0
 
     def release(self) -> None:
         """Drop the caches (the next `setup` allocates again)."""

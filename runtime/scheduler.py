@@ -15,7 +15,7 @@ One loop iteration (`Scheduler._iteration`):
 3. one decode step over rows 0..n-1, n the smallest bucket (powers of two, and max_batch)
    holding the highest live row (`SparseDecoder.use_rows`): live rows feed their last token
    at their position, idle rows inside the bucket a pad token at position 0 (their cache row
-   is theirs alone). On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
+   is theirs alone, emptied when freed: `empty_cache(rows=)`). On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
    captured at start, before any request holds a row.
 Each live row then samples its next token with its own settings and generator.
 
@@ -313,6 +313,9 @@ class Scheduler:
 
     def _finish(self, row: int, event: tuple | None) -> None:
         seq, self.rows[row] = self.rows[row], None
+        # an idle row decodes a pad token at position 0 until the next prefill: from an empty row
+        self.dec.use_rows(self.max_batch)
+        self.dec.empty_cache(torch.tensor([row], device=self.engine.device))
         if event is not None:
             seq.req.sink(event)
         if self.metrics is not None:

@@ -3,6 +3,7 @@
 a load test whose every token sequence must equal the prompt's solo greedy run."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -73,7 +74,7 @@ def ref(tiny):
 @pytest.fixture(scope="module")
 def live(tiny):
     torch.set_num_threads(1)
-    srv = Live(Engine.from_tensors(tiny[1], tiny[2]), api_key=KEY, max_batch=8, max_queue=512)
+    srv = Live(Engine.from_tensors(tiny[1], tiny[2]), api_key=KEY, max_batch=8, max_queue=512, max_context=64)
     yield srv
     srv.close()
 
@@ -124,6 +125,9 @@ def test_sampling_seeded_and_stop(live, ref):
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
     s = c.completions.create(model="tiny", prompt="In 1990", max_tokens=16, temperature=0, stop=stop, stream=True)
     assert "".join(ch.choices[0].text for ch in s) == cut
+    r = c.completions.create(model="tiny", prompt="In 1990", max_tokens=20, temperature=0.5,
+                             extra_body={"ignore_eos": True, "top_k": 5})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (20, "length")
 
 
 def test_sse_framing(live):
@@ -156,6 +160,9 @@ def test_sse_framing(live):
     ({"prompt": "x", "n": 2}, 400, "n"),
     ({"prompt": "x", "stop": ["a", 3]}, 400, "stop"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos"),
+    ({"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ([1, 2], 400, None),
 ])
@@ -169,7 +176,7 @@ def test_bad_requests_get_openai_errors(live, body, status, param):
 def test_errors_through_openai_client_and_server_keeps_serving(live, ref):
     c = live.client()
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        c.completions.create(model="tiny", prompt="x", max_tokens=500)
+        c.completions.create(model="tiny", prompt="x", max_tokens=100)
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="no chat template"):
@@ -205,16 +212,27 @@ def test_load_32_streaming_clients_equal_solo(live, ref):
     cases = [(rng.choice(words) + " " * rng.randint(0, 2), rng.randint(1, 12)) for _ in range(200)]
     full = {w: solo(ref, w, 12) for w in {w for w, _ in cases}}  # greedy: n tokens = the first n of 12
     want = {(w, n): full[w][:n] for w, n in set(cases)}
-    c = live.client()
+    async def clients():  # 32 concurrent clients on one event loop (threads would fight the server for the GIL)
+        c = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
-    def one(case):
-        prompt, n = case
-        chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}))
-        return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
+        async def one(case):
+            prompt, n = case
+            stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+            chunks = [ch async for ch in stream]
+            return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
 
-    with cf.ThreadPoolExecutor(32) as pool:
-        got = list(pool.map(one, cases))
+        async def worker(k):
+            return [await one(case) for case in cases[k::32]]
+
+        per = await asyncio.gather(*(worker(k) for k in range(32)))
+        await c.close()
+        out = [None] * len(cases)
+        for k, rs in enumerate(per):
+            out[k::32] = rs
+        return out
+
+    got = asyncio.run(clients())
     for case, (text, n) in zip(cases, got):
         assert (text, n) == (ref.tokenizer.decode(want[case]), len(want[case])), case
     assert max(live.server.metrics.batch_size.counts) > 0
