@@ -536,18 +536,23 @@ class SparseDecoder:
 
     # ------------------------------------------------------------------ sequences
     def forward_tokens(self, ids: torch.Tensor, sparse: bool = True, write_cache: bool = False,
-                       last: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+                       last: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                       start: int = 0) -> torch.Tensor:
         """logits for ids [B, S] at positions 0..S-1: [B, S, V], or [B, V] at positions `last` [B].
 
         sparse=False: the dense model (prefill). sparse=True: per-token selection (masked
         heads / neurons), equal to decoding the tokens one by one from an empty cache.
         write_cache: store K/V of every head at slots 0..S-1 (needs `setup` with this batch), and
         the attention inputs into x_hist (deferred layers); with `rows` [B] (long, device) into
-        those cache rows instead of rows 0..B-1."""
+        those cache rows instead of rows 0..B-1. start > 0 (with write_cache): the ids sit at
+        positions start..start+S-1 and attend to the cache's slots before them too (a prompt
+        prefilled in chunks)."""
         s, run = self.spec, self.pred
         B, S = ids.shape
         H, hd = s.num_heads, s.head_dim
-        pos = torch.arange(S, device=ids.device)
+        if start and not write_cache:
+            raise ValueError("forward_tokens: start > 0 needs write_cache (earlier slots come from the cache)")
+        pos = torch.arange(start, start + S, device=ids.device)
         x = self.embed(ids, pos[None, :].expand(B, S))  # [B, S, D]
         shared, run.shared = run.shared, False  # token-parallel: one selection per row
         try:
@@ -560,11 +565,16 @@ class SparseDecoder:
                 k, v = F.linear(h, w.wkv, w.bkv).view(B, S, 2, H, hd).permute(2, 0, 3, 1, 4)
                 if write_cache:
                     at = slice(None) if rows is None else rows
-                    self.k_cache[l][at, :, :S] = k
-                    self.v_cache[l][at, :, :S] = v
+                    self.k_cache[l][at, :, start:start + S] = k
+                    self.v_cache[l][at, :, start:start + S] = v
                     if self.x_hist and self.x_hist[l] is not None:
-                        self.x_hist[l][at, :S] = h
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+                        self.x_hist[l][at, start:start + S] = h
+                if start:  # this chunk's queries over every slot up to their own
+                    k, v = self.k_cache[l][at, :, :start + S], self.v_cache[l][at, :, :start + S]
+                    mask = torch.arange(start + S, device=ids.device)[None, :] <= pos[:, None]  # [S, start + S]
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
                 o = o.transpose(1, 2)  # [B, S, H, hd]
                 idx = run.heads(l) if sparse else None
                 if idx is not None:  # zero the unselected heads of each token
@@ -590,18 +600,20 @@ class SparseDecoder:
             x = x[torch.arange(B, device=x.device), last]  # [B, D]
         return self.head(x)
 
-    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None = None,
+                start: int = 0) -> torch.Tensor:
         """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V].
 
         Every head's K/V is written at slots 0..S-1, so (deferred policy) valid_len[b, :] =
         lengths[b]: a sequence's padding slots count as missing and are recomputed from its
         own inputs when a head needs them. rows [B] (long, device): the cache rows to fill
         (default 0..B-1); the other rows are left as they are (a server admitting a newcomer
-        beside running sequences)."""
-        out = self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows)
+        beside running sequences). start: ids continue a prompt whose first `start` tokens are
+        in the cache already (chunked prefill; then valid_len = start + lengths)."""
+        out = self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows, start=start)
         for vl in self.valid_len:
             if vl is not None:
-                n = lengths.to(vl.device, torch.int32)[:, None].expand(-1, vl.shape[1])
+                n = (lengths.to(vl.device, torch.int32) + start)[:, None].expand(-1, vl.shape[1])
                 if rows is None:
                     vl.copy_(n)
                 else:

@@ -9,13 +9,20 @@ a decode step reads a row's slots only up to its own position.
 
 One loop iteration (`Scheduler._iteration`):
 1. rows of finished or cancelled requests are freed;
-2. at most ONE waiting request is admitted: the dense prefill of its prompt into its row, its
-   first token sampled from the prefill's logits (so the running sequences wait at most one
-   prompt's prefill between two of their steps; prompts are not chunked);
+2. prefill, up to `prefill_chunk` prompt tokens in all: the next chunk of the prompt being
+   prefilled, then of the next waiting request, which takes a free row, and so on while the
+   iteration's tokens stay under the budget (`SparseDecoder.prefill(rows=, start=)`: dense,
+   one prompt per call, into its row, attending to its earlier chunks in the cache). A prompt
+   is cut at multiples of `prefill_chunk` from its start, whoever else is waiting, so its
+   prefill is the same computation alone or not. After its last chunk its first token is
+   sampled from the prefill's logits. So between two of their steps the running sequences wait
+   for about one chunk's worth of prompt tokens, however long the prompts, and many short
+   prompts can join in one iteration;
 3. one decode step over rows 0..n-1, n the smallest bucket (powers of two, and max_batch)
-   holding the highest live row (`SparseDecoder.use_rows`): live rows feed their last token
-   at their position, idle rows inside the bucket a pad token at position 0 (their cache row
-   is theirs alone, emptied when freed: `empty_cache(rows=)`). On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
+   holding the highest decoding row (`SparseDecoder.use_rows`): decoding rows feed their last
+   token at their position; a row being prefilled feeds a pad token at the slot its next chunk
+   overwrites; a free row a pad token at position 0 (emptied when freed: `empty_cache(rows=)`).
+   Every row's cache is its own, so none of this reaches another row's K/V. On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
    captured at start, before any request holds a row.
 Each live row then samples its next token with its own settings and generator.
 
@@ -109,6 +116,7 @@ class _Seq:
     def __init__(self, req: Request, row: int, tokenizer, device):
         self.req, self.row = req, row
         self.pos = len(req.prompt)  # the slot the next decode step writes
+        self.prefilled = 0  # prompt tokens in the cache
         self.tokens: list[int] = []
         self.text = TextTracker(tokenizer, req.stop) if tokenizer is not None else None
         self.gen = None
@@ -133,13 +141,16 @@ def buckets(max_batch: int) -> list[int]:
 class Scheduler:
     """Owns `engine` on its own thread; `submit` requests from any thread."""
 
-    def __init__(self, engine, max_batch: int, max_queue: int, context: int | None = None, metrics=None):
+    def __init__(self, engine, max_batch: int, max_queue: int, context: int | None = None, metrics=None,
+                 prefill_chunk: int | None = None):
         """context: cache slots per row (prompt + completion), at most the model's positions
-        (None: all of them)."""
+        (None: all of them); prefill_chunk: prompt tokens per prefill pass (None: whole prompts)."""
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.engine, self.spec, self.dec = engine, engine.spec, engine.decoder
         self.max_batch, self.max_queue, self.metrics = max_batch, max_queue, metrics
+        self.chunk = prefill_chunk or self.spec.max_positions  # None: whole prompts
+        self._prefilling: _Seq | None = None  # the request whose prompt is being prefilled
         try:
             self.tokenizer = engine.tokenizer
         except Exception:  # noqa: BLE001 - no tokenizer: token ids only, no text
@@ -233,30 +244,38 @@ class Scheduler:
         for i, s in enumerate(self.rows):
             if s is not None and s.req.cancelled:
                 self._finish(i, None)
-        req = None
-        if None in self.rows:
-            with self.cv:
-                while self.waiting and req is None:
-                    req = self.waiting.popleft()
-                    if req.cancelled:
-                        req = None
-        if req is not None:
-            self._admit(req)
-        live = [s for s in self.rows if s is not None]
+        spent = 0
+        while spent < self.chunk:
+            if self._prefilling is None and None in self.rows:
+                with self.cv:
+                    while self.waiting and self._prefilling is None:
+                        req = self.waiting.popleft()
+                        if not req.cancelled:
+                            row = self.rows.index(None)
+                            self._prefilling = self.rows[row] = _Seq(req, row, self.tokenizer, self.engine.device)
+            if self._prefilling is None:
+                break
+            spent += self._prefill(self._prefilling)
+        live = [s for s in self.rows if s is not None and s.tokens]
         if live:
             self._step(live)
 
-    def _admit(self, req: Request) -> None:
-        row = self.rows.index(None)
-        seq = self.rows[row] = _Seq(req, row, self.tokenizer, self.engine.device)
-        dev = self.engine.device
-        ids = torch.tensor([req.prompt], dtype=torch.long, device=dev)
+    def _prefill(self, seq: _Seq) -> int:
+        """The next chunk of seq's prompt into its row (after the last, its first token); its tokens."""
+        dev, prompt = self.engine.device, seq.req.prompt
+        a = seq.prefilled
+        b = min(len(prompt), a + self.chunk)
+        ids = torch.tensor([prompt[a:b]], dtype=torch.long, device=dev)
         self.dec.use_rows(self.max_batch)
-        logits = self.dec.prefill(ids, torch.tensor([len(req.prompt)], device=dev),
-                                  rows=torch.tensor([row], device=dev))  # [1, V]
+        logits = self.dec.prefill(ids, torch.tensor([b - a], device=dev), rows=torch.tensor([seq.row], device=dev),
+                                  start=a)  # [1, V]
+        seq.prefilled = b
         if self.metrics is not None:
-            self.metrics.prompt_tokens(len(req.prompt))
-        self._emit(seq, self._sample(seq, logits[0], None))
+            self.metrics.prompt_tokens(b - a)
+        if b == len(prompt):
+            self._prefilling = None
+            self._emit(seq, self._sample(seq, logits[0], None))
+        return b - a
 
     def _step(self, live: list[_Seq]) -> None:
         n = next(b for b in self.buckets if b > max(s.row for s in live))
@@ -265,6 +284,9 @@ class Scheduler:
         pos = [0] * n
         for s in live:
             tokens[s.row], pos[s.row] = s.tokens[-1], s.pos
+        pre = self._prefilling
+        if pre is not None and pre.row < n:  # the slot its next chunk overwrites
+            pos[pre.row] = pre.prefilled
         self.dec.use_rows(n)
         tok_t = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
@@ -313,6 +335,8 @@ class Scheduler:
 
     def _finish(self, row: int, event: tuple | None) -> None:
         seq, self.rows[row] = self.rows[row], None
+        if seq is self._prefilling:
+            self._prefilling = None
         # an idle row decodes a pad token at position 0 until the next prefill: from an empty row
         self.dec.use_rows(self.max_batch)
         self.dec.empty_cache(torch.tensor([row], device=self.engine.device))

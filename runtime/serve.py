@@ -44,6 +44,7 @@ class ServeSettings:
     max_batch: int = 8  # rows of the decode batch (KV-cache slots)
     max_queue: int = 64  # requests waiting for a row; beyond: 429 with Retry-After
     max_context: int | None = None  # tokens per row (prompt + completion); None: the model's positions
+    prefill_chunk: int = 256  # prompt tokens per prefill pass, between decode steps (runtime/scheduler.py)
     api_key: str | None = None  # when set, /v1/* need `Authorization: Bearer KEY`
     model_name: str | None = None  # the served model id; None: the engine file's stem
     device: str = "cpu"
@@ -82,7 +83,8 @@ class Server:
 
         self.engine, self.settings, self.name, self.defaults = engine, settings, model_name, defaults
         self.metrics = ServeMetrics(settings.max_batch)
-        self.scheduler = Scheduler(engine, settings.max_batch, settings.max_queue, settings.max_context, self.metrics)
+        self.scheduler = Scheduler(engine, settings.max_batch, settings.max_queue, settings.max_context, self.metrics,
+                                   settings.prefill_chunk)
         self.metrics.queue_depth = lambda: self.scheduler.queue_depth
         self.metrics.running = lambda: self.scheduler.running
         self.context = self.scheduler.context
@@ -276,6 +278,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests before 429")
     p.add_argument("--max-context", type=int, default=d.max_context,
                    help="tokens per sequence, prompt + completion (default: the model's positions)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help="prompt tokens per prefill pass between decode steps")
     p.add_argument("--api-key", default=d.api_key, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--model-name", default=d.model_name, help="the model id clients send (default: file stem)")
     p.add_argument("--device", default=d.device, help="cpu or cuda")
@@ -289,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args) -> ServeSettings:
     s = ServeSettings(host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-                      max_context=args.max_context, api_key=args.api_key, model_name=args.model_name,
+                      max_context=args.max_context, prefill_chunk=args.prefill_chunk, api_key=args.api_key, model_name=args.model_name,
                       device=args.device, dtype=args.dtype, batch_policy=args.batch_policy,
                       shutdown_grace_s=args.shutdown_grace, log_level=args.log_level)
     if not 0 <= s.port <= 65535:
@@ -300,6 +304,8 @@ def _settings(args) -> ServeSettings:
         raise DejavuError(f"--max-queue must be >= 0, got {s.max_queue}")
     if s.max_context is not None and s.max_context < 2:
         raise DejavuError(f"--max-context must be >= 2, got {s.max_context}")
+    if s.prefill_chunk < 1:
+        raise DejavuError(f"--prefill-chunk must be >= 1, got {s.prefill_chunk}")
     if s.api_key is not None and not s.api_key:
         raise DejavuError("--api-key must not be empty")
     return s

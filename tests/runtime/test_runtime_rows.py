@@ -43,3 +43,28 @@ def test_prefill_rows_and_use_rows_match_solo_decode(kv_policy):
     torch.testing.assert_close(torch.stack(got_b), want_b[:6], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="use_rows"):
         dec.use_rows(5)
+
+
+@pytest.mark.parametrize("kv_policy", ["deferred", "full"])
+def test_chunked_prefill_equals_whole_prefill(kv_policy):
+    """A prompt prefilled in chunks (start=) into row 1 gives the whole prefill's logits, cache
+    and valid lengths, and the same decode steps after it."""
+    header, tensors = engine_from_dense(tiny_model(seed=5), 0.5, 0.5)
+    eng = Engine.from_tensors(header, tensors, kv_policy=kv_policy)
+    dec = eng.decoder
+    ids = torch.randint(4, 97, (1, 13), generator=torch.Generator().manual_seed(1))
+    dec.setup(1, 32)
+    want = dec.prefill(ids, torch.tensor([13]))
+    want_k = [k[0, :, :13].clone() for k in dec.k_cache]
+    want_step = dec.decode_step(torch.tensor([7]), torch.tensor([13]))
+    dec.setup(2, 32)
+    for a, b in ((0, 5), (5, 10), (10, 13)):
+        got = dec.prefill(ids[:, a:b], torch.tensor([b - a]), rows=torch.tensor([1]), start=a)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for k, w in zip(dec.k_cache, want_k):
+        torch.testing.assert_close(k[1, :, :13], w, rtol=1e-5, atol=1e-6)
+    assert all(int(vl[1].min()) == 13 == int(vl[1].max()) for vl in dec.valid_len if vl is not None)
+    step = dec.decode_step(torch.tensor([0, 7]), torch.tensor([0, 13]))
+    torch.testing.assert_close(step[1:], want_step, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="write_cache"):
+        dec.forward_tokens(ids, sparse=False, start=2)
