@@ -5,7 +5,7 @@ shares the batch (the "shared" index-set policy picks one set for the batch).
 
     # CPU, opt-mini engine files (dejavu-compile), server on loopback in a child process:
     python benchmarks/serve.py --engine opt-mini-d0.3.engine --dense opt-mini-dense.engine \
-        --clients 1 4 16 64 --requests 2 --prompt-len 32 --max-tokens 32 --out serve-cpu.json
+        --dtype float32 --clients 1 4 16 64 --requests 2 --prompt-len 32 --max-tokens 32 --out serve-cpu.json
     # GPU, the OPT-30B shape with random weights built in memory (no file), fp16:
     python benchmarks/serve.py --shape opt-30b --density 0.3 --device cuda --max-batch 64 \
         --max-context 512 --clients 1 4 16 64 --requests 4 --prompt-len 128 --max-tokens 128 \
@@ -50,7 +50,8 @@ def build_engine(args, dense: bool):
     from dejavu.runtime import Engine
 
     if args.shape is None:
-        return Engine.load(args.dense if dense else args.engine, device=args.device, batch_policy=args.batch_policy)
+        return Engine.load(args.dense if dense else args.engine, device=args.device, batch_policy=args.batch_policy,
+                           dtype=args.dtype)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import e2e
 
@@ -291,6 +292,9 @@ def agreement(args) -> dict:
                        "tokens_each": args.max_tokens, "max_batch": args.max_batch}
         print(f"  agreement {policy}: {out[policy]}", file=sys.stderr, flush=True)
         del eng, sched
+        import gc
+
+        gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -303,6 +307,7 @@ def main() -> int:
     p.add_argument("--shape", help="random weights of this shape instead of files (opt-30b, opt-1.3b, tiny)")
     p.add_argument("--density", type=float, default=0.3, help="--shape: the sparse engine's density")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="engine files: override their dtype (float32 on CPU)")
     p.add_argument("--batch-policy", default=None, choices=["per_sequence", "shared"])
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-context", type=int, default=None)
@@ -310,6 +315,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--engines", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"],
+                   help="which engines to load-test (one child server each)")
     p.add_argument("--agreement", type=int, default=0, help="prompts for the solo-vs-batch comparison (0: skip)")
     p.add_argument("--no-http", action="store_true",
                    help="drive the scheduler in this process instead of clients against dejavu-serve")
@@ -331,7 +338,7 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
            "http": not args.no_http, "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                     text=True).stdout.strip() or None, "engines": {}}
-    for kind in ("dense", "sparse"):
+    for kind in args.engines:
         res["engines"][kind] = bench_engine_scheduler(kind, args) if args.no_http else bench_engine(kind, args)
         out_path.write_text(json.dumps(res, indent=1))
     if args.agreement:

@@ -33,6 +33,7 @@ from dejavu.runtime.scheduler import QueueFull, Request, Scheduler
 from dejavu.runtime.serve_metrics import ServeMetrics
 
 log = logging.getLogger("dejavu.serve")
+SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while serving (Python's default: 0.005)
 
 
 @dataclass
@@ -66,6 +67,35 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _Relay:
+    """Hands the scheduler thread's events to the event loop: queued under a lock, and one
+    wake-up of the loop per batch of them (not one per token), so a decode step that emits a
+    token for each of 64 rows costs the loop one callback."""
+
+    def __init__(self):
+        import threading
+
+        self.loop = None
+        self.lock = threading.Lock()
+        self.items: list = []
+
+    def sink(self, queue: asyncio.Queue, i: int):
+        def put(ev):
+            with self.lock:
+                self.items.append((queue, (i, ev)))
+                if len(self.items) > 1:
+                    return  # a drain is already scheduled
+            with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown)
+                self.loop.call_soon_threadsafe(self._drain)
+        return put
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for q, item in items:
+            q.put_nowait(item)
+
+
 async def _disconnected(request) -> None:
     """Returns when the client has gone (the request body is already read)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -92,6 +122,7 @@ class Server:
         src = engine.header.get("chat_template")
         self.template = ChatTemplate(src, self.tokenizer) if src and self.tokenizer is not None else None
         self.created = now()
+        self._relay = _Relay()
 
         async def http_error(request, exc: HTTPException):
             return _error(ApiError(exc.status_code, str(exc.detail)))
@@ -106,6 +137,7 @@ class Server:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
+        self._relay.loop = asyncio.get_running_loop()
         self.scheduler.start()
         try:
             yield
@@ -168,19 +200,13 @@ class Server:
 
     async def _generate(self, request, chat: bool):
         endpoint = request.url.path
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
             self._auth(request)
             p = self._params(await self._body(request), chat)
 
-            def sink(i):
-                def put(ev):
-                    with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown)
-                        loop.call_soon_threadsafe(events.put_nowait, (i, ev))
-                return put
-
-            reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids), sink=sink(i),
+            reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids),
+                            sink=self._relay.sink(events, i),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
                             seed=p.seed, stop_at_eos=not p.ignore_eos) for i, ids in enumerate(p.prompts)]
             try:
@@ -246,21 +272,27 @@ class Server:
                 for i in range(k):
                     yield chunk([choice(i, "", None, True, True, role=True)])
             while left:
-                i, ev = await events.get()
-                if ev[0] == "token":
-                    yield chunk([choice(i, ev[1], None, p.chat, True)])
-                    continue
-                left -= 1
-                if ev[0] == "error":
-                    yield _sse(ApiError(503, ev[1]).body())
-                    continue
-                total += ev[2]
-                last = left == 0 and not p.include_usage
-                yield chunk([choice(i, None if p.chat else "", ev[1], p.chat, True)],
-                            usage(prompt_tokens, total) if last else None)
-            if p.include_usage:
-                yield chunk([], usage(prompt_tokens, total))
-            yield "data: [DONE]\n\n"
+                out = []  # every event already here goes out in one write
+                items = [await events.get()]
+                while not events.empty():
+                    items.append(events.get_nowait())
+                for i, ev in items:
+                    if ev[0] == "token":
+                        out.append(chunk([choice(i, ev[1], None, p.chat, True)]))
+                        continue
+                    left -= 1
+                    if ev[0] == "error":
+                        out.append(_sse(ApiError(503, ev[1]).body()))
+                        continue
+                    total += ev[2]
+                    last = left == 0 and not p.include_usage
+                    out.append(chunk([choice(i, None if p.chat else "", ev[1], p.chat, True)],
+                                     usage(prompt_tokens, total) if last else None))
+                if left == 0:
+                    if p.include_usage:
+                        out.append(chunk([], usage(prompt_tokens, total)))
+                    out.append("data: [DONE]\n\n")
+                yield "".join(out)
         finally:  # also when the client disconnects (the task is cancelled): free the rows
             for r in reqs:
                 r.cancel()
@@ -328,6 +360,9 @@ def run(server: Server, sock: socket.socket, settings: ServeSettings) -> None:
     """Serve until SIGINT / SIGTERM (uvicorn's graceful shutdown, then the scheduler stops)."""
     import uvicorn
 
+    # The scheduler thread takes the GIL back after every torch call; with the default 5 ms
+    # switch interval a busy event loop delays each of those by up to 5 ms.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     cfg = uvicorn.Config(server.app, log_level=settings.log_level, access_log=False,
                          timeout_graceful_shutdown=settings.shutdown_grace_s)
     uvicorn.Server(cfg).run(sockets=[sock])
