@@ -307,6 +307,7 @@ def main() -> int:
     p.add_argument("--shape", help="random weights of this shape instead of files (opt-30b, opt-1.3b, tiny)")
     p.add_argument("--density", type=float, default=0.3, help="--shape: the sparse engine's density")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads in the server (default: torch's)")
     p.add_argument("--dtype", default=None, help="engine files: override their dtype (float32 on CPU)")
     p.add_argument("--batch-policy", default=None, choices=["per_sequence", "shared"])
     p.add_argument("--max-batch", type=int, default=64)
@@ -323,6 +324,10 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--_serve", choices=["dense", "sparse"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args._serve:
         return serve_main(args)
     if args.shape is None and not (args.engine and args.dense):
