@@ -192,17 +192,18 @@ def level_scheduler(sched, n_clients, args, vocab):
     res = []
 
     def one(prompt):
-        times, done = [], threading.Event()
+        times, done, n = [], threading.Event(), [0]
         t0 = time.perf_counter()
 
-        def sink(ev):
+        def sink(ev):  # token events carry text (a token that ends mid-character waits for the next)
             if ev[0] == "token":
                 times.append(time.perf_counter())
             else:
+                n[0] = ev[2] if ev[0] == "done" else 0
                 done.set()
         sched.submit([Request(prompt=prompt, max_tokens=args.max_tokens, sink=sink, stop_at_eos=False)])
         done.wait()
-        return {"ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)}
+        return {"ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "tokens": n[0]}
 
     def worker(i):
         for j in range(args.requests):
@@ -345,6 +346,11 @@ def main() -> int:
                                     text=True).stdout.strip() or None, "engines": {}}
     for kind in args.engines:
         res["engines"][kind] = bench_engine_scheduler(kind, args) if args.no_http else bench_engine(kind, args)
+        if args.no_http and args.device == "cuda":  # the engine of this process goes before the next one
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
         out_path.write_text(json.dumps(res, indent=1))
     if args.agreement:
         res["agreement"] = agreement(args)
