@@ -366,3 +366,26 @@ def test_cli_errors_one_line_exit_2(tiny, capsys, argv, msg):
         main([a.replace("{engine}", str(tiny[0])) for a in argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("dejavu: error:") and msg in err and err.count("\n") == 1
+
+
+def test_opt_mini_text_through_openai_client():
+    """The shipped opt-mini (its weights and BPE tokenizer, random predictors at MLP density 0.3,
+    dense heads: no compile in a test): real text, streamed and whole, equals the solo run."""
+    from dejavu.models.loader import load_model
+    from dejavu.models.presets import resolve
+
+    folder = resolve("opt-mini")
+    model, _ = load_model(folder)
+    header, tensors = engine_from_dense(model.float().eval(), 0.3, 1.0,
+                                        tokenizer_json=(folder / "tokenizer.json").read_text(encoding="utf-8"))
+    ref_eng = Engine.from_tensors(header, tensors)
+    prompt = "The king said unto them,"
+    want = ref_eng.tokenizer.decode(ref_eng.generate([prompt], 16)[0])
+    srv = Live(Engine.from_tensors(header, tensors), name="opt-mini", max_context=128)
+    try:
+        c = srv.client()
+        r = c.completions.create(model="opt-mini", prompt=prompt, max_tokens=16, temperature=0)
+        s = c.completions.create(model="opt-mini", prompt=prompt, max_tokens=16, temperature=0, stream=True)
+        assert r.choices[0].text == "".join(ch.choices[0].text for ch in s) == want and want.strip()
+    finally:
+        srv.close()
