@@ -172,7 +172,8 @@ def bench_engine(kind: str, args) -> dict:
             print(f"  {kind} {n} clients: {levels[-1]}", file=sys.stderr, flush=True)
         metrics = httpx.get(url + "/metrics").text
         return {"direct_ms_per_token": round(info["direct_ms_per_token"], 3), "describe": info["describe"],
-                "levels": levels, "metrics_tail": [ln for ln in metrics.splitlines() if "_total" in ln and "#" not in ln]}
+                "levels": levels,
+                "metrics_tail": [ln for ln in metrics.splitlines() if "_total" in ln and "#" not in ln]}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -272,9 +273,8 @@ def agreement(args) -> dict:
 
             def sink(i):
                 def put(ev):
-                    if ev[0] == "token" and ev[2] is not None:
-                        toks[i].append(ev[2])
-                    elif ev[0] != "token":
+                    if ev[0] != "token":
+                        toks[i].extend(ev[3] if ev[0] == "done" else [])
                         done.release()
                 return put
             sched.submit([Request(prompt=p, max_tokens=args.max_tokens, sink=sink(i), stop_at_eos=False)
@@ -317,7 +317,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--engines", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"],
+    p.add_argument("--engines", nargs="*", default=["dense", "sparse"], choices=["dense", "sparse"],
                    help="which engines to load-test (one child server each)")
     p.add_argument("--agreement", type=int, default=0, help="prompts for the solo-vs-batch comparison (0: skip)")
     p.add_argument("--no-http", action="store_true",
@@ -339,11 +339,12 @@ def main() -> int:
 
     import torch
 
-    res = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    res = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
+           "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-           "http": not args.no_http, "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip() or None, "engines": {}}
+           "http": not args.no_http, "commit": commit.strip() or None, "engines": {}}
     for kind in args.engines:
         res["engines"][kind] = bench_engine_scheduler(kind, args) if args.no_http else bench_engine(kind, args)
         if args.no_http and args.device == "cuda":  # the engine of this process goes before the next one

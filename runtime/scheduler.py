@@ -22,7 +22,8 @@ One loop iteration (`Scheduler._iteration`):
    holding the highest decoding row (`SparseDecoder.use_rows`): decoding rows feed their last
    token at their position; a row being prefilled feeds a pad token at the slot its next chunk
    overwrites; a free row a pad token at position 0 (emptied when freed: `empty_cache(rows=)`).
-   Every row's cache is its own, so none of this reaches another row's K/V. On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
+   Every row's cache is its own, so none of this reaches another row's K/V.
+   On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
    captured at start, before any request holds a row.
 Each live row then samples its next token with its own settings and generator.
 
@@ -55,7 +56,8 @@ class QueueFull(Exception):
 @dataclass
 class Request:
     """One prompt to complete. `sink(event)` is called from the scheduler thread with
-    ("token", text delta, token id), then once ("done", finish_reason, completion tokens) or
+    ("token", text delta, token id) as text becomes ready (a token ending mid-character waits for
+    the next), then once ("done", finish_reason, number of tokens, the token ids) or
     ("error", message)."""
 
     prompt: list[int]
@@ -331,7 +333,7 @@ class Scheduler:
             tail = seq.text.flush()
             if tail:
                 r.sink(("token", tail, None))
-        self._finish(seq.row, ("done", reason, len(seq.tokens)))
+        self._finish(seq.row, ("done", reason, len(seq.tokens), list(seq.tokens)))
 
     def _finish(self, row: int, event: tuple | None) -> None:
         seq, self.rows[row] = self.rows[row], None

@@ -325,7 +325,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args) -> ServeSettings:
     s = ServeSettings(host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-                      max_context=args.max_context, prefill_chunk=args.prefill_chunk, api_key=args.api_key, model_name=args.model_name,
+                      max_context=args.max_context, prefill_chunk=args.prefill_chunk, api_key=args.api_key,
+                      model_name=args.model_name,
                       device=args.device, dtype=args.dtype, batch_policy=args.batch_policy,
                       shutdown_grace_s=args.shutdown_grace, log_level=args.log_level)
     if not 0 <= s.port <= 65535:

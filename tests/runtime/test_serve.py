@@ -389,3 +389,53 @@ def test_opt_mini_text_through_openai_client():
         assert r.choices[0].text == "".join(ch.choices[0].text for ch in s) == want and want.strip()
     finally:
         srv.close()
+
+
+def test_graph_per_bucket_path_with_a_stand_in(tiny, ref, monkeypatch):
+    """The CUDA path's bookkeeping, on the CPU: with graphs on, start() captures one graph per
+    bucket, on views of that many rows, and each step replays its bucket's graph. The stand-in
+    does what the real warm-up does (decode steps at the last slot, marking garbage valid), so
+    the tokens also show that the cache is emptied after capture."""
+    import dejavu.runtime.graphs as graphs
+    from dejavu.runtime.scheduler import Request, Scheduler
+
+    captured, replayed = [], []
+
+    class StandIn:
+        def __init__(self, dec):
+            self.dec, self.n = dec, dec.batch
+            captured.append((dec.batch, dec.k_cache[0].shape[0]))
+            dec.decode_step(torch.zeros(self.n, dtype=torch.long), torch.full((self.n,), dec.max_seq - 1))
+
+        def run(self, tokens, pos):
+            assert self.dec.batch == self.n == tokens.shape[0]
+            replayed.append(self.n)
+            return self.dec.decode_step(tokens, pos)
+
+    monkeypatch.setattr(graphs, "DecodeGraph", StandIn)
+    eng = Engine.from_tensors(tiny[1], tiny[2])
+    eng.use_graphs = True
+    sched = Scheduler(eng, 4, 8, 64, prefill_chunk=4)
+    with torch.inference_mode():
+        sched.start()
+    try:
+        assert captured == [(1, 1), (2, 2), (4, 4)]
+        prompts = ["The game", "In 1990 the", "He said"]
+        got = {}
+        done = threading.Semaphore(0)
+
+        def sink(i):
+            def put(ev):
+                if ev[0] != "token":
+                    got[i] = ev[3] if ev[0] == "done" else ev
+                    done.release()
+            return put
+
+        sched.submit([Request(prompt=ref.tokenizer.encode(p), max_tokens=8, sink=sink(i))
+                      for i, p in enumerate(prompts)])
+        for _ in prompts:
+            assert done.acquire(timeout=60)
+        assert set(replayed) <= {1, 2, 4} and 4 in replayed
+        assert [got[i] for i in range(3)] == [solo(ref, p, 8) for p in prompts]
+    finally:
+        sched.stop()
