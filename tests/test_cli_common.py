@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,9 +43,11 @@ def _load(spec: str):
 def _run(name: str, argv: list[str]) -> tuple[subprocess.CompletedProcess, float]:
     code = (f"import sys\nfrom {SCRIPTS[name].split(':')[0]} import {SCRIPTS[name].split(':')[1]} as main\n"
             "try:\n    main(sys.argv[1:])\nfinally:\n    print('torch' in sys.modules, file=sys.stderr)")
-    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
-    return r, time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return r, cpu  # CPU seconds: wall time on a shared machine measures the other processes
 
 
 def test_scripts_declared():
@@ -70,7 +72,7 @@ def test_help_version_and_errors_before_torch(name):
     r, _ = _run(name, ["--version"])
     assert r.returncode == 0 and r.stdout.startswith(f"{name} (dejavu) ")
     assert r.stderr.strip().splitlines()[-1] == "False"
-    r, _ = _run(name, ["x.engine", "--no-such-option"])
+    r, _ = _run(name, [*MINIMAL.get(name, ["x.engine"]), "--no-such-option"])
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and r.stdout == ""
     assert len(lines) == 2 and lines[0].startswith(f"dejavu: error: {name}: ") and "--no-such-option" in lines[0]
@@ -79,10 +81,11 @@ def test_help_version_and_errors_before_torch(name):
 
 @pytest.mark.parametrize("name", sorted(n for n in SCRIPTS if n not in HELP_IMPORTS_TORCH))
 def test_help_is_fast(name):
-    """The interpreter's own start is part of it; torch alone takes ~2 s here."""
+    """CPU time of the whole process, the interpreter's start included (~0.1 s); importing
+    torch alone costs ~1.8 s of CPU here."""
     _run(name, ["--help"])  # warm the file cache
     best = min(_run(name, ["--help"])[1] for _ in range(3))
-    assert best < 0.6, f"{name} --help took {best:.2f} s"
+    assert best < 0.3, f"{name} --help took {best:.2f} s of CPU"
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
