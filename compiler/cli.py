@@ -64,7 +64,8 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="tensor-parallel ranks: writes OUT.rank{r}-of-{N}.engine per rank, or -o with {rank}")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="BuildConfig JSON file; command-line options override it")
-    p.add_argument("--onnx-out", default=None, metavar="DIR", help="folder for the ONNX graphs (dense, form a, plugin form)")
+    p.add_argument("--onnx-out", default=None, metavar="DIR",
+                   help="folder for the ONNX graphs (dense, form a, plugin form)")
     p.add_argument("--summary-json", default=None, metavar="FILE", help="also write the summary as JSON to this file")
     add_quiet(p, "no progress bars or log lines (the summary still prints)")
     return p

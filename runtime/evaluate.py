@@ -22,7 +22,6 @@ and the same scoring code (`dejavu.runtime.tasks`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time

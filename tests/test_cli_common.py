@@ -26,8 +26,8 @@ def console_scripts() -> dict[str, str]:
 
 
 SCRIPTS = console_scripts()
-PARSERS = {"dejavu-generate": "dejavu.models.cli:build_parser", "dejavu-compile": "dejavu.compiler.cli:compile_parser",
-           "dejavu-inspect": "dejavu.compiler.cli:inspect_parser", "dejavu-run": "dejavu.runtime.cli:build_parser",
+PARSERS = {"dejavu-generate": "dejavu.models.cli:build_parser",
+           "dejavu-compile": "dejavu.compiler.cli:compile_parser", "dejavu-inspect": "dejavu.compiler.cli:inspect_parser", "dejavu-run": "dejavu.runtime.cli:build_parser",
            "dejavu-compare": "dejavu.runtime.compare:build_parser", "dejavu-eval": "dejavu.runtime.evaluate:build_parser"}
 MINIMAL = {"dejavu-generate": ["m", "--prompt", "y"], "dejavu-compile": ["m", "--density", "0.5"],
            "dejavu-run": ["x.engine", "--prompt", "y"]}

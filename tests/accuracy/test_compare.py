@@ -102,7 +102,8 @@ def test_sparse_engine_gate_kl_and_top1(engines, tiny_opt_dir, capsys):
     assert c["top1_agreement"] == pytest.approx(top1 / n)
     assert c["ppl_increase"] == pytest.approx(math.exp((nll_e - nll_d) / (n - 2)) - 1, rel=1e-3, abs=1e-6)
     assert _report(capsys, [path, "--samples", "2", "--max-kl", f"{0.9 * c['kl_mean']}", "--top1-min", "0"])[0] == 1
-    assert _report(capsys, [path, "--samples", "2", "--max-kl", "100", "--top1-min", f"{min(1, top1 / n + 0.01)}"])[0] == 1
+    above = f"{min(1, top1 / n + 0.01)}"
+    assert _report(capsys, [path, "--samples", "2", "--max-kl", "100", "--top1-min", above])[0] == 1
     rc, r = _report(capsys, [path, "--samples", "2", "--exact"])
     assert rc == 1 and r["mode"] == "exact" and r["comparisons"][0]["gate"] == "exact"
     assert main([path, "--samples", "2", "--tokens", "32", "--max-kl", "100", "--top1-min", "0"]) == 0
