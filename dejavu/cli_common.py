@@ -51,14 +51,14 @@ def _device_arg(value) -> str:
         raise argparse.ArgumentTypeError(f"{value!r} is not cpu, cuda or cuda:N") from None
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """Adds "(default: X)" to an option's help unless the default is None/False or already said."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if "%(default)" in text or "(default" in text or not action.option_strings:
             return text
-        if action.default in (None, False, argparse.SUPPRESS):
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)"
 
