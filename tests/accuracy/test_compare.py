@@ -32,27 +32,28 @@ def _report(capsys, argv):
 
 
 def test_density_1_passes(engines, capsys):
-    rc, r = _report(capsys, [str(engines["dense"])])
-    assert rc == 0 and r["passed"]
+    rc, r = _report(capsys, [str(engines["dense"]), "--exact"])
+    assert rc == 0 and r["passed"] and r["comparisons"][0]["gate"] == "exact"
     c = r["comparisons"][0]
     assert (c["reference"], c["test"]) == ("dense-torch", "engine")
     assert c["top1_agreement"] == 1.0 and c["outputs"]["logits"]["max_absdiff"] < 1e-3
 
 
 def test_broken_engine_fails(engines, capsys):
-    rc, r = _report(capsys, [str(engines["broken"])])
+    rc, r = _report(capsys, [str(engines["broken"]), "--exact"])
     assert rc == 1 and not r["passed"]
     assert r["comparisons"][0]["outputs"]["logprobs"]["max_absdiff"] > 1e-2
 
 
 def test_loose_tolerances_pass_the_broken_engine(engines, capsys):
-    rc, _ = _report(capsys, [str(engines["broken"]), "--atol", "100", "--rtol", "1e9", "--exact-top1-min", "0"])
+    rc, _ = _report(capsys, [str(engines["broken"]), "--exact", "--atol", "100", "--rtol", "1e9",
+                             "--exact-top1-min", "0"])
     assert rc == 0
 
 
 def test_exit_status_from_the_command_line(engines, tiny_opt_dir, capsys):
     cmd = [sys.executable, "-m", "dejavu.runtime.compare", "--tokens", "16", "--samples", "1"]
-    assert subprocess.run(cmd + [str(engines["broken"])], capture_output=True).returncode == 1
+    assert subprocess.run(cmd + [str(engines["broken"]), "--exact"], capture_output=True).returncode == 1
     with pytest.raises(SystemExit) as e:  # usage error: the header names no dense model
         main([str(engines["anon"]), "--tokens", "16"])
     assert e.value.code == 2 and "pass --dense MODEL" in capsys.readouterr().err
