@@ -160,14 +160,24 @@ def test_broken_pipe_is_silent(engine_file, tmp_path):
 
 
 def test_ctrl_c_while_importing_torch_is_one_line(engine_file):
+    """Ctrl-C while `main` imports torch (its first ~2 s): one line, exit 130. The child holds
+    the import of torch open (an import hook that waits) so the signal lands there."""
     path, _, _ = engine_file
-    p = subprocess.Popen(_script(f"print('ready', file=sys.stderr, flush=True); "
-                                 f"sys.exit(main([{str(path)!r}, '--prompt', 'x', '--max-new-tokens', '100']))"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stderr.readline() == "ready\n"
-    p.send_signal(signal.SIGINT)  # main has started: importing torch, loading or generating
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 130 and err == "dejavu: interrupted\n", err
+    hook = ("import builtins, time\n"
+            "real = builtins.__import__\n"
+            "def hook(name, *a, **k):\n"
+            "    if name == 'torch' and 'torch' not in sys.modules:\n"
+            "        print('importing torch', file=sys.stderr, flush=True)\n"
+            "        time.sleep(60)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = hook\n")
+    code = (f"import sys\n{hook}from dejavu.runtime.cli import main\n"
+            f"sys.exit(main([{str(path)!r}, '--prompt', 'x', '--max-new-tokens', '4']))")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stderr.readline() == "importing torch\n"
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err == "dejavu: interrupted\n" and out == "", err
 
 
 def test_corrupt_engine_is_dejavu_error(engine_file, tmp_path):
