@@ -1168,7 +1168,7 @@ def time_engine(eng, c: dict, B: int, P: int, N: int, cap_s: float, seed: int = 
     eng.generate(prompts, n, stop_at_eos=False)
     st = eng.stats
     row = {"ms_per_step": st.ms_per_token, "tokens_per_s": st.tokens_per_s, "prefill_ms": 1e3 * st.prefill_s,
-           "setup_s": setup, "steps": st.new_tokens, "probe_ms_per_step": est_ms,
+           "setup_s": setup, "steps": st.decode_steps, "probe_ms_per_step": est_ms,
            "cuda_graph": eng.use_graphs}
     pr = eng.decoder.pred
     um = [int(torch.unique(pr.idx[l]["mlp"]).numel()) if pr.idx[l]["mlp"] is not None else c["ffn_dim"]

@@ -91,7 +91,7 @@ def time_tp(eng, c: dict, B: int, P: int, N: int) -> dict:
     eng.generate(prompts, 4, stop_at_eos=False)  # warm-up (kernels compile, NCCL communicators)
     eng.generate(prompts, N, stop_at_eos=False)
     st = eng.stats
-    return {"ms_per_step": st.ms_per_token, "prefill_ms": 1e3 * st.prefill_s, "steps": st.new_tokens}
+    return {"ms_per_step": st.ms_per_token, "prefill_ms": 1e3 * st.prefill_s, "steps": st.decode_steps}
 
 
 def main(argv=None) -> int:

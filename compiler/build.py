@@ -18,14 +18,12 @@ from pathlib import Path
 
 import torch
 
+from dejavu.cli_common import DTYPE_ALIASES as _DTYPE_ALIASES  # the one alias table (fp16, bf16, ...)
 from dejavu.compiler.calibrate import CalibSettings
 from dejavu.compiler.density import check_density
 from dejavu.compiler.predictors import DEFAULT_PREDICTOR_INPUT, PredictorSettings
 from dejavu.engine_file import DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION, write_engine
 from dejavu.errors import DejavuError
-
-_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
-                  "float": "float32", **{k: k for k in DTYPE_NAMES}}
 
 
 @dataclass

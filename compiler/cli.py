@@ -2,62 +2,81 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from dejavu.compiler.build import BuildConfig
+from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
 from dejavu.errors import DejavuError, cli_entry
 
-_D = BuildConfig.__dataclass_fields__  # defaults are defined once, in BuildConfig
 
+class _CompileParser(Parser):
+    """Options that set a `BuildConfig` field default to SUPPRESS, so `args` holds only what
+    was given (a --config file fills the rest, then BuildConfig's defaults). Those defaults are
+    shown by --help, read from BuildConfig then: the one import of torch that --help makes
+    (compiler/build.py imports torch at the top)."""
 
-def _default(name):
-    return _D[name].default
+    def format_help(self):
+        from dejavu.compiler.build import BuildConfig
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one-line DejavuErrors (exit 2 through cli_entry)."""
-
-    def error(self, message):
-        raise DejavuError(f"{self.prog}: {message}")
+        d = BuildConfig()
+        for a in self._actions:
+            if a.default is argparse.SUPPRESS and hasattr(d, a.dest) and not a.required:
+                a.default = getattr(d, a.dest)
+        return super().format_help()
 
 
 def compile_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dejavu-compile", description="Build a DejaVu sparse .engine file from an OPT model.")
+    p = _CompileParser("dejavu-compile", "Build a DejaVu sparse .engine file from an OPT model.")
+    S = argparse.SUPPRESS  # a BuildConfig field: its default lives there (shown by --help)
     p.add_argument("model", help="preset name (opt-mini, opt-125m, ...), model folder or Hugging Face id")
-    p.add_argument("--density", required=True, help="fraction of MLP neurons and heads kept, in (0, 1]")
+    p.add_argument("--density", default=S, required=True, help="fraction of MLP neurons and heads kept, in (0, 1]")
     p.add_argument("-o", "--output", default=None, help="engine path (default: MODEL-NAME.engine here)")
-    p.add_argument("--mlp-density", default=_default("mlp_density"), help="MLP density (default: --density)")
-    p.add_argument("--attn-density", default=_default("attn_density"), help="head density (default: --density)")
-    p.add_argument("--calib", default=_default("calib"),
-                   help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME (default: shipped WikiText-2 head)")
-    p.add_argument("--calib-tokens", type=int, default=_default("calib_tokens"))
-    p.add_argument("--calib-window", type=int, default=_default("calib_window"))
-    p.add_argument("--dtype", default=_default("dtype"), help="engine dtype: float16 | bfloat16 | float32")
-    p.add_argument("--device", default=_default("device"), help="cpu | cuda[:N] (calibration, training, target)")
-    p.add_argument("--mlp-rank", type=int, default=_default("mlp_rank"))
-    p.add_argument("--attn-rank", type=int, default=_default("attn_rank"))
-    p.add_argument("--predictor-source", default=_default("predictor_source"), choices=["attn_in", "mlp_in"])
-    p.add_argument("--predictor-lookahead", type=int, default=_default("predictor_lookahead"), choices=[0, 1])
-    p.add_argument("--predictor-epochs", type=int, default=_default("predictor_epochs"))
-    p.add_argument("--allocation", default=_default("allocation"), choices=["uniform", "recall"])
-    p.add_argument("--no-predictors", action="store_true", default=_default("no_predictors"),
+    p.add_argument("--mlp-density", default=S, help="MLP density (default: --density)")
+    p.add_argument("--attn-density", default=S, help="head density (default: --density)")
+    p.add_argument("--calib", default=S, metavar="CORPUS",
+                   help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME "
+                        "(default: the shipped WikiText-2 head)")
+    p.add_argument("--calib-tokens", type=int, default=S, metavar="N", help="calibration tokens")
+    p.add_argument("--calib-window", type=int, default=S, metavar="N",
+                   help="tokens per calibration window (capped at the model's positions)")
+    add_dtype(p, S, "engine weight dtype")
+    add_device(p, S, "where calibration and predictor training run; the engine's target: cpu | cuda | cuda:N")
+    p.add_argument("--mlp-rank", type=int, default=S, metavar="R",
+                   help="MLP predictor rank (default: the largest within the predictor cost budget)")
+    p.add_argument("--attn-rank", type=int, default=S, metavar="R",
+                   help="head predictor rank (default: min(heads, the cost budget))")
+    p.add_argument("--predictor-source", default=S, choices=["attn_in", "mlp_in"],
+                   help="the activation the predictors read")
+    p.add_argument("--predictor-lookahead", type=int, default=S, choices=[0, 1],
+                   help="1: predict a layer's sets from the previous layer (overlaps on a side stream)")
+    p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
+                   help="BCE epochs after the least-squares start (0: least squares only)")
+    p.add_argument("--allocation", default=S, choices=["uniform", "recall"],
+                   help="per-layer K: the same in every layer, or spread by the measured recall curves")
+    p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
-    p.add_argument("--topk-limit", type=int, default=_default("topk_limit"))
-    p.add_argument("--seed", type=int, default=_default("seed"))
-    p.add_argument("--tp", type=int, default=_default("tp"),
+    p.add_argument("--topk-limit", type=int, default=S, metavar="K",
+                   help="largest K of one TopK node in the ONNX graphs (TensorRT's limit; larger K is chunked)")
+    p.add_argument("--seed", type=int, default=S, help="seed of predictor training")
+    p.add_argument("--tp", type=int, default=S, metavar="N",
                    help="tensor-parallel ranks: writes OUT.rank{r}-of-{N}.engine per rank, or -o with {rank}")
-    p.add_argument("--config", default=None, help="BuildConfig JSON file; command-line options override it")
-    p.add_argument("--onnx-out", default=None, help="folder for the ONNX graphs (dense, form a, plugin form)")
-    p.add_argument("--summary-json", default=None, help="also write the summary as JSON to this file")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="BuildConfig JSON file; command-line options override it")
+    p.add_argument("--onnx-out", default=None, metavar="DIR",
+                   help="folder for the ONNX graphs (dense, form a, plugin form)")
+    p.add_argument("--summary-json", default=None, metavar="FILE", help="also write the summary as JSON to this file")
+    add_quiet(p, "no progress bars or log lines (the summary still prints)")
     return p
 
 
-def _config(args, argv) -> BuildConfig:
+def _config(args):
+    """BuildConfig from the options given, over the --config file, over BuildConfig's defaults."""
+    import dataclasses
+
+    from dejavu.compiler.build import BuildConfig
+
     fields = {f.name for f in dataclasses.fields(BuildConfig)}
     base = {}
     if args.config:
@@ -65,10 +84,8 @@ def _config(args, argv) -> BuildConfig:
             base = BuildConfig.from_json(Path(args.config).read_text()).to_dict()
         except OSError as e:
             raise DejavuError(f"--config {args.config}: {e.strerror or e}") from None
-    given = {a.split("=")[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
-    d = {**{k: v for k, v in vars(args).items() if k in fields}}
-    d = {**d, **{k: v for k, v in base.items() if k not in given}} if base else d
-    return BuildConfig.from_dict(d)
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    return BuildConfig.from_dict({**base, **given})
 
 
 def _output_path(args) -> Path:
@@ -100,15 +117,14 @@ def format_summary(s: dict) -> str:
 
 @cli_entry
 def main(argv=None) -> int:
-    from dejavu.compiler.build import build_engine
-
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = compile_parser().parse_args(argv)
-    config = _config(args, argv)
     out = _output_path(args)
     if args.summary_json and Path(args.summary_json).resolve() == out.resolve():
         raise DejavuError("--summary-json must differ from the engine path")
+    config = _config(args)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    from dejavu.compiler.build import build_engine
+
     summary = build_engine(args.model, config, out, onnx_out=args.onnx_out, progress=not args.quiet)
     print(format_summary(summary))
     if args.summary_json:
@@ -119,12 +135,38 @@ def main(argv=None) -> int:
 
 
 def inspect_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dejavu-inspect", description="Print the header of a dejavu .engine file.")
+    p = Parser("dejavu-inspect", "Print a dejavu .engine file's header; without --header-only the whole file is "
+                                 "read and its checksum verified, and the tensors are listed.")
     p.add_argument("engine", help="FILE.engine")
-    p.add_argument("--json", action="store_true", help="raw header JSON (tokenizer included)")
+    p.add_argument("--json", action="store_true",
+                   help="the header as JSON, the tokenizer summarised (chars, sha256); with the file's tensor "
+                        "count and size unless --header-only")
+    p.add_argument("--full", action="store_true",
+                   help="with --json: the whole tokenizer.json string and every tensor's dtype and shape")
     p.add_argument("--header-only", action="store_true",
-                   help="read only the header (fast; skips the tensor checksum, names and shapes)")
+                   help="read only the header (fast; no checksum, no tensor list)")
     return p
+
+
+def _tokenizer_summary(h: dict) -> dict:
+    import hashlib
+
+    tj = h.get("tokenizer_json") or ""
+    return {"chars": len(tj), "sha256": hashlib.sha256(tj.encode("utf-8")).hexdigest()}
+
+
+def _tensor_lines(tensors: dict) -> list[str]:
+    """The tensors outside the layers, and layer 0's (every layer holds the same names)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()})
+    lines = [f"tensors     {len(tensors)} ({nbytes / 2**20:.2f} MiB, {', '.join(dtypes)}); checksum verified"]
+    shown = [n for n in tensors if not n.startswith("layers.") or n.startswith("layers.0.")]
+    for n in sorted(shown):
+        t = tensors[n]
+        lines.append(f"  {n:<36} {str(t.dtype).replace('torch.', ''):<9} {list(t.shape)}")
+    if len(shown) < len(tensors):
+        lines.append("  (layers.1 ... hold the same names as layers.0)")
+    return lines
 
 
 def format_header(h: dict, path: str, size: int) -> str:
@@ -149,20 +191,39 @@ def format_header(h: dict, path: str, size: int) -> str:
         tp = bc["tp"]
         lines.append(f"tp          shard {tp['rank']} of {tp['size']}: heads {tp['num_heads']}, ffn {tp['ffn_dim']}, "
                      f"k_per_rank mlp {tp['k_per_rank']['mlp']} attn {tp['k_per_rank']['attn']}")
-    lines.append(f"tokenizer   {len(h.get('tokenizer_json') or '')} chars of tokenizer.json")
+    tok = _tokenizer_summary(h)
+    lines.append(f"tokenizer   {tok['chars']} chars of tokenizer.json, sha256 {tok['sha256'][:16]}")
     return "\n".join(lines)
 
 
 @cli_entry
 def inspect_main(argv=None) -> int:
+    args = inspect_parser().parse_args(argv)
+    if args.full and not args.json:
+        raise DejavuError("--full goes with --json (the plain output already lists the tensors)")
     from dejavu.engine_file import read_engine, read_header
 
-    args = inspect_parser().parse_args(argv)
-    header = read_header(args.engine) if args.header_only else read_engine(args.engine)[0]
-    if args.json:
-        print(json.dumps(header, indent=2, sort_keys=True))
+    if args.header_only:
+        header, tensors = read_header(args.engine), None
     else:
-        print(format_header(header, args.engine, Path(args.engine).stat().st_size))
+        header, tensors = read_engine(args.engine)
+    size = Path(args.engine).stat().st_size
+    if args.json:
+        obj = dict(header)
+        if not args.full:
+            obj.pop("tokenizer_json", None)
+            obj["tokenizer"] = _tokenizer_summary(header)
+        if tensors is not None:
+            obj["file"] = {"bytes": size, "checksum": "verified", "tensors": len(tensors)}
+            if args.full:
+                obj["file"]["tensor_shapes"] = {n: [str(t.dtype).replace("torch.", ""), list(t.shape)]
+                                                for n, t in sorted(tensors.items())}
+        print(json.dumps(obj, indent=2, sort_keys=True))
+    else:
+        text = format_header(header, args.engine, size)
+        rest = _tensor_lines(tensors) if tensors is not None else ["tensors     not read (--header-only: checksum "
+                                                                   "not verified)"]
+        print(text + "\n" + "\n".join(rest))
     return 0
 
 

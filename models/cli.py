@@ -1,51 +1,45 @@
 """`dejavu-generate MODEL --prompt TEXT`: text from a dense OPT, streamed to stdout."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
 
+from dejavu.cli_common import Parser, add_device, add_dtype
 from dejavu.errors import DejavuError, cli_entry
-
-DTYPES = ("fp32", "fp16", "bf16")
+from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
 
 
 @dataclass
 class GenerateSettings:
-    """Defaults of dejavu-generate (the argparse defaults are read from here)."""
+    """Defaults of dejavu-generate beyond generation's (`dejavu.generation.GenerationSettings`)."""
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    seed: int | None = None
-    dtype: str = "fp32"
+    dtype: str = "float32"
     device: str = "cpu"
 
 
 def torch_dtype(name: str):
     import torch
 
-    table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise DejavuError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
-    return table[name]
+    from dejavu.cli_common import canonical_dtype
+
+    return getattr(torch, canonical_dtype(name))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    d = GenerateSettings()
-    p = argparse.ArgumentParser(prog="dejavu-generate",
-                                description="Generate text with a dense OPT model (greedy or sampled).")
+def build_parser() -> Parser:
+    g, d = GENERATION, GenerateSettings()
+    p = Parser("dejavu-generate", "Generate text with a dense OPT model (greedy or sampled).")
     p.add_argument("model", help="model folder, preset name (opt-mini, opt-125m, ...) or Hugging Face id")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", choices=DTYPES, default=d.dtype)
-    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device)
+    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
+                   help="tokens to generate (fewer when EOS comes first)")
+    p.add_argument("--temperature", type=float, default=g.temperature,
+                   help="0 = greedy; unset: greedy, or 1.0 when --top-k / --top-p ask for sampling")
+    p.add_argument("--top-k", type=int, default=g.top_k, help="sample from the K most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=g.top_p, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (unset: not reproducible)")
+    add_dtype(p, d.dtype, "weights and compute dtype")
+    add_device(p, d.device)
     return p
 
 
@@ -76,24 +70,29 @@ class _Streamer:
 @cli_entry
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
+    temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
     from dejavu.models.generate import generate
-    from dejavu.models.loader import load_model
+    from dejavu.models.loader import load_config, load_model
     from dejavu.models.tokenizer import TextTokenizer
 
-    model, cfg = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    cfg = load_config(args.model)
     tok = TextTokenizer.from_pretrained(args.model)
     ids = tok.encode(args.prompt)
+    if len(ids) + n > cfg.max_position_embeddings:  # before the weights load and the prompt is echoed
+        raise DejavuError(f"the prompt ({len(ids)} tokens) + --max-new-tokens {n} exceeds the model's "
+                          f"{cfg.max_position_embeddings} positions")
+    model, cfg = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     streamer = _Streamer(tok)
     sys.stdout.write(args.prompt)
     t0 = time.perf_counter()
-    new = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    new = generate(model, [ids], n, temperature=temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id, stream=streamer)[0]
     dt = time.perf_counter() - t0
     streamer.finish()
     print(f"[{len(new)} tokens in {dt:.2f} s, {len(new) / max(dt, 1e-9):.1f} tok/s, "
           f"prompt {len(ids)} tokens, {args.dtype} on {args.device}]", file=sys.stderr)
     return 0
-
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.models.opt import OPTForCausalLM
-from dejavu.models.sampling import check_sampling, sample_next
+from dejavu.generation import resolve_temperature
+from dejavu.models.sampling import sample_next
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -25,17 +26,18 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 
 @torch.inference_mode()
 def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[int]],
-             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             max_new_tokens: int, temperature: float | None = None, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, eos_id: int | None = None,
              stream: Callable[[list[int | None]], None] | None = None) -> list[list[int]]:
     """New tokens for each prompt (prompt not included; ends with eos_id when it was produced).
 
     input_ids: [B, S] (all real tokens) or a list of B token lists of any lengths (left-padded
-    with an attention mask). Greedy when temperature == 0; otherwise sampled with top_k/top_p
+    with an attention mask). Greedy when temperature == 0 (or None without top_k / top_p:
+    `dejavu.generation.resolve_temperature`); otherwise sampled with top_k/top_p
     from a generator seeded with `seed`. `stream`, if given, is called after each step with one
     entry per sequence: the new token, or None once that sequence has finished.
     """
-    check_sampling(temperature, top_k, top_p)
+    temperature = resolve_temperature(temperature, top_k, top_p)
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     cfg = model.config

@@ -3,17 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dejavu.errors import DejavuError
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """Reject settings that have no meaning (one-line DejavuError)."""
-    if not temperature >= 0.0:
-        raise DejavuError(f"temperature must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise DejavuError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise DejavuError(f"top_p must be in (0, 1], got {top_p}")
+from dejavu.generation import check_sampling  # noqa: F401 - re-exported (torch-free home)
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

@@ -1,24 +1,26 @@
-"""`dejavu-run FILE.engine --prompt TEXT`: generate with a sparse engine, streaming tokens."""
+"""`dejavu-run FILE.engine --prompt TEXT`: generate with a sparse engine, streaming tokens.
+
+The parser and every check that needs no model (prompts, sampling values) run before torch
+is imported; the prompt length is checked against the engine header before the weights load.
+"""
 from __future__ import annotations
 
-import argparse
-import dataclasses
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dejavu.cli_common import Parser, add_device, add_dtype, add_output_format
 from dejavu.errors import DejavuError, cli_entry
+from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
+
+OUTPUT_FORMATS = ("text", "jsonl", "json")
 
 
 @dataclass
 class RunSettings:
-    """Defaults of `dejavu-run` (defined once; argparse reads them from here)."""
+    """Defaults of `dejavu-run` beyond generation's (`dejavu.generation.GenerationSettings`)."""
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
     device: str = "cpu"
     batch_policy: str | None = None  # shared on CUDA, per_sequence on CPU (runtime/engine.py)
 
@@ -42,26 +44,37 @@ class _TextStream:
         self.shown = text
 
 
-def _parser() -> argparse.ArgumentParser:
-    d = RunSettings()
-    p = argparse.ArgumentParser(prog="dejavu-run", description="Generate text with a dejavu .engine file.")
+def build_parser() -> Parser:
+    g, d = GENERATION, RunSettings()
+    p = Parser("dejavu-run", "Generate text with a dejavu .engine file.")
     p.add_argument("engine", help="the .engine file (from dejavu-compile)")
     p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--batch-file", help="a text file with one prompt per line (generated as one batch)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=d.device, help="cpu or cuda")
-    p.add_argument("--dtype", default=None, help="override the engine dtype (e.g. float32 on CPU)")
+    p.add_argument("--batch-file", metavar="FILE",
+                   help="UTF-8 text file, one prompt per line, generated as one batch; a blank line is an "
+                        "empty prompt, so output index i is line i (0-based) of the file")
+    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
+                   help="tokens to generate per prompt (fewer when EOS comes first)")
+    p.add_argument("--temperature", type=float, default=g.temperature,
+                   help="0 = greedy; unset: greedy, or 1.0 when --top-k / --top-p ask for sampling")
+    p.add_argument("--top-k", type=int, default=g.top_k, help="sample from the K most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=g.top_p, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (unset: not reproducible)")
+    add_device(p, d.device)
+    add_dtype(p, None, "run in this dtype instead of the engine's (e.g. float32 on CPU)")
     p.add_argument("--no-overlap", action="store_true", help="run the predictors inline (no side stream)")
-    p.add_argument("--batch-policy", default=d.batch_policy, choices=["per_sequence", "shared"])
-    p.add_argument("--stats", action="store_true", help="print timings to stderr at the end")
+    p.add_argument("--batch-policy", default=d.batch_policy, choices=["per_sequence", "shared"],
+                   help="one selection per sequence, or one shared by the batch (unset: shared on CUDA, "
+                        "per_sequence on CPU)")
+    add_output_format(p, OUTPUT_FORMATS,
+                      "text: the prompt and its streamed completion (with --batch-file one line per prompt, "
+                      "'[i] prompt+completion', newlines shown as \\n); jsonl: one JSON object per prompt "
+                      "{index, prompt, completion, tokens}; json: one object {outputs: [...], stats}")
+    p.add_argument("--stats", action="store_true",
+                   help="print timings at the end (stderr; inside the object with --output-format json)")
     return p
 
 
-def _prompts(args) -> list[str]:
+def read_prompts(args) -> list[str]:
     if (args.prompt is None) == (args.batch_file is None):
         raise DejavuError("give exactly one of --prompt TEXT or --batch-file FILE")
     if args.prompt is not None:
@@ -69,39 +82,103 @@ def _prompts(args) -> list[str]:
     path = Path(args.batch_file)
     if not path.is_file():
         raise DejavuError(f"batch file not found: {path}")
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    if not lines:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DejavuError(f"batch file {path}: not UTF-8 text (byte {e.start})") from None
+    if not any(ln.strip() for ln in lines):
         raise DejavuError(f"batch file {path} holds no prompts")
     return lines
 
 
+def _encode_checked(engine_path: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Token ids of the prompts, with the prompt length checked against the engine header
+    before any weight is read."""
+    from dejavu.engine_file import read_header
+    from dejavu.models.tokenizer import TextTokenizer
+
+    header = read_header(engine_path)
+    mc = header.get("model_config", {})
+    tj = header.get("tokenizer_json")
+    if not tj:
+        raise DejavuError(f"{engine_path}: this engine carries no tokenizer; dejavu-run needs text prompts tokenised")
+    tok = TextTokenizer(tj, mc.get("bos_token_id"), mc.get("eos_token_id"), mc.get("pad_token_id"))
+    ids = [tok.encode(p) for p in prompts]
+    limit = int(mc.get("max_position_embeddings", 0)) or None
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if limit is not None and len(ids[longest]) + max_new_tokens > limit:
+        which = "the prompt" if len(ids) == 1 else f"prompt {longest}"
+        raise DejavuError(f"{which} ({len(ids[longest])} tokens) + --max-new-tokens {max_new_tokens} exceeds "
+                          f"the model's {limit} positions")
+    return ids
+
+
+def stats_dict(eng) -> dict:
+    s = eng.stats
+    return {"batch": s.batch, "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+            "decode_steps": s.decode_steps, "setup_ms": round(1e3 * s.setup_s, 3),
+            "prefill_ms": round(1e3 * s.prefill_s, 3), "decode_ms": round(1e3 * s.decode_s, 3),
+            "ms_per_step": round(s.ms_per_token, 3), "decode_tokens_per_s": round(s.tokens_per_s, 2),
+            "engine": {**eng.describe(), **(s.extra or {})}}
+
+
+def format_stats(d: dict) -> str:
+    e = d["engine"]
+    return "\n".join([
+        f"dejavu-run: batch {d['batch']}, {d['prompt_tokens']} prompt tokens, {d['new_tokens']} new tokens per "
+        f"sequence (1 from the prefill, {d['decode_steps']} decode steps)",
+        f"dejavu-run: prefill {d['prefill_ms']:.1f} ms; decode {d['ms_per_step']:.2f} ms/step, "
+        f"{d['decode_tokens_per_s']:.1f} tokens/s",
+        f"dejavu-run: engine {e['layers']} layers, {e['dtype']} on {e['device']}, density mlp {e['mlp_density']} "
+        f"attn {e['attn_density']}, kernels {e['kernels'].get('sparse_fc1')}, overlap {e['overlap']}, "
+        f"cuda graph {e['cuda_graph']}, batch policy {e['batch_policy']}"])
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
+
+
 @cli_entry
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    prompts = _prompts(args)
-    if args.max_new_tokens < 1:
-        raise DejavuError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    args = build_parser().parse_args(argv)
+    prompts = read_prompts(args)
+    n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
+    temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
+    if not Path(args.engine).is_file():
+        raise DejavuError(f"engine file not found: {args.engine}")
+    ids = _encode_checked(args.engine, prompts, n)
+
     from dejavu.runtime.engine import Engine
 
     eng = Engine.load(args.engine, device=args.device, overlap=not args.no_overlap,
                       batch_policy=args.batch_policy, dtype=args.dtype)
     tok = eng.tokenizer
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    out = sys.stdout
-    if len(prompts) == 1:
+    kw = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    out, fmt = sys.stdout, args.output_format
+    if fmt == "text" and args.prompt is not None:
         out.write(prompts[0])
         out.flush()
-        eng.generate(prompts, args.max_new_tokens, stream=_TextStream(tok, out), **kw)
+        eng.generate(ids, n, stream=_TextStream(tok, out), **kw)
         out.write("\n")
+        new = None
     else:
-        for i, ids in enumerate(eng.generate(prompts, args.max_new_tokens, **kw)):
-            out.write(f"[{i}] {prompts[i]}{tok.decode(ids)}\n")
+        new = eng.generate(ids, n, **kw)
+    stats = stats_dict(eng) if args.stats and eng.stats is not None else None
+    if new is not None:
+        rows = [{"index": i, "prompt": p, "completion": tok.decode(t), "tokens": t}
+                for i, (p, t) in enumerate(zip(prompts, new))]
+        if fmt == "text":
+            for r in rows:
+                out.write(f"[{r['index']}] {_one_line(r['prompt'] + r['completion'])}\n")
+        elif fmt == "jsonl":
+            for r in rows:
+                out.write(json.dumps(r, ensure_ascii=False) + "\n")
+        else:
+            obj = {"outputs": rows, **({"stats": stats} if stats else {})}
+            out.write(json.dumps(obj, ensure_ascii=False, indent=1) + "\n")
     out.flush()
-    if args.stats and eng.stats is not None:
-        s = eng.stats
-        print(f"dejavu-run: batch {s.batch}, prefill {s.prefill_s * 1e3:.1f} ms, {s.new_tokens} decode steps, "
-              f"{s.ms_per_token:.2f} ms/step, {s.tokens_per_s:.1f} tokens/s "
-              f"({dataclasses.asdict(s)['extra'] or eng.describe()})", file=sys.stderr)
+    if stats and fmt != "json":
+        print(format_stats(stats) if fmt == "text" else json.dumps({"stats": stats}), file=sys.stderr)
     return 0
 
 

@@ -2,7 +2,7 @@
 
     engine = Engine.load("opt-mini-0.3.engine", device="cuda")       # or "cpu"
     outs = engine.generate(["Hello"], max_new_tokens=32)              # new token ids per prompt
-    texts = engine.complete(["Hello"], max_new_tokens=32)             # the same, decoded
+    texts = engine.complete("Hello")                                  # decoded (one prompt or a list)
     logits = engine.logits(ids)                                       # token-parallel sparse [B, S, V]
     logits = engine.decode_logits(ids)                                # the same through the decode loop
 
@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
+from dejavu.generation import GENERATION
 from dejavu.runtime.decoder import KV_POLICIES, SparseDecoder
 from dejavu.runtime.ops import Ops
 from dejavu.runtime.spec import DTYPES, check_tensors, spec_from_header
@@ -161,18 +162,22 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 32,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 max_new_tokens: int = GENERATION.max_new_tokens, temperature: float | None = GENERATION.temperature,
+                 top_k: int = GENERATION.top_k, top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed,
                  stream: Callable[[list[int | None]], None] | None = None,
                  stop_at_eos: bool = True) -> list[list[int]]:
-        """New token ids for each prompt (text, or token-id lists). See runtime/generate.py."""
+        """New token ids for each prompt (one text, texts, or token-id lists). Defaults:
+        `dejavu.generation.GenerationSettings` (temperature None: greedy, or 1.0 with top_k /
+        top_p). See runtime/generate.py."""
         from dejavu.runtime.generate import generate
 
         return generate(self, self._encode(prompts), max_new_tokens, temperature, top_k, top_p, seed,
                         stream, stop_at_eos)
 
-    def complete(self, prompts: Sequence[str], max_new_tokens: int = 32, **kw) -> list[str]:
-        """Generated text (without the prompt) for each text prompt."""
+    def complete(self, prompts: str | Sequence[str], max_new_tokens: int = GENERATION.max_new_tokens,
+                 **kw) -> list[str]:
+        """Generated text (without the prompt) for each text prompt (a bare string is one prompt)."""
         return [self.tokenizer.decode(t) for t in self.generate(prompts, max_new_tokens, **kw)]
 
     @torch.inference_mode()
@@ -206,7 +211,9 @@ class Engine:
         return ids
 
     def _encode(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        if isinstance(prompts, str):  # one prompt
+            prompts = [prompts]
+        if isinstance(prompts, bytes) or not isinstance(prompts, Sequence) or not prompts:
             raise DejavuError("prompts must be a non-empty list of strings or of token-id lists")
         if all(isinstance(p, str) for p in prompts):
             return [self.tokenizer.encode(p) for p in prompts]

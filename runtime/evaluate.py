@@ -1,8 +1,12 @@
 """`dejavu-eval`: perplexity and zero-shot accuracy of a dense model or an engine.
 
     dejavu-eval opt-mini                              # dense model, WikiText-2 test perplexity
-    dejavu-eval opt-mini-0.3.engine --task all --limit 200 --json
-    dejavu-eval opt-mini a.engine b.engine --task piqa copa --report docs/accuracy
+    dejavu-eval opt-mini-0.3.engine --task all --limit 200 --json     # tasks only
+    dejavu-eval opt-mini a.engine b.engine --task piqa,copa --ppl-tokens 32768 --report docs/accuracy
+
+Perplexity runs when no task is given, or when asked (`--ppl`, `--ppl-tokens N`, `--ppl-file F`);
+with tasks alone it is skipped (the whole WikiText-2 test is ~280k tokens: minutes to an hour
+on a CPU).
 
 A model name (preset, folder, hub id) runs the dense PyTorch model; a `.engine` file runs
 the engine's sparse logits, computed one of three ways (`--path`):
@@ -18,7 +22,6 @@ and the same scoring code (`dejavu.runtime.tasks`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from dejavu.cli_common import Parser, add_device, add_quiet, comma_list
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.runtime.tasks import TASKS, evaluate_task, load_task
 
@@ -134,7 +138,7 @@ def load_scoring_model(spec: str, device: str = "cpu", path: str = "parallel") -
     from dejavu.models.tokenizer import TextTokenizer
 
     model, cfg = load_model(spec, device=device)
-    return ScoringModel(str(spec), "dense", _wrap_logits(model, device),
+    return ScoringModel(_shown_path(spec) if Path(spec).exists() else str(spec), "dense", _wrap_logits(model, device),
                         TextTokenizer.from_pretrained(spec), cfg.max_position_embeddings, None,
                         info={"model": model, "config": cfg})
 
@@ -231,7 +235,7 @@ def evaluate(sm: ScoringModel, settings: EvalSettings, tasks: list[str], ppl: bo
         r = eval_perplexity(sm, read_text(settings.ppl_file), settings.window, settings.ppl_tokens,
                             settings.batch_size, progress)
         out.update(perplexity=r["perplexity"], ppl_tokens=r["tokens"], ppl_window=r["window"],
-                   ppl_file=str(settings.ppl_file))
+                   ppl_file=_shown_path(settings.ppl_file))
     out["tasks"] = {}
     for name in tasks:
         task = load_task(name, settings.limit)
@@ -243,209 +247,112 @@ def evaluate(sm: ScoringModel, settings: EvalSettings, tasks: list[str], ppl: bo
 
 
 def _expand_tasks(names: list[str] | None) -> list[str]:
-    if not names:
-        return []
     out: list[str] = []
-    for n in names:
+    for n in comma_list(names):
         out.extend(TASKS if n == "all" else [n])
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _is_task(name: str) -> bool:
+    return name == "all" or name in TASKS or name.endswith(".jsonl")
+
+
+def split_models_and_tasks(models: list[str], tasks: list[str]) -> tuple[list[str], list[str]]:
+    """`--task piqa ENGINE` puts ENGINE into the task list (argparse's nargs='+' is greedy):
+    with no positional model, what follows the task names and is not one is a model. A task
+    name among the models is an error that says how to give several tasks."""
+    names = comma_list(tasks)
+    cut = len(names)
+    if not models:  # only then can the task list have swallowed them
+        while cut > 0 and not _is_task(names[cut - 1]):
+            cut -= 1
+    models = [*models, *names[cut:]]
+    for m in models:
+        if _is_task(m) and not Path(m).exists():
+            raise DejavuError(f"{m!r} is a task, not a model: give tasks as --task piqa,copa (or --task piqa copa) "
+                              "before or after the models")
+    bad = [n for n in names[:cut] if not _is_task(n)]
+    if bad:
+        raise DejavuError(f"unknown task {bad[0]!r} (tasks: {', '.join(TASKS)}, all, or a .jsonl file)")
+    if not models:
+        raise DejavuError("give at least one MODEL_OR_ENGINE (a model name or folder, or a .engine file)")
+    return models, names[:cut]
+
+
+def build_parser() -> Parser:
     d = EvalSettings()
-    p = argparse.ArgumentParser(
-        prog="dejavu-eval",
-        description="Perplexity and zero-shot accuracy of dense models and dejavu engines.")
-    p.add_argument("models", nargs="+", metavar="MODEL_OR_ENGINE",
+    p = Parser(
+        "dejavu-eval",
+        "Perplexity and zero-shot accuracy of dense models and dejavu engines. Perplexity runs when no task "
+        "is given, or when asked (--ppl, --ppl-tokens, --ppl-file); with tasks alone it is skipped.")
+    p.add_argument("models", nargs="*", metavar="MODEL_OR_ENGINE",
                    help="model name / folder (dense PyTorch) or .engine file; several for a comparison")
-    p.add_argument("--ppl", default=d.ppl_file, metavar="FILE",
-                   help="text file for perplexity (default: WikiText-2 test shipped with dejavu)")
-    p.add_argument("--no-ppl", action="store_true", help="skip perplexity")
+    p.add_argument("--task", "--tasks", dest="task", nargs="+", action="extend", metavar="NAME",
+                   help=f"tasks: {', '.join(TASKS)}, 'all', or a .jsonl file "
+                        '({"query","choices","gold"} per line); several as piqa,copa or piqa copa')
+    p.add_argument("--ppl", action="store_true", help="also measure perplexity when tasks are given")
+    p.add_argument("--ppl-file", default=None, metavar="FILE",
+                   help="UTF-8 text for perplexity (implies --ppl; default: the shipped WikiText-2 test)")
     p.add_argument("--ppl-tokens", type=int, default=d.ppl_tokens, metavar="N",
-                   help="use only the first N tokens of the text (default: all)")
+                   help="perplexity over the first N tokens of the text only (implies --ppl; default: all)")
+    p.add_argument("--no-ppl", action="store_true", help="skip perplexity, also when no task is given")
     p.add_argument("--window", type=int, default=d.window, metavar="N",
                    help="perplexity window in tokens (default: the model's max positions)")
-    p.add_argument("--task", nargs="+", metavar="NAME|FILE",
-                   help=f"tasks: {', '.join(TASKS)}, 'all', or a .jsonl file "
-                        '({"query","choices","gold"} per line)')
-    p.add_argument("--limit", type=int, default=d.limit, metavar="N", help="first N examples per task")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--device", default=d.device, help="cpu or cuda (default: cpu)")
+    p.add_argument("--limit", type=int, default=d.limit, metavar="N", help="first N examples per task (default: all)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N", help="sequences per forward pass")
+    add_device(p, d.device)
     p.add_argument("--path", choices=PATHS, default=d.path,
-                   help="how an engine's logits are computed: parallel (token-parallel masked ops, the "
-                        "default), decode (one decode step per token through the decode kernels, the same "
+                   help="how an engine's logits are computed: parallel (token-parallel masked ops), "
+                        "decode (one decode step per token through the decode kernels, the same "
                         "quantity), generate (the decode loop with each window's first token and each "
                         "example's context prefilled dense, as generate does)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--report", metavar="DIR", help="write DIR/README.md and DIR/*.png (metric vs density)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--report", metavar="DIR",
+                   help="write DIR/README.md, DIR/results.json and DIR/metrics_vs_density.png; the engines' "
+                        "dense model is evaluated too when it is not among the models")
+    add_quiet(p, "no progress bars")
     return p
 
 
-# ----------------------------------------------------------------------------- report
-
-def _metric_columns(results: list[dict]) -> list[tuple[str, str | None, str]]:
-    """(column title, task or None for perplexity, key) in a stable order."""
-    cols: list[tuple[str, str | None, str]] = []
-    if any("perplexity" in r for r in results):
-        cols.append(("ppl", None, "perplexity"))
-    tasks: list[str] = []
-    for r in results:
-        tasks += [t for t in r["tasks"] if t not in tasks]
-    for t in tasks:
-        cols.append((t, t, "accuracy"))
-        if any("acc_norm" in r["tasks"].get(t, {}) for r in results):
-            cols.append((f"{t} (norm)", t, "acc_norm"))
-    return cols
-
-
-def _value(r: dict, task: str | None, key: str):
-    return r.get(key) if task is None else r["tasks"].get(task, {}).get(key)
-
-
-def agreement_table(results: list[dict]) -> str | None:
-    """Per task, the fraction of examples where each engine predicts what the dense run
-    predicts: a paired statistic, far less noisy than an accuracy difference on few examples."""
-    dense = next((r for r in results if r["density"] is None), None)
-    if dense is None:
-        return None
-    tasks = [t for t in dense["tasks"] if "preds" in dense["tasks"][t]]
-    lines = ["| model | density | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
-    for r in results:
-        if r is dense:
-            continue
-        cells = []
-        for t in tasks:
-            a, b = dense["tasks"][t]["preds"], r["tasks"].get(t, {}).get("preds")
-            ok = b is not None and len(a) == len(b)
-            cells.append(f"{100 * sum(x == y for x, y in zip(a, b)) / len(a):.1f}" if ok else "")
-        lines.append(f"| {r['model']} | {_density_label(r)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _density_label(r: dict) -> str:
-    if r["density"] is None:
-        return "dense"
-    m, a = r.get("mlp_density", r["density"]), r.get("attn_density", r["density"])
-    label = f"{r['density']:g}" if m == a else f"mlp {m:g} / heads {a:g}"
-    path = r.get("path")
-    return label if path in (None, "parallel") else f"{label} ({path} path)"
-
-
-def markdown_table(results: list[dict]) -> str:
-    """Rows = runs, columns = perplexity and per-task accuracy (percent)."""
-    cols = _metric_columns(results)
-    lines = ["| model | density | " + " | ".join(c[0] for c in cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
-    for r in results:
-        cells = []
-        for _, task, key in cols:
-            v = _value(r, task, key)
-            cells.append("" if v is None else (f"{v:.3f}" if task is None else f"{100 * v:.1f}"))
-        dens = _density_label(r)
-        lines.append(f"| {r['model']} | {dens} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def wants_ppl(args, tasks: list[str]) -> bool:
+    if args.no_ppl:
+        if args.ppl or args.ppl_file or args.ppl_tokens is not None:
+            raise DejavuError("--no-ppl contradicts --ppl / --ppl-file / --ppl-tokens")
+        return False
+    return not tasks or args.ppl or args.ppl_file is not None or args.ppl_tokens is not None
 
 
 def _shown_path(p) -> str:
-    """Shipped data as `dejavu/data/...` (not this machine's install path)."""
-    try:
-        return "dejavu/data/" + Path(p).resolve().relative_to(DEFAULT_PPL_FILE.parents[1].resolve()).as_posix()
-    except ValueError:
-        return str(p)
-
-
-def write_report(results: list[dict], folder: str | Path, settings: EvalSettings, tasks: list[str]) -> Path:
-    """folder/README.md (table + settings) and folder/metrics_vs_density.png; returns the md path."""
-    from dejavu.fileio import atomic_path
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    png = folder / "metrics_vs_density.png"
-    plot_metrics(results, png)
-    first = results[0]
-    lim = "all" if settings.limit is None else str(settings.limit)
-    md = ["# dejavu-eval report", "",
-          markdown_table(results), "",
-          "Accuracy in percent; `(norm)` = length-normalised (acc_norm). "
-          "`dense` = the dense PyTorch model.", ""]
-    agree = agreement_table(results)
-    if agree:
-        md += ["Agreement with the dense model's prediction, per example (percent):", "", agree, ""]
-    md += [
-          f"- perplexity: `{_shown_path(settings.ppl_file)}`, "
-          f"{first.get('ppl_tokens', 'n/a')} tokens, window {first.get('ppl_window', 'n/a')}",
-          f"- tasks: {', '.join(tasks) or 'none'}; examples per task: {lim}",
-          f"- engine logits: `--path {settings.path}` on `{settings.device}` (`dejavu-eval --help`)",
-          "", f"![metrics vs density]({png.name})", ""]
-    out = folder / "README.md"
-    with atomic_path(out) as tmp:
-        tmp.write_text("\n".join(md), encoding="utf-8")
-    (folder / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True), encoding="utf-8")
-    _readable(out, png)
-    return out
-
-
-def _readable(*paths: Path) -> None:
-    """Temporary files are created 0600; a report is for everyone (the umask decides)."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in paths:
-        os.chmod(p, 0o666 & ~umask)
-
-
-def _series(results: list[dict], task: str | None, key: str) -> dict[str, list[tuple[float, float]]]:
-    """Engine points per series: same density for MLP and heads, or MLP only (heads 1.0)."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    for r in results:
-        v = _value(r, task, key)
-        if r["density"] is None or v is None:
-            continue
-        m, a = r.get("mlp_density", r["density"]), r.get("attn_density", r["density"])
-        label = "engine" if m == a else ("engine, MLP only" if a == 1.0 else None)
-        if label:
-            out.setdefault(label, []).append((m, v))
-    return {k: sorted(v) for k, v in out.items()}
-
-
-def plot_metrics(results: list[dict], path: Path) -> None:
-    """One panel per metric: engines as a line over density, the dense model as a dashed level."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from dejavu.fileio import atomic_path
-
-    cols = _metric_columns(results)
-    n = max(1, len(cols))
-    ncol = min(4, n)
-    nrow = (n + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(3.6 * ncol, 2.8 * nrow), squeeze=False)
-    for ax, (title, task, key) in zip(axes.flat, cols):
-        scale = 1 if task is None else 100
-        for label, pts in _series(results, task, key).items():
-            ax.plot([p[0] for p in pts], [scale * p[1] for p in pts], "o-", label=label)
-        for r in results:
-            v = _value(r, task, key)
-            if r["density"] is None and v is not None:
-                ax.axhline(scale * v, ls="--", color="gray", label="dense")
-        ax.set_title(title if task is None else f"{title} (%)")
-        ax.set_xlabel("density")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(cols):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    """Shipped data as `dejavu/data/...`, other files relative to the working folder when inside it
+    (never this machine's install path in a report)."""
+    path = Path(p).resolve()
+    for root, prefix in ((DEFAULT_PPL_FILE.parents[1].resolve(), "dejavu/data/"), (Path.cwd().resolve(), "")):
+        try:
+            return prefix + path.relative_to(root).as_posix()
+        except ValueError:
+            pass
+    return str(p)
 
 
 def _print_table(results: list[dict], file=sys.stdout) -> None:
+    from dejavu.runtime.eval_report import markdown_table
+
     print(markdown_table(results), file=file)
+
+
+def _dense_baselines(specs: list[str]) -> list[str]:
+    """For --report: the engines' dense models, when no dense model is among the specs."""
+    if any(not is_engine_path(m) for m in specs):
+        return []
+    from dejavu.engine_file import read_header
+    from dejavu.runtime.compare import source_model
+
+    out: list[str] = []
+    for m in specs:
+        src = source_model(read_header(m)) if Path(m).is_file() else None
+        if src and src not in out:
+            out.append(src)
+    return out
 
 
 @cli_entry
@@ -454,18 +361,32 @@ def main(argv=None) -> int:
     for name, v in (("--limit", args.limit), ("--ppl-tokens", args.ppl_tokens), ("--batch-size", args.batch_size)):
         if v is not None and v <= 0:
             raise DejavuError(f"{name} must be positive, got {v}")
-    tasks = _expand_tasks(args.task)
-    for t in tasks:  # fail on a bad task name before loading any model
+    models, names = split_models_and_tasks(args.models, args.task or [])
+    tasks = _expand_tasks(names)
+    for t in tasks:  # fail on a bad task name or file before loading any model
         load_task(t, limit=1)
-    if not args.no_ppl:
-        read_text(args.ppl)
-    settings = EvalSettings(args.ppl, args.ppl_tokens, args.window, args.limit, args.batch_size, args.device,
+    ppl = wants_ppl(args, tasks)
+    ppl_file = args.ppl_file or EvalSettings.ppl_file
+    if ppl:
+        read_text(ppl_file)
+    for m in models:
+        if is_engine_path(m) and not Path(m).is_file():
+            raise DejavuError(f"engine file not found: {m}")
+    settings = EvalSettings(ppl_file, args.ppl_tokens, args.window, args.limit, args.batch_size, args.device,
                             args.path)
-    results = []
-    for spec in args.models:
-        sm = load_scoring_model(spec, args.device, args.path)
-        results.append(evaluate(sm, settings, tasks, ppl=not args.no_ppl, progress=not args.quiet))
     if args.report:
+        extra = _dense_baselines(models)
+        if extra and not args.quiet:
+            print(f"dejavu-eval: --report: adding the dense model {', '.join(extra)} for the comparison",
+                  file=sys.stderr)
+        models = extra + models
+    results = []
+    for spec in models:
+        sm = load_scoring_model(spec, args.device, args.path)
+        results.append(evaluate(sm, settings, tasks, ppl=ppl, progress=not args.quiet))
+    if args.report:
+        from dejavu.runtime.eval_report import write_report
+
         write_report(results, args.report, settings, tasks)
     if args.json:
         obj = results[0] if len(results) == 1 else {"runs": results}

@@ -8,7 +8,8 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.models.sampling import check_sampling, sample_next
+from dejavu.generation import resolve_temperature
+from dejavu.models.sampling import sample_next
 
 
 @dataclass
@@ -17,7 +18,8 @@ class GenerationStats:
 
     batch: int = 0
     prompt_tokens: int = 0
-    new_tokens: int = 0  # decode steps run (after the prefill's token)
+    new_tokens: int = 0  # tokens generated per sequence (the longest; the first from the prefill)
+    decode_steps: int = 0  # sparse decode steps run (new_tokens - 1 when every token was needed)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     setup_s: float = 0.0
@@ -26,11 +28,11 @@ class GenerationStats:
     @property
     def ms_per_token(self) -> float:
         """Decode latency per step (one token for every sequence of the batch)."""
-        return 1e3 * self.decode_s / max(self.new_tokens, 1)
+        return 1e3 * self.decode_s / max(self.decode_steps, 1)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch * self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        return self.batch * self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
 def right_pad(prompts: Sequence[Sequence[int]], pad_id: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +56,7 @@ def _sync(device: torch.device) -> float:
 
 
 @torch.inference_mode()
-def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float | None = None,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              stream: Callable[[list[int | None]], None] | None = None,
              stop_at_eos: bool = True) -> list[list[int]]:
@@ -63,8 +65,9 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp
     The first new token comes from the dense prefill; every later one from a sparse decode
     step (a CUDA-graph replay on GPU). `stream`, if given, is called after each step with one
     entry per sequence: its new token, or None once it has finished. Without `stream` and
-    with stop_at_eos=False the loop never waits for the device (benchmark mode)."""
-    check_sampling(temperature, top_k, top_p)
+    with stop_at_eos=False the loop never waits for the device (benchmark mode). temperature
+    None: greedy, or 1.0 when top_k / top_p ask for sampling (`dejavu.generation`)."""
+    temperature = resolve_temperature(temperature, top_k, top_p)
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     spec, dec, dev = engine.spec, engine.decoder, engine.device
@@ -90,12 +93,13 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp
     done = [False] * B
     host_loop = stream is not None or eos is not None
     agree = getattr(engine, "agree_tokens", None)  # tensor parallel: rank 0's tokens on every rank
-    steps = 0
+    steps = made = 0
     for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, gen)  # [B]
         if agree is not None:
             nxt = agree(nxt)
         out_dev[:, step] = nxt
+        made += 1
         if host_loop:
             emitted: list[int | None] = []
             for b, t in enumerate(nxt.tolist()):
@@ -115,7 +119,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp
         pos = pos + 1
         steps += 1
     t3 = _sync(dev)
-    stats.setup_s, stats.prefill_s, stats.decode_s, stats.new_tokens = t1 - t0, t2 - t1, t3 - t2, steps
+    stats.setup_s, stats.prefill_s, stats.decode_s = t1 - t0, t2 - t1, t3 - t2
+    stats.new_tokens, stats.decode_steps = made, steps
     if not host_loop:
         out = out_dev.tolist()
     return out

@@ -210,6 +210,7 @@ class TaskResult:
         d = {"accuracy": self.acc, "n": self.n, "preds": [x["pred"] for x in self.details]}
         if self.acc_norm is not None:
             d["acc_norm"] = self.acc_norm
+            d["preds_norm"] = [x["pred_norm"] for x in self.details]
         return d
 
 
@@ -234,7 +235,8 @@ def evaluate_task(task: Task, logits_fn, encode, bos: int | None, max_len: int,
             pred_norm = max(range(len(norm)), key=lambda i: norm[i])
         correct += pred == ex.gold
         correct_norm += pred_norm == ex.gold
-        details.append({"pred": pred, "gold": ex.gold, "logprobs": [s.logprob for s in scores]})
+        details.append({"pred": pred, "pred_norm": pred_norm, "gold": ex.gold,
+                        "logprobs": [s.logprob for s in scores]})
     n = len(task.examples)
     acc_norm = correct_norm / n if "acc_norm" in task.metrics else None
     return TaskResult(task.name, n, correct / n, acc_norm, details)

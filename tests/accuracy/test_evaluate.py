@@ -43,7 +43,7 @@ def test_perplexity_equals_transformers(tiny_opt_dir, text_file, capsys):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
 
-    got = _run_json(capsys, [str(tiny_opt_dir), "--ppl", str(text_file)])
+    got = _run_json(capsys, [str(tiny_opt_dir), "--ppl-file", str(text_file)])
     hf = transformers.OPTForCausalLM.from_pretrained(tiny_opt_dir, attn_implementation="eager").float().eval()
     tok = Tokenizer.from_file(str(tiny_opt_dir / "tokenizer.json"))
     lines = text_file.read_text(encoding="utf-8").split("\n")  # line by line, as opt-mini was trained
@@ -112,7 +112,7 @@ def test_shipped_task_formats():
 
 
 def test_engine_density_1_matches_dense(tiny_opt_dir, dense_engine, text_file, capsys):
-    argv = ["--ppl", str(text_file), "--task", "copa", "winogrande", "--limit", "4"]
+    argv = ["--ppl-file", str(text_file), "--task", "copa", "winogrande", "--limit", "4"]
     dense = _run_json(capsys, [str(tiny_opt_dir)] + argv)
     eng = _run_json(capsys, [str(dense_engine)] + argv)
     assert eng["kind"] == "engine" and eng["density"] == 1.0
@@ -122,7 +122,7 @@ def test_engine_density_1_matches_dense(tiny_opt_dir, dense_engine, text_file, c
 
 def test_report_for_several_runs(tiny_opt_dir, dense_engine, tmp_path, text_file, capsys):
     sparse = write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)
-    out = _run_json(capsys, [str(tiny_opt_dir), str(dense_engine), str(sparse), "--ppl", str(text_file),
+    out = _run_json(capsys, [str(tiny_opt_dir), str(dense_engine), str(sparse), "--ppl-file", str(text_file),
                              "--ppl-tokens", "200", "--task", "copa", "--limit", "2",
                              "--report", str(tmp_path / "rep")])
     assert [r["density"] for r in out["runs"]] == [None, 1.0, 0.5]
@@ -131,11 +131,52 @@ def test_report_for_several_runs(tiny_opt_dir, dense_engine, tmp_path, text_file
     assert (tmp_path / "rep" / "metrics_vs_density.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_tasks_alone_skip_perplexity_and_any_order_works(tiny_opt_dir, text_file, capsys):
+    """`--task copa MODEL` (the task list swallows the model) = `MODEL --task copa`; no perplexity
+    unless asked; comma lists and repeated --task add up."""
+    a = _run_json(capsys, ["--task", "copa", str(tiny_opt_dir), "--limit", "2"])
+    b = _run_json(capsys, [str(tiny_opt_dir), "--task", "copa", "--limit", "2"])
+    assert a == {**b, "seconds": a["seconds"]} and "perplexity" not in a and list(a["tasks"]) == ["copa"]
+    c = _run_json(capsys, [str(tiny_opt_dir), "--tasks", "copa,winogrande", "--limit", "2", "--ppl-tokens", "100",
+                           "--ppl-file", str(text_file)])
+    assert list(c["tasks"]) == ["copa", "winogrande"] and 0 < c["ppl_tokens"] < 100
+    assert c["tasks"]["copa"] == a["tasks"]["copa"]
+    assert "perplexity" in _run_json(capsys, [str(tiny_opt_dir), "--ppl-file", str(text_file), "--ppl-tokens", "50"])
+    assert c["ppl_file"] == str(text_file)  # outside the working folder: as given
+
+
+def test_single_engine_report_adds_dense_and_compares(tiny_opt_dir, tmp_path, monkeypatch, capsys):
+    sparse = write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)
+    monkeypatch.chdir(tmp_path)
+    out = _run_json(capsys, ["d5.engine", "--task", "piqa", "--limit", "6", "--report", "rep"])
+    assert [r["density"] for r in out["runs"]] == [None, 0.5]  # the engine's dense model was added
+    md = (tmp_path / "rep" / "README.md").read_text()
+    assert "n/a" not in md and "perplexity: not measured" in md
+    assert "| piqa (norm) |" in md.split("Agreement")[1]  # agreement for acc and acc_norm
+    dense, eng = out["runs"]
+    same = sum(x == y for x, y in zip(dense["tasks"]["piqa"]["preds_norm"], eng["tasks"]["piqa"]["preds_norm"]))
+    assert f"| {100 * same / 6:.1f} |" in md.split("Agreement")[1]
+    diff = 100 * (eng["tasks"]["piqa"]["acc_norm"] - dense["tasks"]["piqa"]["acc_norm"])
+    assert f"({diff:+.1f})" in md.split("Agreement")[0]  # the difference from dense, in points
+    saved = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert not any(str(r["model"]).startswith("/") for r in saved)
+
+
+def test_report_ppl_vs_dense_column(tiny_opt_dir, tmp_path, text_file, capsys):
+    sparse = write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)
+    out = _run_json(capsys, [str(tiny_opt_dir), str(sparse), "--ppl-file", str(text_file), "--ppl-tokens", "120",
+                             "--report", str(tmp_path / "rep")])
+    dense, eng = out["runs"]
+    md = (tmp_path / "rep" / "README.md").read_text()
+    assert "| ppl vs dense |" in md and f"{100 * (eng['perplexity'] / dense['perplexity'] - 1):+.2f}%" in md
+    assert f"{dense['ppl_tokens']} tokens, window" in md
+
+
 def test_decode_path_equals_parallel_path(tiny_opt_dir, tmp_path, text_file, capsys):
     # --path decode: one decode step per token from an empty cache (the runtime's decode loop), the
     # quantity --path parallel computes token-parallel: the same perplexity and task predictions
     sparse = write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)
-    argv = [str(sparse), "--ppl", str(text_file), "--ppl-tokens", "300", "--window", "64",
+    argv = [str(sparse), "--ppl-file", str(text_file), "--ppl-tokens", "300", "--window", "64",
             "--task", "copa", "winogrande", "--limit", "3", "--batch-size", "3"]
     par, dec = _run_json(capsys, argv), _run_json(capsys, argv + ["--path", "decode"])
     assert (par["path"], dec["path"]) == ("parallel", "decode")
@@ -171,7 +212,10 @@ def test_generate_path_prefills_each_context(tiny_opt_dir, tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["--task", "nosuchtask"], "unknown task 'nosuchtask'"),
     (["--task", "missing.jsonl"], "task file not found"),
-    (["--ppl", "/nonexistent/text.txt"], "text file not found"),
+    (["--ppl-file", "/nonexistent/text.txt"], "text file not found"),
+    (["--task", "copa", "--no-ppl", "--ppl-tokens", "5"], "--no-ppl contradicts"),
+    (["--task", "copa", "nosuch"], "unknown task 'nosuch'"),  # a model came first: nothing to recover
+    (["copa", "--task", "piqa"], "'copa' is a task, not a model"),
     (["--limit", "0"], "--limit must be positive"),
 ])
 def test_bad_inputs(tiny_opt_dir, argv, match):

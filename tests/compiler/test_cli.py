@@ -66,11 +66,24 @@ def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
 
 
 def test_inspect(built, capsys):
-    assert inspect_main([str(built / "a.engine")]) == 0
+    path = built / "a.engine"
+    assert inspect_main([str(path)]) == 0
     text = capsys.readouterr().out
     assert "dejavu-engine v1" in text and "mlp_k" in text and "float16" in text
-    assert inspect_main([str(built / "a.engine"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == read_header(built / "a.engine")
+    header, tensors = read_engine(path)
+    assert f"tensors     {len(tensors)} (" in text and "checksum verified" in text and "layers.0.mlp.w1" in text
+    assert inspect_main([str(path), "--header-only"]) == 0
+    short = capsys.readouterr().out
+    assert short != text and "checksum not verified" in short and "layers.0.mlp.w1" not in short
+    assert inspect_main([str(path), "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert "tokenizer_json" not in obj and obj["tokenizer"]["chars"] == len(header["tokenizer_json"])
+    assert obj["file"] == {"bytes": path.stat().st_size, "checksum": "verified", "tensors": len(tensors)}
+    assert {k: v for k, v in obj.items() if k not in ("tokenizer", "file")} == \
+        {k: v for k, v in header.items() if k != "tokenizer_json"}
+    assert inspect_main([str(path), "--json", "--full", "--header-only"]) == 0
+    assert json.loads(capsys.readouterr().out) == header
+    _fails(capsys, inspect_main, [str(path), "--full"], "--full goes with --json")
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -81,6 +94,7 @@ def test_inspect(built, capsys):
     (["MODEL", "--density", "0.3", "--attn-density", "2"], "attn-density"),
     (["MODEL"], "--density"),
     (["MODEL", "--density", "0.3", "--dtype", "int4"], "dtype"),
+    (["MODEL", "--density", "0.3", "--device", "tpu"], "--device"),
     (["MODEL", "--density", "0.3", "--calib", "/nonexistent/corpus.txt"], "corpus"),
 ])
 def test_compile_bad_input(tiny_opt_dir, tmp_path, capsys, argv, match):
@@ -122,12 +136,27 @@ def test_console_scripts_exit_2(tmp_path):
 
 
 def test_config_file_and_overrides(tmp_path, capsys):
+    from dejavu.compiler.build import BuildConfig
     from dejavu.compiler.cli import _config, compile_parser
 
     f = tmp_path / "build.json"
     f.write_text(json.dumps({"density": 0.4, "dtype": "float32", "seed": 3}))
     argv = ["m", "--density", "0.3", "--config", str(f), "--seed", "5"]
-    c = _config(compile_parser().parse_args(argv), argv)
+    c = _config(compile_parser().parse_args(argv))
     assert (c.density, c.dtype, c.seed) == (0.3, "float32", 5)
+    c = _config(compile_parser().parse_args(["m", "--density", "0.3", "--dtype", "bf16"]))
+    assert c.dtype == "bfloat16" and c.calib_tokens == BuildConfig().calib_tokens  # the rest: BuildConfig's
     f.write_text(json.dumps({"density": 0.4, "bogus": 1}))
     _fails(capsys, main, ["m", "--density", "0.3", "--config", str(f)], "bogus")
+
+
+def test_compile_help_shows_buildconfig_defaults(capsys):
+    from dejavu.compiler.build import BuildConfig
+    from dejavu.compiler.cli import compile_parser
+
+    text = " ".join(compile_parser().format_help().split())
+    d = BuildConfig()
+    for opt, value in (("--calib-tokens", d.calib_tokens), ("--predictor-epochs", d.predictor_epochs),
+                       ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit)):
+        after = text.split(f" {opt} ", 1)[1]
+        assert f"(default: {value})" in after.split(" --", 1)[0], opt

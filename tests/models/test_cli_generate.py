@@ -63,6 +63,36 @@ def test_cuda_without_gpu_is_one_line(tiny_opt_dir, capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     with pytest.raises(SystemExit) as e:
-        main([str(tiny_opt_dir), "--prompt", "hi", "--device", "cuda"])
+        main([str(tiny_opt_dir), "--prompt", "hi", "--max-new-tokens", "4", "--device", "cuda"])
     assert e.value.code == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_top_p_alone_samples_and_zero_temperature_with_top_p_fails(tiny_opt_dir, capsys):
+    main([str(tiny_opt_dir), "--prompt", "A", "--max-new-tokens", "8", "--top-p", "0.9", "--seed", "7"])
+    got = capsys.readouterr().out
+    model, _ = load_model(tiny_opt_dir)
+    tok = TextTokenizer.from_pretrained(tiny_opt_dir)
+    ids = generate(model, [tok.encode("A")], 8, temperature=1.0, top_p=0.9, seed=7, eos_id=tok.eos_id)[0]
+    assert got == "A" + tok.decode(ids) + "\n"
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_opt_dir), "--prompt", "A", "--temperature", "0", "--top-p", "0.9"])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "temperature is 0" in err
+
+
+def test_long_prompt_fails_before_the_load_and_the_echo(tiny_opt_dir, capsys):
+    from dejavu.models.loader import load_config
+
+    limit = load_config(tiny_opt_dir).max_position_embeddings
+    with pytest.raises(SystemExit) as e:
+        main([str(tiny_opt_dir), "--prompt", "word " * limit])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and f"exceeds the model's {limit} positions" in err
+
+
+@pytest.mark.parametrize("alias,name", [("fp32", "float32"), ("bf16", "bfloat16"), ("half", "float16")])
+def test_dtype_aliases(alias, name):
+    assert build_parser().parse_args(["m", "--prompt", "x", "--dtype", alias]).dtype == name

@@ -1,0 +1,98 @@
+"""The argument vocabulary every dejavu console script shares. Imports no torch.
+
+Every CLI builds its parser here (`Parser`): usage errors are one line (`DejavuError`, exit
+2 through `cli_entry`), `--help` shows each default (read from the dataclass that owns it),
+`--version` prints the package version, and `--dtype`, `--device`, `-q/--quiet` and
+`--output-format` mean the same in every tool. Parsers live in modules that import no torch,
+so `--help` and argument errors answer in well under a second; torch is imported inside
+`main`, after the arguments were checked.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+from dejavu import __version__
+from dejavu.errors import DejavuError
+
+DTYPES = ("float16", "bfloat16", "float32")
+DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
+                 "float": "float32", **{d: d for d in DTYPES}}
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def canonical_dtype(name) -> str:
+    """float16 | bfloat16 | float32 for a name or alias (fp16, half, bf16, fp32, float)."""
+    dt = DTYPE_ALIASES.get(str(name).lower())
+    if dt is None:
+        raise DejavuError(f"--dtype must be one of {', '.join(DTYPES)} (or fp16, bf16, fp32); got {name!r}")
+    return dt
+
+
+def canonical_device(name) -> str:
+    """cpu | cuda | cuda:N (checked for form only; whether a GPU is there is checked at load)."""
+    d = str(name).lower()
+    if not _DEVICE.match(d):
+        raise DejavuError(f"--device must be cpu, cuda or cuda:N; got {name!r}")
+    return d
+
+
+def _dtype_arg(value) -> str:
+    try:
+        return canonical_dtype(value)
+    except DejavuError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(DTYPES)} (or fp16, bf16, fp32)") from None
+
+
+def _device_arg(value) -> str:
+    try:
+        return canonical_device(value)
+    except DejavuError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not cpu, cuda or cuda:N") from None
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help unless the default is None/False or already said."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or "(default" in text or not action.option_strings:
+            return text
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (a DejavuError: exit 2 through `cli_entry`) and --version."""
+
+    def __init__(self, prog: str, description: str, **kw):
+        super().__init__(prog=prog, description=description, formatter_class=HelpFormatter, **kw)
+        self.add_argument("--version", action="version", version=f"%(prog)s (dejavu) {__version__}",
+                          help="print the version and exit")
+
+    def error(self, message):
+        raise DejavuError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def add_dtype(p: argparse.ArgumentParser, default, help: str) -> None:
+    p.add_argument("--dtype", type=_dtype_arg, default=default,
+                   metavar="{float16,bfloat16,float32}", help=f"{help}; aliases fp16, bf16, fp32")
+
+
+def add_device(p: argparse.ArgumentParser, default, help: str = "where to run: cpu | cuda | cuda:N") -> None:
+    p.add_argument("--device", type=_device_arg, default=default,
+                   metavar="{cpu,cuda[:N]}", help=help)
+
+
+def add_quiet(p: argparse.ArgumentParser, help: str = "no progress bars or progress lines") -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help=help)
+
+
+def add_output_format(p: argparse.ArgumentParser, choices: tuple[str, ...], help: str) -> None:
+    p.add_argument("--output-format", choices=choices, default=choices[0], help=help)
+
+
+def comma_list(values) -> list[str]:
+    """['a,b', 'c'] -> ['a', 'b', 'c'] (empty items dropped)."""
+    return [v.strip() for item in values or [] for v in str(item).split(",") if v.strip()]

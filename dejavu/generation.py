@@ -1,0 +1,54 @@
+"""Generation defaults shared by the API (`Engine.generate`, `models.generate.generate`) and the
+CLIs (`dejavu-run`, `dejavu-generate`), and their checks. No torch import: the CLIs check
+sampling values before they import torch or load a model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dejavu.errors import DejavuError
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The one place for generation defaults (API keyword defaults and CLI defaults)."""
+
+    max_new_tokens: int = 64
+    # None: greedy, unless top_k / top_p ask for sampling, then 1.0 (as vLLM, whose temperature
+    # defaults to 1.0). An explicit 0 with top_k / top_p is an error, never silently greedy.
+    temperature: float | None = None
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int | None = None
+
+
+GENERATION = GenerationSettings()
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """Reject settings that have no meaning (one-line DejavuError)."""
+    if not temperature >= 0.0:
+        raise DejavuError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise DejavuError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise DejavuError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def resolve_temperature(temperature: float | None, top_k: int = 0, top_p: float = 1.0) -> float:
+    """The temperature to sample with: None -> 0 (greedy), or 1.0 when top_k / top_p are set.
+
+    temperature 0 with top_k > 0 or top_p < 1 is a DejavuError: greedy decoding ignores both,
+    and a user who asked for them wants sampling."""
+    sampling = top_k > 0 or top_p < 1.0
+    t = (1.0 if sampling else 0.0) if temperature is None else float(temperature)
+    check_sampling(t, top_k, top_p)
+    if t == 0.0 and sampling:
+        raise DejavuError(f"top_k={top_k} / top_p={top_p} need sampling, but temperature is 0 (greedy); "
+                          "give a temperature > 0, or leave it unset for 1.0")
+    return t
+
+
+def check_max_new_tokens(n: int, minimum: int = 0, name: str = "max_new_tokens") -> int:
+    if type(n) is not int or n < minimum:
+        raise DejavuError(f"{name} must be an integer >= {minimum}, got {n!r}")
+    return n
