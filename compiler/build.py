@@ -381,10 +381,13 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         mlp_k, attn_k = resolve_k(cfg, config, (info["curves"] or None) if info else None)
     header = make_header(model_name_or_path, cfg, config, target, info, mlp_k, attn_k,
                          _tokenizer_json(folder, tokenizer))
-    parts = state.parts("shell")
-    for l in range(cfg.num_hidden_layers):
-        parts.update(state.parts(f"layer_{l:05d}", prefix="layers."))
+    if onnx_out is not None:
+        with stages("export ONNX + passes"):
+            onnx_report = _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
     state_bytes = state.nbytes()
+    parts = state.parts("shell", consume=True)
+    for l in range(cfg.num_hidden_layers):
+        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=True))
     with stages("write engine"):
         if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path (whole engine in memory)
             from dejavu.compiler.tensor_parallel import write_shards
@@ -394,9 +397,6 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
             out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
         else:
             size = write_engine_parts(out, header, parts)
-    if onnx_out is not None:
-        with stages("export ONNX + passes"):
-            onnx_report = _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
     state.remove()
     n_pred = sum(p.nbytes for n, p in parts.items() if ".pred_" in n)
     summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred,

@@ -166,13 +166,19 @@ class BuildState:
     def part_info(self, part: str) -> dict:
         return json.loads((self.folder / f"{part}.json").read_text())
 
-    def parts(self, part: str, prefix: str = "") -> dict[str, TensorPart]:
-        """The spilled tensors whose names start with `prefix`, as engine-writer parts."""
-        path, out = self.folder / f"{part}.bin", {}
-        for name, e in self.part_info(part)["tensors"].items():
-            if name.startswith(prefix):
-                out[name] = TensorPart(getattr(torch, e["dtype"]), e["shape"],
-                                       lambda p=path, o=e["offset"], n=e["nbytes"]: _read_range(p, o, n))
+    def parts(self, part: str, prefix: str = "", consume: bool = False) -> dict[str, TensorPart]:
+        """The spilled tensors whose names start with `prefix`, as engine-writer parts.
+
+        consume: the part's file is deleted once its last tensor (in name order, the order
+        the engine is written in) has been read, so the state and the engine do not both
+        hold the whole model on disk; a build killed then starts afresh."""
+        path, out, index = self.folder / f"{part}.bin", {}, self.part_info(part)["tensors"]
+        names = sorted(n for n in index if n.startswith(prefix))
+        for name in names:
+            e = index[name]
+            last = consume and name == names[-1]
+            out[name] = TensorPart(getattr(torch, e["dtype"]), e["shape"],
+                                   lambda p=path, o=e["offset"], n=e["nbytes"], d=last: _read_range(p, o, n, d))
         return out
 
     def tensors(self, part: str, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -210,7 +216,7 @@ class BuildState:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _read_range(path: Path, offset: int, nbytes: int):
+def _read_range(path: Path, offset: int, nbytes: int, delete_after: bool = False):
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -222,6 +228,9 @@ def _read_range(path: Path, offset: int, nbytes: int):
                 yield chunk
     except OSError as e:
         raise DejavuError(f"cannot read build state {path}: {e.strerror or e}") from None
+    if delete_after:
+        (path.parent / "progress.json").unlink(missing_ok=True)  # the state is no longer whole
+        path.unlink()
 
 
 def predictor_input_of(l: int, rec: dict, prev: torch.Tensor | None, source: str, lookahead: int):
