@@ -3,7 +3,7 @@
 For each shape: writes a random-weight checkpoint of the real OPT dimensions (Hugging Face
 layout, sharded fp16 safetensors + index, opt-mini's tokenizer files), runs the real CLI
 (`python -m dejavu.compiler.cli`) in a child process and records the child's peak resident
-set (ru_maxrss from wait4), the summary's stage seconds and peak GPU memory, engine bytes and
+set (VmHWM, from the summary; wait4's ru_maxrss too), the summary's stage seconds and peak GPU memory, engine bytes and
 the build state's bytes. Writes OUT/compile_scale.json (raw), OUT/compile_scale.md (table)
 and OUT/compile_scale.png (matplotlib, when installed). Asserts nothing.
 
@@ -108,7 +108,7 @@ def run_child(cmd: list[str], log: Path) -> dict:
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
         _, status, ru = os.wait4(p.pid, 0)
     return {"rc": os.waitstatus_to_exitcode(status), "wall_s": round(time.perf_counter() - t0, 2),
-            "peak_rss_bytes": ru.ru_maxrss * 1024}
+            "child_ru_maxrss_bytes": ru.ru_maxrss * 1024}
 
 
 def layer_bound(name: str, calib_tokens: int, predictors: bool) -> dict:
@@ -134,7 +134,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-predictors", action="store_true", help="dense engines (density 1.0): layout only")
     ap.add_argument("--decode-tokens", type=int, default=0, help="then decode this many tokens from the engine")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and engines")
+    ap.add_argument("--write-checkpoint", nargs=2, metavar=("SHAPE", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.write_checkpoint:
+        write_checkpoint(args.write_checkpoint[0], Path(args.write_checkpoint[1]))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out / "work"
@@ -143,8 +147,12 @@ def main(argv=None) -> int:
     rows = json.loads(jpath.read_text())["runs"] if jpath.is_file() else []
     for name in args.shapes.split(","):
         ckpt, engine, summary = work / f"opt-{name}-random", work / f"opt-{name}.engine", out / f"summary-{name}.json"
-        t0 = time.perf_counter()
-        ckpt_bytes = write_checkpoint(name, ckpt)
+        t0 = time.perf_counter()  # in a child: this process stays small (a child's ru_maxrss
+        # starts from its parent's resident set at fork)
+        w = run_child([sys.executable, __file__, "--write-checkpoint", name, str(ckpt)], out / f"write-{name}.log")
+        if w["rc"]:
+            raise SystemExit(f"writing the {name} checkpoint failed: {out / f'write-{name}.log'}")
+        ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         write_s = round(time.perf_counter() - t0, 1)
         cmd = [sys.executable, "-m", "dejavu.compiler.cli", str(ckpt), "-o", str(engine), "-q",
                "--device", args.device, "--summary-json", str(summary)]
@@ -160,7 +168,7 @@ def main(argv=None) -> int:
                "calib_tokens": None if args.no_predictors else args.calib_tokens,
                "predictor_epochs": None if args.no_predictors else args.predictor_epochs,
                "checkpoint_bytes": ckpt_bytes, "checkpoint_write_s": write_s, "command": " ".join(cmd[1:]),
-               **child, "engine_bytes": s.get("engine_bytes"), "build_state_bytes": s.get("build_state_bytes"),
+               **child, "peak_host_bytes": s.get("peak_host_bytes"), "engine_bytes": s.get("engine_bytes"), "build_state_bytes": s.get("build_state_bytes"),
                "peak_gpu_bytes": s.get("peak_gpu_bytes"), "stage_seconds": s.get("stage_seconds"),
                "total_seconds": s.get("total_seconds"),
                **layer_bound(name, args.calib_tokens, not args.no_predictors),
@@ -173,7 +181,8 @@ def main(argv=None) -> int:
         rows = [r for r in rows if not (r["shape"] == row["shape"] and r["device"] == row["device"]
                                         and r["predictors"] == row["predictors"])] + [row]
         jpath.write_text(json.dumps({"runs": rows}, indent=1))
-        print(json.dumps({k: row[k] for k in ("shape", "rc", "wall_s", "peak_rss_bytes", "bound_bytes")}),
+        print(json.dumps({k: row[k] for k in ("shape", "rc", "wall_s", "peak_host_bytes", "child_ru_maxrss_bytes",
+                                               "bound_bytes")}),
               flush=True)
         if not args.keep:
             engine.unlink(missing_ok=True)
@@ -191,7 +200,7 @@ def write_table(rows: list[dict], out: Path) -> None:
         st = ", ".join(f"{k} {v:.0f}" for k, v in (r.get("stage_seconds") or {}).items())
         pred = f"yes ({r['calib_tokens']}, {r['predictor_epochs']})" if r["predictors"] else "no (dense)"
         lines.append(f"| {r['shape']} | {r['device']} | {pred} | {gb(r['checkpoint_bytes'])} | "
-                     f"{gb(r['peak_rss_bytes'])} | {gb(r['bound_bytes'])} | {gb(r['peak_gpu_bytes'])} | "
+                     f"{gb(r['peak_host_bytes'])} | {gb(r['bound_bytes'])} | {gb(r['peak_gpu_bytes'])} | "
                      f"{gb(r['engine_bytes'])} | {gb(r['build_state_bytes'])} | {r['wall_s']:.0f} | {st} |")
     (out / "compile_scale.md").write_text("\n".join(lines) + "\n")
     try:
@@ -206,7 +215,7 @@ def write_table(rows: list[dict], out: Path) -> None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     x = [r["checkpoint_bytes"] / 2**30 for r in ok]
-    a1.plot(x, [r["peak_rss_bytes"] / 2**30 for r in ok], "o-", label="peak host (measured)")
+    a1.plot(x, [r["peak_host_bytes"] / 2**30 for r in ok], "o-", label="peak host (VmHWM, measured)")
     a1.plot(x, [r["bound_bytes"] / 2**30 for r in ok], "s--", label="bound: 2 x layer + calib + 1 GiB")
     a1.set_xlabel("checkpoint GiB (fp16)")
     a1.set_ylabel("GiB")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -263,10 +264,18 @@ def layer_tensors(layer, l: int, cfg, dtype, pm: dict | None, pa: dict | None) -
 
 
 def rss_peak_bytes() -> int:
-    """This process's peak resident set (Linux reports KiB)."""
+    """This process's peak resident set: VmHWM of /proc/self/status on Linux (the high-water
+    mark of this process image; getrusage's ru_maxrss also counts the parent's resident set
+    at fork time), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def gpu_peak_bytes(device: str) -> int | None:
