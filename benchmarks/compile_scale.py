@@ -101,14 +101,23 @@ def write_checkpoint(name: str, folder: Path, shard_bytes: int = 2 << 30, seed: 
     return total
 
 
-def run_child(cmd: list[str], log: Path) -> dict:
-    """Run cmd; its wall seconds, exit status and peak RSS (bytes, from wait4)."""
+def run_child(cmd: list[str], log: Path, timeout: float | None = None) -> dict:
+    """Run cmd; its wall seconds, exit status and peak RSS (bytes, from wait4). Past `timeout`
+    seconds the child is killed (SIGKILL) and `timed_out` is set."""
     t0 = time.perf_counter()
+    timed_out = False
     with open(log, "w") as fh:
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
-        _, status, ru = os.wait4(p.pid, 0)
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if timeout is not None and time.perf_counter() - t0 > timeout and not timed_out:
+                p.kill()
+                timed_out = True
+            time.sleep(0.5)
     return {"rc": os.waitstatus_to_exitcode(status), "wall_s": round(time.perf_counter() - t0, 2),
-            "child_ru_maxrss_bytes": ru.ru_maxrss * 1024}
+            "child_ru_maxrss_bytes": ru.ru_maxrss * 1024, "timed_out": timed_out}
 
 
 def layer_bound(name: str, calib_tokens: int, predictors: bool) -> dict:
@@ -125,7 +134,7 @@ def layer_bound(name: str, calib_tokens: int, predictors: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="125m,1.3b", help=f"comma list of {', '.join(SHAPES)}")
-    ap.add_argument("--out", required=True, help="folder for the JSON, table and plot")
+    ap.add_argument("--out", help="folder for the JSON, table and plot (required)")
     ap.add_argument("--work", default=None, help="folder for checkpoints and engines (default OUT/work)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--density", default="0.3")
@@ -133,12 +142,16 @@ def main(argv=None) -> int:
     ap.add_argument("--predictor-epochs", type=int, default=1)
     ap.add_argument("--no-predictors", action="store_true", help="dense engines (density 1.0): layout only")
     ap.add_argument("--decode-tokens", type=int, default=0, help="then decode this many tokens from the engine")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="kill a build after this many seconds (records the layers done and the peak so far)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and engines")
     ap.add_argument("--write-checkpoint", nargs=2, metavar=("SHAPE", "FOLDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.write_checkpoint:
         write_checkpoint(args.write_checkpoint[0], Path(args.write_checkpoint[1]))
         return 0
+    if not args.out:
+        ap.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out / "work"
@@ -161,7 +174,11 @@ def main(argv=None) -> int:
         else:
             cmd += ["--density", args.density, "--calib-tokens", str(args.calib_tokens),
                     "--predictor-epochs", str(args.predictor_epochs)]
-        child = run_child(cmd, out / f"compile-{name}.log")
+        child = run_child(cmd, out / f"compile-{name}.log", args.timeout)
+        if child["timed_out"]:  # the layers finished before the kill, from the build state
+            prog = engine.parent / f".{engine.name}.build" / "progress.json"
+            child["layers_done"] = json.loads(prog.read_text())["layers_done"] if prog.is_file() else 0
+            shutil.rmtree(prog.parent, ignore_errors=True)
         s = json.loads(summary.read_text()) if child["rc"] == 0 else {}
         row = {"shape": name, "dims": dict(zip(("hidden", "layers", "heads", "ffn"), SHAPES[name])),
                "device": args.device, "predictors": not args.no_predictors,
@@ -200,8 +217,10 @@ def write_table(rows: list[dict], out: Path) -> None:
         st = ", ".join(f"{k} {v:.0f}" for k, v in (r.get("stage_seconds") or {}).items())
         pred = f"yes ({r['calib_tokens']}, {r['predictor_epochs']})" if r["predictors"] else "no (dense)"
         lines.append(f"| {r['shape']} | {r['device']} | {pred} | {gb(r['checkpoint_bytes'])} | "
-                     f"{gb(r['peak_host_bytes'])} | {gb(r['bound_bytes'])} | {gb(r['peak_gpu_bytes'])} | "
-                     f"{gb(r['engine_bytes'])} | {gb(r['build_state_bytes'])} | {r['wall_s']:.0f} | {st} |")
+                     f"{gb(r['peak_host_bytes'] or r['child_ru_maxrss_bytes'])} | {gb(r['bound_bytes'])} | {gb(r['peak_gpu_bytes'])} | "
+                     f"{gb(r['engine_bytes'])} | {gb(r['build_state_bytes'])} | {r['wall_s']:.0f}"
+                     f"{' (killed after %d of %d layers)' % (r['layers_done'], r['dims']['layers']) if r.get('timed_out') else ''}"
+                     f" | {st} |")
     (out / "compile_scale.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -210,7 +229,7 @@ def write_table(rows: list[dict], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    ok = [r for r in rows if r["rc"] == 0]
+    ok = [r for r in rows if r["rc"] == 0 and r.get("peak_host_bytes")]
     if not ok:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))

@@ -37,6 +37,9 @@ class BuildConfig:
     mlp_density: float | None = None  # overrides density for the MLP
     attn_density: float | None = None  # overrides density for attention heads
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
+    # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
+    # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
+    compute_dtype: str = "float32"
     device: str = "cpu"  # where calibration and predictor training run; the engine's target
     calib: str | None = CalibSettings.corpus  # corpus: text file, .jsonl, folder, hf:NAME; None = shipped
     calib_tokens: int = CalibSettings.calib_tokens
@@ -65,6 +68,10 @@ class BuildConfig:
         if dt is None:
             raise DejavuError(f"--dtype must be one of float16, bfloat16, float32; got {self.dtype!r}")
         self.dtype = dt
+        cdt = _DTYPE_ALIASES.get(str(self.compute_dtype).lower())
+        if cdt is None:
+            raise DejavuError(f"--compute-dtype must be one of float32, float16, bfloat16; got {self.compute_dtype!r}")
+        self.compute_dtype = cdt
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp"):
@@ -261,7 +268,7 @@ def _state_key(ckpt, config: BuildConfig, calib, predictors) -> dict:
             h.update(name.encode() + t.detach().float().cpu().numpy().tobytes())
         given = h.hexdigest()
     return {"config": ckpt.cfg.to_hf_dict(), "files": file_fingerprint(ckpt.files), "dtype": config.dtype,
-            "device": config.device, "given_predictors": given,
+            "device": config.device, "compute_dtype": config.compute_dtype, "given_predictors": given,
             "calibration": None if calib is None else {**calib["header"], "batch": CalibSettings.batch_size},
             "training": None if calib is None else dataclasses.asdict(_predictor_settings(config))}
 
@@ -269,13 +276,14 @@ def _state_key(ckpt, config: BuildConfig, calib, predictors) -> dict:
 def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress: bool, stages) -> None:
     """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
     memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
-    from dejavu.compiler.layout import shell_layout
+    from dejavu.compiler.layout import layer_layout, shell_layout
     from dejavu.compiler.predictors import default_ranks, holdout_split, train_layer
-    from dejavu.compiler.stream import (embed_tokens, layer_tensors, predictor_input_of, records_needed,
+    from dejavu.compiler.stream import (embed_tokens, predictor_input_of, predictor_tensors, records_needed,
                                         run_layer)
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
 
     cfg, dtype, dev = ckpt.cfg, DTYPE_NAMES[config.dtype], torch.device(config.device)
+    cdt = DTYPE_NAMES[config.compute_dtype]
     L, done = cfg.num_hidden_layers, state.layers_done
     x = prev = None
     if calib is not None:
@@ -291,13 +299,15 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
             dec = load_decoder_shell(ckpt, torch.float32, dev)
             state.save_part("shell", shell_layout(dec, cfg, dtype), {})
             if calib is not None:
-                x = embed_tokens(dec, calib["ids"], calib["batches"], torch.float32, dev)
+                x = embed_tokens(dec, calib["ids"], calib["batches"], torch.float32, dev).to(cdt)
             del dec
     elif calib is not None:
         carry = state.load_carry(done, dev)
         x, prev = carry["hidden"], carry.get("prev")
         gen.set_state(carry["gen"].cpu())
-    it = iter_decoder_layers(ckpt, torch.float32, dev, start=done)
+    # fp32 compute reads the layers in fp32; a half compute dtype reads them as stored, takes the
+    # layout from those (exact) weights, then casts the layer in place for the forward.
+    it = iter_decoder_layers(ckpt, torch.float32 if cdt == torch.float32 else None, dev, start=done)
     while True:
         t0 = time.perf_counter()
         with stages("load layers"):
@@ -306,9 +316,11 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
             break
         pm = pa = None
         info = {}
+        with stages("kernel layout"):
+            tensors = layer_layout(layer, l, cfg, dtype)
         if calib is not None:
             with stages("calibrate"):
-                rec = run_layer(layer, x, calib["batches"], cfg, records_needed(l, src, la))
+                rec = run_layer(layer.to(cdt), x, calib["batches"], cfg, records_needed(l, src, la))
             with stages("train predictors"):
                 xin = predictor_input_of(l, rec, prev, src, la).to(ps.device).float()
                 pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device),
@@ -318,9 +330,10 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                 del rec, xin
         elif predictors is not None:
             pm, pa = predictors.mlp[l], predictors.attn[l]
+        del layer
         with stages("kernel layout"):
-            state.save_part(f"layer_{l:05d}", layer_tensors(layer, l, cfg, dtype, pm, pa), info)
-            del layer
+            state.save_part(f"layer_{l:05d}", {**tensors, **predictor_tensors(l, dtype, pm, pa)}, info)
+            del tensors
             carry = {} if calib is None else {"hidden": x, "gen": gen.get_state(),
                                               **({"prev": prev} if prev is not None else {})}
             state.save_carry(l + 1, carry)

@@ -38,6 +38,8 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-window", type=int, default=_default("calib_window"))
     p.add_argument("--dtype", default=_default("dtype"), help="engine dtype: float16 | bfloat16 | float32")
     p.add_argument("--device", default=_default("device"), help="cpu | cuda[:N] (calibration, training, target)")
+    p.add_argument("--compute-dtype", default=_default("compute_dtype"),
+                   help="calibration forward dtype: float32 | float16 | bfloat16 (half: less device memory)")
     p.add_argument("--mlp-rank", type=int, default=_default("mlp_rank"))
     p.add_argument("--attn-rank", type=int, default=_default("attn_rank"))
     p.add_argument("--predictor-source", default=_default("predictor_source"), choices=["attn_in", "mlp_in"])

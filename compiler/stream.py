@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dejavu.compiler.layout import layer_layout
 from dejavu.engine_file import TensorPart
 from dejavu.errors import DejavuError
 from dejavu.fileio import atomic_path
@@ -249,10 +248,10 @@ def records_needed(l: int, source: str, lookahead: int) -> tuple[str, ...]:
     return tuple(sorted(need))
 
 
-def layer_tensors(layer, l: int, cfg, dtype, pm: dict | None, pa: dict | None) -> dict[str, torch.Tensor]:
-    """Layer l's engine tensors (kernel layout + predictors in the engine dtype) and its fp32
-    predictors under `fp32.` (kept for --onnx-out, never written to the engine)."""
-    out = layer_layout(layer, l, cfg, dtype)
+def predictor_tensors(l: int, dtype, pm: dict | None, pa: dict | None) -> dict[str, torch.Tensor]:
+    """Layer l's predictors in the engine dtype, and in fp32 under `fp32.` (kept for --onnx-out,
+    never written to the engine)."""
+    out = {}
     for kind, p in (("pred_mlp", pm), ("pred_attn", pa)):
         if p is None:
             continue

@@ -220,21 +220,24 @@ class Checkpoint:
                     raise DejavuError(f"{path}: cannot read tensor {key!r} ({_first_line(e)})") from None
                 yield key, t
 
-    def load_into(self, module: torch.nn.Module, prefix: str, dtype: torch.dtype, device) -> torch.nn.Module:
-        """Fill `module` (built on meta) from the keys under `prefix`, cast to dtype on device."""
+    def load_into(self, module: torch.nn.Module, prefix: str, dtype: torch.dtype | None, device) -> torch.nn.Module:
+        """Fill `module` (built on meta) from the keys under `prefix`, cast to dtype (None: as
+        stored) on device."""
         names = [n for n, _ in module.state_dict().items()]
         state = {}
         for key, t in self.read(prefix + n for n in names):
             # One tensor at a time: the mapped page is read, cast and moved, then released.
-            state[key[len(prefix):]] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            state[key[len(prefix):]] = t.to(device=device, dtype=dt)
             del t
         module.load_state_dict(state, strict=True, assign=True)
         return module.eval()
 
 
-def iter_decoder_layers(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu",
+def iter_decoder_layers(ckpt: Checkpoint, dtype: torch.dtype | None = torch.float32, device="cpu",
                         start: int = 0) -> Iterator[tuple[int, OPTDecoderLayer]]:
-    """(index, OPTDecoderLayer) for layers start..L-1, each read from the checkpoint when reached."""
+    """(index, OPTDecoderLayer) for layers start..L-1, each read from the checkpoint when reached
+    (dtype None: as stored)."""
     for l in range(start, ckpt.cfg.num_hidden_layers):
         with torch.device("meta"), _no_init():
             layer = OPTDecoderLayer(ckpt.cfg)
