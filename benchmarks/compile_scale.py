@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="folder for the JSON, table and plot (required)")
     ap.add_argument("--work", default=None, help="folder for checkpoints and engines (default OUT/work)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compute-dtype", default="float32", help="the build's --compute-dtype")
     ap.add_argument("--density", default="0.3")
     ap.add_argument("--calib-tokens", type=int, default=2048)
     ap.add_argument("--predictor-epochs", type=int, default=1)
@@ -169,16 +170,17 @@ def main(argv=None) -> int:
         write_s = round(time.perf_counter() - t0, 1)
         cmd = [sys.executable, "-m", "dejavu.compiler.cli", str(ckpt), "-o", str(engine), "-q",
                "--device", args.device, "--summary-json", str(summary)]
+        cmd += ["--compute-dtype", args.compute_dtype]
         if args.no_predictors:
             cmd += ["--density", "1.0", "--no-predictors"]
         else:
             cmd += ["--density", args.density, "--calib-tokens", str(args.calib_tokens),
                     "--predictor-epochs", str(args.predictor_epochs)]
         child = run_child(cmd, out / f"compile-{name}.log", args.timeout)
-        if child["timed_out"]:  # the layers finished before the kill, from the build state
+        if child["timed_out"]:  # the layers finished before the kill, from the build state (kept:
+            # the same command again resumes after them)
             prog = engine.parent / f".{engine.name}.build" / "progress.json"
             child["layers_done"] = json.loads(prog.read_text())["layers_done"] if prog.is_file() else 0
-            shutil.rmtree(prog.parent, ignore_errors=True)
         s = json.loads(summary.read_text()) if child["rc"] == 0 else {}
         row = {"shape": name, "dims": dict(zip(("hidden", "layers", "heads", "ffn"), SHAPES[name])),
                "device": args.device, "predictors": not args.no_predictors,
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
                "checkpoint_bytes": ckpt_bytes, "checkpoint_write_s": write_s, "command": " ".join(cmd[1:]),
                **child, "peak_host_bytes": s.get("peak_host_bytes"), "engine_bytes": s.get("engine_bytes"), "build_state_bytes": s.get("build_state_bytes"),
                "peak_gpu_bytes": s.get("peak_gpu_bytes"), "stage_seconds": s.get("stage_seconds"),
-               "total_seconds": s.get("total_seconds"),
+               "total_seconds": s.get("total_seconds"), "resumed_at_layer": s.get("resumed_at_layer"),
+               "compute_dtype": args.compute_dtype,
                **layer_bound(name, args.calib_tokens, not args.no_predictors),
                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": os.uname().nodename,
                "cpus": os.cpu_count()}
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: row[k] for k in ("shape", "rc", "wall_s", "peak_host_bytes", "child_ru_maxrss_bytes",
                                                "bound_bytes")}),
               flush=True)
-        if not args.keep:
+        if not args.keep and not child["timed_out"]:
             engine.unlink(missing_ok=True)
             if name not in ("125m",):
                 shutil.rmtree(ckpt, ignore_errors=True)
