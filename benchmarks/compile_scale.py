@@ -126,7 +126,7 @@ def layer_bound(name: str, calib_tokens: int, predictors: bool) -> dict:
     D, L, H, F = SHAPES[name]
     layer = 4 * (4 * D * D + 4 * D + 2 * D * F + F + D + 4 * D)
     shell = 4 * (VOCAB + POSITIONS + 2) * D
-    calib = calib_tokens * (4 * D + 4 * D + F + 4 * H) if predictors else 0
+    calib = calib_tokens * (12 * D + F + 4 * H) if predictors else 0  # = dejavu.compiler.stream.calib_bytes
     return {"largest_layer_fp32_bytes": max(layer, shell), "calib_bytes": calib,
             "bound_bytes": 2 * max(layer, shell) + calib + (1 << 30)}
 

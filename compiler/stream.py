@@ -284,8 +284,8 @@ def gpu_peak_bytes(device: str) -> int | None:
 
 
 def calib_bytes(n_tokens: int, cfg) -> int:
-    """Bytes of the per-layer calibration tensors on the build device (docs/compiler.md):
-    the carried residual (fp32) + two fp16 sources + the labels and head norms of one layer."""
+    """Bytes of the per-layer calibration tensors on the build device (docs/compiler.md): the
+    carried residual (fp32), this layer's and the previous layer's predictor source (fp16),
+    the fp32 copy the training reads, and one layer's labels (bool) and head norms (fp32)."""
     D, F, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
-    return n_tokens * (4 * D + 2 * 2 * D + F + 4 * H)
-
+    return n_tokens * (4 * D + 2 * 2 * D + 4 * D + F + 4 * H)
