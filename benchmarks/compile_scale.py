@@ -187,7 +187,8 @@ def main(argv=None) -> int:
                "calib_tokens": None if args.no_predictors else args.calib_tokens,
                "predictor_epochs": None if args.no_predictors else args.predictor_epochs,
                "checkpoint_bytes": ckpt_bytes, "checkpoint_write_s": write_s, "command": " ".join(cmd[1:]),
-               **child, "peak_host_bytes": s.get("peak_host_bytes"), "engine_bytes": s.get("engine_bytes"), "build_state_bytes": s.get("build_state_bytes"),
+               **child, "peak_host_bytes": s.get("peak_host_bytes"), "engine_bytes": s.get("engine_bytes"),
+               "build_state_bytes": s.get("build_state_bytes"),
                "peak_gpu_bytes": s.get("peak_gpu_bytes"), "stage_seconds": s.get("stage_seconds"),
                "total_seconds": s.get("total_seconds"), "resumed_at_layer": s.get("resumed_at_layer"),
                "compute_dtype": args.compute_dtype,
@@ -196,7 +197,8 @@ def main(argv=None) -> int:
                "cpus": os.cpu_count()}
         if child["rc"] == 0 and args.decode_tokens:
             row["decode"] = run_child([sys.executable, "-m", "dejavu.runtime.cli", str(engine), "--prompt",
-                                       "The", "--max-new-tokens", str(args.decode_tokens), "--device", args.device, "--stats"],
+                                       "The", "--max-new-tokens", str(args.decode_tokens), "--device", args.device,
+                                       "--stats"],
                                       out / f"decode-{name}.log")
         rows = [r for r in rows if not (r["shape"] == row["shape"] and r["device"] == row["device"]
                                         and r["predictors"] == row["predictors"])] + [row]
@@ -219,11 +221,11 @@ def write_table(rows: list[dict], out: Path) -> None:
     for r in rows:
         st = ", ".join(f"{k} {v:.0f}" for k, v in (r.get("stage_seconds") or {}).items())
         pred = f"yes ({r['calib_tokens']}, {r['predictor_epochs']})" if r["predictors"] else "no (dense)"
-        lines.append(f"| {r['shape']} | {r['device']} | {pred} | {gb(r['checkpoint_bytes'])} | "
-                     f"{gb(r['peak_host_bytes'] or r['child_ru_maxrss_bytes'])} | {gb(r['bound_bytes'])} | {gb(r['peak_gpu_bytes'])} | "
-                     f"{gb(r['engine_bytes'])} | {gb(r['build_state_bytes'])} | {r['wall_s']:.0f}"
-                     f"{' (killed after %d of %d layers)' % (r['layers_done'], r['dims']['layers']) if r.get('timed_out') else ''}"
-                     f" | {st} |")
+        killed = f" (killed after {r['layers_done']} of {r['dims']['layers']} layers)" if r.get("timed_out") else ""
+        peak = r["peak_host_bytes"] or r["child_ru_maxrss_bytes"]  # a killed build has no summary
+        lines.append(f"| {r['shape']} | {r['device']} | {pred} | {gb(r['checkpoint_bytes'])} | {gb(peak)} | "
+                     f"{gb(r['bound_bytes'])} | {gb(r['peak_gpu_bytes'])} | {gb(r['engine_bytes'])} | "
+                     f"{gb(r['build_state_bytes'])} | {r['wall_s']:.0f}{killed} | {st} |")
     (out / "compile_scale.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

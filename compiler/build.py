@@ -372,7 +372,7 @@ def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict 
 
 
 def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
-    from dejavu.compiler.stream import BuildState, calib_bytes, gpu_peak_bytes, rss_peak_bytes
+    from dejavu.compiler.stream import BuildState, calib_bytes, gpu_peak_bytes, in_memory, rss_peak_bytes
     from dejavu.engine_file import write_engine_parts
     from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
@@ -404,9 +404,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     with stages("write engine"):
         if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path (whole engine in memory)
             from dejavu.compiler.tensor_parallel import write_shards
-            tensors = {n: torch.frombuffer(bytearray(b"".join(p.chunks())), dtype=p.dtype).view(p.shape)
-                       for n, p in parts.items()}
-            size, files = write_shards(out, header, tensors, config.tp)
+            size, files = write_shards(out, header, in_memory(parts), config.tp)
             out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
         else:
             size = write_engine_parts(out, header, parts)

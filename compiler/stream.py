@@ -183,8 +183,7 @@ class BuildState:
 
     def tensors(self, part: str, prefix: str = "") -> dict[str, torch.Tensor]:
         """The spilled tensors in memory (for the whole-model paths: --tp, --onnx-out)."""
-        return {n: torch.frombuffer(bytearray(b"".join(p.chunks())), dtype=p.dtype).view(p.shape)
-                if p.nbytes else torch.empty(p.shape, dtype=p.dtype) for n, p in self.parts(part, prefix).items()}
+        return in_memory(self.parts(part, prefix))
 
     def save_carry(self, layers_done: int, carry: dict[str, torch.Tensor]) -> None:
         """The state after `layers_done` layers; then progress.json; then older carries go."""
@@ -214,6 +213,12 @@ class BuildState:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def in_memory(parts: dict[str, TensorPart]) -> dict[str, torch.Tensor]:
+    """Tensors from engine-writer parts (reads them whole)."""
+    return {n: torch.frombuffer(bytearray(b"".join(p.chunks())), dtype=p.dtype).view(p.shape)
+            if p.nbytes else torch.empty(p.shape, dtype=p.dtype) for n, p in parts.items()}
 
 
 def _read_range(path: Path, offset: int, nbytes: int, delete_after: bool = False):
