@@ -8,6 +8,7 @@ training, CPU-deterministic ops, no timestamps or absolute paths in the header).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from dejavu.cli_common import DTYPE_ALIASES as _DTYPE_ALIASES  # the one alias t
 from dejavu.compiler.calibrate import CalibSettings
 from dejavu.compiler.density import check_density
 from dejavu.compiler.predictors import DEFAULT_PREDICTOR_INPUT, PredictorSettings
-from dejavu.engine_file import DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION, write_engine
+from dejavu.engine_file import DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION
 from dejavu.errors import DejavuError
 
 
@@ -34,6 +35,9 @@ class BuildConfig:
     mlp_density: float | None = None  # overrides density for the MLP
     attn_density: float | None = None  # overrides density for attention heads
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
+    # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
+    # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
+    compute_dtype: str = "float32"
     device: str = "cpu"  # where calibration and predictor training run; the engine's target
     calib: str | None = CalibSettings.corpus  # corpus: text file, .jsonl, folder, hf:NAME; None = shipped
     calib_tokens: int = CalibSettings.calib_tokens
@@ -62,6 +66,10 @@ class BuildConfig:
         if dt is None:
             raise DejavuError(f"--dtype must be one of float16, bfloat16, float32; got {self.dtype!r}")
         self.dtype = dt
+        cdt = _DTYPE_ALIASES.get(str(self.compute_dtype).lower())
+        if cdt is None:
+            raise DejavuError(f"--compute-dtype must be one of float32, float16, bfloat16; got {self.compute_dtype!r}")
+        self.compute_dtype = cdt
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp"):
@@ -113,41 +121,7 @@ class BuildConfig:
         return cls.from_dict(d)
 
 
-# ------------------------------------------------------------------------------- layout
-
-def kernel_layout(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Dense weights in the engine's kernel layout (docs/ARCHITECTURE.md), cast to dtype.
-
-    Transforms run in fp32 before the cast (so the folded 1/sqrt(hd) rounds once)."""
-    cfg, dec = model.config, model.decoder
-    D, hd = cfg.hidden_size, cfg.head_dim
-    f = lambda t: t.detach().to(device="cpu", dtype=torch.float32)
-    bias = lambda lin, n: f(lin.bias) if lin.bias is not None else torch.zeros(n)
-    ln = lambda m: (f(m.weight) if m.weight is not None else torch.ones(D),
-                    f(m.bias) if m.bias is not None else torch.zeros(D))
-    out = {"embed_tokens": f(dec.embed_tokens.weight), "embed_positions": f(dec.embed_positions.weight)}
-    if dec.project_in is not None:
-        out["project_in"] = f(dec.project_in.weight)  # [D, E]
-        out["project_out"] = f(dec.project_out.weight)  # [E, D]
-    if dec.final_layer_norm is not None:
-        out["final_ln.weight"], out["final_ln.bias"] = ln(dec.final_layer_norm)
-    scale = hd**-0.5
-    for l, layer in enumerate(dec.layers):
-        p, a = f"layers.{l}.", layer.self_attn
-        out[p + "ln_attn.weight"], out[p + "ln_attn.bias"] = ln(layer.self_attn_layer_norm)
-        out[p + "ln_mlp.weight"], out[p + "ln_mlp.bias"] = ln(layer.final_layer_norm)
-        out[p + "attn.wq"] = f(a.q_proj.weight) * scale
-        out[p + "attn.bq"] = bias(a.q_proj, D) * scale
-        out[p + "attn.wkv"] = torch.cat([f(a.k_proj.weight), f(a.v_proj.weight)])  # [2D, D]
-        out[p + "attn.bkv"] = torch.cat([bias(a.k_proj, D), bias(a.v_proj, D)])
-        out[p + "attn.wo_t"] = f(a.out_proj.weight).T
-        out[p + "attn.bo"] = bias(a.out_proj, D)
-        out[p + "mlp.w1"] = f(layer.fc1.weight)  # [F, D]
-        out[p + "mlp.b1"] = bias(layer.fc1, cfg.ffn_dim)
-        out[p + "mlp.w2_t"] = f(layer.fc2.weight).T  # [F, D]
-        out[p + "mlp.b2"] = bias(layer.fc2, D)
-    return {k: v.to(dtype).contiguous() for k, v in out.items()}
-
+# ------------------------------------------------------------------------------- target
 
 def target_info(device: str) -> dict:
     """The target device, its architecture (sm_XY on CUDA) and the kernels' settings."""
@@ -169,7 +143,8 @@ def target_info(device: str) -> dict:
 # ------------------------------------------------------------------------------- stages
 
 class _Stages:
-    """Times each stage and prints one line per stage to stderr when progress is on."""
+    """Sums the seconds of each stage (a stage recurs once per layer) and prints a line on a
+    stage's first entry to stderr when progress is on."""
 
     def __init__(self, progress: bool):
         self.progress, self.times, self._t = progress, {}, None
@@ -179,12 +154,13 @@ class _Stages:
         return self
 
     def __enter__(self):
-        if self.progress:
+        if self.progress and self._name not in self.times:
             print(f"[dejavu-compile] {self._name} ...", file=sys.stderr, flush=True)
+        self.times.setdefault(self._name, 0.0)
         self._t = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.times[self._name] = round(time.perf_counter() - self._t, 3)
+        self.times[self._name] = round(self.times[self._name] + time.perf_counter() - self._t, 3)
 
 
 def _tokenizer_json(folder: Path, tokenizer) -> str:
@@ -244,28 +220,6 @@ def _corpus_name(corpus) -> str | None:
         return str(corpus)
 
 
-def train_stage(model, tokenizer, model_id: str, config: BuildConfig, progress: bool, stages: _Stages):
-    """Calibrate (cached) and train predictors; returns the `Predictors`."""
-    from dejavu.compiler.calibrate import calibrate
-    from dejavu.compiler.predictors import train_predictors
-
-    with stages("calibrate"):
-        cal = calibrate(model, tokenizer, CalibSettings(calib_tokens=config.calib_tokens,
-                                                        window=config.calib_window, corpus=config.calib),
-                        model_id=model_id, progress=progress)
-    with stages("train predictors"):
-        ps = PredictorSettings(mlp_rank=config.mlp_rank, attn_rank=config.attn_rank,
-                               source=config.predictor_source, lookahead=config.predictor_lookahead,
-                               max_epochs=config.predictor_epochs, seed=config.seed, device=config.device,
-                               report_density=config.density)
-        torch.manual_seed(config.seed)
-        predictors = train_predictors(cal, ps, progress=progress)
-    predictors.metrics["calibration"] = {"corpus": _corpus_name(cal.manifest.get("corpus")), "n_tokens": cal.n_tokens,
-                                         "window": cal.window,
-                                         "tokens_fingerprint": cal.manifest.get("tokens_fingerprint")}
-    return predictors
-
-
 def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=None, progress: bool = True,
                  predictors=None) -> dict:
     """Build `out_path` (.engine) from a model folder / preset / hub id; return a summary dict.
@@ -291,66 +245,221 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
         torch.use_deterministic_algorithms(was_deterministic)
 
 
-def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
+def _calibration(tokenizer, cfg, config: BuildConfig) -> dict:
+    """The calibration token stream and how it is cut into windows and forward batches."""
+    from dejavu.compiler.stream import calib_batches
+    from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
+
+    window = min(config.calib_window, cfg.max_position_embeddings)
+    if window < 2:
+        raise DejavuError(f"calibration window must be at least 2 tokens, got {window}")
+    ids, corpus = corpus_tokens(tokenizer, config.calib, config.calib_tokens, bos_id=cfg.bos_token_id)
+    return {"ids": ids, "window": window, "n_windows": -(-len(ids) // window),
+            "batches": calib_batches(len(ids), window, CalibSettings.batch_size),
+            "header": {"corpus": _corpus_name(corpus), "n_tokens": int(len(ids)), "window": window,
+                       "tokens_fingerprint": fingerprint_tokens(ids)}}
+
+
+def _predictor_settings(config: BuildConfig) -> PredictorSettings:
+    return PredictorSettings(mlp_rank=config.mlp_rank, attn_rank=config.attn_rank, source=config.predictor_source,
+                             lookahead=config.predictor_lookahead, max_epochs=config.predictor_epochs,
+                             seed=config.seed, device=config.device, report_density=config.density)
+
+
+def _state_key(ckpt, config: BuildConfig, calib, predictors) -> dict:
+    """Every input that changes a layer's bytes (density enters through the report K that
+    early stopping reads); not the per-layer K, which lives in the header."""
+    from dejavu.compiler.stream import file_fingerprint
+
+    given = None
+    if predictors is not None:
+        h = hashlib.sha256()
+        for name, t in sorted(predictors.state_dict().items()):
+            h.update(name.encode() + t.detach().float().cpu().numpy().tobytes())
+        given = h.hexdigest()
+    return {"config": ckpt.cfg.to_hf_dict(), "files": file_fingerprint(ckpt.files), "dtype": config.dtype,
+            "device": config.device, "compute_dtype": config.compute_dtype, "given_predictors": given,
+            "calibration": None if calib is None else {**calib["header"], "batch": CalibSettings.batch_size},
+            "training": None if calib is None else dataclasses.asdict(_predictor_settings(config))}
+
+
+def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress: bool, stages) -> None:
+    """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
+    memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
+    from dejavu.compiler.layout import layer_layout, shell_layout
+    from dejavu.compiler.predictors import default_ranks, holdout_split, train_layer
+    from dejavu.compiler.stream import (embed_tokens, predictor_input_of, predictor_tensors, records_needed,
+                                        run_layer)
+    from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
+
+    cfg, dtype, dev = ckpt.cfg, DTYPE_NAMES[config.dtype], torch.device(config.device)
+    cdt = DTYPE_NAMES[config.compute_dtype]
+    L, done = cfg.num_hidden_layers, state.layers_done
+    x = prev = None
+    if calib is not None:
+        ps = _predictor_settings(config)
+        src, la = ps.source, ps.lookahead
+        ranks = default_ranks(cfg, ps)
+        report_k = (max(1, round(ps.report_density * cfg.ffn_dim)), max(1, round(ps.report_density *
+                                                                                 cfg.num_attention_heads)))
+        split = holdout_split(len(calib["ids"]), calib["n_windows"], calib["window"], ps)
+        gen = torch.Generator().manual_seed(ps.seed)
+    if done == 0:
+        with stages("embeddings"):
+            dec = load_decoder_shell(ckpt, torch.float32, dev)
+            state.save_part("shell", shell_layout(dec, cfg, dtype), {})
+            if calib is not None:
+                x = embed_tokens(dec, calib["ids"], calib["batches"], torch.float32, dev).to(cdt)
+            del dec
+    elif calib is not None:
+        carry = state.load_carry(done, dev)
+        x, prev = carry["hidden"], carry.get("prev")
+        gen.set_state(carry["gen"].cpu())
+    # fp32 compute reads the layers in fp32; a half compute dtype reads them as stored, takes the
+    # layout from those (exact) weights, then casts the layer in place for the forward.
+    it = iter_decoder_layers(ckpt, torch.float32 if cdt == torch.float32 else None, dev, start=done)
+    while True:
+        t0 = time.perf_counter()
+        with stages("load layers"):
+            l, layer = next(it, (None, None))
+        if layer is None:
+            break
+        pm = pa = None
+        info = {}
+        with stages("kernel layout"):
+            tensors = layer_layout(layer, l, cfg, dtype)
+        if calib is not None:
+            with stages("calibrate"):
+                rec = run_layer(layer.to(cdt), x, calib["batches"], cfg, records_needed(l, src, la))
+            with stages("train predictors"):
+                xin = predictor_input_of(l, rec, prev, src, la).to(ps.device).float()
+                pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device),
+                                                  rec["head_norm"].to(ps.device), split, ranks, report_k, ps, gen)
+                info = {"metrics": row, "curves": {k: v.tolist() for k, v in curves.items()}}
+                prev = rec.get(src) if la else None
+                del rec, xin
+        elif predictors is not None:
+            pm, pa = predictors.mlp[l], predictors.attn[l]
+        del layer
+        with stages("kernel layout"):
+            state.save_part(f"layer_{l:05d}", {**tensors, **predictor_tensors(l, dtype, pm, pa)}, info)
+            del tensors
+            carry = {} if calib is None else {"hidden": x, "gen": gen.get_state(),
+                                              **({"prev": prev} if prev is not None else {})}
+            state.save_carry(l + 1, carry)
+        if progress:
+            print(f"[dejavu-compile] layer {l + 1}/{L} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr,
+                  flush=True)
+
+
+def resolve_k(cfg, config: BuildConfig, curves: dict | None) -> tuple[list[int], list[int]]:
+    """Per-layer K (mlp_k [L], attn_k [L]) from the density settings and, with allocation
+    "recall", the measured recall curves {"mlp": [L x F], "attn": [L x H]} (or None)."""
     from dejavu.compiler.density import resolve_density
-    from dejavu.models.loader import load_model, load_tokenizer
+
+    curves = curves if config.allocation == "recall" else None
+    return resolve_density(cfg, config.density, config.mlp_density, config.attn_density, recall_curves=curves)
+
+
+def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict | None:
+    """What the header records about the predictors, from the finished layers' files."""
+    if predictors is not None:
+        return {"ranks": (int(predictors.mlp[0]["a"].shape[0]), int(predictors.attn[0]["a"].shape[0])),
+                "input": dict(predictors.predictor_input), "curves": predictors.recall_curves or {},
+                "calibration": predictors.metrics.get("calibration")}
+    if calib is None:
+        return None
+    from dejavu.compiler.predictors import default_ranks
+
+    curves, rows = {"mlp": [], "attn": []}, []
+    for l in range(cfg.num_hidden_layers):
+        info = state.part_info(f"layer_{l:05d}")["info"]
+        for kind in curves:
+            curves[kind].append(info["curves"][kind])
+        rows.append({"layer": l, **info["metrics"]})
+    return {"ranks": default_ranks(cfg, _predictor_settings(config)), "input": config.predictor_input,
+            "curves": curves, "calibration": calib["header"], "per_layer": rows}
+
+
+def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
+    from dejavu.compiler.stream import BuildState, calib_bytes, gpu_peak_bytes, in_memory, rss_peak_bytes
+    from dejavu.engine_file import write_engine_parts
+    from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
 
-    with stages("load model"):
+    with stages("open checkpoint"):
         folder = resolve(model_name_or_path)
-        model, cfg = load_model(folder, dtype=torch.float32, device=config.device)
+        ckpt = Checkpoint(folder)  # every key and shape checked before the long stages
+        cfg = ckpt.cfg
         tokenizer = load_tokenizer(folder)
     if config.tp > 1:  # before the long stages
         from dejavu.compiler.tensor_parallel import check_tp
         check_tp(cfg.num_attention_heads, cfg.ffn_dim, config.tp)
-    if predictors is None and not config.no_predictors:
-        predictors = train_stage(model, tokenizer, str(model_name_or_path), config, progress, stages)
+    calib = _calibration(tokenizer, cfg, config) if predictors is None and not config.no_predictors else None
+    state = BuildState(out, _state_key(ckpt, config, calib, predictors))
+    resumed = state.layers_done
+    stream_layers(ckpt, config, state, calib, predictors, progress, stages)
+    info = _predictor_info(state, cfg, config, calib, predictors)
     with stages("resolve K"):
-        curves = (predictors.recall_curves or None) if predictors is not None and config.allocation == "recall" \
-            else None
-        mlp_k, attn_k = resolve_density(cfg, config.density, config.mlp_density, config.attn_density,
-                                        recall_curves=curves)
+        mlp_k, attn_k = resolve_k(cfg, config, (info["curves"] or None) if info else None)
+    header = make_header(model_name_or_path, cfg, config, target, info, mlp_k, attn_k,
+                         _tokenizer_json(folder, tokenizer))
     if onnx_out is not None:
         with stages("export ONNX + passes"):
-            onnx_report = export_graphs(model, predictors, mlp_k, attn_k, config, Path(onnx_out))
-    with stages("kernel layout"):
-        dtype = DTYPE_NAMES[config.dtype]
-        tensors = kernel_layout(model, dtype)
-        if predictors is not None:
-            tensors.update({k: v.detach().cpu().to(dtype).contiguous()
-                            for k, v in predictors.state_dict().items()})
-    header = make_header(model_name_or_path, cfg, config, target, predictors, mlp_k, attn_k,
-                         _tokenizer_json(folder, tokenizer))
+            onnx_report = _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
     chat = _chat_template(folder)
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
+    state_bytes = state.nbytes()
+    parts = state.parts("shell", consume=True)
+    for l in range(cfg.num_hidden_layers):
+        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=True))
     with stages("write engine"):
-        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path
+        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path (whole engine in memory)
             from dejavu.compiler.tensor_parallel import write_shards
-            size, files = write_shards(out, header, tensors, config.tp)
+            size, files = write_shards(out, header, in_memory(parts), config.tp)
             out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
         else:
-            size = write_engine(out, header, tensors)
-    n_pred = sum(v.numel() for k, v in tensors.items() if ".pred_" in k)
-    elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
-    summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred * elem,
-               "weight_bytes": sum(v.numel() for v in tensors.values()) * elem - n_pred * elem,
+            size = write_engine_parts(out, header, parts)
+    state.remove()
+    n_pred = sum(p.nbytes for n, p in parts.items() if ".pred_" in n)
+    summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred,
+               "weight_bytes": sum(p.nbytes for p in parts.values()) - n_pred,
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
                "predictor_recall": header["build_config"]["predictor_recall"],
                "predictor_input": header["build_config"]["predictor_input"],
                "stage_seconds": stages.times, "total_seconds": round(time.perf_counter() - t_start, 3),
-               "dtype": config.dtype, "target": target}
+               "dtype": config.dtype, "target": target, "resumed_at_layer": resumed,
+               "peak_host_bytes": rss_peak_bytes(), "peak_gpu_bytes": gpu_peak_bytes(config.device),
+               "build_state_bytes": state_bytes,
+               "calib_device_bytes": calib_bytes(len(calib["ids"]), cfg) if calib is not None else 0}
     if onnx_out is not None:
         summary["onnx"] = onnx_report
     return summary
 
 
-def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, predictors, mlp_k, attn_k,
+def _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -> dict:
+    """--onnx-out: the whole fp32 model in memory (not streamed), predictors in fp32."""
+    from dejavu.compiler.predictors import Predictors
+    from dejavu.models.loader import load_model
+
+    model, _ = load_model(folder, dtype=torch.float32, device="cpu")
+    predictors = None
+    if info is not None:
+        sd = {}
+        for l in range(cfg.num_hidden_layers):
+            sd.update({n[len("fp32."):]: t for n, t in state.tensors(f"layer_{l:05d}", prefix="fp32.").items()})
+        predictors = Predictors.from_state_dict(sd, info["input"])
+    return export_graphs(model, predictors, mlp_k, attn_k, config, out_dir)
+
+
+def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info: dict | None, mlp_k, attn_k,
                 tokenizer_json: str) -> dict:
-    """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths."""
-    rc = predictors.recall_curves if predictors is not None else {}
-    pred_sd = predictors.state_dict() if predictors is not None else {}
-    rank = lambda kind: int(pred_sd[f"layers.0.pred_{kind}.a"].shape[0]) if pred_sd else None
+    """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths.
+
+    `info`: None (no predictors) or {"ranks": (mlp, attn), "input": {source, lookahead},
+    "curves": {"mlp"|"attn": [L curves]}, "calibration": {...} | None}."""
+    rc = info["curves"] if info is not None else {}
     name = str(model_name_or_path)
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
@@ -359,11 +468,12 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, pred
         "build_config": {
             "density": config.density, "mlp_density": config.mlp_density or config.density,
             "attn_density": config.attn_density or config.density, "mlp_k": mlp_k, "attn_k": attn_k,
-            "predictors": predictors is not None,
-            "predictor_rank_mlp": rank("mlp"), "predictor_rank_attn": rank("attn"),
-            "predictor_input": dict(predictors.predictor_input) if predictors is not None else None,
+            "predictors": info is not None,
+            "predictor_rank_mlp": info["ranks"][0] if info else None,
+            "predictor_rank_attn": info["ranks"][1] if info else None,
+            "predictor_input": dict(info["input"]) if info is not None else None,
             "predictor_recall": {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)},
-            "calibration": predictors.metrics.get("calibration") if predictors is not None else None,
+            "calibration": info.get("calibration") if info is not None else None,
             "settings": config.to_dict(),
         },
         "tokenizer_json": tokenizer_json,

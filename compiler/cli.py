@@ -43,6 +43,8 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="tokens per calibration window (capped at the model's positions)")
     add_dtype(p, S, "engine weight dtype")
     add_device(p, S, "where calibration and predictor training run; the engine's target: cpu | cuda | cuda:N")
+    p.add_argument("--compute-dtype", default=S, choices=["float32", "float16", "bfloat16"],
+                   help="calibration forward dtype (half: less device memory)")
     p.add_argument("--mlp-rank", type=int, default=S, metavar="R",
                    help="MLP predictor rank (default: the largest within the predictor cost budget)")
     p.add_argument("--attn-rank", type=int, default=S, metavar="R",
@@ -110,6 +112,11 @@ def format_summary(s: dict) -> str:
         o = s["onnx"]
         lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])}; form (a) vs masked dense "
                      f"max |diff| = {o['form_a_max_abs_diff']}")
+    gib = lambda n: "-" if n is None else f"{n / 2**30:.2f} GiB"
+    lines.append(f"memory      peak host {gib(s['peak_host_bytes'])}, GPU {gib(s['peak_gpu_bytes'])}; build state on "
+                 f"disk {mb(s['build_state_bytes'])} (removed), calibration tensors on the device "
+                 f"{mb(s['calib_device_bytes'])}" + (f"; resumed at layer {s['resumed_at_layer']}"
+                                                     if s["resumed_at_layer"] else ""))
     lines.append("time        " + ", ".join(f"{k} {v:.1f}s" for k, v in s["stage_seconds"].items())
                  + f"; total {s['total_seconds']:.1f}s")
     return "\n".join(lines)

@@ -241,13 +241,49 @@ def _curve(scores: torch.Tensor, weight: torch.Tensor) -> np.ndarray:
     return (got / got[-1].clamp_min(1e-12)).double().cpu().numpy()
 
 
+def holdout_split(n_tokens: int, n_windows: int, window: int, s: PredictorSettings) -> int:
+    """The first held-out token: the tail round(holdout * windows) whole windows (at least one)."""
+    n_val_windows = max(1, round(n_windows * s.holdout))
+    return min(n_tokens - 1, (n_windows - n_val_windows) * window)
+
+
 def _layer_data(cal: Calibration, l: int, s: PredictorSettings, dev):
-    n_val_windows = max(1, round(cal.n_windows * s.holdout))
-    split = min(cal.n_tokens - 1, (cal.n_windows - n_val_windows) * cal.window)
+    split = holdout_split(cal.n_tokens, cal.n_windows, cal.window, s)
     x = torch.from_numpy(np.array(cal.predictor_input(l, s.source, s.lookahead), dtype=np.float32)).to(dev)
     y_mlp = torch.from_numpy(cal.mlp_labels(l)).to(dev)
     norms = torch.from_numpy(np.array(cal.head_importance(l))).to(dev)
     return x, y_mlp, norms, split
+
+
+def train_layer(x: torch.Tensor, y_mlp: torch.Tensor, norms: torch.Tensor, split: int, ranks: tuple[int, int],
+                report_k: tuple[int, int], s: PredictorSettings, gen: torch.Generator):
+    """Train one layer's MLP and head predictors -> (mlp params, attn params, metrics, curves).
+
+    x: [T, D] float32 predictor input; y_mlp: [T, F] bool; norms: [T, H] float32 head norms;
+    tokens [:split] train, [split:] are held out. `gen` carries the shuffling state from layer
+    to layer (the streamed build saves it with each finished layer)."""
+    (mlp_rank, attn_rank), (mk, ak) = ranks, report_k
+    Fd, H = y_mlp.shape[1], norms.shape[1]
+    k_lab = max(1, math.ceil(s.attn_label_density * H))
+    y_att = _head_labels(norms, k_lab)
+    k_stop = max(1, min(mk, Fd // 2))  # at K near N every epoch scores recall 1.0
+    pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, k_stop, s, gen)
+    pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, k_lab, s, gen)
+    with torch.no_grad():
+        xv = x[split:].cpu()
+        sm = (xv @ pm["a"].T) @ pm["b"].T + pm["bias"]  # [Tv, F]
+        sa = (xv @ pa["a"].T) @ pa["b"].T + pa["bias"]  # [Tv, H]
+        yv, nv = y_mlp[split:].cpu(), norms[split:].cpu()
+        m_rec, m_prec = _evaluate(sm, yv, mk)
+        a_rec, _ = _evaluate(sa, _head_labels(nv, ak), ak)
+        a_mass = nv.gather(-1, sa.topk(ak, -1).indices).sum().item() / nv.sum().item()
+        c = slice(0, s.curve_tokens)
+        curves = {"mlp": _curve(sm[c], yv[c]), "attn": _curve(sa[c], nv[c])}
+    row = {"mlp_k": mk, "mlp_recall": m_rec, "mlp_precision": m_prec,
+           "mlp_active_fraction": yv.float().mean().item(), "mlp_val_recall": -pm.pop("val_loss"),
+           "attn_k": ak, "attn_recall": a_rec, "attn_precision": a_rec,
+           "attn_norm_mass": a_mass, "attn_val_label_recall": -pa.pop("val_loss")}
+    return pm, pa, row, curves
 
 
 def train_predictors(cal: Calibration, settings: PredictorSettings | None = None, progress: bool = True,
@@ -265,7 +301,6 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     L, Fd, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
     dev = torch.device(s.device)
     mlp_rank, attn_rank = default_ranks(cfg, s)
-    k_lab = max(1, math.ceil(s.attn_label_density * H))
     mlp_k = mlp_k or [max(1, round(s.report_density * Fd))] * L
     attn_k = attn_k or [max(1, round(s.report_density * H))] * L
     gen = torch.Generator().manual_seed(s.seed)
@@ -277,32 +312,17 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
         it = tqdm(it, desc="predictors", unit="layer")
     for l in it:
         x, y_mlp, norms, split = _layer_data(cal, l, s, dev)
-        y_att = _head_labels(norms, k_lab)
-        k_stop = max(1, min(mlp_k[l], Fd // 2))  # at K near N every epoch scores recall 1.0
-        pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, k_stop, s, gen)
-        pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, k_lab, s, gen)
-        with torch.no_grad():
-            xv = x[split:].cpu()
-            sm = (xv @ pm["a"].T) @ pm["b"].T + pm["bias"]  # [Tv, F]
-            sa = (xv @ pa["a"].T) @ pa["b"].T + pa["bias"]  # [Tv, H]
-            yv, nv = y_mlp[split:].cpu(), norms[split:].cpu()
-            m_rec, m_prec = _evaluate(sm, yv, mlp_k[l])
-            a_rec, _ = _evaluate(sa, _head_labels(nv, attn_k[l]), attn_k[l])
-            a_mass = nv.gather(-1, sa.topk(attn_k[l], -1).indices).sum().item() / nv.sum().item()
-            c = slice(0, s.curve_tokens)
-            curves["mlp"].append(_curve(sm[c], yv[c]))
-            curves["attn"].append(_curve(sa[c], nv[c]))
-        per_layer.append({"layer": l, "mlp_k": mlp_k[l], "mlp_recall": m_rec, "mlp_precision": m_prec,
-                          "mlp_active_fraction": yv.float().mean().item(), "mlp_val_recall": -pm.pop("val_loss"),
-                          "attn_k": attn_k[l], "attn_recall": a_rec, "attn_precision": a_rec,
-                          "attn_norm_mass": a_mass, "attn_val_label_recall": -pa.pop("val_loss")})
+        pm, pa, row, curve = train_layer(x, y_mlp, norms, split, (mlp_rank, attn_rank), (mlp_k[l], attn_k[l]), s, gen)
+        per_layer.append({"layer": l, **row})
         mlp.append(pm)
         attn.append(pa)
+        curves["mlp"].append(curve["mlp"])
+        curves["attn"].append(curve["attn"])
     mean = lambda key: float(np.mean([m[key] for m in per_layer]))
     metrics = {"per_layer": per_layer, "mlp_recall_mean": mean("mlp_recall"),
                "mlp_precision_mean": mean("mlp_precision"), "attn_recall_mean": mean("attn_recall"),
                "cost": predictor_cost(cfg, mlp_rank, attn_rank), "settings": asdict(s),
-               "holdout_tokens": cal.n_tokens - split}
+               "holdout_tokens": cal.n_tokens - holdout_split(cal.n_tokens, cal.n_windows, cal.window, s)}
     return Predictors(mlp, attn, s.predictor_input, metrics, curves)
 
 

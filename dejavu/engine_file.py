@@ -22,6 +22,7 @@ config. Every failure is a `DejavuError`; nothing here unpickles.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import mmap
 import os
@@ -75,44 +76,96 @@ def _header_blob(meta: dict, entries: dict) -> bytes:
     return blob + b" " * (-len(blob) % 8)
 
 
-def encode_engine(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
-    """The engine file's bytes (deterministic: same header and tensors, same bytes)."""
-    if not isinstance(header, dict):
-        raise DejavuError("engine header must be a dict")
-    try:
-        header_text = _canonical(header)
-    except (TypeError, ValueError) as e:
-        raise DejavuError(f"engine header is not JSON-serialisable: {e}") from None
-    entries, chunks, items, off = {}, [], [], 0
-    for name in sorted(tensors):
-        t = tensors[name]
+class TensorPart:
+    """One tensor to write: its dtype, shape and a callable yielding its raw bytes in chunks
+    (so a writer never holds more than a chunk of a tensor stored elsewhere, e.g. on disk)."""
+
+    def __init__(self, dtype: torch.dtype, shape, chunks):
+        if dtype not in _NAMES:
+            raise DejavuError(f"engine tensor dtype {dtype} is not supported")
+        self.dtype, self.shape, self.chunks = dtype, [int(s) for s in shape], chunks
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        self.nbytes = numel * dtype.itemsize
+
+    @classmethod
+    def of(cls, name: str, t) -> "TensorPart":
         if not isinstance(t, torch.Tensor):
             raise DejavuError(f"engine tensor {name!r} is not a torch.Tensor")
         if t.dtype not in _NAMES:
             raise DejavuError(f"engine tensor {name!r} has unsupported dtype {t.dtype}")
-        data = _tensor_bytes(t)
-        shape = list(t.shape)
-        entries[name] = {"dtype": _NAMES[t.dtype], "shape": shape, "data_offsets": [off, off + len(data)]}
-        items.append((name, _NAMES[t.dtype], shape, data))
-        chunks.append(data)
-        off += len(data)
+        return cls(t.dtype, t.shape, lambda: iter((_tensor_bytes(t),)))
+
+
+def _header_text(header: dict) -> str:
+    if not isinstance(header, dict):
+        raise DejavuError("engine header must be a dict")
+    try:
+        return _canonical(header)
+    except (TypeError, ValueError) as e:
+        raise DejavuError(f"engine header is not JSON-serialisable: {e}") from None
+
+
+def write_parts(f, header: dict, parts: dict[str, TensorPart]) -> int:
+    """Write an engine to the seekable binary file `f` from tensor parts; return its size.
+
+    The data are streamed in name order while the checksum is computed; the safetensors
+    header, whose length does not depend on the checksum's value (64 hex digits), is written
+    first with a placeholder and rewritten in place at the end."""
+    header_text = _header_text(header)
+    entries, off = {}, 0
+    for name in sorted(parts):
+        p = parts[name]
+        entries[name] = {"dtype": _NAMES[p.dtype], "shape": p.shape, "data_offsets": [off, off + p.nbytes]}
+        off += p.nbytes
     meta = {"dejavu_header": header_text,
             "dejavu_header_checksum": hashlib.sha256(header_text.encode()).hexdigest(),
-            "dejavu_checksum": _checksum(items)}
+            "dejavu_checksum": "0" * 64}
     blob = _header_blob(meta, entries)
-    return struct.pack("<Q", len(blob)) + blob + b"".join(chunks)
+    start = f.tell()
+    f.write(struct.pack("<Q", len(blob)) + blob)
+    h = hashlib.sha256()
+    for name in sorted(parts):
+        p, n = parts[name], 0
+        h.update(f"{name}\0{_NAMES[p.dtype]}\0{json.dumps(p.shape)}\0".encode())
+        for chunk in p.chunks():
+            h.update(chunk)
+            f.write(chunk)
+            n += len(chunk)
+        if n != p.nbytes:
+            raise DejavuError(f"engine tensor {name!r}: {n} bytes written, {p.nbytes} expected")
+    end = f.tell()
+    meta["dejavu_checksum"] = h.hexdigest()
+    final = _header_blob(meta, entries)
+    assert len(final) == len(blob)  # same length: the header is rewritten in place
+    f.seek(start + 8)
+    f.write(final)
+    f.seek(end)
+    return end - start
+
+
+def encode_engine(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
+    """The engine file's bytes (deterministic: same header and tensors, same bytes)."""
+    buf = io.BytesIO()
+    write_parts(buf, header, {n: TensorPart.of(n, t) for n, t in tensors.items()})
+    return buf.getvalue()
+
+
+def write_engine_parts(path: str | os.PathLike, header: dict, parts: dict[str, TensorPart]) -> int:
+    """Write an engine from tensor parts atomically (temporary name, then rename); return its size."""
+    _header_text(header)  # fail before creating anything
+    try:
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as f:
+                return write_parts(f, header, parts)
+    except OSError as e:
+        raise DejavuError(f"cannot write engine {path}: {e.strerror or e}") from None
 
 
 def write_engine(path: str | os.PathLike, header: dict, tensors: dict[str, torch.Tensor]) -> int:
     """Write an engine atomically (temporary name, then rename); return its size in bytes."""
-    blob = encode_engine(header, tensors)
-    try:
-        with atomic_path(path) as tmp:
-            with open(tmp, "wb") as f:
-                f.write(blob)
-    except OSError as e:
-        raise DejavuError(f"cannot write engine {path}: {e.strerror or e}") from None
-    return len(blob)
+    return write_engine_parts(path, header, {n: TensorPart.of(n, t) for n, t in tensors.items()})
 
 
 # --------------------------------------------------------------------------- decoding

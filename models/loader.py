@@ -2,10 +2,12 @@
 
 Weights: `model.safetensors`, sharded safetensors (`model.safetensors.index.json`), or
 `pytorch_model*.bin` (+ index), read with `weights_only=True` (no code is unpickled).
-The model is built on the meta device and filled tensor by tensor from memory-mapped files,
-so peak memory is about one copy of the model in the target dtype (OPT-30B needs ~60 GB in
-fp16, not 120 GB). Key prefixes `model.decoder.` and `decoder.` are both accepted; the tied
-`lm_head.weight` may be absent.
+`Checkpoint` indexes a folder (every key and shape checked against config.json from the
+files' headers) and reads tensors on demand in their stored dtype. `load_model` fills a
+model built on the meta device tensor by tensor (peak: about one copy of the model in the
+target dtype); the compiler instead streams one decoder layer at a time
+(`iter_decoder_layers`, `load_decoder_shell`). Key prefixes `model.decoder.` and `decoder.`
+are both accepted; the tied `lm_head.weight` may be absent.
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from typing import Iterator
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.models.opt import OPTConfig, OPTForCausalLM
+from dejavu.models.opt import OPTConfig, OPTDecoder, OPTDecoderLayer, OPTForCausalLM
 from dejavu.models.presets import resolve
 
 TIED_KEY = "lm_head.weight"
-EMBED_KEY = "model.decoder.embed_tokens.weight"
+DECODER = "model.decoder."
+EMBED_KEY = DECODER + "embed_tokens.weight"
 
 
 def load_config(name_or_path: str | os.PathLike) -> OPTConfig:
@@ -78,23 +81,17 @@ def weight_files(folder: Path) -> list[Path]:
     raise DejavuError(f"{folder}: no weights (model.safetensors, its index, or pytorch_model*.bin)")
 
 
-def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _open_safetensors(path: Path):
     from safetensors import SafetensorError, safe_open
 
     try:
-        f = safe_open(str(path), framework="pt", device="cpu")  # mmap; validates header + size
+        return safe_open(str(path), framework="pt", device="cpu")  # mmap; validates header + size
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise DejavuError(f"{path}: truncated or corrupt safetensors file ({_first_line(e)})") from None
-    with f:
-        for key in f.keys():
-            try:
-                t = f.get_tensor(key)
-            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-                raise DejavuError(f"{path}: cannot read tensor {key!r} ({_first_line(e)})") from None
-            yield key, t
 
 
-def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _load_bin(path: Path) -> dict:
+    """A .bin state dict, memory-mapped where the file allows (zip format)."""
     def _load(mmap: bool):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
@@ -110,11 +107,10 @@ def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                           f"({type(e).__name__}: {_first_line(e)})") from None
     if not isinstance(sd, dict):
         raise DejavuError(f"{path}: expected a state dict, found {type(sd).__name__}")
-    for key in list(sd):
-        t = sd.pop(key)  # drop our reference as we go
+    for key, t in sd.items():
         if not isinstance(t, torch.Tensor):
             raise DejavuError(f"{path}: entry {key!r} is a {type(t).__name__}, not a tensor")
-        yield key, t
+    return sd
 
 
 def _first_line(e: BaseException) -> str:
@@ -122,11 +118,17 @@ def _first_line(e: BaseException) -> str:
     return s.splitlines()[0] if s else type(e).__name__
 
 
-def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    for path in files:
-        it = _iter_safetensors(path) if path.suffix == ".safetensors" else _iter_bin(path)
-        for key, t in it:
-            yield path, key, t
+def _file_shapes(path: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of every tensor in one weight file, without reading the data."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+
+        with _open_safetensors(path) as f:
+            try:
+                return [(k, tuple(f.get_slice(k).get_shape())) for k in f.keys()]
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                raise DejavuError(f"{path}: truncated or corrupt safetensors file ({_first_line(e)})") from None
+    return [(k, tuple(t.shape)) for k, t in _load_bin(path).items()]
 
 
 @contextlib.contextmanager
@@ -150,49 +152,122 @@ def _name_some(keys, n: int = 4) -> str:
     return ", ".join(keys[:n]) + more
 
 
+def _meta_model(cfg: OPTConfig) -> OPTForCausalLM:
+    with torch.device("meta"), _no_init():
+        return OPTForCausalLM(cfg)
+
+
+class Checkpoint:
+    """Where each tensor of a checkpoint folder lives; reads tensors on demand in their stored dtype.
+
+    Opening checks every key and shape against config.json (from the files' headers: no data
+    is read), so a build fails before its long stages. `read(keys)` opens the files that hold
+    them, yields one tensor at a time and closes the files again, so the mapped pages of
+    finished layers are not kept resident.
+    """
+
+    def __init__(self, name_or_path: str | os.PathLike, cfg: OPTConfig | None = None):
+        self.folder = resolve(name_or_path)
+        self.cfg = cfg or load_config(self.folder)
+        self.files = weight_files(self.folder)
+        expected = {k: tuple(v.shape) for k, v in _meta_model(self.cfg).state_dict().items()}
+        self.where: dict[str, tuple[Path, str]] = {}  # normalised key -> (file, key in the file)
+        unexpected = []
+        for path in self.files:
+            for raw_key, shape in _file_shapes(path):
+                key = _normalise_key(raw_key)
+                if key not in expected:
+                    unexpected.append(raw_key)
+                    continue
+                if shape != expected[key]:
+                    raise DejavuError(f"{path.name}: tensor {raw_key!r} has shape {list(shape)}, but "
+                                      f"config.json implies {list(expected[key])}")
+                if key == TIED_KEY:
+                    continue  # tied to embed_tokens
+                if key in self.where:
+                    raise DejavuError(f"{path.name}: tensor {raw_key!r} appears twice in the checkpoint")
+                self.where[key] = (path, raw_key)
+        if unexpected:
+            raise DejavuError(f"{self.folder}: unexpected tensors in the checkpoint: {_name_some(unexpected)}")
+        missing = set(expected) - set(self.where) - {TIED_KEY}
+        if missing:
+            raise DejavuError(f"{self.folder}: tensors missing from the checkpoint: {_name_some(missing)}")
+
+    def read(self, keys) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, tensor in its stored dtype on the CPU) for each normalised key, file by file."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.where[key][0], []).append(key)
+        for path, ks in by_file.items():
+            if path.suffix == ".safetensors":
+                yield from self._read_safetensors(path, ks)
+            else:
+                sd = _load_bin(path)
+                for key in ks:
+                    yield key, sd.pop(self.where[key][1])
+                del sd
+
+    def _read_safetensors(self, path: Path, keys: list[str]):
+        from safetensors import SafetensorError
+
+        if not path.is_file():
+            raise DejavuError(f"{path}: weight file disappeared during the build")
+        with _open_safetensors(path) as f:
+            for key in keys:
+                try:
+                    t = f.get_tensor(self.where[key][1])
+                except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                    raise DejavuError(f"{path}: cannot read tensor {key!r} ({_first_line(e)})") from None
+                yield key, t
+
+    def load_into(self, module: torch.nn.Module, prefix: str, dtype: torch.dtype | None, device) -> torch.nn.Module:
+        """Fill `module` (built on meta) from the keys under `prefix`, cast to dtype (None: as
+        stored) on device."""
+        names = [n for n, _ in module.state_dict().items()]
+        state = {}
+        for key, t in self.read(prefix + n for n in names):
+            # One tensor at a time: the mapped page is read, cast and moved, then released.
+            dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            state[key[len(prefix):]] = t.to(device=device, dtype=dt)
+            del t
+        module.load_state_dict(state, strict=True, assign=True)
+        return module.eval()
+
+
+def iter_decoder_layers(ckpt: Checkpoint, dtype: torch.dtype | None = torch.float32, device="cpu",
+                        start: int = 0) -> Iterator[tuple[int, OPTDecoderLayer]]:
+    """(index, OPTDecoderLayer) for layers start..L-1, each read from the checkpoint when reached
+    (dtype None: as stored)."""
+    for l in range(start, ckpt.cfg.num_hidden_layers):
+        with torch.device("meta"), _no_init():
+            layer = OPTDecoderLayer(ckpt.cfg)
+        yield l, ckpt.load_into(layer, f"{DECODER}layers.{l}.", dtype, device)
+
+
+def load_decoder_shell(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device="cpu") -> OPTDecoder:
+    """The decoder without its layers: embeddings, project_in/out, final LayerNorm (the LM head
+    is tied to embed_tokens)."""
+    with torch.device("meta"), _no_init():
+        dec = OPTDecoder(ckpt.cfg)
+    dec.layers = torch.nn.ModuleList()
+    return ckpt.load_into(dec, DECODER, dtype, device)
+
+
 def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[OPTForCausalLM, OPTConfig]:
     """Build OPTForCausalLM from a folder / preset / hub id; weights cast to `dtype` on `device`."""
-    folder = resolve(name_or_path)
-    cfg = load_config(folder)
-    files = weight_files(folder)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DejavuError("device 'cuda' requested but no CUDA device is available")
-
-    with torch.device("meta"), _no_init():
-        model = OPTForCausalLM(cfg)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    state: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
-    for path, raw_key, t in _iter_checkpoint(files):
-        key = _normalise_key(raw_key)
-        if key not in expected:
-            unexpected.append(raw_key)
-            continue
-        if tuple(t.shape) != expected[key]:
-            raise DejavuError(f"{path.name}: tensor {raw_key!r} has shape {list(t.shape)}, but "
-                              f"config.json implies {list(expected[key])}")
-        if key == TIED_KEY:
-            continue  # tied to embed_tokens; re-tied below
-        if key in state:
-            raise DejavuError(f"{path.name}: tensor {raw_key!r} appears twice in the checkpoint")
-        # One tensor at a time: the mmap page is read, cast and moved, then released.
-        state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        del t
-    if unexpected:
-        raise DejavuError(f"{folder}: unexpected tensors in the checkpoint: {_name_some(unexpected)}")
-    missing = set(expected) - set(state) - {TIED_KEY}
-    if missing:
-        raise DejavuError(f"{folder}: tensors missing from the checkpoint: {_name_some(missing)}")
-
-    model.load_state_dict(state, strict=False, assign=True)
+    ckpt = Checkpoint(name_or_path)
+    model = _meta_model(ckpt.cfg)
+    del model.lm_head.weight  # tied: filled below
+    ckpt.load_into(model, "", dtype, device)
     model.lm_head.weight = model.decoder.embed_tokens.weight  # assign=True broke the tie
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftover:  # cannot happen if the key checks above are complete; keep the model honest
-        raise DejavuError(f"{folder}: tensors left unloaded: {_name_some(leftover)}")
-    model.eval()
-    return model, cfg
+        raise DejavuError(f"{ckpt.folder}: tensors left unloaded: {_name_some(leftover)}")
+    return model.eval(), ckpt.cfg
 
 
 def load_tokenizer(name_or_path: str | os.PathLike):

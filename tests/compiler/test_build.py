@@ -5,7 +5,8 @@ import onnx
 import pytest
 import torch
 
-from dejavu.compiler.build import BuildConfig, build_engine, kernel_layout
+from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.layout import kernel_layout
 from dejavu.compiler.predictors import Predictors
 from dejavu.engine_file import read_engine, read_header
 from dejavu.errors import DejavuError
@@ -88,7 +89,7 @@ def test_dense_build_without_predictors(tiny_opt_dir, tmp_path):
     assert header["build_config"]["predictors"] is False
     assert s["mlp_k"] == [128, 128] and s["attn_k"] == [4, 4]
     assert not any(".pred_" in k for k in t)
-    assert s["stage_seconds"].keys() >= {"load model", "resolve K", "kernel layout", "write engine"}
+    assert s["stage_seconds"].keys() >= {"open checkpoint", "load layers", "resolve K", "kernel layout", "write engine"}
 
 
 def test_onnx_out_matches_engine(tiny_opt_dir, preds, tmp_path):

@@ -8,12 +8,13 @@ from dejavu.runtime import Engine
 from runtime_helpers import MaskedDense, engine_from_dense, random_predictors, tiny_model
 
 build = pytest.importorskip("dejavu.compiler.build")
+layout = pytest.importorskip("dejavu.compiler.layout")
 
 
 def test_compiler_kernel_layout_equals_runtime_helper():
     model = tiny_model(seed=1)
     _, mine = engine_from_dense(model)
-    theirs = build.kernel_layout(model, torch.float32)
+    theirs = layout.kernel_layout(model, torch.float32)
     assert set(theirs) == {k for k in mine if ".pred_" not in k}
     for k, v in theirs.items():
         assert torch.equal(v, mine[k]), k

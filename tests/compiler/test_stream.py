@@ -1,0 +1,238 @@
+"""The layer-streamed build: equal to the whole-model pipeline, resumable per layer, bounded in
+memory, and one-line errors for shards that go bad mid-stream (tiny OPT, CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dejavu.compiler import build as build_mod
+from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.stream import BuildState
+from dejavu.engine_file import read_engine
+from dejavu.errors import DejavuError
+
+QUICK = dict(calib_tokens=600, calib_window=64, predictor_epochs=1)
+
+
+def _reference_engine(folder, config: BuildConfig, path, cache):
+    """The whole-model pipeline the streamed build replaced: the fp32 model in memory,
+    hook-recorded calibration maps, `train_predictors` over all layers, a whole kernel layout."""
+    from dejavu.compiler.calibrate import CalibSettings, calibrate
+    from dejavu.compiler.layout import kernel_layout
+    from dejavu.compiler.predictors import default_ranks, train_predictors
+    from dejavu.engine_file import DTYPE_NAMES, write_engine
+    from dejavu.models.loader import load_model, load_tokenizer
+
+    model, cfg = load_model(folder, dtype=torch.float32)
+    tok = load_tokenizer(folder)
+    cal = calibrate(model, tok, CalibSettings(calib_tokens=config.calib_tokens, window=config.calib_window,
+                                              cache_dir=str(cache)), progress=False)
+    ps = build_mod._predictor_settings(config)
+    preds = train_predictors(cal, ps, progress=False)
+    info = {"ranks": default_ranks(cfg, ps), "input": ps.predictor_input, "curves": preds.recall_curves,
+            "calibration": {"corpus": build_mod._corpus_name(cal.manifest["corpus"]), "n_tokens": cal.n_tokens,
+                            "window": cal.window, "tokens_fingerprint": cal.manifest["tokens_fingerprint"]}}
+    mlp_k, attn_k = build_mod.resolve_k(cfg, config, preds.recall_curves)
+    dtype = DTYPE_NAMES[config.dtype]
+    tensors = kernel_layout(model, dtype)
+    tensors.update({k: v.to(dtype).contiguous() for k, v in preds.state_dict().items()})
+    header = build_mod.make_header(folder, cfg, config, build_mod.target_info("cpu"), info, mlp_k, attn_k,
+                                   (folder / "tokenizer.json").read_text())
+    write_engine(path, header, tensors)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_streamed_build_equals_whole_model_pipeline(tiny_opt_dir, tmp_path, dtype):
+    config = BuildConfig(density=0.3, dtype=dtype, **QUICK)
+    s = build_engine(tiny_opt_dir, config, tmp_path / "s.engine", progress=False)
+    _reference_engine(tiny_opt_dir, config, tmp_path / "r.engine", tmp_path / "cache")
+    hs, ts = read_engine(tmp_path / "s.engine")
+    hr, tr = read_engine(tmp_path / "r.engine")
+    assert hs == hr and ts.keys() == tr.keys()
+    for k in tr:
+        assert torch.equal(ts[k], tr[k]), k
+    assert (tmp_path / "s.engine").read_bytes() == (tmp_path / "r.engine").read_bytes()
+    assert s["resumed_at_layer"] == 0 and s["peak_host_bytes"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "r.engine", "s.engine"]  # no state left
+
+
+def _interrupt_after(monkeypatch, layers_done: int, action=None):
+    """Make the build stop (KeyboardInterrupt, as from a kill) right after `layers_done` layers."""
+    real = BuildState.save_carry
+
+    def save_carry(self, n, carry):
+        real(self, n, carry)
+        if n == layers_done:
+            if action is not None:
+                action()
+            else:
+                raise KeyboardInterrupt
+    monkeypatch.setattr(BuildState, "save_carry", save_carry)
+
+
+def test_resume_after_interrupt_between_layers_gives_the_same_file(make_tiny_opt_dir, tmp_path, monkeypatch):
+    folder = make_tiny_opt_dir(num_hidden_layers=3)
+    config = BuildConfig(density=0.4, **QUICK)
+    build_engine(folder, config, tmp_path / "whole.engine", progress=False)
+    out = tmp_path / "resumed.engine"
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            build_engine(folder, config, out, progress=False)
+    assert not out.exists()
+    state = tmp_path / ".resumed.engine.build"
+    assert json.loads((state / "progress.json").read_text()) == {"layers_done": 2}
+    loaded = []  # the layers read on the resumed run
+    from dejavu.models import loader
+    orig = loader.iter_decoder_layers
+
+    def counting(ckpt, dtype, device, start=0):
+        for l, layer in orig(ckpt, dtype, device, start):
+            loaded.append(l)
+            yield l, layer
+    monkeypatch.setattr(loader, "iter_decoder_layers", counting)
+    s = build_engine(folder, config, out, progress=False)
+    assert s["resumed_at_layer"] == 2 and loaded == [2]
+    assert out.read_bytes() == (tmp_path / "whole.engine").read_bytes()
+    assert not state.exists()
+    # other settings do not reuse a state folder: a changed seed starts afresh
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 1)
+        with pytest.raises(KeyboardInterrupt):
+            build_engine(folder, config, out, progress=False)
+    loaded.clear()
+    s = build_engine(folder, BuildConfig(density=0.4, seed=1, **QUICK), out, progress=False)
+    assert s["resumed_at_layer"] == 0 and loaded == [0, 1, 2]
+
+
+def _shard(folder):
+    """Split the tiny checkpoint: embeddings + layer 0 in shard 1, the rest in shard 2."""
+    sd = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    first = {k: v for k, v in sd.items() if ".layers." not in k or ".layers.0." in k}
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    save_file(first, str(folder / names[0]))
+    save_file({k: v for k, v in sd.items() if k not in first}, str(folder / names[1]))
+    wm = {k: names[0] if k in first else names[1] for k in sd}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return folder / names[1]
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda p: p.unlink(), "disappeared during the build"),
+    (lambda p: p.write_bytes(p.read_bytes()[:100]), "truncated or corrupt safetensors"),
+])
+def test_shard_lost_mid_stream_is_one_line_and_no_output(make_tiny_opt_dir, tmp_path, monkeypatch, capsys,
+                                                          damage, match):
+    from dejavu.compiler.cli import main
+
+    folder = make_tiny_opt_dir()
+    second = _shard(folder)
+    _interrupt_after(monkeypatch, 1, action=lambda: damage(second))  # after layer 0, before layer 1
+    out = tmp_path / "x.engine"
+    with pytest.raises(SystemExit) as e:
+        main([str(folder), "--density", "1.0", "--no-predictors", "-o", str(out), "-q"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dejavu: error:") and match in err, err
+    assert not out.exists() and not list(tmp_path.glob(".x.engine.*.tmp"))
+
+
+def test_bin_checkpoint_streams_like_safetensors(make_tiny_opt_dir, tmp_path):
+    folder = make_tiny_opt_dir()
+    config = BuildConfig(density=1.0, no_predictors=True, dtype="float32")
+    build_engine(folder, config, tmp_path / "a.engine", progress=False)
+    sd = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(sd, folder / "pytorch_model.bin")
+    build_engine(folder, config, tmp_path / "b.engine", progress=False)
+    assert (tmp_path / "a.engine").read_bytes() == (tmp_path / "b.engine").read_bytes()
+
+
+_CHILD = """
+import json, sys
+import torch, dejavu.compiler.build, dejavu.compiler.stream, dejavu.models.loader, safetensors.torch
+from dejavu.compiler.cli import main
+from dejavu.compiler.stream import rss_peak_bytes
+base = rss_peak_bytes()
+rc = main([sys.argv[1], "--density", "1.0", "--no-predictors", "-o", sys.argv[2], "-q"])
+print(json.dumps({"rc": rc, "base": base, "maxrss": rss_peak_bytes()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM of /proc/self/status is Linux's")
+def test_subprocess_build_stays_under_the_layer_bound(tmp_path):
+    """A ~110M-parameter random shape (8 layers of hidden 1024, ffn 4096): peak RSS of the child
+    <= 2 x the largest layer in fp32 + 1 GiB. Loading the whole model in fp32 (the replaced
+    builder: fp32 model + fp32 layout copy + the engine in memory, ~1.6 GB) would not fit."""
+    D, F, L, V = 1024, 4096, 8, 8192
+    cfg = dict(model_type="opt", vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=16,
+               ffn_dim=F, max_position_embeddings=256, word_embed_proj_dim=D, torch_dtype="float16")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    w = lambda *shape: torch.full(shape, 0.01, dtype=torch.float16)  # values do not matter to a dense build
+    p = "model.decoder."
+    shards, wm = [{}, {}], {}
+    shards[0][p + "embed_tokens.weight"] = w(V, D)
+    shards[0][p + "embed_positions.weight"] = w(258, D)
+    for n in ("weight", "bias"):
+        shards[1][p + f"final_layer_norm.{n}"] = w(D)
+    for l in range(L):
+        q, s = f"{p}layers.{l}.", shards[l * 2 // L]
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            s[q + f"self_attn.{proj}.weight"] = w(D, D)
+            s[q + f"self_attn.{proj}.bias"] = w(D)
+        for ln in ("self_attn_layer_norm", "final_layer_norm"):
+            s[q + f"{ln}.weight"], s[q + f"{ln}.bias"] = w(D), w(D)
+        s[q + "fc1.weight"], s[q + "fc1.bias"] = w(F, D), w(F)
+        s[q + "fc2.weight"], s[q + "fc2.bias"] = w(D, F), w(D)
+    for i, sd in enumerate(shards):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file(sd, str(folder / name))
+        wm.update({k: name for k in sd})
+    del shards, sd, s
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    (folder / "tokenizer.json").write_text(__import__("conftest").tiny_tokenizer_json())
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(folder), str(tmp_path / "m.engine")],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    layer_fp32 = 4 * (4 * D * D + 2 * D * F + 4 * D + F + D + 4 * D)
+    largest = max(layer_fp32, 4 * V * D)
+    assert got["rc"] == 0 and got["maxrss"] <= 2 * largest + (1 << 30), got  # the bound of docs/compiler.md
+    # Tighter, and what tells streaming from the replaced builder (whole fp32 model + fp32 layout
+    # copy: ~0.9 GB above the imports): the build's own growth is ~2 layers.
+    n_params = L * (4 * D * D + 2 * D * F) + V * D
+    assert n_params > 100e6
+    print(f"peak {got['maxrss'] / 2**20:.0f} MiB, imports {got['base'] / 2**20:.0f} MiB, largest layer "
+          f"{largest / 2**20:.0f} MiB")
+    assert got["maxrss"] - got["base"] <= 2 * largest + (256 << 20) < 8 * n_params, got
+
+
+def test_half_compute_keeps_the_weights_and_the_predictor_shapes(tiny_opt_dir, tmp_path):
+    """--compute-dtype bfloat16: the layout still comes from the stored weights (identical dense
+    tensors); only the calibration forward, hence the predictors, differ (same shapes, and on
+    this random model a held-out recall within 0.1 of float32's)."""
+    s32 = build_engine(tiny_opt_dir, BuildConfig(density=0.3, dtype="float32", **QUICK), tmp_path / "a.engine",
+                       progress=False)
+    s16 = build_engine(tiny_opt_dir, BuildConfig(density=0.3, dtype="float32", compute_dtype="bf16", **QUICK),
+                       tmp_path / "b.engine", progress=False)
+    ha, ta = read_engine(tmp_path / "a.engine")
+    hb, tb = read_engine(tmp_path / "b.engine")
+    assert hb["build_config"]["settings"]["compute_dtype"] == "bfloat16"
+    for k in ta:
+        assert ta[k].shape == tb[k].shape
+        if ".pred_" not in k:
+            assert torch.equal(ta[k], tb[k]), k
+    for kind in ("mlp", "attn"):
+        for r32, r16 in zip(s32["predictor_recall"][kind], s16["predictor_recall"][kind]):
+            assert abs(r32 - r16) <= 0.1
+    with pytest.raises(DejavuError, match="compute-dtype"):
+        BuildConfig(density=0.5, compute_dtype="int8")
