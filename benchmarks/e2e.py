@@ -152,7 +152,7 @@ def _ablate_two_launch_qkv(eng):
 
 
 def _ablate_no_fusion(eng):
-    """Both fusions of this session off: separate LayerNorms and the two-launch Q/K/V."""
+    """Both fusions of 2026-12-02 off: separate LayerNorms and the two-launch Q/K/V."""
     _ablate_unfused_ln(eng)
     return _ablate_two_launch_qkv(eng)
 
@@ -332,7 +332,7 @@ def _table(module: str, name: str, **kv):
     return apply
 
 
-# the folded finish's slow-path layout in session 14's first runs (before "wide": Z 1, z-slices first)
+# the folded finish's slow-path layout in 2026-12-03 first runs (before "wide": Z 1, z-slices first)
 _FOLD_S14 = {"FOLD_SLOW_Z": 1, "FOLD_SLOW_LAST": False}
 
 
@@ -406,7 +406,7 @@ def _neurons_before_heads(eng):
 
 
 def _neurons_first(eng):
-    """The predictor schedule before session 6: a layer's neuron predictor first, and the main
+    """The predictor schedule before 2026-12-02: a layer's neuron predictor first, and the main
     stream waits for both of its predictors before the layer's attention."""
     pred = eng.decoder.pred
     pred.heads_first = False
@@ -426,7 +426,7 @@ def _side_priority(eng):
 
 def _main_priority(prio):
     """The decode graph captured on a stream of priority `prio` (SparseDecoder.graph_priority;
-    None: the highest, the default since session 9; 0: the default priority, the same as the
+    None: the highest, the default since 2026-12-03; 0: the default priority, the same as the
     predictors' side stream, as before)."""
     return _decoder_attr("graph_priority", prio)
 
@@ -496,12 +496,12 @@ def _swept(*parts):
 # each one change from the row without the suffix
 ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfusedln": _ablate_unfused_ln, "fuseln": _ablate_fused_ln,
              "twolaunchqkv": _ablate_two_launch_qkv,
-             # session 17: deferred K/V slots past the Q/K/V partials caught up on the predictors' side
+             # 2026-12-04: deferred K/V slots past the Q/K/V partials caught up on the predictors' side
              # stream (SparseDecoder.catch_up) instead of the finishing kernel's slow path; with 4 / 16
              # programs per row block (CATCHUP_CONFIG Z, default 8), or 512-column chunks (a quarter of
              # the serial loads)
              "catchup": _decoder_attr("catch_up", True),
-             # session 18: refresh heads (SparseDecoder.kv_refresh, batch 1): up to N heads that do not attend
+             # 2026-12-04: refresh heads (SparseDecoder.kv_refresh, batch 1): up to N heads that do not attend
              # but lag hist_slots behind get their K/V in the step's Q/K/V launches (no slow path later);
              # refreshN: any lag past hist_slots (the most lagging first), refreshNh: exactly hist_slots (the
              # default is decoder.REFRESH_AUTO's rule: 4 heads from 40% of the heads attending, hidden >= 4096;
@@ -562,11 +562,11 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "qkvp32s2": _qkv_b1(BLOCK_P=32, SHARED_P=32, num_stages=2),
              "qkvp32r128": _qkv_b1(BLOCK_P=32, SHARED_P=32, maxnreg=128),
              "qkvp32t396": _qkv_b1(BLOCK_P=32, SHARED_P=32, TARGET_PROGRAMS=396),
-             # session 19: the wide tile only for the heads more than 15 slots behind (SHARED_P_WIDE; off by
+             # 2026-12-04: the wide tile only for the heads more than 15 slots behind (SHARED_P_WIDE; off by
              # default since): 32 (wide), off (nowide, the default), 64 slots (with a 128-register cap), with a
              # 128-register cap; refresh heads at exactly 31 (with wide)
              # batch 1's unfolded route with SHARED_P 32 and a 128-register cap (SHARED_P_UNFOLDED, the default
-             # since session 19): off (SHARED_P 16 everywhere, the default before)
+             # since 2026-12-04): off (SHARED_P 16 everywhere, the default before)
              "nounfolded": _qkv_b1(SHARED_P_UNFOLDED=None), "nounfolded2": _qkv_b1(SHARED_P_UNFOLDED=None),
              # (measured on SHARED_P 16, before SHARED_P_UNFOLDED: these rows turn it off to stay that)
              "wide": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None),
@@ -577,7 +577,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "wider128": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None, maxnreg=128),
              "refresh4h31": _both(_qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None), _decoder_attr("kv_refresh", 4),
                                   _decoder_attr("kv_refresh_lags", (31, 31))),
-             # session 20: the wide tile for every K/V program of a launch in which some selected head is past
+             # 2026-12-04: the wide tile for every K/V program of a launch in which some selected head is past
              # 15 slots (SHARED_P_WIDE_ALL: one branch per launch), none otherwise; with the 128-register cap of
              # the unfolded route (wideall) or without (wideallnc)
              "wideall": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128),
@@ -598,7 +598,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # fc2's split reduction, where the predictors' stream is idle): 1 / 2 / 4 tiles of 128 columns
              "pfqkv1": _pdl_prefetch(qkv=1), "pfqkv2": _pdl_prefetch(qkv=2), "pfqkv4": _pdl_prefetch(qkv=4),
              "pfqkv2b": _pdl_prefetch(qkv=2),
-             # session 21: the attention kernel's stable cache slots (below min(valid_len, pos)) loaded before its
+             # 2026-12-04: the attention kernel's stable cache slots (below min(valid_len, pos)) loaded before its
              # PDL wait, valid_len committed by the combine kernel (ATTN_CONFIG EARLY_KV); with 16- / 64-slot chunks
              "earlykv": _attn_setting(EARLY_KV=True), "earlykv2": _attn_setting(EARLY_KV=True),
              "earlykvc16": _attn_setting(EARLY_KV=True, CHUNK=16, BLOCK_S=16),
@@ -610,8 +610,8 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # free SM slots let the predictors' first GEMVs start beside it (TARGET_PROGRAMS 528 fills every slot
              # at head density 0.2: 8 slices x 66 row blocks; 512 -> 7 slices, 462; 480 also d0.3 -> 4 slices, 408)
              "qkvt512": _qkv_b1(TARGET_PROGRAMS=512), "qkvt480": _qkv_b1(TARGET_PROGRAMS=480),
-             "qkvt528": _qkv_b1(TARGET_PROGRAMS=528),  # the default before session 21 (512 since)
-             # session 22: the tl.dot fc2 / projection kernel with its row indices loaded one K block ahead
+             "qkvt528": _qkv_b1(TARGET_PROGRAMS=528),  # the default before 2026-12-04 (512 since)
+             # 2026-12-04: the tl.dot fc2 / projection kernel with its row indices loaded one K block ahead
              # (ROWS_AHEAD), so its weight tiles are multi-buffered (cp.async) instead of one at a time
              "fc2ahead": _fc2_route("dot1", ROWS_AHEAD=True),
              "fc2ahead4": _fc2_route("dot1", ROWS_AHEAD=True, num_stages=4),
@@ -659,7 +659,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "qkvr32": _qkv_b1(BLOCK_R=32), "qkvs4": _qkv_b1(num_stages=4), "qkvd256": _qkv_b1(BLOCK_D=256),
              "proj1056": _fc2_route("proj1", TARGET_PROGRAMS=1056), "fc2t1056": _fc2_route("dot1", TARGET_PROGRAMS=1056),
              "fc2s4": _fc2_route("dot1", num_stages=4),
-             # session 9: the main stream's graph at the highest priority (default since) or at the
+             # 2026-12-03: the main stream's graph at the highest priority (default since) or at the
              # side stream's (mainzero: before); the attention chunks combined by the last chunk
              # program of each head (no combine launch)
              "mainhigh": _main_priority(None), "mainzero": _main_priority(0),
@@ -668,7 +668,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # the held predictors launched after a layer's Q/K/V kernels (they then overlap the
              # latency-bound attention kernels), with the main stream at the highest priority
              "predqkvhigh": _both(_side("after_qkv"), _main_priority(None)), "mainhigh2": _main_priority(None),
-             # LayerNorm's weight and bias loaded after the PDL wait and the statistics (before session 9)
+             # LayerNorm's weight and bias loaded after the PDL wait and the statistics (before 2026-12-03)
              "lnlate": _LN_LATE,
              # ... and the attention / Q/K/V finishing kernels' index and position reads after it too
              "latereads": _both(_LN_LATE, _attn_setting(EARLY_READS=False), _qkv_b1(EARLY_READS=False)),
@@ -683,7 +683,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
              "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),
              "foldslowz4": _both(_attn_setting(FOLD_COMBINE=True), _qkv_b1(SLOW_Z=4)),
-             # session 10: the MLP's LayerNorm as its own launch again (before: fc1 applies it from the
+             # 2026-12-03: the MLP's LayerNorm as its own launch again (before: fc1 applies it from the
              # output projection reduction's block stats, SparseDecoder.defer_ln)
              "nodeferln": _defer_ln(False), "nodeferln2": _defer_ln(False), "deferloop": _fold_ln(False),
              # fc1's GEMV with 4 / 8 rows per program (x, or with defer_ln y and the LayerNorm's
@@ -695,16 +695,16 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "fc1cg": _fc1_gemv(W_CM=".cg"), "fc1ef": _fc1_gemv(W_EV="evict_first"),
              "nodeferlncg": _both(_defer_ln(False), _fc1_gemv(W_CM=".cg")),
              "nodeferlnef": _both(_defer_ln(False), _fc1_gemv(W_EV="evict_first")),
-             # session 10 final: fc1 (and the predictors' GEMVs, which share its config) without the
+             # 2026-12-03 final: fc1 (and the predictors' GEMVs, which share its config) without the
              # evict-first hint (before); the deferred LayerNorm on (fold); the same hint on fc2 /
              # the output projection (tl.dot kernel at batch 1) / the Q/K/V partial kernel
              "fc1noef": _fc1_gemv(W_EV=""), "deferln": _defer_ln(True),
-             # session 11: the LayerNorm before a deferred-K/V attention left to its Q/K/V kernel
+             # 2026-12-03: the LayerNorm before a deferred-K/V attention left to its Q/K/V kernel
              # (SparseDecoder.defer_ln_attn; fc2's reduction stores block stats; the default since
-             # session 11: `nolnqkv` is the row without it), alone and with the MLP's LayerNorm
+             # 2026-12-03: `nolnqkv` is the row without it), alone and with the MLP's LayerNorm
              # left to fc1 too
              "lnqkv": _decoder_attr("defer_ln_attn", True), "lnqkv2": _decoder_attr("defer_ln_attn", True),
-             # session 12: attention and the output projection in one launch at batch 1 (short
+             # 2026-12-03: attention and the output projection in one launch at batch 1 (short
              # contexts; sparse_attention.attend_project), and its block / program / prefetch variants
              "attnproj": _attn_setting(PROJ_MAX_S=4096), "attnproj2": _attn_setting(PROJ_MAX_S=4096),
              "noattnproj": _attn_setting(PROJ_MAX_S=0),
@@ -732,16 +732,16 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "qkvt792": _qkv_b1(TARGET_PROGRAMS=792),
              "fc2w8": _fc2_route("dot1", num_warps=8), "fc2d64": _fc2_route("dot1", BLOCK_D=64),
              "fc2k128": _fc2_route("dot1", BLOCK_K=128), "fc2t396": _fc2_route("dot1", TARGET_PROGRAMS=396),
-             "fc2t528": _fc2_route("dot1", TARGET_PROGRAMS=528),  # before session 12's switch to 396
+             "fc2t528": _fc2_route("dot1", TARGET_PROGRAMS=528),  # before 2026-12-03 switch to 396
              "fc2t264": _fc2_route("dot1", TARGET_PROGRAMS=264), "fc2t132": _fc2_route("dot1", TARGET_PROGRAMS=132),
-             # longer pieces of each gathered row (session 15: 0.5-1% faster in isolation at OPT-30B d0.2-0.3)
+             # longer pieces of each gathered row (2026-12-03: 0.5-1% faster in isolation at OPT-30B d0.2-0.3)
              "fc2d256": _fc2_route("dot1", BLOCK_K=32, BLOCK_D=256, num_stages=4),
              "fc2d1024": _fc2_route("dot1", BLOCK_K=16, BLOCK_D=1024, num_warps=8, num_stages=3, TARGET_PROGRAMS=264),
              "projd256": _fc2_route("proj1", BLOCK_K=32, BLOCK_D=256),
              "projw8": _fc2_route("proj1", num_warps=8), "projd64": _fc2_route("proj1", BLOCK_D=64),
              "projk32": _fc2_route("proj1", BLOCK_K=32),
              "fc1w8": _fc1_gemv(num_warps=8), "fc1s3": _fc1_gemv(num_stages=3),
-             # fc2 started per K split while fc1 runs (session 16), with fc1's default blocks / 4 rows
+             # fc2 started per K split while fc1 runs (2026-12-04), with fc1's default blocks / 4 rows
              # per program (fewer programs: fc2 may launch sooner) / fc2 on 528 programs
              "mlpovr4": _both(_ablate_mlp_overlap, _fc1_gemv(BLOCK_R=4)),
              "mlpovt528": _both(_ablate_mlp_overlap, _fc2_route("dot1", TARGET_PROGRAMS=528)),
@@ -754,10 +754,10 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "predb32": _pred_b(BLOCK_R=32),
              "predbw8": _pred_b(num_warps=8),
              "preda2048": _pred_a(BLOCK_D=2048),
-             # session 13: fc2's first weight tiles into L2 before its PDL wait (behind fc1's late trigger);
+             # 2026-12-03: fc2's first weight tiles into L2 before its PDL wait (behind fc1's late trigger);
              # fc1 with an early trigger (fc2's programs launch beside fc1's), alone and with fc2's prefetch.
-             # (Also measured that session, code since removed: the predictors' GEMVs on a persistent grid
-             # and weight rows loaded into registers before the PDL wait; BENCHMARKS.md, session 13.)
+             # (Also measured that day, code since removed: the predictors' GEMVs on a persistent grid
+             # and weight rows loaded into registers before the PDL wait; BENCHMARKS.md, 2026-12-03.)
              "pffc2a": _pdl_prefetch(fc2=1), "pffc2b": _pdl_prefetch(fc2=2),
              "fc1early": _pdl_early("fc1"), "fc1earlypffc2": _both(_pdl_early("fc1"), _pdl_prefetch(fc2=2)),
              # the side stream's scores = h @ b.T with shorter programs (default 8 rows of 256: two chunks
@@ -769,7 +769,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              # the head predictors at the layer's input, the neuron predictors held until after the
              # Q/K/V kernels / the attention op (SparseDecoder.pred_window "split_qkv" / "split_attn")
              "predsplitqkv": _side("split_qkv"), "predsplitattn": _side("split_attn"),
-             # session 14: no Q/K/V finishing kernel at batch 1: attention sums the partials (Q, and K/V
+             # 2026-12-03: no Q/K/V finishing kernel at batch 1: attention sums the partials (Q, and K/V
              # at pos and the 15 missing slots the partials hold) and the partial kernel's first
              # z-slices fill longer gaps (FOLD_FINISH); with 2 slow-path chunk sets / 32-row sub-blocks.
              # Every setting the rows were measured with is spelled out (the defaults moved since).
@@ -808,7 +808,7 @@ ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfus
              "preda2": _pred_a(BLOCK_R=2),
              "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
              "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
-             # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring
+             # 2026-12-02 defaults: its early-trigger set, neuron predictor first, cuBLAS scoring
              "s5early": _pdl(0, S5_EARLY),
              "s5defaults": _both(_neurons_first, _scoring("torch"), _pdl(0, S5_EARLY)),
              "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),

@@ -544,7 +544,7 @@ def run_checks(kinds=None):
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 8},
                                        attn={"FOLD_COMBINE": True}, **deep)))
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, attn={"LAST_COMBINE": True}, **deep)))
-    # session 14: batch 1 with the Q/K/V finish folded into attention (FOLD_FINISH): the partials
+    # 2026-12-03: batch 1 with the Q/K/V finish folded into attention (FOLD_FINISH): the partials
     # summed by the attention kernel, longer gaps by the partial kernel's slow z-slices
     fold_shape = deep if big else dict(H=6, hd=24, S=90, pos=70, kh=4, dtype=torch.float16)
     for gap in ((0, 3, 40, 100) if big else (0, 40)):
@@ -574,7 +574,7 @@ def run_checks(kinds=None):
                                        dtype=dtype, scoring=scoring)))
     # the one-launch MLP: every reduction, with/without prefetch, odd shapes; real shapes; a graph
     # (REDUCE "barrier" spins: run --check under `timeout`). REDUCE "atomic" gave wrong sums at
-    # the real shapes on the H200 (session 3) and is refused on CUDA: interpreter only.
+    # the real shapes on the H200 (2026-12-02) and is refused on CUDA: interpreter only.
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for i, (red, pre, r) in enumerate((("atomic", True, 1), ("atomic", False, 2), ("barrier", True, 2),
                                            ("barrier", False, 1), ("kernel", True, 4))):
@@ -698,7 +698,7 @@ FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for 
                       [(128, 64, 4, 3, 528), (64, 128, 4, 3, 528), (32, 256, 4, 3, 528), (64, 256, 8, 3, 528),
                        (128, 128, 8, 3, 528), (64, 128, 4, 4, 528), (128, 64, 4, 3, 1056), (64, 128, 4, 3, 1056),
                        (32, 256, 4, 4, 1056), (16, 512, 4, 3, 528), (128, 64, 8, 4, 528), (64, 64, 4, 4, 1056)]]
-                     # session 9: few programs, SPLIT 1 or 2 (one program per narrow D block walks all of
+                     # 2026-12-03: few programs, SPLIT 1 or 2 (one program per narrow D block walks all of
                      # K: no split-K reduction launch), for the small K of density 0.1
                      + [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s, TARGET_PROGRAMS=t)
                         for k, d, w, s, t in
@@ -870,14 +870,14 @@ MLP_VARIANTS = {"default": lambda: None,
                 "fusedfinish": _module_setting("FUSED_FINISH", True),
                 "fc2t528": _fc2_dot1(TARGET_PROGRAMS=528), "fc2t792": _fc2_dot1(TARGET_PROGRAMS=792),
                 # fc2 reading longer pieces of each gathered row (BLOCK_D 256 / 512 / 1024 columns: 0.5-2 KB
-                # against 256 B), more K splits to keep the program count (session 15)
+                # against 256 B), more K splits to keep the program count (2026-12-03)
                 "fc2w256": _fc2_dot1(BLOCK_K=32, BLOCK_D=256, num_stages=4),
                 "fc2w256t792": _fc2_dot1(BLOCK_K=32, BLOCK_D=256, num_stages=4, TARGET_PROGRAMS=792),
                 "fc2w512": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4),
                 "fc2w512t792": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4, TARGET_PROGRAMS=792),
                 "fc2w512s6": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=6, TARGET_PROGRAMS=264),
                 "fc2w1024": _fc2_dot1(BLOCK_K=16, BLOCK_D=1024, num_warps=8, num_stages=3, TARGET_PROGRAMS=264),
-                # fc2's row indices one K block ahead (ROWS_AHEAD, session 22): its weight tiles multi-buffered
+                # fc2's row indices one K block ahead (ROWS_AHEAD, 2026-12-04): its weight tiles multi-buffered
                 "ahead": _fc2_dot1(ROWS_AHEAD=True), "ahead4": _fc2_dot1(ROWS_AHEAD=True, num_stages=4),
                 "ahead_t528": _fc2_dot1(ROWS_AHEAD=True, TARGET_PROGRAMS=528),
                 "ahead_t792": _fc2_dot1(ROWS_AHEAD=True, TARGET_PROGRAMS=792),
@@ -885,7 +885,7 @@ MLP_VARIANTS = {"default": lambda: None,
                 "ahead_k32s4": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4),
                 "ahead_k32s4_t528": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4, TARGET_PROGRAMS=528),
                 "ahead_w256": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, BLOCK_D=256, num_stages=3),
-                # many waves of fc2 programs instead of one (session 22)
+                # many waves of fc2 programs instead of one (2026-12-04)
                 "fc2t1188": _fc2_dot1(TARGET_PROGRAMS=1188), "fc2t2376": _fc2_dot1(TARGET_PROGRAMS=2376),
                 "fc2t1188k32": _fc2_dot1(TARGET_PROGRAMS=1188, BLOCK_K=32)}
 VARIANT_DENSITIES = (0.1, 0.2, 0.3)
@@ -901,7 +901,7 @@ def bench_mlp_variants(mlps, bw, names):
             K = max(1, int(round(d * mlp.F)))
             sets = [rand_idx(1, mlp.F, K, False) for _ in range(8)]
             nbytes = 2 * K * mlp.D * 2
-            # one untimed graph first: the first timed one ran ~20% slow in session 13's runs
+            # one untimed graph first: the first timed one ran ~20% slow in 2026-12-03 runs
             bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)], reps=5)
             for v in names:
                 undo = MLP_VARIANTS[v]()
@@ -939,7 +939,7 @@ def _fc2_split(K, D):
     return SM._split_plan(K, D, SM.FC2_CONFIG["dot1"])[1]
 
 
-# fc2 started per K split while fc1 runs (fc2_overlap, session 16): {"fc1": .., "fc2": ..} overrides
+# fc2 started per K split while fc1 runs (fc2_overlap, 2026-12-04): {"fc1": .., "fc2": ..} overrides
 OVERLAP_VARIANTS = {"overlap": {}, "overlap_r4": {"fc1": {"BLOCK_R": 4}},
                     "overlap_t528": {"fc2": {"TARGET_PROGRAMS": 528}},
                     "overlap_r4_t264": {"fc1": {"BLOCK_R": 4}, "fc2": {"TARGET_PROGRAMS": 264}},
@@ -949,7 +949,7 @@ OVERLAP_VARIANTS = {"overlap": {}, "overlap_r4": {"fc1": {"BLOCK_R": 4}},
 
 
 def bench_mlp_parts(mlps, bw, only=None):
-    """Batch 1, where the pair's time goes (session 15). Per shape and density, each in a CUDA
+    """Batch 1, where the pair's time goes (2026-12-03). Per shape and density, each in a CUDA
     graph of 8 calls over rotating weight copies and index sets: the pair, fc1 alone, fc2 alone
     (with its split reduction), the reduction alone (fc2's split count), fc1's kernel over 2K
     rows (the pair's bytes in one launch), and cuBLAS on contiguous weights of the same bytes
@@ -995,7 +995,7 @@ def bench_mlp_parts(mlps, bw, only=None):
             for cname, ccfg in CHAIN_VARIANTS.items():  # fc1 and fc2 in one launch
                 cases[cname] = (2 * K, lambda i, ccfg=ccfg: SM.sparse_mlp_chain(
                     x, cp[i % C][0], cp[i % C][1], cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=ccfg))
-            # one untimed graph first: a section's first graph runs slow (sessions 13, 15)
+            # one untimed graph first: a section's first graph runs slow (2026-12-03)
             bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % C) for i in range(8)], reps=5)
             for case, (n_rows, fn) in cases.items():
                 if only and not case.startswith(tuple(only)):
@@ -1012,7 +1012,7 @@ def bench_mlp_parts(mlps, bw, only=None):
 # are spill-free at D 7168 and 9216 by ptxas -v on sm_90a (R2/prefetch/16 warps: 168 B at 9216);
 # PER_SM 2 fits two programs per SM only where the registers allow (4 warps: both shapes; 8: 7168).
 FUSED_SWEEP = [dict(REDUCE=red, BLOCK_R=r, PREFETCH=pre, num_warps=w, PER_SM=x) for red, r, pre, w, x in
-               # "atomic" (fastest in session 3, but wrong at these shapes: refused on CUDA) is out
+               # "atomic" (fastest in 2026-12-02, but wrong at these shapes: refused on CUDA) is out
                [("kernel", 1, True, 8, 1), ("kernel", 1, True, 16, 1), ("kernel", 2, True, 16, 1),
                 ("kernel", 1, False, 4, 2), ("kernel", 2, False, 16, 1), ("kernel", 1, False, 8, 2),
                 ("barrier", 1, True, 16, 1), ("barrier", 1, False, 4, 2), ("barrier", 1, True, 8, 1)]]
@@ -1148,7 +1148,7 @@ QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS
                    num_stages=st, SHARED_MIN_BATCH=1, SHARED_P=16)
               for r in (16, 32, 64) for d in (64, 128, 256) for t in (528, 1056) for st in (2, 3) if r * d <= 8192]
 # --qkv-sweep finish: the batch-1 Q/K/V finishing kernel's rows per program and partial loads,
-# on top of QKV_CONFIG_B1 (the profile of session 4 put that kernel at ~10 us per layer)
+# on top of QKV_CONFIG_B1 (the profile of 2026-12-02 put that kernel at ~10 us per layer)
 QKV_FINISH_SWEEP = [dict(FINISH_R=r, FINISH_S=fs) for r in (16, 32, 64, 128) for fs in (1, 2, 4, 8)]
 ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=4) for c in (32, 64, 128) for bs in (32, 64) if bs <= c]
 
@@ -1365,7 +1365,7 @@ PRED_SWEEP = {"a": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r in (1, 2, 4) f
                       for w in (4, 8) if r * d <= 4096],
               "b": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r in (2, 4, 8, 16) for d in (256, 512)
                     for w in (4, 8) if r * d <= 8192]
-              # added in session 9, not run yet: larger tiles and deeper pipelines for the 512 -> N
+              # added in 2026-12-03, not run yet: larger tiles and deeper pipelines for the 512 -> N
               # product (best so far 11.8 us at OPT-30B against cuBLAS 10.7 and ~7 at copy bandwidth)
               + [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=st) for r, d in ((16, 256), (32, 256), (16, 512),
                                                                                     (32, 512), (64, 256))

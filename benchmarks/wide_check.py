@@ -8,7 +8,7 @@ finishing kernel's slow path; a fifth step with every head 3 behind), through
 `sparse_attn_decode_deferred` with SHARED_P_WIDE 32 (on SHARED_P 16), with neither it nor
 SHARED_P_UNFOLDED (every head past 15 in the slow path), with the default (SHARED_P_UNFOLDED 32: every
 program's dot over 31 slots), with SHARED_P_WIDE_ALL (all32: every K/V program wide in a launch with a
-head past 15, none otherwise; session 20), and through the float64 reference (on the GPU). Session 19
+head past 15, none otherwise; 2026-12-04), and through the float64 reference (on the GPU). 2026-12-04
 ran it on trees before SHARED_P_UNFOLDED existed (the first two forms).
 Reports the relative errors of the output and of the caches written; fails (exit 1) past 2e-3
 (fp16) / 1e-5 (fp32) relative to float64.

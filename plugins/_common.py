@@ -89,22 +89,22 @@ def last_arrival(counter_ptr, n):
 # two gather_gemv products when predictor.SCORE_METHOD is "triton", on the side stream).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
              "layer_norm", "pred")
-# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md sessions 5-6).
-# Session 5 (neuron predictor first, cuBLAS scoring): every kind but fc1 early 6.74-6.78 ms/token at
+# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md 2026-12-02).
+# 2026-12-02 (neuron predictor first, cuBLAS scoring): every kind but fc1 early 6.74-6.78 ms/token at
 # density 0.3 (plain launches 6.89-6.94), 4.57-4.59 at 0.1 (5.12); late triggers only: 6.79-6.85 and
 # 5.04-5.06; early everywhere: 7.30-7.32 and 4.66-4.68 (fc1's early trigger alone: 7.37 at 0.3);
 # early only for the kernels without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching
 # weight tiles before the wait never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16).
-# Session 6, with the head predictor run first on the side stream (runtime/predictors.py) and
+# 2026-12-02, with the head predictor run first on the side stream (runtime/predictors.py) and
 # Triton scoring: early only for the kernels without a main loop (these defaults) 6.653-6.656 at
 # 0.3 and 4.391-4.401 at 0.1 (two rows each, two runs), against 6.905-6.914 and 4.498-4.511 with
-# the session-5 set in the same runs.
+# the 2026-12-02 set in the same runs.
 # "PLAIN": kinds launched without PDL even when it is enabled: the predictors' products on the
-# side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; session 6).
+# side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; 2026-12-02).
 # "PREFETCH": {kind: tiles}, overriding PREFETCH_TILES for those kinds (a kernel launched behind
 # an early trigger waits longest: the output projection behind the attention and its combine).
-# Session 12 (these defaults otherwise): the projection with 2 / 4 tiles 6.407 / 6.470 ms/token at
-# density 0.3, fc1 with 1 tile 6.448, against 6.345-6.353 without. Session 20: the Q/K/V partial kernel
+# 2026-12-03 (these defaults otherwise): the projection with 2 / 4 tiles 6.407 / 6.470 ms/token at
+# density 0.3, fc1 with 1 tile 6.448, against 6.345-6.353 without. 2026-12-04: the Q/K/V partial kernel
 # (behind fc2's split reduction, while the predictors' stream is idle) with 1 / 2 / 4 tiles 6.328 /
 # 6.351-6.356 / 6.377 against 6.289-6.300, slower at d0.2 and d0.1 too.
 PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
@@ -139,7 +139,7 @@ def reg_cap(cfg: dict, device: torch.device) -> dict:
     """Launch options capping a kernel's registers per thread at cfg["maxnreg"] (None: the
     compiler's choice; ptxas spills the rest to local memory), so more programs fit on an SM.
     CUDA only (the interpreter has no registers). No config sets it: on the H200 caps of 168 / 128
-    on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, session 17)."""
+    on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, 2026-12-04)."""
     n = cfg.get("maxnreg")
     return {"maxnreg": int(n)} if n and device.type == "cuda" and not interpreting() else {}
 

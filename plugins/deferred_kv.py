@@ -33,7 +33,7 @@ passes over its rows (the slow path: ~20% of selections with random sets at head
 out over SLOW_Z programs per row block). With SPLIT == 1 the program finishes from its
 registers (no counter). That one-launch form is opt-in (QKV_CONFIG["FUSED_FINISH"]): on the
 H200 it made the decode step slower (OPT-30B shape, density 0.3, batch 1: 8.28 vs 7.70
-ms/token with both of this session's fusions on vs off; the fused partial kernel needs ~250
+ms/token with both of 2026-12-02's fusions on vs off; the fused partial kernel needs ~250
 registers against ~170, and the finishing program's serial tail costs about what the
 separate launch did; BENCHMARKS.md). The default is two launches: the same `_finish_rows`
 in `_qkv_finish_kernel`, grid (B*Kh, rows of FINISH_R). The counters are shared per device: two Q/K/V launches must not run at
@@ -52,13 +52,13 @@ and at batch 1 (QKV_CONFIG_B1: one tl.dot over [x at pos, 15 missing slots], 64-
 blocks): on the H200 (OPT-30B shape, head density 0.3, gap 3) the whole deferred attention
 call took 53-57 us at batch 1 against 69-72 with the per-sequence kernel, and 83 against
 259 us at batch 8; the decode step 7.28 against 7.74 ms at batch 1, 10.4 against 16.8 at
-batch 8 (BENCHMARKS.md, session 4). Per-sequence sets (batch > 1) keep
+batch 8 (BENCHMARKS.md, 2026-12-02). Per-sequence sets (batch > 1) keep
 `_qkv_partial_kernel`.
 Refresh heads (batch 1, `refresh_heads` then `sparse_attn_decode_deferred(..., refresh=)`): heads that
 do not attend but have fallen hist_slots behind get their K/V in the same two Q/K/V launches (extra
 head slots without Q rows, constexpr REFRESH), valid_len committed by the attention kernel, so no
 head reaches the slow path when it is selected again (`refresh_route` says where the kernels take
-them; the runtime's default uses them from 40% of the heads attending: BENCHMARKS.md, session 18).
+them; the runtime's default uses them from 40% of the heads attending: BENCHMARKS.md, 2026-12-04).
 Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
 duplicate head indices not allowed (top-k never makes them).
 """
@@ -104,13 +104,13 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
 # cache has fewer chunks).
 CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_warps": 4, "num_stages": 2}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
-# of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
+# of `kernels.py --sweep-attn` on the H200 (2026-12-02; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
 # 111.6 vs 116.0 us per two calls; decode step 6.93 vs 7.03 ms). A copy made at import:
 # later edits of QKV_CONFIG do not reach batch 1.
 # SLOW_Z None: as many programs per row block as fill ~SLOW_TARGET finishing programs (at most
 # 8): OPT-30B shape, batch 1, d0.1 (6 heads, 144 row blocks): 4, 4.20 vs 4.39 ms/token with 1;
-# d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, session 8).
+# d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, 2026-12-03).
 # FOLD_FINISH (batch 1, shared-set kernel, FUSED_FINISH off, attention with a combine launch:
 # `sparse_attention.folds_finish`): no finishing kernel; the attention kernel sums the partials
 # itself (Q in every chunk program; K/V at pos and at the P - 1 slots the partials hold in the
@@ -125,23 +125,23 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # SLOW_D: columns per load of the finishing kernel's slow passes (None: BLOCK_D; wider: fewer
 # serial round trips per pass). On the H200 (OPT-30B shape, batch 1, d0.3) neither paid: SLOW_P 32 /
 # 64 / 128 6.36 / 6.37 / 6.48 ms/token, SLOW_D 256 / 512 6.33 / 6.36, against 6.33-6.35
-# (BENCHMARKS.md, session 17).
+# (BENCHMARKS.md, 2026-12-04).
 # PARTIAL_SLOW (batch 1, shared-set kernel, two launches): those slow z-slices of the partial kernel
 # without the fold: the finishing kernel still sums the partials but leaves the slots past them to
 # the z-slices (which run beside the bandwidth-bound partial programs instead of after them).
 # Off: on the H200 (OPT-30B shape, batch 1, d0.3) 6.41-6.46 vs 6.33 ms/token; the attention section
-# gained 0.23 ms per step, the partial kernel and fc2 / projection lost 0.40 (session 17).
+# gained 0.23 ms per step, the partial kernel and fc2 / projection lost 0.40 (2026-12-04).
 # FOLD_FINISH "wide" (batch 1's default): fold only where the partial kernel would take more than
 # FOLD_MAX_SPLIT slices (few heads: OPT-30B d0.1, 14 slices, capped to 8), where the finishing
 # kernel is at its slowest (one load per slice, and the slow path of frequent long gaps). On the
-# H200 (OPT-30B shape, batch 1, session 14): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
+# H200 (OPT-30B shape, batch 1, 2026-12-03): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
 # last, FOLD_SLOW_Z 4; Z 2 3.52-3.54, Z 8 3.50, Z 1 3.69); at d0.3 (5 slices) every folded form was
 # slower, 6.36-6.52 vs 6.28-6.35. OPT-1.3B shape (16 slices at d0.3): 0.870 vs 0.950 ms/token.
 # SHARED_P_WIDE (batch 1, the partial kernel with its finishing kernel, not folded; 0 off): the K/V
 # programs of a head more than SHARED_P - 1 slots behind take a tl.dot of SHARED_P_WIDE rows instead (a
 # branch per program), so the finishing kernel's serial slow path starts only past SHARED_P_WIDE - 1.
-# Off: on the H200 (OPT-30B shape, batch 1, 128 steps after a 128-token prompt; BENCHMARKS.md, session
-# 19) a quarter of a d0.3 step's layers have a head past 15 slots and the slow path is ~3.4% of the
+# Off: on the H200 (OPT-30B shape, batch 1, 128 steps after a 128-token prompt; BENCHMARKS.md,
+# 2026-12-04) a quarter of a d0.3 step's layers have a head past 15 slots and the slow path is ~3.4% of the
 # step; 32 removed it from the attention kernel's wait (-216 us per step) but the wide programs set the
 # partial kernel's tail and the finishing kernel read twice the partials: d0.3 6.292-6.342 vs 6.294-
 # 6.335 ms/token, d0.5 9.33-9.35 vs 8.88 (with refresh heads the kernel took 142 registers: 3 programs
@@ -150,26 +150,26 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # SHARED_P_WIDE_ALL (with SHARED_P_WIDE): one branch for the whole launch instead of one per program: every
 # K/V program takes the wide tile when any selected head is more than SHARED_P - 1 slots behind, none when
 # none is (a launch then runs as with SHARED_P_UNFOLDED = SHARED_P_WIDE, or as without it). Off: on the H200
-# (OPT-30B shape, batch 1, 128-register cap; session 20) d0.3 6.284-6.285 against 6.239-6.245 ms/token with
+# (OPT-30B shape, batch 1, 128-register cap; 2026-12-04) d0.3 6.284-6.285 against 6.239-6.245 ms/token with
 # SHARED_P_UNFOLDED (no faster than SHARED_P 16, 6.290), d0.2 4.968 against 4.986-4.992: the branch waits on
 # the launch's valid_len loads before any weight load.
 # PARTIAL_EARLY_READS: the shared-set partial kernel's programs read their head, pos and valid_len before the
-# PDL wait (as the finishing kernel's EARLY_READS). Off: within the runs' spread on the H200 (session 20):
+# PDL wait (as the finishing kernel's EARLY_READS). Off: within the runs' spread on the H200 (2026-12-04):
 # d0.3 6.269 / 6.279 against 6.279-6.298 ms/token, d0.2 4.994 / 4.994 against 5.018-5.025, d0.1 3.490-3.499
 # against 3.484-3.490; with SHARED_P_WIDE_ALL d0.3 6.343, per-program SHARED_P_WIDE 6.367 (d0.2 4.985 / 4.953).
 # LN_AHEAD (batch 1, the partial kernel normalising its input, LN_IN): 1 loads x_new's next D chunk one
 # iteration ahead, 2 also the LayerNorm's weight and bias (140 registers uncapped, 8 bytes spilled under the
 # 128 cap; 1 stays at 128): in the loop those loads are plain ones (only the weight and history tiles go
 # through cp.async), which each iteration otherwise waits for before its tl.dot. Off: 1 no faster on the H200
-# (OPT-30B batch 1, session 22: d0.3 6.310-6.314 vs 6.307-6.308 ms/token, d0.2 4.867-4.875 vs 4.868-4.871);
+# (OPT-30B batch 1, 2026-12-04: d0.3 6.310-6.314 vs 6.307-6.308 ms/token, d0.2 4.867-4.875 vs 4.868-4.871);
 # 2 not measured.
 # FINISH_MAXNREG: a register cap for the finishing kernel (None: the compiler's; its decode form takes 64,
 # 8 programs per SM, so d0.3's 408 programs are one wave). Off: with 128 / 96 ptxas takes 78-80 and the H200
-# (session 20) gave d0.3 6.245-6.253 against 6.283-6.288 ms/token but d0.2 5.044-5.046 against 5.016-5.021,
+# (2026-12-04) gave d0.3 6.245-6.253 against 6.283-6.288 ms/token but d0.2 5.044-5.046 against 5.016-5.021,
 # d0.5 equal; 32 rows per program (FINISH_R) 6.303-6.304 at d0.3.
 # SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
 # SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
-# register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32
+# register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; 2026-12-04) P 32
 # with a 128-register cap took d0.3 to 6.222 / 6.295 ms/token against 6.287-6.288 / 6.351-6.355 (runs 3,
 # 10), d0.2 to 5.030 vs 5.134: the partial kernel gets 8.6% slower, the slow path (a quarter of the
 # layers) is gone. With refresh heads (d0.5 by default) 8.936 vs 8.898-8.902, so they keep P 16; the
@@ -178,7 +178,7 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # 4 to an SM (126-128 registers), so a launch of 528 (OPT-30B d0.2: 8 slices x 66 row blocks) leaves no slot
 # for the predictors' stream, whose first GEMV then starts only as the partial kernel drains (16.8 vs 1.5 us
 # into the layer) and whose chain runs into fc1 / fc2. 512 takes 7 slices (462 programs) there: d0.2 4.828-
-# 4.832 against 4.985-4.990 ms/token on the H200 (session 21); d0.1 / d0.3 / d0.5 launch the same programs
+# 4.832 against 4.985-4.990 ms/token on the H200 (2026-12-04); d0.1 / d0.3 / d0.5 launch the same programs
 # either way (504 / 510 / 504); 480 (d0.3: 4 slices, 408 programs) 6.432 against 6.236-6.238 at d0.3.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 512, "num_stages": 3,
                  "SHARED_P_UNFOLDED": 32, "UNFOLDED_MAXNREG": 128,
@@ -349,7 +349,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # head slot 0's first row block (together they cover D once) store it at x_hist[0, pos] (no
     # program of this launch reads that slot; the attention kernel then commits valid_len only).
     # (A per-row form for batches, stats merged into [BLOCK_M] vectors and the tile normalised,
-    # ran ~3x slower on the H200: BENCHMARKS.md, session 11.)
+    # ran ~3x slower on the H200: BENCHMARKS.md, 2026-12-03.)
     # SLOW > 0 (batch 1, FINISH 0, the finishing kernel folded into attention: QKV_CONFIG_B1
     # FOLD_FINISH): z-slices 0 .. SLOW-1 are _fold_slow_program's (the slots no partial holds),
     # slice SLOW + s is D slice s; SLOW_LAST: the last SLOW z-slices are, after the D slices.

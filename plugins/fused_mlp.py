@@ -42,7 +42,7 @@ from dejavu.plugins.sparse_mlp import check_mlp_weights, sparse_mlp_layer_ref
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# Measured on the H200 (2026-12-02, session 3; BENCHMARKS.md): no config beats sparse_fc1 +
+# Measured on the H200 (2026-12-02, 2026-12-02; BENCHMARKS.md): no config beats sparse_fc1 +
 # sparse_fc2 summed over OPT-30B/66B at densities 0.05-0.5 (best 0.692 ms vs the pair's
 # 0.685), and REDUCE "atomic" gave wrong sums at the real shapes there (3 of the GPU checks;
 # small shapes pass; not found), so CUDA launches refuse it. The runtime keeps the pair

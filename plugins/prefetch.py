@@ -14,7 +14,7 @@ output projection's rows of the selected heads, known before attention) into L2,
 that kernel then finds them. The loads carry `eviction_policy="evict_last"` by default
 (`PREFETCH_CONFIG["EVICT"]`; on sm_90 an L2 evict_last cache-policy hint), so the side
 stream's other traffic does not push them out first. The decoder's switch is
-`SparseDecoder.l2_prefetch` (off). Measured on the H200 (BENCHMARKS.md, session 4): alone,
+`SparseDecoder.l2_prefetch` (off). Measured on the H200 (BENCHMARKS.md, 2026-12-02): alone,
 a warmed 30 MB output projection saves 3.4-3.8 of its 14.6 us, but this kernel reads at
 only ~1.9 TB/s and, next to the side-stream predictors, costs more than it saves; the
 decode step got slower in every variant (8.1-8.8 vs 7.7 ms/token).

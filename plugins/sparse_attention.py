@@ -57,7 +57,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # _attn_combine_kernel: one launch fewer per layer; up to FOLD_MAX_CHUNKS chunks (more: the
 # per-block loads grow with the chunk count, and the combine kernel runs). Off: on the H200 it
 # made the decode step slower (OPT-30B shape, batch 1: 7.44 vs 6.59 ms/token at d0.3, 4.56 vs
-# 4.39 at d0.1; BENCHMARKS.md, session 8): the partials' loads slow every k-block of the
+# 4.39 at d0.1; BENCHMARKS.md, 2026-12-03): the partials' loads slow every k-block of the
 # bandwidth-bound projection more than the launch it saves.
 # LAST_COMBINE: the last of a head's chunk programs to finish (`_common.last_arrival`, one
 # counter per (sequence, head) from `_common.counters`) combines the chunks' partials in the
@@ -66,7 +66,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # EARLY_READS: the head index and pos read before the PDL wait (the kernel's docstring).
 # EARLY_KV (with EARLY_READS; attend_heads: one tile per program, and with deferred K/V a combine launch
 # to commit valid_len): the chunk's cache slots that no kernel in flight writes are loaded before the PDL
-# wait. Off: on the H200 (OPT-30B shape, batch 1; session 21) the attention kernel adds 2.5-4.0 us to a
+# wait. Off: on the H200 (OPT-30B shape, batch 1; 2026-12-04) the attention kernel adds 2.5-4.0 us to a
 # layer instead of 5.4-7.6, but the layer's attention part then ends before the predictors' stream has
 # read its ~37 MB, which spill beside the output projection (d0.3) or fc1 / fc2 (d0.2): d0.3 6.336-6.339
 # against 6.284-6.298 ms/token, d0.2 5.215-5.221 against 5.017-5.023 (4.866-4.871 against 4.828-4.832 with
@@ -85,7 +85,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # programs, 128-wide tiles, no prefetch: 7.19-7.68); attention + projection alone 30.0 vs 19.2 us
 # (24.4 with 64-position blocks), the whole attention op 80 vs 53 us; OPT-1.3B shape 1.055 vs
 # 0.946 ms/token. Each program's serial chain (its head's whole attention, then its weight tiles)
-# outlasts the three short launches it replaces (BENCHMARKS.md, session 12).
+# outlasts the three short launches it replaces (BENCHMARKS.md, 2026-12-03).
 ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16,
                "LAST_COMBINE": False, "EARLY_READS": True, "EARLY_KV": False, "PROJ_MAX_S": 0, "PROJ_TARGET": 264,
                "PROJ_BLOCK_D": 64, "PROJ_BLOCK_S": 32, "PROJ_PF": True, "PROJ_DOT": True, "PROJ_WARPS": 4,

@@ -48,26 +48,26 @@ from dejavu.plugins.layer_norm import PendingLN, check_pending, layer_norm, mate
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # Chosen by `benchmarks/kernels.py --sweep` on an H200, timed in CUDA graphs (2026-12-02,
-# session 4, benchmarks/results/kernels-h200-s4-sweep.json; summed time over OPT-30B/66B at
+# 2026-12-02, benchmarks/results/kernels-h200-s4-sweep.json; summed time over OPT-30B/66B at
 # density 0.1 and 0.5 (fc1 GEMV), 0.1 and 0.3 (batch-1 dot paths), 0.3 at batch 8 shared).
 # The decode step with these blocks: 7.04 against 7.27 ms/token (OPT-30B d0.3, BENCHMARKS.md).
-# W_EV "evict_first" (session 10): the streamed weight rows leave L1 first, so the input vector
+# W_EV "evict_first" (2026-12-03): the streamed weight rows leave L1 first, so the input vector
 # every program re-reads stays there; OPT-30B shape, batch 1: 3.940 vs 4.054 ms/token at density
 # 0.1, 6.569 vs 6.593 at 0.3 (".cg", L2 only: no gain). The predictors' GEMVs inherit it (their
-# SCORE_CONFIG sets only block sizes). BENCHMARKS.md, session 10.
+# SCORE_CONFIG sets only block sizes). BENCHMARKS.md, 2026-12-03.
 FC1_CONFIG = {
     "gemv": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2, "W_EV": "evict_first"},
     "dot": {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
 }
 FC2_CONFIG = {
     # SPLIT 32 (~900 programs at D 7168) beat the 528-program target by 16% in the sweep
-    # (session 1; the per-sequence path, not swept since)
+    # (2026-12-02; the per-sequence path, not swept since)
     "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4, "SPLIT": 32},
     "dot": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
     # batch 1 through the tl.dot kernel (FC2_DOT_MIN_BATCH): its own blocks (swept at B=1)
     # (TARGET_PROGRAMS 396, three per SM: one wave; OPT-30B shape batch 1 in the decode step:
     # 6.336-6.343 vs 6.368-6.378 ms/token at density 0.3, 3.770 vs 3.814-3.818 at 0.1 with 528;
-    # BENCHMARKS.md, session 12)
+    # BENCHMARKS.md, 2026-12-03)
     "dot1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "TARGET_PROGRAMS": 396},
     # batch 1, rows gathered in groups (the attention output projection: hd rows per head;
     # K = heads * hd, a few thousand rows against fc2's ~10^4): 14.0 vs 16.5 us (30B, d0.3)
@@ -75,14 +75,14 @@ FC2_CONFIG = {
 }
 # "ROWS_AHEAD" (any tl.dot route, opt-in): _gather_dot_t_kernel loads each K block's row indices one
 # iteration ahead, so its weight tiles are multi-buffered (with the indices loaded in the iteration
-# Triton gives them one buffer). No faster on the H200 (session 22: OPT-30B batch 1 d0.3 6.340 / 6.246
+# Triton gives them one buffer). No faster on the H200 (2026-12-04: OPT-30B batch 1 d0.3 6.340 / 6.246
 # ms/token with it on fc2 / the projection against 6.235-6.241; the pair alone 28.4-29.9 vs 28.2 us at
 # d0.1); BENCHMARKS.md.
 # Batch 1, fc1 and fc2 in one launch (`sparse_mlp_chain`, `_mlp_chain_kernel`): fc1's programs (its
 # GEMV blocks) first, then fc2's tl.dot tiles (its dot1 blocks and split), each tile waiting on a
 # counter for the fc1 programs of its K split only. CHAIN_COUNTERS: the offset of its counters in
 # `_common.counters` (2 per split), away from the ones other kernels take from 0.
-# Measured on the H200 (session 15, kernels.py --sections mlp_parts; BENCHMARKS.md): not faster
+# Measured on the H200 (2026-12-03, kernels.py --sections mlp_parts; BENCHMARKS.md): not faster
 # than the pair in any config (the tl.dot tiles' 124 registers leave fc1's programs 4 per SM instead
 # of 10; with 64 x 64 tiles, 56 registers, it only ties); kept opt-in with its tests, not used by the
 # runtime. 8 rows x 1024 columns summed per chunk (ROW_ACC) was the best fc1 block: OPT-30B d0.1
@@ -99,7 +99,7 @@ OVERLAP_COUNTERS = CHAIN_COUNTERS + (1 << 12)
 DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
 # fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
 # the tl.dot fc2 took 37.5 us at density 0.3 and 17.2 at 0.1, the split-K GEMV 50.5 and 27.9;
-# fc1 is faster as a GEMV (33.6 vs 37.5 us; benchmarks/results/kernels-h200-session1.json).
+# fc1 is faster as a GEMV (33.6 vs 37.5 us; H200, 2026-12-02).
 FC2_DOT_MIN_BATCH = 1
 TARGET_PROGRAMS = 528   # fc2 split-K without a fixed SPLIT: ~4 programs per SM (132 SMs)
 REDUCE_BLOCK = 1024

@@ -43,7 +43,7 @@ def _layer_weights(t: dict[str, torch.Tensor], l: int) -> SimpleNamespace:
 
 
 # SparseDecoder.kv_refresh None: (refresh heads per layer, least fraction of the heads attending, least hidden
-# size) where refresh heads are on (BENCHMARKS.md, session 18)
+# size) where refresh heads are on (BENCHMARKS.md, 2026-12-04)
 REFRESH_AUTO = (4, 0.4, 4096)
 
 
@@ -81,8 +81,8 @@ class SparseDecoder:
         # Pre-LN, one rank: True takes each LayerNorm after a sparse attention or MLP layer
         # from that op (ln=; on the GPU computed in the op's last kernel when
         # plugins.sparse_mlp.FUSED_FINISH is on). Off by default: on the H200 the fused finish
-        # did not pay (BENCHMARKS.md, session 3), nor did the one-launch reduction + LayerNorm
-        # that batch 1 gets without it (7.10 vs 7.03 ms/token, session 4); False runs the
+        # did not pay (BENCHMARKS.md, 2026-12-02), nor did the one-launch reduction + LayerNorm
+        # that batch 1 gets without it (7.10 vs 7.03 ms/token, 2026-12-02); False runs the
         # separate layer_norm op.
         self.fuse_ln = False
         # Pre-LN, one rank, fuse_ln off: the LayerNorm before a sparse MLP is left to fc1 (its
@@ -92,12 +92,12 @@ class SparseDecoder:
         # Off by default: on the H200 (OPT-30B shape, batch 1) fc1 reading g and x instead of
         # LN(x) got ~20% slower at density 0.3 (profile: 38.9 vs 32.4 us per layer), more than the
         # LayerNorm launch it saves: 6.81-6.85 vs 6.58-6.59 ms/token; equal at 0.1 (4.05-4.08 vs
-        # 4.05-4.06); normalising in the loop (fold_ln False) the same (BENCHMARKS.md, session 10).
+        # 4.05-4.06); normalising in the loop (fold_ln False) the same (BENCHMARKS.md, 2026-12-03).
         self.defer_ln = False
         # With defer_ln: fc1 takes that LayerNorm folded into its rows (plugins/layer_norm.LNFold:
         # per layer w1 @ g and w1 @ beta + b1, fp32, computed once), so its programs need
         # the row's mean and rstd only after their loop; False: fc1 normalises each chunk of its
-        # input in the loop (measured slower on the H200: BENCHMARKS.md, session 10).
+        # input in the loop (measured slower on the H200: BENCHMARKS.md, 2026-12-03).
         # "z": the reduction also stores z = g * (x - block mean) (PendingLN.z) and fc1 reads it
         # instead of x and g (the fold's per-block sums of w1 * g correct for the block means
         # after the loop): fc1's loop reads what it reads without the deferral.
@@ -108,13 +108,13 @@ class SparseDecoder:
         # per-block statistics (ln_defer) and the shared-set Q/K/V kernel normalises the slice
         # of x each program reads, and stores LN(x) into x_hist (plugins/deferred_kv.py); one
         # launch fewer per layer. On the H200 (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at
-        # density 0.3, 3.830 vs 3.949 at 0.1 (BENCHMARKS.md, session 11).
+        # density 0.3, 3.830 vs 3.949 at 0.1 (BENCHMARKS.md, 2026-12-03).
         self.defer_ln_attn = True
         # Pre-LN, one rank, neither fuse_ln nor defer_ln: the attention op also returns the
         # LayerNorm before the MLP (ln=), which at batch 1 its split-K reduction computes in the
         # same launch (the last of its programs normalises the row: sparse_mlp.reduce_partials);
         # one launch fewer per layer. Off by default: on the H200 (OPT-30B shape, batch 1) 6.479-6.488
-        # vs 6.345-6.378 ms/token at density 0.3, 3.943 vs 3.814 at 0.1 (BENCHMARKS.md, session 12).
+        # vs 6.345-6.378 ms/token at density 0.3, 3.943 vs 3.814 at 0.1 (BENCHMARKS.md, 2026-12-03).
         self.ln_from_attn = False
         self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
         # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
@@ -124,7 +124,7 @@ class SparseDecoder:
         # Batch 1, Triton: fc2 starts on each K split as soon as fc1 has stored it, while fc1
         # still runs (plugins/sparse_mlp.py fc2_overlap: PDL early trigger + per-split counts)
         # instead of after fc1's end. Off: on the H200 (OPT-30B shape, batch 1) 6.77-7.13 vs
-        # 6.33-6.34 ms/token at density 0.3, 3.70-3.85 vs 3.49 at 0.1 (BENCHMARKS.md, session 16).
+        # 6.33-6.34 ms/token at density 0.3, 3.70-3.85 vs 3.49 at 0.1 (BENCHMARKS.md, 2026-12-04).
         self.mlp_overlap = False
         # When a step's held predictors start (decode, deferred-K/V layers): "attn_in" at the
         # layer's input (they overlap its LayerNorm and bandwidth-bound Q/K/V kernel), or
@@ -133,18 +133,18 @@ class SparseDecoder:
         # MLP's bandwidth-bound kernels and leave the attention kernels alone). Same inputs, same
         # indices every way; only the timing moves.
         # "attn_in" (default): on the H200 "after_qkv" was slower (OPT-30B d0.3 batch 1: 7.33
-        # vs 7.03 ms/token; BENCHMARKS.md, session 4); "after_attn" equal (6.65 vs 6.64 at d0.3,
-        # 4.20 vs 4.20 at d0.1; session 9): the attention kernels gain what the MLP loses.
+        # vs 7.03 ms/token; BENCHMARKS.md, 2026-12-02); "after_attn" equal (6.65 vs 6.64 at d0.3,
+        # 4.20 vs 4.20 at d0.1; 2026-12-03): the attention kernels gain what the MLP loses.
         # "split_qkv" / "split_attn": the head predictors at the layer's input, the neuron
         # predictors (nearly all of the predictors' reads) held until after the Q/K/V kernels /
         # the attention op: slower too (6.59 / 7.33 vs 6.34-6.35 at d0.3, 3.86 / 4.16 vs 3.78 at
-        # d0.1; "after_qkv" 7.26, "after_attn" 6.51 in the same run; session 13).
+        # d0.1; "after_qkv" 7.26, "after_attn" 6.51 in the same run; 2026-12-03).
         self.pred_window = "attn_in"
         # L2 warm-up (GPU, plugins/prefetch.py) on its own side stream, launched with the
         # held predictors after a deferred layer's Q/K/V kernels: {"out": max bytes of the
         # output projection's rows of the selected heads, "fc1": max bytes of fc1's rows of
         # the selected neurons}. {} (default) = off. Changes timing only, never outputs.
-        # Off: every variant measured was slower (8.1-8.8 vs 7.7 ms/token; session 4).
+        # Off: every variant measured was slower (8.1-8.8 vs 7.7 ms/token; 2026-12-02).
         self.l2_prefetch: dict[str, int] = {}
         # The priority of the stream the decode step's CUDA graph is captured on (graphs.py;
         # PyTorch instantiates graphs with per-node priorities, so the main stream's kernels keep
@@ -152,7 +152,7 @@ class SparseDecoder:
         # are higher priorities; None (default): the highest the device allows, so the block
         # scheduler gives freed SM slots to the main stream's queued kernels (the latency-bound
         # attention chain) before the predictors'. On the H200 (OPT-30B shape, batch 1): 6.58 vs
-        # 6.73 ms/token at density 0.3, 4.04 vs 4.12 at 0.1 with 0 (BENCHMARKS.md, session 9).
+        # 6.73 ms/token at density 0.3, 4.04 vs 4.12 at 0.1 with 0 (BENCHMARKS.md, 2026-12-03).
         self.graph_priority: int | None = None
         self._pf = None  # (stream, per-layer start and done events, sums buffer), made at first use
         # Deferred K/V, Triton kernels: the missing slots of a selected head past the ones the Q/K/V
@@ -162,7 +162,7 @@ class SparseDecoder:
         # waits for them; the op is then told so (caught_up=True). Same values either way.
         # Off: on the H200 (OPT-30B shape, batch 1, random predictors) 6.37-6.38 vs 6.33 ms/token at
         # density 0.3, 4.19-4.21 vs 3.48 at 0.1: the catch-up's serial whole-D passes, beside the
-        # main stream's weight streams, took ~65 us where it had work (BENCHMARKS.md, session 17).
+        # main stream's weight streams, took ~65 us where it had work (BENCHMARKS.md, 2026-12-04).
         self.catch_up = False
         self._catch_pos: torch.Tensor | None = None  # this decode step's pos while it is being issued
         self._caught: list[bool] = []  # layers whose catch-up this step has launched
@@ -171,7 +171,7 @@ class SparseDecoder:
         # plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in the same Q/K/V
         # launches (no Q, no attention), so a head selected later never has more missing slots than the
         # partials hold (no serial slow path). Same outputs. An int: that many per layer (0: off). None (default):
-        # REFRESH_AUTO[0] where it paid on the H200 (random predictors; BENCHMARKS.md, session 18): the Triton
+        # REFRESH_AUTO[0] where it paid on the H200 (random predictors; BENCHMARKS.md, 2026-12-04): the Triton
         # attention op, hidden size >= REFRESH_AUTO[2] and at least REFRESH_AUTO[1] of the heads attending
         # (OPT-30B shape: head density 0.5 2.7% faster, 0.3 within 0.5%, 0.2 1.2% slower; opt-mini's
         # launch-bound shape 7-8% slower: the pick's launch per layer).

@@ -61,7 +61,7 @@ class PredictorRunner:
         self._pending: list[tuple] = []  # held point() calls: (kind, j, layers, x2, kinds)
         self.hold_kinds: tuple[str, ...] = KINDS  # the predictors a hold keeps back
         self.side = None
-        # False: the schedule before session 6 (neurons first, the main stream waits for both
+        # False: the schedule before 2026-12-02 (neurons first, the main stream waits for both
         # of a layer's predictors before its attention); kept for the benchmark's ablation
         self.heads_first = True
         # True: a layer's neuron predictor runs before its head predictor on the side stream, each kind's

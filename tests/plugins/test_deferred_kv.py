@@ -468,7 +468,7 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
             assert torch.equal(a, b)
         else:  # slow sub-blocks of another height: the interpreter's dots (numpy's BLAS) may sum the
             # same products in another order (1 fp32 ulp with numpy 2.4.6; equal with the numpy CI had
-            # in session 14); the float64 bound above holds either way
+            # in 2026-12-03); the float64 bound above holds either way
             assert torch.allclose(a, b, rtol=2 ** -10 if dtype == torch.float16 else 1e-6, atol=1e-6)
     for a, b in zip(ys_f, ys_u):  # attention sums the fresh slots in another order: fp32 rounding only
         assert torch.allclose(a.double(), b.double(), rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-3)
@@ -482,7 +482,7 @@ def test_folded_finish_needs_a_combine_launch():
     attend_heads refuses the partials otherwise."""
     from dejavu.plugins.sparse_attention import QKVPartials, attend_heads, folds_finish
     from dejavu.plugins.deferred_kv import QKV_CONFIG_B1
-    assert QKV_CONFIG_B1["FOLD_FINISH"] == "wide"  # batch 1 default (session 14)
+    assert QKV_CONFIG_B1["FOLD_FINISH"] == "wide"  # batch 1 default (2026-12-03)
     assert folds_finish(1, 64) and not folds_finish(2, 64) and not folds_finish(1, 32)
     assert not folds_finish(1, 64, {"LAST_COMBINE": True}) and not folds_finish(1, 64, {"FOLD_COMBINE": True})
     assert not folds_finish(1, 64, {"PROJ_MAX_S": 64}) and folds_finish(1, 65, {"PROJ_MAX_S": 64})

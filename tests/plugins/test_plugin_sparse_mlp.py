@@ -164,7 +164,7 @@ def ln_weights(dtype):
 
 @pytest.fixture
 def fused_on(monkeypatch):
-    """The fused finish is opt-in (off by default: BENCHMARKS.md, session 3): these tests turn it on."""
+    """The fused finish is opt-in (off by default: BENCHMARKS.md, 2026-12-02): these tests turn it on."""
     monkeypatch.setattr(SM, "FUSED_FINISH", True)
 
 
