@@ -75,10 +75,7 @@ def last_arrival(counter_ptr, n):
 # that have one) or at exit. So at most two kernels of a stream are in flight and everything
 # older has completed. Waiting programs hold their SM's registers: an early trigger lets the
 # next kernel's whole grid sit waiting behind a one-program LayerNorm.
-# Before the wait a kernel may issue `prefetch_rows_l2` on weight rows (PREFETCH_TILES tiles
-# of its first loop blocks): a hint into L2, from index values clamped into range (an index
-# buffer read before the wait may hold an older step's values; that only wastes the prefetch).
-# It may also load what no kernel writes while decoding (weights: LayerNorm's EARLY_WEIGHTS) and
+# Before the wait a kernel may load what no kernel writes while decoding (weights: LayerNorm's EARLY_WEIGHTS) and
 # what only kernels two or more launches back wrote (the previous kernel has passed its own wait,
 # so those have completed): the head index, pos and valid_len (EARLY_READS of the attention and
 # Q/K/V finishing kernels; the heads come from the side stream, whose event the main stream
@@ -101,15 +98,9 @@ PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "c
 # the 2026-12-02 set in the same runs.
 # "PLAIN": kinds launched without PDL even when it is enabled: the predictors' products on the
 # side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; 2026-12-02).
-# "PREFETCH": {kind: tiles}, overriding PREFETCH_TILES for those kinds (a kernel launched behind
-# an early trigger waits longest: the output projection behind the attention and its combine).
-# 2026-12-03 (these defaults otherwise): the projection with 2 / 4 tiles 6.407 / 6.470 ms/token at
-# density 0.3, fc1 with 1 tile 6.448, against 6.345-6.353 without. 2026-12-04: the Q/K/V partial kernel
-# (behind fc2's split reduction, while the predictors' stream is idle) with 1 / 2 / 4 tiles 6.328 /
-# 6.351-6.356 / 6.377 against 6.289-6.300, slower at d0.2 and d0.1 too.
-PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
+PDL_CONFIG = {"ENABLED": True,
               "EARLY": ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm"),
-              "PLAIN": ("pred",), "PREFETCH": {}}
+              "PLAIN": ("pred",)}
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
@@ -117,7 +108,7 @@ _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
 
 def pdl_args(device: torch.device, kind: str) -> dict:
     """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter`: {} (plain
-    launch) or {"GDC": 1 (late trigger) or 2 (early), "PF": tiles to prefetch, "launch_pdl": True}."""
+    launch) or {"GDC": 1 (late trigger) or 2 (early), "launch_pdl": True}."""
     if not PDL_CONFIG["ENABLED"] or device.type != "cuda" or interpreting():
         return {}
     sm90 = _SM90.get(device)
@@ -125,14 +116,13 @@ def pdl_args(device: torch.device, kind: str) -> dict:
         sm90 = _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
     if not sm90:
         return {}
-    per_kind = PDL_CONFIG.get("PREFETCH") or {}
-    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"], *per_kind) if k not in PDL_KINDS]
+    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"]) if k not in PDL_KINDS]
     if bad:
         raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
     if kind in PDL_CONFIG["PLAIN"]:
         return {}
     gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
-    return {"GDC": gdc, "PF": int(per_kind.get(kind, PDL_CONFIG["PREFETCH_TILES"])), "launch_pdl": True}
+    return {"GDC": gdc, "launch_pdl": True}
 
 
 def reg_cap(cfg: dict, device: torch.device) -> dict:
@@ -160,20 +150,6 @@ def gdc_release(GDC: tl.constexpr):
     # (its programs then take the SM slots of programs that are only storing results).
     if GDC == 1:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@helper
-def prefetch_rows_l2(row_ptrs, col0, n_cols, BLOCK_D: tl.constexpr):
-    # L2 prefetch (a hint: nothing is loaded into registers) of columns col0 .. col0 + BLOCK_D
-    # of each row (clamped to the row's n_cols), one prefetch per 64 elements (a 128-byte line
-    # in fp16/bf16; a block narrower than 64 gets one per row); row_ptrs [R] point at rows of
-    # the weights.
-    if BLOCK_D >= 64:
-        cols = tl.minimum(col0 + tl.arange(0, BLOCK_D // 64) * 64, n_cols - 1)
-    else:
-        cols = tl.minimum(col0 + tl.arange(0, 1), n_cols - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [row_ptrs[:, None] + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def jit(fn, device: torch.device):
