@@ -49,21 +49,6 @@ def helper(fn):
     return fn
 
 
-@helper
-def last_arrival(counter_ptr, n):
-    # Called once by each of the n programs of a launch that share int32 *counter_ptr (0 on
-    # entry): true in the one that arrives last, which may then read what all of them wrote
-    # to global memory (load it with cache_modifier=".cg": from L2, not a stale L1). The
-    # counter is 0 again afterwards (the last one resets it), ready for the next launch.
-    # bar.sync first, so thread 0's scalar acq_rel atomic orders the whole block's earlier
-    # writes (the usual threadfence-reduction pattern; plugins/predictor.py's grid barrier).
-    tl.debug_barrier()
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == n - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
-    return last
-
-
 # Programmatic dependent launch (PDL, sm_90+). With PDL_CONFIG["ENABLED"] the main decode
 # kernels are launched with `launch_pdl=True`: the next kernel of a stream may be launched
 # before this one has completed, so its launch (and its first weight reads) overlap this
@@ -237,25 +222,6 @@ def _patch_interpreter_bf16():
 
     cast_impl._dejavu_bf16_fix = True
     builder.cast_impl = cast_impl
-
-
-_COUNTERS: dict = {}
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters, all 0, for `last_arrival` (shared by every kernel on `device`: the
-    last program of each launch puts its counter back to 0, so launches on one stream can
-    reuse them; kernels running at the same time on two streams must not both use them).
-    Allocated on first use (64 Ki, grown by doubling): under CUDA-graph capture the buffer must
-    exist already (run the step once before capturing, as the runtime does)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise DejavuError("plugins: counters must be allocated before CUDA-graph capture "
-                              "(run one step eagerly first)")
-        size = max(1 << 16, next_pow2(n))
-        buf = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buf[:n]
 
 
 def check_tensor(name, t, *, ndim=None, shape=None, dtype=None, device=None, dtypes=None):

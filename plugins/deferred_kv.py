@@ -23,22 +23,13 @@ step's input gives the rows' partial value at pos and, for K/V rows, a tl.dot wi
 history inputs the partial values at the first BLOCK_P missing slots
 min(valid_len, pos)..pos-1, from the same weight chunk (fp32 partials, [SPLIT, ...]).
 Splitting D keeps ~1000 programs in flight at any head count (a whole-D program per row
-block ran at ~1.5 TB/s on the H200). The last of the SPLIT programs of a row block to store
-its partials (`_common.last_arrival`, one counter per row block from `_common.counters`)
-finishes the rows (`_finish_rows`): sums the partials (.cg loads: L2, not L1), adds the
-bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those slots; a head
+block ran at ~1.5 TB/s on the H200). A second launch, `_qkv_finish_kernel`, grid (B*Kh, rows of
+FINISH_R), finishes the rows (`_finish_rows`): sums the partials (.cg loads: L2, not L1), adds
+the bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those slots; a head
 unselected for more than BLOCK_P steps gets its further slots there, from whole-D tl.dot
 passes over its rows (the slow path: ~20% of selections with random sets at head density
-0.1, ~1% with opt-mini's trained predictors; the separate finishing kernel shares its chunks
-out over SLOW_Z programs per row block). With SPLIT == 1 the program finishes from its
-registers (no counter). That one-launch form is opt-in (QKV_CONFIG["FUSED_FINISH"]): on the
-H200 it made the decode step slower (OPT-30B shape, density 0.3, batch 1: 8.28 vs 7.70
-ms/token with both of 2026-12-02's fusions on vs off; the fused partial kernel needs ~250
-registers against ~170, and the finishing program's serial tail costs about what the
-separate launch did; BENCHMARKS.md). The default is two launches: the same `_finish_rows`
-in `_qkv_finish_kernel`, grid (B*Kh, rows of FINISH_R). The counters are shared per device: two Q/K/V launches must not run at
-the same time on two streams. The bounds are read from device memory: CUDA-graph safe, no
-host sync. valid_len and x_hist[:, pos] are updated after the Q/K/V launch, by the
+0.1, ~1% with opt-mini's trained predictors; shared out over SLOW_Z programs per row block).
+The bounds are read from device memory: CUDA-graph safe, no host sync. valid_len and x_hist[:, pos] are updated after the Q/K/V launch, by the
 attention kernel that follows (programs of one head would race if these kernels wrote
 them), or by `_commit_kernel` when nothing attends. A decode layer is then: Q/K/V,
 attention (+ commit), output projection (+ its reduction). At batch 1 the finishing kernel can be
@@ -67,9 +58,8 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
-                                    pdl_args, reg_cap)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, default_validate,
+                                    gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args, reg_cap)
 from dejavu.plugins.sparse_attention import (ATTN_CONFIG, QKVPartials, _check_attn, _positions, attend_project,
                                              folds_finish)
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
@@ -79,10 +69,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
 # dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs). Picked by
-# `benchmarks/kernels.py --sweep-attn` on an H200. FUSED_FINISH: the last program of each row
-# block finishes it (one launch; slower on the H200, see the docstring); False (default): a
-# separate _qkv_finish_kernel with FINISH_R rows per program (SLOW_Z programs share the slow path's
-# chunks of a head unselected for more than SHARED_P - 1 steps). FINISH_S: slices of D summed per load
+# `benchmarks/kernels.py --sweep-attn` on an H200. _qkv_finish_kernel takes FINISH_R rows per program
+# (SLOW_Z programs share the slow path's chunks of a head unselected for more than SHARED_P - 1 steps). FINISH_S: slices of D summed per load
 # when finishing (a power of 2; more splits take more loads, fewer registers).
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
@@ -94,7 +82,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
-              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
+              "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
               "FOLD_SLOW_LAST": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
@@ -105,7 +93,7 @@ QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARG
 # SLOW_Z None: as many programs per row block as fill ~SLOW_TARGET finishing programs (at most
 # 8): OPT-30B shape, batch 1, d0.1 (6 heads, 144 row blocks): 4, 4.20 vs 4.39 ms/token with 1;
 # d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, 2026-12-03).
-# FOLD_FINISH (batch 1, shared-set kernel, FUSED_FINISH off, attention with a combine launch:
+# FOLD_FINISH (batch 1, shared-set kernel, attention with a combine launch:
 # `sparse_attention.folds_finish`): no finishing kernel; the attention kernel sums the partials
 # itself (Q in every chunk program; K/V at pos and at the P - 1 slots the partials hold in the
 # program of pos's chunk, which stores them into the caches), the combine kernel commits
@@ -181,19 +169,16 @@ def _weight_rows(wq_ptr, wkv_ptr, rows, seg, D):
 
 
 def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                        pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                        pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
                         stride_nb, stride_xb, stride_xs, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
                         HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
-                        FINISH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                         GDC: tl.constexpr = 0):
     # grid (B*KH, (3 - FIRST_SEG) * NB, SPLIT). Partial dot products over D slice pid_s:
     # pnew[s, b, j, seg*HD + c] (value at pos) and, for K/V rows with missing slots,
     # phist[s, b, j, p, (seg-1)*HD + c] for the first BLOCK_P slots p from min(valid_len, pos).
     # HAS_NEW false: the input at pos is x_hist[b, pos] (recompute_kv).
-    # FINISH 0: partials only (_qkv_finish_kernel follows); 1: the last of the SPLIT programs
-    # of these rows (counter cnt[(b*KH + j) * rows + pid_r]) sums them and finishes the rows;
-    # 2: SPLIT == 1, this program holds the whole sums and finishes from registers.
+    # Partials only: _qkv_finish_kernel follows.
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -234,34 +219,22 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
             else:
                 acc_h = tl.dot(xt, tl.trans(w), acc_h)
     gdc_release(GDC)
-    if FINISH == 2:
-        _store_qkv(tl.sum(acc, axis=1), acc_h, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j,
-                   head, pos, seg, offs_c, cmask, rows, start, KH, D, HD, BLOCK_P, stride_xb, stride_xs, stride_cb,
-                   stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, 1, 16, BLOCK_D)
-    else:
-        slot = (pid_s.to(tl.int64) * B + b) * KH + j
-        tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
-        if seg > 0:
-            dst = (phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD
-                   + offs_c[None, :])
-            tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
-        if FINISH == 1:
-            group = (b64 * KH + j) * tl.num_programs(1) + pid_r
-            if last_arrival(cnt_ptr + group, tl.num_programs(2)):
-                _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j,
-                             head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, tl.num_programs(2),
-                             BLOCK_P, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32,
-                             BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, 1, 16, BLOCK_D)
+    slot = (pid_s.to(tl.int64) * B + b) * KH + j
+    tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
+    if seg > 0:
+        dst = (phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD
+               + offs_c[None, :])
+        tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
 
 
 def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                               pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                               pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
                                stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
                                lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps,
                                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
-                               FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                               P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
+                               EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
                                ref_ptr=None, KH_Q=0, REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0):
@@ -271,7 +244,6 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # rows: row m is sequence m // P at slot pos (m % P == 0) or at the (m % P)-th missing
     # slot from min(valid_len, pos) (K/V rows; P - 1 of them, the finishing kernel does the rest).
     # Partials go where _qkv_partial_kernel puts them (pnew, phist[..., p, ...] with p < P - 1).
-    # FINISH as there (counter cnt[j * rows + pid_r]); the finishing program does every sequence.
     # LN_IN (HAS_NEW, batch 1): the input at pos is LayerNorm(x_new) (a PendingLN): its mean and
     # rstd merged from the N_ST blocks' stats at st (blocks of ST_W columns; ST_CM "": plain
     # loads, an earlier kernel wrote them), each chunk of x_new normalised as it is loaded and
@@ -280,7 +252,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # program of this launch reads that slot; the attention kernel then commits valid_len only).
     # (A per-row form for batches, stats merged into [BLOCK_M] vectors and the tile normalised,
     # ran ~3x slower on the H200: BENCHMARKS.md, 2026-12-03.)
-    # SLOW > 0 (batch 1, FINISH 0, the finishing kernel folded into attention: QKV_CONFIG_B1
+    # SLOW > 0 (batch 1, the finishing kernel folded into attention: QKV_CONFIG_B1
     # FOLD_FINISH): z-slices 0 .. SLOW-1 are _fold_slow_program's (the slots no partial holds),
     # slice SLOW + s is D slice s; SLOW_LAST: the last SLOW z-slices are, after the D slices.
     # The slow path's whole-D passes take 16 slots each (their tl.dot's M; 32 to 128 measured no faster).
@@ -315,13 +287,11 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         else:
             live = True
         if live:
-            _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                                 pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
-                                 D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
-                                 stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0,
-                                 seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32,
-                                 FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN,
-                                 BLOCK_N, ST_CM, REFRESH, GDC)
+            _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
+                                 B, KH, H, D, HD, D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb,
+                                 lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0,
+                                 seg, offs_c, cmask, rows, HAS_NEW, DOT_FP32, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D,
+                                 EVEN_D, W_EV, LN_IN, BLOCK_N, ST_CM, GDC)
 
 
 @helper
@@ -334,15 +304,13 @@ def _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask):
 
 
 @helper
-def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                         pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
-                         stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
+def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
+                         B, KH, H, D, HD, D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb,
                          lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0, seg, offs_c, cmask,
-                         rows, start0, ref_ptr, KH_Q, HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr,
-                         DOT_FP32: tl.constexpr, FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         EVEN_D: tl.constexpr, W_EV: tl.constexpr, LN_IN: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ST_CM: tl.constexpr, REFRESH: tl.constexpr, GDC: tl.constexpr):
+                         rows, HAS_NEW: tl.constexpr, DOT_FP32: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                         W_EV: tl.constexpr, LN_IN: tl.constexpr, BLOCK_N: tl.constexpr, ST_CM: tl.constexpr,
+                         GDC: tl.constexpr):
     # _qkv_partial_shared_kernel's D-slice program (one with work: REFRESH's live)
     w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
     offs_m = tl.arange(0, BLOCK_M)
@@ -401,22 +369,6 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
     if seg > 0:
         dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
         tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
-    if FINISH == 2:
-        tl.debug_barrier()  # SPLIT == 1: the block's own partials, stored by its other threads
-        last = True
-    elif FINISH == 1:
-        last = last_arrival(cnt_ptr + j * tl.num_programs(1) + pid_r, tl.num_programs(2))
-    else:
-        last = False
-    if last:
-        for b in range(0, B):  # (b is a Python int in the interpreter: tl.cast, not .to)
-            _, pos, _, _, _, _, start = _qkv_rows(
-                head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
-                KH_Q, REFRESH)
-            _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
-                         tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
-                         tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-                         DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, 1, 16, BLOCK_D)
 
 
 @helper
@@ -457,8 +409,7 @@ def _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B
                   BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     # The rows' sums over the SPLIT slices of D: value at pos [BLOCK_R] and, for K/V rows, at the
     # first HIST_LEN missing slots [BLOCK_P, BLOCK_R]. BLOCK_S splits per load (few memory round
-    # trips, not SPLIT; capped so the fused partial kernel keeps its registers); .cg: in the
-    # fused path other programs wrote them (L2, not L1).
+    # trips, not SPLIT); .cg: another kernel wrote them, in L2.
     new = tl.zeros([BLOCK_R], dtype=tl.float32)
     hist = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
     offs_p = tl.arange(0, BLOCK_P)
@@ -555,8 +506,8 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                        SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, ref_ptr=None, KH_Q=0,
                        REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0):
-    # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB,
-    # SLOW_Z), after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R
+    # Grid (B*KH, (3 - FIRST_SEG) * NB,
+    # SLOW_Z), after a partial kernel; _finish_rows for this program's BLOCK_R
     # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
     # 16-slot chunks (the slow path's whole-D passes) over the SLOW_Z programs of the rows (z > 0 do
     # only those).
@@ -705,9 +656,9 @@ def _shared_qkv(B, head_idx, cfg) -> bool:
 
 
 def _batch1_unfolded(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool) -> bool:
-    """Batch 1 on the shared-set kernel with x_new and its finishing kernel (not folded, not FUSED_FINISH):
-    where SHARED_P_UNFOLDED applies."""
-    return shared and B == 1 and has_new and not fold and not cfg["FUSED_FINISH"]
+    """Batch 1 on the shared-set kernel with x_new and its finishing kernel (not folded): where
+    SHARED_P_UNFOLDED applies."""
+    return shared and B == 1 and has_new and not fold
 
 
 def _unfolded_cfg(cfg: dict, unfolded: bool, n_ref: int) -> dict:
@@ -751,11 +702,11 @@ def _qkv_split(cfg: dict, D: int, groups: int, fold: bool) -> tuple[int, int, bo
 
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
                 q, config, pending=None, fold=False, refresh=None):
-    """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
+    """The Q/K/V kernels (checked inputs, Kh > 0): partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
     x_hist (recompute_kv). pending: x_new's PendingLN (batch 1 on the shared-set kernel only),
     normalised in the kernel, which also stores it at x_hist[:, pos].
-    fold (batch 1 on the shared-set kernel, x_new given, FUSED_FINISH off): no finishing kernel;
+    fold (batch 1 on the shared-set kernel, x_new given): no finishing kernel;
     the partial kernel's first z-slices fill the slots no partial holds (_fold_slow_program) and
     the QKVPartials returned go to the attention kernel, which finishes the rest (q stays unwritten);
     with more than FOLD_MAX_SPLIT slices of D the finishing kernel runs instead (None returned).
@@ -771,17 +722,14 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     shared = _shared_qkv(B, head_idx, cfg)
     if pending is not None and not (shared and B == 1 and x_new is not None):
         raise DejavuError("_launch_qkv: a PendingLN input needs batch 1 on the shared-set kernel and x_new")
-    if fold and not (shared and B == 1 and x_new is not None and not cfg["FUSED_FINISH"]):
-        raise DejavuError("_launch_qkv: folding the finish needs batch 1 on the shared-set kernel, x_new and "
-                          "FUSED_FINISH off")
+    if fold and not (shared and B == 1 and x_new is not None):
+        raise DejavuError("_launch_qkv: folding the finish needs batch 1 on the shared-set kernel and x_new")
     groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
     split, d_per, fold = _qkv_split(cfg, D, groups, fold)
     dev = x_hist.device
-    fused = cfg["FUSED_FINISH"]
     n_ref = 0 if refresh is None else refresh.shape[0]
-    if n_ref and (fold or fused or not shared or B != 1 or x_new is None):
-        raise DejavuError("_launch_qkv: refresh heads need batch 1 on the shared-set kernel, x_new, no fold and "
-                          "FUSED_FINISH off")
+    if n_ref and (fold or not shared or B != 1 or x_new is None):
+        raise DejavuError("_launch_qkv: refresh heads need batch 1 on the shared-set kernel, x_new and no fold")
     ref_args = dict(ref_ptr=refresh, KH_Q=kh, REFRESH=1) if n_ref else {}
     kh_q, kh = kh, kh + n_ref  # head slots: the selected heads, then the refresh heads
     unfolded = _batch1_unfolded(cfg, B, shared, x_new is not None, fold)
@@ -789,18 +737,16 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     bp = cfg["BLOCK_P"]
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
     phist = torch.empty((split, B, kh, bp, 2 * hd), dtype=torch.float32, device=dev)
-    cnt = counters(dev, groups) if fused and split > 1 else valid_len  # valid_len: never used as one
     new = x_new if x_new is not None else x_hist  # never read when HAS_NEW is false
     qbuf = q if q is not None else pnew  # never written without Q rows
     stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
     dot32 = _dot_fp32(x_hist.dtype, dev)
-    args = (new, x_hist, wq, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, cnt, qbuf, k_cache, v_cache,
+    args = (new, x_hist, wq, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache,
             B, kh, H, D, hd, nb, d_per, new.stride(0), x_hist.stride(0), x_hist.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     bs = min(cfg["FINISH_S"], next_pow2(split))
-    finish_mode = (2 if split == 1 else 1) if fused else 0
-    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
-                  BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0,
+    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp,
+                  BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, EVEN_D=D % d_per == 0,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **reg_cap(cfg, dev), **pdl_args(dev, "qkv"))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
@@ -828,8 +774,6 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
         hist_len = bp
         part = jit(_qkv_partial_kernel, dev)
         part[(B * kh, (3 - first) * nb, split)](*args, stride_hb, stride_pb, *cache_strides, **common)
-    if fused:
-        return
     fr, z = cfg["FINISH_R"], cfg.get("SLOW_Z", 1)
     nbf = -(-hd // fr)
     z = slow_z(cfg, B * kh_q * (3 - first) * nbf)
@@ -934,13 +878,13 @@ def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = Non
 
 def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None) -> bool:
     """Whether sparse_attn_decode_deferred with this shape, head set and config takes refresh heads
-    (batch 1 on the shared-set Q/K/V kernel with its finishing kernel: not FUSED_FINISH, not folded
-    into attention; attention commits them); elsewhere it leaves them out (they catch up when
+    (batch 1 on the shared-set Q/K/V kernel with its finishing kernel, not folded into attention;
+    attention commits them); elsewhere it leaves them out (they catch up when
     selected: same outputs)."""
     cfg = config or {}
     qcfg = _qkv_cfg(B, cfg.get("qkv"))
     kh = head_idx.shape[-1]
-    if not (B == 1 and kh > 0 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]):
+    if not (B == 1 and kh > 0 and _shared_qkv(B, head_idx, qcfg)):
         return False
     fold = bool(qcfg["FOLD_FINISH"]) and folds_finish(B, S, cfg.get("attn"))
     groups = kh * 3 * -(-hd // qcfg["BLOCK_R"])
@@ -1041,8 +985,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
             refresh = None
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    fold = (qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]
-            and folds_finish(B, S, cfg.get("attn")))
+    fold = qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and folds_finish(B, S, cfg.get("attn"))
     parts = _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
                         cfg.get("qkv"), pending, fold=fold, refresh=refresh)
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored

@@ -70,8 +70,8 @@ SCRIPT = textwrap.dedent('''
                                                               GROUP=1, W_EV=ev), dt)
             assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
             k = compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False,
-                                                                     FINISH=0, P=16, BLOCK_M=16, BLOCK_P=16, BLOCK_R=64,
-                                                                     BLOCK_D=128, BLOCK_S=1, EVEN_D=True, W_EV=ev), dt)
+                                                                     P=16, BLOCK_M=16, BLOCK_P=16, BLOCK_R=64,
+                                                                     BLOCK_D=128, EVEN_D=True, W_EV=ev), dt)
             assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
@@ -89,33 +89,30 @@ SCRIPT = textwrap.dedent('''
     for even in (True, False):  # the shared-set Q/K/V kernel normalising its input (a PendingLN)
         for b in (16, 64):  # batch 1 (P 16), or batch 4 with P 16
             compile_sm90(DK, DK._qkv_partial_shared_kernel,
-                         dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16, BLOCK_M=b, BLOCK_P=16,
-                              BLOCK_R=64, BLOCK_D=128, BLOCK_S=1, EVEN_D=even, LN_IN=1, BLOCK_N=8))
+                         dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16, BLOCK_M=b, BLOCK_P=16,
+                              BLOCK_R=64, BLOCK_D=128, EVEN_D=even, LN_IN=1, BLOCK_N=8))
     for dt, f32 in (("fp16", False), ("bf16", False), ("fp32", True)):
         for new, first in ((True, 0), (False, 1)):
-            # FINISH 0: partials only (two launches); 1: last_arrival finish; 2: SPLIT 1 (fp16 only)
-            for fin in (0, 1, 2) if dt == "fp16" else (1,):
-                compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, FINISH=fin,
-                                                              BLOCK_P=16, BLOCK_R=32, BLOCK_D=256, BLOCK_S=8,
-                                                              EVEN_D=new), dt)
-                compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32,
-                                                                     FINISH=fin, P=4, BLOCK_M=32, BLOCK_P=16,
-                                                                     BLOCK_R=32, BLOCK_D=128, BLOCK_S=8, EVEN_D=new), dt)
+            compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16,
+                                                          BLOCK_R=32, BLOCK_D=256, EVEN_D=new), dt)
+            compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, P=4,
+                                                                 BLOCK_M=32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128,
+                                                                 EVEN_D=new), dt)
             for z in (1, 4):  # SLOW_Z 4: the slow path shared out over 4 programs
                 compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
                                                              BLOCK_D=128, BLOCK_S=8, SLOW_Z=z), dt)
     # refresh heads (batch 1): head slots past KH_Q read from ref_ptr, K/V only; their valid_len committed by
     # the attention kernel; the pick itself
     for gdc in (0, 1):
-        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16,
+        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16,
                                                              BLOCK_M=16, BLOCK_P=16, BLOCK_R=64, BLOCK_D=128,
-                                                             BLOCK_S=1, EVEN_D=True, LN_IN=1, REFRESH=1, GDC=gdc))
+                                                             EVEN_D=True, LN_IN=1, REFRESH=1, GDC=gdc))
         compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
                                                      BLOCK_S=1, EARLY_READS=True, REFRESH=1, GDC=gdc))
     # batch 1's unfolded route by default (SHARED_P_UNFOLDED): every program's dot over 31 missing slots
-    compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0,
+    compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False,
                                                          P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64, BLOCK_D=128,
-                                                         BLOCK_S=1, EVEN_D=True, LN_IN=1, GDC=1))
+                                                         EVEN_D=True, LN_IN=1, GDC=1))
     compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128,
                                                  BLOCK_S=1, EARLY_READS=True, GDC=1))
     compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16,
@@ -142,10 +139,10 @@ SCRIPT = textwrap.dedent('''
                                            **fin), True),
         (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4), False),
         (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4, STATS=True), False),
-        (DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, BLOCK_P=16,
-                                          BLOCK_R=32, BLOCK_D=128, BLOCK_S=8, EVEN_D=True), True),
-        (DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16,
-                                                 BLOCK_M=16, BLOCK_P=16, BLOCK_R=64, BLOCK_D=128, BLOCK_S=1,
+        (DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16,
+                                          BLOCK_R=32, BLOCK_D=128, EVEN_D=True), True),
+        (DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16,
+                                                 BLOCK_M=16, BLOCK_P=16, BLOCK_R=64, BLOCK_D=128,
                                                  EVEN_D=True), True),
         (DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
                                          BLOCK_S=1), False),
@@ -181,8 +178,8 @@ SCRIPT = textwrap.dedent('''
     for gdc in (0, 1):
         for slow_r, last in ((16, False), (64, False), (16, True)):
             ptx = compile_sm90(DK, DK._qkv_partial_shared_kernel,
-                               dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=16, BLOCK_M=16, BLOCK_P=16,
-                                    BLOCK_R=64, BLOCK_D=128, BLOCK_S=1, EVEN_D=True, LN_IN=1, BLOCK_N=8,
+                               dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16, BLOCK_M=16, BLOCK_P=16,
+                                    BLOCK_R=64, BLOCK_D=128, EVEN_D=True, LN_IN=1, BLOCK_N=8,
                                     SLOW=2 * 64 // slow_r, SLOW_R=slow_r, SLOW_LAST=last, GDC=gdc)).asm["ptx"]
             if gdc:
                 assert "st.global" not in ptx[:ptx.index("griddepcontrol.wait")]
@@ -206,8 +203,8 @@ SCRIPT = textwrap.dedent('''
     div = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
            "stride_cb", "stride_ch", "stride_cs"}
     k = compile_sm90(DK, DK._qkv_partial_shared_kernel,
-                     dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64,
-                          BLOCK_D=128, BLOCK_S=1, EVEN_D=True, LN_IN=1, BLOCK_N=32, GDC=1), num_stages=3, div16=div)
+                     dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64,
+                          BLOCK_D=128, EVEN_D=True, LN_IN=1, BLOCK_N=32, GDC=1), num_stages=3, div16=div)
     assert "cp.async" in k.asm["ptx"] and k.metadata.shared >= 2 * tile, k.metadata.shared
     for group in (1, 128):
         k = compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
