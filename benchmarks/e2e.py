@@ -90,187 +90,64 @@ def free():
         torch.cuda.empty_cache()
 
 
-def _ablate_fused_mlp(eng):
-    """fc1 + fc2 in one launch (plugins/fused_mlp.py) instead of the pair + fused LayerNorm."""
-    eng.decoder.fused_mlp = True
-    return None
-
-
-def _ablate_mlp_overlap(eng):
-    """Batch 1: fc2 starts on each K split once fc1 has stored it (sparse_mlp.fc2_overlap)."""
-    eng.decoder.mlp_overlap = True
-    return None
-
-
-def _ablate_unfused_ln(eng):
-    """The LayerNorms as separate launches (the split-K finish and LayerNorm not fused)."""
-    eng.decoder.fuse_ln = False
-    return None
-
-
-def _ablate_fused_ln(eng):
-    """Each LayerNorm after a sparse op from that op (ln=): at batch 1 the split-K reduction
-    and the LayerNorm in one launch (sparse_mlp._split_reduce_ln_kernel)."""
-    eng.decoder.fuse_ln = True
-    return None
-
-
-def _decoder_attr(name: str, value):
-    """SparseDecoder.<name> = value for one row (the undo restores it)."""
+def _options(**changes):
+    """DecodeOptions fields for one row (SparseDecoder.set_options; the undo restores the old options)."""
     def apply(eng):
         dec = eng.decoder
-        old = getattr(dec, name)
-        setattr(dec, name, value)
-        return lambda: setattr(dec, name, old)
+        old = dec.options
+        dec.set_options(**changes)
+
+        def undo():
+            dec.options = old
+        return undo
     return apply
 
 
-def _defer_ln(on: bool):
-    """SparseDecoder.defer_ln for one row (the LayerNorm before a sparse MLP left to fc1)."""
-    return _decoder_attr("defer_ln", on)
-
-
-def _fold_ln(on: bool):
-    """SparseDecoder.fold_ln for one row (with defer_ln: fc1 takes the LayerNorm folded into its
-    rows, or normalises its input chunks in its loop)."""
-    return _decoder_attr("fold_ln", on)
-
-
-def _qkv_setting(key, value):
-    """Set QKV_CONFIG[key] for one row (the undo restores it)."""
-    import importlib
-
-    cfg = importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG
-    old = cfg[key]
-    cfg[key] = value
-    return lambda: cfg.__setitem__(key, old)
-
-
-def _ablate_two_launch_qkv(eng):
-    """The deferred Q/K/V finish as its own kernel again (QKV_CONFIG FUSED_FINISH off)."""
-    return _qkv_setting("FUSED_FINISH", False)
-
-
-def _ablate_no_fusion(eng):
-    """Both fusions of this session off: separate LayerNorms and the two-launch Q/K/V."""
-    _ablate_unfused_ln(eng)
-    return _ablate_two_launch_qkv(eng)
-
-
-def _ablate_no_fusion_at_all(eng):
-    """nofuse, and fc2 / the out-projection reduced by their own kernel (sparse_mlp FUSED_FINISH off)."""
-    import importlib
-
-    SM = importlib.import_module("dejavu.plugins.sparse_mlp")
-    undo_qkv = _ablate_no_fusion(eng)
-    old = SM.FUSED_FINISH
-    SM.FUSED_FINISH = False
-
-    def undo():
-        SM.FUSED_FINISH = old
-        undo_qkv()
-    return undo
-
-
-def _side(window="attn_in", **prefetch_mb):
-    """SparseDecoder.pred_window and .l2_prefetch ({"out": MB, "fc1": MB})."""
+def _table(module: str, name: str, **kv):
+    """Entries of the config table dejavu.plugins.<module>.<name> for one row (undo restores it)."""
     def apply(eng):
-        eng.decoder.pred_window = window
-        eng.decoder.l2_prefetch = {k: int(v * 2**20) for k, v in prefetch_mb.items()}
+        import importlib
+
+        cfg = getattr(importlib.import_module(f"dejavu.plugins.{module}"), name)
+        old = dict(cfg)
+        cfg.update(kv)
+        return lambda: (cfg.clear(), cfg.update(old))
     return apply
 
 
-def _ablate_qkv_shared(eng):
-    """Batches with a shared index set take the shared-set Q/K/V kernel (QKV_CONFIG SHARED_MIN_BATCH 2)."""
-    return _qkv_setting("SHARED_MIN_BATCH", 2)
+def _qkv_b1(**kv):
+    """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
+    return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
 
 
 def _no_pdl(eng):
     """Plain launches (_common.PDL_CONFIG ENABLED off)."""
-    import importlib
-
-    cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
-    old = cfg["ENABLED"]
-    cfg["ENABLED"] = False
-    return lambda: cfg.__setitem__("ENABLED", old)
+    return _table("_common", "PDL_CONFIG", ENABLED=False)(eng)
 
 
 def _pdl_mode(mode):
-    """The smoke test's PDL forms: None (the defaults), "off", "late" (every trigger late,
-    1 prefetched tile), "early" (every trigger early, 1 prefetched tile); returns the undo."""
+    """The smoke test's PDL forms: None (the defaults), "off", "late" (every trigger late), "early"
+    (every trigger early); returns the undo."""
     if mode is None:
         return None
     if mode == "off":
         return _no_pdl(None)
-    return _pdl(1, () if mode == "late" else "all")(None)
-
-
-PDL_SMALL = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")  # no main loop
-PDL_LOOP = ("fc1", "qkv_full", "fc2", "proj", "qkv")
-S5_EARLY = ("qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")
-
-
-def _pdl(tiles, early=()):
-    """Programmatic dependent launch for the main decode kernels (_common.PDL_CONFIG), with
-    `tiles` weight tiles prefetched into L2 before each kernel's wait (0: none); the kinds of
-    kernel in `early` ("all": every kind) let the next kernel in right after their wait, the
-    others after their main loop or at exit."""
-    def apply(eng):
-        import importlib
-
-        C = importlib.import_module("dejavu.plugins._common")
-        cfg = C.PDL_CONFIG
-        old = dict(cfg)
-        cfg.update(ENABLED=True, PREFETCH_TILES=tiles, EARLY=C.PDL_KINDS if early == "all" else tuple(early))
-        return lambda: cfg.update(old)
-    return apply
-
-
-def _pdl_prefetch(**tiles):
-    """PDL_CONFIG["PREFETCH"] for one row: {kind: weight tiles prefetched into L2 before the wait}
-    (the shipped trigger set unchanged)."""
-    def apply(eng):
-        import importlib
-
-        cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
-        old = dict(cfg.get("PREFETCH") or {})
-        cfg["PREFETCH"] = {**old, **tiles}
-        return lambda: cfg.__setitem__("PREFETCH", old)
-    return apply
-
-
-def _topk_split(eng):
-    """The predictors' top-k in one launch per radix round (predictor.TOPK_CONFIG fused off):
-    no grid barrier, whose spinning programs wait for SM room next to the main stream."""
     import importlib
 
-    cfg = importlib.import_module("dejavu.plugins.predictor").TOPK_CONFIG
-    old = cfg["fused"]
-    cfg["fused"] = False
-    return lambda: cfg.__setitem__("fused", old)
+    kinds = importlib.import_module("dejavu.plugins._common").PDL_KINDS
+    return _table("_common", "PDL_CONFIG", ENABLED=True, EARLY=() if mode == "late" else kinds)(None)
 
 
-def _scoring(method, pdl="late"):
+def _scoring(method):
     """The predictors' two products by `method` (predictor.SCORE_METHOD: "torch" = cuBLAS,
-    "triton" = gather_gemv at batch 1); pdl: their PDL trigger ("late", "early": right after
-    the wait) or "plain" launches."""
+    "triton" = gather_gemv at batch 1)."""
     def apply(eng):
         import importlib
 
         PR = importlib.import_module("dejavu.plugins.predictor")
-        C = importlib.import_module("dejavu.plugins._common")
-        old, old_pdl = PR.SCORE_METHOD, dict(C.PDL_CONFIG)
+        old = PR.SCORE_METHOD
         PR.SCORE_METHOD = method
-        if pdl == "early":
-            C.PDL_CONFIG["EARLY"] = tuple(old_pdl["EARLY"]) + ("pred",)
-        elif pdl == "plain":
-            C.PDL_CONFIG["PLAIN"] = tuple(old_pdl["PLAIN"]) + ("pred",)
-
-        def undo():
-            PR.SCORE_METHOD = old
-            C.PDL_CONFIG.clear()
-            C.PDL_CONFIG.update(old_pdl)
-        return undo
+        return lambda: setattr(PR, "SCORE_METHOD", old)
     return apply
 
 
@@ -297,7 +174,7 @@ def _no_predictors(eng):
 def _no_predictors_random(eng):
     """No predictor GEMVs: every predictor call takes the next of a pool of 61 random index sets
     of its K (drawn once, sorted), by a device-side call counter, so a layer's heads change from
-    step to step as the predictors' do on random weights (the deferred K/V catch-up still runs;
+    step to step as the predictors' do on random weights (the deferred K/V slow path still runs;
     `nopred`'s fixed sets leave it nothing to do). Three tiny launches per call replace the
     predictor's GEMVs and top-k."""
     pools: dict = {}
@@ -320,130 +197,6 @@ def _no_predictors_random(eng):
     return lambda: setattr(pred, "topk", old)
 
 
-def _table(module: str, name: str, **kv):
-    """Entries of the config table dejavu.plugins.<module>.<name> for one row (undo restores it)."""
-    def apply(eng):
-        import importlib
-
-        cfg = getattr(importlib.import_module(f"dejavu.plugins.{module}"), name)
-        old = dict(cfg)
-        cfg.update(kv)
-        return lambda: (cfg.clear(), cfg.update(old))
-    return apply
-
-
-# the folded finish's slow-path layout in session 14's first runs (before "wide": Z 1, z-slices first)
-_FOLD_S14 = {"FOLD_SLOW_Z": 1, "FOLD_SLOW_LAST": False}
-
-
-def _qkv_b1(**kv):
-    """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
-    return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
-
-
-def _fc2_route(route: str, **kv):
-    """sparse_mlp.FC2_CONFIG[route] entries for one row ("dot1": fc2 at batch 1, "proj1": the
-    attention output projection at batch 1)."""
-    return _table_entry("sparse_mlp", "FC2_CONFIG", route, **kv)
-
-
-def _fc1_gemv(**kv):
-    """sparse_mlp.FC1_CONFIG["gemv"] entries for one row (fc1 at batch 1, per-sequence sets)."""
-    return _table_entry("sparse_mlp", "FC1_CONFIG", "gemv", **kv)
-
-
-def _pred_gemv(**kv):
-    """predictor.SCORE_CONFIG["a"] and ["b"] entries for one row (the predictors' GEMVs; they
-    inherit the rest from sparse_mlp.FC1_CONFIG["gemv"])."""
-    return _both(_pred_a(**kv), _pred_b(**kv))
-
-
-def _pred_a(**kv):
-    """predictor.SCORE_CONFIG["a"] entries for one row (the predictors' x @ a.T GEMV)."""
-    return _table_entry("predictor", "SCORE_CONFIG", "a", **kv)
-
-
-def _pred_b(**kv):
-    """predictor.SCORE_CONFIG["b"] entries for one row (the predictors' h @ b.T GEMV)."""
-    return _table_entry("predictor", "SCORE_CONFIG", "b", **kv)
-
-
-def _pdl_early(*kinds):
-    """PDL_CONFIG["EARLY"] plus `kinds` for one row (their next kernel launches right after their wait)."""
-    def apply(eng):
-        import importlib
-
-        cfg = importlib.import_module("dejavu.plugins._common").PDL_CONFIG
-        old = tuple(cfg["EARLY"])
-        cfg["EARLY"] = old + tuple(kinds)
-        return lambda: cfg.__setitem__("EARLY", old)
-    return apply
-
-
-def _table_entry(module, table, key, **kv):
-    """dejavu.plugins.<module>.<table>[key] entries for one row (undo restores the entry)."""
-    def apply(eng):
-        import importlib
-
-        t = getattr(importlib.import_module(f"dejavu.plugins.{module}"), table)
-        old = dict(t[key])
-        t[key] = {**old, **kv}
-        return lambda: t.__setitem__(key, old)
-    return apply
-
-
-def _attn_setting(**kv):
-    """sparse_attention.ATTN_CONFIG entries for one row."""
-    return _table("sparse_attention", "ATTN_CONFIG", **kv)
-
-
-def _neurons_before_heads(eng):
-    """A layer's neuron predictor before its head predictor on the side stream (the main stream still
-    waits for each kind's own event: PredictorRunner.neurons_first)."""
-    pred = eng.decoder.pred
-    pred.neurons_first = True
-    return lambda: setattr(pred, "neurons_first", False)
-
-
-def _neurons_first(eng):
-    """The predictor schedule before session 6: a layer's neuron predictor first, and the main
-    stream waits for both of its predictors before the layer's attention."""
-    pred = eng.decoder.pred
-    pred.heads_first = False
-    return lambda: setattr(pred, "heads_first", True)
-
-
-def _side_priority(eng):
-    """The predictors' side stream at the highest priority (the block scheduler then gives
-    its kernels freed SM slots before the main stream's queued ones)."""
-    pred = eng.decoder.pred
-    if pred.side is None:
-        return None
-    old = pred.side
-    pred.side = torch.cuda.Stream(device=eng.device, priority=-100)  # mapped to the highest
-    return lambda: setattr(pred, "side", old)
-
-
-def _main_priority(prio):
-    """The decode graph captured on a stream of priority `prio` (SparseDecoder.graph_priority;
-    None: the highest, the default since session 9; 0: the default priority, the same as the
-    predictors' side stream, as before)."""
-    return _decoder_attr("graph_priority", prio)
-
-
-_LN_LATE = _table("layer_norm", "LN_CONFIG", EARLY_WEIGHTS=False)  # LayerNorm's weights after the wait
-
-
-def _topk_fused(eng):
-    """The predictors' top-k in one launch with a grid barrier per round (TOPK_CONFIG fused on)."""
-    import importlib
-
-    cfg = importlib.import_module("dejavu.plugins.predictor").TOPK_CONFIG
-    old = cfg["fused"]
-    cfg["fused"] = True
-    return lambda: cfg.__setitem__("fused", old)
-
-
 def _both(*fs):
     """Several ablations in one row (undone in reverse)."""
     def apply(eng):
@@ -457,367 +210,28 @@ def _both(*fs):
     return apply
 
 
-SWEPT: dict = {}  # --swept-from: a kernels.py --sweep / --sweep-attn JSON, for the "*swept" rows
-
-
-def _swept(*parts):
-    """Apply parts of the SWEPT choices for one row: "qkv" (QKV_CONFIG_B1), "attn" (ATTN_CONFIG),
-    "proj" (FC2_CONFIG proj1), "mlp" (FC1_CONFIG / FC2_CONFIG gemv, dot, dot1); undo restores."""
-    import copy
-    import importlib
-
-    def apply(eng):
-        if not SWEPT:
-            raise ValueError("the *swept ablations need --swept-from FILE (a kernels.py sweep JSON)")
-        DK = importlib.import_module("dejavu.plugins.deferred_kv")
-        SA = importlib.import_module("dejavu.plugins.sparse_attention")
-        SM = importlib.import_module("dejavu.plugins.sparse_mlp")
-        tables = (DK.QKV_CONFIG_B1, SA.ATTN_CONFIG, SM.FC1_CONFIG, SM.FC2_CONFIG)
-        saved = [copy.deepcopy(t) for t in tables]
-        sa, sw = SWEPT.get("sweep_attn") or {}, SWEPT.get("sweep") or {}
-        if "qkv" in parts and sa.get("qkv"):
-            DK.QKV_CONFIG_B1.update(sa["qkv"])
-        if "attn" in parts and sa.get("attn"):
-            SA.ATTN_CONFIG.update(sa["attn"])
-        for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):
-            for route, cfg in (sw.get(kernel) or {}).items():
-                if ("proj" in parts and route == "proj1") or ("mlp" in parts and route != "proj1"):
-                    table[route] = {**table[route], **cfg}
-
-        def undo():
-            for t, old in zip(tables, saved):
-                t.clear()
-                t.update(old)
-        return undo
-    return apply
-
-
-# --ablations at --ablate-densities and --ablate-batches: rows `dejavu_d{D}_on[_shared]_{name}`,
-# each one change from the row without the suffix
-ABLATIONS = {"fusedmlp": _ablate_fused_mlp, "mlpov": _ablate_mlp_overlap, "unfusedln": _ablate_unfused_ln, "fuseln": _ablate_fused_ln,
-             "twolaunchqkv": _ablate_two_launch_qkv,
-             # session 17: deferred K/V slots past the Q/K/V partials caught up on the predictors' side
-             # stream (SparseDecoder.catch_up) instead of the finishing kernel's slow path; with 4 / 16
-             # programs per row block (CATCHUP_CONFIG Z, default 8), or 512-column chunks (a quarter of
-             # the serial loads)
-             "catchup": _decoder_attr("catch_up", True),
-             # session 18: refresh heads (SparseDecoder.kv_refresh, batch 1): up to N heads that do not attend
-             # but lag hist_slots behind get their K/V in the step's Q/K/V launches (no slow path later);
-             # refreshN: any lag past hist_slots (the most lagging first), refreshNh: exactly hist_slots (the
-             # default is decoder.REFRESH_AUTO's rule: 4 heads from 40% of the heads attending, hidden >= 4096;
-             # norefresh: kv_refresh 0, autorefresh: None)
-             "refresh1": _both(_decoder_attr("kv_refresh", 1), _decoder_attr("kv_refresh_lags", (None, None))),
-             "refresh2": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, None))),
-             "refresh4": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, None))),
-             "refresh8": _both(_decoder_attr("kv_refresh", 8), _decoder_attr("kv_refresh_lags", (None, None))),
-             "norefresh": _decoder_attr("kv_refresh", 0), "norefresh2": _decoder_attr("kv_refresh", 0),
-             "autorefresh": _decoder_attr("kv_refresh", None),
-             # ... only heads at exactly hist_slots missing slots (none already past the partials), or at 12-15
-             "refresh2h": _both(_decoder_attr("kv_refresh", 2), _decoder_attr("kv_refresh_lags", (None, "hist"))),
-             "refresh4h": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, "hist"))),
-             "refresh8h": _both(_decoder_attr("kv_refresh", 8), _decoder_attr("kv_refresh_lags", (None, "hist"))),
-             "refresh4w12": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (12, "hist"))),
-             "refresh4h2": _both(_decoder_attr("kv_refresh", 4), _decoder_attr("kv_refresh_lags", (None, "hist"))),
-             "catchupz4": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=4)),
-             "catchupz16": _both(_decoder_attr("catch_up", True), _table("deferred_kv", "CATCHUP_CONFIG", Z=16)),
-             "catchupd512": _both(_decoder_attr("catch_up", True),
-                                  _table("deferred_kv", "CATCHUP_CONFIG", BLOCK_D=512, num_warps=8)),
-             # ... or in the Q/K/V partial kernel's slow z-slices (QKV_CONFIG_B1 PARTIAL_SLOW; FOLD_SLOW_Z
-             # chunk sets, default 4)
-             "partslow": _qkv_b1(PARTIAL_SLOW=True), "partslowz2": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=2),
-             "partslowz8": _qkv_b1(PARTIAL_SLOW=True, FOLD_SLOW_Z=8),
-             # registers per thread capped (maxnreg; ptxas spills the rest) so more programs fit per SM: the
-             # Q/K/V partial kernel (255 registers, 2 programs of 4 warps per SM), fc2's and the output
-             # projection's tl.dot kernel (230), or all three
-             "qkvreg168": _qkv_b1(maxnreg=168), "qkvreg128": _qkv_b1(maxnreg=128),
-             "fc2reg168": _fc2_route("dot1", maxnreg=168), "fc2reg128": _fc2_route("dot1", maxnreg=128),
-             "projreg168": _fc2_route("proj1", maxnreg=168),
-             "allreg168": _both(_qkv_b1(maxnreg=168), _fc2_route("dot1", maxnreg=168), _fc2_route("proj1", maxnreg=168)),
-             "allreg128": _both(_qkv_b1(maxnreg=128), _fc2_route("dot1", maxnreg=128), _fc2_route("proj1", maxnreg=128)),
-             # the slow path's columns per load (SLOW_D, default BLOCK_D 128) and slots per whole-D pass (SLOW_P, default 16)
-             "slowd256": _qkv_b1(SLOW_D=256), "slowd512": _qkv_b1(SLOW_D=512),
-             "slowp32": _qkv_b1(SLOW_P=32), "slowp64": _qkv_b1(SLOW_P=64), "slowp128": _qkv_b1(SLOW_P=128),
-             "nofuse": _ablate_no_fusion, "nofuseall": _ablate_no_fusion_at_all,
-             # side-stream timing: predictors after Q/K/V; L2 warm-up of out-proj (and fc1) rows
-             "predqkv": _side("after_qkv"), "predattnin": _side("attn_in"),
-             "pfout": _side(out=64), "pfout16": _side(out=16), "pfall": _side(out=64, fc1=16),
-             "predqkvpfout": _side("after_qkv", out=64), "predqkvpfall": _side("after_qkv", out=64, fc1=16),
-             "predqkvpfall32": _side("after_qkv", out=64, fc1=32), "qkvswept": _swept("qkv"), "projswept": _swept("proj"), "mlpswept": _swept("mlp"),
-             "allswept": _swept("qkv", "attn", "proj", "mlp"), "qkvshared": _ablate_qkv_shared,
-             "pdl0": _pdl(0), "pdl": _pdl(1), "pdl2": _pdl(2), "pdl4": _pdl(4),
-             "pdl0early": _pdl(0, "all"), "pdl1early": _pdl(1, "all"), "tksplit": _topk_split, "tkfused": _topk_fused,
-             "pdl0tk": _both(_pdl(0), _topk_split), "pdl0earlytk": _both(_pdl(0, "all"), _topk_split),
-             "pdl1earlytk": _both(_pdl(1, "all"), _topk_split),
-             "nopdl": _no_pdl, "same": lambda eng: None,  # the headline row again (run-to-run spread)
+# Ablation rows (--ablations): the shipped path with one thing changed each, the few that explain it.
+# The *_nooverlap and *_fullkv systems (predictors inline, K/V of every head) and the dense graph are
+# systems of their own, not ablations. Modes that were measured slower and deleted: BENCHMARKS.md.
+ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spread)
              "same2": lambda eng: None,  # and once more, later in the run
-             "tritonscore": _scoring("triton"), "tritonscoreearly": _scoring("triton", "early"),
-             "tritonscoreplain": _scoring("triton", "plain"),
-             "cublasscore": _scoring("torch"), "nopred": _no_predictors, "nopredrand": _no_predictors_random,
-             "nopredrand2": _no_predictors_random,  # a second row in one run (spread)
-             # deferred K/V at batch 1: 31 missing slots per tl.dot (heads unselected for up to 31
-             # steps catch up in the partial kernel, not the finishing kernel's serial slow path)
-             "qkvp32": _qkv_b1(BLOCK_P=32, SHARED_P=32),
-             # ... with the partial kernel kept at 4 programs per SM (2 stages / a 128-register cap), or one
-             # wave of 3 per SM (396 programs)
-             "qkvp32s2": _qkv_b1(BLOCK_P=32, SHARED_P=32, num_stages=2),
-             "qkvp32r128": _qkv_b1(BLOCK_P=32, SHARED_P=32, maxnreg=128),
-             "qkvp32t396": _qkv_b1(BLOCK_P=32, SHARED_P=32, TARGET_PROGRAMS=396),
-             # session 19: the wide tile only for the heads more than 15 slots behind (SHARED_P_WIDE; off by
-             # default since): 32 (wide), off (nowide, the default), 64 slots (with a 128-register cap), with a
-             # 128-register cap; refresh heads at exactly 31 (with wide)
-             # batch 1's unfolded route with SHARED_P 32 and a 128-register cap (SHARED_P_UNFOLDED, the default
-             # since session 19): off (SHARED_P 16 everywhere, the default before)
-             "nounfolded": _qkv_b1(SHARED_P_UNFOLDED=None), "nounfolded2": _qkv_b1(SHARED_P_UNFOLDED=None),
-             # (measured on SHARED_P 16, before SHARED_P_UNFOLDED: these rows turn it off to stay that)
-             "wide": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None),
-             "nowide": _qkv_b1(SHARED_P_WIDE=0, SHARED_P_UNFOLDED=None),
-             "nowide2": _qkv_b1(SHARED_P_WIDE=0, SHARED_P_UNFOLDED=None),
-             "wide64": _qkv_b1(SHARED_P_WIDE=64, SHARED_P_UNFOLDED=None),
-             "wide64r128": _qkv_b1(SHARED_P_WIDE=64, SHARED_P_UNFOLDED=None, maxnreg=128),
-             "wider128": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None, maxnreg=128),
-             "refresh4h31": _both(_qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None), _decoder_attr("kv_refresh", 4),
-                                  _decoder_attr("kv_refresh_lags", (31, 31))),
-             # session 20: the wide tile for every K/V program of a launch in which some selected head is past
-             # 15 slots (SHARED_P_WIDE_ALL: one branch per launch), none otherwise; with the 128-register cap of
-             # the unfolded route (wideall) or without (wideallnc)
-             "wideall": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128),
-             "wideall2": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128),
-             "wideallnc": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None),
-             # ... the partial kernel's head, pos and valid_len (and those lags) read before the PDL wait
-             # (PARTIAL_EARLY_READS): on the default path, with wideall, with the per-program wide tile
-             "earlyrows": _qkv_b1(PARTIAL_EARLY_READS=True), "earlyrows2": _qkv_b1(PARTIAL_EARLY_READS=True),
-             "wideallearly": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_WIDE_ALL=True, SHARED_P_UNFOLDED=None, maxnreg=128,
-                                     PARTIAL_EARLY_READS=True),
-             "wideearly": _qkv_b1(SHARED_P_WIDE=32, SHARED_P_UNFOLDED=None, maxnreg=128, PARTIAL_EARLY_READS=True),
-             # the finishing kernel's blocks: 32 rows per program (204 at d0.3 instead of 408), or a register cap
-             # (QKV_CONFIG FINISH_MAXNREG; its decode form has 64 registers, so 408 programs are one wave already)
-             "finishr32": _qkv_b1(FINISH_R=32), "finishreg128": _qkv_b1(FINISH_MAXNREG=128),
-             "finishr32b": _qkv_b1(FINISH_R=32), "finishreg128b": _qkv_b1(FINISH_MAXNREG=128),
-             "finishreg96": _qkv_b1(FINISH_MAXNREG=96),
-             # the Q/K/V partial kernel's first weight tiles prefetched into L2 before its PDL wait (the window of
-             # fc2's split reduction, where the predictors' stream is idle): 1 / 2 / 4 tiles of 128 columns
-             "pfqkv1": _pdl_prefetch(qkv=1), "pfqkv2": _pdl_prefetch(qkv=2), "pfqkv4": _pdl_prefetch(qkv=4),
-             "pfqkv2b": _pdl_prefetch(qkv=2),
-             # session 21: the attention kernel's stable cache slots (below min(valid_len, pos)) loaded before its
-             # PDL wait, valid_len committed by the combine kernel (ATTN_CONFIG EARLY_KV); with 16- / 64-slot chunks
-             "earlykv": _attn_setting(EARLY_KV=True), "earlykv2": _attn_setting(EARLY_KV=True),
-             "earlykvc16": _attn_setting(EARLY_KV=True, CHUNK=16, BLOCK_S=16),
-             "earlykvc64": _attn_setting(EARLY_KV=True, CHUNK=64, BLOCK_S=64),
-             # ... with the predictors' top-k in one launch (their stream's chain shorter), or fc2 at batch 1 on
-             # 528 / 264 programs (the predictors then spill into the MLP: fc2's one wave of 396 is broken)
-             "earlykvtk": _both(_attn_setting(EARLY_KV=True), _topk_fused),
-             # the Q/K/V partial kernel (4 programs per SM fill the register file) aimed at 512 / 480 programs, so
-             # free SM slots let the predictors' first GEMVs start beside it (TARGET_PROGRAMS 528 fills every slot
-             # at head density 0.2: 8 slices x 66 row blocks; 512 -> 7 slices, 462; 480 also d0.3 -> 4 slices, 408)
-             "qkvt512": _qkv_b1(TARGET_PROGRAMS=512), "qkvt480": _qkv_b1(TARGET_PROGRAMS=480),
-             "qkvt528": _qkv_b1(TARGET_PROGRAMS=528),  # the default before session 21 (512 since)
-             # session 22: the tl.dot fc2 / projection kernel with its row indices loaded one K block ahead
-             # (ROWS_AHEAD), so its weight tiles are multi-buffered (cp.async) instead of one at a time
-             "fc2ahead": _fc2_route("dot1", ROWS_AHEAD=True),
-             "fc2ahead4": _fc2_route("dot1", ROWS_AHEAD=True, num_stages=4),
-             "fc2aheadt528": _fc2_route("dot1", ROWS_AHEAD=True, TARGET_PROGRAMS=528),
-             "projahead": _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3),
-             "projahead4": _fc2_route("proj1", ROWS_AHEAD=True),
-             "ahead": _both(_fc2_route("dot1", ROWS_AHEAD=True), _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
-             "ahead4": _both(_fc2_route("dot1", ROWS_AHEAD=True, num_stages=4),
-                             _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
-             "aheadt528": _both(_fc2_route("dot1", ROWS_AHEAD=True, TARGET_PROGRAMS=528),
-                                _fc2_route("proj1", ROWS_AHEAD=True, num_stages=3)),
-             # the Q/K/V partial kernel's LayerNorm input loaded a D chunk ahead (x_new / with the LN weights)
-             "lnahead1": _qkv_b1(LN_AHEAD=1), "lnahead2": _qkv_b1(LN_AHEAD=2), "lnahead1b": _qkv_b1(LN_AHEAD=1),
-             # many waves instead of one (the one-wave weight kernels' tail): fc2 / projection / Q/K/V programs
-             "fc2t1188": _fc2_route("dot1", TARGET_PROGRAMS=1188), "fc2t2376": _fc2_route("dot1", TARGET_PROGRAMS=2376),
-             "projt1056": _fc2_route("proj1", TARGET_PROGRAMS=1056), "projt2112": _fc2_route("proj1", TARGET_PROGRAMS=2112),
-             "qkvt1024": _qkv_b1(TARGET_PROGRAMS=1024), "qkvt2048": _qkv_b1(TARGET_PROGRAMS=2048),
-             # the neuron predictor first on the side stream (its 37 MB read beside the Q/K/V kernel, the head
-             # predictor's latency-bound chain beside attention), alone and with earlykv
-             "nfirst": _neurons_before_heads, "nfirst2": _neurons_before_heads,
-             "nfirstearlykv": _both(_neurons_before_heads, _attn_setting(EARLY_KV=True)),
-             # the predictors' x @ a.T with 4 / 8 rows per program (fewer programs for the few SM slots the Q/K/V
-             # kernel leaves: the head predictor's chain shorter), alone and with earlykv
-             "preda4": _pred_a(BLOCK_R=4), "preda4earlykv": _both(_pred_a(BLOCK_R=4), _attn_setting(EARLY_KV=True)),
-             "preda8earlykv": _both(_pred_a(BLOCK_R=8), _attn_setting(EARLY_KV=True)),
-             # ... the neuron predictor's h @ b.T (29 MB beside the attention chain) with 16 rows / the whole rank /
-             # 8 warps per program, with earlykv (its chain must end sooner for the shorter attention chain)
-             "earlykvb16": _both(_pred_b(BLOCK_R=16), _attn_setting(EARLY_KV=True)),
-             "earlykvbd512": _both(_pred_b(BLOCK_D=512), _attn_setting(EARLY_KV=True)),
-             "earlykvbw8": _both(_pred_b(num_warps=8), _attn_setting(EARLY_KV=True)),
-             "earlykvt512": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=512)),
-             "earlykvt480": _both(_attn_setting(EARLY_KV=True), _qkv_b1(TARGET_PROGRAMS=480)),
-             "earlykvf528": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=528)),
-             "earlykvf264": _both(_attn_setting(EARLY_KV=True), _fc2_route("dot1", TARGET_PROGRAMS=264)),
-             # the finishing kernel sums FINISH_S slices of D per load (default 1); the partial
-             # kernel's programs (default 528: 5 slices at head density 0.3, 14 at 0.1)
-             "finishs4": _qkv_b1(FINISH_S=4), "finishs16": _qkv_b1(FINISH_S=16),
-             "qkvt264": _qkv_b1(TARGET_PROGRAMS=264), "qkvt1056": _qkv_b1(TARGET_PROGRAMS=1056),
-             # the finishing kernel's slow path (slots beyond the partials) shared out over Z programs
-             "slowz1": _qkv_b1(SLOW_Z=1), "slowz2": _qkv_b1(SLOW_Z=2), "slowz4": _qkv_b1(SLOW_Z=4), "slowz8": _qkv_b1(SLOW_Z=8),
-             "slowz4finishs16": _qkv_b1(SLOW_Z=4, FINISH_S=16),
-             # batch 1: the attention chunks combined inside the output projection (no combine launch)
-             "foldcombine": _attn_setting(FOLD_COMBINE=True),
-             # block shapes of the weight-streaming kernels inside the step (batch 1)
-             "qkvr32": _qkv_b1(BLOCK_R=32), "qkvs4": _qkv_b1(num_stages=4), "qkvd256": _qkv_b1(BLOCK_D=256),
-             "proj1056": _fc2_route("proj1", TARGET_PROGRAMS=1056), "fc2t1056": _fc2_route("dot1", TARGET_PROGRAMS=1056),
-             "fc2s4": _fc2_route("dot1", num_stages=4),
-             # session 9: the main stream's graph at the highest priority (default since) or at the
-             # side stream's (mainzero: before); the attention chunks combined by the last chunk
-             # program of each head (no combine launch)
-             "mainhigh": _main_priority(None), "mainzero": _main_priority(0),
-             "lastcombine": _attn_setting(LAST_COMBINE=True),
-             "lastcombinehigh": _both(_main_priority(None), _attn_setting(LAST_COMBINE=True)),
-             # the held predictors launched after a layer's Q/K/V kernels (they then overlap the
-             # latency-bound attention kernels), with the main stream at the highest priority
-             "predqkvhigh": _both(_side("after_qkv"), _main_priority(None)), "mainhigh2": _main_priority(None),
-             # LayerNorm's weight and bias loaded after the PDL wait and the statistics (before session 9)
-             "lnlate": _LN_LATE,
-             # ... and the attention / Q/K/V finishing kernels' index and position reads after it too
-             "latereads": _both(_LN_LATE, _attn_setting(EARLY_READS=False), _qkv_b1(EARLY_READS=False)),
-             # fc2 at batch 1 with few programs: SPLIT 1 (one program per D block walks all of K, no
-             # reduction launch) with 64- / 128- / 32-wide D blocks
-             "fc2lowa": _fc2_route("dot1", BLOCK_K=128, BLOCK_D=64, num_stages=4, TARGET_PROGRAMS=112),
-             "fc2lowb": _fc2_route("dot1", BLOCK_K=64, BLOCK_D=128, num_stages=4, TARGET_PROGRAMS=56),
-             "fc2lowc": _fc2_route("dot1", BLOCK_K=128, BLOCK_D=32, num_stages=4, TARGET_PROGRAMS=224),
-             # the held predictors launched after a layer's attention op (they overlap its MLP)
-             "predattn": _side("after_attn"), "predattnhigh": _both(_side("after_attn"), _main_priority(None)),
-             # attention chunk length (positions per program; fewer chunks to combine)
-             "chunk64": _attn_setting(CHUNK=64), "chunk64s64": _attn_setting(CHUNK=64, BLOCK_S=64),
-             "chunk128": _attn_setting(CHUNK=128), "chunk16": _attn_setting(CHUNK=16, BLOCK_S=16),
-             "foldslowz4": _both(_attn_setting(FOLD_COMBINE=True), _qkv_b1(SLOW_Z=4)),
-             # session 10: the MLP's LayerNorm as its own launch again (before: fc1 applies it from the
-             # output projection reduction's block stats, SparseDecoder.defer_ln)
-             "nodeferln": _defer_ln(False), "nodeferln2": _defer_ln(False), "deferloop": _fold_ln(False),
-             # fc1's GEMV with 4 / 8 rows per program (x, or with defer_ln y and the LayerNorm's
-             # weight and bias, read once for more rows), with and without the deferred LayerNorm
-             "fc1r4": _fc1_gemv(BLOCK_R=4), "fc1r8": _fc1_gemv(BLOCK_R=8),
-             "nodeferlnr4": _both(_defer_ln(False), _fc1_gemv(BLOCK_R=4)),
-             # fc1's weight loads L2-only (.cg) or evict-first in L1, so the input vector every
-             # program re-reads stays in L1; with and without the deferred LayerNorm
-             "fc1cg": _fc1_gemv(W_CM=".cg"), "fc1ef": _fc1_gemv(W_EV="evict_first"),
-             "nodeferlncg": _both(_defer_ln(False), _fc1_gemv(W_CM=".cg")),
-             "nodeferlnef": _both(_defer_ln(False), _fc1_gemv(W_EV="evict_first")),
-             # session 10 final: fc1 (and the predictors' GEMVs, which share its config) without the
-             # evict-first hint (before); the deferred LayerNorm on (fold); the same hint on fc2 /
-             # the output projection (tl.dot kernel at batch 1) / the Q/K/V partial kernel
-             "fc1noef": _fc1_gemv(W_EV=""), "deferln": _defer_ln(True),
-             # session 11: the LayerNorm before a deferred-K/V attention left to its Q/K/V kernel
-             # (SparseDecoder.defer_ln_attn; fc2's reduction stores block stats; the default since
-             # session 11: `nolnqkv` is the row without it), alone and with the MLP's LayerNorm
-             # left to fc1 too
-             "lnqkv": _decoder_attr("defer_ln_attn", True), "lnqkv2": _decoder_attr("defer_ln_attn", True),
-             # session 12: attention and the output projection in one launch at batch 1 (short
-             # contexts; sparse_attention.attend_project), and its block / program / prefetch variants
-             "attnproj": _attn_setting(PROJ_MAX_S=4096), "attnproj2": _attn_setting(PROJ_MAX_S=4096),
-             "noattnproj": _attn_setting(PROJ_MAX_S=0),
-             "attnprojd128": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_D=128, PROJ_WARPS=8),
-             "attnprojw8": _attn_setting(PROJ_MAX_S=4096, PROJ_WARPS=8),
-             "attnprojnopf": _attn_setting(PROJ_MAX_S=4096, PROJ_PF=False),
-             "attnprojt132": _attn_setting(PROJ_MAX_S=4096, PROJ_TARGET=132),
-             "attnprojt528": _attn_setting(PROJ_MAX_S=4096, PROJ_TARGET=528),
-             "attnprojs64": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_S=64),
-             "attnprojs16": _attn_setting(PROJ_MAX_S=4096, PROJ_BLOCK_S=16),
-             # one wave of programs: the Q/K/V partial kernel (3 per SM at 3 stages: 510 programs are
-             # 1.3 waves) at 396 programs or 2 stages; the output projection at 396 programs or 3 stages
-             "qkvt396": _qkv_b1(TARGET_PROGRAMS=396), "qkvs2": _qkv_b1(num_stages=2),
-             "projt396": _fc2_route("proj1", TARGET_PROGRAMS=396), "projs3": _fc2_route("proj1", num_stages=3),
-             # the MLP's LayerNorm computed by the output projection's split-K reduction (one launch:
-             # its last program normalises; SparseDecoder.ln_from_attn)
-             "lnfromattn": _decoder_attr("ln_from_attn", True),
-             # weight tiles prefetched into L2 before the PDL wait, per kind of kernel (the output
-             # projection waits behind the attention and its combine, both early triggers; fc1
-             # behind the reduction and the LayerNorm)
-             "pfproj1": _pdl_prefetch(proj=1), "pfproj2": _pdl_prefetch(proj=2), "pfproj4": _pdl_prefetch(proj=4),
-             "pffc1": _pdl_prefetch(fc1=1), "pfproj2fc1": _pdl_prefetch(proj=2, fc1=1),
-             # the weight kernels' blocks inside the step (batch 1): warps, row / column blocks, programs
-             "qkvw8": _qkv_b1(num_warps=8), "qkvr128": _qkv_b1(BLOCK_R=128), "qkvd64": _qkv_b1(BLOCK_D=64),
-             "qkvt792": _qkv_b1(TARGET_PROGRAMS=792),
-             "fc2w8": _fc2_route("dot1", num_warps=8), "fc2d64": _fc2_route("dot1", BLOCK_D=64),
-             "fc2k128": _fc2_route("dot1", BLOCK_K=128), "fc2t396": _fc2_route("dot1", TARGET_PROGRAMS=396),
-             "fc2t528": _fc2_route("dot1", TARGET_PROGRAMS=528),  # before session 12's switch to 396
-             "fc2t264": _fc2_route("dot1", TARGET_PROGRAMS=264), "fc2t132": _fc2_route("dot1", TARGET_PROGRAMS=132),
-             # longer pieces of each gathered row (session 15: 0.5-1% faster in isolation at OPT-30B d0.2-0.3)
-             "fc2d256": _fc2_route("dot1", BLOCK_K=32, BLOCK_D=256, num_stages=4),
-             "fc2d1024": _fc2_route("dot1", BLOCK_K=16, BLOCK_D=1024, num_warps=8, num_stages=3, TARGET_PROGRAMS=264),
-             "projd256": _fc2_route("proj1", BLOCK_K=32, BLOCK_D=256),
-             "projw8": _fc2_route("proj1", num_warps=8), "projd64": _fc2_route("proj1", BLOCK_D=64),
-             "projk32": _fc2_route("proj1", BLOCK_K=32),
-             "fc1w8": _fc1_gemv(num_warps=8), "fc1s3": _fc1_gemv(num_stages=3),
-             # fc2 started per K split while fc1 runs (session 16), with fc1's default blocks / 4 rows
-             # per program (fewer programs: fc2 may launch sooner) / fc2 on 528 programs
-             "mlpovr4": _both(_ablate_mlp_overlap, _fc1_gemv(BLOCK_R=4)),
-             "mlpovt528": _both(_ablate_mlp_overlap, _fc2_route("dot1", TARGET_PROGRAMS=528)),
-             # ... with the waiting fc2 tiles sleeping between polls of their counter
-             "mlpovs512": _both(_ablate_mlp_overlap, _fc2_route("dot1", SPIN_NS=512)),
-             "mlpovs2048": _both(_ablate_mlp_overlap, _fc2_route("dot1", SPIN_NS=2048)),
-             # the side stream's predictor GEMVs with fewer, longer programs (scores = h @ b.T: 8 rows
-             # of r per program by default; h = x @ a.T: 1 row of D in 1024-wide chunks)
-             "predb16": _pred_b(BLOCK_R=16),
-             "predb32": _pred_b(BLOCK_R=32),
-             "predbw8": _pred_b(num_warps=8),
-             "preda2048": _pred_a(BLOCK_D=2048),
-             # session 13: fc2's first weight tiles into L2 before its PDL wait (behind fc1's late trigger);
-             # fc1 with an early trigger (fc2's programs launch beside fc1's), alone and with fc2's prefetch.
-             # (Also measured that session, code since removed: the predictors' GEMVs on a persistent grid
-             # and weight rows loaded into registers before the PDL wait; BENCHMARKS.md, session 13.)
-             "pffc2a": _pdl_prefetch(fc2=1), "pffc2b": _pdl_prefetch(fc2=2),
-             "fc1early": _pdl_early("fc1"), "fc1earlypffc2": _both(_pdl_early("fc1"), _pdl_prefetch(fc2=2)),
-             # the side stream's scores = h @ b.T with shorter programs (default 8 rows of 256: two chunks
-             # of r = 512): 4 rows, or the whole rank in one chunk (2 / 4 / 8 rows)
-             "predbr4": _pred_b(BLOCK_R=4),
-             "predbr2d512": _pred_b(BLOCK_R=2, BLOCK_D=512),
-             "predbr4d512": _pred_b(BLOCK_R=4, BLOCK_D=512),
-             "predbr8d512": _pred_b(BLOCK_R=8, BLOCK_D=512),
-             # the head predictors at the layer's input, the neuron predictors held until after the
-             # Q/K/V kernels / the attention op (SparseDecoder.pred_window "split_qkv" / "split_attn")
-             "predsplitqkv": _side("split_qkv"), "predsplitattn": _side("split_attn"),
-             # session 14: no Q/K/V finishing kernel at batch 1: attention sums the partials (Q, and K/V
-             # at pos and the 15 missing slots the partials hold) and the partial kernel's first
-             # z-slices fill longer gaps (FOLD_FINISH); with 2 slow-path chunk sets / 32-row sub-blocks.
-             # Every setting the rows were measured with is spelled out (the defaults moved since).
-             "foldfinish": _qkv_b1(FOLD_FINISH=True, **_FOLD_S14),
-             "foldfinish2": _qkv_b1(FOLD_FINISH=True, **_FOLD_S14),
-             "foldfinishz2": _qkv_b1(FOLD_FINISH=True, **{**_FOLD_S14, "FOLD_SLOW_Z": 2}),
-             "foldfinishr32": _qkv_b1(FOLD_FINISH=True, **{**_FOLD_S14, "FOLD_SLOW_R": 32}),
-             # ... up to 16 slices of D unrolled (d0.1 has 14), or the partial kernel on 264 programs
-             "foldfinishm16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, **_FOLD_S14),
-             "foldfinisht264": _qkv_b1(FOLD_FINISH=True, TARGET_PROGRAMS=264, **_FOLD_S14),
-             "foldfinishz4m16": _qkv_b1(FOLD_FINISH=True, FOLD_MAX_SPLIT=16, **{**_FOLD_S14, "FOLD_SLOW_Z": 4}),
-             # ... the slow-path z-slices after the D slices; at most 8 D slices instead of the finishing kernel
-             "foldlast": _qkv_b1(FOLD_FINISH=True, **{**_FOLD_S14, "FOLD_SLOW_LAST": True}),
-             "foldcap": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, **_FOLD_S14),
-             "foldcaplast": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, **{**_FOLD_S14, "FOLD_SLOW_LAST": True}),
-             "foldcaplastz2": _qkv_b1(FOLD_FINISH=True, FOLD_CAP=True, FOLD_SLOW_LAST=True, FOLD_SLOW_Z=2),
-             # the default since is FOLD_FINISH "wide" (capped, slow z-slices last; Z 2 in the final run,
-             # Z 4 since run 6): always folded (never: nofoldfinish), slow z-slices first, Z 1 / 2 / 4 / 8
-             "foldalways": _qkv_b1(FOLD_FINISH=True, FOLD_SLOW_Z=2),
-             "foldfirst": _qkv_b1(FOLD_SLOW_LAST=False, FOLD_SLOW_Z=2), "foldz1": _qkv_b1(FOLD_SLOW_Z=1),
-             "foldz2": _qkv_b1(FOLD_SLOW_Z=2), "foldz4": _qkv_b1(FOLD_SLOW_Z=4), "foldz8": _qkv_b1(FOLD_SLOW_Z=8),
-             "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
-             "nolnqkv": _decoder_attr("defer_ln_attn", False),
-             "lnqkvdeferln": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True)),
-             # ... the MLP's LayerNorm left to fc1 through the centred product z (fold_ln "z": fc1
-             # reads z instead of x and the LayerNorm weight), alone and with lnqkv
-             "deferlnz": _both(_defer_ln(True), _fold_ln("z")),
-             "lnqkvz": _both(_decoder_attr("defer_ln_attn", True), _defer_ln(True), _fold_ln("z")),
-             "fc2ef": _fc2_route("dot1", W_EV="evict_first"), "projef": _fc2_route("proj1", W_EV="evict_first"),
-             "qkvef": _qkv_b1(W_EV="evict_first"),
-             # the predictors' GEMVs without the evict-first hint (fc1 keeps it)
-             "prednoef": _pred_gemv(W_EV=""),
-             # with the input vector in L1: fc1 with 1 row per program / 2048-wide chunks; the
-             # predictors' x @ a.T with 2 rows per program
-             "fc1r1": _fc1_gemv(BLOCK_R=1), "fc1d2048": _fc1_gemv(BLOCK_D=2048),
-             "preda2": _pred_a(BLOCK_R=2),
-             "neuronsfirst": _neurons_first, "neuronsfirstsmall": _both(_neurons_first, _pdl(0, PDL_SMALL)),
-             "pdl0small2": _pdl(0, PDL_SMALL),  # pdl0small again, a second row in one run
-             # session 5's defaults: its early-trigger set, neuron predictor first, cuBLAS scoring
-             "s5early": _pdl(0, S5_EARLY),
-             "s5defaults": _both(_neurons_first, _scoring("torch"), _pdl(0, S5_EARLY)),
-             "sidehigh": _side_priority, "sidehightsp": _both(_side_priority, _scoring("triton", "plain")),
-             "sidehighsmall": _both(_side_priority, _pdl(0, PDL_SMALL)),
-             "tspsmall": _both(_scoring("triton", "plain"), _pdl(0, PDL_SMALL)),
-             "sidehightspsmall": _both(_side_priority, _scoring("triton", "plain"), _pdl(0, PDL_SMALL)),
-             "pdlxqkv": _pdl(0, tuple(k for k in PDL_SMALL + PDL_LOOP if k not in ("fc1", "qkv"))),
-             "pdl0small": _pdl(0, PDL_SMALL), "pdl0loop": _pdl(0, PDL_LOOP), "pdl1small": _pdl(1, PDL_SMALL),
-             **{f"pdl0e{k.replace('_', '')}": _pdl(0, (k,)) for k in PDL_SMALL + PDL_LOOP}}
+             # the predictors' cost: fixed index sets (no predictor work, no K/V slow path), or sets that
+             # change every step as the predictors' do on random weights (no predictor kernels)
+             "nopred": _no_predictors, "nopredrand": _no_predictors_random,
+             # programmatic dependent launch off (plain launches)
+             "nopdl": _no_pdl,
+             # the predictors' products by cuBLAS instead of Triton's gather_gemv at batch 1
+             "cublasscore": _scoring("torch"),
+             # the decode graph at the default stream priority (the predictors' stream's) instead of the highest
+             "mainzero": _options(graph_priority=0),
+             # refresh heads off, or 4 per layer at every density (the default: 4 from 40% of heads attending)
+             "norefresh": _options(kv_refresh=0), "refresh4": _options(kv_refresh=4, kv_refresh_lags=(None, None)),
+             # the LayerNorm before attention as its own launch (not in the Q/K/V kernel)
+             "nolnqkv": _options(defer_ln_attn=False),
+             # batch 1's Q/K/V choices: SHARED_P 16 on the unfolded route; the finish never folded into
+             # attention; the partial kernel aimed at 528 programs (every SM slot) instead of 512
+             "nounfolded": _qkv_b1(SHARED_P_UNFOLDED=None), "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
+             "qkvt528": _qkv_b1(TARGET_PROGRAMS=528)}
 
 
 def apply_tuned(path: str | None) -> dict:
@@ -852,11 +266,6 @@ def apply_tuned(path: str | None) -> dict:
         for part, cfg in pg.items():
             PR.SCORE_CONFIG[part] = {**PR.SCORE_CONFIG[part], **cfg}
         used["pred_gemv"] = {k: dict(v) for k, v in PR.SCORE_CONFIG.items()}
-    best = (res.get("fused_mlp_summary") or {}).get("best")  # kernels.py --sections fused_mlp
-    if best and best.get("cfg"):
-        FM = importlib.import_module("dejavu.plugins.fused_mlp")
-        FM.FUSED_MLP_CONFIG.update(best["cfg"])
-        used["fused_mlp"] = dict(FM.FUSED_MLP_CONFIG)
     print(f"kernel configs from {path}: {used}", flush=True)
     return used
 
@@ -1094,18 +503,13 @@ def smoke() -> dict:
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
         finally:
             undo()
-    # LayerNorms left to the kernels that read them (SparseDecoder.defer_ln_attn / defer_ln), fp32,
-    # graph on, against the CPU reference of the same batch policy
-    for key, kw, attrs, nb in (("fp32 batch 1 defer_ln_attn", {}, {"defer_ln_attn": True}, 1),
-
-                               ("fp32 batch 1 defer_ln_attn defer_ln", {}, {"defer_ln_attn": True, "defer_ln": True}, 1),
-                               ("fp32 batch 1 defer_ln_attn defer_ln z", {},
-                                {"defer_ln_attn": True, "defer_ln": True, "fold_ln": "z"}, 1)):
+    # the LayerNorm before attention left to the Q/K/V kernel (DecodeOptions.defer_ln_attn, the default),
+    # fp32, graph on, against the CPU reference of the same batch policy
+    for key, kw, attrs, nb in (("fp32 batch 1 defer_ln_attn", {}, {"defer_ln_attn": True}, 1),):
         try:
             ref = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="full", **kw)
             e = Engine.from_tensors(h32, t32, DEV, **kw)
-            for name, value in attrs.items():
-                setattr(e.decoder, name, value)
+            e.decoder.set_options(**attrs)
             from dejavu.plugins.layer_norm import PendingLN
             att, pend = e.ops.sparse_attn_deferred, []  # the attention calls that got a PendingLN
             e.ops.sparse_attn_deferred = lambda x, *a, **k: pend.append(isinstance(x, PendingLN)) or att(x, *a, **k)
@@ -1399,15 +803,14 @@ def main(argv=None) -> int:
     p.add_argument("--hf-reserve", type=float, default=60.0, help="seconds kept for OPT-30B's HF runs")
     p.add_argument("--budget", type=float, default=400.0, help="seconds; later measurements are skipped")
     p.add_argument("--tuned", default=None,
-                   help="kernels.py JSON(s), comma-separated, whose sweep / sweep_attn / fused_mlp choices to use")
-    p.add_argument("--ablations", default="unfusedln,twolaunchqkv,nofuse",
+                   help="kernels.py JSON(s), comma-separated, whose sweep / sweep_attn / pred_gemv choices to use")
+    p.add_argument("--ablations", default="same,nolnqkv,nopredrand",
                    help="ablation rows, from: " + ", ".join(ABLATIONS))
     p.add_argument("--ablate-densities", default="0.3", help="densities that get the ablation rows")
     p.add_argument("--ablate-batches", default="1", help="batches that get the ablation rows")
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
                    help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
                         "default: the plugin's, 2)")
-    p.add_argument("--swept-from", default=None, help="kernels.py --sweep/--sweep-attn JSON for the *swept ablation rows")
     a = p.parse_args(argv)
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
@@ -1442,12 +845,6 @@ def main(argv=None) -> int:
     except ImportError:
         a.no_hf = True
     meta["tuned"] = apply_tuned(a.tuned)
-    if a.swept_from:
-        if Path(a.swept_from).is_file():
-            found = json.loads(Path(a.swept_from).read_text())
-            SWEPT.update({k: found[k] for k in ("sweep", "sweep_attn") if found.get(k)})
-        meta["swept_from"] = {k: {kk: v for kk, v in d.items() if kk != "rows"} for k, d in SWEPT.items()}
-        print(f"--swept-from: {meta['swept_from'] or 'nothing found'}", flush=True)
     if a.qkv_shared_min_batch is not None:  # benchmark-only override of the plugin default
         import importlib
 

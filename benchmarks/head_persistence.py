@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW_AFTER = 15  # QKV_CONFIG_B1 SHARED_P - 1: missing slots handled by the partial kernel
-WIDE_AFTER = 31  # ... with its opt-in wide tile (SHARED_P_WIDE 32)
+SLOW_AFTER = 15  # QKV_CONFIG_B1 SHARED_P - 1: missing slots the partial kernel holds (folded / refresh routes)
+WIDE_AFTER = 31  # SHARED_P_UNFOLDED - 1: the same on batch 1's unfolded route
 
 
 def gap_stats(sets: list[list[torch.Tensor]], num_heads: int) -> dict:

@@ -7,9 +7,8 @@
           with a device-side pos). Exit status 1 when a check fails.
 --sections mlp_parts  batch 1: the pair piece by piece (fc1, fc2, the reduction) beside one-launch
           and cuBLAS readings of the same bytes (not in the default sections).
---sections fused_mlp  the one-launch MLP (sparse_mlp_fused) at B=1: every FUSED_SWEEP config vs
-          sparse_fc1 + sparse_fc2; the config with the lowest summed time is reported (copy it
-          into fused_mlp.FUSED_MLP_CONFIG). REDUCE "barrier" spins: run under `timeout`.
+--mlp-variants NAMES  batch 1: the pair with fc2's batch-1 blocks changed (MLP_VARIANTS: fc2 configs
+          passed as `config=`; section mlp_variants).
 --sections pred_gemv  the predictors' two products at batch 1: cuBLAS vs Triton gather_gemv block
           configs (the best goes to the JSON's pred_gemv.best; e2e.py --tuned applies it).
 --no-pdl  plain launches (default: programmatic dependent launch as plugins/_common.py's
@@ -75,7 +74,6 @@ P = _import_plugins()
 importlib.import_module("dejavu.plugins.deferred_kv")  # sys.modules entry used below
 PR = importlib.import_module("dejavu.plugins.predictor")
 SM = sys.modules["dejavu.plugins.sparse_mlp"]  # the module (the package exports functions)
-FM = sys.modules["dejavu.plugins.fused_mlp"]
 
 
 def bench(fn, rep=40, warmup=10):
@@ -171,9 +169,9 @@ def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, dot_min_batch=None
 
 
 def _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, ln=False, config=None, repeat=1):
-    """fc1 and fc2 vs float64; `ln`: fc2's fused LayerNorm output too (vs float64 LayerNorm of
-    the kernel's own y); `repeat`: fc2 run that many times back to back without a sync, every
-    result bit-equal to the first (the last-program finish is deterministic: a race shows)."""
+    """fc1 and fc2 vs float64; `ln`: fc2's LayerNorm output too (vs float64 LayerNorm of the
+    kernel's own y); `repeat`: fc2 run that many times back to back without a sync, every result
+    bit-equal to the first."""
     if ln:
         return _check_fc2_ln(D, F, K, B, dtype, shared, idx_dtype, residual, config, repeat)
     x = randn(B, D, dtype=dtype)
@@ -211,8 +209,7 @@ def _check_fc2_ln(D, F, K, B, dtype, shared, idx_dtype, residual, config, repeat
     ln64 = Fn.layer_norm(y.double(), (D,), lw.double(), lb.double(), 1e-5)
     ok2, e2 = _err_ok(y_ln, ln64, Fn.layer_norm(y, (D,), lw, lb, 1e-5), *TOL[dtype])
     same = all(torch.equal(a, y) and torch.equal(b, y_ln) for a, b in outs)
-    zero = _counters_zero(h.device)
-    return ok1 and ok2 and same and zero, {"fc2": e1, "ln": e2, "repeats_equal": same, "counters_zero": zero}
+    return ok1 and ok2 and same, {"fc2": e1, "ln": e2, "repeats_equal": same}
 
 
 def _attn_inputs(B, H, hd, S, dtype):
@@ -226,7 +223,7 @@ def _attn_inputs(B, H, hd, S, dtype):
 
 def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False, attn=None):
     """sparse_attn_decode vs float64 (output and cache); `graph`: through a captured CUDA graph
-    replayed at another pos; `attn`: ATTN_CONFIG overrides (LAST_COMBINE)."""
+    replayed at another pos; `attn`: ATTN_CONFIG overrides."""
     x, w, kc, vc = _attn_inputs(B, H, hd, S, dtype)
     res = randn(B, H * hd, dtype=dtype)
     hidx = rand_idx(B, H, kh, shared)
@@ -254,8 +251,7 @@ def check_attn(B, H, hd, S, pos, kh, dtype, shared, graph=False, attn=None):
     cache_err = (kc1.double() - kc2).abs().max().item()
     ok = ok and cache_err <= 2 * (kc3.double() - kc2).abs().max().item() + TOL[dtype][0]
     e["cache_err"] = cache_err
-    e["counters_zero"] = _counters_zero(x.device)  # each last_arrival put its counter back
-    return ok and e["counters_zero"], e
+    return ok, e
 
 
 def _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap):
@@ -270,8 +266,8 @@ def _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap):
 
 def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap, config=None, attn=None):
     """Deferred K/V decode (Q/K/V kernel + attention with commit + out-proj) vs float64;
-    `config`: QKV_CONFIG overrides (SPLIT, FUSED_FINISH, SLOW_Z, ...); `attn`: ATTN_CONFIG
-    overrides (FOLD_COMBINE)."""
+    `config`: QKV_CONFIG overrides (SPLIT, SLOW_Z, ...); `attn`: ATTN_CONFIG
+    overrides."""
     DK = sys.modules["dejavu.plugins.deferred_kv"]
     x, wl, kc, vc, hist, vl, pos_t, hidx = _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap)
     res = randn(B, H * hd, dtype=dtype)
@@ -291,15 +287,7 @@ def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap, config=None, attn=N
     e["slots_written"] = int(written.any(-1).sum())
     ok = ok and e["valid_len_equal"] and e["hist_equal"] and \
         e["cache_err"] <= 2 * (s16[0].double() - s64[0]).abs().max().item() + TOL[dtype][0]
-    e["counters_zero"] = _counters_zero(x.device)  # each last_arrival put its counter back
-    return ok and e["counters_zero"], e
-
-
-def _counters_zero(device):
-    """The shared last_arrival counters (plugins/_common.counters) are all back at 0."""
-    C = sys.modules["dejavu.plugins._common"]
-    buf = C._COUNTERS.get(device)
-    return buf is None or not bool(buf.any())
+    return ok, e
 
 
 def check_recompute(B, H, hd, S, pos, kh, dtype, shared, gap, config=None):
@@ -315,125 +303,9 @@ def check_recompute(B, H, hd, S, pos, kh, dtype, shared, gap, config=None):
     DK.recompute_kv_ref(hist, wkv, bkv, hidx, *s16, pos_t)
     e = {"cache_err": max((st[i].double() - s64[i]).abs().max().item() for i in (0, 1)),
          "torch_err": max((s16[i].double() - s64[i]).abs().max().item() for i in (0, 1)),
-         "valid_len_equal": bool(torch.equal(st[2], s64[2])),
-         "counters_zero": _counters_zero(hist.device)}
-    ok = e["valid_len_equal"] and e["counters_zero"] and e["cache_err"] <= 2 * e["torch_err"] + TOL[dtype][0]
+         "valid_len_equal": bool(torch.equal(st[2], s64[2]))}
+    ok = e["valid_len_equal"] and e["cache_err"] <= 2 * e["torch_err"] + TOL[dtype][0]
     return ok, e
-
-
-def check_fused(D, F, K, B, dtype, shared, residual, config=None, graph=False):
-    """sparse_mlp_fused vs float64; with `graph`, two replays of one captured call (new
-    inputs before the second) must both be right, and the counters / atomic buffer end at 0."""
-    x = randn(B, D, dtype=dtype)
-    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
-    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
-    res = randn(B, D, dtype=dtype) if residual else None
-    idx = rand_idx(B, F, K, shared)
-    y = torch.full((B, D), float("nan"), dtype=dtype, device=DEV)
-    call = lambda: P.sparse_mlp_fused(x, w1, b1, w2_t, b2, idx, res, out=y, validate=not graph,  # noqa: E731
-                                      config=config)
-    call()
-    outs = []
-    if graph and DEV == "cuda":
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
-        for _ in range(2):
-            y.fill_(float("nan"))
-            x.copy_(randn(B, D, dtype=dtype))
-            idx.copy_(rand_idx(B, F, K, shared))
-            g.replay()
-            outs.append((y.clone(), x.clone(), idx.clone()))
-        torch.cuda.synchronize()
-    else:
-        outs.append((y, x, idx))
-    ok, info = True, {}
-    for y_, x_, idx_ in outs:
-        args = (w1, b1, w2_t, b2)
-        ref = P.sparse_mlp_fused_ref(x_.double(), *[t.double() for t in args], idx_,
-                                     None if res is None else res.double())
-        ok_, info = _err_ok(y_, ref, P.sparse_mlp_fused_ref(x_, *args, idx_, res), *TOL[dtype])
-        ok = ok and ok_
-    info["counters_zero"] = not bool(sys.modules["dejavu.plugins._common"].counters(x.device, 2).any())
-    info["buffer_zero"] = not bool(FM._zeroed_f32(x.device, B * D).any())
-    return ok and info["counters_zero"] and info["buffer_zero"], info
-
-
-def _mlp_inputs(D, F, K, dtype, residual, ln):
-    """Batch-1 MLP inputs for the one-set checks: x, w1, b1, w2_t, b2, residual (or None), the next
-    LayerNorm's (weight, bias) (or None), idx [1, K]."""
-    x = randn(1, D, dtype=dtype)
-    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype)
-    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
-    res = randn(1, D, dtype=dtype) if residual else None
-    lnw = (1.0 + 0.1 * randn(D, dtype=dtype), 0.1 * randn(D, dtype=dtype)) if ln else None
-    return x, w1, b1, w2_t, b2, res, lnw, rand_idx(1, F, K, False)
-
-
-def check_chain(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
-    """sparse_mlp_chain (batch 1, fc1 and fc2 in one launch) vs float64 (h rounded as the kernel
-    stores it) and vs sparse_fc1 + sparse_fc2; `repeat` calls back to back without a sync (the
-    tiles wait on counters: a race or a counter not put back to 0 shows as a different y or a hang),
-    then the chain's counters must all be 0."""
-    x, w1, b1, w2_t, b2, res, lnw, idx = _mlp_inputs(D, F, K, dtype, residual, ln)
-    y = torch.full((1, D), float("nan"), dtype=dtype, device=DEV)
-    out = P.sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, res, out=y, ln=lnw, validate=True, config=config,
-                             ln_defer=ln == "defer")
-    outs = [(out[0] if isinstance(out, tuple) else out).clone()]
-    for _ in range(repeat - 1):
-        o = P.sparse_mlp_chain(x, w1, b1, w2_t, b2, idx, res, ln=lnw, validate=False, config=config,
-                               ln_defer=ln == "defer")
-        outs.append(o[0] if isinstance(o, tuple) else o)
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    ref = P.sparse_mlp_chain_ref(x.double(), w1.double(), b1.double(), w2_t.double(), b2.double(), idx,
-                                 None if res is None else res.double())
-    ok, info = _err_ok(y, ref, P.sparse_mlp_chain_ref(x, w1, b1, w2_t, b2, idx, res), *TOL[dtype])
-    pair = P.sparse_fc2(P.sparse_fc1(x, w1, b1, idx, validate=False), w2_t, b2, idx, res, validate=False)
-    info["vs_pair_max"] = (y.double() - pair.double()).abs().max().item()
-    info["repeats_equal"] = all(torch.equal(o, outs[0]) for o in outs)
-    cnt = sys.modules["dejavu.plugins._common"].counters(y.device, SM.CHAIN_COUNTERS + 4096)[SM.CHAIN_COUNTERS:]
-    info["counters_zero"] = int(cnt.abs().sum().item()) == 0
-    if ln:
-        got = out[1]
-        got = got if isinstance(got, torch.Tensor) else sys.modules["dejavu.plugins.layer_norm"].materialize(got)
-        want = Fn.layer_norm(y.double(), (D,), lnw[0].double(), lnw[1].double(), 1e-5)
-        info["ln_err"] = (got.double() - want).abs().max().item()
-        ok = ok and info["ln_err"] < TOL[dtype][1] * 20
-    return ok and info["repeats_equal"] and info["counters_zero"], info
-
-
-def check_overlap(D, F, K, dtype, residual, ln=None, config=None, repeat=1):
-    """sparse_fc1 + sparse_fc2 with `overlap=` (batch 1: fc2's tiles start per K split on fc1's
-    counts; with PDL while fc1 still runs) vs float64 and bit for bit vs the same pair without it;
-    `repeat` pairs back to back without a sync (a missed count or a counter not put back to 0 shows
-    as a different y or a hang), then the counters must all be 0. config: {"fc1": .., "fc2": ..}."""
-    c1, c2 = (config or {}).get("fc1"), (config or {}).get("fc2")
-    x, w1, b1, w2_t, b2, res, lnw, idx = _mlp_inputs(D, F, K, dtype, residual, ln)
-    ov = SM.fc2_overlap(K, D, DEV, fc1_config=c1, fc2_config=c2)
-
-    def pair(o):
-        h = P.sparse_fc1(x, w1, b1, idx, validate=False, config=c1, overlap=o)
-        out = P.sparse_fc2(h, w2_t, b2, idx, res, validate=False, config=c2, ln=lnw, ln_defer=ln == "defer",
-                           overlap=o)
-        return out if isinstance(out, tuple) else (out,)
-
-    outs = [pair(ov) for _ in range(repeat)]
-    plain = pair(None)
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    y = outs[0][0]
-    ref = P.sparse_mlp_layer_ref(x.double(), w1.double(), b1.double(), w2_t.double(), b2.double(), idx,
-                                 None if res is None else res.double())
-    ok, info = _err_ok(y, ref, P.sparse_mlp_layer_ref(x, w1, b1, w2_t, b2, idx, res), *TOL[dtype])
-    info["split"] = ov.cnt.numel() // 2
-    info["equal_to_plain"] = all(torch.equal(o[0], plain[0]) for o in outs)
-    if ln:
-        mat = sys.modules["dejavu.plugins.layer_norm"].materialize
-        info["ln_equal"] = all(torch.equal(mat(o[1]), mat(plain[1])) for o in outs)
-        ok = ok and info["ln_equal"]
-    info["counters_zero"] = int(ov.cnt.abs().sum().item()) == 0
-    return ok and info["equal_to_plain"] and info["counters_zero"], info
 
 
 def check_predictor(B, D, N, r, k, shared, method="torch", dtype=torch.float32, scoring=None):
@@ -485,15 +357,8 @@ def run_checks(kinds=None):
                                   idx_dtype=torch.int32, residual=True, dot_min_batch=1)))
         cases.append(("mlp", dict(D=9216, F=36864, K=11059, B=4, dtype=torch.bfloat16, shared=True,
                                   idx_dtype=torch.int64, residual=False)))
-    # fc2's row indices one K block ahead (ROWS_AHEAD): the tl.dot route at B 1 and at a shared set
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        cases.append(("mlp", dict(D=200, F=1000, K=333, B=1, dtype=dtype, shared=False, idx_dtype=torch.int32,
-                                  residual=True, config={"ROWS_AHEAD": True, "BLOCK_K": 32})))
-    for B, shared, K in ((1, False, 2867), (1, False, 8602), (8, True, 8602))[:3 if big else 0]:
-        cases.append(("mlp", dict(D=7168, F=28672, K=K, B=B, dtype=torch.float16, shared=shared,
-                                  idx_dtype=torch.int32, residual=True, config={"ROWS_AHEAD": True})))
-    # fc2's fused finish + LayerNorm (last program per D block, then per launch): dot path at B 1
-    # and 8, the GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
+    # fc2 + the next LayerNorm (split reduction, then the layer_norm kernel): dot path at B 1 and 8, the
+    # GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for B in (1, 3):
             cases.append(("mlp", dict(D=200, F=1000, K=333, B=B, dtype=dtype, shared=False, idx_dtype=torch.int32,
@@ -514,37 +379,25 @@ def run_checks(kinds=None):
                                    shared=shared)))
     cases.append(("attn", dict(B=2, H=56 if big else 6, hd=128 if big else 16, S=320, pos=200,
                                kh=17 if big else 3, dtype=torch.bfloat16, shared=False, graph=big)))
-    # the chunks combined by the attention kernel's last program per head (LAST_COMBINE): real
-    # shapes (10 chunks of 32), batch 4, a graph replayed at another pos
-    for B, shared, graph in ((1, False, False), (4, True, False), (4, False, False), (1, False, True))[:4 if big else 0]:
-        cases.append(("attn", dict(B=B, H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16, shared=shared,
-                                   graph=graph, attn={"LAST_COMBINE": True})))
-    cases.append(("attn", dict(B=2, H=6, hd=24, S=90, pos=70, kh=4, dtype=torch.float32, shared=False,
-                               attn={"LAST_COMBINE": True})))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for B, shared, gap in ((1, False, 3), (3, False, 40), (3, True, 0)):
             cases.append(("deferred", dict(B=B, H=6, hd=24, S=90, pos=70, kh=4, dtype=dtype, shared=shared, gap=gap)))
     for B, shared, gap in ((1, False, 3), (1, False, 100), (4, True, 5))[:3 if big else 0]:
         cases.append(("deferred", dict(B=B, H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16,
                                        shared=shared, gap=gap)))
-    # the Q/K/V finish in the partial kernels' last program (last_arrival), on real shapes:
-    # many programs per counter, SPLIT 1, the two-launch path, the slow path (gap 40)
+    # the Q/K/V finishing kernel on real shapes: many slices of D, SPLIT 1, the slow path (gap 40)
     deep = dict(H=56, hd=128, S=320, pos=300, kh=17, dtype=torch.float16)
     for gap in ((0, 3, 40) if big else ()):
-        for cfg in ({}, {"SPLIT": 56}, {"SPLIT": 56, "FINISH_S": 2}, {"SPLIT": 1}, {"SPLIT": 56, "FUSED_FINISH": False}):
+        for cfg in ({}, {"SPLIT": 56}, {"SPLIT": 56, "FINISH_S": 2}, {"SPLIT": 1}):
             cases.append(("deferred", dict(B=1, shared=False, gap=gap, config=cfg, **deep)))
         cases.append(("deferred", dict(B=4, shared=False, gap=gap, config={"SPLIT": 28}, **deep)))
         cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 28}, **deep)))
         cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 1}, **deep)))
         cases.append(("recompute", dict(B=2, shared=False, gap=gap, config={"SPLIT": 56}, **deep)))
-    # the slow path shared out over SLOW_Z programs; the attention chunks combined in the projection
+    # the slow path shared out over SLOW_Z programs
     for gap in ((3, 40, 100) if big else ()):
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 4}, **deep)))
-        cases.append(("deferred", dict(B=1, shared=False, gap=gap, attn={"FOLD_COMBINE": True}, **deep)))
-        cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 8},
-                                       attn={"FOLD_COMBINE": True}, **deep)))
-        cases.append(("deferred", dict(B=1, shared=False, gap=gap, attn={"LAST_COMBINE": True}, **deep)))
-    # session 14: batch 1 with the Q/K/V finish folded into attention (FOLD_FINISH): the partials
+    # 2026-12-03: batch 1 with the Q/K/V finish folded into attention (FOLD_FINISH): the partials
     # summed by the attention kernel, longer gaps by the partial kernel's slow z-slices
     fold_shape = deep if big else dict(H=6, hd=24, S=90, pos=70, kh=4, dtype=torch.float16)
     for gap in ((0, 3, 40, 100) if big else (0, 40)):
@@ -572,56 +425,8 @@ def run_checks(kinds=None):
                                   ((9216, 36864, 512), torch.bfloat16)) if big else ()):
             cases.append(("pred", dict(B=1, D=D, N=N, r=r, k=max(1, int(0.3 * N)), shared=False, method="triton",
                                        dtype=dtype, scoring=scoring)))
-    # the one-launch MLP: every reduction, with/without prefetch, odd shapes; real shapes; a graph
-    # (REDUCE "barrier" spins: run --check under `timeout`). REDUCE "atomic" gave wrong sums at
-    # the real shapes on the H200 (session 3) and is refused on CUDA: interpreter only.
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for i, (red, pre, r) in enumerate((("atomic", True, 1), ("atomic", False, 2), ("barrier", True, 2),
-                                           ("barrier", False, 1), ("kernel", True, 4))):
-            if red == "atomic" and DEV != "cpu":
-                continue
-            cases.append(("fused", dict(D=200, F=1000, K=333, B=1 if i % 2 == 0 else 2, dtype=dtype,
-                                        shared=i == 4, residual=i != 3,
-                                        config=dict(REDUCE=red, PREFETCH=pre, BLOCK_R=r))))
-    for red in (("barrier", "kernel") if big else ()):
-        for (D, F), K in (((7168, 28672), 2867), ((9216, 36864), 11059)):
-            cases.append(("fused", dict(D=D, F=F, K=K, B=1, dtype=torch.float16, shared=False, residual=True,
-                                        config=dict(REDUCE=red))))
-        cases.append(("fused", dict(D=7168, F=28672, K=1433, B=1, dtype=torch.bfloat16, shared=False,
-                                    residual=True, config=dict(REDUCE=red, PER_SM=2, num_warps=4), graph=True)))
-    # fc1 and fc2 in one launch (sparse_mlp_chain): odd shapes, every dtype, the split's LayerNorm
-    # both ways; real shapes with 20 calls back to back (tiles wait on counters)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for i, (D, F, K) in enumerate(((200, 1000, 333), (256, 512, 130), (300, 800, 257))):
-            cases.append(("chain", dict(D=D, F=F, K=K, dtype=dtype, residual=i != 1,
-                                        ln=(None, True, "defer")[i])))
-    cases.append(("chain", dict(D=256, F=512, K=200, dtype=torch.float16, residual=True,
-                                config={"fc2": {"TARGET_PROGRAMS": 8}})))
-    if big:
-        for (D, F), K in (((7168, 28672), 2867), ((7168, 28672), 8602), ((9216, 36864), 3686)):
-            cases.append(("chain", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20)))
-        cases.append(("chain", dict(D=7168, F=28672, K=2867, dtype=torch.bfloat16, residual=True, ln="defer",
-                                    repeat=5, config={"fc1": {"BLOCK_R": 2, "ROW_ACC": False}})))
-        for (D, F), K in (((7168, 28672), 2867), ((9216, 36864), 11059)):  # tiles without tl.dot
-            cases.append(("chain", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20,
-                                        config={"fc2": dict(_ND, TARGET_PROGRAMS=792)})))
-    # fc1 -> fc2 hand-over per K split (fc2_overlap): odd shapes, every dtype, the next LayerNorm both
-    # ways; real shapes and densities with 20 pairs back to back (fc2 starts while fc1 runs)
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for i, (D, F, K) in enumerate(((200, 1000, 333), (256, 512, 130), (300, 800, 257))):
-            cases.append(("overlap", dict(D=D, F=F, K=K, dtype=dtype, residual=i != 1,
-                                          ln=(None, True, "defer")[i])))
-    if big:
-        for (D, F), K in (((7168, 28672), 2867), ((7168, 28672), 8602), ((9216, 36864), 3686),
-                          ((2048, 8192), 2458)):
-            for cfg in (None, {"fc1": {"BLOCK_R": 4}}, {"fc2": {"TARGET_PROGRAMS": 528}},
-                        {"fc2": {"SPIN_NS": 512}}):
-                cases.append(("overlap", dict(D=D, F=F, K=K, dtype=torch.float16, residual=True, repeat=20,
-                                              config=cfg)))
-        cases.append(("overlap", dict(D=7168, F=28672, K=2867, dtype=torch.bfloat16, residual=True, ln="defer",
-                                      repeat=5)))
     fns = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-           "recompute": check_recompute, "fused": check_fused, "chain": check_chain, "overlap": check_overlap}
+           "recompute": check_recompute}
     for kind, kw in cases:
         if kinds and kind not in kinds:
             continue
@@ -666,10 +471,6 @@ class MLP:
         h = P.sparse_fc1(x, w1, b1, idx, validate=False, config=c1)
         return P.sparse_fc2(h, w2_t, b2, idx, validate=False, config=c2)
 
-    def fused(self, x, idx, config=None, c=0):
-        w1, b1, w2_t, b2, _ = self.copies[c]
-        return P.sparse_mlp_fused(x, w1, b1, w2_t, b2, idx, validate=False, config=config)
-
     def graph_times(self, x, idx_sets):
         """(sparse, dense) ms per call in a CUDA graph, rotating copies and index sets."""
         n = len(idx_sets)
@@ -698,7 +499,7 @@ FC2_SWEEP = {"gemv": [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s) for 
                       [(128, 64, 4, 3, 528), (64, 128, 4, 3, 528), (32, 256, 4, 3, 528), (64, 256, 8, 3, 528),
                        (128, 128, 8, 3, 528), (64, 128, 4, 4, 528), (128, 64, 4, 3, 1056), (64, 128, 4, 3, 1056),
                        (32, 256, 4, 4, 1056), (16, 512, 4, 3, 528), (128, 64, 8, 4, 528), (64, 64, 4, 4, 1056)]]
-                     # session 9: few programs, SPLIT 1 or 2 (one program per narrow D block walks all of
+                     # 2026-12-03: few programs, SPLIT 1 or 2 (one program per narrow D block walks all of
                      # K: no split-K reduction launch), for the small K of density 0.1
                      + [dict(BLOCK_K=k, BLOCK_D=d, num_warps=w, num_stages=s, TARGET_PROGRAMS=t)
                         for k, d, w, s, t in
@@ -835,59 +636,16 @@ def bench_mlp(mlps, bw, quick):
     return rows
 
 
-def _pdl_variant(early=(), **prefetch):
-    """PDL_CONFIG with `early` kinds added to the early-trigger set and {kind: tiles} L2 prefetches."""
-    def apply():
-        cfg = sys.modules["dejavu.plugins._common"].PDL_CONFIG
-        old = copy.deepcopy(cfg)
-        cfg["EARLY"] = tuple(cfg["EARLY"]) + tuple(early)
-        cfg["PREFETCH"] = {**(cfg.get("PREFETCH") or {}), **prefetch}
-        return lambda: cfg.update(old)
-    return apply
-
-
-def _module_setting(name, value):
-    def apply():
-        old = getattr(SM, name)
-        setattr(SM, name, value)
-        return lambda: setattr(SM, name, old)
-    return apply
-
-
-def _fc2_dot1(**kv):
-    def apply():
-        old = dict(SM.FC2_CONFIG["dot1"])
-        SM.FC2_CONFIG["dot1"] = {**old, **kv}
-        return lambda: SM.FC2_CONFIG.__setitem__("dot1", old)
-    return apply
-
-
-# --mlp-variants: the batch-1 pair (fc1 + fc2 + reduction) in CUDA graphs under one change each
-MLP_VARIANTS = {"default": lambda: None,
-                "fc2pf1": _pdl_variant(fc2=1), "fc2pf2": _pdl_variant(fc2=2), "fc2pf4": _pdl_variant(fc2=4),
-                "fc1pf1": _pdl_variant(fc1=1), "fc1early": _pdl_variant(("fc1",)),
-                "fc1earlyfc2pf2": _pdl_variant(("fc1",), fc2=2),
-                "fusedfinish": _module_setting("FUSED_FINISH", True),
-                "fc2t528": _fc2_dot1(TARGET_PROGRAMS=528), "fc2t792": _fc2_dot1(TARGET_PROGRAMS=792),
-                # fc2 reading longer pieces of each gathered row (BLOCK_D 256 / 512 / 1024 columns: 0.5-2 KB
-                # against 256 B), more K splits to keep the program count (session 15)
-                "fc2w256": _fc2_dot1(BLOCK_K=32, BLOCK_D=256, num_stages=4),
-                "fc2w256t792": _fc2_dot1(BLOCK_K=32, BLOCK_D=256, num_stages=4, TARGET_PROGRAMS=792),
-                "fc2w512": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4),
-                "fc2w512t792": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=4, TARGET_PROGRAMS=792),
-                "fc2w512s6": _fc2_dot1(BLOCK_K=16, BLOCK_D=512, num_stages=6, TARGET_PROGRAMS=264),
-                "fc2w1024": _fc2_dot1(BLOCK_K=16, BLOCK_D=1024, num_warps=8, num_stages=3, TARGET_PROGRAMS=264),
-                # fc2's row indices one K block ahead (ROWS_AHEAD, session 22): its weight tiles multi-buffered
-                "ahead": _fc2_dot1(ROWS_AHEAD=True), "ahead4": _fc2_dot1(ROWS_AHEAD=True, num_stages=4),
-                "ahead_t528": _fc2_dot1(ROWS_AHEAD=True, TARGET_PROGRAMS=528),
-                "ahead_t792": _fc2_dot1(ROWS_AHEAD=True, TARGET_PROGRAMS=792),
-                "ahead4_t528": _fc2_dot1(ROWS_AHEAD=True, num_stages=4, TARGET_PROGRAMS=528),
-                "ahead_k32s4": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4),
-                "ahead_k32s4_t528": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, num_stages=4, TARGET_PROGRAMS=528),
-                "ahead_w256": _fc2_dot1(ROWS_AHEAD=True, BLOCK_K=32, BLOCK_D=256, num_stages=3),
-                # many waves of fc2 programs instead of one (session 22)
-                "fc2t1188": _fc2_dot1(TARGET_PROGRAMS=1188), "fc2t2376": _fc2_dot1(TARGET_PROGRAMS=2376),
-                "fc2t1188k32": _fc2_dot1(TARGET_PROGRAMS=1188, BLOCK_K=32)}
+# --mlp-variants: the batch-1 pair (fc1 + fc2 + reduction) in CUDA graphs with fc2's batch-1 blocks
+# (FC2_CONFIG["dot1"]) changed by one `config=` override each
+MLP_VARIANTS = {"default": {},
+                "fc2t528": dict(TARGET_PROGRAMS=528), "fc2t792": dict(TARGET_PROGRAMS=792),
+                # fc2 reading longer pieces of each gathered row (BLOCK_D 256 / 512 columns: 0.5-1 KB
+                # against 256 B), more K splits to keep the program count
+                "fc2w256": dict(BLOCK_K=32, BLOCK_D=256, num_stages=4),
+                "fc2w512": dict(BLOCK_K=16, BLOCK_D=512, num_stages=4),
+                # many waves of fc2 programs instead of one
+                "fc2t1188": dict(TARGET_PROGRAMS=1188), "fc2t2376": dict(TARGET_PROGRAMS=2376)}
 VARIANT_DENSITIES = (0.1, 0.2, 0.3)
 
 
@@ -901,15 +659,11 @@ def bench_mlp_variants(mlps, bw, names):
             K = max(1, int(round(d * mlp.F)))
             sets = [rand_idx(1, mlp.F, K, False) for _ in range(8)]
             nbytes = 2 * K * mlp.D * 2
-            # one untimed graph first: the first timed one ran ~20% slow in session 13's runs
+            # one untimed graph first: the first timed one ran ~20% slow in 2026-12-03 runs
             bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)], reps=5)
             for v in names:
-                undo = MLP_VARIANTS[v]()
-                try:
-                    t = bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)])
-                finally:
-                    if undo:
-                        undo()
+                c2 = {**SM.FC2_CONFIG["dot1"], **MLP_VARIANTS[v]}
+                t = bench_graph([lambda i=i: mlp.sparse(x, sets[i], c2=c2, c=i % mlp.COPIES) for i in range(8)])
                 rows.append({"shape": name, "density": d, "K": K, "variant": v, "graph_ms": t, "bytes": nbytes,
                              "graph_bw_frac": nbytes / t / 1e6 / bw["copy_GBps"] if t else None})
                 print(f"  {name} d{d} {v}: {t * 1e3 if t else float('nan'):.1f} us", flush=True)
@@ -917,44 +671,17 @@ def bench_mlp_variants(mlps, bw, names):
 
 
 PART_DENSITIES = (0.1, 0.3)
-# sparse_mlp_chain configs (over sparse_mlp.CHAIN_CONFIG) timed by --sections mlp_parts
-_ND = {"DOT": False, "BLOCK_K": 16, "BLOCK_D": 256, "num_stages": 2}  # fc2 tiles without tl.dot: 72 registers
-CHAIN_VARIANTS = {"chain": None,  # CHAIN_CONFIG: fc1 8 rows x 1024 columns, 3 stages, summed per chunk
-                  "chain_t528": {"fc2": {"TARGET_PROGRAMS": 528}},
-                  "chain_nd": {"fc2": _ND},
-                  "chain_nd_t792": {"fc2": {**_ND, "TARGET_PROGRAMS": 792}},
-                  "chain_nd_t1056": {"fc2": {**_ND, "TARGET_PROGRAMS": 1056}},
-                  "chain_nd_k8": {"fc2": {**_ND, "BLOCK_K": 8, "BLOCK_D": 512, "num_stages": 3}},
-                  "chain_nd_r4": {"fc1": {"BLOCK_R": 4, "BLOCK_D": 1024, "num_stages": 2, "ROW_ACC": True}, "fc2": _ND},
-                  "chain_nd_r2tile": {"fc1": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_stages": 2, "ROW_ACC": False},
-                                      "fc2": _ND},
-                  # smaller tl.dot tiles: 56-88 registers (offline sm_90 compile) against 124
-                  **{f"chain_k{k}d{d}t{t}": {"fc2": {"BLOCK_K": k, "BLOCK_D": d, "TARGET_PROGRAMS": t}}
-                     for k, d, t in ((64, 64, 396), (64, 64, 792), (64, 64, 1056), (32, 64, 792), (32, 128, 528),
-                                     (16, 128, 792))}}
-
-
 def _fc2_split(K, D):
     """The split count gather_gemv_t takes at batch 1 (FC2_CONFIG["dot1"]) for K rows of width D."""
     return SM._split_plan(K, D, SM.FC2_CONFIG["dot1"])[1]
 
 
-# fc2 started per K split while fc1 runs (fc2_overlap, session 16): {"fc1": .., "fc2": ..} overrides
-OVERLAP_VARIANTS = {"overlap": {}, "overlap_r4": {"fc1": {"BLOCK_R": 4}},
-                    "overlap_t528": {"fc2": {"TARGET_PROGRAMS": 528}},
-                    "overlap_r4_t264": {"fc1": {"BLOCK_R": 4}, "fc2": {"TARGET_PROGRAMS": 264}},
-                    # waiting tiles sleep between polls of their counter (SPIN_NS)
-                    **{f"overlap_s{ns}": {"fc2": {"SPIN_NS": ns}} for ns in (128, 512, 2048)},
-                    **{f"overlap_t528_s{ns}": {"fc2": {"TARGET_PROGRAMS": 528, "SPIN_NS": ns}} for ns in (512, 2048)}}
-
-
 def bench_mlp_parts(mlps, bw, only=None):
-    """Batch 1, where the pair's time goes (session 15). Per shape and density, each in a CUDA
+    """Batch 1, where the pair's time goes (2026-12-03). Per shape and density, each in a CUDA
     graph of 8 calls over rotating weight copies and index sets: the pair, fc1 alone, fc2 alone
     (with its split reduction), the reduction alone (fc2's split count), fc1's kernel over 2K
     rows (the pair's bytes in one launch), and cuBLAS on contiguous weights of the same bytes
-    (fc1 and fc2 as two GEMVs; one GEMV of 2K rows), the one-launch chain's and the fc2_overlap
-    variants; `only`: the cases whose names start with one of these. bw_frac: bytes read / time /
+    (fc1 and fc2 as two GEMVs; one GEMV of 2K rows); `only`: the cases whose names start with one of these. bw_frac: bytes read / time /
     copy bandwidth."""
     rows = []
     for name, mlp in mlps.items():
@@ -982,20 +709,7 @@ def bench_mlp_parts(mlps, bw, only=None):
                                                           cp[i % C][2][:K])),
                 "cublas_2k_rows": (2 * K, lambda i: Fn.linear(x, cp[i % C][0][:2 * K])),
             }
-            for oname, ocfg in OVERLAP_VARIANTS.items():
-                c1, c2 = ocfg.get("fc1"), ocfg.get("fc2")
-                ov = SM.fc2_overlap(K, D, DEV, fc1_config=c1, fc2_config=c2)
-                cases[oname] = (2 * K, lambda i, c1=c1, c2=c2, ov=ov: P.sparse_fc2(
-                    P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False, config=c1, overlap=ov),
-                    cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=c2, overlap=ov))
-                if ocfg and "SPIN_NS" not in (c2 or {}):  # the same blocks without the hand-over
-                    cases[oname.replace("overlap", "plain")] = (2 * K, lambda i, c1=c1, c2=c2: P.sparse_fc2(
-                        P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False, config=c1),
-                        cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=c2))
-            for cname, ccfg in CHAIN_VARIANTS.items():  # fc1 and fc2 in one launch
-                cases[cname] = (2 * K, lambda i, ccfg=ccfg: SM.sparse_mlp_chain(
-                    x, cp[i % C][0], cp[i % C][1], cp[i % C][2], cp[i % C][3], sets[i], validate=False, config=ccfg))
-            # one untimed graph first: a section's first graph runs slow (sessions 13, 15)
+            # one untimed graph first: a section's first graph runs slow (2026-12-03)
             bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % C) for i in range(8)], reps=5)
             for case, (n_rows, fn) in cases.items():
                 if only and not case.startswith(tuple(only)):
@@ -1006,82 +720,6 @@ def bench_mlp_parts(mlps, bw, only=None):
                              "bytes": nbytes, "bw_frac": nbytes / t / 1e6 / bw["copy_GBps"] if t and nbytes else None})
                 print(f"  parts {name} d{d} {case}: {t * 1e3 if t else float('nan'):.2f} us", flush=True)
     return rows
-
-
-# one-launch MLP (plugins/fused_mlp.py) configs: (REDUCE, BLOCK_R, PREFETCH, num_warps, PER_SM). All
-# are spill-free at D 7168 and 9216 by ptxas -v on sm_90a (R2/prefetch/16 warps: 168 B at 9216);
-# PER_SM 2 fits two programs per SM only where the registers allow (4 warps: both shapes; 8: 7168).
-FUSED_SWEEP = [dict(REDUCE=red, BLOCK_R=r, PREFETCH=pre, num_warps=w, PER_SM=x) for red, r, pre, w, x in
-               # "atomic" (fastest in session 3, but wrong at these shapes: refused on CUDA) is out
-               [("kernel", 1, True, 8, 1), ("kernel", 1, True, 16, 1), ("kernel", 2, True, 16, 1),
-                ("kernel", 1, False, 4, 2), ("kernel", 2, False, 16, 1), ("kernel", 1, False, 8, 2),
-                ("barrier", 1, True, 16, 1), ("barrier", 1, False, 4, 2), ("barrier", 1, True, 8, 1)]]
-FUSED_DENSITIES = [0.05, 0.1, 0.2, 0.3, 0.5]
-
-
-def _cfg_name(cfg):
-    return (f"{cfg['REDUCE']}/R{cfg['BLOCK_R']}/{'pre' if cfg['PREFETCH'] else 'nopre'}/"
-            f"w{cfg['num_warps']}/x{cfg['PER_SM']}")
-
-
-def bench_fused_mlp(mlps, bw, quick):
-    """sparse_mlp_fused (each FUSED_SWEEP config) vs sparse_fc1 + sparse_fc2, B=1, per-sequence
-    idx, in CUDA graphs of 8 calls rotating 4 weight copies and 8 index sets (cold L2).
-    bytes = the selected rows of w1 and w2_t; bw_frac against the measured copy bandwidth."""
-    rows = []
-    cfgs = FUSED_SWEEP[:4] if quick else FUSED_SWEEP
-    for name, mlp in mlps.items():
-        D, F = mlp.D, mlp.F
-        x = randn(1, D)
-        for d in ((0.1, 0.3) if quick else FUSED_DENSITIES):
-            if late("fused_mlp"):
-                return rows
-            # K a multiple of 16: Triton specializes integer arguments on divisibility by 16, so
-            # every density shares one compiled kernel per config and shape (compile time)
-            K = max(16, int(round(d * F / 16)) * 16)
-            sets = [rand_idx(1, F, K, False) for _ in range(8)]
-            nbytes = 2 * K * D * 2
-            t_pair = bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)])
-            base = {"shape": name, "density": d, "K": K, "bytes": nbytes, "pair_graph_ms": t_pair}
-            rows.append({**base, "config": "fc1+fc2", "graph_ms": t_pair})
-            for cfg in cfgs:
-                try:
-                    t = bench_graph([lambda i=i: mlp.fused(x, sets[i], cfg, c=i % mlp.COPIES) for i in range(8)])
-                except Exception as e:  # noqa: BLE001 - report, don't die
-                    print(f"  fused {_cfg_name(cfg)} failed: {type(e).__name__}: {str(e)[:200]}")
-                    t = None
-                rows.append({**base, "config": _cfg_name(cfg), "cfg": dict(cfg), "graph_ms": t})
-            for r in rows[-len(cfgs) - 1:]:
-                t = r["graph_ms"]
-                if t:
-                    r["GBps"] = nbytes / t / 1e6
-                    r["bw_frac"] = r["GBps"] / bw["copy_GBps"]
-                    r["speedup"] = t_pair / t if t_pair else None
-            best = min((r for r in rows[-len(cfgs):] if r["graph_ms"]), key=lambda r: r["graph_ms"], default=None)
-            print(f"  fused_mlp {name} d={d}: fc1+fc2 {t_pair * 1e3 if t_pair else float('nan'):.1f} us, "
-                  f"best {best['config'] if best else None} "
-                  f"{best['graph_ms'] * 1e3 if best else float('nan'):.1f} us", flush=True)
-    return rows
-
-
-def fused_summary(rows):
-    """Per config: summed graph time over every (shape, density) case, and the bandwidth
-    fractions; the best config has the lowest sum (None when a case failed)."""
-    cases = {(r["shape"], r["density"]) for r in rows}
-    out = []
-    for name in dict.fromkeys(r["config"] for r in rows):
-        mine = [r for r in rows if r["config"] == name]
-        ok = len(mine) == len(cases) and all(r["graph_ms"] for r in mine)
-        fr = [r["bw_frac"] for r in mine if r.get("bw_frac") and r["density"] >= 0.1]
-        out.append({"config": name, "cfg": mine[0].get("cfg"), "sum_ms": sum(r["graph_ms"] for r in mine) if ok else None,
-                    "min_bw_frac_d>=0.1": min(fr) if fr else None,
-                    "mean_bw_frac_d>=0.1": sum(fr) / len(fr) if fr else None})
-    pair = next((o["sum_ms"] for o in out if o["config"] == "fc1+fc2"), None)
-    for o in out:
-        o["speedup_vs_pair"] = pair / o["sum_ms"] if pair and o["sum_ms"] else None
-    fused = [o for o in out if o["config"] != "fc1+fc2" and o["sum_ms"]]
-    best = min(fused, key=lambda o: o["sum_ms"]) if fused else None
-    return {"configs": out, "best": best}
 
 
 # ------------------------------------------------------------------------------ attention
@@ -1136,19 +774,15 @@ QKV_SWEEP = [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=
                   num_stages=st, SHARED_MIN_BATCH=None)
              for r in (32, 64) for d in (64, 128, 256) for t in (528, 1056, 2112) for w in (4, 8) for st in (2, 3)
              if r * d <= 8192]
-# batch-1 shapes the first sweep did not try: 16-row blocks, whole-D programs finishing from
-# registers (SPLIT 1, FUSED_FINISH), and the shared-set kernel at batch 1 (one tl.dot over x at
-# pos and SHARED_P - 1 missing slots)
+# batch-1 shapes the first sweep did not try: 16-row blocks, and the shared-set kernel at batch 1
+# (one tl.dot over x at pos and SHARED_P - 1 missing slots)
 QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=16, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=4,
                    num_stages=st, SHARED_MIN_BATCH=None) for d in (128, 256, 512) for t in (528, 1056) for st in (2, 3)]
-QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=1, FUSED_FINISH=True, FINISH_R=32, num_warps=w,
-                   num_stages=3, SHARED_MIN_BATCH=sm, SHARED_P=16)
-              for r in (16, 32) for d in (128, 256) for w in (4, 8) for sm in (None, 1)]
 QKV_SWEEP += [dict(BLOCK_P=16, BLOCK_R=r, BLOCK_D=d, SPLIT=None, TARGET_PROGRAMS=t, FINISH_R=32, num_warps=4,
                    num_stages=st, SHARED_MIN_BATCH=1, SHARED_P=16)
               for r in (16, 32, 64) for d in (64, 128, 256) for t in (528, 1056) for st in (2, 3) if r * d <= 8192]
 # --qkv-sweep finish: the batch-1 Q/K/V finishing kernel's rows per program and partial loads,
-# on top of QKV_CONFIG_B1 (the profile of session 4 put that kernel at ~10 us per layer)
+# on top of QKV_CONFIG_B1 (the profile of 2026-12-02 put that kernel at ~10 us per layer)
 QKV_FINISH_SWEEP = [dict(FINISH_R=r, FINISH_S=fs) for r in (16, 32, 64, 128) for fs in (1, 2, 4, 8)]
 ATTN_SWEEP = [dict(CHUNK=c, BLOCK_S=bs, num_warps=4) for c in (32, 64, 128) for bs in (32, 64) if bs <= c]
 
@@ -1365,7 +999,7 @@ PRED_SWEEP = {"a": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r in (1, 2, 4) f
                       for w in (4, 8) if r * d <= 4096],
               "b": [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w) for r in (2, 4, 8, 16) for d in (256, 512)
                     for w in (4, 8) if r * d <= 8192]
-              # added in session 9, not run yet: larger tiles and deeper pipelines for the 512 -> N
+              # added in 2026-12-03, not run yet: larger tiles and deeper pipelines for the 512 -> N
               # product (best so far 11.8 us at OPT-30B against cuBLAS 10.7 and ~7 at copy bandwidth)
               + [dict(BLOCK_R=r, BLOCK_D=d, num_warps=w, num_stages=st) for r, d in ((16, 256), (32, 256), (16, 512),
                                                                                     (32, 512), (64, 256))
@@ -1508,8 +1142,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--check-kinds", default=None,
-                    help="with --check: only these kinds (comma list of mlp, attn, pred, deferred, recompute, fused, "
-                         "chain, overlap)")
+                    help="with --check: only these kinds (comma list of mlp, attn, pred, deferred, recompute)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-paths", default=None,
                     help="--sweep only these MLP paths (comma list of gemv, dot, dot1, proj1)")
@@ -1517,7 +1150,7 @@ def main(argv=None):
                     help="sweep the deferred Q/K/V and attention kernel configs first (keeps the best)")
     ap.add_argument("--qkv-sweep", default="wide", choices=["wide", "finish"],
                     help="--sweep-attn: every Q/K/V and attention config, or only the batch-1 finish blocks")
-    ap.add_argument("--sections", default="mlp,fused_mlp,predictor,pred_gemv,attn,deferred,deferred_parts,layer_norm,topk",
+    ap.add_argument("--sections", default="mlp,predictor,pred_gemv,attn,deferred,deferred_parts,layer_norm,topk",
                     help="benchmark sections to run, in this order")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     ap.add_argument("--no-pdl", action="store_true",
@@ -1572,7 +1205,7 @@ def main(argv=None):
         if args.sweep_attn and in_budget("sweep_attn"):
             res["sweep_attn"] = sweep_attn(args.quick, args.qkv_sweep)
             save("sweep_attn")
-        res["kernel_settings"] = {**SM.kernel_settings(), "fused_mlp": FM.kernel_settings(),
+        res["kernel_settings"] = {**SM.kernel_settings(),
                                   "qkv": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG),
                                   "qkv_b1": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG_B1),
                                   "attn": dict(sys.modules["dejavu.plugins.sparse_attention"].ATTN_CONFIG)}
@@ -1590,10 +1223,6 @@ def main(argv=None):
             if "mlp_parts" in sections and in_budget("mlp_parts"):  # after mlp: a warm GPU
                 res["mlp_parts"] = bench_mlp_parts(mlps, bw, args.parts.split(",") if args.parts else None)
                 save("mlp_parts")
-            if "fused_mlp" in sections and in_budget("fused_mlp"):
-                res["fused_mlp"] = bench_fused_mlp(mlps, bw, args.quick)
-                res["fused_mlp_summary"] = fused_summary(res["fused_mlp"])
-                save("fused_mlp")
             if "predictor" in sections and in_budget("predictor"):
                 res["predictor"] = bench_predictor(mlps, res.get("mlp", []), args.quick)
                 save("predictor")
@@ -1623,18 +1252,6 @@ def main(argv=None):
     if "mlp_parts" in res:
         print("\n## Sparse MLP at batch 1, piece by piece (graph, per call)\n")
         print(table(res["mlp_parts"], ["shape", "density", "K", "case", "split", "graph_ms", "bw_frac"]))
-    if "fused_mlp" in res:
-        summ = res["fused_mlp_summary"]
-        best = summ["best"]
-        print("\n## One-launch sparse MLP (sparse_mlp_fused), batch 1, per config (summed over shapes x densities)\n")
-        print(table(summ["configs"], ["config", "sum_ms", "speedup_vs_pair", "min_bw_frac_d>=0.1",
-                                      "mean_bw_frac_d>=0.1"]))
-        print(f"\nbest config (lowest summed graph time): {best['config'] if best else None}: "
-              f"{best['cfg'] if best else None}")
-        keep = {"fc1+fc2", best["config"] if best else None}
-        print("\n## One-launch sparse MLP, best config vs fc1+fc2 (graph, per call, fp16)\n")
-        print(table([r for r in res["fused_mlp"] if r["config"] in keep],
-                    ["shape", "density", "K", "config", "graph_ms", "GBps", "bw_frac", "speedup"]))
     if "predictor" in res:
         print("\n## Predictor + top-k\n")
         print(table(res["predictor"], ["shape", "B", "rank", "density", "policy", "method", "ms", "graph_ms",

@@ -1,6 +1,6 @@
 """Plot sparse-MLP time vs density from benchmarks/kernels.py's JSON.
 
-    python benchmarks/plot_kernels.py benchmarks/results/kernels-h200.json [--out kernels.png]
+    python benchmarks/plot_kernels.py benchmarks/results/kernels-2026-12-04-mlp.json [--out kernels.png]
     python benchmarks/plot_kernels.py RESULTS.json --parts [--out parts.png]   (--sections mlp_parts)
 
 One panel per layer shape: batch-1 sparse time and the dense cuBLAS time (flat line), plus

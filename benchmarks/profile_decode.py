@@ -71,7 +71,7 @@ def side_kernel(score_rows: set[int]):
     and grid (B, K / 2)."""
     def side(e: dict) -> bool:
         n, g, b = e["name"], e.get("args", {}).get("grid") or [0, 0], e.get("args", {}).get("block") or [0]
-        if "_topk_kernel" in n or "_catch_up_kernel" in n or "_refresh_kernel" in n:
+        if "_topk_kernel" in n or "_refresh_kernel" in n:
             return True
         return "_gather_gemv_kernel" in n and (b[0] == 256 or g[1] in score_rows)
     return side

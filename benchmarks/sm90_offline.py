@@ -10,8 +10,12 @@ stride arguments are marked divisible by 16, as the launcher's specialisation ma
 registers differ from the GPU's). For each kernel it prints the shared memory, ptxas's registers and
 spills (Triton's bundled ptxas) and whether its loads go through cp.async; with --base REV it also
 compiles the tree at git revision REV (a `git archive` in a temporary folder) and says whether each
-kernel's PTX instructions are the same (comments, .loc / .file lines and debug labels dropped): a
-refactoring that should not change the generated code can be checked without a GPU. Triton's
+kernel's PTX instructions are the same (comments, .loc / .file lines and debug labels dropped), the
+same but for the parameter list (arguments of deleted modes removed), the same multiset of
+instructions with register numbers numbered away (only LLVM's order moved), and whether shared
+memory, registers and spills match: a refactoring that should not change the generated code can be
+checked without a GPU. A constexpr the work tree's kernel no longer has is left out of its compile
+(the base revision still gets it). --dump DIR writes each compared PTX body. Triton's
 version matters (the device runs 3.6; pip's 3.6.0 wheel installs here in a virtual environment).
 JSON to --out (default: none).
 """
@@ -34,6 +38,8 @@ QKV = dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, FINISH=0, BLOCK_R=64, BLOC
            BLOCK_N=32, GDC=1)
 FC2 = dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128, EVEN_D=True, BLOCK_S=4, FINAL=False, HAS_RES=True,
            FUSED=False, LN=False, BLOCK_N=64, LN_BLOCK=2048, BLOCK_C=8, GDC=1)
+ATTN = dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16, BLOCK_C=8, EARLY_READS=True, FOLD=False,
+            FOLD_SPLIT=1, BLOCK_F=16, GDC=2)
 F32 = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "q_ptr": "*fp32", "st_ptr": "*fp32", "part_ptr": "*fp32",
        "ml_ptr": "*fp32", "apart_ptr": "*fp32", "wg_ptr": "*fp32", "eps": "fp32"}
 KERNELS = {
@@ -46,6 +52,17 @@ KERNELS = {
     "qkv_finish": ("deferred_kv", "_qkv_finish_kernel",
                    dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128, BLOCK_S=1, EARLY_READS=True,
                         GDC=2), 3),
+    # the latency-bound kernels between the weight streams (their shipped batch-1 launches)
+    "attention": ("sparse_attention", "_attn_decode_kernel", ATTN, 3),
+    "attention_refresh": ("sparse_attention", "_attn_decode_kernel", dict(ATTN, BLOCK_REF=16), 3),
+    "attention_fold": ("sparse_attention", "_attn_decode_kernel", dict(ATTN, COMMIT=2, FOLD=True, FOLD_SPLIT=8), 3),
+    "attn_combine": ("sparse_attention", "_attn_combine_kernel", dict(BLOCK_C=8, BLOCK_HD=128, GDC=2), 3),
+    "attn_combine_commit": ("sparse_attention", "_attn_combine_kernel",
+                            dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, GDC=2), 3),
+    "split_reduce_stats": ("sparse_mlp", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, STATS=1,
+                                                                      GDC=2), 3),
+    "split_reduce": ("sparse_mlp", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, GDC=2), 3),
+    "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr"}
 DIV16 = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
@@ -83,7 +100,10 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
     C._bind_helpers(vars(mod), triton)
     fn = getattr(mod, kname)
     params = inspect.signature(fn).parameters
-    consts = {**{n: p.default for n, p in params.items() if p.default is not p.empty}, **consts}
+    # a constexpr the kernel no longer has (a mode deleted since the base revision) is left out
+    consts = {**{n: p.default for n, p in params.items()
+                 if p.default is not p.empty and "constexpr" in str(p.annotation)},
+              **{n: v for n, v in consts.items() if n in params}}
     consts = {n: v for n, v in consts.items() if n not in spec["f32"]}
     sig, attrs = {}, {}
     for i, n in enumerate(params):
@@ -102,7 +122,19 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
     ptx = k.asm["ptx"]
     body = "\n".join(l.split("//")[0] for l in ptx.split(".section")[0].splitlines()
                      if not re.match(r"\s*(\.(loc|file)\b|\$L__tmp)", l))
-    row = {"shared": k.metadata.shared, "cp_async": "cp.async" in ptx, "ptx_md5": hashlib.md5(body.encode()).hexdigest()}
+    # the same with the parameter list dropped and parameter names numbered away: equal when only
+    # unused arguments were removed (the instructions, their order and operands otherwise the same)
+    body_np = "\n".join(re.sub(r"_param_\d+", "_param_N", l) for l in body.splitlines()
+                        if not re.match(r"\s*\.param\b", l))
+    # the multiset of instructions, register numbers and labels numbered away: equal when the code differs
+    # only in the order LLVM scheduled it (removing arguments moves the parameter loads, and with them
+    # the instructions around them)
+    instr = sorted(l.strip() for l in re.sub(r"\$L__BB\d+_\d+", "$L",
+                                              re.sub(r"%(r|rd|f|fd|p|rs|h|hh|b|rb)\d+", r"%\1", body_np)).splitlines()
+                   if l.strip())
+    row = {"shared": k.metadata.shared, "cp_async": "cp.async" in ptx, "ptx_md5": hashlib.md5(body.encode()).hexdigest(),
+           "ptx_md5_no_params": hashlib.md5(body_np.encode()).hexdigest(),
+           "instr_md5": hashlib.md5("\n".join(instr).encode()).hexdigest()}
     if os.path.exists(ptxas):
         with open(spec["tmp"], "w") as f:
             f.write(ptx)
@@ -110,15 +142,20 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
         regs = re.findall(r"Used (\d+) registers", r.stderr)
         spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
         row.update(regs=int(regs[0]) if regs else None, spill_bytes=int(spills[0]) if spills else None)
+    if spec.get("dump"):
+        with open(os.path.join(spec["dump"], name + ".ptx"), "w") as f:
+            f.write(body)
     out[name] = row
 print(json.dumps(out))
 '''
 
 
-def compile_tree(root: Path) -> dict:
+def compile_tree(root: Path, dump: str | None = None) -> dict:
+    if dump:
+        os.makedirs(dump, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"kernels": KERNELS, "f32": F32, "int_ptrs": sorted(INT_PTRS), "div16": sorted(DIV16),
-                "tmp": os.path.join(tmp, "k.ptx")}
+                "tmp": os.path.join(tmp, "k.ptx"), "dump": dump}
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         proc = subprocess.run([sys.executable, "-c", CHILD, str(root), json.dumps(spec)], capture_output=True,
                               text=True, env=env, timeout=900)
@@ -138,21 +175,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=None, help="git revision to compare the work tree's PTX with")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dump", default=None, help="write each kernel's compared PTX under DUMP/work and DUMP/base")
     a = ap.parse_args(argv)
     import triton
 
-    res = {"triton": triton.__version__, "work_tree": compile_tree(ROOT)}
+    res = {"triton": triton.__version__, "work_tree": compile_tree(ROOT, a.dump and os.path.join(a.dump, "work"))}
     if a.base:
         with tempfile.TemporaryDirectory() as tmp:
-            res["base"] = {"rev": a.base, "kernels": compile_tree(tree_at(a.base, Path(tmp)))}
+            res["base"] = {"rev": a.base, "kernels": compile_tree(tree_at(a.base, Path(tmp)),
+                                                                  a.dump and os.path.join(a.dump, "base"))}
     print(f"Triton {res['triton']}, sm_90")
-    print("| kernel | shared B | regs | spill B | cp.async |" + (" same PTX as base |" if a.base else ""))
-    print("|---|---:|---:|---:|---|" + ("---|" if a.base else ""))
+    print("| kernel | shared B | regs | spill B | cp.async |"
+          + (" same PTX as base | same PTX but the parameter list | same instructions, order aside |"
+             " same shared / regs / spills |" if a.base else ""))
+    print("|---|---:|---:|---:|---|" + ("---|---|---|---|" if a.base else ""))
     for name, r in res["work_tree"].items():
         line = f"| {name} | {r['shared']} | {r.get('regs')} | {r.get('spill_bytes')} | {r['cp_async']} |"
         if a.base:
             b = res["base"]["kernels"].get(name)
             line += f" {b is not None and b['ptx_md5'] == r['ptx_md5']} |"
+            line += f" {b is not None and b.get('ptx_md5_no_params') == r['ptx_md5_no_params']} |"
+            line += f" {b is not None and b.get('instr_md5') == r['instr_md5']} |"
+            same = b is not None and all(b.get(f) == r.get(f) for f in ("shared", "regs", "spill_bytes"))
+            line += f" {same} |"
         print(line)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -55,7 +55,7 @@ class PredictorSettings:
     batch_tokens: int = 2048
     # BCE epochs after the least-squares start (0: least squares only), early-stopped on held-out
     # recall (patience). opt-mini, MLP 0.3 / heads 1.0, WikiText-2 perplexity vs dense: 1 epoch
-    # +2.17%, 2 +1.29%, 4 +0.83%, 8 +0.60% (BENCHMARKS.md, session 23)
+    # +2.17%, 2 +1.29%, 4 +0.83%, 8 +0.60% (BENCHMARKS.md, 2026-12-04)
     max_epochs: int = 8
     patience: int = 1
     holdout: float = 0.1  # fraction of the stream (tail windows) held out

@@ -3,13 +3,11 @@
 Importing this package does not import Triton (kernels are compiled on first launch), so
 the references work on a CPU-only install. See docs/kernels.md.
 """
-from dejavu.plugins.fused_mlp import sparse_mlp_fused, sparse_mlp_fused_ref
 from dejavu.plugins.layer_norm import layer_norm, layer_norm_ref
 from dejavu.plugins.predictor import (predictor_scores, predictor_topk, predictor_topk_ref,
                                       predictor_topk_shared)
 from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_decode_ref
-from dejavu.plugins.sparse_mlp import (sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref,
-                                       sparse_mlp_chain, sparse_mlp_chain_ref, sparse_mlp_layer,
+from dejavu.plugins.sparse_mlp import (sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref, sparse_mlp_layer,
                                        sparse_mlp_layer_ref)
 
 
@@ -21,7 +19,6 @@ def kernel_settings() -> dict:
     mod = lambda name: importlib.import_module(f"dejavu.plugins.{name}")  # noqa: E731
     pr = mod("predictor")
     return {"sparse_mlp": mod("sparse_mlp").kernel_settings(),
-            "fused_mlp": mod("fused_mlp").kernel_settings(),
             "deferred_qkv": dict(mod("deferred_kv").QKV_CONFIG),
             "deferred_qkv_b1": dict(mod("deferred_kv").QKV_CONFIG_B1),
             "attention": dict(mod("sparse_attention").ATTN_CONFIG),
@@ -36,6 +33,4 @@ __all__ = [
     "predictor_scores", "predictor_topk", "predictor_topk_ref", "predictor_topk_shared",
     "sparse_attn_decode", "sparse_attn_decode_ref",
     "sparse_fc1", "sparse_fc1_ref", "sparse_fc2", "sparse_fc2_ref", "sparse_mlp_layer", "sparse_mlp_layer_ref",
-    "sparse_mlp_chain", "sparse_mlp_chain_ref",
-    "sparse_mlp_fused", "sparse_mlp_fused_ref",
 ]

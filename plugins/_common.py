@@ -49,21 +49,6 @@ def helper(fn):
     return fn
 
 
-@helper
-def last_arrival(counter_ptr, n):
-    # Called once by each of the n programs of a launch that share int32 *counter_ptr (0 on
-    # entry): true in the one that arrives last, which may then read what all of them wrote
-    # to global memory (load it with cache_modifier=".cg": from L2, not a stale L1). The
-    # counter is 0 again afterwards (the last one resets it), ready for the next launch.
-    # bar.sync first, so thread 0's scalar acq_rel atomic orders the whole block's earlier
-    # writes (the usual threadfence-reduction pattern; plugins/predictor.py's grid barrier).
-    tl.debug_barrier()
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == n - 1
-    if last:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
-    return last
-
-
 # Programmatic dependent launch (PDL, sm_90+). With PDL_CONFIG["ENABLED"] the main decode
 # kernels are launched with `launch_pdl=True`: the next kernel of a stream may be launched
 # before this one has completed, so its launch (and its first weight reads) overlap this
@@ -75,10 +60,7 @@ def last_arrival(counter_ptr, n):
 # that have one) or at exit. So at most two kernels of a stream are in flight and everything
 # older has completed. Waiting programs hold their SM's registers: an early trigger lets the
 # next kernel's whole grid sit waiting behind a one-program LayerNorm.
-# Before the wait a kernel may issue `prefetch_rows_l2` on weight rows (PREFETCH_TILES tiles
-# of its first loop blocks): a hint into L2, from index values clamped into range (an index
-# buffer read before the wait may hold an older step's values; that only wastes the prefetch).
-# It may also load what no kernel writes while decoding (weights: LayerNorm's EARLY_WEIGHTS) and
+# Before the wait a kernel may load what no kernel writes while decoding (weights: LayerNorm's EARLY_WEIGHTS) and
 # what only kernels two or more launches back wrote (the previous kernel has passed its own wait,
 # so those have completed): the head index, pos and valid_len (EARLY_READS of the attention and
 # Q/K/V finishing kernels; the heads come from the side stream, whose event the main stream
@@ -89,27 +71,21 @@ def last_arrival(counter_ptr, n):
 # two gather_gemv products when predictor.SCORE_METHOD is "triton", on the side stream).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
              "layer_norm", "pred")
-# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md sessions 5-6).
-# Session 5 (neuron predictor first, cuBLAS scoring): every kind but fc1 early 6.74-6.78 ms/token at
+# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md 2026-12-02).
+# 2026-12-02 (neuron predictor first, cuBLAS scoring): every kind but fc1 early 6.74-6.78 ms/token at
 # density 0.3 (plain launches 6.89-6.94), 4.57-4.59 at 0.1 (5.12); late triggers only: 6.79-6.85 and
 # 5.04-5.06; early everywhere: 7.30-7.32 and 4.66-4.68 (fc1's early trigger alone: 7.37 at 0.3);
 # early only for the kernels without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching
 # weight tiles before the wait never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16).
-# Session 6, with the head predictor run first on the side stream (runtime/predictors.py) and
+# 2026-12-02, with the head predictor run first on the side stream (runtime/predictors.py) and
 # Triton scoring: early only for the kernels without a main loop (these defaults) 6.653-6.656 at
 # 0.3 and 4.391-4.401 at 0.1 (two rows each, two runs), against 6.905-6.914 and 4.498-4.511 with
-# the session-5 set in the same runs.
+# the 2026-12-02 set in the same runs.
 # "PLAIN": kinds launched without PDL even when it is enabled: the predictors' products on the
-# side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; session 6).
-# "PREFETCH": {kind: tiles}, overriding PREFETCH_TILES for those kinds (a kernel launched behind
-# an early trigger waits longest: the output projection behind the attention and its combine).
-# Session 12 (these defaults otherwise): the projection with 2 / 4 tiles 6.407 / 6.470 ms/token at
-# density 0.3, fc1 with 1 tile 6.448, against 6.345-6.353 without. Session 20: the Q/K/V partial kernel
-# (behind fc2's split reduction, while the predictors' stream is idle) with 1 / 2 / 4 tiles 6.328 /
-# 6.351-6.356 / 6.377 against 6.289-6.300, slower at d0.2 and d0.1 too.
-PDL_CONFIG = {"ENABLED": True, "PREFETCH_TILES": 0,
+# side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; 2026-12-02).
+PDL_CONFIG = {"ENABLED": True,
               "EARLY": ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm"),
-              "PLAIN": ("pred",), "PREFETCH": {}}
+              "PLAIN": ("pred",)}
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
@@ -117,7 +93,7 @@ _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
 
 def pdl_args(device: torch.device, kind: str) -> dict:
     """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter`: {} (plain
-    launch) or {"GDC": 1 (late trigger) or 2 (early), "PF": tiles to prefetch, "launch_pdl": True}."""
+    launch) or {"GDC": 1 (late trigger) or 2 (early), "launch_pdl": True}."""
     if not PDL_CONFIG["ENABLED"] or device.type != "cuda" or interpreting():
         return {}
     sm90 = _SM90.get(device)
@@ -125,21 +101,20 @@ def pdl_args(device: torch.device, kind: str) -> dict:
         sm90 = _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
     if not sm90:
         return {}
-    per_kind = PDL_CONFIG.get("PREFETCH") or {}
-    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"], *per_kind) if k not in PDL_KINDS]
+    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"]) if k not in PDL_KINDS]
     if bad:
         raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
     if kind in PDL_CONFIG["PLAIN"]:
         return {}
     gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
-    return {"GDC": gdc, "PF": int(per_kind.get(kind, PDL_CONFIG["PREFETCH_TILES"])), "launch_pdl": True}
+    return {"GDC": gdc, "launch_pdl": True}
 
 
 def reg_cap(cfg: dict, device: torch.device) -> dict:
     """Launch options capping a kernel's registers per thread at cfg["maxnreg"] (None: the
     compiler's choice; ptxas spills the rest to local memory), so more programs fit on an SM.
     CUDA only (the interpreter has no registers). No config sets it: on the H200 caps of 168 / 128
-    on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, session 17)."""
+    on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, 2026-12-04)."""
     n = cfg.get("maxnreg")
     return {"maxnreg": int(n)} if n and device.type == "cuda" and not interpreting() else {}
 
@@ -160,20 +135,6 @@ def gdc_release(GDC: tl.constexpr):
     # (its programs then take the SM slots of programs that are only storing results).
     if GDC == 1:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@helper
-def prefetch_rows_l2(row_ptrs, col0, n_cols, BLOCK_D: tl.constexpr):
-    # L2 prefetch (a hint: nothing is loaded into registers) of columns col0 .. col0 + BLOCK_D
-    # of each row (clamped to the row's n_cols), one prefetch per 64 elements (a 128-byte line
-    # in fp16/bf16; a block narrower than 64 gets one per row); row_ptrs [R] point at rows of
-    # the weights.
-    if BLOCK_D >= 64:
-        cols = tl.minimum(col0 + tl.arange(0, BLOCK_D // 64) * 64, n_cols - 1)
-    else:
-        cols = tl.minimum(col0 + tl.arange(0, 1), n_cols - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [row_ptrs[:, None] + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def jit(fn, device: torch.device):
@@ -261,25 +222,6 @@ def _patch_interpreter_bf16():
 
     cast_impl._dejavu_bf16_fix = True
     builder.cast_impl = cast_impl
-
-
-_COUNTERS: dict = {}
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters, all 0, for `last_arrival` (shared by every kernel on `device`: the
-    last program of each launch puts its counter back to 0, so launches on one stream can
-    reuse them; kernels running at the same time on two streams must not both use them).
-    Allocated on first use (64 Ki, grown by doubling): under CUDA-graph capture the buffer must
-    exist already (run the step once before capturing, as the runtime does)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise DejavuError("plugins: counters must be allocated before CUDA-graph capture "
-                              "(run one step eagerly first)")
-        size = max(1 << 16, next_pow2(n))
-        buf = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return buf[:n]
 
 
 def check_tensor(name, t, *, ndim=None, shape=None, dtype=None, device=None, dtypes=None):

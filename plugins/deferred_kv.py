@@ -23,22 +23,13 @@ step's input gives the rows' partial value at pos and, for K/V rows, a tl.dot wi
 history inputs the partial values at the first BLOCK_P missing slots
 min(valid_len, pos)..pos-1, from the same weight chunk (fp32 partials, [SPLIT, ...]).
 Splitting D keeps ~1000 programs in flight at any head count (a whole-D program per row
-block ran at ~1.5 TB/s on the H200). The last of the SPLIT programs of a row block to store
-its partials (`_common.last_arrival`, one counter per row block from `_common.counters`)
-finishes the rows (`_finish_rows`): sums the partials (.cg loads: L2, not L1), adds the
-bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those slots; a head
+block ran at ~1.5 TB/s on the H200). A second launch, `_qkv_finish_kernel`, grid (B*Kh, rows of
+FINISH_R), finishes the rows (`_finish_rows`): sums the partials (.cg loads: L2, not L1), adds
+the bias, writes Q (fp32 buffer) and K/V into the cache at pos and at those slots; a head
 unselected for more than BLOCK_P steps gets its further slots there, from whole-D tl.dot
 passes over its rows (the slow path: ~20% of selections with random sets at head density
-0.1, ~1% with opt-mini's trained predictors; the separate finishing kernel shares its chunks
-out over SLOW_Z programs per row block). With SPLIT == 1 the program finishes from its
-registers (no counter). That one-launch form is opt-in (QKV_CONFIG["FUSED_FINISH"]): on the
-H200 it made the decode step slower (OPT-30B shape, density 0.3, batch 1: 8.28 vs 7.70
-ms/token with both of this session's fusions on vs off; the fused partial kernel needs ~250
-registers against ~170, and the finishing program's serial tail costs about what the
-separate launch did; BENCHMARKS.md). The default is two launches: the same `_finish_rows`
-in `_qkv_finish_kernel`, grid (B*Kh, rows of FINISH_R). The counters are shared per device: two Q/K/V launches must not run at
-the same time on two streams. The bounds are read from device memory: CUDA-graph safe, no
-host sync. valid_len and x_hist[:, pos] are updated after the Q/K/V launch, by the
+0.1, ~1% with opt-mini's trained predictors; shared out over SLOW_Z programs per row block).
+The bounds are read from device memory: CUDA-graph safe, no host sync. valid_len and x_hist[:, pos] are updated after the Q/K/V launch, by the
 attention kernel that follows (programs of one head would race if these kernels wrote
 them), or by `_commit_kernel` when nothing attends. A decode layer is then: Q/K/V,
 attention (+ commit), output projection (+ its reduction). At batch 1 the finishing kernel can be
@@ -52,13 +43,13 @@ and at batch 1 (QKV_CONFIG_B1: one tl.dot over [x at pos, 15 missing slots], 64-
 blocks): on the H200 (OPT-30B shape, head density 0.3, gap 3) the whole deferred attention
 call took 53-57 us at batch 1 against 69-72 with the per-sequence kernel, and 83 against
 259 us at batch 8; the decode step 7.28 against 7.74 ms at batch 1, 10.4 against 16.8 at
-batch 8 (BENCHMARKS.md, session 4). Per-sequence sets (batch > 1) keep
+batch 8 (BENCHMARKS.md, 2026-12-02). Per-sequence sets (batch > 1) keep
 `_qkv_partial_kernel`.
 Refresh heads (batch 1, `refresh_heads` then `sparse_attn_decode_deferred(..., refresh=)`): heads that
 do not attend but have fallen hist_slots behind get their K/V in the same two Q/K/V launches (extra
 head slots without Q rows, constexpr REFRESH), valid_len committed by the attention kernel, so no
 head reaches the slow path when it is selected again (`refresh_route` says where the kernels take
-them; the runtime's default uses them from 40% of the heads attending: BENCHMARKS.md, session 18).
+them; the runtime's default uses them from 40% of the heads attending: BENCHMARKS.md, 2026-12-04).
 Slots of unselected heads and slots outside the range are not touched. Limits: hd <= 256;
 duplicate head indices not allowed (top-k never makes them).
 """
@@ -67,9 +58,8 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
-                                    pdl_args, prefetch_rows_l2, reg_cap)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, default_validate,
+                                    gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args, reg_cap)
 from dejavu.plugins.sparse_attention import (ATTN_CONFIG, QKVPartials, _check_attn, _positions, attend_project,
                                              folds_finish)
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
@@ -79,10 +69,8 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 # BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
 # dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs). Picked by
-# `benchmarks/kernels.py --sweep-attn` on an H200. FUSED_FINISH: the last program of each row
-# block finishes it (one launch; slower on the H200, see the docstring); False (default): a
-# separate _qkv_finish_kernel with FINISH_R rows per program (SLOW_Z programs share the slow path's
-# chunks of a head unselected for more than SHARED_P - 1 steps). FINISH_S: slices of D summed per load
+# `benchmarks/kernels.py --sweep-attn` on an H200. _qkv_finish_kernel takes FINISH_R rows per program
+# (SLOW_Z programs share the slow path's chunks of a head unselected for more than SHARED_P - 1 steps). FINISH_S: slices of D summed per load
 # when finishing (a power of 2; more splits take more loads, fewer registers).
 # SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
 # (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
@@ -94,24 +82,18 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
 QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
               "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
-              "FUSED_FINISH": False, "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
+              "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
               "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
-              "FOLD_SLOW_LAST": False, "PARTIAL_SLOW": False, "SLOW_P": 16, "SLOW_D": None, "SHARED_P_WIDE": 0,
-              "SHARED_P_WIDE_ALL": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None,
-              "PARTIAL_EARLY_READS": False, "FINISH_MAXNREG": None, "LN_AHEAD": 0}
-# catch_up_kv (the slots past the partials, ahead of the step): BLOCK_P slots per tl.dot pass over
-# BLOCK_R rows of one head's K or V; Z programs per row block share a head's chunks (fewer if the
-# cache has fewer chunks).
-CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_warps": 4, "num_stages": 2}
+              "FOLD_SLOW_LAST": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None}
 # Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
-# of `kernels.py --sweep-attn` on the H200 (session 4; OPT-30B, head density 0.3, gap 3), and
+# of `kernels.py --sweep-attn` on the H200 (2026-12-02; OPT-30B, head density 0.3, gap 3), and
 # the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
 # 111.6 vs 116.0 us per two calls; decode step 6.93 vs 7.03 ms). A copy made at import:
 # later edits of QKV_CONFIG do not reach batch 1.
 # SLOW_Z None: as many programs per row block as fill ~SLOW_TARGET finishing programs (at most
 # 8): OPT-30B shape, batch 1, d0.1 (6 heads, 144 row blocks): 4, 4.20 vs 4.39 ms/token with 1;
-# d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, session 8).
-# FOLD_FINISH (batch 1, shared-set kernel, FUSED_FINISH off, attention with a combine launch:
+# d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, 2026-12-03).
+# FOLD_FINISH (batch 1, shared-set kernel, attention with a combine launch:
 # `sparse_attention.folds_finish`): no finishing kernel; the attention kernel sums the partials
 # itself (Q in every chunk program; K/V at pos and at the P - 1 slots the partials hold in the
 # program of pos's chunk, which stores them into the caches), the combine kernel commits
@@ -120,56 +102,15 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # each layer's latency-bound chain. Up to FOLD_MAX_SPLIT slices of D (the attention kernel
 # unrolls their loads); more: the finishing kernel runs (FOLD_CAP: the partial kernel takes
 # FOLD_MAX_SPLIT slices instead). FOLD_SLOW_LAST: the slow z-slices after the D slices in the grid.
-# SLOW_P: slots per whole-D pass of the slow path (the finishing kernel's, the slow z-slices'): its
-# tl.dot's M; each pass re-reads the rows' weights, so more slots per pass read them fewer times.
-# SLOW_D: columns per load of the finishing kernel's slow passes (None: BLOCK_D; wider: fewer
-# serial round trips per pass). On the H200 (OPT-30B shape, batch 1, d0.3) neither paid: SLOW_P 32 /
-# 64 / 128 6.36 / 6.37 / 6.48 ms/token, SLOW_D 256 / 512 6.33 / 6.36, against 6.33-6.35
-# (BENCHMARKS.md, session 17).
-# PARTIAL_SLOW (batch 1, shared-set kernel, two launches): those slow z-slices of the partial kernel
-# without the fold: the finishing kernel still sums the partials but leaves the slots past them to
-# the z-slices (which run beside the bandwidth-bound partial programs instead of after them).
-# Off: on the H200 (OPT-30B shape, batch 1, d0.3) 6.41-6.46 vs 6.33 ms/token; the attention section
-# gained 0.23 ms per step, the partial kernel and fc2 / projection lost 0.40 (session 17).
 # FOLD_FINISH "wide" (batch 1's default): fold only where the partial kernel would take more than
 # FOLD_MAX_SPLIT slices (few heads: OPT-30B d0.1, 14 slices, capped to 8), where the finishing
 # kernel is at its slowest (one load per slice, and the slow path of frequent long gaps). On the
-# H200 (OPT-30B shape, batch 1, session 14): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
+# H200 (OPT-30B shape, batch 1, 2026-12-03): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
 # last, FOLD_SLOW_Z 4; Z 2 3.52-3.54, Z 8 3.50, Z 1 3.69); at d0.3 (5 slices) every folded form was
 # slower, 6.36-6.52 vs 6.28-6.35. OPT-1.3B shape (16 slices at d0.3): 0.870 vs 0.950 ms/token.
-# SHARED_P_WIDE (batch 1, the partial kernel with its finishing kernel, not folded; 0 off): the K/V
-# programs of a head more than SHARED_P - 1 slots behind take a tl.dot of SHARED_P_WIDE rows instead (a
-# branch per program), so the finishing kernel's serial slow path starts only past SHARED_P_WIDE - 1.
-# Off: on the H200 (OPT-30B shape, batch 1, 128 steps after a 128-token prompt; BENCHMARKS.md, session
-# 19) a quarter of a d0.3 step's layers have a head past 15 slots and the slow path is ~3.4% of the
-# step; 32 removed it from the attention kernel's wait (-216 us per step) but the wide programs set the
-# partial kernel's tail and the finishing kernel read twice the partials: d0.3 6.292-6.342 vs 6.294-
-# 6.335 ms/token, d0.5 9.33-9.35 vs 8.88 (with refresh heads the kernel took 142 registers: 3 programs
-# per SM). SHARED_P 32 for every program: 6.239-6.300 (-0.5 to -1%) at d0.3, 3.72 vs 3.48 at d0.1.
-# (Measured on SHARED_P 16; where SHARED_P_UNFOLDED is in force it applies only above that.)
-# SHARED_P_WIDE_ALL (with SHARED_P_WIDE): one branch for the whole launch instead of one per program: every
-# K/V program takes the wide tile when any selected head is more than SHARED_P - 1 slots behind, none when
-# none is (a launch then runs as with SHARED_P_UNFOLDED = SHARED_P_WIDE, or as without it). Off: on the H200
-# (OPT-30B shape, batch 1, 128-register cap; session 20) d0.3 6.284-6.285 against 6.239-6.245 ms/token with
-# SHARED_P_UNFOLDED (no faster than SHARED_P 16, 6.290), d0.2 4.968 against 4.986-4.992: the branch waits on
-# the launch's valid_len loads before any weight load.
-# PARTIAL_EARLY_READS: the shared-set partial kernel's programs read their head, pos and valid_len before the
-# PDL wait (as the finishing kernel's EARLY_READS). Off: within the runs' spread on the H200 (session 20):
-# d0.3 6.269 / 6.279 against 6.279-6.298 ms/token, d0.2 4.994 / 4.994 against 5.018-5.025, d0.1 3.490-3.499
-# against 3.484-3.490; with SHARED_P_WIDE_ALL d0.3 6.343, per-program SHARED_P_WIDE 6.367 (d0.2 4.985 / 4.953).
-# LN_AHEAD (batch 1, the partial kernel normalising its input, LN_IN): 1 loads x_new's next D chunk one
-# iteration ahead, 2 also the LayerNorm's weight and bias (140 registers uncapped, 8 bytes spilled under the
-# 128 cap; 1 stays at 128): in the loop those loads are plain ones (only the weight and history tiles go
-# through cp.async), which each iteration otherwise waits for before its tl.dot. Off: 1 no faster on the H200
-# (OPT-30B batch 1, session 22: d0.3 6.310-6.314 vs 6.307-6.308 ms/token, d0.2 4.867-4.875 vs 4.868-4.871);
-# 2 not measured.
-# FINISH_MAXNREG: a register cap for the finishing kernel (None: the compiler's; its decode form takes 64,
-# 8 programs per SM, so d0.3's 408 programs are one wave). Off: with 128 / 96 ptxas takes 78-80 and the H200
-# (session 20) gave d0.3 6.245-6.253 against 6.283-6.288 ms/token but d0.2 5.044-5.046 against 5.016-5.021,
-# d0.5 equal; 32 rows per program (FINISH_R) 6.303-6.304 at d0.3.
 # SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
 # SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
-# register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; session 19) P 32
+# register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; 2026-12-04) P 32
 # with a 128-register cap took d0.3 to 6.222 / 6.295 ms/token against 6.287-6.288 / 6.351-6.355 (runs 3,
 # 10), d0.2 to 5.030 vs 5.134: the partial kernel gets 8.6% slower, the slow path (a quarter of the
 # layers) is gone. With refresh heads (d0.5 by default) 8.936 vs 8.898-8.902, so they keep P 16; the
@@ -178,7 +119,7 @@ CATCHUP_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 16, "BLOCK_D": 128, "Z": 8, "num_war
 # 4 to an SM (126-128 registers), so a launch of 528 (OPT-30B d0.2: 8 slices x 66 row blocks) leaves no slot
 # for the predictors' stream, whose first GEMV then starts only as the partial kernel drains (16.8 vs 1.5 us
 # into the layer) and whose chain runs into fc1 / fc2. 512 takes 7 slices (462 programs) there: d0.2 4.828-
-# 4.832 against 4.985-4.990 ms/token on the H200 (session 21); d0.1 / d0.3 / d0.5 launch the same programs
+# 4.832 against 4.985-4.990 ms/token on the H200 (2026-12-04); d0.1 / d0.3 / d0.5 launch the same programs
 # either way (504 / 510 / 504); 480 (d0.3: 4 slices, 408 programs) 6.432 against 6.236-6.238 at d0.3.
 QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 512, "num_stages": 3,
                  "SHARED_P_UNFOLDED": 32, "UNFOLDED_MAXNREG": 128,
@@ -218,22 +159,6 @@ def _qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stri
 
 
 @helper
-def _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, head_off, pid_r, d_lo, H, HD, NB, D, FIRST_SEG: tl.constexpr,
-                  PF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Before gdc_enter (PDL): L2 prefetch of the first PF blocks of this program's weight rows
-    # from column d_lo, the head index clamped into [0, H) (it may be stale: only a hint).
-    head = tl.minimum(tl.maximum(tl.load(head_ptr + head_off).to(tl.int64), 0), H - 1)
-    seg = FIRST_SEG + pid_r // NB
-    c = tl.minimum((pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R), HD - 1)
-    if seg == 0:
-        w_rows = wq_ptr + (head * HD + c) * D
-    else:
-        w_rows = wkv_ptr + ((seg - 1).to(tl.int64) * H * HD + head * HD + c) * D
-    for t in tl.static_range(PF):
-        prefetch_rows_l2(w_rows, d_lo + t * BLOCK_D, D, BLOCK_D)
-
-
-@helper
 def _weight_rows(wq_ptr, wkv_ptr, rows, seg, D):
     # [BLOCK_R, 1] pointers to the rows' starts: wq for Q (segment 0), wkv for K/V
     if seg == 0:
@@ -244,29 +169,22 @@ def _weight_rows(wq_ptr, wkv_ptr, rows, seg, D):
 
 
 def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                        pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                        pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
                         stride_nb, stride_xb, stride_xs, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
                         HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
-                        FINISH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr,
-                        CAUGHT_UP: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                        BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                        GDC: tl.constexpr = 0):
     # grid (B*KH, (3 - FIRST_SEG) * NB, SPLIT). Partial dot products over D slice pid_s:
     # pnew[s, b, j, seg*HD + c] (value at pos) and, for K/V rows with missing slots,
     # phist[s, b, j, p, (seg-1)*HD + c] for the first BLOCK_P slots p from min(valid_len, pos).
     # HAS_NEW false: the input at pos is x_hist[b, pos] (recompute_kv).
-    # FINISH 0: partials only (_qkv_finish_kernel follows); 1: the last of the SPLIT programs
-    # of these rows (counter cnt[(b*KH + j) * rows + pid_r]) sums them and finishes the rows;
-    # 2: SPLIT == 1, this program holds the whole sums and finishes from registers.
-    # CAUGHT_UP: the slots past the first BLOCK_P missing ones are in the cache already (catch_up_kv).
+    # Partials only: _qkv_finish_kernel follows.
     pid = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid // KH
     j = pid % KH
     b64 = b.to(tl.int64)
-    if GDC:
-        _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, b * stride_hb + j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D,
-                      FIRST_SEG, PF, BLOCK_R, BLOCK_D)
     gdc_enter(GDC)
     head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
         head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R)
@@ -301,47 +219,31 @@ def _qkv_partial_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head
             else:
                 acc_h = tl.dot(xt, tl.trans(w), acc_h)
     gdc_release(GDC)
-    if FINISH == 2:
-        _store_qkv(tl.sum(acc, axis=1), acc_h, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr, b64, j,
-                   head, pos, seg, offs_c, cmask, rows, start, KH, D, HD, BLOCK_P, stride_xb, stride_xs, stride_cb,
-                   stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, CAUGHT_UP == 0, 16, BLOCK_D)
-    else:
-        slot = (pid_s.to(tl.int64) * B + b) * KH + j
-        tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
-        if seg > 0:
-            dst = (phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD
-                   + offs_c[None, :])
-            tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
-        if FINISH == 1:
-            group = (b64 * KH + j) * tl.num_programs(1) + pid_r
-            if last_arrival(cnt_ptr + group, tl.num_programs(2)):
-                _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b64, j,
-                             head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, tl.num_programs(2),
-                             BLOCK_P, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32,
-                             BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0, 16, BLOCK_D)
+    slot = (pid_s.to(tl.int64) * B + b) * KH + j
+    tl.store(pnew_ptr + slot * 3 * HD + seg * HD + offs_c, tl.sum(acc, axis=1), mask=cmask)
+    if seg > 0:
+        dst = (phist_ptr + (slot * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]) * 2 * HD + (seg - 1) * HD
+               + offs_c[None, :])
+        tl.store(dst, acc_h, mask=pmask[:, None] & cmask[None, :])
 
 
 def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                               pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
+                               pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
                                stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
                                lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps,
                                HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr,
-                               FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                               P: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_S: tl.constexpr, EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
+                               EVEN_D: tl.constexpr, W_EV: tl.constexpr = "",
                                LN_IN: tl.constexpr = 0, BLOCK_N: tl.constexpr = 2, ST_CM: tl.constexpr = "",
                                SLOW: tl.constexpr = 0, SLOW_R: tl.constexpr = 16, SLOW_LAST: tl.constexpr = 0,
-                               CAUGHT_UP: tl.constexpr = 0, SLOW_P: tl.constexpr = 16, ref_ptr=None, KH_Q=0,
-                               REFRESH: tl.constexpr = 0, P_WIDE: tl.constexpr = 0, WIDE_ALL: tl.constexpr = 0,
-                               BLOCK_KH: tl.constexpr = 16, EARLY_READS: tl.constexpr = 0, LN_AHEAD: tl.constexpr = 0,
-                               GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                               ref_ptr=None, KH_Q=0, REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0):
     # One index set for the batch: grid (KH, (3 - FIRST_SEG) * NB, SLOW + SPLIT); a program reads its
     # (W_EV: eviction policy of the weight loads)
     # weight block once for every sequence. Its tl.dot has M = BLOCK_M = (batch padded) * P
     # rows: row m is sequence m // P at slot pos (m % P == 0) or at the (m % P)-th missing
     # slot from min(valid_len, pos) (K/V rows; P - 1 of them, the finishing kernel does the rest).
     # Partials go where _qkv_partial_kernel puts them (pnew, phist[..., p, ...] with p < P - 1).
-    # FINISH as there (counter cnt[j * rows + pid_r]); the finishing program does every sequence.
     # LN_IN (HAS_NEW, batch 1): the input at pos is LayerNorm(x_new) (a PendingLN): its mean and
     # rstd merged from the N_ST blocks' stats at st (blocks of ST_W columns; ST_CM "": plain
     # loads, an earlier kernel wrote them), each chunk of x_new normalised as it is loaded and
@@ -349,22 +251,13 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # head slot 0's first row block (together they cover D once) store it at x_hist[0, pos] (no
     # program of this launch reads that slot; the attention kernel then commits valid_len only).
     # (A per-row form for batches, stats merged into [BLOCK_M] vectors and the tile normalised,
-    # ran ~3x slower on the H200: BENCHMARKS.md, session 11.)
-    # SLOW > 0 (batch 1, FINISH 0, the finishing kernel folded into attention: QKV_CONFIG_B1
+    # ran ~3x slower on the H200: BENCHMARKS.md, 2026-12-03.)
+    # SLOW > 0 (batch 1, the finishing kernel folded into attention: QKV_CONFIG_B1
     # FOLD_FINISH): z-slices 0 .. SLOW-1 are _fold_slow_program's (the slots no partial holds),
     # slice SLOW + s is D slice s; SLOW_LAST: the last SLOW z-slices are, after the D slices.
-    # CAUGHT_UP (SLOW 0 then): the slots past the P - 1 missing ones are in the cache already (catch_up_kv).
-    # SLOW_P: slots per whole-D pass of the slow z-slices (their tl.dot's M).
+    # The slow path's whole-D passes take 16 slots each (their tl.dot's M; 32 to 128 measured no faster).
     # REFRESH (batch 1, SLOW 0): head slots KH_Q.. are refresh heads (ref_ptr; -1: none): K/V rows only,
     # like a selected head's (no Q); the programs of a -1 slot or of a refresh head's Q rows do nothing.
-    # P_WIDE (batch 1, SLOW 0, FINISH 0): the K/V programs of a head more than P - 1 slots behind take a
-    # tile of M = P_WIDE rows (P_WIDE - 1 missing slots; phist's BLOCK_P >= P_WIDE - 1) instead of P: a
-    # branch per program on its head's lag, so the usual heads keep the small tile. WIDE_ALL: every K/V
-    # program of the launch takes it when any selected head (the first KH, or KH_Q with REFRESH; BLOCK_KH >=
-    # that) is more than P - 1 slots behind, none when none is (one branch for the whole launch).
-    # EARLY_READS (SLOW 0): the D-slice programs read their head, pos and valid_len (and WIDE_ALL's lags)
-    # before the PDL wait, as _qkv_finish_kernel's EARLY_READS (none is written by the kernel before this
-    # one): the weight loads start right after it.
     j = tl.program_id(0)
     pid_r = tl.program_id(1)
     slow = False
@@ -381,95 +274,43 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
         else:
             z_slow = tl.program_id(2)
         _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, j, pid_r, z_slow,
-                           H, D, HD, NB, stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG, DOT_FP32, P, SLOW_P,
+                           H, D, HD, NB, stride_xb, stride_xs, stride_ch, stride_cs, FIRST_SEG, DOT_FP32, P, 16,
                            BLOCK_R, BLOCK_D, SLOW, SLOW_R, GDC)
     else:
         pid_s = tl.program_id(2) - z_lo
-        if GDC and not REFRESH:
-            _prefetch_qkv(wq_ptr, wkv_ptr, head_ptr, j, pid_r, pid_s * D_PER_SPLIT, H, HD, NB, D, FIRST_SEG, PF,
-                          BLOCK_R, BLOCK_D)
-        if not EARLY_READS:
-            gdc_enter(GDC)
+        gdc_enter(GDC)
         head, pos0, seg, offs_c, cmask, rows, start0 = _qkv_rows(
             head_ptr, pos_ptr, vl_ptr, 0, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr, KH_Q,
             REFRESH)
-        if WIDE_ALL:
-            lag_all = _launch_lag(head_ptr, vl_ptr, pos0, KH, KH_Q, REFRESH, BLOCK_KH)
-        if EARLY_READS:
-            gdc_enter(GDC)
         if REFRESH:  # a real head (not -1); a refresh head (slot >= KH_Q) has no Q rows
             live = (head >= 0) & ((j < KH_Q) | (seg > 0))
         else:
             live = True
         if live:
-            if P_WIDE:  # the wide tile for a head whose missing slots the small one does not hold
-                if WIDE_ALL:  # ... for every K/V program of a launch in which some selected head needs it
-                    wide = (seg > 0) & (lag_all > P - 1)
-                else:
-                    wide = pos0 - start0 > P - 1  # (start0 = pos0 for Q rows)
-                if wide:
-                    _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                                         pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
-                                         D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
-                                         stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
-                                         pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
-                                         DOT_FP32, FINISH, P_WIDE, P_WIDE, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D,
-                                         W_EV, LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, LN_AHEAD)
-                else:
-                    _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                                         pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
-                                         D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
-                                         stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head,
-                                         pos0, seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG,
-                                         DOT_FP32, FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV,
-                                         LN_IN, BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, LN_AHEAD)
-            else:
-                _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                                     pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB,
-                                     D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch,
-                                     stride_cs, lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0,
-                                     seg, offs_c, cmask, rows, start0, ref_ptr, KH_Q, HAS_NEW, FIRST_SEG, DOT_FP32,
-                                     FINISH, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, EVEN_D, W_EV, LN_IN,
-                                     BLOCK_N, ST_CM, CAUGHT_UP, SLOW_P, REFRESH, GDC, LN_AHEAD)
+            _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
+                                 B, KH, H, D, HD, D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb,
+                                 lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0,
+                                 seg, offs_c, cmask, rows, HAS_NEW, DOT_FP32, P, BLOCK_M, BLOCK_P, BLOCK_R, BLOCK_D,
+                                 EVEN_D, W_EV, LN_IN, BLOCK_N, ST_CM, GDC)
 
 
 @helper
-def _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask, X: tl.constexpr = True):
-    # LN_IN: a chunk of the input at pos (X; else 0) and of the LayerNorm's weight and bias, as fp32
-    if X:
-        xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    else:
-        xv = 0.0
+def _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask):
+    # LN_IN: a chunk of the input at pos and of the LayerNorm's weight and bias, as fp32
+    xv = tl.load(xnew_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
     g = tl.load(lnw_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
     gb = tl.load(lnb_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
     return xv, g, gb
 
 
 @helper
-def _launch_lag(head_ptr, vl_ptr, pos, KH, KH_Q, REFRESH: tl.constexpr, BLOCK_KH: tl.constexpr):
-    # Batch 1: the most missing slots (pos - min(valid_len, pos)) of the launch's selected heads at
-    # head_ptr (KH of them, KH_Q with REFRESH).
-    n = KH
-    if REFRESH:
-        n = KH_Q
-    offs = tl.arange(0, BLOCK_KH)
-    m = offs < n
-    h = tl.load(head_ptr + offs, mask=m, other=0).to(tl.int64)
-    vl = tl.load(vl_ptr + h, mask=m, other=0).to(tl.int32)
-    return tl.max(tl.where(m, pos - tl.minimum(vl, pos), 0), axis=0)
-
-
-@helper
-def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr,
-                         pnew_ptr, phist_ptr, cnt_ptr, q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, D_PER_SPLIT,
-                         stride_nb, stride_xb, stride_xs, stride_pb, stride_cb, stride_ch, stride_cs,
+def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
+                         B, KH, H, D, HD, D_PER_SPLIT, stride_nb, stride_xb, stride_xs, stride_pb,
                          lnw_ptr, lnb_ptr, st_ptr, N_ST, ST_W, eps, j, pid_r, pid_s, head, pos0, seg, offs_c, cmask,
-                         rows, start0, ref_ptr, KH_Q, HAS_NEW: tl.constexpr, FIRST_SEG: tl.constexpr,
-                         DOT_FP32: tl.constexpr, FINISH: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         EVEN_D: tl.constexpr, W_EV: tl.constexpr, LN_IN: tl.constexpr, BLOCK_N: tl.constexpr,
-                         ST_CM: tl.constexpr, CAUGHT_UP: tl.constexpr, SLOW_P: tl.constexpr, REFRESH: tl.constexpr,
-                         GDC: tl.constexpr, LN_AHEAD: tl.constexpr = 0):
+                         rows, HAS_NEW: tl.constexpr, DOT_FP32: tl.constexpr, P: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                         W_EV: tl.constexpr, LN_IN: tl.constexpr, BLOCK_N: tl.constexpr, ST_CM: tl.constexpr,
+                         GDC: tl.constexpr):
     # _qkv_partial_shared_kernel's D-slice program (one with work: REFRESH's live)
     w_rows = _weight_rows(wq_ptr, wkv_ptr, rows, seg, D)
     offs_m = tl.arange(0, BLOCK_M)
@@ -501,9 +342,6 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
     d_lo = pid_s * D_PER_SPLIT
     d_hi = tl.minimum(d_lo + D_PER_SPLIT, D)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    if LN_IN and LN_AHEAD:  # the first chunk's x_new, g, beta; the loop loads the next ones a chunk ahead
-        offs_n = d_lo + tl.arange(0, BLOCK_D)
-        xv_n, g_n, gb_n = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_n, offs_n < d_hi)
     for d0 in range(d_lo, d_hi, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         dmask = offs_d < d_hi
@@ -513,17 +351,7 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
             w = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0, eviction_policy=W_EV)
         x = tl.load(hist_rows[:, None] + offs_d[None, :], mask=take_hist[:, None] & dmask[None, :], other=0.0)
         if LN_IN:
-            if LN_AHEAD == 1:  # x_new a chunk ahead, the weights in the iteration
-                xv = xv_n
-                _, g, gb = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask, X=False)
-                offs_n = offs_d + BLOCK_D
-                xv_n = tl.load(xnew_ptr + offs_n, mask=offs_n < d_hi, other=0.0).to(tl.float32)
-            elif LN_AHEAD:
-                xv, g, gb = xv_n, g_n, gb_n
-                offs_n = offs_d + BLOCK_D
-                xv_n, g_n, gb_n = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_n, offs_n < d_hi)
-            else:
-                xv, g, gb = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask)
+            xv, g, gb = _ln_chunk(xnew_ptr, lnw_ptr, lnb_ptr, offs_d, dmask)
             xn = ((xv - mean) * rstd * g + gb).to(x.dtype)
             # by head slot 0's first row block (a vector mask: the interpreter wants one)
             tl.store(new_hist + offs_d, xn, mask=dmask & (offs_d * 0 + j + pid_r == 0))
@@ -541,22 +369,6 @@ def _shared_partial_body(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_ptr, hea
     if seg > 0:
         dst = phist_ptr + ((slot * BLOCK_P + mp - 1)[:, None] * 2 * HD + (seg - 1) * HD + offs_c[None, :])
         tl.store(dst, acc, mask=is_hist[:, None] & cmask[None, :])
-    if FINISH == 2:
-        tl.debug_barrier()  # SPLIT == 1: the block's own partials, stored by its other threads
-        last = True
-    elif FINISH == 1:
-        last = last_arrival(cnt_ptr + j * tl.num_programs(1) + pid_r, tl.num_programs(2))
-    else:
-        last = False
-    if last:
-        for b in range(0, B):  # (b is a Python int in the interpreter: tl.cast, not .to)
-            _, pos, _, _, _, _, start = _qkv_rows(
-                head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, 0, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
-                KH_Q, REFRESH)
-            _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr,
-                         tl.cast(b, tl.int64), j, head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD,
-                         tl.num_programs(2), P - 1, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs,
-                         DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, CAUGHT_UP == 0, SLOW_P, BLOCK_D)
 
 
 @helper
@@ -597,8 +409,7 @@ def _sum_partials(pnew_ptr, phist_ptr, b64, j, seg, offs_c, cmask, start, pos, B
                   BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     # The rows' sums over the SPLIT slices of D: value at pos [BLOCK_R] and, for K/V rows, at the
     # first HIST_LEN missing slots [BLOCK_P, BLOCK_R]. BLOCK_S splits per load (few memory round
-    # trips, not SPLIT; capped so the fused partial kernel keeps its registers); .cg: in the
-    # fused path other programs wrote them (L2, not L1).
+    # trips, not SPLIT); .cg: another kernel wrote them, in L2.
     new = tl.zeros([BLOCK_R], dtype=tl.float32)
     hist = tl.zeros([BLOCK_P, BLOCK_R], dtype=tl.float32)
     offs_p = tl.arange(0, BLOCK_P)
@@ -693,15 +504,13 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
                        stride_pb, stride_cb, stride_ch, stride_cs,
                        FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                       SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, CAUGHT_UP: tl.constexpr = 0,
-                       SLOW_P: tl.constexpr = 16, SLOW_D: tl.constexpr = 128, ref_ptr=None, KH_Q=0,
-                       REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
-    # The two-launch path (QKV_CONFIG["FUSED_FINISH"] false): grid (B*KH, (3 - FIRST_SEG) * NB,
-    # SLOW_Z), after a partial kernel with FINISH 0; _finish_rows for this program's BLOCK_R
+                       SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, ref_ptr=None, KH_Q=0,
+                       REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0):
+    # Grid (B*KH, (3 - FIRST_SEG) * NB,
+    # SLOW_Z), after a partial kernel; _finish_rows for this program's BLOCK_R
     # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
-    # BLOCK_P chunks over the SLOW_Z programs of the rows (z > 0 do only those). CAUGHT_UP: those
-    # slots are in the cache already (catch_up_kv; SLOW_Z 1). SLOW_P: slots per whole-D pass of the
-    # slow path (its tl.dot's M: more slots per pass, fewer passes over the rows).
+    # 16-slot chunks (the slow path's whole-D passes) over the SLOW_Z programs of the rows (z > 0 do
+    # only those).
     # EARLY_READS: the head index, pos and valid_len before the PDL wait (none is written by the
     # partial kernel before this one: the heads come from the side stream, waited for before it;
     # valid_len is written by the attention kernel after this one), saving a round trip after it.
@@ -726,21 +535,21 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
         _finish_program(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, D, HD,
                         SPLIT, HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, b, j, z, head, pos,
                         seg, offs_c, cmask, rows, start, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S, SLOW_Z,
-                        CAUGHT_UP, SLOW_P, SLOW_D)
+                        16, BLOCK_D)
 
 
 @helper
 def _finish_program(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, B, KH, D, HD, SPLIT,
                     HIST_LEN, stride_xb, stride_xs, stride_cb, stride_ch, stride_cs, b, j, z, head, pos, seg, offs_c,
                     cmask, rows, start, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLOW_Z: tl.constexpr, CAUGHT_UP: tl.constexpr,
-                    SLOW_P: tl.constexpr, SLOW_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SLOW_Z: tl.constexpr, SLOW_P: tl.constexpr,
+                    SLOW_D: tl.constexpr):
     # _qkv_finish_kernel's work for its rows (z: its share of the slow path)
     if SLOW_Z == 1:
         _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k_ptr, v_ptr, b.to(tl.int64), j,
                      head, pos, seg, offs_c, cmask, rows, start, B, KH, D, HD, SPLIT, HIST_LEN, stride_xb,
                      stride_xs, stride_cb, stride_ch, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D, BLOCK_S,
-                     CAUGHT_UP == 0, SLOW_P, SLOW_D)
+                     1, SLOW_P, SLOW_D)
     else:
         b64 = b.to(tl.int64)
         if z == 0:  # the slots the partials hold (SLOW 0: _store_qkv leaves the slow path to the loop below)
@@ -755,34 +564,6 @@ def _finish_program(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr
                 bias = tl.load(bkv_ptr + rows).to(tl.float32)
                 _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, z,
                             SLOW_Z, D, stride_xb, stride_xs, stride_cs, DOT_FP32, SLOW_P, BLOCK_R, SLOW_D)
-
-
-def _catch_up_kernel(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_ptr, v_ptr, KH, H, D, HD, NB, HIST_LEN,
-                     stride_xb, stride_xs, stride_hb, stride_pb, stride_cb, stride_ch, stride_cs,
-                     DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    # catch_up_kv: grid (B*KH, 2 * NB, Z). K (pid_r < NB) or V rows of head slot j of sequence b at the
-    # missing slots min(valid_len, pos) + HIST_LEN .. pos - 1 (the ones the Q/K/V kernels leave to their
-    # slow path), chunks z, z + Z, ... of BLOCK_P slots, from whole-D tl.dot passes (_slow_slots).
-    # Programs with no such chunk exit after three loads. Reads only what earlier steps wrote
-    # (x_hist below pos, valid_len) and writes only those slots: no other kernel of the step touches them.
-    pid = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    z = tl.program_id(2)
-    b = pid // KH
-    j = pid % KH
-    head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
-    pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
-    first = tl.minimum(tl.load(vl_ptr + b * H + head).to(tl.int32), pos) + HIST_LEN
-    if first + z * BLOCK_P < pos:
-        b64 = b.to(tl.int64)
-        seg = 1 + pid_r // NB
-        offs_c = (pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cmask = offs_c < HD
-        rows = (seg - 1).to(tl.int64) * H * HD + head * HD + tl.where(cmask, offs_c, 0)
-        bias = tl.load(bkv_ptr + rows).to(tl.float32)
-        cache = (k_ptr if seg == 1 else v_ptr) + b64 * stride_cb + head * stride_ch
-        _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, first, z, tl.num_programs(2), D,
-                    stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, BLOCK_R, BLOCK_D)
 
 
 def _refresh_kernel(head_ptr, vl_ptr, pos_ptr, out_ptr, KH, H, LAG, MAX_LAG, R: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -809,7 +590,7 @@ def _refresh_kernel(head_ptr, vl_ptr, pos_ptr, out_ptr, KH, H, LAG, MAX_LAG, R: 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
                    stride_hb, stride_pb, HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                   GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                   GDC: tl.constexpr = 0):
     # After the Q/K/V kernels when nothing else commits (recompute_kv, or no head attends):
     # valid_len[b, head_idx[b, j]] = pos[b] + 1 and (HAS_NEW)
     # x_hist[b, pos[b]] = x_new[b]; grid (B,).
@@ -874,11 +655,10 @@ def _shared_qkv(B, head_idx, cfg) -> bool:
     return (head_idx.dim() == 1 or B == 1) and smin is not None and B >= smin
 
 
-def _batch1_unfolded(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool, caught_up: bool) -> bool:
-    """Batch 1 on the shared-set kernel with x_new and its finishing kernel (not folded, FUSED_FINISH,
-    PARTIAL_SLOW or caught up): where SHARED_P_UNFOLDED and SHARED_P_WIDE apply."""
-    return (shared and B == 1 and has_new and not fold and not cfg["FUSED_FINISH"] and not cfg["PARTIAL_SLOW"]
-            and not caught_up)
+def _batch1_unfolded(cfg: dict, B: int, shared: bool, has_new: bool, fold: bool) -> bool:
+    """Batch 1 on the shared-set kernel with x_new and its finishing kernel (not folded): where
+    SHARED_P_UNFOLDED applies."""
+    return shared and B == 1 and has_new and not fold
 
 
 def _unfolded_cfg(cfg: dict, unfolded: bool, n_ref: int) -> dict:
@@ -891,23 +671,11 @@ def _unfolded_cfg(cfg: dict, unfolded: bool, n_ref: int) -> dict:
     return {**cfg, "SHARED_P": sp, "BLOCK_P": max(cfg["BLOCK_P"], sp), **({"maxnreg": cap} if cap else {})}
 
 
-def _wide_p(cfg: dict, unfolded: bool) -> int:
-    """The partial kernel's P_WIDE for this launch: cfg's SHARED_P_WIDE on the unfolded batch-1 route
-    (above the SHARED_P in force), else 0."""
-    wide = cfg.get("SHARED_P_WIDE") or 0
-    if not (unfolded and wide > cfg["SHARED_P"]):
-        return 0
-    if wide & (wide - 1):
-        raise DejavuError(f"config: SHARED_P_WIDE must be a power of 2, got {wide}")
-    return wide
-
-
 def hist_slots(B: int, head_idx, config=None) -> int:
     """How many missing slots of a selected head (from min(valid_len, pos)) the Q/K/V kernels of a
     deferred decode step with this Q/K/V config compute from their partial products; the slow path
-    (or catch_up_kv, before) does the slots past them. On the unfolded batch-1 route SHARED_P_UNFOLDED
-    (without refresh heads) and SHARED_P_WIDE (opt-in) reach further (never after catch_up_kv): this
-    is the reach every selected head has."""
+    does the slots past them. On the unfolded batch-1 route SHARED_P_UNFOLDED (without refresh heads)
+    reaches further: this is the reach every selected head has."""
     cfg = _qkv_cfg(B, config)
     return cfg["SHARED_P"] - 1 if _shared_qkv(B, head_idx, cfg) else cfg["BLOCK_P"]
 
@@ -933,17 +701,15 @@ def _qkv_split(cfg: dict, D: int, groups: int, fold: bool) -> tuple[int, int, bo
 
 
 def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                q, config, pending=None, fold=False, caught_up=False, refresh=None):
-    """The Q/K/V kernels (checked inputs, Kh > 0): one launch (FUSED_FINISH) or partial + finish.
+                q, config, pending=None, fold=False, refresh=None):
+    """The Q/K/V kernels (checked inputs, Kh > 0): partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
     x_hist (recompute_kv). pending: x_new's PendingLN (batch 1 on the shared-set kernel only),
     normalised in the kernel, which also stores it at x_hist[:, pos].
-    fold (batch 1 on the shared-set kernel, x_new given, FUSED_FINISH off): no finishing kernel;
+    fold (batch 1 on the shared-set kernel, x_new given): no finishing kernel;
     the partial kernel's first z-slices fill the slots no partial holds (_fold_slow_program) and
     the QKVPartials returned go to the attention kernel, which finishes the rest (q stays unwritten);
     with more than FOLD_MAX_SPLIT slices of D the finishing kernel runs instead (None returned).
-    caught_up: the slots past the first hist_slots missing ones are in the caches (catch_up_kv):
-    no slow path (no slow z-slices, one finishing program per row block).
     refresh: [R] int32 refresh heads (`refresh_route` holds; -1: none): head slots Kh.. of both
     kernels, K/V only; the split of D stays the one of the selected heads."""
     B, S, D = x_hist.shape
@@ -956,88 +722,67 @@ def _launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, val
     shared = _shared_qkv(B, head_idx, cfg)
     if pending is not None and not (shared and B == 1 and x_new is not None):
         raise DejavuError("_launch_qkv: a PendingLN input needs batch 1 on the shared-set kernel and x_new")
-    if fold and not (shared and B == 1 and x_new is not None and not cfg["FUSED_FINISH"]):
-        raise DejavuError("_launch_qkv: folding the finish needs batch 1 on the shared-set kernel, x_new and "
-                          "FUSED_FINISH off")
+    if fold and not (shared and B == 1 and x_new is not None):
+        raise DejavuError("_launch_qkv: folding the finish needs batch 1 on the shared-set kernel and x_new")
     groups = (1 if shared else B) * kh * (3 - first) * nb  # row blocks: programs per slice of D
     split, d_per, fold = _qkv_split(cfg, D, groups, fold)
     dev = x_hist.device
-    fused = cfg["FUSED_FINISH"]
     n_ref = 0 if refresh is None else refresh.shape[0]
-    if n_ref and (fold or fused or not shared or B != 1 or x_new is None):
-        raise DejavuError("_launch_qkv: refresh heads need batch 1 on the shared-set kernel, x_new, no fold and "
-                          "FUSED_FINISH off")
+    if n_ref and (fold or not shared or B != 1 or x_new is None):
+        raise DejavuError("_launch_qkv: refresh heads need batch 1 on the shared-set kernel, x_new and no fold")
     ref_args = dict(ref_ptr=refresh, KH_Q=kh, REFRESH=1) if n_ref else {}
     kh_q, kh = kh, kh + n_ref  # head slots: the selected heads, then the refresh heads
-    unfolded = _batch1_unfolded(cfg, B, shared, x_new is not None, fold, caught_up)
+    unfolded = _batch1_unfolded(cfg, B, shared, x_new is not None, fold)
     cfg = _unfolded_cfg(cfg, unfolded, n_ref)
-    p_wide = _wide_p(cfg, unfolded)
-    bp = max(cfg["BLOCK_P"], p_wide)  # phist holds the wide tile's P_WIDE - 1 slots
+    bp = cfg["BLOCK_P"]
     pnew = torch.empty((split, B, kh, 3 * hd), dtype=torch.float32, device=dev)
     phist = torch.empty((split, B, kh, bp, 2 * hd), dtype=torch.float32, device=dev)
-    cnt = counters(dev, groups) if fused and split > 1 else valid_len  # valid_len: never used as one
     new = x_new if x_new is not None else x_hist  # never read when HAS_NEW is false
     qbuf = q if q is not None else pnew  # never written without Q rows
     stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
     dot32 = _dot_fp32(x_hist.dtype, dev)
-    args = (new, x_hist, wq, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, cnt, qbuf, k_cache, v_cache,
+    args = (new, x_hist, wq, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache,
             B, kh, H, D, hd, nb, d_per, new.stride(0), x_hist.stride(0), x_hist.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     bs = min(cfg["FINISH_S"], next_pow2(split))
-    finish_mode = (2 if split == 1 else 1) if fused else 0
-    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, FINISH=finish_mode, BLOCK_P=bp,
-                  BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, BLOCK_S=bs, EVEN_D=D % d_per == 0, CAUGHT_UP=caught_up,
+    common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp,
+                  BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, EVEN_D=D % d_per == 0,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **reg_cap(cfg, dev), **pdl_args(dev, "qkv"))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         if not 1 <= sp - 1 <= bp or sp & (sp - 1):
             raise DejavuError(f"config: SHARED_P must be a power of 2 with SHARED_P - 1 in [1, BLOCK_P={bp}], "
                               f"got SHARED_P={sp}")
-        hist_len = max(sp, p_wide) - 1
+        hist_len = sp - 1
         if pending is not None:
             n_st = pending.stats.shape[1]
             ln_args = (pending.weight, pending.bias, pending.stats, n_st, pending.width, LN_EPS)
         else:
             n_st, ln_args = 1, (new, new, pnew, 1, 1, LN_EPS)  # never read without LN_IN
         slow_r = min(cfg["BLOCK_R"], cfg["FOLD_SLOW_R"])
-        # the slow path in the partial kernel's z-slices: folded, or PARTIAL_SLOW (the finishing kernel
-        # then skips it, as after catch_up_kv)
-        part_slow = ((fold or (cfg["PARTIAL_SLOW"] and B == 1 and x_new is not None and not fused))
-                     and not caught_up)
-        if n_ref and part_slow:
-            raise DejavuError("_launch_qkv: refresh heads and PARTIAL_SLOW do not go together")
-        n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if part_slow else 0
-        caught_up = caught_up or n_slow > 0
+        # folded: the slow path in the partial kernel's z-slices (no finishing kernel)
+        n_slow = (cfg["BLOCK_R"] // slow_r) * cfg["FOLD_SLOW_Z"] if fold else 0
         part = jit(_qkv_partial_shared_kernel, dev)
         part[(kh, (3 - first) * nb, n_slow + split)](*args, stride_pb, *cache_strides, *ln_args, P=sp,
                                                      BLOCK_M=max(16, next_pow2(B) * sp), W_EV=cfg.get("W_EV", ""),
                                                      LN_IN=pending is not None, BLOCK_N=max(2, next_pow2(n_st)),
                                                      ST_CM=cfg.get("ST_CM", ""), SLOW=n_slow, SLOW_R=slow_r,
-                                                     SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), SLOW_P=cfg["SLOW_P"],
-                                                     P_WIDE=p_wide,
-                                                     WIDE_ALL=bool(cfg["SHARED_P_WIDE_ALL"]) and p_wide > 0,
-                                                     BLOCK_KH=max(16, next_pow2(kh_q)),
-                                                     EARLY_READS=bool(cfg["PARTIAL_EARLY_READS"]),
-                                                     LN_AHEAD=int(cfg.get("LN_AHEAD") or 0), **ref_args, **common)
+                                                     SLOW_LAST=bool(cfg["FOLD_SLOW_LAST"]), **ref_args, **common)
         if fold:
             return QKVPartials(pnew, phist, split, hist_len, bp, bq, bkv)
     else:
         hist_len = bp
         part = jit(_qkv_partial_kernel, dev)
         part[(B * kh, (3 - first) * nb, split)](*args, stride_hb, stride_pb, *cache_strides, **common)
-    if fused:
-        return
     fr, z = cfg["FINISH_R"], cfg.get("SLOW_Z", 1)
     nbf = -(-hd // fr)
-    z = 1 if caught_up else slow_z(cfg, B * kh_q * (3 - first) * nbf)
+    z = slow_z(cfg, B * kh_q * (3 - first) * nbf)
     finish = jit(_qkv_finish_kernel, dev)
     finish[(B * kh, (3 - first) * nbf, z)](
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z,
-        EARLY_READS=bool(cfg["EARLY_READS"]), CAUGHT_UP=caught_up, SLOW_P=cfg["SLOW_P"],
-        SLOW_D=cfg.get("SLOW_D") or bd, num_warps=4, **ref_args, **reg_cap({"maxnreg": cfg.get("FINISH_MAXNREG")}, dev),
-        **pdl_args(dev, "qkv_finish"))
+        EARLY_READS=bool(cfg["EARLY_READS"]), num_warps=4, **ref_args, **pdl_args(dev, "qkv_finish"))
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
@@ -1054,7 +799,7 @@ def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
 
 
 def _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, validate):
-    """recompute_kv's and catch_up_kv's checks: (B, S, D, H, hd, Kh, pos tensor, its batch stride)."""
+    """recompute_kv's checks: (B, S, D, H, hd, Kh, pos tensor, its batch stride)."""
     validate = default_validate(validate, x_hist.device)
     B, S, D, H, hd, kh = _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate)
     pos_t, stride_pb = _positions(pos, B, x_hist.device)
@@ -1078,43 +823,6 @@ def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *
     _launch_qkv(None, x_hist, wkv, bkv, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
                 None, config)
     _commit(None, x_hist, head_idx, valid_len, pos_t, stride_pb)
-
-
-def catch_up_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
-                config=None) -> None:
-    """K/V of the selected heads at the missing slots that a deferred decode step with the same
-    heads, pos and config would leave to its slow path: min(valid_len, pos) + hist_slots ..
-    pos - 1 (a head unselected for long). valid_len is not changed. Run it ahead of the step (the
-    runtime launches it on the predictors' side stream right after the head top-k) and pass
-    `caught_up=True` to sparse_attn_decode_deferred, whose Q/K/V kernels then skip those slots.
-    config: the deferred op's config ({"qkv": ..., "catchup": ...}; CATCHUP_CONFIG)."""
-    B, S, D, H, hd, kh, pos_t, stride_pb = _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache,
-                                                             valid_len, pos, validate)
-    cfg = {**CATCHUP_CONFIG, **((config or {}).get("catchup") or {})}
-    hist = hist_slots(B, head_idx, (config or {}).get("qkv"))
-    bp = cfg["BLOCK_P"]
-    if kh == 0 or B == 0 or S - 1 <= hist:  # no slot can be past the partials
-        return
-    z = max(1, min(cfg["Z"], -(-(S - 1 - hist) // bp)))
-    nb = -(-hd // cfg["BLOCK_R"])
-    kernel = jit(_catch_up_kernel, x_hist.device)
-    kernel[(B * kh, 2 * nb, z)](x_hist, wkv, bkv, head_idx, valid_len, pos_t, k_cache, v_cache, kh, H, D, hd, nb,
-                                hist, x_hist.stride(0), x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0),
-                                stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                DOT_FP32=_dot_fp32(x_hist.dtype, x_hist.device), BLOCK_P=bp, BLOCK_R=cfg["BLOCK_R"],
-                                BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
-def catch_up_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, config=None) -> None:
-    """PyTorch reference of catch_up_kv (same in-place updates; valid_len unchanged)."""
-    B = x_hist.shape[0]
-    p = _pos_rows(pos, B, x_hist.device)
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
-    if heads.shape[1] == 0:
-        return
-    first = torch.minimum(valid_len.long().gather(1, heads), p[:, None]) + hist_slots(B, head_idx,
-                                                                                     (config or {}).get("qkv"))
-    _fill_kv_ref(x_hist, wkv, bkv, heads, k_cache, v_cache, first, p - 1)
 
 
 def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, max_lag: int | None = None,
@@ -1168,19 +876,15 @@ def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = Non
     return res
 
 
-def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None, caught_up: bool = False) -> bool:
+def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None) -> bool:
     """Whether sparse_attn_decode_deferred with this shape, head set and config takes refresh heads
-    (batch 1 on the shared-set Q/K/V kernel with its finishing kernel: not FUSED_FINISH, not folded
-    into attention, not PARTIAL_SLOW, not caught_up; attention through the chunked kernel, which
-    commits them); elsewhere it leaves them out (they catch up when selected: same outputs)."""
+    (batch 1 on the shared-set Q/K/V kernel with its finishing kernel, not folded into attention;
+    attention commits them); elsewhere it leaves them out (they catch up when
+    selected: same outputs)."""
     cfg = config or {}
     qcfg = _qkv_cfg(B, cfg.get("qkv"))
     kh = head_idx.shape[-1]
-    if not (B == 1 and kh > 0 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]
-            and not qcfg["PARTIAL_SLOW"] and not caught_up):
-        return False
-    acfg = {**ATTN_CONFIG, **(cfg.get("attn") or {})}
-    if 0 < S <= acfg["PROJ_MAX_S"]:  # attention + projection in one launch: no refresh commit there
+    if not (B == 1 and kh > 0 and _shared_qkv(B, head_idx, qcfg)):
         return False
     fold = bool(qcfg["FOLD_FINISH"]) and folds_finish(B, S, cfg.get("attn"))
     groups = kh * 3 * -(-hd // qcfg["BLOCK_R"])
@@ -1233,28 +937,19 @@ def _write_hist(x_hist, x_ln, pos_t):
 
 
 def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
-                                valid_len, pos, residual=None, *, out=None, ln=None, ln_out=None,
-                                validate=None, config=None, after_qkv=None, ln_defer=False, caught_up=False,
+                                valid_len, pos, residual=None, *, out=None, validate=None, config=None,
                                 refresh=None):
     """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
-    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) (as sparse_attn_decode; ln_defer too).
-    after_qkv: called with no arguments once the Q/K/V kernels are launched, before
-    attention (the runtime launches side-stream work there: the predictors and L2 prefetches
-    then overlap the latency-bound attention kernels, not the Q/K/V kernel).
 
     Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
     attention and the output projection of the selected heads (sparse_attention's pieces).
     x_ln may be a PendingLN (the LayerNorm before attention, not computed yet): at batch 1 the
     shared-set Q/K/V kernel normalises it as it loads it and stores it at x_hist[:, pos] (no
     LayerNorm launch); other routes and batches compute it first (layer_norm kernel).
-    caught_up: catch_up_kv already ran for these heads, pos and config, so the slots past the first
-    hist_slots missing ones are in the caches (the Q/K/V kernels skip their slow path).
     refresh: batch 1, [R] int32 heads not in head_idx (-1: none; refresh_heads picks them) whose
     K/V at pos and at their missing slots are computed in the same Q/K/V launches (no Q, no
     attention) and valid_len set to pos + 1, where `refresh_route` holds; elsewhere they are left
     out (a hint: the outputs are the same either way)."""
-    from dejavu.plugins.sparse_attention import no_heads_ln
-    from dejavu.plugins.sparse_mlp import check_ln
     pending = x_ln if isinstance(x_ln, PendingLN) else None
     if pending is not None:
         check_pending(pending)
@@ -1270,17 +965,14 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         if lo < 0 or hi >= S:
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
-    ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
     cfg = config or {}
     qcfg = _qkv_cfg(B, cfg.get("qkv"))
     if pending is not None and (kh == 0 or B != 1 or not _shared_qkv(B, head_idx, qcfg)):
         x_ln, pending = materialize(pending), None
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
         _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)
-        if after_qkv is not None:
-            after_qkv()
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
-        return no_heads_ln(out, ln, ln_out)
+        return out
     if refresh is not None:
         check_tensor("refresh", refresh, ndim=1, dtype=torch.int32, device=x_ln.device)
         if validate and refresh.numel():
@@ -1289,33 +981,26 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
             if bad or len(set(h for h in refresh.tolist() if h >= 0)) != sum(h >= 0 for h in refresh.tolist()):
                 raise DejavuError(f"refresh: heads must be distinct, in [0, {H}) or -1, and not selected; got "
                                   f"{refresh.tolist()}")
-        if not refresh.numel() or not refresh_route(B, S, D, hd, head_idx, cfg, caught_up):
+        if not refresh.numel() or not refresh_route(B, S, D, hd, head_idx, cfg):
             refresh = None
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    fold = (qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and not qcfg["FUSED_FINISH"]
-            and folds_finish(B, S, cfg.get("attn")))
+    fold = qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and folds_finish(B, S, cfg.get("attn"))
     parts = _launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
-                        cfg.get("qkv"), pending, fold=fold, caught_up=caught_up, refresh=refresh)
-    if after_qkv is not None:
-        after_qkv()
+                        cfg.get("qkv"), pending, fold=fold, refresh=refresh)
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored
     # that slot when it normalised a PendingLN); 3. output projection
     y = attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, cfg.get("attn"),
-                       commit=(valid_len, None if pending is not None else x_ln, x_hist), ln=ln, ln_out=ln_out,
-                       ln_defer=ln_defer, finish=parts, refresh=refresh)  # + LayerNorm(y) with ln
-    return y if ln is None or ln_defer else (y, ln_out)
+                       commit=(valid_len, None if pending is not None else x_ln, x_hist), finish=parts,
+                       refresh=refresh)
+    return y
 
 
 def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache,
-                                    x_hist, valid_len, pos, residual=None, *, ln=None, after_qkv=None,
-                                    ln_defer=False, caught_up=False, refresh=None):
+                                    x_hist, valid_len, pos, residual=None, *, refresh=None):
     """PyTorch reference: history write, recompute_kv_ref, masked attention of selected heads;
-    y[B,D], or (y, F.layer_norm(y)) with ln = (weight, bias); after_qkv() is called after the
-    K/V recompute (where the kernel path calls it). x_ln may be a PendingLN (F.layer_norm of
-    its tensor). caught_up changes nothing here: every missing slot is recomputed (catch_up_kv
-    gives those slots the same values). refresh: those heads (-1 skipped) are brought up to pos too."""
-    from dejavu.plugins.sparse_mlp import with_ln_ref
+    y[B,D]. x_ln may be a PendingLN (F.layer_norm of its tensor). refresh: those heads (-1 skipped)
+    are brought up to pos too."""
     x_ln = materialize_ref(x_ln)
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
@@ -1326,8 +1011,6 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
     recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p)
     if refresh is not None:
         recompute_kv_ref(x_hist, wkv, bkv, refresh[refresh >= 0], k_cache, v_cache, valid_len, p)
-    if after_qkv is not None:
-        after_qkv()
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
     rows = torch.arange(B, device=x_ln.device)[:, None]
     q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[heads], x_ln) + bq.view(H, hd)[heads]
@@ -1339,4 +1022,4 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     o = torch.einsum("bks,bksj->bkj", torch.softmax(scores, dim=-1), vc)  # [B, Kh, hd]
     y = torch.einsum("bkj,bkjd->bd", o, wo_t.view(H, hd, D)[heads]) + bo
-    return with_ln_ref(y if residual is None else y + residual, ln)
+    return y if residual is None else y + residual

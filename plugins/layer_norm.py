@@ -22,10 +22,10 @@ Limits and choices:
 A LayerNorm can also be left to the kernel that reads its output (`PendingLN`): the kernel
 that produced x stored, per row, each block of `width` columns' mean and sum of squared
 deviations (the split-K reduction, `sparse_mlp.gather_gemv_t(..., ln_defer=True)`), and the
-consumer (fc1's GEMV at batch 1 or per-sequence sets) merges those pairs into the row's mean
-and variance and normalises x as it loads it: one launch fewer per LayerNorm. Consumers that
-cannot fold it call `materialize` (this kernel). `pending_ln` builds one with PyTorch stats
-(tests, the runtime's kernel check).
+consumer (the batch-1 deferred Q/K/V kernel) merges those pairs into the row's mean and
+variance and normalises x as it loads it: one launch fewer per layer. Consumers that cannot
+take it call `materialize` (this kernel). `pending_ln` builds one with PyTorch stats (tests,
+the runtime's kernel check).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ LN_CONFIG = {
 
 def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
                        CHUNKED: tl.constexpr, BLOCK: tl.constexpr, EARLY_W: tl.constexpr = 0,
-                       GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
+                       GDC: tl.constexpr = 0):
     # out[r] = (x[r] - mean) * rstd * w + b; grid (R,). Rows are contiguous (stride D).
     # EARLY_W (whole rows): w and b loaded before the PDL wait (weights, never written in decode).
     offs = tl.arange(0, BLOCK)
@@ -144,14 +144,12 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
 class PendingLN(NamedTuple):
     """LayerNorm(x) (eps 1e-5) not computed yet. stats [B, N, 2] fp32: per row of x, each
     block of `width` columns' (mean, M2) of x's stored values (N = cdiv(D, width)); the last
-    block may be short. z (optional) [B, D] in x's dtype: weight * (x - its block's mean),
-    rounded (what a consumer with a block fold, `LNFold.wgb`, reads instead of x)."""
+    block may be short."""
     x: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor
     stats: torch.Tensor
     width: int
-    z: torch.Tensor | None = None
 
 
 def block_stats(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -167,18 +165,9 @@ def block_stats(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.stack([mean, m2], -1).contiguous()
 
 
-def pending_ln(x, weight, bias, width: int = 256, z: bool = False) -> PendingLN:
-    """A PendingLN of x with its block stats (and, z, its centred product) from PyTorch."""
-    st = block_stats(x, width)
-    return PendingLN(x, weight, bias, st, int(width), block_centred(x, weight, st, width) if z else None)
-
-
-def block_centred(x: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, width: int) -> torch.Tensor:
-    """weight * (x - the mean of x's block of `width` columns), in fp32, rounded to x's dtype
-    (PendingLN.z; what the reduction kernel stores with ln_defer="z")."""
-    B, D = x.shape
-    mean = stats[..., 0].repeat_interleave(width, dim=1)[:, :D]  # [B, D]
-    return ((x.float() - mean) * weight.float()).to(x.dtype)
+def pending_ln(x, weight, bias, width: int = 256) -> PendingLN:
+    """A PendingLN of x with its block stats from PyTorch."""
+    return PendingLN(x, weight, bias, block_stats(x, width), int(width))
 
 
 def check_pending(p: PendingLN, dtypes=FLOAT_DTYPES) -> None:
@@ -191,47 +180,6 @@ def check_pending(p: PendingLN, dtypes=FLOAT_DTYPES) -> None:
         raise DejavuError(f"PendingLN.width: expected a positive int, got {p.width!r}")
     check_tensor("PendingLN.stats", p.stats, shape=(B, -(-D // p.width), 2), dtype=torch.float32,
                  device=p.x.device)
-    if p.z is not None:
-        check_tensor("PendingLN.z", p.z, shape=(B, D), dtype=p.x.dtype, device=p.x.device)
-
-
-class LNFold(NamedTuple):
-    """A linear layer (rows w[R, D], bias b[R]) with a LayerNorm (weight g, bias beta) folded in:
-        w[r] @ LayerNorm(x) + b[r] = rstd * (w[r] @ (g * x)) - rstd * mean * wg[r] + wb[r]
-    with wg = w @ g and wb = w @ beta + b (fp32, [R]). A consumer of a PendingLN then needs
-    the row's mean and rstd only after its dot product (no dependent load before its main
-    loop), reads x and g, and never rounds LayerNorm(x).
-    wgb (optional, [R, N] fp32, blocks of `width` columns as a PendingLN's stats): the per-block
-    sums of w * g, for a consumer that reads PendingLN.z = g * (x - m_n) (m_n: x's mean over
-    block n) instead of x and g:
-        w[r] @ LayerNorm(x) + b[r] = rstd * (w[r] @ z + sum_n (m_n - mean) * wgb[r, n]) + wb[r]
-    (z is centred per block, so its rounding costs what rounding LayerNorm(x) does, whatever
-    the row's mean)."""
-    wg: torch.Tensor
-    wb: torch.Tensor
-    wgb: torch.Tensor | None = None
-    width: int = 0
-
-
-@torch.no_grad()
-def ln_fold(w, b, weight, bias, rows_per_chunk: int = 4096, width: int | None = None) -> LNFold:
-    """LNFold of w [R, D], b [R] and a LayerNorm's weight, bias [D] (fp32 products, computed
-    a chunk of rows at a time so the fp32 copy of w stays small); with `width`, also wgb."""
-    R, D = w.shape
-    g, beta = weight.float(), bias.float()
-    wg = torch.empty(R, dtype=torch.float32, device=w.device)
-    wb = torch.empty_like(wg)
-    n = -(-D // width) if width else 0
-    wgb = torch.empty(R, n, dtype=torch.float32, device=w.device) if width else None
-    for r0 in range(0, R, rows_per_chunk):
-        blk = w[r0:r0 + rows_per_chunk].float()
-        wg[r0:r0 + rows_per_chunk] = blk @ g
-        wb[r0:r0 + rows_per_chunk] = blk @ beta
-        if width:
-            prod = torch.nn.functional.pad(blk * g, (0, n * width - D))
-            wgb[r0:r0 + rows_per_chunk] = prod.view(-1, n, width).sum(-1)
-    wb += b.float()
-    return LNFold(wg, wb, wgb, int(width or 0))
 
 
 def from_stats_ref(p: PendingLN, eps=1e-5) -> torch.Tensor:

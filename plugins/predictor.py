@@ -48,7 +48,7 @@ TOPK_MAX_N = 65536
 # "triton": predictor_scores_triton at batch 1 (batches keep cuBLAS). H200, OPT-30B shape,
 # batch 1, ms/token with cuBLAS -> Triton scoring (plain launches: _common.PDL_CONFIG["PLAIN"]
 # holds "pred"), two runs: density 0.3 6.742 -> 6.733 and 6.800 -> 6.773, density 0.1
-# 4.570 -> 4.456 and 4.584 -> 4.460 (BENCHMARKS.md, session 6). Alone, per layer in a graph:
+# 4.570 -> 4.456 and 4.584 -> 4.460 (BENCHMARKS.md, 2026-12-02). Alone, per layer in a graph:
 # x @ a.T 3.2 vs 6.2 us (cuBLAS split-K + its reduction), h @ b.T 11.0 vs 10.3 us
 # (benchmarks/kernels.py --sections pred_gemv, which picked SCORE_CONFIG).
 SCORE_METHOD = "triton"
@@ -69,11 +69,11 @@ SCORE_CONFIG = {"a": {"BLOCK_R": 1, "BLOCK_D": 1024, "num_warps": 8, "num_stages
 #          program's own slot (~10 instructions per score and round); False: tl.histogram
 #          (warp ballots, ~100 instructions per score and round, no atomics).
 # block 1024 / 4 warps: the fastest of 12 configs on the H200 at B=1 (N 28672 and 36864), fused
-# there. In the decode step (side stream) the split form costs nothing measurable (session 6,
+# there. In the decode step (side stream) the split form costs nothing measurable (2026-12-02,
 # OPT-30B batch 1: 6.627 vs 6.626-6.634 ms/token at density 0.3, 4.385 vs 4.393-4.400 at 0.1;
 # batch 8 shared 10.085 vs 10.100), and it does not spin: the fused barrier assumes every program
 # of the launch is resident, which the main stream's kernels beside it can delay (a stall, not a
-# deadlock; two rare slow d0.1 rows, sessions 5 and 6, are unexplained). So split by default.
+# deadlock; two rare slow d0.1 rows, 2026-12-02, are unexplained). So split by default.
 TOPK_CONFIG = {"block": 1024, "warps": 4, "fused": False, "atomic_hist": True}
 
 _SINGLE, _FUSED, _SPLIT = 0, 1, 2  # _topk_kernel MODE

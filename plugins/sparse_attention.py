@@ -3,7 +3,6 @@
     sparse_attn_decode(x_ln[B,D], wq[D,D], bq[D], wkv[2D,D], bkv[2D], wo_t[D,D], bo[D],
                        head_idx[B,Kh]|[Kh], k_cache[B,H,S_max,hd], v_cache[B,H,S_max,hd],
                        pos, residual[B,D]|None, *, out=None, validate=None) -> y[B,D]
-    sparse_attn_decode(..., ln=(weight[D], bias[D])) -> (y[B,D], LayerNorm(y)[B,D])
 
 Policy (ARCHITECTURE.md, "Sparsity semantics"): K and V are projected for *all* heads
 (one dense GEMV on wkv, cuBLAS) and written into the caches at `pos`, so a head selected at
@@ -18,8 +17,6 @@ Pieces (each a launch, all CUDA-graph capturable, no host sync with validate off
   2. q[B, Kh*hd] (fp32) = gathered GEMV on wq rows  (sparse_mlp.gather_gemv, no ReLU)
   3. o[B, Kh*hd] (fp32) = softmax(q.k) v per selected head   (_attn_decode_kernel)
   4. y = o @ wo_t[rows] + bo (+ residual)            (sparse_mlp.gather_gemv_t)
-     (with ln=: also LayerNorm(y), the next LayerNorm of a pre-LN decoder, in the same
-     launch at decode batches: sparse_mlp's fused split-K finish)
 
 `pos` is an int, or an int32/int64 tensor on the device of shape [] / [1] (one position for
 the batch) or [B] (one per sequence). Pass a tensor to capture decode in a CUDA graph: the
@@ -27,8 +24,7 @@ kernel reads the position from memory, so replays follow the tensor's current va
 caches are updated in place (the reference does the same). Limits: hd <= 256 (any value,
 masked); one program per (sequence, selected head, chunk of CHUNK positions of S_max), a
 second small kernel combines the chunks' softmax partials when S_max > CHUNK (programs of
-chunks past pos exit at once; ATTN_CONFIG["LAST_COMBINE"]: the last chunk program of each head
-combines them instead, no second launch); duplicate head indices are not allowed (top-k never makes
+chunks past pos exit at once); duplicate head indices are not allowed (top-k never makes
 them; the output projection would count such a head twice).
 """
 from __future__ import annotations
@@ -38,11 +34,9 @@ from typing import NamedTuple
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out, check_tensor, counters,
-                                    default_validate, gdc_enter, gdc_release, helper, jit, last_arrival, next_pow2,
-                                    pdl_args, prefetch_rows_l2)
-from dejavu.plugins import sparse_mlp
-from dejavu.plugins.sparse_mlp import LN_EPS, check_ln, gather_gemv, gather_gemv_t, with_ln_ref
+from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out, check_tensor,
+                                    default_validate, gdc_enter, helper, jit, next_pow2, pdl_args)
+from dejavu.plugins.sparse_mlp import gather_gemv, gather_gemv_t
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -51,53 +45,9 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 # Small chunks (one program per CHUNK positions and selected head) won the
 # `benchmarks/kernels.py --sweep-attn` runs on the H200 (OPT-30B, head density 0.3, contexts
 # 128 and 1024): CHUNK 64 164 us summed vs 186 for 256 (first run); CHUNK 32 141.5 vs 143.5
-# for 64 after the split-D Q/K/V kernel (second run, kernels-h200-sweep-attn.json).
-# FOLD_COMBINE: at batch 1 (the projection through the dot kernel), the output projection
-# combines the chunks' partials itself (sparse_mlp._combined_heads, per k-block) instead of
-# _attn_combine_kernel: one launch fewer per layer; up to FOLD_MAX_CHUNKS chunks (more: the
-# per-block loads grow with the chunk count, and the combine kernel runs). Off: on the H200 it
-# made the decode step slower (OPT-30B shape, batch 1: 7.44 vs 6.59 ms/token at d0.3, 4.56 vs
-# 4.39 at d0.1; BENCHMARKS.md, session 8): the partials' loads slow every k-block of the
-# bandwidth-bound projection more than the launch it saves.
-# LAST_COMBINE: the last of a head's chunk programs to finish (`_common.last_arrival`, one
-# counter per (sequence, head) from `_common.counters`) combines the chunks' partials in the
-# attention launch itself (`_combine_row`, .cg loads) instead of _attn_combine_kernel: one launch
-# fewer per layer at every batch, its work moved to the tail of the attention kernel.
-# EARLY_READS: the head index and pos read before the PDL wait (the kernel's docstring).
-# EARLY_KV (with EARLY_READS; attend_heads: one tile per program, and with deferred K/V a combine launch
-# to commit valid_len): the chunk's cache slots that no kernel in flight writes are loaded before the PDL
-# wait. Off: on the H200 (OPT-30B shape, batch 1; session 21) the attention kernel adds 2.5-4.0 us to a
-# layer instead of 5.4-7.6, but the layer's attention part then ends before the predictors' stream has
-# read its ~37 MB, which spill beside the output projection (d0.3) or fc1 / fc2 (d0.2): d0.3 6.336-6.339
-# against 6.284-6.298 ms/token, d0.2 5.215-5.221 against 5.017-5.023 (4.866-4.871 against 4.828-4.832 with
-# the Q/K/V partial kernel on 462 programs); 16- / 64-slot chunks no better.
-# PROJ_MAX_S: at batch 1 with S_max <= PROJ_MAX_S (0: never), attention and the output projection in
-# one launch (_attn_proj_kernel, `attend_project`): a program per (selected head, group of output
-# columns) attends over the whole context (each group redoes its head's attention from
-# L2: cheap for short contexts, hence the bound) and multiplies the head's output by its hd rows of
-# wo_t in those columns; a split-K reduction over the heads follows. No chunks, no combine launch,
-# and the projection's weight rows are prefetched into L2 (PROJ_PF) before the PDL wait and the
-# attention, so their reads overlap the attention's latency. PROJ_TARGET: programs aimed at (a
-# group is cdiv(Kh * cdiv(D, PROJ_BLOCK_D), PROJ_TARGET) tiles of PROJ_BLOCK_D columns);
-# PROJ_DOT: the product as a 16-row tl.dot (row 0 the head's output) or a broadcast-sum in fp32.
-# Off (PROJ_MAX_S 0): on the H200 every form was slower. OPT-30B shape, batch 1, S_max 256: the
-# decode step 7.44-7.53 vs 6.31-6.37 ms/token at density 0.3, 4.73-4.75 vs 3.81 at 0.1 (fewer
-# programs, 128-wide tiles, no prefetch: 7.19-7.68); attention + projection alone 30.0 vs 19.2 us
-# (24.4 with 64-position blocks), the whole attention op 80 vs 53 us; OPT-1.3B shape 1.055 vs
-# 0.946 ms/token. Each program's serial chain (its head's whole attention, then its weight tiles)
-# outlasts the three short launches it replaces (BENCHMARKS.md, session 12).
-ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "FOLD_COMBINE": False, "FOLD_MAX_CHUNKS": 16,
-               "LAST_COMBINE": False, "EARLY_READS": True, "EARLY_KV": False, "PROJ_MAX_S": 0, "PROJ_TARGET": 264,
-               "PROJ_BLOCK_D": 64, "PROJ_BLOCK_S": 32, "PROJ_PF": True, "PROJ_DOT": True, "PROJ_WARPS": 4,
-               "PROJ_STAGES": 3}
-
-
-class AttnParts(NamedTuple):
-    """attend_heads(fold=True) at batch 1: the per-chunk partials, for project_out to combine."""
-    acc: torch.Tensor  # [Kh * nchunk, hd] fp32, unnormalised
-    ml: torch.Tensor  # [Kh * nchunk, 2] fp32: running max, sum
-    nchunk: int
-    q: torch.Tensor  # [1, Kh * hd]: the shape of o (not read)
+# for 64 after the split-D Q/K/V kernel (second run, benchmarks/results/kernels-2026-12-02-sweep-attn.json).
+# EARLY_READS: the head index and pos read before the PDL wait (the kernel's comment).
+ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "EARLY_READS": True}
 
 
 class QKVPartials(NamedTuple):
@@ -114,12 +64,10 @@ class QKVPartials(NamedTuple):
 
 def folds_finish(B: int, S: int, config=None) -> bool:
     """Whether attend_project can take the Q/K/V partials (QKVPartials) at batch 1 with S_max S:
-    the chunked kernel with a separate combine launch (which commits valid_len after every
-    chunk program has read it) over chunks of one tile (BLOCK_S >= CHUNK), not LAST_COMBINE /
-    FOLD_COMBINE / the one-launch projection."""
+    the chunked kernel with its separate combine launch (which commits valid_len after every
+    chunk program has read it) over chunks of one tile (BLOCK_S >= CHUNK)."""
     cfg = {**ATTN_CONFIG, **(config or {})}
-    return (B == 1 and S > cfg["CHUNK"] and cfg["BLOCK_S"] >= cfg["CHUNK"] and not cfg["LAST_COMBINE"]
-            and not cfg["FOLD_COMBINE"] and not 0 < S <= cfg["PROJ_MAX_S"])
+    return B == 1 and S > cfg["CHUNK"] and cfg["BLOCK_S"] >= cfg["CHUNK"]
 
 
 @helper
@@ -142,7 +90,7 @@ def _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, s
 @helper
 def _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr):
     # o[row] = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c over the row's NCHUNK chunk
-    # partials (.cg: from L2, where another program of the same launch may just have put them).
+    # partials (.cg: from L2, where the attention kernel just put them).
     # Chunks past pos have m = -inf, l = 0, acc = 0 and weigh nothing.
     offs_c = tl.arange(0, BLOCK_C)
     cmask = offs_c < NCHUNK
@@ -160,20 +108,17 @@ def _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C: tl.constexpr
 
 
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
-                        vl_ptr, xnew_ptr, xh_ptr, cnt_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
+                        vl_ptr, xnew_ptr, xh_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
                         pnew_ptr, phist_ptr, bq_ptr, bkv_ptr, HIST_LEN, BLOCK_PH,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, LAST_COMBINE: tl.constexpr = 0,
-                        BLOCK_C: tl.constexpr = 2, EARLY_READS: tl.constexpr = 0, FOLD: tl.constexpr = 0,
-                        FOLD_SPLIT: tl.constexpr = 1, BLOCK_F: tl.constexpr = 16, ref_ptr=None, N_REF=0,
-                        BLOCK_REF: tl.constexpr = 0, EARLY_KV: tl.constexpr = 0, GDC: tl.constexpr = 0,
-                        PF: tl.constexpr = 0):
+                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, EARLY_READS: tl.constexpr = 0,
+                        FOLD: tl.constexpr = 0, FOLD_SPLIT: tl.constexpr = 1, BLOCK_F: tl.constexpr = 16,
+                        ref_ptr=None, N_REF=0, BLOCK_REF: tl.constexpr = 0, GDC: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
-    # else (one chunk) store o directly. LAST_COMBINE (with PARTIAL): the last of the row's
-    # NCHUNK programs to store its partials combines them into o (no combine launch).
+    # else (one chunk) store o directly.
     # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
     # (COMMIT 1) x_hist[b, pos] = x_new[b] (no program here reads either); COMMIT 2: valid_len
     # only (the Q/K/V kernel stored x_hist[b, pos] itself). BLOCK_REF > 0 (COMMIT, not FOLD, batch 1):
@@ -190,12 +135,6 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # (one tile per program, BLOCK_S >= CHUNK; the FOLD_SPLIT partial loads unrolled), so the loads
     # go out together. valid_len (read here by every chunk program) is committed by the combine
     # kernel, not here.
-    # EARLY_KV (with EARLY_READS, not FOLD; one tile per program, BLOCK_S >= CHUNK): the chunk's cache
-    # slots below min(valid_len, pos) (COMMIT: deferred K/V) or below pos (no COMMIT: the full policy)
-    # are loaded before the PDL wait: no kernel in flight writes them (the Q/K/V kernels write slots
-    # from min(valid_len, pos) on). After the wait only q and the fresh slots are loaded. valid_len is
-    # then committed by the combine kernel (attend_heads), so no program here reads a value this
-    # launch wrote.
     pid_b = tl.program_id(0)
     pid_j = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -206,17 +145,6 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
         pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
         if FOLD:
             fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
-        if EARLY_KV:
-            if COMMIT:
-                stable = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
-            else:
-                stable = pos
-            offs_e = pid_c * CHUNK + tl.arange(0, BLOCK_S)
-            etile = (pid_b.to(tl.int64) * stride_cb + head * stride_ch + offs_e[:, None].to(tl.int64) * stride_cs
-                     + offs_d[None, :])
-            emask = (offs_e < tl.minimum(stable, pid_c * CHUNK + CHUNK))[:, None] & dmask[None, :]
-            k_early = tl.load(k_ptr + etile, mask=emask, other=0.0)
-            v_early = tl.load(v_ptr + etile, mask=emask, other=0.0)
     gdc_enter(GDC)
     if not EARLY_READS:
         head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
@@ -225,7 +153,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
             fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
     if COMMIT:
         if pid_c == 0:
-            if not FOLD and not EARLY_KV:
+            if not FOLD:
                 tl.store(vl_ptr + pid_b * H + head, pos + 1)
                 if BLOCK_REF > 0:
                     if pid_j == 0:
@@ -277,19 +205,6 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
         # the finished slots into the caches (K, V)
         tl.store(k_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], kf, mask=fm2)
         tl.store(v_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], vf, mask=fm2)
-    elif EARLY_KV:  # straight-line: the early tile plus the fresh slots (slots >= stable) loaded now
-        q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        smask = offs_e < end
-        fresh = (smask & (offs_e >= stable))[:, None] & dmask[None, :]
-        k = tl.where(emask, k_early, tl.load(k_ptr + etile, mask=fresh, other=0.0)).to(tl.float32)
-        v = tl.where(emask, v_early, tl.load(v_ptr + etile, mask=fresh, other=0.0)).to(tl.float32)
-        s = tl.where(smask, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m = tl.max(s, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a chunk past pos: exp(-inf) = 0, no NaN
-        p = tl.exp(s - m)
-        l_i = tl.zeros([1], dtype=tl.float32) + tl.sum(p, axis=0)
-        acc = tl.sum(p[:, None] * v, axis=0)
-        m_i = tl.where(l_i == 0.0, float("-inf"), m)
     else:
         q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
         m_i = tl.full([1], float("-inf"), tl.float32)
@@ -316,20 +231,15 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
         one = tl.arange(0, 1)
         tl.store(ml_ptr + slot * 2 + one, m_i)
         tl.store(ml_ptr + slot * 2 + 1 + one, l_i)
-        if LAST_COMBINE:
-            row = pid_b.to(tl.int64) * KH + pid_j
-            if last_arrival(cnt_ptr + row, NCHUNK):
-                _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C, BLOCK_HD)
     else:
         tl.store(o_ptr + qo + offs_d, acc / l_i, mask=dmask)
 
 
 def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK, vl_ptr, head_ptr, pos_ptr, KH, H, stride_hb,
                          stride_pb, BLOCK_C: tl.constexpr, BLOCK_HD: tl.constexpr, COMMIT: tl.constexpr = 0,
-                         ref_ptr=None, N_REF=0, BLOCK_REF: tl.constexpr = 0, GDC: tl.constexpr = 0,
-                         PF: tl.constexpr = 0):
+                         ref_ptr=None, N_REF=0, BLOCK_REF: tl.constexpr = 0, GDC: tl.constexpr = 0):
     # o = the chunks' partials combined (_combine_row); grid (B * Kh,). COMMIT (the attention
-    # kernel's FOLD or EARLY_KV, whose chunk programs read valid_len): valid_len[b, head] = pos + 1,
+    # kernel's FOLD, whose chunk programs read valid_len): valid_len[b, head] = pos + 1,
     # and (BLOCK_REF > 0, batch 1, by row 0) for the N_REF refresh heads at ref_ptr (-1: none).
     gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
@@ -344,80 +254,6 @@ def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK, vl_ptr, head_ptr, 
                 ref = tl.load(ref_ptr + offs_r, mask=offs_r < N_REF, other=-1).to(tl.int64)
                 tl.store(vl_ptr + ref, tl.zeros([BLOCK_REF], dtype=tl.int32) + pos1, mask=ref >= 0)
     _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C, BLOCK_HD)
-
-
-def _attn_proj_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, w_ptr, part_ptr, vl_ptr, xnew_ptr, xh_ptr,
-                      KH, H, HD, D, N_TILES, stride_ch, stride_cs, stride_xs,
-                      COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                      BLOCK_HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_X: tl.constexpr,
-                      DOT: tl.constexpr, DOT_FP32: tl.constexpr, PF_L2: tl.constexpr,
-                      GDC: tl.constexpr = 0, PF: tl.constexpr = 0):
-    # Batch 1; grid (KH, column groups). part[j, cols] = o_j @ wo_t[head*HD + c, cols] (fp32) for
-    # the N_TILES * BLOCK_D columns of group pid_n, where o_j = softmax(q_j . k[head, s]) v[head, s]
-    # over s in [0, pos] (online softmax in fp32, every group of the head computing it: the K/V
-    # rows come from L2 after the first). PF_L2: the group's weight rows are prefetched into L2
-    # before the PDL wait (the weights and the head index are not written by the kernel before:
-    # the heads come from the side stream, whose event the main stream waited for before the
-    # Q/K/V kernels), so HBM streams them while the attention runs. COMMIT as in
-    # _attn_decode_kernel (by the head's first group; x_hist by head slot 0's).
-    pid_j = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    head = tl.load(head_ptr + pid_j).to(tl.int64)
-    pos = tl.load(pos_ptr).to(tl.int32)
-    offs_d = tl.arange(0, BLOCK_HD)
-    dmask = offs_d < HD
-    col0 = pid_n * (N_TILES * BLOCK_D)
-    col_end = tl.minimum(col0 + N_TILES * BLOCK_D, D)
-    w_rows = w_ptr + (head * HD + tl.where(dmask, offs_d, 0)) * D  # [BLOCK_HD] row starts
-    if PF_L2:
-        for t in range(N_TILES):
-            prefetch_rows_l2(w_rows, col0 + t * BLOCK_D, col_end, BLOCK_D)
-    gdc_enter(GDC)
-    if COMMIT:
-        if pid_n == 0:
-            tl.store(vl_ptr + head, pos + 1)
-            if COMMIT == 1 and pid_j == 0:  # the whole row at once (BLOCK_X >= D)
-                offs_x = tl.arange(0, BLOCK_X)
-                xm = offs_x < D
-                tl.store(xh_ptr + pos.to(tl.int64) * stride_xs + offs_x, tl.load(xnew_ptr + offs_x, mask=xm),
-                         mask=xm)
-    q = tl.load(q_ptr + pid_j * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    base = head * stride_ch
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
-    for s0 in range(0, pos + 1, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        smask = offs_s <= pos
-        tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
-        mask = smask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-        s = tl.where(smask, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
-    o = tl.where(dmask, acc / l_i, 0.0)
-    if DOT:
-        offs_r = tl.arange(0, 16)
-        hv = tl.where((offs_r == 0)[:, None], o[None, :], 0.0)  # [16, BLOCK_HD]: row 0 is o
-    for t in range(N_TILES):
-        cols = col0 + t * BLOCK_D + tl.arange(0, BLOCK_D)
-        cmask = cols < col_end
-        wv = tl.load(w_rows[:, None] + cols[None, :], mask=dmask[:, None] & cmask[None, :], other=0.0)
-        if DOT:
-            if DOT_FP32:
-                y2 = tl.dot(hv, wv.to(tl.float32), input_precision="ieee")
-            else:
-                y2 = tl.dot(hv.to(wv.dtype), wv)
-            y = tl.sum(y2, axis=0)  # rows 1.. are 0
-        else:
-            y = tl.sum(o[:, None] * wv.to(tl.float32), axis=0)
-        tl.store(part_ptr + pid_j.to(tl.int64) * D + cols, y, mask=cmask)
-    gdc_release(GDC)
 
 
 def _positions(pos, batch, device):
@@ -462,11 +298,8 @@ def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, re
 
 
 def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                       residual=None, *, out=None, ln=None, ln_out=None, validate=None, config=None,
-                       ln_defer=False):
-    """Decode one token through the selected heads; updates the caches at pos; y[B,D].
-    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out);
-    with ln_defer the second may be a layer_norm.PendingLN (for sparse_fc1)."""
+                       residual=None, *, out=None, validate=None, config=None):
+    """Decode one token through the selected heads; updates the caches at pos; y[B,D]."""
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
@@ -476,7 +309,6 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
         if lo < 0 or hi >= S:
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
-    ln_out = check_ln(ln, ln_out, B, D, x_ln.dtype, x_ln.device)
 
     # 1. K/V for all heads, written at pos (index_put_: graph-capturable, no sync)
     kv = torch.nn.functional.linear(x_ln, wkv, bkv).view(B, 2, H, hd)
@@ -486,23 +318,13 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
     v_cache[b_idx, :, p_idx] = kv[:, 1]
     if kh == 0:
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
-        return no_heads_ln(out, ln, ln_out)
-
-    y = _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
-                         residual, out, config, ln, ln_out, ln_defer)
-    return y if ln is None or ln_defer else (y, ln_out)
-
-
-def no_heads_ln(out, ln, ln_out):
-    """The return value when no head attends (out = bias (+ residual) already stored)."""
-    if ln is None:
         return out
-    from dejavu.plugins.layer_norm import layer_norm
-    return out, layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
+    return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
+                            residual, out, config)
 
 
 def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
-                     config, ln=None, ln_out=None, ln_defer=False):
+                     config):
     """Steps 2-4 of a decode step: Q of the selected heads, attention over cache slots
     0..pos, the output projection of those heads; y[B,D]."""
     B, H, S, hd = k_cache.shape
@@ -511,17 +333,15 @@ def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, 
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
     # 3. attention; 4. output projection
-    return attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config,
-                          ln=ln, ln_out=ln_out, ln_defer=ln_defer)
+    return attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config)
 
 
-def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, fold=False,
-                 finish=None, refresh=None):
+def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, finish=None,
+                 refresh=None):
     """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
     cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
     store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V; x_new
     None: valid_len only).
-    fold=True: where FOLD_COMBINE applies, AttnParts instead of o (for project_out).
     finish: QKVPartials (batch 1, `folds_finish`, with commit): q is not read; the kernel sums
     Q and the fresh K/V slots from the partials and stores those slots into the caches.
     refresh: [R] int32 refresh heads (deferred_kv.refresh_heads; batch 1, with commit, no finish):
@@ -537,8 +357,6 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
         raise DejavuError("attend_heads: refresh heads need batch 1 and a commit, without Q/K/V partials")
     ref_args = ({"ref_ptr": refresh, "N_REF": refresh.shape[0], "BLOCK_REF": max(16, next_pow2(refresh.shape[0]))}
                 if refresh is not None and refresh.shape[0] else {})
-    fold = (fold and cfg["FOLD_COMBINE"] and B == 1 and 1 < nchunk <= cfg["FOLD_MAX_CHUNKS"]
-            and sparse_mlp.FC2_DOT_MIN_BATCH <= 1)
     o = torch.empty_like(q)
     part = ml = o  # unused unless split
     if nchunk > 1:
@@ -549,31 +367,24 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     commit_mode = 0 if commit is None else 1 if xn is not None else 2
     xn = q if xn is None else xn  # never touched unless COMMIT == 1
     D = xh.shape[-1]
-    last = bool(cfg["LAST_COMBINE"]) and nchunk > 1 and not fold
-    cnt = counters(q.device, B * kh) if last else head_idx  # never touched without LAST_COMBINE
     block_c = max(2, next_pow2(nchunk))
     stride_hb = 0 if head_idx.dim() == 1 else head_idx.stride(0)
-    # Q/K/V partials (finish): never touched without FOLD
+    # Q/K/V partials (finish): never touched without FOLD; with them the combine launch commits valid_len
     f = finish or QKVPartials(q, q, 0, 0, 0, q, q)
-    # EARLY_KV: deferred K/V moves the valid_len commit (and the refresh heads') to the combine launch
-    early_kv = (bool(cfg["EARLY_KV"]) and bool(cfg["EARLY_READS"]) and finish is None
-                and cfg["BLOCK_S"] >= cfg["CHUNK"] and (commit is None or (nchunk > 1 and not last and not fold)))
-    late_commit = finish is not None or (early_kv and commit is not None)
+    late_commit = finish is not None
     kernel = jit(_attn_decode_kernel, q.device)
-    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, vl, xn, xh, cnt, kh, H, hd, D,
+    kernel[(B, kh, nchunk)](q, k_cache, v_cache, head_idx, pos_t, o, part, ml, vl, xn, xh, kh, H, hd, D,
                             cfg["CHUNK"], nchunk, stride_hb,
                             stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                             xn.stride(0), xh.stride(0), xh.stride(1) if xh.dim() == 3 else 0,
                             f.pnew, f.phist, f.bq, f.bkv, f.hist_len, f.block_p,
                             PARTIAL=nchunk > 1, COMMIT=commit_mode, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit_mode == 1 else 16,
-                            LAST_COMBINE=last, BLOCK_C=block_c, EARLY_READS=bool(cfg["EARLY_READS"]),
-                            FOLD=finish is not None, FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
-                            EARLY_KV=early_kv, num_warps=cfg["num_warps"], **(ref_args if not late_commit else {}),
+                            EARLY_READS=bool(cfg["EARLY_READS"]), FOLD=finish is not None,
+                            FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
+                            num_warps=cfg["num_warps"], **(ref_args if not late_commit else {}),
                             **pdl_args(q.device, "attn"))
-    if fold:
-        return AttnParts(part, ml, nchunk, q)
-    if nchunk > 1 and not last:
+    if nchunk > 1:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, vl, head_idx, pos_t, kh, H, stride_hb, stride_pb,
                            BLOCK_C=block_c, BLOCK_HD=block_hd, COMMIT=late_commit, num_warps=4,
@@ -583,59 +394,25 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
 
 def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
                    commit=None, ln=None, ln_out=None, ln_defer=False, finish=None, refresh=None):
-    """attend_heads(q, head_idx, ..., commit) then project_out(o, wo_t, bo, head_idx, residual, out,
-    ln, ln_out, ln_defer), returning what project_out returns; where it applies, batch 1 (a shared
-    or one-row head set) with S_max <= ATTN_CONFIG["PROJ_MAX_S"], both in one launch
-    (`_attn_proj_kernel`) plus the split-K reduction over the heads (`sparse_mlp.reduce_partials`).
-    finish: Q/K/V partials for attend_heads (`folds_finish` must hold). refresh: attend_heads' (not
-    with the one-launch form)."""
-    B, H, S, hd = k_cache.shape
-    kh = head_idx.shape[-1]
-    cfg = {**ATTN_CONFIG, **(config or {})}
-    if not (B == 1 and 0 < S <= cfg["PROJ_MAX_S"]):
-        o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, fold=True,
-                         finish=finish, refresh=refresh)
-        return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
-    if refresh is not None:
-        raise DejavuError("attend_project: refresh heads need the chunked attention (S_max > PROJ_MAX_S)")
-    D = wo_t.shape[1]
-    vl, xn, xh = commit if commit is not None else (head_idx, q, q)  # never touched without COMMIT
-    commit_mode = 0 if commit is None else 1 if xn is not None else 2
-    xn = q if xn is None else xn  # never touched unless COMMIT == 1
-    block_d = cfg["PROJ_BLOCK_D"]
-    n_blk = -(-D // block_d)
-    tiles = max(1, -(-(kh * n_blk) // cfg["PROJ_TARGET"]))
-    n_col = -(-n_blk // tiles)
-    part = torch.empty((kh, 1, D), dtype=torch.float32, device=q.device)
-    kernel = jit(_attn_proj_kernel, q.device)
-    kernel[(kh, n_col)](q, k_cache, v_cache, head_idx, pos_t, wo_t, part, vl, xn, xh, kh, H, hd, D, tiles,
-                        k_cache.stride(1), k_cache.stride(2), xh.stride(1) if xh.dim() == 3 else 0,
-                        COMMIT=commit_mode, BLOCK_S=cfg["PROJ_BLOCK_S"],
-                        BLOCK_HD=max(16, next_pow2(hd)), BLOCK_D=block_d,
-                        BLOCK_X=next_pow2(xh.shape[-1]) if commit_mode == 1 else 16,
-                        DOT=bool(cfg["PROJ_DOT"]), DOT_FP32=sparse_mlp._dot_fp32(wo_t.dtype, q.device),
-                        PF_L2=bool(cfg["PROJ_PF"]) and q.device.type == "cuda",
-                        num_warps=cfg["PROJ_WARPS"], num_stages=cfg["PROJ_STAGES"], **pdl_args(q.device, "attn"))
-    return sparse_mlp.reduce_partials(part, bo, residual, out, ln, ln_out, ln_defer if ln is not None else False)
+    """attend_heads(q, head_idx, ..., commit, finish, refresh) then project_out(o, wo_t, bo, head_idx,
+    residual, out, ln, ln_out, ln_defer), returning what project_out returns."""
+    o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, finish=finish,
+                     refresh=refresh)
+    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
 
 
 def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False):
     """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual); with
-    ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). o may be
-    attend_heads' AttnParts (combined inside the projection kernel). Returns y; with ln and
-    ln_defer, (y, ln_out or a PendingLN) (gather_gemv_t)."""
-    combine = None
-    if isinstance(o, AttnParts):
-        o, combine = o.q, (o.acc, o.ml, o.nchunk)
+    ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). Returns y; with
+    ln and ln_defer, (y, ln_out or a PendingLN) (gather_gemv_t)."""
     hd = o.shape[1] // head_idx.shape[-1]
-    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out, combine=combine,
+    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out,
                          ln_defer=ln_defer if ln is not None else False)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                           residual=None, *, ln=None, ln_defer=False):
-    """PyTorch reference (masked dense): same signature and cache update; y[B,D], or
-    (y, F.layer_norm(y)) with ln = (weight, bias) (also with ln_defer: computed here)."""
+                           residual=None):
+    """PyTorch reference (masked dense): same signature and cache update; y[B,D]."""
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
     q = (x_ln @ wq.T + bq).view(B, H, hd)
@@ -653,4 +430,4 @@ def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, 
     heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
     keep = torch.zeros(B, H, dtype=o.dtype, device=o.device).scatter_(1, heads, 1.0)
     y = (o * keep[:, :, None]).reshape(B, -1) @ wo_t + bo
-    return with_ln_ref(y if residual is None else y + residual, ln)
+    return y if residual is None else y + residual

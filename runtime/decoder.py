@@ -19,6 +19,8 @@ K/V policy of the sparse-attention layers (`kv_policy`):
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -43,19 +45,67 @@ def _layer_weights(t: dict[str, torch.Tensor], l: int) -> SimpleNamespace:
 
 
 # SparseDecoder.kv_refresh None: (refresh heads per layer, least fraction of the heads attending, least hidden
-# size) where refresh heads are on (BENCHMARKS.md, session 18)
+# size) where refresh heads are on (BENCHMARKS.md, 2026-12-04)
 REFRESH_AUTO = (4, 0.4, 4096)
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How a SparseDecoder runs a decode step (none of it changes what is computed).
+
+    overlap: the predictors on a side CUDA stream (runtime/predictors.py); off: inline.
+    kv_policy: "deferred" (K/V of the selected heads only) or "full" (module docstring).
+    shared_index: one index set for the batch (the batch policy "shared") instead of one per row.
+    graph_priority: the priority of the stream the decode step's CUDA graph is captured on (graphs.py;
+        PyTorch instantiates graphs with per-node priorities, so the main stream's kernels keep it while
+        the predictor side stream stays at the default 0, the lowest). Lower numbers are higher
+        priorities; None: the highest the device allows, so the block scheduler gives freed SM slots to
+        the main stream's queued kernels (the latency-bound attention chain) before the predictors'. On
+        the H200 (OPT-30B shape, batch 1): 6.58 vs 6.73 ms/token at density 0.3, 4.04 vs 4.12 at 0.1 with
+        0 (BENCHMARKS.md, 2026-12-03).
+    kv_refresh: deferred K/V at batch 1: after each layer's head top-k (on the predictors' side stream),
+        pick up to this many heads that do not attend but lag hist_slots or more slots behind
+        (ops.kv_refresh, plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in
+        the same Q/K/V launches (no Q, no attention), so a head selected later never has more missing
+        slots than the partials hold (no serial slow path). Same outputs. 0: off. None: REFRESH_AUTO[0]
+        where it paid on the H200 (random predictors; BENCHMARKS.md, 2026-12-04): the Triton attention
+        op, hidden size >= REFRESH_AUTO[2] and at least REFRESH_AUTO[1] of the heads attending (OPT-30B
+        shape: head density 0.5 2.7% faster, 0.3 within 0.5%, 0.2 1.2% slower; opt-mini's launch-bound
+        shape 7-8% slower: the pick's launch per layer).
+    kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"): only heads at
+        exactly hist_slots missing slots, never one already past the partials (that would take the slow
+        path for a head that may not attend again). The pick runs only on layers whose attention op takes
+        refresh heads (plugins/deferred_kv.refresh_route).
+    defer_ln_attn: pre-LN, one rank, batch 1: the LayerNorm before a deferred-K/V attention layer is left
+        to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores per-block statistics
+        (ln_defer) and the shared-set Q/K/V kernel normalises the slice of x each program reads, and
+        stores LN(x) into x_hist (plugins/deferred_kv.py); one launch fewer per layer. On the H200
+        (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at density 0.3, 3.830 vs 3.949 at 0.1
+        (BENCHMARKS.md, 2026-12-03).
+    """
+    overlap: bool = True
+    kv_policy: str = "deferred"
+    shared_index: bool = False
+    graph_priority: int | None = None
+    kv_refresh: int | None = None
+    kv_refresh_lags: tuple = (None, "hist")
+    defer_ln_attn: bool = True
+
+    def __post_init__(self):
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
+
+
 class SparseDecoder:
-    """Holds the weights, the static KV cache and the predictor runner of one engine."""
+    """Holds the weights, the static KV cache and the predictor runner of one engine; `options`
+    (DecodeOptions) says how a step runs."""
 
     def __init__(self, spec: EngineSpec, tensors: dict[str, torch.Tensor], device: torch.device,
-                 ops: Ops, overlap: bool = True, shared_index: bool = False, kv_policy: str = "deferred"):
-        if kv_policy not in KV_POLICIES:
-            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
+                 ops: Ops, overlap: bool = True, shared_index: bool = False, kv_policy: str = "deferred",
+                 options: DecodeOptions | None = None):
+        options = options or DecodeOptions(overlap=overlap, kv_policy=kv_policy, shared_index=shared_index)
+        self.options = options
         self.spec, self.t, self.device, self.ops = spec, tensors, device, ops
-        self.kv_policy = kv_policy
         self.layers = [_layer_weights(tensors, l) for l in range(spec.num_layers)]
         preds = []
         for l in range(spec.num_layers):
@@ -65,10 +115,8 @@ class SparseDecoder:
             preds.append({"mlp": pm, "attn": pa})
         ks = list(zip(spec.mlp_k, spec.attn_k))
         plan = schedule(spec.num_layers, spec.source, spec.lookahead)
-        self.pred = PredictorRunner(preds, ks, plan, ops.predictor_topk, device, overlap, shared_index)
-        src = {l: key for key, ls in plan.items() for l in ls}  # layer -> the point its predictors read
-        self._neurons_early = [preds[l]["mlp"] is not None and (src[l][0] == "attn_in" and src[l][1] <= l
-                                                                 or src[l][1] < l) for l in range(spec.num_layers)]
+        self.pred = PredictorRunner(preds, ks, plan, ops.predictor_topk, device, options.overlap,
+                                    options.shared_index)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.x_hist: list[torch.Tensor | None] = []  # deferred policy, sparse-attention layers only
@@ -79,113 +127,30 @@ class SparseDecoder:
         # each row-parallel op (attention out-proj, fc2) before the residual add; None = one rank.
         # With it set, the residual is not fused into the kernels (it would be summed n times).
         self.reduce = None
-        # Pre-LN, one rank: True takes each LayerNorm after a sparse attention or MLP layer
-        # from that op (ln=; on the GPU computed in the op's last kernel when
-        # plugins.sparse_mlp.FUSED_FINISH is on). Off by default: on the H200 the fused finish
-        # did not pay (BENCHMARKS.md, session 3), nor did the one-launch reduction + LayerNorm
-        # that batch 1 gets without it (7.10 vs 7.03 ms/token, session 4); False runs the
-        # separate layer_norm op.
-        self.fuse_ln = False
-        # Pre-LN, one rank, fuse_ln off: the LayerNorm before a sparse MLP is left to fc1 (its
-        # GEMV normalises its input as it loads it, from block statistics the attention output
-        # projection's split-K reduction stores; plugins/layer_norm.PendingLN), one launch fewer
-        # per layer. Where a kernel cannot (other routes, the references), the op computes it.
-        # Off by default: on the H200 (OPT-30B shape, batch 1) fc1 reading g and x instead of
-        # LN(x) got ~20% slower at density 0.3 (profile: 38.9 vs 32.4 us per layer), more than the
-        # LayerNorm launch it saves: 6.81-6.85 vs 6.58-6.59 ms/token; equal at 0.1 (4.05-4.08 vs
-        # 4.05-4.06); normalising in the loop (fold_ln False) the same (BENCHMARKS.md, session 10).
-        self.defer_ln = False
-        # With defer_ln: fc1 takes that LayerNorm folded into its rows (plugins/layer_norm.LNFold:
-        # per layer w1 @ g and w1 @ beta + b1, fp32, computed once), so its programs need
-        # the row's mean and rstd only after their loop; False: fc1 normalises each chunk of its
-        # input in the loop (measured slower on the H200: BENCHMARKS.md, session 10).
-        # "z": the reduction also stores z = g * (x - block mean) (PendingLN.z) and fc1 reads it
-        # instead of x and g (the fold's per-block sums of w1 * g correct for the block means
-        # after the loop): fc1's loop reads what it reads without the deferral.
-        self.fold_ln = True
-        self._folds: dict[tuple, object] = {}  # (layer, stats width or None) -> LNFold
-        # Pre-LN, one rank, fuse_ln off, batch 1: the LayerNorm before a deferred-K/V attention
-        # layer is left to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores
-        # per-block statistics (ln_defer) and the shared-set Q/K/V kernel normalises the slice
-        # of x each program reads, and stores LN(x) into x_hist (plugins/deferred_kv.py); one
-        # launch fewer per layer. On the H200 (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at
-        # density 0.3, 3.830 vs 3.949 at 0.1 (BENCHMARKS.md, session 11).
-        self.defer_ln_attn = True
-        # Pre-LN, one rank, neither fuse_ln nor defer_ln: the attention op also returns the
-        # LayerNorm before the MLP (ln=), which at batch 1 its split-K reduction computes in the
-        # same launch (the last of its programs normalises the row: sparse_mlp.reduce_partials);
-        # one launch fewer per layer. Off by default: on the H200 (OPT-30B shape, batch 1) 6.479-6.488
-        # vs 6.345-6.378 ms/token at density 0.3, 3.943 vs 3.814 at 0.1 (BENCHMARKS.md, session 12).
-        self.ln_from_attn = False
         self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
-        # Batch 1: fc1 + ReLU + fc2 of a sparse MLP in one launch (ops.sparse_mlp,
-        # plugins/fused_mlp.py) instead of sparse_fc1 + sparse_fc2 (+ its fused LayerNorm);
-        # the next LayerNorm is then a separate launch. Off by default (BENCHMARKS.md).
-        self.fused_mlp = False
-        # Batch 1, Triton: fc2 starts on each K split as soon as fc1 has stored it, while fc1
-        # still runs (plugins/sparse_mlp.py fc2_overlap: PDL early trigger + per-split counts)
-        # instead of after fc1's end. Off: on the H200 (OPT-30B shape, batch 1) 6.77-7.13 vs
-        # 6.33-6.34 ms/token at density 0.3, 3.70-3.85 vs 3.49 at 0.1 (BENCHMARKS.md, session 16).
-        self.mlp_overlap = False
-        # When a step's held predictors start (decode, deferred-K/V layers): "attn_in" at the
-        # layer's input (they overlap its LayerNorm and bandwidth-bound Q/K/V kernel), or
-        # "after_qkv": once its Q/K/V kernels are issued (they overlap the latency-bound
-        # attention kernels); "after_attn": once its attention op is issued (they overlap the
-        # MLP's bandwidth-bound kernels and leave the attention kernels alone). Same inputs, same
-        # indices every way; only the timing moves.
-        # "attn_in" (default): on the H200 "after_qkv" was slower (OPT-30B d0.3 batch 1: 7.33
-        # vs 7.03 ms/token; BENCHMARKS.md, session 4); "after_attn" equal (6.65 vs 6.64 at d0.3,
-        # 4.20 vs 4.20 at d0.1; session 9): the attention kernels gain what the MLP loses.
-        # "split_qkv" / "split_attn": the head predictors at the layer's input, the neuron
-        # predictors (nearly all of the predictors' reads) held until after the Q/K/V kernels /
-        # the attention op: slower too (6.59 / 7.33 vs 6.34-6.35 at d0.3, 3.86 / 4.16 vs 3.78 at
-        # d0.1; "after_qkv" 7.26, "after_attn" 6.51 in the same run; session 13).
-        self.pred_window = "attn_in"
-        # L2 warm-up (GPU, plugins/prefetch.py) on its own side stream, launched with the
-        # held predictors after a deferred layer's Q/K/V kernels: {"out": max bytes of the
-        # output projection's rows of the selected heads, "fc1": max bytes of fc1's rows of
-        # the selected neurons}. {} (default) = off. Changes timing only, never outputs.
-        # Off: every variant measured was slower (8.1-8.8 vs 7.7 ms/token; session 4).
-        self.l2_prefetch: dict[str, int] = {}
-        # The priority of the stream the decode step's CUDA graph is captured on (graphs.py;
-        # PyTorch instantiates graphs with per-node priorities, so the main stream's kernels keep
-        # it while the predictor side stream stays at the default 0, the lowest). Lower numbers
-        # are higher priorities; None (default): the highest the device allows, so the block
-        # scheduler gives freed SM slots to the main stream's queued kernels (the latency-bound
-        # attention chain) before the predictors'. On the H200 (OPT-30B shape, batch 1): 6.58 vs
-        # 6.73 ms/token at density 0.3, 4.04 vs 4.12 at 0.1 with 0 (BENCHMARKS.md, session 9).
-        self.graph_priority: int | None = None
-        self._pf = None  # (stream, per-layer start and done events, sums buffer), made at first use
-        # Deferred K/V, Triton kernels: the missing slots of a selected head past the ones the Q/K/V
-        # kernels compute from their partials (a head unselected for long: their serial slow path)
-        # are computed ahead, right after the layer's head top-k on the predictors' side stream
-        # (ops.kv_catch_up, plugins/deferred_kv.catch_up_kv), so the main stream's attention never
-        # waits for them; the op is then told so (caught_up=True). Same values either way.
-        # Off: on the H200 (OPT-30B shape, batch 1, random predictors) 6.37-6.38 vs 6.33 ms/token at
-        # density 0.3, 4.19-4.21 vs 3.48 at 0.1: the catch-up's serial whole-D passes, beside the
-        # main stream's weight streams, took ~65 us where it had work (BENCHMARKS.md, session 17).
-        self.catch_up = False
-        self._catch_pos: torch.Tensor | None = None  # this decode step's pos while it is being issued
-        self._caught: list[bool] = []  # layers whose catch-up this step has launched
-        # Deferred K/V at batch 1: after each layer's head top-k (on the predictors' side stream), pick up to
-        # kv_refresh heads that do not attend but lag hist_slots or more slots behind (ops.kv_refresh,
-        # plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in the same Q/K/V
-        # launches (no Q, no attention), so a head selected later never has more missing slots than the
-        # partials hold (no serial slow path). Same outputs. An int: that many per layer (0: off). None (default):
-        # REFRESH_AUTO[0] where it paid on the H200 (random predictors; BENCHMARKS.md, session 18): the Triton
-        # attention op, hidden size >= REFRESH_AUTO[2] and at least REFRESH_AUTO[1] of the heads attending
-        # (OPT-30B shape: head density 0.5 2.7% faster, 0.3 within 0.5%, 0.2 1.2% slower; opt-mini's
-        # launch-bound shape 7-8% slower: the pick's launch per layer).
-        # kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"), the default:
-        # only heads at exactly hist_slots missing slots, never one already past the partials (that would take
-        # the slow path for a head that may not attend again). The pick runs only on layers whose attention op takes
-        # refresh heads (plugins/deferred_kv.refresh_route: not the folded finish of few heads, e.g.).
-        self.kv_refresh: int | None = None
-        self.kv_refresh_lags: tuple = (None, "hist")
+        self._step_pos: torch.Tensor | None = None  # this decode step's pos while refresh heads may be picked
         self._refresh: list = []  # this step's refresh heads per layer (None: none launched)
         self._refresh_takes: dict = {}  # layer -> whether its attention op takes refresh heads
         self.pred.on_heads = self._on_heads
-        self.side_streams = device.type == "cuda"  # the prefetch stream needs CUDA (tests fake it)
+
+    @property
+    def kv_policy(self) -> str:
+        return self.options.kv_policy
+
+    @property
+    def graph_priority(self) -> int | None:
+        return self.options.graph_priority
+
+    def set_options(self, **changes) -> DecodeOptions:
+        """Replace fields of `options` that take effect at the next step (graph_priority: at the next
+        capture; kv_refresh, kv_refresh_lags, defer_ln_attn); the others are fixed when the decoder is
+        built (overlap, kv_policy, shared_index: build another engine). Returns the new options."""
+        fixed = {"overlap", "kv_policy", "shared_index"} & set(changes)
+        if fixed:
+            raise ValueError(f"set_options: {sorted(fixed)} are fixed when the decoder is built")
+        self.options = dataclasses.replace(self.options, **changes)
+        self._refresh_takes = {}
+        return self.options
 
     def _add(self, x, y, b=None):
         """x + y + b (the residual plus an unfused output and its bias); under tensor parallelism
@@ -220,10 +185,6 @@ class SparseDecoder:
         self.batch, self.max_seq = batch, max_seq
         self._all_rows = (self.k_cache, self.v_cache, self.x_hist, self.valid_len, self.rows, batch)
         self._refresh_takes = {}
-        if s.pre_ln and self.defer_ln and self.fold_ln is True and self.ops.kernels.get("sparse_fc1") == "triton":
-            for l, w in enumerate(self.layers):  # the folds, before any graph capture (else: at first use)
-                if s.sparse_mlp(l):
-                    self._fc1_fold(l, w)
 
     def empty_cache(self, rows: torch.Tensor | None = None) -> None:
         """Start the next sequence at slot 0 without a prefill: no slot of any head holds K/V
@@ -265,23 +226,6 @@ class SparseDecoder:
         runs one block per row: ~12 us at D 7168), PyTorch's on the CPU path."""
         return self.ops.layer_norm(x, wb[0], wb[1])
 
-    def _fc1_fold(self, l: int, w, width: int | None = None) -> dict:
-        """{"ln_fold": LNFold} for layer l's fc1 when its input is a PendingLN and fold_ln is on
-        (computed once, at setup when defer_ln is on then, else at first use: a warm-up step);
-        width: the PendingLN's stats blocks, for the block fold of fold_ln "z"."""
-        if not self.fold_ln:
-            return {}
-        fold = self._folds.get((l, width))
-        if fold is None:
-            from dejavu.plugins.layer_norm import ln_fold
-            fold = self._folds[(l, width)] = ln_fold(w.w1, w.b1, *w.ln_mlp, width=width)
-        return {"ln_fold": fold}
-
-    def _mlp_ln_defer(self):
-        """The attention op's ln_defer for the LayerNorm before the MLP (defer_ln): "z" (the
-        reduction also stores the centred product PendingLN.z, fold_ln "z") or True."""
-        return "z" if self.fold_ln == "z" else True
-
     def _materialize(self, h):
         """h, or a PendingLN's LayerNorm computed now (for ops that take a plain input)."""
         return self._ln_step(h.x, (h.weight, h.bias)) if isinstance(h, PendingLN) else h
@@ -296,7 +240,7 @@ class SparseDecoder:
 
     def head(self, x: torch.Tensor, ln=None, x_ln=None) -> torch.Tensor:
         """logits [..., V] from the last hidden state x [..., D] (ln: the LayerNorm to use;
-        x_ln: final_ln(x), already computed by the last layer's fused kernel)."""
+        x_ln: final_ln(x), already computed by the last layer's MLP op)."""
         if x_ln is not None:
             x = x_ln
         elif self.spec.final_ln:
@@ -305,40 +249,23 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
 
-    def _mlp(self, w, h, x, idx, ln=None, l=None, ln_defer=False):
+    def _mlp(self, w, h, x, idx, ln=None):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
-        # ln: (weight, bias) of the next LayerNorm, fused into fc2 (sparse, one rank): returns
-        # (x, LN(x)) then (ln_defer: LN(x) may be a PendingLN); x alone otherwise
-        # h may be a PendingLN (defer_ln): sparse_fc1 applies it, the other paths compute it
+        # ln: (weight, bias) of the next LayerNorm, left pending by fc2's split-K reduction (defer_ln_attn):
+        # returns (x, PendingLN or LN(x)) then; x alone otherwise
         if idx is None:
-            h = self._materialize(h)
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
-        if self.fused_mlp and x.shape[0] == 1 and self.reduce is None:
-            y = self.ops.sparse_mlp(self._materialize(h), w.w1, w.b1, w.w2_t, w.b2, idx, x)
-            return y if ln is None else (y, self._ln_step(y, ln))
-        fold = (self._fc1_fold(l, w, h.width if h.z is not None else None) if isinstance(h, PendingLN)
-                else {})
-        ov = self._fc2_overlap(idx, w, x.shape[0])
-        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx, **fold, **ov)  # [rows, K]
+        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
         if self.reduce is not None:
-            return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None, **ov))
-        if ln_defer:
-            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True, **ov)
-        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, **ov)  # ln None: y alone
-
-    def _fc2_overlap(self, idx, w, rows: int) -> dict:
-        """{"overlap": the fc1 -> fc2 hand-over} for the sparse_fc1 / sparse_fc2 kernels (mlp_overlap,
-        one row, both ops Triton), else {}."""
-        if not (self.mlp_overlap and rows == 1 and self.device.type == "cuda"
-                and self.ops.kernels.get("sparse_fc1") == "triton" and self.ops.kernels.get("sparse_fc2") == "triton"):
-            return {}
-        from dejavu.plugins.sparse_mlp import fc2_overlap
-        return {"overlap": fc2_overlap(idx.shape[-1], w.w1.shape[1], self.device)}
+            return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
+        if ln is not None:
+            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True)
+        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
 
     def _defers_attn_ln(self, l: int) -> bool:
         """Layer l's sparse MLP leaves the next layer's attention LayerNorm pending
         (defer_ln_attn; the next layer has deferred K/V and both ops run as kernels)."""
-        return (self.defer_ln_attn and self.spec.pre_ln and self.reduce is None and not self.fuse_ln
+        return (self.options.defer_ln_attn and self.spec.pre_ln and self.reduce is None
                 and self.batch == 1 and l + 1 < len(self.layers) and self.x_hist[l + 1] is not None
                 and all(self.ops.kernels.get(n) == "triton" for n in self._pending_ops))
 
@@ -350,62 +277,13 @@ class SparseDecoder:
         return (self.t["final_ln.weight"], self.t["final_ln.bias"]) if self.spec.final_ln else None
 
     # ------------------------------------------------------------------ side work
-    def _prefetch_state(self):
-        if self._pf is None:
-            from dejavu.plugins.prefetch import prefetch_plan
-            s, L = self.spec, len(self.layers)
-            esize = torch.finfo(s.dtype).bits // 8
-            n = max(prefetch_plan(s.num_heads, s.head_dim, s.hidden_size, esize)[1],
-                    prefetch_plan(s.ffn_dim * max(1, self.batch), 1, s.hidden_size, esize)[1])
-            self._pf = (torch.cuda.Stream(device=self.device), [torch.cuda.Event() for _ in range(L)],
-                        [torch.cuda.Event() for _ in range(L)],
-                        torch.empty(n, dtype=torch.float32, device=self.device))
-        return self._pf
-
-    def _side_work(self, l: int, w, heads):
-        """The hook a deferred attention op calls after its Q/K/V kernels (None when there is
-        nothing to do): launch the held predictors, then (GPU) the L2 warm-up of this layer's
-        output-projection and fc1 rows on the prefetch stream. Returns (hook, join): join()
-        makes the current stream wait for the prefetch stream (before the layer ends)."""
-        pf = self.l2_prefetch if (self.ops.prefetch_rows is not None and self.side_streams) else {}
-        pf = {k: v for k, v in pf.items() if v}
-        if self.pred_window not in ("after_qkv", "split_qkv") and not pf:
-            return None, None
-        # fc1's rows only when this step's neurons of layer l exist before its attention (its
-        # predictors read an earlier point); else the tensor may be from the last step
-        neurons = self.pred.idx[l]["mlp"] if self._neurons_early[l] else None
-
-        def hook():
-            self.pred.flush()
-            if not pf:
-                return
-            stream, start, done, buf = self._prefetch_state()
-            start[l].record()
-            stream.wait_event(start[l])
-            with torch.cuda.stream(stream):  # rows only: nothing the main stream reads is written
-                if "out" in pf:
-                    self.ops.prefetch_rows(w.wo_t, heads, self.spec.head_dim, max_bytes=pf["out"], out=buf)
-                if "fc1" in pf and neurons is not None:
-                    self.ops.prefetch_rows(w.w1, neurons, 1, max_bytes=pf["fc1"], out=buf)
-                done[l].record()
-
-        def join():
-            if pf:
-                torch.cuda.current_stream().wait_event(self._prefetch_state()[2][l])
-        return hook, join
-
     def _on_heads(self, l: int, idx: torch.Tensor) -> None:
-        """PredictorRunner.on_heads: launch layer l's deferred K/V catch-up with its new heads, or pick its
-        refresh heads (in a decode step, on the stream the head top-k ran on)."""
-        if self._catch_pos is None or self.x_hist[l] is None:
+        """PredictorRunner.on_heads: pick layer l's refresh heads (in a decode step, on the stream the head
+        top-k ran on)."""
+        if self._step_pos is None or self.x_hist[l] is None:
             return
-        if self._catching_up():
-            w = self.layers[l]
-            self.ops.kv_catch_up(self.x_hist[l], w.wkv, w.bkv, idx, self.k_cache[l], self.v_cache[l],
-                                 self.valid_len[l], self._catch_pos)
-            self._caught[l] = True
-        elif self._refreshing() and self._refresh_slots(idx) > 0 and self._takes_refresh(l, idx):
-            lag, max_lag = self.kv_refresh_lags
+        if self._refresh_slots(idx) > 0 and self._takes_refresh(l, idx):
+            lag, max_lag = self.options.kv_refresh_lags
             if max_lag == "hist" or lag is None:
                 try:
                     from dejavu.plugins.deferred_kv import hist_slots
@@ -414,7 +292,7 @@ class SparseDecoder:
                     hist = 15
                 lag = hist if lag is None else lag
                 max_lag = hist if max_lag == "hist" else max_lag
-            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._catch_pos, self._refresh_slots(idx),
+            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._step_pos, self._refresh_slots(idx),
                                                    lag=lag, max_lag=max_lag)
 
     def _takes_refresh(self, l: int, idx: torch.Tensor) -> bool:
@@ -430,14 +308,10 @@ class SparseDecoder:
             self._refresh_takes[l] = takes
         return takes
 
-    def _catching_up(self) -> bool:
-        return (self.catch_up and self.kv_policy == "deferred" and self.ops.kernels.get("kv_catch_up") == "triton"
-                and self.ops.kernels.get("sparse_attn_deferred") == "triton")
-
     def _refresh_slots(self, idx: torch.Tensor) -> int:
         """Refresh heads for a layer with head set idx: kv_refresh, or (None) REFRESH_AUTO's rule."""
-        if self.kv_refresh is not None:
-            return self.kv_refresh
+        if self.options.kv_refresh is not None:
+            return self.options.kv_refresh
         n, frac, min_d = REFRESH_AUTO
         s = self.spec
         on = (self.ops.kernels.get("sparse_attn_deferred") == "triton" and s.hidden_size >= min_d
@@ -446,7 +320,8 @@ class SparseDecoder:
 
     def _refreshing(self) -> bool:
         """This decode step may pick refresh heads (per layer: _refresh_slots, _takes_refresh)."""
-        return (self.kv_refresh is None or self.kv_refresh > 0) and self.kv_policy == "deferred" and self.batch == 1
+        n = self.options.kv_refresh
+        return (n is None or n > 0) and self.kv_policy == "deferred" and self.batch == 1
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -455,35 +330,29 @@ class SparseDecoder:
         Writes this token's K/V at slot pos[b] (kv_policy "full": every head; "deferred": the
         selected heads, plus their missing earlier slots); attends to slots <= pos[b].
 
-        Pre-LN, one rank: a sparse attention op also returns LN_mlp of its output, a sparse
-        MLP op LN_attn of the next layer (final_ln after the last), computed in the same
-        launch on the GPU (plugins/sparse_mlp.py, fused split-K finish); `h_ln` carries it."""
-        self._caught = [False] * len(self.layers)
+        Pre-LN, one rank, batch 1 (options.defer_ln_attn): a sparse MLP op leaves the next layer's
+        attention LayerNorm pending (its split-K reduction's block statistics) and that layer's Q/K/V
+        kernel applies it; `h_ln` carries it."""
         self._refresh = [None] * len(self.layers)
-        self._catch_pos = pos if self._catching_up() or self._refreshing() else None
+        self._step_pos = pos if self._refreshing() else None
         try:
             return self._decode_step(tokens, pos)
         finally:
-            self._catch_pos = None
+            self._step_pos = None
 
     def _decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         s, run = self.spec, self.pred
         B, H, hd = tokens.shape[0], s.num_heads, s.head_dim
         valid = None  # [B, T] slots <= pos, made for the first dense layer (none in a sparse step)
-        fuse = s.pre_ln and self.reduce is None and self.fuse_ln  # LayerNorms from the sparse ops
         x = self.embed(tokens, pos)  # [B, D]
-        h_ln = None  # LN of x for the next LayerNorm, when the last op computed it
+        h_ln = None  # LN of x for the next LayerNorm, when the last op left it pending
         run.begin_step()
-        # launched by the hook / flush() below (the split windows hold the neuron predictors only)
-        hold = self.pred_window in ("after_qkv", "after_attn", "split_qkv", "split_attn")
-        run.hold_kinds = ("mlp",) if self.pred_window.startswith("split") else ("attn", "mlp")
         for l, w in enumerate(self.layers):
-            run.point("attn_in", l, x, hold=hold and self.x_hist[l] is not None)
+            run.point("attn_in", l, x)
             h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_attn) if s.pre_ln else x)
             h_ln = None
             kc, vc = self.k_cache[l], self.v_cache[l]
             idx = run.heads(l)
-            join = None
             if idx is None or self.x_hist[l] is None:  # ops that take a plain input
                 h = self._materialize(h)
             if idx is None:  # dense: K/V and Q of every head
@@ -496,40 +365,22 @@ class SparseDecoder:
                 x = self._add(x, attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t, w.bo)
             else:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
-                defer = (self.defer_ln and not fuse and s.pre_ln and self.reduce is None
-                         and self.spec.sparse_mlp(l))
-                from_attn = self.ln_from_attn and not (fuse or defer) and s.pre_ln and self.reduce is None
-                kw = ({"ln": w.ln_mlp} if fuse or from_attn else
-                      {"ln": w.ln_mlp, "ln_defer": self._mlp_ln_defer()} if defer else {})
                 if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
-                    hook, join = self._side_work(l, w, idx)
-                    if hook is not None:
-                        kw["after_qkv"] = hook
-                    if self._caught[l]:
-                        kw["caught_up"] = True
-                    if self._refresh[l] is not None:
-                        kw["refresh"] = self._refresh[l]
+                    kw = {"refresh": self._refresh[l]} if self._refresh[l] is not None else {}
                     y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
                                                       self.x_hist[l], self.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads
-                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res, **kw)
-                if fuse or defer or from_attn:
-                    y, h_ln = y
+                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res)
                 x = y if res is not None else self._add(x, y)
-            run.flush()  # anything still held ("after_attn"; an op that did not call the hook)
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_attn)
             run.point("mlp_in", l, x)
-            h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_mlp) if s.pre_ln else x)
-            h_ln = None
+            h = self._ln_step(x, w.ln_mlp) if s.pre_ln else x
             idx = run.neurons(l)
-            defer_next = idx is not None and not fuse and self._defers_attn_ln(l)
-            ln = self._next_ln(l) if (fuse or defer_next) and idx is not None else None
-            x = self._mlp(w, h, x, idx, ln, l, ln_defer=defer_next)
+            ln = self._next_ln(l) if idx is not None and self._defers_attn_ln(l) else None
+            x = self._mlp(w, h, x, idx, ln)
             if ln is not None:
                 x, h_ln = x
-            if join is not None:
-                join()
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_mlp)
         return self.head(x, self._ln_step, x_ln=h_ln)

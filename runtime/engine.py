@@ -27,7 +27,7 @@ BATCH_POLICIES = ("per_sequence", "shared")
 # per_sequence: [B, K] index sets, the masked-dense semantics of each sequence exactly.
 # shared: one [K] set for the batch (top-k of the batch's max score), weights read once per
 # step; at B = 8, density 0.3 the sparse MLP is 2.63x faster than dense where per-sequence
-# sets are 0.46x (benchmarks/results/kernels-h200.json, BENCHMARKS.md). At B = 1 both are the
+# sets are 0.46x (benchmarks/results/kernels-2026-12-02.json, BENCHMARKS.md). At B = 1 both are the
 # same. None picks shared on CUDA and per_sequence on CPU (the reference path, where
 # exactness is what is wanted).
 DEFAULT_BATCH_POLICY = None
@@ -231,7 +231,7 @@ class Engine:
                 "predictor_input": {"source": s.source, "lookahead": s.lookahead},
                 "kernels": dict(self.ops.kernels), "kernel_check": self.kernel_check, "overlap": self.decoder.pred.overlapping,
                 "cuda_graph": self.use_graphs, "graph_priority": self.decoder.graph_priority,
-                "pred_window": self.decoder.pred_window, "batch_policy": self.batch_policy,
+                "batch_policy": self.batch_policy,
                 "kv_policy": self.kv_policy, "programmatic_launch": self._programmatic_launch()}
 
     def _programmatic_launch(self) -> bool:

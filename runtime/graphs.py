@@ -2,8 +2,8 @@
 
 Static inputs: token ids [B] and positions [B] (device tensors; the position is data, so
 one graph serves every step). Warm-up runs on a side stream before capture (lazy init,
-Triton compilation, cuBLAS handles and the plugins' `last_arrival` counters, which must
-not be first allocated during capture, stay out of the graph). The predictor side stream
+Triton compilation, cuBLAS handles and the top-k's barrier counters, which must not be
+first allocated during capture, stay out of the graph). The predictor side stream
 and its events are part of the captured work: the graph keeps the fork/join edges.
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""recompute_kv, sparse_attn_decode_deferred and catch_up_kv (Triton, interpreter) against float64 references."""
+"""recompute_kv, sparse_attn_decode_deferred and refresh_heads (Triton, interpreter) against float64 references."""
 import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins.deferred_kv import (catch_up_kv, catch_up_kv_ref, hist_slots, recompute_kv, recompute_kv_ref,
-                                        sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref)
+from dejavu.plugins.deferred_kv import (hist_slots, recompute_kv, recompute_kv_ref, sparse_attn_decode_deferred,
+                                        sparse_attn_decode_deferred_ref)
 from dejavu.plugins.sparse_attention import sparse_attn_decode_ref
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -106,13 +106,9 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
 
 
 @pytest.mark.parametrize("dtype,config", [(torch.float16, None), (torch.float32, None),
-                                          # D = 60 in 2 slices of 32 (masked tail), rows in 16s
+                                          # D = 60 in slices of 16 (masked tail), rows in 16s
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
-                                                                   "FINISH_R": 16, "FUSED_FINISH": True},
-                                                           "attn": {"CHUNK": 4}}),
-                                          # the same through the separate finishing kernel (the default)
-                                          (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
-                                                                   "FINISH_R": 16, "FUSED_FINISH": False},
+                                                                   "FINISH_R": 16},
                                                            "attn": {"CHUNK": 4}}),
                                           # shared sets: one missing slot per dot row block, the
                                           # rest through the finishing slow path
@@ -120,14 +116,11 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
                                           # index and position reads after the PDL wait (EARLY_READS off)
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "EARLY_READS": False},
                                                            "attn": {"CHUNK": 4, "EARLY_READS": False}}),
-                                          # the stable cache slots loaded before the PDL wait, valid_len
-                                          # committed by the combine kernel (EARLY_KV; a tile wider than
-                                          # the chunk in fp16)
+                                          # a tile wider than the chunk
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3},
-                                                           "attn": {"CHUNK": 4, "BLOCK_S": 8, "EARLY_KV": True}}),
-                                          (torch.float32, {"attn": {"CHUNK": 4, "BLOCK_S": 4, "EARLY_KV": True}})],
-                         ids=["fp16", "fp32", "fp16-split-D-fused", "fp16-split-D-two-launch", "fp32-shared-P2",
-                              "fp16-late-reads", "fp16-early-kv", "fp32-early-kv"])
+                                                           "attn": {"CHUNK": 4, "BLOCK_S": 8}})],
+                         ids=["fp16", "fp32", "fp16-split-D", "fp32-shared-P2",
+                              "fp16-late-reads", "fp16-wide-tile"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""
@@ -211,7 +204,7 @@ def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
     vl0 = torch.tensor([[0, 9, 13, 20, 2], [1, 0, 2, 2, 0], [5, 5, 5, 5, 5]], dtype=torch.int32)
     pos, hidx = torch.tensor([20, 17, 6]), torch.tensor([0, 3, 4], dtype=torch.int32)
     outs = []
-    for cfg in ({"qkv": {"SHARED_MIN_BATCH": 2, "FUSED_FINISH": f}} for f in (True, False)):
+    for cfg in ({"qkv": {"SHARED_MIN_BATCH": 2}},):
         kc, vc = nan_caches(B, dtype)
         vl, hist = vl0.clone(), x_hist.clone()
         y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
@@ -220,15 +213,14 @@ def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
     kc, vc = nan_caches(B, dtype)
     vl, hist = vl0.clone(), x_hist.clone()
     y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
-    for out in outs:  # shared-set kernel, fused finish and two launches, against per-sequence
+    for out in outs:  # shared-set kernel against per-sequence
         for a, b in zip(out, (y, kc, vc, vl, hist)):
             assert torch.equal(torch.isnan(a), torch.isnan(b))
             assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split,fused,sp,bp", [(None, False, 16, 16), (1, True, 16, 16), (3, True, 16, 16),
-                                              (None, False, 32, 32), (3, True, 32, 32)])
-def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, fused, sp, bp):
+@pytest.mark.parametrize("split,sp,bp", [(None, 16, 16), (1, 16, 16), (3, 16, 16), (None, 32, 32), (3, 32, 32)])
+def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, sp, bp):
     """Batch 1 with its [1, Kh] set through the shared-set kernel (SHARED_MIN_BATCH 1, SHARED_P
     16: x at pos and 15 missing slots in one tl.dot; more go through the finishing slow path;
     SHARED_P 32 with BLOCK_P 32: 31 slots, no slow path at these gaps) writes the same
@@ -242,8 +234,7 @@ def test_batch1_shared_kernel_equals_per_sequence_kernel(triton_interp, split, f
     for smin in (1, None):
         kc, vc = nan_caches(1, dtype)
         vl, hist = vl0.clone(), x_hist.clone()
-        cfg = {"qkv": {"SHARED_MIN_BATCH": smin, "SHARED_P": sp, "BLOCK_P": bp, "BLOCK_D": 16, "SPLIT": split,
-                       "FUSED_FINISH": fused}}
+        cfg = {"qkv": {"SHARED_MIN_BATCH": smin, "SHARED_P": sp, "BLOCK_P": bp, "BLOCK_D": 16, "SPLIT": split}}
         y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg)
         outs.append((y, kc, vc, vl, hist))
     assert torch.isfinite(outs[0][1][0, 0, :21]).all() and torch.isnan(outs[0][1][0, 2]).all()
@@ -287,34 +278,8 @@ def test_slow_z_fills_one_wave():
     assert slow_z({**cfg, "SLOW_Z": 3}, 408) == 3 and slow_z({"SLOW_Z": 1}, 5) == 1
 
 
-@pytest.mark.parametrize("attn", [{"FOLD_COMBINE": True}, {"LAST_COMBINE": True},
-                                  {"PROJ_MAX_S": 32, "PROJ_BLOCK_S": 8, "PROJ_BLOCK_D": 16, "PROJ_TARGET": 5}],
-                         ids=["fold", "last", "attn-proj"])
-def test_deferred_with_combine_folded(triton_interp, attn):
-    """Batch 1 deferred decode with the attention chunks combined in the output projection
-    (ATTN FOLD_COMBINE), by the attention kernel's last chunk program per head (LAST_COMBINE), or
-    attention and projection in one launch (PROJ_MAX_S; 4 heads x 2 column groups), 6 chunks of
-    4 slots: the float64 reference's output, caches, valid_len, the history slot at pos."""
-    w = weights(torch.float32)
-    x_hist, x, res = torch.randn(1, S, D), torch.randn(1, D), torch.randn(1, D)
-    kc0, vc0 = torch.randn(1, H, S, HD), torch.randn(1, H, S, HD)
-    vl0 = torch.tensor([[0, 9, 20, 20, 2]], dtype=torch.int32)
-    pos, hidx = torch.tensor([20]), torch.tensor([[0, 1, 3, 4]], dtype=torch.int32)
-    k64, v64, vl64 = kc0.double(), vc0.double(), vl0.clone()
-    ref = sparse_attn_decode_deferred_ref(x.double(), *[t.double() for t in w], hidx, k64, v64,
-                                          x_hist.double(), vl64, pos, res.double())
-    kc, vc, vl = kc0.clone(), vc0.clone(), vl0.clone()
-    hist = x_hist.clone()
-    y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res,
-                                    config={"attn": {"CHUNK": 4, "BLOCK_S": 4, **attn}})
-    assert torch.equal(vl, vl64)
-    assert torch.equal(hist[0, 20], x[0]) and torch.equal(hist[0, :20], x_hist[0, :20])
-    for got, want in ((y, ref), (kc, k64), (vc, v64)):
-        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32},
-                                    {"BLOCK_D": 16, "BLOCK_R": 32, "FUSED_FINISH": False}])
+                                    {"BLOCK_D": 16, "BLOCK_R": 32, "FINISH_R": 16}])
 def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, config):
     # D = 60 in chunks of 32 or 16 (masked tail), 2*hd = 24 rows in blocks of 16 or 32, up to 21 slots
     B, dtype = 2, torch.float16
@@ -344,13 +309,11 @@ def _same(a, b):
 @pytest.mark.parametrize("split", [1, 4], ids=["split1", "split4"])
 @pytest.mark.parametrize("shared", [False, True], ids=["per-seq", "shared"])
 @pytest.mark.parametrize("op", ["decode", "recompute"])
-def test_fused_finish_equals_two_launches(triton_interp, close, op, shared, split):
-    """The last program of each row block finishes it (SPLIT 4: last_arrival; SPLIT 1: no
-    counter), for Q/K/V (decode) and K/V only (recompute_kv, FIRST_SEG 1), per-sequence and
-    shared sets, with gaps of 0 (valid_len >= pos), 1..16 (partials) and 17..20 (slow path):
-    the same values as the separate finishing kernel and the float64 reference; the counters
-    are back to 0, so a second fused call finishes too."""
-    from dejavu.plugins._common import counters
+def test_split_d_finish_equals_reference(triton_interp, close, op, shared, split):
+    """The finishing kernel sums the slices' partials (SPLIT 4, two slices per load; SPLIT 1), for
+    Q/K/V (decode) and K/V only (recompute_kv, FIRST_SEG 1), per-sequence and shared sets, with gaps
+    of 0 (valid_len >= pos), 1..16 (partials) and 17..20 (slow path): the float64 reference's values;
+    a second call from the same state gives the same bits."""
     B, dtype = 3, torch.float16
     w = weights(dtype)
     x_hist, x, res = torch.randn(B, S, D).to(dtype), torch.randn(B, D).to(dtype), torch.randn(B, D).to(dtype)
@@ -369,10 +332,10 @@ def test_fused_finish_equals_two_launches(triton_interp, close, op, shared, spli
     def caches(dt):
         return [torch.where(filled, kv64[c], float("nan")).to(dt) for c in (0, 1)]
 
-    def run(fused):
+    def run():
         kc, vc = caches(dtype)
         vl, hist = vl0.clone(), x_hist.clone()
-        cfg = {**qkv, "FUSED_FINISH": fused}
+        cfg = qkv
         if op == "decode":
             y = torch.full((B, D), float("nan"), dtype=dtype)
             sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, out=y, config={"qkv": cfg})
@@ -381,13 +344,10 @@ def test_fused_finish_equals_two_launches(triton_interp, close, op, shared, spli
             recompute_kv(hist, w[2], w[3], hidx, kc, vc, vl, pos, config=cfg)
         return y, kc, vc, vl, hist
 
-    fused = run(True)
-    assert (counters(torch.device("cpu"), 1 << 16) == 0).all()
-    again = run(True)
-    two = run(False)
-    for a, b, c in zip(fused, again, two):
-        assert _same(a, b) and _same(a, c)
-    y, kc, vc, vl, hist = fused
+    first = run()
+    for a, b in zip(first, run()):
+        assert _same(a, b)
+    y, kc, vc, vl, hist = first
     k64, v64 = caches(torch.float64)
     kt, vt = caches(dtype)
     if op == "decode":
@@ -442,8 +402,8 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
     vl0 = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32)
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]  # pos, heads
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    # (SHARED_P_UNFOLDED None, SHARED_P_WIDE 0: the unfolded path's partials hold the slots the folded one's do)
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "SHARED_P_UNFOLDED": None, "SHARED_P_WIDE": 0, "FOLD_SLOW_Z": 1,
+    # (SHARED_P_UNFOLDED None: the unfolded path's partials hold the slots the folded one's do)
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "SHARED_P_UNFOLDED": None, "FOLD_SLOW_Z": 1,
            "FOLD_SLOW_LAST": False, **slow}
     attn = {"CHUNK": 8, "BLOCK_S": 8}
     runs = {}
@@ -468,7 +428,7 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
             assert torch.equal(a, b)
         else:  # slow sub-blocks of another height: the interpreter's dots (numpy's BLAS) may sum the
             # same products in another order (1 fp32 ulp with numpy 2.4.6; equal with the numpy CI had
-            # in session 14); the float64 bound above holds either way
+            # in 2026-12-03); the float64 bound above holds either way
             assert torch.allclose(a, b, rtol=2 ** -10 if dtype == torch.float16 else 1e-6, atol=1e-6)
     for a, b in zip(ys_f, ys_u):  # attention sums the fresh slots in another order: fp32 rounding only
         assert torch.allclose(a.double(), b.double(), rtol=1e-2 if dtype == torch.float16 else 1e-5, atol=1e-3)
@@ -478,14 +438,13 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
 
 def test_folded_finish_needs_a_combine_launch():
     """FOLD_FINISH applies only where the attention kernel has a combine launch after it (which
-    commits valid_len): not for one chunk, LAST_COMBINE, FOLD_COMBINE or the one-launch projection;
-    attend_heads refuses the partials otherwise."""
+    commits valid_len): not for one chunk or a tile narrower than the chunk; attend_heads refuses the
+    partials otherwise."""
     from dejavu.plugins.sparse_attention import QKVPartials, attend_heads, folds_finish
     from dejavu.plugins.deferred_kv import QKV_CONFIG_B1
-    assert QKV_CONFIG_B1["FOLD_FINISH"] == "wide"  # batch 1 default (session 14)
+    assert QKV_CONFIG_B1["FOLD_FINISH"] == "wide"  # batch 1 default (2026-12-03)
     assert folds_finish(1, 64) and not folds_finish(2, 64) and not folds_finish(1, 32)
-    assert not folds_finish(1, 64, {"LAST_COMBINE": True}) and not folds_finish(1, 64, {"FOLD_COMBINE": True})
-    assert not folds_finish(1, 64, {"PROJ_MAX_S": 64}) and folds_finish(1, 65, {"PROJ_MAX_S": 64})
+    assert not folds_finish(1, 64, {"BLOCK_S": 16})
     q = torch.zeros(1, HD)
     parts = QKVPartials(q, q, 1, 3, 16, q, q)
     kc = torch.zeros(1, H, 64, HD)
@@ -526,8 +485,8 @@ def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, 
     assert torch.allclose(y_f, y_u, rtol=1e-5, atol=1e-5) if folds else torch.equal(y_f, y_u)
 
 
-# ---- the slots past the Q/K/V partials (a head unselected for long): catch_up_kv ahead of the step
-# with caught_up=True, PARTIAL_SLOW, SLOW_P; a longer cache so gaps pass the partials' 15 slots
+# ---- the slots past the Q/K/V partials (a head unselected for long); a longer cache so gaps pass the
+# partials' 15 slots
 S2 = 48
 
 
@@ -540,80 +499,9 @@ def test_hist_slots_follow_the_qkv_route():
     assert hist_slots(1, torch.zeros(1, 2, dtype=torch.int32), {"SHARED_P": 2}) == 1
 
 
-@pytest.mark.parametrize("dtype,split,form", [(torch.float16, None, "wide"), (torch.float32, 3, "wide"),
-                                              (torch.float32, None, "unfolded"), (torch.float16, 3, "unfolded"),
-                                              (torch.float32, 3, "wideall"), (torch.float16, None, "wideall-early"),
-                                              (torch.float32, None, "unfolded-early")],
-                         ids=["fp16-wide", "fp32-split3-wide", "fp32-unfolded", "fp16-split3-unfolded",
-                              "fp32-split3-wideall", "fp16-wideall-early", "fp32-unfolded-early"])
-def test_wide_tile_holds_the_slots_past_shared_p(triton_interp, launched, close, dtype, split, form):
-    """Batch 1, SHARED_P 4 with SHARED_P_WIDE 8: heads 0..3 slots behind take the small tile, 4..7 the
-    wide one, more the wide one and the finishing kernel's slow path past 7; with SHARED_P_WIDE_ALL every
-    K/V program of a launch with a head past 3 takes it (steps 1, 3, 4), none in step 2 (gaps 1 and 0);
-    or SHARED_P_UNFOLDED 8: every program takes the 8-row tile. Over four steps the output, caches and
-    valid_len match float64 and, within rounding, the path without either (every head past 3 in the slow
-    path). The finishing kernel reads 7 slots of partials for those heads, so a tile that did not fill
-    them would leave phist's uninitialised values in the caches."""
-    from dejavu.plugins import deferred_kv as DK
-    S2 = 56
-    w = weights(dtype)
-    w64 = [t.double() for t in w]
-    x_hist0 = torch.randn(1, S2, D).to(dtype)
-    kc0, vc0 = torch.randn(1, H, S2, HD).to(dtype), torch.randn(1, H, S2, HD).to(dtype)
-    vl0 = torch.tensor([[0, 35, 40, 38, 12]], dtype=torch.int32)
-    # (pos, heads): gaps 40 / 5 / 2 / 28, then 1 / 0, then 6 / 6, then 11 / 10
-    steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (47, [1, 3]), (52, [4, 2])]
-    inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    base = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FOLD_FINISH": False, "SPLIT": split}
-    longer = ({"SHARED_P_WIDE": 8, "SHARED_P_WIDE_ALL": form.startswith("wideall"), "SHARED_P_UNFOLDED": None}
-              if not form.startswith("unfolded") else {"SHARED_P_UNFOLDED": 8})
-    longer["PARTIAL_EARLY_READS"] = form.endswith("-early")  # the rows read before the PDL wait (none here)
-    cfg = DK._qkv_cfg(1, {**base, **longer})
-    unf = DK._batch1_unfolded
-    assert unf(cfg, 1, True, True, False, False)
-    assert not (unf(cfg, 1, True, True, True, False) or unf(cfg, 1, True, True, False, True)  # folded, caught up
-                or unf(cfg, 2, True, True, False, False) or unf(cfg, 1, True, False, False, False)  # B 2, no x_new
-                or unf({**cfg, "FUSED_FINISH": True}, 1, True, True, False, False))
-    if not form.startswith("unfolded"):
-        assert DK._wide_p(cfg, True) == 8 and DK._wide_p(cfg, False) == 0
-        assert DK._wide_p({**cfg, "SHARED_P_WIDE": 4}, True) == 0  # not above SHARED_P
-    else:  # the unfolded route's SHARED_P, unless refresh heads are in the launch
-        assert DK._unfolded_cfg(cfg, True, 0)["SHARED_P"] == 8 and DK._unfolded_cfg(cfg, True, 0)["BLOCK_P"] >= 8
-        assert DK._unfolded_cfg(cfg, True, 2) is cfg and DK._unfolded_cfg(cfg, False, 0) is cfg
-    runs = {}
-    for wide in (8, 0):
-        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
-        k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
-        kt, vt, vlt, ht = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
-        ys = []
-        for (p, hs), (x, res) in zip(steps, inputs):
-            names = launched(DK)
-            hidx = torch.tensor([hs], dtype=torch.int32)
-            y = torch.full((1, D), float("nan"), dtype=dtype)
-            on = longer if wide else {"SHARED_P_WIDE": 0, "SHARED_P_UNFOLDED": None}
-            sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res, out=y,
-                                        config={"qkv": {**base, **on}})
-            assert names.count("_qkv_partial_shared_kernel") == 1 and "_qkv_finish_kernel" in names, names
-            ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
-                                                  res.double())
-            tor = sparse_attn_decode_deferred_ref(x, *w, hidx, kt, vt, ht, vlt, torch.tensor([p]), res)
-            close(y, ref, tor)
-            assert torch.equal(vl, vl64)
-            close(kc, k64, kt)
-            close(vc, v64, vt)
-            ys.append(y)
-        runs[wide] = ys, kc, vc
-    for a, b in zip(runs[8][0] + list(runs[8][1:]), runs[0][0] + list(runs[0][1:])):
-        assert torch.allclose(a.double(), b.double(), rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-5)
-    with pytest.raises(DejavuError, match="SHARED_P_WIDE"):
-        sparse_attn_decode_deferred(inputs[0][0], *w, torch.tensor([[0]], dtype=torch.int32), kc0.clone(),
-                                    vc0.clone(), x_hist0.clone(), vl0.clone(), torch.tensor([40]), inputs[0][1],
-                                    config={"qkv": {**base, "SHARED_P_WIDE": 12, "SHARED_P_UNFOLDED": None}})
-
-
 def test_unfolded_route_takes_shared_p_unfolded(triton_interp, monkeypatch):
     """Batch 1's default config: the partial kernel's P is SHARED_P_UNFOLDED (32) on the unfolded route
-    and SHARED_P (16) with refresh heads in the launch, after catch_up_kv, or folded into attention."""
+    and SHARED_P (16) with refresh heads in the launch, or folded into attention."""
     from dejavu.plugins.deferred_kv import refresh_heads
     seen = []
     spy_launches(monkeypatch, lambda name, grid, kw: seen.append((kw["P"], kw["BLOCK_P"]))
@@ -623,7 +511,6 @@ def test_unfolded_route_takes_shared_p_unfolded(triton_interp, monkeypatch):
     vl = torch.tensor([[0, 20, 40, 2, 12]], dtype=torch.int32)
     cases = [({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": False}}, {}, (32, 32)),
              ({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": False}}, {"refresh": "pick"}, (16, 16)),
-             ({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": False}}, {"caught_up": True}, (16, 16)),
              ({"qkv": {"BLOCK_D": 16, "FOLD_FINISH": True}, "attn": {"CHUNK": 8, "BLOCK_S": 8}}, {}, (16, 16))]
     for cfg, kw, want in cases:
         seen.clear()
@@ -633,185 +520,6 @@ def test_unfolded_route_takes_shared_p_unfolded(triton_interp, monkeypatch):
         sparse_attn_decode_deferred(torch.randn(1, D), *w, hidx, kc, vc, torch.randn(1, 48, D), vl.clone(),
                                     torch.tensor([40]), torch.randn(1, D), config=cfg, **kw)
         assert seen == [want], (cfg, kw, seen)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("B,shared,qkv", [(1, False, {}), (1, False, {"SHARED_P": 2}), (3, False, {}),
-                                          (3, True, {})], ids=["b1", "b1-P2", "b3", "b3-shared"])
-def test_catch_up_fills_only_the_slots_past_the_partials(triton_interp, close, dtype, B, shared, qkv):
-    """NaN-poisoned caches: exactly the selected heads' slots min(valid_len, pos) + hist_slots ..
-    pos - 1 get written, with the K/V of the history (float64 bound); valid_len is unchanged."""
-    w = weights(dtype)
-    wkv, bkv = w[2], w[3]
-    x_hist = torch.randn(B, S2, D).to(dtype)
-    vl0 = torch.tensor([[0, 9, 47, 3, 30], [5, 0, 1, 44, 2], [0, 0, 0, 0, 0]][:B], dtype=torch.int32)
-    pos = torch.tensor([47, 40, 10][:B])
-    hidx = torch.tensor([0, 1, 3], dtype=torch.int32) if shared else torch.tensor([[0, 1, 4], [3, 1, 2], [0, 2, 4]][:B])
-    cfg = {"qkv": qkv, "catchup": {"BLOCK_D": 16, "Z": 2}}  # several D chunks; 2 programs share the chunks
-    hist = hist_slots(B, hidx, qkv)
-    vl = vl0.clone()
-    kc, vc = nan_caches(B, dtype, S2)
-    catch_up_kv(x_hist, wkv, bkv, hidx, kc, vc, vl, pos, config=cfg)
-    k64, v64 = nan_caches(B, torch.float64, S2)
-    catch_up_kv_ref(x_hist.double(), wkv.double(), bkv.double(), hidx, k64, v64, vl0.clone(), pos, config=cfg)
-    kt, vt = nan_caches(B, dtype, S2)
-    catch_up_kv_ref(x_hist, wkv, bkv, hidx, kt, vt, vl0.clone(), pos, config=cfg)
-    mask = torch.zeros(B, H, S2, dtype=torch.bool)
-    hs = hidx.long().expand(B, -1) if hidx.dim() == 1 else hidx.long()
-    for b in range(B):
-        for h in hs[b].tolist():
-            mask[b, h, min(int(vl0[b, h]), int(pos[b])) + hist:int(pos[b])] = True
-    assert mask.sum() > 0
-    assert torch.equal(vl, vl0)
-    for got, ref, tor in ((kc, k64, kt), (vc, v64, vt)):
-        assert torch.equal(torch.isfinite(got).all(-1), mask)
-        assert torch.isnan(got[~mask]).all() and torch.equal(torch.isfinite(ref).all(-1), mask)
-        close(got[mask], ref[mask], tor[mask])
-    kv = (x_hist.double() @ wkv.double().T + bkv.double()).view(B, S2, 2, H, HD).permute(2, 0, 3, 1, 4)
-    assert torch.allclose(k64[mask], kv[0][mask]) and torch.allclose(v64[mask], kv[1][mask])
-
-
-CONFIGS = {  # name: (batch, shared set, op config)
-    "b1-two-launch": (1, False, {"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": False}}),
-    "b1-folded": (1, False, {"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": True, "FOLD_SLOW_Z": 2},
-                             "attn": {"CHUNK": 8, "BLOCK_S": 8}}),
-    "b1-fused": (1, False, {"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FUSED_FINISH": True}}),
-    "b2": (2, False, {"qkv": {"BLOCK_D": 32, "SPLIT": 2}}),
-    "b2-shared-fused-split1": (2, True, {"qkv": {"BLOCK_D": 16, "SPLIT": 1, "FUSED_FINISH": True}}),
-}
-
-
-@pytest.mark.parametrize("name,dtype", [(n, torch.float16 if i % 2 == 0 else torch.float32)
-                                        for i, n in enumerate(CONFIGS)], ids=list(CONFIGS))
-def test_caught_up_steps_equal_the_reference(triton_interp, dtype, name):
-    """Decode steps with gaps past the partials: catch_up_kv then the op with caught_up=True gives the
-    float64 reference's output, caches and valid_len; the op alone with caught_up=True leaves exactly
-    those slots unwritten (so it does skip its slow path), and without it fills them itself."""
-    B, shared, cfg = CONFIGS[name]
-    cfg = {**cfg, "catchup": {"BLOCK_D": 32}}
-    w = weights(dtype)
-    w64 = [t.double() for t in w]
-    x_hist0 = torch.randn(B, S2, D).to(dtype)
-    kc0, vc0 = torch.randn(B, H, S2, HD).to(dtype), torch.randn(B, H, S2, HD).to(dtype)  # earlier steps' K/V
-    vl0 = torch.tensor([[0, 29, 40, 40, 12], [3, 0, 40, 21, 40]][:B], dtype=torch.int32)
-    steps = [(40, [0, 1, 3]), (41, [2, 0, 4]), (43, [0, 1, 4]), (44, [4, 3, 2])]  # pos, heads (batch row 0)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
-    kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
-    k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
-    skipped = 0
-    for p, hs in steps:
-        x, res = torch.randn(B, D).to(dtype), torch.randn(B, D).to(dtype)
-        pos = torch.tensor([p, p - 1][:B])
-        hidx = torch.tensor(hs, dtype=torch.int32)
-        hidx = hidx if shared else torch.stack([hidx, hidx.flip(0)][:B])
-        # the op alone, told the slots were caught up: those slots stay NaN
-        kn, vn = [torch.where(torch.zeros_like(c, dtype=torch.bool), c, float("nan")) for c in (kc, vc)]
-        sparse_attn_decode_deferred(x, *w, hidx, kn, vn, hist.clone(), vl.clone(), pos, res, config=cfg,
-                                    caught_up=True)
-        hsel = hidx.long().expand(B, -1) if hidx.dim() == 1 else hidx.long()
-        want_nan = torch.zeros(B, H, S2, dtype=torch.bool)
-        for b in range(B):
-            for h in hsel[b].tolist():
-                want_nan[b, h, min(int(vl[b, h]), int(pos[b])) + hist_slots(B, hidx, cfg["qkv"]):int(pos[b])] = True
-        written = torch.isfinite(kn).all(-1)
-        assert not (written & want_nan).any()
-        skipped += int(want_nan.sum())
-        # catch-up, then the op
-        catch_up_kv(hist, w[2], w[3], hidx, kc, vc, vl, pos, config=cfg)
-        y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, config=cfg, caught_up=True)
-        ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, pos, res.double())
-        assert torch.equal(vl, vl64)
-        assert torch.allclose(y.double(), ref, **tol)
-        for got, want in ((kc, k64), (vc, v64), (hist, h64)):
-            assert torch.allclose(got.double(), want, **tol)
-    assert skipped > 0  # some step had slots past the partials
-
-
-def test_catch_up_bad_inputs_rejected():
-    w = weights(torch.float32)
-    x_hist = torch.randn(1, S2, D)
-    kc, vc = nan_caches(1, torch.float32, S2)
-    vl = torch.zeros(1, H, dtype=torch.int32)
-    hidx = torch.tensor([[0, 1]])
-    with pytest.raises(DejavuError, match="pos"):
-        catch_up_kv(x_hist, w[2], w[3], hidx, kc, vc, vl, torch.tensor([S2]), validate=True)
-    with pytest.raises(DejavuError):
-        catch_up_kv(x_hist.half(), w[2], w[3], hidx, kc, vc, vl, torch.tensor([3]), validate=True)
-    with pytest.raises(DejavuError):
-        catch_up_kv(x_hist, w[2], w[3], torch.tensor([[0, H]]), kc, vc, vl, torch.tensor([3]), validate=True)
-
-
-@pytest.mark.parametrize("z,dtype", [(1, torch.float32), (2, torch.float16)], ids=["z1-fp32", "z2-fp16"])
-def test_partial_slow_equals_finishing_slow_path(triton_interp, monkeypatch, dtype, z):
-    """Batch 1, PARTIAL_SLOW: the slots past the partials come from the Q/K/V partial kernel's slow
-    z-slices (FOLD_SLOW_Z chunk sets) while the finishing kernel still runs, skipping them: output,
-    caches, valid_len and history over steps with gaps of up to 40 equal the finishing kernel's slow
-    path (same 16-row dots: bit for bit) and are close to the float64 reference."""
-    w = weights(dtype)
-    w64 = [t.double() for t in w]
-    x_hist0 = torch.randn(1, S2, D).to(dtype)
-    kc0, vc0 = torch.randn(1, H, S2, HD).to(dtype), torch.randn(1, H, S2, HD).to(dtype)
-    vl0 = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32)
-    steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]
-    inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
-    grids = []  # (kernel name, grid, SLOW / CAUGHT_UP constexprs) of every launch through deferred_kv.jit
-    spy_launches(monkeypatch, lambda name, grid, kw: grids.append((name, grid, kw.get("SLOW"), kw.get("CAUGHT_UP"))))
-    runs = {}
-    for part in (True, False):
-        # (SHARED_P_UNFOLDED None, SHARED_P_WIDE 0: both paths' partials hold SHARED_P - 1 slots)
-        cfg = {"qkv": {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "FOLD_FINISH": False,
-                       "PARTIAL_SLOW": part, "FOLD_SLOW_Z": z, "FOLD_SLOW_R": 16, "SHARED_P_WIDE": 0,
-                       "SHARED_P_UNFOLDED": None}}
-        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
-        k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
-        ys = []
-        for (p, hs), (x, res) in zip(steps, inputs):
-            hidx = torch.tensor([hs], dtype=torch.int32)
-            grids.clear()
-            y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res, config=cfg)
-            (pn, pgrid, slow, _), (fn, _, _, caught) = grids[:2]
-            assert (pn, fn) == ("_qkv_partial_shared_kernel", "_qkv_finish_kernel"), grids
-            # z slow z-slices beside the 4 slices of D (60 columns in 16-column blocks), the finish told so
-            assert (slow, pgrid[2], bool(caught)) == ((z, 4 + z, True) if part else (0, 4, False)), grids
-            ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
-                                                  res.double())
-            assert torch.equal(vl, vl64)
-            assert torch.allclose(y.double(), ref, **tol)
-            ys.append(y)
-        runs[part] = (ys, kc, vc, vl, hist)
-    for a, b in zip(runs[True][0] + list(runs[True][1:]), runs[False][0] + list(runs[False][1:])):
-        assert torch.equal(a, b)
-    assert runs[True][3][0].tolist() == [44, 44, 45, 45, 45]  # every selected slot filled
-
-
-@pytest.mark.parametrize("route,slow_p,slow_d", [("finish", 32, None), ("fold", 32, None), ("finish-z2", 64, None),
-                                                  ("partial", 64, None), ("finish", 16, 64)])
-def test_slow_path_slots_per_pass(triton_interp, slow_p, slow_d, route):
-    """SLOW_P slots per whole-D pass of the slow path (finishing kernel, with 1 or 2 programs per row
-    block; the partial kernel's slow z-slices; folded), SLOW_D columns per load (the finishing
-    kernel's): gaps of up to 40 slots past the partials in one or more passes give the float64
-    reference's output, caches and valid_len over four steps."""
-    dtype = torch.float32
-    w = weights(dtype)
-    w64 = [t.double() for t in w]
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "FINISH_R": 16, "SLOW_P": slow_p, "SLOW_D": slow_d,
-           "FOLD_FINISH": route == "fold", "PARTIAL_SLOW": route == "partial", "FOLD_SLOW_Z": 2,
-           "SLOW_Z": 2 if route == "finish-z2" else 1}
-    cfg = {"qkv": qkv, "attn": {"CHUNK": 8, "BLOCK_S": 8}}
-    kc, vc = torch.randn(1, H, S2, HD), torch.randn(1, H, S2, HD)
-    vl, hist = torch.tensor([[0, 29, 40, 40, 12]], dtype=torch.int32), torch.randn(1, S2, D)
-    k64, v64, vl64, h64 = kc.double(), vc.double(), vl.clone(), hist.double()
-    for p, hs in [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (47, [4, 3, 2])]:
-        x, res = torch.randn(1, D), torch.randn(1, D)
-        hidx = torch.tensor([hs], dtype=torch.int32)
-        y = sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res, config=cfg)
-        ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, h64, vl64, torch.tensor([p]),
-                                              res.double())
-        assert torch.equal(vl, vl64)
-        for got, want in ((y, ref), (kc, k64), (vc, v64)):
-            assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
-    assert vl[0].tolist() == [44, 44, 48, 48, 48]
 
 
 # ---------------------------------------------------------------------------------------
@@ -869,10 +577,6 @@ REFRESH_CONFIGS = {  # name: (op config, whether the route takes refresh heads)
     "two-launch-slowz2": ({"qkv": {"BLOCK_D": 32, "SHARED_P": 4, "FOLD_FINISH": False, "SLOW_Z": 2}}, True),
     "folded": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": True, "FOLD_SLOW_Z": 2},
                 "attn": {"CHUNK": 8, "BLOCK_S": 8}}, False),
-    "fused": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FUSED_FINISH": True}}, False),
-    # EARLY_KV: the refresh heads' valid_len committed by the combine kernel
-    "two-launch-early-kv": ({"qkv": {"BLOCK_D": 16, "SHARED_P": 4, "FOLD_FINISH": False},
-                             "attn": {"CHUNK": 8, "BLOCK_S": 8, "EARLY_KV": True}}, True),
 }
 
 
@@ -975,44 +679,3 @@ def test_batch1_qkv_launch_leaves_sm_slots():
             split, d_per, _ = _qkv_split(cfg, D, groups, False)
             assert split == 1 or split * groups <= cfg["TARGET_PROGRAMS"], (D, kh, split)
             assert d_per % cfg["BLOCK_D"] == 0 and d_per * (split - 1) < D <= d_per * split
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("ahead", [1, 2], ids=["x-ahead", "x-g-b-ahead"])
-def test_ln_ahead_equals_ln_in_the_loop(triton_interp, monkeypatch, dtype, split, ahead):
-    """Batch 1, the input's LayerNorm applied by the Q/K/V partial kernel (a PendingLN): with LN_AHEAD
-    (x_new, or x_new and the LayerNorm's weight and bias, loaded a D chunk ahead) the outputs, caches,
-    valid_len and history equal the in-loop loads' bit for bit over two steps (16-column chunks: 4 in
-    one slice of D = 60, the last partial; 2 + 2 in two), and the output is close to float64. The
-    partial kernel is launched with the mode asked for."""
-    from dejavu.plugins.layer_norm import pending_ln
-    modes = []
-    spy_launches(monkeypatch, lambda name, grid, kw: modes.append(kw["LN_AHEAD"])
-                 if name == "_qkv_partial_shared_kernel" else None)
-    w = weights(dtype)
-    w64 = [t.double() for t in w]
-    ln = (torch.rand(D) + 0.5).to(dtype), (torch.randn(D) / 4).to(dtype)
-    S2 = 48
-    x_hist0 = torch.randn(1, S2, D).to(dtype)
-    kc0, vc0 = torch.randn(1, H, S2, HD).to(dtype), torch.randn(1, H, S2, HD).to(dtype)
-    vl0 = torch.tensor([[0, 29, 40, 38, 12]], dtype=torch.int32)
-    steps = [(40, [1, 2, 3]), (41, [3, 0])]
-    inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
-    runs = {}
-    for la in (0, ahead):
-        kc, vc, vl, hist = kc0.clone(), vc0.clone(), vl0.clone(), x_hist0.clone()
-        k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
-        ys = []
-        for (p, hs), (x, res) in zip(steps, inputs):
-            hidx = torch.tensor([hs], dtype=torch.int32)
-            y = sparse_attn_decode_deferred(pending_ln(x, *ln, width=32), *w, hidx, kc, vc, hist, vl,
-                                            torch.tensor([p]), res,
-                                            config={"qkv": {"BLOCK_D": 16, "SPLIT": split, "FOLD_FINISH": False,
-                                                            "LN_AHEAD": la}})
-            check_step(y, x, ln, w64, hidx, (k64, v64, h64, vl64), vl, p, res)
-            ys.append(y)
-        runs[la] = ys + [kc, vc, vl, hist]
-    assert modes == [0] * len(steps) + [ahead] * len(steps)
-    for a, b in zip(runs[0], runs[ahead]):
-        assert torch.equal(a, b)

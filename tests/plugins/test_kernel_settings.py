@@ -7,7 +7,7 @@ import dejavu.plugins as P
 
 def test_kernel_settings_cover_every_kernel_and_follow_the_configs(monkeypatch):
     s = P.kernel_settings()
-    assert set(s) == {"sparse_mlp", "fused_mlp", "deferred_qkv", "deferred_qkv_b1", "attention", "topk",
+    assert set(s) == {"sparse_mlp", "deferred_qkv", "deferred_qkv_b1", "attention", "topk",
                       "scoring", "layer_norm", "pdl"}
     assert json.loads(json.dumps(s)) == json.loads(json.dumps(s))  # JSON-ready (tuples become lists)
     dk = sys.modules["dejavu.plugins.deferred_kv"]
@@ -36,9 +36,8 @@ def test_pdl_launch_options_follow_the_config(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setitem(C.PDL_CONFIG, "ENABLED", True)
     monkeypatch.setitem(C.PDL_CONFIG, "EARLY", ("attn",))
-    monkeypatch.setitem(C.PDL_CONFIG, "PREFETCH_TILES", 2)
-    assert C.pdl_args(cuda, "attn") == {"GDC": 2, "PF": 2, "launch_pdl": True}
-    assert C.pdl_args(cuda, "fc1") == {"GDC": 1, "PF": 2, "launch_pdl": True}
+    assert C.pdl_args(cuda, "attn") == {"GDC": 2, "launch_pdl": True}
+    assert C.pdl_args(cuda, "fc1") == {"GDC": 1, "launch_pdl": True}
     with pytest.raises(DejavuError, match="unknown kernel kind"):
         C.pdl_args(cuda, "fc3")
     monkeypatch.setitem(C.PDL_CONFIG, "PLAIN", ("pred",))  # kinds kept off PDL

@@ -1,46 +1,13 @@
-"""plugins/_common.py: the device helper `last_arrival`, and `jit` binding helpers across
-modules (interpreter; tests/plugins/conftest.py).
-
-The interpreter runs a launch's programs one after another, so this checks the logic (one
-last program per launch, the counter back to 0 for the next launch), not the GPU memory
-ordering; benchmarks/kernels.py --check runs the kernels that use it on the H200.
-"""
+"""plugins/_common.py: `jit` binding helpers across modules (interpreter; tests/plugins/conftest.py),
+the register cap and the interpreter's bf16 rounding."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dejavu.plugins._common import jit, last_arrival
+from dejavu.plugins._common import jit
 
 tl = None  # bound by jit
-
-
-def _sum_last_kernel(x_ptr, part_ptr, out_ptr, cnt_ptr, N, BLOCK: tl.constexpr, NP2: tl.constexpr):
-    # each program sums its block of x into part[pid]; the last to arrive sums part into out
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    tl.store(part_ptr + pid, tl.sum(tl.load(x_ptr + offs, mask=offs < N, other=0.0), 0))
-    n = tl.num_programs(0)
-    if last_arrival(cnt_ptr, n):
-        p = tl.arange(0, NP2)
-        tl.store(out_ptr, tl.sum(tl.load(part_ptr + p, mask=p < n, other=0.0, cache_modifier=".cg"), 0))
-        tl.store(out_ptr + 1, pid.to(tl.float32))
-
-
-@pytest.mark.parametrize("n_prog", [1, 2, 7])
-def test_last_arrival_one_last_program_and_reset(n_prog):
-    g = torch.Generator().manual_seed(n_prog)
-    block = 16
-    cnt = torch.zeros(1, dtype=torch.int32)
-    kernel = jit(_sum_last_kernel, torch.device("cpu"))
-    for _ in range(2):  # the counter must be back to 0 for the second launch
-        x = torch.randn(n_prog * block - 3, generator=g, dtype=torch.float64).float()
-        part = torch.full((n_prog,), float("nan"))
-        out = torch.full((2,), float("nan"))
-        kernel[(n_prog,)](x, part, out, cnt, x.numel(), BLOCK=block, NP2=max(2, 1 << (n_prog - 1).bit_length()))
-        assert int(cnt.item()) == 0
-        assert out[0].item() == pytest.approx(x.double().sum().item(), abs=1e-5)
-        assert out[1].item() == n_prog - 1  # the interpreter runs programs in order: the last is the last
 
 
 def test_jit_binds_helpers_in_the_modules_they_come_from(triton_interp):

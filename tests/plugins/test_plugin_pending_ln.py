@@ -1,14 +1,14 @@
-"""A LayerNorm left to its consumer (layer_norm.PendingLN): the split-K reduction stores block
-stats instead of a LayerNorm launch, fc1's GEMV normalises its input as it loads it. Against
-float64 references (Triton interpreter)."""
+"""A LayerNorm left to its consumer (layer_norm.PendingLN): fc2's split-K reduction stores block
+stats instead of a LayerNorm launch, the next layer's deferred Q/K/V kernel normalises its input as
+it loads it. Against float64 references (Triton interpreter)."""
 import sys
 
 import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins import sparse_fc1, sparse_fc1_ref, sparse_fc2
-from dejavu.plugins.layer_norm import PendingLN, block_stats, layer_norm, ln_fold, pending_ln
+from dejavu.plugins import sparse_fc2
+from dejavu.plugins.layer_norm import PendingLN, block_stats, check_pending, from_stats_ref, layer_norm, pending_ln
 
 SM = sys.modules["dejavu.plugins.sparse_mlp"]
 LN = sys.modules["dejavu.plugins.layer_norm"]
@@ -46,84 +46,6 @@ def test_block_stats_against_float64(width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,shared", [(1, True), (1, False), (3, False), (3, True)])
-@pytest.mark.parametrize("width", [32, 128])
-def test_fc1_of_pending_layer_norm(launched, triton_interp, close, dtype, B, shared, width):
-    # the GEMV route (batch 1, per-sequence sets) normalises in the kernel: one launch; the
-    # tl.dot route (a shared set from batch 2) runs the layer_norm kernel first
-    w1, b1, _, _, ln = weights(dtype)
-    x = (torch.randn(B, D) * 3 + 0.5).to(dtype)
-    idx = index(B, shared)
-    p = pending_ln(x, *ln, width=width)
-    names = launched(SM, LN)
-    h = torch.full((B, K), float("nan"), dtype=dtype)
-    assert sparse_fc1(p, w1, b1, idx, out=h) is h
-    gemv = not (shared and B >= SM.DOT_MIN_BATCH)
-    assert names == (["_gather_gemv_kernel"] if gemv else ["_layer_norm_kernel", "_gather_dot_kernel"]), names
-    # reference: LayerNorm then fc1 in float64. The same-dtype baseline: the worse of PyTorch
-    # (F.layer_norm then fc1) and the unfused kernels (layer_norm kernel then fc1); in bf16 the
-    # rounding of LN(x) to 8 bits dominates and lands differently in each
-    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
-    paths = [sparse_fc1_ref(p, w1, b1, idx), sparse_fc1(layer_norm(x, *ln), w1, b1, idx)]
-    close(h, want, max(paths, key=lambda t: (t.double() - want).abs().max().item()))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,shared", [(1, True), (3, False), (3, True)])
-def test_fc1_with_the_layer_norm_folded_into_its_rows(launched, triton_interp, close, dtype, B, shared):
-    # ln_fold: w1 @ g and w1 @ beta + b1 per row; the GEMV sums w1 * (g * x) and applies mean
-    # and rstd after its loop (LN(x) never rounded); the tl.dot route ignores the fold
-    w1, b1, _, _, ln = weights(dtype)
-    x = (torch.randn(B, D) * 3 + 0.5).to(dtype)
-    idx = index(B, shared)
-    fold = ln_fold(w1, b1, *ln, rows_per_chunk=64)  # several chunks
-    wg64 = w1.double() @ ln[0].double()
-    assert torch.allclose(fold.wg.double(), wg64, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(fold.wb.double(), w1.double() @ ln[1].double() + b1.double(), rtol=1e-5, atol=1e-5)
-    names = launched(SM, LN)
-    h = torch.full((B, K), float("nan"), dtype=dtype)
-    sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx, out=h, ln_fold=fold)
-    gemv = not (shared and B >= SM.DOT_MIN_BATCH)
-    assert names == (["_gather_gemv_kernel"] if gemv else ["_layer_norm_kernel", "_gather_dot_kernel"]), names
-    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
-    close(h, want, sparse_fc1_ref(pending_ln(x, *ln), w1, b1, idx))
-    if gemv:  # no LN(x) rounding: as close to float64 as fc1 of an exact input, up to fp32 sums
-        exact = sparse_fc1(ln64(x, ln).float(), w1.float(), b1.float(), idx)
-        assert (h.double() - want).abs().max() <= 2 * (exact.to(dtype).double() - want).abs().max() + 1e-5
-
-
-def test_fc1_with_the_layer_norm_folded_and_a_large_mean(triton_interp):
-    # rstd * (w @ (g x)) - rstd * mean * (w @ g): cancellation when |mean| >> std, in fp32
-    w1, b1, _, _, ln = weights(torch.float32)
-    x = torch.randn(2, D) + 3000.0
-    idx = index(2, False)
-    h = sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx, ln_fold=ln_fold(w1, b1, *ln))
-    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
-    assert (h.double() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
-
-
-def test_fc1_of_pending_layer_norm_equals_fc1_of_the_kernels_layer_norm(triton_interp):
-    # same input values as layer_norm's kernel would store (rounded to fp16), up to the
-    # last bits of the merged stats
-    w1, b1, _, _, ln = weights(torch.float16)
-    x = torch.randn(1, D).half()
-    idx = index(1, False)
-    a = sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx)
-    b = sparse_fc1(layer_norm(x, *ln), w1, b1, idx)
-    assert (a.float() - b.float()).abs().max().item() <= 2e-3 * b.float().abs().max().item()
-
-
-def test_fc1_of_pending_layer_norm_with_large_mean(triton_interp):
-    # |mean| >> std: the block (mean, M2) merge keeps the fp32 LayerNorm accurate
-    w1, b1, _, _, ln = weights(torch.float32)
-    x = torch.randn(2, D) + 3000.0
-    idx = index(2, False)
-    h = sparse_fc1(pending_ln(x, *ln, width=32), w1, b1, idx)
-    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
-    assert (h.double() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared", [(1, True), (1, False), (3, False)])
 def test_fc2_with_deferred_layer_norm_stores_stats_not_a_layer_norm(launched, triton_interp, dtype, B, shared):
     # split reduction: y as without ln (bit-equal), block stats of the stored y, no LayerNorm launch
@@ -142,15 +64,13 @@ def test_fc2_with_deferred_layer_norm_stores_stats_not_a_layer_norm(launched, tr
     assert torch.allclose(p.stats, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fc2_with_deferred_layer_norm_then_fc1(triton_interp, close):
-    # the decode step's pair: fc2's reduction leaves LN(y) pending, fc1 applies it
-    w1, b1, w2_t, b2, ln = weights(torch.float16)
+def test_fc2_with_deferred_layer_norm_gives_the_layer_norm(triton_interp, close):
+    # what a consumer merges from the stats equals LayerNorm(y) (float64 of the stored y)
+    _, _, w2_t, b2, ln = weights(torch.float16)
     idx = index(1, False)
     h, res = torch.randn(1, K).half(), torch.randn(1, D).half()
     y, p = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer=True, config={"SPLIT": 3, "BLOCK_K": 16})
-    got = sparse_fc1(p, w1, b1, idx)
-    want = sparse_fc1_ref(ln64(y, ln), w1.double(), b1.double(), idx)
-    close(got, want, sparse_fc1_ref(torch.nn.functional.layer_norm(y, (D,), *ln, 1e-5), w1, b1, idx))
+    close(from_stats_ref(p), ln64(y, ln), torch.nn.functional.layer_norm(y, (D,), *ln, 1e-5))
 
 
 def test_fc2_with_deferred_layer_norm_without_a_reduction_computes_it(triton_interp, monkeypatch):
@@ -164,23 +84,17 @@ def test_fc2_with_deferred_layer_norm_without_a_reduction_computes_it(triton_int
 
 
 def test_bad_pending_layer_norm_rejected():
-    w1, b1, _, _, ln = weights(torch.float16)
-    x = torch.randn(1, D).half()
-    idx = index(1, False)
-    good = pending_ln(x, *ln, width=32)
+    _, _, _, _, ln = weights(torch.float16)
+    good = pending_ln(torch.randn(1, D).half(), *ln, width=32)
+    check_pending(good)
     with pytest.raises(DejavuError, match="PendingLN.stats: expected shape"):
-        sparse_fc1(good._replace(width=64), w1, b1, idx)
+        check_pending(good._replace(width=64))
     with pytest.raises(DejavuError, match="PendingLN.stats: expected dtype"):
-        sparse_fc1(good._replace(stats=good.stats.half()), w1, b1, idx)
+        check_pending(good._replace(stats=good.stats.half()))
     with pytest.raises(DejavuError, match="PendingLN.weight: expected shape"):
-        sparse_fc1(good._replace(weight=ln[0][:-1].contiguous()), w1, b1, idx)
+        check_pending(good._replace(weight=ln[0][:-1].contiguous()))
     with pytest.raises(DejavuError, match="PendingLN.width: expected a positive int"):
-        sparse_fc1(good._replace(width=0), w1, b1, idx)
-    fold = ln_fold(w1, b1, *ln)
-    with pytest.raises(DejavuError, match="ln_fold.wg: expected shape"):
-        sparse_fc1(good, w1, b1, idx, ln_fold=fold._replace(wg=fold.wg[:-1].contiguous()))
-    with pytest.raises(DejavuError, match="ln_fold.wb: expected dtype"):
-        sparse_fc1(good, w1, b1, idx, ln_fold=fold._replace(wb=fold.wb.half()))
+        check_pending(good._replace(width=0))
 
 
 # ---- the LayerNorm before a deferred-K/V attention, left to its Q/K/V kernel -------------
@@ -201,9 +115,7 @@ def attn_weights(dtype):
     (1, False, {"qkv": {"SPLIT": 3, "BLOCK_D": 16}}),  # several slices of D: every program normalises its own
     (3, True, {"qkv": {"SPLIT": 2, "BLOCK_D": 16}}),  # a [Kh] set for the batch: the LayerNorm computed first
     (2, False, None),  # per-sequence sets: the per-sequence kernel, the LayerNorm computed first
-    (1, False, {"qkv": {"SHARED_MIN_BATCH": None}}),  # batch 1 on the per-sequence kernel
-    # batch 1, attention and output projection in one launch (valid_len committed there)
-    (1, True, {"attn": {"PROJ_MAX_S": 32, "PROJ_BLOCK_D": 16, "PROJ_TARGET": 5, "PROJ_BLOCK_S": 4}})])
+    (1, False, {"qkv": {"SHARED_MIN_BATCH": None}})])  # batch 1 on the per-sequence kernel
 def test_deferred_attention_of_pending_layer_norm(launched, triton_interp, close, dtype, B, shared, config):
     from dejavu.plugins.deferred_kv import sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
     DK = sys.modules["dejavu.plugins.deferred_kv"]
@@ -242,55 +154,3 @@ def test_deferred_attention_of_pending_layer_norm(launched, triton_interp, close
     assert written.any() and torch.equal(kc[~written], k0[~written]) and torch.equal(vc[~written], v0[~written])
     close(kc[written], k64[written], kt[written])
     close(vc[written], v64[written], vt[written])
-
-
-# ---- the centred product: fc1 reads z = g * (x - block mean) with the block fold ----------
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,shared", [(1, True), (3, False)])
-@pytest.mark.parametrize("mean", [0.5, 300.0])
-def test_fc1_of_centred_pending_layer_norm(launched, triton_interp, close, dtype, B, shared, mean):
-    # one GEMV launch reading z; the block means' correction after the loop keeps it as close to
-    # float64 as fc1 of the rounded LayerNorm, whatever the row's mean (z is centred per block)
-    w1, b1, _, _, ln = weights(dtype)
-    x = (torch.randn(B, D) * 3 + mean).to(dtype)
-    idx = index(B, shared)
-    p = pending_ln(x, *ln, width=32, z=True)
-    fold = ln_fold(w1, b1, *ln, rows_per_chunk=64, width=32)
-    assert fold.wgb.shape == (F, 3) and fold.width == 32
-    g64 = w1.double() * ln[0].double()
-    for n in range(3):
-        assert torch.allclose(fold.wgb[:, n].double(), g64[:, n * 32:(n + 1) * 32].sum(1), rtol=1e-5, atol=1e-5)
-    names = launched(SM, LN)
-    h = torch.full((B, K), float("nan"), dtype=dtype)
-    sparse_fc1(p, w1, b1, idx, out=h, ln_fold=fold)
-    assert names == ["_gather_gemv_kernel"], names
-    want = sparse_fc1_ref(ln64(x, ln), w1.double(), b1.double(), idx)
-    paths = [sparse_fc1_ref(p, w1, b1, idx), sparse_fc1(layer_norm(x, *ln), w1, b1, idx)]
-    close(h, want, max(paths, key=lambda t: (t.double() - want).abs().max().item()))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fc2_reduction_stores_the_centred_product(launched, triton_interp, dtype):
-    _, _, w2_t, b2, ln = weights(dtype)
-    idx = index(1, False)
-    h, res = torch.randn(1, K).to(dtype), torch.randn(1, D).to(dtype)
-    cfg = {"SPLIT": 3, "BLOCK_K": 16}
-    y0, p0 = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer=True, config=cfg)
-    names = launched(SM, LN)
-    y, p = sparse_fc2(h, w2_t, b2, idx, res, ln=ln, ln_defer="z", config=cfg)
-    assert names[-1] == "_split_reduce_kernel" and "_layer_norm_kernel" not in names, names
-    assert torch.equal(y, y0) and torch.equal(p.stats, p0.stats) and p0.z is None
-    want = LN.block_centred(y, ln[0], p.stats, p.width)
-    ulp = torch.finfo(dtype).eps * want.abs().double()
-    assert ((p.z.double() - want.double()).abs() <= ulp + 1e-6).all()
-
-
-def test_bad_block_fold_rejected():
-    w1, b1, _, _, ln = weights(torch.float16)
-    x = torch.randn(1, D).half()
-    p = pending_ln(x, *ln, width=32, z=True)
-    fold = ln_fold(w1, b1, *ln, width=32)
-    with pytest.raises(DejavuError, match="ln_fold.wgb: expected shape"):
-        sparse_fc1(p, w1, b1, index(1, False), ln_fold=fold._replace(width=16))
-    with pytest.raises(DejavuError, match="PendingLN.z: expected dtype"):
-        sparse_fc1(p._replace(z=p.z.float()), w1, b1, index(1, False), ln_fold=fold)

@@ -33,7 +33,7 @@ def test_load_equals_from_tensors(engine_file):
     eng = Engine.load(path)
     assert eng.tokenizer.encode("The game")[0] == eng.spec.bos_id
     assert isinstance(eng.complete(["The game"], 4)[0], str)
-    assert eng.describe()["kernels"]["sparse_fc1"] == "plugin_ref"
+    assert eng.describe()["kernels"]["sparse_fc1"] == "ref"
     assert eng.describe()["programmatic_launch"] is False  # CPU: reference kernels, plain calls
 
 

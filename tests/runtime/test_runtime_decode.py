@@ -198,18 +198,16 @@ def test_errors():
         eng.generate([PROMPT], 2, temperature=-1)
 
 
-def test_local_reference_ops_equal_plugin_references():
-    from dejavu.runtime import ops as O
+def test_reference_backend_is_the_plugins_references():
+    """The CPU backend is the plugins' `_ref` functions (and PyTorch's LayerNorm): one set of references."""
+    import dejavu.plugins as P
+    from dejavu.plugins import deferred_kv
 
-    model = tiny_model(seed=12)
-    header, tensors = engine_from_dense(model, 0.5, 0.5)
-    a = Engine.from_tensors(header, tensors, "cpu")
-    b = Engine.from_tensors(header, tensors, "cpu")
-    for name, fn in O._LOCAL.items():
-        setattr(b.ops, name, fn)
-        setattr(b.decoder.pred, "topk", O._LOCAL["predictor_topk"])
-    assert a.ops.kernels["sparse_attn"] == "plugin_ref"
-    assert a.generate([PROMPT], 24, stop_at_eos=False) == b.generate([PROMPT], 24, stop_at_eos=False)
+    eng = Engine.from_tensors(*engine_from_dense(tiny_model(seed=12), 0.5, 0.5), "cpu")
+    assert set(eng.ops.kernels.values()) == {"ref"}
+    assert eng.ops.sparse_attn is P.sparse_attn_decode_ref and eng.ops.sparse_fc1 is P.sparse_fc1_ref
+    assert eng.ops.sparse_attn_deferred is deferred_kv.sparse_attn_decode_deferred_ref
+    assert eng.ops.kv_refresh is deferred_kv.refresh_heads_ref
 
 
 def test_post_ln_with_projections_350m_style():
@@ -223,42 +221,3 @@ def test_post_ln_with_projections_350m_style():
     header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
     eng = Engine.from_tensors(header, tensors, "cpu")
     assert eng.generate([PROMPT], 24, stop_at_eos=False)[0] == MaskedDense(model, header, tensors).generate(PROMPT, 24)
-
-
-def _decode_logits(eng, prompts, n, fuse, defer=False):
-    """Logits of every decode step of a greedy run, with the decoder's LayerNorm fusion on or off
-    (and its deferred LayerNorm, `defer`), and how many times the step called the separate
-    layer_norm op."""
-    dec, out, calls = eng.decoder, [], []
-    ln, fuse0, defer0 = eng.ops.layer_norm, dec.fuse_ln, dec.defer_ln
-    dec.fuse_ln, dec.defer_ln = fuse, defer
-    record_steps(dec, out)
-    eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
-    try:
-        eng.generate(prompts, n, stop_at_eos=False)
-    finally:
-        del dec.decode_step
-        eng.ops.layer_norm, dec.fuse_ln, dec.defer_ln = ln, fuse0, defer0
-    return out, len(calls)
-
-
-@pytest.mark.parametrize("kv_policy", ["deferred", "full"])
-def test_fused_layer_norms_equal_separate_ones(kv_policy):
-    # pre-LN: sparse attention / MLP ops return the next LayerNorm too; on the CPU path that is
-    # F.layer_norm of the same y, so every decode step's logits are bit-identical
-    model = tiny_model(seed=6)
-    header, tensors = engine_from_dense(model, 0.5, 0.5, "attn_in", 1)
-    header["build_config"]["mlp_k"][1] = model.config.ffn_dim  # layer 1's MLP dense: no fused LN after it
-    eng = Engine.from_tensors(header, tensors, "cpu", kv_policy=kv_policy)
-    assert not eng.decoder.spec.sparse_mlp(1) and eng.decoder.spec.sparse_mlp(0)
-    (fused, n_fused), (sep, n_sep) = (_decode_logits(eng, [PROMPT, PROMPT[:3]], 6, f) for f in (True, False))
-    assert len(fused) == len(sep) == 5
-    assert all(torch.equal(a, b) for a, b in zip(fused, sep))
-    # separate: 2 per layer + final per step; fused: layer 0's ln_attn and, after the dense MLP
-    # of layer 1, layer 2's ln_attn
-    assert (n_sep, n_fused) == (5 * 7, 5 * 2)
-    # deferred (opt-in): the MLP's LayerNorm comes from the attention op (computed there by the
-    # references) before the sparse MLPs of layers 0 and 2, not before layer 1's dense one
-    deferred, n_deferred = _decode_logits(eng, [PROMPT, PROMPT[:3]], 6, False, True)
-    assert all(torch.equal(a, b) for a, b in zip(deferred, sep))
-    assert n_deferred == 5 * 5 and not eng.decoder.defer_ln

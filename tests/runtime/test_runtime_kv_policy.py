@@ -116,21 +116,21 @@ def test_refresh_heads_default_rule():
     reference op or batch > 1 never refreshes by default."""
     from types import SimpleNamespace
 
-    from dejavu.runtime.decoder import REFRESH_AUTO, SparseDecoder
+    from dejavu.runtime.decoder import REFRESH_AUTO, DecodeOptions, SparseDecoder
     n, frac, min_d = REFRESH_AUTO
     H = 56
     spec = SimpleNamespace(hidden_size=min_d, num_heads=H)
     triton = SimpleNamespace(kernels={"sparse_attn_deferred": "triton"})
-    dec = SimpleNamespace(kv_refresh=None, ops=triton, spec=spec, kv_policy="deferred", batch=1)
+    dec = SimpleNamespace(options=DecodeOptions(), ops=triton, spec=spec, kv_policy="deferred", batch=1)
     many, few = torch.zeros(int(frac * H) + 1, dtype=torch.int32), torch.zeros(int(frac * H) - 1, dtype=torch.int32)
     assert SparseDecoder._refresh_slots(dec, many) == n and SparseDecoder._refresh_slots(dec, few) == 0
     assert SparseDecoder._refreshing(dec)
     small = SimpleNamespace(**{**vars(dec), "spec": SimpleNamespace(hidden_size=min_d // 2, num_heads=H)})
     assert SparseDecoder._refresh_slots(small, many) == 0
-    ref = SimpleNamespace(**{**vars(dec), "ops": SimpleNamespace(kernels={"sparse_attn_deferred": "plugin_ref"})})
+    ref = SimpleNamespace(**{**vars(dec), "ops": SimpleNamespace(kernels={"sparse_attn_deferred": "ref"})})
     assert SparseDecoder._refresh_slots(ref, many) == 0
     for k in (0, 3):
-        fixed = SimpleNamespace(**{**vars(dec), "kv_refresh": k})
+        fixed = SimpleNamespace(**{**vars(dec), "options": DecodeOptions(kv_refresh=k)})
         assert SparseDecoder._refresh_slots(fixed, few) == k and SparseDecoder._refreshing(fixed) == (k > 0)
     assert not SparseDecoder._refreshing(SimpleNamespace(**{**vars(dec), "batch": 2}))
     assert not SparseDecoder._refreshing(SimpleNamespace(**{**vars(dec), "kv_policy": "full"}))

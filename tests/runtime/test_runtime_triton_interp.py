@@ -94,16 +94,6 @@ for policy, kv in (("per_sequence", "deferred"), ("shared", "deferred"), ("per_s
     out[policy if kv == "deferred" else "full"] = {"kernels": a.ops.kernels, "check": {k: str(v) for k, v in a.kernel_check.items()},
                    "same": a.generate(P, 4, stop_at_eos=False) == b.generate(P, 4, stop_at_eos=False),
                    "warnings": [str(x.message) for x in w]}
-# batch 1 with fc1 + fc2 in one launch (SparseDecoder.fused_mlp): same greedy tokens
-h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
-a = Engine.from_tensors(h, t, "cpu", backend="triton")
-a.decoder.fused_mlp = True
-b = Engine.from_tensors(h, t, "cpu")
-calls = []
-fused = a.ops.sparse_mlp
-a.ops.sparse_mlp = lambda *args, **kw: calls.append(1) or fused(*args, **kw)
-out["fused_mlp"] = {"same": a.generate(P[:1], 4, stop_at_eos=False) == b.generate(P[:1], 4, stop_at_eos=False),
-                    "calls": len(calls), "check": str(a.kernel_check.get("sparse_mlp"))}
 print(json.dumps(out))
 """
 
@@ -113,57 +103,10 @@ def test_triton_backend_in_interpreter_equals_reference():
     per = out["per_sequence"]
     assert per["kernels"] == {"predictor_topk": "triton", "sparse_fc1": "triton", "sparse_fc2": "triton",
                               "sparse_attn": "triton", "sparse_attn_deferred": "triton", "layer_norm": "triton",
-                              "sparse_mlp": "triton", "kv_catch_up": "triton", "kv_refresh": "triton"}, per
+                              "kv_refresh": "triton"}, per
     assert per["same"], per
-    assert out["fused_mlp"]["same"] and out["fused_mlp"]["calls"] > 0, out["fused_mlp"]
     assert out["full"]["same"], out["full"]
     assert out["shared"]["same"], out["shared"]  # kernels that fail their check fall back, still equal
-
-
-CATCH_UP_SCRIPT = r"""
-import torch, json
-torch.set_num_threads(1)
-from runtime_helpers import engine_from_dense, tiny_model, record_steps
-from dejavu.runtime import Engine
-import dejavu.plugins.deferred_kv as DK
-# batch 1's Q/K/V partials hold one missing slot (SHARED_P 2): a head unselected for two steps or
-# more needs the slots past it, which the decoder catches up on the heads' stream before attention
-DK.QKV_CONFIG_B1.update(SHARED_P=2)
-m = tiny_model(seed=3)
-P = [[2, 17, 40, 5, 88, 63, 9]]
-h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
-out = {}
-logits = {}
-for name in ("ref", "catch_up", "slow_path", "skipped"):
-    eng = Engine.from_tensors(h, t, "cpu", backend="ref" if name == "ref" else "triton")
-    dec, got, calls = eng.decoder, [], []
-    dec.catch_up = name != "slow_path"
-    real = eng.ops.kv_catch_up
-    # "skipped": the op is told the slots were caught up but nothing fills them (they keep
-    # whatever the cache held there)
-    eng.ops.kv_catch_up = (lambda *a, **k: calls.append(1)) if name == "skipped" else \
-        (lambda *a, **k: calls.append(1) or real(*a, **k))
-    record_steps(dec, got)
-    out[name + "_tokens"] = eng.generate(P, 8, stop_at_eos=False)
-    out[name + "_calls"] = len(calls)
-    out[name + "_kernels"] = eng.ops.kernels
-    logits[name] = torch.stack(got)
-ref = logits["ref"]
-out["err"] = {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in logits.items()}
-print(json.dumps(out))
-"""
-
-
-def test_decoder_catches_up_deferred_kv_on_the_heads_stream():
-    # Triton backend in the interpreter, batch 1, gaps past the partials: with the catch-up the
-    # logits equal the reference backend's as without it (the Q/K/V kernels' slow path); the
-    # catch-up runs; and the step does rely on it (an op told "caught up" with nothing filled differs)
-    out = _run("test_decoder_catches_up_deferred_kv_on_the_heads_stream")
-    assert out["catch_up_kernels"]["kv_catch_up"] == "triton", out
-    assert out["catch_up_calls"] > 0 and out["slow_path_calls"] == 0, out
-    assert out["err"]["catch_up"] < 1e-5 and out["err"]["slow_path"] < 1e-5, out
-    assert out["catch_up_tokens"] == out["ref_tokens"] == out["slow_path_tokens"], out
-    assert out["err"]["skipped"] > 1e-3, out
 
 
 REFRESH_SCRIPT = r"""
@@ -186,8 +129,7 @@ for name, backend, r, lags_ in (("ref", "ref", 0, None), ("ref_refresh", "ref", 
     DK.QKV_CONFIG_B1.update(FOLD_FINISH=True if name == "folded" else "wide", FOLD_MAX_SPLIT=8)
     eng = Engine.from_tensors(h, t, "cpu", backend=backend)
     dec, got, picks, lags = eng.decoder, [], [], []
-    dec.kv_refresh = r
-    dec.kv_refresh_lags = lags_ or (None, None)
+    dec.set_options(kv_refresh=r, kv_refresh_lags=lags_ or (None, None))
     real = eng.ops.kv_refresh
     def pick(*a, **k):
         res = real(*a, **k)
@@ -230,47 +172,6 @@ def test_decoder_refresh_heads_keep_lags_bounded():
             == out["folded_tokens"]), out
 
 
-FUSED_SCRIPT = r"""
-import torch, json
-torch.set_num_threads(1)
-from runtime_helpers import engine_from_dense, tiny_model
-from dejavu.runtime import Engine
-import dejavu.plugins.sparse_mlp as SM
-from runtime_helpers import record_steps
-m = tiny_model(seed=3)
-P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
-h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
-out = {}
-for policy in ("per_sequence", "shared"):
-    logits = {}
-    for name, fuse, finish in (("fused", True, True), ("separate", False, True), ("fallback", True, False)):
-        SM.FUSED_FINISH = finish  # "fallback": ln= through the kernels' fallback (a layer_norm launch)
-        eng = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy=policy)
-        dec, got, calls = eng.decoder, [], []
-        dec.fuse_ln, dec.defer_ln, ln = fuse, False, eng.ops.layer_norm
-        record_steps(dec, got)
-        eng.ops.layer_norm = lambda *a: calls.append(1) or ln(*a)
-        eng.generate(P, 3, stop_at_eos=False)
-        logits[name] = torch.stack(got)
-        out[policy + "_kernels"] = eng.ops.kernels
-        out[policy + "_ln_calls_" + name] = len(calls)
-    ref = logits["separate"]
-    out[policy] = {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in logits.items()}
-print(json.dumps(out))
-"""
-
-
-def test_fused_layer_norms_in_interpreter_equal_separate_ones():
-    # the decode step with LayerNorms from the fused kernels (and from their fallback) against
-    # the step with the separate LayerNorm kernel, Triton backend in the interpreter, fp32
-    out = _run("test_fused_layer_norms_in_interpreter_equal_separate_ones")
-    for policy in ("per_sequence", "shared"):
-        assert set(out[policy + "_kernels"].values()) == {"triton"}, out
-        assert out[policy]["fused"] < 1e-5 and out[policy]["fallback"] < 1e-5, out
-        # 2 steps x (3 layers x 2 + final) separate; fused: layer 0's ln_attn only
-        assert (out[policy + "_ln_calls_separate"], out[policy + "_ln_calls_fused"]) == (14, 2), out
-
-
 DEFER_SCRIPT = r"""
 import torch, json
 torch.set_num_threads(1)
@@ -279,8 +180,7 @@ from dejavu.runtime import Engine
 from dejavu.plugins.layer_norm import PendingLN
 import dejavu.plugins.sparse_mlp as SM
 from runtime_helpers import record_steps
-# blocks of 16 rows and 32 selected rows (2 heads of 16): the projection splits K, so its
-# reduction runs (and stores the stats) on every route
+# blocks of 16 rows: fc2 splits K, so its reduction runs (and stores the stats) on every route
 for route in ("proj1", "dot", "gemv", "dot1"):
     SM.FC2_CONFIG[route] = {**SM.FC2_CONFIG[route], "BLOCK_K": 16}
 m = tiny_model(seed=3, hidden_size=64, word_embed_proj_dim=64)
@@ -289,35 +189,23 @@ h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
 out = {}
 for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
     logits = {}
-    # (name, defer_ln, fold_ln, defer_ln_attn, ln_from_attn): the LayerNorm before the MLP left to
-    # fc1, the one before attention left to the Q/K/V kernel (SparseDecoder.defer_ln_attn), both,
-    # neither; the one before the MLP from the attention op's reduction (ln_from_attn)
-    variants = [("fold", True, True, False, False), ("loop", True, False, False, False),
-                ("attn", False, True, True, False), ("off", False, True, False, False),
-                ("fromattn", False, True, True, True)] + ([("both", True, True, True, False),
-                                                           ("z", True, "z", True, False)]
-                                                          if policy == "batch1" else [])
-    for name, defer, fold, attn, from_attn in variants:
+    # the LayerNorm before attention left to the Q/K/V kernel (DecodeOptions.defer_ln_attn), or not
+    for name, attn in (("attn", True), ("off", False)):
         eng = Engine.from_tensors(h, t, "cpu", backend="triton",
                                   batch_policy="shared" if policy == "shared" else "per_sequence")
-        dec, got, pend, folds, pend_attn, centred = eng.decoder, [], [], [], [], []
-        dec.defer_ln, dec.fold_ln, dec.defer_ln_attn, dec.ln_from_attn = defer, fold, attn, from_attn
+        dec, got, pend_attn = eng.decoder, [], []
+        dec.set_options(defer_ln_attn=attn)
         lns = []
         ln_op = eng.ops.layer_norm
         eng.ops.layer_norm = lambda *a, **k: lns.append(1) or ln_op(*a, **k)
-        fc1, att = eng.ops.sparse_fc1, eng.ops.sparse_attn_deferred
+        att = eng.ops.sparse_attn_deferred
         record_steps(dec, got)
-        eng.ops.sparse_fc1 = lambda x, *a, **k: (pend.append(isinstance(x, PendingLN)) or folds.append("ln_fold" in k)
-                                                 or centred.append(getattr(x, "z", None) is not None
-                                                                   and k["ln_fold"].wgb is not None)
-                                                 or fc1(x, *a, **k))
         eng.ops.sparse_attn_deferred = lambda x, *a, **k: pend_attn.append(isinstance(x, PendingLN)) or att(x, *a, **k)
         toks = eng.generate(prompts, 3, stop_at_eos=False)
         logits[name] = torch.stack(got)
-        out[f"{policy}_{name}"] = {"pending": sum(pend), "folds": sum(folds), "fc1": len(pend), "kernels": eng.ops.kernels,
-                                   "pending_attn": sum(pend_attn), "attn": len(pend_attn), "centred": sum(centred),
-                                   "ln_calls": len(lns),
-                                   "check": {k: str(v) for k, v in eng.kernel_check.items()}, "tokens": toks}
+        out[f"{policy}_{name}"] = {"kernels": eng.ops.kernels, "pending_attn": sum(pend_attn), "attn": len(pend_attn),
+                                   "ln_calls": len(lns), "check": {k: str(v) for k, v in eng.kernel_check.items()},
+                                   "tokens": toks}
     ref = logits["off"]
     out[policy] = {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in logits.items()}
 print(json.dumps(out))
@@ -325,36 +213,19 @@ print(json.dumps(out))
 
 
 def test_deferred_layer_norm_in_interpreter_equals_separate_one():
-    # SparseDecoder.defer_ln (fc1 normalising its input from the projection reduction's block
+    # DecodeOptions.defer_ln_attn (the Q/K/V kernel normalising its input from fc2's reduction's block
     # stats) against the separate LayerNorm kernel: Triton backend in the interpreter, fp32
     out = _run("test_deferred_layer_norm_in_interpreter_equals_separate_one")
     for policy in ("per_sequence", "shared", "batch1"):
-        off = out[f"{policy}_off"]
-        assert off["pending"] == off["folds"] == off["pending_attn"] == 0 and off["fc1"] > 0, out
-        # defer_ln_attn (batch 1): every decode step's attention but layer 0's gets a PendingLN
-        # (prefill is dense); batch 2 keeps the LayerNorm launch
-        for name in ("attn",) + (("both", "z") if policy == "batch1" else ()):
-            on = out[f"{policy}_{name}"]
-            assert set(on["kernels"].values()) == {"triton"}, on
-            assert out[policy][name] < 1e-5 and on["tokens"] == off["tokens"], out
-            want = on["attn"] * 2 // 3 if policy == "batch1" else 0
-            assert on["attn"] == off["attn"] > 0 and on["pending_attn"] == want, out
-        # ln_from_attn: the LayerNorm before each MLP from the attention op (no layer_norm call for
-        # it); the same tokens, logits within 1e-5
-        on, base = out[f"{policy}_fromattn"], out[f"{policy}_attn"]
-        assert set(on["kernels"].values()) == {"triton"} and on["tokens"] == off["tokens"], out
-        assert out[policy]["fromattn"] < 1e-5 and on["ln_calls"] < base["ln_calls"], out
-        for name in ("both", "z"):
-            assert out["batch1_" + name]["pending"] == out["batch1_" + name]["fc1"], out
-        assert out["batch1_z"]["centred"] == out["batch1_z"]["fc1"] and out["batch1_both"]["centred"] == 0, out
-        for name in ("fold", "loop"):
-            on = out[f"{policy}_{name}"]
-            assert set(on["kernels"].values()) == {"triton"}, on  # the kernel check passed, incl. PendingLN
-            assert out[policy][name] < 1e-5 and on["tokens"] == off["tokens"], out
-            # every fc1 gets the PendingLN (a shared set at batch 2 takes the tl.dot route, which
-            # computes the LayerNorm first), with its layer's fold when fold_ln is on
-            assert on["pending"] == on["fc1"] == off["fc1"], out
-            assert on["folds"] == (on["fc1"] if name == "fold" else 0), out
+        off, on = out[f"{policy}_off"], out[f"{policy}_attn"]
+        assert off["pending_attn"] == 0 and off["attn"] > 0, out
+        # batch 1: every decode step's attention but layer 0's gets a PendingLN (prefill is dense);
+        # batch 2 keeps the LayerNorm launch
+        assert set(on["kernels"].values()) == {"triton"}, on
+        assert out[policy]["attn"] < 1e-5 and on["tokens"] == off["tokens"], out
+        want = on["attn"] * 2 // 3 if policy == "batch1" else 0
+        assert on["attn"] == off["attn"] > 0 and on["pending_attn"] == want, out
+        assert (on["ln_calls"] < off["ln_calls"]) == (policy == "batch1"), out
 
 
 FOLD_SCRIPT = r"""
@@ -428,9 +299,7 @@ def test_decode_logits_in_interpreter_equal_reference():
 BACKGROUND.update({
     "test_deferred_layer_norm_in_interpreter_equals_separate_one": (DEFER_SCRIPT, 900),
     "test_decoder_refresh_heads_keep_lags_bounded": (REFRESH_SCRIPT, 300),
-    "test_decoder_catches_up_deferred_kv_on_the_heads_stream": (CATCH_UP_SCRIPT, 300),
     "test_folded_qkv_finish_in_the_runtime_equals_reference": (FOLD_SCRIPT, 600),
     "test_triton_backend_in_interpreter_equals_reference": (SCRIPT, 300),
-    "test_fused_layer_norms_in_interpreter_equal_separate_ones": (FUSED_SCRIPT, 300),
     "test_decode_logits_in_interpreter_equal_reference": (DECODE_LOGITS_SCRIPT, 300),
 })
