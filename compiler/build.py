@@ -20,7 +20,8 @@ import torch
 
 from dejavu.compiler.calibrate import CalibSettings
 from dejavu.compiler.density import check_density
-from dejavu.compiler.predictors import DEFAULT_PREDICTOR_INPUT, PredictorSettings
+from dejavu.compiler.predictors import (DEFAULT_PREDICTOR_INPUT, PREDICTOR_FORM, PREDICTOR_TARGETS,
+                                        PredictorSettings)
 from dejavu.engine_file import DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION, write_engine
 from dejavu.errors import DejavuError
 
@@ -249,7 +250,7 @@ def train_stage(model, tokenizer, model_id: str, config: BuildConfig, progress: 
                                max_epochs=config.predictor_epochs, seed=config.seed, device=config.device,
                                report_density=config.density)
         torch.manual_seed(config.seed)
-        predictors = train_predictors(cal, ps, progress=progress)
+        predictors = train_predictors(cal, ps, progress=progress, model=model)
     predictors.metrics["calibration"] = {"corpus": _corpus_name(cal.manifest.get("corpus")), "n_tokens": cal.n_tokens,
                                          "window": cal.window,
                                          "tokens_fingerprint": cal.manifest.get("tokens_fingerprint")}
@@ -349,6 +350,9 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, pred
             "predictors": predictors is not None,
             "predictor_rank_mlp": rank("mlp"), "predictor_rank_attn": rank("attn"),
             "predictor_input": dict(predictors.predictor_input) if predictors is not None else None,
+            # scores = (x @ a.T) @ b.T + bias (engines without the field carry the same form)
+            "predictor_form": PREDICTOR_FORM if predictors is not None else None,
+            "predictor_targets": dict(PREDICTOR_TARGETS) if predictors is not None else None,
             "predictor_recall": {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)},
             "calibration": predictors.metrics.get("calibration") if predictors is not None else None,
             "settings": config.to_dict(),
