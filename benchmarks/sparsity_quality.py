@@ -52,6 +52,33 @@ def lookahead_study(cal, base: PredictorSettings, model) -> list[dict]:
     return rows
 
 
+def engine_predictors(path: str, cal, s: PredictorSettings):
+    """The predictors an engine carries, with the recall curves train_predictors would report
+    (the same held-out tail of the calibration, the first curve_tokens of it)."""
+    from dejavu.compiler.predictors import Predictors, _curve, predictor_cost
+    from dejavu.engine_file import read_engine
+
+    header, tensors = read_engine(path)
+    sd = {k: v.float() for k, v in tensors.items() if ".pred_" in k}
+    preds = Predictors.from_state_dict(sd, header["build_config"]["predictor_input"])
+    split = (cal.n_windows - max(1, round(cal.n_windows * s.holdout))) * cal.window
+    rows = slice(split, split + s.curve_tokens)
+    pi = preds.predictor_input
+    curves = {"mlp": [], "attn": []}
+    with torch.no_grad():
+        for l in range(cal.cfg.num_hidden_layers):
+            x = np.array(cal.predictor_input(l, pi["source"], pi["lookahead"])[rows], dtype=np.float32)
+            x = torch.from_numpy(x)
+            norms = torch.from_numpy(np.array(cal.head_importance(l)[rows]))
+            curves["mlp"].append(_curve(preds.scores("mlp", l, x), torch.from_numpy(cal.mlp_labels(l, rows))))
+            curves["attn"].append(_curve(preds.scores("attn", l, x), norms))
+    preds.recall_curves = curves
+    bc = header["build_config"]
+    preds.metrics = {"cost": predictor_cost(cal.cfg, bc["predictor_rank_mlp"], bc["predictor_rank_attn"]),
+                     "per_layer": [], "holdout_tokens": cal.n_tokens - split, "engine": str(path)}
+    return preds
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -121,6 +148,8 @@ def main(argv=None) -> dict:
                     help="BCE epochs per candidate in the lookahead study (0: least-squares fit only)")
     ap.add_argument("--epochs", type=int, default=None, help="BCE epochs of the final predictors "
                     "(default: PredictorSettings.max_epochs)")
+    ap.add_argument("--engine", default=None, help="score the predictors of this engine (a float32 build of "
+                    "the same model) instead of training them; curves from the calibration's held-out tail")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -138,7 +167,7 @@ def main(argv=None) -> dict:
         study = json.loads(Path(args.study_from).read_text())["lookahead_study"]
     else:
         study = [] if args.no_lookahead_study else lookahead_study(cal, study_settings, model)
-    preds = train_predictors(cal, base, model=model)
+    preds = engine_predictors(args.engine, cal, base) if args.engine else train_predictors(cal, base, model=model)
     window = min(512, cfg.max_position_embeddings)
     ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
                       max_tokens=args.eval_tokens or None)
