@@ -148,7 +148,7 @@ def test_opt_mini_recall_at_density_0_3(tmp_path):
     Small for CI: 4096 calibration tokens (WikiText-2 train head), default training settings
     (MLP: listwise on the neurons' contributions; heads: BCE), evaluated on 1024 test tokens.
     Measured (CPU, torch 2.13, 2026-12-05): MLP recall 0.826 mean (per layer 0.665 0.816 0.881
-    0.874 0.858 0.841 0.845; 0.714 mean with the BCE target of 2026-12-04), head recall 0.608;
+    0.874 0.858 0.841 0.845; 0.714 mean with 1 BCE epoch on the labels, 2026-12-02), head recall 0.608;
     the bounds sit a little below. The full-size run: docs/predictors.md.
     """
     model, cfg = load_model(OPT_MINI_DIR)
