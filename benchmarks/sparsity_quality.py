@@ -39,11 +39,11 @@ def curve_recall(curves: list, ks: list[int]) -> float:
     return float(np.mean([c[k - 1] for c, k in zip(curves, ks)]))
 
 
-def lookahead_study(cal, base: PredictorSettings) -> list[dict]:
+def lookahead_study(cal, base: PredictorSettings, model) -> list[dict]:
     rows = []
     for cand in CANDIDATE_INPUTS:
         t = time.time()
-        p = train_predictors(cal, PredictorSettings(**{**asdict(base), **cand}), progress=True)
+        p = train_predictors(cal, PredictorSettings(**{**asdict(base), **cand}), progress=True, model=model)
         m = p.metrics
         rows.append({**cand, "mlp_recall_mean": m["mlp_recall_mean"], "mlp_precision_mean": m["mlp_precision_mean"],
                      "attn_recall_mean": m["attn_recall_mean"],
@@ -52,25 +52,65 @@ def lookahead_study(cal, base: PredictorSettings) -> list[dict]:
     return rows
 
 
+def engine_predictors(path: str, cal, s: PredictorSettings):
+    """The predictors an engine carries, with the recall curves train_predictors would report
+    (the same held-out tail of the calibration, the first curve_tokens of it)."""
+    from dejavu.compiler.predictors import Predictors, _curve, predictor_cost
+    from dejavu.engine_file import read_engine
+
+    header, tensors = read_engine(path)
+    sd = {k: v.float() for k, v in tensors.items() if ".pred_" in k}
+    preds = Predictors.from_state_dict(sd, header["build_config"]["predictor_input"])
+    split = (cal.n_windows - max(1, round(cal.n_windows * s.holdout))) * cal.window
+    rows = slice(split, split + s.curve_tokens)
+    pi = preds.predictor_input
+    curves = {"mlp": [], "attn": []}
+    with torch.no_grad():
+        for l in range(cal.cfg.num_hidden_layers):
+            x = np.array(cal.predictor_input(l, pi["source"], pi["lookahead"])[rows], dtype=np.float32)
+            x = torch.from_numpy(x)
+            norms = torch.from_numpy(np.array(cal.head_importance(l)[rows]))
+            curves["mlp"].append(_curve(preds.scores("mlp", l, x), torch.from_numpy(cal.mlp_labels(l, rows))))
+            curves["attn"].append(_curve(preds.scores("attn", l, x), norms))
+    preds.recall_curves = curves
+    bc = header["build_config"]
+    preds.metrics = {"cost": predictor_cost(cal.cfg, bc["predictor_rank_mlp"], bc["predictor_rank_attn"]),
+                     "per_layer": [], "holdout_tokens": cal.n_tokens - split, "engine": str(path)}
+    return preds
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SCOPES), figsize=(15, 4.4), sharey=True)
+    scopes = [sc for sc in SCOPES if results["rows"].get(sc)]
+    fig, axes = plt.subplots(1, len(scopes) + 1, figsize=(5 * len(scopes) + 5, 4.4))
     dense = results["dense_ppl"]
-    for ax, (scope, title) in zip(axes, SCOPES.items()):
+    for ax, scope in zip(axes, scopes):
         for mode, style in zip(MODES, ["o-", "s--", "^-", "x:"]):
             pts = [(r["density"], r[mode]["perplexity"]) for r in results["rows"][scope]]
             ax.plot(*zip(*pts), style, label=mode)
         ax.axhline(dense, color="gray", lw=0.8, ls="--", label=f"dense ({dense:.2f})")
         ax.set_xlabel("density (fraction read per token)")
-        ax.set_title(f"sparse: {title}", fontsize=10)
+        ax.set_title(f"sparse: {SCOPES[scope]}", fontsize=10)
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("WikiText-2 test perplexity")
+        ax.set_ylabel("WikiText-2 test perplexity")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{results['model']}: perplexity vs density, masked dense ({results['eval_tokens']} test tokens)")
+    ax = axes[-1]  # held-out MLP recall at each layer's K (predicted), vs random (K / N) and oracle
+    rows = results["rows"][scopes[0]]
+    ds = [r["mlp_density"] for r in rows]
+    ax.plot(ds, [r["mlp_recall"] for r in rows], "o-", label="predicted (held-out, allocated K)")
+    ax.plot(ds, [1.0] * len(ds), "^-", label="oracle (top-K of the activations)")
+    ax.plot(ds, ds, "x:", label="random (K / N)")
+    ax.set_xlabel("MLP density")
+    ax.set_ylabel("recall of active neurons")
+    ax.set_title("MLP recall at K", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{results['model']}: perplexity and recall vs density, masked dense "
+                 f"({results['eval_tokens']} test tokens)")
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
@@ -80,6 +120,8 @@ def plot(results: dict, path: Path) -> None:
 def table(results: dict) -> str:
     out = []
     for scope, title in SCOPES.items():
+        if not results["rows"].get(scope):
+            continue
         out += [f"**Sparse: {title}**", "",
                 "| density | predicted | predicted (uniform K) | oracle | random | MLP recall (pred.) "
                 "| head norm captured (pred.) |", "|---|---|---|---|---|---|---|"]
@@ -97,6 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--calib-tokens", type=int, default=CalibSettings.calib_tokens)
     ap.add_argument("--eval-tokens", type=int, default=16384, help="WikiText-2 test tokens (0: all)")
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.3, 0.2, 0.1])
+    ap.add_argument("--scopes", nargs="+", choices=list(SCOPES), default=list(SCOPES))
     ap.add_argument("--no-lookahead-study", action="store_true")
     ap.add_argument("--allocate-attn", action="store_true",
                     help="spread heads by measured head-norm curves too (default: uniform heads)")
@@ -105,6 +148,8 @@ def main(argv=None) -> dict:
                     help="BCE epochs per candidate in the lookahead study (0: least-squares fit only)")
     ap.add_argument("--epochs", type=int, default=None, help="BCE epochs of the final predictors "
                     "(default: PredictorSettings.max_epochs)")
+    ap.add_argument("--engine", default=None, help="score the predictors of this engine (a float32 build of "
+                    "the same model) instead of training them; curves from the calibration's held-out tail")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -121,8 +166,8 @@ def main(argv=None) -> dict:
     if args.study_from:
         study = json.loads(Path(args.study_from).read_text())["lookahead_study"]
     else:
-        study = [] if args.no_lookahead_study else lookahead_study(cal, study_settings)
-    preds = train_predictors(cal, base)
+        study = [] if args.no_lookahead_study else lookahead_study(cal, study_settings, model)
+    preds = engine_predictors(args.engine, cal, base) if args.engine else train_predictors(cal, base, model=model)
     window = min(512, cfg.max_position_embeddings)
     ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
                       max_tokens=args.eval_tokens or None)
@@ -135,8 +180,8 @@ def main(argv=None) -> dict:
 
     dense = ppl()
     print(f"dense: ppl {dense['perplexity']:.3f} over {dense['tokens']} tokens")
-    rows = {scope: [] for scope in SCOPES}
-    for scope in SCOPES:
+    rows = {scope: [] for scope in args.scopes}
+    for scope in args.scopes:
         for d in args.densities:
             dm, da = {"both": (d, d), "mlp": (d, 1.0), "attn": (1.0, d)}[scope]
             mlp_k, attn_k = resolve_density(cfg, d, dm, da, recall_curves=preds.recall_curves,

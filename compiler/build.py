@@ -22,7 +22,8 @@ import torch
 from dejavu.cli_common import DTYPE_ALIASES as _DTYPE_ALIASES  # the one alias table (fp16, bf16, ...)
 from dejavu.compiler.calibrate import CalibSettings
 from dejavu.compiler.density import check_density
-from dejavu.compiler.predictors import DEFAULT_PREDICTOR_INPUT, PredictorSettings
+from dejavu.compiler.predictors import (DEFAULT_PREDICTOR_INPUT, PREDICTOR_FORM, PREDICTOR_TARGETS,
+                                        PredictorSettings)
 from dejavu.engine_file import DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION
 from dejavu.errors import DejavuError
 
@@ -287,7 +288,7 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
     memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
     from dejavu.compiler.layout import layer_layout, shell_layout
-    from dejavu.compiler.predictors import default_ranks, holdout_split, train_layer
+    from dejavu.compiler.predictors import default_ranks, holdout_split, mlp_contributions, train_layer
     from dejavu.compiler.stream import (embed_tokens, predictor_input_of, predictor_tensors, records_needed,
                                         run_layer)
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
@@ -333,11 +334,12 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                 rec = run_layer(layer.to(cdt), x, calib["batches"], cfg, records_needed(l, src, la))
             with stages("train predictors"):
                 xin = predictor_input_of(l, rec, prev, src, la).to(ps.device).float()
-                pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device),
+                contrib = mlp_contributions(layer, rec["mlp_in"]).to(ps.device)  # [T, F] fp32
+                pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device), contrib,
                                                   rec["head_norm"].to(ps.device), split, ranks, report_k, ps, gen)
                 info = {"metrics": row, "curves": {k: v.tolist() for k, v in curves.items()}}
                 prev = rec.get(src) if la else None
-                del rec, xin
+                del rec, xin, contrib
         elif predictors is not None:
             pm, pa = predictors.mlp[l], predictors.attn[l]
         del layer
@@ -472,6 +474,9 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
             "predictor_rank_mlp": info["ranks"][0] if info else None,
             "predictor_rank_attn": info["ranks"][1] if info else None,
             "predictor_input": dict(info["input"]) if info is not None else None,
+            # scores = (x @ a.T) @ b.T + bias (engines without the field carry the same form)
+            "predictor_form": PREDICTOR_FORM if info is not None else None,
+            "predictor_targets": dict(PREDICTOR_TARGETS) if info is not None else None,
             "predictor_recall": {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)},
             "calibration": info.get("calibration") if info is not None else None,
             "settings": config.to_dict(),

@@ -32,6 +32,10 @@ from dejavu.models.opt import OPTConfig
 # attention input, which exists before layer l-1 starts, so they can run on a side stream
 # one layer ahead. Same-layer inputs are more accurate but serialise prediction.
 DEFAULT_PREDICTOR_INPUT = {"source": "attn_in", "lookahead": 1}
+# What the engine records (build_config.predictor_form / predictor_targets): the scoring form
+# and what each kind was fitted to (docs/predictors.md, "MLP targets").
+PREDICTOR_FORM = "lowrank"
+PREDICTOR_TARGETS = {"mlp": "contribution_listwise", "attn": "top_heads_bce"}
 CANDIDATE_INPUTS = [{"source": "attn_in", "lookahead": 0},
                     {"source": "attn_in", "lookahead": 1},
                     {"source": "mlp_in", "lookahead": 1}]
@@ -62,6 +66,9 @@ class PredictorSettings:
     max_pos_weight: float = 50.0
     ridge: float = 1e-3  # ridge of the least-squares initialisation (times the token count)
     report_density: float = 0.3  # K for the recall/precision report when none is given
+    # MLP early stopping: held-out contribution in the top K of this density (the small K
+    # where predictors differ; near K = N every epoch captures everything)
+    stop_density: float = 0.1
     curve_tokens: int = 1024  # held-out tokens used for the recall-vs-K curves
     seed: int = 0
     device: str = "cpu"
@@ -174,11 +181,29 @@ def _rrr_init(x, y, mu, sd, rank: int, ridge: float, chunk: int = 8192):
     return (a * scale).float(), (vh.T / scale.T).float()
 
 
-def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, gen: torch.Generator) -> dict:
+def mlp_contributions(layer, mlp_in, chunk: int = 8192) -> torch.Tensor:
+    """c [T, F] fp32: neuron j's contribution relu(fc1(.))_j * ||fc2.weight[:, j]|| for the
+    recorded `mlp_in` [T, D] of `layer` (an OPTDecoderLayer): a bound on the norm its removal
+    takes from the MLP output, the quantity a top-K selection should keep."""
+    w = next(layer.parameters())
+    w2n = layer.fc2.weight.detach().float().norm(dim=0).to(w.device)  # [F]
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(mlp_in), chunk):
+            x = torch.as_tensor(mlp_in[i:i + chunk]).to(w.device, w.dtype)  # a memory map's rows or a tensor
+            h = layer.final_layer_norm(x) if layer.pre_ln else x  # post-LN: mlp_in is normalised
+            out.append((F.relu(layer.fc1(h)).float() * w2n).cpu())
+    return torch.cat(out)
+
+
+def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, gen: torch.Generator,
+         w_tr=None, w_va=None) -> dict:
     """Fit one low-rank predictor; x: [T, D] float32, y: [T, N] bool. Returns folded a/b/bias.
 
-    Early stopping keeps the epoch (0 = the least-squares start) with the best held-out
-    recall at k_eval, the quantity the selection needs (BCE tracks it only loosely).
+    With weights w [T, N] (the MLP's neuron contributions) the loss is listwise: softmax cross
+    entropy of the scores against w / sum(w) per token, and early stopping keeps the epoch
+    with the most held-out contribution in the top k_eval. Without (heads): class-weighted BCE
+    on y, stopped on held-out recall at k_eval. Epoch 0 is the least-squares start.
     """
     dev = x_tr.device
     D, N = x_tr.shape[1], y_tr.shape[1]
@@ -191,17 +216,23 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
     bias = torch.log(p / (1 - p)).to(dev).requires_grad_()
     opt = torch.optim.Adam([a, b, bias], lr=s.lr)
     norm = lambda x: (x - mu) / sd
+    listwise = w_tr is not None
+    target_va = w_va if listwise else y_va
 
-    def loss_on(x, y):
-        return F.binary_cross_entropy_with_logits((norm(x) @ a.T) @ b.T + bias, y.float(),
-                                                  pos_weight=pos_weight)
+    def loss_on(rows):
+        scores = (norm(x_tr[rows]) @ a.T) @ b.T + bias
+        if listwise:
+            w = w_tr[rows].to(dev)
+            t = w / w.sum(-1, keepdim=True).clamp_min(1e-12)  # tokens with no active neuron: 0
+            return -(t * F.log_softmax(scores, -1)).sum(-1).mean()
+        return F.binary_cross_entropy_with_logits(scores, y_tr[rows].float(), pos_weight=pos_weight)
 
-    def val_loss() -> float:  # minus held-out recall at k_eval
+    def val_loss() -> float:  # minus the held-out share of the target in the top k_eval
         with torch.no_grad():
-            hits = sum(y_va[i:i + 4096].gather(-1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias)
-                                               .topk(k_eval, dim=-1).indices).sum().item()
-                       for i in range(0, len(x_va), 4096))
-        return -hits / max(1, y_va.sum().item())
+            got = sum(target_va[i:i + 4096].to(dev).float().gather(
+                -1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
+                for i in range(0, len(x_va), 4096))
+        return -got / max(1e-12, target_va.float().sum().item())
 
     snapshot = lambda: (a.detach().clone(), b.detach().clone(), bias.detach().clone())
     best, best_state, bad = val_loss(), snapshot(), 0  # the least-squares start counts as epoch 0
@@ -209,9 +240,8 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
     for _ in range(s.max_epochs):
         perm = torch.randperm(T, generator=gen).to(dev)
         for i in range(0, T, s.batch_tokens):
-            rows = perm[i:i + s.batch_tokens]
             opt.zero_grad(set_to_none=True)
-            loss_on(x_tr[rows], y_tr[rows]).backward()
+            loss_on(perm[i:i + s.batch_tokens]).backward()
             opt.step()
         val = val_loss()
         if val < best - 1e-5:
@@ -247,27 +277,40 @@ def holdout_split(n_tokens: int, n_windows: int, window: int, s: PredictorSettin
     return min(n_tokens - 1, (n_windows - n_val_windows) * window)
 
 
-def _layer_data(cal: Calibration, l: int, s: PredictorSettings, dev):
+def _layer_data(cal: Calibration, l: int, s: PredictorSettings, dev, layer):
     split = holdout_split(cal.n_tokens, cal.n_windows, cal.window, s)
     x = torch.from_numpy(np.array(cal.predictor_input(l, s.source, s.lookahead), dtype=np.float32)).to(dev)
     y_mlp = torch.from_numpy(cal.mlp_labels(l)).to(dev)
+    contrib = mlp_contributions(layer, cal.source("mlp_in", l))  # [T, F] on the CPU
     norms = torch.from_numpy(np.array(cal.head_importance(l))).to(dev)
-    return x, y_mlp, norms, split
+    return x, y_mlp, contrib, norms, split
 
 
-def train_layer(x: torch.Tensor, y_mlp: torch.Tensor, norms: torch.Tensor, split: int, ranks: tuple[int, int],
-                report_k: tuple[int, int], s: PredictorSettings, gen: torch.Generator):
+def _check_model(cal: Calibration, model) -> None:
+    from dejavu.compiler.calibrate import model_fingerprint
+
+    if model is None:
+        raise DejavuError("train_predictors needs the model the calibration was taken of "
+                          "(the MLP predictors are fitted to its neurons' contributions)")
+    if model_fingerprint(model, cal.manifest.get("model_id", "")) != cal.manifest.get("model_fingerprint"):
+        raise DejavuError(f"the model given is not the one calibrated in {cal.folder}")
+
+
+def train_layer(x: torch.Tensor, y_mlp: torch.Tensor, contrib: torch.Tensor, norms: torch.Tensor, split: int,
+                ranks: tuple[int, int], report_k: tuple[int, int], s: PredictorSettings, gen: torch.Generator):
     """Train one layer's MLP and head predictors -> (mlp params, attn params, metrics, curves).
 
-    x: [T, D] float32 predictor input; y_mlp: [T, F] bool; norms: [T, H] float32 head norms;
+    x: [T, D] float32 predictor input; y_mlp: [T, F] bool; contrib: [T, F] float32 neuron
+    contributions (`mlp_contributions`, the MLP targets); norms: [T, H] float32 head norms;
     tokens [:split] train, [split:] are held out. `gen` carries the shuffling state from layer
     to layer (the streamed build saves it with each finished layer)."""
     (mlp_rank, attn_rank), (mk, ak) = ranks, report_k
     Fd, H = y_mlp.shape[1], norms.shape[1]
     k_lab = max(1, math.ceil(s.attn_label_density * H))
     y_att = _head_labels(norms, k_lab)
-    k_stop = max(1, min(mk, Fd // 2))  # at K near N every epoch scores recall 1.0
-    pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, k_stop, s, gen)
+    k_stop = max(1, round(s.stop_density * Fd))
+    pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, k_stop, s, gen,
+              contrib[:split], contrib[split:])
     pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, k_lab, s, gen)
     with torch.no_grad():
         xv = x[split:].cpu()
@@ -280,15 +323,17 @@ def train_layer(x: torch.Tensor, y_mlp: torch.Tensor, norms: torch.Tensor, split
         c = slice(0, s.curve_tokens)
         curves = {"mlp": _curve(sm[c], yv[c]), "attn": _curve(sa[c], nv[c])}
     row = {"mlp_k": mk, "mlp_recall": m_rec, "mlp_precision": m_prec,
-           "mlp_active_fraction": yv.float().mean().item(), "mlp_val_recall": -pm.pop("val_loss"),
+           "mlp_active_fraction": yv.float().mean().item(), "mlp_val_mass": -pm.pop("val_loss"),
            "attn_k": ak, "attn_recall": a_rec, "attn_precision": a_rec,
            "attn_norm_mass": a_mass, "attn_val_label_recall": -pa.pop("val_loss")}
     return pm, pa, row, curves
 
 
 def train_predictors(cal: Calibration, settings: PredictorSettings | None = None, progress: bool = True,
-                     mlp_k: list[int] | None = None, attn_k: list[int] | None = None) -> Predictors:
-    """Train MLP and head predictors for every layer from a complete calibration.
+                     mlp_k: list[int] | None = None, attn_k: list[int] | None = None, *,
+                     model=None) -> Predictors:
+    """Train MLP and head predictors for every layer from a complete calibration of `model`
+    (an OPTForCausalLM: its MLP weights give the neurons' contributions, the MLP targets).
 
     Metrics (per layer: recall, precision at the K used, validation loss) are reported at
     `mlp_k` / `attn_k` when given, else at `settings.report_density`.
@@ -297,6 +342,7 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     if not cal.complete:
         raise DejavuError(f"calibration in {cal.folder} is incomplete ({cal.windows_done}/"
                           f"{cal.n_windows} windows); run it again to resume")
+    _check_model(cal, model)
     cfg = cal.cfg
     L, Fd, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
     dev = torch.device(s.device)
@@ -311,8 +357,9 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
         from tqdm import tqdm
         it = tqdm(it, desc="predictors", unit="layer")
     for l in it:
-        x, y_mlp, norms, split = _layer_data(cal, l, s, dev)
-        pm, pa, row, curve = train_layer(x, y_mlp, norms, split, (mlp_rank, attn_rank), (mlp_k[l], attn_k[l]), s, gen)
+        x, y_mlp, contrib, norms, split = _layer_data(cal, l, s, dev, model.decoder.layers[l])
+        pm, pa, row, curve = train_layer(x, y_mlp, contrib, norms, split, (mlp_rank, attn_rank),
+                                         (mlp_k[l], attn_k[l]), s, gen)
         per_layer.append({"layer": l, **row})
         mlp.append(pm)
         attn.append(pa)
@@ -346,13 +393,13 @@ def evaluate_predictors(cal: Calibration, predictors: Predictors, mlp_k: list[in
 
 
 def measure_lookahead(cal: Calibration, settings: PredictorSettings | None = None,
-                      candidates: list[dict] | None = None, progress: bool = True) -> list[dict]:
+                      candidates: list[dict] | None = None, progress: bool = True, *, model=None) -> list[dict]:
     """Train predictors on each candidate input; mean and per-layer recall at the report K."""
     base = settings or PredictorSettings()
     out = []
     for c in candidates or CANDIDATE_INPUTS:
         s = PredictorSettings(**{**asdict(base), **c})
-        m = train_predictors(cal, s, progress=progress).metrics
+        m = train_predictors(cal, s, progress=progress, model=model).metrics
         out.append({**c, "mlp_recall_mean": m["mlp_recall_mean"], "attn_recall_mean": m["attn_recall_mean"],
                     "mlp_recall": [r["mlp_recall"] for r in m["per_layer"]],
                     "attn_recall": [r["attn_recall"] for r in m["per_layer"]],

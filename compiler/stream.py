@@ -247,7 +247,9 @@ def predictor_input_of(l: int, rec: dict, prev: torch.Tensor | None, source: str
 
 
 def records_needed(l: int, source: str, lookahead: int) -> tuple[str, ...]:
-    need = {source} if lookahead else set()
+    need = {"mlp_in"}  # the MLP predictors' targets: the neurons' contributions on it
+    if lookahead:
+        need.add(source)
     if lookahead == 0 or l == 0:
         need.add("attn_in")
     return tuple(sorted(need))

@@ -13,6 +13,7 @@ from dejavu.errors import DejavuError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SOURCES = ("attn_in", "mlp_in")
+PREDICTOR_FORMS = ("lowrank",)  # scores = (x @ a.T) @ b.T + bias (plugins/predictor.py)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ def spec_from_header(header: dict) -> EngineSpec:
     if source not in SOURCES or lookahead not in (0, 1):
         raise DejavuError(f"engine header: build_config.predictor_input {pi!r} is not "
                           "{source: attn_in|mlp_in, lookahead: 0|1}")
+    form = bc.get("predictor_form") or "lowrank"  # engines before the field: the same form
+    if form not in PREDICTOR_FORMS:
+        raise DejavuError(f"engine header: build_config.predictor_form {form!r} is not one of {PREDICTOR_FORMS}")
     has_pred = bool(bc.get("predictors", True))
     sparse = any(k < F for k in ks["mlp_k"]) or any(k < H for k in ks["attn_k"])
     if sparse and not has_pred:

@@ -57,6 +57,8 @@ def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
     assert header["target"] == {"device": "cpu", "arch": None, "kernel_settings": {}}
     assert bc["mlp_k"] == s["mlp_k"] and sum(bc["mlp_k"]) == round(0.3 * 128 * 2)
     assert bc["predictor_input"] == PI and bc["predictor_rank_mlp"] == 8 and bc["predictors"] is True
+    assert bc["predictor_form"] == "lowrank"
+    assert bc["predictor_targets"] == {"mlp": "contribution_listwise", "attn": "top_heads_bce"}
     assert header["tokenizer_json"] == (tiny_opt_dir / "tokenizer.json").read_text()
     assert header["model_config"] == cfg.to_hf_dict()
     a, hd = model.decoder.layers[1].self_attn, cfg.head_dim

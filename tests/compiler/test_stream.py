@@ -34,7 +34,7 @@ def _reference_engine(folder, config: BuildConfig, path, cache):
     cal = calibrate(model, tok, CalibSettings(calib_tokens=config.calib_tokens, window=config.calib_window,
                                               cache_dir=str(cache)), progress=False)
     ps = build_mod._predictor_settings(config)
-    preds = train_predictors(cal, ps, progress=False)
+    preds = train_predictors(cal, ps, progress=False, model=model)
     info = {"ranks": default_ranks(cfg, ps), "input": ps.predictor_input, "curves": preds.recall_curves,
             "calibration": {"corpus": build_mod._corpus_name(cal.manifest["corpus"]), "n_tokens": cal.n_tokens,
                             "window": cal.window, "tokens_fingerprint": cal.manifest["tokens_fingerprint"]}}

@@ -181,6 +181,11 @@ def test_errors():
     with pytest.raises(DejavuError, match="lookahead 0"):
         Engine.from_tensors(header, tensors)
     header, tensors = engine_from_dense(model, 0.5, 0.5)
+    assert "predictor_form" not in header["build_config"]  # an engine from before the field loads
+    Engine.from_tensors({**header, "build_config": {**header["build_config"], "predictor_form": "lowrank"}}, tensors)
+    with pytest.raises(DejavuError, match="predictor_form 'two_layer'"):
+        Engine.from_tensors({**header, "build_config": {**header["build_config"], "predictor_form": "two_layer"}},
+                            tensors)
     with pytest.raises(DejavuError, match="batch_policy"):
         Engine.from_tensors(header, tensors, batch_policy="union-ish")
     bad = dict(tensors)

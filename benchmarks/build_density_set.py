@@ -1,0 +1,57 @@
+"""Engines at several MLP densities from one predictor training, as `dejavu-compile` builds each.
+
+`dejavu-compile MODEL --density D --attn-density A` trains the same predictors at every D
+(their training does not depend on the density; only the reported recall does), so this
+trains them once (calibration + `train_predictors` with `dejavu-compile`'s predictor settings)
+and writes one engine
+per density with `build_engine(..., predictors=)`. Prints the stage times.
+
+    python benchmarks/build_density_set.py opt-mini --densities 0.1 0.2 0.3 \
+        --attn-density 1.0 --dtype float32 --out-dir /tmp/engines
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dejavu.compiler import build as build_mod
+from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.predictors import train_predictors
+from dejavu.models.loader import load_model, load_tokenizer
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--densities", type=float, nargs="+", required=True)
+    ap.add_argument("--attn-density", type=float, default=1.0)
+    ap.add_argument("--dtype", default=BuildConfig.dtype)
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cfg0 = BuildConfig(density=args.densities[0], attn_density=args.attn_density, dtype=args.dtype)
+    model, _ = load_model(args.model)
+    model = model.float()
+    cal = calibrate(model, load_tokenizer(args.model), CalibSettings(calib_tokens=cfg0.calib_tokens,
+                    window=cfg0.calib_window, corpus=cfg0.calib), model_id=args.model, progress=True)
+    preds = train_predictors(cal, build_mod._predictor_settings(cfg0), progress=True, model=model)
+    print(json.dumps({"train_seconds": round(time.time() - t0, 1), "metrics": {
+        k: v for k, v in preds.metrics.items() if k in ("mlp_recall_mean", "cost", "holdout_tokens")}}))
+    for d in args.densities:
+        t = time.time()
+        c = BuildConfig(density=d, attn_density=args.attn_density, dtype=args.dtype)
+        s = build_engine(args.model, c, out / f"m{d}-a{args.attn_density}.engine", progress=False, predictors=preds)
+        print(json.dumps({"density": d, "seconds": round(time.time() - t, 1), "mlp_k": s["mlp_k"],
+                          "predictor_bytes": s["predictor_bytes"], "engine_bytes": s["engine_bytes"]}), flush=True)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
