@@ -12,6 +12,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from dejavu.generation import GENERATION
+
 
 class ApiError(Exception):
     """A request the server refuses: HTTP status, message, the offending parameter."""
@@ -31,12 +33,15 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """Defaults of a request's fields (OpenAI's: temperature 1, top_p 1; max_tokens 16 for
-    completions, the rest of the context for chat)."""
+    """Defaults of a request's fields. temperature 1 and max_tokens 16 (completions) are
+    OpenAI's API defaults and stay so, although `dejavu.generation.GenerationSettings` (the
+    Python API and dejavu-run) defaults to greedy and 64 tokens: a client written for OpenAI
+    gets what OpenAI documents. Chat's max_tokens default is the rest of the context. top_p
+    and top_k mean the same in both places and are read from GenerationSettings."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # an extension (vLLM's): 0 or -1 = off
+    temperature: float = 1.0  # OpenAI's
+    top_p: float = GENERATION.top_p  # 1.0 = off (OpenAI's default too)
+    top_k: int = GENERATION.top_k  # an extension (vLLM's): 0 or -1 = off
     completion_max_tokens: int = 16
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
 

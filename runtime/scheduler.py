@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from dejavu.generation import GENERATION
 from dejavu.models.sampling import sample_next
 
 log = logging.getLogger("dejavu.serve")
@@ -63,11 +64,11 @@ class Request:
     prompt: list[int]
     max_tokens: int
     sink: Callable[[tuple], None]
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = 0.0  # already resolved (0 = greedy); the server passes the request's
+    top_p: float = GENERATION.top_p
+    top_k: int = GENERATION.top_k
     stop: tuple[str, ...] = ()
-    seed: int | None = None
+    seed: int | None = GENERATION.seed
     stop_at_eos: bool = True
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step

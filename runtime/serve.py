@@ -13,10 +13,12 @@ FastAPI's pydantic layer, because the request checks here are OpenAI's (its erro
 messages, 400 rather than FastAPI's 422) and are clearer written out (openai_protocol.py).
 One scheduler thread owns the engine (runtime/scheduler.py: continuous batching); the event
 loop only parses, queues, and relays tokens. docs/serving.md has the design and figures.
+
+No torch at module level: the parser and the settings checks answer before torch is imported
+(the scheduler and the engine are imported where they are used).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -26,10 +28,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.runtime.openai_protocol import (ApiError, ChatTemplate, SamplingDefaults, chat_params, check_lengths,
                                             choice, completion_object, completion_params, new_id, now, usage)
-from dejavu.runtime.scheduler import QueueFull, Request, Scheduler
 from dejavu.runtime.serve_metrics import ServeMetrics
 
 log = logging.getLogger("dejavu.serve")
@@ -49,12 +51,13 @@ class ServeSettings:
     api_key: str | None = None  # when set, /v1/* need `Authorization: Bearer KEY`
     model_name: str | None = None  # the served model id; None: the engine file's stem
     device: str = "cpu"
-    dtype: str | None = None
+    dtype: str | None = None  # None: the engine's
     batch_policy: str | None = None  # shared on CUDA, per_sequence on CPU (runtime/engine.py)
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish, then are cancelled
     retry_after_s: int = 1
     max_body_bytes: int = 1 << 22
     log_level: str = "warning"
+    quiet: bool = False  # no start line on stderr (warnings and errors still show)
 
 
 def _error(e: ApiError):
@@ -110,6 +113,8 @@ class Server:
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
         from starlette.routing import Route
+
+        from dejavu.runtime.scheduler import Scheduler  # imports torch
 
         self.engine, self.settings, self.name, self.defaults = engine, settings, model_name, defaults
         self.metrics = ServeMetrics(settings.max_batch)
@@ -199,6 +204,8 @@ class Server:
         return p
 
     async def _generate(self, request, chat: bool):
+        from dejavu.runtime.scheduler import QueueFull, Request
+
         endpoint = request.url.path
         events: asyncio.Queue = asyncio.Queue()
         try:
@@ -299,27 +306,34 @@ class Server:
 
 
 # ---------------------------------------------------------------------- CLI
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     d = ServeSettings()
-    p = argparse.ArgumentParser(prog="dejavu-serve", description="Serve a dejavu .engine file over the OpenAI "
-                                "HTTP API (completions, chat completions, streaming) with continuous batching.")
+    p = Parser("dejavu-serve", "Serve a dejavu .engine file over the OpenAI HTTP API (completions, chat "
+               "completions, streaming) with continuous batching.")
     p.add_argument("engine", help="the .engine file (from dejavu-compile)")
-    p.add_argument("--host", default=d.host, help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=d.port, help="0: any free port (printed at start)")
-    p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences decoded together (cache rows)")
-    p.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests before 429")
-    p.add_argument("--max-context", type=int, default=d.max_context,
-                   help="tokens per sequence, prompt + completion (default: the model's positions)")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+    p.add_argument("--host", default=d.host, help="address to bind; the default, loopback, is reachable from this machine only")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port; 0: any free port (printed at start)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
+                   help="sequences decoded together (KV-cache rows)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
+                   help="requests waiting for a row; beyond that: 429 with Retry-After")
+    p.add_argument("--max-context", type=int, default=d.max_context, metavar="N",
+                   help="tokens per sequence, prompt + completion (unset: the model's positions)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, metavar="N",
                    help="prompt tokens per prefill pass between decode steps")
-    p.add_argument("--api-key", default=d.api_key, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--model-name", default=d.model_name, help="the model id clients send (default: file stem)")
-    p.add_argument("--device", default=d.device, help="cpu or cuda")
-    p.add_argument("--dtype", default=d.dtype, help="override the engine dtype (e.g. float32 on CPU)")
-    p.add_argument("--batch-policy", default=d.batch_policy, choices=["per_sequence", "shared"])
-    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s,
+    p.add_argument("--api-key", default=d.api_key, metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--model-name", default=d.model_name, metavar="NAME",
+                   help="the model id clients send (unset: the engine file's stem)")
+    add_device(p, d.device)
+    add_dtype(p, d.dtype, "serve in this dtype instead of the engine's (e.g. float32 on CPU)")
+    p.add_argument("--batch-policy", default=d.batch_policy, choices=["per_sequence", "shared"],
+                   help="one selection per sequence, or one shared by the batch (unset: shared on CUDA, "
+                        "per_sequence on CPU)")
+    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="SECONDS",
                    help="seconds in-flight requests get to finish after SIGTERM")
-    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                   help="uvicorn's log level")
+    add_quiet(p, "no start line on stderr (warnings and errors still show)")
     return p
 
 
@@ -328,7 +342,7 @@ def _settings(args) -> ServeSettings:
                       max_context=args.max_context, prefill_chunk=args.prefill_chunk, api_key=args.api_key,
                       model_name=args.model_name,
                       device=args.device, dtype=args.dtype, batch_policy=args.batch_policy,
-                      shutdown_grace_s=args.shutdown_grace, log_level=args.log_level)
+                      shutdown_grace_s=args.shutdown_grace, log_level=args.log_level, quiet=args.quiet)
     if not 0 <= s.port <= 65535:
         raise DejavuError(f"--port must be in [0, 65535], got {s.port}")
     if s.max_batch < 1:
@@ -371,7 +385,7 @@ def run(server: Server, sock: socket.socket, settings: ServeSettings) -> None:
 
 @cli_entry
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     settings = _settings(args)
     try:
         import starlette  # noqa: F401
@@ -388,9 +402,10 @@ def main(argv=None) -> int:
     server = Server(engine, settings, settings.model_name or path.stem)
     sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
-    print(f"dejavu-serve: {server.name} on http://{host}:{port} (device {engine.device}, batch policy "
-          f"{engine.batch_policy}, max batch {settings.max_batch}, context {server.context}, chat "
-          f"{'on' if server.template else 'off'})", file=sys.stderr, flush=True)
+    if not settings.quiet:
+        print(f"dejavu-serve: {server.name} on http://{host}:{port} (device {engine.device}, batch policy "
+              f"{engine.batch_policy}, max batch {settings.max_batch}, context {server.context}, chat "
+              f"{'on' if server.template else 'off'})", file=sys.stderr, flush=True)
     if host not in ("127.0.0.1", "::1", "localhost") and settings.api_key is None:
         print("dejavu-serve: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
     run(server, sock, settings)
