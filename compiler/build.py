@@ -32,9 +32,11 @@ _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp3
 class BuildConfig:
     """Every setting of a build; defaults defined here (and in the calibration/predictor settings)."""
 
-    density: float = 0.5  # fraction of MLP neurons and of heads kept per token
-    mlp_density: float | None = None  # overrides density for the MLP
-    attn_density: float | None = None  # overrides density for attention heads
+    density: float = 0.5  # fraction of the dense decode step's weight bytes read per token (allocate.ByteCosts)
+    mlp_density: float | None = None  # fixes the MLP: this fraction of neurons (the budget goes to heads)
+    attn_density: float | None = None  # fixes attention: this fraction of heads
+    max_ppl_increase: float | None = None  # percent: search the least density within it (held-out windows)
+    heldout_tokens: int = 2048  # corpus tokens after the calibration stream: sensitivity and accuracy
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
     device: str = "cpu"  # where calibration and predictor training run; the engine's target
     calib: str | None = CalibSettings.corpus  # corpus: text file, .jsonl, folder, hf:NAME; None = shipped
@@ -45,7 +47,7 @@ class BuildConfig:
     predictor_source: str = DEFAULT_PREDICTOR_INPUT["source"]  # attn_in | mlp_in
     predictor_lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]  # 0 | 1
     predictor_epochs: int = PredictorSettings.max_epochs
-    allocation: str = "recall"  # per-layer K: "uniform", or "recall" (spread by measured recall curves)
+    allocation: str = "sensitivity"  # per-layer K: "sensitivity" (measured, knapsack) | "uniform" (even)
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = 3840  # TensorRT TopK limit: larger K is emitted as chunked TopK in ONNX
     seed: int = 0
@@ -66,7 +68,7 @@ class BuildConfig:
         self.dtype = dt
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp"):
+        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp", "heldout_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -74,8 +76,19 @@ class BuildConfig:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if self.allocation not in ("uniform", "recall"):
-            raise DejavuError(f"--allocation must be 'uniform' or 'recall', got {self.allocation!r}")
+        if self.allocation not in ("sensitivity", "uniform"):
+            raise DejavuError(f"--allocation must be 'sensitivity' or 'uniform', got {self.allocation!r}")
+        if self.max_ppl_increase is not None:
+            p = self.max_ppl_increase
+            try:
+                p = float(p)
+            except (TypeError, ValueError):
+                p = math.nan
+            if not 0.0 <= p <= 1000.0:
+                raise DejavuError(f"--max-ppl-increase must be a percentage in [0, 1000], got {self.max_ppl_increase!r}")
+            self.max_ppl_increase = p
+            if self.no_predictors:
+                raise DejavuError("--max-ppl-increase needs predictors (--no-predictors builds a dense engine)")
         if self.predictor_source not in ("attn_in", "mlp_in") or self.predictor_lookahead not in (0, 1) \
                 or (self.predictor_source, self.predictor_lookahead) == ("mlp_in", 0):
             raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
@@ -282,7 +295,6 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
 
 
 def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
-    from dejavu.compiler.density import resolve_density
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
 
@@ -294,12 +306,18 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         from dejavu.compiler.tensor_parallel import check_tp
         check_tp(cfg.num_attention_heads, cfg.ffn_dim, config.tp)
     if predictors is None and not config.no_predictors:
+        from dejavu.compiler.allocate import check_budget
+        from dejavu.compiler.predictors import default_ranks
+        check_budget(cfg, config, default_ranks(cfg, PredictorSettings(mlp_rank=config.mlp_rank,
+                                                                         attn_rank=config.attn_rank)))
         predictors = train_stage(model, tokenizer, str(model_name_or_path), config, progress, stages)
-    with stages("resolve K"):
-        curves = (predictors.recall_curves or None) if predictors is not None and config.allocation == "recall" \
-            else None
-        mlp_k, attn_k = resolve_density(cfg, config.density, config.mlp_density, config.attn_density,
-                                        recall_curves=curves)
+    with stages("resolve K"):  # byte budget -> per-layer K, held-out accuracy (compiler/allocate.py)
+        from dejavu.compiler.allocate import model_parts, resolve_k
+        from dejavu.compiler.calibrate import model_fingerprint
+
+        mlp_k, attn_k, allocation = resolve_k(lambda: model_parts(model), cfg, config, predictors, tokenizer,
+                                              model_fingerprint(model, str(model_name_or_path)), progress)
+        config.density = allocation["density"]  # the searched one with --max-ppl-increase
     if onnx_out is not None:
         with stages("export ONNX + passes"):
             onnx_report = export_graphs(model, predictors, mlp_k, attn_k, config, Path(onnx_out))
@@ -310,7 +328,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
             tensors.update({k: v.detach().cpu().to(dtype).contiguous()
                             for k, v in predictors.state_dict().items()})
     header = make_header(model_name_or_path, cfg, config, target, predictors, mlp_k, attn_k,
-                         _tokenizer_json(folder, tokenizer))
+                         _tokenizer_json(folder, tokenizer), allocation)
     with stages("write engine"):
         if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path
             from dejavu.compiler.tensor_parallel import write_shards
@@ -325,6 +343,8 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
                "predictor_recall": header["build_config"]["predictor_recall"],
                "predictor_input": header["build_config"]["predictor_input"],
+               "density": config.density, "bytes_per_token": allocation["bytes_per_token"],
+               "heldout": allocation["heldout"], "allocation": config.allocation,
                "stage_seconds": stages.times, "total_seconds": round(time.perf_counter() - t_start, 3),
                "dtype": config.dtype, "target": target}
     if onnx_out is not None:
@@ -333,7 +353,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
 
 
 def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, predictors, mlp_k, attn_k,
-                tokenizer_json: str) -> dict:
+                tokenizer_json: str, allocation: dict | None = None) -> dict:
     """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths."""
     rc = predictors.recall_curves if predictors is not None else {}
     pred_sd = predictors.state_dict() if predictors is not None else {}
@@ -344,13 +364,19 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, pred
         "model": Path(name).name if Path(name).is_dir() else name,
         "model_config": cfg.to_hf_dict(), "dtype": config.dtype, "target": target,
         "build_config": {
-            "density": config.density, "mlp_density": config.mlp_density or config.density,
-            "attn_density": config.attn_density or config.density, "mlp_k": mlp_k, "attn_k": attn_k,
+            # density: the byte fraction; mlp_/attn_density: the fraction of neurons / heads kept (mean of K/N)
+            "density": config.density, "mlp_density": round(sum(mlp_k) / (cfg.ffn_dim * len(mlp_k)), 4),
+            "attn_density": round(sum(attn_k) / (cfg.num_attention_heads * len(attn_k)), 4),
+            "mlp_k": mlp_k, "attn_k": attn_k,
             "predictors": predictors is not None,
             "predictor_rank_mlp": rank("mlp"), "predictor_rank_attn": rank("attn"),
             "predictor_input": dict(predictors.predictor_input) if predictors is not None else None,
             "predictor_recall": {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)},
             "calibration": predictors.metrics.get("calibration") if predictors is not None else None,
+            "allocation": config.allocation,
+            # bytes read per decode token and the held-out perplexity measured at build (allocate.py)
+            "bytes_per_token": (allocation or {}).get("bytes_per_token"),
+            "heldout": (allocation or {}).get("heldout"),
             "settings": config.to_dict(),
         },
         "tokenizer_json": tokenizer_json,

@@ -99,3 +99,30 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
         for h in handles:
             h.remove()
         src.clear()
+
+
+@contextlib.contextmanager
+def fixed_selection(layer, mlp_idx: torch.Tensor | None = None, attn_idx: torch.Tensor | None = None):
+    """Keep only the given neurons / heads of one decoder layer while the context is open.
+
+    mlp_idx: [B, S, K_mlp] neuron indices, attn_idx: [B, S, K_attn] head indices (per token);
+    None leaves that kind dense. The same semantics as `masked_sparsity`, for callers that
+    hold one layer at a time (dejavu.compiler.allocate)."""
+    handles = []
+    if mlp_idx is not None:
+        handles.append(layer.activation_fn.register_forward_hook(
+            lambda m, a, out: out * _mask_from_idx(out.shape, mlp_idx, out.dtype)))
+    if attn_idx is not None:
+        H = layer.self_attn.n_heads
+
+        def attn_hook(m, args):
+            yh = args[0].unflatten(-1, (H, -1))  # [B, S, H, hd]
+            mask = _mask_from_idx(yh.shape[:-1], attn_idx, yh.dtype)
+            return ((yh * mask[..., None]).flatten(-2),) + tuple(args[1:])
+
+        handles.append(layer.self_attn.out_proj.register_forward_pre_hook(attn_hook))
+    try:
+        yield layer
+    finally:
+        for h in handles:
+            h.remove()
