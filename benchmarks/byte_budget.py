@@ -10,6 +10,8 @@ perplexity code on WikiText-2 test (never seen by the allocator, whose held-out 
 calibration-corpus tokens):
   sensitivity   --density D (the default allocation)
   uniform       --density D --allocation uniform (the same fraction of neurons and heads)
+  recall        --mlp-density f --attn-density f, f the even split's fraction (the allocation
+                before byte budgets: MLP K spread by recall curves, heads even)
   heads_dense   --attn-density 1.0 --mlp-density f, f the largest neuron fraction within D's
                 bytes (MLP K spread by recall curves, as before byte budgets)
 and one `--max-ppl-increase P` engine. Raw JSON to --out, rewritten after every engine.
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="opt-mini")
     p.add_argument("--densities", default="0.35,0.4,0.5,0.6,0.7,0.8")
     p.add_argument("--schemes", default="sensitivity,uniform,heads_dense")
-    p.add_argument("--max-ppl-increase", type=float, default=1.0)
+    p.add_argument("--max-ppl-increase", default="1", help="percent, or 'none'")
     p.add_argument("--ppl-tokens", type=int, default=16384)
     p.add_argument("--predictors", default=None, help="PATH (PATH.safetensors + PATH.json): saved / reused")
     p.add_argument("--engines", default="/tmp/byte_budget_engines")
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
         plot(json.loads(Path(args.out).read_text()), args.plot)
         return 0
     torch.set_num_threads(args.threads)
-    from dejavu.compiler.allocate import ByteCosts
+    from dejavu.compiler.allocate import ByteCosts, allocate_uniform
     from dejavu.compiler.build import BuildConfig, _Stages, build_engine, train_stage
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
@@ -127,14 +129,18 @@ def main(argv=None) -> int:
                 run(f"sens_{d}", density=d)
             elif scheme == "uniform":
                 run(f"uniform_{d}", density=d, allocation="uniform")
+            elif scheme == "recall":  # before byte budgets: one unit density, MLP spread by recall curves
+                mk, _ = allocate_uniform(costs, math.floor(d * costs.dense))
+                f = mk[0] / cfg.ffn_dim
+                run(f"recall_{d}", density=d, mlp_density=f, attn_density=f)
             elif scheme == "heads_dense":
                 f = heads_dense_fraction(costs, d)
                 if f is None:
                     out["rows"].append({"name": f"heads_dense_{d}", "infeasible": True, "density": d})
                     continue
                 run(f"heads_dense_{d}", density=d, attn_density=1.0, mlp_density=f)
-    if args.max_ppl_increase is not None:
-        run(f"max_ppl_{args.max_ppl_increase:g}", max_ppl_increase=args.max_ppl_increase)
+    if args.max_ppl_increase != "none":
+        run(f"max_ppl_{float(args.max_ppl_increase):g}", max_ppl_increase=float(args.max_ppl_increase))
     return 0
 
 
@@ -145,10 +151,13 @@ def plot(res: dict, png: str):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    labels = {"sens": "sensitivity (knapsack)", "uniform": "even split", "heads_dense": "heads dense, then neurons"}
+    labels = {"sens": "sensitivity (knapsack)", "uniform": "even split", "recall": "even, MLP spread by recall",
+              "heads_dense": "heads dense, then neurons"}
     for key, label in labels.items():
         rows = [r for r in res["rows"] if r["name"].startswith(key + "_") and not r.get("infeasible")]
         rows.sort(key=lambda r: r["bytes_per_token"]["fraction"])
+        if not rows:
+            continue
         ax.plot([r["bytes_per_token"]["fraction"] for r in rows], [r["test_ppl"] for r in rows], "o-", label=label)
     ax.axhline(res["dense_ppl"], color="k", lw=0.8, ls="--", label="dense")
     ax.set_yscale("log")
