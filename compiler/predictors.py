@@ -5,9 +5,9 @@
 linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H.
 
 Labels: MLP neuron j is positive when its post-ReLU activation is > 0. Head h is positive
-when it is among the top ceil(attn_label_density * H) heads of the token by the L2 norm of
-its slice of the out_proj input (a per-token rank label: a fixed norm threshold would mark
-nearly all or no heads depending on the layer's scale).
+when it is among the top ceil(attn_label_density * H) heads of the token by its contribution
+to the layer output, ||W_o[:, h] y_h|| (calibration's `head_norm`; a per-token rank label: a
+fixed threshold would mark nearly all or no heads depending on the layer's scale).
 
 Training: a reduced-rank least-squares start (one streamed pass, closed form), then
 class-weighted BCE (pos_weight = (1-p)/p per output from the label frequency, clipped),
