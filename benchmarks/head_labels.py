@@ -7,6 +7,7 @@ the calibration stream with labels "top ceil(0.5 H) heads of the token" ranked b
   norm          ||y_h||, the head's slice of the out_proj input (the labels before 2026-12-05)
   contribution  ||W_o[:, h] y_h||, what the head adds to the layer output
   regression    no labels: ridge least squares onto log ||W_o[:, h] y_h||, heads ranked by it
+                (`predictors._fit_heads`, shipped)
 and scored on WikiText-2 test (first --eval-tokens) with K heads per layer and every MLP
 neuron kept: predicted by each label's predictor, and the oracles top-K by norm and by
 contribution (exact per-token selections, masked dense, fp32 on CPU).
@@ -24,11 +25,12 @@ import numpy as np
 import torch
 
 
-def contributions(model, ids: torch.Tensor, window: int) -> dict[int, torch.Tensor]:
-    """Per layer [T, H] of ||W_o[:, h] y_h|| over the token stream ids [T] (windows of `window`)."""
+def contributions(model, ids: torch.Tensor, window: int) -> tuple[dict, dict]:
+    """Per layer [T, H] of ||y_h|| and of ||W_o[:, h] y_h|| over the stream ids [T] (windows of `window`)."""
     cfg = model.config
     H, hd = cfg.num_attention_heads, cfg.head_dim
     out: dict[int, list] = {l: [] for l in range(cfg.num_hidden_layers)}
+    norm: dict[int, list] = {l: [] for l in range(cfg.num_hidden_layers)}
     handles = []
     for l, layer in enumerate(model.decoder.layers):
         w = layer.self_attn.out_proj.weight.detach().view(-1, H, hd)  # [D, H, hd]
@@ -37,6 +39,7 @@ def contributions(model, ids: torch.Tensor, window: int) -> dict[int, torch.Tens
         def hook(m, a, l=l, gram=gram):
             y = a[0].detach().unflatten(-1, (H, hd)).reshape(-1, H, hd)  # [T, H, hd]
             out[l].append(torch.einsum("thi,hij,thj->th", y, gram, y).clamp_min(0).sqrt())
+            norm[l].append(y.norm(dim=-1))
         handles.append(layer.self_attn.out_proj.register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
@@ -45,7 +48,7 @@ def contributions(model, ids: torch.Tensor, window: int) -> dict[int, torch.Tens
     finally:
         for h in handles:
             h.remove()
-    return {l: torch.cat(v) for l, v in out.items()}
+    return {l: torch.cat(v) for l, v in norm.items()}, {l: torch.cat(v) for l, v in out.items()}
 
 
 def main(argv=None) -> int:
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from dejavu.compiler.calibrate import CalibSettings, calibrate
     from dejavu.compiler.masking import fixed_selection, masked_sparsity
-    from dejavu.compiler.predictors import PredictorSettings, Predictors, _fit, _head_labels
+    from dejavu.compiler.predictors import PredictorSettings, Predictors, _fit, _fit_heads, _head_labels
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
     from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
     window = min(512, cfg.max_position_embeddings)
     s = PredictorSettings(max_epochs=a.epochs, lookahead=a.lookahead)
     cal = calibrate(model, tok, CalibSettings(calib_tokens=a.calib_tokens), model_id=a.model, progress=False)
-    contrib = contributions(model, torch.from_numpy(np.asarray(cal.tokens).astype(np.int64)), cal.window)
+    norms, contrib = contributions(model, torch.from_numpy(np.asarray(cal.tokens).astype(np.int64)), cal.window)
     k_lab = math.ceil(0.5 * H)
     gen = torch.Generator().manual_seed(0)
     preds = {}
@@ -86,17 +89,15 @@ def main(argv=None) -> int:
         layers = []
         for l in range(L):
             x = torch.from_numpy(np.array(cal.predictor_input(l, s.source, s.lookahead), dtype=np.float32))
-            imp = torch.from_numpy(np.array(cal.head_importance(l))) if label == "norm" else contrib[l]
-            if label == "regression":  # ridge least squares onto log contribution; rank by the prediction
-                x64, y64 = x.double(), torch.log(imp[:len(x)].double() + 1e-6)
-                mu, ym = x64.mean(0), y64.mean(0)
-                xc = x64 - mu
-                w = torch.linalg.solve(xc.T @ xc + 1e-3 * len(x) * torch.eye(x.shape[1], dtype=torch.float64),
-                                       xc.T @ (y64 - ym))  # [D, H]
-                layers.append({"a": w.T.float().contiguous(), "b": torch.eye(H), "bias": (ym - mu @ w).float()})
+            imp = norms[l] if label == "norm" else contrib[l]
+            split = int(len(x) * 0.9) // cal.window * cal.window
+            if label == "regression":  # the shipped fit: least squares onto log contribution
+                pa = _fit_heads(x[:split], imp[:split], x[split:], _head_labels(imp[split:len(x)], k_lab), H, k_lab,
+                                s.ridge)
+                pa.pop("val_loss")
+                layers.append(pa)
                 continue
             y = _head_labels(imp[:len(x)], k_lab)
-            split = int(len(x) * 0.9) // cal.window * cal.window
             pa = _fit(x[:split], y[:split], x[split:], y[split:], H, k_lab, s, gen)
             pa.pop("val_loss")
             layers.append(pa)
@@ -117,7 +118,10 @@ def main(argv=None) -> int:
                 n += window - 1
         return math.exp(nll / n)
 
-    class OracleContribution:  # top-K heads by ||W_o[:, h] y_h||, per token
+    class Oracle:  # top-K heads per token by ||y_h|| (by="norm") or ||W_o[:, h] y_h||
+        def __init__(self, by: str):
+            self.by = by
+
         def __enter__(self):
             self.hs = []
             for layer in model.decoder.layers:
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
 
                 def hook(m, a, gram=gram):
                     yh = a[0].unflatten(-1, (H, cfg.head_dim))
-                    c = torch.einsum("bshi,hij,bshj->bsh", yh, gram, yh)
+                    c = yh.norm(dim=-1) if self.by == "norm" else torch.einsum("bshi,hij,bshj->bsh", yh, gram, yh)
                     mask = torch.zeros_like(c).scatter_(-1, c.topk(k, -1).indices, 1.0)
                     return ((yh * mask[..., None]).flatten(-2),)
                 self.hs.append(layer.self_attn.out_proj.register_forward_pre_hook(hook))
@@ -139,8 +143,7 @@ def main(argv=None) -> int:
     res = {"model": a.model, "calib_tokens": a.calib_tokens, "eval_tokens": B * (window - 1), "heads_k": k,
            "epochs": a.epochs, "lookahead": a.lookahead, "dense": ppl(lambda: torch.no_grad())}
     if not a.no_oracles:
-        res.update(oracle_norm=ppl(lambda: masked_sparsity(model, mk, ak, "oracle")),
-                   oracle_contribution=ppl(OracleContribution))
+        res.update(oracle_norm=ppl(lambda: Oracle("norm")), oracle_contribution=ppl(lambda: Oracle("contribution")))
     for label, pr in preds.items():
         res[f"predicted_{label}"] = ppl(lambda pr=pr: masked_sparsity(model, mk, ak, "predicted", pr))
     res["seconds"] = round(time.perf_counter() - t0, 1)
