@@ -76,9 +76,14 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="byte_budget.json")
     p.add_argument("--plot", default=None, help="only plot --out's JSON to this PNG")
+    p.add_argument("--table", action="store_true", help="only print --out's JSON as a markdown table")
     args = p.parse_args(argv)
-    if args.plot:
-        plot(json.loads(Path(args.out).read_text()), args.plot)
+    if args.plot or args.table:
+        res = json.loads(Path(args.out).read_text())
+        if args.plot:
+            plot(res, args.plot)
+        if args.table:
+            print(table(res))
         return 0
     torch.set_num_threads(args.threads)
     from dejavu.compiler.allocate import ByteCosts, allocate_uniform
@@ -142,6 +147,24 @@ def main(argv=None) -> int:
     if args.max_ppl_increase != "none":
         run(f"max_ppl_{float(args.max_ppl_increase):g}", max_ppl_increase=float(args.max_ppl_increase))
     return 0
+
+
+def table(res: dict) -> str:
+    """Perplexity (test, and +% over dense) per density and scheme; held-out increase in brackets."""
+    by = {r["name"]: r for r in res["rows"]}
+    ds = sorted({float(r["name"].rsplit("_", 1)[1]) for r in res["rows"] if not r["name"].startswith("max_ppl")})
+    keys = [k for k in ("sens", "uniform", "recall", "heads_dense") if any(n.startswith(k + "_") for n in by)]
+    head = {"sens": "sensitivity", "uniform": "even split", "recall": "even, MLP by recall",
+            "heads_dense": "heads dense, then neurons"}
+    lines = ["| density | " + " | ".join(head[k] for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for d in ds:
+        cells = []
+        for k in keys:
+            r = by.get(f"{k}_{d}")
+            cells.append("infeasible" if r is None or r.get("infeasible") else
+                         f"{r['test_ppl']:.2f} ({r['test_increase_pct']:+.1f}%)")
+        lines.append(f"| {d:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(res: dict, png: str):
