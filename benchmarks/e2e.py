@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -311,13 +312,54 @@ def random_tensors(c: dict, dtype, device, ranks, seed: int = 0) -> dict:
     return t
 
 
-def header_for(c: dict, density: float | None, dtype_name: str, ranks) -> dict:
-    """Engine header; density None = dense (K = N, no predictors used)."""
+@dataclass(frozen=True)
+class KFrom:
+    """Per-layer K of a built engine (--k-from), as fractions of N, for another shape.
+
+    Layer l of a target with L layers takes source layer floor(l * L_src / L) (proportional
+    mapping), and K = round(fraction * N) in [1, N], so speed and quality describe the same
+    allocation. Its str() names the systems (dejavu_d{KFrom}_on)."""
+
+    name: str
+    density: float  # the source engine's byte density (its header)
+    mlp: tuple  # [L_src] K / F of the source
+    attn: tuple  # [L_src] K / H of the source
+
+    @classmethod
+    def from_engine(cls, path: str) -> "KFrom":
+        from dejavu.engine_file import read_header
+
+        h = read_header(path)
+        bc, mc = h["build_config"], h["model_config"]
+        return cls(Path(path).stem, float(bc["density"]),
+                   tuple(k / mc["ffn_dim"] for k in bc["mlp_k"]),
+                   tuple(k / mc["num_attention_heads"] for k in bc["attn_k"]))
+
+    def ks(self, L: int, F: int, H: int) -> tuple[list[int], list[int]]:
+        src = [l * len(self.mlp) // L for l in range(L)]
+        k = lambda f, n: min(n, max(1, round(f * n)))  # noqa: E731
+        return [k(self.mlp[j], F) for j in src], [k(self.attn[j], H) for j in src]
+
+    def __str__(self) -> str:
+        return f"kfrom-{self.name}"
+
+    def __float__(self) -> float:
+        return self.density
+
+
+def header_for(c: dict, density, dtype_name: str, ranks) -> dict:
+    """Engine header; density None = dense (K = N, no predictors used); a float = that fraction of
+    neurons and heads in every layer; a KFrom = a built engine's per-layer K scaled to this shape."""
     L, F, H = c["num_hidden_layers"], c["ffn_dim"], c["num_attention_heads"]
-    d = 1.0 if density is None else density
+    d = 1.0 if density is None else float(density)
+    if isinstance(density, KFrom):
+        mlp_k, attn_k = density.ks(L, F, H)
+    else:
+        mlp_k, attn_k = [max(1, round(d * F))] * L, [max(1, round(d * H))] * L
     return {"format": "dejavu-engine", "format_version": 1, "model_config": {**COMMON, **c}, "dtype": dtype_name,
-            "build_config": {"density": d, "mlp_density": d, "attn_density": d,
-                             "mlp_k": [max(1, round(d * F))] * L, "attn_k": [max(1, round(d * H))] * L,
+            "build_config": {"density": d, "mlp_density": round(sum(mlp_k) / (F * L), 4),
+                             "attn_density": round(sum(attn_k) / (H * L), 4),
+                             "mlp_k": mlp_k, "attn_k": attn_k,
                              "predictors": density is not None, "predictor_rank_mlp": ranks[0],
                              "predictor_rank_attn": ranks[1],
                              "predictor_input": {"source": "attn_in", "lookahead": 1},
@@ -711,7 +753,9 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     if variant:
                         row["variant"] = variant
                     row.update(kernels=dict(eng.ops.kernels), kernel_check=eng.kernel_check, overlap=overlap,
-                               density=d or 1.0, batch_policy=policy, kv_policy=kv)
+                               density=1.0 if d is None else float(d), batch_policy=policy, kv_policy=kv)
+                    if isinstance(d, KFrom):
+                        row.update(k_from=str(d), mlp_k=list(eng.spec.mlp_k), attn_k=list(eng.spec.attn_k))
                     fb = dense_floor[B] if d is None else floor_bytes(
                         c, B, ctx, esize, um, ua, list(eng.spec.attn_k), ranks, kv)
                     record(system, B, row, fb)
@@ -785,6 +829,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="opt-30b,opt-1.3b,opt-mini")
     p.add_argument("--batches", default=None, help="default 1,8,32 (quick: 1,8)")
     p.add_argument("--densities", default=None, help="default 0.3,0.1,0.5,0.2 (quick: 0.3,0.1); run in this order")
+    p.add_argument("--k-from", default=None, metavar="ENGINE",
+                   help="also time the per-layer K of this built .engine (header only), scaled to each shape "
+                        "(KFrom: layers mapped proportionally); alone unless --densities is given")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 64)")
     p.add_argument("--batch-policy", default="both", choices=["per_sequence", "shared", "both"],
@@ -815,7 +862,9 @@ def main(argv=None) -> int:
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
     a.hf_batches = [int(x) for x in (a.hf_batches or ",".join(map(str, a.batches))).split(",")]
-    a.densities = [float(x) for x in (a.densities or ("0.3,0.1" if q else "0.3,0.1,0.5,0.2")).split(",")]
+    dens = a.densities or (None if a.k_from else ("0.3,0.1" if q else "0.3,0.1,0.5,0.2"))
+    a.densities = [KFrom.from_engine(a.k_from)] if a.k_from else []
+    a.densities += [float(x) for x in dens.split(",")] if dens else []
     a.new_tokens = a.new_tokens or (64 if q else 128)
     a.kv_policies = [x for x in a.kv_policies.split(",") if x]
     if not a.kv_policies or any(x not in ("deferred", "full") for x in a.kv_policies):
@@ -839,6 +888,8 @@ def main(argv=None) -> int:
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu dry run", "torch": torch.__version__, "args": vars(a),
             "note": "random weights and random predictors of the real shapes; latency per decode step "
                     "(one token per sequence); floor = bytes that must be read / copy bandwidth"}
+    if a.k_from:  # the allocation timed, as read from the engine
+        meta["k_from"] = {"engine": a.k_from, **{k: getattr(a.densities[0], k) for k in ("density", "mlp", "attn")}}
     try:
         import transformers
         meta["transformers"] = transformers.__version__

@@ -46,7 +46,7 @@ def build(model: str, specs: list[tuple[float, float]], dtype: str, folder: Path
         path = folder / f"{Path(model).name}-m{m:g}-a{a:g}-{dtype}.engine"
         t0 = time.perf_counter()
         if not path.exists():
-            build_engine(model, BuildConfig(density=m, attn_density=a, dtype=dtype), path, progress=False)
+            build_engine(model, BuildConfig(mlp_density=m, attn_density=a, dtype=dtype), path, progress=False)
         out.append({"path": str(path), "mlp_density": m, "attn_density": a, "dtype": dtype,
                     "sha256": _sha256(path), "build_s": round(time.perf_counter() - t0, 1)})
     return out

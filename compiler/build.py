@@ -32,9 +32,11 @@ from dejavu.errors import DejavuError
 class BuildConfig:
     """Every setting of a build; defaults defined here (and in the calibration/predictor settings)."""
 
-    density: float = 0.5  # fraction of MLP neurons and of heads kept per token
-    mlp_density: float | None = None  # overrides density for the MLP
-    attn_density: float | None = None  # overrides density for attention heads
+    density: float = 0.5  # fraction of the dense decode step's weight bytes read per token (allocate.ByteCosts)
+    mlp_density: float | None = None  # fixes the MLP: this fraction of neurons (the budget goes to heads)
+    attn_density: float | None = None  # fixes attention: this fraction of heads
+    max_ppl_increase: float | None = None  # percent: search the least density within it (held-out windows)
+    heldout_tokens: int = 2048  # corpus tokens after the calibration stream: sensitivity and accuracy
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
     # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
     # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
@@ -48,7 +50,7 @@ class BuildConfig:
     predictor_source: str = DEFAULT_PREDICTOR_INPUT["source"]  # attn_in | mlp_in
     predictor_lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]  # 0 | 1
     predictor_epochs: int = PredictorSettings.max_epochs
-    allocation: str = "recall"  # per-layer K: "uniform", or "recall" (spread by measured recall curves)
+    allocation: str = "sensitivity"  # per-layer K: "sensitivity" (measured, knapsack) | "uniform" (even)
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = 3840  # TensorRT TopK limit: larger K is emitted as chunked TopK in ONNX
     seed: int = 0
@@ -73,7 +75,7 @@ class BuildConfig:
         self.compute_dtype = cdt
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp"):
+        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp", "heldout_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -81,8 +83,19 @@ class BuildConfig:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if self.allocation not in ("uniform", "recall"):
-            raise DejavuError(f"--allocation must be 'uniform' or 'recall', got {self.allocation!r}")
+        if self.allocation not in ("sensitivity", "uniform"):
+            raise DejavuError(f"--allocation must be 'sensitivity' or 'uniform', got {self.allocation!r}")
+        if self.max_ppl_increase is not None:
+            p = self.max_ppl_increase
+            try:
+                p = float(p)
+            except (TypeError, ValueError):
+                p = math.nan
+            if not 0.0 <= p <= 1000.0:
+                raise DejavuError(f"--max-ppl-increase must be a percentage in [0, 1000], got {self.max_ppl_increase!r}")
+            self.max_ppl_increase = p
+            if self.no_predictors:
+                raise DejavuError("--max-ppl-increase needs predictors (--no-predictors builds a dense engine)")
         if self.predictor_source not in ("attn_in", "mlp_in") or self.predictor_lookahead not in (0, 1) \
                 or (self.predictor_source, self.predictor_lookahead) == ("mlp_in", 0):
             raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
@@ -264,7 +277,7 @@ def _calibration(tokenizer, cfg, config: BuildConfig) -> dict:
 def _predictor_settings(config: BuildConfig) -> PredictorSettings:
     return PredictorSettings(mlp_rank=config.mlp_rank, attn_rank=config.attn_rank, source=config.predictor_source,
                              lookahead=config.predictor_lookahead, max_epochs=config.predictor_epochs,
-                             seed=config.seed, device=config.device, report_density=config.density)
+                             seed=config.seed, device=config.device)  # predictors do not depend on the budget
 
 
 def _state_key(ckpt, config: BuildConfig, calib, predictors) -> dict:
@@ -354,13 +367,34 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                   flush=True)
 
 
-def resolve_k(cfg, config: BuildConfig, curves: dict | None) -> tuple[list[int], list[int]]:
-    """Per-layer K (mlp_k [L], attn_k [L]) from the density settings and, with allocation
-    "recall", the measured recall curves {"mlp": [L x F], "attn": [L x H]} (or None)."""
-    from dejavu.compiler.density import resolve_density
+def _streamed_parts(ckpt, device: str):
+    """parts() -> (layers, embed, head) for compiler.allocate, the layers read one at a time from
+    the checkpoint in fp32 (each pass re-reads them: the whole model is never in memory)."""
+    import types
 
-    curves = curves if config.allocation == "recall" else None
-    return resolve_density(cfg, config.density, config.mlp_density, config.attn_density, recall_curves=curves)
+    from dejavu.compiler.allocate import model_parts
+    from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
+
+    def parts():
+        dec = load_decoder_shell(ckpt, torch.float32, device)
+        shell = types.SimpleNamespace(decoder=dec, lm_head=lambda x: x @ dec.embed_tokens.weight.T)  # tied
+        _, embed, head = model_parts(shell)
+        layers = (layer for _, layer in iter_decoder_layers(ckpt, torch.float32, device))
+        return layers, (lambda ids: embed(ids.to(device))), (lambda x: head(x).cpu())
+
+    return parts
+
+
+def _spilled_predictors(state, cfg, info: dict, device: str):
+    """The trained predictors (fp32, from the finished layers' files) as one `Predictors`."""
+    from dejavu.compiler.predictors import Predictors
+
+    sd = {}
+    for l in range(cfg.num_hidden_layers):
+        sd.update({n[len("fp32."):]: t for n, t in state.tensors(f"layer_{l:05d}", prefix="fp32.").items()})
+    p = Predictors.from_state_dict(sd, info["input"]).to(device)
+    p.recall_curves = info["curves"]
+    return p
 
 
 def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict | None:
@@ -398,14 +432,29 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         from dejavu.compiler.tensor_parallel import check_tp
         check_tp(cfg.num_attention_heads, cfg.ffn_dim, config.tp)
     calib = _calibration(tokenizer, cfg, config) if predictors is None and not config.no_predictors else None
+    if calib is not None:  # a budget below the least engine fails before the long stages
+        from dejavu.compiler.allocate import check_budget
+        from dejavu.compiler.predictors import default_ranks
+        check_budget(cfg, config, default_ranks(cfg, _predictor_settings(config)))
     state = BuildState(out, _state_key(ckpt, config, calib, predictors))
     resumed = state.layers_done
     stream_layers(ckpt, config, state, calib, predictors, progress, stages)
     info = _predictor_info(state, cfg, config, calib, predictors)
-    with stages("resolve K"):
-        mlp_k, attn_k = resolve_k(cfg, config, (info["curves"] or None) if info else None)
+    with stages("resolve K"):  # byte budget -> per-layer K, held-out accuracy (compiler/allocate.py)
+        from dejavu.compiler.allocate import resolve_k
+        from dejavu.compiler.stream import file_fingerprint
+
+        preds = predictors if predictors is not None or info is None else \
+            _spilled_predictors(state, cfg, info, config.device)
+        if preds is not None:
+            preds = preds.to(config.device)
+        key = json.dumps({"model": str(model_name_or_path), "files": file_fingerprint(ckpt.files)}, sort_keys=True)
+        mlp_k, attn_k, allocation = resolve_k(_streamed_parts(ckpt, config.device), cfg, config, preds, tokenizer,
+                                              key, progress)
+        config.density = allocation["density"]  # the searched one with --max-ppl-increase
+        del preds
     header = make_header(model_name_or_path, cfg, config, target, info, mlp_k, attn_k,
-                         _tokenizer_json(folder, tokenizer))
+                         _tokenizer_json(folder, tokenizer), allocation)
     if onnx_out is not None:
         with stages("export ONNX + passes"):
             onnx_report = _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
@@ -430,6 +479,8 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
                "predictor_recall": header["build_config"]["predictor_recall"],
                "predictor_input": header["build_config"]["predictor_input"],
+               "density": config.density, "bytes_per_token": allocation["bytes_per_token"],
+               "heldout": allocation["heldout"], "allocation": config.allocation,
                "stage_seconds": stages.times, "total_seconds": round(time.perf_counter() - t_start, 3),
                "dtype": config.dtype, "target": target, "resumed_at_layer": resumed,
                "peak_host_bytes": rss_peak_bytes(), "peak_gpu_bytes": gpu_peak_bytes(config.device),
@@ -456,7 +507,7 @@ def _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, out_dir: Path)
 
 
 def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info: dict | None, mlp_k, attn_k,
-                tokenizer_json: str) -> dict:
+                tokenizer_json: str, allocation: dict | None = None) -> dict:
     """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths.
 
     `info`: None (no predictors) or {"ranks": (mlp, attn), "input": {source, lookahead},
@@ -468,8 +519,10 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
         "model": Path(name).name if Path(name).is_dir() else name,
         "model_config": cfg.to_hf_dict(), "dtype": config.dtype, "target": target,
         "build_config": {
-            "density": config.density, "mlp_density": config.mlp_density or config.density,
-            "attn_density": config.attn_density or config.density, "mlp_k": mlp_k, "attn_k": attn_k,
+            # density: the byte fraction; mlp_/attn_density: the fraction of neurons / heads kept (mean of K/N)
+            "density": config.density, "mlp_density": round(sum(mlp_k) / (cfg.ffn_dim * len(mlp_k)), 4),
+            "attn_density": round(sum(attn_k) / (cfg.num_attention_heads * len(attn_k)), 4),
+            "mlp_k": mlp_k, "attn_k": attn_k,
             "predictors": info is not None,
             "predictor_rank_mlp": info["ranks"][0] if info else None,
             "predictor_rank_attn": info["ranks"][1] if info else None,
@@ -479,6 +532,10 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
             "predictor_targets": dict(PREDICTOR_TARGETS) if info is not None else None,
             "predictor_recall": {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)},
             "calibration": info.get("calibration") if info is not None else None,
+            "allocation": config.allocation,
+            # bytes read per decode token and the held-out perplexity measured at build (allocate.py)
+            "bytes_per_token": (allocation or {}).get("bytes_per_token"),
+            "heldout": (allocation or {}).get("heldout"),
             "settings": config.to_dict(),
         },
         "tokenizer_json": tokenizer_json,

@@ -4,7 +4,8 @@ Per layer l and token t (forward hooks only; the model class is never edited):
   attn_in[l, t]    [D]   fp16  residual entering layer l (predictor source "attn_in")
   mlp_in[l, t]     [D]   fp16  residual entering the MLP sub-block (source "mlp_in")
   mlp_active[l, t] [F/8] uint8 post-ReLU activation > 0, bits packed (little bit order)
-  head_norm[l, t]  [H]   fp32  L2 norm of each head's slice of the out_proj input
+  head_norm[l, t]  [H]   fp32  L2 norm of each head's contribution to the layer output,
+                               ||W_o[:, h] y_h|| (y_h: the head's slice of the out_proj input)
 
 Everything streams into `.npy` memory maps under a cache folder named by a hash of
 (model identity, token stream, settings), so an OPT-30B-sized run never holds activations
@@ -28,7 +29,7 @@ from dejavu.errors import DejavuError
 from dejavu.fileio import atomic_path
 from dejavu.models.opt import OPTConfig, OPTForCausalLM
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: head_norm is the head's contribution norm (1: the norm of its out_proj input slice)
 SOURCES = ("attn_in", "mlp_in")
 
 
@@ -110,7 +111,7 @@ class Calibration:
         return np.unpackbits(packed, axis=-1, count=self.cfg.ffn_dim, bitorder="little").astype(bool)
 
     def head_importance(self, layer: int) -> np.ndarray:
-        """Per-head L2 norm of the out_proj input slice: [T, H] fp32."""
+        """Per-head L2 norm of its contribution to the layer output, ||W_o[:, h] y_h||: [T, H] fp32."""
         return self._map("head_norm")[layer]
 
 
@@ -161,9 +162,20 @@ def _install_hooks(model: OPTForCausalLM, maps: dict, where: dict) -> list:
             lambda m, a, out, l=l: put("mlp_active", l, torch.from_numpy(np.packbits(
                 (out.detach() > 0).cpu().numpy(), axis=-1, bitorder="little")))))
         handles.append(layer.self_attn.out_proj.register_forward_pre_hook(
-            lambda m, a, l=l: put("head_norm", l, a[0].detach().float().unflatten(-1, (H, hd))
-                                  .norm(dim=-1))))
+            lambda m, a, l=l: put("head_norm", l, head_contribution(a[0].detach(), m.weight.detach(), H))))
     return handles
+
+
+def head_contribution(y: torch.Tensor, wo: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """||W_o[:, h] y_h|| per head: y [..., H*hd] (out_proj input), wo [D, H*hd] -> [..., H] fp32.
+
+    What a head adds to the layer output. Head labels and the oracle rank by it: on opt-mini it
+    beat the norm of y_h alone (heads 0.5, WikiText-2 test: oracle 43.46 vs 45.95, predicted
+    50.13 vs 51.45; docs/predictors.md). Through the Gram matrices W_hᵀW_h: [H, hd, hd]."""
+    yh = y.float().unflatten(-1, (num_heads, -1))  # [..., H, hd]
+    w = wo.float().unflatten(-1, (num_heads, -1))  # [D, H, hd]
+    gram = torch.einsum("dhi,dhj->hij", w, w)
+    return torch.einsum("...hi,hij,...hj->...h", yh, gram, yh).clamp_min(0).sqrt()
 
 
 @torch.no_grad()

@@ -31,10 +31,19 @@ def compile_parser() -> argparse.ArgumentParser:
     p = _CompileParser("dejavu-compile", "Build a DejaVu sparse .engine file from an OPT model.")
     S = argparse.SUPPRESS  # a BuildConfig field: its default lives there (shown by --help)
     p.add_argument("model", help="preset name (opt-mini, opt-125m, ...), model folder or Hugging Face id")
-    p.add_argument("--density", default=S, required=True, help="fraction of MLP neurons and heads kept, in (0, 1]")
+    p.add_argument("--density", default=S,
+                   help="fraction of the dense decode step's weight bytes read per token, in (0, 1] "
+                        "(spent across layers, heads and neurons by --allocation)")
+    p.add_argument("--max-ppl-increase", default=S, metavar="P",
+                   help="instead of --density: the least byte budget whose engine stays within P percent "
+                        "of dense perplexity on held-out calibration windows")
     p.add_argument("-o", "--output", default=None, help="engine path (default: MODEL-NAME.engine here)")
-    p.add_argument("--mlp-density", default=S, help="MLP density (default: --density)")
-    p.add_argument("--attn-density", default=S, help="head density (default: --density)")
+    p.add_argument("--mlp-density", default=S,
+                   help="fix the fraction of MLP neurons kept (the byte budget goes to heads)")
+    p.add_argument("--attn-density", default=S,
+                   help="fix the fraction of heads kept (the byte budget goes to neurons)")
+    p.add_argument("--heldout-tokens", type=int, default=S, metavar="N",
+                   help="corpus tokens after the calibration stream, for sensitivity and the recorded accuracy")
     p.add_argument("--calib", default=S, metavar="CORPUS",
                    help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME "
                         "(default: the shipped WikiText-2 head)")
@@ -54,9 +63,9 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor-lookahead", type=int, default=S, choices=[0, 1],
                    help="1: predict a layer's sets from the previous layer (overlaps on a side stream)")
     p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
-                   help="BCE epochs after the least-squares start (0: least squares only)")
-    p.add_argument("--allocation", default=S, choices=["uniform", "recall"],
-                   help="per-layer K: the same in every layer, or spread by the measured recall curves")
+                   help="training epochs after the least-squares start (0: least squares only)")
+    p.add_argument("--allocation", default=S, choices=["sensitivity", "uniform"],
+                   help="sensitivity: K by measured loss per byte (knapsack); uniform: the same fraction everywhere")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
     p.add_argument("--topk-limit", type=int, default=S, metavar="K",
@@ -87,6 +96,12 @@ def _config(args):
         except OSError as e:
             raise DejavuError(f"--config {args.config}: {e.strerror or e}") from None
     given = {k: v for k, v in vars(args).items() if k in fields}
+    if "density" in given and "max_ppl_increase" in given:
+        raise DejavuError("give --density or --max-ppl-increase, not both")
+    if not ({"density", "max_ppl_increase"} & set(given)) and not args.config:
+        raise DejavuError("dejavu-compile: one of --density or --max-ppl-increase is required")
+    if "density" in given:  # the command line's choice wins over the file's
+        base.pop("max_ppl_increase", None)
     return BuildConfig.from_dict({**base, **given})
 
 
@@ -96,12 +111,25 @@ def _output_path(args) -> Path:
     return Path(Path(str(args.model).rstrip("/")).name + ".engine")
 
 
+def _accuracy_lines(density, allocation, b: dict | None, h: dict | None) -> list[str]:
+    """Bytes read per token and the held-out perplexity measured at build (build summary, inspect)."""
+    out = []
+    if b:
+        out.append(f"bytes/token {b['engine'] / 2**20:.3f} MiB of {b['dense'] / 2**20:.3f} MiB dense = "
+                   f"{b['fraction']:.4f} (density {density}, allocation {allocation})")
+    if h:
+        out.append(f"held-out    ppl {h['engine_ppl']:.3f} vs dense {h['dense_ppl']:.3f} ({h['increase_pct']:+.2f}%) "
+                   f"on {h['tokens']} tokens: {h['source']}")
+    return out
+
+
 def format_summary(s: dict) -> str:
     mb = lambda n: f"{n / 2**20:.2f} MiB"
     lines = [f"engine      {s['engine']}  ({mb(s['engine_bytes'])}: weights {mb(s['weight_bytes'])}, "
              f"predictors {mb(s['predictor_bytes'])}, {s['dtype']}, target {s['target']['device']}"
              f"{' ' + s['target']['arch'] if s['target'].get('arch') else ''})",
              f"predictors  input {s['predictor_input']}"]
+    lines += _accuracy_lines(s.get("density"), s.get("allocation"), s.get("bytes_per_token"), s.get("heldout"))
     rec = s["predictor_recall"]
     lines.append(f"{'layer':>5} {'K_mlp':>7} {'recall':>7} {'K_attn':>7} {'recall':>7}")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"
@@ -183,11 +211,13 @@ def format_header(h: dict, path: str, size: int) -> str:
              f"ffn {mc['ffn_dim']}, heads {mc['num_attention_heads']}, vocab {mc['vocab_size']}",
              f"dtype       {h.get('dtype')}",
              f"target      {t.get('device')} arch={t.get('arch')} kernel_settings={json.dumps(t.get('kernel_settings'))}",
-             f"density     {bc.get('density')} (mlp {bc.get('mlp_density')}, attn {bc.get('attn_density')})",
+             f"density     {bc.get('density')} of the bytes (neurons kept {bc.get('mlp_density')}, "
+             f"heads kept {bc.get('attn_density')})",
              f"mlp_k       {bc.get('mlp_k')}",
              f"attn_k      {bc.get('attn_k')}",
              f"predictors  {bc.get('predictors')} input={bc.get('predictor_input')} "
              f"rank mlp={bc.get('predictor_rank_mlp')} attn={bc.get('predictor_rank_attn')}"]
+    lines += _accuracy_lines(bc.get("density"), bc.get("allocation"), bc.get("bytes_per_token"), bc.get("heldout"))
     rec = bc.get("predictor_recall") or {}
     for kind in ("mlp", "attn"):
         if rec.get(kind):

@@ -7,7 +7,7 @@ forward: its own selection, which equals token-by-token decode) keeps, in layer 
     (Q/K/V are computed for all heads, so the KV cache stays complete).
 Selection modes:
   predicted  top-K of the predictor scores on src[l - lookahead] (docs/ARCHITECTURE.md)
-  oracle     top-K of the true post-ReLU activation / of the heads' output norms
+  oracle     top-K of the true post-ReLU activation / of the heads' contributions ||W_o[:, h] y_h||
   random     K uniformly random outputs per token (seeded)
 A kind whose K equals N for a layer is left untouched (density 1.0 is the dense model).
 """
@@ -34,6 +34,8 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
     mlp_k / attn_k: [L] ints. `predictors` (a `Predictors`) is needed for mode "predicted"
     and carries its `predictor_input` ({"source", "lookahead"}).
     """
+    from dejavu.compiler.calibrate import head_contribution
+
     cfg = model.config
     L, Fd, H, hd = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads, cfg.head_dim
     if mode not in MODES:
@@ -71,7 +73,7 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
     def attn_hook(m, args, l):
         y = args[0]  # [B, S, H*hd], heads concatenated
         yh = y.unflatten(-1, (H, hd))  # [B, S, H, hd]
-        idx = select("attn", l, attn_k[l], yh.float().norm(dim=-1))
+        idx = select("attn", l, attn_k[l], head_contribution(y, m.weight, H))  # [B, S, H]
         mask = _mask_from_idx(yh.shape[:-1], idx, y.dtype)  # [B, S, H]
         return ((yh * mask[..., None]).flatten(-2),) + tuple(args[1:])
 
@@ -99,3 +101,30 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
         for h in handles:
             h.remove()
         src.clear()
+
+
+@contextlib.contextmanager
+def fixed_selection(layer, mlp_idx: torch.Tensor | None = None, attn_idx: torch.Tensor | None = None):
+    """Keep only the given neurons / heads of one decoder layer while the context is open.
+
+    mlp_idx: [B, S, K_mlp] neuron indices, attn_idx: [B, S, K_attn] head indices (per token);
+    None leaves that kind dense. The same semantics as `masked_sparsity`, for callers that
+    hold one layer at a time (dejavu.compiler.allocate)."""
+    handles = []
+    if mlp_idx is not None:
+        handles.append(layer.activation_fn.register_forward_hook(
+            lambda m, a, out: out * _mask_from_idx(out.shape, mlp_idx, out.dtype)))
+    if attn_idx is not None:
+        H = layer.self_attn.n_heads
+
+        def attn_hook(m, args):
+            yh = args[0].unflatten(-1, (H, -1))  # [B, S, H, hd]
+            mask = _mask_from_idx(yh.shape[:-1], attn_idx, yh.dtype)
+            return ((yh * mask[..., None]).flatten(-2),) + tuple(args[1:])
+
+        handles.append(layer.self_attn.out_proj.register_forward_pre_hook(attn_hook))
+    try:
+        yield layer
+    finally:
+        for h in handles:
+            h.remove()

@@ -5,11 +5,12 @@
 linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H.
 
 Labels: MLP neuron j is positive when its post-ReLU activation is > 0. Head h is positive
-when it is among the top ceil(attn_label_density * H) heads of the token by the L2 norm of
-its slice of the out_proj input (a per-token rank label: a fixed norm threshold would mark
-nearly all or no heads depending on the layer's scale).
+when it is among the top ceil(attn_label_density * H) heads of the token by its contribution
+to the layer output, ||W_o[:, h] y_h|| (calibration's `head_norm`; a per-token rank label: a
+fixed threshold would mark nearly all or no heads depending on the layer's scale).
 
-Training: a reduced-rank least-squares start (one streamed pass, closed form), then
+Head predictors are a ridge least-squares fit of the log contribution (`_fit_heads`): heads
+are ranked by the prediction. MLP training: a reduced-rank least-squares start (one streamed pass, closed form), then
 class-weighted BCE (pos_weight = (1-p)/p per output from the label frequency, clipped),
 Adam, mini-batches of tokens, early stopping on held-out recall at the report K over the
 tail of the stream (whole windows), seeded. Inputs are standardised during training and the affine map is
@@ -35,7 +36,7 @@ DEFAULT_PREDICTOR_INPUT = {"source": "attn_in", "lookahead": 1}
 # What the engine records (build_config.predictor_form / predictor_targets): the scoring form
 # and what each kind was fitted to (docs/predictors.md, "MLP targets").
 PREDICTOR_FORM = "lowrank"
-PREDICTOR_TARGETS = {"mlp": "contribution_listwise", "attn": "top_heads_bce"}
+PREDICTOR_TARGETS = {"mlp": "contribution_listwise", "attn": "log_contribution_lstsq"}
 CANDIDATE_INPUTS = [{"source": "attn_in", "lookahead": 0},
                     {"source": "attn_in", "lookahead": 1},
                     {"source": "mlp_in", "lookahead": 1}]
@@ -258,6 +259,29 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
             "val_loss": best}
 
 
+def _fit_heads(x_tr, imp_tr, x_va, y_va, rank: int, k_eval: int, ridge: float) -> dict:
+    """Head predictor: ridge least squares of log contribution (imp [T, H]) on x [T, D], rank r.
+
+    Heads are ranked by the predicted log contribution. On opt-mini (heads 0.5, WikiText-2 test)
+    this beat class-weighted BCE on top-50% labels: 49.51 vs 50.13 (docs/predictors.md).
+    Rank < H keeps the top singular directions of the fitted map. Returns folded a/b/bias and
+    val_loss = minus the held-out recall of the top-k_eval labels."""
+    x, y = x_tr.double(), torch.log(imp_tr.double() + 1e-6)
+    mu, ym = x.mean(0), y.mean(0)
+    xc = x - mu
+    w = torch.linalg.solve(xc.T @ xc + ridge * len(x) * torch.eye(x.shape[1], dtype=torch.float64, device=x.device),
+                           xc.T @ (y - ym))  # [D, H]
+    u, sv, vh = torch.linalg.svd(w, full_matrices=False)
+    r = min(rank, w.shape[1])
+    a, b = (u[:, :r] * sv[:r]).T, vh[:r].T  # a: [r, D], b: [H, r]; b a = W^T at full rank
+    p = {"a": a.float().cpu().contiguous(), "b": b.float().cpu().contiguous(),
+         "bias": (ym - mu @ w).float().cpu().contiguous()}
+    with torch.no_grad():
+        sc = (x_va.cpu() @ p["a"].T) @ p["b"].T + p["bias"]
+        p["val_loss"] = -_evaluate(sc, y_va.cpu(), k_eval)[0]
+    return p
+
+
 def _evaluate(scores: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[float, float]:
     """(recall, precision) of top-k of scores [T, N] against bool labels [T, N]."""
     hits = labels.gather(-1, scores.topk(k, dim=-1).indices).sum().item()
@@ -311,7 +335,7 @@ def train_layer(x: torch.Tensor, y_mlp: torch.Tensor, contrib: torch.Tensor, nor
     k_stop = max(1, round(s.stop_density * Fd))
     pm = _fit(x[:split], y_mlp[:split], x[split:], y_mlp[split:], mlp_rank, k_stop, s, gen,
               contrib[:split], contrib[split:])
-    pa = _fit(x[:split], y_att[:split], x[split:], y_att[split:], attn_rank, k_lab, s, gen)
+    pa = _fit_heads(x[:split], norms[:split], x[split:], y_att[split:], attn_rank, k_lab, s.ridge)
     with torch.no_grad():
         xv = x[split:].cpu()
         sm = (xv @ pm["a"].T) @ pm["b"].T + pm["bias"]  # [Tv, F]

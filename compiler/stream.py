@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dejavu.compiler.calibrate import head_contribution
 from dejavu.engine_file import TensorPart
 from dejavu.errors import DejavuError
 from dejavu.fileio import atomic_path
@@ -73,8 +74,8 @@ def run_layer(layer, x: torch.Tensor, batches, cfg, record: tuple[str, ...]) -> 
     """Run `layer` over the carried residual x [T, D] (replaced by its output, in place).
 
     Records (each on x's device): attn_in / mlp_in [T, D] fp16 (those named in `record`),
-    mlp_active [T, F] bool (post-ReLU > 0), head_norm [T, H] fp32 (per-head L2 norm of the
-    out_proj input). Hooks on the layer module, so the forward is the model's own."""
+    mlp_active [T, F] bool (post-ReLU > 0), head_norm [T, H] fp32 (per-head L2 norm of its
+    contribution to the layer output, `calibrate.head_contribution`). Hooks on the layer module, so the forward is the model's own."""
     T, D = x.shape
     H, hd, dev = cfg.num_attention_heads, cfg.head_dim, x.device
     rec = {n: torch.empty(T, D, dtype=torch.float16, device=dev) for n in record}
@@ -89,7 +90,7 @@ def run_layer(layer, x: torch.Tensor, batches, cfg, record: tuple[str, ...]) -> 
     hooks = [layer.register_forward_pre_hook(lambda m, a: put("attn_in", a[0].half())),
              layer.activation_fn.register_forward_hook(lambda m, a, out: put("mlp_active", out > 0)),
              layer.self_attn.out_proj.register_forward_pre_hook(
-                 lambda m, a: put("head_norm", a[0].float().unflatten(-1, (H, hd)).norm(dim=-1)))]
+                 lambda m, a: put("head_norm", head_contribution(a[0].detach(), m.weight.detach(), H)))]
     if cfg.do_layer_norm_before:  # the residual after attention = input of final_layer_norm
         hooks.append(layer.final_layer_norm.register_forward_pre_hook(lambda m, a: put("mlp_in", a[0].half())))
     else:  # post-LN: the MLP reads the output of self_attn_layer_norm

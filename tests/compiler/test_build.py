@@ -23,7 +23,7 @@ def preds(tiny_opt_dir):
 
 def _build(tiny_opt_dir, path, preds, **kw):
     onnx_out = kw.pop("onnx_out", None)
-    return build_engine(tiny_opt_dir, BuildConfig(**{"density": 0.3, **kw}), path, onnx_out=onnx_out,
+    return build_engine(tiny_opt_dir, BuildConfig(**{"density": 0.7, **kw}), path, onnx_out=onnx_out,
                         progress=False, predictors=preds)
 
 
@@ -55,7 +55,11 @@ def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
     bc = header["build_config"]
     assert header["format_version"] == 1 and header["dtype"] == "float32"
     assert header["target"] == {"device": "cpu", "arch": None, "kernel_settings": {}}
-    assert bc["mlp_k"] == s["mlp_k"] and sum(bc["mlp_k"]) == round(0.3 * 128 * 2)
+    assert bc["mlp_k"] == s["mlp_k"] and bc["attn_k"] == s["attn_k"]
+    b = bc["bytes_per_token"]  # the budget holds: bytes read per token <= 0.7 of dense
+    assert b == s["bytes_per_token"] and b["engine"] <= 0.7 * b["dense"] and b["fraction"] == round(b["engine"] / b["dense"], 6)
+    h = bc["heldout"]  # measured at build on calibration-corpus tokens after the calibration stream
+    assert h["dense_ppl"] > 1 and h["engine_ppl"] > 1 and h["source"].startswith("calibration corpus tokens")
     assert bc["predictor_input"] == PI and bc["predictor_rank_mlp"] == 8 and bc["predictors"] is True
     assert bc["predictor_form"] == "lowrank"
     assert bc["predictor_targets"] == {"mlp": "contribution_listwise", "attn": "top_heads_bce"}
@@ -96,7 +100,8 @@ def test_dense_build_without_predictors(tiny_opt_dir, tmp_path):
 
 def test_onnx_out_matches_engine(tiny_opt_dir, preds, tmp_path):
     pytest.importorskip("onnxruntime")
-    s = _build(tiny_opt_dir, tmp_path / "m.engine", preds, dtype="float32", onnx_out=tmp_path / "onnx")
+    s = _build(tiny_opt_dir, tmp_path / "m.engine", preds, dtype="float32", onnx_out=tmp_path / "onnx",
+               mlp_density=0.3, attn_density=0.5)  # both kinds sparse in every layer
     assert s["onnx"]["form_a_max_abs_diff"] <= 1e-4
     names = {p.name for p in (tmp_path / "onnx").iterdir()}
     assert {"prefill.onnx", "decode.onnx", "decode.sparse.onnx", "decode.plugin.onnx"} <= names

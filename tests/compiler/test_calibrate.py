@@ -50,8 +50,10 @@ def test_records_what_the_model_computes(tiny, tmp_path):
         h.remove()
     np.testing.assert_array_equal(cal.source("attn_in", 1)[960:], seen["x"][0].half().numpy())
     np.testing.assert_array_equal(cal.mlp_labels(1)[960:], (seen["h"][0] > 0).numpy())
-    norms = seen["y"][0].unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)).norm(dim=-1)
-    np.testing.assert_allclose(cal.head_importance(1)[960:], norms.numpy(), rtol=1e-6)
+    yh = seen["y"][0].double().unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))  # [S, H, hd]
+    wo = layer.self_attn.out_proj.weight.detach().double().unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
+    norms = torch.einsum("dhi,shi->shd", wo, yh).norm(dim=-1)  # each head's contribution ||W_o[:, h] y_h||
+    np.testing.assert_allclose(cal.head_importance(1)[960:], norms.numpy(), rtol=1e-4, atol=1e-6)
     assert 0.2 < cal.mlp_labels(0).mean() < 0.8  # random ReLU model: about half active
     assert cal.predictor_input(0, "mlp_in", 1) is not None  # l - 1 < 0 reads layer 0's attn_in
     np.testing.assert_array_equal(cal.predictor_input(0, "mlp_in", 1), cal.source("attn_in", 0))

@@ -27,8 +27,8 @@ def built(tiny_opt_dir, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("DEJAVU_CACHE", str(d / "cache"))
     try:
-        assert main([str(tiny_opt_dir), "--density", "0.3", "-o", str(d / "a.engine"), *QUICK]) == 0
-        assert main([str(tiny_opt_dir), "--density", "0.3", "-o", str(d / "b.engine"), *QUICK]) == 0
+        for name in ("a", "b"):  # the searched budget is deterministic too
+            assert main([str(tiny_opt_dir), "--max-ppl-increase", "5", "-o", str(d / f"{name}.engine"), *QUICK]) == 0
     finally:
         mp.undo()
     return d
@@ -56,10 +56,11 @@ def test_compile_twice_same_bytes_and_no_state_left(built):
 
 def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
     out = tmp_path / "s.engine"
-    assert main([str(tiny_opt_dir), "--density", "0.5", "--mlp-density", "0.25", "-o", str(out),
-                 "--summary-json", str(tmp_path / "s.json"), "--allocation", "uniform", *QUICK]) == 0
+    assert main([str(tiny_opt_dir), "--density", "0.5", "--mlp-density", "0.25", "--attn-density", "0.5", "-o",
+                 str(out), "--summary-json", str(tmp_path / "s.json"), "--allocation", "uniform", *QUICK]) == 0
     text = capsys.readouterr().out
     assert "K_mlp" in text and "recall" in text and "time" in text and "MiB" in text
+    assert "bytes/token" in text and "held-out    ppl" in text
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["mlp_k"] == [32, 32] and s["attn_k"] == [2, 2]
     assert read_header(out)["build_config"]["mlp_density"] == 0.25
@@ -70,6 +71,10 @@ def test_inspect(built, capsys):
     assert inspect_main([str(path)]) == 0
     text = capsys.readouterr().out
     assert "dejavu-engine v1" in text and "mlp_k" in text and "float16" in text
+    h = read_header(built / "a.engine")["build_config"]
+    assert f"({h['heldout']['increase_pct']:+.2f}%)" in text and "bytes/token" in text
+    assert h["heldout"]["increase_pct"] <= 5 and h["settings"]["max_ppl_increase"] == 5.0
+    assert h["bytes_per_token"]["fraction"] <= h["density"] <= 1.0
     header, tensors = read_engine(path)
     assert f"tensors     {len(tensors)} (" in text and "checksum verified" in text and "layers.0.mlp.w1" in text
     assert inspect_main([str(path), "--header-only"]) == 0
@@ -93,6 +98,11 @@ def test_inspect(built, capsys):
     (["MODEL", "--density", "abc"], "density"),
     (["MODEL", "--density", "0.3", "--attn-density", "2"], "attn-density"),
     (["MODEL"], "--density"),
+    (["MODEL", "--max-ppl-increase", "-1"], "max-ppl-increase"),
+    (["MODEL", "--max-ppl-increase", "1001"], "max-ppl-increase"),
+    (["MODEL", "--density", "0.5", "--max-ppl-increase", "1"], "not both"),
+    (["MODEL", "--density", "-0.5"], "density"),
+    (["MODEL", "--density", "0.1"], "below the least"),
     (["MODEL", "--density", "0.3", "--dtype", "int4"], "dtype"),
     (["MODEL", "--density", "0.3", "--device", "tpu"], "--device"),
     (["MODEL", "--density", "0.3", "--calib", "/nonexistent/corpus.txt"], "corpus"),

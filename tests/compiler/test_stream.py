@@ -38,18 +38,21 @@ def _reference_engine(folder, config: BuildConfig, path, cache):
     info = {"ranks": default_ranks(cfg, ps), "input": ps.predictor_input, "curves": preds.recall_curves,
             "calibration": {"corpus": build_mod._corpus_name(cal.manifest["corpus"]), "n_tokens": cal.n_tokens,
                             "window": cal.window, "tokens_fingerprint": cal.manifest["tokens_fingerprint"]}}
-    mlp_k, attn_k = build_mod.resolve_k(cfg, config, preds.recall_curves)
+    from dejavu.compiler.allocate import model_parts, resolve_k
+
+    mlp_k, attn_k, allocation = resolve_k(lambda: model_parts(model), cfg, config, preds, tok, "reference")
     dtype = DTYPE_NAMES[config.dtype]
     tensors = kernel_layout(model, dtype)
     tensors.update({k: v.to(dtype).contiguous() for k, v in preds.state_dict().items()})
+    config.density = allocation["density"]
     header = build_mod.make_header(folder, cfg, config, build_mod.target_info("cpu"), info, mlp_k, attn_k,
-                                   (folder / "tokenizer.json").read_text())
+                                   (folder / "tokenizer.json").read_text(), allocation)
     write_engine(path, header, tensors)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_streamed_build_equals_whole_model_pipeline(tiny_opt_dir, tmp_path, dtype):
-    config = BuildConfig(density=0.3, dtype=dtype, **QUICK)
+    config = BuildConfig(density=0.7, dtype=dtype, **QUICK)
     s = build_engine(tiny_opt_dir, config, tmp_path / "s.engine", progress=False)
     _reference_engine(tiny_opt_dir, config, tmp_path / "r.engine", tmp_path / "cache")
     hs, ts = read_engine(tmp_path / "s.engine")
@@ -78,7 +81,7 @@ def _interrupt_after(monkeypatch, layers_done: int, action=None):
 
 def test_resume_after_interrupt_between_layers_gives_the_same_file(make_tiny_opt_dir, tmp_path, monkeypatch):
     folder = make_tiny_opt_dir(num_hidden_layers=3)
-    config = BuildConfig(density=0.4, **QUICK)
+    config = BuildConfig(density=0.7, **QUICK)
     build_engine(folder, config, tmp_path / "whole.engine", progress=False)
     out = tmp_path / "resumed.engine"
     with monkeypatch.context() as m:
@@ -98,7 +101,11 @@ def test_resume_after_interrupt_between_layers_gives_the_same_file(make_tiny_opt
             yield l, layer
     monkeypatch.setattr(loader, "iter_decoder_layers", counting)
     s = build_engine(folder, config, out, progress=False)
-    assert s["resumed_at_layer"] == 2 and loaded == [2]
+    # the build reads only the unfinished layer; the allocation's held-out passes then stream
+    # every layer again, in whole passes 0 .. L-1
+    L = len(s["mlp_k"])
+    assert s["resumed_at_layer"] == 2 and loaded[0] == 2
+    assert len(loaded) > 1 and loaded[1:] == list(range(L)) * ((len(loaded) - 1) // L)
     assert out.read_bytes() == (tmp_path / "whole.engine").read_bytes()
     assert not state.exists()
     # other settings do not reuse a state folder: a changed seed starts afresh
@@ -107,8 +114,8 @@ def test_resume_after_interrupt_between_layers_gives_the_same_file(make_tiny_opt
         with pytest.raises(KeyboardInterrupt):
             build_engine(folder, config, out, progress=False)
     loaded.clear()
-    s = build_engine(folder, BuildConfig(density=0.4, seed=1, **QUICK), out, progress=False)
-    assert s["resumed_at_layer"] == 0 and loaded == [0, 1, 2]
+    s = build_engine(folder, BuildConfig(density=0.7, seed=1, **QUICK), out, progress=False)
+    assert s["resumed_at_layer"] == 0 and loaded[:3] == [0, 1, 2]
 
 
 def _shard(folder):
@@ -220,9 +227,9 @@ def test_half_compute_keeps_the_weights_and_the_predictor_shapes(tiny_opt_dir, t
     """--compute-dtype bfloat16: the layout still comes from the stored weights (identical dense
     tensors); only the calibration forward, hence the predictors, differ (same shapes, and on
     this random model a held-out recall within 0.1 of float32's)."""
-    s32 = build_engine(tiny_opt_dir, BuildConfig(density=0.3, dtype="float32", **QUICK), tmp_path / "a.engine",
+    s32 = build_engine(tiny_opt_dir, BuildConfig(density=0.7, dtype="float32", **QUICK), tmp_path / "a.engine",
                        progress=False)
-    s16 = build_engine(tiny_opt_dir, BuildConfig(density=0.3, dtype="float32", compute_dtype="bf16", **QUICK),
+    s16 = build_engine(tiny_opt_dir, BuildConfig(density=0.7, dtype="float32", compute_dtype="bf16", **QUICK),
                        tmp_path / "b.engine", progress=False)
     ha, ta = read_engine(tmp_path / "a.engine")
     hb, tb = read_engine(tmp_path / "b.engine")

@@ -17,7 +17,7 @@ from helpers_compiler import random_predictors
 def test_build_tp2_equals_sharded_single_build(tiny_opt_dir, tmp_path):
     preds = Predictors.from_state_dict(random_predictors(load_config(tiny_opt_dir), rank=8, rank_attn=4),
                                        {"source": "attn_in", "lookahead": 1})
-    cfg = dict(density=0.3, dtype="float32")
+    cfg = dict(mlp_density=0.3, attn_density=0.5, dtype="float32")  # both kinds sparse everywhere
     build_engine(tiny_opt_dir, BuildConfig(**cfg), tmp_path / "one.engine", progress=False, predictors=preds)
     s = build_engine(tiny_opt_dir, BuildConfig(**cfg, tp=2), tmp_path / "m.engine", progress=False,
                      predictors=preds)

@@ -1,0 +1,486 @@
+"""Per-layer K from a byte budget, spent where it costs least (docs/compiler.md, "Allocation").
+
+`--density D` is the fraction of the dense decode step's weight bytes that one token reads
+(`ByteCosts`: the one definition that the allocator, the engine header and the benchmarks
+share). The budget is spent across layers and between heads and neurons by measured
+sensitivity: on held-out calibration windows, with the trained predictors, each candidate K
+of each (layer, kind) is applied alone and the mean loss increase (nats per token) is
+measured (`measure_sensitivity`). A multiple-choice knapsack (`allocate_knapsack`, an exact
+dynamic programme over a byte grid) then picks one K per (layer, kind) minimising the summed
+loss increase under the budget. Greedy on marginal loss per byte is optimal only on the
+convex hull of each group's (bytes, loss) points, and measured curves are not convex (a
+layer may lose little at 0.4 and much at 0.3); the DP costs milliseconds for L x 2 groups.
+
+Everything that touches the model is written over an iterable of decoder-layer modules plus
+`embed` / `head` callables (`model_parts`), so a build that streams one layer at a time can
+pass its layer iterator instead of `model.decoder.layers`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dejavu.compiler.masking import fixed_selection
+from dejavu.errors import DejavuError
+from dejavu.models.opt import OPTConfig
+
+KINDS = ("mlp", "attn")
+# Candidate K as fractions of N, measured per (layer, kind); K = N (dense) is always a choice.
+GRID = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def candidate_ks(n: int, grid=GRID) -> list[int]:
+    """Sorted distinct K in [1, n-1] from the grid's fractions of n."""
+    return sorted({min(n - 1, max(1, round(f * n))) for f in grid} - {n}) if n > 1 else []
+
+
+# ------------------------------------------------------------------------------ bytes
+
+@dataclass(frozen=True)
+class ByteCosts:
+    """Weight bytes one decode token reads (per sequence; the KV cache is not weights).
+
+    fixed: token + position embedding rows, project_in/out, final LN, LM head (all V rows),
+           and per layer both LayerNorms and the out_proj / fc2 biases (always read);
+    head:  one head's Q, K, V rows with their biases and its O columns: 4 hd D + 3 hd
+           (with the deferred K/V policy the engine computes K/V for the selected heads);
+    neuron: one fc1 row with its bias and one fc2 column: 2 D + 1;
+    pred_mlp / pred_attn: one layer's predictor (r (D + N) + N), read only where that kind
+           is sparse (K < N) in that layer.
+    All in bytes (elements x element size)."""
+
+    layers: int
+    ffn_dim: int
+    num_heads: int
+    fixed: int
+    head: int
+    neuron: int
+    pred_mlp: int
+    pred_attn: int
+
+    @classmethod
+    def of(cls, cfg: OPTConfig, ranks: tuple[int | None, int | None] = (None, None),
+           elem: int = 2) -> "ByteCosts":
+        D, E, Fd, H, V = (cfg.hidden_size, cfg.word_embed_proj_dim, cfg.ffn_dim, cfg.num_attention_heads,
+                          cfg.vocab_size)
+        hd, b = cfg.head_dim, 1 if cfg.enable_bias else 0
+        proj = 2 * D * E if E != D else 0
+        fixed = E + D + proj + 2 * D + V * E + cfg.num_hidden_layers * (4 * D + 2 * b * D)
+        rm, ra = ranks
+        return cls(cfg.num_hidden_layers, Fd, H, elem * fixed, elem * (4 * hd * D + 3 * b * hd),
+                   elem * (2 * D + b), elem * (rm * (D + Fd) + Fd) if rm else 0,
+                   elem * (ra * (D + H) + H) if ra else 0)
+
+    def kind(self, kind: str, k: int) -> int:
+        """Bytes of one layer's `kind` ("mlp" | "attn") at K = k, its predictor included."""
+        n, unit, pred = ((self.ffn_dim, self.neuron, self.pred_mlp) if kind == "mlp"
+                         else (self.num_heads, self.head, self.pred_attn))
+        return k * unit + (pred if k < n else 0)
+
+    def total(self, mlp_k: list[int], attn_k: list[int]) -> int:
+        return self.fixed + sum(self.kind("mlp", m) + self.kind("attn", a) for m, a in zip(mlp_k, attn_k))
+
+    @property
+    def dense(self) -> int:
+        return self.total([self.ffn_dim] * self.layers, [self.num_heads] * self.layers)
+
+    @property
+    def least(self) -> int:
+        """The smallest engine: one neuron and one head per layer."""
+        return self.total([1] * self.layers, [1] * self.layers)
+
+    def report(self, mlp_k: list[int], attn_k: list[int]) -> dict:
+        t = self.total(mlp_k, attn_k)
+        return {"engine": t, "dense": self.dense, "fraction": round(t / self.dense, 6)}
+
+
+# ------------------------------------------------------------------------------ model passes
+
+def model_parts(model) -> tuple[Iterable, Callable, Callable]:
+    """(layers, embed, head) of an in-memory OPTForCausalLM.
+
+    embed(ids [B, S]) -> x [B, S, D] at positions 0..S-1; head(x [B, S, D]) -> logits [B, S, V]."""
+    from dejavu.models.opt import POSITION_OFFSET
+
+    dec = model.decoder
+
+    def embed(ids):
+        x = dec.embed_tokens(ids)
+        if dec.project_in is not None:
+            x = dec.project_in(x)
+        pos = torch.arange(ids.shape[1], device=ids.device) + POSITION_OFFSET
+        return x + dec.embed_positions(pos)[None]
+
+    def head(x):
+        if dec.final_layer_norm is not None:
+            x = dec.final_layer_norm(x)
+        if dec.project_out is not None:
+            x = dec.project_out(x)
+        return model.lm_head(x)
+
+    return dec.layers, embed, head
+
+
+def _nll(head: Callable, x: torch.Tensor, ids: torch.Tensor) -> float:
+    """Mean next-token NLL (nats) over every position but each window's last; x: [B, S, D]."""
+    tot = 0.0
+    for b in range(x.shape[0]):  # one window at a time: logits [S, V] stay small
+        logits = head(x[b:b + 1, :-1])  # [1, S-1, V]
+        logp = F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)[0]
+        tot += -logp.gather(-1, ids[b, 1:, None]).sum().item()
+    return tot / (x.shape[0] * (x.shape[1] - 1))
+
+
+class _Sources:
+    """Dense predictor inputs of the last two layers (what lookahead 0 | 1 reads)."""
+
+    def __init__(self, predictor_input: dict):
+        self.pi, self.src = predictor_input, {}
+
+    def enter(self, l: int, x: torch.Tensor) -> None:
+        """Record x [B, S, D] as layer l's attn_in (before any of layer l's predictors read)."""
+        self.src[("attn_in", l)] = x
+        self.src.pop(("attn_in", l - 2), None), self.src.pop(("mlp_in", l - 2), None)
+
+    def run(self, l: int, layer, x: torch.Tensor) -> torch.Tensor:
+        """The layer on x (its hooks apply), recording its mlp_in; returns the layer output."""
+        got = {}
+        pre_ln = getattr(layer, "pre_ln", True)
+        h = (layer.final_layer_norm.register_forward_pre_hook(lambda m, a: got.__setitem__("mlp_in", a[0]))
+             if pre_ln else
+             layer.self_attn_layer_norm.register_forward_hook(lambda m, a, o: got.__setitem__("mlp_in", o)))
+        try:
+            out = layer(x, None, None)
+        finally:
+            h.remove()
+        self.src[("mlp_in", l)] = got["mlp_in"]
+        return out
+
+    def predictor_input(self, l: int) -> torch.Tensor:
+        j = l - self.pi["lookahead"]
+        return self.src[("attn_in", 0)] if j < 0 else self.src[(self.pi["source"], j)]
+
+
+def _order(predictors, kind: str, l: int, x: torch.Tensor, k_max: int) -> torch.Tensor:
+    # x: [B, S, D] -> the predicted top-k_max indices [B, S, k_max], best first
+    return predictors.scores(kind, l, x.float()).topk(k_max, dim=-1).indices
+
+
+@dataclass
+class Sensitivity:
+    """Measured loss increase (nats/token) of each candidate K applied alone in one (layer, kind)."""
+
+    ks: dict  # kind -> [C] candidate K
+    delta: dict  # kind -> [L][C] loss increase over dense
+    dense_nll: float
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return {"ks": self.ks, "delta": self.delta, "dense_nll": self.dense_nll, "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Sensitivity":
+        return cls(d["ks"], d["delta"], d["dense_nll"], d["tokens"])
+
+
+@torch.no_grad()
+def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: torch.Tensor, predictors,
+                        ks: dict, progress: bool = False) -> Sensitivity:
+    """One pass over `layers`: the dense held-out hidden state plus one branch per candidate
+    (layer, kind, K), started at its layer with that selection and run dense afterwards.
+
+    ids: [B, S] held-out windows. ks: {"mlp": [C], "attn": [C]} candidate K (< N).
+    Memory: (1 + L * (C_mlp + C_attn)) states of [B, S, D]; each branch ends in `head`."""
+    x = embed(ids)
+    srcs = _Sources(predictors.predictor_input)
+    branches: dict[tuple, torch.Tensor] = {}
+    it = enumerate(layers)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="sensitivity", unit="layer")
+    for l, layer in it:
+        for key in branches:  # branches started earlier: this layer runs dense
+            branches[key] = layer(branches[key], None, None)
+        srcs.enter(l, x)
+        x_next = srcs.run(l, layer, x)
+        xp = srcs.predictor_input(l)
+        for kind in KINDS:
+            if not ks.get(kind):
+                continue
+            order = _order(predictors, kind, l, xp, max(ks[kind]))
+            for k in ks[kind]:
+                sel = {"mlp_idx" if kind == "mlp" else "attn_idx": order[..., :k]}
+                with fixed_selection(layer, **sel):
+                    branches[(l, kind, k)] = layer(x, None, None)
+        x = x_next
+    dense = _nll(head, x, ids)
+    L = l + 1
+    delta = {kind: [[_nll(head, branches[(j, kind, k)], ids) - dense for k in ks.get(kind, [])]
+                    for j in range(L)] for kind in KINDS}
+    return Sensitivity({kind: list(ks.get(kind, [])) for kind in KINDS}, delta, dense,
+                       int(ids.shape[0] * (ids.shape[1] - 1)))
+
+
+@torch.no_grad()
+def heldout_nll(layers: Iterable, embed: Callable, head: Callable, ids: torch.Tensor, predictors,
+                mlp_k: list[int], attn_k: list[int]) -> float:
+    """Mean NLL of the combined engine (every layer's predicted selection) on ids [B, S]."""
+    x = embed(ids)
+    srcs = _Sources(predictors.predictor_input if predictors is not None else {"source": "attn_in",
+                                                                                 "lookahead": 0})
+    for l, layer in enumerate(layers):
+        n_f, n_h = layer.fc1.out_features, layer.self_attn.n_heads
+        sel = {}
+        srcs.enter(l, x)
+        if predictors is not None and (mlp_k[l] < n_f or attn_k[l] < n_h):
+            xp = srcs.predictor_input(l)
+            if mlp_k[l] < n_f:
+                sel["mlp_idx"] = _order(predictors, "mlp", l, xp, mlp_k[l])
+            if attn_k[l] < n_h:
+                sel["attn_idx"] = _order(predictors, "attn", l, xp, attn_k[l])
+        with fixed_selection(layer, **sel):
+            x_next = srcs.run(l, layer, x)
+        x = x_next
+    return _nll(head, x, ids)
+
+
+# ------------------------------------------------------------------------------ allocation
+
+def _monotone(delta: list[float]) -> list[float]:
+    """Loss increase per candidate (ascending K) made non-negative and non-increasing in K:
+    a smaller K never measures better than a larger one except by noise."""
+    out, run = [], 0.0
+    for d in reversed(delta):
+        run = max(run, d, 0.0)
+        out.append(run)
+    return out[::-1]
+
+
+def allocate_knapsack(costs: ByteCosts, sens: Sensitivity, budget: int,
+                      frozen: dict | None = None, grid_steps: int = 4000) -> tuple[list[int], list[int]]:
+    """One K per (layer, free kind) minimising the summed measured loss increase with
+    costs.total(mlp_k, attn_k) <= budget (bytes). frozen: {kind: [L] K} kinds left as given.
+
+    Exact multiple-choice knapsack over a byte grid of `grid_steps` units (option costs
+    rounded up, the capacity down, so the result never exceeds the budget)."""
+    frozen = frozen or {}
+    L = costs.layers
+    n = {"mlp": costs.ffn_dim, "attn": costs.num_heads}
+    groups = []  # (layer, kind, [(k, bytes, loss)])
+    for l in range(L):
+        for kind in KINDS:
+            if kind in frozen:
+                continue
+            d = _monotone(sens.delta[kind][l])
+            opts = [(k, costs.kind(kind, k), dk) for k, dk in zip(sens.ks[kind], d)] + \
+                   [(n[kind], costs.kind(kind, n[kind]), 0.0)]
+            groups.append((l, kind, opts))
+    fixed = costs.fixed + sum(costs.kind(kind, frozen[kind][l]) for kind in frozen for l in range(L))
+    base = sum(min(c for _, c, _ in opts) for _, _, opts in groups)
+    spare = budget - fixed - base
+    if spare < 0:
+        raise DejavuError(f"byte budget {budget / costs.dense:.4f} of dense is below the least this "
+                          f"model reads with these settings ({(fixed + base) / costs.dense:.4f})")
+    span = sum(max(c for _, c, _ in o) - min(c for _, c, _ in o) for _, _, o in groups)
+    unit = max(1, math.ceil(span / grid_steps))
+    cap = min(spare // unit, math.ceil(span / unit))
+    best = np.zeros(cap + 1)  # least loss using at most c units, over the groups so far
+    choice = []
+    for _, _, opts in groups:
+        lo = min(c for _, c, _ in opts)
+        new, pick = np.full(cap + 1, np.inf), np.zeros(cap + 1, dtype=np.int64)
+        for i, (_, c, dk) in enumerate(opts):
+            u = math.ceil((c - lo) / unit)
+            if u > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[u:] = best[:cap + 1 - u] + dk
+            better = cand < new
+            new[better], pick[better] = cand[better], i
+        best = new
+        choice.append(pick)
+    ks = {kind: list(frozen.get(kind, [n[kind]] * L)) for kind in KINDS}
+    c = int(np.argmin(best))  # least loss; ties: fewest bytes
+    for (l, kind, opts), pick in zip(reversed(groups), reversed(choice)):
+        k, cost, _ = opts[pick[c]]
+        ks[kind][l] = k
+        c -= math.ceil((cost - min(cc for _, cc, _ in opts)) / unit)
+    mlp_k, attn_k = ks["mlp"], ks["attn"]
+    assert costs.total(mlp_k, attn_k) <= budget
+    return mlp_k, attn_k
+
+
+def allocate_uniform(costs: ByteCosts, budget: int, frozen: dict | None = None) -> tuple[list[int], list[int]]:
+    """The even split: the same fraction f of N for every layer and free kind, the largest f
+    whose bytes fit the budget (dense kinds read no predictor, so f = 1 is tried first)."""
+    frozen = frozen or {}
+    L, n = costs.layers, {"mlp": costs.ffn_dim, "attn": costs.num_heads}
+    ks_at = lambda f: [frozen.get(kind, [min(n[kind], max(1, round(f * n[kind])))] * L) for kind in KINDS]
+    if costs.total(*ks_at(1.0)) <= budget:
+        return tuple(ks_at(1.0))
+    if costs.total(*ks_at(0.0)) > budget:
+        raise DejavuError(f"byte budget {budget / costs.dense:.4f} of dense is below the least this "
+                          f"model reads with these settings ({costs.total(*ks_at(0.0)) / costs.dense:.4f})")
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if costs.total(*ks_at(mid)) <= budget else (lo, mid)
+    return tuple(ks_at(lo))
+
+
+# ------------------------------------------------------------------------------ the build's stage
+
+SENSITIVITY_VERSION = 1
+SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase: budget resolution (1 - least) / 1024
+
+
+def heldout_windows(tokenizer, corpus, skip: int, n_tokens: int, window: int, bos_id) -> tuple[torch.Tensor, str]:
+    """Held-out ids [B, S]: corpus tokens [skip, skip + n_tokens), the ones right after the
+    calibration stream (never trained on), cut into windows of `window` tokens."""
+    from dejavu.compiler.text import corpus_tokens
+
+    ids, _ = corpus_tokens(tokenizer, corpus, skip + n_tokens, bos_id=bos_id)
+    held = torch.from_numpy(ids[skip:skip + n_tokens].astype(np.int64))
+    s = min(window, len(held))
+    b = len(held) // s
+    return held[:b * s].view(b, s), f"calibration corpus tokens [{skip}, {skip + b * s})"
+
+
+def _sensitivity_cached(parts: Callable, ids, predictors, ks: dict, cache_key: str, progress: bool) -> Sensitivity:
+    """measure_sensitivity, cached as JSON under $DEJAVU_CACHE/sensitivity by (model, predictors,
+    held-out tokens, candidates): builds at several budgets from one training measure once."""
+    import hashlib
+    import json
+
+    from dejavu.compiler.calibrate import default_cache_dir
+    from dejavu.fileio import atomic_path
+
+    h = hashlib.sha256(json.dumps({"v": SENSITIVITY_VERSION, "model": cache_key, "ks": ks}, sort_keys=True).encode())
+    h.update(ids.numpy().tobytes())
+    for name, t in sorted(predictors.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    path = default_cache_dir().parent / "sensitivity" / f"{h.hexdigest()[:24]}.json"
+    if path.is_file():
+        return Sensitivity.from_dict(json.loads(path.read_text()))
+    layers, embed, head = parts()
+    sens = measure_sensitivity(layers, embed, head, ids, predictors, ks, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(sens.to_dict()))
+    return sens
+
+
+def _least_fraction(costs: ByteCosts, frozen: dict) -> float:
+    L, n = costs.layers, {"mlp": costs.ffn_dim, "attn": costs.num_heads}
+    least = costs.fixed + sum(costs.kind(kind, frozen[kind][l]) if kind in frozen
+                              else min(costs.kind(kind, 1), costs.kind(kind, n[kind]))
+                              for kind in KINDS for l in range(L))
+    return least / costs.dense
+
+
+def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, cache_key: str,
+              progress: bool = False) -> tuple[list[int], list[int], dict]:
+    """The build's "resolve K" stage: (mlp_k [L], attn_k [L], report for the header).
+
+    parts() -> (layers, embed, head) (`model_parts`, or a streamed equivalent; called once
+    per pass). config: a BuildConfig (density, mlp/attn_density, allocation,
+    max_ppl_increase, heldout_tokens, calib, calib_tokens, calib_window, dtype)."""
+    from dejavu.compiler.density import resolve_density
+    from dejavu.engine_file import DTYPE_NAMES
+
+    L, n = cfg.num_hidden_layers, {"mlp": cfg.ffn_dim, "attn": cfg.num_attention_heads}
+    elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
+    rank = lambda kind: int(getattr(predictors, kind)[0]["a"].shape[0]) if predictors is not None else None
+    costs = ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem)
+    ids, source = heldout_windows(tokenizer, config.calib, config.calib_tokens, config.heldout_tokens,
+                                  min(config.calib_window, cfg.max_position_embeddings), cfg.bos_token_id)
+    nll = lambda mk, ak: heldout_nll(*parts(), ids, predictors, mk, ak)
+    dense_k = ([n["mlp"]] * L, [n["attn"]] * L)
+    if predictors is None:  # a dense engine
+        d = nll(*dense_k)
+        return dense_k[0], dense_k[1], _report(costs, config, *dense_k, source, ids, d, d, config.density)
+    curves = (predictors.recall_curves or None) if config.allocation != "uniform" else None
+    given = resolve_density(cfg, config.density, config.mlp_density, config.attn_density, recall_curves=curves)
+    frozen = {kind: ks for kind, ks, d in zip(KINDS, given, (config.mlp_density, config.attn_density))
+              if d is not None}
+    sens = None
+    if config.allocation == "sensitivity" and len(frozen) < 2:
+        ks = {kind: candidate_ks(n[kind]) for kind in KINDS if kind not in frozen}
+        sens = _sensitivity_cached(parts, ids, predictors, ks, cache_key, progress)
+    dense_nll = sens.dense_nll if sens is not None else nll(*dense_k)
+
+    def alloc(fraction: float):
+        if len(frozen) == 2:
+            return given
+        budget = math.floor(fraction * costs.dense)
+        if sens is None:
+            return allocate_uniform(costs, budget, frozen)
+        return allocate_knapsack(costs, sens, budget, frozen)
+
+    if config.max_ppl_increase is None:
+        mlp_k, attn_k = alloc(config.density)
+        return mlp_k, attn_k, _report(costs, config, mlp_k, attn_k, source, ids, dense_nll, nll(mlp_k, attn_k),
+                                      config.density)
+    if len(frozen) == 2:
+        raise DejavuError("--max-ppl-increase searches a byte budget; it cannot be combined with both "
+                          "--mlp-density and --attn-density")
+    # Bisection on the byte fraction with the combined engine measured at each step (the sum of
+    # single-layer estimates under-counts how losses compound): the smallest budget found within
+    # the target. The dense kinds (frozen ones kept) are the fallback that always meets it.
+    target = dense_nll + math.log1p(config.max_ppl_increase / 100)
+    best = (1.0, *[frozen.get(kind, dense_k[i]) for i, kind in enumerate(KINDS)], None)
+    lo, hi = _least_fraction(costs, frozen), 1.0
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) / 2
+        try:
+            mk, ak = alloc(mid)
+        except DejavuError:  # rounding put the budget under the least engine
+            lo = mid
+            continue
+        got = nll(mk, ak)
+        if got <= target:
+            hi, best = mid, (mid, mk, ak, got)
+        else:
+            lo = mid
+    fraction, mlp_k, attn_k, got = best
+    got = nll(mlp_k, attn_k) if got is None else got
+    return mlp_k, attn_k, _report(costs, config, mlp_k, attn_k, source, ids, dense_nll, got, fraction)
+
+
+def _report(costs, config, mlp_k, attn_k, source, ids, dense_nll, engine_nll, fraction) -> dict:
+    dp, ep = math.exp(dense_nll), math.exp(engine_nll)
+    return {"density": round(fraction, 6), "allocation": config.allocation,
+            "max_ppl_increase": config.max_ppl_increase,
+            "bytes_per_token": costs.report(mlp_k, attn_k),
+            "heldout": {"source": source, "windows": int(ids.shape[0]), "tokens": int(ids.shape[0] * (ids.shape[1] - 1)),
+                        "dense_ppl": round(dp, 4), "engine_ppl": round(ep, 4),
+                        "increase_pct": round(100 * (ep / dp - 1), 4)}}
+
+
+def check_budget(cfg: OPTConfig, config, ranks: tuple[int, int]) -> None:
+    """Fail before calibration when --density is below a lower bound of the least engine's bytes
+    (frozen kinds counted without their predictors; resolve_k checks the exact figure)."""
+    from dejavu.compiler.density import resolve_density
+    from dejavu.engine_file import DTYPE_NAMES
+
+    if config.max_ppl_increase is not None or config.no_predictors or \
+            (config.mlp_density is not None and config.attn_density is not None):  # no budget to spend
+        return
+    elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
+    costs = ByteCosts.of(cfg, ranks, elem)
+    given = resolve_density(cfg, config.density, config.mlp_density, config.attn_density)
+    n = {"mlp": (costs.ffn_dim, costs.neuron), "attn": (costs.num_heads, costs.head)}
+    least = costs.fixed
+    for kind, ks, d in zip(KINDS, given, (config.mlp_density, config.attn_density)):
+        N, unit = n[kind]
+        least += sum(ks) * unit if d is not None else costs.layers * min(costs.kind(kind, 1), costs.kind(kind, N))
+    if config.density * costs.dense < least:
+        raise DejavuError(f"--density {config.density} is below the least this model reads per token with these "
+                          f"settings ({least / costs.dense:.4f} of the dense bytes: LM head, embeddings, "
+                          f"predictors, one neuron and one head per layer)")

@@ -1,0 +1,156 @@
+"""Byte budgets → per-layer K: bytes, measured sensitivity, knapsack, --max-ppl-increase (tiny OPT, CPU)."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from dejavu.compiler.allocate import (ByteCosts, Sensitivity, allocate_knapsack, allocate_uniform, candidate_ks,
+                                      heldout_nll, measure_sensitivity, model_parts, resolve_k)
+from dejavu.compiler.build import BuildConfig
+from dejavu.compiler.density import resolve_density
+from dejavu.compiler.masking import masked_sparsity
+from dejavu.compiler.predictors import Predictors
+from dejavu.errors import DejavuError
+from dejavu.models.loader import load_model, load_tokenizer
+from helpers_compiler import random_predictors, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, cfg = tiny_model(seed=3, num_hidden_layers=3, ffn_dim=40, num_attention_heads=4)
+    sd = random_predictors(cfg, rank=6, rank_attn=4, seed=5)
+    preds = Predictors.from_state_dict(sd, {"source": "attn_in", "lookahead": 1})
+    ids = torch.randint(4, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+    return model.double(), cfg, preds.to(dtype=torch.float64), ids
+
+
+def _masked_nll(model, ids, mlp_k, attn_k, preds) -> float:
+    """Reference: the whole model under masked_sparsity (the simulation the runtime is tested against)."""
+    with torch.no_grad(), masked_sparsity(model, mlp_k, attn_k, "predicted", preds):
+        logp = torch.log_softmax(model(ids)[:, :-1], -1)
+    return -logp.gather(-1, ids[:, 1:, None]).mean().item()
+
+
+def test_bytes_match_the_weights_a_decode_token_reads():
+    _, cfg = tiny_model(num_hidden_layers=3)
+    c = ByteCosts.of(cfg, (None, None), elem=2)
+    D, E = cfg.hidden_size, cfg.word_embed_proj_dim
+    unread = (cfg.max_position_embeddings + 2) * D - D  # every position row but the current one
+    assert c.dense == 2 * (cfg.num_params() - unread + E)  # + the token's embedding row (the LM head is tied)
+    r = ByteCosts.of(cfg, (6, 4), elem=2)
+    L, F, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
+    assert r.total([F] * L, [H] * L) == c.dense  # dense kinds read no predictor
+    assert r.total([F - 1] * L, [H] * L) == c.dense - L * r.neuron + L * 2 * (6 * (D + F) + F)
+
+
+def _random_sens(cfg, seed) -> Sensitivity:
+    g = torch.Generator().manual_seed(seed)
+    ks = {"mlp": candidate_ks(cfg.ffn_dim), "attn": candidate_ks(cfg.num_attention_heads)}
+    delta = {kind: [sorted(torch.rand(len(ks[kind]), generator=g).tolist(), reverse=True)
+                    for _ in range(cfg.num_hidden_layers)] for kind in ks}
+    return Sensitivity(ks, delta, 3.0, 100)
+
+
+def test_knapsack_never_exceeds_the_budget_and_is_optimal():
+    _, cfg = tiny_model(num_hidden_layers=2, ffn_dim=10, num_attention_heads=4)
+    costs = ByteCosts.of(cfg, (3, 2), elem=2)
+    for seed in range(4):
+        sens = _random_sens(cfg, seed)
+        options = {kind: sens.ks[kind] + [n] for kind, n in (("mlp", cfg.ffn_dim), ("attn", 4))}
+        loss = lambda kind, l, k: 0.0 if k not in sens.ks[kind] else sens.delta[kind][l][sens.ks[kind].index(k)]
+        for frac in (0.45, 0.55, 0.7, 0.85, 0.95, 1.0):
+            budget = math.floor(frac * costs.dense)
+            mk, ak = allocate_knapsack(costs, sens, budget, grid_steps=10**6)
+            assert costs.total(mk, ak) <= budget
+            got = sum(loss("mlp", l, k) for l, k in enumerate(mk)) + sum(loss("attn", l, k) for l, k in enumerate(ak))
+            best = min((sum(loss("mlp", l, k) for l, k in enumerate(m)) + sum(loss("attn", l, k) for l, k in enumerate(a))
+                        for m in itertools.product(options["mlp"], repeat=2)
+                        for a in itertools.product(options["attn"], repeat=2)
+                        if costs.total(list(m), list(a)) <= budget), default=None)
+            assert best is not None and got == pytest.approx(best, abs=1e-12)  # exact for the additive model
+            mu, au = allocate_uniform(costs, budget)
+            assert costs.total(mu, au) <= budget
+    with pytest.raises(DejavuError, match="below the least"):
+        allocate_knapsack(costs, sens, costs.least - 1)
+
+
+def test_sensitivity_branches_equal_the_masked_model(tiny):
+    model, cfg, preds, ids = tiny
+    ks = {"mlp": [4, 20], "attn": [1, 3]}
+    sens = measure_sensitivity(*model_parts(model), ids, preds, ks)
+    L, F, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
+    dense = _masked_nll(model, ids, [F] * L, [H] * L, preds)
+    assert sens.dense_nll == pytest.approx(dense, abs=1e-10)
+    for l, (kind, i) in itertools.product(range(L), [("mlp", 0), ("mlp", 1), ("attn", 0), ("attn", 1)]):
+        mk, ak = [F] * L, [H] * L
+        (mk if kind == "mlp" else ak)[l] = ks[kind][i]
+        assert sens.delta[kind][l][i] == pytest.approx(_masked_nll(model, ids, mk, ak, preds) - dense, abs=1e-10)
+    assert sens.delta["attn"][0][0] > 0  # one head of four costs something
+
+
+def test_heldout_nll_equals_the_masked_model(tiny):
+    model, cfg, preds, ids = tiny
+    mk, ak = [5, 40, 12], [2, 4, 1]
+    assert heldout_nll(*model_parts(model), ids, preds, mk, ak) == \
+        pytest.approx(_masked_nll(model, ids, mk, ak, preds), abs=1e-10)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_model(tiny_opt_dir):
+    model, cfg = load_model(tiny_opt_dir)
+    preds = Predictors.from_state_dict(random_predictors(cfg, rank=8, rank_attn=4), {"source": "attn_in",
+                                                                                    "lookahead": 1})
+    preds.recall_curves = {"mlp": [torch.linspace(0.2, 1, cfg.ffn_dim).numpy() ** (l + 1)
+                                   for l in range(cfg.num_hidden_layers)]}
+    return model, cfg, preds, load_tokenizer(tiny_opt_dir)
+
+
+def _resolve(tiny_dir_model, tmp_path, monkeypatch, **kw):
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path))
+    model, cfg, preds, tok = tiny_dir_model
+    config = BuildConfig(**{"calib_tokens": 300, "calib_window": 64, "heldout_tokens": 512, "dtype": "float32", **kw})
+    return resolve_k(lambda: model_parts(model), cfg, config, preds, tok, "tiny")
+
+
+def test_one_kind_frozen_is_todays_per_kind_allocation(tiny_dir_model, tmp_path, monkeypatch):
+    model, cfg, preds, _ = tiny_dir_model
+    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, mlp_density=0.3)
+    assert mk == resolve_density(cfg, 0.8, 0.3, recall_curves=preds.recall_curves)[0]  # spread by recall
+    assert rep["bytes_per_token"]["engine"] <= 0.8 * rep["bytes_per_token"]["dense"]
+    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, attn_density=0.5)
+    assert ak == [2] * cfg.num_hidden_layers and rep["bytes_per_token"]["fraction"] <= 0.8
+    mk, ak, _ = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, mlp_density=0.3, attn_density=0.5,
+                         allocation="uniform")
+    assert (mk, ak) == resolve_density(cfg, 0.8, 0.3, 0.5)  # both frozen, even: exactly the old K
+
+
+@pytest.mark.parametrize("target", [1000.0, 3.0])
+def test_max_ppl_increase_meets_its_target(tiny_dir_model, tmp_path, monkeypatch, target):
+    model, cfg, preds, tok = tiny_dir_model
+    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, max_ppl_increase=target)
+    h = rep["heldout"]
+    assert h["increase_pct"] <= target and rep["max_ppl_increase"] == target
+    assert rep["bytes_per_token"]["fraction"] <= rep["density"] + 1e-6
+    if target == 1000.0:  # a lax target buys a sparse engine
+        assert rep["density"] < 0.8 and (sum(mk) < cfg.ffn_dim * 2 or sum(ak) < 8)
+    # the recorded figure is a real measurement: the masked model on the same held-out windows agrees
+    from dejavu.compiler.allocate import heldout_windows
+    ids, _ = heldout_windows(tok, None, 300, 512, 64, cfg.bos_token_id)
+    ref = math.exp(_masked_nll(model, ids, mk, ak, preds))
+    assert h["engine_ppl"] == pytest.approx(ref, rel=1e-4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"max_ppl_increase": -1}, "max-ppl-increase"),
+    ({"max_ppl_increase": 1001}, "max-ppl-increase"),
+    ({"max_ppl_increase": "abc"}, "max-ppl-increase"),
+    ({"max_ppl_increase": 1, "no_predictors": True, "density": 1.0}, "needs predictors"),
+    ({"allocation": "recall"}, "allocation"),
+    ({"heldout_tokens": 0}, "heldout-tokens"),
+])
+def test_config_rejects_bad_budget_settings(kw, match):
+    with pytest.raises(DejavuError, match=match):
+        BuildConfig(**kw)
