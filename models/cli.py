@@ -1,4 +1,4 @@
-"""`dejavu-generate MODEL --prompt TEXT`: text from a dense OPT, streamed to stdout."""
+"""`dejavu-generate MODEL --prompt TEXT`: text from a dense OPT or Llama-family model, streamed to stdout."""
 from __future__ import annotations
 
 import argparse
@@ -36,8 +36,8 @@ def torch_dtype(name: str):
 def build_parser() -> argparse.ArgumentParser:
     d = GenerateSettings()
     p = argparse.ArgumentParser(prog="dejavu-generate",
-                                description="Generate text with a dense OPT model (greedy or sampled).")
-    p.add_argument("model", help="model folder, preset name (opt-mini, opt-125m, ...) or Hugging Face id")
+                                description="Generate text with a dense OPT or Llama-family model (greedy or sampled).")
+    p.add_argument("model", help="model folder, .gguf file, preset name (opt-mini, opt-125m, smollm2-135m, ...) or Hugging Face id")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
@@ -76,12 +76,11 @@ class _Streamer:
 @cli_entry
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from dejavu.models.auto import load_any, load_text_tokenizer
     from dejavu.models.generate import generate
-    from dejavu.models.loader import load_model
-    from dejavu.models.tokenizer import TextTokenizer
 
-    model, cfg = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
-    tok = TextTokenizer.from_pretrained(args.model)
+    model, cfg = load_any(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    tok = load_text_tokenizer(args.model)
     ids = tok.encode(args.prompt)
     streamer = _Streamer(tok)
     sys.stdout.write(args.prompt)
