@@ -46,8 +46,8 @@ def test_missing_model_is_one_line_exit_2(capsys):
     assert err.startswith("dejavu: error: model '/no/such/model' not found") and err.count("\n") == 1
 
 
-def test_cli_subprocess_llama_config(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+def test_cli_subprocess_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_neox", "hidden_size": 64}')
     code = "import sys; from dejavu.models.cli import main; sys.exit(main())"
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--prompt", "hi"],
                        capture_output=True, text=True, timeout=120)
@@ -66,3 +66,13 @@ def test_cuda_without_gpu_is_one_line(tiny_opt_dir, capsys):
         main([str(tiny_opt_dir), "--prompt", "hi", "--device", "cuda"])
     assert e.value.code == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cli_subprocess_incomplete_llama_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    code = "import sys; from dejavu.models.cli import main; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vocab_size" in lines[0] and lines[0].startswith("dejavu: error:")

@@ -117,3 +117,39 @@ def test_num_params_counts_the_state_dict():
         _, ours = make_pair(over)
         n = sum(p.numel() for p in ours.parameters())  # tied weights counted once
         assert ours.config.num_params() == n
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope"])
+def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
+    """save_pretrained's folder (safetensors, config.json of this transformers) -> load_any equal."""
+    from conftest import tiny_tokenizer_json
+
+    from dejavu.models.auto import load_any, load_text_tokenizer, model_type
+
+    hf, _ = make_pair(CONFIGS[name], seed=6)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json(97 + 263))
+    assert model_type(tmp_path) == "llama"
+    model, cfg = load_any(tmp_path)
+    assert isinstance(model, LlamaForCausalLM) and not any(p.is_meta for p in model.parameters())
+    ids = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(7))
+    assert (model(ids) - hf(input_ids=ids).logits).abs().max().item() <= ATOL
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    tok = load_text_tokenizer(tmp_path)
+    assert tok.encode("hello", add_bos=True)[0] == cfg.bos_token_id
+
+
+def test_folder_with_missing_tensor_is_one_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dejavu.models.auto import load_any
+
+    hf, _ = make_pair(CONFIGS["gqa_tied"], seed=8)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DejavuError, match="missing from the checkpoint: model.layers.1.mlp.up_proj.weight"):
+        load_any(tmp_path)
