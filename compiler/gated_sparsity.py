@@ -104,11 +104,14 @@ def calibrate(model, ids: torch.Tensor, rank: int = 64) -> Calibration:
         tables[key][l] = torch.quantile(a, LEVELS.to(a.device)).cpu()
 
     def fit(l, mlp, x):
-        # reduced-rank least squares of Y = X Wg^T: project onto Y's top-r right singular vectors
+        # Reduced-rank least squares of Y = X Wg^T: project onto Y's top-r right singular vectors.
+        # Y^T Y = W C W^T with C = X^T X = Q diag(e) Q^T, so they are the left singular vectors of
+        # W Q diag(sqrt(e)) [F, D]: an SVD of F x D instead of N x F.
         X = x.detach().float().flatten(0, -2)  # [N, D]
         W = mlp.gate_proj.weight.float()  # [F, D]
-        _, _, Vh = torch.linalg.svd(X @ W.T, full_matrices=False)
-        V = Vh[:rank].T  # [F, r]
+        e, Q = torch.linalg.eigh(X.T @ X)
+        U, _, _ = torch.linalg.svd(W @ (Q * e.clamp(min=0).sqrt()), full_matrices=False)
+        V = U[:, :rank]  # [F, r]
         preds[l] = ((W.T @ V).cpu(), V.T.contiguous().cpu())  # A [D, r], B [r, F]
 
     for l, layer in enumerate(model.layers):
