@@ -42,6 +42,7 @@ def parse_args(argv=None):
                    help='runs that also get the tasks, e.g. "teal@0.25" ("dense" always does when tasks run)')
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--task-limit", type=int, default=0, help="examples per task (0: no tasks)")
+    p.add_argument("--no-ppl", action="store_true", help="tasks only (with --task-limit)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -55,13 +56,13 @@ def _commit() -> str:
         return ""
 
 
-def _tasks(sm, names, limit) -> dict:
-    out = {}
+def _tasks(sm, names, limit, out: dict, save) -> None:
+    """Each task's result into `out` as it finishes (saved each time: a long run keeps its part)."""
     for name in names:
         task = load_task(name, limit)
         r = evaluate_task(task, sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 8, False)
         out[task.name] = r.as_dict()
-    return out
+        save()
 
 
 @torch.no_grad()
@@ -89,18 +90,24 @@ def main(argv=None) -> None:
     text = read_text(DEFAULT_PPL_FILE)
     task_runs = set(args.task_runs) | {"dense"}
     runs = [("dense", 0.0)] + [(m, s) for s in args.levels for m in args.methods]
+    if args.no_ppl:  # only the runs that get tasks
+        runs = [(m, s) for m, s in runs if ("dense" if m == "dense" else f"{m}@{s:g}") in task_runs]
     for method, skip in runs:
         t0 = time.perf_counter()
         name = "dense" if method == "dense" else f"{method}@{skip:g}"
         s = GatedSparsity("teal" if method == "dense" else method, skip, args.rank)
-        with gated_sparsity(model, calib, s) as reads:
-            r = eval_perplexity(sm, text, args.window, args.ppl_tokens, batch=8, progress=False)
-            row = {"run": name, "method": method, "target_skip": skip, "realized_skip": round(reads.skipped, 4),
-                   "perplexity": r["perplexity"], "ppl_tokens": r["tokens"], "window": args.window}
-            if args.task_limit and name in task_runs:
-                row["tasks"] = _tasks(sm, args.tasks, args.task_limit)
-        row["seconds"] = round(time.perf_counter() - t0, 1)
+        row = {"run": name, "method": method, "target_skip": skip}
         res["runs"].append(row)
+        with gated_sparsity(model, calib, s) as reads:
+            if not args.no_ppl:
+                r = eval_perplexity(sm, text, args.window, args.ppl_tokens, batch=8, progress=False)
+                row.update(realized_skip=round(reads.skipped, 4), perplexity=r["perplexity"],
+                           ppl_tokens=r["tokens"], window=args.window)
+            if args.task_limit and name in task_runs:
+                row["tasks"] = {}
+                _tasks(sm, args.tasks, args.task_limit, row["tasks"], save)
+                row["tasks_realized_skip"] = round(reads.skipped, 4)  # ppl text + task texts
+        row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps({k: v for k, v in row.items() if k != "tasks"}), flush=True)
         save()
 
