@@ -2,7 +2,8 @@
 
     python benchmarks/llama_sparsity.py --model smollm2-135m --out benchmarks/results/llama_sparsity.json
 
-For each method of `dejavu.compiler.gated_sparsity` (teal, cats, lowrank) and each target
+For each method of `dejavu.compiler.gated_sparsity` (teal; cats and lowrank were measured with
+commit ab41bba's version of this script and removed) and each target
 fraction of block weight bytes skipped (--levels), the WikiText-2 test perplexity over the first
 --ppl-tokens tokens in windows of --window, and the realized fraction skipped on that text.
 Thresholds and predictors come from --calib-tokens tokens of the shipped calibration text
@@ -34,7 +35,6 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--levels", nargs="+", type=float, default=[0.25, 0.4, 0.5])
-    p.add_argument("--rank", type=int, default=64, help="lowrank predictor rank")
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=2048)
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     calib_ids = text_ids(sm, read_text(CALIB_FILE), args.calib_tokens)
     n = calib_ids.numel() // args.window * args.window
-    calib = calibrate(model, calib_ids[:n].view(-1, args.window), rank=args.rank)
+    calib = calibrate(model, calib_ids[:n].view(-1, args.window))
     res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
                     "seconds": round(time.perf_counter() - t0, 1)}
     text = read_text(DEFAULT_PPL_FILE)
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     for method, skip in runs:
         t0 = time.perf_counter()
         name = "dense" if method == "dense" else f"{method}@{skip:g}"
-        s = GatedSparsity("teal" if method == "dense" else method, skip, args.rank)
+        s = GatedSparsity("teal" if method == "dense" else method, skip)
         row = {"run": name, "method": method, "target_skip": skip}
         res["runs"].append(row)
         with gated_sparsity(model, calib, s) as reads:
