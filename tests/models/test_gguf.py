@@ -204,3 +204,15 @@ def auto_reader():
     from dejavu.models.gguf import open_gguf
 
     return open_gguf(SMOL)
+
+
+@torch.no_grad()
+def test_dejavu_eval_scores_a_gguf_file_as_a_dense_model(tiny_gguf):
+    from dejavu.runtime.evaluate import eval_perplexity, is_engine_path, load_scoring_model
+
+    path, _, _ = tiny_gguf
+    assert not is_engine_path(str(path))
+    sm = load_scoring_model(str(path))
+    assert sm.kind == "dense" and sm.bos_id == 0 and sm.max_len == CFG["max_position_embeddings"]
+    r = eval_perplexity(sm, "The tower is 324 metres tall.\nIt was the tallest.\n", window=32, progress=False)
+    assert r["tokens"] > 10 and 1.0 < r["perplexity"] < float("inf")
