@@ -1,4 +1,4 @@
-"""`dejavu-generate MODEL --prompt TEXT`: text from a dense OPT, streamed to stdout."""
+"""`dejavu-generate MODEL --prompt TEXT`: text from a dense OPT or Llama-family model, streamed to stdout."""
 from __future__ import annotations
 
 import sys
@@ -28,8 +28,9 @@ def torch_dtype(name: str):
 
 def build_parser() -> Parser:
     g, d = GENERATION, GenerateSettings()
-    p = Parser("dejavu-generate", "Generate text with a dense OPT model (greedy or sampled).")
-    p.add_argument("model", help="model folder, preset name (opt-mini, opt-125m, ...) or Hugging Face id")
+    p = Parser("dejavu-generate", "Generate text with a dense OPT or Llama-family model (greedy or sampled).")
+    p.add_argument("model", help="model folder, .gguf file, preset name (opt-mini, opt-125m, smollm2-135m, ...) "
+                                 "or Hugging Face id")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
                    help="tokens to generate (fewer when EOS comes first)")
@@ -67,22 +68,32 @@ class _Streamer:
         self.out.flush()
 
 
+def _check_length(prompt: int, n: int, positions: int) -> None:
+    if prompt + n > positions:
+        raise DejavuError(f"the prompt ({prompt} tokens) + --max-new-tokens {n} exceeds the model's "
+                          f"{positions} positions")
+
+
 @cli_entry
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
     temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
+    from dejavu.models.auto import load_any, load_text_tokenizer, model_type
     from dejavu.models.generate import generate
-    from dejavu.models.loader import load_config, load_model
-    from dejavu.models.tokenizer import TextTokenizer
 
-    cfg = load_config(args.model)
-    tok = TextTokenizer.from_pretrained(args.model)
-    ids = tok.encode(args.prompt)
-    if len(ids) + n > cfg.max_position_embeddings:  # before the weights load and the prompt is echoed
-        raise DejavuError(f"the prompt ({len(ids)} tokens) + --max-new-tokens {n} exceeds the model's "
-                          f"{cfg.max_position_embeddings} positions")
-    model, cfg = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    if model_type(args.model) == "opt":  # OPT's config alone: the length checked before the weights load
+        from dejavu.models.loader import load_config
+
+        tok = load_text_tokenizer(args.model)
+        ids = tok.encode(args.prompt)
+        _check_length(len(ids), n, load_config(args.model).max_position_embeddings)
+        model, cfg = load_any(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    else:  # the config is checked by the load (one line for a bad one), then the tokenizer
+        model, cfg = load_any(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+        tok = load_text_tokenizer(args.model)
+        ids = tok.encode(args.prompt)
+    _check_length(len(ids), n, cfg.max_position_embeddings)  # before the prompt is echoed
     streamer = _Streamer(tok)
     sys.stdout.write(args.prompt)
     t0 = time.perf_counter()

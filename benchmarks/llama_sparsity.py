@@ -1,0 +1,116 @@
+"""Quality per byte of gated-MLP sparsity methods on a Llama-family model (CPU, masked dense).
+
+    python benchmarks/llama_sparsity.py --model smollm2-135m --out benchmarks/results/llama_sparsity.json
+
+For each method of `dejavu.compiler.gated_sparsity` (teal; cats and lowrank were measured with
+commit ab41bba's version of this script and removed) and each target
+fraction of block weight bytes skipped (--levels), the WikiText-2 test perplexity over the first
+--ppl-tokens tokens in windows of --window, and the realized fraction skipped on that text.
+Thresholds and predictors come from --calib-tokens tokens of the shipped calibration text
+(WikiText-2 *train* head), never from the evaluation text. --task-runs names the runs that
+also get the six shipped tasks (--task-limit examples each); "dense" is always one of them.
+The JSON is rewritten after every run, so an interrupted study keeps what it finished.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, calibrate, gated_sparsity
+from dejavu.fileio import atomic_path
+from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, eval_perplexity, load_scoring_model, read_text, text_ids
+from dejavu.runtime.tasks import TASKS, evaluate_task, load_task
+
+CALIB_FILE = DEFAULT_PPL_FILE.parents[1] / "calib" / "wikitext2-train-head.txt"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--levels", nargs="+", type=float, default=[0.25, 0.4, 0.5])
+    p.add_argument("--ppl-tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--calib-tokens", type=int, default=2048)
+    p.add_argument("--task-runs", nargs="*", default=[], metavar="METHOD@SKIP",
+                   help='runs that also get the tasks, e.g. "teal@0.25" ("dense" always does when tasks run)')
+    p.add_argument("--tasks", nargs="*", default=list(TASKS))
+    p.add_argument("--task-limit", type=int, default=0, help="examples per task (0: no tasks)")
+    p.add_argument("--no-ppl", action="store_true", help="tasks only (with --task-limit)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
+
+
+def _tasks(sm, names, limit, out: dict, save) -> None:
+    """Each task's result into `out` as it finishes (saved each time: a long run keeps its part)."""
+    for name in names:
+        task = load_task(name, limit)
+        r = evaluate_task(task, sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 8, False)
+        out[task.name] = r.as_dict()
+        save()
+
+
+@torch.no_grad()
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sm = load_scoring_model(args.model)
+    model = sm.info["model"]
+    res = {"model": args.model, "commit": _commit(), "machine": platform.node(), "argv": vars(args),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
+
+    def save():
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
+
+    t0 = time.perf_counter()
+    calib_ids = text_ids(sm, read_text(CALIB_FILE), args.calib_tokens)
+    n = calib_ids.numel() // args.window * args.window
+    calib = calibrate(model, calib_ids[:n].view(-1, args.window))
+    res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
+                    "seconds": round(time.perf_counter() - t0, 1)}
+    text = read_text(DEFAULT_PPL_FILE)
+    task_runs = set(args.task_runs) | {"dense"}
+    runs = [("dense", 0.0)] + [(m, s) for s in args.levels for m in args.methods]
+    if args.no_ppl:  # only the runs that get tasks
+        runs = [(m, s) for m, s in runs if ("dense" if m == "dense" else f"{m}@{s:g}") in task_runs]
+    for method, skip in runs:
+        t0 = time.perf_counter()
+        name = "dense" if method == "dense" else f"{method}@{skip:g}"
+        s = GatedSparsity("teal" if method == "dense" else method, skip)
+        row = {"run": name, "method": method, "target_skip": skip}
+        res["runs"].append(row)
+        with gated_sparsity(model, calib, s) as reads:
+            if not args.no_ppl:
+                r = eval_perplexity(sm, text, args.window, args.ppl_tokens, batch=8, progress=False)
+                row.update(realized_skip=round(reads.skipped, 4), perplexity=r["perplexity"],
+                           ppl_tokens=r["tokens"], window=args.window)
+            if args.task_limit and name in task_runs:
+                row["tasks"] = {}
+                _tasks(sm, args.tasks, args.task_limit, row["tasks"], save)
+                row["tasks_realized_skip"] = round(reads.skipped, 4)  # ppl text + task texts
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps({k: v for k, v in row.items() if k != "tasks"}), flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()

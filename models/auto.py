@@ -1,0 +1,149 @@
+"""One place that picks the model family: OPT or Llama, from a folder's config.json or a GGUF file.
+
+    model, cfg = load_any("smollm2-135m")        # packaged GGUF preset
+    model, cfg = load_any("/ckpt/Llama-3-8B")    # Hugging Face folder, model_type llama
+    tok = load_text_tokenizer("opt-mini")
+
+A name is a GGUF preset, a `.gguf` file, or what `dejavu.models.presets.resolve` accepts
+(folder, OPT preset, hub id). OPT folders go through `dejavu.models.loader.load_model`;
+Llama-family folders (model_type llama / mistral) and GGUF files load here, built on the meta
+device and filled tensor by tensor (mmap), like the OPT loader.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.models.llama import MODEL_TYPES as LLAMA_TYPES
+from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from dejavu.models.presets import gguf_preset_path, resolve
+
+
+def gguf_path(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file a name stands for (a packaged preset or a .gguf path), else None."""
+    preset = gguf_preset_path(str(name_or_path))
+    if preset is not None:
+        return preset
+    p = Path(name_or_path).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise DejavuError(f"GGUF file not found: {p}")
+        return p
+    return None
+
+
+def model_type(name_or_path: str | os.PathLike) -> str:
+    """'opt', 'llama' or 'mistral': a folder's config.json `model_type` ('llama' for GGUF files)."""
+    if gguf_path(name_or_path) is not None:
+        return "llama"
+    path = resolve(name_or_path) / "config.json"
+    try:
+        mt = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise DejavuError(f"{path}: unreadable config.json ({type(e).__name__})") from None
+    if mt != "opt" and mt not in LLAMA_TYPES:
+        raise DejavuError(f"{path}: model_type {mt!r} is not supported (opt, {', '.join(LLAMA_TYPES)})")
+    return mt
+
+
+def _fill(cfg: LlamaConfig, tensors, where: str, dtype, device) -> LlamaForCausalLM:
+    """A LlamaForCausalLM built on meta and filled from (HF name, tensor) pairs, checked whole."""
+    from dejavu.models.loader import _name_some, _no_init
+
+    with torch.device("meta"), _no_init():
+        model = LlamaForCausalLM(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = cfg.tie_word_embeddings
+    state: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for key, t in tensors:
+        if key not in expected or (tied and key == "lm_head.weight"):
+            if not (tied and key == "lm_head.weight"):
+                unexpected.append(key)
+            continue
+        if tuple(t.shape) != expected[key]:
+            raise DejavuError(f"{where}: tensor {key!r} has shape {list(t.shape)}, but the config "
+                              f"implies {list(expected[key])}")
+        state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    if unexpected:
+        raise DejavuError(f"{where}: unexpected tensors in the checkpoint: {_name_some(unexpected)}")
+    missing = set(expected) - set(state) - ({"lm_head.weight"} if tied else set())
+    if missing:
+        raise DejavuError(f"{where}: tensors missing from the checkpoint: {_name_some(missing)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight  # assign=True broke the tie
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # a non-persistent buffer: still on meta
+    return model.eval()
+
+
+def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, LlamaConfig]:
+    """A Llama-family model from a GGUF file / preset or a Hugging Face folder (safetensors or .bin)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DejavuError("device 'cuda' requested but no CUDA device is available")
+    gp = gguf_path(name_or_path)
+    if gp is not None:
+        from dejavu.models import gguf
+
+        reader = gguf.open_gguf(gp)
+        d = gguf.config_dict(reader, gp)
+        cfg = _config(d, gp)
+        return _fill(cfg, gguf.iter_tensors(reader, d, torch.float32, gp), str(gp), dtype, device), cfg
+    from dejavu.models.loader import iter_weights, weight_files
+
+    folder = resolve(name_or_path)
+    path = folder / "config.json"
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DejavuError(f"{path}: not valid JSON ({e})") from None
+    cfg = _config(d, path)
+    pairs = iter_weights(weight_files(folder))
+    return _fill(cfg, pairs, str(folder), dtype, device), cfg
+
+
+def _config(d: dict, where) -> LlamaConfig:
+    try:
+        return LlamaConfig.from_hf_dict(d)
+    except DejavuError as e:
+        raise DejavuError(f"{where}: {e}") from None
+
+
+def load_any(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu"):
+    """(model, config) of any supported family; the one dispatch on model_type."""
+    if model_type(name_or_path) == "opt":
+        from dejavu.models.loader import load_model
+
+        return load_model(name_or_path, dtype=dtype, device=device)
+    return load_llama(name_or_path, dtype=dtype, device=device)
+
+
+def load_text_tokenizer(name_or_path: str | os.PathLike):
+    """The `TextTokenizer` of any supported model (GGUF: built from the file's metadata)."""
+    from dejavu.models.tokenizer import TextTokenizer
+
+    gp = gguf_path(name_or_path)
+    if gp is None:
+        if model_type(name_or_path) == "opt":
+            return TextTokenizer.from_pretrained(name_or_path)
+        from dejavu.models.loader import load_tokenizer
+
+        folder = resolve(name_or_path)
+        d = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        cfg = _config(d, folder / "config.json")
+        return TextTokenizer(load_tokenizer(folder), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    from dejavu.models import gguf
+
+    reader = gguf.open_gguf(gp)
+    ids = gguf.special_ids(reader)
+    # Scored and generated text starts with the document separator when the vocabulary has one
+    # (the file says add_bos_token false; SmolLM2 separates its training documents so).
+    bos = ids["document_id"] if ids["document_id"] is not None else ids["bos_id"]
+    return TextTokenizer(gguf.build_tokenizer(reader, gp), bos, ids["eos_id"], ids["pad_id"])

@@ -1,0 +1,317 @@
+"""Dense Llama-family decoder in plain PyTorch (gpt-fast style), parameter names as in Hugging Face.
+
+Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama, and mistral while a
+sequence stays inside its sliding window): RMSNorm, rotary positions (rope_theta, "linear"
+and Llama-3 "llama3" rope_scaling), grouped-query attention, SwiGLU MLP, optional tied LM
+head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV cache,
+`forward(ids, start_pos, attention_mask)`), so `dejavu.models.generate` drives both.
+Sparsity is never written here: the compiler applies it from outside (hooks, rewrites).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dejavu.errors import DejavuError
+
+MODEL_TYPES = ("llama", "mistral")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Model dimensions, read from a checkpoint's config.json (never typed by hand)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None  # sorted (key, value) pairs of config.json's dict
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    model_type: str = "llama"
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "LlamaConfig":
+        """Validate a Hugging Face `config.json` dict and keep the fields the model needs."""
+        if not isinstance(d, dict):
+            raise DejavuError("config.json does not hold a JSON object")
+        mt = d.get("model_type")
+        if mt not in MODEL_TYPES:
+            raise DejavuError(f"config.json field 'model_type' is {mt!r}, expected one of {MODEL_TYPES}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise DejavuError(f"config.json field 'hidden_act' is {act!r}; dejavu needs 'silu'")
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "max_position_embeddings"):
+            v = d.get(k)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise DejavuError(f"config.json field {k!r} must be a positive integer, got {v!r}")
+        heads = d["num_attention_heads"]
+        kv = d.get("num_key_value_heads") or heads
+        if not isinstance(kv, int) or heads % kv:
+            raise DejavuError(f"config.json: num_attention_heads {heads} is not a multiple of "
+                              f"num_key_value_heads {kv!r}")
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        if head_dim % 2 or (d.get("head_dim") is None and d["hidden_size"] % heads):
+            raise DejavuError("config.json: the head dimension must be even and divide hidden_size")
+        # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" object
+        params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"} or None
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        if scaling is not None:
+            if not isinstance(scaling, dict):
+                raise DejavuError(f"config.json field 'rope_scaling' must be an object, got {scaling!r}")
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ROPE_TYPES:
+                raise DejavuError(f"config.json: rope_scaling type {kind!r} is not supported "
+                                  f"(supported: {', '.join(ROPE_TYPES)})")
+            scaling = tuple(sorted({**scaling, "rope_type": kind}.items()))
+        bos, eos = d.get("bos_token_id", 1), d.get("eos_token_id", 2)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=kv, intermediate_size=d["intermediate_size"],
+            max_position_embeddings=d["max_position_embeddings"], head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta), rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=d.get("sliding_window") if mt == "mistral" else None, model_type=mt,
+            pad_token_id=d.get("pad_token_id"), bos_token_id=bos, eos_token_id=eos,
+        )
+
+    def to_hf_dict(self) -> dict:
+        """The config.json that transformers' LlamaForCausalLM reads."""
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        d.update(architectures=["LlamaForCausalLM" if self.model_type == "llama" else "MistralForCausalLM"],
+                 hidden_act="silu", attention_dropout=0.0)
+        return d
+
+    def num_params(self) -> int:
+        d, f, L, hd = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.head_dim
+        qo, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        layer = d * (2 * qo + 2 * kv) + 3 * d * f + 2 * d
+        layer += (qo + 2 * kv + d if self.attention_bias else 0) + (2 * f + d if self.mlp_bias else 0)
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return L * layer + self.vocab_size * d + head + d
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary frequencies [head_dim / 2] in fp32, with the config's rope_scaling applied."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    s = dict(cfg.rope_scaling or ())
+    kind = s.get("rope_type", "default")
+    if kind == "linear":
+        return inv / float(s["factor"])
+    if kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones, blend between
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, blended, scaled)
+    return inv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., D]; normalised in fp32 as the reference does, scaled in the input dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, S, hd]; cos, sin: [B, 1, S, hd] (Hugging Face's half-split layout)
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Static key/value cache for one layer: k, v: [B, H_kv, S_max, hd]."""
+
+    def __init__(self, batch: int, max_seq: int, kv_heads: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v: [B, H_kv, S, hd] at positions pos: [S]; return the full cache."""
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        return self.k, self.v
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d, b, hd = cfg.hidden_size, cfg.attention_bias, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=b)
+        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=b)
+        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=b)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=b)
+        self.cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache_pos: torch.Tensor | None) -> torch.Tensor:
+        # x: [B, S, D]; mask: [B, 1, S, T] boolean (True = attend) or None (causal); cache_pos: [S] or None
+        B, S, _ = x.shape
+        H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
+        q = apply_rope(self.q_proj(x).view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
+        k = apply_rope(self.k_proj(x).view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
+        v = self.v_proj(x).view(B, S, Hkv, hd).transpose(1, 2)
+        if self.cache is not None and cache_pos is not None:
+            k, v = self.cache.update(cache_pos, k, v)  # [B, Hkv, S_max, hd]
+        # query head h reads KV head h // (H / Hkv), as transformers' repeat_kv
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=H != Hkv)  # [B, H, S, hd]
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, H * hd))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=b)
+        self.up_proj = nn.Linear(d, f, bias=b)
+        self.down_proj = nn.Linear(f, d, bias=b)
+        self.act_fn = nn.SiLU()  # a module, so the compiler can hook the gate activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, S, D] -> gate, up: [B, S, F] -> [B, S, D]
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache_pos):
+        # x: [B, S, D]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama with an LM head (tied when the config says so). State-dict keys equal transformers'."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def setup_caches(self, batch: int, max_seq: int, dtype=None, device=None) -> None:
+        """Allocate a static KV cache of [batch, kv_heads, max_seq, head_dim] per layer."""
+        cfg = self.config
+        if max_seq > cfg.max_position_embeddings:
+            raise DejavuError(f"max sequence {max_seq} exceeds the model's "
+                              f"max_position_embeddings {cfg.max_position_embeddings}")
+        p = self.lm_head.weight
+        for layer in self.layers:
+            layer.self_attn.cache = KVCache(batch, max_seq, cfg.num_key_value_heads, cfg.head_dim,
+                                            dtype or p.dtype, device or p.device)
+
+    def clear_caches(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.cache = None
+
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, S] -> cos, sin: [B, 1, S, hd], angles in fp32
+        ang = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, S, hd/2]
+        ang = torch.cat((ang, ang), dim=-1)[:, None]
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, start_pos: int = 0,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V] for input_ids [B, S] placed at positions start_pos .. start_pos+S-1.
+
+        With caches set up (`setup_caches`), keys/values are written at those positions and
+        attention reads the whole cache (causal up to the current position). attention_mask
+        [B, start_pos+S] (1 = real token, 0 = left padding) gives padded batches positions
+        counted from each row's first real token and hides the padding.
+        """
+        B, S = input_ids.shape
+        device = input_ids.device
+        cache = self.layers[0].self_attn.cache
+        T = cache.k.shape[2] if cache is not None else S
+        if start_pos + S > T:
+            raise DejavuError(f"sequence of {start_pos + S} tokens exceeds the cache of {T}")
+        sw = self.config.sliding_window
+        if sw is not None and start_pos + S > sw:
+            raise DejavuError(f"sequence of {start_pos + S} tokens exceeds the sliding window {sw} "
+                              "(not supported)")
+        q_pos = torch.arange(start_pos, start_pos + S, device=device)  # [S]
+        mask = (torch.arange(T, device=device)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, S, T]
+        if attention_mask is not None:
+            am = attention_mask.to(device=device, dtype=torch.long)  # [B, start_pos+S]
+            positions = ((torch.cumsum(am, 1) - 1).clamp(min=0))[:, start_pos:start_pos + S]  # [B, S]
+            key_ok = torch.zeros(B, T, dtype=torch.bool, device=device)
+            key_ok[:, :am.shape[1]] = am.bool()
+            mask = mask & key_ok[:, None, None, :]
+            mask = mask | (~mask.any(-1, keepdim=True))  # fully padded query rows: avoid NaN
+        else:
+            positions = q_pos[None, :].expand(B, S)
+            if cache is None:
+                mask = None  # causal over the S new tokens: lets SDPA pick its fused kernels
+        x = self.model.embed_tokens(input_ids)  # [B, S, D]
+        cos, sin = self._rope(positions, x.dtype)
+        cache_pos = q_pos if cache is not None else None
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache_pos)
+        return self.lm_head(self.model.norm(x))  # [B, S, V]

@@ -1,0 +1,155 @@
+"""Our dense Llama equals transformers.LlamaForCausalLM on the same weights (fp32, max abs <= 1e-4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.models.generate import generate
+from dejavu.models.llama import LlamaConfig, LlamaForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+BASE = dict(vocab_size=97, num_hidden_layers=2, max_position_embeddings=64, hidden_act="silu")
+CONFIGS = {
+    # GQA 6 query heads / 2 KV heads, tied head, a large rope_theta (SmolLM2-like)
+    "gqa_tied": dict(hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2,
+                     tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5),
+    # multi-head (no GQA), untied head, biases, explicit head_dim != hidden / heads
+    "mha_bias_headdim": dict(hidden_size=40, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+                             head_dim=12, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                             num_hidden_layers=3),
+    # Llama-3.1 rope scaling, 4 query heads per KV head
+    "llama3_rope": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+                        rope_theta=500000.0, tie_word_embeddings=False,
+                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "linear_rope": dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
+                        rope_scaling=dict(type="linear", factor=2.0)),
+}
+
+
+def make_pair(overrides: dict, seed: int = 0):
+    """(hf_model, our_model) with the same random weights (norm weights included)."""
+    hf_cfg = transformers.LlamaConfig(**{**BASE, **overrides}, attn_implementation="eager")
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.1 if p.dim() == 1 else 0.15)
+    ours = LlamaForCausalLM(LlamaConfig.from_hf_dict(hf_cfg.to_dict())).eval()
+    assert set(ours.state_dict()) == set(hf.state_dict())
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours
+
+
+@pytest.fixture(params=list(CONFIGS), scope="module")
+def pair(request):
+    return make_pair(CONFIGS[request.param])
+
+
+@torch.no_grad()
+def test_prefill_matches_transformers(pair):
+    hf, ours = pair
+    ids = torch.randint(0, 97, (2, 37), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits
+    out = ours(ids)
+    assert out.shape == ref.shape == (2, 37, 97)
+    assert (out - ref).abs().max().item() <= ATOL
+    assert ref.std() > 0.1  # not a degenerate comparison
+
+
+@torch.no_grad()
+def test_left_padded_batch_matches_transformers(pair):
+    hf, ours = pair
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    ref = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    out = ours(ids, 0, mask)
+    assert (out[0] - ref[0]).abs().max().item() <= ATOL
+    assert (out[1, 4:] - ref[1, 4:]).abs().max().item() <= ATOL
+
+
+@torch.no_grad()
+def test_cached_decode_equals_full_recompute(pair):
+    _, ours = pair
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(3))
+    full = ours(ids)
+    ours.setup_caches(2, 20)
+    try:
+        steps = [ours(ids[:, :8], 0)] + [ours(ids[:, t:t + 1], t) for t in range(8, 20)]
+    finally:
+        ours.clear_caches()
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= ATOL
+
+
+@torch.no_grad()
+def test_greedy_generate_matches_transformers():
+    hf, ours = make_pair(CONFIGS["gqa_tied"], seed=4)
+    prompt = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(5))
+    ref = hf.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                      pad_token_id=0)[0, 6:].tolist()
+    assert generate(ours, prompt, 10) == [ref]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "opt"}, "model_type"),
+    ({"hidden_act": "gelu"}, "silu"),
+    ({"num_key_value_heads": 4, "num_attention_heads": 6}, "multiple"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+    ({"hidden_size": 0}, "positive"),
+])
+def test_bad_config_is_one_clear_error(change, match):
+    d = transformers.LlamaConfig(**{**BASE, **CONFIGS["gqa_tied"]}).to_dict()
+    d.update(change)
+    with pytest.raises(DejavuError, match=match):
+        LlamaConfig.from_hf_dict(d)
+
+
+def test_num_params_counts_the_state_dict():
+    for over in CONFIGS.values():
+        _, ours = make_pair(over)
+        n = sum(p.numel() for p in ours.parameters())  # tied weights counted once
+        assert ours.config.num_params() == n
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope"])
+def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
+    """save_pretrained's folder (safetensors, config.json of this transformers) -> load_any equal."""
+    from conftest import tiny_tokenizer_json
+
+    from dejavu.models.auto import load_any, load_text_tokenizer, model_type
+
+    hf, _ = make_pair(CONFIGS[name], seed=6)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json(97 + 263))
+    assert model_type(tmp_path) == "llama"
+    model, cfg = load_any(tmp_path)
+    assert isinstance(model, LlamaForCausalLM) and not any(p.is_meta for p in model.parameters())
+    ids = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(7))
+    assert (model(ids) - hf(input_ids=ids).logits).abs().max().item() <= ATOL
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    tok = load_text_tokenizer(tmp_path)
+    assert tok.encode("hello", add_bos=True)[0] == cfg.bos_token_id
+
+
+def test_folder_with_missing_tensor_is_one_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dejavu.models.auto import load_any
+
+    hf, _ = make_pair(CONFIGS["gqa_tied"], seed=8)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DejavuError, match="missing from the checkpoint: model.layers.1.mlp.up_proj.weight"):
+        load_any(tmp_path)
