@@ -142,31 +142,6 @@ def load_scoring_model(spec: str, device: str = "cpu", path: str = "parallel") -
                         info={"model": model, "config": cfg})
 
 
-def _perplexity_fn():
-    try:
-        from dejavu.models.metrics import perplexity
-    except ImportError:  # the lead's shared helper is not there: same definition, kept here
-        perplexity = _perplexity
-    return perplexity
-
-
-def _perplexity(logits_fn, ids, window, batch=8, progress=False):
-    """exp(mean NLL) over non-overlapping windows (same definition as dejavu.models.metrics)."""
-    import math
-
-    import torch
-    import torch.nn.functional as F
-
-    total, count = 0.0, 0
-    chunks = [ids[i:i + window] for i in range(0, ids.numel(), window) if ids[i:i + window].numel() > 1]
-    for c in chunks:
-        logits = logits_fn(c[None]).float()  # [1, S, V]
-        total += F.cross_entropy(logits[0, :-1], c[1:], reduction="sum").item()
-        count += c.numel() - 1
-    nll = total / max(count, 1)
-    return {"perplexity": math.exp(nll), "nll": nll, "tokens": count}
-
-
 def read_text(path: str | Path) -> str:
     p = Path(path)
     if not p.is_file():
@@ -216,7 +191,9 @@ def eval_perplexity(sm: ScoringModel, text: str, window: int | None = None,
     if not 2 <= window <= sm.max_len:
         raise DejavuError(f"--window must be between 2 and the model's {sm.max_len} positions, got {window}")
     ids = text_ids(sm, text, max_tokens)
-    r = _perplexity_fn()(sm.logits_fn, ids, window, batch=batch, progress=progress)
+    from dejavu.models.metrics import perplexity
+
+    r = perplexity(sm.logits_fn, ids, window, batch=batch, progress=progress)
     return {**r, "window": window}
 
 

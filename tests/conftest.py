@@ -67,21 +67,7 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
-@functools.lru_cache(maxsize=1)
-def tiny_tokenizer_json(vocab_size: int = 320) -> str:
-    """tokenizer.json text of a small byte-level BPE (<s>, <pad>, </s>, <unk> = ids 0..3)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    import dejavu
-
-    text = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(text[:50_000].splitlines(), trainer)
-    return tok.to_str()
+from tiny_tokenizer import tiny_tokenizer_json  # noqa: E402,F401 - re-exported for the fixtures below
 
 
 def random_opt_state(cfg, seed: int = 0) -> dict[str, torch.Tensor]:

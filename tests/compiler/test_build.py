@@ -62,7 +62,7 @@ def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
     assert h["dense_ppl"] > 1 and h["engine_ppl"] > 1 and h["source"].startswith("calibration corpus tokens")
     assert bc["predictor_input"] == PI and bc["predictor_rank_mlp"] == 8 and bc["predictors"] is True
     assert bc["predictor_form"] == "lowrank"
-    assert bc["predictor_targets"] == {"mlp": "contribution_listwise", "attn": "top_heads_bce"}
+    assert bc["predictor_targets"] == {"mlp": "contribution_listwise", "attn": "log_contribution_lstsq"}
     assert header["tokenizer_json"] == (tiny_opt_dir / "tokenizer.json").read_text()
     assert header["model_config"] == cfg.to_hf_dict()
     a, hd = model.decoder.layers[1].self_attn, cfg.head_dim

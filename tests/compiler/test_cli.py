@@ -25,7 +25,7 @@ def built(tiny_opt_dir, tmp_path_factory):
     """One real compile (calibration + training) of the tiny OPT, shared by the tests below."""
     d = tmp_path_factory.mktemp("built")
     mp = pytest.MonkeyPatch()
-    mp.setenv("DEJAVU_CACHE", str(d / "cache"))
+    mp.setenv("DEJAVU_CACHE", str(tmp_path_factory.mktemp("cache")))  # the calibration / sensitivity caches
     try:
         for name in ("a", "b"):  # the searched budget is deterministic too
             assert main([str(tiny_opt_dir), "--max-ppl-increase", "5", "-o", str(d / f"{name}.engine"), *QUICK]) == 0

@@ -206,7 +206,7 @@ def test_subprocess_build_stays_under_the_layer_bound(tmp_path):
         wm.update({k: name for k in sd})
     del shards, sd, s
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
-    (folder / "tokenizer.json").write_text(__import__("conftest").tiny_tokenizer_json())
+    (folder / "tokenizer.json").write_text(__import__("tiny_tokenizer").tiny_tokenizer_json())
     r = subprocess.run([sys.executable, "-c", _CHILD, str(folder), str(tmp_path / "m.engine")],
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]

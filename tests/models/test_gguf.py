@@ -28,6 +28,7 @@ GG_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_nor
             "mlp.down_proj": "ffn_down"}
 
 
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: half-split rotary rows -> interleaved pairs."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -35,7 +36,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_tiny_gguf(path, quant_mlp: bool = False):
     """A random tiny Llama as a GGUF file; returns the transformers model holding the same weights."""
-    from conftest import tiny_tokenizer_json
+    from tiny_tokenizer import tiny_tokenizer_json
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG, attn_implementation="eager")).eval()

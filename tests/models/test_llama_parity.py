@@ -30,6 +30,7 @@ CONFIGS = {
 }
 
 
+
 def make_pair(overrides: dict, seed: int = 0):
     """(hf_model, our_model) with the same random weights (norm weights included)."""
     hf_cfg = transformers.LlamaConfig(**{**BASE, **overrides}, attn_implementation="eager")
@@ -123,7 +124,7 @@ def test_num_params_counts_the_state_dict():
 @pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope"])
 def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
     """save_pretrained's folder (safetensors, config.json of this transformers) -> load_any equal."""
-    from conftest import tiny_tokenizer_json
+    from tiny_tokenizer import tiny_tokenizer_json
 
     from dejavu.models.auto import load_any, load_text_tokenizer, model_type
 
