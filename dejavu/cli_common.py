@@ -85,6 +85,18 @@ def add_device(p: argparse.ArgumentParser, default, help: str = "where to run: c
                    metavar="{cpu,cuda[:N]}", help=help)
 
 
+def add_sampling(p: argparse.ArgumentParser, g, per: str = "") -> None:
+    """--max-new-tokens, --temperature, --top-k, --top-p, --seed with the defaults of `g` (a
+    GenerationSettings); `per`: e.g. " per prompt" in the --max-new-tokens help."""
+    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
+                   help=f"tokens to generate{per} (fewer when EOS comes first)")
+    p.add_argument("--temperature", type=float, default=g.temperature,
+                   help="0 = greedy; unset: greedy, or 1.0 when --top-k / --top-p ask for sampling")
+    p.add_argument("--top-k", type=int, default=g.top_k, help="sample from the K most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=g.top_p, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (unset: not reproducible)")
+
+
 def add_quiet(p: argparse.ArgumentParser, help: str = "no progress bars or progress lines") -> None:
     p.add_argument("-q", "--quiet", action="store_true", help=help)
 

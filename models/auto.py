@@ -84,9 +84,9 @@ def _fill(cfg: LlamaConfig, tensors, where: str, dtype, device) -> LlamaForCausa
 def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, LlamaConfig]:
     """A Llama-family model from a GGUF file / preset or a Hugging Face folder (safetensors or .bin)."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DejavuError("device 'cuda' requested but no CUDA device is available")
+    from dejavu.models.loader import check_device
+
+    device = check_device(device)
     gp = gguf_path(name_or_path)
     if gp is not None:
         from dejavu.models import gguf

@@ -5,7 +5,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from dejavu.cli_common import Parser, add_device, add_dtype
+from dejavu.cli_common import Parser, add_device, add_dtype, add_sampling
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
 
@@ -32,13 +32,7 @@ def build_parser() -> Parser:
     p.add_argument("model", help="model folder, .gguf file, preset name (opt-mini, opt-125m, smollm2-135m, ...) "
                                  "or Hugging Face id")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
-                   help="tokens to generate (fewer when EOS comes first)")
-    p.add_argument("--temperature", type=float, default=g.temperature,
-                   help="0 = greedy; unset: greedy, or 1.0 when --top-k / --top-p ask for sampling")
-    p.add_argument("--top-k", type=int, default=g.top_k, help="sample from the K most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=g.top_p, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (unset: not reproducible)")
+    add_sampling(p, g)
     add_dtype(p, d.dtype, "weights and compute dtype")
     add_device(p, d.device)
     return p

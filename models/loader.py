@@ -270,12 +270,18 @@ def load_decoder_shell(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, dev
     return ckpt.load_into(dec, DECODER, dtype, device)
 
 
-def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[OPTForCausalLM, OPTConfig]:
-    """Build OPTForCausalLM from a folder / preset / hub id; weights cast to `dtype` on `device`."""
+def check_device(device: str | torch.device) -> torch.device:
+    """torch.device(device), or one DejavuError line when CUDA is asked for and absent."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DejavuError("device 'cuda' requested but no CUDA device is available")
+    return device
+
+
+def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[OPTForCausalLM, OPTConfig]:
+    """Build OPTForCausalLM from a folder / preset / hub id; weights cast to `dtype` on `device`."""
+    device = check_device(device)
     ckpt = Checkpoint(name_or_path)
     model = _meta_model(ckpt.cfg)
     del model.lm_head.weight  # tied: filled below

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dejavu.cli_common import Parser, add_device, add_dtype, add_output_format
+from dejavu.cli_common import Parser, add_device, add_dtype, add_sampling, add_output_format
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
 
@@ -52,13 +52,7 @@ def build_parser() -> Parser:
     p.add_argument("--batch-file", metavar="FILE",
                    help="UTF-8 text file, one prompt per line, generated as one batch; a blank line is an "
                         "empty prompt, so output index i is line i (0-based) of the file")
-    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
-                   help="tokens to generate per prompt (fewer when EOS comes first)")
-    p.add_argument("--temperature", type=float, default=g.temperature,
-                   help="0 = greedy; unset: greedy, or 1.0 when --top-k / --top-p ask for sampling")
-    p.add_argument("--top-k", type=int, default=g.top_k, help="sample from the K most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=g.top_p, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (unset: not reproducible)")
+    add_sampling(p, g, " per prompt")
     add_device(p, d.device)
     add_dtype(p, None, "run in this dtype instead of the engine's (e.g. float32 on CPU)")
     p.add_argument("--no-overlap", action="store_true", help="run the predictors inline (no side stream)")

@@ -13,7 +13,6 @@ Needs only torch, safetensors and tokenizers (no transformers).
 """
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 

@@ -6,9 +6,10 @@ import functools
 from pathlib import Path
 
 
-@functools.lru_cache(maxsize=1)
-def tiny_tokenizer_json(vocab_size: int = 320) -> str:
-    """tokenizer.json text of a small byte-level BPE (<s>, <pad>, </s>, <unk> = ids 0..3)."""
+@functools.lru_cache(maxsize=4)
+def tiny_tokenizer_json(vocab_size: int = 320, chars: int = 50_000) -> str:
+    """tokenizer.json text of a small byte-level BPE (<s>, <pad>, </s>, <unk> = ids 0..3), trained on
+    the first `chars` characters of the shipped WikiText-2 test text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     import dejavu
@@ -19,5 +20,5 @@ def tiny_tokenizer_json(vocab_size: int = 320) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(text[:50_000].splitlines(), trainer)
+    tok.train_from_iterator(text[:chars].splitlines(), trainer)
     return tok.to_str()

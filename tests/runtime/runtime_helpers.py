@@ -196,17 +196,6 @@ def record_steps(dec, got: list) -> None:
 
 def tiny_tokenizer_json(vocab_size: int = 300) -> str:
     """A byte-level BPE over a few lines of the shipped WikiText text (`</s>` = id 2)."""
-    from pathlib import Path
+    from tiny_tokenizer import tiny_tokenizer_json as bpe
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    import dejavu
-
-    text = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(text[:20_000].splitlines(), trainer)
-    return tok.to_str()
+    return bpe(vocab_size, chars=20_000)
