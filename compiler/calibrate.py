@@ -150,6 +150,7 @@ def _install_hooks(model: OPTForCausalLM, maps: dict, where: dict) -> list:
         maps[name][l, where["rows"]] = t.reshape(-1, t.shape[-1]).cpu().numpy()
 
     for l, layer in enumerate(model.decoder.layers):
+        gram = head_gram(layer.self_attn.out_proj.weight, H)  # once per layer, not per batch
         handles.append(layer.register_forward_pre_hook(
             lambda m, a, l=l: put("attn_in", l, a[0].detach().half())))
         if cfg.do_layer_norm_before:  # residual after attention = input of final_layer_norm
@@ -162,20 +163,26 @@ def _install_hooks(model: OPTForCausalLM, maps: dict, where: dict) -> list:
             lambda m, a, out, l=l: put("mlp_active", l, torch.from_numpy(np.packbits(
                 (out.detach() > 0).cpu().numpy(), axis=-1, bitorder="little")))))
         handles.append(layer.self_attn.out_proj.register_forward_pre_hook(
-            lambda m, a, l=l: put("head_norm", l, head_contribution(a[0].detach(), m.weight.detach(), H))))
+            lambda m, a, l=l, g=gram: put("head_norm", l, head_contribution(a[0].detach(), g))))
     return handles
 
 
-def head_contribution(y: torch.Tensor, wo: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """||W_o[:, h] y_h|| per head: y [..., H*hd] (out_proj input), wo [D, H*hd] -> [..., H] fp32.
+def head_gram(wo: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """W_hᵀW_h per head: wo [D, H*hd] (out_proj weight) -> [H, hd, hd] fp32. One per layer:
+    `head_contribution` reads it for every batch."""
+    w = wo.detach().float().unflatten(-1, (num_heads, -1))  # [D, H, hd]
+    return torch.einsum("dhi,dhj->hij", w, w)
+
+
+def head_contribution(y: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """||W_o[:, h] y_h|| per head: y [..., H*hd] (out_proj input), gram [H, hd, hd]
+    (`head_gram` of the layer's W_o) -> [..., H] fp32.
 
     What a head adds to the layer output. Head labels and the oracle rank by it: on opt-mini it
     beat the norm of y_h alone (heads 0.5, WikiText-2 test: oracle 43.46 vs 45.95, predicted
-    50.13 vs 51.45; docs/predictors.md). Through the Gram matrices W_hᵀW_h: [H, hd, hd]."""
-    yh = y.float().unflatten(-1, (num_heads, -1))  # [..., H, hd]
-    w = wo.float().unflatten(-1, (num_heads, -1))  # [D, H, hd]
-    gram = torch.einsum("dhi,dhj->hij", w, w)
-    return torch.einsum("...hi,hij,...hj->...h", yh, gram, yh).clamp_min(0).sqrt()
+    50.13 vs 51.45; docs/predictors.md)."""
+    yh = y.float().unflatten(-1, (gram.shape[0], -1))  # [..., H, hd]
+    return torch.einsum("...hi,hij,...hj->...h", yh, gram.to(yh.device), yh).clamp_min(0).sqrt()
 
 
 @torch.no_grad()

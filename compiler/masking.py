@@ -34,7 +34,7 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
     mlp_k / attn_k: [L] ints. `predictors` (a `Predictors`) is needed for mode "predicted"
     and carries its `predictor_input` ({"source", "lookahead"}).
     """
-    from dejavu.compiler.calibrate import head_contribution
+    from dejavu.compiler.calibrate import head_contribution, head_gram
 
     cfg = model.config
     L, Fd, H, hd = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads, cfg.head_dim
@@ -70,10 +70,12 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
         idx = select("mlp", l, mlp_k[l], out)
         return out * _mask_from_idx(out.shape, idx, out.dtype)
 
-    def attn_hook(m, args, l):
+    def attn_hook(m, args, l, gram):
         y = args[0]  # [B, S, H*hd], heads concatenated
         yh = y.unflatten(-1, (H, hd))  # [B, S, H, hd]
-        idx = select("attn", l, attn_k[l], head_contribution(y, m.weight, H))  # [B, S, H]
+        # [B, S, H]: the oracle ranks by contribution; random reads only the shape, predicted nothing
+        value = head_contribution(y, gram) if gram is not None else yh[..., 0]
+        idx = select("attn", l, attn_k[l], value)
         mask = _mask_from_idx(yh.shape[:-1], idx, y.dtype)  # [B, S, H]
         return ((yh * mask[..., None]).flatten(-2),) + tuple(args[1:])
 
@@ -94,8 +96,9 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
                 handles.append(layer.activation_fn.register_forward_hook(
                     lambda m, a, o, l=l: mlp_hook(m, a, o, l)))
             if attn_k[l] < H:
+                gram = head_gram(layer.self_attn.out_proj.weight, H) if mode == "oracle" else None  # once per layer
                 handles.append(layer.self_attn.out_proj.register_forward_pre_hook(
-                    lambda m, a, l=l: attn_hook(m, a, l)))
+                    lambda m, a, l=l, g=gram: attn_hook(m, a, l, g)))
         yield model
     finally:
         for h in handles:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dejavu.compiler.calibrate import head_contribution
+from dejavu.compiler.calibrate import head_contribution, head_gram
 from dejavu.engine_file import TensorPart
 from dejavu.errors import DejavuError
 from dejavu.fileio import atomic_path
@@ -87,10 +87,11 @@ def run_layer(layer, x: torch.Tensor, batches, cfg, record: tuple[str, ...]) -> 
         if name in rec:
             rec[name][rows] = t.reshape(-1, t.shape[-1])
 
+    gram = head_gram(layer.self_attn.out_proj.weight, H)  # [H, hd, hd], once for every batch
     hooks = [layer.register_forward_pre_hook(lambda m, a: put("attn_in", a[0].half())),
              layer.activation_fn.register_forward_hook(lambda m, a, out: put("mlp_active", out > 0)),
              layer.self_attn.out_proj.register_forward_pre_hook(
-                 lambda m, a: put("head_norm", head_contribution(a[0].detach(), m.weight.detach(), H)))]
+                 lambda m, a: put("head_norm", head_contribution(a[0].detach(), gram)))]
     if cfg.do_layer_norm_before:  # the residual after attention = input of final_layer_norm
         hooks.append(layer.final_layer_norm.register_forward_pre_hook(lambda m, a: put("mlp_in", a[0].half())))
     else:  # post-LN: the MLP reads the output of self_attn_layer_norm

@@ -131,3 +131,14 @@ def test_short_or_missing_corpus_is_an_error(tiny, tmp_path):
     with pytest.raises(DejavuError, match="not valid JSON"):
         (tmp_path / "bad.jsonl").write_text("{nope\n")
         read_corpus(tmp_path / "bad.jsonl")
+
+
+def test_head_gram_built_once_per_layer_not_per_batch(tiny, tmp_path, monkeypatch):
+    import dejavu.compiler.calibrate as calibrate_mod
+
+    model, tok = tiny
+    calls = []
+    real = calibrate_mod.head_gram
+    monkeypatch.setattr(calibrate_mod, "head_gram", lambda wo, h: calls.append(1) or real(wo, h))
+    cal = calibrate(model, tok, _settings(tmp_path), progress=False)  # 16 windows in 6 batches
+    assert cal.complete and len(calls) == cal.cfg.num_hidden_layers
