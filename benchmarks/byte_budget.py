@@ -53,6 +53,21 @@ def _load_predictors(path: Path):
     return p
 
 
+def train_in_memory(model, tokenizer, model_id: str, base):
+    """Calibration (cached on disk, so a head-predictor refit can reuse it) and predictors of
+    the build's settings `base` (a BuildConfig), by the in-memory path (`train_predictors`)."""
+    from dejavu.compiler.build import _predictor_settings
+    from dejavu.compiler.calibrate import CalibSettings, calibrate
+    from dejavu.compiler.predictors import train_predictors
+
+    cal = calibrate(model, tokenizer, CalibSettings(calib_tokens=base.calib_tokens, window=base.calib_window,
+                                                    corpus=base.calib), model_id=model_id)
+    preds = train_predictors(cal, _predictor_settings(base), model=model)
+    preds.metrics["calibration"] = {"corpus": cal.manifest["corpus"], "n_tokens": cal.n_tokens,
+                                    "window": cal.window, "tokens_fingerprint": cal.manifest["tokens_fingerprint"]}
+    return preds
+
+
 def heads_dense_fraction(costs, density: float) -> float | None:
     """Largest neuron fraction f with every head kept whose bytes fit `density` (None: none fits)."""
     L, H, Fd = costs.layers, costs.num_heads, costs.ffn_dim
@@ -87,7 +102,7 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     from dejavu.compiler.allocate import ByteCosts, allocate_uniform
-    from dejavu.compiler.build import BuildConfig, _Stages, build_engine, train_stage
+    from dejavu.compiler.build import BuildConfig, build_engine
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
     from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, eval_perplexity, load_scoring_model, read_text
@@ -102,7 +117,7 @@ def main(argv=None) -> int:
     if args.predictors and Path(args.predictors + ".safetensors").is_file():
         preds = _load_predictors(Path(args.predictors))
     else:
-        preds = train_stage(model, load_tokenizer(folder), args.model, base, True, _Stages(True))
+        preds = train_in_memory(model, load_tokenizer(folder), args.model, base)
         if args.predictors:
             _save_predictors(preds, Path(args.predictors))
     out = {"model": args.model, "ppl_tokens": args.ppl_tokens, "ppl_file": "dejavu/data/wikitext-2/test.txt",
