@@ -7,7 +7,7 @@ One calibration and one predictor training (saved to --predictors PATH.safetenso
 and reused when present), then for each density an engine per scheme through `build_engine`
 (the sensitivity table is cached, so it is measured once), each scored by `dejavu-eval`'s
 perplexity code on WikiText-2 test (never seen by the allocator, whose held-out windows are
-calibration-corpus tokens):
+WikiText-2 validation tokens by default):
   sensitivity   --density D (the default allocation)
   uniform       --density D --allocation uniform (the same fraction of neurons and heads)
   recall        --mlp-density f --attn-density f, f the even split's fraction (the allocation
@@ -68,17 +68,6 @@ def train_in_memory(model, tokenizer, model_id: str, base):
     return preds
 
 
-def heads_dense_fraction(costs, density: float) -> float | None:
-    """Largest neuron fraction f with every head kept whose bytes fit `density` (None: none fits)."""
-    L, H, Fd = costs.layers, costs.num_heads, costs.ffn_dim
-    budget = math.floor(density * costs.dense)
-    if costs.total([Fd] * L, [H] * L) <= budget:
-        return 1.0
-    spare = budget - costs.fixed - L * costs.kind("attn", H) - L * costs.pred_mlp
-    n = spare // costs.neuron
-    return None if n < L else n / (Fd * L)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="opt-mini")
@@ -101,7 +90,7 @@ def main(argv=None) -> int:
             print(table(res))
         return 0
     torch.set_num_threads(args.threads)
-    from dejavu.compiler.allocate import ByteCosts, allocate_uniform
+    from dejavu.compiler.allocate import ByteCosts, allocate_uniform, heads_dense_fraction
     from dejavu.compiler.build import BuildConfig, build_engine
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
@@ -154,7 +143,7 @@ def main(argv=None) -> int:
                 f = mk[0] / cfg.ffn_dim
                 run(f"recall_{d}", density=d, mlp_density=f, attn_density=f)
             elif scheme == "heads_dense":
-                f = heads_dense_fraction(costs, d)
+                f = heads_dense_fraction(costs, math.floor(d * costs.dense))
                 if f is None:
                     out["rows"].append({"name": f"heads_dense_{d}", "infeasible": True, "density": d})
                     continue

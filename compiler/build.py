@@ -36,7 +36,11 @@ class BuildConfig:
     mlp_density: float | None = None  # fixes the MLP: this fraction of neurons (the budget goes to heads)
     attn_density: float | None = None  # fixes attention: this fraction of heads
     max_ppl_increase: float | None = None  # percent: search the least density within it (held-out windows)
-    heldout_tokens: int = 2048  # corpus tokens after the calibration stream: sensitivity and accuracy
+    # held-out text for sensitivity, the allocation check and the recorded accuracy: a corpus like
+    # --calib (past the calibration stream where it is the same); None: the shipped WikiText-2
+    # validation head (allocate.DEFAULT_HELDOUT), never trained on, never the test text
+    heldout: str | None = None
+    heldout_tokens: int = 2048
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
     # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
     # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
@@ -205,9 +209,9 @@ def _check_inputs(model_name_or_path, config: BuildConfig) -> None:
     from dejavu.models.presets import resolve
 
     resolve(model_name_or_path)
-    c = config.calib
-    if c is not None and not str(c).startswith("hf:") and not Path(str(c)).expanduser().exists():
-        raise DejavuError(f"corpus {c!r} not found (a text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG[:SPLIT]])")
+    for c in (config.calib, config.heldout):
+        if c is not None and not str(c).startswith("hf:") and not Path(str(c)).expanduser().exists():
+            raise DejavuError(f"corpus {c!r} not found (a text file, .jsonl, folder of .txt, or hf:NAME[:CONFIG[:SPLIT]])")
 
 
 def _check_output(out_path) -> Path:

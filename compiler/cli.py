@@ -42,8 +42,11 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="fix the fraction of MLP neurons kept (the byte budget goes to heads)")
     p.add_argument("--attn-density", default=S,
                    help="fix the fraction of heads kept (the byte budget goes to neurons)")
+    p.add_argument("--heldout", default=S, metavar="CORPUS",
+                   help="held-out text for sensitivity and the recorded accuracy, a corpus like --calib "
+                        "(default: the shipped WikiText-2 validation head)")
     p.add_argument("--heldout-tokens", type=int, default=S, metavar="N",
-                   help="corpus tokens after the calibration stream, for sensitivity and the recorded accuracy")
+                   help="held-out tokens (after the calibration stream where --heldout is the --calib corpus)")
     p.add_argument("--calib", default=S, metavar="CORPUS",
                    help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME "
                         "(default: the shipped WikiText-2 head)")

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from dejavu.compiler.allocate import (ByteCosts, Sensitivity, allocate_knapsack, allocate_uniform, candidate_ks,
-                                      heldout_nll, measure_sensitivity, model_parts, resolve_k)
+from dejavu.compiler.allocate import (ByteCosts, Sensitivity, allocate_heads_dense, allocate_knapsack,
+                                      allocate_uniform, candidate_ks, heldout_nll, heldout_source,
+                                      heldout_windows, measure_sensitivity, model_parts, resolve_k)
 from dejavu.compiler.build import BuildConfig
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
@@ -137,8 +138,7 @@ def test_max_ppl_increase_meets_its_target(tiny_dir_model, tmp_path, monkeypatch
     if target == 1000.0:  # a lax target buys a sparse engine
         assert rep["density"] < 0.8 and (sum(mk) < cfg.ffn_dim * 2 or sum(ak) < 8)
     # the recorded figure is a real measurement: the masked model on the same held-out windows agrees
-    from dejavu.compiler.allocate import heldout_windows
-    ids, _ = heldout_windows(tok, None, 300, 512, 64, cfg.bos_token_id)
+    ids, _ = heldout_windows(tok, None, 0, 512, 64, cfg.bos_token_id)  # the shipped held-out text
     ref = math.exp(_masked_nll(model, ids, mk, ak, preds))
     assert h["engine_ppl"] == pytest.approx(ref, rel=1e-4)
 
@@ -154,3 +154,49 @@ def test_max_ppl_increase_meets_its_target(tiny_dir_model, tmp_path, monkeypatch
 def test_config_rejects_bad_budget_settings(kw, match):
     with pytest.raises(DejavuError, match=match):
         BuildConfig(**kw)
+
+
+def test_density_keeps_the_best_of_knapsack_and_the_simple_allocations(tiny_dir_model, tmp_path, monkeypatch):
+    model, cfg, preds, tok = tiny_dir_model
+    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.85)
+    h = rep["heldout"]
+    check = h["allocation_check"]
+    assert check["increase_pct"]["sensitivity"] is not None and len(check["increase_pct"]) >= 2
+    assert check["kept"] == min(check["increase_pct"], key=check["increase_pct"].get)
+    assert h["increase_pct"] == pytest.approx(check["increase_pct"][check["kept"]], abs=1e-3)
+    assert rep["bytes_per_token"]["engine"] <= 0.85 * rep["bytes_per_token"]["dense"]
+    # what was kept is what was measured: the masked model on the same windows agrees
+    ids, _ = heldout_windows(tok, None, 0, 512, 64, cfg.bos_token_id)
+    assert h["engine_ppl"] == pytest.approx(math.exp(_masked_nll(model, ids, mk, ak, preds)), rel=1e-4)
+    _, _, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.85, attn_density=0.5)
+    assert "allocation_check" not in rep["heldout"]  # a kind frozen by the user: nothing to compare
+
+
+def test_heads_dense_keeps_every_head_within_the_budget():
+    _, cfg = tiny_model(num_hidden_layers=3, ffn_dim=40, num_attention_heads=4)
+    c = ByteCosts.of(cfg, (6, 4), elem=2)
+    for frac in (0.3, 0.5, 0.7, 0.9, 1.0):
+        budget = math.floor(frac * c.dense)
+        got = allocate_heads_dense(c, budget)
+        if got is None:  # infeasible only where every head and one neuron a layer do not fit
+            assert c.total([1] * 3, [4] * 3) > budget
+            continue
+        mk, ak = got
+        assert ak == [4] * 3 and c.total(mk, ak) <= budget
+        assert c.total([min(40, k + 1) for k in mk], ak) > budget or mk == [40] * 3  # no neuron left out
+
+
+def test_heldout_text_is_never_the_calibration_stream(tmp_path):
+    assert heldout_source(BuildConfig()) == (None, 0)  # the shipped validation head, from its start
+    corpus = str(tmp_path / "c.txt")
+    (tmp_path / "c.txt").write_text("x")
+    assert heldout_source(BuildConfig(calib=corpus, heldout=corpus, calib_tokens=300)) == (corpus, 300)
+    assert heldout_source(BuildConfig(calib=corpus, calib_tokens=300)) == (None, 0)
+
+
+def test_missing_heldout_corpus_is_one_line_before_any_work(tmp_path):
+    from dejavu.compiler.build import build_engine
+
+    with pytest.raises(DejavuError, match="not found"):
+        build_engine("opt-mini", BuildConfig(heldout=str(tmp_path / "nope.txt")), tmp_path / "m.engine")
+    assert not (tmp_path / "m.engine").exists()
