@@ -8,9 +8,6 @@ the calibration stream with labels "top ceil(0.5 H) heads of the token" ranked b
   contribution  ||W_o[:, h] y_h||, what the head adds to the layer output
   regression    no labels: ridge least squares onto log ||W_o[:, h] y_h||, heads ranked by it
                 (`predictors._fit_heads`, shipped)
-  listwise      no labels: softmax cross entropy of the scores against each token's shares of
-                contribution c_h / sum c (the MLP predictors' loss, `_fit` with weights), from
-                the least-squares start; listwise_sq: against the shares of c_h^2 (energy)
 and scored on WikiText-2 test (first --eval-tokens) with K heads per layer and every MLP
 neuron kept: predicted by each label's predictor, and the oracles top-K by norm and by
 contribution (exact per-token selections, masked dense, fp32 on CPU).
@@ -62,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--head-density", type=float, default=0.5)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--labels", default="norm,contribution", help="norm, contribution, regression, listwise, listwise_sq")
+    p.add_argument("--labels", default="norm,contribution", help="norm, contribution, regression")
     p.add_argument("--lookahead", type=int, default=1, help="predictor input: attn_in of layer l - lookahead")
     p.add_argument("--no-oracles", action="store_true")
     p.add_argument("--out", default="head_labels.json")
@@ -101,12 +98,6 @@ def main(argv=None) -> int:
                 layers.append(pa)
                 continue
             y = _head_labels(imp[:len(x)], k_lab)
-            if label.startswith("listwise"):
-                w = imp[:len(x)] ** (2 if label == "listwise_sq" else 1)
-                pa = _fit(x[:split], y[:split], x[split:], y[split:], H, k_lab, s, gen, w[:split], w[split:])
-                pa.pop("val_loss")
-                layers.append(pa)
-                continue
             pa = _fit(x[:split], y[:split], x[split:], y[split:], H, k_lab, s, gen)
             pa.pop("val_loss")
             layers.append(pa)
