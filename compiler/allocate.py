@@ -435,8 +435,13 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     rank = lambda kind: int(getattr(predictors, kind)[0]["a"].shape[0]) if predictors is not None else None
     costs = ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem)
     corpus, skip = heldout_source(config)
-    ids, source = heldout_windows(tokenizer, corpus, skip, config.heldout_tokens,
-                                  min(config.calib_window, cfg.max_position_embeddings), cfg.bos_token_id)
+    window, n_held = min(config.calib_window, cfg.max_position_embeddings), config.heldout_tokens
+    # Two disjoint sets of held-out windows: the knapsack is fitted to the first (sensitivity);
+    # every combined engine (the check, the search, the recorded figure) is measured on the
+    # second, so a choice is never scored on the windows it was fitted to. On one shared set
+    # the knapsack's opt-mini engine at bytes 0.7 measured +0.47% held-out, +1.76% on test.
+    sens_ids, sens_source = heldout_windows(tokenizer, corpus, skip, n_held, window, cfg.bos_token_id)
+    ids, source = heldout_windows(tokenizer, corpus, skip + n_held, n_held, window, cfg.bos_token_id)
     nll = lambda mk, ak: heldout_nll(*parts(), ids, predictors, mk, ak)
     dense_k = ([n["mlp"]] * L, [n["attn"]] * L)
     if predictors is None:  # a dense engine
@@ -449,8 +454,9 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     sens = None
     if config.allocation == "sensitivity" and len(frozen) < 2:
         ks = {kind: candidate_ks(n[kind]) for kind in KINDS if kind not in frozen}
-        sens = _sensitivity_cached(parts, ids, predictors, ks, cache_key, progress)
-    dense_nll = sens.dense_nll if sens is not None else nll(*dense_k)
+        sens = _sensitivity_cached(parts, sens_ids, predictors, ks, cache_key, progress)
+        source += f"; sensitivity on {sens_source}"
+    dense_nll = nll(*dense_k)
 
     def alloc(fraction: float):
         if len(frozen) == 2:

@@ -138,7 +138,7 @@ def test_max_ppl_increase_meets_its_target(tiny_dir_model, tmp_path, monkeypatch
     if target == 1000.0:  # a lax target buys a sparse engine
         assert rep["density"] < 0.8 and (sum(mk) < cfg.ffn_dim * 2 or sum(ak) < 8)
     # the recorded figure is a real measurement: the masked model on the same held-out windows agrees
-    ids, _ = heldout_windows(tok, None, 0, 512, 64, cfg.bos_token_id)  # the shipped held-out text
+    ids, _ = heldout_windows(tok, None, 512, 512, 64, cfg.bos_token_id)  # the second set of the shipped text
     ref = math.exp(_masked_nll(model, ids, mk, ak, preds))
     assert h["engine_ppl"] == pytest.approx(ref, rel=1e-4)
 
@@ -160,13 +160,14 @@ def test_density_keeps_the_best_of_knapsack_and_the_simple_allocations(tiny_dir_
     model, cfg, preds, tok = tiny_dir_model
     mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.85)
     h = rep["heldout"]
+    assert "tokens [512, 1024); sensitivity on " in h["source"] and h["source"].endswith("tokens [0, 512)")
     check = h["allocation_check"]
     assert check["increase_pct"]["sensitivity"] is not None and len(check["increase_pct"]) >= 2
     assert check["kept"] == min(check["increase_pct"], key=check["increase_pct"].get)
     assert h["increase_pct"] == pytest.approx(check["increase_pct"][check["kept"]], abs=1e-3)
     assert rep["bytes_per_token"]["engine"] <= 0.85 * rep["bytes_per_token"]["dense"]
     # what was kept is what was measured: the masked model on the same windows agrees
-    ids, _ = heldout_windows(tok, None, 0, 512, 64, cfg.bos_token_id)
+    ids, _ = heldout_windows(tok, None, 512, 512, 64, cfg.bos_token_id)  # measured on the second set
     assert h["engine_ppl"] == pytest.approx(math.exp(_masked_nll(model, ids, mk, ak, preds)), rel=1e-4)
     _, _, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.85, attn_density=0.5)
     assert "allocation_check" not in rep["heldout"]  # a kind frozen by the user: nothing to compare
