@@ -170,3 +170,18 @@ def test_compile_help_shows_buildconfig_defaults(capsys):
                        ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit)):
         after = text.split(f" {opt} ", 1)[1]
         assert f"(default: {value})" in after.split(" --", 1)[0], opt
+
+
+def test_heldout_option_reaches_the_config_and_a_missing_corpus_is_one_line(tmp_path, capsys):
+    from dejavu.compiler.cli import _config, compile_parser
+
+    corpus = tmp_path / "held.txt"
+    corpus.write_text("some held-out text\n")
+    cfg = _config(compile_parser().parse_args(["opt-mini", "--density", "0.7", "--heldout", str(corpus)]))
+    assert cfg.heldout == str(corpus) and cfg.heldout_tokens == 2048
+    with pytest.raises(SystemExit) as e:
+        main(["opt-mini", "--density", "0.7", "--heldout", str(tmp_path / "nope.txt"), "-q",
+              "-o", str(tmp_path / "m.engine")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("dejavu: error: corpus") and "not found" in err[0]
+    assert not (tmp_path / "m.engine").exists()
