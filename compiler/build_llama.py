@@ -55,6 +55,12 @@ def skip_for_density(cfg, density: float) -> float:
     return max(0.0, s)
 
 
+def density_for_skip(cfg, skip: float) -> float:
+    """The byte fraction an engine with every projection input at `skip` reads (skip_for_density's inverse)."""
+    b = step_bytes(cfg, 1)
+    return (b["fixed"] + (1.0 - skip) * b["block"]) / b["dense"]
+
+
 def _check_supported(cfg, config) -> None:
     if cfg.attention_bias or cfg.mlp_bias:
         raise DejavuError("Llama engines do not support attention_bias / mlp_bias checkpoints yet")
@@ -107,10 +113,10 @@ def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, d
     return thresholds, header
 
 
-def llama_tensors(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The kernel-layout tensors (module docstring) of a LlamaForCausalLM, in `dtype` on the CPU."""
+def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """The kernel-layout tensors (module docstring) of a LlamaForCausalLM, in `dtype` on `device`."""
     cfg = model.config
-    c = lambda t: t.detach().to("cpu", dtype).contiguous()  # noqa: E731
+    c = lambda t: t.detach().to(device, dtype).contiguous()  # noqa: E731
     t = {"embed_tokens": c(model.model.embed_tokens.weight), "final_norm": c(model.model.norm.weight)}
     if not cfg.tie_word_embeddings:
         t["lm_head"] = c(model.lm_head.weight)
