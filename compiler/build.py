@@ -245,11 +245,10 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
     from dejavu.models.auto import model_type
 
     if model_type(model_name_or_path) != "opt":  # Llama family: TEAL thresholds (compiler/build_llama.py)
-        if onnx_out is not None or predictors is not None:
-            raise DejavuError("--onnx-out is not supported for Llama-family models by dejavu-compile "
-                              "(dejavu.compiler.onnx_llama exports them)")
+        if predictors is not None:
+            raise DejavuError("Llama-family engines have no predictors (TEAL thresholds)")
         from dejavu.compiler.build_llama import build_llama_engine
-        return build_llama_engine(model_name_or_path, config, out_path, progress)
+        return build_llama_engine(model_name_or_path, config, out_path, progress, onnx_out)
     out = _check_output(out_path)
     if onnx_out is not None and Path(onnx_out).exists() and not Path(onnx_out).is_dir():
         raise DejavuError(f"--onnx-out {onnx_out} exists and is not a folder")

@@ -152,8 +152,9 @@ def llama_header(name: str, cfg, config, target: dict, skip: float, thresholds: 
     }
 
 
-def build_llama_engine(model_name_or_path, config, out, progress: bool = True) -> dict:
-    """Build a Llama-family `.engine` (called by compiler/build.build_engine); a summary dict."""
+def build_llama_engine(model_name_or_path, config, out, progress: bool = True, onnx_out=None) -> dict:
+    """Build a Llama-family `.engine` (called by compiler/build.build_engine); a summary dict.
+    onnx_out: a folder for the dense and TEAL-sparse ONNX graphs (compiler/onnx_llama.py)."""
     from dejavu.compiler.build import _check_output, _Stages, target_info
     from dejavu.engine_file import write_engine
     from dejavu.models.auto import load_llama, load_text_tokenizer
@@ -169,6 +170,10 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True) -
     with stages("calibrate thresholds"):
         with torch.no_grad():
             thresholds, calibration = calibrate_thresholds(model, tokenizer, config, skip)
+    onnx_report = None
+    if onnx_out is not None:
+        with stages("export ONNX"):
+            onnx_report = _export_onnx(model, thresholds, skip, Path(onnx_out))
     with stages("kernel layout"):
         tensors = llama_tensors(model, getattr(torch, config.dtype))
         del model
@@ -178,12 +183,40 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True) -
         size = write_engine(out, header, tensors)
     if progress:
         print(f"[dejavu-compile] wrote {out}", file=sys.stderr, flush=True)
-    return {"engine": str(out), "model_family": FAMILY, "engine_bytes": size,
+    return {"engine": str(out), "model_family": FAMILY, **({"onnx": onnx_report} if onnx_report else {}), "engine_bytes": size,
             "weight_bytes": sum(t.nbytes for t in tensors.values()), "dtype": config.dtype, "target": target,
             "density": config.density, "skip": header["sparsity"]["skip"],
             "bytes_per_token": header["build_config"]["bytes_per_token"], "thresholds": thresholds,
             "calibration": calibration, "stage_seconds": stages.times,
             "total_seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _export_onnx(model, thresholds: dict, skip: float, out_dir: Path) -> dict:
+    """Dense and sparse graphs; the sparse prefill checked in ONNX Runtime against the masked-dense
+    PyTorch model (compiler/gated_sparsity's hooks with these thresholds)."""
+    from types import SimpleNamespace
+
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.compiler.onnx_llama import build_llama_graph, export_llama_onnx
+    from dejavu.compiler.onnx_export import run_onnxruntime
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DejavuError(f"--onnx-out {out_dir} exists and is not a folder")
+    m32 = model.float().cpu()
+    sparse = skip > 0
+    paths = export_llama_onnx(m32, out_dir, thresholds if sparse else None)
+    report = {"dir": str(out_dir), "files": sorted(p.name for p in paths.values()), "max_abs_diff": None}
+    ids = (torch.arange(16)[None] * 7919 % m32.config.vocab_size)[:, :m32.config.max_position_embeddings]
+    try:
+        got = run_onnxruntime(build_llama_graph(m32, "prefill", thresholds if sparse else None),
+                              {"input_ids": ids.numpy()})["logits"]
+    except ImportError:
+        return report  # onnxruntime not installed
+    calib = SimpleNamespace(threshold=lambda key, l, f: thresholds[key][l])
+    with torch.no_grad(), gated_sparsity(m32, calib, GatedSparsity(skip=skip)):
+        ref = m32(ids)
+    report["max_abs_diff"] = float(abs(torch.from_numpy(got) - ref).max())
+    return report
 
 
 def format_llama_summary(s: dict) -> str:
@@ -200,6 +233,10 @@ def format_llama_summary(s: dict) -> str:
     th = s["thresholds"]
     for l in range(len(th[INPUTS[0]])):
         lines.append(f"{l:>5} " + " ".join(f"{th[k][l]:>9.4f}" for k in INPUTS))
+    if "onnx" in s:
+        o = s["onnx"]
+        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])}; ONNX Runtime vs masked dense "
+                     f"max |diff| = {o['max_abs_diff']}")
     lines.append("time        " + ", ".join(f"{k} {v:.1f}s" for k, v in s["stage_seconds"].items())
                  + f"; total {s['total_seconds']:.1f}s")
     return "\n".join(lines)
