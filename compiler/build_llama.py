@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +27,15 @@ import torch
 from dejavu.errors import DejavuError
 
 FAMILY = "llama"
+
+
+@dataclass(frozen=True)
+class TealSettings:
+    """Calibration of TEAL thresholds. --calib-tokens left at BuildConfig's default (sized for
+    training OPT predictors, 65,536) means `calib_tokens` here: quantiles of the projection
+    inputs need far fewer tokens than a predictor's training set (docs/llama.md used 1,024)."""
+
+    calib_tokens: int = 2048
 INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")  # gated_sparsity's calibration keys, in layer order
 MAX_SKIP = 0.99  # the top of gated_sparsity's calibrated quantile grid
 
@@ -97,12 +107,15 @@ def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, d
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
 
+    from dejavu.compiler.calibrate import CalibSettings
+
     cfg = model.config
     window = min(config.calib_window, cfg.max_position_embeddings)
-    ids, corpus = corpus_tokens(tokenizer.tokenizer, config.calib, config.calib_tokens, bos_id=tokenizer.bos_id)
+    want = TealSettings.calib_tokens if config.calib_tokens == CalibSettings.calib_tokens else config.calib_tokens
+    ids, corpus = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
     n = len(ids) // window * window
     if n == 0:
-        raise DejavuError(f"--calib-tokens {config.calib_tokens} is less than one window of {window} tokens")
+        raise DejavuError(f"--calib-tokens {want} is less than one window of {window} tokens")
     ids = torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device)
     calib = calibrate(_Blocks(model), ids)
     L = cfg.num_hidden_layers
@@ -132,16 +145,20 @@ def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Te
 
 
 def llama_header(name: str, cfg, config, target: dict, skip: float, thresholds: dict, calibration,
-                 tokenizer_json: str) -> dict:
-    """The Llama engine header: the family, the TEAL setting and thresholds, bytes per token."""
+                 tokenizer_json: str, special_ids: tuple | None = None) -> dict:
+    """The Llama engine header: the family, the TEAL setting and thresholds, bytes per token.
+    special_ids: the tokenizer's (bos, eos, pad), written over the model config's."""
     from dejavu.engine_file import FORMAT_NAME, FORMAT_VERSION
 
     b = step_bytes(cfg, torch.tensor([], dtype=getattr(torch, config.dtype)).element_size())
     read = b["fixed"] + (1 - skip) * b["block"]
+    mc = cfg.to_hf_dict()
+    if special_ids is not None:  # the ids text starts / ends / pads with (GGUF: the document separator)
+        mc.update(bos_token_id=special_ids[0], eos_token_id=special_ids[1], pad_token_id=special_ids[2])
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_family": FAMILY,
         "model": Path(name).name if Path(name).is_dir() else name,
-        "model_config": cfg.to_hf_dict(), "dtype": config.dtype, "target": target,
+        "model_config": mc, "dtype": config.dtype, "target": target,
         "sparsity": {"method": "teal", "skip": round(skip, 8), "inputs": list(INPUTS), "thresholds": thresholds},
         "build_config": {
             "density": config.density, "allocation": "uniform",
@@ -178,7 +195,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
         tensors = llama_tensors(model, getattr(torch, config.dtype))
         del model
     header = llama_header(str(model_name_or_path), cfg, config, target, skip, thresholds, calibration,
-                          tokenizer.tokenizer.to_str())
+                          tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id))
     with stages("write engine"):
         size = write_engine(out, header, tensors)
     if progress:
