@@ -27,7 +27,8 @@ class InputSparseConfig:
     """Block sizes of the two kernels. split_k None: enough slices of the kept list for
     `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy)."""
 
-    block_select: int = 1024
+    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
+    select_warps: int = 8
     block_m: int = 128
     block_k: int = 32
     split_k: int | None = None
@@ -65,7 +66,8 @@ def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
     check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
     check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
     block = min(config.block_select, next_pow2(N))
-    jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=block)
+    jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=block,
+                                               num_warps=config.select_warps)
     return idx, count
 
 
