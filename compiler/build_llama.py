@@ -200,7 +200,8 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
         size = write_engine(out, header, tensors)
     if progress:
         print(f"[dejavu-compile] wrote {out}", file=sys.stderr, flush=True)
-    return {"engine": str(out), "model_family": FAMILY, **({"onnx": onnx_report} if onnx_report else {}), "engine_bytes": size,
+    return {"engine": str(out), "model_family": FAMILY, **({"onnx": onnx_report} if onnx_report else {}),
+            "engine_bytes": size,
             "weight_bytes": sum(t.nbytes for t in tensors.values()), "dtype": config.dtype, "target": target,
             "density": config.density, "skip": header["sparsity"]["skip"],
             "bytes_per_token": header["build_config"]["bytes_per_token"], "thresholds": thresholds,

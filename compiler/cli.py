@@ -30,7 +30,8 @@ class _CompileParser(Parser):
 def compile_parser() -> argparse.ArgumentParser:
     p = _CompileParser("dejavu-compile", "Build a DejaVu sparse .engine file from an OPT or Llama-family model.")
     S = argparse.SUPPRESS  # a BuildConfig field: its default lives there (shown by --help)
-    p.add_argument("model", help="preset name (opt-mini, opt-125m, smollm2-135m, ...), model folder, .gguf file or Hugging Face id")
+    p.add_argument("model", help="preset name (opt-mini, opt-125m, smollm2-135m, ...), model folder, .gguf file "
+                                 "or Hugging Face id")
     p.add_argument("--density", default=S,
                    help="fraction of the dense decode step's weight bytes read per token, in (0, 1] "
                         "(spent across layers, heads and neurons by --allocation)")

@@ -69,8 +69,8 @@ def _rope_tables(g: GraphBuilder, model, positions: str) -> tuple[str, str]:
     pos = g.op("Cast", [positions], "rope/pos_f", to=TensorProto.FLOAT)
     ang = g.op("Mul", [g.op("Unsqueeze", [pos, _c(g, "c.axis_last", np.array([-1], np.int64))], "rope/pos_col"),
                        g.const("rope.inv_freq", _np(model.inv_freq))], "rope/angles")  # [B, S, hd/2]
-    ang = g.op("Unsqueeze", [g.op("Concat", [ang, ang], "rope/angles2", axis=-1), _c(g, "c.axis1", np.array([1], np.int64))],
-               "rope/angles_heads")  # [B, 1, S, hd]
+    ang = g.op("Concat", [ang, ang], "rope/angles2", axis=-1)
+    ang = g.op("Unsqueeze", [ang, _c(g, "c.axis1", np.array([1], np.int64))], "rope/angles_heads")  # [B, 1, S, hd]
     return g.op("Cos", [ang], "rope/cos"), g.op("Sin", [ang], "rope/sin")
 
 
@@ -86,8 +86,11 @@ def _attention(g: GraphBuilder, layer, l: int, h: str, cos: str, sin: str, decod
     H, Hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     G, c = H // Hkv, f"{p}.attn_core"
     h = _masked(g, h, th, "attn_in", l)
-    heads = lambda t, n, name: g.op("Transpose", [g.op("Reshape", [t, g.ints(f"{name}.shape", [0, 0, n, hd])],  # noqa: E731
-                                                       f"{name}/split")], f"{name}/heads", perm=[0, 2, 1, 3])
+
+    def heads(t, n, name):  # [B, S, n hd] -> [B, n, S, hd]
+        t = g.op("Reshape", [t, g.ints(f"{name}.shape", [0, 0, n, hd])], f"{name}/split")
+        return g.op("Transpose", [t], f"{name}/heads", perm=[0, 2, 1, 3])
+
     q = _rotate(g, heads(_proj(g, h, a.q_proj, f"{p}.q_proj"), H, f"{p}.q_proj"), cos, sin, hd, f"{p}.q_rope")
     k = _rotate(g, heads(_proj(g, h, a.k_proj, f"{p}.k_proj"), Hkv, f"{p}.k_proj"), cos, sin, hd, f"{p}.k_rope")
     v = heads(_proj(g, h, a.v_proj, f"{p}.v_proj"), Hkv, f"{p}.v_proj")
@@ -99,7 +102,8 @@ def _attention(g: GraphBuilder, layer, l: int, h: str, cos: str, sin: str, decod
         else:
             g.op("Identity", [t], f"{p}.{kind}/new", outputs=[new])
         g.op("Identity", [new], f"{p}.{kind}/present", outputs=[f"present.{l}.{kind}"])
-        kv.append(g.op("Unsqueeze", [new, _c(g, "c.axis2", np.array([2], np.int64))], f"{c}/{kind}_group"))  # [B, Hkv, 1, T, hd]
+        axis2 = _c(g, "c.axis2", np.array([2], np.int64))
+        kv.append(g.op("Unsqueeze", [new, axis2], f"{c}/{kind}_group"))  # [B, Hkv, 1, T, hd]
     # q [B, H, S, hd] -> [B, Hkv, G, S, hd]: query head h reads KV head h // G
     q = g.op("Reshape", [q, g.ints(f"{c}.q_group_shape", [0, Hkv, G, -1, hd])], f"{c}/q_group")
     q = g.op("Mul", [q, _c(g, "c.q_scale", np.array(hd ** -0.5, np.float32))], f"{c}/scale")

@@ -130,7 +130,8 @@ def test_engine_survives_save_and_load_and_half_precision(built, tmp_path):
     write_engine(tmp_path / "copy.engine", header, tensors)
     assert (tmp_path / "copy.engine").read_bytes() == built[1][0.6].read_bytes()
     ids = _ids(1, 12, seed=4)
-    assert torch.equal(Engine.load(tmp_path / "copy.engine").logits(ids), Engine.from_tensors(header, tensors).logits(ids))
+    copy = Engine.load(tmp_path / "copy.engine")
+    assert torch.equal(copy.logits(ids), Engine.from_tensors(header, tensors).logits(ids))
     # fp16 on the dense engine (a sparse one flips inputs at the threshold: not a rounding question)
     header, tensors = read_engine(built[1][1.0])
     e32, e16 = Engine.from_tensors(header, tensors), Engine.from_tensors(header, tensors, dtype="float16")
@@ -200,7 +201,8 @@ ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 a, b = ref.decode_logits(ids), tri.decode_logits(ids)
 print(json.dumps({{"diff": float((a - b).abs().max()), "check": tri.kernel_check,
                   "kernels": tri.describe()["kernels"],
-                  "same": ref.generate([[0, 9, 4]], 6, stop_at_eos=False) == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
+                  "same": ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
+                          == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
