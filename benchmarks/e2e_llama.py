@@ -103,9 +103,14 @@ def random_model(c: dict, dtype, dev):
     from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
 
     cfg = LlamaConfig.from_hf_dict({**COMMON, **c})
-    with torch.device("meta"):
-        m = LlamaForCausalLM(cfg)
-    m = m.to_empty(device=dev).to(dtype)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters made in dtype: no fp32 copy of an 8B model on the device
+    try:
+        with torch.device("meta"):
+            m = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    m = m.to_empty(device=dev)
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)

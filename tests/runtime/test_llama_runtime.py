@@ -210,3 +210,14 @@ print(json.dumps({{"diff": float((a - b).abs().max()), "check": tri.kernel_check
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["kernels"] == {"input_sparse_gemv": "triton"} and r["check"]["input_sparse_gemv"] < 1e-4
     assert r["diff"] <= ATOL and r["same"]
+
+
+def test_dejavu_compile_bad_density_is_one_line_and_no_file(built, tmp_path, capsys):
+    from dejavu.compiler.cli import main as compile_main
+
+    out = tmp_path / "x.engine"
+    with pytest.raises(SystemExit) as e:
+        compile_main([str(built[0]), "--density", "0.02", "-o", str(out), "-q", "--calib-tokens", "256"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("dejavu: error: --density 0.02 is below")
+    assert not out.exists()
