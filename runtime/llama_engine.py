@@ -38,7 +38,8 @@ class LlamaEngine(Engine):
         self.spec = spec
         self.tensors = {n: t.to(device=self.device, dtype=spec.dtype) for n, t in tensors.items()}
         on_gpu = self.device.type == "cuda"
-        self.ops = LlamaOps(backend or ("triton" if on_gpu else "ref"))
+        settings = ((header.get("target") or {}).get("kernel_settings") or {}).get("input_sparse")
+        self.ops = LlamaOps(backend or ("triton" if on_gpu else "ref"), settings)
         self.kernel_check = self.ops.verify(spec, self.tensors)
         self.overlap, self.batch_policy, self.kv_policy = False, "per_sequence", "full"
         self.use_graphs = use_graphs and on_gpu

@@ -221,3 +221,12 @@ def test_dejavu_compile_bad_density_is_one_line_and_no_file(built, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("dejavu: error: --density 0.02 is below")
     assert not out.exists()
+
+
+def test_kernel_settings_are_read_from_the_header(built):
+    from dejavu.plugins.input_sparse import InputSparseConfig
+    from dejavu.runtime.llama_decoder import LlamaOps
+
+    assert LlamaOps("triton", {"block_m": 16, "block_k": 8}).config == InputSparseConfig(block_m=16, block_k=8)
+    with pytest.raises(DejavuError, match="kernel_settings.input_sparse"):
+        LlamaOps("triton", {"block_q": 4})
