@@ -230,3 +230,23 @@ def test_kernel_settings_are_read_from_the_header(built):
     assert LlamaOps("triton", {"block_m": 16, "block_k": 8}).config == InputSparseConfig(block_m=16, block_k=8)
     with pytest.raises(DejavuError, match="kernel_settings.input_sparse"):
         LlamaOps("triton", {"block_q": 4})
+
+
+@pytest.mark.parametrize("over", [dict(tie_word_embeddings=False, num_key_value_heads=6),
+                                  dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                         high_freq_factor=4.0, original_max_position_embeddings=16))],
+                         ids=["untied_mha", "llama3_rope"])
+def test_dense_engine_in_memory_equals_the_model(over):
+    """Untied head, multi-head KV, Llama-3.1 rope scaling: a dense engine (thresholds 0) made from
+    the compiler's layout and header functions equals the model, token-parallel and decoding."""
+    from dejavu.compiler.build_llama import INPUTS, llama_header, llama_tensors
+
+    model = tiny_llama(seed=5, **over)
+    th = {k: [0.0, 0.0] for k in INPUTS}
+    header = llama_header("m", model.config, BuildConfig(density=1.0, dtype="float32"), {"device": "cpu"}, 0.0, th,
+                          None, "")
+    eng = Engine.from_tensors(header, llama_tensors(model, torch.float32))
+    ids = _ids(2, 40, seed=6)
+    with torch.no_grad():
+        ref = model(ids)
+    assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
