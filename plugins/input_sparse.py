@@ -41,7 +41,7 @@ CONFIG = InputSparseConfig()
 
 def _select_inputs_kernel(x_ptr, idx_ptr, count_ptr, N, t, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    base = 0
+    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: the kept count so far
     for n0 in range(0, N, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < N
