@@ -65,9 +65,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="head_labels.json")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from dejavu.compiler.calibrate import CalibSettings, calibrate
+    from dejavu.compiler.calibrate import calibrate
+    from dejavu.compiler.config import CalibSettings, PredictorSettings
     from dejavu.compiler.masking import fixed_selection, masked_sparsity
-    from dejavu.compiler.predictors import PredictorSettings, Predictors, _fit, _fit_heads, _head_labels
+    from dejavu.compiler.predictors import Predictors, _fit, _fit_heads, _head_labels
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
     from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text

@@ -2,28 +2,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
+from dejavu.compiler.config import BuildConfig
 from dejavu.errors import DejavuError, cli_entry
 
 
 class _CompileParser(Parser):
     """Options that set a `BuildConfig` field default to SUPPRESS, so `args` holds only what
-    was given (a --config file fills the rest, then BuildConfig's defaults). Those defaults are
-    shown by --help, read from BuildConfig then: the one import of torch that --help makes
-    (compiler/build.py imports torch at the top)."""
+    was given (a --config file fills the rest, then BuildConfig's defaults). --help shows those
+    defaults, read from BuildConfig's fields (compiler/config.py: no torch)."""
 
     def format_help(self):
-        from dejavu.compiler.build import BuildConfig
-
-        d = BuildConfig()
+        defaults = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
         for a in self._actions:
-            if a.default is argparse.SUPPRESS and hasattr(d, a.dest) and not a.required:
-                a.default = getattr(d, a.dest)
+            if a.default is argparse.SUPPRESS and a.dest in defaults and not a.required:
+                a.default = defaults[a.dest]
         return super().format_help()
 
 
@@ -84,10 +83,6 @@ def compile_parser() -> argparse.ArgumentParser:
 
 def _config(args):
     """BuildConfig from the options given, over the --config file, over BuildConfig's defaults."""
-    import dataclasses
-
-    from dejavu.compiler.build import BuildConfig
-
     fields = {f.name for f in dataclasses.fields(BuildConfig)}
     base = {}
     if args.config:

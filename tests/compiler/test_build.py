@@ -5,7 +5,8 @@ import onnx
 import pytest
 import torch
 
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.layout import kernel_layout
 from dejavu.compiler.predictors import Predictors
 from dejavu.engine_file import read_engine, read_header

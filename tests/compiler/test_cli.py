@@ -146,8 +146,8 @@ def test_console_scripts_exit_2(tmp_path):
 
 
 def test_config_file_and_overrides(tmp_path, capsys):
-    from dejavu.compiler.build import BuildConfig
     from dejavu.compiler.cli import _config, compile_parser
+    from dejavu.compiler.config import BuildConfig
 
     f = tmp_path / "build.json"
     f.write_text(json.dumps({"density": 0.4, "dtype": "float32", "seed": 3}))
@@ -155,18 +155,52 @@ def test_config_file_and_overrides(tmp_path, capsys):
     c = _config(compile_parser().parse_args(argv))
     assert (c.density, c.dtype, c.seed) == (0.3, "float32", 5)
     c = _config(compile_parser().parse_args(["m", "--density", "0.3", "--dtype", "bf16"]))
-    assert c.dtype == "bfloat16" and c.calib_tokens == BuildConfig().calib_tokens  # the rest: BuildConfig's
+    assert c.dtype == "bfloat16" and c.calib_tokens == BuildConfig.calib_tokens  # the rest: BuildConfig's
     f.write_text(json.dumps({"density": 0.4, "bogus": 1}))
     _fails(capsys, main, ["m", "--density", "0.3", "--config", str(f)], "bogus")
 
 
 def test_compile_help_shows_buildconfig_defaults(capsys):
-    from dejavu.compiler.build import BuildConfig
     from dejavu.compiler.cli import compile_parser
+    from dejavu.compiler.config import BuildConfig
 
     text = " ".join(compile_parser().format_help().split())
-    d = BuildConfig()
+    d = BuildConfig  # the class attributes are the fields' defaults
     for opt, value in (("--calib-tokens", d.calib_tokens), ("--predictor-epochs", d.predictor_epochs),
                        ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit)):
         after = text.split(f" {opt} ", 1)[1]
         assert f"(default: {value})" in after.split(" --", 1)[0], opt
+
+
+def _compile_in_subprocess(argv: list[str]) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run dejavu-compile's main in a fresh interpreter: (result, whether torch was imported)."""
+    code = ("import sys\nfrom dejavu.compiler.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "finally:\n    print('torch' in sys.modules, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    *lines, imported = r.stderr.strip().splitlines()
+    assert imported in ("True", "False"), r.stderr
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, "\n".join(lines)), imported == "True"
+
+
+def test_compile_help_imports_no_torch():
+    r, torch_imported = _compile_in_subprocess(["--help"])
+    assert r.returncode == 0 and "(default: 65536)" in " ".join(r.stdout.split())  # BuildConfig's defaults shown
+    assert not torch_imported
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["m"], "one of --density or --max-ppl-increase is required"),
+    (["m", "--density", "1.5"], "--density must be in (0, 1]"),
+    (["m", "--density", "0.5", "--calib-tokens", "0"], "--calib-tokens must be a positive integer"),
+    (["m", "--density", "0.5", "--predictor-source", "mlp_in", "--predictor-lookahead", "0"], "predictor input"),
+    (["m", "--density", "0.5", "--config", "BAD"], "unknown build config key(s): bogus"),
+    (["m", "--density", "0.5", "--max-ppl-increase", "1"], "not both"),
+])
+def test_compile_argument_errors_before_torch(tmp_path, argv, match):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"bogus": 1}))
+    r, torch_imported = _compile_in_subprocess([str(bad) if a == "BAD" else a for a in argv])
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("dejavu: error:") and match in r.stderr, r.stderr
+    assert not torch_imported
