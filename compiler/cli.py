@@ -32,7 +32,8 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="preset name (opt-mini, opt-125m, ...), model folder or Hugging Face id")
     p.add_argument("--density", default=S,
                    help="fraction of the dense decode step's weight bytes read per token, in (0, 1] "
-                        "(spent across layers, heads and neurons by --allocation)")
+                        "(spent across layers, heads and neurons by --allocation; unused when both "
+                        "--mlp-density and --attn-density fix K)")
     p.add_argument("--max-ppl-increase", default=S, metavar="P",
                    help="instead of --density: the least byte budget whose engine stays within P percent "
                         "of dense perplexity on held-out calibration windows")
@@ -93,8 +94,6 @@ def _config(args):
     given = {k: v for k, v in vars(args).items() if k in fields}
     if "density" in given and "max_ppl_increase" in given:
         raise DejavuError("give --density or --max-ppl-increase, not both")
-    if not ({"density", "max_ppl_increase"} & set(given)) and not args.config:
-        raise DejavuError("dejavu-compile: one of --density or --max-ppl-increase is required")
     if "density" in given:  # the command line's choice wins over the file's
         base.pop("max_ppl_increase", None)
     return BuildConfig.from_dict({**base, **given})

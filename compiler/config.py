@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from dejavu.cli_common import DTYPE_ALIASES  # the one alias table (fp16, bf16, ...)
 from dejavu.errors import DejavuError
@@ -30,7 +31,10 @@ def check_density(value, name: str = "density") -> float:
 # The lookahead decision (docs/predictors.md): layer l's predictors read layer l-1's
 # attention input, which exists before layer l-1 starts, so they can run on a side stream
 # one layer ahead. Same-layer inputs are more accurate but serialise prediction.
-DEFAULT_PREDICTOR_INPUT = {"source": "attn_in", "lookahead": 1}
+DEFAULT_PREDICTOR_INPUT = MappingProxyType({"source": "attn_in", "lookahead": 1})
+# TensorRT's TopK takes k <= 3840: a larger K is emitted in the ONNX graphs as TopK in rounds
+# (compiler/passes/_graph.py).
+TENSORRT_TOPK_LIMIT = 3840
 
 
 @dataclass
@@ -100,7 +104,9 @@ class PredictorSettings:
 class BuildConfig:
     """Every setting of a build; defaults defined here (and in the calibration/predictor settings)."""
 
-    density: float = 0.5  # fraction of the dense decode step's weight bytes read per token (allocate.ByteCosts)
+    # fraction of the dense decode step's weight bytes read per token (allocate.ByteCosts); no
+    # default: give it, or max_ppl_increase, or both mlp_density and attn_density (validate)
+    density: float | None = None
     mlp_density: float | None = None  # fixes the MLP: this fraction of neurons (the budget goes to heads)
     attn_density: float | None = None  # fixes attention: this fraction of heads
     max_ppl_increase: float | None = None  # percent: search the least density within it (held-out windows)
@@ -120,7 +126,7 @@ class BuildConfig:
     predictor_epochs: int = PredictorSettings.max_epochs
     allocation: str = "sensitivity"  # per-layer K: "sensitivity" (measured, knapsack) | "uniform" (even)
     no_predictors: bool = False  # dense engine (only with density 1.0)
-    topk_limit: int = 3840  # TensorRT TopK limit: larger K is emitted as chunked TopK in ONNX
+    topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks: one engine file per rank (docs/tensor_parallel.md)
 
@@ -128,7 +134,8 @@ class BuildConfig:
         self.validate()
 
     def validate(self) -> "BuildConfig":
-        self.density = check_density(self.density)
+        if self.density is not None:
+            self.density = check_density(self.density)
         if self.mlp_density is not None:
             self.mlp_density = check_density(self.mlp_density, "mlp_density")
         if self.attn_density is not None:
@@ -168,9 +175,13 @@ class BuildConfig:
                 or (self.predictor_source, self.predictor_lookahead) == ("mlp_in", 0):
             raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
                               f"got {self.predictor_source!r}, {self.predictor_lookahead!r}")
-        dense = self.density == 1.0 and self.mlp_density in (None, 1.0) and self.attn_density in (None, 1.0)
+        dense = self.density in (None, 1.0) and self.mlp_density in (None, 1.0) and self.attn_density in (None, 1.0)
         if self.no_predictors and not dense:
             raise DejavuError("--no-predictors needs --density 1.0 (a sparse engine needs predictors)")
+        if self.density is None and self.max_ppl_increase is None and \
+                (self.mlp_density is None or self.attn_density is None):
+            raise DejavuError("one of --density or --max-ppl-increase is required (or both --mlp-density and "
+                              "--attn-density)")
         return self
 
     @property

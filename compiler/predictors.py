@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.compiler.calibrate import Calibration
-from dejavu.compiler.config import DEFAULT_PREDICTOR_INPUT, PredictorSettings
+from dejavu.compiler.config import PredictorSettings
 from dejavu.errors import DejavuError
 from dejavu.models.opt import OPTConfig
 

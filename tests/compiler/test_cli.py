@@ -56,14 +56,16 @@ def test_compile_twice_same_bytes_and_no_state_left(built):
 
 def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
     out = tmp_path / "s.engine"
-    assert main([str(tiny_opt_dir), "--density", "0.5", "--mlp-density", "0.25", "--attn-density", "0.5", "-o",
+    assert main([str(tiny_opt_dir), "--mlp-density", "0.25", "--attn-density", "0.5", "-o",  # K fixed: no --density
                  str(out), "--summary-json", str(tmp_path / "s.json"), "--allocation", "uniform", *QUICK]) == 0
     text = capsys.readouterr().out
     assert "K_mlp" in text and "recall" in text and "time" in text and "MiB" in text
     assert "bytes/token" in text and "held-out    ppl" in text
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["mlp_k"] == [32, 32] and s["attn_k"] == [2, 2]
-    assert read_header(out)["build_config"]["mlp_density"] == 0.25
+    bc = read_header(out)["build_config"]
+    assert bc["mlp_density"] == 0.25 and bc["settings"]["mlp_density"] == 0.25
+    assert bc["density"] == bc["bytes_per_token"]["fraction"] == s["density"] < 1  # what the fixed K read
 
 
 def test_inspect(built, capsys):
