@@ -91,9 +91,10 @@ def main(argv=None) -> int:
     from dejavu.compiler.config import BuildConfig
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, eval_perplexity, load_scoring_model, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluate import eval_perplexity, load_scoring_model, read_text
 
-    text = read_text(DEFAULT_PPL_FILE)
+    text = read_text(WIKITEXT2_TEST)
     eng_dir = Path(args.engines)
     eng_dir.mkdir(parents=True, exist_ok=True)
     base = BuildConfig()

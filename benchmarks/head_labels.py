@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     from dejavu.compiler.predictors import Predictors, _fit, _fit_heads, _head_labels
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluate import read_text
     from dejavu.compiler.text import encode_text
 
     t0 = time.perf_counter()
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
             pa.pop("val_loss")
             layers.append(pa)
         preds[label] = Predictors(layers, layers, s.predictor_input)  # MLP stays dense: its slot is unused
-    ids = torch.from_numpy(encode_text(tok, read_text(DEFAULT_PPL_FILE), cfg.bos_token_id,
+    ids = torch.from_numpy(encode_text(tok, read_text(WIKITEXT2_TEST), cfg.bos_token_id,
                                        a.eval_tokens).astype(np.int64))[:a.eval_tokens]
     B = len(ids) // window
     ids = ids[:B * window].view(B, window)

@@ -113,7 +113,7 @@ def _check_output(out_path) -> Path:
 
 def _corpus_name(corpus) -> str | None:
     """The shipped corpus by its package-relative name (no install path in the header)."""
-    from dejavu.compiler.text import DATA_DIR
+    from dejavu.datafiles import DATA_DIR
 
     if corpus is None:
         return None

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
-from dejavu.compiler.config import BuildConfig
+from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, BuildConfig
 from dejavu.errors import DejavuError, cli_entry
 
 
@@ -58,13 +58,13 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="MLP predictor rank (default: the largest within the predictor cost budget)")
     p.add_argument("--attn-rank", type=int, default=S, metavar="R",
                    help="head predictor rank (default: min(heads, the cost budget))")
-    p.add_argument("--predictor-source", default=S, choices=["attn_in", "mlp_in"],
+    p.add_argument("--predictor-source", default=S, choices=PREDICTOR_SOURCES,
                    help="the activation the predictors read")
     p.add_argument("--predictor-lookahead", type=int, default=S, choices=[0, 1],
                    help="1: predict a layer's sets from the previous layer (overlaps on a side stream)")
     p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
                    help="training epochs after the least-squares start (0: least squares only)")
-    p.add_argument("--allocation", default=S, choices=["sensitivity", "uniform"],
+    p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
                    help="sensitivity: K by measured loss per byte (knapsack); uniform: the same fraction everywhere")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from dejavu.cli_common import DTYPE_ALIASES  # the one alias table (fp16, bf16, ...)
+from dejavu.cli_common import DTYPE_ALIASES, canonical_device, canonical_dtype  # the one vocabulary
 from dejavu.errors import DejavuError
 
 
@@ -32,9 +32,19 @@ def check_density(value, name: str = "density") -> float:
 # attention input, which exists before layer l-1 starts, so they can run on a side stream
 # one layer ahead. Same-layer inputs are more accurate but serialise prediction.
 DEFAULT_PREDICTOR_INPUT = MappingProxyType({"source": "attn_in", "lookahead": 1})
+PREDICTOR_SOURCES = ("attn_in", "mlp_in")
+ALLOCATIONS = ("sensitivity", "uniform")  # per-layer K: measured (knapsack) | the same fraction everywhere
 # TensorRT's TopK takes k <= 3840: a larger K is emitted in the ONNX graphs as TopK in rounds
 # (compiler/passes/_graph.py).
 TENSORRT_TOPK_LIMIT = 3840
+
+
+def check_predictor_input(source, lookahead) -> None:
+    """attn_in with lookahead 0 or 1, or mlp_in with lookahead 1 (a layer's own mlp_in does not
+    exist before its attention runs, so it cannot choose that attention's heads)."""
+    if source not in PREDICTOR_SOURCES or lookahead not in (0, 1) or (source, lookahead) == ("mlp_in", 0):
+        raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
+                          f"got {source!r}, {lookahead!r}")
 
 
 @dataclass
@@ -84,12 +94,7 @@ class PredictorSettings:
     device: str = "cpu"
 
     def __post_init__(self):
-        if self.source not in ("attn_in", "mlp_in") or self.lookahead not in (0, 1):
-            raise DejavuError(f"predictor input must be source attn_in|mlp_in, lookahead 0|1; got "
-                              f"{self.source!r}, {self.lookahead!r}")
-        if self.source == "mlp_in" and self.lookahead == 0:
-            raise DejavuError("predictor input mlp_in with lookahead 0 does not exist before the "
-                              "layer's attention runs; use lookahead 1")
+        check_predictor_input(self.source, self.lookahead)
         for name in ("mlp_rank", "attn_rank"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -115,7 +120,7 @@ class BuildConfig:
     # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
     # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
     compute_dtype: str = "float32"
-    device: str = "cpu"  # where calibration and predictor training run; the engine's target
+    device: str = PredictorSettings.device  # where calibration and predictor training run; the engine's target
     calib: str | None = CalibSettings.corpus  # corpus: text file, .jsonl, folder, hf:NAME; None = shipped
     calib_tokens: int = CalibSettings.calib_tokens
     calib_window: int = CalibSettings.window
@@ -124,10 +129,10 @@ class BuildConfig:
     predictor_source: str = DEFAULT_PREDICTOR_INPUT["source"]  # attn_in | mlp_in
     predictor_lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]  # 0 | 1
     predictor_epochs: int = PredictorSettings.max_epochs
-    allocation: str = "sensitivity"  # per-layer K: "sensitivity" (measured, knapsack) | "uniform" (even)
+    allocation: str = ALLOCATIONS[0]  # sensitivity
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
-    seed: int = 0
+    seed: int = PredictorSettings.seed  # of predictor training
     tp: int = 1  # tensor-parallel ranks: one engine file per rank (docs/tensor_parallel.md)
 
     def __post_init__(self):
@@ -140,16 +145,12 @@ class BuildConfig:
             self.mlp_density = check_density(self.mlp_density, "mlp_density")
         if self.attn_density is not None:
             self.attn_density = check_density(self.attn_density, "attn_density")
-        dt = DTYPE_ALIASES.get(str(self.dtype).lower())
-        if dt is None:
-            raise DejavuError(f"--dtype must be one of float16, bfloat16, float32; got {self.dtype!r}")
-        self.dtype = dt
+        self.dtype = canonical_dtype(self.dtype)
         cdt = DTYPE_ALIASES.get(str(self.compute_dtype).lower())
         if cdt is None:
             raise DejavuError(f"--compute-dtype must be one of float32, float16, bfloat16; got {self.compute_dtype!r}")
         self.compute_dtype = cdt
-        if not (self.device == "cpu" or str(self.device).startswith("cuda")):
-            raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.device = canonical_device(self.device)
         for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp", "heldout_tokens"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
@@ -158,8 +159,8 @@ class BuildConfig:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if self.allocation not in ("sensitivity", "uniform"):
-            raise DejavuError(f"--allocation must be 'sensitivity' or 'uniform', got {self.allocation!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise DejavuError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if self.max_ppl_increase is not None:
             p = self.max_ppl_increase
             try:
@@ -171,10 +172,7 @@ class BuildConfig:
             self.max_ppl_increase = p
             if self.no_predictors:
                 raise DejavuError("--max-ppl-increase needs predictors (--no-predictors builds a dense engine)")
-        if self.predictor_source not in ("attn_in", "mlp_in") or self.predictor_lookahead not in (0, 1) \
-                or (self.predictor_source, self.predictor_lookahead) == ("mlp_in", 0):
-            raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
-                              f"got {self.predictor_source!r}, {self.predictor_lookahead!r}")
+        check_predictor_input(self.predictor_source, self.predictor_lookahead)
         dense = self.density in (None, 1.0) and self.mlp_density in (None, 1.0) and self.attn_density in (None, 1.0)
         if self.no_predictors and not dense:
             raise DejavuError("--no-predictors needs --density 1.0 (a sparse engine needs predictors)")

@@ -344,12 +344,13 @@ def main(argv=None) -> int:
     atol = parse_tolerance(args.atol, s.atol, "--atol")
     rtol = parse_tolerance(args.rtol, s.rtol, "--rtol")
     from dejavu.engine_file import read_header
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluate import read_text
 
     dense = args.dense or source_model(read_header(args.engine))
     if dense is None:
         raise DejavuError("the engine header does not name its dense model; pass --dense MODEL")
-    text = read_text(args.text or DEFAULT_PPL_FILE)
+    text = read_text(args.text or WIKITEXT2_TEST)
     report = run_comparison(args.engine, dense, args.onnx_dir, s, atol, rtol, text)
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report))
     return 0 if report["passed"] else 1

@@ -21,7 +21,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from dejavu.errors import DejavuError
-from dejavu.runtime.evaluate import ScoringModel, load_scoring_model
+from dejavu.generation import GENERATION
+from dejavu.runtime.evaluate import EvalSettings, ScoringModel, load_scoring_model
 from dejavu.runtime.tasks import TokenizedPair, score_pairs, tokenize_pair
 
 
@@ -29,11 +30,12 @@ from dejavu.runtime.tasks import TokenizedPair, score_pairs, tokenize_pair
 class DejavuLM(LM):
     """lm_eval LM over a dejavu engine or dense model (log-likelihoods + greedy generation)."""
 
-    def __init__(self, model: str | ScoringModel = "opt-mini", device: str = "cpu",
-                 batch_size: int | str = 8, max_gen_toks: int = 64, path: str = "parallel", **_ignored):
+    def __init__(self, model: str | ScoringModel = "opt-mini", device: str = EvalSettings.device,
+                 batch_size: int | str = EvalSettings.batch_size, max_gen_toks: int = GENERATION.max_new_tokens,
+                 path: str = EvalSettings.path, **_ignored):
         super().__init__()
         self.sm = model if isinstance(model, ScoringModel) else load_scoring_model(str(model), device, path)
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else EvalSettings.batch_size  # e.g. 'auto'
         self.max_gen_toks = int(max_gen_toks)
 
     @classmethod

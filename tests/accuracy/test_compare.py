@@ -80,7 +80,8 @@ def test_sparse_engine_gate_kl_and_top1(engines, tiny_opt_dir, capsys):
     from dejavu.models.loader import load_model
     from dejavu.runtime.compare import sample_feeds
     from dejavu.runtime.engine import Engine
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluate import read_text
 
     path = str(engines["sparse"])
     rc, r = _report(capsys, [path, "--samples", "2", "--max-kl", "100", "--top1-min", "0"])
@@ -89,7 +90,7 @@ def test_sparse_engine_gate_kl_and_top1(engines, tiny_opt_dir, capsys):
     assert c["gate"] == "sparse" and c["outputs"]["logits"]["passed"] is False  # not what gates a sparse engine
     eng, (model, _) = Engine.load(path), load_model(tiny_opt_dir)
     kl = top1 = n = nll_d = nll_e = 0.0
-    for feed in sample_feeds(eng.tokenizer, read_text(DEFAULT_PPL_FILE), 32, 2):
+    for feed in sample_feeds(eng.tokenizer, read_text(WIKITEXT2_TEST), 32, 2):
         ids = torch.as_tensor(feed["input_ids"])
         with torch.no_grad():
             ld = torch.log_softmax(model(ids).double(), -1)[0]

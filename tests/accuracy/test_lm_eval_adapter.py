@@ -32,7 +32,7 @@ def test_methods_match_our_scorer(adapter, tiny_opt_dir, tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in ROWS))
     sm = adapter.sm
-    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, progress=False)
+    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 4, progress=False)
     for row, d in zip(ROWS, ours.details):
         got = adapter.loglikelihood([_Req(row["query"], " " + c) for c in row["choices"]])
         assert [g[0] for g in got] == pytest.approx(d["logprobs"], abs=1e-5)
@@ -64,7 +64,7 @@ def test_generate_path_through_the_adapter(tiny_opt_dir, tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in ROWS))
     sm = eng.sm
-    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, progress=False,
+    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 4, progress=False,
                          contexts_as_prompts=True)
     for row, d in zip(ROWS, ours.details):
         got = eng.loglikelihood([_Req(row["query"], " " + c) for c in row["choices"]])
@@ -97,7 +97,7 @@ metric_list:
     from dejavu.runtime.tasks import evaluate_task, load_task
 
     sm = adapter.sm
-    ours = evaluate_task(load_task(str(data)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, progress=False)
+    ours = evaluate_task(load_task(str(data)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 4, progress=False)
     assert acc == pytest.approx(ours.acc)
 
 
