@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
     from dejavu.datafiles import WIKITEXT2_TEST
-    from dejavu.runtime.evaluate import eval_perplexity, load_scoring_model, read_text
+    from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text
 
     text = read_text(WIKITEXT2_TEST)
     eng_dir = Path(args.engines)

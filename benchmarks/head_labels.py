@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
     from dejavu.datafiles import WIKITEXT2_TEST
-    from dejavu.runtime.evaluate import read_text
+    from dejavu.runtime.evaluation.evaluate import read_text
     from dejavu.compiler.text import encode_text
 
     t0 = time.perf_counter()

@@ -25,8 +25,8 @@ import torch
 from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
-from dejavu.runtime.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
-from dejavu.runtime.tasks import TASKS, evaluate_task, load_task
+from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
+from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
 
 
 def parse_args(argv=None):

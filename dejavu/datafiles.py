@@ -10,4 +10,4 @@ from pathlib import Path
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CALIB_TEXT = DATA_DIR / "calib" / "wikitext2-train-head.txt"  # the default calibration corpus
 WIKITEXT2_TEST = DATA_DIR / "wikitext-2" / "test.txt"  # perplexity text of dejavu-eval and dejavu-compare
-TASKS_DIR = DATA_DIR / "tasks"  # the zero-shot task files (runtime/tasks.py)
+TASKS_DIR = DATA_DIR / "tasks"  # the zero-shot task files (runtime/evaluation/tasks.py)

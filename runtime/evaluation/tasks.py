@@ -89,7 +89,7 @@ def _example(row: dict, task: str, where: str) -> Example:
             return Example([_join(row["context"], row["continuation"])], 0, "greedy")
         else:
             raise DejavuError(f"{where}: unknown task format with keys {sorted(keys)}; expected "
-                              '{"query","choices","gold"} (see dejavu.runtime.tasks)')
+                              '{"query","choices","gold"} (see dejavu.runtime.evaluation.tasks)')
     except (TypeError, ValueError, KeyError) as e:
         raise DejavuError(f"{where}: malformed example ({e})") from None
     if not pairs or not 0 <= gold < len(pairs):

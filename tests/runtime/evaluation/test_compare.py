@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.runtime.compare import main, parse_tolerance
+from dejavu.runtime.evaluation.compare import main, parse_tolerance
 
 from _helpers import write_test_engine
 
@@ -52,7 +52,7 @@ def test_loose_tolerances_pass_the_broken_engine(engines, capsys):
 
 
 def test_exit_status_from_the_command_line(engines, tiny_opt_dir, capsys):
-    cmd = [sys.executable, "-m", "dejavu.runtime.compare", "--tokens", "16", "--samples", "1"]
+    cmd = [sys.executable, "-m", "dejavu.runtime.evaluation.compare", "--tokens", "16", "--samples", "1"]
     assert subprocess.run(cmd + [str(engines["broken"]), "--exact"], capture_output=True).returncode == 1
     with pytest.raises(SystemExit) as e:  # usage error: the header names no dense model
         main([str(engines["anon"]), "--tokens", "16"])
@@ -78,10 +78,10 @@ def test_sparse_engine_gate_kl_and_top1(engines, tiny_opt_dir, capsys):
     """A sparse engine: gated on mean KL(dense || engine) and top-1, both checked against a
     hand computation; the element-wise tolerances only with --exact."""
     from dejavu.models.loader import load_model
-    from dejavu.runtime.compare import sample_feeds
+    from dejavu.runtime.evaluation.compare import sample_feeds
     from dejavu.runtime.engine import Engine
     from dejavu.datafiles import WIKITEXT2_TEST
-    from dejavu.runtime.evaluate import read_text
+    from dejavu.runtime.evaluation.evaluate import read_text
 
     path = str(engines["sparse"])
     rc, r = _report(capsys, [path, "--samples", "2", "--max-kl", "100", "--top1-min", "0"])

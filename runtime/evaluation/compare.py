@@ -4,7 +4,7 @@
     dejavu-compare opt-mini-1.0-fp32.engine --exact       # density 1.0, float32: element-wise
     dejavu-compare opt-mini-0.3.engine --onnx-dir build/onnx --max-kl 0.05 --top1-min 0.9
 
-Runners (`dejavu.runtime.polygraphy_runners`), fed the same real text (WikiText-2 test by
+Runners (`dejavu.runtime.evaluation.polygraphy_runners`), fed the same real text (WikiText-2 test by
 default, tokenised with the engine's tokenizer):
 
     dense-torch  the dense PyTorch model (reference)
@@ -143,7 +143,7 @@ class _WithLogprobs:
 
 def _runner_classes():
     """Runner subclasses that add the logprobs output (Polygraphy imported only here)."""
-    from dejavu.runtime import polygraphy_runners as pr
+    from dejavu.runtime.evaluation import polygraphy_runners as pr
 
     def with_logprobs(cls):
         class Runner(cls):
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
     rtol = parse_tolerance(args.rtol, s.rtol, "--rtol")
     from dejavu.engine_file import read_header
     from dejavu.datafiles import WIKITEXT2_TEST
-    from dejavu.runtime.evaluate import read_text
+    from dejavu.runtime.evaluation.evaluate import read_text
 
     dense = args.dense or source_model(read_header(args.engine))
     if dense is None:

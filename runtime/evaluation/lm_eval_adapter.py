@@ -1,15 +1,15 @@
 """lm-evaluation-harness model `dejavu`: evaluate an engine (or the dense model) with lm_eval.
 
     pip install lm_eval                        # 0.4.x; pulls no torch
-    python -m dejavu.runtime.lm_eval_adapter run --model dejavu \\
+    python -m dejavu.runtime.evaluation.lm_eval_adapter run --model dejavu \\
         --model_args model=opt-mini-0.3.engine,device=cpu --tasks piqa --limit 100
 
 (`python -m` imports this module first, so `dejavu` is registered; in Python,
-`import dejavu.runtime.lm_eval_adapter` then `lm_eval.simple_evaluate(model="dejavu", ...)`.)
+`import dejavu.runtime.evaluation.lm_eval_adapter` then `lm_eval.simple_evaluate(model="dejavu", ...)`.)
 
 `model=` takes what `dejavu-eval` takes: a .engine file (scored with `Engine.logits`, or
 through the decode loop with `path=decode` / `path=generate`, as `dejavu-eval --path`) or a
-model name / folder (dense PyTorch). Scoring shares `dejavu.runtime.tasks`: context and
+model name / folder (dense PyTorch). Scoring shares `dejavu.runtime.evaluation.tasks`: context and
 continuation are tokenised separately, a BOS (`</s>`) is prepended, and the continuation's
 log-probabilities are summed; rolling log-likelihood uses lm_eval's disjoint windows.
 """
@@ -22,8 +22,8 @@ from lm_eval.api.registry import register_model
 
 from dejavu.errors import DejavuError
 from dejavu.generation import GENERATION
-from dejavu.runtime.evaluate import EvalSettings, ScoringModel, load_scoring_model
-from dejavu.runtime.tasks import TokenizedPair, score_pairs, tokenize_pair
+from dejavu.runtime.evaluation.evaluate import EvalSettings, ScoringModel, load_scoring_model
+from dejavu.runtime.evaluation.tasks import TokenizedPair, score_pairs, tokenize_pair
 
 
 @register_model("dejavu")

@@ -18,7 +18,7 @@ the engine's sparse logits, computed one of three ways (`--path`):
 - generate: the decode loop as `generate` runs it: each perplexity window's first token and
   each task example's context through the dense prefill, the rest decoded sparse.
 Both go through the same tokenisation (the tokenizer stored in the engine is the model's)
-and the same scoring code (`dejavu.runtime.tasks`).
+and the same scoring code (`dejavu.runtime.evaluation.tasks`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Callable
 from dejavu.cli_common import Parser, add_device, add_quiet, comma_list
 from dejavu.datafiles import DATA_DIR, WIKITEXT2_TEST
 from dejavu.errors import DejavuError, cli_entry
-from dejavu.runtime.tasks import TASKS, evaluate_task, load_task
+from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
 
 
 @dataclass
@@ -310,7 +310,7 @@ def _shown_path(p) -> str:
 
 
 def _print_table(results: list[dict], file=sys.stdout) -> None:
-    from dejavu.runtime.eval_report import markdown_table
+    from dejavu.runtime.evaluation.eval_report import markdown_table
 
     print(markdown_table(results), file=file)
 
@@ -320,7 +320,7 @@ def _dense_baselines(specs: list[str]) -> list[str]:
     if any(not is_engine_path(m) for m in specs):
         return []
     from dejavu.engine_file import read_header
-    from dejavu.runtime.compare import source_model
+    from dejavu.runtime.evaluation.compare import source_model
 
     out: list[str] = []
     for m in specs:
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
         sm = load_scoring_model(spec, args.device, args.path)
         results.append(evaluate(sm, settings, tasks, ppl=ppl, progress=not args.quiet))
     if args.report:
-        from dejavu.runtime.eval_report import write_report
+        from dejavu.runtime.evaluation.eval_report import write_report
 
         write_report(results, args.report, settings, tasks)
     if args.json:

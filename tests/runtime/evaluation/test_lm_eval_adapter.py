@@ -16,7 +16,7 @@ ROWS = [{"query": "The cat sat on the", "choices": ["mat.", "history of the worl
 
 @pytest.fixture(scope="module")
 def adapter(tiny_opt_dir):
-    from dejavu.runtime.lm_eval_adapter import DejavuLM
+    from dejavu.runtime.evaluation.lm_eval_adapter import DejavuLM
 
     return DejavuLM(model=str(tiny_opt_dir), batch_size=4)
 
@@ -27,7 +27,7 @@ class _Req:
 
 
 def test_methods_match_our_scorer(adapter, tiny_opt_dir, tmp_path):
-    from dejavu.runtime.tasks import evaluate_task, load_task
+    from dejavu.runtime.evaluation.tasks import evaluate_task, load_task
 
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in ROWS))
@@ -56,8 +56,8 @@ def test_generate_path_through_the_adapter(tiny_opt_dir, tmp_path):
     # prefilled dense, continuations through the decode loop)
     from _helpers import write_test_engine
 
-    from dejavu.runtime.lm_eval_adapter import DejavuLM
-    from dejavu.runtime.tasks import evaluate_task, load_task
+    from dejavu.runtime.evaluation.lm_eval_adapter import DejavuLM
+    from dejavu.runtime.evaluation.tasks import evaluate_task, load_task
 
     eng = DejavuLM(model=str(write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)),
                    batch_size=2, path="generate")
@@ -94,7 +94,7 @@ metric_list:
                           bootstrap_iters=0, log_samples=False)
     acc = res["results"]["dejavu_tiny_mc"]["acc,none"]
 
-    from dejavu.runtime.tasks import evaluate_task, load_task
+    from dejavu.runtime.evaluation.tasks import evaluate_task, load_task
 
     sm = adapter.sm
     ours = evaluate_task(load_task(str(data)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 4, progress=False)
@@ -104,6 +104,6 @@ metric_list:
 def test_registered():
     from lm_eval.api.registry import get_model
 
-    import dejavu.runtime.lm_eval_adapter as ad
+    import dejavu.runtime.evaluation.lm_eval_adapter as ad
 
     assert get_model("dejavu") is ad.DejavuLM
