@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.fileio import atomic_path
-from dejavu.runtime.evaluate import PATHS, EvalSettings, _expand_tasks, evaluate, load_scoring_model
+from dejavu.runtime.evaluation.evaluate import PATHS, EvalSettings, _expand_tasks, evaluate, load_scoring_model
 
 
 def _sha256(path: Path) -> str:

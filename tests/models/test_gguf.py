@@ -209,7 +209,7 @@ def auto_reader():
 
 @torch.no_grad()
 def test_dejavu_eval_scores_a_gguf_file_as_a_dense_model(tiny_gguf):
-    from dejavu.runtime.evaluate import eval_perplexity, is_engine_path, load_scoring_model
+    from dejavu.runtime.evaluation.evaluate import eval_perplexity, is_engine_path, load_scoring_model
 
     path, _, _ = tiny_gguf
     assert not is_engine_path(str(path))
