@@ -120,7 +120,7 @@ def random_model(c: dict, dtype, dev):
 
 def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=None) -> tuple[dict, dict]:
     """{skip: LlamaEngine} sharing one weight set (skip 0: dense), and the calibration record."""
-    from dejavu.compiler.build import BuildConfig
+    from dejavu.compiler.config import BuildConfig
     from dejavu.compiler.build_llama import (INPUTS, _Blocks, density_for_skip, llama_header, llama_tensors)
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.runtime import Engine

@@ -1,9 +1,9 @@
 """Engine build: model → calibrate → train predictors → per-layer K → (ONNX + passes) → `.engine`.
 
-`BuildConfig` holds every build setting once (the CLI reads its defaults from it) and
-round-trips JSON, rejecting unknown keys. `build_engine` runs the stages, times them, and
-writes the engine with `dejavu.engine_file.write_engine` (atomic, deterministic bytes: seeded
-training, CPU-deterministic ops, no timestamps or absolute paths in the header).
+`BuildConfig` (compiler/config.py) holds every build setting once. `build_engine` runs the
+stages, times them, and writes the engine with `dejavu.engine_file.write_engine` (atomic,
+deterministic bytes: seeded training, CPU-deterministic ops, no timestamps or absolute paths
+in the header).
 """
 from __future__ import annotations
 
@@ -14,125 +14,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dejavu.cli_common import DTYPE_ALIASES as _DTYPE_ALIASES  # the one alias table (fp16, bf16, ...)
-from dejavu.compiler.calibrate import CalibSettings
-from dejavu.compiler.density import check_density
-from dejavu.compiler.predictors import (DEFAULT_PREDICTOR_INPUT, PREDICTOR_FORM, PREDICTOR_TARGETS,
-                                        PredictorSettings)
+from dejavu.compiler.config import BuildConfig, CalibSettings, PredictorSettings
+from dejavu.compiler.predictors import PREDICTOR_FORM, PREDICTOR_TARGETS
 from dejavu.engine_file import DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION
 from dejavu.errors import DejavuError
-
-
-@dataclass
-class BuildConfig:
-    """Every setting of a build; defaults defined here (and in the calibration/predictor settings)."""
-
-    density: float = 0.5  # fraction of the dense decode step's weight bytes read per token (allocate.ByteCosts)
-    mlp_density: float | None = None  # fixes the MLP: this fraction of neurons (the budget goes to heads)
-    attn_density: float | None = None  # fixes attention: this fraction of heads
-    max_ppl_increase: float | None = None  # percent: search the least density within it (held-out windows)
-    heldout_tokens: int = 2048  # corpus tokens after the calibration stream: sensitivity and accuracy
-    dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
-    # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
-    # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
-    compute_dtype: str = "float32"
-    device: str = "cpu"  # where calibration and predictor training run; the engine's target
-    calib: str | None = CalibSettings.corpus  # corpus: text file, .jsonl, folder, hf:NAME; None = shipped
-    calib_tokens: int = CalibSettings.calib_tokens
-    calib_window: int = CalibSettings.window
-    mlp_rank: int | None = PredictorSettings.mlp_rank  # None: largest within the cost budget
-    attn_rank: int | None = PredictorSettings.attn_rank
-    predictor_source: str = DEFAULT_PREDICTOR_INPUT["source"]  # attn_in | mlp_in
-    predictor_lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]  # 0 | 1
-    predictor_epochs: int = PredictorSettings.max_epochs
-    allocation: str = "sensitivity"  # per-layer K: "sensitivity" (measured, knapsack) | "uniform" (even)
-    no_predictors: bool = False  # dense engine (only with density 1.0)
-    topk_limit: int = 3840  # TensorRT TopK limit: larger K is emitted as chunked TopK in ONNX
-    seed: int = 0
-    tp: int = 1  # tensor-parallel ranks: one engine file per rank (docs/tensor_parallel.md)
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> "BuildConfig":
-        self.density = check_density(self.density)
-        if self.mlp_density is not None:
-            self.mlp_density = check_density(self.mlp_density, "mlp_density")
-        if self.attn_density is not None:
-            self.attn_density = check_density(self.attn_density, "attn_density")
-        dt = _DTYPE_ALIASES.get(str(self.dtype).lower())
-        if dt is None:
-            raise DejavuError(f"--dtype must be one of float16, bfloat16, float32; got {self.dtype!r}")
-        self.dtype = dt
-        cdt = _DTYPE_ALIASES.get(str(self.compute_dtype).lower())
-        if cdt is None:
-            raise DejavuError(f"--compute-dtype must be one of float32, float16, bfloat16; got {self.compute_dtype!r}")
-        self.compute_dtype = cdt
-        if not (self.device == "cpu" or str(self.device).startswith("cuda")):
-            raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp", "heldout_tokens"):
-            v = getattr(self, name)
-            if type(v) is not int or v < 1:
-                raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        for name in ("mlp_rank", "attn_rank"):
-            v = getattr(self, name)
-            if v is not None and (type(v) is not int or v < 1):
-                raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if self.allocation not in ("sensitivity", "uniform"):
-            raise DejavuError(f"--allocation must be 'sensitivity' or 'uniform', got {self.allocation!r}")
-        if self.max_ppl_increase is not None:
-            p = self.max_ppl_increase
-            try:
-                p = float(p)
-            except (TypeError, ValueError):
-                p = math.nan
-            if not 0.0 <= p <= 1000.0:
-                raise DejavuError(f"--max-ppl-increase must be a percentage in [0, 1000], got {self.max_ppl_increase!r}")
-            self.max_ppl_increase = p
-            if self.no_predictors:
-                raise DejavuError("--max-ppl-increase needs predictors (--no-predictors builds a dense engine)")
-        if self.predictor_source not in ("attn_in", "mlp_in") or self.predictor_lookahead not in (0, 1) \
-                or (self.predictor_source, self.predictor_lookahead) == ("mlp_in", 0):
-            raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
-                              f"got {self.predictor_source!r}, {self.predictor_lookahead!r}")
-        dense = self.density == 1.0 and self.mlp_density in (None, 1.0) and self.attn_density in (None, 1.0)
-        if self.no_predictors and not dense:
-            raise DejavuError("--no-predictors needs --density 1.0 (a sparse engine needs predictors)")
-        return self
-
-    @property
-    def predictor_input(self) -> dict:
-        return {"source": self.predictor_source, "lookahead": self.predictor_lookahead}
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "BuildConfig":
-        if not isinstance(d, dict):
-            raise DejavuError("build config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise DejavuError(f"unknown build config key(s): {', '.join(unknown)} "
-                              f"(known: {', '.join(sorted(known))})")
-        return cls(**d)
-
-    @classmethod
-    def from_json(cls, text: str) -> "BuildConfig":
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise DejavuError(f"build config is not valid JSON: {e}") from None
-        return cls.from_dict(d)
 
 
 # ------------------------------------------------------------------------------- target
@@ -224,7 +113,7 @@ def _check_output(out_path) -> Path:
 
 def _corpus_name(corpus) -> str | None:
     """The shipped corpus by its package-relative name (no install path in the header)."""
-    from dejavu.compiler.text import DATA_DIR
+    from dejavu.datafiles import DATA_DIR
 
     if corpus is None:
         return None

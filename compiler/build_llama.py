@@ -107,7 +107,7 @@ def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, d
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
 
-    from dejavu.compiler.calibrate import CalibSettings
+    from dejavu.compiler.config import CalibSettings
 
     cfg = model.config
     window = min(config.calib_window, cfg.max_position_embeddings)

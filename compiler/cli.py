@@ -2,28 +2,27 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
+from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, BuildConfig
 from dejavu.errors import DejavuError, cli_entry
 
 
 class _CompileParser(Parser):
     """Options that set a `BuildConfig` field default to SUPPRESS, so `args` holds only what
-    was given (a --config file fills the rest, then BuildConfig's defaults). Those defaults are
-    shown by --help, read from BuildConfig then: the one import of torch that --help makes
-    (compiler/build.py imports torch at the top)."""
+    was given (a --config file fills the rest, then BuildConfig's defaults). --help shows those
+    defaults, read from BuildConfig's fields (compiler/config.py: no torch)."""
 
     def format_help(self):
-        from dejavu.compiler.build import BuildConfig
-
-        d = BuildConfig()
+        defaults = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
         for a in self._actions:
-            if a.default is argparse.SUPPRESS and hasattr(d, a.dest) and not a.required:
-                a.default = getattr(d, a.dest)
+            if a.default is argparse.SUPPRESS and a.dest in defaults and not a.required:
+                a.default = defaults[a.dest]
         return super().format_help()
 
 
@@ -34,7 +33,8 @@ def compile_parser() -> argparse.ArgumentParser:
                                  "or Hugging Face id")
     p.add_argument("--density", default=S,
                    help="fraction of the dense decode step's weight bytes read per token, in (0, 1] "
-                        "(spent across layers, heads and neurons by --allocation)")
+                        "(spent across layers, heads and neurons by --allocation; unused when both "
+                        "--mlp-density and --attn-density fix K)")
     p.add_argument("--max-ppl-increase", default=S, metavar="P",
                    help="instead of --density: the least byte budget whose engine stays within P percent "
                         "of dense perplexity on held-out calibration windows")
@@ -59,13 +59,13 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="MLP predictor rank (default: the largest within the predictor cost budget)")
     p.add_argument("--attn-rank", type=int, default=S, metavar="R",
                    help="head predictor rank (default: min(heads, the cost budget))")
-    p.add_argument("--predictor-source", default=S, choices=["attn_in", "mlp_in"],
+    p.add_argument("--predictor-source", default=S, choices=PREDICTOR_SOURCES,
                    help="the activation the predictors read")
     p.add_argument("--predictor-lookahead", type=int, default=S, choices=[0, 1],
                    help="1: predict a layer's sets from the previous layer (overlaps on a side stream)")
     p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
                    help="training epochs after the least-squares start (0: least squares only)")
-    p.add_argument("--allocation", default=S, choices=["sensitivity", "uniform"],
+    p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
                    help="sensitivity: K by measured loss per byte (knapsack); uniform: the same fraction everywhere")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
@@ -85,10 +85,6 @@ def compile_parser() -> argparse.ArgumentParser:
 
 def _config(args):
     """BuildConfig from the options given, over the --config file, over BuildConfig's defaults."""
-    import dataclasses
-
-    from dejavu.compiler.build import BuildConfig
-
     fields = {f.name for f in dataclasses.fields(BuildConfig)}
     base = {}
     if args.config:
@@ -99,8 +95,6 @@ def _config(args):
     given = {k: v for k, v in vars(args).items() if k in fields}
     if "density" in given and "max_ppl_increase" in given:
         raise DejavuError("give --density or --max-ppl-increase, not both")
-    if not ({"density", "max_ppl_increase"} & set(given)) and not args.config:
-        raise DejavuError("dejavu-compile: one of --density or --max-ppl-increase is required")
     if "density" in given:  # the command line's choice wins over the file's
         base.pop("max_ppl_increase", None)
     return BuildConfig.from_dict({**base, **given})

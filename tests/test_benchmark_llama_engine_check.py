@@ -12,7 +12,8 @@ _spec.loader.exec_module(check)
 
 
 def test_engine_and_simulation_agree_on_a_tiny_fp32_engine(tmp_path):
-    from dejavu.compiler.build import BuildConfig, build_engine
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
     from llama_helpers import write_tiny_llama
 
     folder = write_tiny_llama(tmp_path / "tiny", seed=1)

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from dejavu.compiler.config import DEFAULT_PREDICTOR_INPUT, TENSORRT_TOPK_LIMIT
 from dejavu.errors import DejavuError
 
 log = logging.getLogger(__name__)
-
-TENSORRT_TOPK_LIMIT = 3840
 
 
 @dataclass
@@ -33,7 +32,7 @@ class PassSettings:
     mlp_k: list[int]
     attn_k: list[int]
     predictors: dict = field(default_factory=dict)  # layers.{l}.pred_{mlp,attn}.{a,b,bias}
-    predictor_input: dict = field(default_factory=lambda: {"source": "attn_in", "lookahead": 1})
+    predictor_input: dict = field(default_factory=lambda: dict(DEFAULT_PREDICTOR_INPUT))
     form: str = "standard"  # "standard" (form a) or "plugin" (form b)
     topk_limit: int = TENSORRT_TOPK_LIMIT
 

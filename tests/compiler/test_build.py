@@ -5,7 +5,8 @@ import onnx
 import pytest
 import torch
 
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.layout import kernel_layout
 from dejavu.compiler.predictors import Predictors
 from dejavu.engine_file import read_engine, read_header
@@ -35,6 +36,17 @@ def test_config_json_round_trip_and_unknown_keys():
         BuildConfig.from_json('{"density": 0.5, "bogus": 1}')
     with pytest.raises(DejavuError, match="not valid JSON"):
         BuildConfig.from_json("{")
+
+
+def test_density_has_no_default():
+    """The byte budget is the build's one required choice (as on the command line): --density,
+    --max-ppl-increase, or both kinds' K fixed by --mlp-density and --attn-density."""
+    for kw in ({}, {"mlp_density": 0.3}, {"attn_density": 0.5, "dtype": "float32"}):
+        with pytest.raises(DejavuError, match="one of --density or --max-ppl-increase is required"):
+            BuildConfig(**kw)
+    assert BuildConfig(mlp_density=0.3, attn_density=0.5).density is None
+    assert BuildConfig(max_ppl_increase=5).density is None
+    assert BuildConfig(mlp_density=1.0, attn_density=1.0, no_predictors=True).no_predictors
 
 
 @pytest.mark.parametrize("kw,msg", [({"density": 0}, "density"), ({"density": 1.5}, "density"),

@@ -77,7 +77,8 @@ def test_sparse_graph_masks_every_projection_input_by_name():
 
 
 def test_dejavu_compile_onnx_out_writes_dense_and_sparse_graphs(tmp_path):
-    from dejavu.compiler.build import BuildConfig, build_engine
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
     from llama_helpers import write_tiny_llama
 
     folder = write_tiny_llama(tmp_path / "tiny")

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dejavu.compiler import build as build_mod
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.stream import BuildState
 from dejavu.engine_file import read_engine
 from dejavu.errors import DejavuError
@@ -23,7 +24,8 @@ QUICK = dict(calib_tokens=600, calib_window=64, predictor_epochs=1)
 def _reference_engine(folder, config: BuildConfig, path, cache):
     """The whole-model pipeline the streamed build replaced: the fp32 model in memory,
     hook-recorded calibration maps, `train_predictors` over all layers, a whole kernel layout."""
-    from dejavu.compiler.calibrate import CalibSettings, calibrate
+    from dejavu.compiler.calibrate import calibrate
+    from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.layout import kernel_layout
     from dejavu.compiler.predictors import default_ranks, train_predictors
     from dejavu.engine_file import DTYPE_NAMES, write_engine

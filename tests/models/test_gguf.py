@@ -209,7 +209,7 @@ def auto_reader():
 
 @torch.no_grad()
 def test_dejavu_eval_scores_a_gguf_file_as_a_dense_model(tiny_gguf):
-    from dejavu.runtime.evaluate import eval_perplexity, is_engine_path, load_scoring_model
+    from dejavu.runtime.evaluation.evaluate import eval_perplexity, is_engine_path, load_scoring_model
 
     path, _, _ = tiny_gguf
     assert not is_engine_path(str(path))
@@ -223,7 +223,8 @@ def test_dejavu_compile_builds_an_engine_from_a_gguf_file(tiny_gguf, tmp_path):
     """A GGUF file compiles like a folder; density 1.0 is the file's dense model (its F16 tensors
     rounded, as the loader reads them), and the engine's special ids are the ones text is encoded
     with (load_text_tokenizer's)."""
-    from dejavu.compiler.build import BuildConfig, build_engine
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
     from dejavu.runtime import Engine
 
     path, _, _ = tiny_gguf

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.engine_file import read_engine, write_engine
 from dejavu.errors import DejavuError
 from dejavu.runtime import Engine
