@@ -16,6 +16,8 @@ Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, 
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
   teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
                  plugins/input_sparse kernels (index lists by prefix sum, row-gather GEMV), CUDA graph
+  teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: block_m 64,
+                 block_k 64, 1056 target programs), recorded in the engine header as a build would
 Thresholds are quantiles of each projection input on random calibration tokens through the same
 model (compiler/gated_sparsity.calibrate, the compiler's own path); the skip realized on the
 decode steps is counted in an untimed pass (reference ops) and reported. Floor: bytes a step must
@@ -98,8 +100,8 @@ def copy_bandwidth(dev, nbytes: int = 2 << 30, reps: int = 20) -> dict:
     return {"copy_GBps": 2 * nbytes / t / 1e9, "bytes": nbytes, "median_s": t}
 
 
-def random_model(c: dict, dtype, dev):
-    """dejavu.models.llama.LlamaForCausalLM of shape c, random weights (norms 1), on dev."""
+def random_model(c: dict, dtype, dev, seed: int = 0):
+    """dejavu.models.llama.LlamaForCausalLM of shape c, seeded random weights (norms 1), on dev."""
     from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
 
     cfg = LlamaConfig.from_hf_dict({**COMMON, **c})
@@ -111,6 +113,7 @@ def random_model(c: dict, dtype, dev):
     finally:
         torch.set_default_dtype(prev)
     m = m.to_empty(device=dev)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
@@ -118,9 +121,15 @@ def random_model(c: dict, dtype, dev):
     return m.eval()
 
 
-def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=None) -> tuple[dict, dict]:
-    """{skip: LlamaEngine} sharing one weight set (skip 0: dense), and the calibration record."""
+def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=None, variants=(),
+            variant_skip: float = 0.5) -> tuple[list, dict]:
+    """[(system, skip, LlamaEngine)] sharing one weight set (skip 0: the dense graph), then one engine
+    per kernel-settings variant (InputSparseConfig fields over the defaults, recorded in the header
+    as a build would) at variant_skip; and the calibration record."""
+    import dataclasses
+
     from dejavu.compiler.config import BuildConfig
+    from dejavu.plugins.input_sparse import CONFIG
     from dejavu.compiler.build_llama import (INPUTS, _Blocks, density_for_skip, llama_header, llama_tensors)
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.runtime import Engine
@@ -134,13 +143,17 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
     del model
     free(dev)
     dname = str(dtype).replace("torch.", "")
-    out = {}
-    for s in [0.0] + skips:
+    out = []
+    runs = [(("dense_graph" if s == 0 else f"teal_s{s:g}"), s, {}) for s in [0.0] + skips]
+    runs += [(f"teal_s{variant_skip:g}+" + ",".join(f"{k}={v}" for k, v in sorted(v.items())), variant_skip, v)
+             for v in variants]
+    for system, s, variant in runs:
         th = {k: [cal.threshold(k, l, s) if s > 0 else 0.0 for l in range(cfg.num_hidden_layers)] for k in INPUTS}
         bc = BuildConfig(density=min(1.0, round(density_for_skip(cfg, s), 6)), dtype=dname)
-        header = llama_header(f"random-{c['hidden_size']}", cfg, bc, {"device": dev.type}, s, th,
+        target = {"device": dev.type, "kernel_settings": {"input_sparse": {**dataclasses.asdict(CONFIG), **variant}}}
+        header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, s, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
-        out[s] = Engine.from_tensors(header, tensors, device=dev, backend=backend)
+        out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
 
 
@@ -238,26 +251,28 @@ def smoke(dev) -> dict:
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
-    ref, _ = engines(c, [0.4], torch.float32, dev, 64, backend="ref")
-    tri, _ = engines(c, [0.4], torch.float32, dev, 64)
+    ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
+    tri = engines(c, [0.4], torch.float32, dev, 64)[0][-1][2]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
-    a, b = ref[0.4].decode_logits(ids), tri[0.4].decode_logits(ids)
+    a, b = ref.decode_logits(ids), tri.decode_logits(ids)
     prompts = ids[:, :8].tolist()
-    g = tri[0.4].generate(prompts, 12, stop_at_eos=False)
-    tri[0.4].use_graphs = False
-    e = tri[0.4].generate(prompts, 12, stop_at_eos=False)
-    return {"kernels_vs_ref_max_abs": float((a - b).abs().max()), "graph_equals_eager": g == e}
+    g = tri.generate(prompts, 12, stop_at_eos=False)
+    tri.use_graphs = False
+    e = tri.generate(prompts, 12, stop_at_eos=False)
+    return {"kernels_vs_ref_max_abs": float((a - b).abs().max()), "graph_equals_eager": g == e,
+            "greedy_equals_ref": g == ref.generate(prompts, 12, stop_at_eos=False)}
 
 
 def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     ctx = a.prompt_len + a.new_tokens // 2  # mean context of the timed steps
-    engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens)
-    for s, eng in engs.items():
-        system = "dense_graph" if s == 0 else f"teal_s{s:g}"
+    engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens, variants=a.kernel_variants,
+                          variant_skip=a.variant_skip)
+    for system, s, eng in engs:
         try:
             row = {"model": name, "system": system, "batch": 1, "skip_target": s, "shape": c, "calibration": calib,
-                   "density": eng.header["build_config"]["density"]}
+                   "density": eng.header["build_config"]["density"],
+                   "kernel_settings": eng.header["target"]["kernel_settings"]["input_sparse"]}
             row["skip_realized"] = realized_skip(eng, c, a.prompt_len, a.skip_steps) if s > 0 else 0.0
             row.update(time_engine(eng, c, a.prompt_len, a.new_tokens))
             fl = floor(c, row["skip_realized"], ctx, bw)
@@ -307,6 +322,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cuda, or cpu (tiny shapes, reference ops: a dry run)")
     p.add_argument("--models", default=None, help="default llama-3-8b,llama-3-70b-tp8 (cpu: tiny)")
     p.add_argument("--skips", default="0.25,0.4,0.5", help="fractions of every projection input skipped")
+    p.add_argument("--kernel-variants", default='[{"block_m": 64}, {"block_k": 64}, {"target_programs": 1056}]',
+                   help="JSON list of InputSparseConfig fields, each an extra engine at --variant-skip ('[]': none)")
+    p.add_argument("--variant-skip", type=float, default=0.5)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--calib-tokens", type=int, default=512, help="random tokens the thresholds are taken from")
@@ -324,6 +342,7 @@ def main(argv=None) -> int:
         print("e2e_llama: --device cuda but no GPU is available (use --device cpu for a dry run)", file=sys.stderr)
         return 2
     a.skips = [float(s) for s in a.skips.split(",") if s]
+    a.kernel_variants = json.loads(a.kernel_variants)
     models = (a.models or ("llama-3-8b,llama-3-70b-tp8" if dev.type == "cuda" else "tiny")).split(",")
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e_llama.json")
     meta = {"argv": sys.argv if argv is None else argv, "torch": torch.__version__, "device": str(dev),

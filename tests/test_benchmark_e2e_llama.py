@@ -18,11 +18,15 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
 
     out = tmp_path / "r.json"
     assert e2e_llama.main(["--device", "cpu", "--out", str(out), "--prompt-len", "8", "--new-tokens", "5",
-                           "--calib-tokens", "96", "--skip-steps", "4", "--no-smoke"]) == 0
+                           "--calib-tokens", "96", "--skip-steps", "4", "--no-smoke",
+                           "--kernel-variants", '[{"block_m": 64}]']) == 0
     d = json.loads(out.read_text())
     assert d["errors"] == [] and d["bandwidth"]["copy_GBps"] > 0
     rows = {r["system"]: r for r in d["results"]}
-    assert set(rows) == {"dense_graph", "teal_s0.25", "teal_s0.4", "teal_s0.5", "hf_eager"}
+    assert set(rows) == {"dense_graph", "teal_s0.25", "teal_s0.4", "teal_s0.5", "teal_s0.5+block_m=64", "hf_eager"}
+    assert rows["teal_s0.5+block_m=64"]["kernel_settings"]["block_m"] == 64
+    from dejavu.plugins.input_sparse import InputSparseConfig
+    assert rows["teal_s0.5"]["kernel_settings"]["block_m"] == InputSparseConfig().block_m  # the default, recorded
     c = e2e_llama.SHAPES["tiny"]
     cfg = LlamaConfig.from_hf_dict({**e2e_llama.COMMON, **c})
     ctx = 8 + 5 // 2
