@@ -233,12 +233,12 @@ class LlamaDecoder:
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
         for l, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
-            q, k, v = self._split_qkv(lin(h, w.wqkv_t, w.t["attn_in"]))
-            q = _rotate(q.view(B, H, hd), cos[:, None], sin[:, None])
-            k = _rotate(k.view(B, Hkv, hd), cos[:, None], sin[:, None])
+            qkv = lin(h, w.wqkv_t, w.t["attn_in"]).view(B, H + 2 * Hkv, hd)
+            qk = _rotate(qkv[:, :H + Hkv], cos[:, None], sin[:, None])  # q and k heads in one pass
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
             kc, vc = self.k_cache[l], self.v_cache[l]
             kc[self.rows, :, pos] = k  # [B, Hkv, hd] at slot pos[b]
-            vc[self.rows, :, pos] = v.view(B, Hkv, hd)
+            vc[self.rows, :, pos] = v
             # query head h reads KV head h // G: [B, Hkv, G, hd] against [B, Hkv, T, hd], no repeat
             sc = (q.view(B, Hkv, G, hd) @ kc.transpose(-1, -2)).float() * hd ** -0.5  # [B, Hkv, G, T]
             sc = sc.masked_fill(~valid[:, None, None, :], float("-inf"))
