@@ -104,10 +104,9 @@ class _Blocks(torch.nn.Module):
 def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, dict]:
     """({input: [L] thresholds}, calibration header) from the calibration text."""
     from dejavu.compiler.build import _corpus_name
+    from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
-
-    from dejavu.compiler.config import CalibSettings
 
     cfg = model.config
     window = min(config.calib_window, cfg.max_position_embeddings)
