@@ -131,6 +131,13 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
     (tests pass random ones). `onnx_out`: folder for the dense, form-(a) and plugin-form graphs.
     """
     config = BuildConfig.from_dict(config.to_dict())  # validated copy
+    from dejavu.models.auto import model_type
+
+    if model_type(model_name_or_path) != "opt":  # Llama family: TEAL thresholds (compiler/build_llama.py)
+        if predictors is not None:
+            raise DejavuError("Llama-family engines have no predictors (TEAL thresholds)")
+        from dejavu.compiler.build_llama import build_llama_engine
+        return build_llama_engine(model_name_or_path, config, out_path, progress, onnx_out)
     out = _check_output(out_path)
     if onnx_out is not None and Path(onnx_out).exists() and not Path(onnx_out).is_dir():
         raise DejavuError(f"--onnx-out {onnx_out} exists and is not a folder")

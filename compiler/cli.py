@@ -27,9 +27,10 @@ class _CompileParser(Parser):
 
 
 def compile_parser() -> argparse.ArgumentParser:
-    p = _CompileParser("dejavu-compile", "Build a DejaVu sparse .engine file from an OPT model.")
+    p = _CompileParser("dejavu-compile", "Build a DejaVu sparse .engine file from an OPT or Llama-family model.")
     S = argparse.SUPPRESS  # a BuildConfig field: its default lives there (shown by --help)
-    p.add_argument("model", help="preset name (opt-mini, opt-125m, ...), model folder or Hugging Face id")
+    p.add_argument("model", help="preset name (opt-mini, opt-125m, smollm2-135m, ...), model folder, .gguf file "
+                                 "or Hugging Face id")
     p.add_argument("--density", default=S,
                    help="fraction of the dense decode step's weight bytes read per token, in (0, 1] "
                         "(spent across layers, heads and neurons by --allocation; unused when both "
@@ -155,7 +156,11 @@ def main(argv=None) -> int:
     from dejavu.compiler.build import build_engine
 
     summary = build_engine(args.model, config, out, onnx_out=args.onnx_out, progress=not args.quiet)
-    print(format_summary(summary))
+    if summary.get("model_family") == "llama":
+        from dejavu.compiler.build_llama import format_llama_summary
+        print(format_llama_summary(summary))
+    else:
+        print(format_summary(summary))
     if args.summary_json:
         from dejavu.fileio import atomic_path
         with atomic_path(args.summary_json) as tmp:
@@ -198,7 +203,33 @@ def _tensor_lines(tensors: dict) -> list[str]:
     return lines
 
 
+def format_llama_header(h: dict, path: str, size: int) -> str:
+    """dejavu-inspect's lines for a Llama-family engine (TEAL thresholds per layer and input)."""
+    mc, bc, sp, t = h["model_config"], h.get("build_config", {}), h["sparsity"], h.get("target", {})
+    b = bc.get("bytes_per_token") or {}
+    lines = [f"{path}: {h['format']} v{h['format_version']}, {size / 2**20:.2f} MiB",
+             f"model       {h.get('model')} (family llama, {mc.get('model_type')}): {mc['num_hidden_layers']} layers, "
+             f"hidden {mc['hidden_size']}, intermediate {mc['intermediate_size']}, heads {mc['num_attention_heads']} "
+             f"/ kv {mc['num_key_value_heads']}, vocab {mc['vocab_size']}",
+             f"dtype       {h.get('dtype')}",
+             f"target      {t.get('device')} arch={t.get('arch')}",
+             f"density     {bc.get('density')} of the bytes ({b.get('fraction')} read: {b.get('engine')} of "
+             f"{b.get('dense')} bytes per token)",
+             f"sparsity    {sp['method']}: {sp['skip']} of each projection input skipped, thresholds per layer:"]
+    keys = list(sp["thresholds"])
+    lines.append(f"{'layer':>5} " + " ".join(f"{k:>9}" for k in keys))
+    for l in range(mc["num_hidden_layers"]):
+        lines.append(f"{l:>5} " + " ".join(f"{sp['thresholds'][k][l]:>9.4f}" for k in keys))
+    if bc.get("calibration"):
+        lines.append(f"calibration {json.dumps(bc['calibration'], sort_keys=True)}")
+    tok = _tokenizer_summary(h)
+    lines.append(f"tokenizer   {tok['chars']} chars of tokenizer.json, sha256 {tok['sha256'][:16]}")
+    return "\n".join(lines)
+
+
 def format_header(h: dict, path: str, size: int) -> str:
+    if h.get("model_family") == "llama":
+        return format_llama_header(h, path, size)
     mc, bc, t = h["model_config"], h.get("build_config", {}), h.get("target", {})
     lines = [f"{path}: {h['format']} v{h['format_version']}, {size / 2**20:.2f} MiB",
              f"model       {h.get('model')}: {mc['num_hidden_layers']} layers, hidden {mc['hidden_size']}, "
