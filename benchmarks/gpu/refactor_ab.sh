@@ -4,7 +4,8 @@
 # BEFORE = the tree before the refactor (default 9826d98, which still holds the removed modes),
 # AFTER = this checkout. The device run gets no git history, so pack the old tree here first:
 #   bash benchmarks/gpu/refactor_ab.sh --pack [COMMIT]   # here: writes benchmarks/gpu/before.tar.gz (untracked, ~0.3 MB)
-#   bash benchmarks/gpu/refactor_ab.sh [ROUNDS]          # on the GPU machine (default 2 rounds, < 10 min)
+#   bash benchmarks/gpu/refactor_ab.sh [ROUNDS]          # on the GPU machine (default 2 rounds, < 10 min);
+#       both files are git-ignored: carry benchmarks/gpu/before.tar.gz and benchmarks/gpu/before.commit with the run
 # Target: <= 2% slower anywhere, or explained.
 set -euo pipefail
 HERE=benchmarks/gpu
