@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--predictor-epochs", type=int, default=1)
     ap.add_argument("--no-predictors", action="store_true", help="dense engines (density 1.0): layout only")
     ap.add_argument("--decode-tokens", type=int, default=0, help="then decode this many tokens from the engine")
+    ap.add_argument("--onnx", action="store_true", help="also write the ONNX graphs (--onnx-out WORK/opt-SHAPE-onnx)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="kill a build after this many seconds (records the layers done and the peak so far)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and engines")
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
     rows = json.loads(jpath.read_text())["runs"] if jpath.is_file() else []
     for name in args.shapes.split(","):
         ckpt, engine, summary = work / f"opt-{name}-random", work / f"opt-{name}.engine", out / f"summary-{name}.json"
+        onnx_dir = work / f"opt-{name}-onnx"
         t0 = time.perf_counter()  # in a child: this process stays small (a child's ru_maxrss
         # starts from its parent's resident set at fork)
         w = run_child([sys.executable, __file__, "--write-checkpoint", name, str(ckpt)], out / f"write-{name}.log")
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "dejavu.compiler.cli", str(ckpt), "-o", str(engine), "-q",
                "--device", args.device, "--summary-json", str(summary)]
         cmd += ["--compute-dtype", args.compute_dtype]
+        if args.onnx:
+            cmd += ["--onnx-out", str(onnx_dir)]
         if args.no_predictors:
             cmd += ["--density", "1.0", "--no-predictors"]
         else:
@@ -191,7 +195,8 @@ def main(argv=None) -> int:
                "build_state_bytes": s.get("build_state_bytes"),
                "peak_gpu_bytes": s.get("peak_gpu_bytes"), "stage_seconds": s.get("stage_seconds"),
                "total_seconds": s.get("total_seconds"), "resumed_at_layer": s.get("resumed_at_layer"),
-               "compute_dtype": args.compute_dtype,
+               "compute_dtype": args.compute_dtype, "onnx_out": args.onnx, "onnx": s.get("onnx"),
+               "onnx_bytes": sum(f.stat().st_size for f in onnx_dir.iterdir()) if args.onnx and onnx_dir.is_dir() else None,
                **layer_bound(name, args.calib_tokens, not args.no_predictors),
                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": os.uname().nodename,
                "cpus": os.cpu_count()}
@@ -201,13 +206,15 @@ def main(argv=None) -> int:
                                        "--stats"],
                                       out / f"decode-{name}.log")
         rows = [r for r in rows if not (r["shape"] == row["shape"] and r["device"] == row["device"]
-                                        and r["predictors"] == row["predictors"])] + [row]
+                                        and r["predictors"] == row["predictors"]
+                                        and r.get("onnx_out", False) == row["onnx_out"])] + [row]
         jpath.write_text(json.dumps({"runs": rows}, indent=1))
         print(json.dumps({k: row[k] for k in ("shape", "rc", "wall_s", "peak_host_bytes", "child_ru_maxrss_bytes",
                                                "bound_bytes")}),
               flush=True)
         if not args.keep and not child["timed_out"]:
             engine.unlink(missing_ok=True)
+            shutil.rmtree(onnx_dir, ignore_errors=True)
             if name not in ("125m",):
                 shutil.rmtree(ckpt, ignore_errors=True)
     write_table(rows, out)
@@ -221,6 +228,7 @@ def write_table(rows: list[dict], out: Path) -> None:
     for r in rows:
         st = ", ".join(f"{k} {v:.0f}" for k, v in (r.get("stage_seconds") or {}).items())
         pred = f"yes ({r['calib_tokens']}, {r['predictor_epochs']})" if r["predictors"] else "no (dense)"
+        pred += ", --onnx-out" if r.get("onnx_out") else ""
         killed = f" (killed after {r['layers_done']} of {r['dims']['layers']} layers)" if r.get("timed_out") else ""
         peak = r["peak_host_bytes"] or r["child_ru_maxrss_bytes"]  # a killed build has no summary
         lines.append(f"| {r['shape']} | {r['device']} | {pred} | {gb(r['checkpoint_bytes'])} | {gb(peak)} | "
