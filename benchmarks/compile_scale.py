@@ -121,14 +121,12 @@ def run_child(cmd: list[str], log: Path, timeout: float | None = None) -> dict:
 
 
 def layer_bound(name: str, calib_tokens: int, predictors: bool) -> dict:
-    """The issue's bound: 2 x the largest layer (fp32, the embeddings counted as one) + the
-    calibration tensors on the device + 1 GiB."""
-    D, L, H, F = SHAPES[name]
-    layer = 4 * (4 * D * D + 4 * D + 2 * D * F + F + D + 4 * D)
-    shell = 4 * (VOCAB + POSITIONS + 2) * D
-    calib = calib_tokens * (12 * D + F + 4 * H) if predictors else 0  # = dejavu.compiler.stream.calib_bytes
-    return {"largest_layer_fp32_bytes": max(layer, shell), "calib_bytes": calib,
-            "bound_bytes": 2 * max(layer, shell) + calib + (1 << 30)}
+    """The build's stated bound (dejavu.compiler.stream.memory_bound): 2 x the largest layer
+    (fp32, the embeddings counted as one) + the calibration tensors on the device + 1 GiB."""
+    from dejavu.compiler.stream import memory_bound
+    from dejavu.models.opt import OPTConfig
+
+    return memory_bound(OPTConfig.from_hf_dict(hf_config(name)), calib_tokens if predictors else 0)
 
 
 def main(argv=None) -> int:

@@ -301,9 +301,9 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
     memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
     from dejavu.compiler.layout import layer_layout, shell_layout
-    from dejavu.compiler.predictors import default_ranks, holdout_split, mlp_contributions, train_layer
-    from dejavu.compiler.stream import (embed_tokens, predictor_input_of, predictor_tensors, records_needed,
-                                        run_layer)
+    from dejavu.compiler.predictors import default_ranks, holdout_split, train_layer
+    from dejavu.compiler.stream import (embed_tokens, mlp_targets, predictor_input_of, predictor_tensors,
+                                        records_needed, run_layer)
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
 
     cfg, dtype, dev = ckpt.cfg, DTYPE_NAMES[config.dtype], torch.device(config.device)
@@ -347,7 +347,7 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                 rec = run_layer(layer.to(cdt), x, calib["batches"], cfg, records_needed(l, src, la))
             with stages("train predictors"):
                 xin = predictor_input_of(l, rec, prev, src, la).to(ps.device).float()
-                contrib = mlp_contributions(layer, rec["mlp_in"]).to(ps.device)  # [T, F] fp32
+                contrib = mlp_targets(layer, rec["mlp_in"], ps.device)  # [T, F] bfloat16
                 pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device), contrib,
                                                   rec["head_norm"].to(ps.device), split, ranks, report_k, ps, gen)
                 info = {"metrics": row, "curves": {k: v.tolist() for k, v in curves.items()}}
@@ -418,7 +418,7 @@ def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict 
 
 
 def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
-    from dejavu.compiler.stream import BuildState, calib_bytes, gpu_peak_bytes, in_memory, rss_peak_bytes
+    from dejavu.compiler.stream import BuildState, gpu_peak_bytes, in_memory, memory_bound, rss_peak_bytes
     from dejavu.engine_file import write_engine_parts
     from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
@@ -485,7 +485,8 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                "dtype": config.dtype, "target": target, "resumed_at_layer": resumed,
                "peak_host_bytes": rss_peak_bytes(), "peak_gpu_bytes": gpu_peak_bytes(config.device),
                "build_state_bytes": state_bytes,
-               "calib_device_bytes": calib_bytes(len(calib["ids"]), cfg) if calib is not None else 0}
+               **{k: v for k, v in memory_bound(cfg, len(calib["ids"]) if calib is not None else 0).items()}}
+    summary["calib_device_bytes"] = summary.pop("calib_bytes")
     if onnx_out is not None:
         summary["onnx"] = onnx_report
     return summary
