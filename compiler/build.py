@@ -418,7 +418,7 @@ def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict 
 
 
 def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
-    from dejavu.compiler.stream import BuildState, gpu_peak_bytes, in_memory, memory_bound, rss_peak_bytes
+    from dejavu.compiler.stream import BuildState, gpu_peak_bytes, memory_bound, rss_peak_bytes
     from dejavu.engine_file import write_engine_parts
     from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
@@ -462,13 +462,14 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
     state_bytes = state.nbytes()
-    parts = state.parts("shell", consume=True)
+    consume = config.tp == 1  # --tp reads each spilled tensor once per rank
+    parts = state.parts("shell", consume=consume)
     for l in range(cfg.num_hidden_layers):
-        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=True))
+        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=consume))
     with stages("write engine"):
-        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path (whole engine in memory)
+        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path, a tensor at a time
             from dejavu.compiler.tensor_parallel import write_shards
-            size, files = write_shards(out, header, in_memory(parts), config.tp)
+            size, files = write_shards(out, header, parts, config.tp)
             out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
         else:
             size = write_engine_parts(out, header, parts)

@@ -188,7 +188,7 @@ class BuildState:
         return out
 
     def tensors(self, part: str, prefix: str = "") -> dict[str, torch.Tensor]:
-        """The spilled tensors in memory (for the whole-model paths: --tp, --onnx-out)."""
+        """The spilled tensors in memory (one layer's predictors for --onnx-out and resolve K)."""
         return in_memory(self.parts(part, prefix))
 
     def save_carry(self, layers_done: int, carry: dict[str, torch.Tensor]) -> None:

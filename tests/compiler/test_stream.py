@@ -229,16 +229,18 @@ def _run_child(args: list[str]) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM of /proc/self/status is Linux's")
 def test_subprocess_build_stays_under_the_layer_bound(tmp_path):
-    """A ~110M-parameter random shape (8 layers of hidden 1024, ffn 4096), engine and ONNX graphs
-    (--onnx-out): peak RSS of the child <= 2 x the largest layer in fp32 + 1 GiB. Loading the
-    whole model in fp32 (the replaced builder: fp32 model + fp32 layout copy + the engine in
-    memory, ~1.6 GB; the in-memory ONNX export: the fp32 model and six whole graphs) would not fit."""
+    """A ~110M-parameter random shape (8 layers of hidden 1024, ffn 4096), two tensor-parallel
+    shards (--tp 2) and the ONNX graphs (--onnx-out): peak RSS of the child <= 2 x the largest
+    layer in fp32 + 1 GiB. Loading the whole model in fp32 (the replaced builder: fp32 model +
+    fp32 layout copy + the engine in memory, ~1.6 GB; the in-memory ONNX export: the fp32 model
+    and six whole graphs; --tp: the engine and its shards in memory) would not fit."""
     D, F, L, V = 1024, 4096, 8, 8192
     # values do not matter to a dense build
     folder = _random_checkpoint(tmp_path / "m", D, F, L, V, H=16, positions=256, value=0.01)
     got = _run_child([folder, "--density", "1.0", "--no-predictors", "-o", tmp_path / "m.engine",
-                      "--onnx-out", tmp_path / "onnx"])
+                      "--onnx-out", tmp_path / "onnx", "--tp", 2])
     assert (tmp_path / "onnx" / "weights.onnx.data").stat().st_size >= L * 2 * (4 * D * D + 2 * D * F)
+    assert sorted(p.name for p in tmp_path.glob("m.*engine")) == ["m.rank0-of-2.engine", "m.rank1-of-2.engine"]
     layer_fp32 = 4 * (4 * D * D + 2 * D * F + 4 * D + F + D + 4 * D)
     largest = max(layer_fp32, 4 * V * D)
     assert got["rc"] == 0 and got["maxrss"] <= 2 * largest + (1 << 30), got  # the bound of docs/compiler.md
