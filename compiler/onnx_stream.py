@@ -135,13 +135,31 @@ def write_onnx(ckpt, dtype: str, mlp_k: list[int], attn_k: list[int], predictors
 
     predictors_of(l) -> layer l's fp32 predictor tensors by engine name (None: no predictors,
     every K = N). Files are written in a hidden folder and moved in when all are checked."""
-    from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
-
-    cfg = ckpt.cfg
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / ".onnx.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        files = _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, topk_limit, tmp)
+    except BaseException:  # no partial graphs left behind (Ctrl-C included)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    data_bytes = (tmp / DATA_FILE).stat().st_size
+    for name in [DATA_FILE, *files]:
+        os.replace(tmp / name, out_dir / name)
+    tmp.rmdir()
+    report = {"dir": str(out_dir), "files": sorted(files), "dtype": dtype, "data_file": DATA_FILE,
+              "data_bytes": data_bytes}
+    report.update(check_form_a(ckpt, out_dir / "prefill.sparse.onnx", mlp_k, attn_k, predictors_of,
+                               predictor_input, dtype))
+    return report
+
+
+def _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, topk_limit, tmp: Path) -> dict:
+    """The six graphs and their data file in folder tmp, checked; {file name: path}."""
+    from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
+
+    cfg = ckpt.cfg
     data = ExternalData(tmp / DATA_FILE)
     graphs = _Graphs(cfg, GraphBuilder(onnx.GraphProto(), dtype).elem_type, data)
     st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictor_input=predictor_input, topk_limit=topk_limit)
@@ -170,21 +188,14 @@ def write_onnx(ckpt, dtype: str, mlp_k: list[int], attn_k: list[int], predictors
         for form in FORMS:
             graphs.append(mode, form, piece)
     del shell, piece
-    data_bytes = data.close()
+    data.close()
     files = {}
     for (mode, form), m in graphs.models.items():
         path = tmp / FORMS[form].format(mode=mode)
         path.write_bytes(m.SerializeToString())
         _check(path, form)
         files[path.name] = path
-    for name in [DATA_FILE, *files]:
-        os.replace(tmp / name, out_dir / name)
-    tmp.rmdir()
-    report = {"dir": str(out_dir), "files": sorted(files), "dtype": dtype, "data_file": DATA_FILE,
-              "data_bytes": data_bytes}
-    report.update(check_form_a(ckpt, out_dir / "prefill.sparse.onnx", mlp_k, attn_k, predictors_of,
-                               predictor_input, dtype))
-    return report
+    return files
 
 
 def check_form_a(ckpt, path: Path, mlp_k, attn_k, predictors_of, predictor_input: dict, dtype: str,
