@@ -6,8 +6,9 @@ subgraph is built in memory in the engine's dtype by the builder of `build_dense
 (`onnx_export.emit_*`), the passes rewrite that one layer (`PassSettings.layers`), and the
 three forms' nodes are appended to the six graphs while their weights go to one data file and
 are referenced from the graphs as external data (ONNX's answer to the 2 GB protobuf limit:
-the graphs hold nodes and small constants only). Memory: one layer in fp32 as read plus its
-three forms in the engine dtype, never the whole model.
+the graphs hold nodes and small constants only). Memory: one layer as stored plus its three
+forms in the engine dtype (each tensor in a few copies while it is serialised), never the
+whole model.
 
 Files in the output folder:
 
@@ -109,11 +110,10 @@ class _Graphs:
 def _piece(dtype: str, emit, needs: tuple[str, ...] = ()) -> tuple[onnx.ModelProto, str]:
     """A model holding one piece's nodes and weights; `needs`: tensors of earlier pieces the
     passes look for (declared as inputs of the piece, never copied to the output)."""
-    graph = helper.make_graph([], "piece", [], [])
-    g = GraphBuilder(graph, dtype)
+    m = new_model(helper.make_graph([], "piece", [], []))
+    g = GraphBuilder(m.graph, dtype)  # into the model's own graph: make_model copies the one it is given
     out = emit(g)
     g.flush()
-    m = new_model(graph)
     for name in needs:
         if not has_tensor(m, name):
             m.graph.input.append(helper.make_tensor_value_info(name, g.elem_type, None))
@@ -163,13 +163,15 @@ def _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, to
     data = ExternalData(tmp / DATA_FILE)
     graphs = _Graphs(cfg, GraphBuilder(onnx.GraphProto(), dtype).elem_type, data)
     st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictor_input=predictor_input, topk_limit=topk_limit)
-    shell, x = load_decoder_shell(ckpt, torch.float32, "cpu"), {}
+    # the weights as stored: the builder rounds them to the graph dtype (as from fp32: a float16
+    # or bfloat16 checkpoint converts exactly), and a float32 copy of a layer is never made
+    shell, x = load_decoder_shell(ckpt, None, "cpu"), {}
     for mode in MODES:
         piece, x[mode] = _piece(dtype, lambda g: emit_embeddings(g, shell, mode))
         for form in FORMS:
             graphs.append(mode, form, piece)
     del shell, piece
-    for l, layer in iter_decoder_layers(ckpt, torch.float32, "cpu"):
+    for l, layer in iter_decoder_layers(ckpt, None, "cpu"):
         sl = dataclasses.replace(st, predictors=predictors_of(l) if predictors_of else {}, layers=[l])
         for mode in MODES:
             dense, out = _piece(dtype, lambda g: emit_layer(g, layer, l, x[mode], mode, cfg),
@@ -182,7 +184,7 @@ def _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, to
             del std
             x[mode] = out
         del layer
-    shell = load_decoder_shell(ckpt, torch.float32, "cpu")
+    shell = load_decoder_shell(ckpt, None, "cpu")
     for mode in MODES:
         piece, _ = _piece(dtype, lambda g: emit_head(g, shell, x[mode]))
         for form in FORMS:
