@@ -138,8 +138,11 @@ def format_summary(s: dict) -> str:
                      f"{fmt(rec['attn'][l]):>7}")
     if "onnx" in s:
         o = s["onnx"]
-        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])}; form (a) vs masked dense "
-                     f"max |diff| = {o['form_a_max_abs_diff']}")
+        check = (f"form (a) in ONNX Runtime vs masked dense (float64) max |diff| = {o['form_a_max_abs_diff']:.3g} "
+                 f"(PyTorch in {o['dtype']}: {o['form_a_torch_same_dtype_max_abs_diff']:.3g})"
+                 if o["form_a_max_abs_diff"] is not None else o["form_a_check"])
+        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])} + {o['data_file']} "
+                     f"({o['data_bytes'] / 2**20:.2f} MiB, {o['dtype']}); {check}")
     gib = lambda n: "-" if n is None else f"{n / 2**30:.2f} GiB"
     lines.append(f"memory      peak host {gib(s['peak_host_bytes'])}, GPU {gib(s['peak_gpu_bytes'])}; bound "
                  f"{gib(s['bound_bytes'])} = 2 x largest layer {mb(s['largest_layer_fp32_bytes'])} + calibration "
