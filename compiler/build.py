@@ -197,9 +197,9 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
     memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
     from dejavu.compiler.layout import layer_layout, shell_layout
-    from dejavu.compiler.predictors import default_ranks, holdout_split, mlp_contributions, train_layer
-    from dejavu.compiler.stream import (embed_tokens, predictor_input_of, predictor_tensors, records_needed,
-                                        run_layer)
+    from dejavu.compiler.predictors import default_ranks, holdout_split, train_layer
+    from dejavu.compiler.stream import (embed_tokens, mlp_targets, predictor_input_of, predictor_tensors,
+                                        records_needed, run_layer)
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
 
     cfg, dtype, dev = ckpt.cfg, DTYPE_NAMES[config.dtype], torch.device(config.device)
@@ -243,7 +243,7 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                 rec = run_layer(layer.to(cdt), x, calib["batches"], cfg, records_needed(l, src, la))
             with stages("train predictors"):
                 xin = predictor_input_of(l, rec, prev, src, la).to(ps.device).float()
-                contrib = mlp_contributions(layer, rec["mlp_in"]).to(ps.device)  # [T, F] fp32
+                contrib = mlp_targets(layer, rec["mlp_in"], ps.device)  # [T, F] bfloat16
                 pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device), contrib,
                                                   rec["head_norm"].to(ps.device), split, ranks, report_k, ps, gen)
                 info = {"metrics": row, "curves": {k: v.tolist() for k, v in curves.items()}}
@@ -314,7 +314,7 @@ def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict 
 
 
 def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
-    from dejavu.compiler.stream import BuildState, calib_bytes, gpu_peak_bytes, in_memory, rss_peak_bytes
+    from dejavu.compiler.stream import BuildState, gpu_peak_bytes, memory_bound, rss_peak_bytes
     from dejavu.engine_file import write_engine_parts
     from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
@@ -353,23 +353,25 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                          _tokenizer_json(folder, tokenizer), allocation)
     if onnx_out is not None:
         with stages("export ONNX + passes"):
-            onnx_report = _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
+            onnx_report = _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
     chat = _chat_template(folder)
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
     state_bytes = state.nbytes()
-    parts = state.parts("shell", consume=True)
+    consume = config.tp == 1  # --tp reads each spilled tensor once per rank
+    parts = state.parts("shell", consume=consume)
     for l in range(cfg.num_hidden_layers):
-        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=True))
+        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=consume))
     with stages("write engine"):
-        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path (whole engine in memory)
+        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path, a tensor at a time
             from dejavu.compiler.tensor_parallel import write_shards
-            size, files = write_shards(out, header, in_memory(parts), config.tp)
+            size, files = write_shards(out, header, parts, config.tp)
             out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
         else:
             size = write_engine_parts(out, header, parts)
     state.remove()
     n_pred = sum(p.nbytes for n, p in parts.items() if ".pred_" in n)
+    bound = memory_bound(cfg, len(calib["ids"]) if calib is not None else 0)  # docs/compiler.md, "Streaming"
     summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred,
                "weight_bytes": sum(p.nbytes for p in parts.values()) - n_pred,
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
@@ -381,25 +383,24 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                "dtype": config.dtype, "target": target, "resumed_at_layer": resumed,
                "peak_host_bytes": rss_peak_bytes(), "peak_gpu_bytes": gpu_peak_bytes(config.device),
                "build_state_bytes": state_bytes,
-               "calib_device_bytes": calib_bytes(len(calib["ids"]), cfg) if calib is not None else 0}
+               "calib_device_bytes": bound["calib_bytes"], "bound_bytes": bound["bound_bytes"],
+               "largest_layer_fp32_bytes": bound["largest_layer_fp32_bytes"]}
     if onnx_out is not None:
         summary["onnx"] = onnx_report
     return summary
 
 
-def _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -> dict:
-    """--onnx-out: the whole fp32 model in memory (not streamed), predictors in fp32."""
-    from dejavu.compiler.predictors import Predictors
-    from dejavu.models.loader import load_model
+def _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -> dict:
+    """--onnx-out: the graphs written layer by layer in the engine dtype (compiler/onnx_stream.py),
+    each layer's fp32 predictors read back from the build state."""
+    from dejavu.compiler.onnx_stream import write_onnx
 
-    model, _ = load_model(folder, dtype=torch.float32, device="cpu")
-    predictors = None
-    if info is not None:
-        sd = {}
-        for l in range(cfg.num_hidden_layers):
-            sd.update({n[len("fp32."):]: t for n, t in state.tensors(f"layer_{l:05d}", prefix="fp32.").items()})
-        predictors = Predictors.from_state_dict(sd, info["input"])
-    return export_graphs(model, predictors, mlp_k, attn_k, config, out_dir)
+    def predictors_of(l):
+        return {n[len("fp32."):]: t for n, t in state.tensors(f"layer_{l:05d}", prefix="fp32.").items()}
+
+    pi = info["input"] if info is not None else config.predictor_input
+    return write_onnx(ckpt, config.dtype, mlp_k, attn_k, predictors_of if info is not None else None, pi,
+                      config.topk_limit, out_dir)
 
 
 def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info: dict | None, mlp_k, attn_k,
@@ -436,57 +437,3 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
         },
         "tokenizer_json": tokenizer_json,
     }
-
-
-def export_graphs(model, predictors, mlp_k, attn_k, config: BuildConfig, out_dir: Path) -> dict:
-    """Write dense, form-(a) and plugin-form prefill/decode graphs; check form (a) in ORT.
-
-    Files: {prefill,decode}.onnx (dense), {prefill,decode}.sparse.onnx (standard ops),
-    {prefill,decode}.plugin.onnx (dejavu custom-domain nodes)."""
-    from dejavu.compiler.onnx_export import build_dense_graph, check_model, save_model
-    from dejavu.compiler.passes import PassSettings, run_passes
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sd = predictors.state_dict() if predictors is not None else {}
-    pi = predictors.predictor_input if predictors is not None else config.predictor_input
-    files = {}
-    for mode in ("prefill", "decode"):
-        dense = check_model(build_dense_graph(model, mode))
-        files[f"{mode}.onnx"] = dense
-        for form in ("standard", "plugin"):
-            st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictors=sd, predictor_input=pi, form=form,
-                              topk_limit=config.topk_limit)
-            g = run_passes(dense, st)
-            g = check_model(g) if form == "standard" else g
-            files[f"{mode}.{'sparse' if form == 'standard' else 'plugin'}.onnx"] = g
-    for name, g in files.items():
-        save_model(g, out_dir / name)
-    report = {"dir": str(out_dir), "files": sorted(files)}
-    try:
-        report["form_a_max_abs_diff"] = check_form_a(model, files["prefill.sparse.onnx"], predictors,
-                                                     mlp_k, attn_k)
-    except ImportError:
-        report["form_a_max_abs_diff"] = None  # onnxruntime not installed
-    return report
-
-
-def check_form_a(model, graph, predictors, mlp_k, attn_k, seq: int = 16) -> float:
-    """max |ORT(form a) - masked-dense PyTorch| of the logits on a fixed token sequence."""
-    import numpy as np
-
-    from dejavu.compiler.masking import masked_sparsity
-    from dejavu.compiler.onnx_export import run_onnxruntime
-
-    cfg = model.config
-    ids = torch.arange(seq, dtype=torch.int64)[None] * 7919 % cfg.vocab_size  # fixed, spread tokens
-    ids = ids[:, :min(seq, cfg.max_position_embeddings)]
-    ort_logits = run_onnxruntime(graph, {"input_ids": ids.numpy()})["logits"]
-    m32 = model.float().cpu()
-    with torch.no_grad():
-        if predictors is None:
-            ref = m32(ids)
-        else:
-            with masked_sparsity(m32, mlp_k, attn_k, "predicted", predictors.to("cpu", torch.float32)):
-                ref = m32(ids)
-    d = float(np.abs(ort_logits - ref.numpy()).max())
-    return d if math.isfinite(d) else float("inf")

@@ -133,13 +133,17 @@ def format_summary(s: dict) -> str:
                      f"{fmt(rec['attn'][l]):>7}")
     if "onnx" in s:
         o = s["onnx"]
-        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])}; form (a) vs masked dense "
-                     f"max |diff| = {o['form_a_max_abs_diff']}")
+        check = (f"form (a) in ONNX Runtime vs masked dense (float64) max |diff| = {o['form_a_max_abs_diff']:.3g} "
+                 f"(PyTorch in {o['dtype']}: {o['form_a_torch_same_dtype_max_abs_diff']:.3g})"
+                 if o["form_a_max_abs_diff"] is not None else o["form_a_check"])
+        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])} + {o['data_file']} "
+                     f"({o['data_bytes'] / 2**20:.2f} MiB, {o['dtype']}); {check}")
     gib = lambda n: "-" if n is None else f"{n / 2**30:.2f} GiB"
-    lines.append(f"memory      peak host {gib(s['peak_host_bytes'])}, GPU {gib(s['peak_gpu_bytes'])}; build state on "
-                 f"disk {mb(s['build_state_bytes'])} (removed), calibration tensors on the device "
-                 f"{mb(s['calib_device_bytes'])}" + (f"; resumed at layer {s['resumed_at_layer']}"
-                                                     if s["resumed_at_layer"] else ""))
+    lines.append(f"memory      peak host {gib(s['peak_host_bytes'])}, GPU {gib(s['peak_gpu_bytes'])}; bound "
+                 f"{gib(s['bound_bytes'])} = 2 x largest layer {mb(s['largest_layer_fp32_bytes'])} + calibration "
+                 f"tensors {mb(s['calib_device_bytes'])} (MLP targets in bfloat16 included) + 1 GiB, predictor "
+                 f"training's float32 label copies not included; build state on disk {mb(s['build_state_bytes'])} "
+                 f"(removed)" + (f"; resumed at layer {s['resumed_at_layer']}" if s["resumed_at_layer"] else ""))
     lines.append("time        " + ", ".join(f"{k} {v:.1f}s" for k, v in s["stage_seconds"].items())
                  + f"; total {s['total_seconds']:.1f}s")
     return "\n".join(lines)

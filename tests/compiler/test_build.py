@@ -100,7 +100,9 @@ def test_dense_build_without_predictors(tiny_opt_dir, tmp_path):
     pytest.importorskip("onnxruntime")
     s = build_engine(tiny_opt_dir, BuildConfig(density=1.0, no_predictors=True), tmp_path / "d.engine",
                      onnx_out=tmp_path / "onnx", progress=False)
-    assert s["onnx"]["form_a_max_abs_diff"] <= 1e-4
+    o = s["onnx"]  # float16 graphs (the engine's dtype): as close to float64 as PyTorch in float16
+    print(o)
+    assert o["dtype"] == "float16" and o["form_a_max_abs_diff"] <= 2 * o["form_a_torch_same_dtype_max_abs_diff"] + 1e-4
     plugin = onnx.load(str(tmp_path / "onnx" / "decode.plugin.onnx"))
     assert not any(n.domain for n in plugin.graph.node)  # K = N everywhere: nothing to rewrite
     header, t = read_engine(tmp_path / "d.engine")
