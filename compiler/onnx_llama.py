@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from dejavu.compiler.onnx_export import (IR_VERSION, OPSET, GraphBuilder, _mask_and_positions, _np, check_model,
+from dejavu.compiler.onnx_export import (IR_VERSION, OPSET, GraphBuilder, _mask_and_positions, check_model,
                                          save_model)
 from dejavu.errors import DejavuError
 
@@ -46,7 +46,7 @@ def _rms_norm(g: GraphBuilder, x: str, w, eps: float, name: str) -> str:
               f"{name}/ReduceMean", axes=[-1], keepdims=1)
     r = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(f"{name}.eps", np.array(eps, np.float32))],
                                                f"{name}/Add")], f"{name}/Sqrt")], f"{name}/Reciprocal")
-    return g.op("Mul", [g.op("Mul", [x, r], f"{name}/Normalize"), g.const(f"{name}.weight", _np(w))], f"{name}/Scale")
+    return g.op("Mul", [g.op("Mul", [x, r], f"{name}/Normalize"), g.const(f"{name}.weight", g.weight(w))], f"{name}/Scale")
 
 
 def _masked(g: GraphBuilder, x: str, thresholds, key: str, l: int) -> str:
@@ -61,14 +61,14 @@ def _masked(g: GraphBuilder, x: str, thresholds, key: str, l: int) -> str:
 
 
 def _proj(g: GraphBuilder, x: str, linear, name: str) -> str:
-    return g.op("MatMul", [x, g.const(f"{name}.weight_t", _np(linear.weight).T)], f"{name}/MatMul")
+    return g.op("MatMul", [x, g.const(f"{name}.weight_t", g.weight(linear.weight).T)], f"{name}/MatMul")
 
 
 def _rope_tables(g: GraphBuilder, model, positions: str) -> tuple[str, str]:
     """cos, sin [B|1, 1, S, hd] of the positions [B|1, S] (angles in fp32, half-split layout)."""
     pos = g.op("Cast", [positions], "rope/pos_f", to=TensorProto.FLOAT)
     ang = g.op("Mul", [g.op("Unsqueeze", [pos, _c(g, "c.axis_last", np.array([-1], np.int64))], "rope/pos_col"),
-                       g.const("rope.inv_freq", _np(model.inv_freq))], "rope/angles")  # [B, S, hd/2]
+                       g.const("rope.inv_freq", g.weight(model.inv_freq))], "rope/angles")  # [B, S, hd/2]
     ang = g.op("Concat", [ang, ang], "rope/angles2", axis=-1)
     ang = g.op("Unsqueeze", [ang, _c(g, "c.axis1", np.array([1], np.int64))], "rope/angles_heads")  # [B, 1, S, hd]
     return g.op("Cos", [ang], "rope/cos"), g.op("Sin", [ang], "rope/sin")
@@ -153,7 +153,7 @@ def build_llama_graph(model, mode: str = "prefill", thresholds: dict | None = No
                                                                  ["batch", Hkv, "past", hd]))
     positions = _mask_and_positions(g, decode)
     cos, sin = _rope_tables(g, model, positions)
-    emb = g.const("embed_tokens", _np(model.model.embed_tokens.weight))  # [V, D]
+    emb = g.const("embed_tokens", g.weight(model.model.embed_tokens.weight))  # [V, D]
     x = g.op("Gather", [emb, "input_ids"], "embed/tokens")  # [B, S, D]
     for l, layer in enumerate(model.layers):
         x = _layer(g, layer, l, x, cos, sin, decode, cfg, thresholds)
@@ -161,7 +161,7 @@ def build_llama_graph(model, mode: str = "prefill", thresholds: dict | None = No
     if cfg.tie_word_embeddings:
         head = g.op("Transpose", [emb], "lm_head/weight_t", perm=[1, 0])
     else:
-        head = g.const("lm_head.weight_t", _np(model.lm_head.weight).T)
+        head = g.const("lm_head.weight_t", g.weight(model.lm_head.weight).T)
     g.op("MatMul", [x, head], "lm_head/MatMul", outputs=["logits"])
     g.flush()
     graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", S, V]))
