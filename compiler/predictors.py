@@ -46,7 +46,12 @@ CANDIDATE_INPUTS = [{"source": "attn_in", "lookahead": 0},
 class PredictorSettings:
     """Predictor training settings; the one place for their defaults."""
 
-    mlp_rank: int | None = None  # None: the largest multiple of 8 within cost_budget
+    mlp_rank: int | None = None  # None: the budget spent per layer (`mlp_ranks`); an int: that rank everywhere
+    # Layer 0's MLP predictor gets this multiple of the uniform budget rank, the other layers
+    # share what is left of the same total budget (`mlp_ranks`): layer 0 reads the embedding
+    # output and fires 22% of its neurons on opt-mini (2-7% elsewhere), so it loses the most
+    # at small K (docs/predictors.md, "Rank per layer").
+    first_layer_rank_mult: float = 2.0
     attn_rank: int | None = None  # None: min(H, budget) (rank > H adds nothing to a linear map)
     cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern
     # The budget rank grows with the model (1144 at OPT-30B: 82 MB a layer, as many bytes as
@@ -105,13 +110,32 @@ def default_ranks(cfg: OPTConfig, settings: PredictorSettings) -> tuple[int, int
     return mlp, attn
 
 
-def predictor_cost(cfg: OPTConfig, mlp_rank: int, attn_rank: int) -> dict:
-    """Parameter counts (same dtype: ratios of bytes) of predictors vs the dense layers they govern."""
+def mlp_ranks(cfg: OPTConfig, settings: PredictorSettings) -> list[int]:
+    """Per-layer MLP predictor ranks [L]: `settings.mlp_rank` everywhere when given; else the
+    budget of all layers together (L times the uniform budget rank's bytes at most), spent with
+    `first_layer_rank_mult` times the uniform rank on layer 0 and the rest split evenly."""
+    L, D, Fd = cfg.num_hidden_layers, cfg.hidden_size, cfg.ffn_dim
+    base, _ = default_ranks(cfg, settings)
+    if settings.mlp_rank or L == 1 or settings.first_layer_rank_mult == 1.0:
+        return [base] * L
+    units = (settings.cost_budget * (2 * D * Fd + Fd + D) - Fd) / (D + Fd)  # ranks one layer's budget pays for
+    cap = min(D, settings.max_auto_rank)
+    first = min(cap, int(settings.first_layer_rank_mult * base) // 8 * 8)
+    rest = min(cap, int((L * units - first) / (L - 1)) // 8 * 8)
+    if rest < 8:  # too few layers to pay for it: uniform
+        return [base] * L
+    return [first] + [rest] * (L - 1)
+
+
+def predictor_cost(cfg: OPTConfig, mlp_rank: int | list[int], attn_rank: int) -> dict:
+    """Parameter counts (same dtype: ratios of bytes) of predictors vs the dense layers they govern.
+    mlp_rank: one rank for every layer or a list of per-layer ranks (ratios over all layers)."""
     D, Fd, H, L = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads, cfg.num_hidden_layers
-    mlp_p, mlp_d = mlp_rank * (D + Fd) + Fd, 2 * D * Fd + Fd + D  # A, B, bias vs fc1+fc2
+    rs = list(mlp_rank) if isinstance(mlp_rank, (list, tuple)) else [mlp_rank] * L
+    mlp_p, mlp_d = sum(r * (D + Fd) + Fd for r in rs) / L, 2 * D * Fd + Fd + D  # A, B, bias vs fc1+fc2
     attn_p, attn_d = attn_rank * (D + H) + H, 4 * D * D + 4 * D  # vs q, k, v, out_proj
     return {"mlp_rank": mlp_rank, "attn_rank": attn_rank,
-            "mlp_predictor_params": L * mlp_p, "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_p / mlp_d,
+            "mlp_predictor_params": round(L * mlp_p), "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_p / mlp_d,
             "attn_predictor_params": L * attn_p, "attn_dense_params": L * attn_d,
             "attn_ratio": attn_p / attn_d, "total_ratio": (mlp_p + attn_p) / (mlp_d + attn_d)}
 
@@ -370,7 +394,8 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     cfg = cal.cfg
     L, Fd, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
     dev = torch.device(s.device)
-    mlp_rank, attn_rank = default_ranks(cfg, s)
+    _, attn_rank = default_ranks(cfg, s)
+    ranks = mlp_ranks(cfg, s)
     mlp_k = mlp_k or [max(1, round(s.report_density * Fd))] * L
     attn_k = attn_k or [max(1, round(s.report_density * H))] * L
     gen = torch.Generator().manual_seed(s.seed)
@@ -382,7 +407,7 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
         it = tqdm(it, desc="predictors", unit="layer")
     for l in it:
         x, y_mlp, contrib, norms, split = _layer_data(cal, l, s, dev, model.decoder.layers[l])
-        pm, pa, row, curve = train_layer(x, y_mlp, contrib, norms, split, (mlp_rank, attn_rank),
+        pm, pa, row, curve = train_layer(x, y_mlp, contrib, norms, split, (ranks[l], attn_rank),
                                          (mlp_k[l], attn_k[l]), s, gen)
         per_layer.append({"layer": l, **row})
         mlp.append(pm)
@@ -392,7 +417,7 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     mean = lambda key: float(np.mean([m[key] for m in per_layer]))
     metrics = {"per_layer": per_layer, "mlp_recall_mean": mean("mlp_recall"),
                "mlp_precision_mean": mean("mlp_precision"), "attn_recall_mean": mean("attn_recall"),
-               "cost": predictor_cost(cfg, mlp_rank, attn_rank), "settings": asdict(s),
+               "cost": predictor_cost(cfg, ranks, attn_rank), "settings": asdict(s),
                "holdout_tokens": cal.n_tokens - holdout_split(cal.n_tokens, cal.n_windows, cal.window, s)}
     return Predictors(mlp, attn, s.predictor_input, metrics, curves)
 
