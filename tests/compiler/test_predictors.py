@@ -105,16 +105,14 @@ def test_default_ranks_fit_the_cost_budget(dims):
     assert cost["mlp_ratio"] > 0.08 or r == PredictorSettings().max_auto_rank
     assert r <= PredictorSettings().max_auto_rank
     assert rh == H and r % 8 == 0
-    # per layer: layer 0 gets first_layer_rank_mult x the uniform rank, all layers together
-    # stay within the same budget, every rank a multiple of 8 (or the uniform rank)
+    # per layer: the uniform rank everywhere, plus what rounding left of the whole budget on layer 0
     rs = mlp_ranks(cfg, PredictorSettings())
     cost = predictor_cost(cfg, rs, rh)
-    assert len(rs) == L and cost["mlp_ratio"] <= 0.10 and cost["total_ratio"] <= 0.10
-    assert all(v % 8 == 0 and 8 <= v <= min(D, PredictorSettings().max_auto_rank) for v in rs)
-    if r < PredictorSettings().max_auto_rank:
-        assert rs[0] == int(PredictorSettings().first_layer_rank_mult * r) // 8 * 8 and rs[1] < r
+    assert len(rs) == L and rs[1:] == [r] * (L - 1) and r <= rs[0] <= min(D, PredictorSettings().max_auto_rank)
+    assert rs[0] % 8 == 0 and cost["mlp_ratio"] <= 0.10 and cost["total_ratio"] <= 0.10
+    assert predictor_cost(cfg, [rs[0] + 8] + rs[1:], rh)["mlp_ratio"] > 0.10 or rs[0] == min(
+        D, PredictorSettings().max_auto_rank)  # layer 0 takes all that is left
     assert mlp_ranks(cfg, PredictorSettings(mlp_rank=24)) == [24] * L  # a given rank: uniform
-    assert mlp_ranks(cfg, PredictorSettings(first_layer_rank_mult=1.0)) == [r] * L
 
 
 def test_density_errors():
