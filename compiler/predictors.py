@@ -2,7 +2,8 @@
 
 `scores = (x @ A.T) @ B.T + bias` with A [r, D], B [N, r], bias [N]; x is the raw residual
 `src[l - lookahead]` (docs/ARCHITECTURE.md, "Lookahead convention"). Since the map is
-linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H.
+linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H. MLP ranks
+may differ per layer (`mlp_ranks`); the runtime reads each layer's rank from its tensors.
 
 Labels: MLP neuron j is positive when its post-ReLU activation is > 0. Head h is positive
 when it is among the top ceil(attn_label_density * H) heads of the token by its contribution
