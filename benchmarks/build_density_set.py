@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler import build as build_mod
-from dejavu.compiler.build import BuildConfig, build_engine
-from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import BuildConfig, CalibSettings
 from dejavu.compiler.predictors import train_predictors
 from dejavu.models.loader import load_model, load_tokenizer
 

@@ -87,12 +87,14 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     from dejavu.compiler.allocate import ByteCosts, allocate_uniform
-    from dejavu.compiler.build import BuildConfig, _Stages, build_engine, train_stage
+    from dejavu.compiler.build import _Stages, build_engine, train_stage
+    from dejavu.compiler.config import BuildConfig
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, eval_perplexity, load_scoring_model, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text
 
-    text = read_text(DEFAULT_PPL_FILE)
+    text = read_text(WIKITEXT2_TEST)
     eng_dir = Path(args.engines)
     eng_dir.mkdir(parents=True, exist_ok=True)
     base = BuildConfig()

@@ -275,7 +275,8 @@ def apply_tuned(path: str | None) -> dict:
 def default_ranks(c: dict, mlp: int | None = None, attn: int | None = None) -> tuple[tuple[int, int], str]:
     """(mlp_rank, attn_rank), source: the compiler's defaults for this shape (the benchmark
     may import the compiler; the runtime never does), unless given on the command line."""
-    from dejavu.compiler.predictors import PredictorSettings, default_ranks as compiler_ranks
+    from dejavu.compiler.config import PredictorSettings
+    from dejavu.compiler.predictors import default_ranks as compiler_ranks
     from dejavu.models.opt import OPTConfig
 
     comp = tuple(int(r) for r in compiler_ranks(OPTConfig.from_hf_dict({**COMMON, **c}), PredictorSettings()))

@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import CalibSettings, PredictorSettings
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
-from dejavu.compiler.predictors import CANDIDATE_INPUTS, PredictorSettings, train_predictors
-from dejavu.compiler.text import WIKITEXT2_TEST, encode_text
+from dejavu.compiler.predictors import CANDIDATE_INPUTS, train_predictors
+from dejavu.compiler.text import encode_text
+from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity

@@ -406,9 +406,11 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     dense_k = ([n["mlp"]] * L, [n["attn"]] * L)
     if predictors is None:  # a dense engine
         d = nll(*dense_k)
-        return dense_k[0], dense_k[1], _report(costs, config, *dense_k, source, ids, d, d, config.density)
+        return dense_k[0], dense_k[1], _report(costs, config, *dense_k, source, ids, d, d, 1.0)
     curves = (predictors.recall_curves or None) if config.allocation != "uniform" else None
-    given = resolve_density(cfg, config.density, config.mlp_density, config.attn_density, recall_curves=curves)
+    # density None (a searched budget, or both kinds fixed): only the fixed kinds are read from `given`
+    density = 1.0 if config.density is None else config.density
+    given = resolve_density(cfg, density, config.mlp_density, config.attn_density, recall_curves=curves)
     frozen = {kind: ks for kind, ks, d in zip(KINDS, given, (config.mlp_density, config.attn_density))
               if d is not None}
     sens = None
@@ -426,9 +428,11 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
         return allocate_knapsack(costs, sens, budget, frozen)
 
     if config.max_ppl_increase is None:
-        mlp_k, attn_k = alloc(config.density)
+        mlp_k, attn_k = alloc(density)
+        # both kinds fixed: no budget was spent, the density recorded is the bytes the fixed K read
+        fraction = costs.report(mlp_k, attn_k)["fraction"] if len(frozen) == 2 else config.density
         return mlp_k, attn_k, _report(costs, config, mlp_k, attn_k, source, ids, dense_nll, nll(mlp_k, attn_k),
-                                      config.density)
+                                      fraction)
     if len(frozen) == 2:
         raise DejavuError("--max-ppl-increase searches a byte budget; it cannot be combined with both "
                           "--mlp-density and --attn-density")

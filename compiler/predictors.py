@@ -27,13 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.compiler.calibrate import Calibration
+from dejavu.compiler.config import PredictorSettings
 from dejavu.errors import DejavuError
 from dejavu.models.opt import OPTConfig
 
-# The lookahead decision (docs/predictors.md): layer l's predictors read layer l-1's
-# attention input, which exists before layer l-1 starts, so they can run on a side stream
-# one layer ahead. Same-layer inputs are more accurate but serialise prediction.
-DEFAULT_PREDICTOR_INPUT = {"source": "attn_in", "lookahead": 1}
 # What the engine records (build_config.predictor_form / predictor_targets): the scoring form
 # and what each kind was fitted to (docs/predictors.md, "MLP targets").
 PREDICTOR_FORM = "lowrank"
@@ -41,55 +38,6 @@ PREDICTOR_TARGETS = {"mlp": "contribution_listwise", "attn": "log_contribution_l
 CANDIDATE_INPUTS = [{"source": "attn_in", "lookahead": 0},
                     {"source": "attn_in", "lookahead": 1},
                     {"source": "mlp_in", "lookahead": 1}]
-
-
-@dataclass
-class PredictorSettings:
-    """Predictor training settings; the one place for their defaults."""
-
-    mlp_rank: int | None = None  # None: the budget spent per layer (`mlp_ranks`); an int: that rank everywhere
-    attn_rank: int | None = None  # None: min(H, budget) (rank > H adds nothing to a linear map)
-    cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern
-    # The budget rank grows with the model (1144 at OPT-30B: 82 MB a layer, as many bytes as
-    # the sparse MLP reads at density 0.1); DejaVu's predictors stay near rank 1000 even at
-    # 175B. Above this cap, extra rank costs decode bandwidth for little recall.
-    max_auto_rank: int = 512
-    source: str = DEFAULT_PREDICTOR_INPUT["source"]
-    lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]
-    attn_label_density: float = 0.5  # head labels: top ceil(this * H) heads by norm
-    lr: float = 3e-3
-    batch_tokens: int = 2048
-    # BCE epochs after the least-squares start (0: least squares only), early-stopped on held-out
-    # recall (patience). opt-mini, MLP 0.3 / heads 1.0, WikiText-2 perplexity vs dense: 1 epoch
-    # +2.17%, 2 +1.29%, 4 +0.83%, 8 +0.60% (BENCHMARKS.md, 2026-12-04)
-    max_epochs: int = 8
-    patience: int = 1
-    holdout: float = 0.1  # fraction of the stream (tail windows) held out
-    max_pos_weight: float = 50.0
-    ridge: float = 1e-3  # ridge of the least-squares initialisation (times the token count)
-    report_density: float = 0.3  # K for the recall/precision report when none is given
-    # MLP early stopping: held-out contribution in the top K of this density (the small K
-    # where predictors differ; near K = N every epoch captures everything)
-    stop_density: float = 0.1
-    curve_tokens: int = 1024  # held-out tokens used for the recall-vs-K curves
-    seed: int = 0
-    device: str = "cpu"
-
-    def __post_init__(self):
-        if self.source not in ("attn_in", "mlp_in") or self.lookahead not in (0, 1):
-            raise DejavuError(f"predictor input must be source attn_in|mlp_in, lookahead 0|1; got "
-                              f"{self.source!r}, {self.lookahead!r}")
-        if self.source == "mlp_in" and self.lookahead == 0:
-            raise DejavuError("predictor input mlp_in with lookahead 0 does not exist before the "
-                              "layer's attention runs; use lookahead 1")
-        for name in ("mlp_rank", "attn_rank"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise DejavuError(f"{name} must be a positive integer, got {v}")
-
-    @property
-    def predictor_input(self) -> dict:
-        return {"source": self.source, "lookahead": self.lookahead}
 
 
 def _budget_rank(budget: float, dense_bytes: int, d: int, n: int, multiple: int = 8) -> int:

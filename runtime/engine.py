@@ -50,7 +50,14 @@ def _device(device) -> torch.device:
 
 
 class Engine:
-    """A sparse OPT engine on one device. Build with `load` (file) or `from_tensors` (memory)."""
+    """A sparse engine on one device. Build with `load` (file) or `from_tensors` (memory).
+    A Llama-family header gives a `LlamaEngine` (runtime/llama_engine.py)."""
+
+    def __new__(cls, header=None, *args, **kw):
+        if cls is Engine and isinstance(header, dict) and header.get("model_family") == "llama":
+            from dejavu.runtime.llama_engine import LlamaEngine
+            return super().__new__(LlamaEngine)
+        return super().__new__(cls)
 
     def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", overlap: bool = True,
                  batch_policy: str | None = DEFAULT_BATCH_POLICY, use_graphs: bool = True, dtype=None,

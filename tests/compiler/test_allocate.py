@@ -9,7 +9,7 @@ import torch
 
 from dejavu.compiler.allocate import (ByteCosts, Sensitivity, allocate_knapsack, allocate_uniform, candidate_ks,
                                       heldout_nll, measure_sensitivity, model_parts, resolve_k)
-from dejavu.compiler.build import BuildConfig
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
 from dejavu.compiler.predictors import Predictors

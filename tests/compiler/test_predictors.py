@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import CalibSettings, PredictorSettings
 from dejavu.compiler.density import allocate, resolve_density
-from dejavu.compiler.predictors import (PredictorSettings, Predictors, default_ranks, evaluate_predictors,
-                                        measure_lookahead, mlp_contributions, mlp_ranks, predictor_cost,
-                                        train_predictors)
-from dejavu.compiler.text import WIKITEXT2_TEST
+from dejavu.compiler.predictors import (Predictors, default_ranks, evaluate_predictors, measure_lookahead,
+                                        mlp_contributions, mlp_ranks, predictor_cost, train_predictors)
+from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.errors import DejavuError
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.opt import OPTConfig

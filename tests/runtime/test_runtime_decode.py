@@ -192,6 +192,12 @@ def test_errors():
                             tensors)
     with pytest.raises(DejavuError, match="batch_policy"):
         Engine.from_tensors(header, tensors, batch_policy="union-ish")
+    no_input = {k: v for k, v in header["build_config"].items() if k != "predictor_input"}
+    with pytest.raises(DejavuError, match="predictor_input is missing"):  # the runtime has no default of its own
+        Engine.from_tensors({**header, "build_config": no_input}, tensors)
+    dense_header, dense_tensors = engine_from_dense(model, 1.0, 1.0)
+    dense_bc = {k: v for k, v in dense_header["build_config"].items() if k != "predictor_input"}
+    Engine.from_tensors({**dense_header, "build_config": {**dense_bc, "predictors": False}}, dense_tensors)
     bad = dict(tensors)
     del bad["layers.1.mlp.w1"]
     with pytest.raises(DejavuError, match="layers.1.mlp.w1"):
