@@ -396,7 +396,9 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
 
     L, n = cfg.num_hidden_layers, {"mlp": cfg.ffn_dim, "attn": cfg.num_attention_heads}
     elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
-    rank = lambda kind: int(getattr(predictors, kind)[0]["a"].shape[0]) if predictors is not None else None
+    # the mean rank over layers, rounded up (MLP predictors may differ in rank per layer)
+    rank = lambda kind: (math.ceil(sum(int(p["a"].shape[0]) for p in getattr(predictors, kind)) / L)
+                         if predictors is not None else None)
     costs = ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem)
     ids, source = heldout_windows(tokenizer, config.calib, config.calib_tokens, config.heldout_tokens,
                                   min(config.calib_window, cfg.max_position_embeddings), cfg.bos_token_id)

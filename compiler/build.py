@@ -197,7 +197,7 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
     memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
     from dejavu.compiler.layout import layer_layout, shell_layout
-    from dejavu.compiler.predictors import default_ranks, holdout_split, train_layer
+    from dejavu.compiler.predictors import default_ranks, holdout_split, mlp_ranks, train_layer
     from dejavu.compiler.stream import (embed_tokens, mlp_targets, predictor_input_of, predictor_tensors,
                                         records_needed, run_layer)
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
@@ -209,7 +209,7 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     if calib is not None:
         ps = _predictor_settings(config)
         src, la = ps.source, ps.lookahead
-        ranks = default_ranks(cfg, ps)
+        ranks = (mlp_ranks(cfg, ps), default_ranks(cfg, ps)[1])  # ([L] MLP ranks, head rank)
         report_k = (max(1, round(ps.report_density * cfg.ffn_dim)), max(1, round(ps.report_density *
                                                                                  cfg.num_attention_heads)))
         split = holdout_split(len(calib["ids"]), calib["n_windows"], calib["window"], ps)
@@ -245,7 +245,8 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                 xin = predictor_input_of(l, rec, prev, src, la).to(ps.device).float()
                 contrib = mlp_targets(layer, rec["mlp_in"], ps.device)  # [T, F] bfloat16
                 pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device), contrib,
-                                                  rec["head_norm"].to(ps.device), split, ranks, report_k, ps, gen)
+                                                  rec["head_norm"].to(ps.device), split, (ranks[0][l], ranks[1]),
+                                                  report_k, ps, gen)
                 info = {"metrics": row, "curves": {k: v.tolist() for k, v in curves.items()}}
                 prev = rec.get(src) if la else None
                 del rec, xin, contrib
@@ -296,12 +297,12 @@ def _spilled_predictors(state, cfg, info: dict, device: str):
 def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict | None:
     """What the header records about the predictors, from the finished layers' files."""
     if predictors is not None:
-        return {"ranks": (int(predictors.mlp[0]["a"].shape[0]), int(predictors.attn[0]["a"].shape[0])),
+        return {"ranks": ([int(p["a"].shape[0]) for p in predictors.mlp], int(predictors.attn[0]["a"].shape[0])),
                 "input": dict(predictors.predictor_input), "curves": predictors.recall_curves or {},
                 "calibration": predictors.metrics.get("calibration")}
     if calib is None:
         return None
-    from dejavu.compiler.predictors import default_ranks
+    from dejavu.compiler.predictors import default_ranks, mlp_ranks
 
     curves, rows = {"mlp": [], "attn": []}, []
     for l in range(cfg.num_hidden_layers):
@@ -309,7 +310,8 @@ def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict 
         for kind in curves:
             curves[kind].append(info["curves"][kind])
         rows.append({"layer": l, **info["metrics"]})
-    return {"ranks": default_ranks(cfg, _predictor_settings(config)), "input": config.predictor_input,
+    ps = _predictor_settings(config)
+    return {"ranks": (mlp_ranks(cfg, ps), default_ranks(cfg, ps)[1]), "input": config.predictor_input,
             "curves": curves, "calibration": calib["header"], "per_layer": rows}
 
 
@@ -330,8 +332,10 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     calib = _calibration(tokenizer, cfg, config) if predictors is None and not config.no_predictors else None
     if calib is not None:  # a budget below the least engine fails before the long stages
         from dejavu.compiler.allocate import check_budget
-        from dejavu.compiler.predictors import default_ranks
-        check_budget(cfg, config, default_ranks(cfg, _predictor_settings(config)))
+        from dejavu.compiler.predictors import default_ranks, mlp_ranks
+        ps = _predictor_settings(config)
+        mr = mlp_ranks(cfg, ps)
+        check_budget(cfg, config, (math.ceil(sum(mr) / len(mr)), default_ranks(cfg, ps)[1]))  # mean MLP rank
     state = BuildState(out, _state_key(ckpt, config, calib, predictors))
     resumed = state.layers_done
     stream_layers(ckpt, config, state, calib, predictors, progress, stages)
@@ -407,7 +411,7 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
                 tokenizer_json: str, allocation: dict | None = None) -> dict:
     """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths.
 
-    `info`: None (no predictors) or {"ranks": (mlp, attn), "input": {source, lookahead},
+    `info`: None (no predictors) or {"ranks": ([L] mlp, attn), "input": {source, lookahead},
     "curves": {"mlp"|"attn": [L curves]}, "calibration": {...} | None}."""
     rc = info["curves"] if info is not None else {}
     name = str(model_name_or_path)

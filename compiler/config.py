@@ -65,7 +65,7 @@ class CalibSettings:
 class PredictorSettings:
     """Predictor training settings; the one place for their defaults."""
 
-    mlp_rank: int | None = None  # None: the largest multiple of 8 within cost_budget
+    mlp_rank: int | None = None  # None: the budget spent per layer (predictors.mlp_ranks); an int: that rank everywhere
     attn_rank: int | None = None  # None: min(H, budget) (rank > H adds nothing to a linear map)
     cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern
     # The budget rank grows with the model (1144 at OPT-30B: 82 MB a layer, as many bytes as

@@ -72,7 +72,7 @@ def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
     assert b == s["bytes_per_token"] and b["engine"] <= 0.7 * b["dense"] and b["fraction"] == round(b["engine"] / b["dense"], 6)
     h = bc["heldout"]  # measured at build on calibration-corpus tokens after the calibration stream
     assert h["dense_ppl"] > 1 and h["engine_ppl"] > 1 and h["source"].startswith("calibration corpus tokens")
-    assert bc["predictor_input"] == PI and bc["predictor_rank_mlp"] == 8 and bc["predictors"] is True
+    assert bc["predictor_input"] == PI and bc["predictor_rank_mlp"] == [8] * cfg.num_hidden_layers and bc["predictors"] is True
     assert bc["predictor_form"] == "lowrank"
     assert bc["predictor_targets"] == {"mlp": "contribution_listwise", "attn": "log_contribution_lstsq"}
     assert header["tokenizer_json"] == (tiny_opt_dir / "tokenizer.json").read_text()

@@ -34,7 +34,7 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     from dejavu.compiler.calibrate import calibrate
     from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.layout import kernel_layout
-    from dejavu.compiler.predictors import default_ranks, train_predictors
+    from dejavu.compiler.predictors import default_ranks, mlp_ranks, train_predictors
     from dejavu.engine_file import DTYPE_NAMES, write_engine
     from dejavu.models.loader import load_model, load_tokenizer
 
@@ -44,7 +44,7 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
                                               cache_dir=str(cache)), progress=False)
     ps = build_mod._predictor_settings(config)
     preds = train_predictors(cal, ps, progress=False, model=model)
-    info = {"ranks": default_ranks(cfg, ps), "input": ps.predictor_input, "curves": preds.recall_curves,
+    info = {"ranks": (mlp_ranks(cfg, ps), default_ranks(cfg, ps)[1]), "input": ps.predictor_input, "curves": preds.recall_curves,
             "calibration": {"corpus": build_mod._corpus_name(cal.manifest["corpus"]), "n_tokens": cal.n_tokens,
                             "window": cal.window, "tokens_fingerprint": cal.manifest["tokens_fingerprint"]}}
     from dejavu.compiler.allocate import model_parts, resolve_k

@@ -6,7 +6,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.runtime import Engine
-from runtime_helpers import MaskedDense, engine_from_dense, record_steps, tiny_model
+from runtime_helpers import MaskedDense, engine_from_dense, random_predictors, record_steps, tiny_model
 
 PROMPT = [2, 17, 40, 5, 88, 63, 9]
 
@@ -32,9 +32,13 @@ def _trace(eng, prompts, n):
         eng.decoder.pred.trace = None
 
 
-def test_selected_indices_match_reference_and_overlap_switch():
+@pytest.mark.parametrize("mlp_ranks", [None, [16, 8, 4]])  # None: rank 8 everywhere; else per layer
+def test_selected_indices_match_reference_and_overlap_switch(mlp_ranks):
     model = tiny_model(seed=4)
-    header, tensors = engine_from_dense(model, 0.4, 0.5, "attn_in", 1)
+    preds = None if mlp_ranks is None else random_predictors(model.config, rank=mlp_ranks)
+    header, tensors = engine_from_dense(model, 0.4, 0.5, "attn_in", 1, preds=preds)
+    if mlp_ranks is not None:
+        assert [tensors[f"layers.{l}.pred_mlp.b"].shape[1] for l in range(3)] == mlp_ranks
     runs = [_trace(Engine.from_tensors(header, tensors, "cpu", overlap=o), [PROMPT], 20) for o in (True, False)]
     assert len(runs[0]) == len(runs[1]) == 19 * 3 * 2  # 19 decode steps x 3 layers x {mlp, attn}
     for (l0, k0, a), (l1, k1, b) in zip(*runs):

@@ -80,13 +80,14 @@ def _run(name: str) -> dict:
 SCRIPT = r"""
 import torch, warnings, json
 torch.set_num_threads(1)
-from runtime_helpers import engine_from_dense, tiny_model
+from runtime_helpers import engine_from_dense, random_predictors, tiny_model
 from dejavu.runtime import Engine
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
 out = {}
 for policy, kv in (("per_sequence", "deferred"), ("shared", "deferred"), ("per_sequence", "full")):
-    h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
+    # MLP predictor ranks differ per layer (the compiler's per-layer ranks)
+    h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1, preds=random_predictors(m.config, rank=[16, 8, 4]))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         a = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy=policy, kv_policy=kv)
