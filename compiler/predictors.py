@@ -180,7 +180,7 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
     D, N = x_tr.shape[1], y_tr.shape[1]
     mu = x_tr.mean(0)
     sd = x_tr.std(0).clamp_min(1e-6)
-    p = y_tr.float().mean(0).clamp(1e-4, 1 - 1e-4)  # [N] label frequency
+    p = (y_tr.sum(0, dtype=torch.float32) / len(y_tr)).clamp(1e-4, 1 - 1e-4)  # [N] label frequency
     pos_weight = ((1 - p) / p).clamp(1.0 / s.max_pos_weight, s.max_pos_weight)
     a0, b0 = _rrr_init(x_tr, y_tr, mu, sd, rank, s.ridge)
     a, b = a0.requires_grad_(), b0.requires_grad_()
@@ -203,7 +203,7 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
             got = sum(target_va[i:i + 4096].to(dev).float().gather(
                 -1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
                 for i in range(0, len(x_va), 4096))
-        return -got / max(1e-12, target_va.float().sum().item())
+        return -got / max(1e-12, target_va.sum(dtype=torch.float32).item())
 
     snapshot = lambda: (a.detach().clone(), b.detach().clone(), bias.detach().clone())
     best, best_state, bad = val_loss(), snapshot(), 0  # the least-squares start counts as epoch 0
