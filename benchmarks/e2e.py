@@ -118,7 +118,7 @@ def _table(module: str, name: str, **kv):
 
 def _qkv_b1(**kv):
     """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
-    return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
+    return _table("qkv_partial", "QKV_CONFIG_B1", **kv)
 
 
 def _no_pdl(eng):
@@ -250,14 +250,14 @@ def apply_tuned(path: str | None) -> dict:
             print(f"--tuned: {one} not found, skipped", flush=True)
     found = res.get("sweep_attn") or {}
     used = {}
-    for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG_B1"),  # swept at batch 1
+    for key, mod, name in (("qkv", "dejavu.plugins.qkv_partial", "QKV_CONFIG_B1"),  # swept at batch 1
                            ("attn", "dejavu.plugins.sparse_attention", "ATTN_CONFIG")):
         if found.get(key):
             table = getattr(importlib.import_module(mod), name)
             table.update(found[key])
             used[key] = dict(found[key])
-    SM = importlib.import_module("dejavu.plugins.sparse_mlp")
-    for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):  # kernels.py --sweep
+    for kernel, table in (("fc1", importlib.import_module("dejavu.plugins.fc1").FC1_CONFIG),
+                          ("fc2", importlib.import_module("dejavu.plugins.fc2").FC2_CONFIG)):  # kernels.py --sweep
         for route, cfg in ((res.get("sweep") or {}).get(kernel) or {}).items():
             table[route] = dict(cfg)
             used[f"{kernel}/{route}"] = dict(cfg)
@@ -899,7 +899,7 @@ def main(argv=None) -> int:
     if a.qkv_shared_min_batch is not None:  # benchmark-only override of the plugin default
         import importlib
 
-        importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG["SHARED_MIN_BATCH"] = a.qkv_shared_min_batch
+        importlib.import_module("dejavu.plugins.qkv_partial").QKV_CONFIG["SHARED_MIN_BATCH"] = a.qkv_shared_min_batch
         meta["tuned"]["qkv_shared_min_batch"] = a.qkv_shared_min_batch
     run = Run(out, a.budget, meta)
     if not a.no_smoke:

@@ -71,9 +71,10 @@ def _import_plugins():
 
 
 P = _import_plugins()
-importlib.import_module("dejavu.plugins.deferred_kv")  # sys.modules entry used below
 PR = importlib.import_module("dejavu.plugins.predictor")
-SM = sys.modules["dejavu.plugins.sparse_mlp"]  # the module (the package exports functions)
+FC1 = importlib.import_module("dejavu.plugins.fc1")
+FC2 = importlib.import_module("dejavu.plugins.fc2")
+QP = importlib.import_module("dejavu.plugins.qkv_partial")
 
 
 def bench(fn, rep=40, warmup=10):
@@ -160,12 +161,12 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 5e-3), torch.bfloat16:
 
 def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, dot_min_batch=None, ln=False, config=None,
               repeat=1):
-    old = SM.DOT_MIN_BATCH
-    SM.DOT_MIN_BATCH = dot_min_batch or old
+    old = FC1.DOT_MIN_BATCH
+    FC1.DOT_MIN_BATCH = dot_min_batch or old
     try:
         return _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, ln, config, repeat)
     finally:
-        SM.DOT_MIN_BATCH = old
+        FC1.DOT_MIN_BATCH = old
 
 
 def _check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, ln=False, config=None, repeat=1):
@@ -537,8 +538,8 @@ def sweep(mlps, quick, paths=None):
                                   ("dot1", 1, False, (0.1, 0.3)), ("proj1", 1, False, (0.1, 0.3))):
         if paths and path not in paths:
             continue
-        for kernel, table, cfgs in (("fc1", SM.FC1_CONFIG, FC1_SWEEP.get(path)),
-                                    ("fc2", SM.FC2_CONFIG, FC2_SWEEP[path] if path != "gemv" else None)):
+        for kernel, table, cfgs in (("fc1", FC1.FC1_CONFIG, FC1_SWEEP.get(path)),
+                                    ("fc2", FC2.FC2_CONFIG, FC2_SWEEP[path] if path != "gemv" else None)):
             if cfgs is None:
                 continue
             def total_ms(cfg):
@@ -557,7 +558,7 @@ def sweep(mlps, quick, paths=None):
                             o = torch.randn(1, kh * hd, device=DEV)  # attention output: fp32
                             hs = [rand_idx(1, H, kh, False) for _ in range(mlp.COPIES)]
                             out1 = torch.empty(1, mlp.D, device=DEV, dtype=torch.float16)
-                            fns = [lambda c=c: SM.gather_gemv_t(o, mlp.copies[c][2], mlp.copies[c][3], hs[c], None,
+                            fns = [lambda c=c: FC2.gather_gemv_t(o, mlp.copies[c][2], mlp.copies[c][3], hs[c], None,
                                                                 out1, config=cfg, group=hd)
                                    for c in range(mlp.COPIES)]
                         elif kernel == "fc1":
@@ -583,7 +584,7 @@ def sweep(mlps, quick, paths=None):
     return out
 
 
-DOT_MIN_BATCH0 = SM.DOT_MIN_BATCH
+DOT_MIN_BATCH0 = FC1.DOT_MIN_BATCH
 
 
 def bench_mlp(mlps, bw, quick):
@@ -602,7 +603,7 @@ def bench_mlp(mlps, bw, quick):
                 K = max(1, int(round(d * F)))
                 for shared in ((False, "dot") if B == 1 else (False, True)):
                     # B == 1, "dot": the batch-1 set through the tl.dot kernels (DOT_MIN_BATCH=1)
-                    SM.DOT_MIN_BATCH = 1 if shared == "dot" else DOT_MIN_BATCH0
+                    FC1.DOT_MIN_BATCH = 1 if shared == "dot" else DOT_MIN_BATCH0
                     idx = rand_idx(B, F, K, bool(shared) and B > 1)
                     uniq = K if shared else int(torch.unique(idx).numel())
                     t = bench(lambda: mlp.sparse(x, idx))
@@ -631,7 +632,7 @@ def bench_mlp(mlps, bw, quick):
                             lambda i=i: P.sparse_fc2(h, mlp.copies[i % 4][2], mlp.copies[i % 4][3], idx,
                                                      validate=False) for i in range(8)])
                     rows.append(row)
-                    SM.DOT_MIN_BATCH = DOT_MIN_BATCH0
+                    FC1.DOT_MIN_BATCH = DOT_MIN_BATCH0
             print(f"  mlp {name} B={B} done")
     return rows
 
@@ -662,7 +663,7 @@ def bench_mlp_variants(mlps, bw, names):
             # one untimed graph first: the first timed one ran ~20% slow in 2026-12-03 runs
             bench_graph([lambda i=i: mlp.sparse(x, sets[i], c=i % mlp.COPIES) for i in range(8)], reps=5)
             for v in names:
-                c2 = {**SM.FC2_CONFIG["dot1"], **MLP_VARIANTS[v]}
+                c2 = {**FC2.FC2_CONFIG["dot1"], **MLP_VARIANTS[v]}
                 t = bench_graph([lambda i=i: mlp.sparse(x, sets[i], c2=c2, c=i % mlp.COPIES) for i in range(8)])
                 rows.append({"shape": name, "density": d, "K": K, "variant": v, "graph_ms": t, "bytes": nbytes,
                              "graph_bw_frac": nbytes / t / 1e6 / bw["copy_GBps"] if t else None})
@@ -673,7 +674,7 @@ def bench_mlp_variants(mlps, bw, names):
 PART_DENSITIES = (0.1, 0.3)
 def _fc2_split(K, D):
     """The split count gather_gemv_t takes at batch 1 (FC2_CONFIG["dot1"]) for K rows of width D."""
-    return SM._split_plan(K, D, SM.FC2_CONFIG["dot1"])[1]
+    return FC2._split_plan(K, D, FC2.FC2_CONFIG["dot1"])[1]
 
 
 def bench_mlp_parts(mlps, bw, only=None):
@@ -702,7 +703,7 @@ def bench_mlp_parts(mlps, bw, only=None):
                 "pair": (2 * K, lambda i: mlp.sparse(x, sets[i], c=i % C)),
                 "fc1": (K, lambda i: P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets[i], validate=False)),
                 "fc2": (K, lambda i: P.sparse_fc2(h, cp[i % C][2], cp[i % C][3], sets[i], validate=False)),
-                "reduce": (0, lambda i: SM.reduce_partials(parts[i], cp[i % C][3], None, y)),
+                "reduce": (0, lambda i: FC2.reduce_partials(parts[i], cp[i % C][3], None, y)),
                 "fc1_2k_rows": (2 * K, lambda i: P.sparse_fc1(x, cp[i % C][0], cp[i % C][1], sets2[i],
                                                               validate=False)),
                 "cublas_pair": (2 * K, lambda i: torch.mm(Fn.linear(x, cp[i % C][0][:K]).relu_(),
@@ -818,8 +819,8 @@ def sweep_attn(quick, which="wide"):
     kh = round(0.3 * H)
     sets = {ctx: _deferred_args(D, H, 1, ctx, kh, False, 3) for ctx in (128, 1024)}
     out = {"rows": []}
-    lists = ((("qkv", DK.QKV_CONFIG_B1, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)) if which == "wide" else
-             (("qkv", DK.QKV_CONFIG_B1, [{**DK.QKV_CONFIG_B1, **c} for c in QKV_FINISH_SWEEP]),))
+    lists = ((("qkv", QP.QKV_CONFIG_B1, QKV_SWEEP), ("attn", SA.ATTN_CONFIG, ATTN_SWEEP)) if which == "wide" else
+             (("qkv", QP.QKV_CONFIG_B1, [{**QP.QKV_CONFIG_B1, **c} for c in QKV_FINISH_SWEEP]),))
     for key, table, cfgs in lists:
         def total_ms(cfg):
             total = 0.0
@@ -905,7 +906,7 @@ def bench_deferred_parts(quick):
                 def qkv(a, q):
                     x, wl, kc, vc, hist, vl, vl0, pos_t, hidx = a
                     vl.copy_(vl0)
-                    DK._launch_qkv(x, hist, wl[0], wl[1], wl[2], wl[3], hidx, kc, vc, vl, pos_t, 1, q, None)
+                    QP.launch_qkv(x, hist, wl[0], wl[1], wl[2], wl[3], hidx, kc, vc, vl, pos_t, 1, q, None)
 
                 def attn(a, q):
                     x, wl, kc, vc, hist, vl, vl0, pos_t, hidx = a
@@ -920,7 +921,7 @@ def bench_deferred_parts(quick):
                 sel = [torch.cat([a[8].reshape(1, -1) + s * H for s in range(3)], dim=1).to(torch.int32).contiguous()
                        for a in args]
                 g_out = torch.empty(1, 3 * kh * hd, device=DEV, dtype=torch.float16)
-                t_gemv = bench_graph([lambda a=a, w=w, i=i: SM.gather_gemv(a[0], w[0], w[1], i, g_out, relu=False,
+                t_gemv = bench_graph([lambda a=a, w=w, i=i: FC1.gather_gemv(a[0], w[0], w[1], i, g_out, relu=False,
                                                                             group=hd)
                                       for a, w, i in zip(args, wqkv, sel)])
                 del wqkv
@@ -1039,10 +1040,10 @@ def bench_pred_gemv(bw, quick):
                     break
                 outs = [torch.empty(1, r if part == "a" else F, device=DEV, dtype=torch.float16) for _ in ws]
                 if part == "a":
-                    fns = [lambda w=w, o=o: SM.gather_gemv(x, w[0], zero_r, ident[:r], o, relu=False, config=cfg,
+                    fns = [lambda w=w, o=o: FC1.gather_gemv(x, w[0], zero_r, ident[:r], o, relu=False, config=cfg,
                                                            kind="pred") for w, o in zip(ws, outs)]
                 else:
-                    fns = [lambda w=w, h=h, o=o: SM.gather_gemv(h, w[1], w[2], ident[:F], o, relu=False, config=cfg,
+                    fns = [lambda w=w, h=h, o=o: FC1.gather_gemv(h, w[1], w[2], ident[:F], o, relu=False, config=cfg,
                                                                 kind="pred") for w, h, o in zip(ws, hs, outs)]
                 try:
                     fns[0]()
@@ -1205,9 +1206,9 @@ def main(argv=None):
         if args.sweep_attn and in_budget("sweep_attn"):
             res["sweep_attn"] = sweep_attn(args.quick, args.qkv_sweep)
             save("sweep_attn")
-        res["kernel_settings"] = {**SM.kernel_settings(),
-                                  "qkv": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG),
-                                  "qkv_b1": dict(sys.modules["dejavu.plugins.deferred_kv"].QKV_CONFIG_B1),
+        res["kernel_settings"] = {**importlib.import_module("dejavu.plugins").kernel_settings()["sparse_mlp"],
+                                  "qkv": dict(QP.QKV_CONFIG),
+                                  "qkv_b1": dict(QP.QKV_CONFIG_B1),
                                   "attn": dict(sys.modules["dejavu.plugins.sparse_attention"].ATTN_CONFIG)}
         if not args.no_bench:
             if args.mlp_variants and in_budget("mlp_variants"):

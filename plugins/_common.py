@@ -278,5 +278,11 @@ def check_out(out, shape, dtype, device):
     return out
 
 
+def dot_fp32(dtype, device) -> bool:
+    """Whether a kernel's tl.dot runs on fp32 operands in IEEE fp32 (DOT_FP32; Triton's default would
+    be tf32): fp32 inputs, and bf16 on CPU (Triton 3.6's interpreter computes bf16 dots wrongly)."""
+    return dtype == torch.float32 or (device.type == "cpu" and dtype == torch.bfloat16)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

@@ -21,7 +21,7 @@ Limits and choices:
 
 A LayerNorm can also be left to the kernel that reads its output (`PendingLN`): the kernel
 that produced x stored, per row, each block of `width` columns' mean and sum of squared
-deviations (the split-K reduction, `sparse_mlp.gather_gemv_t(..., ln_defer=True)`), and the
+deviations (the split-K reduction, `fc2.gather_gemv_t(..., ln_defer=True)`), and the
 consumer (the batch-1 deferred Q/K/V kernel) merges those pairs into the row's mean and
 variance and normalises x as it loads it: one launch fewer per layer. Consumers that cannot
 take it call `materialize` (this kernel). `pending_ln` builds one with PyTorch stats (tests,
@@ -34,9 +34,12 @@ from typing import NamedTuple
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, gdc_enter, jit, next_pow2, pdl_args
+from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, helper, jit, next_pow2,
+                                    pdl_args)
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
+
+LN_EPS = 1e-5
 
 # Not swept yet: warps by the rule of thumb (~8-16 fp32 elements per thread at the top of
 # each range); OPT's widest row (175B, D 12288) fits in registers.
@@ -100,6 +103,56 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
             b = tl.load(b_ptr + d0 + offs, mask=mask, other=0.0).to(tl.float32)
             y = (x - mean) * rstd * w + b
             tl.store(out_ptr + row + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@helper
+def _block_stats(y, mask, rmask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr):
+    # (mean, M2) of each row of y [R, BLOCK_D] (the rounded values, fp32) over D block pid_d,
+    # stored at st_ptr [R] (pointers to the rows' slots): LayerNorm merges the blocks' pairs
+    n_b = tl.minimum(D - pid_d * BLOCK_D, BLOCK_D).to(tl.float32)
+    mean_b = tl.sum(tl.where(mask, y, 0.0), axis=1) / n_b
+    yc = tl.where(mask, y - mean_b[:, None], 0.0)
+    tl.store(st_ptr, mean_b, mask=rmask)
+    tl.store(st_ptr + 1, tl.sum(yc * yc, axis=1), mask=rmask)
+
+
+@helper
+def _store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, STATS: tl.constexpr):
+    # out[offs] = y rounded to out's dtype (one row's D block pid_d); STATS: also that block's
+    # (mean, M2) of the stored values at st_ptr (one pair), for the LayerNorm that follows
+    yo = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, yo, mask=mask)
+    if STATS:
+        one = tl.arange(0, 1)
+        _block_stats(yo.to(tl.float32)[None, :], mask[None, :], one < 1, st_ptr + one, pid_d, D, BLOCK_D)
+
+
+@helper
+def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
+    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (_ln_merge_rows)
+    one = tl.arange(0, 1)
+    mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N, CM)
+    return tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
+
+
+@helper
+def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
+    # (mean, rstd) [R] of rows whose N_D blocks' (mean, M2) are at st_rows [R] (pointers to
+    # [N_D, 2] each; blocks of BLOCK_D columns, the last one short), merged in fp32: the
+    # parallel form of mean-then-squared-deviations (as layer_norm.py's chunked path). Masked
+    # rows read nothing. CM "": an earlier kernel wrote them and thousands of programs read the
+    # same few lines (L1 then serves all but the first warp of each SM; after the PDL wait no
+    # stale copy can be in L1; ".cg" there ran 3.6x slower).
+    offs_n = tl.arange(0, BLOCK_N)
+    m = rmask[:, None] & (offs_n < N_D)[None, :]
+    n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)[None, :]
+    st = st_rows[:, None] + offs_n[None, :] * 2
+    mean_b = tl.load(st, mask=m, other=0.0, cache_modifier=CM)
+    m2_b = tl.load(st + 1, mask=m, other=0.0, cache_modifier=CM)
+    mean = tl.sum(tl.where(m, n_b * mean_b, 0.0), axis=1) / D
+    delta = mean_b - mean[:, None]
+    m2 = tl.sum(tl.where(m, m2_b + n_b * delta * delta, 0.0), axis=1)
+    return mean, 1.0 / tl.sqrt(m2 / D + eps)
 
 
 # ---------------------------------------------------------------------------------------

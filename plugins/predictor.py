@@ -9,7 +9,7 @@ scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per r
 (`shared=True`, one set for the batch: the union policy of the MLP kernels' fast batch
 path; with B == 1 the single row is used as is). Scoring (`scoring`, SCORE_METHOD): "torch"
 = two cuBLAS GEMVs (torch.nn.functional.linear); "triton" = the same two products by
-`sparse_mlp.gather_gemv` over every row (an identity index, no ReLU; x @ a.T with a zero
+`fc1.gather_gemv` over every row (an identity index, no ReLU; x @ a.T with a zero
 bias): `predictor_scores_triton`. Both accumulate in fp32 and round h = x @ a.T and the
 scores to the input dtype, as the reference does; they differ only in summation order.
 Top-k (`method`): "torch" = torch.topk(sorted=False); "triton" = `topk_triton`. Neither
@@ -346,7 +346,7 @@ def predictor_scores_triton(x, a, b, bias, config=None):
     """scores[1,N] = (x @ a.T) @ b.T + bias by two gather_gemv launches over every row
     (identity index): h[1,r] then the scores, each rounded to x's dtype. Batch 1 (the GEMV
     route; checked inputs). config: {"a": {..}, "b": {..}} overrides SCORE_CONFIG."""
-    from dejavu.plugins.sparse_mlp import gather_gemv
+    from dejavu.plugins.fc1 import gather_gemv
 
     B, r, N = x.shape[0], a.shape[0], b.shape[0]
     if B != 1:

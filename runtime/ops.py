@@ -17,7 +17,7 @@
     layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
     kv_refresh(idx, valid_len[1,H], pos[1], r, lag=None, max_lag=None) -> [r] int32
         (deferred K/V, batch 1: the r most lagging heads outside idx, -1 past the last, whose K/V
-        sparse_attn_deferred(..., refresh=) then computes too; plugins/deferred_kv.refresh_heads;
+        sparse_attn_deferred(..., refresh=) then computes too; plugins/refresh_heads.py;
         the decoder launches it on the predictors' side stream, DecodeOptions.kv_refresh)
 
 - "ref": the plugins' PyTorch references (`*_ref`, the CPU path); layer_norm is PyTorch's own
@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 import dejavu.plugins as P
-from dejavu.plugins import deferred_kv
 from dejavu.plugins.layer_norm import PendingLN, from_stats_ref, pending_ln
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
@@ -70,9 +69,9 @@ _IMPL = {
     "sparse_fc1": (P.sparse_fc1, P.sparse_fc1_ref),
     "sparse_fc2": (P.sparse_fc2, P.sparse_fc2_ref),
     "sparse_attn": (P.sparse_attn_decode, P.sparse_attn_decode_ref),
-    "sparse_attn_deferred": (deferred_kv.sparse_attn_decode_deferred, deferred_kv.sparse_attn_decode_deferred_ref),
+    "sparse_attn_deferred": (P.sparse_attn_decode_deferred, P.sparse_attn_decode_deferred_ref),
     "layer_norm": (P.layer_norm, _layer_norm),
-    "kv_refresh": (deferred_kv.refresh_heads, deferred_kv.refresh_heads_ref),
+    "kv_refresh": (P.refresh_heads, P.refresh_heads_ref),
 }
 
 
@@ -149,10 +148,9 @@ class Ops:
             want = self._ref["kv_refresh"](ia1, vl2[:1], pos2[:1], 4)
             if not torch.equal(got.cpu(), want.cpu()):
                 raise ValueError(f"picked {got.tolist()}, the reference {want.tolist()}")
-            from dejavu.plugins.deferred_kv import refresh_route
             deferred = self.sparse_attn_deferred if f is self.kv_refresh else self._ref["sparse_attn_deferred"]
             kc, vc, xh, vl = [c[:1].clone() for c in caches2] + [hist2[:1].clone(), vl2[:1].clone()]
-            takes = refresh_route(1, T2, D, hd, ia1)  # else the kernels leave them out (the reference would not)
+            takes = P.refresh_route(1, T2, D, hd, ia1)  # else the kernels leave them out (the reference would not)
             y = deferred(x[:1], t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                          t[p + "attn.wo_t"], t[p + "attn.bo"], ia1, kc, vc, xh, vl, pos2[:1], res[:1],
                          refresh=got if takes else None)

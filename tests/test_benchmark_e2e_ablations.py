@@ -15,7 +15,7 @@ try:
 finally:
     sys.path.remove(_BENCH)
 
-TABLES = [("_common", "PDL_CONFIG"), ("deferred_kv", "QKV_CONFIG_B1"), ("predictor", "SCORE_CONFIG")]
+TABLES = [("_common", "PDL_CONFIG"), ("qkv_partial", "QKV_CONFIG_B1"), ("predictor", "SCORE_CONFIG")]
 
 
 def _state(eng):

@@ -17,9 +17,9 @@ finally:
 
 def test_variants_are_fc2_batch1_configs():
     """Every variant is a `config=` override of fc2's batch-1 blocks: known keys only, nothing patched."""
-    before = copy.deepcopy(K.SM.FC2_CONFIG)
-    keys = set(K.SM.FC2_CONFIG["dot1"]) | {"SPLIT"}
+    before = copy.deepcopy(K.FC2.FC2_CONFIG)
+    keys = set(K.FC2.FC2_CONFIG["dot1"]) | {"SPLIT"}
     for name, cfg in K.MLP_VARIANTS.items():
         assert isinstance(cfg, dict) and set(cfg) <= keys, name
     assert K.MLP_VARIANTS["default"] == {}
-    assert K.SM.FC2_CONFIG == before
+    assert K.FC2.FC2_CONFIG == before

@@ -10,7 +10,7 @@ def test_kernel_settings_cover_every_kernel_and_follow_the_configs(monkeypatch):
     assert set(s) == {"sparse_mlp", "deferred_qkv", "deferred_qkv_b1", "attention", "topk",
                       "scoring", "layer_norm", "pdl"}
     assert json.loads(json.dumps(s)) == json.loads(json.dumps(s))  # JSON-ready (tuples become lists)
-    dk = sys.modules["dejavu.plugins.deferred_kv"]
+    dk = sys.modules["dejavu.plugins.qkv_partial"]
     monkeypatch.setitem(dk.QKV_CONFIG, "BLOCK_D", 64)
     assert P.kernel_settings()["deferred_qkv"]["BLOCK_D"] == 64
     monkeypatch.setitem(dk.QKV_CONFIG_B1, "SHARED_P", 8)

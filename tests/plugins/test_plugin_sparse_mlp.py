@@ -126,7 +126,7 @@ def test_bad_inputs_rejected():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
     # DOT_MIN_BATCH = 1 sends a batch-1 set ([1, K]) through the tl.dot kernels
-    monkeypatch.setattr(sys.modules["dejavu.plugins.sparse_mlp"], "DOT_MIN_BATCH", 1)
+    monkeypatch.setattr(sys.modules["dejavu.plugins.fc1"], "DOT_MIN_BATCH", 1)
     x, w1, b1, w2_t, b2, idx = make(1, dtype, False)
     h = run_fc1(x, w1, b1, idx)
     close(h, sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx), sparse_fc1_ref(x, w1, b1, idx))
@@ -139,7 +139,7 @@ def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
 # fc2 with the next LayerNorm (ln=): the split reduction (or the one-split kernel) stores y, then
 # the layer_norm kernel; with ln_defer the reduction's block stats instead (test_plugin_pending_ln.py)
 
-SM = sys.modules["dejavu.plugins.sparse_mlp"]
+SM = sys.modules["dejavu.plugins.fc2"]
 
 
 def ln_weights(dtype):

@@ -114,7 +114,7 @@ import torch, json
 torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model, record_steps
 from dejavu.runtime import Engine
-import dejavu.plugins.deferred_kv as DK
+import dejavu.plugins.qkv_partial as DK
 # batch 1's Q/K/V partials hold one missing slot (SHARED_P 2): an unselected head lagging one slot or
 # more is a refresh candidate; with 2 of 4 heads attending there is one most steps
 DK.QKV_CONFIG_B1.update(SHARED_P=2)
@@ -178,7 +178,7 @@ torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
 from dejavu.plugins.layer_norm import PendingLN
-import dejavu.plugins.sparse_mlp as SM
+import dejavu.plugins.fc2 as SM
 from runtime_helpers import record_steps
 # blocks of 16 rows: fc2 splits K, so its reduction runs (and stores the stats) on every route
 for route in ("proj1", "dot", "gemv", "dot1"):
@@ -233,7 +233,7 @@ import torch, json
 torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
-import dejavu.plugins.deferred_kv as DK, dejavu.plugins.sparse_attention as SA
+import dejavu.plugins.qkv_partial as DK, dejavu.plugins.sparse_attention as SA
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
