@@ -2,7 +2,7 @@
 
     sparse_attn_decode_deferred(x_ln[B,D] | PendingLN, wq, bq, wkv, bkv, wo_t, bo, head_idx,
                                 k_cache[B,H,S,hd], v_cache, x_hist[B,S,D], valid_len[B,H] int32, pos,
-                                residual=None, *, out=None, validate=None, config=None, refresh=None) -> y[B,D]
+                                residual=None, *, out=None, validate=None, config=None, refresh=None, settings=None) -> y[B,D]
     recompute_kv(x_hist, wkv[2D,D], bkv[2D], head_idx[B,Kh]|[Kh], k_cache, v_cache, valid_len, pos) -> None
     (and their *_ref in PyTorch)
 
@@ -28,6 +28,7 @@ from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
 from dejavu.plugins.qkv_partial import _qkv_cfg, _shared_qkv, launch_qkv
 from dejavu.plugins.refresh_heads import _pos_rows, refresh_route
+from dejavu.plugins.settings import DEFAULT
 from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_project, folds_finish
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -80,7 +81,7 @@ def _mark_valid(valid_len, head_idx, pos_t):
     valid_len.scatter_(1, heads, val)
 
 
-def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
+def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb, pdl=None):
     """valid_len[b, heads] = pos + 1 and (x_new given) x_hist[b, pos] = x_new[b]: one launch."""
     B, S, D = x_hist.shape
     H = valid_len.shape[1]
@@ -90,7 +91,7 @@ def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb):
     commit[(B,)](new, x_hist, head_idx, valid_len, pos_t, kh, H, D, new.stride(0), x_hist.stride(0),
                  x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
                  HAS_NEW=x_new is not None, BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4,
-                 **pdl_args(x_hist.device, "commit"))
+                 **pdl_args(x_hist.device, "commit", pdl))
 
 
 def _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, validate):
@@ -108,7 +109,7 @@ def _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p
 
 
 def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
-                 config=None) -> None:
+                 config=None, settings=None) -> None:
     """Fill K/V of the selected heads at slots min(valid_len, pos)..pos from x_hist; mark them valid."""
     B, S, D, H, hd, kh, pos_t, stride_pb = _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache,
                                                              valid_len, pos, validate)
@@ -116,8 +117,8 @@ def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *
         return
     # wq / bq are never read without Q rows: pass wkv's first rows in their place
     launch_qkv(None, x_hist, wkv, bkv, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                None, config)
-    _commit(None, x_hist, head_idx, valid_len, pos_t, stride_pb)
+                None, config, settings=settings)
+    _commit(None, x_hist, head_idx, valid_len, pos_t, stride_pb, (settings or DEFAULT).pdl)
 
 
 def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
@@ -161,7 +162,7 @@ def _write_hist(x_hist, x_ln, pos_t):
 
 def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, x_hist,
                                 valid_len, pos, residual=None, *, out=None, validate=None, config=None,
-                                refresh=None):
+                                refresh=None, settings=None):
     """sparse_attn_decode with deferred K/V: only the selected heads' K/V are computed; y[B,D].
 
     Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
@@ -188,12 +189,12 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         if lo < 0 or hi >= S:
             raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
-    cfg = config or {}
-    qcfg = _qkv_cfg(B, cfg.get("qkv"))
+    cfg, s = config or {}, settings or DEFAULT
+    qcfg = _qkv_cfg(B, cfg.get("qkv"), s)
     if pending is not None and (kh == 0 or B != 1 or not _shared_qkv(B, head_idx, qcfg)):
-        x_ln, pending = materialize(pending), None
+        x_ln, pending = materialize(pending, settings=s), None
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
-        _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb)
+        _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb, s.pdl)
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
     if refresh is not None:
@@ -204,18 +205,18 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
             if bad or len(set(h for h in refresh.tolist() if h >= 0)) != sum(h >= 0 for h in refresh.tolist()):
                 raise DejavuError(f"refresh: heads must be distinct, in [0, {H}) or -1, and not selected; got "
                                   f"{refresh.tolist()}")
-        if not refresh.numel() or not refresh_route(B, S, D, hd, head_idx, cfg):
+        if not refresh.numel() or not refresh_route(B, S, D, hd, head_idx, cfg, s):
             refresh = None
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    fold = qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and folds_finish(B, S, cfg.get("attn"))
+    fold = qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and folds_finish(B, S, cfg.get("attn"), s)
     parts = launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
-                        cfg.get("qkv"), pending, fold=fold, refresh=refresh)
+                        cfg.get("qkv"), pending, fold=fold, refresh=refresh, settings=s)
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored
     # that slot when it normalised a PendingLN); 3. output projection
     y = attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, cfg.get("attn"),
                        commit=(valid_len, None if pending is not None else x_ln, x_hist), finish=parts,
-                       refresh=refresh)
+                       refresh=refresh, settings=s)
     return y
 
 

@@ -5,8 +5,9 @@
 
 - dtypes fp16, bf16, fp32 (weights in the activation dtype); fp32 accumulation; h in x's dtype.
 - idx int32 or int64, `[B, K]` (one set per sequence: one GEMV per sequence, `_gather_gemv_kernel`)
-  or `[K]` (one set for the batch: from DOT_MIN_BATCH each gathered row is read once and multiplied
-  against the whole batch with `tl.dot`, `_gather_dot_kernel`, batch padded to >= 16).
+  or `[K]` (one set for the batch: from fc1_dot_min_batch each gathered row is read once and multiplied
+  against the whole batch with `tl.dot`, `_gather_dot_kernel`, batch padded to >= 16). Blocks:
+  settings.KernelSettings fc1_gemv / fc1_dot / fc1_dot_min_batch (`settings=`; `config=` overrides a field).
 - `gather_gemv` is the shared launcher (also Q of the full K/V policy with GROUP = hd, and the
   predictors' products): row(k) = idx[k // GROUP] * GROUP + k % GROUP.
 - Index values are trusted in the kernel; `validate` checks the range (a host sync; default: CPU
@@ -19,23 +20,9 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, default_validate,
                                     dot_fp32, gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args)
+from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
-
-# Chosen by `benchmarks/kernels.py --sweep` on an H200, timed in CUDA graphs (2026-12-02,
-# benchmarks/results/kernels-2026-12-02-sweep-b1.json; summed time over OPT-30B/66B at
-# density 0.1 and 0.5 (fc1 GEMV), 0.1 and 0.3 (batch-1 dot paths), 0.3 at batch 8 shared).
-# The decode step with these blocks: 7.04 against 7.27 ms/token (OPT-30B d0.3, BENCHMARKS.md).
-# W_EV "evict_first" (2026-12-03): the streamed weight rows leave L1 first, so the input vector
-# every program re-reads stays there; OPT-30B shape, batch 1: 3.940 vs 4.054 ms/token at density
-# 0.1, 6.569 vs 6.593 at 0.3 (".cg", L2 only: no gain). The predictors' GEMVs inherit it (their
-# SCORE_CONFIG sets only block sizes). BENCHMARKS.md, 2026-12-03.
-FC1_CONFIG = {
-    "gemv": {"BLOCK_R": 2, "BLOCK_D": 1024, "num_warps": 4, "num_stages": 2, "W_EV": "evict_first"},
-    "dot": {"BLOCK_R": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
-}
-DOT_MIN_BATCH = 2       # fc1: shared index sets from this batch size use the tl.dot kernel
-
 
 @helper
 def _group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
@@ -128,7 +115,7 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
 def _cdiv(a, b):
     return (a + b - 1) // b
 
-def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, settings=None):
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
     rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
     kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1)."""
@@ -138,26 +125,27 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None):
         return out
     shared = idx.dim() == 1
     kind = kind or ("qkv_full" if group > 1 else "fc1")
-    if (shared or B == 1) and B >= DOT_MIN_BATCH:  # B == 1: [1, K] is the same set as [K]
-        cfg = {**FC1_CONFIG["dot"], **(config or {})}
+    s = settings or DEFAULT
+    if (shared or B == 1) and B >= s.fc1_dot_min_batch:  # B == 1: [1, K] is the same set as [K]
+        cfg = table(s.fc1_dot, config)
         kernel = jit(_gather_dot_kernel, x.device)
         kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
             x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
             RELU=relu, DOT_FP32=dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
             BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
             EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 3), **pdl_args(x.device, kind))
+            num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
     else:
-        cfg = {**FC1_CONFIG["gemv"], **(config or {})}
+        cfg = table(s.fc1_gemv, config)
         kernel = jit(_gather_gemv_kernel, x.device)
         kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
             x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0),
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=D % cfg["BLOCK_D"] == 0,
-            GROUP=group, W_EV=cfg.get("W_EV", ""), num_warps=cfg["num_warps"],
-            num_stages=cfg.get("num_stages", 2), **pdl_args(x.device, kind))
+            GROUP=group, W_EV=cfg["W_EV"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
     return out
 
-def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None):
+def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, settings=None):
     """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D], w1 [F,D], b1 [F], idx [B,K] or [K]."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
@@ -169,7 +157,7 @@ def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None):
     K, _ = check_index("idx", idx, batch=B, upper=F, device=x.device,
                        validate=default_validate(validate, x.device))
     out = check_out(out, (B, K), x.dtype, x.device)
-    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config)
+    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, settings=settings)
 
 def _expand_idx(idx, batch):
     return idx.long().expand(batch, -1) if idx.dim() == 1 else idx.long()

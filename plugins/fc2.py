@@ -13,6 +13,7 @@
   With `ln=` the next LayerNorm follows (layer_norm.py), or with `ln_defer=True` the reduction
   stores per-block statistics and returns a PendingLN that the next layer's Q/K/V kernel
   normalises itself (batch 1). Duplicated indices are allowed (summed).
+- Blocks: settings.KernelSettings fc2_gemv / fc2_dot / fc2_dot1 / proj1 / fc2_dot_min_batch.
 - dtypes, index checks, no host sync: as fc1.py.
 """
 from __future__ import annotations
@@ -24,28 +25,10 @@ from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_
                                     dot_fp32, gdc_enter, gdc_release, jit, next_pow2, pdl_args)
 from dejavu.plugins.fc1 import _cdiv, _expand_idx, _group_rows, sparse_fc1, sparse_fc1_ref
 from dejavu.plugins.layer_norm import LN_EPS, PendingLN, _store_row, layer_norm
+from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-FC2_CONFIG = {
-    # SPLIT 32 (~900 programs at D 7168) beat the 528-program target by 16% in the sweep
-    # (2026-12-02; the per-sequence path, not swept since)
-    "gemv": {"BLOCK_K": 16, "BLOCK_D": 256, "num_warps": 4, "SPLIT": 32},
-    "dot": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3},
-    # batch 1 through the tl.dot kernel (FC2_DOT_MIN_BATCH): its own blocks (swept at B=1)
-    # (TARGET_PROGRAMS 396, three per SM: one wave; OPT-30B shape batch 1 in the decode step:
-    # 6.336-6.343 vs 6.368-6.378 ms/token at density 0.3, 3.770 vs 3.814-3.818 at 0.1 with 528;
-    # BENCHMARKS.md, 2026-12-03)
-    "dot1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 3, "TARGET_PROGRAMS": 396},
-    # batch 1, rows gathered in groups (the attention output projection: hd rows per head;
-    # K = heads * hd, a few thousand rows against fc2's ~10^4): 14.0 vs 16.5 us (30B, d0.3)
-    "proj1": {"BLOCK_K": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 4, "TARGET_PROGRAMS": 528},
-}
-# fc2 (and the attention output projection): from batch 1. On the H200 at batch 1, OPT-30B,
-# the tl.dot fc2 took 37.5 us at density 0.3 and 17.2 at 0.1, the split-K GEMV 50.5 and 27.9;
-# fc1 is faster as a GEMV (33.6 vs 37.5 us; H200, 2026-12-02).
-FC2_DOT_MIN_BATCH = 1
-TARGET_PROGRAMS = 528   # fc2 split-K without a fixed SPLIT: ~4 programs per SM (132 SMs)
 REDUCE_BLOCK = 1024
 
 
@@ -172,13 +155,13 @@ def _split_plan(K, D, cfg, programs_per_split=1):
     """fc2's split-K plan: (n_d D blocks, split, k_per_split rows, a multiple of BLOCK_K)."""
     n_d = _cdiv(D, cfg["BLOCK_D"])
     k_blocks = max(1, _cdiv(K, cfg["BLOCK_K"]))
-    target = cfg.get("TARGET_PROGRAMS", TARGET_PROGRAMS)
+    target = cfg["TARGET_PROGRAMS"]
     split = cfg.get("SPLIT") or max(1, min(k_blocks, target // (n_d * programs_per_split)))
     k_per_split = _cdiv(k_blocks, split) * cfg["BLOCK_K"]
     return n_d, max(1, _cdiv(K, k_per_split)), k_per_split
 
 def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
-                  ln_defer=False):
+                  ln_defer=False, settings=None):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
     LayerNorm(out) (eps LN_EPS), returned as (out, ln_out) with ln_defer, whose second is a
@@ -189,9 +172,10 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     if B == 0:
         return out
     shared = idx.dim() == 1
-    dot = (shared or B == 1) and B >= FC2_DOT_MIN_BATCH
-    route = (("proj1" if group > 1 else "dot1") if B == 1 else "dot") if dot else "gemv"
-    cfg = {**FC2_CONFIG[route], **(config or {})}
+    s = settings or DEFAULT
+    dot = (shared or B == 1) and B >= s.fc2_dot_min_batch
+    route = (("proj1" if group > 1 else "fc2_dot1") if B == 1 else "fc2_dot") if dot else "fc2_gemv"
+    cfg = table(getattr(s, route), config)
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
     n_d, split, k_per_split = _split_plan(K, D, cfg, 1 if dot else B)
     final = split == 1
@@ -199,25 +183,25 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     res = residual if residual is not None else out  # never read when HAS_RES is false
     common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
                   EVEN_D=D % block_d == 0, GROUP=group, num_warps=cfg["num_warps"],
-                  **pdl_args(h.device, "proj" if group > 1 else "fc2"))
+                  **pdl_args(h.device, "proj" if group > 1 else "fc2", s.pdl))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0),
                              DOT_FP32=dot_fp32(w_t.dtype, h.device), BLOCK_B=max(16, next_pow2(B)),
-                             num_stages=cfg.get("num_stages", 3), **common)
+                             num_stages=cfg["num_stages"], **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split,
                                 h.stride(0), 0 if shared else idx.stride(0),
-                                num_stages=cfg.get("num_stages", 2), **common)
+                                num_stages=cfg["num_stages"], **common)
     if not final:
-        return reduce_partials(part, bias, residual, out, ln, ln_out, ln_defer)
+        return reduce_partials(part, bias, residual, out, ln, ln_out, ln_defer, settings=s)
     if ln is not None:
-        layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
+        layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out, settings=s)
     return (out, ln_out) if ln is not None and ln_defer else out
 
 
-def reduce_partials(part, bias, residual, out, ln=None, ln_out=None, ln_defer=False):
+def reduce_partials(part, bias, residual, out, ln=None, ln_out=None, ln_defer=False, *, settings=None):
     """out[B,D] = sum_s part[s] + bias (+ residual), part [SPLIT, B, D] fp32 (split-K partial
     sums); ln, ln_out, ln_defer and the return value as gather_gemv_t's."""
     split, B, D = part.shape
@@ -230,11 +214,11 @@ def reduce_partials(part, bias, residual, out, ln=None, ln_out=None, ln_defer=Fa
     st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=dev) if defer else out
     reduce = jit(_split_reduce_kernel, dev)
     reduce[(B, n_blk)](part, bias, res, out, st, B, D, split, n_blk, HAS_RES=residual is not None, BLOCK=block,
-                       BLOCK_S=block_s, STATS=int(defer), num_warps=4, **pdl_args(dev, "reduce"))
+                       BLOCK_S=block_s, STATS=int(defer), num_warps=4, **pdl_args(dev, "reduce", (settings or DEFAULT).pdl))
     if defer:
         return out, PendingLN(out, ln[0], ln[1], st, block)
     if ln is not None:
-        layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out)
+        layer_norm(out, ln[0], ln[1], LN_EPS, out=ln_out, settings=settings)
     return out
 
 
@@ -253,7 +237,7 @@ def check_ln(ln, ln_out, B, D, dtype, device):
     return ln_out
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
-               config=None, ln_defer=False):
+               config=None, ln_defer=False, settings=None):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
     ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out).
     ln_defer (with ln): the second output may be a PendingLN (gather_gemv_t), for the next layer's
@@ -272,14 +256,14 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
     out = check_out(out, (B, D), h.dtype, h.device)
     ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
     y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out,
-                      ln_defer=ln_defer if ln is not None else False)
+                      ln_defer=ln_defer if ln is not None else False, settings=settings)
     return y if ln is None or ln_defer else (y, ln_out)
 
 
-def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None):
+def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None, settings=None):
     """fc2(relu(fc1(x))) over the selected neurons: y[B,D]."""
-    h = sparse_fc1(x, w1, b1, idx, validate=validate)
-    return sparse_fc2(h, w2_t, b2, idx, residual, validate=False)
+    h = sparse_fc1(x, w1, b1, idx, validate=validate, settings=settings)
+    return sparse_fc2(h, w2_t, b2, idx, residual, validate=False, settings=settings)
 
 def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False):
     """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),

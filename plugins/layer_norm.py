@@ -10,11 +10,12 @@ Limits and choices:
 - dtypes fp16, bf16, fp32; x, weight, bias and out share dtype and device, all contiguous;
   y has x's dtype. Statistics in fp32: the mean first, then the variance of (x - mean)
   (biased, as PyTorch), not E[x^2] - E[x]^2, which cancels badly when |mean| >> std.
-- One program per row. Rows up to LN_CONFIG["MAX_BLOCK"] elements (padded to a power of
+- One program per row. Rows up to settings.layer_norm.MAX_BLOCK elements (padded to a power of
   two) are held in registers: one read of x. Longer rows (CHUNKED) loop over blocks of
   CHUNK_BLOCK twice: pass 1 merges per-block mean and sum of squared deviations (Chan et
   al.'s pairwise update, as stable as two-pass), pass 2 normalizes (x is read twice).
-- num_warps by D from LN_CONFIG["WARPS"]; `config=` overrides any LN_CONFIG key, plus
+- num_warps by D from settings.layer_norm.WARPS (the rule of thumb: ~8-16 fp32 elements per
+  thread; not swept); `config=` overrides any of its fields, including
   "BLOCK" (a power of two; the row is chunked when BLOCK < D) and "num_warps" (tests use a
   small BLOCK to run the chunked path on small shapes).
 - No host sync; launches are CUDA-graph capturable. eps is a launch argument (fp32).
@@ -36,23 +37,11 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, helper, jit, next_pow2,
                                     pdl_args)
+from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 LN_EPS = 1e-5
-
-# Not swept yet: warps by the rule of thumb (~8-16 fp32 elements per thread at the top of
-# each range); OPT's widest row (175B, D 12288) fits in registers.
-LN_CONFIG = {
-    "MAX_BLOCK": 16384,   # rows with next_pow2(D) up to this stay in registers
-    "CHUNK_BLOCK": 4096,  # block of the chunked (two-pass) path for longer rows
-    "WARPS": ((2048, 4), (8192, 8), (None, 16)),  # (largest D, num_warps), first match
-    # Rows held in registers: load weight and bias before the PDL wait (`gdc_enter`; they are
-    # never written while decoding, so the previous kernel may still run), not after the
-    # statistics: one dependent memory round trip fewer after the wait.
-    "EARLY_WEIGHTS": True,
-}
-
 
 # ---------------------------------------------------------------------------------------
 # kernel
@@ -158,9 +147,8 @@ def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, 
 # ---------------------------------------------------------------------------------------
 # launcher
 
-def _plan(D, config):
+def _plan(D, cfg):
     """(BLOCK, CHUNKED, num_warps) for rows of D elements."""
-    cfg = {**LN_CONFIG, **(config or {})}
     block = cfg.get("BLOCK")
     if block is None:
         block = next_pow2(D)
@@ -174,7 +162,7 @@ def _plan(D, config):
     return block, block < D, num_warps
 
 
-def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
+def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None, settings=None):
     """y[R,D] = LayerNorm over the last dim of x[R,D] with weight[D], bias[D] (fp32 stats)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     R, D = x.shape
@@ -183,11 +171,13 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
     out = check_out(out, (R, D), x.dtype, x.device)
     if R == 0 or D == 0:
         return out
-    block, chunked, num_warps = _plan(D, config)
-    early = bool({**LN_CONFIG, **(config or {})}["EARLY_WEIGHTS"]) and not chunked
+    s = settings or DEFAULT
+    cfg = table(s.layer_norm, config)
+    block, chunked, num_warps = _plan(D, cfg)
+    early = bool(cfg["EARLY_WEIGHTS"]) and not chunked
     kernel = jit(_layer_norm_kernel, x.device)
     kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block, EARLY_W=early,
-                 num_warps=num_warps, **pdl_args(x.device, "layer_norm"))
+                 num_warps=num_warps, **pdl_args(x.device, "layer_norm", s.pdl))
     return out
 
 
@@ -248,10 +238,10 @@ def from_stats_ref(p: PendingLN, eps=1e-5) -> torch.Tensor:
     return y.to(p.x.dtype)
 
 
-def materialize(x, eps=1e-5):
+def materialize(x, eps=1e-5, settings=None):
     """x itself, or a PendingLN's LayerNorm computed now by the layer_norm kernel (launchers
     of consumers that cannot fold it)."""
-    return layer_norm(x.x, x.weight, x.bias, eps) if isinstance(x, PendingLN) else x
+    return layer_norm(x.x, x.weight, x.bias, eps, settings=settings) if isinstance(x, PendingLN) else x
 
 
 def materialize_ref(x, eps=1e-5):

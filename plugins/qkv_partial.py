@@ -1,7 +1,7 @@
 """Q/K/V partial kernels of the deferred K/V policy (deferred_kv.py), and the launch of both Q/K/V kernels.
 
     launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-               q, config, pending=None, fold=False, refresh=None) -> QKVPartials | None
+               q, config, pending=None, fold=False, refresh=None, settings=None) -> QKVPartials | None
 
 Q/K/V of the selected heads: grid (heads, row blocks, slices of D). A program owns BLOCK_R rows of
 one of its head's three hd-row segments (Q, K or V) and one of SPLIT slices of D, and reads that
@@ -24,70 +24,10 @@ from dejavu.errors import DejavuError
 from dejavu.plugins._common import dot_fp32, gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args, reg_cap
 from dejavu.plugins.layer_norm import LN_EPS, _ln_merge
 from dejavu.plugins.qkv_finish import _qkv_finish_kernel, _qkv_rows, _slow_slots, slow_z
+from dejavu.plugins.settings import DEFAULT, table
 from dejavu.plugins.sparse_attention import QKVPartials
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
-
-# BLOCK_P: missing slots per tl.dot block (>= 16); BLOCK_R: rows per program (>= 16, the
-# dot's N); SPLIT: slices of D (None: enough for ~TARGET_PROGRAMS programs). Picked by
-# `benchmarks/kernels.py --sweep-attn` on an H200. _qkv_finish_kernel takes FINISH_R rows per program
-# (SLOW_Z programs share the slow path's chunks of a head unselected for more than SHARED_P - 1 steps). FINISH_S: slices of D summed per load
-# when finishing (a power of 2; more splits take more loads, fewer registers).
-# SHARED_*: a shared index set with B >= SHARED_MIN_BATCH takes _qkv_partial_shared_kernel
-# (weights read once for the batch; SHARED_P - 1 missing slots per sequence in its tl.dot).
-# SHARED_MIN_BATCH 1 takes it at batch 1 too: one tl.dot over [x at pos, SHARED_P - 1 missing
-# slots] instead of a GEMV plus a tl.dot over BLOCK_P missing slots.
-# QKV_CONFIG serves batches >= 2; batch 1 starts from QKV_CONFIG_B1 (both overridden by
-# `config=`). Batches with a shared set take the shared-set kernel (SHARED_MIN_BATCH 2): on
-# the H200 (OPT-30B, head density 0.3, batch 8, gap 3) the deferred attention call took 83
-# against 259 us with the per-sequence kernel, the decode step 10.4 against 16.8 ms.
-QKV_CONFIG = {"BLOCK_P": 16, "BLOCK_R": 32, "BLOCK_D": 128, "SPLIT": None, "TARGET_PROGRAMS": 1056,
-              "FINISH_R": 32, "num_warps": 4, "num_stages": 2, "SHARED_MIN_BATCH": 2, "SHARED_P": 4,
-              "FINISH_S": 8, "SLOW_Z": 1, "SLOW_TARGET": 640, "EARLY_READS": True,
-              "FOLD_FINISH": False, "FOLD_SLOW_R": 16, "FOLD_SLOW_Z": 1, "FOLD_MAX_SPLIT": 8, "FOLD_CAP": False,
-              "FOLD_SLOW_LAST": False, "SHARED_P_UNFOLDED": None, "UNFOLDED_MAXNREG": None}
-# Batch 1: the shared-set kernel with 15 missing slots per tl.dot, the fastest of 120 configs
-# of `kernels.py --sweep-attn` on the H200 (2026-12-02; OPT-30B, head density 0.3, gap 3), and
-# the finishing kernel's blocks from `--qkv-sweep finish` (16 rows, one partial per load:
-# 111.6 vs 116.0 us per two calls; decode step 6.93 vs 7.03 ms). A copy made at import:
-# later edits of QKV_CONFIG do not reach batch 1.
-# SLOW_Z None: as many programs per row block as fill ~SLOW_TARGET finishing programs (at most
-# 8): OPT-30B shape, batch 1, d0.1 (6 heads, 144 row blocks): 4, 4.20 vs 4.39 ms/token with 1;
-# d0.3 (17 heads, 408 row blocks): 1 (4 there: 6.70 vs 6.59; BENCHMARKS.md, 2026-12-03).
-# FOLD_FINISH (batch 1, shared-set kernel, attention with a combine launch:
-# `sparse_attention.folds_finish`): no finishing kernel; the attention kernel sums the partials
-# itself (Q in every chunk program; K/V at pos and at the P - 1 slots the partials hold in the
-# program of pos's chunk, which stores them into the caches), the combine kernel commits
-# valid_len, and the partial kernel's first z-slices (FOLD_SLOW_Z chunk sets x sub-blocks of
-# FOLD_SLOW_R rows) fill any further missing slots from whole-D passes. One launch fewer in
-# each layer's latency-bound chain. Up to FOLD_MAX_SPLIT slices of D (the attention kernel
-# unrolls their loads); more: the finishing kernel runs (FOLD_CAP: the partial kernel takes
-# FOLD_MAX_SPLIT slices instead). FOLD_SLOW_LAST: the slow z-slices after the D slices in the grid.
-# FOLD_FINISH "wide" (batch 1's default): fold only where the partial kernel would take more than
-# FOLD_MAX_SPLIT slices (few heads: OPT-30B d0.1, 14 slices, capped to 8), where the finishing
-# kernel is at its slowest (one load per slice, and the slow path of frequent long gaps). On the
-# H200 (OPT-30B shape, batch 1, 2026-12-03): d0.1 3.49 vs 3.77-3.78 ms/token (capped, slow z-slices
-# last, FOLD_SLOW_Z 4; Z 2 3.52-3.54, Z 8 3.50, Z 1 3.69); at d0.3 (5 slices) every folded form was
-# slower, 6.36-6.52 vs 6.28-6.35. OPT-1.3B shape (16 slices at d0.3): 0.870 vs 0.950 ms/token.
-# SHARED_P_UNFOLDED (batch 1, the same unfolded route, no refresh heads in the launch; None off): the
-# SHARED_P of every program there (BLOCK_P raised to match), with UNFOLDED_MAXNREG as the partial kernel's
-# register cap (126 registers uncapped at P 32). On the H200 (OPT-30B shape, batch 1; 2026-12-04) P 32
-# with a 128-register cap took d0.3 to 6.222 / 6.295 ms/token against 6.287-6.288 / 6.351-6.355 (runs 3,
-# 10), d0.2 to 5.030 vs 5.134: the partial kernel gets 8.6% slower, the slow path (a quarter of the
-# layers) is gone. With refresh heads (d0.5 by default) 8.936 vs 8.898-8.902, so they keep P 16; the
-# folded route (d0.1) too (its attention kernel sums the partials' slots: 3.72 vs 3.48 with P 32).
-# TARGET_PROGRAMS (batch 1) 512, not 528 = 4 x 132 SMs: the partial kernel's programs fill the register file
-# 4 to an SM (126-128 registers), so a launch of 528 (OPT-30B d0.2: 8 slices x 66 row blocks) leaves no slot
-# for the predictors' stream, whose first GEMV then starts only as the partial kernel drains (16.8 vs 1.5 us
-# into the layer) and whose chain runs into fc1 / fc2. 512 takes 7 slices (462 programs) there: d0.2 4.828-
-# 4.832 against 4.985-4.990 ms/token on the H200 (2026-12-04); d0.1 / d0.3 / d0.5 launch the same programs
-# either way (504 / 510 / 504); 480 (d0.3: 4 slices, 408 programs) 6.432 against 6.236-6.238 at d0.3.
-QKV_CONFIG_B1 = {**QKV_CONFIG, "BLOCK_R": 64, "TARGET_PROGRAMS": 512, "num_stages": 3,
-                 "SHARED_P_UNFOLDED": 32, "UNFOLDED_MAXNREG": 128,
-                 "SHARED_MIN_BATCH": 1, "SHARED_P": 16, "FINISH_R": 16, "FINISH_S": 1,
-                 "SLOW_Z": None, "SLOW_TARGET": 640,
-                 "FOLD_FINISH": "wide", "FOLD_SLOW_Z": 4, "FOLD_SLOW_LAST": True}
-
 
 @helper
 def _weight_rows(wq_ptr, wkv_ptr, rows, seg, D):
@@ -183,7 +123,7 @@ def _qkv_partial_shared_kernel(xnew_ptr, xh_ptr, wq_ptr, wkv_ptr, bq_ptr, bkv_pt
     # program of this launch reads that slot; the attention kernel then commits valid_len only).
     # (A per-row form for batches, stats merged into [BLOCK_M] vectors and the tile normalised,
     # ran ~3x slower on the H200: BENCHMARKS.md, 2026-12-03.)
-    # SLOW > 0 (batch 1, the finishing kernel folded into attention: QKV_CONFIG_B1
+    # SLOW > 0 (batch 1, the finishing kernel folded into attention: qkv_b1
     # FOLD_FINISH): z-slices 0 .. SLOW-1 are _fold_slow_program's (the slots no partial holds),
     # slice SLOW + s is D slice s; SLOW_LAST: the last SLOW z-slices are, after the D slices.
     # The slow path's whole-D passes take 16 slots each (their tl.dot's M; 32 to 128 measured no faster).
@@ -335,8 +275,9 @@ def _fold_slow_program(xh_ptr, wkv_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, k_pt
                         SLOW // n_sub, D, stride_xb, stride_xs, stride_cs, DOT_FP32, BLOCK_P, SLOW_R, BLOCK_D)
 
 
-def _qkv_cfg(B, config):
-    return {**(QKV_CONFIG_B1 if B == 1 else QKV_CONFIG), **(config or {})}
+def _qkv_cfg(B, config, settings=None):
+    s = settings or DEFAULT
+    return table(s.qkv_b1 if B == 1 else s.qkv, config)
 
 
 def _shared_qkv(B, head_idx, cfg) -> bool:
@@ -362,12 +303,12 @@ def _unfolded_cfg(cfg: dict, unfolded: bool, n_ref: int) -> dict:
     return {**cfg, "SHARED_P": sp, "BLOCK_P": max(cfg["BLOCK_P"], sp), **({"maxnreg": cap} if cap else {})}
 
 
-def hist_slots(B: int, head_idx, config=None) -> int:
+def hist_slots(B: int, head_idx, config=None, settings=None) -> int:
     """How many missing slots of a selected head (from min(valid_len, pos)) the Q/K/V kernels of a
     deferred decode step with this Q/K/V config compute from their partial products; the slow path
     does the slots past them. On the unfolded batch-1 route SHARED_P_UNFOLDED (without refresh heads)
     reaches further: this is the reach every selected head has."""
-    cfg = _qkv_cfg(B, config)
+    cfg = _qkv_cfg(B, config, settings)
     return cfg["SHARED_P"] - 1 if _shared_qkv(B, head_idx, cfg) else cfg["BLOCK_P"]
 
 
@@ -392,7 +333,7 @@ def _qkv_split(cfg: dict, D: int, groups: int, fold: bool) -> tuple[int, int, bo
 
 
 def launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                q, config, pending=None, fold=False, refresh=None):
+                q, config, pending=None, fold=False, refresh=None, settings=None):
     """The Q/K/V kernels (checked inputs, Kh > 0): partial + finish.
     q [B, Kh*hd] fp32 gets Q (x_new given), or None: K/V only, the input at pos read from
     x_hist (recompute_kv). pending: x_new's PendingLN (batch 1 on the shared-set kernel only),
@@ -406,7 +347,8 @@ def launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, vali
     B, S, D = x_hist.shape
     H, hd = k_cache.shape[1], k_cache.shape[3]
     kh = head_idx.shape[-1]
-    cfg = _qkv_cfg(B, config)
+    pdl = (settings or DEFAULT).pdl
+    cfg = _qkv_cfg(B, config, settings)
     bd, bp = cfg["BLOCK_D"], cfg["BLOCK_P"]
     first = 0 if q is not None else 1
     nb = -(-hd // cfg["BLOCK_R"])
@@ -438,7 +380,7 @@ def launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, vali
     bs = min(cfg["FINISH_S"], next_pow2(split))
     common = dict(HAS_NEW=x_new is not None, FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp,
                   BLOCK_R=cfg["BLOCK_R"], BLOCK_D=bd, EVEN_D=D % d_per == 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **reg_cap(cfg, dev), **pdl_args(dev, "qkv"))
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **reg_cap(cfg, dev), **pdl_args(dev, "qkv", pdl))
     if shared:  # one program set for the batch, M = batch * P rows in its tl.dot
         sp = cfg["SHARED_P"]
         if not 1 <= sp - 1 <= bp or sp & (sp - 1):
@@ -473,4 +415,4 @@ def launch_qkv(x_new, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, vali
         x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, qbuf, k_cache, v_cache, B, kh, H, D, hd, nbf,
         split, hist_len, x_hist.stride(0), x_hist.stride(1), stride_hb, stride_pb, *cache_strides,
         FIRST_SEG=first, DOT_FP32=dot32, BLOCK_P=bp, BLOCK_R=fr, BLOCK_D=bd, BLOCK_S=bs, SLOW_Z=z,
-        EARLY_READS=bool(cfg["EARLY_READS"]), num_warps=4, **ref_args, **pdl_args(dev, "qkv_finish"))
+        EARLY_READS=bool(cfg["EARLY_READS"]), num_warps=4, **ref_args, **pdl_args(dev, "qkv_finish", pdl))

@@ -2,7 +2,7 @@
 
     refresh_heads(head_idx[1,Kh]|[Kh], valid_len[1,H] int32, pos, r, *, lag=None, max_lag=None) -> [r] int32
     refresh_heads_ref(...)                                    (the same in PyTorch)
-    refresh_route(B, S, D, hd, head_idx, config=None) -> bool  (whether the kernels take them)
+    refresh_route(B, S, D, hd, head_idx, config=None, settings=None) -> bool  (whether the kernels take them)
 
 Heads that do not attend but have fallen hist_slots behind get their K/V in the same two Q/K/V
 launches (extra head slots without Q rows, qkv_partial's REFRESH), valid_len committed by the
@@ -44,7 +44,7 @@ def _refresh_kernel(head_ptr, vl_ptr, pos_ptr, out_ptr, KH, H, LAG, MAX_LAG, R: 
 
 
 def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, max_lag: int | None = None,
-                  out=None, config=None, validate=None) -> torch.Tensor:
+                  out=None, config=None, validate=None, settings=None) -> torch.Tensor:
     """Batch 1: the heads whose K/V a deferred decode step should compute although they do not
     attend (`sparse_attn_decode_deferred(..., refresh=)`), so that no head falls further behind
     than the Q/K/V kernels' partials reach: [r] int32, the r most lagging heads (lag = pos -
@@ -63,7 +63,7 @@ def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, m
     if r < 1:
         raise DejavuError(f"refresh_heads: r must be >= 1, got {r}")
     pos_t, _ = _positions(pos, 1, dev)
-    lag = hist_slots(1, head_idx, config) if lag is None else int(lag)
+    lag = hist_slots(1, head_idx, config, settings) if lag is None else int(lag)
     max_lag = (1 << 30) if max_lag is None else int(max_lag)
     if lag < 1 or max_lag < lag:
         raise DejavuError(f"refresh_heads: need 1 <= lag <= max_lag, got lag {lag}, max_lag {max_lag}")
@@ -75,10 +75,10 @@ def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, m
 
 
 def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = None, max_lag: int | None = None,
-                      out=None, config=None, validate=None) -> torch.Tensor:
+                      out=None, config=None, validate=None, settings=None) -> torch.Tensor:
     """PyTorch reference of refresh_heads."""
     H = valid_len.shape[1]
-    lag = hist_slots(1, head_idx, config) if lag is None else int(lag)
+    lag = hist_slots(1, head_idx, config, settings) if lag is None else int(lag)
     p = _pos_rows(pos, 1, valid_len.device)[0]
     miss = p - torch.minimum(valid_len[0].long(), p)  # [H]
     cand = (miss >= lag) & (miss <= (1 << 30 if max_lag is None else int(max_lag)))
@@ -94,17 +94,17 @@ def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = Non
     return res
 
 
-def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None) -> bool:
+def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None, settings=None) -> bool:
     """Whether sparse_attn_decode_deferred with this shape, head set and config takes refresh heads
     (batch 1 on the shared-set Q/K/V kernel with its finishing kernel, not folded into attention;
     attention commits them); elsewhere it leaves them out (they catch up when
     selected: same outputs)."""
     cfg = config or {}
-    qcfg = _qkv_cfg(B, cfg.get("qkv"))
+    qcfg = _qkv_cfg(B, cfg.get("qkv"), settings)
     kh = head_idx.shape[-1]
     if not (B == 1 and kh > 0 and _shared_qkv(B, head_idx, qcfg)):
         return False
-    fold = bool(qcfg["FOLD_FINISH"]) and folds_finish(B, S, cfg.get("attn"))
+    fold = bool(qcfg["FOLD_FINISH"]) and folds_finish(B, S, cfg.get("attn"), settings)
     groups = kh * 3 * -(-hd // qcfg["BLOCK_R"])
     return not _qkv_split(qcfg, D, groups, fold)[2]
 

@@ -38,22 +38,18 @@ from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, che
                                     default_validate, gdc_enter, helper, jit, next_pow2, pdl_args)
 from dejavu.plugins.fc1 import gather_gemv
 from dejavu.plugins.fc2 import gather_gemv_t
+from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# CHUNK: positions per program (the context is split into chunks of this many positions,
-# each chunk's partial softmax combined by a second kernel, flash-decoding style).
-# Small chunks (one program per CHUNK positions and selected head) won the
-# `benchmarks/kernels.py --sweep-attn` runs on the H200 (OPT-30B, head density 0.3, contexts
-# 128 and 1024): CHUNK 64 164 us summed vs 186 for 256 (first run); CHUNK 32 141.5 vs 143.5
-# for 64 after the split-D Q/K/V kernel (second run, benchmarks/results/kernels-2026-12-02-sweep-attn.json).
-# EARLY_READS: the head index and pos read before the PDL wait (the kernel's comment).
-ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "EARLY_READS": True}
+# CHUNK (settings.AttnSettings): positions per program; each chunk's partial softmax is combined by a
+# second kernel, flash-decoding style. 32 won `benchmarks/kernels.py --sweep-attn` on the H200 (OPT-30B,
+# head density 0.3, contexts 128 and 1024; benchmarks/results/kernels-2026-12-02-sweep-attn.json).
 
 
 class QKVPartials(NamedTuple):
     """qkv_partial.py's Q/K/V partial sums at batch 1 with the finishing kernel folded into attention
-    (QKV_CONFIG_B1 FOLD_FINISH): the attention kernel finishes them (`_fold_rows`)."""
+    (qkv_b1 FOLD_FINISH): the attention kernel finishes them (`_fold_rows`)."""
     pnew: torch.Tensor  # [SPLIT, 1, Kh, 3*hd] fp32: Q, K, V rows at pos, per slice of D
     phist: torch.Tensor  # [SPLIT, 1, Kh, block_p, 2*hd] fp32: K, V rows at the first missing slots
     split: int
@@ -63,11 +59,11 @@ class QKVPartials(NamedTuple):
     bkv: torch.Tensor
 
 
-def folds_finish(B: int, S: int, config=None) -> bool:
+def folds_finish(B: int, S: int, config=None, settings=None) -> bool:
     """Whether attend_project can take the Q/K/V partials (QKVPartials) at batch 1 with S_max S:
     the chunked kernel with its separate combine launch (which commits valid_len after every
     chunk program has read it) over chunks of one tile (BLOCK_S >= CHUNK)."""
-    cfg = {**ATTN_CONFIG, **(config or {})}
+    cfg = table((settings or DEFAULT).attn, config)
     return B == 1 and S > cfg["CHUNK"] and cfg["BLOCK_S"] >= cfg["CHUNK"]
 
 
@@ -321,7 +317,7 @@ def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, re
 
 
 def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                       residual=None, *, out=None, validate=None, config=None):
+                       residual=None, *, out=None, validate=None, config=None, settings=None):
     """Decode one token through the selected heads; updates the caches at pos; y[B,D]."""
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
@@ -343,24 +339,25 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
     return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
-                            residual, out, config)
+                            residual, out, config, settings)
 
 
 def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
-                     config):
+                     config, settings=None):
     """Steps 2-4 of a decode step: Q of the selected heads, attention over cache slots
     0..pos, the output projection of those heads; y[B,D]."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     # 2. Q for the selected heads: rows head*hd + c of wq
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
+    gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd, settings=settings)
     # 3. attention; 4. output projection
-    return attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config)
+    return attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config,
+                          settings=settings)
 
 
 def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, finish=None,
-                 refresh=None):
+                 refresh=None, settings=None):
     """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
     cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
     store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V; x_new
@@ -371,9 +368,10 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
     their valid_len is committed too."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
-    cfg = {**ATTN_CONFIG, **(config or {})}
+    s = settings or DEFAULT
+    cfg = table(s.attn, config)
     nchunk = -(-S // cfg["CHUNK"])  # from S_max, not pos: no sync, graph-safe
-    if finish is not None and (commit is None or not folds_finish(B, S, config)):
+    if finish is not None and (commit is None or not folds_finish(B, S, config, s)):
         raise DejavuError("attend_heads: Q/K/V partials need batch 1, a commit and the chunked attention "
                           "with its combine launch (sparse_attention.folds_finish)")
     if refresh is not None and (B != 1 or commit is None or finish is not None):
@@ -406,31 +404,31 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             EARLY_READS=bool(cfg["EARLY_READS"]), FOLD=finish is not None,
                             FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
                             num_warps=cfg["num_warps"], **(ref_args if not late_commit else {}),
-                            **pdl_args(q.device, "attn"))
+                            **pdl_args(q.device, "attn", s.pdl))
     if nchunk > 1:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, vl, head_idx, pos_t, kh, H, stride_hb, stride_pb,
                            BLOCK_C=block_c, BLOCK_HD=block_hd, COMMIT=late_commit, num_warps=4,
-                           **(ref_args if late_commit else {}), **pdl_args(q.device, "attn_combine"))
+                           **(ref_args if late_commit else {}), **pdl_args(q.device, "attn_combine", s.pdl))
     return o
 
 
 def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
-                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None, refresh=None):
+                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None, refresh=None, settings=None):
     """attend_heads(q, head_idx, ..., commit, finish, refresh) then project_out(o, wo_t, bo, head_idx,
     residual, out, ln, ln_out, ln_defer), returning what project_out returns."""
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, finish=finish,
-                     refresh=refresh)
-    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
+                     refresh=refresh, settings=settings)
+    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer, settings)
 
 
-def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False):
+def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False, settings=None):
     """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual); with
     ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). Returns y; with
     ln and ln_defer, (y, ln_out or a PendingLN) (gather_gemv_t)."""
     hd = o.shape[1] // head_idx.shape[-1]
     return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out,
-                         ln_defer=ln_defer if ln is not None else False)
+                         ln_defer=ln_defer if ln is not None else False, settings=settings)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,

@@ -285,11 +285,8 @@ class SparseDecoder:
         if self._refresh_slots(idx) > 0 and self._takes_refresh(l, idx):
             lag, max_lag = self.options.kv_refresh_lags
             if max_lag == "hist" or lag is None:
-                try:
-                    from dejavu.plugins import hist_slots
-                    hist = hist_slots(1, idx)
-                except ImportError:  # the runtime's own references: batch 1's default partials
-                    hist = 15
+                from dejavu.plugins import hist_slots
+                hist = hist_slots(1, idx, settings=self.ops.settings)
                 lag = hist if lag is None else lag
                 max_lag = hist if max_lag == "hist" else max_lag
             self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._step_pos, self._refresh_slots(idx),
@@ -304,7 +301,7 @@ class SparseDecoder:
             if self.ops.kernels.get("sparse_attn_deferred") == "triton":
                 from dejavu.plugins import refresh_route
                 s = self.spec
-                takes = refresh_route(1, self.max_seq, s.hidden_size, s.head_dim, idx)
+                takes = refresh_route(1, self.max_seq, s.hidden_size, s.head_dim, idx, settings=self.ops.settings)
             self._refresh_takes[l] = takes
         return takes
 

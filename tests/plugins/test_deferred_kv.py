@@ -273,8 +273,8 @@ def test_slow_path_shared_out_over_programs(triton_interp, B):
 def test_slow_z_fills_one_wave():
     """SLOW_Z None: programs per row block so that ~SLOW_TARGET finishing programs run (1 to 8)."""
     from dejavu.plugins.qkv_finish import slow_z
-    from dejavu.plugins.qkv_partial import QKV_CONFIG_B1
-    cfg = {**QKV_CONFIG_B1, "SLOW_Z": None, "SLOW_TARGET": 640}
+    from dejavu.plugins.settings import DEFAULT, table
+    cfg = table(DEFAULT.qkv_b1, {"SLOW_Z": None, "SLOW_TARGET": 640})
     # OPT-30B, batch 1: 6 heads (d0.1) x 3 segments x 8 blocks of 16 rows; 17 heads (d0.3); 3 heads
     assert [slow_z(cfg, n) for n in (144, 408, 72, 30, 700)] == [4, 1, 8, 8, 1]
     assert slow_z({**cfg, "SLOW_Z": 3}, 408) == 3 and slow_z({"SLOW_Z": 1}, 5) == 1
@@ -442,8 +442,8 @@ def test_folded_finish_needs_a_combine_launch():
     commits valid_len): not for one chunk or a tile narrower than the chunk; attend_heads refuses the
     partials otherwise."""
     from dejavu.plugins.sparse_attention import QKVPartials, attend_heads, folds_finish
-    from dejavu.plugins.qkv_partial import QKV_CONFIG_B1
-    assert QKV_CONFIG_B1["FOLD_FINISH"] == "wide"  # batch 1 default (2026-12-03)
+    from dejavu.plugins.settings import DEFAULT
+    assert DEFAULT.qkv_b1.FOLD_FINISH == "wide"  # batch 1 default (2026-12-03)
     assert folds_finish(1, 64) and not folds_finish(2, 64) and not folds_finish(1, 32)
     assert not folds_finish(1, 64, {"BLOCK_S": 16})
     q = torch.zeros(1, HD)
@@ -492,7 +492,7 @@ S2 = 48
 
 def test_hist_slots_follow_the_qkv_route():
     # batch 1: the shared-set kernel with SHARED_P - 1 = 15; batches: BLOCK_P 16 per sequence, a
-    # shared set SHARED_P - 1 = 3 (QKV_CONFIG); a config overrides
+    # shared set SHARED_P - 1 = 3 (settings.qkv); a config overrides
     assert hist_slots(1, torch.zeros(1, 2, dtype=torch.int32)) == 15
     assert hist_slots(3, torch.zeros(3, 2, dtype=torch.int32)) == 16
     assert hist_slots(3, torch.zeros(2, dtype=torch.int32)) == 3
@@ -667,10 +667,11 @@ def test_refresh_bad_inputs_rejected():
 
 def test_batch1_qkv_launch_leaves_sm_slots():
     """Batch 1's Q/K/V partial launch (shared-set kernel, before any fold cap) stays within
-    QKV_CONFIG_B1's TARGET_PROGRAMS, below the 528 = 4 x 132 slots its programs fill on an H200 (4 per SM),
+    qkv_b1's TARGET_PROGRAMS, below the 528 = 4 x 132 slots its programs fill on an H200 (4 per SM),
     so the predictors' stream can start beside it; its slices of D cover D. OPT shapes, every head count."""
-    from dejavu.plugins.qkv_partial import QKV_CONFIG_B1, _qkv_split
-    cfg = QKV_CONFIG_B1
+    from dejavu.plugins.qkv_partial import _qkv_split
+    from dejavu.plugins.settings import DEFAULT, table
+    cfg = table(DEFAULT.qkv_b1)
     assert cfg["TARGET_PROGRAMS"] < 4 * 132
     for D, H in ((2048, 32), (5120, 40), (7168, 56), (9216, 72), (12288, 96)):
         nb = -(-(D // H) // cfg["BLOCK_R"])
