@@ -31,6 +31,7 @@ measurement, and a markdown table on stdout. Benchmarks assert nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -104,52 +105,29 @@ def _options(**changes):
     return apply
 
 
-def _table(module: str, name: str, **kv):
-    """Entries of the config table dejavu.plugins.<module>.<name> for one row (undo restores it)."""
-    def apply(eng):
-        import importlib
+class Settings:
+    """An ablation row that runs the engine with other kernel settings: fn(KernelSettings) -> KernelSettings
+    (plugins.settings; passed to Engine(kernel_settings=...), no module global changes)."""
 
-        cfg = getattr(importlib.import_module(f"dejavu.plugins.{module}"), name)
-        old = dict(cfg)
-        cfg.update(kv)
-        return lambda: (cfg.clear(), cfg.update(old))
-    return apply
+    def __init__(self, fn):
+        self.fn = fn
 
 
-def _qkv_b1(**kv):
-    """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
-    return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
+def _replace(part: str, **kv):
+    """Settings with fields of one kernel's settings (KernelSettings.<part>) replaced."""
+    return Settings(lambda s: dataclasses.replace(s, **{part: dataclasses.replace(getattr(s, part), **kv)}))
 
 
-def _no_pdl(eng):
-    """Plain launches (_common.PDL_CONFIG ENABLED off)."""
-    return _table("_common", "PDL_CONFIG", ENABLED=False)(eng)
-
-
-def _pdl_mode(mode):
-    """The smoke test's PDL forms: None (the defaults), "off", "late" (every trigger late), "early"
-    (every trigger early); returns the undo."""
+def pdl_settings(s, mode):
+    """The smoke test's PDL forms of settings s: None (as they are), "off", "late" (every trigger late),
+    "early" (every trigger early)."""
     if mode is None:
-        return None
+        return s
+    from dejavu.plugins._common import PDL_KINDS
+
     if mode == "off":
-        return _no_pdl(None)
-    import importlib
-
-    kinds = importlib.import_module("dejavu.plugins._common").PDL_KINDS
-    return _table("_common", "PDL_CONFIG", ENABLED=True, EARLY=() if mode == "late" else kinds)(None)
-
-
-def _scoring(method):
-    """The predictors' two products by `method` (predictor.SCORE_METHOD: "torch" = cuBLAS,
-    "triton" = gather_gemv at batch 1)."""
-    def apply(eng):
-        import importlib
-
-        PR = importlib.import_module("dejavu.plugins.predictor")
-        old = PR.SCORE_METHOD
-        PR.SCORE_METHOD = method
-        return lambda: setattr(PR, "SCORE_METHOD", old)
-    return apply
+        return dataclasses.replace(s, pdl=dataclasses.replace(s.pdl, ENABLED=False))
+    return dataclasses.replace(s, pdl=dataclasses.replace(s.pdl, ENABLED=True, EARLY=() if mode == "late" else PDL_KINDS))
 
 
 def _no_predictors(eng):
@@ -220,9 +198,9 @@ ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spr
              # change every step as the predictors' do on random weights (no predictor kernels)
              "nopred": _no_predictors, "nopredrand": _no_predictors_random,
              # programmatic dependent launch off (plain launches)
-             "nopdl": _no_pdl,
+             "nopdl": _replace("pdl", ENABLED=False),
              # the predictors' products by cuBLAS instead of Triton's gather_gemv at batch 1
-             "cublasscore": _scoring("torch"),
+             "cublasscore": _replace("scoring", method="torch"),
              # the decode graph at the default stream priority (the predictors' stream's) instead of the highest
              "mainzero": _options(graph_priority=0),
              # refresh heads off, or 4 per layer at every density (the default: 4 from 40% of heads attending)
@@ -231,44 +209,39 @@ ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spr
              "nolnqkv": _options(defer_ln_attn=False),
              # batch 1's Q/K/V choices: SHARED_P 16 on the unfolded route; the finish never folded into
              # attention; the partial kernel aimed at 528 programs (every SM slot) instead of 512
-             "nounfolded": _qkv_b1(SHARED_P_UNFOLDED=None), "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
-             "qkvt528": _qkv_b1(TARGET_PROGRAMS=528)}
+             "nounfolded": _replace("qkv_b1", SHARED_P_UNFOLDED=None),
+             "nofoldfinish": _replace("qkv_b1", FOLD_FINISH=False), "qkvt528": _replace("qkv_b1", TARGET_PROGRAMS=528)}
 
 
-def apply_tuned(path: str | None) -> dict:
-    """Use the kernel configs a `kernels.py --sweep-attn` run picked (its JSON's "sweep_attn"
-    section) for this process: benchmarks only; the shipped defaults live in the plugins."""
+def apply_tuned(path: str | None, s):
+    """Settings s with the kernel blocks a `kernels.py` run picked (its JSON's "sweep_attn", "sweep" and
+    "pred_gemv" sections; several JSONs: later ones win): (settings, what changed)."""
     if not path:
-        return {}
-    import importlib
-
+        return s, {}
     res = {}
-    for one in path.split(","):  # several kernels.py JSONs: later ones win
+    for one in path.split(","):
         if Path(one).is_file():
             res.update(json.loads(Path(one).read_text()))
         else:
             print(f"--tuned: {one} not found, skipped", flush=True)
+    r, used = dataclasses.replace, {}
     found = res.get("sweep_attn") or {}
-    used = {}
-    for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG_B1"),  # swept at batch 1
-                           ("attn", "dejavu.plugins.sparse_attention", "ATTN_CONFIG")):
+    for key, part in (("qkv", "qkv_b1"), ("attn", "attn")):  # swept at batch 1
         if found.get(key):
-            table = getattr(importlib.import_module(mod), name)
-            table.update(found[key])
+            s = r(s, **{part: r(getattr(s, part), **found[key])})
             used[key] = dict(found[key])
-    SM = importlib.import_module("dejavu.plugins.sparse_mlp")
-    for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):  # kernels.py --sweep
+    routes = {"fc1": {"gemv": "fc1_gemv", "dot": "fc1_dot"},  # kernels.py --sweep
+              "fc2": {"gemv": "fc2_gemv", "dot": "fc2_dot", "dot1": "fc2_dot1", "proj1": "proj1"}}
+    for kernel, names in routes.items():
         for route, cfg in ((res.get("sweep") or {}).get(kernel) or {}).items():
-            table[route] = dict(cfg)
+            s = r(s, **{names[route]: r(getattr(s, names[route]), **cfg)})
             used[f"{kernel}/{route}"] = dict(cfg)
     pg = (res.get("pred_gemv") or {}).get("best")  # kernels.py --sections pred_gemv
     if pg:
-        PR = importlib.import_module("dejavu.plugins.predictor")
-        for part, cfg in pg.items():
-            PR.SCORE_CONFIG[part] = {**PR.SCORE_CONFIG[part], **cfg}
-        used["pred_gemv"] = {k: dict(v) for k, v in PR.SCORE_CONFIG.items()}
-    print(f"kernel configs from {path}: {used}", flush=True)
-    return used
+        s = r(s, scoring=r(s.scoring, **{part: r(getattr(s.scoring, part), **cfg) for part, cfg in pg.items()}))
+        used["pred_gemv"] = {k: dict(v) for k, v in pg.items()}
+    print(f"kernel settings from {path}: {used}", flush=True)
+    return s, used
 
 
 # ------------------------------------------------------------------ engines in memory
@@ -470,10 +443,23 @@ def _cache_err(eng, ref) -> float | None:
     return None if den == 0 else (num / den) ** 0.5
 
 
-def smoke() -> dict:
+def base_settings():
+    """The kernel settings for this run's device (plugins.resolve_kernel_settings), what the compiler
+    would record in an engine built for it."""
+    from dejavu.plugins import resolve_kernel_settings
+
+    if DEV != "cuda":
+        return resolve_kernel_settings(None)
+    major, minor = torch.cuda.get_device_capability()
+    return resolve_kernel_settings(f"sm_{major}{minor}", torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+def smoke(ks=None) -> dict:
     """Tiny random model: GPU fp32 (graph/eager, overlap on/off, kv_policy deferred/full)
-    against the CPU reference with kv_policy full (the contract's description)."""
+    against the CPU reference with kv_policy full (the contract's description); ks: the run's kernel settings."""
     from dejavu.runtime import Engine
+
+    ks = ks or base_settings()
 
     c, ranks, n = TINY, (64, 8), 24
     out = {"model": c, "new_tokens": n}
@@ -501,17 +487,16 @@ def smoke() -> dict:
                                           "trace": traceback.format_exc()[-2000:]}
     combos = [(o, gr, "deferred", None) for o in (True, False) for gr in (True, False)] + [
         (True, True, "full", None), (False, False, "full", None),
-        # programmatic dependent launch (_common.PDL_CONFIG; its trigger), graph and eager, side stream or not
+        # programmatic dependent launch (settings.pdl; its trigger), graph and eager, side stream or not
         (True, True, "deferred", "late"), (False, True, "deferred", "late"), (True, False, "deferred", "late"),
         (True, True, "full", "late"), (True, True, "deferred", "early"), (False, True, "deferred", "early"),
         (True, True, "deferred", "off"), (False, True, "deferred", "off")]
     for overlap, graphs, kv, pdl in combos:
         key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
         key += f" pdl {pdl}" if pdl else ""
-        undo = _pdl_mode(pdl)
         try:
             e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv,
-                                   batch_policy="per_sequence")
+                                   batch_policy="per_sequence", kernel_settings=pdl_settings(ks, pdl))
             got = e.generate(prompts, n, stop_at_eos=False)
             lg = _forced_logits(e, prompts, toks)
             err = float((lg - want_logits).norm() / want_logits.norm())
@@ -525,18 +510,15 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001 - report and go on
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-        finally:
-            if undo:
-                undo()
-    # batch 1 with the predictors' products in Triton (predictor.SCORE_METHOD "triton": batch 1
+    # batch 1 with the predictors' products in Triton (settings.scoring.method "triton": batch 1
     # only), fp32 against the CPU reference of the same single prompt
     want1 = cpu.generate(prompts[:1], n, stop_at_eos=False)
     lg1 = _forced_logits(cpu, prompts[:1], toks[:1])
     for overlap, graphs in ((True, True), (False, False)):
         key = f"fp32 batch 1 triton scoring overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'}"
-        undo = _scoring("triton")(None)
         try:
-            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs)
+            triton_scoring = dataclasses.replace(ks, scoring=dataclasses.replace(ks.scoring, method="triton"))
+            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kernel_settings=triton_scoring)
             got = e.generate(prompts[:1], n, stop_at_eos=False)
             err = float((_forced_logits(e, prompts[:1], toks[:1]) - lg1).norm() / lg1.norm())
             checks[key] = {"tokens_equal": got == want1, "logits_rel_err": err, "kernels": e.ops.kernels,
@@ -544,14 +526,12 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-        finally:
-            undo()
     # the LayerNorm before attention left to the Q/K/V kernel (DecodeOptions.defer_ln_attn, the default),
     # fp32, graph on, against the CPU reference of the same batch policy
     for key, kw, attrs, nb in (("fp32 batch 1 defer_ln_attn", {}, {"defer_ln_attn": True}, 1),):
         try:
             ref = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="full", **kw)
-            e = Engine.from_tensors(h32, t32, DEV, **kw)
+            e = Engine.from_tensors(h32, t32, DEV, kernel_settings=ks, **kw)
             e.decoder.set_options(**attrs)
             from dejavu.plugins.layer_norm import PendingLN
             att, pend = e.ops.sparse_attn_deferred, []  # the attention calls that got a PendingLN
@@ -572,13 +552,12 @@ def smoke() -> dict:
             ("fp16 batch 1", {}, None, 1), ("fp16 batch 1 pdl off", {}, "off", 1), ("fp16 batch 1 pdl", {}, "late", 1),
             ("fp16 batch 1 pdl early", {}, "early", 1), ("fp16 shared pdl", {"batch_policy": "shared"}, "late", 3)]
     for key, kw, pdl, nb in fp16:
-        undo = _pdl_mode(pdl)
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)
             ref = Engine.from_tensors(h16, {k: v.cpu() for k, v in t16.items()}, "cpu", dtype="float32",
                                       **{**kw, "kv_policy": "full"})
-            e = Engine.from_tensors(h16, t16, DEV, **kw)
+            e = Engine.from_tensors(h16, t16, DEV, kernel_settings=pdl_settings(ks, pdl), **kw)
             lg, rl = _forced_logits(e, prompts[:nb], toks[:nb]), _forced_logits(ref, prompts[:nb], toks[:nb])
             err = float((lg - rl).norm() / rl.norm())
             checks[key] = {"logits_rel_err_vs_cpu_fp32": err, "kernels": e.ops.kernels,
@@ -586,9 +565,6 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-        finally:
-            if undo:
-                undo()
     out["checks"] = checks
     out["ok"] = all(r.get("ok") for r in checks.values())
     del t32
@@ -744,11 +720,13 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     run.add("skipped", {"model": name, "system": system, "batch": B, "why": "time budget"})
                     continue
                 variant = system.rsplit("_", 1)[-1] if system.rsplit("_", 1)[-1] in ABLATIONS else None
-                undo = None
+                undo, row_ks = None, a.kernel_settings
+                if variant and isinstance(ABLATIONS[variant], Settings):
+                    row_ks = ABLATIONS[variant].fn(row_ks)
                 try:
                     eng = Engine.from_tensors(header_for(c, d, str(dtype)[6:], ranks), t, DEV, overlap=overlap,
-                                              batch_policy=policy, kv_policy=kv)
-                    if variant:
+                                              batch_policy=policy, kv_policy=kv, kernel_settings=row_ks)
+                    if variant and not isinstance(ABLATIONS[variant], Settings):
                         undo = ABLATIONS[variant](eng)
                     row, um, ua = time_engine(eng, c, B, P, N, a.cap_s)
                     if variant:
@@ -857,7 +835,7 @@ def main(argv=None) -> int:
     p.add_argument("--ablate-densities", default="0.3", help="densities that get the ablation rows")
     p.add_argument("--ablate-batches", default="1", help="batches that get the ablation rows")
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
-                   help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
+                   help="use the shared-set Q/K/V kernel from this batch (settings.qkv SHARED_MIN_BATCH; "
                         "default: the plugin's, 2)")
     a = p.parse_args(argv)
     q = a.quick
@@ -896,15 +874,15 @@ def main(argv=None) -> int:
         meta["transformers"] = transformers.__version__
     except ImportError:
         a.no_hf = True
-    meta["tuned"] = apply_tuned(a.tuned)
-    if a.qkv_shared_min_batch is not None:  # benchmark-only override of the plugin default
-        import importlib
-
-        importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG["SHARED_MIN_BATCH"] = a.qkv_shared_min_batch
+    a.kernel_settings, meta["tuned"] = apply_tuned(a.tuned, base_settings())
+    if a.qkv_shared_min_batch is not None:  # this run's settings only
+        qkv = dataclasses.replace(a.kernel_settings.qkv, SHARED_MIN_BATCH=a.qkv_shared_min_batch)
+        a.kernel_settings = dataclasses.replace(a.kernel_settings, qkv=qkv)
         meta["tuned"]["qkv_shared_min_batch"] = a.qkv_shared_min_batch
+    meta["kernel_settings"] = a.kernel_settings.to_dict()
     run = Run(out, a.budget, meta)
     if not a.no_smoke:
-        s = smoke()
+        s = smoke(a.kernel_settings)
         run.add("smoke", s)
         print("smoke:", "PASS" if s["ok"] else "FAIL", json.dumps({k: {kk: v for kk, v in r.items() if kk != "trace"}
                                                                   for k, r in s["checks"].items()}, default=str), flush=True)

@@ -27,20 +27,19 @@ from dejavu.errors import DejavuError
 # ------------------------------------------------------------------------------- target
 
 def target_info(device: str) -> dict:
-    """The target device, its architecture (sm_XY on CUDA) and the kernels' settings."""
+    """The target device, its architecture (sm_XY on CUDA) and the kernels' settings resolved for it
+    (plugins.resolve_kernel_settings; the runtime reads them back, plugins.KernelSettings.from_dict)."""
     if not str(device).startswith("cuda"):
         return {"device": "cpu", "arch": None, "kernel_settings": {}}
     if not torch.cuda.is_available():
         raise DejavuError(f"--device {device} requested but no CUDA device is available")
-    major, minor = torch.cuda.get_device_capability(torch.device(device))
-    settings = {}
-    try:
-        from dejavu.plugins import kernel_settings
-        settings = kernel_settings()
-    except ImportError:
-        pass
-    return {"device": "cuda", "arch": f"sm_{major}{minor}", "name": torch.cuda.get_device_name(device),
-            "kernel_settings": settings}
+    from dejavu.plugins import resolve_kernel_settings
+
+    dev = torch.device(device)
+    major, minor = torch.cuda.get_device_capability(dev)
+    arch, sms = f"sm_{major}{minor}", torch.cuda.get_device_properties(dev).multi_processor_count
+    return {"device": "cuda", "arch": arch, "name": torch.cuda.get_device_name(device),
+            "kernel_settings": resolve_kernel_settings(arch, sms).to_dict()}
 
 
 # ------------------------------------------------------------------------------- stages

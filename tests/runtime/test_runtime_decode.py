@@ -216,13 +216,12 @@ def test_errors():
 def test_reference_backend_is_the_plugins_references():
     """The CPU backend is the plugins' `_ref` functions (and PyTorch's LayerNorm): one set of references."""
     import dejavu.plugins as P
-    from dejavu.plugins import deferred_kv
 
     eng = Engine.from_tensors(*engine_from_dense(tiny_model(seed=12), 0.5, 0.5), "cpu")
     assert set(eng.ops.kernels.values()) == {"ref"}
     assert eng.ops.sparse_attn is P.sparse_attn_decode_ref and eng.ops.sparse_fc1 is P.sparse_fc1_ref
-    assert eng.ops.sparse_attn_deferred is deferred_kv.sparse_attn_decode_deferred_ref
-    assert eng.ops.kv_refresh is deferred_kv.refresh_heads_ref
+    assert eng.ops.sparse_attn_deferred is P.sparse_attn_decode_deferred_ref
+    assert eng.ops.kv_refresh is P.refresh_heads_ref
 
 
 def test_post_ln_with_projections_350m_style():
