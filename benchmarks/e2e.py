@@ -657,6 +657,19 @@ def time_hf(m, c: dict, B: int, P: int, N: int, static: bool = False) -> dict:
     return row
 
 
+def gpu_clocks() -> dict | None:
+    """SM / memory clocks (MHz) and temperature now, from nvidia-smi; None where it is absent."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+        sm, mem, temp = (float(x) for x in out.splitlines()[0].split(","))
+    except Exception:  # noqa: BLE001 - no driver tool, no figure
+        return None
+    return {"sm_mhz": sm, "mem_mhz": mem, "temp_c": temp}
+
+
 def mini_shape() -> dict | None:
     p = ROOT / "models" / "opt-mini" / "config.json"
     if not p.is_file():
@@ -763,7 +776,11 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                 run.add("skipped", {"model": name, "system": "hf_eager", "batch": B, "why": "time budget"})
                 continue
             try:
-                record("hf_eager", B, time_hf(m, c, B, P, N), dense_floor[B])
+                for rep in range(a.hf_repeats):  # HF eager has spread widely across runs: repeat, with the clocks
+                    record("hf_eager", B, {**time_hf(m, c, B, P, N), "repeat": rep, "clocks": gpu_clocks()},
+                           dense_floor[B])
+                    if run.left() < later_s + 5:
+                        break
             except Exception as ex:  # noqa: BLE001
                 run.add("errors", {"model": name, "system": "hf_eager", "batch": B, "error": f"{type(ex).__name__}: {ex}"})
                 print(f"  {name} B={B} hf_eager: {type(ex).__name__}: {ex}", flush=True)
@@ -808,9 +825,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="opt-30b,opt-1.3b,opt-mini")
     p.add_argument("--batches", default=None, help="default 1,8,32 (quick: 1,8)")
     p.add_argument("--densities", default=None, help="default 0.3,0.1,0.5,0.2 (quick: 0.3,0.1); run in this order")
-    p.add_argument("--k-from", default=None, metavar="ENGINE",
-                   help="also time the per-layer K of this built .engine (header only), scaled to each shape "
-                        "(KFrom: layers mapped proportionally); alone unless --densities is given")
+    p.add_argument("--k-from", default=None, metavar="ENGINE[,ENGINE...]",
+                   help="also time the per-layer K of these built .engine files (headers only), scaled to each "
+                        "shape (KFrom: layers mapped proportionally); alone unless --densities is given")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 64)")
     p.add_argument("--batch-policy", default="both", choices=["per_sequence", "shared", "both"],
@@ -824,6 +841,7 @@ def main(argv=None) -> int:
     p.add_argument("--cap-s", type=float, default=4.0, help="max seconds of timed decode per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip transformers baselines")
     p.add_argument("--hf-batches", default=None, help="default: the same as --batches")
+    p.add_argument("--hf-repeats", type=int, default=1, help="HF eager timings per batch (each with the GPU clocks)")
     p.add_argument("--hf-compile", action="store_true", help="also HF static cache + compile at batch 1 (slow build)")
     p.add_argument("--hf-compile-min-left", type=float, default=150.0)
     p.add_argument("--hf-reserve", type=float, default=60.0, help="seconds kept for OPT-30B's HF runs")
@@ -842,7 +860,7 @@ def main(argv=None) -> int:
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
     a.hf_batches = [int(x) for x in (a.hf_batches or ",".join(map(str, a.batches))).split(",")]
     dens = a.densities or (None if a.k_from else ("0.3,0.1" if q else "0.3,0.1,0.5,0.2"))
-    a.densities = [KFrom.from_engine(a.k_from)] if a.k_from else []
+    a.densities = [KFrom.from_engine(e) for e in a.k_from.split(",") if e] if a.k_from else []
     a.densities += [float(x) for x in dens.split(",")] if dens else []
     a.new_tokens = a.new_tokens or (64 if q else 128)
     a.kv_policies = [x for x in a.kv_policies.split(",") if x]
@@ -868,7 +886,8 @@ def main(argv=None) -> int:
             "note": "random weights and random predictors of the real shapes; latency per decode step "
                     "(one token per sequence); floor = bytes that must be read / copy bandwidth"}
     if a.k_from:  # the allocation timed, as read from the engine
-        meta["k_from"] = {"engine": a.k_from, **{k: getattr(a.densities[0], k) for k in ("density", "mlp", "attn")}}
+        meta["k_from"] = [{"engine": str(d), **{k: getattr(d, k) for k in ("density", "mlp", "attn")}}
+                          for d in a.densities if isinstance(d, KFrom)]
     try:
         import transformers
         meta["transformers"] = transformers.__version__

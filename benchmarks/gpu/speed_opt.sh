@@ -23,4 +23,5 @@ KFROM=$(IFS=,; echo "${ENGINES[*]}")
 HFARGS=(--no-hf)
 [ "$HF" = 1 ] && HFARGS=(--hf-repeats 5 --hf-compile)
 timeout 580 python3 benchmarks/e2e.py --models "$MODEL" --batches 1,8 --densities 0.3 --k-from "$KFROM" \
+    --ablations same --ablate-batches 1 --ablate-densities 0.3 --full-kv-densities "" \
     "${HFARGS[@]}" --budget 500 --out "$OUT/e2e-$(date -u +%F)-$MODEL.json"
