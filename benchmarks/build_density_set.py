@@ -1,6 +1,6 @@
 """Engines at several MLP densities from one predictor training, as `dejavu-compile` builds each.
 
-`dejavu-compile MODEL --density D --attn-density A` trains the same predictors at every D
+`dejavu-compile MODEL --mlp-density D --attn-density A` trains the same predictors at every D
 (their training does not depend on the density; only the reported recall does), so this
 trains them once (calibration + `train_predictors` with `dejavu-compile`'s predictor settings)
 and writes one engine
@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler import build as build_mod
-from dejavu.compiler.build import BuildConfig, build_engine
-from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import BuildConfig, CalibSettings
 from dejavu.compiler.predictors import train_predictors
 from dejavu.models.loader import load_model, load_tokenizer
 
@@ -36,7 +37,7 @@ def main(argv=None) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    cfg0 = BuildConfig(density=args.densities[0], attn_density=args.attn_density, dtype=args.dtype)
+    cfg0 = BuildConfig(mlp_density=args.densities[0], attn_density=args.attn_density, dtype=args.dtype)
     model, _ = load_model(args.model)
     model = model.float()
     cal = calibrate(model, load_tokenizer(args.model), CalibSettings(calib_tokens=cfg0.calib_tokens,
@@ -46,7 +47,7 @@ def main(argv=None) -> None:
         k: v for k, v in preds.metrics.items() if k in ("mlp_recall_mean", "cost", "holdout_tokens")}}))
     for d in args.densities:
         t = time.time()
-        c = BuildConfig(density=d, attn_density=args.attn_density, dtype=args.dtype)
+        c = BuildConfig(mlp_density=d, attn_density=args.attn_density, dtype=args.dtype)
         s = build_engine(args.model, c, out / f"m{d}-a{args.attn_density}.engine", progress=False, predictors=preds)
         print(json.dumps({"density": d, "seconds": round(time.time() - t, 1), "mlp_k": s["mlp_k"],
                           "predictor_bytes": s["predictor_bytes"], "engine_bytes": s["engine_bytes"]}), flush=True)

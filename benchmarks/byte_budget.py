@@ -57,7 +57,8 @@ def train_in_memory(model, tokenizer, model_id: str, base):
     """Calibration (cached on disk, so a head-predictor refit can reuse it) and predictors of
     the build's settings `base` (a BuildConfig), by the in-memory path (`train_predictors`)."""
     from dejavu.compiler.build import _predictor_settings
-    from dejavu.compiler.calibrate import CalibSettings, calibrate
+    from dejavu.compiler.calibrate import calibrate
+    from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.predictors import train_predictors
 
     cal = calibrate(model, tokenizer, CalibSettings(calib_tokens=base.calib_tokens, window=base.calib_window,
@@ -91,15 +92,17 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     from dejavu.compiler.allocate import ByteCosts, allocate_uniform, heads_dense_fraction
-    from dejavu.compiler.build import BuildConfig, build_engine
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, eval_perplexity, load_scoring_model, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text
 
-    text = read_text(DEFAULT_PPL_FILE)
+    text = read_text(WIKITEXT2_TEST)
     eng_dir = Path(args.engines)
     eng_dir.mkdir(parents=True, exist_ok=True)
-    base = BuildConfig()
+    base = BuildConfig(density=0.5)  # its calibration and predictor settings (the budget is per engine)
     folder = resolve(args.model)
     model, cfg = load_model(folder)
     t0 = time.perf_counter()
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
     dense = eval_perplexity(load_scoring_model(args.model), text, None, args.ppl_tokens, progress=False)
     out["dense_ppl"] = dense["perplexity"]
     out["ppl_tokens_scored"] = dense["tokens"]
-    ranks = (int(preds.mlp[0]["a"].shape[0]), int(preds.attn[0]["a"].shape[0]))
+    # mean ranks over layers, rounded up, as resolve_k counts them (MLP ranks may differ per layer)
+    ranks = tuple(-(-sum(int(p["a"].shape[0]) for p in ps) // len(ps)) for ps in (preds.mlp, preds.attn))
     costs = ByteCosts.of(cfg, ranks, 2)
 
     def run(name: str, **kw):

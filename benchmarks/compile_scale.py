@@ -121,14 +121,12 @@ def run_child(cmd: list[str], log: Path, timeout: float | None = None) -> dict:
 
 
 def layer_bound(name: str, calib_tokens: int, predictors: bool) -> dict:
-    """The issue's bound: 2 x the largest layer (fp32, the embeddings counted as one) + the
-    calibration tensors on the device + 1 GiB."""
-    D, L, H, F = SHAPES[name]
-    layer = 4 * (4 * D * D + 4 * D + 2 * D * F + F + D + 4 * D)
-    shell = 4 * (VOCAB + POSITIONS + 2) * D
-    calib = calib_tokens * (12 * D + F + 4 * H) if predictors else 0  # = dejavu.compiler.stream.calib_bytes
-    return {"largest_layer_fp32_bytes": max(layer, shell), "calib_bytes": calib,
-            "bound_bytes": 2 * max(layer, shell) + calib + (1 << 30)}
+    """The build's stated bound (dejavu.compiler.stream.memory_bound): 2 x the largest layer
+    (fp32, the embeddings counted as one) + the calibration tensors on the device + 1 GiB."""
+    from dejavu.compiler.stream import memory_bound
+    from dejavu.models.opt import OPTConfig
+
+    return memory_bound(OPTConfig.from_hf_dict(hf_config(name)), calib_tokens if predictors else 0)
 
 
 def main(argv=None) -> int:
@@ -143,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--predictor-epochs", type=int, default=1)
     ap.add_argument("--no-predictors", action="store_true", help="dense engines (density 1.0): layout only")
     ap.add_argument("--decode-tokens", type=int, default=0, help="then decode this many tokens from the engine")
+    ap.add_argument("--onnx", action="store_true", help="also write the ONNX graphs (--onnx-out WORK/opt-SHAPE-onnx)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="kill a build after this many seconds (records the layers done and the peak so far)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and engines")
@@ -161,6 +160,7 @@ def main(argv=None) -> int:
     rows = json.loads(jpath.read_text())["runs"] if jpath.is_file() else []
     for name in args.shapes.split(","):
         ckpt, engine, summary = work / f"opt-{name}-random", work / f"opt-{name}.engine", out / f"summary-{name}.json"
+        onnx_dir = work / f"opt-{name}-onnx"
         t0 = time.perf_counter()  # in a child: this process stays small (a child's ru_maxrss
         # starts from its parent's resident set at fork)
         w = run_child([sys.executable, __file__, "--write-checkpoint", name, str(ckpt)], out / f"write-{name}.log")
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "dejavu.compiler.cli", str(ckpt), "-o", str(engine), "-q",
                "--device", args.device, "--summary-json", str(summary)]
         cmd += ["--compute-dtype", args.compute_dtype]
+        if args.onnx:
+            cmd += ["--onnx-out", str(onnx_dir)]
         if args.no_predictors:
             cmd += ["--density", "1.0", "--no-predictors"]
         else:
@@ -191,7 +193,8 @@ def main(argv=None) -> int:
                "build_state_bytes": s.get("build_state_bytes"),
                "peak_gpu_bytes": s.get("peak_gpu_bytes"), "stage_seconds": s.get("stage_seconds"),
                "total_seconds": s.get("total_seconds"), "resumed_at_layer": s.get("resumed_at_layer"),
-               "compute_dtype": args.compute_dtype,
+               "compute_dtype": args.compute_dtype, "onnx_out": args.onnx, "onnx": s.get("onnx"),
+               "onnx_bytes": sum(f.stat().st_size for f in onnx_dir.iterdir()) if args.onnx and onnx_dir.is_dir() else None,
                **layer_bound(name, args.calib_tokens, not args.no_predictors),
                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": os.uname().nodename,
                "cpus": os.cpu_count()}
@@ -201,13 +204,15 @@ def main(argv=None) -> int:
                                        "--stats"],
                                       out / f"decode-{name}.log")
         rows = [r for r in rows if not (r["shape"] == row["shape"] and r["device"] == row["device"]
-                                        and r["predictors"] == row["predictors"])] + [row]
+                                        and r["predictors"] == row["predictors"]
+                                        and r.get("onnx_out", False) == row["onnx_out"])] + [row]
         jpath.write_text(json.dumps({"runs": rows}, indent=1))
         print(json.dumps({k: row[k] for k in ("shape", "rc", "wall_s", "peak_host_bytes", "child_ru_maxrss_bytes",
                                                "bound_bytes")}),
               flush=True)
         if not args.keep and not child["timed_out"]:
             engine.unlink(missing_ok=True)
+            shutil.rmtree(onnx_dir, ignore_errors=True)
             if name not in ("125m",):
                 shutil.rmtree(ckpt, ignore_errors=True)
     write_table(rows, out)
@@ -221,6 +226,7 @@ def write_table(rows: list[dict], out: Path) -> None:
     for r in rows:
         st = ", ".join(f"{k} {v:.0f}" for k, v in (r.get("stage_seconds") or {}).items())
         pred = f"yes ({r['calib_tokens']}, {r['predictor_epochs']})" if r["predictors"] else "no (dense)"
+        pred += ", --onnx-out" if r.get("onnx_out") else ""
         killed = f" (killed after {r['layers_done']} of {r['dims']['layers']} layers)" if r.get("timed_out") else ""
         peak = r["peak_host_bytes"] or r["child_ru_maxrss_bytes"]  # a killed build has no summary
         lines.append(f"| {r['shape']} | {r['device']} | {pred} | {gb(r['checkpoint_bytes'])} | {gb(peak)} | "

@@ -31,6 +31,7 @@ measurement, and a markdown table on stdout. Benchmarks assert nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -104,52 +105,29 @@ def _options(**changes):
     return apply
 
 
-def _table(module: str, name: str, **kv):
-    """Entries of the config table dejavu.plugins.<module>.<name> for one row (undo restores it)."""
-    def apply(eng):
-        import importlib
+class Settings:
+    """An ablation row that runs the engine with other kernel settings: fn(KernelSettings) -> KernelSettings
+    (plugins.settings; passed to Engine(kernel_settings=...), no module global changes)."""
 
-        cfg = getattr(importlib.import_module(f"dejavu.plugins.{module}"), name)
-        old = dict(cfg)
-        cfg.update(kv)
-        return lambda: (cfg.clear(), cfg.update(old))
-    return apply
+    def __init__(self, fn):
+        self.fn = fn
 
 
-def _qkv_b1(**kv):
-    """QKV_CONFIG_B1 entries for one row (batch 1's deferred Q/K/V kernels)."""
-    return _table("deferred_kv", "QKV_CONFIG_B1", **kv)
+def _replace(part: str, **kv):
+    """Settings with fields of one kernel's settings (KernelSettings.<part>) replaced."""
+    return Settings(lambda s: dataclasses.replace(s, **{part: dataclasses.replace(getattr(s, part), **kv)}))
 
 
-def _no_pdl(eng):
-    """Plain launches (_common.PDL_CONFIG ENABLED off)."""
-    return _table("_common", "PDL_CONFIG", ENABLED=False)(eng)
-
-
-def _pdl_mode(mode):
-    """The smoke test's PDL forms: None (the defaults), "off", "late" (every trigger late), "early"
-    (every trigger early); returns the undo."""
+def pdl_settings(s, mode):
+    """The smoke test's PDL forms of settings s: None (as they are), "off", "late" (every trigger late),
+    "early" (every trigger early)."""
     if mode is None:
-        return None
+        return s
+    from dejavu.plugins._common import PDL_KINDS
+
     if mode == "off":
-        return _no_pdl(None)
-    import importlib
-
-    kinds = importlib.import_module("dejavu.plugins._common").PDL_KINDS
-    return _table("_common", "PDL_CONFIG", ENABLED=True, EARLY=() if mode == "late" else kinds)(None)
-
-
-def _scoring(method):
-    """The predictors' two products by `method` (predictor.SCORE_METHOD: "torch" = cuBLAS,
-    "triton" = gather_gemv at batch 1)."""
-    def apply(eng):
-        import importlib
-
-        PR = importlib.import_module("dejavu.plugins.predictor")
-        old = PR.SCORE_METHOD
-        PR.SCORE_METHOD = method
-        return lambda: setattr(PR, "SCORE_METHOD", old)
-    return apply
+        return dataclasses.replace(s, pdl=dataclasses.replace(s.pdl, ENABLED=False))
+    return dataclasses.replace(s, pdl=dataclasses.replace(s.pdl, ENABLED=True, EARLY=() if mode == "late" else PDL_KINDS))
 
 
 def _no_predictors(eng):
@@ -220,9 +198,9 @@ ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spr
              # change every step as the predictors' do on random weights (no predictor kernels)
              "nopred": _no_predictors, "nopredrand": _no_predictors_random,
              # programmatic dependent launch off (plain launches)
-             "nopdl": _no_pdl,
+             "nopdl": _replace("pdl", ENABLED=False),
              # the predictors' products by cuBLAS instead of Triton's gather_gemv at batch 1
-             "cublasscore": _scoring("torch"),
+             "cublasscore": _replace("scoring", method="torch"),
              # the decode graph at the default stream priority (the predictors' stream's) instead of the highest
              "mainzero": _options(graph_priority=0),
              # refresh heads off, or 4 per layer at every density (the default: 4 from 40% of heads attending)
@@ -231,51 +209,47 @@ ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spr
              "nolnqkv": _options(defer_ln_attn=False),
              # batch 1's Q/K/V choices: SHARED_P 16 on the unfolded route; the finish never folded into
              # attention; the partial kernel aimed at 528 programs (every SM slot) instead of 512
-             "nounfolded": _qkv_b1(SHARED_P_UNFOLDED=None), "nofoldfinish": _qkv_b1(FOLD_FINISH=False),
-             "qkvt528": _qkv_b1(TARGET_PROGRAMS=528)}
+             "nounfolded": _replace("qkv_b1", SHARED_P_UNFOLDED=None),
+             "nofoldfinish": _replace("qkv_b1", FOLD_FINISH=False), "qkvt528": _replace("qkv_b1", TARGET_PROGRAMS=528)}
 
 
-def apply_tuned(path: str | None) -> dict:
-    """Use the kernel configs a `kernels.py --sweep-attn` run picked (its JSON's "sweep_attn"
-    section) for this process: benchmarks only; the shipped defaults live in the plugins."""
+def apply_tuned(path: str | None, s):
+    """Settings s with the kernel blocks a `kernels.py` run picked (its JSON's "sweep_attn", "sweep" and
+    "pred_gemv" sections; several JSONs: later ones win): (settings, what changed)."""
     if not path:
-        return {}
-    import importlib
-
+        return s, {}
     res = {}
-    for one in path.split(","):  # several kernels.py JSONs: later ones win
+    for one in path.split(","):
         if Path(one).is_file():
             res.update(json.loads(Path(one).read_text()))
         else:
             print(f"--tuned: {one} not found, skipped", flush=True)
+    r, used = dataclasses.replace, {}
     found = res.get("sweep_attn") or {}
-    used = {}
-    for key, mod, name in (("qkv", "dejavu.plugins.deferred_kv", "QKV_CONFIG_B1"),  # swept at batch 1
-                           ("attn", "dejavu.plugins.sparse_attention", "ATTN_CONFIG")):
+    for key, part in (("qkv", "qkv_b1"), ("attn", "attn")):  # swept at batch 1
         if found.get(key):
-            table = getattr(importlib.import_module(mod), name)
-            table.update(found[key])
+            s = r(s, **{part: r(getattr(s, part), **found[key])})
             used[key] = dict(found[key])
-    SM = importlib.import_module("dejavu.plugins.sparse_mlp")
-    for kernel, table in (("fc1", SM.FC1_CONFIG), ("fc2", SM.FC2_CONFIG)):  # kernels.py --sweep
+    routes = {"fc1": {"gemv": "fc1_gemv", "dot": "fc1_dot"},  # kernels.py --sweep
+              "fc2": {"gemv": "fc2_gemv", "dot": "fc2_dot", "dot1": "fc2_dot1", "proj1": "proj1"}}
+    for kernel, names in routes.items():
         for route, cfg in ((res.get("sweep") or {}).get(kernel) or {}).items():
-            table[route] = dict(cfg)
+            s = r(s, **{names[route]: r(getattr(s, names[route]), **cfg)})
             used[f"{kernel}/{route}"] = dict(cfg)
     pg = (res.get("pred_gemv") or {}).get("best")  # kernels.py --sections pred_gemv
     if pg:
-        PR = importlib.import_module("dejavu.plugins.predictor")
-        for part, cfg in pg.items():
-            PR.SCORE_CONFIG[part] = {**PR.SCORE_CONFIG[part], **cfg}
-        used["pred_gemv"] = {k: dict(v) for k, v in PR.SCORE_CONFIG.items()}
-    print(f"kernel configs from {path}: {used}", flush=True)
-    return used
+        s = r(s, scoring=r(s.scoring, **{part: r(getattr(s.scoring, part), **cfg) for part, cfg in pg.items()}))
+        used["pred_gemv"] = {k: dict(v) for k, v in pg.items()}
+    print(f"kernel settings from {path}: {used}", flush=True)
+    return s, used
 
 
 # ------------------------------------------------------------------ engines in memory
 def default_ranks(c: dict, mlp: int | None = None, attn: int | None = None) -> tuple[tuple[int, int], str]:
     """(mlp_rank, attn_rank), source: the compiler's defaults for this shape (the benchmark
     may import the compiler; the runtime never does), unless given on the command line."""
-    from dejavu.compiler.predictors import PredictorSettings, default_ranks as compiler_ranks
+    from dejavu.compiler.config import PredictorSettings
+    from dejavu.compiler.predictors import default_ranks as compiler_ranks
     from dejavu.models.opt import OPTConfig
 
     comp = tuple(int(r) for r in compiler_ranks(OPTConfig.from_hf_dict({**COMMON, **c}), PredictorSettings()))
@@ -469,10 +443,23 @@ def _cache_err(eng, ref) -> float | None:
     return None if den == 0 else (num / den) ** 0.5
 
 
-def smoke() -> dict:
+def base_settings():
+    """The kernel settings for this run's device (plugins.resolve_kernel_settings), what the compiler
+    would record in an engine built for it."""
+    from dejavu.plugins import resolve_kernel_settings
+
+    if DEV != "cuda":
+        return resolve_kernel_settings(None)
+    major, minor = torch.cuda.get_device_capability()
+    return resolve_kernel_settings(f"sm_{major}{minor}", torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+def smoke(ks=None) -> dict:
     """Tiny random model: GPU fp32 (graph/eager, overlap on/off, kv_policy deferred/full)
-    against the CPU reference with kv_policy full (the contract's description)."""
+    against the CPU reference with kv_policy full (the contract's description); ks: the run's kernel settings."""
     from dejavu.runtime import Engine
+
+    ks = ks or base_settings()
 
     c, ranks, n = TINY, (64, 8), 24
     out = {"model": c, "new_tokens": n}
@@ -500,17 +487,16 @@ def smoke() -> dict:
                                           "trace": traceback.format_exc()[-2000:]}
     combos = [(o, gr, "deferred", None) for o in (True, False) for gr in (True, False)] + [
         (True, True, "full", None), (False, False, "full", None),
-        # programmatic dependent launch (_common.PDL_CONFIG; its trigger), graph and eager, side stream or not
+        # programmatic dependent launch (settings.pdl; its trigger), graph and eager, side stream or not
         (True, True, "deferred", "late"), (False, True, "deferred", "late"), (True, False, "deferred", "late"),
         (True, True, "full", "late"), (True, True, "deferred", "early"), (False, True, "deferred", "early"),
         (True, True, "deferred", "off"), (False, True, "deferred", "off")]
     for overlap, graphs, kv, pdl in combos:
         key = f"fp32 overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'} kv={kv}"
         key += f" pdl {pdl}" if pdl else ""
-        undo = _pdl_mode(pdl)
         try:
             e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kv_policy=kv,
-                                   batch_policy="per_sequence")
+                                   batch_policy="per_sequence", kernel_settings=pdl_settings(ks, pdl))
             got = e.generate(prompts, n, stop_at_eos=False)
             lg = _forced_logits(e, prompts, toks)
             err = float((lg - want_logits).norm() / want_logits.norm())
@@ -524,18 +510,15 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001 - report and go on
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-        finally:
-            if undo:
-                undo()
-    # batch 1 with the predictors' products in Triton (predictor.SCORE_METHOD "triton": batch 1
+    # batch 1 with the predictors' products in Triton (settings.scoring.method "triton": batch 1
     # only), fp32 against the CPU reference of the same single prompt
     want1 = cpu.generate(prompts[:1], n, stop_at_eos=False)
     lg1 = _forced_logits(cpu, prompts[:1], toks[:1])
     for overlap, graphs in ((True, True), (False, False)):
         key = f"fp32 batch 1 triton scoring overlap={'on' if overlap else 'off'} graph={'on' if graphs else 'off'}"
-        undo = _scoring("triton")(None)
         try:
-            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs)
+            triton_scoring = dataclasses.replace(ks, scoring=dataclasses.replace(ks.scoring, method="triton"))
+            e = Engine.from_tensors(h32, t32, DEV, overlap=overlap, use_graphs=graphs, kernel_settings=triton_scoring)
             got = e.generate(prompts[:1], n, stop_at_eos=False)
             err = float((_forced_logits(e, prompts[:1], toks[:1]) - lg1).norm() / lg1.norm())
             checks[key] = {"tokens_equal": got == want1, "logits_rel_err": err, "kernels": e.ops.kernels,
@@ -543,14 +526,12 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-        finally:
-            undo()
     # the LayerNorm before attention left to the Q/K/V kernel (DecodeOptions.defer_ln_attn, the default),
     # fp32, graph on, against the CPU reference of the same batch policy
     for key, kw, attrs, nb in (("fp32 batch 1 defer_ln_attn", {}, {"defer_ln_attn": True}, 1),):
         try:
             ref = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="full", **kw)
-            e = Engine.from_tensors(h32, t32, DEV, **kw)
+            e = Engine.from_tensors(h32, t32, DEV, kernel_settings=ks, **kw)
             e.decoder.set_options(**attrs)
             from dejavu.plugins.layer_norm import PendingLN
             att, pend = e.ops.sparse_attn_deferred, []  # the attention calls that got a PendingLN
@@ -571,13 +552,12 @@ def smoke() -> dict:
             ("fp16 batch 1", {}, None, 1), ("fp16 batch 1 pdl off", {}, "off", 1), ("fp16 batch 1 pdl", {}, "late", 1),
             ("fp16 batch 1 pdl early", {}, "early", 1), ("fp16 shared pdl", {"batch_policy": "shared"}, "late", 3)]
     for key, kw, pdl, nb in fp16:
-        undo = _pdl_mode(pdl)
         try:
             t16 = {k: v.half() for k, v in t32.items()}
             h16 = header_for(c, 0.3, "float16", ranks)
             ref = Engine.from_tensors(h16, {k: v.cpu() for k, v in t16.items()}, "cpu", dtype="float32",
                                       **{**kw, "kv_policy": "full"})
-            e = Engine.from_tensors(h16, t16, DEV, **kw)
+            e = Engine.from_tensors(h16, t16, DEV, kernel_settings=pdl_settings(ks, pdl), **kw)
             lg, rl = _forced_logits(e, prompts[:nb], toks[:nb]), _forced_logits(ref, prompts[:nb], toks[:nb])
             err = float((lg - rl).norm() / rl.norm())
             checks[key] = {"logits_rel_err_vs_cpu_fp32": err, "kernels": e.ops.kernels,
@@ -585,9 +565,6 @@ def smoke() -> dict:
             del e
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-        finally:
-            if undo:
-                undo()
     out["checks"] = checks
     out["ok"] = all(r.get("ok") for r in checks.values())
     del t32
@@ -680,6 +657,19 @@ def time_hf(m, c: dict, B: int, P: int, N: int, static: bool = False) -> dict:
     return row
 
 
+def gpu_clocks() -> dict | None:
+    """SM / memory clocks (MHz) and temperature now, from nvidia-smi; None where it is absent."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+        sm, mem, temp = (float(x) for x in out.splitlines()[0].split(","))
+    except Exception:  # noqa: BLE001 - no driver tool, no figure
+        return None
+    return {"sm_mhz": sm, "mem_mhz": mem, "temp_c": temp}
+
+
 def mini_shape() -> dict | None:
     p = ROOT / "models" / "opt-mini" / "config.json"
     if not p.is_file():
@@ -743,11 +733,13 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     run.add("skipped", {"model": name, "system": system, "batch": B, "why": "time budget"})
                     continue
                 variant = system.rsplit("_", 1)[-1] if system.rsplit("_", 1)[-1] in ABLATIONS else None
-                undo = None
+                undo, row_ks = None, a.kernel_settings
+                if variant and isinstance(ABLATIONS[variant], Settings):
+                    row_ks = ABLATIONS[variant].fn(row_ks)
                 try:
                     eng = Engine.from_tensors(header_for(c, d, str(dtype)[6:], ranks), t, DEV, overlap=overlap,
-                                              batch_policy=policy, kv_policy=kv)
-                    if variant:
+                                              batch_policy=policy, kv_policy=kv, kernel_settings=row_ks)
+                    if variant and not isinstance(ABLATIONS[variant], Settings):
                         undo = ABLATIONS[variant](eng)
                     row, um, ua = time_engine(eng, c, B, P, N, a.cap_s)
                     if variant:
@@ -784,7 +776,11 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                 run.add("skipped", {"model": name, "system": "hf_eager", "batch": B, "why": "time budget"})
                 continue
             try:
-                record("hf_eager", B, time_hf(m, c, B, P, N), dense_floor[B])
+                for rep in range(a.hf_repeats):  # HF eager has spread widely across runs: repeat, with the clocks
+                    record("hf_eager", B, {**time_hf(m, c, B, P, N), "repeat": rep, "clocks": gpu_clocks()},
+                           dense_floor[B])
+                    if run.left() < later_s + 5:
+                        break
             except Exception as ex:  # noqa: BLE001
                 run.add("errors", {"model": name, "system": "hf_eager", "batch": B, "error": f"{type(ex).__name__}: {ex}"})
                 print(f"  {name} B={B} hf_eager: {type(ex).__name__}: {ex}", flush=True)
@@ -829,9 +825,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="opt-30b,opt-1.3b,opt-mini")
     p.add_argument("--batches", default=None, help="default 1,8,32 (quick: 1,8)")
     p.add_argument("--densities", default=None, help="default 0.3,0.1,0.5,0.2 (quick: 0.3,0.1); run in this order")
-    p.add_argument("--k-from", default=None, metavar="ENGINE",
-                   help="also time the per-layer K of this built .engine (header only), scaled to each shape "
-                        "(KFrom: layers mapped proportionally); alone unless --densities is given")
+    p.add_argument("--k-from", default=None, metavar="ENGINE[,ENGINE...]",
+                   help="also time the per-layer K of these built .engine files (headers only), scaled to each "
+                        "shape (KFrom: layers mapped proportionally); alone unless --densities is given")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 64)")
     p.add_argument("--batch-policy", default="both", choices=["per_sequence", "shared", "both"],
@@ -845,6 +841,7 @@ def main(argv=None) -> int:
     p.add_argument("--cap-s", type=float, default=4.0, help="max seconds of timed decode per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip transformers baselines")
     p.add_argument("--hf-batches", default=None, help="default: the same as --batches")
+    p.add_argument("--hf-repeats", type=int, default=1, help="HF eager timings per batch (each with the GPU clocks)")
     p.add_argument("--hf-compile", action="store_true", help="also HF static cache + compile at batch 1 (slow build)")
     p.add_argument("--hf-compile-min-left", type=float, default=150.0)
     p.add_argument("--hf-reserve", type=float, default=60.0, help="seconds kept for OPT-30B's HF runs")
@@ -856,14 +853,14 @@ def main(argv=None) -> int:
     p.add_argument("--ablate-densities", default="0.3", help="densities that get the ablation rows")
     p.add_argument("--ablate-batches", default="1", help="batches that get the ablation rows")
     p.add_argument("--qkv-shared-min-batch", type=int, default=None,
-                   help="use the shared-set Q/K/V kernel from this batch (QKV_CONFIG SHARED_MIN_BATCH; "
+                   help="use the shared-set Q/K/V kernel from this batch (settings.qkv SHARED_MIN_BATCH; "
                         "default: the plugin's, 2)")
     a = p.parse_args(argv)
     q = a.quick
     a.batches = [int(x) for x in (a.batches or ("1,8" if q else "1,8,32")).split(",")]
     a.hf_batches = [int(x) for x in (a.hf_batches or ",".join(map(str, a.batches))).split(",")]
     dens = a.densities or (None if a.k_from else ("0.3,0.1" if q else "0.3,0.1,0.5,0.2"))
-    a.densities = [KFrom.from_engine(a.k_from)] if a.k_from else []
+    a.densities = [KFrom.from_engine(e) for e in a.k_from.split(",") if e] if a.k_from else []
     a.densities += [float(x) for x in dens.split(",")] if dens else []
     a.new_tokens = a.new_tokens or (64 if q else 128)
     a.kv_policies = [x for x in a.kv_policies.split(",") if x]
@@ -889,21 +886,22 @@ def main(argv=None) -> int:
             "note": "random weights and random predictors of the real shapes; latency per decode step "
                     "(one token per sequence); floor = bytes that must be read / copy bandwidth"}
     if a.k_from:  # the allocation timed, as read from the engine
-        meta["k_from"] = {"engine": a.k_from, **{k: getattr(a.densities[0], k) for k in ("density", "mlp", "attn")}}
+        meta["k_from"] = [{"engine": str(d), **{k: getattr(d, k) for k in ("density", "mlp", "attn")}}
+                          for d in a.densities if isinstance(d, KFrom)]
     try:
         import transformers
         meta["transformers"] = transformers.__version__
     except ImportError:
         a.no_hf = True
-    meta["tuned"] = apply_tuned(a.tuned)
-    if a.qkv_shared_min_batch is not None:  # benchmark-only override of the plugin default
-        import importlib
-
-        importlib.import_module("dejavu.plugins.deferred_kv").QKV_CONFIG["SHARED_MIN_BATCH"] = a.qkv_shared_min_batch
+    a.kernel_settings, meta["tuned"] = apply_tuned(a.tuned, base_settings())
+    if a.qkv_shared_min_batch is not None:  # this run's settings only
+        qkv = dataclasses.replace(a.kernel_settings.qkv, SHARED_MIN_BATCH=a.qkv_shared_min_batch)
+        a.kernel_settings = dataclasses.replace(a.kernel_settings, qkv=qkv)
         meta["tuned"]["qkv_shared_min_batch"] = a.qkv_shared_min_batch
+    meta["kernel_settings"] = a.kernel_settings.to_dict()
     run = Run(out, a.budget, meta)
     if not a.no_smoke:
-        s = smoke()
+        s = smoke(a.kernel_settings)
         run.add("smoke", s)
         print("smoke:", "PASS" if s["ok"] else "FAIL", json.dumps({k: {kk: v for kk, v in r.items() if kk != "trace"}
                                                                   for k, r in s["checks"].items()}, default=str), flush=True)

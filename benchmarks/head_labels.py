@@ -65,12 +65,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="head_labels.json")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    from dejavu.compiler.calibrate import CalibSettings, calibrate
+    from dejavu.compiler.calibrate import calibrate
+    from dejavu.compiler.config import CalibSettings, PredictorSettings
     from dejavu.compiler.masking import fixed_selection, masked_sparsity
-    from dejavu.compiler.predictors import PredictorSettings, Predictors, _fit, _fit_heads, _head_labels
+    from dejavu.compiler.predictors import Predictors, _fit, _fit_heads, _head_labels
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluation.evaluate import read_text
     from dejavu.compiler.text import encode_text
 
     t0 = time.perf_counter()
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
             pa.pop("val_loss")
             layers.append(pa)
         preds[label] = Predictors(layers, layers, s.predictor_input)  # MLP stays dense: its slot is unused
-    ids = torch.from_numpy(encode_text(tok, read_text(DEFAULT_PPL_FILE), cfg.bos_token_id,
+    ids = torch.from_numpy(encode_text(tok, read_text(WIKITEXT2_TEST), cfg.bos_token_id,
                                        a.eval_tokens).astype(np.int64))[:a.eval_tokens]
     B = len(ids) // window
     ids = ids[:B * window].view(B, window)

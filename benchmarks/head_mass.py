@@ -13,8 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from byte_budget import _load_predictors
-from dejavu.compiler.calibrate import CalibSettings, calibrate
-from dejavu.compiler.predictors import PredictorSettings, holdout_split
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import CalibSettings, PredictorSettings
+from dejavu.compiler.predictors import holdout_split
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.presets import resolve
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW_AFTER = 15  # QKV_CONFIG_B1 SHARED_P - 1: missing slots the partial kernel holds (folded / refresh routes)
+SLOW_AFTER = 15  # settings.qkv_b1 SHARED_P - 1: missing slots the partial kernel holds (folded / refresh routes)
 WIDE_AFTER = 31  # SHARED_P_UNFOLDED - 1: the same on batch 1's unfolded route
 
 

@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, calibrate, gated_sparsity
+from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
-from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, eval_perplexity, load_scoring_model, read_text, text_ids
-from dejavu.runtime.tasks import TASKS, evaluate_task, load_task
-
-CALIB_FILE = DEFAULT_PPL_FILE.parents[1] / "calib" / "wikitext2-train-head.txt"
+from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
+from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
 
 
 def parse_args(argv=None):
@@ -82,12 +81,12 @@ def main(argv=None) -> None:
             tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
 
     t0 = time.perf_counter()
-    calib_ids = text_ids(sm, read_text(CALIB_FILE), args.calib_tokens)
+    calib_ids = text_ids(sm, read_text(CALIB_TEXT), args.calib_tokens)
     n = calib_ids.numel() // args.window * args.window
     calib = calibrate(model, calib_ids[:n].view(-1, args.window))
     res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
                     "seconds": round(time.perf_counter() - t0, 1)}
-    text = read_text(DEFAULT_PPL_FILE)
+    text = read_text(WIKITEXT2_TEST)
     task_runs = set(args.task_runs) | {"dense"}
     runs = [("dense", 0.0)] + [(m, s) for s in args.levels for m in args.methods]
     if args.no_ppl:  # only the runs that get tasks

@@ -30,11 +30,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import CalibSettings, PredictorSettings
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
-from dejavu.compiler.predictors import PredictorSettings, _curve, _rrr_init, default_ranks
-from dejavu.compiler.text import WIKITEXT2_TEST, encode_text
+from dejavu.compiler.predictors import _curve, _rrr_init, default_ranks
+from dejavu.compiler.text import encode_text
+from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity

@@ -325,8 +325,8 @@ def main(argv=None) -> int:
         configs += [(f"d{d}_on_graph", d, True, True, None)]
         configs += [(f"d{d}_on_graph_{x}", d, True, True, x) for x in abl]
     trace_dir = Path(a.trace_dir) if a.trace_dir else None
-    from dejavu.plugins.predictor import SCORE_CONFIG
-    br = SCORE_CONFIG["b"]["BLOCK_R"]
+    from dejavu.plugins import DEFAULT
+    br = DEFAULT.scoring.b.BLOCK_R
     side = side_kernel({-(-c["ffn_dim"] // br), -(-c["num_attention_heads"] // br)})
     for name, d, overlap, graphs, ablation in configs:
         eng = Engine.from_tensors(e2e.header_for(c, d, "float16", ranks), t, "cuda", overlap=overlap,

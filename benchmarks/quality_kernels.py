@@ -5,13 +5,14 @@
     python3 benchmarks/quality_kernels.py --devices cpu --ppl-tokens 4096 --limit 10 # here, smaller
 
 Engines are built here with `dejavu-compile`'s defaults (calibration and predictor training on
-the CPU, so a build is the same file on any machine: each engine's sha256 is recorded), one per
-`--engines` entry MLP/heads density. Then for every device and path (`parallel`: token-parallel
+the CPU; each engine's sha256 is recorded: a build is deterministic on one machine, not bit-equal
+across machines), one per `--engines` entry: `d0.7` is `--density 0.7`, `0.3/1.0` MLP/heads densities. Then for every device and path (`parallel`: token-parallel
 masked ops; `decode`: the decode loop from an empty cache, on CUDA the Triton kernels in a CUDA
 graph with the side-stream predictors; `generate`: the decode loop with prompts prefilled dense,
 as `generate` runs it) the perplexity over the first --ppl-tokens of the shipped WikiText-2 test
-and the accuracy on --tasks (first --limit examples each). Prints a table; JSON to --out. Asserts
-nothing. Quality, on a trained model: say so beside the numbers (BENCHMARKS.md).
+and the accuracy on --tasks (first --limit examples each), and per task the fraction of examples
+whose prediction equals the CPU `parallel` run's on the same engine. Prints a table; JSON to --out.
+Asserts nothing. Quality, on a trained model: say so beside the numbers (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.fileio import atomic_path
-from dejavu.runtime.evaluate import PATHS, EvalSettings, _expand_tasks, evaluate, load_scoring_model
+from dejavu.runtime.evaluation.evaluate import PATHS, EvalSettings, _expand_tasks, evaluate, load_scoring_model
 
 
 def _sha256(path: Path) -> str:
@@ -38,17 +40,49 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build(model: str, specs: list[tuple[float, float]], dtype: str, folder: Path) -> list[dict]:
-    """One engine per (MLP density, head density), built as `dejavu-compile` builds it."""
+def parse_engine(spec: str) -> dict:
+    """`d0.7`: `dejavu-compile --density 0.7` (the byte budget, sensitivity allocation);
+    `0.3/1.0`: MLP / head densities fixed as fractions of N."""
+    if spec.startswith("d"):
+        return {"name": f"d{float(spec[1:]):g}", "density": float(spec[1:])}
+    m, a = (float(x) for x in spec.split("/"))
+    return {"name": f"m{m:g}-a{a:g}", "mlp_density": m, "attn_density": a}
+
+
+def build(model: str, specs: list[dict], dtype: str, folder: Path) -> list[dict]:
+    """One engine per spec, built as `dejavu-compile` builds it."""
     folder.mkdir(parents=True, exist_ok=True)
     out = []
-    for m, a in specs:
-        path = folder / f"{Path(model).name}-m{m:g}-a{a:g}-{dtype}.engine"
+    for spec in specs:
+        knobs = {k: v for k, v in spec.items() if k != "name"}
+        path = folder / f"{Path(model).name}-{spec['name']}-{dtype}.engine"
         t0 = time.perf_counter()
         if not path.exists():
-            build_engine(model, BuildConfig(mlp_density=m, attn_density=a, dtype=dtype), path, progress=False)
-        out.append({"path": str(path), "mlp_density": m, "attn_density": a, "dtype": dtype,
+            build_engine(model, BuildConfig(**knobs, dtype=dtype), path, progress=False)
+        out.append({"path": str(path), **knobs, "dtype": dtype,
                     "sha256": _sha256(path), "build_s": round(time.perf_counter() - t0, 1)})
+    return out
+
+
+def agreement(rows: list[dict]) -> list[dict]:
+    """Per engine, device and path: the fraction of task examples whose prediction (acc and acc_norm)
+    equals the CPU `parallel` reference's on the same engine (the issue's >= 99% target)."""
+    ref = {r["sha256"]: r for r in rows if r.get("sha256") and r["device"] == "cpu" and r["path"] == "parallel"}
+    out = []
+    for r in rows:
+        base = ref.get(r.get("sha256"))
+        if base is None or base is r:
+            continue
+        for task, t in r.get("tasks", {}).items():
+            b = base["tasks"].get(task)
+            if not b:
+                continue
+            for key in ("preds", "preds_norm"):
+                if key in t and key in b:
+                    same = sum(x == y for x, y in zip(t[key], b[key]))
+                    out.append({"engine": Path(r["model"]).name, "device": r["device"], "path": r["path"],
+                                "task": task, "metric": "acc" if key == "preds" else "acc_norm",
+                                "n": len(b[key]), "equal": same, "fraction": same / max(len(b[key]), 1)})
     return out
 
 
@@ -69,8 +103,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="opt-mini")
-    ap.add_argument("--engines", default="0.3/1.0,0.5/1.0,0.5/0.5,0.3/0.3",
-                    help="MLP/heads densities, comma-separated")
+    ap.add_argument("--engines", default="d0.7,d0.5,d0.35,0.3/1.0",
+                    help="comma-separated: dN = `--density N` (byte budget), M/A = MLP/head densities")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--devices", default="cuda,cpu")
     ap.add_argument("--paths", default=",".join(PATHS))
@@ -81,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="build/quality", help="folder for the engines")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    specs = [tuple(float(x) for x in e.split("/")) for e in a.engines.split(",")]
+    specs = [parse_engine(e) for e in a.engines.split(",") if e]
     devices = [d for d in a.devices.split(",") if d]
     if "cuda" in devices and not torch.cuda.is_available():
         raise SystemExit("quality_kernels: --devices cuda but no CUDA GPU")
@@ -102,8 +136,8 @@ def main(argv=None) -> int:
     def save() -> None:  # after every run: what finished survives a later failure or a time limit
         if a.out:
             with atomic_path(Path(a.out)) as tmp:
-                tmp.write_text(json.dumps({"meta": meta, "engines": engines, "results": rows, "errors": errors},
-                                          indent=1))
+                tmp.write_text(json.dumps({"meta": meta, "engines": engines, "results": rows,
+                                           "agreement": agreement(rows), "errors": errors}, indent=1))
 
     def run(spec: str, dev: str, path: str | None, extra: dict) -> None:  # path None: the dense model
         t0 = time.perf_counter()
@@ -127,6 +161,9 @@ def main(argv=None) -> int:
             for path in (a.paths if dev != "cpu" else a.cpu_paths).split(","):
                 run(e["path"], dev, path, {"sha256": e["sha256"]})
     print(table(rows))
+    low = [x for x in agreement(rows) if x["fraction"] < 0.99]
+    print(f"task predictions equal to the CPU reference: {len(agreement(rows)) - len(low)} of "
+          f"{len(agreement(rows))} (engine, device, path, task, metric) below 99%: {low}")
     for e in errors:
         print(f"failed: {e}")
     return 1 if errors else 0

@@ -43,13 +43,13 @@ ATTN = dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16, BLOCK_
 F32 = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "q_ptr": "*fp32", "st_ptr": "*fp32", "part_ptr": "*fp32",
        "ml_ptr": "*fp32", "apart_ptr": "*fp32", "wg_ptr": "*fp32", "eps": "fp32"}
 KERNELS = {
-    "fc1": ("sparse_mlp", "_gather_gemv_kernel",
+    "fc1": ("fc1", "_gather_gemv_kernel",
             dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1, W_EV="evict_first", GDC=1), 2),
-    "fc2": ("sparse_mlp", "_gather_dot_t_kernel", dict(FC2, GROUP=1), 3),
-    "projection": ("sparse_mlp", "_gather_dot_t_kernel", dict(FC2, GROUP=128, COMBINE=0), 4),
-    "qkv_partial_p32": ("deferred_kv", "_qkv_partial_shared_kernel", dict(QKV, P=32, BLOCK_M=32, BLOCK_P=32, LN_IN=1), 3),
-    "qkv_partial_p16": ("deferred_kv", "_qkv_partial_shared_kernel", dict(QKV, P=16, BLOCK_M=16, BLOCK_P=16, LN_IN=1), 3),
-    "qkv_finish": ("deferred_kv", "_qkv_finish_kernel",
+    "fc2": ("fc2", "_gather_dot_t_kernel", dict(FC2, GROUP=1), 3),
+    "projection": ("fc2", "_gather_dot_t_kernel", dict(FC2, GROUP=128, COMBINE=0), 4),
+    "qkv_partial_p32": ("qkv_partial", "_qkv_partial_shared_kernel", dict(QKV, P=32, BLOCK_M=32, BLOCK_P=32, LN_IN=1), 3),
+    "qkv_partial_p16": ("qkv_partial", "_qkv_partial_shared_kernel", dict(QKV, P=16, BLOCK_M=16, BLOCK_P=16, LN_IN=1), 3),
+    "qkv_finish": ("qkv_finish", "_qkv_finish_kernel",
                    dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128, BLOCK_S=1, EARLY_READS=True,
                         GDC=2), 3),
     # the latency-bound kernels between the weight streams (their shipped batch-1 launches)
@@ -59,9 +59,9 @@ KERNELS = {
     "attn_combine": ("sparse_attention", "_attn_combine_kernel", dict(BLOCK_C=8, BLOCK_HD=128, GDC=2), 3),
     "attn_combine_commit": ("sparse_attention", "_attn_combine_kernel",
                             dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, GDC=2), 3),
-    "split_reduce_stats": ("sparse_mlp", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, STATS=1,
+    "split_reduce_stats": ("fc2", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, STATS=1,
                                                                       GDC=2), 3),
-    "split_reduce": ("sparse_mlp", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, GDC=2), 3),
+    "split_reduce": ("fc2", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, GDC=2), 3),
     "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr"}
@@ -93,11 +93,16 @@ try:  # the ptxas Triton itself would run for sm_90 (its version matches the PTX
 except Exception:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = {}
+# a kernel's module at an older revision (before plugins/ had one file per op)
+OLD_HOME = {"fc1": "sparse_mlp", "fc2": "sparse_mlp", "qkv_partial": "deferred_kv", "qkv_finish": "deferred_kv"}
 for name, (modname, kname, consts, stages) in spec["kernels"].items():
+    if not os.path.exists(os.path.join(root, "plugins", modname + ".py")):
+        modname = OLD_HOME[modname]
     mod = importlib.import_module("dejavu.plugins." + modname)
     assert mod.__file__.startswith(root), mod.__file__
     C.tl = tl
     C._bind_helpers(vars(mod), triton)
+    C._bind_helpers(getattr(mod, kname).__globals__, triton)
     fn = getattr(mod, kname)
     params = inspect.signature(fn).parameters
     # a constexpr the kernel no longer has (a mode deleted since the base revision) is left out

@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import CalibSettings, PredictorSettings
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
-from dejavu.compiler.predictors import CANDIDATE_INPUTS, PredictorSettings, train_predictors
-from dejavu.compiler.text import WIKITEXT2_TEST, encode_text
+from dejavu.compiler.predictors import CANDIDATE_INPUTS, train_predictors
+from dejavu.compiler.text import encode_text
+from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity
@@ -52,10 +54,12 @@ def lookahead_study(cal, base: PredictorSettings, model) -> list[dict]:
     return rows
 
 
-def engine_predictors(path: str, cal, s: PredictorSettings):
-    """The predictors an engine carries, with the recall curves train_predictors would report
-    (the same held-out tail of the calibration, the first curve_tokens of it)."""
-    from dejavu.compiler.predictors import Predictors, _curve, predictor_cost
+def engine_predictors(path: str, cal, s: PredictorSettings, model):
+    """The predictors an engine carries, with the curves train_predictors would report (the same
+    held-out tail of the calibration, the first curve_tokens of it: the MLP curves are the
+    contribution share the build spreads K by) and, in metrics["label_curves"], the share of
+    active neurons (the recall column)."""
+    from dejavu.compiler.predictors import Predictors, _curve, mlp_contributions, predictor_cost
     from dejavu.engine_file import read_engine
 
     header, tensors = read_engine(path)
@@ -64,18 +68,21 @@ def engine_predictors(path: str, cal, s: PredictorSettings):
     split = (cal.n_windows - max(1, round(cal.n_windows * s.holdout))) * cal.window
     rows = slice(split, split + s.curve_tokens)
     pi = preds.predictor_input
-    curves = {"mlp": [], "attn": []}
+    curves, labels = {"mlp": [], "attn": []}, []
     with torch.no_grad():
         for l in range(cal.cfg.num_hidden_layers):
             x = np.array(cal.predictor_input(l, pi["source"], pi["lookahead"])[rows], dtype=np.float32)
             x = torch.from_numpy(x)
             norms = torch.from_numpy(np.array(cal.head_importance(l)[rows]))
-            curves["mlp"].append(_curve(preds.scores("mlp", l, x), torch.from_numpy(cal.mlp_labels(l, rows))))
+            sm = preds.scores("mlp", l, x)
+            labels.append(_curve(sm, torch.from_numpy(cal.mlp_labels(l, rows))))
+            curves["mlp"].append(_curve(sm, mlp_contributions(model.decoder.layers[l], cal.source("mlp_in", l)[rows])))
             curves["attn"].append(_curve(preds.scores("attn", l, x), norms))
     preds.recall_curves = curves
     bc = header["build_config"]
     preds.metrics = {"cost": predictor_cost(cal.cfg, bc["predictor_rank_mlp"], bc["predictor_rank_attn"]),
-                     "per_layer": [], "holdout_tokens": cal.n_tokens - split, "engine": str(path)}
+                     "per_layer": [], "holdout_tokens": cal.n_tokens - split, "engine": str(path),
+                     "label_curves": labels}
     return preds
 
 
@@ -167,7 +174,7 @@ def main(argv=None) -> dict:
         study = json.loads(Path(args.study_from).read_text())["lookahead_study"]
     else:
         study = [] if args.no_lookahead_study else lookahead_study(cal, study_settings, model)
-    preds = engine_predictors(args.engine, cal, base) if args.engine else train_predictors(cal, base, model=model)
+    preds = engine_predictors(args.engine, cal, base, model) if args.engine else train_predictors(cal, base, model=model)
     window = min(512, cfg.max_position_embeddings)
     ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
                       max_tokens=args.eval_tokens or None)
@@ -189,7 +196,7 @@ def main(argv=None) -> dict:
             uni = resolve_density(cfg, d, dm, da)
             row = {"density": d, "mlp_density": dm, "attn_density": da, "mlp_k": mlp_k, "attn_k": attn_k,
                    "uniform_mlp_k": uni[0], "uniform_attn_k": uni[1],
-                   "mlp_recall": curve_recall(preds.recall_curves["mlp"], mlp_k),
+                   "mlp_recall": curve_recall(preds.metrics.get("label_curves") or preds.recall_curves["mlp"], mlp_k),
                    "attn_recall": curve_recall(preds.recall_curves["attn"], attn_k)}
             for mode in MODES:
                 if d >= 1.0:

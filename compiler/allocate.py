@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.compiler.masking import fixed_selection
-from dejavu.compiler.text import DATA_DIR
+from dejavu.datafiles import HELDOUT_TEXT
 from dejavu.errors import DejavuError
 from dejavu.models.opt import OPTConfig
 
@@ -363,7 +363,7 @@ SENSITIVITY_VERSION = 1
 # calibration corpus (WikiText-2 train head) nor opt-mini's training set holds, and not the test
 # text the docs evaluate on. Held-out windows of the training text priced heads too low: at
 # bytes 0.7 / 0.8 the allocation they chose lost to heads-dense on WikiText-2 test (docs/accuracy.md).
-DEFAULT_HELDOUT = DATA_DIR / "heldout" / "wikitext2-valid-head.txt"
+DEFAULT_HELDOUT = HELDOUT_TEXT
 SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase: budget resolution (1 - least) / 1024
 
 
@@ -432,7 +432,9 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
 
     L, n = cfg.num_hidden_layers, {"mlp": cfg.ffn_dim, "attn": cfg.num_attention_heads}
     elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
-    rank = lambda kind: int(getattr(predictors, kind)[0]["a"].shape[0]) if predictors is not None else None
+    # the mean rank over layers, rounded up (MLP predictors may differ in rank per layer)
+    rank = lambda kind: (math.ceil(sum(int(p["a"].shape[0]) for p in getattr(predictors, kind)) / L)
+                         if predictors is not None else None)
     costs = ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem)
     corpus, skip = heldout_source(config)
     window, n_held = min(config.calib_window, cfg.max_position_embeddings), config.heldout_tokens
@@ -446,9 +448,11 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     dense_k = ([n["mlp"]] * L, [n["attn"]] * L)
     if predictors is None:  # a dense engine
         d = nll(*dense_k)
-        return dense_k[0], dense_k[1], _report(costs, config, *dense_k, source, ids, d, d, config.density)
+        return dense_k[0], dense_k[1], _report(costs, config, *dense_k, source, ids, d, d, 1.0)
     curves = (predictors.recall_curves or None) if config.allocation != "uniform" else None
-    given = resolve_density(cfg, config.density, config.mlp_density, config.attn_density, recall_curves=curves)
+    # density None (a searched budget, or both kinds fixed): only the fixed kinds are read from `given`
+    density = 1.0 if config.density is None else config.density
+    given = resolve_density(cfg, density, config.mlp_density, config.attn_density, recall_curves=curves)
     frozen = {kind: ks for kind, ks, d in zip(KINDS, given, (config.mlp_density, config.attn_density))
               if d is not None}
     sens = None
@@ -484,8 +488,10 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
         return (*rows[kept], {"kept": kept, "increase_pct": compared})
 
     if config.max_ppl_increase is None:
-        mlp_k, attn_k, got, check = checked(config.density, *alloc(config.density))
-        return mlp_k, attn_k, _report(costs, config, mlp_k, attn_k, source, ids, dense_nll, got, config.density, check)
+        mlp_k, attn_k, got, check = checked(density, *alloc(density))
+        # both kinds fixed: no budget was spent, the density recorded is the bytes the fixed K read
+        fraction = costs.report(mlp_k, attn_k)["fraction"] if len(frozen) == 2 else config.density
+        return mlp_k, attn_k, _report(costs, config, mlp_k, attn_k, source, ids, dense_nll, got, fraction, check)
     if len(frozen) == 2:
         raise DejavuError("--max-ppl-increase searches a byte budget; it cannot be combined with both "
                           "--mlp-density and --attn-density")

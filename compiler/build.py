@@ -1,9 +1,9 @@
 """Engine build: model → calibrate → train predictors → per-layer K → (ONNX + passes) → `.engine`.
 
-`BuildConfig` holds every build setting once (the CLI reads its defaults from it) and
-round-trips JSON, rejecting unknown keys. `build_engine` runs the stages, times them, and
-writes the engine with `dejavu.engine_file.write_engine` (atomic, deterministic bytes: seeded
-training, CPU-deterministic ops, no timestamps or absolute paths in the header).
+`BuildConfig` (compiler/config.py) holds every build setting once. `build_engine` runs the
+stages, times them, and writes the engine with `dejavu.engine_file.write_engine` (atomic,
+deterministic bytes: seeded training, CPU-deterministic ops, no timestamps or absolute paths
+in the header).
 """
 from __future__ import annotations
 
@@ -14,148 +14,32 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dejavu.cli_common import DTYPE_ALIASES as _DTYPE_ALIASES  # the one alias table (fp16, bf16, ...)
-from dejavu.compiler.calibrate import CalibSettings
-from dejavu.compiler.density import check_density
-from dejavu.compiler.predictors import (DEFAULT_PREDICTOR_INPUT, PREDICTOR_FORM, PREDICTOR_TARGETS,
-                                        PredictorSettings)
+from dejavu.compiler.config import BuildConfig, CalibSettings, PredictorSettings
+from dejavu.compiler.predictors import PREDICTOR_FORM, PREDICTOR_TARGETS
 from dejavu.engine_file import DTYPE_NAMES, FORMAT_NAME, FORMAT_VERSION
 from dejavu.errors import DejavuError
-
-
-@dataclass
-class BuildConfig:
-    """Every setting of a build; defaults defined here (and in the calibration/predictor settings)."""
-
-    density: float = 0.5  # fraction of the dense decode step's weight bytes read per token (allocate.ByteCosts)
-    mlp_density: float | None = None  # fixes the MLP: this fraction of neurons (the budget goes to heads)
-    attn_density: float | None = None  # fixes attention: this fraction of heads
-    max_ppl_increase: float | None = None  # percent: search the least density within it (held-out windows)
-    # held-out text for sensitivity, the allocation check and the recorded accuracy: a corpus like
-    # --calib (past the calibration stream where it is the same); None: the shipped WikiText-2
-    # validation head (allocate.DEFAULT_HELDOUT), never trained on, never the test text
-    heldout: str | None = None
-    heldout_tokens: int = 2048
-    dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
-    # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
-    # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
-    compute_dtype: str = "float32"
-    device: str = "cpu"  # where calibration and predictor training run; the engine's target
-    calib: str | None = CalibSettings.corpus  # corpus: text file, .jsonl, folder, hf:NAME; None = shipped
-    calib_tokens: int = CalibSettings.calib_tokens
-    calib_window: int = CalibSettings.window
-    mlp_rank: int | None = PredictorSettings.mlp_rank  # None: largest within the cost budget
-    attn_rank: int | None = PredictorSettings.attn_rank
-    predictor_source: str = DEFAULT_PREDICTOR_INPUT["source"]  # attn_in | mlp_in
-    predictor_lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]  # 0 | 1
-    predictor_epochs: int = PredictorSettings.max_epochs
-    allocation: str = "sensitivity"  # per-layer K: "sensitivity" (measured, knapsack) | "uniform" (even)
-    no_predictors: bool = False  # dense engine (only with density 1.0)
-    topk_limit: int = 3840  # TensorRT TopK limit: larger K is emitted as chunked TopK in ONNX
-    seed: int = 0
-    tp: int = 1  # tensor-parallel ranks: one engine file per rank (docs/tensor_parallel.md)
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> "BuildConfig":
-        self.density = check_density(self.density)
-        if self.mlp_density is not None:
-            self.mlp_density = check_density(self.mlp_density, "mlp_density")
-        if self.attn_density is not None:
-            self.attn_density = check_density(self.attn_density, "attn_density")
-        dt = _DTYPE_ALIASES.get(str(self.dtype).lower())
-        if dt is None:
-            raise DejavuError(f"--dtype must be one of float16, bfloat16, float32; got {self.dtype!r}")
-        self.dtype = dt
-        cdt = _DTYPE_ALIASES.get(str(self.compute_dtype).lower())
-        if cdt is None:
-            raise DejavuError(f"--compute-dtype must be one of float32, float16, bfloat16; got {self.compute_dtype!r}")
-        self.compute_dtype = cdt
-        if not (self.device == "cpu" or str(self.device).startswith("cuda")):
-            raise DejavuError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("calib_tokens", "calib_window", "predictor_epochs", "topk_limit", "tp", "heldout_tokens"):
-            v = getattr(self, name)
-            if type(v) is not int or v < 1:
-                raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        for name in ("mlp_rank", "attn_rank"):
-            v = getattr(self, name)
-            if v is not None and (type(v) is not int or v < 1):
-                raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if self.allocation not in ("sensitivity", "uniform"):
-            raise DejavuError(f"--allocation must be 'sensitivity' or 'uniform', got {self.allocation!r}")
-        if self.max_ppl_increase is not None:
-            p = self.max_ppl_increase
-            try:
-                p = float(p)
-            except (TypeError, ValueError):
-                p = math.nan
-            if not 0.0 <= p <= 1000.0:
-                raise DejavuError(f"--max-ppl-increase must be a percentage in [0, 1000], got {self.max_ppl_increase!r}")
-            self.max_ppl_increase = p
-            if self.no_predictors:
-                raise DejavuError("--max-ppl-increase needs predictors (--no-predictors builds a dense engine)")
-        if self.predictor_source not in ("attn_in", "mlp_in") or self.predictor_lookahead not in (0, 1) \
-                or (self.predictor_source, self.predictor_lookahead) == ("mlp_in", 0):
-            raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
-                              f"got {self.predictor_source!r}, {self.predictor_lookahead!r}")
-        dense = self.density == 1.0 and self.mlp_density in (None, 1.0) and self.attn_density in (None, 1.0)
-        if self.no_predictors and not dense:
-            raise DejavuError("--no-predictors needs --density 1.0 (a sparse engine needs predictors)")
-        return self
-
-    @property
-    def predictor_input(self) -> dict:
-        return {"source": self.predictor_source, "lookahead": self.predictor_lookahead}
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "BuildConfig":
-        if not isinstance(d, dict):
-            raise DejavuError("build config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise DejavuError(f"unknown build config key(s): {', '.join(unknown)} "
-                              f"(known: {', '.join(sorted(known))})")
-        return cls(**d)
-
-    @classmethod
-    def from_json(cls, text: str) -> "BuildConfig":
-        try:
-            d = json.loads(text)
-        except ValueError as e:
-            raise DejavuError(f"build config is not valid JSON: {e}") from None
-        return cls.from_dict(d)
 
 
 # ------------------------------------------------------------------------------- target
 
 def target_info(device: str) -> dict:
-    """The target device, its architecture (sm_XY on CUDA) and the kernels' settings."""
+    """The target device, its architecture (sm_XY on CUDA) and the kernels' settings resolved for it
+    (plugins.resolve_kernel_settings; the runtime reads them back, plugins.KernelSettings.from_dict)."""
     if not str(device).startswith("cuda"):
         return {"device": "cpu", "arch": None, "kernel_settings": {}}
     if not torch.cuda.is_available():
         raise DejavuError(f"--device {device} requested but no CUDA device is available")
-    major, minor = torch.cuda.get_device_capability(torch.device(device))
-    settings = {}
-    try:
-        from dejavu.plugins import kernel_settings
-        settings = kernel_settings()
-    except ImportError:
-        pass
-    return {"device": "cuda", "arch": f"sm_{major}{minor}", "name": torch.cuda.get_device_name(device),
-            "kernel_settings": settings}
+    from dejavu.plugins import resolve_kernel_settings
+
+    dev = torch.device(device)
+    major, minor = torch.cuda.get_device_capability(dev)
+    arch, sms = f"sm_{major}{minor}", torch.cuda.get_device_properties(dev).multi_processor_count
+    return {"device": "cuda", "arch": arch, "name": torch.cuda.get_device_name(device),
+            "kernel_settings": resolve_kernel_settings(arch, sms).to_dict()}
 
 
 # ------------------------------------------------------------------------------- stages
@@ -228,7 +112,7 @@ def _check_output(out_path) -> Path:
 
 def _corpus_name(corpus) -> str | None:
     """The shipped corpus by its package-relative name (no install path in the header)."""
-    from dejavu.compiler.text import DATA_DIR
+    from dejavu.datafiles import DATA_DIR
 
     if corpus is None:
         return None
@@ -246,6 +130,13 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
     (tests pass random ones). `onnx_out`: folder for the dense, form-(a) and plugin-form graphs.
     """
     config = BuildConfig.from_dict(config.to_dict())  # validated copy
+    from dejavu.models.auto import model_type
+
+    if model_type(model_name_or_path) != "opt":  # Llama family: TEAL thresholds (compiler/build_llama.py)
+        if predictors is not None:
+            raise DejavuError("Llama-family engines have no predictors (TEAL thresholds)")
+        from dejavu.compiler.build_llama import build_llama_engine
+        return build_llama_engine(model_name_or_path, config, out_path, progress, onnx_out)
     out = _check_output(out_path)
     if onnx_out is not None and Path(onnx_out).exists() and not Path(onnx_out).is_dir():
         raise DejavuError(f"--onnx-out {onnx_out} exists and is not a folder")
@@ -305,9 +196,9 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
     memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
     from dejavu.compiler.layout import layer_layout, shell_layout
-    from dejavu.compiler.predictors import default_ranks, holdout_split, mlp_contributions, train_layer
-    from dejavu.compiler.stream import (embed_tokens, predictor_input_of, predictor_tensors, records_needed,
-                                        run_layer)
+    from dejavu.compiler.predictors import default_ranks, holdout_split, mlp_ranks, train_layer
+    from dejavu.compiler.stream import (embed_tokens, mlp_targets, predictor_input_of, predictor_tensors,
+                                        records_needed, run_layer)
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
 
     cfg, dtype, dev = ckpt.cfg, DTYPE_NAMES[config.dtype], torch.device(config.device)
@@ -317,7 +208,7 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     if calib is not None:
         ps = _predictor_settings(config)
         src, la = ps.source, ps.lookahead
-        ranks = default_ranks(cfg, ps)
+        ranks = (mlp_ranks(cfg, ps), default_ranks(cfg, ps)[1])  # ([L] MLP ranks, head rank)
         report_k = (max(1, round(ps.report_density * cfg.ffn_dim)), max(1, round(ps.report_density *
                                                                                  cfg.num_attention_heads)))
         split = holdout_split(len(calib["ids"]), calib["n_windows"], calib["window"], ps)
@@ -351,9 +242,10 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                 rec = run_layer(layer.to(cdt), x, calib["batches"], cfg, records_needed(l, src, la))
             with stages("train predictors"):
                 xin = predictor_input_of(l, rec, prev, src, la).to(ps.device).float()
-                contrib = mlp_contributions(layer, rec["mlp_in"]).to(ps.device)  # [T, F] fp32
+                contrib = mlp_targets(layer, rec["mlp_in"], ps.device)  # [T, F] bfloat16
                 pm, pa, row, curves = train_layer(xin, rec["mlp_active"].to(ps.device), contrib,
-                                                  rec["head_norm"].to(ps.device), split, ranks, report_k, ps, gen)
+                                                  rec["head_norm"].to(ps.device), split, (ranks[0][l], ranks[1]),
+                                                  report_k, ps, gen)
                 info = {"metrics": row, "curves": {k: v.tolist() for k, v in curves.items()}}
                 prev = rec.get(src) if la else None
                 del rec, xin, contrib
@@ -404,12 +296,12 @@ def _spilled_predictors(state, cfg, info: dict, device: str):
 def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict | None:
     """What the header records about the predictors, from the finished layers' files."""
     if predictors is not None:
-        return {"ranks": (int(predictors.mlp[0]["a"].shape[0]), int(predictors.attn[0]["a"].shape[0])),
+        return {"ranks": ([int(p["a"].shape[0]) for p in predictors.mlp], int(predictors.attn[0]["a"].shape[0])),
                 "input": dict(predictors.predictor_input), "curves": predictors.recall_curves or {},
                 "calibration": predictors.metrics.get("calibration")}
     if calib is None:
         return None
-    from dejavu.compiler.predictors import default_ranks
+    from dejavu.compiler.predictors import default_ranks, mlp_ranks
 
     curves, rows = {"mlp": [], "attn": []}, []
     for l in range(cfg.num_hidden_layers):
@@ -417,12 +309,13 @@ def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict 
         for kind in curves:
             curves[kind].append(info["curves"][kind])
         rows.append({"layer": l, **info["metrics"]})
-    return {"ranks": default_ranks(cfg, _predictor_settings(config)), "input": config.predictor_input,
+    ps = _predictor_settings(config)
+    return {"ranks": (mlp_ranks(cfg, ps), default_ranks(cfg, ps)[1]), "input": config.predictor_input,
             "curves": curves, "calibration": calib["header"], "per_layer": rows}
 
 
 def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
-    from dejavu.compiler.stream import BuildState, calib_bytes, gpu_peak_bytes, in_memory, rss_peak_bytes
+    from dejavu.compiler.stream import BuildState, gpu_peak_bytes, memory_bound, rss_peak_bytes
     from dejavu.engine_file import write_engine_parts
     from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
@@ -438,8 +331,10 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     calib = _calibration(tokenizer, cfg, config) if predictors is None and not config.no_predictors else None
     if calib is not None:  # a budget below the least engine fails before the long stages
         from dejavu.compiler.allocate import check_budget
-        from dejavu.compiler.predictors import default_ranks
-        check_budget(cfg, config, default_ranks(cfg, _predictor_settings(config)))
+        from dejavu.compiler.predictors import default_ranks, mlp_ranks
+        ps = _predictor_settings(config)
+        mr = mlp_ranks(cfg, ps)
+        check_budget(cfg, config, (math.ceil(sum(mr) / len(mr)), default_ranks(cfg, ps)[1]))  # mean MLP rank
     state = BuildState(out, _state_key(ckpt, config, calib, predictors))
     resumed = state.layers_done
     stream_layers(ckpt, config, state, calib, predictors, progress, stages)
@@ -461,23 +356,25 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                          _tokenizer_json(folder, tokenizer), allocation)
     if onnx_out is not None:
         with stages("export ONNX + passes"):
-            onnx_report = _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
+            onnx_report = _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
     chat = _chat_template(folder)
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
     state_bytes = state.nbytes()
-    parts = state.parts("shell", consume=True)
+    consume = config.tp == 1  # --tp reads each spilled tensor once per rank
+    parts = state.parts("shell", consume=consume)
     for l in range(cfg.num_hidden_layers):
-        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=True))
+        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=consume))
     with stages("write engine"):
-        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path (whole engine in memory)
+        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path, a tensor at a time
             from dejavu.compiler.tensor_parallel import write_shards
-            size, files = write_shards(out, header, in_memory(parts), config.tp)
+            size, files = write_shards(out, header, parts, config.tp)
             out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
         else:
             size = write_engine_parts(out, header, parts)
     state.remove()
     n_pred = sum(p.nbytes for n, p in parts.items() if ".pred_" in n)
+    bound = memory_bound(cfg, len(calib["ids"]) if calib is not None else 0)  # docs/compiler.md, "Streaming"
     summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred,
                "weight_bytes": sum(p.nbytes for p in parts.values()) - n_pred,
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
@@ -489,32 +386,31 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                "dtype": config.dtype, "target": target, "resumed_at_layer": resumed,
                "peak_host_bytes": rss_peak_bytes(), "peak_gpu_bytes": gpu_peak_bytes(config.device),
                "build_state_bytes": state_bytes,
-               "calib_device_bytes": calib_bytes(len(calib["ids"]), cfg) if calib is not None else 0}
+               "calib_device_bytes": bound["calib_bytes"], "bound_bytes": bound["bound_bytes"],
+               "largest_layer_fp32_bytes": bound["largest_layer_fp32_bytes"]}
     if onnx_out is not None:
         summary["onnx"] = onnx_report
     return summary
 
 
-def _export_onnx(folder, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -> dict:
-    """--onnx-out: the whole fp32 model in memory (not streamed), predictors in fp32."""
-    from dejavu.compiler.predictors import Predictors
-    from dejavu.models.loader import load_model
+def _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -> dict:
+    """--onnx-out: the graphs written layer by layer in the engine dtype (compiler/onnx_stream.py),
+    each layer's fp32 predictors read back from the build state."""
+    from dejavu.compiler.onnx_stream import write_onnx
 
-    model, _ = load_model(folder, dtype=torch.float32, device="cpu")
-    predictors = None
-    if info is not None:
-        sd = {}
-        for l in range(cfg.num_hidden_layers):
-            sd.update({n[len("fp32."):]: t for n, t in state.tensors(f"layer_{l:05d}", prefix="fp32.").items()})
-        predictors = Predictors.from_state_dict(sd, info["input"])
-    return export_graphs(model, predictors, mlp_k, attn_k, config, out_dir)
+    def predictors_of(l):
+        return {n[len("fp32."):]: t for n, t in state.tensors(f"layer_{l:05d}", prefix="fp32.").items()}
+
+    pi = info["input"] if info is not None else config.predictor_input
+    return write_onnx(ckpt, config.dtype, mlp_k, attn_k, predictors_of if info is not None else None, pi,
+                      config.topk_limit, out_dir)
 
 
 def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info: dict | None, mlp_k, attn_k,
                 tokenizer_json: str, allocation: dict | None = None) -> dict:
     """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths.
 
-    `info`: None (no predictors) or {"ranks": (mlp, attn), "input": {source, lookahead},
+    `info`: None (no predictors) or {"ranks": ([L] mlp, attn), "input": {source, lookahead},
     "curves": {"mlp"|"attn": [L curves]}, "calibration": {...} | None}."""
     rc = info["curves"] if info is not None else {}
     name = str(model_name_or_path)
@@ -544,57 +440,3 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
         },
         "tokenizer_json": tokenizer_json,
     }
-
-
-def export_graphs(model, predictors, mlp_k, attn_k, config: BuildConfig, out_dir: Path) -> dict:
-    """Write dense, form-(a) and plugin-form prefill/decode graphs; check form (a) in ORT.
-
-    Files: {prefill,decode}.onnx (dense), {prefill,decode}.sparse.onnx (standard ops),
-    {prefill,decode}.plugin.onnx (dejavu custom-domain nodes)."""
-    from dejavu.compiler.onnx_export import build_dense_graph, check_model, save_model
-    from dejavu.compiler.passes import PassSettings, run_passes
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sd = predictors.state_dict() if predictors is not None else {}
-    pi = predictors.predictor_input if predictors is not None else config.predictor_input
-    files = {}
-    for mode in ("prefill", "decode"):
-        dense = check_model(build_dense_graph(model, mode))
-        files[f"{mode}.onnx"] = dense
-        for form in ("standard", "plugin"):
-            st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictors=sd, predictor_input=pi, form=form,
-                              topk_limit=config.topk_limit)
-            g = run_passes(dense, st)
-            g = check_model(g) if form == "standard" else g
-            files[f"{mode}.{'sparse' if form == 'standard' else 'plugin'}.onnx"] = g
-    for name, g in files.items():
-        save_model(g, out_dir / name)
-    report = {"dir": str(out_dir), "files": sorted(files)}
-    try:
-        report["form_a_max_abs_diff"] = check_form_a(model, files["prefill.sparse.onnx"], predictors,
-                                                     mlp_k, attn_k)
-    except ImportError:
-        report["form_a_max_abs_diff"] = None  # onnxruntime not installed
-    return report
-
-
-def check_form_a(model, graph, predictors, mlp_k, attn_k, seq: int = 16) -> float:
-    """max |ORT(form a) - masked-dense PyTorch| of the logits on a fixed token sequence."""
-    import numpy as np
-
-    from dejavu.compiler.masking import masked_sparsity
-    from dejavu.compiler.onnx_export import run_onnxruntime
-
-    cfg = model.config
-    ids = torch.arange(seq, dtype=torch.int64)[None] * 7919 % cfg.vocab_size  # fixed, spread tokens
-    ids = ids[:, :min(seq, cfg.max_position_embeddings)]
-    ort_logits = run_onnxruntime(graph, {"input_ids": ids.numpy()})["logits"]
-    m32 = model.float().cpu()
-    with torch.no_grad():
-        if predictors is None:
-            ref = m32(ids)
-        else:
-            with masked_sparsity(m32, mlp_k, attn_k, "predicted", predictors.to("cpu", torch.float32)):
-                ref = m32(ids)
-    d = float(np.abs(ort_logits - ref.numpy()).max())
-    return d if math.isfinite(d) else float("inf")

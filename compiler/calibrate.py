@@ -18,12 +18,12 @@ import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dejavu.compiler.config import CalibSettings
 from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
 from dejavu.errors import DejavuError
 from dejavu.fileio import atomic_path
@@ -31,20 +31,6 @@ from dejavu.models.opt import OPTConfig, OPTForCausalLM
 
 CACHE_VERSION = 2  # 2: head_norm is the head's contribution norm (1: the norm of its out_proj input slice)
 SOURCES = ("attn_in", "mlp_in")
-
-
-@dataclass
-class CalibSettings:
-    """What a calibration run reads; the defaults suit small models on CPU."""
-
-    calib_tokens: int = 65536
-    window: int = 512  # tokens per window (capped at the model's max positions)
-    batch_size: int = 4  # windows per forward (does not change the result's key)
-    corpus: str | None = None  # None: the shipped WikiText-2 train head
-    cache_dir: str | None = None  # None: $DEJAVU_CACHE/calib or ~/.cache/dejavu/calib
-
-    def key_fields(self) -> dict:
-        return {"calib_tokens": self.calib_tokens, "window": self.window}
 
 
 def default_cache_dir() -> Path:

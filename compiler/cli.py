@@ -2,38 +2,39 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
+from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, BuildConfig
 from dejavu.errors import DejavuError, cli_entry
 
 
 class _CompileParser(Parser):
     """Options that set a `BuildConfig` field default to SUPPRESS, so `args` holds only what
-    was given (a --config file fills the rest, then BuildConfig's defaults). Those defaults are
-    shown by --help, read from BuildConfig then: the one import of torch that --help makes
-    (compiler/build.py imports torch at the top)."""
+    was given (a --config file fills the rest, then BuildConfig's defaults). --help shows those
+    defaults, read from BuildConfig's fields (compiler/config.py: no torch)."""
 
     def format_help(self):
-        from dejavu.compiler.build import BuildConfig
-
-        d = BuildConfig()
+        defaults = {f.name: f.default for f in dataclasses.fields(BuildConfig)}
         for a in self._actions:
-            if a.default is argparse.SUPPRESS and hasattr(d, a.dest) and not a.required:
-                a.default = getattr(d, a.dest)
+            if a.default is argparse.SUPPRESS and a.dest in defaults and not a.required:
+                a.default = defaults[a.dest]
         return super().format_help()
 
 
 def compile_parser() -> argparse.ArgumentParser:
-    p = _CompileParser("dejavu-compile", "Build a DejaVu sparse .engine file from an OPT model.")
+    p = _CompileParser("dejavu-compile", "Build a DejaVu sparse .engine file from an OPT or Llama-family model.")
     S = argparse.SUPPRESS  # a BuildConfig field: its default lives there (shown by --help)
-    p.add_argument("model", help="preset name (opt-mini, opt-125m, ...), model folder or Hugging Face id")
+    p.add_argument("model", help="preset name (opt-mini, opt-125m, smollm2-135m, ...), model folder, .gguf file "
+                                 "or Hugging Face id")
     p.add_argument("--density", default=S,
                    help="fraction of the dense decode step's weight bytes read per token, in (0, 1] "
-                        "(spent across layers, heads and neurons by --allocation)")
+                        "(spent across layers, heads and neurons by --allocation; unused when both "
+                        "--mlp-density and --attn-density fix K)")
     p.add_argument("--max-ppl-increase", default=S, metavar="P",
                    help="instead of --density: the least byte budget whose engine stays within P percent "
                         "of dense perplexity on held-out calibration windows")
@@ -61,13 +62,13 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="MLP predictor rank (default: the largest within the predictor cost budget)")
     p.add_argument("--attn-rank", type=int, default=S, metavar="R",
                    help="head predictor rank (default: min(heads, the cost budget))")
-    p.add_argument("--predictor-source", default=S, choices=["attn_in", "mlp_in"],
+    p.add_argument("--predictor-source", default=S, choices=PREDICTOR_SOURCES,
                    help="the activation the predictors read")
     p.add_argument("--predictor-lookahead", type=int, default=S, choices=[0, 1],
                    help="1: predict a layer's sets from the previous layer (overlaps on a side stream)")
     p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
                    help="training epochs after the least-squares start (0: least squares only)")
-    p.add_argument("--allocation", default=S, choices=["sensitivity", "uniform"],
+    p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
                    help="sensitivity: K by measured loss per byte (knapsack); uniform: the same fraction everywhere")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
@@ -87,10 +88,6 @@ def compile_parser() -> argparse.ArgumentParser:
 
 def _config(args):
     """BuildConfig from the options given, over the --config file, over BuildConfig's defaults."""
-    import dataclasses
-
-    from dejavu.compiler.build import BuildConfig
-
     fields = {f.name for f in dataclasses.fields(BuildConfig)}
     base = {}
     if args.config:
@@ -101,8 +98,6 @@ def _config(args):
     given = {k: v for k, v in vars(args).items() if k in fields}
     if "density" in given and "max_ppl_increase" in given:
         raise DejavuError("give --density or --max-ppl-increase, not both")
-    if not ({"density", "max_ppl_increase"} & set(given)) and not args.config:
-        raise DejavuError("dejavu-compile: one of --density or --max-ppl-increase is required")
     if "density" in given:  # the command line's choice wins over the file's
         base.pop("max_ppl_increase", None)
     return BuildConfig.from_dict({**base, **given})
@@ -141,13 +136,17 @@ def format_summary(s: dict) -> str:
                      f"{fmt(rec['attn'][l]):>7}")
     if "onnx" in s:
         o = s["onnx"]
-        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])}; form (a) vs masked dense "
-                     f"max |diff| = {o['form_a_max_abs_diff']}")
+        check = (f"form (a) in ONNX Runtime vs masked dense (float64) max |diff| = {o['form_a_max_abs_diff']:.3g} "
+                 f"(PyTorch in {o['dtype']}: {o['form_a_torch_same_dtype_max_abs_diff']:.3g})"
+                 if o["form_a_max_abs_diff"] is not None else o["form_a_check"])
+        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])} + {o['data_file']} "
+                     f"({o['data_bytes'] / 2**20:.2f} MiB, {o['dtype']}); {check}")
     gib = lambda n: "-" if n is None else f"{n / 2**30:.2f} GiB"
-    lines.append(f"memory      peak host {gib(s['peak_host_bytes'])}, GPU {gib(s['peak_gpu_bytes'])}; build state on "
-                 f"disk {mb(s['build_state_bytes'])} (removed), calibration tensors on the device "
-                 f"{mb(s['calib_device_bytes'])}" + (f"; resumed at layer {s['resumed_at_layer']}"
-                                                     if s["resumed_at_layer"] else ""))
+    lines.append(f"memory      peak host {gib(s['peak_host_bytes'])}, GPU {gib(s['peak_gpu_bytes'])}; bound "
+                 f"{gib(s['bound_bytes'])} = 2 x largest layer {mb(s['largest_layer_fp32_bytes'])} + calibration "
+                 f"tensors {mb(s['calib_device_bytes'])} (MLP targets in bfloat16 included) + 1 GiB, predictor "
+                 f"training's float32 label copies not included; build state on disk {mb(s['build_state_bytes'])} "
+                 f"(removed)" + (f"; resumed at layer {s['resumed_at_layer']}" if s["resumed_at_layer"] else ""))
     lines.append("time        " + ", ".join(f"{k} {v:.1f}s" for k, v in s["stage_seconds"].items())
                  + f"; total {s['total_seconds']:.1f}s")
     return "\n".join(lines)
@@ -164,7 +163,11 @@ def main(argv=None) -> int:
     from dejavu.compiler.build import build_engine
 
     summary = build_engine(args.model, config, out, onnx_out=args.onnx_out, progress=not args.quiet)
-    print(format_summary(summary))
+    if summary.get("model_family") == "llama":
+        from dejavu.compiler.build_llama import format_llama_summary
+        print(format_llama_summary(summary))
+    else:
+        print(format_summary(summary))
     if args.summary_json:
         from dejavu.fileio import atomic_path
         with atomic_path(args.summary_json) as tmp:
@@ -207,7 +210,33 @@ def _tensor_lines(tensors: dict) -> list[str]:
     return lines
 
 
+def format_llama_header(h: dict, path: str, size: int) -> str:
+    """dejavu-inspect's lines for a Llama-family engine (TEAL thresholds per layer and input)."""
+    mc, bc, sp, t = h["model_config"], h.get("build_config", {}), h["sparsity"], h.get("target", {})
+    b = bc.get("bytes_per_token") or {}
+    lines = [f"{path}: {h['format']} v{h['format_version']}, {size / 2**20:.2f} MiB",
+             f"model       {h.get('model')} (family llama, {mc.get('model_type')}): {mc['num_hidden_layers']} layers, "
+             f"hidden {mc['hidden_size']}, intermediate {mc['intermediate_size']}, heads {mc['num_attention_heads']} "
+             f"/ kv {mc['num_key_value_heads']}, vocab {mc['vocab_size']}",
+             f"dtype       {h.get('dtype')}",
+             f"target      {t.get('device')} arch={t.get('arch')}",
+             f"density     {bc.get('density')} of the bytes ({b.get('fraction')} read: {b.get('engine')} of "
+             f"{b.get('dense')} bytes per token)",
+             f"sparsity    {sp['method']}: {sp['skip']} of each projection input skipped, thresholds per layer:"]
+    keys = list(sp["thresholds"])
+    lines.append(f"{'layer':>5} " + " ".join(f"{k:>9}" for k in keys))
+    for l in range(mc["num_hidden_layers"]):
+        lines.append(f"{l:>5} " + " ".join(f"{sp['thresholds'][k][l]:>9.4f}" for k in keys))
+    if bc.get("calibration"):
+        lines.append(f"calibration {json.dumps(bc['calibration'], sort_keys=True)}")
+    tok = _tokenizer_summary(h)
+    lines.append(f"tokenizer   {tok['chars']} chars of tokenizer.json, sha256 {tok['sha256'][:16]}")
+    return "\n".join(lines)
+
+
 def format_header(h: dict, path: str, size: int) -> str:
+    if h.get("model_family") == "llama":
+        return format_llama_header(h, path, size)
     mc, bc, t = h["model_config"], h.get("build_config", {}), h.get("target", {})
     lines = [f"{path}: {h['format']} v{h['format_version']}, {size / 2**20:.2f} MiB",
              f"model       {h.get('model')}: {mc['num_hidden_layers']} layers, hidden {mc['hidden_size']}, "

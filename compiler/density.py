@@ -9,23 +9,11 @@ K. The total stays round(density * N * L), each K in [1, N].
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from dejavu.compiler.config import check_density
 from dejavu.errors import DejavuError
 from dejavu.models.opt import OPTConfig
-
-
-def check_density(value, name: str = "density") -> float:
-    """A density in (0, 1], else DejavuError naming the option."""
-    try:
-        d = float(value)
-    except (TypeError, ValueError):
-        raise DejavuError(f"--{name.replace('_', '-')} must be a number in (0, 1], got {value!r}") from None
-    if not (0.0 < d <= 1.0) or math.isnan(d):
-        raise DejavuError(f"--{name.replace('_', '-')} must be in (0, 1], got {value!r}")
-    return d
 
 
 def allocate(density: float, n: int, layers: int, curves=None, min_share: float = 0.5) -> list[int]:

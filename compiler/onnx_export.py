@@ -6,7 +6,8 @@ projections (`val_123`, transposed anonymous initializers), and the rewrite pass
 find each layer's fc1 / fc2 / q / k / v / out MatMuls by name. `tests/compiler/
 test_onnx_export.py` checks that ONNX Runtime reproduces the PyTorch model (max abs ≤ 1e-4).
 
-Graphs (opset 17, fp32, dims `batch`, `seq`, `past`):
+Graphs (opset 17, dims `batch`, `seq`, `past`; every float tensor in the graph's dtype, float32 by
+default, the engine's dtype for `--onnx-out`: float16 / bfloat16 / float32):
 - prefill: `input_ids [B,S]` → `logits [B,S,V]`, `present.{l}.key/.value [B,H,S,hd]`
 - decode:  `input_ids [B,1]`, `position_ids [B,1]`, `past.{l}.key/.value [B,H,T,hd]`
            → `logits [B,1,V]`, `present.{l}.key/.value [B,H,T+1,hd]`
@@ -29,6 +30,7 @@ import logging
 import os
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import torch
@@ -41,15 +43,36 @@ log = logging.getLogger(__name__)
 OPSET = 17
 IR_VERSION = 8
 MASK_NEG = -1e9  # additive mask; exp(-1e9 - max) == 0 in fp32, and no inf for TensorRT
+# graph dtype -> (torch dtype, numpy dtype); bfloat16 through ml_dtypes (an onnx dependency)
+FLOAT_TYPES = {"float32": (torch.float32, np.dtype(np.float32)), "float16": (torch.float16, np.dtype(np.float16)),
+               "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16))}
+
+
+def mask_neg(np_dtype) -> float:
+    """MASK_NEG, or the dtype's lowest finite value where -1e9 does not fit (float16: -65504)."""
+    return max(MASK_NEG, float(ml_dtypes.finfo(np_dtype).min))
 
 
 class GraphBuilder:
-    """Append nodes and initializers to an ONNX graph with explicit, stable names."""
+    """Append nodes and initializers to an ONNX graph with explicit, stable names.
 
-    def __init__(self, graph: onnx.GraphProto):
+    `dtype` (a FLOAT_TYPES key) is the type of the weights and float constants it creates
+    (`weight`, `floats`); the passes create theirs in the dtype of the weights they read."""
+
+    def __init__(self, graph: onnx.GraphProto, dtype: str = "float32"):
         self.graph = graph
         self.nodes: list[onnx.NodeProto] = []  # new nodes, in order (caller places them)
         self.inits: list[onnx.TensorProto] = []
+        self.torch_dtype, self.np_dtype = FLOAT_TYPES[dtype]
+        self.elem_type = helper.np_dtype_to_tensor_dtype(self.np_dtype)
+
+    def weight(self, t: torch.Tensor) -> np.ndarray:
+        """A torch tensor as a numpy array in the graph dtype (rounded by torch, as the engine's)."""
+        t = t.detach().cpu().to(self.torch_dtype).contiguous()
+        return t.view(torch.int16).numpy().view(self.np_dtype) if t.dtype == torch.bfloat16 else t.numpy()
+
+    def floats(self, values) -> np.ndarray:
+        return np.asarray(values, dtype=np.float32).astype(self.np_dtype)
 
     def const(self, name: str, array) -> str:
         self.inits.append(numpy_helper.from_array(np.array(array, order="C", copy=True), name))
@@ -74,24 +97,20 @@ class GraphBuilder:
         self.nodes, self.inits = [], []
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).cpu().numpy()
-
-
 def _linear(g: GraphBuilder, x: str, w: torch.Tensor, b: torch.Tensor | None, name: str,
             out: str | None = None) -> str:
     # nn.Linear: x @ W.T + b ; the weight is stored transposed so MatMul reads it directly
-    wt = g.const(f"{name}.weight_t", _np(w).T)
+    wt = g.const(f"{name}.weight_t", g.weight(w).T)
     if b is None:
         return g.op("MatMul", [x, wt], f"{name}/MatMul", outputs=[out] if out else None)
     y = g.op("MatMul", [x, wt], f"{name}/MatMul")
-    return g.op("Add", [y, g.const(f"{name}.bias", _np(b))], f"{name}/Add", outputs=[out] if out else None)
+    return g.op("Add", [y, g.const(f"{name}.bias", g.weight(b))], f"{name}/Add", outputs=[out] if out else None)
 
 
 def _layer_norm(g: GraphBuilder, x: str, ln: torch.nn.LayerNorm, name: str, out: str | None = None) -> str:
     D = ln.normalized_shape[0]
-    w = _np(ln.weight) if ln.weight is not None else np.ones(D, np.float32)
-    b = _np(ln.bias) if ln.bias is not None else np.zeros(D, np.float32)
+    w = g.weight(ln.weight) if ln.weight is not None else g.floats(np.ones(D))
+    b = g.weight(ln.bias) if ln.bias is not None else g.floats(np.zeros(D))
     return g.op("LayerNormalization", [x, g.const(f"{name}.weight", w), g.const(f"{name}.bias", b)],
                 f"{name}/LayerNormalization", outputs=[out or name], axis=-1, epsilon=float(ln.eps))
 
@@ -102,7 +121,7 @@ def _attention(g: GraphBuilder, layer, l: int, x: str, decode: bool, H: int, hd:
     split = g.ints(f"{p}.heads_shape", [0, 0, H, hd])  # [B,S,D] -> [B,S,H,hd]
     c = f"{p}.attn_core"
     q = _linear(g, x, a.q_proj.weight, a.q_proj.bias, f"{p}.q_proj")
-    q = g.op("Mul", [q, g.const(f"{p}.q_scale", np.array(hd**-0.5, np.float32))], f"{c}/Scale")
+    q = g.op("Mul", [q, g.const(f"{p}.q_scale", g.floats(hd**-0.5))], f"{c}/Scale")
     q = g.op("Transpose", [g.op("Reshape", [q, split], f"{c}/q_split")], f"{c}/q_heads", perm=[0, 2, 1, 3])
     kv = []
     for kind, proj in (("key", a.k_proj), ("value", a.v_proj)):
@@ -152,68 +171,103 @@ def _layer(g: GraphBuilder, layer, l: int, x: str, decode: bool, H: int, hd: int
 
 def _mask_and_positions(g: GraphBuilder, decode: bool) -> str:
     """Emit `attn_mask_bias` [S,T] (0 / MASK_NEG) and return the position-id tensor [B,S]."""
-    zero, one = g.ints("c.zero", 0), g.ints("c.one", 1)  # scalars
-    ax0, ax1 = g.ints("c.axis0", [0]), g.ints("c.axis1", [1])  # Unsqueeze axes
+    one, ax0 = g.ints("c.one", 1), g.ints("c.axis0", [0])  # a scalar, Unsqueeze axes
     if decode:  # one new token attends to every past key and itself
         t = g.op("Gather", [g.op("Shape", ["past.0.key"], "mask/past_shape"), g.ints("c.two", 2)], "mask/T")
         t = g.op("Add", [t, one], "mask/T1")
         z = g.op("ConstantOfShape", [g.op("Unsqueeze", [t, ax0], "mask/T1v")], "mask/zeros",
-                 value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0]))
+                 value=numpy_helper.from_array(g.floats([0.0]), "v"))
         g.op("Unsqueeze", [z, ax0], "mask/bias", outputs=["attn_mask_bias"])  # [1, T+1]
         return "position_ids"
+    zero, ax1 = g.ints("c.zero", 0), g.ints("c.axis1", [1])
     s = g.op("Gather", [g.op("Shape", ["input_ids"], "mask/ids_shape"), one], "mask/S")
     pos = g.op("Range", [zero, s, one], "mask/range")  # [S]
     causal = g.op("LessOrEqual", [g.op("Unsqueeze", [pos, ax0], "mask/k_pos"),
                                   g.op("Unsqueeze", [pos, ax1], "mask/q_pos")], "mask/causal")
-    g.op("Where", [causal, g.const("c.fzero", np.array(0.0, np.float32)),
-                   g.const("c.neg", np.array(MASK_NEG, np.float32))], "mask/bias", outputs=["attn_mask_bias"])
+    g.op("Where", [causal, g.const("c.fzero", g.floats(0.0)), g.const("c.neg", g.floats(mask_neg(g.np_dtype)))],
+         "mask/bias", outputs=["attn_mask_bias"])
     return g.op("Unsqueeze", [pos, ax0], "mask/positions")  # [1, S]
 
 
-def build_dense_graph(model, mode: str = "prefill") -> onnx.ModelProto:
-    """The dense model as an ONNX graph; `mode` is "prefill" or "decode" (see module doc)."""
-    if mode not in ("prefill", "decode"):
-        raise DejavuError(f"ONNX graph mode must be 'prefill' or 'decode', got {mode!r}")
-    cfg, dec = model.config, model.decoder
+def graph_io(graph: onnx.GraphProto, cfg, mode: str, elem_type: int) -> None:
+    """The graph's inputs and outputs (module docstring), float tensors of `elem_type`."""
     decode = mode == "decode"
     L, H, hd, V = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, cfg.vocab_size
-    graph = helper.make_graph([], f"opt_{mode}", [], [])
-    g = GraphBuilder(graph)
     S = 1 if decode else "seq"
     graph.input.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", S]))
     if decode:
         graph.input.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", 1]))
-        for l in range(L):
-            for kind in ("key", "value"):
-                graph.input.append(helper.make_tensor_value_info(
-                    f"past.{l}.{kind}", TensorProto.FLOAT, ["batch", H, "past", hd]))
-    positions = _mask_and_positions(g, decode)
-    emb = g.const("embed_tokens", _np(dec.embed_tokens.weight))  # [V, E]
+    graph.output.append(helper.make_tensor_value_info("logits", elem_type, ["batch", S, V]))
+    for l in range(L):
+        for kind in ("key", "value"):
+            if decode:
+                graph.input.append(helper.make_tensor_value_info(f"past.{l}.{kind}", elem_type,
+                                                                 ["batch", H, "past", hd]))
+            graph.output.append(helper.make_tensor_value_info(
+                f"present.{l}.{kind}", elem_type, ["batch", H, "past_plus_1" if decode else "seq", hd]))
+
+
+def emit_embeddings(g: GraphBuilder, dec, mode: str) -> str:
+    """Mask, positions and embeddings; returns the residual entering layer 0 [B,S,D]."""
+    positions = _mask_and_positions(g, mode == "decode")
+    emb = g.const("embed_tokens", g.weight(dec.embed_tokens.weight))  # [V, E]
     x = g.op("Gather", [emb, "input_ids"], "embed/tokens")  # [B, S, E]
     if dec.project_in is not None:
         x = _linear(g, x, dec.project_in.weight, None, "project_in")
     off = g.op("Add", [positions, g.ints("c.pos_offset", 2)], "embed/pos_offset")
-    x = g.op("Add", [x, g.op("Gather", [g.const("embed_positions", _np(dec.embed_positions.weight)), off],
-                             "embed/positions")], "embed/sum")
-    for l, layer in enumerate(dec.layers):
-        x = _layer(g, layer, l, x, decode, H, hd)
+    return g.op("Add", [x, g.op("Gather", [g.const("embed_positions", g.weight(dec.embed_positions.weight)), off],
+                                "embed/positions")], "embed/sum")
+
+
+def emit_layer(g: GraphBuilder, layer, l: int, x: str, mode: str, cfg) -> str:
+    """Decoder layer l on the residual x; returns the residual it outputs."""
+    return _layer(g, layer, l, x, mode == "decode", cfg.num_attention_heads, cfg.head_dim)
+
+
+def emit_head(g: GraphBuilder, dec, x: str) -> None:
+    """Final LayerNorm, project_out and the LM head (tied to embed_tokens) -> `logits`."""
     if dec.final_layer_norm is not None:
         x = _layer_norm(g, x, dec.final_layer_norm, "final_ln")
     if dec.project_out is not None:
         x = _linear(g, x, dec.project_out.weight, None, "project_out")
+    emb = g.const("embed_tokens", g.weight(dec.embed_tokens.weight))
     g.op("MatMul", [x, g.op("Transpose", [emb], "lm_head/weight_t", perm=[1, 0])], "lm_head/MatMul",
-         outputs=["logits"])  # tied to embed_tokens
-    g.flush()
-    T_out = 1 if not decode else "past_plus_1"
-    graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", S, V]))
-    for l in range(L):
-        for kind in ("key", "value"):
-            graph.output.append(helper.make_tensor_value_info(
-                f"present.{l}.{kind}", TensorProto.FLOAT, ["batch", H, "seq" if not decode else T_out, hd]))
+         outputs=["logits"])
+
+
+def new_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                           producer_name="dejavu", producer_version="1")
     m.ir_version = IR_VERSION
     return m
+
+
+def check_mode(mode: str) -> None:
+    if mode not in ("prefill", "decode"):
+        raise DejavuError(f"ONNX graph mode must be 'prefill' or 'decode', got {mode!r}")
+
+
+def build_dense_graph(model, mode: str = "prefill", dtype: str = "float32") -> onnx.ModelProto:
+    """The dense model as an ONNX graph in memory; `mode` is "prefill" or "decode" (see module
+    doc). `compiler/onnx_stream.py` writes the same graph layer by layer with external data."""
+    check_mode(mode)
+    dec = model.decoder
+    graph = helper.make_graph([], f"opt_{mode}", [], [])
+    g = GraphBuilder(graph, dtype)
+    graph_io(graph, model.config, mode, g.elem_type)
+    x = emit_embeddings(g, dec, mode)
+    for l, layer in enumerate(dec.layers):
+        x = emit_layer(g, layer, l, x, mode, model.config)
+    emit_head(g, dec, x)
+    _dedupe_inits(g)
+    g.flush()
+    return new_model(graph)
+
+
+def _dedupe_inits(g: GraphBuilder) -> None:
+    """embed_tokens is emitted by the embeddings and by the tied LM head: keep one."""
+    seen = set()
+    g.inits = [t for t in g.inits if not (t.name in seen or seen.add(t.name))]
 
 
 def check_model(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -234,14 +288,16 @@ def save_model(m: onnx.ModelProto, path: str | os.PathLike) -> Path:
     return path
 
 
-def run_onnxruntime(m: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run a standard-op model on ONNX Runtime's CPU provider; {output name: array}."""
+def run_onnxruntime(m: onnx.ModelProto | str | os.PathLike, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a standard-op model (in memory, or a path: external data beside it) on ONNX Runtime's
+    CPU provider; {output name: array}."""
     import onnxruntime as ort  # optional dependency
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    src = str(m) if isinstance(m, (str, os.PathLike)) else m.SerializeToString()
+    sess = ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))
 

@@ -2,7 +2,8 @@
 
 `scores = (x @ A.T) @ B.T + bias` with A [r, D], B [N, r], bias [N]; x is the raw residual
 `src[l - lookahead]` (docs/ARCHITECTURE.md, "Lookahead convention"). Since the map is
-linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H.
+linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H. MLP ranks
+may differ per layer (`mlp_ranks`); the runtime reads each layer's rank from its tensors.
 
 Labels: MLP neuron j is positive when its post-ReLU activation is > 0. Head h is positive
 when it is among the top ceil(attn_label_density * H) heads of the token by its contribution
@@ -26,13 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.compiler.calibrate import Calibration
+from dejavu.compiler.config import PredictorSettings
 from dejavu.errors import DejavuError
 from dejavu.models.opt import OPTConfig
 
-# The lookahead decision (docs/predictors.md): layer l's predictors read layer l-1's
-# attention input, which exists before layer l-1 starts, so they can run on a side stream
-# one layer ahead. Same-layer inputs are more accurate but serialise prediction.
-DEFAULT_PREDICTOR_INPUT = {"source": "attn_in", "lookahead": 1}
 # What the engine records (build_config.predictor_form / predictor_targets): the scoring form
 # and what each kind was fitted to (docs/predictors.md, "MLP targets").
 PREDICTOR_FORM = "lowrank"
@@ -40,55 +38,6 @@ PREDICTOR_TARGETS = {"mlp": "contribution_listwise", "attn": "log_contribution_l
 CANDIDATE_INPUTS = [{"source": "attn_in", "lookahead": 0},
                     {"source": "attn_in", "lookahead": 1},
                     {"source": "mlp_in", "lookahead": 1}]
-
-
-@dataclass
-class PredictorSettings:
-    """Predictor training settings; the one place for their defaults."""
-
-    mlp_rank: int | None = None  # None: the largest multiple of 8 within cost_budget
-    attn_rank: int | None = None  # None: min(H, budget) (rank > H adds nothing to a linear map)
-    cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern
-    # The budget rank grows with the model (1144 at OPT-30B: 82 MB a layer, as many bytes as
-    # the sparse MLP reads at density 0.1); DejaVu's predictors stay near rank 1000 even at
-    # 175B. Above this cap, extra rank costs decode bandwidth for little recall.
-    max_auto_rank: int = 512
-    source: str = DEFAULT_PREDICTOR_INPUT["source"]
-    lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]
-    attn_label_density: float = 0.5  # head labels: top ceil(this * H) heads by norm
-    lr: float = 3e-3
-    batch_tokens: int = 2048
-    # BCE epochs after the least-squares start (0: least squares only), early-stopped on held-out
-    # recall (patience). opt-mini, MLP 0.3 / heads 1.0, WikiText-2 perplexity vs dense: 1 epoch
-    # +2.17%, 2 +1.29%, 4 +0.83%, 8 +0.60% (BENCHMARKS.md, 2026-12-04)
-    max_epochs: int = 8
-    patience: int = 1
-    holdout: float = 0.1  # fraction of the stream (tail windows) held out
-    max_pos_weight: float = 50.0
-    ridge: float = 1e-3  # ridge of the least-squares initialisation (times the token count)
-    report_density: float = 0.3  # K for the recall/precision report when none is given
-    # MLP early stopping: held-out contribution in the top K of this density (the small K
-    # where predictors differ; near K = N every epoch captures everything)
-    stop_density: float = 0.1
-    curve_tokens: int = 1024  # held-out tokens used for the recall-vs-K curves
-    seed: int = 0
-    device: str = "cpu"
-
-    def __post_init__(self):
-        if self.source not in ("attn_in", "mlp_in") or self.lookahead not in (0, 1):
-            raise DejavuError(f"predictor input must be source attn_in|mlp_in, lookahead 0|1; got "
-                              f"{self.source!r}, {self.lookahead!r}")
-        if self.source == "mlp_in" and self.lookahead == 0:
-            raise DejavuError("predictor input mlp_in with lookahead 0 does not exist before the "
-                              "layer's attention runs; use lookahead 1")
-        for name in ("mlp_rank", "attn_rank"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise DejavuError(f"{name} must be a positive integer, got {v}")
-
-    @property
-    def predictor_input(self) -> dict:
-        return {"source": self.source, "lookahead": self.lookahead}
 
 
 def _budget_rank(budget: float, dense_bytes: int, d: int, n: int, multiple: int = 8) -> int:
@@ -105,13 +54,32 @@ def default_ranks(cfg: OPTConfig, settings: PredictorSettings) -> tuple[int, int
     return mlp, attn
 
 
-def predictor_cost(cfg: OPTConfig, mlp_rank: int, attn_rank: int) -> dict:
-    """Parameter counts (same dtype: ratios of bytes) of predictors vs the dense layers they govern."""
+def mlp_ranks(cfg: OPTConfig, settings: PredictorSettings) -> list[int]:
+    """Per-layer MLP predictor ranks [L]: `settings.mlp_rank` everywhere when given; else every
+    layer gets the uniform budget rank (`default_ranks`) and layer 0 also gets what rounding to
+    multiples of 8 left of the whole budget (L layers' bytes), capped at D and max_auto_rank.
+
+    Layer 0 reads the embedding output and fires most neurons (22% on opt-mini, 2-7% elsewhere):
+    it loses the most contribution at small K, and more rank there lowers perplexity at MLP 0.1
+    (docs/predictors.md, "Rank per layer")."""
+    L, D, Fd = cfg.num_hidden_layers, cfg.hidden_size, cfg.ffn_dim
+    base, _ = default_ranks(cfg, settings)
+    if settings.mlp_rank:
+        return [base] * L
+    total = L * (settings.cost_budget * (2 * D * Fd + Fd + D) - Fd) / (D + Fd)  # ranks the budget pays for
+    first = min(D, settings.max_auto_rank, max(base, int(total - (L - 1) * base) // 8 * 8))
+    return [first] + [base] * (L - 1)
+
+
+def predictor_cost(cfg: OPTConfig, mlp_rank: int | list[int], attn_rank: int) -> dict:
+    """Parameter counts (same dtype: ratios of bytes) of predictors vs the dense layers they govern.
+    mlp_rank: one rank for every layer or a list of per-layer ranks (ratios over all layers)."""
     D, Fd, H, L = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads, cfg.num_hidden_layers
-    mlp_p, mlp_d = mlp_rank * (D + Fd) + Fd, 2 * D * Fd + Fd + D  # A, B, bias vs fc1+fc2
+    rs = list(mlp_rank) if isinstance(mlp_rank, (list, tuple)) else [mlp_rank] * L
+    mlp_p, mlp_d = sum(r * (D + Fd) + Fd for r in rs) / L, 2 * D * Fd + Fd + D  # A, B, bias vs fc1+fc2
     attn_p, attn_d = attn_rank * (D + H) + H, 4 * D * D + 4 * D  # vs q, k, v, out_proj
     return {"mlp_rank": mlp_rank, "attn_rank": attn_rank,
-            "mlp_predictor_params": L * mlp_p, "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_p / mlp_d,
+            "mlp_predictor_params": round(L * mlp_p), "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_p / mlp_d,
             "attn_predictor_params": L * attn_p, "attn_dense_params": L * attn_d,
             "attn_ratio": attn_p / attn_d, "total_ratio": (mlp_p + attn_p) / (mlp_d + attn_d)}
 
@@ -124,7 +92,9 @@ class Predictors:
     attn: list[dict[str, torch.Tensor]]
     predictor_input: dict
     metrics: dict = field(default_factory=dict)
-    recall_curves: dict = field(default_factory=dict)  # {"mlp"|"attn": [np.ndarray[N]] per layer}
+    # {"mlp"|"attn": [np.ndarray[N]] per layer}: held-out share of the MLP neurons' contribution /
+    # of the head norm captured by the predicted top-k, k = 1..N
+    recall_curves: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Engine tensor names: layers.{l}.pred_mlp.a/.b/.bias, layers.{l}.pred_attn.a/.b/.bias."""
@@ -210,7 +180,7 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
     D, N = x_tr.shape[1], y_tr.shape[1]
     mu = x_tr.mean(0)
     sd = x_tr.std(0).clamp_min(1e-6)
-    p = y_tr.float().mean(0).clamp(1e-4, 1 - 1e-4)  # [N] label frequency
+    p = (y_tr.sum(0, dtype=torch.float32) / len(y_tr)).clamp(1e-4, 1 - 1e-4)  # [N] label frequency
     pos_weight = ((1 - p) / p).clamp(1.0 / s.max_pos_weight, s.max_pos_weight)
     a0, b0 = _rrr_init(x_tr, y_tr, mu, sd, rank, s.ridge)
     a, b = a0.requires_grad_(), b0.requires_grad_()
@@ -233,7 +203,7 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
             got = sum(target_va[i:i + 4096].to(dev).float().gather(
                 -1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
                 for i in range(0, len(x_va), 4096))
-        return -got / max(1e-12, target_va.float().sum().item())
+        return -got / max(1e-12, target_va.sum(dtype=torch.float32).item())
 
     snapshot = lambda: (a.detach().clone(), b.detach().clone(), bias.detach().clone())
     best, best_state, bad = val_loss(), snapshot(), 0  # the least-squares start counts as epoch 0
@@ -345,7 +315,10 @@ def train_layer(x: torch.Tensor, y_mlp: torch.Tensor, contrib: torch.Tensor, nor
         a_rec, _ = _evaluate(sa, _head_labels(nv, ak), ak)
         a_mass = nv.gather(-1, sa.topk(ak, -1).indices).sum().item() / nv.sum().item()
         c = slice(0, s.curve_tokens)
-        curves = {"mlp": _curve(sm[c], yv[c]), "attn": _curve(sa[c], nv[c])}
+        # MLP: the share of the neurons' contribution kept (what the masked output loses), by
+        # which the density allocator spreads K: at MLP 0.2 on opt-mini it beat the share of the
+        # active neurons (+2.32% vs +2.86% perplexity, docs/predictors.md)
+        curves = {"mlp": _curve(sm[c], contrib[split:][c].cpu()), "attn": _curve(sa[c], nv[c])}
     row = {"mlp_k": mk, "mlp_recall": m_rec, "mlp_precision": m_prec,
            "mlp_active_fraction": yv.float().mean().item(), "mlp_val_mass": -pm.pop("val_loss"),
            "attn_k": ak, "attn_recall": a_rec, "attn_precision": a_rec,
@@ -370,7 +343,8 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     cfg = cal.cfg
     L, Fd, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
     dev = torch.device(s.device)
-    mlp_rank, attn_rank = default_ranks(cfg, s)
+    _, attn_rank = default_ranks(cfg, s)
+    ranks = mlp_ranks(cfg, s)
     mlp_k = mlp_k or [max(1, round(s.report_density * Fd))] * L
     attn_k = attn_k or [max(1, round(s.report_density * H))] * L
     gen = torch.Generator().manual_seed(s.seed)
@@ -382,7 +356,7 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
         it = tqdm(it, desc="predictors", unit="layer")
     for l in it:
         x, y_mlp, contrib, norms, split = _layer_data(cal, l, s, dev, model.decoder.layers[l])
-        pm, pa, row, curve = train_layer(x, y_mlp, contrib, norms, split, (mlp_rank, attn_rank),
+        pm, pa, row, curve = train_layer(x, y_mlp, contrib, norms, split, (ranks[l], attn_rank),
                                          (mlp_k[l], attn_k[l]), s, gen)
         per_layer.append({"layer": l, **row})
         mlp.append(pm)
@@ -392,7 +366,7 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     mean = lambda key: float(np.mean([m[key] for m in per_layer]))
     metrics = {"per_layer": per_layer, "mlp_recall_mean": mean("mlp_recall"),
                "mlp_precision_mean": mean("mlp_precision"), "attn_recall_mean": mean("attn_recall"),
-               "cost": predictor_cost(cfg, mlp_rank, attn_rank), "settings": asdict(s),
+               "cost": predictor_cost(cfg, ranks, attn_rank), "settings": asdict(s),
                "holdout_tokens": cal.n_tokens - holdout_split(cal.n_tokens, cal.n_windows, cal.window, s)}
     return Predictors(mlp, attn, s.predictor_input, metrics, curves)
 

@@ -35,8 +35,13 @@ from dejavu.errors import DejavuError
 from dejavu.fileio import atomic_path
 from dejavu.models.opt import POSITION_OFFSET
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the MLP targets are stored in bfloat16 (1: float32)
 CHUNK = 64 << 20  # bytes per read when copying spilled tensors into the engine
+# The MLP predictors' targets [T, F] (each neuron's contribution, `predictors.mlp_contributions`):
+# computed CHUNK bytes of fp32 rows at a time, stored in bfloat16 (float32's range: no
+# overflow, and a token without active neurons stays all zero). float32 storage would be 4 T F
+# bytes on the device, 7.5 GB at the OPT-30B shape with 65,536 tokens.
+TARGET_DTYPE = torch.bfloat16
 
 
 # ------------------------------------------------------------------------------- calibration
@@ -184,7 +189,7 @@ class BuildState:
         return out
 
     def tensors(self, part: str, prefix: str = "") -> dict[str, torch.Tensor]:
-        """The spilled tensors in memory (for the whole-model paths: --tp, --onnx-out)."""
+        """The spilled tensors in memory (one layer's predictors for --onnx-out and resolve K)."""
         return in_memory(self.parts(part, prefix))
 
     def save_carry(self, layers_done: int, carry: dict[str, torch.Tensor]) -> None:
@@ -257,6 +262,21 @@ def records_needed(l: int, source: str, lookahead: int) -> tuple[str, ...]:
     return tuple(sorted(need))
 
 
+def mlp_targets(layer, mlp_in: torch.Tensor, device) -> torch.Tensor:
+    """The MLP predictors' targets for `layer` over its recorded mlp_in [T, D]: [T, F] TARGET_DTYPE
+    on `device`, a chunk of rows at a time (never [T, F] in float32). Training reads them
+    through operations that scale each token's row by its sum and compare summed shares, so the
+    bfloat16 rounding (relative error <= 2^-8 per element) is all that changes (docs/compiler.md)."""
+    from dejavu.compiler.predictors import mlp_contributions
+
+    T, F = len(mlp_in), layer.fc1.out_features
+    out = torch.empty(T, F, dtype=TARGET_DTYPE, device=device)
+    rows = max(1, CHUNK // (4 * F))
+    for i in range(0, T, rows):
+        out[i:i + rows] = mlp_contributions(layer, mlp_in[i:i + rows], chunk=rows).to(device, TARGET_DTYPE)
+    return out
+
+
 def predictor_tensors(l: int, dtype, pm: dict | None, pa: dict | None) -> dict[str, torch.Tensor]:
     """Layer l's predictors in the engine dtype, and in fp32 under `fp32.` (kept for --onnx-out,
     never written to the engine)."""
@@ -295,6 +315,20 @@ def gpu_peak_bytes(device: str) -> int | None:
 def calib_bytes(n_tokens: int, cfg) -> int:
     """Bytes of the per-layer calibration tensors on the build device (docs/compiler.md): the
     carried residual (fp32), this layer's and the previous layer's predictor source (fp16),
-    the fp32 copy the training reads, and one layer's labels (bool) and head norms (fp32)."""
+    the fp32 copy the training reads, and one layer's labels (bool), MLP targets (bfloat16,
+    `mlp_targets`) and head norms (fp32)."""
     D, F, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
-    return n_tokens * (4 * D + 2 * 2 * D + 4 * D + F + 4 * H)
+    return n_tokens * (4 * D + 2 * 2 * D + 4 * D + F + 2 * F + 4 * H)
+
+
+def memory_bound(cfg, n_tokens: int) -> dict:
+    """The build's stated peak memory (host with --device cpu, device memory with cuda;
+    docs/compiler.md, "Streaming"): 2 x the largest layer in fp32 (the embeddings counted as
+    one) + the calibration tensors (n_tokens 0: none) + 1 GiB. The predictor training's own
+    float32 temporaries of the labels (predictors._fit, up to 4 T F bytes) are not in it."""
+    D, F, V, E = cfg.hidden_size, cfg.ffn_dim, cfg.vocab_size, cfg.word_embed_proj_dim
+    layer = 4 * (4 * D * D + 2 * D * F + F + 9 * D)
+    shell = 4 * (V * E + (cfg.max_position_embeddings + 2) * D + (2 * D * E if E != D else 0))
+    calib = calib_bytes(n_tokens, cfg) if n_tokens else 0
+    largest = max(layer, shell)
+    return {"largest_layer_fp32_bytes": largest, "calib_bytes": calib, "bound_bytes": 2 * largest + calib + (1 << 30)}

@@ -41,54 +41,80 @@ def k_per_rank(k: int, n: int, tp: int) -> int:
     return min(n // tp, -(-k // tp))
 
 
+def _split_rule(header: dict, tp: int):
+    """(rank headers, split(name, w, r) -> rank r's part of tensor w) for a single-rank engine."""
+    mc, bc = header["model_config"], header["build_config"]
+    H, F, D = mc["num_attention_heads"], mc["ffn_dim"], mc["hidden_size"]
+    check_tp(H, F, tp)
+    if bc.get("tp"):
+        raise DejavuError("engine is already a tensor-parallel shard")
+    Hr, Fr = H // tp, F // tp
+    Dq = Hr * (D // H)
+    ks = {"mlp": [k_per_rank(k, F, tp) for k in bc["mlp_k"]], "attn": [k_per_rank(k, H, tp) for k in bc["attn_k"]]}
+
+    def split(name: str, w: torch.Tensor, r: int) -> torch.Tensor:
+        q, f, h = slice(r * Dq, (r + 1) * Dq), slice(r * Fr, (r + 1) * Fr), slice(r * Hr, (r + 1) * Hr)
+        kind = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        if _REPLICATED.match(name):
+            return w
+        if kind in ("attn.wq", "attn.bq", "attn.wo_t"):
+            return w[q].contiguous()
+        if kind in ("attn.wkv", "attn.bkv"):  # K rows then V rows, each head-major
+            return torch.cat([w[:D][q], w[D:][q]])
+        if kind in ("mlp.w1", "mlp.b1", "mlp.w2_t", "pred_mlp.b", "pred_mlp.bias"):
+            return w[f].contiguous()
+        if kind in ("pred_attn.b", "pred_attn.bias"):
+            return w[h].contiguous()
+        if kind in ("attn.bo", "mlp.b2"):  # row-parallel outputs: added once, after the all-reduce
+            return w if r == 0 else torch.zeros_like(w)
+        raise DejavuError(f"shard_engine: no split rule for tensor {name!r}")
+
+    headers = []
+    for r in range(tp):
+        hr = copy.deepcopy(header)
+        hr["build_config"]["tp"] = {"size": tp, "rank": r, "num_heads": Hr, "ffn_dim": Fr, "k_per_rank": ks}
+        headers.append(hr)
+    return headers, split
+
+
 def shard_engine(header: dict, tensors: dict[str, torch.Tensor], tp: int) -> list[tuple[dict, dict]]:
     """[(header_r, tensors_r)] for r in 0..tp-1 from a single-rank engine (kernel layout).
 
     tp == 1 returns the engine unchanged. Raises DejavuError when tp does not divide the
     heads and the MLP width, or on a tensor this function does not know how to split."""
-    mc, bc = header["model_config"], header["build_config"]
-    H, F, D, L = mc["num_attention_heads"], mc["ffn_dim"], mc["hidden_size"], mc["num_hidden_layers"]
-    check_tp(H, F, tp)
-    if bc.get("tp"):
-        raise DejavuError("engine is already a tensor-parallel shard")
     if tp == 1:
+        check_tp(header["model_config"]["num_attention_heads"], header["model_config"]["ffn_dim"], tp)
+        if header["build_config"].get("tp"):
+            raise DejavuError("engine is already a tensor-parallel shard")
         return [(header, tensors)]
-    Hr, Fr = H // tp, F // tp
-    Dq = Hr * (D // H)
-    ks = {"mlp": [k_per_rank(k, F, tp) for k in bc["mlp_k"]], "attn": [k_per_rank(k, H, tp) for k in bc["attn_k"]]}
-    out = []
-    for r in range(tp):
-        q, f = slice(r * Dq, (r + 1) * Dq), slice(r * Fr, (r + 1) * Fr)
-        h = slice(r * Hr, (r + 1) * Hr)
-        t = {}
-        for name, w in tensors.items():
-            kind = name.split(".", 2)[-1] if name.startswith("layers.") else name
-            if _REPLICATED.match(name):
-                t[name] = w
-            elif kind in ("attn.wq", "attn.bq", "attn.wo_t"):
-                t[name] = w[q]
-            elif kind in ("attn.wkv", "attn.bkv"):  # K rows then V rows, each head-major
-                t[name] = torch.cat([w[:D][q], w[D:][q]])
-            elif kind in ("mlp.w1", "mlp.b1", "mlp.w2_t", "pred_mlp.b", "pred_mlp.bias"):
-                t[name] = w[f]
-            elif kind in ("pred_attn.b", "pred_attn.bias"):
-                t[name] = w[h]
-            elif kind in ("attn.bo", "mlp.b2"):  # row-parallel outputs: added once, after the all-reduce
-                t[name] = w if r == 0 else torch.zeros_like(w)
-            else:
-                raise DejavuError(f"shard_engine: no split rule for tensor {name!r}")
-        hr = copy.deepcopy(header)
-        hr["build_config"]["tp"] = {"size": tp, "rank": r, "num_heads": Hr, "ffn_dim": Fr, "k_per_rank": ks}
-        out.append((hr, {n: v.contiguous() for n, v in t.items()}))
-    return out
+    headers, split = _split_rule(header, tp)
+    return [(hr, {n: split(n, w, r).contiguous() for n, w in tensors.items()}) for r, hr in enumerate(headers)]
 
 
-def write_shards(out, header: dict, tensors: dict[str, torch.Tensor], tp: int) -> tuple[int, list[str]]:
-    """Shard and write one engine per rank (`dejavu.shards.shard_path` names); (total bytes, paths)."""
-    from dejavu.engine_file import write_engine
+def write_shards(out, header: dict, parts: dict, tp: int) -> tuple[int, list[str]]:
+    """Shard and write one engine per rank (`dejavu.shards.shard_path` names); (total bytes, paths).
 
+    parts: {name: engine_file.TensorPart or torch.Tensor}. Each rank's file is written a tensor
+    at a time: a part is read whole, split, written and dropped (memory: a few of the largest
+    tensor, never the engine); each part is read once per rank."""
+    from dejavu.engine_file import TensorPart, write_engine_parts
+
+    parts = {n: TensorPart.of(n, p) if isinstance(p, torch.Tensor) else p for n, p in parts.items()}
+    headers, split = _split_rule(header, tp)
     total, paths = 0, []
-    for r, (h, t) in enumerate(shard_engine(header, tensors, tp)):
+    for r, hr in enumerate(headers):
+        rank_parts = {}
+        for name, p in parts.items():
+            shape = split(name, torch.empty(p.shape, dtype=p.dtype, device="meta"), r).shape
+            rank_parts[name] = TensorPart(p.dtype, shape, lambda n=name, p=p, r=r: _split_chunks(split, n, p, r))
         paths.append(shard_path(out, r, tp))
-        total += write_engine(paths[-1], h, t)
+        total += write_engine_parts(paths[-1], hr, rank_parts)
     return total, paths
+
+
+def _split_chunks(split, name: str, part, r: int):
+    from dejavu.engine_file import TensorPart
+
+    data = bytearray(b"".join(part.chunks()))
+    w = torch.frombuffer(data, dtype=part.dtype).view(part.shape) if part.nbytes else torch.empty(part.shape, dtype=part.dtype)
+    yield from TensorPart.of(name, split(name, w, r).contiguous()).chunks()

@@ -14,12 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-import dejavu
+from dejavu.datafiles import CALIB_TEXT
 from dejavu.errors import DejavuError
-
-DATA_DIR = Path(dejavu.__file__).resolve().parent / "data"
-DEFAULT_CALIB = DATA_DIR / "calib" / "wikitext2-train-head.txt"
-WIKITEXT2_TEST = DATA_DIR / "wikitext-2" / "test.txt"
 
 
 def _read_jsonl(path: Path) -> str:
@@ -68,7 +64,7 @@ def _read_hf(spec: str) -> str:
 def read_corpus(source: str | os.PathLike | None = None) -> tuple[str, str]:
     """(text, display name) of a corpus; raises DejavuError when missing or empty."""
     if source is None:
-        source = DEFAULT_CALIB
+        source = CALIB_TEXT
     spec = str(source)
     if spec.startswith("hf:"):
         text = _read_hf(spec)

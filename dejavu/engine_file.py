@@ -308,7 +308,44 @@ def expected_shapes(header: dict) -> dict[str, list[int]]:
     return s
 
 
+def llama_shapes(header: dict) -> dict[str, list[int]]:
+    """Tensor name → shape of a Llama-family engine (compiler/build_llama.py's kernel layout)."""
+    from dejavu.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_hf_dict(header.get("model_config"))
+    V, D, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    qo, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    s = {"embed_tokens": [V, D], "final_norm": [D]}
+    if not cfg.tie_word_embeddings:
+        s["lm_head"] = [V, D]
+    for l in range(L):
+        p = f"layers.{l}."
+        s.update({p + "attn_norm": [D], p + "mlp_norm": [D], p + "attn.wqkv_t": [D, qo + 2 * kv],
+                  p + "attn.wo_t": [qo, D], p + "mlp.wgu_t": [D, 2 * F], p + "mlp.wd_t": [F, D]})
+    return s
+
+
+def _check_llama_sparsity(header: dict, path) -> None:
+    sp, L = header.get("sparsity"), header["model_config"]["num_hidden_layers"]
+    if not isinstance(sp, dict) or sp.get("method") != "teal" or not isinstance(sp.get("thresholds"), dict):
+        raise _corrupt(path, "sparsity must be {method: teal, skip, thresholds}")
+    for key in ("attn_in", "o_in", "mlp_in", "down_in"):
+        t = sp["thresholds"].get(key)
+        if not (isinstance(t, list) and len(t) == L and all(type(v) in (int, float) and v >= 0 for v in t)):
+            raise _corrupt(path, f"sparsity.thresholds.{key} must list {L} non-negative numbers")
+
+
 def _check_contents(header: dict, entries: dict, path) -> None:
+    if header.get("model_family", "opt") == "llama":
+        try:
+            want = llama_shapes(header)
+        except DejavuError as e:
+            raise _corrupt(path, f"model_config: {e}") from None
+        _check_llama_sparsity(header, path)
+        _check_names_shapes(header, want, entries, path)
+        return
+    if header.get("model_family", "opt") != "opt":
+        raise _corrupt(path, f"model_family {header.get('model_family')!r} is not 'opt' or 'llama'")
     mc = header.get("model_config")
     L = mc.get("num_hidden_layers") if isinstance(mc, dict) else None
     if type(L) is int and L * 14 > len(entries):  # bound the work before listing names per layer
@@ -334,6 +371,10 @@ def _check_contents(header: dict, entries: dict, path) -> None:
                 r = a[1][0] if a and len(a[1]) == 2 else -1
                 want.update({f"layers.{l}.{kind}.a": [r, D], f"layers.{l}.{kind}.b": [n, r],
                              f"layers.{l}.{kind}.bias": [n]})
+    _check_names_shapes(header, want, entries, path)
+
+
+def _check_names_shapes(header: dict, want: dict, entries: dict, path) -> None:
     missing = sorted(set(want) - set(entries))
     extra = sorted(set(entries) - set(want))
     if missing:

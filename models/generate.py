@@ -6,8 +6,8 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
+from dejavu.generation import GENERATION, resolve_temperature
 from dejavu.models.opt import OPTForCausalLM
-from dejavu.generation import resolve_temperature
 from dejavu.models.sampling import sample_next
 
 
@@ -26,8 +26,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 
 @torch.inference_mode()
 def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[int]],
-             max_new_tokens: int, temperature: float | None = None, top_k: int = 0, top_p: float = 1.0,
-             seed: int | None = None, eos_id: int | None = None,
+             max_new_tokens: int, temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
+             top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed, eos_id: int | None = None,
              stream: Callable[[list[int | None]], None] | None = None) -> list[list[int]]:
     """New tokens for each prompt (prompt not included; ends with eos_id when it was produced).
 

@@ -49,71 +49,53 @@ def helper(fn):
     return fn
 
 
-# Programmatic dependent launch (PDL, sm_90+). With PDL_CONFIG["ENABLED"] the main decode
-# kernels are launched with `launch_pdl=True`: the next kernel of a stream may be launched
-# before this one has completed, so its launch (and its first weight reads) overlap this
-# kernel's tail. Every kernel launched so (`pdl_args`) calls `gdc_enter(GDC)` before its first
-# load of anything another kernel writes and before its first store: griddepcontrol.wait (the
-# previous kernel has completed, its writes visible). It lets the next kernel launch
-# (griddepcontrol.launch_dependents) only after that wait: right there for the kinds of kernel
-# in PDL_CONFIG["EARLY"], else after its main loop (`gdc_release`, kernels
-# that have one) or at exit. So at most two kernels of a stream are in flight and everything
-# older has completed. Waiting programs hold their SM's registers: an early trigger lets the
-# next kernel's whole grid sit waiting behind a one-program LayerNorm.
-# Before the wait a kernel may load what no kernel writes while decoding (weights: LayerNorm's EARLY_WEIGHTS) and
-# what only kernels two or more launches back wrote (the previous kernel has passed its own wait,
-# so those have completed): the head index, pos and valid_len (EARLY_READS of the attention and
-# Q/K/V finishing kernels; the heads come from the side stream, whose event the main stream
-# waited for before the Q/K/V kernels). Off on CPU (the interpreter has no griddepcontrol) and below sm_90.
-# Kinds (pdl_args): fc1 and qkv_full (gather_gemv: fc1, Q/K/V of every head), fc2 and proj
-# (gather_gemv_t: fc2, the attention output projection), reduce (their split-K reductions),
-# qkv, qkv_finish, commit (deferred K/V), attn, attn_combine, layer_norm, pred (the predictors'
-# two gather_gemv products when predictor.SCORE_METHOD is "triton", on the side stream).
+# Programmatic dependent launch (PDL, sm_90+; docs/kernels.md). With settings.pdl.ENABLED the main
+# decode kernels launch with `launch_pdl=True`, so the next kernel's launch overlaps this one's tail.
+# Each such kernel calls `gdc_enter(GDC)` (griddepcontrol.wait) before its first load of anything
+# another kernel writes and before its first store, and lets the next kernel launch only after that
+# wait: right there for the kinds in settings.pdl.EARLY, else after its main loop (`gdc_release`) or at
+# exit; so at most two kernels of a stream are in flight. Before the wait it may load what no kernel
+# writes in decode (weights) and what only kernels two or more launches back wrote (head index, pos,
+# valid_len: EARLY_READS). Off on CPU and below sm_90. Kinds: fc1 and qkv_full (gather_gemv), fc2 and
+# proj (gather_gemv_t), reduce, qkv, qkv_finish, commit, attn, attn_combine, layer_norm, pred (the
+# predictors' gather_gemv products on the side stream).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
              "layer_norm", "pred")
-# Measured on the H200 (OPT-30B shape, batch 1, benchmarks/e2e.py ablations, BENCHMARKS.md 2026-12-02).
-# 2026-12-02 (neuron predictor first, cuBLAS scoring): every kind but fc1 early 6.74-6.78 ms/token at
-# density 0.3 (plain launches 6.89-6.94), 4.57-4.59 at 0.1 (5.12); late triggers only: 6.79-6.85 and
-# 5.04-5.06; early everywhere: 7.30-7.32 and 4.66-4.68 (fc1's early trigger alone: 7.37 at 0.3);
-# early only for the kernels without a main loop: 6.70-6.75 at 0.3 but 4.97 at 0.1. Prefetching
-# weight tiles before the wait never paid (late triggers, 1 tile: 6.93 at 0.3; 2 tiles 7.16).
-# 2026-12-02, with the head predictor run first on the side stream (runtime/predictors.py) and
-# Triton scoring: early only for the kernels without a main loop (these defaults) 6.653-6.656 at
-# 0.3 and 4.391-4.401 at 0.1 (two rows each, two runs), against 6.905-6.914 and 4.498-4.511 with
-# the 2026-12-02 set in the same runs.
-# "PLAIN": kinds launched without PDL even when it is enabled: the predictors' products on the
-# side stream (late triggers there: 6.82 ms/token at density 0.3, plain launches 6.73; 2026-12-02).
-PDL_CONFIG = {"ENABLED": True,
-              "EARLY": ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm"),
-              "PLAIN": ("pred",)}
+# The kinds' triggers (settings.PDLSettings): measured on the H200 (OPT-30B shape, batch 1, e2e.py
+# ablations, 2026-12-02): early only for the kernels without a main loop 6.653-6.656 ms/token at d0.3,
+# against 6.905-6.914 with every kind but fc1 early; the side stream's products plainly (6.73 vs 6.82).
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)
 
 
-def pdl_args(device: torch.device, kind: str) -> dict:
-    """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter`: {} (plain
-    launch) or {"GDC": 1 (late trigger) or 2 (early), "launch_pdl": True}."""
-    if not PDL_CONFIG["ENABLED"] or device.type != "cuda" or interpreting():
+def pdl_args(device: torch.device, kind: str, pdl=None) -> dict:
+    """Launch options for a kernel of `kind` (PDL_KINDS) that calls `gdc_enter`, under `pdl`
+    (settings.PDLSettings; None: the defaults): {} (plain launch) or {"GDC": 1 (late trigger) or
+    2 (early), "launch_pdl": True}."""
+    if pdl is None:
+        from dejavu.plugins.settings import DEFAULT
+        pdl = DEFAULT.pdl
+    if not pdl.ENABLED or device.type != "cuda" or interpreting():
         return {}
     sm90 = _SM90.get(device)
     if sm90 is None:
         sm90 = _SM90[device] = torch.cuda.get_device_capability(device)[0] >= 9
     if not sm90:
         return {}
-    bad = [k for k in (kind, *PDL_CONFIG["EARLY"], *PDL_CONFIG["PLAIN"]) if k not in PDL_KINDS]
+    bad = [k for k in (kind, *pdl.EARLY, *pdl.PLAIN) if k not in PDL_KINDS]
     if bad:
-        raise DejavuError(f"PDL_CONFIG: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
-    if kind in PDL_CONFIG["PLAIN"]:
+        raise DejavuError(f"pdl settings: unknown kernel kind {bad[0]!r} (known: {', '.join(PDL_KINDS)})")
+    if kind in pdl.PLAIN:
         return {}
-    gdc = 2 if kind in PDL_CONFIG["EARLY"] else 1
+    gdc = 2 if kind in pdl.EARLY else 1
     return {"GDC": gdc, "launch_pdl": True}
 
 
 def reg_cap(cfg: dict, device: torch.device) -> dict:
     """Launch options capping a kernel's registers per thread at cfg["maxnreg"] (None: the
     compiler's choice; ptxas spills the rest to local memory), so more programs fit on an SM.
-    CUDA only (the interpreter has no registers). No config sets it: on the H200 caps of 168 / 128
+    CUDA only (the interpreter has no registers). Only QKVSettings.UNFOLDED_MAXNREG sets one: caps of 168 / 128
     on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, 2026-12-04)."""
     n = cfg.get("maxnreg")
     return {"maxnreg": int(n)} if n and device.type == "cuda" and not interpreting() else {}
@@ -276,6 +258,12 @@ def check_out(out, shape, dtype, device):
         return torch.empty(shape, dtype=dtype, device=device)
     check_tensor("out", out, shape=shape, dtype=dtype, device=device)
     return out
+
+
+def dot_fp32(dtype, device) -> bool:
+    """Whether a kernel's tl.dot runs on fp32 operands in IEEE fp32 (DOT_FP32; Triton's default would
+    be tf32): fp32 inputs, and bf16 on CPU (Triton 3.6's interpreter computes bf16 dots wrongly)."""
+    return dtype == torch.float32 or (device.type == "cpu" and dtype == torch.bfloat16)
 
 
 def next_pow2(n: int) -> int:

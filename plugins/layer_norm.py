@@ -10,18 +10,19 @@ Limits and choices:
 - dtypes fp16, bf16, fp32; x, weight, bias and out share dtype and device, all contiguous;
   y has x's dtype. Statistics in fp32: the mean first, then the variance of (x - mean)
   (biased, as PyTorch), not E[x^2] - E[x]^2, which cancels badly when |mean| >> std.
-- One program per row. Rows up to LN_CONFIG["MAX_BLOCK"] elements (padded to a power of
+- One program per row. Rows up to settings.layer_norm.MAX_BLOCK elements (padded to a power of
   two) are held in registers: one read of x. Longer rows (CHUNKED) loop over blocks of
   CHUNK_BLOCK twice: pass 1 merges per-block mean and sum of squared deviations (Chan et
   al.'s pairwise update, as stable as two-pass), pass 2 normalizes (x is read twice).
-- num_warps by D from LN_CONFIG["WARPS"]; `config=` overrides any LN_CONFIG key, plus
+- num_warps by D from settings.layer_norm.WARPS (the rule of thumb: ~8-16 fp32 elements per
+  thread; not swept); `config=` overrides any of its fields, including
   "BLOCK" (a power of two; the row is chunked when BLOCK < D) and "num_warps" (tests use a
   small BLOCK to run the chunked path on small shapes).
 - No host sync; launches are CUDA-graph capturable. eps is a launch argument (fp32).
 
 A LayerNorm can also be left to the kernel that reads its output (`PendingLN`): the kernel
 that produced x stored, per row, each block of `width` columns' mean and sum of squared
-deviations (the split-K reduction, `sparse_mlp.gather_gemv_t(..., ln_defer=True)`), and the
+deviations (the split-K reduction, `fc2.gather_gemv_t(..., ln_defer=True)`), and the
 consumer (the batch-1 deferred Q/K/V kernel) merges those pairs into the row's mean and
 variance and normalises x as it loads it: one launch fewer per layer. Consumers that cannot
 take it call `materialize` (this kernel). `pending_ln` builds one with PyTorch stats (tests,
@@ -34,22 +35,13 @@ from typing import NamedTuple
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, gdc_enter, jit, next_pow2, pdl_args
+from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, helper, jit, next_pow2,
+                                    pdl_args)
+from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# Not swept yet: warps by the rule of thumb (~8-16 fp32 elements per thread at the top of
-# each range); OPT's widest row (175B, D 12288) fits in registers.
-LN_CONFIG = {
-    "MAX_BLOCK": 16384,   # rows with next_pow2(D) up to this stay in registers
-    "CHUNK_BLOCK": 4096,  # block of the chunked (two-pass) path for longer rows
-    "WARPS": ((2048, 4), (8192, 8), (None, 16)),  # (largest D, num_warps), first match
-    # Rows held in registers: load weight and bias before the PDL wait (`gdc_enter`; they are
-    # never written while decoding, so the previous kernel may still run), not after the
-    # statistics: one dependent memory round trip fewer after the wait.
-    "EARLY_WEIGHTS": True,
-}
-
+LN_EPS = 1e-5
 
 # ---------------------------------------------------------------------------------------
 # kernel
@@ -102,12 +94,61 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
             tl.store(out_ptr + row + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@helper
+def _block_stats(y, mask, rmask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr):
+    # (mean, M2) of each row of y [R, BLOCK_D] (the rounded values, fp32) over D block pid_d,
+    # stored at st_ptr [R] (pointers to the rows' slots): LayerNorm merges the blocks' pairs
+    n_b = tl.minimum(D - pid_d * BLOCK_D, BLOCK_D).to(tl.float32)
+    mean_b = tl.sum(tl.where(mask, y, 0.0), axis=1) / n_b
+    yc = tl.where(mask, y - mean_b[:, None], 0.0)
+    tl.store(st_ptr, mean_b, mask=rmask)
+    tl.store(st_ptr + 1, tl.sum(yc * yc, axis=1), mask=rmask)
+
+
+@helper
+def _store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, STATS: tl.constexpr):
+    # out[offs] = y rounded to out's dtype (one row's D block pid_d); STATS: also that block's
+    # (mean, M2) of the stored values at st_ptr (one pair), for the LayerNorm that follows
+    yo = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, yo, mask=mask)
+    if STATS:
+        one = tl.arange(0, 1)
+        _block_stats(yo.to(tl.float32)[None, :], mask[None, :], one < 1, st_ptr + one, pid_d, D, BLOCK_D)
+
+
+@helper
+def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
+    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (_ln_merge_rows)
+    one = tl.arange(0, 1)
+    mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N, CM)
+    return tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
+
+
+@helper
+def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
+    # (mean, rstd) [R] of rows whose N_D blocks' (mean, M2) are at st_rows [R] (pointers to
+    # [N_D, 2] each; blocks of BLOCK_D columns, the last one short), merged in fp32: the
+    # parallel form of mean-then-squared-deviations (as layer_norm.py's chunked path). Masked
+    # rows read nothing. CM "": an earlier kernel wrote them and thousands of programs read the
+    # same few lines (L1 then serves all but the first warp of each SM; after the PDL wait no
+    # stale copy can be in L1; ".cg" there ran 3.6x slower).
+    offs_n = tl.arange(0, BLOCK_N)
+    m = rmask[:, None] & (offs_n < N_D)[None, :]
+    n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)[None, :]
+    st = st_rows[:, None] + offs_n[None, :] * 2
+    mean_b = tl.load(st, mask=m, other=0.0, cache_modifier=CM)
+    m2_b = tl.load(st + 1, mask=m, other=0.0, cache_modifier=CM)
+    mean = tl.sum(tl.where(m, n_b * mean_b, 0.0), axis=1) / D
+    delta = mean_b - mean[:, None]
+    m2 = tl.sum(tl.where(m, m2_b + n_b * delta * delta, 0.0), axis=1)
+    return mean, 1.0 / tl.sqrt(m2 / D + eps)
+
+
 # ---------------------------------------------------------------------------------------
 # launcher
 
-def _plan(D, config):
+def _plan(D, cfg):
     """(BLOCK, CHUNKED, num_warps) for rows of D elements."""
-    cfg = {**LN_CONFIG, **(config or {})}
     block = cfg.get("BLOCK")
     if block is None:
         block = next_pow2(D)
@@ -121,7 +162,7 @@ def _plan(D, config):
     return block, block < D, num_warps
 
 
-def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
+def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None, settings=None):
     """y[R,D] = LayerNorm over the last dim of x[R,D] with weight[D], bias[D] (fp32 stats)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     R, D = x.shape
@@ -130,11 +171,13 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None):
     out = check_out(out, (R, D), x.dtype, x.device)
     if R == 0 or D == 0:
         return out
-    block, chunked, num_warps = _plan(D, config)
-    early = bool({**LN_CONFIG, **(config or {})}["EARLY_WEIGHTS"]) and not chunked
+    s = settings or DEFAULT
+    cfg = table(s.layer_norm, config)
+    block, chunked, num_warps = _plan(D, cfg)
+    early = bool(cfg["EARLY_WEIGHTS"]) and not chunked
     kernel = jit(_layer_norm_kernel, x.device)
     kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block, EARLY_W=early,
-                 num_warps=num_warps, **pdl_args(x.device, "layer_norm"))
+                 num_warps=num_warps, **pdl_args(x.device, "layer_norm", s.pdl))
     return out
 
 
@@ -195,10 +238,10 @@ def from_stats_ref(p: PendingLN, eps=1e-5) -> torch.Tensor:
     return y.to(p.x.dtype)
 
 
-def materialize(x, eps=1e-5):
+def materialize(x, eps=1e-5, settings=None):
     """x itself, or a PendingLN's LayerNorm computed now by the layer_norm kernel (launchers
     of consumers that cannot fold it)."""
-    return layer_norm(x.x, x.weight, x.bias, eps) if isinstance(x, PendingLN) else x
+    return layer_norm(x.x, x.weight, x.bias, eps, settings=settings) if isinstance(x, PendingLN) else x
 
 
 def materialize_ref(x, eps=1e-5):

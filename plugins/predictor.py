@@ -7,9 +7,9 @@
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
 (`shared=False`, per-sequence sets) or top-k of the batch's max score per column
 (`shared=True`, one set for the batch: the union policy of the MLP kernels' fast batch
-path; with B == 1 the single row is used as is). Scoring (`scoring`, SCORE_METHOD): "torch"
+path; with B == 1 the single row is used as is). Scoring (`scoring`, settings.scoring.method): "torch"
 = two cuBLAS GEMVs (torch.nn.functional.linear); "triton" = the same two products by
-`sparse_mlp.gather_gemv` over every row (an identity index, no ReLU; x @ a.T with a zero
+`fc1.gather_gemv` over every row (an identity index, no ReLU; x @ a.T with a zero
 bias): `predictor_scores_triton`. Both accumulate in fp32 and round h = x @ a.T and the
 scores to the input dtype, as the reference does; they differ only in summation order.
 Top-k (`method`): "torch" = torch.topk(sorted=False); "triton" = `topk_triton`. Neither
@@ -40,41 +40,11 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, helper, jit, next_pow2
+from dejavu.plugins.settings import DEFAULT
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-TOPK_METHOD = "triton"  # H200, N 28672, k 30%, B=1, graph: 8.1 us vs torch.topk 31.5 (BENCHMARKS.md, top-k)
 TOPK_MAX_N = 65536
-# "triton": predictor_scores_triton at batch 1 (batches keep cuBLAS). H200, OPT-30B shape,
-# batch 1, ms/token with cuBLAS -> Triton scoring (plain launches: _common.PDL_CONFIG["PLAIN"]
-# holds "pred"), two runs: density 0.3 6.742 -> 6.733 and 6.800 -> 6.773, density 0.1
-# 4.570 -> 4.456 and 4.584 -> 4.460 (BENCHMARKS.md, 2026-12-02). Alone, per layer in a graph:
-# x @ a.T 3.2 vs 6.2 us (cuBLAS split-K + its reduction), h @ b.T 11.0 vs 10.3 us
-# (benchmarks/kernels.py --sections pred_gemv, which picked SCORE_CONFIG).
-SCORE_METHOD = "triton"
-# predictor_scores_triton's gather_gemv blocks (its GEMV route): "a" for h = x @ a.T (r rows
-# of D), "b" for scores = h @ b.T + bias (N rows of r).
-SCORE_CONFIG = {"a": {"BLOCK_R": 1, "BLOCK_D": 1024, "num_warps": 8, "num_stages": 2},
-                "b": {"BLOCK_R": 8, "BLOCK_D": 256, "num_warps": 4, "num_stages": 2}}
-
-# Launch choices of topk_triton (a benchmark sweeps them through `config=`):
-#   block: scores per program when a row is split (power of 2); a row of N <= block is one
-#          program. Raised automatically so that a row has at most 8 * warps programs (each
-#          program reads a [NB, 256] tile of histograms: <= 64 values per thread).
-#   warps: num_warps of every program.
-#   fused: one launch with a grid barrier per round (CUDA only, when rows * NB <= the SM
-#          count so that all programs are resident, and the barrier state was created outside
-#          CUDA-graph capture); else one launch per round and one to compact.
-#   atomic_hist: per-program digit histograms by one global atomic per candidate on the
-#          program's own slot (~10 instructions per score and round); False: tl.histogram
-#          (warp ballots, ~100 instructions per score and round, no atomics).
-# block 1024 / 4 warps: the fastest of 12 configs on the H200 at B=1 (N 28672 and 36864), fused
-# there. In the decode step (side stream) the split form costs nothing measurable (2026-12-02,
-# OPT-30B batch 1: 6.627 vs 6.626-6.634 ms/token at density 0.3, 4.385 vs 4.393-4.400 at 0.1;
-# batch 8 shared 10.085 vs 10.100), and it does not spin: the fused barrier assumes every program
-# of the launch is resident, which the main stream's kernels beside it can delay (a stall, not a
-# deadlock; two rare slow d0.1 rows, 2026-12-02, are unexplained). So split by default.
-TOPK_CONFIG = {"block": 1024, "warps": 4, "fused": False, "atomic_hist": True}
 
 _SINGLE, _FUSED, _SPLIT = 0, 1, 2  # _topk_kernel MODE
 _BARRIERS: dict = {}  # device -> (int32 [_LANES, _LANE_ROWS, 2] barrier state, {stream: lane})
@@ -235,12 +205,12 @@ def _sm_count(device):
     return _SM_COUNT[device]
 
 
-def _topk_plan(scores, config):
-    """(block, NB, warps, mode, atomic_hist) for scores[R, N] under TOPK_CONFIG + config."""
-    cfg = dict(TOPK_CONFIG)
+def _topk_plan(scores, config, settings=None):
+    """(block, NB, warps, mode, atomic_hist) for scores[R, N] under the top-k settings + config."""
+    cfg = dict(vars((settings or DEFAULT).topk))
     for name, value in (config or {}).items():
-        if name not in cfg:
-            raise DejavuError(f"topk_triton: unknown config key {name!r} (known: {sorted(cfg)})")
+        if name not in cfg or name == "method":
+            raise DejavuError(f"topk_triton: unknown config key {name!r} (known: {sorted(set(cfg) - {'method'})})")
         cfg[name] = value
     block, warps = int(cfg["block"]), int(cfg["warps"])
     if block < 32 or block > 16384 or block & (block - 1) or warps not in (1, 2, 4, 8, 16, 32):
@@ -259,10 +229,10 @@ def _topk_plan(scores, config):
     return block, nb, warps, _FUSED if fused else _SPLIT, bool(cfg["atomic_hist"])
 
 
-def topk_triton(scores, k, config=None):
+def topk_triton(scores, k, config=None, settings=None):
     """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32.
 
-    Exact; ties at the k-th value are broken by lowest index. `config` overrides TOPK_CONFIG.
+    Exact; ties at the k-th value are broken by lowest index. `config` overrides settings.topk's fields.
     """
     check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     R, N = scores.shape
@@ -270,7 +240,7 @@ def topk_triton(scores, k, config=None):
         raise DejavuError(f"topk_triton: N={N} > {TOPK_MAX_N}")
     if not isinstance(k, int) or not 0 <= k <= N:
         raise DejavuError(f"topk_triton: k must be an int in [0, {N}], got {k!r}")
-    block, nb, warps, mode, atomic_hist = _topk_plan(scores, config)
+    block, nb, warps, mode, atomic_hist = _topk_plan(scores, config, settings)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     if k == 0 or R == 0:
         return out
@@ -342,11 +312,11 @@ def _identity(n, dtype, device):
     return ar[:n], zs[dtype][:n]
 
 
-def predictor_scores_triton(x, a, b, bias, config=None):
+def predictor_scores_triton(x, a, b, bias, config=None, settings=None):
     """scores[1,N] = (x @ a.T) @ b.T + bias by two gather_gemv launches over every row
     (identity index): h[1,r] then the scores, each rounded to x's dtype. Batch 1 (the GEMV
-    route; checked inputs). config: {"a": {..}, "b": {..}} overrides SCORE_CONFIG."""
-    from dejavu.plugins.sparse_mlp import gather_gemv
+    route; checked inputs). config: {"a": {..}, "b": {..}} overrides settings.scoring's blocks."""
+    from dejavu.plugins.fc1 import gather_gemv
 
     B, r, N = x.shape[0], a.shape[0], b.shape[0]
     if B != 1:
@@ -354,27 +324,30 @@ def predictor_scores_triton(x, a, b, bias, config=None):
     ident, zero = _identity(max(r, N), x.dtype, x.device)
     h = torch.empty((B, r), dtype=x.dtype, device=x.device)
     scores = torch.empty((B, N), dtype=x.dtype, device=x.device)
-    cfg = {part: {**SCORE_CONFIG[part], **((config or {}).get(part) or {})} for part in ("a", "b")}
-    gather_gemv(x, a, zero[:r], ident[:r], h, relu=False, config=cfg["a"], kind="pred")
-    gather_gemv(h, b, bias, ident[:N], scores, relu=False, config=cfg["b"], kind="pred")
+    s = settings or DEFAULT
+    cfg = {part: {**vars(getattr(s.scoring, part)), **((config or {}).get(part) or {})} for part in ("a", "b")}
+    gather_gemv(x, a, zero[:r], ident[:r], h, relu=False, config=cfg["a"], kind="pred", settings=s)
+    gather_gemv(h, b, bias, ident[:N], scores, relu=False, config=cfg["b"], kind="pred", settings=s)
     return scores
 
 
-def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None):
-    """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared)."""
+def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None, settings=None):
+    """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared). method / scoring
+    None: settings.topk.method / settings.scoring.method."""
     _check(x, a, b, bias, k)
-    method = method or TOPK_METHOD
-    scoring = scoring or SCORE_METHOD
+    s = settings or DEFAULT
+    method = method or s.topk.method
+    scoring = scoring or s.scoring.method
     if scoring not in ("torch", "triton"):
         raise DejavuError(f"predictor_topk: unknown scoring {scoring!r} (torch, triton)")
     if scoring == "triton" and x.shape[0] == 1:  # batches: cuBLAS (gather_gemv's dot route has no split-K)
-        scores = predictor_scores_triton(x, a, b, bias)
+        scores = predictor_scores_triton(x, a, b, bias, settings=s)
     else:
         scores = predictor_scores(x, a, b, bias)
     if shared and scores.shape[0] > 1:
         scores = scores.amax(dim=0, keepdim=True)  # [1, N]; with B == 1 the row itself
     if method == "triton":
-        idx = topk_triton(scores.contiguous(), k)
+        idx = topk_triton(scores.contiguous(), k, settings=s)
     elif method == "torch":
         idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(torch.int32)
     else:
@@ -382,9 +355,9 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None)
     return idx[0] if shared else idx
 
 
-def predictor_topk_shared(x, a, b, bias, k):
+def predictor_topk_shared(x, a, b, bias, k, *, settings=None):
     """One index set for the whole batch: top-k of the max score over the batch; idx[k]."""
-    return predictor_topk(x, a, b, bias, k, shared=True)
+    return predictor_topk(x, a, b, bias, k, shared=True, settings=settings)
 
 
 def predictor_topk_ref(x, a, b, bias, k, *, shared=False):

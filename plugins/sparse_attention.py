@@ -14,9 +14,9 @@ heads contribute zero, exactly as the masked-dense model.
 
 Pieces (each a launch, all CUDA-graph capturable, no host sync with validate off):
   1. kv = x_ln @ wkv.T + bkv (torch/cuBLAS), scattered into k_cache/v_cache at pos
-  2. q[B, Kh*hd] (fp32) = gathered GEMV on wq rows  (sparse_mlp.gather_gemv, no ReLU)
+  2. q[B, Kh*hd] (fp32) = gathered GEMV on wq rows  (fc1.gather_gemv, no ReLU)
   3. o[B, Kh*hd] (fp32) = softmax(q.k) v per selected head   (_attn_decode_kernel)
-  4. y = o @ wo_t[rows] + bo (+ residual)            (sparse_mlp.gather_gemv_t)
+  4. y = o @ wo_t[rows] + bo (+ residual)            (fc2.gather_gemv_t)
 
 `pos` is an int, or an int32/int64 tensor on the device of shape [] / [1] (one position for
 the batch) or [B] (one per sequence). Pass a tensor to capture decode in a CUDA graph: the
@@ -36,23 +36,20 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out, check_tensor,
                                     default_validate, gdc_enter, helper, jit, next_pow2, pdl_args)
-from dejavu.plugins.sparse_mlp import gather_gemv, gather_gemv_t
+from dejavu.plugins.fc1 import gather_gemv
+from dejavu.plugins.fc2 import gather_gemv_t
+from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
-# CHUNK: positions per program (the context is split into chunks of this many positions,
-# each chunk's partial softmax combined by a second kernel, flash-decoding style).
-# Small chunks (one program per CHUNK positions and selected head) won the
-# `benchmarks/kernels.py --sweep-attn` runs on the H200 (OPT-30B, head density 0.3, contexts
-# 128 and 1024): CHUNK 64 164 us summed vs 186 for 256 (first run); CHUNK 32 141.5 vs 143.5
-# for 64 after the split-D Q/K/V kernel (second run, benchmarks/results/kernels-2026-12-02-sweep-attn.json).
-# EARLY_READS: the head index and pos read before the PDL wait (the kernel's comment).
-ATTN_CONFIG = {"BLOCK_S": 32, "CHUNK": 32, "num_warps": 4, "EARLY_READS": True}
+# CHUNK (settings.AttnSettings): positions per program; each chunk's partial softmax is combined by a
+# second kernel, flash-decoding style. 32 won `benchmarks/kernels.py --sweep-attn` on the H200 (OPT-30B,
+# head density 0.3, contexts 128 and 1024; benchmarks/results/kernels-2026-12-02-sweep-attn.json).
 
 
 class QKVPartials(NamedTuple):
-    """deferred_kv's Q/K/V partial sums at batch 1 with the finishing kernel folded into attention
-    (QKV_CONFIG_B1 FOLD_FINISH): the attention kernel finishes them (`_fold_rows`)."""
+    """qkv_partial.py's Q/K/V partial sums at batch 1 with the finishing kernel folded into attention
+    (qkv_b1 FOLD_FINISH): the attention kernel finishes them (`_fold_rows`)."""
     pnew: torch.Tensor  # [SPLIT, 1, Kh, 3*hd] fp32: Q, K, V rows at pos, per slice of D
     phist: torch.Tensor  # [SPLIT, 1, Kh, block_p, 2*hd] fp32: K, V rows at the first missing slots
     split: int
@@ -62,11 +59,11 @@ class QKVPartials(NamedTuple):
     bkv: torch.Tensor
 
 
-def folds_finish(B: int, S: int, config=None) -> bool:
+def folds_finish(B: int, S: int, config=None, settings=None) -> bool:
     """Whether attend_project can take the Q/K/V partials (QKVPartials) at batch 1 with S_max S:
     the chunked kernel with its separate combine launch (which commits valid_len after every
     chunk program has read it) over chunks of one tile (BLOCK_S >= CHUNK)."""
-    cfg = {**ATTN_CONFIG, **(config or {})}
+    cfg = table((settings or DEFAULT).attn, config)
     return B == 1 and S > cfg["CHUNK"] and cfg["BLOCK_S"] >= cfg["CHUNK"]
 
 
@@ -75,7 +72,7 @@ def _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, s
                seg: tl.constexpr, SPLIT: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_HD: tl.constexpr):
     # K (seg 1) or V (seg 2) of head slot slot0 at the fresh slots [BLOCK_F] (row 0: pos, from pnew;
     # row f >= 1: the (f-1)-th missing slot, from phist; fm2 masks the rest) in fp32: the SPLIT
-    # partials summed in order (unrolled: the loads go out together), + the bias, as deferred_kv's
+    # partials summed in order (unrolled: the loads go out together), + the bias, as qkv_finish's
     # finishing kernel computes them (the caller rounds them to the cache's dtype).
     acc = tl.zeros([BLOCK_F, BLOCK_HD], dtype=tl.float32)
     for sp in tl.static_range(SPLIT):
@@ -107,6 +104,70 @@ def _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C: tl.constexpr
     tl.store(o_ptr + row * HD + offs_d, o, mask=dmask)
 
 
+@helper
+def _fold_chunk(k_ptr, v_ptr, pnew_ptr, phist_ptr, bq_ptr, bkv_ptr, pid_b, pid_j, pid_c, head, pos, fstart, start, end,
+                base, offs_d, dmask, KH, H, HD, CHUNK, HIST_LEN, BLOCK_PH, stride_cs, BLOCK_S: tl.constexpr,
+                BLOCK_HD: tl.constexpr, FOLD_SPLIT: tl.constexpr, BLOCK_F: tl.constexpr):
+    # _attn_decode_kernel's FOLD chunk (one tile): Q and the fresh K/V slots summed from the Q/K/V
+    # partials (_fold_rows; pos's chunk program stores those slots into the caches), the chunk's
+    # cached slots and the fresh ones attended; returns (m_i, l_i, acc) as the loop would.
+    slot0 = pid_b.to(tl.int64) * KH + pid_j
+    q = tl.zeros([BLOCK_HD], dtype=tl.float32)
+    for sp in tl.static_range(FOLD_SPLIT):  # Q partials summed in order, as the finishing kernel does
+        q += tl.load(pnew_ptr + (sp * KH + slot0) * 3 * HD + offs_d, mask=dmask, other=0.0, cache_modifier=".cg")
+    q = q + tl.load(bq_ptr + head * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    fend = tl.minimum(fstart + HIST_LEN, pos)
+    offs_f = tl.arange(0, BLOCK_F)
+    slot_f = tl.where(offs_f == 0, pos, fstart + offs_f - 1)
+    # pos's chunk program only (a vector comparison: the interpreter wants vector masks)
+    fmask = ((offs_f == 0) | (slot_f < fend)) & (offs_f * 0 + pid_c == pos // CHUNK)
+    fm2 = fmask[:, None] & dmask[None, :]
+    kf = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD, BLOCK_PH,
+                    1, FOLD_SPLIT, BLOCK_F, BLOCK_HD).to(k_ptr.dtype.element_ty)
+    vf = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD, BLOCK_PH,
+                    2, FOLD_SPLIT, BLOCK_F, BLOCK_HD).to(v_ptr.dtype.element_ty)
+    offs_s = start + tl.arange(0, BLOCK_S)  # the chunk's cached slots (the fresh ones are not there yet)
+    cached = (offs_s < end) & ((offs_s < fstart) | (offs_s >= fend)) & (offs_s != pos)
+    tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+    mask = cached[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+    s = tl.where(cached, tl.sum(k * q[None, :], axis=1), float("-inf"))
+    sf = tl.where(fmask, tl.sum(kf.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+    m = tl.maximum(tl.max(s, axis=0), tl.max(sf, axis=0))
+    m = tl.where(m == float("-inf"), 0.0, m)  # nothing here (a chunk past pos): exp(-inf) = 0, no NaN
+    p = tl.exp(s - m)
+    pf = tl.exp(sf - m)
+    l_i = tl.zeros([1], dtype=tl.float32) + (tl.sum(p, axis=0) + tl.sum(pf, axis=0))
+    acc = tl.sum(p[:, None] * v, axis=0) + tl.sum(pf[:, None] * vf.to(tl.float32), axis=0)
+    m_i = tl.where(l_i == 0.0, float("-inf"), m)
+    # the finished slots into the caches (K, V)
+    tl.store(k_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], kf, mask=fm2)
+    tl.store(v_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], vf, mask=fm2)
+    return m_i, l_i, acc
+
+
+@helper
+def _commit_chunk0(vl_ptr, ref_ptr, xnew_ptr, xh_ptr, pid_b, pid_j, head, pos, H, D, N_REF, stride_nb, stride_xb,
+                   stride_xs, COMMIT: tl.constexpr, FOLD: tl.constexpr, BLOCK_REF: tl.constexpr,
+                   BLOCK_X: tl.constexpr):
+    # _attn_decode_kernel's COMMIT by a chunk-0 program: valid_len (not FOLD: the combine kernel
+    # commits then), the refresh heads' (BLOCK_REF, head slot 0) and, COMMIT 1, x_hist[b, pos]
+    if not FOLD:
+        tl.store(vl_ptr + pid_b * H + head, pos + 1)
+        if BLOCK_REF > 0:
+            if pid_j == 0:
+                offs_r = tl.arange(0, BLOCK_REF)
+                ref = tl.load(ref_ptr + offs_r, mask=offs_r < N_REF, other=-1).to(tl.int64)
+                tl.store(vl_ptr + pid_b * H + ref, tl.zeros([BLOCK_REF], dtype=tl.int32) + pos + 1, mask=ref >= 0)
+    if COMMIT == 1 and pid_j == 0:  # the whole row at once (BLOCK_X >= D): one memory round trip
+        src = xnew_ptr + pid_b.to(tl.int64) * stride_nb
+        dst = xh_ptr + pid_b.to(tl.int64) * stride_xb + pos.to(tl.int64) * stride_xs
+        offs_x = tl.arange(0, BLOCK_X)
+        xm = offs_x < D
+        tl.store(dst + offs_x, tl.load(src + offs_x, mask=xm), mask=xm)
+
+
 def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr, ml_ptr,
                         vl_ptr, xnew_ptr, xh_ptr, KH, H, HD, D, CHUNK, NCHUNK, stride_hb, stride_pb,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
@@ -119,15 +180,15 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # [0, pos[b]], head = head_idx[b, j]; grid (B, Kh, NCHUNK). Online softmax in fp32.
     # PARTIAL: store the unnormalised acc and (max, sum) per chunk for _attn_combine_kernel;
     # else (one chunk) store o directly.
-    # COMMIT (deferred K/V, after deferred_kv's Q/K/V kernels): valid_len[b, head] = pos + 1 and
+    # COMMIT (deferred K/V, after the deferred Q/K/V kernels): valid_len[b, head] = pos + 1 and
     # (COMMIT 1) x_hist[b, pos] = x_new[b] (no program here reads either); COMMIT 2: valid_len
     # only (the Q/K/V kernel stored x_hist[b, pos] itself). BLOCK_REF > 0 (COMMIT, not FOLD, batch 1):
     # valid_len[0, ref[r]] = pos + 1 too for the N_REF refresh heads at ref_ptr (-1: none), whose K/V the
-    # Q/K/V kernels computed (deferred_kv.refresh_heads).
+    # Q/K/V kernels computed (refresh_heads.py).
     # EARLY_READS: the head index and pos before the PDL wait (neither is written by the kernel
     # before this one: the heads come from the side stream, whose event the main stream waited
     # for before the Q/K/V kernels; pos is the step's input), saving a round trip after it.
-    # FOLD (batch 1, PARTIAL, after deferred_kv's partial kernel with no finishing kernel): q is the
+    # FOLD (batch 1, PARTIAL, after qkv_partial's kernel with no finishing kernel): q is the
     # sum of the SPLIT Q partials at pnew + bq; the fresh slots (pos and the missing slots
     # start .. min(start + HIST_LEN, pos) - 1 from start = min(valid_len, pos), whose K/V only
     # the partials hold) are left out of the cache tiles and attended by the program of pos's
@@ -153,58 +214,16 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
             fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
     if COMMIT:
         if pid_c == 0:
-            if not FOLD:
-                tl.store(vl_ptr + pid_b * H + head, pos + 1)
-                if BLOCK_REF > 0:
-                    if pid_j == 0:
-                        offs_r = tl.arange(0, BLOCK_REF)
-                        ref = tl.load(ref_ptr + offs_r, mask=offs_r < N_REF, other=-1).to(tl.int64)
-                        tl.store(vl_ptr + pid_b * H + ref, tl.zeros([BLOCK_REF], dtype=tl.int32) + pos + 1,
-                                 mask=ref >= 0)
-            if COMMIT == 1 and pid_j == 0:  # the whole row at once (BLOCK_X >= D): one memory round trip
-                src = xnew_ptr + pid_b.to(tl.int64) * stride_nb
-                dst = xh_ptr + pid_b.to(tl.int64) * stride_xb + pos.to(tl.int64) * stride_xs
-                offs_x = tl.arange(0, BLOCK_X)
-                xm = offs_x < D
-                tl.store(dst + offs_x, tl.load(src + offs_x, mask=xm), mask=xm)
+            _commit_chunk0(vl_ptr, ref_ptr, xnew_ptr, xh_ptr, pid_b, pid_j, head, pos, H, D, N_REF, stride_nb,
+                           stride_xb, stride_xs, COMMIT, FOLD, BLOCK_REF, BLOCK_X)
     start = pid_c * CHUNK
     end = tl.minimum(start + CHUNK, pos + 1)
     qo = (pid_b.to(tl.int64) * KH + pid_j) * HD
     base = pid_b.to(tl.int64) * stride_cb + head * stride_ch
     if FOLD:  # straight-line (one tile: BLOCK_S >= CHUNK), so every load can be issued at once
-        slot0 = pid_b.to(tl.int64) * KH + pid_j
-        q = tl.zeros([BLOCK_HD], dtype=tl.float32)
-        for sp in tl.static_range(FOLD_SPLIT):  # Q partials summed in order, as the finishing kernel does
-            q += tl.load(pnew_ptr + (sp * KH + slot0) * 3 * HD + offs_d, mask=dmask, other=0.0, cache_modifier=".cg")
-        q = q + tl.load(bq_ptr + head * HD + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        fend = tl.minimum(fstart + HIST_LEN, pos)
-        offs_f = tl.arange(0, BLOCK_F)
-        slot_f = tl.where(offs_f == 0, pos, fstart + offs_f - 1)
-        # pos's chunk program only (a vector comparison: the interpreter wants vector masks)
-        fmask = ((offs_f == 0) | (slot_f < fend)) & (offs_f * 0 + pid_c == pos // CHUNK)
-        fm2 = fmask[:, None] & dmask[None, :]
-        kf = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD, BLOCK_PH,
-                        1, FOLD_SPLIT, BLOCK_F, BLOCK_HD).to(k_ptr.dtype.element_ty)
-        vf = _fold_rows(pnew_ptr, phist_ptr, bkv_ptr, head, offs_f, fm2, offs_d, dmask, slot0, KH, H, HD, BLOCK_PH,
-                        2, FOLD_SPLIT, BLOCK_F, BLOCK_HD).to(v_ptr.dtype.element_ty)
-        offs_s = start + tl.arange(0, BLOCK_S)  # the chunk's cached slots (the fresh ones are not there yet)
-        cached = (offs_s < end) & ((offs_s < fstart) | (offs_s >= fend)) & (offs_s != pos)
-        tile = base + offs_s[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
-        mask = cached[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-        s = tl.where(cached, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        sf = tl.where(fmask, tl.sum(kf.to(tl.float32) * q[None, :], axis=1), float("-inf"))
-        m = tl.maximum(tl.max(s, axis=0), tl.max(sf, axis=0))
-        m = tl.where(m == float("-inf"), 0.0, m)  # nothing here (a chunk past pos): exp(-inf) = 0, no NaN
-        p = tl.exp(s - m)
-        pf = tl.exp(sf - m)
-        l_i = tl.zeros([1], dtype=tl.float32) + (tl.sum(p, axis=0) + tl.sum(pf, axis=0))
-        acc = tl.sum(p[:, None] * v, axis=0) + tl.sum(pf[:, None] * vf.to(tl.float32), axis=0)
-        m_i = tl.where(l_i == 0.0, float("-inf"), m)
-        # the finished slots into the caches (K, V)
-        tl.store(k_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], kf, mask=fm2)
-        tl.store(v_ptr + base + slot_f[:, None].to(tl.int64) * stride_cs + offs_d[None, :], vf, mask=fm2)
+        m_i, l_i, acc = _fold_chunk(k_ptr, v_ptr, pnew_ptr, phist_ptr, bq_ptr, bkv_ptr, pid_b, pid_j, pid_c, head, pos,
+                                    fstart, start, end, base, offs_d, dmask, KH, H, HD, CHUNK, HIST_LEN, BLOCK_PH,
+                                    stride_cs, BLOCK_S, BLOCK_HD, FOLD_SPLIT, BLOCK_F)
     else:
         q = tl.load(q_ptr + qo + offs_d, mask=dmask, other=0.0).to(tl.float32)
         m_i = tl.full([1], float("-inf"), tl.float32)
@@ -298,7 +317,7 @@ def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, re
 
 
 def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,
-                       residual=None, *, out=None, validate=None, config=None):
+                       residual=None, *, out=None, validate=None, config=None, settings=None):
     """Decode one token through the selected heads; updates the caches at pos; y[B,D]."""
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
@@ -320,37 +339,39 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
     return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
-                            residual, out, config)
+                            residual, out, config, settings)
 
 
 def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
-                     config):
+                     config, settings=None):
     """Steps 2-4 of a decode step: Q of the selected heads, attention over cache slots
     0..pos, the output projection of those heads; y[B,D]."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
     # 2. Q for the selected heads: rows head*hd + c of wq
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd)
+    gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd, settings=settings)
     # 3. attention; 4. output projection
-    return attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config)
+    return attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config,
+                          settings=settings)
 
 
 def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, commit=None, finish=None,
-                 refresh=None):
+                 refresh=None, settings=None):
     """o[B, Kh*hd] (fp32) = attention of the selected heads' queries q [B, Kh*hd] (fp32) over
     cache slots 0..pos (checked inputs, Kh > 0). commit = (valid_len, x_new, x_hist): also
     store valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b] (deferred K/V; x_new
     None: valid_len only).
     finish: QKVPartials (batch 1, `folds_finish`, with commit): q is not read; the kernel sums
     Q and the fresh K/V slots from the partials and stores those slots into the caches.
-    refresh: [R] int32 refresh heads (deferred_kv.refresh_heads; batch 1, with commit, no finish):
+    refresh: [R] int32 refresh heads (refresh_heads.py; batch 1, with commit, no finish):
     their valid_len is committed too."""
     B, H, S, hd = k_cache.shape
     kh = head_idx.shape[-1]
-    cfg = {**ATTN_CONFIG, **(config or {})}
+    s = settings or DEFAULT
+    cfg = table(s.attn, config)
     nchunk = -(-S // cfg["CHUNK"])  # from S_max, not pos: no sync, graph-safe
-    if finish is not None and (commit is None or not folds_finish(B, S, config)):
+    if finish is not None and (commit is None or not folds_finish(B, S, config, s)):
         raise DejavuError("attend_heads: Q/K/V partials need batch 1, a commit and the chunked attention "
                           "with its combine launch (sparse_attention.folds_finish)")
     if refresh is not None and (B != 1 or commit is None or finish is not None):
@@ -383,31 +404,31 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             EARLY_READS=bool(cfg["EARLY_READS"]), FOLD=finish is not None,
                             FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
                             num_warps=cfg["num_warps"], **(ref_args if not late_commit else {}),
-                            **pdl_args(q.device, "attn"))
+                            **pdl_args(q.device, "attn", s.pdl))
     if nchunk > 1:
         combine = jit(_attn_combine_kernel, q.device)
         combine[(B * kh,)](part, ml, o, hd, nchunk, vl, head_idx, pos_t, kh, H, stride_hb, stride_pb,
                            BLOCK_C=block_c, BLOCK_HD=block_hd, COMMIT=late_commit, num_warps=4,
-                           **(ref_args if late_commit else {}), **pdl_args(q.device, "attn_combine"))
+                           **(ref_args if late_commit else {}), **pdl_args(q.device, "attn_combine", s.pdl))
     return o
 
 
 def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
-                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None, refresh=None):
+                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None, refresh=None, settings=None):
     """attend_heads(q, head_idx, ..., commit, finish, refresh) then project_out(o, wo_t, bo, head_idx,
     residual, out, ln, ln_out, ln_defer), returning what project_out returns."""
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, finish=finish,
-                     refresh=refresh)
-    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer)
+                     refresh=refresh, settings=settings)
+    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer, settings)
 
 
-def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False):
+def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False, settings=None):
     """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual); with
     ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). Returns y; with
     ln and ln_defer, (y, ln_out or a PendingLN) (gather_gemv_t)."""
     hd = o.shape[1] // head_idx.shape[-1]
     return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out,
-                         ln_defer=ln_defer if ln is not None else False)
+                         ln_defer=ln_defer if ln is not None else False, settings=settings)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,

@@ -124,7 +124,7 @@ def format_stats(d: dict) -> str:
         f"dejavu-run: prefill {d['prefill_ms']:.1f} ms; decode {d['ms_per_step']:.2f} ms/step, "
         f"{d['decode_tokens_per_s']:.1f} tokens/s",
         f"dejavu-run: engine {e['layers']} layers, {e['dtype']} on {e['device']}, density mlp {e['mlp_density']} "
-        f"attn {e['attn_density']}, kernels {e['kernels'].get('sparse_fc1')}, overlap {e['overlap']}, "
+        f"attn {e['attn_density']}, kernels {next(iter(e['kernels'].values()), None)}, overlap {e['overlap']}, "
         f"cuda graph {e['cuda_graph']}, batch policy {e['batch_policy']}"])
 
 

@@ -65,7 +65,7 @@ class DecodeOptions:
         0 (BENCHMARKS.md, 2026-12-03).
     kv_refresh: deferred K/V at batch 1: after each layer's head top-k (on the predictors' side stream),
         pick up to this many heads that do not attend but lag hist_slots or more slots behind
-        (ops.kv_refresh, plugins/deferred_kv.refresh_heads); the attention op computes their K/V too, in
+        (ops.kv_refresh, plugins/refresh_heads.py); the attention op computes their K/V too, in
         the same Q/K/V launches (no Q, no attention), so a head selected later never has more missing
         slots than the partials hold (no serial slow path). Same outputs. 0: off. None: REFRESH_AUTO[0]
         where it paid on the H200 (random predictors; BENCHMARKS.md, 2026-12-04): the Triton attention
@@ -75,7 +75,7 @@ class DecodeOptions:
     kv_refresh_lags: (lag, max_lag) of the pick (None: hist_slots and any); (None, "hist"): only heads at
         exactly hist_slots missing slots, never one already past the partials (that would take the slow
         path for a head that may not attend again). The pick runs only on layers whose attention op takes
-        refresh heads (plugins/deferred_kv.refresh_route).
+        refresh heads (plugins/refresh_heads.refresh_route).
     defer_ln_attn: pre-LN, one rank, batch 1: the LayerNorm before a deferred-K/V attention layer is left
         to its Q/K/V kernel: the previous layer's fc2 split-K reduction stores per-block statistics
         (ln_defer) and the shared-set Q/K/V kernel normalises the slice of x each program reads, and
@@ -285,11 +285,8 @@ class SparseDecoder:
         if self._refresh_slots(idx) > 0 and self._takes_refresh(l, idx):
             lag, max_lag = self.options.kv_refresh_lags
             if max_lag == "hist" or lag is None:
-                try:
-                    from dejavu.plugins.deferred_kv import hist_slots
-                    hist = hist_slots(1, idx)
-                except ImportError:  # the runtime's own references: batch 1's default partials
-                    hist = 15
+                from dejavu.plugins import hist_slots
+                hist = hist_slots(1, idx, settings=self.ops.settings)
                 lag = hist if lag is None else lag
                 max_lag = hist if max_lag == "hist" else max_lag
             self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._step_pos, self._refresh_slots(idx),
@@ -302,9 +299,9 @@ class SparseDecoder:
         if takes is None:
             takes = True
             if self.ops.kernels.get("sparse_attn_deferred") == "triton":
-                from dejavu.plugins.deferred_kv import refresh_route
+                from dejavu.plugins import refresh_route
                 s = self.spec
-                takes = refresh_route(1, self.max_seq, s.hidden_size, s.head_dim, idx)
+                takes = refresh_route(1, self.max_seq, s.hidden_size, s.head_dim, idx, settings=self.ops.settings)
             self._refresh_takes[l] = takes
         return takes
 

@@ -20,7 +20,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.generation import GENERATION
 from dejavu.runtime.decoder import KV_POLICIES, SparseDecoder
-from dejavu.runtime.ops import Ops
+from dejavu.runtime.ops import Ops, settings_for
 from dejavu.runtime.spec import DTYPES, check_tensors, spec_from_header
 
 BATCH_POLICIES = ("per_sequence", "shared")
@@ -50,11 +50,18 @@ def _device(device) -> torch.device:
 
 
 class Engine:
-    """A sparse OPT engine on one device. Build with `load` (file) or `from_tensors` (memory)."""
+    """A sparse engine on one device. Build with `load` (file) or `from_tensors` (memory).
+    A Llama-family header gives a `LlamaEngine` (runtime/llama_engine.py)."""
+
+    def __new__(cls, header=None, *args, **kw):
+        if cls is Engine and isinstance(header, dict) and header.get("model_family") == "llama":
+            from dejavu.runtime.llama_engine import LlamaEngine
+            return super().__new__(LlamaEngine)
+        return super().__new__(cls)
 
     def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", overlap: bool = True,
                  batch_policy: str | None = DEFAULT_BATCH_POLICY, use_graphs: bool = True, dtype=None,
-                 backend: str | None = None, kv_policy: str = DEFAULT_KV_POLICY):
+                 backend: str | None = None, kv_policy: str = DEFAULT_KV_POLICY, kernel_settings=None):
         self.device = _device(device)
         if batch_policy is None:
             batch_policy = "shared" if self.device.type == "cuda" else "per_sequence"
@@ -77,7 +84,10 @@ class Engine:
         self.tensors = {n: t.to(device=self.device, dtype=spec.dtype if t.is_floating_point() else t.dtype)
                         for n, t in tensors.items()}
         on_gpu = self.device.type == "cuda"
-        self.ops = Ops(backend or ("triton" if on_gpu else "ref"))
+        # the header's kernel settings where they fit this GPU (else resolved here); kernel_settings
+        # (plugins.KernelSettings) replaces them: benchmarks' ablations
+        self.ops = Ops(backend or ("triton" if on_gpu else "ref"),
+                       kernel_settings or settings_for(header.get("target"), self.device))
         # each Triton kernel once against its reference on this engine's weights
         self.kernel_check = self.ops.verify(self.tensors, spec, 2, batch_policy == "shared")
         self.overlap, self.batch_policy = overlap, batch_policy
@@ -236,9 +246,9 @@ class Engine:
 
     def _programmatic_launch(self) -> bool:
         """Whether the decode kernels launch with PDL here (plugins/_common.py: sm_90+ CUDA,
-        PDL_CONFIG on, the Triton kernels in use)."""
+        the kernel settings' pdl on, the Triton kernels in use)."""
         if self.device.type != "cuda" or self.ops.kernels.get("sparse_fc1") != "triton":
             return False
         from dejavu.plugins._common import pdl_args
 
-        return bool(pdl_args(self.device, "fc1"))
+        return bool(pdl_args(self.device, "fc1", self.ops.settings.pdl))

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.generation import resolve_temperature
+from dejavu.generation import GENERATION, resolve_temperature
 from dejavu.models.sampling import sample_next
 
 
@@ -56,8 +56,9 @@ def _sync(device: torch.device) -> float:
 
 
 @torch.inference_mode()
-def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float | None = None,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
+             top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed,
              stream: Callable[[list[int | None]], None] | None = None,
              stop_at_eos: bool = True) -> list[list[int]]:
     """New tokens per prompt (the prompt excluded; ends with EOS when one was produced).

@@ -17,25 +17,27 @@
     layer_norm(x[B,D], weight, bias) -> y[B,D]   (eps 1e-5; the decode step's LayerNorms)
     kv_refresh(idx, valid_len[1,H], pos[1], r, lag=None, max_lag=None) -> [r] int32
         (deferred K/V, batch 1: the r most lagging heads outside idx, -1 past the last, whose K/V
-        sparse_attn_deferred(..., refresh=) then computes too; plugins/deferred_kv.refresh_heads;
+        sparse_attn_deferred(..., refresh=) then computes too; plugins/refresh_heads.py;
         the decoder launches it on the predictors' side stream, DecodeOptions.kv_refresh)
 
 - "ref": the plugins' PyTorch references (`*_ref`, the CPU path); layer_norm is PyTorch's own
   F.layer_norm (the dense model's exact function).
-- "triton": the plugins' Triton launchers (CUDA). `verify()` runs each kernel once against
+- "triton": the plugins' Triton launchers (CUDA), bound to the engine's kernel settings
+  (plugins.KernelSettings, from the engine header: `settings_for`). `verify()` runs each kernel once against
   its reference on the engine's real weights at activation; a kernel that raises or
   disagrees is replaced by its reference with a warning, so a GPU run never silently
   produces a different function.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 import dejavu.plugins as P
-from dejavu.plugins import deferred_kv
 from dejavu.plugins.layer_norm import PendingLN, from_stats_ref, pending_ln
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
@@ -70,25 +72,54 @@ _IMPL = {
     "sparse_fc1": (P.sparse_fc1, P.sparse_fc1_ref),
     "sparse_fc2": (P.sparse_fc2, P.sparse_fc2_ref),
     "sparse_attn": (P.sparse_attn_decode, P.sparse_attn_decode_ref),
-    "sparse_attn_deferred": (deferred_kv.sparse_attn_decode_deferred, deferred_kv.sparse_attn_decode_deferred_ref),
+    "sparse_attn_deferred": (P.sparse_attn_decode_deferred, P.sparse_attn_decode_deferred_ref),
     "layer_norm": (P.layer_norm, _layer_norm),
-    "kv_refresh": (deferred_kv.refresh_heads, deferred_kv.refresh_heads_ref),
+    "kv_refresh": (P.refresh_heads, P.refresh_heads_ref),
 }
 
 
-class Ops:
-    """The sparse ops of one engine; `kernels` says which implementation each op uses."""
+def settings_for(target: dict | None, device: torch.device) -> P.KernelSettings:
+    """The kernel settings an engine header's `target` records (compiler: plugins.resolve_kernel_settings),
+    when they were resolved for this device's GPU; else (another GPU, an engine without them, or an
+    older format) the settings resolved for this device, with a logged line saying why."""
+    arch = sm = None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        arch, sm = f"sm_{major}{minor}", torch.cuda.get_device_properties(device).multi_processor_count
+    here = P.resolve_kernel_settings(arch, sm)
+    recorded = (target or {}).get("kernel_settings") or None
+    if recorded is None:
+        if arch is not None:
+            logging.getLogger("dejavu").info("engine records no kernel settings: using those resolved for %s", arch)
+        return here
+    try:
+        settings = P.KernelSettings.from_dict(recorded)
+    except Exception as e:  # noqa: BLE001 - an older header format: the defaults of this version
+        logging.getLogger("dejavu").warning("engine kernel settings unreadable (%s): using those resolved for %s",
+                                            e, arch or "cpu")
+        return here
+    if settings.arch != arch:
+        logging.getLogger("dejavu").warning("engine built for %s, running on %s: kernel settings resolved for %s",
+                                            settings.arch, arch or "cpu", arch or "cpu")
+        return here
+    return settings
 
-    def __init__(self, backend: str = "ref"):
+
+class Ops:
+    """The sparse ops of one engine; `kernels` says which implementation each op uses, `settings`
+    the Triton launchers' kernel settings."""
+
+    def __init__(self, backend: str = "ref", settings: P.KernelSettings | None = None):
         if backend not in ("ref", "triton"):
             raise ValueError(f"backend must be 'ref' or 'triton', got {backend!r}")
         self.backend = backend
+        self.settings = settings or P.DEFAULT
         self.kernels: dict[str, str] = {}
         self._ref: dict = {}
         for name in NAMES:
             fast, ref = _IMPL[name]
             self._ref[name] = ref
-            setattr(self, name, fast if backend == "triton" else ref)
+            setattr(self, name, functools.partial(fast, settings=self.settings) if backend == "triton" else ref)
             self.kernels[name] = "triton" if backend == "triton" else "ref"
 
     def demote(self, name: str, why: str) -> None:
@@ -149,10 +180,9 @@ class Ops:
             want = self._ref["kv_refresh"](ia1, vl2[:1], pos2[:1], 4)
             if not torch.equal(got.cpu(), want.cpu()):
                 raise ValueError(f"picked {got.tolist()}, the reference {want.tolist()}")
-            from dejavu.plugins.deferred_kv import refresh_route
             deferred = self.sparse_attn_deferred if f is self.kv_refresh else self._ref["sparse_attn_deferred"]
             kc, vc, xh, vl = [c[:1].clone() for c in caches2] + [hist2[:1].clone(), vl2[:1].clone()]
-            takes = refresh_route(1, T2, D, hd, ia1)  # else the kernels leave them out (the reference would not)
+            takes = P.refresh_route(1, T2, D, hd, ia1, settings=self.settings)  # else the kernels leave them out (the reference would not)
             y = deferred(x[:1], t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                          t[p + "attn.wo_t"], t[p + "attn.bo"], ia1, kc, vc, xh, vl, pos2[:1], res[:1],
                          refresh=got if takes else None)

@@ -14,6 +14,9 @@ from dejavu.errors import DejavuError
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SOURCES = ("attn_in", "mlp_in")
 PREDICTOR_FORMS = ("lowrank",)  # scores = (x @ a.T) @ b.T + bias (plugins/predictor.py)
+# A dense engine's header has no predictor input (nothing is predicted, the schedule is empty);
+# EngineSpec still holds one. Not a default: a sparse engine without the field is rejected.
+NO_PREDICTOR_INPUT = {"source": "attn_in", "lookahead": 0}
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,18 @@ def spec_from_header(header: dict) -> EngineSpec:
         if not (isinstance(v, list) and len(v) == L and all(type(k) is int and 1 <= k <= n for k in v)):
             raise DejavuError(f"engine header: build_config.{key} must list {L} integers in [1, {n}]")
         ks[key] = tuple(v)
-    pi = bc.get("predictor_input") or {"source": "attn_in", "lookahead": 0}
+    has_pred = bool(bc.get("predictors", True))
+    sparse = any(k < F for k in ks["mlp_k"]) or any(k < H for k in ks["attn_k"])
+    if sparse and not has_pred:
+        raise DejavuError("engine header: K < N for some layer but the engine has no predictors")
+    pi = bc.get("predictor_input")  # the compiler records it for every engine with predictors
+    if pi is None:
+        if sparse:
+            raise DejavuError("engine header: build_config.predictor_input is missing (the input the predictors "
+                              "read: {source, lookahead})")
+        pi = NO_PREDICTOR_INPUT
+    if not isinstance(pi, dict):
+        raise DejavuError(f"engine header: build_config.predictor_input {pi!r} is not an object")
     source, lookahead = pi.get("source"), pi.get("lookahead")
     if source not in SOURCES or lookahead not in (0, 1):
         raise DejavuError(f"engine header: build_config.predictor_input {pi!r} is not "
@@ -89,10 +103,6 @@ def spec_from_header(header: dict) -> EngineSpec:
     form = bc.get("predictor_form") or "lowrank"  # engines before the field: the same form
     if form not in PREDICTOR_FORMS:
         raise DejavuError(f"engine header: build_config.predictor_form {form!r} is not one of {PREDICTOR_FORMS}")
-    has_pred = bool(bc.get("predictors", True))
-    sparse = any(k < F for k in ks["mlp_k"]) or any(k < H for k in ks["attn_k"])
-    if sparse and not has_pred:
-        raise DejavuError("engine header: K < N for some layer but the engine has no predictors")
     if source == "mlp_in" and lookahead == 0 and any(k < H for k in ks["attn_k"]):
         # the head predictor of layer l would read layer l's attention output: not causal
         raise DejavuError("engine header: predictor_input mlp_in with lookahead 0 cannot drive "

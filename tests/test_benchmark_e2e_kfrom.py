@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.predictors import Predictors
 from dejavu.models.loader import load_config
 from dejavu.runtime.spec import spec_from_header

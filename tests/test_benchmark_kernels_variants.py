@@ -1,5 +1,4 @@
 """benchmarks/kernels.py --mlp-variants: fc2 block configs passed to the kernels, no module setting patched."""
-import copy
 import sys
 from pathlib import Path
 
@@ -17,9 +16,12 @@ finally:
 
 def test_variants_are_fc2_batch1_configs():
     """Every variant is a `config=` override of fc2's batch-1 blocks: known keys only, nothing patched."""
-    before = copy.deepcopy(K.SM.FC2_CONFIG)
-    keys = set(K.SM.FC2_CONFIG["dot1"]) | {"SPLIT"}
+    from dejavu.plugins import DEFAULT
+    from dejavu.plugins.settings import table
+
+    keys = set(vars(DEFAULT.fc2_dot1))
     for name, cfg in K.MLP_VARIANTS.items():
         assert isinstance(cfg, dict) and set(cfg) <= keys, name
+        table(DEFAULT.fc2_dot1, cfg)  # a valid override (unknown keys raise)
     assert K.MLP_VARIANTS["default"] == {}
-    assert K.SM.FC2_CONFIG == before
+    assert K.Run.settings == DEFAULT  # the run's settings: the plugins' defaults, nothing patched

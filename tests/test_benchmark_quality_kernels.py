@@ -30,4 +30,13 @@ def test_quality_runs_on_a_tiny_model(tiny_opt_dir, tmp_path, capsys):
     assert rows["decode"]["perplexity"] == pytest.approx(rows["parallel"]["perplexity"], rel=1e-5)
     assert rows["decode"]["tasks"] == rows["parallel"]["tasks"]
     assert all(r["sha256"] == eng["sha256"] for p, r in rows.items() if p)
+    # per-example agreement with the CPU parallel reference: decode scores the same, so all equal
+    agree = {(x["path"], x["metric"]): x for x in got["agreement"]}
+    assert set(agree) == {("decode", "acc"), ("generate", "acc")}  # copa records no acc_norm
+    assert agree["decode", "acc"]["n"] == 3 and agree["decode", "acc"]["fraction"] == 1.0
     assert "| parallel |" in capsys.readouterr().out
+
+
+def test_engine_specs():
+    assert Q.parse_engine("d0.7") == {"name": "d0.7", "density": 0.7}
+    assert Q.parse_engine("0.3/1.0") == {"name": "m0.3-a1", "mlp_density": 0.3, "attn_density": 1.0}

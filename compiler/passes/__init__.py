@@ -10,7 +10,9 @@ its own file, and logs (logger `dejavu.compiler.passes.<name>`) what it rewrote:
                               `dejavu.SparseMLP`, `dejavu.SparseAttention` custom-domain nodes
 
 After passes 1–3 the graph is form (a): standard ONNX ops only (ONNX Runtime runs it and it
-equals the masked-dense reference). After pass 4 it is form (b).
+equals the masked-dense reference). After pass 4 it is form (b). New weights take the dtype of
+the weights they are made from (arithmetic in float32, one rounding), so a float16 graph stays
+float16 and its tensors equal the engine's.
 """
 from __future__ import annotations
 
@@ -19,11 +21,10 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from dejavu.compiler.config import DEFAULT_PREDICTOR_INPUT, TENSORRT_TOPK_LIMIT
 from dejavu.errors import DejavuError
 
 log = logging.getLogger(__name__)
-
-TENSORRT_TOPK_LIMIT = 3840
 
 
 @dataclass
@@ -33,15 +34,19 @@ class PassSettings:
     mlp_k: list[int]
     attn_k: list[int]
     predictors: dict = field(default_factory=dict)  # layers.{l}.pred_{mlp,attn}.{a,b,bias}
-    predictor_input: dict = field(default_factory=lambda: {"source": "attn_in", "lookahead": 1})
+    predictor_input: dict = field(default_factory=lambda: dict(DEFAULT_PREDICTOR_INPUT))
     form: str = "standard"  # "standard" (form a) or "plugin" (form b)
     topk_limit: int = TENSORRT_TOPK_LIMIT
+    layers: list[int] | None = None  # the layers to rewrite; None: all (the streamed writer: one)
 
     def __post_init__(self):
         if self.form not in ("standard", "plugin"):
             raise DejavuError(f"ONNX form must be 'standard' or 'plugin', got {self.form!r}")
         if self.topk_limit < 1:
             raise DejavuError(f"topk_limit must be positive, got {self.topk_limit}")
+
+    def layer_ids(self) -> list[int]:
+        return list(range(len(self.mlp_k))) if self.layers is None else list(self.layers)
 
 
 from dejavu.compiler.passes.insert_predictors import insert_predictors  # noqa: E402

@@ -1,14 +1,14 @@
 """Graph editing helpers shared by the passes (not a pass itself)."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from dejavu.compiler.onnx_export import GraphBuilder
 from dejavu.errors import DejavuError
 
-LOWEST = float(np.finfo(np.float32).min)  # masks already-taken scores in a chunked TopK
 
 
 def node_map(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
@@ -85,12 +85,14 @@ def replace(model: onnx.ModelProto, remove: list[onnx.NodeProto], g: GraphBuilde
         model.graph.initializer.extend(keep)
 
 
-def topk_indices(g: GraphBuilder, scores: str, k: int, limit: int, prefix: str, out: str) -> str:
-    """Indices [..., k] (int64, best first) of the top-k of scores [..., N] along the last axis.
+def topk_indices(g: GraphBuilder, scores: str, k: int, limit: int, prefix: str, out: str,
+                 dtype=np.float32) -> str:
+    """Indices [..., k] (int64, best first) of the top-k of scores [..., N] (of numpy `dtype`)
+    along the last axis.
 
     TensorRT's TopK takes k <= 3840 (`limit`); a larger k is taken in rounds of at most
-    `limit`, masking each round's picks to the lowest float before the next (exact, same order
-    as a single TopK up to ties)."""
+    `limit`, masking each round's picks to the dtype's lowest float before the next (exact,
+    same order as a single TopK up to ties)."""
     if k <= limit:
         _, idx = g.op("TopK", [scores, g.ints(f"{prefix}.k", [k])], f"{prefix}/TopK",
                       outputs=[f"{prefix}/TopK:values", out], axis=-1, largest=1, sorted=1)
@@ -104,7 +106,7 @@ def topk_indices(g: GraphBuilder, scores: str, k: int, limit: int, prefix: str, 
         taken += take
         if taken < k:
             fill = g.op("ConstantOfShape", [g.op("Shape", [idx], f"{prefix}/shape_{r}")], f"{prefix}/fill_{r}",
-                        value=helper.make_tensor("v", TensorProto.FLOAT, [1], [LOWEST]))
+                        value=numpy_helper.from_array(np.array([ml_dtypes.finfo(dtype).min], dtype), "v"))
             cur = g.op("ScatterElements", [cur, idx, fill], f"{prefix}/mask_{r}", axis=-1)
         r += 1
     return g.op("Concat", parts, f"{prefix}/concat", outputs=[out], axis=-1)

@@ -33,26 +33,28 @@ def predictor_source(l: int, predictor_input: dict) -> str:
     return "layers.0.attn_in" if j < 0 else f"layers.{j}.{src}"
 
 
-def _np(t) -> np.ndarray:
-    return np.asarray(t.detach().float().cpu().numpy() if hasattr(t, "detach") else t, dtype=np.float32)
+def _np(t, dtype) -> np.ndarray:
+    """A predictor tensor (torch or numpy) in the graph dtype `dtype`."""
+    a = np.asarray(t.detach().float().cpu().numpy() if hasattr(t, "detach") else t, dtype=np.float32)
+    return a.astype(dtype)
 
 
 def insert_predictors(model: onnx.ModelProto, settings) -> onnx.ModelProto:
     g = GraphBuilder(model.graph)
-    n_layers = len(settings.mlp_k)
     added = []
-    for l in range(n_layers):
+    for l in settings.layer_ids():
         src = predictor_source(l, settings.predictor_input)
         if not has_tensor(model, src):
             raise DejavuError(f"insert_predictors: the graph has no tensor {src!r}")
-        F = init_array(model, f"layers.{l}.fc1.weight_t").shape[1]
+        w1 = init_array(model, f"layers.{l}.fc1.weight_t")
+        F = w1.shape[1]
         H = int(init_array(model, f"layers.{l}.heads_shape")[2])
         for kind, k, n in (("mlp", settings.mlp_k[l], F), ("attn", settings.attn_k[l], H)):
             if k >= n:  # K = N: the layer stays dense, no predictor needed
                 continue
             p = f"layers.{l}.pred_{kind}"
             try:
-                a, b, bias = (_np(settings.predictors[f"{p}.{n}"]) for n in ("a", "b", "bias"))
+                a, b, bias = (_np(settings.predictors[f"{p}.{n}"], w1.dtype) for n in ("a", "b", "bias"))
             except KeyError as e:
                 raise DejavuError(f"insert_predictors: predictor tensor {e.args[0]!r} is missing") from None
             h = g.op("MatMul", [src, g.const(f"{p}.a_t", a.T)], f"{p}/MatMul_a")

@@ -29,19 +29,21 @@ log = logging.getLogger(__name__)
 
 def _weights(g: GraphBuilder, model: onnx.ModelProto, p: str, H: int, hd: int) -> tuple[str, str, str, str]:
     D = H * hd
-    scale = np.float32(hd**-0.5)
+    wq_t = init_array(model, f"{p}.q_proj.weight_t")
+    dt = wq_t.dtype  # the graph's: scaled in float32, rounded once (as the engine's layout)
+    scaled = lambda a: (a.astype(np.float32) * np.float32(hd**-0.5)).astype(dt)
     bq = maybe_init(model, f"{p}.q_proj.bias")
     bo = maybe_init(model, f"{p}.out_proj.bias")
-    wq = g.const(f"{p}.attn.wq", init_array(model, f"{p}.q_proj.weight_t").T * scale)  # [D, D] rows head-major
-    bq = g.const(f"{p}.attn.bq", (bq if bq is not None else np.zeros(D, np.float32)) * scale)
+    wq = g.const(f"{p}.attn.wq", scaled(wq_t.T))  # [D, D] rows head-major
+    bq = g.const(f"{p}.attn.bq", scaled(bq if bq is not None else np.zeros(D, dt)))
     wo = g.const(f"{p}.attn.wo_t", init_array(model, f"{p}.out_proj.weight_t"))  # [D, D] row j = input j
-    bo = g.const(f"{p}.attn.bo", bo if bo is not None else np.zeros(D, np.float32))
-    return wq, bq, wo, bo
+    bo = g.const(f"{p}.attn.bo", bo if bo is not None else np.zeros(D, dt))
+    return wq, bq, wo, bo, dt
 
 
 def _sparse_attention(g: GraphBuilder, p: str, x: str, idx: str, w, H: int, hd: int, k: int) -> None:
     s = f"{p}.sparse_attn"
-    wq, bq, wo, bo = w
+    wq, bq, wo, bo, _ = w
     wq_h = g.op("Reshape", [wq, g.ints(f"{s}.w_heads", [H, hd, H * hd])], f"{s}/wq_heads")  # [H,hd,D]
     bq_h = g.op("Reshape", [bq, g.ints(f"{s}.b_heads", [H, hd])], f"{s}/bq_heads")  # [H,hd]
     wo_h = g.op("Reshape", [wo, f"{s}.w_heads"], f"{s}/wo_heads")  # [H,hd,D]
@@ -69,8 +71,8 @@ def _sparse_attention(g: GraphBuilder, p: str, x: str, idx: str, w, H: int, hd: 
 def rewrite_sparse_attention(model: onnx.ModelProto, settings) -> onnx.ModelProto:
     g = GraphBuilder(model.graph)
     remove, done = [], []
-    for l, k in enumerate(settings.attn_k):
-        p = f"layers.{l}"
+    for l in settings.layer_ids():
+        k, p = settings.attn_k[l], f"layers.{l}"
         _, _, H, hd = (int(v) for v in init_array(model, f"{p}.heads_shape"))
         if k >= H:
             continue
@@ -80,7 +82,8 @@ def rewrite_sparse_attention(model: onnx.ModelProto, settings) -> onnx.ModelProt
         old = group(model, f"{p}.q_proj/") + group(model, f"{p}.attn_core/") + group(model, f"{p}.out_proj/")
         x = next(n for n in old if n.name == f"{p}.q_proj/MatMul").input[0]
         w = _weights(g, model, p, H, hd)
-        idx = topk_indices(g, scores, k, settings.topk_limit, f"{p}.pred_attn.topk", f"{p}.pred_attn.idx")
+        idx = topk_indices(g, scores, k, settings.topk_limit, f"{p}.pred_attn.topk", f"{p}.pred_attn.idx",
+                           w[-1])
         _sparse_attention(g, p, x, idx, w, H, hd, k)
         remove += old
         done.append(f"{l}:K={k}/{H}")

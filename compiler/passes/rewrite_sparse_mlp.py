@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 def rewrite_sparse_mlp(model: onnx.ModelProto, settings) -> onnx.ModelProto:
     g = GraphBuilder(model.graph)
     remove, done = [], []
-    for l, k in enumerate(settings.mlp_k):
-        p = f"layers.{l}"
+    for l in settings.layer_ids():
+        k, p = settings.mlp_k[l], f"layers.{l}"
         w1_t = init_array(model, f"{p}.fc1.weight_t")  # [D, F]
         F = w1_t.shape[1]
         if k >= F:
@@ -43,10 +43,11 @@ def rewrite_sparse_mlp(model: onnx.ModelProto, settings) -> onnx.ModelProto:
         b2 = maybe_init(model, f"{p}.fc2.bias")
         s = f"{p}.sparse_mlp"
         w1 = g.const(f"{p}.mlp.w1", w1_t.T)  # [F, D]
-        b1 = g.const(f"{p}.mlp.b1", b1 if b1 is not None else np.zeros(F, np.float32))
+        b1 = g.const(f"{p}.mlp.b1", b1 if b1 is not None else np.zeros(F, w1_t.dtype))
         w2t = g.const(f"{p}.mlp.w2_t", init_array(model, f"{p}.fc2.weight_t"))  # [F, D]
-        b2 = g.const(f"{p}.mlp.b2", b2 if b2 is not None else np.zeros(D, np.float32))
-        idx = topk_indices(g, scores, k, settings.topk_limit, f"{p}.pred_mlp.topk", f"{p}.pred_mlp.idx")
+        b2 = g.const(f"{p}.mlp.b2", b2 if b2 is not None else np.zeros(D, w1_t.dtype))
+        idx = topk_indices(g, scores, k, settings.topk_limit, f"{p}.pred_mlp.topk", f"{p}.pred_mlp.idx",
+                           w1_t.dtype)
         xc = g.op("Unsqueeze", [x, g.ints(f"{s}.axes_last", [-1])], f"{s}/x_col")  # [B,S,D,1]
         h = g.op("MatMul", [g.op("Gather", [w1, idx], f"{s}/gather_w1", axis=0), xc], f"{s}/fc1")  # [B,S,K,1]
         h = g.op("Squeeze", [h, g.ints(f"{s}.axes_m1", [-1])], f"{s}/fc1_squeeze")

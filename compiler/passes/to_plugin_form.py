@@ -48,7 +48,7 @@ def to_plugin_form(model: onnx.ModelProto, settings) -> onnx.ModelProto:
         return model
     g = GraphBuilder(model.graph)
     remove, counts = [], {"Predictor": 0, "SparseMLP": 0, "SparseAttention": 0}
-    for l in range(len(settings.mlp_k)):
+    for l in settings.layer_ids():
         p = f"layers.{l}"
         for kind, k in (("mlp", settings.mlp_k[l]), ("attn", settings.attn_k[l])):
             old = _collapse_predictor(model, g, p, kind, k)

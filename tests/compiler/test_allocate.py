@@ -10,7 +10,7 @@ import torch
 from dejavu.compiler.allocate import (ByteCosts, Sensitivity, allocate_heads_dense, allocate_knapsack,
                                       allocate_uniform, candidate_ks, heldout_nll, heldout_source,
                                       heldout_windows, measure_sensitivity, model_parts, resolve_k)
-from dejavu.compiler.build import BuildConfig
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
 from dejavu.compiler.predictors import Predictors
@@ -188,16 +188,16 @@ def test_heads_dense_keeps_every_head_within_the_budget():
 
 
 def test_heldout_text_is_never_the_calibration_stream(tmp_path):
-    assert heldout_source(BuildConfig()) == (None, 0)  # the shipped validation head, from its start
+    assert heldout_source(BuildConfig(density=0.5)) == (None, 0)  # the shipped validation head, from its start
     corpus = str(tmp_path / "c.txt")
     (tmp_path / "c.txt").write_text("x")
-    assert heldout_source(BuildConfig(calib=corpus, heldout=corpus, calib_tokens=300)) == (corpus, 300)
-    assert heldout_source(BuildConfig(calib=corpus, calib_tokens=300)) == (None, 0)
+    assert heldout_source(BuildConfig(density=0.5, calib=corpus, heldout=corpus, calib_tokens=300)) == (corpus, 300)
+    assert heldout_source(BuildConfig(density=0.5, calib=corpus, calib_tokens=300)) == (None, 0)
 
 
 def test_missing_heldout_corpus_is_one_line_before_any_work(tmp_path):
     from dejavu.compiler.build import build_engine
 
     with pytest.raises(DejavuError, match="not found"):
-        build_engine("opt-mini", BuildConfig(heldout=str(tmp_path / "nope.txt")), tmp_path / "m.engine")
+        build_engine("opt-mini", BuildConfig(density=0.5, heldout=str(tmp_path / "nope.txt")), tmp_path / "m.engine")
     assert not (tmp_path / "m.engine").exists()

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dejavu.compiler.calibrate import CalibSettings, Calibration, calibrate
+from dejavu.compiler.calibrate import Calibration, calibrate
+from dejavu.compiler.config import CalibSettings
 from dejavu.compiler.text import corpus_tokens, read_corpus
 from dejavu.errors import DejavuError
 from dejavu.models.loader import load_model, load_tokenizer

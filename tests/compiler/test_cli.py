@@ -56,14 +56,16 @@ def test_compile_twice_same_bytes_and_no_state_left(built):
 
 def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
     out = tmp_path / "s.engine"
-    assert main([str(tiny_opt_dir), "--density", "0.5", "--mlp-density", "0.25", "--attn-density", "0.5", "-o",
+    assert main([str(tiny_opt_dir), "--mlp-density", "0.25", "--attn-density", "0.5", "-o",  # K fixed: no --density
                  str(out), "--summary-json", str(tmp_path / "s.json"), "--allocation", "uniform", *QUICK]) == 0
     text = capsys.readouterr().out
     assert "K_mlp" in text and "recall" in text and "time" in text and "MiB" in text
     assert "bytes/token" in text and "held-out    ppl" in text
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["mlp_k"] == [32, 32] and s["attn_k"] == [2, 2]
-    assert read_header(out)["build_config"]["mlp_density"] == 0.25
+    bc = read_header(out)["build_config"]
+    assert bc["mlp_density"] == 0.25 and bc["settings"]["mlp_density"] == 0.25
+    assert bc["density"] == bc["bytes_per_token"]["fraction"] == s["density"] < 1  # what the fixed K read
 
 
 def test_inspect(built, capsys):
@@ -146,8 +148,8 @@ def test_console_scripts_exit_2(tmp_path):
 
 
 def test_config_file_and_overrides(tmp_path, capsys):
-    from dejavu.compiler.build import BuildConfig
     from dejavu.compiler.cli import _config, compile_parser
+    from dejavu.compiler.config import BuildConfig
 
     f = tmp_path / "build.json"
     f.write_text(json.dumps({"density": 0.4, "dtype": "float32", "seed": 3}))
@@ -155,17 +157,17 @@ def test_config_file_and_overrides(tmp_path, capsys):
     c = _config(compile_parser().parse_args(argv))
     assert (c.density, c.dtype, c.seed) == (0.3, "float32", 5)
     c = _config(compile_parser().parse_args(["m", "--density", "0.3", "--dtype", "bf16"]))
-    assert c.dtype == "bfloat16" and c.calib_tokens == BuildConfig().calib_tokens  # the rest: BuildConfig's
+    assert c.dtype == "bfloat16" and c.calib_tokens == BuildConfig.calib_tokens  # the rest: BuildConfig's
     f.write_text(json.dumps({"density": 0.4, "bogus": 1}))
     _fails(capsys, main, ["m", "--density", "0.3", "--config", str(f)], "bogus")
 
 
 def test_compile_help_shows_buildconfig_defaults(capsys):
-    from dejavu.compiler.build import BuildConfig
     from dejavu.compiler.cli import compile_parser
+    from dejavu.compiler.config import BuildConfig
 
     text = " ".join(compile_parser().format_help().split())
-    d = BuildConfig()
+    d = BuildConfig  # the class attributes are the fields' defaults
     for opt, value in (("--calib-tokens", d.calib_tokens), ("--predictor-epochs", d.predictor_epochs),
                        ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit)):
         after = text.split(f" {opt} ", 1)[1]
@@ -185,3 +187,37 @@ def test_heldout_option_reaches_the_config_and_a_missing_corpus_is_one_line(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("dejavu: error: corpus") and "not found" in err[0]
     assert not (tmp_path / "m.engine").exists()
+
+
+def _compile_in_subprocess(argv: list[str]) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run dejavu-compile's main in a fresh interpreter: (result, whether torch was imported)."""
+    code = ("import sys\nfrom dejavu.compiler.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "finally:\n    print('torch' in sys.modules, file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    *lines, imported = r.stderr.strip().splitlines()
+    assert imported in ("True", "False"), r.stderr
+    return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, "\n".join(lines)), imported == "True"
+
+
+def test_compile_help_imports_no_torch():
+    r, torch_imported = _compile_in_subprocess(["--help"])
+    assert r.returncode == 0 and "(default: 65536)" in " ".join(r.stdout.split())  # BuildConfig's defaults shown
+    assert not torch_imported
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["m"], "one of --density or --max-ppl-increase is required"),
+    (["m", "--density", "1.5"], "--density must be in (0, 1]"),
+    (["m", "--density", "0.5", "--calib-tokens", "0"], "--calib-tokens must be a positive integer"),
+    (["m", "--density", "0.5", "--predictor-source", "mlp_in", "--predictor-lookahead", "0"], "predictor input"),
+    (["m", "--density", "0.5", "--config", "BAD"], "unknown build config key(s): bogus"),
+    (["m", "--density", "0.5", "--max-ppl-increase", "1"], "not both"),
+])
+def test_compile_argument_errors_before_torch(tmp_path, argv, match):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"bogus": 1}))
+    r, torch_imported = _compile_in_subprocess([str(bad) if a == "BAD" else a for a in argv])
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("dejavu: error:") and match in r.stderr, r.stderr
+    assert not torch_imported

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from dejavu.compiler.calibrate import CalibSettings, calibrate
+from dejavu.compiler.calibrate import calibrate
+from dejavu.compiler.config import CalibSettings, PredictorSettings
 from dejavu.compiler.density import allocate, resolve_density
-from dejavu.compiler.predictors import (PredictorSettings, Predictors, default_ranks, evaluate_predictors,
-                                        measure_lookahead, mlp_contributions, predictor_cost,
-                                        train_predictors)
-from dejavu.compiler.text import WIKITEXT2_TEST
+from dejavu.compiler.predictors import (Predictors, default_ranks, evaluate_predictors, measure_lookahead,
+                                        mlp_contributions, mlp_ranks, predictor_cost, train_predictors)
+from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.errors import DejavuError
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.opt import OPTConfig
@@ -36,11 +36,11 @@ def test_state_dict_names_shapes_and_determinism(tiny_model_and_cal):
     cfg = tiny_cal.cfg
     s = PredictorSettings(**FAST)
     p = train_predictors(tiny_cal, s, progress=False, model=model)
-    r, rh = default_ranks(cfg, s)
+    rs, (_, rh) = mlp_ranks(cfg, s), default_ranks(cfg, s)
     D, F, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
     sd = p.state_dict()
     want = {}
-    for l in range(cfg.num_hidden_layers):
+    for l, r in enumerate(rs):
         want.update({f"layers.{l}.pred_mlp.a": (r, D), f"layers.{l}.pred_mlp.b": (F, r),
                      f"layers.{l}.pred_mlp.bias": (F,), f"layers.{l}.pred_attn.a": (rh, D),
                      f"layers.{l}.pred_attn.b": (H, rh), f"layers.{l}.pred_attn.bias": (H,)})
@@ -105,6 +105,14 @@ def test_default_ranks_fit_the_cost_budget(dims):
     assert cost["mlp_ratio"] > 0.08 or r == PredictorSettings().max_auto_rank
     assert r <= PredictorSettings().max_auto_rank
     assert rh == H and r % 8 == 0
+    # per layer: the uniform rank everywhere, plus what rounding left of the whole budget on layer 0
+    rs = mlp_ranks(cfg, PredictorSettings())
+    cost = predictor_cost(cfg, rs, rh)
+    assert len(rs) == L and rs[1:] == [r] * (L - 1) and r <= rs[0] <= min(D, PredictorSettings().max_auto_rank)
+    assert rs[0] % 8 == 0 and cost["mlp_ratio"] <= 0.10 and cost["total_ratio"] <= 0.10
+    assert predictor_cost(cfg, [rs[0] + 8] + rs[1:], rh)["mlp_ratio"] > 0.10 or rs[0] == min(
+        D, PredictorSettings().max_auto_rank)  # layer 0 takes all that is left
+    assert mlp_ranks(cfg, PredictorSettings(mlp_rank=24)) == [24] * L  # a given rank: uniform
 
 
 def test_density_errors():

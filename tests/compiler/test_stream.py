@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dejavu.compiler import build as build_mod
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.stream import BuildState
 from dejavu.engine_file import read_engine
 from dejavu.errors import DejavuError
@@ -20,12 +21,20 @@ from dejavu.errors import DejavuError
 QUICK = dict(calib_tokens=600, calib_window=64, predictor_epochs=1)
 
 
-def _reference_engine(folder, config: BuildConfig, path, cache):
+def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     """The whole-model pipeline the streamed build replaced: the fp32 model in memory,
-    hook-recorded calibration maps, `train_predictors` over all layers, a whole kernel layout."""
-    from dejavu.compiler.calibrate import CalibSettings, calibrate
+    hook-recorded calibration maps, `train_predictors` over all layers, a whole kernel layout;
+    its MLP targets rounded to the streamed build's storage dtype (stream.TARGET_DTYPE)."""
+    from dejavu.compiler import predictors as predictors_mod
+    from dejavu.compiler.stream import TARGET_DTYPE
+
+    contributions = predictors_mod.mlp_contributions
+    monkeypatch.setattr(predictors_mod, "mlp_contributions",
+                        lambda *a, **k: contributions(*a, **k).to(TARGET_DTYPE))
+    from dejavu.compiler.calibrate import calibrate
+    from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.layout import kernel_layout
-    from dejavu.compiler.predictors import default_ranks, train_predictors
+    from dejavu.compiler.predictors import default_ranks, mlp_ranks, train_predictors
     from dejavu.engine_file import DTYPE_NAMES, write_engine
     from dejavu.models.loader import load_model, load_tokenizer
 
@@ -35,7 +44,7 @@ def _reference_engine(folder, config: BuildConfig, path, cache):
                                               cache_dir=str(cache)), progress=False)
     ps = build_mod._predictor_settings(config)
     preds = train_predictors(cal, ps, progress=False, model=model)
-    info = {"ranks": default_ranks(cfg, ps), "input": ps.predictor_input, "curves": preds.recall_curves,
+    info = {"ranks": (mlp_ranks(cfg, ps), default_ranks(cfg, ps)[1]), "input": ps.predictor_input, "curves": preds.recall_curves,
             "calibration": {"corpus": build_mod._corpus_name(cal.manifest["corpus"]), "n_tokens": cal.n_tokens,
                             "window": cal.window, "tokens_fingerprint": cal.manifest["tokens_fingerprint"]}}
     from dejavu.compiler.allocate import model_parts, resolve_k
@@ -51,10 +60,10 @@ def _reference_engine(folder, config: BuildConfig, path, cache):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_streamed_build_equals_whole_model_pipeline(tiny_opt_dir, tmp_path, dtype):
+def test_streamed_build_equals_whole_model_pipeline(tiny_opt_dir, tmp_path, dtype, monkeypatch):
     config = BuildConfig(density=0.7, dtype=dtype, **QUICK)
     s = build_engine(tiny_opt_dir, config, tmp_path / "s.engine", progress=False)
-    _reference_engine(tiny_opt_dir, config, tmp_path / "r.engine", tmp_path / "cache")
+    _reference_engine(tiny_opt_dir, config, tmp_path / "r.engine", tmp_path / "cache", monkeypatch)
     hs, ts = read_engine(tmp_path / "s.engine")
     hr, tr = read_engine(tmp_path / "r.engine")
     assert hs == hr and ts.keys() == tr.keys()
@@ -164,53 +173,76 @@ def test_bin_checkpoint_streams_like_safetensors(make_tiny_opt_dir, tmp_path):
 
 _CHILD = """
 import json, sys
-import torch, dejavu.compiler.build, dejavu.compiler.stream, dejavu.models.loader, safetensors.torch
+import torch, dejavu.compiler.build, dejavu.compiler.stream, dejavu.models.loader, safetensors.torch, onnx
+import dejavu.compiler.onnx_stream, dejavu.compiler.predictors, dejavu.compiler.allocate
 from dejavu.compiler.cli import main
 from dejavu.compiler.stream import rss_peak_bytes
 base = rss_peak_bytes()
-rc = main([sys.argv[1], "--density", "1.0", "--no-predictors", "-o", sys.argv[2], "-q"])
+rc = main(sys.argv[1:] + ["-q"])
 print(json.dumps({"rc": rc, "base": base, "maxrss": rss_peak_bytes()}))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM of /proc/self/status is Linux's")
-def test_subprocess_build_stays_under_the_layer_bound(tmp_path):
-    """A ~110M-parameter random shape (8 layers of hidden 1024, ffn 4096): peak RSS of the child
-    <= 2 x the largest layer in fp32 + 1 GiB. Loading the whole model in fp32 (the replaced
-    builder: fp32 model + fp32 layout copy + the engine in memory, ~1.6 GB) would not fit."""
-    D, F, L, V = 1024, 4096, 8, 8192
-    cfg = dict(model_type="opt", vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=16,
-               ffn_dim=F, max_position_embeddings=256, word_embed_proj_dim=D, torch_dtype="float16")
-    folder = tmp_path / "m"
+def _random_checkpoint(folder, D, F, L, V, H, positions, value=None):
+    """A sharded fp16 OPT checkpoint (2 shards) with the tiny tokenizer: constant weights
+    (`value`) or random ones of unit-variance activations."""
+    cfg = dict(model_type="opt", vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=H,
+               ffn_dim=F, max_position_embeddings=positions, word_embed_proj_dim=D, torch_dtype="float16")
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg))
-    w = lambda *shape: torch.full(shape, 0.01, dtype=torch.float16)  # values do not matter to a dense build
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        if value is not None:
+            return torch.full(shape, value, dtype=torch.float16)
+        return (torch.randn(shape, generator=g) * (shape[-1] ** -0.5 if len(shape) == 2 else 0.02)).half()
     p = "model.decoder."
     shards, wm = [{}, {}], {}
     shards[0][p + "embed_tokens.weight"] = w(V, D)
-    shards[0][p + "embed_positions.weight"] = w(258, D)
+    shards[0][p + "embed_positions.weight"] = w(positions + 2, D)
     for n in ("weight", "bias"):
-        shards[1][p + f"final_layer_norm.{n}"] = w(D)
+        shards[1][p + f"final_layer_norm.{n}"] = w(D) + (n == "weight")
     for l in range(L):
         q, s = f"{p}layers.{l}.", shards[l * 2 // L]
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
             s[q + f"self_attn.{proj}.weight"] = w(D, D)
             s[q + f"self_attn.{proj}.bias"] = w(D)
         for ln in ("self_attn_layer_norm", "final_layer_norm"):
-            s[q + f"{ln}.weight"], s[q + f"{ln}.bias"] = w(D), w(D)
+            s[q + f"{ln}.weight"], s[q + f"{ln}.bias"] = w(D) + 1, w(D)
         s[q + "fc1.weight"], s[q + "fc1.bias"] = w(F, D), w(F)
         s[q + "fc2.weight"], s[q + "fc2.bias"] = w(D, F), w(D)
     for i, sd in enumerate(shards):
         name = f"model-0000{i + 1}-of-00002.safetensors"
         save_file(sd, str(folder / name))
         wm.update({k: name for k in sd})
-    del shards, sd, s
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
     (folder / "tokenizer.json").write_text(__import__("tiny_tokenizer").tiny_tokenizer_json())
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(folder), str(tmp_path / "m.engine")],
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return folder
+
+
+def _run_child(args: list[str]) -> dict:
+    r = subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0, got
+    return got
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM of /proc/self/status is Linux's")
+def test_subprocess_build_stays_under_the_layer_bound(tmp_path):
+    """A ~110M-parameter random shape (8 layers of hidden 1024, ffn 4096), two tensor-parallel
+    shards (--tp 2) and the ONNX graphs (--onnx-out): peak RSS of the child <= 2 x the largest
+    layer in fp32 + 1 GiB. Loading the whole model in fp32 (the replaced builder: fp32 model +
+    fp32 layout copy + the engine in memory, ~1.6 GB; the in-memory ONNX export: the fp32 model
+    and six whole graphs; --tp: the engine and its shards in memory) would not fit."""
+    D, F, L, V = 1024, 4096, 8, 8192
+    # values do not matter to a dense build
+    folder = _random_checkpoint(tmp_path / "m", D, F, L, V, H=16, positions=256, value=0.01)
+    got = _run_child([folder, "--density", "1.0", "--no-predictors", "-o", tmp_path / "m.engine",
+                      "--onnx-out", tmp_path / "onnx", "--tp", 2])
+    assert (tmp_path / "onnx" / "weights.onnx.data").stat().st_size >= L * 2 * (4 * D * D + 2 * D * F)
+    assert sorted(p.name for p in tmp_path.glob("m.*engine")) == ["m.rank0-of-2.engine", "m.rank1-of-2.engine"]
     layer_fp32 = 4 * (4 * D * D + 2 * D * F + 4 * D + F + D + 4 * D)
     largest = max(layer_fp32, 4 * V * D)
     assert got["rc"] == 0 and got["maxrss"] <= 2 * largest + (1 << 30), got  # the bound of docs/compiler.md
@@ -221,6 +253,44 @@ def test_subprocess_build_stays_under_the_layer_bound(tmp_path):
     print(f"peak {got['maxrss'] / 2**20:.0f} MiB, imports {got['base'] / 2**20:.0f} MiB, largest layer "
           f"{largest / 2**20:.0f} MiB")
     assert got["maxrss"] - got["base"] <= 2 * largest + (256 << 20) < 8 * n_params, got
+
+
+_TARGETS_CHILD = """
+import json, sys, torch
+from dejavu.compiler.predictors import mlp_contributions
+from dejavu.compiler.stream import mlp_targets, rss_peak_bytes
+from dejavu.models.opt import OPTConfig, OPTDecoderLayer
+T, D, F = (int(a) for a in sys.argv[1:4])
+torch.manual_seed(0)
+layer = OPTDecoderLayer(OPTConfig.from_hf_dict(dict(model_type="opt", vocab_size=8, hidden_size=D, num_hidden_layers=1,
+                                                    num_attention_heads=4, ffn_dim=F, max_position_embeddings=8)))
+mlp_in = torch.randn(T, D).half()
+check = slice(0, 64)
+ref = mlp_contributions(layer, mlp_in[check])
+base = rss_peak_bytes()
+out = mlp_targets(layer, mlp_in, "cpu")
+print(json.dumps({"base": base, "maxrss": rss_peak_bytes(), "dtype": str(out.dtype), "shape": list(out.shape),
+                  "equal": bool(torch.equal(out[check], ref.to(out.dtype))), "zeros": float((out == 0).float().mean())}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM of /proc/self/status is Linux's")
+def test_mlp_targets_are_chunked_bfloat16_within_the_calibration_bound():
+    """The MLP predictors' targets of 8,192 tokens x 16,384 neurons: the bfloat16 rounding of
+    `mlp_contributions`, and the child's growth <= their 2 T F bytes (counted in
+    stream.calib_bytes) + a few chunks. float32 targets concatenated from chunks (8 T F, 1 GiB
+    here) would not fit."""
+    from dejavu.compiler.stream import CHUNK
+
+    T, D, F = 8192, 64, 16384
+    r = subprocess.run([sys.executable, "-c", _TARGETS_CHILD, str(T), str(D), str(F)], capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["dtype"] == "torch.bfloat16" and got["shape"] == [T, F] and got["equal"], got
+    assert 0.2 < got["zeros"] < 0.8, got  # ReLU: about half the neurons are off
+    print(f"growth {(got['maxrss'] - got['base']) / 2**20:.0f} MiB for {2 * T * F / 2**20:.0f} MiB of targets")
+    assert got["maxrss"] - got["base"] <= 2 * T * F + 4 * CHUNK, got
 
 
 def test_half_compute_keeps_the_weights_and_the_predictor_shapes(tiny_opt_dir, tmp_path):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dejavu.compiler.build import BuildConfig, build_engine
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.cli import inspect_main, main
 from dejavu.compiler.predictors import Predictors
 from dejavu.compiler.tensor_parallel import shard_engine

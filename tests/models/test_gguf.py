@@ -209,7 +209,7 @@ def auto_reader():
 
 @torch.no_grad()
 def test_dejavu_eval_scores_a_gguf_file_as_a_dense_model(tiny_gguf):
-    from dejavu.runtime.evaluate import eval_perplexity, is_engine_path, load_scoring_model
+    from dejavu.runtime.evaluation.evaluate import eval_perplexity, is_engine_path, load_scoring_model
 
     path, _, _ = tiny_gguf
     assert not is_engine_path(str(path))
@@ -217,3 +217,25 @@ def test_dejavu_eval_scores_a_gguf_file_as_a_dense_model(tiny_gguf):
     assert sm.kind == "dense" and sm.bos_id == 0 and sm.max_len == CFG["max_position_embeddings"]
     r = eval_perplexity(sm, "The tower is 324 metres tall.\nIt was the tallest.\n", window=32, progress=False)
     assert r["tokens"] > 10 and 1.0 < r["perplexity"] < float("inf")
+
+
+def test_dejavu_compile_builds_an_engine_from_a_gguf_file(tiny_gguf, tmp_path):
+    """A GGUF file compiles like a folder; density 1.0 is the file's dense model (its F16 tensors
+    rounded, as the loader reads them), and the engine's special ids are the ones text is encoded
+    with (load_text_tokenizer's)."""
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.runtime import Engine
+
+    path, _, _ = tiny_gguf
+    out = tmp_path / "g.engine"
+    build_engine(str(path), BuildConfig(density=1.0, calib_tokens=128, calib_window=32, dtype="float32"), out,
+                 progress=False)
+    eng = Engine.load(out)
+    ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = auto.load_llama(str(path))[0](ids)
+    assert (eng.logits(ids) - ref).abs().max() <= 1e-4
+    tok = auto.load_text_tokenizer(str(path))
+    assert (eng.spec.bos_id, eng.spec.eos_id) == (tok.bos_id, tok.eos_id)
+    assert eng.tokenizer.encode("The game") == tok.encode("The game")

@@ -39,12 +39,23 @@ def close():
     return assert_close_to_ref
 
 
+def plugin_modules():
+    """Every dejavu.plugins module that launches kernels (the ones with their own `jit`)."""
+    import importlib
+    import pkgutil
+
+    import dejavu.plugins as P
+    mods = [importlib.import_module(f"dejavu.plugins.{m.name}") for m in pkgutil.iter_modules(P.__path__)]
+    return [m for m in mods if hasattr(m, "jit") and not m.__name__.endswith("_common")]
+
+
 @pytest.fixture
 def launched(monkeypatch):
     """launched(*modules): a list that fills with the names of the kernel functions launched from
-    now on through those plugin modules' `jit`."""
+    now on through those plugin modules' `jit` (none given: every plugin module's)."""
     def watch(*mods):
         names = []
+        mods = mods or plugin_modules()
         for mod in mods:
             real = mod.jit
             monkeypatch.setattr(mod, "jit", lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev))

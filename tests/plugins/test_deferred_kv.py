@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins.deferred_kv import (hist_slots, recompute_kv, recompute_kv_ref, sparse_attn_decode_deferred,
+from dejavu.plugins.deferred_kv import (recompute_kv, recompute_kv_ref, sparse_attn_decode_deferred,
                                         sparse_attn_decode_deferred_ref)
+from dejavu.plugins.qkv_partial import hist_slots
 from dejavu.plugins.sparse_attention import sparse_attn_decode_ref
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -42,9 +43,8 @@ def expected_written(B, hidx, valid_len, pos):
 
 
 def spy_launches(monkeypatch, record):
-    """Route every launch through deferred_kv.jit to record(kernel name, grid, launch kwargs) first."""
-    from dejavu.plugins import deferred_kv as DK
-    real_jit = DK.jit
+    """Route every plugin launch through a spy that records (kernel name, grid, launch kwargs) first."""
+    from dejavu.plugins._common import jit as real_jit
 
     class Spy:
         def __init__(self, fn, dev):
@@ -56,7 +56,8 @@ def spy_launches(monkeypatch, record):
                 return self.k[grid](*a, **kw)
             return launch
 
-    monkeypatch.setattr(DK, "jit", Spy)
+    import dejavu.plugins.qkv_partial as QP
+    monkeypatch.setattr(QP, "jit", Spy)  # the Q/K/V launches
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B,shared", [(1, False), (3, False), (3, True)])
@@ -271,8 +272,9 @@ def test_slow_path_shared_out_over_programs(triton_interp, B):
 
 def test_slow_z_fills_one_wave():
     """SLOW_Z None: programs per row block so that ~SLOW_TARGET finishing programs run (1 to 8)."""
-    from dejavu.plugins.deferred_kv import QKV_CONFIG_B1, slow_z
-    cfg = {**QKV_CONFIG_B1, "SLOW_Z": None, "SLOW_TARGET": 640}
+    from dejavu.plugins.qkv_finish import slow_z
+    from dejavu.plugins.settings import DEFAULT, table
+    cfg = table(DEFAULT.qkv_b1, {"SLOW_Z": None, "SLOW_TARGET": 640})
     # OPT-30B, batch 1: 6 heads (d0.1) x 3 segments x 8 blocks of 16 rows; 17 heads (d0.3); 3 heads
     assert [slow_z(cfg, n) for n in (144, 408, 72, 30, 700)] == [4, 1, 8, 8, 1]
     assert slow_z({**cfg, "SLOW_Z": 3}, 408) == 3 and slow_z({"SLOW_Z": 1}, 5) == 1
@@ -391,7 +393,6 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
     of 8 positions (fresh slots spanning two chunks; a chunk holding only pos), the caches,
     valid_len and history equal the finishing kernel's bit for bit, the output is close to the
     float64 reference, and no finishing kernel runs (and one does with FOLD_FINISH off)."""
-    from dejavu.plugins import deferred_kv as DK, sparse_attention as SA
     from dejavu.plugins.layer_norm import pending_ln
     S2 = 48
     w = weights(dtype)
@@ -412,7 +413,7 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
         k64, v64, vl64, h64 = kc0.double(), vc0.double(), vl0.clone(), x_hist0.double()
         ys = []
         for (p, hs), (x, res) in zip(steps, inputs):
-            names = launched(DK, SA)
+            names = launched()
             x_in = pending_ln(x, *ln, width=32) if pending else x
             hidx = torch.tensor([hs], dtype=torch.int32)
             y = sparse_attn_decode_deferred(x_in, *w, hidx, kc, vc, hist, vl, torch.tensor([p]), res,
@@ -441,8 +442,8 @@ def test_folded_finish_needs_a_combine_launch():
     commits valid_len): not for one chunk or a tile narrower than the chunk; attend_heads refuses the
     partials otherwise."""
     from dejavu.plugins.sparse_attention import QKVPartials, attend_heads, folds_finish
-    from dejavu.plugins.deferred_kv import QKV_CONFIG_B1
-    assert QKV_CONFIG_B1["FOLD_FINISH"] == "wide"  # batch 1 default (2026-12-03)
+    from dejavu.plugins.settings import DEFAULT
+    assert DEFAULT.qkv_b1.FOLD_FINISH == "wide"  # batch 1 default (2026-12-03)
     assert folds_finish(1, 64) and not folds_finish(2, 64) and not folds_finish(1, 32)
     assert not folds_finish(1, 64, {"BLOCK_S": 16})
     q = torch.zeros(1, HD)
@@ -463,7 +464,6 @@ def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, 
     unrolls their loads) the finishing kernel runs instead, with the same result as FOLD_FINISH off;
     with FOLD_CAP the partial kernel takes FOLD_MAX_SPLIT slices and no finishing kernel runs (same
     caches, output within rounding). "wide" (batch 1's default) folds, capped, only past FOLD_MAX_SPLIT."""
-    from dejavu.plugins import deferred_kv as DK, sparse_attention as SA
     w = weights(torch.float32)
     x, res = torch.randn(1, D), torch.randn(1, D)
     x_hist, kc0 = torch.randn(1, 40, D), torch.randn(1, H, 40, HD)
@@ -471,7 +471,7 @@ def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, 
     for fold in (True, False):
         kc, vc, hist = kc0.clone(), kc0.clone(), x_hist.clone()
         vl = torch.tensor([[0, 30, 39, 2, 5]], dtype=torch.int32)
-        names = launched(DK, SA)
+        names = launched()
         y = sparse_attn_decode_deferred(x, *w, torch.tensor([[1, 3]], dtype=torch.int32), kc, vc, hist, vl,
                                         torch.tensor([39]), res,
                                         config={"qkv": {"FOLD_FINISH": mode if fold else False, "SPLIT": 4,
@@ -492,7 +492,7 @@ S2 = 48
 
 def test_hist_slots_follow_the_qkv_route():
     # batch 1: the shared-set kernel with SHARED_P - 1 = 15; batches: BLOCK_P 16 per sequence, a
-    # shared set SHARED_P - 1 = 3 (QKV_CONFIG); a config overrides
+    # shared set SHARED_P - 1 = 3 (settings.qkv); a config overrides
     assert hist_slots(1, torch.zeros(1, 2, dtype=torch.int32)) == 15
     assert hist_slots(3, torch.zeros(3, 2, dtype=torch.int32)) == 16
     assert hist_slots(3, torch.zeros(2, dtype=torch.int32)) == 3
@@ -502,7 +502,7 @@ def test_hist_slots_follow_the_qkv_route():
 def test_unfolded_route_takes_shared_p_unfolded(triton_interp, monkeypatch):
     """Batch 1's default config: the partial kernel's P is SHARED_P_UNFOLDED (32) on the unfolded route
     and SHARED_P (16) with refresh heads in the launch, or folded into attention."""
-    from dejavu.plugins.deferred_kv import refresh_heads
+    from dejavu.plugins.refresh_heads import refresh_heads
     seen = []
     spy_launches(monkeypatch, lambda name, grid, kw: seen.append((kw["P"], kw["BLOCK_P"]))
                  if name == "_qkv_partial_shared_kernel" else None)
@@ -539,7 +539,7 @@ def _refresh_expected(hidx, vl, pos, r, lag, max_lag=None):
 def test_refresh_heads_picks_the_most_lagging_unselected(triton_interp, r, lag, max_lag):
     """The r most lagging heads outside the head set with `lag` (default hist_slots) to `max_lag`
     missing slots, ties to the lower head, -1 after the last: kernel, reference and a plain sort."""
-    from dejavu.plugins.deferred_kv import refresh_heads, refresh_heads_ref
+    from dejavu.plugins.refresh_heads import refresh_heads, refresh_heads_ref
     g = torch.Generator().manual_seed(r * 7 + (lag or 0))
     for trial in range(6):
         Hh = [5, 12, 40][trial % 3]
@@ -557,7 +557,7 @@ def test_refresh_heads_picks_the_most_lagging_unselected(triton_interp, r, lag, 
 
 
 def test_refresh_heads_bad_inputs_rejected():
-    from dejavu.plugins.deferred_kv import refresh_heads
+    from dejavu.plugins.refresh_heads import refresh_heads
     vl = torch.zeros(1, H, dtype=torch.int32)
     hidx = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(DejavuError, match="batch 1"):
@@ -587,7 +587,7 @@ def test_refresh_steps_equal_the_reference(triton_interp, dtype, name):
     path, and -1 slots): output, caches and valid_len equal the float64 reference's where the route
     takes them (the refresh heads' slots up to pos written, valid_len pos + 1, nothing else of theirs
     touched); on routes that leave them out, the same output and the refresh heads untouched."""
-    from dejavu.plugins.deferred_kv import refresh_heads, refresh_route
+    from dejavu.plugins.refresh_heads import refresh_heads, refresh_route
     cfg, takes = REFRESH_CONFIGS[name]
     w = weights(dtype)
     w64 = [t.double() for t in w]
@@ -667,10 +667,11 @@ def test_refresh_bad_inputs_rejected():
 
 def test_batch1_qkv_launch_leaves_sm_slots():
     """Batch 1's Q/K/V partial launch (shared-set kernel, before any fold cap) stays within
-    QKV_CONFIG_B1's TARGET_PROGRAMS, below the 528 = 4 x 132 slots its programs fill on an H200 (4 per SM),
+    qkv_b1's TARGET_PROGRAMS, below the 528 = 4 x 132 slots its programs fill on an H200 (4 per SM),
     so the predictors' stream can start beside it; its slices of D cover D. OPT shapes, every head count."""
-    from dejavu.plugins.deferred_kv import QKV_CONFIG_B1, _qkv_split
-    cfg = QKV_CONFIG_B1
+    from dejavu.plugins.qkv_partial import _qkv_split
+    from dejavu.plugins.settings import DEFAULT, table
+    cfg = table(DEFAULT.qkv_b1)
     assert cfg["TARGET_PROGRAMS"] < 4 * 132
     for D, H in ((2048, 32), (5120, 40), (7168, 56), (9216, 72), (12288, 96)):
         nb = -(-(D // H) // cfg["BLOCK_R"])

@@ -19,20 +19,26 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
+    import types
     import dejavu.plugins._common as C
-    import dejavu.plugins.deferred_kv as DK
     import dejavu.plugins.predictor as PR
     import dejavu.plugins.sparse_attention as SA
-    import dejavu.plugins.sparse_mlp as SM
+
+    def kernels_of(*names):  # the kernels of these plugin modules, by name
+        mods = [importlib.import_module("dejavu.plugins." + n) for n in names]
+        return types.SimpleNamespace(**{k: v for m in mods for k, v in vars(m).items() if k.endswith("_kernel")})
+
+    SM = kernels_of("fc1", "fc2")
+    DK = kernels_of("qkv_partial", "qkv_finish", "refresh_heads", "deferred_kv")
 
     INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr"}
     F32_PTRS = {"part_ptr", "ml_ptr", "q_ptr", "o_ptr", "s_ptr", "pnew_ptr", "phist_ptr", "st_ptr"}
 
     def compile_sm90(mod, fn, constexprs, dtype="fp16", overrides=None, num_stages=None, div16=()):
         # tl and the @helper device functions, in mod and in the modules of helpers it imports
-        # (_common's last_arrival, sparse_mlp's LayerNorm merge), as _common.jit binds them
+        # (layer_norm's merge of block stats), as _common.jit binds them: the kernel's own module
         C.tl = tl
-        C._bind_helpers(vars(mod), triton)
+        C._bind_helpers(fn.__globals__, triton)
         sig = {}
         params = inspect.signature(fn).parameters
         # constexprs with defaults (GDC: the PDL form) compile at their defaults unless given

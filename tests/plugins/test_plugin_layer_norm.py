@@ -66,11 +66,12 @@ def test_large_mean_is_stable(triton_interp, block):
 
 def test_default_plan_and_allocated_out(triton_interp):
     from dejavu.plugins.layer_norm import _plan
-    assert _plan(7, None) == (8, False, 4)
-    assert _plan(7168, None) == (8192, False, 8)
-    assert _plan(12288, None) == (16384, False, 16)
-    assert _plan(20000, None) == (4096, True, 16)
-    assert _plan(200, {"BLOCK": 64, "num_warps": 2}) == (64, True, 2)
+    from dejavu.plugins.settings import DEFAULT, table
+    assert _plan(7, table(DEFAULT.layer_norm)) == (8, False, 4)
+    assert _plan(7168, table(DEFAULT.layer_norm)) == (8192, False, 8)
+    assert _plan(12288, table(DEFAULT.layer_norm)) == (16384, False, 16)
+    assert _plan(20000, table(DEFAULT.layer_norm)) == (4096, True, 16)
+    assert _plan(200, table(DEFAULT.layer_norm, {"BLOCK": 64, "num_warps": 2})) == (64, True, 2)
     x, w, b = make(2, 33, torch.float16)
     y = layer_norm(x, w, b)
     assert y.shape == x.shape and y.dtype == x.dtype

@@ -10,7 +10,7 @@ from dejavu.errors import DejavuError
 from dejavu.plugins import sparse_fc2
 from dejavu.plugins.layer_norm import PendingLN, block_stats, check_pending, from_stats_ref, layer_norm, pending_ln
 
-SM = sys.modules["dejavu.plugins.sparse_mlp"]
+SM = sys.modules["dejavu.plugins.fc2"]
 LN = sys.modules["dejavu.plugins.layer_norm"]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 D, F, K = 72, 200, 37  # not multiples of any block size
@@ -118,7 +118,6 @@ def attn_weights(dtype):
     (1, False, {"qkv": {"SHARED_MIN_BATCH": None}})])  # batch 1 on the per-sequence kernel
 def test_deferred_attention_of_pending_layer_norm(launched, triton_interp, close, dtype, B, shared, config):
     from dejavu.plugins.deferred_kv import sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
-    DK = sys.modules["dejavu.plugins.deferred_kv"]
     w, ln = attn_weights(dtype)
     w64 = [t.double() for t in w]
     hist0 = torch.randn(B, S_A, D_A).to(dtype)
@@ -128,7 +127,7 @@ def test_deferred_attention_of_pending_layer_norm(launched, triton_interp, close
         [torch.randperm(H_A)[:3] for _ in range(B)]).to(torch.int32)
     x, res = (torch.randn(B, D_A) * 2 + 0.7).to(dtype), torch.randn(B, D_A).to(dtype)
     p = pending_ln(x, *ln, width=16)
-    names = launched(DK, LN)
+    names = launched()
     k0, v0 = [torch.randn(B, H_A, S_A, HD_A).to(dtype) for _ in range(2)]  # slots < valid_len: as filled
     kc, vc, hist, vl = k0.clone(), v0.clone(), hist0.clone(), vl0.clone()
     y = sparse_attn_decode_deferred(p, *w, hidx, kc, vc, hist, vl, pos, res, config=config)

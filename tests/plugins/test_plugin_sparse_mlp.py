@@ -1,11 +1,12 @@
 """sparse_fc1 / sparse_fc2 (Triton, interpreter) against float64 references on the same index set."""
+import dataclasses
 import sys
 
 import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins import (layer_norm_ref, sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref,
+from dejavu.plugins import (DEFAULT, layer_norm_ref, sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref,
                             sparse_mlp_layer)
 
 
@@ -24,9 +25,9 @@ def make(B, dtype, shared, idx_dtype=torch.int32, k=K):
     return x, w1, b1, w2_t, b2, idx
 
 
-def run_fc1(x, w1, b1, idx):
+def run_fc1(x, w1, b1, idx, settings=None):
     h = torch.full((x.shape[0], idx.shape[-1]), float("nan"), dtype=x.dtype)
-    out = sparse_fc1(x, w1, b1, idx, out=h)
+    out = sparse_fc1(x, w1, b1, idx, out=h, settings=settings)
     assert out is h
     return h
 
@@ -125,13 +126,13 @@ def test_bad_inputs_rejected():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
-    # DOT_MIN_BATCH = 1 sends a batch-1 set ([1, K]) through the tl.dot kernels
-    monkeypatch.setattr(sys.modules["dejavu.plugins.sparse_mlp"], "DOT_MIN_BATCH", 1)
+    # fc1_dot_min_batch 1 sends a batch-1 set ([1, K]) through the tl.dot kernels
+    settings = dataclasses.replace(DEFAULT, fc1_dot_min_batch=1)
     x, w1, b1, w2_t, b2, idx = make(1, dtype, False)
-    h = run_fc1(x, w1, b1, idx)
+    h = run_fc1(x, w1, b1, idx, settings)
     close(h, sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx), sparse_fc1_ref(x, w1, b1, idx))
     y = torch.full((1, D), float("nan"), dtype=dtype)
-    sparse_fc2(h, w2_t, b2, idx, out=y)
+    sparse_fc2(h, w2_t, b2, idx, out=y, settings=settings)
     close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx), sparse_fc2_ref(h, w2_t, b2, idx))
 
 
@@ -139,20 +140,20 @@ def test_batch1_through_dot_kernels(triton_interp, close, monkeypatch, dtype):
 # fc2 with the next LayerNorm (ln=): the split reduction (or the one-split kernel) stores y, then
 # the layer_norm kernel; with ln_defer the reduction's block stats instead (test_plugin_pending_ln.py)
 
-SM = sys.modules["dejavu.plugins.sparse_mlp"]
+SM = sys.modules["dejavu.plugins.fc2"]
 
 
 def ln_weights(dtype):
     return (1 + 0.2 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype)
 
 
-def check_fc2_ln(close, h, w2_t, b2, idx, res, ln, config=None):
+def check_fc2_ln(close, h, w2_t, b2, idx, res, ln, config=None, settings=None):
     """sparse_fc2 into NaN-poisoned outputs: y against the float64 reference, LN(y) against
     float64 LayerNorm of the rounded y."""
     B, dtype = h.shape[0], h.dtype
     y = torch.full((B, D), float("nan"), dtype=dtype)
     y_ln = torch.full((B, D), float("nan"), dtype=dtype)
-    got = sparse_fc2(h, w2_t, b2, idx, res, out=y, ln=ln, ln_out=y_ln, config=config)
+    got = sparse_fc2(h, w2_t, b2, idx, res, out=y, ln=ln, ln_out=y_ln, config=config, settings=settings)
     r64 = res.double() if res is not None else None
     close(y, sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, r64), sparse_fc2_ref(h, w2_t, b2, idx, res))
     assert got[0] is y and got[1] is y_ln
@@ -170,11 +171,11 @@ PATHS = [(1, True, 1), (3, True, 1), (3, False, 1), (1, False, 99), (3, True, 99
 @pytest.mark.parametrize("split", [1, 3])
 def test_fc2_with_layer_norm(launched, triton_interp, close, monkeypatch, dtype, B, shared, dot_min, split):
     # SPLIT 3 over D blocks of 32 (D 72: a partial last block)
-    monkeypatch.setattr(SM, "FC2_DOT_MIN_BATCH", dot_min)
     _, _, _, w2_t, b2, idx = make(B, dtype, shared)
     h, res = torch.randn(B, K).to(dtype), torch.randn(B, D).to(dtype)
     kernels = launched(SM)
-    check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(dtype), {"SPLIT": split, "BLOCK_K": 16, "BLOCK_D": 32})
+    check_fc2_ln(close, h, w2_t, b2, idx, res, ln_weights(dtype), {"SPLIT": split, "BLOCK_K": 16, "BLOCK_D": 32},
+                 dataclasses.replace(DEFAULT, fc2_dot_min_batch=dot_min))
     want = "_gather_dot_t_kernel" if (shared or B == 1) and B >= dot_min else "_gather_gemv_t_kernel"
     assert kernels == [want] + (["_split_reduce_kernel"] if split > 1 else []), kernels  # + layer_norm's kernel
 

@@ -33,12 +33,14 @@ def tiny_model(seed: int = 0, **over) -> OPTForCausalLM:
     return model
 
 
-def random_predictors(cfg: OPTConfig, rank: int = 8, rank_attn: int = 4, seed: int = 1) -> dict:
+def random_predictors(cfg: OPTConfig, rank: int | list[int] = 8, rank_attn: int = 4, seed: int = 1) -> dict:
+    """rank: the MLP predictors' rank, one for every layer or a list per layer."""
     g = torch.Generator().manual_seed(seed)
     D, F, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
+    ranks = rank if isinstance(rank, list) else [rank] * cfg.num_hidden_layers
     out = {}
     for l in range(cfg.num_hidden_layers):
-        for kind, n, r in (("pred_mlp", F, rank), ("pred_attn", H, rank_attn)):
+        for kind, n, r in (("pred_mlp", F, ranks[l]), ("pred_attn", H, rank_attn)):
             out[f"layers.{l}.{kind}.a"] = torch.randn(r, D, generator=g) / D**0.5
             out[f"layers.{l}.{kind}.b"] = torch.randn(n, r, generator=g) / r**0.5
             out[f"layers.{l}.{kind}.bias"] = 0.1 * torch.randn(n, generator=g)

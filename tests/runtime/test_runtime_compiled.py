@@ -9,6 +9,7 @@ from runtime_helpers import MaskedDense, engine_from_dense, random_predictors, t
 
 build = pytest.importorskip("dejavu.compiler.build")
 layout = pytest.importorskip("dejavu.compiler.layout")
+config = pytest.importorskip("dejavu.compiler.config")
 
 
 def test_compiler_kernel_layout_equals_runtime_helper():
@@ -28,7 +29,7 @@ def test_compiled_engine_greedy_equals_masked_dense(tiny_opt_dir, tmp_path):
     pi = {"source": "attn_in", "lookahead": 1}
     preds = Predictors.from_state_dict(random_predictors(cfg, seed=5), pi)
     path = tmp_path / "t.engine"
-    build.build_engine(tiny_opt_dir, build.BuildConfig(density=0.5, dtype="float32", allocation="uniform"),
+    build.build_engine(tiny_opt_dir, config.BuildConfig(density=0.5, dtype="float32", allocation="uniform"),
                        path, progress=False, predictors=preds)
     eng = Engine.load(path)
     header, tensors = eng.header, {k: v for k, v in eng.tensors.items()}
@@ -42,7 +43,7 @@ def test_compiled_dense_engine_equals_dense_model(tiny_opt_dir, tmp_path):
 
     model, _ = load_model(tiny_opt_dir, dtype=torch.float32)
     path = tmp_path / "d.engine"
-    build.build_engine(tiny_opt_dir, build.BuildConfig(density=1.0, no_predictors=True, dtype="float32"),
+    build.build_engine(tiny_opt_dir, config.BuildConfig(density=1.0, no_predictors=True, dtype="float32"),
                        path, progress=False)
     eng = Engine.load(path)
     ids = torch.tensor([eng.tokenizer.encode("In 1990 the game")])

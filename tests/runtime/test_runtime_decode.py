@@ -6,7 +6,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.runtime import Engine
-from runtime_helpers import MaskedDense, engine_from_dense, record_steps, tiny_model
+from runtime_helpers import MaskedDense, engine_from_dense, random_predictors, record_steps, tiny_model
 
 PROMPT = [2, 17, 40, 5, 88, 63, 9]
 
@@ -32,9 +32,13 @@ def _trace(eng, prompts, n):
         eng.decoder.pred.trace = None
 
 
-def test_selected_indices_match_reference_and_overlap_switch():
+@pytest.mark.parametrize("mlp_ranks", [None, [16, 8, 4]])  # None: rank 8 everywhere; else per layer
+def test_selected_indices_match_reference_and_overlap_switch(mlp_ranks):
     model = tiny_model(seed=4)
-    header, tensors = engine_from_dense(model, 0.4, 0.5, "attn_in", 1)
+    preds = None if mlp_ranks is None else random_predictors(model.config, rank=mlp_ranks)
+    header, tensors = engine_from_dense(model, 0.4, 0.5, "attn_in", 1, preds=preds)
+    if mlp_ranks is not None:
+        assert [tensors[f"layers.{l}.pred_mlp.b"].shape[1] for l in range(3)] == mlp_ranks
     runs = [_trace(Engine.from_tensors(header, tensors, "cpu", overlap=o), [PROMPT], 20) for o in (True, False)]
     assert len(runs[0]) == len(runs[1]) == 19 * 3 * 2  # 19 decode steps x 3 layers x {mlp, attn}
     for (l0, k0, a), (l1, k1, b) in zip(*runs):
@@ -188,6 +192,12 @@ def test_errors():
                             tensors)
     with pytest.raises(DejavuError, match="batch_policy"):
         Engine.from_tensors(header, tensors, batch_policy="union-ish")
+    no_input = {k: v for k, v in header["build_config"].items() if k != "predictor_input"}
+    with pytest.raises(DejavuError, match="predictor_input is missing"):  # the runtime has no default of its own
+        Engine.from_tensors({**header, "build_config": no_input}, tensors)
+    dense_header, dense_tensors = engine_from_dense(model, 1.0, 1.0)
+    dense_bc = {k: v for k, v in dense_header["build_config"].items() if k != "predictor_input"}
+    Engine.from_tensors({**dense_header, "build_config": {**dense_bc, "predictors": False}}, dense_tensors)
     bad = dict(tensors)
     del bad["layers.1.mlp.w1"]
     with pytest.raises(DejavuError, match="layers.1.mlp.w1"):
@@ -206,13 +216,12 @@ def test_errors():
 def test_reference_backend_is_the_plugins_references():
     """The CPU backend is the plugins' `_ref` functions (and PyTorch's LayerNorm): one set of references."""
     import dejavu.plugins as P
-    from dejavu.plugins import deferred_kv
 
     eng = Engine.from_tensors(*engine_from_dense(tiny_model(seed=12), 0.5, 0.5), "cpu")
     assert set(eng.ops.kernels.values()) == {"ref"}
     assert eng.ops.sparse_attn is P.sparse_attn_decode_ref and eng.ops.sparse_fc1 is P.sparse_fc1_ref
-    assert eng.ops.sparse_attn_deferred is deferred_kv.sparse_attn_decode_deferred_ref
-    assert eng.ops.kv_refresh is deferred_kv.refresh_heads_ref
+    assert eng.ops.sparse_attn_deferred is P.sparse_attn_decode_deferred_ref
+    assert eng.ops.kv_refresh is P.refresh_heads_ref
 
 
 def test_post_ln_with_projections_350m_style():

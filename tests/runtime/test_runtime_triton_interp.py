@@ -80,13 +80,14 @@ def _run(name: str) -> dict:
 SCRIPT = r"""
 import torch, warnings, json
 torch.set_num_threads(1)
-from runtime_helpers import engine_from_dense, tiny_model
+from runtime_helpers import engine_from_dense, random_predictors, tiny_model
 from dejavu.runtime import Engine
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
 out = {}
 for policy, kv in (("per_sequence", "deferred"), ("shared", "deferred"), ("per_sequence", "full")):
-    h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
+    # MLP predictor ranks differ per layer (the compiler's per-layer ranks)
+    h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1, preds=random_predictors(m.config, rank=[16, 8, 4]))
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         a = Engine.from_tensors(h, t, "cpu", backend="triton", batch_policy=policy, kv_policy=kv)
@@ -114,10 +115,10 @@ import torch, json
 torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model, record_steps
 from dejavu.runtime import Engine
-import dejavu.plugins.deferred_kv as DK
+import dataclasses
+from dejavu.plugins import DEFAULT
 # batch 1's Q/K/V partials hold one missing slot (SHARED_P 2): an unselected head lagging one slot or
 # more is a refresh candidate; with 2 of 4 heads attending there is one most steps
-DK.QKV_CONFIG_B1.update(SHARED_P=2)
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
@@ -126,8 +127,9 @@ logits = {}
 for name, backend, r, lags_ in (("ref", "ref", 0, None), ("ref_refresh", "ref", 2, None),
                                 ("refresh2", "triton", 2, None), ("refresh_hist", "triton", 2, (None, "hist")),
                                 ("folded", "triton", 2, None)):
-    DK.QKV_CONFIG_B1.update(FOLD_FINISH=True if name == "folded" else "wide", FOLD_MAX_SPLIT=8)
-    eng = Engine.from_tensors(h, t, "cpu", backend=backend)
+    qkv = dataclasses.replace(DEFAULT.qkv_b1, SHARED_P=2, FOLD_FINISH=True if name == "folded" else "wide",
+                              FOLD_MAX_SPLIT=8)
+    eng = Engine.from_tensors(h, t, "cpu", backend=backend, kernel_settings=dataclasses.replace(DEFAULT, qkv_b1=qkv))
     dec, got, picks, lags = eng.decoder, [], [], []
     dec.set_options(kv_refresh=r, kv_refresh_lags=lags_ or (None, None))
     real = eng.ops.kv_refresh
@@ -178,11 +180,12 @@ torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
 from dejavu.plugins.layer_norm import PendingLN
-import dejavu.plugins.sparse_mlp as SM
+import dataclasses
+from dejavu.plugins import DEFAULT
 from runtime_helpers import record_steps
 # blocks of 16 rows: fc2 splits K, so its reduction runs (and stores the stats) on every route
-for route in ("proj1", "dot", "gemv", "dot1"):
-    SM.FC2_CONFIG[route] = {**SM.FC2_CONFIG[route], "BLOCK_K": 16}
+routes = ("proj1", "fc2_dot", "fc2_gemv", "fc2_dot1")
+ks = dataclasses.replace(DEFAULT, **{r: dataclasses.replace(getattr(DEFAULT, r), BLOCK_K=16) for r in routes})
 m = tiny_model(seed=3, hidden_size=64, word_embed_proj_dim=64)
 P = [[2, 17, 40, 5, 88, 63, 9], [2, 33, 7]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
@@ -191,7 +194,7 @@ for policy, prompts in (("per_sequence", P), ("shared", P), ("batch1", P[:1])):
     logits = {}
     # the LayerNorm before attention left to the Q/K/V kernel (DecodeOptions.defer_ln_attn), or not
     for name, attn in (("attn", True), ("off", False)):
-        eng = Engine.from_tensors(h, t, "cpu", backend="triton",
+        eng = Engine.from_tensors(h, t, "cpu", backend="triton", kernel_settings=ks,
                                   batch_policy="shared" if policy == "shared" else "per_sequence")
         dec, got, pend_attn = eng.decoder, [], []
         dec.set_options(defer_ln_attn=attn)
@@ -233,19 +236,21 @@ import torch, json
 torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
-import dejavu.plugins.deferred_kv as DK, dejavu.plugins.sparse_attention as SA
+import dataclasses
+import dejavu.plugins.qkv_partial as DK, dejavu.plugins.sparse_attention as SA
+from dejavu.plugins import DEFAULT
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
-SA.ATTN_CONFIG.update(CHUNK=4, BLOCK_S=4)  # contexts of several chunks: the fold applies
+attn = dataclasses.replace(DEFAULT.attn, CHUNK=4, BLOCK_S=4)  # contexts of several chunks: the fold applies
 names = []
-for mod in (DK, SA):
+for mod in (DK, SA):  # the launches (a spy: the test's own process)
     real = mod.jit
     mod.jit = lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev)
 out = {}
 for fold in (True, False):
-    DK.QKV_CONFIG_B1["FOLD_FINISH"] = fold
-    a = Engine.from_tensors(h, t, "cpu", backend="triton")
+    ks = dataclasses.replace(DEFAULT, attn=attn, qkv_b1=dataclasses.replace(DEFAULT.qkv_b1, FOLD_FINISH=fold))
+    a = Engine.from_tensors(h, t, "cpu", backend="triton", kernel_settings=ks)
     a.generate(P, 1, stop_at_eos=False)  # activation: verify() checks each kernel (a batch: no fold)
     names.clear()
     toks = a.generate(P, 8, stop_at_eos=False)

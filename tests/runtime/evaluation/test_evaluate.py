@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.runtime.evaluate import load_scoring_model, main
-from dejavu.runtime.tasks import evaluate_task, load_task
+from dejavu.runtime.evaluation.evaluate import load_scoring_model, main
+from dejavu.runtime.evaluation.tasks import evaluate_task, load_task
 
 from _helpers import write_test_engine
 
@@ -64,7 +64,7 @@ def test_perplexity_equals_transformers(tiny_opt_dir, text_file, capsys):
 
 
 def test_ppl_tokens_prefix_equals_whole_text_prefix(tiny_opt_dir, text_file):
-    from dejavu.runtime.evaluate import text_ids
+    from dejavu.runtime.evaluation.evaluate import text_ids
 
     sm = load_scoring_model(str(tiny_opt_dir))
     text = text_file.read_text(encoding="utf-8")

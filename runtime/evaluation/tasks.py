@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dejavu.datafiles import TASKS_DIR
 from dejavu.errors import DejavuError
-
-TASKS_DIR = Path(__file__).resolve().parent.parent / "dejavu" / "data" / "tasks"
 
 # task name -> (file under dejavu/data/tasks, metrics beyond acc, context template)
 TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -90,7 +89,7 @@ def _example(row: dict, task: str, where: str) -> Example:
             return Example([_join(row["context"], row["continuation"])], 0, "greedy")
         else:
             raise DejavuError(f"{where}: unknown task format with keys {sorted(keys)}; expected "
-                              '{"query","choices","gold"} (see dejavu.runtime.tasks)')
+                              '{"query","choices","gold"} (see dejavu.runtime.evaluation.tasks)')
     except (TypeError, ValueError, KeyError) as e:
         raise DejavuError(f"{where}: malformed example ({e})") from None
     if not pairs or not 0 <= gold < len(pairs):
@@ -160,7 +159,7 @@ def tokenize_pair(encode: Callable[[str], list[int]], context: str, continuation
     return TokenizedPair(ids, min(len(cont), len(ids) - 1))
 
 
-def score_pairs(logits_fn, pairs: Sequence[TokenizedPair], batch_size: int = 8,
+def score_pairs(logits_fn, pairs: Sequence[TokenizedPair], batch_size: int,
                 progress: str | None = None, contexts_as_prompts: bool = False) -> list[PairScore]:
     """Log-likelihood of each pair's continuation, in input order.
 
@@ -215,7 +214,7 @@ class TaskResult:
 
 
 def evaluate_task(task: Task, logits_fn, encode, bos: int | None, max_len: int,
-                  batch_size: int = 8, progress: bool = True, contexts_as_prompts: bool = False) -> TaskResult:
+                  batch_size: int, progress: bool = True, contexts_as_prompts: bool = False) -> TaskResult:
     """Accuracy (and acc_norm where the task reports it) of one task through `logits_fn`."""
     toks = [tokenize_pair(encode, c, x, bos, max_len) for ex in task.examples for c, x in ex.pairs]
     flat = score_pairs(logits_fn, toks, batch_size, progress=task.name if progress else None,

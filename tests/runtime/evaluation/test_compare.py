@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.runtime.compare import main, parse_tolerance
+from dejavu.runtime.evaluation.compare import main, parse_tolerance
 
 from _helpers import write_test_engine
 
@@ -52,7 +52,7 @@ def test_loose_tolerances_pass_the_broken_engine(engines, capsys):
 
 
 def test_exit_status_from_the_command_line(engines, tiny_opt_dir, capsys):
-    cmd = [sys.executable, "-m", "dejavu.runtime.compare", "--tokens", "16", "--samples", "1"]
+    cmd = [sys.executable, "-m", "dejavu.runtime.evaluation.compare", "--tokens", "16", "--samples", "1"]
     assert subprocess.run(cmd + [str(engines["broken"]), "--exact"], capture_output=True).returncode == 1
     with pytest.raises(SystemExit) as e:  # usage error: the header names no dense model
         main([str(engines["anon"]), "--tokens", "16"])
@@ -78,9 +78,10 @@ def test_sparse_engine_gate_kl_and_top1(engines, tiny_opt_dir, capsys):
     """A sparse engine: gated on mean KL(dense || engine) and top-1, both checked against a
     hand computation; the element-wise tolerances only with --exact."""
     from dejavu.models.loader import load_model
-    from dejavu.runtime.compare import sample_feeds
+    from dejavu.runtime.evaluation.compare import sample_feeds
     from dejavu.runtime.engine import Engine
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluation.evaluate import read_text
 
     path = str(engines["sparse"])
     rc, r = _report(capsys, [path, "--samples", "2", "--max-kl", "100", "--top1-min", "0"])
@@ -89,7 +90,7 @@ def test_sparse_engine_gate_kl_and_top1(engines, tiny_opt_dir, capsys):
     assert c["gate"] == "sparse" and c["outputs"]["logits"]["passed"] is False  # not what gates a sparse engine
     eng, (model, _) = Engine.load(path), load_model(tiny_opt_dir)
     kl = top1 = n = nll_d = nll_e = 0.0
-    for feed in sample_feeds(eng.tokenizer, read_text(DEFAULT_PPL_FILE), 32, 2):
+    for feed in sample_feeds(eng.tokenizer, read_text(WIKITEXT2_TEST), 32, 2):
         ids = torch.as_tensor(feed["input_ids"])
         with torch.no_grad():
             ld = torch.log_softmax(model(ids).double(), -1)[0]

@@ -1,11 +1,11 @@
 """`dejavu-eval --report DIR`: README.md (tables against the dense run), results.json and a
-metric-vs-density plot, from the result dicts `dejavu.runtime.evaluate.evaluate` returns."""
+metric-vs-density plot, from the result dicts `dejavu.runtime.evaluation.evaluate.evaluate` returns."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from dejavu.runtime.evaluate import EvalSettings, _shown_path
+from dejavu.runtime.evaluation.evaluate import EvalSettings, _shown_path
 
 def _metric_columns(results: list[dict]) -> list[tuple[str, str | None, str]]:
     """(column title, task or None for perplexity, key) in a stable order."""

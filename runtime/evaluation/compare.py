@@ -4,7 +4,7 @@
     dejavu-compare opt-mini-1.0-fp32.engine --exact       # density 1.0, float32: element-wise
     dejavu-compare opt-mini-0.3.engine --onnx-dir build/onnx --max-kl 0.05 --top1-min 0.9
 
-Runners (`dejavu.runtime.polygraphy_runners`), fed the same real text (WikiText-2 test by
+Runners (`dejavu.runtime.evaluation.polygraphy_runners`), fed the same real text (WikiText-2 test by
 default, tokenised with the engine's tokenizer):
 
     dense-torch  the dense PyTorch model (reference)
@@ -143,7 +143,7 @@ class _WithLogprobs:
 
 def _runner_classes():
     """Runner subclasses that add the logprobs output (Polygraphy imported only here)."""
-    from dejavu.runtime import polygraphy_runners as pr
+    from dejavu.runtime.evaluation import polygraphy_runners as pr
 
     def with_logprobs(cls):
         class Runner(cls):
@@ -344,12 +344,13 @@ def main(argv=None) -> int:
     atol = parse_tolerance(args.atol, s.atol, "--atol")
     rtol = parse_tolerance(args.rtol, s.rtol, "--rtol")
     from dejavu.engine_file import read_header
-    from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, read_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluation.evaluate import read_text
 
     dense = args.dense or source_model(read_header(args.engine))
     if dense is None:
         raise DejavuError("the engine header does not name its dense model; pass --dense MODEL")
-    text = read_text(args.text or DEFAULT_PPL_FILE)
+    text = read_text(args.text or WIKITEXT2_TEST)
     report = run_comparison(args.engine, dense, args.onnx_dir, s, atol, rtol, text)
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report))
     return 0 if report["passed"] else 1

@@ -1,15 +1,15 @@
 """lm-evaluation-harness model `dejavu`: evaluate an engine (or the dense model) with lm_eval.
 
     pip install lm_eval                        # 0.4.x; pulls no torch
-    python -m dejavu.runtime.lm_eval_adapter run --model dejavu \\
+    python -m dejavu.runtime.evaluation.lm_eval_adapter run --model dejavu \\
         --model_args model=opt-mini-0.3.engine,device=cpu --tasks piqa --limit 100
 
 (`python -m` imports this module first, so `dejavu` is registered; in Python,
-`import dejavu.runtime.lm_eval_adapter` then `lm_eval.simple_evaluate(model="dejavu", ...)`.)
+`import dejavu.runtime.evaluation.lm_eval_adapter` then `lm_eval.simple_evaluate(model="dejavu", ...)`.)
 
 `model=` takes what `dejavu-eval` takes: a .engine file (scored with `Engine.logits`, or
 through the decode loop with `path=decode` / `path=generate`, as `dejavu-eval --path`) or a
-model name / folder (dense PyTorch). Scoring shares `dejavu.runtime.tasks`: context and
+model name / folder (dense PyTorch). Scoring shares `dejavu.runtime.evaluation.tasks`: context and
 continuation are tokenised separately, a BOS (`</s>`) is prepended, and the continuation's
 log-probabilities are summed; rolling log-likelihood uses lm_eval's disjoint windows.
 """
@@ -21,19 +21,21 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from dejavu.errors import DejavuError
-from dejavu.runtime.evaluate import ScoringModel, load_scoring_model
-from dejavu.runtime.tasks import TokenizedPair, score_pairs, tokenize_pair
+from dejavu.generation import GENERATION
+from dejavu.runtime.evaluation.evaluate import EvalSettings, ScoringModel, load_scoring_model
+from dejavu.runtime.evaluation.tasks import TokenizedPair, score_pairs, tokenize_pair
 
 
 @register_model("dejavu")
 class DejavuLM(LM):
     """lm_eval LM over a dejavu engine or dense model (log-likelihoods + greedy generation)."""
 
-    def __init__(self, model: str | ScoringModel = "opt-mini", device: str = "cpu",
-                 batch_size: int | str = 8, max_gen_toks: int = 64, path: str = "parallel", **_ignored):
+    def __init__(self, model: str | ScoringModel = "opt-mini", device: str = EvalSettings.device,
+                 batch_size: int | str = EvalSettings.batch_size, max_gen_toks: int = GENERATION.max_new_tokens,
+                 path: str = EvalSettings.path, **_ignored):
         super().__init__()
         self.sm = model if isinstance(model, ScoringModel) else load_scoring_model(str(model), device, path)
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else EvalSettings.batch_size  # e.g. 'auto'
         self.max_gen_toks = int(max_gen_toks)
 
     @classmethod

@@ -18,7 +18,7 @@ the engine's sparse logits, computed one of three ways (`--path`):
 - generate: the decode loop as `generate` runs it: each perplexity window's first token and
   each task example's context through the dense prefill, the rest decoded sparse.
 Both go through the same tokenisation (the tokenizer stored in the engine is the model's)
-and the same scoring code (`dejavu.runtime.tasks`).
+and the same scoring code (`dejavu.runtime.evaluation.tasks`).
 """
 from __future__ import annotations
 
@@ -30,17 +30,16 @@ from pathlib import Path
 from typing import Callable
 
 from dejavu.cli_common import Parser, add_device, add_quiet, comma_list
+from dejavu.datafiles import DATA_DIR, WIKITEXT2_TEST
 from dejavu.errors import DejavuError, cli_entry
-from dejavu.runtime.tasks import TASKS, evaluate_task, load_task
-
-DEFAULT_PPL_FILE = Path(__file__).resolve().parent.parent / "dejavu" / "data" / "wikitext-2" / "test.txt"
+from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
 
 
 @dataclass
 class EvalSettings:
     """Defaults of dejavu-eval (the CLI reads them from here)."""
 
-    ppl_file: str = str(DEFAULT_PPL_FILE)
+    ppl_file: str = str(WIKITEXT2_TEST)
     ppl_tokens: int | None = None  # cap on perplexity tokens (None: the whole file)
     window: int | None = None  # perplexity window (None: the model's max positions)
     limit: int | None = None  # examples per task (None: all)
@@ -110,7 +109,7 @@ def _engine_logits(engine, path: str) -> Callable:
     return logits_fn
 
 
-def load_scoring_model(spec: str, device: str = "cpu", path: str = "parallel") -> ScoringModel:
+def load_scoring_model(spec: str, device: str = EvalSettings.device, path: str = EvalSettings.path) -> ScoringModel:
     """A dense model (preset / folder / hub id) or an engine file, ready to score text.
 
     path (engines only; a dense model is dense whichever): parallel | decode | generate."""
@@ -302,7 +301,7 @@ def _shown_path(p) -> str:
     """Shipped data as `dejavu/data/...`, other files relative to the working folder when inside it
     (never this machine's install path in a report)."""
     path = Path(p).resolve()
-    for root, prefix in ((DEFAULT_PPL_FILE.parents[1].resolve(), "dejavu/data/"), (Path.cwd().resolve(), "")):
+    for root, prefix in ((DATA_DIR, "dejavu/data/"), (Path.cwd().resolve(), "")):
         try:
             return prefix + path.relative_to(root).as_posix()
         except ValueError:
@@ -311,7 +310,7 @@ def _shown_path(p) -> str:
 
 
 def _print_table(results: list[dict], file=sys.stdout) -> None:
-    from dejavu.runtime.eval_report import markdown_table
+    from dejavu.runtime.evaluation.eval_report import markdown_table
 
     print(markdown_table(results), file=file)
 
@@ -321,7 +320,7 @@ def _dense_baselines(specs: list[str]) -> list[str]:
     if any(not is_engine_path(m) for m in specs):
         return []
     from dejavu.engine_file import read_header
-    from dejavu.runtime.compare import source_model
+    from dejavu.runtime.evaluation.compare import source_model
 
     out: list[str] = []
     for m in specs:
@@ -361,7 +360,7 @@ def main(argv=None) -> int:
         sm = load_scoring_model(spec, args.device, args.path)
         results.append(evaluate(sm, settings, tasks, ppl=ppl, progress=not args.quiet))
     if args.report:
-        from dejavu.runtime.eval_report import write_report
+        from dejavu.runtime.evaluation.eval_report import write_report
 
         write_report(results, args.report, settings, tasks)
     if args.json:

@@ -16,7 +16,7 @@ ROWS = [{"query": "The cat sat on the", "choices": ["mat.", "history of the worl
 
 @pytest.fixture(scope="module")
 def adapter(tiny_opt_dir):
-    from dejavu.runtime.lm_eval_adapter import DejavuLM
+    from dejavu.runtime.evaluation.lm_eval_adapter import DejavuLM
 
     return DejavuLM(model=str(tiny_opt_dir), batch_size=4)
 
@@ -27,12 +27,12 @@ class _Req:
 
 
 def test_methods_match_our_scorer(adapter, tiny_opt_dir, tmp_path):
-    from dejavu.runtime.tasks import evaluate_task, load_task
+    from dejavu.runtime.evaluation.tasks import evaluate_task, load_task
 
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in ROWS))
     sm = adapter.sm
-    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, progress=False)
+    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 4, progress=False)
     for row, d in zip(ROWS, ours.details):
         got = adapter.loglikelihood([_Req(row["query"], " " + c) for c in row["choices"]])
         assert [g[0] for g in got] == pytest.approx(d["logprobs"], abs=1e-5)
@@ -56,15 +56,15 @@ def test_generate_path_through_the_adapter(tiny_opt_dir, tmp_path):
     # prefilled dense, continuations through the decode loop)
     from _helpers import write_test_engine
 
-    from dejavu.runtime.lm_eval_adapter import DejavuLM
-    from dejavu.runtime.tasks import evaluate_task, load_task
+    from dejavu.runtime.evaluation.lm_eval_adapter import DejavuLM
+    from dejavu.runtime.evaluation.tasks import evaluate_task, load_task
 
     eng = DejavuLM(model=str(write_test_engine(tiny_opt_dir, tmp_path / "d5.engine", density=0.5)),
                    batch_size=2, path="generate")
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in ROWS))
     sm = eng.sm
-    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, progress=False,
+    ours = evaluate_task(load_task(str(f)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 4, progress=False,
                          contexts_as_prompts=True)
     for row, d in zip(ROWS, ours.details):
         got = eng.loglikelihood([_Req(row["query"], " " + c) for c in row["choices"]])
@@ -94,16 +94,16 @@ metric_list:
                           bootstrap_iters=0, log_samples=False)
     acc = res["results"]["dejavu_tiny_mc"]["acc,none"]
 
-    from dejavu.runtime.tasks import evaluate_task, load_task
+    from dejavu.runtime.evaluation.tasks import evaluate_task, load_task
 
     sm = adapter.sm
-    ours = evaluate_task(load_task(str(data)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, progress=False)
+    ours = evaluate_task(load_task(str(data)), sm.logits_fn, sm.encode, sm.bos_id, sm.max_len, 4, progress=False)
     assert acc == pytest.approx(ours.acc)
 
 
 def test_registered():
     from lm_eval.api.registry import get_model
 
-    import dejavu.runtime.lm_eval_adapter as ad
+    import dejavu.runtime.evaluation.lm_eval_adapter as ad
 
     assert get_model("dejavu") is ad.DejavuLM

@@ -1,0 +1,370 @@
+"""Llama decode speed on one GPU: TEAL engines against our dense CUDA graph and Hugging Face eager.
+
+    source benchmarks/device_env.sh && python benchmarks/e2e_llama.py --out $OUT/e2e_llama.json
+
+Shapes (fp16, RANDOM weights: latency does not depend on the values; no such weights can be
+downloaded here):
+  llama-3-8b      meta-llama/Meta-Llama-3-8B's config.json: 32 layers, hidden 4096, 32 / 8 KV
+                  heads, SwiGLU 14336, vocabulary 128256, untied head
+  llama-3-70b-tp8 one GPU's shard of Llama-3-70B under 8-way tensor parallelism (80 layers,
+                  hidden 8192; per rank 8 query heads / 1 KV head of 128, SwiGLU 28672 / 8 = 3584,
+                  a vocabulary-parallel head of 128256 / 8 rows): every weight one rank reads per
+                  token. The all-reduces (2 per layer) are not run: this is the per-GPU weight
+                  stream, a lower bound of a TP decode step.
+Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
+  hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
+  dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
+  teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
+                 plugins/input_sparse kernels (index lists by prefix sum, row-gather GEMV), CUDA graph
+  teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: block_m 64,
+                 block_k 64, 1056 target programs), recorded in the engine header as a build would
+Thresholds are quantiles of each projection input on random calibration tokens through the same
+model (compiler/gated_sparsity.calibrate, the compiler's own path); the skip realized on the
+decode steps is counted in an untimed pass (reference ops) and reported. Floor: bytes a step must
+read (weights at the realized skip + the KV cache) / the copy bandwidth measured in this run, and
+/ the nominal HBM bandwidth (--peak-GBps, H200: 4800).
+
+A smoke check runs first (tiny random model, fp32): the kernels vs the reference ops, graph vs
+eager. Raw JSON to --out, rewritten after every measurement; a table on stdout. --device cpu
+runs the whole driver on tiny shapes with reference ops (what tests/test_benchmark_e2e_llama.py
+does). Benchmarks assert nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=14336, rope_theta=500000.0),
+    "llama-3-70b-tp8": dict(vocab_size=128256 // 8, hidden_size=8192, num_hidden_layers=80, num_attention_heads=8,
+                            num_key_value_heads=1, head_dim=128, intermediate_size=28672 // 8, rope_theta=500000.0),
+    "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, intermediate_size=320, rope_theta=10000.0),
+}
+COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+class Run:
+    """Results; the JSON is rewritten after every record."""
+
+    def __init__(self, out: Path, meta: dict):
+        self.out, self.data = out, {"meta": meta, "smoke": None, "bandwidth": None, "results": [], "errors": []}
+
+    def save(self):
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.out)
+
+    def add(self, key, value):
+        self.data[key].append(value) if isinstance(self.data[key], list) else self.data.__setitem__(key, value)
+        self.save()
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def free(dev):
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(dev, nbytes: int = 2 << 30, reps: int = 20) -> dict:
+    """Device-to-device copy: (bytes read + bytes written) / median time."""
+    if dev.type != "cuda":
+        nbytes, reps = 16 << 20, 3
+    x = torch.empty(nbytes // 2, dtype=torch.float16, device=dev).normal_()
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(reps + 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times[3:])
+    return {"copy_GBps": 2 * nbytes / t / 1e9, "bytes": nbytes, "median_s": t}
+
+
+def random_model(c: dict, dtype, dev, seed: int = 0):
+    """dejavu.models.llama.LlamaForCausalLM of shape c, seeded random weights (norms 1), on dev."""
+    from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+
+    cfg = LlamaConfig.from_hf_dict({**COMMON, **c})
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters made in dtype: no fp32 copy of an 8B model on the device
+    try:
+        with torch.device("meta"):
+            m = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    m = m.to_empty(device=dev)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    m.inv_freq = rope_inv_freq(cfg).to(dev)
+    return m.eval()
+
+
+def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=None, variants=(),
+            variant_skip: float = 0.5) -> tuple[list, dict]:
+    """[(system, skip, LlamaEngine)] sharing one weight set (skip 0: the dense graph), then one engine
+    per kernel-settings variant (InputSparseConfig fields over the defaults, recorded in the header
+    as a build would) at variant_skip; and the calibration record."""
+    import dataclasses
+
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.plugins.input_sparse import CONFIG
+    from dejavu.compiler.build_llama import (INPUTS, _Blocks, density_for_skip, llama_header, llama_tensors)
+    from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.runtime import Engine
+
+    model = random_model(c, dtype, dev)
+    cfg = model.config
+    ids = torch.randint(4, cfg.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(1)).to(dev)
+    with torch.no_grad():
+        cal = calibrate(_Blocks(model), ids)
+    tensors = llama_tensors(model, dtype, dev)
+    del model
+    free(dev)
+    dname = str(dtype).replace("torch.", "")
+    out = []
+    runs = [(("dense_graph" if s == 0 else f"teal_s{s:g}"), s, {}) for s in [0.0] + skips]
+    runs += [(f"teal_s{variant_skip:g}+" + ",".join(f"{k}={v}" for k, v in sorted(v.items())), variant_skip, v)
+             for v in variants]
+    for system, s, variant in runs:
+        th = {k: [cal.threshold(k, l, s) if s > 0 else 0.0 for l in range(cfg.num_hidden_layers)] for k in INPUTS}
+        bc = BuildConfig(density=min(1.0, round(density_for_skip(cfg, s), 6)), dtype=dname)
+        target = {"device": dev.type, "kernel_settings": {"input_sparse": {**dataclasses.asdict(CONFIG), **variant}}}
+        header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, s, th,
+                              {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
+        out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
+    return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
+
+
+class _CountingOps:
+    """LlamaOps' reference `linear` that also counts the weight elements it would read."""
+
+    def __init__(self):
+        from dejavu.runtime.llama_decoder import LlamaOps
+
+        self.ref = LlamaOps("ref")
+        self.kernels, self.read, self.dense = self.ref.kernels, 0.0, 0.0
+
+    def linear(self, x, w_t, t):
+        kept = float((x.float().abs() > t).float().mean()) if t > 0 else 1.0
+        self.read += kept * w_t.numel()
+        self.dense += w_t.numel()
+        return self.ref.linear(x, w_t, t)
+
+
+def realized_skip(eng, c: dict, P: int, steps: int) -> float:
+    """Fraction of block projection bytes skipped on `steps` decode steps after a P-token prompt
+    (a second decoder on the engine's weights with counting reference ops; untimed)."""
+    from dejavu.runtime.llama_decoder import LlamaDecoder
+
+    ops = _CountingOps()
+    dec = LlamaDecoder(eng.spec, eng.tensors, eng.device, ops)
+    ids = torch.randint(4, c["vocab_size"], (1, P + steps), generator=torch.Generator().manual_seed(7)).to(eng.device)
+    with torch.inference_mode():
+        dec.setup(1, P + steps)
+        dec.prefill(ids[:, :P], torch.tensor([P], device=eng.device))
+        for i in range(steps):
+            dec.decode_step(ids[:, P + i], torch.tensor([P + i], device=eng.device))
+    dec.release()
+    return 1.0 - ops.read / ops.dense
+
+
+def time_engine(eng, c: dict, P: int, N: int) -> dict:
+    """Decode latency per step of Engine.generate (one CUDA-graph replay per step on the GPU)."""
+    prompts = torch.randint(4, c["vocab_size"], (1, P), generator=torch.Generator().manual_seed(0)).tolist()
+    eng.activate(1, P + N)
+    eng.generate(prompts, 8, stop_at_eos=False)  # warm-up: capture, compile
+    eng.generate(prompts, N, stop_at_eos=False)
+    st = eng.stats
+    return {"ms_per_step": st.ms_per_token, "tokens_per_s": st.tokens_per_s, "prefill_ms": 1e3 * st.prefill_s,
+            "steps": st.decode_steps, "cuda_graph": eng.use_graphs, "kernels": dict(eng.ops.kernels)}
+
+
+def hf_model(c: dict, dtype, dev):
+    """transformers LlamaForCausalLM of shape c, its own random init, built on the device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**COMMON, **c}, attn_implementation="eager")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            m = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return m.eval()
+
+
+def time_hf(m, c: dict, P: int, N: int, dev) -> dict:
+    """Per-step decode latency of model.generate: (T(N) - T(1)) / (N - 1)."""
+    ids = torch.randint(4, c["vocab_size"], (1, P), generator=torch.Generator().manual_seed(0)).to(dev)
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    def gen(n):
+        sync(dev)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            m.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync(dev)
+        return time.perf_counter() - t
+
+    gen(2)
+    tn, t1 = gen(N), gen(1)
+    return {"ms_per_step": 1e3 * (tn - t1) / (N - 1), "prefill_ms": 1e3 * t1, "total_s": tn}
+
+
+def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dict:
+    """Bytes one batch-1 step must read (weights at `skip`, the KV cache at ctx tokens) and the time."""
+    from dejavu.compiler.build_llama import step_bytes
+    from dejavu.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_hf_dict({**COMMON, **c})
+    b = step_bytes(cfg, esize)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * ctx * esize
+    n = b["fixed"] + (1 - skip) * b["block"] + kv
+    return {"bytes": int(n), "kv_bytes": kv, "ms": 1e3 * n / (bw_GBps * 1e9)}
+
+
+def smoke(dev) -> dict:
+    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only)."""
+    if dev.type != "cuda":
+        return {"skipped": "no GPU"}
+    c = SHAPES["tiny"]
+    ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
+    tri = engines(c, [0.4], torch.float32, dev, 64)[0][-1][2]
+    ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
+    a, b = ref.decode_logits(ids), tri.decode_logits(ids)
+    prompts = ids[:, :8].tolist()
+    g = tri.generate(prompts, 12, stop_at_eos=False)
+    tri.use_graphs = False
+    e = tri.generate(prompts, 12, stop_at_eos=False)
+    return {"kernels_vs_ref_max_abs": float((a - b).abs().max()), "graph_equals_eager": g == e,
+            "greedy_equals_ref": g == ref.generate(prompts, 12, stop_at_eos=False)}
+
+
+def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    ctx = a.prompt_len + a.new_tokens // 2  # mean context of the timed steps
+    engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens, variants=a.kernel_variants,
+                          variant_skip=a.variant_skip)
+    for system, s, eng in engs:
+        try:
+            row = {"model": name, "system": system, "batch": 1, "skip_target": s, "shape": c, "calibration": calib,
+                   "density": eng.header["build_config"]["density"],
+                   "kernel_settings": eng.header["target"]["kernel_settings"]["input_sparse"]}
+            row["skip_realized"] = realized_skip(eng, c, a.prompt_len, a.skip_steps) if s > 0 else 0.0
+            row.update(time_engine(eng, c, a.prompt_len, a.new_tokens))
+            fl = floor(c, row["skip_realized"], ctx, bw)
+            row.update(floor_bytes=fl["bytes"], floor_ms=fl["ms"], floor_ms_nominal=floor(c, row["skip_realized"], ctx,
+                                                                                        a.peak_GBps)["ms"])
+            run.add("results", row)
+            print(f"{name:16} {system:12} {row['ms_per_step']:8.3f} ms/step  floor {row['floor_ms']:.3f} ms  "
+                  f"skip {row['skip_realized']:.3f}", flush=True)
+        except Exception as e:  # noqa: BLE001 - record and go on to the next system
+            run.add("errors", {"model": name, "system": system, "error": f"{type(e).__name__}: {e}",
+                               "trace": traceback.format_exc()[-3000:]})
+        eng.release()
+    del engs
+    free(dev)
+    if a.no_hf:
+        return
+    try:
+        m = hf_model(c, dtype, dev)
+        row = {"model": name, "system": "hf_eager", "batch": 1, "skip_target": 0.0, "shape": c}
+        row.update(time_hf(m, c, a.prompt_len, a.new_tokens, dev))
+        fl = floor(c, 0.0, ctx, bw)
+        row.update(floor_bytes=fl["bytes"], floor_ms=fl["ms"])
+        run.add("results", row)
+        print(f"{name:16} {'hf_eager':12} {row['ms_per_step']:8.3f} ms/step", flush=True)
+        del m
+    except Exception as e:  # noqa: BLE001
+        run.add("errors", {"model": name, "system": "hf_eager", "error": f"{type(e).__name__}: {e}",
+                           "trace": traceback.format_exc()[-3000:]})
+    free(dev)
+
+
+def table(results: list[dict]) -> str:
+    dense = {r["model"]: r["ms_per_step"] for r in results if r["system"] == "dense_graph"}
+    lines = ["| model | system | skip (realized) | ms/step | vs dense graph | floor ms | ms / floor |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        d = dense.get(r["model"])
+        lines.append(f"| {r['model']} | {r['system']} | {r.get('skip_realized', 0):.3f} | {r['ms_per_step']:.3f} | "
+                     f"{d / r['ms_per_step'] if d else float('nan'):.2f}x | {r['floor_ms']:.3f} | "
+                     f"{r['ms_per_step'] / r['floor_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="JSON path (default $OUT/e2e_llama.json, else ./e2e_llama.json)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (tiny shapes, reference ops: a dry run)")
+    p.add_argument("--models", default=None, help="default llama-3-8b,llama-3-70b-tp8 (cpu: tiny)")
+    p.add_argument("--skips", default="0.25,0.4,0.5", help="fractions of every projection input skipped")
+    p.add_argument("--kernel-variants", default='[{"block_m": 64}, {"block_k": 64}, {"target_programs": 1056}]',
+                   help="JSON list of InputSparseConfig fields, each an extra engine at --variant-skip ('[]': none)")
+    p.add_argument("--variant-skip", type=float, default=0.5)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--calib-tokens", type=int, default=512, help="random tokens the thresholds are taken from")
+    p.add_argument("--skip-steps", type=int, default=16, help="decode steps that count the realized skip")
+    p.add_argument("--peak-GBps", type=float, default=4800.0, help="nominal HBM bandwidth (H200: 4800)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--no-smoke", action="store_true")
+    a = p.parse_args(argv)
+    # Run as a script, this folder is sys.path[0]; its kernels.py would shadow the `kernels` package
+    # that transformers imports. This script imports nothing from its folder.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [q for q in sys.path if Path(q or ".").resolve() != here]
+    dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("e2e_llama: --device cuda but no GPU is available (use --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    a.skips = [float(s) for s in a.skips.split(",") if s]
+    a.kernel_variants = json.loads(a.kernel_variants)
+    models = (a.models or ("llama-3-8b,llama-3-70b-tp8" if dev.type == "cuda" else "tiny")).split(",")
+    out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e_llama.json")
+    meta = {"argv": sys.argv if argv is None else argv, "torch": torch.__version__, "device": str(dev),
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    try:
+        import subprocess
+        meta["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                        cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        meta["commit"] = None
+    run = Run(out, meta)
+    if not a.no_smoke:
+        run.add("smoke", smoke(dev))
+    bw = copy_bandwidth(dev)
+    run.add("bandwidth", bw)
+    for name in models:
+        bench_shape(run, name, SHAPES[name], a, dev, bw["copy_GBps"])
+    print(table(run.data["results"]))
+    print(f"e2e_llama: wrote {out}" + (f" ({len(run.data['errors'])} errors)" if run.data["errors"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

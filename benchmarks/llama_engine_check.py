@@ -1,0 +1,69 @@
+"""A Llama engine against the simulation it implements, on WikiText-2 test text.
+
+    python benchmarks/llama_engine_check.py smollm2.engine --model smollm2-135m --tokens 1024 --window 512 \
+        --out check.json
+
+Perplexity over the same windows of: the dense model (fp32), compiler/gated_sparsity's hooks on
+it with the engine's thresholds (the simulation), and the engine (`Engine.logits`: each token
+thresholded on its own inputs; the engine's weights as stored, run in fp32 on the CPU). A
+thresholded model is discontinuous at its thresholds (an input a rounding away from one flips),
+so engine and simulation agree in perplexity, not logit for logit, once the engine's weights
+are rounded to fp16. Writes raw JSON; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+
+def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    # logits [W, S, V], ids [W, S]: each window scores its tokens 1..S-1
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                            ids[:, 1:].reshape(-1))
+    return math.exp(float(nll))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("engine")
+    p.add_argument("--model", required=True, help="the model the engine was compiled from (preset, folder, .gguf)")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--out", default=None, help="JSON file (default: stdout only)")
+    a = p.parse_args(argv)
+    import dejavu
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.models.auto import load_llama, load_text_tokenizer
+    from dejavu.runtime import Engine
+
+    eng = Engine.load(a.engine, dtype="float32")
+    model, _ = load_llama(a.model)
+    tok = load_text_tokenizer(a.model)
+    text = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
+    ids = torch.tensor(tok.encode(text[: 40 * a.tokens])[: a.tokens // a.window * a.window]).view(-1, a.window)
+    sp = eng.header["sparsity"]
+    calib = SimpleNamespace(threshold=lambda key, l, f: sp["thresholds"][key][l])
+    with torch.no_grad():
+        dense = perplexity(model(ids), ids)
+        with gated_sparsity(model, calib, GatedSparsity(skip=sp["skip"])) as reads:
+            sim = perplexity(model(ids), ids)
+    engine = perplexity(eng.logits(ids), ids)
+    res = {"engine": Path(a.engine).name, "model": a.model, "engine_dtype": eng.header["dtype"],
+           "density": eng.header["build_config"]["density"], "skip": sp["skip"],
+           "windows": ids.shape[0], "window": a.window, "scored_tokens": ids.shape[0] * (a.window - 1),
+           "text": "dejavu/data/wikitext-2/test.txt", "ppl_dense": dense, "ppl_simulation": sim,
+           "ppl_engine": engine, "skip_realized_simulation": reads.skipped}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Engine build for Llama-family models: model → TEAL thresholds → kernel layout → `.engine`.
+
+The sparsity is TEAL's (compiler/gated_sparsity.py): each block projection reads only the
+input columns whose |x_i| exceeds a per-layer, per-input threshold, calibrated on the
+calibration text (never the evaluation text). `--density` keeps the byte-budget meaning of
+OPT engines: the fraction of a dense decode step's weight bytes read per token, the LM head,
+the embedding row and the norms included. It is mapped to one skip fraction for every input
+(`skip_for_density`); a per-layer allocator can refine that later.
+
+Kernel layout (the runtime reads columns of W as contiguous rows of W^T):
+    embed_tokens [V, D], lm_head [V, D] (untied only), final_norm [D]
+    layers.l.attn_norm [D], layers.l.mlp_norm [D]
+    layers.l.attn.wqkv_t [D, (H + 2 Hkv) hd]   q, k, v fused (one input: attn_in)
+    layers.l.attn.wo_t   [H hd, D]             (o_in)
+    layers.l.mlp.wgu_t   [D, 2 F]              gate, up fused (mlp_in)
+    layers.l.mlp.wd_t    [F, D]                (down_in)
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dejavu.errors import DejavuError
+
+FAMILY = "llama"
+
+
+@dataclass(frozen=True)
+class TealSettings:
+    """Calibration of TEAL thresholds. --calib-tokens left at BuildConfig's default (sized for
+    training OPT predictors, 65,536) means `calib_tokens` here: quantiles of the projection
+    inputs need far fewer tokens than a predictor's training set (docs/llama.md used 1,024)."""
+
+    calib_tokens: int = 2048
+INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")  # gated_sparsity's calibration keys, in layer order
+MAX_SKIP = 0.99  # the top of gated_sparsity's calibrated quantile grid
+
+
+def step_bytes(cfg, elem: int = 2) -> dict:
+    """Weight bytes of one dense decode token: {"fixed", "block", "dense"}.
+
+    fixed: the embedding row, the LM head (all V rows), every RMSNorm; block: the projections
+    q, k, v, o, gate, up, down of every layer (what the thresholds skip)."""
+    from dejavu.compiler.gated_sparsity import projection_bytes
+
+    d = cfg.hidden_size
+    fixed = d + cfg.vocab_size * d + (2 * cfg.num_hidden_layers + 1) * d
+    block = cfg.num_hidden_layers * sum(projection_bytes(cfg).values())
+    return {"fixed": elem * fixed, "block": elem * block, "dense": elem * (fixed + block)}
+
+
+def skip_for_density(cfg, density: float) -> float:
+    """The block skip fraction s whose engine reads `density` of the dense step's bytes:
+    fixed + (1 - s) block = density (fixed + block)."""
+    b = step_bytes(cfg, 1)
+    s = (1.0 - density) * b["dense"] / b["block"]
+    if s > MAX_SKIP:
+        least = (b["fixed"] + (1 - MAX_SKIP) * b["block"]) / b["dense"]
+        raise DejavuError(f"--density {density} is below the least a Llama engine of this model reads "
+                          f"({least:.4f}: every projection input at {MAX_SKIP:.0%} skipped)")
+    return max(0.0, s)
+
+
+def density_for_skip(cfg, skip: float) -> float:
+    """The byte fraction an engine with every projection input at `skip` reads (skip_for_density's inverse)."""
+    b = step_bytes(cfg, 1)
+    return (b["fixed"] + (1.0 - skip) * b["block"]) / b["dense"]
+
+
+def _check_supported(cfg, config) -> None:
+    if cfg.attention_bias or cfg.mlp_bias:
+        raise DejavuError("Llama engines do not support attention_bias / mlp_bias checkpoints yet")
+    unsupported = {"mlp_density": None, "attn_density": None, "max_ppl_increase": None, "tp": 1,
+                   "no_predictors": False}
+    for name, default in unsupported.items():
+        if getattr(config, name) != default:
+            raise DejavuError(f"--{name.replace('_', '-')} is not supported for Llama-family models yet "
+                              "(TEAL thresholds from --density)")
+
+
+class _Blocks(torch.nn.Module):
+    """The decoder without its LM head: gated_sparsity.calibrate's hooks see every projection
+    input, and no [tokens, vocab] logits are made."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.layers = model, model.config, model.layers
+
+    def forward(self, ids):
+        m = self.model
+        S = ids.shape[1]
+        pos = torch.arange(S, device=ids.device)[None].expand_as(ids)
+        x = m.model.embed_tokens(ids)  # [B, S, D]
+        cos, sin = m._rope(pos, x.dtype)
+        for layer in m.layers:
+            x = layer(x, cos, sin, None, None)
+        return x
+
+
+def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, dict]:
+    """({input: [L] thresholds}, calibration header) from the calibration text."""
+    from dejavu.compiler.build import _corpus_name
+    from dejavu.compiler.config import CalibSettings
+    from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
+
+    cfg = model.config
+    window = min(config.calib_window, cfg.max_position_embeddings)
+    want = TealSettings.calib_tokens if config.calib_tokens == CalibSettings.calib_tokens else config.calib_tokens
+    ids, corpus = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
+    n = len(ids) // window * window
+    if n == 0:
+        raise DejavuError(f"--calib-tokens {want} is less than one window of {window} tokens")
+    ids = torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device)
+    calib = calibrate(_Blocks(model), ids)
+    L = cfg.num_hidden_layers
+    thresholds = {k: [round(calib.threshold(k, l, skip), 8) if skip > 0 else 0.0 for l in range(L)]
+                  for k in INPUTS}
+    header = {"corpus": _corpus_name(corpus), "n_tokens": n, "window": window,
+              "tokens_fingerprint": fingerprint_tokens(ids.cpu().numpy().reshape(-1))}
+    return thresholds, header
+
+
+def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """The kernel-layout tensors (module docstring) of a LlamaForCausalLM, in `dtype` on `device`."""
+    cfg = model.config
+    c = lambda t: t.detach().to(device, dtype).contiguous()  # noqa: E731
+    t = {"embed_tokens": c(model.model.embed_tokens.weight), "final_norm": c(model.model.norm.weight)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head"] = c(model.lm_head.weight)
+    for l, layer in enumerate(model.layers):
+        at, mlp, p = layer.self_attn, layer.mlp, f"layers.{l}."
+        t[p + "attn_norm"] = c(layer.input_layernorm.weight)
+        t[p + "mlp_norm"] = c(layer.post_attention_layernorm.weight)
+        t[p + "attn.wqkv_t"] = c(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).T)
+        t[p + "attn.wo_t"] = c(at.o_proj.weight.T)
+        t[p + "mlp.wgu_t"] = c(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T)
+        t[p + "mlp.wd_t"] = c(mlp.down_proj.weight.T)
+    return t
+
+
+def llama_header(name: str, cfg, config, target: dict, skip: float, thresholds: dict, calibration,
+                 tokenizer_json: str, special_ids: tuple | None = None) -> dict:
+    """The Llama engine header: the family, the TEAL setting and thresholds, bytes per token.
+    special_ids: the tokenizer's (bos, eos, pad), written over the model config's."""
+    from dejavu.engine_file import FORMAT_NAME, FORMAT_VERSION
+
+    b = step_bytes(cfg, torch.tensor([], dtype=getattr(torch, config.dtype)).element_size())
+    read = b["fixed"] + (1 - skip) * b["block"]
+    mc = cfg.to_hf_dict()
+    if special_ids is not None:  # the ids text starts / ends / pads with (GGUF: the document separator)
+        mc.update(bos_token_id=special_ids[0], eos_token_id=special_ids[1], pad_token_id=special_ids[2])
+    return {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_family": FAMILY,
+        "model": Path(name).name if Path(name).is_dir() else name,
+        "model_config": mc, "dtype": config.dtype, "target": target,
+        "sparsity": {"method": "teal", "skip": round(skip, 8), "inputs": list(INPUTS), "thresholds": thresholds},
+        "build_config": {
+            "density": config.density, "allocation": "uniform",
+            "bytes_per_token": {"engine": int(round(read)), "dense": b["dense"],
+                                "fraction": round(read / b["dense"], 6)},
+            "calibration": calibration, "settings": config.to_dict()},
+        "tokenizer_json": tokenizer_json,
+    }
+
+
+def build_llama_engine(model_name_or_path, config, out, progress: bool = True, onnx_out=None) -> dict:
+    """Build a Llama-family `.engine` (called by compiler/build.build_engine); a summary dict.
+    onnx_out: a folder for the dense and TEAL-sparse ONNX graphs (compiler/onnx_llama.py)."""
+    from dejavu.compiler.build import _check_output, _Stages, target_info
+    from dejavu.engine_file import write_engine
+    from dejavu.models.auto import load_llama, load_text_tokenizer
+
+    out = _check_output(out)
+    target = target_info(config.device)
+    if target["device"] == "cuda":  # the input-sparse kernels' blocks, read back by the runtime
+        import dataclasses
+
+        from dejavu.plugins.input_sparse import CONFIG
+        target["kernel_settings"] = {**target["kernel_settings"], "input_sparse": dataclasses.asdict(CONFIG)}
+    stages, t0 = _Stages(progress), time.perf_counter()
+    with stages("load model"):
+        model, cfg = load_llama(model_name_or_path, dtype=torch.float32, device=config.device)
+        tokenizer = load_text_tokenizer(model_name_or_path)
+    _check_supported(cfg, config)
+    skip = skip_for_density(cfg, config.density)
+    with stages("calibrate thresholds"):
+        with torch.no_grad():
+            thresholds, calibration = calibrate_thresholds(model, tokenizer, config, skip)
+    onnx_report = None
+    if onnx_out is not None:
+        with stages("export ONNX"):
+            onnx_report = _export_onnx(model, thresholds, skip, Path(onnx_out))
+    with stages("kernel layout"):
+        tensors = llama_tensors(model, getattr(torch, config.dtype))
+        del model
+    header = llama_header(str(model_name_or_path), cfg, config, target, skip, thresholds, calibration,
+                          tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id))
+    with stages("write engine"):
+        size = write_engine(out, header, tensors)
+    if progress:
+        print(f"[dejavu-compile] wrote {out}", file=sys.stderr, flush=True)
+    return {"engine": str(out), "model_family": FAMILY, **({"onnx": onnx_report} if onnx_report else {}),
+            "engine_bytes": size,
+            "weight_bytes": sum(t.nbytes for t in tensors.values()), "dtype": config.dtype, "target": target,
+            "density": config.density, "skip": header["sparsity"]["skip"],
+            "bytes_per_token": header["build_config"]["bytes_per_token"], "thresholds": thresholds,
+            "calibration": calibration, "stage_seconds": stages.times,
+            "total_seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _export_onnx(model, thresholds: dict, skip: float, out_dir: Path) -> dict:
+    """Dense and sparse graphs; the sparse prefill checked in ONNX Runtime against the masked-dense
+    PyTorch model (compiler/gated_sparsity's hooks with these thresholds)."""
+    from types import SimpleNamespace
+
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.compiler.onnx_llama import build_llama_graph, export_llama_onnx
+    from dejavu.compiler.onnx_export import run_onnxruntime
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DejavuError(f"--onnx-out {out_dir} exists and is not a folder")
+    m32 = model.float().cpu()
+    sparse = skip > 0
+    paths = export_llama_onnx(m32, out_dir, thresholds if sparse else None)
+    report = {"dir": str(out_dir), "files": sorted(p.name for p in paths.values()), "max_abs_diff": None}
+    ids = (torch.arange(16)[None] * 7919 % m32.config.vocab_size)[:, :m32.config.max_position_embeddings]
+    try:
+        got = run_onnxruntime(build_llama_graph(m32, "prefill", thresholds if sparse else None),
+                              {"input_ids": ids.numpy()})["logits"]
+    except ImportError:
+        return report  # onnxruntime not installed
+    calib = SimpleNamespace(threshold=lambda key, l, f: thresholds[key][l])
+    with torch.no_grad(), gated_sparsity(m32, calib, GatedSparsity(skip=skip)):
+        ref = m32(ids)
+    report["max_abs_diff"] = float(abs(torch.from_numpy(got) - ref).max())
+    return report
+
+
+def format_llama_summary(s: dict) -> str:
+    """dejavu-compile's printout of a Llama build."""
+    mb = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+    b = s["bytes_per_token"]
+    lines = [f"engine      {s['engine']}  ({mb(s['engine_bytes'])}, {s['dtype']}, target {s['target']['device']}, "
+             f"family llama)",
+             f"bytes/token {b['engine'] / 2**20:.3f} MiB of {b['dense'] / 2**20:.3f} MiB dense = {b['fraction']:.4f} "
+             f"(density {s['density']}: TEAL, {s['skip']:.4f} of each projection input skipped)",
+             f"calibration {s['calibration']['n_tokens']} tokens of {s['calibration']['corpus']} "
+             f"(windows of {s['calibration']['window']})",
+             f"{'layer':>5} " + " ".join(f"{k:>9}" for k in INPUTS)]
+    th = s["thresholds"]
+    for l in range(len(th[INPUTS[0]])):
+        lines.append(f"{l:>5} " + " ".join(f"{th[k][l]:>9.4f}" for k in INPUTS))
+    if "onnx" in s:
+        o = s["onnx"]
+        lines.append(f"onnx        {o['dir']}: {', '.join(o['files'])}; ONNX Runtime vs masked dense "
+                     f"max |diff| = {o['max_abs_diff']}")
+    lines.append("time        " + ", ".join(f"{k} {v:.1f}s" for k, v in s["stage_seconds"].items())
+                 + f"; total {s['total_seconds']:.1f}s")
+    return "\n".join(lines)

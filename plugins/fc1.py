@@ -1,0 +1,170 @@
+"""fc1 of the sparse MLP: a gathered GEMV over the selected neurons (Triton) + reference.
+
+    sparse_fc1(x[B,D], w1[F,D], b1[F], idx[B,K]|[K], *, out=None, validate=None, config=None)
+        -> h[B,K] = relu(w1[idx] @ x + b1[idx])
+
+- dtypes fp16, bf16, fp32 (weights in the activation dtype); fp32 accumulation; h in x's dtype.
+- idx int32 or int64, `[B, K]` (one set per sequence: one GEMV per sequence, `_gather_gemv_kernel`)
+  or `[K]` (one set for the batch: from fc1_dot_min_batch each gathered row is read once and multiplied
+  against the whole batch with `tl.dot`, `_gather_dot_kernel`, batch padded to >= 16). Blocks:
+  settings.KernelSettings fc1_gemv / fc1_dot / fc1_dot_min_batch (`settings=`; `config=` overrides a field).
+- `gather_gemv` is the shared launcher (also Q of the full K/V policy with GROUP = hd, and the
+  predictors' products): row(k) = idx[k // GROUP] * GROUP + k % GROUP.
+- Index values are trusted in the kernel; `validate` checks the range (a host sync; default: CPU
+  yes, GPU no). No host sync on the GPU path; launches are CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, default_validate,
+                                    dot_fp32, gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args)
+from dejavu.plugins.settings import DEFAULT, table
+
+tl = None  # triton.language, bound on first launch (see _common.jit)
+
+@helper
+def _group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
+    # Weight rows of positions offs: idx[offs // GROUP] * GROUP + offs % GROUP, int64; masked
+    # positions give row 0 (in bounds; what is computed from them is never stored).
+    if GROUP == 1:
+        rows = tl.load(idx_row + offs, mask=mask, other=0).to(tl.int64)
+    else:
+        g = tl.load(idx_row + offs // GROUP, mask=mask, other=0).to(tl.int64)
+        rows = tl.where(mask, g * GROUP + offs % GROUP, 0)
+    return rows
+
+
+def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, stride_ib, stride_ob,
+                        RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                        EVEN_D: tl.constexpr, GROUP: tl.constexpr, W_EV: tl.constexpr = "",
+                        GDC: tl.constexpr = 0):
+    # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
+    # W_EV: eviction policy of the weight loads ("evict_first": the streamed rows do not push the
+    # input vector, which every program re-reads, out of L1).
+    # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
+    # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
+    # reading the same rows run together and share them through L2.
+    pid_b = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < K
+    gdc_enter(GDC)
+    # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
+    rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
+    w_rows = w_ptr + rows[:, None] * D
+    x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            xv = tl.load(x_row + offs_d)
+            wv = tl.load(w_rows + offs_d[None, :], eviction_policy=W_EV).to(tl.float32)
+        else:
+            dmask = offs_d < D
+            xv = tl.load(x_row + offs_d, mask=dmask, other=0.0)
+            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0,
+                         eviction_policy=W_EV).to(tl.float32)
+        acc += wv * xv.to(tl.float32)[None, :]
+    gdc_release(GDC)
+    h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
+    if RELU:
+        h = tl.maximum(h, 0.0)
+    tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + offs_r,
+             h.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob,
+                       RELU: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                       GROUP: tl.constexpr, GDC: tl.constexpr = 0):
+    # Shared index set: out[b, r] = act(w[row(r)] @ x[b] + bias[row(r)]) for all b at once;
+    # grid (cdiv(K, BLOCK_R),). Each gathered row is read once for the whole batch.
+    pid_r = tl.program_id(0)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < K
+    gdc_enter(GDC)
+    rows = _group_rows(idx_ptr, offs_r, rmask, GROUP)
+    offs_b = tl.arange(0, BLOCK_B)
+    bmask = offs_b < B
+    w_rows = w_ptr + rows[:, None] * D
+    x_cols = x_ptr + offs_b[None, :].to(tl.int64) * stride_xb
+    acc = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            wv = tl.load(w_rows + offs_d[None, :])
+            xt = tl.load(x_cols + offs_d[:, None], mask=bmask[None, :], other=0.0)
+        else:
+            dmask = offs_d < D
+            wv = tl.load(w_rows + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            xt = tl.load(x_cols + offs_d[:, None], mask=bmask[None, :] & dmask[:, None], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(wv.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(wv, xt.to(wv.dtype), acc)
+    gdc_release(GDC)
+    h = acc + tl.load(b_ptr + rows).to(tl.float32)[:, None]
+    if RELU:
+        h = tl.maximum(h, 0.0)
+    out = out_ptr + offs_b[None, :].to(tl.int64) * stride_ob + offs_r[:, None]
+    tl.store(out, h.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & bmask[None, :])
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, settings=None):
+    """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
+    rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
+    kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1)."""
+    B, D = x.shape
+    K = idx.shape[-1] * group
+    if K == 0 or B == 0:
+        return out
+    shared = idx.dim() == 1
+    kind = kind or ("qkv_full" if group > 1 else "fc1")
+    s = settings or DEFAULT
+    if (shared or B == 1) and B >= s.fc1_dot_min_batch:  # B == 1: [1, K] is the same set as [K]
+        cfg = table(s.fc1_dot, config)
+        kernel = jit(_gather_dot_kernel, x.device)
+        kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
+            x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
+            RELU=relu, DOT_FP32=dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
+            BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
+            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
+    else:
+        cfg = table(s.fc1_gemv, config)
+        kernel = jit(_gather_gemv_kernel, x.device)
+        kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
+            x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0),
+            RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=D % cfg["BLOCK_D"] == 0,
+            GROUP=group, W_EV=cfg["W_EV"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
+    return out
+
+def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, settings=None):
+    """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D], w1 [F,D], b1 [F], idx [B,K] or [K]."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, D = x.shape
+    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
+    F = w1.shape[0]
+    if w1.shape[1] != D:
+        raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
+    check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
+    K, _ = check_index("idx", idx, batch=B, upper=F, device=x.device,
+                       validate=default_validate(validate, x.device))
+    out = check_out(out, (B, K), x.dtype, x.device)
+    return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, settings=settings)
+
+def _expand_idx(idx, batch):
+    return idx.long().expand(batch, -1) if idx.dim() == 1 else idx.long()
+
+
+def sparse_fc1_ref(x, w1, b1, idx):
+    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K]."""
+    rows = _expand_idx(idx, x.shape[0])
+    h = torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows]
+    return torch.relu(h)

@@ -1,0 +1,142 @@
+"""Input-sparse GEMV for TEAL engines: y = W[:, idx] @ x[idx], idx = {i : |x_i| > t}.
+
+Two kernels, no host sync and no sort:
+- `select_inputs(x, t)`: per row b, the ascending list of inputs with |x[b, i]| > t, compacted
+  by a prefix sum over blocks of the row (one program per row): idx [B, N] int32, the first
+  count[b] entries valid. The capacity is static (N, every input); the rest of idx is unused.
+- `input_sparse_gemv(x, w_t, idx, count)`: y [B, M] = sum over the first count[b] entries i of
+  idx[b] of x[b, i] * w_t[i, :]. The weight is stored transposed (w_t [N, M] = W^T, build time),
+  so a kept input is one contiguous row: the kernel reads only the kept rows. The loop over the
+  kept list runs count[b] entries (a bound loaded on the device); split-K programs each take a
+  slice of the list and write fp32 partials [SPLIT_K, B, M], summed by one reduction.
+Limits: x, w_t fp16 / bf16 / fp32, contiguous; B rows are independent (each its own list);
+accumulation in fp32; |x| > t is compared in fp32. Threshold t is a host float fixed per layer (captured by a CUDA graph
+as a launch argument).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, jit, next_pow2
+
+
+@dataclass(frozen=True)
+class InputSparseConfig:
+    """Block sizes of the two kernels. split_k None: enough slices of the kept list for
+    `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy)."""
+
+    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
+    select_warps: int = 8
+    block_m: int = 128
+    block_k: int = 32
+    split_k: int | None = None
+    target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
+    num_warps: int = 4
+
+
+CONFIG = InputSparseConfig()
+
+
+def _select_inputs_kernel(x_ptr, idx_ptr, count_ptr, N, t, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: the kept count so far
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        inside = offs < N
+        xv = tl.load(x_ptr + b * N + offs, mask=inside, other=0.0).to(tl.float32)
+        keep = (tl.abs(xv) > t) & inside
+        k = keep.to(tl.int32)
+        pos = base + tl.cumsum(k, 0) - 1  # the slot of each kept input, in ascending order
+        tl.store(idx_ptr + b * N + pos, offs, mask=keep)
+        base += tl.sum(k, 0)
+    tl.store(count_ptr + b, base)
+
+
+def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
+                  count: torch.Tensor | None = None, config: InputSparseConfig = CONFIG):
+    """(idx [B, N] int32, count [B] int32): the inputs of x [B, N] with |x| > t, ascending."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, N = x.shape
+    if idx is None:
+        idx = torch.empty(B, N, dtype=torch.int32, device=x.device)
+    if count is None:
+        count = torch.empty(B, dtype=torch.int32, device=x.device)
+    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
+    check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
+    block = min(config.block_select, next_pow2(N))
+    jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=block,
+                                               num_warps=config.select_warps)
+    return idx, count
+
+
+def select_inputs_ref(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of `select_inputs` (idx padded with -1 past count)."""
+    keep = x.float().abs() > t  # [B, N], compared in fp32 as the kernel does
+    count = keep.sum(1).to(torch.int32)
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # kept first, ascending
+    idx = torch.where(torch.arange(x.shape[1], device=x.device)[None] < count[:, None], order, -1)
+    return idx.to(torch.int32), count
+
+
+def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, M,
+                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    n = tl.load(count_ptr + b)
+    per = tl.cdiv(tl.cdiv(n, SPLIT_K), BLOCK_K) * BLOCK_K  # this split's slice of the kept list
+    lo = ps * per
+    hi = tl.minimum(lo + per, n)
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hi
+        i = tl.load(idx_ptr + b * N + ks, mask=k_ok, other=0)
+        xv = tl.load(x_ptr + b * N + i, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=k_ok[:, None] & m_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[:, None], 0)
+    tl.store(part_ptr + (ps * B + b) * M + offs_m, acc, mask=m_ok)
+
+
+def split_k_for(B: int, N: int, M: int, config: InputSparseConfig = CONFIG) -> int:
+    """Slices of the kept list: config.split_k, or enough for config.target_programs programs."""
+    if config.split_k is not None:
+        return config.split_k
+    programs = B * -(-M // config.block_m)
+    return max(1, min(-(-config.target_programs // programs), -(-N // (2 * config.block_k))))
+
+
+def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
+                      out: torch.Tensor | None = None, config: InputSparseConfig = CONFIG) -> torch.Tensor:
+    """y [B, M] (x's dtype) = sum_{j < count[b]} x[b, idx[b, j]] * w_t[idx[b, j], :].
+
+    x [B, N], w_t [N, M] (W^T, same dtype), idx [B, N] int32 and count [B] int32 from
+    `select_inputs` (entries past count[b] are not read)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, N = x.shape
+    check_tensor("w_t", w_t, ndim=2, dtype=x.dtype, device=x.device)
+    if w_t.shape[0] != N:
+        from dejavu.errors import DejavuError
+        raise DejavuError(f"w_t: expected {N} rows (the inputs of x), got shape {tuple(w_t.shape)}")
+    M = w_t.shape[1]
+    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
+    check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
+    split = split_k_for(B, N, M, config)
+    part = torch.empty(split, B, M, dtype=torch.float32, device=x.device)
+    grid = (B, -(-M // config.block_m), split)
+    jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, BLOCK_M=config.block_m,
+                                                   BLOCK_K=config.block_k, SPLIT_K=split,
+                                                   num_warps=config.num_warps)
+    y = part[0] if split == 1 else part.sum(0)
+    if out is None:
+        return y.to(x.dtype)
+    check_tensor("out", out, shape=(B, M), dtype=x.dtype, device=x.device)
+    return out.copy_(y)
+
+
+def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
+    """PyTorch reference: the masked-dense product (x with |x| <= t zeroed) @ w_t, in x's dtype."""
+    return (x * (x.float().abs() > t)) @ w_t

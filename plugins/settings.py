@@ -1,0 +1,229 @@
+"""The kernels' settings as data: frozen dataclasses, resolved for a target GPU at build time.
+
+    settings = resolve_kernel_settings("sm_90", sm_count=132)   # the compiler, per target
+    header["target"]["kernel_settings"] = settings.to_dict()     # written into the engine
+    KernelSettings.from_dict(d)                                  # read back by the runtime
+    sparse_fc1(..., settings=settings)                           # every launcher takes one (None: DEFAULT)
+
+Each default is a field default here (picked on an H200, 132 SMs; the measurements behind them:
+docs/kernels.md and BENCHMARKS.md). A launcher's `config=` dict overrides fields of its own table
+for one call (sweeps, tests); unknown keys are a DejavuError. Nothing patches module globals.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from dejavu.errors import DejavuError
+
+
+@dataclass(frozen=True)
+class GemvBlocks:
+    """fc1's GEMV (`_gather_gemv_kernel`, per-sequence sets and batch 1; the predictors' products)."""
+    BLOCK_R: int = 2
+    BLOCK_D: int = 1024
+    num_warps: int = 4
+    num_stages: int = 2
+    W_EV: str = "evict_first"  # the streamed rows leave L1 first; the re-read input vector stays
+
+
+@dataclass(frozen=True)
+class DotBlocks:
+    """fc1 of a shared set from dot_min_batch (`_gather_dot_kernel`)."""
+    BLOCK_R: int = 64
+    BLOCK_D: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class SplitKBlocks:
+    """fc2 / the output projection (`_gather_dot_t_kernel`, `_gather_gemv_t_kernel`): K split over
+    SPLIT programs per D block (None: ~TARGET_PROGRAMS programs)."""
+    BLOCK_K: int = 64
+    BLOCK_D: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    SPLIT: int | None = None
+    TARGET_PROGRAMS: int = 528  # ~4 programs per SM (132 SMs)
+    maxnreg: int | None = None  # register cap (reg_cap); none measured faster
+
+
+@dataclass(frozen=True)
+class QKVSettings:
+    """The deferred Q/K/V kernels (qkv_partial.py, qkv_finish.py). BLOCK_P: missing slots per tl.dot block;
+    BLOCK_R: rows per program; SPLIT: slices of D (None: ~TARGET_PROGRAMS programs); FINISH_R: rows per
+    finishing program, FINISH_S: slices summed per load; SHARED_MIN_BATCH: from this batch a shared set
+    (or batch 1) takes the shared-set kernel, SHARED_P - 1 missing slots per sequence in its tl.dot;
+    SLOW_Z: finishing programs per row block sharing the slow path (None: ~SLOW_TARGET programs, 1-8);
+    EARLY_READS: the finishing kernel's head index, pos and valid_len before the PDL wait;
+    FOLD_FINISH (batch 1): the finish folded into attention (True; "wide": only past FOLD_MAX_SPLIT
+    slices of D, capped there; FOLD_CAP caps True too), the slow path in FOLD_SLOW_Z x (BLOCK_R /
+    FOLD_SLOW_R) extra z-slices of the partial kernel (FOLD_SLOW_LAST: after the D slices);
+    SHARED_P_UNFOLDED / UNFOLDED_MAXNREG: P and register cap of the unfolded batch-1 route without
+    refresh heads. Measurements: docs/kernels.md, "The decode step's kernels"."""
+    BLOCK_P: int = 16
+    BLOCK_R: int = 32
+    BLOCK_D: int = 128
+    SPLIT: int | None = None
+    TARGET_PROGRAMS: int = 1056
+    FINISH_R: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    SHARED_MIN_BATCH: int | None = 2
+    SHARED_P: int = 4
+    FINISH_S: int = 8
+    SLOW_Z: int | None = 1
+    SLOW_TARGET: int = 640
+    EARLY_READS: bool = True
+    FOLD_FINISH: bool | str = False
+    FOLD_SLOW_R: int = 16
+    FOLD_SLOW_Z: int = 1
+    FOLD_MAX_SPLIT: int = 8
+    FOLD_CAP: bool = False
+    FOLD_SLOW_LAST: bool = False
+    SHARED_P_UNFOLDED: int | None = None
+    UNFOLDED_MAXNREG: int | None = None
+    maxnreg: int | None = None
+    W_EV: str = ""  # eviction policy of the shared-set kernel's weight loads
+    ST_CM: str = ""  # cache modifier of its PendingLN statistics loads
+
+
+# Batch 1: the shared-set kernel, 64-row blocks, P 16 (32 unfolded, 128-register cap), the finishing
+# kernel's blocks of `kernels.py --qkv-sweep finish`, the fold where D takes many slices.
+QKV_B1 = QKVSettings(BLOCK_R=64, TARGET_PROGRAMS=512, num_stages=3, SHARED_P_UNFOLDED=32, UNFOLDED_MAXNREG=128,
+                     SHARED_MIN_BATCH=1, SHARED_P=16, FINISH_R=16, FINISH_S=1, SLOW_Z=None,
+                     FOLD_FINISH="wide", FOLD_SLOW_Z=4, FOLD_SLOW_LAST=True)
+
+
+@dataclass(frozen=True)
+class AttnSettings:
+    """Decode attention (`_attn_decode_kernel`): CHUNK positions per program, BLOCK_S per tile."""
+    BLOCK_S: int = 32
+    CHUNK: int = 32
+    num_warps: int = 4
+    EARLY_READS: bool = True  # the head index and pos read before the PDL wait
+
+
+@dataclass(frozen=True)
+class TopkSettings:
+    """predictor_topk's top-k: method "triton" (topk_triton) or "torch". topk_triton: `block` scores per
+    program of a split row (raised so a row has <= 8 * warps programs); `fused`: one launch with a grid
+    barrier per radix round (CUDA, every program resident) instead of one per round (the default: it does
+    not spin; no cost measured on the H200); `atomic_hist`: digit histograms by global atomics, else
+    tl.histogram."""
+    method: str = "triton"
+    block: int = 1024
+    warps: int = 4
+    fused: bool = False
+    atomic_hist: bool = True
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """predictor_topk's scores: method "triton" (gather_gemv at batch 1) or "torch" (cuBLAS); the blocks
+    of h = x @ a.T ("a") and scores = h @ b.T + bias ("b")."""
+    method: str = "triton"
+    a: GemvBlocks = GemvBlocks(BLOCK_R=1, BLOCK_D=1024, num_warps=8, num_stages=2)
+    b: GemvBlocks = GemvBlocks(BLOCK_R=8, BLOCK_D=256, num_warps=4, num_stages=2)
+
+
+@dataclass(frozen=True)
+class LNSettings:
+    """layer_norm: rows up to MAX_BLOCK in registers, longer ones in CHUNK_BLOCK chunks; WARPS: (largest
+    D, num_warps), first match; BLOCK / num_warps: fixed choices (None: by those rules)."""
+    MAX_BLOCK: int = 16384
+    CHUNK_BLOCK: int = 4096
+    WARPS: tuple = ((2048, 4), (8192, 8), (None, 16))
+    EARLY_WEIGHTS: bool = True  # whole rows: weight and bias loaded before the PDL wait
+    BLOCK: int | None = None
+    num_warps: int | None = None
+
+
+@dataclass(frozen=True)
+class PDLSettings:
+    """Programmatic dependent launch (_common.pdl_args): EARLY kinds trigger the next launch right after
+    their wait, PLAIN kinds launch without PDL."""
+    ENABLED: bool = True
+    EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")
+    PLAIN: tuple = ("pred",)
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Every kernel's settings for one engine (the engine header's target.kernel_settings)."""
+    fc1_gemv: GemvBlocks = GemvBlocks()
+    fc1_dot: DotBlocks = DotBlocks()
+    fc1_dot_min_batch: int = 2  # shared sets from this batch take the tl.dot kernel
+    fc2_gemv: SplitKBlocks = SplitKBlocks(BLOCK_K=16, BLOCK_D=256, num_stages=2, SPLIT=32)
+    fc2_dot: SplitKBlocks = SplitKBlocks()
+    fc2_dot1: SplitKBlocks = SplitKBlocks(TARGET_PROGRAMS=396)  # batch 1: three programs per SM
+    proj1: SplitKBlocks = SplitKBlocks(num_stages=4)  # batch 1, rows gathered per head
+    fc2_dot_min_batch: int = 1
+    qkv: QKVSettings = QKVSettings()
+    qkv_b1: QKVSettings = QKV_B1
+    attn: AttnSettings = AttnSettings()
+    topk: TopkSettings = TopkSettings()
+    scoring: ScoreSettings = ScoreSettings()
+    layer_norm: LNSettings = LNSettings()
+    pdl: PDLSettings = PDLSettings()
+    arch: str | None = None  # the GPU these were resolved for (sm_XY), None: not resolved for one
+
+    def to_dict(self) -> dict:
+        """JSON-ready (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelSettings":
+        """The settings of an engine header; missing fields take the defaults, unknown ones are a DejavuError."""
+        return _from_dict(cls, d, "kernel_settings")
+
+
+def _from_dict(cls, d, where: str):
+    if not isinstance(d, dict):
+        raise DejavuError(f"{where}: expected an object, got {type(d).__name__}")
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise DejavuError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    kw = {}
+    for name, v in d.items():
+        default = getattr(cls(), name)
+        if dataclasses.is_dataclass(default):
+            v = _from_dict(type(default), v, f"{where}.{name}")
+        elif isinstance(default, tuple) and isinstance(v, list):
+            v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        kw[name] = v
+    return cls(**kw)
+
+
+DEFAULT = KernelSettings()
+H200_SMS = 132  # the GPU the defaults were picked on
+
+
+def resolve_kernel_settings(arch: str | None, sm_count: int | None = None) -> KernelSettings:
+    """The settings for a target GPU: the defaults with the grid targets scaled to its SM count
+    and PDL off below sm_90 (no griddepcontrol there). arch None (CPU): the defaults."""
+    if arch is None:
+        return DEFAULT
+    scale = (sm_count or H200_SMS) / H200_SMS
+    r = dataclasses.replace
+
+    def programs(t):
+        return r(t, TARGET_PROGRAMS=max(1, round(t.TARGET_PROGRAMS * scale)))
+
+    major = int(arch.removeprefix("sm_")[:-1] or 0)
+    s = DEFAULT
+    return r(s, fc2_gemv=programs(s.fc2_gemv), fc2_dot=programs(s.fc2_dot), fc2_dot1=programs(s.fc2_dot1),
+             proj1=programs(s.proj1), qkv=programs(s.qkv), qkv_b1=programs(s.qkv_b1),
+             pdl=s.pdl if major >= 9 else r(s.pdl, ENABLED=False), arch=arch)
+
+
+def table(t, config=None) -> dict:
+    """A kernel's settings `t` as a dict, with `config` (a dict of field overrides) applied."""
+    d = dict(vars(t))
+    if config:
+        unknown = sorted(set(config) - set(d))
+        if unknown:
+            raise DejavuError(f"config: unknown key(s) {', '.join(unknown)} (known: {', '.join(d)})")
+        d.update(config)
+    return d

@@ -1,0 +1,295 @@
+"""The Llama-family decoder over engine tensors (compiler/build_llama.py's kernel layout), TEAL sparse.
+
+Same design as the OPT decoder (runtime/decoder.py):
+- `prefill(ids, lengths)`: dense over a right-padded prompt batch, K/V into the cache.
+- `decode_step(tokens, pos)`: one token per sequence; every block projection reads only the
+  input columns with |x_i| > its layer's threshold (`LlamaOps.linear`: masked dense on the
+  CPU path, `plugins/input_sparse` kernels on CUDA); static shapes and no host sync, so one
+  CUDA graph captures it (runtime/graphs.py).
+- `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
+  the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
+Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache,
+fused gate/up, SwiGLU, down. No side stream: TEAL has no predictor to overlap (the thresholds
+are the selection, computed where the input is).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from dejavu.errors import DejavuError
+from dejavu.runtime.spec import DTYPES
+
+INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """Dimensions and the TEAL setting of one Llama engine (all from its header)."""
+
+    config: object  # dejavu.models.llama.LlamaConfig
+    skip: float
+    thresholds: dict  # input -> tuple of L floats
+    dtype: torch.dtype
+    eos_id: int | None
+    bos_id: int | None
+    pad_id: int | None
+
+    def __getattr__(self, name):  # vocab_size, hidden_size, ... read through to the model config
+        if name == "config":
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_positions(self) -> int:
+        c = self.config
+        return min(c.max_position_embeddings, c.sliding_window or c.max_position_embeddings)
+
+
+def llama_spec_from_header(header: dict) -> LlamaSpec:
+    """Validate what the Llama runtime reads from a header; DejavuError naming the bad field."""
+    from dejavu.models.llama import LlamaConfig
+
+    try:
+        cfg = LlamaConfig.from_hf_dict(header.get("model_config"))
+    except DejavuError as e:
+        raise DejavuError(f"engine header: model_config: {e}") from None
+    sp = header.get("sparsity")
+    if not isinstance(sp, dict) or sp.get("method") != "teal":
+        raise DejavuError("engine header: sparsity must be {method: teal, skip, thresholds}")
+    L, th = cfg.num_hidden_layers, sp.get("thresholds") or {}
+    for key in INPUTS:
+        v = th.get(key)
+        if not (isinstance(v, list) and len(v) == L and all(type(t) in (int, float) and t >= 0 for t in v)):
+            raise DejavuError(f"engine header: sparsity.thresholds.{key} must list {L} non-negative numbers")
+    dtype = header.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise DejavuError(f"engine header: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return LlamaSpec(cfg, float(sp.get("skip", 0.0)), {k: tuple(float(t) for t in th[k]) for k in INPUTS},
+                     DTYPES[dtype], cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id)
+
+
+def check_llama_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Names and shapes (engines from memory skip engine_file's checks)."""
+    from dejavu.engine_file import llama_shapes
+
+    for name, shape in llama_shapes(header).items():
+        t = tensors.get(name)
+        if t is None:
+            raise DejavuError(f"engine lacks tensor {name!r}")
+        if list(t.shape) != shape:
+            raise DejavuError(f"engine tensor {name!r} has shape {list(t.shape)}, expected {shape}")
+
+
+class LlamaOps:
+    """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or
+    "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV)."""
+
+    def __init__(self, backend: str, settings: dict | None = None):
+        """settings: the engine's target.kernel_settings["input_sparse"] (InputSparseConfig fields;
+        None: the plugin's defaults)."""
+        if backend not in ("ref", "triton"):
+            raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
+        self.backend = backend
+        self.kernels = {"input_sparse_gemv": backend}
+        self.config = None
+        if backend == "triton":
+            from dejavu.plugins.input_sparse import CONFIG, InputSparseConfig
+            try:
+                self.config = InputSparseConfig(**settings) if settings else CONFIG
+            except TypeError as e:
+                raise DejavuError(f"engine header: target.kernel_settings.input_sparse: {e}") from None
+
+    def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
+        """y [B, M] = x [B, N] with |x| <= t zeroed, @ w_t [N, M]; t 0: the dense product."""
+        if t <= 0:
+            return x @ w_t
+        if self.backend == "ref":
+            from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+            return input_sparse_gemv_ref(x, w_t, t)
+        from dejavu.plugins.input_sparse import input_sparse_gemv, select_inputs
+        idx, count = select_inputs(x, t, config=self.config)
+        return input_sparse_gemv(x, w_t, idx, count, config=self.config)
+
+    def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
+        """The kernel path once against the reference on layer 0's MLP weights (None on "ref")."""
+        if self.backend == "ref" or spec.skip <= 0:
+            return None
+        from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+
+        w = tensors["layers.0.mlp.wgu_t"]
+        x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+        t = spec.thresholds["mlp_in"][0]
+        err = float((self.linear(x, w, t).float() - input_sparse_gemv_ref(x.float(), w.float(), t)).abs().max())
+        scale = float(input_sparse_gemv_ref(x.float(), w.float(), t).abs().max()) or 1.0
+        if not err <= 2e-2 * scale:
+            raise DejavuError(f"input_sparse_gemv disagrees with its reference on this engine (max |diff| {err:.3g})")
+        return {"input_sparse_gemv": round(err, 6)}
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., D]; normalised in fp32, scaled in x's dtype (models/llama.RMSNorm)
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [..., hd]; cos, sin broadcast to it (Hugging Face's half-split rotary layout)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaDecoder:
+    """Weights, static KV cache and the TEAL thresholds of one Llama engine."""
+
+    graph_priority = None  # runtime/graphs.DecodeGraph: capture on the highest-priority stream
+
+    def __init__(self, spec: LlamaSpec, tensors: dict[str, torch.Tensor], device: torch.device, ops: LlamaOps):
+        from dejavu.models.llama import rope_inv_freq
+
+        self.spec, self.t, self.device, self.ops = spec, tensors, device, ops
+        th = spec.thresholds
+        self.layers = [SimpleNamespace(
+            attn_norm=tensors[f"layers.{l}.attn_norm"], mlp_norm=tensors[f"layers.{l}.mlp_norm"],
+            wqkv_t=tensors[f"layers.{l}.attn.wqkv_t"], wo_t=tensors[f"layers.{l}.attn.wo_t"],
+            wgu_t=tensors[f"layers.{l}.mlp.wgu_t"], wd_t=tensors[f"layers.{l}.mlp.wd_t"],
+            t={k: th[k][l] for k in INPUTS}) for l in range(spec.num_layers)]
+        self.lm_head = tensors.get("lm_head", tensors["embed_tokens"])
+        self.inv_freq = rope_inv_freq(spec.config).to(device)  # [hd / 2] fp32
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.batch = self.max_seq = 0
+        self._all = None
+
+    # ------------------------------------------------------------------ cache
+    def setup(self, batch: int, max_seq: int) -> None:
+        """Allocate the static KV cache: per layer k, v: [batch, H_kv, max_seq, hd]."""
+        if (batch, max_seq) == (self.batch, self.max_seq):
+            return
+        self.release()
+        s = self.spec
+        shape = (batch, s.num_key_value_heads, max_seq, s.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=s.dtype, device=self.device) for _ in range(s.num_layers)]
+        self.rows = torch.arange(batch, device=self.device)
+        self.slots = torch.arange(max_seq, device=self.device)
+        self.batch, self.max_seq = batch, max_seq
+        self._all = (self.k_cache, self.v_cache, self.rows, batch)
+
+    def release(self) -> None:
+        self.k_cache, self.v_cache, self._all = [], [], None
+        self.batch = self.max_seq = 0
+
+    def empty_cache(self, rows: torch.Tensor | None = None) -> None:
+        """Start the next sequence at slot 0: nothing to reset (a step reads slots <= pos only,
+        each written before it is read)."""
+
+    def use_rows(self, n: int) -> None:
+        """Decode steps run on the first n rows of the cache `setup` allocated (views, no copy)."""
+        k, v, rows, full = self._all
+        if not 1 <= n <= full:
+            raise ValueError(f"use_rows: n must be in [1, {full}], got {n}")
+        self.k_cache, self.v_cache = [c[:n] for c in k], [c[:n] for c in v]
+        self.rows, self.batch = rows[:n], n
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [...] -> cos, sin: [..., hd] in the engine dtype (angles in fp32)
+        ang = positions[..., None].float() * self.inv_freq
+        ang = torch.cat((ang, ang), dim=-1)
+        return ang.cos().to(self.spec.dtype), ang.sin().to(self.spec.dtype)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] from the last hidden state x [..., D]."""
+        return F.linear(rms_norm(x, self.t["final_norm"], self.spec.rms_norm_eps), self.lm_head)
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        s = self.spec
+        qo, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+        return qkv[..., :qo], qkv[..., qo:qo + kv], qkv[..., qo + kv:]
+
+    def _mlp(self, w, x: torch.Tensor, linear) -> torch.Tensor:
+        # x: [..., D] residual -> x + down(SiLU(gate) * up), each projection thresholded on its input
+        h = rms_norm(x, w.mlp_norm, self.spec.rms_norm_eps)
+        g, u = linear(h, w.wgu_t, w.t["mlp_in"]).chunk(2, dim=-1)
+        return x + linear(F.silu(g) * u, w.wd_t, w.t["down_in"])
+
+    # ------------------------------------------------------------------ decode
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device);
+        writes this token's K/V at slot pos[b] and attends to slots <= pos[b]."""
+        s, lin = self.spec, self.ops.linear
+        B, H, Hkv, hd = tokens.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        G = H // Hkv
+        cos, sin = self._rope(pos)  # [B, hd]
+        valid = self.slots[None, :] <= pos[:, None]  # [B, T]
+        x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
+        for l, w in enumerate(self.layers):
+            h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
+            qkv = lin(h, w.wqkv_t, w.t["attn_in"]).view(B, H + 2 * Hkv, hd)
+            qk = _rotate(qkv[:, :H + Hkv], cos[:, None], sin[:, None])  # q and k heads in one pass
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+            kc, vc = self.k_cache[l], self.v_cache[l]
+            kc[self.rows, :, pos] = k  # [B, Hkv, hd] at slot pos[b]
+            vc[self.rows, :, pos] = v
+            # query head h reads KV head h // G: [B, Hkv, G, hd] against [B, Hkv, T, hd], no repeat
+            sc = (q.view(B, Hkv, G, hd) @ kc.transpose(-1, -2)).float() * hd ** -0.5  # [B, Hkv, G, T]
+            sc = sc.masked_fill(~valid[:, None, None, :], float("-inf"))
+            o = torch.softmax(sc, dim=-1).to(s.dtype) @ vc  # [B, Hkv, G, hd]
+            x = x + lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"])
+            x = self._mlp(w, x, lin)
+        return self.head(x)
+
+    # ------------------------------------------------------------------ sequences
+    def forward_tokens(self, ids: torch.Tensor, sparse: bool = True, write_cache: bool = False,
+                       last: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                       start: int = 0) -> torch.Tensor:
+        """logits for ids [B, S] at positions start..start+S-1: [B, S, V], or [B, V] at `last` [B].
+
+        sparse: each position's projections thresholded on its own inputs (masked dense, the
+        compiler's simulation); False: the dense model (prefill). write_cache: K/V at slots
+        start..start+S-1 of rows `rows` (default 0..B-1); start > 0 attends to the cached slots too."""
+        from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+
+        s = self.spec
+        B, S = ids.shape
+        H, Hkv, hd = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        if start and not write_cache:
+            raise ValueError("forward_tokens: start > 0 needs write_cache (earlier slots come from the cache)")
+        lin = input_sparse_gemv_ref if sparse else (lambda x, w_t, t: x @ w_t)
+        pos = torch.arange(start, start + S, device=ids.device)
+        cos, sin = (c[None, None] for c in self._rope(pos))  # [1, 1, S, hd]
+        x = F.embedding(ids, self.t["embed_tokens"])  # [B, S, D]
+        at = slice(None) if rows is None else rows
+        for l, w in enumerate(self.layers):
+            h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
+            q, k, v = self._split_qkv(lin(h, w.wqkv_t, w.t["attn_in"]))
+            q = _rotate(q.view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
+            k = _rotate(k.view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
+            v = v.view(B, S, Hkv, hd).transpose(1, 2)
+            if write_cache:
+                self.k_cache[l][at, :, start:start + S] = k
+                self.v_cache[l][at, :, start:start + S] = v
+            if start:
+                k, v = self.k_cache[l][at, :, :start + S], self.v_cache[l][at, :, :start + S]
+                mask = torch.arange(start + S, device=ids.device)[None, :] <= pos[:, None]  # [S, start + S]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+            x = x + lin(o.transpose(1, 2).reshape(B, S, H * hd), w.wo_t, w.t["o_in"])
+            x = self._mlp(w, x, lin)
+        if last is not None:
+            x = x[torch.arange(B, device=x.device), last]  # [B, D]
+        return self.head(x)
+
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None = None,
+                start: int = 0) -> torch.Tensor:
+        """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V]."""
+        return self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows, start=start)

@@ -1,0 +1,88 @@
+"""Llama ONNX export (compiler/onnx_llama.py): onnx.checker, ONNX Runtime vs PyTorch (fp32, <= 1e-4),
+dense and TEAL-sparse, prefill and decode."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dejavu.compiler.gated_sparsity import GatedSparsity, calibrate, gated_sparsity
+from dejavu.compiler.onnx_export import check_model, run_onnxruntime
+from dejavu.compiler.onnx_llama import build_llama_graph
+from llama_helpers import tiny_llama
+
+pytest.importorskip("onnxruntime")
+
+VARIANTS = {"gqa_tied": {}, "mha_untied": dict(num_key_value_heads=6, tie_word_embeddings=False),
+            "llama3_rope": dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=16))}
+
+
+def _thresholds(m, skip=0.4):
+    """Per-layer thresholds of m's own activations on random tokens (not the tokens scored)."""
+    from dejavu.compiler.build_llama import INPUTS, _Blocks
+
+    ids = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        cal = calibrate(_Blocks(m), ids)
+    return {k: [cal.threshold(k, l, skip) for l in range(len(m.layers))] for k in INPUTS}
+
+
+def _torch(m, ids, th):
+    if th is None:
+        with torch.no_grad():
+            return m(ids)
+    calib = SimpleNamespace(threshold=lambda key, l, f: th[key][l])
+    with torch.no_grad(), gated_sparsity(m, calib, GatedSparsity(skip=0.4)):
+        return m(ids)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "teal"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_and_decode_equal_pytorch(variant, sparse):
+    m = tiny_llama(seed=2, **VARIANTS[variant])
+    th = _thresholds(m) if sparse else None
+    ids = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(1))
+    ref = _torch(m, ids, th)
+    if sparse:
+        assert (ref - _torch(m, ids, None)).abs().max() > 1e-2  # the masks change the logits
+    pre = check_model(build_llama_graph(m, "prefill", th))
+    out = run_onnxruntime(pre, {"input_ids": ids.numpy()})
+    assert np.abs(out["logits"] - ref.numpy()).max() <= 1e-4
+    Hkv, hd = m.config.num_key_value_heads, m.config.head_dim
+    assert out["present.1.value"].shape == (2, Hkv, 11, hd)
+    # decode: the first 10 tokens' K/V from prefill, then one step at position 10
+    past = run_onnxruntime(pre, {"input_ids": ids[:, :10].numpy()})
+    feeds = {"input_ids": ids[:, 10:].numpy(), "position_ids": np.full((2, 1), 10, np.int64)}
+    for l in range(m.config.num_hidden_layers):
+        for kind in ("key", "value"):
+            feeds[f"past.{l}.{kind}"] = past[f"present.{l}.{kind}"]
+    step = run_onnxruntime(check_model(build_llama_graph(m, "decode", th)), feeds)
+    assert np.abs(step["logits"][:, 0] - ref[:, 10].numpy()).max() <= 1e-4
+    assert step["present.0.key"].shape == (2, Hkv, 11, hd)
+
+
+def test_sparse_graph_masks_every_projection_input_by_name():
+    m = tiny_llama()
+    th = _thresholds(m)
+    names = {n.name for n in build_llama_graph(m, "decode", th).graph.node}
+    for l in range(2):
+        for key in ("attn_in", "o_in", "mlp_in", "down_in"):
+            assert f"layers.{l}.{key}/mask" in names
+        for proj in ("q", "k", "v", "o", "gate", "up", "down"):
+            assert f"layers.{l}.{proj}_proj/MatMul" in names
+    assert not any(n.op_type == "Where" for n in build_llama_graph(m, "decode").graph.node)
+
+
+def test_dejavu_compile_onnx_out_writes_dense_and_sparse_graphs(tmp_path):
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny")
+    s = build_engine(folder, BuildConfig(density=0.6, calib_tokens=256, calib_window=64, dtype="float32"),
+                     tmp_path / "t.engine", progress=False, onnx_out=tmp_path / "onnx")
+    assert s["onnx"]["files"] == ["decode.onnx", "decode.sparse.onnx", "prefill.onnx", "prefill.sparse.onnx"]
+    assert s["onnx"]["max_abs_diff"] <= 1e-4

@@ -1,0 +1,284 @@
+"""Llama-family engines (compiler/build_llama.py → runtime/llama_decoder.py) on the CPU path."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
+from dejavu.engine_file import read_engine, write_engine
+from dejavu.errors import DejavuError
+from dejavu.runtime import Engine
+from llama_helpers import tiny_llama, write_tiny_llama
+
+ATOL = 1e-4
+CALIB = dict(calib_tokens=512, calib_window=128, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(folder, {density: engine path}) for a tiny random GQA Llama (6 query / 2 KV heads, tied head)."""
+    root = tmp_path_factory.mktemp("llama")
+    folder = write_tiny_llama(root / "tiny", seed=3)
+    paths = {}
+    for d in (1.0, 0.6):
+        paths[d] = root / f"d{d}.engine"
+        build_engine(folder, BuildConfig(density=d, **CALIB), paths[d], progress=False)
+    return folder, paths
+
+
+def _model(folder):
+    from dejavu.models.auto import load_llama
+    return load_llama(folder)[0]
+
+
+def _ids(n=2, s=24, seed=0):
+    return torch.randint(0, 320, (n, s), generator=torch.Generator().manual_seed(seed))
+
+
+def test_density_one_is_the_dense_model(built):
+    folder, paths = built
+    eng = Engine.load(paths[1.0])
+    assert type(eng).__name__ == "LlamaEngine" and eng.header["sparsity"]["skip"] == 0.0
+    ids = _ids()
+    with torch.no_grad():
+        ref = _model(folder)(ids)
+    assert (eng.logits(ids) - ref).abs().max() <= ATOL
+    assert (eng.decode_logits(ids) - ref).abs().max() <= ATOL  # cached decode steps = full recompute
+
+
+def test_sparse_logits_equal_the_compilers_simulation(built):
+    """Token-parallel and step-by-step decode both equal gated_sparsity's hooks on the dense model,
+    given the engine's thresholds."""
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+
+    folder, paths = built
+    eng = Engine.load(paths[0.6])
+    th = eng.header["sparsity"]["thresholds"]
+    calib = SimpleNamespace(threshold=lambda key, l, f: th[key][l])
+    model, ids = _model(folder), _ids(seed=1)
+    with torch.no_grad(), gated_sparsity(model, calib, GatedSparsity(skip=eng.header["sparsity"]["skip"])) as reads:
+        sim = model(ids)
+    assert 0.3 < reads.skipped < 0.7  # thresholds from other text still skip about the target
+    assert (eng.logits(ids) - sim).abs().max() <= ATOL
+    assert (eng.decode_logits(ids) - sim).abs().max() <= ATOL
+    with torch.no_grad():
+        assert (model(ids) - sim).abs().max() > 100 * ATOL  # the sparsity changes the logits
+
+
+def test_thresholds_are_the_calibration_texts_quantiles(built):
+    """The header's thresholds are gated_sparsity.calibrate's on the recorded calibration tokens
+    (the shipped WikiText-2 *train* head), at the skip the density maps to."""
+    from dejavu.compiler.build_llama import _Blocks, skip_for_density
+    from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
+    from dejavu.models.auto import load_text_tokenizer
+
+    folder, paths = built
+    header, _ = read_engine(paths[0.6])
+    model, tok = _model(folder), load_text_tokenizer(folder)
+    assert header["build_config"]["calibration"]["corpus"] == "dejavu/data/calib/wikitext2-train-head.txt"
+    ids, _ = corpus_tokens(tok.tokenizer, None, 512, bos_id=tok.bos_id)
+    assert fingerprint_tokens(ids) == header["build_config"]["calibration"]["tokens_fingerprint"]
+    skip = skip_for_density(model.config, 0.6)
+    assert header["sparsity"]["skip"] == pytest.approx(skip, abs=1e-7)
+    with torch.no_grad():
+        cal = calibrate(_Blocks(model), torch.as_tensor(ids, dtype=torch.long).view(4, 128))
+    for key, values in header["sparsity"]["thresholds"].items():
+        assert values == pytest.approx([cal.threshold(key, l, skip) for l in range(2)], rel=1e-6)
+
+
+def test_density_is_the_byte_fraction(built):
+    from dejavu.compiler.build_llama import step_bytes
+
+    _, paths = built
+    h, _ = read_engine(paths[0.6])
+    b = h["build_config"]["bytes_per_token"]
+    assert b["fraction"] == pytest.approx(0.6, abs=1e-5)
+    cfg = tiny_llama().config
+    full = step_bytes(cfg, 4)
+    # every parameter once (the tied head is the embedding: all V rows) plus the token's embedding row
+    n = sum(p.numel() for p in tiny_llama().parameters())
+    assert b["dense"] == full["dense"] == 4 * (n + cfg.hidden_size)
+    assert b["engine"] == round(full["fixed"] + (1 - h["sparsity"]["skip"]) * full["block"])
+
+
+def test_generate_is_greedy_decoding_of_the_dense_model(built):
+    folder, paths = built
+    eng = Engine.load(paths[1.0])
+    prompt = [0, 17, 93, 5]
+    new = eng.generate([prompt], max_new_tokens=6, stop_at_eos=False)[0]
+    model, ids = _model(folder), list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert new == ids[len(prompt):]
+
+
+def test_batched_right_padded_generation_equals_one_by_one(built):
+    eng = Engine.load(built[1][0.6])
+    prompts = [[0, 5, 9, 44, 80, 3, 7], [0, 12]]
+    together = eng.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    alone = [eng.generate([p], max_new_tokens=5, stop_at_eos=False)[0] for p in prompts]
+    assert together == alone
+
+
+def test_engine_survives_save_and_load_and_half_precision(built, tmp_path):
+    header, tensors = read_engine(built[1][0.6])
+    write_engine(tmp_path / "copy.engine", header, tensors)
+    assert (tmp_path / "copy.engine").read_bytes() == built[1][0.6].read_bytes()
+    ids = _ids(1, 12, seed=4)
+    copy = Engine.load(tmp_path / "copy.engine")
+    assert torch.equal(copy.logits(ids), Engine.from_tensors(header, tensors).logits(ids))
+    # fp16 on the dense engine (a sparse one flips inputs at the threshold: not a rounding question)
+    header, tensors = read_engine(built[1][1.0])
+    e32, e16 = Engine.from_tensors(header, tensors), Engine.from_tensors(header, tensors, dtype="float16")
+    assert (e16.decode_logits(ids) - e32.logits(ids)).abs().max() < 0.05
+
+
+def test_bad_llama_headers_and_tensors_are_one_error(built):
+    header, tensors = read_engine(built[1][0.6])
+    bad = json.loads(json.dumps(header))
+    bad["sparsity"]["thresholds"]["o_in"] = [0.1]
+    with pytest.raises(DejavuError, match="thresholds.o_in must list 2"):
+        Engine.from_tensors(bad, tensors)
+    t = dict(tensors)
+    t["layers.1.mlp.wd_t"] = t["layers.1.mlp.wd_t"].T.contiguous()
+    with pytest.raises(DejavuError, match=r"'layers.1.mlp.wd_t' has shape \[48, 80\], expected \[80, 48\]"):
+        Engine.from_tensors(header, t)
+
+
+def test_compile_rejects_what_llama_engines_do_not_do(built, tmp_path):
+    folder, _ = built
+    with pytest.raises(DejavuError, match="--density 0.05 is below the least"):
+        build_engine(folder, BuildConfig(density=0.05, **CALIB), tmp_path / "x.engine", progress=False)
+    with pytest.raises(DejavuError, match="--mlp-density is not supported for Llama"):
+        build_engine(folder, BuildConfig(density=0.6, mlp_density=0.5, **CALIB), tmp_path / "x.engine",
+                     progress=False)
+    assert not (tmp_path / "x.engine").exists()
+
+
+def test_opt_engines_are_unaffected(tiny_opt_dir, tmp_path):
+    """An OPT build's header has no model_family and still loads as the OPT engine."""
+    out = tmp_path / "opt.engine"
+    build_engine(tiny_opt_dir, BuildConfig(density=1.0, no_predictors=True, calib_tokens=256, calib_window=64),
+                 out, progress=False)
+    h, _ = read_engine(out)
+    assert "model_family" not in h and type(Engine.load(out)).__name__ == "Engine"
+
+
+def test_dejavu_run_and_inspect_on_a_llama_engine(built, capsys):
+    from dejavu.compiler.cli import inspect_main
+    from dejavu.runtime.cli import main as run_main
+
+    path = str(built[1][0.6])
+    assert run_main([path, "--prompt", "The game", "--max-new-tokens", "5", "--output-format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)["outputs"][0]
+    want = Engine.load(path).generate(["The game"], 5)[0]
+    assert out["tokens"] == want and len(want) >= 1
+    assert inspect_main([path]) == 0
+    text = capsys.readouterr().out
+    assert "family llama" in text and "teal:" in text and "layers.0.mlp.wgu_t" in text
+    th = read_engine(path)[0]["sparsity"]["thresholds"]
+    assert f"{th['attn_in'][1]:.4f}" in text.splitlines()[8]  # layer 1's row of the threshold table
+
+
+def test_triton_path_under_the_interpreter_equals_the_reference(built):
+    """The decode step through plugins/input_sparse (index lists + row-gather GEMV), run by Triton's
+    interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = f"""
+import json, torch
+from dejavu.runtime import Engine
+ref, tri = Engine.load({str(built[1][0.6])!r}), Engine.load({str(built[1][0.6])!r}, backend="triton")
+ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
+a, b = ref.decode_logits(ids), tri.decode_logits(ids)
+print(json.dumps({{"diff": float((a - b).abs().max()), "check": tri.kernel_check,
+                  "kernels": tri.describe()["kernels"],
+                  "same": ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
+                          == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["kernels"] == {"input_sparse_gemv": "triton"} and r["check"]["input_sparse_gemv"] < 1e-4
+    assert r["diff"] <= ATOL and r["same"]
+
+
+def test_dejavu_compile_bad_density_is_one_line_and_no_file(built, tmp_path, capsys):
+    from dejavu.compiler.cli import main as compile_main
+
+    out = tmp_path / "x.engine"
+    with pytest.raises(SystemExit) as e:
+        compile_main([str(built[0]), "--density", "0.02", "-o", str(out), "-q", "--calib-tokens", "256"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("dejavu: error: --density 0.02 is below")
+    assert not out.exists()
+
+
+def test_kernel_settings_are_read_from_the_header(built):
+    from dejavu.plugins.input_sparse import InputSparseConfig
+    from dejavu.runtime.llama_decoder import LlamaOps
+
+    assert LlamaOps("triton", {"block_m": 16, "block_k": 8}).config == InputSparseConfig(block_m=16, block_k=8)
+    with pytest.raises(DejavuError, match="kernel_settings.input_sparse"):
+        LlamaOps("triton", {"block_q": 4})
+
+
+@pytest.mark.parametrize("over", [dict(tie_word_embeddings=False, num_key_value_heads=6),
+                                  dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                         high_freq_factor=4.0, original_max_position_embeddings=16))],
+                         ids=["untied_mha", "llama3_rope"])
+def test_dense_engine_in_memory_equals_the_model(over):
+    """Untied head, multi-head KV, Llama-3.1 rope scaling: a dense engine (thresholds 0) made from
+    the compiler's layout and header functions equals the model, token-parallel and decoding."""
+    from dejavu.compiler.build_llama import INPUTS, llama_header, llama_tensors
+
+    model = tiny_llama(seed=5, **over)
+    th = {k: [0.0, 0.0] for k in INPUTS}
+    header = llama_header("m", model.config, BuildConfig(density=1.0, dtype="float32"), {"device": "cpu"}, 0.0, th,
+                          None, "")
+    eng = Engine.from_tensors(header, llama_tensors(model, torch.float32))
+    ids = _ids(2, 40, seed=6)
+    with torch.no_grad():
+        ref = model(ids)
+    assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+
+
+def test_serving_scheduler_runs_a_llama_engine(built):
+    """dejavu-serve's scheduler (rows, chunked prefill, continuous batching) on a Llama engine:
+    greedy completions equal Engine.generate's one by one."""
+    import threading
+
+    from dejavu.runtime.scheduler import Request, Scheduler
+
+    eng = Engine.load(built[1][0.6])
+    prompts = [[0, 5, 9, 44, 80, 3, 7, 11, 13], [0, 12], [0, 77, 78]]
+    want = [eng.generate([p], 5, stop_at_eos=False)[0] for p in prompts]
+    sched = Scheduler(eng, max_batch=2, max_queue=8, context=64, prefill_chunk=4)
+    done, got = threading.Event(), {}
+
+    def sink(i):
+        def f(ev):
+            if ev[0] in ("done", "error"):
+                got[i] = ev
+                if len(got) == len(prompts):
+                    done.set()
+        return f
+
+    sched.start()
+    try:
+        sched.submit([Request(p, 5, sink(i), stop_at_eos=False) for i, p in enumerate(prompts)])
+        assert done.wait(120)
+    finally:
+        sched.stop()
+    assert [got[i][0] for i in range(3)] == ["done"] * 3
+    assert [list(got[i][3]) for i in range(3)] == want

@@ -1,0 +1,40 @@
+"""benchmarks/e2e_llama.py's driver on its CPU path (tiny shape, reference ops, HF eager on CPU)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+_spec = importlib.util.spec_from_file_location(
+    "e2e_llama", Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_llama.py")
+e2e_llama = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e_llama)
+
+
+def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
+    from dejavu.compiler.build_llama import density_for_skip, step_bytes
+    from dejavu.models.llama import LlamaConfig
+
+    out = tmp_path / "r.json"
+    assert e2e_llama.main(["--device", "cpu", "--out", str(out), "--prompt-len", "8", "--new-tokens", "5",
+                           "--calib-tokens", "96", "--skip-steps", "4", "--no-smoke",
+                           "--kernel-variants", '[{"block_m": 64}]']) == 0
+    d = json.loads(out.read_text())
+    assert d["errors"] == [] and d["bandwidth"]["copy_GBps"] > 0
+    rows = {r["system"]: r for r in d["results"]}
+    assert set(rows) == {"dense_graph", "teal_s0.25", "teal_s0.4", "teal_s0.5", "teal_s0.5+block_m=64", "hf_eager"}
+    assert rows["teal_s0.5+block_m=64"]["kernel_settings"]["block_m"] == 64
+    from dejavu.plugins.input_sparse import InputSparseConfig
+    assert rows["teal_s0.5"]["kernel_settings"]["block_m"] == InputSparseConfig().block_m  # the default, recorded
+    c = e2e_llama.SHAPES["tiny"]
+    cfg = LlamaConfig.from_hf_dict({**e2e_llama.COMMON, **c})
+    ctx = 8 + 5 // 2
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * ctx * 2
+    assert rows["dense_graph"]["floor_bytes"] == step_bytes(cfg, 2)["dense"] + kv
+    for s in (0.25, 0.4, 0.5):
+        r = rows[f"teal_s{s:g}"]
+        assert r["density"] == pytest.approx(density_for_skip(cfg, s), abs=1e-6)
+        assert abs(r["skip_realized"] - s) < 0.15  # thresholds from other random tokens
+        assert r["floor_bytes"] < rows["dense_graph"]["floor_bytes"] and r["ms_per_step"] > 0 and r["steps"] == 4
+    assert rows["dense_graph"]["skip_realized"] == 0.0

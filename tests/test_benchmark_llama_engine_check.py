@@ -1,0 +1,27 @@
+"""benchmarks/llama_engine_check.py on a tiny fp32 engine: engine and simulation give one perplexity."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "llama_engine_check", Path(__file__).resolve().parents[1] / "benchmarks" / "llama_engine_check.py")
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+
+
+def test_engine_and_simulation_agree_on_a_tiny_fp32_engine(tmp_path):
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny", seed=1)
+    build_engine(folder, BuildConfig(density=0.6, calib_tokens=256, calib_window=64, dtype="float32"),
+                 tmp_path / "t.engine", progress=False)
+    out = tmp_path / "r.json"
+    assert check.main([str(tmp_path / "t.engine"), "--model", str(folder), "--tokens", "256", "--window", "64",
+                       "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["scored_tokens"] == 4 * 63 and r["ppl_engine"] == pytest.approx(r["ppl_simulation"], rel=1e-5)
+    assert r["ppl_simulation"] != pytest.approx(r["ppl_dense"], rel=1e-3)
