@@ -14,6 +14,7 @@ The JSON is rewritten after every run, so an interrupted study keeps what it fin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, calibrate, gated_sparsity
+from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, Reads, calibrate, gated_sparsity
 from dejavu.fileio import atomic_path
 from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, eval_perplexity, load_scoring_model, read_text, text_ids
 from dejavu.runtime.tasks import TASKS, evaluate_task, load_task
@@ -38,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=2048)
+    p.add_argument("--error-tokens", type=int, default=4096,
+                   help="calibration tokens the per-input error curves are measured on (the allocation's input)")
+    p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="include the dense run")
     p.add_argument("--task-runs", nargs="*", default=[], metavar="METHOD@SKIP",
                    help='runs that also get the tasks, e.g. "teal@0.25" ("dense" always does when tasks run)')
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
@@ -81,24 +85,26 @@ def main(argv=None) -> None:
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
 
-    t0 = time.perf_counter()
-    calib_ids = text_ids(sm, read_text(CALIB_FILE), args.calib_tokens)
-    n = calib_ids.numel() // args.window * args.window
-    calib = calibrate(model, calib_ids[:n].view(-1, args.window))
-    res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
-                    "seconds": round(time.perf_counter() - t0, 1)}
     text = read_text(DEFAULT_PPL_FILE)
-    task_runs = set(args.task_runs) | {"dense"}
-    runs = [("dense", 0.0)] + [(m, s) for s in args.levels for m in args.methods]
+    task_runs = set(args.task_runs) | ({"dense"} if args.dense else set())
+    runs = ([("dense", 0.0)] if args.dense else []) + [(m, s) for s in args.levels for m in args.methods]
     if args.no_ppl:  # only the runs that get tasks
         runs = [(m, s) for m, s in runs if ("dense" if m == "dense" else f"{m}@{s:g}") in task_runs]
+    calib = None
+    if any(m != "dense" for m, _ in runs):
+        t0 = time.perf_counter()
+        calib_ids = text_ids(sm, read_text(CALIB_FILE), args.calib_tokens)
+        n = calib_ids.numel() // args.window * args.window
+        calib = calibrate(model, calib_ids[:n].view(-1, args.window), args.error_tokens)
+        res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
+                        "error_tokens": min(n, args.error_tokens), "seconds": round(time.perf_counter() - t0, 1)}
     for method, skip in runs:
         t0 = time.perf_counter()
         name = "dense" if method == "dense" else f"{method}@{skip:g}"
         s = GatedSparsity("teal" if method == "dense" else method, skip)
         row = {"run": name, "method": method, "target_skip": skip}
         res["runs"].append(row)
-        with gated_sparsity(model, calib, s) as reads:
+        with (gated_sparsity(model, calib, s) if calib is not None else contextlib.nullcontext(Reads())) as reads:
             if not args.no_ppl:
                 r = eval_perplexity(sm, text, args.window, args.ppl_tokens, batch=8, progress=False)
                 row.update(realized_skip=round(reads.skipped, 4), perplexity=r["perplexity"],
