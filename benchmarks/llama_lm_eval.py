@@ -45,9 +45,9 @@ def main(argv=None) -> None:
     p.add_argument("--task", default="copa", choices=("copa", "piqa", "openbookqa"))
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--skips", nargs="+", type=float, default=[0.0, 0.25])
-    p.add_argument("--calib-tokens", type=int, default=16384)
-    p.add_argument("--error-tokens", type=int, default=4096)
+    p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--calib-cache", metavar="FILE", help="a calibration saved by llama_sparsity.py --calib-cache")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from lm_eval import simple_evaluate
@@ -58,10 +58,12 @@ def main(argv=None) -> None:
     sm = load_scoring_model(args.model)
     model = sm.info["model"]
     calib = None
-    if any(s > 0 for s in args.skips):
+    if args.calib_cache:
+        calib = torch.load(args.calib_cache, weights_only=False)
+    elif any(s > 0 for s in args.skips):
         ids = text_ids(sm, read_text(CALIB_FILE), args.calib_tokens)
         n = ids.numel() // args.window * args.window
-        calib = calibrate(model, ids[:n].view(-1, args.window), args.error_tokens)
+        calib = calibrate(model, ids[:n].view(-1, args.window))
     lm = DejavuLM(model=sm, batch_size=8)
     res = {"model": args.model, "task": args.task, "argv": vars(args),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}

@@ -6,7 +6,7 @@ For each method of `dejavu.compiler.gated_sparsity` (teal; cats and lowrank were
 commit ab41bba's version of this script and removed) and each target
 fraction of block weight bytes skipped (--levels), the WikiText-2 test perplexity over the first
 --ppl-tokens tokens in windows of --window, and the realized fraction skipped on that text.
-Thresholds and predictors come from --calib-tokens tokens of the shipped calibration text
+Thresholds come from --calib-tokens tokens of the shipped calibration text
 (WikiText-2 *train* head), never from the evaluation text. --task-runs names the runs that
 also get the six shipped tasks (--task-limit examples each), after every run's perplexity.
 The JSON is rewritten after every run, so an interrupted study keeps what it finished.
@@ -38,9 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--levels", nargs="+", type=float, default=[0.25, 0.4, 0.5])
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--calib-tokens", type=int, default=2048)
-    p.add_argument("--error-tokens", type=int, default=4096,
-                   help="calibration tokens the per-input error curves are measured on (the allocation's input)")
+    p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--calib-cache", metavar="FILE", help="load the calibration from FILE if it exists, else save it there")
     p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="include the dense run")
     p.add_argument("--task-runs", nargs="*", default=[], metavar="METHOD@SKIP",
@@ -122,11 +120,11 @@ def _calibration(sm, args, res: dict):
     if cache is not None and cache.is_file():
         calib = torch.load(cache, weights_only=False)
     else:
-        calib = calibrate(sm.info["model"], calib_ids[:n].view(-1, args.window), args.error_tokens)
+        calib = calibrate(sm.info["model"], calib_ids[:n].view(-1, args.window))
         if cache is not None:
             torch.save(calib, cache)
     res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
-                    "error_tokens": min(n, args.error_tokens), "seconds": round(time.perf_counter() - t0, 1)}
+                    "seconds": round(time.perf_counter() - t0, 1)}
     return calib
 
 
