@@ -6,14 +6,15 @@ For each method of `dejavu.compiler.gated_sparsity` (teal; cats and lowrank were
 commit ab41bba's version of this script and removed) and each target
 fraction of block weight bytes skipped (--levels), the WikiText-2 test perplexity over the first
 --ppl-tokens tokens in windows of --window, and the realized fraction skipped on that text.
-Thresholds and predictors come from --calib-tokens tokens of the shipped calibration text
+Thresholds come from --calib-tokens tokens of the shipped calibration text
 (WikiText-2 *train* head), never from the evaluation text. --task-runs names the runs that
-also get the six shipped tasks (--task-limit examples each); "dense" is always one of them.
+also get the six shipped tasks (--task-limit examples each), after every run's perplexity.
 The JSON is rewritten after every run, so an interrupted study keeps what it finished.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, calibrate, gated_sparsity
+from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, Reads, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
 from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
@@ -36,9 +37,11 @@ def parse_args(argv=None):
     p.add_argument("--levels", nargs="+", type=float, default=[0.25, 0.4, 0.5])
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--calib-tokens", type=int, default=2048)
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--calib-cache", metavar="FILE", help="load the calibration from FILE if it exists, else save it there")
+    p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="include the dense run")
     p.add_argument("--task-runs", nargs="*", default=[], metavar="METHOD@SKIP",
-                   help='runs that also get the tasks, e.g. "teal@0.25" ("dense" always does when tasks run)')
+                   help='runs that also get the tasks, e.g. "dense teal@0.25"')
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--task-limit", type=int, default=0, help="examples per task (0: no tasks)")
     p.add_argument("--no-ppl", action="store_true", help="tasks only (with --task-limit)")
@@ -80,35 +83,60 @@ def main(argv=None) -> None:
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
 
+    text = read_text(WIKITEXT2_TEST)
+    task_runs = set(args.task_runs)
+    runs = ([("dense", 0.0)] if args.dense else []) + [(m, s) for s in args.levels for m in args.methods]
+    if args.no_ppl:  # only the runs that get tasks
+        runs = [(m, s) for m, s in runs if ("dense" if m == "dense" else f"{m}@{s:g}") in task_runs]
+    calib = None
+    if any(m != "dense" for m, _ in runs):
+        calib = _calibration(sm, args, res)
+    def ppl(row):
+        r = eval_perplexity(sm, text, args.window, args.ppl_tokens, batch=8, progress=False)
+        row.update(perplexity=r["perplexity"], ppl_tokens=r["tokens"], window=args.window)
+
+    rows = {}
+    for method, skip in runs:  # perplexity of every run first, then the tasks (the long part)
+        name = "dense" if method == "dense" else f"{method}@{skip:g}"
+        rows[name] = {"run": name, "method": method, "target_skip": skip}
+        res["runs"].append(rows[name])
+        if not args.no_ppl:
+            _run(model, calib, method, skip, rows[name], save, ppl, "realized_skip")
+    for method, skip in runs:
+        name = "dense" if method == "dense" else f"{method}@{skip:g}"
+        if args.task_limit and name in task_runs:
+            rows[name]["tasks"] = {}
+            _run(model, calib, method, skip, rows[name], save,
+                 lambda row: _tasks(sm, args.tasks, args.task_limit, row["tasks"], save), "tasks_realized_skip")
+
+
+def _calibration(sm, args, res: dict):
+    """Calibrate on the shipped calibration text (or load --calib-cache written by an earlier run)."""
     t0 = time.perf_counter()
     calib_ids = text_ids(sm, read_text(CALIB_TEXT), args.calib_tokens)
     n = calib_ids.numel() // args.window * args.window
-    calib = calibrate(model, calib_ids[:n].view(-1, args.window))
+    cache = Path(args.calib_cache) if args.calib_cache else None
+    if cache is not None and cache.is_file():
+        calib = torch.load(cache, weights_only=False)
+    else:
+        calib = calibrate(sm.info["model"], calib_ids[:n].view(-1, args.window))
+        if cache is not None:
+            torch.save(calib, cache)
     res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
                     "seconds": round(time.perf_counter() - t0, 1)}
-    text = read_text(WIKITEXT2_TEST)
-    task_runs = set(args.task_runs) | {"dense"}
-    runs = [("dense", 0.0)] + [(m, s) for s in args.levels for m in args.methods]
-    if args.no_ppl:  # only the runs that get tasks
-        runs = [(m, s) for m, s in runs if ("dense" if m == "dense" else f"{m}@{s:g}") in task_runs]
-    for method, skip in runs:
-        t0 = time.perf_counter()
-        name = "dense" if method == "dense" else f"{method}@{skip:g}"
-        s = GatedSparsity("teal" if method == "dense" else method, skip)
-        row = {"run": name, "method": method, "target_skip": skip}
-        res["runs"].append(row)
-        with gated_sparsity(model, calib, s) as reads:
-            if not args.no_ppl:
-                r = eval_perplexity(sm, text, args.window, args.ppl_tokens, batch=8, progress=False)
-                row.update(realized_skip=round(reads.skipped, 4), perplexity=r["perplexity"],
-                           ppl_tokens=r["tokens"], window=args.window)
-            if args.task_limit and name in task_runs:
-                row["tasks"] = {}
-                _tasks(sm, args.tasks, args.task_limit, row["tasks"], save)
-                row["tasks_realized_skip"] = round(reads.skipped, 4)  # ppl text + task texts
-        row["seconds"] = round(time.perf_counter() - t0, 1)
-        print(json.dumps({k: v for k, v in row.items() if k != "tasks"}), flush=True)
-        save()
+    return calib
+
+
+def _run(model, calib, method, skip, row: dict, save, body, skip_key: str) -> None:
+    """body(row) with the setting applied; the realized skip on what it evaluated into row[skip_key]."""
+    t0 = time.perf_counter()
+    s = GatedSparsity("teal" if method == "dense" else method, skip)
+    with (gated_sparsity(model, calib, s) if calib is not None and skip > 0 else contextlib.nullcontext(Reads())) as reads:
+        body(row)
+    row[skip_key] = round(reads.skipped, 4)
+    row[skip_key.replace("realized_skip", "seconds")] = round(time.perf_counter() - t0, 1)
+    print(json.dumps({k: v for k, v in row.items() if k != "tasks"}), flush=True)
+    save()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ fraction on another.
 
 Measured against two other methods on SmolLM2-135M (docs/llama.md): CATS (thresholds on
 |SiLU(gate)|, up/down sparse) and a rank-64 least-squares gate predictor picking top-k
-neurons; both lost at every budget and were removed (commit ab41bba holds them).
+neurons; both lost at every budget and were removed (commit ab41bba holds them). A greedy
+allocation of the budget over layers and inputs (TEAL's, from per-input error curves measured at
+calibration) lost to the uniform level on held-out calibration text and was removed (commit
+7896f4d holds it; docs/llama.md).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from dejavu.errors import DejavuError
 
 METHODS = ("teal",)
+KEYS = ("attn_in", "o_in", "mlp_in", "down_in")  # the projection inputs, in layer order
 LEVELS = torch.linspace(0.0, 0.99, 100)  # quantile grid of the calibration tables
 
 
@@ -69,7 +73,7 @@ class Calibration:
 def calibrate(model, ids: torch.Tensor) -> Calibration:
     """Quantile tables of every projection input from one dense forward of ids [B, S]."""
     L = len(model.layers)
-    tables = {k: torch.zeros(L, len(LEVELS)) for k in ("attn_in", "o_in", "mlp_in", "down_in")}
+    tables = {k: torch.zeros(L, len(LEVELS)) for k in KEYS}
     handles = []
 
     def record(key, l, x):
@@ -92,6 +96,18 @@ def calibrate(model, ids: torch.Tensor) -> Calibration:
         for h in handles:
             h.remove()
     return Calibration(tables)
+
+
+def thresholds(calib: Calibration, skip: float) -> dict[str, list[float]]:
+    """Per-layer magnitude thresholds of each input for a target `skip`: {key in KEYS: [L]}.
+
+    A token's entry x_i with |x_i| <= threshold is skipped (the column W[:, i] of every
+    projection reading that input is left unread); 0.0 (skip 0) keeps every non-zero entry.
+    Every input skips the fraction `skip` of its calibration activations."""
+    if not 0.0 <= skip < 1.0:
+        raise DejavuError(f"skip must be in [0, 1), got {skip}")
+    L = calib.tables[KEYS[0]].shape[0]
+    return {k: [calib.threshold(k, l, skip) if skip > 0 else 0.0 for l in range(L)] for k in KEYS}
 
 
 @dataclass
@@ -125,21 +141,21 @@ def gated_sparsity(model, calib: Calibration, s: GatedSparsity):
     reads = Reads()
     handles = []
 
-    def pre(key, l, nbytes):
-        t = calib.threshold(key, l, s.skip)
+    def pre(t, nbytes):
         return lambda m, a: (_input_mask(a[0], t, reads, nbytes),) + tuple(a[1:])
 
     if s.skip > 0:
+        t = thresholds(calib, s.skip)
         for l, layer in enumerate(model.layers):
             at, mlp = layer.self_attn, layer.mlp
             # q, k, v read one masked input (counted once, at q); so do gate and up (at gate)
-            handles += [at.q_proj.register_forward_pre_hook(pre("attn_in", l, b["attn_in"])),
-                        at.k_proj.register_forward_pre_hook(_masked(calib.threshold("attn_in", l, s.skip))),
-                        at.v_proj.register_forward_pre_hook(_masked(calib.threshold("attn_in", l, s.skip))),
-                        at.o_proj.register_forward_pre_hook(pre("o_in", l, b["o_in"])),
-                        mlp.gate_proj.register_forward_pre_hook(pre("mlp_in", l, b["gate"] + b["up"])),
-                        mlp.up_proj.register_forward_pre_hook(_masked(calib.threshold("mlp_in", l, s.skip))),
-                        mlp.down_proj.register_forward_pre_hook(pre("down_in", l, b["down"]))]
+            handles += [at.q_proj.register_forward_pre_hook(pre(t["attn_in"][l], b["attn_in"])),
+                        at.k_proj.register_forward_pre_hook(_masked(t["attn_in"][l])),
+                        at.v_proj.register_forward_pre_hook(_masked(t["attn_in"][l])),
+                        at.o_proj.register_forward_pre_hook(pre(t["o_in"][l], b["o_in"])),
+                        mlp.gate_proj.register_forward_pre_hook(pre(t["mlp_in"][l], b["gate"] + b["up"])),
+                        mlp.up_proj.register_forward_pre_hook(_masked(t["mlp_in"][l])),
+                        mlp.down_proj.register_forward_pre_hook(pre(t["down_in"][l], b["down"]))]
     try:
         yield reads
     finally:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dejavu.compiler.gated_sparsity import GatedSparsity, Reads, calibrate, gated_sparsity, projection_bytes
+from dejavu.compiler.gated_sparsity import (KEYS, GatedSparsity, Reads, calibrate, gated_sparsity, projection_bytes,
+                                            thresholds)
 from dejavu.errors import DejavuError
 from dejavu.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -84,3 +85,13 @@ def test_byte_budget_and_errors():
     calib = calibrate(LlamaForCausalLM(cfg).eval(), torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(DejavuError, match="calibrated range"):
         calib.threshold("mlp_in", 0, 0.995)
+
+
+def test_thresholds_per_layer_and_input(setup):
+    _, _, calib = setup
+    t = thresholds(calib, 0.4)
+    assert set(t) == set(KEYS) and all(len(v) == 2 for v in t.values())
+    assert t["down_in"][1] == calib.threshold("down_in", 1, 0.4) > 0.0
+    assert thresholds(calib, 0.0)["mlp_in"] == [0.0, 0.0]
+    with pytest.raises(DejavuError, match="skip must be"):
+        thresholds(calib, 1.0)
