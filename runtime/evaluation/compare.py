@@ -91,6 +91,21 @@ def source_model(header: dict) -> str | None:
     return None
 
 
+def dense_from_header(header: dict) -> str:
+    """The dense model to compare with, from the header: a preset, a hub id or a path that exists
+    here. An engine built from a folder records only the folder's base name (no local paths in
+    the file), which names nothing on its own: then --dense is needed, said in one line."""
+    from dejavu.models.presets import GGUF_PRESETS, PRESETS
+
+    name = source_model(header)
+    if name is None:
+        raise DejavuError("the engine header does not name its dense model; pass --dense MODEL")
+    if name in PRESETS or name in GGUF_PRESETS or Path(name).expanduser().exists() or name.count("/") == 1:
+        return name
+    raise DejavuError(f"the engine records its dense model as {name!r} (a folder's base name), which is "
+                      "neither a preset nor a path here; pass --dense MODEL")
+
+
 def find_onnx(folder: str | None) -> tuple[Path | None, Path | None]:
     """(dense, sparse) full-sequence ONNX graphs of an --onnx-dir.
 
@@ -347,9 +362,7 @@ def main(argv=None) -> int:
     from dejavu.datafiles import WIKITEXT2_TEST
     from dejavu.runtime.evaluation.evaluate import read_text
 
-    dense = args.dense or source_model(read_header(args.engine))
-    if dense is None:
-        raise DejavuError("the engine header does not name its dense model; pass --dense MODEL")
+    dense = args.dense or dense_from_header(read_header(args.engine))
     text = read_text(args.text or WIKITEXT2_TEST)
     report = run_comparison(args.engine, dense, args.onnx_dir, s, atol, rtol, text)
     print(json.dumps(report, indent=2, sort_keys=True) if args.json else format_report(report))

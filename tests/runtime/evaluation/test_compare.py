@@ -129,3 +129,15 @@ def test_usage_errors(engines, argv, match):
 
 def test_parse_tolerance():
     assert parse_tolerance(["0.5", "logprobs:1e-2"], 1e-3, "--atol") == {"": 0.5, "logprobs": 0.01}
+
+
+def test_dense_model_from_the_header():
+    from dejavu.runtime.evaluation.compare import dense_from_header
+
+    assert dense_from_header({"model": "opt-mini"}) == "opt-mini"  # a preset
+    assert dense_from_header({"model": "facebook/opt-125m"}) == "facebook/opt-125m"  # a hub id
+    # a folder's base name (what dejavu-compile records for a folder) names nothing here: one line
+    with pytest.raises(DejavuError, match="a folder's base name.*pass --dense MODEL"):
+        dense_from_header({"model": "my-finetuned-opt"})
+    with pytest.raises(DejavuError, match="does not name its dense model"):
+        dense_from_header({"build_config": {}})
