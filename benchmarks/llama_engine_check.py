@@ -17,7 +17,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -48,7 +47,7 @@ def main(argv=None) -> int:
     text = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
     ids = torch.tensor(tok.encode(text[: 40 * a.tokens])[: a.tokens // a.window * a.window]).view(-1, a.window)
     sp = eng.header["sparsity"]
-    calib = SimpleNamespace(threshold=lambda key, l, f: sp["thresholds"][key][l])
+    calib = sp["thresholds"]  # the engine's thresholds, {key: [L]}
     with torch.no_grad():
         dense = perplexity(model(ids), ids)
         with gated_sparsity(model, calib, GatedSparsity(skip=sp["skip"])) as reads:

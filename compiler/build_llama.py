@@ -105,7 +105,7 @@ def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, d
     """({input: [L] thresholds}, calibration header) from the calibration text."""
     from dejavu.compiler.build import _corpus_name
     from dejavu.compiler.config import CalibSettings
-    from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.compiler.gated_sparsity import calibrate, thresholds as gated_thresholds
     from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
 
     cfg = model.config
@@ -117,9 +117,7 @@ def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, d
         raise DejavuError(f"--calib-tokens {want} is less than one window of {window} tokens")
     ids = torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device)
     calib = calibrate(_Blocks(model), ids)
-    L = cfg.num_hidden_layers
-    thresholds = {k: [round(calib.threshold(k, l, skip), 8) if skip > 0 else 0.0 for l in range(L)]
-                  for k in INPUTS}
+    thresholds = {k: [round(t, 8) for t in ts] for k, ts in gated_thresholds(calib, skip).items() if k in INPUTS}
     header = {"corpus": _corpus_name(corpus), "n_tokens": n, "window": window,
               "tokens_fingerprint": fingerprint_tokens(ids.cpu().numpy().reshape(-1))}
     return thresholds, header
@@ -216,8 +214,6 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
 def _export_onnx(model, thresholds: dict, skip: float, out_dir: Path) -> dict:
     """Dense and sparse graphs; the sparse prefill checked in ONNX Runtime against the masked-dense
     PyTorch model (compiler/gated_sparsity's hooks with these thresholds)."""
-    from types import SimpleNamespace
-
     from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
     from dejavu.compiler.onnx_llama import build_llama_graph, export_llama_onnx
     from dejavu.compiler.onnx_export import run_onnxruntime
@@ -234,8 +230,7 @@ def _export_onnx(model, thresholds: dict, skip: float, out_dir: Path) -> dict:
                               {"input_ids": ids.numpy()})["logits"]
     except ImportError:
         return report  # onnxruntime not installed
-    calib = SimpleNamespace(threshold=lambda key, l, f: thresholds[key][l])
-    with torch.no_grad(), gated_sparsity(m32, calib, GatedSparsity(skip=skip)):
+    with torch.no_grad(), gated_sparsity(m32, thresholds, GatedSparsity(skip=skip)):
         ref = m32(ids)
     report["max_abs_diff"] = float(abs(torch.from_numpy(got) - ref).max())
     return report

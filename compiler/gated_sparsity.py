@@ -135,8 +135,11 @@ def _masked(t: float):
 
 
 @contextlib.contextmanager
-def gated_sparsity(model, calib: Calibration, s: GatedSparsity):
-    """Apply setting `s` to a LlamaForCausalLM while the context is open; yields a `Reads`."""
+def gated_sparsity(model, calib: Calibration | dict, s: GatedSparsity):
+    """Apply setting `s` to a LlamaForCausalLM while the context is open; yields a `Reads`.
+
+    calib: a Calibration (the thresholds of s.skip are taken from it), or thresholds already
+    chosen, {key in KEYS: [L]} (an engine header's `sparsity.thresholds`)."""
     b = projection_bytes(model.config)
     reads = Reads()
     handles = []
@@ -145,7 +148,7 @@ def gated_sparsity(model, calib: Calibration, s: GatedSparsity):
         return lambda m, a: (_input_mask(a[0], t, reads, nbytes),) + tuple(a[1:])
 
     if s.skip > 0:
-        t = thresholds(calib, s.skip)
+        t = calib if isinstance(calib, dict) else thresholds(calib, s.skip)
         for l, layer in enumerate(model.layers):
             at, mlp = layer.self_attn, layer.mlp
             # q, k, v read one masked input (counted once, at q); so do gate and up (at gate)
