@@ -296,11 +296,12 @@ def test_mlp_targets_are_chunked_bfloat16_within_the_calibration_bound():
 def test_half_compute_keeps_the_weights_and_the_predictor_shapes(tiny_opt_dir, tmp_path):
     """--compute-dtype bfloat16: the layout still comes from the stored weights (identical dense
     tensors); only the calibration forward, hence the predictors, differ (same shapes, and on
-    this random model a held-out recall within 0.1 of float32's)."""
-    s32 = build_engine(tiny_opt_dir, BuildConfig(density=0.7, dtype="float32", **QUICK), tmp_path / "a.engine",
-                       progress=False)
-    s16 = build_engine(tiny_opt_dir, BuildConfig(density=0.7, dtype="float32", compute_dtype="bf16", **QUICK),
-                       tmp_path / "b.engine", progress=False)
+    this random model a held-out recall within 0.1 of float32's at the same K: both kinds' K are
+    fixed and spread evenly, since predictors that differ may spend a budget differently)."""
+    fixed = dict(mlp_density=0.6, attn_density=0.75, allocation="uniform", dtype="float32", **QUICK)
+    s32 = build_engine(tiny_opt_dir, BuildConfig(**fixed), tmp_path / "a.engine", progress=False)
+    s16 = build_engine(tiny_opt_dir, BuildConfig(**fixed, compute_dtype="bf16"), tmp_path / "b.engine", progress=False)
+    assert (s32["mlp_k"], s32["attn_k"]) == (s16["mlp_k"], s16["attn_k"])
     ha, ta = read_engine(tmp_path / "a.engine")
     hb, tb = read_engine(tmp_path / "b.engine")
     assert hb["build_config"]["settings"]["compute_dtype"] == "bfloat16"
