@@ -3,7 +3,10 @@
 Importing this package does not import Triton (kernels are compiled on first launch), so
 the references work on a CPU-only install. See docs/kernels.md.
 """
-from dejavu.plugins.layer_norm import layer_norm, layer_norm_ref
+from dejavu.plugins._common import pdl_args
+from dejavu.plugins.input_sparse import (CONFIG as INPUT_SPARSE_CONFIG, InputSparseConfig, input_sparse_gemv,
+                                         input_sparse_gemv_ref, select_inputs)
+from dejavu.plugins.layer_norm import PendingLN, from_stats_ref, layer_norm, layer_norm_ref, pending_ln
 from dejavu.plugins.predictor import (predictor_scores, predictor_topk, predictor_topk_ref,
                                       predictor_topk_shared)
 from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_decode_ref
@@ -16,8 +19,9 @@ from dejavu.plugins.refresh_heads import refresh_heads, refresh_heads_ref, refre
 from dejavu.plugins.settings import DEFAULT, KernelSettings, resolve_kernel_settings
 
 __all__ = [
-    "DEFAULT", "KernelSettings", "resolve_kernel_settings",
-    "layer_norm", "layer_norm_ref",
+    "DEFAULT", "KernelSettings", "resolve_kernel_settings", "pdl_args",
+    "INPUT_SPARSE_CONFIG", "InputSparseConfig", "input_sparse_gemv", "input_sparse_gemv_ref", "select_inputs",
+    "PendingLN", "from_stats_ref", "layer_norm", "layer_norm_ref", "pending_ln",
     "predictor_scores", "predictor_topk", "predictor_topk_ref", "predictor_topk_shared",
     "hist_slots", "recompute_kv", "recompute_kv_ref", "refresh_heads", "refresh_heads_ref", "refresh_route",
     "sparse_attn_decode", "sparse_attn_decode_ref", "sparse_attn_decode_deferred", "sparse_attn_decode_deferred_ref",

@@ -101,7 +101,7 @@ class LlamaOps:
         self.kernels = {"input_sparse_gemv": backend}
         self.config = None
         if backend == "triton":
-            from dejavu.plugins.input_sparse import CONFIG, InputSparseConfig
+            from dejavu.plugins import INPUT_SPARSE_CONFIG as CONFIG, InputSparseConfig
             try:
                 self.config = InputSparseConfig(**settings) if settings else CONFIG
             except TypeError as e:
@@ -112,9 +112,9 @@ class LlamaOps:
         if t <= 0:
             return x @ w_t
         if self.backend == "ref":
-            from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+            from dejavu.plugins import input_sparse_gemv_ref
             return input_sparse_gemv_ref(x, w_t, t)
-        from dejavu.plugins.input_sparse import input_sparse_gemv, select_inputs
+        from dejavu.plugins import input_sparse_gemv, select_inputs
         idx, count = select_inputs(x, t, config=self.config)
         return input_sparse_gemv(x, w_t, idx, count, config=self.config)
 
@@ -122,7 +122,7 @@ class LlamaOps:
         """The kernel path once against the reference on layer 0's MLP weights (None on "ref")."""
         if self.backend == "ref" or spec.skip <= 0:
             return None
-        from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+        from dejavu.plugins import input_sparse_gemv_ref
 
         w = tensors["layers.0.mlp.wgu_t"]
         x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
@@ -256,7 +256,7 @@ class LlamaDecoder:
         sparse: each position's projections thresholded on its own inputs (masked dense, the
         compiler's simulation); False: the dense model (prefill). write_cache: K/V at slots
         start..start+S-1 of rows `rows` (default 0..B-1); start > 0 attends to the cached slots too."""
-        from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+        from dejavu.plugins import input_sparse_gemv_ref
 
         s = self.spec
         B, S = ids.shape
