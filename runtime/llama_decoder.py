@@ -92,20 +92,14 @@ class LlamaOps:
     """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or
     "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV)."""
 
-    def __init__(self, backend: str, settings: dict | None = None):
-        """settings: the engine's target.kernel_settings["input_sparse"] (InputSparseConfig fields;
-        None: the plugin's defaults)."""
+    def __init__(self, backend: str, settings=None):
+        """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
+        target.kernel_settings where they fit this GPU; their `input_sparse` blocks; None: DEFAULT)."""
         if backend not in ("ref", "triton"):
             raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
         self.backend = backend
         self.kernels = {"input_sparse_gemv": backend}
-        self.config = None
-        if backend == "triton":
-            from dejavu.plugins import INPUT_SPARSE_CONFIG as CONFIG, InputSparseConfig
-            try:
-                self.config = InputSparseConfig(**settings) if settings else CONFIG
-            except TypeError as e:
-                raise DejavuError(f"engine header: target.kernel_settings.input_sparse: {e}") from None
+        self.settings = settings
 
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
         """y [B, M] = x [B, N] with |x| <= t zeroed, @ w_t [N, M]; t 0: the dense product."""
@@ -115,8 +109,8 @@ class LlamaOps:
             from dejavu.plugins import input_sparse_gemv_ref
             return input_sparse_gemv_ref(x, w_t, t)
         from dejavu.plugins import input_sparse_gemv, select_inputs
-        idx, count = select_inputs(x, t, config=self.config)
-        return input_sparse_gemv(x, w_t, idx, count, config=self.config)
+        idx, count = select_inputs(x, t, settings=self.settings)
+        return input_sparse_gemv(x, w_t, idx, count, settings=self.settings)
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference on layer 0's MLP weights (None on "ref")."""
