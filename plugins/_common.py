@@ -294,5 +294,14 @@ def dot_fp32(dtype, device) -> bool:
     return dtype == torch.float32 or (device.type == "cpu" and dtype == torch.bfloat16)
 
 
+def expand_idx(idx, batch) -> torch.Tensor:
+    """An index set [K] (shared) or [B, K] as int64 [batch, K] (the references)."""
+    return idx.long().expand(batch, -1) if idx.dim() == 1 else idx.long()
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

@@ -24,7 +24,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_pos, check_tensor, default_validate,
-                                    gdc_enter, jit, next_pow2, pdl_args, pos_rows)
+                                    expand_idx, gdc_enter, jit, next_pow2, pdl_args, pos_rows)
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
 from dejavu.plugins.qkv_partial import _qkv_cfg, _shared_qkv, launch_qkv
 from dejavu.plugins.refresh_heads import refresh_route
@@ -76,7 +76,7 @@ def _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, va
 def _mark_valid(valid_len, head_idx, pos_t):
     """valid_len[b, head_idx[b, j]] = pos[b] + 1 (scatter_: static shapes, no sync)."""
     B = valid_len.shape[0]
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
+    heads = expand_idx(head_idx, B)
     val = (pos_t.reshape(-1, 1).to(torch.int32) + 1).expand(B, heads.shape[1])
     valid_len.scatter_(1, heads, val)
 
@@ -121,7 +121,7 @@ def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, po
     """PyTorch reference of recompute_kv (same in-place updates); any device/dtype."""
     B = x_hist.shape[0]
     p = pos_rows(pos, B, x_hist.device)
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
+    heads = expand_idx(head_idx, B)  # [B, Kh]
     if heads.shape[1] == 0:
         return
     start = torch.minimum(valid_len.long().gather(1, heads), p[:, None])  # [B, Kh]
@@ -225,7 +225,7 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
     recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p)
     if refresh is not None:
         recompute_kv_ref(x_hist, wkv, bkv, refresh[refresh >= 0], k_cache, v_cache, valid_len, p)
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
+    heads = expand_idx(head_idx, B)  # [B, Kh]
     rows = torch.arange(B, device=x_ln.device)[:, None]
     q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[heads], x_ln) + bq.view(H, hd)[heads]
     visible = torch.arange(S, device=x_ln.device)[None, :] <= p[:, None]  # [B, S]

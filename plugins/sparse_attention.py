@@ -35,7 +35,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_pos, check_tensor,
-                                    default_validate, gdc_enter, helper, jit, next_pow2, pdl_args, pos_rows)
+                                    default_validate, expand_idx, gdc_enter, helper, jit, next_pow2, pdl_args, pos_rows)
 from dejavu.plugins.fc1 import gather_gemv
 from dejavu.plugins.fc2 import gather_gemv_t
 from dejavu.plugins.settings import DEFAULT, table
@@ -426,7 +426,7 @@ def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, 
     visible = torch.arange(S, device=x_ln.device)[None, :] <= p_idx[:, None]  # [B, S]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     o = torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v_cache)
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
+    heads = expand_idx(head_idx, B)
     keep = torch.zeros(B, H, dtype=o.dtype, device=o.device).scatter_(1, heads, 1.0)
     y = (o * keep[:, :, None]).reshape(B, -1) @ wo_t + bo
     return y if residual is None else y + residual
