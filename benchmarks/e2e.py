@@ -176,19 +176,6 @@ def _no_predictors_random(eng):
     return lambda: setattr(pred, "topk", old)
 
 
-def _both(*fs):
-    """Several ablations in one row (undone in reverse)."""
-    def apply(eng):
-        undos = [f(eng) for f in fs]
-
-        def undo():
-            for u in reversed(undos):
-                if u:
-                    u()
-        return undo
-    return apply
-
-
 # Ablation rows (--ablations): the shipped path with one thing changed each, the few that explain it.
 # The *_nooverlap and *_fullkv systems (predictors inline, K/V of every head) and the dense graph are
 # systems of their own, not ablations. Modes that were measured slower and deleted: BENCHMARKS.md.

@@ -124,12 +124,13 @@ def random_model(c: dict, dtype, dev, seed: int = 0):
 def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=None, variants=(),
             variant_skip: float = 0.5) -> tuple[list, dict]:
     """[(system, skip, LlamaEngine)] sharing one weight set (skip 0: the dense graph), then one engine
-    per kernel-settings variant (InputSparseConfig fields over the defaults, recorded in the header
+    per kernel-settings variant (InputSparseSettings fields over the defaults, recorded in the header
     as a build would) at variant_skip; and the calibration record."""
     import dataclasses
 
     from dejavu.compiler.config import BuildConfig
-    from dejavu.plugins.input_sparse import CONFIG
+    from dejavu.compiler.build import target_info
+    from dejavu.plugins import InputSparseSettings
     from dejavu.compiler.build_llama import (INPUTS, _Blocks, density_for_skip, llama_header, llama_tensors)
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.runtime import Engine
@@ -150,7 +151,9 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
     for system, s, variant in runs:
         th = {k: [cal.threshold(k, l, s) if s > 0 else 0.0 for l in range(cfg.num_hidden_layers)] for k in INPUTS}
         bc = BuildConfig(density=min(1.0, round(density_for_skip(cfg, s), 6)), dtype=dname)
-        target = {"device": dev.type, "kernel_settings": {"input_sparse": {**dataclasses.asdict(CONFIG), **variant}}}
+        target = target_info(str(dev))  # the settings a build records, the variant's input_sparse fields over them
+        ks = target["kernel_settings"] or {"input_sparse": dataclasses.asdict(InputSparseSettings())}
+        target["kernel_settings"] = {**ks, "input_sparse": {**ks["input_sparse"], **variant}}
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, s, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
@@ -323,7 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=None, help="default llama-3-8b,llama-3-70b-tp8 (cpu: tiny)")
     p.add_argument("--skips", default="0.25,0.4,0.5", help="fractions of every projection input skipped")
     p.add_argument("--kernel-variants", default='[{"block_m": 64}, {"block_k": 64}, {"target_programs": 1056}]',
-                   help="JSON list of InputSparseConfig fields, each an extra engine at --variant-skip ('[]': none)")
+                   help="JSON list of InputSparseSettings fields (KernelSettings.input_sparse), each an extra engine at --variant-skip ('[]': none)")
     p.add_argument("--variant-skip", type=float, default=0.5)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

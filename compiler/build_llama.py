@@ -174,12 +174,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     from dejavu.models.auto import load_llama, load_text_tokenizer
 
     out = _check_output(out)
-    target = target_info(config.device)
-    if target["device"] == "cuda":  # the input-sparse kernels' blocks, read back by the runtime
-        import dataclasses
-
-        from dejavu.plugins.input_sparse import CONFIG
-        target["kernel_settings"] = {**target["kernel_settings"], "input_sparse": dataclasses.asdict(CONFIG)}
+    target = target_info(config.device)  # kernel_settings.input_sparse: the input-sparse kernels' blocks
     stages, t0 = _Stages(progress), time.perf_counter()
     with stages("load model"):
         model, cfg = load_llama(model_name_or_path, dtype=torch.float32, device=config.device)

@@ -247,6 +247,34 @@ def check_index(name, idx, *, batch, upper, device, validate):
     return k, shared
 
 
+def check_pos(pos, batch, device, S=None, validate=False):
+    """pos (an int, or an int32/int64 tensor [], [1] or [batch] on device) -> (tensor, batch stride
+    0 or 1); with `validate` (a host sync) every position in [0, S)."""
+    if isinstance(pos, int):
+        pos, stride = torch.full((1,), pos, dtype=torch.int32, device=device), 0
+    elif not isinstance(pos, torch.Tensor) or pos.dtype not in INDEX_DTYPES:
+        raise DejavuError("pos: expected an int or an int32/int64 tensor")
+    elif pos.device != device:
+        raise DejavuError(f"pos: on {pos.device}, expected {device}")
+    elif pos.numel() == 1:
+        pos, stride = pos.reshape(1), 0
+    elif pos.dim() == 1 and pos.shape[0] == batch:
+        check_tensor("pos", pos)
+        stride = 1
+    else:
+        raise DejavuError(f"pos: expected shape [], [1] or [B={batch}], got {tuple(pos.shape)}")
+    if validate:
+        lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0 or hi >= S:
+            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
+    return pos, stride
+
+
+def pos_rows(pos, batch, device) -> torch.Tensor:
+    """pos (int or tensor) as int64 [batch] on device (the references)."""
+    return torch.as_tensor(pos).to(device).long().reshape(-1).expand(batch)
+
+
 def default_validate(validate, device) -> bool:
     """Range checks default on for CPU (tests) and off on GPU (the hot path: no host sync)."""
     return device.type == "cpu" if validate is None else bool(validate)
@@ -264,6 +292,15 @@ def dot_fp32(dtype, device) -> bool:
     """Whether a kernel's tl.dot runs on fp32 operands in IEEE fp32 (DOT_FP32; Triton's default would
     be tf32): fp32 inputs, and bf16 on CPU (Triton 3.6's interpreter computes bf16 dots wrongly)."""
     return dtype == torch.float32 or (device.type == "cpu" and dtype == torch.bfloat16)
+
+
+def expand_idx(idx, batch) -> torch.Tensor:
+    """An index set [K] (shared) or [B, K] as int64 [batch, K] (the references)."""
+    return idx.long().expand(batch, -1) if idx.dim() == 1 else idx.long()
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
 
 
 def next_pow2(n: int) -> int:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, default_validate,
-                                    gdc_enter, jit, next_pow2, pdl_args)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_pos, check_tensor, default_validate,
+                                    expand_idx, gdc_enter, jit, next_pow2, pdl_args, pos_rows)
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
 from dejavu.plugins.qkv_partial import _qkv_cfg, _shared_qkv, launch_qkv
-from dejavu.plugins.refresh_heads import _pos_rows, refresh_route
+from dejavu.plugins.refresh_heads import refresh_route
 from dejavu.plugins.settings import DEFAULT
-from dejavu.plugins.sparse_attention import _check_attn, _positions, attend_project, folds_finish
+from dejavu.plugins.sparse_attention import _check_attn, attend_project, folds_finish
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -76,7 +76,7 @@ def _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, va
 def _mark_valid(valid_len, head_idx, pos_t):
     """valid_len[b, head_idx[b, j]] = pos[b] + 1 (scatter_: static shapes, no sync)."""
     B = valid_len.shape[0]
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
+    heads = expand_idx(head_idx, B)
     val = (pos_t.reshape(-1, 1).to(torch.int32) + 1).expand(B, heads.shape[1])
     valid_len.scatter_(1, heads, val)
 
@@ -98,13 +98,9 @@ def _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p
     """recompute_kv's checks: (B, S, D, H, hd, Kh, pos tensor, its batch stride)."""
     validate = default_validate(validate, x_hist.device)
     B, S, D, H, hd, kh = _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate)
-    pos_t, stride_pb = _positions(pos, B, x_hist.device)
-    if validate:
-        lo, hi = int(pos_t.min()), int(pos_t.max())
-        if lo < 0 or hi >= S:
-            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
-        if valid_len.numel() and int(valid_len.min()) < 0:
-            raise DejavuError("valid_len: negative entries")
+    pos_t, stride_pb = check_pos(pos, B, x_hist.device, S, validate)
+    if validate and valid_len.numel() and int(valid_len.min()) < 0:
+        raise DejavuError("valid_len: negative entries")
     return B, S, D, H, hd, kh, pos_t, stride_pb
 
 
@@ -124,8 +120,8 @@ def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *
 def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
     """PyTorch reference of recompute_kv (same in-place updates); any device/dtype."""
     B = x_hist.shape[0]
-    p = _pos_rows(pos, B, x_hist.device)
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
+    p = pos_rows(pos, B, x_hist.device)
+    heads = expand_idx(head_idx, B)  # [B, Kh]
     if heads.shape[1] == 0:
         return
     start = torch.minimum(valid_len.long().gather(1, heads), p[:, None])  # [B, Kh]
@@ -183,11 +179,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
                                      v_cache, residual, validate)
     check_tensor("x_hist", x_hist, shape=(B, S, D), dtype=x_ln.dtype, device=x_ln.device)
     check_tensor("valid_len", valid_len, shape=(B, H), dtype=torch.int32, device=x_ln.device)
-    pos_t, stride_pb = _positions(pos, B, x_ln.device)
-    if validate:
-        lo, hi = int(pos_t.min()), int(pos_t.max())
-        if lo < 0 or hi >= S:
-            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
+    pos_t, stride_pb = check_pos(pos, B, x_ln.device, S, validate)
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
     cfg, s = config or {}, settings or DEFAULT
     qcfg = _qkv_cfg(B, cfg.get("qkv"), s)
@@ -228,14 +220,12 @@ def sparse_attn_decode_deferred_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, 
     x_ln = materialize_ref(x_ln)
     B, D = x_ln.shape
     H, S, hd = k_cache.shape[1:]
-    if isinstance(pos, int):
-        pos = torch.tensor(pos)
-    p = pos.to(x_ln.device).long().reshape(-1).expand(B)
+    p = pos_rows(pos, B, x_ln.device)
     _write_hist(x_hist, x_ln, p)
     recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, p)
     if refresh is not None:
         recompute_kv_ref(x_hist, wkv, bkv, refresh[refresh >= 0], k_cache, v_cache, valid_len, p)
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()  # [B, Kh]
+    heads = expand_idx(head_idx, B)  # [B, Kh]
     rows = torch.arange(B, device=x_ln.device)[:, None]
     q = torch.einsum("bkjd,bd->bkj", wq.view(H, hd, D)[heads], x_ln) + bq.view(H, hd)[heads]
     visible = torch.arange(S, device=x_ln.device)[None, :] <= p[:, None]  # [B, S]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, default_validate,
-                                    dot_fp32, gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args)
+from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, default_validate,
+                                    dot_fp32, expand_idx, gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args)
 from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -112,9 +112,6 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
     tl.store(out, h.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & bmask[None, :])
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
 def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, settings=None):
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
     rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
@@ -129,7 +126,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     if (shared or B == 1) and B >= s.fc1_dot_min_batch:  # B == 1: [1, K] is the same set as [K]
         cfg = table(s.fc1_dot, config)
         kernel = jit(_gather_dot_kernel, x.device)
-        kernel[(_cdiv(K, cfg["BLOCK_R"]),)](
+        kernel[(cdiv(K, cfg["BLOCK_R"]),)](
             x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
             RELU=relu, DOT_FP32=dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
             BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
@@ -138,7 +135,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     else:
         cfg = table(s.fc1_gemv, config)
         kernel = jit(_gather_gemv_kernel, x.device)
-        kernel[(B, _cdiv(K, cfg["BLOCK_R"]))](
+        kernel[(B, cdiv(K, cfg["BLOCK_R"]))](
             x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0),
             RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=D % cfg["BLOCK_D"] == 0,
             GROUP=group, W_EV=cfg["W_EV"], num_warps=cfg["num_warps"],
@@ -159,12 +156,9 @@ def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, settings
     out = check_out(out, (B, K), x.dtype, x.device)
     return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, settings=settings)
 
-def _expand_idx(idx, batch):
-    return idx.long().expand(batch, -1) if idx.dim() == 1 else idx.long()
-
 
 def sparse_fc1_ref(x, w1, b1, idx):
     """relu(w1[idx] @ x + b1[idx]) per row: h[B,K]."""
-    rows = _expand_idx(idx, x.shape[0])
+    rows = expand_idx(idx, x.shape[0])
     h = torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows]
     return torch.relu(h)

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_tensor, default_validate,
-                                    dot_fp32, gdc_enter, gdc_release, jit, next_pow2, pdl_args)
-from dejavu.plugins.fc1 import _cdiv, _expand_idx, _group_rows, sparse_fc1, sparse_fc1_ref
+from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, default_validate,
+                                    dot_fp32, expand_idx, gdc_enter, gdc_release, jit, next_pow2, pdl_args)
+from dejavu.plugins.fc1 import _group_rows, sparse_fc1, sparse_fc1_ref
 from dejavu.plugins.layer_norm import LN_EPS, PendingLN, _store_row, layer_norm
 from dejavu.plugins.settings import DEFAULT, table
 
@@ -153,12 +153,12 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, B, D, SPLIT,
 
 def _split_plan(K, D, cfg, programs_per_split=1):
     """fc2's split-K plan: (n_d D blocks, split, k_per_split rows, a multiple of BLOCK_K)."""
-    n_d = _cdiv(D, cfg["BLOCK_D"])
-    k_blocks = max(1, _cdiv(K, cfg["BLOCK_K"]))
+    n_d = cdiv(D, cfg["BLOCK_D"])
+    k_blocks = max(1, cdiv(K, cfg["BLOCK_K"]))
     target = cfg["TARGET_PROGRAMS"]
     split = cfg.get("SPLIT") or max(1, min(k_blocks, target // (n_d * programs_per_split)))
-    k_per_split = _cdiv(k_blocks, split) * cfg["BLOCK_K"]
-    return n_d, max(1, _cdiv(K, k_per_split)), k_per_split
+    k_per_split = cdiv(k_blocks, split) * cfg["BLOCK_K"]
+    return n_d, max(1, cdiv(K, k_per_split)), k_per_split
 
 def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
                   ln_defer=False, settings=None):
@@ -208,7 +208,7 @@ def reduce_partials(part, bias, residual, out, ln=None, ln_out=None, ln_defer=Fa
     dev = part.device
     block_s = next_pow2(split)
     block = max(128, REDUCE_BLOCK * 4 // block_s)  # ~4096 partials per program
-    n_blk = _cdiv(D, block)
+    n_blk = cdiv(D, block)
     res = residual if residual is not None else out  # never read when HAS_RES is false
     defer = ln is not None and bool(ln_defer)
     st = torch.empty((B, n_blk, 2), dtype=torch.float32, device=dev) if defer else out
@@ -268,7 +268,7 @@ def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None, 
 def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False):
     """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),
     (y, F.layer_norm(y)) (ln_defer changes nothing here: the LayerNorm is computed)."""
-    rows = _expand_idx(idx, h.shape[0])
+    rows = expand_idx(idx, h.shape[0])
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
     return with_ln_ref(y if residual is None else y + residual, ln)
 

@@ -15,28 +15,10 @@ as a launch argument).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, jit, next_pow2
-
-
-@dataclass(frozen=True)
-class InputSparseConfig:
-    """Block sizes of the two kernels. split_k None: enough slices of the kept list for
-    `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy)."""
-
-    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
-    select_warps: int = 8
-    block_m: int = 128
-    block_k: int = 32
-    split_k: int | None = None
-    target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
-    num_warps: int = 4
-
-
-CONFIG = InputSparseConfig()
+from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
 def _select_inputs_kernel(x_ptr, idx_ptr, count_ptr, N, t, BLOCK: tl.constexpr):
@@ -55,8 +37,10 @@ def _select_inputs_kernel(x_ptr, idx_ptr, count_ptr, N, t, BLOCK: tl.constexpr):
 
 
 def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
-                  count: torch.Tensor | None = None, config: InputSparseConfig = CONFIG):
-    """(idx [B, N] int32, count [B] int32): the inputs of x [B, N] with |x| > t, ascending."""
+                  count: torch.Tensor | None = None, settings: KernelSettings | None = None):
+    """(idx [B, N] int32, count [B] int32): the inputs of x [B, N] with |x| > t, ascending.
+    settings: its `input_sparse` blocks (None: DEFAULT)."""
+    config = (settings or DEFAULT).input_sparse
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = x.shape
     if idx is None:
@@ -101,8 +85,9 @@ def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, 
     tl.store(part_ptr + (ps * B + b) * M + offs_m, acc, mask=m_ok)
 
 
-def split_k_for(B: int, N: int, M: int, config: InputSparseConfig = CONFIG) -> int:
-    """Slices of the kept list: config.split_k, or enough for config.target_programs programs."""
+def split_k_for(B: int, N: int, M: int, config) -> int:
+    """Slices of the kept list: config.split_k, or enough for config.target_programs programs
+    (config: settings.InputSparseSettings)."""
     if config.split_k is not None:
         return config.split_k
     programs = B * -(-M // config.block_m)
@@ -110,11 +95,12 @@ def split_k_for(B: int, N: int, M: int, config: InputSparseConfig = CONFIG) -> i
 
 
 def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
-                      out: torch.Tensor | None = None, config: InputSparseConfig = CONFIG) -> torch.Tensor:
+                      out: torch.Tensor | None = None, settings: KernelSettings | None = None) -> torch.Tensor:
     """y [B, M] (x's dtype) = sum_{j < count[b]} x[b, idx[b, j]] * w_t[idx[b, j], :].
 
     x [B, N], w_t [N, M] (W^T, same dtype), idx [B, N] int32 and count [B] int32 from
     `select_inputs` (entries past count[b] are not read)."""
+    config = (settings or DEFAULT).input_sparse
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = x.shape
     check_tensor("w_t", w_t, ndim=2, dtype=x.dtype, device=x.device)

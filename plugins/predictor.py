@@ -355,11 +355,6 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
     return idx[0] if shared else idx
 
 
-def predictor_topk_shared(x, a, b, bias, k, *, settings=None):
-    """One index set for the whole batch: top-k of the max score over the batch; idx[k]."""
-    return predictor_topk(x, a, b, bias, k, shared=True, settings=settings)
-
-
 def predictor_topk_ref(x, a, b, bias, k, *, shared=False):
     """Reference: the same in the caller's dtype (upcast for float64); sorted by score."""
     scores = (x @ a.T) @ b.T + bias

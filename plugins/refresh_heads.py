@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import check_index, check_out, check_tensor, default_validate, jit, next_pow2
+from dejavu.plugins._common import (check_index, check_out, check_pos, check_tensor, default_validate, jit, next_pow2,
+                                    pos_rows)
 from dejavu.plugins.qkv_partial import _qkv_cfg, _qkv_split, _shared_qkv, hist_slots
-from dejavu.plugins.sparse_attention import _positions, folds_finish
+from dejavu.plugins.sparse_attention import folds_finish
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -62,7 +63,7 @@ def refresh_heads(head_idx, valid_len, pos, r: int, *, lag: int | None = None, m
     kh, _ = check_index("head_idx", head_idx, batch=1, upper=H, device=dev, validate=validate)
     if r < 1:
         raise DejavuError(f"refresh_heads: r must be >= 1, got {r}")
-    pos_t, _ = _positions(pos, 1, dev)
+    pos_t, _ = check_pos(pos, 1, dev)
     lag = hist_slots(1, head_idx, config, settings) if lag is None else int(lag)
     max_lag = (1 << 30) if max_lag is None else int(max_lag)
     if lag < 1 or max_lag < lag:
@@ -79,7 +80,7 @@ def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = Non
     """PyTorch reference of refresh_heads."""
     H = valid_len.shape[1]
     lag = hist_slots(1, head_idx, config, settings) if lag is None else int(lag)
-    p = _pos_rows(pos, 1, valid_len.device)[0]
+    p = pos_rows(pos, 1, valid_len.device)[0]
     miss = p - torch.minimum(valid_len[0].long(), p)  # [H]
     cand = (miss >= lag) & (miss <= (1 << 30 if max_lag is None else int(max_lag)))
     cand[head_idx.reshape(-1).long()] = False
@@ -107,9 +108,3 @@ def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None, settin
     fold = bool(qcfg["FOLD_FINISH"]) and folds_finish(B, S, cfg.get("attn"), settings)
     groups = kh * 3 * -(-hd // qcfg["BLOCK_R"])
     return not _qkv_split(qcfg, D, groups, fold)[2]
-
-
-def _pos_rows(pos, B, device) -> torch.Tensor:
-    if isinstance(pos, int):
-        pos = torch.tensor(pos)
-    return pos.to(device).long().reshape(-1).expand(B)  # [B]

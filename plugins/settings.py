@@ -150,6 +150,19 @@ class PDLSettings:
 
 
 @dataclass(frozen=True)
+class InputSparseSettings:
+    """The TEAL input-sparse kernels (input_sparse.py: Llama engines). split_k None: enough slices of the
+    kept list for `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy)."""
+    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
+    select_warps: int = 8
+    block_m: int = 128
+    block_k: int = 32
+    split_k: int | None = None
+    target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
 class KernelSettings:
     """Every kernel's settings for one engine (the engine header's target.kernel_settings)."""
     fc1_gemv: GemvBlocks = GemvBlocks()
@@ -167,6 +180,7 @@ class KernelSettings:
     scoring: ScoreSettings = ScoreSettings()
     layer_norm: LNSettings = LNSettings()
     pdl: PDLSettings = PDLSettings()
+    input_sparse: InputSparseSettings = InputSparseSettings()
     arch: str | None = None  # the GPU these were resolved for (sm_XY), None: not resolved for one
 
     def to_dict(self) -> dict:
@@ -215,6 +229,7 @@ def resolve_kernel_settings(arch: str | None, sm_count: int | None = None) -> Ke
     s = DEFAULT
     return r(s, fc2_gemv=programs(s.fc2_gemv), fc2_dot=programs(s.fc2_dot), fc2_dot1=programs(s.fc2_dot1),
              proj1=programs(s.proj1), qkv=programs(s.qkv), qkv_b1=programs(s.qkv_b1),
+             input_sparse=r(s.input_sparse, target_programs=max(1, round(s.input_sparse.target_programs * scale))),
              pdl=s.pdl if major >= 9 else r(s.pdl, ENABLED=False), arch=arch)
 
 

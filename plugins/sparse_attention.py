@@ -34,8 +34,8 @@ from typing import NamedTuple
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, INDEX_DTYPES, check_index, check_out, check_tensor,
-                                    default_validate, gdc_enter, helper, jit, next_pow2, pdl_args)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_pos, check_tensor,
+                                    default_validate, expand_idx, gdc_enter, helper, jit, next_pow2, pdl_args, pos_rows)
 from dejavu.plugins.fc1 import gather_gemv
 from dejavu.plugins.fc2 import gather_gemv_t
 from dejavu.plugins.settings import DEFAULT, table
@@ -275,22 +275,6 @@ def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK, vl_ptr, head_ptr, 
     _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C, BLOCK_HD)
 
 
-def _positions(pos, batch, device):
-    """pos (int or tensor) -> (tensor on device, batch stride 0 or 1)."""
-    if isinstance(pos, int):
-        return torch.full((1,), pos, dtype=torch.int32, device=device), 0
-    if not isinstance(pos, torch.Tensor) or pos.dtype not in INDEX_DTYPES:
-        raise DejavuError("pos: expected an int or an int32/int64 tensor")
-    if pos.device != device:
-        raise DejavuError(f"pos: on {pos.device}, expected {device}")
-    if pos.numel() == 1:
-        return pos.reshape(1), 0
-    if pos.dim() == 1 and pos.shape[0] == batch:
-        check_tensor("pos", pos)
-        return pos, 1
-    raise DejavuError(f"pos: expected shape [], [1] or [B={batch}], got {tuple(pos.shape)}")
-
-
 def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, residual, validate):
     # H*hd may be less than D: a tensor-parallel shard holds H/tp heads of a D-wide model.
     check_tensor("x_ln", x_ln, ndim=2, dtypes=FLOAT_DTYPES)
@@ -322,11 +306,7 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
     validate = default_validate(validate, x_ln.device)
     B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
-    pos_t, stride_pb = _positions(pos, B, x_ln.device)
-    if validate:
-        lo, hi = int(pos_t.min()), int(pos_t.max())
-        if lo < 0 or hi >= S:
-            raise DejavuError(f"pos: out of range [0, {S}) (min {lo}, max {hi})")
+    pos_t, stride_pb = check_pos(pos, B, x_ln.device, S, validate)
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
 
     # 1. K/V for all heads, written at pos (index_put_: graph-capturable, no sync)
@@ -438,9 +418,7 @@ def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, 
     H, S, hd = k_cache.shape[1:]
     q = (x_ln @ wq.T + bq).view(B, H, hd)
     kv = (x_ln @ wkv.T + bkv).view(B, 2, H, hd)
-    if isinstance(pos, int):
-        pos = torch.tensor(pos)
-    p_idx = pos.to(x_ln.device).long().reshape(-1).expand(B)
+    p_idx = pos_rows(pos, B, x_ln.device)
     b_idx = torch.arange(B, device=x_ln.device)
     k_cache[b_idx, :, p_idx] = kv[:, 0]
     v_cache[b_idx, :, p_idx] = kv[:, 1]
@@ -448,7 +426,7 @@ def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, 
     visible = torch.arange(S, device=x_ln.device)[None, :] <= p_idx[:, None]  # [B, S]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     o = torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v_cache)
-    heads = head_idx.long().expand(B, -1) if head_idx.dim() == 1 else head_idx.long()
+    heads = expand_idx(head_idx, B)
     keep = torch.zeros(B, H, dtype=o.dtype, device=o.device).scatter_(1, heads, 1.0)
     y = (o * keep[:, :, None]).reshape(B, -1) @ wo_t + bo
     return y if residual is None else y + residual

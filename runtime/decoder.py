@@ -8,14 +8,9 @@ Three passes over the same weights:
   its own selection, as if decoded one token at a time from an empty cache.
 Layers whose K equals N run dense (no predictor), so density 1.0 is the dense model.
 
-K/V policy of the sparse-attention layers (`kv_policy`):
-- "full": every decode step projects K/V of every head into the cache (the contract's
-  description, plugins/sparse_attention.py).
-- "deferred" (default): the layer keeps `x_hist[l]` [B, S, D], its attention inputs after
-  LayerNorm, and `valid_len[l]` [B, H] int32, the cache slots already filled per head; a
-  decode step computes K/V only for the selected heads, over their missing slots
-  (plugins/deferred_kv.py). Same output in exact arithmetic (K/V of slot p depend only on
-  the input at p); fewer bytes read. Dense prefill fills every head: valid_len = length.
+The pieces it drives: the K/V policy (runtime/kv_policy.py: the static cache and, at batch 1, the
+refresh-head pick) and the predictor runner (runtime/predictors.py: when each layer's predictors
+run, on a side stream with the overlap on). This file is the layer loop.
 """
 from __future__ import annotations
 
@@ -26,11 +21,12 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from dejavu.runtime.kv_policy import KV_POLICIES, REFRESH_AUTO, KVCache, RefreshHeads
 from dejavu.runtime.ops import Ops, PendingLN, attend
-from dejavu.runtime.predictors import PredictorRunner, schedule
+from dejavu.runtime.predictors import runner_for
 from dejavu.runtime.spec import EngineSpec
 
-KV_POLICIES = ("deferred", "full")
+__all__ = ["DecodeOptions", "KV_POLICIES", "REFRESH_AUTO", "SparseDecoder"]
 
 POSITION_OFFSET = 2  # OPT's learned positions are shifted by 2
 
@@ -44,17 +40,12 @@ def _layer_weights(t: dict[str, torch.Tensor], l: int) -> SimpleNamespace:
         bo=g("attn.bo"), w1=g("mlp.w1"), b1=g("mlp.b1"), w2_t=g("mlp.w2_t"), b2=g("mlp.b2"))
 
 
-# SparseDecoder.kv_refresh None: (refresh heads per layer, least fraction of the heads attending, least hidden
-# size) where refresh heads are on (BENCHMARKS.md, 2026-12-04)
-REFRESH_AUTO = (4, 0.4, 4096)
-
-
 @dataclass(frozen=True)
 class DecodeOptions:
     """How a SparseDecoder runs a decode step (none of it changes what is computed).
 
     overlap: the predictors on a side CUDA stream (runtime/predictors.py); off: inline.
-    kv_policy: "deferred" (K/V of the selected heads only) or "full" (module docstring).
+    kv_policy: "deferred" (K/V of the selected heads only) or "full" (runtime/kv_policy.py).
     shared_index: one index set for the batch (the batch policy "shared") instead of one per row.
     graph_priority: the priority of the stream the decode step's CUDA graph is captured on (graphs.py;
         PyTorch instantiates graphs with per-node priorities, so the main stream's kernels keep it while
@@ -107,31 +98,15 @@ class SparseDecoder:
         self.options = options
         self.spec, self.t, self.device, self.ops = spec, tensors, device, ops
         self.layers = [_layer_weights(tensors, l) for l in range(spec.num_layers)]
-        preds = []
-        for l in range(spec.num_layers):
-            p = f"layers.{l}."
-            pm = tuple(tensors[p + "pred_mlp." + n] for n in ("a", "b", "bias")) if spec.sparse_mlp(l) else None
-            pa = tuple(tensors[p + "pred_attn." + n] for n in ("a", "b", "bias")) if spec.sparse_attn(l) else None
-            preds.append({"mlp": pm, "attn": pa})
-        ks = list(zip(spec.mlp_k, spec.attn_k))
-        plan = schedule(spec.num_layers, spec.source, spec.lookahead)
-        self.pred = PredictorRunner(preds, ks, plan, ops.predictor_topk, device, options.overlap,
-                                    options.shared_index)
-        self.k_cache: list[torch.Tensor] = []
-        self.v_cache: list[torch.Tensor] = []
-        self.x_hist: list[torch.Tensor | None] = []  # deferred policy, sparse-attention layers only
-        self.valid_len: list[torch.Tensor | None] = []
-        self.batch = self.max_seq = 0
-        self._all_rows = None  # setup's whole-cache tensors (use_rows takes views of them)
+        self.pred = runner_for(spec, tensors, ops.predictor_topk, device, options.overlap, options.shared_index)
+        self.cache = KVCache(spec, device, [self.deferred(l) for l in range(spec.num_layers)])
+        self.refresh = RefreshHeads(spec, ops, self.cache)
+        self.pred.on_heads = self.refresh.on_heads
         # Tensor parallel (runtime/tp.py): `reduce(y)` all-reduces (sums) the partial output of
         # each row-parallel op (attention out-proj, fc2) before the residual add; None = one rank.
         # With it set, the residual is not fused into the kernels (it would be summed n times).
         self.reduce = None
         self._pending_ops = ("sparse_fc2", "sparse_attn_deferred")
-        self._step_pos: torch.Tensor | None = None  # this decode step's pos while refresh heads may be picked
-        self._refresh: list = []  # this step's refresh heads per layer (None: none launched)
-        self._refresh_takes: dict = {}  # layer -> whether its attention op takes refresh heads
-        self.pred.on_heads = self._on_heads
 
     @property
     def kv_policy(self) -> str:
@@ -149,7 +124,7 @@ class SparseDecoder:
         if fixed:
             raise ValueError(f"set_options: {sorted(fixed)} are fixed when the decoder is built")
         self.options = dataclasses.replace(self.options, **changes)
-        self._refresh_takes = {}
+        self.refresh.forget_routes()
         return self.options
 
     def _add(self, x, y, b=None):
@@ -163,59 +138,38 @@ class SparseDecoder:
         """Layer l computes K/V of the selected heads only (deferred policy, sparse attention)."""
         return self.kv_policy == "deferred" and self.spec.sparse_attn(l)
 
-    # ------------------------------------------------------------------ cache
+    # ------------------------------------------------------------------ cache (runtime/kv_policy.py)
+    k_cache = property(lambda self: self.cache.k_cache)  # per layer [B, H, T, hd]
+    v_cache = property(lambda self: self.cache.v_cache)
+    x_hist = property(lambda self: self.cache.x_hist)  # deferred layers [B, T, D], else None
+    valid_len = property(lambda self: self.cache.valid_len)  # deferred layers [B, H] int32, else None
+    batch = property(lambda self: self.cache.batch)
+    max_seq = property(lambda self: self.cache.max_seq)
+
     def setup(self, batch: int, max_seq: int) -> None:
         """Allocate the static KV cache: per layer k, v: [batch, H, max_seq, hd]; with the
         deferred policy also x_hist [batch, max_seq, D] and valid_len [batch, H] (int32, 0)
         for the sparse-attention layers (None for the others)."""
-        s = self.spec
-        if (batch, max_seq) == (self.batch, self.max_seq):
-            return
-        self.release()  # free the old cache before allocating the new one
-        shape = (batch, s.num_heads, max_seq, s.head_dim)
-        kw = dict(dtype=s.dtype, device=self.device)
-        self.k_cache = [torch.zeros(shape, **kw) for _ in range(s.num_layers)]
-        self.v_cache = [torch.zeros(shape, **kw) for _ in range(s.num_layers)]
-        d = [self.deferred(l) for l in range(s.num_layers)]
-        self.x_hist = [torch.zeros(batch, max_seq, s.hidden_size, **kw) if d[l] else None for l in range(s.num_layers)]
-        self.valid_len = [torch.zeros(batch, s.num_heads, dtype=torch.int32, device=self.device) if d[l] else None
-                          for l in range(s.num_layers)]
-        self.rows = torch.arange(batch, device=self.device)  # [B]
-        self.slots = torch.arange(max_seq, device=self.device)  # [T]
-        self.batch, self.max_seq = batch, max_seq
-        self._all_rows = (self.k_cache, self.v_cache, self.x_hist, self.valid_len, self.rows, batch)
-        self._refresh_takes = {}
+        if self.cache.setup(batch, max_seq):
+            self.refresh.forget_routes()
 
     def empty_cache(self, rows: torch.Tensor | None = None) -> None:
         """Start the next sequence at slot 0 without a prefill: no slot of any head holds K/V
         (a decode step at pos writes slot pos of every head it computes; the deferred layers
         recompute the slots a selected head is missing). rows: only these cache rows."""
-        for vl in self.valid_len:
-            if vl is not None:
-                if rows is None:
-                    vl.zero_()
-                else:
-                    vl[rows] = 0
+        self.cache.empty(rows)
 
     def release(self) -> None:
         """Drop the caches (the next `setup` allocates again)."""
-        self.k_cache, self.v_cache, self.x_hist, self.valid_len = [], [], [], []
-        self.batch = self.max_seq = 0
-        self._all_rows = None
+        self.cache.release()
 
     def use_rows(self, n: int) -> None:
         """Decode steps (and a CUDA graph captured now) run on the first n rows of the cache
         `setup` allocated: the caches become views of rows 0..n-1 (no copy; n = the allocated
         batch restores them whole). A server's continuous batching keeps its live sequences in
         the lowest rows and steps only as many rows as the highest one needs."""
-        k, v, x, vl, rows, full = self._all_rows
-        if not 1 <= n <= full:
-            raise ValueError(f"use_rows: n must be in [1, {full}], got {n}")
-        self.k_cache, self.v_cache = [t[:n] for t in k], [t[:n] for t in v]
-        self.x_hist = [None if t is None else t[:n] for t in x]
-        self.valid_len = [None if t is None else t[:n] for t in vl]
-        self.rows, self.batch = rows[:n], n
-        self._refresh_takes = {}
+        self.cache.use_rows(n)
+        self.refresh.forget_routes()
 
     # ------------------------------------------------------------------ pieces
     def _ln(self, x, wb):
@@ -276,50 +230,6 @@ class SparseDecoder:
             return self.layers[l + 1].ln_attn
         return (self.t["final_ln.weight"], self.t["final_ln.bias"]) if self.spec.final_ln else None
 
-    # ------------------------------------------------------------------ side work
-    def _on_heads(self, l: int, idx: torch.Tensor) -> None:
-        """PredictorRunner.on_heads: pick layer l's refresh heads (in a decode step, on the stream the head
-        top-k ran on)."""
-        if self._step_pos is None or self.x_hist[l] is None:
-            return
-        if self._refresh_slots(idx) > 0 and self._takes_refresh(l, idx):
-            lag, max_lag = self.options.kv_refresh_lags
-            if max_lag == "hist" or lag is None:
-                from dejavu.plugins import hist_slots
-                hist = hist_slots(1, idx, settings=self.ops.settings)
-                lag = hist if lag is None else lag
-                max_lag = hist if max_lag == "hist" else max_lag
-            self._refresh[l] = self.ops.kv_refresh(idx, self.valid_len[l], self._step_pos, self._refresh_slots(idx),
-                                                   lag=lag, max_lag=max_lag)
-
-    def _takes_refresh(self, l: int, idx: torch.Tensor) -> bool:
-        """Layer l's attention op uses refresh heads (the reference op always does; the kernels on
-        `refresh_route`). Asked once per layer and engine activation (static shapes)."""
-        takes = self._refresh_takes.get(l)
-        if takes is None:
-            takes = True
-            if self.ops.kernels.get("sparse_attn_deferred") == "triton":
-                from dejavu.plugins import refresh_route
-                s = self.spec
-                takes = refresh_route(1, self.max_seq, s.hidden_size, s.head_dim, idx, settings=self.ops.settings)
-            self._refresh_takes[l] = takes
-        return takes
-
-    def _refresh_slots(self, idx: torch.Tensor) -> int:
-        """Refresh heads for a layer with head set idx: kv_refresh, or (None) REFRESH_AUTO's rule."""
-        if self.options.kv_refresh is not None:
-            return self.options.kv_refresh
-        n, frac, min_d = REFRESH_AUTO
-        s = self.spec
-        on = (self.ops.kernels.get("sparse_attn_deferred") == "triton" and s.hidden_size >= min_d
-              and idx.shape[-1] >= frac * s.num_heads)
-        return n if on else 0
-
-    def _refreshing(self) -> bool:
-        """This decode step may pick refresh heads (per layer: _refresh_slots, _takes_refresh)."""
-        n = self.options.kv_refresh
-        return (n is None or n > 0) and self.kv_policy == "deferred" and self.batch == 1
-
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device).
@@ -330,15 +240,14 @@ class SparseDecoder:
         Pre-LN, one rank, batch 1 (options.defer_ln_attn): a sparse MLP op leaves the next layer's
         attention LayerNorm pending (its split-K reduction's block statistics) and that layer's Q/K/V
         kernel applies it; `h_ln` carries it."""
-        self._refresh = [None] * len(self.layers)
-        self._step_pos = pos if self._refreshing() else None
+        self.refresh.begin_step(self.options, pos)
         try:
             return self._decode_step(tokens, pos)
         finally:
-            self._step_pos = None
+            self.refresh.end_step()
 
     def _decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        s, run = self.spec, self.pred
+        s, run, c = self.spec, self.pred, self.cache
         B, H, hd = tokens.shape[0], s.num_heads, s.head_dim
         valid = None  # [B, T] slots <= pos, made for the first dense layer (none in a sparse step)
         x = self.embed(tokens, pos)  # [B, D]
@@ -348,24 +257,25 @@ class SparseDecoder:
             run.point("attn_in", l, x)
             h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_attn) if s.pre_ln else x)
             h_ln = None
-            kc, vc = self.k_cache[l], self.v_cache[l]
+            kc, vc = c.k_cache[l], c.v_cache[l]
             idx = run.heads(l)
-            if idx is None or self.x_hist[l] is None:  # ops that take a plain input
+            if idx is None or c.x_hist[l] is None:  # ops that take a plain input
                 h = self._materialize(h)
             if idx is None:  # dense: K/V and Q of every head
                 kv = F.linear(h, w.wkv, w.bkv).view(B, 2, H, hd)
-                kc[self.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
-                vc[self.rows, :, pos] = kv[:, 1]
+                kc[c.rows, :, pos] = kv[:, 0]  # [B, H, hd] at slot pos[b]
+                vc[c.rows, :, pos] = kv[:, 1]
                 q = F.linear(h, w.wq, w.bq).view(B, H, hd)
                 if valid is None:
-                    valid = self.slots[None, :] <= pos[:, None]
+                    valid = c.slots[None, :] <= pos[:, None]
                 x = self._add(x, attend(q, kc, vc, valid).reshape(B, -1) @ w.wo_t, w.bo)
             else:
                 res = x if self.reduce is None else None  # tensor parallel: residual after the all-reduce
-                if self.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
-                    kw = {"refresh": self._refresh[l]} if self._refresh[l] is not None else {}
+                if c.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
+                    picked = self.refresh.picked[l]
+                    kw = {"refresh": picked} if picked is not None else {}
                     y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
-                                                      self.x_hist[l], self.valid_len[l], pos, res, **kw)
+                                                      c.x_hist[l], c.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads
                     y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res)
                 x = y if res is not None else self._add(x, y)
@@ -459,11 +369,5 @@ class SparseDecoder:
         beside running sequences). start: ids continue a prompt whose first `start` tokens are
         in the cache already (chunked prefill; then valid_len = start + lengths)."""
         out = self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows, start=start)
-        for vl in self.valid_len:
-            if vl is not None:
-                n = (lengths.to(vl.device, torch.int32) + start)[:, None].expand(-1, vl.shape[1])
-                if rows is None:
-                    vl.copy_(n)
-                else:
-                    vl[rows] = n
+        self.cache.filled(lengths, rows, start)
         return out

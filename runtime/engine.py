@@ -245,10 +245,10 @@ class Engine:
                 "kv_policy": self.kv_policy, "programmatic_launch": self._programmatic_launch()}
 
     def _programmatic_launch(self) -> bool:
-        """Whether the decode kernels launch with PDL here (plugins/_common.py: sm_90+ CUDA,
+        """Whether the decode kernels launch with PDL here (plugins.pdl_args: sm_90+ CUDA,
         the kernel settings' pdl on, the Triton kernels in use)."""
         if self.device.type != "cuda" or self.ops.kernels.get("sparse_fc1") != "triton":
             return False
-        from dejavu.plugins._common import pdl_args
+        from dejavu.plugins import pdl_args
 
         return bool(pdl_args(self.device, "fc1", self.ops.settings.pdl))

@@ -92,37 +92,31 @@ class LlamaOps:
     """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or
     "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV)."""
 
-    def __init__(self, backend: str, settings: dict | None = None):
-        """settings: the engine's target.kernel_settings["input_sparse"] (InputSparseConfig fields;
-        None: the plugin's defaults)."""
+    def __init__(self, backend: str, settings=None):
+        """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
+        target.kernel_settings where they fit this GPU; their `input_sparse` blocks; None: DEFAULT)."""
         if backend not in ("ref", "triton"):
             raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
         self.backend = backend
         self.kernels = {"input_sparse_gemv": backend}
-        self.config = None
-        if backend == "triton":
-            from dejavu.plugins.input_sparse import CONFIG, InputSparseConfig
-            try:
-                self.config = InputSparseConfig(**settings) if settings else CONFIG
-            except TypeError as e:
-                raise DejavuError(f"engine header: target.kernel_settings.input_sparse: {e}") from None
+        self.settings = settings
 
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
         """y [B, M] = x [B, N] with |x| <= t zeroed, @ w_t [N, M]; t 0: the dense product."""
         if t <= 0:
             return x @ w_t
         if self.backend == "ref":
-            from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+            from dejavu.plugins import input_sparse_gemv_ref
             return input_sparse_gemv_ref(x, w_t, t)
-        from dejavu.plugins.input_sparse import input_sparse_gemv, select_inputs
-        idx, count = select_inputs(x, t, config=self.config)
-        return input_sparse_gemv(x, w_t, idx, count, config=self.config)
+        from dejavu.plugins import input_sparse_gemv, select_inputs
+        idx, count = select_inputs(x, t, settings=self.settings)
+        return input_sparse_gemv(x, w_t, idx, count, settings=self.settings)
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference on layer 0's MLP weights (None on "ref")."""
         if self.backend == "ref" or spec.skip <= 0:
             return None
-        from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+        from dejavu.plugins import input_sparse_gemv_ref
 
         w = tensors["layers.0.mlp.wgu_t"]
         x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
@@ -256,7 +250,7 @@ class LlamaDecoder:
         sparse: each position's projections thresholded on its own inputs (masked dense, the
         compiler's simulation); False: the dense model (prefill). write_cache: K/V at slots
         start..start+S-1 of rows `rows` (default 0..B-1); start > 0 attends to the cached slots too."""
-        from dejavu.plugins.input_sparse import input_sparse_gemv_ref
+        from dejavu.plugins import input_sparse_gemv_ref
 
         s = self.spec
         B, S = ids.shape

@@ -12,6 +12,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.runtime.engine import Engine, _device
+from dejavu.runtime.ops import settings_for
 from dejavu.runtime.llama_decoder import LlamaDecoder, LlamaOps, check_llama_tensors, llama_spec_from_header
 from dejavu.runtime.spec import DTYPES
 
@@ -24,7 +25,7 @@ class LlamaEngine(Engine):
 
     def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", overlap: bool = True,
                  batch_policy: str | None = None, use_graphs: bool = True, dtype=None,
-                 backend: str | None = None, kv_policy: str | None = None):
+                 backend: str | None = None, kv_policy: str | None = None, kernel_settings=None):
         self.device = _device(device)
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -38,8 +39,9 @@ class LlamaEngine(Engine):
         self.spec = spec
         self.tensors = {n: t.to(device=self.device, dtype=spec.dtype) for n, t in tensors.items()}
         on_gpu = self.device.type == "cuda"
-        settings = ((header.get("target") or {}).get("kernel_settings") or {}).get("input_sparse")
-        self.ops = LlamaOps(backend or ("triton" if on_gpu else "ref"), settings)
+        # the header's kernel settings where they fit this GPU (else resolved here); kernel_settings replaces them
+        self.ops = LlamaOps(backend or ("triton" if on_gpu else "ref"),
+                            kernel_settings or settings_for(header.get("target"), self.device))
         self.kernel_check = self.ops.verify(spec, self.tensors)
         self.overlap, self.batch_policy, self.kv_policy = False, "per_sequence", "full"
         self.use_graphs = use_graphs and on_gpu

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import dejavu.plugins as P
-from dejavu.plugins.layer_norm import PendingLN, from_stats_ref, pending_ln
+from dejavu.plugins import PendingLN, from_stats_ref, pending_ln
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
          "kv_refresh")

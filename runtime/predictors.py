@@ -119,3 +119,18 @@ class PredictorRunner:
     def neurons(self, l: int) -> torch.Tensor | None:
         """Selected MLP neurons of layer l ([rows, K] or [K]); None = all (dense)."""
         return self._get(l, "mlp")
+
+
+def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.device, overlap: bool,
+               shared: bool = False) -> PredictorRunner:
+    """The PredictorRunner of an engine: each layer's predictor weights (a, b, bias) where that
+    layer is sparse, K per layer and the lookahead schedule from the spec."""
+    preds = []
+    for l in range(spec.num_layers):
+        p = f"layers.{l}."
+        pm = tuple(tensors[p + "pred_mlp." + n] for n in ("a", "b", "bias")) if spec.sparse_mlp(l) else None
+        pa = tuple(tensors[p + "pred_attn." + n] for n in ("a", "b", "bias")) if spec.sparse_attn(l) else None
+        preds.append({"mlp": pm, "attn": pa})
+    ks = list(zip(spec.mlp_k, spec.attn_k))
+    plan = schedule(spec.num_layers, spec.source, spec.lookahead)
+    return PredictorRunner(preds, ks, plan, topk, device, overlap, shared)

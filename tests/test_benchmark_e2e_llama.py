@@ -25,8 +25,8 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
     rows = {r["system"]: r for r in d["results"]}
     assert set(rows) == {"dense_graph", "teal_s0.25", "teal_s0.4", "teal_s0.5", "teal_s0.5+block_m=64", "hf_eager"}
     assert rows["teal_s0.5+block_m=64"]["kernel_settings"]["block_m"] == 64
-    from dejavu.plugins.input_sparse import InputSparseConfig
-    assert rows["teal_s0.5"]["kernel_settings"]["block_m"] == InputSparseConfig().block_m  # the default, recorded
+    from dejavu.plugins import InputSparseSettings
+    assert rows["teal_s0.5"]["kernel_settings"]["block_m"] == InputSparseSettings().block_m  # the default, recorded
     c = e2e_llama.SHAPES["tiny"]
     cfg = LlamaConfig.from_hf_dict({**e2e_llama.COMMON, **c})
     ctx = 8 + 5 // 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins import predictor_scores, predictor_topk, predictor_topk_ref, predictor_topk_shared
+from dejavu.plugins import predictor_scores, predictor_topk, predictor_topk_ref
 from dejavu.plugins.predictor import topk_triton_ref
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -31,7 +31,7 @@ def test_topk_per_sequence_is_the_top_k_set(B):
 
 def test_shared_is_top_k_of_the_batch_max():
     x, a, b, bias = make(4)
-    idx = predictor_topk_shared(x, a, b, bias, 37)
+    idx = predictor_topk(x, a, b, bias, 37, shared=True)
     assert idx.shape == (37,) and idx.dtype == torch.int32
     scores = predictor_scores(x.double(), a.double(), b.double(), bias.double()).amax(0)
     assert torch.equal(idx.sort().values, scores.topk(37).indices.sort().values.int())

@@ -224,12 +224,14 @@ def test_dejavu_compile_bad_density_is_one_line_and_no_file(built, tmp_path, cap
 
 
 def test_kernel_settings_are_read_from_the_header(built):
-    from dejavu.plugins.input_sparse import InputSparseConfig
-    from dejavu.runtime.llama_decoder import LlamaOps
+    from dejavu.plugins import InputSparseSettings, KernelSettings
+    from dejavu.runtime.ops import settings_for
 
-    assert LlamaOps("triton", {"block_m": 16, "block_k": 8}).config == InputSparseConfig(block_m=16, block_k=8)
-    with pytest.raises(DejavuError, match="kernel_settings.input_sparse"):
-        LlamaOps("triton", {"block_q": 4})
+    target = {"kernel_settings": {"input_sparse": {"block_m": 16, "block_k": 8}}}
+    got = settings_for(target, torch.device("cpu")).input_sparse
+    assert got == InputSparseSettings(block_m=16, block_k=8)
+    with pytest.raises(DejavuError, match="kernel_settings.input_sparse: unknown key"):
+        KernelSettings.from_dict({"input_sparse": {"block_q": 4}})
 
 
 @pytest.mark.parametrize("over", [dict(tie_word_embeddings=False, num_key_value_heads=6),

@@ -116,21 +116,22 @@ def test_refresh_heads_default_rule():
     reference op or batch > 1 never refreshes by default."""
     from types import SimpleNamespace
 
-    from dejavu.runtime.decoder import REFRESH_AUTO, DecodeOptions, SparseDecoder
+    from dejavu.runtime.decoder import DecodeOptions
+    from dejavu.runtime.kv_policy import REFRESH_AUTO, RefreshHeads
     n, frac, min_d = REFRESH_AUTO
     H = 56
     spec = SimpleNamespace(hidden_size=min_d, num_heads=H)
     triton = SimpleNamespace(kernels={"sparse_attn_deferred": "triton"})
-    dec = SimpleNamespace(options=DecodeOptions(), ops=triton, spec=spec, kv_policy="deferred", batch=1)
+    pick, opts = RefreshHeads(spec, triton, None), DecodeOptions()
     many, few = torch.zeros(int(frac * H) + 1, dtype=torch.int32), torch.zeros(int(frac * H) - 1, dtype=torch.int32)
-    assert SparseDecoder._refresh_slots(dec, many) == n and SparseDecoder._refresh_slots(dec, few) == 0
-    assert SparseDecoder._refreshing(dec)
-    small = SimpleNamespace(**{**vars(dec), "spec": SimpleNamespace(hidden_size=min_d // 2, num_heads=H)})
-    assert SparseDecoder._refresh_slots(small, many) == 0
-    ref = SimpleNamespace(**{**vars(dec), "ops": SimpleNamespace(kernels={"sparse_attn_deferred": "ref"})})
-    assert SparseDecoder._refresh_slots(ref, many) == 0
+    assert pick.slots(opts, many) == n and pick.slots(opts, few) == 0
+    assert pick.active(opts, 1)
+    small = RefreshHeads(SimpleNamespace(hidden_size=min_d // 2, num_heads=H), triton, None)
+    assert small.slots(opts, many) == 0
+    ref = RefreshHeads(spec, SimpleNamespace(kernels={"sparse_attn_deferred": "ref"}), None)
+    assert ref.slots(opts, many) == 0
     for k in (0, 3):
-        fixed = SimpleNamespace(**{**vars(dec), "options": DecodeOptions(kv_refresh=k)})
-        assert SparseDecoder._refresh_slots(fixed, few) == k and SparseDecoder._refreshing(fixed) == (k > 0)
-    assert not SparseDecoder._refreshing(SimpleNamespace(**{**vars(dec), "batch": 2}))
-    assert not SparseDecoder._refreshing(SimpleNamespace(**{**vars(dec), "kv_policy": "full"}))
+        fixed = DecodeOptions(kv_refresh=k)
+        assert pick.slots(fixed, few) == k and pick.active(fixed, 1) == (k > 0)
+    assert not pick.active(opts, 2)
+    assert not pick.active(DecodeOptions(kv_policy="full"), 1)
