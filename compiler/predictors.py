@@ -5,17 +5,17 @@
 linear, a rank above min(D, N) buys nothing: the head predictor's default rank is H. MLP ranks
 may differ per layer (`mlp_ranks`); the runtime reads each layer's rank from its tensors.
 
-Labels: MLP neuron j is positive when its post-ReLU activation is > 0. Head h is positive
-when it is among the top ceil(attn_label_density * H) heads of the token by its contribution
-to the layer output, ||W_o[:, h] y_h|| (calibration's `head_norm`; a per-token rank label: a
-fixed threshold would mark nearly all or no heads depending on the layer's scale).
+Targets (PREDICTOR_TARGETS, recorded in the engine): MLP neuron j of a token weighs its
+contribution relu(fc1(x))_j * ||W2[:, j]|| (`mlp_contributions`); head h its contribution to the
+layer output, ||W_o[:, h] y_h|| (calibration's `head_contribution`).
 
-Head predictors are a ridge least-squares fit of the log contribution (`_fit_heads`): heads
-are ranked by the prediction. MLP training: a reduced-rank least-squares start (one streamed pass, closed form), then
-class-weighted BCE (pos_weight = (1-p)/p per output from the label frequency, clipped),
-Adam, mini-batches of tokens, early stopping on held-out recall at the report K over the
-tail of the stream (whole windows), seeded. Inputs are standardised during training and the affine map is
-folded into A and bias afterwards, so the stored predictor reads the raw residual.
+Head predictors are a ridge least-squares fit of the log contribution (`_fit_heads`): heads are
+ranked by the prediction. MLP training (`_fit`): a reduced-rank least-squares start on the
+active-neuron labels (one streamed pass, closed form), then a listwise loss (softmax cross entropy
+of the scores against each token's normalised contributions), Adam, mini-batches of tokens,
+early stopping on the held-out contribution mass kept at `stop_density` of the neurons over the
+tail of the stream (whole windows), seeded. Inputs are standardised during training and the
+affine map is folded into A and bias afterwards, so the stored predictor reads the raw residual.
 """
 from __future__ import annotations
 
