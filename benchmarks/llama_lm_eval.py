@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler.gated_sparsity import GatedSparsity, calibrate, gated_sparsity
+from dejavu.datafiles import CALIB_TEXT, TASKS_DIR
 from dejavu.fileio import atomic_path
-from dejavu.runtime.evaluate import DEFAULT_PPL_FILE, load_scoring_model, read_text, text_ids
-from dejavu.runtime.tasks import TASKS, TASKS_DIR, evaluate_task, load_task
+from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, text_ids
+from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
 
-CALIB_FILE = DEFAULT_PPL_FILE.parents[1] / "calib" / "wikitext2-train-head.txt"
+CALIB_FILE = CALIB_TEXT
 YAML = """task: dejavu_{name}
 dataset_path: json
 dataset_kwargs:
