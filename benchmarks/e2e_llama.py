@@ -62,10 +62,11 @@ class Run:
         self.out, self.data = out, {"meta": meta, "smoke": None, "bandwidth": None, "results": [], "errors": []}
 
     def save(self):
+        from dejavu.fileio import atomic_path
+
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.out)
+        with atomic_path(self.out) as tmp:
+            tmp.write_text(json.dumps(self.data, indent=1, default=str))
 
     def add(self, key, value):
         self.data[key].append(value) if isinstance(self.data[key], list) else self.data.__setitem__(key, value)
