@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
             sens = measure_sensitivity(*model_parts(model), held, preds, {"mlp": ks}, progress=False)
             res["sensitivity"] = sens.to_dict()
         xs = predictor_inputs(model, held, preds.predictor_input) if any(
-            v.startswith("pertoken") for v in args.variants) else None
+            v.startswith(("pertoken", "pthresh")) for v in args.variants) else None
         costs = ByteCosts.of(cfg, (int(preds.mlp[1]["a"].shape[0]), int(preds.attn[0]["a"].shape[0])), 4)
         for d in args.densities:
             mk, ak = resolve_density(cfg, 1.0, d, 1.0, recall_curves=preds.recall_curves)
