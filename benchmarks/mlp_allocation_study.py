@@ -12,7 +12,6 @@ round(D F L), as `--mlp-density D` spends it):
   pertoken-C  per-layer K of `curves` as the mean: each token keeps the smallest k whose
               predicted mass (softmax of the listwise scores) reaches tau_l, capped at C x K_l;
               tau_l set so the mean k over the held-out windows equals K_l
-  pertoken-C-global  one tau for every layer, fitted so the summed mean k is the total K
   pthresh-C   the same with the rows whose predicted share is >= theta_l (no sort needed)
 Also reported: the share of the predicted top-K rows whose activation is zero (ReLU), per layer.
 
@@ -113,18 +112,6 @@ def prob_threshold(model, predictors, ts, caps, counts: list):
             h.remove()
 
 
-def fit_global_tau(score, mk: list[int], cap: float, n: int) -> TokenK:
-    """One tau for every layer (caps min(n, cap K_l)) whose summed mean count is sum(mk)."""
-    caps = [min(n, int(cap * k)) for k in mk]
-    scores = [score(l) for l in range(len(mk))]
-    total = lambda t: sum(token_counts(s, t, c).float().mean().item() for s, c in zip(scores, caps))  # noqa: E731
-    lo, hi = 0.0, 1.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if total(mid) <= sum(mk) else (lo, mid)
-    return TokenK(tuple(caps), tuple([lo] * len(mk)), tuple(mk))
-
-
 @contextlib.contextmanager
 def counting(model, predictors, tk: TokenK, counts: list):
     """Record each token's count (token_k.token_counts) while masked_sparsity(token_k=) runs."""
@@ -212,15 +199,9 @@ def main(argv=None) -> dict:
                     ks = list(ks)
                     ctx = masked_sparsity(model, ks, ak, "predicted", preds)
                 else:
-                    c = float(name.split("-")[1])  # pertoken-C[-global] | pthresh-C
+                    c = float(name.split("-")[1])  # pertoken-C | pthresh-C
                     score = lambda l: preds.scores("mlp", l, xs[l].float()).flatten(0, 1)  # noqa: E731
-                    if name.startswith("pertoken") and name.endswith("global"):
-                        tk = fit_global_tau(score, mk, c, Fd)
-                        taus = list(tk.tau)
-                        ctx = contextlib.ExitStack()
-                        ctx.enter_context(masked_sparsity(model, mk, ak, "predicted", preds, token_k=tk))
-                        ctx.enter_context(counting(model, preds, tk, counts))
-                    elif name.startswith("pertoken"):
+                    if name.startswith("pertoken"):
                         tk = fit_token_k(score, mk, cap=c)
                         taus = list(tk.tau)
                         ctx = contextlib.ExitStack()
