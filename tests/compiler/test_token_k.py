@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from dejavu.compiler.masking import masked_sparsity
+from dejavu.compiler.predictors import Predictors
 from dejavu.compiler.token_k import TokenK, fit_tau, fit_token_k, token_counts, token_mask
 from dejavu.errors import DejavuError
 from dejavu.models.loader import load_model
-from tests.compiler.test_masking import random_predictors
+from helpers_compiler import random_predictors
 
 
 def _counts_ref(scores: torch.Tensor, tau: float, k_max: int) -> torch.Tensor:
@@ -53,7 +54,9 @@ def test_fitted_tau_spends_the_mean_budget(k_mean, k_max):
 def tiny(tiny_opt_dir):
     model, cfg = load_model(tiny_opt_dir)
     ids = torch.randint(4, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    return model, cfg, ids, random_predictors(cfg)
+    # b scaled up: scores spread over several units, so the counts differ from token to token
+    sd = {n: t * 8 if n.endswith(".b") else t for n, t in random_predictors(cfg).items()}
+    return model, cfg, ids, Predictors.from_state_dict(sd, {"source": "attn_in", "lookahead": 1})
 
 
 def test_masked_model_keeps_each_tokens_count(tiny):
