@@ -13,6 +13,9 @@ round(D F L), as `--mlp-density D` spends it):
               predicted mass (softmax of the listwise scores) reaches tau_l, capped at C x K_l;
               tau_l set so the mean k over the held-out windows equals K_l
   pthresh-C   the same with the rows whose predicted share is >= theta_l (no sort needed)
+  build       the K that the build's `resolve_k` picks for `--density B --attn-density 1.0`, B the
+              byte fraction of the `curves` K (heads frozen dense, neurons free; the knapsack
+              until commit 50dc07d, the curves since)
 Also reported: the share of the predicted top-K rows whose activation is zero (ReLU), per layer.
 
     python benchmarks/mlp_allocation_study.py --predictors /tmp/preds.pkl --eval-tokens 2048 --out F
@@ -30,7 +33,8 @@ import numpy as np
 import torch
 
 from dejavu.compiler.allocate import (ByteCosts, allocate_knapsack, heldout_windows, measure_sensitivity,
-                                      model_parts)
+                                      model_parts, resolve_k)
+from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
 from dejavu.compiler.text import encode_text
@@ -193,6 +197,13 @@ def main(argv=None) -> dict:
                 ctx, ks = None, mk
                 if name == "curves":
                     ctx = masked_sparsity(model, mk, ak, "predicted", preds)
+                elif name == "build":
+                    rank = math.ceil(sum(int(p["a"].shape[0]) for p in preds.mlp) / L)  # as resolve_k counts it
+                    bc = ByteCosts.of(cfg, (rank, int(preds.attn[0]["a"].shape[0])), 4)
+                    frac = math.ceil(bc.total(mk, ak) / bc.dense * 1e6) / 1e6
+                    c = BuildConfig(density=frac, attn_density=1.0, dtype="float32")
+                    ks, ka, rep = resolve_k(lambda: model_parts(model), cfg, c, preds, tok, "opt-mini")
+                    ctx = masked_sparsity(model, ks, ka, "predicted", preds)
                 elif name == "loss":
                     budget = costs.total(mk, ak)
                     ks, _ = allocate_knapsack(costs, sens, budget, frozen={"attn": ak})
