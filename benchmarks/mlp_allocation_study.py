@@ -13,6 +13,8 @@ round(D F L), as `--mlp-density D` spends it):
               predicted mass (softmax of the listwise scores) reaches tau_l, capped at C x K_l;
               tau_l set so the mean k over the held-out windows equals K_l
   pthresh-C   the same with the rows whose predicted share is >= theta_l (no sort needed)
+  matched     fixed K per layer = the mean k the preceding pertoken-/pthresh- variant kept on the
+              test tokens (the fixed selection at the per-token one's row count; list it after one)
   build       the K that the build's `resolve_k` picks for `--density B --attn-density 1.0`, B the
               byte fraction of the `curves` K (heads frozen dense, neurons free; the knapsack
               until commit 50dc07d, the curves since)
@@ -189,6 +191,7 @@ def main(argv=None) -> dict:
         xs = predictor_inputs(model, held, preds.predictor_input) if any(
             v.startswith(("pertoken", "pthresh")) for v in args.variants) else None
         costs = ByteCosts.of(cfg, (int(preds.mlp[1]["a"].shape[0]), int(preds.attn[0]["a"].shape[0])), 4)
+        last_counts = None  # the mean k per layer of the last per-token variant (for "matched")
         for d in args.densities:
             mk, ak = resolve_density(cfg, 1.0, d, 1.0, recall_curves=preds.recall_curves)
             res["zero_rows"][str(d)] = zero_rows(model, preds, held, mk)
@@ -197,6 +200,11 @@ def main(argv=None) -> dict:
                 ctx, ks = None, mk
                 if name == "curves":
                     ctx = masked_sparsity(model, mk, ak, "predicted", preds)
+                elif name == "matched":
+                    if last_counts is None:
+                        raise SystemExit("--variants: list 'matched' after a pertoken-/pthresh- variant")
+                    ks = [max(1, round(v)) for v in last_counts]
+                    ctx = masked_sparsity(model, ks, ak, "predicted", preds)
                 elif name == "build":
                     rank = math.ceil(sum(int(p["a"].shape[0]) for p in preds.mlp) / L)  # as resolve_k counts it
                     bc = ByteCosts.of(cfg, (rank, int(preds.attn[0]["a"].shape[0])), 4)
@@ -226,7 +234,7 @@ def main(argv=None) -> dict:
                     got = ppl()
                 row = {**got, "mlp_k": ks, "increase_pct": 100 * (got["perplexity"] / dense["perplexity"] - 1)}
                 if counts[0]:
-                    row["mean_k_test"] = [float(torch.cat(c).float().mean()) for c in counts]
+                    row["mean_k_test"] = last_counts = [float(torch.cat(c).float().mean()) for c in counts]
                     row["taus"] = taus
                 res["quality"][f"{name}@{d}"] = row
                 print(name, d, round(row["increase_pct"], 3), ks, row.get("mean_k_test"), flush=True)
