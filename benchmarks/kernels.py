@@ -90,7 +90,7 @@ class Bound:
 
 
 def with_settings(**parts):
-    """Run.settings with fields of its parts replaced: with_settings(topk=dict(fused=False)), or a
+    """Run.settings with fields of its parts replaced: with_settings(topk=dict(block=2048)), or a
     top-level field (fc1_dot_min_batch=1)."""
     s = Run.settings
     return dataclasses.replace(s, **{k: dataclasses.replace(getattr(s, k), **v) if isinstance(v, dict) else v
@@ -836,15 +836,12 @@ def bench_pred_gemv(bw, quick):
     return {"rows": rows, "best": best}
 
 
-TOPK_SWEEP = ([dict(fused=False, block=b, warps=w, atomic_hist=h) for b in (1024, 2048) for w in (4, 8)
-               for h in (True, False)]
-              + [dict(fused=True, block=b, warps=w, atomic_hist=True) for b in (1024, 2048) for w in (4, 8)])
+TOPK_SWEEP = [dict(block=b, warps=w, atomic_hist=h) for b in (1024, 2048) for w in (4, 8) for h in (True, False)]
 
 
 def bench_topk(quick):
     """Top-k alone on predictor-score rows [B, N] fp16, k = 30%: torch.topk against
-    topk_triton configs (unfused first; the grid-barrier `fused` ones last: run this
-    section under `timeout`). Each config is checked (a valid top-k set) before timing."""
+    topk_triton configs. Each config is checked (a valid top-k set) before timing."""
     rows = []
     for N, B in ((28672, 1), (36864, 1), (56, 1), (28672, 8), (28672, 32)):
         k = int(0.3 * N)

@@ -108,14 +108,11 @@ class AttnSettings:
 @dataclass(frozen=True)
 class TopkSettings:
     """predictor_topk's top-k: method "triton" (topk_triton) or "torch". topk_triton: `block` scores per
-    program of a split row (raised so a row has <= 8 * warps programs); `fused`: one launch with a grid
-    barrier per radix round (CUDA, every program resident) instead of one per round (the default: it does
-    not spin; no cost measured on the H200); `atomic_hist`: digit histograms by global atomics, else
-    tl.histogram."""
+    program of a split row (raised so a row has <= 8 * warps programs), one launch per radix round;
+    `atomic_hist`: digit histograms by global atomics, else tl.histogram."""
     method: str = "triton"
     block: int = 1024
     warps: int = 4
-    fused: bool = False
     atomic_hist: bool = True
 
 

@@ -126,9 +126,9 @@ SCRIPT = textwrap.dedent('''
     compile_sm90(DK, DK._refresh_kernel, dict(R=4, BLOCK_H=64, BLOCK_K=32))
     compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
-    compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._FUSED, FIRST=0, LAST=2,
+    compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,
                                            COMPACT=True, ATOMIC_HIST=True),
-                 overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "bar_ptr": "*i32", "s_ptr": "*fp16"})
+                 overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16"})
     LN = importlib.import_module("dejavu.plugins.layer_norm")  # the attribute is the function
     for dt in ("fp16", "bf16"):
         compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), dt)

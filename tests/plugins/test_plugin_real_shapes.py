@@ -205,9 +205,7 @@ def _check_predictor(B, D, N, r, k, shared, method, dtype, scoring, settings):
 
 
 def check_predictor(B, D, N, r, k, shared, method="torch", dtype=torch.float32, scoring=None):
-    # the fused (grid-barrier) top-k is exercised by benchmarks/kernels.py --sections topk, under a timeout
-    settings = dataclasses.replace(DEFAULT, topk=dataclasses.replace(DEFAULT.topk, fused=False))
-    return _check_predictor(B, D, N, r, k, shared, method, dtype, scoring, settings)
+    return _check_predictor(B, D, N, r, k, shared, method, dtype, scoring, DEFAULT)
 
 
 def cases():
