@@ -424,7 +424,7 @@ def bench_mlp_variants(mlps, bw, names):
 PART_DENSITIES = (0.1, 0.3)
 def _fc2_split(K, D):
     """The split count gather_gemv_t takes at batch 1 (settings.fc2_dot1) for K rows of width D."""
-    return FC2._split_plan(K, D, dict(vars(Run.settings.fc2_dot1)))[1]
+    return FC2.split_plan(K, D, dict(vars(Run.settings.fc2_dot1)))[1]
 
 
 def bench_mlp_parts(mlps, bw, only=None):
@@ -836,7 +836,7 @@ def bench_pred_gemv(bw, quick):
     return {"rows": rows, "best": best}
 
 
-TOPK_SWEEP = [dict(block=b, warps=w, atomic_hist=h) for b in (1024, 2048) for w in (4, 8) for h in (True, False)]
+TOPK_SWEEP = [dict(block=b, warps=w) for b in (1024, 2048) for w in (4, 8)]
 
 
 def bench_topk(quick):

@@ -101,8 +101,9 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
     mod = importlib.import_module("dejavu.plugins." + modname)
     assert mod.__file__.startswith(root), mod.__file__
     C.tl = tl
-    C._bind_helpers(vars(mod), triton)
-    C._bind_helpers(getattr(mod, kname).__globals__, triton)
+    bind = getattr(C, "bind_helpers", None) or C._bind_helpers  # the name at older revisions
+    bind(vars(mod), triton)
+    bind(getattr(mod, kname).__globals__, triton)
     fn = getattr(mod, kname)
     params = inspect.signature(fn).parameters
     # a constexpr the kernel no longer has (a mode deleted since the base revision) is left out

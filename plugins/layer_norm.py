@@ -47,12 +47,11 @@ LN_EPS = 1e-5
 # kernel
 
 def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
-                       CHUNKED: tl.constexpr, BLOCK: tl.constexpr, EARLY_W: tl.constexpr = 0,
-                       GDC: tl.constexpr = 0):
+                       CHUNKED: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = 0):
     # out[r] = (x[r] - mean) * rstd * w + b; grid (R,). Rows are contiguous (stride D).
-    # EARLY_W (whole rows): w and b loaded before the PDL wait (weights, never written in decode).
+    # Whole rows: w and b loaded before the PDL wait (weights, never written in decode).
     offs = tl.arange(0, BLOCK)
-    if EARLY_W:
+    if not CHUNKED:
         w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
     gdc_enter(GDC)
@@ -63,9 +62,6 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
         mean = tl.sum(x, axis=0) / D
         xc = tl.where(mask, x - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + eps)
-        if not EARLY_W:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row + offs, (xc * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # pass 1: merge each block's (count, mean, M2) into the running ones
@@ -106,7 +102,7 @@ def _block_stats(y, mask, rmask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr):
 
 
 @helper
-def _store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, STATS: tl.constexpr):
+def store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, STATS: tl.constexpr):
     # out[offs] = y rounded to out's dtype (one row's D block pid_d); STATS: also that block's
     # (mean, M2) of the stored values at st_ptr (one pair), for the LayerNorm that follows
     yo = y.to(out_ptr.dtype.element_ty)
@@ -117,31 +113,26 @@ def _store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, 
 
 
 @helper
-def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
-    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (_ln_merge_rows)
+def ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr):
+    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (blocks of BLOCK_D
+    # columns, the last one short), merged in fp32: the parallel form of mean-then-squared-deviations
+    # (as the chunked path above). Plain loads: an earlier kernel wrote them and thousands of programs
+    # read the same few lines (L1 then serves all but the first warp of each SM; after the PDL wait no
+    # stale copy can be in L1; ".cg" there ran 3.6x slower). Computed as a [1] row (the form the
+    # kernels' PTX was checked with).
     one = tl.arange(0, 1)
-    mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N, CM)
-    return tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
-
-
-@helper
-def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
-    # (mean, rstd) [R] of rows whose N_D blocks' (mean, M2) are at st_rows [R] (pointers to
-    # [N_D, 2] each; blocks of BLOCK_D columns, the last one short), merged in fp32: the
-    # parallel form of mean-then-squared-deviations (as layer_norm.py's chunked path). Masked
-    # rows read nothing. CM "": an earlier kernel wrote them and thousands of programs read the
-    # same few lines (L1 then serves all but the first warp of each SM; after the PDL wait no
-    # stale copy can be in L1; ".cg" there ran 3.6x slower).
+    st_rows = st_ptr + one * 0
+    rmask = one < 1
     offs_n = tl.arange(0, BLOCK_N)
     m = rmask[:, None] & (offs_n < N_D)[None, :]
     n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)[None, :]
     st = st_rows[:, None] + offs_n[None, :] * 2
-    mean_b = tl.load(st, mask=m, other=0.0, cache_modifier=CM)
-    m2_b = tl.load(st + 1, mask=m, other=0.0, cache_modifier=CM)
+    mean_b = tl.load(st, mask=m, other=0.0)
+    m2_b = tl.load(st + 1, mask=m, other=0.0)
     mean = tl.sum(tl.where(m, n_b * mean_b, 0.0), axis=1) / D
     delta = mean_b - mean[:, None]
     m2 = tl.sum(tl.where(m, m2_b + n_b * delta * delta, 0.0), axis=1)
-    return mean, 1.0 / tl.sqrt(m2 / D + eps)
+    return tl.sum(mean, axis=0), tl.sum(1.0 / tl.sqrt(m2 / D + eps), axis=0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -174,9 +165,8 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None, settings=Non
     s = settings or DEFAULT
     cfg = table(s.layer_norm, config)
     block, chunked, num_warps = _plan(D, cfg)
-    early = bool(cfg["EARLY_WEIGHTS"]) and not chunked
     kernel = jit(_layer_norm_kernel, x.device)
-    kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block, EARLY_W=early,
+    kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block,
                  num_warps=num_warps, **pdl_args(x.device, "layer_norm", s.pdl))
     return out
 

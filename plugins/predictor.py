@@ -62,15 +62,12 @@ def _order_keys(x, KEY_BITS: tl.constexpr):
 
 
 @helper
-def _count_digits(slot, digit, cand, ATOMIC_HIST: tl.constexpr):
-    # slot[0:256] = histogram of this program's candidate digits
-    bins = tl.arange(0, 256)
-    if ATOMIC_HIST:
-        tl.store(slot + bins, tl.zeros([256], tl.int32))
-        tl.debug_barrier()  # the zeros are in place before any thread's add
-        tl.atomic_add(slot + digit, 1, mask=cand, sem="relaxed")
-    else:
-        tl.store(slot + bins, tl.histogram(digit, 256, mask=cand))
+def _count_digits(slot, digit, cand):
+    # slot[0:256] = histogram of this program's candidate digits, by global atomics (tl.histogram into
+    # the slot: 11.1 vs 10.6 us for the OPT-30B MLP row, benchmarks/results/kernels-2026-12-02.json)
+    tl.store(slot + tl.arange(0, 256), tl.zeros([256], tl.int32))
+    tl.debug_barrier()  # the zeros are in place before any thread's add
+    tl.atomic_add(slot + digit, 1, mask=cand, sem="relaxed")
 
 
 @helper
@@ -101,7 +98,7 @@ def _next_digit(tot, bef, need):
 
 def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
                  BLOCK: tl.constexpr, NB_P2: tl.constexpr, KEY_BITS: tl.constexpr, MODE: tl.constexpr,
-                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr, ATOMIC_HIST: tl.constexpr):
+                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr):
     # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (NB, rows).
     # MODE 0: NB == 1, histograms in registers, one launch. MODE 1: rounds FIRST..LAST-1 are counted
     # here into ws[row, round, NB, 256]; earlier rounds were counted by earlier launches and are only
@@ -129,7 +126,7 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
                 bef = tot * 0
             else:
                 if r >= FIRST:
-                    _count_digits(round_ws + pid * 256, digit, cand, ATOMIC_HIST)
+                    _count_digits(round_ws + pid * 256, digit, cand)
                 tot, bef = _row_counts(round_ws, pid, NB, NB_P2)
             if MODE == 0 or r < FIRST:
                 d, need, gt_add, eq_before = _next_digit(tot, bef, need)
@@ -150,7 +147,7 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
 
 
 def _topk_plan(scores, config, settings=None):
-    """(block, NB, warps, mode, atomic_hist) for scores[R, N] under the top-k settings + config."""
+    """(block, NB, warps, mode) for scores[R, N] under the top-k settings + config."""
     cfg = dict(vars((settings or DEFAULT).topk))
     for name, value in (config or {}).items():
         if name not in cfg or name == "method":
@@ -164,11 +161,11 @@ def _topk_plan(scores, config, settings=None):
     if N <= block:
         # one program per row; small rows get fewer warps (a warp per 256 scores at most)
         b = max(32, next_pow2(N))
-        return b, 1, max(1, min(warps, b // 256)), _SINGLE, bool(cfg["atomic_hist"])
+        return b, 1, max(1, min(warps, b // 256)), _SINGLE
     # each program reads the [NB, 256] histograms of its row: at most 64 ints per thread
     while next_pow2(-(-N // block)) > 8 * warps:
         block *= 2
-    return block, -(-N // block), warps, _SPLIT, bool(cfg["atomic_hist"])
+    return block, -(-N // block), warps, _SPLIT
 
 
 def topk_triton(scores, k, config=None, settings=None):
@@ -182,7 +179,7 @@ def topk_triton(scores, k, config=None, settings=None):
         raise DejavuError(f"topk_triton: N={N} > {TOPK_MAX_N}")
     if not isinstance(k, int) or not 0 <= k <= N:
         raise DejavuError(f"topk_triton: k must be an int in [0, {N}], got {k!r}")
-    block, nb, warps, mode, atomic_hist = _topk_plan(scores, config, settings)
+    block, nb, warps, mode = _topk_plan(scores, config, settings)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     if k == 0 or R == 0:
         return out
@@ -194,7 +191,7 @@ def topk_triton(scores, k, config=None, settings=None):
         ws = torch.empty((R, rounds, nb, 256), dtype=torch.int32, device=scores.device)
     args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0))
     consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode,
-                  ATOMIC_HIST=atomic_hist, num_warps=warps)
+                  num_warps=warps)
     if mode == _SPLIT:  # one launch per round, then one to compact
         for r in range(rounds):
             kernel[(nb, R)](*args, FIRST=r, LAST=r + 1, COMPACT=False, **consts)

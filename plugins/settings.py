@@ -12,7 +12,7 @@ for one call (sweeps, tests); unknown keys are a DejavuError. Nothing patches mo
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dejavu.errors import DejavuError
 
@@ -46,7 +46,6 @@ class SplitKBlocks:
     num_stages: int = 3
     SPLIT: int | None = None
     TARGET_PROGRAMS: int = 528  # ~4 programs per SM (132 SMs)
-    maxnreg: int | None = None  # register cap (reg_cap); none measured faster
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,9 @@ class QKVSettings:
     finishing program, FINISH_S: slices summed per load; SHARED_MIN_BATCH: from this batch a shared set
     (or batch 1) takes the shared-set kernel, SHARED_P - 1 missing slots per sequence in its tl.dot;
     SLOW_Z: finishing programs per row block sharing the slow path (None: ~SLOW_TARGET programs, 1-8);
-    EARLY_READS: the finishing kernel's head index, pos and valid_len before the PDL wait;
     FOLD_FINISH (batch 1): the finish folded into attention (True; "wide": only past FOLD_MAX_SPLIT
-    slices of D, capped there; FOLD_CAP caps True too), the slow path in FOLD_SLOW_Z x (BLOCK_R /
-    FOLD_SLOW_R) extra z-slices of the partial kernel (FOLD_SLOW_LAST: after the D slices);
+    slices of D; both at most FOLD_MAX_SPLIT slices), the slow path in FOLD_SLOW_Z x (BLOCK_R /
+    FOLD_SLOW_R) extra z-slices of the partial kernel, after the D slices;
     SHARED_P_UNFOLDED / UNFOLDED_MAXNREG: P and register cap of the unfolded batch-1 route without
     refresh heads. Measurements: docs/kernels.md, "The decode step's kernels"."""
     BLOCK_P: int = 16
@@ -75,25 +73,19 @@ class QKVSettings:
     FINISH_S: int = 8
     SLOW_Z: int | None = 1
     SLOW_TARGET: int = 640
-    EARLY_READS: bool = True
     FOLD_FINISH: bool | str = False
     FOLD_SLOW_R: int = 16
     FOLD_SLOW_Z: int = 1
     FOLD_MAX_SPLIT: int = 8
-    FOLD_CAP: bool = False
-    FOLD_SLOW_LAST: bool = False
     SHARED_P_UNFOLDED: int | None = None
     UNFOLDED_MAXNREG: int | None = None
-    maxnreg: int | None = None
-    W_EV: str = ""  # eviction policy of the shared-set kernel's weight loads
-    ST_CM: str = ""  # cache modifier of its PendingLN statistics loads
 
 
 # Batch 1: the shared-set kernel, 64-row blocks, P 16 (32 unfolded, 128-register cap), the finishing
 # kernel's blocks of `kernels.py --qkv-sweep finish`, the fold where D takes many slices.
 QKV_B1 = QKVSettings(BLOCK_R=64, TARGET_PROGRAMS=512, num_stages=3, SHARED_P_UNFOLDED=32, UNFOLDED_MAXNREG=128,
                      SHARED_MIN_BATCH=1, SHARED_P=16, FINISH_R=16, FINISH_S=1, SLOW_Z=None,
-                     FOLD_FINISH="wide", FOLD_SLOW_Z=4, FOLD_SLOW_LAST=True)
+                     FOLD_FINISH="wide", FOLD_SLOW_Z=4)
 
 
 @dataclass(frozen=True)
@@ -102,18 +94,15 @@ class AttnSettings:
     BLOCK_S: int = 32
     CHUNK: int = 32
     num_warps: int = 4
-    EARLY_READS: bool = True  # the head index and pos read before the PDL wait
 
 
 @dataclass(frozen=True)
 class TopkSettings:
     """predictor_topk's top-k: method "triton" (topk_triton) or "torch". topk_triton: `block` scores per
-    program of a split row (raised so a row has <= 8 * warps programs), one launch per radix round;
-    `atomic_hist`: digit histograms by global atomics, else tl.histogram."""
+    program of a split row (raised so a row has <= 8 * warps programs), one launch per radix round."""
     method: str = "triton"
     block: int = 1024
     warps: int = 4
-    atomic_hist: bool = True
 
 
 @dataclass(frozen=True)
@@ -132,7 +121,6 @@ class LNSettings:
     MAX_BLOCK: int = 16384
     CHUNK_BLOCK: int = 4096
     WARPS: tuple = ((2048, 4), (8192, 8), (None, 16))
-    EARLY_WEIGHTS: bool = True  # whole rows: weight and bias loaded before the PDL wait
     BLOCK: int | None = None
     num_warps: int | None = None
 
@@ -188,6 +176,7 @@ class KernelSettings:
     def from_dict(cls, d: dict) -> "KernelSettings":
         """The settings of an engine header; missing fields take the defaults, unknown ones are a DejavuError."""
         return _from_dict(cls, d, "kernel_settings")
+
 
 
 def _from_dict(cls, d, where: str):

@@ -34,12 +34,10 @@ def check(close, x, w, b, config=None, eps=1e-5):
     close(y, ref64, torch_same_dtype(x, w, b, eps))
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early_weights", "late_weights"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("R,D", [(1, 7), (3, 200), (1, 1000), (3, 1000)])
-def test_whole_row_matches_reference(triton_interp, close, dtype, R, D, early):
-    # EARLY_WEIGHTS: weight and bias loaded before the (PDL) wait, or after the statistics
-    check(close, *make(R, D, dtype), config={"EARLY_WEIGHTS": early})
+def test_whole_row_matches_reference(triton_interp, close, dtype, R, D):
+    check(close, *make(R, D, dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -81,8 +81,8 @@ def test_triton_topk_ties_and_extremes(triton_interp):
 # The expected set is unique given the tie rule: a stable descending sort (equal scores keep
 # index order; -0.0 == +0.0; NaN first, as torch.topk ranks it) and its first k indices.
 # Configs force the paths: one program per row, rows split over programs (split launches
-# under the interpreter), tl.histogram instead of atomics.
-ONE, MANY, BALLOT = None, dict(block=256), dict(block=256, atomic_hist=False)
+# under the interpreter).
+ONE, MANY = None, dict(block=256)
 
 
 def expected_set(s, k):
@@ -114,7 +114,7 @@ def test_topk_triton_equals_torch_topk(triton_interp, N, config):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [ONE, MANY, BALLOT])
+@pytest.mark.parametrize("config", [ONE, MANY])
 def test_topk_triton_ties_follow_the_lowest_index_rule(triton_interp, dtype, config):
     from dejavu.plugins.predictor import topk_triton
 
@@ -202,12 +202,12 @@ COMPILE = textwrap.dedent('''
            "NB": "i32", "stride_s": "i32", "stride_o": "i32"}
     for dt, bits in (("fp16", 16), ("bf16", 16), ("fp32", 32)):
         rounds = bits // 8
-        variants = [(PR._SPLIT, 0, 1, False, True, 32), (PR._SPLIT, rounds, rounds, True, True, 32)]
+        variants = [(PR._SPLIT, 0, 1, False, 32), (PR._SPLIT, rounds, rounds, True, 32)]
         if dt == "fp16":
-            variants += [(PR._SPLIT, 1, 2, False, False, 32), (PR._SINGLE, 0, rounds, True, True, 1)]
-        for mode, first, last, compact, atomic, nb_p2 in variants:
+            variants += [(PR._SPLIT, 1, 2, False, 32), (PR._SINGLE, 0, rounds, True, 1)]
+        for mode, first, last, compact, nb_p2 in variants:
             c = dict(BLOCK=1024 if nb_p2 > 1 else 64, NB_P2=nb_p2, KEY_BITS=bits, MODE=mode, FIRST=first,
-                     LAST=last, COMPACT=compact, ATOMIC_HIST=atomic)
+                     LAST=last, COMPACT=compact)
             sig = dict(SIG, s_ptr="*" + dt, **{name: "constexpr" for name in c})
             src = ASTSource(JITFunction(PR._topk_kernel), signature=sig, constexprs=c)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8 if nb_p2 > 1 else 1))
