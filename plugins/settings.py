@@ -116,12 +116,10 @@ class ScoreSettings:
 
 @dataclass(frozen=True)
 class LNSettings:
-    """layer_norm: rows up to MAX_BLOCK in registers, longer ones in CHUNK_BLOCK chunks; WARPS: (largest
-    D, num_warps), first match; BLOCK / num_warps: fixed choices (None: by those rules)."""
+    """layer_norm: rows up to MAX_BLOCK, in registers; WARPS: (largest D, num_warps), first match;
+    num_warps: a fixed choice (None: by that rule)."""
     MAX_BLOCK: int = 16384
-    CHUNK_BLOCK: int = 4096
     WARPS: tuple = ((2048, 4), (8192, 8), (None, 16))
-    BLOCK: int | None = None
     num_warps: int | None = None
 
 

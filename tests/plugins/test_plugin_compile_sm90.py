@@ -126,8 +126,7 @@ SCRIPT = textwrap.dedent('''
                  overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16"})
     LN = importlib.import_module("dejavu.plugins.layer_norm")  # the attribute is the function
     for dt in ("fp16", "bf16"):
-        compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), dt)
-        compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=True, BLOCK=4096), dt)
+        compile_sm90(LN, LN._layer_norm_kernel, dict(BLOCK=8192), dt)
     # PDL (_common.pdl_args): every kernel launched with launch_pdl waits (griddepcontrol.wait) before
     # any store (and before any load but the early reads) and lets the next one in only after it
     fin = dict(FINAL=False, HAS_RES=True, GROUP=128)
@@ -151,7 +150,7 @@ SCRIPT = textwrap.dedent('''
         (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192), False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, BLOCK_REF=16), False),
-        (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), False),
+        (LN, LN._layer_norm_kernel, dict(BLOCK=8192), False),
     ]
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
         over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else None
