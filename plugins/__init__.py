@@ -13,10 +13,12 @@ from dejavu.plugins.fc1 import sparse_fc1, sparse_fc1_ref
 from dejavu.plugins.fc2 import sparse_fc2, sparse_fc2_ref
 from dejavu.plugins.qkv_partial import hist_slots
 from dejavu.plugins.refresh_heads import refresh_heads, refresh_heads_ref, refresh_route
-from dejavu.plugins.settings import DEFAULT, InputSparseSettings, KernelSettings, resolve_kernel_settings
+from dejavu.plugins.settings import (DEFAULT, InputSparseSettings, KernelSettings, resolve_kernel_settings,
+                                     resolve_layer_settings)
 
 __all__ = [
-    "DEFAULT", "InputSparseSettings", "KernelSettings", "resolve_kernel_settings", "PDL_KINDS", "jitted", "pdl_args",
+    "DEFAULT", "InputSparseSettings", "KernelSettings", "resolve_kernel_settings", "resolve_layer_settings",
+    "PDL_KINDS", "jitted", "pdl_args",
     "input_sparse_gemv", "input_sparse_gemv_ref", "select_inputs",
     "PendingLN", "from_stats_ref", "layer_norm", "layer_norm_ref", "pending_ln",
     "predictor_scores", "predictor_topk", "predictor_topk_ref",

@@ -2,7 +2,9 @@
 
     settings = resolve_kernel_settings("sm_90", sm_count=132)   # the compiler, per target
     header["target"]["kernel_settings"] = settings.to_dict()     # written into the engine
-    KernelSettings.from_dict(d)                                  # read back by the runtime
+    layers = resolve_layer_settings(settings, D, hd, mlp_k, attn_k)  # per layer, from its K
+    header["target"]["layer_kernel_settings"] = layers           # [{part: {field: value}}] per layer
+    KernelSettings.from_dict(d).with_overrides(layers[l])        # read back by the runtime, per layer
     sparse_fc1(..., settings=settings)                           # every launcher takes one (None: DEFAULT)
 
 Each default is a field default here (picked on an H200, 132 SMs; the measurements behind them:
@@ -175,6 +177,15 @@ class KernelSettings:
         """The settings of an engine header; missing fields take the defaults, unknown ones are a DejavuError."""
         return _from_dict(cls, d, "kernel_settings")
 
+    def with_overrides(self, overrides: dict) -> "KernelSettings":
+        """These settings with fields of their parts replaced ({part: {field: value}}: a layer's entry of
+        resolve_layer_settings); unknown names are a DejavuError."""
+        d = self.to_dict()
+        for part, fields in overrides.items():
+            if not isinstance(d.get(part), dict) or not isinstance(fields, dict):
+                raise DejavuError(f"layer kernel settings: {part!r} is not a part of KernelSettings")
+            d[part] = {**d[part], **fields}
+        return _from_dict(KernelSettings, d, "layer kernel settings")
 
 
 def _from_dict(cls, d, where: str):
@@ -215,6 +226,27 @@ def resolve_kernel_settings(arch: str | None, sm_count: int | None = None) -> Ke
              proj1=programs(s.proj1), qkv=programs(s.qkv), qkv_b1=programs(s.qkv_b1),
              input_sparse=r(s.input_sparse, target_programs=max(1, round(s.input_sparse.target_programs * scale))),
              pdl=s.pdl if major >= 9 else r(s.pdl, ENABLED=False), arch=arch)
+
+
+def resolve_layer_settings(s: KernelSettings, d_model: int, head_dim: int, mlp_k, attn_k) -> list[dict]:
+    """Per layer, the batch-1 launch choices that depend on its K (mlp_k[l] neurons, attn_k[l] heads) under
+    s, as overrides of s (with_overrides): fc2's and the output projection's split of K (fc2_dot1 / proj1
+    SPLIT), the Q/K/V partial kernel's slices of D before a fold's cap (qkv_b1.SPLIT), whether its finish
+    folds into attention (qkv_b1.FOLD_FINISH), the finishing kernel's programs per row block (qkv_b1.SLOW_Z).
+    The launches equal those the launchers resolve from K at each call (tests/plugins/test_kernel_settings.py)."""
+    from dejavu.plugins.fc2 import split_plan
+    from dejavu.plugins.qkv_finish import slow_z
+    from dejavu.plugins.qkv_partial import qkv_split
+
+    q, out = vars(s.qkv_b1), []
+    for k, kh in zip(mlp_k, attn_k):
+        rows = max(1, kh * 3 * -(-head_dim // q["BLOCK_R"]))  # the partial kernel's row blocks per slice of D
+        out.append({"fc2_dot1": {"SPLIT": split_plan(k, d_model, vars(s.fc2_dot1))[1]},
+                    "proj1": {"SPLIT": split_plan(kh * head_dim, d_model, vars(s.proj1))[1]},
+                    "qkv_b1": {"SPLIT": qkv_split({**q, "FOLD_FINISH": False}, d_model, rows, False)[0],
+                               "FOLD_FINISH": bool(q["FOLD_FINISH"]) and qkv_split(q, d_model, rows, True)[2],
+                               "SLOW_Z": slow_z(q, kh * 3 * -(-head_dim // q["FINISH_R"]))}})
+    return out
 
 
 def table(t, config=None) -> dict:
