@@ -134,17 +134,16 @@ def _settings_for(target, device) -> tuple[P.KernelSettings, bool]:
 
 
 class LayerOps:
-    """The ops with one layer's kernel settings bound (Ops.layer(l)); an op the engine demoted is its
-    reference here too."""
+    """The ops with one layer's kernel settings bound (Ops.layer(l)) where the engine's op is its Triton
+    launcher; an op the engine demoted to its reference, or one a benchmark or test wrapped, as the engine's."""
 
     def __init__(self, ops: "Ops", settings: P.KernelSettings):
         self.ops, self.settings = ops, settings
         self._bound = {name: functools.partial(_IMPL[name][0], settings=settings) for name in NAMES}
 
     def __getattr__(self, name):
-        if name in self._bound and self.ops.kernels.get(name) == "triton":
-            return self._bound[name]
-        return getattr(self.ops, name)
+        op = getattr(self.ops, name)
+        return self._bound[name] if name in self._bound and op is self.ops.fast.get(name) else op
 
 
 class Ops:
@@ -158,12 +157,15 @@ class Ops:
         self.backend = backend
         self.settings = settings or P.DEFAULT
         self._layers = [LayerOps(self, s) for s in layers or ()]
+        self.fast: dict = {}  # op name -> the Triton launcher bound to `settings`
         self.kernels: dict[str, str] = {}
         self._ref: dict = {}
         for name in NAMES:
             fast, ref = _IMPL[name]
             self._ref[name] = ref
-            setattr(self, name, functools.partial(fast, settings=self.settings) if backend == "triton" else ref)
+            if backend == "triton":
+                self.fast[name] = functools.partial(fast, settings=self.settings)
+            setattr(self, name, self.fast.get(name, ref))
             self.kernels[name] = "triton" if backend == "triton" else "ref"
 
     def layer(self, l: int):
