@@ -237,14 +237,14 @@ torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
 import dataclasses
-import dejavu.plugins.qkv_partial as DK, dejavu.plugins.sparse_attention as SA
+import dejavu.plugins.qkv_partial as DK, dejavu.plugins.qkv_finish as QF, dejavu.plugins.sparse_attention as SA
 from dejavu.plugins import DEFAULT
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
 attn = dataclasses.replace(DEFAULT.attn, CHUNK=4, BLOCK_S=4)  # contexts of several chunks: the fold applies
 names = []
-for mod in (DK, SA):  # the launches (a spy: the test's own process)
+for mod in (DK, QF, SA):  # the launches (a spy: the test's own process)
     real = mod.jit
     mod.jit = lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev)
 out = {}
