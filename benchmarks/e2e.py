@@ -123,7 +123,7 @@ def pdl_settings(s, mode):
     "early" (every trigger early)."""
     if mode is None:
         return s
-    from dejavu.plugins._common import PDL_KINDS
+    from dejavu.plugins import PDL_KINDS
 
     if mode == "off":
         return dataclasses.replace(s, pdl=dataclasses.replace(s.pdl, ENABLED=False))
@@ -520,7 +520,7 @@ def smoke(ks=None) -> dict:
             ref = Engine.from_tensors(h32, {k: v.cpu() for k, v in t32.items()}, "cpu", kv_policy="full", **kw)
             e = Engine.from_tensors(h32, t32, DEV, kernel_settings=ks, **kw)
             e.decoder.set_options(**attrs)
-            from dejavu.plugins.layer_norm import PendingLN
+            from dejavu.plugins import PendingLN
             att, pend = e.ops.sparse_attn_deferred, []  # the attention calls that got a PendingLN
             e.ops.sparse_attn_deferred = lambda x, *a, **k: pend.append(isinstance(x, PendingLN)) or att(x, *a, **k)
             got, want_b = e.generate(prompts[:nb], n, stop_at_eos=False), ref.generate(prompts[:nb], n, stop_at_eos=False)

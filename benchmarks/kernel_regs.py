@@ -7,7 +7,7 @@ Builds an engine of the model's shape with random weights and predictors (e2e.py
 decode steps (no CUDA graph), then lists every compiled kernel of `dejavu.plugins` with its
 registers per thread, spilled bytes, warps and shared memory, and the programs per SM those allow
 (a register-bound kernel with 4 warps and 255 registers fits 2 per SM). `--ablations` applies e2e.py's
-ablations first (e.g. a `maxnreg` cap), each in a fresh process-wide kernel cache entry. JSON to --out
+ablations first (e.g. `nounfolded`), each in a fresh process-wide kernel cache entry. JSON to --out
 (default $OUT/kernel-regs.json).
 """
 from __future__ import annotations
@@ -25,13 +25,13 @@ import e2e  # noqa: E402
 
 
 def compiled_kernels() -> list[dict]:
-    """Every kernel compiled so far through dejavu.plugins._common.jit, with its resources."""
-    from dejavu.plugins import _common as C
+    """Every kernel compiled so far through the plugins' launchers (dejavu.plugins.jitted), with its resources."""
+    from dejavu.plugins import jitted
 
     props = torch.cuda.get_device_properties(0)
     regs_sm = props.regs_per_multiprocessor
     rows = []
-    for fn, jf in C._JITTED.items():
+    for fn, jf in jitted().items():
         for caches in getattr(jf, "device_caches", {}).values():
             for key, k in caches[0].items():
                 k._init_handles()
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
                     "note": "resources of the compiled Triton kernels of a decode step (random weights)"},
            "configs": {}}
     for ablation in [""] + [x for x in a.ablations.split(",") if x]:
-        from dejavu.plugins import _common as C
-        C._JITTED.clear()  # this configuration's kernels only
+        from dejavu.plugins import jitted
+        jitted().clear()  # this configuration's kernels only
         eng = Engine.from_tensors(e2e.header_for(c, a.density, "float16", ranks), t, "cuda", use_graphs=False)
         undo = e2e.ABLATIONS[ablation](eng) if ablation else None
         try:

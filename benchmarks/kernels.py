@@ -90,7 +90,7 @@ class Bound:
 
 
 def with_settings(**parts):
-    """Run.settings with fields of its parts replaced: with_settings(topk=dict(fused=False)), or a
+    """Run.settings with fields of its parts replaced: with_settings(topk=dict(block=2048)), or a
     top-level field (fc1_dot_min_batch=1)."""
     s = Run.settings
     return dataclasses.replace(s, **{k: dataclasses.replace(getattr(s, k), **v) if isinstance(v, dict) else v
@@ -424,7 +424,7 @@ def bench_mlp_variants(mlps, bw, names):
 PART_DENSITIES = (0.1, 0.3)
 def _fc2_split(K, D):
     """The split count gather_gemv_t takes at batch 1 (settings.fc2_dot1) for K rows of width D."""
-    return FC2._split_plan(K, D, dict(vars(Run.settings.fc2_dot1)))[1]
+    return FC2.split_plan(K, D, dict(vars(Run.settings.fc2_dot1)))[1]
 
 
 def bench_mlp_parts(mlps, bw, only=None):
@@ -836,15 +836,12 @@ def bench_pred_gemv(bw, quick):
     return {"rows": rows, "best": best}
 
 
-TOPK_SWEEP = ([dict(fused=False, block=b, warps=w, atomic_hist=h) for b in (1024, 2048) for w in (4, 8)
-               for h in (True, False)]
-              + [dict(fused=True, block=b, warps=w, atomic_hist=True) for b in (1024, 2048) for w in (4, 8)])
+TOPK_SWEEP = [dict(block=b, warps=w) for b in (1024, 2048) for w in (4, 8)]
 
 
 def bench_topk(quick):
     """Top-k alone on predictor-score rows [B, N] fp16, k = 30%: torch.topk against
-    topk_triton configs (unfused first; the grid-barrier `fused` ones last: run this
-    section under `timeout`). Each config is checked (a valid top-k set) before timing."""
+    topk_triton configs. Each config is checked (a valid top-k set) before timing."""
     rows = []
     for N, B in ((28672, 1), (36864, 1), (56, 1), (28672, 8), (28672, 32)):
         k = int(0.3 * N)

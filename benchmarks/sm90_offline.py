@@ -49,6 +49,9 @@ KERNELS = {
     "projection": ("fc2", "_gather_dot_t_kernel", dict(FC2, GROUP=128, COMBINE=0), 4),
     "qkv_partial_p32": ("qkv_partial", "_qkv_partial_shared_kernel", dict(QKV, P=32, BLOCK_M=32, BLOCK_P=32, LN_IN=1), 3),
     "qkv_partial_p16": ("qkv_partial", "_qkv_partial_shared_kernel", dict(QKV, P=16, BLOCK_M=16, BLOCK_P=16, LN_IN=1), 3),
+    # folded into attention (few heads: OPT-30B d0.1), the slow path in its last 4 x 4 z-slices
+    "qkv_partial_fold": ("qkv_partial", "_qkv_partial_shared_kernel",
+                         dict(QKV, P=16, BLOCK_M=16, BLOCK_P=16, LN_IN=1, SLOW=16, SLOW_R=16, SLOW_LAST=1), 3),
     "qkv_finish": ("qkv_finish", "_qkv_finish_kernel",
                    dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128, BLOCK_S=1, EARLY_READS=True,
                         GDC=2), 3),
@@ -101,8 +104,9 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
     mod = importlib.import_module("dejavu.plugins." + modname)
     assert mod.__file__.startswith(root), mod.__file__
     C.tl = tl
-    C._bind_helpers(vars(mod), triton)
-    C._bind_helpers(getattr(mod, kname).__globals__, triton)
+    bind = getattr(C, "bind_helpers", None) or C._bind_helpers  # the name at older revisions
+    bind(vars(mod), triton)
+    bind(getattr(mod, kname).__globals__, triton)
     fn = getattr(mod, kname)
     params = inspect.signature(fn).parameters
     # a constexpr the kernel no longer has (a mode deleted since the base revision) is left out

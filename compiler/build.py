@@ -42,6 +42,17 @@ def target_info(device: str) -> dict:
             "kernel_settings": resolve_kernel_settings(arch, sms).to_dict()}
 
 
+def layer_target(target: dict, hidden: int, heads: int, mlp_k, attn_k) -> dict:
+    """target with each layer's kernel settings (plugins.resolve_layer_settings from the layer's K; the
+    runtime reads them per layer) where it records settings for a GPU; a CPU target as it is."""
+    if not target.get("kernel_settings"):
+        return target
+    from dejavu.plugins import KernelSettings, resolve_layer_settings
+
+    base = KernelSettings.from_dict(target["kernel_settings"])
+    return {**target, "layer_kernel_settings": resolve_layer_settings(base, hidden, hidden // heads, mlp_k, attn_k)}
+
+
 # ------------------------------------------------------------------------------- stages
 
 class _Stages:
@@ -352,6 +363,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                                               key, progress)
         config.density = allocation["density"]  # the searched one with --max-ppl-increase
         del preds
+    target = layer_target(target, cfg.hidden_size, cfg.num_attention_heads, mlp_k, attn_k)
     header = make_header(model_name_or_path, cfg, config, target, info, mlp_k, attn_k,
                          _tokenizer_json(folder, tokenizer), allocation)
     if onnx_out is not None:

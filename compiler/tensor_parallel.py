@@ -21,6 +21,7 @@ import re
 
 import torch
 
+from dejavu.compiler.build import layer_target
 from dejavu.errors import DejavuError
 from dejavu.shards import shard_path
 
@@ -73,6 +74,8 @@ def _split_rule(header: dict, tp: int):
     for r in range(tp):
         hr = copy.deepcopy(header)
         hr["build_config"]["tp"] = {"size": tp, "rank": r, "num_heads": Hr, "ffn_dim": Fr, "k_per_rank": ks}
+        if "target" in hr:  # each layer's kernel settings for the rank's K
+            hr["target"] = layer_target(hr["target"], D, H, ks["mlp"], ks["attn"])
         headers.append(hr)
     return headers, split
 

@@ -23,7 +23,7 @@ from dejavu.errors import DejavuError
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-_JITTED: dict = {}
+_JITTED: dict = {}  # plain kernel function -> its Triton kernel (jitted())
 tl = None  # triton.language, bound by the first `jit` (for the helpers defined here)
 
 
@@ -49,16 +49,10 @@ def helper(fn):
     return fn
 
 
-# Programmatic dependent launch (PDL, sm_90+; docs/kernels.md). With settings.pdl.ENABLED the main
-# decode kernels launch with `launch_pdl=True`, so the next kernel's launch overlaps this one's tail.
-# Each such kernel calls `gdc_enter(GDC)` (griddepcontrol.wait) before its first load of anything
-# another kernel writes and before its first store, and lets the next kernel launch only after that
-# wait: right there for the kinds in settings.pdl.EARLY, else after its main loop (`gdc_release`) or at
-# exit; so at most two kernels of a stream are in flight. Before the wait it may load what no kernel
-# writes in decode (weights) and what only kernels two or more launches back wrote (head index, pos,
-# valid_len: EARLY_READS). Off on CPU and below sm_90. Kinds: fc1 and qkv_full (gather_gemv), fc2 and
-# proj (gather_gemv_t), reduce, qkv, qkv_finish, commit, attn, attn_combine, layer_norm, pred (the
-# predictors' gather_gemv products on the side stream).
+# Programmatic dependent launch (PDL, sm_90+): what a kernel may do before and after its wait is the
+# contract in docs/kernels.md, "Programmatic dependent launch". Kinds: fc1 and qkv_full (gather_gemv),
+# fc2 and proj (gather_gemv_t), reduce, qkv, qkv_finish, commit, attn, attn_combine, layer_norm, pred
+# (the predictors' gather_gemv products on the side stream).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
              "layer_norm", "pred")
 # The kinds' triggers (settings.PDLSettings): measured on the H200 (OPT-30B shape, batch 1, e2e.py
@@ -96,7 +90,7 @@ def reg_cap(cfg: dict, device: torch.device) -> dict:
     """Launch options capping a kernel's registers per thread at cfg["maxnreg"] (None: the
     compiler's choice; ptxas spills the rest to local memory), so more programs fit on an SM.
     CUDA only (the interpreter has no registers). Only QKVSettings.UNFOLDED_MAXNREG sets one: caps of 168 / 128
-    on the Q/K/V partial and fc2 / projection kernels did not pay (BENCHMARKS.md, 2026-12-04)."""
+    elsewhere on the Q/K/V partial and fc2 / projection kernels did not pay (docs/kernels.md)."""
     n = cfg.get("maxnreg")
     return {"maxnreg": int(n)} if n and device.type == "cuda" and not interpreting() else {}
 
@@ -119,6 +113,18 @@ def gdc_release(GDC: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@helper
+def group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
+    # Weight rows of positions offs: idx[offs // GROUP] * GROUP + offs % GROUP, int64; masked
+    # positions give row 0 (in bounds; what is computed from them is never stored).
+    if GROUP == 1:
+        rows = tl.load(idx_row + offs, mask=mask, other=0).to(tl.int64)
+    else:
+        g = tl.load(idx_row + offs // GROUP, mask=mask, other=0).to(tl.int64)
+        rows = tl.where(mask, g * GROUP + offs % GROUP, 0)
+    return rows
+
+
 def jit(fn, device: torch.device):
     """The Triton kernel for plain function `fn`, ready to launch on `device`'s tensors."""
     if device.type == "cpu" and not interpreting():
@@ -134,12 +140,18 @@ def jit(fn, device: torch.device):
             _patch_interpreter_index()
             _patch_interpreter_bf16()
         globals()["tl"] = triton.language
-        _bind_helpers(fn.__globals__, triton)
+        bind_helpers(fn.__globals__, triton)
         kernel = _JITTED[fn] = triton.jit(fn)
     return kernel
 
 
-def _bind_helpers(g: dict, triton, seen=None) -> None:
+def jitted() -> dict:
+    """The kernels `jit` has wrapped so far (plain function -> Triton kernel; benchmarks/kernel_regs.py reads
+    their compiled resources and clears it between configurations)."""
+    return _JITTED
+
+
+def bind_helpers(g: dict, triton, seen=None) -> None:
     """Bind `tl` in module globals g and wrap the helpers there with triton.jit (kernels call
     them, so they must be JIT functions too); then the same in the modules of helpers imported
     from elsewhere (their own helpers and `tl` live in their module's globals)."""
@@ -152,7 +164,7 @@ def _bind_helpers(g: dict, triton, seen=None) -> None:
         if getattr(obj, "_dejavu_helper", False) and callable(obj):
             if not hasattr(obj, "run"):
                 g[name] = triton.jit(obj)
-            _bind_helpers(getattr(obj, "fn", obj).__globals__, triton, seen)
+            bind_helpers(getattr(obj, "fn", obj).__globals__, triton, seen)
 
 
 def _patch_interpreter_index():

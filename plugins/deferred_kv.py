@@ -3,8 +3,7 @@
     sparse_attn_decode_deferred(x_ln[B,D] | PendingLN, wq, bq, wkv, bkv, wo_t, bo, head_idx,
                                 k_cache[B,H,S,hd], v_cache, x_hist[B,S,D], valid_len[B,H] int32, pos,
                                 residual=None, *, out=None, validate=None, config=None, refresh=None, settings=None) -> y[B,D]
-    recompute_kv(x_hist, wkv[2D,D], bkv[2D], head_idx[B,Kh]|[Kh], k_cache, v_cache, valid_len, pos) -> None
-    (and their *_ref in PyTorch)
+    (and its _ref in PyTorch; recompute_kv_ref: the K/V part of that reference)
 
 Policy: instead of projecting K/V of every head at every step (sparse_attention.py), keep per
 layer the history of the attention input `x_hist[b, p] = x_ln` and per (sequence, head) the
@@ -23,22 +22,20 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_index, check_out, check_pos, check_tensor, default_validate,
-                                    expand_idx, gdc_enter, jit, next_pow2, pdl_args, pos_rows)
+from dejavu.plugins._common import (check_out, check_pos, check_tensor, default_validate, expand_idx, gdc_enter, jit,
+                                    next_pow2, pdl_args, pos_rows)
 from dejavu.plugins.layer_norm import PendingLN, check_pending, materialize, materialize_ref
-from dejavu.plugins.qkv_partial import _qkv_cfg, _shared_qkv, launch_qkv
+from dejavu.plugins.qkv_partial import launch_qkv, qkv_table, shared_qkv
 from dejavu.plugins.refresh_heads import refresh_route
 from dejavu.plugins.settings import DEFAULT
-from dejavu.plugins.sparse_attention import _check_attn, attend_project, folds_finish
+from dejavu.plugins.sparse_attention import attend_project, check_attn, folds_finish
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 
 def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_nb, stride_xb, stride_xs,
-                   stride_hb, stride_pb, HAS_NEW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                   GDC: tl.constexpr = 0):
-    # After the Q/K/V kernels when nothing else commits (recompute_kv, or no head attends):
-    # valid_len[b, head_idx[b, j]] = pos[b] + 1 and (HAS_NEW)
+                   stride_hb, stride_pb, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr = 0):
+    # When no head attends (nothing else commits): valid_len[b, head_idx[b, j]] = pos[b] + 1 and
     # x_hist[b, pos[b]] = x_new[b]; grid (B,).
     gdc_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
@@ -47,30 +44,11 @@ def _commit_kernel(xnew_ptr, x_ptr, head_ptr, vl_ptr, pos_ptr, KH, H, D, stride_
     kmask = offs_k < KH
     heads = tl.load(head_ptr + b * stride_hb + offs_k, mask=kmask, other=0).to(tl.int64)
     tl.store(vl_ptr + b * H + heads, tl.zeros([BLOCK_K], dtype=tl.int32) + pos + 1, mask=kmask)
-    if HAS_NEW:
-        dst = x_ptr + b * stride_xb + pos.to(tl.int64) * stride_xs
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            dmask = offs_d < D
-            tl.store(dst + offs_d, tl.load(xnew_ptr + b * stride_nb + offs_d, mask=dmask), mask=dmask)
-
-
-def _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate):
-    check_tensor("x_hist", x_hist, ndim=3, dtypes=FLOAT_DTYPES)
-    B, S, D = x_hist.shape
-    dt, dev = x_hist.dtype, x_hist.device
-    check_tensor("k_cache", k_cache, ndim=4, dtype=dt, device=dev)
-    H, hd = k_cache.shape[1], k_cache.shape[3]  # H*hd < D on a tensor-parallel shard
-    check_tensor("wkv", wkv, shape=(2 * H * hd, D), dtype=dt, device=dev)
-    check_tensor("bkv", bkv, shape=(2 * H * hd,), dtype=dt, device=dev)
-    if k_cache.shape[0] != B or k_cache.shape[2] != S or H * hd > D:
-        raise DejavuError(f"k_cache: shape {tuple(k_cache.shape)} does not fit x_hist {tuple(x_hist.shape)}")
-    if hd > 256:
-        raise DejavuError(f"head dim {hd} > 256 is not supported")
-    check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=dt, device=dev)
-    check_tensor("valid_len", valid_len, shape=(B, H), dtype=torch.int32, device=dev)
-    kh, _ = check_index("head_idx", head_idx, batch=B, upper=H, device=dev, validate=validate)
-    return B, S, D, H, hd, kh
+    dst = x_ptr + b * stride_xb + pos.to(tl.int64) * stride_xs
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        dmask = offs_d < D
+        tl.store(dst + offs_d, tl.load(xnew_ptr + b * stride_nb + offs_d, mask=dmask), mask=dmask)
 
 
 def _mark_valid(valid_len, head_idx, pos_t):
@@ -82,43 +60,20 @@ def _mark_valid(valid_len, head_idx, pos_t):
 
 
 def _commit(x_new, x_hist, head_idx, valid_len, pos_t, stride_pb, pdl=None):
-    """valid_len[b, heads] = pos + 1 and (x_new given) x_hist[b, pos] = x_new[b]: one launch."""
+    """valid_len[b, heads] = pos + 1 and x_hist[b, pos] = x_new[b]: one launch."""
     B, S, D = x_hist.shape
     H = valid_len.shape[1]
     kh = head_idx.shape[-1]
-    new = x_new if x_new is not None else x_hist
     commit = jit(_commit_kernel, x_hist.device)
-    commit[(B,)](new, x_hist, head_idx, valid_len, pos_t, kh, H, D, new.stride(0), x_hist.stride(0),
+    commit[(B,)](x_new, x_hist, head_idx, valid_len, pos_t, kh, H, D, x_new.stride(0), x_hist.stride(0),
                  x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0), stride_pb,
-                 HAS_NEW=x_new is not None, BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4,
+                 BLOCK_K=max(16, next_pow2(kh)), BLOCK_D=1024, num_warps=4,
                  **pdl_args(x_hist.device, "commit", pdl))
 
 
-def _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, validate):
-    """recompute_kv's checks: (B, S, D, H, hd, Kh, pos tensor, its batch stride)."""
-    validate = default_validate(validate, x_hist.device)
-    B, S, D, H, hd, kh = _check_recompute(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, validate)
-    pos_t, stride_pb = check_pos(pos, B, x_hist.device, S, validate)
-    if validate and valid_len.numel() and int(valid_len.min()) < 0:
-        raise DejavuError("valid_len: negative entries")
-    return B, S, D, H, hd, kh, pos_t, stride_pb
-
-
-def recompute_kv(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos, *, validate=None,
-                 config=None, settings=None) -> None:
-    """Fill K/V of the selected heads at slots min(valid_len, pos)..pos from x_hist; mark them valid."""
-    B, S, D, H, hd, kh, pos_t, stride_pb = _recompute_inputs(x_hist, wkv, bkv, head_idx, k_cache, v_cache,
-                                                             valid_len, pos, validate)
-    if kh == 0 or B == 0:
-        return
-    # wq / bq are never read without Q rows: pass wkv's first rows in their place
-    launch_qkv(None, x_hist, wkv, bkv, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb,
-                None, config, settings=settings)
-    _commit(None, x_hist, head_idx, valid_len, pos_t, stride_pb, (settings or DEFAULT).pdl)
-
-
 def recompute_kv_ref(x_hist, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos) -> None:
-    """PyTorch reference of recompute_kv (same in-place updates); any device/dtype."""
+    """K/V of the selected heads at slots min(valid_len, pos)..pos from x_hist, valid_len = pos + 1 (in
+    place; PyTorch, any device/dtype): what sparse_attn_decode_deferred computes for them."""
     B = x_hist.shape[0]
     p = pos_rows(pos, B, x_hist.device)
     heads = expand_idx(head_idx, B)  # [B, Kh]
@@ -175,15 +130,15 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
         check_pending(pending)
         x_ln = pending.x
     validate = default_validate(validate, x_ln.device)
-    B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
+    B, D, H, S, hd, kh = check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
     check_tensor("x_hist", x_hist, shape=(B, S, D), dtype=x_ln.dtype, device=x_ln.device)
     check_tensor("valid_len", valid_len, shape=(B, H), dtype=torch.int32, device=x_ln.device)
     pos_t, stride_pb = check_pos(pos, B, x_ln.device, S, validate)
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
     cfg, s = config or {}, settings or DEFAULT
-    qcfg = _qkv_cfg(B, cfg.get("qkv"), s)
-    if pending is not None and (kh == 0 or B != 1 or not _shared_qkv(B, head_idx, qcfg)):
+    qcfg = qkv_table(B, cfg.get("qkv"), s)
+    if pending is not None and (kh == 0 or B != 1 or not shared_qkv(B, head_idx, qcfg)):
         x_ln, pending = materialize(pending, settings=s), None
     if kh == 0:  # nothing attends: store the input for later steps, y = bias (+ residual)
         _commit(x_ln, x_hist, head_idx, valid_len, pos_t, stride_pb, s.pdl)
@@ -201,7 +156,7 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
             refresh = None
     # 1. Q, and K/V at pos and at the missing slots, of the selected heads (one launch, or two)
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
-    fold = qcfg["FOLD_FINISH"] and B == 1 and _shared_qkv(B, head_idx, qcfg) and folds_finish(B, S, cfg.get("attn"), s)
+    fold = qcfg["FOLD_FINISH"] and B == 1 and shared_qkv(B, head_idx, qcfg) and folds_finish(B, S, cfg.get("attn"), s)
     parts = launch_qkv(x_ln, x_hist, wq, bq, wkv, bkv, head_idx, k_cache, v_cache, valid_len, pos_t, stride_pb, q,
                         cfg.get("qkv"), pending, fold=fold, refresh=refresh, settings=s)
     # 2. attention over 0..pos, committing valid_len and x_hist[:, pos] (the Q/K/V kernel stored

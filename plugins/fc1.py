@@ -19,22 +19,10 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, default_validate,
-                                    dot_fp32, expand_idx, gdc_enter, gdc_release, helper, jit, next_pow2, pdl_args)
+                                    dot_fp32, expand_idx, gdc_enter, gdc_release, group_rows, jit, next_pow2, pdl_args)
 from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
-
-@helper
-def _group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
-    # Weight rows of positions offs: idx[offs // GROUP] * GROUP + offs % GROUP, int64; masked
-    # positions give row 0 (in bounds; what is computed from them is never stored).
-    if GROUP == 1:
-        rows = tl.load(idx_row + offs, mask=mask, other=0).to(tl.int64)
-    else:
-        g = tl.load(idx_row + offs // GROUP, mask=mask, other=0).to(tl.int64)
-        rows = tl.where(mask, g * GROUP + offs % GROUP, 0)
-    return rows
-
 
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, stride_ib, stride_ob,
                         RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -52,7 +40,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, 
     rmask = offs_r < K
     gdc_enter(GDC)
     # masked rows gather row 0 (in bounds) and are never stored: the weight loads need no mask
-    rows = _group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
+    rows = group_rows(idx_ptr + pid_b * stride_ib, offs_r, rmask, GROUP)
     w_rows = w_ptr + rows[:, None] * D
     x_row = x_ptr + pid_b.to(tl.int64) * stride_xb
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
@@ -85,7 +73,7 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
     gdc_enter(GDC)
-    rows = _group_rows(idx_ptr, offs_r, rmask, GROUP)
+    rows = group_rows(idx_ptr, offs_r, rmask, GROUP)
     offs_b = tl.arange(0, BLOCK_B)
     bmask = offs_b < B
     w_rows = w_ptr + rows[:, None] * D

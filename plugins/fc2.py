@@ -3,7 +3,6 @@
     sparse_fc2(h[B,K], w2_t[F,D], b2[D], idx[B,K]|[K], residual[B,D]|None, *, out=None, ln=None,
                ln_out=None, validate=None, config=None, ln_defer=False) -> y[B,D]
         = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual);  ln=(weight, bias): (y, LayerNorm(y))
-    sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None) -> y[B,D]   (fc1 then fc2)
 
 - Batch 1 and shared sets: `_gather_dot_t_kernel` (tl.dot of the batch against each gathered
   weight tile; "dot1" blocks for fc2 at batch 1, "proj1" for the output projection, rows gathered
@@ -22,9 +21,8 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, default_validate,
-                                    dot_fp32, expand_idx, gdc_enter, gdc_release, jit, next_pow2, pdl_args)
-from dejavu.plugins.fc1 import _group_rows, sparse_fc1, sparse_fc1_ref
-from dejavu.plugins.layer_norm import LN_EPS, PendingLN, _store_row, layer_norm
+                                    dot_fp32, expand_idx, gdc_enter, gdc_release, group_rows, jit, next_pow2, pdl_args)
+from dejavu.plugins.layer_norm import LN_EPS, PendingLN, layer_norm, store_row
 from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -55,7 +53,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     # weight loads do not wait on a dependent index load each iteration
     offs_k = k_start + tl.arange(0, BLOCK_K)
     kmask = offs_k < k_end
-    rows = _group_rows(idx_row, offs_k, kmask, GROUP)
+    rows = group_rows(idx_row, offs_k, kmask, GROUP)
     hv = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_D:
@@ -65,7 +63,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
                          other=0.0).to(tl.float32)
         offs_k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        rows_next = _group_rows(idx_row, offs_k, kmask, GROUP)
+        rows_next = group_rows(idx_row, offs_k, kmask, GROUP)
         h_next = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
         acc += wv * hv[:, None]
         rows = rows_next
@@ -105,7 +103,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < k_end
-        rows = _group_rows(idx_ptr, offs_k, kmask, GROUP)
+        rows = group_rows(idx_ptr, offs_k, kmask, GROUP)
         hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
                      mask=bmask[:, None] & kmask[None, :], other=0.0)
         if EVEN_D:
@@ -148,10 +146,10 @@ def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, B, D, SPLIT,
     y += tl.sum(parts, axis=0)
     if HAS_RES:
         y += tl.load(res_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-    _store_row(y, out_ptr, row + offs, mask, st_ptr + (pid_b * N_BLK + pid_d) * 2, pid_d, D, BLOCK, STATS)
+    store_row(y, out_ptr, row + offs, mask, st_ptr + (pid_b * N_BLK + pid_d) * 2, pid_d, D, BLOCK, STATS)
 
 
-def _split_plan(K, D, cfg, programs_per_split=1):
+def split_plan(K, D, cfg, programs_per_split=1):
     """fc2's split-K plan: (n_d D blocks, split, k_per_split rows, a multiple of BLOCK_K)."""
     n_d = cdiv(D, cfg["BLOCK_D"])
     k_blocks = max(1, cdiv(K, cfg["BLOCK_K"]))
@@ -177,7 +175,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     route = (("proj1" if group > 1 else "fc2_dot1") if B == 1 else "fc2_dot") if dot else "fc2_gemv"
     cfg = table(getattr(s, route), config)
     block_k, block_d = cfg["BLOCK_K"], cfg["BLOCK_D"]
-    n_d, split, k_per_split = _split_plan(K, D, cfg, 1 if dot else B)
+    n_d, split, k_per_split = split_plan(K, D, cfg, 1 if dot else B)
     final = split == 1
     part = out if final else torch.empty((split, B, D), dtype=torch.float32, device=h.device)
     res = residual if residual is not None else out  # never read when HAS_RES is false
@@ -260,11 +258,6 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
     return y if ln is None or ln_defer else (y, ln_out)
 
 
-def sparse_mlp_layer(x, w1, b1, w2_t, b2, idx, residual=None, *, validate=None, settings=None):
-    """fc2(relu(fc1(x))) over the selected neurons: y[B,D]."""
-    h = sparse_fc1(x, w1, b1, idx, validate=validate, settings=settings)
-    return sparse_fc2(h, w2_t, b2, idx, residual, validate=False, settings=settings)
-
 def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False):
     """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),
     (y, F.layer_norm(y)) (ln_defer changes nothing here: the LayerNorm is computed)."""
@@ -280,6 +273,3 @@ def with_ln_ref(y, ln):
         return y
     return y, torch.nn.functional.layer_norm(y, (y.shape[-1],), ln[0], ln[1], LN_EPS)
 
-
-def sparse_mlp_layer_ref(x, w1, b1, w2_t, b2, idx, residual=None):
-    return sparse_fc2_ref(sparse_fc1_ref(x, w1, b1, idx), w2_t, b2, idx, residual)

@@ -10,14 +10,10 @@ Limits and choices:
 - dtypes fp16, bf16, fp32; x, weight, bias and out share dtype and device, all contiguous;
   y has x's dtype. Statistics in fp32: the mean first, then the variance of (x - mean)
   (biased, as PyTorch), not E[x^2] - E[x]^2, which cancels badly when |mean| >> std.
-- One program per row. Rows up to settings.layer_norm.MAX_BLOCK elements (padded to a power of
-  two) are held in registers: one read of x. Longer rows (CHUNKED) loop over blocks of
-  CHUNK_BLOCK twice: pass 1 merges per-block mean and sum of squared deviations (Chan et
-  al.'s pairwise update, as stable as two-pass), pass 2 normalizes (x is read twice).
+- One program per row, held in registers (padded to a power of two): one read of x. Rows up to
+  settings.layer_norm.MAX_BLOCK (16384: every OPT and Llama width); longer ones are a DejavuError.
 - num_warps by D from settings.layer_norm.WARPS (the rule of thumb: ~8-16 fp32 elements per
-  thread; not swept); `config=` overrides any of its fields, including
-  "BLOCK" (a power of two; the row is chunked when BLOCK < D) and "num_warps" (tests use a
-  small BLOCK to run the chunked path on small shapes).
+  thread; not swept); `config=` overrides any of its fields, including "num_warps".
 - No host sync; launches are CUDA-graph capturable. eps is a launch argument (fp32).
 
 A LayerNorm can also be left to the kernel that reads its output (`PendingLN`): the kernel
@@ -46,52 +42,20 @@ LN_EPS = 1e-5
 # ---------------------------------------------------------------------------------------
 # kernel
 
-def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps,
-                       CHUNKED: tl.constexpr, BLOCK: tl.constexpr, EARLY_W: tl.constexpr = 0,
-                       GDC: tl.constexpr = 0):
-    # out[r] = (x[r] - mean) * rstd * w + b; grid (R,). Rows are contiguous (stride D).
-    # EARLY_W (whole rows): w and b loaded before the PDL wait (weights, never written in decode).
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, D, eps, BLOCK: tl.constexpr, GDC: tl.constexpr = 0):
+    # out[r] = (x[r] - mean) * rstd * w + b; grid (R,), a row in registers (BLOCK >= D). Rows are
+    # contiguous (stride D). w and b are loaded before the PDL wait (weights, never written in decode).
     offs = tl.arange(0, BLOCK)
-    if EARLY_W:
-        w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
     gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64) * D
-    if not CHUNKED:
-        mask = offs < D
-        x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / D
-        xc = tl.where(mask, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + eps)
-        if not EARLY_W:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + offs, (xc * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # pass 1: merge each block's (count, mean, M2) into the running ones
-        n = 0.0
-        mean = 0.0
-        m2 = 0.0
-        for d0 in range(0, D, BLOCK):
-            mask = d0 + offs < D
-            x = tl.load(x_ptr + row + d0 + offs, mask=mask, other=0.0).to(tl.float32)
-            n_b = tl.minimum(D - d0, BLOCK).to(tl.float32)
-            mean_b = tl.sum(x, axis=0) / n_b
-            xc = tl.where(mask, x - mean_b, 0.0)
-            n_new = n + n_b
-            delta = mean_b - mean
-            mean += delta * (n_b / n_new)
-            m2 += tl.sum(xc * xc, axis=0) + delta * delta * (n * n_b / n_new)
-            n = n_new
-        rstd = 1.0 / tl.sqrt(m2 / D + eps)
-        # pass 2: normalize
-        for d0 in range(0, D, BLOCK):
-            mask = d0 + offs < D
-            x = tl.load(x_ptr + row + d0 + offs, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + d0 + offs, mask=mask, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + d0 + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (x - mean) * rstd * w + b
-            tl.store(out_ptr + row + d0 + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    mask = offs < D
+    x = tl.load(x_ptr + row + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / D
+    xc = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / D + eps)
+    tl.store(out_ptr + row + offs, (xc * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @helper
@@ -106,7 +70,7 @@ def _block_stats(y, mask, rmask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr):
 
 
 @helper
-def _store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, STATS: tl.constexpr):
+def store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, STATS: tl.constexpr):
     # out[offs] = y rounded to out's dtype (one row's D block pid_d); STATS: also that block's
     # (mean, M2) of the stored values at st_ptr (one pair), for the LayerNorm that follows
     yo = y.to(out_ptr.dtype.element_ty)
@@ -117,49 +81,37 @@ def _store_row(y, out_ptr, offs, mask, st_ptr, pid_d, D, BLOCK_D: tl.constexpr, 
 
 
 @helper
-def _ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
-    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (_ln_merge_rows)
+def ln_merge(st_ptr, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr):
+    # (mean, rstd) of one row from its N_D blocks' (mean, M2) at st_ptr [N_D, 2] (blocks of BLOCK_D
+    # columns, the last one short), merged in fp32: the parallel form of mean-then-squared-deviations
+    # (Chan et al.'s pairwise update, as stable as two passes). Plain loads: an earlier kernel wrote them and thousands of programs
+    # read the same few lines (L1 then serves all but the first warp of each SM; after the PDL wait no
+    # stale copy can be in L1; ".cg" there ran 3.6x slower). Computed as a [1] row (the form the
+    # kernels' PTX was checked with).
     one = tl.arange(0, 1)
-    mean, rstd = _ln_merge_rows(st_ptr + one * 0, one < 1, N_D, D, eps, BLOCK_D, BLOCK_N, CM)
-    return tl.sum(mean, axis=0), tl.sum(rstd, axis=0)
-
-
-@helper
-def _ln_merge_rows(st_rows, rmask, N_D, D, eps, BLOCK_D, BLOCK_N: tl.constexpr, CM: tl.constexpr):
-    # (mean, rstd) [R] of rows whose N_D blocks' (mean, M2) are at st_rows [R] (pointers to
-    # [N_D, 2] each; blocks of BLOCK_D columns, the last one short), merged in fp32: the
-    # parallel form of mean-then-squared-deviations (as layer_norm.py's chunked path). Masked
-    # rows read nothing. CM "": an earlier kernel wrote them and thousands of programs read the
-    # same few lines (L1 then serves all but the first warp of each SM; after the PDL wait no
-    # stale copy can be in L1; ".cg" there ran 3.6x slower).
+    st_rows = st_ptr + one * 0
+    rmask = one < 1
     offs_n = tl.arange(0, BLOCK_N)
     m = rmask[:, None] & (offs_n < N_D)[None, :]
     n_b = tl.minimum(D - offs_n * BLOCK_D, BLOCK_D).to(tl.float32)[None, :]
     st = st_rows[:, None] + offs_n[None, :] * 2
-    mean_b = tl.load(st, mask=m, other=0.0, cache_modifier=CM)
-    m2_b = tl.load(st + 1, mask=m, other=0.0, cache_modifier=CM)
+    mean_b = tl.load(st, mask=m, other=0.0)
+    m2_b = tl.load(st + 1, mask=m, other=0.0)
     mean = tl.sum(tl.where(m, n_b * mean_b, 0.0), axis=1) / D
     delta = mean_b - mean[:, None]
     m2 = tl.sum(tl.where(m, m2_b + n_b * delta * delta, 0.0), axis=1)
-    return mean, 1.0 / tl.sqrt(m2 / D + eps)
+    return tl.sum(mean, axis=0), tl.sum(1.0 / tl.sqrt(m2 / D + eps), axis=0)
 
 
 # ---------------------------------------------------------------------------------------
 # launcher
 
 def _plan(D, cfg):
-    """(BLOCK, CHUNKED, num_warps) for rows of D elements."""
-    block = cfg.get("BLOCK")
-    if block is None:
-        block = next_pow2(D)
-        if block > cfg["MAX_BLOCK"]:
-            block = cfg["CHUNK_BLOCK"]
-    elif block < 1 or block & (block - 1):
-        raise DejavuError(f"config: BLOCK must be a power of two, got {block}")
-    num_warps = cfg.get("num_warps")
-    if num_warps is None:
-        num_warps = next(w for d, w in cfg["WARPS"] if d is None or D <= d)
-    return block, block < D, num_warps
+    """(BLOCK, num_warps) for rows of D elements."""
+    if D > cfg["MAX_BLOCK"]:
+        raise DejavuError(f"layer_norm: rows of {D} elements, more than MAX_BLOCK={cfg['MAX_BLOCK']}")
+    num_warps = cfg.get("num_warps") or next(w for d, w in cfg["WARPS"] if d is None or D <= d)
+    return next_pow2(D), num_warps
 
 
 def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None, settings=None):
@@ -173,10 +125,9 @@ def layer_norm(x, weight, bias, eps=1e-5, *, out=None, config=None, settings=Non
         return out
     s = settings or DEFAULT
     cfg = table(s.layer_norm, config)
-    block, chunked, num_warps = _plan(D, cfg)
-    early = bool(cfg["EARLY_WEIGHTS"]) and not chunked
+    block, num_warps = _plan(D, cfg)
     kernel = jit(_layer_norm_kernel, x.device)
-    kernel[(R,)](x, weight, bias, out, D, float(eps), CHUNKED=chunked, BLOCK=block, EARLY_W=early,
+    kernel[(R,)](x, weight, bias, out, D, float(eps), BLOCK=block,
                  num_warps=num_warps, **pdl_args(x.device, "layer_norm", s.pdl))
     return out
 

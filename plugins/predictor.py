@@ -27,12 +27,8 @@ programs before it. After the last round each program knows the threshold key T,
 many ties at T to take, and where its own output starts, and writes its indices with one
 prefix sum: keys > T, then ties at T lowest index first. The output is deterministic.
 
-Rounds are separated either by a grid barrier inside one launch (`fused`) or by kernel
-boundaries (one launch per round plus one to compact; always so under the interpreter,
-which runs programs one after another). Limits: N <= 65536; fused only on CUDA with
-rows * NB <= the SM count (every program of the launch resident, so spinning ones cannot
-keep a late one off the GPU); its barrier counters persist between calls (zeroed once per
-device, one lane per stream: see `_barrier_state`).
+Rounds are separated by kernel boundaries: one launch per round plus one to compact (a single
+program per row needs one launch). Limits: N <= 65536.
 """
 from __future__ import annotations
 
@@ -46,10 +42,7 @@ tl = None  # triton.language, bound on first launch (see _common.jit)
 
 TOPK_MAX_N = 65536
 
-_SINGLE, _FUSED, _SPLIT = 0, 1, 2  # _topk_kernel MODE
-_BARRIERS: dict = {}  # device -> (int32 [_LANES, _LANE_ROWS, 2] barrier state, {stream: lane})
-_LANES, _LANE_ROWS = 64, 256  # a fused launch has rows * NB <= SM count, so rows <= 256
-_SM_COUNT: dict = {}
+_SINGLE, _SPLIT = 0, 1  # _topk_kernel MODE
 
 
 @helper
@@ -69,29 +62,12 @@ def _order_keys(x, KEY_BITS: tl.constexpr):
 
 
 @helper
-def _count_digits(slot, digit, cand, ATOMIC_HIST: tl.constexpr):
-    # slot[0:256] = histogram of this program's candidate digits
-    bins = tl.arange(0, 256)
-    if ATOMIC_HIST:
-        tl.store(slot + bins, tl.zeros([256], tl.int32))
-        tl.debug_barrier()  # the zeros are in place before any thread's add
-        tl.atomic_add(slot + digit, 1, mask=cand, sem="relaxed")
-    else:
-        tl.store(slot + bins, tl.histogram(digit, 256, mask=cand))
-
-
-@helper
-def _grid_barrier(count_ptr, base, target):
-    # Wait until the row's programs have added `target` to *count_ptr since `base` (all of
-    # them are resident: _topk_plan). Thread 0 does the scalar atomics; its release comes
-    # after bar.sync, so it covers the whole block's earlier writes. No resets: the count
-    # only grows (mod 2^32) and `base` is its value before this launch.
-    tl.debug_barrier()
-    tl.atomic_add(count_ptr, 1, sem="release")
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire").to(tl.uint32)
-    while seen - base < target:
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire").to(tl.uint32)
-    tl.debug_barrier()
+def _count_digits(slot, digit, cand):
+    # slot[0:256] = histogram of this program's candidate digits, by global atomics (tl.histogram into
+    # the slot: 11.1 vs 10.6 us for the OPT-30B MLP row, benchmarks/results/kernels-2026-12-02.json)
+    tl.store(slot + tl.arange(0, 256), tl.zeros([256], tl.int32))
+    tl.debug_barrier()  # the zeros are in place before any thread's add
+    tl.atomic_add(slot + digit, 1, mask=cand, sem="relaxed")
 
 
 @helper
@@ -120,21 +96,19 @@ def _next_digit(tot, bef, need):
     return d, need, tl.sum(tl.where(bins > d, bef, 0), 0), tl.sum(tl.where(bins == d, bef, 0), 0)
 
 
-def _topk_kernel(s_ptr, out_ptr, ws_ptr, bar_ptr, N, K, NB, stride_s, stride_o,
+def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
                  BLOCK: tl.constexpr, NB_P2: tl.constexpr, KEY_BITS: tl.constexpr, MODE: tl.constexpr,
-                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr, ATOMIC_HIST: tl.constexpr):
+                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr):
     # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (NB, rows).
-    # MODE 0: NB == 1, histograms in registers. MODE 1: one launch, a grid barrier after each
-    # round. MODE 2: rounds FIRST..LAST-1 are counted here into ws[row, round, NB, 256];
-    # earlier rounds were counted by earlier launches and are only read back.
+    # MODE 0: NB == 1, histograms in registers, one launch. MODE 1: rounds FIRST..LAST-1 are counted
+    # here into ws[row, round, NB, 256]; earlier rounds were counted by earlier launches and are only
+    # read back.
     ROUNDS: tl.constexpr = KEY_BITS // 8
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     key = _order_keys(tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0), KEY_BITS)
-    if MODE == 1:
-        base = tl.atomic_add(bar_ptr + 2 * row + 1, 0, sem="relaxed").to(tl.uint32)
     prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's digits found so far
     need = K  # how many of the candidates (keys matching prefix) are still to be taken
     gt_before = 0  # keys above the k-th largest in the programs before this one
@@ -152,11 +126,9 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, bar_ptr, N, K, NB, stride_s, stride_o,
                 bef = tot * 0
             else:
                 if r >= FIRST:
-                    _count_digits(round_ws + pid * 256, digit, cand, ATOMIC_HIST)
-                    if MODE == 1:
-                        _grid_barrier(bar_ptr + 2 * row, base, NB * (r + 1))
+                    _count_digits(round_ws + pid * 256, digit, cand)
                 tot, bef = _row_counts(round_ws, pid, NB, NB_P2)
-            if MODE != 2 or r < FIRST:
+            if MODE == 0 or r < FIRST:
                 d, need, gt_add, eq_before = _next_digit(tot, bef, need)
                 gt_before += gt_add
                 prefix = prefix | (d.to(tl.uint32) << shift)
@@ -172,41 +144,10 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, bar_ptr, N, K, NB, stride_s, stride_o,
         sel = gt | (eq & (eq_x < ties))
         dst = gt_before + tl.minimum(eq_before, need) + gt_x + tl.minimum(eq_x, ties)
         tl.store(out_ptr + row * stride_o + dst, offs, mask=sel)
-    if MODE == 1:
-        if pid == 0:  # every program has read `base` (they all passed the last barrier)
-            tl.store(bar_ptr + 2 * row + 1, (base + NB * ROUNDS).to(tl.int32))
-
-
-def _barrier_state(device, rows):
-    """int32 [rows, 2] (arrival count, count before the launch) for the fused kernel's barriers.
-
-    Zeroed once per device, when first needed outside CUDA-graph capture (zeros made during
-    capture would only be written at replay); None otherwise, and that launch is split
-    instead. A launch leaves both words equal again, so the state stays valid between calls
-    and graph replays. Each stream gets its own lane (the first 64 streams seen), so
-    launches on different streams do not share counters; two launches that share a lane
-    must not run at once (replaying one graph on two streams concurrently would).
-    """
-    state = _BARRIERS.get(device)
-    if state is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        state = _BARRIERS[device] = (torch.zeros(_LANES, _LANE_ROWS, 2, dtype=torch.int32, device=device), {})
-    counters, lanes = state
-    if rows > _LANE_ROWS:
-        return None
-    lane = lanes.setdefault(torch.cuda.current_stream(device).cuda_stream, len(lanes) % _LANES)
-    return counters[lane]
-
-
-def _sm_count(device):
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
 
 
 def _topk_plan(scores, config, settings=None):
-    """(block, NB, warps, mode, atomic_hist) for scores[R, N] under the top-k settings + config."""
+    """(block, NB, warps, mode) for scores[R, N] under the top-k settings + config."""
     cfg = dict(vars((settings or DEFAULT).topk))
     for name, value in (config or {}).items():
         if name not in cfg or name == "method":
@@ -216,17 +157,15 @@ def _topk_plan(scores, config, settings=None):
     if block < 32 or block > 16384 or block & (block - 1) or warps not in (1, 2, 4, 8, 16, 32):
         raise DejavuError(f"topk_triton: block must be a power of 2 in [32, 16384] and warps one of "
                           f"1..32 (got block={block}, warps={warps})")
-    R, N = scores.shape
+    N = scores.shape[1]
     if N <= block:
         # one program per row; small rows get fewer warps (a warp per 256 scores at most)
         b = max(32, next_pow2(N))
-        return b, 1, max(1, min(warps, b // 256)), _SINGLE, bool(cfg["atomic_hist"])
+        return b, 1, max(1, min(warps, b // 256)), _SINGLE
     # each program reads the [NB, 256] histograms of its row: at most 64 ints per thread
     while next_pow2(-(-N // block)) > 8 * warps:
         block *= 2
-    nb = -(-N // block)
-    fused = (bool(cfg["fused"]) and scores.is_cuda and R * nb <= _sm_count(scores.device))
-    return block, nb, warps, _FUSED if fused else _SPLIT, bool(cfg["atomic_hist"])
+    return block, -(-N // block), warps, _SPLIT
 
 
 def topk_triton(scores, k, config=None, settings=None):
@@ -240,22 +179,19 @@ def topk_triton(scores, k, config=None, settings=None):
         raise DejavuError(f"topk_triton: N={N} > {TOPK_MAX_N}")
     if not isinstance(k, int) or not 0 <= k <= N:
         raise DejavuError(f"topk_triton: k must be an int in [0, {N}], got {k!r}")
-    block, nb, warps, mode, atomic_hist = _topk_plan(scores, config, settings)
+    block, nb, warps, mode = _topk_plan(scores, config, settings)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     if k == 0 or R == 0:
         return out
     key_bits = 32 if scores.dtype == torch.float32 else 16
     rounds = key_bits // 8
     kernel = jit(_topk_kernel, scores.device)
-    ws = bar = out  # unused by a single program per row
-    if mode == _FUSED:
-        state = _barrier_state(scores.device, R)
-        mode, bar = (_SPLIT, out) if state is None else (_FUSED, state)
-    if mode != _SINGLE:
+    ws = out  # unused by a single program per row
+    if mode == _SPLIT:
         ws = torch.empty((R, rounds, nb, 256), dtype=torch.int32, device=scores.device)
-    args = (scores, out, ws, bar, N, k, nb, scores.stride(0), out.stride(0))
+    args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0))
     consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode,
-                  ATOMIC_HIST=atomic_hist, num_warps=warps)
+                  num_warps=warps)
     if mode == _SPLIT:  # one launch per round, then one to compact
         for r in range(rounds):
             kernel[(nb, R)](*args, FIRST=r, LAST=r + 1, COMPACT=False, **consts)

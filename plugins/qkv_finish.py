@@ -3,21 +3,20 @@
 `_qkv_finish_kernel`, grid (B*Kh, rows of FINISH_R, SLOW_Z): sums the SPLIT slices' fp32 partials
 of its rows (.cg loads: L2, not L1), adds the bias, writes Q (fp32 buffer) and K/V into the caches
 at pos and at the first hist_len missing slots; a head unselected for longer gets its further slots
-from whole-D tl.dot passes over its rows (the slow path, `_slow_slots`, shared over SLOW_Z programs
-per row block). Also the row addressing both Q/K/V kernels share (`_qkv_rows`). Launched by
-`qkv_partial.launch_qkv`; its reference is deferred_kv's (`recompute_kv_ref`, the Q einsum of
+from whole-D tl.dot passes over its rows (the slow path, `slow_slots`, shared over SLOW_Z programs
+per row block). Also the row addressing both Q/K/V kernels share (`qkv_rows`). Launched by
+`launch_finish` (from `qkv_partial.launch_qkv`); its reference is deferred_kv's (`recompute_kv_ref`, the Q einsum of
 `sparse_attn_decode_deferred_ref`). Limits: hd <= 256.
 """
 from __future__ import annotations
 
-from dejavu.plugins._common import gdc_enter, helper
+from dejavu.plugins._common import gdc_enter, helper, jit, next_pow2, pdl_args
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 
 @helper
-def _qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb,
-              FIRST_SEG: tl.constexpr, BLOCK_R: tl.constexpr, ref_ptr=None, KH_Q=0, REFRESH: tl.constexpr = 0):
+def qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, BLOCK_R: tl.constexpr, ref_ptr=None, KH_Q=0, REFRESH: tl.constexpr = 0):
     # This program's head, pos, segment (0 Q, 1 K, 2 V), channels, weight rows (row of wq for
     # Q, of wkv for K/V; masked channels map to channel 0) and first missing slot (pos for Q).
     # REFRESH (batch 1): head slots j >= KH_Q are the refresh heads ref[j - KH_Q] (-1: none; the
@@ -32,7 +31,7 @@ def _qkv_rows(head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stri
         head = tl.load(head_ptr + b * stride_hb + j).to(tl.int64)
         h = head
     pos = tl.load(pos_ptr + b * stride_pb).to(tl.int32)
-    seg = FIRST_SEG + pid_r // NB
+    seg = pid_r // NB
     offs_c = (pid_r % NB) * BLOCK_R + tl.arange(0, BLOCK_R)
     cmask = offs_c < HD
     c = tl.where(cmask, offs_c, 0)
@@ -94,12 +93,12 @@ def _store_qkv(new, hist, xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, q_ptr, k_ptr, v_ptr,
         tl.store(cache + offs_p[:, None].to(tl.int64) * stride_cs + offs_c[None, :], (hist + bias[None, :]).to(dt),
                  mask=pmask[:, None] & cmask[None, :])
         if SLOW:
-            _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, 0, 1, D,
+            slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, 0, 1, D,
                         stride_xb, stride_xs, stride_cs, DOT_FP32, SLOW_P, BLOCK_R, SLOW_D)
 
 
 @helper
-def _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, first, z, Z, D, stride_xb, stride_xs,
+def slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, first, z, Z, D, stride_xb, stride_xs,
                 stride_cs, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     # K or V of the rows (bias added) at the missing slots first..pos-1 that no partial holds,
@@ -142,16 +141,15 @@ def _finish_rows(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr, k
 def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_ptr, pnew_ptr, phist_ptr,
                        q_ptr, k_ptr, v_ptr, B, KH, H, D, HD, NB, SPLIT, HIST_LEN, stride_xb, stride_xs, stride_hb,
                        stride_pb, stride_cb, stride_ch, stride_cs,
-                       FIRST_SEG: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
+                       DOT_FP32: tl.constexpr, BLOCK_P: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                       SLOW_Z: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0, ref_ptr=None, KH_Q=0,
+                       SLOW_Z: tl.constexpr = 1, ref_ptr=None, KH_Q=0,
                        REFRESH: tl.constexpr = 0, GDC: tl.constexpr = 0):
-    # Grid (B*KH, (3 - FIRST_SEG) * NB,
-    # SLOW_Z), after a partial kernel; _finish_rows for this program's BLOCK_R
+    # Grid (B*KH, 3 * NB, SLOW_Z), after a partial kernel; _finish_rows for this program's BLOCK_R
     # rows (z = 0). SLOW_Z > 1: the slots beyond the partials (the slow path) are shared out in
     # 16-slot chunks (the slow path's whole-D passes) over the SLOW_Z programs of the rows (z > 0 do
     # only those).
-    # EARLY_READS: the head index, pos and valid_len before the PDL wait (none is written by the
+    # The head index, pos and valid_len are read before the PDL wait (none is written by the
     # partial kernel before this one: the heads come from the side stream, waited for before it;
     # valid_len is written by the attention kernel after this one), saving a round trip after it.
     # REFRESH: head slots KH_Q.. are refresh heads, as in _qkv_partial_shared_kernel.
@@ -160,13 +158,10 @@ def _qkv_finish_kernel(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, head_ptr, vl_ptr, pos_p
     z = tl.program_id(2)
     b = pid // KH
     j = pid % KH
-    if not EARLY_READS:
-        gdc_enter(GDC)
-    head, pos, seg, offs_c, cmask, rows, start = _qkv_rows(
-        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, FIRST_SEG, BLOCK_R, ref_ptr,
+    head, pos, seg, offs_c, cmask, rows, start = qkv_rows(
+        head_ptr, pos_ptr, vl_ptr, b, j, pid_r, H, HD, NB, stride_hb, stride_pb, BLOCK_R, ref_ptr,
         KH_Q, REFRESH)
-    if EARLY_READS:
-        gdc_enter(GDC)
+    gdc_enter(GDC)
     if REFRESH:  # a real head (not -1); a refresh head (slot >= KH_Q) has no Q rows
         live = (head >= 0) & ((j < KH_Q) | (seg > 0))
     else:
@@ -202,7 +197,7 @@ def _finish_program(xh_ptr, wkv_ptr, bq_ptr, bkv_ptr, pnew_ptr, phist_ptr, q_ptr
             if start + HIST_LEN + z * SLOW_P < pos:
                 cache = (k_ptr if seg == 1 else v_ptr) + b64 * stride_cb + head * stride_ch
                 bias = tl.load(bkv_ptr + rows).to(tl.float32)
-                _slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, z,
+                slow_slots(xh_ptr, wkv_ptr, cache, bias, b64, pos, offs_c, cmask, rows, start + HIST_LEN, z,
                             SLOW_Z, D, stride_xb, stride_xs, stride_cs, DOT_FP32, SLOW_P, BLOCK_R, SLOW_D)
 
 
@@ -213,3 +208,24 @@ def slow_z(cfg: dict, row_blocks: int) -> int:
     if z is None:
         z = max(1, min(8, cfg["SLOW_TARGET"] // max(1, row_blocks)))
     return z
+
+
+def launch_finish(cfg, x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, stride_pb, pnew, phist, q, k_cache, v_cache,
+                  kh_q, hist_len, dot32, refresh=None, pdl=None):
+    """The finishing kernel after a partial launch (qkv_partial.launch_qkv; checked inputs): the
+    partials pnew [SPLIT, B, Kh, 3*hd] / phist summed, biases added, Q into q [B, kh_q*hd] and K/V
+    into the caches; Kh - kh_q refresh heads (refresh, K/V only) after the kh_q selected ones."""
+    B, _, D = x_hist.shape
+    H, hd = k_cache.shape[1], k_cache.shape[3]
+    split, kh = pnew.shape[0], pnew.shape[2]
+    nb = -(-hd // cfg["FINISH_R"])
+    z = slow_z(cfg, B * kh_q * 3 * nb)
+    ref_args = dict(ref_ptr=refresh, KH_Q=kh_q, REFRESH=1) if kh > kh_q else {}
+    finish = jit(_qkv_finish_kernel, x_hist.device)
+    finish[(B * kh, 3 * nb, z)](
+        x_hist, wkv, bq, bkv, head_idx, valid_len, pos_t, pnew, phist, q, k_cache, v_cache, B, kh, H, D, hd, nb,
+        split, hist_len, x_hist.stride(0), x_hist.stride(1), 0 if head_idx.dim() == 1 else head_idx.stride(0),
+        stride_pb, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        DOT_FP32=dot32, BLOCK_P=phist.shape[3], BLOCK_R=cfg["FINISH_R"], BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_S=min(cfg["FINISH_S"], next_pow2(split)), SLOW_Z=z, num_warps=4, **ref_args,
+        **pdl_args(x_hist.device, "qkv_finish", pdl))

@@ -16,7 +16,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (check_index, check_out, check_pos, check_tensor, default_validate, jit, next_pow2,
                                     pos_rows)
-from dejavu.plugins.qkv_partial import _qkv_cfg, _qkv_split, _shared_qkv, hist_slots
+from dejavu.plugins.qkv_partial import hist_slots, qkv_split, qkv_table, shared_qkv
 from dejavu.plugins.sparse_attention import folds_finish
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -101,10 +101,10 @@ def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None, settin
     attention commits them); elsewhere it leaves them out (they catch up when
     selected: same outputs)."""
     cfg = config or {}
-    qcfg = _qkv_cfg(B, cfg.get("qkv"), settings)
+    qcfg = qkv_table(B, cfg.get("qkv"), settings)
     kh = head_idx.shape[-1]
-    if not (B == 1 and kh > 0 and _shared_qkv(B, head_idx, qcfg)):
+    if not (B == 1 and kh > 0 and shared_qkv(B, head_idx, qcfg)):
         return False
     fold = bool(qcfg["FOLD_FINISH"]) and folds_finish(B, S, cfg.get("attn"), settings)
     groups = kh * 3 * -(-hd // qcfg["BLOCK_R"])
-    return not _qkv_split(qcfg, D, groups, fold)[2]
+    return not qkv_split(qcfg, D, groups, fold)[2]

@@ -2,7 +2,9 @@
 
     settings = resolve_kernel_settings("sm_90", sm_count=132)   # the compiler, per target
     header["target"]["kernel_settings"] = settings.to_dict()     # written into the engine
-    KernelSettings.from_dict(d)                                  # read back by the runtime
+    layers = resolve_layer_settings(settings, D, hd, mlp_k, attn_k)  # per layer, from its K
+    header["target"]["layer_kernel_settings"] = layers           # [{part: {field: value}}] per layer
+    KernelSettings.from_dict(d).with_overrides(layers[l])        # read back by the runtime, per layer
     sparse_fc1(..., settings=settings)                           # every launcher takes one (None: DEFAULT)
 
 Each default is a field default here (picked on an H200, 132 SMs; the measurements behind them:
@@ -12,7 +14,7 @@ for one call (sweeps, tests); unknown keys are a DejavuError. Nothing patches mo
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dejavu.errors import DejavuError
 
@@ -46,7 +48,6 @@ class SplitKBlocks:
     num_stages: int = 3
     SPLIT: int | None = None
     TARGET_PROGRAMS: int = 528  # ~4 programs per SM (132 SMs)
-    maxnreg: int | None = None  # register cap (reg_cap); none measured faster
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,9 @@ class QKVSettings:
     finishing program, FINISH_S: slices summed per load; SHARED_MIN_BATCH: from this batch a shared set
     (or batch 1) takes the shared-set kernel, SHARED_P - 1 missing slots per sequence in its tl.dot;
     SLOW_Z: finishing programs per row block sharing the slow path (None: ~SLOW_TARGET programs, 1-8);
-    EARLY_READS: the finishing kernel's head index, pos and valid_len before the PDL wait;
     FOLD_FINISH (batch 1): the finish folded into attention (True; "wide": only past FOLD_MAX_SPLIT
-    slices of D, capped there; FOLD_CAP caps True too), the slow path in FOLD_SLOW_Z x (BLOCK_R /
-    FOLD_SLOW_R) extra z-slices of the partial kernel (FOLD_SLOW_LAST: after the D slices);
+    slices of D; both at most FOLD_MAX_SPLIT slices), the slow path in FOLD_SLOW_Z x (BLOCK_R /
+    FOLD_SLOW_R) extra z-slices of the partial kernel, after the D slices;
     SHARED_P_UNFOLDED / UNFOLDED_MAXNREG: P and register cap of the unfolded batch-1 route without
     refresh heads. Measurements: docs/kernels.md, "The decode step's kernels"."""
     BLOCK_P: int = 16
@@ -75,25 +75,19 @@ class QKVSettings:
     FINISH_S: int = 8
     SLOW_Z: int | None = 1
     SLOW_TARGET: int = 640
-    EARLY_READS: bool = True
     FOLD_FINISH: bool | str = False
     FOLD_SLOW_R: int = 16
     FOLD_SLOW_Z: int = 1
     FOLD_MAX_SPLIT: int = 8
-    FOLD_CAP: bool = False
-    FOLD_SLOW_LAST: bool = False
     SHARED_P_UNFOLDED: int | None = None
     UNFOLDED_MAXNREG: int | None = None
-    maxnreg: int | None = None
-    W_EV: str = ""  # eviction policy of the shared-set kernel's weight loads
-    ST_CM: str = ""  # cache modifier of its PendingLN statistics loads
 
 
 # Batch 1: the shared-set kernel, 64-row blocks, P 16 (32 unfolded, 128-register cap), the finishing
 # kernel's blocks of `kernels.py --qkv-sweep finish`, the fold where D takes many slices.
 QKV_B1 = QKVSettings(BLOCK_R=64, TARGET_PROGRAMS=512, num_stages=3, SHARED_P_UNFOLDED=32, UNFOLDED_MAXNREG=128,
                      SHARED_MIN_BATCH=1, SHARED_P=16, FINISH_R=16, FINISH_S=1, SLOW_Z=None,
-                     FOLD_FINISH="wide", FOLD_SLOW_Z=4, FOLD_SLOW_LAST=True)
+                     FOLD_FINISH="wide", FOLD_SLOW_Z=4)
 
 
 @dataclass(frozen=True)
@@ -102,21 +96,15 @@ class AttnSettings:
     BLOCK_S: int = 32
     CHUNK: int = 32
     num_warps: int = 4
-    EARLY_READS: bool = True  # the head index and pos read before the PDL wait
 
 
 @dataclass(frozen=True)
 class TopkSettings:
     """predictor_topk's top-k: method "triton" (topk_triton) or "torch". topk_triton: `block` scores per
-    program of a split row (raised so a row has <= 8 * warps programs); `fused`: one launch with a grid
-    barrier per radix round (CUDA, every program resident) instead of one per round (the default: it does
-    not spin; no cost measured on the H200); `atomic_hist`: digit histograms by global atomics, else
-    tl.histogram."""
+    program of a split row (raised so a row has <= 8 * warps programs), one launch per radix round."""
     method: str = "triton"
     block: int = 1024
     warps: int = 4
-    fused: bool = False
-    atomic_hist: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,13 +118,10 @@ class ScoreSettings:
 
 @dataclass(frozen=True)
 class LNSettings:
-    """layer_norm: rows up to MAX_BLOCK in registers, longer ones in CHUNK_BLOCK chunks; WARPS: (largest
-    D, num_warps), first match; BLOCK / num_warps: fixed choices (None: by those rules)."""
+    """layer_norm: rows up to MAX_BLOCK, in registers; WARPS: (largest D, num_warps), first match;
+    num_warps: a fixed choice (None: by that rule)."""
     MAX_BLOCK: int = 16384
-    CHUNK_BLOCK: int = 4096
     WARPS: tuple = ((2048, 4), (8192, 8), (None, 16))
-    EARLY_WEIGHTS: bool = True  # whole rows: weight and bias loaded before the PDL wait
-    BLOCK: int | None = None
     num_warps: int | None = None
 
 
@@ -192,6 +177,16 @@ class KernelSettings:
         """The settings of an engine header; missing fields take the defaults, unknown ones are a DejavuError."""
         return _from_dict(cls, d, "kernel_settings")
 
+    def with_overrides(self, overrides: dict) -> "KernelSettings":
+        """These settings with fields of their parts replaced ({part: {field: value}}: a layer's entry of
+        resolve_layer_settings); unknown names are a DejavuError."""
+        d = self.to_dict()
+        for part, fields in overrides.items():
+            if not isinstance(d.get(part), dict) or not isinstance(fields, dict):
+                raise DejavuError(f"layer kernel settings: {part!r} is not a part of KernelSettings")
+            d[part] = {**d[part], **fields}
+        return _from_dict(KernelSettings, d, "layer kernel settings")
+
 
 def _from_dict(cls, d, where: str):
     if not isinstance(d, dict):
@@ -231,6 +226,27 @@ def resolve_kernel_settings(arch: str | None, sm_count: int | None = None) -> Ke
              proj1=programs(s.proj1), qkv=programs(s.qkv), qkv_b1=programs(s.qkv_b1),
              input_sparse=r(s.input_sparse, target_programs=max(1, round(s.input_sparse.target_programs * scale))),
              pdl=s.pdl if major >= 9 else r(s.pdl, ENABLED=False), arch=arch)
+
+
+def resolve_layer_settings(s: KernelSettings, d_model: int, head_dim: int, mlp_k, attn_k) -> list[dict]:
+    """Per layer, the batch-1 launch choices that depend on its K (mlp_k[l] neurons, attn_k[l] heads) under
+    s, as overrides of s (with_overrides): fc2's and the output projection's split of K (fc2_dot1 / proj1
+    SPLIT), the Q/K/V partial kernel's slices of D before a fold's cap (qkv_b1.SPLIT), whether its finish
+    folds into attention (qkv_b1.FOLD_FINISH), the finishing kernel's programs per row block (qkv_b1.SLOW_Z).
+    The launches equal those the launchers resolve from K at each call (tests/plugins/test_kernel_settings.py)."""
+    from dejavu.plugins.fc2 import split_plan
+    from dejavu.plugins.qkv_finish import slow_z
+    from dejavu.plugins.qkv_partial import qkv_split
+
+    q, out = vars(s.qkv_b1), []
+    for k, kh in zip(mlp_k, attn_k):
+        rows = max(1, kh * 3 * -(-head_dim // q["BLOCK_R"]))  # the partial kernel's row blocks per slice of D
+        out.append({"fc2_dot1": {"SPLIT": split_plan(k, d_model, vars(s.fc2_dot1))[1]},
+                    "proj1": {"SPLIT": split_plan(kh * head_dim, d_model, vars(s.proj1))[1]},
+                    "qkv_b1": {"SPLIT": qkv_split({**q, "FOLD_FINISH": False}, d_model, rows, False)[0],
+                               "FOLD_FINISH": bool(q["FOLD_FINISH"]) and qkv_split(q, d_model, rows, True)[2],
+                               "SLOW_Z": slow_z(q, kh * 3 * -(-head_dim // q["FINISH_R"]))}})
+    return out
 
 
 def table(t, config=None) -> dict:

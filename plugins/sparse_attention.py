@@ -173,7 +173,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
                         stride_cb, stride_ch, stride_cs, stride_nb, stride_xb, stride_xs,
                         pnew_ptr, phist_ptr, bq_ptr, bkv_ptr, HIST_LEN, BLOCK_PH,
                         PARTIAL: tl.constexpr, COMMIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr, EARLY_READS: tl.constexpr = 0,
+                        BLOCK_HD: tl.constexpr, BLOCK_X: tl.constexpr,
                         FOLD: tl.constexpr = 0, FOLD_SPLIT: tl.constexpr = 1, BLOCK_F: tl.constexpr = 16,
                         ref_ptr=None, N_REF=0, BLOCK_REF: tl.constexpr = 0, GDC: tl.constexpr = 0):
     # softmax_s(q[b, j] . k[b, head, s]) v[b, head, s] over s in this program's chunk of
@@ -185,7 +185,7 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     # only (the Q/K/V kernel stored x_hist[b, pos] itself). BLOCK_REF > 0 (COMMIT, not FOLD, batch 1):
     # valid_len[0, ref[r]] = pos + 1 too for the N_REF refresh heads at ref_ptr (-1: none), whose K/V the
     # Q/K/V kernels computed (refresh_heads.py).
-    # EARLY_READS: the head index and pos before the PDL wait (neither is written by the kernel
+    # The head index and pos are read before the PDL wait (neither is written by the kernel
     # before this one: the heads come from the side stream, whose event the main stream waited
     # for before the Q/K/V kernels; pos is the step's input), saving a round trip after it.
     # FOLD (batch 1, PARTIAL, after qkv_partial's kernel with no finishing kernel): q is the
@@ -201,17 +201,11 @@ def _attn_decode_kernel(q_ptr, k_ptr, v_ptr, head_ptr, pos_ptr, o_ptr, part_ptr,
     pid_c = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_HD)
     dmask = offs_d < HD
-    if EARLY_READS:
-        head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
-        pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
-        if FOLD:
-            fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
+    head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
+    pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
+    if FOLD:
+        fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
     gdc_enter(GDC)
-    if not EARLY_READS:
-        head = tl.load(head_ptr + pid_b * stride_hb + pid_j).to(tl.int64)
-        pos = tl.load(pos_ptr + pid_b * stride_pb).to(tl.int32)
-        if FOLD:
-            fstart = tl.minimum(tl.load(vl_ptr + pid_b * H + head).to(tl.int32), pos)
     if COMMIT:
         if pid_c == 0:
             _commit_chunk0(vl_ptr, ref_ptr, xnew_ptr, xh_ptr, pid_b, pid_j, head, pos, H, D, N_REF, stride_nb,
@@ -275,15 +269,18 @@ def _attn_combine_kernel(part_ptr, ml_ptr, o_ptr, HD, NCHUNK, vl_ptr, head_ptr, 
     _combine_row(part_ptr, ml_ptr, o_ptr, row, HD, NCHUNK, BLOCK_C, BLOCK_HD)
 
 
-def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, residual, validate):
-    # H*hd may be less than D: a tensor-parallel shard holds H/tp heads of a D-wide model.
+def check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, residual, validate):
+    """The attention launchers' checks: (B, D, H, S, hd, Kh)."""
     check_tensor("x_ln", x_ln, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x_ln.shape
     dt, dev = x_ln.dtype, x_ln.device
     check_tensor("k_cache", k_cache, ndim=4, dtype=dt, device=dev)
     H, S, hd = k_cache.shape[1:]
-    if k_cache.shape[0] != B or H * hd > D:
+    if k_cache.shape[0] != B or H * hd > D:  # H*hd < D: a tensor-parallel shard holds H/tp heads
         raise DejavuError(f"k_cache: shape {tuple(k_cache.shape)} does not fit B={B}, D={D}")
+    if hd > 256:
+        raise DejavuError(f"head dim {hd} > 256 is not supported")
+    check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=dt, device=dev)
     HH = H * hd
     check_tensor("wq", wq, shape=(HH, D), dtype=dt, device=dev)
     check_tensor("bq", bq, shape=(HH,), dtype=dt, device=dev)
@@ -291,9 +288,6 @@ def _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, re
     check_tensor("bkv", bkv, shape=(2 * HH,), dtype=dt, device=dev)
     check_tensor("wo_t", wo_t, shape=(HH, D), dtype=dt, device=dev)
     check_tensor("bo", bo, shape=(D,), dtype=dt, device=dev)
-    if hd > 256:
-        raise DejavuError(f"head dim {hd} > 256 is not supported")
-    check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=dt, device=dev)
     if residual is not None:
         check_tensor("residual", residual, shape=(B, D), dtype=dt, device=dev)
     kh, _ = check_index("head_idx", head_idx, batch=B, upper=H, device=dev, validate=validate)
@@ -304,7 +298,7 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
                        residual=None, *, out=None, validate=None, config=None, settings=None):
     """Decode one token through the selected heads; updates the caches at pos; y[B,D]."""
     validate = default_validate(validate, x_ln.device)
-    B, D, H, S, hd, kh = _check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
+    B, D, H, S, hd, kh = check_attn(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache,
                                      v_cache, residual, validate)
     pos_t, stride_pb = check_pos(pos, B, x_ln.device, S, validate)
     out = check_out(out, (B, D), x_ln.dtype, x_ln.device)
@@ -318,16 +312,6 @@ def sparse_attn_decode(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_ca
     if kh == 0:
         out.copy_(bo.expand(B, D) if residual is None else bo + residual)
         return out
-    return _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb,
-                            residual, out, config, settings)
-
-
-def _attend_selected(x_ln, wq, bq, wo_t, bo, head_idx, k_cache, v_cache, pos_t, stride_pb, residual, out,
-                     config, settings=None):
-    """Steps 2-4 of a decode step: Q of the selected heads, attention over cache slots
-    0..pos, the output projection of those heads; y[B,D]."""
-    B, H, S, hd = k_cache.shape
-    kh = head_idx.shape[-1]
     # 2. Q for the selected heads: rows head*hd + c of wq
     q = torch.empty((B, kh * hd), dtype=torch.float32, device=x_ln.device)
     gather_gemv(x_ln, wq, bq, head_idx, q, relu=False, group=hd, settings=settings)
@@ -381,7 +365,7 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
                             f.pnew, f.phist, f.bq, f.bkv, f.hist_len, f.block_p,
                             PARTIAL=nchunk > 1, COMMIT=commit_mode, BLOCK_S=cfg["BLOCK_S"],
                             BLOCK_HD=block_hd, BLOCK_X=next_pow2(D) if commit_mode == 1 else 16,
-                            EARLY_READS=bool(cfg["EARLY_READS"]), FOLD=finish is not None,
+                            FOLD=finish is not None,
                             FOLD_SPLIT=max(1, f.split), BLOCK_F=next_pow2(f.hist_len + 1),
                             num_warps=cfg["num_warps"], **(ref_args if not late_commit else {}),
                             **pdl_args(q.device, "attn", s.pdl))
@@ -394,21 +378,17 @@ def attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config=None, c
 
 
 def attend_project(q, head_idx, k_cache, v_cache, pos_t, stride_pb, wo_t, bo, residual, out, config=None,
-                   commit=None, ln=None, ln_out=None, ln_defer=False, finish=None, refresh=None, settings=None):
-    """attend_heads(q, head_idx, ..., commit, finish, refresh) then project_out(o, wo_t, bo, head_idx,
-    residual, out, ln, ln_out, ln_defer), returning what project_out returns."""
+                   commit=None, finish=None, refresh=None, settings=None):
+    """attend_heads(q, head_idx, ..., commit, finish, refresh) then project_out: y[B,D]."""
     o = attend_heads(q, head_idx, k_cache, v_cache, pos_t, stride_pb, config, commit=commit, finish=finish,
                      refresh=refresh, settings=settings)
-    return project_out(o, wo_t, bo, head_idx, residual, out, ln, ln_out, ln_defer, settings)
+    return project_out(o, wo_t, bo, head_idx, residual, out, settings)
 
 
-def project_out(o, wo_t, bo, head_idx, residual, out, ln=None, ln_out=None, ln_defer=False, settings=None):
-    """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual); with
-    ln = (weight, bias) also ln_out[B,D] = LayerNorm(y) (checked by the caller). Returns y; with
-    ln and ln_defer, (y, ln_out or a PendingLN) (gather_gemv_t)."""
+def project_out(o, wo_t, bo, head_idx, residual, out, settings=None):
+    """y[B,D] = o [B, Kh*hd] @ wo_t[rows of the selected heads] + bo (+ residual) (gather_gemv_t)."""
     hd = o.shape[1] // head_idx.shape[-1]
-    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, ln=ln, ln_out=ln_out,
-                         ln_defer=ln_defer if ln is not None else False, settings=settings)
+    return gather_gemv_t(o, wo_t, bo, head_idx, residual, out, group=hd, settings=settings)
 
 
 def sparse_attn_decode_ref(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_cache, v_cache, pos,

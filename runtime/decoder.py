@@ -203,18 +203,19 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
 
-    def _mlp(self, w, h, x, idx, ln=None):
+    def _mlp(self, w, h, x, idx, ln=None, ops=None):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, left pending by fc2's split-K reduction (defer_ln_attn):
-        # returns (x, PendingLN or LN(x)) then; x alone otherwise
+        # returns (x, PendingLN or LN(x)) then; x alone otherwise. ops: the layer's (Ops.layer)
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
-        a = self.ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
+        ops = ops or self.ops
+        a = ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
         if self.reduce is not None:
-            return self._add(x, self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
+            return self._add(x, ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
         if ln is not None:
-            return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True)
-        return self.ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
+            return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True)
+        return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
 
     def _defers_attn_ln(self, l: int) -> bool:
         """Layer l's sparse MLP leaves the next layer's attention LayerNorm pending
@@ -254,6 +255,7 @@ class SparseDecoder:
         h_ln = None  # LN of x for the next LayerNorm, when the last op left it pending
         run.begin_step()
         for l, w in enumerate(self.layers):
+            ops = self.ops.layer(l)  # the layer's kernel settings (resolved from its K)
             run.point("attn_in", l, x)
             h = h_ln if h_ln is not None else (self._ln_step(x, w.ln_attn) if s.pre_ln else x)
             h_ln = None
@@ -274,10 +276,10 @@ class SparseDecoder:
                 if c.x_hist[l] is not None:  # deferred: K/V of the selected heads' missing slots
                     picked = self.refresh.picked[l]
                     kw = {"refresh": picked} if picked is not None else {}
-                    y = self.ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
+                    y = ops.sparse_attn_deferred(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc,
                                                       c.x_hist[l], c.valid_len[l], pos, res, **kw)
                 else:  # K/V of every head written at pos; Q, attention, output of selected heads
-                    y = self.ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res)
+                    y = ops.sparse_attn(h, w.wq, w.bq, w.wkv, w.bkv, w.wo_t, w.bo, idx, kc, vc, pos, res)
                 x = y if res is not None else self._add(x, y)
             if not s.pre_ln:
                 x = self._ln_step(x, w.ln_attn)
@@ -285,7 +287,7 @@ class SparseDecoder:
             h = self._ln_step(x, w.ln_mlp) if s.pre_ln else x
             idx = run.neurons(l)
             ln = self._next_ln(l) if idx is not None and self._defers_attn_ln(l) else None
-            x = self._mlp(w, h, x, idx, ln)
+            x = self._mlp(w, h, x, idx, ln, ops)
             if ln is not None:
                 x, h_ln = x
             if not s.pre_ln:

@@ -20,7 +20,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.generation import GENERATION
 from dejavu.runtime.decoder import KV_POLICIES, SparseDecoder
-from dejavu.runtime.ops import Ops, settings_for
+from dejavu.runtime.ops import Ops, layer_settings_for
 from dejavu.runtime.spec import DTYPES, check_tensors, spec_from_header
 
 BATCH_POLICIES = ("per_sequence", "shared")
@@ -84,10 +84,10 @@ class Engine:
         self.tensors = {n: t.to(device=self.device, dtype=spec.dtype if t.is_floating_point() else t.dtype)
                         for n, t in tensors.items()}
         on_gpu = self.device.type == "cuda"
-        # the header's kernel settings where they fit this GPU (else resolved here); kernel_settings
-        # (plugins.KernelSettings) replaces them: benchmarks' ablations
+        # the header's kernel settings, per layer, where they fit this GPU (else resolved here from each
+        # layer's K); kernel_settings (plugins.KernelSettings) replaces the header's: benchmarks' ablations
         self.ops = Ops(backend or ("triton" if on_gpu else "ref"),
-                       kernel_settings or settings_for(header.get("target"), self.device))
+                       *layer_settings_for(header.get("target"), self.device, spec, kernel_settings))
         # each Triton kernel once against its reference on this engine's weights
         self.kernel_check = self.ops.verify(self.tensors, spec, 2, batch_policy == "shared")
         self.overlap, self.batch_policy = overlap, batch_policy

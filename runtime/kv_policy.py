@@ -138,7 +138,8 @@ class RefreshHeads:
             if self.ops.kernels.get("sparse_attn_deferred") == "triton":
                 from dejavu.plugins import refresh_route
                 s = self.spec
-                takes = refresh_route(1, self.cache.max_seq, s.hidden_size, s.head_dim, idx, settings=self.ops.settings)
+                takes = refresh_route(1, self.cache.max_seq, s.hidden_size, s.head_dim, idx,
+                                      settings=self.ops.layer(l).settings)
             self._takes[l] = takes
         return takes
 
@@ -152,7 +153,7 @@ class RefreshHeads:
             lag, max_lag = self.options.kv_refresh_lags
             if max_lag == "hist" or lag is None:
                 from dejavu.plugins import hist_slots
-                hist = hist_slots(1, idx, settings=self.ops.settings)
+                hist = hist_slots(1, idx, settings=self.ops.layer(l).settings)
                 lag = hist if lag is None else lag
                 max_lag = hist if max_lag == "hist" else max_lag
-            self.picked[l] = self.ops.kv_refresh(idx, self.cache.valid_len[l], self.pos, r, lag=lag, max_lag=max_lag)
+            self.picked[l] = self.ops.layer(l).kv_refresh(idx, self.cache.valid_len[l], self.pos, r, lag=lag, max_lag=max_lag)

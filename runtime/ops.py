@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import dejavu.plugins as P
+from dejavu.errors import DejavuError
 from dejavu.plugins import PendingLN, from_stats_ref, pending_ln
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
@@ -82,6 +83,33 @@ def settings_for(target: dict | None, device: torch.device) -> P.KernelSettings:
     """The kernel settings an engine header's `target` records (compiler: plugins.resolve_kernel_settings),
     when they were resolved for this device's GPU; else (another GPU, an engine without them, or an
     older format) the settings resolved for this device, with a logged line saying why."""
+    return _settings_for(target, device)[0]
+
+
+def layer_settings_for(target: dict | None, device: torch.device, spec,
+                       settings: P.KernelSettings | None = None) -> tuple[P.KernelSettings, list[P.KernelSettings]]:
+    """(the engine's kernel settings, each layer's): settings_for's, or `settings` when given (benchmarks'
+    ablations), and per layer the header's target.layer_kernel_settings (the compiler's resolution from the
+    layer's K, plugins.resolve_layer_settings) where the header's settings apply here; else each layer's
+    resolved here from spec's K (logged for a header that records one set for every layer)."""
+    base, own = (settings, False) if settings is not None else _settings_for(target, device)
+    recorded = (target or {}).get("layer_kernel_settings") if own else None
+    log = logging.getLogger("dejavu")
+    if recorded is not None:
+        try:
+            if not isinstance(recorded, list) or len(recorded) != spec.num_layers:
+                raise DejavuError(f"expected a list of {spec.num_layers} layers")
+            return base, [base.with_overrides(o) for o in recorded]
+        except DejavuError as e:
+            log.warning("engine layer kernel settings unreadable (%s): resolved per layer here", e)
+    elif own:
+        log.info("engine records one kernel-settings set for every layer: resolved per layer from their K")
+    per_layer = P.resolve_layer_settings(base, spec.hidden_size, spec.head_dim, spec.mlp_k, spec.attn_k)
+    return base, [base.with_overrides(o) for o in per_layer]
+
+
+def _settings_for(target, device) -> tuple[P.KernelSettings, bool]:
+    """settings_for's settings, and whether they are the header's own."""
     arch = sm = None
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -91,36 +119,58 @@ def settings_for(target: dict | None, device: torch.device) -> P.KernelSettings:
     if recorded is None:
         if arch is not None:
             logging.getLogger("dejavu").info("engine records no kernel settings: using those resolved for %s", arch)
-        return here
+        return here, False
     try:
         settings = P.KernelSettings.from_dict(recorded)
     except Exception as e:  # noqa: BLE001 - an older header format: the defaults of this version
         logging.getLogger("dejavu").warning("engine kernel settings unreadable (%s): using those resolved for %s",
                                             e, arch or "cpu")
-        return here
+        return here, False
     if settings.arch != arch:
         logging.getLogger("dejavu").warning("engine built for %s, running on %s: kernel settings resolved for %s",
                                             settings.arch, arch or "cpu", arch or "cpu")
-        return here
-    return settings
+        return here, False
+    return settings, True
+
+
+class LayerOps:
+    """The ops with one layer's kernel settings bound (Ops.layer(l)) where the engine's op is its Triton
+    launcher; an op the engine demoted to its reference, or one a benchmark or test wrapped, as the engine's."""
+
+    def __init__(self, ops: "Ops", settings: P.KernelSettings):
+        self.ops, self.settings = ops, settings
+        self._bound = {name: functools.partial(_IMPL[name][0], settings=settings) for name in NAMES}
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+        return self._bound[name] if name in self._bound and op is self.ops.fast.get(name) else op
 
 
 class Ops:
     """The sparse ops of one engine; `kernels` says which implementation each op uses, `settings`
-    the Triton launchers' kernel settings."""
+    the Triton launchers' kernel settings, `layer(l)` the ops with layer l's (layer_settings_for)."""
 
-    def __init__(self, backend: str = "ref", settings: P.KernelSettings | None = None):
+    def __init__(self, backend: str = "ref", settings: P.KernelSettings | None = None,
+                 layers: list[P.KernelSettings] | None = None):
         if backend not in ("ref", "triton"):
             raise ValueError(f"backend must be 'ref' or 'triton', got {backend!r}")
         self.backend = backend
         self.settings = settings or P.DEFAULT
+        self._layers = [LayerOps(self, s) for s in layers or ()]
+        self.fast: dict = {}  # op name -> the Triton launcher bound to `settings`
         self.kernels: dict[str, str] = {}
         self._ref: dict = {}
         for name in NAMES:
             fast, ref = _IMPL[name]
             self._ref[name] = ref
-            setattr(self, name, functools.partial(fast, settings=self.settings) if backend == "triton" else ref)
+            if backend == "triton":
+                self.fast[name] = functools.partial(fast, settings=self.settings)
+            setattr(self, name, self.fast.get(name, ref))
             self.kernels[name] = "triton" if backend == "triton" else "ref"
+
+    def layer(self, l: int):
+        """The ops with layer l's kernel settings (this object where none were given per layer)."""
+        return self._layers[l] if self._layers else self
 
     def demote(self, name: str, why: str) -> None:
         """Use the reference for `name` from now on."""

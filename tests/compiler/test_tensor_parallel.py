@@ -46,3 +46,26 @@ def test_cli_tp_pattern_and_errors(tiny_opt_dir, tmp_path, capsys):
     assert "--tp 3 must divide num_attention_heads" in capsys.readouterr().err
     with pytest.raises(DejavuError, match="tp"):
         BuildConfig(tp=0)
+
+
+def test_a_gpu_target_records_each_layers_kernel_settings_for_each_rank():
+    """A target resolved for a GPU gets each layer's kernel settings from its K (build.layer_target); a
+    shard's header gets them from the rank's K; a CPU target records none (the runtime resolves them)."""
+    import json
+
+    from dejavu.compiler.build import layer_target
+    from dejavu.compiler.tensor_parallel import _split_rule
+    from dejavu.plugins import resolve_kernel_settings, resolve_layer_settings
+
+    ks = resolve_kernel_settings("sm_90", 132)
+    cpu = {"device": "cpu", "arch": None, "kernel_settings": {}}
+    assert layer_target(cpu, 7168, 56, [2867], [6]) is cpu
+    gpu = layer_target({"device": "cuda", "arch": "sm_90", "kernel_settings": ks.to_dict()}, 7168, 56,
+                       [2867, 8602], [6, 17])
+    assert gpu["layer_kernel_settings"] == resolve_layer_settings(ks, 7168, 128, [2867, 8602], [6, 17])
+    assert json.loads(json.dumps(gpu["layer_kernel_settings"])) == gpu["layer_kernel_settings"]  # JSON as it is
+    header = {"model_config": {"num_attention_heads": 56, "ffn_dim": 28672, "hidden_size": 7168},
+              "build_config": {"mlp_k": [2867, 8602], "attn_k": [6, 17]}, "target": gpu}
+    ranks, _ = _split_rule(header, 2)
+    want = resolve_layer_settings(ks, 7168, 128, [1434, 4301], [3, 9])
+    assert all(hr["target"]["layer_kernel_settings"] == want for hr in ranks)

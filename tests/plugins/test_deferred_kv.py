@@ -1,10 +1,9 @@
-"""recompute_kv, sparse_attn_decode_deferred and refresh_heads (Triton, interpreter) against float64 references."""
+"""sparse_attn_decode_deferred and refresh_heads (Triton, interpreter) against float64 references."""
 import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins.deferred_kv import (recompute_kv, recompute_kv_ref, sparse_attn_decode_deferred,
-                                        sparse_attn_decode_deferred_ref)
+from dejavu.plugins.deferred_kv import recompute_kv_ref, sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
 from dejavu.plugins.qkv_partial import hist_slots
 from dejavu.plugins.sparse_attention import sparse_attn_decode_ref
 
@@ -59,53 +58,6 @@ def spy_launches(monkeypatch, record):
     import dejavu.plugins.qkv_partial as QP
     monkeypatch.setattr(QP, "jit", Spy)  # the Q/K/V launches
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,shared", [(1, False), (3, False), (3, True)])
-def test_recompute_fills_only_missing_slots(triton_interp, close, dtype, B, shared):
-    w = weights(dtype)
-    wkv, bkv = w[2], w[3]
-    x_hist = torch.randn(B, S, D).to(dtype)
-    kc, vc = nan_caches(B, dtype)
-    valid_len = torch.randint(0, 8, (B, H), dtype=torch.int32)
-    pos = torch.tensor([19, 7, 18][:B], dtype=torch.int64) if B > 1 else torch.tensor(19)  # up to 20 missing
-    hidx = heads(B, 3, shared)
-    vl0 = valid_len.clone()
-    recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, valid_len, pos)
-    k64, v64 = nan_caches(B, torch.float64)
-    vl64 = vl0.clone()
-    recompute_kv_ref(x_hist.double(), wkv.double(), bkv.double(), hidx, k64, v64, vl64, pos)
-    kt, vt = nan_caches(B, dtype)
-    recompute_kv_ref(x_hist, wkv, bkv, hidx, kt, vt, vl0.clone(), pos)
-    mask = expected_written(B, hidx, vl0, pos)
-    for got, ref, tor in ((kc, k64, kt), (vc, v64, vt)):
-        assert torch.equal(torch.isfinite(got).all(-1), mask), "written slots differ from the missing ones"
-        assert torch.equal(torch.isnan(got).all(-1), ~mask)
-        assert torch.equal(torch.isfinite(ref).all(-1), mask)
-        close(got[mask], ref[mask], tor[mask])
-    assert torch.equal(valid_len, vl64)
-    # selected heads now valid up to pos; the others unchanged
-    sel = mask.any(-1)  # [B, H]
-    p = pos.reshape(-1).expand(B)
-    assert torch.equal(valid_len, torch.where(sel, (p[:, None] + 1).int(), vl0))
-    # and the values are the K/V projection of the stored inputs
-    kv = (x_hist.double() @ wkv.double().T + bkv.double()).view(B, S, 2, H, HD).permute(2, 0, 3, 1, 4)
-    assert torch.allclose(k64[mask], kv[0][mask]) and torch.allclose(v64[mask], kv[1][mask])
-
-
-def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
-    # valid_len > pos (a rewound position): only slot pos is recomputed for the selected heads
-    B = 2
-    w = weights(torch.float32)
-    x_hist = torch.randn(B, S, D)
-    kc, vc = nan_caches(B, torch.float32)
-    valid_len = torch.full((B, H), 15, dtype=torch.int32)
-    hidx = heads(B, 2, False)
-    recompute_kv(x_hist, w[2], w[3], hidx, kc, vc, valid_len, torch.tensor(4, dtype=torch.int32))
-    fin = torch.isfinite(kc).any(-1)  # [B, H, S]
-    assert fin.sum() == B * 2 and fin[:, :, 4].sum() == B * 2
-    assert (valid_len == 5).sum() == B * 2
-
-
 @pytest.mark.parametrize("dtype,config", [(torch.float16, None), (torch.float32, None),
                                           # D = 60 in slices of 16 (masked tail), rows in 16s
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "BLOCK_R": 16,
@@ -114,14 +66,10 @@ def test_recompute_after_valid_len_is_a_rewrite_of_pos_only(triton_interp):
                                           # shared sets: one missing slot per dot row block, the
                                           # rest through the finishing slow path
                                           (torch.float32, {"qkv": {"SHARED_MIN_BATCH": 2, "SHARED_P": 2, "BLOCK_D": 32}}),
-                                          # index and position reads after the PDL wait (EARLY_READS off)
-                                          (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3, "EARLY_READS": False},
-                                                           "attn": {"CHUNK": 4, "EARLY_READS": False}}),
                                           # a tile wider than the chunk
                                           (torch.float16, {"qkv": {"BLOCK_D": 16, "SPLIT": 3},
                                                            "attn": {"CHUNK": 4, "BLOCK_S": 8}})],
-                         ids=["fp16", "fp32", "fp16-split-D", "fp32-shared-P2",
-                              "fp16-late-reads", "fp16-wide-tile"])
+                         ids=["fp16", "fp32", "fp16-split-D", "fp32-shared-P2", "fp16-wide-tile"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_deferred_decode_equals_full_kv_decode(triton_interp, close, dtype, config, shared):
     """Steps with changing head sets: deferred output == masked dense with K/V of all heads."""
@@ -168,32 +116,33 @@ def test_deferred_no_heads_and_int_pos(triton_interp):
 def test_bad_inputs_rejected():
     B = 2
     w = weights(torch.float16)
-    wkv, bkv = w[2], w[3]
-    x_hist = torch.randn(B, S, D).half()
+    x_hist, x = torch.randn(B, S, D).half(), torch.randn(B, D).half()
     kc, vc = nan_caches(B, torch.float16)
     vl = torch.zeros(B, H, dtype=torch.int32)
     hidx = heads(B, 2, False)
+
+    def call(*, xh=x_hist, h=hidx, k=kc, v=vl, pos=3, ws=w, config=None):
+        sparse_attn_decode_deferred(x, *ws, h, k, vc, xh, v, pos, config=config)
+
     with pytest.raises(DejavuError, match="head_idx: indices out of range"):
-        recompute_kv(x_hist, wkv, bkv, torch.full_like(hidx, H), kc, vc, vl, 3)
+        call(h=torch.full_like(hidx, H))
     with pytest.raises(DejavuError, match="pos: out of range"):
-        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl, torch.tensor(S))
+        call(pos=torch.tensor(S))
     with pytest.raises(DejavuError, match="valid_len: expected dtype torch.int32"):
-        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl.long(), 3)
+        call(v=vl.long())
     with pytest.raises(DejavuError, match="valid_len: expected shape"):
-        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl[:, :-1].contiguous(), 3)
-    with pytest.raises(DejavuError, match="valid_len: negative"):
-        recompute_kv(x_hist, wkv, bkv, hidx, kc, vc, vl - 1, 3)
+        call(v=vl[:, :-1].contiguous())
     for sp in (3, 24):  # the shared-set kernel's tl.dot has next_pow2(B) * SHARED_P rows
         with pytest.raises(DejavuError, match="SHARED_P must be a power of 2"):
-            recompute_kv(x_hist, wkv, bkv, hidx[0].contiguous(), kc, vc, vl, 3, config={"SHARED_P": sp, "BLOCK_P": 32})
+            call(h=hidx[0].contiguous(), config={"qkv": {"SHARED_P": sp, "BLOCK_P": 32}})
     with pytest.raises(DejavuError, match="x_hist: must be contiguous"):
-        recompute_kv(x_hist.transpose(0, 1).contiguous().transpose(0, 1), wkv, bkv, hidx, kc, vc, vl, 3)
-    with pytest.raises(DejavuError, match="k_cache: shape"):
-        recompute_kv(x_hist, wkv, bkv, hidx, kc[:, :, :-1].contiguous(), vc, vl, 3)
-    with pytest.raises(DejavuError, match="wkv: expected dtype"):
-        recompute_kv(x_hist, wkv.float(), bkv, hidx, kc, vc, vl, 3)
+        call(xh=x_hist.transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(DejavuError, match="x_hist: expected shape"):
-        sparse_attn_decode_deferred(torch.randn(B, D).half(), *w, hidx, kc, vc, x_hist[:, :-1].contiguous(), vl, 3)
+        call(xh=x_hist[:, :-1].contiguous())
+    with pytest.raises(DejavuError, match="k_cache: shape"):
+        call(k=kc[:1].contiguous())
+    with pytest.raises(DejavuError, match="wkv: expected dtype"):
+        call(ws=[*w[:2], w[2].float(), *w[3:]])
 
 
 def test_shared_set_kernel_equals_per_sequence_kernel(triton_interp):
@@ -280,29 +229,6 @@ def test_slow_z_fills_one_wave():
     assert slow_z({**cfg, "SLOW_Z": 3}, 408) == 3 and slow_z({"SLOW_Z": 1}, 5) == 1
 
 
-@pytest.mark.parametrize("config", [{"BLOCK_D": 32}, {"BLOCK_D": 16, "BLOCK_P": 16, "BLOCK_R": 32},
-                                    {"BLOCK_D": 16, "BLOCK_R": 32, "FINISH_R": 16}])
-def test_recompute_several_d_chunks_and_position_blocks(triton_interp, close, config):
-    # D = 60 in chunks of 32 or 16 (masked tail), 2*hd = 24 rows in blocks of 16 or 32, up to 21 slots
-    B, dtype = 2, torch.float16
-    w = weights(dtype)
-    x_hist = torch.randn(B, S, D).to(dtype)
-    kc, vc = nan_caches(B, dtype)
-    vl0 = torch.tensor([[0, 3, 0, 9, 20], [1, 0, 2, 2, 0]], dtype=torch.int32)
-    pos, hidx = torch.tensor([20, 17]), torch.tensor([[0, 3, 4], [4, 1, 2]], dtype=torch.int32)
-    valid_len = vl0.clone()
-    recompute_kv(x_hist, w[2], w[3], hidx, kc, vc, valid_len, pos, config=config)
-    k64, v64 = nan_caches(B, torch.float64)
-    recompute_kv_ref(x_hist.double(), w[2].double(), w[3].double(), hidx, k64, v64, vl0.clone(), pos)
-    kt, vt = nan_caches(B, dtype)
-    recompute_kv_ref(x_hist, w[2], w[3], hidx, kt, vt, vl0.clone(), pos)
-    mask = expected_written(B, hidx, vl0, pos)
-    assert mask.sum() == (21 + 12 + 1) + (18 + 18 + 16)  # two position blocks for most heads, one slot for one
-    for got, ref, tor in ((kc, k64, kt), (vc, v64, vt)):
-        assert torch.equal(torch.isfinite(got).all(-1), mask) and torch.isnan(got[~mask]).all()
-        close(got[mask], ref[mask], tor[mask])
-
-
 def _same(a, b):
     """Equal, NaN where the other is NaN (unwritten slots)."""
     return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
@@ -310,10 +236,9 @@ def _same(a, b):
 
 @pytest.mark.parametrize("split", [1, 4], ids=["split1", "split4"])
 @pytest.mark.parametrize("shared", [False, True], ids=["per-seq", "shared"])
-@pytest.mark.parametrize("op", ["decode", "recompute"])
-def test_split_d_finish_equals_reference(triton_interp, close, op, shared, split):
+def test_split_d_finish_equals_reference(triton_interp, close, shared, split):
     """The finishing kernel sums the slices' partials (SPLIT 4, two slices per load; SPLIT 1), for
-    Q/K/V (decode) and K/V only (recompute_kv, FIRST_SEG 1), per-sequence and shared sets, with gaps
+    Q/K/V, per-sequence and shared sets, with gaps
     of 0 (valid_len >= pos), 1..16 (partials) and 17..20 (slow path): the float64 reference's values;
     a second call from the same state gives the same bits."""
     B, dtype = 3, torch.float16
@@ -337,13 +262,8 @@ def test_split_d_finish_equals_reference(triton_interp, close, op, shared, split
     def run():
         kc, vc = caches(dtype)
         vl, hist = vl0.clone(), x_hist.clone()
-        cfg = qkv
-        if op == "decode":
-            y = torch.full((B, D), float("nan"), dtype=dtype)
-            sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, out=y, config={"qkv": cfg})
-        else:
-            y = torch.zeros(0)
-            recompute_kv(hist, w[2], w[3], hidx, kc, vc, vl, pos, config=cfg)
+        y = torch.full((B, D), float("nan"), dtype=dtype)
+        sparse_attn_decode_deferred(x, *w, hidx, kc, vc, hist, vl, pos, res, out=y, config={"qkv": qkv})
         return y, kc, vc, vl, hist
 
     first = run()
@@ -352,15 +272,11 @@ def test_split_d_finish_equals_reference(triton_interp, close, op, shared, split
     y, kc, vc, vl, hist = first
     k64, v64 = caches(torch.float64)
     kt, vt = caches(dtype)
-    if op == "decode":
-        w64 = [t.double() for t in w]
-        ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, x_hist.double(), vl0.clone(), pos,
-                                              res.double())
-        tor = sparse_attn_decode_deferred_ref(x, *w, hidx, kt, vt, x_hist.clone(), vl0.clone(), pos, res)
-        close(y, ref, tor)
-    else:
-        recompute_kv_ref(x_hist.double(), w[2].double(), w[3].double(), hidx, k64, v64, vl0.clone(), pos)
-        recompute_kv_ref(x_hist, w[2], w[3], hidx, kt, vt, vl0.clone(), pos)
+    w64 = [t.double() for t in w]
+    ref = sparse_attn_decode_deferred_ref(x.double(), *w64, hidx, k64, v64, x_hist.double(), vl0.clone(), pos,
+                                          res.double())
+    tor = sparse_attn_decode_deferred_ref(x, *w, hidx, kt, vt, x_hist.clone(), vl0.clone(), pos, res)
+    close(y, ref, tor)
     mask = expected_written(B, hidx, vl0, pos)
     # slots before pos to fill per head (+ pos itself): [20, 0, 18], [17 or 16, 0, 0 (rewound)], [4 or 1, 6, 3]
     assert mask.sum() == (21 + 1 + 19) + (17 + 1 + 1) + (2 + 7 + 4) if shared else \
@@ -384,8 +300,8 @@ def check_step(y, x, ln, w64, hidx, state64, vl, p, res):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("pending", [False, True], ids=["x_ln", "pending-ln"])
-@pytest.mark.parametrize("slow", [{}, {"FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 8}, {"FOLD_SLOW_LAST": True, "FOLD_SLOW_Z": 2}],
-                         ids=["z1r16", "z2r8", "last-z2r16"])
+@pytest.mark.parametrize("slow", [{}, {"FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 8}, {"FOLD_SLOW_Z": 2}],
+                         ids=["z1r16", "z2r8", "z2r16"])
 def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, dtype, pending, slow):
     """Batch 1 with the Q/K/V finishing kernel folded into attention (FOLD_FINISH): over four steps
     with gaps of 0, 1..3 (the partials, SHARED_P 4) and up to 41 (the partial kernel's first
@@ -404,8 +320,7 @@ def test_folded_finish_equals_finishing_kernel(triton_interp, launched, close, d
     steps = [(40, [0, 1, 3, 4]), (41, [2, 0]), (43, [0, 1]), (44, [4, 3, 2])]  # pos, heads
     inputs = [(torch.randn(1, D).to(dtype), torch.randn(1, D).to(dtype)) for _ in steps]
     # (SHARED_P_UNFOLDED None: the unfolded path's partials hold the slots the folded one's do)
-    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "SHARED_P_UNFOLDED": None, "FOLD_SLOW_Z": 1,
-           "FOLD_SLOW_LAST": False, **slow}
+    qkv = {"BLOCK_D": 16, "BLOCK_R": 16, "SHARED_P": 4, "SHARED_P_UNFOLDED": None, "FOLD_SLOW_Z": 1, **slow}
     attn = {"CHUNK": 8, "BLOCK_S": 8}
     runs = {}
     for fold in (True, False):
@@ -457,13 +372,13 @@ def test_folded_finish_needs_a_combine_launch():
                      finish=parts)
 
 
-@pytest.mark.parametrize("mode,cap,max_split,folds", [(True, False, 3, False), (True, True, 3, True),
-                                                       ("wide", False, 3, True), ("wide", False, 4, False)])
-def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, cap, max_split, folds):
-    """4 slices of D: with FOLD_FINISH True and more slices than FOLD_MAX_SPLIT (the attention kernel
-    unrolls their loads) the finishing kernel runs instead, with the same result as FOLD_FINISH off;
-    with FOLD_CAP the partial kernel takes FOLD_MAX_SPLIT slices and no finishing kernel runs (same
-    caches, output within rounding). "wide" (batch 1's default) folds, capped, only past FOLD_MAX_SPLIT."""
+@pytest.mark.parametrize("mode,max_split,folds", [(True, 3, True), (True, 4, True), ("wide", 3, True),
+                                                   ("wide", 4, False)])
+def test_folded_finish_caps_the_slices(triton_interp, launched, mode, max_split, folds):
+    """4 slices of D: FOLD_FINISH True folds, with more slices than FOLD_MAX_SPLIT (the attention kernel
+    unrolls their loads) the partial kernel takes FOLD_MAX_SPLIT slices; "wide" (batch 1's default)
+    folds only past FOLD_MAX_SPLIT: no finishing kernel where it folds, the same caches as FOLD_FINISH
+    off, the output within rounding."""
     w = weights(torch.float32)
     x, res = torch.randn(1, D), torch.randn(1, D)
     x_hist, kc0 = torch.randn(1, 40, D), torch.randn(1, H, 40, HD)
@@ -475,7 +390,7 @@ def test_folded_finish_falls_back_past_max_split(triton_interp, launched, mode, 
         y = sparse_attn_decode_deferred(x, *w, torch.tensor([[1, 3]], dtype=torch.int32), kc, vc, hist, vl,
                                         torch.tensor([39]), res,
                                         config={"qkv": {"FOLD_FINISH": mode if fold else False, "SPLIT": 4,
-                                                        "FOLD_MAX_SPLIT": max_split, "BLOCK_D": 16, "FOLD_CAP": cap}})
+                                                        "FOLD_MAX_SPLIT": max_split, "BLOCK_D": 16}})
         assert ("_qkv_finish_kernel" in names) != (fold and folds), names
         assert names.count("_qkv_partial_shared_kernel") == 1, names
         outs.append((y, kc, vc, vl, hist))
@@ -669,7 +584,7 @@ def test_batch1_qkv_launch_leaves_sm_slots():
     """Batch 1's Q/K/V partial launch (shared-set kernel, before any fold cap) stays within
     qkv_b1's TARGET_PROGRAMS, below the 528 = 4 x 132 slots its programs fill on an H200 (4 per SM),
     so the predictors' stream can start beside it; its slices of D cover D. OPT shapes, every head count."""
-    from dejavu.plugins.qkv_partial import _qkv_split
+    from dejavu.plugins.qkv_partial import qkv_split
     from dejavu.plugins.settings import DEFAULT, table
     cfg = table(DEFAULT.qkv_b1)
     assert cfg["TARGET_PROGRAMS"] < 4 * 132
@@ -677,6 +592,6 @@ def test_batch1_qkv_launch_leaves_sm_slots():
         nb = -(-(D // H) // cfg["BLOCK_R"])
         for kh in range(1, H + 1):
             groups = kh * 3 * nb
-            split, d_per, _ = _qkv_split(cfg, D, groups, False)
+            split, d_per, _ = qkv_split(cfg, D, groups, False)
             assert split == 1 or split * groups <= cfg["TARGET_PROGRAMS"], (D, kh, split)
             assert d_per % cfg["BLOCK_D"] == 0 and d_per * (split - 1) < D <= d_per * split

@@ -62,3 +62,45 @@ def test_pdl_launch_options_follow_the_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(C, "_SM90", {})
     assert C.pdl_args(cuda, "attn", dataclasses.replace(pdl, ENABLED=False)) == {}
+
+
+@pytest.mark.parametrize("arch,sms", [("sm_90", 132), ("sm_80", 108)])
+def test_layer_settings_pin_what_the_launchers_resolve_from_k(arch, sms):
+    """resolve_layer_settings pins per layer what the batch-1 launchers resolve from its K at each call,
+    on OPT-30B and OPT-1.3B shapes at densities 0.05-1: fc2's and the projection's split of K, the Q/K/V
+    slices of D with and without the fold (caches too short for it), the fold, the finishing kernel's
+    programs per row block."""
+    from dejavu.plugins.fc2 import split_plan
+    from dejavu.plugins.qkv_finish import slow_z
+    from dejavu.plugins.qkv_partial import qkv_split
+
+    s = P.resolve_kernel_settings(arch, sms)
+    for D, H, F in ((7168, 56, 28672), (2048, 32, 8192)):
+        hd, dens = D // H, (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
+        mlp_k, attn_k = [round(d * F) for d in dens], [max(1, round(d * H)) for d in dens]
+        layers = P.resolve_layer_settings(s, D, hd, mlp_k, attn_k)
+        assert len(layers) == len(dens)
+        for k, kh, o in zip(mlp_k, attn_k, layers):
+            pinned = s.with_overrides(o)
+            for part, K in (("fc2_dot1", k), ("proj1", kh * hd)):
+                assert split_plan(K, D, vars(getattr(pinned, part))) == split_plan(K, D, vars(getattr(s, part)))
+            q, qp = vars(s.qkv_b1), vars(pinned.qkv_b1)
+            rows = kh * 3 * -(-hd // q["BLOCK_R"])
+            for attn_folds in (False, True):
+                assert (qkv_split(qp, D, rows, bool(qp["FOLD_FINISH"]) and attn_folds)
+                        == qkv_split(q, D, rows, bool(q["FOLD_FINISH"]) and attn_folds))
+            assert slow_z(qp, kh * 3 * -(-hd // q["FINISH_R"])) == slow_z(q, kh * 3 * -(-hd // q["FINISH_R"]))
+            assert isinstance(qp["FOLD_FINISH"], bool) and qp["SLOW_Z"] is not None
+    # OPT-30B on the H200: d0.1's 6 heads take 14 slices of D, folded (capped to 8); d0.3's 17 take 5
+    d01, d03 = P.resolve_layer_settings(P.DEFAULT, 7168, 128, [2867, 8602], [6, 17])
+    assert (d01["qkv_b1"]["SPLIT"], d01["qkv_b1"]["FOLD_FINISH"]) == (14, True)
+    assert (d03["qkv_b1"]["SPLIT"], d03["qkv_b1"]["FOLD_FINISH"]) == (5, False)
+
+
+def test_layer_overrides_check_their_names():
+    s = P.DEFAULT.with_overrides({"fc2_dot1": {"SPLIT": 3}, "qkv_b1": {"FOLD_FINISH": False}})
+    assert s.fc2_dot1.SPLIT == 3 and s.qkv_b1.FOLD_FINISH is False and s.proj1 == P.DEFAULT.proj1
+    with pytest.raises(DejavuError, match="unknown key"):
+        P.DEFAULT.with_overrides({"fc2_dot1": {"SPLITS": 3}})
+    with pytest.raises(DejavuError, match="not a part"):
+        P.DEFAULT.with_overrides({"arch": {"x": 1}})

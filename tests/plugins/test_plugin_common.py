@@ -13,19 +13,19 @@ tl = None  # bound by jit
 
 
 def test_jit_binds_helpers_in_the_modules_they_come_from(triton_interp):
-    # a kernel calling a helper imported from another plugin module (qkv_partial's Q/K/V kernel
-    # calls layer_norm._ln_merge, which calls _ln_merge_rows there): the helper is wrapped where
-    # the kernel sees it, and `tl` and the helpers of the helper's own module are bound too
+    # a kernel calling a helper imported from another plugin module (fc2's reduction kernel calls
+    # layer_norm.store_row, which calls _block_stats there): the helper is wrapped where the kernel
+    # sees it, and `tl` and the helpers of the helper's own module are bound too
     import triton
 
     import dejavu.plugins._common as C
     SM = importlib.import_module("dejavu.plugins.layer_norm")  # the package attribute is the function
-    raw = getattr(SM._ln_merge, "fn", SM._ln_merge)  # the plain function (jit may have wrapped it)
+    raw = getattr(SM.store_row, "fn", SM.store_row)  # the plain function (jit may have wrapped it)
     assert raw._dejavu_helper
-    g = {"_ln_merge": raw, "__name__": "a_kernel_module"}
-    C._bind_helpers(g, triton)
-    assert g["tl"] is triton.language and hasattr(g["_ln_merge"], "run")
-    assert SM.tl is triton.language and hasattr(SM._ln_merge_rows, "run")
+    g = {"store_row": raw, "__name__": "a_kernel_module"}
+    C.bind_helpers(g, triton)
+    assert g["tl"] is triton.language and hasattr(g["store_row"], "run")
+    assert SM.tl is triton.language and hasattr(SM._block_stats, "run")
 
 
 def _to_bf16_kernel(x_ptr, y_ptr, z_ptr, N, BLOCK: tl.constexpr):

@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent('''
         # tl and the @helper device functions, in mod and in the modules of helpers it imports
         # (layer_norm's merge of block stats), as _common.jit binds them: the kernel's own module
         C.tl = tl
-        C._bind_helpers(fn.__globals__, triton)
+        C.bind_helpers(fn.__globals__, triton)
         sig = {}
         params = inspect.signature(fn).parameters
         # constexprs with defaults (GDC: the PDL form) compile at their defaults unless given
@@ -75,10 +75,6 @@ SCRIPT = textwrap.dedent('''
             k = compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True,
                                                               GROUP=1, W_EV=ev), dt)
             assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
-            k = compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False,
-                                                                     P=16, BLOCK_M=16, BLOCK_P=16, BLOCK_R=64,
-                                                                     BLOCK_D=128, EVEN_D=True, W_EV=ev), dt)
-            assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
         # fc2 / out-proj: split-K partials, or one split
@@ -95,44 +91,42 @@ SCRIPT = textwrap.dedent('''
     for even in (True, False):  # the shared-set Q/K/V kernel normalising its input (a PendingLN)
         for b in (16, 64):  # batch 1 (P 16), or batch 4 with P 16
             compile_sm90(DK, DK._qkv_partial_shared_kernel,
-                         dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16, BLOCK_M=b, BLOCK_P=16,
+                         dict(DOT_FP32=False, P=16, BLOCK_M=b, BLOCK_P=16,
                               BLOCK_R=64, BLOCK_D=128, EVEN_D=even, LN_IN=1, BLOCK_N=8))
     for dt, f32 in (("fp16", False), ("bf16", False), ("fp32", True)):
-        for new, first in ((True, 0), (False, 1)):
-            compile_sm90(DK, DK._qkv_partial_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16,
-                                                          BLOCK_R=32, BLOCK_D=256, EVEN_D=new), dt)
-            compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=new, FIRST_SEG=first, DOT_FP32=f32, P=4,
-                                                                 BLOCK_M=32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128,
-                                                                 EVEN_D=new), dt)
-            for z in (1, 4):  # SLOW_Z 4: the slow path shared out over 4 programs
-                compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=first, DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32,
-                                                             BLOCK_D=128, BLOCK_S=8, SLOW_Z=z), dt)
+        for even in (True, False):
+            compile_sm90(DK, DK._qkv_partial_kernel, dict(DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=256,
+                                                          EVEN_D=even), dt)
+            compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(DOT_FP32=f32, P=4, BLOCK_M=32, BLOCK_P=16, BLOCK_R=32,
+                                                                 BLOCK_D=128, EVEN_D=even), dt)
+        for z in (1, 4):  # SLOW_Z 4: the slow path shared out over 4 programs
+            compile_sm90(DK, DK._qkv_finish_kernel, dict(DOT_FP32=f32, BLOCK_P=16, BLOCK_R=32, BLOCK_D=128, BLOCK_S=8,
+                                                         SLOW_Z=z), dt)
     # refresh heads (batch 1): head slots past KH_Q read from ref_ptr, K/V only; their valid_len committed by
     # the attention kernel; the pick itself
     for gdc in (0, 1):
-        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16,
+        compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(DOT_FP32=False, P=16,
                                                              BLOCK_M=16, BLOCK_P=16, BLOCK_R=64, BLOCK_D=128,
                                                              EVEN_D=True, LN_IN=1, REFRESH=1, GDC=gdc))
-        compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
-                                                     BLOCK_S=1, EARLY_READS=True, REFRESH=1, GDC=gdc))
+        compile_sm90(DK, DK._qkv_finish_kernel, dict(DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
+                                                     BLOCK_S=1, REFRESH=1, GDC=gdc))
     # batch 1's unfolded route by default (SHARED_P_UNFOLDED): every program's dot over 31 missing slots
-    compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False,
+    compile_sm90(DK, DK._qkv_partial_shared_kernel, dict(DOT_FP32=False,
                                                          P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64, BLOCK_D=128,
                                                          EVEN_D=True, LN_IN=1, GDC=1))
-    compile_sm90(DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128,
-                                                 BLOCK_S=1, EARLY_READS=True, GDC=1))
+    compile_sm90(DK, DK._qkv_finish_kernel, dict(DOT_FP32=False, BLOCK_P=32, BLOCK_R=16, BLOCK_D=128,
+                                                 BLOCK_S=1, GDC=1))
     compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16,
                                                   BLOCK_REF=16), overrides={"N_REF": "i32"})
     compile_sm90(DK, DK._refresh_kernel, dict(R=4, BLOCK_H=64, BLOCK_K=32))
-    compile_sm90(DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024))
+    compile_sm90(DK, DK._commit_kernel, dict(BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
-    compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._FUSED, FIRST=0, LAST=2,
-                                           COMPACT=True, ATOMIC_HIST=True),
-                 overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "bar_ptr": "*i32", "s_ptr": "*fp16"})
+    compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,
+                                           COMPACT=True),
+                 overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16"})
     LN = importlib.import_module("dejavu.plugins.layer_norm")  # the attribute is the function
     for dt in ("fp16", "bf16"):
-        compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), dt)
-        compile_sm90(LN, LN._layer_norm_kernel, dict(CHUNKED=True, BLOCK=4096), dt)
+        compile_sm90(LN, LN._layer_norm_kernel, dict(BLOCK=8192), dt)
     # PDL (_common.pdl_args): every kernel launched with launch_pdl waits (griddepcontrol.wait) before
     # any store (and before any load but the early reads) and lets the next one in only after it
     fin = dict(FINAL=False, HAS_RES=True, GROUP=128)
@@ -145,23 +139,18 @@ SCRIPT = textwrap.dedent('''
                                            **fin), True),
         (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4), False),
         (SM, SM._split_reduce_kernel, dict(HAS_RES=True, BLOCK=1024, BLOCK_S=4, STATS=True), False),
-        (DK, DK._qkv_partial_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16,
+        (DK, DK._qkv_partial_kernel, dict(DOT_FP32=False, BLOCK_P=16,
                                           BLOCK_R=32, BLOCK_D=128, EVEN_D=True), True),
-        (DK, DK._qkv_partial_shared_kernel, dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16,
+        (DK, DK._qkv_partial_shared_kernel, dict(DOT_FP32=False, P=16,
                                                  BLOCK_M=16, BLOCK_P=16, BLOCK_R=64, BLOCK_D=128,
                                                  EVEN_D=True), True),
-        (DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
+        (DK, DK._qkv_finish_kernel, dict(DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
                                          BLOCK_S=1), False),
-        (DK, DK._qkv_finish_kernel, dict(FIRST_SEG=0, DOT_FP32=False, BLOCK_P=16, BLOCK_R=16, BLOCK_D=128,
-                                         BLOCK_S=1, EARLY_READS=True), False),
-        (DK, DK._commit_kernel, dict(HAS_NEW=True, BLOCK_K=16, BLOCK_D=1024), False),
+        (DK, DK._commit_kernel, dict(BLOCK_K=16, BLOCK_D=1024), False),
         (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192), False),
-        (SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=True, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=8192,
-                                          EARLY_READS=True), False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, BLOCK_REF=16), False),
-        (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192), False),
-        (LN, LN._layer_norm_kernel, dict(CHUNKED=False, BLOCK=8192, EARLY_W=True), False),
+        (LN, LN._layer_norm_kernel, dict(BLOCK=8192), False),
     ]
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
         over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else None
@@ -169,8 +158,8 @@ SCRIPT = textwrap.dedent('''
             ptx = compile_sm90(mod, fn, {**consts, "GDC": gdc}, "fp16", over).asm["ptx"]
             wait = ptx.index("griddepcontrol.wait")
             assert "st.global" not in ptx[:wait], fn.__name__
-            if not looped:  # loads before the wait only with EARLY_W (LayerNorm) / EARLY_READS
-                early = bool(consts.get("EARLY_W") or consts.get("EARLY_READS"))
+            if not looped:  # loads before the wait: LayerNorm's weights, attention's / the finish's reads
+                early = fn in (LN._layer_norm_kernel, SA._attn_decode_kernel, DK._qkv_finish_kernel)
                 assert ("ld.global" in ptx[:wait]) == early, fn.__name__
             if gdc == 2 or looped:  # the next kernel is let in only after the wait
                 assert ptx.index("griddepcontrol.launch_dependents") > wait, fn.__name__
@@ -182,11 +171,11 @@ SCRIPT = textwrap.dedent('''
     # kernel's slow-path z-slices, the attention kernel summing the partials, the combine kernel
     # committing valid_len; with PDL no store before a wait (the slow path waits on its own branch)
     for gdc in (0, 1):
-        for slow_r, last in ((16, False), (64, False), (16, True)):
+        for slow_r in (16, 64):
             ptx = compile_sm90(DK, DK._qkv_partial_shared_kernel,
-                               dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=16, BLOCK_M=16, BLOCK_P=16,
+                               dict(DOT_FP32=False, P=16, BLOCK_M=16, BLOCK_P=16,
                                     BLOCK_R=64, BLOCK_D=128, EVEN_D=True, LN_IN=1, BLOCK_N=8,
-                                    SLOW=2 * 64 // slow_r, SLOW_R=slow_r, SLOW_LAST=last, GDC=gdc)).asm["ptx"]
+                                    SLOW=2 * 64 // slow_r, SLOW_R=slow_r, GDC=gdc)).asm["ptx"]
             if gdc:
                 assert "st.global" not in ptx[:ptx.index("griddepcontrol.wait")]
                 assert ptx.count("griddepcontrol.wait") >= 2
@@ -195,7 +184,7 @@ SCRIPT = textwrap.dedent('''
     for dt in ("fp16", "bf16", "fp32"):
         for gdc in (0, 2):
             ptx = compile_sm90(SA, SA._attn_decode_kernel, dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128,
-                                                                BLOCK_X=16, EARLY_READS=True, FOLD=True, FOLD_SPLIT=5,
+                                                                BLOCK_X=16, FOLD=True, FOLD_SPLIT=5,
                                                                 BLOCK_F=16, GDC=gdc), dt).asm["ptx"]
             if gdc:
                 wait = ptx.index("griddepcontrol.wait")
@@ -209,7 +198,7 @@ SCRIPT = textwrap.dedent('''
     div = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
            "stride_cb", "stride_ch", "stride_cs"}
     k = compile_sm90(DK, DK._qkv_partial_shared_kernel,
-                     dict(HAS_NEW=True, FIRST_SEG=0, DOT_FP32=False, P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64,
+                     dict(DOT_FP32=False, P=32, BLOCK_M=32, BLOCK_P=32, BLOCK_R=64,
                           BLOCK_D=128, EVEN_D=True, LN_IN=1, BLOCK_N=32, GDC=1), num_stages=3, div16=div)
     assert "cp.async" in k.asm["ptx"] and k.metadata.shared >= 2 * tile, k.metadata.shared
     for group in (1, 128):

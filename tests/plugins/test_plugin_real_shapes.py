@@ -168,23 +168,6 @@ def check_deferred(B, H, hd, S, pos, kh, dtype, shared, gap, config=None, attn=N
     return ok, e
 
 
-def check_recompute(B, H, hd, S, pos, kh, dtype, shared, gap, config=None):
-    """recompute_kv (K/V only, the input at pos from x_hist) vs float64: cache and valid_len."""
-    _, wl, kc, vc, hist, vl, pos_t, hidx = _deferred_inputs(B, H, hd, S, pos, kh, dtype, shared, gap)
-    wkv, bkv = wl[2], wl[3]
-    st = [t.clone() for t in (kc, vc, vl)]
-    P.recompute_kv(hist, wkv, bkv, hidx, st[0], st[1], st[2], pos_t, validate=True, config=config)
-    s64 = [kc.double(), vc.double(), vl.clone()]
-    P.recompute_kv_ref(hist.double(), wkv.double(), bkv.double(), hidx, *s64, pos_t)
-    s16 = [t.clone() for t in (kc, vc, vl)]
-    P.recompute_kv_ref(hist, wkv, bkv, hidx, *s16, pos_t)
-    e = {"cache_err": max((st[i].double() - s64[i]).abs().max().item() for i in (0, 1)),
-         "torch_err": max((s16[i].double() - s64[i]).abs().max().item() for i in (0, 1)),
-         "valid_len_equal": bool(torch.equal(st[2], s64[2]))}
-    ok = e["valid_len_equal"] and e["cache_err"] <= 2 * e["torch_err"] + TOL[dtype][0]
-    return ok, e
-
-
 def _check_predictor(B, D, N, r, k, shared, method, dtype, scoring, settings):
     x, a = randn(B, D, dtype=dtype), randn(r, D, dtype=dtype, scale=D ** -0.5)
     b, bias = randn(N, r, dtype=dtype, scale=r ** -0.5), randn(N, dtype=dtype)
@@ -205,9 +188,7 @@ def _check_predictor(B, D, N, r, k, shared, method, dtype, scoring, settings):
 
 
 def check_predictor(B, D, N, r, k, shared, method="torch", dtype=torch.float32, scoring=None):
-    # the fused (grid-barrier) top-k is exercised by benchmarks/kernels.py --sections topk, under a timeout
-    settings = dataclasses.replace(DEFAULT, topk=dataclasses.replace(DEFAULT.topk, fused=False))
-    return _check_predictor(B, D, N, r, k, shared, method, dtype, scoring, settings)
+    return _check_predictor(B, D, N, r, k, shared, method, dtype, scoring, DEFAULT)
 
 
 def cases():
@@ -266,7 +247,7 @@ def cases():
         cases.append(("deferred", dict(B=4, shared=False, gap=gap, config={"SPLIT": 28}, **deep)))
         cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 28}, **deep)))
         cases.append(("deferred", dict(B=4, shared=True, gap=gap, config={"SHARED_MIN_BATCH": 2, "SPLIT": 1}, **deep)))
-        cases.append(("recompute", dict(B=2, shared=False, gap=gap, config={"SPLIT": 56}, **deep)))
+        cases.append(("deferred", dict(B=2, shared=False, gap=gap, config={"SPLIT": 56}, **deep)))
     # the slow path shared out over SLOW_Z programs
     for gap in ((3, 40, 100) if big else ()):
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, config={"SLOW_Z": 4}, **deep)))
@@ -275,7 +256,7 @@ def cases():
     fold_shape = deep if big else dict(H=6, hd=24, S=90, pos=70, kh=4, dtype=torch.float16)
     for gap in ((0, 3, 40, 100) if big else (0, 40)):
         for cfg in ({"FOLD_FINISH": True}, {"FOLD_FINISH": True, "FOLD_SLOW_Z": 2, "FOLD_SLOW_R": 32},
-                    {"FOLD_FINISH": True, "FOLD_CAP": True, "FOLD_MAX_SPLIT": 4, "FOLD_SLOW_LAST": True}):
+                    {"FOLD_FINISH": True, "FOLD_MAX_SPLIT": 4}):
             cases.append(("deferred", dict(B=1, shared=False, gap=gap, config=cfg, **fold_shape)))
         # batch 1's default ("wide"): 6 heads (OPT-30B d0.1: 14 slices, capped to 8, folded)
         cases.append(("deferred", dict(B=1, shared=False, gap=gap, **{**fold_shape, "kh": 6 if big else 2})))
@@ -301,8 +282,7 @@ def cases():
     return cases
 
 
-CHECKS = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-          "recompute": check_recompute}
+CHECKS = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred}
 CASES = cases()
 
 

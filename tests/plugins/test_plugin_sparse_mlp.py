@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins import (DEFAULT, layer_norm_ref, sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref,
-                            sparse_mlp_layer)
+from dejavu.plugins import DEFAULT, layer_norm_ref, sparse_fc1, sparse_fc1_ref, sparse_fc2, sparse_fc2_ref
 
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -66,7 +65,7 @@ def test_full_density_is_the_dense_mlp(triton_interp):
     # idx = every neuron reproduces the dense layer (density 1.0)
     x, w1, b1, w2_t, b2, _ = make(2, torch.float32, True)
     idx = torch.arange(F, dtype=torch.int32)
-    y = sparse_mlp_layer(x, w1, b1, w2_t, b2, idx)
+    y = sparse_fc2(sparse_fc1(x, w1, b1, idx), w2_t, b2, idx)
     dense = torch.relu(x.double() @ w1.double().T + b1.double()) @ w2_t.double() + b2.double()
     assert torch.allclose(y.double(), dense, rtol=1e-5, atol=1e-5)
 
@@ -76,7 +75,7 @@ def test_oracle_selection_matches_dense(triton_interp):
     x, w1, b1, w2_t, b2, _ = make(1, torch.float32, False)
     pre = x.double() @ w1.double().T + b1.double()
     idx = torch.nonzero(pre[0] > 0).flatten().to(torch.int32)[None]
-    y = sparse_mlp_layer(x, w1, b1, w2_t, b2, idx)
+    y = sparse_fc2(sparse_fc1(x, w1, b1, idx), w2_t, b2, idx)
     dense = torch.relu(pre) @ w2_t.double() + b2.double()
     assert torch.allclose(y.double(), dense, rtol=1e-5, atol=1e-5)
 

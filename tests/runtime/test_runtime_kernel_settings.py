@@ -1,6 +1,7 @@
-"""The runtime reads the kernel settings an engine header records (target.kernel_settings) and falls back,
-with a logged line, to the settings resolved where it runs when they were made for another GPU, are
-missing, or come from an older header format."""
+"""The runtime reads the kernel settings an engine header records (target.kernel_settings, and per layer
+target.layer_kernel_settings) and falls back, with a logged line, to the settings resolved where it runs
+(per layer from the layers' K) when they were made for another GPU, are missing, or come from an older
+header format."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,7 @@ import logging
 
 import pytest
 
-from dejavu.plugins import DEFAULT, KernelSettings, resolve_kernel_settings
+from dejavu.plugins import DEFAULT, KernelSettings, resolve_kernel_settings, resolve_layer_settings
 from dejavu.runtime import Engine
 from runtime_helpers import engine_from_dense, tiny_model
 
@@ -18,17 +19,30 @@ def built():
     return engine_from_dense(tiny_model(seed=5), 0.5, 0.5)
 
 
-def _engine(built, recorded, **kw):
+def _engine(built, recorded, layers=None, **kw):
     header, tensors = built
-    header = {**header, "target": {**header["target"], "kernel_settings": recorded}}
-    return Engine.from_tensors(header, tensors, "cpu", **kw)
+    target = {**header["target"], "kernel_settings": recorded}
+    if layers is not None:
+        target["layer_kernel_settings"] = layers
+    return Engine.from_tensors({**header, "target": target}, tensors, "cpu", **kw)
+
+
+def _resolved_here(eng, base):
+    """Each layer's settings resolved from the engine's K under base."""
+    s = eng.spec
+    return [base.with_overrides(o) for o in resolve_layer_settings(base, s.hidden_size, s.head_dim, s.mlp_k, s.attn_k)]
+
+
+def _layers(eng):
+    return [eng.ops.layer(l).settings for l in range(eng.spec.num_layers)]
 
 
 def test_header_settings_made_for_this_device_are_used(built, caplog):
     mine = dataclasses.replace(DEFAULT, qkv_b1=dataclasses.replace(DEFAULT.qkv_b1, SHARED_P=8))
+    L = built[0]["model_config"]["num_hidden_layers"]
     with caplog.at_level(logging.INFO, logger="dejavu"):
-        eng = _engine(built, mine.to_dict())
-    assert eng.ops.settings == mine and not caplog.records
+        eng = _engine(built, mine.to_dict(), [{}] * L)
+    assert eng.ops.settings == mine and not caplog.records and _layers(eng) == [mine] * L
 
 
 @pytest.mark.parametrize("recorded,why", [
@@ -55,3 +69,41 @@ def test_settings_passed_to_the_engine_replace_the_header(built):
     ks = dataclasses.replace(DEFAULT, attn=dataclasses.replace(DEFAULT.attn, CHUNK=8))
     eng = _engine(built, DEFAULT.to_dict(), kernel_settings=ks)
     assert eng.ops.settings is ks and isinstance(ks, KernelSettings)
+
+
+def test_layer_settings_recorded_in_the_header_are_read_per_layer(built, caplog):
+    L = built[0]["model_config"]["num_hidden_layers"]
+    layers = [{"fc2_dot1": {"SPLIT": l + 1}, "qkv_b1": {"FOLD_FINISH": l % 2 == 0}} for l in range(L)]
+    with caplog.at_level(logging.INFO, logger="dejavu"):
+        eng = _engine(built, DEFAULT.to_dict(), layers)
+    assert eng.ops.settings == DEFAULT and not caplog.records
+    assert [(s.fc2_dot1.SPLIT, s.qkv_b1.FOLD_FINISH) for s in _layers(eng)] == [(l + 1, l % 2 == 0) for l in range(L)]
+    assert all(s.proj1 == DEFAULT.proj1 for s in _layers(eng))  # the fields no entry names: the engine's
+
+
+def test_a_header_with_one_set_for_every_layer_is_resolved_per_layer_with_a_logged_line(built, caplog):
+    with caplog.at_level(logging.INFO, logger="dejavu"):
+        eng = _engine(built, DEFAULT.to_dict())  # the header format before per-layer settings
+    assert _layers(eng) == _resolved_here(eng, DEFAULT)
+    assert any("one kernel-settings set for every layer" in r.getMessage() for r in caplog.records)
+    assert eng.generate([[2, 5, 7]], 2, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("layers,why", [([{"fc2_dot1": {"SPLIT": 2}}], "a list of"),  # one entry, not one per layer
+                                        ("all", "a list of"), (None, None)])
+def test_unreadable_or_foreign_layer_settings_fall_back_to_the_layers_k(built, caplog, layers, why):
+    L = built[0]["model_config"]["num_hidden_layers"]
+    bad = [{"fc2_dot1": {"SPLITS": 2}}] * L  # an unknown field
+    with caplog.at_level(logging.INFO, logger="dejavu"):
+        eng = _engine(built, DEFAULT.to_dict(), bad if layers is None else layers)
+        other = _engine(built, resolve_kernel_settings("sm_90", 132).to_dict(), [{"fc2_dot1": {"SPLIT": 2}}] * L)
+    assert _layers(eng) == _resolved_here(eng, DEFAULT) and _layers(other) == _resolved_here(other, DEFAULT)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("layer kernel settings unreadable" in m and (why or "unknown key") in m for m in msgs), msgs
+    assert any("engine built for sm_90" in m for m in msgs), msgs  # another GPU: its per-layer list is not read
+
+
+def test_settings_passed_to_the_engine_are_resolved_per_layer(built):
+    ks = dataclasses.replace(DEFAULT, fc2_dot1=dataclasses.replace(DEFAULT.fc2_dot1, TARGET_PROGRAMS=2))
+    eng = _engine(built, DEFAULT.to_dict(), [{"fc2_dot1": {"SPLIT": 7}}] * 2, kernel_settings=ks)
+    assert _layers(eng) == _resolved_here(eng, ks) and eng.ops.settings is ks

@@ -237,14 +237,14 @@ torch.set_num_threads(1)
 from runtime_helpers import engine_from_dense, tiny_model
 from dejavu.runtime import Engine
 import dataclasses
-import dejavu.plugins.qkv_partial as DK, dejavu.plugins.sparse_attention as SA
+import dejavu.plugins.qkv_partial as DK, dejavu.plugins.qkv_finish as QF, dejavu.plugins.sparse_attention as SA
 from dejavu.plugins import DEFAULT
 m = tiny_model(seed=3)
 P = [[2, 17, 40, 5, 88, 63, 9]]
 h, t = engine_from_dense(m, 0.5, 0.5, "attn_in", 1)
 attn = dataclasses.replace(DEFAULT.attn, CHUNK=4, BLOCK_S=4)  # contexts of several chunks: the fold applies
 names = []
-for mod in (DK, SA):  # the launches (a spy: the test's own process)
+for mod in (DK, QF, SA):  # the launches (a spy: the test's own process)
     real = mod.jit
     mod.jit = lambda fn, dev, real=real: names.append(fn.__name__) or real(fn, dev)
 out = {}
@@ -301,7 +301,55 @@ def test_decode_logits_in_interpreter_equal_reference():
 
 
 # the longest first (their durations on one CI core: ~140, 87, 62, 62, 54, 45, 20 s)
+LAYERS_SCRIPT = r"""
+import json
+import dejavu.plugins.fc2 as FC2
+from runtime_helpers import engine_from_dense, tiny_model
+from dejavu.plugins import DEFAULT
+from dejavu.runtime import Engine
+h, t = engine_from_dense(tiny_model(seed=3), 0.5, 0.5, "attn_in", 1)  # 3 layers, K 32 neurons, 2 heads
+layers = [{"fc2_dot1": {"SPLIT": s, "BLOCK_K": 8}} for s in (1, 2, 4)]
+h = {**h, "target": {**h["target"], "kernel_settings": DEFAULT.to_dict(), "layer_kernel_settings": layers}}
+grids = []  # fc2's launches of the tl.dot kernel (GROUP 1; the projection's have GROUP hd): their grids
+real = FC2.jit
+
+
+class Spy:
+    def __init__(self, fn, dev):
+        self.fn, self.k = fn, real(fn, dev)
+
+    def __getitem__(self, g):
+        def launch(*a, **kw):
+            if self.fn.__name__ == "_gather_dot_t_kernel" and kw["GROUP"] == 1:
+                grids.append(list(g))
+            return self.k[g](*a, **kw)
+        return launch
+
+
+FC2.jit = Spy
+a = Engine.from_tensors(h, t, "cpu", backend="triton")
+P = [[2, 17, 40, 5, 88]]
+a.generate(P, 1, stop_at_eos=False)  # activation: verify() runs each kernel once
+grids.clear()
+toks = a.generate(P, 3, stop_at_eos=False)
+print(json.dumps({"grids": grids, "tokens": toks, "ref": Engine.from_tensors(h, t, "cpu").generate(P, 3, stop_at_eos=False),
+                  "kernels": a.ops.kernels}))
+"""
+
+
+def test_each_layer_launches_with_its_recorded_settings():
+    """An engine header's per-layer kernel settings (target.layer_kernel_settings) reach each layer's
+    kernels: fc2 of layers 0, 1, 2 split K (32 neurons in blocks of 8) over 1, 2 and 4 programs per D
+    block in every decode step, and the tokens equal the reference backend's."""
+    out = _run("test_each_layer_launches_with_its_recorded_settings")
+    assert out["kernels"]["sparse_fc2"] == "triton", out
+    fc2 = [g[1] for g in out["grids"]]  # D 32: one D block
+    assert len(fc2) >= 6 and fc2 == [1, 2, 4] * (len(fc2) // 3), out
+    assert out["tokens"] == out["ref"], out
+
+
 BACKGROUND.update({
+    "test_each_layer_launches_with_its_recorded_settings": (LAYERS_SCRIPT, 300),
     "test_deferred_layer_norm_in_interpreter_equals_separate_one": (DEFER_SCRIPT, 900),
     "test_decoder_refresh_heads_keep_lags_bounded": (REFRESH_SCRIPT, 300),
     "test_folded_qkv_finish_in_the_runtime_equals_reference": (FOLD_SCRIPT, 600),
