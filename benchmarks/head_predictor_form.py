@@ -107,6 +107,30 @@ def fit_two_layer(x_tr, c_tr, x_va, c_va, lin: dict, hidden: int, k: int, epochs
     return out, hist
 
 
+def test_windows(tok, cfg, n_tokens: int) -> torch.Tensor:
+    """The first n_tokens of WikiText-2 test (BOS + line-wise BPE) as windows [B, 512]."""
+    from dejavu.compiler.text import encode_text
+    from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.runtime.evaluation.evaluate import read_text
+
+    window = min(512, cfg.max_position_embeddings)
+    ids = torch.from_numpy(encode_text(tok, read_text(WIKITEXT2_TEST), cfg.bos_token_id,
+                                       n_tokens).astype(np.int64))[:n_tokens]
+    return ids[:len(ids) // window * window].view(-1, window)
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, ctx_fn) -> float:
+    """Perplexity over windows ids [B, S] (every position but each window's last predicts),
+    one window at a time, each forward inside a fresh ctx_fn() (a selection context)."""
+    nll = 0.0
+    for b in range(ids.shape[0]):
+        with ctx_fn():
+            logp = torch.log_softmax(model(ids[b:b + 1])[0, :-1].float(), -1)
+        nll -= logp.gather(-1, ids[b, 1:, None]).sum().item()
+    return math.exp(nll / (ids.shape[0] * (ids.shape[1] - 1)))
+
+
 @contextlib.contextmanager
 def norm_oracle(model, ak: list[int]):
     """Top-K heads per token by ||y_h|| (the labels and oracle before 2026-12-05)."""
@@ -168,11 +192,8 @@ def main(argv=None) -> int:
     from dejavu.compiler.config import CalibSettings, PredictorSettings
     from dejavu.compiler.masking import masked_sparsity
     from dejavu.compiler.predictors import _fit_heads, _head_labels, holdout_split
-    from dejavu.compiler.text import encode_text
-    from dejavu.datafiles import WIKITEXT2_TEST
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
-    from dejavu.runtime.evaluation.evaluate import read_text
 
     t0 = time.perf_counter()
     folder = resolve(a.model)
@@ -225,23 +246,9 @@ def main(argv=None) -> int:
                                      "oracle_mass_mean": float(np.mean([r["oracle_mass"] for r in rows])),
                                      "params_per_layer": params, "bytes_ratio_vs_attention": params / attn_params}
     if a.eval_tokens:
-        window = min(512, cfg.max_position_embeddings)
-        ids = torch.from_numpy(encode_text(tok, read_text(WIKITEXT2_TEST), cfg.bos_token_id,
-                                           a.eval_tokens).astype(np.int64))[:a.eval_tokens]
-        B = len(ids) // window
-        ids = ids[:B * window].view(B, window)
-
-        def ppl(ctx_fn) -> float:
-            nll, n = 0.0, 0
-            with torch.no_grad():
-                for b in range(B):
-                    with ctx_fn():
-                        logp = torch.log_softmax(model(ids[b:b + 1])[0, :-1].float(), -1)
-                    nll -= logp.gather(-1, ids[b, 1:, None]).sum().item()
-                    n += window - 1
-            return math.exp(nll / n)
-
-        res["eval_tokens"] = B * (window - 1)
+        ids = test_windows(tok, cfg, a.eval_tokens)
+        ppl = lambda ctx_fn: perplexity(model, ids, ctx_fn)
+        res["eval_tokens"] = ids.shape[0] * (ids.shape[1] - 1)
         mk = [Fd] * L
         if a.oracles:
             res["dense"] = ppl(lambda: torch.no_grad())
