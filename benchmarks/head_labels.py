@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from head_predictor_form import norm_oracle, perplexity, test_windows  # noqa: E402
+from head_predictor_form import load_opt, norm_oracle, perplexity, test_windows  # noqa: E402
 
 
 def contributions(model, ids: torch.Tensor, window: int) -> tuple[dict, dict]:
@@ -72,13 +72,9 @@ def main(argv=None) -> int:
     from dejavu.compiler.config import CalibSettings, PredictorSettings
     from dejavu.compiler.masking import masked_sparsity
     from dejavu.compiler.predictors import Predictors, _fit, _fit_heads, _head_labels
-    from dejavu.models.loader import load_model, load_tokenizer
-    from dejavu.models.presets import resolve
 
     t0 = time.perf_counter()
-    folder = resolve(a.model)
-    model, cfg = load_model(folder)
-    tok = load_tokenizer(folder)
+    model, cfg, tok = load_opt(a.model)
     L, H, Fd = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.ffn_dim
     s = PredictorSettings(max_epochs=a.epochs, lookahead=a.lookahead)
     cal = calibrate(model, tok, CalibSettings(calib_tokens=a.calib_tokens), model_id=a.model, progress=False)

@@ -107,6 +107,16 @@ def fit_two_layer(x_tr, c_tr, x_va, c_va, lin: dict, hidden: int, k: int, epochs
     return out, hist
 
 
+def load_opt(name: str):
+    """(model, config, tokenizer) of a preset or folder, fp32 on the CPU."""
+    from dejavu.models.loader import load_model, load_tokenizer
+    from dejavu.models.presets import resolve
+
+    folder = resolve(name)
+    model, cfg = load_model(folder)
+    return model, cfg, load_tokenizer(folder)
+
+
 def test_windows(tok, cfg, n_tokens: int) -> torch.Tensor:
     """The first n_tokens of WikiText-2 test (BOS + line-wise BPE) as windows [B, 512]."""
     from dejavu.compiler.text import encode_text
@@ -192,13 +202,9 @@ def main(argv=None) -> int:
     from dejavu.compiler.config import CalibSettings, PredictorSettings
     from dejavu.compiler.masking import masked_sparsity
     from dejavu.compiler.predictors import _fit_heads, _head_labels, holdout_split
-    from dejavu.models.loader import load_model, load_tokenizer
-    from dejavu.models.presets import resolve
 
     t0 = time.perf_counter()
-    folder = resolve(a.model)
-    model, cfg = load_model(folder)
-    tok = load_tokenizer(folder)
+    model, cfg, tok = load_opt(a.model)
     L, H, D, Fd = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size, cfg.ffn_dim
     s = PredictorSettings(source=a.source, lookahead=a.lookahead)
     cal = calibrate(model, tok, CalibSettings(calib_tokens=a.calib_tokens), model_id=a.model, progress=False)
