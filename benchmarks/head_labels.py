@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from head_predictor_form import load_opt, norm_oracle, perplexity, test_windows  # noqa: E402
+
 
 def contributions(model, ids: torch.Tensor, window: int) -> tuple[dict, dict]:
     """Per layer [T, H] of ||y_h|| and of ||W_o[:, h] y_h|| over the stream ids [T] (windows of `window`)."""
@@ -67,20 +70,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from dejavu.compiler.calibrate import calibrate
     from dejavu.compiler.config import CalibSettings, PredictorSettings
-    from dejavu.compiler.masking import fixed_selection, masked_sparsity
+    from dejavu.compiler.masking import masked_sparsity
     from dejavu.compiler.predictors import Predictors, _fit, _fit_heads, _head_labels
-    from dejavu.models.loader import load_model, load_tokenizer
-    from dejavu.models.presets import resolve
-    from dejavu.datafiles import WIKITEXT2_TEST
-    from dejavu.runtime.evaluation.evaluate import read_text
-    from dejavu.compiler.text import encode_text
 
     t0 = time.perf_counter()
-    folder = resolve(a.model)
-    model, cfg = load_model(folder)
-    tok = load_tokenizer(folder)
+    model, cfg, tok = load_opt(a.model)
     L, H, Fd = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.ffn_dim
-    window = min(512, cfg.max_position_embeddings)
     s = PredictorSettings(max_epochs=a.epochs, lookahead=a.lookahead)
     cal = calibrate(model, tok, CalibSettings(calib_tokens=a.calib_tokens), model_id=a.model, progress=False)
     norms, contrib = contributions(model, torch.from_numpy(np.asarray(cal.tokens).astype(np.int64)), cal.window)
@@ -104,48 +99,16 @@ def main(argv=None) -> int:
             pa.pop("val_loss")
             layers.append(pa)
         preds[label] = Predictors(layers, layers, s.predictor_input)  # MLP stays dense: its slot is unused
-    ids = torch.from_numpy(encode_text(tok, read_text(WIKITEXT2_TEST), cfg.bos_token_id,
-                                       a.eval_tokens).astype(np.int64))[:a.eval_tokens]
-    B = len(ids) // window
-    ids = ids[:B * window].view(B, window)
+    ids = test_windows(tok, cfg, a.eval_tokens)
     k = max(1, round(a.head_density * H))
-
-    def ppl(ctx_fn) -> float:
-        nll, n = 0.0, 0
-        with torch.no_grad():
-            for b in range(B):
-                with ctx_fn():
-                    logp = torch.log_softmax(model(ids[b:b + 1])[0, :-1].float(), -1)
-                nll -= logp.gather(-1, ids[b, 1:, None]).sum().item()
-                n += window - 1
-        return math.exp(nll / n)
-
-    class Oracle:  # top-K heads per token by ||y_h|| (by="norm") or ||W_o[:, h] y_h||
-        def __init__(self, by: str):
-            self.by = by
-
-        def __enter__(self):
-            self.hs = []
-            for layer in model.decoder.layers:
-                w = layer.self_attn.out_proj.weight.detach().view(-1, H, cfg.head_dim)
-                gram = torch.einsum("dhi,dhj->hij", w, w)
-
-                def hook(m, a, gram=gram):
-                    yh = a[0].unflatten(-1, (H, cfg.head_dim))
-                    c = yh.norm(dim=-1) if self.by == "norm" else torch.einsum("bshi,hij,bshj->bsh", yh, gram, yh)
-                    mask = torch.zeros_like(c).scatter_(-1, c.topk(k, -1).indices, 1.0)
-                    return ((yh * mask[..., None]).flatten(-2),)
-                self.hs.append(layer.self_attn.out_proj.register_forward_pre_hook(hook))
-
-        def __exit__(self, *e):
-            for h in self.hs:
-                h.remove()
+    ppl = lambda ctx_fn: perplexity(model, ids, ctx_fn)
 
     mk, ak = [Fd] * L, [k] * L
-    res = {"model": a.model, "calib_tokens": a.calib_tokens, "eval_tokens": B * (window - 1), "heads_k": k,
-           "epochs": a.epochs, "lookahead": a.lookahead, "dense": ppl(lambda: torch.no_grad())}
+    res = {"model": a.model, "calib_tokens": a.calib_tokens, "eval_tokens": ids.shape[0] * (ids.shape[1] - 1),
+           "heads_k": k, "epochs": a.epochs, "lookahead": a.lookahead, "dense": ppl(lambda: torch.no_grad())}
     if not a.no_oracles:
-        res.update(oracle_norm=ppl(lambda: Oracle("norm")), oracle_contribution=ppl(lambda: Oracle("contribution")))
+        res.update(oracle_norm=ppl(lambda: norm_oracle(model, ak)),
+                   oracle_contribution=ppl(lambda: masked_sparsity(model, mk, ak, "oracle")))
     for label, pr in preds.items():
         res[f"predicted_{label}"] = ppl(lambda pr=pr: masked_sparsity(model, mk, ak, "predicted", pr))
     res["seconds"] = round(time.perf_counter() - t0, 1)
