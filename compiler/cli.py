@@ -112,9 +112,10 @@ def _output_path(args) -> Path:
 def _accuracy_lines(density, allocation, b: dict | None, h: dict | None) -> list[str]:
     """Bytes read per token and the held-out perplexity measured at build (build summary, inspect)."""
     out = []
+    spread = f", {h['spread']}" if h and h.get("spread") else ""  # how the free kind was spread, where not the knapsack
     if b:
         out.append(f"bytes/token {b['engine'] / 2**20:.3f} MiB of {b['dense'] / 2**20:.3f} MiB dense = "
-                   f"{b['fraction']:.4f} (density {density}, allocation {allocation})")
+                   f"{b['fraction']:.4f} (density {density}, allocation {allocation}{spread})")
     if h:
         out.append(f"held-out    ppl {h['engine_ppl']:.3f} vs dense {h['dense_ppl']:.3f} ({h['increase_pct']:+.2f}%) "
                    f"on {h['tokens']} tokens: {h['source']}")

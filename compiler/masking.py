@@ -6,7 +6,9 @@ forward: its own selection, which equals token-by-token decode) keeps, in layer 
   - attention: the K_attn[l] selected heads' slices of the out_proj input; the rest zeroed
     (Q/K/V are computed for all heads, so the KV cache stays complete).
 Selection modes:
-  predicted  top-K of the predictor scores on src[l - lookahead] (docs/ARCHITECTURE.md)
+  predicted  top-K of the predictor scores on src[l - lookahead] (docs/ARCHITECTURE.md); with
+             `token_k` (compiler/token_k.py) each token keeps its own count of the top-k_max MLP
+             rows instead of K_mlp[l]
   oracle     top-K of the true post-ReLU activation / of the heads' contributions ||W_o[:, h] y_h||
   random     K uniformly random outputs per token (seeded)
 A kind whose K equals N for a layer is left untouched (density 1.0 is the dense model).
@@ -28,11 +30,12 @@ def _mask_from_idx(shape, idx: torch.Tensor, dtype) -> torch.Tensor:
 
 @contextlib.contextmanager
 def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "predicted",
-                    predictors=None, seed: int = 0):
+                    predictors=None, seed: int = 0, token_k=None):
     """Apply selection semantics to `model` (an OPTForCausalLM) while the context is open.
 
     mlp_k / attn_k: [L] ints. `predictors` (a `Predictors`) is needed for mode "predicted"
-    and carries its `predictor_input` ({"source", "lookahead"}).
+    and carries its `predictor_input` ({"source", "lookahead"}). token_k: a `TokenK` (mode
+    "predicted" only): in the layers with K_mlp[l] < F, each token keeps its predicted-mass count.
     """
     from dejavu.compiler.calibrate import head_contribution, head_gram
 
@@ -47,6 +50,8 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
             raise DejavuError(f"{name} entries must be in [1, {n}], got {ks}")
     if mode == "predicted" and predictors is None:
         raise DejavuError("selection mode 'predicted' needs trained predictors")
+    if token_k is not None and (mode != "predicted" or len(token_k.k_max) != L):
+        raise DejavuError(f"a per-token K needs mode 'predicted' and {L} layers")
     gen = torch.Generator().manual_seed(seed)
     src: dict = {}  # ("attn_in"|"mlp_in", layer) -> residual [B, S, D] of the current forward
     handles = []
@@ -67,6 +72,11 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
         return predictors.scores(kind, l, x.float()).topk(k, dim=-1).indices
 
     def mlp_hook(m, args, out, l):
+        if token_k is not None:
+            from dejavu.compiler.token_k import token_mask
+
+            s = predictors.scores("mlp", l, pred_input(l).float())
+            return out * token_mask(s, token_k.tau[l], token_k.k_max[l]).to(out.dtype)
         idx = select("mlp", l, mlp_k[l], out)
         return out * _mask_from_idx(out.shape, idx, out.dtype)
 

@@ -10,6 +10,7 @@ import torch
 from dejavu.compiler.allocate import (ByteCosts, Sensitivity, allocate_heads_dense, allocate_knapsack,
                                       allocate_uniform, candidate_ks, heldout_nll, heldout_source,
                                       heldout_windows, measure_sensitivity, model_parts, resolve_k)
+from dejavu.compiler.cli import _accuracy_lines
 from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
@@ -126,6 +127,27 @@ def test_one_kind_frozen_is_todays_per_kind_allocation(tiny_dir_model, tmp_path,
     mk, ak, _ = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, mlp_density=0.3, attn_density=0.5,
                          allocation="uniform")
     assert (mk, ak) == resolve_density(cfg, 0.8, 0.3, 0.5)  # both frozen, even: exactly the old K
+
+
+def test_every_head_kept_spreads_neurons_by_the_curves(tiny_dir_model, tmp_path, monkeypatch):
+    # --density D --attn-density 1.0: an MLP-only budget, spread by the curves (no sensitivity pass)
+    model, cfg, preds, tok = tiny_dir_model
+    L, H, F = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.ffn_dim
+    costs = ByteCosts.of(cfg, (8, 4), elem=4)  # the ranks of random_predictors, float32
+    for d in (0.9, 0.8):
+        mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=d, attn_density=1.0)
+        budget = math.floor(d * costs.dense)
+        assert ak == [H] * L and costs.total(mk, ak) <= budget
+        assert rep["bytes_per_token"]["engine"] == costs.total(mk, ak)
+        assert (mk, ak) == allocate_heads_dense(costs, budget, preds.recall_curves["mlp"])
+        assert len(set(mk)) > 1  # spread by the (different) curves, not evenly
+        assert costs.total(mk, ak) + costs.neuron > budget or max(mk) == F  # the neurons the budget pays for
+        assert rep["heldout"]["spread"] == "heads_dense" and "sensitivity" not in rep["heldout"]["source"]
+        assert "allocation sensitivity, heads_dense)" in _accuracy_lines(d, "sensitivity", rep["bytes_per_token"],
+                                                                          rep["heldout"])[0]
+    assert not (tmp_path / "sensitivity").exists()
+    with pytest.raises(DejavuError, match="every head kept"):
+        _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.3, attn_density=1.0)
 
 
 @pytest.mark.parametrize("target", [1000.0, 3.0])
