@@ -145,8 +145,9 @@ def sparse_fc1(x, w1, b1, idx, *, out=None, validate=None, config=None, settings
     return gather_gemv(x, w1, b1, idx, out, relu=True, config=config, settings=settings)
 
 
-def sparse_fc1_ref(x, w1, b1, idx):
-    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K]."""
+def sparse_fc1_ref(x, w1, b1, idx, keep=None):
+    """relu(w1[idx] @ x + b1[idx]) per row: h[B,K]; keep[B,K] bool (a per-token K,
+    predictor_topk_ref(min_share=)): the rows it drops are 0 (fc2 then adds nothing for them)."""
     rows = expand_idx(idx, x.shape[0])
-    h = torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows]
-    return torch.relu(h)
+    h = torch.relu(torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows])
+    return h if keep is None else h * keep.to(h.dtype)

@@ -291,9 +291,26 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
     return idx[0] if shared else idx
 
 
-def predictor_topk_ref(x, a, b, bias, k, *, shared=False):
-    """Reference: the same in the caller's dtype (upcast for float64); sorted by score."""
+def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
+    """Reference: the same in the caller's dtype (upcast for float64); sorted by score.
+
+    min_share (a per-token K, per sequence only): (idx[B,k], keep[B,k] bool), keep = share_keep."""
     scores = (x @ a.T) @ b.T + bias
+    if min_share is not None:
+        if shared:
+            raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
+        idx = torch.topk(scores, k, dim=-1, sorted=True).indices
+        return idx.to(torch.int32), share_keep(scores, idx, min_share)
     if shared:
         scores = scores.amax(dim=0)
     return torch.topk(scores, k, dim=-1, sorted=True).indices.to(torch.int32)
+
+
+def share_keep(scores, idx, min_share: float):
+    """keep[..., k] bool: which of the selected rows idx[..., k] (any order) a token keeps under the
+    per-token K rule (docs/predictors.md, "Per-token K"): those whose predicted share
+    softmax(scores[..., N]) (fp32) is >= min_share, and always the token's best-scored row. With
+    idx the top-k_max this keeps clamp(#(share >= min_share), 1, k_max) rows, the best first."""
+    p = torch.softmax(scores.float(), -1)  # [..., N]
+    pk = p.gather(-1, idx.long())  # [..., k]
+    return (pk >= min_share) | (pk == p.amax(-1, keepdim=True))

@@ -38,10 +38,14 @@ class PredictorRunner:
 
     preds[l] = {"mlp": (a, b, bias) | None, "attn": (a, b, bias) | None}; ks[l] = (k_mlp, k_attn).
     `topk(x, a, b, bias, k, shared=...)` is the op; `shared` selects one index set per batch.
+    shares[l]: the per-token K's min_share of layer l's neurons (None: every selected row is kept);
+    its top-k then also gives keep [rows, k] (`kept(l)`), produced beside the indices.
     """
 
-    def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False):
+    def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False,
+                 shares=None):
         self.preds, self.ks, self.topk, self.shared = preds, ks, topk, shared
+        self.shares = shares or [None] * len(preds)
         # Only layers with a predictor are launched: every launch is then consumed by heads()
         # or neurons(), so under CUDA-graph capture the side stream always rejoins the main one.
         active = lambda l: preds[l]["mlp"] is not None or preds[l]["attn"] is not None  # noqa: E731
@@ -49,6 +53,7 @@ class PredictorRunner:
         self.plan = {key: ls for key, ls in self.plan.items() if ls}
         L = len(preds)
         self.idx: list[dict[str, torch.Tensor | None]] = [{"mlp": None, "attn": None} for _ in range(L)]
+        self.keep: list[torch.Tensor | None] = [None] * L  # [rows, k] bool where shares[l] is set
         self.trace: list | None = None  # tests: append (layer, kind, idx) for every call
         self._keep: list[torch.Tensor] = []
         self.side = None
@@ -96,7 +101,11 @@ class PredictorRunner:
             if p is None:
                 continue
             k_mlp, k_attn = self.ks[l]
-            idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
+            share = self.shares[l] if kind == "mlp" else None
+            if share is None:
+                idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
+            else:
+                idx, self.keep[l] = self.topk(x, *p, k_mlp, shared=self.shared, min_share=share)
             self.idx[l][kind] = idx
             if kind == "attn" and self.on_heads is not None:
                 self.on_heads(l, idx)
@@ -120,6 +129,11 @@ class PredictorRunner:
         """Selected MLP neurons of layer l ([rows, K] or [K]); None = all (dense)."""
         return self._get(l, "mlp")
 
+    def kept(self, l: int) -> torch.Tensor | None:
+        """keep [rows, K] bool of layer l's selected neurons (a per-token K; call after neurons(l),
+        whose event covers it); None: every selected neuron is kept."""
+        return self.keep[l] if self.shares[l] is not None else None
+
 
 def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.device, overlap: bool,
                shared: bool = False) -> PredictorRunner:
@@ -131,6 +145,8 @@ def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.devic
         pm = tuple(tensors[p + "pred_mlp." + n] for n in ("a", "b", "bias")) if spec.sparse_mlp(l) else None
         pa = tuple(tensors[p + "pred_attn." + n] for n in ("a", "b", "bias")) if spec.sparse_attn(l) else None
         preds.append({"mlp": pm, "attn": pa})
-    ks = list(zip(spec.mlp_k, spec.attn_k))
+    sel = [spec.mlp_select(l) for l in range(spec.num_layers)]  # (k_max, min_share) with a per-token K
+    ks = [(k, ka) for (k, _), ka in zip(sel, spec.attn_k)]
+    shares = [share if spec.sparse_mlp(l) else None for l, (_, share) in enumerate(sel)]
     plan = schedule(spec.num_layers, spec.source, spec.lookahead)
-    return PredictorRunner(preds, ks, plan, topk, device, overlap, shared)
+    return PredictorRunner(preds, ks, plan, topk, device, overlap, shared, shares)
