@@ -173,3 +173,17 @@ def test_engine_with_a_per_token_k_decodes_as_the_masked_reference(tiny_opt_dir,
         fixed = model(ids)
     assert (got - fixed).abs().max() > 1e-3  # the per-token K is not the fixed K
     torch.testing.assert_close(Engine.load(out["off"], "cpu").decode_logits(ids), fixed.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_build_rejects_what_cannot_carry_a_per_token_k(tiny_opt_dir, tmp_path):
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+
+    with pytest.raises(DejavuError, match="--token-k must be one of off, share"):
+        BuildConfig(density=0.5, token_k="mass")
+    with pytest.raises(DejavuError, match="--tp"):
+        BuildConfig(density=0.5, token_k="share", tp=2)
+    with pytest.raises(DejavuError, match="--onnx-out"):
+        build_engine(tiny_opt_dir, BuildConfig(density=0.7, token_k="share"), tmp_path / "e.engine",
+                     onnx_out=tmp_path / "onnx", progress=False)
+    assert not (tmp_path / "e.engine").exists()
