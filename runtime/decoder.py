@@ -211,12 +211,15 @@ class SparseDecoder:
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         ops = ops or self.ops
-        a = ops.sparse_fc1(h, w.w1, w.b1, idx) if keep is None else ops.sparse_fc1(h, w.w1, w.b1, idx, keep)
+        if keep is None:
+            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx), {}
+        else:  # fc2 skips the rows whose h is 0: the ones dropped and the ReLU zeros
+            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx, keep), {"skip_zero": True}
         if self.reduce is not None:
-            return self._add(x, ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
+            return self._add(x, ops.sparse_fc2(a, w.w2_t, w.b2, idx, None, **kw))
         if ln is not None:
-            return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True)
-        return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
+            return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True, **kw)
+        return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, **kw)
 
     def _defers_attn_ln(self, l: int) -> bool:
         """Layer l's sparse MLP leaves the next layer's attention LayerNorm pending

@@ -63,7 +63,8 @@ class Engine:
                  batch_policy: str | None = DEFAULT_BATCH_POLICY, use_graphs: bool = True, dtype=None,
                  backend: str | None = None, kv_policy: str = DEFAULT_KV_POLICY, kernel_settings=None):
         self.device = _device(device)
-        if batch_policy is None:
+        batch_policy_given = batch_policy is not None
+        if batch_policy is None:  # a per-token K engine: per_sequence (below)
             batch_policy = "shared" if self.device.type == "cuda" else "per_sequence"
         if batch_policy not in BATCH_POLICIES:
             raise DejavuError(f"batch_policy must be one of {BATCH_POLICIES}, got {batch_policy!r}")
@@ -80,19 +81,18 @@ class Engine:
             import dataclasses
             spec = dataclasses.replace(spec, dtype=dtype)
         check_tensors(spec, tensors)
-        backend = backend or ("triton" if self.device.type == "cuda" else "ref")
-        if spec.token_k is not None and (backend != "ref" or batch_policy == "shared"):
-            # the Triton top-k and fc1 do not carry the per-token K yet; a shared set has no per-token count
-            raise DejavuError("this engine has a per-token MLP K (build_config.token_k): the runtime runs it on the "
-                              "reference backend with batch policy per_sequence only (--device cpu, or rebuild "
-                              "with --token-k off)")
+        if spec.token_k is not None and batch_policy == "shared":
+            if batch_policy_given:  # one index set for the batch has no per-token count
+                raise DejavuError("this engine has a per-token MLP K (build_config.token_k): it runs with batch "
+                                  "policy per_sequence only")
+            batch_policy = "per_sequence"
         self.spec = spec
         self.tensors = {n: t.to(device=self.device, dtype=spec.dtype if t.is_floating_point() else t.dtype)
                         for n, t in tensors.items()}
         on_gpu = self.device.type == "cuda"
         # the header's kernel settings, per layer, where they fit this GPU (else resolved here from each
         # layer's K); kernel_settings (plugins.KernelSettings) replaces the header's: benchmarks' ablations
-        self.ops = Ops(backend,
+        self.ops = Ops(backend or ("triton" if on_gpu else "ref"),
                        *layer_settings_for(header.get("target"), self.device, spec, kernel_settings))
         # each Triton kernel once against its reference on this engine's weights
         self.kernel_check = self.ops.verify(self.tensors, spec, 2, batch_policy == "shared")

@@ -1,4 +1,5 @@
-"""A per-token MLP K in the engine header (build_config.token_k): read, run on the reference backend, refused elsewhere."""
+"""A per-token MLP K in the engine header (build_config.token_k): read, run (reference backend here; the Triton
+backend in tests/runtime/test_runtime_triton_interp.py), refused with one index set for the batch."""
 from __future__ import annotations
 
 import copy
@@ -76,10 +77,10 @@ def test_bad_token_k_headers(tk, msg):
         spec_from_header(header)
 
 
-def test_runtimes_that_cannot_run_it_refuse():
+def test_one_index_set_for_the_batch_is_refused():
     model = tiny_model(seed=2)
     header, tensors = engine_from_dense(model, 0.25, 0.5, "attn_in", 1)
     h = _with_token_k(header, [0.05] * 3, [32] * 3)
-    for kw in ({"backend": "triton"}, {"batch_policy": "shared"}):
-        with pytest.raises(DejavuError, match="per-token MLP K"):
-            Engine.from_tensors(h, tensors, "cpu", **kw)
+    with pytest.raises(DejavuError, match="per-token MLP K.*per_sequence"):
+        Engine.from_tensors(h, tensors, "cpu", batch_policy="shared")
+    assert Engine.from_tensors(h, tensors, "cpu").batch_policy == "per_sequence"
