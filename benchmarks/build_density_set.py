@@ -33,7 +33,8 @@ def main(argv=None) -> None:
     ap.add_argument("--attn-density", type=float, default=1.0)
     ap.add_argument("--dtype", default=BuildConfig.dtype)
     ap.add_argument("--token-k", nargs="+", default=[BuildConfig.token_k], choices=TOKEN_K_FORMS,
-                    help="one engine per density and form (m{D}-a{A}[-tk{form}].engine; off: no suffix)")
+                    help="one engine per density and form (m{D}-a{A}.engine for off, m{D}-a{A}-tkshare.engine "
+                         "for share; default: the build's, share here)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
         for form in args.token_k:
             t = time.time()
             c = BuildConfig(mlp_density=d, attn_density=args.attn_density, dtype=args.dtype, token_k=form)
-            name = f"m{d}-a{args.attn_density}" + ("" if form == "off" else f"-tk{form}")
+            name = f"m{d}-a{args.attn_density}" + ("" if form == "off" else "-tkshare")
             s = build_engine(args.model, c, out / f"{name}.engine", progress=False, predictors=preds)
             print(json.dumps({"density": d, "token_k": form, "seconds": round(time.time() - t, 1), "mlp_k": s["mlp_k"],
                               "predictor_bytes": s["predictor_bytes"], "engine_bytes": s["engine_bytes"],

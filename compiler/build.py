@@ -143,11 +143,9 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
     config = BuildConfig.from_dict(config.to_dict())  # validated copy
     from dejavu.models.auto import model_type
 
-    if onnx_out is not None and config.token_k != "off":
-        raise DejavuError("--onnx-out: the ONNX graphs carry a fixed K per layer, not --token-k share")
-    if model_type(model_name_or_path) != "opt":  # Llama family: TEAL thresholds (compiler/build_llama.py)
-        if config.token_k != "off":
-            raise DejavuError("--token-k share needs an OPT model (Llama-family engines have no predictors)")
+    opt = model_type(model_name_or_path) == "opt"
+    config.token_k = config.resolve_token_k_form(opt, onnx_out is not None)
+    if not opt:  # Llama family: TEAL thresholds (compiler/build_llama.py)
         if predictors is not None:
             raise DejavuError("Llama-family engines have no predictors (TEAL thresholds)")
         from dejavu.compiler.build_llama import build_llama_engine

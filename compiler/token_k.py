@@ -158,8 +158,8 @@ def resolve_token_k(parts, cfg, config, predictors, tokenizer, mlp_k, attn_k, al
     ranks = [math.ceil(sum(int(p["a"].shape[0]) for p in getattr(predictors, kind)) / L) for kind in ("mlp", "attn")]
     costs = ByteCosts.of(cfg, tuple(ranks), elem)
     # a layer reads its predictor wherever K_l < F, and fc1 / fc2 rows for the rows it keeps
-    engine = costs.fixed + sum(r * costs.neuron + (costs.pred_mlp if k < cfg.ffn_dim else 0) + costs.kind("attn", a)
-                               for r, k, a in zip(rows, mlp_k, attn_k))
+    engine = round(costs.fixed + sum(r * costs.neuron + (costs.pred_mlp if k < cfg.ffn_dim else 0) + costs.kind("attn", a)
+                                     for r, k, a in zip(rows, mlp_k, attn_k)))
     dense_ppl = (allocation.get("heldout") or {}).get("dense_ppl")
     ppl = math.exp(nll)
     return tk, {
@@ -167,6 +167,6 @@ def resolve_token_k(parts, cfg, config, predictors, tokenizer, mlp_k, attn_k, al
         "fitted_on": fit_source,
         "heldout": {"source": source, "mean_rows": [round(r, 3) for r in rows], "engine_ppl": round(ppl, 4),
                     **({"increase_pct": round(100 * (ppl / dense_ppl - 1), 4)} if dense_ppl else {})},
-        "bytes_per_token": {"engine": round(engine), "dense": costs.dense, "fraction": round(engine / costs.dense, 6),
+        "bytes_per_token": {"engine": engine, "dense": costs.dense, "fraction": round(engine / costs.dense, 6),
                             "rows": "each sparse layer's held-out mean kept MLP rows"},
     }
