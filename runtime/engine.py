@@ -29,7 +29,9 @@ BATCH_POLICIES = ("per_sequence", "shared")
 # step; at B = 8, density 0.3 the sparse MLP is 2.63x faster than dense where per-sequence
 # sets are 0.46x (benchmarks/results/kernels-2026-12-02.json, BENCHMARKS.md). At B = 1 both are the
 # same. None picks shared on CUDA and per_sequence on CPU (the reference path, where
-# exactness is what is wanted).
+# exactness is what is wanted). An engine with a per-token MLP K (build_config.token_k) keeps
+# each token's rows per sequence and at batch 1; a shared set at B > 1 has no per-token count
+# and takes the K_l rows of an engine without it (runtime/predictors.py).
 DEFAULT_BATCH_POLICY = None
 DEFAULT_KV_POLICY = "deferred"  # K/V of the selected heads only, missing slots recomputed (same output)
 
@@ -63,8 +65,7 @@ class Engine:
                  batch_policy: str | None = DEFAULT_BATCH_POLICY, use_graphs: bool = True, dtype=None,
                  backend: str | None = None, kv_policy: str = DEFAULT_KV_POLICY, kernel_settings=None):
         self.device = _device(device)
-        batch_policy_given = batch_policy is not None
-        if batch_policy is None:  # a per-token K engine: per_sequence (below)
+        if batch_policy is None:
             batch_policy = "shared" if self.device.type == "cuda" else "per_sequence"
         if batch_policy not in BATCH_POLICIES:
             raise DejavuError(f"batch_policy must be one of {BATCH_POLICIES}, got {batch_policy!r}")
@@ -81,11 +82,6 @@ class Engine:
             import dataclasses
             spec = dataclasses.replace(spec, dtype=dtype)
         check_tensors(spec, tensors)
-        if spec.token_k is not None and batch_policy == "shared":
-            if batch_policy_given:  # one index set for the batch has no per-token count
-                raise DejavuError("this engine has a per-token MLP K (build_config.token_k): it runs with batch "
-                                  "policy per_sequence only")
-            batch_policy = "per_sequence"
         self.spec = spec
         self.tensors = {n: t.to(device=self.device, dtype=spec.dtype if t.is_floating_point() else t.dtype)
                         for n, t in tensors.items()}

@@ -203,7 +203,7 @@ class Ops:
         im, ia = idx(spec.ffn_dim, km), idx(H, ka)
         h = torch.relu(torch.randn(batch, km, generator=g, device=dev)).to(dt)
         # a per-token K engine's fc1 takes keep, its fc2 skips the zero rows of h (about half here)
-        keep = (torch.rand(batch, km, generator=g, device=dev) < 0.6,) if spec.token_k is not None else ()
+        keep = (torch.rand(batch, km, generator=g, device=dev) < 0.6,) if spec.token_k is not None and not shared else ()
         skip = {"skip_zero": True} if spec.token_k is not None else {}
         T = 16
         caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]

@@ -38,8 +38,9 @@ class PredictorRunner:
 
     preds[l] = {"mlp": (a, b, bias) | None, "attn": (a, b, bias) | None}; ks[l] = (k_mlp, k_attn).
     `topk(x, a, b, bias, k, shared=...)` is the op; `shared` selects one index set per batch.
-    shares[l]: the per-token K's min_share of layer l's neurons (None: every selected row is kept);
-    its top-k then also gives keep [rows, k] (`kept(l)`), produced beside the indices.
+    shares[l]: (min_share, k_max) of layer l's per-token K (None: k_mlp rows, every one kept): its
+    top-k_max then also gives keep [rows, k_max] (`kept(l)`), produced beside the indices. With one
+    set for the batch (`shared`, more than one row) there is no per-token count: k_mlp rows, all kept.
     """
 
     def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False,
@@ -101,11 +102,13 @@ class PredictorRunner:
             if p is None:
                 continue
             k_mlp, k_attn = self.ks[l]
-            share = self.shares[l] if kind == "mlp" else None
+            share = self.shares[l] if kind == "mlp" and not (self.shared and x.shape[0] > 1) else None
+            self.keep[l] = None
             if share is None:
                 idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
-            else:
-                idx, self.keep[l] = self.topk(x, *p, k_mlp, shared=self.shared, min_share=share)
+            else:  # per sequence (or batch 1, where the shared set is the row's own)
+                idx, self.keep[l] = self.topk(x, *p, share[1], min_share=share[0])
+                idx = idx[0] if self.shared else idx  # keep stays [1, k_max]
             self.idx[l][kind] = idx
             if kind == "attn" and self.on_heads is not None:
                 self.on_heads(l, idx)
@@ -132,7 +135,7 @@ class PredictorRunner:
     def kept(self, l: int) -> torch.Tensor | None:
         """keep [rows, K] bool of layer l's selected neurons (a per-token K; call after neurons(l),
         whose event covers it); None: every selected neuron is kept."""
-        return self.keep[l] if self.shares[l] is not None else None
+        return self.keep[l]
 
 
 def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.device, overlap: bool,
@@ -145,8 +148,8 @@ def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.devic
         pm = tuple(tensors[p + "pred_mlp." + n] for n in ("a", "b", "bias")) if spec.sparse_mlp(l) else None
         pa = tuple(tensors[p + "pred_attn." + n] for n in ("a", "b", "bias")) if spec.sparse_attn(l) else None
         preds.append({"mlp": pm, "attn": pa})
-    sel = [spec.mlp_select(l) for l in range(spec.num_layers)]  # (k_max, min_share) with a per-token K
-    ks = [(k, ka) for (k, _), ka in zip(sel, spec.attn_k)]
-    shares = [share if spec.sparse_mlp(l) else None for l, (_, share) in enumerate(sel)]
+    ks = list(zip(spec.mlp_k, spec.attn_k))
+    shares = [spec.token_k[l] if spec.token_k is not None and spec.sparse_mlp(l) else None
+              for l in range(spec.num_layers)]  # (min_share, k_max)
     plan = schedule(spec.num_layers, spec.source, spec.lookahead)
     return PredictorRunner(preds, ks, plan, topk, device, overlap, shared, shares)

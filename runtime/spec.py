@@ -62,13 +62,6 @@ class EngineSpec:
     def sparse_attn(self, l: int) -> bool:
         return self.attn_k[l] < self.num_heads
 
-    def mlp_select(self, l: int) -> tuple[int, float | None]:
-        """(rows layer l's neuron predictor selects, the per-token K's min_share or None)."""
-        if self.token_k is None:
-            return self.mlp_k[l], None
-        share, k_max = self.token_k[l]
-        return k_max, share
-
 
 TOKEN_K_FORMS = ("share",)  # what the runtime runs; "mass" (a sort per token) is the compiler's reference only
 

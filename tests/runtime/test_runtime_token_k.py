@@ -1,5 +1,5 @@
-"""A per-token MLP K in the engine header (build_config.token_k): read, run (reference backend here; the Triton
-backend in tests/runtime/test_runtime_triton_interp.py), refused with one index set for the batch."""
+"""A per-token MLP K in the engine header (build_config.token_k): read and run (reference backend here; the Triton
+backend in tests/runtime/test_runtime_triton_interp.py), per sequence and with one set for the batch."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,7 @@ from dejavu.errors import DejavuError
 from dejavu.plugins import predictor_topk_ref, sparse_fc1_ref
 from dejavu.runtime.engine import Engine
 from dejavu.runtime.spec import spec_from_header
-from runtime_helpers import engine_from_dense, tiny_model
+from runtime_helpers import engine_from_dense, record_steps, tiny_model
 
 IDS = torch.tensor([[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]])
 
@@ -77,10 +77,19 @@ def test_bad_token_k_headers(tk, msg):
         spec_from_header(header)
 
 
-def test_one_index_set_for_the_batch_is_refused():
+def test_shared_batch_policy_keeps_per_token_rows_at_batch_one_and_k_rows_above():
     model = tiny_model(seed=2)
     header, tensors = engine_from_dense(model, 0.25, 0.5, "attn_in", 1)
-    h = _with_token_k(header, [0.05] * 3, [32] * 3)
-    with pytest.raises(DejavuError, match="per-token MLP K.*per_sequence"):
-        Engine.from_tensors(h, tensors, "cpu", batch_policy="shared")
-    assert Engine.from_tensors(h, tensors, "cpu").batch_policy == "per_sequence"
+    h = _with_token_k(header, [0.03] * 3, [32] * 3)
+    per = Engine.from_tensors(h, tensors, "cpu")
+    shared = Engine.from_tensors(h, tensors, "cpu", batch_policy="shared")
+    P = [[2, 40, 41, 42, 43], [2, 50, 51]]
+    got, want = [], []
+    for eng, out in ((shared, got), (per, want)):  # batch 1: the row's own set and its per-token rows
+        record_steps(eng.decoder, out)
+        eng.generate(P[:1], 8, stop_at_eos=False)
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=1e-5, rtol=1e-5)
+    # batch 2: one set of K_l rows for the batch, as an engine without the field selects it
+    fixed = Engine.from_tensors(header, tensors, "cpu", batch_policy="shared")
+    assert shared.generate(P, 8, stop_at_eos=False) == fixed.generate(P, 8, stop_at_eos=False)
+    assert per.generate(P, 8, stop_at_eos=False) != fixed.generate(P, 8, stop_at_eos=False)
