@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,32 +27,17 @@ import torch
 SHAPES = {"opt-30b": (7168, 28672, 1144), "opt-66b": (9216, 36864, 512), "tiny": (64, 256, 16)}  # D, F, rank
 
 
-def graph_time(calls, reps: int = 50) -> float | None:
-    """Median ms per replay of `calls` captured in one CUDA graph (None off CUDA)."""
+def graph_time(calls) -> float | None:
+    """Median ms per call of `calls` captured in one CUDA graph (benchmarks/kernels.py); off CUDA each
+    call runs once (the smoke run) and None is returned."""
     if not torch.cuda.is_available():
         for c in calls:
             c()
         return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(calls))
-    return statistics.median(times)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kernels import bench_graph
+
+    return bench_graph(calls, reps=50)
 
 
 def main(argv=None) -> None:
