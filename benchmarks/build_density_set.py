@@ -7,7 +7,7 @@ and writes one engine
 per density with `build_engine(..., predictors=)`. Prints the stage times.
 
     python benchmarks/build_density_set.py opt-mini --densities 0.1 0.2 0.3 \
-        --attn-density 1.0 --dtype float32 --out-dir /tmp/engines
+        --attn-density 1.0 --dtype float32 --out-dir /tmp/engines [--token-k off share]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from dejavu.compiler import build as build_mod
 from dejavu.compiler.build import build_engine
 from dejavu.compiler.calibrate import calibrate
-from dejavu.compiler.config import BuildConfig, CalibSettings
+from dejavu.compiler.config import TOKEN_K_FORMS, BuildConfig, CalibSettings
 from dejavu.compiler.predictors import train_predictors
 from dejavu.models.loader import load_model, load_tokenizer
 
@@ -32,6 +32,9 @@ def main(argv=None) -> None:
     ap.add_argument("--densities", type=float, nargs="+", required=True)
     ap.add_argument("--attn-density", type=float, default=1.0)
     ap.add_argument("--dtype", default=BuildConfig.dtype)
+    ap.add_argument("--token-k", nargs="+", default=[BuildConfig.token_k], choices=TOKEN_K_FORMS,
+                    help="one engine per density and form (m{D}-a{A}.engine for off, m{D}-a{A}-tkshare.engine "
+                         "for share; default: the build's, share here)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
@@ -46,11 +49,15 @@ def main(argv=None) -> None:
     print(json.dumps({"train_seconds": round(time.time() - t0, 1), "metrics": {
         k: v for k, v in preds.metrics.items() if k in ("mlp_recall_mean", "cost", "holdout_tokens")}}))
     for d in args.densities:
-        t = time.time()
-        c = BuildConfig(mlp_density=d, attn_density=args.attn_density, dtype=args.dtype)
-        s = build_engine(args.model, c, out / f"m{d}-a{args.attn_density}.engine", progress=False, predictors=preds)
-        print(json.dumps({"density": d, "seconds": round(time.time() - t, 1), "mlp_k": s["mlp_k"],
-                          "predictor_bytes": s["predictor_bytes"], "engine_bytes": s["engine_bytes"]}), flush=True)
+        for form in args.token_k:
+            t = time.time()
+            c = BuildConfig(mlp_density=d, attn_density=args.attn_density, dtype=args.dtype, token_k=form)
+            name = f"m{d}-a{args.attn_density}" + ("" if form == "off" else "-tkshare")
+            s = build_engine(args.model, c, out / f"{name}.engine", progress=False, predictors=preds)
+            print(json.dumps({"density": d, "token_k": form, "seconds": round(time.time() - t, 1), "mlp_k": s["mlp_k"],
+                              "predictor_bytes": s["predictor_bytes"], "engine_bytes": s["engine_bytes"],
+                              "bytes_per_token": s["bytes_per_token"], "heldout": s["heldout"],
+                              "token_k_rows": (s["token_k"] or {}).get("heldout", {}).get("mean_rows")}), flush=True)
 
 
 if __name__ == "__main__":

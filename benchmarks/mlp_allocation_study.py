@@ -127,7 +127,7 @@ def counting(model, predictors, tk: TokenK, counts: list):
     def count(m, a, l):
         j = l - pi["lookahead"]
         s = predictors.scores("mlp", l, (src[0] if j < 0 else src[j]).float())
-        counts[l].append(token_counts(s, tk.tau[l], tk.k_max[l]).flatten())
+        counts[l].append(token_counts(s, tk.threshold[l], tk.k_max[l]).flatten())
 
     for l, layer in enumerate(model.decoder.layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, l=l: src.__setitem__(l, a[0])))
@@ -222,7 +222,7 @@ def main(argv=None) -> dict:
                     score = lambda l: preds.scores("mlp", l, xs[l].float()).flatten(0, 1)  # noqa: E731
                     if name.startswith("pertoken"):
                         tk = fit_token_k(score, mk, cap=c)
-                        taus = list(tk.tau)
+                        taus = list(tk.threshold)
                         ctx = contextlib.ExitStack()
                         ctx.enter_context(masked_sparsity(model, mk, ak, "predicted", preds, token_k=tk))
                         ctx.enter_context(counting(model, preds, tk, counts))

@@ -68,6 +68,9 @@ KERNELS = {
     "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr"}
+# pointers the launchers pass as None where their mode is off (fc1's keep: engines without a per-token K);
+# Triton's JIT specializes a None argument as a constexpr, so it leaves the compiled parameter list
+NONE_PTRS = {"keep_ptr"}
 DIV16 = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
          "stride_cb", "stride_ch", "stride_cs", "stride_ob", "stride_ib"}
 
@@ -114,6 +117,7 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
                  if p.default is not p.empty and "constexpr" in str(p.annotation)},
               **{n: v for n, v in consts.items() if n in params}}
     consts = {n: v for n, v in consts.items() if n not in spec["f32"]}
+    consts.update({n: None for n in params if n in spec["none_ptrs"] and n not in consts})
     sig, attrs = {}, {}
     for i, n in enumerate(params):
         if n in consts:
@@ -164,6 +168,7 @@ def compile_tree(root: Path, dump: str | None = None) -> dict:
         os.makedirs(dump, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"kernels": KERNELS, "f32": F32, "int_ptrs": sorted(INT_PTRS), "div16": sorted(DIV16),
+                "none_ptrs": sorted(NONE_PTRS),
                 "tmp": os.path.join(tmp, "k.ptx"), "dump": dump}
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         proc = subprocess.run([sys.executable, "-c", CHILD, str(root), json.dumps(spec)], capture_output=True,

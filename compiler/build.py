@@ -143,7 +143,9 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
     config = BuildConfig.from_dict(config.to_dict())  # validated copy
     from dejavu.models.auto import model_type
 
-    if model_type(model_name_or_path) != "opt":  # Llama family: TEAL thresholds (compiler/build_llama.py)
+    opt = model_type(model_name_or_path) == "opt"
+    config.token_k = config.resolve_token_k_form(opt, onnx_out is not None)
+    if not opt:  # Llama family: TEAL thresholds (compiler/build_llama.py)
         if predictors is not None:
             raise DejavuError("Llama-family engines have no predictors (TEAL thresholds)")
         from dejavu.compiler.build_llama import build_llama_engine
@@ -362,10 +364,17 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         mlp_k, attn_k, allocation = resolve_k(_streamed_parts(ckpt, config.device), cfg, config, preds, tokenizer,
                                               key, progress)
         config.density = allocation["density"]  # the searched one with --max-ppl-increase
-        del preds
+    token_k = None
+    if config.token_k != "off" and preds is not None and any(k < cfg.ffn_dim for k in mlp_k):
+        with stages("fit per-token K"):  # thresholds on held-out windows (compiler/token_k.py)
+            from dejavu.compiler.token_k import resolve_token_k
+
+            _, token_k = resolve_token_k(_streamed_parts(ckpt, config.device), cfg, config, preds, tokenizer,
+                                         mlp_k, attn_k, allocation)
+    del preds
     target = layer_target(target, cfg.hidden_size, cfg.num_attention_heads, mlp_k, attn_k)
     header = make_header(model_name_or_path, cfg, config, target, info, mlp_k, attn_k,
-                         _tokenizer_json(folder, tokenizer), allocation)
+                         _tokenizer_json(folder, tokenizer), allocation, token_k)
     if onnx_out is not None:
         with stages("export ONNX + passes"):
             onnx_report = _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
@@ -392,8 +401,9 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
                "predictor_recall": header["build_config"]["predictor_recall"],
                "predictor_input": header["build_config"]["predictor_input"],
-               "density": config.density, "bytes_per_token": allocation["bytes_per_token"],
-               "heldout": allocation["heldout"], "allocation": config.allocation,
+               "density": config.density, "bytes_per_token": header["build_config"]["bytes_per_token"],
+               "heldout": header["build_config"]["heldout"], "allocation": config.allocation,
+               "token_k": token_k,
                "stage_seconds": stages.times, "total_seconds": round(time.perf_counter() - t_start, 3),
                "dtype": config.dtype, "target": target, "resumed_at_layer": resumed,
                "peak_host_bytes": rss_peak_bytes(), "peak_gpu_bytes": gpu_peak_bytes(config.device),
@@ -419,14 +429,18 @@ def _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -
 
 
 def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info: dict | None, mlp_k, attn_k,
-                tokenizer_json: str, allocation: dict | None = None) -> dict:
+                tokenizer_json: str, allocation: dict | None = None, token_k: dict | None = None) -> dict:
     """The engine header (docs/compiler.md lists the fields); JSON-only, no timestamps or paths.
+
+    `token_k`: the per-token MLP K's record (token_k.resolve_token_k) or None (K_l rows for every
+    token; then the header has no `token_k` field, as before it existed). With it the recorded
+    bytes per token count the held-out mean kept rows, and the held-out figure is that engine's.
 
     `info`: None (no predictors) or {"ranks": ([L] mlp, attn), "input": {source, lookahead},
     "curves": {"mlp"|"attn": [L curves]}, "calibration": {...} | None}."""
     rc = info["curves"] if info is not None else {}
     name = str(model_name_or_path)
-    return {
+    header = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
         "model": Path(name).name if Path(name).is_dir() else name,
         "model_config": cfg.to_hf_dict(), "dtype": config.dtype, "target": target,
@@ -452,3 +466,13 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
         },
         "tokenizer_json": tokenizer_json,
     }
+    if token_k is not None:
+        bc = header["build_config"]
+        bc["token_k"] = token_k
+        bc["bytes_per_token"] = token_k["bytes_per_token"]
+        held = token_k["heldout"]
+        if bc["heldout"] is not None:  # the fixed-K engine's figure stays beside it
+            bc["heldout"] = {**bc["heldout"], "fixed_k_engine_ppl": bc["heldout"].get("engine_ppl"),
+                             "fixed_k_increase_pct": bc["heldout"].get("increase_pct"),
+                             "engine_ppl": held["engine_ppl"], "increase_pct": held.get("increase_pct")}
+    return header

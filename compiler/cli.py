@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
-from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, BuildConfig
+from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, TOKEN_K_FORMS, BuildConfig
 from dejavu.errors import DejavuError, cli_entry
 
 
@@ -70,6 +70,10 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="training epochs after the least-squares start (0: least squares only)")
     p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
                    help="sensitivity: K by measured loss per byte (knapsack); uniform: the same fraction everywhere")
+    p.add_argument("--token-k", default=S, choices=TOKEN_K_FORMS,
+                   help="share: a per-token MLP K (the rows whose predicted share passes a per-layer threshold, "
+                        "at most 2 K per layer, mean K on the held-out windows); off: K rows for every token "
+                        "(default: share for an OPT engine of one rank without --onnx-out, off elsewhere)")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
     p.add_argument("--topk-limit", type=int, default=S, metavar="K",

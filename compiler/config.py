@@ -33,7 +33,11 @@ def check_density(value, name: str = "density") -> float:
 # one layer ahead. Same-layer inputs are more accurate but serialise prediction.
 DEFAULT_PREDICTOR_INPUT = MappingProxyType({"source": "attn_in", "lookahead": 1})
 PREDICTOR_SOURCES = ("attn_in", "mlp_in")
-ALLOCATIONS = ("sensitivity", "uniform")  # per-layer K: measured (knapsack) | the same fraction everywhere
+ALLOCATIONS = ("sensitivity", "uniform")
+# MLP rows per token: off = each layer's K for every token; share = a per-token K, the rows whose
+# predicted share is >= theta_l, at most 2 K_l, mean K_l on the held-out windows (compiler/token_k.py;
+# opt-mini, heads dense, 8,192 WikiText-2 test tokens: docs/predictors.md, "Per-token K in engines")
+TOKEN_K_FORMS = ("off", "share")  # per-layer K: measured (knapsack) | the same fraction everywhere
 # TensorRT's TopK takes k <= 3840: a larger K is emitted in the ONNX graphs as TopK in rounds
 # (compiler/passes/_graph.py).
 TENSORRT_TOPK_LIMIT = 3840
@@ -138,6 +142,9 @@ class BuildConfig:
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
     seed: int = PredictorSettings.seed  # of predictor training
     tp: int = 1  # tensor-parallel ranks: one engine file per rank (docs/tensor_parallel.md)
+    # None: "share" where the engine can carry it (an OPT engine of one rank, no --onnx-out), "off"
+    # elsewhere (resolve_token_k_form); the header's settings record the form resolved
+    token_k: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -165,6 +172,10 @@ class BuildConfig:
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
         if self.allocation not in ALLOCATIONS:
             raise DejavuError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
+        if self.token_k is not None and self.token_k not in TOKEN_K_FORMS:
+            raise DejavuError(f"--token-k must be one of {', '.join(TOKEN_K_FORMS)}, got {self.token_k!r}")
+        if self.token_k == "share" and self.tp > 1:
+            raise DejavuError("--token-k share is not supported with --tp > 1")
         if self.max_ppl_increase is not None:
             p = self.max_ppl_increase
             try:
@@ -189,6 +200,15 @@ class BuildConfig:
     @property
     def predictor_input(self) -> dict:
         return {"source": self.predictor_source, "lookahead": self.predictor_lookahead}
+
+    def resolve_token_k_form(self, opt: bool, onnx: bool) -> str:
+        """token_k as given, or for None: "share" for an OPT engine of one rank without ONNX graphs (which
+        carry a fixed K), "off" elsewhere. Given "share" where it cannot be carried: DejavuError."""
+        can = opt and self.tp == 1 and not onnx
+        if self.token_k == "share" and not can:
+            raise DejavuError("--token-k share needs an OPT model and no --onnx-out (Llama-family engines have "
+                              "no predictors; the ONNX graphs carry a fixed K per layer)")
+        return self.token_k or ("share" if can else "off")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

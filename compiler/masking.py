@@ -73,10 +73,8 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
 
     def mlp_hook(m, args, out, l):
         if token_k is not None:
-            from dejavu.compiler.token_k import token_mask
-
             s = predictors.scores("mlp", l, pred_input(l).float())
-            return out * token_mask(s, token_k.tau[l], token_k.k_max[l]).to(out.dtype)
+            return out * token_k.mask(l, s).to(out.dtype)
         idx = select("mlp", l, mlp_k[l], out)
         return out * _mask_from_idx(out.shape, idx, out.dtype)
 
@@ -117,16 +115,19 @@ def masked_sparsity(model, mlp_k: list[int], attn_k: list[int], mode: str = "pre
 
 
 @contextlib.contextmanager
-def fixed_selection(layer, mlp_idx: torch.Tensor | None = None, attn_idx: torch.Tensor | None = None):
+def fixed_selection(layer, mlp_idx: torch.Tensor | None = None, attn_idx: torch.Tensor | None = None,
+                    mlp_mask: torch.Tensor | None = None):
     """Keep only the given neurons / heads of one decoder layer while the context is open.
 
     mlp_idx: [B, S, K_mlp] neuron indices, attn_idx: [B, S, K_attn] head indices (per token);
-    None leaves that kind dense. The same semantics as `masked_sparsity`, for callers that
+    mlp_mask: [B, S, F] 0/1 instead of mlp_idx (a per-token K); None leaves that kind dense. The same semantics as `masked_sparsity`, for callers that
     hold one layer at a time (dejavu.compiler.allocate)."""
     handles = []
     if mlp_idx is not None:
         handles.append(layer.activation_fn.register_forward_hook(
             lambda m, a, out: out * _mask_from_idx(out.shape, mlp_idx, out.dtype)))
+    if mlp_mask is not None:
+        handles.append(layer.activation_fn.register_forward_hook(lambda m, a, out: out * mlp_mask.to(out.dtype)))
     if attn_idx is not None:
         H = layer.self_attn.n_heads
 

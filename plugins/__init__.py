@@ -6,7 +6,7 @@ the references work on a CPU-only install. See docs/kernels.md.
 from dejavu.plugins._common import PDL_KINDS, jitted, pdl_args
 from dejavu.plugins.input_sparse import input_sparse_gemv, input_sparse_gemv_ref, select_inputs
 from dejavu.plugins.layer_norm import PendingLN, from_stats_ref, layer_norm, layer_norm_ref, pending_ln
-from dejavu.plugins.predictor import predictor_scores, predictor_topk, predictor_topk_ref
+from dejavu.plugins.predictor import predictor_scores, predictor_topk, predictor_topk_ref, share_keep
 from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_decode_ref
 from dejavu.plugins.deferred_kv import recompute_kv_ref, sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
 from dejavu.plugins.fc1 import sparse_fc1, sparse_fc1_ref
@@ -21,7 +21,7 @@ __all__ = [
     "PDL_KINDS", "jitted", "pdl_args",
     "input_sparse_gemv", "input_sparse_gemv_ref", "select_inputs",
     "PendingLN", "from_stats_ref", "layer_norm", "layer_norm_ref", "pending_ln",
-    "predictor_scores", "predictor_topk", "predictor_topk_ref",
+    "predictor_scores", "predictor_topk", "predictor_topk_ref", "share_keep",
     "hist_slots", "recompute_kv_ref", "refresh_heads", "refresh_heads_ref", "refresh_route",
     "sparse_attn_decode", "sparse_attn_decode_ref", "sparse_attn_decode_deferred", "sparse_attn_decode_deferred_ref",
     "sparse_fc1", "sparse_fc1_ref", "sparse_fc2", "sparse_fc2_ref",

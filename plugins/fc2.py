@@ -1,7 +1,7 @@
 """fc2 of the sparse MLP (and the attention output projection): split-K over the selected rows + reference.
 
     sparse_fc2(h[B,K], w2_t[F,D], b2[D], idx[B,K]|[K], residual[B,D]|None, *, out=None, ln=None,
-               ln_out=None, validate=None, config=None, ln_defer=False) -> y[B,D]
+               ln_out=None, validate=None, config=None, ln_defer=False, skip_zero=False) -> y[B,D]
         = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual);  ln=(weight, bias): (y, LayerNorm(y))
 
 - Batch 1 and shared sets: `_gather_dot_t_kernel` (tl.dot of the batch against each gathered
@@ -34,10 +34,11 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
                           B, D, K, K_PER_SPLIT, stride_hb, stride_ib,
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, GROUP: tl.constexpr,
-                          GDC: tl.constexpr = 0):
+                          GDC: tl.constexpr = 0, SKIP_ZERO: tl.constexpr = 0):
     # Per-sequence sets: y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
+    # SKIP_ZERO: rows whose h is 0 (ReLU zeros, rows a per-token K dropped) read no weight bytes.
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -56,7 +57,10 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     rows = group_rows(idx_row, offs_k, kmask, GROUP)
     hv = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_D:
+        if SKIP_ZERO:
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=(hv != 0)[:, None] & dmask[None, :],
+                         other=0.0).to(tl.float32)
+        elif EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :]).to(tl.float32)
         else:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
@@ -84,9 +88,10 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          B, D, K, K_PER_SPLIT, stride_hb,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = 0):
+                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = 0,
+                         SKIP_ZERO: tl.constexpr = 0):
     # Batch 1 or a shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
-    # FINAL as in _gather_gemv_t_kernel. Each K block's row indices are loaded in its iteration, so
+    # FINAL as in _gather_gemv_t_kernel; SKIP_ZERO: rows whose h is 0 in every sequence read no weights. Each K block's row indices are loaded in its iteration, so
     # Triton gives the gathered weight tile one shared-memory buffer (cp.async issued, then waited
     # for); three one-tile programs per SM keep as many bytes in flight as the memory system serves
     # (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
@@ -106,7 +111,10 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         rows = group_rows(idx_ptr, offs_k, kmask, GROUP)
         hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
                      mask=bmask[:, None] & kmask[None, :], other=0.0)
-        if EVEN_D:
+        if SKIP_ZERO:
+            nz = tl.max(tl.abs(hv.to(tl.float32)), axis=0) != 0  # [BLOCK_K]
+            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=nz[:, None] & dmask[None, :], other=0.0)
+        elif EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :])
         else:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
@@ -159,12 +167,12 @@ def split_plan(K, D, cfg, programs_per_split=1):
     return n_d, max(1, cdiv(K, k_per_split)), k_per_split
 
 def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
-                  ln_defer=False, settings=None):
+                  ln_defer=False, settings=None, skip_zero=False):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
     LayerNorm(out) (eps LN_EPS), returned as (out, ln_out) with ln_defer, whose second is a
     PendingLN when the split-K reduction runs (it stores the block stats; no LayerNorm launch).
-    Returns out otherwise."""
+    Returns out otherwise. skip_zero: rows whose h is 0 read no weights (the same sum)."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -181,7 +189,8 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     res = residual if residual is not None else out  # never read when HAS_RES is false
     common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
                   EVEN_D=D % block_d == 0, GROUP=group, num_warps=cfg["num_warps"],
-                  **pdl_args(h.device, "proj" if group > 1 else "fc2", s.pdl))
+                  **pdl_args(h.device, "proj" if group > 1 else "fc2", s.pdl),
+                  **({"SKIP_ZERO": 1} if skip_zero else {}))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0),
@@ -235,11 +244,12 @@ def check_ln(ln, ln_out, B, D, dtype, device):
     return ln_out
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
-               config=None, ln_defer=False, settings=None):
+               config=None, ln_defer=False, settings=None, skip_zero=False):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
     ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out).
     ln_defer (with ln): the second output may be a PendingLN (gather_gemv_t), for the next layer's
-    deferred Q/K/V kernel."""
+    deferred Q/K/V kernel. skip_zero: the rows whose h is 0 read no weight bytes (the same sum for
+    finite weights; the per-token K engines' fc2, whose fc1 zeroes the rows it drops)."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
     check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)
@@ -254,13 +264,14 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
     out = check_out(out, (B, D), h.dtype, h.device)
     ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
     y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out,
-                      ln_defer=ln_defer if ln is not None else False, settings=settings)
+                      ln_defer=ln_defer if ln is not None else False, settings=settings, skip_zero=skip_zero)
     return y if ln is None or ln_defer else (y, ln_out)
 
 
-def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False):
+def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, skip_zero=False):
     """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),
-    (y, F.layer_norm(y)) (ln_defer changes nothing here: the LayerNorm is computed)."""
+    (y, F.layer_norm(y)) (ln_defer changes nothing here: the LayerNorm is computed; skip_zero
+    neither: a zero h adds nothing)."""
     rows = expand_idx(idx, h.shape[0])
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
     return with_ln_ref(y if residual is None else y + residual, ln)

@@ -1,7 +1,7 @@
 """Low-rank predictor + top-k: which neurons / heads to compute for the next token.
 
-    predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False, method=None, scoring=None)
-        -> idx[B,k] | [k] int32
+    predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False, method=None, scoring=None, min_share=None)
+        -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], keep[B,k] bool), share_keep
     predictor_scores_triton(x[1,D], a, b, bias, config=None) -> scores[1,N]
 
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
@@ -267,10 +267,13 @@ def predictor_scores_triton(x, a, b, bias, config=None, settings=None):
     return scores
 
 
-def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None, settings=None):
+def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None, settings=None, min_share=None):
     """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared). method / scoring
-    None: settings.topk.method / settings.scoring.method."""
+    None: settings.topk.method / settings.scoring.method. min_share (a per-token K, per sequence):
+    (idx, keep[B,k] bool), keep = share_keep of the same scores (device ops, no host sync)."""
     _check(x, a, b, bias, k)
+    if min_share is not None and shared:
+        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     s = settings or DEFAULT
     method = method or s.topk.method
     scoring = scoring or s.scoring.method
@@ -288,12 +291,31 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
         idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(torch.int32)
     else:
         raise DejavuError(f"predictor_topk: unknown method {method!r} (torch, triton)")
+    if min_share is not None:
+        return idx, share_keep(scores, idx, min_share)
     return idx[0] if shared else idx
 
 
-def predictor_topk_ref(x, a, b, bias, k, *, shared=False):
-    """Reference: the same in the caller's dtype (upcast for float64); sorted by score."""
+def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
+    """Reference: the same in the caller's dtype (upcast for float64); sorted by score.
+
+    min_share (a per-token K, per sequence only): (idx[B,k], keep[B,k] bool), keep = share_keep."""
     scores = (x @ a.T) @ b.T + bias
+    if min_share is not None:
+        if shared:
+            raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
+        idx = torch.topk(scores, k, dim=-1, sorted=True).indices
+        return idx.to(torch.int32), share_keep(scores, idx, min_share)
     if shared:
         scores = scores.amax(dim=0)
     return torch.topk(scores, k, dim=-1, sorted=True).indices.to(torch.int32)
+
+
+def share_keep(scores, idx, min_share: float):
+    """keep[..., k] bool: which of the selected rows idx[..., k] (any order) a token keeps under the
+    per-token K rule (docs/predictors.md, "Per-token K"): those whose predicted share
+    softmax(scores[..., N]) (fp32) is >= min_share, and always the token's best-scored row. With
+    idx the top-k_max this keeps clamp(#(share >= min_share), 1, k_max) rows, the best first."""
+    p = torch.softmax(scores.float(), -1)  # [..., N]
+    pk = p.gather(-1, idx.long())  # [..., k]
+    return (pk >= min_share) | (pk == p.amax(-1, keepdim=True))

@@ -203,19 +203,23 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
 
-    def _mlp(self, w, h, x, idx, ln=None, ops=None):
+    def _mlp(self, w, h, x, idx, ln=None, ops=None, keep=None):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, left pending by fc2's split-K reduction (defer_ln_attn):
         # returns (x, PendingLN or LN(x)) then; x alone otherwise. ops: the layer's (Ops.layer)
+        # keep: [rows, K] bool (a per-token K): fc1 gives 0 for the rows it drops, which fc2 then adds nothing for
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         ops = ops or self.ops
-        a = ops.sparse_fc1(h, w.w1, w.b1, idx)  # [rows, K]
+        if keep is None:
+            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx), {}
+        else:  # fc2 skips the rows whose h is 0: the ones dropped and the ReLU zeros
+            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx, keep), {"skip_zero": True}
         if self.reduce is not None:
-            return self._add(x, ops.sparse_fc2(a, w.w2_t, w.b2, idx, None))
+            return self._add(x, ops.sparse_fc2(a, w.w2_t, w.b2, idx, None, **kw))
         if ln is not None:
-            return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True)
-        return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x)
+            return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, ln=ln, ln_defer=True, **kw)
+        return ops.sparse_fc2(a, w.w2_t, w.b2, idx, x, **kw)
 
     def _defers_attn_ln(self, l: int) -> bool:
         """Layer l's sparse MLP leaves the next layer's attention LayerNorm pending
@@ -287,7 +291,7 @@ class SparseDecoder:
             h = self._ln_step(x, w.ln_mlp) if s.pre_ln else x
             idx = run.neurons(l)
             ln = self._next_ln(l) if idx is not None and self._defers_attn_ln(l) else None
-            x = self._mlp(w, h, x, idx, ln, ops)
+            x = self._mlp(w, h, x, idx, ln, ops, run.kept(l))
             if ln is not None:
                 x, h_ln = x
             if not s.pre_ln:
@@ -348,8 +352,10 @@ class SparseDecoder:
                 h = self._ln(x, w.ln_mlp) if s.pre_ln else x
                 a = torch.relu(F.linear(h, w.w1, w.b1))  # [B, S, F]
                 idx = run.neurons(l) if sparse else None
-                if idx is not None:
-                    keep = torch.zeros(B * S, s.ffn_dim, dtype=a.dtype, device=a.device).scatter_(1, idx.long(), 1)
+                if idx is not None:  # the selected rows, those a per-token K keeps (run.kept)
+                    kept = run.kept(l)
+                    src = 1 if kept is None else kept.to(a.dtype)
+                    keep = torch.zeros(B * S, s.ffn_dim, dtype=a.dtype, device=a.device).scatter_(1, idx.long(), src)
                     a = a * keep.view(B, S, -1)
                 x = self._add(x, a @ w.w2_t, w.b2)
                 if not s.pre_ln:

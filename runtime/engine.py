@@ -29,7 +29,9 @@ BATCH_POLICIES = ("per_sequence", "shared")
 # step; at B = 8, density 0.3 the sparse MLP is 2.63x faster than dense where per-sequence
 # sets are 0.46x (benchmarks/results/kernels-2026-12-02.json, BENCHMARKS.md). At B = 1 both are the
 # same. None picks shared on CUDA and per_sequence on CPU (the reference path, where
-# exactness is what is wanted).
+# exactness is what is wanted). An engine with a per-token MLP K (build_config.token_k) keeps
+# each token's rows per sequence and at batch 1; a shared set at B > 1 has no per-token count
+# and takes the K_l rows of an engine without it (runtime/predictors.py).
 DEFAULT_BATCH_POLICY = None
 DEFAULT_KV_POLICY = "deferred"  # K/V of the selected heads only, missing slots recomputed (same output)
 

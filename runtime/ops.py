@@ -1,8 +1,9 @@
 """The sparse operations the decoder calls, bound to a backend (signatures of dejavu.plugins):
 
-    predictor_topk(x[B,D], a, b, bias, k, shared=False) -> idx[B,k] | [k]
-    sparse_fc1(x[B,D], w1, b1, idx) -> h[B,K]
-    sparse_fc2(h[B,K], w2_t, b2, idx, residual) -> y[B,D]
+    predictor_topk(x[B,D], a, b, bias, k, shared=False, min_share=None) -> idx[B,k] | [k]
+        (min_share, a per-token K: (idx[B,k], keep[B,k] bool))
+    sparse_fc1(x[B,D], w1, b1, idx, keep=None) -> h[B,K]   (keep[B,K] bool: a per-token K's rows, 0 elsewhere)
+    sparse_fc2(h[B,K], w2_t, b2, idx, residual, skip_zero=False) -> y[B,D]   (skip_zero: zero rows of h read no weights)
         (ln=(weight, bias), ln_defer=True: (y, the next LayerNorm of y), the second possibly a
         PendingLN, plugins/layer_norm.py: y plus per-block statistics from the split-K reduction,
         which the next layer's deferred Q/K/V kernel normalises itself; DecodeOptions.defer_ln_attn)
@@ -201,6 +202,9 @@ class Ops:
 
         im, ia = idx(spec.ffn_dim, km), idx(H, ka)
         h = torch.relu(torch.randn(batch, km, generator=g, device=dev)).to(dt)
+        # a per-token K engine's fc1 takes keep, its fc2 skips the zero rows of h (about half here)
+        keep = (torch.rand(batch, km, generator=g, device=dev) < 0.6,) if spec.token_k is not None and not shared else ()
+        skip = {"skip_zero": True} if spec.token_k is not None else {}
         T = 16
         caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]
         pos = (torch.arange(batch, device=dev) * 5 + 9) % T
@@ -239,8 +243,8 @@ class Ops:
             return y, kc, vc, vl.float()
 
         cases = {
-            "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im),
-            "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln),
+            "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im, *keep),
+            "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln, **skip),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                                        t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos,

@@ -38,10 +38,15 @@ class PredictorRunner:
 
     preds[l] = {"mlp": (a, b, bias) | None, "attn": (a, b, bias) | None}; ks[l] = (k_mlp, k_attn).
     `topk(x, a, b, bias, k, shared=...)` is the op; `shared` selects one index set per batch.
+    shares[l]: (min_share, k_max) of layer l's per-token K (None: k_mlp rows, every one kept): its
+    top-k_max then also gives keep [rows, k_max] (`kept(l)`), produced beside the indices. With one
+    set for the batch (`shared`, more than one row) there is no per-token count: k_mlp rows, all kept.
     """
 
-    def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False):
+    def __init__(self, preds, ks, plan, topk, device: torch.device, overlap: bool, shared: bool = False,
+                 shares=None):
         self.preds, self.ks, self.topk, self.shared = preds, ks, topk, shared
+        self.shares = shares or [None] * len(preds)
         # Only layers with a predictor are launched: every launch is then consumed by heads()
         # or neurons(), so under CUDA-graph capture the side stream always rejoins the main one.
         active = lambda l: preds[l]["mlp"] is not None or preds[l]["attn"] is not None  # noqa: E731
@@ -49,6 +54,7 @@ class PredictorRunner:
         self.plan = {key: ls for key, ls in self.plan.items() if ls}
         L = len(preds)
         self.idx: list[dict[str, torch.Tensor | None]] = [{"mlp": None, "attn": None} for _ in range(L)]
+        self.keep: list[torch.Tensor | None] = [None] * L  # [rows, k] bool where shares[l] is set
         self.trace: list | None = None  # tests: append (layer, kind, idx) for every call
         self._keep: list[torch.Tensor] = []
         self.side = None
@@ -96,7 +102,13 @@ class PredictorRunner:
             if p is None:
                 continue
             k_mlp, k_attn = self.ks[l]
-            idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
+            share = self.shares[l] if kind == "mlp" and not (self.shared and x.shape[0] > 1) else None
+            self.keep[l] = None
+            if share is None:
+                idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
+            else:  # per sequence (or batch 1, where the shared set is the row's own)
+                idx, self.keep[l] = self.topk(x, *p, share[1], min_share=share[0])
+                idx = idx[0] if self.shared else idx  # keep stays [1, k_max]
             self.idx[l][kind] = idx
             if kind == "attn" and self.on_heads is not None:
                 self.on_heads(l, idx)
@@ -120,6 +132,11 @@ class PredictorRunner:
         """Selected MLP neurons of layer l ([rows, K] or [K]); None = all (dense)."""
         return self._get(l, "mlp")
 
+    def kept(self, l: int) -> torch.Tensor | None:
+        """keep [rows, K] bool of layer l's selected neurons (a per-token K; call after neurons(l),
+        whose event covers it); None: every selected neuron is kept."""
+        return self.keep[l]
+
 
 def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.device, overlap: bool,
                shared: bool = False) -> PredictorRunner:
@@ -132,5 +149,7 @@ def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.devic
         pa = tuple(tensors[p + "pred_attn." + n] for n in ("a", "b", "bias")) if spec.sparse_attn(l) else None
         preds.append({"mlp": pm, "attn": pa})
     ks = list(zip(spec.mlp_k, spec.attn_k))
+    shares = [spec.token_k[l] if spec.token_k is not None and spec.sparse_mlp(l) else None
+              for l in range(spec.num_layers)]  # (min_share, k_max)
     plan = schedule(spec.num_layers, spec.source, spec.lookahead)
-    return PredictorRunner(preds, ks, plan, topk, device, overlap, shared)
+    return PredictorRunner(preds, ks, plan, topk, device, overlap, shared, shares)

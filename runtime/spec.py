@@ -41,6 +41,10 @@ class EngineSpec:
     eos_id: int | None
     bos_id: int | None
     pad_id: int | None
+    # per-token MLP K (build_config.token_k, form "share"): per layer (min_share, k_max); None: K_l
+    # rows for every token (engines without the field). The predictor selects the top k_max rows and
+    # a token keeps those whose predicted share is >= min_share (at least its best: plugins.share_keep)
+    token_k: tuple[tuple[float, int], ...] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -57,6 +61,25 @@ class EngineSpec:
 
     def sparse_attn(self, l: int) -> bool:
         return self.attn_k[l] < self.num_heads
+
+
+TOKEN_K_FORMS = ("share",)  # what the runtime runs; "mass" (a sort per token) is the compiler's reference only
+
+
+def _token_k(bc: dict, mlp_k, F: int):
+    """build_config.token_k as EngineSpec.token_k (None when absent or null: engines before the field)."""
+    tk = bc.get("token_k")
+    if tk is None:
+        return None
+    L = len(mlp_k)
+    if not isinstance(tk, dict) or tk.get("form") not in TOKEN_K_FORMS:
+        raise DejavuError(f"engine header: build_config.token_k must be an object with form in {TOKEN_K_FORMS}")
+    th, km = tk.get("threshold"), tk.get("k_max")
+    if not (isinstance(th, list) and len(th) == L and all(type(v) in (int, float) and 0.0 <= v <= 1.0 for v in th)):
+        raise DejavuError(f"engine header: build_config.token_k.threshold must list {L} numbers in [0, 1]")
+    if not (isinstance(km, list) and len(km) == L and all(type(k) is int and m <= k <= F for k, m in zip(km, mlp_k))):
+        raise DejavuError(f"engine header: build_config.token_k.k_max must list {L} integers in [K_l, {F}]")
+    return tuple((float(t), k) for t, k in zip(th, km))
 
 
 def _int(d: dict, key: str, default=None) -> int:
@@ -121,7 +144,8 @@ def spec_from_header(header: dict) -> EngineSpec:
         final_ln=bool(mc.get("do_layer_norm_before", True)) and not bool(mc.get("_remove_final_layer_norm", False)),
         mlp_k=ks["mlp_k"], attn_k=ks["attn_k"], has_predictors=has_pred, source=source,
         lookahead=lookahead, dtype=DTYPES[dtype], eos_id=eos,
-        bos_id=mc.get("bos_token_id", 2), pad_id=mc.get("pad_token_id", 1))
+        bos_id=mc.get("bos_token_id", 2), pad_id=mc.get("pad_token_id", 1),
+        token_k=_token_k(bc, ks["mlp_k"], F))
 
 
 def check_tensors(spec: EngineSpec, tensors: dict[str, torch.Tensor]) -> None:

@@ -74,8 +74,12 @@ def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
     assert h["dense_ppl"] > 1 and h["engine_ppl"] > 1
     assert h["source"] == ("dejavu/data/heldout/wikitext2-valid-head.txt tokens [2048, 4096); sensitivity on "
                            "dejavu/data/heldout/wikitext2-valid-head.txt tokens [0, 2048)")
-    check = h["allocation_check"]  # the knapsack against the simple allocations, the best kept
-    assert check["increase_pct"][check["kept"]] == pytest.approx(h["increase_pct"], abs=1e-3)
+    check = h["allocation_check"]  # the knapsack against the simple allocations, the best kept (fixed K)
+    assert check["increase_pct"][check["kept"]] == pytest.approx(h["fixed_k_increase_pct"], abs=1e-3)
+    # the default engine carries a per-token K: its held-out figure and bytes are that engine's
+    tk = bc["token_k"]
+    assert bc["settings"]["token_k"] == "share" and tk["form"] == "share"
+    assert h["increase_pct"] == tk["heldout"]["increase_pct"] and b == tk["bytes_per_token"]
     assert bc["predictor_input"] == PI and bc["predictor_rank_mlp"] == [8] * cfg.num_hidden_layers and bc["predictors"] is True
     assert bc["predictor_form"] == "lowrank"
     assert bc["predictor_targets"] == {"mlp": "contribution_listwise", "attn": "log_contribution_lstsq"}

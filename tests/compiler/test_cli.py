@@ -65,7 +65,15 @@ def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
     assert s["mlp_k"] == [32, 32] and s["attn_k"] == [2, 2]
     bc = read_header(out)["build_config"]
     assert bc["mlp_density"] == 0.25 and bc["settings"]["mlp_density"] == 0.25
-    assert bc["density"] == bc["bytes_per_token"]["fraction"] == s["density"] < 1  # what the fixed K read
+    # what the fixed K read; the default per-token K reads its held-out mean rows (recorded beside it)
+    assert bc["density"] == s["density"] < 1 and bc["settings"]["token_k"] == "share"
+    assert bc["bytes_per_token"] == bc["token_k"]["bytes_per_token"] == s["bytes_per_token"]
+    assert abs(bc["bytes_per_token"]["fraction"] - bc["density"]) < 0.02
+    assert main([str(tiny_opt_dir), "--mlp-density", "0.25", "--attn-density", "0.5", "-o", str(out), "--token-k", "off",
+                 "--allocation", "uniform", *QUICK]) == 0
+    bc = read_header(out)["build_config"]
+    assert "token_k" not in bc and bc["settings"]["token_k"] == "off"
+    assert bc["density"] == bc["bytes_per_token"]["fraction"] == s["density"]
 
 
 def test_inspect(built, capsys):

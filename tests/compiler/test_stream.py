@@ -54,8 +54,13 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     tensors = kernel_layout(model, dtype)
     tensors.update({k: v.to(dtype).contiguous() for k, v in preds.state_dict().items()})
     config.density = allocation["density"]
+    config.token_k = config.resolve_token_k_form(opt=True, onnx=False)  # the per-token K, fitted in memory
+    tk = None
+    if config.token_k == "share":
+        from dejavu.compiler.token_k import resolve_token_k
+        _, tk = resolve_token_k(lambda: model_parts(model), cfg, config, preds, tok, mlp_k, attn_k, allocation)
     header = build_mod.make_header(folder, cfg, config, build_mod.target_info("cpu"), info, mlp_k, attn_k,
-                                   (folder / "tokenizer.json").read_text(), allocation)
+                                   (folder / "tokenizer.json").read_text(), allocation, tk)
     write_engine(path, header, tensors)
 
 

@@ -95,6 +95,7 @@ class MaskedDense:
         bc = header["build_config"]
         self.mlp_k, self.attn_k = bc["mlp_k"], bc["attn_k"]
         self.source, self.lookahead = bc["predictor_input"]["source"], bc["predictor_input"]["lookahead"]
+        self.token_k = bc.get("token_k")  # a per-token MLP K: top k_max, rows kept by plugins.share_keep
         self.enabled = False
         self.src: dict = {}
         self.selections: list = []  # (layer, kind, sorted index rows) per masked call
@@ -123,6 +124,12 @@ class MaskedDense:
         p = f"layers.{l}.pred_{kind}."
         scores = (x @ self.t[p + "a"].T) @ self.t[p + "b"].T + self.t[p + "bias"]
         k = (self.mlp_k if kind == "mlp" else self.attn_k)[l]
+        if kind == "mlp" and self.token_k is not None:
+            from dejavu.plugins import share_keep
+
+            idx = scores.topk(self.token_k["k_max"][l], dim=-1).indices
+            keep = share_keep(scores, idx, self.token_k["threshold"][l]).to(scores.dtype)
+            return torch.zeros_like(scores).scatter_(-1, idx, keep)
         idx = scores.topk(k, dim=-1).indices  # [B, S, k]
         self.selections.append((l, kind, idx.sort(-1).values.reshape(-1, k)))
         return torch.zeros_like(scores).scatter_(-1, idx, 1.0)

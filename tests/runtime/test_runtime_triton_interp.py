@@ -348,7 +348,57 @@ def test_each_layer_launches_with_its_recorded_settings():
     assert out["tokens"] == out["ref"], out
 
 
+TOKEN_K_SCRIPT = r"""
+import copy, torch, json, warnings
+torch.set_num_threads(1)
+from runtime_helpers import engine_from_dense, tiny_model, random_predictors
+from dejavu.runtime import Engine
+m = tiny_model(seed=3)
+preds = {n: v * 6 if n.endswith("pred_mlp.b") else v for n, v in random_predictors(m.config).items()}
+h, t = engine_from_dense(m, 0.25, 0.5, "attn_in", 1, preds=preds)
+h["build_config"]["token_k"] = {"form": "share", "threshold": [0.02] * 3, "k_max": [32] * 3}
+ids = torch.tensor([[2, 17, 40, 5, 88, 63, 9, 21, 22, 23], [2, 33, 7, 44, 45, 46, 47, 48, 49, 50]])
+out = {}
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    engines = {"triton": Engine.from_tensors(h, t, "cpu", backend="triton"),
+               "triton_no_overlap": Engine.from_tensors(h, t, "cpu", backend="triton", overlap=False),
+               "ref": Engine.from_tensors(h, t, "cpu")}
+out["warnings"] = [str(x.message) for x in w]
+logits, kept = {}, {}
+for name, eng in engines.items():
+    run = eng.decoder.pred
+    run.trace, rows = [], []
+    real = eng.ops.sparse_fc1
+    def fc1(*a, real=real, rows=rows):
+        if len(a) > 4:
+            rows.append(sorted(a[3][0][a[4][0]].tolist()))  # batch row 0's kept neurons
+        return real(*a)
+    eng.ops.sparse_fc1 = fc1
+    logits[name] = eng.decode_logits(ids)
+    kept[name] = rows
+out["kernels"] = engines["triton"].ops.kernels
+out["batch_policy"] = engines["triton"].batch_policy
+out["err"] = float((logits["triton"] - logits["ref"]).abs().max() / logits["ref"].abs().max())
+out["same_kept"] = kept["triton"] == kept["ref"] == kept["triton_no_overlap"]
+out["n_kept"] = sorted({len(r) for r in kept["ref"]})
+print(json.dumps(out))
+"""
+
+
+def test_per_token_k_in_interpreter_equals_reference():
+    """A per-token K engine on the Triton backend (default batch policy: per_sequence): the kernels pass
+    their check, each decode step keeps the same neurons as the reference backend (overlap on and off),
+    whose count varies per token, and the logits agree."""
+    out = _run("test_per_token_k_in_interpreter_equals_reference")
+    assert out["kernels"]["sparse_fc1"] == out["kernels"]["sparse_fc2"] == out["kernels"]["predictor_topk"] == "triton", out
+    assert out["batch_policy"] == "per_sequence" and not out["warnings"], out
+    assert out["same_kept"] and len(out["n_kept"]) > 2, out
+    assert out["err"] < 1e-5, out
+
+
 BACKGROUND.update({
+    "test_per_token_k_in_interpreter_equals_reference": (TOKEN_K_SCRIPT, 300),
     "test_each_layer_launches_with_its_recorded_settings": (LAYERS_SCRIPT, 300),
     "test_deferred_layer_norm_in_interpreter_equals_separate_one": (DEFER_SCRIPT, 900),
     "test_decoder_refresh_heads_keep_lags_bounded": (REFRESH_SCRIPT, 300),

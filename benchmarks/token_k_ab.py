@@ -1,0 +1,107 @@
+"""Per-token MLP K on vs off at the same K: one layer's predictor + sparse MLP, batch 1, CUDA graph.
+
+    python benchmarks/token_k_ab.py [--shape opt-30b] [--densities 0.1 0.2 0.3] [--out FILE]
+    python benchmarks/token_k_ab.py --smoke     # CPU, Triton interpreter, tiny shape: runs, times nothing
+
+Per density d (K = round(d F)) and layer, three systems, each the decode step's calls for one MLP
+(predictor_topk -> sparse_fc1 -> sparse_fc2 with residual), on random weights of the shape:
+  fixed        top-K, fc1 and fc2 over K rows (engines built with --token-k off)
+  fixed_skip0  the same, fc2 skipping the rows whose h is 0 (ReLU zeros; SKIP_ZERO alone)
+  token_k      top-2K with keep flags (share >= theta, theta fitted on these scores so that the mean
+               kept rows are K), fc1 reading only kept rows, fc2 skipping zero rows (the default build)
+Weights rotate over copies between calls (cold L2, as in benchmarks/kernels.py). Random predictors: the
+kept count per token follows their score distribution, not a trained one; the rows kept on average are
+K by construction, which is what the bytes depend on. Prints one JSON line per row; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"opt-30b": (7168, 28672, 1144), "opt-66b": (9216, 36864, 512), "tiny": (64, 256, 16)}  # D, F, rank
+
+
+def graph_time(calls) -> float | None:
+    """Median ms per call of `calls` captured in one CUDA graph (benchmarks/kernels.py); off CUDA each
+    call runs once (the smoke run) and None is returned."""
+    if not torch.cuda.is_available():
+        for c in calls:
+            c()
+        return None
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kernels import bench_graph
+
+    return bench_graph(calls, reps=50)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="opt-30b", choices=sorted(SHAPES))
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.2, 0.3])
+    ap.add_argument("--copies", type=int, default=4, help="weight copies rotated between calls (cold L2)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape, one copy (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.shape, args.copies = "tiny", 1
+    from dejavu.compiler.token_k import fit_theta, share_counts
+    from dejavu.plugins import predictor_topk, sparse_fc1, sparse_fc2
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.float16 if dev == "cuda" else torch.float32
+    D, F, r = SHAPES[args.shape]
+    g = torch.Generator(device=dev).manual_seed(0)
+    rn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=dev) * scale).to(dt)  # noqa: E731
+    layers = [dict(a=rn(r, D, scale=D ** -0.5), b=rn(F, r, scale=3 * r ** -0.5), bias=rn(F, scale=0.1),
+                   w1=rn(F, D, scale=D ** -0.5), b1=rn(F, scale=0.1), w2_t=rn(F, D, scale=F ** -0.5),
+                   b2=rn(D, scale=0.1)) for _ in range(args.copies)]
+    xs = [rn(1, D) for _ in range(args.copies)]
+    rows = []
+    for d in args.densities:
+        K = max(1, round(d * F))
+        k_max = min(F, 2 * K)
+        # theta: mean kept rows = K over 256 random inputs through the first copy's predictor
+        p0 = layers[0]
+        probe = rn(256, D)
+        scores = ((probe.float() @ p0["a"].float().T) @ p0["b"].float().T + p0["bias"].float())
+        theta = fit_theta(scores, K, k_max)
+        mean_kept = float(share_counts(scores, theta, k_max).float().mean())
+
+        def system(kind):
+            calls = []
+            for w, x in zip(layers, xs):
+                def call(w=w, x=x):
+                    if kind == "token_k":
+                        idx, keep = predictor_topk(x, w["a"], w["b"], w["bias"], k_max, min_share=theta)
+                        h = sparse_fc1(x, w["w1"], w["b1"], idx, keep)
+                    else:
+                        idx = predictor_topk(x, w["a"], w["b"], w["bias"], K)
+                        h = sparse_fc1(x, w["w1"], w["b1"], idx)
+                    return sparse_fc2(h, w["w2_t"], w["b2"], idx, x, skip_zero=kind != "fixed")
+                calls.append(call)
+            return calls
+
+        for kind in ("fixed", "fixed_skip0", "token_k"):
+            t0 = time.perf_counter()
+            ms = graph_time(system(kind))
+            row = {"shape": args.shape, "density": d, "K": K, "system": kind, "ms": ms,
+                   "k_max": k_max if kind == "token_k" else K,
+                   "theta": theta if kind == "token_k" else None,
+                   "mean_kept_probe": mean_kept if kind == "token_k" else K,
+                   "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                   "wall_s": round(time.perf_counter() - t0, 2)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"argv": sys.argv[1:], "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+                                              "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""A per-token MLP K in the kernels (interpreter): the top-k's keep flags, fc1's dropped rows, fc2's zero rows."""
+import pytest
+import torch
+
+from dejavu.errors import DejavuError
+from dejavu.plugins import (DEFAULT, predictor_topk, predictor_topk_ref, share_keep, sparse_fc1, sparse_fc1_ref,
+                            sparse_fc2, sparse_fc2_ref)
+
+D, F, K = 72, 200, 37  # not multiples of any block size
+
+
+def _weights(dtype):
+    w1, b1 = (torch.randn(F, D) / D ** 0.5).to(dtype), torch.randn(F).to(dtype)
+    w2_t, b2 = (torch.randn(F, D) / K ** 0.5).to(dtype), torch.randn(D).to(dtype)
+    return w1, b1, w2_t, b2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("B,dot_min", [(1, 1), (1, 64), (3, 64)])  # batch 1 through the dot and the GEMV kernel
+def test_dropped_and_zero_rows_read_nothing_and_give_the_reference(triton_interp, close, dtype, B, dot_min):
+    import dataclasses
+
+    settings = dataclasses.replace(DEFAULT, fc1_dot_min_batch=dot_min, fc2_dot_min_batch=dot_min)
+    x = torch.randn(B, D).to(dtype)
+    w1, b1, w2_t, b2 = _weights(dtype)
+    idx = torch.stack([torch.randperm(F)[:K] for _ in range(B)]).to(torch.int32)
+    keep = torch.rand(B, K) < 0.5
+    # batch 1: the weight rows of dropped rows are NaN (read, they would poison the outputs)
+    w1p, w2p = w1.clone(), w2_t.clone()
+    if B == 1:
+        w1p[idx[0][~keep[0]].long()] = float("nan")
+    h = torch.full((B, K), float("nan"), dtype=dtype)
+    sparse_fc1(x, w1p, b1, idx, keep, out=h, settings=settings)
+    h_ref = sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx, keep)
+    close(h, h_ref, sparse_fc1_ref(x, w1, b1, idx, keep))
+    assert (h[~keep] == 0).all()
+    # fc2 skips rows whose h is 0 (dropped ones and ReLU zeros): NaN there is never read
+    zero = h == 0
+    if B == 1:
+        w2p[idx[0][zero[0]].long()] = float("nan")
+    res = torch.randn(B, D).to(dtype)
+    y = torch.full((B, D), float("nan"), dtype=dtype)
+    sparse_fc2(h, w2p, b2, idx, res, out=y, skip_zero=True, settings=settings)
+    y_ref = sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double())
+    close(y, y_ref, sparse_fc2_ref(h, w2_t, b2, idx, res))
+
+
+@pytest.mark.parametrize("method", ["torch", "triton"])
+def test_topk_keep_flags_equal_the_reference(triton_interp, method):
+    B, r, N, k = 4, 8, 300, 40
+    x, a = torch.randn(B, 48), torch.randn(r, 48) / 48 ** 0.5
+    b, bias = 3 * torch.randn(N, r) / r ** 0.5, 0.1 * torch.randn(N)
+    for share in (0.002, 0.01, 1.0):
+        idx, keep = predictor_topk(x, a, b, bias, k, method=method, min_share=share)
+        ridx, rkeep = predictor_topk_ref(x, a, b, bias, k, min_share=share)
+        for i in range(B):  # the same kept set (the kernel's order is not sorted)
+            assert set(idx[i][keep[i]].tolist()) == set(ridx[i][rkeep[i]].tolist())
+            assert set(idx[i].tolist()) == set(ridx[i].tolist())
+        assert keep.any(-1).all()  # at least each token's best row
+    assert (keep.sum(-1) == 1).all()  # share 1.0: only the best
+    with pytest.raises(DejavuError, match="per sequence"):
+        predictor_topk(x, a, b, bias, k, shared=True, min_share=0.01)
+
+
+def test_share_keep_against_float64():
+    s = 2 * torch.randn(5, 120, dtype=torch.float64)
+    idx = s.topk(30, -1).indices
+    got = share_keep(s, idx, 0.01)
+    p = torch.softmax(s, -1)
+    n = (p >= 0.01).sum(-1).clamp(1, 30)
+    assert torch.equal(got, torch.arange(30) < n[:, None])
+
+
+def test_fc1_keep_errors(triton_interp):
+    x = torch.randn(2, D)
+    w1, b1, _, _ = _weights(torch.float32)
+    idx = torch.randperm(F)[:K].to(torch.int32)
+    with pytest.raises(DejavuError, match="per sequence"):
+        sparse_fc1(x, w1, b1, idx, torch.ones(2, K, dtype=torch.bool))
+    with pytest.raises(DejavuError, match="keep"):
+        sparse_fc1(x, w1, b1, torch.stack([idx, idx]), torch.ones(2, K - 1, dtype=torch.bool))
