@@ -221,8 +221,13 @@ def format_llama_header(h: dict, path: str, size: int) -> str:
              f"dtype       {h.get('dtype')}",
              f"target      {t.get('device')} arch={t.get('arch')}",
              f"density     {bc.get('density')} of the bytes ({b.get('fraction')} read: {b.get('engine')} of "
-             f"{b.get('dense')} bytes per token)",
-             f"sparsity    {sp['method']}: {sp['skip']} of each projection input skipped, thresholds per layer:"]
+             f"{b.get('dense')} bytes per token; allocation {bc.get('allocation')})"]
+    h_out = bc.get("heldout")
+    if h_out:
+        lines += _accuracy_lines(bc.get("density"), bc.get("allocation"), None, h_out)
+    skips = sp.get("skips") or {k: sp["skip"] for k in sp["thresholds"]}  # engines before per-input skips
+    lines.append(f"sparsity    {sp['method']}: {sp['skip']} of the block bytes skipped ("
+                 + ", ".join(f"{k} {v}" for k, v in skips.items()) + "), thresholds per layer:")
     keys = list(sp["thresholds"])
     lines.append(f"{'layer':>5} " + " ".join(f"{k:>9}" for k in keys))
     for l in range(mc["num_hidden_layers"]):
