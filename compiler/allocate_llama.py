@@ -49,7 +49,8 @@ def heldout_nll(model, ids: torch.Tensor, thresholds: dict | None = None) -> flo
     sparse = thresholds is not None and any(t > 0 for ts in thresholds.values() for t in ts)
     with (gated_sparsity(model, thresholds, GatedSparsity(skip=0.5)) if sparse else _null()):
         for w in ids:
-            logits = model(w[None])[0, :-1].float()  # [S-1, V]
+            logits = model(w[None])[0, :-1]  # [S-1, V]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             total += float(F.cross_entropy(logits, w[1:].to(logits.device), reduction="sum"))
             count += w.numel() - 1
     return total / count
