@@ -120,10 +120,15 @@ def test_density_build_records_its_allocation_within_the_budget(folder, tmp_path
         assert kept == min(check["sensitivity_pct"], check["uniform_pct"]) == held["increase_pct"]
 
 
-def test_max_ppl_increase_build_is_within_p_on_the_held_out_windows(folder, tmp_path):
+def test_max_ppl_increase_build_is_within_p_on_the_held_out_windows(folder, tmp_path, capsys):
+    from dejavu.compiler.cli import main
+
     path = tmp_path / "x.engine"
-    build_engine(folder, BuildConfig(max_ppl_increase=2.0, **CALIB), path, progress=False)
+    assert main([str(folder), "--max-ppl-increase", "2", "-o", str(path), "-q", "--calib-tokens", "512",
+                 "--calib-window", "128", "--heldout-tokens", "256", "--dtype", "float32"]) == 0
     h, _ = read_engine(path)
+    out = capsys.readouterr().out
+    assert f"({h['build_config']['heldout']['increase_pct']:+.2f}%)" in out and "TEAL, " in out
     bc = h["build_config"]
     assert bc["heldout"]["increase_pct"] <= 2.0 and bc["settings"]["max_ppl_increase"] == 2.0
     assert 0 < h["sparsity"]["skip"] < 0.9  # a budget was found, not dense and not the least
