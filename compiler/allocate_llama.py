@@ -16,6 +16,7 @@ by 0.01 to 1 nats (docs/llama.md).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -47,21 +48,14 @@ def heldout_nll(model, ids: torch.Tensor, thresholds: dict | None = None) -> flo
     {key: [L]} applied by gated_sparsity's hooks, or dense (None)."""
     total, count = 0.0, 0
     sparse = thresholds is not None and any(t > 0 for ts in thresholds.values() for t in ts)
-    with (gated_sparsity(model, thresholds, GatedSparsity(skip=0.5)) if sparse else _null()):
+    # given thresholds, GatedSparsity's skip only switches the hooks on
+    with (gated_sparsity(model, thresholds, GatedSparsity()) if sparse else contextlib.nullcontext()):
         for w in ids:
             logits = model(w[None])[0, :-1]  # [S-1, V]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             total += float(F.cross_entropy(logits, w[1:].to(logits.device), reduction="sum"))
             count += w.numel() - 1
     return total / count
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @dataclass
