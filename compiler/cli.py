@@ -69,7 +69,8 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
                    help="training epochs after the least-squares start (0: least squares only)")
     p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
-                   help="sensitivity: K by measured loss per byte (knapsack); uniform: the same fraction everywhere")
+                   help="sensitivity: by measured held-out loss per byte (OPT: K per layer and kind; Llama: one "
+                        "TEAL skip per projection input); uniform: the same fraction everywhere")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
     p.add_argument("--topk-limit", type=int, default=S, metavar="K",
