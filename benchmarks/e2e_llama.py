@@ -155,7 +155,7 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         target = target_info(str(dev))  # the settings a build records, the variant's input_sparse fields over them
         ks = target["kernel_settings"] or {"input_sparse": dataclasses.asdict(InputSparseSettings())}
         target["kernel_settings"] = {**ks, "input_sparse": {**ks["input_sparse"], **variant}}
-        header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, s, th,
+        header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}

@@ -9,6 +9,10 @@ fraction of block weight bytes skipped (--levels), the WikiText-2 test perplexit
 Thresholds come from --calib-tokens tokens of the shipped calibration text
 (WikiText-2 *train* head), never from the evaluation text. --task-runs names the runs that
 also get the six shipped tasks (--task-limit examples each), after every run's perplexity.
+--allocations: `uniform` (every input at the level; runs "teal@S") and/or `sensitivity` (runs
+"teal+sens@S": one skip per input kind by the held-out loss increase of each kind,
+compiler/allocate_llama.py, measured on the --heldout-tokens calibration-file tokens after the
+calibration tokens, never the evaluation text).
 The JSON is rewritten after every run, so an interrupted study keeps what it finished.
 """
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from dejavu.compiler.allocate_llama import Sensitivity, allocate_skips, input_bytes, kind_thresholds, measure_sensitivity
 from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, Reads, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
@@ -39,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--calib-cache", metavar="FILE", help="load the calibration from FILE if it exists, else save it there")
+    p.add_argument("--allocations", nargs="+", default=["uniform"], choices=["uniform", "sensitivity"])
+    p.add_argument("--heldout-tokens", type=int, default=2048, help="calibration-file tokens for the sensitivity")
+    p.add_argument("--sensitivity-cache", metavar="FILE", help="load the sensitivity from FILE if it exists, else save it")
     p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="include the dense run")
     p.add_argument("--task-runs", nargs="*", default=[], metavar="METHOD@SKIP",
                    help='runs that also get the tasks, e.g. "dense teal@0.25"')
@@ -85,12 +93,15 @@ def main(argv=None) -> None:
 
     text = read_text(WIKITEXT2_TEST)
     task_runs = set(args.task_runs)
-    runs = ([("dense", 0.0)] if args.dense else []) + [(m, s) for s in args.levels for m in args.methods]
+    methods = [m if a == "uniform" else f"{m}+sens" for m in args.methods for a in args.allocations]
+    runs = ([("dense", 0.0)] if args.dense else []) + [(m, s) for s in args.levels for m in methods]
     if args.no_ppl:  # only the runs that get tasks
         runs = [(m, s) for m, s in runs if ("dense" if m == "dense" else f"{m}@{s:g}") in task_runs]
     calib = None
     if any(m != "dense" for m, _ in runs):
         calib = _calibration(sm, args, res)
+    if any(m.endswith("+sens") for m, _ in runs):
+        calib = {"calib": calib, "sens": _sensitivity(sm, calib, args, res)}
     def ppl(row):
         r = eval_perplexity(sm, text, args.window, args.ppl_tokens, batch=8, progress=False)
         row.update(perplexity=r["perplexity"], ppl_tokens=r["tokens"], window=args.window)
@@ -127,10 +138,33 @@ def _calibration(sm, args, res: dict):
     return calib
 
 
+def _sensitivity(sm, calib, args, res: dict) -> Sensitivity:
+    """Per-kind held-out loss increases on the calibration file's tokens after the calibration ones."""
+    t0 = time.perf_counter()
+    cache = Path(args.sensitivity_cache) if args.sensitivity_cache else None
+    if cache is not None and cache.is_file():
+        sens = Sensitivity(**{k: (tuple(v) if k == "levels" else v) for k, v in json.loads(cache.read_text()).items()})
+    else:
+        ids = text_ids(sm, read_text(CALIB_TEXT), args.calib_tokens + args.heldout_tokens)[args.calib_tokens:]
+        n = ids.numel() // args.window * args.window
+        sens = measure_sensitivity(sm.info["model"], calib, ids[:n].view(-1, args.window),
+                                   progress=lambda k, s, d: print(f"sensitivity {k} {s:g}: {d:+.5f}", flush=True))
+        if cache is not None:
+            cache.write_text(json.dumps(sens.to_dict()))
+    res["sensitivity"] = {**sens.to_dict(), "tokens": [args.calib_tokens, args.calib_tokens + args.heldout_tokens],
+                          "seconds": round(time.perf_counter() - t0, 1)}
+    return sens
+
+
 def _run(model, calib, method, skip, row: dict, save, body, skip_key: str) -> None:
     """body(row) with the setting applied; the realized skip on what it evaluated into row[skip_key]."""
     t0 = time.perf_counter()
-    s = GatedSparsity("teal" if method == "dense" else method, skip)
+    if isinstance(calib, dict):  # with a sensitivity: the allocated runs get their per-kind thresholds
+        skips = allocate_skips(calib["sens"], input_bytes(model.config), skip) if method.endswith("+sens") else None
+        if skips:
+            row["skips"] = {k: round(v, 4) for k, v in skips.items()}
+        calib = kind_thresholds(calib["calib"], skips) if skips else calib["calib"]
+    s = GatedSparsity("teal" if method == "dense" else method.removesuffix("+sens"), skip)
     with (gated_sparsity(model, calib, s) if calib is not None and skip > 0 else contextlib.nullcontext(Reads())) as reads:
         body(row)
     row[skip_key] = round(reads.skipped, 4)

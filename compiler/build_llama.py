@@ -4,8 +4,10 @@ The sparsity is TEAL's (compiler/gated_sparsity.py): each block projection reads
 input columns whose |x_i| exceeds a per-layer, per-input threshold, calibrated on the
 calibration text (never the evaluation text). `--density` keeps the byte-budget meaning of
 OPT engines: the fraction of a dense decode step's weight bytes read per token, the LM head,
-the embedding row and the norms included. It is mapped to one skip fraction for every input
-(`skip_for_density`); a per-layer allocator can refine that later.
+the embedding row and the norms included. It is mapped to a block skip (`skip_for_density`),
+spent over the four input kinds by measured held-out loss (compiler/allocate_llama.py,
+`--allocation sensitivity`) or at one level for every input (`--allocation uniform`);
+`--max-ppl-increase P` searches the least density within P percent on held-out windows.
 
 Kernel layout (the runtime reads columns of W as contiguous rows of W^T):
     embed_tokens [V, D], lm_head [V, D] (untied only), final_norm [D]
@@ -74,12 +76,11 @@ def density_for_skip(cfg, skip: float) -> float:
 def _check_supported(cfg, config) -> None:
     if cfg.attention_bias or cfg.mlp_bias:
         raise DejavuError("Llama engines do not support attention_bias / mlp_bias checkpoints yet")
-    unsupported = {"mlp_density": None, "attn_density": None, "max_ppl_increase": None, "tp": 1,
-                   "no_predictors": False}
+    unsupported = {"mlp_density": None, "attn_density": None, "tp": 1, "no_predictors": False}
     for name, default in unsupported.items():
         if getattr(config, name) != default:
             raise DejavuError(f"--{name.replace('_', '-')} is not supported for Llama-family models yet "
-                              "(TEAL thresholds from --density)")
+                              "(TEAL thresholds from --density or --max-ppl-increase)")
 
 
 class _Blocks(torch.nn.Module):
@@ -101,11 +102,11 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, dict]:
-    """({input: [L] thresholds}, calibration header) from the calibration text."""
+def calibrate_inputs(model, tokenizer, config):
+    """(gated_sparsity.Calibration, calibration header) from the calibration text."""
     from dejavu.compiler.build import _corpus_name
     from dejavu.compiler.config import CalibSettings
-    from dejavu.compiler.gated_sparsity import calibrate, thresholds as gated_thresholds
+    from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
 
     cfg = model.config
@@ -117,10 +118,9 @@ def calibrate_thresholds(model, tokenizer, config, skip: float) -> tuple[dict, d
         raise DejavuError(f"--calib-tokens {want} is less than one window of {window} tokens")
     ids = torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device)
     calib = calibrate(_Blocks(model), ids)
-    thresholds = {k: [round(t, 8) for t in ts] for k, ts in gated_thresholds(calib, skip).items() if k in INPUTS}
     header = {"corpus": _corpus_name(corpus), "n_tokens": n, "window": window,
               "tokens_fingerprint": fingerprint_tokens(ids.cpu().numpy().reshape(-1))}
-    return thresholds, header
+    return calib, header
 
 
 def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
@@ -141,26 +141,34 @@ def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Te
     return t
 
 
-def llama_header(name: str, cfg, config, target: dict, skip: float, thresholds: dict, calibration,
-                 tokenizer_json: str, special_ids: tuple | None = None) -> dict:
+def llama_header(name: str, cfg, config, target: dict, skips: dict, thresholds: dict, calibration,
+                 tokenizer_json: str, special_ids: tuple | None = None, heldout: dict | None = None) -> dict:
     """The Llama engine header: the family, the TEAL setting and thresholds, bytes per token.
-    special_ids: the tokenizer's (bos, eos, pad), written over the model config's."""
+    skips: {input: skip} (one per input kind); special_ids: the tokenizer's (bos, eos, pad), written
+    over the model config's; heldout: allocate_llama.resolve_skips's report."""
+    from dejavu.compiler.allocate_llama import block_skip, input_bytes
     from dejavu.engine_file import FORMAT_NAME, FORMAT_VERSION
 
+    skip = block_skip(skips, input_bytes(cfg))
     b = step_bytes(cfg, torch.tensor([], dtype=getattr(torch, config.dtype)).element_size())
     read = b["fixed"] + (1 - skip) * b["block"]
     mc = cfg.to_hf_dict()
     if special_ids is not None:  # the ids text starts / ends / pads with (GGUF: the document separator)
         mc.update(bos_token_id=special_ids[0], eos_token_id=special_ids[1], pad_token_id=special_ids[2])
+    uniform = len(set(skips.values())) == 1
+    kept = (heldout or {}).get("allocation_check", {}).get("kept", "uniform" if uniform else "sensitivity")
     return {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_family": FAMILY,
         "model": Path(name).name if Path(name).is_dir() else name,
         "model_config": mc, "dtype": config.dtype, "target": target,
-        "sparsity": {"method": "teal", "skip": round(skip, 8), "inputs": list(INPUTS), "thresholds": thresholds},
+        "sparsity": {"method": "teal", "skip": round(skip, 8), "skips": {k: round(skips[k], 8) for k in INPUTS},
+                     "inputs": list(INPUTS), "thresholds": thresholds},
         "build_config": {
-            "density": config.density, "allocation": "uniform",
+            "density": round(density_for_skip(cfg, skip), 6) if config.density is None else config.density,
+            "allocation": kept,
             "bytes_per_token": {"engine": int(round(read)), "dense": b["dense"],
                                 "fraction": round(read / b["dense"], 6)},
+            **({"heldout": heldout} if heldout else {}),
             "calibration": calibration, "settings": config.to_dict()},
         "tokenizer_json": tokenizer_json,
     }
@@ -169,6 +177,7 @@ def llama_header(name: str, cfg, config, target: dict, skip: float, thresholds: 
 def build_llama_engine(model_name_or_path, config, out, progress: bool = True, onnx_out=None) -> dict:
     """Build a Llama-family `.engine` (called by compiler/build.build_engine); a summary dict.
     onnx_out: a folder for the dense and TEAL-sparse ONNX graphs (compiler/onnx_llama.py)."""
+    from dejavu.compiler.allocate_llama import block_skip, input_bytes, kind_thresholds, resolve_skips
     from dejavu.compiler.build import _check_output, _Stages, target_info
     from dejavu.engine_file import write_engine
     from dejavu.models.auto import load_llama, load_text_tokenizer
@@ -180,10 +189,14 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
         model, cfg = load_llama(model_name_or_path, dtype=torch.float32, device=config.device)
         tokenizer = load_text_tokenizer(model_name_or_path)
     _check_supported(cfg, config)
-    skip = skip_for_density(cfg, config.density)
+    skip = skip_for_density(cfg, config.density) if config.max_ppl_increase is None else None
     with stages("calibrate thresholds"):
         with torch.no_grad():
-            thresholds, calibration = calibrate_thresholds(model, tokenizer, config, skip)
+            calib, calibration = calibrate_inputs(model, tokenizer, config)
+    with stages("allocate budget"):
+        skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, calibration["n_tokens"])
+    thresholds = {k: [round(t, 8) for t in ts] for k, ts in kind_thresholds(calib, skips).items()}
+    skip = block_skip(skips, input_bytes(cfg))
     onnx_report = None
     if onnx_out is not None:
         with stages("export ONNX"):
@@ -191,8 +204,9 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     with stages("kernel layout"):
         tensors = llama_tensors(model, getattr(torch, config.dtype))
         del model
-    header = llama_header(str(model_name_or_path), cfg, config, target, skip, thresholds, calibration,
-                          tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id))
+    header = llama_header(str(model_name_or_path), cfg, config, target, skips, thresholds, calibration,
+                          tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id),
+                          heldout)
     with stages("write engine"):
         size = write_engine(out, header, tensors)
     if progress:
@@ -200,7 +214,8 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     return {"engine": str(out), "model_family": FAMILY, **({"onnx": onnx_report} if onnx_report else {}),
             "engine_bytes": size,
             "weight_bytes": sum(t.nbytes for t in tensors.values()), "dtype": config.dtype, "target": target,
-            "density": config.density, "skip": header["sparsity"]["skip"],
+            "density": header["build_config"]["density"], "allocation": header["build_config"]["allocation"],
+            "skip": header["sparsity"]["skip"], "skips": header["sparsity"]["skips"], "heldout": heldout,
             "bytes_per_token": header["build_config"]["bytes_per_token"], "thresholds": thresholds,
             "calibration": calibration, "stage_seconds": stages.times,
             "total_seconds": round(time.perf_counter() - t0, 3)}
@@ -233,15 +248,17 @@ def _export_onnx(model, thresholds: dict, skip: float, out_dir: Path) -> dict:
 
 def format_llama_summary(s: dict) -> str:
     """dejavu-compile's printout of a Llama build."""
+    from dejavu.compiler.cli import _accuracy_lines
+
     mb = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
-    b = s["bytes_per_token"]
     lines = [f"engine      {s['engine']}  ({mb(s['engine_bytes'])}, {s['dtype']}, target {s['target']['device']}, "
-             f"family llama)",
-             f"bytes/token {b['engine'] / 2**20:.3f} MiB of {b['dense'] / 2**20:.3f} MiB dense = {b['fraction']:.4f} "
-             f"(density {s['density']}: TEAL, {s['skip']:.4f} of each projection input skipped)",
-             f"calibration {s['calibration']['n_tokens']} tokens of {s['calibration']['corpus']} "
-             f"(windows of {s['calibration']['window']})",
-             f"{'layer':>5} " + " ".join(f"{k:>9}" for k in INPUTS)]
+             f"family llama)"]
+    lines += _accuracy_lines(s["density"], s["allocation"], s["bytes_per_token"], s["heldout"])
+    lines += [f"sparsity    TEAL, {s['skip']:.4f} of the block bytes skipped: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in s["skips"].items()),
+              f"calibration {s['calibration']['n_tokens']} tokens of {s['calibration']['corpus']} "
+              f"(windows of {s['calibration']['window']})",
+              f"{'layer':>5} " + " ".join(f"{k:>9}" for k in INPUTS)]
     th = s["thresholds"]
     for l in range(len(th[INPUTS[0]])):
         lines.append(f"{l:>5} " + " ".join(f"{th[k][l]:>9.4f}" for k in INPUTS))

@@ -69,7 +69,8 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
                    help="training epochs after the least-squares start (0: least squares only)")
     p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
-                   help="sensitivity: K by measured loss per byte (knapsack); uniform: the same fraction everywhere")
+                   help="sensitivity: by measured held-out loss per byte (OPT: K per layer and kind; Llama: one "
+                        "TEAL skip per projection input); uniform: the same fraction everywhere")
     p.add_argument("--token-k", default=S, choices=TOKEN_K_FORMS,
                    help="share: a per-token MLP K (the rows whose predicted share passes a per-layer threshold, "
                         "at most 2 K per layer, mean K on the held-out windows); off: K rows for every token "
@@ -226,8 +227,13 @@ def format_llama_header(h: dict, path: str, size: int) -> str:
              f"dtype       {h.get('dtype')}",
              f"target      {t.get('device')} arch={t.get('arch')}",
              f"density     {bc.get('density')} of the bytes ({b.get('fraction')} read: {b.get('engine')} of "
-             f"{b.get('dense')} bytes per token)",
-             f"sparsity    {sp['method']}: {sp['skip']} of each projection input skipped, thresholds per layer:"]
+             f"{b.get('dense')} bytes per token; allocation {bc.get('allocation')})"]
+    h_out = bc.get("heldout")
+    if h_out:
+        lines += _accuracy_lines(bc.get("density"), bc.get("allocation"), None, h_out)
+    skips = sp.get("skips") or {k: sp["skip"] for k in sp["thresholds"]}  # engines before per-input skips
+    lines.append(f"sparsity    {sp['method']}: {sp['skip']} of the block bytes skipped ("
+                 + ", ".join(f"{k} {v}" for k, v in skips.items()) + "), thresholds per layer:")
     keys = list(sp["thresholds"])
     lines.append(f"{'layer':>5} " + " ".join(f"{k:>9}" for k in keys))
     for l in range(mc["num_hidden_layers"]):

@@ -15,7 +15,8 @@ Measured against two other methods on SmolLM2-135M (docs/llama.md): CATS (thresh
 neurons; both lost at every budget and were removed (commit ab41bba holds them). A greedy
 allocation of the budget over layers and inputs (TEAL's, from per-input error curves measured at
 calibration) lost to the uniform level on held-out calibration text and was removed (commit
-7896f4d holds it; docs/llama.md).
+7896f4d holds it; docs/llama.md). The shipped allocation prices each input kind by the model's
+end-to-end held-out loss instead (compiler/allocate_llama.py).
 """
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def test_sparse_logits_equal_the_compilers_simulation(built):
 
 def test_thresholds_are_the_calibration_texts_quantiles(built):
     """The header's thresholds are gated_sparsity.calibrate's on the recorded calibration tokens
-    (the shipped WikiText-2 *train* head), at the skip the density maps to."""
+    (the shipped WikiText-2 *train* head), each input at its recorded skip; those skips spend
+    exactly the block skip the density maps to."""
     from dejavu.compiler.build_llama import _Blocks, skip_for_density
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
@@ -86,8 +87,9 @@ def test_thresholds_are_the_calibration_texts_quantiles(built):
     assert header["sparsity"]["skip"] == pytest.approx(skip, abs=1e-7)
     with torch.no_grad():
         cal = calibrate(_Blocks(model), torch.as_tensor(ids, dtype=torch.long).view(4, 128))
+    skips = header["sparsity"]["skips"]
     for key, values in header["sparsity"]["thresholds"].items():
-        assert values == pytest.approx([cal.threshold(key, l, skip) for l in range(2)], rel=1e-6)
+        assert values == pytest.approx([cal.threshold(key, l, skips[key]) for l in range(2)], rel=1e-6)
 
 
 def test_density_is_the_byte_fraction(built):
@@ -182,7 +184,8 @@ def test_dejavu_run_and_inspect_on_a_llama_engine(built, capsys):
     text = capsys.readouterr().out
     assert "family llama" in text and "teal:" in text and "layers.0.mlp.wgu_t" in text
     th = read_engine(path)[0]["sparsity"]["thresholds"]
-    assert f"{th['attn_in'][1]:.4f}" in text.splitlines()[8]  # layer 1's row of the threshold table
+    row = next(line for line in text.splitlines() if line.startswith("    1 "))  # layer 1's threshold row
+    assert f"{th['attn_in'][1]:.4f}" in row and "held-out    ppl" in text
 
 
 def test_triton_path_under_the_interpreter_equals_the_reference(built):
@@ -245,8 +248,8 @@ def test_dense_engine_in_memory_equals_the_model(over):
 
     model = tiny_llama(seed=5, **over)
     th = {k: [0.0, 0.0] for k in INPUTS}
-    header = llama_header("m", model.config, BuildConfig(density=1.0, dtype="float32"), {"device": "cpu"}, 0.0, th,
-                          None, "")
+    header = llama_header("m", model.config, BuildConfig(density=1.0, dtype="float32"), {"device": "cpu"},
+                          {k: 0.0 for k in INPUTS}, th, None, "")
     eng = Engine.from_tensors(header, llama_tensors(model, torch.float32))
     ids = _ids(2, 40, seed=6)
     with torch.no_grad():

@@ -1,0 +1,186 @@
+"""Byte budget → one TEAL skip per projection input, by measured end-to-end loss (Llama family).
+
+The OPT side's design (compiler/allocate.py) applied to TEAL thresholds. On held-out windows
+(never the evaluation text), `measure_sensitivity` measures the model's loss increase when every
+layer's input of one kind (attn_in, o_in, mlp_in, down_in) skips the fraction s of its
+calibration activations, s in LEVELS, the other kinds dense. `allocate_skips` spends the byte
+budget on the kinds cheapest in loss per byte skipped (greedy on each curve's lower convex hull,
+the last step filled partially, so the budget is met exactly and never exceeded). The combined
+engine is then measured on a second, disjoint set of held-out windows against the uniform level
+(every input at the same skip) at the same bytes, and the better of the two is kept.
+
+One skip per kind, not per (layer, kind): on SmolLM2-135M a single layer's input at 40% moves
+the held-out loss by 1e-3 to 1e-2 nats on 1,022 tokens, the size of the noise of that many
+tokens (most single-layer increases measured negative), while a kind across all layers moves it
+by 0.01 to 1 nats (docs/llama.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dejavu.compiler.gated_sparsity import KEYS, Calibration, GatedSparsity, gated_sparsity, projection_bytes
+from dejavu.errors import DejavuError
+
+LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # skips measured per kind
+SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase over the block skip
+
+
+def input_bytes(cfg) -> dict[str, int]:
+    """Weight elements per layer read through each input kind: {key in KEYS: n}."""
+    b = projection_bytes(cfg)
+    return {"attn_in": b["attn_in"], "o_in": b["o_in"], "mlp_in": b["gate"] + b["up"], "down_in": b["down"]}
+
+
+def kind_thresholds(calib: Calibration, skips: dict[str, float]) -> dict[str, list[float]]:
+    """Per-layer thresholds {key: [L]} with every layer's input `key` at the skip skips[key]."""
+    L = calib.tables[KEYS[0]].shape[0]
+    return {k: [calib.threshold(k, l, skips[k]) if skips[k] > 0 else 0.0 for l in range(L)] for k in KEYS}
+
+
+@torch.no_grad()
+def heldout_nll(model, ids: torch.Tensor, thresholds: dict | None = None) -> float:
+    """Mean next-token NLL of windows ids [B, S] (one window at a time), with TEAL thresholds
+    {key: [L]} applied by gated_sparsity's hooks, or dense (None)."""
+    total, count = 0.0, 0
+    sparse = thresholds is not None and any(t > 0 for ts in thresholds.values() for t in ts)
+    # given thresholds, GatedSparsity's skip only switches the hooks on
+    with (gated_sparsity(model, thresholds, GatedSparsity()) if sparse else contextlib.nullcontext()):
+        for w in ids:
+            logits = model(w[None])[0, :-1]  # [S-1, V]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            total += float(F.cross_entropy(logits, w[1:].to(logits.device), reduction="sum"))
+            count += w.numel() - 1
+    return total / count
+
+
+@dataclass
+class Sensitivity:
+    """Held-out loss increase (nats/token) of each input kind at each of `levels`: {key: [len(levels)]}."""
+
+    levels: tuple
+    delta: dict
+    dense_nll: float
+
+    def to_dict(self) -> dict:
+        return {"levels": list(self.levels), "delta": {k: [round(v, 6) for v in d] for k, d in self.delta.items()},
+                "dense_nll": round(self.dense_nll, 6)}
+
+
+def measure_sensitivity(model, calib: Calibration, ids: torch.Tensor, levels=LEVELS, progress=None) -> Sensitivity:
+    """For every kind and level: the held-out NLL with that kind's inputs at the level in every
+    layer, the other kinds dense, minus the dense NLL (len(KEYS) * len(levels) + 1 passes)."""
+    dense = heldout_nll(model, ids)
+    delta = {k: [] for k in KEYS}
+    for k in KEYS:
+        for s in levels:
+            skips = {kk: (s if kk == k else 0.0) for kk in KEYS}
+            delta[k].append(heldout_nll(model, ids, kind_thresholds(calib, skips)) - dense)
+            if progress is not None:
+                progress(k, s, delta[k][-1])
+    return Sensitivity(tuple(levels), delta, dense)
+
+
+def _hull(xs: list[float], ys: list[float]) -> list[tuple[float, float]]:
+    """Lower convex hull of the points (xs ascending)."""
+    pts: list[tuple[float, float]] = []
+    for p in zip(xs, ys):
+        while len(pts) >= 2 and ((pts[-1][1] - pts[-2][1]) * (p[0] - pts[-2][0])
+                                 >= (p[1] - pts[-2][1]) * (pts[-1][0] - pts[-2][0])):
+            pts.pop()
+        pts.append(p)
+    return pts
+
+
+def allocate_skips(sens: Sensitivity, weights: dict[str, int], skip: float) -> dict[str, float]:
+    """One skip per kind whose bytes, sum_k weights[k] * s_k, equal skip * sum(weights) (the block
+    budget), chosen cheapest loss increase per byte first. Measured increases are made
+    non-negative and non-decreasing in the skip first (noise); between levels the loss is linear.
+    A budget past the measured levels (skip > max(levels)) cannot be priced: every kind gets `skip`."""
+    if not 0.0 <= skip < 1.0:
+        raise DejavuError(f"skip must be in [0, 1), got {skip}")
+    if skip > max(sens.levels):
+        return {k: skip for k in KEYS}
+    xs = [0.0, *sens.levels]
+    segments = []  # (loss per byte, kind, from, to)
+    for k in KEYS:
+        ys, run = [0.0], 0.0
+        for d in sens.delta[k]:
+            run = max(run, d)
+            ys.append(run)
+        h = _hull(xs, ys)
+        segments += [((y1 - y0) / ((x1 - x0) * weights[k]), i, k, x0, x1)
+                     for i, ((x0, y0), (x1, y1)) in enumerate(zip(h, h[1:]))]
+    segments.sort()  # ties: the earlier segment of a kind first (its hull order)
+    want, got = skip * sum(weights.values()), 0.0
+    skips = {k: 0.0 for k in KEYS}
+    for _, _, k, x0, x1 in segments:
+        if got >= want:
+            break
+        step = min(x1 - x0, (want - got) / weights[k])
+        skips[k] = x0 + step
+        got += step * weights[k]
+    return skips
+
+
+def block_skip(skips: dict[str, float], weights: dict[str, int]) -> float:
+    """The fraction of the block projection bytes skipped by per-kind skips."""
+    return sum(weights[k] * skips[k] for k in KEYS) / sum(weights.values())
+
+
+def _pct(nll: float, dense: float) -> float:
+    return round(100.0 * (math.exp(nll - dense) - 1.0), 4)
+
+
+def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | None, calib_tokens: int,
+                  progress=None) -> tuple[dict[str, float], dict]:
+    """The build's allocation: ({key: skip}, report for the header's build_config.heldout).
+
+    skip: the block skip of --density (None: --max-ppl-increase searches it). config: a
+    BuildConfig (allocation, max_ppl_increase, heldout, heldout_tokens, calib, calib_window).
+    Sensitivity is measured on the first `heldout_tokens` held-out tokens, every combined engine
+    on the next ones (a choice is never scored on the windows it was fitted to)."""
+    from dejavu.compiler.allocate import heldout_windows
+
+    cfg, weights = model.config, input_bytes(model.config)
+    corpus = config.heldout
+    first = calib_tokens if corpus is not None and corpus == config.calib else 0  # past the calibration stream
+    window, n = min(config.calib_window, cfg.max_position_embeddings), config.heldout_tokens
+    device = next(model.parameters()).device
+    sens_ids, sens_source = heldout_windows(tokenizer.tokenizer, corpus, first, n, window, tokenizer.bos_id)
+    ids, source = heldout_windows(tokenizer.tokenizer, corpus, first + n, n, window, tokenizer.bos_id)
+    ids = ids.to(device)
+    uniform = lambda s: {k: s for k in KEYS}  # noqa: E731
+    sens = None
+    if config.allocation == "sensitivity" and (skip is None or skip > 0):
+        sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=progress)
+        source += f"; sensitivity on {sens_source}"
+    alloc = (lambda s: allocate_skips(sens, weights, s)) if sens is not None else uniform
+    nll = lambda skips: heldout_nll(model, ids, kind_thresholds(calib, skips) if any(skips.values()) else None)  # noqa: E731
+    dense = heldout_nll(model, ids)
+    if skip is None:  # --max-ppl-increase: the largest block skip within P (bisection)
+        limit = dense + math.log1p(config.max_ppl_increase / 100.0)
+        lo, hi = 0.0, max(LEVELS)
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if nll(alloc(mid)) <= limit else (lo, mid)
+        skip = lo
+    skips = alloc(skip)
+    got = nll(skips)
+    check = None
+    if sens is not None and skip > 0:  # the measured allocation against the uniform level at the same bytes
+        flat = nll(uniform(skip))
+        check = {"sensitivity_pct": _pct(got, dense), "uniform_pct": _pct(flat, dense),
+                 "kept": "sensitivity" if got <= flat else "uniform"}
+        if flat < got:
+            skips, got = uniform(skip), flat
+    report = {"source": source, "windows": int(ids.shape[0]), "tokens": int(ids.shape[0] * (ids.shape[1] - 1)),
+              "dense_ppl": round(math.exp(dense), 4), "engine_ppl": round(math.exp(got), 4),
+              "increase_pct": _pct(got, dense), "skips": {k: round(v, 6) for k, v in skips.items()},
+              **({"allocation_check": check} if check else {}),
+              **({"sensitivity": sens.to_dict()} if sens is not None else {})}
+    return skips, report
