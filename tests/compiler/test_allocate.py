@@ -216,6 +216,16 @@ def test_max_ppl_increase_meets_its_target(tiny_dir_model, tmp_path, monkeypatch
     assert h["engine_ppl"] == pytest.approx(ref, rel=1e-4)
 
 
+def test_max_ppl_increase_with_heads_fixed_spreads_them_and_meets_its_target(tiny_dir_model, tmp_path, monkeypatch):
+    model, cfg, preds, tok = tiny_dir_model
+    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, max_ppl_increase=50.0, attn_density=0.5)
+    h, even = rep["heldout"], resolve_density(cfg, 1.0, None, 0.5)[1]
+    assert h["increase_pct"] <= 50.0 and ak == h["head_check"]["attn_k"][h["head_check"]["kept"]]
+    assert sum(ak) <= sum(even) and min(ak) >= 1 and rep["bytes_per_token"]["fraction"] <= rep["density"] + 1e-6
+    ids, _ = heldout_windows(tok, None, 512, 512, 64, cfg.bos_token_id)
+    assert h["engine_ppl"] == pytest.approx(math.exp(_masked_nll(model, ids, mk, ak, preds)), rel=1e-4)
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"max_ppl_increase": -1}, "max-ppl-increase"),
     ({"max_ppl_increase": 1001}, "max-ppl-increase"),
