@@ -160,23 +160,14 @@ def norm_oracle(model, ak: list[int]):
 
 
 def allocate_heads(model, tok, pred, total: int, n_tokens: int) -> tuple[list[int], dict]:
-    """K per layer summing to `total` with the least summed held-out loss increase (MLP dense)."""
-    from dejavu.compiler.allocate import _monotone, heldout_windows, measure_sensitivity, model_parts
+    """K per layer within `total` heads with the least summed held-out loss increase (MLP dense):
+    the build's `allocate.allocate_head_count` on its sensitivity table."""
+    from dejavu.compiler.allocate import allocate_head_count, heldout_windows, measure_sensitivity, model_parts
 
-    H, L = model.config.num_attention_heads, model.config.num_hidden_layers
+    H = model.config.num_attention_heads
     ids, source = heldout_windows(tok, None, 0, n_tokens, 512, model.config.bos_token_id)
     sens = measure_sensitivity(*model_parts(model), ids, pred, {"attn": list(range(1, H))})
-    delta = [_monotone(d) + [0.0] for d in sens.delta["attn"]]  # K = 1..H
-    best = {0: (0.0, [])}  # heads used -> (least summed increase, K so far)
-    for l in range(L):
-        nxt = {}
-        for used, (v, ks) in best.items():
-            for k in range(1, min(H, total - used) + 1):
-                cand = (v + delta[l][k - 1], ks + [k])
-                if used + k not in nxt or cand[0] < nxt[used + k][0]:
-                    nxt[used + k] = cand
-        best = nxt
-    return best[total][1], {"source": source, "delta": sens.delta["attn"]}
+    return allocate_head_count(sens, total, H), {"source": source, "delta": sens.delta["attn"]}
 
 
 def main(argv=None) -> int:

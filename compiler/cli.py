@@ -42,7 +42,8 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp-density", default=S,
                    help="fix the fraction of MLP neurons kept (the byte budget goes to heads)")
     p.add_argument("--attn-density", default=S,
-                   help="fix the fraction of heads kept (the byte budget goes to neurons)")
+                   help="fix the fraction of heads kept, spread across layers by measured held-out loss "
+                        "(evenly with the uniform allocation); the byte budget goes to neurons")
     p.add_argument("--heldout", default=S, metavar="CORPUS",
                    help="held-out text for sensitivity and the recorded accuracy, a corpus like --calib "
                         "(default: the shipped WikiText-2 validation head)")

@@ -50,9 +50,10 @@ def resolve_density(cfg: OPTConfig, density: float, mlp_density: float | None = 
     """(mlp_k [L], attn_k [L]) for an overall density; mlp_/attn_density override each kind.
 
     `recall_curves` is {"mlp": [L arrays of F], "attn": [L arrays of H]} (either optional).
-    Heads stay uniform unless `allocate_attn`: on opt-mini, allocating heads by captured head
+    Heads stay uniform here unless `allocate_attn`: on opt-mini, allocating heads by captured head
     norm was no better than uniform K at density >= 0.3 and worse below (docs/predictors.md),
-    while allocating MLP neurons by recall cut perplexity at 0.3 from 41.1 to 38.4.
+    while allocating MLP neurons by recall cut perplexity at 0.3 from 41.1 to 38.4. The build
+    spreads a fixed head count by measured held-out loss instead (`allocate.allocate_head_count`).
     """
     d = check_density(density)
     dm = check_density(mlp_density, "mlp_density") if mlp_density is not None else d

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dejavu.compiler.allocate import (ByteCosts, Sensitivity, allocate_heads_dense, allocate_knapsack,
-                                      allocate_uniform, candidate_ks, heldout_nll, heldout_source,
+from dejavu.compiler.allocate import (HEAD_GRID, ByteCosts, Sensitivity, allocate_head_count, allocate_heads_dense,
+                                      allocate_knapsack, allocate_uniform, candidate_ks, heldout_nll, heldout_source,
                                       heldout_windows, measure_sensitivity, model_parts, resolve_k)
 from dejavu.compiler.cli import _accuracy_lines
 from dejavu.compiler.config import BuildConfig
@@ -117,16 +117,67 @@ def _resolve(tiny_dir_model, tmp_path, monkeypatch, **kw):
     return resolve_k(lambda: model_parts(model), cfg, config, preds, tok, "tiny")
 
 
-def test_one_kind_frozen_is_todays_per_kind_allocation(tiny_dir_model, tmp_path, monkeypatch):
-    model, cfg, preds, _ = tiny_dir_model
+def test_one_kind_frozen_keeps_its_count(tiny_dir_model, tmp_path, monkeypatch):
+    """A kind fixed by the user keeps its total K. Neurons: today's spread by the recall curves.
+    Heads: the same count spread across layers by measured held-out loss, kept only where the
+    combined engine measures better than the even spread on the second held-out set. (Issue 33
+    asked that one frozen kind reduce to today's allocation; for heads that measured worse: on
+    opt-mini at heads 0.5 the even K = 6 gave 51.32 on WikiText-2 test, the spread by loss 46.67,
+    docs/predictors.md.) `--allocation uniform` keeps today's even K exactly."""
+    model, cfg, preds, tok = tiny_dir_model
+    L, H = cfg.num_hidden_layers, cfg.num_attention_heads
     mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, mlp_density=0.3)
     assert mk == resolve_density(cfg, 0.8, 0.3, recall_curves=preds.recall_curves)[0]  # spread by recall
     assert rep["bytes_per_token"]["engine"] <= 0.8 * rep["bytes_per_token"]["dense"]
-    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, attn_density=0.5)
-    assert ak == [2] * cfg.num_hidden_layers and rep["bytes_per_token"]["fraction"] <= 0.8
-    mk, ak, _ = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, mlp_density=0.3, attn_density=0.5,
-                         allocation="uniform")
-    assert (mk, ak) == resolve_density(cfg, 0.8, 0.3, 0.5)  # both frozen, even: exactly the old K
+    assert "head_check" not in rep["heldout"]
+    even = resolve_density(cfg, 0.8, 0.3, 0.5)
+    for kw in ({"density": 0.8}, {"density": 0.8, "mlp_density": 0.3}):
+        mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, attn_density=0.5, **kw)
+        check = rep["heldout"]["head_check"]
+        assert check["attn_k"]["loss"] == allocate_head_count(_head_sens(tiny_dir_model, tmp_path), sum(even[1]), H)
+        assert sum(check["attn_k"]["loss"]) <= sum(even[1]) and min(check["attn_k"]["loss"]) >= 1
+        assert check["attn_k"].get("uniform", even[1]) == even[1]
+        assert ak == check["attn_k"][check["kept"]] and rep["bytes_per_token"]["fraction"] <= 0.8
+        assert check["kept"] == min(check["increase_pct"], key=check["increase_pct"].get)
+        assert rep["heldout"]["increase_pct"] == pytest.approx(check["increase_pct"][check["kept"]], abs=1e-3)
+        ids, _ = heldout_windows(tok, None, 512, 512, 64, cfg.bos_token_id)  # measured on the second set
+        assert rep["heldout"]["engine_ppl"] == pytest.approx(math.exp(_masked_nll(model, ids, mk, ak, preds)), rel=1e-4)
+        if "mlp_density" in kw:
+            assert mk == resolve_density(cfg, 0.8, 0.3, recall_curves=preds.recall_curves)[0]
+    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.8, mlp_density=0.3, attn_density=0.5,
+                           allocation="uniform")
+    assert (mk, ak) == even and "head_check" not in rep["heldout"]  # both frozen, even: exactly the old K
+
+
+def _head_sens(tiny_dir_model, tmp_path) -> Sensitivity:
+    """The head sensitivity the build measured (first held-out set), from its cache."""
+    import json
+
+    model, cfg, preds, tok = tiny_dir_model
+    ids, _ = heldout_windows(tok, None, 0, 512, 64, cfg.bos_token_id)
+    sens = measure_sensitivity(*model_parts(model), ids, preds,
+                               {"attn": candidate_ks(cfg.num_attention_heads, HEAD_GRID)})
+    cached = [Sensitivity.from_dict(json.loads(p.read_text())) for p in (tmp_path / "sensitivity").glob("*.json")]
+    assert any(c.ks == sens.ks and c.delta == pytest.approx(sens.delta, abs=1e-9) for c in cached)
+    return sens
+
+
+def test_head_count_spread_is_the_least_loss_within_the_count():
+    _, cfg = tiny_model(num_hidden_layers=3, ffn_dim=10, num_attention_heads=4)
+    H, L = 4, 3
+    for seed in range(4):
+        sens = _random_sens(cfg, seed)
+        assert sens.ks["attn"] == list(range(1, H))
+        loss = lambda l, k: 0.0 if k == H else sens.delta["attn"][l][k - 1]
+        for total in (3, 5, 7, 9, 12):
+            ak = allocate_head_count(sens, total, H)
+            assert len(ak) == L and min(ak) >= 1 and sum(ak) <= total
+            best = min(sum(loss(l, k) for l, k in enumerate(c)) for c in itertools.product(range(1, H + 1), repeat=L)
+                       if sum(c) <= total)
+            assert sum(loss(l, k) for l, k in enumerate(ak)) == pytest.approx(best, abs=1e-12)
+        assert allocate_head_count(sens, L * H, H) == [H] * L
+    with pytest.raises(DejavuError, match="one head in each"):
+        allocate_head_count(sens, L - 1, H)
 
 
 def test_every_head_kept_spreads_neurons_by_the_curves(tiny_dir_model, tmp_path, monkeypatch):
@@ -163,6 +214,16 @@ def test_max_ppl_increase_meets_its_target(tiny_dir_model, tmp_path, monkeypatch
     ids, _ = heldout_windows(tok, None, 512, 512, 64, cfg.bos_token_id)  # the second set of the shipped text
     ref = math.exp(_masked_nll(model, ids, mk, ak, preds))
     assert h["engine_ppl"] == pytest.approx(ref, rel=1e-4)
+
+
+def test_max_ppl_increase_with_heads_fixed_spreads_them_and_meets_its_target(tiny_dir_model, tmp_path, monkeypatch):
+    model, cfg, preds, tok = tiny_dir_model
+    mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, max_ppl_increase=50.0, attn_density=0.5)
+    h, even = rep["heldout"], resolve_density(cfg, 1.0, None, 0.5)[1]
+    assert h["increase_pct"] <= 50.0 and ak == h["head_check"]["attn_k"][h["head_check"]["kept"]]
+    assert sum(ak) <= sum(even) and min(ak) >= 1 and rep["bytes_per_token"]["fraction"] <= rep["density"] + 1e-6
+    ids, _ = heldout_windows(tok, None, 512, 512, 64, cfg.bos_token_id)
+    assert h["engine_ppl"] == pytest.approx(math.exp(_masked_nll(model, ids, mk, ak, preds)), rel=1e-4)
 
 
 @pytest.mark.parametrize("kw,match", [
