@@ -236,6 +236,14 @@ def check_tensor(name, t, *, ndim=None, shape=None, dtype=None, device=None, dty
         raise DejavuError(f"{name}: must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
 
 
+def check_weight(name, w, cols, like, what="x's D"):
+    """w [N, cols], contiguous, in `like`'s dtype and on its device (a layer's weight): returns N."""
+    check_tensor(name, w, ndim=2, dtype=like.dtype, device=like.device)
+    if w.shape[1] != cols:
+        raise DejavuError(f"{name}: shape {tuple(w.shape)} does not match {what}={cols}")
+    return w.shape[0]
+
+
 def check_index(name, idx, *, batch, upper, device, validate):
     """Check an index tensor [B, K] or [K] of int32/int64 with values in [0, upper).
 

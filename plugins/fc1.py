@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, default_validate,
-                                    dot_fp32, expand_idx, gdc_enter, gdc_release, group_rows, jit, next_pow2, pdl_args)
+from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, check_weight,
+                                    default_validate, dot_fp32, expand_idx, gdc_enter, gdc_release, group_rows, jit, next_pow2, pdl_args)
 from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -132,23 +132,21 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     shared = idx.dim() == 1
     kind = kind or ("qkv_full" if group > 1 else "fc1")
     s = settings or DEFAULT
-    if (shared or B == 1) and B >= s.fc1_dot_min_batch:  # B == 1: [1, K] is the same set as [K]
-        cfg = table(s.fc1_dot, config)
+    dot = (shared or B == 1) and B >= s.fc1_dot_min_batch  # B == 1: [1, K] is the same set as [K]
+    cfg = table(s.fc1_dot if dot else s.fc1_gemv, config)
+    common = dict(KEEP=int(keep is not None), RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
+                  EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
+    if dot:
         kernel = jit(_gather_dot_kernel, x.device)
-        kernel[(cdiv(K, cfg["BLOCK_R"]),)](
-            x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0), keep, KEEP=int(keep is not None),
-            RELU=relu, DOT_FP32=dot_fp32(w.dtype, x.device), BLOCK_R=cfg["BLOCK_R"],
-            BLOCK_B=max(16, next_pow2(B)), BLOCK_D=cfg["BLOCK_D"],
-            EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
+        kernel[(cdiv(K, cfg["BLOCK_R"]),)](x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0), keep,
+                                           DOT_FP32=dot_fp32(w.dtype, x.device), BLOCK_B=max(16, next_pow2(B)),
+                                           **common)
     else:
-        cfg = table(s.fc1_gemv, config)
         kernel = jit(_gather_gemv_kernel, x.device)
-        kernel[(B, cdiv(K, cfg["BLOCK_R"]))](
-            x, w, bias, idx, out, D, K, x.stride(0), 0 if shared else idx.stride(0), out.stride(0), keep,
-            KEEP=int(keep is not None), RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"], EVEN_D=D % cfg["BLOCK_D"] == 0,
-            GROUP=group, W_EV=cfg["W_EV"], num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
+        kernel[(B, cdiv(K, cfg["BLOCK_R"]))](x, w, bias, idx, out, D, K, x.stride(0),
+                                             0 if shared else idx.stride(0), out.stride(0), keep,
+                                             W_EV=cfg["W_EV"], **common)
     return out
 
 def sparse_fc1(x, w1, b1, idx, keep=None, *, out=None, validate=None, config=None, settings=None):
@@ -156,10 +154,7 @@ def sparse_fc1(x, w1, b1, idx, keep=None, *, out=None, validate=None, config=Non
     keep [B,K] bool (a per-token K, per-sequence idx): the rows it drops are 0; their weights are not read."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
-    check_tensor("w1", w1, ndim=2, dtype=x.dtype, device=x.device)
-    F = w1.shape[0]
-    if w1.shape[1] != D:
-        raise DejavuError(f"w1: shape {tuple(w1.shape)} does not match x's D={D}")
+    F = check_weight("w1", w1, D, x)
     check_tensor("b1", b1, shape=(F,), dtype=x.dtype, device=x.device)
     K, _ = check_index("idx", idx, batch=B, upper=F, device=x.device,
                        validate=default_validate(validate, x.device))

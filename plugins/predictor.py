@@ -16,27 +16,16 @@ Top-k (`method`): "torch" = torch.topk(sorted=False); "triton" = `topk_triton`. 
 returns sorted indices (the kernels do not need order). Everything stays on the device: no
 host sync, CUDA-graph capturable.
 
-`_topk_kernel` is an exact radix select on order-preserving unsigned keys of the scores'
-own bits (16-bit keys for fp16/bf16, 32-bit for fp32; -0.0 ties +0.0, NaN ranks highest as
-in torch.topk), 8 bits per round, most significant first. A row is split over NB programs
-of BLOCK scores (NB = 1 when the row fits one block). Per round each program counts the
-digits of its candidates (keys matching the prefix found so far) into its own 256-bin slot
-of a workspace; every program then reads all NB slots of the row, so each knows the
-row's histogram (-> the next digit of the k-th largest key) and the counts of the
-programs before it. After the last round each program knows the threshold key T, how
-many ties at T to take, and where its own output starts, and writes its indices with one
-prefix sum: keys > T, then ties at T lowest index first. The output is deterministic.
-
-Rounds are separated by kernel boundaries: one launch per round plus one to compact (a single
-program per row needs one launch). Limits: N <= 65536.
+`_topk_kernel` is an exact radix select on the scores' own bits, 8 bits per round, one launch per
+round plus one to compact; its output is deterministic (docs/kernels.md, "Top-k"). Limits: N <= 65536.
 """
 from __future__ import annotations
 
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, helper, jit, next_pow2
-from dejavu.plugins.settings import DEFAULT
+from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, check_weight, helper, jit, next_pow2
+from dejavu.plugins.settings import DEFAULT, table
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
@@ -148,11 +137,7 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
 
 def _topk_plan(scores, config, settings=None):
     """(block, NB, warps, mode) for scores[R, N] under the top-k settings + config."""
-    cfg = dict(vars((settings or DEFAULT).topk))
-    for name, value in (config or {}).items():
-        if name not in cfg or name == "method":
-            raise DejavuError(f"topk_triton: unknown config key {name!r} (known: {sorted(set(cfg) - {'method'})})")
-        cfg[name] = value
+    cfg = table((settings or DEFAULT).topk, config)
     block, warps = int(cfg["block"]), int(cfg["warps"])
     if block < 32 or block > 16384 or block & (block - 1) or warps not in (1, 2, 4, 8, 16, 32):
         raise DejavuError(f"topk_triton: block must be a power of 2 in [32, 16384] and warps one of "
@@ -210,18 +195,16 @@ def topk_triton_ref(scores, k):
 
 def _check(x, a, b, bias, k):
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    D = x.shape[1]
-    check_tensor("a", a, ndim=2, dtype=x.dtype, device=x.device)
-    r = a.shape[0]
-    if a.shape[1] != D:
-        raise DejavuError(f"a: shape {tuple(a.shape)} does not match x's D={D}")
-    check_tensor("b", b, ndim=2, dtype=x.dtype, device=x.device)
-    n = b.shape[0]
-    if b.shape[1] != r:
-        raise DejavuError(f"b: shape {tuple(b.shape)} does not match rank {r}")
+    r = check_weight("a", a, x.shape[1], x)
+    n = check_weight("b", b, r, x, "rank")
     check_tensor("bias", bias, shape=(n,), dtype=x.dtype, device=x.device)
     if not isinstance(k, int) or not 0 <= k <= n:
         raise DejavuError(f"k: expected an int in [0, {n}], got {k!r}")
+
+
+def _check_per_sequence(shared, min_share):
+    if min_share is not None and shared:
+        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
 
 
 def predictor_scores(x, a, b, bias):
@@ -272,8 +255,7 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
     None: settings.topk.method / settings.scoring.method. min_share (a per-token K, per sequence):
     (idx, keep[B,k] bool), keep = share_keep of the same scores (device ops, no host sync)."""
     _check(x, a, b, bias, k)
-    if min_share is not None and shared:
-        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
+    _check_per_sequence(shared, min_share)
     s = settings or DEFAULT
     method = method or s.topk.method
     scoring = scoring or s.scoring.method
@@ -300,15 +282,10 @@ def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
     """Reference: the same in the caller's dtype (upcast for float64); sorted by score.
 
     min_share (a per-token K, per sequence only): (idx[B,k], keep[B,k] bool), keep = share_keep."""
+    _check_per_sequence(shared, min_share)
     scores = (x @ a.T) @ b.T + bias
-    if min_share is not None:
-        if shared:
-            raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
-        idx = torch.topk(scores, k, dim=-1, sorted=True).indices
-        return idx.to(torch.int32), share_keep(scores, idx, min_share)
-    if shared:
-        scores = scores.amax(dim=0)
-    return torch.topk(scores, k, dim=-1, sorted=True).indices.to(torch.int32)
+    idx = torch.topk(scores.amax(dim=0) if shared else scores, k, dim=-1, sorted=True).indices
+    return idx.to(torch.int32) if min_share is None else (idx.to(torch.int32), share_keep(scores, idx, min_share))
 
 
 def share_keep(scores, idx, min_share: float):
