@@ -118,13 +118,8 @@ def sparse_attn_decode_deferred(x_ln, wq, bq, wkv, bkv, wo_t, bo, head_idx, k_ca
 
     Stores x_ln at x_hist[:, pos], recomputes the selected heads' missing slots, then Q,
     attention and the output projection of the selected heads (sparse_attention's pieces).
-    x_ln may be a PendingLN (the LayerNorm before attention, not computed yet): at batch 1 the
-    shared-set Q/K/V kernel normalises it as it loads it and stores it at x_hist[:, pos] (no
-    LayerNorm launch); other routes and batches compute it first (layer_norm kernel).
-    refresh: batch 1, [R] int32 heads not in head_idx (-1: none; refresh_heads picks them) whose
-    K/V at pos and at their missing slots are computed in the same Q/K/V launches (no Q, no
-    attention) and valid_len set to pos + 1, where `refresh_route` holds; elsewhere they are left
-    out (a hint: the outputs are the same either way)."""
+    x_ln as a PendingLN and refresh heads: docs/kernels.md, "API"; refresh is taken where
+    `refresh_route` holds and left out elsewhere (a hint: the outputs are the same either way)."""
     pending = x_ln if isinstance(x_ln, PendingLN) else None
     if pending is not None:
         check_pending(pending)

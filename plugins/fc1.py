@@ -4,12 +4,10 @@
         -> h[B,K] = relu(w1[idx] @ x + b1[idx]), 0 where keep is False (those rows' weights are not read)
 
 - dtypes fp16, bf16, fp32 (weights in the activation dtype); fp32 accumulation; h in x's dtype.
-- idx int32 or int64, `[B, K]` (one set per sequence: one GEMV per sequence, `_gather_gemv_kernel`)
-  or `[K]` (one set for the batch: from fc1_dot_min_batch each gathered row is read once and multiplied
-  against the whole batch with `tl.dot`, `_gather_dot_kernel`, batch padded to >= 16). Blocks:
-  settings.KernelSettings fc1_gemv / fc1_dot / fc1_dot_min_batch (`settings=`; `config=` overrides a field).
-- `gather_gemv` is the shared launcher (also Q of the full K/V policy with GROUP = hd, and the
-  predictors' products): row(k) = idx[k // GROUP] * GROUP + k % GROUP.
+- idx int32 or int64, `[B, K]` (one set per sequence, `_gather_gemv_kernel`) or `[K]` (one set for
+  the batch, `_gather_dot_kernel` from fc1_dot_min_batch): docs/kernels.md, "Batches", "Gathered rows".
+  Blocks: settings fc1_gemv / fc1_dot (`config=` overrides a field). `gather_gemv` is the shared
+  launcher (also Q of the full K/V policy with GROUP = hd, and the predictors' products).
 - Index values are trusted in the kernel; `validate` checks the range (a host sync; default: CPU
   yes, GPU no). No host sync on the GPU path; launches are CUDA-graph capturable.
 """

@@ -240,16 +240,12 @@ def check_ln(ln, ln_out, B, D, dtype, device):
         raise DejavuError("ln: expected a (weight, bias) pair")
     check_tensor("ln weight", ln[0], shape=(D,), dtype=dtype, device=device)
     check_tensor("ln bias", ln[1], shape=(D,), dtype=dtype, device=device)
-    ln_out = check_out(ln_out, (B, D), dtype, device)
-    return ln_out
+    return check_out(ln_out, (B, D), dtype, device)
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
                config=None, ln_defer=False, settings=None, skip_zero=False):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
-    ln = (weight[D], bias[D]): returns (y, LayerNorm(y)) instead (eps 1e-5; into ln_out).
-    ln_defer (with ln): the second output may be a PendingLN (gather_gemv_t), for the next layer's
-    deferred Q/K/V kernel. skip_zero: the rows whose h is 0 read no weight bytes (the same sum for
-    finite weights; the per-token K engines' fc2, whose fc1 zeroes the rows it drops)."""
+    ln= (returns (y, LayerNorm(y))), ln_defer and skip_zero: docs/kernels.md, "API"."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
     check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)

@@ -7,14 +7,11 @@
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
 (`shared=False`, per-sequence sets) or top-k of the batch's max score per column
 (`shared=True`, one set for the batch: the union policy of the MLP kernels' fast batch
-path; with B == 1 the single row is used as is). Scoring (`scoring`, settings.scoring.method): "torch"
-= two cuBLAS GEMVs (torch.nn.functional.linear); "triton" = the same two products by
-`fc1.gather_gemv` over every row (an identity index, no ReLU; x @ a.T with a zero
-bias): `predictor_scores_triton`. Both accumulate in fp32 and round h = x @ a.T and the
-scores to the input dtype, as the reference does; they differ only in summation order.
-Top-k (`method`): "torch" = torch.topk(sorted=False); "triton" = `topk_triton`. Neither
-returns sorted indices (the kernels do not need order). Everything stays on the device: no
-host sync, CUDA-graph capturable.
+path; with B == 1 the single row is used as is). `scoring` and `method`: docs/kernels.md, "API";
+the scores by cuBLAS or by `fc1.gather_gemv` (`predictor_scores_triton`) both accumulate in fp32 and
+round h = x @ a.T and the scores to the input dtype, as the reference does (they differ only in
+summation order). Neither top-k returns sorted indices (the kernels do not need order). Everything
+stays on the device: no host sync, CUDA-graph capturable.
 
 `_topk_kernel` is an exact radix select on the scores' own bits, 8 bits per round, one launch per
 round plus one to compact; its output is deterministic (docs/kernels.md, "Top-k"). Limits: N <= 65536.

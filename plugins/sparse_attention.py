@@ -12,11 +12,8 @@ positions 0..pos for the selected heads; the output projection reads only the se
 heads' rows of wo_t (= out_proj.weight transposed) and adds bo (+ residual). Unselected
 heads contribute zero, exactly as the masked-dense model.
 
-Pieces (each a launch, all CUDA-graph capturable, no host sync with validate off):
-  1. kv = x_ln @ wkv.T + bkv (torch/cuBLAS), scattered into k_cache/v_cache at pos
-  2. q[B, Kh*hd] (fp32) = gathered GEMV on wq rows  (fc1.gather_gemv, no ReLU)
-  3. o[B, Kh*hd] (fp32) = softmax(q.k) v per selected head   (_attn_decode_kernel)
-  4. y = o @ wo_t[rows] + bo (+ residual)            (fc2.gather_gemv_t)
+Its four launches (all CUDA-graph capturable, no host sync with validate off): sparse_attn_decode's
+steps 1-4 (docs/kernels.md, "Batches").
 
 `pos` is an int, or an int32/int64 tensor on the device of shape [] / [1] (one position for
 the batch) or [B] (one per sequence). Pass a tensor to capture decode in a CUDA graph: the
