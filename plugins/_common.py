@@ -300,11 +300,11 @@ def default_validate(validate, device) -> bool:
     return device.type == "cpu" if validate is None else bool(validate)
 
 
-def check_out(out, shape, dtype, device):
-    """An `out=` tensor must match exactly; None allocates."""
+def check_out(out, shape, dtype, device, name="out"):
+    """An output tensor (`out=`) must match exactly; None allocates."""
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor("out", out, shape=shape, dtype=dtype, device=device)
+    check_tensor(name, out, shape=shape, dtype=dtype, device=device)
     return out
 
 

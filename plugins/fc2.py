@@ -266,17 +266,10 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
 
 def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, skip_zero=False):
     """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),
-    (y, F.layer_norm(y)) (ln_defer changes nothing here: the LayerNorm is computed; skip_zero
-    neither: a zero h adds nothing)."""
+    (y, F.layer_norm(y)) in y's dtype, the dense model's own function (ln_defer changes nothing
+    here: the LayerNorm is computed; skip_zero neither: a zero h adds nothing)."""
     rows = expand_idx(idx, h.shape[0])
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
-    return with_ln_ref(y if residual is None else y + residual, ln)
-
-
-def with_ln_ref(y, ln):
-    """y, or (y, F.layer_norm(y) with ln = (weight, bias), eps 1e-5) in y's dtype: the
-    references' form of the LayerNorm an op also returns (the dense model's own function)."""
-    if ln is None:
-        return y
-    return y, torch.nn.functional.layer_norm(y, (y.shape[-1],), ln[0], ln[1], LN_EPS)
+    y = y if residual is None else y + residual
+    return y if ln is None else (y, torch.nn.functional.layer_norm(y, (y.shape[-1],), ln[0], ln[1], LN_EPS))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dejavu.plugins._common import FLOAT_DTYPES, check_tensor, jit, next_pow2
+from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, jit, next_pow2
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
@@ -43,12 +43,8 @@ def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
     config = (settings or DEFAULT).input_sparse
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = x.shape
-    if idx is None:
-        idx = torch.empty(B, N, dtype=torch.int32, device=x.device)
-    if count is None:
-        count = torch.empty(B, dtype=torch.int32, device=x.device)
-    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
-    check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
+    idx = check_out(idx, (B, N), torch.int32, x.device, "idx")
+    count = check_out(count, (B,), torch.int32, x.device, "count")
     block = min(config.block_select, next_pow2(N))
     jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=block,
                                                num_warps=config.select_warps)

@@ -89,10 +89,7 @@ def refresh_heads_ref(head_idx, valid_len, pos, r: int, *, lag: int | None = Non
     res = torch.full((r,), -1, dtype=torch.int32, device=valid_len.device)
     n = min(r, H)
     res[:n] = torch.where(top >= 0, H - 1 - top % H, -1).to(torch.int32)
-    if out is not None:
-        out.copy_(res)
-        return out
-    return res
+    return res if out is None else out.copy_(res)
 
 
 def refresh_route(B: int, S: int, D: int, hd: int, head_idx, config=None, settings=None) -> bool:
