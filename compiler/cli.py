@@ -128,6 +128,16 @@ def _accuracy_lines(density, allocation, b: dict | None, h: dict | None) -> list
     return out
 
 
+def _token_k_line(tk: dict | None, h: dict | None) -> list[str]:
+    """The per-token MLP K an engine carries (docs/predictors.md, "Per-token K"), if any."""
+    if not tk:
+        return []
+    rows = sum(tk["heldout"]["mean_rows"])
+    fixed = f"; K rows for every token: {h['fixed_k_increase_pct']:+.2f}%" if h and "fixed_k_increase_pct" in h else ""
+    return [f"per-token K {tk['form']}: up to {sum(tk['k_max'])} MLP rows, held-out mean {rows:.0f} of "
+            f"K {sum(tk['k_mean'])}{fixed}"]
+
+
 def format_summary(s: dict) -> str:
     mb = lambda n: f"{n / 2**20:.2f} MiB"
     lines = [f"engine      {s['engine']}  ({mb(s['engine_bytes'])}: weights {mb(s['weight_bytes'])}, "
@@ -135,6 +145,7 @@ def format_summary(s: dict) -> str:
              f"{' ' + s['target']['arch'] if s['target'].get('arch') else ''})",
              f"predictors  input {s['predictor_input']}"]
     lines += _accuracy_lines(s.get("density"), s.get("allocation"), s.get("bytes_per_token"), s.get("heldout"))
+    lines += _token_k_line(s.get("token_k"), s.get("heldout"))
     rec = s["predictor_recall"]
     lines.append(f"{'layer':>5} {'K_mlp':>7} {'recall':>7} {'K_attn':>7} {'recall':>7}")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"
@@ -262,6 +273,7 @@ def format_header(h: dict, path: str, size: int) -> str:
              f"predictors  {bc.get('predictors')} input={bc.get('predictor_input')} "
              f"rank mlp={bc.get('predictor_rank_mlp')} attn={bc.get('predictor_rank_attn')}"]
     lines += _accuracy_lines(bc.get("density"), bc.get("allocation"), bc.get("bytes_per_token"), bc.get("heldout"))
+    lines += _token_k_line(bc.get("token_k"), bc.get("heldout"))
     rec = bc.get("predictor_recall") or {}
     for kind in ("mlp", "attn"):
         if rec.get(kind):

@@ -69,10 +69,15 @@ def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
     assert bc["density"] == s["density"] < 1 and bc["settings"]["token_k"] == "share"
     assert bc["bytes_per_token"] == bc["token_k"]["bytes_per_token"] == s["bytes_per_token"]
     assert abs(bc["bytes_per_token"]["fraction"] - bc["density"]) < 0.02
+    tk = bc["token_k"]  # the summary names what the engine carries and what K rows for every token measured
+    assert (f"per-token K share: up to {sum(tk['k_max'])} MLP rows, held-out mean "
+            f"{sum(tk['heldout']['mean_rows']):.0f} of K {sum(tk['k_mean'])}; K rows for every token: "
+            f"{bc['heldout']['fixed_k_increase_pct']:+.2f}%") in text
     assert main([str(tiny_opt_dir), "--mlp-density", "0.25", "--attn-density", "0.5", "-o", str(out), "--token-k", "off",
                  "--allocation", "uniform", *QUICK]) == 0
     bc = read_header(out)["build_config"]
     assert "token_k" not in bc and bc["settings"]["token_k"] == "off"
+    assert "per-token K" not in capsys.readouterr().out
     assert bc["density"] == bc["bytes_per_token"]["fraction"] == s["density"]
 
 
