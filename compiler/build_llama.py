@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from dejavu.compiler.summary import accuracy_lines
 from dejavu.errors import DejavuError
 
 FAMILY = "llama"
@@ -248,12 +249,10 @@ def _export_onnx(model, thresholds: dict, skip: float, out_dir: Path) -> dict:
 
 def format_llama_summary(s: dict) -> str:
     """dejavu-compile's printout of a Llama build."""
-    from dejavu.compiler.cli import _accuracy_lines
-
     mb = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
     lines = [f"engine      {s['engine']}  ({mb(s['engine_bytes'])}, {s['dtype']}, target {s['target']['device']}, "
              f"family llama)"]
-    lines += _accuracy_lines(s["density"], s["allocation"], s["bytes_per_token"], s["heldout"])
+    lines += accuracy_lines(s["density"], s["allocation"], s["bytes_per_token"], s["heldout"])
     lines += [f"sparsity    TEAL, {s['skip']:.4f} of the block bytes skipped: "
               + ", ".join(f"{k} {v:.4f}" for k, v in s["skips"].items()),
               f"calibration {s['calibration']['n_tokens']} tokens of {s['calibration']['corpus']} "

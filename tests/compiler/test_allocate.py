@@ -10,7 +10,7 @@ import torch
 from dejavu.compiler.allocate import (HEAD_GRID, ByteCosts, Sensitivity, allocate_head_count, allocate_heads_dense,
                                       allocate_knapsack, allocate_uniform, candidate_ks, heldout_nll, heldout_source,
                                       heldout_windows, measure_sensitivity, model_parts, resolve_k)
-from dejavu.compiler.cli import _accuracy_lines
+from dejavu.compiler.summary import accuracy_lines
 from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.density import resolve_density
 from dejavu.compiler.masking import masked_sparsity
@@ -194,7 +194,7 @@ def test_every_head_kept_spreads_neurons_by_the_curves(tiny_dir_model, tmp_path,
         assert len(set(mk)) > 1  # spread by the (different) curves, not evenly
         assert costs.total(mk, ak) + costs.neuron > budget or max(mk) == F  # the neurons the budget pays for
         assert rep["heldout"]["spread"] == "heads_dense" and "sensitivity" not in rep["heldout"]["source"]
-        assert "allocation sensitivity, heads_dense)" in _accuracy_lines(d, "sensitivity", rep["bytes_per_token"],
+        assert "allocation sensitivity, heads_dense)" in accuracy_lines(d, "sensitivity", rep["bytes_per_token"],
                                                                           rep["heldout"])[0]
     assert not (tmp_path / "sensitivity").exists()
     with pytest.raises(DejavuError, match="every head kept"):
