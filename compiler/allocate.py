@@ -443,6 +443,19 @@ def _least_fraction(costs: ByteCosts, frozen: dict) -> float:
     return least / costs.dense
 
 
+def engine_costs(cfg: OPTConfig, config, predictors) -> ByteCosts:
+    """ByteCosts of the engine `config` builds (its dtype) with these predictors (None: a dense
+    engine): each kind's predictor at the mean rank over layers, rounded up (MLP predictors may
+    differ in rank per layer)."""
+    from dejavu.engine_file import DTYPE_NAMES
+
+    elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
+    L = cfg.num_hidden_layers
+    rank = lambda kind: (math.ceil(sum(int(p["a"].shape[0]) for p in getattr(predictors, kind)) / L)  # noqa: E731
+                         if predictors is not None else None)
+    return ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem)
+
+
 def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, cache_key: str,
               progress: bool = False) -> tuple[list[int], list[int], dict]:
     """The build's "resolve K" stage: (mlp_k [L], attn_k [L], report for the header).
@@ -451,14 +464,9 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     per pass). config: a BuildConfig (density, mlp/attn_density, allocation,
     max_ppl_increase, heldout_tokens, calib, calib_tokens, calib_window, dtype)."""
     from dejavu.compiler.density import resolve_density
-    from dejavu.engine_file import DTYPE_NAMES
 
     L, n = cfg.num_hidden_layers, {"mlp": cfg.ffn_dim, "attn": cfg.num_attention_heads}
-    elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
-    # the mean rank over layers, rounded up (MLP predictors may differ in rank per layer)
-    rank = lambda kind: (math.ceil(sum(int(p["a"].shape[0]) for p in getattr(predictors, kind)) / L)
-                         if predictors is not None else None)
-    costs = ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem)
+    costs = engine_costs(cfg, config, predictors)
     corpus, skip = heldout_source(config)
     window, n_held = min(config.calib_window, cfg.max_position_embeddings), config.heldout_tokens
     # Two disjoint sets of held-out windows: the knapsack is fitted to the first (sensitivity);

@@ -33,11 +33,11 @@ def check_density(value, name: str = "density") -> float:
 # one layer ahead. Same-layer inputs are more accurate but serialise prediction.
 DEFAULT_PREDICTOR_INPUT = MappingProxyType({"source": "attn_in", "lookahead": 1})
 PREDICTOR_SOURCES = ("attn_in", "mlp_in")
-ALLOCATIONS = ("sensitivity", "uniform")
+ALLOCATIONS = ("sensitivity", "uniform")  # per-layer K: measured (knapsack) | the same fraction everywhere
 # MLP rows per token: off = each layer's K for every token; share = a per-token K, the rows whose
 # predicted share is >= theta_l, at most 2 K_l, mean K_l on the held-out windows (compiler/token_k.py;
 # opt-mini, heads dense, 8,192 WikiText-2 test tokens: docs/predictors.md, "Per-token K in engines")
-TOKEN_K_FORMS = ("off", "share")  # per-layer K: measured (knapsack) | the same fraction everywhere
+TOKEN_K_FORMS = ("off", "share")
 # TensorRT's TopK takes k <= 3840: a larger K is emitted in the ONNX graphs as TopK in rounds
 # (compiler/passes/_graph.py).
 TENSORRT_TOPK_LIMIT = 3840

@@ -39,6 +39,11 @@ class TokenK:
         return share_mask(scores, self.threshold[l], self.k_max[l])
 
 
+def cap_rows(k: int, n: int, cap: float = CAP) -> int:
+    """k_max of a layer with budget K = k of n rows: cap * k, at least k, at most n."""
+    return min(n, max(k, int(cap * k)))
+
+
 def token_counts(scores: torch.Tensor, tau: float, k_max: int) -> torch.Tensor:
     """k per token [...] for MLP scores [..., F]: the smallest k whose share of softmax(scores)
     in the top-k reaches tau, clamped to [1, k_max]."""
@@ -96,7 +101,7 @@ def fit_token_k(scores_of, mlp_k: list[int], cap: float = CAP, n: int | None = N
     for l, k in enumerate(mlp_k):
         s = scores_of(l)
         f = n or s.shape[-1]
-        k_max.append(min(f, max(k, int(cap * k))))
+        k_max.append(cap_rows(k, f, cap))
         if k >= f:
             ths.append(1.0 if form == "mass" else 0.0)
         else:
@@ -121,7 +126,7 @@ def _engine_pass(parts, predictors, ids, mlp_k, attn_k, tk: TokenK | None, cap: 
         n_f, n_h = layer.fc1.out_features, layer.self_attn.n_heads
         srcs.enter(l, x)
         sel = {}
-        k_max.append(min(n_f, max(mlp_k[l], int(cap * mlp_k[l]))) if tk is None else tk.k_max[l])
+        k_max.append(cap_rows(mlp_k[l], n_f, cap) if tk is None else tk.k_max[l])
         ths.append(0.0 if tk is None else tk.threshold[l])
         rows.append(float(n_f))
         if mlp_k[l] < n_f or attn_k[l] < n_h:
@@ -143,8 +148,7 @@ def resolve_token_k(parts, cfg, config, predictors, tokenizer, mlp_k, attn_k, al
     """The build's per-token K ("share"): theta_l fitted on the first held-out set (the one the
     sensitivity reads), the engine measured on the second (the recorded figure). Returns the TokenK
     and the header's `token_k` record, whose bytes count each layer's held-out mean kept rows."""
-    from dejavu.compiler.allocate import ByteCosts, heldout_source, heldout_windows
-    from dejavu.engine_file import DTYPE_NAMES
+    from dejavu.compiler.allocate import engine_costs, heldout_source, heldout_windows
 
     corpus, skip = heldout_source(config)
     window, n_held = min(config.calib_window, cfg.max_position_embeddings), config.heldout_tokens
@@ -153,10 +157,7 @@ def resolve_token_k(parts, cfg, config, predictors, tokenizer, mlp_k, attn_k, al
     with torch.no_grad():
         _, tk, _ = _engine_pass(parts, predictors, fit_ids, mlp_k, attn_k, None, CAP)
         nll, _, rows = _engine_pass(parts, predictors, ids, mlp_k, attn_k, tk, CAP)
-    L = cfg.num_hidden_layers
-    elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
-    ranks = [math.ceil(sum(int(p["a"].shape[0]) for p in getattr(predictors, kind)) / L) for kind in ("mlp", "attn")]
-    costs = ByteCosts.of(cfg, tuple(ranks), elem)
+    costs = engine_costs(cfg, config, predictors)
     # a layer reads its predictor wherever K_l < F, and fc1 / fc2 rows for the rows it keeps
     engine = round(costs.fixed + sum(r * costs.neuron + (costs.pred_mlp if k < cfg.ffn_dim else 0) + costs.kind("attn", a)
                                      for r, k, a in zip(rows, mlp_k, attn_k)))
