@@ -288,9 +288,11 @@ class KFrom:
 
     @classmethod
     def from_engine(cls, path: str) -> "KFrom":
+        """From an engine, or from the part of its header this reads saved as JSON
+        (benchmarks/gpu/k/, `speed_opt.sh --save-k`), so a GPU run needs no engine build."""
         from dejavu.engine_file import read_header
 
-        h = read_header(path)
+        h = json.loads(Path(path).read_text()) if path.endswith(".json") else read_header(path)
         bc, mc = h["build_config"], h["model_config"]
         return cls(Path(path).stem, float(bc["density"]),
                    tuple(k / mc["ffn_dim"] for k in bc["mlp_k"]),

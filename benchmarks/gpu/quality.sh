@@ -5,7 +5,8 @@
 # tasks (first LIMIT examples each), per-example task agreement with the CPU `parallel` run.
 # Target: perplexity within 0.2% of the CPU figure, task predictions equal on >= 99% of examples.
 #   bash benchmarks/gpu/quality.sh [ENGINES] [LIMIT]     (one device command, < 10 min)
-# ENGINES: quality_kernels.py --engines (dN = --density N; M/A = MLP/head densities).
+# ENGINES: quality_kernels.py --engines (dN = --density N; M/A = MLP/head densities). Engines already in
+# $WORK (default build/quality) are used as they are.
 set -euo pipefail
 source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
@@ -14,4 +15,4 @@ LIMIT=${2:-500}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.csv" || true
 timeout 570 python3 benchmarks/quality_kernels.py --engines "$ENGINES" --devices cuda,cpu \
     --paths parallel,decode,generate --cpu-paths parallel --ppl-tokens 8192 --tasks all --limit "$LIMIT" \
-    --work /tmp/dejavu-quality --out "$OUT/quality-$(date -u +%F).json"
+    --work "${WORK:-build/quality}" --out "$OUT/quality-$(date -u +%F).json"
