@@ -140,19 +140,21 @@ def engine(parts, preds, ids, mlp_k, plans, mode=None, f=None):
         finally:
             hd.remove()
         r1.append(got["r1"]), r2.append(got["r2"])
-    return _nll(head, x, ids), plans, r1, r2
+    per_window = [_nll(head, x[b:b + 1], ids[b:b + 1]) for b in range(ids.shape[0])]
+    return sum(per_window) / len(per_window), plans, r1, r2, per_window
 
 
 def score(parts, preds, ids, mlp_k, plans, batch=4):
-    """(perplexity, fc1 rows [L], fc2 rows [L]) over windows ids [B, S], `batch` windows a pass."""
-    nll, r1, r2, nb = 0.0, 0.0, 0.0, 0
+    """(perplexity, fc1 rows [L], fc2 rows [L], NLL per window [B]) over windows ids [B, S], `batch`
+    windows a pass."""
+    nlls, r1, r2, nb = [], 0.0, 0.0, 0
     for i in range(0, ids.shape[0], batch):
         b = ids[i:i + batch]
-        v, _, a, c = engine(parts, preds, b, mlp_k, plans)
-        nll += v * b.shape[0]
+        _, _, a, c, w = engine(parts, preds, b, mlp_k, plans)
+        nlls += w
         r1, r2 = np.asarray(a) * b.shape[0] + r1, np.asarray(c) * b.shape[0] + r2
         nb += b.shape[0]
-    return math.exp(nll / nb), (r1 / nb).tolist(), (r2 / nb).tolist()
+    return math.exp(sum(nlls) / nb), (r1 / nb).tolist(), (r2 / nb).tolist(), nlls
 
 
 def main(argv=None) -> dict:
@@ -191,13 +193,13 @@ def main(argv=None) -> dict:
             for mode, f in runs:
                 if mode not in args.variants:
                     continue
-                _, plans, _, _ = engine(parts, preds, fit_ids, mk, None, mode, f)
+                _, plans, _, _, _ = engine(parts, preds, fit_ids, mk, None, mode, f)
                 sel = score(parts, preds, sel_ids, mk, plans)
                 t = score(parts, preds, test, mk, plans)
                 row = {"density": d, "mode": mode, "f": f, "mlp_k": mk, "plans": plans,
                        "sel_pct": 100 * (sel[0] / dense["sel"] - 1), "sel_rows": [sum(sel[1]), sum(sel[2])],
                        "test_pct": 100 * (t[0] / dense["test"] - 1), "test_fc1": t[1], "test_fc2": t[2],
-                       "test_rows": [sum(t[1]), sum(t[2])], "budget_rows": 2 * sum(mk)}
+                       "test_rows": [sum(t[1]), sum(t[2])], "budget_rows": 2 * sum(mk), "test_window_nll": t[3]}
                 res["runs"].append(row)
                 print(d, mode, f, "held-out %+.3f%%" % row["sel_pct"], "rows", [round(v) for v in row["sel_rows"]],
                       "test %+.3f%%" % row["test_pct"], "rows", [round(v) for v in row["test_rows"]],
