@@ -267,7 +267,7 @@ def test_form_a_token_k_equals_masked_dense_and_the_float64_rule(sharp, dtype):
         logp = np.log(p / p.sum(-1, keepdims=True)).reshape(-1, s.shape[-1])
         # rows whose log-share is within a few roundings of the scores' dtype of log(theta) may go
         # either way (ONNX Runtime's CPU computes float16 ops in float32 and may skip a rounding)
-        tol = 4 * np.finfo(s.dtype).eps * np.abs(s).max() + 1e-6
+        tol = 1.5 * np.finfo(s.dtype).eps * np.abs(s).max() + 1e-6  # a half ulp in s and in the logsumexp
         for t, (ix, kp) in enumerate(zip(idx.reshape(-1, k), keep.reshape(-1, k))):
             assert set(ix.tolist()) == sel[t] or dtype == "float16"  # float16 scores tie; then: a top-k
             assert s.reshape(-1, s.shape[-1])[t][ix].min() >= np.delete(s.reshape(-1, s.shape[-1])[t], ix).max()
