@@ -1,27 +1,30 @@
 """`dejavu-compile --onnx-out` on opt-mini with the per-token MLP K: form (a) in ONNX Runtime equals
 the CPU runtime's decode of the same engine on WikiText-2 test tokens (logits, and the rows each
-token keeps in every layer).
+token keeps in every layer; the comparison is benchmarks/onnx_token_k_check.py's).
 
 The predictors are random (b scaled so the predicted shares are spread): the test is about the
 export reproducing the engine's rule, not about the predictors' quality, and training them on
 opt-mini would take minutes on the test machines."""
 from __future__ import annotations
 
-import numpy as np
+import importlib.util
+from pathlib import Path
+
 import onnx
 import pytest
-import torch
 
 from dejavu.compiler.build import build_engine
 from dejavu.compiler.config import BuildConfig
-from dejavu.compiler.onnx_export import run_onnxruntime
 from dejavu.compiler.predictors import Predictors
-from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.engine_file import read_header
-from dejavu.models.loader import load_config, load_tokenizer
+from dejavu.models.loader import load_config
 from dejavu.models.presets import OPT_MINI_DIR
-from dejavu.runtime.engine import Engine
 from helpers_compiler import random_predictors
+
+_spec = importlib.util.spec_from_file_location(  # the comparison: benchmarks/onnx_token_k_check.py
+    "onnx_token_k_check", Path(__file__).resolve().parents[2] / "benchmarks" / "onnx_token_k_check.py")
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
 
 pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.skipif(not (OPT_MINI_DIR / "config.json").is_file(), reason="models/opt-mini is not there")
@@ -39,70 +42,34 @@ def built(tmp_path_factory):
     s = build_engine("opt-mini", BuildConfig(mlp_density=0.2, attn_density=0.75, allocation="uniform",
                                              dtype="float32", heldout_tokens=512),
                      d / "m.engine", onnx_out=d / "onnx", progress=False, predictors=preds)
-    ids = load_tokenizer(OPT_MINI_DIR).encode(WIKITEXT2_TEST.read_text()[:4000]).ids
-    return d, s, cfg, torch.tensor([[cfg.bos_token_id, *ids[:SEQ - 1]]])
-
-
-def _ort_rows(path, ids, L):
-    """Form (a) from its path with each layer's idx / keep as extra outputs: (logits, {l: (idx, keep)})."""
-    m = onnx.load(str(path))  # external data read: the model is re-serialised with the weights inside
-    names = [f"layers.{l}.pred_mlp.{t}" for l in range(L) for t in ("idx", "keep")]
-    m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
-    out = run_onnxruntime(m, {"input_ids": ids.numpy()})
-    return out["logits"], {l: (out[f"layers.{l}.pred_mlp.idx"], out[f"layers.{l}.pred_mlp.keep"]) for l in range(L)}
-
-
-def _runtime_rows(engine, ids):
-    """The runtime's decode logits, and each layer's (idx, keep) per position from its predictor op."""
-    rec = []
-    op = engine.decoder.pred.topk
-
-    def topk(x, *args, min_share=None, **kw):
-        out = op(x, *args, min_share=min_share, **kw)
-        if min_share is not None:
-            rec.append(tuple(t.clone() for t in out))
-        return out
-
-    engine.decoder.pred.topk = topk
-    logits = engine.decode_logits(ids)
-    return logits, rec
-
-
-def _kept(F, idx, keep):
-    """[..., F] bool: the rows kept, from idx / keep [..., k] (any order)."""
-    m = np.zeros((*idx.shape[:-1], F), bool)
-    np.put_along_axis(m, idx.astype(np.int64), keep, -1)
-    return m
+    return d, s, cfg
 
 
 def test_onnx_equals_the_cpu_runtime_on_opt_mini(built):
-    d, s, cfg, ids = built
-    L, F = cfg.num_hidden_layers, cfg.ffn_dim
+    d, s, cfg = built
     tk = read_header(d / "m.engine")["build_config"]["token_k"]
     assert tk["form"] == "share" and s["token_k"]["k_max"] == tk["k_max"]
     assert s["onnx"]["form_a_max_abs_diff"] <= 2 * s["onnx"]["form_a_torch_same_dtype_max_abs_diff"] + 1e-4
+    r = check.compare(d / "m.engine", d / "onnx", SEQ)
+    assert r["per_token_k"] and r["tokens"] == SEQ and len(r["per_layer"]) == cfg.num_hidden_layers
+    assert r["max_abs_logits_diff"] <= 1e-5 * r["max_abs_logit"] + 1e-4, r
+    for row in r["per_layer"]:
+        assert row["k"] == tk["k_max"][row["layer"]]
+        _same_rows(row)
+        assert row["kept_rows"]["min"] < row["kept_rows"]["max"] <= row["k"]  # a count per token, not a fixed K
 
-    ort_logits, ort = _ort_rows(d / "onnx" / "prefill.sparse.onnx", ids, L)
-    got, rec = _runtime_rows(Engine.load(d / "m.engine", "cpu"), ids)
-    assert len(rec) == SEQ * L  # decode: one step per position, every layer's per-token K
-    scale = np.abs(ort_logits).max()
-    diff = np.abs(ort_logits - got.numpy()).max()
-    assert diff <= 1e-5 * scale + 1e-4, (diff, scale)
-    counts = []
-    for l in range(L):
-        idx, keep = ort[l]
-        assert idx.shape == keep.shape == (1, SEQ, tk["k_max"][l])
-        rt_idx = torch.stack([rec[t * L + l][0].reshape(-1) for t in range(SEQ)]).numpy()  # [S, k_max]
-        rt_keep = torch.stack([rec[t * L + l][1].reshape(-1) for t in range(SEQ)]).numpy()
-        assert np.array_equal(_kept(F, idx[0], np.ones_like(keep[0])), _kept(F, rt_idx, np.ones_like(rt_keep)))
-        assert np.array_equal(_kept(F, idx[0], keep[0]), _kept(F, rt_idx, rt_keep)), l  # the same rows kept
-        counts += keep[0].sum(-1).tolist()
-    assert len(set(counts)) > 10 and min(counts) < max(counts) / 2  # a count per token, not a fixed K
+
+def _same_rows(row):
+    """Every token keeps the same rows on both sides (on these tokens today: identical), but for a
+    row a float32 rounding from the rule's edge: ONNX Runtime's prefill and the runtime's decode
+    steps compute the scores along different paths (opt-mini, 512 tokens: 1 flag of ~2.2M, 4e-8 from
+    its edge; benchmarks/results/onnx-token-k-2026-12-05-opt-mini-cpu.json)."""
+    assert row["rows_kept_by_one_side"] <= 2 and (row["max_edge_margin_of_those"] or 0.0) <= 1e-4, row
 
 
 def test_token_k_off_exports_the_fixed_k_graph(built, tmp_path):
     # the same engine without the per-token K: TopK of K_l and no keep flags, in both forms
-    d, s, cfg, ids = built
+    d, s, cfg = built
     bc = read_header(d / "m.engine")["build_config"]
     sd = {n: t * 8 if n.endswith("pred_mlp.b") else t for n, t in random_predictors(cfg, rank=16).items()}
     off = build_engine("opt-mini", BuildConfig(mlp_density=0.2, attn_density=0.75, allocation="uniform",
@@ -118,6 +85,8 @@ def test_token_k_off_exports_the_fixed_k_graph(built, tmp_path):
         assert int(k[0]) == bc["mlp_k"][l]
     plugin = onnx.load(str(tmp_path / "onnx" / "decode.plugin.onnx"), load_external_data=False)
     assert all(len(n.input) == 6 for n in plugin.graph.node if n.op_type == "SparseMLP")
-    ort_logits = run_onnxruntime(tmp_path / "onnx" / "prefill.sparse.onnx", {"input_ids": ids.numpy()})["logits"]
-    got = Engine.load(tmp_path / "off.engine", "cpu").decode_logits(ids).numpy()
-    assert np.abs(ort_logits - got).max() <= 1e-5 * np.abs(ort_logits).max() + 1e-4
+    r = check.compare(tmp_path / "off.engine", tmp_path / "onnx", SEQ)
+    assert not r["per_token_k"] and r["max_abs_logits_diff"] <= 1e-5 * r["max_abs_logit"] + 1e-4, r
+    for row in r["per_layer"]:
+        assert row["k"] == bc["mlp_k"][row["layer"]] and row["kept_rows"]["min"] == row["kept_rows"]["max"] == row["k"]
+        _same_rows(row)
