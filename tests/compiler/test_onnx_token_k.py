@@ -39,9 +39,11 @@ def built(tmp_path_factory):
     cfg = load_config(OPT_MINI_DIR)
     sd = {n: t * 8 if n.endswith("pred_mlp.b") else t for n, t in random_predictors(cfg, rank=16).items()}
     preds = Predictors.from_state_dict(sd, PI)
-    s = build_engine("opt-mini", BuildConfig(mlp_density=0.2, attn_density=0.75, allocation="uniform",
-                                             dtype="float32", heldout_tokens=512),
-                     d / "m.engine", onnx_out=d / "onnx", progress=False, predictors=preds)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEJAVU_CACHE", str(d / "cache"))  # the held-out caches stay with the test
+        s = build_engine("opt-mini", BuildConfig(mlp_density=0.2, attn_density=0.75, allocation="uniform",
+                                                 dtype="float32", heldout_tokens=512),
+                         d / "m.engine", onnx_out=d / "onnx", progress=False, predictors=preds)
     return d, s, cfg
 
 
@@ -67,11 +69,12 @@ def _same_rows(row):
     assert row["rows_kept_by_one_side"] <= 2 and (row["max_edge_margin_of_those"] or 0.0) <= 1e-4, row
 
 
-def test_token_k_off_exports_the_fixed_k_graph(built, tmp_path):
+def test_token_k_off_exports_the_fixed_k_graph(built, tmp_path, monkeypatch):
     # the same engine without the per-token K: TopK of K_l and no keep flags, in both forms
     d, s, cfg = built
     bc = read_header(d / "m.engine")["build_config"]
     sd = {n: t * 8 if n.endswith("pred_mlp.b") else t for n, t in random_predictors(cfg, rank=16).items()}
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path / "cache"))
     off = build_engine("opt-mini", BuildConfig(mlp_density=0.2, attn_density=0.75, allocation="uniform",
                                                dtype="float32", heldout_tokens=512, token_k="off"),
                        tmp_path / "off.engine", onnx_out=tmp_path / "onnx", progress=False,
