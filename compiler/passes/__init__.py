@@ -56,9 +56,11 @@ class PassSettings:
             if not isinstance(tk, dict) or tk.get("form") != "share":
                 raise DejavuError(f"token_k must be the header's record of form 'share', got {tk!r}")
             th, km = tk.get("threshold"), tk.get("k_max")
-            if not isinstance(th, (list, tuple)) or len(th) != L or not all(0.0 <= t <= 1.0 for t in th):
+            if not isinstance(th, (list, tuple)) or len(th) != L or \
+                    not all(isinstance(t, (int, float)) and 0.0 <= t <= 1.0 for t in th):
                 raise DejavuError(f"token_k.threshold must list {L} numbers in [0, 1], got {th!r}")
-            if not isinstance(km, (list, tuple)) or len(km) != L or not all(m >= k for m, k in zip(km, self.mlp_k)):
+            if not isinstance(km, (list, tuple)) or len(km) != L or \
+                    not all(isinstance(m, int) and m >= k for m, k in zip(km, self.mlp_k)):
                 raise DejavuError(f"token_k.k_max must list {L} integers >= each layer's K, got {km!r}")
 
     def layer_ids(self) -> list[int]:

@@ -73,6 +73,6 @@ def rewrite_sparse_mlp(model: onnx.ModelProto, settings) -> onnx.ModelProto:
         remove += old
         done.append(f"{l}:K={k}/{F}" + ("" if min_share is None else f" share>={min_share:.3g}"))
     replace(model, remove, g)
-    log.info("rewrite_sparse_mlp: rewrote %d MLPs (layer:K, per-token share threshold) %s, removed %d dense nodes",
+    log.info("rewrite_sparse_mlp: rewrote %d MLPs (layer:K[ share>=theta: a per-token K]) %s, removed %d dense nodes",
              len(done), " ".join(done), len(remove))
     return model
