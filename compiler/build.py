@@ -144,7 +144,7 @@ def build_engine(model_name_or_path, config: BuildConfig, out_path, onnx_out=Non
     from dejavu.models.auto import model_type
 
     opt = model_type(model_name_or_path) == "opt"
-    config.token_k = config.resolve_token_k_form(opt, onnx_out is not None)
+    config.token_k = config.resolve_token_k_form(opt)
     if not opt:  # Llama family: TEAL thresholds (compiler/build_llama.py)
         if predictors is not None:
             raise DejavuError("Llama-family engines have no predictors (TEAL thresholds)")
@@ -377,7 +377,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                          _tokenizer_json(folder, tokenizer), allocation, token_k)
     if onnx_out is not None:
         with stages("export ONNX + passes"):
-            onnx_report = _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out))
+            onnx_report = _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out), token_k)
     chat = _chat_template(folder)
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
@@ -415,9 +415,10 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     return summary
 
 
-def _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -> dict:
+def _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, out_dir: Path, token_k: dict | None) -> dict:
     """--onnx-out: the graphs written layer by layer in the engine dtype (compiler/onnx_stream.py),
-    each layer's fp32 predictors read back from the build state."""
+    each layer's fp32 predictors read back from the build state; the engine's per-token MLP K
+    (`token_k`, its header record) in the graphs too."""
     from dejavu.compiler.onnx_stream import write_onnx
 
     def predictors_of(l):
@@ -425,7 +426,7 @@ def _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, out_dir: Path) -
 
     pi = info["input"] if info is not None else config.predictor_input
     return write_onnx(ckpt, config.dtype, mlp_k, attn_k, predictors_of if info is not None else None, pi,
-                      config.topk_limit, out_dir)
+                      config.topk_limit, out_dir, token_k)
 
 
 def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info: dict | None, mlp_k, attn_k,

@@ -75,8 +75,9 @@ def compile_parser() -> argparse.ArgumentParser:
                         "TEAL skip per projection input); uniform: the same fraction everywhere")
     p.add_argument("--token-k", default=S, choices=TOKEN_K_FORMS,
                    help="share: a per-token MLP K (the rows whose predicted share passes a per-layer threshold, "
-                        "at most 2 K per layer, mean K on the held-out windows); off: K rows for every token "
-                        "(default: share for an OPT engine of one rank without --onnx-out, off elsewhere)")
+                        "at most 2 K per layer, mean K on the held-out windows; the --onnx-out graphs carry it "
+                        "too); off: K rows for every token, a fixed-K graph (default: share for an OPT engine "
+                        "of one rank, off elsewhere)")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
     p.add_argument("--topk-limit", type=int, default=S, metavar="K",

@@ -142,8 +142,8 @@ class BuildConfig:
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
     seed: int = PredictorSettings.seed  # of predictor training
     tp: int = 1  # tensor-parallel ranks: one engine file per rank (docs/tensor_parallel.md)
-    # None: "share" where the engine can carry it (an OPT engine of one rank, no --onnx-out), "off"
-    # elsewhere (resolve_token_k_form); the header's settings record the form resolved
+    # None: "share" where the engine can carry it (an OPT engine of one rank; its --onnx-out graphs
+    # too), "off" elsewhere (resolve_token_k_form); the header's settings record the form resolved
     token_k: str | None = None
 
     def __post_init__(self):
@@ -201,13 +201,12 @@ class BuildConfig:
     def predictor_input(self) -> dict:
         return {"source": self.predictor_source, "lookahead": self.predictor_lookahead}
 
-    def resolve_token_k_form(self, opt: bool, onnx: bool) -> str:
-        """token_k as given, or for None: "share" for an OPT engine of one rank without ONNX graphs (which
-        carry a fixed K), "off" elsewhere. Given "share" where it cannot be carried: DejavuError."""
-        can = opt and self.tp == 1 and not onnx
+    def resolve_token_k_form(self, opt: bool) -> str:
+        """token_k as given, or for None: "share" for an OPT engine of one rank (its ONNX graphs carry
+        the same rule), "off" elsewhere. Given "share" where it cannot be carried: DejavuError."""
+        can = opt and self.tp == 1
         if self.token_k == "share" and not can:
-            raise DejavuError("--token-k share needs an OPT model and no --onnx-out (Llama-family engines have "
-                              "no predictors; the ONNX graphs carry a fixed K per layer)")
+            raise DejavuError("--token-k share needs an OPT model (Llama-family engines have no predictors)")
         return self.token_k or ("share" if can else "off")
 
     def to_dict(self) -> dict:

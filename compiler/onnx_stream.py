@@ -20,7 +20,8 @@ Files in the output folder:
 Each graph is checked on its path (`onnx.checker.check_model`; dense and form (a) also by
 strict shape inference, whose result is the file kept). On a model small enough to hold in
 float64 (`ORT_CHECK_MAX_BYTES`, opt-mini and the test models), ONNX Runtime runs form (a) from its path and its logits are
-compared with the masked-dense PyTorch model (`compiler/masking.py`).
+compared with the masked-dense PyTorch model (`compiler/masking.py`; with the engine's per-token K
+where it has one).
 """
 from __future__ import annotations
 
@@ -130,17 +131,18 @@ def _check(path: Path, form: str) -> None:
 
 
 def write_onnx(ckpt, dtype: str, mlp_k: list[int], attn_k: list[int], predictors_of, predictor_input: dict,
-               topk_limit: int, out_dir: Path) -> dict:
+               topk_limit: int, out_dir: Path, token_k: dict | None = None) -> dict:
     """Write the six graphs of checkpoint `ckpt` (a `models.loader.Checkpoint`) to out_dir.
 
     predictors_of(l) -> layer l's fp32 predictor tensors by engine name (None: no predictors,
-    every K = N). Files are written in a hidden folder and moved in when all are checked."""
+    every K = N). token_k: the engine's per-token MLP K record (`build_config.token_k`; None: K_l
+    rows for every token). Files are written in a hidden folder and moved in when all are checked."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / ".onnx.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        files = _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, topk_limit, tmp)
+        files = _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, topk_limit, tmp, token_k)
     except BaseException:  # no partial graphs left behind (Ctrl-C included)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -151,18 +153,20 @@ def write_onnx(ckpt, dtype: str, mlp_k: list[int], attn_k: list[int], predictors
     report = {"dir": str(out_dir), "files": sorted(files), "dtype": dtype, "data_file": DATA_FILE,
               "data_bytes": data_bytes}
     report.update(check_form_a(ckpt, out_dir / "prefill.sparse.onnx", mlp_k, attn_k, predictors_of,
-                               predictor_input, dtype))
+                               predictor_input, dtype, token_k=token_k))
     return report
 
 
-def _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, topk_limit, tmp: Path) -> dict:
+def _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, topk_limit, tmp: Path,
+                  token_k: dict | None) -> dict:
     """The six graphs and their data file in folder tmp, checked; {file name: path}."""
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
 
     cfg = ckpt.cfg
     data = ExternalData(tmp / DATA_FILE)
     graphs = _Graphs(cfg, GraphBuilder(onnx.GraphProto(), dtype).elem_type, data)
-    st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictor_input=predictor_input, topk_limit=topk_limit)
+    st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictor_input=predictor_input, topk_limit=topk_limit,
+                      token_k=token_k)
     # the weights as stored: the builder rounds them to the graph dtype (as from fp32: a float16
     # or bfloat16 checkpoint converts exactly), and a float32 copy of a layer is never made
     shell, x = load_decoder_shell(ckpt, None, "cpu"), {}
@@ -201,15 +205,16 @@ def _write_pieces(ckpt, dtype, mlp_k, attn_k, predictors_of, predictor_input, to
 
 
 def check_form_a(ckpt, path: Path, mlp_k, attn_k, predictors_of, predictor_input: dict, dtype: str,
-                 seq: int = 16) -> dict:
-    """Form (a) from its path in ONNX Runtime vs the masked-dense PyTorch model on a fixed token
-    sequence: max |logits diff| against the float64 model, and for scale the same PyTorch model
-    in the graph dtype against float64. Skipped (None) for models over ORT_CHECK_MAX_BYTES in
-    float64 or without onnxruntime."""
+                 seq: int = 16, token_k: dict | None = None) -> dict:
+    """Form (a) from its path in ONNX Runtime vs the masked-dense PyTorch model (with the per-token
+    K record `token_k` where given) on a fixed token sequence: max |logits diff| against the float64
+    model, and for scale the same PyTorch model in the graph dtype against float64. Skipped (None)
+    for models over ORT_CHECK_MAX_BYTES in float64 or without onnxruntime."""
     import numpy as np
 
     from dejavu.compiler.masking import masked_sparsity
     from dejavu.compiler.predictors import Predictors
+    from dejavu.compiler.token_k import TokenK
     from dejavu.models.loader import load_model
 
     cfg = ckpt.cfg
@@ -232,13 +237,15 @@ def check_form_a(ckpt, path: Path, mlp_k, attn_k, predictors_of, predictor_input
         for l in range(cfg.num_hidden_layers):
             sd.update(predictors_of(l))
         preds = Predictors.from_state_dict(sd, predictor_input)
+    tk = None if token_k is None else \
+        TokenK(tuple(token_k["k_max"]), tuple(token_k["threshold"]), tuple(mlp_k), token_k["form"])
 
     def logits(dt):
         m = model.to(dt)
         with torch.no_grad():
             if preds is None:
                 return m(ids).double().numpy()
-            with masked_sparsity(m, mlp_k, attn_k, "predicted", preds.to("cpu", dt)):
+            with masked_sparsity(m, mlp_k, attn_k, "predicted", preds.to("cpu", dt), token_k=tk):
                 return m(ids).double().numpy()
 
     ref = logits(torch.float64)

@@ -4,9 +4,11 @@ Each pass is `pass(model: onnx.ModelProto, settings: PassSettings) -> onnx.Model
 its own file, and logs (logger `dejavu.compiler.passes.<name>`) what it rewrote:
 
 1. `insert_predictors`        per layer: scores = (src @ A.T) @ B.T + bias, src per the lookahead
-2. `rewrite_sparse_mlp`       fc1/Relu/fc2 → TopK → Gather(W1 rows) → MatMul → Relu → Gather(W2ᵀ rows) → MatMul
+2. `rewrite_sparse_mlp`       fc1/Relu/fc2 → TopK → Gather(W1 rows) → MatMul → Relu → Gather(W2ᵀ rows) → MatMul;
+                              with a per-token K (`token_k`): TopK(k_max), the keep flags of the share
+                              rule, h · keep
 3. `rewrite_sparse_attention` Q / attention / out_proj over the top-k heads (K/V stay dense)
-4. `to_plugin_form`           (form "plugin" only) the subgraphs → `dejavu.Predictor`,
+4. `to_plugin_form`           (form "plugin" only) the subgraphs → `dejavu.Predictor` (+ keep),
                               `dejavu.SparseMLP`, `dejavu.SparseAttention` custom-domain nodes
 
 After passes 1–3 the graph is form (a): standard ONNX ops only (ONNX Runtime runs it and it
@@ -29,7 +31,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PassSettings:
-    """What the passes need: per-layer K, the predictors (engine tensor names), the form."""
+    """What the passes need: per-layer K, the predictors (engine tensor names), the form.
+
+    token_k: the engine's per-token MLP K (`build_config.token_k`, form "share": threshold [L],
+    k_max [L]); a sparse MLP layer then takes its top k_max rows and keeps those whose predicted
+    share is >= threshold[l]. None: K_l rows for every token."""
 
     mlp_k: list[int]
     attn_k: list[int]
@@ -38,15 +44,35 @@ class PassSettings:
     form: str = "standard"  # "standard" (form a) or "plugin" (form b)
     topk_limit: int = TENSORRT_TOPK_LIMIT
     layers: list[int] | None = None  # the layers to rewrite; None: all (the streamed writer: one)
+    token_k: dict | None = None
 
     def __post_init__(self):
         if self.form not in ("standard", "plugin"):
             raise DejavuError(f"ONNX form must be 'standard' or 'plugin', got {self.form!r}")
         if self.topk_limit < 1:
             raise DejavuError(f"topk_limit must be positive, got {self.topk_limit}")
+        tk, L = self.token_k, len(self.mlp_k)
+        if tk is not None:
+            if not isinstance(tk, dict) or tk.get("form") != "share":
+                raise DejavuError(f"token_k must be the header's record of form 'share', got {tk!r}")
+            th, km = tk.get("threshold"), tk.get("k_max")
+            if not isinstance(th, (list, tuple)) or len(th) != L or \
+                    not all(isinstance(t, (int, float)) and 0.0 <= t <= 1.0 for t in th):
+                raise DejavuError(f"token_k.threshold must list {L} numbers in [0, 1], got {th!r}")
+            if not isinstance(km, (list, tuple)) or len(km) != L or \
+                    not all(isinstance(m, int) and m >= k for m, k in zip(km, self.mlp_k)):
+                raise DejavuError(f"token_k.k_max must list {L} integers >= each layer's K, got {km!r}")
 
     def layer_ids(self) -> list[int]:
         return list(range(len(self.mlp_k))) if self.layers is None else list(self.layers)
+
+    def mlp_rows(self, l: int) -> int:
+        """The rows layer l's sparse MLP selects: k_max with a per-token K, else K_l."""
+        return self.mlp_k[l] if self.token_k is None else int(self.token_k["k_max"][l])
+
+    def min_share(self, l: int) -> float | None:
+        """Layer l's share threshold (a per-token K), or None (every selected row kept)."""
+        return None if self.token_k is None else float(self.token_k["threshold"][l])
 
 
 from dejavu.compiler.passes.insert_predictors import insert_predictors  # noqa: E402

@@ -1,6 +1,8 @@
 """Graph editing helpers shared by the passes (not a pass itself)."""
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -110,6 +112,29 @@ def topk_indices(g: GraphBuilder, scores: str, k: int, limit: int, prefix: str, 
             cur = g.op("ScatterElements", [cur, idx, fill], f"{prefix}/mask_{r}", axis=-1)
         r += 1
     return g.op("Concat", parts, f"{prefix}/concat", outputs=[out], axis=-1)
+
+
+def share_keep(g: GraphBuilder, scores: str, idx: str, min_share: float, prefix: str, out: str,
+               dtype=np.float32) -> str:
+    """keep [..., k] bool: which of the selected rows idx [..., k] (int64, best first) of scores
+    [..., N] (of numpy `dtype`) a token keeps under the per-token K rule (plugins.share_keep):
+    softmax share >= min_share, and always the best row. Without a softmax over N:
+
+        keep_j = s_j >= min(log(min_share) + logsumexp(s), max(s))        (in float32)
+
+    The max is subtracted inside the logsumexp explicitly (Exp of raw scores overflows float32
+    past 88, and a backend's ReduceLogSumExp need not subtract it); min_share 0 keeps every row."""
+    s = scores if np.dtype(dtype) == np.float32 else \
+        g.op("Cast", [scores], f"{prefix}/cast", to=onnx.TensorProto.FLOAT)  # as the runtime: fp32
+    m = g.op("ReduceMax", [s], f"{prefix}/max", axes=[-1], keepdims=1)  # [..., 1]
+    e = g.op("Exp", [g.op("Sub", [s, m], f"{prefix}/shift")], f"{prefix}/exp")
+    lse = g.op("ReduceSum", [e, g.ints(f"{prefix}.axes_m1", [-1])], f"{prefix}/sum", keepdims=1)
+    lse = g.op("Add", [g.op("Log", [lse], f"{prefix}/log"), m], f"{prefix}/lse")  # [..., 1]
+    log_share = math.log(min_share) if min_share > 0 else float(np.finfo(np.float32).min)
+    thr = g.op("Add", [lse, g.const(f"{prefix}.log_min_share", np.array(log_share, np.float32))], f"{prefix}/thr")
+    thr = g.op("Min", [thr, m], f"{prefix}/thr_best")  # the best row passes whatever its share
+    v = g.op("GatherElements", [s, idx], f"{prefix}/selected", axis=-1)  # [..., k]
+    return g.op("GreaterOrEqual", [v, thr], f"{prefix}/compare", outputs=[out])
 
 
 def set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:

@@ -1,7 +1,8 @@
 """Pass 4 (form "plugin" only): collapse the sparse subgraphs into custom-domain nodes.
 
     layers.{l}.pred_{kind}/* + .topk/*  → dejavu.Predictor(src, a, b, bias) -> idx [B,S,K]
-    layers.{l}.sparse_mlp/*             → dejavu.SparseMLP(x, idx, w1, b1, w2_t, b2) -> mlp_out
+      (+ .keep/* with a per-token K)        → dejavu.Predictor(...; min_share) -> idx [B,S,K], keep [B,S,K] bool
+    layers.{l}.sparse_mlp/*             → dejavu.SparseMLP(x, idx, w1, b1, w2_t, b2[, keep]) -> mlp_out
     layers.{l}.sparse_attn/*            → dejavu.SparseAttention(x, idx, wq, bq, keys, values,
                                               attn_mask_bias, wo_t, bo) -> attn_out
 
@@ -9,6 +10,11 @@ Weights are in the engine's kernel layout (a [r,D], b [N,r], w1 [F,D], w2_t [F,D
 with 1/sqrt(hd) folded in, wo_t [D,D]). Every node carries what a TensorRT plugin needs:
 `plugin_namespace="dejavu"`, `plugin_version="1"` (TensorRT maps op_type → plugin name),
 plus k and the dimensions. Domain `dejavu` (version 1) is added to opset_import.
+
+A per-token MLP K (`settings.token_k`) gives the MLP Predictor k = k_max, a float attribute
+`min_share` (theta_l: the runtime's `predictor_topk(..., min_share=)`) and a second output, the
+keep flags; SparseMLP takes them as a seventh input and a dropped row contributes nothing (its
+fc1 / fc2 bytes need not be read: the runtime's KEEP / SKIP_ZERO).
 """
 from __future__ import annotations
 
@@ -29,16 +35,21 @@ def _src(nodes, name: str) -> str:
     return next(n for n in nodes if n.name == name).input[0]
 
 
-def _collapse_predictor(model, g, p: str, kind: str, k: int) -> list:
+def _collapse_predictor(model, g, p: str, kind: str, k: int, min_share: float | None) -> list:
     old = group(model, f"{p}.pred_{kind}/") + group(model, f"{p}.pred_{kind}.topk/")
     if not old:
         return []
+    outputs, share = [f"{p}.pred_{kind}.idx"], {}
+    if min_share is not None:
+        old += group(model, f"{p}.pred_{kind}.keep/")
+        outputs.append(f"{p}.pred_{kind}.keep")
+        share = {"min_share": min_share}
     at = init_array(model, f"{p}.pred_{kind}.a_t")  # [D, r]
     bt = init_array(model, f"{p}.pred_{kind}.b_t")  # [r, N]
     a, b = g.const(f"{p}.pred_{kind}.a", at.T), g.const(f"{p}.pred_{kind}.b", bt.T)
     g.op("Predictor", [_src(old, f"{p}.pred_{kind}/MatMul_a"), a, b, f"{p}.pred_{kind}.bias"],
-         f"{p}.pred_{kind}", outputs=[f"{p}.pred_{kind}.idx"], domain=DOMAIN, k=k, kind=kind,
-         rank=int(at.shape[1]), hidden_size=int(at.shape[0]), num_outputs=int(bt.shape[1]), **_PLUGIN)
+         f"{p}.pred_{kind}", outputs=outputs, domain=DOMAIN, k=k, kind=kind,
+         rank=int(at.shape[1]), hidden_size=int(at.shape[0]), num_outputs=int(bt.shape[1]), **share, **_PLUGIN)
     return old
 
 
@@ -50,17 +61,19 @@ def to_plugin_form(model: onnx.ModelProto, settings) -> onnx.ModelProto:
     remove, counts = [], {"Predictor": 0, "SparseMLP": 0, "SparseAttention": 0}
     for l in settings.layer_ids():
         p = f"layers.{l}"
-        for kind, k in (("mlp", settings.mlp_k[l]), ("attn", settings.attn_k[l])):
-            old = _collapse_predictor(model, g, p, kind, k)
+        for kind, k, share in (("mlp", settings.mlp_rows(l), settings.min_share(l)),
+                               ("attn", settings.attn_k[l], None)):
+            old = _collapse_predictor(model, g, p, kind, k, share)
             remove += old
             counts["Predictor"] += bool(old)
         old = group(model, f"{p}.sparse_mlp/")
         if old:
             D, F = (int(v) for v in init_array(model, f"{p}.mlp.w2_t").shape[::-1])
             x = _src(old, f"{p}.sparse_mlp/x_col")
+            keep = [] if settings.min_share(l) is None else [f"{p}.pred_mlp.keep"]
             g.op("SparseMLP", [x, f"{p}.pred_mlp.idx", f"{p}.mlp.w1", f"{p}.mlp.b1", f"{p}.mlp.w2_t",
-                               f"{p}.mlp.b2"], f"{p}.sparse_mlp", outputs=[f"{p}.mlp_out"], domain=DOMAIN,
-                 k=settings.mlp_k[l], hidden_size=D, ffn_dim=F, activation="relu", **_PLUGIN)
+                               f"{p}.mlp.b2", *keep], f"{p}.sparse_mlp", outputs=[f"{p}.mlp_out"], domain=DOMAIN,
+                 k=settings.mlp_rows(l), hidden_size=D, ffn_dim=F, activation="relu", **_PLUGIN)
             remove += old
             counts["SparseMLP"] += 1
         old = group(model, f"{p}.sparse_attn/")

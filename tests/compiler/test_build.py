@@ -133,6 +133,12 @@ def test_onnx_out_matches_engine(tiny_opt_dir, preds, tmp_path):
     for name in ("layers.0.mlp.w1", "layers.1.mlp.w2_t", "layers.0.attn.wq", "layers.1.attn.bq",
                  "layers.0.attn.wo_t", "layers.1.pred_mlp.a", "layers.0.pred_attn.b", "embed_tokens"):
         torch.testing.assert_close(torch.from_numpy(inits[name].copy()), t[name], rtol=1e-6, atol=1e-7)
+    # the default per-token MLP K is in the graphs: the header's k_max and thresholds
+    tk = read_header(tmp_path / "m.engine")["build_config"]["token_k"]
+    for l in range(2):
+        n = next(n for n in plugin.graph.node if n.name == f"layers.{l}.pred_mlp")
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs["k"] == tk["k_max"][l] and attrs["min_share"] == pytest.approx(tk["threshold"][l], rel=1e-6)
 
 
 def test_bad_output_fails_before_work(tiny_opt_dir, preds, tmp_path):

@@ -19,14 +19,15 @@ pytest.importorskip("onnxruntime")
 PI = {"source": "attn_in", "lookahead": 1}
 
 
-def _in_memory(model, preds, mlp_k, attn_k, dtype, topk_limit):
+def _in_memory(model, preds, mlp_k, attn_k, dtype, topk_limit, token_k=None):
     """The whole-graph export: build_dense_graph + run_passes, as one model in memory each (shapes
     inferred after the passes: ONNX Runtime's optimiser reads value_info)."""
     out = {}
     for mode in ("prefill", "decode"):
         dense = build_dense_graph(model, mode, dtype)
         out[f"{mode}.onnx"] = check_model(dense)
-        st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictors=preds, predictor_input=PI, topk_limit=topk_limit)
+        st = PassSettings(mlp_k=mlp_k, attn_k=attn_k, predictors=preds, predictor_input=PI, topk_limit=topk_limit,
+                          token_k=token_k)
         out[f"{mode}.sparse.onnx"] = check_model(run_passes(dense, st))
         out[f"{mode}.plugin.onnx"] = run_passes(dense, PassSettings(**{**st.__dict__, "form": "plugin"}))
     return out
@@ -36,8 +37,9 @@ def _inits(m):
     return {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_streamed_export_equals_in_memory_export(make_tiny_opt_dir, tmp_path, dtype):
+# float16 with a per-token MLP K (layer 0: k_max 80 in TopK rounds of 16, then the keep flags)
+@pytest.mark.parametrize("dtype,per_token_k", [("float32", False), ("float16", True)])
+def test_streamed_export_equals_in_memory_export(make_tiny_opt_dir, tmp_path, dtype, per_token_k):
     folder = make_tiny_opt_dir(num_hidden_layers=3)
     model, cfg = load_model(folder)
     preds = random_predictors(cfg, rank=8, rank_attn=4)
@@ -46,8 +48,11 @@ def test_streamed_export_equals_in_memory_export(make_tiny_opt_dir, tmp_path, dt
     mlp_k, attn_k, limit = [40, cfg.ffn_dim, 30], [2, 3, cfg.num_attention_heads], 16
     by_layer = lambda l: {k: v for k, v in preds.items() if k.startswith(f"layers.{l}.")}
     out = tmp_path / "onnx"
-    report = write_onnx(Checkpoint(folder), dtype, mlp_k, attn_k, by_layer, PI, limit, out)
-    ref = _in_memory(model, preds, mlp_k, attn_k, dtype, limit)
+    tk = {"form": "share", "threshold": [0.01, 0.0, 0.02], "k_max": [80, cfg.ffn_dim, 60]} if per_token_k else None
+    report = write_onnx(Checkpoint(folder), dtype, mlp_k, attn_k, by_layer, PI, limit, out, token_k=tk)
+    ref = _in_memory(model, preds, mlp_k, attn_k, dtype, limit, tk)
+    std = ref["prefill.sparse.onnx"]
+    assert any(n.op_type == "GreaterOrEqual" for n in std.graph.node) == per_token_k
 
     assert sorted(p.name for p in out.iterdir()) == sorted([DATA_FILE, *ref])  # no partial folder left
     ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).numpy()

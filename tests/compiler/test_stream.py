@@ -54,7 +54,7 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     tensors = kernel_layout(model, dtype)
     tensors.update({k: v.to(dtype).contiguous() for k, v in preds.state_dict().items()})
     config.density = allocation["density"]
-    config.token_k = config.resolve_token_k_form(opt=True, onnx=False)  # the per-token K, fitted in memory
+    config.token_k = config.resolve_token_k_form(opt=True)  # the per-token K, fitted in memory
     tk = None
     if config.token_k == "share":
         from dejavu.compiler.token_k import resolve_token_k

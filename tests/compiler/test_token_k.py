@@ -183,7 +183,9 @@ def test_build_rejects_what_cannot_carry_a_per_token_k(tiny_opt_dir, tmp_path):
         BuildConfig(density=0.5, token_k="mass")
     with pytest.raises(DejavuError, match="--tp"):
         BuildConfig(density=0.5, token_k="share", tp=2)
-    with pytest.raises(DejavuError, match="--onnx-out"):
-        build_engine(tiny_opt_dir, BuildConfig(density=0.7, token_k="share"), tmp_path / "e.engine",
-                     onnx_out=tmp_path / "onnx", progress=False)
+    from llama_helpers import write_tiny_llama
+
+    with pytest.raises(DejavuError, match="needs an OPT model"):
+        build_engine(write_tiny_llama(tmp_path / "llama"), BuildConfig(density=0.7, token_k="share"),
+                     tmp_path / "e.engine", progress=False)
     assert not (tmp_path / "e.engine").exists()
