@@ -38,3 +38,12 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
         assert abs(r["skip_realized"] - s) < 0.15  # thresholds from other random tokens
         assert r["floor_bytes"] < rows["dense_graph"]["floor_bytes"] and r["ms_per_step"] > 0 and r["steps"] == 4
     assert rows["dense_graph"]["skip_realized"] == 0.0
+
+
+def test_layer_anchor_is_a_kernel_launched_once_per_layer():
+    pick = e2e_llama._layer_anchor(32)
+    rows = [["gemv", 90.0, 128.0], ["elementwise", 40.0, 352.0], ["fmha_cutlassF_f16", 30.0, 32.0],
+            ["index_put", 5.0, 32.0], ["lm_head", 9.0, 1.0]]
+    assert pick(rows) == "fmha_cutlassF_f16"  # the attention where several run once per layer
+    assert pick([r for r in rows if not r[0].startswith("fmha")]) == "index_put"
+    assert pick([["gemv", 1.0, 3.0]]) == ""
