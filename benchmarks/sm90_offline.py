@@ -68,7 +68,10 @@ KERNELS = {
     "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
     # Llama TEAL engines (input_sparse.py): the default blocks at Llama-3-8B's q/k/v (11 splits)
     "select_inputs": ("input_sparse", "_select_inputs_kernel", dict(BLOCK=4096), 3),
-    "input_sparse_gemv": ("input_sparse", "_input_sparse_gemv_kernel", dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11), 3),
+    "input_sparse_gemv": ("input_sparse", "_input_sparse_gemv_kernel",
+                          dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11, MASK=False), 3),
+    "input_sparse_gemv_mask": ("input_sparse", "_input_sparse_gemv_kernel",
+                               dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11, MASK=True), 3),
     "input_sparse_sum": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=128, SPLIT_K=11), 3),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr", "count_ptr"}

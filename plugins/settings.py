@@ -145,6 +145,7 @@ class InputSparseSettings:
     split_k: int | None = None
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     num_warps: int = 4
+    select: str = "list"  # "list": select_inputs, then the row gather; "mask": the GEMV tests |x| > t
 
 
 @dataclass(frozen=True)
