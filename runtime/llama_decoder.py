@@ -135,9 +135,9 @@ class LlamaOps:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [..., D]; normalised in fp32, scaled in x's dtype (models/llama.RMSNorm); F.rms_norm: one
-    # kernel where PyTorch has a fused one, the same five ops otherwise
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # x: [..., D]; normalised in fp32, scaled in x's dtype (models/llama.RMSNorm). F.rms_norm upcasts a
+    # half input itself (equal to x.float() in, .to(x.dtype) out): one kernel where PyTorch has a fused one
+    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
