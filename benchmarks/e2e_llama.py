@@ -14,6 +14,8 @@ downloaded here):
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
+  dense_graph+w_rows  the same with the block weights stored as W (row-major [M, N]) instead of W^T:
+                 which layout cuBLAS's batch-1 GEMV streams faster
   teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
                  plugins/input_sparse kernels (index lists by prefix sum, row-gather GEMV), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
@@ -168,6 +170,10 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
+    # the dense graph again with every block weight stored as W [M, N] row-major (the same values, viewed
+    # transposed): the layout F.linear reads (cuBLAS's transposed GEMV), against the engine's W^T [N, M]
+    rows = {n: (t.t().contiguous().t() if n.endswith("_t") else t) for n, t in tensors.items()}
+    out.insert(1, ("dense_graph+w_rows", 0.0, Engine.from_tensors(out[0][2].header, rows, device=dev, backend=backend)))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
 
 

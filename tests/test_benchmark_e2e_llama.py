@@ -23,7 +23,8 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
     d = json.loads(out.read_text())
     assert d["errors"] == [] and d["bandwidth"]["copy_GBps"] > 0
     rows = {r["system"]: r for r in d["results"]}
-    assert set(rows) == {"dense_graph", "teal_s0.25", "teal_s0.4", "teal_s0.5", "teal_s0.5+block_m=64", "hf_eager"}
+    assert set(rows) == {"dense_graph", "dense_graph+w_rows", "teal_s0.25", "teal_s0.4", "teal_s0.5",
+                         "teal_s0.5+block_m=64", "hf_eager"}
     assert rows["teal_s0.5+block_m=64"]["kernel_settings"]["block_m"] == 64
     from dejavu.plugins import InputSparseSettings
     assert rows["teal_s0.5"]["kernel_settings"]["block_m"] == InputSparseSettings().block_m  # the default, recorded
