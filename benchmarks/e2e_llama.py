@@ -14,10 +14,16 @@ downloaded here):
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
+  dense_graph+w_rows  the same with the block weights stored as W (row-major [M, N]) instead of W^T:
+                 which layout cuBLAS's batch-1 GEMV streams faster
   teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
                  plugins/input_sparse kernels (index lists by prefix sum, row-gather GEMV), CUDA graph
-  teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: block_m 64,
-                 block_k 64, 1056 target programs), recorded in the engine header as a build would
+  teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
+                 InputSparseSettings fields over the defaults), recorded in the engine header as a build would
+Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks, N
+graph replays under torch.profiler (benchmarks/profile_decode.profile_steps: per-kernel GPU time and
+launches per step, the main-stream timeline) and one decoder layer's kernels in order (its anchor: a
+kernel launched once per layer, the attention where it is one), beside the layer's weight floor.
 Thresholds are quantiles of each projection input on random calibration tokens through the same
 model (compiler/gated_sparsity.calibrate, the compiler's own path); the skip realized on the
 decode steps is counted in an untimed pass (reference ops) and reported. Floor: bytes a step must
@@ -51,6 +57,12 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
+# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): block_k 32 is
+# the previous default; then larger row blocks, narrower column blocks, more programs, one select block per row,
+# and the GEMV masking its own loads instead of the index lists (select "mask": no select launch)
+VARIANTS = [{"block_k": 32}, {"block_k": 128}, {"block_m": 64}, {"block_m": 64, "block_k": 128},
+            {"target_programs": 1056}, {"block_k": 128, "num_warps": 8}, {"block_select": 16384, "select_warps": 16},
+            {"select": "mask"}, {"select": "mask", "block_k": 128}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -158,6 +170,10 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
+    # the dense graph again with every block weight stored as W [M, N] row-major (the same values, viewed
+    # transposed): the layout F.linear reads (cuBLAS's transposed GEMV), against the engine's W^T [N, M]
+    rows = {n: (t.t().contiguous().t() if n.endswith("_t") else t) for n, t in tensors.items()}
+    out.insert(1, ("dense_graph+w_rows", 0.0, Engine.from_tensors(out[0][2].header, rows, device=dev, backend=backend)))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
 
 
@@ -203,6 +219,37 @@ def time_engine(eng, c: dict, P: int, N: int) -> dict:
     st = eng.stats
     return {"ms_per_step": st.ms_per_token, "tokens_per_s": st.tokens_per_s, "prefill_ms": 1e3 * st.prefill_s,
             "steps": st.decode_steps, "cuda_graph": eng.use_graphs, "kernels": dict(eng.ops.kernels)}
+
+
+def _layer_anchor(layers: int):
+    """profile_steps' anchor picker: a kernel launched once per layer per step, the attention if it is one."""
+    def pick(rows) -> str:
+        once = [k for k, _, n in rows if abs(n - layers) < 1e-6]
+        att = [k for k in once if any(w in k.lower() for w in ("fmha", "attention", "flash", "sdpa", "softmax"))]
+        return (att or once or [""])[0]
+    return pick
+
+
+def profile_engine(eng, c: dict, P: int, steps: int, bw_GBps: float, skip: float) -> dict:
+    """Per-kernel GPU time of `steps` graph replays and one layer's timeline (GPU only); the weight bytes
+    of one layer at `skip` over the copy bandwidth as `layer_floor_us`."""
+    import importlib.util
+
+    from dejavu.compiler.build_llama import step_bytes
+    from dejavu.models.llama import LlamaConfig
+
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("profile_decode", here / "profile_decode.py")
+    pd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pd)
+    step = eng.activate(1, P + 2 * steps + 8)
+    tokens = torch.full((1,), 5, dtype=torch.long, device=eng.device)
+    pos = torch.full((1,), P, dtype=torch.long, device=eng.device)
+    prof = pd.profile_steps(step, tokens, pos, steps, lambda e: False, anchor=_layer_anchor(c["num_hidden_layers"]))
+    cfg = LlamaConfig.from_hf_dict({**COMMON, **c})
+    layer_bytes = (1 - skip) * step_bytes(cfg, 2)["block"] / cfg.num_hidden_layers
+    prof["layer_floor_us"] = 1e6 * layer_bytes / (bw_GBps * 1e9)
+    return prof
 
 
 def hf_model(c: dict, dtype, dev):
@@ -285,6 +332,9 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
             run.add("results", row)
             print(f"{name:16} {system:12} {row['ms_per_step']:8.3f} ms/step  floor {row['floor_ms']:.3f} ms  "
                   f"skip {row['skip_realized']:.3f}", flush=True)
+            if a.profile_steps and dev.type == "cuda" and system in ("dense_graph", f"teal_s{a.variant_skip:g}"):
+                row["profile"] = profile_engine(eng, c, a.prompt_len, a.profile_steps, bw, row["skip_realized"])
+                run.save()  # the timed row is already recorded: a failing profile only adds an error
         except Exception as e:  # noqa: BLE001 - record and go on to the next system
             run.add("errors", {"model": name, "system": system, "error": f"{type(e).__name__}: {e}",
                                "trace": traceback.format_exc()[-3000:]})
@@ -326,7 +376,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cuda, or cpu (tiny shapes, reference ops: a dry run)")
     p.add_argument("--models", default=None, help="default llama-3-8b,llama-3-70b-tp8 (cpu: tiny)")
     p.add_argument("--skips", default="0.25,0.4,0.5", help="fractions of every projection input skipped")
-    p.add_argument("--kernel-variants", default='[{"block_m": 64}, {"block_k": 64}, {"target_programs": 1056}]',
+    p.add_argument("--kernel-variants", default=json.dumps(VARIANTS),
                    help="JSON list of InputSparseSettings fields (KernelSettings.input_sparse), each an extra engine at --variant-skip ('[]': none)")
     p.add_argument("--variant-skip", type=float, default=0.5)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -336,6 +386,7 @@ def main(argv=None) -> int:
     p.add_argument("--peak-GBps", type=float, default=4800.0, help="nominal HBM bandwidth (H200: 4800)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-smoke", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=20, help="graph replays profiled per profiled system (0: none)")
     a = p.parse_args(argv)
     # Run as a script, this folder is sys.path[0]; its kernels.py would shadow the `kernels` package
     # that transformers imports. This script imports nothing from its folder.

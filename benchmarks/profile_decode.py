@@ -235,9 +235,11 @@ def _labels(layers: list[dict]) -> list[str]:
                   key=lambda k: statistics.median(lay[k][0] for lay in layers if k in lay))
 
 
-def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = None) -> dict:
+def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = None, anchor="_qkv_partial") -> dict:
     """Time `steps` decode steps, then profile as many more; each step one position further
-    (so the deferred K/V policy sees its steady state: newly selected heads catch up)."""
+    (so the deferred K/V policy sees its steady state: newly selected heads catch up). anchor: the
+    layer timeline's anchor kernel, or a function of the [(name, us, launches) per step] rows that
+    picks it (benchmarks/e2e_llama.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     def run(n):
@@ -268,6 +270,7 @@ def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = N
         a[1] += 1
         total += us
     rows = sorted(([k, v[0] / steps, v[1] / steps] for k, v in agg.items()), key=lambda r: -r[1])
+    anchor = anchor(rows) if callable(anchor) else anchor
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"dejavu-trace-{os.getpid()}.json"
     prof.export_chrome_trace(str(tmp))
     raw = tmp.read_bytes()
@@ -279,7 +282,7 @@ def profile_steps(step, tokens, pos, steps: int, side_fn, trace: Path | None = N
     return {"wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": total / steps / 1e3,
             "launches_per_step": sum(r[2] for r in rows),
             "kernels": [{"name": k, "us_per_step": round(us, 2), "launches_per_step": n} for k, us, n in rows],
-            "timeline": timeline(kern, steps, side_fn), "layer": layer_timeline(kern, side_fn)}
+            "timeline": timeline(kern, steps, side_fn), "layer": layer_timeline(kern, side_fn, anchor)}
 
 
 def main(argv=None) -> int:

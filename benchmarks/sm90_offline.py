@@ -41,7 +41,7 @@ FC2 = dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128, EVEN_D=True, BLO
 ATTN = dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16, BLOCK_C=8, EARLY_READS=True, FOLD=False,
             FOLD_SPLIT=1, BLOCK_F=16, GDC=2)
 F32 = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "q_ptr": "*fp32", "st_ptr": "*fp32", "part_ptr": "*fp32",
-       "ml_ptr": "*fp32", "apart_ptr": "*fp32", "wg_ptr": "*fp32", "eps": "fp32"}
+       "ml_ptr": "*fp32", "apart_ptr": "*fp32", "wg_ptr": "*fp32", "eps": "fp32", "t": "fp32"}
 KERNELS = {
     "fc1": ("fc1", "_gather_gemv_kernel",
             dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1, W_EV="evict_first", GDC=1), 2),
@@ -66,13 +66,20 @@ KERNELS = {
                                                                       GDC=2), 3),
     "split_reduce": ("fc2", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, GDC=2), 3),
     "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
+    # Llama TEAL engines (input_sparse.py): the default blocks at Llama-3-8B's q/k/v (11 splits)
+    "select_inputs": ("input_sparse", "_select_inputs_kernel", dict(BLOCK=4096), 3),
+    "input_sparse_gemv": ("input_sparse", "_input_sparse_gemv_kernel",
+                          dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11, MASK=False), 3),
+    "input_sparse_gemv_mask": ("input_sparse", "_input_sparse_gemv_kernel",
+                               dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11, MASK=True), 3),
+    "input_sparse_sum": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=128, SPLIT_K=11), 3),
 }
-INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr"}
+INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr", "count_ptr"}
 # pointers the launchers pass as None where their mode is off (fc1's keep: engines without a per-token K);
 # Triton's JIT specializes a None argument as a constexpr, so it leaves the compiled parameter list
 NONE_PTRS = {"keep_ptr"}
 DIV16 = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
-         "stride_cb", "stride_ch", "stride_cs", "stride_ob", "stride_ib"}
+         "stride_cb", "stride_ch", "stride_cs", "stride_ob", "stride_ib", "N", "M"}
 
 # Run in a fresh interpreter per tree (its own `dejavu` import): prints one JSON line.
 CHILD = r'''
@@ -103,8 +110,12 @@ out = {}
 OLD_HOME = {"fc1": "sparse_mlp", "fc2": "sparse_mlp", "qkv_partial": "deferred_kv", "qkv_finish": "deferred_kv"}
 for name, (modname, kname, consts, stages) in spec["kernels"].items():
     if not os.path.exists(os.path.join(root, "plugins", modname + ".py")):
-        modname = OLD_HOME[modname]
+        modname = OLD_HOME.get(modname, modname)
+    if not os.path.exists(os.path.join(root, "plugins", modname + ".py")):
+        continue  # a kernel file the base revision does not have
     mod = importlib.import_module("dejavu.plugins." + modname)
+    if not hasattr(mod, kname):
+        continue  # a kernel added since the base revision
     assert mod.__file__.startswith(root), mod.__file__
     C.tl = tl
     bind = getattr(C, "bind_helpers", None) or C._bind_helpers  # the name at older revisions

@@ -1,17 +1,15 @@
-"""Input-sparse GEMV for TEAL engines: y = W[:, idx] @ x[idx], idx = {i : |x_i| > t}.
+"""Input-sparse GEMV for TEAL engines: y = W[:, idx] @ x[idx], idx = {i : |x_i| > t}; no host sync, no sort.
 
-Two kernels, no host sync and no sort:
-- `select_inputs(x, t)`: per row b, the ascending list of inputs with |x[b, i]| > t, compacted
-  by a prefix sum over blocks of the row (one program per row): idx [B, N] int32, the first
-  count[b] entries valid. The capacity is static (N, every input); the rest of idx is unused.
-- `input_sparse_gemv(x, w_t, idx, count)`: y [B, M] = sum over the first count[b] entries i of
-  idx[b] of x[b, i] * w_t[i, :]. The weight is stored transposed (w_t [N, M] = W^T, build time),
-  so a kept input is one contiguous row: the kernel reads only the kept rows. The loop over the
-  kept list runs count[b] entries (a bound loaded on the device); split-K programs each take a
-  slice of the list and write fp32 partials [SPLIT_K, B, M], summed by one reduction.
-Limits: x, w_t fp16 / bf16 / fp32, contiguous; B rows are independent (each its own list);
-accumulation in fp32; |x| > t is compared in fp32. Threshold t is a host float fixed per layer (captured by a CUDA graph
-as a launch argument).
+- `select_inputs(x, t)`: per row b, the ascending list of inputs with |x[b, i]| > t, compacted by a
+  prefix sum over blocks of the row (one program per row): idx [B, N] int32, count[b] entries valid.
+- `input_sparse_gemv(x, w_t, idx, count)`: y [B, M] = sum over the first count[b] entries i of idx[b] of
+  x[b, i] * w_t[i, :]; w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows
+  are read. `input_sparse_gemv(x, w_t, None, None, t=t)` (settings.select "mask"): no list, the GEMV
+  tests |x| > t itself and masks skipped rows out of its weight loads. Split-K programs each take a
+  slice of the list (of the inputs), accumulate a [BLOCK_K, BLOCK_M] fp32 tile (reduced over k once,
+  after the loop) and write fp32 partials [SPLIT_K, B, M]; `_sum_splits_kernel` adds them and casts.
+Limits: x, w_t fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |x| > t in
+fp32. t is a host float per layer (a launch argument a CUDA graph captures).
 """
 from __future__ import annotations
 
@@ -38,15 +36,13 @@ def _select_inputs_kernel(x_ptr, idx_ptr, count_ptr, N, t, BLOCK: tl.constexpr):
 
 def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
                   count: torch.Tensor | None = None, settings: KernelSettings | None = None):
-    """(idx [B, N] int32, count [B] int32): the inputs of x [B, N] with |x| > t, ascending.
-    settings: its `input_sparse` blocks (None: DEFAULT)."""
+    """(idx [B, N] int32, count [B] int32): the inputs of x [B, N] with |x| > t, ascending (settings: None: DEFAULT)."""
     config = (settings or DEFAULT).input_sparse
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = x.shape
     idx = check_out(idx, (B, N), torch.int32, x.device, "idx")
     count = check_out(count, (B,), torch.int32, x.device, "count")
-    block = min(config.block_select, next_pow2(N))
-    jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=block,
+    jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=min(config.block_select, next_pow2(N)),
                                                num_warps=config.select_warps)
     return idx, count
 
@@ -54,69 +50,72 @@ def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
 def select_inputs_ref(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of `select_inputs` (idx padded with -1 past count)."""
     keep = x.float().abs() > t  # [B, N], compared in fp32 as the kernel does
-    count = keep.sum(1).to(torch.int32)
-    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # kept first, ascending
-    idx = torch.where(torch.arange(x.shape[1], device=x.device)[None] < count[:, None], order, -1)
-    return idx.to(torch.int32), count
+    count, order = keep.sum(1).to(torch.int32), torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+    return torch.where(torch.arange(x.shape[1], device=x.device)[None] < count[:, None], order, -1).int(), count
 
 
-def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, M,
-                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, M, t, BLOCK_M: tl.constexpr,
+                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, MASK: tl.constexpr):
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    n = tl.load(count_ptr + b)
+    n = N if MASK else tl.load(count_ptr + b)  # MASK: every input in order, rows with |x| <= t masked out
     per = tl.cdiv(tl.cdiv(n, SPLIT_K), BLOCK_K) * BLOCK_K  # this split's slice of the kept list
     lo = ps * per
     hi = tl.minimum(lo + per, n)
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hi
-        i = tl.load(idx_ptr + b * N + ks, mask=k_ok, other=0)
+        i = ks if MASK else tl.load(idx_ptr + b * N + ks, mask=k_ok, other=0)
         xv = tl.load(x_ptr + b * N + i, mask=k_ok, other=0.0).to(tl.float32)
+        if MASK:
+            k_ok = k_ok & (tl.abs(xv) > t)
         w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=k_ok[:, None] & m_ok[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(w * xv[:, None], 0)
-    tl.store(part_ptr + (ps * B + b) * M + offs_m, acc, mask=m_ok)
+        acc += w * xv[:, None]
+    tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
+
+
+def _sum_splits_kernel(part_ptr, y_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    b, offs_m = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(SPLIT_K):  # the splits in order, as part.sum(0) adds them
+        acc += tl.load(part_ptr + (s * B + b) * M + offs_m, mask=offs_m < M, other=0.0)
+    tl.store(y_ptr + b * M + offs_m, acc.to(y_ptr.dtype.element_ty), mask=offs_m < M)
 
 
 def split_k_for(B: int, N: int, M: int, config) -> int:
-    """Slices of the kept list: config.split_k, or enough for config.target_programs programs
-    (config: settings.InputSparseSettings)."""
+    """Slices of the list: config.split_k, or enough for config.target_programs (settings.InputSparseSettings)."""
     if config.split_k is not None:
         return config.split_k
     programs = B * -(-M // config.block_m)
     return max(1, min(-(-config.target_programs // programs), -(-N // (2 * config.block_k))))
 
 
-def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
-                      out: torch.Tensor | None = None, settings: KernelSettings | None = None) -> torch.Tensor:
-    """y [B, M] (x's dtype) = sum_{j < count[b]} x[b, idx[b, j]] * w_t[idx[b, j], :].
-
-    x [B, N], w_t [N, M] (W^T, same dtype), idx [B, N] int32 and count [B] int32 from
-    `select_inputs` (entries past count[b] are not read)."""
+def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor | None, count: torch.Tensor | None,
+                      out: torch.Tensor | None = None, settings: KernelSettings | None = None, t: float = 0.0):
+    """y [B, M] (x's dtype) = sum_{j < count[b]} x[b, idx[b, j]] * w_t[idx[b, j], :]; x [B, N], w_t [N, M]
+    (W^T, same dtype), idx [B, N] int32, count [B] int32 from `select_inputs` (entries past count[b] unread).
+    idx and count None: y = (x with |x| <= t zeroed) @ w_t, the skipped rows of w_t unread (mask mode)."""
     config = (settings or DEFAULT).input_sparse
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = x.shape
     check_tensor("w_t", w_t, ndim=2, dtype=x.dtype, device=x.device)
-    if w_t.shape[0] != N:
-        from dejavu.errors import DejavuError
-        raise DejavuError(f"w_t: expected {N} rows (the inputs of x), got shape {tuple(w_t.shape)}")
     M = w_t.shape[1]
-    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
-    check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
+    check_tensor("w_t", w_t, shape=(N, M))  # a row per input of x
+    if idx is not None or count is not None:
+        check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
+        check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
+    out = check_out(out, (B, M), x.dtype, x.device, "out")
     split = split_k_for(B, N, M, config)
     part = torch.empty(split, B, M, dtype=torch.float32, device=x.device)
     grid = (B, -(-M // config.block_m), split)
-    jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, BLOCK_M=config.block_m,
-                                                   BLOCK_K=config.block_k, SPLIT_K=split,
+    jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, float(t), BLOCK_M=config.block_m,
+                                                   BLOCK_K=config.block_k, SPLIT_K=split, MASK=idx is None,
                                                    num_warps=config.num_warps)
-    y = part[0] if split == 1 else part.sum(0)
-    if out is None:
-        return y.to(x.dtype)
-    check_tensor("out", out, shape=(B, M), dtype=x.dtype, device=x.device)
-    return out.copy_(y)
+    jit(_sum_splits_kernel, x.device)[grid[:2]](part, out, B, M, BLOCK_M=config.block_m, SPLIT_K=split)
+    return out
 
 
 def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:

@@ -141,10 +141,11 @@ class InputSparseSettings:
     block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
     select_warps: int = 8
     block_m: int = 128
-    block_k: int = 32
+    block_k: int = 64  # 32: 9.94 -> 7.99 ms/step at 64 (Llama-3-8B, 50% skipped; docs/llama.md)
     split_k: int | None = None
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     num_warps: int = 4
+    select: str = "list"  # "list": select_inputs, then the row gather; "mask": the GEMV tests |x| > t
 
 
 @dataclass(frozen=True)

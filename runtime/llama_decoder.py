@@ -90,13 +90,17 @@ def check_llama_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 class LlamaOps:
     """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or
-    "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV)."""
+    "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV; with the
+    settings' input_sparse.select "mask", the GEMV alone, masking skipped rows out of its loads)."""
 
     def __init__(self, backend: str, settings=None):
         """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
         target.kernel_settings where they fit this GPU; their `input_sparse` blocks; None: DEFAULT)."""
         if backend not in ("ref", "triton"):
             raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
+        select = getattr(settings, "input_sparse", None) and settings.input_sparse.select
+        if select not in (None, "list", "mask"):
+            raise DejavuError(f"kernel settings: input_sparse.select must be 'list' or 'mask', got {select!r}")
         self.backend = backend
         self.kernels = {"input_sparse_gemv": backend}
         self.settings = settings
@@ -108,7 +112,9 @@ class LlamaOps:
         if self.backend == "ref":
             from dejavu.plugins import input_sparse_gemv_ref
             return input_sparse_gemv_ref(x, w_t, t)
-        from dejavu.plugins import input_sparse_gemv, select_inputs
+        from dejavu.plugins import DEFAULT, input_sparse_gemv, select_inputs
+        if (self.settings or DEFAULT).input_sparse.select == "mask":  # the GEMV tests |x| > t: no list
+            return input_sparse_gemv(x, w_t, None, None, settings=self.settings, t=t)
         idx, count = select_inputs(x, t, settings=self.settings)
         return input_sparse_gemv(x, w_t, idx, count, settings=self.settings)
 
@@ -129,9 +135,9 @@ class LlamaOps:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [..., D]; normalised in fp32, scaled in x's dtype (models/llama.RMSNorm)
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    # x: [..., D]; normalised in fp32, scaled in x's dtype (models/llama.RMSNorm). F.rms_norm upcasts a
+    # half input itself (equal to x.float() in, .to(x.dtype) out): one kernel where PyTorch has a fused one
+    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -222,21 +228,24 @@ class LlamaDecoder:
         s, lin = self.spec, self.ops.linear
         B, H, Hkv, hd = tokens.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
         G = H // Hkv
-        cos, sin = self._rope(pos)  # [B, hd]
-        valid = self.slots[None, :] <= pos[:, None]  # [B, T]
+        cos, sin = (c[:, None] for c in self._rope(pos))  # [B, 1, hd]
+        sin = torch.cat((-sin[..., :hd // 2], sin[..., hd // 2:]), -1)  # rotate_half's sign, once per step
+        # additive mask [B, 1, 1, T] in the engine dtype, once per step: slots <= pos[b]
+        mask = torch.zeros(B, 1, 1, self.max_seq, dtype=s.dtype, device=pos.device).masked_fill_(
+            self.slots > pos[:, None, None, None], float("-inf"))
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
         for l, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
             qkv = lin(h, w.wqkv_t, w.t["attn_in"]).view(B, H + 2 * Hkv, hd)
-            qk = _rotate(qkv[:, :H + Hkv], cos[:, None], sin[:, None])  # q and k heads in one pass
+            qkr = qkv[:, :H + Hkv]  # q and k heads rotated in one pass: x cos + rotate_half(x) sin
+            qk = torch.addcmul(qkr * cos, qkr.roll(hd // 2, -1), sin)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
             kc, vc = self.k_cache[l], self.v_cache[l]
             kc[self.rows, :, pos] = k  # [B, Hkv, hd] at slot pos[b]
             vc[self.rows, :, pos] = v
-            # query head h reads KV head h // G: [B, Hkv, G, hd] against [B, Hkv, T, hd], no repeat
-            sc = (q.view(B, Hkv, G, hd) @ kc.transpose(-1, -2)).float() * hd ** -0.5  # [B, Hkv, G, T]
-            sc = sc.masked_fill(~valid[:, None, None, :], float("-inf"))
-            o = torch.softmax(sc, dim=-1).to(s.dtype) @ vc  # [B, Hkv, G, hd]
+            # query head h reads KV head h // G: the G query heads of a KV head are its G "query
+            # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
+            o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]
             x = x + lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"])
             x = self._mlp(w, x, lin)
         return self.head(x)

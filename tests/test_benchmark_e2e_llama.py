@@ -23,7 +23,8 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
     d = json.loads(out.read_text())
     assert d["errors"] == [] and d["bandwidth"]["copy_GBps"] > 0
     rows = {r["system"]: r for r in d["results"]}
-    assert set(rows) == {"dense_graph", "teal_s0.25", "teal_s0.4", "teal_s0.5", "teal_s0.5+block_m=64", "hf_eager"}
+    assert set(rows) == {"dense_graph", "dense_graph+w_rows", "teal_s0.25", "teal_s0.4", "teal_s0.5",
+                         "teal_s0.5+block_m=64", "hf_eager"}
     assert rows["teal_s0.5+block_m=64"]["kernel_settings"]["block_m"] == 64
     from dejavu.plugins import InputSparseSettings
     assert rows["teal_s0.5"]["kernel_settings"]["block_m"] == InputSparseSettings().block_m  # the default, recorded
@@ -38,3 +39,12 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
         assert abs(r["skip_realized"] - s) < 0.15  # thresholds from other random tokens
         assert r["floor_bytes"] < rows["dense_graph"]["floor_bytes"] and r["ms_per_step"] > 0 and r["steps"] == 4
     assert rows["dense_graph"]["skip_realized"] == 0.0
+
+
+def test_layer_anchor_is_a_kernel_launched_once_per_layer():
+    pick = e2e_llama._layer_anchor(32)
+    rows = [["gemv", 90.0, 128.0], ["elementwise", 40.0, 352.0], ["fmha_cutlassF_f16", 30.0, 32.0],
+            ["index_put", 5.0, 32.0], ["lm_head", 9.0, 1.0]]
+    assert pick(rows) == "fmha_cutlassF_f16"  # the attention where several run once per layer
+    assert pick([r for r in rows if not r[0].startswith("fmha")]) == "index_put"
+    assert pick([["gemv", 1.0, 3.0]]) == ""

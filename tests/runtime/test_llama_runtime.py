@@ -188,9 +188,11 @@ def test_dejavu_run_and_inspect_on_a_llama_engine(built, capsys):
     assert f"{th['attn_in'][1]:.4f}" in row and "held-out    ppl" in text
 
 
-def test_triton_path_under_the_interpreter_equals_the_reference(built):
-    """The decode step through plugins/input_sparse (index lists + row-gather GEMV), run by Triton's
-    interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported)."""
+@pytest.mark.parametrize("select", ["list", "mask"])
+def test_triton_path_under_the_interpreter_equals_the_reference(built, select):
+    """The decode step through plugins/input_sparse (index lists + row-gather GEMV, or the GEMV masking
+    its own loads), run by Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before
+    triton is imported)."""
     import os
     import subprocess
     import sys
@@ -198,8 +200,10 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     pytest.importorskip("triton")
     script = f"""
 import json, torch
+from dejavu.plugins import InputSparseSettings, KernelSettings
 from dejavu.runtime import Engine
-ref, tri = Engine.load({str(built[1][0.6])!r}), Engine.load({str(built[1][0.6])!r}, backend="triton")
+ks = KernelSettings(input_sparse=InputSparseSettings(select={select!r}))
+ref, tri = Engine.load({str(built[1][0.6])!r}), Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 a, b = ref.decode_logits(ids), tri.decode_logits(ids)
 print(json.dumps({{"diff": float((a - b).abs().max()), "check": tri.kernel_check,
@@ -229,12 +233,15 @@ def test_dejavu_compile_bad_density_is_one_line_and_no_file(built, tmp_path, cap
 def test_kernel_settings_are_read_from_the_header(built):
     from dejavu.plugins import InputSparseSettings, KernelSettings
     from dejavu.runtime.ops import settings_for
+    from dejavu.runtime.llama_decoder import LlamaOps
 
     target = {"kernel_settings": {"input_sparse": {"block_m": 16, "block_k": 8}}}
     got = settings_for(target, torch.device("cpu")).input_sparse
     assert got == InputSparseSettings(block_m=16, block_k=8)
     with pytest.raises(DejavuError, match="kernel_settings.input_sparse: unknown key"):
         KernelSettings.from_dict({"input_sparse": {"block_q": 4}})
+    with pytest.raises(DejavuError, match="input_sparse.select must be 'list' or 'mask'"):
+        LlamaOps("triton", KernelSettings.from_dict({"input_sparse": {"select": "masks"}}))
 
 
 @pytest.mark.parametrize("over", [dict(tie_word_embeddings=False, num_key_value_heads=6),
