@@ -28,6 +28,7 @@ import torch
 from dejavu.errors import DejavuError
 
 METHODS = ("teal",)
+CRITERIA = ("abs", "wina")  # what is compared with a threshold: |x_i|, or |x_i| * ||W[:, i]||_2 (WINA)
 KEYS = ("attn_in", "o_in", "mlp_in", "down_in")  # the projection inputs, in layer order
 LEVELS = torch.linspace(0.0, 0.99, 100)  # quantile grid of the calibration tables
 
@@ -53,11 +54,29 @@ def projection_bytes(cfg) -> dict[str, int]:
     return {"attn_in": d * (qo + 2 * kv), "o_in": qo * d, "gate": d * f, "up": d * f, "down": f * d}
 
 
+def column_norms(model) -> dict[str, list[torch.Tensor]]:
+    """WINA's weights of each input: {key in KEYS: [L tensors [N]]}, the L2 norm of the column
+    W[:, i] of the projections input i feeds (q, k, v concatenated; gate, up concatenated)."""
+    def norm(*ws):
+        return torch.cat([w.detach().float() for w in ws], 0).norm(dim=0).cpu()  # nn.Linear: [out, in]
+
+    out = {k: [] for k in KEYS}
+    for layer in model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        out["attn_in"].append(norm(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight))
+        out["o_in"].append(norm(at.o_proj.weight))
+        out["mlp_in"].append(norm(mlp.gate_proj.weight, mlp.up_proj.weight))
+        out["down_in"].append(norm(mlp.down_proj.weight))
+    return out
+
+
 @dataclass
 class Calibration:
-    """Per-layer quantile tables of |projection input| (key -> [L, len(LEVELS)])."""
+    """Per-layer quantile tables of the criterion |x_i| * scales[key][l][i] of each projection
+    input (key -> [L, len(LEVELS)]); scales None: |x_i| alone."""
 
     tables: dict[str, torch.Tensor]
+    scales: dict[str, list[torch.Tensor]] | None = None
 
     def threshold(self, key: str, layer: int, fraction: float) -> float:
         """The magnitude below which `fraction` of the calibration activations fall."""
@@ -71,14 +90,18 @@ class Calibration:
 
 
 @torch.no_grad()
-def calibrate(model, ids: torch.Tensor) -> Calibration:
-    """Quantile tables of every projection input from one dense forward of ids [B, S]."""
+def calibrate(model, ids: torch.Tensor, scales: dict | None = None) -> Calibration:
+    """Quantile tables of every projection input's criterion from one dense forward of ids
+    [B, S]; scales: column_norms(model) for WINA, None for |x|."""
     L = len(model.layers)
     tables = {k: torch.zeros(L, len(LEVELS)) for k in KEYS}
     handles = []
 
     def record(key, l, x):
-        a = x.detach().float().abs().flatten()
+        a = x.detach().float().abs()
+        if scales is not None:
+            a = a * scales[key][l].to(a.device)
+        a = a.flatten()
         if a.numel() > 4_000_000:  # torch.quantile's size limit: a fixed stride subsample
             a = a[:: a.numel() // 4_000_000 + 1]
         tables[key][l] = torch.quantile(a, LEVELS.to(a.device)).cpu()
@@ -96,7 +119,7 @@ def calibrate(model, ids: torch.Tensor) -> Calibration:
     finally:
         for h in handles:
             h.remove()
-    return Calibration(tables)
+    return Calibration(tables, scales)
 
 
 def thresholds(calib: Calibration, skip: float) -> dict[str, list[float]]:
@@ -123,43 +146,50 @@ class Reads:
         return 1.0 - self.read / self.dense if self.dense else 0.0
 
 
-def _input_mask(x: torch.Tensor, t: float, reads: Reads, nbytes: int) -> torch.Tensor:
-    keep = x.abs() > t  # [B, S, N]
+def _keep(x: torch.Tensor, t: float, scale: torch.Tensor | None) -> torch.Tensor:
+    return (x.abs() if scale is None else x.abs() * scale.to(x.device, x.dtype)) > t  # [B, S, N]
+
+
+def _input_mask(x: torch.Tensor, t: float, scale, reads: Reads, nbytes: int) -> torch.Tensor:
+    keep = _keep(x, t, scale)
     reads.read += float(keep.float().mean(-1).sum()) * nbytes
     reads.dense += keep.shape[0] * keep.shape[1] * nbytes
     return x * keep
 
 
-def _masked(t: float):
-    """A pre-hook giving a projection the input with |x| <= t zeroed (q's mask, for k and v)."""
-    return lambda m, a: (a[0] * (a[0].abs() > t),) + tuple(a[1:])
+def _masked(t: float, scale):
+    """A pre-hook giving a projection the input with criterion <= t zeroed (q's mask, for k and v)."""
+    return lambda m, a: (a[0] * _keep(a[0], t, scale),) + tuple(a[1:])
 
 
 @contextlib.contextmanager
-def gated_sparsity(model, calib: Calibration | dict, s: GatedSparsity):
+def gated_sparsity(model, calib: Calibration | dict, s: GatedSparsity, scales: dict | None = None):
     """Apply setting `s` to a LlamaForCausalLM while the context is open; yields a `Reads`.
 
-    calib: a Calibration (the thresholds of s.skip are taken from it), or thresholds already
-    chosen, {key in KEYS: [L]} (an engine header's `sparsity.thresholds`)."""
+    calib: a Calibration (the thresholds of s.skip and the criterion's scales are taken from
+    it), or thresholds already chosen, {key in KEYS: [L]} (an engine header's
+    `sparsity.thresholds`), with `scales` ({key: [L tensors [N]]}, None: |x|)."""
     b = projection_bytes(model.config)
     reads = Reads()
     handles = []
 
-    def pre(t, nbytes):
-        return lambda m, a: (_input_mask(a[0], t, reads, nbytes),) + tuple(a[1:])
+    def pre(t, sc, nbytes):
+        return lambda m, a: (_input_mask(a[0], t, sc, reads, nbytes),) + tuple(a[1:])
 
     if s.skip > 0:
         t = calib if isinstance(calib, dict) else thresholds(calib, s.skip)
+        sc = scales if isinstance(calib, dict) else calib.scales
         for l, layer in enumerate(model.layers):
             at, mlp = layer.self_attn, layer.mlp
+            c = {k: (None if sc is None else sc[k][l]) for k in KEYS}
             # q, k, v read one masked input (counted once, at q); so do gate and up (at gate)
-            handles += [at.q_proj.register_forward_pre_hook(pre(t["attn_in"][l], b["attn_in"])),
-                        at.k_proj.register_forward_pre_hook(_masked(t["attn_in"][l])),
-                        at.v_proj.register_forward_pre_hook(_masked(t["attn_in"][l])),
-                        at.o_proj.register_forward_pre_hook(pre(t["o_in"][l], b["o_in"])),
-                        mlp.gate_proj.register_forward_pre_hook(pre(t["mlp_in"][l], b["gate"] + b["up"])),
-                        mlp.up_proj.register_forward_pre_hook(_masked(t["mlp_in"][l])),
-                        mlp.down_proj.register_forward_pre_hook(pre(t["down_in"][l], b["down"]))]
+            handles += [at.q_proj.register_forward_pre_hook(pre(t["attn_in"][l], c["attn_in"], b["attn_in"])),
+                        at.k_proj.register_forward_pre_hook(_masked(t["attn_in"][l], c["attn_in"])),
+                        at.v_proj.register_forward_pre_hook(_masked(t["attn_in"][l], c["attn_in"])),
+                        at.o_proj.register_forward_pre_hook(pre(t["o_in"][l], c["o_in"], b["o_in"])),
+                        mlp.gate_proj.register_forward_pre_hook(pre(t["mlp_in"][l], c["mlp_in"], b["gate"] + b["up"])),
+                        mlp.up_proj.register_forward_pre_hook(_masked(t["mlp_in"][l], c["mlp_in"])),
+                        mlp.down_proj.register_forward_pre_hook(pre(t["down_in"][l], c["down_in"], b["down"]))]
     try:
         yield reads
     finally:
