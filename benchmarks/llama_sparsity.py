@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler.allocate_llama import Sensitivity, allocate_skips, input_bytes, kind_thresholds, measure_sensitivity
-from dejavu.compiler.gated_sparsity import CRITERIA, METHODS, GatedSparsity, Reads, calibrate, column_norms, gated_sparsity
+from dejavu.compiler.gated_sparsity import CRITERIA, METHODS, GatedSparsity, Reads, calibrate, column_norms, gated_sparsity, gradient_scales
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
 from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--criterion", default="abs", choices=CRITERIA,
-                   help="abs: |x_i| against the threshold; wina: |x_i| * ||W[:, i]||_2")
+                   help="abs: |x_i| against the threshold; wina: |x_i| * ||W[:, i]||_2; grad: |x_i| * E|dL/dx_i|")
     p.add_argument("--calib-cache", metavar="FILE", help="load the calibration from FILE if it exists, else save it there")
     p.add_argument("--allocations", nargs="+", default=["uniform"], choices=["uniform", "sensitivity"])
     p.add_argument("--heldout-tokens", type=int, default=2048, help="calibration-file tokens for the sensitivity")
@@ -133,7 +133,9 @@ def _calibration(sm, args, res: dict):
         calib = torch.load(cache, weights_only=False)
     else:
         model = sm.info["model"]
-        scales = column_norms(model) if args.criterion == "wina" else None
+        windows = calib_ids[:n].view(-1, args.window)
+        scales = {"abs": lambda: None, "wina": lambda: column_norms(model),
+                  "grad": lambda: gradient_scales(model, windows)}[args.criterion]()
         calib = calibrate(model, calib_ids[:n].view(-1, args.window), scales)
         if cache is not None:
             torch.save(calib, cache)

@@ -28,7 +28,8 @@ import torch
 from dejavu.errors import DejavuError
 
 METHODS = ("teal",)
-CRITERIA = ("abs", "wina")  # what is compared with a threshold: |x_i|, or |x_i| * ||W[:, i]||_2 (WINA)
+# what is compared with a threshold: |x_i|; |x_i| * ||W[:, i]||_2 (WINA); |x_i| * E|dL/dx_i| (grad)
+CRITERIA = ("abs", "wina", "grad")
 KEYS = ("attn_in", "o_in", "mlp_in", "down_in")  # the projection inputs, in layer order
 LEVELS = torch.linspace(0.0, 0.99, 100)  # quantile grid of the calibration tables
 
@@ -68,6 +69,43 @@ def column_norms(model) -> dict[str, list[torch.Tensor]]:
         out["mlp_in"].append(norm(mlp.gate_proj.weight, mlp.up_proj.weight))
         out["down_in"].append(norm(mlp.down_proj.weight))
     return out
+
+
+def gradient_scales(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Per-channel scales {key: [L tensors [N]]}: the mean over the tokens of ids [B, S] (one
+    window at a time) of |dL/dx_i|, the next-token loss's gradient at each projection input (the
+    total of q, k and v; of gate and up)."""
+    import torch.nn.functional as F
+
+    L = len(model.layers)
+    acc = {k: [0.0] * L for k in KEYS}
+
+    def grab(k, l):
+        def hook(g):
+            acc[k][l] = acc[k][l] + g.detach().float().abs().reshape(-1, g.shape[-1]).sum(0).cpu()
+
+        return lambda m, a: a[0].register_hook(hook) and None
+
+    handles = [m.register_forward_pre_hook(grab(k, l)) for l, layer in enumerate(model.layers)
+               for k, m in zip(KEYS, (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                                      layer.mlp.down_proj))]
+    handles.append(model.model.embed_tokens.register_forward_hook(lambda m, a, out: out.requires_grad_()))
+    grads = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    n = 0
+    try:
+        with torch.enable_grad():
+            for w in ids:
+                logits = model(w[None])[0, :-1]
+                F.cross_entropy(logits.float(), w[1:].to(logits.device), reduction="sum").backward()
+                n += w.numel() - 1
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(model.parameters(), grads):
+            p.requires_grad_(g)
+    return {k: [a / n for a in acc[k]] for k in KEYS}
 
 
 @dataclass
