@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler.allocate_llama import Sensitivity, allocate_skips, input_bytes, kind_thresholds, measure_sensitivity
-from dejavu.compiler.gated_sparsity import CRITERIA, METHODS, GatedSparsity, Reads, calibrate, column_norms, gated_sparsity, gradient_scales
+from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, Reads, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
 from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
@@ -43,8 +43,6 @@ def parse_args(argv=None):
     p.add_argument("--ppl-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=8192)
-    p.add_argument("--criterion", default="abs", choices=CRITERIA,
-                   help="abs: |x_i| against the threshold; wina: |x_i| * ||W[:, i]||_2; grad: |x_i| * E|dL/dx_i|")
     p.add_argument("--calib-cache", metavar="FILE", help="load the calibration from FILE if it exists, else save it there")
     p.add_argument("--allocations", nargs="+", default=["uniform"], choices=["uniform", "sensitivity"])
     p.add_argument("--heldout-tokens", type=int, default=2048, help="calibration-file tokens for the sensitivity")
@@ -132,14 +130,10 @@ def _calibration(sm, args, res: dict):
     if cache is not None and cache.is_file():
         calib = torch.load(cache, weights_only=False)
     else:
-        model = sm.info["model"]
-        windows = calib_ids[:n].view(-1, args.window)
-        scales = {"abs": lambda: None, "wina": lambda: column_norms(model),
-                  "grad": lambda: gradient_scales(model, windows)}[args.criterion]()
-        calib = calibrate(model, calib_ids[:n].view(-1, args.window), scales)
+        calib = calibrate(sm.info["model"], calib_ids[:n].view(-1, args.window))
         if cache is not None:
             torch.save(calib, cache)
-    res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n, "criterion": args.criterion,
+    res["calib"] = {"file": "dejavu/data/calib/wikitext2-train-head.txt", "tokens": n,
                     "seconds": round(time.perf_counter() - t0, 1)}
     return calib
 
@@ -165,15 +159,13 @@ def _sensitivity(sm, calib, args, res: dict) -> Sensitivity:
 def _run(model, calib, method, skip, row: dict, save, body, skip_key: str) -> None:
     """body(row) with the setting applied; the realized skip on what it evaluated into row[skip_key]."""
     t0 = time.perf_counter()
-    scales = None
     if isinstance(calib, dict):  # with a sensitivity: the allocated runs get their per-kind thresholds
         skips = allocate_skips(calib["sens"], input_bytes(model.config), skip) if method.endswith("+sens") else None
         if skips:
             row["skips"] = {k: round(v, 4) for k, v in skips.items()}
-        scales = calib["calib"].scales
         calib = kind_thresholds(calib["calib"], skips) if skips else calib["calib"]
     s = GatedSparsity("teal" if method == "dense" else method.removesuffix("+sens"), skip)
-    with (gated_sparsity(model, calib, s, scales) if calib is not None and skip > 0 else contextlib.nullcontext(Reads())) as reads:
+    with (gated_sparsity(model, calib, s) if calib is not None and skip > 0 else contextlib.nullcontext(Reads())) as reads:
         body(row)
     row[skip_key] = round(reads.skipped, 4)
     row[skip_key.replace("realized_skip", "seconds")] = round(time.perf_counter() - t0, 1)

@@ -43,14 +43,13 @@ def kind_thresholds(calib: Calibration, skips: dict[str, float]) -> dict[str, li
 
 
 @torch.no_grad()
-def heldout_nll(model, ids: torch.Tensor, thresholds: dict | None = None, scales: dict | None = None) -> float:
+def heldout_nll(model, ids: torch.Tensor, thresholds: dict | None = None) -> float:
     """Mean next-token NLL of windows ids [B, S] (one window at a time), with TEAL thresholds
-    {key: [L]} (on the criterion of `scales`, Calibration.scales) applied by gated_sparsity's
-    hooks, or dense (None)."""
+    {key: [L]} applied by gated_sparsity's hooks, or dense (None)."""
     total, count = 0.0, 0
     sparse = thresholds is not None and any(t > 0 for ts in thresholds.values() for t in ts)
     # given thresholds, GatedSparsity's skip only switches the hooks on
-    with (gated_sparsity(model, thresholds, GatedSparsity(), scales) if sparse else contextlib.nullcontext()):
+    with (gated_sparsity(model, thresholds, GatedSparsity()) if sparse else contextlib.nullcontext()):
         for w in ids:
             logits = model(w[None])[0, :-1]  # [S-1, V]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -80,7 +79,7 @@ def measure_sensitivity(model, calib: Calibration, ids: torch.Tensor, levels=LEV
     for k in KEYS:
         for s in levels:
             skips = {kk: (s if kk == k else 0.0) for kk in KEYS}
-            delta[k].append(heldout_nll(model, ids, kind_thresholds(calib, skips), calib.scales) - dense)
+            delta[k].append(heldout_nll(model, ids, kind_thresholds(calib, skips)) - dense)
             if progress is not None:
                 progress(k, s, delta[k][-1])
     return Sensitivity(tuple(levels), delta, dense)
@@ -161,7 +160,7 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
         sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=progress)
         source += f"; sensitivity on {sens_source}"
     alloc = (lambda s: allocate_skips(sens, weights, s)) if sens is not None else uniform
-    nll = lambda skips: heldout_nll(model, ids, kind_thresholds(calib, skips) if any(skips.values()) else None, calib.scales)  # noqa: E731
+    nll = lambda skips: heldout_nll(model, ids, kind_thresholds(calib, skips) if any(skips.values()) else None)  # noqa: E731
     dense = heldout_nll(model, ids)
     if skip is None:  # --max-ppl-increase: the largest block skip within P (bisection)
         limit = dense + math.log1p(config.max_ppl_increase / 100.0)

@@ -16,7 +16,9 @@ neurons; both lost at every budget and were removed (commit ab41bba holds them).
 allocation of the budget over layers and inputs (TEAL's, from per-input error curves measured at
 calibration) lost to the uniform level on held-out calibration text and was removed (commit
 7896f4d holds it; docs/llama.md). The shipped allocation prices each input kind by the model's
-end-to-end held-out loss instead (compiler/allocate_llama.py).
+end-to-end held-out loss instead (compiler/allocate_llama.py). Two other criteria than |x_i|
+lost at equal bytes and were removed: WINA's |x_i| * ||W[:, i]||_2 (commit fee06a2) and a
+per-channel gradient scale |x_i| * E|dL/dx_i| (commit 94eab8d); docs/llama.md.
 """
 from __future__ import annotations
 
@@ -28,8 +30,6 @@ import torch
 from dejavu.errors import DejavuError
 
 METHODS = ("teal",)
-# what is compared with a threshold: |x_i|; |x_i| * ||W[:, i]||_2 (WINA); |x_i| * E|dL/dx_i| (grad)
-CRITERIA = ("abs", "wina", "grad")
 KEYS = ("attn_in", "o_in", "mlp_in", "down_in")  # the projection inputs, in layer order
 LEVELS = torch.linspace(0.0, 0.99, 100)  # quantile grid of the calibration tables
 
@@ -55,66 +55,11 @@ def projection_bytes(cfg) -> dict[str, int]:
     return {"attn_in": d * (qo + 2 * kv), "o_in": qo * d, "gate": d * f, "up": d * f, "down": f * d}
 
 
-def column_norms(model) -> dict[str, list[torch.Tensor]]:
-    """WINA's weights of each input: {key in KEYS: [L tensors [N]]}, the L2 norm of the column
-    W[:, i] of the projections input i feeds (q, k, v concatenated; gate, up concatenated)."""
-    def norm(*ws):
-        return torch.cat([w.detach().float() for w in ws], 0).norm(dim=0).cpu()  # nn.Linear: [out, in]
-
-    out = {k: [] for k in KEYS}
-    for layer in model.layers:
-        at, mlp = layer.self_attn, layer.mlp
-        out["attn_in"].append(norm(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight))
-        out["o_in"].append(norm(at.o_proj.weight))
-        out["mlp_in"].append(norm(mlp.gate_proj.weight, mlp.up_proj.weight))
-        out["down_in"].append(norm(mlp.down_proj.weight))
-    return out
-
-
-def gradient_scales(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-    """Per-channel scales {key: [L tensors [N]]}: the mean over the tokens of ids [B, S] (one
-    window at a time) of |dL/dx_i|, the next-token loss's gradient at each projection input (the
-    total of q, k and v; of gate and up)."""
-    import torch.nn.functional as F
-
-    L = len(model.layers)
-    acc = {k: [0.0] * L for k in KEYS}
-
-    def grab(k, l):
-        def hook(g):
-            acc[k][l] = acc[k][l] + g.detach().float().abs().reshape(-1, g.shape[-1]).sum(0).cpu()
-
-        return lambda m, a: a[0].register_hook(hook) and None
-
-    handles = [m.register_forward_pre_hook(grab(k, l)) for l, layer in enumerate(model.layers)
-               for k, m in zip(KEYS, (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
-                                      layer.mlp.down_proj))]
-    handles.append(model.model.embed_tokens.register_forward_hook(lambda m, a, out: out.requires_grad_()))
-    grads = [p.requires_grad for p in model.parameters()]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    n = 0
-    try:
-        with torch.enable_grad():
-            for w in ids:
-                logits = model(w[None])[0, :-1]
-                F.cross_entropy(logits.float(), w[1:].to(logits.device), reduction="sum").backward()
-                n += w.numel() - 1
-    finally:
-        for h in handles:
-            h.remove()
-        for p, g in zip(model.parameters(), grads):
-            p.requires_grad_(g)
-    return {k: [a / n for a in acc[k]] for k in KEYS}
-
-
 @dataclass
 class Calibration:
-    """Per-layer quantile tables of the criterion |x_i| * scales[key][l][i] of each projection
-    input (key -> [L, len(LEVELS)]); scales None: |x_i| alone."""
+    """Per-layer quantile tables of |projection input| (key -> [L, len(LEVELS)])."""
 
     tables: dict[str, torch.Tensor]
-    scales: dict[str, list[torch.Tensor]] | None = None
 
     def threshold(self, key: str, layer: int, fraction: float) -> float:
         """The magnitude below which `fraction` of the calibration activations fall."""
@@ -128,18 +73,14 @@ class Calibration:
 
 
 @torch.no_grad()
-def calibrate(model, ids: torch.Tensor, scales: dict | None = None) -> Calibration:
-    """Quantile tables of every projection input's criterion from one dense forward of ids
-    [B, S]; scales: column_norms(model) for WINA, None for |x|."""
+def calibrate(model, ids: torch.Tensor) -> Calibration:
+    """Quantile tables of every projection input from one dense forward of ids [B, S]."""
     L = len(model.layers)
     tables = {k: torch.zeros(L, len(LEVELS)) for k in KEYS}
     handles = []
 
     def record(key, l, x):
-        a = x.detach().float().abs()
-        if scales is not None:
-            a = a * scales[key][l].to(a.device)
-        a = a.flatten()
+        a = x.detach().float().abs().flatten()
         if a.numel() > 4_000_000:  # torch.quantile's size limit: a fixed stride subsample
             a = a[:: a.numel() // 4_000_000 + 1]
         tables[key][l] = torch.quantile(a, LEVELS.to(a.device)).cpu()
@@ -157,7 +98,7 @@ def calibrate(model, ids: torch.Tensor, scales: dict | None = None) -> Calibrati
     finally:
         for h in handles:
             h.remove()
-    return Calibration(tables, scales)
+    return Calibration(tables)
 
 
 def thresholds(calib: Calibration, skip: float) -> dict[str, list[float]]:
@@ -184,50 +125,43 @@ class Reads:
         return 1.0 - self.read / self.dense if self.dense else 0.0
 
 
-def _keep(x: torch.Tensor, t: float, scale: torch.Tensor | None) -> torch.Tensor:
-    return (x.abs() if scale is None else x.abs() * scale.to(x.device, x.dtype)) > t  # [B, S, N]
-
-
-def _input_mask(x: torch.Tensor, t: float, scale, reads: Reads, nbytes: int) -> torch.Tensor:
-    keep = _keep(x, t, scale)
+def _input_mask(x: torch.Tensor, t: float, reads: Reads, nbytes: int) -> torch.Tensor:
+    keep = x.abs() > t  # [B, S, N]
     reads.read += float(keep.float().mean(-1).sum()) * nbytes
     reads.dense += keep.shape[0] * keep.shape[1] * nbytes
     return x * keep
 
 
-def _masked(t: float, scale):
-    """A pre-hook giving a projection the input with criterion <= t zeroed (q's mask, for k and v)."""
-    return lambda m, a: (a[0] * _keep(a[0], t, scale),) + tuple(a[1:])
+def _masked(t: float):
+    """A pre-hook giving a projection the input with |x| <= t zeroed (q's mask, for k and v)."""
+    return lambda m, a: (a[0] * (a[0].abs() > t),) + tuple(a[1:])
 
 
 @contextlib.contextmanager
-def gated_sparsity(model, calib: Calibration | dict, s: GatedSparsity, scales: dict | None = None):
+def gated_sparsity(model, calib: Calibration | dict, s: GatedSparsity):
     """Apply setting `s` to a LlamaForCausalLM while the context is open; yields a `Reads`.
 
-    calib: a Calibration (the thresholds of s.skip and the criterion's scales are taken from
-    it), or thresholds already chosen, {key in KEYS: [L]} (an engine header's
-    `sparsity.thresholds`), with `scales` ({key: [L tensors [N]]}, None: |x|)."""
+    calib: a Calibration (the thresholds of s.skip are taken from it), or thresholds already
+    chosen, {key in KEYS: [L]} (an engine header's `sparsity.thresholds`)."""
     b = projection_bytes(model.config)
     reads = Reads()
     handles = []
 
-    def pre(t, sc, nbytes):
-        return lambda m, a: (_input_mask(a[0], t, sc, reads, nbytes),) + tuple(a[1:])
+    def pre(t, nbytes):
+        return lambda m, a: (_input_mask(a[0], t, reads, nbytes),) + tuple(a[1:])
 
     if s.skip > 0:
         t = calib if isinstance(calib, dict) else thresholds(calib, s.skip)
-        sc = scales if isinstance(calib, dict) else calib.scales
         for l, layer in enumerate(model.layers):
             at, mlp = layer.self_attn, layer.mlp
-            c = {k: (None if sc is None else sc[k][l]) for k in KEYS}
             # q, k, v read one masked input (counted once, at q); so do gate and up (at gate)
-            handles += [at.q_proj.register_forward_pre_hook(pre(t["attn_in"][l], c["attn_in"], b["attn_in"])),
-                        at.k_proj.register_forward_pre_hook(_masked(t["attn_in"][l], c["attn_in"])),
-                        at.v_proj.register_forward_pre_hook(_masked(t["attn_in"][l], c["attn_in"])),
-                        at.o_proj.register_forward_pre_hook(pre(t["o_in"][l], c["o_in"], b["o_in"])),
-                        mlp.gate_proj.register_forward_pre_hook(pre(t["mlp_in"][l], c["mlp_in"], b["gate"] + b["up"])),
-                        mlp.up_proj.register_forward_pre_hook(_masked(t["mlp_in"][l], c["mlp_in"])),
-                        mlp.down_proj.register_forward_pre_hook(pre(t["down_in"][l], c["down_in"], b["down"]))]
+            handles += [at.q_proj.register_forward_pre_hook(pre(t["attn_in"][l], b["attn_in"])),
+                        at.k_proj.register_forward_pre_hook(_masked(t["attn_in"][l])),
+                        at.v_proj.register_forward_pre_hook(_masked(t["attn_in"][l])),
+                        at.o_proj.register_forward_pre_hook(pre(t["o_in"][l], b["o_in"])),
+                        mlp.gate_proj.register_forward_pre_hook(pre(t["mlp_in"][l], b["gate"] + b["up"])),
+                        mlp.up_proj.register_forward_pre_hook(_masked(t["mlp_in"][l])),
+                        mlp.down_proj.register_forward_pre_hook(pre(t["down_in"][l], b["down"]))]
     try:
         yield reads
     finally:
