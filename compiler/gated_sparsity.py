@@ -16,7 +16,9 @@ neurons; both lost at every budget and were removed (commit ab41bba holds them).
 allocation of the budget over layers and inputs (TEAL's, from per-input error curves measured at
 calibration) lost to the uniform level on held-out calibration text and was removed (commit
 7896f4d holds it; docs/llama.md). The shipped allocation prices each input kind by the model's
-end-to-end held-out loss instead (compiler/allocate_llama.py).
+end-to-end held-out loss instead (compiler/allocate_llama.py). Two other criteria than |x_i|
+lost at equal bytes and were removed: WINA's |x_i| * ||W[:, i]||_2 (commit fee06a2) and a
+per-channel gradient scale |x_i| * E|dL/dx_i| (commit 94eab8d); docs/llama.md.
 """
 from __future__ import annotations
 
