@@ -18,6 +18,8 @@ round plus one to compact; its output is deterministic (docs/kernels.md, "Top-k"
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from dejavu.errors import DejavuError
@@ -82,19 +84,25 @@ def _next_digit(tot, bef, need):
     return d, need, tl.sum(tl.where(bins > d, bef, 0), 0), tl.sum(tl.where(bins == d, bef, 0), 0)
 
 
-def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
+def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, keep_ptr, lse_ptr, log_share,
                  BLOCK: tl.constexpr, NB_P2: tl.constexpr, KEY_BITS: tl.constexpr, MODE: tl.constexpr,
-                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr):
+                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr, KEEP: tl.constexpr = 0):
     # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (NB, rows).
     # MODE 0: NB == 1, histograms in registers, one launch. MODE 1: rounds FIRST..LAST-1 are counted
     # here into ws[row, round, NB, 256]; earlier rounds were counted by earlier launches and are only
-    # read back.
+    # read back. KEEP (a per-token K): keep[row, j] = s >= log_share + logsumexp(s[row]) or s is the
+    # row's max, for out[row, j]; the round-0 launch stores each program's (max, sum exp) at lse[row, pid].
     ROUNDS: tl.constexpr = KEY_BITS // 8
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    key = _order_keys(tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0), KEY_BITS)
+    sv = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0)
+    key = _order_keys(sv, KEY_BITS)
+    sf = tl.where(mask, sv.to(tl.float32), float("-inf"))
+    if KEEP and MODE == 1 and FIRST == 0:
+        m = tl.max(sf, 0)
+        tl.store(lse_ptr + (row * NB + pid) * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, m, tl.sum(tl.exp(sf - m), 0)))
     prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's digits found so far
     need = K  # how many of the candidates (keys matching prefix) are still to be taken
     gt_before = 0  # keys above the k-th largest in the programs before this one
@@ -130,6 +138,18 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
         sel = gt | (eq & (eq_x < ties))
         dst = gt_before + tl.minimum(eq_before, need) + gt_x + tl.minimum(eq_x, ties)
         tl.store(out_ptr + row * stride_o + dst, offs, mask=sel)
+        if KEEP:  # the row's max and logsumexp: this program's scores, or the NB partials of round 0
+            if MODE == 0:
+                m = tl.max(sf, 0)
+                z = tl.sum(tl.exp(sf - m), 0)
+            else:
+                blk = tl.arange(0, NB_P2)
+                pm = tl.load(lse_ptr + (row * NB + blk) * 2, mask=blk < NB, other=float("-inf"), cache_modifier=".cg")
+                pz = tl.load(lse_ptr + (row * NB + blk) * 2 + 1, mask=blk < NB, other=0.0, cache_modifier=".cg")
+                m = tl.max(pm, 0)
+                z = tl.sum(pz * tl.exp(pm - m), 0)
+            kept = (sf >= log_share + (m + tl.log(z))) | (sf == m)
+            tl.store(keep_ptr + row * stride_o + dst, kept, mask=sel)
 
 
 def _topk_plan(scores, config, settings=None):
@@ -150,8 +170,9 @@ def _topk_plan(scores, config, settings=None):
     return block, -(-N // block), warps, _SPLIT
 
 
-def topk_triton(scores, k, config=None, settings=None):
-    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32.
+def topk_triton(scores, k, config=None, settings=None, min_share=None):
+    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32; with
+    min_share also keep[R,k] bool, share_keep's flags computed in the same launches.
 
     Exact; ties at the k-th value are broken by lowest index. `config` overrides settings.topk's fields.
     """
@@ -163,16 +184,21 @@ def topk_triton(scores, k, config=None, settings=None):
         raise DejavuError(f"topk_triton: k must be an int in [0, {N}], got {k!r}")
     block, nb, warps, mode = _topk_plan(scores, config, settings)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
+    keep = lse = out  # unused without min_share
+    if min_share is not None:
+        keep = torch.empty((R, k), dtype=torch.bool, device=scores.device)
+        lse = torch.empty((R, nb, 2), dtype=torch.float32, device=scores.device) if mode == _SPLIT else out
     if k == 0 or R == 0:
-        return out
+        return out if min_share is None else (out, keep)
     key_bits = 32 if scores.dtype == torch.float32 else 16
     rounds = key_bits // 8
     kernel = jit(_topk_kernel, scores.device)
     ws = out  # unused by a single program per row
     if mode == _SPLIT:
         ws = torch.empty((R, rounds, nb, 256), dtype=torch.int32, device=scores.device)
-    args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0))
-    consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode,
+    log_share = float("-inf") if min_share is None or min_share <= 0 else math.log(min_share)
+    args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0), keep, lse, log_share)
+    consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode, KEEP=int(min_share is not None),
                   num_warps=warps)
     if mode == _SPLIT:  # one launch per round, then one to compact
         for r in range(rounds):
@@ -180,7 +206,7 @@ def topk_triton(scores, k, config=None, settings=None):
         kernel[(nb, R)](*args, FIRST=rounds, LAST=rounds, COMPACT=True, **consts)
     else:
         kernel[(nb, R)](*args, FIRST=0, LAST=rounds, COMPACT=True, **consts)
-    return out
+    return out if min_share is None else (out, keep)
 
 
 def topk_triton_ref(scores, k):
@@ -264,12 +290,12 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
         scores = predictor_scores(x, a, b, bias)
     if shared and scores.shape[0] > 1:
         scores = scores.amax(dim=0, keepdim=True)  # [1, N]; with B == 1 the row itself
-    if method == "triton":
-        idx = topk_triton(scores.contiguous(), k, settings=s)
-    elif method == "torch":
-        idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(torch.int32)
-    else:
+    if method == "triton":  # with min_share: (idx, keep), the flags from the same launches
+        return topk_triton(scores.contiguous(), k, settings=s, min_share=min_share) if min_share is not None \
+            else topk_triton(scores.contiguous(), k, settings=s)[0 if shared else slice(None)]
+    if method != "torch":
         raise DejavuError(f"predictor_topk: unknown method {method!r} (torch, triton)")
+    idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(torch.int32)
     if min_share is not None:
         return idx, share_keep(scores, idx, min_share)
     return idx[0] if shared else idx
@@ -286,10 +312,9 @@ def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
 
 
 def share_keep(scores, idx, min_share: float):
-    """keep[..., k] bool: which of the selected rows idx[..., k] (any order) a token keeps under the
-    per-token K rule (docs/predictors.md, "Per-token K"): those whose predicted share
-    softmax(scores[..., N]) (fp32) is >= min_share, and always the token's best-scored row. With
-    idx the top-k_max this keeps clamp(#(share >= min_share), 1, k_max) rows, the best first."""
-    p = torch.softmax(scores.float(), -1)  # [..., N]
-    pk = p.gather(-1, idx.long())  # [..., k]
-    return (pk >= min_share) | (pk == p.amax(-1, keepdim=True))
+    """keep[..., k] bool: which of the selected rows idx[..., k] (any order) a token keeps under the per-token
+    K rule (docs/predictors.md, "Per-token K"): share softmax(scores[..., N]) >= min_share, in log form (fp32,
+    as topk_triton: s >= log min_share + logsumexp(s)), and always the token's best row."""
+    s = scores if scores.dtype == torch.float64 else scores.float()
+    sk = s.gather(-1, idx.long())  # [..., k]
+    return (sk >= math.log(min_share) + torch.logsumexp(s, -1, keepdim=True)) | (sk == s.amax(-1, keepdim=True))

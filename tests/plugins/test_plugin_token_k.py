@@ -79,3 +79,24 @@ def test_fc1_keep_errors(triton_interp):
         sparse_fc1(x, w1, b1, idx, torch.ones(2, K, dtype=torch.bool))
     with pytest.raises(DejavuError, match="keep"):
         sparse_fc1(x, w1, b1, torch.stack([idx, idx]), torch.ones(2, K - 1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("N,block", [(300, 1024), (2500, 256)])  # one program per row; a split row (NB 10)
+def test_topk_kernel_keep_flags_equal_share_keep(triton_interp, dtype, N, block):
+    """The flags computed inside the top-k launches (log form, the row's logsumexp from the programs'
+    partials when split) equal share_keep on the same scores and the float64 rule on the same indices."""
+    from dejavu.plugins.predictor import topk_triton
+
+    R, k = 3, N // 5
+    scores = (3 * torch.randn(R, N)).to(dtype)
+    for share in (1e-4, 2e-3, 1.0):
+        idx, keep = topk_triton(scores, k, config={"block": block}, min_share=share)
+        assert torch.equal(keep, share_keep(scores, idx, share))
+        p = torch.softmax(scores.double(), -1)
+        pk = p.gather(-1, idx.long())
+        assert torch.equal(keep, (pk >= share) | (pk == p.amax(-1, keepdim=True)))  # the float64 rule
+        assert set(idx[0].tolist()) == set(topk_triton(scores, k, config={"block": block})[0].tolist())
+        n = keep.sum(-1)
+        assert (n >= 1).all() and ((share < 1) or (n == 1).all())
+    assert 1 < keep.sum(-1).float().mean() < k if share < 1 else True
