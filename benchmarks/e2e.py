@@ -611,7 +611,7 @@ def time_engine(eng, c: dict, B: int, P: int, N: int, cap_s: float, seed: int = 
     ua = [int(torch.unique(pr.idx[l]["attn"]).numel()) if pr.idx[l]["attn"] is not None else c["num_attention_heads"]
           for l in range(c["num_hidden_layers"])]
     row["union_mlp_mean"], row["union_attn_mean"] = statistics.mean(um), statistics.mean(ua)
-    kept = [float(k.sum(-1).float().mean()) for k in pr.keep if k is not None]  # a per-token K: the last step's
+    kept = [float(n.float().mean()) for n in pr.n_kept if n is not None]  # a per-token K: the last step's
     if kept:
         row["kept_mlp_mean"] = statistics.mean(kept)
     return row, um, ua

@@ -1,7 +1,7 @@
 """Low-rank predictor + top-k: which neurons / heads to compute for the next token.
 
     predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False, method=None, scoring=None, min_share=None)
-        -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], keep[B,k] bool), share_keep
+        -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], n[B] int32), share_keep
     predictor_scores_triton(x[1,D], a, b, bias, config=None) -> scores[1,N]
 
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
@@ -10,7 +10,8 @@ scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per r
 path; with B == 1 the single row is used as is). `scoring` and `method`: docs/kernels.md, "API";
 the scores by cuBLAS or by `fc1.gather_gemv` (`predictor_scores_triton`) both accumulate in fp32 and
 round h = x @ a.T and the scores to the input dtype, as the reference does (they differ only in
-summation order). Neither top-k returns sorted indices (the kernels do not need order). Everything
+summation order). Neither top-k returns sorted indices (the kernels do not need order; with a per-token
+K the n kept rows come first, so fc1 / fc2 stop at n instead of masking k rows). Everything
 stays on the device: no host sync, CUDA-graph capturable.
 
 `_topk_kernel` is an exact radix select on the scores' own bits, 8 bits per round, one launch per
@@ -84,14 +85,30 @@ def _next_digit(tot, bef, need):
     return d, need, tl.sum(tl.where(bins > d, bef, 0), 0), tl.sum(tl.where(bins == d, bef, 0), 0)
 
 
-def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, keep_ptr, lse_ptr, log_share,
+@helper
+def _share_kept(sf, part, NB, log_share, NB_P2: tl.constexpr, MODE: tl.constexpr):
+    # sf >= log_share + logsumexp(row) or sf is the row's max (share_keep's rule): the row's (max, sum exp)
+    # from sf itself (MODE 0) or from the NB programs' partials part[NB, 4] (L2: other programs wrote them)
+    if MODE == 0:
+        m = tl.max(sf, 0)
+        z = tl.sum(tl.exp(sf - m), 0)
+    else:
+        blk = tl.arange(0, NB_P2)
+        pm = tl.load(part + blk * 4, mask=blk < NB, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(pm, 0)
+        z = tl.sum(tl.load(part + blk * 4 + 1, mask=blk < NB, other=0.0, cache_modifier=".cg") * tl.exp(pm - m), 0)
+    return (sf >= log_share + (m + tl.log(z))) | (sf == m)
+
+
+def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, nkept_ptr, lse_ptr, log_share,
                  BLOCK: tl.constexpr, NB_P2: tl.constexpr, KEY_BITS: tl.constexpr, MODE: tl.constexpr,
                  FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr, KEEP: tl.constexpr = 0):
     # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (NB, rows).
     # MODE 0: NB == 1, histograms in registers, one launch. MODE 1: rounds FIRST..LAST-1 are counted
     # here into ws[row, round, NB, 256]; earlier rounds were counted by earlier launches and are only
-    # read back. KEEP (a per-token K): keep[row, j] = s >= log_share + logsumexp(s[row]) or s is the
-    # row's max, for out[row, j]; the round-0 launch stores each program's (max, sum exp) at lse[row, pid].
+    # read back. KEEP (a per-token K): the rows _share_kept keeps first (index order within both parts), their
+    # count at nkept[row]; MODE 1 stores each program's (max, sum exp) at lse[row, pid, :2] in round 0, its
+    # kept count at lse[row, pid, 2] in round 1, read back to place the rows.
     ROUNDS: tl.constexpr = KEY_BITS // 8
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -102,7 +119,10 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, keep_ptr,
     sf = tl.where(mask, sv.to(tl.float32), float("-inf"))
     if KEEP and MODE == 1 and FIRST == 0:
         m = tl.max(sf, 0)
-        tl.store(lse_ptr + (row * NB + pid) * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, m, tl.sum(tl.exp(sf - m), 0)))
+        tl.store(lse_ptr + (row * NB + pid) * 4 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, m, tl.sum(tl.exp(sf - m), 0)))
+    if KEEP and MODE == 1 and FIRST == 1:
+        kept = _share_kept(sf, lse_ptr + row * NB * 4, NB, log_share, NB_P2, MODE)
+        tl.store(lse_ptr + (row * NB + pid) * 4 + 2, tl.sum(kept.to(tl.float32), 0))
     prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's digits found so far
     need = K  # how many of the candidates (keys matching prefix) are still to be taken
     gt_before = 0  # keys above the k-th largest in the programs before this one
@@ -137,19 +157,17 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, keep_ptr,
         ties = tl.maximum(need - eq_before, 0)  # ties this program may still take
         sel = gt | (eq & (eq_x < ties))
         dst = gt_before + tl.minimum(eq_before, need) + gt_x + tl.minimum(eq_x, ties)
-        tl.store(out_ptr + row * stride_o + dst, offs, mask=sel)
-        if KEEP:  # the row's max and logsumexp: this program's scores, or the NB partials of round 0
-            if MODE == 0:
-                m = tl.max(sf, 0)
-                z = tl.sum(tl.exp(sf - m), 0)
-            else:
+        if KEEP:  # n rows of the row kept (all selected when n >= K); kept ones before this one: k_bef + k_x
+            kept = _share_kept(sf, lse_ptr + row * NB * 4, NB, log_share, NB_P2, MODE)
+            n, k_bef = tl.sum(kept.to(tl.int32), 0), 0
+            if MODE == 1:
                 blk = tl.arange(0, NB_P2)
-                pm = tl.load(lse_ptr + (row * NB + blk) * 2, mask=blk < NB, other=float("-inf"), cache_modifier=".cg")
-                pz = tl.load(lse_ptr + (row * NB + blk) * 2 + 1, mask=blk < NB, other=0.0, cache_modifier=".cg")
-                m = tl.max(pm, 0)
-                z = tl.sum(pz * tl.exp(pm - m), 0)
-            kept = (sf >= log_share + (m + tl.log(z))) | (sf == m)
-            tl.store(keep_ptr + row * stride_o + dst, kept, mask=sel)
+                cnt = tl.load(lse_ptr + (row * NB + blk) * 4 + 2, mask=blk < NB, other=0.0, cache_modifier=".cg").to(tl.int32)
+                n, k_bef = tl.sum(cnt, 0), tl.sum(tl.where(blk < pid, cnt, 0), 0)
+            k_x = tl.cumsum((kept & sel).to(tl.int32), 0) - (kept & sel).to(tl.int32)
+            dst = tl.where(n >= K, dst, tl.where(kept, k_bef + k_x, n + dst - k_bef - k_x))
+            tl.store(nkept_ptr + row, tl.minimum(n, K), mask=pid == 0)
+        tl.store(out_ptr + row * stride_o + dst, offs, mask=sel)
 
 
 def _topk_plan(scores, config, settings=None):
@@ -172,7 +190,7 @@ def _topk_plan(scores, config, settings=None):
 
 def topk_triton(scores, k, config=None, settings=None, min_share=None):
     """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32; with
-    min_share also keep[R,k] bool, share_keep's flags computed in the same launches.
+    min_share also n[R] int32: the first n[r] of out[r] are the rows share_keep keeps (the same launches).
 
     Exact; ties at the k-th value are broken by lowest index. `config` overrides settings.topk's fields.
     """
@@ -184,12 +202,12 @@ def topk_triton(scores, k, config=None, settings=None, min_share=None):
         raise DejavuError(f"topk_triton: k must be an int in [0, {N}], got {k!r}")
     block, nb, warps, mode = _topk_plan(scores, config, settings)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
-    keep = lse = out  # unused without min_share
+    nkept = lse = out  # unused without min_share
     if min_share is not None:
-        keep = torch.empty((R, k), dtype=torch.bool, device=scores.device)
-        lse = torch.empty((R, nb, 2), dtype=torch.float32, device=scores.device) if mode == _SPLIT else out
+        nkept = torch.empty(R, dtype=torch.int32, device=scores.device)
+        lse = torch.empty((R, nb, 4), dtype=torch.float32, device=scores.device) if mode == _SPLIT else out
     if k == 0 or R == 0:
-        return out if min_share is None else (out, keep)
+        return out if min_share is None else (out, nkept)
     key_bits = 32 if scores.dtype == torch.float32 else 16
     rounds = key_bits // 8
     kernel = jit(_topk_kernel, scores.device)
@@ -197,7 +215,7 @@ def topk_triton(scores, k, config=None, settings=None, min_share=None):
     if mode == _SPLIT:
         ws = torch.empty((R, rounds, nb, 256), dtype=torch.int32, device=scores.device)
     log_share = float("-inf") if min_share is None or min_share <= 0 else math.log(min_share)
-    args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0), keep, lse, log_share)
+    args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0), nkept, lse, log_share)
     consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode, KEEP=int(min_share is not None),
                   num_warps=warps)
     if mode == _SPLIT:  # one launch per round, then one to compact
@@ -206,7 +224,7 @@ def topk_triton(scores, k, config=None, settings=None, min_share=None):
         kernel[(nb, R)](*args, FIRST=rounds, LAST=rounds, COMPACT=True, **consts)
     else:
         kernel[(nb, R)](*args, FIRST=0, LAST=rounds, COMPACT=True, **consts)
-    return out if min_share is None else (out, keep)
+    return out if min_share is None else (out, nkept)
 
 
 def topk_triton_ref(scores, k):
@@ -276,7 +294,7 @@ def predictor_scores_triton(x, a, b, bias, config=None, settings=None):
 def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None, settings=None, min_share=None):
     """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared). method / scoring
     None: settings.topk.method / settings.scoring.method. min_share (a per-token K, per sequence):
-    (idx, keep[B,k] bool), keep = share_keep of the same scores (device ops, no host sync)."""
+    (idx, n[B] int32): the first n[b] of idx[b] are the rows share_keep keeps (no host sync)."""
     _check(x, a, b, bias, k)
     _check_per_sequence(shared, min_share)
     s = settings or DEFAULT
@@ -290,25 +308,26 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
         scores = predictor_scores(x, a, b, bias)
     if shared and scores.shape[0] > 1:
         scores = scores.amax(dim=0, keepdim=True)  # [1, N]; with B == 1 the row itself
-    if method == "triton":  # with min_share: (idx, keep), the flags from the same launches
+    if method == "triton":  # with min_share: (idx, n), the count from the same launches
         return topk_triton(scores.contiguous(), k, settings=s, min_share=min_share) if min_share is not None \
             else topk_triton(scores.contiguous(), k, settings=s)[0 if shared else slice(None)]
     if method != "torch":
         raise DejavuError(f"predictor_topk: unknown method {method!r} (torch, triton)")
-    idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(torch.int32)
+    idx = torch.topk(scores, k, dim=-1, sorted=min_share is not None).indices.to(torch.int32)  # kept rows first
     if min_share is not None:
-        return idx, share_keep(scores, idx, min_share)
+        return idx, share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32)
     return idx[0] if shared else idx
 
 
 def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
     """Reference: the same in the caller's dtype (upcast for float64); sorted by score.
 
-    min_share (a per-token K, per sequence only): (idx[B,k], keep[B,k] bool), keep = share_keep."""
+    min_share (a per-token K, per sequence only): (idx[B,k], n[B] int32), the first n[b] kept (share_keep)."""
     _check_per_sequence(shared, min_share)
     scores = (x @ a.T) @ b.T + bias
     idx = torch.topk(scores.amax(dim=0) if shared else scores, k, dim=-1, sorted=True).indices
-    return idx.to(torch.int32) if min_share is None else (idx.to(torch.int32), share_keep(scores, idx, min_share))
+    n = None if min_share is None else share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32)
+    return idx.to(torch.int32) if min_share is None else (idx.to(torch.int32), n)
 
 
 def share_keep(scores, idx, min_share: float):
@@ -317,4 +336,5 @@ def share_keep(scores, idx, min_share: float):
     as topk_triton: s >= log min_share + logsumexp(s)), and always the token's best row."""
     s = scores if scores.dtype == torch.float64 else scores.float()
     sk = s.gather(-1, idx.long())  # [..., k]
-    return (sk >= math.log(min_share) + torch.logsumexp(s, -1, keepdim=True)) | (sk == s.amax(-1, keepdim=True))
+    log_share = math.log(min_share) if min_share > 0 else -math.inf
+    return (sk >= log_share + torch.logsumexp(s, -1, keepdim=True)) | (sk == s.amax(-1, keepdim=True))
