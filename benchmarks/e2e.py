@@ -732,11 +732,11 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
             if a.batch_policy != "shared" or B == 1:  # at batch 1 both policies are the same
                 for d in a.densities:
                     systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence", kv0) for o in (True, False)]
+                    if a.token_k:  # the per-token K beside it (with_token_k)
+                        systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_tokenk", d, o, "per_sequence", kv0)
+                                    for o in (True, False)]
                     if d in a.full_kv_densities:  # the other policy next to it, overlap on
                         systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
-            if a.token_k and (a.batch_policy != "shared" or B == 1):  # the per-token K beside each density
-                systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_tokenk", d, o, "per_sequence", kv0)
-                            for d in a.densities for o in (True, False)]
             if B in a.ablate_batches:  # one change at a time against the headline row, overlap on
                 systems += [(f"dejavu_d{d}_on_{v}", d, True, "per_sequence", kv0)
                             for d in a.ablate_densities for v in a.ablations]

@@ -75,13 +75,12 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, 
              h.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob, nkept_ptr,
+def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb, stride_ob,
                        RELU: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                       GROUP: tl.constexpr, GDC: tl.constexpr = 0, KEEP: tl.constexpr = 0):
+                       GROUP: tl.constexpr, GDC: tl.constexpr = 0):
     # Shared index set: out[b, r] = act(w[row(r)] @ x[b] + bias[row(r)]) for all b at once;
     # grid (cdiv(K, BLOCK_R),). Each gathered row is read once for the whole batch.
-    # KEEP: as in _gather_gemv_kernel, batch 1 (nkept [1]).
     pid_r = tl.program_id(0)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < K
@@ -91,19 +90,10 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
     bmask = offs_b < B
     w_rows = w_ptr + rows[:, None] * D
     x_cols = x_ptr + offs_b[None, :].to(tl.int64) * stride_xb
-    d_end = D
-    if KEEP:
-        n = tl.load(nkept_ptr)
-        kept = offs_r < n
-        d_end = tl.where(pid_r * BLOCK_R < n, D, 0)
     acc = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.float32)
-    for d0 in range(0, d_end, BLOCK_D):
+    for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        if KEEP:
-            dmask = offs_d < D
-            wv = tl.load(w_rows + offs_d[None, :], mask=kept[:, None] & dmask[None, :], other=0.0)
-            xt = tl.load(x_cols + offs_d[:, None], mask=bmask[None, :] & dmask[:, None], other=0.0)
-        elif EVEN_D:
+        if EVEN_D:
             wv = tl.load(w_rows + offs_d[None, :])
             xt = tl.load(x_cols + offs_d[:, None], mask=bmask[None, :], other=0.0)
         else:
@@ -118,8 +108,6 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
     h = acc + tl.load(b_ptr + rows).to(tl.float32)[:, None]
     if RELU:
         h = tl.maximum(h, 0.0)
-    if KEEP:
-        h = tl.where(kept[:, None], h, 0.0)
     out = out_ptr + offs_b[None, :].to(tl.int64) * stride_ob + offs_r[:, None]
     tl.store(out, h.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & bmask[None, :])
 
@@ -128,7 +116,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
     rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
     kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1). n_kept: [B] int32, group 1,
-    per-sequence idx (or B == 1): rows j >= n_kept[b] are 0 and read no weights."""
+    per-sequence idx (or B == 1; the GEMV kernel): rows j >= n_kept[b] are 0 and read no weights."""
     B, D = x.shape
     K = idx.shape[-1] * group
     if K == 0 or B == 0:
@@ -136,21 +124,22 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     shared = idx.dim() == 1
     kind = kind or ("qkv_full" if group > 1 else "fc1")
     s = settings or DEFAULT
-    dot = (shared or B == 1) and B >= s.fc1_dot_min_batch  # B == 1: [1, K] is the same set as [K]
+    # B == 1: [1, K] is the same set as [K]; a per-token K takes the GEMV kernel (batch 1's default)
+    dot = (shared or B == 1) and B >= s.fc1_dot_min_batch and n_kept is None
     cfg = table(s.fc1_dot if dot else s.fc1_gemv, config)
-    common = dict(KEEP=int(n_kept is not None), RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
+    common = dict(RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
                   EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], **pdl_args(x.device, kind, s.pdl))
     if dot:
         kernel = jit(_gather_dot_kernel, x.device)
-        kernel[(cdiv(K, cfg["BLOCK_R"]),)](x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0), n_kept,
+        kernel[(cdiv(K, cfg["BLOCK_R"]),)](x, w, bias, idx, out, B, D, K, x.stride(0), out.stride(0),
                                            DOT_FP32=dot_fp32(w.dtype, x.device), BLOCK_B=max(16, next_pow2(B)),
                                            **common)
     else:
         kernel = jit(_gather_gemv_kernel, x.device)
         kernel[(B, cdiv(K, cfg["BLOCK_R"]))](x, w, bias, idx, out, D, K, x.stride(0),
                                              0 if shared else idx.stride(0), out.stride(0), n_kept,
-                                             W_EV=cfg["W_EV"], **common)
+                                             W_EV=cfg["W_EV"], KEEP=int(n_kept is not None), **common)
     return out
 
 def sparse_fc1(x, w1, b1, idx, n_kept=None, *, out=None, validate=None, config=None, settings=None):
@@ -176,9 +165,4 @@ def sparse_fc1_ref(x, w1, b1, idx, n_kept=None):
     rows j >= n_kept[b] are 0 (fc2 then adds nothing for them)."""
     rows = expand_idx(idx, x.shape[0])
     h = torch.relu(torch.einsum("bkd,bd->bk", w1[rows], x) + b1[rows])
-    return h if n_kept is None else h * kept_mask(n_kept, h.shape[1]).to(h.dtype)
-
-
-def kept_mask(n_kept, k):
-    """[B,k] bool: j < n_kept[b] (the rows a per-token K keeps, first in its index set)."""
-    return torch.arange(k, device=n_kept.device) < n_kept[:, None]
+    return h if n_kept is None else h * (torch.arange(h.shape[1], device=h.device) < n_kept[:, None]).to(h.dtype)

@@ -23,7 +23,6 @@ from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, default_validate,
                                     dot_fp32, expand_idx, gdc_enter, gdc_release, group_rows, helper, jit, next_pow2,
                                     pdl_args)
-from dejavu.plugins.fc1 import kept_mask
 from dejavu.plugins.layer_norm import LN_EPS, PendingLN, layer_norm, store_row
 from dejavu.plugins.settings import DEFAULT, table
 
@@ -289,7 +288,7 @@ def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, 
     (y, F.layer_norm(y)) in y's dtype, the dense model's own function (ln_defer changes nothing
     here: the LayerNorm is computed; skip_zero neither: a zero h adds nothing)."""
     rows = expand_idx(idx, h.shape[0])
-    h = h if n_kept is None else h.masked_fill(~kept_mask(n_kept, h.shape[1]), 0)
+    h = h if n_kept is None else h.masked_fill(torch.arange(h.shape[1], device=h.device) >= n_kept[:, None], 0)
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
     y = y if residual is None else y + residual
     return y if ln is None else (y, torch.nn.functional.layer_norm(y, (y.shape[-1],), ln[0], ln[1], LN_EPS))

@@ -234,18 +234,15 @@ def topk_triton_ref(scores, k):
     return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[:, :k].to(torch.int32)
 
 
-def _check(x, a, b, bias, k):
+def _check(x, a, b, bias, k, shared, min_share):
+    if min_share is not None and shared:
+        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     r = check_weight("a", a, x.shape[1], x)
     n = check_weight("b", b, r, x, "rank")
     check_tensor("bias", bias, shape=(n,), dtype=x.dtype, device=x.device)
     if not isinstance(k, int) or not 0 <= k <= n:
         raise DejavuError(f"k: expected an int in [0, {n}], got {k!r}")
-
-
-def _check_per_sequence(shared, min_share):
-    if min_share is not None and shared:
-        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
 
 
 def predictor_scores(x, a, b, bias):
@@ -295,8 +292,7 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
     """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared). method / scoring
     None: settings.topk.method / settings.scoring.method. min_share (a per-token K, per sequence):
     (idx, n[B] int32): the first n[b] of idx[b] are the rows share_keep keeps (no host sync)."""
-    _check(x, a, b, bias, k)
-    _check_per_sequence(shared, min_share)
+    _check(x, a, b, bias, k, shared, min_share)
     s = settings or DEFAULT
     method = method or s.topk.method
     scoring = scoring or s.scoring.method
@@ -323,7 +319,8 @@ def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
     """Reference: the same in the caller's dtype (upcast for float64); sorted by score.
 
     min_share (a per-token K, per sequence only): (idx[B,k], n[B] int32), the first n[b] kept (share_keep)."""
-    _check_per_sequence(shared, min_share)
+    if min_share is not None and shared:
+        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     scores = (x @ a.T) @ b.T + bias
     idx = torch.topk(scores.amax(dim=0) if shared else scores, k, dim=-1, sorted=True).indices
     n = None if min_share is None else share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32)
