@@ -21,8 +21,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, cdiv, check_index, check_out, check_tensor, default_validate,
-                                    dot_fp32, expand_idx, gdc_enter, gdc_release, group_rows, helper, jit, next_pow2,
-                                    pdl_args)
+                                    dot_fp32, expand_idx, gdc_enter, gdc_release, group_rows, jit, next_pow2, pdl_args)
 from dejavu.plugins.layer_norm import LN_EPS, PendingLN, layer_norm, store_row
 from dejavu.plugins.settings import DEFAULT, table
 
@@ -32,23 +31,23 @@ REDUCE_BLOCK = 1024
 
 
 def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
-                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib, nkept_ptr,
+                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib,
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, GROUP: tl.constexpr,
-                          GDC: tl.constexpr = 0, SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
+                          GDC: tl.constexpr = 0, SKIP_ZERO: tl.constexpr = 0):
     # Per-sequence sets: y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
-    # SKIP_ZERO: rows whose h is 0 (ReLU zeros) read no weight bytes. KEEP (a per-token K): only the first
-    # nkept[b] rows, split evenly over the SPLIT programs (_keep_range).
+    # SKIP_ZERO: rows whose h is 0 (ReLU zeros; a per-token K's dropped rows here) read no weight bytes.
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_d = tl.program_id(2)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = offs_d < D
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     idx_row = idx_ptr + pid_b * stride_ib
     gdc_enter(GDC)
-    k_start, k_end = _keep_range(nkept_ptr, pid_b, pid_s, K, K_PER_SPLIT, BLOCK_K, KEEP)  # nkept: after the wait
     h_row = h_ptr + pid_b * stride_hb
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     # the row indices of the next block are loaded one iteration ahead, so the gathered
@@ -93,7 +92,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
     # Batch 1 or a shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL as in _gather_gemv_t_kernel; SKIP_ZERO: rows whose h is 0 in every sequence read no weights;
-    # KEEP: batch 1, the first nkept[0] rows (_keep_range). Each K block's row indices are loaded in its iteration, so
+    # KEEP: batch 1, a per-token K's first nkept[0] rows. Each K block's row indices are loaded in its iteration, so
     # Triton gives the gathered weight tile one shared-memory buffer (cp.async issued, then waited
     # for); three one-tile programs per SM keep as many bytes in flight as the memory system serves
     # (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
@@ -103,8 +102,12 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     dmask = offs_d < D
     offs_b = tl.arange(0, BLOCK_B)
     bmask = offs_b < B
+    k_start = pid_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     gdc_enter(GDC)
-    k_start, k_end = _keep_range(nkept_ptr, 0, pid_s, K, K_PER_SPLIT, BLOCK_K, KEEP)
+    if KEEP:  # the kept rows first: [0, nkept) split evenly over the SPLIT programs (nkept: after the wait)
+        per = tl.cdiv(tl.cdiv(tl.load(nkept_ptr), tl.num_programs(1)), BLOCK_K) * BLOCK_K
+        k_start, k_end = pid_s * per, tl.minimum(pid_s * per + per, tl.load(nkept_ptr))
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -133,17 +136,6 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         tl.store(out_ptr + rows_b + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + pid_s.to(tl.int64) * B * D + rows_b + offs_d[None, :], acc, mask=mask)
-
-
-@helper
-def _keep_range(nkept_ptr, b, pid_s, K, K_PER_SPLIT, BLOCK_K: tl.constexpr, KEEP: tl.constexpr):
-    # rows [k_start, k_end) of split pid_s: K_PER_SPLIT each of K, or with KEEP (a per-token K, the kept
-    # rows first) the first nkept[b] rows split evenly over the launch's splits (the plan's count for K rows)
-    if KEEP:
-        n = tl.load(nkept_ptr + b)
-        per = tl.cdiv(tl.cdiv(n, tl.num_programs(1)), BLOCK_K) * BLOCK_K
-        return pid_s * per, tl.minimum(pid_s * per + per, n)
-    return pid_s * K_PER_SPLIT, tl.minimum(pid_s * K_PER_SPLIT + K_PER_SPLIT, K)
 
 
 def _split_reduce_kernel(part_ptr, b_ptr, res_ptr, out_ptr, st_ptr, B, D, SPLIT, N_BLK,
@@ -184,8 +176,8 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
     LayerNorm(out) (eps LN_EPS), returned as (out, ln_out) with ln_defer, whose second is a
     PendingLN when the split-K reduction runs (it stores the block stats; no LayerNorm launch).
-    Returns out otherwise. skip_zero: rows whose h is 0 read no weights (the same sum). n_kept [B] int32:
-    only rows k < n_kept[b] (a per-token K; batch 1 or per-sequence idx)."""
+    Returns out otherwise. skip_zero: rows whose h is 0 read no weights (the same sum). n_kept [B] int32: h is 0
+    from n_kept[b] on (a per-token K, fc1's); the dot route (batch 1) stops there, the GEMV one skips zeros."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -203,16 +195,16 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
                   EVEN_D=D % block_d == 0, GROUP=group, num_warps=cfg["num_warps"],
                   **pdl_args(h.device, "proj" if group > 1 else "fc2", s.pdl),
-                  **({"SKIP_ZERO": 1} if skip_zero else {}), **({"KEEP": 1} if n_kept is not None else {}))
+                  **({"SKIP_ZERO": 1} if skip_zero else {}))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0), n_kept,
                              DOT_FP32=dot_fp32(w_t.dtype, h.device), BLOCK_B=max(16, next_pow2(B)),
-                             num_stages=cfg["num_stages"], **common)
+                             num_stages=cfg["num_stages"], **common, **({"KEEP": 1} if n_kept is not None else {}))
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split,
-                                h.stride(0), 0 if shared else idx.stride(0), n_kept,
+                                h.stride(0), 0 if shared else idx.stride(0),
                                 num_stages=cfg["num_stages"], **common)
     if not final:
         return reduce_partials(part, bias, residual, out, ln, ln_out, ln_defer, settings=s)
@@ -259,7 +251,7 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
                config=None, ln_defer=False, settings=None, skip_zero=False, n_kept=None):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
     ln= (returns (y, LayerNorm(y))), ln_defer and skip_zero: docs/kernels.md, "API". n_kept [B] int32
-    (a per-token K, sparse_fc1's): only rows k < n_kept[b] (values trusted)."""
+    (a per-token K, sparse_fc1's): h is 0 from n_kept[b] on, rows not read at batch 1 (values trusted)."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
     check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)
@@ -284,7 +276,7 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
 
 
 def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, skip_zero=False, n_kept=None):
-    """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual), k < n_kept[b] if given: y[B,D]; with ln=(weight, bias),
+    """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual), k < n_kept[b]: y[B,D]; with ln=(weight, bias),
     (y, F.layer_norm(y)) in y's dtype, the dense model's own function (ln_defer changes nothing
     here: the LayerNorm is computed; skip_zero neither: a zero h adds nothing)."""
     rows = expand_idx(idx, h.shape[0])

@@ -323,8 +323,8 @@ def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
         raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     scores = (x @ a.T) @ b.T + bias
     idx = torch.topk(scores.amax(dim=0) if shared else scores, k, dim=-1, sorted=True).indices
-    n = None if min_share is None else share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32)
-    return idx.to(torch.int32) if min_share is None else (idx.to(torch.int32), n)
+    idx = idx.to(torch.int32)
+    return idx if min_share is None else (idx, share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32))
 
 
 def share_keep(scores, idx, min_share: float):

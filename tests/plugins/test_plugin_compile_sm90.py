@@ -77,18 +77,15 @@ SCRIPT = textwrap.dedent('''
             assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
-        # a per-token K: fc1 / fc2 reading only the first nkept[b] rows, fc2 only the rows whose h is not 0
+        # a per-token K: fc1 / fc2 (batch 1) reading only the first nkept[b] rows, fc2 only the rows whose h is not 0
         keep = {"nkept_ptr": "*i32"}
         compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
                                                       KEEP=1), dt, overrides=keep)
-        compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
-                                                     BLOCK_D=128, EVEN_D=True, GROUP=1, KEEP=1), dt, overrides=keep)
         for final in (False, True):
-            fin = dict(FINAL=final, HAS_RES=True, GROUP=1, SKIP_ZERO=1, KEEP=1)
-            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, **fin), dt,
-                         overrides=keep)
+            fin = dict(FINAL=final, HAS_RES=True, GROUP=1, SKIP_ZERO=1)
+            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, **fin), dt)
             compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
-                                                           EVEN_D=True, **fin), dt, overrides=keep)
+                                                           EVEN_D=True, KEEP=1, **fin), dt, overrides=keep)
         # fc2 / out-proj: split-K partials, or one split
         for final, group in ((False, 1), (False, 128), (True, 128), (True, 1)):
             fin = dict(FINAL=final, HAS_RES=True, GROUP=group)
