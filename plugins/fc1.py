@@ -4,10 +4,9 @@
         -> h[B,K] = relu(w1[idx] @ x + b1[idx]), 0 in rows j >= n_kept[b] (those rows' weights are not read)
 
 - dtypes fp16, bf16, fp32 (weights in the activation dtype); fp32 accumulation; h in x's dtype.
-- idx int32 or int64, `[B, K]` (one set per sequence, `_gather_gemv_kernel`) or `[K]` (one set for
-  the batch, `_gather_dot_kernel` from fc1_dot_min_batch): docs/kernels.md, "Batches", "Gathered rows".
-  Blocks: settings fc1_gemv / fc1_dot (`config=` overrides a field). `gather_gemv` is the shared
-  launcher (also Q of the full K/V policy with GROUP = hd, and the predictors' products).
+- idx int32 or int64, `[B, K]` (`_gather_gemv_kernel`) or `[K]` (`_gather_dot_kernel` from fc1_dot_min_batch;
+  blocks fc1_gemv / fc1_dot, `config=` overrides a field): docs/kernels.md, "Batches", "Gathered rows".
+  `gather_gemv` is also Q's launcher in the full K/V policy (GROUP = hd) and the predictors' products.
 - Index values are trusted in the kernel; `validate` checks the range (a host sync; default: CPU
   yes, GPU no). No host sync on the GPU path; launches are CUDA-graph capturable.
 """
@@ -32,8 +31,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, 
     # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
     # stride_ib = 0 for a shared index set: batch is the fastest grid axis, so the programs
     # reading the same rows run together and share them through L2.
-    # KEEP (a per-token K; nkept [B] int32, None otherwise): rows r >= nkept[b] read no weight bytes and are
-    # stored as 0; a program with none below it skips its loop (fc2 stops at nkept too).
+    # KEEP (a per-token K; nkept [B] int32, else None): rows >= nkept[b] read nothing, are 0 (no loop if all are).
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -46,8 +44,7 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, 
     d_end = D
     if KEEP:
         n = tl.load(nkept_ptr + pid_b)
-        kept = offs_r < n
-        d_end = tl.where(pid_r * BLOCK_R < n, D, 0)
+        kept, d_end = offs_r < n, tl.where(pid_r * BLOCK_R < n, D, 0)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for d0 in range(0, d_end, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -144,8 +141,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
 
 def sparse_fc1(x, w1, b1, idx, n_kept=None, *, out=None, validate=None, config=None, settings=None):
     """h[B,K] = relu(w1[idx] @ x + b1[idx]); x [B,D], w1 [F,D], b1 [F], idx [B,K] or [K].
-    n_kept [B] int32 in [0, K] (a per-token K, per-sequence idx, kept rows first): rows j >= n_kept[b] are 0,
-    their weights not read (values trusted, as the indices)."""
+    n_kept [B] int32 in [0, K] (a per-token K, per-sequence idx): rows j >= n_kept[b] are 0, not read (trusted)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, D = x.shape
     F = check_weight("w1", w1, D, x)

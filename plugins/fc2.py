@@ -4,9 +4,8 @@
                ln_out=None, validate=None, config=None, ln_defer=False, skip_zero=False, n_kept=None) -> y[B,D]
         = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual), k < n_kept[b];  ln=(weight, bias): (y, LayerNorm(y))
 
-- Batch 1 and shared sets: `_gather_dot_t_kernel` (tl.dot of the batch against each gathered
-  weight tile; "dot1" blocks for fc2 at batch 1, "proj1" for the output projection, rows gathered
-  in groups of hd); per-sequence sets: `_gather_gemv_t_kernel`.
+- Batch 1 and shared sets: `_gather_dot_t_kernel` (blocks "dot1" / "proj1" at batch 1), per-sequence
+  sets `_gather_gemv_t_kernel`: docs/kernels.md, "Batches".
 - K is split over programs: fp32 partials [SPLIT, B, D] summed in a fixed order with bias and
   residual by `_split_reduce_kernel` (deterministic); with one split the kernel finishes alone.
   With `ln=` the next LayerNorm follows (layer_norm.py), or with `ln_defer=True` the reduction
@@ -200,7 +199,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0), n_kept,
                              DOT_FP32=dot_fp32(w_t.dtype, h.device), BLOCK_B=max(16, next_pow2(B)),
-                             num_stages=cfg["num_stages"], **common, **({"KEEP": 1} if n_kept is not None else {}))
+                             num_stages=cfg["num_stages"], KEEP=int(n_kept is not None), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split,

@@ -4,18 +4,13 @@
         -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], n[B] int32), share_keep
     predictor_scores_triton(x[1,D], a, b, bias, config=None) -> scores[1,N]
 
-scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
-(`shared=False`, per-sequence sets) or top-k of the batch's max score per column
-(`shared=True`, one set for the batch: the union policy of the MLP kernels' fast batch
-path; with B == 1 the single row is used as is). `scoring` and `method`: docs/kernels.md, "API";
-the scores by cuBLAS or by `fc1.gather_gemv` (`predictor_scores_triton`) both accumulate in fp32 and
-round h = x @ a.T and the scores to the input dtype, as the reference does (they differ only in
-summation order). Neither top-k returns sorted indices (the kernels do not need order; with a per-token
-K the n kept rows come first, so fc1 / fc2 stop at n instead of masking k rows). Everything
-stays on the device: no host sync, CUDA-graph capturable.
-
-`_topk_kernel` is an exact radix select on the scores' own bits, 8 bits per round, one launch per
-round plus one to compact; its output is deterministic (docs/kernels.md, "Top-k"). Limits: N <= 65536.
+scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"; h and the scores rounded to x's dtype by
+cuBLAS or `predictor_scores_triton` alike), then top-k per row (`shared=False`) or of the batch's max score
+per column (`shared=True`, one set for the batch; B == 1: the row itself): docs/kernels.md, "API". Neither
+top-k returns sorted indices; with a per-token K the n kept rows come first, so fc1 / fc2 stop at n. No
+host sync, CUDA-graph capturable. `_topk_kernel`: an exact radix select, deterministic, one launch per
+8-bit round plus one to compact, the per-token K's rule in the same launches (docs/kernels.md, "Top-k").
+Limits: N <= 65536.
 """
 from __future__ import annotations
 
@@ -87,8 +82,7 @@ def _next_digit(tot, bef, need):
 
 @helper
 def _share_kept(sf, part, NB, log_share, NB_P2: tl.constexpr, MODE: tl.constexpr):
-    # sf >= log_share + logsumexp(row) or sf is the row's max (share_keep's rule): the row's (max, sum exp)
-    # from sf itself (MODE 0) or from the NB programs' partials part[NB, 4] (L2: other programs wrote them)
+    # share_keep's rule; the row's (max, sum exp) from sf (MODE 0) or the NB programs' partials part[NB, 4] (L2)
     if MODE == 0:
         m = tl.max(sf, 0)
         z = tl.sum(tl.exp(sf - m), 0)
@@ -106,9 +100,8 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, nkept_ptr
     # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (NB, rows).
     # MODE 0: NB == 1, histograms in registers, one launch. MODE 1: rounds FIRST..LAST-1 are counted
     # here into ws[row, round, NB, 256]; earlier rounds were counted by earlier launches and are only
-    # read back. KEEP (a per-token K): the rows _share_kept keeps first (index order within both parts), their
-    # count at nkept[row]; MODE 1 stores each program's (max, sum exp) at lse[row, pid, :2] in round 0, its
-    # kept count at lse[row, pid, 2] in round 1, read back to place the rows.
+    # read back. KEEP (a per-token K, docs/kernels.md "Top-k"): the rows _share_kept keeps first, their count
+    # at nkept[row]; MODE 1: (max, sum exp) at lse[row, pid, :2] in round 0, the kept count at [2] in round 1.
     ROUNDS: tl.constexpr = KEY_BITS // 8
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -118,11 +111,11 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, nkept_ptr
     key = _order_keys(sv, KEY_BITS)
     sf = tl.where(mask, sv.to(tl.float32), float("-inf"))
     if KEEP and MODE == 1 and FIRST == 0:
-        m = tl.max(sf, 0)
-        tl.store(lse_ptr + (row * NB + pid) * 4 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, m, tl.sum(tl.exp(sf - m), 0)))
+        m, two = tl.max(sf, 0), tl.arange(0, 2)
+        tl.store(lse_ptr + (row * NB + pid) * 4 + two, tl.where(two == 0, m, tl.sum(tl.exp(sf - m), 0)))
     if KEEP and MODE == 1 and FIRST == 1:
-        kept = _share_kept(sf, lse_ptr + row * NB * 4, NB, log_share, NB_P2, MODE)
-        tl.store(lse_ptr + (row * NB + pid) * 4 + 2, tl.sum(kept.to(tl.float32), 0))
+        kept = _share_kept(sf, lse_ptr + row * NB * 4, NB, log_share, NB_P2, MODE).to(tl.float32)
+        tl.store(lse_ptr + (row * NB + pid) * 4 + 2, tl.sum(kept, 0))
     prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's digits found so far
     need = K  # how many of the candidates (keys matching prefix) are still to be taken
     gt_before = 0  # keys above the k-th largest in the programs before this one
@@ -162,7 +155,8 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, nkept_ptr
             n, k_bef = tl.sum(kept.to(tl.int32), 0), 0
             if MODE == 1:
                 blk = tl.arange(0, NB_P2)
-                cnt = tl.load(lse_ptr + (row * NB + blk) * 4 + 2, mask=blk < NB, other=0.0, cache_modifier=".cg").to(tl.int32)
+                cnt = tl.load(lse_ptr + (row * NB + blk) * 4 + 2, mask=blk < NB, other=0.0,
+                              cache_modifier=".cg").to(tl.int32)  # L2: other programs wrote them
                 n, k_bef = tl.sum(cnt, 0), tl.sum(tl.where(blk < pid, cnt, 0), 0)
             k_x = tl.cumsum((kept & sel).to(tl.int32), 0) - (kept & sel).to(tl.int32)
             dst = tl.where(n >= K, dst, tl.where(kept, k_bef + k_x, n + dst - k_bef - k_x))
@@ -189,11 +183,9 @@ def _topk_plan(scores, config, settings=None):
 
 
 def topk_triton(scores, k, config=None, settings=None, min_share=None):
-    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32; with
-    min_share also n[R] int32: the first n[r] of out[r] are the rows share_keep keeps (the same launches).
-
-    Exact; ties at the k-th value are broken by lowest index. `config` overrides settings.topk's fields.
-    """
+    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32, exact, ties at
+    the k-th value broken by lowest index; with min_share also n[R] int32: the first n[r] of out[r] are the rows
+    share_keep keeps (the same launches). `config` overrides settings.topk's fields."""
     check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     R, N = scores.shape
     if N > TOPK_MAX_N:
@@ -204,7 +196,7 @@ def topk_triton(scores, k, config=None, settings=None, min_share=None):
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     nkept = lse = out  # unused without min_share
     if min_share is not None:
-        nkept = torch.empty(R, dtype=torch.int32, device=scores.device)
+        nkept = torch.zeros(R, dtype=torch.int32, device=scores.device)  # k == 0: none
         lse = torch.empty((R, nb, 4), dtype=torch.float32, device=scores.device) if mode == _SPLIT else out
     if k == 0 or R == 0:
         return out if min_share is None else (out, nkept)
@@ -310,15 +302,13 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
     if method != "torch":
         raise DejavuError(f"predictor_topk: unknown method {method!r} (torch, triton)")
     idx = torch.topk(scores, k, dim=-1, sorted=min_share is not None).indices.to(torch.int32)  # kept rows first
-    if min_share is not None:
-        return idx, share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32)
-    return idx[0] if shared else idx
+    n = None if min_share is None else share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32)
+    return (idx, n) if min_share is not None else (idx[0] if shared else idx)
 
 
 def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
-    """Reference: the same in the caller's dtype (upcast for float64); sorted by score.
-
-    min_share (a per-token K, per sequence only): (idx[B,k], n[B] int32), the first n[b] kept (share_keep)."""
+    """Reference: the same in the caller's dtype (upcast for float64); sorted by score. min_share (a per-token
+    K, per sequence only): (idx[B,k], n[B] int32), the first n[b] kept (share_keep)."""
     if min_share is not None and shared:
         raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     scores = (x @ a.T) @ b.T + bias
@@ -328,9 +318,8 @@ def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
 
 
 def share_keep(scores, idx, min_share: float):
-    """keep[..., k] bool: which of the selected rows idx[..., k] (any order) a token keeps under the per-token
-    K rule (docs/predictors.md, "Per-token K"): share softmax(scores[..., N]) >= min_share, in log form (fp32,
-    as topk_triton: s >= log min_share + logsumexp(s)), and always the token's best row."""
+    """keep[..., k] bool: the selected rows idx[..., k] (any order) whose share softmax(scores[..., N]) >= min_share,
+    in log form as topk_triton (fp32: s >= log min_share + logsumexp(s)), and always the token's best row."""
     s = scores if scores.dtype == torch.float64 else scores.float()
     sk = s.gather(-1, idx.long())  # [..., k]
     log_share = math.log(min_share) if min_share > 0 else -math.inf
