@@ -206,6 +206,8 @@ class Ops:
         # a per-token K engine's fc1 / fc2 take the kept count, its fc2 skips the zero rows of h (about half here)
         nk = torch.randint(1, km + 1, (batch,), generator=g, device=dev).to(torch.int32)
         keep = (nk,) if spec.token_k is not None and not shared else ()
+        if keep:  # fc1 leaves h 0 from n on (fc2 at batch > 1 skips those zeros rather than stopping at n)
+            h = h.masked_fill(torch.arange(km, device=dev) >= nk[:, None], 0)
         skip = {"skip_zero": True, **({"n_kept": nk} if keep else {})} if spec.token_k is not None else {}
         T = 16
         caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]
