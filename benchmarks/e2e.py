@@ -17,6 +17,9 @@ Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS st
                   "deferred" (K/V of the selected heads only; the headline)
   dejavu_d{D}_on_fullkv  the same with kv_policy "full" (K/V of every head each step),
                   at --full-kv-densities (default 0.3), overlap on
+  dejavu_d{D}_{on|off}_tokenk  (--token-k) density D with a per-token MLP K: top-2K_l, theta_l fitted so
+                  that the mean kept rows are K_l (with_token_k); batch 1 / per sequence. Its floor
+                  counts the 2K_l selected rows; kept_mlp_mean says how many the last step kept
 and for each the bandwidth floor: bytes that policy must read per step / copy bandwidth
 measured in this run. Per-step latency = decode time / steps (one token per sequence).
 
@@ -330,6 +333,26 @@ def header_for(c: dict, density, dtype_name: str, ranks) -> dict:
             "target": {"device": "cuda", "arch": None, "kernel_settings": {}}}
 
 
+def with_token_k(header: dict, t: dict, probe: int = 256, seed: int = 0) -> dict:
+    """header with a per-token MLP K (build_config.token_k, form "share"): each sparse layer selects its
+    top k_max = 2 K_l and keeps the rows whose share passes theta_l, fitted (compiler.token_k.fit_theta) on
+    `probe` random unit-variance inputs through that layer's random predictor so that the mean kept rows
+    are K_l, as benchmarks/token_k_ab.py fits it (random predictors: the kept count per token follows
+    their score distribution, not a trained one)."""
+    from dejavu.compiler.token_k import cap_rows, fit_theta
+
+    bc, F = header["build_config"], header["model_config"]["ffn_dim"]
+    g = torch.Generator(device=t["embed_tokens"].device).manual_seed(seed)
+    th, km = [], []
+    for l, k in enumerate(bc["mlp_k"]):
+        a, b, bias = (t[f"layers.{l}.pred_mlp.{n}"].float() for n in ("a", "b", "bias"))
+        x = torch.randn(probe, a.shape[1], generator=g, device=a.device)
+        km.append(cap_rows(k, F) if k < F else k)
+        th.append(fit_theta((x @ a.T) @ b.T + bias, k, km[-1]) if k < F else 1.0)
+    return {**header, "build_config": {**bc, "token_k": {"form": "share", "threshold": th, "k_max": km,
+                                                         "k_mean": list(bc["mlp_k"]), "fitted_on": "random inputs"}}}
+
+
 # ------------------------------------------------------------------ bytes and bandwidth
 def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> dict:
     """Device-to-device copy: (bytes read + bytes written) / median time."""
@@ -588,6 +611,9 @@ def time_engine(eng, c: dict, B: int, P: int, N: int, cap_s: float, seed: int = 
     ua = [int(torch.unique(pr.idx[l]["attn"]).numel()) if pr.idx[l]["attn"] is not None else c["num_attention_heads"]
           for l in range(c["num_hidden_layers"])]
     row["union_mlp_mean"], row["union_attn_mean"] = statistics.mean(um), statistics.mean(ua)
+    kept = [float(n.float().mean()) for n in pr.n_kept if n is not None]  # a per-token K: the last step's
+    if kept:
+        row["kept_mlp_mean"] = statistics.mean(kept)
     return row, um, ua
 
 
@@ -706,6 +732,9 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
             if a.batch_policy != "shared" or B == 1:  # at batch 1 both policies are the same
                 for d in a.densities:
                     systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence", kv0) for o in (True, False)]
+                    if a.token_k:  # the per-token K beside it (with_token_k)
+                        systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_tokenk", d, o, "per_sequence", kv0)
+                                    for o in (True, False)]
                     if d in a.full_kv_densities:  # the other policy next to it, overlap on
                         systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
             if B in a.ablate_batches:  # one change at a time against the headline row, overlap on
@@ -726,7 +755,9 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                 if variant and isinstance(ABLATIONS[variant], Settings):
                     row_ks = ABLATIONS[variant].fn(row_ks)
                 try:
-                    eng = Engine.from_tensors(header_for(c, d, str(dtype)[6:], ranks), t, DEV, overlap=overlap,
+                    hdr = header_for(c, d, str(dtype)[6:], ranks)
+                    hdr = with_token_k(hdr, t) if system.endswith("_tokenk") else hdr
+                    eng = Engine.from_tensors(hdr, t, DEV, overlap=overlap,
                                               batch_policy=policy, kv_policy=kv, kernel_settings=row_ks)
                     if variant and not isinstance(ABLATIONS[variant], Settings):
                         undo = ABLATIONS[variant](eng)
@@ -837,6 +868,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=400.0, help="seconds; later measurements are skipped")
     p.add_argument("--tuned", default=None,
                    help="kernels.py JSON(s), comma-separated, whose sweep / sweep_attn / pred_gemv choices to use")
+    p.add_argument("--token-k", action="store_true",
+                   help="also each density with a per-token MLP K (top-2K, mean K kept rows; batch 1 / per sequence), "
+                        "overlap on and off: dejavu_d{D}_{on|off}_tokenk")
     p.add_argument("--ablations", default="same,nolnqkv,nopredrand",
                    help="ablation rows, from: " + ", ".join(ABLATIONS))
     p.add_argument("--ablate-densities", default="0.3", help="densities that get the ablation rows")

@@ -40,6 +40,8 @@ FC2 = dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128, EVEN_D=True, BLO
            FUSED=False, LN=False, BLOCK_N=64, LN_BLOCK=2048, BLOCK_C=8, GDC=1)
 ATTN = dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16, BLOCK_C=8, EARLY_READS=True, FOLD=False,
             FOLD_SPLIT=1, BLOCK_F=16, GDC=2)
+TOPK = {"s_ptr": "*fp16", "out_ptr": "*i32", "ws_ptr": "*i32", "nkept_ptr": "*i32", "lse_ptr": "*fp32",
+        "log_share": "fp32"}
 F32 = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "q_ptr": "*fp32", "st_ptr": "*fp32", "part_ptr": "*fp32",
        "ml_ptr": "*fp32", "apart_ptr": "*fp32", "wg_ptr": "*fp32", "eps": "fp32", "t": "fp32"}
 KERNELS = {
@@ -73,11 +75,22 @@ KERNELS = {
     "input_sparse_gemv_mask": ("input_sparse", "_input_sparse_gemv_kernel",
                                dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11, MASK=True), 3),
     "input_sparse_sum": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=128, SPLIT_K=11), 3),
+    # a per-token MLP K (engines' default): fc1 / fc2 stopping at the kept count, the top-k's launches that
+    # compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the settings' default).
+    # A fifth field types arguments; a tree whose kernel lacks them (the base) compiles its own form
+    "fc1_keep": ("fc1", "_gather_gemv_kernel", dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
+                                                    W_EV="evict_first", GDC=1, KEEP=1), 2, {"nkept_ptr": "*i32"}),
+    "fc2_keep": ("fc2", "_gather_dot_t_kernel", dict(FC2, GROUP=1, SKIP_ZERO=1, KEEP=1), 3, {"nkept_ptr": "*i32"}),
+    **{f"topk_{n}": ("predictor", "_topk_kernel", dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=1, FIRST=f, LAST=l,
+                                                       COMPACT=f == l, KEEP=1, num_warps=4), 3, TOPK)
+       for n, f, l in (("round0_keep", 0, 1), ("round1_keep", 1, 2), ("compact_keep", 2, 2))},
+    "topk_compact": ("predictor", "_topk_kernel", dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=1, FIRST=2, LAST=2,
+                                                       COMPACT=True, num_warps=4), 3, TOPK),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr", "count_ptr"}
 # pointers the launchers pass as None where their mode is off (fc1's keep: engines without a per-token K);
 # Triton's JIT specializes a None argument as a constexpr, so it leaves the compiled parameter list
-NONE_PTRS = {"keep_ptr"}
+NONE_PTRS = {"keep_ptr", "nkept_ptr"}
 DIV16 = {"D", "K", "K_PER_SPLIT", "N_ROWS", "HD", "D_PER_SPLIT", "stride_hb", "stride_nb", "stride_xb", "stride_xs",
          "stride_cb", "stride_ch", "stride_cs", "stride_ob", "stride_ib", "N", "M"}
 
@@ -108,7 +121,9 @@ except Exception:
 out = {}
 # a kernel's module at an older revision (before plugins/ had one file per op)
 OLD_HOME = {"fc1": "sparse_mlp", "fc2": "sparse_mlp", "qkv_partial": "deferred_kv", "qkv_finish": "deferred_kv"}
-for name, (modname, kname, consts, stages) in spec["kernels"].items():
+for name, (modname, kname, consts, stages, *types) in spec["kernels"].items():
+    types = types[0] if types else {}
+    warps = consts.pop("num_warps", 4)
     if not os.path.exists(os.path.join(root, "plugins", modname + ".py")):
         modname = OLD_HOME.get(modname, modname)
     if not os.path.exists(os.path.join(root, "plugins", modname + ".py")):
@@ -128,11 +143,13 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
                  if p.default is not p.empty and "constexpr" in str(p.annotation)},
               **{n: v for n, v in consts.items() if n in params}}
     consts = {n: v for n, v in consts.items() if n not in spec["f32"]}
-    consts.update({n: None for n in params if n in spec["none_ptrs"] and n not in consts})
+    consts.update({n: None for n in params if n in spec["none_ptrs"] and n not in consts and n not in types})
     sig, attrs = {}, {}
     for i, n in enumerate(params):
         if n in consts:
             sig[n] = "constexpr"
+        elif n in types:
+            sig[n] = types[n]
         elif n in spec["f32"]:
             sig[n] = spec["f32"][n]
         elif n.endswith("_ptr"):
@@ -141,8 +158,12 @@ for name, (modname, kname, consts, stages) in spec["kernels"].items():
             sig[n] = "i32"
         if sig[n].startswith("*") or n in spec["div16"]:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(JITFunction(fn), signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_stages": stages})
+    try:
+        k = triton.compile(ASTSource(JITFunction(fn), signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_stages": stages, "num_warps": warps})
+    except Exception as e:  # a form this tree's kernel does not have (the base's fc1 with a count)
+        out[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        continue
     ptx = k.asm["ptx"]
     body = "\n".join(l.split("//")[0] for l in ptx.split(".section")[0].splitlines()
                      if not re.match(r"\s*(\.(loc|file)\b|\$L__tmp)", l))
@@ -215,12 +236,12 @@ def main(argv=None) -> int:
              " same shared / regs / spills |" if a.base else ""))
     print("|---|---:|---:|---:|---|" + ("---|---|---|---|" if a.base else ""))
     for name, r in res["work_tree"].items():
-        line = f"| {name} | {r['shared']} | {r.get('regs')} | {r.get('spill_bytes')} | {r['cp_async']} |"
+        line = f"| {name} | {r.get('shared')} | {r.get('regs')} | {r.get('spill_bytes')} | {r.get('cp_async', r.get('error'))} |"
         if a.base:
             b = res["base"]["kernels"].get(name)
-            line += f" {b is not None and b['ptx_md5'] == r['ptx_md5']} |"
-            line += f" {b is not None and b.get('ptx_md5_no_params') == r['ptx_md5_no_params']} |"
-            line += f" {b is not None and b.get('instr_md5') == r['instr_md5']} |"
+            line += f" {b is not None and b.get('ptx_md5') == r.get('ptx_md5')} |"
+            line += f" {b is not None and b.get('ptx_md5_no_params') == r.get('ptx_md5_no_params')} |"
+            line += f" {b is not None and b.get('instr_md5') == r.get('instr_md5')} |"
             same = b is not None and all(b.get(f) == r.get(f) for f in ("shared", "regs", "spill_bytes"))
             line += f" {same} |"
         print(line)

@@ -7,8 +7,15 @@ Per density d (K = round(d F)) and layer, three systems, each the decode step's 
 (predictor_topk -> sparse_fc1 -> sparse_fc2 with residual), on random weights of the shape:
   fixed        top-K, fc1 and fc2 over K rows (engines built with --token-k off)
   fixed_skip0  the same, fc2 skipping the rows whose h is 0 (ReLU zeros; SKIP_ZERO alone)
-  token_k      top-2K with keep flags (share >= theta, theta fitted on these scores so that the mean
-               kept rows are K), fc1 reading only kept rows, fc2 skipping zero rows (the default build)
+  token_k      top-2K with the kept count (share >= theta, theta fitted on these scores so that the mean
+               kept rows are K; kept rows first), fc1 and fc2 stopping at the count, fc2 skipping zero rows
+               (the default build)
+and the breakdown of the difference (--no-breakdown skips it), each part alone on inputs made before capture:
+  topk_K / topk_2K / topk_2K_keep   scores + top-K, + top-2K, + top-2K with the kept count (same launches)
+  keep_torch    the rule by plugins.share_keep on the scores (torch: logsumexp, gather, compare, amax, sum: the
+                launches 1abe2c2 ran per layer on the GPU, there with a softmax and without the sum)
+  fc1_K / fc1_2K_keep               fc1 over the K rows of top-K; over top-2K stopping at the kept count
+  fc2_K / fc2_K_skip0 / fc2_2K_skip0   fc2 over K rows (skip off / on); over top-2K stopping at the kept count
 Weights rotate over copies between calls (cold L2, as in benchmarks/kernels.py). Random predictors: the
 kept count per token follows their score distribution, not a trained one; the rows kept on average are
 K by construction, which is what the bytes depend on. Prints one JSON line per row; asserts nothing.
@@ -40,12 +47,40 @@ def graph_time(calls) -> float | None:
     return bench_graph(calls, reps=50)
 
 
+def breakdown(layers, xs, K, k_max, theta) -> dict:
+    """{row name: calls}: the parts of fixed and token_k alone (module docstring); the inputs of each
+    part (scores, indices, flags, h) are made here, before capture, from the same weights and x."""
+    from dejavu.plugins import predictor_scores, predictor_topk, share_keep, sparse_fc1, sparse_fc2
+
+    parts = {k: [] for k in ("topk_K", "topk_2K", "topk_2K_keep", "keep_torch", "fc1_K", "fc1_2K_keep",
+                             "fc2_K", "fc2_K_skip0", "fc2_2K_skip0")}
+    for w, x in zip(layers, xs):
+        p = (x, w["a"], w["b"], w["bias"])
+        scores = predictor_scores(*p)
+        idx_k = predictor_topk(*p, K)
+        idx_2k, n = predictor_topk(*p, k_max, min_share=theta)
+        h_k = sparse_fc1(x, w["w1"], w["b1"], idx_k)
+        h_2k = sparse_fc1(x, w["w1"], w["b1"], idx_2k, n)
+        parts["topk_K"].append(lambda p=p: predictor_topk(*p, K))
+        parts["topk_2K"].append(lambda p=p: predictor_topk(*p, k_max))
+        parts["topk_2K_keep"].append(lambda p=p: predictor_topk(*p, k_max, min_share=theta))
+        parts["keep_torch"].append(lambda s=scores, i=idx_2k: share_keep(s, i, theta).sum(-1, dtype=torch.int32))
+        parts["fc1_K"].append(lambda x=x, w=w, i=idx_k: sparse_fc1(x, w["w1"], w["b1"], i))
+        parts["fc1_2K_keep"].append(lambda x=x, w=w, i=idx_2k, n=n: sparse_fc1(x, w["w1"], w["b1"], i, n))
+        for name, h, i, skip, nk in (("fc2_K", h_k, idx_k, False, None), ("fc2_K_skip0", h_k, idx_k, True, None),
+                                     ("fc2_2K_skip0", h_2k, idx_2k, True, n)):
+            parts[name].append(lambda x=x, w=w, h=h, i=i, skip=skip, nk=nk: sparse_fc2(h, w["w2_t"], w["b2"], i, x,
+                                                                                       skip_zero=skip, n_kept=nk))
+    return parts
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="opt-30b", choices=sorted(SHAPES))
     ap.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.2, 0.3])
     ap.add_argument("--copies", type=int, default=4, help="weight copies rotated between calls (cold L2)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, one copy (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--no-breakdown", action="store_true", help="only the three systems")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -78,22 +113,25 @@ def main(argv=None) -> None:
             for w, x in zip(layers, xs):
                 def call(w=w, x=x):
                     if kind == "token_k":
-                        idx, keep = predictor_topk(x, w["a"], w["b"], w["bias"], k_max, min_share=theta)
-                        h = sparse_fc1(x, w["w1"], w["b1"], idx, keep)
+                        idx, n = predictor_topk(x, w["a"], w["b"], w["bias"], k_max, min_share=theta)
+                        h = sparse_fc1(x, w["w1"], w["b1"], idx, n)
                     else:
-                        idx = predictor_topk(x, w["a"], w["b"], w["bias"], K)
+                        idx, n = predictor_topk(x, w["a"], w["b"], w["bias"], K), None
                         h = sparse_fc1(x, w["w1"], w["b1"], idx)
-                    return sparse_fc2(h, w["w2_t"], w["b2"], idx, x, skip_zero=kind != "fixed")
+                    return sparse_fc2(h, w["w2_t"], w["b2"], idx, x, skip_zero=kind != "fixed", n_kept=n)
                 calls.append(call)
             return calls
 
-        for kind in ("fixed", "fixed_skip0", "token_k"):
+        kinds = {kind: system(kind) for kind in ("fixed", "fixed_skip0", "token_k")}
+        if not args.no_breakdown:
+            kinds.update(breakdown(layers, xs, K, k_max, theta))
+        for kind, calls in kinds.items():
             t0 = time.perf_counter()
-            ms = graph_time(system(kind))
+            ms = graph_time(calls)
+            wide = kind in ("token_k", "keep_torch") or "2K" in kind
             row = {"shape": args.shape, "density": d, "K": K, "system": kind, "ms": ms,
-                   "k_max": k_max if kind == "token_k" else K,
-                   "theta": theta if kind == "token_k" else None,
-                   "mean_kept_probe": mean_kept if kind == "token_k" else K,
+                   "k_max": k_max if wide else K, "theta": theta if wide else None,
+                   "mean_kept_probe": mean_kept if wide else K,
                    "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                    "wall_s": round(time.perf_counter() - t0, 2)}
             rows.append(row)

@@ -1,18 +1,10 @@
 """Shared launcher plumbing for the Triton plugins: lazy Triton import, input checks.
 
-Triton is imported only when a kernel is launched, so `dejavu.plugins` (and its PyTorch
-references) imports without Triton and without a GPU stack.
-
-Kernels are plain module-level functions (string annotations via `from __future__ import
-annotations`, so `tl.constexpr` needs no Triton at import); `jit(fn)` wraps one on first
-use and puts `tl` into the kernel module's globals, where both Triton's compiler and its
-interpreter look it up. Device functions the kernels call are marked `@helper` and wrapped
-at the same time.
-
-CPU tensors run under Triton's interpreter, which must be switched on (`TRITON_INTERPRET=1`)
-before `triton` is first imported: Triton decides at import time whether its own library
-functions (`tl.sum`, `tl.max`, ...) are interpreted. `tests/plugins/conftest.py` sets it;
-a launch on CPU tensors in a process where Triton was imported without it is a DejavuError.
+Triton is imported only when a kernel is launched, so `dejavu.plugins` (and its PyTorch references)
+imports without Triton and without a GPU stack. `jit(fn)` wraps a plain kernel function (and the
+`@helper` device functions) on first use and puts `tl` into its module's globals; CPU tensors run under
+Triton's interpreter (TRITON_INTERPRET=1 before `triton` is imported): docs/kernels.md, "Triton's
+interpreter (CI) and CPU tensors".
 """
 from __future__ import annotations
 
@@ -54,10 +46,7 @@ def helper(fn):
 # fc2 and proj (gather_gemv_t), reduce, qkv, qkv_finish, commit, attn, attn_combine, layer_norm, pred
 # (the predictors' gather_gemv products on the side stream).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
-             "layer_norm", "pred")
-# The kinds' triggers (settings.PDLSettings): measured on the H200 (OPT-30B shape, batch 1, e2e.py
-# ablations, 2026-12-02): early only for the kernels without a main loop 6.653-6.656 ms/token at d0.3,
-# against 6.905-6.914 with every kind but fc1 early; the side stream's products plainly (6.73 vs 6.82).
+             "layer_norm", "pred")  # their triggers (settings.PDLSettings): docs/kernels.md, as measured
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)

@@ -1,12 +1,11 @@
 """fc2 of the sparse MLP (and the attention output projection): split-K over the selected rows + reference.
 
     sparse_fc2(h[B,K], w2_t[F,D], b2[D], idx[B,K]|[K], residual[B,D]|None, *, out=None, ln=None,
-               ln_out=None, validate=None, config=None, ln_defer=False, skip_zero=False) -> y[B,D]
-        = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual);  ln=(weight, bias): (y, LayerNorm(y))
+               ln_out=None, validate=None, config=None, ln_defer=False, skip_zero=False, n_kept=None) -> y[B,D]
+        = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual), k < n_kept[b];  ln=(weight, bias): (y, LayerNorm(y))
 
-- Batch 1 and shared sets: `_gather_dot_t_kernel` (tl.dot of the batch against each gathered
-  weight tile; "dot1" blocks for fc2 at batch 1, "proj1" for the output projection, rows gathered
-  in groups of hd); per-sequence sets: `_gather_gemv_t_kernel`.
+- Batch 1 and shared sets: `_gather_dot_t_kernel` (blocks "dot1" / "proj1" at batch 1), per-sequence
+  sets `_gather_gemv_t_kernel`: docs/kernels.md, "Batches".
 - K is split over programs: fp32 partials [SPLIT, B, D] summed in a fixed order with bias and
   residual by `_split_reduce_kernel` (deterministic); with one split the kernel finishes alone.
   With `ln=` the next LayerNorm follows (layer_norm.py), or with `ln_defer=True` the reduction
@@ -38,7 +37,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     # Per-sequence sets: y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
-    # SKIP_ZERO: rows whose h is 0 (ReLU zeros, rows a per-token K dropped) read no weight bytes.
+    # SKIP_ZERO: rows whose h is 0 (ReLU zeros; a per-token K's dropped rows here) read no weight bytes.
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -85,13 +84,14 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
 
 
 def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
-                         B, D, K, K_PER_SPLIT, stride_hb,
+                         B, D, K, K_PER_SPLIT, stride_hb, nkept_ptr,
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
                          EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = 0,
-                         SKIP_ZERO: tl.constexpr = 0):
+                         SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
     # Batch 1 or a shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
-    # FINAL as in _gather_gemv_t_kernel; SKIP_ZERO: rows whose h is 0 in every sequence read no weights. Each K block's row indices are loaded in its iteration, so
+    # FINAL as in _gather_gemv_t_kernel; SKIP_ZERO: rows whose h is 0 in every sequence read no weights;
+    # KEEP: batch 1, a per-token K's first nkept[0] rows. Each K block's row indices are loaded in its iteration, so
     # Triton gives the gathered weight tile one shared-memory buffer (cp.async issued, then waited
     # for); three one-tile programs per SM keep as many bytes in flight as the memory system serves
     # (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
@@ -104,6 +104,9 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
     k_start = pid_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     gdc_enter(GDC)
+    if KEEP:  # the kept rows first: [0, nkept) split evenly over the SPLIT programs (nkept: after the wait)
+        per = tl.cdiv(tl.cdiv(tl.load(nkept_ptr), tl.num_programs(1)), BLOCK_K) * BLOCK_K
+        k_start, k_end = pid_s * per, tl.minimum(pid_s * per + per, tl.load(nkept_ptr))
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -167,12 +170,13 @@ def split_plan(K, D, cfg, programs_per_split=1):
     return n_d, max(1, cdiv(K, k_per_split)), k_per_split
 
 def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
-                  ln_defer=False, settings=None, skip_zero=False):
+                  ln_defer=False, settings=None, skip_zero=False, n_kept=None):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
     LayerNorm(out) (eps LN_EPS), returned as (out, ln_out) with ln_defer, whose second is a
     PendingLN when the split-K reduction runs (it stores the block stats; no LayerNorm launch).
-    Returns out otherwise. skip_zero: rows whose h is 0 read no weights (the same sum)."""
+    Returns out otherwise. skip_zero: rows whose h is 0 read no weights (the same sum). n_kept [B] int32: h is 0
+    from n_kept[b] on (a per-token K, fc1's); the dot route (batch 1) stops there, the GEMV one skips zeros."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -193,9 +197,9 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
                   **({"SKIP_ZERO": 1} if skip_zero else {}))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
-        kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0),
+        kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0), n_kept,
                              DOT_FP32=dot_fp32(w_t.dtype, h.device), BLOCK_B=max(16, next_pow2(B)),
-                             num_stages=cfg["num_stages"], **common)
+                             num_stages=cfg["num_stages"], KEEP=int(n_kept is not None), **common)
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split,
@@ -243,9 +247,10 @@ def check_ln(ln, ln_out, B, D, dtype, device):
     return check_out(ln_out, (B, D), dtype, device)
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
-               config=None, ln_defer=False, settings=None, skip_zero=False):
+               config=None, ln_defer=False, settings=None, skip_zero=False, n_kept=None):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
-    ln= (returns (y, LayerNorm(y))), ln_defer and skip_zero: docs/kernels.md, "API"."""
+    ln= (returns (y, LayerNorm(y))), ln_defer and skip_zero: docs/kernels.md, "API". n_kept [B] int32
+    (a per-token K, sparse_fc1's): h is 0 from n_kept[b] on, rows not read at batch 1 (values trusted)."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
     check_tensor("w2_t", w2_t, ndim=2, dtype=h.dtype, device=h.device)
@@ -257,18 +262,24 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
         raise DejavuError(f"idx: K={k} does not match h's K={K}")
     if residual is not None:
         check_tensor("residual", residual, shape=(B, D), dtype=h.dtype, device=h.device)
+    if n_kept is not None:
+        if idx.dim() == 1 and B > 1:
+            raise DejavuError("sparse_fc2: n_kept (a per-token K) needs one index set per sequence")
+        check_tensor("n_kept", n_kept, shape=(B,), dtype=torch.int32, device=h.device)
     out = check_out(out, (B, D), h.dtype, h.device)
     ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
     y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out,
-                      ln_defer=ln_defer if ln is not None else False, settings=settings, skip_zero=skip_zero)
+                      ln_defer=ln_defer if ln is not None else False, settings=settings, skip_zero=skip_zero,
+                      n_kept=n_kept)
     return y if ln is None or ln_defer else (y, ln_out)
 
 
-def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, skip_zero=False):
-    """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual): y[B,D]; with ln=(weight, bias),
+def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, skip_zero=False, n_kept=None):
+    """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual), k < n_kept[b]: y[B,D]; with ln=(weight, bias),
     (y, F.layer_norm(y)) in y's dtype, the dense model's own function (ln_defer changes nothing
     here: the LayerNorm is computed; skip_zero neither: a zero h adds nothing)."""
     rows = expand_idx(idx, h.shape[0])
+    h = h if n_kept is None else h.masked_fill(torch.arange(h.shape[1], device=h.device) >= n_kept[:, None], 0)
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2
     y = y if residual is None else y + residual
     return y if ln is None else (y, torch.nn.functional.layer_norm(y, (y.shape[-1],), ln[0], ln[1], LN_EPS))

@@ -3,10 +3,7 @@
     layer_norm(x[R,D], weight[D], bias[D], eps=1e-5, *, out=None) -> y[R,D]
               = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, per row
 
-Why a kernel: PyTorch's F.layer_norm on a [1, 7168] fp16 row runs one CTA for ~12 us on an
-H200; OPT-30B calls it 96 times per decode step (~1.2 ms/token).
-
-Limits and choices:
+Why a kernel, and the deferred form (`PendingLN`): docs/kernels.md, "LayerNorm". Limits and choices:
 - dtypes fp16, bf16, fp32; x, weight, bias and out share dtype and device, all contiguous;
   y has x's dtype. Statistics in fp32: the mean first, then the variance of (x - mean)
   (biased, as PyTorch), not E[x^2] - E[x]^2, which cancels badly when |mean| >> std.
@@ -15,14 +12,6 @@ Limits and choices:
 - num_warps by D from settings.layer_norm.WARPS (the rule of thumb: ~8-16 fp32 elements per
   thread; not swept); `config=` overrides any of its fields, including "num_warps".
 - No host sync; launches are CUDA-graph capturable. eps is a launch argument (fp32).
-
-A LayerNorm can also be left to the kernel that reads its output (`PendingLN`): the kernel
-that produced x stored, per row, each block of `width` columns' mean and sum of squared
-deviations (the split-K reduction, `fc2.gather_gemv_t(..., ln_defer=True)`), and the
-consumer (the batch-1 deferred Q/K/V kernel) merges those pairs into the row's mean and
-variance and normalises x as it loads it: one launch fewer per layer. Consumers that cannot
-take it call `materialize` (this kernel). `pending_ln` builds one with PyTorch stats (tests,
-the runtime's kernel check).
 """
 from __future__ import annotations
 

@@ -1,22 +1,20 @@
 """Low-rank predictor + top-k: which neurons / heads to compute for the next token.
 
     predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False, method=None, scoring=None, min_share=None)
-        -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], keep[B,k] bool), share_keep
+        -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], n[B] int32), share_keep
     predictor_scores_triton(x[1,D], a, b, bias, config=None) -> scores[1,N]
 
-scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"), then top-k per row
-(`shared=False`, per-sequence sets) or top-k of the batch's max score per column
-(`shared=True`, one set for the batch: the union policy of the MLP kernels' fast batch
-path; with B == 1 the single row is used as is). `scoring` and `method`: docs/kernels.md, "API";
-the scores by cuBLAS or by `fc1.gather_gemv` (`predictor_scores_triton`) both accumulate in fp32 and
-round h = x @ a.T and the scores to the input dtype, as the reference does (they differ only in
-summation order). Neither top-k returns sorted indices (the kernels do not need order). Everything
-stays on the device: no host sync, CUDA-graph capturable.
-
-`_topk_kernel` is an exact radix select on the scores' own bits, 8 bits per round, one launch per
-round plus one to compact; its output is deterministic (docs/kernels.md, "Top-k"). Limits: N <= 65536.
+scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"; h and the scores rounded to x's dtype by
+cuBLAS or `predictor_scores_triton` alike), then top-k per row (`shared=False`) or of the batch's max score
+per column (`shared=True`, one set for the batch; B == 1: the row itself): docs/kernels.md, "API". Neither
+top-k returns sorted indices; with a per-token K the n kept rows come first, so fc1 / fc2 stop at n. No
+host sync, CUDA-graph capturable. `_topk_kernel`: an exact radix select, deterministic, one launch per
+8-bit round plus one to compact, the per-token K's rule in the same launches (docs/kernels.md, "Top-k").
+Limits: N <= 65536.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -82,19 +80,42 @@ def _next_digit(tot, bef, need):
     return d, need, tl.sum(tl.where(bins > d, bef, 0), 0), tl.sum(tl.where(bins == d, bef, 0), 0)
 
 
-def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
+@helper
+def _share_kept(sf, part, NB, log_share, NB_P2: tl.constexpr, MODE: tl.constexpr):
+    # share_keep's rule; the row's (max, sum exp) from sf (MODE 0) or the NB programs' partials part[NB, 4] (L2)
+    if MODE == 0:
+        m = tl.max(sf, 0)
+        z = tl.sum(tl.exp(sf - m), 0)
+    else:
+        blk = tl.arange(0, NB_P2)
+        pm = tl.load(part + blk * 4, mask=blk < NB, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(pm, 0)
+        z = tl.sum(tl.load(part + blk * 4 + 1, mask=blk < NB, other=0.0, cache_modifier=".cg") * tl.exp(pm - m), 0)
+    return (sf >= log_share + (m + tl.log(z))) | (sf == m)
+
+
+def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o, nkept_ptr, lse_ptr, log_share,
                  BLOCK: tl.constexpr, NB_P2: tl.constexpr, KEY_BITS: tl.constexpr, MODE: tl.constexpr,
-                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr):
+                 FIRST: tl.constexpr, LAST: tl.constexpr, COMPACT: tl.constexpr, KEEP: tl.constexpr = 0):
     # out[row, :K] = indices of the K largest s[row, :N] (unordered); grid (NB, rows).
     # MODE 0: NB == 1, histograms in registers, one launch. MODE 1: rounds FIRST..LAST-1 are counted
     # here into ws[row, round, NB, 256]; earlier rounds were counted by earlier launches and are only
-    # read back.
+    # read back. KEEP (a per-token K, docs/kernels.md "Top-k"): the rows _share_kept keeps first, their count
+    # at nkept[row]; MODE 1: (max, sum exp) at lse[row, pid, :2] in round 0, the kept count at [2] in round 1.
     ROUNDS: tl.constexpr = KEY_BITS // 8
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    key = _order_keys(tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0), KEY_BITS)
+    sv = tl.load(s_ptr + row * stride_s + offs, mask=mask, other=0.0)
+    key = _order_keys(sv, KEY_BITS)
+    sf = tl.where(mask, sv.to(tl.float32), float("-inf"))
+    if KEEP and MODE == 1 and FIRST == 0:
+        m, two = tl.max(sf, 0), tl.arange(0, 2)
+        tl.store(lse_ptr + (row * NB + pid) * 4 + two, tl.where(two == 0, m, tl.sum(tl.exp(sf - m), 0)))
+    if KEEP and MODE == 1 and FIRST == 1:
+        kept = _share_kept(sf, lse_ptr + row * NB * 4, NB, log_share, NB_P2, MODE).to(tl.float32)
+        tl.store(lse_ptr + (row * NB + pid) * 4 + 2, tl.sum(kept, 0))
     prefix = tl.full([], 0, tl.uint32)  # the k-th largest key's digits found so far
     need = K  # how many of the candidates (keys matching prefix) are still to be taken
     gt_before = 0  # keys above the k-th largest in the programs before this one
@@ -129,6 +150,17 @@ def _topk_kernel(s_ptr, out_ptr, ws_ptr, N, K, NB, stride_s, stride_o,
         ties = tl.maximum(need - eq_before, 0)  # ties this program may still take
         sel = gt | (eq & (eq_x < ties))
         dst = gt_before + tl.minimum(eq_before, need) + gt_x + tl.minimum(eq_x, ties)
+        if KEEP:  # n rows of the row kept (all selected when n >= K); kept ones before this one: k_bef + k_x
+            kept = _share_kept(sf, lse_ptr + row * NB * 4, NB, log_share, NB_P2, MODE)
+            n, k_bef = tl.sum(kept.to(tl.int32), 0), 0
+            if MODE == 1:
+                blk = tl.arange(0, NB_P2)
+                cnt = tl.load(lse_ptr + (row * NB + blk) * 4 + 2, mask=blk < NB, other=0.0,
+                              cache_modifier=".cg").to(tl.int32)  # L2: other programs wrote them
+                n, k_bef = tl.sum(cnt, 0), tl.sum(tl.where(blk < pid, cnt, 0), 0)
+            k_x = tl.cumsum((kept & sel).to(tl.int32), 0) - (kept & sel).to(tl.int32)
+            dst = tl.where(n >= K, dst, tl.where(kept, k_bef + k_x, n + dst - k_bef - k_x))
+            tl.store(nkept_ptr + row, tl.minimum(n, K), mask=pid == 0)
         tl.store(out_ptr + row * stride_o + dst, offs, mask=sel)
 
 
@@ -150,11 +182,10 @@ def _topk_plan(scores, config, settings=None):
     return block, -(-N // block), warps, _SPLIT
 
 
-def topk_triton(scores, k, config=None, settings=None):
-    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32.
-
-    Exact; ties at the k-th value are broken by lowest index. `config` overrides settings.topk's fields.
-    """
+def topk_triton(scores, k, config=None, settings=None, min_share=None):
+    """Indices of the k largest entries of each row of scores[R,N] (N <= 65536): [R,k] int32, exact, ties at
+    the k-th value broken by lowest index; with min_share also n[R] int32: the first n[r] of out[r] are the rows
+    share_keep keeps (the same launches). `config` overrides settings.topk's fields."""
     check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     R, N = scores.shape
     if N > TOPK_MAX_N:
@@ -163,16 +194,21 @@ def topk_triton(scores, k, config=None, settings=None):
         raise DejavuError(f"topk_triton: k must be an int in [0, {N}], got {k!r}")
     block, nb, warps, mode = _topk_plan(scores, config, settings)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
+    nkept = lse = out  # unused without min_share
+    if min_share is not None:
+        nkept = torch.zeros(R, dtype=torch.int32, device=scores.device)  # k == 0: none
+        lse = torch.empty((R, nb, 4), dtype=torch.float32, device=scores.device) if mode == _SPLIT else out
     if k == 0 or R == 0:
-        return out
+        return out if min_share is None else (out, nkept)
     key_bits = 32 if scores.dtype == torch.float32 else 16
     rounds = key_bits // 8
     kernel = jit(_topk_kernel, scores.device)
     ws = out  # unused by a single program per row
     if mode == _SPLIT:
         ws = torch.empty((R, rounds, nb, 256), dtype=torch.int32, device=scores.device)
-    args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0))
-    consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode,
+    log_share = float("-inf") if min_share is None or min_share <= 0 else math.log(min_share)
+    args = (scores, out, ws, N, k, nb, scores.stride(0), out.stride(0), nkept, lse, log_share)
+    consts = dict(BLOCK=block, NB_P2=next_pow2(nb), KEY_BITS=key_bits, MODE=mode, KEEP=int(min_share is not None),
                   num_warps=warps)
     if mode == _SPLIT:  # one launch per round, then one to compact
         for r in range(rounds):
@@ -180,7 +216,7 @@ def topk_triton(scores, k, config=None, settings=None):
         kernel[(nb, R)](*args, FIRST=rounds, LAST=rounds, COMPACT=True, **consts)
     else:
         kernel[(nb, R)](*args, FIRST=0, LAST=rounds, COMPACT=True, **consts)
-    return out
+    return out if min_share is None else (out, nkept)
 
 
 def topk_triton_ref(scores, k):
@@ -190,18 +226,15 @@ def topk_triton_ref(scores, k):
     return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[:, :k].to(torch.int32)
 
 
-def _check(x, a, b, bias, k):
+def _check(x, a, b, bias, k, shared, min_share):
+    if min_share is not None and shared:
+        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     r = check_weight("a", a, x.shape[1], x)
     n = check_weight("b", b, r, x, "rank")
     check_tensor("bias", bias, shape=(n,), dtype=x.dtype, device=x.device)
     if not isinstance(k, int) or not 0 <= k <= n:
         raise DejavuError(f"k: expected an int in [0, {n}], got {k!r}")
-
-
-def _check_per_sequence(shared, min_share):
-    if min_share is not None and shared:
-        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
 
 
 def predictor_scores(x, a, b, bias):
@@ -250,9 +283,8 @@ def predictor_scores_triton(x, a, b, bias, config=None, settings=None):
 def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None, settings=None, min_share=None):
     """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared). method / scoring
     None: settings.topk.method / settings.scoring.method. min_share (a per-token K, per sequence):
-    (idx, keep[B,k] bool), keep = share_keep of the same scores (device ops, no host sync)."""
-    _check(x, a, b, bias, k)
-    _check_per_sequence(shared, min_share)
+    (idx, n[B] int32): the first n[b] of idx[b] are the rows share_keep keeps (no host sync)."""
+    _check(x, a, b, bias, k, shared, min_share)
     s = settings or DEFAULT
     method = method or s.topk.method
     scoring = scoring or s.scoring.method
@@ -264,32 +296,31 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
         scores = predictor_scores(x, a, b, bias)
     if shared and scores.shape[0] > 1:
         scores = scores.amax(dim=0, keepdim=True)  # [1, N]; with B == 1 the row itself
-    if method == "triton":
-        idx = topk_triton(scores.contiguous(), k, settings=s)
-    elif method == "torch":
-        idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(torch.int32)
-    else:
+    if method == "triton":  # with min_share: (idx, n), the count from the same launches
+        return topk_triton(scores.contiguous(), k, settings=s, min_share=min_share) if min_share is not None \
+            else topk_triton(scores.contiguous(), k, settings=s)[0 if shared else slice(None)]
+    if method != "torch":
         raise DejavuError(f"predictor_topk: unknown method {method!r} (torch, triton)")
-    if min_share is not None:
-        return idx, share_keep(scores, idx, min_share)
-    return idx[0] if shared else idx
+    idx = torch.topk(scores, k, dim=-1, sorted=min_share is not None).indices.to(torch.int32)  # kept rows first
+    n = None if min_share is None else share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32)
+    return (idx, n) if min_share is not None else (idx[0] if shared else idx)
 
 
 def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
-    """Reference: the same in the caller's dtype (upcast for float64); sorted by score.
-
-    min_share (a per-token K, per sequence only): (idx[B,k], keep[B,k] bool), keep = share_keep."""
-    _check_per_sequence(shared, min_share)
+    """Reference: the same in the caller's dtype (upcast for float64); sorted by score. min_share (a per-token
+    K, per sequence only): (idx[B,k], n[B] int32), the first n[b] kept (share_keep)."""
+    if min_share is not None and shared:
+        raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     scores = (x @ a.T) @ b.T + bias
     idx = torch.topk(scores.amax(dim=0) if shared else scores, k, dim=-1, sorted=True).indices
-    return idx.to(torch.int32) if min_share is None else (idx.to(torch.int32), share_keep(scores, idx, min_share))
+    idx = idx.to(torch.int32)
+    return idx if min_share is None else (idx, share_keep(scores, idx, min_share).sum(-1, dtype=torch.int32))
 
 
 def share_keep(scores, idx, min_share: float):
-    """keep[..., k] bool: which of the selected rows idx[..., k] (any order) a token keeps under the
-    per-token K rule (docs/predictors.md, "Per-token K"): those whose predicted share
-    softmax(scores[..., N]) (fp32) is >= min_share, and always the token's best-scored row. With
-    idx the top-k_max this keeps clamp(#(share >= min_share), 1, k_max) rows, the best first."""
-    p = torch.softmax(scores.float(), -1)  # [..., N]
-    pk = p.gather(-1, idx.long())  # [..., k]
-    return (pk >= min_share) | (pk == p.amax(-1, keepdim=True))
+    """keep[..., k] bool: the selected rows idx[..., k] (any order) whose share softmax(scores[..., N]) >= min_share,
+    in log form as topk_triton (fp32: s >= log min_share + logsumexp(s)), and always the token's best row."""
+    s = scores if scores.dtype == torch.float64 else scores.float()
+    sk = s.gather(-1, idx.long())  # [..., k]
+    log_share = math.log(min_share) if min_share > 0 else -math.inf
+    return (sk >= log_share + torch.logsumexp(s, -1, keepdim=True)) | (sk == s.amax(-1, keepdim=True))

@@ -4,20 +4,9 @@
                        head_idx[B,Kh]|[Kh], k_cache[B,H,S_max,hd], v_cache[B,H,S_max,hd],
                        pos, residual[B,D]|None, *, out=None, validate=None) -> y[B,D]
 
-Policy (ARCHITECTURE.md, "Sparsity semantics"): K and V are projected for *all* heads
-(one dense GEMV on wkv, cuBLAS) and written into the caches at `pos`, so a head selected at
-a later step sees every past key; Q is projected only for the selected heads (gathered
-rows of wq, head-major, 1/sqrt(hd) already folded into wq/bq); attention runs over
-positions 0..pos for the selected heads; the output projection reads only the selected
-heads' rows of wo_t (= out_proj.weight transposed) and adds bo (+ residual). Unselected
-heads contribute zero, exactly as the masked-dense model.
-
-Its four launches (all CUDA-graph capturable, no host sync with validate off): sparse_attn_decode's
-steps 1-4 (docs/kernels.md, "Batches").
-
-`pos` is an int, or an int32/int64 tensor on the device of shape [] / [1] (one position for
-the batch) or [B] (one per sequence). Pass a tensor to capture decode in a CUDA graph: the
-kernel reads the position from memory, so replays follow the tensor's current value. The
+Policy (K/V of every head into the caches at `pos`, Q and the output projection of the selected heads
+only; 1/sqrt(hd) folded into wq/bq), its four launches and `pos` (an int or a device tensor, [] / [1] /
+[B]; a tensor for CUDA graphs): docs/kernels.md, "Sparse attention (full K/V policy)". The
 caches are updated in place (the reference does the same). Limits: hd <= 256 (any value,
 masked); one program per (sequence, selected head, chunk of CHUNK positions of S_max), a
 second small kernel combines the chunks' softmax partials when S_max > CHUNK (programs of

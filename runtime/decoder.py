@@ -203,18 +203,18 @@ class SparseDecoder:
             x = F.linear(x, self.t["project_out"])
         return F.linear(x, self.t["embed_tokens"])
 
-    def _mlp(self, w, h, x, idx, ln=None, ops=None, keep=None):
+    def _mlp(self, w, h, x, idx, ln=None, ops=None, n_kept=None):
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, left pending by fc2's split-K reduction (defer_ln_attn):
         # returns (x, PendingLN or LN(x)) then; x alone otherwise. ops: the layer's (Ops.layer)
-        # keep: [rows, K] bool (a per-token K): fc1 gives 0 for the rows it drops, which fc2 then adds nothing for
+        # n_kept: [rows] int32 (a per-token K, kept rows first): fc1 and fc2 stop there; fc2 also skips ReLU zeros
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         ops = ops or self.ops
-        if keep is None:
+        if n_kept is None:
             a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx), {}
-        else:  # fc2 skips the rows whose h is 0: the ones dropped and the ReLU zeros
-            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx, keep), {"skip_zero": True}
+        else:
+            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx, n_kept), {"skip_zero": True, "n_kept": n_kept}
         if self.reduce is not None:
             return self._add(x, ops.sparse_fc2(a, w.w2_t, w.b2, idx, None, **kw))
         if ln is not None:
@@ -353,8 +353,8 @@ class SparseDecoder:
                 a = torch.relu(F.linear(h, w.w1, w.b1))  # [B, S, F]
                 idx = run.neurons(l) if sparse else None
                 if idx is not None:  # the selected rows, those a per-token K keeps (run.kept)
-                    kept = run.kept(l)
-                    src = 1 if kept is None else kept.to(a.dtype)
+                    n = run.kept(l)
+                    src = 1 if n is None else (torch.arange(idx.shape[-1], device=a.device) < n[:, None]).to(a.dtype)
                     keep = torch.zeros(B * S, s.ffn_dim, dtype=a.dtype, device=a.device).scatter_(1, idx.long(), src)
                     a = a * keep.view(B, S, -1)
                 x = self._add(x, a @ w.w2_t, w.b2)

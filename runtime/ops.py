@@ -1,9 +1,10 @@
 """The sparse operations the decoder calls, bound to a backend (signatures of dejavu.plugins):
 
     predictor_topk(x[B,D], a, b, bias, k, shared=False, min_share=None) -> idx[B,k] | [k]
-        (min_share, a per-token K: (idx[B,k], keep[B,k] bool))
-    sparse_fc1(x[B,D], w1, b1, idx, keep=None) -> h[B,K]   (keep[B,K] bool: a per-token K's rows, 0 elsewhere)
-    sparse_fc2(h[B,K], w2_t, b2, idx, residual, skip_zero=False) -> y[B,D]   (skip_zero: zero rows of h read no weights)
+        (min_share, a per-token K: (idx[B,k], n[B] int32), the first n[b] kept)
+    sparse_fc1(x[B,D], w1, b1, idx, n_kept=None) -> h[B,K]   (n_kept[B]: a per-token K's rows, 0 elsewhere)
+    sparse_fc2(h[B,K], w2_t, b2, idx, residual, skip_zero=False, n_kept=None) -> y[B,D]
+        (skip_zero: zero rows of h read no weights; n_kept[B]: only rows k < n_kept[b])
         (ln=(weight, bias), ln_defer=True: (y, the next LayerNorm of y), the second possibly a
         PendingLN, plugins/layer_norm.py: y plus per-block statistics from the split-K reduction,
         which the next layer's deferred Q/K/V kernel normalises itself; DecodeOptions.defer_ln_attn)
@@ -202,9 +203,12 @@ class Ops:
 
         im, ia = idx(spec.ffn_dim, km), idx(H, ka)
         h = torch.relu(torch.randn(batch, km, generator=g, device=dev)).to(dt)
-        # a per-token K engine's fc1 takes keep, its fc2 skips the zero rows of h (about half here)
-        keep = (torch.rand(batch, km, generator=g, device=dev) < 0.6,) if spec.token_k is not None and not shared else ()
-        skip = {"skip_zero": True} if spec.token_k is not None else {}
+        # a per-token K engine's fc1 / fc2 take the kept count, its fc2 skips the zero rows of h (about half here)
+        nk = torch.randint(1, km + 1, (batch,), generator=g, device=dev).to(torch.int32)
+        keep = (nk,) if spec.token_k is not None and not shared else ()
+        if keep:  # fc1 leaves h 0 from n on (fc2 at batch > 1 skips those zeros rather than stopping at n)
+            h = h.masked_fill(torch.arange(km, device=dev) >= nk[:, None], 0)
+        skip = {"skip_zero": True, **({"n_kept": nk} if keep else {})} if spec.token_k is not None else {}
         T = 16
         caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]
         pos = (torch.arange(batch, device=dev) * 5 + 9) % T

@@ -39,7 +39,7 @@ class PredictorRunner:
     preds[l] = {"mlp": (a, b, bias) | None, "attn": (a, b, bias) | None}; ks[l] = (k_mlp, k_attn).
     `topk(x, a, b, bias, k, shared=...)` is the op; `shared` selects one index set per batch.
     shares[l]: (min_share, k_max) of layer l's per-token K (None: k_mlp rows, every one kept): its
-    top-k_max then also gives keep [rows, k_max] (`kept(l)`), produced beside the indices. With one
+    top-k_max then also gives n [rows] int32 (`kept(l)`): the first n of each row's indices are kept. With one
     set for the batch (`shared`, more than one row) there is no per-token count: k_mlp rows, all kept.
     """
 
@@ -54,7 +54,7 @@ class PredictorRunner:
         self.plan = {key: ls for key, ls in self.plan.items() if ls}
         L = len(preds)
         self.idx: list[dict[str, torch.Tensor | None]] = [{"mlp": None, "attn": None} for _ in range(L)]
-        self.keep: list[torch.Tensor | None] = [None] * L  # [rows, k] bool where shares[l] is set
+        self.n_kept: list[torch.Tensor | None] = [None] * L  # [rows] int32 where shares[l] is set
         self.trace: list | None = None  # tests: append (layer, kind, idx) for every call
         self._keep: list[torch.Tensor] = []
         self.side = None
@@ -103,12 +103,12 @@ class PredictorRunner:
                 continue
             k_mlp, k_attn = self.ks[l]
             share = self.shares[l] if kind == "mlp" and not (self.shared and x.shape[0] > 1) else None
-            self.keep[l] = None
+            self.n_kept[l] = None
             if share is None:
                 idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
             else:  # per sequence (or batch 1, where the shared set is the row's own)
-                idx, self.keep[l] = self.topk(x, *p, share[1], min_share=share[0])
-                idx = idx[0] if self.shared else idx  # keep stays [1, k_max]
+                idx, self.n_kept[l] = self.topk(x, *p, share[1], min_share=share[0])
+                idx = idx[0] if self.shared else idx  # n_kept stays [1]
             self.idx[l][kind] = idx
             if kind == "attn" and self.on_heads is not None:
                 self.on_heads(l, idx)
@@ -133,9 +133,9 @@ class PredictorRunner:
         return self._get(l, "mlp")
 
     def kept(self, l: int) -> torch.Tensor | None:
-        """keep [rows, K] bool of layer l's selected neurons (a per-token K; call after neurons(l),
-        whose event covers it); None: every selected neuron is kept."""
-        return self.keep[l]
+        """n [rows] int32: the first n of layer l's selected neurons are kept (a per-token K; call after
+        neurons(l), whose event covers it); None: every selected neuron is kept."""
+        return self.n_kept[l]
 
 
 def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.device, overlap: bool,

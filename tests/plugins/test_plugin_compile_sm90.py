@@ -78,17 +78,15 @@ SCRIPT = textwrap.dedent('''
             assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
-        # a per-token K: fc1 reading only the kept rows (keep [B, K] bool), fc2 only the rows whose h is not 0
-        keep = {"keep_ptr": "*u1"}
+        # a per-token K: fc1 / fc2 (batch 1) reading only the first nkept[b] rows, fc2 only the rows whose h is not 0
+        keep = {"nkept_ptr": "*i32"}
         compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
                                                       KEEP=1), dt, overrides=keep)
-        compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
-                                                     BLOCK_D=128, EVEN_D=True, GROUP=1, KEEP=1), dt, overrides=keep)
         for final in (False, True):
             fin = dict(FINAL=final, HAS_RES=True, GROUP=1, SKIP_ZERO=1)
             compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, **fin), dt)
             compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
-                                                           EVEN_D=True, **fin), dt)
+                                                           EVEN_D=True, KEEP=1, **fin), dt, overrides=keep)
         # fc2 / out-proj: split-K partials, or one split
         for final, group in ((False, 1), (False, 128), (True, 128), (True, 1)):
             fin = dict(FINAL=final, HAS_RES=True, GROUP=group)
@@ -146,6 +144,12 @@ SCRIPT = textwrap.dedent('''
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,
                                            COMPACT=True),
                  overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16"})
+    # a per-token K: the rule's partials (round 0), the kept counts (round 1), the kept rows first (compact)
+    tk = {"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16", "nkept_ptr": "*i32", "lse_ptr": "*fp32",
+          "log_share": "fp32"}
+    for mode, first, last in ((PR._SPLIT, 0, 1), (PR._SPLIT, 1, 2), (PR._SPLIT, 2, 2), (PR._SINGLE, 0, 2)):
+        compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=mode, FIRST=first, LAST=last,
+                                               COMPACT=first == last or mode == PR._SINGLE, KEEP=1), overrides=tk)
     LN = importlib.import_module("dejavu.plugins.layer_norm")  # the attribute is the function
     for dt in ("fp16", "bf16"):
         compile_sm90(LN, LN._layer_norm_kernel, dict(BLOCK=8192), dt)

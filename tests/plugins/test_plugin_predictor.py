@@ -187,6 +187,7 @@ def test_shared_with_one_sequence_is_its_own_top_k(triton_interp, method):
 
 
 COMPILE = textwrap.dedent('''
+    import itertools
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -199,15 +200,16 @@ COMPILE = textwrap.dedent('''
         if getattr(obj, "_dejavu_helper", False) and not isinstance(obj, JITFunction):
             setattr(PR, name, triton.jit(obj))
     SIG = {"s_ptr": "*fp16", "out_ptr": "*i32", "ws_ptr": "*i32", "N": "i32", "K": "i32",
-           "NB": "i32", "stride_s": "i32", "stride_o": "i32"}
+           "NB": "i32", "stride_s": "i32", "stride_o": "i32", "nkept_ptr": "*i32", "lse_ptr": "*fp32",
+           "log_share": "fp32"}
     for dt, bits in (("fp16", 16), ("bf16", 16), ("fp32", 32)):
         rounds = bits // 8
         variants = [(PR._SPLIT, 0, 1, False, 32), (PR._SPLIT, rounds, rounds, True, 32)]
         if dt == "fp16":
             variants += [(PR._SPLIT, 1, 2, False, 32), (PR._SINGLE, 0, rounds, True, 1)]
-        for mode, first, last, compact, nb_p2 in variants:
+        for (mode, first, last, compact, nb_p2), keep in itertools.product(variants, (0, 1)):  # 1: a per-token K
             c = dict(BLOCK=1024 if nb_p2 > 1 else 64, NB_P2=nb_p2, KEY_BITS=bits, MODE=mode, FIRST=first,
-                     LAST=last, COMPACT=compact)
+                     LAST=last, COMPACT=compact, KEEP=keep)
             sig = dict(SIG, s_ptr="*" + dt, **{name: "constexpr" for name in c})
             src = ASTSource(JITFunction(PR._topk_kernel), signature=sig, constexprs=c)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8 if nb_p2 > 1 else 1))

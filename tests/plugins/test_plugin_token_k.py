@@ -1,4 +1,5 @@
-"""A per-token MLP K in the kernels (interpreter): the top-k's keep flags, fc1's dropped rows, fc2's zero rows."""
+"""A per-token MLP K in the kernels (interpreter): the top-k's kept count (kept rows first), fc1 / fc2 stopping
+there, fc2's zero rows."""
 import pytest
 import torch
 
@@ -24,25 +25,29 @@ def test_dropped_and_zero_rows_read_nothing_and_give_the_reference(triton_interp
     x = torch.randn(B, D).to(dtype)
     w1, b1, w2_t, b2 = _weights(dtype)
     idx = torch.stack([torch.randperm(F)[:K] for _ in range(B)]).to(torch.int32)
-    keep = torch.rand(B, K) < 0.5
+    n = torch.tensor([K - 1, 1, 0][:B] if B > 1 else [int(torch.randint(2, K - 2, ()))], dtype=torch.int32)
+    keep = torch.arange(K) < n[:, None]
     # batch 1: the weight rows of dropped rows are NaN (read, they would poison the outputs)
     w1p, w2p = w1.clone(), w2_t.clone()
     if B == 1:
         w1p[idx[0][~keep[0]].long()] = float("nan")
     h = torch.full((B, K), float("nan"), dtype=dtype)
-    sparse_fc1(x, w1p, b1, idx, keep, out=h, settings=settings)
-    h_ref = sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx, keep)
-    close(h, h_ref, sparse_fc1_ref(x, w1, b1, idx, keep))
+    sparse_fc1(x, w1p, b1, idx, n, out=h, settings=settings)
+    h_ref = sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx, n)
+    close(h, h_ref, sparse_fc1_ref(x, w1, b1, idx, n))
     assert (h[~keep] == 0).all()
-    # fc2 skips rows whose h is 0 (dropped ones and ReLU zeros): NaN there is never read
+    # fc2 stops at n and skips rows whose h is 0 (ReLU zeros): NaN in w2 or h there is never read
     zero = h == 0
     if B == 1:
         w2p[idx[0][zero[0]].long()] = float("nan")
+    # fc2's dot route (batch 1) does not read h from n on; the GEMV route skips those zeros
+    hp = torch.where(keep, h, torch.full_like(h, float("nan"))) if B == 1 and dot_min == 1 else h
     res = torch.randn(B, D).to(dtype)
     y = torch.full((B, D), float("nan"), dtype=dtype)
-    sparse_fc2(h, w2p, b2, idx, res, out=y, skip_zero=True, settings=settings)
+    sparse_fc2(hp, w2p, b2, idx, res, out=y, skip_zero=True, settings=settings, n_kept=n)
     y_ref = sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double())
     close(y, y_ref, sparse_fc2_ref(h, w2_t, b2, idx, res))
+    assert torch.equal(sparse_fc2_ref(hp.double(), w2_t.double(), b2.double(), idx, res.double(), n_kept=n), y_ref)
 
 
 @pytest.mark.parametrize("method", ["torch", "triton"])
@@ -51,13 +56,14 @@ def test_topk_keep_flags_equal_the_reference(triton_interp, method):
     x, a = torch.randn(B, 48), torch.randn(r, 48) / 48 ** 0.5
     b, bias = 3 * torch.randn(N, r) / r ** 0.5, 0.1 * torch.randn(N)
     for share in (0.002, 0.01, 1.0):
-        idx, keep = predictor_topk(x, a, b, bias, k, method=method, min_share=share)
-        ridx, rkeep = predictor_topk_ref(x, a, b, bias, k, min_share=share)
-        for i in range(B):  # the same kept set (the kernel's order is not sorted)
-            assert set(idx[i][keep[i]].tolist()) == set(ridx[i][rkeep[i]].tolist())
+        idx, n = predictor_topk(x, a, b, bias, k, method=method, min_share=share)
+        ridx, rn = predictor_topk_ref(x, a, b, bias, k, min_share=share)
+        assert torch.equal(n, rn) and n.dtype == torch.int32
+        for i in range(B):  # the same kept set first (the kernel's order is not sorted)
+            assert set(idx[i][:n[i]].tolist()) == set(ridx[i][:rn[i]].tolist())
             assert set(idx[i].tolist()) == set(ridx[i].tolist())
-        assert keep.any(-1).all()  # at least each token's best row
-    assert (keep.sum(-1) == 1).all()  # share 1.0: only the best
+        assert (n >= 1).all()  # at least each token's best row
+    assert (n == 1).all()  # share 1.0: only the best
     with pytest.raises(DejavuError, match="per sequence"):
         predictor_topk(x, a, b, bias, k, shared=True, min_share=0.01)
 
@@ -76,6 +82,35 @@ def test_fc1_keep_errors(triton_interp):
     w1, b1, _, _ = _weights(torch.float32)
     idx = torch.randperm(F)[:K].to(torch.int32)
     with pytest.raises(DejavuError, match="per sequence"):
-        sparse_fc1(x, w1, b1, idx, torch.ones(2, K, dtype=torch.bool))
-    with pytest.raises(DejavuError, match="keep"):
-        sparse_fc1(x, w1, b1, torch.stack([idx, idx]), torch.ones(2, K - 1, dtype=torch.bool))
+        sparse_fc1(x, w1, b1, idx, torch.ones(2, dtype=torch.int32))
+    with pytest.raises(DejavuError, match="n_kept"):
+        sparse_fc1(x, w1, b1, torch.stack([idx, idx]), torch.ones(2, K, dtype=torch.bool))
+    h, w2_t, b2 = torch.randn(2, K), torch.randn(F, D), torch.randn(D)
+    with pytest.raises(DejavuError, match="per sequence"):
+        sparse_fc2(h, w2_t, b2, idx, n_kept=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(DejavuError, match="n_kept"):
+        sparse_fc2(h, w2_t, b2, torch.stack([idx, idx]), n_kept=torch.ones(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("N,block", [(300, 1024), (2500, 256)])  # one program per row; a split row (NB 10)
+def test_topk_kernel_kept_count_equals_share_keep(triton_interp, dtype, N, block):
+    """The rule computed inside the top-k launches (log form, the row's logsumexp from the programs'
+    partials when split): its kept rows come first, their count and set equal share_keep's on the same
+    scores and the float64 softmax rule's; the index set is the plain top-k's."""
+    from dejavu.plugins.predictor import topk_triton
+
+    R, k = 3, N // 5
+    scores, counts = (3 * torch.randn(R, N)).to(dtype), []
+    for share in (1e-6, 1e-4, 2e-3, 1.0):  # 1e-6: more rows pass than k (all kept)
+        idx, n = topk_triton(scores, k, config={"block": block}, min_share=share)
+        first = torch.arange(k) < n[:, None].long()
+        assert torch.equal(share_keep(scores, idx, share), first)  # the kept rows first, then the rest
+        p = torch.softmax(scores.double(), -1)
+        pk = p.gather(-1, idx.long())
+        assert torch.equal((pk >= share) | (pk == p.amax(-1, keepdim=True)), first)  # the float64 rule
+        for i in range(R):
+            assert set(idx[i].tolist()) == set(topk_triton(scores, k, config={"block": block})[i].tolist())
+        counts.append(n)
+    assert (counts[0] == k).all() and (counts[-1] == 1).all()  # more rows pass than k; only the best
+    assert ((counts[2] > 1) & (counts[2] < k)).any()  # a count between: the kept rows placed first

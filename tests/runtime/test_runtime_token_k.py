@@ -53,12 +53,14 @@ def test_threshold_one_keeps_each_tokens_best_row():
 def test_reference_ops_keep_and_drop_rows():
     g = torch.Generator().manual_seed(0)
     x, a, b, bias = torch.randn(5, 16, generator=g), torch.randn(4, 16, generator=g), 3 * torch.randn(40, 4, generator=g), torch.zeros(40)
-    idx, keep = predictor_topk_ref(x, a, b, bias, 12, min_share=0.05)
-    p = torch.softmax(((x @ a.T) @ b.T).double(), -1)
+    idx, got = predictor_topk_ref(x, a, b, bias, 12, min_share=0.05)
+    s = ((x @ a.T) @ b.T).double()
+    p = torch.softmax(s, -1)
     n = (p >= 0.05).sum(-1).clamp(1, 12)
-    assert torch.equal(keep.sum(-1), n) and torch.equal(keep, torch.arange(12) < n[:, None])  # kept rows first
+    assert torch.equal(got, n.to(torch.int32)) and (p.gather(-1, idx.long())[:, :-1] >= p.gather(-1, idx.long())[:, 1:]).all()
+    keep = torch.arange(12) < n[:, None]  # the kept rows first (idx in score order)
     w1, b1 = torch.randn(40, 16, generator=g), torch.randn(40, generator=g)
-    h = sparse_fc1_ref(x, w1, b1, idx, keep)
+    h = sparse_fc1_ref(x, w1, b1, idx, got)
     assert torch.equal(h[~keep], torch.zeros_like(h[~keep])) and torch.equal(h[keep], sparse_fc1_ref(x, w1, b1, idx)[keep])
     with pytest.raises(DejavuError, match="per sequence"):
         predictor_topk_ref(x, a, b, bias, 12, shared=True, min_share=0.05)

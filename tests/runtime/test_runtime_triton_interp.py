@@ -372,7 +372,7 @@ for name, eng in engines.items():
     real = eng.ops.sparse_fc1
     def fc1(*a, real=real, rows=rows):
         if len(a) > 4:
-            rows.append(sorted(a[3][0][a[4][0]].tolist()))  # batch row 0's kept neurons
+            rows.append(sorted(a[3][0][:a[4][0]].tolist()))  # batch row 0's kept neurons (the first n)
         return real(*a)
     eng.ops.sparse_fc1 = fc1
     logits[name] = eng.decode_logits(ids)
