@@ -194,13 +194,17 @@ class Sensitivity:
 
 @torch.no_grad()
 def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: torch.Tensor, predictors,
-                        ks: dict, progress: bool = False) -> Sensitivity:
+                        ks: dict, progress: bool = False, dtype: str = "float32") -> Sensitivity:
     """One pass over `layers`: the dense held-out hidden state plus one branch per candidate
     (layer, kind, K), started at its layer with that selection and run dense afterwards.
 
     ids: [B, S] held-out windows. ks: {"mlp": [C], "attn": [C]} candidate K (< N).
+    dtype "bfloat16": the layers' and the LM head's matmuls (dense path and branches alike) under
+    bfloat16 autocast, the residual stream, LayerNorms, predictors and losses in float32
+    (`BuildConfig.sensitivity_dtype`; float64 inputs are never cast).
     Memory: (1 + L * (C_mlp + C_attn)) states of [B, S, D]; each branch ends in `head`."""
     x = embed(ids)
+    amp = lambda: torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")  # noqa: E731
     srcs = _Sources(predictors.predictor_input)
     branches: dict[tuple, torch.Tensor] = {}
     it = enumerate(layers)
@@ -208,10 +212,11 @@ def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: 
         from tqdm import tqdm
         it = tqdm(it, desc="sensitivity", unit="layer")
     for l, layer in it:
-        for key in branches:  # branches started earlier: this layer runs dense
-            branches[key] = layer(branches[key], None, None)
-        srcs.enter(l, x)
-        x_next = srcs.run(l, layer, x)
+        with amp():
+            for key in branches:  # branches started earlier: this layer runs dense
+                branches[key] = layer(branches[key], None, None)
+            srcs.enter(l, x)
+            x_next = srcs.run(l, layer, x)
         xp = srcs.predictor_input(l)
         for kind in KINDS:
             if not ks.get(kind):
@@ -219,13 +224,14 @@ def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: 
             order = _order(predictors, kind, l, xp, max(ks[kind]))
             for k in ks[kind]:
                 sel = {"mlp_idx" if kind == "mlp" else "attn_idx": order[..., :k]}
-                with fixed_selection(layer, **sel):
+                with fixed_selection(layer, **sel), amp():
                     branches[(l, kind, k)] = layer(x, None, None)
         x = x_next
-    dense = _nll(head, x, ids)
     L = l + 1
-    delta = {kind: [[_nll(head, branches[(j, kind, k)], ids) - dense for k in ks.get(kind, [])]
-                    for j in range(L)] for kind in KINDS}
+    with amp():
+        dense = _nll(head, x, ids)
+        delta = {kind: [[_nll(head, branches[(j, kind, k)], ids) - dense for k in ks.get(kind, [])]
+                        for j in range(L)] for kind in KINDS}
     return Sensitivity({kind: list(ks.get(kind, [])) for kind in KINDS}, delta, dense,
                        int(ids.shape[0] * (ids.shape[1] - 1)))
 
@@ -410,16 +416,18 @@ def heldout_source(config) -> tuple[str | None, int]:
                             else 0)
 
 
-def _sensitivity_cached(parts: Callable, ids, predictors, ks: dict, cache_key: str, progress: bool) -> Sensitivity:
+def _sensitivity_cached(parts: Callable, ids, predictors, ks: dict, cache_key: str, progress: bool,
+                        dtype: str) -> Sensitivity:
     """measure_sensitivity, cached as JSON under $DEJAVU_CACHE/sensitivity by (model, predictors,
-    held-out tokens, candidates): builds at several budgets from one training measure once."""
+    held-out tokens, candidates, dtype): builds at several budgets from one training measure once."""
     import hashlib
     import json
 
     from dejavu.compiler.calibrate import default_cache_dir
     from dejavu.fileio import atomic_path
 
-    h = hashlib.sha256(json.dumps({"v": SENSITIVITY_VERSION, "model": cache_key, "ks": ks}, sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps({"v": SENSITIVITY_VERSION, "model": cache_key, "ks": ks, "dtype": dtype},
+                                  sort_keys=True).encode())
     h.update(ids.numpy().tobytes())
     for name, t in sorted(predictors.state_dict().items()):
         h.update(name.encode())
@@ -428,7 +436,7 @@ def _sensitivity_cached(parts: Callable, ids, predictors, ks: dict, cache_key: s
     if path.is_file():
         return Sensitivity.from_dict(json.loads(path.read_text()))
     layers, embed, head = parts()
-    sens = measure_sensitivity(layers, embed, head, ids, predictors, ks, progress)
+    sens = measure_sensitivity(layers, embed, head, ids, predictors, ks, progress, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(sens.to_dict()))
@@ -495,7 +503,7 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     sens = None
     if config.allocation == "sensitivity" and len(frozen) < 2 and not mlp_only:
         ks = {kind: candidate_ks(n[kind]) for kind in KINDS if kind not in frozen}
-        sens = _sensitivity_cached(parts, sens_ids, predictors, ks, cache_key, progress)
+        sens = _sensitivity_cached(parts, sens_ids, predictors, ks, cache_key, progress, config.sensitivity_dtype)
     # Heads fixed by the user (sparse): the same head count, spread across layers by measured loss
     # (each head K alone per layer on the first held-out set, `allocate_head_count`), then checked
     # against the even spread on the second set (`head_checked`). On opt-mini at heads 0.5 the
@@ -504,7 +512,7 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     spread_heads = config.allocation == "sensitivity" and uniform_heads not in (None, dense_k[1])
     if spread_heads:
         head_sens = _sensitivity_cached(parts, sens_ids, predictors, {"attn": candidate_ks(n["attn"], HEAD_GRID)},
-                                        cache_key, progress)
+                                        cache_key, progress, config.sensitivity_dtype)
         frozen["attn"] = allocate_head_count(head_sens, sum(uniform_heads), n["attn"])
     if sens is not None or spread_heads:
         source += f"; sensitivity on {sens_source}"

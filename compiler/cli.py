@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
-from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, TOKEN_K_FORMS, BuildConfig
+from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, SENSITIVITY_DTYPES, TOKEN_K_FORMS, BuildConfig
 from dejavu.compiler.summary import accuracy_lines, format_summary, token_k_line
 from dejavu.errors import DejavuError, cli_entry
 
@@ -73,6 +73,9 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
                    help="sensitivity: by measured held-out loss per byte (OPT: K per layer and kind; Llama: one "
                         "TEAL skip per projection input); uniform: the same fraction everywhere")
+    p.add_argument("--sensitivity-dtype", default=S, choices=SENSITIVITY_DTYPES,
+                   help="matmuls of the sensitivity pass (the recorded held-out figures are float32; float32 "
+                        "on CPUs without bfloat16 instructions)")
     p.add_argument("--token-k", default=S, choices=TOKEN_K_FORMS,
                    help="share: a per-token MLP K (the rows whose predicted share passes a per-layer threshold, "
                         "at most 2 K per layer, mean K on the held-out windows; the --onnx-out graphs carry it "

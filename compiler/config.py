@@ -33,6 +33,7 @@ def check_density(value, name: str = "density") -> float:
 # one layer ahead. Same-layer inputs are more accurate but serialise prediction.
 DEFAULT_PREDICTOR_INPUT = MappingProxyType({"source": "attn_in", "lookahead": 1})
 PREDICTOR_SOURCES = ("attn_in", "mlp_in")
+SENSITIVITY_DTYPES = ("bfloat16", "float32")  # matmuls of the sensitivity pass (BuildConfig.sensitivity_dtype)
 ALLOCATIONS = ("sensitivity", "uniform")  # per-layer K: measured (knapsack) | the same fraction everywhere
 # MLP rows per token: off = each layer's K for every token; share = a per-token K, the rows whose
 # predicted share is >= theta_l, at most 2 K_l, mean K_l on the held-out windows (compiler/token_k.py;
@@ -124,6 +125,12 @@ class BuildConfig:
     # validation head (allocate.DEFAULT_HELDOUT), never trained on, never the test text
     heldout: str | None = None
     heldout_tokens: int = 2048  # tokens of each held-out set (sensitivity; combined engines on a second set)
+    # matmuls of the sensitivity pass (allocate.measure_sensitivity; the combined engines' held-out
+    # figures stay float32): on opt-mini's 133 branches bfloat16 autocast moved each single-layer loss
+    # increase by 0.09 of its paired standard error over the 2,048 tokens (median; at most 0.0015
+    # nats) and took 53 s of CPU time against 87 s (2026-12-05, docs/compiler.md, "Allocation").
+    # float32 where the CPU has no bfloat16 instructions (AVX512-BF16 / AMX), which run it slower
+    sensitivity_dtype: str = "bfloat16"
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
     # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
     # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
@@ -170,6 +177,9 @@ class BuildConfig:
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise DejavuError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if self.sensitivity_dtype not in SENSITIVITY_DTYPES:
+            raise DejavuError(f"--sensitivity-dtype must be one of {', '.join(SENSITIVITY_DTYPES)}, "
+                              f"got {self.sensitivity_dtype!r}")
         if self.allocation not in ALLOCATIONS:
             raise DejavuError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if self.token_k is not None and self.token_k not in TOKEN_K_FORMS:

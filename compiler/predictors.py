@@ -19,6 +19,7 @@ affine map is folded into A and bias afterwards, so the stored predictor reads t
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -129,6 +130,19 @@ def _head_labels(norms: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(norms, dtype=torch.bool).scatter_(-1, idx, True)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """Run LAPACK on one thread: MKL's threaded SVD of [384, 1536] float64 (opt-mini's rank
+    start) took 0.35-14 s with two threads on the shared 2-core CPU and 0.12-0.16 s with one
+    (2026-12-05); the solves also ran faster on one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _rrr_init(x, y, mu, sd, rank: int, ridge: float, chunk: int = 8192):
     """Reduced-rank ridge regression of the ±1 labels on standardised x: A' [r, D], B' [N, r].
 
@@ -144,9 +158,10 @@ def _rrr_init(x, y, mu, sd, rank: int, ridge: float, chunk: int = 8192):
         xtx += (xn.T @ xn).double()
         xty += (xn.T @ (y[i:i + chunk].float() * 2 - 1)).double()
     reg = xtx + ridge * x.shape[0] * torch.eye(D, dtype=torch.float64, device=x.device)
-    w = torch.linalg.solve(reg, xty)  # [D, N]
-    chol = torch.linalg.cholesky(reg)
-    vh = torch.linalg.svd(chol.T @ w, full_matrices=False).Vh[:rank]  # [r, N]
+    with _one_thread():
+        w = torch.linalg.solve(reg, xty)  # [D, N]
+        chol = torch.linalg.cholesky(reg)
+        vh = torch.linalg.svd(chol.T @ w, full_matrices=False).Vh[:rank]  # [r, N]
     a = (w @ vh.T).T  # [r, D]
     scale = 1.0 / (a.norm(dim=1, keepdim=True).clamp_min(1e-12))  # balance the factors
     return (a * scale).float(), (vh.T / scale.T).float()
@@ -239,9 +254,10 @@ def _fit_heads(x_tr, imp_tr, x_va, y_va, rank: int, k_eval: int, ridge: float) -
     x, y = x_tr.double(), torch.log(imp_tr.double() + 1e-6)
     mu, ym = x.mean(0), y.mean(0)
     xc = x - mu
-    w = torch.linalg.solve(xc.T @ xc + ridge * len(x) * torch.eye(x.shape[1], dtype=torch.float64, device=x.device),
-                           xc.T @ (y - ym))  # [D, H]
-    u, sv, vh = torch.linalg.svd(w, full_matrices=False)
+    reg, xty = xc.T @ xc + ridge * len(x) * torch.eye(x.shape[1], dtype=torch.float64, device=x.device), xc.T @ (y - ym)
+    with _one_thread():
+        w = torch.linalg.solve(reg, xty)  # [D, H]
+        u, sv, vh = torch.linalg.svd(w, full_matrices=False)
     r = min(rank, w.shape[1])
     a, b = (u[:, :r] * sv[:r]).T, vh[:r].T  # a: [r, D], b: [H, r]; b a = W^T at full rank
     p = {"a": a.float().cpu().contiguous(), "b": b.float().cpu().contiguous(),

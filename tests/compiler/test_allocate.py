@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -79,10 +80,11 @@ def test_knapsack_never_exceeds_the_budget_and_is_optimal():
         allocate_knapsack(costs, sens, costs.least - 1)
 
 
-def test_sensitivity_branches_equal_the_masked_model(tiny):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # float64 inputs are never cast to bfloat16
+def test_sensitivity_branches_equal_the_masked_model(tiny, dtype):
     model, cfg, preds, ids = tiny
     ks = {"mlp": [4, 20], "attn": [1, 3]}
-    sens = measure_sensitivity(*model_parts(model), ids, preds, ks)
+    sens = measure_sensitivity(*model_parts(model), ids, preds, ks, dtype=dtype)
     L, F, H = cfg.num_hidden_layers, cfg.ffn_dim, cfg.num_attention_heads
     dense = _masked_nll(model, ids, [F] * L, [H] * L, preds)
     assert sens.dense_nll == pytest.approx(dense, abs=1e-10)
@@ -91,6 +93,24 @@ def test_sensitivity_branches_equal_the_masked_model(tiny):
         (mk if kind == "mlp" else ak)[l] = ks[kind][i]
         assert sens.delta[kind][l][i] == pytest.approx(_masked_nll(model, ids, mk, ak, preds) - dense, abs=1e-10)
     assert sens.delta["attn"][0][0] > 0  # one head of four costs something
+
+
+def test_bfloat16_sensitivity_is_the_float32_one_within_its_rounding():
+    # a float32 model: the bfloat16 pass really runs in bfloat16 (differs), and each loss increase
+    # stays within a few bfloat16 roundings (2^-8 relative) of the loss and of the increase itself
+    model, cfg = tiny_model(seed=4, num_hidden_layers=3, ffn_dim=40, num_attention_heads=4)
+    preds = Predictors.from_state_dict(random_predictors(cfg, rank=6, rank_attn=4, seed=6),
+                                       {"source": "attn_in", "lookahead": 1})
+    ids = torch.randint(4, cfg.vocab_size, (3, 32), generator=torch.Generator().manual_seed(8))
+    ks = {"mlp": [4, 20, 36], "attn": [1, 2, 3]}
+    ref = measure_sensitivity(*model_parts(model.float()), ids, preds, ks)
+    got = measure_sensitivity(*model_parts(model.float()), ids, preds, ks, dtype="bfloat16")
+    assert got.dense_nll != ref.dense_nll and got.dense_nll == pytest.approx(ref.dense_nll, rel=2 ** -7)
+    for kind in ks:
+        for r, g in zip(ref.delta[kind], got.delta[kind]):
+            assert g != r
+            for rd, gd in zip(r, g):
+                assert abs(gd - rd) <= 2 ** -8 * (ref.dense_nll + abs(rd)), (kind, rd, gd)
 
 
 def test_heldout_nll_equals_the_masked_model(tiny):
@@ -156,7 +176,8 @@ def _head_sens(tiny_dir_model, tmp_path) -> Sensitivity:
     model, cfg, preds, tok = tiny_dir_model
     ids, _ = heldout_windows(tok, None, 0, 512, 64, cfg.bos_token_id)
     sens = measure_sensitivity(*model_parts(model), ids, preds,
-                               {"attn": candidate_ks(cfg.num_attention_heads, HEAD_GRID)})
+                               {"attn": candidate_ks(cfg.num_attention_heads, HEAD_GRID)},
+                               dtype=BuildConfig.sensitivity_dtype)  # the build's
     cached = [Sensitivity.from_dict(json.loads(p.read_text())) for p in (tmp_path / "sensitivity").glob("*.json")]
     assert any(c.ks == sens.ks and c.delta == pytest.approx(sens.delta, abs=1e-9) for c in cached)
     return sens
@@ -233,6 +254,7 @@ def test_max_ppl_increase_with_heads_fixed_spreads_them_and_meets_its_target(tin
     ({"max_ppl_increase": 1, "no_predictors": True, "density": 1.0}, "needs predictors"),
     ({"allocation": "recall"}, "allocation"),
     ({"heldout_tokens": 0}, "heldout-tokens"),
+    ({"sensitivity_dtype": "float16"}, "sensitivity-dtype"),
 ])
 def test_config_rejects_bad_budget_settings(kw, match):
     with pytest.raises(DejavuError, match=match):
@@ -254,6 +276,13 @@ def test_density_keeps_the_best_of_knapsack_and_the_simple_allocations(tiny_dir_
     assert h["engine_ppl"] == pytest.approx(math.exp(_masked_nll(model, ids, mk, ak, preds)), rel=1e-4)
     _, _, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.85, attn_density=0.5)
     assert "allocation_check" not in rep["heldout"]  # a kind frozen by the user: nothing to compare
+
+
+def test_sensitivity_cache_tells_the_dtypes_apart(tiny_dir_model, tmp_path, monkeypatch):
+    for dtype in ("bfloat16", "float32", "bfloat16"):
+        _resolve(tiny_dir_model, tmp_path, monkeypatch, density=0.85, sensitivity_dtype=dtype)
+    tables = [Sensitivity.from_dict(json.loads(p.read_text())) for p in (tmp_path / "sensitivity").glob("*.json")]
+    assert len(tables) == 2 and tables[0].delta != tables[1].delta
 
 
 def test_heads_dense_keeps_every_head_within_the_budget():

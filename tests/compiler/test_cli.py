@@ -182,7 +182,8 @@ def test_compile_help_shows_buildconfig_defaults(capsys):
     text = " ".join(compile_parser().format_help().split())
     d = BuildConfig  # the class attributes are the fields' defaults
     for opt, value in (("--calib-tokens", d.calib_tokens), ("--predictor-epochs", d.predictor_epochs),
-                       ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit)):
+                       ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit),
+                       ("--sensitivity-dtype", d.sensitivity_dtype)):
         after = text.split(f" {opt} ", 1)[1]
         assert f"(default: {value})" in after.split(" --", 1)[0], opt
 
