@@ -16,19 +16,14 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-
-def token_nll(head, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Per-token next-token NLL [B * (S-1)] (float64); x: [B, S, D]."""
-    out = []
-    for b in range(x.shape[0]):
-        logp = F.log_softmax(head(x[b:b + 1, :-1]).float(), dim=-1)[0]
-        out.append(-logp.gather(-1, ids[b, 1:, None])[:, 0].double())
-    return torch.cat(out)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from knapsack_noise import token_nll  # noqa: E402
 
 
 @torch.no_grad()
