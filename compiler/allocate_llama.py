@@ -28,6 +28,7 @@ from dejavu.errors import DejavuError
 
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # skips measured per kind
 SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase over the block skip
+MAX_SKIP = 0.95  # the largest skip a kind may reach in the joint refinement
 
 
 def input_bytes(cfg) -> dict[str, int]:
@@ -125,6 +126,38 @@ def allocate_skips(sens: Sensitivity, weights: dict[str, int], skip: float) -> d
         skips[k] = x0 + step
         got += step * weights[k]
     return skips
+
+
+def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: int, step: float = 0.025,
+                 progress=None) -> tuple[dict[str, float], float, float, int]:
+    """Joint coordinate search from `skips`: move `step` of the block bytes from one kind to
+    another (bytes unchanged), keep a move when nll(joint skips) drops, repeat a kept move, halve
+    the step after a pass without one; at most `evals` calls of nll, the start's included.
+    Returns (skips, nll at the start, nll at the end, calls)."""
+    total = sum(weights.values())
+    best = dict(skips)
+    start = best_nll = nll(best)
+    used = 1
+    while used < evals and step > 1e-3:
+        kept = False
+        for a in KEYS:
+            for b in KEYS:
+                while a != b and used < evals:
+                    cand = dict(best)
+                    cand[a] += step * total / weights[a]
+                    cand[b] -= step * total / weights[b]
+                    if cand[a] > MAX_SKIP or cand[b] < 0.0:
+                        break
+                    got = nll(cand)
+                    used += 1
+                    if progress is not None:
+                        progress(cand, got, got < best_nll)
+                    if got >= best_nll:
+                        break
+                    best, best_nll, kept = cand, got, True
+        if not kept:
+            step /= 2
+    return best, start, best_nll, used
 
 
 def block_skip(skips: dict[str, float], weights: dict[str, int]) -> float:
