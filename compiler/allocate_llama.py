@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -128,13 +129,12 @@ def allocate_skips(sens: Sensitivity, weights: dict[str, int], skip: float) -> d
     return skips
 
 
-def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: int, step: float = 0.025,
+def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: int, step: float = 0.05,
                  progress=None) -> tuple[dict[str, float], float, float, int]:
-    """Joint coordinate search from `skips`: move `step` of the block bytes from one kind to
-    another (bytes unchanged), keep a move when nll(joint skips) drops, repeat a kept move, halve
-    the step after a pass without one; at most `evals` calls of nll, the start's included.
-    Returns (skips, nll at the start, nll at the end, calls)."""
-    total = sum(weights.values())
+    """Joint coordinate search from `skips`: move the bytes of `step` skip of the smaller of two
+    kinds from one to the other (bytes unchanged), keep a move when nll(joint skips) drops, repeat
+    a kept move, halve the step after a pass without one; at most `evals` calls of nll, the
+    start's included. Returns (skips, nll at the start, nll at the end, calls)."""
     best = dict(skips)
     start = best_nll = nll(best)
     used = 1
@@ -144,8 +144,9 @@ def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: i
             for b in KEYS:
                 while a != b and used < evals:
                     cand = dict(best)
-                    cand[a] += step * total / weights[a]
-                    cand[b] -= step * total / weights[b]
+                    moved = step * min(weights[a], weights[b])
+                    cand[a] += moved / weights[a]
+                    cand[b] -= moved / weights[b]
                     if cand[a] > MAX_SKIP or cand[b] < 0.0:
                         break
                     got = nll(cand)
@@ -163,6 +164,10 @@ def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: i
 def block_skip(skips: dict[str, float], weights: dict[str, int]) -> float:
     """The fraction of the block projection bytes skipped by per-kind skips."""
     return sum(weights[k] * skips[k] for k in KEYS) / sum(weights.values())
+
+
+def _rounded(skips: dict[str, float], digits: int = 6) -> dict[str, float]:
+    return {k: round(v, digits) for k, v in skips.items()}
 
 
 def _pct(nll: float, dense: float) -> float:
@@ -190,7 +195,8 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     uniform = lambda s: {k: s for k in KEYS}  # noqa: E731
     sens = None
     if config.allocation == "sensitivity" and (skip is None or skip > 0):
-        sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=progress)
+        sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=(
+            (lambda k, s, d: progress(f"sensitivity {k} {s:g}: {d:+.5f} nats")) if progress is not None else None))
         source += f"; sensitivity on {sens_source}"
     alloc = (lambda s: allocate_skips(sens, weights, s)) if sens is not None else uniform
     nll = lambda skips: heldout_nll(model, ids, kind_thresholds(calib, skips) if any(skips.values()) else None)  # noqa: E731
@@ -203,7 +209,23 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
             lo, hi = (mid, hi) if nll(alloc(mid)) <= limit else (lo, mid)
         skip = lo
     skips = alloc(skip)
+    refined = None
+    if sens is not None and skip > 0 and config.refine_evals > 1:  # the kinds together, on the sensitivity windows
+        t0, start, sens_ids = time.perf_counter(), skips, sens_ids.to(device)
+        say = (lambda s, v, kept: progress(f"refine {_rounded(s, 4)}: {_pct(v, sens.dense_nll):+.2f}%"
+                                           + (" kept" if kept else ""))) if progress is not None else None
+        skips, first, last, used = refine_skips(
+            lambda s: heldout_nll(model, sens_ids, kind_thresholds(calib, s)), start, weights, config.refine_evals,
+            progress=say)
+        refined = {"start": _rounded(start), "evals": used, "start_pct": _pct(first, sens.dense_nll),
+                   "refined_pct": _pct(last, sens.dense_nll), "seconds": round(time.perf_counter() - t0, 1)}
     got = nll(skips)
+    if refined is not None and skips != start:  # kept only where the second set agrees
+        was = nll(start)
+        refined.update(check_start_pct=_pct(was, dense), check_refined_pct=_pct(got, dense),
+                       kept=got <= was)
+        if was < got:
+            skips, got = start, was
     check = None
     if sens is not None and skip > 0:  # the measured allocation against the uniform level at the same bytes
         flat = nll(uniform(skip))
@@ -213,7 +235,8 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
             skips, got = uniform(skip), flat
     report = {"source": source, "windows": int(ids.shape[0]), "tokens": int(ids.shape[0] * (ids.shape[1] - 1)),
               "dense_ppl": round(math.exp(dense), 4), "engine_ppl": round(math.exp(got), 4),
-              "increase_pct": _pct(got, dense), "skips": {k: round(v, 6) for k, v in skips.items()},
+              "increase_pct": _pct(got, dense), "skips": _rounded(skips),
               **({"allocation_check": check} if check else {}),
+              **({"refinement": refined} if refined else {}),
               **({"sensitivity": sens.to_dict()} if sens is not None else {})}
     return skips, report

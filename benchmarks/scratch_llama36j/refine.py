@@ -22,7 +22,7 @@ from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_mod
 p = argparse.ArgumentParser()
 p.add_argument("--levels", nargs="+", type=float, default=[0.4])
 p.add_argument("--evals", type=int, default=24)
-p.add_argument("--step", type=float, default=0.025)
+p.add_argument("--step", type=float, default=0.05)
 p.add_argument("--ppl-tokens", type=int, default=8192)
 p.add_argument("--test", action=argparse.BooleanOptionalAction, default=True)
 p.add_argument("--calib-cache", required=True)
@@ -51,6 +51,7 @@ with torch.no_grad():
                                            lambda s, v, k: (log.append([{k2: round(x, 4) for k2, x in s.items()}, v, k]),
                                                             print(level, {k2: round(x, 3) for k2, x in s.items()}, round(v - dense_s, 5), k, flush=True)))
         secs = time.perf_counter() - t0
+        print(level, "start", round(a - dense_s, 5), "refined", round(b - dense_s, 5), flush=True)
         row = {"level": level, "start": start, "refined": refined, "evals": used, "refine_seconds": round(secs, 1),
                "block_skip": [block_skip(start, w), block_skip(refined, w)],
                "sens_delta": [a - dense_s, b - dense_s], "log": log,

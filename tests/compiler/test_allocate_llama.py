@@ -145,6 +145,8 @@ def test_density_build_records_its_allocation_within_the_budget(folder, tmp_path
         assert bc["allocation"] == check["kept"]
         kept = check["sensitivity_pct" if check["kept"] == "sensitivity" else "uniform_pct"]
         assert kept == min(check["sensitivity_pct"], check["uniform_pct"]) == held["increase_pct"]
+        ref = held["refinement"]  # the joint refinement on the first set: never worse than its start there
+        assert ref["refined_pct"] <= ref["start_pct"] and 1 < ref["evals"] <= bc["settings"]["refine_evals"]
 
 
 def test_max_ppl_increase_build_is_within_p_on_the_held_out_windows(folder, tmp_path, capsys):
