@@ -5,9 +5,12 @@ The OPT side's design (compiler/allocate.py) applied to TEAL thresholds. On held
 layer's input of one kind (attn_in, o_in, mlp_in, down_in) skips the fraction s of its
 calibration activations, s in LEVELS, the other kinds dense. `allocate_skips` spends the byte
 budget on the kinds cheapest in loss per byte skipped (greedy on each curve's lower convex hull,
-the last step filled partially, so the budget is met exactly and never exceeded). The combined
-engine is then measured on a second, disjoint set of held-out windows against the uniform level
-(every input at the same skip) at the same bytes, and the better of the two is kept.
+the last step filled partially, so the budget is met exactly and never exceeded). The separate
+curves miss how the kinds interact, so `refine_skips` then moves bytes between pairs of kinds,
+scoring the joint skips on the same windows (BuildConfig.refine_evals evaluations). The combined
+engine is then measured on a second, disjoint set of held-out windows: the refinement is kept only
+where it beats its start there too, and the result only where it beats the uniform level (every
+input at the same skip) at the same bytes.
 
 One skip per kind, not per (layer, kind): on SmolLM2-135M a single layer's input at 40% moves
 the held-out loss by 1e-3 to 1e-2 nats on 1,022 tokens, the size of the noise of that many
@@ -179,9 +182,10 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     """The build's allocation: ({key: skip}, report for the header's build_config.heldout).
 
     skip: the block skip of --density (None: --max-ppl-increase searches it). config: a
-    BuildConfig (allocation, max_ppl_increase, heldout, heldout_tokens, calib, calib_window).
-    Sensitivity is measured on the first `heldout_tokens` held-out tokens, every combined engine
-    on the next ones (a choice is never scored on the windows it was fitted to)."""
+    BuildConfig (allocation, max_ppl_increase, heldout, heldout_tokens, refine_evals, calib, calib_window).
+    Sensitivity and the joint refinement (refine_evals) use the first `heldout_tokens` held-out
+    tokens, every combined engine is scored on the next ones (a choice is never scored on the
+    windows it was fitted to). progress: called with one line per measurement, or None."""
     from dejavu.compiler.allocate import heldout_windows
 
     cfg, weights = model.config, input_bytes(model.config)
