@@ -169,6 +169,7 @@ def test_max_ppl_increase_build_is_within_p_on_the_held_out_windows(folder, tmp_
     (["--max-ppl-increase", "abc"], "max-ppl-increase"),
     (["--density", "0.6", "--max-ppl-increase", "1"], "not both"),
     (["--density", "0.6", "--allocation", "greedy"], "allocation"),
+    (["--density", "0.6", "--refine-evals", "-1"], "refine-evals"),
 ])
 def test_bad_budget_options_are_one_line_and_no_file(folder, tmp_path, capsys, argv, match):
     from dejavu.compiler.cli import main
