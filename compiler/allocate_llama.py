@@ -5,9 +5,12 @@ The OPT side's design (compiler/allocate.py) applied to TEAL thresholds. On held
 layer's input of one kind (attn_in, o_in, mlp_in, down_in) skips the fraction s of its
 calibration activations, s in LEVELS, the other kinds dense. `allocate_skips` spends the byte
 budget on the kinds cheapest in loss per byte skipped (greedy on each curve's lower convex hull,
-the last step filled partially, so the budget is met exactly and never exceeded). The combined
-engine is then measured on a second, disjoint set of held-out windows against the uniform level
-(every input at the same skip) at the same bytes, and the better of the two is kept.
+the last step filled partially, so the budget is met exactly and never exceeded). The separate
+curves miss how the kinds interact, so `refine_skips` then moves bytes between pairs of kinds,
+scoring the joint skips on the same windows (BuildConfig.refine_evals evaluations). The combined
+engine is then measured on a second, disjoint set of held-out windows: the refinement is kept only
+where it beats its start there too, and the result only where it beats the uniform level (every
+input at the same skip) at the same bytes.
 
 One skip per kind, not per (layer, kind): on SmolLM2-135M a single layer's input at 40% moves
 the held-out loss by 1e-3 to 1e-2 nats on 1,022 tokens, the size of the noise of that many
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +32,7 @@ from dejavu.errors import DejavuError
 
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # skips measured per kind
 SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase over the block skip
+MAX_SKIP = 0.95  # the largest skip a kind may reach in the joint refinement
 
 
 def input_bytes(cfg) -> dict[str, int]:
@@ -127,9 +132,45 @@ def allocate_skips(sens: Sensitivity, weights: dict[str, int], skip: float) -> d
     return skips
 
 
+def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: int, step: float = 0.05,
+                 progress=None) -> tuple[dict[str, float], float, float, int]:
+    """Joint coordinate search from `skips`: move the bytes of `step` skip of the smaller of two
+    kinds from one to the other (bytes unchanged), keep a move when nll(joint skips) drops, repeat
+    a kept move, halve the step after a pass without one; at most `evals` calls of nll, the
+    start's included. Returns (skips, nll at the start, nll at the end, calls)."""
+    best = dict(skips)
+    start = best_nll = nll(best)
+    used = 1
+    while used < evals and step > 1e-3:
+        kept = False
+        for a in KEYS:
+            for b in KEYS:
+                while a != b and used < evals:
+                    cand = dict(best)
+                    moved = step * min(weights[a], weights[b])
+                    cand[a] += moved / weights[a]
+                    cand[b] -= moved / weights[b]
+                    if cand[a] > MAX_SKIP or cand[b] < 0.0:
+                        break
+                    got = nll(cand)
+                    used += 1
+                    if progress is not None:
+                        progress(cand, got, got < best_nll)
+                    if got >= best_nll:
+                        break
+                    best, best_nll, kept = cand, got, True
+        if not kept:
+            step /= 2
+    return best, start, best_nll, used
+
+
 def block_skip(skips: dict[str, float], weights: dict[str, int]) -> float:
     """The fraction of the block projection bytes skipped by per-kind skips."""
     return sum(weights[k] * skips[k] for k in KEYS) / sum(weights.values())
+
+
+def _rounded(skips: dict[str, float], digits: int = 6) -> dict[str, float]:
+    return {k: round(v, digits) for k, v in skips.items()}
 
 
 def _pct(nll: float, dense: float) -> float:
@@ -141,9 +182,10 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     """The build's allocation: ({key: skip}, report for the header's build_config.heldout).
 
     skip: the block skip of --density (None: --max-ppl-increase searches it). config: a
-    BuildConfig (allocation, max_ppl_increase, heldout, heldout_tokens, calib, calib_window).
-    Sensitivity is measured on the first `heldout_tokens` held-out tokens, every combined engine
-    on the next ones (a choice is never scored on the windows it was fitted to)."""
+    BuildConfig (allocation, max_ppl_increase, heldout, heldout_tokens, refine_evals, calib, calib_window).
+    Sensitivity and the joint refinement (refine_evals) use the first `heldout_tokens` held-out
+    tokens, every combined engine is scored on the next ones (a choice is never scored on the
+    windows it was fitted to). progress: called with one line per measurement, or None."""
     from dejavu.compiler.allocate import heldout_windows
 
     cfg, weights = model.config, input_bytes(model.config)
@@ -157,7 +199,8 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     uniform = lambda s: {k: s for k in KEYS}  # noqa: E731
     sens = None
     if config.allocation == "sensitivity" and (skip is None or skip > 0):
-        sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=progress)
+        sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=(
+            (lambda k, s, d: progress(f"sensitivity {k} {s:g}: {d:+.5f} nats")) if progress is not None else None))
         source += f"; sensitivity on {sens_source}"
     alloc = (lambda s: allocate_skips(sens, weights, s)) if sens is not None else uniform
     nll = lambda skips: heldout_nll(model, ids, kind_thresholds(calib, skips) if any(skips.values()) else None)  # noqa: E731
@@ -170,7 +213,23 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
             lo, hi = (mid, hi) if nll(alloc(mid)) <= limit else (lo, mid)
         skip = lo
     skips = alloc(skip)
+    refined = None
+    if sens is not None and skip > 0 and config.refine_evals > 1:  # the kinds together, on the sensitivity windows
+        t0, start, sens_ids = time.perf_counter(), skips, sens_ids.to(device)
+        say = (lambda s, v, kept: progress(f"refine {_rounded(s, 4)}: {_pct(v, sens.dense_nll):+.2f}%"
+                                           + (" kept" if kept else ""))) if progress is not None else None
+        skips, first, last, used = refine_skips(
+            lambda s: heldout_nll(model, sens_ids, kind_thresholds(calib, s)), start, weights, config.refine_evals,
+            progress=say)
+        refined = {"start": _rounded(start), "evals": used, "start_pct": _pct(first, sens.dense_nll),
+                   "refined_pct": _pct(last, sens.dense_nll), "seconds": round(time.perf_counter() - t0, 1)}
     got = nll(skips)
+    if refined is not None and skips != start:  # kept only where the second set agrees
+        was = nll(start)
+        refined.update(check_start_pct=_pct(was, dense), check_refined_pct=_pct(got, dense),
+                       kept=got <= was)
+        if was < got:
+            skips, got = start, was
     check = None
     if sens is not None and skip > 0:  # the measured allocation against the uniform level at the same bytes
         flat = nll(uniform(skip))
@@ -180,7 +239,8 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
             skips, got = uniform(skip), flat
     report = {"source": source, "windows": int(ids.shape[0]), "tokens": int(ids.shape[0] * (ids.shape[1] - 1)),
               "dense_ppl": round(math.exp(dense), 4), "engine_ppl": round(math.exp(got), 4),
-              "increase_pct": _pct(got, dense), "skips": {k: round(v, 6) for k, v in skips.items()},
+              "increase_pct": _pct(got, dense), "skips": _rounded(skips),
               **({"allocation_check": check} if check else {}),
+              **({"refinement": refined} if refined else {}),
               **({"sensitivity": sens.to_dict()} if sens is not None else {})}
     return skips, report

@@ -195,7 +195,8 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
         with torch.no_grad():
             calib, calibration = calibrate_inputs(model, tokenizer, config)
     with stages("allocate budget"):
-        skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, calibration["n_tokens"])
+        say = (lambda line: print(f"[dejavu-compile]   {line}", file=sys.stderr, flush=True)) if progress else None
+        skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, calibration["n_tokens"], say)
     thresholds = {k: [round(t, 8) for t in ts] for k, ts in kind_thresholds(calib, skips).items()}
     skip = block_skip(skips, input_bytes(cfg))
     onnx_report = None

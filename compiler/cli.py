@@ -50,6 +50,8 @@ def compile_parser() -> argparse.ArgumentParser:
                         "(default: the shipped WikiText-2 validation head)")
     p.add_argument("--heldout-tokens", type=int, default=S, metavar="N",
                    help="held-out tokens (after the calibration stream where --heldout is the --calib corpus)")
+    p.add_argument("--refine-evals", type=int, default=S, metavar="N",
+                   help="Llama: held-out evaluations of the joint refinement of the per-kind skips (0: off)")
     p.add_argument("--calib", default=S, metavar="CORPUS",
                    help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME "
                         "(default: the shipped WikiText-2 head)")

@@ -145,6 +145,9 @@ class BuildConfig:
     predictor_lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]  # 0 | 1
     predictor_epochs: int = PredictorSettings.max_epochs
     allocation: str = ALLOCATIONS[0]  # sensitivity
+    # Llama: held-out evaluations of the joint refinement of the per-kind skips (allocate_llama.refine_skips;
+    # the start's included); 0 or 1: off
+    refine_evals: int = 24
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
     seed: int = PredictorSettings.seed  # of predictor training
@@ -182,6 +185,8 @@ class BuildConfig:
                               f"got {self.sensitivity_dtype!r}")
         if self.allocation not in ALLOCATIONS:
             raise DejavuError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
+        if type(self.refine_evals) is not int or self.refine_evals < 0:
+            raise DejavuError(f"--refine-evals must be a non-negative integer, got {self.refine_evals!r}")
         if self.token_k is not None and self.token_k not in TOKEN_K_FORMS:
             raise DejavuError(f"--token-k must be one of {', '.join(TOKEN_K_FORMS)}, got {self.token_k!r}")
         if self.token_k == "share" and self.tp > 1:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dejavu.compiler.allocate_llama import (KEYS, Sensitivity, allocate_skips, block_skip, heldout_nll,
-                                            kind_thresholds, measure_sensitivity)
+                                            kind_thresholds, measure_sensitivity, refine_skips)
 from dejavu.compiler.build import build_engine
 from dejavu.compiler.config import BuildConfig
 from dejavu.engine_file import read_engine
@@ -57,6 +57,33 @@ def test_allocate_skips_prices_noise_and_goes_uniform_past_the_levels():
     assert allocate_skips(sens, WEIGHTS, 0.95) == {k: 0.95 for k in KEYS}
     with pytest.raises(DejavuError, match="skip must be in"):
         allocate_skips(sens, WEIGHTS, 1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("skip", [0.25, 0.4, 0.5])
+def test_refine_skips_never_worse_than_its_start_and_keeps_the_bytes(seed, skip):
+    """On a loss where the kinds interact (the separate curves plus cross terms and noise), the
+    refinement returns skips no worse than its start on that same loss, at the start's bytes, within
+    its evaluation cap; and where the start is off the joint optimum it moves toward it."""
+    sens = _random_sensitivity(seed)
+    rng = np.random.default_rng(100 + seed)
+    cross = rng.uniform(0, 2, (len(KEYS), len(KEYS)))
+    calls = []
+
+    def nll(s):
+        x = np.array([s[k] for k in KEYS])
+        tilt = 100.0 * (s[KEYS[0]] - s[KEYS[1]])  # an interaction: attn_in's skip costs more, o_in's less
+        calls.append((dict(s), 3.0 + _loss(sens, s) + float(x @ cross @ x) + tilt + float(rng.normal(0, 1e-3))))
+        return calls[-1][1]
+
+    start = allocate_skips(sens, WEIGHTS, skip)
+    refined, first, last, used = refine_skips(nll, start, WEIGHTS, evals=24)
+    assert used == len(calls) <= 24 and calls[0] == (start, first)
+    assert last <= first and (refined, last) in calls and last == min(v for _, v in calls)
+    assert block_skip(refined, WEIGHTS) == pytest.approx(skip, abs=1e-12)
+    assert all(0.0 <= refined[k] <= 0.95 for k in KEYS) and all(0.0 <= c[k] <= 0.95 for c, _ in calls for k in KEYS)
+    if start[KEYS[0]] > 0:  # the tilt moves the optimum off the separate curves' allocation
+        assert last < first and refined[KEYS[0]] < start[KEYS[0]]
 
 
 def test_measured_sensitivity_is_the_held_out_loss_increase_of_one_kind():
@@ -118,6 +145,8 @@ def test_density_build_records_its_allocation_within_the_budget(folder, tmp_path
         assert bc["allocation"] == check["kept"]
         kept = check["sensitivity_pct" if check["kept"] == "sensitivity" else "uniform_pct"]
         assert kept == min(check["sensitivity_pct"], check["uniform_pct"]) == held["increase_pct"]
+        ref = held["refinement"]  # the joint refinement on the first set: never worse than its start there
+        assert ref["refined_pct"] <= ref["start_pct"] and 1 < ref["evals"] <= bc["settings"]["refine_evals"]
 
 
 def test_max_ppl_increase_build_is_within_p_on_the_held_out_windows(folder, tmp_path, capsys):
@@ -140,6 +169,7 @@ def test_max_ppl_increase_build_is_within_p_on_the_held_out_windows(folder, tmp_
     (["--max-ppl-increase", "abc"], "max-ppl-increase"),
     (["--density", "0.6", "--max-ppl-increase", "1"], "not both"),
     (["--density", "0.6", "--allocation", "greedy"], "allocation"),
+    (["--density", "0.6", "--refine-evals", "-1"], "refine-evals"),
 ])
 def test_bad_budget_options_are_one_line_and_no_file(folder, tmp_path, capsys, argv, match):
     from dejavu.compiler.cli import main
