@@ -47,13 +47,14 @@ def ort_rows(path, ids: torch.Tensor, layers: list[int], keep: bool):
 
 def runtime_rows(engine, ids: torch.Tensor, layers: list[int]):
     """The runtime's decode logits [1,S,V] and {l: (idx [1,S,k], keep [1,S,k])} from its MLP predictor op
-    (one call per step and sparse layer, in layer order)."""
+    (one call per step and sparse layer, in layer order; with a per-token K it returns the kept count)."""
     rec, op = [], engine.decoder.pred.topk
 
     def topk(x, *args, min_share=None, **kw):
         out = op(x, *args, min_share=min_share, **kw)
-        if min_share is not None:
-            rec.append(tuple(t.clone() for t in out))
+        if min_share is not None:  # (idx, n): the n kept rows come first
+            idx, n = out
+            rec.append((idx.clone(), torch.arange(idx.shape[-1], device=idx.device) < n.reshape(-1, 1)))
         elif args[1].shape[0] == engine.spec.ffn_dim:  # b [F, r]: an MLP predictor (fixed K)
             rec.append((out.clone(), torch.ones(out.shape, dtype=torch.bool)))
         return out
