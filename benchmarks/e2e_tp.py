@@ -1,11 +1,11 @@
 """Tensor-parallel end-to-end decode latency: dense TP vs dejavu TP (issue 8). NOT YET RUN ON GPUs.
 
-Skeleton for a multi-GPU machine (none was lent when it was written; docs/tensor_parallel.md):
+Skeleton for one multi-GPU host (not yet run on one; docs/tensor_parallel.md):
 
     source benchmarks/device_env.sh
-    export NCCL_NVLS_ENABLE=0          # NVLink multicast off, as the device README says
-    torchrun --nproc-per-node 8 benchmarks/e2e_tp.py --model opt-175b      # nvidia-h200-x8
-    torchrun --nproc-per-node 4 benchmarks/e2e_tp.py --model opt-66b       # nvidia-h200-x4
+    export NCCL_NVLS_ENABLE=0          # NVLink multicast off (NCCL's NVLS)
+    torchrun --nproc-per-node 8 benchmarks/e2e_tp.py --model opt-175b      # 8 GPUs
+    torchrun --nproc-per-node 4 benchmarks/e2e_tp.py --model opt-66b       # 4 GPUs
 
 Each rank builds only its own shard in memory (random weights and random predictors of the
 real shapes; the full OPT-175B would not fit one GPU), with the split of
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     from dejavu.runtime.tp import TPEngine, init_distributed
 
     if DEV == "cuda" and os.environ.get("NCCL_NVLS_ENABLE") != "0":
-        raise SystemExit("set NCCL_NVLS_ENABLE=0 (NVLink multicast must stay off on the lent machines)")
+        raise SystemExit("set NCCL_NVLS_ENABLE=0 (NVLink multicast stays off for this benchmark)")
     init_distributed(DEV)
     rank, tp = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if DEV == "cuda" else torch.device("cpu")
