@@ -43,24 +43,9 @@ def token_nll(head, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def sensitivity_per_token(layers, embed, head, ids, predictors, ks: dict) -> dict:
     """{(l, kind, k): per-token increase [T]} and "dense": per-token NLL; as measure_sensitivity."""
-    from dejavu.compiler.allocate import KINDS, _order, _Sources
-    from dejavu.compiler.masking import fixed_selection
+    from dejavu.compiler.allocate import sensitivity_states
 
-    x = embed(ids)
-    srcs = _Sources(predictors.predictor_input)
-    branches = {}
-    for l, layer in enumerate(layers):
-        for key in branches:
-            branches[key] = layer(branches[key], None, None)
-        srcs.enter(l, x)
-        x_next = srcs.run(l, layer, x)
-        xp = srcs.predictor_input(l)
-        for kind in KINDS:
-            order = _order(predictors, kind, l, xp, max(ks[kind]))
-            for k in ks[kind]:
-                with fixed_selection(layer, **{"mlp_idx" if kind == "mlp" else "attn_idx": order[..., :k]}):
-                    branches[(l, kind, k)] = layer(x, None, None)
-        x = x_next
+    x, branches, _ = sensitivity_states(layers, embed, ids, predictors, ks)
     dense = token_nll(head, x, ids)
     return {"dense": dense, **{key: token_nll(head, v, ids) - dense for key, v in branches.items()}}
 

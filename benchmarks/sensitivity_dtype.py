@@ -13,7 +13,6 @@ ones (in nats and in standard errors), and the knapsack's K from either table at
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -29,26 +28,11 @@ from knapsack_noise import token_nll  # noqa: E402
 @torch.no_grad()
 def table(parts, ids, preds, ks, dtype: str) -> dict:
     """{"l,kind,k": [mean, standard error]} of the per-token increases, as measure_sensitivity."""
-    from dejavu.compiler.allocate import KINDS, _order, _Sources
-    from dejavu.compiler.masking import fixed_selection
+    from dejavu.compiler.allocate import _amp, sensitivity_states
 
     layers, embed, head = parts()
-    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bfloat16" else contextlib.nullcontext
-    x, srcs, br = embed(ids), _Sources(preds.predictor_input), {}
-    for l, layer in enumerate(layers):
-        with amp():
-            for k in br:
-                br[k] = layer(br[k], None, None)
-            srcs.enter(l, x)
-            x_next = srcs.run(l, layer, x)
-        xp = srcs.predictor_input(l)
-        for kind in KINDS:
-            order = _order(preds, kind, l, xp, max(ks[kind]))
-            for k in ks[kind]:
-                with fixed_selection(layer, **{"mlp_idx" if kind == "mlp" else "attn_idx": order[..., :k]}), amp():
-                    br[(l, kind, k)] = layer(x, None, None)
-        x = x_next
-    with amp():
+    x, br, _ = sensitivity_states(layers, embed, ids, preds, ks, dtype=dtype)
+    with _amp("cpu", dtype):
         dense = token_nll(head, x, ids)
         out = {}
         for (l, kind, k), s in br.items():

@@ -193,26 +193,26 @@ class Sensitivity:
 
 
 @torch.no_grad()
-def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: torch.Tensor, predictors,
-                        ks: dict, progress: bool = False, dtype: str = "float32") -> Sensitivity:
-    """One pass over `layers`: the dense held-out hidden state plus one branch per candidate
-    (layer, kind, K), started at its layer with that selection and run dense afterwards.
+def _amp(device_type: str, dtype: str):
+    """bfloat16 autocast for dtype "bfloat16", else a no-op context (`BuildConfig.sensitivity_dtype`)."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
-    ids: [B, S] held-out windows. ks: {"mlp": [C], "attn": [C]} candidate K (< N).
-    dtype "bfloat16": the layers' and the LM head's matmuls (dense path and branches alike) under
-    bfloat16 autocast, the residual stream, LayerNorms, predictors and losses in float32
-    (`BuildConfig.sensitivity_dtype`; float64 inputs are never cast).
-    Memory: (1 + L * (C_mlp + C_attn)) states of [B, S, D]; each branch ends in `head`."""
+
+def sensitivity_states(layers: Iterable, embed: Callable, ids: torch.Tensor, predictors, ks: dict,
+                       progress: bool = False, dtype: str = "float32") -> tuple[torch.Tensor, dict, int]:
+    """The hidden states `measure_sensitivity` scores: (the dense final state, {(l, kind, k): the final
+    state of the branch started at layer l with that selection and run dense afterwards}, L).
+    Studies that need per-token losses (benchmarks/knapsack_noise.py) score them themselves."""
     x = embed(ids)
-    amp = lambda: torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")  # noqa: E731
     srcs = _Sources(predictors.predictor_input)
     branches: dict[tuple, torch.Tensor] = {}
     it = enumerate(layers)
     if progress:
         from tqdm import tqdm
         it = tqdm(it, desc="sensitivity", unit="layer")
+    L = 0
     for l, layer in it:
-        with amp():
+        with _amp(x.device.type, dtype):
             for key in branches:  # branches started earlier: this layer runs dense
                 branches[key] = layer(branches[key], None, None)
             srcs.enter(l, x)
@@ -224,11 +224,24 @@ def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: 
             order = _order(predictors, kind, l, xp, max(ks[kind]))
             for k in ks[kind]:
                 sel = {"mlp_idx" if kind == "mlp" else "attn_idx": order[..., :k]}
-                with fixed_selection(layer, **sel), amp():
+                with fixed_selection(layer, **sel), _amp(x.device.type, dtype):
                     branches[(l, kind, k)] = layer(x, None, None)
-        x = x_next
-    L = l + 1
-    with amp():
+        x, L = x_next, l + 1
+    return x, branches, L
+
+
+def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: torch.Tensor, predictors,
+                        ks: dict, progress: bool = False, dtype: str = "float32") -> Sensitivity:
+    """One pass over `layers`: the dense held-out hidden state plus one branch per candidate
+    (layer, kind, K), started at its layer with that selection and run dense afterwards.
+
+    ids: [B, S] held-out windows. ks: {"mlp": [C], "attn": [C]} candidate K (< N).
+    dtype "bfloat16": the layers' and the LM head's matmuls (dense path and branches alike) under
+    bfloat16 autocast, the residual stream, LayerNorms, predictors and losses in float32
+    (`BuildConfig.sensitivity_dtype`; float64 inputs are never cast).
+    Memory: (1 + L * (C_mlp + C_attn)) states of [B, S, D]; each branch ends in `head`."""
+    x, branches, L = sensitivity_states(layers, embed, ids, predictors, ks, progress, dtype)
+    with _amp(x.device.type, dtype):
         dense = _nll(head, x, ids)
         delta = {kind: [[_nll(head, branches[(j, kind, k)], ids) - dense for k in ks.get(kind, [])]
                         for j in range(L)] for kind in KINDS}
