@@ -127,9 +127,10 @@ class BuildConfig:
     heldout_tokens: int = 2048  # tokens of each held-out set (sensitivity; combined engines on a second set)
     # matmuls of the sensitivity pass (allocate.measure_sensitivity; the combined engines' held-out
     # figures stay float32): on opt-mini's 133 branches bfloat16 autocast moved each single-layer loss
-    # increase by 0.09 of its paired standard error over the 2,048 tokens (median; at most 0.0015
-    # nats) and took 53 s of CPU time against 87 s (2026-12-05, docs/compiler.md, "Allocation").
-    # float32 where the CPU has no bfloat16 instructions (AVX512-BF16 / AMX), which run it slower
+    # increase by 0.084 of its paired standard error over the 2,048 tokens (median; at most 0.0015
+    # nats) and took 47.8 s of CPU time against 80.4 s on one thread (2026-12-05,
+    # benchmarks/sensitivity_dtype.py, docs/compiler.md "Allocation").
+    # (--sensitivity-dtype float32 suits a CPU without bfloat16 instructions, AVX512-BF16 / AMX, not measured here)
     sensitivity_dtype: str = "bfloat16"
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
     # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
