@@ -2,7 +2,7 @@
 
     pip install --no-deps --no-build-isolation -q . && python benchmarks/e2e.py [--quick] [--smoke]
 
-Models: OPT-30B and OPT-1.3B shapes, and opt-mini's shape when its config is shipped, all
+Models: OPT-30B, OPT-66B (--num-layers: the first N of its 64 layers) and OPT-1.3B shapes, and opt-mini's shape when its config is shipped, all
 in fp16 with RANDOM weights and RANDOM predictors of the real shapes (ranks: dejavu.compiler's
 defaults for the shape, MLP min(10%-budget rank, 512) and heads min(H, budget);
 --mlp-rank/--attn-rank override): latency does not depend on the weights' values,
@@ -53,6 +53,8 @@ DEV = os.environ.get("DEJAVU_E2E_DEVICE", "cuda")
 SHAPES = {  # HF config fields of the released models (facebook/opt-*/config.json)
     "opt-30b": dict(vocab_size=50272, hidden_size=7168, num_hidden_layers=48, num_attention_heads=56,
                     ffn_dim=28672, max_position_embeddings=2048, word_embed_proj_dim=7168),
+    "opt-66b": dict(vocab_size=50272, hidden_size=9216, num_hidden_layers=64, num_attention_heads=72,
+                    ffn_dim=36864, max_position_embeddings=2048, word_embed_proj_dim=9216),
     "opt-1.3b": dict(vocab_size=50272, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
                      ffn_dim=8192, max_position_embeddings=2048, word_embed_proj_dim=2048),
 }
@@ -848,6 +850,8 @@ def main(argv=None) -> int:
     p.add_argument("--k-from", default=None, metavar="ENGINE[,ENGINE...]",
                    help="also time the per-layer K of these built .engine files (headers only), scaled to each "
                         "shape (KFrom: layers mapped proportionally); alone unless --densities is given")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="time the first N layers of each shape (OPT-66B's 64 layers, ~130 GB in fp16, do not fit one GPU)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 64)")
     p.add_argument("--batch-policy", default="both", choices=["per_sequence", "shared", "both"],
@@ -934,6 +938,8 @@ def main(argv=None) -> int:
     run.add("bandwidth", bw)
     print(f"copy bandwidth {bw['copy_GBps']:.0f} GB/s", flush=True)
     shapes = {**SHAPES, "tiny": TINY}
+    if a.num_layers:  # every figure of the run is then of an N-layer model; the JSON's shape says so
+        shapes = {k: {**v, "num_hidden_layers": min(a.num_layers, v["num_hidden_layers"])} for k, v in shapes.items()}
     ms = mini_shape()
     if ms:
         shapes["opt-mini"] = ms

@@ -5,7 +5,8 @@
 # batches 1 and 8, with the copy bandwidth measured in the same run; Hugging Face eager repeated and
 # static-cache torch.compile when HF=1.
 #   bash benchmarks/gpu/speed_opt.sh --save-k 0.3,0.4,0.5 [ENGINE_DIR]   # here: K of the engines as JSON
-#   bash benchmarks/gpu/speed_opt.sh [MODEL] [BUDGETS] [HF]   e.g. opt-30b 0.3,0.4,0.5 1
+#   bash benchmarks/gpu/speed_opt.sh [MODEL] [BUDGETS] [HF] [LAYERS]   e.g. opt-30b 0.3,0.4,0.5 1
+#   bash benchmarks/gpu/speed_opt.sh opt-66b 0.3,0.4,0.5 0 32   # 32 of OPT-66B's 64 layers (64 need ~130 GB in fp16)
 # Targets (OPT-30B, batch 1): even split 0.3 <= 5.5 ms/token, >= 2.7x the dense graph, <= 1.25x floor.
 set -euo pipefail
 if [ "${1:-}" = "--save-k" ]; then  # here, before the run: the headers of `dejavu-compile opt-mini --density B`
@@ -22,6 +23,7 @@ OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 MODEL=${1:-opt-30b}
 BUDGETS=${2:-0.3,0.4,0.5}
 HF=${3:-0}
+LAYERS=${4:-}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.csv" || true
 ENGINES=()
 for b in ${BUDGETS//,/ }; do  # the engine's header saved in benchmarks/gpu/k/ (written by --save-k), else a build here
@@ -34,4 +36,4 @@ HFARGS=(--no-hf)
 [ "$HF" = 1 ] && HFARGS=(--hf-repeats 5 --hf-compile)
 timeout 580 python3 benchmarks/e2e.py --models "$MODEL" --batches 1,8 --densities 0.3 --k-from "$KFROM" \
     --ablations same --ablate-batches 1 --ablate-densities 0.3 --full-kv-densities "" \
-    "${HFARGS[@]}" --budget 500 --out "$OUT/e2e-$(date -u +%F)-$MODEL.json"
+    "${HFARGS[@]}" ${LAYERS:+--num-layers "$LAYERS"} --budget 500 --out "$OUT/e2e-$(date -u +%F)-$MODEL.json"
