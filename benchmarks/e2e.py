@@ -335,24 +335,44 @@ def header_for(c: dict, density, dtype_name: str, ranks) -> dict:
             "target": {"device": "cuda", "arch": None, "kernel_settings": {}}}
 
 
-def with_token_k(header: dict, t: dict, probe: int = 256, seed: int = 0) -> dict:
+def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, seed: int = 0) -> dict:
     """header with a per-token MLP K (build_config.token_k, form "share"): each sparse layer selects its
-    top k_max = 2 K_l and keeps the rows whose share passes theta_l, fitted (compiler.token_k.fit_theta) on
-    `probe` random unit-variance inputs through that layer's random predictor so that the mean kept rows
-    are K_l, as benchmarks/token_k_ab.py fits it (random predictors: the kept count per token follows
-    their score distribution, not a trained one)."""
+    top k_max = 2 K_l and keeps the rows whose share passes theta_l, fitted (compiler.token_k.fit_theta) so
+    that the mean kept rows are K_l on the inputs its predictor sees in decode: a fixed-K engine of the same
+    header decodes `steps` tokens of a random prompt eagerly (no graph, no side stream) and each layer's MLP
+    predictor input is recorded (as the compiler fits theta on held-out text through the engine). Random
+    predictors: the kept count per token follows their score distribution, not a trained one. c: the
+    model's config (None: inputs of unit variance, not the decode's)."""
     from dejavu.compiler.token_k import cap_rows, fit_theta
+    from dejavu.runtime import Engine
 
     bc, F = header["build_config"], header["model_config"]["ffn_dim"]
+    L = len(bc["mlp_k"])
+    seen: dict[int, list] = {l: [] for l in range(L)}
+    if c is not None:
+        eng = Engine.from_tensors(header, t, DEV, overlap=False, use_graphs=False)
+        pr, orig = eng.decoder.pred, eng.decoder.pred._predict
+
+        def record(l, x, done=None):
+            seen[l].append(x.detach().float().clone())
+            return orig(l, x, done)
+
+        pr._predict = record
+        g = torch.Generator().manual_seed(seed)
+        with torch.inference_mode():
+            eng.generate([torch.randint(4, c["vocab_size"], (32,), generator=g).tolist()], steps, stop_at_eos=False)
+        del eng
+        free()
     g = torch.Generator(device=t["embed_tokens"].device).manual_seed(seed)
     th, km = [], []
     for l, k in enumerate(bc["mlp_k"]):
         a, b, bias = (t[f"layers.{l}.pred_mlp.{n}"].float() for n in ("a", "b", "bias"))
-        x = torch.randn(probe, a.shape[1], generator=g, device=a.device)
+        x = torch.cat(seen[l])[-steps:] if seen[l] else torch.randn(256, a.shape[1], generator=g, device=a.device)
         km.append(cap_rows(k, F) if k < F else k)
         th.append(fit_theta((x @ a.T) @ b.T + bias, k, km[-1]) if k < F else 1.0)
+    fitted = "decode inputs, {} steps".format(steps) if c is not None else "random inputs"
     return {**header, "build_config": {**bc, "token_k": {"form": "share", "threshold": th, "k_max": km,
-                                                         "k_mean": list(bc["mlp_k"]), "fitted_on": "random inputs"}}}
+                                                         "k_mean": list(bc["mlp_k"]), "fitted_on": fitted}}}
 
 
 # ------------------------------------------------------------------ bytes and bandwidth
@@ -758,7 +778,7 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     row_ks = ABLATIONS[variant].fn(row_ks)
                 try:
                     hdr = header_for(c, d, str(dtype)[6:], ranks)
-                    hdr = with_token_k(hdr, t) if system.endswith("_tokenk") else hdr
+                    hdr = with_token_k(hdr, t, c) if system.endswith("_tokenk") else hdr
                     eng = Engine.from_tensors(hdr, t, DEV, overlap=overlap,
                                               batch_policy=policy, kv_policy=kv, kernel_settings=row_ks)
                     if variant and not isinstance(ABLATIONS[variant], Settings):
