@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.runtime.kv_policy import KV_POLICIES, REFRESH_AUTO, KVCache, RefreshHeads
-from dejavu.runtime.ops import Ops, PendingLN, attend
+from dejavu.runtime.ops import Ops, PendingLN, attend, skips_zero
 from dejavu.runtime.predictors import runner_for
 from dejavu.runtime.spec import EngineSpec
 
@@ -207,12 +207,13 @@ class SparseDecoder:
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, left pending by fc2's split-K reduction (defer_ln_attn):
         # returns (x, PendingLN or LN(x)) then; x alone otherwise. ops: the layer's (Ops.layer)
-        # n_kept: [rows] int32 (a per-token K, kept rows first): fc1 and fc2 stop there; fc2 also skips ReLU zeros
+        # n_kept: [rows] int32 (a per-token K, kept rows first): fc1 and fc2 stop there; fc2 also skips ReLU zeros,
+        # as it does with a fixed K for per-sequence sets and at batch 1 (skips_zero)
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         ops = ops or self.ops
         if n_kept is None:
-            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx), {}
+            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx), {"skip_zero": True} if skips_zero(idx, h.shape[0]) else {}
         else:
             a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx, n_kept), {"skip_zero": True, "n_kept": n_kept}
         if self.reduce is not None:

@@ -55,6 +55,14 @@ def attend(q, k_cache, v_cache, valid) -> torch.Tensor:
     return o[:, :, 0]
 
 
+def skips_zero(idx: torch.Tensor, rows: int) -> bool:
+    """Whether fc2 skips the weight rows of the ReLU zeros of h (SKIP_ZERO) for these indices: per-sequence
+    sets ([rows, K]) and batch 1. A shared set at batch > 1 would skip only rows zero in every sequence, not
+    timed. One MLP at batch 1, random weights (about half of h zero): fixed K 5-10% faster with it
+    (H100, 2026-12-05, benchmarks/gpu/token_k_ab.sh, fixed vs fixed_skip0; BENCHMARKS.md)."""
+    return idx.dim() == 2 or rows == 1
+
+
 def _layer_norm(x, weight, bias):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-5)
 
@@ -208,7 +216,8 @@ class Ops:
         keep = (nk,) if spec.token_k is not None and not shared else ()
         if keep:  # fc1 leaves h 0 from n on (fc2 at batch > 1 skips those zeros rather than stopping at n)
             h = h.masked_fill(torch.arange(km, device=dev) >= nk[:, None], 0)
-        skip = {"skip_zero": True, **({"n_kept": nk} if keep else {})} if spec.token_k is not None else {}
+        # fc2 skips ReLU zeros where the decode step asks it to (decoder._mlp: per-token K, per-sequence sets, batch 1)
+        skip = {"skip_zero": True, **({"n_kept": nk} if keep else {})} if skips_zero(im, batch) else {}
         T = 16
         caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]
         pos = (torch.arange(batch, device=dev) * 5 + 9) % T
