@@ -57,12 +57,11 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
-# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): block_k 32 is
-# the previous default; then larger row blocks, narrower column blocks, more programs, one select block per row,
-# and the GEMV masking its own loads instead of the index lists (select "mask": no select launch)
-VARIANTS = [{"block_k": 32}, {"block_k": 128}, {"block_m": 64}, {"block_m": 64, "block_k": 128},
-            {"target_programs": 1056}, {"block_k": 128, "num_warps": 8}, {"block_select": 16384, "select_warps": 16},
-            {"select": "mask"}, {"select": "mask", "block_k": 128}]
+# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults, block_m 64 /
+# block_k 128 since the 2026-12-05 sweep): narrower and wider blocks around them, fewer / more programs, more
+# warps, one select block per row
+VARIANTS = [{"block_m": 32}, {"block_m": 32, "block_k": 256}, {"block_k": 256}, {"block_k": 64},
+            {"target_programs": 1056}, {"target_programs": 264}, {"num_warps": 8}, {"block_select": 16384, "select_warps": 16}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 

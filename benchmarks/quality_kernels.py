@@ -66,11 +66,13 @@ def build(model: str, specs: list[dict], dtype: str, folder: Path) -> list[dict]
 
 def agreement(rows: list[dict]) -> list[dict]:
     """Per engine, device and path: the fraction of task examples whose prediction (acc and acc_norm)
-    equals the CPU `parallel` reference's on the same engine (the issue's >= 99% target)."""
-    ref = {r["sha256"]: r for r in rows if r.get("sha256") and r["device"] == "cpu" and r["path"] == "parallel"}
+    equals the CPU reference's on the same engine (the issue's >= 99% target): for a GPU row the CPU run of
+    the same path where there is one (--cpu-paths), else (and for CPU rows) the CPU `parallel` run."""
+    ref = {(r["sha256"], r["path"]): r for r in rows if r.get("sha256") and r["device"] == "cpu"}
     out = []
     for r in rows:
-        base = ref.get(r.get("sha256"))
+        same_path = ref.get((r.get("sha256"), r.get("path"))) if r["device"] != "cpu" else None
+        base = same_path or ref.get((r.get("sha256"), "parallel"))
         if base is None or base is r:
             continue
         for task, t in r.get("tasks", {}).items():
@@ -81,6 +83,7 @@ def agreement(rows: list[dict]) -> list[dict]:
                 if key in t and key in b:
                     same = sum(x == y for x, y in zip(t[key], b[key]))
                     out.append({"engine": Path(r["model"]).name, "device": r["device"], "path": r["path"],
+                                "reference": f"cpu {base['path']}",
                                 "task": task, "metric": "acc" if key == "preds" else "acc_norm",
                                 "n": len(b[key]), "equal": same, "fraction": same / max(len(b[key]), 1)})
     return out

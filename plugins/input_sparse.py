@@ -4,8 +4,7 @@
   prefix sum over blocks of the row (one program per row): idx [B, N] int32, count[b] entries valid.
 - `input_sparse_gemv(x, w_t, idx, count)`: y [B, M] = sum over the first count[b] entries i of idx[b] of
   x[b, i] * w_t[i, :]; w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows
-  are read. `input_sparse_gemv(x, w_t, None, None, t=t)` (settings.select "mask"): no list, the GEMV
-  tests |x| > t itself and masks skipped rows out of its weight loads. Split-K programs each take a
+  are read. Split-K programs each take a
   slice of the list (of the inputs), accumulate a [BLOCK_K, BLOCK_M] fp32 tile (reduced over k once,
   after the loop) and write fp32 partials [SPLIT_K, B, M]; `_sum_splits_kernel` adds them and casts.
 Limits: x, w_t fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |x| > t in
@@ -54,12 +53,12 @@ def select_inputs_ref(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Te
     return torch.where(torch.arange(x.shape[1], device=x.device)[None] < count[:, None], order, -1).int(), count
 
 
-def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, M, t, BLOCK_M: tl.constexpr,
-                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, MASK: tl.constexpr):
+def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, M, BLOCK_M: tl.constexpr,
+                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    n = N if MASK else tl.load(count_ptr + b)  # MASK: every input in order, rows with |x| <= t masked out
+    n = tl.load(count_ptr + b)
     per = tl.cdiv(tl.cdiv(n, SPLIT_K), BLOCK_K) * BLOCK_K  # this split's slice of the kept list
     lo = ps * per
     hi = tl.minimum(lo + per, n)
@@ -67,10 +66,8 @@ def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, 
     for k0 in range(lo, hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hi
-        i = ks if MASK else tl.load(idx_ptr + b * N + ks, mask=k_ok, other=0)
+        i = tl.load(idx_ptr + b * N + ks, mask=k_ok, other=0)
         xv = tl.load(x_ptr + b * N + i, mask=k_ok, other=0.0).to(tl.float32)
-        if MASK:
-            k_ok = k_ok & (tl.abs(xv) > t)
         w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=k_ok[:, None] & m_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += w * xv[:, None]
@@ -93,27 +90,24 @@ def split_k_for(B: int, N: int, M: int, config) -> int:
     return max(1, min(-(-config.target_programs // programs), -(-N // (2 * config.block_k))))
 
 
-def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor | None, count: torch.Tensor | None,
-                      out: torch.Tensor | None = None, settings: KernelSettings | None = None, t: float = 0.0):
+def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
+                      out: torch.Tensor | None = None, settings: KernelSettings | None = None):
     """y [B, M] (x's dtype) = sum_{j < count[b]} x[b, idx[b, j]] * w_t[idx[b, j], :]; x [B, N], w_t [N, M]
-    (W^T, same dtype), idx [B, N] int32, count [B] int32 from `select_inputs` (entries past count[b] unread).
-    idx and count None: y = (x with |x| <= t zeroed) @ w_t, the skipped rows of w_t unread (mask mode)."""
+    (W^T, same dtype), idx [B, N] int32, count [B] int32 from `select_inputs` (entries past count[b] unread)."""
     config = (settings or DEFAULT).input_sparse
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = x.shape
     check_tensor("w_t", w_t, ndim=2, dtype=x.dtype, device=x.device)
     M = w_t.shape[1]
     check_tensor("w_t", w_t, shape=(N, M))  # a row per input of x
-    if idx is not None or count is not None:
-        check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
-        check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
+    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
+    check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
     out = check_out(out, (B, M), x.dtype, x.device, "out")
     split = split_k_for(B, N, M, config)
     part = torch.empty(split, B, M, dtype=torch.float32, device=x.device)
     grid = (B, -(-M // config.block_m), split)
-    jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, float(t), BLOCK_M=config.block_m,
-                                                   BLOCK_K=config.block_k, SPLIT_K=split, MASK=idx is None,
-                                                   num_warps=config.num_warps)
+    jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, BLOCK_M=config.block_m,
+                                                   BLOCK_K=config.block_k, SPLIT_K=split, num_warps=config.num_warps)
     jit(_sum_splits_kernel, x.device)[grid[:2]](part, out, B, M, BLOCK_M=config.block_m, SPLIT_K=split)
     return out
 

@@ -140,12 +140,11 @@ class InputSparseSettings:
     kept list for `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy)."""
     block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
     select_warps: int = 8
-    block_m: int = 128
-    block_k: int = 64  # 32: 9.94 -> 7.99 ms/step at 64 (Llama-3-8B, 50% skipped; docs/llama.md)
+    block_m: int = 64  # 128 / 64: 7.10 -> 5.92 ms/step with block_k 128 (Llama-3-8B, 50% skipped; docs/llama.md)
+    block_k: int = 128
     split_k: int | None = None
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     num_warps: int = 4
-    select: str = "list"  # "list": select_inputs, then the row gather; "mask": the GEMV tests |x| > t
 
 
 @dataclass(frozen=True)
@@ -192,6 +191,8 @@ class KernelSettings:
 def _from_dict(cls, d, where: str):
     if not isinstance(d, dict):
         raise DejavuError(f"{where}: expected an object, got {type(d).__name__}")
+    if cls is InputSparseSettings and d.get("select", "list") == "list":  # headers before the mask mode's removal
+        d = {k: v for k, v in d.items() if k != "select"}
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise DejavuError(f"{where}: unknown key(s) {', '.join(unknown)}")

@@ -90,17 +90,13 @@ def check_llama_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 class LlamaOps:
     """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or
-    "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV; with the
-    settings' input_sparse.select "mask", the GEMV alone, masking skipped rows out of its loads)."""
+    "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV)."""
 
     def __init__(self, backend: str, settings=None):
         """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
         target.kernel_settings where they fit this GPU; their `input_sparse` blocks; None: DEFAULT)."""
         if backend not in ("ref", "triton"):
             raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
-        select = getattr(settings, "input_sparse", None) and settings.input_sparse.select
-        if select not in (None, "list", "mask"):
-            raise DejavuError(f"kernel settings: input_sparse.select must be 'list' or 'mask', got {select!r}")
         self.backend = backend
         self.kernels = {"input_sparse_gemv": backend}
         self.settings = settings
@@ -112,9 +108,7 @@ class LlamaOps:
         if self.backend == "ref":
             from dejavu.plugins import input_sparse_gemv_ref
             return input_sparse_gemv_ref(x, w_t, t)
-        from dejavu.plugins import DEFAULT, input_sparse_gemv, select_inputs
-        if (self.settings or DEFAULT).input_sparse.select == "mask":  # the GEMV tests |x| > t: no list
-            return input_sparse_gemv(x, w_t, None, None, settings=self.settings, t=t)
+        from dejavu.plugins import input_sparse_gemv, select_inputs
         idx, count = select_inputs(x, t, settings=self.settings)
         return input_sparse_gemv(x, w_t, idx, count, settings=self.settings)
 

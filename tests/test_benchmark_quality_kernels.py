@@ -40,3 +40,16 @@ def test_quality_runs_on_a_tiny_model(tiny_opt_dir, tmp_path, capsys):
 def test_engine_specs():
     assert Q.parse_engine("d0.7") == {"name": "d0.7", "density": 0.7}
     assert Q.parse_engine("0.3/1.0") == {"name": "m0.3-a1", "mlp_density": 0.3, "attn_density": 1.0}
+
+
+def test_agreement_takes_the_cpu_run_of_the_same_path_for_gpu_rows():
+    def row(device, path, preds):
+        return {"model": "e.engine", "sha256": "s", "device": device, "path": path,
+                "tasks": {"copa": {"preds": preds}}}
+
+    rows = [row("cpu", "parallel", [0, 1, 1, 0]), row("cpu", "generate", [1, 1, 1, 0]),
+            row("cpu", "decode", [0, 1, 1, 1]), row("cuda", "generate", [1, 1, 1, 0]), row("cuda", "decode", [0, 1, 1, 0])]
+    got = {(x["device"], x["path"]): (x["reference"], x["equal"]) for x in Q.agreement(rows)}
+    # GPU rows against the CPU run of their own path; CPU rows against the CPU parallel run
+    assert got == {("cpu", "generate"): ("cpu parallel", 3), ("cpu", "decode"): ("cpu parallel", 3),
+                   ("cuda", "generate"): ("cpu generate", 4), ("cuda", "decode"): ("cpu decode", 3)}

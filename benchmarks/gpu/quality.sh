@@ -6,6 +6,7 @@
 # reference runs first, so a time limit leaves comparable rows).
 # Target: perplexity within 0.2% of the CPU figure, task predictions equal on >= 99% of examples.
 #   bash benchmarks/gpu/quality.sh [ENGINES] [LIMIT]     (one device command, < 10 min)
+#   CPU_PATHS=parallel,generate bash benchmarks/gpu/quality.sh d0.7 100   # also the CPU reference of `generate`
 # ENGINES: quality_kernels.py --engines (dN = --density N; M/A = MLP/head densities). Engines already in
 # $WORK (default build/quality) are used as they are.
 set -euo pipefail
@@ -15,5 +16,5 @@ ENGINES=${1:-d0.7,d0.5}
 LIMIT=${2:-500}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.csv" || true
 timeout 570 python3 benchmarks/quality_kernels.py --engines "$ENGINES" --devices cpu,cuda \
-    --paths parallel,decode,generate --cpu-paths parallel --ppl-tokens 8192 --tasks all --limit "$LIMIT" \
+    --paths parallel,decode,generate --cpu-paths "${CPU_PATHS:-parallel}" --ppl-tokens 8192 --tasks all --limit "$LIMIT" \
     --work "${WORK:-build/quality}" --out "$OUT/quality-$(date -u +%F).json"

@@ -6,7 +6,8 @@
 #    kept count, the torch form of the rule, fc1 and fc2 over K rows vs stopping at the kept count).
 # 2. benchmarks/e2e.py --token-k: the whole decode step (CUDA graph, predictors on the side stream, overlap
 #    on and off) of the OPT-30B shape at batch 1, densities 0.3 and 0.1, fixed K beside the per-token K.
-#   bash benchmarks/gpu/token_k_ab.sh            (~6 minutes on one H200)
+#   bash benchmarks/gpu/token_k_ab.sh            (~2 minutes on one H100)
+#   E2E_ONLY=1 bash benchmarks/gpu/token_k_ab.sh (part 2 alone)
 # Target: token_k no slower than fixed K at every density (one layer), and the whole step with the per-token
 # K no slower than with fixed K. On 2026-12-05 (1abe2c2, the keep flags by torch ops, fc1 / fc2 masking 2K
 # rows) token_k was 1.45-1.62x fixed K (benchmarks/results/token-k-ab-2026-12-05-opt30b.json, -opt66b.json).
@@ -14,7 +15,7 @@ set -euo pipefail
 source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.csv" || true
-for shape in opt-30b opt-66b; do
+for shape in $([ -n "${E2E_ONLY:-}" ] || echo opt-30b opt-66b); do
     timeout 150 python3 benchmarks/token_k_ab.py --shape "$shape" --out "$OUT/token_k_ab-$(date -u +%F)-$shape.json"
 done
 timeout 300 python3 benchmarks/e2e.py --models opt-30b --batches 1 --densities 0.3,0.1 --token-k --no-smoke \
