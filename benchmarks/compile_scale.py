@@ -59,14 +59,17 @@ def tensor_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_checkpoint(name: str, folder: Path, shard_bytes: int = 2 << 30, seed: int = 0) -> int:
-    """Random fp16 weights of the shape, in shards of about `shard_bytes`; returns total bytes."""
+    """Random fp16 weights of the shape, in shards of about `shard_bytes`; returns total bytes. Drawn on the
+    GPU where there is one (CPU torch.randn of a 13B shape alone took minutes)."""
     import torch
     from safetensors.torch import save_file
 
     if (folder / "model.safetensors.index.json").is_file():
         return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    rn = lambda shape: torch.randn(shape, generator=g, device=dev)  # noqa: E731
     shapes = tensor_shapes(name)
     groups, cur, size = [], [], 0
     for key, shape in shapes:
@@ -83,12 +86,12 @@ def write_checkpoint(name: str, folder: Path, shard_bytes: int = 2 << 30, seed: 
         shard = {}
         for key, shape in group:
             if "layer_norm.weight" in key:
-                t = 1 + 0.05 * torch.randn(shape, generator=g)
+                t = 1 + 0.05 * rn(shape)
             elif len(shape) == 1:
-                t = 0.02 * torch.randn(shape, generator=g)
+                t = 0.02 * rn(shape)
             else:  # ~N(0, 1/fan_in): activations keep their scale through the layers
-                t = torch.randn(shape, generator=g) * shape[1] ** -0.5
-            shard[key] = t.half()
+                t = rn(shape) * shape[1] ** -0.5
+            shard[key] = t.half().cpu()
             weight_map[key] = fname
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
         total += (folder / fname).stat().st_size
