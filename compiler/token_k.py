@@ -96,11 +96,10 @@ def fit_theta(scores: torch.Tensor, k_mean: int, k_max: int, steps: int = 40) ->
     return smallest_theta(lambda t: share_counts(scores, t, k_max).float().mean().item(), k_mean, steps)
 
 
-def read_rows(scores: torch.Tensor, h: torch.Tensor, theta: float, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept, nonzero) per token [...]: the rows the share rule keeps (share_mask) for MLP scores [..., F],
-    and those of them whose activation h [..., F] (relu(fc1), dense) is not 0: fc1 reads the first, fc2 the
-    second."""
-    m = share_mask(scores, theta, k_max).bool()
+def read_rows(mask: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, nonzero) per token [...]: the rows of a 0/1 mask [..., F] (share_mask), and those of them
+    whose activation h [..., F] (relu(fc1), dense) is not 0: fc1 reads the first, fc2 the second."""
+    m = mask.bool()
     return m.sum(-1), (m & (h != 0)).sum(-1)
 
 
@@ -174,9 +173,10 @@ def _engine_pass(parts, predictors, ids, mlp_k, attn_k, tk: TokenK | None, cap: 
                 if tk is None:
                     ths[l] = fit_theta(s.flatten(0, -2), mlp_k[l], k_max[l]) if rows == "selected" else \
                         fit_theta_read(s.flatten(0, -2), h.flatten(0, -2), 2 * mlp_k[l], k_max[l])
-                r1, r2 = read_rows(s, h, ths[l], k_max[l])
+                m = share_mask(s, ths[l], k_max[l]).to(h.dtype)
+                r1, r2 = read_rows(m, h)
                 kept[l], nonzero[l] = r1.float().mean().item(), r2.float().mean().item()
-                return h * share_mask(s, ths[l], k_max[l]).to(h.dtype)
+                return h * m
 
             hooks.append(layer.activation_fn.register_forward_hook(mlp_hook))
         if attn_k[l] < n_h:

@@ -214,7 +214,7 @@ def _scores_and_h(seed: int, T: int = 3000, F: int = 97):
 @pytest.mark.parametrize("theta,k_max", [(0.01, 50), (0.03, 30), (0.0, 20), (1.0, 40)])
 def test_read_rows_match_the_float64_reference(theta, k_max):
     s, h = _scores_and_h(int(theta * 1000) + k_max, T=200)
-    kept, nz = read_rows(s, h, theta, k_max)
+    kept, nz = read_rows(share_mask(s, theta, k_max), h)
     want_kept, want_nz = _read_rows_ref(s, h, theta, k_max)
     assert kept.tolist() == want_kept and nz.tolist() == want_nz
     assert (nz < kept).any() and (nz <= kept).all()  # fc2 skips some kept rows, never adds one
@@ -235,7 +235,7 @@ def test_fit_theta_read_spends_twice_k_in_rows_read(k, k_max):
 def test_fit_theta_read_at_the_cap_keeps_every_row():
     s, h = _scores_and_h(7)
     th = fit_theta_read(s, h, 2 * 40, 30)  # 30 rows and their nonzero ones cannot reach 80
-    kept, _ = read_rows(s, h, th, 30)
+    kept, _ = read_rows(share_mask(s, th, 30), h)
     assert th < 1e-15 and (kept == 30).all()
 
 
