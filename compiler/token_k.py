@@ -24,9 +24,9 @@ import torch
 
 
 FORMS = ("mass", "share")
-CAP = 2.0  # k_max = CAP * K_l: cap 3 measured the same as 2 (docs/predictors.md, "MLP-only budgets")
-# k_max = cap * K_l of each rows measure (BuildConfig.token_k_rows); "read" keeps ~1.4-1.9 K_l rows on average
-CAPS = {"selected": CAP, "read": 4.0}
+# k_max = CAP * K_l: cap 3 measured the same as 2 (docs/predictors.md, "MLP-only budgets"); fitted to rows
+# read (1.4-1.7 K_l kept rows on average), cap 4 measured the same as 2 ("Per-token K fitted to rows read")
+CAP = 2.0
 
 
 @dataclass(frozen=True)
@@ -209,8 +209,8 @@ def resolve_token_k(parts, cfg, config, predictors, tokenizer, mlp_k, attn_k, al
     fit_ids, fit_source = heldout_windows(tokenizer, corpus, skip, n_held, window, cfg.bos_token_id)
     ids, source = heldout_windows(tokenizer, corpus, skip + n_held, n_held, window, cfg.bos_token_id)
     with torch.no_grad():
-        _, tk, _, _ = _engine_pass(parts, predictors, fit_ids, mlp_k, attn_k, None, CAPS[rows], rows)
-        nll, _, kept, nonzero = _engine_pass(parts, predictors, ids, mlp_k, attn_k, tk, CAPS[rows])
+        _, tk, _, _ = _engine_pass(parts, predictors, fit_ids, mlp_k, attn_k, None, CAP, rows)
+        nll, _, kept, nonzero = _engine_pass(parts, predictors, ids, mlp_k, attn_k, tk, CAP)
     costs = engine_costs(cfg, config, predictors)
     # a layer reads its predictor wherever K_l < F; rows "selected": a W1 row and a W2 column for each
     # kept row; "read": a W1 row (with its bias) for each kept row, a W2 column for each nonzero one

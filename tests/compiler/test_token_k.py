@@ -260,7 +260,7 @@ def test_fit_through_the_engine_reaches_its_target_on_the_heldout_windows(tiny_o
     # resolve_token_k's fit (layer by layer, earlier layers at their per-token K), measured again on the
     # windows it was fitted to with the thresholds it chose: fc1 + nonzero fc2 rows = 2 K_l per layer
     from dejavu.compiler.allocate import heldout_windows, model_parts
-    from dejavu.compiler.token_k import CAPS, _engine_pass
+    from dejavu.compiler.token_k import CAP, _engine_pass
     from dejavu.models.loader import load_tokenizer
 
     model, cfg = load_model(tiny_opt_dir)
@@ -273,8 +273,8 @@ def test_fit_through_the_engine_reaches_its_target_on_the_heldout_windows(tiny_o
     parts = lambda: model_parts(model)  # noqa: E731
     with torch.no_grad():
         for rows in ("read", "selected"):
-            _, tk, _, _ = _engine_pass(parts, preds, ids, mlp_k, attn_k, None, CAPS[rows], rows)
-            _, again, kept, nz = _engine_pass(parts, preds, ids, mlp_k, attn_k, tk, CAPS[rows])
+            _, tk, _, _ = _engine_pass(parts, preds, ids, mlp_k, attn_k, None, CAP, rows)
+            _, again, kept, nz = _engine_pass(parts, preds, ids, mlp_k, attn_k, tk, CAP)
             assert again == tk
             got = [a + b for a, b in zip(kept, nz)] if rows == "read" else kept
             want = [2 * k for k in mlp_k] if rows == "read" else mlp_k
