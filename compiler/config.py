@@ -160,7 +160,8 @@ class BuildConfig:
     # too), "off" elsewhere (resolve_token_k_form); the header's settings record the form resolved
     token_k: str | None = None
     # what a per-token K's held-out mean spends the layer's budget on (TOKEN_K_ROWS); the header's
-    # bytes_per_token counts the same rows. "read" is awaiting a GPU timing of fc2's skipped rows
+    # bytes_per_token counts the same rows. "selected" until a GPU timing shows that fc2's skipped rows
+    # save their time (opt-mini: docs/predictors.md, "Per-token K fitted to rows read")
     token_k_rows: str = TOKEN_K_ROWS[0]
 
     def __post_init__(self):

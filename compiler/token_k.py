@@ -25,7 +25,7 @@ import torch
 
 FORMS = ("mass", "share")
 # k_max = CAP * K_l: cap 3 measured the same as 2 (docs/predictors.md, "MLP-only budgets"); fitted to rows
-# read (1.4-1.7 K_l kept rows on average), cap 4 measured the same as 2 ("Per-token K fitted to rows read")
+# read (1.4-1.8 K_l kept rows on average), cap 4 measured the same as 2 ("Per-token K fitted to rows read")
 CAP = 2.0
 
 
@@ -173,10 +173,10 @@ def _engine_pass(parts, predictors, ids, mlp_k, attn_k, tk: TokenK | None, cap: 
                 if tk is None:
                     ths[l] = fit_theta(s.flatten(0, -2), mlp_k[l], k_max[l]) if rows == "selected" else \
                         fit_theta_read(s.flatten(0, -2), h.flatten(0, -2), 2 * mlp_k[l], k_max[l])
-                m = share_mask(s, ths[l], k_max[l]).to(h.dtype)
-                r1, r2 = read_rows(m, h)
+                keep = share_mask(s, ths[l], k_max[l]).to(h.dtype)
+                r1, r2 = read_rows(keep, h)
                 kept[l], nonzero[l] = r1.float().mean().item(), r2.float().mean().item()
-                return h * m
+                return h * keep
 
             hooks.append(layer.activation_fn.register_forward_hook(mlp_hook))
         if attn_k[l] < n_h:
