@@ -10,6 +10,10 @@ Per density d (K = round(d F)) and layer, three systems, each the decode step's 
   token_k      top-2K with the kept count (share >= theta, theta fitted on these scores so that the mean
                kept rows are K; kept rows first), fc1 and fc2 stopping at the count, fc2 skipping zero rows
                (the default build)
+  token_k_read the same calls, theta fitted so that the mean rows read, kept + kept with h != 0, are 2 K
+               (`--token-k-rows read`; docs/predictors.md, "Per-token K fitted to rows read"): equal to
+               fixed K's 2 K rows if fc2's skipped rows cost nothing (random weights: about half the rows
+               fc1 computes are ReLU zeros; trained OPT layers 0.5-0.9)
 and the breakdown of the difference (--no-breakdown skips it), each part alone on inputs made before capture:
   topk_K / topk_2K / topk_2K_keep   scores + top-K, + top-2K, + top-2K with the kept count (same launches)
   keep_torch    the rule by plugins.share_keep on the scores (torch: logsumexp, gather, compare, amax, sum: the
@@ -85,7 +89,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.shape, args.copies = "tiny", 1
-    from dejavu.compiler.token_k import fit_theta, share_counts
+    from dejavu.compiler.token_k import fit_theta, fit_theta_read, read_rows, share_counts, share_mask
     from dejavu.plugins import predictor_topk, sparse_fc1, sparse_fc2
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,13 +111,18 @@ def main(argv=None) -> None:
         scores = ((probe.float() @ p0["a"].float().T) @ p0["b"].float().T + p0["bias"].float())
         theta = fit_theta(scores, K, k_max)
         mean_kept = float(share_counts(scores, theta, k_max).float().mean())
+        # theta_read: mean kept + nonzero kept rows = 2 K over the same inputs (h through the first copy's fc1)
+        h = torch.relu(probe.float() @ p0["w1"].float().T + p0["b1"].float())
+        theta_read = fit_theta_read(scores, h, 2 * K, k_max)
+        kept_read, nz_read = (float(v.float().mean()) for v in read_rows(share_mask(scores, theta_read, k_max), h))
+        thetas = {"token_k": theta, "token_k_read": theta_read}
 
         def system(kind):
             calls = []
             for w, x in zip(layers, xs):
                 def call(w=w, x=x):
-                    if kind == "token_k":
-                        idx, n = predictor_topk(x, w["a"], w["b"], w["bias"], k_max, min_share=theta)
+                    if kind in thetas:
+                        idx, n = predictor_topk(x, w["a"], w["b"], w["bias"], k_max, min_share=thetas[kind])
                         h = sparse_fc1(x, w["w1"], w["b1"], idx, n)
                     else:
                         idx, n = predictor_topk(x, w["a"], w["b"], w["bias"], K), None
@@ -122,16 +131,18 @@ def main(argv=None) -> None:
                 calls.append(call)
             return calls
 
-        kinds = {kind: system(kind) for kind in ("fixed", "fixed_skip0", "token_k")}
+        kinds = {kind: system(kind) for kind in ("fixed", "fixed_skip0", "token_k", "token_k_read")}
         if not args.no_breakdown:
             kinds.update(breakdown(layers, xs, K, k_max, theta))
         for kind, calls in kinds.items():
             t0 = time.perf_counter()
             ms = graph_time(calls)
-            wide = kind in ("token_k", "keep_torch") or "2K" in kind
+            wide = kind in ("token_k", "token_k_read", "keep_torch") or "2K" in kind
+            read = kind == "token_k_read"
             row = {"shape": args.shape, "density": d, "K": K, "system": kind, "ms": ms,
-                   "k_max": k_max if wide else K, "theta": theta if wide else None,
-                   "mean_kept_probe": mean_kept if wide else K,
+                   "k_max": k_max if wide else K, "theta": thetas.get(kind, theta) if wide else None,
+                   "mean_kept_probe": kept_read if read else mean_kept if wide else K,
+                   **({"mean_fc2_rows_probe": nz_read} if read else {}),
                    "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                    "wall_s": round(time.perf_counter() - t0, 2)}
             rows.append(row)

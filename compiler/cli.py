@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
-from dejavu.compiler.config import ALLOCATIONS, PREDICTOR_SOURCES, SENSITIVITY_DTYPES, TOKEN_K_FORMS, BuildConfig
+from dejavu.compiler.config import (ALLOCATIONS, PREDICTOR_SOURCES, SENSITIVITY_DTYPES, TOKEN_K_FORMS, TOKEN_K_ROWS,
+                                    BuildConfig)
 from dejavu.compiler.summary import accuracy_lines, format_summary, token_k_line
 from dejavu.errors import DejavuError, cli_entry
 
@@ -83,6 +84,10 @@ def compile_parser() -> argparse.ArgumentParser:
                         "at most 2 K per layer, mean K on the held-out windows; the --onnx-out graphs carry it "
                         "too); off: K rows for every token, a fixed-K graph (default: share for an OPT engine "
                         "of one rank, off elsewhere)")
+    p.add_argument("--token-k-rows", default=S, choices=TOKEN_K_ROWS,
+                   help="what the per-token K's held-out mean spends each layer's budget on: selected = K kept "
+                        "rows; read = 2 K rows read, fc1's kept rows + fc2's nonzero ones (fc2 skips the ReLU "
+                        "zeros); the header's bytes per token count the same rows")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
     p.add_argument("--topk-limit", type=int, default=S, metavar="K",

@@ -39,6 +39,9 @@ ALLOCATIONS = ("sensitivity", "uniform")  # per-layer K: measured (knapsack) | t
 # predicted share is >= theta_l, at most 2 K_l, mean K_l on the held-out windows (compiler/token_k.py;
 # opt-mini, heads dense, 8,192 WikiText-2 test tokens: docs/predictors.md, "Per-token K in engines")
 TOKEN_K_FORMS = ("off", "share")
+# the measure a per-token K's thresholds are fitted to (compiler/token_k.py): selected = mean kept rows K_l;
+# read = mean rows read 2 K_l, fc1's kept rows + fc2's kept rows with h != 0 (fc2 skips the ReLU zeros)
+TOKEN_K_ROWS = ("selected", "read")
 # TensorRT's TopK takes k <= 3840: a larger K is emitted in the ONNX graphs as TopK in rounds
 # (compiler/passes/_graph.py).
 TENSORRT_TOPK_LIMIT = 3840
@@ -156,6 +159,10 @@ class BuildConfig:
     # None: "share" where the engine can carry it (an OPT engine of one rank; its --onnx-out graphs
     # too), "off" elsewhere (resolve_token_k_form); the header's settings record the form resolved
     token_k: str | None = None
+    # what a per-token K's held-out mean spends the layer's budget on (TOKEN_K_ROWS); the header's
+    # bytes_per_token counts the same rows. "selected" until a GPU timing shows that fc2's skipped rows
+    # save their time (opt-mini: docs/predictors.md, "Per-token K fitted to rows read")
+    token_k_rows: str = TOKEN_K_ROWS[0]
 
     def __post_init__(self):
         self.validate()
@@ -192,6 +199,8 @@ class BuildConfig:
             raise DejavuError(f"--token-k must be one of {', '.join(TOKEN_K_FORMS)}, got {self.token_k!r}")
         if self.token_k == "share" and self.tp > 1:
             raise DejavuError("--token-k share is not supported with --tp > 1")
+        if self.token_k_rows not in TOKEN_K_ROWS:
+            raise DejavuError(f"--token-k-rows must be one of {', '.join(TOKEN_K_ROWS)}, got {self.token_k_rows!r}")
         if self.max_ppl_increase is not None:
             p = self.max_ppl_increase
             try:
@@ -219,11 +228,16 @@ class BuildConfig:
 
     def resolve_token_k_form(self, opt: bool) -> str:
         """token_k as given, or for None: "share" for an OPT engine of one rank (its ONNX graphs carry
-        the same rule), "off" elsewhere. Given "share" where it cannot be carried: DejavuError."""
+        the same rule), "off" elsewhere. Given "share" where it cannot be carried, or token_k_rows other
+        than "selected" without a per-token K: DejavuError."""
         can = opt and self.tp == 1
         if self.token_k == "share" and not can:
             raise DejavuError("--token-k share needs an OPT model (Llama-family engines have no predictors)")
-        return self.token_k or ("share" if can else "off")
+        form = self.token_k or ("share" if can else "off")
+        if form == "off" and self.token_k_rows != TOKEN_K_ROWS[0]:
+            raise DejavuError(f"--token-k-rows {self.token_k_rows} needs a per-token K (--token-k share: an OPT "
+                              "engine of one rank)")
+        return form
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -19,9 +19,14 @@ def token_k_line(tk: dict | None, h: dict | None) -> list[str]:
     """The per-token MLP K an engine carries (docs/predictors.md, "Per-token K"), if any."""
     if not tk:
         return []
-    rows = sum(tk["heldout"]["mean_rows"])
+    held = tk["heldout"]
+    rows = sum(held["mean_rows"])
     fixed = f"; K rows for every token: {h['fixed_k_increase_pct']:+.2f}%" if h and "fixed_k_increase_pct" in h else ""
-    return [f"per-token K {tk['form']}: up to {sum(tk['k_max'])} MLP rows, held-out mean {rows:.0f} of "
+    if tk.get("rows", "selected") == "read":  # headers before the field: "selected"
+        return [f"per-token K {tk['form']}, rows read: up to {sum(tk['k_max'])} MLP rows, held-out mean fc1 {rows:.0f} "
+                f"+ fc2 {sum(held['mean_rows_fc2']):.0f} of 2 K {2 * sum(tk['k_mean'])}{fixed}"]
+    fc2 = f" (fc2 reads {sum(held['mean_rows_fc2']):.0f})" if "mean_rows_fc2" in held else ""
+    return [f"per-token K {tk['form']}: up to {sum(tk['k_max'])} MLP rows, held-out mean {rows:.0f}{fc2} of "
             f"K {sum(tk['k_mean'])}{fixed}"]
 
 

@@ -71,7 +71,8 @@ def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
     assert abs(bc["bytes_per_token"]["fraction"] - bc["density"]) < 0.02
     tk = bc["token_k"]  # the summary names what the engine carries and what K rows for every token measured
     assert (f"per-token K share: up to {sum(tk['k_max'])} MLP rows, held-out mean "
-            f"{sum(tk['heldout']['mean_rows']):.0f} of K {sum(tk['k_mean'])}; K rows for every token: "
+            f"{sum(tk['heldout']['mean_rows']):.0f} (fc2 reads {sum(tk['heldout']['mean_rows_fc2']):.0f}) of K "
+            f"{sum(tk['k_mean'])}; K rows for every token: "
             f"{bc['heldout']['fixed_k_increase_pct']:+.2f}%") in text
     assert main([str(tiny_opt_dir), "--mlp-density", "0.25", "--attn-density", "0.5", "-o", str(out), "--token-k", "off",
                  "--allocation", "uniform", *QUICK]) == 0
@@ -121,6 +122,8 @@ def test_inspect(built, capsys):
     (["MODEL", "--density", "0.3", "--dtype", "int4"], "dtype"),
     (["MODEL", "--density", "0.3", "--device", "tpu"], "--device"),
     (["MODEL", "--density", "0.3", "--calib", "/nonexistent/corpus.txt"], "corpus"),
+    (["MODEL", "--density", "0.3", "--token-k-rows", "all"], "--token-k-rows"),
+    (["MODEL", "--density", "0.3", "--token-k", "off", "--token-k-rows", "read"], "needs a per-token K"),
 ])
 def test_compile_bad_input(tiny_opt_dir, tmp_path, capsys, argv, match):
     argv = [str(tiny_opt_dir) if a == "MODEL" else a for a in argv]
@@ -183,7 +186,7 @@ def test_compile_help_shows_buildconfig_defaults(capsys):
     d = BuildConfig  # the class attributes are the fields' defaults
     for opt, value in (("--calib-tokens", d.calib_tokens), ("--predictor-epochs", d.predictor_epochs),
                        ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit),
-                       ("--sensitivity-dtype", d.sensitivity_dtype)):
+                       ("--sensitivity-dtype", d.sensitivity_dtype), ("--token-k-rows", d.token_k_rows)):
         after = text.split(f" {opt} ", 1)[1]
         assert f"(default: {value})" in after.split(" --", 1)[0], opt
 
