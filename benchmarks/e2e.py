@@ -19,7 +19,7 @@ Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS st
                   at --full-kv-densities (default 0.3), overlap on
   dejavu_d{D}_{on|off}_tokenk  (--token-k) density D with a per-token MLP K: top-2K_l, theta_l fitted so
                   that the mean kept rows are K_l (with_token_k); batch 1 / per sequence. Its floor
-                  counts the 2K_l selected rows; kept_mlp_mean says how many the last step kept
+                  counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer over the probe's 8 steps
 and for each the bandwidth floor: bytes that policy must read per step / copy bandwidth
 measured in this run. Per-step latency = decode time / steps (one token per sequence).
 
@@ -619,7 +619,15 @@ def time_engine(eng, c: dict, B: int, P: int, N: int, cap_s: float, seed: int = 
         eng.activate(B, P + N)  # KV cache + CUDA-graph capture (warm-up compiles the kernels)
     sync()
     setup = time.perf_counter() - t0
-    eng.generate(prompts, 8, stop_at_eos=False)
+    pr = eng.decoder.pred
+    kept_steps = []  # a per-token K: mean kept rows over the layers, each probe step (read between steps)
+
+    def count(_):
+        ks = [float(n.float().mean()) for n in pr.n_kept if n is not None]
+        if ks:
+            kept_steps.append(statistics.mean(ks))
+
+    eng.generate(prompts, 8, stop_at_eos=False, stream=count)
     est_ms = eng.stats.ms_per_token
     n = N if est_ms * N <= 1e3 * cap_s else max(16, int(1e3 * cap_s / est_ms))
     eng.generate(prompts, n, stop_at_eos=False)
@@ -627,15 +635,14 @@ def time_engine(eng, c: dict, B: int, P: int, N: int, cap_s: float, seed: int = 
     row = {"ms_per_step": st.ms_per_token, "tokens_per_s": st.tokens_per_s, "prefill_ms": 1e3 * st.prefill_s,
            "setup_s": setup, "steps": st.decode_steps, "probe_ms_per_step": est_ms,
            "cuda_graph": eng.use_graphs}
-    pr = eng.decoder.pred
     um = [int(torch.unique(pr.idx[l]["mlp"]).numel()) if pr.idx[l]["mlp"] is not None else c["ffn_dim"]
           for l in range(c["num_hidden_layers"])]
     ua = [int(torch.unique(pr.idx[l]["attn"]).numel()) if pr.idx[l]["attn"] is not None else c["num_attention_heads"]
           for l in range(c["num_hidden_layers"])]
     row["union_mlp_mean"], row["union_attn_mean"] = statistics.mean(um), statistics.mean(ua)
-    kept = [float(n.float().mean()) for n in pr.n_kept if n is not None]  # a per-token K: the last step's
-    if kept:
-        row["kept_mlp_mean"] = statistics.mean(kept)
+    if kept_steps:  # the probe's steps (the first is the prefill's last position)
+        row["kept_mlp_mean"] = statistics.mean(kept_steps)
+        row["kept_mlp_steps"] = [round(k, 1) for k in kept_steps]
     return row, um, ua
 
 
