@@ -58,7 +58,8 @@ def engine_predictors(path: str, cal, s: PredictorSettings, model):
     """The predictors an engine carries, with the curves train_predictors would report (the same
     held-out tail of the calibration, the first curve_tokens of it: the MLP curves are the
     contribution share the build spreads K by) and, in metrics["label_curves"], the share of
-    active neurons (the recall column)."""
+    active neurons (the recall column). metrics["oracle_curves"]: the same two shares for the
+    oracle selection (top-K of the true activations), {"label"|"mass": [L curves]}."""
     from dejavu.compiler.predictors import Predictors, _curve, mlp_contributions, predictor_cost
     from dejavu.engine_file import read_engine
 
@@ -68,21 +69,26 @@ def engine_predictors(path: str, cal, s: PredictorSettings, model):
     split = (cal.n_windows - max(1, round(cal.n_windows * s.holdout))) * cal.window
     rows = slice(split, split + s.curve_tokens)
     pi = preds.predictor_input
-    curves, labels = {"mlp": [], "attn": []}, []
+    curves, labels, oracle = {"mlp": [], "attn": []}, [], {"label": [], "mass": []}
     with torch.no_grad():
         for l in range(cal.cfg.num_hidden_layers):
             x = np.array(cal.predictor_input(l, pi["source"], pi["lookahead"])[rows], dtype=np.float32)
             x = torch.from_numpy(x)
             norms = torch.from_numpy(np.array(cal.head_importance(l)[rows]))
             sm = preds.scores("mlp", l, x)
-            labels.append(_curve(sm, torch.from_numpy(cal.mlp_labels(l, rows))))
-            curves["mlp"].append(_curve(sm, mlp_contributions(model.decoder.layers[l], cal.source("mlp_in", l)[rows])))
+            layer = model.decoder.layers[l]
+            y, c = torch.from_numpy(cal.mlp_labels(l, rows)), mlp_contributions(layer, cal.source("mlp_in", l)[rows])
+            labels.append(_curve(sm, y))
+            curves["mlp"].append(_curve(sm, c))
+            act = c / layer.fc2.weight.detach().float().norm(dim=0).clamp_min(1e-12)  # relu(fc1(.)), the oracle's rank
+            oracle["label"].append(_curve(act, y))
+            oracle["mass"].append(_curve(act, c))
             curves["attn"].append(_curve(preds.scores("attn", l, x), norms))
     preds.recall_curves = curves
     bc = header["build_config"]
     preds.metrics = {"cost": predictor_cost(cal.cfg, bc["predictor_rank_mlp"], bc["predictor_rank_attn"]),
                      "per_layer": [], "holdout_tokens": cal.n_tokens - split, "engine": str(path),
-                     "label_curves": labels}
+                     "label_curves": labels, "oracle_curves": oracle}
     return preds
 
 
@@ -157,6 +163,9 @@ def main(argv=None) -> dict:
                     "(default: PredictorSettings.max_epochs)")
     ap.add_argument("--engine", default=None, help="score the predictors of this engine (a float32 build of "
                     "the same model) instead of training them; curves from the calibration's held-out tail")
+    ap.add_argument("--k-from", nargs="+", default=[], metavar="ENGINE",
+                    help="at an MLP density one of these engines was built for, score every mode at that "
+                    "engine's per-layer K (its header) instead of the K resolved here")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -185,19 +194,33 @@ def main(argv=None) -> dict:
         r = perplexity(lambda x: model(x), ids, window, batch=4)
         return {**r, "seconds": time.time() - t}
 
+    engine_k = {}  # MLP density -> (mlp_k, attn_k) of an engine built for it
+    for path in args.k_from:
+        from dejavu.engine_file import read_engine
+
+        bc = read_engine(path)[0]["build_config"]
+        engine_k[bc["settings"]["mlp_density"]] = (bc["mlp_k"], bc["attn_k"])
     dense = ppl()
     print(f"dense: ppl {dense['perplexity']:.3f} over {dense['tokens']} tokens")
     rows = {scope: [] for scope in args.scopes}
     for scope in args.scopes:
         for d in args.densities:
             dm, da = {"both": (d, d), "mlp": (d, 1.0), "attn": (1.0, d)}[scope]
-            mlp_k, attn_k = resolve_density(cfg, d, dm, da, recall_curves=preds.recall_curves,
-                                            allocate_attn=args.allocate_attn)
+            if scope == "mlp" and dm in engine_k:
+                mlp_k, attn_k = engine_k[dm]
+            else:
+                mlp_k, attn_k = resolve_density(cfg, d, dm, da, recall_curves=preds.recall_curves,
+                                                allocate_attn=args.allocate_attn)
             uni = resolve_density(cfg, d, dm, da)
             row = {"density": d, "mlp_density": dm, "attn_density": da, "mlp_k": mlp_k, "attn_k": attn_k,
+                   "k_from": "engine" if scope == "mlp" and dm in engine_k else "resolved",
                    "uniform_mlp_k": uni[0], "uniform_attn_k": uni[1],
                    "mlp_recall": curve_recall(preds.metrics.get("label_curves") or preds.recall_curves["mlp"], mlp_k),
+                   "mlp_mass": curve_recall(preds.recall_curves["mlp"], mlp_k),
                    "attn_recall": curve_recall(preds.recall_curves["attn"], attn_k)}
+            if "oracle_curves" in preds.metrics:
+                row["oracle_mlp_recall"] = curve_recall(preds.metrics["oracle_curves"]["label"], mlp_k)
+                row["oracle_mlp_mass"] = curve_recall(preds.metrics["oracle_curves"]["mass"], mlp_k)
             for mode in MODES:
                 if d >= 1.0:
                     row[mode] = dense
