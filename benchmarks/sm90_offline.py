@@ -68,13 +68,10 @@ KERNELS = {
                                                                       GDC=2), 3),
     "split_reduce": ("fc2", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, GDC=2), 3),
     "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
-    # Llama TEAL engines (input_sparse.py): the default blocks at Llama-3-8B's q/k/v (11 splits)
+    # Llama TEAL engines (input_sparse.py): the default blocks at Llama-3-8B's q/k/v (6 splits)
     "select_inputs": ("input_sparse", "_select_inputs_kernel", dict(BLOCK=4096), 3),
-    "input_sparse_gemv": ("input_sparse", "_input_sparse_gemv_kernel",
-                          dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11, MASK=False), 3),
-    "input_sparse_gemv_mask": ("input_sparse", "_input_sparse_gemv_kernel",
-                               dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11, MASK=True), 3),
-    "input_sparse_sum": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=128, SPLIT_K=11), 3),
+    "input_sparse_gemv": ("input_sparse", "_input_sparse_gemv_kernel", dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=6), 3),
+    "input_sparse_sum": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=64, SPLIT_K=6), 3),
     # a per-token MLP K (engines' default): fc1 / fc2 stopping at the kept count, the top-k's launches that
     # compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the settings' default).
     # A fifth field types arguments; a tree whose kernel lacks them (the base) compiles its own form
