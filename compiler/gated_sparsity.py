@@ -18,7 +18,9 @@ calibration) lost to the uniform level on held-out calibration text and was remo
 7896f4d holds it; docs/llama.md). The shipped allocation prices each input kind by the model's
 end-to-end held-out loss instead (compiler/allocate_llama.py). Two other criteria than |x_i|
 lost at equal bytes and were removed: WINA's |x_i| * ||W[:, i]||_2 (commit fee06a2) and a
-per-channel gradient scale |x_i| * E|dL/dx_i| (commit 94eab8d); docs/llama.md.
+per-channel gradient scale |x_i| * E|dL/dx_i| (commit 94eab8d); docs/llama.md. Attention head
+selection by KV group lost to TEAL's attention inputs at equal bytes even as an oracle (commit
+19563f2; docs/llama.md).
 """
 from __future__ import annotations
 
