@@ -15,6 +15,7 @@ curves as `dejavu-compile --mlp-density D` spreads it. Variants:
                 (symmetric; quantize then dequantize, bias kept), curves of the quantized scores
   ranks x2      every layer at twice its `mlp_ranks` rank (layer 0 included), mass curves
   ranks x2 int8 ranks x2 with A and B quantized as in l0 rank int8
+  int8 budget   int8 A and B at the ranks the same byte budget pays for (`int8_ranks`)
 
     python benchmarks/predictor_rank_study.py --eval-tokens 2048 --out /tmp/rank_study.json
 """
@@ -41,7 +42,16 @@ from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity
 
 VARIANTS = ["base", "mass curves", "l0 rank", "l0 own input", "oracle l0", "oracle l1+",
-            "l0 rank int8", "ranks x2", "ranks x2 int8"]
+            "l0 rank int8", "ranks x2", "ranks x2 int8", "int8 budget"]
+
+
+def int8_ranks(cfg, s: PredictorSettings) -> list[int]:
+    """`mlp_ranks`' rule when A and B are int8 with an fp16 scale a row and the bias fp16:
+    r (D + F) / 2 + (r + F) + F fp16 elements a layer against the budget share of fc1 + fc2."""
+    L, D, Fd = cfg.num_hidden_layers, cfg.hidden_size, cfg.ffn_dim
+    room, per_rank = s.cost_budget * (2 * D * Fd + Fd + D) - 2 * Fd, (D + Fd) / 2 + 1
+    base = int(room // per_rank) // 8 * 8
+    return [int(L * room / per_rank - (L - 1) * base) // 8 * 8] + [base] * (L - 1)
 
 
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
@@ -129,7 +139,7 @@ def main(argv=None) -> dict:
     fp32 = lambda fits: [f["fp32"] for f in fits]  # noqa: E731
     int8 = lambda fits: [f["int8"] for f in fits]  # noqa: E731
     base = [fit_layer(cal, model, l, "attn_in", 1, base_rank, s) for l in range(L) if l or set(args.variants) - x2
-            - {"l0 rank", "l0 rank int8"}]
+            - {"l0 rank", "l0 rank int8", "int8 budget"}]
     base = [None] * (L - len(base)) + base
     extra, rows = {}, {}
     if {"l0 rank", "l0 rank int8"} & set(args.variants):
@@ -137,9 +147,18 @@ def main(argv=None) -> dict:
         rows["l0 rank"], rows["l0 rank int8"] = fp32([l0] + base[1:]), int8([l0] + base[1:])
     if "l0 own input" in args.variants:
         extra["l0 own input"] = fit_layer(cal, model, 0, "mlp_in", 0, base_rank, s)
+    memo: dict = {}
+
+    def fitted(l: int, r: int) -> dict:  # one fit per (layer, rank), shared by the variants
+        if (l, r) not in memo:
+            memo[l, r] = fit_layer(cal, model, l, "attn_in", 1, r, s)
+        return memo[l, r]
+
     if x2 & set(args.variants):
-        fits = [fit_layer(cal, model, l, "attn_in", 1, 2 * r, s) for l, r in enumerate(mlp_ranks(cfg, s))]
+        fits = [fitted(l, 2 * r) for l, r in enumerate(mlp_ranks(cfg, s))]
         rows["ranks x2"], rows["ranks x2 int8"] = fp32(fits), int8(fits)
+    if "int8 budget" in args.variants:
+        rows["int8 budget"] = int8([fitted(l, r) for l, r in enumerate(int8_ranks(cfg, s))])
     ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
                       max_tokens=args.eval_tokens or None)
     ids = torch.from_numpy(ids.astype(np.int64))
