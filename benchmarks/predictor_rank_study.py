@@ -11,6 +11,11 @@ curves as `dejavu-compile --mlp-density D` spreads it. Variants:
   l0 own input  layer 0 reads its own mlp_in (lookahead 0, rank 56), mass curves
   oracle l0     layer 0 selects the true top-K contributions, the rest predicted (base)
   oracle l1+    layers 1.. select the true top-K, layer 0 predicted (base)
+  l0 rank int8  l0 rank with A [r, D] and B [F, r] quantized to int8, one fp16 scale a row
+                (symmetric; quantize then dequantize, bias kept), curves of the quantized scores
+  ranks x2      every layer at twice its `mlp_ranks` rank (layer 0 included), mass curves
+  ranks x2 int8 ranks x2 with A and B quantized as in l0 rank int8
+  int8 budget   int8 A and B at the ranks the same byte budget pays for (`int8_ranks`)
 
     python benchmarks/predictor_rank_study.py --eval-tokens 2048 --out /tmp/rank_study.json
 """
@@ -36,11 +41,38 @@ from dejavu.fileio import atomic_path
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity
 
-VARIANTS = ["base", "mass curves", "l0 rank", "l0 own input", "oracle l0", "oracle l1+"]
+VARIANTS = ["base", "mass curves", "l0 rank", "l0 own input", "oracle l0", "oracle l1+",
+            "l0 rank int8", "ranks x2", "ranks x2 int8", "int8 budget"]
+
+
+def int8_ranks(cfg, s: PredictorSettings) -> list[int]:
+    """`mlp_ranks`' rule when A and B are int8 with an fp16 scale a row and the bias fp16:
+    r (D + F) / 2 + (r + F) + F fp16 elements a layer against the budget share of fc1 + fc2."""
+    L, D, Fd = cfg.num_hidden_layers, cfg.hidden_size, cfg.ffn_dim
+    room, per_rank = s.cost_budget * (2 * D * Fd + Fd + D) - 2 * Fd, (D + Fd) / 2 + 1
+    base = int(room // per_rank) // 8 * 8
+    return [int(L * room / per_rank - (L - 1) * base) // 8 * 8] + [base] * (L - 1)
+
+
+def int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """w [R, C] through symmetric per-row int8 with an fp16 scale a row (quantize, dequantize)."""
+    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8).half().float()
+    return (w / scale).round().clamp(-127, 127) * scale
+
+
+def held_out(p: dict, source: tuple, xv, yv, cv, s: PredictorSettings) -> dict:
+    """p's held-out curves and mass@K / recall@K at K = 0.1, 0.2, 0.3 F."""
+    with torch.no_grad():
+        sv = (xv @ p["a"].T) @ p["b"].T + p["bias"]
+        n = s.curve_tokens
+        mass, recall = _curve(sv, cv), _curve(sv, yv)
+        return {**p, "source": source, "label_curve": _curve(sv[:n], yv[:n]), "mass_curve": _curve(sv[:n], cv[:n]),
+                "mass_at": {k: float(mass[k - 1]) for k in (154, 307, 461)},
+                "recall_at": {k: float(recall[k - 1]) for k in (154, 307, 461)}}
 
 
 def fit_layer(cal, model, l: int, source: str, lookahead: int, rank: int, s: PredictorSettings) -> dict:
-    """One layer's MLP predictor (raw-input a/b/bias) and its held-out curves."""
+    """One layer's MLP predictor (raw-input a/b/bias) and its held-out curves: {"fp32": .., "int8": ..}."""
     layer = model.decoder.layers[l]
     c = mlp_contributions(layer, cal.source("mlp_in", l))
     y = torch.from_numpy(cal.mlp_labels(l))
@@ -50,12 +82,11 @@ def fit_layer(cal, model, l: int, source: str, lookahead: int, rank: int, s: Pre
     k_stop = max(1, round(s.stop_density * cal.cfg.ffn_dim))
     p = _fit(x[:split], y[:split], x[split:], y[split:], rank, k_stop, s, torch.Generator().manual_seed(1000 + l),
              c[:split], c[split:])
-    with torch.no_grad():
-        sv = (x[split:] @ p["a"].T) @ p["b"].T + p["bias"]
-        n = s.curve_tokens
-        return {"a": p["a"], "b": p["b"], "bias": p["bias"], "source": (source, lookahead),
-                "label_curve": _curve(sv[:n], y[split:][:n]), "mass_curve": _curve(sv[:n], c[split:][:n]),
-                "mass_at": {k: float(_curve(sv, c[split:])[k - 1]) for k in (154, 307, 461)}}
+    p = {"a": p["a"], "b": p["b"], "bias": p["bias"]}
+    q = {**p, "a": int8_rows(p["a"]), "b": int8_rows(p["b"])}
+    held = (x[split:], y[split:], c[split:], s)
+    print(f"fitted layer {l} rank {rank}", flush=True)
+    return {"fp32": held_out(p, (source, lookahead), *held), "int8": held_out(q, (source, lookahead), *held)}
 
 
 @contextlib.contextmanager
@@ -104,12 +135,30 @@ def main(argv=None) -> dict:
     cal = calibrate(model, tok, CalibSettings(calib_tokens=args.calib_tokens), model_id=args.model)
     s = PredictorSettings()
     L, base_rank = cfg.num_hidden_layers, default_ranks(cfg, s)[0]
-    base = [fit_layer(cal, model, l, "attn_in", 1, base_rank, s) for l in range(L)]
-    extra = {}
-    if "l0 rank" in args.variants:
-        extra["l0 rank"] = fit_layer(cal, model, 0, "attn_in", 1, mlp_ranks(cfg, s)[0], s)
+    x2 = {"ranks x2", "ranks x2 int8"}
+    fp32 = lambda fits: [f["fp32"] for f in fits]  # noqa: E731
+    int8 = lambda fits: [f["int8"] for f in fits]  # noqa: E731
+    base = [fit_layer(cal, model, l, "attn_in", 1, base_rank, s) for l in range(L) if l or set(args.variants) - x2
+            - {"l0 rank", "l0 rank int8", "int8 budget"}]
+    base = [None] * (L - len(base)) + base
+    extra, rows = {}, {}
+    if {"l0 rank", "l0 rank int8"} & set(args.variants):
+        l0 = fit_layer(cal, model, 0, "attn_in", 1, mlp_ranks(cfg, s)[0], s)
+        rows["l0 rank"], rows["l0 rank int8"] = fp32([l0] + base[1:]), int8([l0] + base[1:])
     if "l0 own input" in args.variants:
         extra["l0 own input"] = fit_layer(cal, model, 0, "mlp_in", 0, base_rank, s)
+    memo: dict = {}
+
+    def fitted(l: int, r: int) -> dict:  # one fit per (layer, rank), shared by the variants
+        if (l, r) not in memo:
+            memo[l, r] = fit_layer(cal, model, l, "attn_in", 1, r, s)
+        return memo[l, r]
+
+    if x2 & set(args.variants):
+        fits = [fitted(l, 2 * r) for l, r in enumerate(mlp_ranks(cfg, s))]
+        rows["ranks x2"], rows["ranks x2 int8"] = fp32(fits), int8(fits)
+    if "int8 budget" in args.variants:
+        rows["int8 budget"] = int8([fitted(l, r) for l, r in enumerate(int8_ranks(cfg, s))])
     ids = encode_text(tok, WIKITEXT2_TEST.read_text(encoding="utf-8"), cfg.bos_token_id,
                       max_tokens=args.eval_tokens or None)
     ids = torch.from_numpy(ids.astype(np.int64))
@@ -120,10 +169,12 @@ def main(argv=None) -> dict:
         dense = ppl()
         res["quality"]["dense"] = dense
         for name in args.variants:
-            fits = [extra[name]] + base[1:] if name in extra else base
+            fits = rows.get(name) or fp32([extra[name]] + base[1:] if name in extra else base)
             oracle = {0} if name == "oracle l0" else set(range(1, L)) if name == "oracle l1+" else set()
             curve = "label_curve" if name == "base" else "mass_curve"
             res["mass_at"][name] = [f["mass_at"] for f in fits]
+            res.setdefault("recall_at", {})[name] = [f["recall_at"] for f in fits]
+            res.setdefault("ranks", {})[name] = [int(f["a"].shape[0]) for f in fits]
             for d in args.densities:
                 mk, ak = resolve_density(cfg, 1.0, d, 1.0, recall_curves={"mlp": [f[curve] for f in fits]})
                 with selection(model, mk, ak, fits, oracle):
