@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dejavu.cli_common import Parser, add_device, add_quiet, comma_list
+from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet, comma_list
 from dejavu.datafiles import DATA_DIR, WIKITEXT2_TEST
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
@@ -46,6 +46,7 @@ class EvalSettings:
     batch_size: int = 8
     device: str = "cpu"
     path: str = "parallel"  # how an engine's logits are computed: one of PATHS
+    dtype: str | None = None  # run in this dtype (None: an engine's own, float32 for a dense model)
 
 
 PATHS = ("parallel", "decode", "generate")
@@ -109,10 +110,12 @@ def _engine_logits(engine, path: str) -> Callable:
     return logits_fn
 
 
-def load_scoring_model(spec: str, device: str = EvalSettings.device, path: str = EvalSettings.path) -> ScoringModel:
+def load_scoring_model(spec: str, device: str = EvalSettings.device, path: str = EvalSettings.path,
+                       dtype: str | None = EvalSettings.dtype) -> ScoringModel:
     """A dense model (preset / folder / hub id) or an engine file, ready to score text.
 
-    path (engines only; a dense model is dense whichever): parallel | decode | generate."""
+    path (engines only; a dense model is dense whichever): parallel | decode | generate.
+    dtype: float16 | bfloat16 | float32 (None: an engine's own dtype, float32 for a dense model)."""
     if path not in PATHS:
         raise DejavuError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     if is_engine_path(spec):
@@ -121,7 +124,7 @@ def load_scoring_model(spec: str, device: str = EvalSettings.device, path: str =
         from dejavu.runtime.engine import Engine
 
         # the decode loop with each sequence's own selection, whatever the device's default
-        engine = Engine.load(spec, device, batch_policy="per_sequence")
+        engine = Engine.load(spec, device, batch_policy="per_sequence", dtype=dtype)
         header = engine.header
         mc = header.get("model_config", {})
         bc = header.get("build_config", {}) or {}
@@ -133,9 +136,11 @@ def load_scoring_model(spec: str, device: str = EvalSettings.device, path: str =
                             float(bc.get("density", 1.0)), header,
                             {"engine": engine, "source_model": bc.get("source_model") or bc.get("model"),
                              "path": path})
+    import torch
+
     from dejavu.models.auto import load_any, load_text_tokenizer
 
-    model, cfg = load_any(spec, device=device)
+    model, cfg = load_any(spec, dtype=getattr(torch, dtype or "float32"), device=device)
     return ScoringModel(_shown_path(spec) if Path(spec).exists() else str(spec), "dense", _wrap_logits(model, device),
                         load_text_tokenizer(spec), cfg.max_position_embeddings, None,
                         info={"model": model, "config": cfg})
@@ -276,6 +281,8 @@ def build_parser() -> Parser:
     p.add_argument("--limit", type=int, default=d.limit, metavar="N", help="first N examples per task (default: all)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N", help="sequences per forward pass")
     add_device(p, d.device)
+    add_dtype(p, d.dtype, "score in this dtype instead of the engine's (e.g. float32 on CPU, where fp16 is slow); "
+              "dense models: float32 unless given")
     p.add_argument("--path", choices=PATHS, default=d.path,
                    help="how an engine's logits are computed: parallel (token-parallel masked ops), "
                         "decode (one decode step per token through the decode kernels, the same "
@@ -348,7 +355,7 @@ def main(argv=None) -> int:
         if is_engine_path(m) and not Path(m).is_file():
             raise DejavuError(f"engine file not found: {m}")
     settings = EvalSettings(ppl_file, args.ppl_tokens, args.window, args.limit, args.batch_size, args.device,
-                            args.path)
+                            args.path, args.dtype)
     if args.report:
         extra = _dense_baselines(models)
         if extra and not args.quiet:
@@ -357,7 +364,7 @@ def main(argv=None) -> int:
         models = extra + models
     results = []
     for spec in models:
-        sm = load_scoring_model(spec, args.device, args.path)
+        sm = load_scoring_model(spec, args.device, args.path, args.dtype)
         results.append(evaluate(sm, settings, tasks, ppl=ppl, progress=not args.quiet))
     if args.report:
         from dejavu.runtime.evaluation.eval_report import write_report

@@ -240,3 +240,20 @@ def test_cli_exit_status(tiny_opt_dir, capsys):
         main([str(tiny_opt_dir), "--task", "nosuchtask"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().startswith("dejavu: error: unknown task")
+
+
+def test_dtype_scores_the_engine_and_the_dense_model_in_it(tiny_opt_dir, dense_engine, text_file, capsys):
+    import torch
+
+    base = ["--ppl-file", str(text_file), "--ppl-tokens", "200", "--json"]
+    e32, ebf = (_run_json(capsys, [str(dense_engine)] + base + x) for x in ([], ["--dtype", "bf16"]))
+    dbf = _run_json(capsys, [str(tiny_opt_dir)] + base + ["--dtype", "bfloat16"])
+    # bfloat16 rounds every weight: close to the engine's own float32, not equal; the dense model the same
+    assert ebf["perplexity"] != e32["perplexity"] and ebf["perplexity"] == pytest.approx(e32["perplexity"], rel=0.05)
+    assert dbf["perplexity"] == pytest.approx(ebf["perplexity"], rel=0.02)
+    assert load_scoring_model(str(dense_engine), dtype="bfloat16").info["engine"].spec.dtype == torch.bfloat16
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(dense_engine), "--dtype", "fp8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "'fp8' is not one of float16" in err[0]
