@@ -14,7 +14,7 @@ sampled tokens are broadcast each step anyway (`agree_tokens`), so sampling agre
 Predictors stay on the side stream (GPU, overlap on); the all-reduce is issued from the main
 stream, so the next layer's predictors overlap it. CUDA graphs are off by default here
 (NCCL inside a captured graph is untested in this project). Backend: gloo on CPU, NCCL on
-CUDA (keep NCCL_NVLS_ENABLE=0 on the lent machines, see docs/tensor_parallel.md).
+CUDA (keep NCCL_NVLS_ENABLE=0 on multi-GPU H100 / H200 hosts, NVLink multicast off: docs/tensor_parallel.md).
 """
 from __future__ import annotations
 
