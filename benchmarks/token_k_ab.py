@@ -195,9 +195,11 @@ def main(argv=None) -> None:
                    "wall_s": round(time.perf_counter() - t0, 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"argv": sys.argv[1:], "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-                                              "rows": rows}, indent=1))
+            if args.out:  # rewritten after every row (a run cut short by its timeout keeps what it measured)
+                tmp = Path(args.out + ".tmp")
+                tmp.write_text(json.dumps({"argv": sys.argv[1:], "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+                                           "rows": rows}, indent=1))
+                tmp.replace(args.out)
 
 
 if __name__ == "__main__":
