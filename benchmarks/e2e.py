@@ -24,8 +24,8 @@ Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS st
                   (`dejavu-compile --token-k-rows read`)
   ..._compact     (--compact-zeros) each overlap-on row of per-sequence sets (or batch 1) again with fc2 over h's
                   nonzero rows (DecodeOptions.compact_zeros: compact_rows + fc2 stopping at their count)
-and for each the bandwidth floor: bytes that policy must read per step / copy bandwidth
-measured in this run. Per-step latency = decode time / steps (one token per sequence).
+(--overlaps on: the density rows with the overlap on only) and for each the bandwidth floor: bytes that
+policy must read per step / copy bandwidth measured in this run. Per-step latency = decode time / steps (one token per sequence).
 
 --smoke first checks the GPU path against the CPU reference semantics on a tiny random
 model (fp32 GPU vs fp32 CPU with kv_policy "full": same tokens and indices; graph vs eager;

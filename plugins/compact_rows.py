@@ -6,7 +6,7 @@
 so that sparse_fc2(h_c, w2_t, b2, idx_c, residual, n_kept=n) stops at n: fc2's loop runs over the nonzero
 rows only (the ReLU zeros, and a per-token K's dropped rows, which fc1 leaves 0), its time scaling with them
 (skip_zero alone masks the loads of the zero rows but keeps every K block's iteration). The same rows are
-summed in the same order; fc2's split of them over programs differs (fp32 reassociation of its partials).
+summed, still in k order, but they fall into other K blocks and programs of fc2 (fp32 reassociation).
 
 - One launch, no atomics, deterministic: grid (B, cdiv(K, BLOCK)); program c counts the nonzero h before its
   block and in the whole row (loads of up to PREFIX_MAX values), then writes its block's nonzero rows to the

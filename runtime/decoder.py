@@ -76,7 +76,7 @@ class DecodeOptions:
     compact_zeros: where fc2 skips the ReLU zeros of h (ops.skips_zero: per-sequence sets, batch 1), the nonzero
         rows are first put first (ops.compact_rows, one launch after fc1, order kept) and fc2 stops at their
         count, so its loop runs over them only (skip_zero alone masks the zero rows' loads in every K block).
-        The same rows summed; fc2's split of them over programs differs. Off until timed on a GPU
+        The same rows summed in k order, in other K blocks and programs (fp32 reassociation). Off until timed on a GPU
         (benchmarks/token_k_ab.py, e2e.py --compact-zeros; docs/kernels.md, "fc2 over the nonzero rows").
     """
     overlap: bool = True
