@@ -104,7 +104,7 @@ def test_triton_backend_in_interpreter_equals_reference():
     per = out["per_sequence"]
     assert per["kernels"] == {"predictor_topk": "triton", "sparse_fc1": "triton", "sparse_fc2": "triton",
                               "sparse_attn": "triton", "sparse_attn_deferred": "triton", "layer_norm": "triton",
-                              "kv_refresh": "triton"}, per
+                              "kv_refresh": "triton", "compact_rows": "triton"}, per
     assert per["same"], per
     assert out["full"]["same"], out["full"]
     assert out["shared"]["same"], out["shared"]  # kernels that fail their check fall back, still equal
