@@ -92,6 +92,8 @@ KERNELS = {
     "fc2_gemv_keep": ("fc2", "_gather_gemv_t_kernel", dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
                                                            EVEN_D=True, GROUP=1, GDC=1, KEEP=1), 2,
                       {"nkept_ptr": "*i32"}),
+    "fc2_gemv_skip0": ("fc2", "_gather_gemv_t_kernel", dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
+                                                            EVEN_D=True, GROUP=1, GDC=1, SKIP_ZERO=1), 2),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr", "count_ptr"}
 # pointers the launchers pass as None where their mode is off (fc1's keep: engines without a per-token K);

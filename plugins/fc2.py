@@ -96,10 +96,10 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
     # Batch 1 or a shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL as in _gather_gemv_t_kernel; SKIP_ZERO: rows whose h is 0 in every sequence read no weights;
-    # KEEP: batch 1, the first nkept[0] rows (a per-token K's, compact_rows' nonzero ones). Each K block's row indices are loaded in its iteration, so
-    # Triton gives the gathered weight tile one shared-memory buffer (cp.async issued, then waited
-    # for); three one-tile programs per SM keep as many bytes in flight as the memory system serves
-    # (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
+    # KEEP: batch 1, the first nkept[0] rows (a per-token K's, compact_rows' nonzero ones). Each K block's row
+    # indices are loaded in its iteration, so Triton gives the gathered weight tile one shared-memory buffer
+    # (cp.async issued, then waited for); three one-tile programs per SM keep as many bytes in flight as the
+    # memory system serves (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)

@@ -73,11 +73,11 @@ class DecodeOptions:
         stores LN(x) into x_hist (plugins/deferred_kv.py); one launch fewer per layer. On the H200
         (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at density 0.3, 3.830 vs 3.949 at 0.1
         (BENCHMARKS.md, 2026-12-03).
-    compact_zeros: where fc2 skips the ReLU zeros of h (ops.skips_zero: per-sequence sets, batch 1), the nonzero
-        rows are first put first (ops.compact_rows, one launch after fc1, order kept) and fc2 stops at their
+    compact_zeros: where fc2 skips the ReLU zeros of h (ops.skips_zero: per-sequence sets, batch 1), h's nonzero
+        rows are moved to the front (ops.compact_rows, one launch after fc1, order kept) and fc2 stops at their
         count, so its loop runs over them only (skip_zero alone masks the zero rows' loads in every K block).
-        The same rows summed in k order, in other K blocks and programs (fp32 reassociation). Off until timed on a GPU
-        (benchmarks/token_k_ab.py, e2e.py --compact-zeros; docs/kernels.md, "fc2 over the nonzero rows").
+        The same rows summed in k order, in other K blocks and programs (fp32 reassociation). Off until timed
+        on a GPU (benchmarks/gpu/compact_ab.sh; docs/kernels.md, "fc2 over the nonzero rows").
     """
     overlap: bool = True
     kv_policy: str = "deferred"
