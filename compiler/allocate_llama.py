@@ -133,13 +133,26 @@ def allocate_skips(sens: Sensitivity, weights: dict[str, int], skip: float) -> d
 
 
 def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: int, step: float = 0.05,
-                 progress=None) -> tuple[dict[str, float], float, float, int]:
+                 progress=None) -> tuple[dict[str, float], float, float, int, int]:
     """Joint coordinate search from `skips`: move the bytes of `step` skip of the smaller of two
     kinds from one to the other (bytes unchanged), keep a move when nll(joint skips) drops, repeat
-    a kept move, halve the step after a pass without one; at most `evals` calls of nll, the
-    start's included. Returns (skips, nll at the start, nll at the end, calls)."""
+    a kept move, halve the step after a pass without one; at most `evals` candidates, the start's
+    included. Returns (skips, nll at the start, nll at the end, candidates, calls of nll).
+
+    A candidate met before (the reverse of a kept move, a move retried from an unchanged best) is
+    not measured again: its nll was at least the best's when measured and the best only drops, so
+    it is rejected as it would be on a second measurement. It still counts toward `evals`, so the
+    search, and the skips it returns, are the same as when every candidate was measured."""
+    seen: dict[tuple, float] = {}
+
+    def measure(s):
+        key = _key(s)
+        if key not in seen:
+            seen[key] = nll(s)
+        return seen[key]
+
     best = dict(skips)
-    start = best_nll = nll(best)
+    start = best_nll = measure(best)
     used = 1
     while used < evals and step > 1e-3:
         kept = False
@@ -152,16 +165,24 @@ def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: i
                     cand[b] -= moved / weights[b]
                     if cand[a] > MAX_SKIP or cand[b] < 0.0:
                         break
-                    got = nll(cand)
+                    again = _key(cand) in seen
+                    got = measure(cand)
                     used += 1
                     if progress is not None:
-                        progress(cand, got, got < best_nll)
+                        progress(cand, got, got < best_nll, again)
                     if got >= best_nll:
                         break
                     best, best_nll, kept = cand, got, True
         if not kept:
             step /= 2
-    return best, start, best_nll, used
+    return best, start, best_nll, used, len(seen)
+
+
+def _key(skips: dict[str, float]) -> tuple:
+    """A skips vector as a memo key. A move changes a skip by step * (ratio of two kinds' bytes),
+    above 1e-5 for any model; the float rounding of sums of moves is ~1e-16: 9 digits tell the
+    candidates apart and join the same candidate reached by different sums."""
+    return tuple(round(skips[k], 9) for k in KEYS)
 
 
 def block_skip(skips: dict[str, float], weights: dict[str, int]) -> float:
@@ -203,8 +224,15 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
             (lambda k, s, d: progress(f"sensitivity {k} {s:g}: {d:+.5f} nats")) if progress is not None else None))
         source += f"; sensitivity on {sens_source}"
     alloc = (lambda s: allocate_skips(sens, weights, s)) if sens is not None else uniform
-    nll = lambda skips: heldout_nll(model, ids, kind_thresholds(calib, skips) if any(skips.values()) else None)  # noqa: E731
     dense = heldout_nll(model, ids)
+    scored = {_key(uniform(0.0)): dense}  # the second set's nll by skips: the checks revisit the search's
+
+    def nll(skips):
+        key = _key(skips)
+        if key not in scored:
+            scored[key] = heldout_nll(model, ids, kind_thresholds(calib, skips))
+        return scored[key]
+
     if skip is None:  # --max-ppl-increase: the largest block skip within P (bisection)
         limit = dense + math.log1p(config.max_ppl_increase / 100.0)
         lo, hi = 0.0, max(LEVELS)
@@ -216,12 +244,13 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     refined = None
     if sens is not None and skip > 0 and config.refine_evals > 1:  # the kinds together, on the sensitivity windows
         t0, start, sens_ids = time.perf_counter(), skips, sens_ids.to(device)
-        say = (lambda s, v, kept: progress(f"refine {_rounded(s, 4)}: {_pct(v, sens.dense_nll):+.2f}%"
-                                           + (" kept" if kept else ""))) if progress is not None else None
-        skips, first, last, used = refine_skips(
+        say = (lambda s, v, kept, again: progress(f"refine {_rounded(s, 4)}: {_pct(v, sens.dense_nll):+.2f}%"
+                                                  + (" kept" if kept else "") + (" (measured before)" if again else ""))
+               ) if progress is not None else None
+        skips, first, last, used, calls = refine_skips(
             lambda s: heldout_nll(model, sens_ids, kind_thresholds(calib, s)), start, weights, config.refine_evals,
             progress=say)
-        refined = {"start": _rounded(start), "evals": used, "start_pct": _pct(first, sens.dense_nll),
+        refined = {"start": _rounded(start), "evals": used, "measured": calls, "start_pct": _pct(first, sens.dense_nll),
                    "refined_pct": _pct(last, sens.dense_nll), "seconds": round(time.perf_counter() - t0, 1)}
     got = nll(skips)
     if refined is not None and skips != start:  # kept only where the second set agrees
