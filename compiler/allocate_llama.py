@@ -54,7 +54,7 @@ def heldout_nll(model, ids: torch.Tensor, thresholds: dict | None = None) -> flo
     total, count = 0.0, 0
     sparse = thresholds is not None and any(t > 0 for ts in thresholds.values() for t in ts)
     # given thresholds, GatedSparsity's skip only switches the hooks on
-    with (gated_sparsity(model, thresholds, GatedSparsity()) if sparse else contextlib.nullcontext()):
+    with (gated_sparsity(model, thresholds, GatedSparsity(), count=False) if sparse else contextlib.nullcontext()):
         for w in ids:
             logits = model(w[None])[0, :-1]  # [S-1, V]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
