@@ -33,6 +33,7 @@ from dejavu.errors import DejavuError
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # skips measured per kind
 SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase over the block skip
 MAX_SKIP = 0.95  # the largest skip a kind may reach in the joint refinement
+SENSITIVITY_VERSION = 1  # of the cached sensitivity tables (_sensitivity_cached)
 
 
 def input_bytes(cfg) -> dict[str, int]:
@@ -88,6 +89,32 @@ def measure_sensitivity(model, calib: Calibration, ids: torch.Tensor, levels=LEV
             if progress is not None:
                 progress(k, s, delta[k][-1])
     return Sensitivity(tuple(levels), delta, dense)
+
+
+def _sensitivity_cached(model, calib: Calibration, ids: torch.Tensor, progress=None) -> Sensitivity:
+    """measure_sensitivity, cached as JSON under $DEJAVU_CACHE/sensitivity by (model, calibration
+    tables, held-out tokens, levels): it does not depend on the budget, so builds of one model at
+    several budgets measure it once. Stored at full precision (the allocation reads it as measured)."""
+    import hashlib
+    import json
+
+    from dejavu.compiler.calibrate import default_cache_dir, model_fingerprint
+    from dejavu.fileio import atomic_path
+
+    h = hashlib.sha256(json.dumps({"v": SENSITIVITY_VERSION, "family": "llama", "levels": LEVELS,
+                                   "model": model_fingerprint(model), "device": ids.device.type}).encode())
+    for k in KEYS:
+        h.update(calib.tables[k].numpy().tobytes())
+    h.update(ids.cpu().numpy().tobytes())
+    path = default_cache_dir().parent / "sensitivity" / f"llama-{h.hexdigest()[:24]}.json"
+    if path.is_file():
+        d = json.loads(path.read_text())
+        return Sensitivity(tuple(d["levels"]), d["delta"], d["dense_nll"])
+    sens = measure_sensitivity(model, calib, ids, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps({"levels": list(sens.levels), "delta": sens.delta, "dense_nll": sens.dense_nll}))
+    return sens
 
 
 def _hull(xs: list[float], ys: list[float]) -> list[tuple[float, float]]:
@@ -220,7 +247,7 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     uniform = lambda s: {k: s for k in KEYS}  # noqa: E731
     sens = None
     if config.allocation == "sensitivity" and (skip is None or skip > 0):
-        sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=(
+        sens = _sensitivity_cached(model, calib, sens_ids.to(device), progress=(
             (lambda k, s, d: progress(f"sensitivity {k} {s:g}: {d:+.5f} nats")) if progress is not None else None))
         source += f"; sensitivity on {sens_source}"
     alloc = (lambda s: allocate_skips(sens, weights, s)) if sens is not None else uniform

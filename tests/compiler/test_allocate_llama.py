@@ -181,6 +181,39 @@ def folder(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny", seed=3)
 
 
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Each test's own sensitivity cache."""
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_second_build_reads_the_sensitivity_and_builds_the_same_engine(folder, tmp_path, monkeypatch, cache):
+    """The sensitivity table is cached by model, calibration and held-out tokens: a build at another
+    budget measures none of it again, and a build from the cache equals the one that measured it
+    (same header figures, thresholds and tensors); another held-out set measures anew."""
+    import dejavu.compiler.allocate_llama as al
+
+    calls = []
+    measure = al.measure_sensitivity
+    monkeypatch.setattr(al, "measure_sensitivity", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    heads, tensors = [], []
+    for i, density in enumerate((0.6, 0.7, 0.6)):
+        build_engine(folder, BuildConfig(density=density, **CALIB), tmp_path / f"{i}.engine", progress=False)
+        h, t = read_engine(tmp_path / f"{i}.engine")
+        heads.append(h)
+        tensors.append(t)
+    assert len(calls) == 1 and len(list((cache / "sensitivity").glob("llama-*.json"))) == 1
+    a, b = heads[0], heads[2]
+    assert a["sparsity"] == b["sparsity"] and all(torch.equal(tensors[0][k], tensors[2][k]) for k in tensors[0])
+    ra, rb = dict(a["build_config"]["heldout"]), dict(b["build_config"]["heldout"])
+    assert ra.pop("refinement", {}).get("evals") == rb.pop("refinement", {}).get("evals") and ra == rb
+    assert heads[1]["build_config"]["heldout"]["sensitivity"] == ra["sensitivity"]
+    build_engine(folder, BuildConfig(density=0.6, **{**CALIB, "heldout_tokens": 128}), tmp_path / "x.engine",
+                 progress=False)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("allocation", ["sensitivity", "uniform"])
 def test_density_build_records_its_allocation_within_the_budget(folder, tmp_path, allocation):
     path = tmp_path / "x.engine"
