@@ -10,7 +10,8 @@ curves miss how the kinds interact, so `refine_skips` then moves bytes between p
 scoring the joint skips on the same windows (BuildConfig.refine_evals evaluations). The combined
 engine is then measured on a second, disjoint set of held-out windows: the refinement is kept only
 where it beats its start there too, and the result only where it beats the uniform level (every
-input at the same skip) at the same bytes.
+input at the same skip) at the same bytes. The sensitivity table does not depend on the budget: it
+is cached across builds under $DEJAVU_CACHE/sensitivity (`_sensitivity_cached`).
 
 One skip per kind, not per (layer, kind): on SmolLM2-135M a single layer's input at 40% moves
 the held-out loss by 1e-3 to 1e-2 nats on 1,022 tokens, the size of the noise of that many
