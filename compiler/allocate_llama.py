@@ -10,7 +10,8 @@ curves miss how the kinds interact, so `refine_skips` then moves bytes between p
 scoring the joint skips on the same windows (BuildConfig.refine_evals evaluations). The combined
 engine is then measured on a second, disjoint set of held-out windows: the refinement is kept only
 where it beats its start there too, and the result only where it beats the uniform level (every
-input at the same skip) at the same bytes.
+input at the same skip) at the same bytes. The sensitivity table does not depend on the budget: it
+is cached across builds under $DEJAVU_CACHE/sensitivity (`_sensitivity_cached`).
 
 One skip per kind, not per (layer, kind): on SmolLM2-135M a single layer's input at 40% moves
 the held-out loss by 1e-3 to 1e-2 nats on 1,022 tokens, the size of the noise of that many
@@ -33,6 +34,7 @@ from dejavu.errors import DejavuError
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # skips measured per kind
 SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase over the block skip
 MAX_SKIP = 0.95  # the largest skip a kind may reach in the joint refinement
+SENSITIVITY_VERSION = 1  # of the cached sensitivity tables (_sensitivity_cached)
 
 
 def input_bytes(cfg) -> dict[str, int]:
@@ -54,7 +56,7 @@ def heldout_nll(model, ids: torch.Tensor, thresholds: dict | None = None) -> flo
     total, count = 0.0, 0
     sparse = thresholds is not None and any(t > 0 for ts in thresholds.values() for t in ts)
     # given thresholds, GatedSparsity's skip only switches the hooks on
-    with (gated_sparsity(model, thresholds, GatedSparsity()) if sparse else contextlib.nullcontext()):
+    with (gated_sparsity(model, thresholds, GatedSparsity(), count=False) if sparse else contextlib.nullcontext()):
         for w in ids:
             logits = model(w[None])[0, :-1]  # [S-1, V]
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -88,6 +90,32 @@ def measure_sensitivity(model, calib: Calibration, ids: torch.Tensor, levels=LEV
             if progress is not None:
                 progress(k, s, delta[k][-1])
     return Sensitivity(tuple(levels), delta, dense)
+
+
+def _sensitivity_cached(model, calib: Calibration, ids: torch.Tensor, progress=None) -> Sensitivity:
+    """measure_sensitivity, cached as JSON under $DEJAVU_CACHE/sensitivity by (model, calibration
+    tables, held-out tokens, levels): it does not depend on the budget, so builds of one model at
+    several budgets measure it once. Stored at full precision (the allocation reads it as measured)."""
+    import hashlib
+    import json
+
+    from dejavu.compiler.calibrate import default_cache_dir, model_fingerprint
+    from dejavu.fileio import atomic_path
+
+    h = hashlib.sha256(json.dumps({"v": SENSITIVITY_VERSION, "family": "llama", "levels": LEVELS,
+                                   "model": model_fingerprint(model), "device": ids.device.type}).encode())
+    for k in KEYS:
+        h.update(calib.tables[k].numpy().tobytes())
+    h.update(ids.cpu().numpy().tobytes())
+    path = default_cache_dir().parent / "sensitivity" / f"llama-{h.hexdigest()[:24]}.json"
+    if path.is_file():
+        d = json.loads(path.read_text())
+        return Sensitivity(tuple(d["levels"]), d["delta"], d["dense_nll"])
+    sens = measure_sensitivity(model, calib, ids, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps({"levels": list(sens.levels), "delta": sens.delta, "dense_nll": sens.dense_nll}))
+    return sens
 
 
 def _hull(xs: list[float], ys: list[float]) -> list[tuple[float, float]]:
@@ -133,13 +161,26 @@ def allocate_skips(sens: Sensitivity, weights: dict[str, int], skip: float) -> d
 
 
 def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: int, step: float = 0.05,
-                 progress=None) -> tuple[dict[str, float], float, float, int]:
+                 progress=None) -> tuple[dict[str, float], float, float, int, int]:
     """Joint coordinate search from `skips`: move the bytes of `step` skip of the smaller of two
     kinds from one to the other (bytes unchanged), keep a move when nll(joint skips) drops, repeat
-    a kept move, halve the step after a pass without one; at most `evals` calls of nll, the
-    start's included. Returns (skips, nll at the start, nll at the end, calls)."""
+    a kept move, halve the step after a pass without one; at most `evals` candidates, the start's
+    included. Returns (skips, nll at the start, nll at the end, candidates, calls of nll).
+
+    A candidate met before (the reverse of a kept move, a move retried from an unchanged best) is
+    not measured again: its nll was at least the best's when measured and the best only drops, so
+    it is rejected as it would be on a second measurement. It still counts toward `evals`, so the
+    search, and the skips it returns, are the same as when every candidate was measured."""
+    seen: dict[tuple, float] = {}
+
+    def measure(s):
+        key = _key(s)
+        if key not in seen:
+            seen[key] = nll(s)
+        return seen[key]
+
     best = dict(skips)
-    start = best_nll = nll(best)
+    start = best_nll = measure(best)
     used = 1
     while used < evals and step > 1e-3:
         kept = False
@@ -152,16 +193,24 @@ def refine_skips(nll, skips: dict[str, float], weights: dict[str, int], evals: i
                     cand[b] -= moved / weights[b]
                     if cand[a] > MAX_SKIP or cand[b] < 0.0:
                         break
-                    got = nll(cand)
+                    again = _key(cand) in seen
+                    got = measure(cand)
                     used += 1
                     if progress is not None:
-                        progress(cand, got, got < best_nll)
+                        progress(cand, got, got < best_nll, again)
                     if got >= best_nll:
                         break
                     best, best_nll, kept = cand, got, True
         if not kept:
             step /= 2
-    return best, start, best_nll, used
+    return best, start, best_nll, used, len(seen)
+
+
+def _key(skips: dict[str, float]) -> tuple:
+    """A skips vector as a memo key. A move changes a skip by step * (ratio of two kinds' bytes),
+    above 1e-5 for any model; the float rounding of sums of moves is ~1e-16: 9 digits tell the
+    candidates apart and join the same candidate reached by different sums."""
+    return tuple(round(skips[k], 9) for k in KEYS)
 
 
 def block_skip(skips: dict[str, float], weights: dict[str, int]) -> float:
@@ -199,12 +248,19 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     uniform = lambda s: {k: s for k in KEYS}  # noqa: E731
     sens = None
     if config.allocation == "sensitivity" and (skip is None or skip > 0):
-        sens = measure_sensitivity(model, calib, sens_ids.to(device), progress=(
+        sens = _sensitivity_cached(model, calib, sens_ids.to(device), progress=(
             (lambda k, s, d: progress(f"sensitivity {k} {s:g}: {d:+.5f} nats")) if progress is not None else None))
         source += f"; sensitivity on {sens_source}"
     alloc = (lambda s: allocate_skips(sens, weights, s)) if sens is not None else uniform
-    nll = lambda skips: heldout_nll(model, ids, kind_thresholds(calib, skips) if any(skips.values()) else None)  # noqa: E731
     dense = heldout_nll(model, ids)
+    scored = {_key(uniform(0.0)): dense}  # the second set's nll by skips: the checks revisit the search's
+
+    def nll(skips):
+        key = _key(skips)
+        if key not in scored:
+            scored[key] = heldout_nll(model, ids, kind_thresholds(calib, skips))
+        return scored[key]
+
     if skip is None:  # --max-ppl-increase: the largest block skip within P (bisection)
         limit = dense + math.log1p(config.max_ppl_increase / 100.0)
         lo, hi = 0.0, max(LEVELS)
@@ -216,12 +272,13 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     refined = None
     if sens is not None and skip > 0 and config.refine_evals > 1:  # the kinds together, on the sensitivity windows
         t0, start, sens_ids = time.perf_counter(), skips, sens_ids.to(device)
-        say = (lambda s, v, kept: progress(f"refine {_rounded(s, 4)}: {_pct(v, sens.dense_nll):+.2f}%"
-                                           + (" kept" if kept else ""))) if progress is not None else None
-        skips, first, last, used = refine_skips(
+        say = (lambda s, v, kept, again: progress(f"refine {_rounded(s, 4)}: {_pct(v, sens.dense_nll):+.2f}%"
+                                                  + (" kept" if kept else "") + (" (measured before)" if again else ""))
+               ) if progress is not None else None
+        skips, first, last, used, calls = refine_skips(
             lambda s: heldout_nll(model, sens_ids, kind_thresholds(calib, s)), start, weights, config.refine_evals,
             progress=say)
-        refined = {"start": _rounded(start), "evals": used, "start_pct": _pct(first, sens.dense_nll),
+        refined = {"start": _rounded(start), "evals": used, "measured": calls, "start_pct": _pct(first, sens.dense_nll),
                    "refined_pct": _pct(last, sens.dense_nll), "seconds": round(time.perf_counter() - t0, 1)}
     got = nll(skips)
     if refined is not None and skips != start:  # kept only where the second set agrees

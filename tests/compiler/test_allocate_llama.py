@@ -77,13 +77,68 @@ def test_refine_skips_never_worse_than_its_start_and_keeps_the_bytes(seed, skip)
         return calls[-1][1]
 
     start = allocate_skips(sens, WEIGHTS, skip)
-    refined, first, last, used = refine_skips(nll, start, WEIGHTS, evals=24)
-    assert used == len(calls) <= 24 and calls[0] == (start, first)
+    refined, first, last, used, measured = refine_skips(nll, start, WEIGHTS, evals=24)
+    assert measured == len(calls) <= used <= 24 and calls[0] == (start, first)
+    assert len({tuple(round(c[k], 9) for k in KEYS) for c, _ in calls}) == len(calls)  # none measured twice
     assert last <= first and (refined, last) in calls and last == min(v for _, v in calls)
     assert block_skip(refined, WEIGHTS) == pytest.approx(skip, abs=1e-12)
     assert all(0.0 <= refined[k] <= 0.95 for k in KEYS) and all(0.0 <= c[k] <= 0.95 for c, _ in calls for k in KEYS)
     if start[KEYS[0]] > 0:  # the tilt moves the optimum off the separate curves' allocation
         assert last < first and refined[KEYS[0]] < start[KEYS[0]]
+
+
+def _refine_every_candidate(nll, skips, weights, evals, step=0.05):
+    """refine_skips as it was before it remembered its candidates (every candidate measured, a
+    revisited one again): the reference its memoized search must reproduce."""
+    best = dict(skips)
+    start = best_nll = nll(best)
+    used = 1
+    while used < evals and step > 1e-3:
+        kept = False
+        for a in KEYS:
+            for b in KEYS:
+                while a != b and used < evals:
+                    cand = dict(best)
+                    moved = step * min(weights[a], weights[b])
+                    cand[a] += moved / weights[a]
+                    cand[b] -= moved / weights[b]
+                    if cand[a] > 0.95 or cand[b] < 0.0:
+                        break
+                    got = nll(cand)
+                    used += 1
+                    if got >= best_nll:
+                        break
+                    best, best_nll, kept = cand, got, True
+        if not kept:
+            step /= 2
+    return best, start, best_nll, used
+
+
+def test_refine_skips_returns_what_measuring_every_candidate_did_with_fewer_calls():
+    """On deterministic losses with interactions and a rough, noise-like term (a fixed function of
+    the skips, as a held-out NLL is), the memoized search returns the skips, start and end losses and
+    candidate count of the search that measured every candidate, and calls the loss exactly once per
+    distinct candidate of that search: fewer calls wherever that search met a candidate twice."""
+    saved = 0
+    for seed, (skip, evals) in itertools.product(range(6), [(0.25, 24), (0.4, 24), (0.5, 40)]):
+        sens = _random_sensitivity(seed)
+        rng = np.random.default_rng(200 + seed)
+        cross, freq = rng.uniform(0, 2, (len(KEYS), len(KEYS))), rng.uniform(50, 200, len(KEYS))
+
+        def loss(s):
+            x = np.array([s[k] for k in KEYS])
+            return 3.0 + _loss(sens, s) + float(x @ cross @ x) + 0.01 * float(np.sin(freq @ x)) + 5.0 * (x[0] - x[1])
+
+        old_calls, new_calls = [], []
+        start = allocate_skips(sens, WEIGHTS, skip)
+        old = _refine_every_candidate(lambda s: old_calls.append(dict(s)) or loss(s), start, WEIGHTS, evals)
+        refined, first, last, used, measured = refine_skips(lambda s: new_calls.append(dict(s)) or loss(s), start,
+                                                            WEIGHTS, evals)
+        assert (refined, first, last, used) == old and len(old_calls) == used
+        distinct = {tuple(round(c[k], 9) for k in KEYS) for c in old_calls}
+        assert measured == len(new_calls) == len(distinct) <= len(old_calls)
+        saved += len(old_calls) - len(new_calls)
+    assert saved >= 10, saved
 
 
 def test_measured_sensitivity_is_the_held_out_loss_increase_of_one_kind():
@@ -124,6 +179,39 @@ def test_measured_sensitivity_is_the_held_out_loss_increase_of_one_kind():
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny", seed=3)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """Each test's own sensitivity cache."""
+    monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_second_build_reads_the_sensitivity_and_builds_the_same_engine(folder, tmp_path, monkeypatch, cache):
+    """The sensitivity table is cached by model, calibration and held-out tokens: a build at another
+    budget measures none of it again, and a build from the cache equals the one that measured it
+    (same header figures, thresholds and tensors); another held-out set measures anew."""
+    import dejavu.compiler.allocate_llama as al
+
+    calls = []
+    measure = al.measure_sensitivity
+    monkeypatch.setattr(al, "measure_sensitivity", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    heads, tensors = [], []
+    for i, density in enumerate((0.6, 0.7, 0.6)):
+        build_engine(folder, BuildConfig(density=density, **CALIB), tmp_path / f"{i}.engine", progress=False)
+        h, t = read_engine(tmp_path / f"{i}.engine")
+        heads.append(h)
+        tensors.append(t)
+    assert len(calls) == 1 and len(list((cache / "sensitivity").glob("llama-*.json"))) == 1
+    a, b = heads[0], heads[2]
+    assert a["sparsity"] == b["sparsity"] and all(torch.equal(tensors[0][k], tensors[2][k]) for k in tensors[0])
+    ra, rb = dict(a["build_config"]["heldout"]), dict(b["build_config"]["heldout"])
+    assert ra.pop("refinement", {}).get("evals") == rb.pop("refinement", {}).get("evals") and ra == rb
+    assert heads[1]["build_config"]["heldout"]["sensitivity"] == ra["sensitivity"]
+    build_engine(folder, BuildConfig(density=0.6, **{**CALIB, "heldout_tokens": 128}), tmp_path / "x.engine",
+                 progress=False)
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("allocation", ["sensitivity", "uniform"])

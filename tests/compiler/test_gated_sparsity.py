@@ -95,3 +95,47 @@ def test_thresholds_per_layer_and_input(setup):
     assert thresholds(calib, 0.0)["mlp_in"] == [0.0, 0.0]
     with pytest.raises(DejavuError, match="skip must be"):
         thresholds(calib, 1.0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("zero", [None, "attn_in", "mlp_in"])
+def test_shared_masks_and_uncounted_hooks_are_the_model_masked_per_projection(setup, zero):
+    """Each projection given its own input masked by hand (|x| <= t zeroed) is the model the hooks
+    make, bit for bit: counted or not (count=False leaves a 0 threshold's input alone), with q, k, v
+    and gate, up sharing one masked tensor; an uncounted Reads stays empty."""
+    model, ids, calib = setup
+    t = thresholds(calib, 0.4)
+    if zero is not None:
+        t[zero] = [0.0] * len(t[zero])
+    handles = []
+    for l, layer in enumerate(model.layers):
+        at, mlp = layer.self_attn, layer.mlp
+        for key, mods in (("attn_in", (at.q_proj, at.k_proj, at.v_proj)), ("o_in", (at.o_proj,)),
+                          ("mlp_in", (mlp.gate_proj, mlp.up_proj)), ("down_in", (mlp.down_proj,))):
+            handles += [m.register_forward_pre_hook(lambda m, a, t=t[key][l]: (a[0] * (a[0].abs() > t),))
+                        for m in mods]
+    ref = model(ids)
+    for h in handles:
+        h.remove()
+    with gated_sparsity(model, t, GatedSparsity(), count=True) as counted:
+        assert torch.equal(model(ids), ref)
+    with gated_sparsity(model, t, GatedSparsity(), count=False) as uncounted:
+        assert torch.equal(model(ids), ref)
+    assert 0.2 < counted.skipped < 0.6 and uncounted.read == uncounted.dense == 0.0
+    assert not torch.equal(model(ids), ref)  # the hooks are gone
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 100_003])
+def test_quantiles_equal_torch_quantile(n):
+    """The calibration's order-statistics quantiles are torch.quantile's, bit for bit, on fresh
+    random magnitudes with ties; NaN anywhere gives NaN as torch's does."""
+    from dejavu.compiler.gated_sparsity import LEVELS, quantiles
+
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(n, generator=g).abs()
+    a[: n // 3] = a[n // 2]  # ties
+    assert torch.equal(quantiles(a, LEVELS), torch.quantile(a, LEVELS))
+    q = torch.rand(13, generator=g)
+    assert torch.equal(quantiles(a, q), torch.quantile(a, q))
+    a[n // 2] = float("nan")
+    assert quantiles(a, LEVELS).isnan().all() and torch.quantile(a, LEVELS).isnan().all()
