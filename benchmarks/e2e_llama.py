@@ -185,11 +185,14 @@ class _CountingOps:
         self.ref = LlamaOps("ref")
         self.kernels, self.read, self.dense = self.ref.kernels, 0.0, 0.0
 
-    def linear(self, x, w_t, t):
-        kept = float((x.float().abs() > t).float().mean()) if t > 0 else 1.0
+    def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None):
+        from dejavu.plugins.input_sparse import produce_ref
+
+        h = produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
+        kept = float((h.float().abs() > t).float().mean()) if t > 0 else 1.0
         self.read += kept * w_t.numel()
         self.dense += w_t.numel()
-        return self.ref.linear(x, w_t, t)
+        return self.ref.linear(x, w_t, t, norm, swiglu, residual)
 
 
 def realized_skip(eng, c: dict, P: int, steps: int) -> float:

@@ -13,8 +13,10 @@ fp32. t is a host float per layer (a launch argument a CUDA graph captures).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, jit, next_pow2
+from dejavu.errors import DejavuError
+from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, helper, jit, next_pow2
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
@@ -74,12 +76,18 @@ def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, 
     tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
-def _sum_splits_kernel(part_ptr, y_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+
+
+def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                       HAS_RES: tl.constexpr):
     b, offs_m = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     for s in range(SPLIT_K):  # the splits in order, as part.sum(0) adds them
         acc += tl.load(part_ptr + (s * B + b) * M + offs_m, mask=offs_m < M, other=0.0)
-    tl.store(y_ptr + b * M + offs_m, acc.to(y_ptr.dtype.element_ty), mask=offs_m < M)
+    y = acc.to(y_ptr.dtype.element_ty)
+    if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
+        y = (tl.load(res_ptr + b * M + offs_m, mask=offs_m < M, other=0.0).to(tl.float32) + y.to(tl.float32))
+    tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
 
 
 def split_k_for(B: int, N: int, M: int, config) -> int:
@@ -108,10 +116,176 @@ def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor, cou
     grid = (B, -(-M // config.block_m), split)
     jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, BLOCK_M=config.block_m,
                                                    BLOCK_K=config.block_k, SPLIT_K=split, num_warps=config.num_warps)
-    jit(_sum_splits_kernel, x.device)[grid[:2]](part, out, B, M, BLOCK_M=config.block_m, SPLIT_K=split)
+    jit(_sum_splits_kernel, x.device)[grid[:2]](part, out, out, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
+                                                  HAS_RES=False)
     return out
 
 
 def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
     """PyTorch reference: the masked-dense product (x with |x| <= t zeroed) @ w_t, in x's dtype."""
     return (x * (x.float().abs() > t)) @ w_t
+
+
+# ------------------------------------------------ sliced: a select per GEMV split, fused with the input's producer
+NONE, NORM, SWIGLU = 0, 1, 2  # the select's producer: x as it is, norm_w * rms_norm(x), silu(gate) * up
+
+
+def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PER, t, eps,
+                          PRODUCER: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
+    b, ps = tl.program_id(0), tl.program_id(1)
+    if PRODUCER == 1:  # the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
+        ss = tl.zeros([ROW], dtype=tl.float32)
+        for n0 in range(0, N, ROW):
+            offs = n0 + tl.arange(0, ROW)
+            xv = tl.load(x_ptr + b * XS + offs, mask=offs < N, other=0.0).to(tl.float32)
+            ss += xv * xv
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / N + eps)
+    lo = ps * PER
+    hi = tl.minimum(lo + PER, N)
+    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: kept so far in this slice
+    for n0 in range(lo, hi, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        inside = offs < hi
+        xv = tl.load(x_ptr + b * XS + offs, mask=inside, other=0.0)
+        if PRODUCER == 1:  # rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
+            nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+            h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
+        elif PRODUCER == 2:  # x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
+            g = xv.to(tl.float32)
+            u = tl.load(x_ptr + b * XS + N + offs, mask=inside, other=0.0).to(tl.float32)
+            h = ((g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32) * u).to(xv.dtype)
+        else:
+            h = xv
+        keep = (tl.abs(h.to(tl.float32)) > t) & inside
+        k = keep.to(tl.int32)
+        pos = b * N + lo + base + tl.cumsum(k, 0) - 1  # this slice's segment, ascending
+        tl.store(idx_ptr + pos, offs, mask=keep)
+        tl.store(val_ptr + pos, h, mask=keep)
+        base += tl.sum(k, 0)
+    tl.store(count_ptr + b * SPLIT_K + ps, base)
+
+
+@helper
+def _pairs(idx_ptr, val_ptr, ks, n):
+    ok = ks < n
+    return tl.load(idx_ptr + ks, mask=ok, other=0), tl.load(val_ptr + ks, mask=ok, other=0.0).to(tl.float32)
+
+
+@helper
+def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
+    # [SUB, BLOCK_M]: the kept rows i of w_t [N, M] (columns offs_m), each times its value v
+    w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=(ks < n)[:, None] & m_ok[None, :],
+                other=0.0)
+    return w.to(tl.float32) * v[:, None]
+
+
+def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
+                        SUB: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_M: tl.constexpr):
+    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if EVEN_M:
+        m_ok = offs_m >= 0  # all true, and known to be: unpredicated vector loads
+    n = tl.load(count_ptr + b * SPLIT_K + ps)
+    idx_ptr += b * N + ps * PER  # this split's n (index, value) pairs
+    val_ptr += b * N + ps * PER
+    # A step reads 2 * SUB kept rows as two loads of SUB pairs: fewer pairs than the program has threads,
+    # so Triton loads them straight into the tile's row layout (no shared-memory conversion, no barrier in
+    # the loop); the next step's pairs load before this step's rows are summed (one round trip a step).
+    ar = tl.arange(0, SUB)
+    i0, v0 = _pairs(idx_ptr, val_ptr, ar, n)
+    i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, n)
+    acc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, n, 2 * SUB):
+        p0 = _rows_times(w_ptr, i0, v0, k0 + ar, n, offs_m, m_ok, M)
+        p1 = _rows_times(w_ptr, i1, v1, k0 + SUB + ar, n, offs_m, m_ok, M)
+        i0, v0 = _pairs(idx_ptr, val_ptr, k0 + 2 * SUB + ar, n)
+        i1, v1 = _pairs(idx_ptr, val_ptr, k0 + 3 * SUB + ar, n)
+        acc += p0 + p1
+    tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
+
+
+def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
+                  swiglu: bool = False, settings: KernelSettings | None = None):
+    """(idx [B, N] int32, val [B, N] x's dtype, count [B, split] int32): the inputs of h with |h| > t, per
+    slice s of the N inputs ([s * per, (s + 1) * per), per = ceil(N / split)): ascending at idx[b, s * per:],
+    count[b, s] of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps)
+    (norm_w [N]), or silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref)."""
+    config = (settings or DEFAULT).input_sparse
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, N = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
+    if swiglu and x.shape[1] % 2:
+        raise DejavuError(f"x: swiglu needs gate | up halves of equal width, got {x.shape[1]} columns")
+    if norm_w is not None:
+        if swiglu:
+            raise DejavuError("select_slices: norm_w and swiglu are two producers; give one")
+        check_tensor("norm_w", norm_w, shape=(N,), dtype=x.dtype, device=x.device)
+    if not 1 <= split <= max(N, 1):
+        raise DejavuError(f"split must be in [1, {N}], got {split}")
+    idx, val = torch.empty(B, N, dtype=torch.int32, device=x.device), torch.empty(B, N, dtype=x.dtype, device=x.device)
+    count = torch.empty(B, split, dtype=torch.int32, device=x.device)
+    per = -(-N // split)
+    block = min(config.block_select, next_pow2(per))
+    jit(_select_slices_kernel, x.device)[(B, split)](
+        x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[1], per, float(t), float(eps),
+        PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM, SPLIT_K=split, BLOCK=block,
+        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps)
+    return idx, val, count
+
+
+def produce_ref(x: torch.Tensor, norm_w: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False):
+    """h of `select_slices` in PyTorch, in x's dtype: x, norm_w * rms_norm(x, eps), or silu(gate) * up."""
+    if norm_w is not None:  # normalised in fp32, scaled in x's dtype (models/llama.RMSNorm): F.rms_norm
+        return norm_w * F.rms_norm(x, (x.shape[-1],), eps=eps)  # upcasts a half input itself, one kernel
+    if swiglu:
+        g, u = x.chunk(2, dim=-1)
+        return F.silu(g) * u
+    return x
+
+
+def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
+                      swiglu: bool = False):
+    """PyTorch reference of `select_slices` (idx -1 and val 0 past each slice's count)."""
+    h = produce_ref(x, norm_w, eps, swiglu)
+    B, N = h.shape
+    per = -(-N // split)
+    idx, val = torch.full((B, N), -1, dtype=torch.int32), torch.zeros(B, N, dtype=h.dtype)
+    count = torch.zeros(B, split, dtype=torch.int32)
+    for s in range(split):
+        ri, rc = select_inputs_ref(h[:, s * per:(s + 1) * per], t)
+        for b in range(B):
+            n = int(rc[b])
+            idx[b, s * per:s * per + n] = ri[b, :n] + s * per
+            val[b, s * per:s * per + n] = h[b, ri[b, :n].long() + s * per]
+        count[:, s] = rc
+    return idx.to(x.device), val.to(x.device), count.to(x.device)
+
+
+def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                settings: KernelSettings | None = None):
+    """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
+    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
+    config = (settings or DEFAULT).input_sparse
+    check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
+    B, N = val.shape
+    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=val.device)
+    check_tensor("count", count, ndim=2, dtype=torch.int32, device=val.device)
+    split = count.shape[1]
+    if count.shape[0] != B or not 1 <= split <= max(N, 1):
+        raise DejavuError(f"count: expected shape ({B}, split <= {N}), got {tuple(count.shape)}")
+    check_tensor("w_t", w_t, ndim=2, dtype=val.dtype, device=val.device)
+    M = w_t.shape[1]
+    check_tensor("w_t", w_t, shape=(N, M))  # a row per input
+    if residual is not None:
+        check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
+    out = check_out(out, (B, M), val.dtype, val.device, "out")
+    part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
+    grid = (B, -(-M // config.block_m), split)
+    jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
+                                               BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
+                                               SPLIT_K=split, EVEN_M=M % config.block_m == 0,
+                                               num_warps=config.num_warps)
+    jit(_sum_splits_kernel, val.device)[grid[:2]](part, out, out if residual is None else residual, B, M,
+                                                  BLOCK_M=config.block_m, SPLIT_K=split, HAS_RES=residual is not None)
+    return out

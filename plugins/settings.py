@@ -137,7 +137,11 @@ class PDLSettings:
 @dataclass(frozen=True)
 class InputSparseSettings:
     """The TEAL input-sparse kernels (input_sparse.py: Llama engines). split_k None: enough slices of the
-    kept list for `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy)."""
+    kept list for `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy).
+    sliced True: one select program per GEMV split, fused with the input's producer (RMSNorm, SwiGLU),
+    writes (index, value) pairs; the GEMV reads them with no barrier in its loop; the split-K sum adds the
+    residual. False: a single-program select per row, then the x-gathering GEMV (2026-12-05's form)."""
+    sliced: bool = True
     block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
     select_warps: int = 8
     block_m: int = 64  # 128 / 64: 7.10 -> 5.92 ms/step with block_k 128 (Llama-3-8B, 50% skipped; docs/llama.md)

@@ -88,9 +88,21 @@ def check_llama_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> None:
             raise DejavuError(f"engine tensor {name!r} has shape {list(t.shape)}, expected {shape}")
 
 
+def linear_ref(x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + h @ w_t with |h| <= t zeroed (t 0: dense); h = x [..., N], w * rms_norm(x) (norm: (w, eps))
+    or silu(x[..., :N]) * x[..., N:] (swiglu): the decode step's projections in PyTorch (masked dense)."""
+    from dejavu.plugins.input_sparse import input_sparse_gemv_ref, produce_ref
+
+    h = produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
+    y = input_sparse_gemv_ref(h, w_t, t) if t > 0 else h @ w_t
+    return y if residual is None else residual + y
+
+
 class LlamaOps:
-    """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or
-    "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV)."""
+    """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or "triton"
+    (plugins/input_sparse; InputSparseSettings.sliced: per-split selects fused with the producer, or one
+    index list per row)."""
 
     def __init__(self, backend: str, settings=None):
         """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
@@ -101,37 +113,38 @@ class LlamaOps:
         self.kernels = {"input_sparse_gemv": backend}
         self.settings = settings
 
-    def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
-        """y [B, M] = x [B, N] with |x| <= t zeroed, @ w_t [N, M]; t 0: the dense product."""
-        if t <= 0:
-            return x @ w_t
-        if self.backend == "ref":
-            from dejavu.plugins import input_sparse_gemv_ref
-            return input_sparse_gemv_ref(x, w_t, t)
-        from dejavu.plugins import input_sparse_gemv, select_inputs
-        idx, count = select_inputs(x, t, settings=self.settings)
-        return input_sparse_gemv(x, w_t, idx, count, settings=self.settings)
+    def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """linear_ref's y [B, M] from x [B, N] (swiglu: [B, 2N]); t 0: PyTorch's dense product."""
+        if t <= 0 or self.backend == "ref":
+            return linear_ref(x, w_t, t, norm, swiglu, residual)
+        from dejavu.plugins import input_sparse as IS
+
+        config = (self.settings or IS.DEFAULT).input_sparse
+        if config.sliced:
+            nw, eps = norm or (None, 0.0)
+            split = IS.split_k_for(x.shape[0], w_t.shape[0], w_t.shape[1], config)
+            idx, val, count = IS.select_slices(x, t, split, nw, eps, swiglu, settings=self.settings)
+            return IS.sliced_gemv(idx, val, count, w_t, residual, settings=self.settings)
+        h = IS.produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
+        idx, count = IS.select_inputs(h, t, settings=self.settings)
+        y = IS.input_sparse_gemv(h, w_t, idx, count, settings=self.settings)
+        return y if residual is None else residual + y
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
-        """The kernel path once against the reference on layer 0's MLP weights (None on "ref")."""
+        """The kernel path once against the reference on layer 0's MLP weights, its input through the
+        MLP's RMSNorm (None on "ref")."""
         if self.backend == "ref" or spec.skip <= 0:
             return None
-        from dejavu.plugins import input_sparse_gemv_ref
-
-        w = tensors["layers.0.mlp.wgu_t"]
+        w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
         x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-        t = spec.thresholds["mlp_in"][0]
-        err = float((self.linear(x, w, t).float() - input_sparse_gemv_ref(x.float(), w.float(), t)).abs().max())
-        scale = float(input_sparse_gemv_ref(x.float(), w.float(), t).abs().max()) or 1.0
+        t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
+        ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
+        err = float((self.linear(x, w, t, norm).float() - ref).abs().max())
+        scale = float(ref.abs().max()) or 1.0
         if not err <= 2e-2 * scale:
             raise DejavuError(f"input_sparse_gemv disagrees with its reference on this engine (max |diff| {err:.3g})")
         return {"input_sparse_gemv": round(err, 6)}
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [..., D]; normalised in fp32, scaled in x's dtype (models/llama.RMSNorm). F.rms_norm upcasts a
-    # half input itself (equal to x.float() in, .to(x.dtype) out): one kernel where PyTorch has a fused one
-    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,7 +215,9 @@ class LlamaDecoder:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """logits [..., V] from the last hidden state x [..., D]."""
-        return F.linear(rms_norm(x, self.t["final_norm"], self.spec.rms_norm_eps), self.lm_head)
+        from dejavu.plugins.input_sparse import produce_ref  # w * rms_norm(x): rms_norm upcasts inside
+
+        return F.linear(produce_ref(x, self.t["final_norm"], self.spec.rms_norm_eps), self.lm_head)
 
     def _split_qkv(self, qkv: torch.Tensor):
         s = self.spec
@@ -211,9 +226,9 @@ class LlamaDecoder:
 
     def _mlp(self, w, x: torch.Tensor, linear) -> torch.Tensor:
         # x: [..., D] residual -> x + down(SiLU(gate) * up), each projection thresholded on its input
-        h = rms_norm(x, w.mlp_norm, self.spec.rms_norm_eps)
-        g, u = linear(h, w.wgu_t, w.t["mlp_in"]).chunk(2, dim=-1)
-        return x + linear(F.silu(g) * u, w.wd_t, w.t["down_in"])
+        eps = self.spec.rms_norm_eps
+        gu = linear(x, w.wgu_t, w.t["mlp_in"], norm=(w.mlp_norm, eps))
+        return linear(gu, w.wd_t, w.t["down_in"], swiglu=True, residual=x)
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -229,8 +244,7 @@ class LlamaDecoder:
             self.slots > pos[:, None, None, None], float("-inf"))
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
         for l, w in enumerate(self.layers):
-            h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
-            qkv = lin(h, w.wqkv_t, w.t["attn_in"]).view(B, H + 2 * Hkv, hd)
+            qkv = lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps)).view(B, H + 2 * Hkv, hd)
             qkr = qkv[:, :H + Hkv]  # q and k heads rotated in one pass: x cos + rotate_half(x) sin
             qk = torch.addcmul(qkr * cos, qkr.roll(hd // 2, -1), sin)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
@@ -240,7 +254,7 @@ class LlamaDecoder:
             # query head h reads KV head h // G: the G query heads of a KV head are its G "query
             # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
             o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]
-            x = x + lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"])
+            x = lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"], residual=x)
             x = self._mlp(w, x, lin)
         return self.head(x)
 
@@ -253,21 +267,18 @@ class LlamaDecoder:
         sparse: each position's projections thresholded on its own inputs (masked dense, the
         compiler's simulation); False: the dense model (prefill). write_cache: K/V at slots
         start..start+S-1 of rows `rows` (default 0..B-1); start > 0 attends to the cached slots too."""
-        from dejavu.plugins import input_sparse_gemv_ref
-
         s = self.spec
         B, S = ids.shape
         H, Hkv, hd = s.num_attention_heads, s.num_key_value_heads, s.head_dim
         if start and not write_cache:
             raise ValueError("forward_tokens: start > 0 needs write_cache (earlier slots come from the cache)")
-        lin = input_sparse_gemv_ref if sparse else (lambda x, w_t, t: x @ w_t)
+        lin = linear_ref if sparse else (lambda x, w_t, t, **kw: linear_ref(x, w_t, 0.0, **kw))
         pos = torch.arange(start, start + S, device=ids.device)
         cos, sin = (c[None, None] for c in self._rope(pos))  # [1, 1, S, hd]
         x = F.embedding(ids, self.t["embed_tokens"])  # [B, S, D]
         at = slice(None) if rows is None else rows
         for l, w in enumerate(self.layers):
-            h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
-            q, k, v = self._split_qkv(lin(h, w.wqkv_t, w.t["attn_in"]))
+            q, k, v = self._split_qkv(lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps)))
             q = _rotate(q.view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
             k = _rotate(k.view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
             v = v.view(B, S, Hkv, hd).transpose(1, 2)
@@ -280,7 +291,7 @@ class LlamaDecoder:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
-            x = x + lin(o.transpose(1, 2).reshape(B, S, H * hd), w.wo_t, w.t["o_in"])
+            x = lin(o.transpose(1, 2).reshape(B, S, H * hd), w.wo_t, w.t["o_in"], residual=x)
             x = self._mlp(w, x, lin)
         if last is not None:
             x = x[torch.arange(B, device=x.device), last]  # [B, D]

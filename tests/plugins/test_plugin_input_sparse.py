@@ -1,4 +1,4 @@
-"""Input-sparse GEMV (plugins/input_sparse.py) under Triton's interpreter, against float64 references."""
+"""Input-sparse GEMV (plugins/input_sparse.py), both forms, under Triton's interpreter, against float64 references."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +8,8 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, InputSparseSettings as _s
-from dejavu.plugins.input_sparse import (input_sparse_gemv, input_sparse_gemv_ref, select_inputs, select_inputs_ref,
-                                         split_k_for)
+from dejavu.plugins.input_sparse import (input_sparse_gemv, input_sparse_gemv_ref, produce_ref, select_inputs,
+                                         select_inputs_ref, select_slices, select_slices_ref, sliced_gemv, split_k_for)
 from conftest import DTYPES
 
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
@@ -91,3 +91,97 @@ def test_launchers_check_their_inputs(triton_interp):
         input_sparse_gemv(x, torch.randn(16, 8), idx.long(), count)
     with pytest.raises(DejavuError, match="x: expected 2 dims"):
         select_inputs(torch.randn(16), 0.5)
+
+
+# ---------------------------------------------------------------- sliced: per-split selects and the pairs' GEMV
+def _producer_input(B, N, producer, dtype, g):
+    """x for a producer (swiglu: gate | up, [B, 2N]) and its norm weight (NORM: [N], else None)."""
+    x = torch.randn(B, 2 * N if producer == "swiglu" else N, generator=g)
+    x[:, ::7] = 0.0  # exact zeros: never kept, even at t = 0
+    nw = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype) if producer == "norm" else None
+    return x.to(dtype), nw
+
+
+PRODUCERS = ["none", "norm", "swiglu"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("B,N,split,t,config", [(1, 77, 3, 0.6, SMALL), (3, 200, 5, 0.9, SMALL), (2, 130, 1, 0.6, _s()),
+                                                (2, 33, 4, 50.0, SMALL), (1, 64, 2, 0.0, SMALL)])
+def test_select_slices_pairs_each_split_in_order(triton_interp, dtype, producer, B, N, split, t, config):
+    """Per split: the kept inputs of h ascending, their values, their count; t 50: none kept, t 0: every
+    non-zero input; N not a multiple of the split or the block."""
+    g = torch.Generator().manual_seed(N * split)
+    x, nw = _producer_input(B, N, producer, dtype, g)
+    kw = dict(norm_w=nw, eps=1e-5, swiglu=producer == "swiglu")
+    idx, val, count = select_slices(x, t, split, settings=_ks(config), **kw)
+    ri, rv, rc = select_slices_ref(x, t, split, **kw)
+    assert torch.equal(count, rc)
+    h = produce_ref(x, nw, 1e-5, producer == "swiglu").double()
+    per = -(-N // split)
+    for b in range(B):
+        for s in range(split):
+            n = int(rc[b, s])
+            want = torch.nonzero(h[b, s * per:(s + 1) * per].abs() > t).flatten() + s * per
+            assert idx[b, s * per:s * per + n].tolist() == ri[b, s * per:s * per + n].tolist() == want.tolist()
+            # h as PyTorch rounds it (RMSNorm's rsqrt may differ in the last bit of fp32)
+            torch.testing.assert_close(val[b, s * per:s * per + n], rv[b, s * per:s * per + n], rtol=2e-3, atol=0)
+    if t == 50.0:
+        assert int(count.sum()) == 0
+    if t == 0.0:
+        assert int(count.sum()) == int((h != 0).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("B,N,M,t,config,residual", [(1, 77, 45, 0.6, SMALL, True), (3, 130, 64, 0.6, SMALL, False),
+                                                     (2, 200, 300, 0.9, _s(), True),
+                                                     (1, 96, 40, 0.6, _s(block_m=16, block_k=8, split_k=3), True),
+                                                     (2, 50, 48, 50.0, SMALL, True), (2, 40, 33, 0.0, SMALL, False)])
+def test_sliced_gemv_matches_float64(triton_interp, close, dtype, producer, B, N, M, t, config, residual):
+    """residual + the kept inputs of h times their rows of w_t: M a multiple of block_m (unmasked loads)
+    and not, several splits, none kept (y = residual), every input kept (t 0)."""
+    g = torch.Generator().manual_seed(N + M)
+    x, nw = _producer_input(B, N, producer, dtype, g)
+    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
+    res = torch.randn(B, M, generator=g).to(dtype) if residual else None
+    kw = dict(norm_w=nw, eps=1e-5, swiglu=producer == "swiglu")
+    split = split_k_for(B, N, M, config)
+    idx, val, count = select_slices(x, t, split, settings=_ks(config), **kw)
+    out = torch.full((B, M), float("nan"), dtype=dtype)
+    sliced_gemv(idx, val, count, w_t, res, out=out, settings=_ks(config))
+    h = produce_ref(x, nw, 1e-5, producer == "swiglu")
+    ref64 = (h.double() * (h.float().abs() > t)) @ w_t.double() + (0 if res is None else res.double())
+    same = input_sparse_gemv_ref(h, w_t, t) if t > 0 else h @ w_t
+    close(out, ref64, same if res is None else res + same)
+
+
+def test_sliced_gemv_reads_only_the_kept_rows(triton_interp):
+    """Rows of w_t outside the pairs are NaN: a read of any of them would poison y."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 90, generator=g)
+    w_t = torch.randn(90, 50, generator=g)
+    idx, val, count = select_slices(x, 0.8, 4, settings=_ks(SMALL))
+    kept = (x.abs() > 0.8).any(0)
+    poisoned = torch.where(kept[:, None], w_t, torch.full_like(w_t, float("nan")))
+    y = sliced_gemv(idx, val, count, poisoned, settings=_ks(SMALL))
+    ref = input_sparse_gemv_ref(x.double(), torch.where(kept[:, None], w_t, 0.0).double(), 0.8)
+    assert torch.isfinite(y).all() and (y.double() - ref).abs().max() < 1e-5
+
+
+def test_sliced_launchers_check_their_inputs(triton_interp):
+    x = torch.randn(2, 16)
+    with pytest.raises(DejavuError, match=r"norm_w: expected shape \(16,\)"):
+        select_slices(x, 0.5, 2, norm_w=torch.ones(15))
+    with pytest.raises(DejavuError, match="halves of equal width"):
+        select_slices(torch.randn(2, 15), 0.5, 2, swiglu=True)
+    with pytest.raises(DejavuError, match=r"split must be in \[1, 16\]"):
+        select_slices(x, 0.5, 0)
+    idx, val, count = select_slices(x, 0.5, 2)
+    with pytest.raises(DejavuError, match=r"w_t: expected shape \(16, 8\)"):
+        sliced_gemv(idx, val, count, torch.randn(15, 8))
+    with pytest.raises(DejavuError, match=r"residual: expected shape \(2, 8\)"):
+        sliced_gemv(idx, val, count, torch.randn(16, 8), residual=torch.randn(8))
+    with pytest.raises(DejavuError, match="count: expected shape"):
+        sliced_gemv(idx, val, count[:1], torch.randn(16, 8))
