@@ -19,8 +19,10 @@ Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, 
   teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
                  plugins/input_sparse kernels (index lists by prefix sum, row-gather GEMV), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
-                 InputSparseSettings fields over the defaults), recorded in the engine header as a build would
-Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks, N
+                 InputSparseSettings fields over the defaults), recorded in the engine header as a build would;
+                 '[{"sliced": false}]' is the list form against the sliced default (benchmarks/gpu/llama_speed.sh ab)
+Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
+--profile-variants the variants too), N
 graph replays under torch.profiler (benchmarks/profile_decode.profile_steps: per-kernel GPU time and
 launches per step, the main-stream timeline) and one decoder layer's kernels in order (its anchor: a
 kernel launched once per layer, the attention where it is one), beside the layer's weight floor.
@@ -58,9 +60,9 @@ SHAPES = {
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
 # the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults, block_m 64 /
-# block_k 128 since the 2026-12-05 sweep): narrower and wider blocks around them, fewer / more programs, more
-# warps, one select block per row
-VARIANTS = [{"block_m": 32}, {"block_m": 32, "block_k": 256}, {"block_k": 256}, {"block_k": 64},
+# block_k 128 since the 2026-12-05 sweep): the list form (sliced off), narrower and wider blocks around them,
+# fewer / more programs, more warps, one select block per slice
+VARIANTS = [{"sliced": False}, {"block_m": 32}, {"block_m": 32, "block_k": 256}, {"block_k": 256}, {"block_k": 64},
             {"target_programs": 1056}, {"target_programs": 264}, {"num_warps": 8}, {"block_select": 16384, "select_warps": 16}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -254,6 +256,15 @@ def profile_engine(eng, c: dict, P: int, steps: int, bw_GBps: float, skip: float
     return prof
 
 
+def profile_summary(prof: dict, top: int = 8) -> str:
+    """One profiled system in a few lines: GPU time and launches per step, its heaviest kernels."""
+    lines = [f"    profile: {prof['wall_ms_per_step']:.3f} ms/step wall, {prof['kernel_ms_per_step']:.3f} ms GPU, "
+             f"{prof['launches_per_step']:.0f} launches/step"]
+    lines += [f"      {k['us_per_step']:9.1f} us {k['launches_per_step']:6.0f}x  {k['name'][:90]}"
+              for k in prof["kernels"][:top]]
+    return "\n".join(lines)
+
+
 def hf_model(c: dict, dtype, dev):
     """transformers LlamaForCausalLM of shape c, its own random init, built on the device."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -334,9 +345,12 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
             run.add("results", row)
             print(f"{name:16} {system:12} {row['ms_per_step']:8.3f} ms/step  floor {row['floor_ms']:.3f} ms  "
                   f"skip {row['skip_realized']:.3f}", flush=True)
-            if a.profile_steps and dev.type == "cuda" and system in ("dense_graph", f"teal_s{a.variant_skip:g}"):
+            profiled = system in ("dense_graph", f"teal_s{a.variant_skip:g}") or (
+                a.profile_variants and system.startswith(f"teal_s{a.variant_skip:g}+"))
+            if a.profile_steps and dev.type == "cuda" and profiled:
                 row["profile"] = profile_engine(eng, c, a.prompt_len, a.profile_steps, bw, row["skip_realized"])
                 run.save()  # the timed row is already recorded: a failing profile only adds an error
+                print(profile_summary(row["profile"]), flush=True)
         except Exception as e:  # noqa: BLE001 - record and go on to the next system
             run.add("errors", {"model": name, "system": system, "error": f"{type(e).__name__}: {e}",
                                "trace": traceback.format_exc()[-3000:]})
@@ -389,6 +403,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-smoke", action="store_true")
     p.add_argument("--profile-steps", type=int, default=20, help="graph replays profiled per profiled system (0: none)")
+    p.add_argument("--profile-variants", action="store_true",
+                   help="profile the --kernel-variants engines too (default: the dense graph and teal at the defaults)")
     a = p.parse_args(argv)
     # Run as a script, this folder is sys.path[0]; its kernels.py would shadow the `kernels` package
     # that transformers imports. This script imports nothing from its folder.

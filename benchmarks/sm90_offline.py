@@ -75,8 +75,8 @@ KERNELS = {
     # InputSparseSettings.sliced: the select fused with RMSNorm (q/k/v's 6 splits), the pairs' GEMV, the sum
     # with the residual
     "select_slices_norm": ("input_sparse", "_select_slices_kernel",
-                           dict(PRODUCER=1, SPLIT_K=6, BLOCK=1024, ROW=4096, num_warps=8), 3),
-    "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, SPLIT_K=6, EVEN_M=True), 3),
+                           dict(PRODUCER=1, BLOCK=1024, ROW=4096, num_warps=8), 3),
+    "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True), 3),
     "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=64, SPLIT_K=6, HAS_RES=True), 3),
     # a per-token MLP K (engines' default): fc1 / fc2 stopping at the kept count, the top-k's launches that
     # compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the settings' default).

@@ -1,14 +1,19 @@
-"""Input-sparse GEMV for TEAL engines: y = W[:, idx] @ x[idx], idx = {i : |x_i| > t}; no host sync, no sort.
+"""Input-sparse GEMV for TEAL engines: y = W[:, idx] @ h[idx], idx = {i : |h_i| > t}; no host sync, no sort.
 
-- `select_inputs(x, t)`: per row b, the ascending list of inputs with |x[b, i]| > t, compacted by a
-  prefix sum over blocks of the row (one program per row): idx [B, N] int32, count[b] entries valid.
-- `input_sparse_gemv(x, w_t, idx, count)`: y [B, M] = sum over the first count[b] entries i of idx[b] of
-  x[b, i] * w_t[i, :]; w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows
-  are read. Split-K programs each take a
-  slice of the list (of the inputs), accumulate a [BLOCK_K, BLOCK_M] fp32 tile (reduced over k once,
-  after the loop) and write fp32 partials [SPLIT_K, B, M]; `_sum_splits_kernel` adds them and casts.
-Limits: x, w_t fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |x| > t in
-fp32. t is a host float per layer (a launch argument a CUDA graph captures).
+Two forms (InputSparseSettings.sliced; the slower one goes once the GPU has measured both):
+- sliced (default): `select_slices(x, t, split)` runs one program per (row, GEMV split): it computes h for its
+  slice of the inputs from the producer's output (x itself, norm_w * rms_norm(x), or silu(gate) * up) and
+  writes that slice's kept (index, value) pairs in order, with their count [B, split]: no prefix over the
+  row, h is never written. `sliced_gemv(idx, val, count, w_t, residual)`: split s reads its slice's pairs;
+  two loads of SUB = block_k / 2 pairs a step (fewer than the program's threads, so they land in the tile's
+  row layout: no barrier in the loop), the next step's pairs loaded before this step's rows are summed.
+- list: `select_inputs(x, t)`: per row, the ascending list of all kept inputs (one program walks the row);
+  `input_sparse_gemv(x, w_t, idx, count)`: split-K programs each take a slice of the list and gather x.
+Both: w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows are read; each
+program accumulates a [rows, BLOCK_M] fp32 tile (reduced over rows once, after the loop) into fp32
+partials [SPLIT_K, B, M]; `_sum_splits_kernel` adds them in order, casts, and adds the residual.
+Limits: fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |h| > t in fp32. t is a
+host float per layer (a launch argument a CUDA graph captures).
 """
 from __future__ import annotations
 
@@ -131,7 +136,7 @@ NONE, NORM, SWIGLU = 0, 1, 2  # the select's producer: x as it is, norm_w * rms_
 
 
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PER, t, eps,
-                          PRODUCER: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
+                          PRODUCER: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
     b, ps = tl.program_id(0), tl.program_id(1)
     if PRODUCER == 1:  # the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
         ss = tl.zeros([ROW], dtype=tl.float32)
@@ -162,7 +167,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PER
         tl.store(idx_ptr + pos, offs, mask=keep)
         tl.store(val_ptr + pos, h, mask=keep)
         base += tl.sum(k, 0)
-    tl.store(count_ptr + b * SPLIT_K + ps, base)
+    tl.store(count_ptr + b * tl.num_programs(1) + ps, base)
 
 
 @helper
@@ -180,13 +185,13 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_M: tl.constexpr):
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr):
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if EVEN_M:
         m_ok = offs_m >= 0  # all true, and known to be: unpredicated vector loads
-    n = tl.load(count_ptr + b * SPLIT_K + ps)
+    n = tl.load(count_ptr + b * tl.num_programs(2) + ps)
     idx_ptr += b * N + ps * PER  # this split's n (index, value) pairs
     val_ptr += b * N + ps * PER
     # A step reads 2 * SUB kept rows as two loads of SUB pairs: fewer pairs than the program has threads,
@@ -228,7 +233,7 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
     block = min(config.block_select, next_pow2(per))
     jit(_select_slices_kernel, x.device)[(B, split)](
         x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[1], per, float(t), float(eps),
-        PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM, SPLIT_K=split, BLOCK=block,
+        PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM, BLOCK=block,
         ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps)
     return idx, val, count
 
@@ -284,7 +289,7 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
     grid = (B, -(-M // config.block_m), split)
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
-                                               SPLIT_K=split, EVEN_M=M % config.block_m == 0,
+                                               EVEN_M=M % config.block_m == 0,
                                                num_warps=config.num_warps)
     jit(_sum_splits_kernel, val.device)[grid[:2]](part, out, out if residual is None else residual, B, M,
                                                   BLOCK_M=config.block_m, SPLIT_K=split, HAS_RES=residual is not None)

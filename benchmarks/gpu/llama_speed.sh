@@ -8,8 +8,14 @@
 # (docs/llama.md) and are left out to stay under 10 minutes.
 # Target: >= 1.8x our dense graph at 50% skipped, within 1.3x of the bandwidth floor.
 #   bash benchmarks/gpu/llama_speed.sh
+#   bash benchmarks/gpu/llama_speed.sh ab    # Llama-3-8B only: the sliced form (default) against the list
+#                                            # form (sliced off), both profiled; under 4 minutes
 set -euo pipefail
 source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
+if [ "${1:-}" = ab ]; then
+    exec timeout 235 python3 benchmarks/e2e_llama.py --models llama-3-8b --skips 0.5 --no-hf --profile-steps 20 \
+        --kernel-variants '[{"sliced": false}]' --profile-variants --out "$OUT/e2e-llama-ab-$(date -u +%F).json"
+fi
 timeout 580 python3 benchmarks/e2e_llama.py --skips 0.5 --no-hf --profile-steps 20 \
     --out "$OUT/e2e-llama-$(date -u +%F).json"

@@ -148,10 +148,10 @@ SCRIPT = textwrap.dedent('''
     # sliced (InputSparseSettings.sliced): each producer's select; the pairs' GEMV at the default blocks
     # (block_m 64, block_k 128: two loads of 64 pairs a step) and an odd M, with no barrier in its loop
     for producer in (IS.NONE, IS.NORM, IS.SWIGLU):
-        compile_sm90(IS, IS._select_slices_kernel, dict(PRODUCER=producer, SPLIT_K=6, BLOCK=1024, ROW=4096),
+        compile_sm90(IS, IS._select_slices_kernel, dict(PRODUCER=producer, BLOCK=1024, ROW=4096),
                      overrides={"count_ptr": "*i32", "t": "fp32"})
     for even in (True, False):
-        k = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, SPLIT_K=6, EVEN_M=even),
+        k = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=even),
                          overrides={"count_ptr": "*i32", "part_ptr": "*fp32"}, div16={"N", "M"})
         ptx = k.asm["ptx"]
         loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
