@@ -132,13 +132,13 @@ def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch
 
 
 # ------------------------------------------------ sliced: a select per GEMV split, fused with the input's producer
-NONE, NORM, SWIGLU = 0, 1, 2  # the select's producer: x as it is, norm_w * rms_norm(x), silu(gate) * up
+NONE, NORM, SWIGLU = 0, 1, 2  # the select's PRODUCER: x as it is, norm_w * rms_norm(x), silu(gate) * up
 
 
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PER, t, eps,
                           PRODUCER: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
     b, ps = tl.program_id(0), tl.program_id(1)
-    if PRODUCER == 1:  # the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
+    if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
         ss = tl.zeros([ROW], dtype=tl.float32)
         for n0 in range(0, N, ROW):
             offs = n0 + tl.arange(0, ROW)
@@ -152,10 +152,10 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PER
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < hi
         xv = tl.load(x_ptr + b * XS + offs, mask=inside, other=0.0)
-        if PRODUCER == 1:  # rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
+        if PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
             nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
             h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
-        elif PRODUCER == 2:  # x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
+        elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
             g = xv.to(tl.float32)
             u = tl.load(x_ptr + b * XS + N + offs, mask=inside, other=0.0).to(tl.float32)
             h = ((g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32) * u).to(xv.dtype)
