@@ -196,6 +196,11 @@ class _CountingOps:
         self.dense += w_t.numel()
         return self.ref.linear(x, w_t, t, norm, swiglu, residual)
 
+    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows):
+        from dejavu.plugins.input_sparse import sliced_qkv_rope_ref
+
+        return sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
+
 
 def realized_skip(eng, c: dict, P: int, steps: int) -> float:
     """Fraction of block projection bytes skipped on `steps` decode steps after a P-token prompt

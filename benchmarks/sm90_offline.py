@@ -78,6 +78,8 @@ KERNELS = {
                            dict(PRODUCER=1, BLOCK=1024, ROW=4096, num_warps=8), 3),
     "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True), 3),
     "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=64, SPLIT_K=6, HAS_RES=True), 3),
+    "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), 3,
+                              {"pos_ptr": "*i64", "q_ptr": "*fp16"}),
     # a per-token MLP K (engines' default): fc1 / fc2 stopping at the kept count, the top-k's launches that
     # compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the settings' default).
     # A fifth field types arguments; a tree whose kernel lacks them (the base) compiles its own form

@@ -7,6 +7,8 @@ Two forms (InputSparseSettings.sliced; the slower one goes once the GPU has meas
   row, h is never written. `sliced_gemv(idx, val, count, w_t, residual)`: split s reads its slice's pairs;
   two loads of SUB = block_k / 2 pairs a step (fewer than the program's threads, so they land in the tile's
   row layout: no barrier in the loop), the next step's pairs loaded before this step's rows are summed.
+  `sliced_qkv_rope(...)`: the same GEMV for the fused q/k/v, its sum kernel applying RoPE to q and k and
+  writing k and v into the caches at pos.
 - list: `select_inputs(x, t)`: per row, the ascending list of all kept inputs (one program walks the row);
   `input_sparse_gemv(x, w_t, idx, count)`: split-K programs each take a slice of the list and gather x.
 Both: w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows are read; each
@@ -210,6 +212,33 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
     tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
+
+def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    # q/k/v's split-K sum, RoPE on q and k, k and v into the caches at pos[b]: columns [0, QD) are q, then
+    # KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
+    b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = offs < M
+    d = offs % HEAD_D
+    mate = offs - d + (d + HEAD_D // 2) % HEAD_D
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_mate = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(SPLIT_K):  # the splits in order, as _sum_splits_kernel adds them
+        acc += tl.load(part_ptr + (s * B + b) * M + offs, mask=ok, other=0.0)
+        acc_mate += tl.load(part_ptr + (s * B + b) * M + mate, mask=ok, other=0.0)
+    dt = q_ptr.dtype.element_ty
+    y, y_mate = acc.to(dt).to(tl.float32), acc_mate.to(dt).to(tl.float32)  # q/k/v in the engine dtype
+    c = tl.load(cos_ptr + b * HEAD_D + d).to(tl.float32)
+    sn = tl.load(sin_ptr + b * HEAD_D + d).to(tl.float32)  # rotate_half's sign folded in
+    rot = ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
+    is_q, is_k, is_v = ok & (offs < QD), ok & (offs >= QD) & (offs < QD + KD), ok & (offs >= QD + KD)
+    p = tl.load(pos_ptr + b)
+    tl.store(q_ptr + b * QD + tl.where(is_q, offs, 0), rot, mask=is_q)
+    head = tl.where(is_k, offs - QD, 0) // HEAD_D
+    tl.store(kc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, rot, mask=is_k)
+    head = tl.where(is_v, offs - QD - KD, 0) // HEAD_D
+    tl.store(vc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, y.to(dt), mask=is_v)
+
 def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
                   swiglu: bool = False, settings: KernelSettings | None = None):
     """(idx [B, N] int32, val [B, N] x's dtype, count [B, split] int32): the inputs of h with |h| > t, per
@@ -266,12 +295,8 @@ def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tenso
     return idx.to(x.device), val.to(x.device), count.to(x.device)
 
 
-def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
-                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                settings: KernelSettings | None = None):
-    """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
-    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
-    config = (settings or DEFAULT).input_sparse
+def _sliced_parts(idx, val, count, w_t, config):
+    """fp32 partials [split, B, M] of the pairs' GEMV (sliced_gemv's checks, then its first launch)."""
     check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = val.shape
     check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=val.device)
@@ -282,15 +307,67 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
     check_tensor("w_t", w_t, ndim=2, dtype=val.dtype, device=val.device)
     M = w_t.shape[1]
     check_tensor("w_t", w_t, shape=(N, M))  # a row per input
-    if residual is not None:
-        check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
-    out = check_out(out, (B, M), val.dtype, val.device, "out")
     part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
     grid = (B, -(-M // config.block_m), split)
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
-                                               EVEN_M=M % config.block_m == 0,
-                                               num_warps=config.num_warps)
-    jit(_sum_splits_kernel, val.device)[grid[:2]](part, out, out if residual is None else residual, B, M,
-                                                  BLOCK_M=config.block_m, SPLIT_K=split, HAS_RES=residual is not None)
+                                               EVEN_M=M % config.block_m == 0, num_warps=config.num_warps)
+    return part
+
+
+def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                settings: KernelSettings | None = None):
+    """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
+    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
+    config = (settings or DEFAULT).input_sparse
+    part = _sliced_parts(idx, val, count, w_t, config)
+    split, B, M = part.shape
+    if residual is not None:
+        check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
+    out = check_out(out, (B, M), val.dtype, val.device, "out")
+    jit(_sum_splits_kernel, val.device)[(B, -(-M // config.block_m))](
+        part, out, out if residual is None else residual, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
+        HAS_RES=residual is not None)
     return out
+
+
+def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, settings: KernelSettings | None = None) -> torch.Tensor:
+    """q [B, H, hd] of a fused q/k/v projection (the pairs' GEMV, w_t [N, (H + 2 Hkv) hd]), RoPE on q and k
+    (cos, sin [B, hd]: sin with rotate_half's sign, -sin on the first half), k and v written into
+    k_cache, v_cache [B, Hkv, T, hd] at slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch
+    after the GEMV."""
+    config = (settings or DEFAULT).input_sparse
+    B, Hkv, T, hd = k_cache.shape
+    check_tensor("k_cache", k_cache, dtype=val.dtype, device=val.device)
+    check_tensor("v_cache", v_cache, shape=(B, Hkv, T, hd), dtype=val.dtype, device=val.device)
+    for name, c in (("cos", cos), ("sin", sin)):
+        check_tensor(name, c, shape=(B, hd), dtype=val.dtype, device=val.device)
+    check_tensor("pos", pos, shape=(B,), dtype=torch.int64, device=val.device)
+    M = w_t.shape[1] if w_t.dim() == 2 else -1
+    if hd % 2 or M % hd or M // hd <= 2 * Hkv:
+        raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
+    part = _sliced_parts(idx, val, count, w_t, config)
+    H = M // hd - 2 * Hkv
+    q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
+    jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](
+        part, q, k_cache, v_cache, cos, sin, pos, B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=config.block_m,
+        SPLIT_K=part.shape[0])
+    return q
+
+
+def sliced_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of `sliced_qkv_rope` after its GEMV: q [B, H, hd] from qkv [B, (H + 2 Hkv) hd]
+    (rows: arange(B) on the device, made once by a caller that runs it every step)."""
+    B, Hkv, _, hd = k_cache.shape
+    qkv = qkv.view(B, -1, hd)
+    H = qkv.shape[1] - 2 * Hkv
+    qkr = qkv[:, :H + Hkv]  # q and k heads rotated in one pass: x cos + rotate_half(x) sin
+    qk = torch.addcmul(qkr * cos[:, None], qkr.roll(hd // 2, -1), sin[:, None])
+    rows = torch.arange(B, device=qkv.device) if rows is None else rows
+    k_cache[rows, :, pos] = qk[:, H:]  # [B, Hkv, hd] at slot pos[b]
+    v_cache[rows, :, pos] = qkv[:, H + Hkv:]
+    return qk[:, :H]

@@ -140,7 +140,8 @@ class InputSparseSettings:
     kept list for `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy).
     sliced True: one select program per GEMV split, fused with the input's producer (RMSNorm, SwiGLU),
     writes (index, value) pairs; the GEMV reads them with no barrier in its loop; the split-K sum adds the
-    residual. False: a single-program select per row, then the x-gathering GEMV (2026-12-05's form)."""
+    residual (q/k/v: RoPE and the cache write). False: a single-program select per row, then the x-gathering
+    GEMV, the rest PyTorch ops (2026-12-05's form)."""
     sliced: bool = True
     block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
     select_warps: int = 8

@@ -131,6 +131,19 @@ class LlamaOps:
         y = IS.input_sparse_gemv(h, w_t, idx, count, settings=self.settings)
         return y if residual is None else residual + y
 
+    def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
+                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q [B, H, hd] of linear(x, w_t, t, norm) (the fused q/k/v projection), RoPE on q and k (cos, sin
+        [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot pos[b]."""
+        from dejavu.plugins import input_sparse as IS
+
+        config = (self.settings or IS.DEFAULT).input_sparse
+        if t <= 0 or self.backend == "ref" or not config.sliced:
+            return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
+        split = IS.split_k_for(x.shape[0], w_t.shape[0], w_t.shape[1], config)
+        idx, val, count = IS.select_slices(x, t, split, *norm, settings=self.settings)
+        return IS.sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, k_cache, v_cache, settings=self.settings)
+
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference on layer 0's MLP weights, its input through the
         MLP's RMSNorm (None on "ref")."""
@@ -237,20 +250,17 @@ class LlamaDecoder:
         s, lin = self.spec, self.ops.linear
         B, H, Hkv, hd = tokens.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
         G = H // Hkv
-        cos, sin = (c[:, None] for c in self._rope(pos))  # [B, 1, hd]
+        cos, sin = self._rope(pos)  # [B, hd]
         sin = torch.cat((-sin[..., :hd // 2], sin[..., hd // 2:]), -1)  # rotate_half's sign, once per step
         # additive mask [B, 1, 1, T] in the engine dtype, once per step: slots <= pos[b]
         mask = torch.zeros(B, 1, 1, self.max_seq, dtype=s.dtype, device=pos.device).masked_fill_(
             self.slots > pos[:, None, None, None], float("-inf"))
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
         for l, w in enumerate(self.layers):
-            qkv = lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps)).view(B, H + 2 * Hkv, hd)
-            qkr = qkv[:, :H + Hkv]  # q and k heads rotated in one pass: x cos + rotate_half(x) sin
-            qk = torch.addcmul(qkr * cos, qkr.roll(hd // 2, -1), sin)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
             kc, vc = self.k_cache[l], self.v_cache[l]
-            kc[self.rows, :, pos] = k  # [B, Hkv, hd] at slot pos[b]
-            vc[self.rows, :, pos] = v
+            # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
+            q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
+                                  self.rows)
             # query head h reads KV head h // G: the G query heads of a KV head are its G "query
             # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
             o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]

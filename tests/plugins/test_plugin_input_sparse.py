@@ -9,7 +9,8 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, InputSparseSettings as _s
 from dejavu.plugins.input_sparse import (input_sparse_gemv, input_sparse_gemv_ref, produce_ref, select_inputs,
-                                         select_inputs_ref, select_slices, select_slices_ref, sliced_gemv, split_k_for)
+                                         select_inputs_ref, select_slices, select_slices_ref, sliced_gemv,
+                                         sliced_qkv_rope, sliced_qkv_rope_ref, split_k_for)
 from conftest import DTYPES
 
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
@@ -185,3 +186,47 @@ def test_sliced_launchers_check_their_inputs(triton_interp):
         sliced_gemv(idx, val, count, torch.randn(16, 8), residual=torch.randn(8))
     with pytest.raises(DejavuError, match="count: expected shape"):
         sliced_gemv(idx, val, count[:1], torch.randn(16, 8))
+    kc = torch.zeros(2, 1, 4, 4)
+    with pytest.raises(DejavuError, match="not q, k and v heads of 4 with 1 KV heads"):
+        sliced_qkv_rope(idx, val, count, torch.randn(16, 8), torch.ones(2, 4), torch.ones(2, 4),
+                        torch.zeros(2, dtype=torch.long), kc, kc.clone())
+    with pytest.raises(DejavuError, match="pos: expected dtype torch.int64"):
+        sliced_qkv_rope(idx, val, count, torch.randn(16, 12), torch.ones(2, 4), torch.ones(2, 4),
+                        torch.zeros(2, dtype=torch.int32), kc, kc.clone())
+
+
+def _rope64(qkv, cos, sin, H, Hkv, hd):
+    """q, k rotated and v of qkv [B, (H + 2 Hkv) hd] in float64 (sin signed for rotate_half)."""
+    x = qkv.double().view(qkv.shape[0], -1, hd)
+    r = x[:, :H + Hkv] * cos.double()[:, None] + x[:, :H + Hkv].roll(hd // 2, -1) * sin.double()[:, None]
+    return r[:, :H], r[:, H:], x[:, H + Hkv:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Hkv,hd,config", [(1, 4, 2, 16, SMALL), (3, 6, 2, 8, SMALL), (2, 2, 1, 32, _s())])
+def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config):
+    """q rotated, and k (rotated) and v written into the caches at pos[b] only: poisoned caches keep their NaN
+    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32)."""
+    g = torch.Generator().manual_seed(H * hd + B)
+    N, M, T = 40, (H + 2 * Hkv) * hd, 7
+    x, nw = _producer_input(B, N, "norm", dtype, g)
+    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
+    ang = torch.rand(B, hd // 2, generator=g) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    pos = torch.randint(0, T, (B,), generator=g)
+    kc, vc = (torch.full((B, Hkv, T, hd), float("nan"), dtype=dtype) for _ in range(2))
+    t = 0.6
+    split = split_k_for(B, N, M, config)
+    idx, val, count = select_slices(x, t, split, nw, 1e-5, settings=_ks(config))
+    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config))
+    h = produce_ref(x, nw, 1e-5)
+    q64, k64, v64 = _rope64((h.double() * (h.float().abs() > t)) @ w_t.double(), cos, sin, H, Hkv, hd)
+    kt, vt = (torch.full_like(kc, float("nan")) for _ in range(2))
+    qt = sliced_qkv_rope_ref(input_sparse_gemv_ref(h, w_t, t), cos, sin, pos, kt, vt)
+    rows = torch.arange(B)
+    close(q, q64, qt)
+    close(kc[rows, :, pos], k64, kt[rows, :, pos])
+    close(vc[rows, :, pos], v64, vt[rows, :, pos])
+    written = torch.zeros(B, Hkv, T, dtype=torch.bool)
+    written[rows, :, pos] = True
+    assert kc[~written].isnan().all() and vc[~written].isnan().all()
