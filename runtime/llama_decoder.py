@@ -3,9 +3,10 @@
 Same design as the OPT decoder (runtime/decoder.py):
 - `prefill(ids, lengths)`: dense over a right-padded prompt batch, K/V into the cache.
 - `decode_step(tokens, pos)`: one token per sequence; every block projection reads only the
-  input columns with |x_i| > its layer's threshold (`LlamaOps.linear`: masked dense on the
-  CPU path, `plugins/input_sparse` kernels on CUDA); static shapes and no host sync, so one
-  CUDA graph captures it (runtime/graphs.py).
+  input columns with |x_i| > its layer's threshold (`LlamaOps.linear` and `qkv_rope`: masked dense
+  on the CPU path, `plugins/input_sparse` kernels on CUDA, with the RMSNorm / SwiGLU before and the
+  residual / RoPE and cache write after fused into them in the sliced form); static shapes and no
+  host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
 Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache,
@@ -100,7 +101,7 @@ def linear_ref(x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: 
 
 
 class LlamaOps:
-    """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or "triton"
+    """The decode step's sparse projections on one backend: "ref" (PyTorch, masked dense) or "triton"
     (plugins/input_sparse; InputSparseSettings.sliced: per-split selects fused with the producer, or one
     index list per row)."""
 

@@ -14,7 +14,7 @@ set -euo pipefail
 source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 if [ "${1:-}" = ab ]; then
-    exec timeout 235 python3 benchmarks/e2e_llama.py --models llama-3-8b --skips 0.5 --no-hf --profile-steps 20 \
+    exec timeout 220 python3 benchmarks/e2e_llama.py --models llama-3-8b --skips 0.5 --no-hf --profile-steps 20 \
         --kernel-variants '[{"sliced": false}]' --profile-variants --out "$OUT/e2e-llama-ab-$(date -u +%F).json"
 fi
 timeout 580 python3 benchmarks/e2e_llama.py --skips 0.5 --no-hf --profile-steps 20 \
