@@ -14,13 +14,13 @@ downloaded here):
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
-  dense_graph+w_rows  the same with the block weights stored as W (row-major [M, N]) instead of W^T:
-                 which layout cuBLAS's batch-1 GEMV streams faster
   teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
-                 plugins/input_sparse kernels (index lists by prefix sum, row-gather GEMV), CUDA graph
+                 plugins/input_sparse kernels (per-split selects fused with RMSNorm / SwiGLU, the pairs'
+                 GEMV, fused split-K sums), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
                  InputSparseSettings fields over the defaults), recorded in the engine header as a build would;
-                 '[{"sliced": false}]' is the list form against the sliced default (benchmarks/gpu/llama_speed.sh ab)
+                 on the --variant-models only, and only while the run is inside --budget-s (later ones are
+                 recorded as skipped)
 Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
 --profile-variants the variants too), N
 graph replays under torch.profiler (benchmarks/profile_decode.profile_steps: per-kernel GPU time and
@@ -59,11 +59,11 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
-# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults, block_m 64 /
-# block_k 128 since the 2026-12-05 sweep): the list form (sliced off), narrower and wider blocks around them,
-# fewer / more programs, more warps, one select block per slice
-VARIANTS = [{"sliced": False}, {"block_m": 32}, {"block_m": 32, "block_k": 256}, {"block_k": 256}, {"block_k": 64},
-            {"target_programs": 1056}, {"target_programs": 264}, {"num_warps": 8}, {"block_select": 16384, "select_warps": 16}]
+# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): fewer, longer
+# splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
+# down 9 -> 9 / 7, gate/up 2), wider and narrower blocks, fewer / more programs
+VARIANTS = [{"min_split_inputs": 1024}, {"min_split_inputs": 2048}, {"block_k": 256}, {"block_m": 32},
+            {"target_programs": 264}, {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -72,7 +72,8 @@ class Run:
     """Results; the JSON is rewritten after every record."""
 
     def __init__(self, out: Path, meta: dict):
-        self.out, self.data = out, {"meta": meta, "smoke": None, "bandwidth": None, "results": [], "errors": []}
+        self.out, self.data = out, {"meta": meta, "smoke": None, "bandwidth": None, "results": [], "errors": [],
+                                    "skipped": []}
 
     def save(self):
         from dejavu.fileio import atomic_path
@@ -171,10 +172,6 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
-    # the dense graph again with every block weight stored as W [M, N] row-major (the same values, viewed
-    # transposed): the layout F.linear reads (cuBLAS's transposed GEMV), against the engine's W^T [N, M]
-    rows = {n: (t.t().contiguous().t() if n.endswith("_t") else t) for n, t in tensors.items()}
-    out.insert(1, ("dense_graph+w_rows", 0.0, Engine.from_tensors(out[0][2].header, rows, device=dev, backend=backend)))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
 
 
@@ -195,6 +192,9 @@ class _CountingOps:
         self.read += kept * w_t.numel()
         self.dense += w_t.numel()
         return self.ref.linear(x, w_t, t, norm, swiglu, residual)
+
+    def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
+        return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)
 
     def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows):
         from dejavu.plugins.input_sparse import sliced_qkv_rope_ref
@@ -316,13 +316,14 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 
 def smoke(dev) -> dict:
-    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), for both input-sparse
-    forms (InputSparseSettings.sliced on, the default, and off)."""
+    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings
+    and with fewer splits (min_split_inputs 64)."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
-    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"sliced": False}], variant_skip=0.4)[0][2:]
+    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64}],
+                   variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
     a, prompts = ref.decode_logits(ids), ids[:, :8].tolist()
     want, out = ref.generate(prompts, 12, stop_at_eos=False), {}
@@ -338,9 +339,14 @@ def smoke(dev) -> dict:
 def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     ctx = a.prompt_len + a.new_tokens // 2  # mean context of the timed steps
-    engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens, variants=a.kernel_variants,
-                          variant_skip=a.variant_skip)
-    for system, s, eng in engs:
+    variants = a.kernel_variants if name in a.variant_models else []
+    engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens, variants=variants, variant_skip=a.variant_skip)
+    for i, (system, s, eng) in enumerate(engs):
+        if i > len(a.skips) and a.budget_s and time.perf_counter() - a.t0 > a.budget_s:  # a variant, past the budget
+            run.add("skipped", {"model": name, "system": system, "reason": f"past --budget-s {a.budget_s:g}"})
+            eng.release()
+            continue
+        t_row = time.perf_counter()
         try:
             row = {"model": name, "system": system, "batch": 1, "skip_target": s, "shape": c, "calibration": calib,
                    "density": eng.header["build_config"]["density"],
@@ -350,6 +356,7 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
             fl = floor(c, row["skip_realized"], ctx, bw)
             row.update(floor_bytes=fl["bytes"], floor_ms=fl["ms"], floor_ms_nominal=floor(c, row["skip_realized"], ctx,
                                                                                         a.peak_GBps)["ms"])
+            row["wall_s"] = time.perf_counter() - t_row  # build of the row: skip count, capture, timing
             run.add("results", row)
             print(f"{name:16} {system:12} {row['ms_per_step']:8.3f} ms/step  floor {row['floor_ms']:.3f} ms  "
                   f"skip {row['skip_realized']:.3f}", flush=True)
@@ -403,6 +410,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-variants", default=json.dumps(VARIANTS),
                    help="JSON list of InputSparseSettings fields (KernelSettings.input_sparse), each an extra engine at --variant-skip ('[]': none)")
     p.add_argument("--variant-skip", type=float, default=0.5)
+    p.add_argument("--variant-models", default=None, help="models the variants run on (default: the first of --models)")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no variant after this many seconds of the run (0: no limit); the others are recorded as skipped")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--calib-tokens", type=int, default=512, help="random tokens the thresholds are taken from")
@@ -425,6 +435,8 @@ def main(argv=None) -> int:
     a.skips = [float(s) for s in a.skips.split(",") if s]
     a.kernel_variants = json.loads(a.kernel_variants)
     models = (a.models or ("llama-3-8b,llama-3-70b-tp8" if dev.type == "cuda" else "tiny")).split(",")
+    a.variant_models = a.variant_models.split(",") if a.variant_models else models[:1]
+    a.t0 = time.perf_counter()
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e_llama.json")
     meta = {"argv": sys.argv if argv is None else argv, "torch": torch.__version__, "device": str(dev),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
@@ -447,7 +459,9 @@ def main(argv=None) -> int:
     for name in models:
         bench_shape(run, name, SHAPES[name], a, dev, bw["copy_GBps"])
     print(table(run.data["results"]))
-    print(f"e2e_llama: wrote {out}" + (f" ({len(run.data['errors'])} errors)" if run.data["errors"] else ""))
+    print(f"e2e_llama: wrote {out} in {time.perf_counter() - a.t0:.0f} s"
+          + (f" ({len(run.data['errors'])} errors)" if run.data["errors"] else "")
+          + (f" ({len(run.data['skipped'])} variants skipped)" if run.data["skipped"] else ""))
     return 0
 
 

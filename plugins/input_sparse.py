@@ -1,21 +1,21 @@
 """Input-sparse GEMV for TEAL engines: y = W[:, idx] @ h[idx], idx = {i : |h_i| > t}; no host sync, no sort.
 
-Two forms (InputSparseSettings.sliced; the slower one goes once the GPU has measured both):
-- sliced (default): `select_slices(x, t, split)` runs one program per (row, GEMV split): it computes h for its
-  slice of the inputs from the producer's output (x itself, norm_w * rms_norm(x), or silu(gate) * up) and
-  writes that slice's kept (index, value) pairs in order, with their count [B, split]: no prefix over the
-  row, h is never written. `sliced_gemv(idx, val, count, w_t, residual)`: split s reads its slice's pairs;
-  two loads of SUB = block_k / 2 pairs a step (fewer than the program's threads, so they land in the tile's
-  row layout: no barrier in the loop), the next step's pairs loaded before this step's rows are summed.
-  `sliced_qkv_rope(...)`: the same GEMV for the fused q/k/v, its sum kernel applying RoPE to q and k and
-  writing k and v into the caches at pos.
-- list: `select_inputs(x, t)`: per row, the ascending list of all kept inputs (one program walks the row);
-  `input_sparse_gemv(x, w_t, idx, count)`: split-K programs each take a slice of the list and gather x.
-Both: w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows are read; each
-program accumulates a [rows, BLOCK_M] fp32 tile (reduced over rows once, after the loop) into fp32
-partials [SPLIT_K, B, M]; `_sum_splits_kernel` adds them in order, casts, and adds the residual.
+- `select_slices(x, t, split)` runs one program per (row, GEMV split): it computes h for its slice of the
+  inputs from the producer's output (x itself, norm_w * rms_norm(x), or silu(gate) * up) and writes that
+  slice's kept (index, value) pairs in order, with their count [B, split]: no prefix over the row, h is never
+  written. x may be the fp32 partials [S, B, N] of the previous GEMV (`sliced_parts`): the select sums them
+  in order itself (gate/up's split-K sum folded into down's SwiGLU select: one launch fewer).
+- `sliced_parts(idx, val, count, w_t)`: split s reads its slice's pairs; two loads of SUB = block_k / 2 pairs
+  a step (fewer than the program's threads, so they land in the tile's row layout: no barrier in the loop),
+  the next step's pairs loaded before this step's rows are summed; fp32 partials [split, B, M].
+  `sliced_gemv(...)`: its partials summed in order with the residual (`_sum_splits_kernel`);
+  `sliced_qkv_rope(...)`: the fused q/k/v, its sum kernel applying RoPE to q and k and writing k and v into
+  the caches at pos.
+w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows are read; each program
+accumulates a [rows, BLOCK_M] fp32 tile (reduced over rows once, after the loop).
 Limits: fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |h| > t in fp32. t is a
-host float per layer (a launch argument a CUDA graph captures).
+host float per layer (a launch argument a CUDA graph captures). The list form (one select program per row,
+a GEMV gathering x) measured slower (5.906 vs 4.545 ms, docs/kernels.md) and is in commit 6d59376.
 """
 from __future__ import annotations
 
@@ -25,64 +25,6 @@ import torch.nn.functional as F
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, helper, jit, next_pow2
 from dejavu.plugins.settings import DEFAULT, KernelSettings
-
-
-def _select_inputs_kernel(x_ptr, idx_ptr, count_ptr, N, t, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: the kept count so far
-    for n0 in range(0, N, BLOCK):
-        offs = n0 + tl.arange(0, BLOCK)
-        inside = offs < N
-        xv = tl.load(x_ptr + b * N + offs, mask=inside, other=0.0).to(tl.float32)
-        keep = (tl.abs(xv) > t) & inside
-        k = keep.to(tl.int32)
-        pos = base + tl.cumsum(k, 0) - 1  # the slot of each kept input, in ascending order
-        tl.store(idx_ptr + b * N + pos, offs, mask=keep)
-        base += tl.sum(k, 0)
-    tl.store(count_ptr + b, base)
-
-
-def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
-                  count: torch.Tensor | None = None, settings: KernelSettings | None = None):
-    """(idx [B, N] int32, count [B] int32): the inputs of x [B, N] with |x| > t, ascending (settings: None: DEFAULT)."""
-    config = (settings or DEFAULT).input_sparse
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, N = x.shape
-    idx = check_out(idx, (B, N), torch.int32, x.device, "idx")
-    count = check_out(count, (B,), torch.int32, x.device, "count")
-    jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=min(config.block_select, next_pow2(N)),
-                                               num_warps=config.select_warps)
-    return idx, count
-
-
-def select_inputs_ref(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of `select_inputs` (idx padded with -1 past count)."""
-    keep = x.float().abs() > t  # [B, N], compared in fp32 as the kernel does
-    count, order = keep.sum(1).to(torch.int32), torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
-    return torch.where(torch.arange(x.shape[1], device=x.device)[None] < count[:, None], order, -1).int(), count
-
-
-def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, M, BLOCK_M: tl.constexpr,
-                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    n = tl.load(count_ptr + b)
-    per = tl.cdiv(tl.cdiv(n, SPLIT_K), BLOCK_K) * BLOCK_K  # this split's slice of the kept list
-    lo = ps * per
-    hi = tl.minimum(lo + per, n)
-    acc = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hi
-        i = tl.load(idx_ptr + b * N + ks, mask=k_ok, other=0)
-        xv = tl.load(x_ptr + b * N + i, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=k_ok[:, None] & m_ok[None, :],
-                    other=0.0).to(tl.float32)
-        acc += w * xv[:, None]
-    tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
-
-
 
 
 def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -98,38 +40,16 @@ def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SP
 
 
 def split_k_for(B: int, N: int, M: int, config) -> int:
-    """Slices of the list: config.split_k, or enough for config.target_programs (settings.InputSparseSettings)."""
+    """GEMV splits of the N inputs: config.split_k, or enough for config.target_programs, each split at least
+    config.min_split_inputs long (settings.InputSparseSettings)."""
     if config.split_k is not None:
         return config.split_k
     programs = B * -(-M // config.block_m)
-    return max(1, min(-(-config.target_programs // programs), -(-N // (2 * config.block_k))))
-
-
-def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
-                      out: torch.Tensor | None = None, settings: KernelSettings | None = None):
-    """y [B, M] (x's dtype) = sum_{j < count[b]} x[b, idx[b, j]] * w_t[idx[b, j], :]; x [B, N], w_t [N, M]
-    (W^T, same dtype), idx [B, N] int32, count [B] int32 from `select_inputs` (entries past count[b] unread)."""
-    config = (settings or DEFAULT).input_sparse
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, N = x.shape
-    check_tensor("w_t", w_t, ndim=2, dtype=x.dtype, device=x.device)
-    M = w_t.shape[1]
-    check_tensor("w_t", w_t, shape=(N, M))  # a row per input of x
-    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
-    check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
-    out = check_out(out, (B, M), x.dtype, x.device, "out")
-    split = split_k_for(B, N, M, config)
-    part = torch.empty(split, B, M, dtype=torch.float32, device=x.device)
-    grid = (B, -(-M // config.block_m), split)
-    jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, BLOCK_M=config.block_m,
-                                                   BLOCK_K=config.block_k, SPLIT_K=split, num_warps=config.num_warps)
-    jit(_sum_splits_kernel, x.device)[grid[:2]](part, out, out, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
-                                                  HAS_RES=False)
-    return out
+    return max(1, min(-(-config.target_programs // programs), N // config.min_split_inputs))
 
 
 def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
-    """PyTorch reference: the masked-dense product (x with |x| <= t zeroed) @ w_t, in x's dtype."""
+    """PyTorch reference of the input-sparse product: the masked-dense (x with |x| <= t zeroed) @ w_t, in x's dtype."""
     return (x * (x.float().abs() > t)) @ w_t
 
 
@@ -137,14 +57,26 @@ def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch
 NONE, NORM, SWIGLU = 0, 1, 2  # the select's PRODUCER: x as it is, norm_w * rms_norm(x), silu(gate) * up
 
 
-def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PER, t, eps,
-                          PRODUCER: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
+@helper
+def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
+    # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
+    # (as _sum_splits_kernel rounds it)
+    if SRC_SPLIT == 0:
+        return tl.load(x_ptr + offs, mask=mask, other=0.0)
+    acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SRC_SPLIT):
+        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
+    return acc.to(val_ptr.dtype.element_ty)
+
+
+def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
+                          PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
     b, ps = tl.program_id(0), tl.program_id(1)
     if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
         ss = tl.zeros([ROW], dtype=tl.float32)
         for n0 in range(0, N, ROW):
             offs = n0 + tl.arange(0, ROW)
-            xv = tl.load(x_ptr + b * XS + offs, mask=offs < N, other=0.0).to(tl.float32)
+            xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
             ss += xv * xv
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / N + eps)
     lo = ps * PER
@@ -153,13 +85,13 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PER
     for n0 in range(lo, hi, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < hi
-        xv = tl.load(x_ptr + b * XS + offs, mask=inside, other=0.0)
+        xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
             nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
             h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
             g = xv.to(tl.float32)
-            u = tl.load(x_ptr + b * XS + N + offs, mask=inside, other=0.0).to(tl.float32)
+            u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
             h = ((g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32) * u).to(xv.dtype)
         else:
             h = xv
@@ -240,31 +172,48 @@ def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr,
     tl.store(vc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, y.to(dt), mask=is_v)
 
 def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
-                  swiglu: bool = False, settings: KernelSettings | None = None):
-    """(idx [B, N] int32, val [B, N] x's dtype, count [B, split] int32): the inputs of h with |h| > t, per
-    slice s of the N inputs ([s * per, (s + 1) * per), per = ceil(N / split)): ascending at idx[b, s * per:],
-    count[b, s] of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps)
-    (norm_w [N]), or silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref)."""
+                  swiglu: bool = False, dtype: torch.dtype | None = None, settings: KernelSettings | None = None):
+    """(idx [B, N] int32, val [B, N], count [B, split] int32): the inputs of h with |h| > t, per slice s of
+    the N inputs ([s * per, (s + 1) * per), per = ceil(N / split)): ascending at idx[b, s * per:], count[b, s]
+    of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps) (norm_w [N]), or
+    silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype,
+    or the fp32 partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype."""
     config = (settings or DEFAULT).input_sparse
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, N = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
-    if swiglu and x.shape[1] % 2:
-        raise DejavuError(f"x: swiglu needs gate | up halves of equal width, got {x.shape[1]} columns")
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() == 3:
+        check_tensor("x", x, dtype=torch.float32)  # partials
+        if dtype not in FLOAT_DTYPES:
+            raise DejavuError(f"select_slices: partials x need the dtype of h, got {dtype}")
+    elif x.dim() == 2:
+        dtype = x.dtype
+    else:
+        raise DejavuError(f"x: expected [B, N] or partials [S, B, N], got shape {tuple(x.shape)}")
+    B, N = x.shape[-2], x.shape[-1] // 2 if swiglu else x.shape[-1]
+    if swiglu and x.shape[-1] % 2:
+        raise DejavuError(f"x: swiglu needs gate | up halves of equal width, got {x.shape[-1]} columns")
     if norm_w is not None:
         if swiglu:
             raise DejavuError("select_slices: norm_w and swiglu are two producers; give one")
-        check_tensor("norm_w", norm_w, shape=(N,), dtype=x.dtype, device=x.device)
+        check_tensor("norm_w", norm_w, shape=(N,), dtype=dtype, device=x.device)
     if not 1 <= split <= max(N, 1):
         raise DejavuError(f"split must be in [1, {N}], got {split}")
-    idx, val = torch.empty(B, N, dtype=torch.int32, device=x.device), torch.empty(B, N, dtype=x.dtype, device=x.device)
+    idx, val = torch.empty(B, N, dtype=torch.int32, device=x.device), torch.empty(B, N, dtype=dtype, device=x.device)
     count = torch.empty(B, split, dtype=torch.int32, device=x.device)
     per = -(-N // split)
-    block = min(config.block_select, next_pow2(per))
     jit(_select_slices_kernel, x.device)[(B, split)](
-        x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[1], per, float(t), float(eps),
-        PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM, BLOCK=block,
+        x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[-1], B * x.shape[-1], per, float(t),
+        float(eps), PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM,
+        SRC_SPLIT=x.shape[0] if x.dim() == 3 else 0, BLOCK=min(config.block_select, next_pow2(per)),
         ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps)
     return idx, val, count
+
+
+def sum_parts_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, M] in dtype: fp32 partials [S, B, M] summed in order (as the kernels add them), then rounded."""
+    acc = part[0].clone()
+    for p in part[1:]:
+        acc += p
+    return acc.to(dtype)
 
 
 def produce_ref(x: torch.Tensor, norm_w: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False):
@@ -278,25 +227,27 @@ def produce_ref(x: torch.Tensor, norm_w: torch.Tensor | None = None, eps: float 
 
 
 def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
-                      swiglu: bool = False):
+                      swiglu: bool = False, dtype: torch.dtype | None = None):
     """PyTorch reference of `select_slices` (idx -1 and val 0 past each slice's count)."""
-    h = produce_ref(x, norm_w, eps, swiglu)
+    h = produce_ref(sum_parts_ref(x, dtype) if x.dim() == 3 else x, norm_w, eps, swiglu)
     B, N = h.shape
     per = -(-N // split)
     idx, val = torch.full((B, N), -1, dtype=torch.int32), torch.zeros(B, N, dtype=h.dtype)
     count = torch.zeros(B, split, dtype=torch.int32)
-    for s in range(split):
-        ri, rc = select_inputs_ref(h[:, s * per:(s + 1) * per], t)
-        for b in range(B):
-            n = int(rc[b])
-            idx[b, s * per:s * per + n] = ri[b, :n] + s * per
-            val[b, s * per:s * per + n] = h[b, ri[b, :n].long() + s * per]
-        count[:, s] = rc
+    for b in range(B):
+        for s in range(split):
+            kept = torch.nonzero(h[b, s * per:(s + 1) * per].float().abs() > t).flatten().cpu() + s * per  # ascending
+            idx[b, s * per:s * per + len(kept)] = kept.int()
+            val[b, s * per:s * per + len(kept)] = h[b, kept.to(h.device)].cpu()
+            count[b, s] = len(kept)
     return idx.to(x.device), val.to(x.device), count.to(x.device)
 
 
-def _sliced_parts(idx, val, count, w_t, config):
-    """fp32 partials [split, B, M] of the pairs' GEMV (sliced_gemv's checks, then its first launch)."""
+def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                 settings: KernelSettings | None = None) -> torch.Tensor:
+    """fp32 partials [split, B, M] of the pairs' GEMV (split = count.shape[1]): split s's sum over its pairs of
+    val * w_t[idx, :]; their in-order sum is the product (`sliced_gemv`; or a select's partials x)."""
+    config = (settings or DEFAULT).input_sparse
     check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = val.shape
     check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=val.device)
@@ -321,7 +272,7 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
     """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
     w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
     config = (settings or DEFAULT).input_sparse
-    part = _sliced_parts(idx, val, count, w_t, config)
+    part = sliced_parts(idx, val, count, w_t, settings)
     split, B, M = part.shape
     if residual is not None:
         check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
@@ -349,7 +300,7 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     M = w_t.shape[1] if w_t.dim() == 2 else -1
     if hd % 2 or M % hd or M // hd <= 2 * Hkv:
         raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
-    part = _sliced_parts(idx, val, count, w_t, config)
+    part = sliced_parts(idx, val, count, w_t, settings)
     H = M // hd - 2 * Hkv
     q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
     jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](

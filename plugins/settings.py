@@ -136,19 +136,17 @@ class PDLSettings:
 
 @dataclass(frozen=True)
 class InputSparseSettings:
-    """The TEAL input-sparse kernels (input_sparse.py: Llama engines). split_k None: enough slices of the
-    kept list for `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy).
-    sliced True: one select program per GEMV split, fused with the input's producer (RMSNorm, SwiGLU),
-    writes (index, value) pairs; the GEMV reads them with no barrier in its loop; the split-K sum adds the
-    residual (q/k/v: RoPE and the cache write). False: a single-program select per row, then the x-gathering
-    GEMV, the rest PyTorch ops (2026-12-05's form)."""
-    sliced: bool = True
-    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
+    """The TEAL input-sparse kernels (input_sparse.py: Llama engines): a select per GEMV split fused with the
+    input's producer (RMSNorm, SwiGLU) writes (index, value) pairs, the pairs' GEMV, the split-K sum with the
+    residual (q/k/v: RoPE and the cache write). split_k None: enough splits for `target_programs` programs
+    (the GEMV is bandwidth-bound: it wants every SM busy), each at least `min_split_inputs` inputs long."""
+    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (a NORM select reads the row)
     select_warps: int = 8
     block_m: int = 64  # 128 / 64: 7.10 -> 5.92 ms/step with block_k 128 (Llama-3-8B, 50% skipped; docs/llama.md)
     block_k: int = 128
     split_k: int | None = None
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
+    min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
 
 

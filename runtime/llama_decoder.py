@@ -5,7 +5,8 @@ Same design as the OPT decoder (runtime/decoder.py):
 - `decode_step(tokens, pos)`: one token per sequence; every block projection reads only the
   input columns with |x_i| > its layer's threshold (`LlamaOps.linear` and `qkv_rope`: masked dense
   on the CPU path, `plugins/input_sparse` kernels on CUDA, with the RMSNorm / SwiGLU before and the
-  residual / RoPE and cache write after fused into them in the sliced form); static shapes and no
+  residual / RoPE and cache write after fused into them; `LlamaOps.mlp`: gate/up's split-K sum folded
+  into down's SwiGLU select); static shapes and no
   host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
@@ -102,8 +103,7 @@ def linear_ref(x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: 
 
 class LlamaOps:
     """The decode step's sparse projections on one backend: "ref" (PyTorch, masked dense) or "triton"
-    (plugins/input_sparse; InputSparseSettings.sliced: per-split selects fused with the producer, or one
-    index list per row)."""
+    (plugins/input_sparse: per-split selects fused with the producer, the pairs' GEMV, fused split-K sums)."""
 
     def __init__(self, backend: str, settings=None):
         """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
@@ -114,23 +114,35 @@ class LlamaOps:
         self.kernels = {"input_sparse_gemv": backend}
         self.settings = settings
 
+    def _select(self, x, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False, dtype=None):
+        # (idx, val, count) of the inputs of w_t kept from x (or its partials), the split from the settings
+        from dejavu.plugins import input_sparse as IS
+
+        config = (self.settings or IS.DEFAULT).input_sparse
+        split = IS.split_k_for(x.shape[-2], w_t.shape[0], w_t.shape[1], config)
+        return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=self.settings)
+
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """linear_ref's y [B, M] from x [B, N] (swiglu: [B, 2N]); t 0: PyTorch's dense product."""
         if t <= 0 or self.backend == "ref":
             return linear_ref(x, w_t, t, norm, swiglu, residual)
-        from dejavu.plugins import input_sparse as IS
+        from dejavu.plugins.input_sparse import sliced_gemv
 
-        config = (self.settings or IS.DEFAULT).input_sparse
-        if config.sliced:
-            nw, eps = norm or (None, 0.0)
-            split = IS.split_k_for(x.shape[0], w_t.shape[0], w_t.shape[1], config)
-            idx, val, count = IS.select_slices(x, t, split, nw, eps, swiglu, settings=self.settings)
-            return IS.sliced_gemv(idx, val, count, w_t, residual, settings=self.settings)
-        h = IS.produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
-        idx, count = IS.select_inputs(h, t, settings=self.settings)
-        y = IS.input_sparse_gemv(h, w_t, idx, count, settings=self.settings)
-        return y if residual is None else residual + y
+        return sliced_gemv(*self._select(x, w_t, t, norm, swiglu), w_t, residual, settings=self.settings)
+
+    def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
+            norm) -> torch.Tensor:
+        """x + down(SiLU(gate) * up) of x [B, D] (norm: the MLP's RMSNorm (w, eps)): gate/up's partials go
+        straight into down's SwiGLU select, which sums them (no split-K sum launch between)."""
+        if t_in <= 0 or t_down <= 0 or self.backend == "ref":
+            gu = self.linear(x, wgu_t, t_in, norm=norm)
+            return self.linear(gu, wd_t, t_down, swiglu=True, residual=x)
+        from dejavu.plugins.input_sparse import sliced_gemv, sliced_parts
+
+        part = sliced_parts(*self._select(x, wgu_t, t_in, norm), wgu_t, settings=self.settings)  # [S, B, 2I]
+        return sliced_gemv(*self._select(part, wd_t, t_down, swiglu=True, dtype=x.dtype), wd_t, x,
+                           settings=self.settings)
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -138,12 +150,10 @@ class LlamaOps:
         [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
-        config = (self.settings or IS.DEFAULT).input_sparse
-        if t <= 0 or self.backend == "ref" or not config.sliced:
+        if t <= 0 or self.backend == "ref":
             return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
-        split = IS.split_k_for(x.shape[0], w_t.shape[0], w_t.shape[1], config)
-        idx, val, count = IS.select_slices(x, t, split, *norm, settings=self.settings)
-        return IS.sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, k_cache, v_cache, settings=self.settings)
+        return IS.sliced_qkv_rope(*self._select(x, w_t, t, norm), w_t, cos, sin, pos, k_cache, v_cache,
+                                  settings=self.settings)
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference on layer 0's MLP weights, its input through the
@@ -266,7 +276,7 @@ class LlamaDecoder:
             # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
             o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]
             x = lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"], residual=x)
-            x = self._mlp(w, x, lin)
+            x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
         return self.head(x)
 
     # ------------------------------------------------------------------ sequences

@@ -189,10 +189,10 @@ def test_dejavu_run_and_inspect_on_a_llama_engine(built, capsys):
 
 
 def test_triton_path_under_the_interpreter_equals_the_reference(built):
-    """The decode step through plugins/input_sparse, both forms (sliced: selects fused with RMSNorm / SwiGLU,
-    the pairs' GEMV, the residual in the split-K sum; and one index list per row), blocks smaller than the
-    defaults so the shapes take several, run by Triton's interpreter in a subprocess (TRITON_INTERPRET must
-    be set before triton is imported)."""
+    """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
+    summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
+    smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
+    run by Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported)."""
     import os
     import subprocess
     import sys
@@ -205,8 +205,8 @@ from dejavu.runtime import Engine
 ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 a, want = ref.decode_logits(ids), ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
-for sliced in (True, False):
-    ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, sliced=sliced))
+for min_split in (8, 4096):
+    ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
                       "kernels": tri.describe()["kernels"],
