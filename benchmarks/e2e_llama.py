@@ -18,7 +18,8 @@ Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, 
                  plugins/input_sparse kernels (per-split selects fused with RMSNorm / SwiGLU, the pairs'
                  GEMV, fused split-K sums), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
-                 InputSparseSettings fields over the defaults), recorded in the engine header as a build would;
+                 InputSparseSettings fields over the defaults, or of another KernelSettings part's fields as
+                 {"pdl": {...}}), recorded in the engine header as a build would;
                  on the --variant-models only, and only while the run is inside --budget-s (later ones are
                  recorded as skipped)
 Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
@@ -61,9 +62,11 @@ SHAPES = {
 }
 # the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): fewer, longer
 # splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
-# down 9 -> 9 / 7, gate/up 2), wider and narrower blocks, fewer / more programs
-VARIANTS = [{"min_split_inputs": 1024}, {"min_split_inputs": 2048}, {"block_k": 256}, {"block_m": 32},
-            {"target_programs": 264}, {"target_programs": 1056}]
+# down 9 -> 9 / 7, gate/up 2), the input-sparse kernels launched without PDL (as at 6d59376), wider and narrower
+# blocks, fewer / more programs
+VARIANTS = [{"min_split_inputs": 1024}, {"min_split_inputs": 2048},
+            {"pdl": {"PLAIN": ["pred", "is_select", "is_gemv", "is_sum"]}},
+            {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -168,7 +171,10 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         bc = BuildConfig(density=min(1.0, round(density_for_skip(cfg, s), 6)), dtype=dname)
         target = target_info(str(dev))  # the settings a build records, the variant's input_sparse fields over them
         ks = target["kernel_settings"] or {"input_sparse": dataclasses.asdict(InputSparseSettings())}
-        target["kernel_settings"] = {**ks, "input_sparse": {**ks["input_sparse"], **variant}}
+        parts = {k: v for k, v in variant.items() if isinstance(v, dict)}  # {"pdl": {...}}: another part's fields
+        ks = {**ks, **{k: {**ks.get(k, {}), **v} for k, v in parts.items()}}
+        target["kernel_settings"] = {**ks, "input_sparse": {**ks["input_sparse"],
+                                                            **{k: v for k, v in variant.items() if k not in parts}}}
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
@@ -408,11 +414,13 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=None, help="default llama-3-8b,llama-3-70b-tp8 (cpu: tiny)")
     p.add_argument("--skips", default="0.25,0.4,0.5", help="fractions of every projection input skipped")
     p.add_argument("--kernel-variants", default=json.dumps(VARIANTS),
-                   help="JSON list of InputSparseSettings fields (KernelSettings.input_sparse), each an extra engine at --variant-skip ('[]': none)")
+                   help="JSON list of InputSparseSettings fields (KernelSettings.input_sparse; another part as "
+                        "{\"pdl\": {...}}), each an extra engine at --variant-skip ('[]': none)")
     p.add_argument("--variant-skip", type=float, default=0.5)
     p.add_argument("--variant-models", default=None, help="models the variants run on (default: the first of --models)")
     p.add_argument("--budget-s", type=float, default=0.0,
-                   help="start no variant after this many seconds of the run (0: no limit); the others are recorded as skipped")
+                   help="start no variant after this many seconds of the run (0: no limit); the others are "
+                        "recorded as skipped")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--calib-tokens", type=int, default=512, help="random tokens the thresholds are taken from")

@@ -23,17 +23,28 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, helper, jit, next_pow2
+from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, gdc_release, helper, jit,
+                                    next_pow2, pdl_args)
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
+@helper
+def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
+    # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
+    # (every split-K sum of this file goes through here: one rounding)
+    if SRC_SPLIT == 0:
+        return tl.load(x_ptr + offs, mask=mask, other=0.0)
+    acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SRC_SPLIT):
+        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
+    return acc.to(val_ptr.dtype.element_ty)
+
+
 def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                       HAS_RES: tl.constexpr):
+                       HAS_RES: tl.constexpr, GDC: tl.constexpr = 0):
     b, offs_m = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(SPLIT_K):  # the splits in order, as part.sum(0) adds them
-        acc += tl.load(part_ptr + (s * B + b) * M + offs_m, mask=offs_m < M, other=0.0)
-    y = acc.to(y_ptr.dtype.element_ty)
+    gdc_enter(GDC)
+    y = _src(part_ptr, b * M + offs_m, offs_m < M, B * M, y_ptr, SPLIT_K)  # the splits in order
     if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
         y = (tl.load(res_ptr + b * M + offs_m, mask=offs_m < M, other=0.0).to(tl.float32) + y.to(tl.float32))
     tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
@@ -57,21 +68,11 @@ def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch
 NONE, NORM, SWIGLU = 0, 1, 2  # the select's PRODUCER: x as it is, norm_w * rms_norm(x), silu(gate) * up
 
 
-@helper
-def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
-    # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
-    # (as _sum_splits_kernel rounds it)
-    if SRC_SPLIT == 0:
-        return tl.load(x_ptr + offs, mask=mask, other=0.0)
-    acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SRC_SPLIT):
-        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
-    return acc.to(val_ptr.dtype.element_ty)
-
-
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
-                          PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
+                          PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
+                          GDC: tl.constexpr = 0):
     b, ps = tl.program_id(0), tl.program_id(1)
+    gdc_enter(GDC)
     if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
         ss = tl.zeros([ROW], dtype=tl.float32)
         for n0 in range(0, N, ROW):
@@ -119,12 +120,13 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr):
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0):
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if EVEN_M:
         m_ok = offs_m >= 0  # all true, and known to be: unpredicated vector loads
+    gdc_enter(GDC)
     n = tl.load(count_ptr + b * tl.num_programs(2) + ps)
     idx_ptr += b * N + ps * PER  # this split's n (index, value) pairs
     val_ptr += b * N + ps * PER
@@ -141,25 +143,22 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
         i0, v0 = _pairs(idx_ptr, val_ptr, k0 + 2 * SUB + ar, n)
         i1, v1 = _pairs(idx_ptr, val_ptr, k0 + 3 * SUB + ar, n)
         acc += p0 + p1
+    gdc_release(GDC)
     tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
-
 def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
-                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, GDC: tl.constexpr = 0):
     # q/k/v's split-K sum, RoPE on q and k, k and v into the caches at pos[b]: columns [0, QD) are q, then
     # KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
     b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = offs < M
     d = offs % HEAD_D
     mate = offs - d + (d + HEAD_D // 2) % HEAD_D
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_mate = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(SPLIT_K):  # the splits in order, as _sum_splits_kernel adds them
-        acc += tl.load(part_ptr + (s * B + b) * M + offs, mask=ok, other=0.0)
-        acc_mate += tl.load(part_ptr + (s * B + b) * M + mate, mask=ok, other=0.0)
-    dt = q_ptr.dtype.element_ty
-    y, y_mate = acc.to(dt).to(tl.float32), acc_mate.to(dt).to(tl.float32)  # q/k/v in the engine dtype
+    gdc_enter(GDC)
+    dt = q_ptr.dtype.element_ty  # q/k/v in the engine dtype, summed as _sum_splits_kernel sums
+    y = _src(part_ptr, b * M + offs, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
+    y_mate = _src(part_ptr, b * M + mate, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
     c = tl.load(cos_ptr + b * HEAD_D + d).to(tl.float32)
     sn = tl.load(sin_ptr + b * HEAD_D + d).to(tl.float32)  # rotate_half's sign folded in
     rot = ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
@@ -170,6 +169,7 @@ def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr,
     tl.store(kc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, rot, mask=is_k)
     head = tl.where(is_v, offs - QD - KD, 0) // HEAD_D
     tl.store(vc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, y.to(dt), mask=is_v)
+
 
 def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
                   swiglu: bool = False, dtype: torch.dtype | None = None, settings: KernelSettings | None = None):
@@ -204,7 +204,8 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
         x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[-1], B * x.shape[-1], per, float(t),
         float(eps), PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM,
         SRC_SPLIT=x.shape[0] if x.dim() == 3 else 0, BLOCK=min(config.block_select, next_pow2(per)),
-        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps)
+        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps,
+        **pdl_args(x.device, "is_select", (settings or DEFAULT).pdl))
     return idx, val, count
 
 
@@ -262,7 +263,8 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
     grid = (B, -(-M // config.block_m), split)
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
-                                               EVEN_M=M % config.block_m == 0, num_warps=config.num_warps)
+                                               EVEN_M=M % config.block_m == 0, num_warps=config.num_warps,
+                                               **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
     return part
 
 
@@ -279,7 +281,7 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
     out = check_out(out, (B, M), val.dtype, val.device, "out")
     jit(_sum_splits_kernel, val.device)[(B, -(-M // config.block_m))](
         part, out, out if residual is None else residual, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
-        HAS_RES=residual is not None)
+        HAS_RES=residual is not None, **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
     return out
 
 
@@ -305,7 +307,7 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
     jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](
         part, q, k_cache, v_cache, cos, sin, pos, B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=config.block_m,
-        SPLIT_K=part.shape[0])
+        SPLIT_K=part.shape[0], **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
     return q
 
 

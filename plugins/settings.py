@@ -130,7 +130,7 @@ class PDLSettings:
     """Programmatic dependent launch (_common.pdl_args): EARLY kinds trigger the next launch right after
     their wait, PLAIN kinds launch without PDL."""
     ENABLED: bool = True
-    EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")
+    EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm", "is_select", "is_sum")
     PLAIN: tuple = ("pred",)
 
 

@@ -186,9 +186,19 @@ SCRIPT = textwrap.dedent('''
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, BLOCK_REF=16), False),
         (LN, LN._layer_norm_kernel, dict(BLOCK=8192), False),
+        (IS, IS._select_slices_kernel, dict(PRODUCER=IS.NORM, SRC_SPLIT=0, BLOCK=1024, ROW=4096), False),
+        (IS, IS._select_slices_kernel, dict(PRODUCER=IS.SWIGLU, SRC_SPLIT=2, BLOCK=1024, ROW=4096), False),
+        (IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True), True),
+        (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
+        (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), False),
     ]
+    typed = {IS._select_slices_kernel: {"count_ptr": "*i32", "t": "fp32"}, IS._sliced_gemv_kernel:
+             {"count_ptr": "*i32", "part_ptr": "*fp32"}, IS._sum_splits_kernel: {"part_ptr": "*fp32"},
+             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}}
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
-        over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else None
+        over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else typed.get(fn)
+        if consts.get("SRC_SPLIT"):
+            over = {**over, "x_ptr": "*fp32"}
         for gdc in (1, 2):  # late / early trigger
             ptx = compile_sm90(mod, fn, {**consts, "GDC": gdc}, "fp16", over).asm["ptx"]
             wait = ptx.index("griddepcontrol.wait")

@@ -1,4 +1,5 @@
-"""Input-sparse GEMV (plugins/input_sparse.py): per-split selects, the pairs' GEMV and its sums, under Triton's interpreter, against float64 references."""
+"""Input-sparse GEMV (plugins/input_sparse.py): per-split selects, the pairs' GEMV and its sums, under Triton's
+interpreter, against float64 references."""
 from __future__ import annotations
 
 import dataclasses
