@@ -14,13 +14,16 @@ downloaded here):
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
-  dense_graph+w_rows  the same with the block weights stored as W (row-major [M, N]) instead of W^T:
-                 which layout cuBLAS's batch-1 GEMV streams faster
   teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
-                 plugins/input_sparse kernels (index lists by prefix sum, row-gather GEMV), CUDA graph
+                 plugins/input_sparse kernels (per-split selects fused with RMSNorm / SwiGLU, the pairs'
+                 GEMV, fused split-K sums), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
-                 InputSparseSettings fields over the defaults), recorded in the engine header as a build would
-Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks, N
+                 InputSparseSettings fields over the defaults, or of another KernelSettings part's fields as
+                 {"pdl": {...}}), recorded in the engine header as a build would;
+                 on the --variant-models only, and only while the run is inside --budget-s (later ones are
+                 recorded as skipped)
+Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
+--profile-variants the variants too), N
 graph replays under torch.profiler (benchmarks/profile_decode.profile_steps: per-kernel GPU time and
 launches per step, the main-stream timeline) and one decoder layer's kernels in order (its anchor: a
 kernel launched once per layer, the attention where it is one), beside the layer's weight floor.
@@ -57,11 +60,13 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
-# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults, block_m 64 /
-# block_k 128 since the 2026-12-05 sweep): narrower and wider blocks around them, fewer / more programs, more
-# warps, one select block per row
-VARIANTS = [{"block_m": 32}, {"block_m": 32, "block_k": 256}, {"block_k": 256}, {"block_k": 64},
-            {"target_programs": 1056}, {"target_programs": 264}, {"num_warps": 8}, {"block_select": 16384, "select_warps": 16}]
+# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): fewer, longer
+# splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
+# down 9 -> 9 / 7, gate/up 2), the input-sparse kernels launched without PDL (as at 6d59376), wider and narrower
+# blocks, fewer / more programs
+VARIANTS = [{"min_split_inputs": 1024}, {"min_split_inputs": 2048},
+            {"pdl": {"PLAIN": ["pred", "is_select", "is_gemv", "is_sum"]}},
+            {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -70,7 +75,8 @@ class Run:
     """Results; the JSON is rewritten after every record."""
 
     def __init__(self, out: Path, meta: dict):
-        self.out, self.data = out, {"meta": meta, "smoke": None, "bandwidth": None, "results": [], "errors": []}
+        self.out, self.data = out, {"meta": meta, "smoke": None, "bandwidth": None, "results": [], "errors": [],
+                                    "skipped": []}
 
     def save(self):
         from dejavu.fileio import atomic_path
@@ -165,14 +171,13 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         bc = BuildConfig(density=min(1.0, round(density_for_skip(cfg, s), 6)), dtype=dname)
         target = target_info(str(dev))  # the settings a build records, the variant's input_sparse fields over them
         ks = target["kernel_settings"] or {"input_sparse": dataclasses.asdict(InputSparseSettings())}
-        target["kernel_settings"] = {**ks, "input_sparse": {**ks["input_sparse"], **variant}}
+        parts = {k: v for k, v in variant.items() if isinstance(v, dict)}  # {"pdl": {...}}: another part's fields
+        ks = {**ks, **{k: {**ks.get(k, {}), **v} for k, v in parts.items()}}
+        target["kernel_settings"] = {**ks, "input_sparse": {**ks["input_sparse"],
+                                                            **{k: v for k, v in variant.items() if k not in parts}}}
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
-    # the dense graph again with every block weight stored as W [M, N] row-major (the same values, viewed
-    # transposed): the layout F.linear reads (cuBLAS's transposed GEMV), against the engine's W^T [N, M]
-    rows = {n: (t.t().contiguous().t() if n.endswith("_t") else t) for n, t in tensors.items()}
-    out.insert(1, ("dense_graph+w_rows", 0.0, Engine.from_tensors(out[0][2].header, rows, device=dev, backend=backend)))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
 
 
@@ -185,11 +190,22 @@ class _CountingOps:
         self.ref = LlamaOps("ref")
         self.kernels, self.read, self.dense = self.ref.kernels, 0.0, 0.0
 
-    def linear(self, x, w_t, t):
-        kept = float((x.float().abs() > t).float().mean()) if t > 0 else 1.0
+    def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None):
+        from dejavu.plugins.input_sparse import produce_ref
+
+        h = produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
+        kept = float((h.float().abs() > t).float().mean()) if t > 0 else 1.0
         self.read += kept * w_t.numel()
         self.dense += w_t.numel()
-        return self.ref.linear(x, w_t, t)
+        return self.ref.linear(x, w_t, t, norm, swiglu, residual)
+
+    def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
+        return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)
+
+    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows):
+        from dejavu.plugins.input_sparse import sliced_qkv_rope_ref
+
+        return sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
 
 
 def realized_skip(eng, c: dict, P: int, steps: int) -> float:
@@ -251,6 +267,15 @@ def profile_engine(eng, c: dict, P: int, steps: int, bw_GBps: float, skip: float
     return prof
 
 
+def profile_summary(prof: dict, top: int = 8) -> str:
+    """One profiled system in a few lines: GPU time and launches per step, its heaviest kernels."""
+    lines = [f"    profile: {prof['wall_ms_per_step']:.3f} ms/step wall, {prof['kernel_ms_per_step']:.3f} ms GPU, "
+             f"{prof['launches_per_step']:.0f} launches/step"]
+    lines += [f"      {k['us_per_step']:9.1f} us {k['launches_per_step']:6.0f}x  {k['name'][:90]}"
+              for k in prof["kernels"][:top]]
+    return "\n".join(lines)
+
+
 def hf_model(c: dict, dtype, dev):
     """transformers LlamaForCausalLM of shape c, its own random init, built on the device."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -297,28 +322,37 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 
 def smoke(dev) -> dict:
-    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only)."""
+    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings
+    and with fewer splits (min_split_inputs 64)."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
-    tri = engines(c, [0.4], torch.float32, dev, 64)[0][-1][2]
+    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64}],
+                   variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
-    a, b = ref.decode_logits(ids), tri.decode_logits(ids)
-    prompts = ids[:, :8].tolist()
-    g = tri.generate(prompts, 12, stop_at_eos=False)
-    tri.use_graphs = False
-    e = tri.generate(prompts, 12, stop_at_eos=False)
-    return {"kernels_vs_ref_max_abs": float((a - b).abs().max()), "graph_equals_eager": g == e,
-            "greedy_equals_ref": g == ref.generate(prompts, 12, stop_at_eos=False)}
+    a, prompts = ref.decode_logits(ids), ids[:, :8].tolist()
+    want, out = ref.generate(prompts, 12, stop_at_eos=False), {}
+    for system, _, tri in tris:
+        g = tri.generate(prompts, 12, stop_at_eos=False)
+        tri.use_graphs = False
+        e = tri.generate(prompts, 12, stop_at_eos=False)
+        out[system] = {"kernels_vs_ref_max_abs": float((a - tri.decode_logits(ids)).abs().max()),
+                       "graph_equals_eager": g == e, "greedy_equals_ref": g == want}
+    return out
 
 
 def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
     dtype = torch.float16 if dev.type == "cuda" else torch.float32
     ctx = a.prompt_len + a.new_tokens // 2  # mean context of the timed steps
-    engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens, variants=a.kernel_variants,
-                          variant_skip=a.variant_skip)
-    for system, s, eng in engs:
+    variants = a.kernel_variants if name in a.variant_models else []
+    engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens, variants=variants, variant_skip=a.variant_skip)
+    for i, (system, s, eng) in enumerate(engs):
+        if i > len(a.skips) and a.budget_s and time.perf_counter() - a.t0 > a.budget_s:  # a variant, past the budget
+            run.add("skipped", {"model": name, "system": system, "reason": f"past --budget-s {a.budget_s:g}"})
+            eng.release()
+            continue
+        t_row = time.perf_counter()
         try:
             row = {"model": name, "system": system, "batch": 1, "skip_target": s, "shape": c, "calibration": calib,
                    "density": eng.header["build_config"]["density"],
@@ -328,12 +362,16 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
             fl = floor(c, row["skip_realized"], ctx, bw)
             row.update(floor_bytes=fl["bytes"], floor_ms=fl["ms"], floor_ms_nominal=floor(c, row["skip_realized"], ctx,
                                                                                         a.peak_GBps)["ms"])
+            row["wall_s"] = time.perf_counter() - t_row  # build of the row: skip count, capture, timing
             run.add("results", row)
             print(f"{name:16} {system:12} {row['ms_per_step']:8.3f} ms/step  floor {row['floor_ms']:.3f} ms  "
                   f"skip {row['skip_realized']:.3f}", flush=True)
-            if a.profile_steps and dev.type == "cuda" and system in ("dense_graph", f"teal_s{a.variant_skip:g}"):
+            profiled = system in ("dense_graph", f"teal_s{a.variant_skip:g}") or (
+                a.profile_variants and system.startswith(f"teal_s{a.variant_skip:g}+"))
+            if a.profile_steps and dev.type == "cuda" and profiled:
                 row["profile"] = profile_engine(eng, c, a.prompt_len, a.profile_steps, bw, row["skip_realized"])
                 run.save()  # the timed row is already recorded: a failing profile only adds an error
+                print(profile_summary(row["profile"]), flush=True)
         except Exception as e:  # noqa: BLE001 - record and go on to the next system
             run.add("errors", {"model": name, "system": system, "error": f"{type(e).__name__}: {e}",
                                "trace": traceback.format_exc()[-3000:]})
@@ -376,8 +414,13 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=None, help="default llama-3-8b,llama-3-70b-tp8 (cpu: tiny)")
     p.add_argument("--skips", default="0.25,0.4,0.5", help="fractions of every projection input skipped")
     p.add_argument("--kernel-variants", default=json.dumps(VARIANTS),
-                   help="JSON list of InputSparseSettings fields (KernelSettings.input_sparse), each an extra engine at --variant-skip ('[]': none)")
+                   help="JSON list of InputSparseSettings fields (KernelSettings.input_sparse; another part as "
+                        "{\"pdl\": {...}}), each an extra engine at --variant-skip ('[]': none)")
     p.add_argument("--variant-skip", type=float, default=0.5)
+    p.add_argument("--variant-models", default=None, help="models the variants run on (default: the first of --models)")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no variant after this many seconds of the run (0: no limit); the others are "
+                        "recorded as skipped")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--calib-tokens", type=int, default=512, help="random tokens the thresholds are taken from")
@@ -386,6 +429,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-smoke", action="store_true")
     p.add_argument("--profile-steps", type=int, default=20, help="graph replays profiled per profiled system (0: none)")
+    p.add_argument("--profile-variants", action="store_true",
+                   help="profile the --kernel-variants engines too (default: the dense graph and teal at the defaults)")
     a = p.parse_args(argv)
     # Run as a script, this folder is sys.path[0]; its kernels.py would shadow the `kernels` package
     # that transformers imports. This script imports nothing from its folder.
@@ -398,6 +443,8 @@ def main(argv=None) -> int:
     a.skips = [float(s) for s in a.skips.split(",") if s]
     a.kernel_variants = json.loads(a.kernel_variants)
     models = (a.models or ("llama-3-8b,llama-3-70b-tp8" if dev.type == "cuda" else "tiny")).split(",")
+    a.variant_models = a.variant_models.split(",") if a.variant_models else models[:1]
+    a.t0 = time.perf_counter()
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "e2e_llama.json")
     meta = {"argv": sys.argv if argv is None else argv, "torch": torch.__version__, "device": str(dev),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
@@ -410,13 +457,19 @@ def main(argv=None) -> int:
         meta["commit"] = None
     run = Run(out, meta)
     if not a.no_smoke:
-        run.add("smoke", smoke(dev))
+        try:
+            run.add("smoke", smoke(dev))
+        except Exception as e:  # noqa: BLE001 - recorded; the timed rows say whether each form runs
+            run.add("smoke", {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]})
+        print(f"smoke: {run.data['smoke']}", flush=True)
     bw = copy_bandwidth(dev)
     run.add("bandwidth", bw)
     for name in models:
         bench_shape(run, name, SHAPES[name], a, dev, bw["copy_GBps"])
     print(table(run.data["results"]))
-    print(f"e2e_llama: wrote {out}" + (f" ({len(run.data['errors'])} errors)" if run.data["errors"] else ""))
+    print(f"e2e_llama: wrote {out} in {time.perf_counter() - a.t0:.0f} s"
+          + (f" ({len(run.data['errors'])} errors)" if run.data["errors"] else "")
+          + (f" ({len(run.data['skipped'])} variants skipped)" if run.data["skipped"] else ""))
     return 0
 
 

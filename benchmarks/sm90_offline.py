@@ -68,10 +68,19 @@ KERNELS = {
                                                                       GDC=2), 3),
     "split_reduce": ("fc2", "_split_reduce_kernel", dict(HAS_RES=True, BLOCK=1024, BLOCK_S=8, GDC=2), 3),
     "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
-    # Llama TEAL engines (input_sparse.py): the default blocks at Llama-3-8B's q/k/v (6 splits)
-    "select_inputs": ("input_sparse", "_select_inputs_kernel", dict(BLOCK=4096), 3),
-    "input_sparse_gemv": ("input_sparse", "_input_sparse_gemv_kernel", dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=6), 3),
-    "input_sparse_sum": ("input_sparse", "_sum_splits_kernel", dict(BLOCK_M=64, SPLIT_K=6), 3),
+    # Llama TEAL engines (input_sparse.py): the select fused with RMSNorm (q/k/v's 6 splits), the SwiGLU select
+    # summing gate/up's 2 partials, the pairs' GEMV at the default blocks, the sums with the residual (o / down's
+    # 9 splits) / RoPE; PDL as launched on sm_90
+    "select_slices_norm": ("input_sparse", "_select_slices_kernel",
+                           dict(PRODUCER=1, SRC_SPLIT=0, BLOCK=1024, ROW=4096, GDC=2, num_warps=8), 3),
+    "select_slices_swiglu_parts": ("input_sparse", "_select_slices_kernel",
+                                   dict(PRODUCER=2, SRC_SPLIT=2, BLOCK=2048, ROW=4096, GDC=2, num_warps=8), 3,
+                                   {"x_ptr": "*fp32"}),
+    "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True, GDC=1), 3),
+    "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel",
+                             dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
+    "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, GDC=2), 3,
+                              {"pos_ptr": "*i64", "q_ptr": "*fp16"}),
     # a per-token MLP K (engines' default): fc1 / fc2 stopping at the kept count, the top-k's launches that
     # compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the settings' default).
     # A fifth field types arguments; a tree whose kernel lacks them (the base) compiles its own form

@@ -4,7 +4,7 @@ Importing this package does not import Triton (kernels are compiled on first lau
 the references work on a CPU-only install. See docs/kernels.md.
 """
 from dejavu.plugins._common import PDL_KINDS, jitted, pdl_args
-from dejavu.plugins.input_sparse import input_sparse_gemv, input_sparse_gemv_ref, select_inputs
+from dejavu.plugins.input_sparse import input_sparse_gemv_ref, select_slices, sliced_gemv, sliced_qkv_rope
 from dejavu.plugins.layer_norm import PendingLN, from_stats_ref, layer_norm, layer_norm_ref, pending_ln
 from dejavu.plugins.predictor import predictor_scores, predictor_topk, predictor_topk_ref, share_keep
 from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_decode_ref
@@ -20,7 +20,7 @@ from dejavu.plugins.settings import (DEFAULT, InputSparseSettings, KernelSetting
 __all__ = [
     "DEFAULT", "InputSparseSettings", "KernelSettings", "resolve_kernel_settings", "resolve_layer_settings",
     "PDL_KINDS", "jitted", "pdl_args",
-    "input_sparse_gemv", "input_sparse_gemv_ref", "select_inputs",
+    "input_sparse_gemv_ref", "select_slices", "sliced_gemv", "sliced_qkv_rope",
     "PendingLN", "from_stats_ref", "layer_norm", "layer_norm_ref", "pending_ln",
     "predictor_scores", "predictor_topk", "predictor_topk_ref", "share_keep",
     "hist_slots", "recompute_kv_ref", "refresh_heads", "refresh_heads_ref", "refresh_route",

@@ -1,117 +1,326 @@
-"""Input-sparse GEMV for TEAL engines: y = W[:, idx] @ x[idx], idx = {i : |x_i| > t}; no host sync, no sort.
+"""Input-sparse GEMV for TEAL engines: y = W[:, idx] @ h[idx], idx = {i : |h_i| > t}; no host sync, no sort.
 
-- `select_inputs(x, t)`: per row b, the ascending list of inputs with |x[b, i]| > t, compacted by a
-  prefix sum over blocks of the row (one program per row): idx [B, N] int32, count[b] entries valid.
-- `input_sparse_gemv(x, w_t, idx, count)`: y [B, M] = sum over the first count[b] entries i of idx[b] of
-  x[b, i] * w_t[i, :]; w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows
-  are read. Split-K programs each take a
-  slice of the list (of the inputs), accumulate a [BLOCK_K, BLOCK_M] fp32 tile (reduced over k once,
-  after the loop) and write fp32 partials [SPLIT_K, B, M]; `_sum_splits_kernel` adds them and casts.
-Limits: x, w_t fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |x| > t in
-fp32. t is a host float per layer (a launch argument a CUDA graph captures).
+- `select_slices(x, t, split)` runs one program per (row, GEMV split): it computes h for its slice of the
+  inputs from the producer's output (x itself, norm_w * rms_norm(x), or silu(gate) * up) and writes that
+  slice's kept (index, value) pairs in order, with their count [B, split]: no prefix over the row, h is never
+  written. x may be the fp32 partials [S, B, N] of the previous GEMV (`sliced_parts`): the select sums them
+  in order itself (gate/up's split-K sum folded into down's SwiGLU select: one launch fewer).
+- `sliced_parts(idx, val, count, w_t)`: split s reads its slice's pairs; two loads of SUB = block_k / 2 pairs
+  a step (fewer than the program's threads, so they land in the tile's row layout: no barrier in the loop),
+  the next step's pairs loaded before this step's rows are summed; fp32 partials [split, B, M].
+  `sliced_gemv(...)`: its partials summed in order with the residual (`_sum_splits_kernel`);
+  `sliced_qkv_rope(...)`: the fused q/k/v, its sum kernel applying RoPE to q and k and writing k and v into
+  the caches at pos.
+w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows are read; each program
+accumulates a [rows, BLOCK_M] fp32 tile (reduced over rows once, after the loop).
+Limits: fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |h| > t in fp32. t is a
+host float per layer (a launch argument a CUDA graph captures). The list form (one select program per row,
+a GEMV gathering x) measured slower (5.906 vs 4.545 ms, docs/kernels.md) and is in commit 6d59376.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from dejavu.plugins._common import FLOAT_DTYPES, check_out, check_tensor, jit, next_pow2
+from dejavu.errors import DejavuError
+from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, gdc_release, helper, jit,
+                                    next_pow2, pdl_args)
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
-def _select_inputs_kernel(x_ptr, idx_ptr, count_ptr, N, t, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: the kept count so far
-    for n0 in range(0, N, BLOCK):
-        offs = n0 + tl.arange(0, BLOCK)
-        inside = offs < N
-        xv = tl.load(x_ptr + b * N + offs, mask=inside, other=0.0).to(tl.float32)
-        keep = (tl.abs(xv) > t) & inside
-        k = keep.to(tl.int32)
-        pos = base + tl.cumsum(k, 0) - 1  # the slot of each kept input, in ascending order
-        tl.store(idx_ptr + b * N + pos, offs, mask=keep)
-        base += tl.sum(k, 0)
-    tl.store(count_ptr + b, base)
+@helper
+def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
+    # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
+    # (every split-K sum of this file goes through here: one rounding)
+    if SRC_SPLIT == 0:
+        return tl.load(x_ptr + offs, mask=mask, other=0.0)
+    acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SRC_SPLIT):
+        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
+    return acc.to(val_ptr.dtype.element_ty)
 
 
-def select_inputs(x: torch.Tensor, t: float, idx: torch.Tensor | None = None,
-                  count: torch.Tensor | None = None, settings: KernelSettings | None = None):
-    """(idx [B, N] int32, count [B] int32): the inputs of x [B, N] with |x| > t, ascending (settings: None: DEFAULT)."""
-    config = (settings or DEFAULT).input_sparse
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, N = x.shape
-    idx = check_out(idx, (B, N), torch.int32, x.device, "idx")
-    count = check_out(count, (B,), torch.int32, x.device, "count")
-    jit(_select_inputs_kernel, x.device)[(B,)](x, idx, count, N, float(t), BLOCK=min(config.block_select, next_pow2(N)),
-                                               num_warps=config.select_warps)
-    return idx, count
-
-
-def select_inputs_ref(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of `select_inputs` (idx padded with -1 past count)."""
-    keep = x.float().abs() > t  # [B, N], compared in fp32 as the kernel does
-    count, order = keep.sum(1).to(torch.int32), torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
-    return torch.where(torch.arange(x.shape[1], device=x.device)[None] < count[:, None], order, -1).int(), count
-
-
-def _input_sparse_gemv_kernel(x_ptr, w_ptr, idx_ptr, count_ptr, part_ptr, B, N, M, BLOCK_M: tl.constexpr,
-                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    n = tl.load(count_ptr + b)
-    per = tl.cdiv(tl.cdiv(n, SPLIT_K), BLOCK_K) * BLOCK_K  # this split's slice of the kept list
-    lo = ps * per
-    hi = tl.minimum(lo + per, n)
-    acc = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
-    for k0 in range(lo, hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < hi
-        i = tl.load(idx_ptr + b * N + ks, mask=k_ok, other=0)
-        xv = tl.load(x_ptr + b * N + i, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=k_ok[:, None] & m_ok[None, :],
-                    other=0.0).to(tl.float32)
-        acc += w * xv[:, None]
-    tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
-
-
-def _sum_splits_kernel(part_ptr, y_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                       HAS_RES: tl.constexpr, GDC: tl.constexpr = 0):
     b, offs_m = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(SPLIT_K):  # the splits in order, as part.sum(0) adds them
-        acc += tl.load(part_ptr + (s * B + b) * M + offs_m, mask=offs_m < M, other=0.0)
-    tl.store(y_ptr + b * M + offs_m, acc.to(y_ptr.dtype.element_ty), mask=offs_m < M)
+    gdc_enter(GDC)
+    y = _src(part_ptr, b * M + offs_m, offs_m < M, B * M, y_ptr, SPLIT_K)  # the splits in order
+    if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
+        y = (tl.load(res_ptr + b * M + offs_m, mask=offs_m < M, other=0.0).to(tl.float32) + y.to(tl.float32))
+    tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
 
 
 def split_k_for(B: int, N: int, M: int, config) -> int:
-    """Slices of the list: config.split_k, or enough for config.target_programs (settings.InputSparseSettings)."""
+    """GEMV splits of the N inputs: config.split_k, or enough for config.target_programs, each split at least
+    config.min_split_inputs long (settings.InputSparseSettings)."""
     if config.split_k is not None:
         return config.split_k
     programs = B * -(-M // config.block_m)
-    return max(1, min(-(-config.target_programs // programs), -(-N // (2 * config.block_k))))
-
-
-def input_sparse_gemv(x: torch.Tensor, w_t: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
-                      out: torch.Tensor | None = None, settings: KernelSettings | None = None):
-    """y [B, M] (x's dtype) = sum_{j < count[b]} x[b, idx[b, j]] * w_t[idx[b, j], :]; x [B, N], w_t [N, M]
-    (W^T, same dtype), idx [B, N] int32, count [B] int32 from `select_inputs` (entries past count[b] unread)."""
-    config = (settings or DEFAULT).input_sparse
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    B, N = x.shape
-    check_tensor("w_t", w_t, ndim=2, dtype=x.dtype, device=x.device)
-    M = w_t.shape[1]
-    check_tensor("w_t", w_t, shape=(N, M))  # a row per input of x
-    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=x.device)
-    check_tensor("count", count, shape=(B,), dtype=torch.int32, device=x.device)
-    out = check_out(out, (B, M), x.dtype, x.device, "out")
-    split = split_k_for(B, N, M, config)
-    part = torch.empty(split, B, M, dtype=torch.float32, device=x.device)
-    grid = (B, -(-M // config.block_m), split)
-    jit(_input_sparse_gemv_kernel, x.device)[grid](x, w_t, idx, count, part, B, N, M, BLOCK_M=config.block_m,
-                                                   BLOCK_K=config.block_k, SPLIT_K=split, num_warps=config.num_warps)
-    jit(_sum_splits_kernel, x.device)[grid[:2]](part, out, B, M, BLOCK_M=config.block_m, SPLIT_K=split)
-    return out
+    return max(1, min(-(-config.target_programs // programs), N // config.min_split_inputs))
 
 
 def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
-    """PyTorch reference: the masked-dense product (x with |x| <= t zeroed) @ w_t, in x's dtype."""
+    """PyTorch reference of the input-sparse product: the masked-dense (x with |x| <= t zeroed) @ w_t, in x's dtype."""
     return (x * (x.float().abs() > t)) @ w_t
+
+
+# ------------------------------------------------ sliced: a select per GEMV split, fused with the input's producer
+NONE, NORM, SWIGLU = 0, 1, 2  # the select's PRODUCER: x as it is, norm_w * rms_norm(x), silu(gate) * up
+
+
+def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
+                          PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
+                          GDC: tl.constexpr = 0):
+    b, ps = tl.program_id(0), tl.program_id(1)
+    gdc_enter(GDC)
+    if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
+        ss = tl.zeros([ROW], dtype=tl.float32)
+        for n0 in range(0, N, ROW):
+            offs = n0 + tl.arange(0, ROW)
+            xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
+            ss += xv * xv
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / N + eps)
+    lo = ps * PER
+    hi = tl.minimum(lo + PER, N)
+    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: kept so far in this slice
+    for n0 in range(lo, hi, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        inside = offs < hi
+        xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
+        if PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
+            nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+            h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
+        elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
+            g = xv.to(tl.float32)
+            u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
+            h = ((g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32) * u).to(xv.dtype)
+        else:
+            h = xv
+        keep = (tl.abs(h.to(tl.float32)) > t) & inside
+        k = keep.to(tl.int32)
+        pos = b * N + lo + base + tl.cumsum(k, 0) - 1  # this slice's segment, ascending
+        tl.store(idx_ptr + pos, offs, mask=keep)
+        tl.store(val_ptr + pos, h, mask=keep)
+        base += tl.sum(k, 0)
+    tl.store(count_ptr + b * tl.num_programs(1) + ps, base)
+
+
+@helper
+def _pairs(idx_ptr, val_ptr, ks, n):
+    ok = ks < n
+    return tl.load(idx_ptr + ks, mask=ok, other=0), tl.load(val_ptr + ks, mask=ok, other=0.0).to(tl.float32)
+
+
+@helper
+def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
+    # [SUB, BLOCK_M]: the kept rows i of w_t [N, M] (columns offs_m), each times its value v
+    w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=(ks < n)[:, None] & m_ok[None, :],
+                other=0.0)
+    return w.to(tl.float32) * v[:, None]
+
+
+def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0):
+    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if EVEN_M:
+        m_ok = offs_m >= 0  # all true, and known to be: unpredicated vector loads
+    gdc_enter(GDC)
+    n = tl.load(count_ptr + b * tl.num_programs(2) + ps)
+    idx_ptr += b * N + ps * PER  # this split's n (index, value) pairs
+    val_ptr += b * N + ps * PER
+    # A step reads 2 * SUB kept rows as two loads of SUB pairs: fewer pairs than the program has threads,
+    # so Triton loads them straight into the tile's row layout (no shared-memory conversion, no barrier in
+    # the loop); the next step's pairs load before this step's rows are summed (one round trip a step).
+    ar = tl.arange(0, SUB)
+    i0, v0 = _pairs(idx_ptr, val_ptr, ar, n)
+    i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, n)
+    acc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, n, 2 * SUB):
+        p0 = _rows_times(w_ptr, i0, v0, k0 + ar, n, offs_m, m_ok, M)
+        p1 = _rows_times(w_ptr, i1, v1, k0 + SUB + ar, n, offs_m, m_ok, M)
+        i0, v0 = _pairs(idx_ptr, val_ptr, k0 + 2 * SUB + ar, n)
+        i1, v1 = _pairs(idx_ptr, val_ptr, k0 + 3 * SUB + ar, n)
+        acc += p0 + p1
+    gdc_release(GDC)
+    tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
+
+
+def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, GDC: tl.constexpr = 0):
+    # q/k/v's split-K sum, RoPE on q and k, k and v into the caches at pos[b]: columns [0, QD) are q, then
+    # KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
+    b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = offs < M
+    d = offs % HEAD_D
+    mate = offs - d + (d + HEAD_D // 2) % HEAD_D
+    gdc_enter(GDC)
+    dt = q_ptr.dtype.element_ty  # q/k/v in the engine dtype, summed as _sum_splits_kernel sums
+    y = _src(part_ptr, b * M + offs, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
+    y_mate = _src(part_ptr, b * M + mate, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
+    c = tl.load(cos_ptr + b * HEAD_D + d).to(tl.float32)
+    sn = tl.load(sin_ptr + b * HEAD_D + d).to(tl.float32)  # rotate_half's sign folded in
+    rot = ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
+    is_q, is_k, is_v = ok & (offs < QD), ok & (offs >= QD) & (offs < QD + KD), ok & (offs >= QD + KD)
+    p = tl.load(pos_ptr + b)
+    tl.store(q_ptr + b * QD + tl.where(is_q, offs, 0), rot, mask=is_q)
+    head = tl.where(is_k, offs - QD, 0) // HEAD_D
+    tl.store(kc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, rot, mask=is_k)
+    head = tl.where(is_v, offs - QD - KD, 0) // HEAD_D
+    tl.store(vc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, y.to(dt), mask=is_v)
+
+
+def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
+                  swiglu: bool = False, dtype: torch.dtype | None = None, settings: KernelSettings | None = None):
+    """(idx [B, N] int32, val [B, N], count [B, split] int32): the inputs of h with |h| > t, per slice s of
+    the N inputs ([s * per, (s + 1) * per), per = ceil(N / split)): ascending at idx[b, s * per:], count[b, s]
+    of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps) (norm_w [N]), or
+    silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype,
+    or the fp32 partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype."""
+    config = (settings or DEFAULT).input_sparse
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() == 3:
+        check_tensor("x", x, dtype=torch.float32)  # partials
+        if dtype not in FLOAT_DTYPES:
+            raise DejavuError(f"select_slices: partials x need the dtype of h, got {dtype}")
+    elif x.dim() == 2:
+        dtype = x.dtype
+    else:
+        raise DejavuError(f"x: expected [B, N] or partials [S, B, N], got shape {tuple(x.shape)}")
+    B, N = x.shape[-2], x.shape[-1] // 2 if swiglu else x.shape[-1]
+    if swiglu and x.shape[-1] % 2:
+        raise DejavuError(f"x: swiglu needs gate | up halves of equal width, got {x.shape[-1]} columns")
+    if norm_w is not None:
+        if swiglu:
+            raise DejavuError("select_slices: norm_w and swiglu are two producers; give one")
+        check_tensor("norm_w", norm_w, shape=(N,), dtype=dtype, device=x.device)
+    if not 1 <= split <= max(N, 1):
+        raise DejavuError(f"split must be in [1, {N}], got {split}")
+    idx, val = torch.empty(B, N, dtype=torch.int32, device=x.device), torch.empty(B, N, dtype=dtype, device=x.device)
+    count = torch.empty(B, split, dtype=torch.int32, device=x.device)
+    per = -(-N // split)
+    jit(_select_slices_kernel, x.device)[(B, split)](
+        x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[-1], B * x.shape[-1], per, float(t),
+        float(eps), PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM,
+        SRC_SPLIT=x.shape[0] if x.dim() == 3 else 0, BLOCK=min(config.block_select, next_pow2(per)),
+        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps,
+        **pdl_args(x.device, "is_select", (settings or DEFAULT).pdl))
+    return idx, val, count
+
+
+def sum_parts_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, M] in dtype: fp32 partials [S, B, M] summed in order (as the kernels add them), then rounded."""
+    acc = part[0].clone()
+    for p in part[1:]:
+        acc += p
+    return acc.to(dtype)
+
+
+def produce_ref(x: torch.Tensor, norm_w: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False):
+    """h of `select_slices` in PyTorch, in x's dtype: x, norm_w * rms_norm(x, eps), or silu(gate) * up."""
+    if norm_w is not None:  # normalised in fp32, scaled in x's dtype (models/llama.RMSNorm): F.rms_norm
+        return norm_w * F.rms_norm(x, (x.shape[-1],), eps=eps)  # upcasts a half input itself, one kernel
+    if swiglu:
+        g, u = x.chunk(2, dim=-1)
+        return F.silu(g) * u
+    return x
+
+
+def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
+                      swiglu: bool = False, dtype: torch.dtype | None = None):
+    """PyTorch reference of `select_slices` (idx -1 and val 0 past each slice's count)."""
+    h = produce_ref(sum_parts_ref(x, dtype) if x.dim() == 3 else x, norm_w, eps, swiglu)
+    B, N = h.shape
+    per = -(-N // split)
+    idx, val = torch.full((B, N), -1, dtype=torch.int32), torch.zeros(B, N, dtype=h.dtype)
+    count = torch.zeros(B, split, dtype=torch.int32)
+    for b in range(B):
+        for s in range(split):
+            kept = torch.nonzero(h[b, s * per:(s + 1) * per].float().abs() > t).flatten().cpu() + s * per  # ascending
+            idx[b, s * per:s * per + len(kept)] = kept.int()
+            val[b, s * per:s * per + len(kept)] = h[b, kept.to(h.device)].cpu()
+            count[b, s] = len(kept)
+    return idx.to(x.device), val.to(x.device), count.to(x.device)
+
+
+def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                 settings: KernelSettings | None = None) -> torch.Tensor:
+    """fp32 partials [split, B, M] of the pairs' GEMV (split = count.shape[1]): split s's sum over its pairs of
+    val * w_t[idx, :]; their in-order sum is the product (`sliced_gemv`; or a select's partials x)."""
+    config = (settings or DEFAULT).input_sparse
+    check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
+    B, N = val.shape
+    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=val.device)
+    check_tensor("count", count, ndim=2, dtype=torch.int32, device=val.device)
+    split = count.shape[1]
+    if count.shape[0] != B or not 1 <= split <= max(N, 1):
+        raise DejavuError(f"count: expected shape ({B}, split <= {N}), got {tuple(count.shape)}")
+    check_tensor("w_t", w_t, ndim=2, dtype=val.dtype, device=val.device)
+    M = w_t.shape[1]
+    check_tensor("w_t", w_t, shape=(N, M))  # a row per input
+    part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
+    grid = (B, -(-M // config.block_m), split)
+    jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
+                                               BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
+                                               EVEN_M=M % config.block_m == 0, num_warps=config.num_warps,
+                                               **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
+    return part
+
+
+def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                settings: KernelSettings | None = None):
+    """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
+    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
+    config = (settings or DEFAULT).input_sparse
+    part = sliced_parts(idx, val, count, w_t, settings)
+    split, B, M = part.shape
+    if residual is not None:
+        check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
+    out = check_out(out, (B, M), val.dtype, val.device, "out")
+    jit(_sum_splits_kernel, val.device)[(B, -(-M // config.block_m))](
+        part, out, out if residual is None else residual, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
+        HAS_RES=residual is not None, **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
+    return out
+
+
+def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, settings: KernelSettings | None = None) -> torch.Tensor:
+    """q [B, H, hd] of a fused q/k/v projection (the pairs' GEMV, w_t [N, (H + 2 Hkv) hd]), RoPE on q and k
+    (cos, sin [B, hd]: sin with rotate_half's sign, -sin on the first half), k and v written into
+    k_cache, v_cache [B, Hkv, T, hd] at slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch
+    after the GEMV."""
+    config = (settings or DEFAULT).input_sparse
+    B, Hkv, T, hd = k_cache.shape
+    check_tensor("k_cache", k_cache, dtype=val.dtype, device=val.device)
+    check_tensor("v_cache", v_cache, shape=(B, Hkv, T, hd), dtype=val.dtype, device=val.device)
+    for name, c in (("cos", cos), ("sin", sin)):
+        check_tensor(name, c, shape=(B, hd), dtype=val.dtype, device=val.device)
+    check_tensor("pos", pos, shape=(B,), dtype=torch.int64, device=val.device)
+    M = w_t.shape[1] if w_t.dim() == 2 else -1
+    if hd % 2 or M % hd or M // hd <= 2 * Hkv:
+        raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
+    part = sliced_parts(idx, val, count, w_t, settings)
+    H = M // hd - 2 * Hkv
+    q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
+    jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](
+        part, q, k_cache, v_cache, cos, sin, pos, B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=config.block_m,
+        SPLIT_K=part.shape[0], **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
+    return q
+
+
+def sliced_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of `sliced_qkv_rope` after its GEMV: q [B, H, hd] from qkv [B, (H + 2 Hkv) hd]
+    (rows: arange(B) on the device, made once by a caller that runs it every step)."""
+    B, Hkv, _, hd = k_cache.shape
+    qkv = qkv.view(B, -1, hd)
+    H = qkv.shape[1] - 2 * Hkv
+    qkr = qkv[:, :H + Hkv]  # q and k heads rotated in one pass: x cos + rotate_half(x) sin
+    qk = torch.addcmul(qkr * cos[:, None], qkr.roll(hd // 2, -1), sin[:, None])
+    rows = torch.arange(B, device=qkv.device) if rows is None else rows
+    k_cache[rows, :, pos] = qk[:, H:]  # [B, Hkv, hd] at slot pos[b]
+    v_cache[rows, :, pos] = qkv[:, H + Hkv:]
+    return qk[:, :H]

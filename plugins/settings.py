@@ -139,20 +139,24 @@ class PDLSettings:
     """Programmatic dependent launch (_common.pdl_args): EARLY kinds trigger the next launch right after
     their wait, PLAIN kinds launch without PDL."""
     ENABLED: bool = True
-    EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm", "compact")
+    EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm", "compact", "is_select",
+                    "is_sum")
     PLAIN: tuple = ("pred",)
 
 
 @dataclass(frozen=True)
 class InputSparseSettings:
-    """The TEAL input-sparse kernels (input_sparse.py: Llama engines). split_k None: enough slices of the
-    kept list for `target_programs` programs (the GEMV is bandwidth-bound: it wants every SM busy)."""
-    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (one program walks a row)
+    """The TEAL input-sparse kernels (input_sparse.py: Llama engines): a select per GEMV split fused with the
+    input's producer (RMSNorm, SwiGLU) writes (index, value) pairs, the pairs' GEMV, the split-K sum with the
+    residual (q/k/v: RoPE and the cache write). split_k None: enough splits for `target_programs` programs
+    (the GEMV is bandwidth-bound: it wants every SM busy), each at least `min_split_inputs` inputs long."""
+    block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (a NORM select reads the row)
     select_warps: int = 8
     block_m: int = 64  # 128 / 64: 7.10 -> 5.92 ms/step with block_k 128 (Llama-3-8B, 50% skipped; docs/llama.md)
     block_k: int = 128
     split_k: int | None = None
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
+    min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
 
 

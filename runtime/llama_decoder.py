@@ -3,9 +3,11 @@
 Same design as the OPT decoder (runtime/decoder.py):
 - `prefill(ids, lengths)`: dense over a right-padded prompt batch, K/V into the cache.
 - `decode_step(tokens, pos)`: one token per sequence; every block projection reads only the
-  input columns with |x_i| > its layer's threshold (`LlamaOps.linear`: masked dense on the
-  CPU path, `plugins/input_sparse` kernels on CUDA); static shapes and no host sync, so one
-  CUDA graph captures it (runtime/graphs.py).
+  input columns with |x_i| > its layer's threshold (`LlamaOps.linear` and `qkv_rope`: masked dense
+  on the CPU path, `plugins/input_sparse` kernels on CUDA, with the RMSNorm / SwiGLU before and the
+  residual / RoPE and cache write after fused into them; `LlamaOps.mlp`: gate/up's split-K sum folded
+  into down's SwiGLU select); static shapes and no
+  host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
 Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache,
@@ -88,9 +90,20 @@ def check_llama_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> None:
             raise DejavuError(f"engine tensor {name!r} has shape {list(t.shape)}, expected {shape}")
 
 
+def linear_ref(x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + h @ w_t with |h| <= t zeroed (t 0: dense); h = x [..., N], w * rms_norm(x) (norm: (w, eps))
+    or silu(x[..., :N]) * x[..., N:] (swiglu): the decode step's projections in PyTorch (masked dense)."""
+    from dejavu.plugins.input_sparse import input_sparse_gemv_ref, produce_ref
+
+    h = produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
+    y = input_sparse_gemv_ref(h, w_t, t) if t > 0 else h @ w_t
+    return y if residual is None else residual + y
+
+
 class LlamaOps:
-    """The decode step's sparse projection on one backend: "ref" (PyTorch, masked dense) or
-    "triton" (plugins/input_sparse: index lists by prefix sum, then the row-gather GEMV)."""
+    """The decode step's sparse projections on one backend: "ref" (PyTorch, masked dense) or "triton"
+    (plugins/input_sparse: per-split selects fused with the producer, the pairs' GEMV, fused split-K sums)."""
 
     def __init__(self, backend: str, settings=None):
         """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
@@ -101,37 +114,61 @@ class LlamaOps:
         self.kernels = {"input_sparse_gemv": backend}
         self.settings = settings
 
-    def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch.Tensor:
-        """y [B, M] = x [B, N] with |x| <= t zeroed, @ w_t [N, M]; t 0: the dense product."""
-        if t <= 0:
-            return x @ w_t
-        if self.backend == "ref":
-            from dejavu.plugins import input_sparse_gemv_ref
-            return input_sparse_gemv_ref(x, w_t, t)
-        from dejavu.plugins import input_sparse_gemv, select_inputs
-        idx, count = select_inputs(x, t, settings=self.settings)
-        return input_sparse_gemv(x, w_t, idx, count, settings=self.settings)
+    def _select(self, x, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False, dtype=None):
+        # (idx, val, count) of the inputs of w_t kept from x (or its partials), the split from the settings
+        from dejavu.plugins import input_sparse as IS
+
+        config = (self.settings or IS.DEFAULT).input_sparse
+        split = IS.split_k_for(x.shape[-2], w_t.shape[0], w_t.shape[1], config)
+        return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=self.settings)
+
+    def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """linear_ref's y [B, M] from x [B, N] (swiglu: [B, 2N]); t 0: PyTorch's dense product."""
+        if t <= 0 or self.backend == "ref":
+            return linear_ref(x, w_t, t, norm, swiglu, residual)
+        from dejavu.plugins.input_sparse import sliced_gemv
+
+        return sliced_gemv(*self._select(x, w_t, t, norm, swiglu), w_t, residual, settings=self.settings)
+
+    def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
+            norm) -> torch.Tensor:
+        """x + down(SiLU(gate) * up) of x [B, D] (norm: the MLP's RMSNorm (w, eps)): gate/up's partials go
+        straight into down's SwiGLU select, which sums them (no split-K sum launch between)."""
+        if t_in <= 0 or t_down <= 0 or self.backend == "ref":
+            gu = self.linear(x, wgu_t, t_in, norm=norm)
+            return self.linear(gu, wd_t, t_down, swiglu=True, residual=x)
+        from dejavu.plugins.input_sparse import sliced_gemv, sliced_parts
+
+        part = sliced_parts(*self._select(x, wgu_t, t_in, norm), wgu_t, settings=self.settings)  # [S, B, 2I]
+        return sliced_gemv(*self._select(part, wd_t, t_down, swiglu=True, dtype=x.dtype), wd_t, x,
+                           settings=self.settings)
+
+    def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
+                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q [B, H, hd] of linear(x, w_t, t, norm) (the fused q/k/v projection), RoPE on q and k (cos, sin
+        [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot pos[b]."""
+        from dejavu.plugins import input_sparse as IS
+
+        if t <= 0 or self.backend == "ref":
+            return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
+        return IS.sliced_qkv_rope(*self._select(x, w_t, t, norm), w_t, cos, sin, pos, k_cache, v_cache,
+                                  settings=self.settings)
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
-        """The kernel path once against the reference on layer 0's MLP weights (None on "ref")."""
+        """The kernel path once against the reference on layer 0's MLP weights, its input through the
+        MLP's RMSNorm (None on "ref")."""
         if self.backend == "ref" or spec.skip <= 0:
             return None
-        from dejavu.plugins import input_sparse_gemv_ref
-
-        w = tensors["layers.0.mlp.wgu_t"]
+        w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
         x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-        t = spec.thresholds["mlp_in"][0]
-        err = float((self.linear(x, w, t).float() - input_sparse_gemv_ref(x.float(), w.float(), t)).abs().max())
-        scale = float(input_sparse_gemv_ref(x.float(), w.float(), t).abs().max()) or 1.0
+        t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
+        ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
+        err = float((self.linear(x, w, t, norm).float() - ref).abs().max())
+        scale = float(ref.abs().max()) or 1.0
         if not err <= 2e-2 * scale:
             raise DejavuError(f"input_sparse_gemv disagrees with its reference on this engine (max |diff| {err:.3g})")
         return {"input_sparse_gemv": round(err, 6)}
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [..., D]; normalised in fp32, scaled in x's dtype (models/llama.RMSNorm). F.rms_norm upcasts a
-    # half input itself (equal to x.float() in, .to(x.dtype) out): one kernel where PyTorch has a fused one
-    return w * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,7 +239,9 @@ class LlamaDecoder:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """logits [..., V] from the last hidden state x [..., D]."""
-        return F.linear(rms_norm(x, self.t["final_norm"], self.spec.rms_norm_eps), self.lm_head)
+        from dejavu.plugins.input_sparse import produce_ref  # w * rms_norm(x): rms_norm upcasts inside
+
+        return F.linear(produce_ref(x, self.t["final_norm"], self.spec.rms_norm_eps), self.lm_head)
 
     def _split_qkv(self, qkv: torch.Tensor):
         s = self.spec
@@ -211,9 +250,9 @@ class LlamaDecoder:
 
     def _mlp(self, w, x: torch.Tensor, linear) -> torch.Tensor:
         # x: [..., D] residual -> x + down(SiLU(gate) * up), each projection thresholded on its input
-        h = rms_norm(x, w.mlp_norm, self.spec.rms_norm_eps)
-        g, u = linear(h, w.wgu_t, w.t["mlp_in"]).chunk(2, dim=-1)
-        return x + linear(F.silu(g) * u, w.wd_t, w.t["down_in"])
+        eps = self.spec.rms_norm_eps
+        gu = linear(x, w.wgu_t, w.t["mlp_in"], norm=(w.mlp_norm, eps))
+        return linear(gu, w.wd_t, w.t["down_in"], swiglu=True, residual=x)
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -222,26 +261,22 @@ class LlamaDecoder:
         s, lin = self.spec, self.ops.linear
         B, H, Hkv, hd = tokens.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
         G = H // Hkv
-        cos, sin = (c[:, None] for c in self._rope(pos))  # [B, 1, hd]
+        cos, sin = self._rope(pos)  # [B, hd]
         sin = torch.cat((-sin[..., :hd // 2], sin[..., hd // 2:]), -1)  # rotate_half's sign, once per step
         # additive mask [B, 1, 1, T] in the engine dtype, once per step: slots <= pos[b]
         mask = torch.zeros(B, 1, 1, self.max_seq, dtype=s.dtype, device=pos.device).masked_fill_(
             self.slots > pos[:, None, None, None], float("-inf"))
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
         for l, w in enumerate(self.layers):
-            h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
-            qkv = lin(h, w.wqkv_t, w.t["attn_in"]).view(B, H + 2 * Hkv, hd)
-            qkr = qkv[:, :H + Hkv]  # q and k heads rotated in one pass: x cos + rotate_half(x) sin
-            qk = torch.addcmul(qkr * cos, qkr.roll(hd // 2, -1), sin)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
             kc, vc = self.k_cache[l], self.v_cache[l]
-            kc[self.rows, :, pos] = k  # [B, Hkv, hd] at slot pos[b]
-            vc[self.rows, :, pos] = v
+            # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
+            q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
+                                  self.rows)
             # query head h reads KV head h // G: the G query heads of a KV head are its G "query
             # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
             o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]
-            x = x + lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"])
-            x = self._mlp(w, x, lin)
+            x = lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"], residual=x)
+            x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
         return self.head(x)
 
     # ------------------------------------------------------------------ sequences
@@ -253,21 +288,18 @@ class LlamaDecoder:
         sparse: each position's projections thresholded on its own inputs (masked dense, the
         compiler's simulation); False: the dense model (prefill). write_cache: K/V at slots
         start..start+S-1 of rows `rows` (default 0..B-1); start > 0 attends to the cached slots too."""
-        from dejavu.plugins import input_sparse_gemv_ref
-
         s = self.spec
         B, S = ids.shape
         H, Hkv, hd = s.num_attention_heads, s.num_key_value_heads, s.head_dim
         if start and not write_cache:
             raise ValueError("forward_tokens: start > 0 needs write_cache (earlier slots come from the cache)")
-        lin = input_sparse_gemv_ref if sparse else (lambda x, w_t, t: x @ w_t)
+        lin = linear_ref if sparse else (lambda x, w_t, t, **kw: linear_ref(x, w_t, 0.0, **kw))
         pos = torch.arange(start, start + S, device=ids.device)
         cos, sin = (c[None, None] for c in self._rope(pos))  # [1, 1, S, hd]
         x = F.embedding(ids, self.t["embed_tokens"])  # [B, S, D]
         at = slice(None) if rows is None else rows
         for l, w in enumerate(self.layers):
-            h = rms_norm(x, w.attn_norm, s.rms_norm_eps)
-            q, k, v = self._split_qkv(lin(h, w.wqkv_t, w.t["attn_in"]))
+            q, k, v = self._split_qkv(lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps)))
             q = _rotate(q.view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
             k = _rotate(k.view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
             v = v.view(B, S, Hkv, hd).transpose(1, 2)
@@ -280,7 +312,7 @@ class LlamaDecoder:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
-            x = x + lin(o.transpose(1, 2).reshape(B, S, H * hd), w.wo_t, w.t["o_in"])
+            x = lin(o.transpose(1, 2).reshape(B, S, H * hd), w.wo_t, w.t["o_in"], residual=x)
             x = self._mlp(w, x, lin)
         if last is not None:
             x = x[torch.arange(B, device=x.device), last]  # [B, D]

@@ -23,8 +23,8 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
     d = json.loads(out.read_text())
     assert d["errors"] == [] and d["bandwidth"]["copy_GBps"] > 0
     rows = {r["system"]: r for r in d["results"]}
-    assert set(rows) == {"dense_graph", "dense_graph+w_rows", "teal_s0.25", "teal_s0.4", "teal_s0.5",
-                         "teal_s0.5+block_m=64", "hf_eager"}
+    assert set(rows) == {"dense_graph", "teal_s0.25", "teal_s0.4", "teal_s0.5", "teal_s0.5+block_m=64", "hf_eager"}
+    assert d["skipped"] == [] and rows["teal_s0.5"]["wall_s"] > 0
     assert rows["teal_s0.5+block_m=64"]["kernel_settings"]["block_m"] == 64
     from dejavu.plugins import InputSparseSettings
     assert rows["teal_s0.5"]["kernel_settings"]["block_m"] == InputSparseSettings().block_m  # the default, recorded
@@ -39,6 +39,16 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
         assert abs(r["skip_realized"] - s) < 0.15  # thresholds from other random tokens
         assert r["floor_bytes"] < rows["dense_graph"]["floor_bytes"] and r["ms_per_step"] > 0 and r["steps"] == 4
     assert rows["dense_graph"]["skip_realized"] == 0.0
+
+
+def test_variants_past_the_budget_are_recorded_as_skipped(tmp_path):
+    out = tmp_path / "r.json"
+    assert e2e_llama.main(["--device", "cpu", "--out", str(out), "--prompt-len", "4", "--new-tokens", "3",
+                           "--calib-tokens", "64", "--skip-steps", "2", "--no-smoke", "--no-hf", "--skips", "0.5",
+                           "--budget-s", "1e-9", "--kernel-variants", '[{"block_m": 64}, {"block_k": 64}]']) == 0
+    d = json.loads(out.read_text())
+    assert [r["system"] for r in d["results"]] == ["dense_graph", "teal_s0.5"]  # the defaults run regardless
+    assert [r["system"] for r in d["skipped"]] == ["teal_s0.5+block_m=64", "teal_s0.5+block_k=64"]
 
 
 def test_layer_anchor_is_a_kernel_launched_once_per_layer():

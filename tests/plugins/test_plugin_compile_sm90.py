@@ -137,19 +137,24 @@ SCRIPT = textwrap.dedent('''
     compile_sm90(DK, DK._commit_kernel, dict(BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
     IS = importlib.import_module("dejavu.plugins.input_sparse")  # TEAL (Llama engines)
-    compile_sm90(IS, IS._select_inputs_kernel, dict(BLOCK=4096), overrides={"count_ptr": "*i32", "t": "fp32"})
-    # the default blocks at Llama-3-8B's q/k/v (6 splits); at block_m 128 / block_k 64 the tile is reduced after
-    # the loop with no barrier in it (at the defaults the x tile's layout conversion puts 4 bar.sync in the loop:
-    # docs/llama.md; they measured faster all the same)
-    compile_sm90(IS, IS._input_sparse_gemv_kernel, dict(BLOCK_M=64, BLOCK_K=128, SPLIT_K=6),
-                 overrides={"count_ptr": "*i32", "part_ptr": "*fp32"}, div16={"N", "M"})
-    k = compile_sm90(IS, IS._input_sparse_gemv_kernel, dict(BLOCK_M=128, BLOCK_K=64, SPLIT_K=11),
-                     overrides={"count_ptr": "*i32", "part_ptr": "*fp32"}, div16={"N", "M"})
-    ptx = k.asm["ptx"]  # a loop: from a label to the last branch back to it
-    loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
-             if f"$L__BB0_{m.group(1)};" in ptx[m.end():]]
-    assert loops and not any("bar.sync" in body for body in loops)
-    compile_sm90(IS, IS._sum_splits_kernel, dict(BLOCK_M=128, SPLIT_K=11), overrides={"part_ptr": "*fp32"})
+    compile_sm90(IS, IS._sum_splits_kernel, dict(BLOCK_M=128, SPLIT_K=11, HAS_RES=True), overrides={"part_ptr": "*fp32"})
+    # each producer's select, from x and from fp32 partials (gate/up's, summed by down's SwiGLU select); the
+    # pairs' GEMV at the default blocks (block_m 64, block_k 128: two loads of 64 pairs a step) and an odd M,
+    # with no barrier in its loop
+    for producer in (IS.NONE, IS.NORM, IS.SWIGLU):
+        for src_split in (0, 2):
+            compile_sm90(IS, IS._select_slices_kernel, dict(PRODUCER=producer, SRC_SPLIT=src_split, BLOCK=1024,
+                                                            ROW=4096),
+                         overrides={"count_ptr": "*i32", "t": "fp32", **({"x_ptr": "*fp32"} if src_split else {})})
+    for even in (True, False):
+        k = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=even),
+                         overrides={"count_ptr": "*i32", "part_ptr": "*fp32"}, div16={"N", "M"})
+        ptx = k.asm["ptx"]
+        loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
+                 if f"$L__BB0_{m.group(1)};" in ptx[m.end():]]
+        assert loops and not any("bar.sync" in body or "shared" in body for body in loops)
+    compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6),
+                 overrides={"part_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*fp16"})
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,
                                            COMPACT=True),
                  overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16"})
@@ -192,9 +197,20 @@ SCRIPT = textwrap.dedent('''
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, BLOCK_REF=16), False),
         (LN, LN._layer_norm_kernel, dict(BLOCK=8192), False),
         (CR, CR._compact_rows_kernel, dict(BLOCK=1024, PREFIX=8192), True),  # its loop: the counts before it
+        (IS, IS._select_slices_kernel, dict(PRODUCER=IS.NORM, SRC_SPLIT=0, BLOCK=1024, ROW=4096), False),
+        (IS, IS._select_slices_kernel, dict(PRODUCER=IS.SWIGLU, SRC_SPLIT=2, BLOCK=1024, ROW=4096), False),
+        (IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True), True),
+        (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
+        (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), False),
     ]
+    typed = {IS._select_slices_kernel: {"count_ptr": "*i32", "t": "fp32"}, IS._sliced_gemv_kernel:
+             {"count_ptr": "*i32", "part_ptr": "*fp32"}, IS._sum_splits_kernel: {"part_ptr": "*fp32"},
+             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}}
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
-        over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else compacted if fn is CR._compact_rows_kernel else None
+        over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else compacted if fn is CR._compact_rows_kernel \
+            else typed.get(fn)
+        if consts.get("SRC_SPLIT"):
+            over = {**over, "x_ptr": "*fp32"}
         for gdc in (1, 2):  # late / early trigger
             ptx = compile_sm90(mod, fn, {**consts, "GDC": gdc}, "fp16", over).asm["ptx"]
             wait = ptx.index("griddepcontrol.wait")

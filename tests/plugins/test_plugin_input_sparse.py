@@ -1,4 +1,5 @@
-"""Input-sparse GEMV (plugins/input_sparse.py) under Triton's interpreter, against float64 references."""
+"""Input-sparse GEMV (plugins/input_sparse.py): per-split selects, the pairs' GEMV and its sums, under Triton's
+interpreter, against float64 references."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,9 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, InputSparseSettings as _s
-from dejavu.plugins.input_sparse import (input_sparse_gemv, input_sparse_gemv_ref, select_inputs, select_inputs_ref,
-                                         split_k_for)
+from dejavu.plugins.input_sparse import (input_sparse_gemv_ref, produce_ref, select_slices, select_slices_ref,
+                                         sliced_gemv, sliced_parts, sliced_qkv_rope, sliced_qkv_rope_ref, split_k_for,
+                                         sum_parts_ref)
 from conftest import DTYPES
 
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
@@ -20,74 +22,187 @@ def _ks(blocks):
     return dataclasses.replace(DEFAULT, input_sparse=blocks)
 
 
-def _poisoned_lists(B, N):
-    return torch.full((B, N), -7, dtype=torch.int32), torch.full((B,), -1, dtype=torch.int32)
-
-
-@pytest.mark.parametrize("B,N,t", [(1, 77, 0.7), (3, 200, 1.2), (2, 33, 10.0), (2, 64, 0.0)])
-@pytest.mark.parametrize("config", [SMALL, _s()])
-def test_select_inputs_lists_the_kept_inputs_in_order(triton_interp, B, N, t, config):
-    g = torch.Generator().manual_seed(B * N)
-    x = torch.randn(B, N, generator=g)
-    x[:, ::5] = 0.0  # exact zeros: never kept, even at t = 0
-    idx, count = _poisoned_lists(B, N)
-    select_inputs(x, t, idx, count, settings=_ks(config))
-    keep = x.double().abs() > t
-    assert count.tolist() == keep.sum(1).tolist()
-    for b in range(B):
-        assert idx[b, :count[b]].tolist() == torch.nonzero(keep[b]).flatten().tolist()
-    ri, rc = select_inputs_ref(x, t)
-    assert torch.equal(rc, count) and all(torch.equal(ri[b, :rc[b]], idx[b, :count[b]]) for b in range(B))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,N,M,config", [(1, 77, 45, SMALL), (3, 130, 70, SMALL), (2, 200, 300, _s()),
-                                          (1, 96, 40, _s(block_m=16, block_k=8, split_k=3))])
-def test_input_sparse_gemv_matches_float64(triton_interp, close, dtype, B, N, M, config):
-    g = torch.Generator().manual_seed(N + M)
-    x = torch.randn(B, N, generator=g).to(dtype)
-    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
-    t = 0.6
-    idx, count = select_inputs(x, t, settings=_ks(config))
-    out = torch.full((B, M), float("nan"), dtype=dtype)
-    input_sparse_gemv(x, w_t, idx, count, out=out, settings=_ks(config))
-    keep = x.float().abs() > t
-    ref64 = (x.double() * keep) @ w_t.double()
-    close(out, ref64, input_sparse_gemv_ref(x, w_t, t))
-
-
-def test_input_sparse_gemv_reads_only_the_listed_rows(triton_interp):
-    """Rows of w_t outside the kept list are NaN: a read of any of them would poison y."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 90, generator=g)
-    w_t = torch.randn(90, 50, generator=g)
-    idx, count = select_inputs(x, 0.8, settings=_ks(SMALL))
-    kept = torch.zeros(90, dtype=torch.bool)
-    for b in range(2):
-        kept[idx[b, :count[b]].long()] = True
-    poisoned = torch.where(kept[:, None], w_t, torch.full_like(w_t, float("nan")))
-    y = input_sparse_gemv(x, poisoned, idx, count, settings=_ks(SMALL))
-    ref = input_sparse_gemv_ref(x.double(), torch.where(kept[:, None], w_t, 0.0).double(), 0.8)
-    assert torch.isfinite(y).all() and (y.double() - ref).abs().max() < 1e-5
-
-
-def test_split_k_fills_the_device_and_stays_within_the_list():
+def test_split_k_fills_the_device_with_splits_of_min_split_inputs():
     assert split_k_for(1, 14336, 4096, _s()) == 9  # down of Llama-3-8B: 64 column blocks of 64, 528 programs
-    assert split_k_for(1, 14336, 4096, _s(block_m=128, block_k=64)) == 17  # 32 column blocks
+    assert split_k_for(1, 14336, 4096, _s(block_m=128)) == 17  # 32 column blocks
+    assert split_k_for(1, 4096, 4096, _s()) == 9  # o
+    assert split_k_for(1, 4096, 4096, _s(min_split_inputs=1024)) == 4  # fewer, longer splits
+    assert split_k_for(1, 14336, 4096, _s(min_split_inputs=2048)) == 7
     assert split_k_for(1, 64, 4096, _s()) == 1
     assert split_k_for(1, 4096, 28672, _s(split_k=2)) == 2
 
 
-def test_launchers_check_their_inputs(triton_interp):
+# ---------------------------------------------------------------- sliced: per-split selects and the pairs' GEMV
+def _producer_input(B, N, producer, dtype, g):
+    """x for a producer (swiglu: gate | up, [B, 2N]) and its norm weight (NORM: [N], else None)."""
+    x = torch.randn(B, 2 * N if producer == "swiglu" else N, generator=g)
+    x[:, ::7] = 0.0  # exact zeros: never kept, even at t = 0
+    nw = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype) if producer == "norm" else None
+    return x.to(dtype), nw
+
+
+PRODUCERS = ["none", "norm", "swiglu"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("B,N,split,t,config", [(1, 77, 3, 0.6, SMALL), (3, 200, 5, 0.9, SMALL), (2, 130, 1, 0.6, _s()),
+                                                (2, 33, 4, 50.0, SMALL), (1, 64, 2, 0.0, SMALL)])
+def test_select_slices_pairs_each_split_in_order(triton_interp, dtype, producer, B, N, split, t, config):
+    """Per split: the kept inputs of h ascending, their values, their count; t 50: none kept, t 0: every
+    non-zero input; N not a multiple of the split or the block."""
+    g = torch.Generator().manual_seed(N * split)
+    x, nw = _producer_input(B, N, producer, dtype, g)
+    kw = dict(norm_w=nw, eps=1e-5, swiglu=producer == "swiglu")
+    idx, val, count = select_slices(x, t, split, settings=_ks(config), **kw)
+    ri, rv, rc = select_slices_ref(x, t, split, **kw)
+    assert torch.equal(count, rc)
+    h = produce_ref(x, nw, 1e-5, producer == "swiglu").double()
+    per = -(-N // split)
+    for b in range(B):
+        for s in range(split):
+            n = int(rc[b, s])
+            want = torch.nonzero(h[b, s * per:(s + 1) * per].abs() > t).flatten() + s * per
+            assert idx[b, s * per:s * per + n].tolist() == ri[b, s * per:s * per + n].tolist() == want.tolist()
+            # h as PyTorch rounds it (RMSNorm's rsqrt may differ in the last bit of fp32)
+            torch.testing.assert_close(val[b, s * per:s * per + n], rv[b, s * per:s * per + n], rtol=2e-3, atol=0)
+    if t == 50.0:
+        assert int(count.sum()) == 0
+    if t == 0.0:
+        assert int(count.sum()) == int((h != 0).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("B,N,M,t,config,residual", [(1, 77, 45, 0.6, SMALL, True), (3, 130, 64, 0.6, SMALL, False),
+                                                     (2, 200, 300, 0.9, _s(), True),
+                                                     (1, 96, 40, 0.6, _s(block_m=16, block_k=8, split_k=3), True),
+                                                     (2, 50, 48, 50.0, SMALL, True), (2, 40, 33, 0.0, SMALL, False)])
+def test_sliced_gemv_matches_float64(triton_interp, close, dtype, producer, B, N, M, t, config, residual):
+    """residual + the kept inputs of h times their rows of w_t: M a multiple of block_m (unmasked loads)
+    and not, several splits, none kept (y = residual), every input kept (t 0)."""
+    g = torch.Generator().manual_seed(N + M)
+    x, nw = _producer_input(B, N, producer, dtype, g)
+    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
+    res = torch.randn(B, M, generator=g).to(dtype) if residual else None
+    kw = dict(norm_w=nw, eps=1e-5, swiglu=producer == "swiglu")
+    split = split_k_for(B, N, M, config)
+    idx, val, count = select_slices(x, t, split, settings=_ks(config), **kw)
+    out = torch.full((B, M), float("nan"), dtype=dtype)
+    sliced_gemv(idx, val, count, w_t, res, out=out, settings=_ks(config))
+    h = produce_ref(x, nw, 1e-5, producer == "swiglu")
+    ref64 = (h.double() * (h.float().abs() > t)) @ w_t.double() + (0 if res is None else res.double())
+    same = input_sparse_gemv_ref(h, w_t, t) if t > 0 else h @ w_t
+    close(out, ref64, same if res is None else res + same)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("producer", PRODUCERS)
+@pytest.mark.parametrize("S,B,N,split", [(2, 1, 77, 3), (3, 2, 130, 1), (1, 3, 40, 4)])
+def test_select_slices_sums_the_previous_gemvs_partials(triton_interp, close, dtype, producer, S, B, N, split):
+    """x as fp32 partials [S, B, N'] (gate/up's split-K GEMV before down's SwiGLU select): the select sums them
+    in order and rounds to dtype as sliced_gemv's sum does, then selects as from that sum; the whole chain
+    sliced_parts -> select -> sliced_gemv against float64."""
+    g = torch.Generator().manual_seed(S * N + split)
+    x, nw = _producer_input(B, N, producer, dtype, g)
+    w_t = (torch.randn(N, x.shape[1], generator=g) / N ** 0.5).to(dtype)  # a GEMV whose output is x's width
+    pi, pv, pc = select_slices(x[:, :N].contiguous(), -1.0, S, settings=_ks(SMALL))  # every input kept, S splits
+    part = sliced_parts(pi, pv, pc, w_t, settings=_ks(SMALL))  # [S, B, N']
+    assert part.shape == (S, B, x.shape[1]) and part.dtype == torch.float32
+    kw = dict(norm_w=nw, eps=1e-5, swiglu=producer == "swiglu")
+    y = sum_parts_ref(part, dtype)
+    assert torch.equal(y, sliced_gemv(pi, pv, pc, w_t, settings=_ks(SMALL)))  # the same in-order sum
+    t = 0.3
+    idx, val, count = select_slices(part, t, split, dtype=dtype, settings=_ks(SMALL), **kw)
+    ri, rv, rc = select_slices(y, t, split, settings=_ks(SMALL), **kw)
+    assert torch.equal(count, rc) and val.dtype == dtype
+    fi, fv, fc = select_slices_ref(part, t, split, dtype=dtype, **kw)
+    assert torch.equal(fc, count)
+    for b in range(B):
+        for s, per in ((s, -(-N // split)) for s in range(split)):
+            n = int(count[b, s])
+            assert torch.equal(idx[b, s * per:s * per + n], ri[b, s * per:s * per + n])
+            assert torch.equal(idx[b, s * per:s * per + n], fi[b, s * per:s * per + n])
+            assert torch.equal(val[b, s * per:s * per + n], rv[b, s * per:s * per + n])
+    w2 = (torch.randn(N, 24, generator=g) / N ** 0.5).to(dtype)
+    out = sliced_gemv(idx, val, count, w2, settings=_ks(SMALL))
+    h = produce_ref(y, nw, 1e-5, producer == "swiglu")
+    close(out, (h.double() * (h.float().abs() > t)) @ w2.double(), input_sparse_gemv_ref(h, w2, t))
+
+
+def test_sliced_gemv_reads_only_the_kept_rows(triton_interp):
+    """Rows of w_t outside the pairs are NaN: a read of any of them would poison y."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 90, generator=g)
+    w_t = torch.randn(90, 50, generator=g)
+    idx, val, count = select_slices(x, 0.8, 4, settings=_ks(SMALL))
+    kept = (x.abs() > 0.8).any(0)
+    poisoned = torch.where(kept[:, None], w_t, torch.full_like(w_t, float("nan")))
+    y = sliced_gemv(idx, val, count, poisoned, settings=_ks(SMALL))
+    ref = input_sparse_gemv_ref(x.double(), torch.where(kept[:, None], w_t, 0.0).double(), 0.8)
+    assert torch.isfinite(y).all() and (y.double() - ref).abs().max() < 1e-5
+
+
+def test_sliced_launchers_check_their_inputs(triton_interp):
     x = torch.randn(2, 16)
-    idx, count = select_inputs(x, 0.5)
-    with pytest.raises(DejavuError, match="w_t: expected dtype"):
-        input_sparse_gemv(x, torch.randn(16, 8, dtype=torch.float16), idx, count)
+    with pytest.raises(DejavuError, match=r"norm_w: expected shape \(16,\)"):
+        select_slices(x, 0.5, 2, norm_w=torch.ones(15))
+    with pytest.raises(DejavuError, match="halves of equal width"):
+        select_slices(torch.randn(2, 15), 0.5, 2, swiglu=True)
+    with pytest.raises(DejavuError, match=r"split must be in \[1, 16\]"):
+        select_slices(x, 0.5, 0)
+    with pytest.raises(DejavuError, match="partials x need the dtype of h"):
+        select_slices(torch.randn(2, 2, 16), 0.5, 2)
+    with pytest.raises(DejavuError, match="expected dtype torch.float32"):
+        select_slices(torch.randn(2, 2, 16, dtype=torch.float16), 0.5, 2, dtype=torch.float16)
+    idx, val, count = select_slices(x, 0.5, 2)
     with pytest.raises(DejavuError, match=r"w_t: expected shape \(16, 8\)"):
-        input_sparse_gemv(x, torch.randn(15, 8), idx, count)
-    with pytest.raises(DejavuError, match="must be contiguous"):
-        input_sparse_gemv(x, torch.randn(8, 16).T, idx, count)
-    with pytest.raises(DejavuError, match="idx: expected dtype"):
-        input_sparse_gemv(x, torch.randn(16, 8), idx.long(), count)
-    with pytest.raises(DejavuError, match="x: expected 2 dims"):
-        select_inputs(torch.randn(16), 0.5)
+        sliced_gemv(idx, val, count, torch.randn(15, 8))
+    with pytest.raises(DejavuError, match=r"residual: expected shape \(2, 8\)"):
+        sliced_gemv(idx, val, count, torch.randn(16, 8), residual=torch.randn(8))
+    with pytest.raises(DejavuError, match="count: expected shape"):
+        sliced_gemv(idx, val, count[:1], torch.randn(16, 8))
+    kc = torch.zeros(2, 1, 4, 4)
+    with pytest.raises(DejavuError, match="not q, k and v heads of 4 with 1 KV heads"):
+        sliced_qkv_rope(idx, val, count, torch.randn(16, 8), torch.ones(2, 4), torch.ones(2, 4),
+                        torch.zeros(2, dtype=torch.long), kc, kc.clone())
+    with pytest.raises(DejavuError, match="pos: expected dtype torch.int64"):
+        sliced_qkv_rope(idx, val, count, torch.randn(16, 12), torch.ones(2, 4), torch.ones(2, 4),
+                        torch.zeros(2, dtype=torch.int32), kc, kc.clone())
+
+
+def _rope64(qkv, cos, sin, H, Hkv, hd):
+    """q, k rotated and v of qkv [B, (H + 2 Hkv) hd] in float64 (sin signed for rotate_half)."""
+    x = qkv.double().view(qkv.shape[0], -1, hd)
+    r = x[:, :H + Hkv] * cos.double()[:, None] + x[:, :H + Hkv].roll(hd // 2, -1) * sin.double()[:, None]
+    return r[:, :H], r[:, H:], x[:, H + Hkv:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Hkv,hd,config", [(1, 4, 2, 16, SMALL), (3, 6, 2, 8, SMALL), (2, 2, 1, 32, _s())])
+def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config):
+    """q rotated, and k (rotated) and v written into the caches at pos[b] only: poisoned caches keep their NaN
+    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32)."""
+    g = torch.Generator().manual_seed(H * hd + B)
+    N, M, T = 40, (H + 2 * Hkv) * hd, 7
+    x, nw = _producer_input(B, N, "norm", dtype, g)
+    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
+    ang = torch.rand(B, hd // 2, generator=g) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    pos = torch.randint(0, T, (B,), generator=g)
+    kc, vc = (torch.full((B, Hkv, T, hd), float("nan"), dtype=dtype) for _ in range(2))
+    t = 0.6
+    split = split_k_for(B, N, M, config)
+    idx, val, count = select_slices(x, t, split, nw, 1e-5, settings=_ks(config))
+    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config))
+    h = produce_ref(x, nw, 1e-5)
+    q64, k64, v64 = _rope64((h.double() * (h.float().abs() > t)) @ w_t.double(), cos, sin, H, Hkv, hd)
+    kt, vt = (torch.full_like(kc, float("nan")) for _ in range(2))
+    qt = sliced_qkv_rope_ref(input_sparse_gemv_ref(h, w_t, t), cos, sin, pos, kt, vt)
+    rows = torch.arange(B)
+    close(q, q64, qt)
+    close(kc[rows, :, pos], k64, kt[rows, :, pos])
+    close(vc[rows, :, pos], v64, vt[rows, :, pos])
+    written = torch.zeros(B, Hkv, T, dtype=torch.bool)
+    written[rows, :, pos] = True
+    assert kc[~written].isnan().all() and vc[~written].isnan().all()

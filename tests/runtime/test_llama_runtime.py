@@ -189,9 +189,10 @@ def test_dejavu_run_and_inspect_on_a_llama_engine(built, capsys):
 
 
 def test_triton_path_under_the_interpreter_equals_the_reference(built):
-    """The decode step through plugins/input_sparse (index lists + row-gather GEMV; blocks smaller than
-    the defaults so the shapes take several), run by Triton's interpreter in a subprocess
-    (TRITON_INTERPRET must be set before triton is imported)."""
+    """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
+    summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
+    smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
+    run by Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported)."""
     import os
     import subprocess
     import sys
@@ -201,21 +202,22 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
 import json, torch
 from dejavu.plugins import InputSparseSettings, KernelSettings
 from dejavu.runtime import Engine
-ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8))
-ref, tri = Engine.load({str(built[1][0.6])!r}), Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
+ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
-a, b = ref.decode_logits(ids), tri.decode_logits(ids)
-print(json.dumps({{"diff": float((a - b).abs().max()), "check": tri.kernel_check,
-                  "kernels": tri.describe()["kernels"],
-                  "same": ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
-                          == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
+a, want = ref.decode_logits(ids), ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
+for min_split in (8, 4096):
+    ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split))
+    tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
+    print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
+                      "kernels": tri.describe()["kernels"],
+                      "same": want == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["kernels"] == {"input_sparse_gemv": "triton"} and r["check"]["input_sparse_gemv"] < 1e-4
-    assert r["diff"] <= ATOL and r["same"]
+    for r in map(json.loads, p.stdout.strip().splitlines()[-2:]):
+        assert r["kernels"] == {"input_sparse_gemv": "triton"} and r["check"]["input_sparse_gemv"] < 1e-4
+        assert r["diff"] <= ATOL and r["same"]
 
 
 def test_dejavu_compile_bad_density_is_one_line_and_no_file(built, tmp_path, capsys):
