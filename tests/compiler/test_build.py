@@ -54,7 +54,8 @@ def test_density_has_no_default():
                                     ({"dtype": "int8"}, "dtype"), ({"device": "tpu"}, "device"),
                                     ({"calib_tokens": 0}, "calib-tokens"),
                                     ({"no_predictors": True}, "no-predictors"),
-                                    ({"predictor_source": "mlp_in", "predictor_lookahead": 0}, "lookahead")])
+                                    ({"predictor_source": "mlp_in", "predictor_lookahead": 0}, "lookahead"),
+                                    ({"predictor_dtype": "int4"}, "--predictor-dtype must be one of int8, float")])
 def test_config_rejects_bad_values(kw, msg):
     with pytest.raises(DejavuError, match=msg):
         BuildConfig(**{"density": 0.5, **kw})
@@ -93,7 +94,19 @@ def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
     assert torch.equal(t["layers.0.mlp.w2_t"], model.decoder.layers[0].fc2.weight.T)
     assert torch.equal(t["layers.0.mlp.w1"], model.decoder.layers[0].fc1.weight)
     assert torch.equal(t["layers.0.ln_mlp.weight"], model.decoder.layers[0].final_layer_norm.weight)
-    assert torch.equal(t["layers.1.pred_mlp.b"], preds.mlp[1]["b"])
+    # int8 MLP predictors (the default): int8 rows, an fp16 scale a row, the bias and the heads in the engine dtype
+    assert bc["predictor_dtype"] == {"mlp": "int8", "attn": "float"}
+    for n in ("a", "b"):
+        w, q, scale = preds.mlp[1][n].double(), t[f"layers.1.pred_mlp.{n}"], t[f"layers.1.pred_mlp.{n}_scale"]
+        assert q.dtype == torch.int8 and scale.dtype == torch.float16 and q.abs().amax(1).eq(127).all()
+        deq = q.double() * scale.double()[:, None]
+        assert ((deq - w).abs() <= scale.double()[:, None] / 2 + w.abs() * 2**-10).all()  # nearest step, fp16 scale
+    assert torch.equal(t["layers.1.pred_mlp.bias"], preds.mlp[1]["bias"])
+    assert torch.equal(t["layers.1.pred_attn.b"], preds.attn[1]["b"])
+    _build(tiny_opt_dir, tmp_path / "f.engine", preds, dtype="float32", predictor_dtype="float")
+    header, t = read_engine(tmp_path / "f.engine")
+    assert header["build_config"]["predictor_dtype"] == {"mlp": "float", "attn": "float"}
+    assert torch.equal(t["layers.1.pred_mlp.b"], preds.mlp[1]["b"]) and "layers.1.pred_mlp.b_scale" not in t
     assert torch.equal(t["embed_positions"], model.decoder.embed_positions.weight)
 
 
