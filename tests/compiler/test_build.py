@@ -144,8 +144,19 @@ def test_onnx_out_matches_engine(tiny_opt_dir, preds, tmp_path):
     _, t = read_engine(tmp_path / "m.engine")
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in plugin.graph.initializer}
     for name in ("layers.0.mlp.w1", "layers.1.mlp.w2_t", "layers.0.attn.wq", "layers.1.attn.bq",
-                 "layers.0.attn.wo_t", "layers.1.pred_mlp.a", "layers.0.pred_attn.b", "embed_tokens"):
+                 "layers.0.attn.wo_t", "layers.0.pred_attn.b", "embed_tokens"):
         torch.testing.assert_close(torch.from_numpy(inits[name].copy()), t[name], rtol=1e-6, atol=1e-7)
+    # the int8 MLP predictors: the engine's int8 rows and scales, read through DequantizeLinear (axis 0)
+    for n in ("a", "b"):
+        assert torch.equal(torch.from_numpy(inits[f"layers.1.pred_mlp.{n}_q"].copy()), t[f"layers.1.pred_mlp.{n}"])
+        assert torch.equal(torch.from_numpy(inits[f"layers.1.pred_mlp.{n}_scale"].copy()),
+                           t[f"layers.1.pred_mlp.{n}_scale"].float())
+    sparse = onnx.load(str(tmp_path / "onnx" / "decode.sparse.onnx"), load_external_data=False)
+    dq = [n for n in sparse.graph.node if n.op_type == "DequantizeLinear"]
+    assert sorted(n.name for n in dq) == sorted(f"layers.{l}.pred_mlp/DequantizeLinear_{n}" for l in range(2)
+                                                for n in "ab")
+    assert all(onnx.helper.get_attribute_value(a) == 0 for n in dq for a in n.attribute if a.name == "axis")
+    assert not any(n.name.startswith("layers.0.pred_attn/DequantizeLinear") for n in sparse.graph.node)
     # the default per-token MLP K is in the graphs: the header's k_max and thresholds
     tk = read_header(tmp_path / "m.engine")["build_config"]["token_k"]
     for l in range(2):
