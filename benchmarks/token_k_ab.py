@@ -20,6 +20,10 @@ and the breakdown of the difference (--no-breakdown skips it), each part alone o
                 launches 1abe2c2 ran per layer on the GPU, there with a softmax and without the sum)
   fc1_K / fc1_2K_keep               fc1 over the K rows of top-K; over top-2K stopping at the kept count
   fc2_K / fc2_K_skip0 / fc2_2K_skip0   fc2 over K rows (skip off / on); over top-2K stopping at the kept count
+  pred_float / pred_int8   scores + top-K of one MLP predictor at the compiler's rank for the shape and storage
+                (`default_ranks`: float at the budget rank, capped at 512; int8 rows with an fp16 scale a row at
+                the rank the same bytes pay for, twice that): the predictor the engines carry, before and after
+                int8 storage (docs/predictors.md, "int8 predictors at twice the rank")
 Weights rotate over copies between calls (cold L2, as in benchmarks/kernels.py). Random predictors: the
 kept count per token follows their score distribution, not a trained one; the rows kept on average are
 K by construction, which is what the bytes depend on. Prints one JSON line per row; asserts nothing.
@@ -78,6 +82,31 @@ def breakdown(layers, xs, K, k_max, theta) -> dict:
     return parts
 
 
+def predictor_rows(D: int, F: int, K: int, copies: int, rn) -> dict:
+    """{"pred_float" | "pred_int8": (rank, calls)}: predictor_topk at K with the compiler's MLP rank for D, F and
+    each storage, the weights rotating over `copies` (random; int8 rows by compiler.predictors.quantize_rows)."""
+    from types import SimpleNamespace
+
+    from dejavu.compiler.config import PredictorSettings
+    from dejavu.compiler.predictors import default_ranks, quantize_rows
+    from dejavu.plugins import predictor_topk
+
+    cfg = SimpleNamespace(hidden_size=D, ffn_dim=F, num_attention_heads=max(1, D // 128))
+    out = {}
+    for dtype in ("float", "int8"):
+        r = default_ranks(cfg, PredictorSettings(dtype=dtype))[0]
+        calls = []
+        for _ in range(copies):
+            x, a, b, bias = rn(1, D), rn(r, D, scale=D ** -0.5), rn(F, r, scale=3 * r ** -0.5), rn(F, scale=0.1)
+            if dtype == "int8":
+                (a, sa), (b, sb) = quantize_rows(a), quantize_rows(b)
+                calls.append(lambda x=x, a=a, b=b, bias=bias, s=(sa, sb): predictor_topk(x, a, b, bias, K, scales=s))
+            else:
+                calls.append(lambda x=x, a=a, b=b, bias=bias: predictor_topk(x, a, b, bias, K))
+        out[f"pred_{dtype}"] = (r, calls)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="opt-30b", choices=sorted(SHAPES))
@@ -132,8 +161,11 @@ def main(argv=None) -> None:
             return calls
 
         kinds = {kind: system(kind) for kind in ("fixed", "fixed_skip0", "token_k", "token_k_read")}
+        ranks = {}
         if not args.no_breakdown:
             kinds.update(breakdown(layers, xs, K, k_max, theta))
+            for kind, (r_kind, calls) in predictor_rows(D, F, K, args.copies, rn).items():
+                kinds[kind], ranks[kind] = calls, r_kind
         for kind, calls in kinds.items():
             t0 = time.perf_counter()
             ms = graph_time(calls)
@@ -143,6 +175,7 @@ def main(argv=None) -> None:
                    "k_max": k_max if wide else K, "theta": thetas.get(kind, theta) if wide else None,
                    "mean_kept_probe": kept_read if read else mean_kept if wide else K,
                    **({"mean_fc2_rows_probe": nz_read} if read else {}),
+                   **({"rank": ranks[kind]} if kind in ranks else {}),
                    "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                    "wall_s": round(time.perf_counter() - t0, 2)}
             rows.append(row)
