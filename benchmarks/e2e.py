@@ -144,7 +144,7 @@ def _no_predictors(eng):
     top-ks: the row's distance to the headline row is what the predictors cost."""
     sets: dict = {}
 
-    def fixed(x, a, b, bias, k, shared=False):
+    def fixed(x, a, b, bias, k, shared=False, scales=None):
         key = (b.shape[0], k, x.shape[0], shared, x.device)
         if key not in sets:
             g = torch.Generator().manual_seed(b.shape[0] * 7919 + k)
@@ -167,7 +167,7 @@ def _no_predictors_random(eng):
     pools: dict = {}
     n = 61  # prime: a layer's call number modulo n differs from step to step
 
-    def cycled(x, a, b, bias, k, shared=False):
+    def cycled(x, a, b, bias, k, shared=False, scales=None):
         key = (b.shape[0], k, x.device)
         if key not in pools:
             g = torch.Generator().manual_seed(b.shape[0] * 7919 + k)
