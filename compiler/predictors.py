@@ -94,7 +94,7 @@ def mlp_ranks(cfg: OPTConfig, settings: PredictorSettings) -> list[int]:
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] -> (q [R, C] int8, scale [R] fp16): symmetric per row, w ~ q * scale[:, None], |q| <= 127.
     Idempotent on its own dequantized output (the row's largest |value| is 127 scale)."""
-    scale = (w.float().abs().amax(1) / 127).clamp_min(1e-8).half()
+    scale = (w.float().abs().amax(1) / 127).clamp_min(2 ** -24).half()  # fp16's least subnormal: never 0
     q = (w.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
     return q, scale
 
