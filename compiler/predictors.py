@@ -110,17 +110,20 @@ def int8_rows(p: dict) -> dict:
     return out
 
 
-def predictor_cost(cfg: OPTConfig, mlp_rank: int | list[int], attn_rank: int) -> dict:
-    """Parameter counts (same dtype: ratios of bytes) of predictors vs the dense layers they govern.
+def predictor_cost(cfg: OPTConfig, mlp_rank: int | list[int], attn_rank: int, dtype: str = "float") -> dict:
+    """Parameter counts of predictors vs the dense layers they govern, and ratios of bytes as stored (a 2-byte
+    engine dtype; `dtype` "int8": the MLP predictors' int8 rows and fp16 scales, `mlp_rank_bytes`).
     mlp_rank: one rank for every layer or a list of per-layer ranks (ratios over all layers)."""
     D, Fd, H, L = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads, cfg.num_hidden_layers
     rs = list(mlp_rank) if isinstance(mlp_rank, (list, tuple)) else [mlp_rank] * L
     mlp_p, mlp_d = sum(r * (D + Fd) + Fd for r in rs) / L, 2 * D * Fd + Fd + D  # A, B, bias vs fc1+fc2
+    per_rank, fixed, _ = mlp_rank_bytes(cfg, dtype)
+    mlp_b = sum(per_rank * r + fixed for r in rs) / L  # bytes a layer, as stored
     attn_p, attn_d = attn_rank * (D + H) + H, 4 * D * D + 4 * D  # vs q, k, v, out_proj
-    return {"mlp_rank": mlp_rank, "attn_rank": attn_rank,
-            "mlp_predictor_params": round(L * mlp_p), "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_p / mlp_d,
+    return {"mlp_rank": mlp_rank, "attn_rank": attn_rank, "mlp_dtype": dtype,
+            "mlp_predictor_params": round(L * mlp_p), "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_b / (2 * mlp_d),
             "attn_predictor_params": L * attn_p, "attn_dense_params": L * attn_d,
-            "attn_ratio": attn_p / attn_d, "total_ratio": (mlp_p + attn_p) / (mlp_d + attn_d)}
+            "attn_ratio": attn_p / attn_d, "total_ratio": (mlp_b + 2 * attn_p) / (2 * (mlp_d + attn_d))}
 
 
 @dataclass
@@ -425,7 +428,7 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     mean = lambda key: float(np.mean([m[key] for m in per_layer]))
     metrics = {"per_layer": per_layer, "mlp_recall_mean": mean("mlp_recall"),
                "mlp_precision_mean": mean("mlp_precision"), "attn_recall_mean": mean("attn_recall"),
-               "cost": predictor_cost(cfg, ranks, attn_rank), "settings": asdict(s),
+               "cost": predictor_cost(cfg, ranks, attn_rank, s.dtype), "settings": asdict(s),
                "holdout_tokens": cal.n_tokens - holdout_split(cal.n_tokens, cal.n_windows, cal.window, s)}
     return Predictors(mlp, attn, s.predictor_input, metrics, curves)
 

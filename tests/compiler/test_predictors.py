@@ -125,6 +125,8 @@ def test_default_ranks_fit_the_cost_budget(dims):
         rs8[0] == cap  # layer 0 takes what is left
     assert layer(rs8[1] + 8) > 0.10 * dense or rs8[1] == cap
     assert rs8[1] >= min(cap, 2 * r - 8)  # about twice the float rank in the same bytes
+    cost8 = predictor_cost(cfg, rs8, rh, "int8")
+    assert cost8["mlp_ratio"] == pytest.approx(sum(layer(r) for r in rs8) / (L * dense)) and cost8["mlp_ratio"] <= 0.10
 
 
 def test_density_errors():
