@@ -5,7 +5,8 @@
 Models: OPT-30B, OPT-66B (--num-layers: the first N of its 64 layers) and OPT-1.3B shapes, and opt-mini's shape when its config is shipped, all
 in fp16 with RANDOM weights and RANDOM predictors of the real shapes (ranks: dejavu.compiler's
 defaults for the shape, MLP min(10%-budget rank, 512) in float, twice that as int8 rows (--predictor-dtype,
-default the compiler's: int8), heads min(H, budget); --mlp-rank/--attn-rank override): latency does not depend on the weights' values,
+default the compiler's: int8), heads min(H, budget); --mlp-rank/--attn-rank override): latency does not
+depend on the weights' values,
 and no OPT weights can be downloaded here. Engines are built in memory (`Engine.from_tensors`), one weight set per
 model shared by every density (only K changes).
 

@@ -7,8 +7,8 @@
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"; h and the scores rounded to x's dtype by
 cuBLAS or `predictor_scores_triton` alike). int8 predictors (scales = (a_scale[r], b_scale[N]) fp16, a and b
 int8, symmetric per row): scores = ((x @ a.T) * a_scale) @ b.T * b_scale + bias, each scale applied once per
-output row before the rounding (the Triton GEMVs read int8 weights; the torch path dequantizes). Then top-k per row (`shared=False`) or of the batch's max score
-per column (`shared=True`, one set for the batch; B == 1: the row itself): docs/kernels.md, "API". Neither
+output row before the rounding (the Triton GEMVs read int8 weights; the torch path dequantizes). Then top-k
+per row (`shared=False`) or of the batch's max score per column (`shared=True`, one set for the batch; B == 1: the row itself): docs/kernels.md, "API". Neither
 top-k returns sorted indices; with a per-token K the n kept rows come first, so fc1 / fc2 stop at n. No
 host sync, CUDA-graph capturable. `_topk_kernel`: an exact radix select, deterministic, one launch per
 8-bit round plus one to compact, the per-token K's rule in the same launches (docs/kernels.md, "Top-k").

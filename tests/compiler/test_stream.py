@@ -34,7 +34,8 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     from dejavu.compiler.calibrate import calibrate
     from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.layout import kernel_layout
-    from dejavu.compiler.predictors import Predictors, default_ranks, int8_rows, mlp_ranks, quantize_rows, train_predictors
+    from dejavu.compiler.predictors import (Predictors, default_ranks, int8_rows, mlp_ranks, quantize_rows,
+                                            train_predictors)
     from dejavu.engine_file import DTYPE_NAMES, write_engine
     from dejavu.models.loader import load_model, load_tokenizer
 
