@@ -20,9 +20,13 @@ Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS st
                   at --full-kv-densities (default 0.3), overlap on
   dejavu_d{D}_{on|off}_tokenk  (--token-k) density D with a per-token MLP K: top-2K_l, theta_l fitted so
                   that the mean kept rows are K_l (with_token_k); batch 1 / per sequence. Its floor
-                  counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer over the probe's 8 steps
-and for each the bandwidth floor: bytes that policy must read per step / copy bandwidth
-measured in this run. Per-step latency = decode time / steps (one token per sequence).
+                  counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer over the probe's 8 steps.
+                  --token-k-rows read: theta_l fitted so that the mean rows read (kept + kept with h != 0) are 2 K_l
+                  (`dejavu-compile --token-k-rows read`)
+  ..._compact     (--compact-zeros) each overlap-on row of per-sequence sets (or batch 1) again with fc2 over h's
+                  nonzero rows (DecodeOptions.compact_zeros: compact_rows + fc2 stopping at their count)
+(--overlaps on: the density rows with the overlap on only) and for each the bandwidth floor: bytes that
+policy must read per step / copy bandwidth measured in this run. Per-step latency = decode time / steps (one token per sequence).
 
 --smoke first checks the GPU path against the CPU reference semantics on a tiny random
 model (fp32 GPU vs fp32 CPU with kv_policy "full": same tokens and indices; graph vs eager;
@@ -203,6 +207,8 @@ ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spr
              "norefresh": _options(kv_refresh=0), "refresh4": _options(kv_refresh=4, kv_refresh_lags=(None, None)),
              # the LayerNorm before attention as its own launch (not in the Q/K/V kernel)
              "nolnqkv": _options(defer_ln_attn=False),
+             # fc2 over h's nonzero rows, compacted first (DecodeOptions.compact_zeros; also --compact-zeros)
+             "compact": _options(compact_zeros=True),
              # batch 1's Q/K/V choices: SHARED_P 16 on the unfolded route; the finish never folded into
              # attention; the partial kernel aimed at 528 programs (every SM slot) instead of 512
              "nounfolded": _replace("qkv_b1", SHARED_P_UNFOLDED=None),
@@ -348,29 +354,42 @@ def header_for(c: dict, density, dtype_name: str, ranks, predictor_dtype: str = 
             "target": {"device": "cuda", "arch": None, "kernel_settings": {}}}
 
 
-def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, seed: int = 0) -> dict:
+def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, seed: int = 0,
+                 rows: str = "selected") -> dict:
     """header with a per-token MLP K (build_config.token_k, form "share"): each sparse layer selects its
     top k_max = 2 K_l and keeps the rows whose share passes theta_l, fitted (compiler.token_k.fit_theta) so
     that the mean kept rows are K_l on the inputs its predictor sees in decode: a fixed-K engine of the same
     header decodes `steps` tokens of a random prompt eagerly (no graph, no side stream) and each layer's MLP
     predictor input is recorded (as the compiler fits theta on held-out text through the engine). Random
     predictors: the kept count per token follows their score distribution, not a trained one. c: the
-    model's config (None: inputs of unit variance, not the decode's)."""
-    from dejavu.compiler.token_k import cap_rows, fit_theta
+    model's config (None: inputs of unit variance, not the decode's). rows "read" (c needed): theta_l fitted
+    (fit_theta_read) so that the mean kept rows plus kept rows with h != 0 are 2 K_l, h = relu(fc1) over
+    every neuron of the MLP inputs the same decode records (the last `steps` of each layer's, paired in order)."""
+    from dejavu.compiler.token_k import cap_rows, fit_theta, fit_theta_read
     from dejavu.runtime import Engine
 
     bc, F = header["build_config"], header["model_config"]["ffn_dim"]
     L = len(bc["mlp_k"])
     seen: dict[int, list] = {l: [] for l in range(L)}
+    mlp_in: dict[int, list] = {l: [] for l in range(L)}
+    if rows == "read" and c is None:
+        raise ValueError("with_token_k: rows 'read' needs the model's config (the decode's MLP inputs)")
     if c is not None:
         eng = Engine.from_tensors(header, t, DEV, overlap=False, use_graphs=False)
         pr, orig = eng.decoder.pred, eng.decoder.pred._predict
+        layer_of = {t[f"layers.{l}.mlp.w1"].data_ptr(): l for l in range(L)}
+        fc1 = eng.ops.sparse_fc1
 
         def record(l, x, done=None):
             seen[l].append(x.detach().float().clone())
             return orig(l, x, done)
 
+        def record_fc1(x, w1, *rest, **kw):  # the MLP input (after its LayerNorm) of the layer whose w1 this is
+            mlp_in[layer_of[w1.data_ptr()]].append(x.detach().float().clone())
+            return fc1(x, w1, *rest, **kw)
+
         pr._predict = record
+        eng.ops.sparse_fc1 = record_fc1
         g = torch.Generator().manual_seed(seed)
         with torch.inference_mode():
             eng.generate([torch.randint(4, c["vocab_size"], (32,), generator=g).tolist()], steps, stop_at_eos=False)
@@ -384,10 +403,19 @@ def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, 
             a, b = (w * t[f"layers.{l}.pred_mlp.{n}_scale"].float()[:, None] for w, n in ((a, "a"), (b, "b")))
         x = torch.cat(seen[l])[-steps:] if seen[l] else torch.randn(256, a.shape[1], generator=g, device=a.device)
         km.append(cap_rows(k, F) if k < F else k)
-        th.append(fit_theta((x @ a.T) @ b.T + bias, k, km[-1]) if k < F else 1.0)
+        if k >= F:
+            th.append(1.0)
+        elif rows == "read":
+            xm = torch.cat(mlp_in[l])[-steps:]
+            n = min(len(x), len(xm))
+            h = torch.relu(xm[-n:] @ t[f"layers.{l}.mlp.w1"].float().T + t[f"layers.{l}.mlp.b1"].float())
+            th.append(fit_theta_read(((x[-n:] @ a.T) @ b.T + bias), h, 2 * k, km[-1]))
+        else:
+            th.append(fit_theta((x @ a.T) @ b.T + bias, k, km[-1]))
     fitted = "decode inputs, {} steps".format(steps) if c is not None else "random inputs"
     return {**header, "build_config": {**bc, "token_k": {"form": "share", "threshold": th, "k_max": km,
-                                                         "k_mean": list(bc["mlp_k"]), "fitted_on": fitted}}}
+                                                         "k_mean": list(bc["mlp_k"]), "fitted_on": fitted,
+                                                         "rows": rows}}}
 
 
 # ------------------------------------------------------------------ bytes and bandwidth
@@ -597,6 +625,21 @@ def smoke(ks=None) -> dict:
             del e, ref
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
+    # fc2 over h's nonzero rows (DecodeOptions.compact_zeros), graph on, batch 1 and 3 (per-sequence sets),
+    # fp32 against the CPU reference (the option off there)
+    for nb, want_b, lg_b in ((1, want1, lg1), (3, want, want_logits)):
+        key = f"fp32 batch {nb} compact_zeros"
+        try:
+            e = Engine.from_tensors(h32, t32, DEV, batch_policy="per_sequence", kernel_settings=ks)
+            e.decoder.set_options(compact_zeros=True)
+            got = e.generate(prompts[:nb], n, stop_at_eos=False)
+            err = float((_forced_logits(e, prompts[:nb], toks[:nb]) - lg_b).norm() / lg_b.norm())
+            checks[key] = {"tokens_equal": got == want_b, "logits_rel_err": err, "kernels": e.ops.kernels,
+                           "kernel_check": e.kernel_check,
+                           "ok": bool(got == want_b and err < 1e-3 and e.ops.kernels["compact_rows"] == "triton")}
+            del e
+        except Exception as ex:  # noqa: BLE001
+            checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
     fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, None, 3),
             ("fp16 shared", {"batch_policy": "shared"}, None, 3),
             ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, None, 3),
@@ -778,10 +821,13 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
             extra = [kv for kv in a.kv_policies[1:]]
             if a.batch_policy != "shared" or B == 1:  # at batch 1 both policies are the same
                 for d in a.densities:
-                    systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence", kv0) for o in (True, False)]
+                    systems += [(f"dejavu_d{d}_{'on' if o else 'off'}", d, o, "per_sequence", kv0) for o in a.overlaps]
                     if a.token_k:  # the per-token K beside it (with_token_k)
                         systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_tokenk", d, o, "per_sequence", kv0)
-                                    for o in (True, False)]
+                                    for o in a.overlaps]
+                    if a.compact_zeros:  # fc2 over h's nonzero rows beside each overlap-on row of these
+                        systems += [(f"{s_}_compact", d_, o_, p_, k_) for s_, d_, o_, p_, k_ in systems
+                                    if d_ == d and o_ and p_ == "per_sequence" and k_ == kv0]
                     if d in a.full_kv_densities:  # the other policy next to it, overlap on
                         systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
             if B in a.ablate_batches:  # one change at a time against the headline row, overlap on
@@ -803,7 +849,7 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     row_ks = ABLATIONS[variant].fn(row_ks)
                 try:
                     hdr = header_for(c, d, str(dtype)[6:], ranks, a.predictor_dtype)
-                    hdr = with_token_k(hdr, t, c) if system.endswith("_tokenk") else hdr
+                    hdr = with_token_k(hdr, t, c, rows=a.token_k_rows) if "_tokenk" in system else hdr
                     eng = Engine.from_tensors(hdr, t, DEV, overlap=overlap,
                                               batch_policy=policy, kv_policy=kv, kernel_settings=row_ks)
                     if variant and not isinstance(ABLATIONS[variant], Settings):
@@ -924,6 +970,13 @@ def main(argv=None) -> int:
     p.add_argument("--token-k", action="store_true",
                    help="also each density with a per-token MLP K (top-2K, mean K kept rows; batch 1 / per sequence), "
                         "overlap on and off: dejavu_d{D}_{on|off}_tokenk")
+    p.add_argument("--token-k-rows", default="selected", choices=["selected", "read"],
+                   help="the per-token K's fit: mean kept rows K (selected) or mean rows read 2K (read: kept + "
+                        "kept with h != 0), as dejavu-compile --token-k-rows")
+    p.add_argument("--compact-zeros", action="store_true",
+                   help="also each overlap-on row of per-sequence sets with fc2 over h's nonzero rows "
+                        "(DecodeOptions.compact_zeros): ..._compact")
+    p.add_argument("--overlaps", default="on,off", help="predictor overlap of the density rows: on,off / on / off")
     p.add_argument("--ablations", default="same,nolnqkv,nopredrand",
                    help="ablation rows, from: " + ", ".join(ABLATIONS))
     p.add_argument("--ablate-densities", default="0.3", help="densities that get the ablation rows")
@@ -945,6 +998,9 @@ def main(argv=None) -> int:
     a.full_kv_densities = [float(x) for x in a.full_kv_densities.split(",") if x]
     a.ablate_densities = [float(x) for x in a.ablate_densities.split(",") if x]
     a.ablate_batches = [int(x) for x in a.ablate_batches.split(",") if x]
+    a.overlaps = [{"on": True, "off": False}.get(x, x) for x in a.overlaps.split(",") if x]
+    if not a.overlaps or any(not isinstance(x, bool) for x in a.overlaps):
+        p.error("--overlaps: a comma list of on, off")
     a.ablations = [x for x in a.ablations.split(",") if x]
     if any(x not in ABLATIONS for x in a.ablations):
         p.error("--ablations: a comma list of " + ", ".join(ABLATIONS))

@@ -83,6 +83,17 @@ KERNELS = {
        for n, f, l in (("round0_keep", 0, 1), ("round1_keep", 1, 2), ("compact_keep", 2, 2))},
     "topk_compact": ("predictor", "_topk_kernel", dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=1, FIRST=2, LAST=2,
                                                        COMPACT=True, num_warps=4), 3, TOPK),
+    # fc2 over h's nonzero rows (DecodeOptions.compact_zeros): compact_rows' launch (its default blocks; OPT-30B's
+    # top-2K at MLP 0.1, 5734 rows: a prefix load of 8192), then fc2 stopping at its count (batch 1: the dot
+    # kernel; per-sequence sets: the GEMV kernel with its default blocks)
+    "compact_rows": ("compact_rows", "_compact_rows_kernel", dict(BLOCK=1024, PREFIX=8192, GDC=2, num_warps=8), 3,
+                     {"ic_ptr": "*i32", "n_ptr": "*i32"}),
+    "fc2_compacted": ("fc2", "_gather_dot_t_kernel", dict(FC2, GROUP=1, KEEP=1), 3, {"nkept_ptr": "*i32"}),
+    "fc2_gemv_keep": ("fc2", "_gather_gemv_t_kernel", dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
+                                                           EVEN_D=True, GROUP=1, GDC=1, KEEP=1), 2,
+                      {"nkept_ptr": "*i32"}),
+    "fc2_gemv_skip0": ("fc2", "_gather_gemv_t_kernel", dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
+                                                            EVEN_D=True, GROUP=1, GDC=1, SKIP_ZERO=1), 2),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr", "count_ptr"}
 # pointers the launchers pass as None where their mode is off (fc1's keep: engines without a per-token K);

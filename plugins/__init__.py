@@ -11,6 +11,7 @@ from dejavu.plugins.sparse_attention import sparse_attn_decode, sparse_attn_deco
 from dejavu.plugins.deferred_kv import recompute_kv_ref, sparse_attn_decode_deferred, sparse_attn_decode_deferred_ref
 from dejavu.plugins.fc1 import sparse_fc1, sparse_fc1_ref
 from dejavu.plugins.fc2 import sparse_fc2, sparse_fc2_ref
+from dejavu.plugins.compact_rows import compact_rows, compact_rows_ref
 from dejavu.plugins.qkv_partial import hist_slots
 from dejavu.plugins.refresh_heads import refresh_heads, refresh_heads_ref, refresh_route
 from dejavu.plugins.settings import (DEFAULT, InputSparseSettings, KernelSettings, resolve_kernel_settings,
@@ -24,5 +25,5 @@ __all__ = [
     "predictor_scores", "predictor_topk", "predictor_topk_ref", "share_keep",
     "hist_slots", "recompute_kv_ref", "refresh_heads", "refresh_heads_ref", "refresh_route",
     "sparse_attn_decode", "sparse_attn_decode_ref", "sparse_attn_decode_deferred", "sparse_attn_decode_deferred_ref",
-    "sparse_fc1", "sparse_fc1_ref", "sparse_fc2", "sparse_fc2_ref",
+    "sparse_fc1", "sparse_fc1_ref", "sparse_fc2", "sparse_fc2_ref", "compact_rows", "compact_rows_ref",
 ]

@@ -44,9 +44,9 @@ def helper(fn):
 # Programmatic dependent launch (PDL, sm_90+): what a kernel may do before and after its wait is the
 # contract in docs/kernels.md, "Programmatic dependent launch". Kinds: fc1 and qkv_full (gather_gemv),
 # fc2 and proj (gather_gemv_t), reduce, qkv, qkv_finish, commit, attn, attn_combine, layer_norm, pred
-# (the predictors' gather_gemv products on the side stream).
+# (the predictors' gather_gemv products on the side stream), compact (compact_rows, before fc2).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
-             "layer_norm", "pred")  # their triggers (settings.PDLSettings): docs/kernels.md, as measured
+             "layer_norm", "pred", "compact")  # their triggers (settings.PDLSettings): docs/kernels.md, as measured
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)

@@ -30,14 +30,15 @@ REDUCE_BLOCK = 1024
 
 
 def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_ptr,
-                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib,
+                          B, D, K, K_PER_SPLIT, stride_hb, stride_ib, nkept_ptr,
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, GROUP: tl.constexpr,
-                          GDC: tl.constexpr = 0, SKIP_ZERO: tl.constexpr = 0):
+                          GDC: tl.constexpr = 0, SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
     # Per-sequence sets: y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
     # SKIP_ZERO: rows whose h is 0 (ReLU zeros; a per-token K's dropped rows here) read no weight bytes.
+    # KEEP: only sequence b's first nkept[b] rows, split evenly over the SPLIT programs (as the dot kernel's).
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -47,6 +48,10 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     idx_row = idx_ptr + pid_b * stride_ib
     gdc_enter(GDC)
+    if KEEP:  # nkept: after the wait (the previous kernel may write it)
+        n = tl.load(nkept_ptr + pid_b)
+        per = tl.cdiv(tl.cdiv(n, tl.num_programs(1)), BLOCK_K) * BLOCK_K
+        k_start, k_end = pid_s * per, tl.minimum(pid_s * per + per, n)
     h_row = h_ptr + pid_b * stride_hb
     acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     # the row indices of the next block are loaded one iteration ahead, so the gathered
@@ -91,10 +96,10 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
     # Batch 1 or a shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
     # FINAL as in _gather_gemv_t_kernel; SKIP_ZERO: rows whose h is 0 in every sequence read no weights;
-    # KEEP: batch 1, a per-token K's first nkept[0] rows. Each K block's row indices are loaded in its iteration, so
-    # Triton gives the gathered weight tile one shared-memory buffer (cp.async issued, then waited
-    # for); three one-tile programs per SM keep as many bytes in flight as the memory system serves
-    # (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
+    # KEEP: batch 1, the first nkept[0] rows (a per-token K's, compact_rows' nonzero ones). Each K block's row
+    # indices are loaded in its iteration, so Triton gives the gathered weight tile one shared-memory buffer
+    # (cp.async issued, then waited for); three one-tile programs per SM keep as many bytes in flight as the
+    # memory system serves (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -176,7 +181,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     LayerNorm(out) (eps LN_EPS), returned as (out, ln_out) with ln_defer, whose second is a
     PendingLN when the split-K reduction runs (it stores the block stats; no LayerNorm launch).
     Returns out otherwise. skip_zero: rows whose h is 0 read no weights (the same sum). n_kept [B] int32: h is 0
-    from n_kept[b] on (a per-token K, fc1's); the dot route (batch 1) stops there, the GEMV one skips zeros."""
+    from n_kept[b] on (a per-token K, fc1's; compact_rows' count); both routes stop there (rows not read)."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -203,8 +208,8 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     else:
         kernel = jit(_gather_gemv_t_kernel, h.device)
         kernel[(B, split, n_d)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split,
-                                h.stride(0), 0 if shared else idx.stride(0),
-                                num_stages=cfg["num_stages"], **common)
+                                h.stride(0), 0 if shared else idx.stride(0), n_kept,
+                                num_stages=cfg["num_stages"], KEEP=int(n_kept is not None), **common)
     if not final:
         return reduce_partials(part, bias, residual, out, ln, ln_out, ln_defer, settings=s)
     if ln is not None:

@@ -51,6 +51,15 @@ class SplitKBlocks:
 
 
 @dataclass(frozen=True)
+class CompactSettings:
+    """compact_rows (`_compact_rows_kernel`, fc2's nonzero rows first; DecodeOptions.compact_zeros): BLOCK rows
+    per program, the counts before a block in loads of up to PREFIX_MAX values. Not tuned on a GPU yet."""
+    BLOCK: int = 1024
+    PREFIX_MAX: int = 16384
+    num_warps: int = 8
+
+
+@dataclass(frozen=True)
 class QKVSettings:
     """The deferred Q/K/V kernels (qkv_partial.py, qkv_finish.py). BLOCK_P: missing slots per tl.dot block;
     BLOCK_R: rows per program; SPLIT: slices of D (None: ~TARGET_PROGRAMS programs); FINISH_R: rows per
@@ -130,7 +139,7 @@ class PDLSettings:
     """Programmatic dependent launch (_common.pdl_args): EARLY kinds trigger the next launch right after
     their wait, PLAIN kinds launch without PDL."""
     ENABLED: bool = True
-    EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm")
+    EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm", "compact")
     PLAIN: tuple = ("pred",)
 
 
@@ -158,6 +167,7 @@ class KernelSettings:
     fc2_dot1: SplitKBlocks = SplitKBlocks(TARGET_PROGRAMS=396)  # batch 1: three programs per SM
     proj1: SplitKBlocks = SplitKBlocks(num_stages=4)  # batch 1, rows gathered per head
     fc2_dot_min_batch: int = 1
+    compact: CompactSettings = CompactSettings()
     qkv: QKVSettings = QKVSettings()
     qkv_b1: QKVSettings = QKV_B1
     attn: AttnSettings = AttnSettings()

@@ -73,6 +73,11 @@ class DecodeOptions:
         stores LN(x) into x_hist (plugins/deferred_kv.py); one launch fewer per layer. On the H200
         (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at density 0.3, 3.830 vs 3.949 at 0.1
         (BENCHMARKS.md, 2026-12-03).
+    compact_zeros: where fc2 skips the ReLU zeros of h (ops.skips_zero: per-sequence sets, batch 1), h's nonzero
+        rows are moved to the front (ops.compact_rows, one launch after fc1, order kept) and fc2 stops at their
+        count, so its loop runs over them only (skip_zero alone masks the zero rows' loads in every K block).
+        The same rows summed in k order, in other K blocks and programs (fp32 reassociation). Off until timed
+        on a GPU (benchmarks/gpu/compact_ab.sh; docs/kernels.md, "fc2 over the nonzero rows").
     """
     overlap: bool = True
     kv_policy: str = "deferred"
@@ -81,6 +86,7 @@ class DecodeOptions:
     kv_refresh: int | None = None
     kv_refresh_lags: tuple = (None, "hist")
     defer_ln_attn: bool = True
+    compact_zeros: bool = False
 
     def __post_init__(self):
         if self.kv_policy not in KV_POLICIES:
@@ -208,7 +214,8 @@ class SparseDecoder:
         # ln: (weight, bias) of the next LayerNorm, left pending by fc2's split-K reduction (defer_ln_attn):
         # returns (x, PendingLN or LN(x)) then; x alone otherwise. ops: the layer's (Ops.layer)
         # n_kept: [rows] int32 (a per-token K, kept rows first): fc1 and fc2 stop there; fc2 also skips ReLU zeros,
-        # as it does with a fixed K for per-sequence sets and at batch 1 (skips_zero)
+        # as it does with a fixed K for per-sequence sets and at batch 1 (skips_zero), or with compact_zeros
+        # stops at the count of h's nonzero rows, put first
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         ops = ops or self.ops
@@ -216,6 +223,9 @@ class SparseDecoder:
             a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx), {"skip_zero": True} if skips_zero(idx, h.shape[0]) else {}
         else:
             a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx, n_kept), {"skip_zero": True, "n_kept": n_kept}
+        if kw and self.options.compact_zeros:
+            a, idx, nonzero = ops.compact_rows(a, idx)
+            kw = {"n_kept": nonzero}
         if self.reduce is not None:
             return self._add(x, ops.sparse_fc2(a, w.w2_t, w.b2, idx, None, **kw))
         if ln is not None:

@@ -22,6 +22,9 @@
         (deferred K/V, batch 1: the r most lagging heads outside idx, -1 past the last, whose K/V
         sparse_attn_deferred(..., refresh=) then computes too; plugins/refresh_heads.py;
         the decoder launches it on the predictors' side stream, DecodeOptions.kv_refresh)
+    compact_rows(h[B,K], idx[B,K]|[K]) -> (h_c[B,K], idx_c[B,K] int32, n[B] int32)
+        (h's nonzero rows first, order kept, n of them, 0 after: sparse_fc2(h_c, ..., idx_c, n_kept=n) sums the
+        same rows; plugins/compact_rows.py; DecodeOptions.compact_zeros)
 
 - "ref": the plugins' PyTorch references (`*_ref`, the CPU path); layer_norm is PyTorch's own
   F.layer_norm (the dense model's exact function).
@@ -45,7 +48,7 @@ from dejavu.errors import DejavuError
 from dejavu.plugins import PendingLN, from_stats_ref, pending_ln
 
 NAMES = ("predictor_topk", "sparse_fc1", "sparse_fc2", "sparse_attn", "sparse_attn_deferred", "layer_norm",
-         "kv_refresh")
+         "kv_refresh", "compact_rows")
 
 
 def attend(q, k_cache, v_cache, valid) -> torch.Tensor:
@@ -87,6 +90,7 @@ _IMPL = {
     "sparse_attn_deferred": (P.sparse_attn_decode_deferred, P.sparse_attn_decode_deferred_ref),
     "layer_norm": (P.layer_norm, _layer_norm),
     "kv_refresh": (P.refresh_heads, P.refresh_heads_ref),
+    "compact_rows": (P.compact_rows, P.compact_rows_ref),
 }
 
 
@@ -258,6 +262,7 @@ class Ops:
 
         cases = {
             "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im, *keep),
+            "compact_rows": lambda f: f(h, im),  # h about half zeros (and 0 from a per-token K's count on)
             "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln, **skip),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],

@@ -31,7 +31,8 @@ PARSERS = {"dejavu-generate": "dejavu.models.cli:build_parser",
            "dejavu-compare": "dejavu.runtime.evaluation.compare:build_parser", "dejavu-eval": "dejavu.runtime.evaluation.evaluate:build_parser",
            "dejavu-serve": "dejavu.runtime.serve:build_parser"}
 MINIMAL = {"dejavu-generate": ["m", "--prompt", "y"], "dejavu-compile": ["m", "--density", "0.5"],
-           "dejavu-run": ["x.engine", "--prompt", "y"], "dejavu-serve": ["x.engine"], "dejavu-eval": ["x.engine"]}
+           "dejavu-run": ["x.engine", "--prompt", "y"], "dejavu-serve": ["x.engine"], "dejavu-eval": ["x.engine"],
+           "dejavu-compare": ["x.engine"]}
 
 
 def _load(spec: str):

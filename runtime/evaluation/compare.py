@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dejavu.cli_common import Parser, add_device
+from dejavu.cli_common import Parser, add_device, add_dtype
 from dejavu.errors import DejavuError, cli_entry
 
 OUTPUTS = ("logits", "logprobs")
@@ -62,6 +62,7 @@ class CompareSettings:
     samples: int = 8
     device: str = "cpu"
     exact: bool = False  # True: element-wise tolerances for engine vs dense too
+    dtype: str | None = None  # run both in this dtype (None: the engine's own, float32 for the dense model)
 
 
 def parse_tolerance(values: list[str] | None, default: float, flag: str) -> dict[str, float]:
@@ -228,7 +229,8 @@ def run_comparison(engine_path: str, dense: str, onnx_dir: str | None, s: Compar
     feeds = sample_feeds(tok, text, tokens, s.samples)
 
     Dense, Engine, Onnx = _runner_classes()
-    runners = [Dense(dense, s.device, name="dense-torch"), Engine(engine_path, s.device, name="engine")]
+    runners = [Dense(dense, s.device, name="dense-torch", dtype=s.dtype),
+               Engine(engine_path, s.device, name="engine", dtype=s.dtype)]
     dense_onnx, sparse_onnx = find_onnx(onnx_dir)
     comparisons = [(0, 1)]
     if dense_onnx is not None:
@@ -337,6 +339,8 @@ def build_parser() -> Parser:
     p.add_argument("--samples", type=int, default=d.samples, metavar="N", help="number of text samples")
     p.add_argument("--text", metavar="FILE", help="UTF-8 text to feed (default: the shipped WikiText-2 test)")
     add_device(p, d.device)
+    add_dtype(p, d.dtype, "run the engine and the dense model in this dtype (default: the engine's own, "
+              "float32 for the dense model), e.g. float32 for a float16 engine on the CPU")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return p
 
@@ -355,7 +359,7 @@ def main(argv=None) -> int:
         raise DejavuError("--tokens must be >= 2 and --samples >= 1")
     s = CompareSettings(max_kl=args.max_kl, top1_min=args.top1_min, exact_top1_min=args.exact_top1_min,
                         tokens=args.tokens, samples=args.samples, check_error_stat=args.check_error_stat,
-                        device=args.device, exact=args.exact)
+                        device=args.device, exact=args.exact, dtype=args.dtype)
     atol = parse_tolerance(args.atol, s.atol, "--atol")
     rtol = parse_tolerance(args.rtol, s.rtol, "--rtol")
     from dejavu.engine_file import read_header

@@ -54,31 +54,36 @@ class _TorchLogitsRunner(BaseRunner):
 
 
 class DenseTorchRunner(_TorchLogitsRunner):
-    """The dense OPT in PyTorch, loaded with `dejavu.models.loader.load_model`."""
+    """The dense OPT in PyTorch, loaded with `dejavu.models.loader.load_model` in `dtype` (float32 unless given)."""
 
-    def __init__(self, model: str, device: str = "cpu", name: str | None = None):
+    def __init__(self, model: str, device: str = "cpu", name: str | None = None, dtype: str | None = None):
         super().__init__(device, name or f"dense-torch[{model}]")
         self.model = model
+        self.dtype = dtype
 
     def activate_impl(self):
+        import torch
+
         from dejavu.models.loader import load_model
 
-        m, _ = load_model(self.model, device=self.device)
+        m, _ = load_model(self.model, dtype=getattr(torch, self.dtype or "float32"), device=self.device)
         self._logits_fn = m
 
 
 class EngineRunner(_TorchLogitsRunner):
-    """A dejavu engine: every position with its own sparse selection (`Engine.logits`)."""
+    """A dejavu engine: every position with its own sparse selection (`Engine.logits`), in `dtype`
+    (None: the engine's own)."""
 
-    def __init__(self, engine_path: str, device: str = "cpu", name: str | None = None):
+    def __init__(self, engine_path: str, device: str = "cpu", name: str | None = None, dtype: str | None = None):
         super().__init__(device, name or f"engine[{engine_path}]")
         self.engine_path = engine_path
+        self.dtype = dtype
         self.engine = None
 
     def activate_impl(self):
         from dejavu.runtime.engine import Engine
 
-        self.engine = Engine.load(self.engine_path, self.device)
+        self.engine = Engine.load(self.engine_path, self.device, dtype=self.dtype)
         self._logits_fn = self.engine.logits
 
     def deactivate_impl(self):

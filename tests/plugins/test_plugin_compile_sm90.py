@@ -91,6 +91,11 @@ SCRIPT = textwrap.dedent('''
             compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, **fin), dt)
             compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
                                                            EVEN_D=True, KEEP=1, **fin), dt, overrides=keep)
+        # fc2 over h's nonzero rows (DecodeOptions.compact_zeros): compact_rows, then fc2 stopping at their count,
+        # per-sequence sets through the GEMV kernel
+        for final in (False, True):
+            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, FINAL=final,
+                                                            HAS_RES=True, GROUP=1, KEEP=1), dt, overrides=keep)
         # fc2 / out-proj: split-K partials, or one split
         for final, group in ((False, 1), (False, 128), (True, 128), (True, 1)):
             fin = dict(FINAL=final, HAS_RES=True, GROUP=group)
@@ -158,6 +163,11 @@ SCRIPT = textwrap.dedent('''
     for mode, first, last in ((PR._SPLIT, 0, 1), (PR._SPLIT, 1, 2), (PR._SPLIT, 2, 2), (PR._SINGLE, 0, 2)):
         compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=mode, FIRST=first, LAST=last,
                                                COMPACT=first == last or mode == PR._SINGLE, KEEP=1), overrides=tk)
+    CR = importlib.import_module("dejavu.plugins.compact_rows")  # the attribute is the function
+    compacted = {"ic_ptr": "*i32", "n_ptr": "*i32"}
+    for dt in ("fp16", "bf16", "fp32"):
+        for prefix in (1024, 16384):
+            compile_sm90(CR, CR._compact_rows_kernel, dict(BLOCK=1024, PREFIX=prefix), dt, overrides=compacted)
     LN = importlib.import_module("dejavu.plugins.layer_norm")  # the attribute is the function
     for dt in ("fp16", "bf16"):
         compile_sm90(LN, LN._layer_norm_kernel, dict(BLOCK=8192), dt)
@@ -185,9 +195,10 @@ SCRIPT = textwrap.dedent('''
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128), False),
         (SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128, COMMIT=True, BLOCK_REF=16), False),
         (LN, LN._layer_norm_kernel, dict(BLOCK=8192), False),
+        (CR, CR._compact_rows_kernel, dict(BLOCK=1024, PREFIX=8192), True),  # its loop: the counts before it
     ]
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
-        over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else None
+        over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else compacted if fn is CR._compact_rows_kernel else None
         for gdc in (1, 2):  # late / early trigger
             ptx = compile_sm90(mod, fn, {**consts, "GDC": gdc}, "fp16", over).asm["ptx"]
             wait = ptx.index("griddepcontrol.wait")

@@ -91,6 +91,41 @@ def _check_fc2_ln(D, F, K, B, dtype, shared, idx_dtype, residual, config, repeat
     return ok1 and ok2 and same, {"fc2": e1, "ln": e2, "repeats_equal": same}
 
 
+def check_compact(D, F, K, B, dtype, keep=False, graph=True):
+    """fc1 (keep: a per-token K's count), compact_rows, fc2 over the nonzero rows stopping at their count
+    (DecodeOptions.compact_zeros), captured in a CUDA graph and replayed on new inputs (graph), vs fc2's
+    float64 reference on the uncompacted (h, idx); the compaction bit-equal to its reference."""
+    x, res = randn(B, D, dtype=dtype), randn(B, D, dtype=dtype)
+    w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype, scale=0.1)
+    w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)
+    idx = rand_idx(B, F, K, False)
+    n = torch.randint(1, K + 1, (B,), device=DEV, dtype=torch.int32) if keep else None
+    y = torch.full((B, D), float("nan"), dtype=dtype, device=DEV)
+    bufs = {}
+
+    def step():
+        bufs["h"] = P.sparse_fc1(x, w1, b1, idx, n)
+        bufs["c"] = P.compact_rows(bufs["h"], idx)
+        hc, ic, nz = bufs["c"]
+        P.sparse_fc2(hc, w2_t, b2, ic, res, out=y, n_kept=nz)
+
+    step()  # compiles
+    if graph:  # capture, then new inputs in place: the replay must follow them (the count read on the device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        x.copy_(randn(B, D, dtype=dtype))
+        idx.copy_(rand_idx(B, F, K, False))
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+    h = bufs["h"]
+    same = all(torch.equal(a, b) for a, b in zip(bufs["c"], P.compact_rows_ref(h, idx)))
+    ok, e = _err_ok(y, P.sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double()),
+                    P.sparse_fc2_ref(h, w2_t, b2, idx, res), *TOL[dtype])
+    return ok and same, {"fc2": e, "compaction_equal": same, "nonzero": bufs["c"][2].tolist()[:8]}
+
+
 def _attn_inputs(B, H, hd, S, dtype):
     D = H * hd
     w = {"wq": randn(D, D, dtype=dtype, scale=D ** -0.5), "bq": randn(D, dtype=dtype, scale=0.1),
@@ -211,6 +246,14 @@ def cases():
                                   idx_dtype=torch.int32, residual=True, dot_min_batch=1)))
         cases.append(("mlp", dict(D=9216, F=36864, K=11059, B=4, dtype=torch.bfloat16, shared=True,
                                   idx_dtype=torch.int64, residual=False)))
+    # fc2 over h's nonzero rows (compact_rows): batch 1 (dot kernel) and per-sequence sets (GEMV kernel), fixed K
+    # and a per-token K at OPT-30B's MLP 0.1 (top-2K) and OPT-66B's 0.3; odd shapes in every dtype
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for B, keep in ((1, False), (1, True), (3, True)):
+            cases.append(("compact", dict(D=200, F=1000, K=333, B=B, dtype=dtype, keep=keep)))
+    for (D, F, K), B, keep in ((((7168, 28672, 2867), 1, False), ((7168, 28672, 5734), 1, True),
+                                ((9216, 36864, 11059), 1, False), ((7168, 28672, 5734), 4, True)) if big else ()):
+        cases.append(("compact", dict(D=D, F=F, K=K, B=B, dtype=torch.float16, keep=keep)))
     # fc2 + the next LayerNorm (split reduction, then the layer_norm kernel): dot path at B 1 and 8, the
     # GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -282,7 +325,8 @@ def cases():
     return cases
 
 
-CHECKS = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred}
+CHECKS = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
+          "compact": check_compact}
 CASES = cases()
 
 

@@ -40,8 +40,8 @@ def test_dropped_and_zero_rows_read_nothing_and_give_the_reference(triton_interp
     zero = h == 0
     if B == 1:
         w2p[idx[0][zero[0]].long()] = float("nan")
-    # fc2's dot route (batch 1) does not read h from n on; the GEMV route skips those zeros
-    hp = torch.where(keep, h, torch.full_like(h, float("nan"))) if B == 1 and dot_min == 1 else h
+    # neither fc2 route (the dot kernel at batch 1, the GEMV kernel) reads h from n on
+    hp = torch.where(keep, h, torch.full_like(h, float("nan")))
     res = torch.randn(B, D).to(dtype)
     y = torch.full((B, D), float("nan"), dtype=dtype)
     sparse_fc2(hp, w2p, b2, idx, res, out=y, skip_zero=True, settings=settings, n_kept=n)

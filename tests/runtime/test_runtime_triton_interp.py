@@ -104,7 +104,7 @@ def test_triton_backend_in_interpreter_equals_reference():
     per = out["per_sequence"]
     assert per["kernels"] == {"predictor_topk": "triton", "sparse_fc1": "triton", "sparse_fc2": "triton",
                               "sparse_attn": "triton", "sparse_attn_deferred": "triton", "layer_norm": "triton",
-                              "kv_refresh": "triton"}, per
+                              "kv_refresh": "triton", "compact_rows": "triton"}, per
     assert per["same"], per
     assert out["full"]["same"], out["full"]
     assert out["shared"]["same"], out["shared"]  # kernels that fail their check fall back, still equal
@@ -397,7 +397,57 @@ def test_per_token_k_in_interpreter_equals_reference():
     assert out["err"] < 1e-5, out
 
 
+COMPACT_SCRIPT = r"""
+import importlib, torch, json, warnings
+torch.set_num_threads(1)
+CR = importlib.import_module("dejavu.plugins.compact_rows")  # the module (the package's name is the function)
+from runtime_helpers import engine_from_dense, tiny_model, random_predictors
+from dejavu.runtime import Engine
+m = tiny_model(seed=3)
+preds = {n: v * 6 if n.endswith("pred_mlp.b") else v for n, v in random_predictors(m.config).items()}
+h, t = engine_from_dense(m, 0.25, 0.5, "attn_in", 1, preds=preds)
+h_tk = {**h, "build_config": {**h["build_config"], "token_k": {"form": "share", "threshold": [0.02] * 3, "k_max": [32] * 3}}}
+launches = []
+real = CR.jit
+CR.jit = lambda fn, dev: launches.append(fn.__name__) or real(fn, dev)
+ids = {"fixed_b1": torch.tensor([[2, 17, 40, 5, 88, 63, 9, 21]]),
+       "token_k_b2": torch.tensor([[2, 17, 40, 5, 88, 63, 9, 21], [2, 33, 7, 44, 45, 46, 47, 48]])}
+out = {}
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for name, hdr in (("fixed_b1", h), ("token_k_b2", h_tk)):
+        logits = {}
+        for backend in ("triton", "ref"):
+            eng = Engine.from_tensors(hdr, t, "cpu", backend=backend)
+            eng.decoder.set_options(compact_zeros=True)
+            launches.clear()
+            logits[backend] = eng.decode_logits(ids[name])
+            out[name + "_" + backend + "_launches"] = len(launches)
+            if backend == "triton":
+                out[name + "_kernels"] = eng.ops.kernels
+        plain = Engine.from_tensors(hdr, t, "cpu").decode_logits(ids[name])  # compact_zeros off
+        ref = logits["ref"]
+        out[name + "_err"] = float((logits["triton"] - ref).abs().max() / ref.abs().max())
+        out[name + "_ref_err"] = float((plain - ref).abs().max() / ref.abs().max())
+out["warnings"] = [str(x.message) for x in w]
+print(json.dumps(out))
+"""
+
+
+def test_compact_zeros_in_interpreter_equals_reference():
+    """DecodeOptions.compact_zeros on the Triton backend: fc2 over compact_rows' nonzero rows (a launch per
+    sparse layer and step) at batch 1 with a fixed K and at batch 2 with a per-token K gives the reference
+    backend's logits, which equal those with the option off."""
+    out = _run("test_compact_zeros_in_interpreter_equals_reference")
+    assert not out["warnings"], out
+    for name in ("fixed_b1", "token_k_b2"):
+        assert out[name + "_kernels"]["compact_rows"] == out[name + "_kernels"]["sparse_fc2"] == "triton", out
+        assert out[name + "_triton_launches"] >= 3 * 7 and out[name + "_ref_launches"] == 0, out
+        assert out[name + "_err"] < 1e-5 and out[name + "_ref_err"] < 1e-6, out
+
+
 BACKGROUND.update({
+    "test_compact_zeros_in_interpreter_equals_reference": (COMPACT_SCRIPT, 300),
     "test_per_token_k_in_interpreter_equals_reference": (TOKEN_K_SCRIPT, 300),
     "test_each_layer_launches_with_its_recorded_settings": (LAYERS_SCRIPT, 300),
     "test_deferred_layer_norm_in_interpreter_equals_separate_one": (DEFER_SCRIPT, 900),

@@ -141,3 +141,17 @@ def test_dense_model_from_the_header():
         dense_from_header({"model": "my-finetuned-opt"})
     with pytest.raises(DejavuError, match="does not name its dense model"):
         dense_from_header({"build_config": {}})
+
+
+def test_dtype_runs_both_models_in_it(engines, capsys):
+    # A float32 density-1.0 engine against its dense model: element-wise equal in float32; in bfloat16
+    # both run in bfloat16 (their rounding differs from float32 by far more than the float32 gap).
+    _, r32 = _report(capsys, [str(engines["dense"]), "--exact"])
+    _, rbf = _report(capsys, [str(engines["dense"]), "--exact", "--dtype", "bf16", "--atol", "1", "--rtol", "1e9"])
+    d32 = r32["comparisons"][0]["outputs"]["logits"]["max_absdiff"]
+    dbf = rbf["comparisons"][0]["outputs"]["logits"]["max_absdiff"]
+    assert d32 < 1e-3 < dbf
+    assert rbf["comparisons"][0]["top1_agreement"] > 0.9
+    with pytest.raises(SystemExit) as e:
+        main([str(engines["dense"]), "--dtype", "fp8"])
+    assert e.value.code == 2 and "argument --dtype: 'fp8' is not one of" in capsys.readouterr().err
