@@ -4,8 +4,9 @@
 
 Models: OPT-30B, OPT-66B (--num-layers: the first N of its 64 layers) and OPT-1.3B shapes, and opt-mini's shape when its config is shipped, all
 in fp16 with RANDOM weights and RANDOM predictors of the real shapes (ranks: dejavu.compiler's
-defaults for the shape, MLP min(10%-budget rank, 512) and heads min(H, budget);
---mlp-rank/--attn-rank override): latency does not depend on the weights' values,
+defaults for the shape, MLP min(10%-budget rank, 512) in float, twice that as int8 rows (--predictor-dtype,
+default the compiler's: int8), heads min(H, budget); --mlp-rank/--attn-rank override): latency does not
+depend on the weights' values,
 and no OPT weights can be downloaded here. Engines are built in memory (`Engine.from_tensors`), one weight set per
 model shared by every density (only K changes).
 
@@ -51,7 +52,10 @@ from pathlib import Path
 
 import torch
 
+from dejavu.compiler.config import PREDICTOR_DTYPES, PredictorSettings
+
 ROOT = Path(__file__).resolve().parent.parent
+PREDICTOR_DTYPE = PredictorSettings.dtype  # the random engines' MLP predictors: as the compiler's default
 # "cpu" dry-runs the driver on tiny shapes (no graphs, reference ops): DEJAVU_E2E_DEVICE=cpu
 DEV = os.environ.get("DEJAVU_E2E_DEVICE", "cuda")
 SHAPES = {  # HF config fields of the released models (facebook/opt-*/config.json)
@@ -145,7 +149,7 @@ def _no_predictors(eng):
     top-ks: the row's distance to the headline row is what the predictors cost."""
     sets: dict = {}
 
-    def fixed(x, a, b, bias, k, shared=False):
+    def fixed(x, a, b, bias, k, shared=False, scales=None):
         key = (b.shape[0], k, x.shape[0], shared, x.device)
         if key not in sets:
             g = torch.Generator().manual_seed(b.shape[0] * 7919 + k)
@@ -168,7 +172,7 @@ def _no_predictors_random(eng):
     pools: dict = {}
     n = 61  # prime: a layer's call number modulo n differs from step to step
 
-    def cycled(x, a, b, bias, k, shared=False):
+    def cycled(x, a, b, bias, k, shared=False, scales=None):
         key = (b.shape[0], k, x.device)
         if key not in pools:
             g = torch.Generator().manual_seed(b.shape[0] * 7919 + k)
@@ -243,21 +247,25 @@ def apply_tuned(path: str | None, s):
 
 
 # ------------------------------------------------------------------ engines in memory
-def default_ranks(c: dict, mlp: int | None = None, attn: int | None = None) -> tuple[tuple[int, int], str]:
-    """(mlp_rank, attn_rank), source: the compiler's defaults for this shape (the benchmark
-    may import the compiler; the runtime never does), unless given on the command line."""
-    from dejavu.compiler.config import PredictorSettings
+def default_ranks(c: dict, mlp: int | None = None, attn: int | None = None,
+                  predictor_dtype: str = PREDICTOR_DTYPE) -> tuple[tuple[int, int], str]:
+    """(mlp_rank, attn_rank), source: the compiler's defaults for this shape and MLP predictor dtype (the
+    benchmark may import the compiler; the runtime never does), unless given on the command line."""
     from dejavu.compiler.predictors import default_ranks as compiler_ranks
     from dejavu.models.opt import OPTConfig
 
-    comp = tuple(int(r) for r in compiler_ranks(OPTConfig.from_hf_dict({**COMMON, **c}), PredictorSettings()))
+    s = PredictorSettings(dtype=predictor_dtype)
+    comp = tuple(int(r) for r in compiler_ranks(OPTConfig.from_hf_dict({**COMMON, **c}), s))
     if mlp or attn:
         return (mlp or comp[0], attn or comp[1]), "command line"
     return comp, "dejavu.compiler default"
 
 
-def random_tensors(c: dict, dtype, device, ranks, seed: int = 0) -> dict:
-    """Kernel-layout engine tensors with random values (created on the device directly)."""
+def random_tensors(c: dict, dtype, device, ranks, seed: int = 0, predictor_dtype: str = PREDICTOR_DTYPE) -> dict:
+    """Kernel-layout engine tensors with random values (created on the device directly); predictor_dtype
+    "int8": the MLP predictors' a and b as the compiler stores them (int8 rows, .a_scale / .b_scale fp16)."""
+    from dejavu.compiler.predictors import quantize_rows
+
     torch.manual_seed(seed)
     D, F, H, L, V, E = (c[k] for k in ("hidden_size", "ffn_dim", "num_attention_heads", "num_hidden_layers",
                                        "vocab_size", "word_embed_proj_dim"))
@@ -281,6 +289,9 @@ def random_tensors(c: dict, dtype, device, ranks, seed: int = 0) -> dict:
         for kind, n, r in (("pred_mlp", F, ranks[0]), ("pred_attn", H, ranks[1])):
             t.update({p + kind + ".a": w(r, D, std=D ** -0.5), p + kind + ".b": w(n, r, std=r ** -0.5),
                       p + kind + ".bias": w(n, std=0.1)})
+            if kind == "pred_mlp" and predictor_dtype == "int8":
+                for m in ("a", "b"):
+                    t[p + kind + "." + m], t[p + kind + f".{m}_scale"] = quantize_rows(t[p + kind + "." + m])
     return t
 
 
@@ -321,9 +332,10 @@ class KFrom:
         return self.density
 
 
-def header_for(c: dict, density, dtype_name: str, ranks) -> dict:
+def header_for(c: dict, density, dtype_name: str, ranks, predictor_dtype: str = PREDICTOR_DTYPE) -> dict:
     """Engine header; density None = dense (K = N, no predictors used); a float = that fraction of
-    neurons and heads in every layer; a KFrom = a built engine's per-layer K scaled to this shape."""
+    neurons and heads in every layer; a KFrom = a built engine's per-layer K scaled to this shape.
+    predictor_dtype: the MLP predictors' storage, as random_tensors made them."""
     L, F, H = c["num_hidden_layers"], c["ffn_dim"], c["num_attention_heads"]
     d = 1.0 if density is None else float(density)
     if isinstance(density, KFrom):
@@ -337,6 +349,7 @@ def header_for(c: dict, density, dtype_name: str, ranks) -> dict:
                              "predictors": density is not None, "predictor_rank_mlp": ranks[0],
                              "predictor_rank_attn": ranks[1],
                              "predictor_input": {"source": "attn_in", "lookahead": 1},
+                             "predictor_dtype": {"mlp": predictor_dtype, "attn": "float"},
                              "note": "random weights and random predictors of the real shapes"},
             "target": {"device": "cuda", "arch": None, "kernel_settings": {}}}
 
@@ -386,6 +399,8 @@ def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, 
     th, km = [], []
     for l, k in enumerate(bc["mlp_k"]):
         a, b, bias = (t[f"layers.{l}.pred_mlp.{n}"].float() for n in ("a", "b", "bias"))
+        if f"layers.{l}.pred_mlp.a_scale" in t:  # int8 rows: dequantized
+            a, b = (w * t[f"layers.{l}.pred_mlp.{n}_scale"].float()[:, None] for w, n in ((a, "a"), (b, "b")))
         x = torch.cat(seen[l])[-steps:] if seen[l] else torch.randn(256, a.shape[1], generator=g, device=a.device)
         km.append(cap_rows(k, F) if k < F else k)
         if k >= F:
@@ -429,7 +444,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> dict:
 
 
 def floor_bytes(c: dict, B: int, ctx: float, esize: int, union_mlp=None, union_attn=None, k_attn=None,
-                ranks=None, kv_policy: str = "full") -> float:
+                ranks=None, kv_policy: str = "full", predictor_dtype: str = "float") -> float:
     """Bytes one decode step must read: weights (selected rows: the union over the batch;
     None = all rows, dense), predictors, the K/V read by the attending heads (ctx positions),
     the K/V written, the LM head. kv_policy "full": wkv read whole (K/V of every head);
@@ -452,7 +467,9 @@ def floor_bytes(c: dict, B: int, ctx: float, esize: int, union_mlp=None, union_a
         total += 2 * ua * hd * D + ua * hd + D  # wq rows, wo_t rows, bq, bo
         total += 2 * um * D + um + D  # w1 rows, w2_t rows, b1, b2
         if union_mlp is not None and ranks:
-            total += ranks[0] * (D + F) + F + ranks[1] * (D + H) + H  # predictors
+            # predictors; int8 MLP rows: r (D + F) bytes with 2 (r + F) bytes of scales, in 2-byte elements
+            mlp_pred = ranks[0] * (D + F) / 2 + ranks[0] + F if predictor_dtype == "int8" else ranks[0] * (D + F)
+            total += mlp_pred + F + ranks[1] * (D + H) + H
         kv_heads = heads if deferred else H
         total += B * 2 * ctx * hd * heads + B * 2 * hd * kv_heads  # K/V read by attending heads, K/V written
     return total * esize
@@ -775,13 +792,14 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
     from dejavu.runtime import Engine
 
     dtype, esize = torch.float16, 2
-    ranks, rank_source = default_ranks(c, a.mlp_rank, a.attn_rank)
-    print(f"  predictor ranks {ranks} ({rank_source})", flush=True)
+    ranks, rank_source = default_ranks(c, a.mlp_rank, a.attn_rank, a.predictor_dtype)
+    print(f"  predictor ranks {ranks} ({rank_source}), MLP predictors {a.predictor_dtype}", flush=True)
     P, N = a.prompt_len, a.new_tokens
     ctx = P + N / 2  # mean context length over the decode
     hf_reserve = later_s + (0.0 if a.no_hf else (a.hf_reserve if name == "opt-30b" else 15.0))
     base = {"model": name, "shape": c, "dtype": "float16", "weights": "random", "predictors": "random",
-            "predictor_ranks": list(ranks), "predictor_rank_source": rank_source, "prompt_len": P, "new_tokens": N}
+            "predictor_ranks": list(ranks), "predictor_rank_source": rank_source, "predictor_dtype": a.predictor_dtype,
+            "prompt_len": P, "new_tokens": N}
     dense_floor = {B: floor_bytes(c, B, ctx, esize) for B in a.batches}
 
     def record(system, B, row, floor_b):
@@ -794,7 +812,7 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
 
     if DEV != "cuda":
         dtype = torch.float32
-    t = random_tensors(c, dtype, DEV, ranks)
+    t = random_tensors(c, dtype, DEV, ranks, predictor_dtype=a.predictor_dtype)
     try:
         for B in a.batches:  # batch 1 first: the headline numbers
             systems = [("dense_graph", None, True, "per_sequence", "full")]
@@ -830,7 +848,7 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                 if variant and isinstance(ABLATIONS[variant], Settings):
                     row_ks = ABLATIONS[variant].fn(row_ks)
                 try:
-                    hdr = header_for(c, d, str(dtype)[6:], ranks)
+                    hdr = header_for(c, d, str(dtype)[6:], ranks, a.predictor_dtype)
                     hdr = with_token_k(hdr, t, c, rows=a.token_k_rows) if "_tokenk" in system else hdr
                     eng = Engine.from_tensors(hdr, t, DEV, overlap=overlap,
                                               batch_policy=policy, kv_policy=kv, kernel_settings=row_ks)
@@ -844,7 +862,7 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     if isinstance(d, KFrom):
                         row.update(k_from=str(d), mlp_k=list(eng.spec.mlp_k), attn_k=list(eng.spec.attn_k))
                     fb = dense_floor[B] if d is None else floor_bytes(
-                        c, B, ctx, esize, um, ua, list(eng.spec.attn_k), ranks, kv)
+                        c, B, ctx, esize, um, ua, list(eng.spec.attn_k), ranks, kv, a.predictor_dtype)
                     record(system, B, row, fb)
                 except Exception as ex:  # noqa: BLE001 - record and go on
                     run.add("errors", {"model": name, "system": system, "batch": B,
@@ -933,7 +951,11 @@ def main(argv=None) -> int:
                    help="K/V policies; the first is the headline (every density), the others run "
                         "at --full-kv-densities with overlap on")
     p.add_argument("--full-kv-densities", default="0.3", help="densities that also get the other K/V policies")
-    p.add_argument("--mlp-rank", type=int, default=None, help="MLP predictor rank (default: the compiler's, min(budget rank, 512))")
+    p.add_argument("--mlp-rank", type=int, default=None,
+                   help="MLP predictor rank (default: the compiler's for --predictor-dtype: min(budget rank, 512) "
+                        "in float, twice that in int8)")
+    p.add_argument("--predictor-dtype", default=PREDICTOR_DTYPE, choices=PREDICTOR_DTYPES,
+                   help="MLP predictors as the compiler stores them: int8 rows with an fp16 scale a row, or float")
     p.add_argument("--attn-rank", type=int, default=None, help="head predictor rank (default: the compiler's, min(H, budget))")
     p.add_argument("--cap-s", type=float, default=4.0, help="max seconds of timed decode per configuration")
     p.add_argument("--no-hf", action="store_true", help="skip transformers baselines")

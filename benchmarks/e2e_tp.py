@@ -76,7 +76,7 @@ def shard_tensors(c: dict, tp: int, rank: int, dtype, device, ranks) -> dict:
 def shard_header(c: dict, density: float | None, dtype_name: str, ranks, tp: int, rank: int) -> dict:
     from dejavu.compiler.tensor_parallel import k_per_rank
 
-    h = header_for(c, density, dtype_name, ranks)
+    h = header_for(c, density, dtype_name, ranks, "float")  # shard_tensors' predictors are float
     bc, F, H = h["build_config"], c["ffn_dim"], c["num_attention_heads"]
     bc["tp"] = {"size": tp, "rank": rank, "num_heads": H // tp, "ffn_dim": F // tp,
                 "k_per_rank": {"mlp": [k_per_rank(k, F, tp) for k in bc["mlp_k"]],
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     if DEV == "cuda":
         torch.cuda.set_device(device)
     c = SHAPES[a.model]
-    ranks, _ = default_ranks(c)
+    ranks, _ = default_ranks(c, predictor_dtype="float")
     dtype = getattr(torch, a.dtype)
     results = []
     for density in [None] + [float(d) for d in a.densities.split(",")]:

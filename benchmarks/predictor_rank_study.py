@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
     model = model.float().eval()
     tok = load_tokenizer(args.model)
     cal = calibrate(model, tok, CalibSettings(calib_tokens=args.calib_tokens), model_id=args.model)
-    s = PredictorSettings()
+    s = PredictorSettings(dtype="float")  # the float rank rule (int8_ranks: the int8 one)
     L, base_rank = cfg.num_hidden_layers, default_ranks(cfg, s)[0]
     x2 = {"ranks x2", "ranks x2 int8"}
     fp32 = lambda fits: [f["fp32"] for f in fits]  # noqa: E731

@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
     model = model.float().eval()
     tok = load_tokenizer(args.model)
     cal = calibrate(model, tok, CalibSettings(calib_tokens=args.calib_tokens), model_id=args.model)
-    s = PredictorSettings(max_epochs=args.epochs)
+    s = PredictorSettings(max_epochs=args.epochs, dtype="float")  # the float rank rule this study measured
     L, Fd = cfg.num_hidden_layers, cfg.ffn_dim
     rank, _ = default_ranks(cfg, s)
     ks = [max(1, round(d * Fd)) for d in args.densities]

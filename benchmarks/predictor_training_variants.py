@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
     model, cfg = load_model("opt-mini")
     model = model.float()
     cal = calibrate(model, load_tokenizer("opt-mini"), CalibSettings(), model_id="opt-mini", progress=False)
-    s0 = PredictorSettings()
+    s0 = PredictorSettings(dtype="float")  # the float rank rule these variants measured
     ranks = mlp_ranks(cfg, s0)
     out = {}
     for l in args.layers:

@@ -23,12 +23,16 @@ and the breakdown of the difference (--no-breakdown skips it), each part alone o
                 launches 1abe2c2 ran per layer on the GPU, there with a softmax and without the sum)
   fc1_K / fc1_2K_keep               fc1 over the K rows of top-K; over top-2K stopping at the kept count
   fc2_K / fc2_K_skip0 / fc2_2K_skip0   fc2 over K rows (skip off / on); over top-2K stopping at the kept count
+  pred_float / pred_int8   scores + top-K of one MLP predictor at the compiler's rank for the shape and storage
+                (`default_ranks`: float at the budget rank, capped at 512; int8 rows with an fp16 scale a row at
+                the rank the same bytes pay for, twice that): the predictor the engines carry, before and after
+                int8 storage (docs/predictors.md, "int8 predictors at twice the rank")
   compact_K / fc2_K_compact / fc2_K_compacted   compact_rows over top-K's h alone; it and fc2 over the nonzero
                 rows (the decode step's calls); that fc2 alone, on the compacted rows made before capture
   fc2_2K_read_skip0 / fc2_2K_read_compact   token_k_read's fc2 as today (stopping at the kept count, skipping
                 zeros) and over its nonzero rows (compact_rows + fc2)
---rows NAME... (or the set "compact": the rows of fc2 over the nonzero rows and what they are compared with)
-runs only those rows.
+--rows NAME... (or the set "compact": the rows of fc2 over the nonzero rows and what they are compared with;
+"predictors": pred_float, pred_int8 and topk_K) runs only those rows.
 Weights rotate over copies between calls (cold L2, as in benchmarks/kernels.py). Random predictors: the
 kept count per token follows their score distribution, not a trained one; the rows kept on average are
 K by construction, which is what the bytes depend on. mean_fc2_rows_probe: the rows fc2 must read (h != 0 among
@@ -51,7 +55,9 @@ PARTS = ("topk_K", "topk_2K", "topk_2K_keep", "keep_torch", "fc1_K", "fc1_2K_kee
          "fc2_2K_skip0", "compact_K", "fc2_K_compact", "fc2_K_compacted", "fc2_2K_read_skip0", "fc2_2K_read_compact")
 ROW_SETS = {"compact": ("fixed_skip0", "fixed_compact", "token_k_read", "token_k_read_compact", "fc2_K",
                         "fc2_K_skip0", "compact_K", "fc2_K_compact", "fc2_K_compacted", "fc2_2K_read_skip0",
-                        "fc2_2K_read_compact")}
+                        "fc2_2K_read_compact"),
+            "predictors": ("topk_K", "pred_float", "pred_int8")}
+PREDICTOR_ROWS = ("pred_float", "pred_int8")  # predictor_rows
 
 
 def graph_time(calls) -> float | None:
@@ -112,6 +118,31 @@ def breakdown(layers, xs, K, k_max, theta, theta_read) -> dict:
     return parts
 
 
+def predictor_rows(D: int, F: int, K: int, copies: int, rn) -> dict:
+    """{"pred_float" | "pred_int8": (rank, calls)}: predictor_topk at K with the compiler's MLP rank for D, F and
+    each storage, the weights rotating over `copies` (random; int8 rows by compiler.predictors.quantize_rows)."""
+    from types import SimpleNamespace
+
+    from dejavu.compiler.config import PredictorSettings
+    from dejavu.compiler.predictors import default_ranks, quantize_rows
+    from dejavu.plugins import predictor_topk
+
+    cfg = SimpleNamespace(hidden_size=D, ffn_dim=F, num_attention_heads=max(1, D // 128))
+    out = {}
+    for dtype in ("float", "int8"):
+        r = default_ranks(cfg, PredictorSettings(dtype=dtype))[0]
+        calls = []
+        for _ in range(copies):
+            x, a, b, bias = rn(1, D), rn(r, D, scale=D ** -0.5), rn(F, r, scale=3 * r ** -0.5), rn(F, scale=0.1)
+            if dtype == "int8":
+                (a, sa), (b, sb) = quantize_rows(a), quantize_rows(b)
+                calls.append(lambda x=x, a=a, b=b, bias=bias, s=(sa, sb): predictor_topk(x, a, b, bias, K, scales=s))
+            else:
+                calls.append(lambda x=x, a=a, b=b, bias=bias: predictor_topk(x, a, b, bias, K))
+        out[f"pred_{dtype}"] = (r, calls)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="opt-30b", choices=sorted(SHAPES))
@@ -126,8 +157,9 @@ def main(argv=None) -> None:
     if args.smoke:
         args.shape, args.copies = "tiny", 1
     wanted = None if args.rows is None else {r for name in args.rows for r in ROW_SETS.get(name, (name,))}
-    if wanted is not None and wanted - set(SYSTEMS) - set(PARTS):
-        ap.error(f"--rows: unknown {sorted(wanted - set(SYSTEMS) - set(PARTS))} (known: {', '.join(SYSTEMS + PARTS)}, "
+    known = set(SYSTEMS) | set(PARTS) | set(PREDICTOR_ROWS)
+    if wanted is not None and wanted - known:
+        ap.error(f"--rows: unknown {sorted(wanted - known)} (known: {', '.join(SYSTEMS + PARTS + PREDICTOR_ROWS)}, "
                  f"or {', '.join(ROW_SETS)})")
     from dejavu.compiler.token_k import fit_theta, fit_theta_read, read_rows, share_counts, share_mask
     from dejavu.plugins import predictor_topk, sparse_fc1, sparse_fc2
@@ -180,6 +212,11 @@ def main(argv=None) -> None:
         if not args.no_breakdown and (wanted is None or wanted & set(PARTS)):
             kinds.update({k: v for k, v in breakdown(layers, xs, K, k_max, theta, theta_read).items()
                           if wanted is None or k in wanted})
+        ranks = {}
+        if not args.no_breakdown and (wanted is None or wanted & set(PREDICTOR_ROWS)):
+            for kind, (r_kind, calls) in predictor_rows(D, F, K, args.copies, rn).items():
+                if wanted is None or kind in wanted:
+                    kinds[kind], ranks[kind] = calls, r_kind
         for kind, calls in kinds.items():
             t0 = time.perf_counter()
             ms = graph_time(calls)
@@ -191,6 +228,7 @@ def main(argv=None) -> None:
                    "theta": (theta_read if read else theta) if wide else None,
                    "mean_kept_probe": kept_read if read else mean_kept if wide else K,
                    **({"mean_fc2_rows_probe": fc2_rows} if "fc2" in kind or kind in SYSTEMS else {}),
+                   **({"rank": ranks[kind]} if kind in ranks else {}),
                    "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                    "wall_s": round(time.perf_counter() - t0, 2)}
             rows.append(row)

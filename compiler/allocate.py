@@ -55,7 +55,8 @@ class ByteCosts:
            (with the deferred K/V policy the engine computes K/V for the selected heads);
     neuron: one fc1 row with its bias and one fc2 column: 2 D + 1;
     pred_mlp / pred_attn: one layer's predictor (r (D + N) + N), read only where that kind
-           is sparse (K < N) in that layer.
+           is sparse (K < N) in that layer; an int8 MLP predictor (`int8_mlp`) r (D + F) bytes of A and B,
+           2 (r + F) of their fp16 scales and F elements of bias.
     All in bytes (elements x element size)."""
 
     layers: int
@@ -69,16 +70,16 @@ class ByteCosts:
 
     @classmethod
     def of(cls, cfg: OPTConfig, ranks: tuple[int | None, int | None] = (None, None),
-           elem: int = 2) -> "ByteCosts":
+           elem: int = 2, int8_mlp: bool = False) -> "ByteCosts":
         D, E, Fd, H, V = (cfg.hidden_size, cfg.word_embed_proj_dim, cfg.ffn_dim, cfg.num_attention_heads,
                           cfg.vocab_size)
         hd, b = cfg.head_dim, 1 if cfg.enable_bias else 0
         proj = 2 * D * E if E != D else 0
         fixed = E + D + proj + 2 * D + V * E + cfg.num_hidden_layers * (4 * D + 2 * b * D)
         rm, ra = ranks
+        pred_mlp = (rm * (D + Fd) + 2 * (rm + Fd) + elem * Fd if int8_mlp else elem * (rm * (D + Fd) + Fd)) if rm else 0
         return cls(cfg.num_hidden_layers, Fd, H, elem * fixed, elem * (4 * hd * D + 3 * b * hd),
-                   elem * (2 * D + b), elem * (rm * (D + Fd) + Fd) if rm else 0,
-                   elem * (ra * (D + H) + H) if ra else 0)
+                   elem * (2 * D + b), pred_mlp, elem * (ra * (D + H) + H) if ra else 0)
 
     def kind(self, kind: str, k: int) -> int:
         """Bytes of one layer's `kind` ("mlp" | "attn") at K = k, its predictor included."""
@@ -474,7 +475,7 @@ def engine_costs(cfg: OPTConfig, config, predictors) -> ByteCosts:
     L = cfg.num_hidden_layers
     rank = lambda kind: (math.ceil(sum(int(p["a"].shape[0]) for p in getattr(predictors, kind)) / L)  # noqa: E731
                          if predictors is not None else None)
-    return ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem)
+    return ByteCosts.of(cfg, (rank("mlp"), rank("attn")), elem, config.predictor_dtype == "int8")
 
 
 def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, cache_key: str,
@@ -647,7 +648,7 @@ def check_budget(cfg: OPTConfig, config, ranks: tuple[int, int]) -> None:
             (config.mlp_density is not None and config.attn_density is not None):  # no budget to spend
         return
     elem = torch.tensor([], dtype=DTYPE_NAMES[config.dtype]).element_size()
-    costs = ByteCosts.of(cfg, ranks, elem)
+    costs = ByteCosts.of(cfg, ranks, elem, config.predictor_dtype == "int8")
     given = resolve_density(cfg, config.density, config.mlp_density, config.attn_density)
     n = {"mlp": (costs.ffn_dim, costs.neuron), "attn": (costs.num_heads, costs.head)}
     least = costs.fixed

@@ -185,7 +185,8 @@ def _calibration(tokenizer, cfg, config: BuildConfig) -> dict:
 def _predictor_settings(config: BuildConfig) -> PredictorSettings:
     return PredictorSettings(mlp_rank=config.mlp_rank, attn_rank=config.attn_rank, source=config.predictor_source,
                              lookahead=config.predictor_lookahead, max_epochs=config.predictor_epochs,
-                             seed=config.seed, device=config.device)  # predictors do not depend on the budget
+                             seed=config.seed, device=config.device,
+                             dtype=config.predictor_dtype)  # predictors do not depend on the budget
 
 
 def _state_key(ckpt, config: BuildConfig, calib, predictors) -> dict:
@@ -201,6 +202,7 @@ def _state_key(ckpt, config: BuildConfig, calib, predictors) -> dict:
         given = h.hexdigest()
     return {"config": ckpt.cfg.to_hf_dict(), "files": file_fingerprint(ckpt.files), "dtype": config.dtype,
             "device": config.device, "compute_dtype": config.compute_dtype, "given_predictors": given,
+            "predictor_dtype": config.predictor_dtype,
             "calibration": None if calib is None else {**calib["header"], "batch": CalibSettings.batch_size},
             "training": None if calib is None else dataclasses.asdict(_predictor_settings(config))}
 
@@ -209,7 +211,7 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
     """Spill the shell and every layer (kernel layout + predictors) to `state`, one layer in
     memory at a time; resumes after the last finished layer (docs/compiler.md, "Streaming")."""
     from dejavu.compiler.layout import layer_layout, shell_layout
-    from dejavu.compiler.predictors import default_ranks, holdout_split, mlp_ranks, train_layer
+    from dejavu.compiler.predictors import default_ranks, holdout_split, int8_rows, mlp_ranks, train_layer
     from dejavu.compiler.stream import (embed_tokens, mlp_targets, predictor_input_of, predictor_tensors,
                                         records_needed, run_layer)
     from dejavu.models.loader import iter_decoder_layers, load_decoder_shell
@@ -264,6 +266,8 @@ def stream_layers(ckpt, config: BuildConfig, state, calib, predictors, progress:
                 del rec, xin, contrib
         elif predictors is not None:
             pm, pa = predictors.mlp[l], predictors.attn[l]
+        if pm is not None and config.predictor_dtype == "int8":
+            pm = int8_rows(pm)  # the engine's values from here on (allocation, per-token K, ONNX)
         del layer
         with stages("kernel layout"):
             state.save_part(f"layer_{l:05d}", {**tensors, **predictor_tensors(l, dtype, pm, pa)}, info)
@@ -308,13 +312,14 @@ def _spilled_predictors(state, cfg, info: dict, device: str):
 
 def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict | None:
     """What the header records about the predictors, from the finished layers' files."""
+    from dejavu.compiler.predictors import default_ranks, mlp_ranks
+
     if predictors is not None:
         return {"ranks": ([int(p["a"].shape[0]) for p in predictors.mlp], int(predictors.attn[0]["a"].shape[0])),
                 "input": dict(predictors.predictor_input), "curves": predictors.recall_curves or {},
                 "calibration": predictors.metrics.get("calibration")}
     if calib is None:
         return None
-    from dejavu.compiler.predictors import default_ranks, mlp_ranks
 
     curves, rows = {"mlp": [], "attn": []}, []
     for l in range(cfg.num_hidden_layers):
@@ -356,8 +361,8 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         from dejavu.compiler.allocate import resolve_k
         from dejavu.compiler.stream import file_fingerprint
 
-        preds = predictors if predictors is not None or info is None else \
-            _spilled_predictors(state, cfg, info, config.device)
+        # the values the engine carries (given predictors too: int8 rows where the engine stores them)
+        preds = None if info is None else _spilled_predictors(state, cfg, info, config.device)
         if preds is not None:
             preds = preds.to(config.device)
         key = json.dumps({"model": str(model_name_or_path), "files": file_fingerprint(ckpt.files)}, sort_keys=True)
@@ -457,6 +462,9 @@ def make_header(model_name_or_path, cfg, config: BuildConfig, target: dict, info
             # scores = (x @ a.T) @ b.T + bias (engines without the field carry the same form)
             "predictor_form": PREDICTOR_FORM if info is not None else None,
             "predictor_targets": dict(PREDICTOR_TARGETS) if info is not None else None,
+            # how A and B are stored per kind: int8 (one fp16 scale a row: .a_scale, .b_scale) or float (the
+            # engine dtype); engines without the field carry float predictors
+            "predictor_dtype": {"mlp": config.predictor_dtype, "attn": "float"} if info is not None else None,
             "predictor_recall": {"mlp": _recall_at(rc.get("mlp"), mlp_k), "attn": _recall_at(rc.get("attn"), attn_k)},
             "calibration": info.get("calibration") if info is not None else None,
             "allocation": config.allocation,

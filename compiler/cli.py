@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
-from dejavu.compiler.config import (ALLOCATIONS, PREDICTOR_SOURCES, SENSITIVITY_DTYPES, TOKEN_K_FORMS, TOKEN_K_ROWS,
-                                    BuildConfig)
+from dejavu.compiler.config import (ALLOCATIONS, PREDICTOR_DTYPES, PREDICTOR_SOURCES, SENSITIVITY_DTYPES, TOKEN_K_FORMS,
+                                    TOKEN_K_ROWS, BuildConfig)
 from dejavu.compiler.summary import accuracy_lines, format_summary, token_k_line
 from dejavu.errors import DejavuError, cli_entry
 
@@ -73,6 +73,10 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="1: predict a layer's sets from the previous layer (overlaps on a side stream)")
     p.add_argument("--predictor-epochs", type=int, default=S, metavar="N",
                    help="training epochs after the least-squares start (0: least squares only)")
+    p.add_argument("--predictor-dtype", default=S, choices=PREDICTOR_DTYPES,
+                   help="MLP predictor storage: int8 = int8 with an fp16 scale a row, at the rank the byte budget "
+                        "pays for in those bytes (about twice float's); float = the engine dtype (head predictors "
+                        "are float either way)")
     p.add_argument("--allocation", default=S, choices=ALLOCATIONS,
                    help="sensitivity: by measured held-out loss per byte (OPT: K per layer and kind; Llama: one "
                         "TEAL skip per projection input); uniform: the same fraction everywhere")

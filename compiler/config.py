@@ -42,6 +42,12 @@ TOKEN_K_FORMS = ("off", "share")
 # the measure a per-token K's thresholds are fitted to (compiler/token_k.py): selected = mean kept rows K_l;
 # read = mean rows read 2 K_l, fc1's kept rows + fc2's kept rows with h != 0 (fc2 skips the ReLU zeros)
 TOKEN_K_ROWS = ("selected", "read")
+# How the MLP predictors' A [r, D] and B [F, r] are stored: int8 = symmetric int8 with one fp16 scale a row
+# (the bias in the engine dtype), at the rank the byte budget pays for in those bytes (about twice the
+# float rank); float = the engine dtype. opt-mini, heads dense, 32,704 WikiText-2 test tokens: MLP 0.1
+# +6.83% -> +3.66%, 0.2 +1.16% -> +0.35% over dense (docs/predictors.md, "int8 predictors at twice the rank").
+# Head predictors stay float: their rank is capped at H (a linear map to H scores), so bytes buy no rank.
+PREDICTOR_DTYPES = ("int8", "float")
 # TensorRT's TopK takes k <= 3840: a larger K is emitted in the ONNX graphs as TopK in rounds
 # (compiler/passes/_graph.py).
 TENSORRT_TOPK_LIMIT = 3840
@@ -53,6 +59,11 @@ def check_predictor_input(source, lookahead) -> None:
     if source not in PREDICTOR_SOURCES or lookahead not in (0, 1) or (source, lookahead) == ("mlp_in", 0):
         raise DejavuError("predictor input must be attn_in with lookahead 0|1, or mlp_in with lookahead 1; "
                           f"got {source!r}, {lookahead!r}")
+
+
+def check_predictor_dtype(value) -> None:
+    if value not in PREDICTOR_DTYPES:
+        raise DejavuError(f"--predictor-dtype must be one of {', '.join(PREDICTOR_DTYPES)}, got {value!r}")
 
 
 @dataclass
@@ -75,10 +86,12 @@ class PredictorSettings:
 
     mlp_rank: int | None = None  # None: the budget spent per layer (predictors.mlp_ranks); an int: that rank everywhere
     attn_rank: int | None = None  # None: min(H, budget) (rank > H adds nothing to a linear map)
-    cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern
+    cost_budget: float = 0.10  # predictor bytes / bytes of the dense layers they govern (counted as stored)
+    dtype: str = PREDICTOR_DTYPES[0]  # the MLP predictors' storage (PREDICTOR_DTYPES); heads stay float
     # The budget rank grows with the model (1144 at OPT-30B: 82 MB a layer, as many bytes as
     # the sparse MLP reads at density 0.1); DejaVu's predictors stay near rank 1000 even at
-    # 175B. Above this cap, extra rank costs decode bandwidth for little recall.
+    # 175B. Above this cap, extra rank costs decode bandwidth for little recall. Counted in float
+    # bytes: int8 predictors are capped at twice this rank (the same bytes).
     max_auto_rank: int = 512
     source: str = DEFAULT_PREDICTOR_INPUT["source"]
     lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]
@@ -103,6 +116,7 @@ class PredictorSettings:
 
     def __post_init__(self):
         check_predictor_input(self.source, self.lookahead)
+        check_predictor_dtype(self.dtype)
         for name in ("mlp_rank", "attn_rank"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -148,6 +162,7 @@ class BuildConfig:
     predictor_source: str = DEFAULT_PREDICTOR_INPUT["source"]  # attn_in | mlp_in
     predictor_lookahead: int = DEFAULT_PREDICTOR_INPUT["lookahead"]  # 0 | 1
     predictor_epochs: int = PredictorSettings.max_epochs
+    predictor_dtype: str = PredictorSettings.dtype  # MLP predictors: int8 (a scale a row) | float (engine dtype)
     allocation: str = ALLOCATIONS[0]  # sensitivity
     # Llama: held-out evaluations of the joint refinement of the per-kind skips (allocate_llama.refine_skips;
     # the start's included); 0 or 1: off
@@ -213,6 +228,7 @@ class BuildConfig:
             if self.no_predictors:
                 raise DejavuError("--max-ppl-increase needs predictors (--no-predictors builds a dense engine)")
         check_predictor_input(self.predictor_source, self.predictor_lookahead)
+        check_predictor_dtype(self.predictor_dtype)
         dense = self.density in (None, 1.0) and self.mlp_density in (None, 1.0) and self.attn_density in (None, 1.0)
         if self.no_predictors and not dense:
             raise DejavuError("--no-predictors needs --density 1.0 (a sparse engine needs predictors)")

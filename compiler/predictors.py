@@ -36,6 +36,7 @@ from dejavu.models.opt import OPTConfig
 # and what each kind was fitted to (docs/predictors.md, "MLP targets").
 PREDICTOR_FORM = "lowrank"
 PREDICTOR_TARGETS = {"mlp": "contribution_listwise", "attn": "log_contribution_lstsq"}
+PREDICTOR_TENSORS = ("a", "b", "bias", "a_scale", "b_scale")  # the scales: int8 predictors only
 CANDIDATE_INPUTS = [{"source": "attn_in", "lookahead": 0},
                     {"source": "attn_in", "lookahead": 1},
                     {"source": "mlp_in", "lookahead": 1}]
@@ -46,11 +47,27 @@ def _budget_rank(budget: float, dense_bytes: int, d: int, n: int, multiple: int 
     return max(1, r // multiple * multiple) if r >= multiple else max(1, r)
 
 
+def mlp_rank_bytes(cfg: OPTConfig, dtype: str) -> tuple[int, int, int]:
+    """(bytes a rank adds, fixed bytes, dense bytes) of one layer's MLP predictor against the fc1 + fc2
+    it governs, counted as stored with a 2-byte engine dtype: float A, B, bias = 2 r (D + F) + 2 F;
+    int8 A, B with an fp16 scale a row and the bias = r (D + F) + 2 (r + F) + 2 F."""
+    D, Fd = cfg.hidden_size, cfg.ffn_dim
+    dense = 2 * (2 * D * Fd + Fd + D)
+    return (D + Fd + 2, 4 * Fd, dense) if dtype == "int8" else (2 * (D + Fd), 2 * Fd, dense)
+
+
+def _rank_cap(cfg: OPTConfig, settings: PredictorSettings) -> int:
+    # max_auto_rank counts the bytes of that rank in float: int8 rows pay for twice the rank
+    return min(cfg.hidden_size, settings.max_auto_rank * (2 if settings.dtype == "int8" else 1))
+
+
 def default_ranks(cfg: OPTConfig, settings: PredictorSettings) -> tuple[int, int]:
-    """(mlp_rank, attn_rank): the settings' values, else the largest within the budget."""
-    D, Fd, H = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads
-    mlp = settings.mlp_rank or min(D, settings.max_auto_rank,
-                                   _budget_rank(settings.cost_budget, 2 * D * Fd + Fd + D, D, Fd))
+    """(mlp_rank, attn_rank): the settings' values, else the largest within the budget (the MLP's
+    counted in the bytes `settings.dtype` stores, `mlp_rank_bytes`)."""
+    D, H = cfg.hidden_size, cfg.num_attention_heads
+    per_rank, fixed, dense = mlp_rank_bytes(cfg, settings.dtype)
+    r = int((settings.cost_budget * dense - fixed) // per_rank)
+    mlp = settings.mlp_rank or min(_rank_cap(cfg, settings), max(1, r // 8 * 8) if r >= 8 else max(1, r))
     attn = settings.attn_rank or min(H, _budget_rank(settings.cost_budget, 4 * D * D + 4 * D, D, H, 1))
     return mlp, attn
 
@@ -59,35 +76,60 @@ def mlp_ranks(cfg: OPTConfig, settings: PredictorSettings) -> list[int]:
     """Per-layer MLP predictor ranks [L]: `settings.mlp_rank` everywhere when given; else every
     layer gets the uniform budget rank (`default_ranks`) and layer 0 also gets what rounding to
     multiples of 8 left of the whole budget (L layers' bytes), capped at D and max_auto_rank.
+    opt-mini: 88 / 56 in float, 160 / 112 in int8.
 
     Layer 0 reads the embedding output and fires most neurons (22% on opt-mini, 2-7% elsewhere):
     it loses the most contribution at small K, and more rank there lowers perplexity at MLP 0.1
     (docs/predictors.md, "Rank per layer")."""
-    L, D, Fd = cfg.num_hidden_layers, cfg.hidden_size, cfg.ffn_dim
+    L = cfg.num_hidden_layers
     base, _ = default_ranks(cfg, settings)
     if settings.mlp_rank:
         return [base] * L
-    total = L * (settings.cost_budget * (2 * D * Fd + Fd + D) - Fd) / (D + Fd)  # ranks the budget pays for
-    first = min(D, settings.max_auto_rank, max(base, int(total - (L - 1) * base) // 8 * 8))
+    per_rank, fixed, dense = mlp_rank_bytes(cfg, settings.dtype)
+    total = L * (settings.cost_budget * dense - fixed) / per_rank  # ranks the budget pays for
+    first = min(_rank_cap(cfg, settings), max(base, int(total - (L - 1) * base) // 8 * 8))
     return [first] + [base] * (L - 1)
 
 
-def predictor_cost(cfg: OPTConfig, mlp_rank: int | list[int], attn_rank: int) -> dict:
-    """Parameter counts (same dtype: ratios of bytes) of predictors vs the dense layers they govern.
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] -> (q [R, C] int8, scale [R] fp16): symmetric per row, w ~ q * scale[:, None], |q| <= 127.
+    Idempotent on its own dequantized output (the row's largest |value| is 127 scale)."""
+    scale = (w.float().abs().amax(1) / 127).clamp_min(2 ** -24).half()  # fp16's least subnormal: never 0
+    q = (w.float() / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_rows(p: dict) -> dict:
+    """An MLP predictor {a, b, bias} as the int8 engine stores it: a and b dequantized (fp32, exact:
+    q * scale) beside a_scale [r] and b_scale [N] (fp16); bias unchanged. The engine writer takes q back
+    as a / scale (exact), so the allocator, the per-token K and the ONNX graphs see the engine's values."""
+    out = dict(p)
+    for n in ("a", "b"):
+        q, scale = quantize_rows(p[n])
+        out[n], out[n + "_scale"] = q.float() * scale.float()[:, None], scale
+    return out
+
+
+def predictor_cost(cfg: OPTConfig, mlp_rank: int | list[int], attn_rank: int, dtype: str = "float") -> dict:
+    """Parameter counts of predictors vs the dense layers they govern, and ratios of bytes as stored (a 2-byte
+    engine dtype; `dtype` "int8": the MLP predictors' int8 rows and fp16 scales, `mlp_rank_bytes`).
     mlp_rank: one rank for every layer or a list of per-layer ranks (ratios over all layers)."""
     D, Fd, H, L = cfg.hidden_size, cfg.ffn_dim, cfg.num_attention_heads, cfg.num_hidden_layers
     rs = list(mlp_rank) if isinstance(mlp_rank, (list, tuple)) else [mlp_rank] * L
     mlp_p, mlp_d = sum(r * (D + Fd) + Fd for r in rs) / L, 2 * D * Fd + Fd + D  # A, B, bias vs fc1+fc2
+    per_rank, fixed, _ = mlp_rank_bytes(cfg, dtype)
+    mlp_b = sum(per_rank * r + fixed for r in rs) / L  # bytes a layer, as stored
     attn_p, attn_d = attn_rank * (D + H) + H, 4 * D * D + 4 * D  # vs q, k, v, out_proj
-    return {"mlp_rank": mlp_rank, "attn_rank": attn_rank,
-            "mlp_predictor_params": round(L * mlp_p), "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_p / mlp_d,
+    return {"mlp_rank": mlp_rank, "attn_rank": attn_rank, "mlp_dtype": dtype,
+            "mlp_predictor_params": round(L * mlp_p), "mlp_dense_params": L * mlp_d, "mlp_ratio": mlp_b / (2 * mlp_d),
             "attn_predictor_params": L * attn_p, "attn_dense_params": L * attn_d,
-            "attn_ratio": attn_p / attn_d, "total_ratio": (mlp_p + attn_p) / (mlp_d + attn_d)}
+            "attn_ratio": attn_p / attn_d, "total_ratio": (mlp_b + 2 * attn_p) / (2 * (mlp_d + attn_d))}
 
 
 @dataclass
 class Predictors:
-    """Trained predictors: per layer {"a": [r, D], "b": [N, r], "bias": [N]} for mlp and attn."""
+    """Trained predictors: per layer {"a": [r, D], "b": [N, r], "bias": [N]} for mlp and attn; an int8
+    predictor (`int8_rows`) also holds "a_scale" [r] and "b_scale" [N] (fp16), a and b its dequantized values."""
 
     mlp: list[dict[str, torch.Tensor]]
     attn: list[dict[str, torch.Tensor]]
@@ -98,18 +140,21 @@ class Predictors:
     recall_curves: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Engine tensor names: layers.{l}.pred_mlp.a/.b/.bias, layers.{l}.pred_attn.a/.b/.bias."""
+        """Engine tensor names: layers.{l}.pred_mlp.a/.b/.bias(/.a_scale/.b_scale), layers.{l}.pred_attn.*
+        (a and b as floats: an int8 predictor's dequantized values)."""
         out = {}
         for kind, layers in (("pred_mlp", self.mlp), ("pred_attn", self.attn)):
             for l, p in enumerate(layers):
-                for name in ("a", "b", "bias"):
-                    out[f"layers.{l}.{kind}.{name}"] = p[name].contiguous()
+                for name in PREDICTOR_TENSORS:
+                    if name in p:
+                        out[f"layers.{l}.{kind}.{name}"] = p[name].contiguous()
         return out
 
     @classmethod
     def from_state_dict(cls, sd: dict[str, torch.Tensor], predictor_input: dict) -> "Predictors":
         L = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers.") and ".pred_" in k)
-        get = lambda kind: [{n: sd[f"layers.{l}.{kind}.{n}"] for n in ("a", "b", "bias")} for l in range(L)]
+        get = lambda kind: [{n: sd[f"layers.{l}.{kind}.{n}"] for n in PREDICTOR_TENSORS  # noqa: E731
+                             if f"layers.{l}.{kind}.{n}" in sd} for l in range(L)]
         return cls(get("pred_mlp"), get("pred_attn"), dict(predictor_input))
 
     def scores(self, kind: str, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +164,8 @@ class Predictors:
         return (x @ a.T) @ b.T + bias
 
     def to(self, device=None, dtype=None) -> "Predictors":
-        conv = lambda ps: [{n: t.to(device=device, dtype=dtype) for n, t in p.items()} for p in ps]
+        conv = lambda ps: [{n: t.to(device=device, dtype=t.dtype if n.endswith("_scale") else dtype)  # noqa: E731
+                            for n, t in p.items()} for p in ps]
         return Predictors(conv(self.mlp), conv(self.attn), self.predictor_input, self.metrics,
                           self.recall_curves)
 
@@ -382,7 +428,7 @@ def train_predictors(cal: Calibration, settings: PredictorSettings | None = None
     mean = lambda key: float(np.mean([m[key] for m in per_layer]))
     metrics = {"per_layer": per_layer, "mlp_recall_mean": mean("mlp_recall"),
                "mlp_precision_mean": mean("mlp_precision"), "attn_recall_mean": mean("attn_recall"),
-               "cost": predictor_cost(cfg, ranks, attn_rank), "settings": asdict(s),
+               "cost": predictor_cost(cfg, ranks, attn_rank, s.dtype), "settings": asdict(s),
                "holdout_tokens": cal.n_tokens - holdout_split(cal.n_tokens, cal.n_windows, cal.window, s)}
     return Predictors(mlp, attn, s.predictor_input, metrics, curves)
 

@@ -278,16 +278,25 @@ def mlp_targets(layer, mlp_in: torch.Tensor, device) -> torch.Tensor:
 
 
 def predictor_tensors(l: int, dtype, pm: dict | None, pa: dict | None) -> dict[str, torch.Tensor]:
-    """Layer l's predictors in the engine dtype, and in fp32 under `fp32.` (kept for --onnx-out,
-    never written to the engine)."""
+    """Layer l's predictors as the engine stores them, and in fp32 under `fp32.` (kept for --onnx-out and
+    resolve K, never written to the engine). A predictor with scales (`predictors.int8_rows`: a, b its
+    dequantized values) is stored as a, b int8 (a / scale, exact) with .a_scale / .b_scale fp16; the bias,
+    and every tensor of a float predictor, in the engine dtype."""
     out = {}
     for kind, p in (("pred_mlp", pm), ("pred_attn", pa)):
         if p is None:
             continue
-        for n in ("a", "b", "bias"):
-            t = p[n].detach().cpu()
-            out[f"layers.{l}.{kind}.{n}"] = t.to(dtype).contiguous()
-            out[f"fp32.layers.{l}.{kind}.{n}"] = t.float().contiguous()
+        for n in ("a", "b", "bias", "a_scale", "b_scale"):
+            if n not in p:
+                continue
+            t, name = p[n].detach().cpu(), f"layers.{l}.{kind}.{n}"
+            if n.endswith("_scale"):
+                out[name] = out["fp32." + name] = t.to(torch.float16).contiguous()
+                continue
+            scale = p.get(n + "_scale")
+            out[name] = (t.float() / scale.float()[:, None]).round().to(torch.int8).contiguous() \
+                if scale is not None else t.to(dtype).contiguous()
+            out["fp32." + name] = t.float().contiguous()
     return out
 
 

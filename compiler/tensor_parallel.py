@@ -7,7 +7,7 @@ Rank r of n holds heads [r*H/n, (r+1)*H/n) and neurons [r*F/n, (r+1)*F/n):
     attn.wo_t [D, D]            row split (rows = input channels)           -> [Dq, D]
     mlp.w1 [F, D], b1, w2_t     rows of the rank's neurons                  -> [F/n, D]
     attn.bo, mlp.b2             rank 0 only (zeros elsewhere): the all-reduce sums them once
-    pred_*.a                    replicated;  pred_*.b / .bias: rows of the rank's neurons/heads
+    pred_*.a (.a_scale)         replicated;  pred_*.b (.b_scale) / .bias: rows of the rank's neurons/heads
     everything else             replicated (embeddings, LayerNorms, project_in/out)
 
 Per-layer K becomes `k_per_rank = min(N/n, ceil(K/n))`: every rank takes the top-k_r of *its
@@ -26,7 +26,7 @@ from dejavu.errors import DejavuError
 from dejavu.shards import shard_path
 
 _REPLICATED = re.compile(r"(embed_tokens|embed_positions|project_in|project_out|final_ln\.(weight|bias)"
-                         r"|layers\.\d+\.(ln_attn|ln_mlp)\.(weight|bias)|layers\.\d+\.pred_(mlp|attn)\.a)$")
+                         r"|layers\.\d+\.(ln_attn|ln_mlp)\.(weight|bias)|layers\.\d+\.pred_(mlp|attn)\.a(_scale)?)$")
 
 
 def check_tp(num_heads: int, ffn_dim: int, tp: int) -> None:
@@ -62,9 +62,9 @@ def _split_rule(header: dict, tp: int):
             return w[q].contiguous()
         if kind in ("attn.wkv", "attn.bkv"):  # K rows then V rows, each head-major
             return torch.cat([w[:D][q], w[D:][q]])
-        if kind in ("mlp.w1", "mlp.b1", "mlp.w2_t", "pred_mlp.b", "pred_mlp.bias"):
+        if kind in ("mlp.w1", "mlp.b1", "mlp.w2_t", "pred_mlp.b", "pred_mlp.b_scale", "pred_mlp.bias"):
             return w[f].contiguous()
-        if kind in ("pred_attn.b", "pred_attn.bias"):
+        if kind in ("pred_attn.b", "pred_attn.b_scale", "pred_attn.bias"):
             return w[h].contiguous()
         if kind in ("attn.bo", "mlp.b2"):  # row-parallel outputs: added once, after the all-reduce
             return w if r == 0 else torch.zeros_like(w)

@@ -362,19 +362,39 @@ def _check_contents(header: dict, entries: dict, path) -> None:
         ks = bc.get(key)
         if not (isinstance(ks, list) and len(ks) == L and all(type(k) is int and 1 <= k <= n for k in ks)):
             raise _corrupt(path, f"build_config.{key} must list {L} integers in [1, {n}]")
+    stored = {}  # name -> the dtype it is stored in where not the engine dtype (int8 predictors)
     if bc.get("predictors", True):
         tp = bc.get("tp")  # validated by expected_shapes: predictor rows of this shard only
         Fr, Hr = (F, H) if tp is None else (tp["ffn_dim"], tp["num_heads"])
+        forms = predictor_dtypes(header)
         for l in range(L):
             for kind, n in (("pred_mlp", Fr), ("pred_attn", Hr)):
-                a = entries.get(f"layers.{l}.{kind}.a")
+                p = f"layers.{l}.{kind}."
+                a = entries.get(p + "a")
                 r = a[1][0] if a and len(a[1]) == 2 else -1
-                want.update({f"layers.{l}.{kind}.a": [r, D], f"layers.{l}.{kind}.b": [n, r],
-                             f"layers.{l}.{kind}.bias": [n]})
-    _check_names_shapes(header, want, entries, path)
+                want.update({p + "a": [r, D], p + "b": [n, r], p + "bias": [n]})
+                if forms[kind[len("pred_"):]] == "int8":
+                    want.update({p + "a_scale": [r], p + "b_scale": [n]})
+                    stored.update({p + "a": "I8", p + "b": "I8", p + "a_scale": "F16", p + "b_scale": "F16"})
+    _check_names_shapes(header, want, entries, path, stored)
 
 
-def _check_names_shapes(header: dict, want: dict, entries: dict, path) -> None:
+PREDICTOR_DTYPES = ("float", "int8")  # a predictor kind's storage (build_config.predictor_dtype)
+
+
+def predictor_dtypes(header: dict) -> dict[str, str]:
+    """{"mlp"|"attn": "float"|"int8"} from build_config.predictor_dtype; engines without the field: float.
+    int8: a, b int8 with one fp16 scale a row (.a_scale [r], .b_scale [N]), the bias in the engine dtype."""
+    got = (header.get("build_config") or {}).get("predictor_dtype")
+    if got is None:
+        return {"mlp": "float", "attn": "float"}
+    if not (isinstance(got, dict) and set(got) == {"mlp", "attn"} and all(v in PREDICTOR_DTYPES for v in got.values())):
+        raise DejavuError(f"engine header: build_config.predictor_dtype must map mlp and attn to one of "
+                          f"{PREDICTOR_DTYPES}, got {got!r}")
+    return dict(got)
+
+
+def _check_names_shapes(header: dict, want: dict, entries: dict, path, stored: dict | None = None) -> None:
     missing = sorted(set(want) - set(entries))
     extra = sorted(set(entries) - set(want))
     if missing:
@@ -388,8 +408,9 @@ def _check_names_shapes(header: dict, want: dict, entries: dict, path) -> None:
         dt, got = entries[name][0], entries[name][1]
         if got != shape:
             raise _corrupt(path, f"tensor {name!r} has shape {got}, expected {shape}")
-        if _DTYPES[dt] != DTYPE_NAMES[dtype]:
-            raise _corrupt(path, f"tensor {name!r} is {dt}, expected the engine dtype {dtype}")
+        own = (stored or {}).get(name)  # stored in its own dtype (int8 predictors), else the engine's
+        if (own is not None and dt != own) or (own is None and _DTYPES[dt] != DTYPE_NAMES[dtype]):
+            raise _corrupt(path, f"tensor {name!r} is {dt}, expected {own or 'the engine dtype ' + dtype}")
 
 
 def read_engine(path: str | os.PathLike, device: str | torch.device = "cpu",

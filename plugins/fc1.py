@@ -22,10 +22,11 @@ from dejavu.plugins.settings import DEFAULT, table
 tl = None  # triton.language, bound on first launch (see _common.jit)
 
 def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, stride_ib, stride_ob, nkept_ptr,
-                        RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                        scale_ptr, RELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                         EVEN_D: tl.constexpr, GROUP: tl.constexpr, W_EV: tl.constexpr = "",
-                        GDC: tl.constexpr = 0, KEEP: tl.constexpr = 0):
+                        GDC: tl.constexpr = 0, KEEP: tl.constexpr = 0, SCALE: tl.constexpr = 0):
     # out[b, r] = act(w[row(b, r)] @ x[b] + bias[row(b, r)]); grid (B, cdiv(K, BLOCK_R)).
+    # SCALE (int8 rows, the predictors): the row's sum times scale[row(b, r)] (fp16), before the bias.
     # W_EV: eviction policy of the weight loads ("evict_first": the streamed rows do not push the
     # input vector, which every program re-reads, out of L1).
     # row(b, r) = idx[b, r // GROUP] * GROUP + r % GROUP (GROUP 1: rows; head dim: heads).
@@ -63,7 +64,10 @@ def _gather_gemv_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, D, K, stride_xb, 
                          eviction_policy=W_EV).to(tl.float32)
         acc += wv * xv.to(tl.float32)[None, :]
     gdc_release(GDC)
-    h = tl.sum(acc, axis=1) + tl.load(b_ptr + rows).to(tl.float32)
+    h = tl.sum(acc, axis=1)
+    if SCALE:
+        h = h * tl.load(scale_ptr + rows).to(tl.float32)
+    h = h + tl.load(b_ptr + rows).to(tl.float32)
     if RELU:
         h = tl.maximum(h, 0.0)
     if KEEP:
@@ -109,11 +113,13 @@ def _gather_dot_kernel(x_ptr, w_ptr, b_ptr, idx_ptr, out_ptr, B, D, K, stride_xb
     tl.store(out, h.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & bmask[None, :])
 
 
-def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, settings=None, n_kept=None):
+def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, settings=None, n_kept=None,
+                scale=None):
     """out[B,K] = act(w[rows] @ x + bias[rows]) (checked inputs; out may be wider than x);
     rows = idx (group 1) or the `group` consecutive rows of each index (K = idx's K * group).
     kind: the PDL kind of the launch (default fc1, or qkv_full with group > 1). n_kept: [B] int32, group 1,
-    per-sequence idx (or B == 1; the GEMV kernel): rows j >= n_kept[b] are 0 and read no weights."""
+    per-sequence idx (or B == 1; the GEMV kernel): rows j >= n_kept[b] are 0 and read no weights.
+    scale: [rows of w] fp16, w int8 (the predictors, B == 1, the GEMV kernel): (w[row] @ x) * scale[row] + bias."""
     B, D = x.shape
     K = idx.shape[-1] * group
     if K == 0 or B == 0:
@@ -122,7 +128,7 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     kind = kind or ("qkv_full" if group > 1 else "fc1")
     s = settings or DEFAULT
     # B == 1: [1, K] is the same set as [K]; a per-token K takes the GEMV kernel (batch 1's default)
-    dot = (shared or B == 1) and B >= s.fc1_dot_min_batch and n_kept is None
+    dot = (shared or B == 1) and B >= s.fc1_dot_min_batch and n_kept is None and scale is None
     cfg = table(s.fc1_dot if dot else s.fc1_gemv, config)
     common = dict(RELU=relu, BLOCK_R=cfg["BLOCK_R"], BLOCK_D=cfg["BLOCK_D"],
                   EVEN_D=D % cfg["BLOCK_D"] == 0, GROUP=group, num_warps=cfg["num_warps"],
@@ -135,8 +141,9 @@ def gather_gemv(x, w, bias, idx, out, *, relu, config=None, group=1, kind=None, 
     else:
         kernel = jit(_gather_gemv_kernel, x.device)
         kernel[(B, cdiv(K, cfg["BLOCK_R"]))](x, w, bias, idx, out, D, K, x.stride(0),
-                                             0 if shared else idx.stride(0), out.stride(0), n_kept,
-                                             W_EV=cfg["W_EV"], KEEP=int(n_kept is not None), **common)
+                                             0 if shared else idx.stride(0), out.stride(0), n_kept, scale,
+                                             W_EV=cfg["W_EV"], KEEP=int(n_kept is not None),
+                                             SCALE=int(scale is not None), **common)
     return out
 
 def sparse_fc1(x, w1, b1, idx, n_kept=None, *, out=None, validate=None, config=None, settings=None):

@@ -1,12 +1,14 @@
 """Low-rank predictor + top-k: which neurons / heads to compute for the next token.
 
-    predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False, method=None, scoring=None, min_share=None)
-        -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], n[B] int32), share_keep
-    predictor_scores_triton(x[1,D], a, b, bias, config=None) -> scores[1,N]
+    predictor_topk(x[B,D], a[r,D], b[N,r], bias[N], k, *, shared=False, method=None, scoring=None, min_share=None,
+                   scales=None) -> idx[B,k] | [k] int32; with min_share (a per-token K): (idx[B,k], n[B] int32)
+    predictor_scores_triton(x[1,D], a, b, bias, config=None, scales=None) -> scores[1,N]
 
 scores = (x @ a.T) @ b.T + bias (ARCHITECTURE.md, "Predictor"; h and the scores rounded to x's dtype by
-cuBLAS or `predictor_scores_triton` alike), then top-k per row (`shared=False`) or of the batch's max score
-per column (`shared=True`, one set for the batch; B == 1: the row itself): docs/kernels.md, "API". Neither
+cuBLAS or `predictor_scores_triton` alike). int8 predictors (scales = (a_scale[r], b_scale[N]) fp16, a and b
+int8, symmetric per row): scores = ((x @ a.T) * a_scale) @ b.T * b_scale + bias, each scale applied once per
+output row before the rounding (the Triton GEMVs read int8 weights; the torch path dequantizes). Then top-k
+per row (`shared=False`) or of the batch's max score per column (`shared=True`, one set for the batch; B == 1: the row itself): docs/kernels.md, "API". Neither
 top-k returns sorted indices; with a per-token K the n kept rows come first, so fc1 / fc2 stop at n. No
 host sync, CUDA-graph capturable. `_topk_kernel`: an exact radix select, deterministic, one launch per
 8-bit round plus one to compact, the per-token K's rule in the same launches (docs/kernels.md, "Top-k").
@@ -226,20 +228,35 @@ def topk_triton_ref(scores, k):
     return torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[:, :k].to(torch.int32)
 
 
-def _check(x, a, b, bias, k, shared, min_share):
+def _check(x, a, b, bias, k, shared, min_share, scales=None):
     if min_share is not None and shared:
         raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    r = check_weight("a", a, x.shape[1], x)
-    n = check_weight("b", b, r, x, "rank")
+    like = x if scales is None else torch.empty(0, dtype=torch.int8, device=x.device)  # int8 rows
+    r = check_weight("a", a, x.shape[1], like)
+    n = check_weight("b", b, r, like, "rank")
+    if scales is not None:
+        if not (isinstance(scales, tuple) and len(scales) == 2):
+            raise DejavuError("scales: expected (a_scale [r], b_scale [N])")
+        check_tensor("a_scale", scales[0], shape=(r,), dtype=torch.float16, device=x.device)
+        check_tensor("b_scale", scales[1], shape=(n,), dtype=torch.float16, device=x.device)
     check_tensor("bias", bias, shape=(n,), dtype=x.dtype, device=x.device)
     if not isinstance(k, int) or not 0 <= k <= n:
         raise DejavuError(f"k: expected an int in [0, {n}], got {k!r}")
 
 
-def predictor_scores(x, a, b, bias):
-    """scores[B,N] = (x @ a.T) @ b.T + bias."""
+def predictor_scores(x, a, b, bias, scales=None):
+    """scores[B,N] = (x @ a.T) @ b.T + bias; int8 a, b with scales (a_scale[r], b_scale[N]): dequantized first,
+    (q * scale) rounded to x's dtype. On a GPU that reads the int8 rows, writes and reads them again in x's dtype
+    (about 2.5x the bytes of the int8 rows; the batch-1 route reads int8 only, `predictor_scores_triton`)."""
+    if scales is not None:
+        a, b = dequantize_rows(a, scales[0], x.dtype), dequantize_rows(b, scales[1], x.dtype)
     return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b, bias)
+
+
+def dequantize_rows(q, scale, dtype):
+    """q [R, C] int8, scale [R] -> q * scale[:, None] in dtype (the product in fp32: exact)."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
 
 
 _IDENT: dict = {}  # device -> (int32 arange, zeros of the input dtypes) grown on demand
@@ -261,10 +278,11 @@ def _identity(n, dtype, device):
     return ar[:n], zs[dtype][:n]
 
 
-def predictor_scores_triton(x, a, b, bias, config=None, settings=None):
+def predictor_scores_triton(x, a, b, bias, config=None, settings=None, scales=None):
     """scores[1,N] = (x @ a.T) @ b.T + bias by two gather_gemv launches over every row
     (identity index): h[1,r] then the scores, each rounded to x's dtype. Batch 1 (the GEMV
-    route; checked inputs). config: {"a": {..}, "b": {..}} overrides settings.scoring's blocks."""
+    route; checked inputs). config: {"a": {..}, "b": {..}} overrides settings.scoring's blocks.
+    scales (a_scale[r], b_scale[N]): a, b int8, each GEMV's row sums times their row's scale."""
     from dejavu.plugins.fc1 import gather_gemv
 
     B, r, N = x.shape[0], a.shape[0], b.shape[0]
@@ -275,25 +293,28 @@ def predictor_scores_triton(x, a, b, bias, config=None, settings=None):
     scores = torch.empty((B, N), dtype=x.dtype, device=x.device)
     s = settings or DEFAULT
     cfg = {part: {**vars(getattr(s.scoring, part)), **((config or {}).get(part) or {})} for part in ("a", "b")}
-    gather_gemv(x, a, zero[:r], ident[:r], h, relu=False, config=cfg["a"], kind="pred", settings=s)
-    gather_gemv(h, b, bias, ident[:N], scores, relu=False, config=cfg["b"], kind="pred", settings=s)
+    sa, sb = scales or (None, None)
+    gather_gemv(x, a, zero[:r], ident[:r], h, relu=False, config=cfg["a"], kind="pred", settings=s, scale=sa)
+    gather_gemv(h, b, bias, ident[:N], scores, relu=False, config=cfg["b"], kind="pred", settings=s, scale=sb)
     return scores
 
 
-def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None, settings=None, min_share=None):
+def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None, settings=None, min_share=None,
+                   scales=None):
     """Indices of the k highest predictor scores: idx[B,k] int32 ([k] when shared). method / scoring
     None: settings.topk.method / settings.scoring.method. min_share (a per-token K, per sequence):
-    (idx, n[B] int32): the first n[b] of idx[b] are the rows share_keep keeps (no host sync)."""
-    _check(x, a, b, bias, k, shared, min_share)
+    (idx, n[B] int32): the first n[b] of idx[b] are the rows share_keep keeps (no host sync).
+    scales (a_scale[r], b_scale[N]) fp16: a and b are int8 rows (module docstring)."""
+    _check(x, a, b, bias, k, shared, min_share, scales)
     s = settings or DEFAULT
     method = method or s.topk.method
     scoring = scoring or s.scoring.method
     if scoring not in ("torch", "triton"):
         raise DejavuError(f"predictor_topk: unknown scoring {scoring!r} (torch, triton)")
     if scoring == "triton" and x.shape[0] == 1:  # batches: cuBLAS (gather_gemv's dot route has no split-K)
-        scores = predictor_scores_triton(x, a, b, bias, settings=s)
+        scores = predictor_scores_triton(x, a, b, bias, settings=s, scales=scales)
     else:
-        scores = predictor_scores(x, a, b, bias)
+        scores = predictor_scores(x, a, b, bias, scales)
     if shared and scores.shape[0] > 1:
         scores = scores.amax(dim=0, keepdim=True)  # [1, N]; with B == 1 the row itself
     if method == "triton":  # with min_share: (idx, n), the count from the same launches
@@ -306,11 +327,14 @@ def predictor_topk(x, a, b, bias, k, *, shared=False, method=None, scoring=None,
     return (idx, n) if min_share is not None else (idx[0] if shared else idx)
 
 
-def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None):
+def predictor_topk_ref(x, a, b, bias, k, *, shared=False, min_share=None, scales=None):
     """Reference: the same in the caller's dtype (upcast for float64); sorted by score. min_share (a per-token
-    K, per sequence only): (idx[B,k], n[B] int32), the first n[b] kept (share_keep)."""
+    K, per sequence only): (idx[B,k], n[B] int32), the first n[b] kept (share_keep). scales: int8 a, b
+    dequantized to the caller's dtype."""
     if min_share is not None and shared:
         raise DejavuError("predictor_topk: a per-token K (min_share) needs one index set per sequence")
+    if scales is not None:
+        a, b = dequantize_rows(a, scales[0], x.dtype), dequantize_rows(b, scales[1], x.dtype)
     scores = (x @ a.T) @ b.T + bias
     idx = torch.topk(scores.amax(dim=0) if shared else scores, k, dim=-1, sorted=True).indices
     idx = idx.to(torch.int32)

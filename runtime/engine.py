@@ -83,8 +83,9 @@ class Engine:
             spec = dataclasses.replace(spec, dtype=dtype)
         check_tensors(spec, tensors)
         self.spec = spec
-        self.tensors = {n: t.to(device=self.device, dtype=spec.dtype if t.is_floating_point() else t.dtype)
-                        for n, t in tensors.items()}
+        # int8 predictors' row scales stay fp16 (the kernels read them so; plugins/predictor.py)
+        self.tensors = {n: t.to(device=self.device, dtype=spec.dtype if t.is_floating_point() and
+                                not n.endswith("_scale") else t.dtype) for n, t in tensors.items()}
         on_gpu = self.device.type == "cuda"
         # the header's kernel settings, per layer, where they fit this GPU (else resolved here from each
         # layer's K); kernel_settings (plugins.KernelSettings) replaces the header's: benchmarks' ablations

@@ -1,6 +1,7 @@
 """The sparse operations the decoder calls, bound to a backend (signatures of dejavu.plugins):
 
-    predictor_topk(x[B,D], a, b, bias, k, shared=False, min_share=None) -> idx[B,k] | [k]
+    predictor_topk(x[B,D], a, b, bias, k, shared=False, min_share=None, scales=None) -> idx[B,k] | [k]
+        (scales: (a_scale, b_scale) fp16 of int8 a and b, the engine's int8 predictors)
         (min_share, a per-token K: (idx[B,k], n[B] int32), the first n[b] kept)
     sparse_fc1(x[B,D], w1, b1, idx, n_kept=None) -> h[B,K]   (n_kept[B]: a per-token K's rows, 0 elsewhere)
     sparse_fc2(h[B,K], w2_t, b2, idx, residual, skip_zero=False, n_kept=None) -> y[B,D]
@@ -288,10 +289,11 @@ class Ops:
                 self.demote(name, f"raised {type(e).__name__}: {e}")
         if self.kernels["predictor_topk"] == "triton" and f"{p}pred_mlp.a" in t:
             try:
-                out = self.predictor_topk(x, t[p + "pred_mlp.a"], t[p + "pred_mlp.b"], t[p + "pred_mlp.bias"],
-                                          spec.mlp_k[l], shared=shared)
-                want = self._ref["predictor_topk"](x, t[p + "pred_mlp.a"], t[p + "pred_mlp.b"],
-                                                   t[p + "pred_mlp.bias"], spec.mlp_k[l], shared=shared)
+                w = (t[p + "pred_mlp.a"], t[p + "pred_mlp.b"], t[p + "pred_mlp.bias"], spec.mlp_k[l])
+                scales = (t[p + "pred_mlp.a_scale"], t[p + "pred_mlp.b_scale"]) if "mlp" in spec.int8_predictors \
+                    else None
+                out = self.predictor_topk(x, *w, shared=shared, scales=scales)
+                want = self._ref["predictor_topk"](x, *w, shared=shared, scales=scales)
                 same = float((out.long().sort(-1).values == want.long().sort(-1).values).float().mean())
                 report["predictor_topk"] = same
                 if out.shape != want.shape:

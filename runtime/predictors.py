@@ -36,8 +36,9 @@ def schedule(num_layers: int, source: str, lookahead: int) -> dict[tuple[str, in
 class PredictorRunner:
     """Runs predictor + top-k per layer; `overlap` puts them on a side stream (CUDA only).
 
-    preds[l] = {"mlp": (a, b, bias) | None, "attn": (a, b, bias) | None}; ks[l] = (k_mlp, k_attn).
-    `topk(x, a, b, bias, k, shared=...)` is the op; `shared` selects one index set per batch.
+    preds[l] = {"mlp": (a, b, bias, scales) | None, "attn": ... | None}; ks[l] = (k_mlp, k_attn); scales:
+    None, or (a_scale, b_scale) of int8 a and b. `topk(x, a, b, bias, k, shared=..., scales=...)` is the op;
+    `shared` selects one index set per batch.
     shares[l]: (min_share, k_max) of layer l's per-token K (None: k_mlp rows, every one kept): its
     top-k_max then also gives n [rows] int32 (`kept(l)`): the first n of each row's indices are kept. With one
     set for the batch (`shared`, more than one row) there is no per-token count: k_mlp rows, all kept.
@@ -102,12 +103,13 @@ class PredictorRunner:
             if p is None:
                 continue
             k_mlp, k_attn = self.ks[l]
+            a, b, bias, scales = p
             share = self.shares[l] if kind == "mlp" and not (self.shared and x.shape[0] > 1) else None
             self.n_kept[l] = None
             if share is None:
-                idx = self.topk(x, *p, k_attn if kind == "attn" else k_mlp, shared=self.shared)
+                idx = self.topk(x, a, b, bias, k_attn if kind == "attn" else k_mlp, shared=self.shared, scales=scales)
             else:  # per sequence (or batch 1, where the shared set is the row's own)
-                idx, self.n_kept[l] = self.topk(x, *p, share[1], min_share=share[0])
+                idx, self.n_kept[l] = self.topk(x, a, b, bias, share[1], min_share=share[0], scales=scales)
                 idx = idx[0] if self.shared else idx  # n_kept stays [1]
             self.idx[l][kind] = idx
             if kind == "attn" and self.on_heads is not None:
@@ -140,14 +142,16 @@ class PredictorRunner:
 
 def runner_for(spec, tensors: dict[str, torch.Tensor], topk, device: torch.device, overlap: bool,
                shared: bool = False) -> PredictorRunner:
-    """The PredictorRunner of an engine: each layer's predictor weights (a, b, bias) where that
-    layer is sparse, K per layer and the lookahead schedule from the spec."""
-    preds = []
-    for l in range(spec.num_layers):
-        p = f"layers.{l}."
-        pm = tuple(tensors[p + "pred_mlp." + n] for n in ("a", "b", "bias")) if spec.sparse_mlp(l) else None
-        pa = tuple(tensors[p + "pred_attn." + n] for n in ("a", "b", "bias")) if spec.sparse_attn(l) else None
-        preds.append({"mlp": pm, "attn": pa})
+    """The PredictorRunner of an engine: each layer's predictor weights (a, b, bias, scales) where that
+    layer is sparse (scales: (a_scale, b_scale) of an int8 kind, spec.int8_predictors), K per layer and
+    the lookahead schedule from the spec."""
+    def weights(l: int, kind: str):
+        p = f"layers.{l}.pred_{kind}."
+        scales = (tensors[p + "a_scale"], tensors[p + "b_scale"]) if kind in spec.int8_predictors else None
+        return tensors[p + "a"], tensors[p + "b"], tensors[p + "bias"], scales
+
+    preds = [{"mlp": weights(l, "mlp") if spec.sparse_mlp(l) else None,
+              "attn": weights(l, "attn") if spec.sparse_attn(l) else None} for l in range(spec.num_layers)]
     ks = list(zip(spec.mlp_k, spec.attn_k))
     shares = [spec.token_k[l] if spec.token_k is not None and spec.sparse_mlp(l) else None
               for l in range(spec.num_layers)]  # (min_share, k_max)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dejavu.engine_file import predictor_dtypes
 from dejavu.errors import DejavuError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -45,6 +46,9 @@ class EngineSpec:
     # rows for every token (engines without the field). The predictor selects the top k_max rows and
     # a token keeps those whose predicted share is >= min_share (at least its best: plugins.share_keep)
     token_k: tuple[tuple[float, int], ...] | None = None
+    # predictor kinds ("mlp", "attn") stored as int8 rows with an fp16 scale a row (.a_scale, .b_scale;
+    # build_config.predictor_dtype); engines without the field: none (float predictors)
+    int8_predictors: frozenset[str] = frozenset()
 
     @property
     def head_dim(self) -> int:
@@ -145,7 +149,8 @@ def spec_from_header(header: dict) -> EngineSpec:
         mlp_k=ks["mlp_k"], attn_k=ks["attn_k"], has_predictors=has_pred, source=source,
         lookahead=lookahead, dtype=DTYPES[dtype], eos_id=eos,
         bos_id=mc.get("bos_token_id", 2), pad_id=mc.get("pad_token_id", 1),
-        token_k=_token_k(bc, ks["mlp_k"], F))
+        token_k=_token_k(bc, ks["mlp_k"], F),
+        int8_predictors=frozenset(k for k, v in predictor_dtypes(header).items() if v == "int8"))
 
 
 def check_tensors(spec: EngineSpec, tensors: dict[str, torch.Tensor]) -> None:
@@ -164,12 +169,14 @@ def check_tensors(spec: EngineSpec, tensors: dict[str, torch.Tensor]) -> None:
                      p + "attn.wkv": (2 * Dq, D), p + "attn.bkv": (2 * Dq,), p + "attn.wo_t": (Dq, D),
                      p + "attn.bo": (D,), p + "mlp.w1": (F, D), p + "mlp.b1": (F,),
                      p + "mlp.w2_t": (F, D), p + "mlp.b2": (D,)})
-        if spec.sparse_mlp(l):
-            r = tuple(tensors.get(p + "pred_mlp.a", torch.empty(0, 0)).shape)[:1]
-            want.update({p + "pred_mlp.a": r + (D,), p + "pred_mlp.b": (F,) + r, p + "pred_mlp.bias": (F,)})
-        if spec.sparse_attn(l):
-            r = tuple(tensors.get(p + "pred_attn.a", torch.empty(0, 0)).shape)[:1]
-            want.update({p + "pred_attn.a": r + (D,), p + "pred_attn.b": (H,) + r, p + "pred_attn.bias": (H,)})
+        for kind, n, sparse in (("mlp", F, spec.sparse_mlp(l)), ("attn", H, spec.sparse_attn(l))):
+            if not sparse:
+                continue
+            q = f"{p}pred_{kind}."
+            r = tuple(tensors.get(q + "a", torch.empty(0, 0)).shape)[:1]
+            want.update({q + "a": r + (D,), q + "b": (n,) + r, q + "bias": (n,)})
+            if kind in spec.int8_predictors:
+                want.update({q + "a_scale": r, q + "b_scale": (n,)})
     for name, shape in want.items():
         t = tensors.get(name)
         if t is None:

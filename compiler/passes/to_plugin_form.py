@@ -1,6 +1,7 @@
 """Pass 4 (form "plugin" only): collapse the sparse subgraphs into custom-domain nodes.
 
     layers.{l}.pred_{kind}/* + .topk/*  → dejavu.Predictor(src, a, b, bias) -> idx [B,S,K]
+      (int8 rows: Predictor(src, a_q, a_scale, b_q, b_scale, bias), weights="int8")
       (+ .keep/* with a per-token K)        → dejavu.Predictor(...; min_share) -> idx [B,S,K], keep [B,S,K] bool
     layers.{l}.sparse_mlp/*             → dejavu.SparseMLP(x, idx, w1, b1, w2_t, b2[, keep]) -> mlp_out
     layers.{l}.sparse_attn/*            → dejavu.SparseAttention(x, idx, wq, bq, keys, values,
@@ -23,7 +24,7 @@ import logging
 import onnx
 
 from dejavu.compiler.onnx_export import GraphBuilder
-from dejavu.compiler.passes._graph import group, init_array, replace, set_opset
+from dejavu.compiler.passes._graph import group, init_array, maybe_init, replace, set_opset
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,19 @@ def _collapse_predictor(model, g, p: str, kind: str, k: int, min_share: float | 
         old += group(model, f"{p}.pred_{kind}.keep/")
         outputs.append(f"{p}.pred_{kind}.keep")
         share = {"min_share": min_share}
-    at = init_array(model, f"{p}.pred_{kind}.a_t")  # [D, r]
-    bt = init_array(model, f"{p}.pred_{kind}.b_t")  # [r, N]
-    a, b = g.const(f"{p}.pred_{kind}.a", at.T), g.const(f"{p}.pred_{kind}.b", bt.T)
-    g.op("Predictor", [_src(old, f"{p}.pred_{kind}/MatMul_a"), a, b, f"{p}.pred_{kind}.bias"],
-         f"{p}.pred_{kind}", outputs=outputs, domain=DOMAIN, k=k, kind=kind,
-         rank=int(at.shape[1]), hidden_size=int(at.shape[0]), num_outputs=int(bt.shape[1]), **share, **_PLUGIN)
+    q = f"{p}.pred_{kind}"
+    if maybe_init(model, f"{q}.a_q") is not None:  # int8 rows: a_q, a_scale, b_q, b_scale (the engine's tensors)
+        aq, bq = init_array(model, f"{q}.a_q"), init_array(model, f"{q}.b_q")  # [r, D], [N, r]
+        r, D, N = aq.shape[0], aq.shape[1], bq.shape[0]
+        weights, form = [f"{q}.a_q", f"{q}.a_scale", f"{q}.b_q", f"{q}.b_scale"], {"weights": "int8"}
+    else:
+        at = init_array(model, f"{q}.a_t")  # [D, r]
+        bt = init_array(model, f"{q}.b_t")  # [r, N]
+        r, D, N = at.shape[1], at.shape[0], bt.shape[1]
+        weights, form = [g.const(f"{q}.a", at.T), g.const(f"{q}.b", bt.T)], {}
+    g.op("Predictor", [_src(old, f"{q}/MatMul_a"), *weights, f"{q}.bias"],
+         q, outputs=outputs, domain=DOMAIN, k=k, kind=kind,
+         rank=int(r), hidden_size=int(D), num_outputs=int(N), **form, **share, **_PLUGIN)
     return old
 
 

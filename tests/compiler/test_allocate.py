@@ -205,7 +205,7 @@ def test_every_head_kept_spreads_neurons_by_the_curves(tiny_dir_model, tmp_path,
     # --density D --attn-density 1.0: an MLP-only budget, spread by the curves (no sensitivity pass)
     model, cfg, preds, tok = tiny_dir_model
     L, H, F = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.ffn_dim
-    costs = ByteCosts.of(cfg, (8, 4), elem=4)  # the ranks of random_predictors, float32
+    costs = ByteCosts.of(cfg, (8, 4), elem=4, int8_mlp=True)  # random_predictors' ranks, float32, int8 MLP rows
     for d in (0.9, 0.8):
         mk, ak, rep = _resolve(tiny_dir_model, tmp_path, monkeypatch, density=d, attn_density=1.0)
         budget = math.floor(d * costs.dense)

@@ -54,7 +54,8 @@ def test_density_has_no_default():
                                     ({"dtype": "int8"}, "dtype"), ({"device": "tpu"}, "device"),
                                     ({"calib_tokens": 0}, "calib-tokens"),
                                     ({"no_predictors": True}, "no-predictors"),
-                                    ({"predictor_source": "mlp_in", "predictor_lookahead": 0}, "lookahead")])
+                                    ({"predictor_source": "mlp_in", "predictor_lookahead": 0}, "lookahead"),
+                                    ({"predictor_dtype": "int4"}, "--predictor-dtype must be one of int8, float")])
 def test_config_rejects_bad_values(kw, msg):
     with pytest.raises(DejavuError, match=msg):
         BuildConfig(**{"density": 0.5, **kw})
@@ -93,7 +94,19 @@ def test_engine_contents_and_kernel_layout(tiny_opt_dir, preds, tmp_path):
     assert torch.equal(t["layers.0.mlp.w2_t"], model.decoder.layers[0].fc2.weight.T)
     assert torch.equal(t["layers.0.mlp.w1"], model.decoder.layers[0].fc1.weight)
     assert torch.equal(t["layers.0.ln_mlp.weight"], model.decoder.layers[0].final_layer_norm.weight)
-    assert torch.equal(t["layers.1.pred_mlp.b"], preds.mlp[1]["b"])
+    # int8 MLP predictors (the default): int8 rows, an fp16 scale a row, the bias and the heads in the engine dtype
+    assert bc["predictor_dtype"] == {"mlp": "int8", "attn": "float"}
+    for n in ("a", "b"):
+        w, q, scale = preds.mlp[1][n].double(), t[f"layers.1.pred_mlp.{n}"], t[f"layers.1.pred_mlp.{n}_scale"]
+        assert q.dtype == torch.int8 and scale.dtype == torch.float16 and q.abs().amax(1).eq(127).all()
+        deq = q.double() * scale.double()[:, None]
+        assert ((deq - w).abs() <= scale.double()[:, None] / 2 + w.abs() * 2**-10).all()  # nearest step, fp16 scale
+    assert torch.equal(t["layers.1.pred_mlp.bias"], preds.mlp[1]["bias"])
+    assert torch.equal(t["layers.1.pred_attn.b"], preds.attn[1]["b"])
+    _build(tiny_opt_dir, tmp_path / "f.engine", preds, dtype="float32", predictor_dtype="float")
+    header, t = read_engine(tmp_path / "f.engine")
+    assert header["build_config"]["predictor_dtype"] == {"mlp": "float", "attn": "float"}
+    assert torch.equal(t["layers.1.pred_mlp.b"], preds.mlp[1]["b"]) and "layers.1.pred_mlp.b_scale" not in t
     assert torch.equal(t["embed_positions"], model.decoder.embed_positions.weight)
 
 
@@ -131,8 +144,19 @@ def test_onnx_out_matches_engine(tiny_opt_dir, preds, tmp_path):
     _, t = read_engine(tmp_path / "m.engine")
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in plugin.graph.initializer}
     for name in ("layers.0.mlp.w1", "layers.1.mlp.w2_t", "layers.0.attn.wq", "layers.1.attn.bq",
-                 "layers.0.attn.wo_t", "layers.1.pred_mlp.a", "layers.0.pred_attn.b", "embed_tokens"):
+                 "layers.0.attn.wo_t", "layers.0.pred_attn.b", "embed_tokens"):
         torch.testing.assert_close(torch.from_numpy(inits[name].copy()), t[name], rtol=1e-6, atol=1e-7)
+    # the int8 MLP predictors: the engine's int8 rows and scales, read through DequantizeLinear (axis 0)
+    for n in ("a", "b"):
+        assert torch.equal(torch.from_numpy(inits[f"layers.1.pred_mlp.{n}_q"].copy()), t[f"layers.1.pred_mlp.{n}"])
+        assert torch.equal(torch.from_numpy(inits[f"layers.1.pred_mlp.{n}_scale"].copy()),
+                           t[f"layers.1.pred_mlp.{n}_scale"].float())
+    sparse = onnx.load(str(tmp_path / "onnx" / "decode.sparse.onnx"), load_external_data=False)
+    dq = [n for n in sparse.graph.node if n.op_type == "DequantizeLinear"]
+    assert sorted(n.name for n in dq) == sorted(f"layers.{l}.pred_mlp/DequantizeLinear_{n}" for l in range(2)
+                                                for n in "ab")
+    assert all(onnx.helper.get_attribute_value(a) == 0 for n in dq for a in n.attribute if a.name == "axis")
+    assert not any(n.name.startswith("layers.0.pred_attn/DequantizeLinear") for n in sparse.graph.node)
     # the default per-token MLP K is in the graphs: the header's k_max and thresholds
     tk = read_header(tmp_path / "m.engine")["build_config"]["token_k"]
     for l in range(2):

@@ -74,12 +74,29 @@ def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
             f"{sum(tk['heldout']['mean_rows']):.0f} (fc2 reads {sum(tk['heldout']['mean_rows_fc2']):.0f}) of K "
             f"{sum(tk['k_mean'])}; K rows for every token: "
             f"{bc['heldout']['fixed_k_increase_pct']:+.2f}%") in text
+    # the default MLP predictors: int8 rows at the rank the budget pays for in int8 bytes; --predictor-dtype float
+    # below: the engine dtype at the float rank
+    from dejavu.compiler.config import PredictorSettings
+    from dejavu.compiler.predictors import mlp_ranks
+    from dejavu.models.loader import load_config
+
+    cfg = load_config(tiny_opt_dir)
+    assert bc["predictor_dtype"] == {"mlp": "int8", "attn": "float"}
+    assert bc["predictor_rank_mlp"] == mlp_ranks(cfg, PredictorSettings(dtype="int8"))
+    assert read_engine(out)[1]["layers.0.pred_mlp.a"].dtype.itemsize == 1
     assert main([str(tiny_opt_dir), "--mlp-density", "0.25", "--attn-density", "0.5", "-o", str(out), "--token-k", "off",
                  "--allocation", "uniform", *QUICK]) == 0
     bc = read_header(out)["build_config"]
     assert "token_k" not in bc and bc["settings"]["token_k"] == "off"
     assert "per-token K" not in capsys.readouterr().out
     assert bc["density"] == bc["bytes_per_token"]["fraction"] == s["density"]
+    assert main([str(tiny_opt_dir), "--mlp-density", "0.25", "--attn-density", "0.5", "-o", str(out), "--token-k", "off",
+                 "--allocation", "uniform", "--predictor-dtype", "float", *QUICK]) == 0
+    bc = read_header(out)["build_config"]
+    assert bc["predictor_dtype"] == {"mlp": "float", "attn": "float"} and bc["settings"]["predictor_dtype"] == "float"
+    assert bc["predictor_rank_mlp"] == mlp_ranks(cfg, PredictorSettings(dtype="float")) != \
+        mlp_ranks(cfg, PredictorSettings(dtype="int8"))
+    assert "layers.0.pred_mlp.a_scale" not in read_engine(out)[1]
 
 
 def test_inspect(built, capsys):
@@ -186,7 +203,8 @@ def test_compile_help_shows_buildconfig_defaults(capsys):
     d = BuildConfig  # the class attributes are the fields' defaults
     for opt, value in (("--calib-tokens", d.calib_tokens), ("--predictor-epochs", d.predictor_epochs),
                        ("--dtype", d.dtype), ("--allocation", d.allocation), ("--topk-limit", d.topk_limit),
-                       ("--sensitivity-dtype", d.sensitivity_dtype), ("--token-k-rows", d.token_k_rows)):
+                       ("--sensitivity-dtype", d.sensitivity_dtype), ("--token-k-rows", d.token_k_rows),
+                       ("--predictor-dtype", d.predictor_dtype)):
         after = text.split(f" {opt} ", 1)[1]
         assert f"(default: {value})" in after.split(" --", 1)[0], opt
 
@@ -230,11 +248,15 @@ def test_compile_help_imports_no_torch():
     (["m", "--density", "0.5", "--predictor-source", "mlp_in", "--predictor-lookahead", "0"], "predictor input"),
     (["m", "--density", "0.5", "--config", "BAD"], "unknown build config key(s): bogus"),
     (["m", "--density", "0.5", "--max-ppl-increase", "1"], "not both"),
+    (["m", "--density", "0.5", "--predictor-dtype", "int4"], "--predictor-dtype"),
+    (["m", "--density", "0.5", "--config", "BADDTYPE"], "--predictor-dtype must be one of int8, float, got 'fp8'"),
 ])
 def test_compile_argument_errors_before_torch(tmp_path, argv, match):
-    bad = tmp_path / "bad.json"
+    bad, bad_dtype = tmp_path / "bad.json", tmp_path / "bad_dtype.json"
     bad.write_text(json.dumps({"bogus": 1}))
-    r, torch_imported = _compile_in_subprocess([str(bad) if a == "BAD" else a for a in argv])
+    bad_dtype.write_text(json.dumps({"predictor_dtype": "fp8"}))
+    files = {"BAD": str(bad), "BADDTYPE": str(bad_dtype)}
+    r, torch_imported = _compile_in_subprocess([files.get(a, a) for a in argv])
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
     assert r.stderr.startswith("dejavu: error:") and match in r.stderr, r.stderr
     assert not torch_imported

@@ -168,3 +168,48 @@ def test_fuzz_corruption_always_dejavu_error(tmp_path):
         assert time.monotonic() - t0 < 2.0, what
         count += 1
     assert count > 100
+
+
+def _int8_engine(header, tensors):
+    """The engine with its MLP predictors as int8 rows + fp16 scales (build_config.predictor_dtype)."""
+    from dejavu.compiler.predictors import quantize_rows
+
+    header = json.loads(json.dumps(header))
+    header["build_config"]["predictor_dtype"] = {"mlp": "int8", "attn": "float"}
+    tensors = dict(tensors)
+    for name in [n for n in tensors if ".pred_mlp." in n and n.endswith((".a", ".b"))]:
+        tensors[name], tensors[name + "_scale"] = quantize_rows(tensors[name])
+    return header, tensors
+
+
+def test_int8_predictors_and_old_engines(tmp_path):
+    """An engine without build_config.predictor_dtype (written before it) reads as float predictors; an int8
+    one round-trips its int8 rows and fp16 scales; each form's tensors are checked against its header."""
+    from dejavu.engine_file import predictor_dtypes
+
+    old_header, old = _engine()
+    write_engine(tmp_path / "old.engine", old_header, old)
+    h, t = read_engine(tmp_path / "old.engine")
+    assert "predictor_dtype" not in h["build_config"] and predictor_dtypes(h) == {"mlp": "float", "attn": "float"}
+    assert all(t[k].dtype == torch.float32 for k in t)
+    header, tensors = _int8_engine(old_header, old)
+    write_engine(tmp_path / "q.engine", header, tensors)
+    h, t = read_engine(tmp_path / "q.engine")
+    assert predictor_dtypes(h) == {"mlp": "int8", "attn": "float"}
+    assert t["layers.1.pred_mlp.a"].dtype == torch.int8 and t["layers.1.pred_mlp.b_scale"].dtype == torch.float16
+    assert all(torch.equal(t[k], tensors[k]) for k in tensors)
+    bad = [({**tensors, "layers.0.pred_mlp.a": old["layers.0.pred_mlp.a"]}, header, "is F32, expected I8"),
+           ({**tensors, "layers.0.pred_mlp.b_scale": tensors["layers.0.pred_mlp.b_scale"].float()}, header,
+            "is F32, expected F16"),
+           ({k: v for k, v in tensors.items() if k != "layers.1.pred_mlp.a_scale"}, header, "missing tensor"),
+           (tensors, old_header, "unexpected tensor"),  # scales an old-form header does not name
+           (old, header, "missing tensor")]
+    for tens, head, match in bad:
+        write_engine(tmp_path / "bad.engine", head, tens)
+        with pytest.raises(DejavuError, match=match):
+            read_engine(tmp_path / "bad.engine")
+    head = json.loads(json.dumps(header))
+    head["build_config"]["predictor_dtype"] = {"mlp": "int4", "attn": "float"}
+    write_engine(tmp_path / "bad.engine", head, tensors)
+    with pytest.raises(DejavuError, match="predictor_dtype must map mlp and attn"):
+        read_engine(tmp_path / "bad.engine")

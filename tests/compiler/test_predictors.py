@@ -98,7 +98,7 @@ def test_default_ranks_fit_the_cost_budget(dims):
     D, F, H, L = dims
     cfg = OPTConfig.from_hf_dict(dict(model_type="opt", vocab_size=100, hidden_size=D, ffn_dim=F,
                                       num_attention_heads=H, num_hidden_layers=L, max_position_embeddings=64))
-    r, rh = default_ranks(cfg, PredictorSettings())
+    r, rh = default_ranks(cfg, PredictorSettings(dtype="float"))
     cost = predictor_cost(cfg, r, rh)
     assert cost["mlp_ratio"] <= 0.10 and cost["attn_ratio"] <= 0.10 and cost["total_ratio"] <= 0.10
     # They use most of the budget, up to the automatic rank cap (large models).
@@ -106,13 +106,27 @@ def test_default_ranks_fit_the_cost_budget(dims):
     assert r <= PredictorSettings().max_auto_rank
     assert rh == H and r % 8 == 0
     # per layer: the uniform rank everywhere, plus what rounding left of the whole budget on layer 0
-    rs = mlp_ranks(cfg, PredictorSettings())
+    rs = mlp_ranks(cfg, PredictorSettings(dtype="float"))
     cost = predictor_cost(cfg, rs, rh)
     assert len(rs) == L and rs[1:] == [r] * (L - 1) and r <= rs[0] <= min(D, PredictorSettings().max_auto_rank)
     assert rs[0] % 8 == 0 and cost["mlp_ratio"] <= 0.10 and cost["total_ratio"] <= 0.10
     assert predictor_cost(cfg, [rs[0] + 8] + rs[1:], rh)["mlp_ratio"] > 0.10 or rs[0] == min(
         D, PredictorSettings().max_auto_rank)  # layer 0 takes all that is left
     assert mlp_ranks(cfg, PredictorSettings(mlp_rank=24)) == [24] * L  # a given rank: uniform
+    # int8 rows (the default): the budget in the bytes they are stored in, A and B int8 + an fp16 scale a row
+    # + the bias (2 bytes), against fc1 + fc2 in 2 bytes; the cap is max_auto_rank's bytes in float
+    s8 = PredictorSettings()
+    assert s8.dtype == "int8"
+    rs8, cap = mlp_ranks(cfg, s8), min(D, 2 * s8.max_auto_rank)
+    layer = lambda r: r * (D + F) + 2 * (r + F) + 2 * F  # noqa: E731
+    dense = 2 * (2 * D * F + F + D)
+    assert rs8[1:] == [default_ranks(cfg, s8)[0]] * (L - 1) and all(r % 8 == 0 for r in rs8)
+    assert sum(layer(r) for r in rs8) <= 0.10 * L * dense < sum(layer(r) for r in rs8) + layer(8) - layer(0) or \
+        rs8[0] == cap  # layer 0 takes what is left
+    assert layer(rs8[1] + 8) > 0.10 * dense or rs8[1] == cap
+    assert rs8[1] >= min(cap, 2 * r - 8)  # about twice the float rank in the same bytes
+    cost8 = predictor_cost(cfg, rs8, rh, "int8")
+    assert cost8["mlp_ratio"] == pytest.approx(sum(layer(r) for r in rs8) / (L * dense)) and cost8["mlp_ratio"] <= 0.10
 
 
 def test_density_errors():

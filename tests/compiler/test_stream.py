@@ -34,7 +34,8 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     from dejavu.compiler.calibrate import calibrate
     from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.layout import kernel_layout
-    from dejavu.compiler.predictors import default_ranks, mlp_ranks, train_predictors
+    from dejavu.compiler.predictors import (Predictors, default_ranks, int8_rows, mlp_ranks, quantize_rows,
+                                            train_predictors)
     from dejavu.engine_file import DTYPE_NAMES, write_engine
     from dejavu.models.loader import load_model, load_tokenizer
 
@@ -43,7 +44,11 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     cal = calibrate(model, tok, CalibSettings(calib_tokens=config.calib_tokens, window=config.calib_window,
                                               cache_dir=str(cache)), progress=False)
     ps = build_mod._predictor_settings(config)
-    preds = train_predictors(cal, ps, progress=False, model=model)
+    trained = train_predictors(cal, ps, progress=False, model=model)
+    preds = trained  # int8 MLP rows (the default): the allocation sees their dequantized values, as the engine's
+    if config.predictor_dtype == "int8":
+        preds = Predictors([int8_rows(p) for p in trained.mlp], trained.attn, trained.predictor_input,
+                           trained.metrics, trained.recall_curves)
     info = {"ranks": (mlp_ranks(cfg, ps), default_ranks(cfg, ps)[1]), "input": ps.predictor_input, "curves": preds.recall_curves,
             "calibration": {"corpus": build_mod._corpus_name(cal.manifest["corpus"]), "n_tokens": cal.n_tokens,
                             "window": cal.window, "tokens_fingerprint": cal.manifest["tokens_fingerprint"]}}
@@ -52,7 +57,11 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     mlp_k, attn_k, allocation = resolve_k(lambda: model_parts(model), cfg, config, preds, tok, "reference")
     dtype = DTYPE_NAMES[config.dtype]
     tensors = kernel_layout(model, dtype)
-    tensors.update({k: v.to(dtype).contiguous() for k, v in preds.state_dict().items()})
+    tensors.update({k: v.to(dtype).contiguous() for k, v in trained.state_dict().items()})
+    if config.predictor_dtype == "int8":
+        for l, p in enumerate(trained.mlp):
+            for n in ("a", "b"):
+                tensors[f"layers.{l}.pred_mlp.{n}"], tensors[f"layers.{l}.pred_mlp.{n}_scale"] = quantize_rows(p[n])
     config.density = allocation["density"]
     config.token_k = config.resolve_token_k_form(opt=True)  # the per-token K, fitted in memory
     tk = None

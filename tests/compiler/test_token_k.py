@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dejavu.compiler.masking import masked_sparsity
-from dejavu.compiler.predictors import Predictors
+from dejavu.compiler.predictors import Predictors, int8_rows
 from dejavu.compiler.token_k import (TokenK, fit_tau, fit_theta, fit_theta_read, fit_token_k, read_rows, share_counts,
                                      share_mask, token_counts, token_mask)
 from dejavu.errors import DejavuError
@@ -152,6 +152,7 @@ def test_engine_with_a_per_token_k_decodes_as_the_masked_reference(tiny_opt_dir,
     for form in ("off", "share"):
         out[form] = tmp_path / f"{form}.engine"
         build_engine(tiny_opt_dir, BuildConfig(token_k=form, **kw), out[form], progress=False, predictors=preds)
+    preds = Predictors([int8_rows(p) for p in preds.mlp], preds.attn, preds.predictor_input)  # as the engines hold
     bc, bc_off = read_header(out["share"])["build_config"], read_header(out["off"])["build_config"]
     assert "token_k" not in bc_off and bc["mlp_k"] == bc_off["mlp_k"]
     rec = bc["token_k"]
@@ -253,6 +254,8 @@ def _tiny_build(tiny_opt_dir, tmp_path, rows_of: dict, **over):
         out[name] = tmp_path / f"{name}.engine"
         build_engine(tiny_opt_dir, BuildConfig(token_k=form, token_k_rows=rows, **kw), out[name], progress=False,
                      predictors=preds)
+    if BuildConfig(**kw).predictor_dtype == "int8":  # what the engines carry: the MLP rows' dequantized values
+        preds = Predictors([int8_rows(p) for p in preds.mlp], preds.attn, preds.predictor_input)
     return out, preds
 
 

@@ -82,6 +82,10 @@ SCRIPT = textwrap.dedent('''
         keep = {"nkept_ptr": "*i32"}
         compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
                                                       KEEP=1), dt, overrides=keep)
+        # the int8 predictors: int8 rows, each row's sum times its fp16 scale (SCALE)
+        for even in (True, False):
+            compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=False, BLOCK_R=2, BLOCK_D=1024, EVEN_D=even, GROUP=1,
+                                                          SCALE=1), dt, overrides={"w_ptr": "*i8"})
         for final in (False, True):
             fin = dict(FINAL=final, HAS_RES=True, GROUP=1, SKIP_ZERO=1)
             compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, **fin), dt)

@@ -262,3 +262,57 @@ def test_triton_scores_batch_one_only(triton_interp):
 
     with pytest.raises(DejavuError, match="batch 1 only"):
         predictor_scores_triton(*make(2))
+
+
+# ------------------------------------------------------------------------ int8 rows (the engines' MLP predictors)
+def make_int8(B, Dx=D, r=R, n=N, dtype=torch.float32):
+    """x, a_q [r, Dx] int8, b_q [n, r] int8, bias, (a_scale [r], b_scale [n]) fp16, and a, b dequantized (fp64)."""
+    aq, bq = torch.randint(-127, 128, (r, Dx), dtype=torch.int8), torch.randint(-127, 128, (n, r), dtype=torch.int8)
+    sa = (torch.rand(r) + 0.5).div(127 * Dx ** 0.5).half()  # dequantized rows ~ 1/sqrt(fan-in)
+    sb = (torch.rand(n) + 0.5).div(127 * r ** 0.5).half()
+    deq = lambda q, s: q.double() * s.double()[:, None]  # noqa: E731
+    return (torch.randn(B, Dx).to(dtype), aq, bq, torch.randn(n).to(dtype), (sa, sb), deq(aq, sa), deq(bq, sb))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(72, 16, 200), (1030, 56, 77)])  # D, r, N: none a block multiple
+def test_int8_scores_match_float64(triton_interp, close, dtype, shape):
+    """((x @ a_q.T) * a_scale) @ b_q.T * b_scale + bias against float64 of the dequantized rows: the torch
+    path (CPU; batches on the GPU) and the Triton GEMVs reading int8 with the scale once per output row."""
+    from dejavu.plugins.predictor import predictor_scores_triton
+
+    x, aq, bq, bias, scales, a64, b64 = make_int8(1, *shape, dtype=dtype)
+    ref = predictor_scores(x.double(), a64, b64, bias.double())
+    same = predictor_scores(x, a64.to(dtype), b64.to(dtype), bias)  # float rows in x's dtype
+    out = predictor_scores(x, aq, bq, bias, scales)
+    assert out.dtype == dtype
+    close(out, ref, same)
+    for config in (None, {"a": {"BLOCK_R": 2, "BLOCK_D": 256}, "b": {"BLOCK_R": 8, "BLOCK_D": 32}}):
+        tri = predictor_scores_triton(x, aq, bq, bias, config=config, scales=scales)
+        assert tri.dtype == dtype
+        close(tri, ref, same)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_int8_topk_selects_the_float64_top_k(triton_interp, B):
+    x, aq, bq, bias, scales, a64, b64 = make_int8(B)
+    ref = predictor_topk_ref(x.double(), a64, b64, bias.double(), 37)
+    assert torch.equal(predictor_topk_ref(x.double(), aq, bq, bias.double(), 37, scales=scales), ref)
+    for kw in ({}, {"method": "triton"}, {"scoring": "triton", "method": "triton"}):
+        idx = predictor_topk(x, aq, bq, bias, 37, scales=scales, **kw)
+        assert idx.dtype == torch.int32 and torch.equal(idx.sort(-1).values, ref.sort(-1).values)
+    got, n = predictor_topk(x, aq, bq, bias, 60, scales=scales, min_share=0.01, scoring="triton", method="triton")
+    want, n_ref = predictor_topk_ref(x.double(), a64, b64, bias.double(), 60, min_share=0.01)
+    assert torch.equal(n, n_ref) and all(set(got[i, :n[i]].tolist()) == set(want[i, :n[i]].tolist()) for i in range(B))
+
+
+def test_int8_bad_inputs_rejected():
+    x, aq, bq, bias, (sa, sb), a64, b64 = make_int8(2)
+    with pytest.raises(DejavuError, match="a: expected dtype torch.int8"):
+        predictor_topk(x, a64.float(), b64.float(), bias, 5, scales=(sa, sb))
+    with pytest.raises(DejavuError, match="a_scale: expected dtype torch.float16"):
+        predictor_topk(x, aq, bq, bias, 5, scales=(sa.float(), sb))
+    with pytest.raises(DejavuError, match="b_scale: expected shape"):
+        predictor_topk(x, aq, bq, bias, 5, scales=(sa, sb[:-1].contiguous()))
+    with pytest.raises(DejavuError, match="a: expected dtype"):
+        predictor_topk(x, aq, bq, bias, 5)  # int8 rows without their scales

@@ -122,7 +122,10 @@ class MaskedDense:
         j = l - self.lookahead
         x = self.src[(self.source, j)] if j >= 0 else self.src[("attn_in", 0)]  # [B, S, D]
         p = f"layers.{l}.pred_{kind}."
-        scores = (x @ self.t[p + "a"].T) @ self.t[p + "b"].T + self.t[p + "bias"]
+        a, b = self.t[p + "a"], self.t[p + "b"]
+        if p + "a_scale" in self.t:  # int8 rows (build_config.predictor_dtype): their dequantized values
+            a, b = (w.to(x.dtype) * self.t[p + n + "_scale"].to(x.dtype)[:, None] for w, n in ((a, "a"), (b, "b")))
+        scores = (x @ a.T) @ b.T + self.t[p + "bias"]
         k = (self.mlp_k if kind == "mlp" else self.attn_k)[l]
         if kind == "mlp" and self.token_k is not None:
             from dejavu.plugins import share_keep
