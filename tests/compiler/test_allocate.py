@@ -12,7 +12,7 @@ import torch
 from dejavu.compiler.allocate import (HEAD_GRID, ByteCosts, Sensitivity, allocate_head_count, allocate_heads_dense,
                                       allocate_knapsack, allocate_uniform, candidate_ks, heldout_nll, heldout_source,
                                       heldout_windows, measure_sensitivity, measure_sensitivity_passes, model_parts,
-                                      resolve_k, sensitivity_memory)
+                                      resolve_k, sensitivity_memory, sensitivity_states)
 from dejavu.compiler.summary import accuracy_lines
 from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.density import resolve_density
@@ -124,6 +124,16 @@ def test_sensitivity_in_passes_equals_one_pass_bit_for_bit(tiny, dtype):
         assert got.to_dict() == one.to_dict(), m  # exactly: the same operations on the same inputs
         assert len(calls) == math.ceil(L * C / m)
     assert one.delta["attn"][0][0] != 0.0  # the branches did run
+
+
+def test_sensitivity_keeps_no_autograd_graph(tiny):
+    # the layers' parameters require grad, as loaded: a graph per branch held every layer's activations
+    model, cfg, preds, ids = tiny
+    assert next(model.parameters()).requires_grad
+    layers, embed, _ = model_parts(model)
+    x, states, _ = sensitivity_states(layers, embed, ids, preds, {"mlp": [4], "attn": [1]})
+    assert len(states) == 2 * cfg.num_hidden_layers
+    assert not x.requires_grad and not any(s.requires_grad for s in states.values())
 
 
 def test_sensitivity_passes_follow_the_memory_bound(tiny, monkeypatch):
