@@ -267,10 +267,10 @@ def measure_sensitivity_passes(parts: Callable, ids: torch.Tensor, predictors, k
     checkpoint again; the branch forwards are the same work as one pass. Each branch's state and
     loss are those of the single pass, bit for bit (the same operations on the same inputs)."""
     C = sum(len(ks.get(kind) or []) for kind in KINDS)
-    dense, delta, L, start = None, {}, None, 0
+    dense, delta, L, start, m = None, {}, None, 0, None
     while L is None or start < L * C:
         layers, embed, head = parts()
-        if L is None:  # the first pass: the state size from the embedded windows [B, S, D]
+        if L is None and max_bytes is not None:  # the state size from the embedded windows [B, S, D]
             probe = embed(ids)
             m = branches_per_pass(probe.nelement() * probe.element_size(), max_bytes)
             del probe
