@@ -193,42 +193,48 @@ class Sensitivity:
         return cls(d["ks"], d["delta"], d["dense_nll"], d["tokens"])
 
 
-@torch.no_grad()
 def _amp(device_type: str, dtype: str):
     """bfloat16 autocast for dtype "bfloat16", else a no-op context (`BuildConfig.sensitivity_dtype`)."""
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
+@torch.no_grad()
 def sensitivity_states(layers: Iterable, embed: Callable, ids: torch.Tensor, predictors, ks: dict,
-                       progress: bool = False, dtype: str = "float32") -> tuple[torch.Tensor, dict, int]:
+                       progress: bool = False, dtype: str = "float32",
+                       branches: range | None = None) -> tuple[torch.Tensor, dict, int]:
     """The hidden states `measure_sensitivity` scores: (the dense final state, {(l, kind, k): the final
     state of the branch started at layer l with that selection and run dense afterwards}, L).
-    Studies that need per-token losses (benchmarks/knapsack_noise.py) score them themselves."""
+    branches: which branches run, by index in the order (l, kind in KINDS, k in ks[kind]) (None:
+    all); the rest are never started. Studies that need per-token losses
+    (benchmarks/knapsack_noise.py) score the states themselves.
+    Memory: (1 + len(branches)) states of [B, S, D] (no autograd graph is kept)."""
     x = embed(ids)
     srcs = _Sources(predictors.predictor_input)
-    branches: dict[tuple, torch.Tensor] = {}
+    states: dict[tuple, torch.Tensor] = {}
     it = enumerate(layers)
     if progress:
         from tqdm import tqdm
         it = tqdm(it, desc="sensitivity", unit="layer")
-    L = 0
+    L, i = 0, 0  # i: index of the next branch in the order above
     for l, layer in it:
         with _amp(x.device.type, dtype):
-            for key in branches:  # branches started earlier: this layer runs dense
-                branches[key] = layer(branches[key], None, None)
+            for key in states:  # branches started earlier: this layer runs dense
+                states[key] = layer(states[key], None, None)
             srcs.enter(l, x)
             x_next = srcs.run(l, layer, x)
         xp = srcs.predictor_input(l)
         for kind in KINDS:
-            if not ks.get(kind):
+            mine = [k for j, k in enumerate(ks.get(kind) or [], i) if branches is None or j in branches]
+            i += len(ks.get(kind) or [])
+            if not mine:
                 continue
-            order = _order(predictors, kind, l, xp, max(ks[kind]))
-            for k in ks[kind]:
+            order = _order(predictors, kind, l, xp, max(ks[kind]))  # as in one pass, whatever runs
+            for k in mine:
                 sel = {"mlp_idx" if kind == "mlp" else "attn_idx": order[..., :k]}
                 with fixed_selection(layer, **sel), _amp(x.device.type, dtype):
-                    branches[(l, kind, k)] = layer(x, None, None)
+                    states[(l, kind, k)] = layer(x, None, None)
         x, L = x_next, l + 1
-    return x, branches, L
+    return x, states, L
 
 
 def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: torch.Tensor, predictors,
@@ -240,14 +246,79 @@ def measure_sensitivity(layers: Iterable, embed: Callable, head: Callable, ids: 
     dtype "bfloat16": the layers' and the LM head's matmuls (dense path and branches alike) under
     bfloat16 autocast, the residual stream, LayerNorms, predictors and losses in float32
     (`BuildConfig.sensitivity_dtype`; float64 inputs are never cast).
-    Memory: (1 + L * (C_mlp + C_attn)) states of [B, S, D]; each branch ends in `head`."""
-    x, branches, L = sensitivity_states(layers, embed, ids, predictors, ks, progress, dtype)
-    with _amp(x.device.type, dtype):
-        dense = _nll(head, x, ids)
-        delta = {kind: [[_nll(head, branches[(j, kind, k)], ids) - dense for k in ks.get(kind, [])]
-                        for j in range(L)] for kind in KINDS}
-    return Sensitivity({kind: list(ks.get(kind, [])) for kind in KINDS}, delta, dense,
-                       int(ids.shape[0] * (ids.shape[1] - 1)))
+    Memory: (1 + L * (C_mlp + C_attn)) states of [B, S, D]; `measure_sensitivity_passes` bounds it."""
+    return measure_sensitivity_passes(lambda: (layers, embed, head), ids, predictors, ks, None, progress, dtype)
+
+
+def branches_per_pass(state_bytes: int, max_bytes: int | None) -> int | None:
+    """Branch states of `state_bytes` each that fit `max_bytes` (at least one; None: no bound)."""
+    return None if max_bytes is None else max(1, max_bytes // state_bytes)
+
+
+@torch.no_grad()
+def measure_sensitivity_passes(parts: Callable, ids: torch.Tensor, predictors, ks: dict, max_bytes: int | None,
+                               progress: bool = False, dtype: str = "float32") -> Sensitivity:
+    """`measure_sensitivity` with its branch states held within `max_bytes` (None: one pass).
+
+    parts() -> (layers, embed, head), called once per pass (`layers` may be one-shot). Each pass
+    runs the dense stream through every layer and a run of consecutive branches (order of
+    `sensitivity_states`), as many as `branches_per_pass` fits, each scored and freed at the end
+    of its pass: ceil(L * (C_mlp + C_attn) / m) passes of m branches. A pass costs one dense
+    forward of the held-out windows and, in the layer-streamed build, reading every layer of the
+    checkpoint again; the branch forwards are the same work as one pass. Each branch's state and
+    loss are those of the single pass, bit for bit (the same operations on the same inputs)."""
+    C = sum(len(ks.get(kind) or []) for kind in KINDS)
+    dense, delta, L, start, m = None, {}, None, 0, None
+    while L is None or start < L * C:
+        layers, embed, head = parts()
+        if L is None and max_bytes is not None:  # the state size from the embedded windows [B, S, D]
+            probe = embed(ids)
+            m = branches_per_pass(probe.nelement() * probe.element_size(), max_bytes)
+            del probe
+        run = range(start, start + m) if m is not None else None
+        x, states, L = sensitivity_states(layers, embed, ids, predictors, ks, progress, dtype, run)
+        with _amp(x.device.type, dtype):
+            dense = _nll(head, x, ids) if dense is None else dense
+            del x
+            for key in list(states):  # scored one at a time: the state is freed as soon as scored
+                delta[key] = _nll(head, states.pop(key), ids) - dense
+        if m is None:
+            break
+        start += m
+    return Sensitivity({kind: list(ks.get(kind) or []) for kind in KINDS},
+                       {kind: [[delta[(j, kind, k)] for k in ks.get(kind) or []] for j in range(L)] for kind in KINDS},
+                       dense, int(ids.shape[0] * (ids.shape[1] - 1)))
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free for new tensors on `device`: CUDA's free memory plus what PyTorch holds unused;
+    on the CPU the host's available memory (/proc/meminfo MemAvailable, else psutil). None: unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def sensitivity_memory(config) -> int | None:
+    """Bytes the sensitivity pass's branch states may hold (a BuildConfig): its
+    sensitivity_memory_gib, else SENSITIVITY_FREE_SHARE of the device's free memory (None: unknown,
+    one pass). The rest of the free memory is left to the layers the pass reads and their activations."""
+    if config.sensitivity_memory_gib is not None:
+        return int(config.sensitivity_memory_gib * 2 ** 30)
+    free = free_memory(config.device)
+    return None if free is None else int(SENSITIVITY_FREE_SHARE * free)
 
 
 @torch.no_grad()
@@ -407,6 +478,10 @@ SENSITIVITY_VERSION = 1
 # text the docs evaluate on. Held-out windows of the training text priced heads too low: at
 # bytes 0.7 / 0.8 the allocation they chose lost to heads-dense on WikiText-2 test (docs/accuracy.md).
 DEFAULT_HELDOUT = HELDOUT_TEXT
+# Share of the free device memory the sensitivity pass's branch states may hold where
+# BuildConfig.sensitivity_memory_gib is not given; the rest is left to the layers it reads (two at once in
+# the layer-streamed build) and their activations.
+SENSITIVITY_FREE_SHARE = 0.5
 SEARCH_STEPS = 10  # bisection steps of --max-ppl-increase: budget resolution (1 - least) / 1024
 
 
@@ -431,9 +506,10 @@ def heldout_source(config) -> tuple[str | None, int]:
 
 
 def _sensitivity_cached(parts: Callable, ids, predictors, ks: dict, cache_key: str, progress: bool,
-                        dtype: str) -> Sensitivity:
-    """measure_sensitivity, cached as JSON under $DEJAVU_CACHE/sensitivity by (model, predictors,
-    held-out tokens, candidates, dtype): builds at several budgets from one training measure once."""
+                        dtype: str, max_bytes: int | None) -> Sensitivity:
+    """measure_sensitivity_passes, cached as JSON under $DEJAVU_CACHE/sensitivity by (model, predictors,
+    held-out tokens, candidates, dtype; not max_bytes, which changes no result): builds at several
+    budgets from one training measure once."""
     import hashlib
     import json
 
@@ -449,8 +525,7 @@ def _sensitivity_cached(parts: Callable, ids, predictors, ks: dict, cache_key: s
     path = default_cache_dir().parent / "sensitivity" / f"{h.hexdigest()[:24]}.json"
     if path.is_file():
         return Sensitivity.from_dict(json.loads(path.read_text()))
-    layers, embed, head = parts()
-    sens = measure_sensitivity(layers, embed, head, ids, predictors, ks, progress, dtype)
+    sens = measure_sensitivity_passes(parts, ids, predictors, ks, max_bytes, progress, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(sens.to_dict()))
@@ -517,7 +592,8 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     sens = None
     if config.allocation == "sensitivity" and len(frozen) < 2 and not mlp_only:
         ks = {kind: candidate_ks(n[kind]) for kind in KINDS if kind not in frozen}
-        sens = _sensitivity_cached(parts, sens_ids, predictors, ks, cache_key, progress, config.sensitivity_dtype)
+        sens = _sensitivity_cached(parts, sens_ids, predictors, ks, cache_key, progress, config.sensitivity_dtype,
+                                   sensitivity_memory(config))
     # Heads fixed by the user (sparse): the same head count, spread across layers by measured loss
     # (each head K alone per layer on the first held-out set, `allocate_head_count`), then checked
     # against the even spread on the second set (`head_checked`). On opt-mini at heads 0.5 the
@@ -526,7 +602,7 @@ def resolve_k(parts: Callable, cfg: OPTConfig, config, predictors, tokenizer, ca
     spread_heads = config.allocation == "sensitivity" and uniform_heads not in (None, dense_k[1])
     if spread_heads:
         head_sens = _sensitivity_cached(parts, sens_ids, predictors, {"attn": candidate_ks(n["attn"], HEAD_GRID)},
-                                        cache_key, progress, config.sensitivity_dtype)
+                                        cache_key, progress, config.sensitivity_dtype, sensitivity_memory(config))
         frozen["attn"] = allocate_head_count(head_sens, sum(uniform_heads), n["attn"])
     if sens is not None or spread_heads:
         source += f"; sensitivity on {sens_source}"

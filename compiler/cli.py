@@ -83,6 +83,9 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--sensitivity-dtype", default=S, choices=SENSITIVITY_DTYPES,
                    help="matmuls of the sensitivity pass (the recorded held-out figures are float32; float32 "
                         "on CPUs without bfloat16 instructions)")
+    p.add_argument("--sensitivity-memory-gib", type=float, default=S, metavar="GIB",
+                   help="cap on the sensitivity pass's branch states (more passes over the layers, the same "
+                        "result; default: half the device's free memory)")
     p.add_argument("--token-k", default=S, choices=TOKEN_K_FORMS,
                    help="share: a per-token MLP K (the rows whose predicted share passes a per-layer threshold, "
                         "at most 2 K per layer, mean K on the held-out windows; the --onnx-out graphs carry it "

@@ -149,6 +149,10 @@ class BuildConfig:
     # benchmarks/sensitivity_dtype.py, docs/compiler.md "Allocation").
     # (--sensitivity-dtype float32 suits a CPU without bfloat16 instructions, AVX512-BF16 / AMX, not measured here)
     sensitivity_dtype: str = "bfloat16"
+    # GiB the sensitivity pass's branch states may hold (allocate.measure_sensitivity_passes: more
+    # passes over the layers where they do not fit; the result is the same); None: half the free
+    # memory of the device (allocate.SENSITIVITY_FREE_SHARE)
+    sensitivity_memory_gib: float | None = None
     dtype: str = "float16"  # engine weight dtype: float16 | bfloat16 | float32
     # calibration forward (layers and carried residuals): float32, or float16 | bfloat16 to halve
     # the device memory of a layer and of the residuals (docs/compiler.md: recall vs float32)
@@ -206,6 +210,9 @@ class BuildConfig:
         if self.sensitivity_dtype not in SENSITIVITY_DTYPES:
             raise DejavuError(f"--sensitivity-dtype must be one of {', '.join(SENSITIVITY_DTYPES)}, "
                               f"got {self.sensitivity_dtype!r}")
+        m = self.sensitivity_memory_gib
+        if m is not None and (type(m) not in (int, float) or not m > 0 or math.isinf(m)):
+            raise DejavuError(f"--sensitivity-memory-gib must be a positive number, got {m!r}")
         if self.allocation not in ALLOCATIONS:
             raise DejavuError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if type(self.refine_evals) is not int or self.refine_evals < 0:

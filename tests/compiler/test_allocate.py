@@ -1,6 +1,7 @@
 """Byte budgets → per-layer K: bytes, measured sensitivity, knapsack, --max-ppl-increase (tiny OPT, CPU)."""
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -10,7 +11,8 @@ import torch
 
 from dejavu.compiler.allocate import (HEAD_GRID, ByteCosts, Sensitivity, allocate_head_count, allocate_heads_dense,
                                       allocate_knapsack, allocate_uniform, candidate_ks, heldout_nll, heldout_source,
-                                      heldout_windows, measure_sensitivity, model_parts, resolve_k)
+                                      heldout_windows, measure_sensitivity, measure_sensitivity_passes, model_parts,
+                                      resolve_k, sensitivity_memory, sensitivity_states)
 from dejavu.compiler.summary import accuracy_lines
 from dejavu.compiler.config import BuildConfig
 from dejavu.compiler.density import resolve_density
@@ -93,6 +95,65 @@ def test_sensitivity_branches_equal_the_masked_model(tiny, dtype):
         (mk if kind == "mlp" else ak)[l] = ks[kind][i]
         assert sens.delta[kind][l][i] == pytest.approx(_masked_nll(model, ids, mk, ak, preds) - dense, abs=1e-10)
     assert sens.delta["attn"][0][0] > 0  # one head of four costs something
+
+
+def _one_shot_parts(model):
+    """parts() as the layer-streamed build makes it: each call a fresh one-shot layer iterator; counts calls."""
+    layers, embed, head = model_parts(model)
+    calls = []
+
+    def parts():
+        calls.append(1)
+        return iter(list(layers)), embed, head
+    return parts, calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sensitivity_in_passes_equals_one_pass_bit_for_bit(tiny, dtype):
+    model, cfg, preds, ids = tiny
+    if dtype == "bfloat16":  # float64 is never cast: a float32 model really runs under autocast
+        model, preds = copy.deepcopy(model).float(), preds.to(dtype=torch.float32)
+    ks = {"mlp": [4, 20, 36], "attn": [1, 3]}
+    one = measure_sensitivity(*model_parts(model), ids, preds, ks, dtype=dtype)
+    L, C = cfg.num_hidden_layers, 5
+    state = ids.numel() * cfg.hidden_size * next(model.parameters()).element_size()  # one [B, S, D] state
+    # one branch, two, one start layer's, all but one, all layers' branches per pass
+    for m in (1, 2, C, L * C - 1, L * C):
+        parts, calls = _one_shot_parts(model)
+        got = measure_sensitivity_passes(parts, ids, preds, ks, m * state + state // 2, dtype=dtype)
+        assert got.to_dict() == one.to_dict(), m  # exactly: the same operations on the same inputs
+        assert len(calls) == math.ceil(L * C / m)
+    assert one.delta["attn"][0][0] != 0.0  # the branches did run
+
+
+def test_sensitivity_keeps_no_autograd_graph(tiny):
+    # the layers' parameters require grad, as loaded: a graph per branch held every layer's activations
+    model, cfg, preds, ids = tiny
+    assert next(model.parameters()).requires_grad
+    layers, embed, _ = model_parts(model)
+    x, states, _ = sensitivity_states(layers, embed, ids, preds, {"mlp": [4], "attn": [1]})
+    assert len(states) == 2 * cfg.num_hidden_layers
+    assert not x.requires_grad and not any(s.requires_grad for s in states.values())
+
+
+def test_sensitivity_passes_follow_the_memory_bound(tiny, monkeypatch):
+    from dejavu.compiler import allocate
+
+    model, cfg, preds, ids = tiny
+    ks = {"mlp": [4, 20], "attn": [1, 3]}
+    state = ids.numel() * cfg.hidden_size * 8  # float64 states
+    monkeypatch.setattr(allocate, "free_memory", lambda device: 1 << 40)  # room for every branch: one pass
+    passes = []
+    for free in (1 << 40, 6 * state, 2 * state):  # half the free memory: all, 3, 1 branches per pass
+        monkeypatch.setattr(allocate, "free_memory", lambda device, free=free: free)
+        parts, calls = _one_shot_parts(model)
+        measure_sensitivity_passes(parts, ids, preds, ks, sensitivity_memory(BuildConfig(density=0.5)))
+        passes.append(len(calls))
+    assert passes == [1, 4, 12]  # 3 layers x 4 candidates
+    cap = BuildConfig(density=0.5, sensitivity_memory_gib=2 * state / 2 ** 30)  # the cap wins over the free memory
+    assert sensitivity_memory(cap) == 2 * state
+    monkeypatch.undo()
+    assert sensitivity_memory(BuildConfig(density=0.5)) > 0  # this host's available memory is read
 
 
 def test_bfloat16_sensitivity_is_the_float32_one_within_its_rounding():
@@ -255,6 +316,8 @@ def test_max_ppl_increase_with_heads_fixed_spreads_them_and_meets_its_target(tin
     ({"allocation": "recall"}, "allocation"),
     ({"heldout_tokens": 0}, "heldout-tokens"),
     ({"sensitivity_dtype": "float16"}, "sensitivity-dtype"),
+    ({"sensitivity_memory_gib": 0}, "sensitivity-memory-gib"),
+    ({"sensitivity_memory_gib": "2"}, "sensitivity-memory-gib"),
 ])
 def test_config_rejects_bad_budget_settings(kw, match):
     with pytest.raises(DejavuError, match=match):

@@ -328,3 +328,34 @@ def test_half_compute_keeps_the_weights_and_the_predictor_shapes(tiny_opt_dir, t
             assert abs(r32 - r16) <= 0.1
     with pytest.raises(DejavuError, match="compute-dtype"):
         BuildConfig(density=0.5, compute_dtype="int8")
+
+
+def test_sensitivity_in_passes_gives_the_same_engine(tiny_opt_dir, tmp_path, monkeypatch):
+    """The streamed build with its sensitivity branch states capped at one per pass (each pass reads
+    every layer from the checkpoint again): the engine of the single pass, the recorded cap aside."""
+    from dejavu.compiler.allocate import candidate_ks
+    from dejavu.models import loader
+
+    loaded = []
+    orig = loader.iter_decoder_layers
+
+    def counting(ckpt, dtype, device, start=0):
+        for l, layer in orig(ckpt, dtype, device, start):
+            loaded.append(l)
+            yield l, layer
+    monkeypatch.setattr(loader, "iter_decoder_layers", counting)
+    reads, engines = [], []
+    for name, cap in (("one", None), ("passes", 1e-9)):
+        monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path / name))  # no sensitivity table shared
+        loaded.clear()
+        s = build_engine(tiny_opt_dir, BuildConfig(density=0.7, sensitivity_memory_gib=cap, **QUICK),
+                         tmp_path / f"{name}.engine", progress=False)
+        reads.append(len(loaded))
+        engines.append(read_engine(tmp_path / f"{name}.engine"))
+    (h1, t1), (h2, t2) = engines
+    assert h1["build_config"]["settings"].pop("sensitivity_memory_gib") is None
+    assert h2["build_config"]["settings"].pop("sensitivity_memory_gib") == 1e-9
+    assert h1 == h2 and t1.keys() == t2.keys() and all(torch.equal(t1[k], t2[k]) for k in t1)
+    L = len(s["mlp_k"])
+    branches = L * (len(candidate_ks(s["ffn_dim"])) + len(candidate_ks(s["num_heads"])))
+    assert reads[1] - reads[0] == (branches - 1) * L  # one pass per branch, each over every layer
