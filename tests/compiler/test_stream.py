@@ -73,6 +73,20 @@ def _reference_engine(folder, config: BuildConfig, path, cache, monkeypatch):
     write_engine(path, header, tensors)
 
 
+def _count_layer_reads(monkeypatch) -> list[int]:
+    """The list every decoder layer the checkpoint loader yields is appended to, from now on."""
+    from dejavu.models import loader
+
+    loaded, orig = [], loader.iter_decoder_layers
+
+    def counting(ckpt, dtype, device, start=0):
+        for l, layer in orig(ckpt, dtype, device, start):
+            loaded.append(l)
+            yield l, layer
+    monkeypatch.setattr(loader, "iter_decoder_layers", counting)
+    return loaded
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_streamed_build_equals_whole_model_pipeline(tiny_opt_dir, tmp_path, dtype, monkeypatch):
     config = BuildConfig(density=0.7, dtype=dtype, **QUICK)
@@ -114,15 +128,7 @@ def test_resume_after_interrupt_between_layers_gives_the_same_file(make_tiny_opt
     assert not out.exists()
     state = tmp_path / ".resumed.engine.build"
     assert json.loads((state / "progress.json").read_text()) == {"layers_done": 2}
-    loaded = []  # the layers read on the resumed run
-    from dejavu.models import loader
-    orig = loader.iter_decoder_layers
-
-    def counting(ckpt, dtype, device, start=0):
-        for l, layer in orig(ckpt, dtype, device, start):
-            loaded.append(l)
-            yield l, layer
-    monkeypatch.setattr(loader, "iter_decoder_layers", counting)
+    loaded = _count_layer_reads(monkeypatch)  # the layers read on the resumed run
     s = build_engine(folder, config, out, progress=False)
     # the build reads only the unfinished layer; the allocation's held-out passes then stream
     # every layer again, in whole passes 0 .. L-1
@@ -334,16 +340,8 @@ def test_sensitivity_in_passes_gives_the_same_engine(tiny_opt_dir, tmp_path, mon
     """The streamed build with its sensitivity branch states capped at one per pass (each pass reads
     every layer from the checkpoint again): the engine of the single pass, the recorded cap aside."""
     from dejavu.compiler.allocate import candidate_ks
-    from dejavu.models import loader
 
-    loaded = []
-    orig = loader.iter_decoder_layers
-
-    def counting(ckpt, dtype, device, start=0):
-        for l, layer in orig(ckpt, dtype, device, start):
-            loaded.append(l)
-            yield l, layer
-    monkeypatch.setattr(loader, "iter_decoder_layers", counting)
+    loaded = _count_layer_reads(monkeypatch)
     reads, engines = [], []
     for name, cap in (("one", None), ("passes", 1e-9)):
         monkeypatch.setenv("DEJAVU_CACHE", str(tmp_path / name))  # no sensitivity table shared
