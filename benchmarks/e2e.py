@@ -18,11 +18,11 @@ Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS st
                   "deferred" (K/V of the selected heads only; the headline)
   dejavu_d{D}_on_fullkv  the same with kv_policy "full" (K/V of every head each step),
                   at --full-kv-densities (default 0.3), overlap on
-  dejavu_d{D}_{on|off}_tokenk  (--token-k) density D with a per-token MLP K: top-2K_l, theta_l fitted so
-                  that the mean kept rows are K_l (with_token_k); batch 1 / per sequence. Its floor
-                  counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer over the probe's 8 steps.
-                  --token-k-rows read: theta_l fitted so that the mean rows read (kept + kept with h != 0) are 2 K_l
-                  (`dejavu-compile --token-k-rows read`)
+  dejavu_d{D}_{on|off}_tokenk  (--token-k) density D with a per-token MLP K: top-2K_l, theta_l fitted
+                  (with_token_k) to --token-k-rows: read (the default, as dejavu-compile's) so that the mean rows
+                  read (kept + kept with h != 0) are 2 K_l, selected so that the mean kept rows are K_l; batch 1 /
+                  per sequence. Its floor counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer
+                  over the probe's 8 steps.
   ..._nocompact   (--no-compact-zeros) each overlap-on row of per-sequence sets (or batch 1) again with fc2 skipping
                   h's zeros in place instead of over its nonzero rows (DecodeOptions.compact_zeros off; on by default:
                   compact_rows + fc2 stopping at their count)
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.config import PREDICTOR_DTYPES, PredictorSettings
+from dejavu.compiler.config import PREDICTOR_DTYPES, TOKEN_K_ROWS, BuildConfig, PredictorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 PREDICTOR_DTYPE = PredictorSettings.dtype  # the random engines' MLP predictors: as the compiler's default
@@ -356,8 +356,8 @@ def header_for(c: dict, density, dtype_name: str, ranks, predictor_dtype: str = 
             "target": {"device": "cuda", "arch": None, "kernel_settings": {}}}
 
 
-def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, seed: int = 0,
-                 rows: str = "selected") -> dict:
+def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, seed: int = 0, *,
+                 rows: str) -> dict:
     """header with a per-token MLP K (build_config.token_k, form "share"): each sparse layer selects its
     top k_max = 2 K_l and keeps the rows whose share passes theta_l, fitted (compiler.token_k.fit_theta) so
     that the mean kept rows are K_l on the inputs its predictor sees in decode: a fixed-K engine of the same
@@ -970,9 +970,9 @@ def main(argv=None) -> int:
     p.add_argument("--tuned", default=None,
                    help="kernels.py JSON(s), comma-separated, whose sweep / sweep_attn / pred_gemv choices to use")
     p.add_argument("--token-k", action="store_true",
-                   help="also each density with a per-token MLP K (top-2K, mean K kept rows; batch 1 / per sequence), "
-                        "overlap on and off: dejavu_d{D}_{on|off}_tokenk")
-    p.add_argument("--token-k-rows", default="selected", choices=["selected", "read"],
+                   help="also each density with a per-token MLP K (top-2K, fitted to --token-k-rows; batch 1 / per "
+                        "sequence), overlap on and off: dejavu_d{D}_{on|off}_tokenk")
+    p.add_argument("--token-k-rows", default=BuildConfig.token_k_rows, choices=TOKEN_K_ROWS,
                    help="the per-token K's fit: mean kept rows K (selected) or mean rows read 2K (read: kept + "
                         "kept with h != 0), as dejavu-compile --token-k-rows")
     p.add_argument("--no-compact-zeros", action="store_true",

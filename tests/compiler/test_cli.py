@@ -140,7 +140,7 @@ def test_inspect(built, capsys):
     (["MODEL", "--density", "0.3", "--device", "tpu"], "--device"),
     (["MODEL", "--density", "0.3", "--calib", "/nonexistent/corpus.txt"], "corpus"),
     (["MODEL", "--density", "0.3", "--token-k-rows", "all"], "--token-k-rows"),
-    (["MODEL", "--density", "0.3", "--token-k", "off", "--token-k-rows", "read"], "needs a per-token K"),
+    (["MODEL", "--density", "0.3", "--token-k", "off", "--token-k-rows", "selected"], "needs a per-token K"),
 ])
 def test_compile_bad_input(tiny_opt_dir, tmp_path, capsys, argv, match):
     argv = [str(tiny_opt_dir) if a == "MODEL" else a for a in argv]

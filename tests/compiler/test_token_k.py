@@ -345,11 +345,14 @@ def test_bad_token_k_rows_is_one_error(tiny_opt_dir, tmp_path):
     from dejavu.compiler.build import build_engine
     from dejavu.compiler.config import BuildConfig
 
-    with pytest.raises(DejavuError, match="--token-k-rows must be one of selected, read, got 'all'"):
+    with pytest.raises(DejavuError, match="--token-k-rows must be one of read, selected, got 'all'"):
         BuildConfig(density=0.5, token_k_rows="all")
-    assert BuildConfig.from_dict({"density": 0.5}).token_k_rows == "selected"  # settings recorded before the field
-    for kw in ({"token_k": "off"}, {"tp": 2}):
-        with pytest.raises(DejavuError, match="--token-k-rows read needs a per-token K"):
-            build_engine(tiny_opt_dir, BuildConfig(density=0.7, token_k_rows="read", **kw), tmp_path / "e.engine",
-                         progress=False)
+    # settings without the field (recorded before it) get the default; an engine's own rule is its token_k
+    # record's "rows" (none: "selected", test_engine_fitted_to_rows_read_decodes_as_the_masked_reference)
+    assert BuildConfig.from_dict({"density": 0.5}).token_k_rows == "read"
+    for kw in ({"token_k": "off"}, {"tp": 2}):  # the default rows measure is no error without a per-token K
+        assert BuildConfig(density=0.7, **kw).resolve_token_k_form(True) == "off"
+        with pytest.raises(DejavuError, match="--token-k-rows selected needs a per-token K"):
+            build_engine(tiny_opt_dir, BuildConfig(density=0.7, token_k_rows="selected", **kw),
+                         tmp_path / "e.engine", progress=False)
     assert not (tmp_path / "e.engine").exists()
