@@ -42,9 +42,10 @@ TOKEN_K_FORMS = ("off", "share")
 # the measure a per-token K's thresholds are fitted to (compiler/token_k.py), the default first: read = mean
 # rows read 2 K_l, fc1's kept rows + fc2's kept rows with h != 0 (fc2 runs over h's nonzero rows only,
 # DecodeOptions.compact_zeros, so the count is the bytes fc2 reads); selected = mean kept rows K_l.
-# opt-mini, heads dense, int8 predictors, 32,768 WikiText-2 test tokens: MLP 0.1 +3.66% (selected) vs ~+1.5%
-# (read); the whole OPT-30B step at batch 1, d0.1 (H100 80GB HBM3, 2026-12-05, commit 424623d,
-# benchmarks/gpu/compact_ab.sh): 4.197 ms vs fixed K 4.006, the per-token K's overhead at equal claimed bytes
+# opt-mini, heads dense, int8 predictors, 32,704 WikiText-2 test tokens (2-core CPU, 2026-12-05): MLP 0.1 / 0.2
+# +3.66 / +0.35% (selected) vs +1.52 / +0.03% (read); the whole OPT-30B step at batch 1, d0.1 (H100 80GB HBM3,
+# 2026-12-05, commit 424623d, benchmarks/gpu/compact_ab.sh): 4.197 ms vs fixed K 4.006, the per-token K's
+# overhead at equal claimed bytes
 # (docs/predictors.md, "Default engines: int8 predictors, rows read, fc2 over nonzero rows (2026-12-05)")
 TOKEN_K_ROWS = ("read", "selected")
 # How the MLP predictors' A [r, D] and B [F, r] are stored: int8 = symmetric int8 with one fp16 scale a row
