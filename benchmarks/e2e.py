@@ -18,13 +18,14 @@ Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS st
                   "deferred" (K/V of the selected heads only; the headline)
   dejavu_d{D}_on_fullkv  the same with kv_policy "full" (K/V of every head each step),
                   at --full-kv-densities (default 0.3), overlap on
-  dejavu_d{D}_{on|off}_tokenk  (--token-k) density D with a per-token MLP K: top-2K_l, theta_l fitted so
-                  that the mean kept rows are K_l (with_token_k); batch 1 / per sequence. Its floor
-                  counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer over the probe's 8 steps.
-                  --token-k-rows read: theta_l fitted so that the mean rows read (kept + kept with h != 0) are 2 K_l
-                  (`dejavu-compile --token-k-rows read`)
-  ..._compact     (--compact-zeros) each overlap-on row of per-sequence sets (or batch 1) again with fc2 over h's
-                  nonzero rows (DecodeOptions.compact_zeros: compact_rows + fc2 stopping at their count)
+  dejavu_d{D}_{on|off}_tokenk  (--token-k) density D with a per-token MLP K: top-2K_l, theta_l fitted
+                  (with_token_k) to --token-k-rows: read (the default, as dejavu-compile's) so that the mean rows
+                  read (kept + kept with h != 0) are 2 K_l, selected so that the mean kept rows are K_l; batch 1 /
+                  per sequence. Its floor counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer
+                  over the probe's 8 steps.
+  ..._nocompact   (--no-compact-zeros) each overlap-on row of per-sequence sets (or batch 1) again with fc2 skipping
+                  h's zeros in place instead of over its nonzero rows (DecodeOptions.compact_zeros off; on by default:
+                  compact_rows + fc2 stopping at their count)
 (--overlaps on: the density rows with the overlap on only) and for each the bandwidth floor: bytes that
 policy must read per step / copy bandwidth measured in this run. Per-step latency = decode time / steps (one token per sequence).
 
@@ -52,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.config import PREDICTOR_DTYPES, PredictorSettings
+from dejavu.compiler.config import PREDICTOR_DTYPES, TOKEN_K_ROWS, BuildConfig, PredictorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 PREDICTOR_DTYPE = PredictorSettings.dtype  # the random engines' MLP predictors: as the compiler's default
@@ -207,8 +208,9 @@ ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spr
              "norefresh": _options(kv_refresh=0), "refresh4": _options(kv_refresh=4, kv_refresh_lags=(None, None)),
              # the LayerNorm before attention as its own launch (not in the Q/K/V kernel)
              "nolnqkv": _options(defer_ln_attn=False),
-             # fc2 over h's nonzero rows, compacted first (DecodeOptions.compact_zeros; also --compact-zeros)
-             "compact": _options(compact_zeros=True),
+             # fc2 skipping h's zeros in place, not over its nonzero rows compacted first
+             # (DecodeOptions.compact_zeros off; also --no-compact-zeros)
+             "nocompact": _options(compact_zeros=False),
              # batch 1's Q/K/V choices: SHARED_P 16 on the unfolded route; the finish never folded into
              # attention; the partial kernel aimed at 528 programs (every SM slot) instead of 512
              "nounfolded": _replace("qkv_b1", SHARED_P_UNFOLDED=None),
@@ -354,8 +356,8 @@ def header_for(c: dict, density, dtype_name: str, ranks, predictor_dtype: str = 
             "target": {"device": "cuda", "arch": None, "kernel_settings": {}}}
 
 
-def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, seed: int = 0,
-                 rows: str = "selected") -> dict:
+def with_token_k(header: dict, t: dict, c: dict | None = None, steps: int = 32, seed: int = 0, *,
+                 rows: str) -> dict:
     """header with a per-token MLP K (build_config.token_k, form "share"): each sparse layer selects its
     top k_max = 2 K_l and keeps the rows whose share passes theta_l, fitted (compiler.token_k.fit_theta) so
     that the mean kept rows are K_l on the inputs its predictor sees in decode: a fixed-K engine of the same
@@ -625,18 +627,18 @@ def smoke(ks=None) -> dict:
             del e, ref
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-    # fc2 over h's nonzero rows (DecodeOptions.compact_zeros), graph on, batch 1 and 3 (per-sequence sets),
-    # fp32 against the CPU reference (the option off there)
+    # fc2 skipping h's zeros in place (DecodeOptions.compact_zeros off; the checks above run it on), graph on,
+    # batch 1 and 3 (per-sequence sets), fp32 against the CPU reference
     for nb, want_b, lg_b in ((1, want1, lg1), (3, want, want_logits)):
-        key = f"fp32 batch {nb} compact_zeros"
+        key = f"fp32 batch {nb} compact_zeros off"
         try:
             e = Engine.from_tensors(h32, t32, DEV, batch_policy="per_sequence", kernel_settings=ks)
-            e.decoder.set_options(compact_zeros=True)
+            e.decoder.set_options(compact_zeros=False)
             got = e.generate(prompts[:nb], n, stop_at_eos=False)
             err = float((_forced_logits(e, prompts[:nb], toks[:nb]) - lg_b).norm() / lg_b.norm())
             checks[key] = {"tokens_equal": got == want_b, "logits_rel_err": err, "kernels": e.ops.kernels,
                            "kernel_check": e.kernel_check,
-                           "ok": bool(got == want_b and err < 1e-3 and e.ops.kernels["compact_rows"] == "triton")}
+                           "ok": bool(got == want_b and err < 1e-3 and e.ops.kernels["sparse_fc2"] == "triton")}
             del e
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
@@ -825,8 +827,8 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     if a.token_k:  # the per-token K beside it (with_token_k)
                         systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_tokenk", d, o, "per_sequence", kv0)
                                     for o in a.overlaps]
-                    if a.compact_zeros:  # fc2 over h's nonzero rows beside each overlap-on row of these
-                        systems += [(f"{s_}_compact", d_, o_, p_, k_) for s_, d_, o_, p_, k_ in systems
+                    if a.no_compact_zeros:  # fc2 skipping zeros in place beside each overlap-on row of these
+                        systems += [(f"{s_}_nocompact", d_, o_, p_, k_) for s_, d_, o_, p_, k_ in systems
                                     if d_ == d and o_ and p_ == "per_sequence" and k_ == kv0]
                     if d in a.full_kv_densities:  # the other policy next to it, overlap on
                         systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
@@ -968,14 +970,14 @@ def main(argv=None) -> int:
     p.add_argument("--tuned", default=None,
                    help="kernels.py JSON(s), comma-separated, whose sweep / sweep_attn / pred_gemv choices to use")
     p.add_argument("--token-k", action="store_true",
-                   help="also each density with a per-token MLP K (top-2K, mean K kept rows; batch 1 / per sequence), "
-                        "overlap on and off: dejavu_d{D}_{on|off}_tokenk")
-    p.add_argument("--token-k-rows", default="selected", choices=["selected", "read"],
+                   help="also each density with a per-token MLP K (top-2K, fitted to --token-k-rows; batch 1 / per "
+                        "sequence), overlap on and off: dejavu_d{D}_{on|off}_tokenk")
+    p.add_argument("--token-k-rows", default=BuildConfig.token_k_rows, choices=TOKEN_K_ROWS,
                    help="the per-token K's fit: mean kept rows K (selected) or mean rows read 2K (read: kept + "
                         "kept with h != 0), as dejavu-compile --token-k-rows")
-    p.add_argument("--compact-zeros", action="store_true",
-                   help="also each overlap-on row of per-sequence sets with fc2 over h's nonzero rows "
-                        "(DecodeOptions.compact_zeros): ..._compact")
+    p.add_argument("--no-compact-zeros", action="store_true",
+                   help="also each overlap-on row of per-sequence sets with fc2 skipping h's zeros in place "
+                        "(DecodeOptions.compact_zeros off): ..._nocompact")
     p.add_argument("--overlaps", default="on,off", help="predictor overlap of the density rows: on,off / on / off")
     p.add_argument("--ablations", default="same,nolnqkv,nopredrand",
                    help="ablation rows, from: " + ", ".join(ABLATIONS))

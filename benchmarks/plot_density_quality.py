@@ -2,13 +2,13 @@
 (fixed K, per-token K, per-token K fitted to rows read) on the same WikiText-2 test tokens.
 
     python benchmarks/plot_density_quality.py docs/results/sparsity_quality_mlp_2026-12-05_8k.json \\
-        --engines docs/results/engines_token_k_2026-12-05_8k.json \\
-                  docs/results/engines_token_k_rows_2026-12-05_8k.json -o docs/img/ppl_recall_vs_density_mlp.png
+        --engines docs/results/engines_int8_read_2026-12-05_8k.json -o docs/img/ppl_recall_vs_density_mlp.png
 
 The first JSON is benchmarks/sparsity_quality.py's (scope "mlp", masked dense: oracle, random,
 predicted with fixed K, and the recall columns); --engines are `dejavu-eval --json` files whose
 engines carry benchmarks/build_density_set.py's names: `mD-aA.engine` (`--token-k off`),
-`mD-aA-tkshare.engine` (per-token K, rows `selected`), `mD-aA-tkshare-read.engine` (rows `read`).
+`mD-aA-tkshare.engine` (per-token K, rows `selected`), `mD-aA-tkshare-read.engine` (rows `read`, the
+default since 2026-12-05).
 Every perplexity must be over the same tokens as the masked-dense dense figure (checked).
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dejavu.fileio import atomic_path
 _ENGINE = re.compile(r"m(?P<d>[0-9.]+)-a1\.0(?P<kind>|-tkshare|-tkshare-read)\.engine$")
 ENGINE_CURVES = {  # engine name suffix -> legend label, style
     "": ("predicted, fixed K (`--token-k off`)", "s-"),
-    "-tkshare": ("predicted, per-token K (default, rows `selected`)", "o-"),
-    "-tkshare-read": ("predicted, per-token K fitted to rows read\n(`--token-k-rows read`; bytes counted as rows read)",
-                      "D-"),
+    "-tkshare": ("predicted, per-token K, rows `selected` (`--token-k-rows selected`)", "o-"),
+    "-tkshare-read": ("predicted, the default: per-token K fitted to rows read\n(fc1 kept + fc2 nonzero rows; "
+                      "bytes counted as rows read)", "D-"),
 }
 
 
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     axr.set_xticks(ds)
     axr.grid(alpha=0.3)
     axr.legend(fontsize=7.5, loc="center right")
-    fig.suptitle(f"{quality['model']}: masked dense (oracle, random) and engines (predicted) at the same per-layer K")
+    fig.suptitle(f"{quality['model']}: masked dense (oracle, random; the K of its --k-from engines) and engines "
+                 "(predicted; each its own K)")
     fig.tight_layout()
     with atomic_path(Path(a.out)) as tmp:
         fig.savefig(tmp, format="png", dpi=110)

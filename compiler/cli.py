@@ -93,8 +93,8 @@ def compile_parser() -> argparse.ArgumentParser:
                         "of one rank, off elsewhere)")
     p.add_argument("--token-k-rows", default=S, choices=TOKEN_K_ROWS,
                    help="what the per-token K's held-out mean spends each layer's budget on: selected = K kept "
-                        "rows; read = 2 K rows read, fc1's kept rows + fc2's nonzero ones (fc2 skips the ReLU "
-                        "zeros); the header's bytes per token count the same rows")
+                        "rows; read = 2 K rows read, fc1's kept rows + fc2's nonzero ones (fc2 runs over h's "
+                        "nonzero rows); the header's bytes per token count the same rows")
     p.add_argument("--no-predictors", action="store_true", default=S,
                    help="dense engine without predictors (needs --density 1.0)")
     p.add_argument("--topk-limit", type=int, default=S, metavar="K",

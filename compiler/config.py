@@ -39,9 +39,15 @@ ALLOCATIONS = ("sensitivity", "uniform")  # per-layer K: measured (knapsack) | t
 # predicted share is >= theta_l, at most 2 K_l, mean K_l on the held-out windows (compiler/token_k.py;
 # opt-mini, heads dense, 8,192 WikiText-2 test tokens: docs/predictors.md, "Per-token K in engines")
 TOKEN_K_FORMS = ("off", "share")
-# the measure a per-token K's thresholds are fitted to (compiler/token_k.py): selected = mean kept rows K_l;
-# read = mean rows read 2 K_l, fc1's kept rows + fc2's kept rows with h != 0 (fc2 skips the ReLU zeros)
-TOKEN_K_ROWS = ("selected", "read")
+# the measure a per-token K's thresholds are fitted to (compiler/token_k.py), the default first: read = mean
+# rows read 2 K_l, fc1's kept rows + fc2's kept rows with h != 0 (fc2 runs over h's nonzero rows only,
+# DecodeOptions.compact_zeros, so the count is the bytes fc2 reads); selected = mean kept rows K_l.
+# opt-mini, heads dense, int8 predictors, 32,704 WikiText-2 test tokens (2-core CPU, 2026-12-05): MLP 0.1 / 0.2
+# +3.66 / +0.35% (selected) vs +1.52 / +0.03% (read); the whole OPT-30B step at batch 1, d0.1 (H100 80GB HBM3,
+# 2026-12-05, commit 424623d, benchmarks/gpu/compact_ab.sh): 4.197 ms vs fixed K 4.006, the per-token K's
+# overhead at equal claimed bytes
+# (docs/predictors.md, "Default engines: int8 predictors, rows read, fc2 over nonzero rows (2026-12-05)")
+TOKEN_K_ROWS = ("read", "selected")
 # How the MLP predictors' A [r, D] and B [F, r] are stored: int8 = symmetric int8 with one fp16 scale a row
 # (the bias in the engine dtype), at the rank the byte budget pays for in those bytes (about twice the
 # float rank); float = the engine dtype. opt-mini, heads dense, 32,704 WikiText-2 test tokens: MLP 0.1
@@ -178,9 +184,8 @@ class BuildConfig:
     # None: "share" where the engine can carry it (an OPT engine of one rank; its --onnx-out graphs
     # too), "off" elsewhere (resolve_token_k_form); the header's settings record the form resolved
     token_k: str | None = None
-    # what a per-token K's held-out mean spends the layer's budget on (TOKEN_K_ROWS); the header's
-    # bytes_per_token counts the same rows. "selected" until a GPU timing shows that fc2's skipped rows
-    # save their time (opt-mini: docs/predictors.md, "Per-token K fitted to rows read")
+    # what a per-token K's held-out mean spends the layer's budget on (TOKEN_K_ROWS, read); the header's
+    # bytes_per_token counts the same rows (headers before the field record "selected")
     token_k_rows: str = TOKEN_K_ROWS[0]
 
     def __post_init__(self):
@@ -252,7 +257,7 @@ class BuildConfig:
     def resolve_token_k_form(self, opt: bool) -> str:
         """token_k as given, or for None: "share" for an OPT engine of one rank (its ONNX graphs carry
         the same rule), "off" elsewhere. Given "share" where it cannot be carried, or token_k_rows other
-        than "selected" without a per-token K: DejavuError."""
+        than the default without a per-token K: DejavuError."""
         can = opt and self.tp == 1
         if self.token_k == "share" and not can:
             raise DejavuError("--token-k share needs an OPT model (Llama-family engines have no predictors)")

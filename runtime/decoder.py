@@ -76,8 +76,13 @@ class DecodeOptions:
     compact_zeros: where fc2 skips the ReLU zeros of h (ops.skips_zero: per-sequence sets, batch 1), h's nonzero
         rows are moved to the front (ops.compact_rows, one launch after fc1, order kept) and fc2 stops at their
         count, so its loop runs over them only (skip_zero alone masks the zero rows' loads in every K block).
-        The same rows summed in k order, in other K blocks and programs (fp32 reassociation). Off until timed
-        on a GPU (benchmarks/gpu/compact_ab.sh; docs/kernels.md, "fc2 over the nonzero rows").
+        The same rows summed in k order, in other K blocks and programs (fp32 reassociation). Faster than
+        skip_zero at every shape and density timed (H100 80GB HBM3, 2026-12-05, commit 424623d,
+        `bash benchmarks/gpu/compact_ab.sh`; docs/kernels.md, "fc2 over the nonzero rows"): a layer
+        (predictor + top-k + fc1 + fc2, batch 1, CUDA graph) at MLP 0.1 / 0.2 / 0.3 87.8 / 108.9 / 132.3 us
+        -> 84.6 / 104.8 / 126.2 (OPT-30B shape), 86.2 / 123.1 / 159.8 -> 79.3 / 112.6 / 146.9 (OPT-66B);
+        the whole OPT-30B step at batch 1, d0.1 4.058 -> 4.006 ms, d0.3 7.589 -> 7.295, the per-token K fitted
+        to rows read at d0.1 4.251 -> 4.197.
     """
     overlap: bool = True
     kv_policy: str = "deferred"
@@ -86,7 +91,7 @@ class DecodeOptions:
     kv_refresh: int | None = None
     kv_refresh_lags: tuple = (None, "hist")
     defer_ln_attn: bool = True
-    compact_zeros: bool = False
+    compact_zeros: bool = True
 
     def __post_init__(self):
         if self.kv_policy not in KV_POLICIES:

@@ -70,9 +70,10 @@ def test_summary_printed(tiny_opt_dir, tmp_path, capsys):
     assert bc["bytes_per_token"] == bc["token_k"]["bytes_per_token"] == s["bytes_per_token"]
     assert abs(bc["bytes_per_token"]["fraction"] - bc["density"]) < 0.02
     tk = bc["token_k"]  # the summary names what the engine carries and what K rows for every token measured
-    assert (f"per-token K share: up to {sum(tk['k_max'])} MLP rows, held-out mean "
-            f"{sum(tk['heldout']['mean_rows']):.0f} (fc2 reads {sum(tk['heldout']['mean_rows_fc2']):.0f}) of K "
-            f"{sum(tk['k_mean'])}; K rows for every token: "
+    assert tk["rows"] == "read"  # the default rows measure
+    assert (f"per-token K share, rows read: up to {sum(tk['k_max'])} MLP rows, held-out mean fc1 "
+            f"{sum(tk['heldout']['mean_rows']):.0f} + fc2 {sum(tk['heldout']['mean_rows_fc2']):.0f} of 2 K "
+            f"{2 * sum(tk['k_mean'])}; K rows for every token: "
             f"{bc['heldout']['fixed_k_increase_pct']:+.2f}%") in text
     # the default MLP predictors: int8 rows at the rank the budget pays for in int8 bytes; --predictor-dtype float
     # below: the engine dtype at the float rank
@@ -140,7 +141,7 @@ def test_inspect(built, capsys):
     (["MODEL", "--density", "0.3", "--device", "tpu"], "--device"),
     (["MODEL", "--density", "0.3", "--calib", "/nonexistent/corpus.txt"], "corpus"),
     (["MODEL", "--density", "0.3", "--token-k-rows", "all"], "--token-k-rows"),
-    (["MODEL", "--density", "0.3", "--token-k", "off", "--token-k-rows", "read"], "needs a per-token K"),
+    (["MODEL", "--density", "0.3", "--token-k", "off", "--token-k-rows", "selected"], "needs a per-token K"),
 ])
 def test_compile_bad_input(tiny_opt_dir, tmp_path, capsys, argv, match):
     argv = [str(tiny_opt_dir) if a == "MODEL" else a for a in argv]
