@@ -21,6 +21,13 @@ and inter-token gaps (between a stream's successive chunks) p50 / p99. `direct_m
 for the server's batch-1 overhead. --agreement N: N prompts through the scheduler alone, then
 all at once, for each batch policy; the fraction whose greedy tokens differ and the mean first
 position where they do. Raw JSON to --out, a markdown table on stdout. Asserts nothing.
+
+Order and time: every engine runs the --clients levels (one child server each), then every
+engine again for the --more-clients levels (a second child server each), then the agreement.
+The JSON is rewritten (temporary name, renamed) after every level, with a progress line on
+stderr. --budget-s: an engine, level or agreement not started inside it is recorded in
+"skipped" instead; a started one runs to its end, so keep the caller's timeout above the budget
+by the longest level.
 """
 from __future__ import annotations
 
@@ -70,7 +77,7 @@ def direct_ms_per_token(eng, args) -> float:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(4, eng.spec.vocab_size, (args.prompt_len,), generator=g).tolist()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(2):
         eng.generate([ids], args.max_tokens, stream=lambda t: None, stop_at_eos=False)
         best = min(best, eng.stats.ms_per_token)
     eng.release()
@@ -146,9 +153,37 @@ async def level(url, n_clients, args, vocab):
             "itl_p50_ms": round(1e3 * pct(gaps, 50), 3), "itl_p99_ms": round(1e3 * pct(gaps, 99), 3)}
 
 
-def bench_engine(kind: str, args) -> dict:
+class Run:
+    """The result dict, rewritten to `path` after every measurement, and the time budget."""
+
+    def __init__(self, res: dict, path: Path, budget_s: float | None):
+        self.res, self.path, self.t0, self.budget_s = res, path, time.time(), budget_s
+        res["budget_s"], res["skipped"] = budget_s, []
+
+    def left(self) -> bool:
+        return self.budget_s is None or time.time() - self.t0 < self.budget_s
+
+    def skip(self, what: dict) -> None:
+        self.res["skipped"].append(what)
+        print(f"  skipped (budget {self.budget_s} s spent): {what}", file=sys.stderr, flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.res["elapsed_s"] = round(time.time() - self.t0, 1)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.res, indent=1))
+        tmp.replace(self.path)
+
+
+def bench_engine(kind: str, clients: list[int], args, run: Run) -> None:
+    """One child server of `kind`; the levels in `clients` appended to run.res["engines"][kind]."""
+    if not run.left():
+        for n in clients:
+            run.skip({"engine": kind, "clients": n})
+        return
     cmd = [sys.executable, __file__, "--_serve", kind] + args.passthrough
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t_start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         info = json.loads(proc.stdout.readline())
@@ -165,15 +200,21 @@ def bench_engine(kind: str, args) -> dict:
             if time.time() - t0 > 600:
                 raise RuntimeError("server did not come up")
             time.sleep(0.1)
-        vocab = info["vocab"]
-        levels = []
-        for n in args.clients:
-            levels.append(asyncio.run(level(url, n, args, vocab)))
-            print(f"  {kind} {n} clients: {levels[-1]}", file=sys.stderr, flush=True)
-        metrics = httpx.get(url + "/metrics").text
-        return {"direct_ms_per_token": round(info["direct_ms_per_token"], 3), "describe": info["describe"],
-                "levels": levels,
-                "metrics_tail": [ln for ln in metrics.splitlines() if "_total" in ln and "#" not in ln]}
+        e = run.res["engines"].setdefault(kind, {"direct_ms_per_token": round(info["direct_ms_per_token"], 3),
+                                                  "describe": info["describe"], "startup_s": [], "levels": []})
+        # build + direct latency + CUDA graph capture, until /health answers
+        e["startup_s"].append(round(time.time() - t_start, 1))
+        print(f"  {kind} server up in {e['startup_s'][-1]} s", file=sys.stderr, flush=True)
+        run.save()
+        for n in clients:
+            if not run.left():
+                run.skip({"engine": kind, "clients": n})
+                continue
+            e["levels"].append(asyncio.run(level(url, n, args, info["vocab"])))
+            metrics = httpx.get(url + "/metrics").text
+            e["metrics_tail"] = [ln for ln in metrics.splitlines() if "_total" in ln and "#" not in ln]
+            run.save()
+            print(f"  {kind} {n} clients (at {run.res['elapsed_s']} s): {e['levels'][-1]}", file=sys.stderr, flush=True)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -228,23 +269,42 @@ def level_scheduler(sched, n_clients, args, vocab):
             "itl_p99_ms": round(1e3 * pct(gaps, 99), 3)}
 
 
-def bench_engine_scheduler(kind: str, args) -> dict:
+def bench_engine_scheduler(kind: str, clients: list[int], args, run: Run) -> None:
+    """bench_engine without HTTP: the engine and scheduler in this process."""
+    import torch
+
     from dejavu.runtime.scheduler import Scheduler
 
+    if not run.left():
+        for n in clients:
+            run.skip({"engine": kind, "clients": n})
+        return
+    t_start = time.time()
     eng = build_engine(args, kind == "dense")
     direct = direct_ms_per_token(eng, args)
     sched = Scheduler(eng, args.max_batch, 4096, args.max_context)
     sched.start()
-    levels = []
+    e = run.res["engines"].setdefault(kind, {"direct_ms_per_token": round(direct, 3), "describe": eng.describe(),
+                                              "startup_s": [], "levels": []})
+    e["startup_s"].append(round(time.time() - t_start, 1))
+    run.save()
     try:
-        for n in args.clients:
-            levels.append(level_scheduler(sched, n, args, eng.spec.vocab_size))
-            print(f"  {kind} {n} clients (no HTTP): {levels[-1]}", file=sys.stderr, flush=True)
+        for n in clients:
+            if not run.left():
+                run.skip({"engine": kind, "clients": n})
+                continue
+            e["levels"].append(level_scheduler(sched, n, args, eng.spec.vocab_size))
+            run.save()
+            print(f"  {kind} {n} clients (no HTTP, at {run.res['elapsed_s']} s): {e['levels'][-1]}", file=sys.stderr,
+                  flush=True)
     finally:
         sched.stop()
-    out = {"direct_ms_per_token": round(direct, 3), "describe": eng.describe(), "levels": levels}
     del eng, sched
-    return out
+    if args.device == "cuda":  # the engine of this process goes before the next one
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------- agreement
@@ -314,6 +374,10 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--more-clients", type=int, nargs="*", default=[],
+                   help="levels measured after every engine has run --clients (a new server each)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds; what has not started by then is recorded as skipped")
     p.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -345,23 +409,24 @@ def main() -> int:
            "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
            "http": not args.no_http, "commit": commit.strip() or None, "engines": {}}
-    for kind in args.engines:
-        res["engines"][kind] = bench_engine_scheduler(kind, args) if args.no_http else bench_engine(kind, args)
-        if args.no_http and args.device == "cuda":  # the engine of this process goes before the next one
-            import gc
-
-            gc.collect()
-            torch.cuda.empty_cache()
-        out_path.write_text(json.dumps(res, indent=1))
-    if args.agreement:
+    run = Run(res, out_path, args.budget_s)
+    run.save()
+    for clients in (args.clients, args.more_clients):
+        for kind in args.engines if clients else ():
+            (bench_engine_scheduler if args.no_http else bench_engine)(kind, clients, args, run)
+    if args.agreement and run.left():
         res["agreement"] = agreement(args)
-        out_path.write_text(json.dumps(res, indent=1))
+        run.save()
+    elif args.agreement:
+        run.skip({"agreement": args.agreement})
     print("| engine | clients | tokens/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms |\n|---|---|---|---|---|")
     for kind, e in res["engines"].items():
         for lv in e["levels"]:
             print(f"| {kind} | {lv['clients']} | {lv['tokens_per_s']} | {lv['ttft_p50_ms']} / {lv['ttft_p99_ms']} | "
                   f"{lv['itl_p50_ms']} / {lv['itl_p99_ms']} |")
         print(f"| {kind} direct (Engine.generate, batch 1) | 1 | | | {e['direct_ms_per_token']} ms/token |")
+    if res["skipped"]:
+        print(f"skipped (--budget-s {args.budget_s}): {res['skipped']}")
     print(f"raw JSON: {out_path}")
     return 0
 
