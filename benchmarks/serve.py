@@ -6,10 +6,11 @@ shares the batch (the "shared" index-set policy picks one set for the batch).
     # CPU, opt-mini engine files (dejavu-compile), server on loopback in a child process:
     python benchmarks/serve.py --engine opt-mini-d0.3.engine --dense opt-mini-dense.engine \
         --dtype float32 --clients 1 4 16 64 --requests 2 --prompt-len 32 --max-tokens 32 --out serve-cpu.json
-    # GPU, the OPT-30B shape with random weights built in memory (no file), fp16:
-    python benchmarks/serve.py --shape opt-30b --density 0.3 --device cuda --max-batch 64 \
-        --max-context 512 --clients 1 4 16 64 --requests 4 --prompt-len 128 --max-tokens 128 \
-        --agreement 64 --out $OUT/serve-h200.json
+    # GPU, the OPT-30B shape with random weights built in memory (no file), fp16 (benchmarks/gpu/serve.sh,
+    # which says why these sizes fit one call on an 80 GB card):
+    python benchmarks/serve.py --shape opt-30b --density 0.3 --device cuda --max-batch 32 \
+        --max-context 128 --engines sparse dense --clients 1 16 --more-clients 4 64 --requests 2 \
+        --prompt-len 64 --max-tokens 64 --agreement 16 --budget-s 400 --out $OUT/serve.json
 
 Each engine is served by a child process (this script with --_serve: the CLI's server, the
 engine from a file or built from random weights of `--shape`, benchmarks/e2e.py's), so the
