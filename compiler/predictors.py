@@ -247,28 +247,24 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
     a, b = a0.requires_grad_(), b0.requires_grad_()
     bias = torch.log(p / (1 - p)).to(dev).requires_grad_()
     opt = torch.optim.Adam([a, b, bias], lr=s.lr)
+    norm = lambda x: (x - mu) / sd
     listwise = w_tr is not None
-    target_va = (w_va if listwise else y_va).to(dev).float()
-    # Row-wise work done once, not per step or epoch (the same bits: each row's result depends
-    # on that row alone): standardised inputs and the per-token normalised targets.
-    xn_tr, xn_va = (x_tr - mu) / sd, (x_va - mu) / sd
-    if listwise:
-        w = w_tr.to(dev)
-        t_tr = w / w.sum(-1, keepdim=True).clamp_min(1e-12)  # tokens with no active neuron: 0
-    total_va = max(1e-12, target_va.sum(dtype=torch.float32).item())
+    target_va = w_va if listwise else y_va
 
     def loss_on(rows):
-        scores = (xn_tr[rows] @ a.T) @ b.T + bias
+        scores = (norm(x_tr[rows]) @ a.T) @ b.T + bias
         if listwise:
-            return -(t_tr[rows] * F.log_softmax(scores, -1)).sum(-1).mean()
+            w = w_tr[rows].to(dev)
+            t = w / w.sum(-1, keepdim=True).clamp_min(1e-12)  # tokens with no active neuron: 0
+            return -(t * F.log_softmax(scores, -1)).sum(-1).mean()
         return F.binary_cross_entropy_with_logits(scores, y_tr[rows].float(), pos_weight=pos_weight)
 
     def val_loss() -> float:  # minus the held-out share of the target in the top k_eval
         with torch.no_grad():
-            got = sum(target_va[i:i + 4096].gather(
-                -1, ((xn_va[i:i + 4096] @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
+            got = sum(target_va[i:i + 4096].to(dev).float().gather(
+                -1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
                 for i in range(0, len(x_va), 4096))
-        return -got / total_va
+        return -got / max(1e-12, target_va.sum(dtype=torch.float32).item())
 
     snapshot = lambda: (a.detach().clone(), b.detach().clone(), bias.detach().clone())
     best, best_state, bad = val_loss(), snapshot(), 0  # the least-squares start counts as epoch 0
