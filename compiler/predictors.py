@@ -103,10 +103,12 @@ def int8_rows(p: dict) -> dict:
     """An MLP predictor {a, b, bias} as the int8 engine stores it: a and b dequantized (fp32, exact:
     q * scale) beside a_scale [r] and b_scale [N] (fp16); bias unchanged. The engine writer takes q back
     as a / scale (exact), so the allocator, the per-token K and the ONNX graphs see the engine's values."""
+    from dejavu.plugins.predictor import dequantize_rows
+
     out = dict(p)
     for n in ("a", "b"):
         q, scale = quantize_rows(p[n])
-        out[n], out[n + "_scale"] = q.float() * scale.float()[:, None], scale
+        out[n], out[n + "_scale"] = dequantize_rows(q, scale, torch.float32), scale
     return out
 
 
