@@ -513,22 +513,32 @@ def _sensitivity_cached(parts: Callable, ids, predictors, ks: dict, cache_key: s
     import hashlib
     import json
 
-    from dejavu.compiler.calibrate import default_cache_dir
-    from dejavu.fileio import atomic_path
-
     h = hashlib.sha256(json.dumps({"v": SENSITIVITY_VERSION, "model": cache_key, "ks": ks, "dtype": dtype},
                                   sort_keys=True).encode())
     h.update(ids.numpy().tobytes())
     for name, t in sorted(predictors.state_dict().items()):
         h.update(name.encode())
         h.update(t.detach().float().cpu().numpy().tobytes())
-    path = default_cache_dir().parent / "sensitivity" / f"{h.hexdigest()[:24]}.json"
+    return cached_sensitivity(h.hexdigest()[:24], Sensitivity.to_dict, Sensitivity.from_dict,
+                              lambda: measure_sensitivity_passes(parts, ids, predictors, ks, max_bytes, progress,
+                                                                 dtype))
+
+
+def cached_sensitivity(name: str, to_dict: Callable, from_dict: Callable, measure: Callable):
+    """from_dict of $DEJAVU_CACHE/sensitivity/<name>.json where it exists, else measure() written there
+    (atomically, as JSON through to_dict): the sensitivity tables of OPT and Llama builds."""
+    import json
+
+    from dejavu.compiler.calibrate import default_cache_dir
+    from dejavu.fileio import atomic_path
+
+    path = default_cache_dir().parent / "sensitivity" / f"{name}.json"
     if path.is_file():
-        return Sensitivity.from_dict(json.loads(path.read_text()))
-    sens = measure_sensitivity_passes(parts, ids, predictors, ks, max_bytes, progress, dtype)
+        return from_dict(json.loads(path.read_text()))
+    sens = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(sens.to_dict()))
+        tmp.write_text(json.dumps(to_dict(sens)))
     return sens
 
 

@@ -99,23 +99,18 @@ def _sensitivity_cached(model, calib: Calibration, ids: torch.Tensor, progress=N
     import hashlib
     import json
 
-    from dejavu.compiler.calibrate import default_cache_dir, model_fingerprint
-    from dejavu.fileio import atomic_path
+    from dejavu.compiler.allocate import cached_sensitivity
+    from dejavu.compiler.calibrate import model_fingerprint
 
     h = hashlib.sha256(json.dumps({"v": SENSITIVITY_VERSION, "family": "llama", "levels": LEVELS,
                                    "model": model_fingerprint(model), "device": ids.device.type}).encode())
     for k in KEYS:
         h.update(calib.tables[k].numpy().tobytes())
     h.update(ids.cpu().numpy().tobytes())
-    path = default_cache_dir().parent / "sensitivity" / f"llama-{h.hexdigest()[:24]}.json"
-    if path.is_file():
-        d = json.loads(path.read_text())
-        return Sensitivity(tuple(d["levels"]), d["delta"], d["dense_nll"])
-    sens = measure_sensitivity(model, calib, ids, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps({"levels": list(sens.levels), "delta": sens.delta, "dense_nll": sens.dense_nll}))
-    return sens
+    return cached_sensitivity(f"llama-{h.hexdigest()[:24]}",
+                              lambda t: {"levels": list(t.levels), "delta": t.delta, "dense_nll": t.dense_nll},
+                              lambda d: Sensitivity(tuple(d["levels"]), d["delta"], d["dense_nll"]),
+                              lambda: measure_sensitivity(model, calib, ids, progress=progress))
 
 
 def _hull(xs: list[float], ys: list[float]) -> list[tuple[float, float]]:
