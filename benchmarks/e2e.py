@@ -23,9 +23,6 @@ Systems per (model, batch), prompt 128 tokens, 128 new tokens (greedy, no EOS st
                   read (kept + kept with h != 0) are 2 K_l, selected so that the mean kept rows are K_l; batch 1 /
                   per sequence. Its floor counts the 2K_l selected rows; kept_mlp_mean: the mean kept rows a layer
                   over the probe's 8 steps.
-  ..._nocompact   (--no-compact-zeros) each overlap-on row of per-sequence sets (or batch 1) again with fc2 skipping
-                  h's zeros in place instead of over its nonzero rows (DecodeOptions.compact_zeros off; on by default:
-                  compact_rows + fc2 stopping at their count)
 (--overlaps on: the density rows with the overlap on only) and for each the bandwidth floor: bytes that
 policy must read per step / copy bandwidth measured in this run. Per-step latency = decode time / steps (one token per sequence).
 
@@ -208,9 +205,6 @@ ABLATIONS = {"same": lambda eng: None,  # the headline row again (run-to-run spr
              "norefresh": _options(kv_refresh=0), "refresh4": _options(kv_refresh=4, kv_refresh_lags=(None, None)),
              # the LayerNorm before attention as its own launch (not in the Q/K/V kernel)
              "nolnqkv": _options(defer_ln_attn=False),
-             # fc2 skipping h's zeros in place, not over its nonzero rows compacted first
-             # (DecodeOptions.compact_zeros off; also --no-compact-zeros)
-             "nocompact": _options(compact_zeros=False),
              # batch 1's Q/K/V choices: SHARED_P 16 on the unfolded route; the finish never folded into
              # attention; the partial kernel aimed at 528 programs (every SM slot) instead of 512
              "nounfolded": _replace("qkv_b1", SHARED_P_UNFOLDED=None),
@@ -627,21 +621,6 @@ def smoke(ks=None) -> dict:
             del e, ref
         except Exception as ex:  # noqa: BLE001
             checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
-    # fc2 skipping h's zeros in place (DecodeOptions.compact_zeros off; the checks above run it on), graph on,
-    # batch 1 and 3 (per-sequence sets), fp32 against the CPU reference
-    for nb, want_b, lg_b in ((1, want1, lg1), (3, want, want_logits)):
-        key = f"fp32 batch {nb} compact_zeros off"
-        try:
-            e = Engine.from_tensors(h32, t32, DEV, batch_policy="per_sequence", kernel_settings=ks)
-            e.decoder.set_options(compact_zeros=False)
-            got = e.generate(prompts[:nb], n, stop_at_eos=False)
-            err = float((_forced_logits(e, prompts[:nb], toks[:nb]) - lg_b).norm() / lg_b.norm())
-            checks[key] = {"tokens_equal": got == want_b, "logits_rel_err": err, "kernels": e.ops.kernels,
-                           "kernel_check": e.kernel_check,
-                           "ok": bool(got == want_b and err < 1e-3 and e.ops.kernels["sparse_fc2"] == "triton")}
-            del e
-        except Exception as ex:  # noqa: BLE001
-            checks[key] = {"ok": False, "error": f"{type(ex).__name__}: {ex}", "trace": traceback.format_exc()[-2000:]}
     fp16 = [("fp16 per_sequence", {"batch_policy": "per_sequence"}, None, 3),
             ("fp16 shared", {"batch_policy": "shared"}, None, 3),
             ("fp16 per_sequence kv=full", {"kv_policy": "full", "batch_policy": "per_sequence"}, None, 3),
@@ -827,9 +806,6 @@ def bench_model(run: Run, name: str, c: dict, a, bw: float, later_s: float = 0.0
                     if a.token_k:  # the per-token K beside it (with_token_k)
                         systems += [(f"dejavu_d{d}_{'on' if o else 'off'}_tokenk", d, o, "per_sequence", kv0)
                                     for o in a.overlaps]
-                    if a.no_compact_zeros:  # fc2 skipping zeros in place beside each overlap-on row of these
-                        systems += [(f"{s_}_nocompact", d_, o_, p_, k_) for s_, d_, o_, p_, k_ in systems
-                                    if d_ == d and o_ and p_ == "per_sequence" and k_ == kv0]
                     if d in a.full_kv_densities:  # the other policy next to it, overlap on
                         systems += [(f"dejavu_d{d}_on{sfx(kv)}", d, True, "per_sequence", kv) for kv in extra]
             if B in a.ablate_batches:  # one change at a time against the headline row, overlap on
@@ -975,9 +951,6 @@ def main(argv=None) -> int:
     p.add_argument("--token-k-rows", default=BuildConfig.token_k_rows, choices=TOKEN_K_ROWS,
                    help="the per-token K's fit: mean kept rows K (selected) or mean rows read 2K (read: kept + "
                         "kept with h != 0), as dejavu-compile --token-k-rows")
-    p.add_argument("--no-compact-zeros", action="store_true",
-                   help="also each overlap-on row of per-sequence sets with fc2 skipping h's zeros in place "
-                        "(DecodeOptions.compact_zeros off): ..._nocompact")
     p.add_argument("--overlaps", default="on,off", help="predictor overlap of the density rows: on,off / on / off")
     p.add_argument("--ablations", default="same,nolnqkv,nopredrand",
                    help="ablation rows, from: " + ", ".join(ABLATIONS))

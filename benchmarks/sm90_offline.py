@@ -81,28 +81,26 @@ KERNELS = {
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, GDC=2), 3,
                               {"pos_ptr": "*i64", "q_ptr": "*fp16"}),
-    # a per-token MLP K (engines' default): fc1 / fc2 stopping at the kept count, the top-k's launches that
-    # compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the settings' default).
+    # a per-token MLP K (engines' default): fc1 stopping at the kept count (fc2: fc2_compacted below), the
+    # top-k's launches that compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the
+    # settings' default).
     # A fifth field types arguments; a tree whose kernel lacks them (the base) compiles its own form
     "fc1_keep": ("fc1", "_gather_gemv_kernel", dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
                                                     W_EV="evict_first", GDC=1, KEEP=1), 2, {"nkept_ptr": "*i32"}),
-    "fc2_keep": ("fc2", "_gather_dot_t_kernel", dict(FC2, GROUP=1, SKIP_ZERO=1, KEEP=1), 3, {"nkept_ptr": "*i32"}),
     **{f"topk_{n}": ("predictor", "_topk_kernel", dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=1, FIRST=f, LAST=l,
                                                        COMPACT=f == l, KEEP=1, num_warps=4), 3, TOPK)
        for n, f, l in (("round0_keep", 0, 1), ("round1_keep", 1, 2), ("compact_keep", 2, 2))},
     "topk_compact": ("predictor", "_topk_kernel", dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=1, FIRST=2, LAST=2,
                                                        COMPACT=True, num_warps=4), 3, TOPK),
-    # fc2 over h's nonzero rows (DecodeOptions.compact_zeros): compact_rows' launch (its default blocks; OPT-30B's
-    # top-2K at MLP 0.1, 5734 rows: a prefix load of 8192), then fc2 stopping at its count (batch 1: the dot
-    # kernel; per-sequence sets: the GEMV kernel with its default blocks)
+    # fc2 over h's nonzero rows (the decode step where runtime.ops.skips_zero): compact_rows' launch (its default
+    # blocks; OPT-30B's top-2K at MLP 0.1, 5734 rows: a prefix load of 8192), then fc2 stopping at its count
+    # (batch 1: the dot kernel; per-sequence sets: the GEMV kernel with its default blocks)
     "compact_rows": ("compact_rows", "_compact_rows_kernel", dict(BLOCK=1024, PREFIX=8192, GDC=2, num_warps=8), 3,
                      {"ic_ptr": "*i32", "n_ptr": "*i32"}),
     "fc2_compacted": ("fc2", "_gather_dot_t_kernel", dict(FC2, GROUP=1, KEEP=1), 3, {"nkept_ptr": "*i32"}),
     "fc2_gemv_keep": ("fc2", "_gather_gemv_t_kernel", dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
                                                            EVEN_D=True, GROUP=1, GDC=1, KEEP=1), 2,
                       {"nkept_ptr": "*i32"}),
-    "fc2_gemv_skip0": ("fc2", "_gather_gemv_t_kernel", dict(FINAL=False, HAS_RES=True, BLOCK_K=16, BLOCK_D=256,
-                                                            EVEN_D=True, GROUP=1, GDC=1, SKIP_ZERO=1), 2),
 }
 INT_PTRS = {"idx_ptr", "head_ptr", "pos_ptr", "vl_ptr", "cnt_ptr", "ref_ptr", "count_ptr"}
 # pointers the launchers pass as None where their mode is off (fc1's keep: engines without a per-token K);

@@ -2,35 +2,34 @@
 
     python benchmarks/token_k_ab.py [--shape opt-30b] [--densities 0.1 0.2 0.3] [--out FILE]
     python benchmarks/token_k_ab.py --smoke     # CPU, Triton interpreter, tiny shape: runs, times nothing
-    python benchmarks/token_k_ab.py --rows compact   # only fc2 over the nonzero rows against today's skipping
+    python benchmarks/token_k_ab.py --rows compact   # only fc2 over the nonzero rows and fc2 over all K rows
 
-Per density d (K = round(d F)) and layer, three systems, each the decode step's calls for one MLP
+Per density d (K = round(d F)) and layer, four systems, each the decode step's calls for one MLP
 (predictor_topk -> sparse_fc1 -> sparse_fc2 with residual), on random weights of the shape:
-  fixed        top-K, fc1 and fc2 over K rows (engines built with --token-k off)
-  fixed_skip0  the same, fc2 skipping the rows whose h is 0 (ReLU zeros; SKIP_ZERO alone)
-  token_k      top-2K with the kept count (share >= theta, theta fitted on these scores so that the mean
-               kept rows are K; kept rows first), fc1 and fc2 stopping at the count, fc2 skipping zero rows
-               (the default build)
-  token_k_read the same calls, theta fitted so that the mean rows read, kept + kept with h != 0, are 2 K
-               (`--token-k-rows read`; docs/predictors.md, "Per-token K fitted to rows read"): equal to
-               fixed K's 2 K rows if fc2's skipped rows cost nothing (random weights: about half the rows
-               fc1 computes are ReLU zeros; trained OPT layers 0.5-0.9)
-  fixed_compact / token_k_read_compact   fixed / token_k_read with fc2 over h's nonzero rows: compact_rows puts
-               them first (one launch after fc1) and fc2 stops at their count (DecodeOptions.compact_zeros)
+  fixed          top-K, fc1 and fc2 over all K rows, zeros of h included
+  fixed_compact  the same with fc2 over h's nonzero rows: compact_rows puts them first (one launch after fc1)
+                 and fc2 stops at their count (the decode step's calls, runtime.ops.skips_zero)
+  token_k_compact  top-2K with the kept count (share >= theta, theta fitted on these scores so that the mean
+                 kept rows are K; kept rows first), fc1 stopping at the count, fc2 over the nonzero rows
+                 (the default build)
+  token_k_read_compact  the same calls, theta fitted so that the mean rows read, kept + kept with h != 0, are 2 K
+                 (`--token-k-rows read`; docs/predictors.md, "Per-token K fitted to rows read"): equal to
+                 fixed K's 2 K rows if fc2's skipped rows cost nothing (random weights: about half the rows
+                 fc1 computes are ReLU zeros; trained OPT layers 0.5-0.9)
+(fc2 skipping h's zeros in place, SKIP_ZERO, timed slower than compaction and deleted: BENCHMARKS.md)
 and the breakdown of the difference (--no-breakdown skips it), each part alone on inputs made before capture:
   topk_K / topk_2K / topk_2K_keep   scores + top-K, + top-2K, + top-2K with the kept count (same launches)
   keep_torch    the rule by plugins.share_keep on the scores (torch: logsumexp, gather, compare, amax, sum: the
                 launches 1abe2c2 ran per layer on the GPU, there with a softmax and without the sum)
   fc1_K / fc1_2K_keep               fc1 over the K rows of top-K; over top-2K stopping at the kept count
-  fc2_K / fc2_K_skip0 / fc2_2K_skip0   fc2 over K rows (skip off / on); over top-2K stopping at the kept count
+  fc2_K         fc2 over K rows
   pred_float / pred_int8   scores + top-K of one MLP predictor at the compiler's rank for the shape and storage
                 (`default_ranks`: float at the budget rank, capped at 512; int8 rows with an fp16 scale a row at
                 the rank the same bytes pay for, twice that): the predictor the engines carry, before and after
                 int8 storage (docs/predictors.md, "int8 predictors at twice the rank")
   compact_K / fc2_K_compact / fc2_K_compacted   compact_rows over top-K's h alone; it and fc2 over the nonzero
                 rows (the decode step's calls); that fc2 alone, on the compacted rows made before capture
-  fc2_2K_read_skip0 / fc2_2K_read_compact   token_k_read's fc2 as today (stopping at the kept count, skipping
-                zeros) and over its nonzero rows (compact_rows + fc2)
+  fc2_2K_read_compact   token_k_read_compact's fc2 over its nonzero rows (compact_rows + fc2)
 --rows NAME... (or the set "compact": the rows of fc2 over the nonzero rows and what they are compared with;
 "predictors": pred_float, pred_int8 and topk_K) runs only those rows.
 Weights rotate over copies between calls (cold L2, as in benchmarks/kernels.py). Random predictors: the
@@ -50,12 +49,11 @@ from pathlib import Path
 import torch
 
 SHAPES = {"opt-30b": (7168, 28672, 1144), "opt-66b": (9216, 36864, 512), "tiny": (64, 256, 16)}  # D, F, rank
-SYSTEMS = ("fixed", "fixed_skip0", "token_k", "token_k_read", "fixed_compact", "token_k_read_compact")
-PARTS = ("topk_K", "topk_2K", "topk_2K_keep", "keep_torch", "fc1_K", "fc1_2K_keep", "fc2_K", "fc2_K_skip0",
-         "fc2_2K_skip0", "compact_K", "fc2_K_compact", "fc2_K_compacted", "fc2_2K_read_skip0", "fc2_2K_read_compact")
-ROW_SETS = {"compact": ("fixed_skip0", "fixed_compact", "token_k_read", "token_k_read_compact", "fc2_K",
-                        "fc2_K_skip0", "compact_K", "fc2_K_compact", "fc2_K_compacted", "fc2_2K_read_skip0",
-                        "fc2_2K_read_compact"),
+SYSTEMS = ("fixed", "fixed_compact", "token_k_compact", "token_k_read_compact")
+PARTS = ("topk_K", "topk_2K", "topk_2K_keep", "keep_torch", "fc1_K", "fc1_2K_keep", "fc2_K", "compact_K",
+         "fc2_K_compact", "fc2_K_compacted", "fc2_2K_read_compact")
+ROW_SETS = {"compact": ("fixed", "fixed_compact", "token_k_read_compact", "fc2_K", "compact_K", "fc2_K_compact",
+                        "fc2_K_compacted", "fc2_2K_read_compact"),
             "predictors": ("topk_K", "pred_float", "pred_int8")}
 PREDICTOR_ROWS = ("pred_float", "pred_int8")  # predictor_rows
 
@@ -74,7 +72,7 @@ def graph_time(calls) -> float | None:
 
 
 def fc2_compact(h, w, idx, x):
-    """fc2 over h's nonzero rows, as the decode step with DecodeOptions.compact_zeros: compact_rows, then
+    """fc2 over h's nonzero rows, as the decode step (runtime.ops.skips_zero): compact_rows, then
     sparse_fc2 stopping at their count."""
     from dejavu.plugins import compact_rows, sparse_fc2
 
@@ -95,15 +93,12 @@ def breakdown(layers, xs, K, k_max, theta, theta_read) -> dict:
         idx_2k, n = predictor_topk(*p, k_max, min_share=theta)
         idx_rd, n_rd = predictor_topk(*p, k_max, min_share=theta_read)
         h_k = sparse_fc1(x, w["w1"], w["b1"], idx_k)
-        h_2k = sparse_fc1(x, w["w1"], w["b1"], idx_2k, n)
         h_rd = sparse_fc1(x, w["w1"], w["b1"], idx_rd, n_rd)
         hc, ic, nz = compact_rows(h_k, idx_k)
         parts["compact_K"].append(lambda h=h_k, i=idx_k: compact_rows(h, i))
         parts["fc2_K_compact"].append(lambda x=x, w=w, h=h_k, i=idx_k: fc2_compact(h, w, i, x))
         parts["fc2_K_compacted"].append(lambda x=x, w=w, hc=hc, ic=ic, nz=nz: sparse_fc2(hc, w["w2_t"], w["b2"], ic, x,
                                                                                         n_kept=nz))
-        parts["fc2_2K_read_skip0"].append(lambda x=x, w=w, h=h_rd, i=idx_rd, n=n_rd: sparse_fc2(
-            h, w["w2_t"], w["b2"], i, x, skip_zero=True, n_kept=n))
         parts["fc2_2K_read_compact"].append(lambda x=x, w=w, h=h_rd, i=idx_rd: fc2_compact(h, w, i, x))
         parts["topk_K"].append(lambda p=p: predictor_topk(*p, K))
         parts["topk_2K"].append(lambda p=p: predictor_topk(*p, k_max))
@@ -111,10 +106,7 @@ def breakdown(layers, xs, K, k_max, theta, theta_read) -> dict:
         parts["keep_torch"].append(lambda s=scores, i=idx_2k: share_keep(s, i, theta).sum(-1, dtype=torch.int32))
         parts["fc1_K"].append(lambda x=x, w=w, i=idx_k: sparse_fc1(x, w["w1"], w["b1"], i))
         parts["fc1_2K_keep"].append(lambda x=x, w=w, i=idx_2k, n=n: sparse_fc1(x, w["w1"], w["b1"], i, n))
-        for name, h, i, skip, nk in (("fc2_K", h_k, idx_k, False, None), ("fc2_K_skip0", h_k, idx_k, True, None),
-                                     ("fc2_2K_skip0", h_2k, idx_2k, True, n)):
-            parts[name].append(lambda x=x, w=w, h=h, i=i, skip=skip, nk=nk: sparse_fc2(h, w["w2_t"], w["b2"], i, x,
-                                                                                       skip_zero=skip, n_kept=nk))
+        parts["fc2_K"].append(lambda x=x, w=w, h=h_k, i=idx_k: sparse_fc2(h, w["w2_t"], w["b2"], i, x))
     return parts
 
 
@@ -204,7 +196,7 @@ def main(argv=None) -> None:
                         h = sparse_fc1(x, w["w1"], w["b1"], idx)
                     if compact:
                         return fc2_compact(h, w, idx, x)
-                    return sparse_fc2(h, w["w2_t"], w["b2"], idx, x, skip_zero=kind != "fixed", n_kept=n)
+                    return sparse_fc2(h, w["w2_t"], w["b2"], idx, x, n_kept=n)
                 calls.append(call)
             return calls
 

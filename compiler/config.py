@@ -41,7 +41,7 @@ ALLOCATIONS = ("sensitivity", "uniform")  # per-layer K: measured (knapsack) | t
 TOKEN_K_FORMS = ("off", "share")
 # the measure a per-token K's thresholds are fitted to (compiler/token_k.py), the default first: read = mean
 # rows read 2 K_l, fc1's kept rows + fc2's kept rows with h != 0 (fc2 runs over h's nonzero rows only,
-# DecodeOptions.compact_zeros, so the count is the bytes fc2 reads); selected = mean kept rows K_l.
+# compacted first where runtime.ops.skips_zero, so the count is the bytes fc2 reads); selected = mean kept rows K_l.
 # opt-mini, heads dense, int8 predictors, 32,704 WikiText-2 test tokens (2-core CPU, 2026-12-05): MLP 0.1 / 0.2
 # +3.66 / +0.35% (selected) vs +1.52 / +0.03% (read); the whole OPT-30B step at batch 1, d0.1 (H100 80GB HBM3,
 # 2026-12-05, commit 424623d, benchmarks/gpu/compact_ab.sh): 4.197 ms vs fixed K 4.006, the per-token K's

@@ -11,7 +11,7 @@ Tokens whose contribution is spread keep more rows, concentrated ones fewer. k_m
 one of two measures (`BuildConfig.token_k_rows`):
   selected  the mean kept rows equal K_l (fc1 and fc2 are counted as reading every kept row);
   read      the mean rows read equal 2 K_l: fc1's kept rows + fc2's kept rows whose h_j != 0 (fc2 runs
-            over h's nonzero rows, DecodeOptions.compact_zeros), a W1 row and a W2 row counted alike (2 F:
+            over h's nonzero rows, compacted by compact_rows), a W1 row and a W2 row counted alike (2 F:
             the dense layer). The default (BuildConfig.token_k_rows).
 `masking.masked_sparsity(token_k=)` is the masked-dense reference (the same output for both: fc2's
 skipped rows have h_j = 0).

@@ -5,14 +5,14 @@
 
 so that sparse_fc2(h_c, w2_t, b2, idx_c, residual, n_kept=n) stops at n: fc2's loop runs over the nonzero
 rows only (the ReLU zeros, and a per-token K's dropped rows, which fc1 leaves 0), its time scaling with them
-(skip_zero alone masks the loads of the zero rows but keeps every K block's iteration). The same rows are
+(fc2 masking the zero rows' loads in place, which kept every K block's iteration, timed slower). The same rows are
 summed, still in k order, but they fall into other K blocks and programs of fc2 (fp32 reassociation).
 
 - One launch, no atomics, deterministic: grid (B, cdiv(K, BLOCK)); program c counts the nonzero h before its
   block and in the whole row (loads of up to PREFIX_MAX values), then writes its block's nonzero rows to the
   slots after those before it (a prefix sum within the block), and zeros into its block's slots >= n.
-- h fp16 / bf16 / fp32 (a value != 0 is kept: NaN too, as skip_zero reads it); idx int32 or int64 (values
-  copied, not checked). Blocks: settings.CompactSettings. No host sync; CUDA-graph capturable; PDL kind "compact".
+- h fp16 / bf16 / fp32 (a value != 0 is kept: NaN too); idx int32 or int64 (values copied, not checked).
+  Blocks: settings.CompactSettings. No host sync; CUDA-graph capturable; PDL kind "compact".
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """fc2 of the sparse MLP (and the attention output projection): split-K over the selected rows + reference.
 
     sparse_fc2(h[B,K], w2_t[F,D], b2[D], idx[B,K]|[K], residual[B,D]|None, *, out=None, ln=None,
-               ln_out=None, validate=None, config=None, ln_defer=False, skip_zero=False, n_kept=None) -> y[B,D]
+               ln_out=None, validate=None, config=None, ln_defer=False, n_kept=None) -> y[B,D]
         = sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual), k < n_kept[b];  ln=(weight, bias): (y, LayerNorm(y))
 
 - Batch 1 and shared sets: `_gather_dot_t_kernel` (blocks "dot1" / "proj1" at batch 1), per-sequence
@@ -33,11 +33,10 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
                           B, D, K, K_PER_SPLIT, stride_hb, stride_ib, nkept_ptr,
                           FINAL: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, GROUP: tl.constexpr,
-                          GDC: tl.constexpr = 0, SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
+                          GDC: tl.constexpr = 0, KEEP: tl.constexpr = 0):
     # Per-sequence sets: y[b, d] = sum_k h[b, k] * w_t[row(b, k), d]; grid (B, SPLIT, cdiv(D, BLOCK_D));
     # row(b, k) = idx[b, k // GROUP] * GROUP + k % GROUP.
     # FINAL (SPLIT == 1): add bias (+ residual) and store y; else store fp32 partials.
-    # SKIP_ZERO: rows whose h is 0 (ReLU zeros; a per-token K's dropped rows here) read no weight bytes.
     # KEEP: only sequence b's first nkept[b] rows, split evenly over the SPLIT programs (as the dot kernel's).
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -61,10 +60,7 @@ def _gather_gemv_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_p
     rows = group_rows(idx_row, offs_k, kmask, GROUP)
     hv = tl.load(h_row + offs_k, mask=kmask, other=0.0).to(tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if SKIP_ZERO:
-            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=(hv != 0)[:, None] & dmask[None, :],
-                         other=0.0).to(tl.float32)
-        elif EVEN_D:
+        if EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :]).to(tl.float32)
         else:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :],
@@ -93,13 +89,13 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
                          FINAL: tl.constexpr, HAS_RES: tl.constexpr, DOT_FP32: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
                          EVEN_D: tl.constexpr, GROUP: tl.constexpr, GDC: tl.constexpr = 0,
-                         SKIP_ZERO: tl.constexpr = 0, KEEP: tl.constexpr = 0):
+                         KEEP: tl.constexpr = 0):
     # Batch 1 or a shared index set: y[b, :] = h[b, :] @ w_t[rows] for all b; grid (cdiv(D, BLOCK_D), SPLIT).
-    # FINAL as in _gather_gemv_t_kernel; SKIP_ZERO: rows whose h is 0 in every sequence read no weights;
-    # KEEP: batch 1, the first nkept[0] rows (a per-token K's, compact_rows' nonzero ones). Each K block's row
-    # indices are loaded in its iteration, so Triton gives the gathered weight tile one shared-memory buffer
-    # (cp.async issued, then waited for); three one-tile programs per SM keep as many bytes in flight as the
-    # memory system serves (loading the indices a block ahead, which multi-buffers the tile, measured no faster).
+    # FINAL as in _gather_gemv_t_kernel; KEEP: batch 1, the first nkept[0] rows (a per-token K's, compact_rows'
+    # nonzero ones). Each K block's row indices are loaded in its iteration, so Triton gives the gathered weight
+    # tile one shared-memory buffer (cp.async issued, then waited for); three one-tile programs per SM keep as many
+    # bytes in flight as the memory system serves (loading the indices a block ahead, which multi-buffers the tile,
+    # measured no faster).
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -119,10 +115,7 @@ def _gather_dot_t_kernel(h_ptr, w_ptr, idx_ptr, part_ptr, b_ptr, res_ptr, out_pt
         rows = group_rows(idx_ptr, offs_k, kmask, GROUP)
         hv = tl.load(h_ptr + offs_b[:, None] * stride_hb + offs_k[None, :],
                      mask=bmask[:, None] & kmask[None, :], other=0.0)
-        if SKIP_ZERO:
-            nz = tl.max(tl.abs(hv.to(tl.float32)), axis=0) != 0  # [BLOCK_K]
-            wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=nz[:, None] & dmask[None, :], other=0.0)
-        elif EVEN_D:
+        if EVEN_D:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :])
         else:
             wv = tl.load(w_ptr + rows[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
@@ -175,13 +168,13 @@ def split_plan(K, D, cfg, programs_per_split=1):
     return n_d, max(1, cdiv(K, k_per_split)), k_per_split
 
 def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=None, ln_out=None,
-                  ln_defer=False, settings=None, skip_zero=False, n_kept=None):
+                  ln_defer=False, settings=None, n_kept=None):
     """out[B,D] = h @ w_t[rows] + bias (+ residual) (checked inputs; h may be fp32); rows as
     in gather_gemv (h's K = idx's K * group). ln = (weight, bias): also ln_out[B,D] =
     LayerNorm(out) (eps LN_EPS), returned as (out, ln_out) with ln_defer, whose second is a
     PendingLN when the split-K reduction runs (it stores the block stats; no LayerNorm launch).
-    Returns out otherwise. skip_zero: rows whose h is 0 read no weights (the same sum). n_kept [B] int32: h is 0
-    from n_kept[b] on (a per-token K, fc1's; compact_rows' count); both routes stop there (rows not read)."""
+    Returns out otherwise. n_kept [B] int32: h is 0 from n_kept[b] on (a per-token K, fc1's; compact_rows'
+    count); both routes stop there (rows not read)."""
     B, K = h.shape
     D = w_t.shape[1]
     if B == 0:
@@ -198,8 +191,7 @@ def gather_gemv_t(h, w_t, bias, idx, residual, out, *, config=None, group=1, ln=
     res = residual if residual is not None else out  # never read when HAS_RES is false
     common = dict(FINAL=final, HAS_RES=residual is not None, BLOCK_K=block_k, BLOCK_D=block_d,
                   EVEN_D=D % block_d == 0, GROUP=group, num_warps=cfg["num_warps"],
-                  **pdl_args(h.device, "proj" if group > 1 else "fc2", s.pdl),
-                  **({"SKIP_ZERO": 1} if skip_zero else {}))
+                  **pdl_args(h.device, "proj" if group > 1 else "fc2", s.pdl))
     if dot:
         kernel = jit(_gather_dot_t_kernel, h.device)
         kernel[(n_d, split)](h, w_t, idx, part, bias, res, out, B, D, K, k_per_split, h.stride(0), n_kept,
@@ -252,9 +244,9 @@ def check_ln(ln, ln_out, B, D, dtype, device):
     return check_out(ln_out, (B, D), dtype, device)
 
 def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=None, validate=None,
-               config=None, ln_defer=False, settings=None, skip_zero=False, n_kept=None):
+               config=None, ln_defer=False, settings=None, n_kept=None):
     """y[B,D] = h @ w2_t[idx] + b2 (+ residual); h [B,K], w2_t [F,D], b2 [D], idx [B,K]|[K].
-    ln= (returns (y, LayerNorm(y))), ln_defer and skip_zero: docs/kernels.md, "API". n_kept [B] int32
+    ln= (returns (y, LayerNorm(y))) and ln_defer: docs/kernels.md, "API". n_kept [B] int32
     (a per-token K, sparse_fc1's): h is 0 from n_kept[b] on, rows not read at batch 1 (values trusted)."""
     check_tensor("h", h, ndim=2, dtypes=FLOAT_DTYPES)
     B, K = h.shape
@@ -274,15 +266,14 @@ def sparse_fc2(h, w2_t, b2, idx, residual=None, *, out=None, ln=None, ln_out=Non
     out = check_out(out, (B, D), h.dtype, h.device)
     ln_out = check_ln(ln, ln_out, B, D, h.dtype, h.device)
     y = gather_gemv_t(h, w2_t, b2, idx, residual, out, config=config, ln=ln, ln_out=ln_out,
-                      ln_defer=ln_defer if ln is not None else False, settings=settings, skip_zero=skip_zero,
-                      n_kept=n_kept)
+                      ln_defer=ln_defer if ln is not None else False, settings=settings, n_kept=n_kept)
     return y if ln is None or ln_defer else (y, ln_out)
 
 
-def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, skip_zero=False, n_kept=None):
+def sparse_fc2_ref(h, w2_t, b2, idx, residual=None, *, ln=None, ln_defer=False, n_kept=None):
     """sum_k h[:,k] * w2_t[idx[k]] + b2 (+ residual), k < n_kept[b]: y[B,D]; with ln=(weight, bias),
     (y, F.layer_norm(y)) in y's dtype, the dense model's own function (ln_defer changes nothing
-    here: the LayerNorm is computed; skip_zero neither: a zero h adds nothing)."""
+    here: the LayerNorm is computed)."""
     rows = expand_idx(idx, h.shape[0])
     h = h if n_kept is None else h.masked_fill(torch.arange(h.shape[1], device=h.device) >= n_kept[:, None], 0)
     y = torch.einsum("bk,bkd->bd", h, w2_t[rows]) + b2

@@ -52,7 +52,7 @@ class SplitKBlocks:
 
 @dataclass(frozen=True)
 class CompactSettings:
-    """compact_rows (`_compact_rows_kernel`, fc2's nonzero rows first; DecodeOptions.compact_zeros): BLOCK rows
+    """compact_rows (`_compact_rows_kernel`, fc2's nonzero rows first; runtime.ops.skips_zero): BLOCK rows
     per program, the counts before a block in loads of up to PREFIX_MAX values. Not tuned on a GPU yet."""
     BLOCK: int = 1024
     PREFIX_MAX: int = 16384

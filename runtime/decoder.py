@@ -73,16 +73,6 @@ class DecodeOptions:
         stores LN(x) into x_hist (plugins/deferred_kv.py); one launch fewer per layer. On the H200
         (OPT-30B shape, batch 1): 6.385 vs 6.572 ms/token at density 0.3, 3.830 vs 3.949 at 0.1
         (BENCHMARKS.md, 2026-12-03).
-    compact_zeros: where fc2 skips the ReLU zeros of h (ops.skips_zero: per-sequence sets, batch 1), h's nonzero
-        rows are moved to the front (ops.compact_rows, one launch after fc1, order kept) and fc2 stops at their
-        count, so its loop runs over them only (skip_zero alone masks the zero rows' loads in every K block).
-        The same rows summed in k order, in other K blocks and programs (fp32 reassociation). Faster than
-        skip_zero at every shape and density timed (H100 80GB HBM3, 2026-12-05, commit 424623d,
-        `bash benchmarks/gpu/compact_ab.sh`; docs/kernels.md, "fc2 over the nonzero rows"): a layer
-        (predictor + top-k + fc1 + fc2, batch 1, CUDA graph) at MLP 0.1 / 0.2 / 0.3 87.8 / 108.9 / 132.3 us
-        -> 84.6 / 104.8 / 126.2 (OPT-30B shape), 86.2 / 123.1 / 159.8 -> 79.3 / 112.6 / 146.9 (OPT-66B);
-        the whole OPT-30B step at batch 1, d0.1 4.058 -> 4.006 ms, d0.3 7.589 -> 7.295, the per-token K fitted
-        to rows read at d0.1 4.251 -> 4.197.
     """
     overlap: bool = True
     kv_policy: str = "deferred"
@@ -91,7 +81,6 @@ class DecodeOptions:
     kv_refresh: int | None = None
     kv_refresh_lags: tuple = (None, "hist")
     defer_ln_attn: bool = True
-    compact_zeros: bool = True
 
     def __post_init__(self):
         if self.kv_policy not in KV_POLICIES:
@@ -218,17 +207,15 @@ class SparseDecoder:
         # h: [rows, D] MLP input after LN; x: residual; idx: [rows, K] | [K] | None (dense)
         # ln: (weight, bias) of the next LayerNorm, left pending by fc2's split-K reduction (defer_ln_attn):
         # returns (x, PendingLN or LN(x)) then; x alone otherwise. ops: the layer's (Ops.layer)
-        # n_kept: [rows] int32 (a per-token K, kept rows first): fc1 and fc2 stop there; fc2 also skips ReLU zeros,
-        # as it does with a fixed K for per-sequence sets and at batch 1 (skips_zero), or with compact_zeros
-        # stops at the count of h's nonzero rows, put first
+        # n_kept: [rows] int32 (a per-token K, kept rows first): fc1 stops there. With it, and with a fixed K for
+        # per-sequence sets and at batch 1 (skips_zero), h's nonzero rows are put first (compact_rows) and fc2
+        # stops at their count
         if idx is None:
             return self._add(x, torch.relu(F.linear(h, w.w1, w.b1)) @ w.w2_t, w.b2)
         ops = ops or self.ops
-        if n_kept is None:
-            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx), {"skip_zero": True} if skips_zero(idx, h.shape[0]) else {}
-        else:
-            a, kw = ops.sparse_fc1(h, w.w1, w.b1, idx, n_kept), {"skip_zero": True, "n_kept": n_kept}
-        if kw and self.options.compact_zeros:
+        a = ops.sparse_fc1(h, w.w1, w.b1, idx) if n_kept is None else ops.sparse_fc1(h, w.w1, w.b1, idx, n_kept)
+        kw = {}
+        if n_kept is not None or skips_zero(idx, h.shape[0]):
             a, idx, nonzero = ops.compact_rows(a, idx)
             kw = {"n_kept": nonzero}
         if self.reduce is not None:

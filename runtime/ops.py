@@ -4,8 +4,8 @@
         (scales: (a_scale, b_scale) fp16 of int8 a and b, the engine's int8 predictors)
         (min_share, a per-token K: (idx[B,k], n[B] int32), the first n[b] kept)
     sparse_fc1(x[B,D], w1, b1, idx, n_kept=None) -> h[B,K]   (n_kept[B]: a per-token K's rows, 0 elsewhere)
-    sparse_fc2(h[B,K], w2_t, b2, idx, residual, skip_zero=False, n_kept=None) -> y[B,D]
-        (skip_zero: zero rows of h read no weights; n_kept[B]: only rows k < n_kept[b])
+    sparse_fc2(h[B,K], w2_t, b2, idx, residual, n_kept=None) -> y[B,D]
+        (n_kept[B]: only rows k < n_kept[b])
         (ln=(weight, bias), ln_defer=True: (y, the next LayerNorm of y), the second possibly a
         PendingLN, plugins/layer_norm.py: y plus per-block statistics from the split-K reduction,
         which the next layer's deferred Q/K/V kernel normalises itself; DecodeOptions.defer_ln_attn)
@@ -24,7 +24,7 @@
         the decoder launches it on the predictors' side stream, DecodeOptions.kv_refresh)
     compact_rows(h[B,K], idx[B,K]|[K]) -> (h_c[B,K], idx_c[B,K] int32, n[B] int32)
         (h's nonzero rows first, order kept, n of them, 0 after: sparse_fc2(h_c, ..., idx_c, n_kept=n) sums the
-        same rows; plugins/compact_rows.py; DecodeOptions.compact_zeros)
+        same rows; plugins/compact_rows.py; where skips_zero)
 
 - "ref": the plugins' PyTorch references (`*_ref`, the CPU path); layer_norm is PyTorch's own
   F.layer_norm (the dense model's exact function).
@@ -60,10 +60,11 @@ def attend(q, k_cache, v_cache, valid) -> torch.Tensor:
 
 
 def skips_zero(idx: torch.Tensor, rows: int) -> bool:
-    """Whether fc2 skips the weight rows of the ReLU zeros of h (SKIP_ZERO) for these indices: per-sequence
-    sets ([rows, K]) and batch 1. A shared set at batch > 1 would skip only rows zero in every sequence, not
-    timed. One MLP at batch 1, random weights (about half of h zero): fixed K 5-10% faster with it
-    (H100, 2026-12-05, benchmarks/gpu/token_k_ab.sh, fixed vs fixed_skip0; BENCHMARKS.md)."""
+    """Whether the decode step compacts h's nonzero rows (compact_rows after fc1; fc2 then stops at their
+    count, skipping the weight rows of h's ReLU zeros) for these indices: per-sequence sets ([rows, K]) and
+    batch 1. A shared set at batch > 1 would skip only rows zero in every sequence, not timed. One layer at
+    batch 1 (OPT-30B shape, MLP 0.1 / 0.2 / 0.3): 84.6 / 104.8 / 126.2 us compacted (H100 80GB HBM3,
+    2026-12-05, commit 424623d, `bash benchmarks/gpu/compact_ab.sh`; BENCHMARKS.md)."""
     return idx.dim() == 2 or rows == 1
 
 
@@ -216,13 +217,17 @@ class Ops:
 
         im, ia = idx(spec.ffn_dim, km), idx(H, ka)
         h = torch.relu(torch.randn(batch, km, generator=g, device=dev)).to(dt)
-        # a per-token K engine's fc1 / fc2 take the kept count, its fc2 skips the zero rows of h (about half here)
+        # a per-token K engine's fc1 / fc2 take the kept count; h's zero rows (about half here) are compacted
         nk = torch.randint(1, km + 1, (batch,), generator=g, device=dev).to(torch.int32)
         keep = (nk,) if spec.token_k is not None and not shared else ()
-        if keep:  # fc1 leaves h 0 from n on (fc2 at batch > 1 skips those zeros rather than stopping at n)
+        if keep:  # fc1 leaves h 0 from n on
             h = h.masked_fill(torch.arange(km, device=dev) >= nk[:, None], 0)
-        # fc2 skips ReLU zeros where the decode step asks it to (decoder._mlp: per-token K, per-sequence sets, batch 1)
-        skip = {"skip_zero": True, **({"n_kept": nk} if keep else {})} if skips_zero(im, batch) else {}
+        # fc2 as the decode step calls it (decoder._mlp): where skips_zero, over compact_rows' nonzero rows (the
+        # reference's), stopping at their count
+        fc2_in, fc2_kw = (h, im), {}
+        if skips_zero(im, batch):
+            h_c, im_c, n_c = self._ref["compact_rows"](h, im)
+            fc2_in, fc2_kw = (h_c, im_c), {"n_kept": n_c}
         T = 16
         caches = [torch.randn(batch, H, T, hd, generator=g, device=dev).to(dt) for _ in range(2)]
         pos = (torch.arange(batch, device=dev) * 5 + 9) % T
@@ -263,7 +268,7 @@ class Ops:
         cases = {
             "sparse_fc1": lambda f: f(x, t[p + "mlp.w1"], t[p + "mlp.b1"], im, *keep),
             "compact_rows": lambda f: f(h, im),  # h about half zeros (and 0 from a per-token K's count on)
-            "sparse_fc2": lambda f: f(h, t[p + "mlp.w2_t"], t[p + "mlp.b2"], im, res, **ln, **skip),
+            "sparse_fc2": lambda f: f(fc2_in[0], t[p + "mlp.w2_t"], t[p + "mlp.b2"], fc2_in[1], res, **ln, **fc2_kw),
             "layer_norm": lambda f: f(x, t[p + "ln_attn.weight"], t[p + "ln_attn.bias"]),
             "sparse_attn": lambda f: f(x, t[p + "attn.wq"], t[p + "attn.bq"], t[p + "attn.wkv"], t[p + "attn.bkv"],
                                        t[p + "attn.wo_t"], t[p + "attn.bo"], ia, *[c.clone() for c in caches], pos,

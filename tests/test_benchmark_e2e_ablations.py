@@ -53,7 +53,7 @@ def test_ablation_applies_and_undo_restores(engine, name):
         assert changed == (name not in ("same", "same2")), name
         got = engine.generate([[2, 5, 7, 9]], 3, stop_at_eos=False)  # the row runs
         if name in ("same", "same2", "nopdl", "mainzero", "norefresh", "refresh4", "nolnqkv", "nounfolded",
-                    "nofoldfinish", "qkvt528", "cublasscore", "nocompact"):
+                    "nofoldfinish", "qkvt528", "cublasscore"):
             assert got == want, name  # timing-only on the reference path: the same tokens
     finally:
         if undo:

@@ -15,7 +15,7 @@ plus k and the dimensions. Domain `dejavu` (version 1) is added to opset_import.
 A per-token MLP K (`settings.token_k`) gives the MLP Predictor k = k_max, a float attribute
 `min_share` (theta_l: the runtime's `predictor_topk(..., min_share=)`) and a second output, the
 keep flags; SparseMLP takes them as a seventh input and a dropped row contributes nothing (its
-fc1 / fc2 bytes need not be read: the runtime's KEEP / SKIP_ZERO).
+fc1 / fc2 bytes need not be read: the runtime's KEEP and compact_rows).
 """
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def test_fc2_over_compacted_rows_with_the_next_layer_norm(triton_interp, close, 
 
 
 def test_fc1_fc2_reference_path_is_unchanged_by_compaction():
-    # the references alone (the CPU decode path with DecodeOptions.compact_zeros): the same sum, float64
+    # the references alone (the CPU decode path's compaction): the same sum, float64
     x, w1, b1 = torch.randn(2, D).double(), torch.randn(F, D).double() / D ** 0.5, torch.randn(F).double()
     w2_t, b2 = torch.randn(F, D).double(), torch.randn(D).double()
     idx = torch.stack([torch.randperm(F)[:K] for _ in range(2)])

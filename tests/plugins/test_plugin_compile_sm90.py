@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent('''
             assert ("L1::evict_first" in k.asm["ptx"]) == bool(ev), ev
         compile_sm90(SM, SM._gather_dot_kernel, dict(RELU=True, DOT_FP32=False, BLOCK_R=32, BLOCK_B=16,
                                                      BLOCK_D=128, EVEN_D=False, GROUP=1), dt)
-        # a per-token K: fc1 / fc2 (batch 1) reading only the first nkept[b] rows, fc2 only the rows whose h is not 0
+        # a per-token K: fc1 reading only the first nkept[b] rows
         keep = {"nkept_ptr": "*i32"}
         compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=True, BLOCK_R=2, BLOCK_D=1024, EVEN_D=True, GROUP=1,
                                                       KEEP=1), dt, overrides=keep)
@@ -86,16 +86,14 @@ SCRIPT = textwrap.dedent('''
         for even in (True, False):
             compile_sm90(SM, SM._gather_gemv_kernel, dict(RELU=False, BLOCK_R=2, BLOCK_D=1024, EVEN_D=even, GROUP=1,
                                                           SCALE=1), dt, overrides={"w_ptr": "*i8"})
+        # fc2 over h's nonzero rows (compact_rows, then fc2 stopping at their count): batch 1 through the dot
+        # kernel, per-sequence sets through the GEMV kernel
         for final in (False, True):
-            fin = dict(FINAL=final, HAS_RES=True, GROUP=1, SKIP_ZERO=1)
-            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, **fin), dt)
+            fin = dict(FINAL=final, HAS_RES=True, GROUP=1, KEEP=1)
+            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, **fin), dt,
+                         overrides=keep)
             compile_sm90(SM, SM._gather_dot_t_kernel, dict(DOT_FP32=False, BLOCK_K=64, BLOCK_B=16, BLOCK_D=128,
-                                                           EVEN_D=True, KEEP=1, **fin), dt, overrides=keep)
-        # fc2 over h's nonzero rows (DecodeOptions.compact_zeros): compact_rows, then fc2 stopping at their count,
-        # per-sequence sets through the GEMV kernel
-        for final in (False, True):
-            compile_sm90(SM, SM._gather_gemv_t_kernel, dict(BLOCK_K=16, BLOCK_D=256, EVEN_D=True, FINAL=final,
-                                                            HAS_RES=True, GROUP=1, KEEP=1), dt, overrides=keep)
+                                                           EVEN_D=True, **fin), dt, overrides=keep)
         # fc2 / out-proj: split-K partials, or one split
         for final, group in ((False, 1), (False, 128), (True, 128), (True, 1)):
             fin = dict(FINAL=final, HAS_RES=True, GROUP=group)

@@ -93,8 +93,8 @@ def _check_fc2_ln(D, F, K, B, dtype, shared, idx_dtype, residual, config, repeat
 
 def check_compact(D, F, K, B, dtype, keep=False, graph=True):
     """fc1 (keep: a per-token K's count), compact_rows, fc2 over the nonzero rows stopping at their count
-    (DecodeOptions.compact_zeros), captured in a CUDA graph and replayed on new inputs (graph), vs fc2's
-    float64 reference on the uncompacted (h, idx); the compaction bit-equal to its reference."""
+    (the decode step's calls, runtime.ops.skips_zero), captured in a CUDA graph and replayed on new inputs
+    (graph), vs fc2's float64 reference on the uncompacted (h, idx); the compaction bit-equal to its reference."""
     x, res = randn(B, D, dtype=dtype), randn(B, D, dtype=dtype)
     w1, b1 = randn(F, D, dtype=dtype, scale=D ** -0.5), randn(F, dtype=dtype, scale=0.1)
     w2_t, b2 = randn(F, D, dtype=dtype, scale=K ** -0.5), randn(D, dtype=dtype)

@@ -1,5 +1,5 @@
 """A per-token MLP K in the kernels (interpreter): the top-k's kept count (kept rows first), fc1 / fc2 stopping
-there, fc2's zero rows."""
+there."""
 import pytest
 import torch
 
@@ -18,7 +18,7 @@ def _weights(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("B,dot_min", [(1, 1), (1, 64), (3, 64)])  # batch 1 through the dot and the GEMV kernel
-def test_dropped_and_zero_rows_read_nothing_and_give_the_reference(triton_interp, close, dtype, B, dot_min):
+def test_dropped_rows_read_nothing_and_give_the_reference(triton_interp, close, dtype, B, dot_min):
     import dataclasses
 
     settings = dataclasses.replace(DEFAULT, fc1_dot_min_batch=dot_min, fc2_dot_min_batch=dot_min)
@@ -36,15 +36,14 @@ def test_dropped_and_zero_rows_read_nothing_and_give_the_reference(triton_interp
     h_ref = sparse_fc1_ref(x.double(), w1.double(), b1.double(), idx, n)
     close(h, h_ref, sparse_fc1_ref(x, w1, b1, idx, n))
     assert (h[~keep] == 0).all()
-    # fc2 stops at n and skips rows whose h is 0 (ReLU zeros): NaN in w2 or h there is never read
-    zero = h == 0
+    # fc2 stops at n: NaN in w2's dropped rows (batch 1) or in h from n on is never read
     if B == 1:
-        w2p[idx[0][zero[0]].long()] = float("nan")
+        w2p[idx[0][~keep[0]].long()] = float("nan")
     # neither fc2 route (the dot kernel at batch 1, the GEMV kernel) reads h from n on
     hp = torch.where(keep, h, torch.full_like(h, float("nan")))
     res = torch.randn(B, D).to(dtype)
     y = torch.full((B, D), float("nan"), dtype=dtype)
-    sparse_fc2(hp, w2p, b2, idx, res, out=y, skip_zero=True, settings=settings, n_kept=n)
+    sparse_fc2(hp, w2p, b2, idx, res, out=y, settings=settings, n_kept=n)
     y_ref = sparse_fc2_ref(h.double(), w2_t.double(), b2.double(), idx, res.double())
     close(y, y_ref, sparse_fc2_ref(h, w2_t, b2, idx, res))
     assert torch.equal(sparse_fc2_ref(hp.double(), w2_t.double(), b2.double(), idx, res.double(), n_kept=n), y_ref)
