@@ -11,5 +11,5 @@ OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 SHAPE=${1:-13b}
 df -h /tmp > "$OUT/disk.txt"
 python3 benchmarks/compile_scale.py --shapes "$SHAPE" --device cuda --compute-dtype float16 \
-    --calib-tokens 65536 --predictor-epochs 8 --density 0.5 --decode-tokens 16 --timeout 560 \
+    --calib-tokens 65536 --predictor-epochs 8 --density 0.5 --decode-tokens 16 --timeout 520 \
     --work /tmp/dejavu-cs --out "$OUT/compile-scale-$(date -u +%F)-$SHAPE"

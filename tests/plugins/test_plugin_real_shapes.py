@@ -1,9 +1,11 @@
 """The kernels on real OPT shapes (OPT-30B / 66B layers) on a CUDA GPU against float64 references: odd and
 real shapes, fp16 / bf16 / fp32, per-sequence and shared indices, a CUDA-graph replay with a device-side
 pos, the deferred Q/K/V routes (split, slow path, fold). Skipped without a GPU (the interpreter tests in
-this folder cover the small shapes); run on the device: `python -m pytest tests/plugins/test_plugin_real_shapes.py`.
+this folder cover the small shapes); run on the device in a process of its own, compiled (this folder's conftest
+turns the interpreter on unless told otherwise): `TRITON_INTERPRET=0 python -m pytest tests/plugins/test_plugin_real_shapes.py`.
 Bounds: max|out - ref| <= 2 * max|same-dtype torch - ref| + atol and a relative-norm bound."""
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ import torch.nn.functional as Fn
 import dejavu.plugins as P
 from dejavu.plugins import DEFAULT
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="real-shape checks need a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="real-shape checks need a CUDA GPU"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                 reason="real-shape checks run the compiled kernels: TRITON_INTERPRET=0")]
 DEV = "cuda"
 
 
