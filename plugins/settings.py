@@ -158,6 +158,8 @@ class InputSparseSettings:
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
+    num_stages: int = 3  # the GEMV's launch (Triton's default for CUDA: its loop pipelining depth)
+    prefetch_w: bool = False  # the GEMV loads the next step's weight rows before it sums this step's (PREFETCH_W)
 
 
 @dataclass(frozen=True)
