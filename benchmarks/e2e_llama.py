@@ -190,7 +190,7 @@ class _CountingOps:
         self.ref = LlamaOps("ref")
         self.kernels, self.read, self.dense = self.ref.kernels, 0.0, 0.0
 
-    def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None):
+    def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None, kind="o"):
         from dejavu.plugins.input_sparse import produce_ref
 
         h = produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
