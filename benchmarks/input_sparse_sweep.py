@@ -47,8 +47,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_llama import SHAPES, copy_bandwidth, sync  # noqa: E402
+from e2e_llama import SHAPES, copy_bandwidth, sync  # benchmarks/, the script's folder (run as a script)
 
 # (stage, the InputSparseSettings fields it varies, their values); --smoke: SMOKE_STAGES on tiny shapes
 STAGES = [("blocks", ("block_m", "block_k"), ([32, 64, 128], [64, 128, 256])),
