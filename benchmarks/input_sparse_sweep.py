@@ -23,7 +23,8 @@ stage by stage for every shape before the next stage (STAGES: block_m x block_k,
 min_split_inputs, target_programs, num_stages), each stage's candidates around the shape's best so far; a
 candidate that launches what was already measured (the same blocks, warps, split and flags) reuses that
 time; an accumulator over 64 fp32 registers a thread (block_k / 2 x block_m / (32 num_warps)) is skipped.
-No stage starts a measurement after --budget-s; what is left is listed under "skipped".
+No stage starts a measurement after --budget-s; what is left is listed under "skipped". --start-from
+r.json --stages warps,... continues a run's descent from each shape's best there.
 
 JSON to --out (rewritten after every measurement): meta (device, torch / triton, commit), bandwidth (a
 device copy: read + written bytes / time), shapes (N, M, producer, copies, kept rows, bytes a group reads:
@@ -292,6 +293,7 @@ def run(a, dev) -> Sweep:
     sweep.save()
     start = time.perf_counter()
     best = {f"{s.model}/{s.proj}": (sweep.base.input_sparse, None) for s in shapes}
+    start_from = json.loads(Path(a.start_from).read_text())["best"] if a.start_from else {}
     stages = SMOKE_STAGES if a.smoke else STAGES
     if a.stages:
         stages = [st for st in stages if st[0] in a.stages.split(",")]
@@ -300,10 +302,18 @@ def run(a, dev) -> Sweep:
         for s in shapes:
             name = f"{s.model}/{s.proj}"
             cfg0, r0 = best[name]
-            if r0 is None:  # the defaults first
+            if name not in sweep.data["best"]:  # the defaults first
                 r0 = sweep.measure(s, cfg0, "default", a.measure_s)
                 best[name] = (cfg0, r0)
                 sweep.data["best"][name] = {"default_us": r0 and r0["us"], "us": r0 and r0["us"], "settings": {}}
+                if name in start_from:  # a previous run's best, where this run's descent starts
+                    cfg = dataclasses.replace(cfg0, **start_from[name]["settings"])
+                    r = sweep.measure(s, cfg, "start", a.measure_s)
+                    if r is not None and (r0 is None or r["us"] < r0["us"]):
+                        best[name] = (cfg, r)
+                        sweep.data["best"][name].update(us=r["us"], settings=r["settings"], GBps=r["GBps"],
+                                                        split=r["split"])
+                cfg0 = best[name][0]
             for cfg in candidates(cfg0, fields, values):
                 if acc_regs(cfg) > MAX_ACC_REGS:
                     continue
@@ -343,6 +353,9 @@ def table(sweep: Sweep) -> str:
         if b["us"] is None:
             lines.append(f"{name:<24} {'error':>10}")
             continue
+        if b["default_us"] is None:  # the defaults failed: no ratio, no step estimate
+            lines.append(f"{name:<24} {'error':>10} {b['us']:>9.2f}  {json.dumps(b['settings'])}")
+            continue
         lines.append(f"{name:<24} {b['default_us']:>10.2f} {b['us']:>9.2f} {b['default_us'] / b['us']:>5.2f} "
                      f"{b.get('GBps', shapes[name]['read_bytes'] / b['us'] / 1e3):>6.0f} "
                      f"{str(b.get('split', '')):>5}  {json.dumps(b['settings'])}")
@@ -364,6 +377,8 @@ def main(argv=None) -> int:
     p.add_argument("--measure-s", type=float, default=0.15, help="seconds of replays a measurement times")
     p.add_argument("--footprint-mb", type=int, default=512, help="weight copies of a shape hold at least this")
     p.add_argument("--stages", default=None, help="comma list of stages to run (default: all)")
+    p.add_argument("--start-from", default=None,
+                   help="a previous run's JSON: each shape's descent starts from its best there (with --stages)")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes, a small grid")
     a = p.parse_args(argv)
     if a.smoke:
