@@ -19,8 +19,8 @@ masked product in fp32; max |diff| <= 2e-2 max |ref|, LlamaOps.verify's bound): 
 error is recorded in "errors", never timed.
 
 The settings (InputSparseSettings fields) are searched per shape by coordinate descent from the defaults,
-stage by stage for every shape before the next stage (STAGES: block_m x block_k, prefetch_w, num_warps,
-min_split_inputs, target_programs, num_stages), each stage's candidates around the shape's best so far; a
+stage by stage for every shape before the next stage (STAGES: block_m x block_k, loop_stages, prefetch_w, num_warps,
+min_split_inputs, target_programs), each stage's candidates around the shape's best so far; a
 candidate that launches what was already measured (the same blocks, warps, split and flags) reuses that
 time; an accumulator over 64 fp32 registers a thread (block_k / 2 x block_m / (32 num_warps)) is skipped.
 No stage starts a measurement after --budget-s; what is left is listed under "skipped". --start-from
@@ -52,12 +52,13 @@ from e2e_llama import SHAPES, copy_bandwidth, sync  # benchmarks/, the script's 
 
 # (stage, the InputSparseSettings fields it varies, their values); --smoke: SMOKE_STAGES on tiny shapes
 STAGES = [("blocks", ("block_m", "block_k"), ([32, 64, 128], [64, 128, 256])),
+          ("pipeline", ("loop_stages",), ([None, 2, 3, 4],)),
           ("prefetch", ("prefetch_w",), ([False, True],)),
           ("warps", ("num_warps",), ([2, 4, 8],)),
           ("split_len", ("min_split_inputs",), ([256, 512, 1024],)),
-          ("programs", ("target_programs",), ([264, 528, 1056],)),
-          ("stages", ("num_stages",), ([1, 3, 4],))]
+          ("programs", ("target_programs",), ([264, 528, 1056],))]
 SMOKE_STAGES = [("blocks", ("block_m", "block_k"), ([16, 32], [8, 16])),
+                ("pipeline", ("loop_stages",), ([None, 3],)),
                 ("split_len", ("min_split_inputs",), ([16, 256],)),
                 ("prefetch", ("prefetch_w",), ([False, True],))]
 MAX_ACC_REGS = 64  # fp32 accumulator elements a thread holds: block_k / 2 x block_m / (32 num_warps)
@@ -165,7 +166,7 @@ def launch_key(s: Shape, cfg) -> tuple:
     """What a configuration launches on s: configurations with equal keys launch the same kernels."""
     from dejavu.plugins.input_sparse import split_k_for
 
-    return (cfg.block_m, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.prefetch_w,
+    return (cfg.block_m, cfg.block_k, cfg.num_warps, cfg.loop_stages, cfg.prefetch_w,
             split_k_for(s.x.shape[-2], s.N, s.M, cfg))
 
 

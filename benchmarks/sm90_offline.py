@@ -79,6 +79,8 @@ KERNELS = {
     "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True, GDC=1), 3),
     "sliced_gemv_prefetch": ("input_sparse", "_sliced_gemv_kernel",
                              dict(BLOCK_M=64, SUB=64, EVEN_M=True, PREFETCH_W=True, GDC=1), 3),
+    "sliced_gemv_pipelined": ("input_sparse", "_sliced_gemv_kernel",
+                              dict(BLOCK_M=64, SUB=64, EVEN_M=True, LOOP_STAGES=3, GDC=1), 3),
     "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel",
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, GDC=2), 3,

@@ -160,7 +160,9 @@ class InputSparseSettings:
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
-    num_stages: int = 3  # the GEMV's launch (Triton's default for CUDA: its loop pipelining depth)
+    # the GEMV's loop software-pipelined over this many stages (tl.range num_stages: cp.async into shared
+    # memory); None: a plain loop (the launch's own num_stages leaves this loop as it is: same sm_90 PTX)
+    loop_stages: int | None = None
     prefetch_w: bool = False  # the GEMV loads the next step's weight rows before it sums this step's (PREFETCH_W)
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings; none yet: one table for every kind)

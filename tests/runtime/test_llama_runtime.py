@@ -206,7 +206,7 @@ from dejavu.runtime import Engine
 ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 a, want = ref.decode_logits(ids), ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
-kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("gate_up", "prefetch_w", True),
+kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("gate_up", "prefetch_w", True), ("o", "loop_stages", 2),
          ("gate_up", "block_k", 4), ("down", "block_m", 8), ("down", "min_split_inputs", 16))
 for min_split, projections in ((8, ()), (4096, ()), (4096, kinds)):
     ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
@@ -273,7 +273,7 @@ def test_projection_settings_survive_the_header_and_old_headers_take_one_table(b
     assert ops.kinds["qkv"] == ops.kinds["down"] == ks
     assert Engine.load(path).ops.kinds["gate_up"].input_sparse.block_m == 32
     old = DEFAULT.to_dict()
-    del old["input_sparse"]["projections"], old["input_sparse"]["prefetch_w"], old["input_sparse"]["num_stages"]
+    del old["input_sparse"]["projections"], old["input_sparse"]["prefetch_w"], old["input_sparse"]["loop_stages"]
     ops = LlamaOps("triton", settings_for({"kernel_settings": old}, torch.device("cpu")))
     assert set(ops.kinds) == set(PROJECTIONS) and all(s == DEFAULT for s in ops.kinds.values())
     for bad in (("mlp", "block_m", 32), ("o", "block_q", 32), ("o", "block_m")):
