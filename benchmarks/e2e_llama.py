@@ -199,7 +199,7 @@ class _CountingOps:
         kept = float((h.float().abs() > t).float().mean()) if t > 0 else 1.0
         self.read += kept * w_t.numel()
         self.dense += w_t.numel()
-        return self.ref.linear(x, w_t, t, norm, swiglu, residual)
+        return self.ref.linear(x, w_t, t, norm, swiglu, residual, kind=kind)
 
     def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
         return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)

@@ -128,7 +128,7 @@ class LlamaOps:
         return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=settings)
 
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
-               residual: torch.Tensor | None = None, kind: str = "o") -> torch.Tensor:
+               residual: torch.Tensor | None = None, *, kind: str) -> torch.Tensor:
         """linear_ref's y [B, M] from x [B, N] (swiglu: [B, 2N]); t 0: PyTorch's dense product; the kernels
         with projection `kind`'s settings."""
         if t <= 0 or self.backend == "ref":
