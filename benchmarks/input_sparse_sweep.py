@@ -69,8 +69,10 @@ def projections(c: dict) -> list[dict]:
     """The four projection kinds of shape c: name, N inputs, M outputs, the select's producer."""
     D, H, Hkv, hd, inter = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
                             c["intermediate_size"])
-    return [dict(proj="qkv", N=D, M=(H + 2 * Hkv) * hd, producer="norm"), dict(proj="o", N=H * hd, M=D, producer="none"),
-            dict(proj="gate_up", N=D, M=2 * inter, producer="norm"), dict(proj="down", N=inter, M=D, producer="swiglu")]
+    return [dict(proj="qkv", N=D, M=(H + 2 * Hkv) * hd, producer="norm"),
+            dict(proj="o", N=H * hd, M=D, producer="none"),
+            dict(proj="gate_up", N=D, M=2 * inter, producer="norm"),
+            dict(proj="down", N=inter, M=D, producer="swiglu")]
 
 
 def _median_t(h: torch.Tensor) -> float:
@@ -166,7 +168,7 @@ def launch_key(s: Shape, cfg) -> tuple:
     """What a configuration launches on s: configurations with equal keys launch the same kernels."""
     from dejavu.plugins.input_sparse import split_k_for
 
-    return (cfg.block_m, cfg.block_k, cfg.num_warps, cfg.loop_stages, cfg.prefetch_w,
+    return (cfg.block_m, cfg.block_k, cfg.num_warps, None if cfg.prefetch_w else cfg.loop_stages, cfg.prefetch_w,
             split_k_for(s.x.shape[-2], s.N, s.M, cfg))
 
 

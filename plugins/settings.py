@@ -161,7 +161,8 @@ class InputSparseSettings:
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
     # the GEMV's loop software-pipelined over this many stages (tl.range num_stages: cp.async into shared
-    # memory); None: a plain loop (the launch's own num_stages leaves this loop as it is: same sm_90 PTX)
+    # memory); None: a plain loop (the launch's own num_stages leaves this loop as it is: same sm_90 PTX);
+    # prefetch_w's loop is plain
     loop_stages: int | None = None
     prefetch_w: bool = False  # the GEMV loads the next step's weight rows before it sums this step's (PREFETCH_W)
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:

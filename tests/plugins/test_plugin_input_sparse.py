@@ -80,8 +80,10 @@ def test_select_slices_pairs_each_split_in_order(triton_interp, dtype, producer,
                                                      (2, 200, 300, 0.9, _s(), True),
                                                      (1, 96, 40, 0.6, _s(block_m=16, block_k=8, split_k=3), True),
                                                      (2, 50, 48, 50.0, SMALL, True), (2, 40, 33, 0.0, SMALL, False),
-                                                     (2, 200, 45, 0.6, PREFETCH, True), (1, 130, 64, 0.3, PREFETCH, False),
-                                                     (2, 50, 48, 50.0, PREFETCH, True), (2, 40, 33, 0.0, PREFETCH, False),
+                                                     (2, 200, 45, 0.6, PREFETCH, True),
+                                                     (1, 130, 64, 0.3, PREFETCH, False),
+                                                     (2, 50, 48, 50.0, PREFETCH, True),
+                                                     (2, 40, 33, 0.0, PREFETCH, False),
                                                      (2, 200, 45, 0.6, PIPELINED, True)])
 def test_sliced_gemv_matches_float64(triton_interp, close, dtype, producer, B, N, M, t, config, residual):
     """residual + the kept inputs of h times their rows of w_t: M a multiple of block_m (unmasked loads)
