@@ -206,13 +206,13 @@ from dejavu.runtime import Engine
 ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 a, want = ref.decode_logits(ids), ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
-kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("gate_up", "prefetch_w", True), ("o", "loop_stages", 2),
-         ("gate_up", "block_k", 4), ("down", "block_m", 8), ("down", "min_split_inputs", 16))
+kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "loop_stages", 2), ("gate_up", "prefetch_w", True),
+         ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
 for min_split, projections in ((8, ()), (4096, ()), (4096, kinds)):
     ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
                                                          projections=projections))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
-    assert tri.ops.kinds["down"].input_sparse.block_m == (8 if projections else 16)
+    assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
                       "kernels": tri.describe()["kernels"],
                       "same": want == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
