@@ -63,10 +63,12 @@ SHAPES = {
 # the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): fewer, longer
 # splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
 # down 9 -> 9 / 7, gate/up 2), the input-sparse kernels launched without PDL (as at 6d59376), wider and narrower
-# blocks, fewer / more programs
+# blocks, fewer / more programs, the GEMV's weight rows loaded a step ahead (prefetch_w) or its loop
+# software-pipelined (loop_stages)
 VARIANTS = [{"min_split_inputs": 1024}, {"min_split_inputs": 2048},
             {"pdl": {"PLAIN": ["pred", "is_select", "is_gemv", "is_sum"]}},
-            {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056}]
+            {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056},
+            {"prefetch_w": True}, {"loop_stages": 3}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -190,14 +192,14 @@ class _CountingOps:
         self.ref = LlamaOps("ref")
         self.kernels, self.read, self.dense = self.ref.kernels, 0.0, 0.0
 
-    def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None):
+    def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None, kind="o"):
         from dejavu.plugins.input_sparse import produce_ref
 
         h = produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
         kept = float((h.float().abs() > t).float().mean()) if t > 0 else 1.0
         self.read += kept * w_t.numel()
         self.dense += w_t.numel()
-        return self.ref.linear(x, w_t, t, norm, swiglu, residual)
+        return self.ref.linear(x, w_t, t, norm, swiglu, residual, kind=kind)
 
     def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
         return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)

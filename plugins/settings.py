@@ -6,6 +6,8 @@
     header["target"]["layer_kernel_settings"] = layers           # [{part: {field: value}}] per layer
     KernelSettings.from_dict(d).with_overrides(layers[l])        # read back by the runtime, per layer
     sparse_fc1(..., settings=settings)                           # every launcher takes one (None: DEFAULT)
+    kinds = resolve_projection_settings(settings)                # Llama: per projection kind (qkv, o, ...)
+    settings.with_overrides(kinds["gate_up"])                    # its launches' settings (LlamaOps)
 
 Each default is a field default here (picked on an H200, 132 SMs; the measurements behind them:
 docs/kernels.md and BENCHMARKS.md). A launcher's `config=` dict overrides fields of its own table
@@ -158,6 +160,14 @@ class InputSparseSettings:
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
+    # the GEMV's loop software-pipelined over this many stages (tl.range num_stages: cp.async into shared
+    # memory); None: a plain loop (the launch's own num_stages leaves this loop as it is: same sm_90 PTX);
+    # prefetch_w's loop is plain
+    loop_stages: int | None = None
+    prefetch_w: bool = False  # the GEMV loads the next step's weight rows before it sums this step's (PREFETCH_W)
+    # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
+    # (kind, field, value) triples (resolve_projection_settings; none yet: one table for every kind)
+    projections: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -223,6 +233,7 @@ def _from_dict(cls, d, where: str):
 
 DEFAULT = KernelSettings()
 H200_SMS = 132  # the GPU the defaults were picked on
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a Llama block's input-sparse GEMVs (runtime/llama_decoder.LlamaOps)
 
 
 def resolve_kernel_settings(arch: str | None, sm_count: int | None = None) -> KernelSettings:
@@ -237,11 +248,29 @@ def resolve_kernel_settings(arch: str | None, sm_count: int | None = None) -> Ke
         return r(t, TARGET_PROGRAMS=max(1, round(t.TARGET_PROGRAMS * scale)))
 
     major = int(arch.removeprefix("sm_")[:-1] or 0)
-    s = DEFAULT
+    s, i = DEFAULT, DEFAULT.input_sparse
+    kinds = tuple((k, f, max(1, round(v * scale)) if f == "target_programs" else v) for k, f, v in i.projections)
     return r(s, fc2_gemv=programs(s.fc2_gemv), fc2_dot=programs(s.fc2_dot), fc2_dot1=programs(s.fc2_dot1),
              proj1=programs(s.proj1), qkv=programs(s.qkv), qkv_b1=programs(s.qkv_b1),
-             input_sparse=r(s.input_sparse, target_programs=max(1, round(s.input_sparse.target_programs * scale))),
+             input_sparse=r(i, target_programs=max(1, round(i.target_programs * scale)), projections=kinds),
              pdl=s.pdl if major >= 9 else r(s.pdl, ENABLED=False), arch=arch)
+
+
+def resolve_projection_settings(s: KernelSettings) -> dict[str, dict]:
+    """Per projection kind of a Llama block (PROJECTIONS), its input-sparse kernels' settings as overrides of s
+    (with_overrides): {kind: {"input_sparse": {field: value}}} from s.input_sparse.projections ({} where a kind
+    takes the table as it is); a kind or field that is not one is a DejavuError."""
+    fields = {f.name for f in dataclasses.fields(InputSparseSettings)} - {"projections"}
+    out = {k: {} for k in PROJECTIONS}
+    for entry in s.input_sparse.projections:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 3):
+            raise DejavuError(f"input_sparse.projections: expected (kind, field, value) triples, got {entry!r}")
+        kind, field, value = entry
+        if kind not in out or field not in fields:
+            raise DejavuError(f"input_sparse.projections: ({kind!r}, {field!r}) is not a projection kind "
+                              f"({', '.join(PROJECTIONS)}) and an input_sparse field")
+        out[kind].setdefault("input_sparse", {})[field] = value
+    return out
 
 
 def resolve_layer_settings(s: KernelSettings, d_model: int, head_dim: int, mlp_k, attn_k) -> list[dict]:

@@ -103,46 +103,65 @@ def linear_ref(x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: 
 
 class LlamaOps:
     """The decode step's sparse projections on one backend: "ref" (PyTorch, masked dense) or "triton"
-    (plugins/input_sparse: per-split selects fused with the producer, the pairs' GEMV, fused split-K sums)."""
+    (plugins/input_sparse: per-split selects fused with the producer, the pairs' GEMV, fused split-K sums),
+    each projection kind (plugins.PROJECTIONS: qkv, o, gate_up, down) launched with its own settings."""
 
     def __init__(self, backend: str, settings=None):
         """settings: the engine's plugins.KernelSettings (runtime/ops.settings_for: the header's
-        target.kernel_settings where they fit this GPU; their `input_sparse` blocks; None: DEFAULT)."""
+        target.kernel_settings where they fit this GPU; their `input_sparse` blocks, per projection kind
+        plugins.resolve_projection_settings' overrides of them; None: DEFAULT)."""
+        from dejavu.plugins.settings import DEFAULT, resolve_projection_settings
+
         if backend not in ("ref", "triton"):
             raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
         self.backend = backend
         self.kernels = {"input_sparse_gemv": backend}
-        self.settings = settings
+        self.settings = settings or DEFAULT
+        self.kinds = {k: self.settings.with_overrides(o) for k, o in resolve_projection_settings(self.settings).items()}
 
-    def _select(self, x, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False, dtype=None):
-        # (idx, val, count) of the inputs of w_t kept from x (or its partials), the split from the settings
+    def _select(self, x, w_t: torch.Tensor, t: float, kind: str, norm=None, swiglu: bool = False, dtype=None):
+        # (idx, val, count) of the inputs of w_t kept from x (or its partials), the split from kind's settings
         from dejavu.plugins import input_sparse as IS
 
-        config = (self.settings or IS.DEFAULT).input_sparse
-        split = IS.split_k_for(x.shape[-2], w_t.shape[0], w_t.shape[1], config)
-        return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=self.settings)
+        settings = self.kinds[kind]
+        split = IS.split_k_for(x.shape[-2], w_t.shape[0], w_t.shape[1], settings.input_sparse)
+        return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=settings)
 
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-        """linear_ref's y [B, M] from x [B, N] (swiglu: [B, 2N]); t 0: PyTorch's dense product."""
+               residual: torch.Tensor | None = None, *, kind: str) -> torch.Tensor:
+        """linear_ref's y [B, M] from x [B, N] (swiglu: [B, 2N]); t 0: PyTorch's dense product; the kernels
+        with projection `kind`'s settings."""
         if t <= 0 or self.backend == "ref":
             return linear_ref(x, w_t, t, norm, swiglu, residual)
         from dejavu.plugins.input_sparse import sliced_gemv
 
-        return sliced_gemv(*self._select(x, w_t, t, norm, swiglu), w_t, residual, settings=self.settings)
+        return sliced_gemv(*self._select(x, w_t, t, kind, norm, swiglu), w_t, residual, settings=self.kinds[kind])
+
+    def gate_up(self, x: torch.Tensor, wgu_t: torch.Tensor, t: float, norm) -> torch.Tensor:
+        """The fused gate/up projection of x [B, D] through the MLP's RMSNorm (norm: (w, eps)), unsummed: fp32
+        partials [S, B, 2I] (triton, t > 0; down's select sums them), else gate | up [B, 2I]."""
+        if t <= 0 or self.backend == "ref":
+            return self.linear(x, wgu_t, t, norm=norm, kind="gate_up")
+        from dejavu.plugins.input_sparse import sliced_parts
+
+        return sliced_parts(*self._select(x, wgu_t, t, "gate_up", norm), wgu_t, settings=self.kinds["gate_up"])
+
+    def down(self, gu: torch.Tensor, wd_t: torch.Tensor, t: float, x: torch.Tensor) -> torch.Tensor:
+        """x + down(SiLU(gate) * up) from gate_up's output gu (its partials [S, B, 2I] or [B, 2I])."""
+        if gu.dim() == 3:  # partials: t > 0 on triton
+            from dejavu.plugins.input_sparse import sliced_gemv, sum_parts_ref
+
+            if t <= 0:
+                return self.linear(sum_parts_ref(gu, x.dtype), wd_t, t, swiglu=True, residual=x, kind="down")
+            return sliced_gemv(*self._select(gu, wd_t, t, "down", swiglu=True, dtype=x.dtype), wd_t, x,
+                               settings=self.kinds["down"])
+        return self.linear(gu, wd_t, t, swiglu=True, residual=x, kind="down")
 
     def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
             norm) -> torch.Tensor:
         """x + down(SiLU(gate) * up) of x [B, D] (norm: the MLP's RMSNorm (w, eps)): gate/up's partials go
         straight into down's SwiGLU select, which sums them (no split-K sum launch between)."""
-        if t_in <= 0 or t_down <= 0 or self.backend == "ref":
-            gu = self.linear(x, wgu_t, t_in, norm=norm)
-            return self.linear(gu, wd_t, t_down, swiglu=True, residual=x)
-        from dejavu.plugins.input_sparse import sliced_gemv, sliced_parts
-
-        part = sliced_parts(*self._select(x, wgu_t, t_in, norm), wgu_t, settings=self.settings)  # [S, B, 2I]
-        return sliced_gemv(*self._select(part, wd_t, t_down, swiglu=True, dtype=x.dtype), wd_t, x,
-                           settings=self.settings)
+        return self.down(self.gate_up(x, wgu_t, t_in, norm), wd_t, t_down, x)
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -151,9 +170,10 @@ class LlamaOps:
         from dejavu.plugins import input_sparse as IS
 
         if t <= 0 or self.backend == "ref":
-            return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
-        return IS.sliced_qkv_rope(*self._select(x, w_t, t, norm), w_t, cos, sin, pos, k_cache, v_cache,
-                                  settings=self.settings)
+            return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
+                                          rows)
+        return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm), w_t, cos, sin, pos, k_cache, v_cache,
+                                  settings=self.kinds["qkv"])
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference on layer 0's MLP weights, its input through the
@@ -164,7 +184,7 @@ class LlamaOps:
         x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
         t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
         ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
-        err = float((self.linear(x, w, t, norm).float() - ref).abs().max())
+        err = float((self.linear(x, w, t, norm, kind="gate_up").float() - ref).abs().max())
         scale = float(ref.abs().max()) or 1.0
         if not err <= 2e-2 * scale:
             raise DejavuError(f"input_sparse_gemv disagrees with its reference on this engine (max |diff| {err:.3g})")
@@ -275,7 +295,7 @@ class LlamaDecoder:
             # query head h reads KV head h // G: the G query heads of a KV head are its G "query
             # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
             o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]
-            x = lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"], residual=x)
+            x = lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"], residual=x, kind="o")
             x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
         return self.head(x)
 

@@ -104,3 +104,34 @@ def test_layer_overrides_check_their_names():
         P.DEFAULT.with_overrides({"fc2_dot1": {"SPLITS": 3}})
     with pytest.raises(DejavuError, match="not a part"):
         P.DEFAULT.with_overrides({"arch": {"x": 1}})
+
+
+def test_projection_settings_are_overrides_of_the_one_table():
+    """input_sparse.projections (kind, field, value) triples become per-kind overrides (with_overrides); none
+    by default (every kind launches the table as it is); they survive JSON, scale with the SM count where
+    they set target_programs, and a kind or field that is not one is a DejavuError."""
+    assert P.resolve_projection_settings(P.DEFAULT) == {k: {} for k in P.PROJECTIONS}
+    kinds = (("down", "block_m", 32), ("down", "prefetch_w", True), ("o", "target_programs", 264))
+    s = dataclasses.replace(P.DEFAULT, input_sparse=P.InputSparseSettings(projections=kinds))
+    assert P.KernelSettings.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    over = P.resolve_projection_settings(s)
+    assert over == {"qkv": {}, "gate_up": {}, "down": {"input_sparse": {"block_m": 32, "prefetch_w": True}},
+                    "o": {"input_sparse": {"target_programs": 264}}}
+    down = s.with_overrides(over["down"]).input_sparse
+    assert (down.block_m, down.prefetch_w, down.block_k) == (32, True, P.DEFAULT.input_sparse.block_k)
+    assert s.with_overrides(over["qkv"]) == s
+    for bad in (("attn", "block_m", 32), ("o", "blockm", 32), ("o", "projections", ()), ("o",)):
+        with pytest.raises(DejavuError, match="input_sparse.projections"):
+            P.resolve_projection_settings(dataclasses.replace(
+                P.DEFAULT, input_sparse=P.InputSparseSettings(projections=(bad,))))
+
+
+def test_projection_target_programs_scale_with_the_sm_count(monkeypatch):
+    import dejavu.plugins.settings as S
+
+    kinds = (("o", "target_programs", 264), ("o", "block_m", 32))
+    monkeypatch.setattr(S, "DEFAULT", dataclasses.replace(S.DEFAULT, input_sparse=S.InputSparseSettings(
+        projections=kinds)))
+    s = S.resolve_kernel_settings("sm_80", 66)  # half the H200's SMs
+    assert s.input_sparse.target_programs == 264 and s.input_sparse.projections == (
+        ("o", "target_programs", 132), ("o", "block_m", 32))

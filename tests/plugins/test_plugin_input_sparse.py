@@ -15,6 +15,8 @@ from dejavu.plugins.input_sparse import (input_sparse_gemv_ref, produce_ref, sel
 from conftest import DTYPES
 
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
+PREFETCH = dataclasses.replace(SMALL, prefetch_w=True)  # the GEMV's rows a step ahead
+PIPELINED = dataclasses.replace(SMALL, loop_stages=3)  # tl.range's stages (the interpreter runs the loop as it is)
 
 
 def _ks(blocks):
@@ -77,7 +79,12 @@ def test_select_slices_pairs_each_split_in_order(triton_interp, dtype, producer,
 @pytest.mark.parametrize("B,N,M,t,config,residual", [(1, 77, 45, 0.6, SMALL, True), (3, 130, 64, 0.6, SMALL, False),
                                                      (2, 200, 300, 0.9, _s(), True),
                                                      (1, 96, 40, 0.6, _s(block_m=16, block_k=8, split_k=3), True),
-                                                     (2, 50, 48, 50.0, SMALL, True), (2, 40, 33, 0.0, SMALL, False)])
+                                                     (2, 50, 48, 50.0, SMALL, True), (2, 40, 33, 0.0, SMALL, False),
+                                                     (2, 200, 45, 0.6, PREFETCH, True),
+                                                     (1, 130, 64, 0.3, PREFETCH, False),
+                                                     (2, 50, 48, 50.0, PREFETCH, True),
+                                                     (2, 40, 33, 0.0, PREFETCH, False),
+                                                     (2, 200, 45, 0.6, PIPELINED, True)])
 def test_sliced_gemv_matches_float64(triton_interp, close, dtype, producer, B, N, M, t, config, residual):
     """residual + the kept inputs of h times their rows of w_t: M a multiple of block_m (unmasked loads)
     and not, several splits, none kept (y = residual), every input kept (t 0)."""
@@ -130,15 +137,17 @@ def test_select_slices_sums_the_previous_gemvs_partials(triton_interp, close, dt
     close(out, (h.double() * (h.float().abs() > t)) @ w2.double(), input_sparse_gemv_ref(h, w2, t))
 
 
-def test_sliced_gemv_reads_only_the_kept_rows(triton_interp):
-    """Rows of w_t outside the pairs are NaN: a read of any of them would poison y."""
+@pytest.mark.parametrize("config", [SMALL, PREFETCH, PIPELINED])
+def test_sliced_gemv_reads_only_the_kept_rows(triton_interp, config):
+    """Rows of w_t outside the pairs are NaN: a read of any of them would poison y (prefetch_w: nor a row
+    past a split's count, loaded ahead)."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 90, generator=g)
     w_t = torch.randn(90, 50, generator=g)
-    idx, val, count = select_slices(x, 0.8, 4, settings=_ks(SMALL))
+    idx, val, count = select_slices(x, 0.8, 4, settings=_ks(config))
     kept = (x.abs() > 0.8).any(0)
     poisoned = torch.where(kept[:, None], w_t, torch.full_like(w_t, float("nan")))
-    y = sliced_gemv(idx, val, count, poisoned, settings=_ks(SMALL))
+    y = sliced_gemv(idx, val, count, poisoned, settings=_ks(config))
     ref = input_sparse_gemv_ref(x.double(), torch.where(kept[:, None], w_t, 0.0).double(), 0.8)
     assert torch.isfinite(y).all() and (y.double() - ref).abs().max() < 1e-5
 

@@ -192,6 +192,7 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
+    and with settings per projection kind (input_sparse.projections: other blocks, splits, prefetch_w),
     run by Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported)."""
     import os
     import subprocess
@@ -205,9 +206,13 @@ from dejavu.runtime import Engine
 ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 a, want = ref.decode_logits(ids), ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
-for min_split in (8, 4096):
-    ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split))
+kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "loop_stages", 2), ("gate_up", "prefetch_w", True),
+         ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
+for min_split, projections in ((8, ()), (4096, ()), (4096, kinds)):
+    ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
+                                                         projections=projections))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
+    assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
                       "kernels": tri.describe()["kernels"],
                       "same": want == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
@@ -215,7 +220,7 @@ for min_split in (8, 4096):
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    for r in map(json.loads, p.stdout.strip().splitlines()[-2:]):
+    for r in map(json.loads, p.stdout.strip().splitlines()[-3:]):
         assert r["kernels"] == {"input_sparse_gemv": "triton"} and r["check"]["input_sparse_gemv"] < 1e-4
         assert r["diff"] <= ATOL and r["same"]
 
@@ -245,6 +250,35 @@ def test_kernel_settings_are_read_from_the_header(built):
     assert KernelSettings.from_dict({"input_sparse": {"select": "list", "block_m": 16}}).input_sparse.block_m == 16
     with pytest.raises(DejavuError, match="kernel_settings.input_sparse: unknown key.s. select"):
         LlamaOps("triton", KernelSettings.from_dict({"input_sparse": {"select": "mask"}}))
+
+
+def test_projection_settings_survive_the_header_and_old_headers_take_one_table(built, tmp_path):
+    """Settings per projection kind (input_sparse.projections) survive an engine file's header and reach
+    LlamaOps per kind; a header written before the field (no "projections") loads with one table for
+    every kind, the defaults; a kind or field that is not one is a DejavuError."""
+    from dejavu.plugins import DEFAULT, PROJECTIONS, InputSparseSettings, KernelSettings
+    from dejavu.runtime.ops import settings_for
+    from dejavu.runtime.llama_decoder import LlamaOps
+
+    kinds = (("gate_up", "block_m", 32), ("gate_up", "prefetch_w", True), ("o", "target_programs", 264))
+    ks = KernelSettings(input_sparse=InputSparseSettings(projections=kinds))
+    header, tensors = read_engine(built[1][0.6])
+    path = tmp_path / "kinds.engine"
+    write_engine(path, {**header, "target": {**header["target"], "kernel_settings": ks.to_dict()}}, tensors)
+    got = settings_for(read_engine(path)[0]["target"], torch.device("cpu"))
+    assert got == ks and got.input_sparse.projections == kinds
+    ops = LlamaOps("triton", got)
+    assert ops.kinds["gate_up"].input_sparse == InputSparseSettings(block_m=32, prefetch_w=True, projections=kinds)
+    assert ops.kinds["o"].input_sparse.target_programs == 264 and ops.kinds["o"].input_sparse.block_m == 64
+    assert ops.kinds["qkv"] == ops.kinds["down"] == ks
+    assert Engine.load(path).ops.kinds["gate_up"].input_sparse.block_m == 32
+    old = DEFAULT.to_dict()
+    del old["input_sparse"]["projections"], old["input_sparse"]["prefetch_w"], old["input_sparse"]["loop_stages"]
+    ops = LlamaOps("triton", settings_for({"kernel_settings": old}, torch.device("cpu")))
+    assert set(ops.kinds) == set(PROJECTIONS) and all(s == DEFAULT for s in ops.kinds.values())
+    for bad in (("mlp", "block_m", 32), ("o", "block_q", 32), ("o", "block_m")):
+        with pytest.raises(DejavuError, match="input_sparse.projections"):
+            LlamaOps("triton", KernelSettings(input_sparse=InputSparseSettings(projections=(bad,))))
 
 
 @pytest.mark.parametrize("over", [dict(tie_word_embeddings=False, num_key_value_heads=6),

@@ -1,0 +1,32 @@
+"""benchmarks/input_sparse_sweep.py's --smoke mode: tiny shapes on the CPU under Triton's interpreter."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "input_sparse_sweep.py"
+
+
+def test_smoke_checks_and_times_every_projection(tmp_path):
+    """Every projection kind of the tiny shape: the defaults and prefetch_w, each checked against PyTorch
+    before it is timed (no errors), the best per shape recorded; a bad --models is one argparse line."""
+    pytest.importorskip("triton")
+    out = tmp_path / "r.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")  # in a subprocess: the interpreter before triton is imported
+    p = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--stages", "prefetch", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    names = {"tiny/qkv", "tiny/o", "tiny/gate_up", "tiny/down"}
+    assert d["errors"] == [] and {s["shape"] for s in d["shapes"]} == names == set(d["best"])
+    assert all(0 < s["kept_rows"] < s["N"] and s["read_bytes"] == s["kept_rows"] * s["M"] * 2 for s in d["shapes"])
+    got = {(r["shape"], r["stage"]) for r in d["results"]}
+    assert got == {(n, st) for n in names for st in ("default", "prefetch")}
+    assert all(r["max_rel_diff"] <= 2e-2 and r["us"] > 0 for r in d["results"])
+    assert d["bandwidth"]["copy_GBps"] > 0 and "best settings" in p.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--models", "llama-9", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown shape(s) llama-9" in bad.stderr.strip().splitlines()[-1]
