@@ -189,6 +189,7 @@ class _CountingOps:
 
         self.ref = LlamaOps("ref")
         self.kernels, self.read, self.dense = self.ref.kernels, 0.0, 0.0
+        self.attn_kernel = False  # the step's attention as the reference ops run it (masked SDPA)
 
     def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None):
         from dejavu.plugins.input_sparse import produce_ref
@@ -198,6 +199,11 @@ class _CountingOps:
         self.read += kept * w_t.numel()
         self.dense += w_t.numel()
         return self.ref.linear(x, w_t, t, norm, swiglu, residual)
+
+    def attend_project(self, q, k_cache, v_cache, pos, mask, wo_t, t, residual):
+        from dejavu.plugins.gqa_attention import gqa_decode_ref
+
+        return self.linear(gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual)
 
     def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
         return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)

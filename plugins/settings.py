@@ -140,7 +140,7 @@ class PDLSettings:
     their wait, PLAIN kinds launch without PDL."""
     ENABLED: bool = True
     EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm", "compact", "is_select",
-                    "is_sum")
+                    "is_sum", "gqa_combine")
     PLAIN: tuple = ("pred",)
 
 
@@ -157,6 +157,18 @@ class InputSparseSettings:
     split_k: int | None = None
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class GQAAttnSettings:
+    """The Llama decode step's attention on the triton backend (gqa_attention.py): `kernel` False runs
+    PyTorch's scaled_dot_product_attention over the whole cache with a mask instead (the reference path,
+    every slot read). chunk: cache slots per program (T / chunk programs per KV head and row; those past pos
+    exit at once), block_s slots a step. Not measured on a GPU yet."""
+    kernel: bool = True
+    chunk: int = 32
+    block_s: int = 16
     num_warps: int = 4
 
 
@@ -180,6 +192,7 @@ class KernelSettings:
     layer_norm: LNSettings = LNSettings()
     pdl: PDLSettings = PDLSettings()
     input_sparse: InputSparseSettings = InputSparseSettings()
+    gqa_attn: GQAAttnSettings = GQAAttnSettings()
     arch: str | None = None  # the GPU these were resolved for (sm_XY), None: not resolved for one
 
     def to_dict(self) -> dict:

@@ -110,9 +110,14 @@ class LlamaOps:
         target.kernel_settings where they fit this GPU; their `input_sparse` blocks; None: DEFAULT)."""
         if backend not in ("ref", "triton"):
             raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
+        from dejavu.plugins.settings import DEFAULT
+
         self.backend = backend
-        self.kernels = {"input_sparse_gemv": backend}
         self.settings = settings
+        # the decode step's attention: plugins/gqa_attention's kernel (slots <= pos only) on the triton backend
+        # unless its settings turn it off; else one scaled_dot_product_attention over the whole cache, masked
+        self.attn_kernel = backend == "triton" and (settings or DEFAULT).gqa_attn.kernel
+        self.kernels = {"input_sparse_gemv": backend, "gqa_attention": "triton" if self.attn_kernel else "torch"}
 
     def _select(self, x, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False, dtype=None):
         # (idx, val, count) of the inputs of w_t kept from x (or its partials), the split from the settings
@@ -154,6 +159,18 @@ class LlamaOps:
             return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, norm), w_t, cos, sin, pos, k_cache, v_cache,
                                   settings=self.settings)
+
+    def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                       mask: torch.Tensor | None, wo_t: torch.Tensor, t: float, residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
+        <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
+        from dejavu.plugins import gqa_attention as GA
+
+        if self.attn_kernel:
+            o = GA.gqa_decode(q, k_cache, v_cache, pos, settings=self.settings)
+        else:
+            o = GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask)
+        return self.linear(o, wo_t, t, residual=residual)
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference on layer 0's MLP weights, its input through the
@@ -258,24 +275,23 @@ class LlamaDecoder:
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device);
         writes this token's K/V at slot pos[b] and attends to slots <= pos[b]."""
-        s, lin = self.spec, self.ops.linear
-        B, H, Hkv, hd = tokens.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
-        G = H // Hkv
+        s = self.spec
+        hd = s.head_dim
         cos, sin = self._rope(pos)  # [B, hd]
         sin = torch.cat((-sin[..., :hd // 2], sin[..., hd // 2:]), -1)  # rotate_half's sign, once per step
-        # additive mask [B, 1, 1, T] in the engine dtype, once per step: slots <= pos[b]
-        mask = torch.zeros(B, 1, 1, self.max_seq, dtype=s.dtype, device=pos.device).masked_fill_(
-            self.slots > pos[:, None, None, None], float("-inf"))
+        mask = None  # the kernel reads slots <= pos[b] only; SDPA: an additive mask [B, 1, 1, T], once per step
+        if not self.ops.attn_kernel:
+            from dejavu.plugins.gqa_attention import decode_mask
+
+            mask = decode_mask(pos, self.max_seq, s.dtype, self.slots)
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
         for l, w in enumerate(self.layers):
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
                                   self.rows)
-            # query head h reads KV head h // G: the G query heads of a KV head are its G "query
-            # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
-            o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]
-            x = lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"], residual=x)
+            # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
+            x = self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x)
             x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
         return self.head(x)
 
