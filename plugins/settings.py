@@ -165,11 +165,14 @@ class GQAAttnSettings:
     """The Llama decode step's attention on the triton backend (gqa_attention.py): `kernel` False runs
     PyTorch's scaled_dot_product_attention over the whole cache with a mask instead (the reference path,
     every slot read). chunk: cache slots per program (T / chunk programs per KV head and row; those past pos
-    exit at once), block_s slots a step. Not measured on a GPU yet."""
+    exit at once), block_s slots a step; fuse_combine: where o is thresholded (the o projection's input
+    sparse), the chunks' partials are combined by its select (input_sparse PRODUCER ATTN) instead of a
+    combine launch. Not measured on a GPU yet."""
     kernel: bool = True
     chunk: int = 32
     block_s: int = 16
     num_warps: int = 4
+    fuse_combine: bool = True
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ class LlamaOps:
         from dejavu.plugins import input_sparse as IS
 
         config = (self.settings or IS.DEFAULT).input_sparse
-        split = IS.split_k_for(x.shape[-2], w_t.shape[0], w_t.shape[1], config)
+        B = x.acc.shape[0] if isinstance(x, IS.GQAPartials) else x.shape[-2]
+        split = IS.split_k_for(B, w_t.shape[0], w_t.shape[1], config)
         return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=self.settings)
 
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
@@ -165,12 +166,17 @@ class LlamaOps:
         """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
         <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
         from dejavu.plugins import gqa_attention as GA
+        from dejavu.plugins.input_sparse import sliced_gemv
+        from dejavu.plugins.settings import DEFAULT
 
-        if self.attn_kernel:
-            o = GA.gqa_decode(q, k_cache, v_cache, pos, settings=self.settings)
-        else:
-            o = GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask)
-        return self.linear(o, wo_t, t, residual=residual)
+        if not self.attn_kernel:
+            return self.linear(GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual)
+        # o thresholded: its select combines the chunks' partials (no combine launch; one chunk: o itself)
+        fuse = t > 0 and (self.settings or DEFAULT).gqa_attn.fuse_combine
+        o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
+        if isinstance(o, torch.Tensor):
+            return self.linear(o, wo_t, t, residual=residual)
+        return sliced_gemv(*self._select(o, wo_t, t), wo_t, residual, settings=self.settings)
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference on layer 0's MLP weights, its input through the

@@ -90,3 +90,51 @@ def test_bad_inputs_are_dejavu_errors(triton_interp):
         gqa_decode(q, k.transpose(2, 3), v, pos)
     with pytest.raises(DejavuError, match="head dim 512"):
         gqa_decode(torch.zeros(1, 2, 512), torch.zeros(1, 1, 4, 512), torch.zeros(1, 1, 4, 512), pos[:1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Hkv,hd,T,chunk,split", [(2, 8, 2, 24, 37, 8, 5), (3, 4, 1, 16, 20, 4, 1)])
+def test_o_projections_select_combines_the_partials(triton_interp, close, dtype, B, H, Hkv, hd, T, chunk, split):
+    """select_slices on the chunks' partials (PRODUCER ATTN, the combine fused into the select) picks what it
+    picks from the combine kernel's o, with the same values; per-row positions, pos 0 and T - 1 among them."""
+    from dejavu.plugins.input_sparse import select_slices, select_slices_ref
+
+    g = torch.Generator().manual_seed(B * T + split)
+    q, k, v = _inputs(B, H, Hkv, hd, T, dtype, g)
+    pos = torch.tensor([T - 1, 0, 9][:B])
+    ks = dataclasses.replace(_ks(chunk=chunk, block_s=4),
+                             input_sparse=dataclasses.replace(DEFAULT.input_sparse, block_select=32))
+    parts = gqa_decode(q, k, v, pos, combine=False, settings=ks)
+    o = gqa_decode(q, k, v, pos, settings=ks)
+    t = float(o.float().abs().median())  # about half kept
+    idx, val, count = select_slices(parts, t, split, settings=ks)
+    want_idx, want_val, want_count = select_slices(o, t, split, settings=ks)
+    assert torch.equal(count, want_count) and count.sum() > 0
+    for b in range(B):
+        for s in range(split):
+            per = -(-H * hd // split)
+            n = int(count[b, s])
+            assert torch.equal(idx[b, s * per:s * per + n], want_idx[b, s * per:s * per + n])
+            assert torch.equal(val[b, s * per:s * per + n], want_val[b, s * per:s * per + n])
+    ri, rv, rc = select_slices_ref(parts, t, split)  # the float64 combine, rounded, thresholded
+    assert (count - rc).abs().sum() <= 2  # a value within an ulp of t may fall either side
+    kept = torch.zeros(B, H * hd, dtype=torch.bool)
+    for b in range(B):
+        for s in range(split):
+            per = -(-H * hd // split)
+            kept[b, idx[b, s * per:s * per + int(count[b, s])].long()] = True
+    close(torch.where(kept, o, 0).to(dtype), torch.where(kept, ref64(q, k, v, pos), 0),
+          torch.where(kept, gqa_decode_ref(q, k, v, pos), 0))
+
+
+def test_bad_partials_are_dejavu_errors(triton_interp):
+    from dejavu.plugins.input_sparse import select_slices
+
+    q, k, v = _inputs(2, 8, 2, 16, 12, torch.float32, torch.Generator().manual_seed(4))
+    parts = gqa_decode(q, k, v, torch.tensor([3, 11]), combine=False, settings=_ks(chunk=4))
+    with pytest.raises(DejavuError, match="split must be in"):
+        select_slices(parts, 0.1, 0)
+    with pytest.raises(DejavuError, match="ml: expected shape"):
+        select_slices(parts._replace(ml=parts.ml[:, :1].contiguous()), 0.1, 2)
+    with pytest.raises(DejavuError, match="not heads of 24"):
+        select_slices(parts._replace(head_dim=24), 0.1, 2)

@@ -192,9 +192,10 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
-    and the attention by plugins/gqa_attention (chunks of 4 slots: several per row, combined; one chunk of
-    64; off: SDPA over the whole cache), run by Triton's interpreter in a subprocess (TRITON_INTERPRET must
-    be set before triton is imported): logits of batched steps and greedy tokens equal the reference ops'."""
+    and the attention by plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o
+    projection's select, or by the combine kernel; off: SDPA over the whole cache), run by Triton's
+    interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched
+    steps and greedy tokens (two rows at different positions) equal the reference ops'."""
     import os
     import subprocess
     import sys
@@ -208,7 +209,8 @@ ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
-for min_split, attn in ((8, dict(chunk=4, block_s=2)), (4096, dict(chunk=64)), (8, dict(kernel=False))):
+for min_split, attn in ((8, dict(chunk=4, block_s=2)), (4096, dict(chunk=4, fuse_combine=False)),
+                        (8, dict(kernel=False))):
     ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split),
                         gqa_attn=GQAAttnSettings(**attn))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
