@@ -19,7 +19,9 @@ Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, 
                  GEMV, fused split-K sums), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
                  InputSparseSettings fields over the defaults, or of another KernelSettings part's fields as
-                 {"pdl": {...}}), recorded in the engine header as a build would;
+                 {"pdl": {...}}; {"gqa_attn": {"kernel": false}}: the step's attention as PyTorch's masked
+                 SDPA over the whole cache instead of plugins/gqa_attention), recorded in the engine header
+                 as a build would;
                  on the --variant-models only, and only while the run is inside --budget-s (later ones are
                  recorded as skipped)
 Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
@@ -63,8 +65,11 @@ SHAPES = {
 # the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): fewer, longer
 # splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
 # down 9 -> 9 / 7, gate/up 2), the input-sparse kernels launched without PDL (as at 6d59376), wider and narrower
-# blocks, fewer / more programs
-VARIANTS = [{"min_split_inputs": 1024}, {"min_split_inputs": 2048},
+# blocks, fewer / more programs. First (the A/B of the attention kernel, plugins/gqa_attention): the step's attention
+# as one masked scaled_dot_product_attention over the whole cache (the path before the kernel), and the kernel with
+# its chunks combined by a combine launch instead of by the o projection's select
+VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"fuse_combine": False}},
+            {"min_split_inputs": 1024}, {"min_split_inputs": 2048},
             {"pdl": {"PLAIN": ["pred", "is_select", "is_gemv", "is_sum"]}},
             {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -246,7 +251,8 @@ def _layer_anchor(layers: int):
     """profile_steps' anchor picker: a kernel launched once per layer per step, the attention if it is one."""
     def pick(rows) -> str:
         once = [k for k, _, n in rows if abs(n - layers) < 1e-6]
-        att = [k for k in once if any(w in k.lower() for w in ("fmha", "attention", "flash", "sdpa", "softmax"))]
+        att = [k for k in once if any(w in k.lower() for w in ("fmha", "attention", "flash", "sdpa", "softmax",
+                                                             "_gqa_chunk"))]
         return (att or once or [""])[0]
     return pick
 
