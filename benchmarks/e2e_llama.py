@@ -334,13 +334,15 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 
 def smoke(dev) -> dict:
-    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings
-    and with fewer splits (min_split_inputs 64)."""
+    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings,
+    with fewer splits (min_split_inputs 64), and with the attention in chunks of 4 slots (several per row,
+    combined by the o projection's select)."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
-    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64}],
+    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64},
+                                                               {"gqa_attn": {"chunk": 4}}],
                    variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
     a, prompts = ref.decode_logits(ids), ids[:, :8].tolist()

@@ -179,19 +179,38 @@ class LlamaOps:
         return sliced_gemv(*self._select(o, wo_t, t), wo_t, residual, settings=self.settings)
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
-        """The kernel path once against the reference on layer 0's MLP weights, its input through the
-        MLP's RMSNorm (None on "ref")."""
-        if self.backend == "ref" or spec.skip <= 0:
-            return None
-        w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
-        x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-        t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
-        ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
-        err = float((self.linear(x, w, t, norm).float() - ref).abs().max())
-        scale = float(ref.abs().max()) or 1.0
-        if not err <= 2e-2 * scale:
-            raise DejavuError(f"input_sparse_gemv disagrees with its reference on this engine (max |diff| {err:.3g})")
-        return {"input_sparse_gemv": round(err, 6)}
+        """The kernel path once against the reference: the GEMV on layer 0's MLP weights, its input through
+        the MLP's RMSNorm (sparse engines); the attention kernel on random q / caches of the engine's heads,
+        over three chunks, rows at different positions (None on "ref")."""
+        out = {}
+        if self.backend != "ref" and spec.skip > 0:
+            w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
+            x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+            t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
+            ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
+            out["input_sparse_gemv"] = _checked("input_sparse_gemv", self.linear(x, w, t, norm), ref)
+        if self.attn_kernel:
+            from dejavu.plugins import gqa_attention as GA
+            from dejavu.plugins.settings import DEFAULT
+
+            w = tensors["layers.0.attn.wo_t"]
+            chunk, g = (self.settings or DEFAULT).gqa_attn.chunk, torch.Generator().manual_seed(1)
+            T, hd = 2 * chunk + 3, spec.head_dim
+            q = torch.randn(2, spec.num_attention_heads, hd, generator=g).to(w.device, w.dtype)
+            k, v = (torch.randn(2, spec.num_key_value_heads, T, hd, generator=g).to(w.device, w.dtype)
+                    for _ in range(2))
+            pos = torch.tensor([T - 1, chunk], device=w.device)
+            ref = GA.gqa_decode_ref(q.float(), k.float(), v.float(), pos)
+            out["gqa_attention"] = _checked("gqa_attention", GA.gqa_decode(q, k, v, pos, settings=self.settings), ref)
+        return out or None
+
+
+def _checked(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
+    # max |got - ref|, rounded; DejavuError past 2% of the reference's largest value
+    err = float((got.float() - ref).abs().max())
+    if not err <= 2e-2 * (float(ref.abs().max()) or 1.0):
+        raise DejavuError(f"{name} disagrees with its reference on this engine (max |diff| {err:.3g})")
+    return round(err, 6)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

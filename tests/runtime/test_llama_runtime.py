@@ -225,6 +225,9 @@ for min_split, attn in ((8, dict(chunk=4, block_s=2)), (4096, dict(chunk=4, fuse
     assert [r["kernels"]["gqa_attention"] for r in rows] == ["triton", "triton", "torch"]
     for r in rows:
         assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
+        # the engine's load-time check of the attention kernel (on: against SDPA, over three chunks)
+        assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
+        assert r["check"].get("gqa_attention", 0.0) < 1e-4
         assert r["diff"] <= ATOL and r["same"]
 
 
