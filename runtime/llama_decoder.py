@@ -6,7 +6,9 @@ Same design as the OPT decoder (runtime/decoder.py):
   input columns with |x_i| > its layer's threshold (`LlamaOps.linear` and `qkv_rope`: masked dense
   on the CPU path, `plugins/input_sparse` kernels on CUDA, with the RMSNorm / SwiGLU before and the
   residual / RoPE and cache write after fused into them; `LlamaOps.mlp`: gate/up's split-K sum folded
-  into down's SwiGLU select); static shapes and no
+  into down's SwiGLU select; `LlamaOps.attend_project`: plugins/gqa_attention's kernel on CUDA, reading
+  only the slots <= pos, its chunks combined by the o projection's select; the CPU path one masked SDPA
+  over the whole cache); static shapes and no
   host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
