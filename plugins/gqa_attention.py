@@ -150,6 +150,9 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
     s = settings or DEFAULT
     cfg = s.gqa_attn
     B, H, Hkv, T, hd = check_gqa(q, k_cache, v_cache, pos)
+    if cfg.chunk < 1 or cfg.block_s < 1 or cfg.block_s & (cfg.block_s - 1):
+        raise DejavuError(f"gqa_attn settings: chunk must be >= 1 and block_s a power of two, got {cfg.chunk}, "
+                          f"{cfg.block_s}")
     G, nc = H // Hkv, -(-T // cfg.chunk)  # from T, not pos: a static grid
     o = torch.empty(B, H * hd, dtype=q.dtype, device=q.device)
     acc = ml = o  # never touched with one chunk

@@ -88,6 +88,8 @@ def test_bad_inputs_are_dejavu_errors(triton_interp):
         gqa_decode(q, k, v.half(), pos)
     with pytest.raises(DejavuError, match="must be contiguous"):
         gqa_decode(q, k.transpose(2, 3), v, pos)
+    with pytest.raises(DejavuError, match="block_s a power of two"):
+        gqa_decode(q, k, v, pos, settings=_ks(block_s=12))
     with pytest.raises(DejavuError, match="head dim 512"):
         gqa_decode(torch.zeros(1, 2, 512), torch.zeros(1, 1, 4, 512), torch.zeros(1, 1, 4, 512), pos[:1])
 
