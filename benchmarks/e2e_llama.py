@@ -19,7 +19,9 @@ Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, 
                  GEMV, fused split-K sums), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
                  InputSparseSettings fields over the defaults, or of another KernelSettings part's fields as
-                 {"pdl": {...}}), recorded in the engine header as a build would;
+                 {"pdl": {...}}; {"gqa_attn": {"kernel": true}}: the step's attention by plugins/gqa_attention
+                 instead of PyTorch's masked SDPA over the whole cache), recorded in the engine header
+                 as a build would;
                  on the --variant-models only, and only while the run is inside --budget-s (later ones are
                  recorded as skipped)
 Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
@@ -64,8 +66,10 @@ SHAPES = {
 # splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
 # down 9 -> 9 / 7, gate/up 2), the input-sparse kernels launched without PDL (as at 6d59376), wider and narrower
 # blocks, fewer / more programs, the GEMV's weight rows loaded a step ahead (prefetch_w) or its loop
-# software-pipelined (loop_stages)
-VARIANTS = [{"min_split_inputs": 1024}, {"min_split_inputs": 2048},
+# software-pipelined (loop_stages). First (the A/B of the attention kernel, plugins/gqa_attention, off by default):
+# the kernel with its chunks combined by the o projection's select, and with a combine launch instead
+VARIANTS = [{"gqa_attn": {"kernel": True}}, {"gqa_attn": {"kernel": True, "fuse_combine": False}},
+            {"min_split_inputs": 1024}, {"min_split_inputs": 2048},
             {"pdl": {"PLAIN": ["pred", "is_select", "is_gemv", "is_sum"]}},
             {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056},
             {"prefetch_w": True}, {"loop_stages": 3}]
@@ -191,6 +195,7 @@ class _CountingOps:
 
         self.ref = LlamaOps("ref")
         self.kernels, self.read, self.dense = self.ref.kernels, 0.0, 0.0
+        self.attn_kernel = False  # the step's attention as the reference ops run it (masked SDPA)
 
     def linear(self, x, w_t, t, norm=None, swiglu=False, residual=None, kind="o"):
         from dejavu.plugins.input_sparse import produce_ref
@@ -200,6 +205,11 @@ class _CountingOps:
         self.read += kept * w_t.numel()
         self.dense += w_t.numel()
         return self.ref.linear(x, w_t, t, norm, swiglu, residual, kind=kind)
+
+    def attend_project(self, q, k_cache, v_cache, pos, mask, wo_t, t, residual):
+        from dejavu.plugins.gqa_attention import gqa_decode_ref
+
+        return self.linear(gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual)
 
     def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
         return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)
@@ -242,7 +252,8 @@ def _layer_anchor(layers: int):
     """profile_steps' anchor picker: a kernel launched once per layer per step, the attention if it is one."""
     def pick(rows) -> str:
         once = [k for k, _, n in rows if abs(n - layers) < 1e-6]
-        att = [k for k in once if any(w in k.lower() for w in ("fmha", "attention", "flash", "sdpa", "softmax"))]
+        att = [k for k in once if any(w in k.lower() for w in ("fmha", "attention", "flash", "sdpa", "softmax",
+                                                             "_gqa_chunk"))]
         return (att or once or [""])[0]
     return pick
 
@@ -324,13 +335,15 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 
 def smoke(dev) -> dict:
-    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings
-    and with fewer splits (min_split_inputs 64)."""
+    """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings,
+    with fewer splits (min_split_inputs 64), and with the attention in chunks of 4 slots (several per row,
+    combined by the o projection's select)."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
-    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64}],
+    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64},
+                                                               {"gqa_attn": {"kernel": True, "chunk": 4}}],
                    variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
     a, prompts = ref.decode_logits(ids), ids[:, :8].tolist()

@@ -42,6 +42,7 @@ ATTN = dict(PARTIAL=True, COMMIT=2, BLOCK_S=32, BLOCK_HD=128, BLOCK_X=16, BLOCK_
             FOLD_SPLIT=1, BLOCK_F=16, GDC=2)
 TOPK = {"s_ptr": "*fp16", "out_ptr": "*i32", "ws_ptr": "*i32", "nkept_ptr": "*i32", "lse_ptr": "*fp32",
         "log_share": "fp32"}
+GQA = {"q_ptr": "*fp16", "acc_ptr": "*fp32", "pos_ptr": "*i64", "scale": "fp32"}
 F32 = {"pnew_ptr": "*fp32", "phist_ptr": "*fp32", "q_ptr": "*fp32", "st_ptr": "*fp32", "part_ptr": "*fp32",
        "ml_ptr": "*fp32", "apart_ptr": "*fp32", "wg_ptr": "*fp32", "eps": "fp32", "t": "fp32"}
 KERNELS = {
@@ -85,6 +86,16 @@ KERNELS = {
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, GDC=2), 3,
                               {"pos_ptr": "*i64", "q_ptr": "*fp16"}),
+    # the Llama decode step's attention (gqa_attention.py): Llama-3-8B's G 4 (a 70B TP-8 rank: G 8) at the default
+    # chunk / block_s, its partials; the combine kernel, or the o projection's select combining them (ATTN)
+    "gqa_chunk": ("gqa_attention", "_gqa_chunk_kernel",
+                  dict(G=4, BLOCK_G=4, BLOCK_S=16, BLOCK_HD=128, PARTIAL=True, GDC=1), 2, GQA),
+    "gqa_chunk_g8": ("gqa_attention", "_gqa_chunk_kernel",
+                     dict(G=8, BLOCK_G=8, BLOCK_S=16, BLOCK_HD=128, PARTIAL=True, GDC=1), 2, GQA),
+    "gqa_combine": ("gqa_attention", "_gqa_combine_kernel", dict(BLOCK=1024, GDC=2), 2, GQA),
+    "select_slices_attn": ("input_sparse", "_select_slices_kernel",
+                           dict(PRODUCER=3, SRC_SPLIT=0, BLOCK=512, ROW=16, GDC=2, num_warps=8), 3,
+                           {"x_ptr": "*fp32", "nw_ptr": "*fp32", "pos_ptr": "*i64"}),
     # a per-token MLP K (engines' default): fc1 stopping at the kept count (fc2: fc2_compacted below), the
     # top-k's launches that compute it (OPT-30B's MLP row: 28 programs of 1024 fp16 scores; its 4 warps, the
     # settings' default).

@@ -14,14 +14,15 @@ from dejavu.plugins.fc2 import sparse_fc2, sparse_fc2_ref
 from dejavu.plugins.compact_rows import compact_rows, compact_rows_ref
 from dejavu.plugins.qkv_partial import hist_slots
 from dejavu.plugins.refresh_heads import refresh_heads, refresh_heads_ref, refresh_route
-from dejavu.plugins.settings import (DEFAULT, PROJECTIONS, InputSparseSettings, KernelSettings,
+from dejavu.plugins.gqa_attention import GQAPartials, gqa_decode, gqa_decode_ref
+from dejavu.plugins.settings import (DEFAULT, PROJECTIONS, GQAAttnSettings, InputSparseSettings, KernelSettings,
                                      resolve_kernel_settings, resolve_layer_settings, resolve_projection_settings)
 
 __all__ = [
-    "DEFAULT", "PROJECTIONS", "InputSparseSettings", "KernelSettings", "resolve_kernel_settings",
+    "DEFAULT", "PROJECTIONS", "GQAAttnSettings", "InputSparseSettings", "KernelSettings", "resolve_kernel_settings",
     "resolve_layer_settings", "resolve_projection_settings",
     "PDL_KINDS", "jitted", "pdl_args",
-    "input_sparse_gemv_ref", "select_slices", "sliced_gemv", "sliced_qkv_rope",
+    "GQAPartials", "gqa_decode", "gqa_decode_ref", "input_sparse_gemv_ref", "select_slices", "sliced_gemv", "sliced_qkv_rope",
     "PendingLN", "from_stats_ref", "layer_norm", "layer_norm_ref", "pending_ln",
     "predictor_scores", "predictor_topk", "predictor_topk_ref", "share_keep",
     "hist_slots", "recompute_kv_ref", "refresh_heads", "refresh_heads_ref", "refresh_route",

@@ -45,9 +45,9 @@ def helper(fn):
 # contract in docs/kernels.md, "Programmatic dependent launch". Kinds: fc1 and qkv_full (gather_gemv),
 # fc2 and proj (gather_gemv_t), reduce, qkv, qkv_finish, commit, attn, attn_combine, layer_norm, pred
 # (the predictors' gather_gemv products on the side stream), compact (compact_rows, before fc2),
-# is_select / is_gemv / is_sum (input_sparse).
+# is_select / is_gemv / is_sum (input_sparse), gqa_attn / gqa_combine (gqa_attention: the Llama decode attention).
 PDL_KINDS = ("fc1", "qkv_full", "fc2", "proj", "reduce", "qkv", "qkv_finish", "commit", "attn", "attn_combine",
-             "layer_norm", "pred", "compact", "is_select", "is_gemv", "is_sum")  # their triggers (settings.PDLSettings): docs/kernels.md, as measured
+             "layer_norm", "pred", "compact", "is_select", "is_gemv", "is_sum", "gqa_attn", "gqa_combine")  # their triggers (settings.PDLSettings): docs/kernels.md, as measured
 
 
 _SM90: dict = {}  # device -> compute capability >= 9.0 (asked once per device)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, gdc_release, helper, jit,
                                     next_pow2, pdl_args)
+from dejavu.plugins.gqa_attention import GQAPartials, _combine_chunks, gqa_partials_ref
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
@@ -67,13 +68,17 @@ def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch
 
 
 # ------------------------------------------------ sliced: a select per GEMV split, fused with the input's producer
-NONE, NORM, SWIGLU = 0, 1, 2  # the select's PRODUCER: x as it is, norm_w * rms_norm(x), silu(gate) * up
+NONE, NORM, SWIGLU, ATTN = 0, 1, 2, 3  # the select's PRODUCER: x as it is, norm_w * rms_norm(x), silu(gate) * up,
+# the attention's chunk partials combined (gqa_attention.GQAPartials)
 
 
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
                           PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                          GDC: tl.constexpr = 0):
+                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, CHUNK=1, HD=1):
+    # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), chunks c <= pos[b] // CHUNK
     b, ps = tl.program_id(0), tl.program_id(1)
+    if PRODUCER == 3:
+        n_chunks = tl.load(pos_ptr + b).to(tl.int32) // CHUNK + 1  # the step's input: before the wait
     gdc_enter(GDC)
     if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
         ss = tl.zeros([ROW], dtype=tl.float32)
@@ -88,8 +93,11 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
     for n0 in range(lo, hi, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < hi
-        xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
-        if PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
+        if PRODUCER != 3:
+            xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
+        if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
+            h = _combine_chunks(x_ptr, nw_ptr, b, offs, inside, n_chunks, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
+        elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
             nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
             h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
@@ -198,8 +206,11 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
     the N inputs ([s * per, (s + 1) * per), per = ceil(N / split)): ascending at idx[b, s * per:], count[b, s]
     of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps) (norm_w [N]), or
     silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype,
-    or the fp32 partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype."""
+    or the fp32 partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype,
+    or the attention's chunk partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
     config = (settings or DEFAULT).input_sparse
+    if isinstance(x, GQAPartials):
+        return _select_attn(x, t, split, settings)
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 3:
         check_tensor("x", x, dtype=torch.float32)  # partials
@@ -230,6 +241,29 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
     return idx, val, count
 
 
+def _select_attn(p: GQAPartials, t: float, split: int, settings: KernelSettings | None):
+    # select_slices of o combined from the attention's chunk partials (PRODUCER ATTN)
+    config = (settings or DEFAULT).input_sparse
+    check_tensor("acc", p.acc, ndim=3, dtype=torch.float32)
+    B, nc, N = p.acc.shape
+    if p.dtype not in FLOAT_DTYPES or N % p.head_dim:
+        raise DejavuError(f"select_slices: attention partials of {N} values are not heads of {p.head_dim} in a float dtype")
+    check_tensor("ml", p.ml, shape=(2, B, nc, N // p.head_dim), dtype=torch.float32, device=p.acc.device)
+    check_tensor("pos", p.pos, shape=(B,), dtype=torch.int64, device=p.acc.device)
+    if not 1 <= split <= N:
+        raise DejavuError(f"split must be in [1, {N}], got {split}")
+    dev = p.acc.device
+    idx, val = torch.empty(B, N, dtype=torch.int32, device=dev), torch.empty(B, N, dtype=p.dtype, device=dev)
+    count = torch.empty(B, split, dtype=torch.int32, device=dev)
+    per = -(-N // split)
+    jit(_select_slices_kernel, dev)[(B, split)](
+        p.acc, p.ml, idx, val, count, N, N, B * nc * (N // p.head_dim), per, float(t), 0.0, PRODUCER=ATTN,
+        SRC_SPLIT=0, BLOCK=min(config.block_select, next_pow2(per)), ROW=16, num_warps=config.select_warps,
+        pos_ptr=p.pos, NC=nc, CHUNK=p.chunk, HD=p.head_dim,
+        **pdl_args(dev, "is_select", (settings or DEFAULT).pdl))
+    return idx, val, count
+
+
 def sum_parts_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, M] in dtype: fp32 partials [S, B, M] summed in order (as the kernels add them), then rounded."""
     acc = part[0].clone()
@@ -251,7 +285,10 @@ def produce_ref(x: torch.Tensor, norm_w: torch.Tensor | None = None, eps: float 
 def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
                       swiglu: bool = False, dtype: torch.dtype | None = None):
     """PyTorch reference of `select_slices` (idx -1 and val 0 past each slice's count)."""
-    h = produce_ref(sum_parts_ref(x, dtype) if x.dim() == 3 else x, norm_w, eps, swiglu)
+    if isinstance(x, GQAPartials):
+        h = gqa_partials_ref(x).to(x.acc.device)
+    else:
+        h = produce_ref(sum_parts_ref(x, dtype) if x.dim() == 3 else x, norm_w, eps, swiglu)
     B, N = h.shape
     per = -(-N // split)
     idx, val = torch.full((B, N), -1, dtype=torch.int32), torch.zeros(B, N, dtype=h.dtype)
@@ -262,7 +299,7 @@ def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tenso
             idx[b, s * per:s * per + len(kept)] = kept.int()
             val[b, s * per:s * per + len(kept)] = h[b, kept.to(h.device)].cpu()
             count[b, s] = len(kept)
-    return idx.to(x.device), val.to(x.device), count.to(x.device)
+    return idx.to(h.device), val.to(h.device), count.to(h.device)
 
 
 def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,

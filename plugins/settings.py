@@ -142,7 +142,7 @@ class PDLSettings:
     their wait, PLAIN kinds launch without PDL."""
     ENABLED: bool = True
     EARLY: tuple = ("reduce", "qkv_finish", "commit", "attn", "attn_combine", "layer_norm", "compact", "is_select",
-                    "is_sum")
+                    "is_sum", "gqa_combine")
     PLAIN: tuple = ("pred",)
 
 
@@ -171,6 +171,22 @@ class InputSparseSettings:
 
 
 @dataclass(frozen=True)
+class GQAAttnSettings:
+    """The Llama decode step's attention on the triton backend: `kernel` True runs gqa_attention.py's
+    flash-decoding kernel (slots <= pos only); False (the default until a GPU run measures the kernel:
+    `bash benchmarks/gpu/llama_speed.sh ab`) PyTorch's scaled_dot_product_attention over the whole cache with
+    a mask (every slot read). chunk: cache slots per program (T / chunk programs per KV head and row; those
+    past pos exit at once), block_s slots a step; fuse_combine: where o is thresholded (the o projection's
+    input sparse), the chunks' partials are combined by its select (input_sparse PRODUCER ATTN) instead of a
+    combine launch."""
+    kernel: bool = False
+    chunk: int = 32
+    block_s: int = 16
+    num_warps: int = 4
+    fuse_combine: bool = True
+
+
+@dataclass(frozen=True)
 class KernelSettings:
     """Every kernel's settings for one engine (the engine header's target.kernel_settings)."""
     fc1_gemv: GemvBlocks = GemvBlocks()
@@ -190,6 +206,7 @@ class KernelSettings:
     layer_norm: LNSettings = LNSettings()
     pdl: PDLSettings = PDLSettings()
     input_sparse: InputSparseSettings = InputSparseSettings()
+    gqa_attn: GQAAttnSettings = GQAAttnSettings()
     arch: str | None = None  # the GPU these were resolved for (sm_XY), None: not resolved for one
 
     def to_dict(self) -> dict:

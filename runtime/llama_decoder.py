@@ -6,7 +6,9 @@ Same design as the OPT decoder (runtime/decoder.py):
   input columns with |x_i| > its layer's threshold (`LlamaOps.linear` and `qkv_rope`: masked dense
   on the CPU path, `plugins/input_sparse` kernels on CUDA, with the RMSNorm / SwiGLU before and the
   residual / RoPE and cache write after fused into them; `LlamaOps.mlp`: gate/up's split-K sum folded
-  into down's SwiGLU select); static shapes and no
+  into down's SwiGLU select; `LlamaOps.attend_project`: plugins/gqa_attention's kernel on CUDA, reading
+  only the slots <= pos, its chunks combined by the o projection's select; the CPU path one masked SDPA
+  over the whole cache); static shapes and no
   host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
@@ -115,16 +117,20 @@ class LlamaOps:
         if backend not in ("ref", "triton"):
             raise DejavuError(f"backend must be 'ref' or 'triton', got {backend!r}")
         self.backend = backend
-        self.kernels = {"input_sparse_gemv": backend}
         self.settings = settings or DEFAULT
         self.kinds = {k: self.settings.with_overrides(o) for k, o in resolve_projection_settings(self.settings).items()}
+        # the decode step's attention: plugins/gqa_attention's kernel (slots <= pos only) on the triton backend
+        # where its settings turn it on; else one scaled_dot_product_attention over the whole cache, masked
+        self.attn_kernel = backend == "triton" and self.settings.gqa_attn.kernel
+        self.kernels = {"input_sparse_gemv": backend, "gqa_attention": "triton" if self.attn_kernel else "torch"}
 
     def _select(self, x, w_t: torch.Tensor, t: float, kind: str, norm=None, swiglu: bool = False, dtype=None):
         # (idx, val, count) of the inputs of w_t kept from x (or its partials), the split from kind's settings
         from dejavu.plugins import input_sparse as IS
 
         settings = self.kinds[kind]
-        split = IS.split_k_for(x.shape[-2], w_t.shape[0], w_t.shape[1], settings.input_sparse)
+        B = x.acc.shape[0] if isinstance(x, IS.GQAPartials) else x.shape[-2]
+        split = IS.split_k_for(B, w_t.shape[0], w_t.shape[1], settings.input_sparse)
         return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=settings)
 
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
@@ -175,20 +181,54 @@ class LlamaOps:
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm), w_t, cos, sin, pos, k_cache, v_cache,
                                   settings=self.kinds["qkv"])
 
+    def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                       mask: torch.Tensor | None, wo_t: torch.Tensor, t: float, residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
+        <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
+        from dejavu.plugins import gqa_attention as GA
+        from dejavu.plugins.input_sparse import sliced_gemv
+
+        if not self.attn_kernel:
+            return self.linear(GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual, kind="o")
+        # o thresholded: its select combines the chunks' partials (no combine launch; one chunk: o itself)
+        fuse = t > 0 and self.settings.gqa_attn.fuse_combine
+        o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
+        if isinstance(o, torch.Tensor):
+            return self.linear(o, wo_t, t, residual=residual, kind="o")
+        return sliced_gemv(*self._select(o, wo_t, t, "o"), wo_t, residual, settings=self.kinds["o"])
+
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
-        """The kernel path once against the reference on layer 0's MLP weights, its input through the
-        MLP's RMSNorm (None on "ref")."""
-        if self.backend == "ref" or spec.skip <= 0:
-            return None
-        w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
-        x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-        t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
-        ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
-        err = float((self.linear(x, w, t, norm, kind="gate_up").float() - ref).abs().max())
-        scale = float(ref.abs().max()) or 1.0
-        if not err <= 2e-2 * scale:
-            raise DejavuError(f"input_sparse_gemv disagrees with its reference on this engine (max |diff| {err:.3g})")
-        return {"input_sparse_gemv": round(err, 6)}
+        """The kernel path once against the reference: the GEMV on layer 0's MLP weights, its input through
+        the MLP's RMSNorm (sparse engines); the attention kernel on random q / caches of the engine's heads,
+        over three chunks, rows at different positions (None on "ref")."""
+        out = {}
+        if self.backend != "ref" and spec.skip > 0:
+            w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
+            x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+            t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
+            ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
+            out["input_sparse_gemv"] = _checked("input_sparse_gemv", self.linear(x, w, t, norm, kind="gate_up"), ref)
+        if self.attn_kernel:
+            from dejavu.plugins import gqa_attention as GA
+
+            w = tensors["layers.0.attn.wo_t"]
+            chunk, g = self.settings.gqa_attn.chunk, torch.Generator().manual_seed(1)
+            T, hd = 2 * chunk + 3, spec.head_dim
+            q = torch.randn(2, spec.num_attention_heads, hd, generator=g).to(w.device, w.dtype)
+            k, v = (torch.randn(2, spec.num_key_value_heads, T, hd, generator=g).to(w.device, w.dtype)
+                    for _ in range(2))
+            pos = torch.tensor([T - 1, chunk], device=w.device)
+            ref = GA.gqa_decode_ref(q.float(), k.float(), v.float(), pos)
+            out["gqa_attention"] = _checked("gqa_attention", GA.gqa_decode(q, k, v, pos, settings=self.settings), ref)
+        return out or None
+
+
+def _checked(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
+    # max |got - ref|, rounded; DejavuError past 2% of the reference's largest value
+    err = float((got.float() - ref).abs().max())
+    if not err <= 2e-2 * (float(ref.abs().max()) or 1.0):
+        raise DejavuError(f"{name} disagrees with its reference on this engine (max |diff| {err:.3g})")
+    return round(err, 6)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -278,24 +318,23 @@ class LlamaDecoder:
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device);
         writes this token's K/V at slot pos[b] and attends to slots <= pos[b]."""
-        s, lin = self.spec, self.ops.linear
-        B, H, Hkv, hd = tokens.shape[0], s.num_attention_heads, s.num_key_value_heads, s.head_dim
-        G = H // Hkv
+        s = self.spec
+        hd = s.head_dim
         cos, sin = self._rope(pos)  # [B, hd]
         sin = torch.cat((-sin[..., :hd // 2], sin[..., hd // 2:]), -1)  # rotate_half's sign, once per step
-        # additive mask [B, 1, 1, T] in the engine dtype, once per step: slots <= pos[b]
-        mask = torch.zeros(B, 1, 1, self.max_seq, dtype=s.dtype, device=pos.device).masked_fill_(
-            self.slots > pos[:, None, None, None], float("-inf"))
+        mask = None  # the kernel reads slots <= pos[b] only; SDPA: an additive mask [B, 1, 1, T], once per step
+        if not self.ops.attn_kernel:
+            from dejavu.plugins.gqa_attention import decode_mask
+
+            mask = decode_mask(pos, self.max_seq, s.dtype, self.slots)
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
         for l, w in enumerate(self.layers):
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
                                   self.rows)
-            # query head h reads KV head h // G: the G query heads of a KV head are its G "query
-            # positions" against [B, Hkv, T, hd], no repeat; one fused attention kernel
-            o = F.scaled_dot_product_attention(q.view(B, Hkv, G, hd), kc, vc, attn_mask=mask)  # [B, Hkv, G, hd]
-            x = lin(o.reshape(B, H * hd), w.wo_t, w.t["o_in"], residual=x, kind="o")
+            # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
+            x = self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x)
             x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
         return self.head(x)
 

@@ -10,7 +10,9 @@
 # Target: >= 1.8x our dense graph at 50% skipped, within 1.3x of the bandwidth floor.
 #   bash benchmarks/gpu/llama_speed.sh
 #   bash benchmarks/gpu/llama_speed.sh ab    # Llama-3-8B only: the defaults and every variant, each profiled;
-#                                            # under 4 minutes
+#                                            # under 4 minutes. The first two variants are the A/B of the
+#                                            # attention kernel (plugins/gqa_attention): off (masked SDPA over
+#                                            # the whole cache), and its chunks combined by a separate launch
 set -euo pipefail
 source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"

@@ -139,6 +139,7 @@ SCRIPT = textwrap.dedent('''
     compile_sm90(DK, DK._commit_kernel, dict(BLOCK_K=16, BLOCK_D=1024))
     compile_sm90(SA, SA._attn_combine_kernel, dict(BLOCK_C=8, BLOCK_HD=128))
     IS = importlib.import_module("dejavu.plugins.input_sparse")  # TEAL (Llama engines)
+    GA = importlib.import_module("dejavu.plugins.gqa_attention")  # the Llama decode step's attention
     compile_sm90(IS, IS._sum_splits_kernel, dict(BLOCK_M=128, SPLIT_K=11, HAS_RES=True), overrides={"part_ptr": "*fp32"})
     # each producer's select, from x and from fp32 partials (gate/up's, summed by down's SwiGLU select); the
     # pairs' GEMV at the default blocks (block_m 64, block_k 128: two loads of 64 pairs a step) and an odd M,
@@ -204,21 +205,30 @@ SCRIPT = textwrap.dedent('''
         (IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True), True),
         (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
         (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), False),
+        (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16), False),
+        (GA, GA._gqa_chunk_kernel, dict(G=4, BLOCK_G=4, BLOCK_S=16, BLOCK_HD=128, PARTIAL=True), True),
+        (GA, GA._gqa_chunk_kernel, dict(G=8, BLOCK_G=8, BLOCK_S=16, BLOCK_HD=128, PARTIAL=False), True),
+        (GA, GA._gqa_combine_kernel, dict(BLOCK=1024), False),
     ]
+    gqa = {"q_ptr": "*fp16", "o_ptr": "*fp16", "acc_ptr": "*fp32", "pos_ptr": "*i64", "scale": "fp32"}
     typed = {IS._select_slices_kernel: {"count_ptr": "*i32", "t": "fp32"}, IS._sliced_gemv_kernel:
              {"count_ptr": "*i32", "part_ptr": "*fp32"}, IS._sum_splits_kernel: {"part_ptr": "*fp32"},
-             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}}
+             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}, GA._gqa_chunk_kernel: gqa,
+             GA._gqa_combine_kernel: {k: gqa[k] for k in ("o_ptr", "acc_ptr", "pos_ptr")}}
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
         over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else compacted if fn is CR._compact_rows_kernel \
             else typed.get(fn)
         if consts.get("SRC_SPLIT"):
             over = {**over, "x_ptr": "*fp32"}
+        if fn is IS._select_slices_kernel and consts["PRODUCER"] == IS.ATTN:  # the attention's partials
+            over = {**over, "x_ptr": "*fp32", "nw_ptr": "*fp32", "pos_ptr": "*i64"}
         for gdc in (1, 2):  # late / early trigger
             ptx = compile_sm90(mod, fn, {**consts, "GDC": gdc}, "fp16", over).asm["ptx"]
             wait = ptx.index("griddepcontrol.wait")
             assert "st.global" not in ptx[:wait], fn.__name__
             if not looped:  # loads before the wait: LayerNorm's weights, attention's / the finish's reads
-                early = fn in (LN._layer_norm_kernel, SA._attn_decode_kernel, DK._qkv_finish_kernel)
+                early = fn in (LN._layer_norm_kernel, SA._attn_decode_kernel, DK._qkv_finish_kernel,
+                               GA._gqa_combine_kernel) or consts.get("PRODUCER") == IS.ATTN  # pos: the step's input
                 assert ("ld.global" in ptx[:wait]) == early, fn.__name__
             if gdc == 2 or looped:  # the next kernel is let in only after the wait
                 assert ptx.index("griddepcontrol.launch_dependents") > wait, fn.__name__

@@ -192,8 +192,11 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
-    and with settings per projection kind (input_sparse.projections: other blocks, splits, prefetch_w),
-    run by Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported)."""
+    and with settings per projection kind (input_sparse.projections: other blocks, splits, prefetch_w), and the
+    attention by plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o projection's
+    select, or by the combine kernel; off, the default: SDPA over the whole cache), run by Triton's interpreter
+    in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
+    tokens (two rows at different positions) equal the reference ops'."""
     import os
     import subprocess
     import sys
@@ -201,27 +204,34 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     pytest.importorskip("triton")
     script = f"""
 import json, torch
-from dejavu.plugins import InputSparseSettings, KernelSettings
+from dejavu.plugins import GQAAttnSettings, InputSparseSettings, KernelSettings
 from dejavu.runtime import Engine
 ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
-a, want = ref.decode_logits(ids), ref.generate([[0, 9, 4]], 6, stop_at_eos=False)
+prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
+a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "loop_stages", 2), ("gate_up", "prefetch_w", True),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-for min_split, projections in ((8, ()), (4096, ()), (4096, kinds)):
+for min_split, projections, attn in ((8, (), dict(kernel=True, chunk=4, block_s=2)),
+                                     (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False)), (4096, (), {})):
     ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
-                                                         projections=projections))
+                                                         projections=projections), gqa_attn=GQAAttnSettings(**attn))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
     assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
                       "kernels": tri.describe()["kernels"],
-                      "same": want == tri.generate([[0, 9, 4]], 6, stop_at_eos=False)}}))
+                      "same": want == tri.generate(prompts, 6, stop_at_eos=False)}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
-    for r in map(json.loads, p.stdout.strip().splitlines()[-3:]):
-        assert r["kernels"] == {"input_sparse_gemv": "triton"} and r["check"]["input_sparse_gemv"] < 1e-4
+    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-3:]]
+    assert [r["kernels"]["gqa_attention"] for r in rows] == ["triton", "triton", "torch"]
+    for r in rows:
+        assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
+        # the engine's load-time check of the attention kernel (on: against SDPA, over three chunks)
+        assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
+        assert r["check"].get("gqa_attention", 0.0) < 1e-4
         assert r["diff"] <= ATOL and r["same"]
 
 
