@@ -213,7 +213,7 @@ a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "loop_stages", 2), ("gate_up", "prefetch_w", True),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
 for min_split, projections, attn in ((8, (), dict(kernel=True, chunk=4, block_s=2)),
-                                     (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False)), (4096, (), {})):
+                                     (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False)), (4096, (), dict())):
     ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
                                                          projections=projections), gqa_attn=GQAAttnSettings(**attn))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
