@@ -191,6 +191,26 @@ def _one_thread():
         torch.set_num_threads(n)
 
 
+def top_right_singular(m: torch.Tensor, rank: int, rtol: float = 1e-4) -> torch.Tensor:
+    """The top `rank` right singular vectors of m [D, N] (float64), as rows [r, N] (r = min(rank, D, N)),
+    each up to its sign: where D <= N, from the eigenvectors U of the D x D Gram matrix m mᵀ, v_i =
+    mᵀ u_i / s_i; where the kept singular values span more than 1 / rtol (the Gram matrix squares the
+    spread) or D > N, from the SVD itself. The same subspace as the SVD's (projectors equal to ~1e-15 on
+    2048 x 8192), without gesvd's cost on the whole [D, N] (one thread, 2-core CPU, 2026-12-05: 18 s
+    instead of 77 s at 2048 x 8192)."""
+    D, N = m.shape
+    r = min(rank, D, N)
+    if D <= N:
+        g = m @ m.T
+        with _one_thread():
+            ev, u = torch.linalg.eigh(g)  # ascending
+        ev, u = ev.flip(0)[:r], u.flip(1)[:, :r]
+        if ev[-1] > 0 and ev[-1] >= ev[0] * rtol ** 2:
+            return ((m.T @ u) / ev.sqrt()).T
+    with _one_thread():
+        return torch.linalg.svd(m, full_matrices=False).Vh[:r]
+
+
 def _rrr_init(x, y, mu, sd, rank: int, ridge: float, chunk: int = 8192):
     """Reduced-rank ridge regression of the ±1 labels on standardised x: A' [r, D], B' [N, r].
 
@@ -207,9 +227,9 @@ def _rrr_init(x, y, mu, sd, rank: int, ridge: float, chunk: int = 8192):
         xty += (xn.T @ (y[i:i + chunk].float() * 2 - 1)).double()
     reg = xtx + ridge * x.shape[0] * torch.eye(D, dtype=torch.float64, device=x.device)
     with _one_thread():
-        w = torch.linalg.solve(reg, xty)  # [D, N]
         chol = torch.linalg.cholesky(reg)
-        vh = torch.linalg.svd(chol.T @ w, full_matrices=False).Vh[:rank]  # [r, N]
+        w = torch.cholesky_solve(xty, chol)  # [D, N]
+    vh = top_right_singular(chol.T @ w, rank)  # [r, N]
     a = (w @ vh.T).T  # [r, D]
     scale = 1.0 / (a.norm(dim=1, keepdim=True).clamp_min(1e-12))  # balance the factors
     return (a * scale).float(), (vh.T / scale.T).float()

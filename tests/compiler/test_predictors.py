@@ -10,7 +10,8 @@ from dejavu.compiler.calibrate import calibrate
 from dejavu.compiler.config import CalibSettings, PredictorSettings
 from dejavu.compiler.density import allocate, resolve_density
 from dejavu.compiler.predictors import (Predictors, default_ranks, evaluate_predictors, measure_lookahead,
-                                        mlp_contributions, mlp_ranks, predictor_cost, train_predictors)
+                                        mlp_contributions, mlp_ranks, predictor_cost, top_right_singular,
+                                        train_predictors)
 from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.errors import DejavuError
 from dejavu.models.loader import load_model, load_tokenizer
@@ -197,3 +198,24 @@ def test_resolve_density_uses_curves_for_mlp_and_heads_only_on_request():
     assert attn_k == resolve_density(cfg, 0.3)[1]  # heads uniform by default
     _, attn_alloc = resolve_density(cfg, 0.3, recall_curves=curves, allocate_attn=True)
     assert attn_alloc[2] > attn_alloc[0] and sum(attn_alloc) == round(0.3 * 8 * 3)
+
+
+@pytest.mark.parametrize("shape, rank", [((48, 160), 20), ((48, 160), 48), ((60, 40), 30)])
+def test_top_right_singular_spans_the_svds_subspace(shape, rank):
+    # the Gram route (D <= N) and the SVD (D > N) against float64 SVD: the same rows' projector, orthonormal rows
+    g = torch.Generator().manual_seed(shape[0] + rank)
+    m = torch.randn(*shape, dtype=torch.float64, generator=g) * torch.logspace(0, -2, shape[1], dtype=torch.float64)
+    want = torch.linalg.svd(m, full_matrices=False).Vh[:rank]
+    got = top_right_singular(m, rank)
+    assert got.shape == want.shape
+    assert torch.allclose(got.T @ got, want.T @ want, atol=1e-10)
+    assert torch.allclose(got @ got.T, torch.eye(len(got), dtype=torch.float64), atol=1e-10)
+
+
+def test_top_right_singular_falls_back_where_the_gram_matrix_loses_the_tail():
+    # rank 10 of a matrix of rank 6: singular values 7-10 are ~0, which m mᵀ cannot resolve; the SVD's rows
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(30, 6, dtype=torch.float64, generator=g) @ torch.randn(6, 80, dtype=torch.float64, generator=g)
+    got = top_right_singular(m, 10)
+    assert torch.allclose(got, torch.linalg.svd(m, full_matrices=False).Vh[:10])
+    assert torch.allclose(got @ got.T, torch.eye(10, dtype=torch.float64), atol=1e-10)
