@@ -224,7 +224,7 @@ def _rrr_init(x, y, mu, sd, rank: int, ridge: float, chunk: int = 8192):
     for i in range(0, x.shape[0], chunk):
         xn = (x[i:i + chunk] - mu) / sd  # fp32 products per chunk, fp64 sums across chunks
         xtx += (xn.T @ xn).double()
-        xty += (xn.T @ (y[i:i + chunk].float() * 2 - 1)).double()
+        xty += (xn.T @ torch.where(y[i:i + chunk], 1.0, -1.0)).double()  # ±1 labels, float32
     reg = xtx + ridge * x.shape[0] * torch.eye(D, dtype=torch.float64, device=x.device)
     with _one_thread():
         chol = torch.linalg.cholesky(reg)
@@ -269,24 +269,29 @@ def _fit(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, g
     a, b = a0.requires_grad_(), b0.requires_grad_()
     bias = torch.log(p / (1 - p)).to(dev).requires_grad_()
     opt = torch.optim.Adam([a, b, bias], lr=s.lr)
-    norm = lambda x: (x - mu) / sd
     listwise = w_tr is not None
-    target_va = w_va if listwise else y_va
+    # Row-wise work done once per fit, not per step or epoch (each row's values are the same):
+    # the standardised inputs, the held-out targets in float32 and their sum.
+    xn_tr, xn_va = (x_tr - mu) / sd, (x_va - mu) / sd
+    target_va = (w_va if listwise else y_va).to(dev).float()
+    total_va = max(1e-12, target_va.sum(dtype=torch.float32).item())
 
     def loss_on(rows):
-        scores = (norm(x_tr[rows]) @ a.T) @ b.T + bias
+        # index_select: the rows' copy, 4-8x faster than x[rows] on the CPU (2026-12-05)
+        scores = (xn_tr.index_select(0, rows) @ a.T) @ b.T + bias
         if listwise:
-            w = w_tr[rows].to(dev)
-            t = w / w.sum(-1, keepdim=True).clamp_min(1e-12)  # tokens with no active neuron: 0
+            w = w_tr.index_select(0, rows.to(w_tr.device)).to(dev)
+            # tokens with no active neuron: 0; in float32 once (the product and its backward read it)
+            t = (w / w.sum(-1, keepdim=True).clamp_min(1e-12)).float()
             return -(t * F.log_softmax(scores, -1)).sum(-1).mean()
-        return F.binary_cross_entropy_with_logits(scores, y_tr[rows].float(), pos_weight=pos_weight)
+        return F.binary_cross_entropy_with_logits(scores, y_tr.index_select(0, rows).float(), pos_weight=pos_weight)
 
     def val_loss() -> float:  # minus the held-out share of the target in the top k_eval
         with torch.no_grad():
-            got = sum(target_va[i:i + 4096].to(dev).float().gather(
-                -1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
+            got = sum(target_va[i:i + 4096].gather(
+                -1, ((xn_va[i:i + 4096] @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
                 for i in range(0, len(x_va), 4096))
-        return -got / max(1e-12, target_va.sum(dtype=torch.float32).item())
+        return -got / total_va
 
     snapshot = lambda: (a.detach().clone(), b.detach().clone(), bias.detach().clone())
     best, best_state, bad = val_loss(), snapshot(), 0  # the least-squares start counts as epoch 0

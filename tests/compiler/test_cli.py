@@ -261,3 +261,46 @@ def test_compile_argument_errors_before_torch(tmp_path, argv, match):
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
     assert r.stderr.startswith("dejavu: error:") and match in r.stderr, r.stderr
     assert not torch_imported
+
+
+_MALLINFO = """
+import ctypes
+from dejavu.compiler.cli import reuse_freed_memory
+libc = ctypes.CDLL(None)
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype, libc.malloc.restype = Info, ctypes.c_void_p
+libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+def mapped(n):  # bytes in mmapped blocks while a block of n bytes is held
+    p = libc.malloc(n)
+    got = libc.mallinfo2().hblkhd
+    libc.free(p)
+    return got
+before = mapped(40 << 20)  # above glibc's largest dynamic mmap threshold (32 MiB): always mapped
+ok = reuse_freed_memory()
+print(before >= 40 << 20, ok, mapped(40 << 20) < 40 << 20)
+"""
+
+
+def test_reuse_freed_memory_keeps_large_blocks_in_the_heap():
+    """dejavu-compile's allocator setting: a 40 MiB block, mapped afresh by glibc's default, comes
+    from the heap afterwards (where it is reused instead of faulted in again)."""
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("not glibc >= 2.33 (no mallinfo2)")
+    out = subprocess.run([sys.executable, "-c", _MALLINFO], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "True"]
+
+
+def test_compile_sets_the_allocator_before_building(tiny_opt_dir, tmp_path, monkeypatch):
+    import dejavu.compiler.build as build
+    import dejavu.compiler.cli as cli
+
+    order = []
+    monkeypatch.setattr(cli, "reuse_freed_memory", lambda: order.append("malloc") or True)
+    monkeypatch.setattr(build, "build_engine", lambda *a, **k: order.append("build") or {"model_family": "x"})
+    monkeypatch.setattr(cli, "format_summary", lambda s: "")
+    main([str(tiny_opt_dir), "--density", "1.0", "--no-predictors", "-o", str(tmp_path / "e.engine")])
+    assert order == ["malloc", "build"]

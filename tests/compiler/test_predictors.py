@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dejavu.compiler.calibrate import calibrate
 from dejavu.compiler.config import CalibSettings, PredictorSettings
@@ -219,3 +220,86 @@ def test_top_right_singular_falls_back_where_the_gram_matrix_loses_the_tail():
     got = top_right_singular(m, 10)
     assert torch.allclose(got, torch.linalg.svd(m, full_matrices=False).Vh[:10])
     assert torch.allclose(got @ got.T, torch.eye(10, dtype=torch.float64), atol=1e-10)
+
+
+# ---- predictor training: the build's fit against its plain form
+
+# `_fit` as written before the build-time work (2026-12-05; its rank start the shipped `_rrr_init`): the
+# rows indexed with x[rows], inputs standardised and targets normalised per step, the held-out targets
+# converted per epoch. The shipped fit reorganises that work (once per fit, index_select, one conversion); every
+# value it computes is the same, so the fitted predictor must be too, bit for bit.
+
+def _fit_plain(x_tr, y_tr, x_va, y_va, rank: int, k_eval: int, s: PredictorSettings, gen: torch.Generator,
+               w_tr=None, w_va=None) -> dict:
+    dev = x_tr.device
+    D, N = x_tr.shape[1], y_tr.shape[1]
+    mu = x_tr.mean(0)
+    sd = x_tr.std(0).clamp_min(1e-6)
+    p = (y_tr.sum(0, dtype=torch.float32) / len(y_tr)).clamp(1e-4, 1 - 1e-4)  # [N] label frequency
+    pos_weight = ((1 - p) / p).clamp(1.0 / s.max_pos_weight, s.max_pos_weight)
+    from dejavu.compiler.predictors import _rrr_init
+
+    a0, b0 = _rrr_init(x_tr, y_tr, mu, sd, rank, s.ridge)
+    a, b = a0.requires_grad_(), b0.requires_grad_()
+    bias = torch.log(p / (1 - p)).to(dev).requires_grad_()
+    opt = torch.optim.Adam([a, b, bias], lr=s.lr)
+    norm = lambda x: (x - mu) / sd
+    listwise = w_tr is not None
+    target_va = w_va if listwise else y_va
+
+    def loss_on(rows):
+        scores = (norm(x_tr[rows]) @ a.T) @ b.T + bias
+        if listwise:
+            w = w_tr[rows].to(dev)
+            t = w / w.sum(-1, keepdim=True).clamp_min(1e-12)  # tokens with no active neuron: 0
+            return -(t * F.log_softmax(scores, -1)).sum(-1).mean()
+        return F.binary_cross_entropy_with_logits(scores, y_tr[rows].float(), pos_weight=pos_weight)
+
+    def val_loss() -> float:  # minus the held-out share of the target in the top k_eval
+        with torch.no_grad():
+            got = sum(target_va[i:i + 4096].to(dev).float().gather(
+                -1, ((norm(x_va[i:i + 4096]) @ a.T) @ b.T + bias).topk(k_eval, dim=-1).indices).sum().item()
+                for i in range(0, len(x_va), 4096))
+        return -got / max(1e-12, target_va.sum(dtype=torch.float32).item())
+
+    snapshot = lambda: (a.detach().clone(), b.detach().clone(), bias.detach().clone())
+    best, best_state, bad = val_loss(), snapshot(), 0  # the least-squares start counts as epoch 0
+    T = x_tr.shape[0]
+    for _ in range(s.max_epochs):
+        perm = torch.randperm(T, generator=gen).to(dev)
+        for i in range(0, T, s.batch_tokens):
+            opt.zero_grad(set_to_none=True)
+            loss_on(perm[i:i + s.batch_tokens]).backward()
+            opt.step()
+        val = val_loss()
+        if val < best - 1e-5:
+            best, best_state, bad = val, snapshot(), 0
+        else:
+            bad += 1
+            if bad >= s.patience:
+                break
+    a_, b_, bias_ = (t.double() for t in best_state)
+    a_fold = a_ / sd.double()  # scores = B A' (x - mu)/sd + bias = B (A'/sd) x + (bias - B A' mu/sd)
+    bias_fold = bias_ - b_ @ (a_ @ (mu.double() / sd.double()))
+    return {"a": a_fold.float().cpu().contiguous(), "b": b_.float().cpu().contiguous(),
+            "bias": bias_fold.float().cpu().contiguous(),
+            "val_loss": best}
+
+
+@pytest.mark.parametrize("listwise", [True, False])
+def test_fit_equals_its_plain_form_bit_for_bit(listwise):
+    from dejavu.compiler.predictors import _fit
+
+    g = torch.Generator().manual_seed(3)
+    T, D, N = 1100, 24, 70  # batches and held-out chunks that are not multiples of anything
+    x = torch.randn(T, D, generator=g) * 3 + 1
+    w = torch.relu(x @ torch.randn(D, N, generator=g) - 2).to(torch.bfloat16)  # contributions, some rows 0
+    y = w > 0
+    s = PredictorSettings(batch_tokens=96, max_epochs=3, patience=5)
+    out = []
+    for fit in (_fit, _fit_plain):
+        args = (x[:900], y[:900], x[900:], y[900:], 5, 9, s, torch.Generator().manual_seed(0))
+        out.append(fit(*args, w[:900], w[900:]) if listwise else fit(*args))
+    assert out[0]["val_loss"] == out[1]["val_loss"]
+    for n in ("a", "b", "bias"):
+        assert torch.equal(out[0][n], out[1][n]), n
