@@ -123,13 +123,16 @@ def run_child(cmd: list[str], log: Path, timeout: float | None = None) -> dict:
             "child_ru_maxrss_bytes": ru.ru_maxrss * 1024, "timed_out": timed_out}
 
 
-def layer_bound(name: str, calib_tokens: int, predictors: bool) -> dict:
+def layer_bound(name: str, calib_tokens: int, predictors: bool, device: str) -> dict:
     """The build's stated bound (dejavu.compiler.stream.memory_bound): 2 x the largest layer
-    (fp32, the embeddings counted as one) + the calibration tensors on the device + 1 GiB."""
-    from dejavu.compiler.stream import memory_bound
+    (fp32, the embeddings counted as one) + the calibration tensors on the device + 1 GiB, + on the
+    host the freed heap `dejavu-compile` keeps (compiler/cli.reuse_freed_memory)."""
+    from dejavu.compiler.cli import MALLOC_KEEP_BYTES
+    from dejavu.compiler.stream import memory_bound, set_kept_heap
     from dejavu.models.opt import OPTConfig
 
-    return memory_bound(OPTConfig.from_hf_dict(hf_config(name)), calib_tokens if predictors else 0)
+    set_kept_heap(MALLOC_KEEP_BYTES)  # the child is dejavu-compile
+    return memory_bound(OPTConfig.from_hf_dict(hf_config(name)), calib_tokens if predictors else 0, host=device == "cpu")
 
 
 def main(argv=None) -> int:
@@ -198,7 +201,7 @@ def main(argv=None) -> int:
                "total_seconds": s.get("total_seconds"), "resumed_at_layer": s.get("resumed_at_layer"),
                "compute_dtype": args.compute_dtype, "onnx_out": args.onnx, "onnx": s.get("onnx"),
                "onnx_bytes": sum(f.stat().st_size for f in onnx_dir.iterdir()) if args.onnx and onnx_dir.is_dir() else None,
-               **layer_bound(name, args.calib_tokens, not args.no_predictors),
+               **layer_bound(name, args.calib_tokens, not args.no_predictors, args.device),
                "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": os.uname().nodename,
                "cpus": os.cpu_count()}
         if child["rc"] == 0 and args.decode_tokens:

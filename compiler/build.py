@@ -400,7 +400,8 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
             size = write_engine_parts(out, header, parts)
     state.remove()
     n_pred = sum(p.nbytes for n, p in parts.items() if ".pred_" in n)
-    bound = memory_bound(cfg, len(calib["ids"]) if calib is not None else 0)  # docs/compiler.md, "Streaming"
+    bound = memory_bound(cfg, len(calib["ids"]) if calib is not None else 0,  # docs/compiler.md, "Streaming"
+                         host=config.device == "cpu")
     summary = {"engine": str(out), "engine_bytes": size, "predictor_bytes": n_pred,
                "weight_bytes": sum(p.nbytes for p in parts.values()) - n_pred,
                "mlp_k": mlp_k, "attn_k": attn_k, "ffn_dim": cfg.ffn_dim, "num_heads": cfg.num_attention_heads,
@@ -414,6 +415,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
                "peak_host_bytes": rss_peak_bytes(), "peak_gpu_bytes": gpu_peak_bytes(config.device),
                "build_state_bytes": state_bytes,
                "calib_device_bytes": bound["calib_bytes"], "bound_bytes": bound["bound_bytes"],
+               "kept_heap_bytes": bound["kept_heap_bytes"],
                "largest_layer_fp32_bytes": bound["largest_layer_fp32_bytes"]}
     if onnx_out is not None:
         summary["onnx"] = onnx_report

@@ -54,7 +54,8 @@ def format_summary(s: dict) -> str:
     gib = lambda n: "-" if n is None else f"{n / 2**30:.2f} GiB"
     lines.append(f"memory      peak host {gib(s['peak_host_bytes'])}, GPU {gib(s['peak_gpu_bytes'])}; bound "
                  f"{gib(s['bound_bytes'])} = 2 x largest layer {mb(s['largest_layer_fp32_bytes'])} + calibration "
-                 f"tensors {mb(s['calib_device_bytes'])} (MLP targets in bfloat16 included) + 1 GiB, predictor "
+                 f"tensors {mb(s['calib_device_bytes'])} (MLP targets in bfloat16 included) + 1 GiB"
+                 + (f" + freed heap kept {mb(s['kept_heap_bytes'])}" if s.get("kept_heap_bytes") else "") + ", predictor "
                  f"training's float32 label copies not included; build state on disk {mb(s['build_state_bytes'])} "
                  f"(removed)" + (f"; resumed at layer {s['resumed_at_layer']}" if s["resumed_at_layer"] else ""))
     lines.append("time        " + ", ".join(f"{k} {v:.1f}s" for k, v in s["stage_seconds"].items())
