@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         P._rrr_init(x, y, mu, sd, a.rank, a.ridge)
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
-        secs.append(round(time.perf_counter() - t, 3))
+        secs.append(round(time.perf_counter() - t, 6))
     tree = Path(__file__).resolve().parents[1]
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

@@ -195,10 +195,11 @@ _CHILD = """
 import json, sys
 import torch, dejavu.compiler.build, dejavu.compiler.stream, dejavu.models.loader, safetensors.torch, onnx
 import dejavu.compiler.onnx_stream, dejavu.compiler.predictors, dejavu.compiler.allocate
-from dejavu.compiler.cli import main
+import dejavu.compiler.cli as cli
 from dejavu.compiler.stream import rss_peak_bytes
+cli.reuse_freed_memory = lambda: False  # glibc's own thresholds: the build's growth, not the heap it may keep
 base = rss_peak_bytes()
-rc = main(sys.argv[1:] + ["-q"])
+rc = cli.main(sys.argv[1:] + ["-q"])
 print(json.dumps({"rc": rc, "base": base, "maxrss": rss_peak_bytes()}))
 """
 
