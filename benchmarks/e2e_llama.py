@@ -65,14 +65,12 @@ SHAPES = {
 # the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): fewer, longer
 # splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
 # down 9 -> 9 / 7, gate/up 2), the input-sparse kernels launched without PDL (as at 6d59376), wider and narrower
-# blocks, fewer / more programs, the GEMV's weight rows loaded a step ahead (prefetch_w) or its loop
-# software-pipelined (loop_stages). First (the A/B of the attention kernel, plugins/gqa_attention, off by default):
+# blocks, fewer / more programs. First (the A/B of the attention kernel, plugins/gqa_attention, off by default):
 # the kernel with its chunks combined by the o projection's select, and with a combine launch instead
 VARIANTS = [{"gqa_attn": {"kernel": True}}, {"gqa_attn": {"kernel": True, "fuse_combine": False}},
             {"min_split_inputs": 1024}, {"min_split_inputs": 2048},
             {"pdl": {"PLAIN": ["pred", "is_select", "is_gemv", "is_sum"]}},
-            {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056},
-            {"prefetch_w": True}, {"loop_stages": 3}]
+            {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 

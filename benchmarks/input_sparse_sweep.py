@@ -18,20 +18,22 @@ Before a configuration is timed, its output on copy 0 is checked against PyTorch
 masked product in fp32; max |diff| <= 2e-2 max |ref|, LlamaOps.verify's bound): a mismatch or a launch
 error is recorded in "errors", never timed.
 
-The settings (InputSparseSettings fields) are searched per shape by coordinate descent from the defaults,
-stage by stage for every shape before the next stage (STAGES: block_m x block_k, loop_stages, prefetch_w, num_warps,
-min_split_inputs, target_programs), each stage's candidates around the shape's best so far; a
-candidate that launches what was already measured (the same blocks, warps, split and flags) reuses that
-time; an accumulator over 64 fp32 registers a thread (block_k / 2 x block_m / (32 num_warps)) is skipped.
-No stage starts a measurement after --budget-s; what is left is listed under "skipped". --start-from
-r.json --stages warps,... continues a run's descent from each shape's best there.
+The settings (InputSparseSettings fields) are searched per shape by coordinate descent from the defaults (the
+table with the shape's kind's input_sparse.projections over it: what the decode step launches there), stage by
+stage for every shape before the next stage (STAGES: block_m x block_k, num_warps, min_split_inputs,
+target_programs), each stage's candidates around the shape's best so far; a candidate that launches what was
+already measured (the same blocks, warps and split) reuses that time; an accumulator over 64 fp32 registers a
+thread (block_k / 2 x block_m / (32 num_warps)) is skipped. No stage starts a measurement after --budget-s;
+what is left is listed under "skipped". --start-from r.json --stages warps,... continues a run's descent from
+each shape's best there.
 
 JSON to --out (rewritten after every measurement): meta (device, torch / triton, commit), bandwidth (a
 device copy: read + written bytes / time), shapes (N, M, producer, copies, kept rows, bytes a group reads:
-kept rows x M x 2), results (per measurement: the settings, split, us per group, GB/s of weight rows read,
-fraction of the copy bandwidth, wall seconds including compiles), best (per shape: the default's and the
-best time and settings), errors, skipped. A table of the best per shape on stdout, with the decode step's
-projections at the best against the defaults (x layers). Benchmarks assert nothing.
+kept rows x M x 2), results (per measurement: the settings that differ from the shape's defaults, split, us
+per group, GB/s of weight rows read, fraction of the copy bandwidth, wall seconds including compiles), best
+(per shape: the default's and the best time and settings), errors, skipped. A table of the best per shape on
+stdout, with the decode step's projections at the best against the defaults (x layers). Benchmarks assert
+nothing.
 """
 from __future__ import annotations
 
@@ -52,15 +54,12 @@ from e2e_llama import SHAPES, copy_bandwidth, sync  # benchmarks/, the script's 
 
 # (stage, the InputSparseSettings fields it varies, their values); --smoke: SMOKE_STAGES on tiny shapes
 STAGES = [("blocks", ("block_m", "block_k"), ([32, 64, 128], [64, 128, 256])),
-          ("pipeline", ("loop_stages",), ([None, 2, 3, 4],)),
-          ("prefetch", ("prefetch_w",), ([False, True],)),
           ("warps", ("num_warps",), ([2, 4, 8],)),
           ("split_len", ("min_split_inputs",), ([256, 512, 1024],)),
           ("programs", ("target_programs",), ([264, 528, 1056],))]
 SMOKE_STAGES = [("blocks", ("block_m", "block_k"), ([16, 32], [8, 16])),
-                ("pipeline", ("loop_stages",), ([None, 3],)),
-                ("split_len", ("min_split_inputs",), ([16, 256],)),
-                ("prefetch", ("prefetch_w",), ([False, True],))]
+                ("warps", ("num_warps",), ([2, 4],)),
+                ("split_len", ("min_split_inputs",), ([16, 256],))]
 MAX_ACC_REGS = 64  # fp32 accumulator elements a thread holds: block_k / 2 x block_m / (32 num_warps)
 TOL = 2e-2  # max |diff| / max |ref| (LlamaOps.verify)
 
@@ -73,6 +72,15 @@ def projections(c: dict) -> list[dict]:
             dict(proj="o", N=H * hd, M=D, producer="none"),
             dict(proj="gate_up", N=D, M=2 * inter, producer="norm"),
             dict(proj="down", N=inter, M=D, producer="swiglu")]
+
+
+def kind_table(base, proj: str):
+    """The InputSparseSettings proj's launches take under the KernelSettings base (its input_sparse.projections
+    applied), as one table (no projections: every kind the sweep launches takes it)."""
+    from dejavu.plugins import resolve_projection_settings
+
+    return dataclasses.replace(base.with_overrides(resolve_projection_settings(base)[proj]).input_sparse,
+                               projections=())
 
 
 def _median_t(h: torch.Tensor) -> float:
@@ -100,7 +108,7 @@ class Shape:
         if self.producer == "norm":
             self.norm = ((1 + 0.1 * torch.randn(N, generator=g, device=dev)).to(dtype), 1e-5)
         if self.proj == "down":  # gate/up's partials as gate_up's default launch leaves them
-            s0 = split_k_for(B, c["hidden_size"], 2 * N, DEFAULT.input_sparse)
+            s0 = split_k_for(B, c["hidden_size"], 2 * N, kind_table(DEFAULT, "gate_up"))
             self.x = torch.randn(s0, B, 2 * N, generator=g, device=dev) * s0 ** -0.5
             h = produce_ref(sum_parts_ref(self.x, dtype), swiglu=True)
         else:
@@ -168,8 +176,7 @@ def launch_key(s: Shape, cfg) -> tuple:
     """What a configuration launches on s: configurations with equal keys launch the same kernels."""
     from dejavu.plugins.input_sparse import split_k_for
 
-    return (cfg.block_m, cfg.block_k, cfg.num_warps, None if cfg.prefetch_w else cfg.loop_stages, cfg.prefetch_w,
-            split_k_for(s.x.shape[-2], s.N, s.M, cfg))
+    return cfg.block_m, cfg.block_k, cfg.num_warps, split_k_for(s.x.shape[-2], s.N, s.M, cfg)
 
 
 def time_groups(s: Shape, ops, measure_s: float) -> float:
@@ -231,7 +238,7 @@ class Sweep:
 
         name = f"{s.model}/{s.proj}"
         key = (name, launch_key(s, cfg))
-        diff = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(self.base.input_sparse, k)}
+        diff = {k: v for k, v in dataclasses.asdict(cfg).items() if v != getattr(s.start, k)}
         if key in self.seen:
             return self.seen[key]
         t0 = time.perf_counter()
@@ -295,7 +302,9 @@ def run(a, dev) -> Sweep:
                                          "layers": SHAPES[m]["num_hidden_layers"]})
     sweep.save()
     start = time.perf_counter()
-    best = {f"{s.model}/{s.proj}": (sweep.base.input_sparse, None) for s in shapes}
+    for s in shapes:
+        s.start = kind_table(sweep.base, s.proj)  # the defaults of the shape's kind, where its descent starts
+    best = {f"{s.model}/{s.proj}": (s.start, None) for s in shapes}
     start_from = json.loads(Path(a.start_from).read_text())["best"] if a.start_from else {}
     stages = SMOKE_STAGES if a.smoke else STAGES
     if a.stages:

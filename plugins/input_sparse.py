@@ -7,9 +7,7 @@
   in order itself (gate/up's split-K sum folded into down's SwiGLU select: one launch fewer).
 - `sliced_parts(idx, val, count, w_t)`: split s reads its slice's pairs; two loads of SUB = block_k / 2 pairs
   a step (fewer than the program's threads, so they land in the tile's row layout: no barrier in the loop),
-  the next step's pairs loaded before this step's rows are summed (prefetch_w: the pairs two steps ahead and
-  the next step's rows, in registers, before this step's are summed; loop_stages: the loop software-pipelined
-  by Triton, the rows through cp.async into shared memory); fp32 partials [split, B, M].
+  the next step's pairs loaded before this step's rows are summed; fp32 partials [split, B, M].
   `sliced_gemv(...)`: its partials summed in order with the residual (`_sum_splits_kernel`);
   `sliced_qkv_rope(...)`: the fused q/k/v, its sum kernel applying RoPE to q and k and writing k and v into
   the caches at pos.
@@ -17,7 +15,9 @@ w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept row
 accumulates a [rows, BLOCK_M] fp32 tile (reduced over rows once, after the loop).
 Limits: fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |h| > t in fp32. t is a
 host float per layer (a launch argument a CUDA graph captures). The list form (one select program per row,
-a GEMV gathering x) measured slower (5.906 vs 4.545 ms, docs/kernels.md) and is in commit 6d59376.
+a GEMV gathering x) measured slower (5.906 vs 4.545 ms, docs/kernels.md) and is in commit 6d59376; the GEMV's
+rows loaded a step ahead (PREFETCH_W) and its loop software-pipelined (LOOP_STAGES) measured slower and are in
+commit f72ba62.
 """
 from __future__ import annotations
 
@@ -122,21 +122,16 @@ def _pairs(idx_ptr, val_ptr, ks, n):
 
 
 @helper
-def _rows(w_ptr, i, ks, n, offs_m, m_ok, M):
-    # [SUB, BLOCK_M]: the kept rows i of w_t [N, M] (columns offs_m); rows past the count n are not read
-    return tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=(ks < n)[:, None] & m_ok[None, :],
-                   other=0.0)
-
-
-@helper
 def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
-    # [SUB, BLOCK_M]: the kept rows i of w_t [N, M] (columns offs_m), each times its value v
-    return _rows(w_ptr, i, ks, n, offs_m, m_ok, M).to(tl.float32) * v[:, None]
+    # [SUB, BLOCK_M]: the kept rows i of w_t [N, M] (columns offs_m), each times its value v; rows past the
+    # count n are not read
+    w = tl.load(w_ptr + i[:, None].to(tl.int64) * M + offs_m[None, :], mask=(ks < n)[:, None] & m_ok[None, :],
+                other=0.0)
+    return w.to(tl.float32) * v[:, None]
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr, PREFETCH_W: tl.constexpr = False,
-                        LOOP_STAGES: tl.constexpr = None, GDC: tl.constexpr = 0):
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0):
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -153,25 +148,12 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
     i0, v0 = _pairs(idx_ptr, val_ptr, ar, n)
     i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, n)
     acc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
-    if PREFETCH_W:  # rows in registers a step ahead: step k + 1's rows load before step k's are summed
-        w0 = _rows(w_ptr, i0, ar, n, offs_m, m_ok, M)
-        w1 = _rows(w_ptr, i1, SUB + ar, n, offs_m, m_ok, M)
-        i0, u0 = _pairs(idx_ptr, val_ptr, 2 * SUB + ar, n)  # the pairs run two steps ahead, the rows one
-        i1, u1 = _pairs(idx_ptr, val_ptr, 3 * SUB + ar, n)
-        for k0 in range(0, n, 2 * SUB):
-            x0 = _rows(w_ptr, i0, k0 + 2 * SUB + ar, n, offs_m, m_ok, M)
-            x1 = _rows(w_ptr, i1, k0 + 3 * SUB + ar, n, offs_m, m_ok, M)
-            i0, t0 = _pairs(idx_ptr, val_ptr, k0 + 4 * SUB + ar, n)
-            i1, t1 = _pairs(idx_ptr, val_ptr, k0 + 5 * SUB + ar, n)
-            acc += w0.to(tl.float32) * v0[:, None] + w1.to(tl.float32) * v1[:, None]
-            w0, w1, v0, v1, u0, u1 = x0, x1, u0, u1, t0, t1
-    else:
-        for k0 in tl.range(0, n, 2 * SUB, num_stages=LOOP_STAGES):
-            p0 = _rows_times(w_ptr, i0, v0, k0 + ar, n, offs_m, m_ok, M)
-            p1 = _rows_times(w_ptr, i1, v1, k0 + SUB + ar, n, offs_m, m_ok, M)
-            i0, v0 = _pairs(idx_ptr, val_ptr, k0 + 2 * SUB + ar, n)
-            i1, v1 = _pairs(idx_ptr, val_ptr, k0 + 3 * SUB + ar, n)
-            acc += p0 + p1
+    for k0 in range(0, n, 2 * SUB):
+        p0 = _rows_times(w_ptr, i0, v0, k0 + ar, n, offs_m, m_ok, M)
+        p1 = _rows_times(w_ptr, i1, v1, k0 + SUB + ar, n, offs_m, m_ok, M)
+        i0, v0 = _pairs(idx_ptr, val_ptr, k0 + 2 * SUB + ar, n)
+        i1, v1 = _pairs(idx_ptr, val_ptr, k0 + 3 * SUB + ar, n)
+        acc += p0 + p1
     gdc_release(GDC)
     tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
@@ -321,8 +303,7 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
     grid = (B, -(-M // config.block_m), split)
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
-                                               EVEN_M=M % config.block_m == 0, PREFETCH_W=config.prefetch_w,
-                                               LOOP_STAGES=config.loop_stages, num_warps=config.num_warps,
+                                               EVEN_M=M % config.block_m == 0, num_warps=config.num_warps,
                                                **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
     return part
 

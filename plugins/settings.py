@@ -160,11 +160,6 @@ class InputSparseSettings:
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
-    # the GEMV's loop software-pipelined over this many stages (tl.range num_stages: cp.async into shared
-    # memory); None: a plain loop (the launch's own num_stages leaves this loop as it is: same sm_90 PTX);
-    # prefetch_w's loop is plain
-    loop_stages: int | None = None
-    prefetch_w: bool = False  # the GEMV loads the next step's weight rows before it sums this step's (PREFETCH_W)
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings; none yet: one table for every kind)
     projections: tuple = ()
@@ -229,11 +224,16 @@ class KernelSettings:
         return _from_dict(KernelSettings, d, "layer kernel settings")
 
 
+# InputSparseSettings fields of older headers, at the value of the one form left: the mask mode's removal (select),
+# the GEMV's rows a step ahead and its pipelined loop (prefetch_w, loop_stages; measured slower, f72ba62 holds them)
+REMOVED_INPUT_SPARSE = (("select", "list"), ("prefetch_w", False), ("loop_stages", None))
+
+
 def _from_dict(cls, d, where: str):
     if not isinstance(d, dict):
         raise DejavuError(f"{where}: expected an object, got {type(d).__name__}")
-    if cls is InputSparseSettings and d.get("select", "list") == "list":  # headers before the mask mode's removal
-        d = {k: v for k, v in d.items() if k != "select"}
+    if cls is InputSparseSettings:  # another value of a removed field: an unknown key
+        d = {k: v for k, v in d.items() if (k, v) not in REMOVED_INPUT_SPARSE}
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise DejavuError(f"{where}: unknown key(s) {', '.join(unknown)}")

@@ -3,8 +3,8 @@
 # Llama-3-8B and one Llama-3-70B TP-8 rank, batch 1, half the inputs kept; select + GEMV + sum of each
 # projection kind (q/k/v, o, gate/up, down) as LlamaOps launches them, a CUDA graph over weight copies that
 # L2 cannot hold, each configuration checked against PyTorch before it is timed; coordinate descent from the
-# defaults over block_m x block_k, prefetch_w, num_warps, min_split_inputs, target_programs, num_stages, no
-# measurement started after 160 s. JSON to $OUT, the best per shape on stdout.
+# defaults (each kind's, input_sparse.projections applied) over block_m x block_k, num_warps, min_split_inputs,
+# target_programs, no measurement started after 160 s. JSON to $OUT, the best per shape on stdout.
 #   bash benchmarks/gpu/input_sparse_sweep.sh
 set -euo pipefail
 source benchmarks/device_env.sh

@@ -111,14 +111,14 @@ def test_projection_settings_are_overrides_of_the_one_table():
     by default (every kind launches the table as it is); they survive JSON, scale with the SM count where
     they set target_programs, and a kind or field that is not one is a DejavuError."""
     assert P.resolve_projection_settings(P.DEFAULT) == {k: {} for k in P.PROJECTIONS}
-    kinds = (("down", "block_m", 32), ("down", "prefetch_w", True), ("o", "target_programs", 264))
+    kinds = (("down", "block_m", 32), ("down", "num_warps", 2), ("o", "target_programs", 264))
     s = dataclasses.replace(P.DEFAULT, input_sparse=P.InputSparseSettings(projections=kinds))
     assert P.KernelSettings.from_dict(json.loads(json.dumps(s.to_dict()))) == s
     over = P.resolve_projection_settings(s)
-    assert over == {"qkv": {}, "gate_up": {}, "down": {"input_sparse": {"block_m": 32, "prefetch_w": True}},
+    assert over == {"qkv": {}, "gate_up": {}, "down": {"input_sparse": {"block_m": 32, "num_warps": 2}},
                     "o": {"input_sparse": {"target_programs": 264}}}
     down = s.with_overrides(over["down"]).input_sparse
-    assert (down.block_m, down.prefetch_w, down.block_k) == (32, True, P.DEFAULT.input_sparse.block_k)
+    assert (down.block_m, down.num_warps, down.block_k) == (32, 2, P.DEFAULT.input_sparse.block_k)
     assert s.with_overrides(over["qkv"]) == s
     for bad in (("attn", "block_m", 32), ("o", "blockm", 32), ("o", "projections", ()), ("o",)):
         with pytest.raises(DejavuError, match="input_sparse.projections"):

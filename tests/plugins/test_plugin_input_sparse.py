@@ -15,8 +15,8 @@ from dejavu.plugins.input_sparse import (input_sparse_gemv_ref, produce_ref, sel
 from conftest import DTYPES
 
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
-PREFETCH = dataclasses.replace(SMALL, prefetch_w=True)  # the GEMV's rows a step ahead
-PIPELINED = dataclasses.replace(SMALL, loop_stages=3)  # tl.range's stages (the interpreter runs the loop as it is)
+WIDE_K = dataclasses.replace(SMALL, block_m=32, block_k=64, num_warps=2)  # 32 pairs a load: past most splits' counts
+WIDE_M = dataclasses.replace(SMALL, block_m=128, block_k=16)  # one column block, wider than M: masked columns
 
 
 def _ks(blocks):
@@ -80,11 +80,11 @@ def test_select_slices_pairs_each_split_in_order(triton_interp, dtype, producer,
                                                      (2, 200, 300, 0.9, _s(), True),
                                                      (1, 96, 40, 0.6, _s(block_m=16, block_k=8, split_k=3), True),
                                                      (2, 50, 48, 50.0, SMALL, True), (2, 40, 33, 0.0, SMALL, False),
-                                                     (2, 200, 45, 0.6, PREFETCH, True),
-                                                     (1, 130, 64, 0.3, PREFETCH, False),
-                                                     (2, 50, 48, 50.0, PREFETCH, True),
-                                                     (2, 40, 33, 0.0, PREFETCH, False),
-                                                     (2, 200, 45, 0.6, PIPELINED, True)])
+                                                     (2, 200, 45, 0.6, WIDE_K, True),
+                                                     (1, 130, 64, 0.3, WIDE_K, False),
+                                                     (2, 50, 48, 50.0, WIDE_K, True),
+                                                     (2, 40, 33, 0.0, WIDE_K, False),
+                                                     (2, 200, 45, 0.6, WIDE_M, True)])
 def test_sliced_gemv_matches_float64(triton_interp, close, dtype, producer, B, N, M, t, config, residual):
     """residual + the kept inputs of h times their rows of w_t: M a multiple of block_m (unmasked loads)
     and not, several splits, none kept (y = residual), every input kept (t 0)."""
@@ -137,10 +137,10 @@ def test_select_slices_sums_the_previous_gemvs_partials(triton_interp, close, dt
     close(out, (h.double() * (h.float().abs() > t)) @ w2.double(), input_sparse_gemv_ref(h, w2, t))
 
 
-@pytest.mark.parametrize("config", [SMALL, PREFETCH, PIPELINED])
+@pytest.mark.parametrize("config", [SMALL, WIDE_K, WIDE_M])
 def test_sliced_gemv_reads_only_the_kept_rows(triton_interp, config):
-    """Rows of w_t outside the pairs are NaN: a read of any of them would poison y (prefetch_w: nor a row
-    past a split's count, loaded ahead)."""
+    """Rows of w_t outside the pairs are NaN: a read of any of them would poison y (nor a row past a split's
+    count: a load of more pairs than the split holds, WIDE_K)."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 90, generator=g)
     w_t = torch.randn(90, 50, generator=g)

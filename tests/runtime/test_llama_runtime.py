@@ -192,7 +192,7 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
-    and with settings per projection kind (input_sparse.projections: other blocks, splits, prefetch_w), and the
+    and with settings per projection kind (input_sparse.projections: other blocks, splits, warps), and the
     attention by plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o projection's
     select, or by the combine kernel; off, the default: SDPA over the whole cache), run by Triton's interpreter
     in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
@@ -210,7 +210,7 @@ ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
 prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
-kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "loop_stages", 2), ("gate_up", "prefetch_w", True),
+kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
 for min_split, projections, attn in ((8, (), dict(kernel=True, chunk=4, block_s=2)),
                                      (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False)), (4096, (), dict())):
@@ -260,6 +260,17 @@ def test_kernel_settings_are_read_from_the_header(built):
     assert KernelSettings.from_dict({"input_sparse": {"select": "list", "block_m": 16}}).input_sparse.block_m == 16
     with pytest.raises(DejavuError, match="kernel_settings.input_sparse: unknown key.s. select"):
         LlamaOps("triton", KernelSettings.from_dict({"input_sparse": {"select": "mask"}}))
+    # and before the GEMV's prefetch_w / loop_stages forms were removed: at the plain loop's values (every header
+    # of 94b1fda), they load as the header's settings; a removed form itself is an unknown key
+    old = {"block_select": 4096, "select_warps": 8, "block_m": 32, "block_k": 128, "split_k": None,
+           "target_programs": 528, "min_split_inputs": 256, "num_warps": 4, "loop_stages": None, "prefetch_w": False,
+           "projections": [["o", "num_warps", 2]]}
+    got = settings_for({"kernel_settings": {"input_sparse": old, "gqa_attn": {"kernel": False}}}, torch.device("cpu"))
+    assert got.input_sparse == InputSparseSettings(block_m=32, projections=(("o", "num_warps", 2),))
+    assert got.gqa_attn.kernel is False and LlamaOps("triton", got).kinds["o"].input_sparse.num_warps == 2
+    for removed in ({"prefetch_w": True}, {"loop_stages": 3}):
+        with pytest.raises(DejavuError, match=f"kernel_settings.input_sparse: unknown key.s. {next(iter(removed))}"):
+            KernelSettings.from_dict({"input_sparse": {**old, **removed}})
 
 
 def test_projection_settings_survive_the_header_and_old_headers_take_one_table(built, tmp_path):
@@ -270,7 +281,7 @@ def test_projection_settings_survive_the_header_and_old_headers_take_one_table(b
     from dejavu.runtime.ops import settings_for
     from dejavu.runtime.llama_decoder import LlamaOps
 
-    kinds = (("gate_up", "block_m", 32), ("gate_up", "prefetch_w", True), ("o", "target_programs", 264))
+    kinds = (("gate_up", "block_m", 32), ("gate_up", "num_warps", 2), ("o", "target_programs", 264))
     ks = KernelSettings(input_sparse=InputSparseSettings(projections=kinds))
     header, tensors = read_engine(built[1][0.6])
     path = tmp_path / "kinds.engine"
@@ -278,12 +289,12 @@ def test_projection_settings_survive_the_header_and_old_headers_take_one_table(b
     got = settings_for(read_engine(path)[0]["target"], torch.device("cpu"))
     assert got == ks and got.input_sparse.projections == kinds
     ops = LlamaOps("triton", got)
-    assert ops.kinds["gate_up"].input_sparse == InputSparseSettings(block_m=32, prefetch_w=True, projections=kinds)
+    assert ops.kinds["gate_up"].input_sparse == InputSparseSettings(block_m=32, num_warps=2, projections=kinds)
     assert ops.kinds["o"].input_sparse.target_programs == 264 and ops.kinds["o"].input_sparse.block_m == 64
     assert ops.kinds["qkv"] == ops.kinds["down"] == ks
     assert Engine.load(path).ops.kinds["gate_up"].input_sparse.block_m == 32
     old = DEFAULT.to_dict()
-    del old["input_sparse"]["projections"], old["input_sparse"]["prefetch_w"], old["input_sparse"]["loop_stages"]
+    del old["input_sparse"]["projections"]
     ops = LlamaOps("triton", settings_for({"kernel_settings": old}, torch.device("cpu")))
     assert set(ops.kinds) == set(PROJECTIONS) and all(s == DEFAULT for s in ops.kinds.values())
     for bad in (("mlp", "block_m", 32), ("o", "block_q", 32), ("o", "block_m")):
