@@ -71,13 +71,14 @@ KERNELS = {
     "layer_norm": ("layer_norm", "_layer_norm_kernel", dict(CHUNKED=False, BLOCK=8192, EARLY_W=True, GDC=2), 3),
     # Llama TEAL engines (input_sparse.py): the select fused with RMSNorm (q/k/v's 6 splits), the SwiGLU select
     # summing gate/up's 2 partials, the pairs' GEMV at the default blocks, the sums with the residual (o / down's
-    # 9 splits) / RoPE; PDL as launched on sm_90
+    # 9 splits) / RoPE; PDL as launched on sm_90; gate/up's GEMV at its block_k 64 (input_sparse.projections)
     "select_slices_norm": ("input_sparse", "_select_slices_kernel",
                            dict(PRODUCER=1, SRC_SPLIT=0, BLOCK=1024, ROW=4096, GDC=2, num_warps=8), 3),
     "select_slices_swiglu_parts": ("input_sparse", "_select_slices_kernel",
                                    dict(PRODUCER=2, SRC_SPLIT=2, BLOCK=2048, ROW=4096, GDC=2, num_warps=8), 3,
                                    {"x_ptr": "*fp32"}),
     "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True, GDC=1), 3),
+    "sliced_gemv_k64": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=32, EVEN_M=True, GDC=1), 3),
     "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel",
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, GDC=2), 3,

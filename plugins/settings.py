@@ -9,7 +9,7 @@
     kinds = resolve_projection_settings(settings)                # Llama: per projection kind (qkv, o, ...)
     settings.with_overrides(kinds["gate_up"])                    # its launches' settings (LlamaOps)
 
-Each default is a field default here (picked on an H200, 132 SMs; the measurements behind them:
+Each default is a field default here (picked on an H200 or an H100, 132 SMs; the measurements behind them:
 docs/kernels.md and BENCHMARKS.md). A launcher's `config=` dict overrides fields of its own table
 for one call (sweeps, tests); unknown keys are a DejavuError. Nothing patches module globals.
 """
@@ -161,20 +161,25 @@ class InputSparseSettings:
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
-    # (kind, field, value) triples (resolve_projection_settings; none yet: one table for every kind)
-    projections: tuple = ()
+    # (kind, field, value) triples (resolve_projection_settings). gate/up with block_k 64: 45.8 vs 54.6 us a
+    # launch on Llama-3-8B, 3.909 vs 4.180 ms a step with the attention kernel (1.75x the dense graph's 6.850);
+    # the 70B TP-8 rank 28.7 vs 27.7 us, 6.486 vs 6.416 ms (H100, 2026-12-05, 94b1fda: `bash
+    # benchmarks/gpu/input_sparse_sweep.sh` and e2e_llama.py's confirmation run; docs/llama.md)
+    projections: tuple = (("gate_up", "block_k", 64),)
 
 
 @dataclass(frozen=True)
 class GQAAttnSettings:
     """The Llama decode step's attention on the triton backend: `kernel` True runs gqa_attention.py's
-    flash-decoding kernel (slots <= pos only); False (the default until a GPU run measures the kernel:
-    `bash benchmarks/gpu/llama_speed.sh ab`) PyTorch's scaled_dot_product_attention over the whole cache with
-    a mask (every slot read). chunk: cache slots per program (T / chunk programs per KV head and row; those
+    flash-decoding kernel (slots <= pos only); False PyTorch's scaled_dot_product_attention over the whole cache
+    with a mask (every slot read). chunk: cache slots per program (T / chunk programs per KV head and row; those
     past pos exit at once), block_s slots a step; fuse_combine: where o is thresholded (the o projection's
     input sparse), the chunks' partials are combined by its select (input_sparse PRODUCER ATTN) instead of a
     combine launch."""
-    kernel: bool = False
+    # the kernel: Llama-3-8B at 50% skipped 4.161 vs 4.274 ms a step (`bash benchmarks/gpu/llama_speed.sh ab`)
+    # and 4.180 vs 4.293 (e2e_llama.py's confirmation run); slower on the 70B TP-8 rank (G = 8 query heads a KV
+    # head, 8 chunk programs at 256 slots): 6.416 vs 6.226 (H100, 2026-12-05, 94b1fda; docs/llama.md)
+    kernel: bool = True
     chunk: int = 32
     block_s: int = 16
     num_warps: int = 4

@@ -11,8 +11,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "input_sparse_swee
 
 
 def test_smoke_checks_and_times_every_projection(tmp_path):
-    """Every projection kind of the tiny shape: its defaults and other warps, each checked against PyTorch before
-    it is timed (no errors), the best per shape recorded; a bad --models is one argparse line."""
+    """Every projection kind of the tiny shape: its defaults (gate/up's block_k 64: input_sparse.projections) and
+    other warps, each checked against PyTorch before it is timed (no errors), the best per shape recorded; a bad
+    --models is one argparse line."""
     pytest.importorskip("triton")
     out = tmp_path / "r.json"
     env = dict(os.environ, TRITON_INTERPRET="1")  # in a subprocess: the interpreter before triton is imported
@@ -25,7 +26,9 @@ def test_smoke_checks_and_times_every_projection(tmp_path):
     assert all(0 < s["kept_rows"] < s["N"] and s["read_bytes"] == s["kept_rows"] * s["M"] * 2 for s in d["shapes"])
     got = {(r["shape"], r["stage"]) for r in d["results"]}
     assert got == {(n, st) for n in names for st in ("default", "warps")}
-    assert all(r["settings"] == {} for r in d["results"] if r["stage"] == "default")
+    default = {r["shape"]: r for r in d["results"] if r["stage"] == "default"}
+    assert all(r["settings"] == {} for r in default.values())  # settings: what differs from the kind's defaults
+    assert default["tiny/gate_up"]["config"]["block_k"] == 64 and default["tiny/o"]["config"]["block_k"] == 128
     assert all(r["config"]["projections"] == [] for r in d["results"])  # the launch takes the config as it is
     assert {r["settings"].get("num_warps") for r in d["results"] if r["stage"] == "warps"} == {2}
     assert all(r["max_rel_diff"] <= 2e-2 and r["us"] > 0 for r in d["results"])

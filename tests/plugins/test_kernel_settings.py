@@ -30,6 +30,7 @@ def test_resolution_follows_the_target_gpu():
     assert not a100.pdl.ENABLED  # no griddepcontrol below sm_90
     assert a100.fc2_dot1.TARGET_PROGRAMS == round(396 * 108 / 132) and a100.proj1.TARGET_PROGRAMS == 432
     assert a100.qkv_b1.TARGET_PROGRAMS == round(512 * 108 / 132) and a100.arch == "sm_80"
+    assert a100.input_sparse.projections == P.DEFAULT.input_sparse.projections  # no target_programs among them
     assert P.resolve_kernel_settings(None) is P.DEFAULT  # CPU
 
 
@@ -107,10 +108,12 @@ def test_layer_overrides_check_their_names():
 
 
 def test_projection_settings_are_overrides_of_the_one_table():
-    """input_sparse.projections (kind, field, value) triples become per-kind overrides (with_overrides); none
-    by default (every kind launches the table as it is); they survive JSON, scale with the SM count where
-    they set target_programs, and a kind or field that is not one is a DejavuError."""
-    assert P.resolve_projection_settings(P.DEFAULT) == {k: {} for k in P.PROJECTIONS}
+    """input_sparse.projections (kind, field, value) triples become per-kind overrides (with_overrides); by
+    default gate/up's block_k only (the other kinds launch the table as it is); they survive JSON, scale with
+    the SM count where they set target_programs, and a kind or field that is not one is a DejavuError."""
+    assert P.resolve_projection_settings(P.DEFAULT) == {"qkv": {}, "o": {}, "down": {},
+                                                        "gate_up": {"input_sparse": {"block_k": 64}}}
+    assert P.DEFAULT.input_sparse.block_k == 128  # the table's, for the other kinds
     kinds = (("down", "block_m", 32), ("down", "num_warps", 2), ("o", "target_programs", 264))
     s = dataclasses.replace(P.DEFAULT, input_sparse=P.InputSparseSettings(projections=kinds))
     assert P.KernelSettings.from_dict(json.loads(json.dumps(s.to_dict()))) == s

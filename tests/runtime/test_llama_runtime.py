@@ -192,10 +192,11 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
-    and with settings per projection kind (input_sparse.projections: other blocks, splits, warps), and the
-    attention by plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o projection's
-    select, or by the combine kernel; off, the default: SDPA over the whole cache), run by Triton's interpreter
-    in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
+    and with settings per projection kind (input_sparse.projections: other blocks, splits), the attention by
+    plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o projection's select, or by the
+    combine kernel) or by SDPA over the whole cache (gqa_attn.kernel off), and at the engine's own settings (the
+    defaults: gate/up's block_k 64, the attention kernel in one chunk), run by Triton's interpreter in a
+    subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
     tokens (two rows at different positions) equal the reference ops'."""
     import os
     import subprocess
@@ -212,21 +213,22 @@ prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-for min_split, projections, attn in ((8, (), dict(kernel=True, chunk=4, block_s=2)),
-                                     (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False)), (4096, (), dict())):
-    ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
-                                                         projections=projections), gqa_attn=GQAAttnSettings(**attn))
+for min_split, projections, attn in ((8, (), dict(chunk=4, block_s=2)), (4096, kinds, dict(chunk=4, fuse_combine=False)),
+                                     (4096, (), dict(kernel=False)), (None, (), None)):
+    ks = None if min_split is None else KernelSettings(gqa_attn=GQAAttnSettings(**attn), input_sparse=InputSparseSettings(
+        block_m=16, block_k=8, min_split_inputs=min_split, projections=projections))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
-    assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16)
+    assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16 if ks else 64)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
-                      "kernels": tri.describe()["kernels"],
+                      "kernels": tri.describe()["kernels"], "gate_up_block_k": tri.ops.kinds["gate_up"].input_sparse.block_k,
                       "same": want == tri.generate(prompts, 6, stop_at_eos=False)}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-3:]]
-    assert [r["kernels"]["gqa_attention"] for r in rows] == ["triton", "triton", "torch"]
+    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-4:]]
+    assert [r["kernels"]["gqa_attention"] for r in rows] == ["triton", "triton", "torch", "triton"]
+    assert [r["gate_up_block_k"] for r in rows] == [8, 16, 8, 64]
     for r in rows:
         assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
         # the engine's load-time check of the attention kernel (on: against SDPA, over three chunks)
@@ -275,8 +277,8 @@ def test_kernel_settings_are_read_from_the_header(built):
 
 def test_projection_settings_survive_the_header_and_old_headers_take_one_table(built, tmp_path):
     """Settings per projection kind (input_sparse.projections) survive an engine file's header and reach
-    LlamaOps per kind; a header written before the field (no "projections") loads with one table for
-    every kind, the defaults; a kind or field that is not one is a DejavuError."""
+    LlamaOps per kind; a header written before the field (no "projections") loads with the defaults' (gate/up's
+    block_k 64, the table for the other kinds); a kind or field that is not one is a DejavuError."""
     from dejavu.plugins import DEFAULT, PROJECTIONS, InputSparseSettings, KernelSettings
     from dejavu.runtime.ops import settings_for
     from dejavu.runtime.llama_decoder import LlamaOps
@@ -296,7 +298,8 @@ def test_projection_settings_survive_the_header_and_old_headers_take_one_table(b
     old = DEFAULT.to_dict()
     del old["input_sparse"]["projections"]
     ops = LlamaOps("triton", settings_for({"kernel_settings": old}, torch.device("cpu")))
-    assert set(ops.kinds) == set(PROJECTIONS) and all(s == DEFAULT for s in ops.kinds.values())
+    assert set(ops.kinds) == set(PROJECTIONS) and ops.kinds == LlamaOps("triton", DEFAULT).kinds
+    assert ops.kinds["gate_up"].input_sparse.block_k == 64 and ops.kinds["down"] == DEFAULT
     for bad in (("mlp", "block_m", 32), ("o", "block_q", 32), ("o", "block_m")):
         with pytest.raises(DejavuError, match="input_sparse.projections"):
             LlamaOps("triton", KernelSettings(input_sparse=InputSparseSettings(projections=(bad,))))
