@@ -19,9 +19,10 @@ Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, 
                  GEMV, fused split-K sums), CUDA graph
   teal_s0.5+K=V  the same at --variant-skip with other kernel blocks (--kernel-variants: a sweep of
                  InputSparseSettings fields over the defaults, or of another KernelSettings part's fields as
-                 {"pdl": {...}}; {"gqa_attn": {"kernel": true}}: the step's attention by plugins/gqa_attention
-                 instead of PyTorch's masked SDPA over the whole cache), recorded in the engine header
-                 as a build would;
+                 {"pdl": {...}}; {"gqa_attn": {"kernel": false}}: the step's attention by PyTorch's masked SDPA
+                 over the whole cache instead of plugins/gqa_attention; {"projections": []}: one table for
+                 every projection kind), recorded in the engine header as a build would (an entry that is not
+                 settings is one argparse line before anything runs);
                  on the --variant-models only, and only while the run is inside --budget-s (later ones are
                  recorded as skipped)
 Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
@@ -62,15 +63,13 @@ SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
-# the input-sparse settings swept at --variant-skip (InputSparseSettings fields over the defaults): fewer, longer
-# splits where the loops are short (min_split_inputs 1024 / 2048; Llama-3-8B: o 9 -> 4 / 2 splits, q/k/v 6 -> 4 / 2,
-# down 9 -> 9 / 7, gate/up 2), the input-sparse kernels launched without PDL (as at 6d59376), wider and narrower
-# blocks, fewer / more programs. First (the A/B of the attention kernel, plugins/gqa_attention, off by default):
-# the kernel with its chunks combined by the o projection's select, and with a combine launch instead
-VARIANTS = [{"gqa_attn": {"kernel": True}}, {"gqa_attn": {"kernel": True, "fuse_combine": False}},
-            {"min_split_inputs": 1024}, {"min_split_inputs": 2048},
-            {"pdl": {"PLAIN": ["pred", "is_select", "is_gemv", "is_sum"]}},
-            {"block_k": 256}, {"block_m": 32}, {"target_programs": 264}, {"target_programs": 1056}]
+# the A/B around the defaults at --variant-skip (KernelSettings parts' fields over them): the attention by PyTorch's
+# masked SDPA (gqa_attn.kernel off), the kernel's chunks of 64 / 16 slots (the 70B TP-8 rank's G = 8 heads of one KV
+# head run T / chunk programs a row: 8 at 256 slots and chunk 32), 8 slots a step, 8 warps; gate/up at the table's
+# block_k 128 (no per-projection settings), narrower blocks, more programs
+VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"chunk": 64}}, {"gqa_attn": {"chunk": 16}},
+            {"gqa_attn": {"block_s": 8}}, {"gqa_attn": {"num_warps": 8}}, {"projections": []},
+            {"block_m": 32}, {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -175,14 +174,35 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         bc = BuildConfig(density=min(1.0, round(density_for_skip(cfg, s), 6)), dtype=dname)
         target = target_info(str(dev))  # the settings a build records, the variant's input_sparse fields over them
         ks = target["kernel_settings"] or {"input_sparse": dataclasses.asdict(InputSparseSettings())}
-        parts = {k: v for k, v in variant.items() if isinstance(v, dict)}  # {"pdl": {...}}: another part's fields
-        ks = {**ks, **{k: {**ks.get(k, {}), **v} for k, v in parts.items()}}
-        target["kernel_settings"] = {**ks, "input_sparse": {**ks["input_sparse"],
-                                                            **{k: v for k, v in variant.items() if k not in parts}}}
+        target["kernel_settings"] = with_variant(ks, variant)
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
         out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
+
+
+def with_variant(ks: dict, variant: dict) -> dict:
+    """Kernel settings as a header holds them (ks) with a variant's fields over them: {"pdl": {...}} over that
+    part's fields, the others over input_sparse's."""
+    parts = {k: v for k, v in variant.items() if isinstance(v, dict)}
+    ks = {**ks, **{k: {**ks.get(k, {}), **v} for k, v in parts.items()}}
+    return {**ks, "input_sparse": {**ks["input_sparse"], **{k: v for k, v in variant.items() if k not in parts}}}
+
+
+def check_variants(variants) -> str | None:
+    """Why a --kernel-variants entry is not settings an engine would run (None: all are): an unknown part, field
+    or projection would otherwise leave that engine on the defaults (the runtime falls back, logging a line)."""
+    from dejavu.errors import DejavuError
+    from dejavu.plugins import DEFAULT, KernelSettings, resolve_projection_settings
+
+    if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+        return "expected a JSON list of objects"
+    for v in variants:
+        try:
+            resolve_projection_settings(KernelSettings.from_dict(with_variant(DEFAULT.to_dict(), v)))
+        except DejavuError as e:
+            return f"{json.dumps(v)}: {e}"
+    return None
 
 
 class _CountingOps:
@@ -334,14 +354,14 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 def smoke(dev) -> dict:
     """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings,
-    with fewer splits (min_split_inputs 64), and with the attention in chunks of 4 slots (several per row,
-    combined by the o projection's select)."""
+    with fewer splits (min_split_inputs 64), with the attention in chunks of 4 slots (several per row,
+    combined by the o projection's select), and with PyTorch's masked SDPA as the attention."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
-    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64},
-                                                               {"gqa_attn": {"kernel": True, "chunk": 4}}],
+    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64}, {"gqa_attn": {"chunk": 4}},
+                                                               {"gqa_attn": {"kernel": False}}],
                    variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
     a, prompts = ref.decode_logits(ids), ids[:, :8].tolist()
@@ -455,6 +475,9 @@ def main(argv=None) -> int:
         return 2
     a.skips = [float(s) for s in a.skips.split(",") if s]
     a.kernel_variants = json.loads(a.kernel_variants)
+    bad = check_variants(a.kernel_variants)
+    if bad:
+        p.error(f"--kernel-variants: {bad}")
     models = (a.models or ("llama-3-8b,llama-3-70b-tp8" if dev.type == "cuda" else "tiny")).split(",")
     a.variant_models = a.variant_models.split(",") if a.variant_models else models[:1]
     a.t0 = time.perf_counter()
