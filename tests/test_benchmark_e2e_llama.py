@@ -72,7 +72,8 @@ def test_variants_reach_the_engine_header_and_bad_ones_are_one_line(tmp_path, ca
     assert e2e_llama.check_variants(e2e_llama.VARIANTS) is None
     got = e2e_llama.with_variant(DEFAULT.to_dict(), {"gqa_attn": {"chunk": 16}, "block_m": 32})  # over the defaults
     assert got["gqa_attn"] == {**DEFAULT.to_dict()["gqa_attn"], "chunk": 16}
-    assert got["input_sparse"] == {**DEFAULT.to_dict()["input_sparse"], "block_m": 32} and got["pdl"] == DEFAULT.to_dict()["pdl"]
+    assert got["input_sparse"] == {**DEFAULT.to_dict()["input_sparse"], "block_m": 32}
+    assert got["pdl"] == DEFAULT.to_dict()["pdl"]
     capsys.readouterr()
     for bad, why in (('[{"prefetch_w": true}]', "input_sparse: unknown key.s. prefetch_w"),
                      ('[{"gqa_attn": {"chunks": 4}}]', "gqa_attn: unknown key.s. chunks"),

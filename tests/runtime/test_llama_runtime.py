@@ -213,14 +213,16 @@ prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-for min_split, projections, attn in ((8, (), dict(chunk=4, block_s=2)), (4096, kinds, dict(chunk=4, fuse_combine=False)),
-                                     (4096, (), dict(kernel=False)), (None, (), None)):
-    ks = None if min_split is None else KernelSettings(gqa_attn=GQAAttnSettings(**attn), input_sparse=InputSparseSettings(
-        block_m=16, block_k=8, min_split_inputs=min_split, projections=projections))
+runs = ((8, (), dict(chunk=4, block_s=2)), (4096, kinds, dict(chunk=4, fuse_combine=False)),
+        (4096, (), dict(kernel=False)), (None, (), None))  # the last: the engine's own settings
+for min_split, projections, attn in runs:
+    ks = None if min_split is None else KernelSettings(gqa_attn=GQAAttnSettings(**attn), input_sparse=(
+        InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split, projections=projections)))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
     assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16 if ks else 64)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
-                      "kernels": tri.describe()["kernels"], "gate_up_block_k": tri.ops.kinds["gate_up"].input_sparse.block_k,
+                      "kernels": tri.describe()["kernels"],
+                      "gate_up_block_k": tri.ops.kinds["gate_up"].input_sparse.block_k,
                       "same": want == tri.generate(prompts, 6, stop_at_eos=False)}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
