@@ -217,10 +217,7 @@ class _CountingOps:
     def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows):
         from dejavu.plugins.input_sparse import sliced_qkv_rope_ref
 
-        return sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows), x
-
-    def resolve(self, x):
-        return x
+        return sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
 
 
 def realized_skip(eng, c: dict, P: int, steps: int) -> float:

@@ -143,12 +143,12 @@ class Shape:
         w = self.w[i]
         if self.proj == "qkv":
             return ops.qkv_rope(self.x, w, self.t, self.norm, self.cos, self.sin, self.pos, self.kc, self.vc,
-                                self.rows)[0]
-        if self.proj == "o":  # o's and down's residual sum as its own launch (the step defers it to a select)
+                                self.rows)
+        if self.proj == "o":
             return ops.linear(self.x, w, self.t, residual=self.res, kind="o")
         if self.proj == "gate_up":
-            return ops.gate_up(self.x, w, self.t, self.norm)[0]
-        return ops.resolve(ops.down(self.x, w, self.t, self.res))
+            return ops.gate_up(self.x, w, self.t, self.norm)
+        return ops.down(self.x, w, self.t, self.res)
 
     def error(self, ops) -> float:
         """max |launch(copy 0) - ref| / max |ref|."""

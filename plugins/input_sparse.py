@@ -72,22 +72,10 @@ NONE, NORM, SWIGLU, ATTN = 0, 1, 2, 3  # the select's PRODUCER: x as it is, norm
 # the attention's chunk partials combined (gqa_attention.GQAPartials)
 
 
-@helper
-def _src_res(x_ptr, res_ptr, offs, r_offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr, HAS_RES: tl.constexpr):
-    # _src's x, plus the residual at r_offs where HAS_RES: rounded as _sum_splits_kernel rounds residual + y
-    xv = _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT)
-    if HAS_RES:
-        xv = (tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32) + xv.to(tl.float32))
-        xv = xv.to(val_ptr.dtype.element_ty)
-    return xv
-
-
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
                           PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, CHUNK=1, HD=1, res_ptr=None, out_ptr=None,
-                          HAS_RES: tl.constexpr = False):
-    # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), chunks c <= pos[b] // CHUNK.
-    # HAS_RES: x is residual [B, N] + the partials' sum, each slice's program writing its slice of it to out
+                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, CHUNK=1, HD=1):
+    # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), chunks c <= pos[b] // CHUNK
     b, ps = tl.program_id(0), tl.program_id(1)
     if PRODUCER == 3:
         n_chunks = tl.load(pos_ptr + b).to(tl.int32) // CHUNK + 1  # the step's input: before the wait
@@ -96,8 +84,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         ss = tl.zeros([ROW], dtype=tl.float32)
         for n0 in range(0, N, ROW):
             offs = n0 + tl.arange(0, ROW)
-            xv = _src_res(x_ptr, res_ptr, b * XS + offs, b * N + offs, offs < N, PLANE, val_ptr, SRC_SPLIT,
-                          HAS_RES).to(tl.float32)
+            xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
             ss += xv * xv
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / N + eps)
     lo = ps * PER
@@ -107,9 +94,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < hi
         if PRODUCER != 3:
-            xv = _src_res(x_ptr, res_ptr, b * XS + offs, b * N + offs, inside, PLANE, val_ptr, SRC_SPLIT, HAS_RES)
-            if HAS_RES:
-                tl.store(out_ptr + b * N + offs, xv, mask=inside)
+            xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
             h = _combine_chunks(x_ptr, nw_ptr, b, offs, inside, n_chunks, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
         elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
@@ -216,20 +201,15 @@ def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr,
 
 
 def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
-                  swiglu: bool = False, dtype: torch.dtype | None = None, settings: KernelSettings | None = None,
-                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
+                  swiglu: bool = False, dtype: torch.dtype | None = None, settings: KernelSettings | None = None):
     """(idx [B, N] int32, val [B, N], count [B, split] int32): the inputs of h with |h| > t, per slice s of
     the N inputs ([s * per, (s + 1) * per), per = ceil(N / split)): ascending at idx[b, s * per:], count[b, s]
     of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps) (norm_w [N]), or
     silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype,
     or the fp32 partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype,
-    or the attention's chunk partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here).
-    residual [B, N] (partials x, no swiglu): x is residual + the partials' sum, rounded as `sliced_gemv` rounds
-    it, and written to out [B, N] (the residual stream: `sliced_gemv`'s split-K sum folded into this select)."""
+    or the attention's chunk partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
     config = (settings or DEFAULT).input_sparse
     if isinstance(x, GQAPartials):
-        if residual is not None:
-            raise DejavuError("select_slices: a residual needs GEMV partials x, not the attention's")
         return _select_attn(x, t, split, settings)
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 3:
@@ -249,14 +229,6 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
         check_tensor("norm_w", norm_w, shape=(N,), dtype=dtype, device=x.device)
     if not 1 <= split <= max(N, 1):
         raise DejavuError(f"split must be in [1, {N}], got {split}")
-    if residual is not None:
-        if x.dim() != 3 or swiglu:
-            raise DejavuError("select_slices: a residual is added to GEMV partials x [S, B, N], without swiglu")
-        check_tensor("residual", residual, shape=(B, N), dtype=dtype, device=x.device)
-        if out is None or out.data_ptr() == residual.data_ptr():
-            raise DejavuError("select_slices: a residual needs out [B, N], apart from it (every slice reads the "
-                              "whole residual row)")
-        check_tensor("out", out, shape=(B, N), dtype=dtype, device=x.device)
     idx, val = torch.empty(B, N, dtype=torch.int32, device=x.device), torch.empty(B, N, dtype=dtype, device=x.device)
     count = torch.empty(B, split, dtype=torch.int32, device=x.device)
     per = -(-N // split)
@@ -264,8 +236,8 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
         x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[-1], B * x.shape[-1], per, float(t),
         float(eps), PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM,
         SRC_SPLIT=x.shape[0] if x.dim() == 3 else 0, BLOCK=min(config.block_select, next_pow2(per)),
-        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps, res_ptr=residual, out_ptr=out,
-        HAS_RES=residual is not None, **pdl_args(x.device, "is_select", (settings or DEFAULT).pdl))
+        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps,
+        **pdl_args(x.device, "is_select", (settings or DEFAULT).pdl))
     return idx, val, count
 
 
@@ -300,11 +272,6 @@ def sum_parts_ref(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return acc.to(dtype)
 
 
-def sum_splits_ref(part: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + the partials [S, B, M] summed in order, in residual's dtype (`sum_splits`' rounding)."""
-    return (residual.float() + sum_parts_ref(part, residual.dtype).float()).to(residual.dtype)
-
-
 def produce_ref(x: torch.Tensor, norm_w: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False):
     """h of `select_slices` in PyTorch, in x's dtype: x, norm_w * rms_norm(x, eps), or silu(gate) * up."""
     if norm_w is not None:  # normalised in fp32, scaled in x's dtype (models/llama.RMSNorm): F.rms_norm
@@ -316,15 +283,12 @@ def produce_ref(x: torch.Tensor, norm_w: torch.Tensor | None = None, eps: float 
 
 
 def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
-                      swiglu: bool = False, dtype: torch.dtype | None = None, residual: torch.Tensor | None = None):
-    """PyTorch reference of `select_slices` (idx -1 and val 0 past each slice's count; with a residual, its
-    out is `sum_splits_ref(x, residual)`)."""
+                      swiglu: bool = False, dtype: torch.dtype | None = None):
+    """PyTorch reference of `select_slices` (idx -1 and val 0 past each slice's count)."""
     if isinstance(x, GQAPartials):
         h = gqa_partials_ref(x).to(x.acc.device)
     else:
-        if x.dim() == 3:
-            x = sum_parts_ref(x, dtype) if residual is None else sum_splits_ref(x, residual)
-        h = produce_ref(x, norm_w, eps, swiglu)
+        h = produce_ref(sum_parts_ref(x, dtype) if x.dim() == 3 else x, norm_w, eps, swiglu)
     B, N = h.shape
     per = -(-N // split)
     idx, val = torch.full((B, N), -1, dtype=torch.int32), torch.zeros(B, N, dtype=h.dtype)
@@ -368,21 +332,15 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
                 settings: KernelSettings | None = None):
     """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
     w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
-    return sum_splits(sliced_parts(idx, val, count, w_t, settings), val.dtype, residual, out, settings)
-
-
-def sum_splits(part: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, settings: KernelSettings | None = None) -> torch.Tensor:
-    """y [B, M] in dtype: residual + the fp32 partials [S, B, M] summed in order (one launch)."""
     config = (settings or DEFAULT).input_sparse
-    check_tensor("part", part, ndim=3, dtype=torch.float32)
+    part = sliced_parts(idx, val, count, w_t, settings)
     split, B, M = part.shape
     if residual is not None:
-        check_tensor("residual", residual, shape=(B, M), dtype=dtype, device=part.device)
-    out = check_out(out, (B, M), dtype, part.device, "out")
-    jit(_sum_splits_kernel, part.device)[(B, -(-M // config.block_m))](
+        check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
+    out = check_out(out, (B, M), val.dtype, val.device, "out")
+    jit(_sum_splits_kernel, val.device)[(B, -(-M // config.block_m))](
         part, out, out if residual is None else residual, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
-        HAS_RES=residual is not None, **pdl_args(part.device, "is_sum", (settings or DEFAULT).pdl))
+        HAS_RES=residual is not None, **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
     return out
 
 

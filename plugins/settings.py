@@ -168,9 +168,6 @@ class InputSparseSettings:
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings; none yet: one table for every kind)
     projections: tuple = ()
-    # o's and down's split-K sum with the residual folded into the next RMSNorm's select (gate/up's, the next
-    # layer's q/k/v'), which writes the summed residual stream: one launch fewer per such projection
-    defer_sum: bool = True
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +28,6 @@ from dejavu.errors import DejavuError
 from dejavu.runtime.spec import DTYPES
 
 INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")
-
-
-class Deferred(NamedTuple):
-    """The residual stream not yet summed: residual [B, D] + the in-order sum of a GEMV's fp32 partials
-    [S, B, D] (o's or down's). The next RMSNorm's select sums it and writes it (`LlamaOps.qkv_rope`,
-    `LlamaOps.gate_up`); `LlamaOps.resolve` sums it where no select follows."""
-    parts: torch.Tensor
-    residual: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -133,45 +124,14 @@ class LlamaOps:
         self.attn_kernel = backend == "triton" and self.settings.gqa_attn.kernel
         self.kernels = {"input_sparse_gemv": backend, "gqa_attention": "triton" if self.attn_kernel else "torch"}
 
-    def _select(self, x, w_t: torch.Tensor, t: float, kind: str, norm=None, swiglu: bool = False, dtype=None,
-                out: torch.Tensor | None = None):
-        # (idx, val, count) of the inputs of w_t kept from x (or its partials; a Deferred x summed into out),
-        # the split from kind's settings
+    def _select(self, x, w_t: torch.Tensor, t: float, kind: str, norm=None, swiglu: bool = False, dtype=None):
+        # (idx, val, count) of the inputs of w_t kept from x (or its partials), the split from kind's settings
         from dejavu.plugins import input_sparse as IS
 
         settings = self.kinds[kind]
-        B = x.acc.shape[0] if isinstance(x, IS.GQAPartials) else x.residual.shape[0] if isinstance(x, Deferred) \
-            else x.shape[-2]
+        B = x.acc.shape[0] if isinstance(x, IS.GQAPartials) else x.shape[-2]
         split = IS.split_k_for(B, w_t.shape[0], w_t.shape[1], settings.input_sparse)
-        if isinstance(x, Deferred):
-            return IS.select_slices(x.parts, t, split, *(norm or (None, 0.0)), dtype=x.residual.dtype,
-                                    settings=settings, residual=x.residual, out=out)
         return IS.select_slices(x, t, split, *(norm or (None, 0.0)), swiglu, dtype, settings=settings)
-
-    def _norm_select(self, x, w_t: torch.Tensor, t: float, kind: str, norm):
-        # ((idx, val, count), x [B, D]) of an RMSNorm projection's input: a Deferred x summed by the select
-        if not isinstance(x, Deferred):
-            return self._select(x, w_t, t, kind, norm), x
-        out = torch.empty_like(x.residual)
-        return self._select(x, w_t, t, kind, norm, out=out), out
-
-    def _project(self, pairs, w_t: torch.Tensor, residual: torch.Tensor, kind: str):
-        # residual + the pairs' GEMV: its split-K sum deferred to the next select (Deferred) where the settings
-        # say so (input_sparse.defer_sum), else summed here
-        from dejavu.plugins.input_sparse import sliced_gemv, sliced_parts
-
-        settings = self.kinds[kind]
-        if self.settings.input_sparse.defer_sum:
-            return Deferred(sliced_parts(*pairs, w_t, settings=settings), residual)
-        return sliced_gemv(*pairs, w_t, residual, settings=settings)
-
-    def resolve(self, x) -> torch.Tensor:
-        """x [B, D]: a Deferred residual stream summed (one launch), a tensor as it is."""
-        if not isinstance(x, Deferred):
-            return x
-        from dejavu.plugins.input_sparse import sum_splits
-
-        return sum_splits(x.parts, x.residual.dtype, x.residual, settings=self.settings)
 
     def linear(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm=None, swiglu: bool = False,
                residual: torch.Tensor | None = None, *, kind: str) -> torch.Tensor:
@@ -183,65 +143,59 @@ class LlamaOps:
 
         return sliced_gemv(*self._select(x, w_t, t, kind, norm, swiglu), w_t, residual, settings=self.kinds[kind])
 
-    def gate_up(self, x, wgu_t: torch.Tensor, t: float, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gu, x): the fused gate/up projection of x [B, D] (or a Deferred x) through the MLP's RMSNorm (norm:
-        (w, eps)), unsummed: fp32 partials [S, B, 2I] (triton, t > 0; down's select sums them), else gate | up
-        [B, 2I]; and x summed (by gate/up's select where it was Deferred)."""
+    def gate_up(self, x: torch.Tensor, wgu_t: torch.Tensor, t: float, norm) -> torch.Tensor:
+        """The fused gate/up projection of x [B, D] through the MLP's RMSNorm (norm: (w, eps)), unsummed: fp32
+        partials [S, B, 2I] (triton, t > 0; down's select sums them), else gate | up [B, 2I]."""
         if t <= 0 or self.backend == "ref":
-            x = self.resolve(x)
-            return self.linear(x, wgu_t, t, norm=norm, kind="gate_up"), x
+            return self.linear(x, wgu_t, t, norm=norm, kind="gate_up")
         from dejavu.plugins.input_sparse import sliced_parts
 
-        pairs, x = self._norm_select(x, wgu_t, t, "gate_up", norm)
-        return sliced_parts(*pairs, wgu_t, settings=self.kinds["gate_up"]), x
+        return sliced_parts(*self._select(x, wgu_t, t, "gate_up", norm), wgu_t, settings=self.kinds["gate_up"])
 
-    def down(self, gu: torch.Tensor, wd_t: torch.Tensor, t: float, x: torch.Tensor):
-        """x + down(SiLU(gate) * up) from gate_up's output gu (its partials [S, B, 2I] or [B, 2I]); Deferred
-        on triton with t > 0 where the settings defer the sum (`_project`)."""
+    def down(self, gu: torch.Tensor, wd_t: torch.Tensor, t: float, x: torch.Tensor) -> torch.Tensor:
+        """x + down(SiLU(gate) * up) from gate_up's output gu (its partials [S, B, 2I] or [B, 2I])."""
         if gu.dim() == 3:  # partials: t > 0 on triton
-            from dejavu.plugins.input_sparse import sum_parts_ref
+            from dejavu.plugins.input_sparse import sliced_gemv, sum_parts_ref
 
             if t <= 0:
                 return self.linear(sum_parts_ref(gu, x.dtype), wd_t, t, swiglu=True, residual=x, kind="down")
-            return self._project(self._select(gu, wd_t, t, "down", swiglu=True, dtype=x.dtype), wd_t, x, "down")
+            return sliced_gemv(*self._select(gu, wd_t, t, "down", swiglu=True, dtype=x.dtype), wd_t, x,
+                               settings=self.kinds["down"])
         return self.linear(gu, wd_t, t, swiglu=True, residual=x, kind="down")
 
-    def mlp(self, x, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float, norm):
-        """x + down(SiLU(gate) * up) of x [B, D] or a Deferred x (norm: the MLP's RMSNorm (w, eps)): gate/up's
-        partials go straight into down's SwiGLU select, which sums them (no split-K sum launch between)."""
-        gu, x = self.gate_up(x, wgu_t, t_in, norm)
-        return self.down(gu, wd_t, t_down, x)
+    def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
+            norm) -> torch.Tensor:
+        """x + down(SiLU(gate) * up) of x [B, D] (norm: the MLP's RMSNorm (w, eps)): gate/up's partials go
+        straight into down's SwiGLU select, which sums them (no split-K sum launch between)."""
+        return self.down(self.gate_up(x, wgu_t, t_in, norm), wd_t, t_down, x)
 
-    def qkv_rope(self, x, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
-                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q, x): q [B, H, hd] of linear(x, w_t, t, norm) (the fused q/k/v projection), RoPE on q and k (cos,
-        sin [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot
-        pos[b]; x [B, D] summed (by the select where it was Deferred)."""
+    def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
+                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """q [B, H, hd] of linear(x, w_t, t, norm) (the fused q/k/v projection), RoPE on q and k (cos, sin
+        [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
         if t <= 0 or self.backend == "ref":
-            x = self.resolve(x)
             return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
-                                          rows), x
-        pairs, x = self._norm_select(x, w_t, t, "qkv", norm)
-        return IS.sliced_qkv_rope(*pairs, w_t, cos, sin, pos, k_cache, v_cache, settings=self.kinds["qkv"]), x
+                                          rows)
+        return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm), w_t, cos, sin, pos, k_cache, v_cache,
+                                  settings=self.kinds["qkv"])
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float, residual: torch.Tensor) -> torch.Tensor:
         """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
         <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
         from dejavu.plugins import gqa_attention as GA
+        from dejavu.plugins.input_sparse import sliced_gemv
 
-        if self.attn_kernel:
-            # o thresholded: its select combines the chunks' partials (no combine launch; one chunk: o itself)
-            fuse = t > 0 and self.settings.gqa_attn.fuse_combine
-            o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
-        else:
-            o = GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask)
-        if t <= 0 or self.backend == "ref":
+        if not self.attn_kernel:
+            return self.linear(GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual, kind="o")
+        # o thresholded: its select combines the chunks' partials (no combine launch; one chunk: o itself)
+        fuse = t > 0 and self.settings.gqa_attn.fuse_combine
+        o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
+        if isinstance(o, torch.Tensor):
             return self.linear(o, wo_t, t, residual=residual, kind="o")
-        return self._project(self._select(o, wo_t, t, "o"), wo_t, residual, "o")
+        return sliced_gemv(*self._select(o, wo_t, t, "o"), wo_t, residual, settings=self.kinds["o"])
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference: the GEMV on layer 0's MLP weights, its input through
@@ -377,13 +331,12 @@ class LlamaDecoder:
         for l, w in enumerate(self.layers):
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
-            # (x: the residual stream, on the kernels a Deferred sum that the next RMSNorm's select adds up)
-            q, x = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc,
-                                     vc, self.rows)
+            q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
+                                  self.rows)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
             x = self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x)
             x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
-        return self.head(self.ops.resolve(x))
+        return self.head(x)
 
     # ------------------------------------------------------------------ sequences
     def forward_tokens(self, ids: torch.Tensor, sparse: bool = True, write_cache: bool = False,

@@ -137,49 +137,6 @@ def test_select_slices_sums_the_previous_gemvs_partials(triton_interp, close, dt
     close(out, (h.double() * (h.float().abs() > t)) @ w2.double(), input_sparse_gemv_ref(h, w2, t))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("producer", ["none", "norm"])
-@pytest.mark.parametrize("S,B,N,split", [(3, 1, 77, 3), (9, 2, 130, 1), (2, 3, 40, 4)])
-def test_select_slices_adds_the_residual_and_writes_the_stream(triton_interp, dtype, producer, S, B, N, split):
-    """A residual with partials x (o's or down's GEMV before the next RMSNorm's select): the select sums
-    residual + partials as sum_splits does, writes that stream to out (each slice its part), and selects from
-    it; bit for bit the two launches it replaces (sum_splits, then the select of the sum)."""
-    from dejavu.plugins.input_sparse import sum_splits, sum_splits_ref
-
-    g = torch.Generator().manual_seed(S * N + split + 1)
-    part = torch.randn(S, B, N, generator=g) * 0.7
-    res = torch.randn(B, N, generator=g).to(dtype)
-    nw = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype) if producer == "norm" else None
-    kw = dict(norm_w=nw, eps=1e-5)
-    x = sum_splits(part, dtype, res, settings=_ks(SMALL))
-    assert torch.equal(x, sum_splits_ref(part, res))
-    out = torch.full((B, N), float("nan"), dtype=dtype)
-    got = select_slices(part, 0.5, split, dtype=dtype, settings=_ks(SMALL), residual=res, out=out, **kw)
-    want = select_slices(x, 0.5, split, settings=_ks(SMALL), **kw)
-    assert torch.equal(out, x)
-    ref = select_slices_ref(part, 0.5, split, dtype=dtype, residual=res, **kw)
-    assert torch.equal(got[2], want[2]) and torch.equal(got[2], ref[2])
-    for b in range(B):
-        for s, per in ((s, -(-N // split)) for s in range(split)):
-            n = int(got[2][b, s])
-            for a, w, r in zip(got[:2], want[:2], ref[:2]):
-                assert torch.equal(a[b, s * per:s * per + n], w[b, s * per:s * per + n])
-                assert torch.equal(a[b, s * per:s * per + n], r[b, s * per:s * per + n])
-
-
-def test_select_slices_residual_checks():
-    part, res = torch.randn(2, 1, 16), torch.randn(1, 16)
-    with pytest.raises(DejavuError, match="needs out"):
-        select_slices(part, 0.5, 2, dtype=torch.float32, residual=res)
-    with pytest.raises(DejavuError, match="apart from it"):
-        select_slices(part, 0.5, 2, dtype=torch.float32, residual=res, out=res)
-    with pytest.raises(DejavuError, match="without swiglu"):
-        select_slices(torch.randn(2, 1, 32), 0.5, 2, dtype=torch.float32, residual=res, out=torch.empty(1, 16),
-                      swiglu=True)
-    with pytest.raises(DejavuError, match="residual"):
-        select_slices(part, 0.5, 2, dtype=torch.float32, residual=torch.randn(1, 15), out=torch.empty(1, 16))
-
-
 @pytest.mark.parametrize("config", [SMALL, PREFETCH, PIPELINED])
 def test_sliced_gemv_reads_only_the_kept_rows(triton_interp, config):
     """Rows of w_t outside the pairs are NaN: a read of any of them would poison y (prefetch_w: nor a row

@@ -192,8 +192,7 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
-    and with settings per projection kind (input_sparse.projections: other blocks, splits, prefetch_w), o's and
-    down's residual sums deferred to the next RMSNorm's select (defer_sum, the default) or not, and the
+    and with settings per projection kind (input_sparse.projections: other blocks, splits, prefetch_w), and the
     attention by plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o projection's
     select, or by the combine kernel; off, the default: SDPA over the whole cache), run by Triton's interpreter
     in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
@@ -213,12 +212,10 @@ prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "loop_stages", 2), ("gate_up", "prefetch_w", True),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-for min_split, projections, attn, defer in ((8, (), dict(kernel=True, chunk=4, block_s=2), True),
-                                            (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False), False),
-                                            (4096, (), dict(), True)):
+for min_split, projections, attn in ((8, (), dict(kernel=True, chunk=4, block_s=2)),
+                                     (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False)), (4096, (), dict())):
     ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
-                                                         projections=projections, defer_sum=defer),
-                        gqa_attn=GQAAttnSettings(**attn))
+                                                         projections=projections), gqa_attn=GQAAttnSettings(**attn))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
     assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
