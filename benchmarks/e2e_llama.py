@@ -253,7 +253,7 @@ def _layer_anchor(layers: int):
     def pick(rows) -> str:
         once = [k for k, _, n in rows if abs(n - layers) < 1e-6]
         att = [k for k in once if any(w in k.lower() for w in ("fmha", "attention", "flash", "sdpa", "softmax",
-                                                             "_gqa_chunk"))]
+                                                             "_gqa_split"))]
         return (att or once or [""])[0]
     return pick
 
@@ -336,14 +336,14 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 def smoke(dev) -> dict:
     """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings,
-    with fewer splits (min_split_inputs 64), and with the attention in chunks of 4 slots (several per row,
-    combined by the o projection's select)."""
+    with fewer splits (min_split_inputs 64), and with the attention kernel in tiles of 16 slots (two splits per
+    row of 24, combined by the o projection's select)."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
     tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64},
-                                                               {"gqa_attn": {"kernel": True, "chunk": 4}}],
+                                                               {"gqa_attn": {"kernel": True, "block_s": 16, "max_splits": 4}}],
                    variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
     a, prompts = ref.decode_logits(ids), ids[:, :8].tolist()

@@ -193,7 +193,7 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
     and with settings per projection kind (input_sparse.projections: other blocks, splits, prefetch_w), and the
-    attention by plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o projection's
+    attention by plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o projection's
     select, or by the combine kernel; off, the default: SDPA over the whole cache), run by Triton's interpreter
     in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
     tokens (two rows at different positions) equal the reference ops'."""
@@ -207,13 +207,13 @@ import json, torch
 from dejavu.plugins import GQAAttnSettings, InputSparseSettings, KernelSettings
 from dejavu.runtime import Engine
 ref = Engine.load({str(built[1][0.6])!r})
-ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
+ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(5))  # 20 slots: two tiles of 16
 prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "loop_stages", 2), ("gate_up", "prefetch_w", True),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-for min_split, projections, attn in ((8, (), dict(kernel=True, chunk=4, block_s=2)),
-                                     (4096, kinds, dict(kernel=True, chunk=4, fuse_combine=False)), (4096, (), dict())):
+for min_split, projections, attn in ((8, (), dict(kernel=True, block_s=16)),
+                                     (4096, kinds, dict(kernel=True, block_s=16, fuse_combine=False)), (4096, (), dict())):
     ks = KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split,
                                                          projections=projections), gqa_attn=GQAAttnSettings(**attn))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
@@ -229,7 +229,7 @@ for min_split, projections, attn in ((8, (), dict(kernel=True, chunk=4, block_s=
     assert [r["kernels"]["gqa_attention"] for r in rows] == ["triton", "triton", "torch"]
     for r in rows:
         assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
-        # the engine's load-time check of the attention kernel (on: against SDPA, over three chunks)
+        # the engine's load-time check of the attention kernel (on: against SDPA, over three tiles)
         assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
         assert r["check"].get("gqa_attention", 0.0) < 1e-4
         assert r["diff"] <= ATOL and r["same"]
