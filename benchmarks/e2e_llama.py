@@ -64,11 +64,12 @@ SHAPES = {
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
 # the A/B around the defaults at --variant-skip (KernelSettings parts' fields over them): the attention by PyTorch's
-# masked SDPA (gqa_attn.kernel off), the kernel's chunks of 64 / 16 slots (the 70B TP-8 rank's G = 8 heads of one KV
-# head run T / chunk programs a row: 8 at 256 slots and chunk 32), 8 slots a step, 8 warps; gate/up at the table's
-# block_k 128 (no per-projection settings), narrower blocks, more programs
-VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"chunk": 64}}, {"gqa_attn": {"chunk": 16}},
-            {"gqa_attn": {"block_s": 8}}, {"gqa_attn": {"num_warps": 8}}, {"projections": []},
+# masked SDPA (gqa_attn.kernel off); the kernel's tiles of 16 / 64 slots and at most 4 splits a row (at max_seq 256
+# its default is 8 tiles of 32 in 8 splits on both shapes: the 70B TP-8 rank, G = 8 heads of one KV head, runs 8
+# programs a layer), 8 warps; gate/up at the table's block_k 128 (no per-projection settings), narrower blocks,
+# more programs
+VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"block_s": 16}}, {"gqa_attn": {"block_s": 64}},
+            {"gqa_attn": {"max_splits": 4}}, {"gqa_attn": {"num_warps": 8}}, {"projections": []},
             {"block_m": 32}, {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -191,7 +192,8 @@ def with_variant(ks: dict, variant: dict) -> dict:
 
 def check_variants(variants) -> str | None:
     """Why a --kernel-variants entry is not settings an engine would run (None: all are): an unknown part, field
-    or projection would otherwise leave that engine on the defaults (the runtime falls back, logging a line)."""
+    or projection would leave that engine on the defaults (the runtime falls back, logging a line), and a field
+    that older headers held would be dropped as they load."""
     from dejavu.errors import DejavuError
     from dejavu.plugins import DEFAULT, KernelSettings, resolve_projection_settings
 
@@ -199,9 +201,16 @@ def check_variants(variants) -> str | None:
         return "expected a JSON list of objects"
     for v in variants:
         try:
-            resolve_projection_settings(KernelSettings.from_dict(with_variant(DEFAULT.to_dict(), v)))
+            got = KernelSettings.from_dict(with_variant(DEFAULT.to_dict(), v))
+            resolve_projection_settings(got)
         except DejavuError as e:
             return f"{json.dumps(v)}: {e}"
+        kept = json.loads(json.dumps(got.to_dict()))  # tuples as the variant's JSON lists
+        fields = [(k, f, x) for k, p in v.items() if isinstance(p, dict) for f, x in p.items()]
+        fields += [("input_sparse", k, x) for k, x in v.items() if not isinstance(x, dict)]
+        lost = [f"{k}.{f}" for k, f, x in fields if kept.get(k, {}).get(f, object()) != x]
+        if lost:
+            return f"{json.dumps(v)}: {', '.join(lost)} not kept (a field of older headers, dropped as they load)"
     return None
 
 
@@ -271,7 +280,7 @@ def _layer_anchor(layers: int):
     def pick(rows) -> str:
         once = [k for k, _, n in rows if abs(n - layers) < 1e-6]
         att = [k for k in once if any(w in k.lower() for w in ("fmha", "attention", "flash", "sdpa", "softmax",
-                                                             "_gqa_chunk"))]
+                                                             "_gqa_split"))]
         return (att or once or [""])[0]
     return pick
 
@@ -354,13 +363,14 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 def smoke(dev) -> dict:
     """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings,
-    with fewer splits (min_split_inputs 64), with the attention in chunks of 4 slots (several per row,
-    combined by the o projection's select), and with PyTorch's masked SDPA as the attention."""
+    with fewer splits (min_split_inputs 64), with the attention kernel in tiles of 16 slots (two splits per row of
+    24, combined by the o projection's select), and with PyTorch's masked SDPA as the attention."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
-    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64}, {"gqa_attn": {"chunk": 4}},
+    tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64},
+                                                               {"gqa_attn": {"block_s": 16, "max_splits": 4}},
                                                                {"gqa_attn": {"kernel": False}}],
                    variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))

@@ -83,12 +83,13 @@ KERNELS = {
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, GDC=2), 3,
                               {"pos_ptr": "*i64", "q_ptr": "*fp16"}),
-    # the Llama decode step's attention (gqa_attention.py): Llama-3-8B's G 4 (a 70B TP-8 rank: G 8) at the default
-    # chunk / block_s, its partials; the combine kernel, or the o projection's select combining them (ATTN)
-    "gqa_chunk": ("gqa_attention", "_gqa_chunk_kernel",
-                  dict(G=4, BLOCK_G=4, BLOCK_S=16, BLOCK_HD=128, PARTIAL=True, GDC=1), 2, GQA),
-    "gqa_chunk_g8": ("gqa_attention", "_gqa_chunk_kernel",
-                     dict(G=8, BLOCK_G=8, BLOCK_S=16, BLOCK_HD=128, PARTIAL=True, GDC=1), 2, GQA),
+    # the Llama decode step's attention (gqa_attention.py): Llama-3-8B's G 4 (a 70B TP-8 rank: G 8), padded to 16
+    # rows for tl.dot, at the default block_s, its partials; the combine kernel, or the o projection's select
+    # combining them (ATTN)
+    "gqa_split": ("gqa_attention", "_gqa_split_kernel",
+                  dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False, GDC=1), 2, GQA),
+    "gqa_split_g8": ("gqa_attention", "_gqa_split_kernel",
+                     dict(G=8, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False, GDC=1), 2, GQA),
     "gqa_combine": ("gqa_attention", "_gqa_combine_kernel", dict(BLOCK=1024, GDC=2), 2, GQA),
     "select_slices_attn": ("input_sparse", "_select_slices_kernel",
                            dict(PRODUCER=3, SRC_SPLIT=0, BLOCK=512, ROW=16, GDC=2, num_warps=8), 3,

@@ -2,20 +2,21 @@
 reading only the slots <= pos[b] (flash-decoding), no host sync, a static grid (CUDA graphs).
 
     gqa_decode(q [B, H, hd], k_cache, v_cache [B, Hkv, T, hd], pos [B] int64) -> o [B, H * hd] (q's dtype)
-    gqa_decode(..., combine=False) -> GQAPartials (T > chunk): the o projection's select combines them
-                                      (input_sparse.select_slices, PRODUCER ATTN: no combine launch)
+    gqa_decode(..., combine=False) -> GQAPartials (more than one split): the o projection's select combines
+                                      them (input_sparse.select_slices, PRODUCER ATTN: no combine launch)
 
-- `_gqa_chunk_kernel`: one program per (row b, KV head j, chunk c of `chunk` slots of T): the G = H / Hkv
-  query heads of KV head j (j * G .. j * G + G - 1, as SDPA's [B, Hkv, G, hd] view pairs them) against
-  slots [c * chunk, min((c + 1) * chunk, pos[b] + 1)), block_s slots a step, online softmax in fp32 with
-  scores q.k / sqrt(hd) (in log2 units: exp2). A chunk past pos[b] exits at once and writes nothing (the
-  combine reads chunks c <= pos[b] // chunk only). G is small (4 on Llama-3-8B, 8 on a 70B TP-8 rank),
-  below tl.dot's 16 rows: the scores and the value sum are broadcast products reduced in registers.
-  One chunk (T <= chunk): o divided and rounded to q's dtype in the kernel. Else fp32 partials:
-  acc [B, NC, H * hd] unnormalised, m (log2 units) and l [2, B, NC, H].
-- `_gqa_combine_kernel`: o[b, i] = sum_c 2^(m_c - M) acc_c[i] / sum_c 2^(m_c - M) l_c over the chunks of
-  pos[b] (`_combine_chunks`, online over c), rounded to q's dtype; the select's ATTN producer calls the same
-  helper, so both round the same o.
+- `_gqa_split_kernel`: one program per (row b, KV head j, split c): the n = pos[b] + 1 slots of the row are
+  cut into tiles of block_s slots and the tiles into NS ranges of equal whole tiles (`_split_span`: computed
+  from pos on the device, so a short context takes few programs of one tile each, a long one NS of many);
+  the G = H / Hkv query heads of KV head j (j * G .. j * G + G - 1, as SDPA's [B, Hkv, G, hd] view pairs
+  them), padded to 16 rows, against the split's slots by tl.dot: q k^T, scaled after the product (log2
+  units: exp2), online softmax in fp32, p (in the cache's dtype) times v, as flash attention rounds. One
+  split (NS 1): o divided and rounded to q's dtype in the kernel. Else fp32 partials: acc [B, NS, H * hd]
+  unnormalised, m (log2 units) and l [2, B, NS, H]; splits past the row's last slot write nothing.
+- `_gqa_combine_kernel`: o[b, i] = sum_c 2^(m_c - M) acc_c[i] / sum_c 2^(m_c - M) l_c over the row's used
+  splits (`_combine_splits`, online over c), rounded to q's dtype; the select's ATTN producer calls the
+  same helpers, so both round the same o.
+NS = min(max_splits, ceil(target_programs / (B * Hkv)), the cache's tiles) (settings.GQAAttnSettings).
 Launched with PDL (kinds gqa_attn, late trigger after the loop; gqa_combine). Limits: fp16 / bf16 / fp32,
 contiguous; H a multiple of Hkv; hd <= 256; pos[b] in [0, T) is not checked on the device (a sync):
 `gqa_decode_ref` is the reference (float64 in the tests).
@@ -29,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, check_tensor, gdc_enter, gdc_release, helper, jit, next_pow2,
-                                    pdl_args)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_tensor, dot_fp32, gdc_enter, gdc_release, helper, jit,
+                                    next_pow2, pdl_args)
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 tl = None  # triton.language, bound on first launch (see _common.jit)
@@ -38,64 +39,79 @@ LOG2E = 1.4426950408889634
 
 
 class GQAPartials(NamedTuple):
-    """The chunk kernel's fp32 partials of one layer (`gqa_decode(..., combine=False)`)."""
-    acc: torch.Tensor  # [B, NC, H * hd] unnormalised
-    ml: torch.Tensor  # [2, B, NC, H]: the chunk's max score (log2 units), its sum of 2^(s - m)
-    pos: torch.Tensor  # [B] int64: chunks c <= pos[b] // chunk hold slots
-    chunk: int
+    """The split kernel's fp32 partials of one layer (`gqa_decode(..., combine=False)`)."""
+    acc: torch.Tensor  # [B, NS, H * hd] unnormalised
+    ml: torch.Tensor  # [2, B, NS, H]: the split's max score (log2 units), its sum of 2^(s - m)
+    pos: torch.Tensor  # [B] int64: splits c < used_splits(pos[b], NS, block_s) hold slots
+    block_s: int
     head_dim: int
     dtype: torch.dtype  # o's (q's)
 
 
-def _gqa_chunk_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, HD, NC, CHUNK, scale,
+@helper
+def _split_span(pos, NS, BLOCK_S):
+    # (tiles per split, splits used) of a row whose last slot is pos: its tiles of BLOCK_S slots in NS ranges
+    tiles = pos // BLOCK_S + 1
+    per = (tiles + NS - 1) // NS
+    return per, (tiles + per - 1) // per
+
+
+def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, HD, NS, scale,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr,
-                      PARTIAL: tl.constexpr, GDC: tl.constexpr = 0):
+                      PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0):
     b, j, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HKV, B = tl.num_programs(1), tl.num_programs(0)
     pos = tl.load(pos_ptr + b).to(tl.int32)  # the step's input: written before the graph's first kernel
-    start = c * CHUNK
-    if start <= pos:
+    per, used = _split_span(pos, NS, BLOCK_S)
+    if c < used:
+        start = c * per * BLOCK_S
+        end = tl.minimum(start + per * BLOCK_S, pos + 1)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_HD)
         gd = (offs_g < G)[:, None] & (offs_d < HD)[None, :]
         row = (b * HKV + j) * G + offs_g  # query heads b * H + j * G + g
-        end = tl.minimum(start + CHUNK, pos + 1)
         base = (b * HKV + j).to(tl.int64) * T * HD
         gdc_enter(GDC)
-        q = tl.load(q_ptr + row[:, None] * HD + offs_d[None, :], mask=gd, other=0.0).to(tl.float32) * scale
+        q = tl.load(q_ptr + row[:, None] * HD + offs_d[None, :], mask=gd, other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_HD], dtype=tl.float32)
-        for s0 in range(start, end, BLOCK_S):  # the first step holds slot start <= pos: m_i finite after it
+        for s0 in range(start, end, BLOCK_S):  # the first tile holds slot start <= pos: m_i finite after it
             offs_s = s0 + tl.arange(0, BLOCK_S)
             sm = offs_s < end
             tile = base + offs_s[:, None].to(tl.int64) * HD + offs_d[None, :]
             mask = sm[:, None] & (offs_d < HD)[None, :]
-            k = tl.load(k_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_S], log2 units
-            s = tl.where(sm[None, :], s, float("-inf"))
+            k = tl.load(k_ptr + tile, mask=mask, other=0.0)
+            v = tl.load(v_ptr + tile, mask=mask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(sm[None, :], s * scale, float("-inf"))  # [BLOCK_G, BLOCK_S], log2 units
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
-            v = tl.load(v_ptr + tile, mask=mask, other=0.0).to(tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if DOT_FP32:
+                acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
         gdc_release(GDC)
-        if PARTIAL:  # acc [B, NC, H * hd]; m, l [2, B, NC, H]
+        if PARTIAL:  # acc [B, NS, H * hd]; m, l [2, B, NS, H]
             head = j * G + offs_g
-            slot = (b * NC + c) * (HKV * G)
+            slot = (b * NS + c) * (HKV * G)
             tl.store(acc_ptr + slot.to(tl.int64) * HD + head[:, None] * HD + offs_d[None, :], acc, mask=gd)
             tl.store(ml_ptr + slot + head, m_i, mask=offs_g < G)
-            tl.store(ml_ptr + B * NC * HKV * G + slot + head, l_i, mask=offs_g < G)
+            tl.store(ml_ptr + B * NS * HKV * G + slot + head, l_i, mask=offs_g < G)
         else:
             o = acc / l_i[:, None]
             tl.store(o_ptr + row[:, None] * HD + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=gd)
 
 
 @helper
-def _combine_chunks(acc_ptr, ml_ptr, b, offs, mask, n, NC, HH, HD, PLANE):
-    # o at offs of row b (fp32): the n chunks' partials (acc [B, NC, HH], m / l PLANE apart, [B, NC, HH / HD])
+def _combine_splits(acc_ptr, ml_ptr, b, offs, mask, n, NC, HH, HD, PLANE):
+    # o at offs of row b (fp32): the n splits' partials (acc [B, NC, HH], m / l PLANE apart, [B, NC, HH / HD])
     # combined online over c; each element reads its own head's m and l (a gather: L1/L2)
     H = HH // HD
     head = offs // HD
@@ -108,7 +124,7 @@ def _combine_chunks(acc_ptr, ml_ptr, b, offs, mask, n, NC, HH, HD, PLANE):
         l_c = tl.load(ml_ptr + PLANE + slot * H + head, mask=mask, other=0.0)
         x = tl.load(acc_ptr + slot.to(tl.int64) * HH + offs, mask=mask, other=0.0)
         m_new = tl.maximum(big_m, m)
-        sa = tl.exp2(big_m - m_new)  # 0 at the first chunk (big_m -inf, m finite)
+        sa = tl.exp2(big_m - m_new)  # 0 at the first split (big_m -inf, m finite)
         sc = tl.exp2(m - m_new)
         a = a * sa + x * sc
         big_l = big_l * sa + l_c * sc
@@ -116,13 +132,13 @@ def _combine_chunks(acc_ptr, ml_ptr, b, offs, mask, n, NC, HH, HD, PLANE):
     return a / tl.where(mask, big_l, 1.0)
 
 
-def _gqa_combine_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, HH, HD, NC, CHUNK, BLOCK: tl.constexpr,
+def _gqa_combine_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, HH, HD, NS, BLOCK_S, BLOCK: tl.constexpr,
                         GDC: tl.constexpr = 0):
     b, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < HH
-    n = tl.load(pos_ptr + b).to(tl.int32) // CHUNK + 1
+    _, n = _split_span(tl.load(pos_ptr + b).to(tl.int32), NS, BLOCK_S)
     gdc_enter(GDC)
-    o = _combine_chunks(acc_ptr, ml_ptr, b, offs, ok, n, NC, HH, HD, tl.num_programs(0) * NC * (HH // HD))
+    o = _combine_splits(acc_ptr, ml_ptr, b, offs, ok, n, NS, HH, HD, tl.num_programs(0) * NS * (HH // HD))
     tl.store(o_ptr + b * HH + offs, o.to(o_ptr.dtype.element_ty), mask=ok)
 
 
@@ -141,38 +157,50 @@ def check_gqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     return B, H, Hkv, T, hd
 
 
+def splits_for(B: int, Hkv: int, T: int, cfg) -> int:
+    """The split kernel's NS: enough programs for cfg.target_programs, at most cfg.max_splits and the cache's
+    tiles of cfg.block_s slots (settings.GQAAttnSettings)."""
+    return max(1, min(cfg.max_splits, -(-cfg.target_programs // (B * Hkv)), -(-T // cfg.block_s)))
+
+
 def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                combine: bool = True, settings: KernelSettings | None = None):
     """o [B, H * hd] in q's dtype: softmax(q k^T / sqrt(hd)) v of the new token's rotated q [B, H, hd] over
     slots 0..pos[b] of k_cache, v_cache [B, Hkv, T, hd] (query head h reads KV head h // (H / Hkv));
-    pos [B] int64 on q's device. combine False and T > chunk: the chunks' GQAPartials instead (for
-    input_sparse.select_slices, which combines them)."""
+    pos [B] int64 on q's device. combine False and more than one split: the splits' GQAPartials instead
+    (for input_sparse.select_slices, which combines them)."""
     s = settings or DEFAULT
     cfg = s.gqa_attn
     B, H, Hkv, T, hd = check_gqa(q, k_cache, v_cache, pos)
-    if cfg.chunk < 1 or cfg.block_s < 1 or cfg.block_s & (cfg.block_s - 1):
-        raise DejavuError(f"gqa_attn settings: chunk must be >= 1 and block_s a power of two, got {cfg.chunk}, "
-                          f"{cfg.block_s}")
-    G, nc = H // Hkv, -(-T // cfg.chunk)  # from T, not pos: a static grid
+    if cfg.block_s < 16 or cfg.block_s & (cfg.block_s - 1) or cfg.max_splits < 1 or cfg.target_programs < 1:
+        raise DejavuError(f"gqa_attn settings: block_s must be a power of two >= 16 (tl.dot), max_splits and "
+                          f"target_programs >= 1, got {cfg.block_s}, {cfg.max_splits}, {cfg.target_programs}")
+    G, ns = H // Hkv, splits_for(B, Hkv, T, cfg)  # from T, not pos: a static grid
     o = torch.empty(B, H * hd, dtype=q.dtype, device=q.device)
-    acc = ml = o  # never touched with one chunk
-    if nc > 1:
-        acc = torch.empty(B, nc, H * hd, dtype=torch.float32, device=q.device)
-        ml = torch.empty(2, B, nc, H, dtype=torch.float32, device=q.device)
-    block_s = min(cfg.block_s, next_pow2(min(T, cfg.chunk)))
-    jit(_gqa_chunk_kernel, q.device)[(B, Hkv, nc)](
-        q, k_cache, v_cache, pos, o, acc, ml, T, hd, nc, cfg.chunk, LOG2E / math.sqrt(hd), G=G,
-        BLOCK_G=next_pow2(G), BLOCK_S=block_s, BLOCK_HD=max(16, next_pow2(hd)), PARTIAL=nc > 1,
-        num_warps=cfg.num_warps, **pdl_args(q.device, "gqa_attn", s.pdl))
-    if nc == 1:
+    acc = ml = o  # never touched with one split
+    if ns > 1:
+        acc = torch.empty(B, ns, H * hd, dtype=torch.float32, device=q.device)
+        ml = torch.empty(2, B, ns, H, dtype=torch.float32, device=q.device)
+    jit(_gqa_split_kernel, q.device)[(B, Hkv, ns)](
+        q, k_cache, v_cache, pos, o, acc, ml, T, hd, ns, LOG2E / math.sqrt(hd), G=G,
+        BLOCK_G=max(16, next_pow2(G)), BLOCK_S=cfg.block_s, BLOCK_HD=max(16, next_pow2(hd)), PARTIAL=ns > 1,
+        DOT_FP32=dot_fp32(q.dtype, q.device), num_warps=cfg.num_warps, **pdl_args(q.device, "gqa_attn", s.pdl))
+    if ns == 1:
         return o
     if not combine:
-        return GQAPartials(acc, ml, pos, cfg.chunk, hd, q.dtype)
+        return GQAPartials(acc, ml, pos, cfg.block_s, hd, q.dtype)
     block = min(1024, next_pow2(H * hd))
     jit(_gqa_combine_kernel, q.device)[(B, -(-H * hd // block))](
-        acc, ml, pos, o, H * hd, hd, nc, cfg.chunk, BLOCK=block, num_warps=4,
+        acc, ml, pos, o, H * hd, hd, ns, cfg.block_s, BLOCK=block, num_warps=4,
         **pdl_args(q.device, "gqa_combine", s.pdl))
     return o
+
+
+def used_splits(pos: int, ns: int, block_s: int) -> int:
+    """The splits holding slots of a row whose last slot is pos (`_split_span` on the host: the references)."""
+    tiles = pos // block_s + 1
+    per = -(-tiles // ns)
+    return -(-tiles // per)
 
 
 def decode_mask(pos: torch.Tensor, T: int, dtype: torch.dtype, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,9 +225,9 @@ def gqa_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def gqa_partials_ref(p: GQAPartials) -> torch.Tensor:
     """o [B, H * hd] in p.dtype from the partials, combined in float64 (tests)."""
-    B, nc, HH = p.acc.shape
+    B, ns, HH = p.acc.shape
     H = HH // p.head_dim
-    n = (p.pos // p.chunk + 1).tolist()
+    n = [used_splits(int(x), ns, p.block_s) for x in p.pos]
     out = torch.empty(B, HH, dtype=torch.float64)
     for b in range(B):
         m, l_c = p.ml[0, b, :n[b]].double(), p.ml[1, b, :n[b]].double()  # [n, H]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, gdc_release, helper, jit,
                                     next_pow2, pdl_args)
-from dejavu.plugins.gqa_attention import GQAPartials, _combine_chunks, gqa_partials_ref
+from dejavu.plugins.gqa_attention import GQAPartials, _combine_splits, _split_span, gqa_partials_ref
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
@@ -69,16 +69,17 @@ def input_sparse_gemv_ref(x: torch.Tensor, w_t: torch.Tensor, t: float) -> torch
 
 # ------------------------------------------------ sliced: a select per GEMV split, fused with the input's producer
 NONE, NORM, SWIGLU, ATTN = 0, 1, 2, 3  # the select's PRODUCER: x as it is, norm_w * rms_norm(x), silu(gate) * up,
-# the attention's chunk partials combined (gqa_attention.GQAPartials)
+# the attention's split partials combined (gqa_attention.GQAPartials)
 
 
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
                           PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, CHUNK=1, HD=1):
-    # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), chunks c <= pos[b] // CHUNK
+                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, BLOCK_S=1, HD=1):
+    # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), the splits that hold slots
+    # <= pos[b] (gqa_attention._split_span of NC splits of BLOCK_S-slot tiles)
     b, ps = tl.program_id(0), tl.program_id(1)
     if PRODUCER == 3:
-        n_chunks = tl.load(pos_ptr + b).to(tl.int32) // CHUNK + 1  # the step's input: before the wait
+        _, n_splits = _split_span(tl.load(pos_ptr + b).to(tl.int32), NC, BLOCK_S)  # before the wait
     gdc_enter(GDC)
     if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
         ss = tl.zeros([ROW], dtype=tl.float32)
@@ -96,7 +97,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         if PRODUCER != 3:
             xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
-            h = _combine_chunks(x_ptr, nw_ptr, b, offs, inside, n_chunks, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
+            h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
         elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
             nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
             h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
@@ -189,7 +190,7 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
     of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps) (norm_w [N]), or
     silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype,
     or the fp32 partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype,
-    or the attention's chunk partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
+    or the attention's split partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
     config = (settings or DEFAULT).input_sparse
     if isinstance(x, GQAPartials):
         return _select_attn(x, t, split, settings)
@@ -224,7 +225,7 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
 
 
 def _select_attn(p: GQAPartials, t: float, split: int, settings: KernelSettings | None):
-    # select_slices of o combined from the attention's chunk partials (PRODUCER ATTN)
+    # select_slices of o combined from the attention's split partials (PRODUCER ATTN)
     config = (settings or DEFAULT).input_sparse
     check_tensor("acc", p.acc, ndim=3, dtype=torch.float32)
     B, nc, N = p.acc.shape
@@ -241,7 +242,7 @@ def _select_attn(p: GQAPartials, t: float, split: int, settings: KernelSettings 
     jit(_select_slices_kernel, dev)[(B, split)](
         p.acc, p.ml, idx, val, count, N, N, B * nc * (N // p.head_dim), per, float(t), 0.0, PRODUCER=ATTN,
         SRC_SPLIT=0, BLOCK=min(config.block_select, next_pow2(per)), ROW=16, num_warps=config.select_warps,
-        pos_ptr=p.pos, NC=nc, CHUNK=p.chunk, HD=p.head_dim,
+        pos_ptr=p.pos, NC=nc, BLOCK_S=p.block_s, HD=p.head_dim,
         **pdl_args(dev, "is_select", (settings or DEFAULT).pdl))
     return idx, val, count
 

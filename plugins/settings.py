@@ -172,16 +172,18 @@ class InputSparseSettings:
 class GQAAttnSettings:
     """The Llama decode step's attention on the triton backend: `kernel` True runs gqa_attention.py's
     flash-decoding kernel (slots <= pos only); False PyTorch's scaled_dot_product_attention over the whole cache
-    with a mask (every slot read). chunk: cache slots per program (T / chunk programs per KV head and row; those
-    past pos exit at once), block_s slots a step; fuse_combine: where o is thresholded (the o projection's
-    input sparse), the chunks' partials are combined by its select (input_sparse PRODUCER ATTN) instead of a
-    combine launch."""
-    # the kernel: Llama-3-8B at 50% skipped 4.161 vs 4.274 ms a step (`bash benchmarks/gpu/llama_speed.sh ab`)
-    # and 4.180 vs 4.293 (e2e_llama.py's confirmation run); slower on the 70B TP-8 rank (G = 8 query heads a KV
+    with a mask (every slot read). A row's slots <= pos in tiles of block_s (tl.dot: >= 16), the tiles in NS
+    splits of whole tiles, one program each, NS = min(max_splits, ceil(target_programs / (B * Hkv)), the
+    cache's tiles); fuse_combine: where o is thresholded (the o projection's input sparse), the splits'
+    partials are combined by its select (input_sparse PRODUCER ATTN) instead of a combine launch."""
+    # the kernel on: measured in its form before the splits (fixed chunks of 32 slots, T / 32 programs a KV head
+    # and row): Llama-3-8B at 50% skipped 4.161 vs 4.274 ms a step (`bash benchmarks/gpu/llama_speed.sh ab`) and
+    # 4.180 vs 4.293 (e2e_llama.py's confirmation run); slower on the 70B TP-8 rank (G = 8 query heads of one KV
     # head, 8 chunk programs at 256 slots): 6.416 vs 6.226 (H100, 2026-12-05, 94b1fda; docs/llama.md)
     kernel: bool = True
-    chunk: int = 32
-    block_s: int = 16
+    block_s: int = 32
+    target_programs: int = 132  # one per SM on an H100 / H200
+    max_splits: int = 32
     num_warps: int = 4
     fuse_combine: bool = True
 
@@ -239,6 +241,8 @@ def _from_dict(cls, d, where: str):
         raise DejavuError(f"{where}: expected an object, got {type(d).__name__}")
     if cls is InputSparseSettings:  # another value of a removed field: an unknown key
         d = {k: v for k, v in d.items() if (k, v) not in REMOVED_INPUT_SPARSE}
+    if cls is GQAAttnSettings and "chunk" in d:  # headers before the split kernel (fixed chunks of the cache)
+        d = {k: v for k, v in d.items() if k not in ("chunk", "block_s")}
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise DejavuError(f"{where}: unknown key(s) {', '.join(unknown)}")

@@ -7,7 +7,7 @@ Same design as the OPT decoder (runtime/decoder.py):
   on the CPU path, `plugins/input_sparse` kernels on CUDA, with the RMSNorm / SwiGLU before and the
   residual / RoPE and cache write after fused into them; `LlamaOps.mlp`: gate/up's split-K sum folded
   into down's SwiGLU select; `LlamaOps.attend_project`: plugins/gqa_attention's kernel on CUDA, reading
-  only the slots <= pos, its chunks combined by the o projection's select; the CPU path one masked SDPA
+  only the slots <= pos, its splits combined by the o projection's select; the CPU path one masked SDPA
   over the whole cache); static shapes and no
   host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
@@ -190,7 +190,7 @@ class LlamaOps:
 
         if not self.attn_kernel:
             return self.linear(GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual, kind="o")
-        # o thresholded: its select combines the chunks' partials (no combine launch; one chunk: o itself)
+        # o thresholded: its select combines the splits' partials (no combine launch; one split: o itself)
         fuse = t > 0 and self.settings.gqa_attn.fuse_combine
         o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
         if isinstance(o, torch.Tensor):
@@ -200,7 +200,7 @@ class LlamaOps:
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference: the GEMV on layer 0's MLP weights, its input through
         the MLP's RMSNorm (sparse engines); the attention kernel on random q / caches of the engine's heads,
-        over three chunks, rows at different positions (None on "ref")."""
+        over three tiles of its slots, rows at different positions (None on "ref")."""
         out = {}
         if self.backend != "ref" and spec.skip > 0:
             w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
@@ -212,12 +212,12 @@ class LlamaOps:
             from dejavu.plugins import gqa_attention as GA
 
             w = tensors["layers.0.attn.wo_t"]
-            chunk, g = self.settings.gqa_attn.chunk, torch.Generator().manual_seed(1)
-            T, hd = 2 * chunk + 3, spec.head_dim
+            tile, g = self.settings.gqa_attn.block_s, torch.Generator().manual_seed(1)
+            T, hd = 2 * tile + 3, spec.head_dim
             q = torch.randn(2, spec.num_attention_heads, hd, generator=g).to(w.device, w.dtype)
             k, v = (torch.randn(2, spec.num_key_value_heads, T, hd, generator=g).to(w.device, w.dtype)
                     for _ in range(2))
-            pos = torch.tensor([T - 1, chunk], device=w.device)
+            pos = torch.tensor([T - 1, tile], device=w.device)
             ref = GA.gqa_decode_ref(q.float(), k.float(), v.float(), pos)
             out["gqa_attention"] = _checked("gqa_attention", GA.gqa_decode(q, k, v, pos, settings=self.settings), ref)
         return out or None

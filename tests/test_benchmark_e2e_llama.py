@@ -55,28 +55,31 @@ def test_variants_past_the_budget_are_recorded_as_skipped(tmp_path):
 def test_variants_reach_the_engine_header_and_bad_ones_are_one_line(tmp_path, capsys):
     """An attention variant ({"gqa_attn": {...}}) and one table for every kind ({"projections": []}) reach the
     engines' headers; the shipped VARIANTS are settings; a variant that is not (a removed field, an unknown part's
-    field, a kind that is not one) is one argparse line before anything runs, and no file."""
+    field, a field older headers held, a kind that is not one) is one argparse line before anything runs, and no
+    file."""
     from dejavu.plugins import DEFAULT
 
     out = tmp_path / "r.json"
     assert e2e_llama.main(["--device", "cpu", "--out", str(out), "--prompt-len", "4", "--new-tokens", "3",
                            "--calib-tokens", "64", "--skip-steps", "2", "--no-smoke", "--no-hf", "--skips", "0.5",
-                           "--kernel-variants", '[{"gqa_attn": {"kernel": false, "chunk": 16}}, {"projections": []}]'
+                           "--kernel-variants", '[{"gqa_attn": {"kernel": false, "block_s": 16}}, {"projections": []}]'
                            ]) == 0
     d = json.loads(out.read_text())
     rows = {r["system"]: r for r in d["results"]}
     assert d["errors"] == [] and rows["teal_s0.5+projections=[]"]["kernel_settings"]["projections"] == []
     want = [list(p) for p in DEFAULT.input_sparse.projections]
     assert want and rows["teal_s0.5"]["kernel_settings"]["projections"] == want
-    assert rows["teal_s0.5+gqa_attn={'kernel': False, 'chunk': 16}"]["kernel_settings"]["projections"] == want
+    assert rows["teal_s0.5+gqa_attn={'kernel': False, 'block_s': 16}"]["kernel_settings"]["projections"] == want
     assert e2e_llama.check_variants(e2e_llama.VARIANTS) is None
-    got = e2e_llama.with_variant(DEFAULT.to_dict(), {"gqa_attn": {"chunk": 16}, "block_m": 32})  # over the defaults
-    assert got["gqa_attn"] == {**DEFAULT.to_dict()["gqa_attn"], "chunk": 16}
+    got = e2e_llama.with_variant(DEFAULT.to_dict(), {"gqa_attn": {"block_s": 16}, "block_m": 32})  # over the defaults
+    assert got["gqa_attn"] == {**DEFAULT.to_dict()["gqa_attn"], "block_s": 16}
     assert got["input_sparse"] == {**DEFAULT.to_dict()["input_sparse"], "block_m": 32}
     assert got["pdl"] == DEFAULT.to_dict()["pdl"]
     capsys.readouterr()
     for bad, why in (('[{"prefetch_w": true}]', "input_sparse: unknown key.s. prefetch_w"),
                      ('[{"gqa_attn": {"chunks": 4}}]', "gqa_attn: unknown key.s. chunks"),
+                     ('[{"gqa_attn": {"chunk": 16}}]', "gqa_attn.chunk not kept"),
+                     ('[{"loop_stages": null}]', "input_sparse.loop_stages not kept"),
                      ('[{"projections": [["mlp", "block_k", 64]]}]', "not a projection kind"),
                      ('{"block_m": 32}', "expected a JSON list of objects")):
         with pytest.raises(SystemExit) as e:

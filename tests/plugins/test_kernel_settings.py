@@ -138,3 +138,14 @@ def test_projection_target_programs_scale_with_the_sm_count(monkeypatch):
     s = S.resolve_kernel_settings("sm_80", 66)  # half the H200's SMs
     assert s.input_sparse.target_programs == 264 and s.input_sparse.projections == (
         ("o", "target_programs", 132), ("o", "block_m", 32))
+
+
+def test_headers_before_the_split_attention_kernel_load():
+    """An engine header written when the attention kernel cut the cache into fixed chunks (gqa_attn.chunk, and
+    block_s slots a step of a chunk) loads with the split kernel's defaults for those two; its other fields
+    are kept."""
+    old = {"gqa_attn": {"kernel": True, "chunk": 32, "block_s": 8, "num_warps": 8, "fuse_combine": False}}
+    got = P.KernelSettings.from_dict(old).gqa_attn
+    assert got == P.GQAAttnSettings(kernel=True, num_warps=8, fuse_combine=False)
+    with pytest.raises(DejavuError, match="unknown key"):
+        P.KernelSettings.from_dict({"gqa_attn": {"chunks": 32}})

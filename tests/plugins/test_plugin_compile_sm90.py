@@ -206,14 +206,15 @@ SCRIPT = textwrap.dedent('''
         (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
         (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), False),
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16), False),
-        (GA, GA._gqa_chunk_kernel, dict(G=4, BLOCK_G=4, BLOCK_S=16, BLOCK_HD=128, PARTIAL=True), True),
-        (GA, GA._gqa_chunk_kernel, dict(G=8, BLOCK_G=8, BLOCK_S=16, BLOCK_HD=128, PARTIAL=False), True),
+        (GA, GA._gqa_split_kernel, dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False), True),
+        (GA, GA._gqa_split_kernel, dict(G=8, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=False, DOT_FP32=False),
+         True),
         (GA, GA._gqa_combine_kernel, dict(BLOCK=1024), False),
     ]
     gqa = {"q_ptr": "*fp16", "o_ptr": "*fp16", "acc_ptr": "*fp32", "pos_ptr": "*i64", "scale": "fp32"}
     typed = {IS._select_slices_kernel: {"count_ptr": "*i32", "t": "fp32"}, IS._sliced_gemv_kernel:
              {"count_ptr": "*i32", "part_ptr": "*fp32"}, IS._sum_splits_kernel: {"part_ptr": "*fp32"},
-             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}, GA._gqa_chunk_kernel: gqa,
+             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}, GA._gqa_split_kernel: gqa,
              GA._gqa_combine_kernel: {k: gqa[k] for k in ("o_ptr", "acc_ptr", "pos_ptr")}}
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
         over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else compacted if fn is CR._compact_rows_kernel \

@@ -9,7 +9,8 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, GQAAttnSettings
-from dejavu.plugins.gqa_attention import GQAPartials, gqa_decode, gqa_decode_ref, gqa_partials_ref
+from dejavu.plugins.gqa_attention import (GQAPartials, gqa_decode, gqa_decode_ref, gqa_partials_ref, splits_for,
+                                          used_splits)
 from conftest import DTYPES
 
 
@@ -35,18 +36,20 @@ def ref64(q, k, v, pos):
     return o.reshape(B, H * hd)
 
 
-CASES = [  # B, H, Hkv, hd, T, pos (None: random per row), chunk, block_s
-    (1, 4, 1, 16, 5, [0], 32, 16),  # one chunk, pos 0: one slot
-    (2, 6, 2, 24, 37, [36, 0], 8, 4),  # pos T - 1 and 0 in one batch; hd, T not powers of two
-    (3, 8, 2, 32, 50, None, 16, 8),  # G 4 (Llama-3-8B's), several chunks per row, different per row
-    (2, 8, 1, 40, 33, [32, 15], 16, 16),  # G 8 (a 70B TP-8 rank's), pos at a chunk's first slot
-    (2, 3, 3, 8, 20, None, 4, 2),  # G 1 (multi-head KV)
+CASES = [  # B, H, Hkv, hd, T, pos (None: random per row), block_s, max_splits, target_programs
+    (1, 4, 1, 16, 5, [0], 16, 8, 132),  # one tile, pos 0: one slot, one split (o itself)
+    (2, 6, 2, 24, 37, [36, 0], 16, 3, 132),  # pos T - 1 and 0 in one batch (3 splits used, 1); hd, T not powers of 2
+    (3, 8, 2, 32, 150, None, 16, 4, 132),  # G 4 (Llama-3-8B's), splits of several tiles, different per row
+    (2, 8, 1, 40, 70, [69, 32], 32, 32, 132),  # G 8 (a 70B TP-8 rank's), pos at a tile's first slot
+    (2, 3, 3, 8, 40, None, 16, 2, 132),  # G 1 (multi-head KV), hd 8 padded to 16
+    (1, 4, 2, 16, 100, [99], 16, 32, 4),  # target_programs 4 over 2 KV heads: 2 splits of 4 tiles
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,H,Hkv,hd,T,pos,chunk,block_s", CASES)
-def test_gqa_decode_equals_the_float64_reference(triton_interp, close, dtype, B, H, Hkv, hd, T, pos, chunk, block_s):
+@pytest.mark.parametrize("B,H,Hkv,hd,T,pos,block_s,max_splits,target", CASES)
+def test_gqa_decode_equals_the_float64_reference(triton_interp, close, dtype, B, H, Hkv, hd, T, pos, block_s,
+                                                 max_splits, target):
     g = torch.Generator().manual_seed(T * H + hd)
     q, k, v = _inputs(B, H, Hkv, hd, T, dtype, g)
     pos = torch.tensor(pos) if pos is not None else torch.randint(0, T, (B,), generator=g)
@@ -54,17 +57,30 @@ def test_gqa_decode_equals_the_float64_reference(triton_interp, close, dtype, B,
     past = torch.arange(T)[None, :] > pos[:, None]  # [B, T]
     k[past[:, None, :, None].expand_as(k)] = float("nan")
     v[past[:, None, :, None].expand_as(v)] = float("nan")
-    ks = _ks(chunk=chunk, block_s=block_s)
+    ks = _ks(block_s=block_s, max_splits=max_splits, target_programs=target)
     out = gqa_decode(q, k, v, pos, settings=ks)
     want = ref64(q, k.nan_to_num(), v.nan_to_num(), pos)
     qt, kt, vt = (x.nan_to_num() for x in (q, k, v))
     close(out, want, gqa_decode_ref(qt, kt, vt, pos))
     parts = gqa_decode(q, k, v, pos, combine=False, settings=ks)
-    if T <= chunk:
-        assert torch.equal(parts, out)  # one chunk: o itself
+    ns = splits_for(B, Hkv, T, ks.gqa_attn)
+    assert ns == min(max_splits, -(-target // (B * Hkv)), -(-T // block_s))
+    if ns == 1:
+        assert torch.equal(parts, out)  # one split: o itself
     else:
-        assert isinstance(parts, GQAPartials) and parts.acc.shape == (B, -(-T // chunk), H * hd)
+        assert isinstance(parts, GQAPartials) and parts.acc.shape == (B, ns, H * hd)
         close(gqa_partials_ref(parts), want, gqa_decode_ref(qt, kt, vt, pos))
+
+
+def test_splits_cover_the_row_in_whole_tiles():
+    """used_splits (the kernels' _split_span): the tiles of slots 0..pos in ns ranges of equal whole tiles, each
+    used split holding at least one tile, the last one ending at pos's tile."""
+    for ns in (1, 2, 3, 7, 32):
+        for pos in range(0, 300, 7):
+            tiles = pos // 16 + 1
+            used = used_splits(pos, ns, 16)
+            per = -(-tiles // ns)
+            assert 1 <= used <= ns and (used - 1) * per < tiles <= used * per
 
 
 def test_gqa_decode_ref_is_the_masked_softmax(triton_interp):
@@ -88,23 +104,24 @@ def test_bad_inputs_are_dejavu_errors(triton_interp):
         gqa_decode(q, k, v.half(), pos)
     with pytest.raises(DejavuError, match="must be contiguous"):
         gqa_decode(q, k.transpose(2, 3), v, pos)
-    with pytest.raises(DejavuError, match="block_s a power of two"):
-        gqa_decode(q, k, v, pos, settings=_ks(block_s=12))
+    for bad in (dict(block_s=12), dict(block_s=8), dict(max_splits=0)):
+        with pytest.raises(DejavuError, match="block_s must be a power of two >= 16"):
+            gqa_decode(q, k, v, pos, settings=_ks(**bad))
     with pytest.raises(DejavuError, match="head dim 512"):
         gqa_decode(torch.zeros(1, 2, 512), torch.zeros(1, 1, 4, 512), torch.zeros(1, 1, 4, 512), pos[:1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,H,Hkv,hd,T,chunk,split", [(2, 8, 2, 24, 37, 8, 5), (3, 4, 1, 16, 20, 4, 1)])
-def test_o_projections_select_combines_the_partials(triton_interp, close, dtype, B, H, Hkv, hd, T, chunk, split):
-    """select_slices on the chunks' partials (PRODUCER ATTN, the combine fused into the select) picks what it
+@pytest.mark.parametrize("B,H,Hkv,hd,T,max_splits,split", [(2, 8, 2, 24, 37, 3, 5), (3, 4, 1, 16, 70, 2, 1)])
+def test_o_projections_select_combines_the_partials(triton_interp, close, dtype, B, H, Hkv, hd, T, max_splits, split):
+    """select_slices on the splits' partials (PRODUCER ATTN, the combine fused into the select) picks what it
     picks from the combine kernel's o, with the same values; per-row positions, pos 0 and T - 1 among them."""
     from dejavu.plugins.input_sparse import select_slices, select_slices_ref
 
     g = torch.Generator().manual_seed(B * T + split)
     q, k, v = _inputs(B, H, Hkv, hd, T, dtype, g)
     pos = torch.tensor([T - 1, 0, 9][:B])
-    ks = dataclasses.replace(_ks(chunk=chunk, block_s=4),
+    ks = dataclasses.replace(_ks(block_s=16, max_splits=max_splits),
                              input_sparse=dataclasses.replace(DEFAULT.input_sparse, block_select=32))
     parts = gqa_decode(q, k, v, pos, combine=False, settings=ks)
     o = gqa_decode(q, k, v, pos, settings=ks)
@@ -132,8 +149,8 @@ def test_o_projections_select_combines_the_partials(triton_interp, close, dtype,
 def test_bad_partials_are_dejavu_errors(triton_interp):
     from dejavu.plugins.input_sparse import select_slices
 
-    q, k, v = _inputs(2, 8, 2, 16, 12, torch.float32, torch.Generator().manual_seed(4))
-    parts = gqa_decode(q, k, v, torch.tensor([3, 11]), combine=False, settings=_ks(chunk=4))
+    q, k, v = _inputs(2, 8, 2, 16, 40, torch.float32, torch.Generator().manual_seed(4))
+    parts = gqa_decode(q, k, v, torch.tensor([3, 39]), combine=False, settings=_ks(block_s=16, max_splits=4))
     with pytest.raises(DejavuError, match="split must be in"):
         select_slices(parts, 0.1, 0)
     with pytest.raises(DejavuError, match="ml: expected shape"):

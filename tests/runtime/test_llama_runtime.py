@@ -193,9 +193,9 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
     and with settings per projection kind (input_sparse.projections: other blocks, splits), the attention by
-    plugins/gqa_attention (chunks of 4 slots: several per row, combined by the o projection's select, or by the
+    plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o projection's select, or by the
     combine kernel) or by SDPA over the whole cache (gqa_attn.kernel off), and at the engine's own settings (the
-    defaults: gate/up's block_k 64, the attention kernel in one chunk), run by Triton's interpreter in a
+    defaults: gate/up's block_k 64, the attention kernel's tiles of 32), run by Triton's interpreter in a
     subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
     tokens (two rows at different positions) equal the reference ops'."""
     import os
@@ -208,12 +208,12 @@ import json, torch
 from dejavu.plugins import GQAAttnSettings, InputSparseSettings, KernelSettings
 from dejavu.runtime import Engine
 ref = Engine.load({str(built[1][0.6])!r})
-ids = torch.randint(0, 320, (2, 10), generator=torch.Generator().manual_seed(5))
+ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(5))  # 20 slots: two tiles of 16
 prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-runs = ((8, (), dict(chunk=4, block_s=2)), (4096, kinds, dict(chunk=4, fuse_combine=False)),
+runs = ((8, (), dict(block_s=16)), (4096, kinds, dict(block_s=16, fuse_combine=False)),
         (4096, (), dict(kernel=False)), (None, (), None))  # the last: the engine's own settings
 for min_split, projections, attn in runs:
     ks = None if min_split is None else KernelSettings(gqa_attn=GQAAttnSettings(**attn), input_sparse=(
@@ -233,7 +233,7 @@ for min_split, projections, attn in runs:
     assert [r["gate_up_block_k"] for r in rows] == [8, 16, 8, 64]
     for r in rows:
         assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
-        # the engine's load-time check of the attention kernel (on: against SDPA, over three chunks)
+        # the engine's load-time check of the attention kernel (on: against SDPA, over three tiles)
         assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
         assert r["check"].get("gqa_attention", 0.0) < 1e-4
         assert r["diff"] <= ATOL and r["same"]
