@@ -157,3 +157,42 @@ def test_bad_partials_are_dejavu_errors(triton_interp):
         select_slices(parts._replace(ml=parts.ml[:, :1].contiguous()), 0.1, 2)
     with pytest.raises(DejavuError, match="not heads of 24"):
         select_slices(parts._replace(head_dim=24), 0.1, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Hkv,hd,T,pos,max_splits", [(2, 8, 2, 16, 40, [39, 0], 4), (1, 6, 3, 8, 20, [17], 1),
+                                                          (2, 8, 1, 24, 70, [33, 64], 32)])
+def test_qkv_partials_fused_equal_the_rope_launch_then_attention(triton_interp, dtype, B, H, Hkv, hd, T, pos,
+                                                                 max_splits):
+    """gqa_decode on the q/k/v projection's partials (QKVParts): q summed and rotated in the kernel, the new k
+    and v written at pos by the split that ends there; bit for bit sliced_qkv_rope's launch then gqa_decode on
+    its q (the output, the splits' partials and both caches), rows at different positions (pos 0 among them)."""
+    from dejavu.plugins.gqa_attention import QKVParts
+    from dejavu.plugins.input_sparse import select_slices, sliced_parts, sliced_qkv_rope
+
+    g = torch.Generator().manual_seed(B * T + hd)
+    N, M = 32, (H + 2 * Hkv) * hd
+    x = torch.randn(B, N, generator=g).to(dtype)
+    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
+    ang = torch.rand(B, hd // 2, generator=g) * 6
+    cos, sin = torch.cat((ang, ang), -1).cos().to(dtype), torch.cat((-ang, ang), -1).sin().to(dtype)
+    pos = torch.tensor(pos)
+    ks = _ks(block_s=16, max_splits=max_splits)
+    ks = dataclasses.replace(ks, input_sparse=dataclasses.replace(ks.input_sparse, block_m=16, block_k=8))
+    idx, val, count = select_slices(x, 0.3, 3, settings=ks)
+    caches = [_inputs(B, H, Hkv, hd, T, dtype, torch.Generator().manual_seed(7))[1:] for _ in range(2)]
+    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, *caches[0], settings=ks)
+    parts = QKVParts(sliced_parts(idx, val, count, w_t, settings=ks), cos, sin)
+    for combine in (False, True):
+        kc, vc = (c.clone() for c in caches[1])
+        a = gqa_decode(q, *caches[0], pos, combine=combine, settings=ks)
+        b = gqa_decode(parts, kc, vc, pos, combine=combine, settings=ks)
+        if isinstance(a, GQAPartials):  # the used splits' partials (the others are never written nor read)
+            assert isinstance(b, GQAPartials) and torch.equal(gqa_partials_ref(a), gqa_partials_ref(b))
+        else:
+            assert torch.equal(a, b)
+        assert torch.equal(kc, caches[0][0]) and torch.equal(vc, caches[0][1])
+    with pytest.raises(DejavuError, match="is not q, k and v heads"):
+        gqa_decode(parts._replace(part=parts.part[..., :-1].contiguous()), kc, vc, pos, settings=ks)
+    with pytest.raises(DejavuError, match="cos: expected"):
+        gqa_decode(parts._replace(cos=cos[:, :-2].contiguous()), kc, vc, pos, settings=ks)
