@@ -181,7 +181,7 @@ class LlamaOps:
             return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
                                           rows)
         pairs = self._select(x, w_t, t, "qkv", norm)
-        if self.attn_kernel:
+        if self.attn_kernel and self.settings.gqa_attn.fuse_qkv:
             from dejavu.plugins.gqa_attention import QKVParts
 
             return QKVParts(IS.sliced_parts(*pairs, w_t, settings=self.kinds["qkv"]), cos, sin)
