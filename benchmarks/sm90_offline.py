@@ -88,10 +88,6 @@ KERNELS = {
     # combining them (ATTN)
     "gqa_split": ("gqa_attention", "_gqa_split_kernel",
                   dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False, GDC=1), 2, GQA),
-    "gqa_split_qkv": ("gqa_attention", "_gqa_split_kernel",  # q/k/v's partials summed + rotated in the kernel
-                      dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False, QKV=True,
-                           SPLIT_K=6, GDC=1), 2,
-                      {**GQA, "q_ptr": "*fp32", "cos_ptr": "*fp16", "sin_ptr": "*fp16", "k_ptr": "*fp16"}),
     "gqa_split_g8": ("gqa_attention", "_gqa_split_kernel",
                      dict(G=8, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False, GDC=1), 2, GQA),
     "gqa_combine": ("gqa_attention", "_gqa_combine_kernel", dict(BLOCK=1024, GDC=2), 2, GQA),

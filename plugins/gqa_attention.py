@@ -48,15 +48,6 @@ class GQAPartials(NamedTuple):
     dtype: torch.dtype  # o's (q's)
 
 
-class QKVParts(NamedTuple):
-    """The fused q/k/v projection before its split-K sum (input_sparse.sliced_parts: fp32 [S, B, (H + 2 Hkv)
-    hd]) and RoPE's cos, sin [B, hd] (sin signed for rotate_half): `gqa_decode` sums and rotates q itself and
-    writes the new token's k and v into the caches at pos (input_sparse.sliced_qkv_rope's work, no launch)."""
-    part: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
 @helper
 def _split_span(pos, NS, BLOCK_S):
     # (tiles per split, splits used) of a row whose last slot is pos: its tiles of BLOCK_S slots in NS ranges
@@ -65,33 +56,9 @@ def _split_span(pos, NS, BLOCK_S):
     return per, (tiles + per - 1) // per
 
 
-@helper
-def _summed(part_ptr, offs, mask, PLANE, SPLIT_K: tl.constexpr):
-    # the SPLIT_K fp32 partials PLANE apart at offs, summed in order (input_sparse._src's sum, before rounding)
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(part_ptr + s * PLANE + offs, mask=mask, other=0.0)
-    return acc
-
-
-@helper
-def _roped(part_ptr, cos_ptr, sin_ptr, b, col, d, mask, M, PLANE, HD, SPLIT_K: tl.constexpr, dt):
-    # q/k/v's columns col (d: their place in the head) of row b summed, rotated and rounded as
-    # input_sparse._sum_rope_kernel rounds them: addcmul(x * cos, roll(x), sin) in dt
-    mate = col - d + (d + HD // 2) % HD
-    y = _summed(part_ptr, b * M + col, mask, PLANE, SPLIT_K).to(dt).to(tl.float32)
-    y_mate = _summed(part_ptr, b * M + mate, mask, PLANE, SPLIT_K).to(dt).to(tl.float32)
-    c = tl.load(cos_ptr + b * HD + d, mask=mask, other=0.0).to(tl.float32)
-    sn = tl.load(sin_ptr + b * HD + d, mask=mask, other=0.0).to(tl.float32)  # rotate_half's sign folded in
-    return ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)
-
-
 def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, HD, NS, scale,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr,
-                      PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0,
-                      QKV: tl.constexpr = False, cos_ptr=None, sin_ptr=None, M=1, SPLIT_K: tl.constexpr = 1):
-    # QKV: q_ptr the fused q/k/v projection's fp32 partials [SPLIT_K, B, M] (QKVParts): q summed and rotated
-    # here, and the split that holds slot pos writes the new token's k (rotated) and v into the caches first
+                      PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0):
     b, j, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HKV, B = tl.num_programs(1), tl.num_programs(0)
     pos = tl.load(pos_ptr + b).to(tl.int32)  # the step's input: written before the graph's first kernel
@@ -105,21 +72,7 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, H
         row = (b * HKV + j) * G + offs_g  # query heads b * H + j * G + g
         base = (b * HKV + j).to(tl.int64) * T * HD
         gdc_enter(GDC)
-        if QKV:
-            dt = k_ptr.dtype.element_ty
-            PLANE = B * M
-            q = _roped(q_ptr, cos_ptr, sin_ptr, b, (j * G + offs_g)[:, None] * HD + offs_d[None, :],
-                       offs_d[None, :], gd, M, PLANE, HD, SPLIT_K, dt)
-            if c == used - 1:  # this split ends at slot pos: the new token's k and v, read back by its last tile
-                dm = offs_d < HD
-                kn = _roped(q_ptr, cos_ptr, sin_ptr, b, (HKV * G + j) * HD + offs_d, offs_d, dm, M, PLANE, HD,
-                            SPLIT_K, dt)
-                vn = _summed(q_ptr, b * M + (HKV * G + HKV + j) * HD + offs_d, dm, PLANE, SPLIT_K).to(dt)
-                tl.store(k_ptr + base + pos * HD + offs_d, kn, mask=dm)
-                tl.store(v_ptr + base + pos * HD + offs_d, vn, mask=dm)
-                tl.debug_barrier()  # the stores seen by the whole program before its tiles load them
-        else:
-            q = tl.load(q_ptr + row[:, None] * HD + offs_d[None, :], mask=gd, other=0.0)
+        q = tl.load(q_ptr + row[:, None] * HD + offs_d[None, :], mask=gd, other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_HD], dtype=tl.float32)
@@ -204,25 +157,6 @@ def check_gqa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos
     return B, H, Hkv, T, hd
 
 
-def check_qkv_parts(p: QKVParts, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor):
-    """check_gqa's (B, H, Hkv, T, hd) for q/k/v partials in place of q."""
-    check_tensor("part", p.part, ndim=3, dtype=torch.float32)
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=p.part.device)
-    B, Hkv, T, hd = k_cache.shape
-    M = p.part.shape[2]
-    H = M // hd - 2 * Hkv if hd else 0
-    if p.part.shape[1] != B or Hkv == 0 or T == 0 or hd % 2 or M % hd or H <= 0 or H % Hkv:
-        raise DejavuError(f"part: shape {tuple(p.part.shape)} is not q, k and v heads of the caches' "
-                          f"{tuple(k_cache.shape)} [B, Hkv, T, hd] (hd even)")
-    if not 1 <= hd <= 256:
-        raise DejavuError(f"gqa_decode: head dim {hd} is not in [1, 256]")
-    check_tensor("v_cache", v_cache, shape=k_cache.shape, dtype=k_cache.dtype, device=p.part.device)
-    check_tensor("pos", pos, shape=(B,), dtype=torch.int64, device=p.part.device)
-    for name, c in (("cos", p.cos), ("sin", p.sin)):
-        check_tensor(name, c, shape=(B, hd), dtype=k_cache.dtype, device=p.part.device)
-    return B, H, Hkv, T, hd
-
-
 def splits_for(B: int, Hkv: int, T: int, cfg) -> int:
     """The split kernel's NS: enough programs for cfg.target_programs, at most cfg.max_splits and the cache's
     tiles of cfg.block_s slots (settings.GQAAttnSettings)."""
@@ -233,37 +167,32 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
                combine: bool = True, settings: KernelSettings | None = None):
     """o [B, H * hd] in q's dtype: softmax(q k^T / sqrt(hd)) v of the new token's rotated q [B, H, hd] over
     slots 0..pos[b] of k_cache, v_cache [B, Hkv, T, hd] (query head h reads KV head h // (H / Hkv));
-    pos [B] int64 on q's device. q may be QKVParts: the q/k/v projection's partials, summed and rotated here,
-    the new token's k and v written at slot pos[b] (sliced_qkv_rope's work). combine False and more than one
-    split: the splits' GQAPartials instead (for input_sparse.select_slices, which combines them)."""
+    pos [B] int64 on q's device. combine False and more than one split: the splits' GQAPartials instead
+    (for input_sparse.select_slices, which combines them)."""
     s = settings or DEFAULT
     cfg = s.gqa_attn
-    qkv = q if isinstance(q, QKVParts) else None
-    B, H, Hkv, T, hd = (check_qkv_parts if qkv else check_gqa)(q, k_cache, v_cache, pos)
-    dtype, dev = k_cache.dtype, k_cache.device
+    B, H, Hkv, T, hd = check_gqa(q, k_cache, v_cache, pos)
     if cfg.block_s < 16 or cfg.block_s & (cfg.block_s - 1) or cfg.max_splits < 1 or cfg.target_programs < 1:
         raise DejavuError(f"gqa_attn settings: block_s must be a power of two >= 16 (tl.dot), max_splits and "
                           f"target_programs >= 1, got {cfg.block_s}, {cfg.max_splits}, {cfg.target_programs}")
     G, ns = H // Hkv, splits_for(B, Hkv, T, cfg)  # from T, not pos: a static grid
-    o = torch.empty(B, H * hd, dtype=dtype, device=dev)
+    o = torch.empty(B, H * hd, dtype=q.dtype, device=q.device)
     acc = ml = o  # never touched with one split
     if ns > 1:
-        acc = torch.empty(B, ns, H * hd, dtype=torch.float32, device=dev)
-        ml = torch.empty(2, B, ns, H, dtype=torch.float32, device=dev)
-    fused = dict(QKV=True, cos_ptr=qkv.cos, sin_ptr=qkv.sin, M=qkv.part.shape[2], SPLIT_K=qkv.part.shape[0]) \
-        if qkv else {}
-    jit(_gqa_split_kernel, dev)[(B, Hkv, ns)](
-        qkv.part if qkv else q, k_cache, v_cache, pos, o, acc, ml, T, hd, ns, LOG2E / math.sqrt(hd), G=G,
+        acc = torch.empty(B, ns, H * hd, dtype=torch.float32, device=q.device)
+        ml = torch.empty(2, B, ns, H, dtype=torch.float32, device=q.device)
+    jit(_gqa_split_kernel, q.device)[(B, Hkv, ns)](
+        q, k_cache, v_cache, pos, o, acc, ml, T, hd, ns, LOG2E / math.sqrt(hd), G=G,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_S=cfg.block_s, BLOCK_HD=max(16, next_pow2(hd)), PARTIAL=ns > 1,
-        DOT_FP32=dot_fp32(dtype, dev), num_warps=cfg.num_warps, **fused, **pdl_args(dev, "gqa_attn", s.pdl))
+        DOT_FP32=dot_fp32(q.dtype, q.device), num_warps=cfg.num_warps, **pdl_args(q.device, "gqa_attn", s.pdl))
     if ns == 1:
         return o
     if not combine:
-        return GQAPartials(acc, ml, pos, cfg.block_s, hd, dtype)
+        return GQAPartials(acc, ml, pos, cfg.block_s, hd, q.dtype)
     block = min(1024, next_pow2(H * hd))
-    jit(_gqa_combine_kernel, dev)[(B, -(-H * hd // block))](
+    jit(_gqa_combine_kernel, q.device)[(B, -(-H * hd // block))](
         acc, ml, pos, o, H * hd, hd, ns, cfg.block_s, BLOCK=block, num_warps=4,
-        **pdl_args(dev, "gqa_combine", s.pdl))
+        **pdl_args(q.device, "gqa_combine", s.pdl))
     return o
 
 

@@ -186,7 +186,6 @@ class GQAAttnSettings:
     max_splits: int = 32
     num_warps: int = 4
     fuse_combine: bool = True
-    fuse_qkv: bool = True  # q/k/v's sum, RoPE and cache write in the attention kernel (QKVParts), where q/k/v is sparse
 
 
 @dataclass(frozen=True)

@@ -170,28 +170,21 @@ class LlamaOps:
         return self.down(self.gate_up(x, wgu_t, t_in, norm), wd_t, t_down, x)
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
-                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor):
+                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """q [B, H, hd] of linear(x, w_t, t, norm) (the fused q/k/v projection), RoPE on q and k (cos, sin
-        [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot pos[b].
-        Sparse on the attention kernel: the projection's partials (gqa_attention.QKVParts) instead, which
-        the attention sums, rotates and writes into the caches itself (`attend_project`: one launch fewer)."""
+        [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
         if t <= 0 or self.backend == "ref":
             return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
                                           rows)
-        pairs = self._select(x, w_t, t, "qkv", norm)
-        if self.attn_kernel and self.settings.gqa_attn.fuse_qkv:
-            from dejavu.plugins.gqa_attention import QKVParts
-
-            return QKVParts(IS.sliced_parts(*pairs, w_t, settings=self.kinds["qkv"]), cos, sin)
-        return IS.sliced_qkv_rope(*pairs, w_t, cos, sin, pos, k_cache, v_cache, settings=self.kinds["qkv"])
+        return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm), w_t, cos, sin, pos, k_cache, v_cache,
+                                  settings=self.kinds["qkv"])
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float, residual: torch.Tensor) -> torch.Tensor:
-        """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] (or qkv_rope's
-        QKVParts) over slots <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None
-        where attn_kernel)."""
+        """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
+        <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
         from dejavu.plugins import gqa_attention as GA
         from dejavu.plugins.input_sparse import sliced_gemv
 
