@@ -64,13 +64,13 @@ SHAPES = {
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
 # the A/B around the defaults at --variant-skip (KernelSettings parts' fields over them): the attention by PyTorch's
-# masked SDPA (gqa_attn.kernel off); the kernel's tiles of 16 / 64 slots and at most 4 splits a row (at max_seq 256
-# its default is 8 tiles of 32 in 8 splits on both shapes: the 70B TP-8 rank, G = 8 heads of one KV head, runs 8
-# programs a layer), 8 warps; gate/up at the table's block_k 128 (no per-projection settings), narrower blocks,
-# more programs
-VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"block_s": 16}}, {"gqa_attn": {"block_s": 64}},
-            {"gqa_attn": {"max_splits": 4}}, {"gqa_attn": {"num_warps": 8}}, {"projections": []},
-            {"block_m": 32}, {"target_programs": 1056}]
+# masked SDPA (gqa_attn.kernel off); the kernel's tiles of 64 slots, at most 4 splits a row, twice the programs
+# (at max_seq 256 its default is 8 tiles of 32, one split each: the 70B TP-8 rank, G = 8 heads of one KV head, runs
+# 8 programs a layer); gate/up at the table's block_k 128 (no per-projection settings), narrower blocks, more
+# programs
+VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"block_s": 64}}, {"gqa_attn": {"max_splits": 4}},
+            {"gqa_attn": {"target_programs": 264, "max_splits": 64}}, {"projections": []}, {"block_m": 32},
+            {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 

@@ -9,11 +9,10 @@
 #   bash benchmarks/gpu/llama_speed.sh
 #   bash benchmarks/gpu/llama_speed.sh ab    # both shapes, Llama-3-8B first: the dense graph, the defaults and
 #       # every VARIANTS entry, each profiled; no variant started after 240 s (the rest recorded as skipped: the
-#       # 70B rank's last ones first), under 330 s. The A/B around the defaults of 2026-12-05 (the attention
-#       # kernel, gate/up's block_k 64): the attention by PyTorch's masked SDPA, the kernel's tiles of 16 / 64
-#       # slots, at most 4 splits a row, 8 warps (its chunk form measured 3% slower than SDPA on the 70B rank: G = 8
-#       # query heads of one KV head, 8 programs a layer at 256 slots), gate/up at the table's block_k 128,
-#       # block_m 32, 1056 programs
+#       # 70B rank's last ones first), under 330 s. The A/B around the defaults (the split attention kernel,
+#       # gate/up's block_k 64; on an H100 on 2026-12-05, 7e44501: 1.76x / 1.79x the dense graph): the attention
+#       # by PyTorch's masked SDPA, tiles of 64 slots, at most 4 splits, twice the programs, gate/up at the table's
+#       # block_k 128, block_m 32, 1056 programs
 set -euo pipefail
 source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
