@@ -127,7 +127,7 @@ def refit_model(model, ids: torch.Tensor, skips: dict[str, float], alpha: float,
             else:
                 t = 0.0
             thr[k].append(t)
-            if t > 0:
+            if t > 0 and alpha != float("inf"):  # inf: the sequential thresholds alone, W kept
                 xt = xd.get(k, x)[fit]
                 x = x[fit]
                 m = x * (x.abs() > t)
@@ -135,6 +135,7 @@ def refit_model(model, ids: torch.Tensor, skips: dict[str, float], alpha: float,
                 for mod in _mods(layer)[k]:
                     y = xt @ mod.weight.T  # [T, O], no bias: W' m + b targets W x + b
                     mod.weight.copy_(refit_weight(mod.weight, m, y, alpha, g))
+            if t > 0:
                 masks[k] = t
         hs = _run_layer(layer, hs, rope, masks)
         log(f"layer {l}: {time.perf_counter() - t0:.1f}s")
@@ -146,7 +147,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", nargs="+", default=["0.25", "0.4", "0.5", "refined40"],
                    help="uniform block skips, or refined40 (33 / 45 / 31.25 / 60)")
-    p.add_argument("--alphas", nargs="+", type=float, default=[1e-2, 1e-1, 1.0])
+    p.add_argument("--alphas", nargs="+", type=float, default=[1e-2, 1e-1, 1.0],
+                   help="ridge weights; inf: no refit, the sequential thresholds alone (a control)")
     p.add_argument("--target", choices=["sparse", "dense"], default="sparse")
     p.add_argument("--own-thresholds", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--calib-tokens", type=int, default=8192)
