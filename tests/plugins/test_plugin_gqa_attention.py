@@ -73,14 +73,20 @@ def test_gqa_decode_equals_the_float64_reference(triton_interp, close, dtype, B,
 
 
 def test_splits_cover_the_row_in_whole_tiles():
-    """used_splits (the kernels' _split_span): the tiles of slots 0..pos in ns ranges of equal whole tiles, each
-    used split holding at least one tile, the last one ending at pos's tile."""
+    """used_splits (the kernels' _split_span): the programs c < used, each taking [c * per, (c + 1) * per)
+    tiles of 16 slots cut at pos, cover slots 0..pos exactly once with no program empty; program `used` (where
+    there is one) would start past pos; equal whole tiles but for the last; never more than ns programs."""
     for ns in (1, 2, 3, 7, 32):
         for pos in range(0, 300, 7):
-            tiles = pos // 16 + 1
             used = used_splits(pos, ns, 16)
-            per = -(-tiles // ns)
-            assert 1 <= used <= ns and (used - 1) * per < tiles <= used * per
+            per = -(-(pos // 16 + 1) // ns)  # tiles a program
+            spans = [range(c * per * 16, min((c + 1) * per * 16, pos + 1)) for c in range(used)]
+            assert 1 <= used <= ns and all(len(r) > 0 for r in spans)
+            assert [i for r in spans for i in r] == list(range(pos + 1))
+            assert all(len(r) == per * 16 for r in spans[:-1])
+            assert used == ns or used * per * 16 > pos  # a program past `used` holds no slot
+    # a 128 + 128-token context on the 8B shape (NS 17): one tile a program; a long one (NS 32): 8 tiles each
+    assert used_splits(191, 17, 32) == 6 and used_splits(7999, 32, 32) == 32 and used_splits(0, 32, 32) == 1
 
 
 def test_gqa_decode_ref_is_the_masked_softmax(triton_interp):
