@@ -70,7 +70,7 @@ SHAPES = {
 # programs
 VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"block_s": 64}}, {"gqa_attn": {"max_splits": 4}},
             {"gqa_attn": {"target_programs": 264, "max_splits": 64}}, {"projections": []}, {"block_m": 32},
-            {"target_programs": 1056}]
+            {"target_programs": 1056}, {"fold_sum": True}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 

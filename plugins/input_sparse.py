@@ -32,25 +32,32 @@ from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
 @helper
-def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
+def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr, CACHE: tl.constexpr = ""):
     # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
-    # (every split-K sum of this file goes through here: one rounding)
+    # (every split-K sum of this file goes through here: one rounding). CACHE ".cg": read at L2 (partials
+    # stored by other programs of the same launch)
     if SRC_SPLIT == 0:
         return tl.load(x_ptr + offs, mask=mask, other=0.0)
-    acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    acc = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     for s in tl.static_range(1, SRC_SPLIT):
-        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
+        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     return acc.to(val_ptr.dtype.element_ty)
+
+
+@helper
+def _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr):
+    # y[b, offs_m] = (residual +) the SPLIT_K fp32 partials [S, B, M] summed in order, rounded to y's dtype
+    y = _src(part_ptr, b * M + offs_m, m_ok, B * M, y_ptr, SPLIT_K, ".cg")  # the splits in order
+    if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
+        y = (tl.load(res_ptr + b * M + offs_m, mask=m_ok, other=0.0).to(tl.float32) + y.to(tl.float32))
+    tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=m_ok)
 
 
 def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
                        HAS_RES: tl.constexpr, GDC: tl.constexpr = 0):
     b, offs_m = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     gdc_enter(GDC)
-    y = _src(part_ptr, b * M + offs_m, offs_m < M, B * M, y_ptr, SPLIT_K)  # the splits in order
-    if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
-        y = (tl.load(res_ptr + b * M + offs_m, mask=offs_m < M, other=0.0).to(tl.float32) + y.to(tl.float32))
-    tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
+    _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, offs_m < M, B, M, SPLIT_K, HAS_RES)
 
 
 def split_k_for(B: int, N: int, M: int, config) -> int:
@@ -132,7 +139,11 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0):
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, y_ptr=None, res_ptr=None,
+                        ticket_ptr=None, SPLIT_K: tl.constexpr = 0, HAS_RES: tl.constexpr = 0):
+    # SPLIT_K > 0 (fold_sum): the split-K sum folded in. Each program of a (row, column block) takes a
+    # ticket after storing its partial; the last of the SPLIT_K sums them in order (with the residual) into y,
+    # as _sum_splits_kernel does, and puts the ticket back to 0 for the next launch.
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -157,6 +168,12 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
         acc += p0 + p1
     gdc_release(GDC)
     tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
+    if SPLIT_K > 0:
+        tl.debug_barrier()  # every thread's partial stored before the ticket's release
+        ticket = ticket_ptr + b * tl.num_programs(1) + pm
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K, HAS_RES)
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
 def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
@@ -286,7 +303,7 @@ def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tenso
 
 
 def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
-                 settings: KernelSettings | None = None) -> torch.Tensor:
+                 settings: KernelSettings | None = None, _fold=None) -> torch.Tensor:
     """fp32 partials [split, B, M] of the pairs' GEMV (split = count.shape[1]): split s's sum over its pairs of
     val * w_t[idx, :]; their in-order sum is the product (`sliced_gemv`; or a select's partials x)."""
     config = (settings or DEFAULT).input_sparse
@@ -302,24 +319,50 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
     check_tensor("w_t", w_t, shape=(N, M))  # a row per input
     part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
     grid = (B, -(-M // config.block_m), split)
+    fold = {}
+    if _fold is not None:  # sliced_gemv's fold_sum: (y, residual or None)
+        y, res = _fold
+        fold = dict(y_ptr=y, res_ptr=y if res is None else res, ticket_ptr=_tickets(B * grid[1], val.device),
+                    SPLIT_K=split, HAS_RES=res is not None)
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
                                                EVEN_M=M % config.block_m == 0, num_warps=config.num_warps,
-                                               **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
+                                               **fold, **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
     return part
+
+
+_TICKETS: dict = {}  # device -> int32 tickets of fold_sum launches, all 0 between launches
+
+
+def _tickets(n: int, device: torch.device) -> torch.Tensor:
+    # n zeroed tickets on device: one buffer per device, shared by every fold_sum launch (each launch's last
+    # program of a column block puts its ticket back to 0); made at the first (eager) launch of a shape, so a
+    # CUDA graph captured later replays the buffer it was captured with
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        t = _TICKETS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return t
 
 
 def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 settings: KernelSettings | None = None):
     """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
-    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
+    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read. The split-K sum
+    (in split order, then the residual) is its own launch, or the GEMV's last program of each column block
+    (settings' input_sparse.fold_sum): the same bits either way."""
     config = (settings or DEFAULT).input_sparse
-    part = sliced_parts(idx, val, count, w_t, settings)
-    split, B, M = part.shape
+    check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("w_t", w_t, ndim=2, dtype=val.dtype, device=val.device)
+    B, M = val.shape[0], w_t.shape[1]
     if residual is not None:
         check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
     out = check_out(out, (B, M), val.dtype, val.device, "out")
+    if config.fold_sum:
+        sliced_parts(idx, val, count, w_t, settings, _fold=(out, residual))
+        return out
+    part = sliced_parts(idx, val, count, w_t, settings)
+    split = part.shape[0]
     jit(_sum_splits_kernel, val.device)[(B, -(-M // config.block_m))](
         part, out, out if residual is None else residual, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
         HAS_RES=residual is not None, **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))

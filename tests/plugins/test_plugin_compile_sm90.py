@@ -156,6 +156,18 @@ SCRIPT = textwrap.dedent('''
         loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
                  if f"$L__BB0_{m.group(1)};" in ptx[m.end():]]
         assert loops and not any("bar.sync" in body or "shared" in body for body in loops)
+    # fold_sum: each column block's last GEMV program sums the split-K partials. The partial stored, then a CTA
+    # barrier before one thread's gpu-scope acq_rel ticket, a barrier to share it, the partials read at L2 (.cg:
+    # other SMs stored them), the ticket put back; the main loop as without the fold
+    for gdc in (0, 1):
+        k = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True, SPLIT_K=9, HAS_RES=True,
+                                                          GDC=gdc),
+                         overrides={"count_ptr": "*i32", "part_ptr": "*fp32", "ticket_ptr": "*i32"}, div16={"N", "M"})
+        ptx = k.asm["ptx"]
+        atom = ptx.index("atom.global.gpu.acq_rel.add.u32")
+        part = ptx.rindex("st.global.b32", 0, atom)  # the partial
+        assert "bar.sync" in ptx[part:atom] and "bar.sync" in ptx[atom:ptx.index("ld.global.cg")]
+        assert ptx.count("ld.global.cg") == 9 and "atom.global.gpu.relaxed.exch" in ptx[ptx.index("ld.global.cg"):]
     compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6),
                  overrides={"part_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*fp16"})
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,

@@ -1,4 +1,4 @@
-"""The kernels on real OPT shapes (OPT-30B / 66B layers) on a CUDA GPU against float64 references: odd and
+"""The kernels on real shapes (OPT-30B / 66B layers; Llama-3 projections for the TEAL GEMV) on a CUDA GPU against float64 references: odd and
 real shapes, fp16 / bf16 / fp32, per-sequence and shared indices, a CUDA-graph replay with a device-side
 pos, the deferred Q/K/V routes (split, slow path, fold). Skipped without a GPU (the interpreter tests in
 this folder cover the small shapes); run on the device in a process of its own, compiled (this folder's conftest
@@ -130,6 +130,43 @@ def check_compact(D, F, K, B, dtype, keep=False, graph=True):
     return ok and same, {"fc2": e, "compaction_equal": same, "nonzero": bufs["c"][2].tolist()[:8]}
 
 
+def check_sliced(N, M, B, dtype, t, graph=True):
+    """The TEAL GEMV on a Llama projection's shape (input_sparse: select, the pairs' GEMV, the split-K sum with
+    the residual) vs float64, both sums (its own launch; fold_sum: each column block's last program), captured
+    in a CUDA graph and replayed on new inputs 20 times back to back: every replay's y bit-equal to the sum
+    launch's on those inputs (a program summing before every partial is in would differ)."""
+    from dejavu.plugins import input_sparse as IS
+
+    x, res = randn(B, N, dtype=dtype), randn(B, M, dtype=dtype)
+    w_t = randn(N, M, dtype=dtype, scale=(N / 2) ** -0.5)
+    cfg = DEFAULT.input_sparse
+    split = IS.split_k_for(B, N, M, cfg)
+    fold = dataclasses.replace(DEFAULT, input_sparse=dataclasses.replace(cfg, fold_sum=True))
+    ys = {k: torch.full((B, M), float("nan"), dtype=dtype, device=DEV) for k in ("sum", "fold")}
+
+    def step(which):
+        sel = IS.select_slices(x, t, split)
+        return IS.sliced_gemv(*sel, w_t, res, out=ys[which], settings=fold if which == "fold" else DEFAULT)
+
+    step("sum"), step("fold")  # compiles
+    same, replays = True, 20
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step("fold")
+        for _ in range(replays):
+            x.copy_(randn(B, N, dtype=dtype))
+            ys["fold"].fill_(float("nan"))
+            g.replay()
+            same &= torch.equal(ys["fold"], step("sum"))
+        torch.cuda.synchronize()
+    same &= torch.equal(step("fold"), step("sum"))
+    h = x * (x.float().abs() > t)
+    ok, e = _err_ok(ys["fold"], h.double() @ w_t.double() + res.double(), h @ w_t + res, *TOL[dtype])
+    return ok and same, {"gemv": e, "fold_equal_sum": same, "split": split,
+                         "kept": float((x.float().abs() > t).float().mean())}
+
+
 def _attn_inputs(B, H, hd, S, dtype):
     D = H * hd
     w = {"wq": randn(D, D, dtype=dtype, scale=D ** -0.5), "bq": randn(D, dtype=dtype, scale=0.1),
@@ -258,6 +295,13 @@ def cases():
     for (D, F, K), B, keep in ((((7168, 28672, 2867), 1, False), ((7168, 28672, 5734), 1, True),
                                 ((9216, 36864, 11059), 1, False), ((7168, 28672, 5734), 4, True)) if big else ()):
         cases.append(("compact", dict(D=D, F=F, K=K, B=B, dtype=torch.float16, keep=keep)))
+    # TEAL's input-sparse GEMV at Llama-3-8B's o and down and the 70B TP-8 rank's o (|x| > 0.67: about half
+    # kept), gate/up's width, batch 1 and 4, each dtype on an odd shape
+    for (N, M), B in (((4096, 4096), 1), ((14336, 4096), 1), ((1024, 8192), 1), ((4096, 28672), 1),
+                      ((14336, 4096), 4)):
+        cases.append(("sliced", dict(N=N, M=M, B=B, dtype=torch.float16, t=0.67)))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        cases.append(("sliced", dict(N=1000, M=333, B=3, dtype=dtype, t=0.67)))
     # fc2 + the next LayerNorm (split reduction, then the layer_norm kernel): dot path at B 1 and 8, the
     # GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -330,7 +374,7 @@ def cases():
 
 
 CHECKS = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-          "compact": check_compact}
+          "compact": check_compact, "sliced": check_sliced}
 CASES = cases()
 
 
