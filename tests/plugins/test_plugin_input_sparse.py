@@ -188,10 +188,18 @@ def _rope64(qkv, cos, sin, H, Hkv, hd):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,H,Hkv,hd,config", [(1, 4, 2, 16, SMALL), (3, 6, 2, 8, SMALL), (2, 2, 1, 32, _s())])
-def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config):
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("B,H,Hkv,hd,config", [(1, 4, 2, 16, SMALL), (3, 6, 2, 8, SMALL), (2, 2, 1, 32, _s()),
+                                               (2, 3, 1, 12, SMALL)])
+def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, fold, B, H, Hkv, hd, config):
     """q rotated, and k (rotated) and v written into the caches at pos[b] only: poisoned caches keep their NaN
-    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32)."""
+    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32). fold: the sum and RoPE by the GEMV's
+    last program of each group of whole heads (fold_sum; hd 12 against block_m 16: the sum launch), the same
+    bits as the sum launch, its tickets back at 0."""
+    from dejavu.plugins import input_sparse as IS
+
+    if fold:
+        folded = _ks(dataclasses.replace(config, fold_sum=True))
     g = torch.Generator().manual_seed(H * hd + B)
     N, M, T = 40, (H + 2 * Hkv) * hd, 7
     x, nw = _producer_input(B, N, "norm", dtype, g)
@@ -204,6 +212,11 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv,
     split = split_k_for(B, N, M, config)
     idx, val, count = select_slices(x, t, split, nw, 1e-5, settings=_ks(config))
     q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config))
+    if fold:
+        kf, vf = (torch.full_like(kc, float("nan")) for _ in range(2))
+        assert torch.equal(sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kf, vf, settings=folded), q)
+        assert torch.equal(kf.nan_to_num(7.0), kc.nan_to_num(7.0)) and torch.equal(vf.nan_to_num(7.0), vc.nan_to_num(7.0))
+        assert int(IS._TICKETS[x.device].abs().sum()) == 0
     h = produce_ref(x, nw, 1e-5)
     q64, k64, v64 = _rope64((h.double() * (h.float().abs() > t)) @ w_t.double(), cos, sin, H, Hkv, hd)
     kt, vt = (torch.full_like(kc, float("nan")) for _ in range(2))

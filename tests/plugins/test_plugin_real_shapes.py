@@ -167,6 +167,49 @@ def check_sliced(N, M, B, dtype, t, graph=True):
                          "kept": float((x.float().abs() > t).float().mean())}
 
 
+def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64):
+    """The fused q/k/v TEAL GEMV with RoPE and the cache writes: fold_sum (each head's last program) against
+    the sum launch over 20 CUDA-graph replays on new inputs and positions, q and both caches bit-equal; q
+    vs float64."""
+    from dejavu.plugins import input_sparse as IS
+
+    M = (H + 2 * Hkv) * hd
+    x, w_t = randn(B, N, dtype=dtype), randn(N, M, dtype=dtype, scale=(N / 2) ** -0.5)
+    ang = torch.rand(B, hd // 2, device=DEV) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    pos = torch.randint(0, T, (B,), device=DEV)
+    cfg = DEFAULT.input_sparse
+    split = IS.split_k_for(B, N, M, cfg)
+    fold = dataclasses.replace(DEFAULT, input_sparse=dataclasses.replace(cfg, fold_sum=True))
+    caches = {k: [torch.zeros(B, Hkv, T, hd, dtype=dtype, device=DEV) for _ in range(2)] for k in ("sum", "fold")}
+    qs = {}
+
+    def step(which):
+        qs[which] = IS.sliced_qkv_rope(*IS.select_slices(x, t, split), w_t, cos, sin, pos, *caches[which],
+                                       settings=fold if which == "fold" else DEFAULT)
+        return qs[which]
+
+    step("sum"), step("fold")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step("fold")
+    same = True
+    for _ in range(20):
+        x.copy_(randn(B, N, dtype=dtype))
+        pos.copy_(torch.randint(0, T, (B,), device=DEV))
+        g.replay()
+        step("sum")
+        same &= torch.equal(qs["fold"], qs["sum"]) and all(torch.equal(a, b) for a, b in zip(*caches.values()))
+    torch.cuda.synchronize()
+    h = x * (x.float().abs() > t)
+    qkv64 = (h.double() @ w_t.double()).view(B, -1, hd)[:, :H]
+    q64 = qkv64 * cos.double()[:, None] + qkv64.roll(hd // 2, -1) * sin.double()[:, None]
+    qkvt = (h @ w_t).view(B, -1, hd)[:, :H]
+    qt = qkvt * cos[:, None] + qkvt.roll(hd // 2, -1) * sin[:, None]
+    ok, e = _err_ok(qs["fold"], q64, qt, *TOL[dtype])
+    return ok and same, {"q": e, "fold_equal_sum": same, "split": split}
+
+
 def _attn_inputs(B, H, hd, S, dtype):
     D = H * hd
     w = {"wq": randn(D, D, dtype=dtype, scale=D ** -0.5), "bq": randn(D, dtype=dtype, scale=0.1),
@@ -302,6 +345,9 @@ def cases():
         cases.append(("sliced", dict(N=N, M=M, B=B, dtype=torch.float16, t=0.67)))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         cases.append(("sliced", dict(N=1000, M=333, B=3, dtype=dtype, t=0.67)))
+    # q/k/v with RoPE: Llama-3-8B (32 / 8 heads of 128), the 70B TP-8 rank (8 / 1), heads of 64 at batch 2
+    for N, H, Hkv, hd, B in ((4096, 32, 8, 128, 1), (8192, 8, 1, 128, 1), (2048, 16, 4, 64, 2)):
+        cases.append(("sliced_qkv", dict(N=N, H=H, Hkv=Hkv, hd=hd, B=B, dtype=torch.float16, t=0.67)))
     # fc2 + the next LayerNorm (split reduction, then the layer_norm kernel): dot path at B 1 and 8, the
     # GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -374,7 +420,8 @@ def cases():
 
 
 CHECKS = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-          "compact": check_compact, "sliced": check_sliced}
+          "compact": check_compact, "sliced": check_sliced,
+          "sliced_qkv": check_sliced_qkv}
 CASES = cases()
 
 
