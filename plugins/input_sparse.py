@@ -45,9 +45,10 @@ def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr, CACHE: tl.c
 
 
 @helper
-def _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr):
+def _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr,
+               CACHE: tl.constexpr):
     # y[b, offs_m] = (residual +) the SPLIT_K fp32 partials [S, B, M] summed in order, rounded to y's dtype
-    y = _src(part_ptr, b * M + offs_m, m_ok, B * M, y_ptr, SPLIT_K, ".cg")  # the splits in order
+    y = _src(part_ptr, b * M + offs_m, m_ok, B * M, y_ptr, SPLIT_K, CACHE)  # the splits in order
     if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
         y = (tl.load(res_ptr + b * M + offs_m, mask=m_ok, other=0.0).to(tl.float32) + y.to(tl.float32))
     tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=m_ok)
@@ -57,7 +58,7 @@ def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SP
                        HAS_RES: tl.constexpr, GDC: tl.constexpr = 0):
     b, offs_m = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     gdc_enter(GDC)
-    _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, offs_m < M, B, M, SPLIT_K, HAS_RES)
+    _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, offs_m < M, B, M, SPLIT_K, HAS_RES, "")
 
 
 def split_k_for(B: int, N: int, M: int, config) -> int:
@@ -189,7 +190,7 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
     if SPLIT_K > 0:
         ticket = ticket_ptr + b * tl.num_programs(1) + pm
         if _last_of(ticket, SPLIT_K):
-            _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K, HAS_RES)
+            _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K, HAS_RES, ".cg")
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
 
 
