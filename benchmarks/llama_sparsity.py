@@ -13,6 +13,9 @@ also get the six shipped tasks (--task-limit examples each), after every run's p
 "teal+sens@S": one skip per input kind by the held-out loss increase of each kind,
 compiler/allocate_llama.py, measured on the --heldout-tokens calibration-file tokens after the
 calibration tokens, never the evaluation text).
+--rotate-keep K: first rotate the model's residual stream into the principal components of the
+calibration tokens' normalised states, the K channels of largest mean square kept
+(compiler/rotate_llama.py; the dense model's function is unchanged).
 The JSON is rewritten after every run, so an interrupted study keeps what it finished.
 """
 from __future__ import annotations
@@ -53,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--task-limit", type=int, default=0, help="examples per task (0: no tasks)")
     p.add_argument("--no-ppl", action="store_true", help="tasks only (with --task-limit)")
+    p.add_argument("--rotate-keep", type=int, default=None, metavar="K",
+                   help="rotate the residual stream first, keeping the K largest channels (default: no rotation)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -91,6 +96,11 @@ def main(argv=None) -> None:
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
 
+    if args.rotate_keep is not None:
+        from dejavu.compiler.rotate_llama import rotate_llama
+
+        ids = text_ids(sm, read_text(CALIB_TEXT), args.calib_tokens)
+        rotate_llama(model, ids[:ids.numel() // args.window * args.window].view(-1, args.window), args.rotate_keep)
     text = read_text(WIKITEXT2_TEST)
     task_runs = set(args.task_runs)
     methods = [m if a == "uniform" else f"{m}+sens" for m in args.methods for a in args.allocations]

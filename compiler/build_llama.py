@@ -104,7 +104,9 @@ class _Blocks(torch.nn.Module):
 
 
 def calibrate_inputs(model, tokenizer, config):
-    """(gated_sparsity.Calibration, calibration header) from the calibration text."""
+    """(gated_sparsity.Calibration, calibration header) from the calibration text. With
+    config.rotate_keep set, the model is first rotated in place (compiler/rotate_llama.py) on the
+    same windows, and the thresholds are the rotated model's."""
     from dejavu.compiler.build import _corpus_name
     from dejavu.compiler.config import CalibSettings
     from dejavu.compiler.gated_sparsity import calibrate
@@ -118,9 +120,14 @@ def calibrate_inputs(model, tokenizer, config):
     if n == 0:
         raise DejavuError(f"--calib-tokens {want} is less than one window of {window} tokens")
     ids = torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device)
+    if config.rotate_keep is not None:
+        from dejavu.compiler.rotate_llama import rotate_llama
+
+        rotate_llama(model, ids, config.rotate_keep)
     calib = calibrate(_Blocks(model), ids)
     header = {"corpus": _corpus_name(corpus), "n_tokens": n, "window": window,
-              "tokens_fingerprint": fingerprint_tokens(ids.cpu().numpy().reshape(-1))}
+              "tokens_fingerprint": fingerprint_tokens(ids.cpu().numpy().reshape(-1)),
+              "rotate_keep": config.rotate_keep}
     return calib, header
 
 
@@ -194,6 +201,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     with stages("calibrate thresholds"):
         with torch.no_grad():
             calib, calibration = calibrate_inputs(model, tokenizer, config)
+    cfg = model.config  # a rotated model's LM head is untied from the embedding
     with stages("allocate budget"):
         say = (lambda line: print(f"[dejavu-compile]   {line}", file=sys.stderr, flush=True)) if progress else None
         skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, calibration["n_tokens"], say)

@@ -84,6 +84,9 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="held-out tokens (after the calibration stream where --heldout is the --calib corpus)")
     p.add_argument("--refine-evals", type=int, default=S, metavar="N",
                    help="Llama: held-out evaluations of the joint refinement of the per-kind skips (0: off)")
+    p.add_argument("--rotate-keep", type=int, default=S, metavar="K",
+                   help="Llama: rotate the residual stream into its principal components before the TEAL "
+                        "thresholds, keeping the K channels of largest mean square (default: no rotation)")
     p.add_argument("--calib", default=S, metavar="CORPUS",
                    help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME "
                         "(default: the shipped WikiText-2 head)")

@@ -177,6 +177,10 @@ class BuildConfig:
     # Llama: held-out evaluations of the joint refinement of the per-kind skips (allocate_llama.refine_skips;
     # the start's included); 0 or 1: off
     refine_evals: int = 24
+    # Llama: rotate the residual stream before the TEAL thresholds (compiler/rotate_llama.py), the
+    # given number of channels of largest mean square kept as they are; None: no rotation. Off by
+    # default: on SmolLM2-135M it wins at 40% and 50% skipped but loses at 25% (docs/llama.md)
+    rotate_keep: int | None = None
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
     seed: int = PredictorSettings.seed  # of predictor training
@@ -222,6 +226,9 @@ class BuildConfig:
             raise DejavuError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if type(self.refine_evals) is not int or self.refine_evals < 0:
             raise DejavuError(f"--refine-evals must be a non-negative integer, got {self.refine_evals!r}")
+        k = self.rotate_keep
+        if k is not None and (type(k) is not int or k < 0):
+            raise DejavuError(f"--rotate-keep must be a non-negative integer, got {k!r}")
         if self.token_k is not None and self.token_k not in TOKEN_K_FORMS:
             raise DejavuError(f"--token-k must be one of {', '.join(TOKEN_K_FORMS)}, got {self.token_k!r}")
         if self.token_k == "share" and self.tp > 1:

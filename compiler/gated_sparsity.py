@@ -20,7 +20,8 @@ end-to-end held-out loss instead (compiler/allocate_llama.py). Two other criteri
 lost at equal bytes and were removed: WINA's |x_i| * ||W[:, i]||_2 (commit fee06a2) and a
 per-channel gradient scale |x_i| * E|dL/dx_i| (commit 94eab8d); docs/llama.md. Attention head
 selection by KV group lost to TEAL's attention inputs at equal bytes even as an oracle (commit
-19563f2; docs/llama.md).
+19563f2; docs/llama.md). A function-preserving rotation of the residual stream into its principal
+components, the massive channels kept, is an option of the build (compiler/rotate_llama.py).
 """
 from __future__ import annotations
 

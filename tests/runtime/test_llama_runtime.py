@@ -358,3 +358,47 @@ def test_serving_scheduler_runs_a_llama_engine(built):
         sched.stop()
     assert [got[i][0] for i in range(3)] == ["done"] * 3
     assert [list(got[i][3]) for i in range(3)] == want
+
+
+def test_rotated_engine_is_the_dense_model_and_its_thresholds_the_rotated_models(built, tmp_path):
+    """--rotate-keep: the engine's weights are the rotated model (dense at density 1.0, head untied)
+    and its thresholds are calibrate's on the model rotated over the recorded calibration tokens."""
+    from dejavu.compiler.build_llama import _Blocks
+    from dejavu.compiler.gated_sparsity import GatedSparsity, calibrate, gated_sparsity
+    from dejavu.compiler.rotate_llama import rotate_llama
+    from dejavu.compiler.text import corpus_tokens
+    from dejavu.models.auto import load_text_tokenizer
+
+    folder, _ = built
+    paths = {d: tmp_path / f"r{d}.engine" for d in (1.0, 0.6)}
+    for d, p in paths.items():
+        build_engine(folder, BuildConfig(density=d, rotate_keep=2, **CALIB), p, progress=False)
+    ids = _ids(seed=2)
+    with torch.no_grad():
+        ref = _model(folder)(ids)
+    dense = Engine.load(paths[1.0])
+    assert dense.header["model_config"]["tie_word_embeddings"] is False
+    assert dense.header["build_config"]["calibration"]["rotate_keep"] == 2
+    assert (dense.logits(ids) - ref).abs().max() <= ATOL
+    assert (dense.decode_logits(ids) - ref).abs().max() <= ATOL
+    # the rotated model, rebuilt here on the engine's calibration windows, and its thresholds
+    tok = load_text_tokenizer(folder)
+    cids = torch.as_tensor(corpus_tokens(tok.tokenizer, None, 512, bos_id=tok.bos_id)[0], dtype=torch.long).view(4, 128)
+    model = _model(folder)
+    with torch.no_grad():
+        rotate_llama(model, cids, 2)
+        cal = calibrate(_Blocks(model), cids)
+    header = Engine.load(paths[0.6]).header
+    skips = header["sparsity"]["skips"]
+    for key, values in header["sparsity"]["thresholds"].items():
+        assert values == pytest.approx([cal.threshold(key, l, skips[key]) for l in range(2)], rel=1e-6)
+    eng = Engine.load(paths[0.6])
+    with torch.no_grad(), gated_sparsity(model, header["sparsity"]["thresholds"], GatedSparsity(skip=0.4)):
+        sim = model(ids)
+    assert (eng.logits(ids) - sim).abs().max() <= ATOL
+    assert (eng.logits(ids) - Engine.load(built[1][0.6]).logits(ids)).abs().max() > 100 * ATOL  # not the unrotated engine
+
+
+def test_rotate_keep_must_be_a_non_negative_integer():
+    with pytest.raises(DejavuError, match="--rotate-keep must be a non-negative integer"):
+        BuildConfig(density=0.5, rotate_keep=-1)
