@@ -9,7 +9,7 @@ source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 timeout 150 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
     --variant-models llama-3-8b,llama-3-70b-tp8 --skips 0.5 --no-hf --profile-steps 20 --profile-variants \
-    --kernel-variants '[{"fold_sum": true}]' --out "$OUT/e2e-llama-fold-$(date -u +%F).json" | tail -12
+    --kernel-variants '[{"fold_sum": true}]' --out "$OUT/e2e-llama-fold-$(date -u +%F).json" | tail -12 || echo "llama_fold: e2e_llama ended early"
 TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -x tests/plugins/test_plugin_real_shapes.py -k "sliced" 2>&1 | tail -5 || echo "llama_fold: real-shape checks failed"
 [ "${1:-}" = long ] || exit 0
 exec timeout 90 python3 benchmarks/e2e_llama.py --models llama-3-8b --skips 0.5 --no-hf --prompt-len 3968 \
