@@ -162,7 +162,7 @@ class InputSparseSettings:
     num_warps: int = 4
     # the GEMV's split-K sum done by its last program of each column block (a ticket per block) instead of a launch
     # of its own: o's and down's with the residual (sliced_gemv), q/k/v's with RoPE and the cache writes (a
-    # ticket per group of whole heads; sliced_qkv_rope)
+    # ticket per group of whole heads; sliced_qkv_rope). Off until measured: `bash benchmarks/gpu/llama_fold.sh`
     fold_sum: bool = False
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings). gate/up with block_k 64: 45.8 vs 54.6 us a
