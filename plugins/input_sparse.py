@@ -10,7 +10,9 @@
   the next step's pairs loaded before this step's rows are summed; fp32 partials [split, B, M].
   `sliced_gemv(...)`: its partials summed in order with the residual (`_sum_splits_kernel`);
   `sliced_qkv_rope(...)`: the fused q/k/v, its sum kernel applying RoPE to q and k and writing k and v into
-  the caches at pos.
+  the caches at pos. With settings' input_sparse.fold_sum, both sums run in the GEMV instead: each column
+  block's (q/k/v: each group of whole heads') last program, found by a ticket, sums its partials in the same
+  order (`_last_of`; the same bits as the sum launch).
 w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows are read; each program
 accumulates a [rows, BLOCK_M] fp32 tile (reduced over rows once, after the loop).
 Limits: fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |h| > t in fp32. t is a
