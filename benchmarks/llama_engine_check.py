@@ -5,7 +5,9 @@
 
 Perplexity over the same windows of: the dense model (fp32), compiler/gated_sparsity's hooks on
 it with the engine's thresholds (the simulation), and the engine (`Engine.logits`: each token
-thresholded on its own inputs; the engine's weights as stored, run in fp32 on the CPU). A
+thresholded on its own inputs; the engine's weights as stored, run in fp32 on the CPU). An
+engine built with --rotate-keep holds the rotated model's thresholds: the simulation rotates the
+model first, on the engine's calibration windows (rebuilt from its build settings). A
 thresholded model is discontinuous at its thresholds (an input a rounding away from one flips),
 so engine and simulation agree in perplexity, not logit for logit, once the engine's weights
 are rounded to fp16. Writes raw JSON; asserts nothing.
@@ -28,6 +30,21 @@ def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return math.exp(float(nll))
 
 
+def rotate_as_built(model, tok, build_config: dict) -> None:
+    """In place: the rotation the build applied (compiler/rotate_llama.py), on its calibration
+    windows; exits if they are not the recorded ones (fingerprint)."""
+    from dejavu.compiler.build_llama import calibration_windows
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.compiler.rotate_llama import rotate_llama
+    from dejavu.compiler.text import fingerprint_tokens
+
+    config = BuildConfig.from_dict({**build_config["settings"], "device": "cpu"})
+    ids, _ = calibration_windows(model.config, tok, config)
+    if fingerprint_tokens(ids.numpy().reshape(-1)) != build_config["calibration"]["tokens_fingerprint"]:
+        sys.exit("the calibration windows rebuilt from the engine's build settings are not the recorded ones")
+    rotate_llama(model, ids, config.rotate_keep)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("engine")
@@ -48,8 +65,11 @@ def main(argv=None) -> int:
     ids = torch.tensor(tok.encode(text[: 40 * a.tokens])[: a.tokens // a.window * a.window]).view(-1, a.window)
     sp = eng.header["sparsity"]
     calib = sp["thresholds"]  # the engine's thresholds, {key: [L]}
+    keep = eng.header["build_config"]["calibration"].get("rotate_keep")
     with torch.no_grad():
         dense = perplexity(model(ids), ids)
+        if keep is not None:
+            rotate_as_built(model, tok, eng.header["build_config"])
         with gated_sparsity(model, calib, GatedSparsity(skip=sp["skip"])) as reads:
             sim = perplexity(model(ids), ids)
     engine = perplexity(eng.logits(ids), ids)
@@ -57,7 +77,7 @@ def main(argv=None) -> int:
            "density": eng.header["build_config"]["density"], "skip": sp["skip"],
            "windows": ids.shape[0], "window": a.window, "scored_tokens": ids.shape[0] * (a.window - 1),
            "text": "dejavu/data/wikitext-2/test.txt", "ppl_dense": dense, "ppl_simulation": sim,
-           "ppl_engine": engine, "skip_realized_simulation": reads.skipped}
+           "ppl_engine": engine, "skip_realized_simulation": reads.skipped, "rotate_keep": keep}
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

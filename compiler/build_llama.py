@@ -103,23 +103,31 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def calibrate_inputs(model, tokenizer, config):
-    """(gated_sparsity.Calibration, calibration header) from the calibration text. With
-    config.rotate_keep set, the model is first rotated in place (compiler/rotate_llama.py) on the
-    same windows, and the thresholds are the rotated model's."""
-    from dejavu.compiler.build import _corpus_name
+def calibration_windows(cfg, tokenizer, config):
+    """(ids [B, window] on config.device, corpus) the calibration windows of a build: the ones its
+    thresholds and its rotation are computed on (benchmarks/llama_engine_check.py rebuilds them)."""
     from dejavu.compiler.config import CalibSettings
-    from dejavu.compiler.gated_sparsity import calibrate
-    from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
+    from dejavu.compiler.text import corpus_tokens
 
-    cfg = model.config
     window = min(config.calib_window, cfg.max_position_embeddings)
     want = TealSettings.calib_tokens if config.calib_tokens == CalibSettings.calib_tokens else config.calib_tokens
     ids, corpus = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
     n = len(ids) // window * window
     if n == 0:
         raise DejavuError(f"--calib-tokens {want} is less than one window of {window} tokens")
-    ids = torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device)
+    return torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device), corpus
+
+
+def calibrate_inputs(model, tokenizer, config):
+    """(gated_sparsity.Calibration, calibration header) from the calibration text. With
+    config.rotate_keep set, the model is first rotated in place (compiler/rotate_llama.py) on the
+    same windows, and the thresholds are the rotated model's."""
+    from dejavu.compiler.build import _corpus_name
+    from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.compiler.text import fingerprint_tokens
+
+    ids, corpus = calibration_windows(model.config, tokenizer, config)
+    n, window = ids.numel(), ids.shape[1]
     if config.rotate_keep is not None:
         from dejavu.compiler.rotate_llama import rotate_llama
 

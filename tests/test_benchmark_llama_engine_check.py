@@ -25,3 +25,22 @@ def test_engine_and_simulation_agree_on_a_tiny_fp32_engine(tmp_path):
     r = json.loads(out.read_text())
     assert r["scored_tokens"] == 4 * 63 and r["ppl_engine"] == pytest.approx(r["ppl_simulation"], rel=1e-5)
     assert r["ppl_simulation"] != pytest.approx(r["ppl_dense"], rel=1e-3)
+
+
+def test_a_rotated_engines_simulation_is_the_rotated_model(tmp_path):
+    """--rotate-keep: the thresholds are the rotated model's, so the simulation rotates the model
+    on the engine's calibration windows first; engine and simulation then agree in fp32."""
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny", seed=1)
+    build_engine(folder, BuildConfig(density=0.6, calib_tokens=256, calib_window=64, dtype="float32", rotate_keep=2),
+                 tmp_path / "r.engine", progress=False)
+    out = tmp_path / "r.json"
+    assert check.main([str(tmp_path / "r.engine"), "--model", str(folder), "--tokens", "256", "--window", "64",
+                       "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["ppl_engine"] == pytest.approx(r["ppl_simulation"], rel=1e-5)
+    assert r["ppl_simulation"] != pytest.approx(r["ppl_dense"], rel=1e-3)
+    assert r["rotate_keep"] == 2
