@@ -34,7 +34,7 @@ from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
 @helper
-def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr, CACHE: tl.constexpr = ""):
+def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr, CACHE: tl.constexpr):
     # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
     # (every split-K sum of this file goes through here: one rounding). CACHE ".cg": read at L2 (partials
     # stored by other programs of the same launch)
@@ -95,7 +95,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         ss = tl.zeros([ROW], dtype=tl.float32)
         for n0 in range(0, N, ROW):
             offs = n0 + tl.arange(0, ROW)
-            xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
+            xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT, "").to(tl.float32)
             ss += xv * xv
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / N + eps)
     lo = ps * PER
@@ -105,7 +105,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < hi
         if PRODUCER != 3:
-            xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
+            xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT, "")
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
             h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
         elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
@@ -113,7 +113,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
             h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
             g = xv.to(tl.float32)
-            u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
+            u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT, "").to(tl.float32)
             h = ((g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32) * u).to(xv.dtype)
         else:
             h = xv
