@@ -70,7 +70,7 @@ SHAPES = {
 # programs
 VARIANTS = [{"gqa_attn": {"kernel": False}}, {"gqa_attn": {"block_s": 64}}, {"gqa_attn": {"max_splits": 4}},
             {"gqa_attn": {"target_programs": 264, "max_splits": 64}}, {"projections": []}, {"block_m": 32},
-            {"target_programs": 1056}, {"fold_sum": True}]
+            {"target_programs": 1056}]
 COMMON = dict(model_type="llama", hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5,
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
@@ -363,17 +363,13 @@ def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dic
 
 def smoke(dev) -> dict:
     """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings,
-    with fewer splits (min_split_inputs 64), with the split-K sums in the other form (fold_sum), with the
-    attention kernel in tiles of 16 slots (two splits per row of 24, combined by the o projection's select), and
-    with PyTorch's masked SDPA as the attention."""
-    from dejavu.plugins import DEFAULT
-
+    with fewer splits (min_split_inputs 64), with the attention kernel in tiles of 16 slots (two splits per row of
+    24, combined by the o projection's select), and with PyTorch's masked SDPA as the attention."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
     tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64},
-                                                               {"fold_sum": not DEFAULT.input_sparse.fold_sum},
                                                                {"gqa_attn": {"block_s": 16, "max_splits": 4}},
                                                                {"gqa_attn": {"kernel": False}}],
                    variant_skip=0.4)[0][1:]

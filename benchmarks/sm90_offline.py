@@ -79,14 +79,6 @@ KERNELS = {
                                    {"x_ptr": "*fp32"}),
     "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True, GDC=1), 3),
     "sliced_gemv_k64": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=32, EVEN_M=True, GDC=1), 3),
-    # fold_sum: o / down's sum with the residual (9 splits) and q/k/v's with RoPE (6 splits, a ticket per head)
-    # by the GEMV's last program of a column block
-    "sliced_gemv_fold": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True, GDC=1,
-                                                                     SPLIT_K=9, HAS_RES=True), 3,
-                         {"ticket_ptr": "*i32"}),
-    "sliced_qkv_fold": ("input_sparse", "_sliced_qkv_kernel", dict(HEAD_D=128, BLOCK_M=64, SUB=64, EVEN_M=True,
-                                                                   SPLIT_K=6, GROUP=128, GDC=1), 3,
-                        {"ticket_ptr": "*i32", "pos_ptr": "*i64", "q_ptr": "*fp16"}),
     "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel",
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel", dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, GDC=2), 3,

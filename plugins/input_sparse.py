@@ -10,9 +10,7 @@
   the next step's pairs loaded before this step's rows are summed; fp32 partials [split, B, M].
   `sliced_gemv(...)`: its partials summed in order with the residual (`_sum_splits_kernel`);
   `sliced_qkv_rope(...)`: the fused q/k/v, its sum kernel applying RoPE to q and k and writing k and v into
-  the caches at pos. With settings' input_sparse.fold_sum, both sums run in the GEMV instead: each column
-  block's (q/k/v: each group of whole heads') last program, found by a ticket, sums its partials in the same
-  order (`_last_of`; the same bits as the sum launch).
+  the caches at pos.
 w_t [N, M] = W^T (build time): a kept input is one contiguous row, only kept rows are read; each program
 accumulates a [rows, BLOCK_M] fp32 tile (reduced over rows once, after the loop).
 Limits: fp16 / bf16 / fp32, contiguous; rows b independent; fp32 accumulation and |h| > t in fp32. t is a
@@ -34,33 +32,25 @@ from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
 @helper
-def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr, CACHE: tl.constexpr):
+def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
     # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
-    # (every split-K sum of this file goes through here: one rounding). CACHE ".cg": read at L2 (partials
-    # stored by other programs of the same launch)
+    # (every split-K sum of this file goes through here: one rounding)
     if SRC_SPLIT == 0:
         return tl.load(x_ptr + offs, mask=mask, other=0.0)
-    acc = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SRC_SPLIT):
-        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0, cache_modifier=CACHE)
+        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
     return acc.to(val_ptr.dtype.element_ty)
-
-
-@helper
-def _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr,
-               CACHE: tl.constexpr):
-    # y[b, offs_m] = (residual +) the SPLIT_K fp32 partials [S, B, M] summed in order, rounded to y's dtype
-    y = _src(part_ptr, b * M + offs_m, m_ok, B * M, y_ptr, SPLIT_K, CACHE)  # the splits in order
-    if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
-        y = (tl.load(res_ptr + b * M + offs_m, mask=m_ok, other=0.0).to(tl.float32) + y.to(tl.float32))
-    tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=m_ok)
 
 
 def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
                        HAS_RES: tl.constexpr, GDC: tl.constexpr = 0):
     b, offs_m = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     gdc_enter(GDC)
-    _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, offs_m < M, B, M, SPLIT_K, HAS_RES, "")
+    y = _src(part_ptr, b * M + offs_m, offs_m < M, B * M, y_ptr, SPLIT_K)  # the splits in order
+    if HAS_RES:  # residual + y, rounded as PyTorch adds two tensors of y's dtype
+        y = (tl.load(res_ptr + b * M + offs_m, mask=offs_m < M, other=0.0).to(tl.float32) + y.to(tl.float32))
+    tl.store(y_ptr + b * M + offs_m, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
 
 
 def split_k_for(B: int, N: int, M: int, config) -> int:
@@ -95,7 +85,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         ss = tl.zeros([ROW], dtype=tl.float32)
         for n0 in range(0, N, ROW):
             offs = n0 + tl.arange(0, ROW)
-            xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT, "").to(tl.float32)
+            xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
             ss += xv * xv
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / N + eps)
     lo = ps * PER
@@ -105,7 +95,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < hi
         if PRODUCER != 3:
-            xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT, "")
+            xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
             h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
         elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
@@ -113,7 +103,7 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
             h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
             g = xv.to(tl.float32)
-            u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT, "").to(tl.float32)
+            u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
             h = ((g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32) * u).to(xv.dtype)
         else:
             h = xv
@@ -141,17 +131,15 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
     return w.to(tl.float32) * v[:, None]
 
 
-@helper
-def _kept_rows_sum(idx_ptr, val_ptr, count_ptr, w_ptr, b, pm, ps, NS, N, M, PER, BLOCK_M: tl.constexpr,
-                   SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr):
-    # (the [BLOCK_M] fp32 sum over split ps's kept pairs of val * w_t[idx, offs_m], offs_m, m_ok): the GEMV's
-    # main loop, the PDL wait before it and the trigger after it
+def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0):
+    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if EVEN_M:
         m_ok = offs_m >= 0  # all true, and known to be: unpredicated vector loads
     gdc_enter(GDC)
-    n = tl.load(count_ptr + b * NS + ps)
+    n = tl.load(count_ptr + b * tl.num_programs(2) + ps)
     idx_ptr += b * N + ps * PER  # this split's n (index, value) pairs
     val_ptr += b * N + ps * PER
     # A step reads 2 * SUB kept rows as two loads of SUB pairs: fewer pairs than the program has threads,
@@ -168,64 +156,21 @@ def _kept_rows_sum(idx_ptr, val_ptr, count_ptr, w_ptr, b, pm, ps, NS, N, M, PER,
         i1, v1 = _pairs(idx_ptr, val_ptr, k0 + 3 * SUB + ar, n)
         acc += p0 + p1
     gdc_release(GDC)
-    return tl.sum(acc, 0), offs_m, m_ok
+    tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
-@helper
-def _last_of(ticket, arrivals):
-    # True in the program that takes the last of `arrivals` tickets (its partial, like every program's before
-    # it, stored and released at gpu scope); that program puts the ticket back to 0 after its sum
-    tl.debug_barrier()  # every thread's partial stored before the ticket's release
-    return tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-
-
-def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, y_ptr=None, res_ptr=None,
-                        ticket_ptr=None, SPLIT_K: tl.constexpr = 0, HAS_RES: tl.constexpr = 0):
-    # SPLIT_K > 0 (fold_sum): the split-K sum folded in. Each program of a (row, column block) takes a
-    # ticket after storing its partial; the last of the SPLIT_K sums them in order (with the residual) into y,
-    # as _sum_splits_kernel does, and puts the ticket back to 0 for the next launch.
-    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    y, offs_m, m_ok = _kept_rows_sum(idx_ptr, val_ptr, count_ptr, w_ptr, b, pm, ps, tl.num_programs(2), N, M, PER,
-                                     BLOCK_M, SUB, EVEN_M, GDC)
-    tl.store(part_ptr + (ps * B + b) * M + offs_m, y, mask=m_ok)
-    if SPLIT_K > 0:
-        ticket = ticket_ptr + b * tl.num_programs(1) + pm
-        if _last_of(ticket, SPLIT_K):
-            _sum_store(part_ptr, y_ptr, res_ptr, b, offs_m, m_ok, B, M, SPLIT_K, HAS_RES, ".cg")
-            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-
-
-def _sliced_qkv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr,
-                       pos_ptr, ticket_ptr, B, N, M, PER, QD, KD, T, HKV, HEAD_D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, SUB: tl.constexpr, EVEN_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                       GROUP: tl.constexpr, GDC: tl.constexpr = 0):
-    # the fused q/k/v GEMV with _sum_rope_kernel folded in: a ticket per GROUP columns (max(BLOCK_M, HEAD_D):
-    # whole heads, a column's RoPE mate inside), the last of its SPLIT_K * GROUP / BLOCK_M programs sums
-    # the group's partials in order, rotates q and k and writes q and the caches
-    b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    y, offs_m, m_ok = _kept_rows_sum(idx_ptr, val_ptr, count_ptr, w_ptr, b, pm, ps, tl.num_programs(2), N, M, PER,
-                                     BLOCK_M, SUB, EVEN_M, GDC)
-    tl.store(part_ptr + (ps * B + b) * M + offs_m, y, mask=m_ok)
-    group = pm * BLOCK_M // GROUP
-    ticket = ticket_ptr + b * tl.cdiv(M, GROUP) + group
-    if _last_of(ticket, SPLIT_K * (GROUP // BLOCK_M)):
-        _sum_rope_store(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, b, group * GROUP +
-                        tl.arange(0, GROUP), B, M, QD, KD, T, HKV, HEAD_D, SPLIT_K, ".cg")
-        tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-
-
-@helper
-def _sum_rope_store(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, b, offs, B, M, QD, KD, T, HKV,
-                    HEAD_D: tl.constexpr, SPLIT_K: tl.constexpr, CACHE: tl.constexpr):
-    # q/k/v's split-K sum at columns offs of row b, RoPE on q and k, k and v into the caches at pos[b]: columns
-    # [0, QD) are q, then KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
+def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, GDC: tl.constexpr = 0):
+    # q/k/v's split-K sum, RoPE on q and k, k and v into the caches at pos[b]: columns [0, QD) are q, then
+    # KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
+    b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = offs < M
     d = offs % HEAD_D
     mate = offs - d + (d + HEAD_D // 2) % HEAD_D
+    gdc_enter(GDC)
     dt = q_ptr.dtype.element_ty  # q/k/v in the engine dtype, summed as _sum_splits_kernel sums
-    y = _src(part_ptr, b * M + offs, ok, B * M, q_ptr, SPLIT_K, CACHE).to(tl.float32)
-    y_mate = _src(part_ptr, b * M + mate, ok, B * M, q_ptr, SPLIT_K, CACHE).to(tl.float32)
+    y = _src(part_ptr, b * M + offs, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
+    y_mate = _src(part_ptr, b * M + mate, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
     c = tl.load(cos_ptr + b * HEAD_D + d).to(tl.float32)
     sn = tl.load(sin_ptr + b * HEAD_D + d).to(tl.float32)  # rotate_half's sign folded in
     rot = ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
@@ -236,14 +181,6 @@ def _sum_rope_store(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, 
     tl.store(kc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, rot, mask=is_k)
     head = tl.where(is_v, offs - QD - KD, 0) // HEAD_D
     tl.store(vc_ptr + ((b * HKV + head) * T + p) * HEAD_D + d, y.to(dt), mask=is_v)
-
-
-def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
-                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, GDC: tl.constexpr = 0):
-    b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    gdc_enter(GDC)
-    _sum_rope_store(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, b, offs, B, M, QD, KD, T, HKV,
-                    HEAD_D, SPLIT_K, "")
 
 
 def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | None = None, eps: float = 0.0,
@@ -352,12 +289,6 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
                  settings: KernelSettings | None = None) -> torch.Tensor:
     """fp32 partials [split, B, M] of the pairs' GEMV (split = count.shape[1]): split s's sum over its pairs of
     val * w_t[idx, :]; their in-order sum is the product (`sliced_gemv`; or a select's partials x)."""
-    return _gemv(idx, val, count, w_t, settings)
-
-
-def _gemv(idx, val, count, w_t, settings, kernel=None, epilogue=None):
-    # sliced_parts' checks and launch of `kernel` (the pairs' GEMV, or with an epilogue folded in:
-    # epilogue(split, column blocks) -> its extra launch arguments); the partials
     config = (settings or DEFAULT).input_sparse
     check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = val.shape
@@ -371,48 +302,24 @@ def _gemv(idx, val, count, w_t, settings, kernel=None, epilogue=None):
     check_tensor("w_t", w_t, shape=(N, M))  # a row per input
     part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
     grid = (B, -(-M // config.block_m), split)
-    extra = {} if epilogue is None else epilogue(split, grid[1])
-    jit(kernel or _sliced_gemv_kernel, val.device)[grid](
-        idx, val, count, w_t, part, B=B, N=N, M=M, PER=-(-N // split), BLOCK_M=config.block_m,
-        SUB=max(1, config.block_k // 2), EVEN_M=M % config.block_m == 0, num_warps=config.num_warps, **extra,
-        **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
+    jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
+                                               BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
+                                               EVEN_M=M % config.block_m == 0, num_warps=config.num_warps,
+                                               **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
     return part
-
-
-_TICKETS: dict = {}  # device -> int32 tickets of fold_sum launches, all 0 between launches
-
-
-def _tickets(n: int, device: torch.device) -> torch.Tensor:
-    # n zeroed tickets on device: one buffer per device, shared by every fold_sum launch (each launch's last
-    # program of a column block puts its ticket back to 0); made at the first (eager) launch of a shape, so a
-    # CUDA graph captured later replays the buffer it was captured with
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < n:
-        t = _TICKETS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return t
 
 
 def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 settings: KernelSettings | None = None):
     """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
-    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read. The split-K sum
-    (in split order, then the residual) is its own launch, or the GEMV's last program of each column block
-    (settings' input_sparse.fold_sum): the same bits either way."""
+    w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
     config = (settings or DEFAULT).input_sparse
-    check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("w_t", w_t, ndim=2, dtype=val.dtype, device=val.device)
-    B, M = val.shape[0], w_t.shape[1]
+    part = sliced_parts(idx, val, count, w_t, settings)
+    split, B, M = part.shape
     if residual is not None:
         check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
     out = check_out(out, (B, M), val.dtype, val.device, "out")
-    if config.fold_sum:
-        _gemv(idx, val, count, w_t, settings, epilogue=lambda split, blocks: dict(
-            y_ptr=out, res_ptr=out if residual is None else residual, ticket_ptr=_tickets(B * blocks, val.device),
-            SPLIT_K=split, HAS_RES=residual is not None))
-        return out
-    part = sliced_parts(idx, val, count, w_t, settings)
-    split = part.shape[0]
     jit(_sum_splits_kernel, val.device)[(B, -(-M // config.block_m))](
         part, out, out if residual is None else residual, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
         HAS_RES=residual is not None, **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
@@ -425,8 +332,7 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     """q [B, H, hd] of a fused q/k/v projection (the pairs' GEMV, w_t [N, (H + 2 Hkv) hd]), RoPE on q and k
     (cos, sin [B, hd]: sin with rotate_half's sign, -sin on the first half), k and v written into
     k_cache, v_cache [B, Hkv, T, hd] at slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch
-    after the GEMV, or (fold_sum, where block_m and hd divide one another) by the GEMV's last program of each
-    group of whole heads."""
+    after the GEMV."""
     config = (settings or DEFAULT).input_sparse
     B, Hkv, T, hd = k_cache.shape
     check_tensor("k_cache", k_cache, dtype=val.dtype, device=val.device)
@@ -437,16 +343,9 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     M = w_t.shape[1] if w_t.dim() == 2 else -1
     if hd % 2 or M % hd or M // hd <= 2 * Hkv:
         raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
+    part = sliced_parts(idx, val, count, w_t, settings)
     H = M // hd - 2 * Hkv
     q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
-    group = max(config.block_m, hd)
-    if config.fold_sum and group % min(config.block_m, hd) == 0:  # whole heads in a ticket's columns
-        _gemv(idx, val, count, w_t, settings, _sliced_qkv_kernel, lambda split, blocks: dict(
-            q_ptr=q, kc_ptr=k_cache, vc_ptr=v_cache, cos_ptr=cos, sin_ptr=sin, pos_ptr=pos,
-            ticket_ptr=_tickets(B * -(-M // group), val.device), QD=H * hd, KD=Hkv * hd, T=T, HKV=Hkv, HEAD_D=hd,
-            SPLIT_K=split, GROUP=group))
-        return q
-    part = sliced_parts(idx, val, count, w_t, settings)
     jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](
         part, q, k_cache, v_cache, cos, sin, pos, B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=config.block_m,
         SPLIT_K=part.shape[0], **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))

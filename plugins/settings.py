@@ -160,10 +160,6 @@ class InputSparseSettings:
     target_programs: int = 528  # 4 per SM on an H100 / H200 (132 SMs)
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
-    # the GEMV's split-K sum done by its last program of each column block (a ticket per block) instead of a launch
-    # of its own: o's and down's with the residual (sliced_gemv), q/k/v's with RoPE and the cache writes (a
-    # ticket per group of whole heads; sliced_qkv_rope). Off until measured: `bash benchmarks/gpu/llama_fold.sh`
-    fold_sum: bool = False
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings). gate/up with block_k 64: 45.8 vs 54.6 us a
     # launch on Llama-3-8B, 3.909 vs 4.180 ms a step with the attention kernel (1.75x the dense graph's 6.850);

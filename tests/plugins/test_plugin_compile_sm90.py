@@ -156,25 +156,6 @@ SCRIPT = textwrap.dedent('''
         loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
                  if f"$L__BB0_{m.group(1)};" in ptx[m.end():]]
         assert loops and not any("bar.sync" in body or "shared" in body for body in loops)
-    # fold_sum: each column block's last GEMV program sums the split-K partials. The partial stored, then a CTA
-    # barrier before one thread's gpu-scope acq_rel ticket, a barrier to share it, the partials read at L2 (.cg:
-    # other SMs stored them), the ticket put back; the main loop as without the fold
-    for gdc in (0, 1):
-        k = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True, SPLIT_K=9, HAS_RES=True,
-                                                          GDC=gdc),
-                         overrides={"count_ptr": "*i32", "part_ptr": "*fp32", "ticket_ptr": "*i32"}, div16={"N", "M"})
-        ptx = k.asm["ptx"]
-        atom = ptx.index("atom.global.gpu.acq_rel.add.u32")
-        part = ptx.rindex("st.global.b32", 0, atom)  # the partial
-        assert "bar.sync" in ptx[part:atom] and "bar.sync" in ptx[atom:ptx.index("ld.global.cg")]
-        assert ptx.count("ld.global.cg") == 9 and "atom.global.gpu.relaxed.exch" in ptx[ptx.index("ld.global.cg"):]
-        # q/k/v: a ticket per head (2 column blocks of 64), the last program's sum, RoPE and cache writes
-        qkv = {"count_ptr": "*i32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "pos_ptr": "*i64", "q_ptr": "*fp16"}
-        ptx = compile_sm90(IS, IS._sliced_qkv_kernel, dict(HEAD_D=128, BLOCK_M=64, SUB=64, EVEN_M=True, SPLIT_K=6,
-                                                           GROUP=128, GDC=gdc), overrides=qkv, div16={"N", "M"}).asm["ptx"]
-        atom = ptx.index("atom.global.gpu.acq_rel.add.u32")
-        assert "bar.sync" in ptx[ptx.rindex("st.global.b32", 0, atom):atom]
-        assert ptx.index("ld.global.cg") > atom and "atom.global.gpu.relaxed.exch" in ptx[ptx.index("ld.global.cg"):]
     compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6),
                  overrides={"part_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*fp16"})
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,
@@ -224,7 +205,6 @@ SCRIPT = textwrap.dedent('''
         (IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True), True),
         (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
         (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), False),
-        (IS, IS._sliced_qkv_kernel, dict(HEAD_D=128, BLOCK_M=64, SUB=64, EVEN_M=True, SPLIT_K=6, GROUP=128), True),
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16), False),
         (GA, GA._gqa_split_kernel, dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False), True),
         (GA, GA._gqa_split_kernel, dict(G=8, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=False, DOT_FP32=False),
@@ -234,8 +214,7 @@ SCRIPT = textwrap.dedent('''
     gqa = {"q_ptr": "*fp16", "o_ptr": "*fp16", "acc_ptr": "*fp32", "pos_ptr": "*i64", "scale": "fp32"}
     typed = {IS._select_slices_kernel: {"count_ptr": "*i32", "t": "fp32"}, IS._sliced_gemv_kernel:
              {"count_ptr": "*i32", "part_ptr": "*fp32"}, IS._sum_splits_kernel: {"part_ptr": "*fp32"},
-             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"},
-             IS._sliced_qkv_kernel: {"count_ptr": "*i32", "part_ptr": "*fp32", "ticket_ptr": "*i32", "pos_ptr": "*i64"}, GA._gqa_split_kernel: gqa,
+             IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}, GA._gqa_split_kernel: gqa,
              GA._gqa_combine_kernel: {k: gqa[k] for k in ("o_ptr", "acc_ptr", "pos_ptr")}}
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)
         over = {"N_REF": "i32"} if fn is SA._attn_combine_kernel else compacted if fn is CR._compact_rows_kernel \

@@ -188,18 +188,10 @@ def _rope64(qkv, cos, sin, H, Hkv, hd):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("B,H,Hkv,hd,config", [(1, 4, 2, 16, SMALL), (3, 6, 2, 8, SMALL), (2, 2, 1, 32, _s()),
-                                               (2, 3, 1, 12, SMALL)])
-def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, fold, B, H, Hkv, hd, config):
+@pytest.mark.parametrize("B,H,Hkv,hd,config", [(1, 4, 2, 16, SMALL), (3, 6, 2, 8, SMALL), (2, 2, 1, 32, _s())])
+def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config):
     """q rotated, and k (rotated) and v written into the caches at pos[b] only: poisoned caches keep their NaN
-    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32). fold: the sum and RoPE by the GEMV's
-    last program of each group of whole heads (fold_sum; hd 12 against block_m 16: the sum launch), the same
-    bits as the sum launch, its tickets back at 0."""
-    from dejavu.plugins import input_sparse as IS
-
-    if fold:
-        folded = _ks(dataclasses.replace(config, fold_sum=True))
+    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32)."""
     g = torch.Generator().manual_seed(H * hd + B)
     N, M, T = 40, (H + 2 * Hkv) * hd, 7
     x, nw = _producer_input(B, N, "norm", dtype, g)
@@ -212,11 +204,6 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, fold, B, H
     split = split_k_for(B, N, M, config)
     idx, val, count = select_slices(x, t, split, nw, 1e-5, settings=_ks(config))
     q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config))
-    if fold:
-        kf, vf = (torch.full_like(kc, float("nan")) for _ in range(2))
-        assert torch.equal(sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kf, vf, settings=folded), q)
-        assert torch.equal(kf.nan_to_num(7.0), kc.nan_to_num(7.0)) and torch.equal(vf.nan_to_num(7.0), vc.nan_to_num(7.0))
-        assert int(IS._TICKETS[x.device].abs().sum()) == 0
     h = produce_ref(x, nw, 1e-5)
     q64, k64, v64 = _rope64((h.double() * (h.float().abs() > t)) @ w_t.double(), cos, sin, H, Hkv, hd)
     kt, vt = (torch.full_like(kc, float("nan")) for _ in range(2))
@@ -228,35 +215,3 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, fold, B, H
     written = torch.zeros(B, Hkv, T, dtype=torch.bool)
     written[rows, :, pos] = True
     assert kc[~written].isnan().all() and vc[~written].isnan().all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,N,M,t,config,residual", [(1, 77, 45, 0.6, SMALL, True), (3, 130, 64, 0.6, SMALL, False),
-                                                     (2, 200, 300, 0.9, _s(), True),
-                                                     (2, 50, 48, 50.0, SMALL, True),
-                                                     (2, 200, 45, 0.6, WIDE_K, True),
-                                                     (1, 40, 33, 0.3, _s(block_m=16, block_k=8, split_k=1), True)])
-def test_fold_sum_gives_the_separate_sums_bits(triton_interp, dtype, B, N, M, t, config, residual):
-    """fold_sum (the split-K sum by each column block's last GEMV program) against the sum launch: the same
-    bits, with and without the residual, one split and several, none kept; the tickets are back at 0 after
-    each launch, so a second launch of another shape (fewer column blocks, more rows) sums right again."""
-    from dejavu.plugins import input_sparse as IS
-
-    g = torch.Generator().manual_seed(N * M)
-    x = torch.randn(B, N, generator=g).to(dtype)
-    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
-    res = torch.randn(B, M, generator=g).to(dtype) if residual else None
-    folded = _ks(dataclasses.replace(config, fold_sum=True))
-    idx, val, count = select_slices(x, t, split_k_for(B, N, M, config), settings=_ks(config))
-    want = sliced_gemv(idx, val, count, w_t, res, settings=_ks(config))
-    got = sliced_gemv(idx, val, count, w_t, res, out=torch.full((B, M), float("nan"), dtype=dtype), settings=folded)
-    assert torch.equal(got, want)
-    ref64 = (x.double() * (x.float().abs() > t)) @ w_t.double() + (0 if res is None else res.double())
-    assert (got.double() - ref64).abs().max() < (3e-2 if dtype != torch.float32 else 1e-4) * (1 + ref64.abs().max())
-    tickets = IS._TICKETS[x.device]
-    assert int(tickets.abs().sum()) == 0
-    x2 = torch.randn(B + 1, N, generator=g).to(dtype)
-    i2, v2, c2 = select_slices(x2, 0.1, 3, settings=_ks(config))
-    w2 = w_t[:, :M // 2 + 1].contiguous()
-    assert torch.equal(sliced_gemv(i2, v2, c2, w2, settings=folded), sliced_gemv(i2, v2, c2, w2, settings=_ks(config)))
-    assert int(tickets.abs().sum()) == 0

@@ -192,8 +192,7 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
     smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
-    and with settings per projection kind (input_sparse.projections: other blocks, splits), the split-K sums by
-    their own launches and folded into the GEMV (fold_sum), the attention by
+    and with settings per projection kind (input_sparse.projections: other blocks, splits), the attention by
     plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o projection's select, or by the
     combine kernel) or by SDPA over the whole cache (gqa_attn.kernel off), and at the engine's own settings (the
     defaults: gate/up's block_k 64, the attention kernel's tiles of 32), run by Triton's interpreter in a
@@ -214,12 +213,11 @@ prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-runs = ((8, (), dict(block_s=16), True), (4096, kinds, dict(block_s=16, fuse_combine=False), False),
-        (4096, (), dict(kernel=False), True), (None, (), None, None))  # the last: the engine's own settings
-for min_split, projections, attn, fold in runs:
+runs = ((8, (), dict(block_s=16)), (4096, kinds, dict(block_s=16, fuse_combine=False)),
+        (4096, (), dict(kernel=False)), (None, (), None))  # the last: the engine's own settings
+for min_split, projections, attn in runs:
     ks = None if min_split is None else KernelSettings(gqa_attn=GQAAttnSettings(**attn), input_sparse=(
-        InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split, projections=projections,
-                            fold_sum=fold)))
+        InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split, projections=projections)))
     tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
     assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16 if ks else 64)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
