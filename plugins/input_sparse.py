@@ -35,12 +35,13 @@ from dejavu.plugins.settings import DEFAULT, KernelSettings
 def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
     # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
     # (every split-K sum of this file goes through here: one rounding)
-    if SRC_SPLIT == 0:
-        return tl.load(x_ptr + offs, mask=mask, other=0.0)
-    acc = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SRC_SPLIT):
-        acc += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
-    return acc.to(val_ptr.dtype.element_ty)
+    # (one return: x may be fp32 where val is not, the fp32 residual stream)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if SRC_SPLIT > 0:
+        for s in tl.static_range(1, SRC_SPLIT):
+            x += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
+        x = x.to(val_ptr.dtype.element_ty)
+    return x
 
 
 def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -98,9 +99,11 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
             xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
             h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
-        elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in x's dtype, then the weight product
+        elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in h's dtype (val's: x's, or
+            # the engine's from an fp32 x), then the weight product
+            dt = val_ptr.dtype.element_ty
             nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-            h = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype)
+            h = (nw * (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
             g = xv.to(tl.float32)
             u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
@@ -132,7 +135,8 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0):
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, ATOMIC: tl.constexpr = 0):
+    # ATOMIC: part_ptr an fp32 [B, M] that every split adds its sum into (sliced_gemv_add), else the partials
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -156,7 +160,10 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
         i1, v1 = _pairs(idx_ptr, val_ptr, k0 + 3 * SUB + ar, n)
         acc += p0 + p1
     gdc_release(GDC)
-    tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
+    if ATOMIC:
+        tl.atomic_add(part_ptr + b * M + offs_m, tl.sum(acc, 0), mask=m_ok, sem="relaxed")
+    else:
+        tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
 def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
@@ -188,9 +195,9 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
     """(idx [B, N] int32, val [B, N], count [B, split] int32): the inputs of h with |h| > t, per slice s of
     the N inputs ([s * per, (s + 1) * per), per = ceil(N / split)): ascending at idx[b, s * per:], count[b, s]
     of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps) (norm_w [N]), or
-    silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype,
-    or the fp32 partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype,
-    or the attention's split partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
+    silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype
+    (an fp32 x with norm_w: h in dtype, rms_norm's output rounded to it: the fp32 residual stream), or the fp32
+    partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype, or the attention's split partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
     config = (settings or DEFAULT).input_sparse
     if isinstance(x, GQAPartials):
         return _select_attn(x, t, split, settings)
@@ -200,7 +207,9 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
         if dtype not in FLOAT_DTYPES:
             raise DejavuError(f"select_slices: partials x need the dtype of h, got {dtype}")
     elif x.dim() == 2:
-        dtype = x.dtype
+        if dtype not in (None, x.dtype) and (norm_w is None or x.dtype != torch.float32):
+            raise DejavuError(f"select_slices: h in {dtype} from x in {x.dtype} is for RMSNorm of an fp32 x only")
+        dtype = dtype or x.dtype
     else:
         raise DejavuError(f"x: expected [B, N] or partials [S, B, N], got shape {tuple(x.shape)}")
     B, N = x.shape[-2], x.shape[-1] // 2 if swiglu else x.shape[-1]
@@ -270,6 +279,8 @@ def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tenso
     """PyTorch reference of `select_slices` (idx -1 and val 0 past each slice's count)."""
     if isinstance(x, GQAPartials):
         h = gqa_partials_ref(x).to(x.acc.device)
+    elif x.dim() == 2 and dtype not in (None, x.dtype):  # RMSNorm of an fp32 x, h in dtype
+        h = norm_w * F.rms_norm(x, (x.shape[-1],), eps=eps).to(dtype)
     else:
         h = produce_ref(sum_parts_ref(x, dtype) if x.dim() == 3 else x, norm_w, eps, swiglu)
     B, N = h.shape
@@ -286,9 +297,10 @@ def select_slices_ref(x: torch.Tensor, t: float, split: int, norm_w: torch.Tenso
 
 
 def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
-                 settings: KernelSettings | None = None) -> torch.Tensor:
+                 settings: KernelSettings | None = None, acc: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 partials [split, B, M] of the pairs' GEMV (split = count.shape[1]): split s's sum over its pairs of
-    val * w_t[idx, :]; their in-order sum is the product (`sliced_gemv`; or a select's partials x)."""
+    val * w_t[idx, :]; their in-order sum is the product (`sliced_gemv`; or a select's partials x). acc: the
+    splits' sums added into it instead (`sliced_gemv_add`)."""
     config = (settings or DEFAULT).input_sparse
     check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
     B, N = val.shape
@@ -300,13 +312,26 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
     check_tensor("w_t", w_t, ndim=2, dtype=val.dtype, device=val.device)
     M = w_t.shape[1]
     check_tensor("w_t", w_t, shape=(N, M))  # a row per input
-    part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
+    if acc is None:
+        part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
+    else:
+        check_tensor("acc", acc, shape=(B, M), dtype=torch.float32, device=val.device)
+        part = acc
     grid = (B, -(-M // config.block_m), split)
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
-                                               EVEN_M=M % config.block_m == 0, num_warps=config.num_warps,
+                                               EVEN_M=M % config.block_m == 0, ATOMIC=acc is not None,
+                                               num_warps=config.num_warps,
                                                **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
     return part
+
+
+def sliced_gemv_add(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
+                    acc: torch.Tensor, settings: KernelSettings | None = None) -> torch.Tensor:
+    """acc [B, M] (fp32) += the pairs' GEMV, in place, and returned: each split adds its fp32 sum into acc with
+    an atomic (no split-K sum launch, no partials; the order of the splits' adds is not fixed, so the last
+    bits vary from run to run). The fp32 residual stream's o and down (input_sparse.fp32_residual)."""
+    return sliced_parts(idx, val, count, w_t, settings, acc=acc)
 
 
 def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,

@@ -122,6 +122,8 @@ class LlamaOps:
         # the decode step's attention: plugins/gqa_attention's kernel (slots <= pos only) on the triton backend
         # where its settings turn it on; else one scaled_dot_product_attention over the whole cache, masked
         self.attn_kernel = backend == "triton" and self.settings.gqa_attn.kernel
+        # the residual stream in fp32, o and down adding into it (input_sparse.fp32_residual; decode steps only)
+        self.fp32_residual = backend == "triton" and self.settings.input_sparse.fp32_residual
         self.kernels = {"input_sparse_gemv": backend, "gqa_attention": "triton" if self.attn_kernel else "torch"}
 
     def _select(self, x, w_t: torch.Tensor, t: float, kind: str, norm=None, swiglu: bool = False, dtype=None):
@@ -138,10 +140,17 @@ class LlamaOps:
         """linear_ref's y [B, M] from x [B, N] (swiglu: [B, 2N]); t 0: PyTorch's dense product; the kernels
         with projection `kind`'s settings."""
         if t <= 0 or self.backend == "ref":
-            return linear_ref(x, w_t, t, norm, swiglu, residual)
-        from dejavu.plugins.input_sparse import sliced_gemv
+            return linear_ref(x.to(w_t.dtype), w_t, t, norm, swiglu, residual)  # an fp32 residual stream's x rounded
+        return self._project(self._select(x, w_t, t, kind, norm, swiglu, w_t.dtype), w_t, residual, kind)
 
-        return sliced_gemv(*self._select(x, w_t, t, kind, norm, swiglu), w_t, residual, settings=self.kinds[kind])
+    def _project(self, sel, w_t: torch.Tensor, residual: torch.Tensor | None, kind: str) -> torch.Tensor:
+        # the pairs' GEMV of select `sel`: residual + y by the split-K sum launch, or added into the fp32 residual
+        # stream in place (fp32_residual)
+        from dejavu.plugins.input_sparse import sliced_gemv, sliced_gemv_add
+
+        if self.fp32_residual and residual is not None:
+            return sliced_gemv_add(*sel, w_t, residual, settings=self.kinds[kind])
+        return sliced_gemv(*sel, w_t, residual, settings=self.kinds[kind])
 
     def gate_up(self, x: torch.Tensor, wgu_t: torch.Tensor, t: float, norm) -> torch.Tensor:
         """The fused gate/up projection of x [B, D] through the MLP's RMSNorm (norm: (w, eps)), unsummed: fp32
@@ -150,17 +159,17 @@ class LlamaOps:
             return self.linear(x, wgu_t, t, norm=norm, kind="gate_up")
         from dejavu.plugins.input_sparse import sliced_parts
 
-        return sliced_parts(*self._select(x, wgu_t, t, "gate_up", norm), wgu_t, settings=self.kinds["gate_up"])
+        return sliced_parts(*self._select(x, wgu_t, t, "gate_up", norm, dtype=wgu_t.dtype), wgu_t,
+                            settings=self.kinds["gate_up"])
 
     def down(self, gu: torch.Tensor, wd_t: torch.Tensor, t: float, x: torch.Tensor) -> torch.Tensor:
         """x + down(SiLU(gate) * up) from gate_up's output gu (its partials [S, B, 2I] or [B, 2I])."""
         if gu.dim() == 3:  # partials: t > 0 on triton
-            from dejavu.plugins.input_sparse import sliced_gemv, sum_parts_ref
+            from dejavu.plugins.input_sparse import sum_parts_ref
 
             if t <= 0:
-                return self.linear(sum_parts_ref(gu, x.dtype), wd_t, t, swiglu=True, residual=x, kind="down")
-            return sliced_gemv(*self._select(gu, wd_t, t, "down", swiglu=True, dtype=x.dtype), wd_t, x,
-                               settings=self.kinds["down"])
+                return self.linear(sum_parts_ref(gu, wd_t.dtype), wd_t, t, swiglu=True, residual=x, kind="down")
+            return self._project(self._select(gu, wd_t, t, "down", swiglu=True, dtype=wd_t.dtype), wd_t, x, "down")
         return self.linear(gu, wd_t, t, swiglu=True, residual=x, kind="down")
 
     def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
@@ -178,15 +187,14 @@ class LlamaOps:
         if t <= 0 or self.backend == "ref":
             return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
                                           rows)
-        return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm), w_t, cos, sin, pos, k_cache, v_cache,
-                                  settings=self.kinds["qkv"])
+        return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
+                                  k_cache, v_cache, settings=self.kinds["qkv"])
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float, residual: torch.Tensor) -> torch.Tensor:
         """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
         <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
         from dejavu.plugins import gqa_attention as GA
-        from dejavu.plugins.input_sparse import sliced_gemv
 
         if not self.attn_kernel:
             return self.linear(GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual, kind="o")
@@ -195,7 +203,7 @@ class LlamaOps:
         o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
         if isinstance(o, torch.Tensor):
             return self.linear(o, wo_t, t, residual=residual, kind="o")
-        return sliced_gemv(*self._select(o, wo_t, t, "o"), wo_t, residual, settings=self.kinds["o"])
+        return self._project(self._select(o, wo_t, t, "o"), wo_t, residual, "o")
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference: the GEMV on layer 0's MLP weights, its input through
@@ -301,7 +309,8 @@ class LlamaDecoder:
         """logits [..., V] from the last hidden state x [..., D]."""
         from dejavu.plugins.input_sparse import produce_ref  # w * rms_norm(x): rms_norm upcasts inside
 
-        return F.linear(produce_ref(x, self.t["final_norm"], self.spec.rms_norm_eps), self.lm_head)
+        h = produce_ref(x, self.t["final_norm"], self.spec.rms_norm_eps)
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head)  # an fp32 residual stream's h rounded
 
     def _split_qkv(self, qkv: torch.Tensor):
         s = self.spec
@@ -328,6 +337,8 @@ class LlamaDecoder:
 
             mask = decode_mask(pos, self.max_seq, s.dtype, self.slots)
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
+        if self.ops.fp32_residual:
+            x = x.float()  # o and down add into it in place
         for l, w in enumerate(self.layers):
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]

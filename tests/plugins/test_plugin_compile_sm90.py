@@ -158,6 +158,14 @@ SCRIPT = textwrap.dedent('''
         assert loops and not any("bar.sync" in body or "shared" in body for body in loops)
     compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6),
                  overrides={"part_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*fp16"})
+    # the fp32 residual stream (input_sparse.fp32_residual): the RMSNorm select of an fp32 x writing fp16 pairs, and
+    # the GEMV adding each split's sum into the stream with fp32 reductions at gpu scope, no partials stored
+    compile_sm90(IS, IS._select_slices_kernel, dict(PRODUCER=IS.NORM, SRC_SPLIT=0, BLOCK=1024, ROW=4096),
+                 overrides={"count_ptr": "*i32", "t": "fp32", "x_ptr": "*fp32"})
+    ptx = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True, ATOMIC=1, GDC=1),
+                       overrides={"count_ptr": "*i32", "part_ptr": "*fp32"}, div16={"N", "M"}).asm["ptx"]
+    assert re.search(r"(red|atom)(\.relaxed)?(\.gpu)?\.global(\.\w+)*\.add\.f32", ptx)
+    assert not re.search(r"st\.global(\.\w+)*\.(f32|b32)", ptx)
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,
                                            COMPACT=True),
                  overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16"})

@@ -10,8 +10,8 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, InputSparseSettings as _s
 from dejavu.plugins.input_sparse import (input_sparse_gemv_ref, produce_ref, select_slices, select_slices_ref,
-                                         sliced_gemv, sliced_parts, sliced_qkv_rope, sliced_qkv_rope_ref, split_k_for,
-                                         sum_parts_ref)
+                                         sliced_gemv, sliced_gemv_add, sliced_parts, sliced_qkv_rope, sliced_qkv_rope_ref,
+                                         split_k_for, sum_parts_ref)
 from conftest import DTYPES
 
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
@@ -101,6 +101,53 @@ def test_sliced_gemv_matches_float64(triton_interp, close, dtype, producer, B, N
     ref64 = (h.double() * (h.float().abs() > t)) @ w_t.double() + (0 if res is None else res.double())
     same = input_sparse_gemv_ref(h, w_t, t) if t > 0 else h @ w_t
     close(out, ref64, same if res is None else res + same)
+
+
+_ROUNDED = {torch.float16: dict(rtol=2e-3, atol=0), torch.bfloat16: dict(rtol=1e-2, atol=0),
+            torch.float32: dict(rtol=1e-5, atol=0)}  # one rounding to the dtype, and rms_norm's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,N,M,t,config", [(1, 77, 45, 0.6, SMALL), (3, 130, 64, 0.6, WIDE_K), (2, 96, 40, 0.0, SMALL),
+                                            (2, 60, 33, 50.0, SMALL)])
+def test_fp32_residual_stream_select_and_add_match_float64(triton_interp, close, dtype, B, N, M, t, config):
+    """The fp32 residual stream (input_sparse.fp32_residual): the RMSNorm select of an fp32 x writes h in the
+    weights' dtype (rms_norm's output rounded to it, then the weight product), and sliced_gemv_add adds every
+    split's sum into the fp32 stream in place: against float64 and against the residual + sliced_gemv of the same
+    pairs; none kept (t 50) leaves the stream as it was."""
+    g = torch.Generator().manual_seed(N * M)
+    x = torch.randn(B, N, generator=g) * 3
+    nw = (1 + 0.3 * torch.randn(N, generator=g)).to(dtype)
+    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
+    split = split_k_for(B, N, M, config)
+    idx, val, count = select_slices(x, t, split, nw, 1e-5, dtype=dtype, settings=_ks(config))
+    ri, rv, rc = select_slices_ref(x, t, split, nw, 1e-5, dtype=dtype)
+    assert val.dtype == dtype and torch.equal(count, rc)
+    per = -(-N // split)
+    for b in range(B):
+        for s in range(split):
+            at = slice(s * per, s * per + int(rc[b, s]))
+            assert idx[b, at].tolist() == ri[b, at].tolist()
+            torch.testing.assert_close(val[b, at], rv[b, at], rtol=2e-3, atol=0)
+    h = nw.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+    stream = torch.randn(B, M, generator=g)
+    before = stream.clone()
+    assert sliced_gemv_add(idx, val, count, w_t, stream, settings=_ks(config)) is stream  # in place
+    hr = torch.zeros(B, N, dtype=torch.float64)  # h as the select rounded it, at the kept inputs
+    for b in range(B):
+        at = ri[b] >= 0
+        hr[b, ri[b][at].long()] = rv[b][at].double()
+        torch.testing.assert_close(hr[b, ri[b][at].long()], h[b, ri[b][at].long()], **_ROUNDED[dtype])
+    ref64 = hr @ w_t.double() + before.double()
+    same = before + sliced_gemv(idx, val, count, w_t, settings=_ks(config)).float()
+    close(stream, ref64, same)
+    if t == 50.0:
+        assert torch.equal(stream, before)
+    with pytest.raises(DejavuError, match=r"acc: expected dtype torch.float32"):
+        sliced_gemv_add(idx, val, count, w_t, stream.to(torch.float64), settings=_ks(config))
+    if dtype != torch.float32:
+        with pytest.raises(DejavuError, match="for RMSNorm of an fp32 x only"):
+            select_slices(x.to(dtype), t, split, nw, 1e-5, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
