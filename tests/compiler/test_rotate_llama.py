@@ -155,3 +155,21 @@ def test_the_builds_rotated_thresholds_skip_their_target_on_heldout_text(tmp_pat
     for skip in (0.25, 0.4, 0.5):
         assert abs(_skipped(model, calib, held, skip) - skip) <= 0.012, skip
         assert _skipped(same, same_calib, held, skip) < skip - 0.015, skip
+
+
+def test_heldout_text_from_the_calibration_corpus_starts_past_the_rotations_tokens(tmp_path):
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.datafiles import CALIB_TEXT
+    from dejavu.engine_file import read_header
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny", seed=3)
+    corpus = str(CALIB_TEXT)
+    for keep, first in ((None, 256), (2, 512)):
+        out = tmp_path / f"k{keep}.engine"
+        build_engine(folder, BuildConfig(density=0.8, rotate_keep=keep, calib=corpus, heldout=corpus, calib_tokens=256,
+                                         calib_window=64, heldout_tokens=128, allocation="uniform", dtype="float32"),
+                     out, progress=False)
+        source = read_header(out)["build_config"]["heldout"]["source"]
+        assert source.endswith(f"tokens [{first + 128}, {first + 256})"), source
