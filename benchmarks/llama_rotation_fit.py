@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--fits", nargs="+", required=True, metavar="NAME:P0:P1:T0:T1[:shrinkA]")
     p.add_argument("--keep", nargs="+", type=int, default=[4])
-    p.add_argument("--levels", nargs="+", type=float, default=[0.25, 0.4, 0.5])
+    p.add_argument("--levels", nargs="*", type=float, default=[0.25, 0.4, 0.5])
     p.add_argument("--kind-levels", nargs="*", type=float, default=[])
     p.add_argument("--sensitivity", metavar="FILE")
     p.add_argument("--heldout", default="12288:16384", metavar="FROM:TO")
