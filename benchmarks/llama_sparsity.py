@@ -102,6 +102,8 @@ def main(argv=None) -> None:
 
         ids = text_ids(sm, read_text(CALIB_TEXT), 2 * args.calib_tokens)[args.calib_tokens:]
         rotate_llama(model, ids[:ids.numel() // args.window * args.window].view(-1, args.window), args.rotate_keep)
+        res["rotation"] = {"keep": args.rotate_keep, "tokens": [args.calib_tokens,
+                                                                args.calib_tokens + ids.numel() // args.window * args.window]}
     text = read_text(WIKITEXT2_TEST)
     task_runs = set(args.task_runs)
     methods = [m if a == "uniform" else f"{m}+sens" for m in args.methods for a in args.allocations]
