@@ -7,7 +7,7 @@ Perplexity over the same windows of: the dense model (fp32), compiler/gated_spar
 it with the engine's thresholds (the simulation), and the engine (`Engine.logits`: each token
 thresholded on its own inputs; the engine's weights as stored, run in fp32 on the CPU). An
 engine built with --rotate-keep holds the rotated model's thresholds: the simulation rotates the
-model first, on the engine's calibration windows (rebuilt from its build settings). A
+model first, on the engine's rotation windows (rebuilt from its build settings). A
 thresholded model is discontinuous at its thresholds (an input a rounding away from one flips),
 so engine and simulation agree in perplexity, not logit for logit, once the engine's weights
 are rounded to fp16. Writes raw JSON; asserts nothing.
@@ -31,17 +31,20 @@ def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def rotate_as_built(model, tok, build_config: dict) -> None:
-    """In place: the rotation the build applied (compiler/rotate_llama.py), on its calibration
-    windows; exits if they are not the recorded ones (fingerprint)."""
+    """In place: the rotation the build applied (compiler/rotate_llama.py), on its rotation windows
+    (engines built before the rotation had its own tokens: the calibration windows); exits if they
+    are not the recorded ones (fingerprint)."""
     from dejavu.compiler.build_llama import calibration_windows
     from dejavu.compiler.config import BuildConfig
     from dejavu.compiler.rotate_llama import rotate_llama
     from dejavu.compiler.text import fingerprint_tokens
 
     config = BuildConfig.from_dict({**build_config["settings"], "device": "cpu"})
-    ids, _ = calibration_windows(model.config, tok, config)
-    if fingerprint_tokens(ids.numpy().reshape(-1)) != build_config["calibration"]["tokens_fingerprint"]:
-        sys.exit("the calibration windows rebuilt from the engine's build settings are not the recorded ones")
+    rec = build_config["calibration"]
+    own = "rotation_fingerprint" in rec
+    ids, _ = calibration_windows(model.config, tok, config, rotation=own)
+    if fingerprint_tokens(ids.numpy().reshape(-1)) != rec["rotation_fingerprint" if own else "tokens_fingerprint"]:
+        sys.exit("the rotation windows rebuilt from the engine's build settings are not the recorded ones")
     rotate_llama(model, ids, config.rotate_keep)
 
 

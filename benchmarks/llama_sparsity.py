@@ -14,7 +14,8 @@ also get the six shipped tasks (--task-limit examples each), after every run's p
 compiler/allocate_llama.py, measured on the --heldout-tokens calibration-file tokens after the
 calibration tokens, never the evaluation text).
 --rotate-keep K: first rotate the model's residual stream into the principal components of the
-calibration tokens' normalised states, the K channels of largest mean square kept
+normalised states of the --calib-tokens calibration-file tokens after the thresholds' (as the build
+does; the sensitivity's tokens then follow those), the K channels of largest mean square kept
 (compiler/rotate_llama.py; the dense model's function is unchanged).
 The JSON is rewritten after every run, so an interrupted study keeps what it finished.
 """
@@ -99,8 +100,10 @@ def main(argv=None) -> None:
     if args.rotate_keep is not None:
         from dejavu.compiler.rotate_llama import rotate_llama
 
-        ids = text_ids(sm, read_text(CALIB_TEXT), args.calib_tokens)
+        ids = text_ids(sm, read_text(CALIB_TEXT), 2 * args.calib_tokens)[args.calib_tokens:]
         rotate_llama(model, ids[:ids.numel() // args.window * args.window].view(-1, args.window), args.rotate_keep)
+        res["rotation"] = {"keep": args.rotate_keep, "tokens": [args.calib_tokens,
+                                                                args.calib_tokens + ids.numel() // args.window * args.window]}
     text = read_text(WIKITEXT2_TEST)
     task_runs = set(args.task_runs)
     methods = [m if a == "uniform" else f"{m}+sens" for m in args.methods for a in args.allocations]
@@ -148,6 +151,11 @@ def _calibration(sm, args, res: dict):
     return calib
 
 
+def _calib_end(args) -> int:
+    """The calibration file's tokens used before the held-out ones: the thresholds' and the rotation's."""
+    return args.calib_tokens * (1 if args.rotate_keep is None else 2)
+
+
 def _sensitivity(sm, calib, args, res: dict) -> Sensitivity:
     """Per-kind held-out loss increases on the calibration file's tokens after the calibration ones."""
     t0 = time.perf_counter()
@@ -155,13 +163,14 @@ def _sensitivity(sm, calib, args, res: dict) -> Sensitivity:
     if cache is not None and cache.is_file():
         sens = Sensitivity(**{k: (tuple(v) if k == "levels" else v) for k, v in json.loads(cache.read_text()).items()})
     else:
-        ids = text_ids(sm, read_text(CALIB_TEXT), args.calib_tokens + args.heldout_tokens)[args.calib_tokens:]
+        first = _calib_end(args)
+        ids = text_ids(sm, read_text(CALIB_TEXT), first + args.heldout_tokens)[first:]
         n = ids.numel() // args.window * args.window
         sens = measure_sensitivity(sm.info["model"], calib, ids[:n].view(-1, args.window),
                                    progress=lambda k, s, d: print(f"sensitivity {k} {s:g}: {d:+.5f}", flush=True))
         if cache is not None:
             cache.write_text(json.dumps(sens.to_dict()))
-    res["sensitivity"] = {**sens.to_dict(), "tokens": [args.calib_tokens, args.calib_tokens + args.heldout_tokens],
+    res["sensitivity"] = {**sens.to_dict(), "tokens": [_calib_end(args), _calib_end(args) + args.heldout_tokens],
                           "seconds": round(time.perf_counter() - t0, 1)}
     return sens
 

@@ -103,39 +103,55 @@ class _Blocks(torch.nn.Module):
         return x
 
 
-def calibration_windows(cfg, tokenizer, config):
-    """(ids [B, window] on config.device, corpus) the calibration windows of a build: the ones its
-    thresholds and its rotation are computed on (benchmarks/llama_engine_check.py rebuilds them)."""
+def calib_tokens(config) -> int:
+    """The calibration tokens of a Llama build: --calib-tokens, or TealSettings.calib_tokens where it
+    was left at BuildConfig's default."""
     from dejavu.compiler.config import CalibSettings
+
+    return TealSettings.calib_tokens if config.calib_tokens == CalibSettings.calib_tokens else config.calib_tokens
+
+
+def calibration_windows(cfg, tokenizer, config, rotation: bool = False):
+    """(ids [B, window] on config.device, corpus) the calibration windows of a build: its thresholds'
+    (tokens [0, n) of the calibration corpus), or with rotation=True its rotation's (the next n
+    tokens, [n, 2n)): the PCA fitted on the threshold tokens makes the rotated inputs smaller on
+    them than on any other text, so its thresholds skip less than their target elsewhere
+    (docs/llama.md, "Fitting the rotation on its own tokens"). benchmarks/llama_engine_check.py
+    rebuilds both."""
     from dejavu.compiler.text import corpus_tokens
 
     window = min(config.calib_window, cfg.max_position_embeddings)
-    want = TealSettings.calib_tokens if config.calib_tokens == CalibSettings.calib_tokens else config.calib_tokens
-    ids, corpus = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
-    n = len(ids) // window * window
+    want = calib_tokens(config)
+    n = want // window * window
     if n == 0:
         raise DejavuError(f"--calib-tokens {want} is less than one window of {window} tokens")
-    return torch.as_tensor(ids[:n], dtype=torch.long).view(-1, window).to(config.device), corpus
+    first = want if rotation else 0
+    ids, corpus = corpus_tokens(tokenizer.tokenizer, config.calib, first + n, bos_id=tokenizer.bos_id)
+    ids = torch.as_tensor(ids[first:first + n], dtype=torch.long).view(-1, window).to(config.device)
+    return ids, corpus
 
 
 def calibrate_inputs(model, tokenizer, config):
     """(gated_sparsity.Calibration, calibration header) from the calibration text. With
     config.rotate_keep set, the model is first rotated in place (compiler/rotate_llama.py) on the
-    same windows, and the thresholds are the rotated model's."""
+    rotation's own windows (calibration_windows), and the thresholds are the rotated model's."""
     from dejavu.compiler.build import _corpus_name
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import fingerprint_tokens
 
     ids, corpus = calibration_windows(model.config, tokenizer, config)
     n, window = ids.numel(), ids.shape[1]
-    if config.rotate_keep is not None:
-        from dejavu.compiler.rotate_llama import rotate_llama
-
-        rotate_llama(model, ids, config.rotate_keep)
-    calib = calibrate(_Blocks(model), ids)
     header = {"corpus": _corpus_name(corpus), "n_tokens": n, "window": window,
               "tokens_fingerprint": fingerprint_tokens(ids.cpu().numpy().reshape(-1)),
               "rotate_keep": config.rotate_keep}
+    if config.rotate_keep is not None:
+        from dejavu.compiler.rotate_llama import rotate_llama
+
+        rids, _ = calibration_windows(model.config, tokenizer, config, rotation=True)
+        rotate_llama(model, rids, config.rotate_keep)
+        header["rotation_tokens"] = [calib_tokens(config), calib_tokens(config) + rids.numel()]
+        header["rotation_fingerprint"] = fingerprint_tokens(rids.cpu().numpy().reshape(-1))
+    calib = calibrate(_Blocks(model), ids)
     return calib, header
 
 
@@ -212,7 +228,8 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     cfg = model.config  # a rotated model's LM head is untied from the embedding
     with stages("allocate budget"):
         say = (lambda line: print(f"[dejavu-compile]   {line}", file=sys.stderr, flush=True)) if progress else None
-        skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, calibration["n_tokens"], say)
+        used = calibration.get("rotation_tokens", [0, calibration["n_tokens"]])[1]  # held-out text starts past it
+        skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, used, say)
     thresholds = {k: [round(t, 8) for t in ts] for k, ts in kind_thresholds(calib, skips).items()}
     skip = block_skip(skips, input_bytes(cfg))
     onnx_report = None

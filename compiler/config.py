@@ -178,7 +178,8 @@ class BuildConfig:
     # the start's included); 0 or 1: off
     refine_evals: int = 24
     # Llama: rotate the residual stream before the TEAL thresholds (compiler/rotate_llama.py), the
-    # given number of channels of largest mean square kept as they are; None: no rotation. Off by
+    # given number of channels of largest mean square kept as they are, fitted on the calib_tokens
+    # calibration tokens after the thresholds' (build_llama.calibration_windows); None: no rotation. Off by
     # default: on SmolLM2-135M it wins at 40% and 50% skipped but loses at 25% (docs/llama.md)
     rotate_keep: int | None = None
     no_predictors: bool = False  # dense engine (only with density 1.0)

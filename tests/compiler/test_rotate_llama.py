@@ -118,3 +118,58 @@ def test_bad_input_is_one_error():
         pca_basis(torch.ones(3, 4), 0)
     with pytest.raises(DejavuError, match="non-finite"):
         pca_basis(torch.full((3, 3), float("nan")), 0)
+
+
+def _skipped(model, calib, ids, skip: float) -> float:
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+
+    with torch.no_grad(), gated_sparsity(model, calib, GatedSparsity(skip=skip)) as reads:
+        model(ids)
+    return reads.skipped
+
+
+def test_the_builds_rotated_thresholds_skip_their_target_on_heldout_text(tmp_path):
+    """The build fits the rotation on the calibration tokens after the thresholds' (build_llama.
+    calibrate_inputs): on held-out windows of the corpus its thresholds skip their target. Fitted
+    on the threshold tokens themselves, the PCA makes the rotated inputs smaller there than on
+    other text, and the thresholds skip visibly less (what the check below would catch)."""
+    from dejavu.compiler.build_llama import _Blocks, calibrate_inputs
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.compiler.text import corpus_tokens
+    from dejavu.models.auto import load_llama, load_text_tokenizer
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny", seed=3)
+    tok = load_text_tokenizer(folder)
+    config = BuildConfig(density=0.6, rotate_keep=2, calib_tokens=512, calib_window=128, dtype="float32")
+    stream = torch.as_tensor(corpus_tokens(tok.tokenizer, None, 4096, bos_id=tok.bos_id)[0], dtype=torch.long)
+    calib_ids, held = stream[:512].view(4, 128), stream[2048:].view(16, 128)  # held: past both fits' tokens
+    model = load_llama(folder)[0]
+    with torch.no_grad():
+        calib, header = calibrate_inputs(model, tok, config)
+    assert header["n_tokens"] == 512 and header["rotation_tokens"] == [512, 1024]
+    same = load_llama(folder)[0]
+    with torch.no_grad():
+        rotate_llama(same, calib_ids, 2)
+        same_calib = calibrate(_Blocks(same), calib_ids)
+    for skip in (0.25, 0.4, 0.5):
+        assert abs(_skipped(model, calib, held, skip) - skip) <= 0.012, skip
+        assert _skipped(same, same_calib, held, skip) < skip - 0.015, skip
+
+
+def test_heldout_text_from_the_calibration_corpus_starts_past_the_rotations_tokens(tmp_path):
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.datafiles import CALIB_TEXT
+    from dejavu.engine_file import read_header
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny", seed=3)
+    corpus = str(CALIB_TEXT)
+    for keep, first in ((None, 256), (2, 512)):
+        out = tmp_path / f"k{keep}.engine"
+        build_engine(folder, BuildConfig(density=0.8, rotate_keep=keep, calib=corpus, heldout=corpus, calib_tokens=256,
+                                         calib_window=64, heldout_tokens=128, allocation="uniform", dtype="float32"),
+                     out, progress=False)
+        source = read_header(out)["build_config"]["heldout"]["source"]
+        assert source.endswith(f"tokens [{first + 128}, {first + 256})"), source

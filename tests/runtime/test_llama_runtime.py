@@ -363,12 +363,13 @@ def test_serving_scheduler_runs_a_llama_engine(built):
 
 
 def test_rotated_engine_is_the_dense_model_and_its_thresholds_the_rotated_models(built, tmp_path):
-    """--rotate-keep: the engine's weights are the rotated model (dense at density 1.0, head untied)
-    and its thresholds are calibrate's on the model rotated over the recorded calibration tokens."""
+    """--rotate-keep: the engine's weights are the rotated model (dense at density 1.0, head untied),
+    rotated on the calibration corpus's tokens after the thresholds' (recorded), and its thresholds
+    are calibrate's on the rotated model over the calibration tokens."""
     from dejavu.compiler.build_llama import _Blocks
     from dejavu.compiler.gated_sparsity import GatedSparsity, calibrate, gated_sparsity
     from dejavu.compiler.rotate_llama import rotate_llama
-    from dejavu.compiler.text import corpus_tokens
+    from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
     from dejavu.models.auto import load_text_tokenizer
 
     folder, _ = built
@@ -380,15 +381,18 @@ def test_rotated_engine_is_the_dense_model_and_its_thresholds_the_rotated_models
         ref = _model(folder)(ids)
     dense = Engine.load(paths[1.0])
     assert dense.header["model_config"]["tie_word_embeddings"] is False
-    assert dense.header["build_config"]["calibration"]["rotate_keep"] == 2
+    rec = dense.header["build_config"]["calibration"]
+    assert rec["rotate_keep"] == 2 and rec["n_tokens"] == 512 and rec["rotation_tokens"] == [512, 1024]
     assert (dense.logits(ids) - ref).abs().max() <= ATOL
     assert (dense.decode_logits(ids) - ref).abs().max() <= ATOL
     # the rotated model, rebuilt here on the engine's calibration windows, and its thresholds
     tok = load_text_tokenizer(folder)
-    cids = torch.as_tensor(corpus_tokens(tok.tokenizer, None, 512, bos_id=tok.bos_id)[0], dtype=torch.long).view(4, 128)
+    stream = torch.as_tensor(corpus_tokens(tok.tokenizer, None, 1024, bos_id=tok.bos_id)[0], dtype=torch.long)
+    cids, rids = stream[:512].view(4, 128), stream[512:].view(4, 128)
+    assert rec["rotation_fingerprint"] == fingerprint_tokens(rids.numpy()) != rec["tokens_fingerprint"]
     model = _model(folder)
     with torch.no_grad():
-        rotate_llama(model, cids, 2)
+        rotate_llama(model, rids, 2)
         cal = calibrate(_Blocks(model), cids)
     header = Engine.load(paths[0.6]).header
     skips = header["sparsity"]["skips"]
