@@ -184,7 +184,7 @@ class BuildConfig:
     # Llama: Adam steps of sparsity-aware distillation after the allocation (compiler/distill_llama.py:
     # every block weight and norm trained to the dense model's own outputs under the TEAL masks, one
     # window of calibration text a step; the thresholds calibrated again after); 0: off. Off by default:
-    # it costs a training run (SmolLM2-135M, 120 steps: ~15 min of a 2-core CPU; docs/llama.md)
+    # it costs a training run (SmolLM2-135M, 120 steps: ~17 min of one CPU thread; docs/llama.md)
     distill_steps: int = 0
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
