@@ -155,6 +155,52 @@ def calibrate_inputs(model, tokenizer, config):
     return calib, header
 
 
+def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: int, heldout: dict):
+    """config.distill_steps > 0: train the model in place to its own dense outputs under the
+    thresholds of `skips` (compiler/distill_llama.py), one window of the calibration corpus a step,
+    past the calibration stream (and past the held-out sets where they are the calibration corpus:
+    never trained on), then calibrate the thresholds again on the calibration windows. The held-out
+    report's engine figures become the distilled engine's on the same (second) set, the undistilled
+    ones kept under "distill". Returns (the new Calibration, the "distill" report)."""
+    import math
+
+    from dejavu.compiler.allocate import heldout_windows
+    from dejavu.compiler.allocate_llama import _pct, heldout_nll, kind_thresholds
+    from dejavu.compiler.distill_llama import WINDOW, distill_llama
+    from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.compiler.text import corpus_tokens
+
+    cfg = model.config
+    window = min(WINDOW, cfg.max_position_embeddings)
+    corpus = config.heldout
+    first = calib_tokens if corpus is not None and corpus == config.calib else 0  # as resolve_skips
+    start = calib_tokens + (2 * config.heldout_tokens if first else 0)
+    want = start + config.distill_steps * window
+    try:
+        ids, _ = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
+    except DejavuError:
+        raise DejavuError(f"--distill-steps {config.distill_steps}: the calibration corpus has fewer than the "
+                          f"{want} tokens it needs ({start} calibration / held-out tokens, then "
+                          f"{window} a step); lower --distill-steps or give a longer --calib") from None
+    train = torch.as_tensor(ids[start:], dtype=torch.long).view(-1, window)
+    device = next(model.parameters()).device
+    n = config.heldout_tokens
+    hids, _ = heldout_windows(tokenizer.tokenizer, corpus, first + n, n, min(config.calib_window,
+                              cfg.max_position_embeddings), tokenizer.bos_id)
+    hids = hids.to(device)
+    dense = heldout_nll(model, hids)  # the undistilled dense model, resolve_skips' second set
+    report = distill_llama(model, kind_thresholds(calib, skips), train.to(device), config.distill_steps)
+    report["first_token"] = start
+    cids, _ = calibration_windows(cfg, tokenizer, config)
+    with torch.no_grad():
+        new = calibrate(_Blocks(model), cids)
+    got = heldout_nll(model, hids, kind_thresholds(new, skips))
+    report.update(engine_ppl_before=heldout["engine_ppl"], increase_pct_before=heldout["increase_pct"],
+                  dense_ppl_after=round(math.exp(heldout_nll(model, hids)), 4))
+    heldout.update(engine_ppl=round(math.exp(got), 4), increase_pct=_pct(got, dense))
+    return new, report
+
+
 def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
     """The kernel-layout tensors (module docstring) of a LlamaForCausalLM, in `dtype` on `device`."""
     cfg = model.config
@@ -230,6 +276,9 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
         say = (lambda line: print(f"[dejavu-compile]   {line}", file=sys.stderr, flush=True)) if progress else None
         used = calibration.get("rotation_tokens", [0, calibration["n_tokens"]])[1]  # held-out text starts past it
         skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, used, say)
+    if config.distill_steps and block_skip(skips, input_bytes(cfg)) > 0:
+        with stages("distill"):
+            calib, heldout["distill"] = distill_inputs(model, tokenizer, config, calib, skips, used, heldout)
     thresholds = {k: [round(t, 8) for t in ts] for k, ts in kind_thresholds(calib, skips).items()}
     skip = block_skip(skips, input_bytes(cfg))
     onnx_report = None

@@ -87,6 +87,10 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--rotate-keep", type=int, default=S, metavar="K",
                    help="Llama: rotate the residual stream into its principal components before the TEAL "
                         "thresholds, keeping the K channels of largest mean square (default: no rotation)")
+    p.add_argument("--distill-steps", type=int, default=S, metavar="N",
+                   help="Llama: train the block weights and norms for N steps to the dense model's own outputs "
+                        "under the TEAL masks (sparsity-aware distillation; the thresholds calibrated again "
+                        "after; default 0: off)")
     p.add_argument("--calib", default=S, metavar="CORPUS",
                    help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME "
                         "(default: the shipped WikiText-2 head)")

@@ -182,6 +182,11 @@ class BuildConfig:
     # calibration tokens after the thresholds' (build_llama.calibration_windows); None: no rotation. Off by
     # default: on SmolLM2-135M it wins at 40% and 50% skipped but loses at 25% (docs/llama.md)
     rotate_keep: int | None = None
+    # Llama: Adam steps of sparsity-aware distillation after the allocation (compiler/distill_llama.py:
+    # every block weight and norm trained to the dense model's own outputs under the TEAL masks, one
+    # window of calibration text a step; the thresholds calibrated again after); 0: off. Off by default:
+    # it costs a training run (SmolLM2-135M, 120 steps: ~17 min of one CPU thread; docs/llama.md)
+    distill_steps: int = 0
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
     seed: int = PredictorSettings.seed  # of predictor training
@@ -227,6 +232,8 @@ class BuildConfig:
             raise DejavuError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
         if type(self.refine_evals) is not int or self.refine_evals < 0:
             raise DejavuError(f"--refine-evals must be a non-negative integer, got {self.refine_evals!r}")
+        if type(self.distill_steps) is not int or self.distill_steps < 0:
+            raise DejavuError(f"--distill-steps must be a non-negative integer, got {self.distill_steps!r}")
         k = self.rotate_keep
         if k is not None and (type(k) is not int or k < 0):
             raise DejavuError(f"--rotate-keep must be a non-negative integer, got {k!r}")

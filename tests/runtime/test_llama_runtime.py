@@ -408,3 +408,61 @@ def test_rotated_engine_is_the_dense_model_and_its_thresholds_the_rotated_models
 def test_rotate_keep_must_be_a_non_negative_integer():
     with pytest.raises(DejavuError, match="--rotate-keep must be a non-negative integer"):
         BuildConfig(density=0.5, rotate_keep=-1)
+
+
+def _engine_model(folder, tensors):
+    """The source model with the engine's weights put back (the kernel layout undone)."""
+    model = _model(folder)
+    cfg = model.config
+    qo, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    with torch.no_grad():
+        model.model.norm.weight.copy_(tensors["final_norm"])
+        for l, layer in enumerate(model.layers):
+            at, mlp, p = layer.self_attn, layer.mlp, f"layers.{l}."
+            layer.input_layernorm.weight.copy_(tensors[p + "attn_norm"])
+            layer.post_attention_layernorm.weight.copy_(tensors[p + "mlp_norm"])
+            q, k, v = tensors[p + "attn.wqkv_t"].T.split([qo, kv, kv])
+            at.q_proj.weight.copy_(q), at.k_proj.weight.copy_(k), at.v_proj.weight.copy_(v)
+            at.o_proj.weight.copy_(tensors[p + "attn.wo_t"].T)
+            g, u = tensors[p + "mlp.wgu_t"].T.split([f, f])
+            mlp.gate_proj.weight.copy_(g), mlp.up_proj.weight.copy_(u)
+            mlp.down_proj.weight.copy_(tensors[p + "mlp.wd_t"].T)
+    return model
+
+
+def test_distilled_engine_stores_the_trained_weights_and_thresholds_calibrated_on_them(built, tmp_path):
+    """--distill-steps: the same allocation, the block weights trained (the embedding the source's),
+    the thresholds calibrate's on the trained weights over the recorded calibration windows."""
+    from dejavu.compiler.build_llama import _Blocks
+    from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.compiler.text import corpus_tokens
+    from dejavu.models.auto import load_text_tokenizer
+
+    folder, paths = built
+    p = tmp_path / "distilled.engine"
+    build_engine(folder, BuildConfig(density=0.6, distill_steps=3, **CALIB), p, progress=False)
+    header, tensors = read_engine(p)
+    base, base_tensors = read_engine(paths[0.6])
+    assert header["sparsity"]["skips"] == base["sparsity"]["skips"]
+    assert torch.equal(tensors["embed_tokens"], base_tensors["embed_tokens"])
+    assert not torch.equal(tensors["layers.0.mlp.wd_t"], base_tensors["layers.0.mlp.wd_t"])
+    report = header["build_config"]["heldout"]["distill"]
+    assert report["steps"] == 3 and report["tokens"] == 3 * 128 and report["first_token"] == 512
+    assert header["build_config"]["heldout"]["engine_ppl"] != report["engine_ppl_before"]
+    tok = load_text_tokenizer(folder)
+    cids = torch.as_tensor(corpus_tokens(tok.tokenizer, None, 512, bos_id=tok.bos_id)[0], dtype=torch.long).view(4, 128)
+    with torch.no_grad():
+        cal = calibrate(_Blocks(_engine_model(folder, tensors)), cids)
+    skips = header["sparsity"]["skips"]
+    for key, values in header["sparsity"]["thresholds"].items():
+        assert values == pytest.approx([cal.threshold(key, l, skips[key]) for l in range(2)], rel=1e-5)
+    assert header["sparsity"]["thresholds"] != base["sparsity"]["thresholds"]
+
+
+def test_distill_steps_bad_values_are_one_error(built, tmp_path):
+    with pytest.raises(DejavuError, match="--distill-steps must be a non-negative integer"):
+        BuildConfig(density=0.5, distill_steps=-1)
+    with pytest.raises(DejavuError, match="--distill-steps 100000: the calibration corpus has fewer than"):
+        build_engine(built[0], BuildConfig(density=0.6, distill_steps=100000, **CALIB), tmp_path / "x.engine",
+                     progress=False)
+    assert not (tmp_path / "x.engine").exists()

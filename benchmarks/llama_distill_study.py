@@ -1,0 +1,225 @@
+"""Sparsity-aware distillation of a TEAL-sparse Llama-family model to its own dense outputs (CPU study).
+
+    python benchmarks/llama_distill_study.py --sets norms --train skips:refined40 --steps 150 \
+        --out benchmarks/results/llama_distill_2026-12-06.json
+
+The TEAL masks stay as they are (per-layer thresholds fixed at the dense model's calibration,
+masks recomputed every forward by `gated_sparsity`'s hooks, constants for autograd: the gradient
+flows through the kept entries only), and a set of the model's parameters (--sets) is trained with
+Adam to minimise KL(dense model's next-token distribution || sparse model's) on calibration text
+(WikiText-2 *train*: the calibration file's tokens from --train-start on, never the held-out or
+the evaluation text). The target is the dense model's own output, so this is not domain
+adaptation; the trained model is also scored dense to show that it did not learn the text.
+The shapes and the masks' rule are unchanged, so the bytes a token reads are the same.
+
+After training the thresholds are calibrated again on the trained model (the first
+--calib-tokens of the calibration file, the same targets), then scored on the held-out tokens
+[--heldout) of the calibration file (where hyper-parameters are chosen) and on WikiText-2 test
+(the first --ppl-tokens, windows of --window), the realized skip counted on the test text.
+
+Trainable sets: norms (every RMSNorm weight: 2 per layer and the final one), norms+out (and
+every o_proj / down_proj weight), all (every block weight and norm; the embedding / LM head stay).
+Skip configurations (--train / --eval): "uniform:S" (every input kind at S) or "skips:NAME" with
+NAME refined40 (33 / 45 / 31.25 / 60, the joint refinement's 40%) or refined25 (19 / 50 / 21.6 / 26.25).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dejavu.compiler.allocate_llama import heldout_nll, kind_thresholds
+from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity
+from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
+from dejavu.fileio import atomic_path
+from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
+
+NAMED = {"refined40": {"attn_in": 0.33, "o_in": 0.45, "mlp_in": 0.3125, "down_in": 0.6},
+         "refined25": {"attn_in": 0.19, "o_in": 0.5, "mlp_in": 0.215625, "down_in": 0.2625}}
+SETS = ("norms", "norms+out", "all")
+
+
+def skips_of(spec: str) -> dict[str, float]:
+    kind, _, v = spec.partition(":")
+    if kind == "uniform":
+        return {k: float(v) for k in KEYS}
+    if kind == "skips" and v in NAMED:
+        return NAMED[v]
+    raise SystemExit(f"bad skip configuration {spec!r}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--sets", nargs="+", default=["norms"], choices=SETS)
+    p.add_argument("--train", default="skips:refined40", help="the skips the masks are trained at")
+    p.add_argument("--eval", nargs="+", default=None, help="skip configurations scored (default: --train's)")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch", type=int, default=1, help="windows per step")
+    p.add_argument("--train-window", type=int, default=256)
+    p.add_argument("--train-start", type=int, default=16384, help="first calibration-file token of the training text")
+    p.add_argument("--lr-norm", type=float, default=1e-3)
+    p.add_argument("--lr-weight", type=float, default=1e-5)
+    p.add_argument("--ppl-tokens", type=int, default=2048)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--calib-cache", metavar="FILE", help="the dense model's calibration: load from FILE, else save")
+    p.add_argument("--heldout", nargs=2, type=int, default=[8192, 10240], metavar=("FROM", "TO"))
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also score the untrained model at the --eval skips")
+    p.add_argument("--save", metavar="FILE", help="save the trained parameters (torch.save) there")
+    p.add_argument("--load", metavar="FILE", help="skip training: load trained parameters saved by --save")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def trainable(model, which: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters of set `which` (see module doc), by name."""
+    out = []
+    for name, prm in model.named_parameters():
+        norm = name.endswith("layernorm.weight") or name == "model.norm.weight"
+        out_w = name.endswith(("o_proj.weight", "down_proj.weight"))
+        block = ".layers." in name
+        if norm or (which == "norms+out" and out_w) or (which == "all" and block):
+            out.append((name, prm))
+    return out
+
+
+def kl_dense_sparse(teacher, student, thresholds, ids: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(p_dense || p_sparse) for windows ids [B, S] (student with the masks)."""
+    with torch.no_grad():
+        logp_t = F.log_softmax(teacher(ids).float(), -1)  # [B, S, V]
+    with gated_sparsity(student, thresholds, GatedSparsity(), count=False):
+        logp_s = F.log_softmax(student(ids).float(), -1)
+    return (logp_t.exp() * (logp_t - logp_s)).sum(-1).mean()
+
+
+def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: list) -> float:
+    """Adam on params for args.steps steps of args.batch windows; returns seconds."""
+    norms = [p for n, p in params if p.dim() == 1]
+    mats = [p for n, p in params if p.dim() > 1]
+    groups = [{"params": norms, "lr": args.lr_norm}] + ([{"params": mats, "lr": args.lr_weight}] if mats else [])
+    opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _, p in params:
+        p.requires_grad_(True)
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        i = step * args.batch % windows.shape[0]
+        loss = kl_dense_sparse(teacher, model, thresholds, windows[i:i + args.batch])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 10 == 0 or step == args.steps - 1:
+            log.append([step, round(float(loss.detach()), 5), round(time.perf_counter() - t0, 1)])
+            print(f"step {step} kl {float(loss.detach()):.5f} {time.perf_counter() - t0:.0f}s", flush=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return time.perf_counter() - t0
+
+
+def windows_of(ids: torch.Tensor, w: int) -> torch.Tensor:
+    return ids[:ids.numel() // w * w].view(-1, w)
+
+
+@torch.no_grad()
+def score(sm, model, calib, skips, heldout, test_text, args) -> dict:
+    """Held-out NLL (sparse) and test perplexity with its realized skip, thresholds from calib."""
+    t = kind_thresholds(calib, skips)
+    row = {"heldout_nll": round(heldout_nll(model, heldout, t), 5)}
+    with gated_sparsity(model, t, GatedSparsity()) as reads:
+        r = eval_perplexity(sm, test_text, args.window, args.ppl_tokens, batch=8, progress=False)
+    row.update(perplexity=round(r["perplexity"], 4), ppl_tokens=r["tokens"], realized_skip=round(reads.skipped, 4))
+    return row
+
+
+@torch.no_grad()
+def dense_scores(sm, model, heldout, test_text, args) -> dict:
+    r = eval_perplexity(sm, test_text, args.window, args.ppl_tokens, batch=8, progress=False)
+    return {"heldout_nll": round(heldout_nll(model, heldout), 5), "perplexity": round(r["perplexity"], 4),
+            "ppl_tokens": r["tokens"]}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    sm = load_scoring_model(args.model)
+    model = sm.info["model"]
+    teacher = copy.deepcopy(model).eval()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    text = read_text(CALIB_TEXT)
+    need = max(args.heldout[1], args.train_start + args.steps * args.batch * args.train_window)
+    ids = text_ids(sm, text, need + 1)
+    calib_ids = windows_of(ids[:args.calib_tokens], args.window)
+    heldout = windows_of(ids[args.heldout[0]:args.heldout[1]], args.window)
+    train_windows = windows_of(ids[args.train_start:], args.train_window)
+    test_text = read_text(WIKITEXT2_TEST)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    res = {"model": args.model, "commit": commit, "machine": platform.node(), "argv": vars(args),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "train_tokens": [args.train_start, args.train_start + args.steps * args.batch * args.train_window],
+           "runs": []}
+
+    def save():
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
+
+    cache = Path(args.calib_cache) if args.calib_cache else None
+    if cache is not None and cache.is_file():
+        calib0 = torch.load(cache, weights_only=False)
+    else:
+        calib0 = calibrate(model, calib_ids)
+        if cache is not None:
+            torch.save(calib0, cache)
+    evals = args.eval or [args.train]
+    if args.baseline:
+        res["runs"].append({"run": "untrained", "dense": dense_scores(sm, model, heldout, test_text, args),
+                            **{e: score(sm, model, calib0, skips_of(e), heldout, test_text, args) for e in evals}})
+        print(json.dumps(res["runs"][-1]), flush=True)
+        save()
+    for which in args.sets:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(original[n])
+        params = trainable(model, which)
+        row = {"run": f"distill[{which}]@{args.train}", "set": which, "train": args.train,
+               "params": sum(p.numel() for _, p in params), "log": []}
+        res["runs"].append(row)
+        if args.load:
+            state = torch.load(args.load)
+            with torch.no_grad():
+                for n, p in params:
+                    p.copy_(state[n])
+            row["loaded"] = args.load
+        else:
+            t = kind_thresholds(calib0, skips_of(args.train))
+            row["train_seconds"] = round(train(teacher, model, params, t, train_windows, args, row["log"]), 1)
+            if args.save:
+                torch.save({n: p.detach().clone() for n, p in params}, args.save)
+        t0 = time.perf_counter()
+        calib = calibrate(model, calib_ids)
+        row["recalib_seconds"] = round(time.perf_counter() - t0, 1)
+        row["dense"] = dense_scores(sm, model, heldout, test_text, args)
+        for e in evals:
+            row[e] = score(sm, model, calib, skips_of(e), heldout, test_text, args)
+            row[e + " (dense thresholds)"] = score(sm, model, calib0, skips_of(e), heldout, test_text, args)
+        print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()
