@@ -7,7 +7,9 @@ Perplexity over the same windows of: the dense model (fp32), compiler/gated_spar
 it with the engine's thresholds (the simulation), and the engine (`Engine.logits`: each token
 thresholded on its own inputs; the engine's weights as stored, run in fp32 on the CPU). An
 engine built with --rotate-keep holds the rotated model's thresholds: the simulation rotates the
-model first, on the engine's rotation windows (rebuilt from its build settings). A
+model first, on the engine's rotation windows (rebuilt from its build settings). An engine built
+with --distill-steps holds trained weights: the source model's simulation does not apply to it and
+is left out (null); dense stays the source model, the reference the engine is measured against. A
 thresholded model is discontinuous at its thresholds (an input a rounding away from one flips),
 so engine and simulation agree in perplexity, not logit for logit, once the engine's weights
 are rounded to fp16. Writes raw JSON; asserts nothing.
@@ -69,18 +71,23 @@ def main(argv=None) -> int:
     sp = eng.header["sparsity"]
     calib = sp["thresholds"]  # the engine's thresholds, {key: [L]}
     keep = eng.header["build_config"]["calibration"].get("rotate_keep")
+    distilled = eng.header["build_config"]["settings"].get("distill_steps", 0) > 0
+    sim = skipped = None  # a distilled engine's weights are not the source model's: no simulation of them here
     with torch.no_grad():
         dense = perplexity(model(ids), ids)
-        if keep is not None:
+        if keep is not None and not distilled:
             rotate_as_built(model, tok, eng.header["build_config"])
-        with gated_sparsity(model, calib, GatedSparsity(skip=sp["skip"])) as reads:
-            sim = perplexity(model(ids), ids)
+        if not distilled:
+            with gated_sparsity(model, calib, GatedSparsity(skip=sp["skip"])) as reads:
+                sim = perplexity(model(ids), ids)
+            skipped = reads.skipped
     engine = perplexity(eng.logits(ids), ids)
     res = {"engine": Path(a.engine).name, "model": a.model, "engine_dtype": eng.header["dtype"],
            "density": eng.header["build_config"]["density"], "skip": sp["skip"],
            "windows": ids.shape[0], "window": a.window, "scored_tokens": ids.shape[0] * (a.window - 1),
            "text": "dejavu/data/wikitext-2/test.txt", "ppl_dense": dense, "ppl_simulation": sim,
-           "ppl_engine": engine, "skip_realized_simulation": reads.skipped, "rotate_keep": keep}
+           "ppl_engine": engine, "skip_realized_simulation": skipped, "rotate_keep": keep,
+           "distilled": distilled}
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

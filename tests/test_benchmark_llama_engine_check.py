@@ -44,3 +44,21 @@ def test_a_rotated_engines_simulation_is_the_rotated_model(tmp_path):
     assert r["ppl_engine"] == pytest.approx(r["ppl_simulation"], rel=1e-5)
     assert r["ppl_simulation"] != pytest.approx(r["ppl_dense"], rel=1e-3)
     assert r["rotate_keep"] == 2
+
+
+def test_a_distilled_engine_gets_no_simulation_of_the_source_weights(tmp_path):
+    """--distill-steps: the engine's weights were trained at build, so a simulation on the source model would
+    measure another model; it is left out (null) and the engine is measured against the source's dense model."""
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "tiny", seed=1)
+    build_engine(folder, BuildConfig(density=0.6, calib_tokens=256, calib_window=64, dtype="float32",
+                                     distill_steps=2, refine_evals=0), tmp_path / "d.engine", progress=False)
+    out = tmp_path / "d.json"
+    assert check.main([str(tmp_path / "d.engine"), "--model", str(folder), "--tokens", "256", "--window", "64",
+                       "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["distilled"] and r["ppl_simulation"] is None and r["skip_realized_simulation"] is None
+    assert r["ppl_engine"] != pytest.approx(r["ppl_dense"], rel=1e-3)
