@@ -50,6 +50,34 @@ def rotate_as_built(model, tok, build_config: dict) -> None:
     rotate_llama(model, ids, config.rotate_keep)
 
 
+class counted_reads:
+    """Within: the engine's masked-dense projections (runtime/llama_decoder.linear_ref) count the weights they
+    would read; `skipped` the fraction of the block weights left unread (realized on the text run)."""
+
+    def __enter__(self):
+        from dejavu.plugins.input_sparse import produce_ref
+        from dejavu.runtime import llama_decoder as D
+
+        self.read = self.dense = 0.0
+        self._mod, self._orig = D, D.linear_ref
+
+        def counting(x, w_t, t, norm=None, swiglu=False, residual=None):
+            h = produce_ref(x, *(norm or (None, 0.0)), swiglu=swiglu)
+            self.read += (float((h.float().abs() > t).float().mean()) if t > 0 else 1.0) * w_t.numel()
+            self.dense += w_t.numel()
+            return self._orig(x, w_t, t, norm, swiglu, residual)
+
+        D.linear_ref = counting
+        return self
+
+    def __exit__(self, *exc):
+        self._mod.linear_ref = self._orig
+
+    @property
+    def skipped(self) -> float:
+        return 1.0 - self.read / self.dense
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("engine")
@@ -81,12 +109,13 @@ def main(argv=None) -> int:
             with gated_sparsity(model, calib, GatedSparsity(skip=sp["skip"])) as reads:
                 sim = perplexity(model(ids), ids)
             skipped = reads.skipped
-    engine = perplexity(eng.logits(ids), ids)
+    with counted_reads() as engine_reads:
+        engine = perplexity(eng.logits(ids), ids)
     res = {"engine": Path(a.engine).name, "model": a.model, "engine_dtype": eng.header["dtype"],
            "density": eng.header["build_config"]["density"], "skip": sp["skip"],
            "windows": ids.shape[0], "window": a.window, "scored_tokens": ids.shape[0] * (a.window - 1),
            "text": "dejavu/data/wikitext-2/test.txt", "ppl_dense": dense, "ppl_simulation": sim,
-           "ppl_engine": engine, "skip_realized_simulation": skipped, "rotate_keep": keep,
+           "ppl_engine": engine, "skip_realized_simulation": skipped, "skip_realized_engine": engine_reads.skipped, "rotate_keep": keep,
            "distilled": distilled}
     print(json.dumps(res, indent=1))
     if a.out:

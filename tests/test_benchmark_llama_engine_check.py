@@ -24,6 +24,8 @@ def test_engine_and_simulation_agree_on_a_tiny_fp32_engine(tmp_path):
                        "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["scored_tokens"] == 4 * 63 and r["ppl_engine"] == pytest.approx(r["ppl_simulation"], rel=1e-5)
+    # the engine's own masks, counted: the simulation's bytes (fp32: the same masks)
+    assert 0.2 < r["skip_realized_engine"] == pytest.approx(r["skip_realized_simulation"], abs=2e-3)
     assert r["ppl_simulation"] != pytest.approx(r["ppl_dense"], rel=1e-3)
 
 
@@ -61,4 +63,5 @@ def test_a_distilled_engine_gets_no_simulation_of_the_source_weights(tmp_path):
                        "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["distilled"] and r["ppl_simulation"] is None and r["skip_realized_simulation"] is None
+    assert 0.2 < r["skip_realized_engine"] < 0.8  # its own thresholds on its own weights
     assert r["ppl_engine"] != pytest.approx(r["ppl_dense"], rel=1e-3)
