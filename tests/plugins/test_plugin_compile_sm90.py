@@ -164,8 +164,8 @@ SCRIPT = textwrap.dedent('''
                  overrides={"count_ptr": "*i32", "t": "fp32", "x_ptr": "*fp32"})
     ptx = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True, ATOMIC=1, GDC=1),
                        overrides={"count_ptr": "*i32", "part_ptr": "*fp32"}, div16={"N", "M"}).asm["ptx"]
-    assert re.search(r"(red|atom)(\.relaxed)?(\.gpu)?\.global(\.\w+)*\.add\.f32", ptx)
-    assert not re.search(r"st\.global(\.\w+)*\.(f32|b32)", ptx)
+    assert re.search(r"(red|atom)(\\.relaxed)?(\\.gpu)?\\.global(\\.\\w+)*\\.add\\.f32", ptx)
+    assert not re.search(r"st\\.global(\\.\\w+)*\\.(f32|b32)", ptx)
     compile_sm90(PR, PR._topk_kernel, dict(BLOCK=1024, NB_P2=32, KEY_BITS=16, MODE=PR._SPLIT, FIRST=2, LAST=2,
                                            COMPACT=True),
                  overrides={"out_ptr": "*i32", "ws_ptr": "*i32", "s_ptr": "*fp16"})
