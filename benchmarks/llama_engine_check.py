@@ -115,7 +115,8 @@ def main(argv=None) -> int:
            "density": eng.header["build_config"]["density"], "skip": sp["skip"],
            "windows": ids.shape[0], "window": a.window, "scored_tokens": ids.shape[0] * (a.window - 1),
            "text": "dejavu/data/wikitext-2/test.txt", "ppl_dense": dense, "ppl_simulation": sim,
-           "ppl_engine": engine, "skip_realized_simulation": skipped, "skip_realized_engine": engine_reads.skipped, "rotate_keep": keep,
+           "ppl_engine": engine, "skip_realized_simulation": skipped, "skip_realized_engine": engine_reads.skipped,
+           "rotate_keep": keep,
            "distilled": distilled}
     print(json.dumps(res, indent=1))
     if a.out:

@@ -197,7 +197,8 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
     of them, their values h at val. h [B, N] = x (default), norm_w * rms_norm(x, eps) (norm_w [N]), or
     silu(x[:, :N]) * x[:, N:] (swiglu: x [B, 2N]), never written (select_slices_ref). x [B, N'] in its dtype
     (an fp32 x with norm_w: h in dtype, rms_norm's output rounded to it: the fp32 residual stream), or the fp32
-    partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype, or the attention's split partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
+    partials [S, B, N'] of a split-K GEMV (`sliced_parts`), summed in order and rounded to dtype, or the
+    attention's split partials (gqa_attention.GQAPartials: h = o [B, H * hd], combined here)."""
     config = (settings or DEFAULT).input_sparse
     if isinstance(x, GQAPartials):
         return _select_attn(x, t, split, settings)

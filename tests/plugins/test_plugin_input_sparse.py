@@ -10,8 +10,8 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, InputSparseSettings as _s
 from dejavu.plugins.input_sparse import (input_sparse_gemv_ref, produce_ref, select_slices, select_slices_ref,
-                                         sliced_gemv, sliced_gemv_add, sliced_parts, sliced_qkv_rope, sliced_qkv_rope_ref,
-                                         split_k_for, sum_parts_ref)
+                                         sliced_gemv, sliced_gemv_add, sliced_parts, sliced_qkv_rope,
+                                         sliced_qkv_rope_ref, split_k_for, sum_parts_ref)
 from conftest import DTYPES
 
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
