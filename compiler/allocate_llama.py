@@ -221,6 +221,18 @@ def _pct(nll: float, dense: float) -> float:
     return round(100.0 * (math.exp(nll - dense) - 1.0), 4)
 
 
+def heldout_set(tokenizer, config, calib_tokens: int, max_len: int, which: int) -> tuple[torch.Tensor, str]:
+    """The build's held-out windows ([B, S], source): set 0 (sensitivity, refinement) or set 1 (every
+    combined engine's score), config.heldout_tokens each, of config.heldout, past the first
+    `calib_tokens` where that is the calibration corpus (never scored on text it was fitted to)."""
+    from dejavu.compiler.allocate import heldout_windows
+
+    corpus, n = config.heldout, config.heldout_tokens
+    first = calib_tokens if corpus is not None and corpus == config.calib else 0  # past the calibration stream
+    return heldout_windows(tokenizer.tokenizer, corpus, first + which * n, n, min(config.calib_window, max_len),
+                           tokenizer.bos_id)
+
+
 def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | None, calib_tokens: int,
                   progress=None) -> tuple[dict[str, float], dict]:
     """The build's allocation: ({key: skip}, report for the header's build_config.heldout).
@@ -230,15 +242,10 @@ def resolve_skips(model, calib: Calibration, tokenizer, config, skip: float | No
     Sensitivity and the joint refinement (refine_evals) use the first `heldout_tokens` held-out
     tokens, every combined engine is scored on the next ones (a choice is never scored on the
     windows it was fitted to). progress: called with one line per measurement, or None."""
-    from dejavu.compiler.allocate import heldout_windows
-
     cfg, weights = model.config, input_bytes(model.config)
-    corpus = config.heldout
-    first = calib_tokens if corpus is not None and corpus == config.calib else 0  # past the calibration stream
-    window, n = min(config.calib_window, cfg.max_position_embeddings), config.heldout_tokens
     device = next(model.parameters()).device
-    sens_ids, sens_source = heldout_windows(tokenizer.tokenizer, corpus, first, n, window, tokenizer.bos_id)
-    ids, source = heldout_windows(tokenizer.tokenizer, corpus, first + n, n, window, tokenizer.bos_id)
+    sens_ids, sens_source = heldout_set(tokenizer, config, calib_tokens, cfg.max_position_embeddings, 0)
+    ids, source = heldout_set(tokenizer, config, calib_tokens, cfg.max_position_embeddings, 1)
     ids = ids.to(device)
     uniform = lambda s: {k: s for k in KEYS}  # noqa: E731
     sens = None

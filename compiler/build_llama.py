@@ -164,17 +164,15 @@ def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: i
     ones kept under "distill". Returns (the new Calibration, the "distill" report)."""
     import math
 
-    from dejavu.compiler.allocate import heldout_windows
-    from dejavu.compiler.allocate_llama import _pct, heldout_nll, kind_thresholds
+    from dejavu.compiler.allocate_llama import _pct, heldout_nll, heldout_set, kind_thresholds
     from dejavu.compiler.distill_llama import WINDOW, distill_llama
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import corpus_tokens
 
     cfg = model.config
     window = min(WINDOW, cfg.max_position_embeddings)
-    corpus = config.heldout
-    first = calib_tokens if corpus is not None and corpus == config.calib else 0  # as resolve_skips
-    start = calib_tokens + (2 * config.heldout_tokens if first else 0)
+    past_heldout = config.heldout is not None and config.heldout == config.calib  # never trained on
+    start = calib_tokens + (2 * config.heldout_tokens if past_heldout else 0)
     want = start + config.distill_steps * window
     try:
         ids, _ = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
@@ -184,11 +182,8 @@ def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: i
                           f"{window} a step); lower --distill-steps or give a longer --calib") from None
     train = torch.as_tensor(ids[start:], dtype=torch.long).view(-1, window)
     device = next(model.parameters()).device
-    n = config.heldout_tokens
-    hids, _ = heldout_windows(tokenizer.tokenizer, corpus, first + n, n, min(config.calib_window,
-                              cfg.max_position_embeddings), tokenizer.bos_id)
-    hids = hids.to(device)
-    dense = heldout_nll(model, hids)  # the undistilled dense model, resolve_skips' second set
+    hids = heldout_set(tokenizer, config, calib_tokens, cfg.max_position_embeddings, 1)[0].to(device)
+    dense = heldout_nll(model, hids)  # the undistilled dense model on resolve_skips' second set
     report = distill_llama(model, kind_thresholds(calib, skips), train.to(device), config.distill_steps)
     report["first_token"] = start
     cids, _ = calibration_windows(cfg, tokenizer, config)
