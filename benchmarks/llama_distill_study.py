@@ -67,6 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--train-start", type=int, default=16384, help="first calibration-file token of the training text")
     p.add_argument("--lr-norm", type=float, default=1e-3)
     p.add_argument("--lr-weight", type=float, default=1e-5)
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="the learning rates over the steps (cosine: to 0 at the last step)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps, log the held-out NLL at the training thresholds (0: never)")
     p.add_argument("--ppl-tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=8192)
@@ -102,12 +106,14 @@ def kl_dense_sparse(teacher, student, thresholds, ids: torch.Tensor) -> torch.Te
     return (logp_t.exp() * (logp_t - logp_s)).sum(-1).mean()
 
 
-def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: list) -> float:
-    """Adam on params for args.steps steps of args.batch windows; returns seconds."""
+def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: list, heldout=None) -> float:
+    """Adam on params for args.steps steps of args.batch windows; returns seconds. With
+    args.eval_every, log [step, "heldout", NLL at `thresholds`] every that many steps."""
     norms = [p for n, p in params if p.dim() == 1]
     mats = [p for n, p in params if p.dim() > 1]
     groups = [{"params": norms, "lr": args.lr_norm}] + ([{"params": mats, "lr": args.lr_weight}] if mats else [])
     opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps) if args.schedule == "cosine" else None
     for p in model.parameters():
         p.requires_grad_(False)
     for _, p in params:
@@ -119,6 +125,13 @@ def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
+        if args.eval_every and heldout is not None and (step + 1) % args.eval_every == 0:
+            with torch.no_grad():
+                nll = heldout_nll(model, heldout, thresholds)
+            log.append([step + 1, "heldout", round(nll, 5)])
+            print(f"step {step + 1} held-out NLL {nll:.5f}", flush=True)
         if step % 10 == 0 or step == args.steps - 1:
             log.append([step, round(float(loss.detach()), 5), round(time.perf_counter() - t0, 1)])
             print(f"step {step} kl {float(loss.detach()):.5f} {time.perf_counter() - t0:.0f}s", flush=True)
@@ -207,7 +220,7 @@ def main(argv=None) -> None:
             row["loaded"] = args.load
         else:
             t = kind_thresholds(calib0, skips_of(args.train))
-            row["train_seconds"] = round(train(teacher, model, params, t, train_windows, args, row["log"]), 1)
+            row["train_seconds"] = round(train(teacher, model, params, t, train_windows, args, row["log"], heldout), 1)
             if args.save:
                 torch.save({n: p.detach().clone() for n, p in params}, args.save)
         t0 = time.perf_counter()

@@ -161,10 +161,11 @@ class InputSparseSettings:
     min_split_inputs: int = 256  # 2 * block_k: a split's loop at least one step at 50% kept
     num_warps: int = 4
     # the Llama decode step's residual stream in fp32, o's and down's GEMV splits adding into it with atomics
-    # (input_sparse.sliced_gemv_add): no split-K sum launch for them, 2 launches a layer fewer; the order of the
-    # splits' adds is not fixed, so the last bits vary run to run. Off until measured: `bash
-    # benchmarks/gpu/llama_fp32_residual.sh`
-    fp32_residual: bool = False
+    # (input_sparse.sliced_gemv_add): no split-K sum launch for them, 2 launches a layer fewer. Llama-3-8B at 50%
+    # skipped 3.688 vs 3.749 ms a step, the 70B TP-8 rank 5.553 vs 5.687 (H100, 2026-12-06, d808819: `bash
+    # benchmarks/gpu/llama_fp32_residual.sh`). The order of the splits' adds is not fixed, so the last bits vary
+    # run to run; False is the bit-reproducible form (an fp16 stream, the sums by their launches)
+    fp32_residual: bool = True
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings). gate/up with block_k 64: 45.8 vs 54.6 us a
     # launch on Llama-3-8B, 3.909 vs 4.180 ms a step with the attention kernel (1.75x the dense graph's 6.850);

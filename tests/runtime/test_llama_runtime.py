@@ -196,9 +196,9 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built):
     into an fp32 residual stream (input_sparse.fp32_residual) or summed by their launches, the attention by
     plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o projection's select, or by the
     combine kernel) or by SDPA over the whole cache (gqa_attn.kernel off), and at the engine's own settings (the
-    defaults: gate/up's block_k 64, the attention kernel's tiles of 32), run by Triton's interpreter in a
-    subprocess (TRITON_INTERPRET must be set before triton is imported): logits of batched steps and greedy
-    tokens (two rows at different positions) equal the reference ops'."""
+    defaults: gate/up's block_k 64, the attention kernel's tiles of 32, the fp32 residual stream), run by
+    Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of
+    batched steps and greedy tokens (two rows at different positions) equal the reference ops'."""
     import os
     import subprocess
     import sys
@@ -234,7 +234,7 @@ for min_split, projections, attn, fp32 in runs:
     rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-4:]]
     assert [r["kernels"]["gqa_attention"] for r in rows] == ["triton", "triton", "torch", "triton"]
     assert [r["gate_up_block_k"] for r in rows] == [8, 16, 8, 64]
-    assert [r["fp32_residual"] for r in rows] == [True, False, True, False]
+    assert [r["fp32_residual"] for r in rows] == [True, False, True, True]
     for r in rows:
         assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
         # the engine's load-time check of the attention kernel (on: against SDPA, over three tiles)
