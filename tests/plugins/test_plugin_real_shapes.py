@@ -41,9 +41,6 @@ def _err_ok(out, ref, torch_out, atol, rel):
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 5e-3), torch.bfloat16: (1e-2, 3e-2)}
 
 
-TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 5e-3), torch.bfloat16: (1e-2, 3e-2)}
-
-
 def check_mlp(D, F, K, B, dtype, shared, idx_dtype, residual, dot_min_batch=None, ln=False, config=None,
               repeat=1):
     settings = dataclasses.replace(DEFAULT, fc1_dot_min_batch=dot_min_batch or DEFAULT.fc1_dot_min_batch)
@@ -162,6 +159,39 @@ def check_sliced(N, M, B, dtype, t, graph=True):
                          "kept": float((x.float().abs() > t).float().mean())}
 
 
+def check_sliced_add(N, M, B, dtype, t):
+    """The fp32 residual stream's TEAL GEMV on a Llama projection's shape (input_sparse.fp32_residual: select,
+    then each split adding its fp32 sum into the stream with an atomic) vs float64, captured in a CUDA graph and
+    replayed on new inputs 20 times back to back: every replay's stream equal to an eager step's on those inputs
+    to fp32 rounding (the splits' adds land in no fixed order)."""
+    from dejavu.plugins import input_sparse as IS
+
+    x, base = randn(B, N, dtype=dtype), randn(B, M, dtype=torch.float32)
+    w_t = randn(N, M, dtype=dtype, scale=(N / 2) ** -0.5)
+    split = IS.split_k_for(B, N, M, DEFAULT.input_sparse)
+    acc = base.clone()
+
+    def step(stream):
+        return IS.sliced_gemv_add(*IS.select_slices(x, t, split), w_t, stream)
+
+    step(acc)  # compiles
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step(acc)
+    worst = 0.0
+    for _ in range(20):
+        x.copy_(randn(B, N, dtype=dtype))
+        acc.copy_(base)
+        g.replay()
+        eager = step(base.clone())
+        worst = max(worst, float((acc - eager).abs().max() / eager.abs().max()))
+    torch.cuda.synchronize()
+    h = x * (x.float().abs() > t)
+    ok, e = _err_ok(acc, h.double() @ w_t.double() + base.double(), (h @ w_t).float() + base, *TOL[dtype])
+    return ok and worst < 1e-6, {"gemv": e, "graph_vs_eager_rel": worst, "split": split,
+                                 "kept": float((x.float().abs() > t).float().mean())}
+
+
 def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64):
     """The fused q/k/v TEAL GEMV with RoPE and the cache writes over 20 CUDA-graph replays on new inputs and
     positions: q and both caches bit-equal to an eager step's; q vs float64."""
@@ -180,7 +210,8 @@ def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64):
         qs[which] = IS.sliced_qkv_rope(*IS.select_slices(x, t, split), w_t, cos, sin, pos, *caches[which])
         return qs[which]
 
-    step("graph")
+    step("graph")  # compiles
+    step("eager")  # the same cache writes in both
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step("graph")
@@ -336,6 +367,10 @@ def cases():
         cases.append(("sliced", dict(N=N, M=M, B=B, dtype=torch.float16, t=0.67)))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         cases.append(("sliced", dict(N=1000, M=333, B=3, dtype=dtype, t=0.67)))
+    # the fp32 residual stream's o and down (Llama-3-8B's, the 70B TP-8 rank's o), batch 1 and 4, an odd shape
+    for (N, M), B in (((4096, 4096), 1), ((14336, 4096), 1), ((1024, 8192), 1), ((14336, 4096), 4)):
+        cases.append(("sliced_add", dict(N=N, M=M, B=B, dtype=torch.float16, t=0.67)))
+    cases.append(("sliced_add", dict(N=1000, M=333, B=3, dtype=torch.bfloat16, t=0.67)))
     # q/k/v with RoPE: Llama-3-8B (32 / 8 heads of 128), the 70B TP-8 rank (8 / 1), heads of 64 at batch 2
     for N, H, Hkv, hd, B in ((4096, 32, 8, 128, 1), (8192, 8, 1, 128, 1), (2048, 16, 4, 64, 2)):
         cases.append(("sliced_qkv", dict(N=N, H=H, Hkv=Hkv, hd=hd, B=B, dtype=torch.float16, t=0.67)))
@@ -411,7 +446,7 @@ def cases():
 
 
 CHECKS = {"mlp": check_mlp, "attn": check_attn, "pred": check_predictor, "deferred": check_deferred,
-          "compact": check_compact, "sliced": check_sliced,
+          "compact": check_compact, "sliced": check_sliced, "sliced_add": check_sliced_add,
           "sliced_qkv": check_sliced_qkv}
 CASES = cases()
 
