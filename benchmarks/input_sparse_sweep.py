@@ -7,7 +7,8 @@ Each projection kind of a Llama block (plugins.PROJECTIONS) of each model shape 
 random fp16 weights (N(0, 1 / N)) and inputs, the threshold between the two |h| at the median (half the
 inputs kept), launched through runtime/llama_decoder.LlamaOps with the settings under test:
   qkv      x [B, D]: select fused with RMSNorm, GEMV [D, (H + 2 Hkv) hd], sum with RoPE + cache write (qkv_rope)
-  o        o [B, H hd]: select, GEMV [H hd, D], split-K sum + residual (linear)
+  o        o [B, H hd]: select, GEMV [H hd, D], split-K sum + residual (linear), or with fp32_residual (the
+           default) the splits adding into the fp32 residual stream (o and down alike)
   gate_up  x [B, D]: select fused with RMSNorm, GEMV [D, 2 I], fp32 partials left for down (gate_up)
   down     gate/up's partials (as many as gate_up's default split): select summing them fused with SwiGLU,
            GEMV [I, D], split-K sum + residual (down)
@@ -119,6 +120,8 @@ class Shape:
         self.kept_rows = int(kept.sum())
         self.read_bytes = self.kept_rows * M * torch.finfo(dtype).bits // 8  # weight rows a group reads
         self.res = torch.randn(B, M, generator=g, device=dev).to(dtype) if self.proj in ("o", "down") else None
+        # the fp32 residual stream (input_sparse.fp32_residual): o and down add into it in place
+        self.res32 = self.res.float() if self.res is not None else None
         y = (h * kept).float() @ self.w[0].float()  # [B, M] fp32, the same fp16 h
         if self.proj == "qkv":
             self.rope_args(B)
@@ -149,14 +152,15 @@ class Shape:
     def launch(self, ops, i: int):
         """One launch group on weight copy i, as the decode step launches it."""
         w = self.w[i]
+        res = self.res32 if ops.fp32_residual else self.res
         if self.proj == "qkv":
             return ops.qkv_rope(self.x, w, self.t, self.norm, self.cos, self.sin, self.pos, self.kc, self.vc,
                                 self.rows)
         if self.proj == "o":
-            return ops.linear(self.x, w, self.t, residual=self.res, kind="o")
+            return ops.linear(self.x, w, self.t, residual=res, kind="o")
         if self.proj == "gate_up":
             return ops.gate_up(self.x, w, self.t, self.norm)
-        return ops.down(self.x, w, self.t, self.res)
+        return ops.down(self.x, w, self.t, res)
 
     def error(self, ops) -> float:
         """max |launch(copy 0) - ref| / max |ref|."""
@@ -164,6 +168,8 @@ class Shape:
 
         if self.proj == "qkv":
             self.kc.zero_(), self.vc.zero_()
+        if self.res32 is not None:
+            self.res32.copy_(self.res)  # the timed launches added into it
         out = self.launch(ops, 0)
         if self.proj == "qkv":
             out = torch.cat([out.flatten(), self.kc[:, :, 7].flatten(), self.vc[:, :, 7].flatten()])
