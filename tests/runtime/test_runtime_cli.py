@@ -173,8 +173,8 @@ def test_ctrl_c_while_importing_torch_is_one_line(engine_file):
             "builtins.__import__ = hook\n")
     code = (f"import sys\n{hook}from dejavu.runtime.cli import main\n"
             f"sys.exit(main([{str(path)!r}, '--prompt', 'x', '--max-new-tokens', '4']))")
-    # the child starts with SIGINT at its default, as a shell starts it: a disposition of SIG_IGN in the test
-    # runner's process (some test of the suite leaves it so in its worker) would be inherited and swallow the signal
+    # the child starts with SIGINT at its default, as an interactive shell starts it: a suite launched in the
+    # background by a non-interactive shell (`pytest ... &`) runs with SIGINT ignored, and the child would inherit it
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stderr.readline() == "importing torch\n"
