@@ -199,6 +199,27 @@ def test_sliced_gemv_reads_only_the_kept_rows(triton_interp, config):
     assert torch.isfinite(y).all() and (y.double() - ref).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("config", [SMALL, WIDE_K])
+def test_sliced_gemv_ignores_stale_pairs_past_the_count(triton_interp, config, early):
+    """Past each split's count the pair buffers hold what an earlier launch left there: NaN values and
+    indices out of range must not reach y (the first pairs may be loaded before the count: early_pairs)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 90, generator=g)
+    w_t = torch.randn(90, 50, generator=g)
+    settings = _ks(dataclasses.replace(config, early_pairs=early))
+    idx, val, count = select_slices(x, 0.8, 4, settings=settings)
+    per = -(-90 // 4)
+    for b in range(2):
+        for s in range(4):
+            n, end = int(count[b, s]), min((s + 1) * per, 90)
+            idx[b, s * per + n:end] = 10 ** 6
+            val[b, s * per + n:end] = float("nan")
+    y = sliced_gemv(idx, val, count, w_t, settings=settings)
+    ref = input_sparse_gemv_ref(x.double(), w_t.double(), 0.8)
+    assert torch.isfinite(y).all() and (y.double() - ref).abs().max() < 1e-5
+
+
 def test_sliced_launchers_check_their_inputs(triton_interp):
     x = torch.randn(2, 16)
     with pytest.raises(DejavuError, match=r"norm_w: expected shape \(16,\)"):
