@@ -135,8 +135,7 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, ATOMIC: tl.constexpr = 0,
-                        EARLY: tl.constexpr = 0):
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, ATOMIC: tl.constexpr = 0):
     # ATOMIC: part_ptr an fp32 [B, M] that every split adds its sum into (sliced_gemv_add), else the partials
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -151,19 +150,8 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
     # so Triton loads them straight into the tile's row layout (no shared-memory conversion, no barrier in
     # the loop); the next step's pairs load before this step's rows are summed (one round trip a step).
     ar = tl.arange(0, SUB)
-    if EARLY:  # the first pairs loaded beside the count, not after it (one round trip fewer before the first
-        # rows): bounded by the split's segment only; past the count the buffer holds stale pairs, so their
-        # values are zeroed once the count is known (their rows are never loaded: the row loads mask k < n)
-        seg = tl.minimum(PER, N - ps * PER)
-        i0 = tl.load(idx_ptr + ar, mask=ar < seg, other=0)
-        i1 = tl.load(idx_ptr + SUB + ar, mask=SUB + ar < seg, other=0)
-        v0 = tl.load(val_ptr + ar, mask=ar < seg, other=0.0).to(tl.float32)
-        v1 = tl.load(val_ptr + SUB + ar, mask=SUB + ar < seg, other=0.0).to(tl.float32)
-        v0 = tl.where(ar < n, v0, 0.0)
-        v1 = tl.where(SUB + ar < n, v1, 0.0)
-    else:
-        i0, v0 = _pairs(idx_ptr, val_ptr, ar, n)
-        i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, n)
+    i0, v0 = _pairs(idx_ptr, val_ptr, ar, n)
+    i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, n)
     acc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, n, 2 * SUB):
         p0 = _rows_times(w_ptr, i0, v0, k0 + ar, n, offs_m, m_ok, M)
@@ -334,7 +322,6 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
                                                EVEN_M=M % config.block_m == 0, ATOMIC=acc is not None,
-                                               EARLY=int(config.early_pairs),
                                                num_warps=config.num_warps,
                                                **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
     return part

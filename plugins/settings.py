@@ -166,8 +166,6 @@ class InputSparseSettings:
     # benchmarks/gpu/llama_fp32_residual.sh`). The order of the splits' adds is not fixed, so the last bits vary
     # run to run; False is the bit-reproducible form (an fp16 stream, the sums by their launches)
     fp32_residual: bool = True
-    # the GEMV's first pairs loaded beside its split's count instead of after it (A/B under measurement)
-    early_pairs: bool = True
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings). gate/up with block_k 64: 45.8 vs 54.6 us a
     # launch on Llama-3-8B, 3.909 vs 4.180 ms a step with the attention kernel (1.75x the dense graph's 6.850);
