@@ -71,6 +71,13 @@ def parse_args(argv=None):
                    help="the learning rates over the steps (cosine: to 0 at the last step)")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="every N steps, log the held-out NLL at the training thresholds (0: never)")
+    p.add_argument("--score-every", type=int, default=0, metavar="N",
+                   help="every N steps (before the last), also score the model as it is: thresholds re-calibrated, "
+                        "held-out NLL and test perplexity at --train's skips, logged (0: never)")
+    p.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                   help="also score an exponential moving average of the trained weights (0: none)")
+    p.add_argument("--hidden-weight", type=float, default=0.0, metavar="W",
+                   help="add W x the mean over layers of |h_sparse - h_dense|^2 / |h_dense|^2 (each block's output)")
     p.add_argument("--ppl-tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=8192)
@@ -97,18 +104,44 @@ def trainable(model, which: str) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def kl_dense_sparse(teacher, student, thresholds, ids: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of KL(p_dense || p_sparse) for windows ids [B, S] (student with the masks)."""
-    with torch.no_grad():
-        logp_t = F.log_softmax(teacher(ids).float(), -1)  # [B, S, V]
-    with gated_sparsity(student, thresholds, GatedSparsity(), count=False):
-        logp_s = F.log_softmax(student(ids).float(), -1)
-    return (logp_t.exp() * (logp_t - logp_s)).sum(-1).mean()
+class BlockOutputs:
+    """Forward hooks that keep every decoder block's output (the residual stream after it)."""
+
+    def __init__(self, model):
+        self.out: list[torch.Tensor] = []
+        self.handles = [layer.register_forward_hook(lambda m, a, o: self.out.append(o)) for layer in model.layers]
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
 
 
-def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: list, heldout=None) -> float:
+def kl_dense_sparse(teacher, student, thresholds, ids: torch.Tensor, hidden_weight: float = 0.0) -> torch.Tensor:
+    """Mean over tokens of KL(p_dense || p_sparse) for windows ids [B, S] (student with the masks),
+    plus hidden_weight x the mean over blocks and tokens of the relative squared error of each
+    block's output against the dense model's."""
+    hooks = (BlockOutputs(teacher), BlockOutputs(student)) if hidden_weight else None
+    try:
+        with torch.no_grad():
+            logp_t = F.log_softmax(teacher(ids).float(), -1)  # [B, S, V]
+        with gated_sparsity(student, thresholds, GatedSparsity(), count=False):
+            logp_s = F.log_softmax(student(ids).float(), -1)
+        loss = (logp_t.exp() * (logp_t - logp_s)).sum(-1).mean()
+        if hooks:
+            rel = [((hs.float() - ht.float()).pow(2).sum(-1) / ht.float().pow(2).sum(-1)).mean()
+                   for ht, hs in zip(hooks[0].out, hooks[1].out)]
+            loss = loss + hidden_weight * torch.stack(rel).mean()
+    finally:
+        for h in hooks or ():
+            h.close()
+    return loss
+
+
+def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: list, heldout=None,
+          ema: list | None = None, score_at=None) -> float:
     """Adam on params for args.steps steps of args.batch windows; returns seconds. With
-    args.eval_every, log [step, "heldout", NLL at `thresholds`] every that many steps."""
+    args.eval_every, log [step, "heldout", NLL at `thresholds`] every that many steps; with `ema`
+    (copies of params), move it towards the parameters after every step (decay args.ema)."""
     norms = [p for n, p in params if p.dim() == 1]
     mats = [p for n, p in params if p.dim() > 1]
     groups = [{"params": norms, "lr": args.lr_norm}] + ([{"params": mats, "lr": args.lr_weight}] if mats else [])
@@ -121,12 +154,21 @@ def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: 
     t0 = time.perf_counter()
     for step in range(args.steps):
         i = step * args.batch % windows.shape[0]
-        loss = kl_dense_sparse(teacher, model, thresholds, windows[i:i + args.batch])
+        loss = kl_dense_sparse(teacher, model, thresholds, windows[i:i + args.batch], args.hidden_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if sched is not None:
             sched.step()
+        if ema is not None:
+            with torch.no_grad():
+                for (_, p), e in zip(params, ema):
+                    e.lerp_(p, 1 - args.ema)
+        if score_at is not None and args.score_every and (step + 1) % args.score_every == 0 \
+                and step + 1 < args.steps:
+            row = score_at(model)
+            log.append([step + 1, "scored", row])
+            print(f"step {step + 1} scored {json.dumps(row)}", flush=True)
         if args.eval_every and heldout is not None and (step + 1) % args.eval_every == 0:
             with torch.no_grad():
                 nll = heldout_nll(model, heldout, thresholds)
@@ -220,18 +262,34 @@ def main(argv=None) -> None:
             row["loaded"] = args.load
         else:
             t = kind_thresholds(calib0, skips_of(args.train))
-            row["train_seconds"] = round(train(teacher, model, params, t, train_windows, args, row["log"], heldout), 1)
+            ema = [p.detach().clone() for _, p in params] if args.ema else None
+            def score_at(m):  # the model mid-training, thresholds re-calibrated (grad off for the scoring)
+                with torch.no_grad():
+                    return score(sm, m, calibrate(m, calib_ids), skips_of(args.train), heldout, test_text, args)
+
+            row["train_seconds"] = round(train(teacher, model, params, t, train_windows, args, row["log"], heldout,
+                                               ema, score_at), 1)
             if args.save:
                 torch.save({n: p.detach().clone() for n, p in params}, args.save)
-        t0 = time.perf_counter()
-        calib = calibrate(model, calib_ids)
-        row["recalib_seconds"] = round(time.perf_counter() - t0, 1)
-        row["dense"] = dense_scores(sm, model, heldout, test_text, args)
-        for e in evals:
-            row[e] = score(sm, model, calib, skips_of(e), heldout, test_text, args)
-            row[e + " (dense thresholds)"] = score(sm, model, calib0, skips_of(e), heldout, test_text, args)
-        print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
-        save()
+        scored = [(row, None)]
+        if not args.load and args.ema:
+            avg = {"run": row["run"] + f" ema{args.ema}", "set": which, "train": args.train, "ema": args.ema}
+            res["runs"].append(avg)
+            scored.append((avg, ema))
+        for r, weights in scored:
+            if weights is not None:
+                with torch.no_grad():
+                    for (_, p), e in zip(params, weights):
+                        p.copy_(e)
+            t0 = time.perf_counter()
+            calib = calibrate(model, calib_ids)
+            r["recalib_seconds"] = round(time.perf_counter() - t0, 1)
+            r["dense"] = dense_scores(sm, model, heldout, test_text, args)
+            for e in evals:
+                r[e] = score(sm, model, calib, skips_of(e), heldout, test_text, args)
+                r[e + " (dense thresholds)"] = score(sm, model, calib0, skips_of(e), heldout, test_text, args)
+            print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
+            save()
 
 
 if __name__ == "__main__":
