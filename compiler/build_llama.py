@@ -155,13 +155,14 @@ def calibrate_inputs(model, tokenizer, config):
     return calib, header
 
 
-def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: int, heldout: dict):
+def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: int, heldout: dict, progress=None):
     """config.distill_steps > 0: train the model in place to its own dense outputs under the
     thresholds of `skips` (compiler/distill_llama.py), one window of the calibration corpus a step,
     past the calibration stream (and past the held-out sets where they are the calibration corpus:
     never trained on), then calibrate the thresholds again on the calibration windows. The held-out
     report's engine figures become the distilled engine's on the same (second) set, the undistilled
-    ones kept under "distill". Returns (the new Calibration, the "distill" report)."""
+    ones kept under "distill". progress: a line every 10 training steps, or None. Returns (the new
+    Calibration, the "distill" report)."""
     import math
 
     from dejavu.compiler.allocate_llama import _pct, heldout_nll, heldout_set, kind_thresholds
@@ -184,7 +185,8 @@ def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: i
     device = next(model.parameters()).device
     hids = heldout_set(tokenizer, config, calib_tokens, cfg.max_position_embeddings, 1)[0].to(device)
     dense = heldout_nll(model, hids)  # the undistilled dense model on resolve_skips' second set
-    report = distill_llama(model, kind_thresholds(calib, skips), train.to(device), config.distill_steps)
+    report = distill_llama(model, kind_thresholds(calib, skips), train.to(device), config.distill_steps,
+                           progress=progress)
     report["first_token"] = start
     cids, _ = calibration_windows(cfg, tokenizer, config)
     with torch.no_grad():
@@ -273,7 +275,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
         skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, used, say)
     if config.distill_steps and block_skip(skips, input_bytes(cfg)) > 0:
         with stages("distill"):
-            calib, heldout["distill"] = distill_inputs(model, tokenizer, config, calib, skips, used, heldout)
+            calib, heldout["distill"] = distill_inputs(model, tokenizer, config, calib, skips, used, heldout, say)
     thresholds = {k: [round(t, 8) for t in ts] for k, ts in kind_thresholds(calib, skips).items()}
     skip = block_skip(skips, input_bytes(cfg))
     onnx_report = None

@@ -46,10 +46,11 @@ def trained_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def distill_llama(model, thresholds: dict, ids: torch.Tensor, steps: int, lr_weight: float = LR_WEIGHT,
-                  lr_norm: float = LR_NORM) -> dict:
+                  lr_norm: float = LR_NORM, progress=None) -> dict:
     """Train `model` in place for `steps` steps, one window of ids [B, S] a step (cycled), to its
     own dense outputs under the TEAL `thresholds` ({key: [L]}). Returns {"steps", "tokens",
-    "first_kl", "last_kl" (mean of the first / last min(10, steps) steps' KL), "seconds"}."""
+    "first_kl", "last_kl" (mean of the first / last min(10, steps) steps' KL), "seconds"}.
+    progress: called with a line every 10 steps and after the last (the mean KL since the last line)."""
     if type(steps) is not int or steps < 1:
         raise DejavuError(f"distillation steps must be a positive integer, got {steps!r}")
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 \
@@ -80,6 +81,10 @@ def distill_llama(model, thresholds: dict, ids: torch.Tensor, steps: int, lr_wei
                 loss.backward()
                 opt.step()
                 losses.append(float(loss.detach()))
+                if progress is not None and ((step + 1) % 10 == 0 or step + 1 == steps):
+                    recent = losses[-((step % 10) + 1):]
+                    progress(f"distill step {step + 1}/{steps}: KL {sum(recent) / len(recent):.5f}, "
+                             f"{time.perf_counter() - t0:.0f} s")
     finally:
         for p in model.parameters():
             p.requires_grad_(was[id(p)])

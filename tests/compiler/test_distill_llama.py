@@ -40,9 +40,13 @@ def test_distillation_lowers_the_kl_of_the_windows_it_trained_on():
     with torch.no_grad():
         before = float(kl_to_dense(dense, model, t, train))
         embed = model.model.embed_tokens.weight.clone()
-    info = distill_llama(model, t, train, 64, lr_weight=1e-3, lr_norm=1e-3)
+    lines = []
+    info = distill_llama(model, t, train, 64, lr_weight=1e-3, lr_norm=1e-3, progress=lines.append)
     with torch.no_grad():
         after = float(kl_to_dense(dense, model, t, train))
+    assert [ln.split(":")[0] for ln in lines] == [f"distill step {k}/64" for k in (10, 20, 30, 40, 50, 60, 64)]
+    kls = [float(ln.split("KL ")[1].split(",")[0]) for ln in lines]  # each the mean since the line before
+    assert kls[0] > kls[-1] and kls[-1] < 0.7 * before, (kls, before)
     assert before > 1e-3  # the masks do change the model
     assert after < 0.7 * before, (before, after)
     assert info["steps"] == 64 and info["tokens"] == 64 * 40
