@@ -86,7 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also score the untrained model at the --eval skips")
     p.add_argument("--save", metavar="FILE", help="save the trained parameters (torch.save) there")
-    p.add_argument("--load", metavar="FILE", help="skip training: load trained parameters saved by --save")
+    p.add_argument("--load", nargs="+", metavar="FILE",
+                   help="skip training: load trained parameters saved by --save (several: their mean, a model soup)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -255,10 +256,10 @@ def main(argv=None) -> None:
                "params": sum(p.numel() for _, p in params), "log": []}
         res["runs"].append(row)
         if args.load:
-            state = torch.load(args.load)
+            states = [torch.load(f) for f in args.load]
             with torch.no_grad():
                 for n, p in params:
-                    p.copy_(state[n])
+                    p.copy_(sum(st[n] for st in states) / len(states))
             row["loaded"] = args.load
         else:
             t = kind_thresholds(calib0, skips_of(args.train))
