@@ -221,6 +221,12 @@ def _pct(nll: float, dense: float) -> float:
     return round(100.0 * (math.exp(nll - dense) - 1.0), 4)
 
 
+def heldout_in_calib(config) -> bool:
+    """Whether the build's held-out text is its calibration corpus (then held-out windows start past the
+    calibration stream, and the distillation's training text past both held-out sets)."""
+    return config.heldout is not None and config.heldout == config.calib
+
+
 def heldout_set(tokenizer, config, calib_tokens: int, max_len: int, which: int) -> tuple[torch.Tensor, str]:
     """The build's held-out windows ([B, S], source): set 0 (sensitivity, refinement) or set 1 (every
     combined engine's score), config.heldout_tokens each, of config.heldout, past the first
@@ -228,7 +234,7 @@ def heldout_set(tokenizer, config, calib_tokens: int, max_len: int, which: int) 
     from dejavu.compiler.allocate import heldout_windows
 
     corpus, n = config.heldout, config.heldout_tokens
-    first = calib_tokens if corpus is not None and corpus == config.calib else 0  # past the calibration stream
+    first = calib_tokens if heldout_in_calib(config) else 0  # past the calibration stream
     return heldout_windows(tokenizer.tokenizer, corpus, first + which * n, n, min(config.calib_window, max_len),
                            tokenizer.bos_id)
 

@@ -165,15 +165,14 @@ def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: i
     Calibration, the "distill" report)."""
     import math
 
-    from dejavu.compiler.allocate_llama import _pct, heldout_nll, heldout_set, kind_thresholds
+    from dejavu.compiler.allocate_llama import _pct, heldout_in_calib, heldout_nll, heldout_set, kind_thresholds
     from dejavu.compiler.distill_llama import WINDOW, distill_llama
     from dejavu.compiler.gated_sparsity import calibrate
     from dejavu.compiler.text import corpus_tokens
 
     cfg = model.config
     window = min(WINDOW, cfg.max_position_embeddings)
-    past_heldout = config.heldout is not None and config.heldout == config.calib  # never trained on
-    start = calib_tokens + (2 * config.heldout_tokens if past_heldout else 0)
+    start = calib_tokens + (2 * config.heldout_tokens if heldout_in_calib(config) else 0)  # never trained on
     want = start + config.distill_steps * window
     try:
         ids, _ = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
