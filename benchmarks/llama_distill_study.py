@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dejavu.compiler.allocate_llama import heldout_nll, kind_thresholds
+from dejavu.compiler.distill_llama import kl_to_dense
 from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
@@ -121,21 +121,17 @@ def kl_dense_sparse(teacher, student, thresholds, ids: torch.Tensor, hidden_weig
     """Mean over tokens of KL(p_dense || p_sparse) for windows ids [B, S] (student with the masks),
     plus hidden_weight x the mean over blocks and tokens of the relative squared error of each
     block's output against the dense model's."""
-    hooks = (BlockOutputs(teacher), BlockOutputs(student)) if hidden_weight else None
+    if not hidden_weight:
+        return kl_to_dense(teacher, student, thresholds, ids)
+    hooks = (BlockOutputs(teacher), BlockOutputs(student))
     try:
-        with torch.no_grad():
-            logp_t = F.log_softmax(teacher(ids).float(), -1)  # [B, S, V]
-        with gated_sparsity(student, thresholds, GatedSparsity(), count=False):
-            logp_s = F.log_softmax(student(ids).float(), -1)
-        loss = (logp_t.exp() * (logp_t - logp_s)).sum(-1).mean()
-        if hooks:
-            rel = [((hs.float() - ht.float()).pow(2).sum(-1) / ht.float().pow(2).sum(-1)).mean()
-                   for ht, hs in zip(hooks[0].out, hooks[1].out)]
-            loss = loss + hidden_weight * torch.stack(rel).mean()
+        loss = kl_to_dense(teacher, student, thresholds, ids)
+        rel = [((hs.float() - ht.float()).pow(2).sum(-1) / ht.float().pow(2).sum(-1)).mean()
+               for ht, hs in zip(hooks[0].out, hooks[1].out)]
+        return loss + hidden_weight * torch.stack(rel).mean()
     finally:
-        for h in hooks or ():
+        for h in hooks:
             h.close()
-    return loss
 
 
 def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: list, heldout=None,
