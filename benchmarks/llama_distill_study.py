@@ -89,6 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--load", nargs="+", metavar="FILE",
                    help="skip training: load trained parameters saved by --save (several: their mean, a model soup)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the model trains and is scored: cpu | cuda | cuda:N")
+    p.add_argument("--train-text", metavar="FILE",
+                   help="the training windows' text (default: the calibration file); it must begin with the "
+                        "calibration file's text, so --train-start and --heldout name the same tokens")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -135,10 +139,11 @@ def kl_dense_sparse(teacher, student, thresholds, ids: torch.Tensor, hidden_weig
 
 
 def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: list, heldout=None,
-          ema: list | None = None, score_at=None) -> float:
+          ema: list | None = None, score_at=None, save=None) -> float:
     """Adam on params for args.steps steps of args.batch windows; returns seconds. With
     args.eval_every, log [step, "heldout", NLL at `thresholds`] every that many steps; with `ema`
-    (copies of params), move it towards the parameters after every step (decay args.ema)."""
+    (copies of params), move it towards the parameters after every step (decay args.ema). With
+    args.score_every, score_at(model) is logged every that many steps, then save() writes the file."""
     norms = [p for n, p in params if p.dim() == 1]
     mats = [p for n, p in params if p.dim() > 1]
     groups = [{"params": norms, "lr": args.lr_norm}] + ([{"params": mats, "lr": args.lr_weight}] if mats else [])
@@ -166,6 +171,8 @@ def train(teacher, model, params, thresholds, windows: torch.Tensor, args, log: 
             row = score_at(model)
             log.append([step + 1, "scored", row])
             print(f"step {step + 1} scored {json.dumps(row)}", flush=True)
+            if save is not None:
+                save()
         if args.eval_every and heldout is not None and (step + 1) % args.eval_every == 0:
             with torch.no_grad():
                 nll = heldout_nll(model, heldout, thresholds)
@@ -206,16 +213,23 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    sm = load_scoring_model(args.model)
+    sm = load_scoring_model(args.model, device=args.device)
     model = sm.info["model"]
     teacher = copy.deepcopy(model).eval()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     text = read_text(CALIB_TEXT)
+    if args.train_text:
+        train_text = read_text(args.train_text)
+        if not train_text.startswith(text):
+            raise SystemExit(f"--train-text {args.train_text} does not begin with the calibration file's text")
+        text = train_text
     need = max(args.heldout[1], args.train_start + args.steps * args.batch * args.train_window)
-    ids = text_ids(sm, text, need + 1)
+    ids = text_ids(sm, text, need + 1).to(args.device)
     calib_ids = windows_of(ids[:args.calib_tokens], args.window)
     heldout = windows_of(ids[args.heldout[0]:args.heldout[1]], args.window)
     train_windows = windows_of(ids[args.train_start:], args.train_window)
+    if train_windows.shape[0] < args.steps * args.batch:
+        print(f"note: {train_windows.shape[0]} training windows for {args.steps * args.batch}: they repeat", flush=True)
     test_text = read_text(WIKITEXT2_TEST)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
@@ -265,7 +279,7 @@ def main(argv=None) -> None:
                     return score(sm, m, calibrate(m, calib_ids), skips_of(args.train), heldout, test_text, args)
 
             row["train_seconds"] = round(train(teacher, model, params, t, train_windows, args, row["log"], heldout,
-                                               ema, score_at), 1)
+                                               ema, score_at, save), 1)
             if args.save:
                 torch.save({n: p.detach().clone() for n, p in params}, args.save)
         scored = [(row, None)]
