@@ -157,7 +157,7 @@ def calibrate_inputs(model, tokenizer, config):
 
 def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: int, heldout: dict, progress=None):
     """config.distill_steps > 0: train the model in place to its own dense outputs under the
-    thresholds of `skips` (compiler/distill_llama.py), one window of the calibration corpus a step,
+    thresholds of `skips` (compiler/distill_llama.py), config.distill_batch windows of the calibration corpus a step,
     past the calibration stream (and past the held-out sets where they are the calibration corpus:
     never trained on), then calibrate the thresholds again on the calibration windows. The held-out
     report's engine figures become the distilled engine's on the same (second) set, the undistilled
@@ -173,19 +173,20 @@ def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: i
     cfg = model.config
     window = min(WINDOW, cfg.max_position_embeddings)
     start = calib_tokens + (2 * config.heldout_tokens if heldout_in_calib(config) else 0)  # never trained on
-    want = start + config.distill_steps * window
+    batch = config.distill_batch
+    want = start + config.distill_steps * batch * window
     try:
         ids, _ = corpus_tokens(tokenizer.tokenizer, config.calib, want, bos_id=tokenizer.bos_id)
     except DejavuError:
-        raise DejavuError(f"--distill-steps {config.distill_steps}: the calibration corpus has fewer than the "
-                          f"{want} tokens it needs ({start} calibration / held-out tokens, then "
-                          f"{window} a step); lower --distill-steps or give a longer --calib") from None
+        raise DejavuError(f"--distill-steps {config.distill_steps} --distill-batch {batch}: the calibration corpus "
+                          f"has fewer than the {want} tokens it needs ({start} calibration / held-out tokens, then "
+                          f"{batch * window} a step); lower --distill-steps or give a longer --calib") from None
     train = torch.as_tensor(ids[start:], dtype=torch.long).view(-1, window)
     device = next(model.parameters()).device
     hids = heldout_set(tokenizer, config, calib_tokens, cfg.max_position_embeddings, 1)[0].to(device)
     dense = heldout_nll(model, hids)  # the undistilled dense model on resolve_skips' second set
     report = distill_llama(model, kind_thresholds(calib, skips), train.to(device), config.distill_steps,
-                           progress=progress)
+                           progress=progress, batch=batch)
     report["first_token"] = start
     cids, _ = calibration_windows(cfg, tokenizer, config)
     with torch.no_grad():

@@ -91,6 +91,9 @@ def compile_parser() -> argparse.ArgumentParser:
                    help="Llama: train the block weights and norms for N steps to the dense model's own outputs "
                         "under the TEAL masks (sparsity-aware distillation; the thresholds calibrated again "
                         "after; default 0: off; SmolLM2-135M at 40%% skipped: 1000 steps, docs/llama.md)")
+    p.add_argument("--distill-batch", type=int, default=S, metavar="B",
+                   help="Llama: windows of calibration text a distillation step (the corpus needs "
+                        "steps x B windows of 256 tokens past the calibration tokens)")
     p.add_argument("--calib", default=S, metavar="CORPUS",
                    help="calibration corpus: text file, .jsonl, folder of .txt or hf:NAME "
                         "(default: the shipped WikiText-2 head)")

@@ -47,13 +47,15 @@ def trained_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def distill_llama(model, thresholds: dict, ids: torch.Tensor, steps: int, lr_weight: float = LR_WEIGHT,
-                  lr_norm: float = LR_NORM, progress=None) -> dict:
-    """Train `model` in place for `steps` steps, one window of ids [B, S] a step (cycled), to its
-    own dense outputs under the TEAL `thresholds` ({key: [L]}). Returns {"steps", "tokens",
-    "first_kl", "last_kl" (mean of the first / last min(10, steps) steps' KL), "seconds"}.
+                  lr_norm: float = LR_NORM, progress=None, batch: int = 1) -> dict:
+    """Train `model` in place for `steps` steps, `batch` windows of ids [B, S] a step (in order,
+    cycled), to its own dense outputs under the TEAL `thresholds` ({key: [L]}). Returns {"steps",
+    "batch", "tokens", "first_kl", "last_kl" (mean of the first / last min(10, steps) steps' KL), "seconds"}.
     progress: called with a line every 10 steps and after the last (the mean KL since the last line)."""
     if type(steps) is not int or steps < 1:
         raise DejavuError(f"distillation steps must be a positive integer, got {steps!r}")
+    if type(batch) is not int or batch < 1:
+        raise DejavuError(f"distillation batch must be a positive integer, got {batch!r}")
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2 \
             or ids.dtype != torch.long:
         raise DejavuError(f"distillation ids must be a long tensor [windows, tokens >= 2], got "
@@ -77,7 +79,8 @@ def distill_llama(model, thresholds: dict, ids: torch.Tensor, steps: int, lr_wei
     try:
         with torch.enable_grad():
             for step in range(steps):
-                loss = kl_to_dense(teacher, model, thresholds, ids[step % ids.shape[0]][None])
+                rows = torch.arange(step * batch, (step + 1) * batch, device=ids.device) % ids.shape[0]
+                loss = kl_to_dense(teacher, model, thresholds, ids[rows])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -91,5 +94,5 @@ def distill_llama(model, thresholds: dict, ids: torch.Tensor, steps: int, lr_wei
             p.requires_grad_(was[id(p)])
             p.grad = None
     n = min(10, steps)
-    return {"steps": steps, "tokens": steps * ids.shape[1], "first_kl": round(sum(losses[:n]) / n, 6),
+    return {"steps": steps, "batch": batch, "tokens": steps * batch * ids.shape[1], "first_kl": round(sum(losses[:n]) / n, 6),
             "last_kl": round(sum(losses[-n:]) / n, 6), "seconds": round(time.perf_counter() - t0, 1)}

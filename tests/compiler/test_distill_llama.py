@@ -54,6 +54,19 @@ def test_distillation_lowers_the_kl_of_the_windows_it_trained_on():
     assert all(p.grad is None and p.requires_grad for p in model.parameters())  # as they were before
 
 
+def test_a_step_takes_batch_windows_in_order_cycled(monkeypatch):
+    # 3 windows, 2 a step, 3 steps: [0, 1], [2, 0], [1, 2]; the report counts every window's tokens
+    import dejavu.compiler.distill_llama as dl
+
+    seen, real = [], dl.kl_to_dense
+    monkeypatch.setattr(dl, "kl_to_dense", lambda te, st, t, ids: seen.append(ids.clone()) or real(te, st, t, ids))
+    model, train = _model(), _ids(2, 3)
+    t = thresholds(calibrate(model, train), 0.3)
+    info = distill_llama(model, t, train, 3, batch=2)
+    assert [[int(torch.nonzero((train == w).all(1))[0]) for w in ids] for ids in seen] == [[0, 1], [2, 0], [1, 2]]
+    assert info["batch"] == 2 and info["tokens"] == 3 * 2 * 40
+
+
 def test_gradient_flows_through_the_kept_entries_only():
     # layer 0's down_proj input fully masked (threshold inf): its weight gets no gradient at all, nor do
     # gate / up, whose only way to the output it was; layer 1's and the attention's do (the masks are
@@ -85,6 +98,8 @@ def test_zero_thresholds_are_the_dense_model():
     (dict(steps=2.5), "steps must be a positive integer"),
     (dict(ids=torch.zeros(8, dtype=torch.long)), "ids must be a long tensor"),
     (dict(ids=torch.zeros(2, 8)), "ids must be a long tensor"),
+    (dict(batch=0), "batch must be a positive integer"),
+    (dict(batch=True), "batch must be a positive integer"),
     (dict(lr_weight=0.0), "lr_weight must be a positive number"),
     (dict(lr_norm=float("nan")), "lr_norm must be a positive number"),
 ])

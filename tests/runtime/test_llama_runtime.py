@@ -431,7 +431,7 @@ def _engine_model(folder, tensors):
 
 
 def test_distilled_engine_stores_the_trained_weights_and_thresholds_calibrated_on_them(built, tmp_path):
-    """--distill-steps: the same allocation, the block weights trained (the embedding the source's),
+    """--distill-steps (two windows a step): the same allocation, the block weights trained (the embedding the source's),
     the thresholds calibrate's on the trained weights over the recorded calibration windows."""
     from dejavu.compiler.build_llama import _Blocks
     from dejavu.compiler.gated_sparsity import calibrate
@@ -440,14 +440,15 @@ def test_distilled_engine_stores_the_trained_weights_and_thresholds_calibrated_o
 
     folder, paths = built
     p = tmp_path / "distilled.engine"
-    build_engine(folder, BuildConfig(density=0.6, distill_steps=3, **CALIB), p, progress=False)
+    build_engine(folder, BuildConfig(density=0.6, distill_steps=3, distill_batch=2, **CALIB), p, progress=False)
     header, tensors = read_engine(p)
     base, base_tensors = read_engine(paths[0.6])
     assert header["sparsity"]["skips"] == base["sparsity"]["skips"]
     assert torch.equal(tensors["embed_tokens"], base_tensors["embed_tokens"])
     assert not torch.equal(tensors["layers.0.mlp.wd_t"], base_tensors["layers.0.mlp.wd_t"])
     report = header["build_config"]["heldout"]["distill"]
-    assert report["steps"] == 3 and report["tokens"] == 3 * 128 and report["first_token"] == 512
+    assert report["steps"] == 3 and report["batch"] == 2 and report["tokens"] == 3 * 2 * 128
+    assert report["first_token"] == 512
     assert header["build_config"]["heldout"]["engine_ppl"] != report["engine_ppl_before"]
     tok = load_text_tokenizer(folder)
     cids = torch.as_tensor(corpus_tokens(tok.tokenizer, None, 512, bos_id=tok.bos_id)[0], dtype=torch.long).view(4, 128)
@@ -462,7 +463,10 @@ def test_distilled_engine_stores_the_trained_weights_and_thresholds_calibrated_o
 def test_distill_steps_bad_values_are_one_error(built, tmp_path):
     with pytest.raises(DejavuError, match="--distill-steps must be a non-negative integer"):
         BuildConfig(density=0.5, distill_steps=-1)
-    with pytest.raises(DejavuError, match="--distill-steps 100000: the calibration corpus has fewer than"):
+    with pytest.raises(DejavuError, match="--distill-batch must be a positive integer"):
+        BuildConfig(density=0.5, distill_batch=0)
+    with pytest.raises(DejavuError, match="--distill-steps 100000 --distill-batch 1: the calibration corpus has "
+                                          "fewer than"):
         build_engine(built[0], BuildConfig(density=0.6, distill_steps=100000, **CALIB), tmp_path / "x.engine",
                      progress=False)
     assert not (tmp_path / "x.engine").exists()
