@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from dejavu.runtime.evaluation.evaluate import EvalSettings, _shown_path
+from dejavu.runtime.evaluation.tasks import paired_difference
 
 def _metric_columns(results: list[dict]) -> list[tuple[str, str | None, str]]:
     """(column title, task or None for perplexity, key) in a stable order."""
@@ -63,9 +64,22 @@ def _density_label(r: dict) -> str:
     return label if path in (None, "parallel") else f"{label} ({path} path)"
 
 
+def _vs_dense(r: dict, dense: dict, task: str, key: str, diff: float) -> str:
+    """" (+d)" in points, " (+d ± se)" where both runs hold the same examples' correctness (the
+    paired standard error of the difference)."""
+    ck = "correct_norm" if key == "acc_norm" else "correct"
+    a, b = dense["tasks"][task].get(ck), r["tasks"].get(task, {}).get(ck)
+    if a and b and len(a) == len(b):
+        _, se = paired_difference(a, b)
+        if se is not None:
+            return f" ({100 * diff:+.1f} ± {100 * se:.1f})"
+    return f" ({100 * diff:+.1f})"
+
+
 def markdown_table(results: list[dict]) -> str:
     """Rows = runs, columns = perplexity (and its change vs the dense run) and per-task accuracy
-    (percent; in parentheses the difference from the dense run, in points)."""
+    (percent; in parentheses the difference from the dense run, in points, ± its paired standard
+    error where both runs record each example's correctness)."""
     cols = _metric_columns(results)
     dense = _dense_of(results)
     with_vs = dense is not None and dense.get("perplexity") is not None
@@ -83,7 +97,7 @@ def markdown_table(results: list[dict]) -> str:
             elif task is None:
                 cells.append(f"{v:.3f}")
             else:
-                cells.append(f"{100 * v:.1f}" + (f" ({100 * (v - ref):+.1f})" if ref is not None else ""))
+                cells.append(f"{100 * v:.1f}" + (_vs_dense(r, dense, task, key, v - ref) if ref is not None else ""))
         if with_vs:
             v = r.get("perplexity")
             vs = "" if v is None else ("dense" if r is dense else f"{100 * (v / dense['perplexity'] - 1):+.2f}%")

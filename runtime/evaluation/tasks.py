@@ -206,11 +206,35 @@ class TaskResult:
     details: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        d = {"accuracy": self.acc, "n": self.n, "preds": [x["pred"] for x in self.details]}
+        """accuracy, its standard error (lm-eval's: sqrt(acc (1 - acc) / (n - 1))), n, and per example
+        the prediction and whether it is the gold answer (what a paired comparison needs)."""
+        d = {"accuracy": self.acc, "stderr": accuracy_stderr(self.acc, self.n), "n": self.n,
+             "preds": [x["pred"] for x in self.details],
+             "correct": [int(x["pred"] == x["gold"]) for x in self.details]}
         if self.acc_norm is not None:
             d["acc_norm"] = self.acc_norm
             d["preds_norm"] = [x["pred_norm"] for x in self.details]
+            d["correct_norm"] = [int(x["pred_norm"] == x["gold"]) for x in self.details]
         return d
+
+
+def accuracy_stderr(acc: float, n: int) -> float | None:
+    """Standard error of an accuracy over n examples (None for n < 2)."""
+    return math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else None
+
+
+def paired_difference(a: Sequence[int], b: Sequence[int]) -> tuple[float, float | None]:
+    """(mean of b - a, its standard error) over the same examples' 0/1 correctness: the accuracy
+    difference of two models and how much of it the examples' draw explains. Paired, it is far
+    smaller than the two accuracies' own errors combined where the models mostly agree."""
+    if len(a) != len(b) or not a:
+        raise DejavuError(f"a paired difference needs two equal, non-empty lists, got {len(a)} and {len(b)}")
+    n = len(a)
+    d = [y - x for x, y in zip(a, b)]
+    mean = sum(d) / n
+    if n < 2:
+        return mean, None
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
 
 
 def evaluate_task(task: Task, logits_fn, encode, bos: int | None, max_len: int,

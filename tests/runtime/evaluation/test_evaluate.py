@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,28 @@ def test_task_scoring_equals_hand_computation(tiny_opt_dir, tmp_path):
         norm = [h / len(" " + c) for h, c in zip(hand, row["choices"])]
         correct_norm += max(range(len(norm)), key=norm.__getitem__) == row["gold"]
     assert res.acc == correct / 2 and res.acc_norm == correct_norm / 2
+    d = res.as_dict()
+    assert sum(d["correct"]) == correct and sum(d["correct_norm"]) == correct_norm
+    assert d["stderr"] == pytest.approx(np.sqrt(res.acc * (1 - res.acc) / 1))  # lm-eval's: n - 1 = 1
+
+
+@pytest.mark.parametrize("a, b", [([1, 1, 0, 0, 1], [1, 0, 1, 0, 0]), ([0, 1, 1], [0, 1, 1]), ([1] * 7 + [0], [0] * 8)])
+def test_paired_difference_equals_numpy(a, b):
+    from dejavu.runtime.evaluation.tasks import paired_difference
+
+    d = np.subtract(b, a, dtype=np.float64)
+    mean, se = paired_difference(a, b)
+    assert mean == pytest.approx(d.mean()) and se == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)))
+
+
+def test_paired_difference_bad_input_is_one_error():
+    from dejavu.runtime.evaluation.tasks import paired_difference
+
+    with pytest.raises(DejavuError, match="two equal, non-empty lists"):
+        paired_difference([1, 0], [1])
+    with pytest.raises(DejavuError, match="two equal, non-empty lists"):
+        paired_difference([], [])
+    assert paired_difference([1], [0]) == (-1.0, None)
 
 
 def test_shipped_task_formats():
@@ -157,7 +180,12 @@ def test_single_engine_report_adds_dense_and_compares(tiny_opt_dir, tmp_path, mo
     same = sum(x == y for x, y in zip(dense["tasks"]["piqa"]["preds_norm"], eng["tasks"]["piqa"]["preds_norm"]))
     assert f"| {100 * same / 6:.1f} |" in md.split("Agreement")[1]
     diff = 100 * (eng["tasks"]["piqa"]["acc_norm"] - dense["tasks"]["piqa"]["acc_norm"])
-    assert f"({diff:+.1f})" in md.split("Agreement")[0]  # the difference from dense, in points
+    gold = [ex.gold for ex in load_task("piqa", limit=6).examples]
+    cd, ce = ([int(x == g) for x, g in zip(r["tasks"]["piqa"]["preds_norm"], gold)] for r in (dense, eng))
+    assert eng["tasks"]["piqa"]["correct_norm"] == ce and dense["tasks"]["piqa"]["correct_norm"] == cd
+    se = 100 * np.std(np.subtract(ce, cd, dtype=np.float64), ddof=1) / np.sqrt(6)
+    # the difference from dense in points, ± its paired standard error
+    assert f"({diff:+.1f} ± {se:.1f})" in md.split("Agreement")[0]
     saved = json.loads((tmp_path / "rep" / "results.json").read_text())
     assert not any(str(r["model"]).startswith("/") for r in saved)
 
