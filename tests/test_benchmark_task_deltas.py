@@ -1,0 +1,49 @@
+"""benchmarks/task_deltas.py: a run's accuracy difference from dense and its paired standard error,
+against numpy on the shipped copa file's gold answers; runs in parts (T_A_B names, FILE@K)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dejavu.datafiles import TASKS_DIR
+
+_spec = importlib.util.spec_from_file_location(
+    "task_deltas", Path(__file__).resolve().parents[1] / "benchmarks" / "task_deltas.py")
+td = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(td)
+
+GOLD = [json.loads(line)["gold"] for line in (TASKS_DIR / "copa" / "copa_val_icl.jsonl").read_text().splitlines()
+        if line.strip()][:40]
+
+
+def _write(path, tasks, **run):
+    path.write_text(json.dumps({"density": 0.5, "kind": "engine", "model": "m.engine", **run, "tasks": tasks}))
+    return str(path)
+
+
+def test_the_difference_and_its_paired_error_equal_numpy(tmp_path):
+    rng = np.random.default_rng(0)
+    dense = [g if rng.random() < 0.7 else 1 - g for g in GOLD]
+    run = [p if rng.random() < 0.8 else 1 - p for p in dense]
+    d = _write(tmp_path / "d.json", {"copa": {"preds": dense}}, density=None, kind="dense")
+    # the run in parts: examples 1-15 as copa, 16-30 as copa_16_30, 31-40 as copa from example 31 on
+    a = _write(tmp_path / "a.json", {"copa": {"preds": run[:15]}})
+    b = _write(tmp_path / "b.json", {"copa_16_30": {"preds": run[15:30]}})
+    c = _write(tmp_path / "c.json", {"copa": {"preds": run[30:]}})
+    out = tmp_path / "out.json"
+    assert td.main([d, f"{a}+{b}+{c}@31", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())[0]["tasks"]["copa"]
+    diff = np.equal(run, GOLD).astype(np.float64) - np.equal(dense, GOLD).astype(np.float64)
+    assert got["n"] == 40
+    assert got["diff"] == pytest.approx(100 * diff.mean(), abs=0.006)
+    assert got["paired_se"] == pytest.approx(100 * diff.std(ddof=1) / np.sqrt(40), abs=0.006)
+    assert got["dense"] == pytest.approx(100 * np.mean(np.equal(dense, GOLD)), abs=0.006)
+
+
+def test_a_part_of_the_wrong_length_is_one_error(tmp_path):
+    d = _write(tmp_path / "d.json", {"copa": {"preds": GOLD}}, density=None, kind="dense")
+    b = _write(tmp_path / "b.json", {"copa_16_30": {"preds": GOLD[:10]}})
+    with pytest.raises(SystemExit, match="dejavu: error: copa_16_30: 10 predictions for examples 16..30"):
+        td.main([d, b])
