@@ -71,8 +71,9 @@ def deltas(dense: dict[str, dict[int, int]], run: dict[str, dict[int, int]]) -> 
         a = [int(dense[task][i] == gold[i]) for i in idx]
         b = [int(run[task][i] == gold[i]) for i in idx]
         diff, se = paired_difference(a, b)
-        rows[task] = {"n": len(idx), "dense": round(100 * sum(a) / len(a), 2), "run": round(100 * sum(b) / len(b), 2),
-                      "diff": round(100 * diff, 2), "paired_se": None if se is None else round(100 * se, 2)}
+        rows[task] = {"n": len(idx), "dense": round(100 * sum(a) / len(a), 2),
+                      "run": round(100 * sum(b) / len(b), 2), "diff": round(100 * diff, 2),
+                      "paired_se": None if se is None else round(100 * se, 2)}
     return rows
 
 

@@ -94,5 +94,6 @@ def distill_llama(model, thresholds: dict, ids: torch.Tensor, steps: int, lr_wei
             p.requires_grad_(was[id(p)])
             p.grad = None
     n = min(10, steps)
-    return {"steps": steps, "batch": batch, "tokens": steps * batch * ids.shape[1], "first_kl": round(sum(losses[:n]) / n, 6),
-            "last_kl": round(sum(losses[-n:]) / n, 6), "seconds": round(time.perf_counter() - t0, 1)}
+    return {"steps": steps, "batch": batch, "tokens": steps * batch * ids.shape[1],
+            "first_kl": round(sum(losses[:n]) / n, 6), "last_kl": round(sum(losses[-n:]) / n, 6),
+            "seconds": round(time.perf_counter() - t0, 1)}
