@@ -185,8 +185,8 @@ class BuildConfig:
     # Llama: Adam steps of sparsity-aware distillation after the allocation (compiler/distill_llama.py:
     # every block weight and norm trained to the dense model's own outputs under the TEAL masks,
     # distill_batch windows of calibration text a step; the thresholds calibrated again after); 0: off.
-    # Off by default: it costs a training run (SmolLM2-135M at 40% skipped, 1,000 steps: 3 min on an
-    # H100, +8.4% -> +2.28% perplexity; 120 steps: ~17 min of one CPU thread; docs/llama.md)
+    # Off by default: it costs a training run (SmolLM2-135M at 40% skipped, 1,000 steps: +8.4% -> +2.2%
+    # perplexity, 3 min on an H100 or 40 min on two CPU cores; docs/llama.md)
     distill_steps: int = 0
     # Llama: windows of calibration text a distillation step (8 x 1,000 steps: +1.06% at SmolLM2-135M's
     # 40% where 1 x 1,000 measured +1.76%, simulated; the corpus needs steps x batch windows past the
