@@ -188,9 +188,9 @@ class BuildConfig:
     # Off by default: it costs a training run (SmolLM2-135M at 40% skipped, 1,000 steps: +8.4% -> +2.2%
     # perplexity, 3 min on an H100 or 40 min on two CPU cores; docs/llama.md)
     distill_steps: int = 0
-    # Llama: windows of calibration text a distillation step (8 x 1,000 steps: +1.06% at SmolLM2-135M's
-    # 40% where 1 x 1,000 measured +1.76%, simulated; the corpus needs steps x batch windows past the
-    # calibration and held-out tokens; docs/llama.md)
+    # Llama: windows of calibration text a distillation step (8 x 1,000 steps: an engine at SmolLM2-135M's
+    # 40% +1.33% where 1 x 1,000 measured +2.28%, the same minutes on an H100; the corpus needs steps x batch
+    # windows past the calibration and held-out tokens; docs/llama.md)
     distill_batch: int = 1
     no_predictors: bool = False  # dense engine (only with density 1.0)
     topk_limit: int = TENSORRT_TOPK_LIMIT  # largest K of one ONNX TopK node (larger K: chunked)
