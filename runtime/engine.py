@@ -204,8 +204,8 @@ class Engine:
         """Logits [B, S, V] (float32) of input_ids [B, S] (or one list) through the decode loop
         `generate` runs, fed these tokens (runtime/generate.py `decode_logits`). prompt_len 0:
         every token through a sparse decode step (`logits`' quantity, through the decode
-        kernels); p >= 1 (or one per row): a dense prefill of each row's first p tokens, then
-        the decode steps (positions before p - 1 are NaN)."""
+        kernels); p >= 1 (or one per row): the prefill of each row's first p tokens (dense; a Llama
+        engine thresholds the first position: LlamaDecoder.prefill), then the decode steps (positions before p - 1 are NaN)."""
         from dejavu.runtime.generate import decode_logits
 
         ids = self._check_ids(input_ids)

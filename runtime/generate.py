@@ -1,4 +1,5 @@
-"""Batched generation: dense prefill, sparse decode steps, sampling, streaming, timings."""
+"""Batched generation: dense prefill (a Llama engine thresholds the first position), sparse decode steps,
+sampling, streaming, timings."""
 from __future__ import annotations
 
 import time
@@ -63,7 +64,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              stop_at_eos: bool = True) -> list[list[int]]:
     """New tokens per prompt (the prompt excluded; ends with EOS when one was produced).
 
-    The first new token comes from the dense prefill; every later one from a sparse decode
+    The first new token comes from the dense prefill (a Llama engine thresholds each sequence's first
+    position: LlamaDecoder.prefill); every later one from a sparse decode
     step (a CUDA-graph replay on GPU). `stream`, if given, is called after each step with one
     entry per sequence: its new token, or None once it has finished. Without `stream` and
     with stop_at_eos=False the loop never waits for the device (benchmark mode). temperature
@@ -137,7 +139,8 @@ def decode_logits(engine, ids: torch.Tensor, prompt_len: int | Sequence[int] | t
     here through the kernels users run (on CUDA: the Triton kernels, one CUDA-graph replay
     per step, the predictors on the side stream). prompt_len p >= 1 (one for all rows, or one
     per row): what `generate` does with a p-token prompt: the first p tokens of the row through
-    the dense prefill (its logits fill position p - 1; earlier positions are NaN, the prefill
+    the dense prefill (a Llama engine's first position thresholded; its logits fill position p - 1;
+    earlier positions are NaN, the prefill
     returns its last only), every later token through a sparse decode step. Rows are decoded
     side by side at their own positions; a row that has reached its end repeats its last
     token until the longest is done (its logits are dropped; with the engine's "shared" batch

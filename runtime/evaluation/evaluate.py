@@ -16,7 +16,8 @@ the engine's sparse logits, computed one of three ways (`--path`):
   from an empty cache (`Engine.decode_logits`: on CUDA the Triton kernels in a CUDA graph
   with the predictors on the side stream; on CPU their PyTorch references);
 - generate: the decode loop as `generate` runs it: each perplexity window's first token and
-  each task example's context through the dense prefill, the rest decoded sparse.
+  each task example's context through the dense prefill (a Llama engine thresholds the first
+  position: LlamaDecoder.prefill), the rest decoded sparse.
 Both go through the same tokenisation (the tokenizer stored in the engine is the model's)
 and the same scoring code (`dejavu.runtime.evaluation.tasks`).
 """
@@ -287,7 +288,7 @@ def build_parser() -> Parser:
                    help="how an engine's logits are computed: parallel (token-parallel masked ops), "
                         "decode (one decode step per token through the decode kernels, the same "
                         "quantity), generate (the decode loop with each window's first token and each "
-                        "example's context prefilled dense, as generate does)")
+                        "example's context prefilled, as generate does)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--report", metavar="DIR",
                    help="write DIR/README.md, DIR/results.json and DIR/metrics_vs_density.png; the engines' "

@@ -68,6 +68,48 @@ def test_sparse_logits_equal_the_compilers_simulation(built):
         assert (model(ids) - sim).abs().max() > 100 * ATOL  # the sparsity changes the logits
 
 
+def _rule_logits(model, th: dict, ids: torch.Tensor, dense_rows: slice) -> torch.Tensor:
+    """The dense model's logits with every projection input thresholded by the engine's thresholds, except
+    at the positions `dense_rows`, which read their inputs whole (pre-hooks: an independent reference)."""
+    handles = []
+    for l, layer in enumerate(model.layers):
+        at, mlp = layer.self_attn, layer.mlp
+        for key, mods in (("attn_in", (at.q_proj, at.k_proj, at.v_proj)), ("o_in", (at.o_proj,)),
+                          ("mlp_in", (mlp.gate_proj, mlp.up_proj)), ("down_in", (mlp.down_proj,))):
+            def hook(m, a, t=th[key][l]):
+                keep = a[0].abs() > t
+                keep[:, dense_rows] = True
+                return (a[0] * keep,) + tuple(a[1:])
+            handles += [m.register_forward_pre_hook(hook) for m in mods]
+    try:
+        with torch.no_grad():
+            return model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_prefill_is_dense_but_for_the_first_position(built):
+    """generate's view (a prompt of p tokens prefilled, the rest decoded): the prompt's positions 1 .. p - 1
+    read their inputs whole, its first position and every decoded token are thresholded. A one-token prompt
+    is therefore the token-parallel quantity; a dense first position would give other logits."""
+    folder, paths = built
+    eng = Engine.load(paths[0.6])
+    th, model, ids = eng.header["sparsity"]["thresholds"], _model(folder), _ids(seed=4)
+    assert (eng.decode_logits(ids, 1) - eng.logits(ids)).abs().max() <= ATOL
+    got = eng.decode_logits(ids, 9)
+    assert got[:, :8].isnan().all()
+    assert (got[:, 8:] - _rule_logits(model, th, ids, slice(1, 9))[:, 8:]).abs().max() <= ATOL
+    assert (got[:, 8:] - eng.logits(ids)[:, 8:]).abs().max() > 100 * ATOL  # the dense prompt changes them
+    assert (_rule_logits(model, th, ids, slice(0, 9))[:, 8:] - got[:, 8:]).abs().max() > 100 * ATOL
+    # batched, right-padded, prompts of 1 and 5 tokens: the prefill's last logits row by row
+    lengths = torch.tensor([1, 5])
+    eng.decoder.setup(2, 32)
+    last = eng.decoder.prefill(ids[:, :5], lengths)
+    assert (last[0] - eng.logits(ids[:1, :1])[0, 0]).abs().max() <= ATOL
+    assert (last[1] - _rule_logits(model, th, ids[1:, :5], slice(1, 5))[0, 4]).abs().max() <= ATOL
+
+
 def test_thresholds_are_the_calibration_texts_quantiles(built):
     """The header's thresholds are gated_sparsity.calibrate's on the recorded calibration tokens
     (the shipped WikiText-2 *train* head), each input at its recorded skip; those skips spend
