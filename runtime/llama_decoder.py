@@ -396,7 +396,7 @@ class LlamaDecoder:
         them token-parallel: it holds the attention sink, 74% of whose inputs sit under SmolLM2-135M's 25%
         thresholds, and the sparse tokens decoded after it do better reading it thresholded. The 25% engine on
         WikiText-2 test (docs/llama.md, "The prompt's first position"): a one-token prompt then 511 decoded
-        tokens -0.50% against the dense model where a dense prefill measured +2.44%; a 256-token prompt then
+        tokens -0.88% against the dense model where a dense prefill measured +2.44%; a 256-token prompt then
         256 decoded +0.47%, against +0.74% for a prompt thresholded whole and +2.25% dense."""
         if start > 0:  # a later chunk of the prompt
             return self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows, start=start)
