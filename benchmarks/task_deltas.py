@@ -6,12 +6,14 @@
 
 The first file is the dense reference, every other argument a file of runs (`dejavu-eval --json`
 output: one run, or {"runs": [...]}, each run in it taken; a benchmark file whose runs hold "tasks"
-the same; dense runs in them are left out). Arguments joined by '+' are one run recorded in parts: a
+the same; dense runs in them are left out unless --with-dense: the dense model in another dtype is
+the control that says how far a change which leaves perplexity where it is moves a task). Arguments joined by '+' are one run recorded in parts: a
 part's task named T_A_B holds examples A..B (1-based) of the shipped task T, one named T its first n,
 or with the part given as FILE@K its n from example K on. Each prediction is scored
 against the task file's gold answer, and a run is compared with dense on the examples both scored:
 the difference in points and its paired standard error (`tasks.paired_difference`), which is what
-says whether a difference of a point or two is the model or the draw of the examples.
+says whether a difference of a point or two is the model or the draw of the examples, and how many
+examples the run answers otherwise than dense.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ def runs_of(path: str, dense: bool = False) -> list[dict]:
 
 
 def name_of(run: dict) -> str:
-    return str(run.get("run") or run.get("model") or "?")
+    name = str(run.get("run") or run.get("model") or "?")
+    return f"{name} ({run['dtype']})" if run.get("kind") == "dense" and run.get("dtype") else name
 
 
 def predictions(run_parts: list[dict]) -> dict[str, dict[int, int]]:
@@ -73,7 +76,8 @@ def deltas(dense: dict[str, dict[int, int]], run: dict[str, dict[int, int]]) -> 
         diff, se = paired_difference(a, b)
         rows[task] = {"n": len(idx), "dense": round(100 * sum(a) / len(a), 2),
                       "run": round(100 * sum(b) / len(b), 2), "diff": round(100 * diff, 2),
-                      "paired_se": None if se is None else round(100 * se, 2)}
+                      "paired_se": None if se is None else round(100 * se, 2),
+                      "changed": sum(dense[task][i] != run[task][i] for i in idx)}  # examples answered otherwise
     return rows
 
 
@@ -82,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("dense", help="the dense run's file")
     p.add_argument("runs", nargs="+", help="files of runs; FILE+FILE... for one run in parts")
     p.add_argument("--out", help="write the table as JSON there")
+    p.add_argument("--with-dense", action="store_true",
+                   help="keep dense runs among the runs (the dense model in another dtype: a control)")
     args = p.parse_args(argv)
     try:
         dense_runs = runs_of(args.dense, dense=True)
@@ -92,19 +98,19 @@ def main(argv=None) -> int:
         for spec in args.runs:
             files = spec.split("+")
             if len(files) > 1:
-                groups = [[r for f in files for r in runs_of(f)]]
+                groups = [[r for f in files for r in runs_of(f, args.with_dense)]]
             else:
-                groups = [[r] for r in runs_of(spec)]
+                groups = [[r] for r in runs_of(spec, args.with_dense)]
             for parts in groups:
                 out.append({"run": name_of(parts[0]), "files": files, "tasks": deltas(dense, predictions(parts))})
     except (OSError, ValueError, KeyError, DejavuError) as e:
         raise SystemExit(f"dejavu: error: {e}") from None
     for r in out:
         print(f"\n{r['run']} ({' + '.join(r['files'])})")
-        print("| task | n | dense | run | difference ± paired SE (points) |\n|---|---|---|---|---|")
+        print("| task | n | dense | run | difference ± paired SE (points) | answered otherwise |\n|---|---|---|---|---|---|")
         for task, t in r["tasks"].items():
             se = "" if t["paired_se"] is None else f" ± {t['paired_se']:.1f}"
-            print(f"| {task} | {t['n']} | {t['dense']:.1f} | {t['run']:.1f} | {t['diff']:+.1f}{se} |")
+            print(f"| {task} | {t['n']} | {t['dense']:.1f} | {t['run']:.1f} | {t['diff']:+.1f}{se} | {t['changed']} |")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     return 0

@@ -40,6 +40,26 @@ def test_the_difference_and_its_paired_error_equal_numpy(tmp_path):
     assert got["diff"] == pytest.approx(100 * diff.mean(), abs=0.006)
     assert got["paired_se"] == pytest.approx(100 * diff.std(ddof=1) / np.sqrt(40), abs=0.006)
     assert got["dense"] == pytest.approx(100 * np.mean(np.equal(dense, GOLD)), abs=0.006)
+    assert got["changed"] == int(np.sum(np.not_equal(run, dense)))
+
+
+def test_a_dense_run_is_a_run_only_with_with_dense(tmp_path):
+    # the dense model in another dtype as the control: left out by default, compared when asked
+    rng = np.random.default_rng(1)
+    fp32 = [g if rng.random() < 0.6 else 1 - g for g in GOLD]
+    bf16 = list(fp32)
+    bf16[3], bf16[7] = 1 - bf16[3], 1 - bf16[7]
+    d = _write(tmp_path / "d.json", {"copa": {"preds": fp32}}, density=None, kind="dense", dtype="float32")
+    c = _write(tmp_path / "c.json", {"copa": {"preds": bf16}}, density=None, kind="dense", dtype="bfloat16")
+    out = tmp_path / "out.json"
+    assert td.main([d, c, "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == []
+    assert td.main([d, c, "--with-dense", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["run"] == "m.engine (bfloat16)"
+    want = np.equal(bf16, GOLD).mean() - np.equal(fp32, GOLD).mean()
+    assert row["tasks"]["copa"]["changed"] == 2
+    assert row["tasks"]["copa"]["diff"] == pytest.approx(100 * want, abs=0.006)
 
 
 def test_a_part_of_the_wrong_length_is_one_error(tmp_path):

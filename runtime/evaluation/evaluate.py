@@ -13,7 +13,8 @@ the engine's sparse logits, computed one of three ways (`--path`):
 - parallel (default): token-parallel, every position with its own selection, through masked
   dense ops (`Engine.logits`; fast on CPU);
 - decode: the same quantity through the decode loop users run, one decode step per token
-  from an empty cache (`Engine.decode_logits`: on CUDA the Triton kernels in a CUDA graph
+  from an empty cache (equal up to rounding; where an input sits at its threshold, a rounding
+  difference can flip it, which moves a Llama engine's perplexity by a few tenths of a percent) (`Engine.decode_logits`: on CUDA the Triton kernels in a CUDA graph
   with the predictors on the side stream; on CPU their PyTorch references);
 - generate: the decode loop as `generate` runs it: each perplexity window's first token and
   each task example's context through the dense prefill (a Llama engine thresholds the first
@@ -136,7 +137,7 @@ def load_scoring_model(spec: str, device: str = EvalSettings.device, path: str =
                             _text_tokenizer(tok, mc), int(mc["max_position_embeddings"]),
                             float(bc.get("density", 1.0)), header,
                             {"engine": engine, "source_model": bc.get("source_model") or bc.get("model"),
-                             "path": path})
+                             "path": path, "dtype": _dtype_name(engine.spec.dtype)})
     import torch
 
     from dejavu.models.auto import load_any, load_text_tokenizer
@@ -144,7 +145,11 @@ def load_scoring_model(spec: str, device: str = EvalSettings.device, path: str =
     model, cfg = load_any(spec, dtype=getattr(torch, dtype or "float32"), device=device)
     return ScoringModel(_shown_path(spec) if Path(spec).exists() else str(spec), "dense", _wrap_logits(model, device),
                         load_text_tokenizer(spec), cfg.max_position_embeddings, None,
-                        info={"model": model, "config": cfg})
+                        info={"model": model, "config": cfg, "dtype": _dtype_name(next(model.parameters()).dtype)})
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def read_text(path: str | Path) -> str:
@@ -206,6 +211,8 @@ def evaluate(sm: ScoringModel, settings: EvalSettings, tasks: list[str], ppl: bo
              progress: bool = True) -> dict:
     """One JSON-able result: {"model", "kind", "density", "perplexity", "tasks": {...}}."""
     out: dict = {"model": sm.name, "kind": sm.kind, "density": sm.density}
+    if "dtype" in sm.info:  # what the logits were computed in (--dtype, else the engine's / float32)
+        out["dtype"] = sm.info["dtype"]
     path = sm.info.get("path")
     if sm.header is not None:  # the per-kind densities (they differ with --mlp-density/--attn-density)
         bc = sm.header.get("build_config") or {}
@@ -287,7 +294,7 @@ def build_parser() -> Parser:
     p.add_argument("--path", choices=PATHS, default=d.path,
                    help="how an engine's logits are computed: parallel (token-parallel masked ops), "
                         "decode (one decode step per token through the decode kernels, the same "
-                        "quantity), generate (the decode loop with each window's first token and each "
+                        "quantity up to rounding), generate (the decode loop with each window's first token and each "
                         "example's context prefilled, as generate does)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--report", metavar="DIR",

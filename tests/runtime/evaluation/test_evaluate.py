@@ -279,6 +279,7 @@ def test_dtype_scores_the_engine_and_the_dense_model_in_it(tiny_opt_dir, dense_e
     # bfloat16 rounds every weight: close to the engine's own float32, not equal; the dense model the same
     assert ebf["perplexity"] != e32["perplexity"] and ebf["perplexity"] == pytest.approx(e32["perplexity"], rel=0.05)
     assert dbf["perplexity"] == pytest.approx(ebf["perplexity"], rel=0.02)
+    assert (e32["dtype"], ebf["dtype"], dbf["dtype"]) == ("float32", "bfloat16", "bfloat16")  # recorded as run
     assert load_scoring_model(str(dense_engine), dtype="bfloat16").info["engine"].spec.dtype == torch.bfloat16
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
