@@ -26,6 +26,7 @@ from dejavu.errors import DejavuError
 from dejavu.runtime.evaluation.tasks import TASKS, load_task, paired_difference
 
 PART = re.compile(r"^(?P<task>.+)_(?P<a>\d+)_(?P<b>\d+)$")
+NORM = " (acc_norm)"
 
 
 def runs_of(path: str, dense: bool = False) -> list[dict]:
@@ -46,7 +47,8 @@ def name_of(run: dict) -> str:
 
 
 def predictions(run_parts: list[dict]) -> dict[str, dict[int, int]]:
-    """{task: {example index (0-based): prediction}} over the parts of one run."""
+    """{task: {example index (0-based): prediction}} over the parts of one run; a task that reports
+    acc_norm (piqa, openbookqa) also as "task (acc_norm)", its length-normalised predictions."""
     out: dict[str, dict[int, int]] = {}
     for run in run_parts:
         for key, res in run["tasks"].items():
@@ -56,21 +58,23 @@ def predictions(run_parts: list[dict]) -> dict[str, dict[int, int]]:
             task, first = (m["task"], int(m["a"]) - 1) if m and m["task"] in TASKS else (key, run["_first"])
             if m and task in TASKS and first + len(res["preds"]) != int(m["b"]):
                 raise DejavuError(f"{key}: {len(res['preds'])} predictions for examples {m['a']}..{m['b']}")
-            got = out.setdefault(task, {})
-            for i, p in enumerate(res["preds"]):
-                got[first + i] = int(p)
+            for name, preds in ((task, res["preds"]), (task + NORM, res.get("preds_norm"))):
+                got = out.setdefault(name, {}) if preds is not None else {}
+                for i, p in enumerate(preds or ()):
+                    got[first + i] = int(p)
     return out
 
 
 def deltas(dense: dict[str, dict[int, int]], run: dict[str, dict[int, int]]) -> dict[str, dict]:
     rows = {}
     for task in dense:
-        if task not in run or task not in TASKS:
+        base = task.removesuffix(NORM)
+        if task not in run or base not in TASKS:
             continue
         idx = sorted(set(dense[task]) & set(run[task]))
         if not idx:
             continue
-        gold = [ex.gold for ex in load_task(task, limit=idx[-1] + 1).examples]
+        gold = [ex.gold for ex in load_task(base, limit=idx[-1] + 1).examples]
         a = [int(dense[task][i] == gold[i]) for i in idx]
         b = [int(run[task][i] == gold[i]) for i in idx]
         diff, se = paired_difference(a, b)

@@ -62,6 +62,18 @@ def test_a_dense_run_is_a_run_only_with_with_dense(tmp_path):
     assert row["tasks"]["copa"]["diff"] == pytest.approx(100 * want, abs=0.006)
 
 
+def test_length_normalised_predictions_are_a_row_of_their_own(tmp_path):
+    # acc_norm's predictions (piqa, openbookqa) compared as "task (acc_norm)" against the same gold answers
+    norm_dense, norm_run = list(GOLD), [1 - g if i < 5 else g for i, g in enumerate(GOLD)]
+    d = _write(tmp_path / "d.json", {"copa": {"preds": GOLD, "preds_norm": norm_dense}}, density=None, kind="dense")
+    r = _write(tmp_path / "r.json", {"copa": {"preds": GOLD, "preds_norm": norm_run}})
+    out = tmp_path / "out.json"
+    assert td.main([d, r, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())[0]["tasks"]
+    assert rows["copa"]["diff"] == 0 and rows["copa"]["changed"] == 0
+    assert rows["copa (acc_norm)"]["diff"] == pytest.approx(-100 * 5 / 40) and rows["copa (acc_norm)"]["changed"] == 5
+
+
 def test_a_part_of_the_wrong_length_is_one_error(tmp_path):
     d = _write(tmp_path / "d.json", {"copa": {"preds": GOLD}}, density=None, kind="dense")
     b = _write(tmp_path / "b.json", {"copa_16_30": {"preds": GOLD[:10]}})
