@@ -36,4 +36,23 @@ def test_prefills_against_token_parallel_logits(tmp_path):
     res = study.main([str(tmp_path / "t.engine"), "--model", str(folder), "--prompt", "32", "--window", "64",
                       "--windows", "2", "--prefills", "engine", "dense", "--out", str(out)])
     assert json.loads(out.read_text()) == res and res["scored_tokens"] == 2 * 32
+    # the first decoded token: a dense prefill's is the dense model's (its engine is dense but for masks),
+    # the engine's reads a thresholded first position
+    dense_first, engine_first = (res["prefills"][n]["first_token"] for n in ("dense", "engine"))
+    assert dense_first["kl"] == pytest.approx(0.0, abs=1e-6) and dense_first["argmax_agrees"] == 1.0
+    assert dense_first["nll"] == pytest.approx(dense_first["nll_dense"], abs=1e-5)
+    assert engine_first["kl"] > 1e-4
     assert set(res["prefills"]) == {"engine", "dense"} and math.isfinite(res["ppl_dense"])
+
+
+def test_first_token_scores_against_a_hand_computation():
+    g = torch.Generator().manual_seed(0)
+    dense_lp = F.log_softmax(torch.randn(5, 7, generator=g), -1)
+    lp = F.log_softmax(torch.randn(5, 7, generator=g), -1)
+    target = torch.tensor([0, 3, 6, 2, 2])
+    got = study.first_token(lp, dense_lp, target)
+    p, q = dense_lp.double().exp(), lp.double().exp()
+    assert got["kl"] == pytest.approx(float((p * (p / q).log()).sum(-1).mean()), rel=1e-5)
+    assert got["nll"] == pytest.approx(float(-lp[range(5), target].mean()), rel=1e-6)
+    assert got["argmax_agrees"] == float((lp.argmax(-1) == dense_lp.argmax(-1)).float().mean())
+    assert study.first_token(dense_lp, dense_lp, target)["kl"] == pytest.approx(0.0, abs=1e-6)
