@@ -8,9 +8,9 @@ the rest are decoded one step at a time (Engine.decode_logits, the loop `generat
 here) and scored; the first of them, scored from the prefill's last logits, also on its own (its NLL, the
 KL from the dense model's next-token distribution, how often greedy's first token is the dense model's; with
 `--window` one more than `--prompt`, many prompts' first tokens and little else). Prefills: "engine"
-(LlamaDecoder.prefill as shipped: dense, the first position thresholded), "thresholded" (every prompt position thresholded: the token-parallel quantity), "dense" (no
-threshold in the prompt, the prefill before 2026-12-06). The dense source model (--model) scores the same
-tokens for the reference.
+(LlamaDecoder.prefill as shipped: dense, the first position thresholded), "thresholded" (every prompt
+position thresholded: the token-parallel quantity), "dense" (no threshold in the prompt, the prefill before
+2026-12-06). The dense source model (--model) scores the same tokens for the reference.
 """
 from __future__ import annotations
 

@@ -7,13 +7,13 @@
 The first file is the dense reference, every other argument a file of runs (`dejavu-eval --json`
 output: one run, or {"runs": [...]}, each run in it taken; a benchmark file whose runs hold "tasks"
 the same; dense runs in them are left out unless --with-dense: the dense model in another dtype is
-the control that says how far a change which leaves perplexity where it is moves a task). Arguments joined by '+' are one run recorded in parts: a
-part's task named T_A_B holds examples A..B (1-based) of the shipped task T, one named T its first n,
-or with the part given as FILE@K its n from example K on. Each prediction is scored
-against the task file's gold answer, and a run is compared with dense on the examples both scored:
-the difference in points and its paired standard error (`tasks.paired_difference`), which is what
-says whether a difference of a point or two is the model or the draw of the examples, and how many
-examples the run answers otherwise than dense.
+the control that says how far a change which leaves perplexity where it is moves a task).
+Arguments joined by '+' are one run recorded in parts: a part's task named T_A_B holds examples
+A..B (1-based) of the shipped task T, one named T its first n, or with the part given as FILE@K its
+n from example K on. Each prediction is scored against the task file's gold answer, and a run is
+compared with dense on the examples both scored: the difference in points and its paired standard
+error (`tasks.paired_difference`), which is what says whether a difference of a point or two is the
+model or the draw of the examples, and how many examples the run answers otherwise than dense.
 """
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"dejavu: error: {e}") from None
     for r in out:
         print(f"\n{r['run']} ({' + '.join(r['files'])})")
-        print("| task | n | dense | run | difference ± paired SE (points) | answered otherwise |\n|---|---|---|---|---|---|")
+        print("| task | n | dense | run | difference ± paired SE (points) | answered otherwise |")
+        print("|---|---|---|---|---|---|")
         for task, t in r["tasks"].items():
             se = "" if t["paired_se"] is None else f" ± {t['paired_se']:.1f}"
             print(f"| {task} | {t['n']} | {t['dense']:.1f} | {t['run']:.1f} | {t['diff']:+.1f}{se} | {t['changed']} |")

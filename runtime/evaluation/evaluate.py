@@ -13,9 +13,10 @@ the engine's sparse logits, computed one of three ways (`--path`):
 - parallel (default): token-parallel, every position with its own selection, through masked
   dense ops (`Engine.logits`; fast on CPU);
 - decode: the same quantity through the decode loop users run, one decode step per token
-  from an empty cache (equal up to rounding; where an input sits at its threshold, a rounding
-  difference can flip it, which moves a Llama engine's perplexity by a few tenths of a percent) (`Engine.decode_logits`: on CUDA the Triton kernels in a CUDA graph
-  with the predictors on the side stream; on CPU their PyTorch references);
+  from an empty cache (`Engine.decode_logits`: on CUDA the Triton kernels in a CUDA graph
+  with the predictors on the side stream; on CPU their PyTorch references), equal up to
+  rounding: a rounding difference can flip an input that sits at its threshold, which moves a
+  Llama engine's perplexity by a few tenths of a percent;
 - generate: the decode loop as `generate` runs it: each perplexity window's first token and
   each task example's context through the dense prefill (a Llama engine thresholds the first
   position: LlamaDecoder.prefill), the rest decoded sparse.
