@@ -103,7 +103,17 @@ def markdown_table(results: list[dict]) -> str:
             vs = "" if v is None else ("dense" if r is dense else f"{100 * (v / dense['perplexity'] - 1):+.2f}%")
             cells.insert(1, vs)
         lines.append(f"| {r['model']} | {_density_label(r)} | " + " | ".join(cells) + " |")
+    chance = [_chance(results, task) if task is not None else "" for _, task, _ in cols]
+    if any(chance):  # what guessing scores on the same examples: a blind guess / always the most common answer
+        if with_vs:
+            chance.insert(1, "")
+        lines.append("| chance: blind / most common answer | | " + " | ".join(chance) + " |")
     return "\n".join(lines)
+
+
+def _chance(results: list[dict], task: str) -> str:
+    c = next((r["tasks"][task]["chance"] for r in results if "chance" in r["tasks"].get(task, {})), None)
+    return "" if c is None else f"{100 * c['uniform']:.1f} / {100 * c['majority']:.1f}"
 
 
 def write_report(results: list[dict], folder: str | Path, settings: EvalSettings, tasks: list[str]) -> Path:

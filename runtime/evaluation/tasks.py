@@ -204,18 +204,36 @@ class TaskResult:
     acc: float
     acc_norm: float | None = None
     details: list[dict] = field(default_factory=list)
+    chance: dict | None = None  # chance_levels of the examples scored
 
     def as_dict(self) -> dict:
-        """accuracy, its standard error (lm-eval's: sqrt(acc (1 - acc) / (n - 1))), n, and per example
-        the prediction and whether it is the gold answer (what a paired comparison needs)."""
+        """accuracy, its standard error (lm-eval's: sqrt(acc (1 - acc) / (n - 1))), n, what guessing
+        scores on the same examples (chance_levels), and per example the prediction and whether it is
+        the gold answer (what a paired comparison needs)."""
         d = {"accuracy": self.acc, "stderr": accuracy_stderr(self.acc, self.n), "n": self.n,
              "preds": [x["pred"] for x in self.details],
              "correct": [int(x["pred"] == x["gold"]) for x in self.details]}
+        if self.chance is not None:
+            d["chance"] = self.chance
         if self.acc_norm is not None:
             d["acc_norm"] = self.acc_norm
             d["preds_norm"] = [x["pred_norm"] for x in self.details]
             d["correct_norm"] = [int(x["pred_norm"] == x["gold"]) for x in self.details]
         return d
+
+
+def chance_levels(task: Task) -> dict | None:
+    """What guessing scores on a multiple-choice task's examples: "uniform", a blind guess (the mean of
+    1 / choices), and "majority", always giving the most common gold index (GLUE's majority-class
+    baseline). A small model's accuracy near them says its answers are close to coins that any small
+    change turns; None for tasks scored by greedy continuation (lambada_openai)."""
+    if not task.examples or any(ex.kind != "choice" for ex in task.examples):
+        return None
+    n = len(task.examples)
+    counts: dict[int, int] = {}
+    for ex in task.examples:
+        counts[ex.gold] = counts.get(ex.gold, 0) + 1
+    return {"uniform": sum(1 / len(ex.pairs) for ex in task.examples) / n, "majority": max(counts.values()) / n}
 
 
 def accuracy_stderr(acc: float, n: int) -> float | None:
@@ -262,7 +280,7 @@ def evaluate_task(task: Task, logits_fn, encode, bos: int | None, max_len: int,
                         "logprobs": [s.logprob for s in scores]})
     n = len(task.examples)
     acc_norm = correct_norm / n if "acc_norm" in task.metrics else None
-    return TaskResult(task.name, n, correct / n, acc_norm, details)
+    return TaskResult(task.name, n, correct / n, acc_norm, details, chance_levels(task))
 
 
 def nll_to_ppl(nll_sum: float, count: int) -> float:

@@ -188,6 +188,21 @@ def test_single_engine_report_adds_dense_and_compares(tiny_opt_dir, tmp_path, mo
     assert f"({diff:+.1f} ± {se:.1f})" in md.split("Agreement")[0]
     saved = json.loads((tmp_path / "rep" / "results.json").read_text())
     assert not any(str(r["model"]).startswith("/") for r in saved)
+    # what guessing scores on the same six examples: a blind guess (two choices) / the most common gold index
+    top = max(gold.count(0), gold.count(1)) / 6
+    assert dense["tasks"]["piqa"]["chance"] == pytest.approx({"uniform": 0.5, "majority": top})
+    assert f"| chance: blind / most common answer | | 50.0 / {100 * top:.1f} | 50.0 / {100 * top:.1f} |" in md
+
+
+def test_chance_levels_count_the_gold_answers():
+    from dejavu.runtime.evaluation.tasks import chance_levels
+
+    rte = load_task("rte")  # GLUE RTE validation: 146 entailment, 131 not (docs SOURCES)
+    assert chance_levels(rte) == pytest.approx({"uniform": 0.5, "majority": 146 / 277})
+    obqa = load_task("openbookqa", limit=40)
+    golds = [ex.gold for ex in obqa.examples]
+    assert chance_levels(obqa) == pytest.approx({"uniform": 0.25, "majority": max(map(golds.count, set(golds))) / 40})
+    assert chance_levels(load_task("lambada_openai", limit=5)) is None  # scored by greedy continuation
 
 
 def test_report_ppl_vs_dense_column(tiny_opt_dir, tmp_path, text_file, capsys):
