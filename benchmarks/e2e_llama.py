@@ -497,12 +497,9 @@ def main(argv=None) -> int:
     meta = {"argv": sys.argv if argv is None else argv, "torch": torch.__version__, "device": str(dev),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
-    try:
-        import subprocess
-        meta["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        meta["commit"] = None
+    from dejavu.provenance import tree_commit
+
+    meta["commit"] = tree_commit(Path(__file__), short=False)
     run = Run(out, meta)
     if not a.no_smoke:
         try:

@@ -43,7 +43,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -351,13 +350,9 @@ def run(a, dev) -> Sweep:
 def meta(dev, a) -> dict:
     import triton
 
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+    from dejavu.provenance import tree_commit
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": tree_commit(Path(__file__)),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "args": vars(a)}
 

@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from dejavu.compiler.distill_llama import kl_to_dense
 from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
+from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
 
 NAMED = {"refined40": {"attn_in": 0.33, "o_in": 0.45, "mlp_in": 0.3125, "down_in": 0.6},
@@ -231,9 +231,7 @@ def main(argv=None) -> None:
     if train_windows.shape[0] < args.steps * args.batch:
         print(f"note: {train_windows.shape[0]} training windows for {args.steps * args.batch}: they repeat", flush=True)
     test_text = read_text(WIKITEXT2_TEST)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    res = {"model": args.model, "commit": commit, "machine": platform.node(), "argv": vars(args),
+    res = {"model": args.model, "commit": tree_commit(Path(__file__)), "machine": platform.node(), "argv": vars(args),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "train_tokens": [args.train_start, args.train_start + args.steps * args.batch * args.train_window],
            "runs": []}

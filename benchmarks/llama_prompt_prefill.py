@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from dejavu.datafiles import WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
+from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, text_ids
 
 PREFILLS = ("engine", "thresholded", "dense")
@@ -94,14 +94,9 @@ def main(argv=None) -> dict:
             nll += float(-lp[:, args.prompt - 1:-1].gather(-1, w[:, args.prompt:, None]).sum())
             dense_first.append(lp[:, args.prompt - 1])
     ref, dense_first = nll / (ids.shape[0] * (args.window - args.prompt)), torch.cat(dense_first)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
     res = {"engine": Path(args.engine).name, "model": args.model, "prompt": args.prompt, "window": args.window,
            "windows": ids.shape[0], "scored_tokens": ids.shape[0] * (args.window - args.prompt),
-           "ppl_dense": math.exp(ref), "prefills": {}, "commit": commit, "machine": platform.node(),
+           "ppl_dense": math.exp(ref), "prefills": {}, "commit": tree_commit(Path(__file__)), "machine": platform.node(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for name in args.prefills:
         nll, first = decoded_scores(sm.info["engine"], ids, args.prompt, name)

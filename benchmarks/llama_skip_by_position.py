@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity, projection_bytes, thresholds
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
+from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, text_ids
 from dejavu.runtime.evaluation.tasks import TASKS, load_task, tokenize_pair
 
@@ -78,14 +78,6 @@ class PositionCounter:
         return out
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
-
-
 @torch.no_grad()
 def measure(model, t: dict, skip: float, name: str, batches, max_pos: int) -> dict:
     """The skip by position on one text (batches of ids [B, S], S <= max_pos) under thresholds t, with
@@ -125,7 +117,7 @@ def main(argv=None) -> dict:
         task = load_task(name, args.examples)
         seqs = [tokenize_pair(sm.encode, *ex.pairs[0], sm.bos_id, w).ids[:-1] for ex in task.examples]
         texts.append((f"{task.name}, {len(seqs)} examples", [torch.tensor(s)[None] for s in seqs]))
-    res = {"model": args.model, "skip": args.skip, "calib_tokens": calib_ids.numel(), "commit": _commit(),
+    res = {"model": args.model, "skip": args.skip, "calib_tokens": calib_ids.numel(), "commit": tree_commit(Path(__file__)),
            "machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "texts": []}
     for name, batches in texts:
         res["texts"].append(measure(model, t, args.skip, name, batches, w))

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from dejavu.compiler.allocate_llama import Sensitivity, allocate_skips, input_by
 from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, Reads, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import atomic_path
+from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
 from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
 
@@ -64,14 +64,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
-
-
 def _tasks(sm, names, limit, out: dict, save) -> None:
     """Each task's result into `out` as it finishes (saved each time: a long run keeps its part)."""
     for name in names:
@@ -88,7 +80,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     sm = load_scoring_model(args.model)
     model = sm.info["model"]
-    res = {"model": args.model, "commit": _commit(), "machine": platform.node(), "argv": vars(args),
+    res = {"model": args.model, "commit": tree_commit(Path(__file__)), "machine": platform.node(), "argv": vars(args),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
 
     def save():

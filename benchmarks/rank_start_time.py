@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,9 +52,9 @@ def main(argv=None) -> int:
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
         secs.append(round(time.perf_counter() - t, 6))
-    tree = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    from dejavu.provenance import tree_commit
+
+    commit = tree_commit(Path(__file__))
     row = {"D": D, "N": N, "tokens": a.tokens, "rank": a.rank, "device": a.device, "threads": torch.get_num_threads(),
            "seconds": secs, "min_s": min(secs), "predictors": a.predictors_py or "installed", "commit": commit,
            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}

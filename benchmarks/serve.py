@@ -362,6 +362,12 @@ def agreement(args) -> dict:
     return out
 
 
+def _tree_commit() -> str | None:
+    from dejavu.provenance import tree_commit
+
+    return tree_commit(ROOT, short=False)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", help="sparse .engine file")
@@ -404,12 +410,11 @@ def main() -> int:
 
     import torch
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     res = {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
            "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-           "http": not args.no_http, "commit": commit.strip() or None, "engines": {}}
+           "http": not args.no_http, "commit": _tree_commit(), "engines": {}}
     run = Run(res, out_path, args.budget_s)
     run.save()
     for clients in (args.clients, args.more_clients):
