@@ -989,8 +989,10 @@ def main(argv=None) -> int:
         print(f"e2e: cannot import dejavu.runtime ({e}); run `pip install --no-deps --no-build-isolation -q .` "
               "or `source benchmarks/device_env.sh` first", file=sys.stderr)
         return 2
+    from dejavu.provenance import tree_commit
+
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu dry run", "torch": torch.__version__, "args": vars(a),
-            "note": "random weights and random predictors of the real shapes; latency per decode step "
+            "commit": tree_commit(Path(__file__)), "note": "random weights and random predictors of the real shapes; latency per decode step "
                     "(one token per sequence); floor = bytes that must be read / copy bandwidth"}
     if a.k_from:  # the allocation timed, as read from the engine
         meta["k_from"] = [{"engine": str(d), **{k: getattr(d, k) for k in ("density", "mlp", "attn")}}
