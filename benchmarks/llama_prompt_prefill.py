@@ -10,7 +10,8 @@ KL from the dense model's next-token distribution, how often greedy's first toke
 `--window` one more than `--prompt`, many prompts' first tokens and little else). Prefills: "engine"
 (LlamaDecoder.prefill as shipped: dense, the first position thresholded), "thresholded" (every prompt
 position thresholded: the token-parallel quantity), "dense" (no threshold in the prompt, the prefill before
-2026-12-06). The dense source model (--model) scores the same tokens for the reference.
+2026-12-06), "sink" (dense, its logits kept, then the first position's K/V written again from its
+thresholded inputs: the dense model's first token, the decoded ones reading a thresholded sink). The dense source model (--model) scores the same tokens for the reference.
 """
 from __future__ import annotations
 
@@ -29,13 +30,19 @@ from dejavu.fileio import atomic_path
 from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, text_ids
 
-PREFILLS = ("engine", "thresholded", "dense")
+PREFILLS = ("engine", "thresholded", "dense", "sink")
 
 
-def _prefill(dec, sparse: bool):
-    # the prompt through forward_tokens with every position thresholded (sparse) or none
+def _prefill(dec, kind: str):
+    # the prompt through forward_tokens with every position thresholded ("thresholded") or none ("dense");
+    # "sink": dense, its logits returned, then the first position's K/V written again from its thresholded
+    # inputs (one more token's forward), which the decoded tokens read
     def prefill(ids, lengths, rows=None, start=0):
-        return dec.forward_tokens(ids, sparse=sparse, write_cache=True, last=lengths - 1, rows=rows, start=start)
+        out = dec.forward_tokens(ids, sparse=kind == "thresholded", write_cache=True, last=lengths - 1, rows=rows,
+                                 start=start)
+        if kind == "sink" and start == 0:
+            dec.forward_tokens(ids[:, :1], sparse=True, write_cache=True, last=torch.zeros_like(lengths), rows=rows)
+        return out
     return prefill
 
 
@@ -45,7 +52,7 @@ def decoded_scores(engine, ids: torch.Tensor, prompt: int, prefill: str, batch: 
     the log-probabilities [N, V] the prefill's last position gives the first of them)."""
     dec = engine.decoder
     if prefill != "engine":
-        dec.prefill = _prefill(dec, prefill == "thresholded")
+        dec.prefill = _prefill(dec, prefill)
     try:
         total, first = 0.0, []
         for w in ids.split(batch):

@@ -32,6 +32,19 @@ def test_prefills_against_token_parallel_logits(tmp_path):
     assert abs(study.decoded_nll(eng, ids, 6, "engine") - par[6]) > 1e-3  # positions 1-5 dense
     assert abs(study.decoded_nll(eng, ids, 1, "dense") - par[1]) > 1e-3
     assert "prefill" not in eng.decoder.__dict__  # the engine's own prefill is back
+    # "sink": the dense prefill's first token, then the decode reads a thresholded first position: one-token
+    # prompts decode as the engine's prefill does after that first token
+    _, dense_first = study.decoded_scores(eng, ids, 6, "dense")
+    _, sink_first = study.decoded_scores(eng, ids, 6, "sink")
+    assert torch.equal(sink_first, dense_first)
+    lp_engine = F.log_softmax(eng.decode_logits(ids, 1).float(), -1)
+    eng.decoder.prefill = study._prefill(eng.decoder, "sink")
+    try:
+        lp_sink = F.log_softmax(eng.decode_logits(ids, 1).float(), -1)
+    finally:
+        del eng.decoder.prefill
+    assert torch.allclose(lp_sink[:, 1:], lp_engine[:, 1:], atol=1e-5)
+    assert not torch.allclose(lp_sink[:, 0], lp_engine[:, 0], atol=1e-4)
     out = tmp_path / "r.json"
     res = study.main([str(tmp_path / "t.engine"), "--model", str(folder), "--prompt", "32", "--window", "64",
                       "--windows", "2", "--prefills", "engine", "dense", "--out", str(out)])
