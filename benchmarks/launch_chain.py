@@ -81,8 +81,8 @@ def time_chain(programs: int, width: int, launches: int, pdl: bool, replays: int
         end.record()
         torch.cuda.synchronize()
         us.append(1000 * start.elapsed_time(end) / (replays * launches))
-    return {"programs": programs, "width": width, "launches": launches, "pdl": pdl, "us_per_launch": statistics.median(us),
-            "us_all": [round(u, 4) for u in us]}
+    return {"programs": programs, "width": width, "launches": launches, "pdl": pdl,
+            "us_per_launch": statistics.median(us), "us_all": [round(u, 4) for u in us]}
 
 
 def floor_bound(us_per_launch: float) -> dict:
@@ -103,7 +103,8 @@ def smoke(launches: int = 5) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--launches", type=int, default=PHASES_PER_LAYER * 32, help="the chain's length (default: an 8B step's)")
+    p.add_argument("--launches", type=int, default=PHASES_PER_LAYER * 32,
+                   help="the chain's length (default: an 8B step's)")
     p.add_argument("--programs", type=int, nargs="+", help="grid sizes (default: 1, the SM count, 4 × it)")
     p.add_argument("--width", type=int, default=256, help="float32 values a program adds to (a power of two)")
     p.add_argument("--replays", type=int, default=20)
@@ -129,9 +130,9 @@ def main(argv=None) -> int:
             r = time_chain(programs, a.width, a.launches, pdl, a.replays, a.repeats)
             r["floor_bound"] = floor_bound(r["us_per_launch"])
             res["runs"].append(r)
+            b = r["floor_bound"]
             print(f"{programs:5d} programs, PDL {'on ' if pdl else 'off'}: {r['us_per_launch']:.3f} µs a launch; "
-                  f"floor bound 8B {r['floor_bound']['llama-3-8b']:.3f}x, 70B rank {r['floor_bound']['llama-3-70b-tp8']:.3f}x",
-                  flush=True)
+                  f"floor bound 8B {b['llama-3-8b']:.3f}x, 70B rank {b['llama-3-70b-tp8']:.3f}x", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return 0

@@ -11,7 +11,8 @@ KL from the dense model's next-token distribution, how often greedy's first toke
 (LlamaDecoder.prefill as shipped: dense, the first position thresholded), "thresholded" (every prompt
 position thresholded: the token-parallel quantity), "dense" (no threshold in the prompt, the prefill before
 2026-12-06), "sink" (dense, its logits kept, then the first position's K/V written again from its
-thresholded inputs: the dense model's first token, the decoded ones reading a thresholded sink). The dense source model (--model) scores the same tokens for the reference.
+thresholded inputs: the dense model's first token, the decoded ones reading a thresholded sink). The dense
+source model (--model) scores the same tokens for the reference.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def main(argv=None) -> dict:
     ref, dense_first = nll / (ids.shape[0] * (args.window - args.prompt)), torch.cat(dense_first)
     res = {"engine": Path(args.engine).name, "model": args.model, "prompt": args.prompt, "window": args.window,
            "windows": ids.shape[0], "scored_tokens": ids.shape[0] * (args.window - args.prompt),
-           "ppl_dense": math.exp(ref), "prefills": {}, "commit": tree_commit(Path(__file__)), "machine": platform.node(),
+           "ppl_dense": math.exp(ref), "prefills": {}, "commit": tree_commit(Path(__file__)),
+           "machine": platform.node(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for name in args.prefills:
         nll, first = decoded_scores(sm.info["engine"], ids, args.prompt, name)

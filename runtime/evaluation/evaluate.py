@@ -295,8 +295,8 @@ def build_parser() -> Parser:
     p.add_argument("--path", choices=PATHS, default=d.path,
                    help="how an engine's logits are computed: parallel (token-parallel masked ops), "
                         "decode (one decode step per token through the decode kernels, the same "
-                        "quantity up to rounding), generate (the decode loop with each window's first token and each "
-                        "example's context prefilled, as generate does)")
+                        "quantity up to rounding), generate (the decode loop with each window's first token "
+                        "and each example's context prefilled, as generate does)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--report", metavar="DIR",
                    help="write DIR/README.md, DIR/results.json and DIR/metrics_vs_density.png; the engines' "
