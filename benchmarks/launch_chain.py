@@ -134,7 +134,10 @@ def main(argv=None) -> int:
             print(f"{programs:5d} programs, PDL {'on ' if pdl else 'off'}: {r['us_per_launch']:.3f} µs a launch; "
                   f"floor bound 8B {b['llama-3-8b']:.3f}x, 70B rank {b['llama-3-70b-tp8']:.3f}x", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        from dejavu.fileio import atomic_path
+
+        with atomic_path(Path(a.out)) as tmp:  # no partial file if the run is cut short
+            tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return 0
 
 

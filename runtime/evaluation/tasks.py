@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -230,10 +231,8 @@ def chance_levels(task: Task) -> dict | None:
     if not task.examples or any(ex.kind != "choice" for ex in task.examples):
         return None
     n = len(task.examples)
-    counts: dict[int, int] = {}
-    for ex in task.examples:
-        counts[ex.gold] = counts.get(ex.gold, 0) + 1
-    return {"uniform": sum(1 / len(ex.pairs) for ex in task.examples) / n, "majority": max(counts.values()) / n}
+    most = max(Counter(ex.gold for ex in task.examples).values())
+    return {"uniform": sum(1 / len(ex.pairs) for ex in task.examples) / n, "majority": most / n}
 
 
 def accuracy_stderr(acc: float, n: int) -> float | None:
