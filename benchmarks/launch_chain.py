@@ -1,7 +1,7 @@
 """What one dependent launch costs in a CUDA graph, and what that leaves of the floor target.
 
-    python3 benchmarks/launch_chain.py --out $OUT/launch-chain.json      # GPU, under a minute
-    TRITON_INTERPRET=1 python benchmarks/launch_chain.py --smoke         # CPU: the chain's arithmetic only
+    python3 benchmarks/launch_chain.py --out $OUT/launch-chain.json      # GPU, about a minute
+    TRITON_INTERPRET=1 python benchmarks/launch_chain.py --smoke         # CPU: the chains' arithmetic only
 
 A chain of --launches tiny Triton kernels, each adding 1 to the float32 vector the one before it wrote
 (--width values a program, P programs: every launch depends on the last), is captured in one CUDA graph
@@ -15,6 +15,12 @@ attention, select, o, select, gate/up, select, down). Ten launches a layer at th
 the bandwidth floor of the H200 run (2aeff05: Llama-3-8B at 50% skipped 1.924 ms, the 70B TP-8 rank
 2.099 ms), bound from below the ratio to the floor any kernels of that structure reach: reading no byte
 more than the floor and doing nothing else, they still wait that long for each other.
+
+The second chain (--mb) makes each launch also read its own MB of fp16 weights (4 programs a streaming
+multiprocessor, each summing a contiguous slice; the launches cycle through a pool past the L2), as a GEMV
+does: the time a launch over its bytes at the copy bandwidth is how near a launch of that size can come to
+its floor. `early` issues the reads before waiting for the previous launch (the weights never depend on it;
+only the rows a sparse GEMV keeps do), `late` after, as the decode kernels do now.
 """
 from __future__ import annotations
 
@@ -50,23 +56,63 @@ def kernel():
                 tl.extra.cuda.gdc_launch_dependents()
             tl.store(x_ptr + offs, x + 1.0)
 
-        _kernel = add_one
+        @triton.jit
+        def read_add(x_ptr, w_ptr, sink_ptr, chunk, W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     EARLY: tl.constexpr):
+            pid = tl.program_id(0)
+            base = w_ptr + pid.to(tl.int64) * chunk
+            if PDL and not EARLY:
+                tl.extra.cuda.gdc_wait()
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in range(0, chunk, BLOCK):
+                acc += tl.load(base + i + tl.arange(0, BLOCK)).to(tl.float32)
+            if PDL and EARLY:
+                tl.extra.cuda.gdc_wait()
+            offs = pid * W + tl.arange(0, W)
+            x = tl.load(x_ptr + offs)
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.store(x_ptr + offs, x + 1.0)
+            tl.store(sink_ptr + pid, tl.sum(acc))  # keeps the reads
+
+        _kernel = (add_one, read_add)
     return _kernel
 
 
-def launch(x: torch.Tensor, programs: int, width: int, pdl: bool) -> None:
-    kernel()[(programs,)](x, W=width, PDL=int(pdl), **({"launch_pdl": True} if pdl else {}))
+READ_BLOCK = 1024  # fp16 values a program reads a step
 
 
-def time_chain(programs: int, width: int, launches: int, pdl: bool, replays: int, repeats: int) -> dict:
-    """µs a launch (median of `repeats` timings of `replays` graph replays), after checking the chain's sum."""
+def launch(x: torch.Tensor, programs: int, width: int, pdl: bool, w=None, sink=None, early=False) -> None:
+    """One launch of the chain: add 1 to x, after reading w's slices (one a program) when w is given."""
+    pdl_kw = {"launch_pdl": True} if pdl else {}
+    if w is None:
+        kernel()[0][(programs,)](x, W=width, PDL=int(pdl), **pdl_kw)
+    else:
+        kernel()[1][(programs,)](x, w, sink, w.numel() // programs, W=width, BLOCK=READ_BLOCK, PDL=int(pdl),
+                                 EARLY=int(early), **pdl_kw)
+
+
+def weight_slices(programs: int, mb: float, launches: int, pool_bytes: int, device) -> list:
+    """fp16 slices of about `mb` MB (a whole READ_BLOCK per program), cycled over a pool of `pool_bytes`."""
+    per_launch = programs * READ_BLOCK * max(1, round(mb * 2**20 / (2 * programs * READ_BLOCK)))
+    n = max(1, min(launches, pool_bytes // (2 * per_launch)))
+    pool = torch.ones(n * per_launch, dtype=torch.float16, device=device)
+    return [pool[(i % n) * per_launch:(i % n + 1) * per_launch] for i in range(launches)]
+
+
+def time_chain(programs: int, width: int, launches: int, pdl: bool, replays: int, repeats: int,
+               mb: float = 0.0, early: bool = False, pool_bytes: int = 512 << 20) -> dict:
+    """µs a launch (median of `repeats` timings of `replays` graph replays), after checking the chain's sum.
+    With `mb`, every launch also reads its own slice of weights (`early`: before its wait)."""
     x = torch.zeros(programs * width, device="cuda")
-    launch(x, programs, width, pdl)  # compile outside the capture
+    ws = weight_slices(programs, mb, launches, pool_bytes, x.device) if mb else [None] * launches
+    sink = torch.zeros(programs, device="cuda")
+    launch(x, programs, width, pdl, ws[0], sink, early)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(launches):
-            launch(x, programs, width, pdl)
+        for w in ws:
+            launch(x, programs, width, pdl, w, sink, early)
     x.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -81,8 +127,33 @@ def time_chain(programs: int, width: int, launches: int, pdl: bool, replays: int
         end.record()
         torch.cuda.synchronize()
         us.append(1000 * start.elapsed_time(end) / (replays * launches))
+    if mb and not torch.all(sink == ws[-1].numel() // programs):  # the pool is ones: each program's sum
+        raise RuntimeError("the reads summed otherwise than their slices' lengths")
     return {"programs": programs, "width": width, "launches": launches, "pdl": pdl,
+            "bytes_per_launch": 2 * ws[0].numel() if mb else 0, "early": early,
             "us_per_launch": statistics.median(us), "us_all": [round(u, 4) for u in us]}
+
+
+def copy_GBps(nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy: (bytes read + bytes written) / median time, as e2e_llama.py measures it."""
+    x = torch.ones(nbytes // 2, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * nbytes / statistics.median(times[3:]) / 1e9
+
+
+def read_efficiency(r: dict, copy: float) -> dict:
+    """A reading launch against its bytes at the copy bandwidth: the ratio, and the µs beyond."""
+    at_copy_us = r["bytes_per_launch"] / copy / 1e3
+    return {"at_copy_us": round(at_copy_us, 3), "over_floor": round(r["us_per_launch"] / at_copy_us, 3),
+            "extra_us": round(r["us_per_launch"] - at_copy_us, 3)}
 
 
 def floor_bound(us_per_launch: float) -> dict:
@@ -92,13 +163,24 @@ def floor_bound(us_per_launch: float) -> dict:
 
 
 def smoke(launches: int = 5) -> None:
-    """The chain eagerly on the interpreter's CPU tensors: every launch adds its 1."""
+    """Both chains eagerly on the interpreter's CPU tensors: every launch adds its 1, every read its slice."""
     x = torch.zeros(3 * 16)
     for _ in range(launches):
         launch(x, 3, 16, pdl=False)
     if not torch.all(x == launches):
         raise SystemExit(f"launch_chain --smoke: got {x.tolist()}, expected {launches} everywhere")
-    print(f"launch_chain --smoke: {launches} launches summed as expected")
+    x.zero_()
+    ws = weight_slices(3, 0.01, launches, 1 << 20, "cpu")
+    for i, w in enumerate(ws):
+        w.copy_(torch.arange(w.numel()) % 7)  # slices that differ: a program reading the wrong one would show
+        sink = torch.zeros(3)
+        launch(x, 3, 16, pdl=False, w=w, sink=sink)
+        want = w.float().view(3, -1).sum(1)
+        if not torch.equal(sink, want):
+            raise SystemExit(f"launch_chain --smoke: read sums {sink.tolist()}, expected {want.tolist()}")
+    if not torch.all(x == launches):
+        raise SystemExit(f"launch_chain --smoke: the reading chain got {x.tolist()}, expected {launches}")
+    print(f"launch_chain --smoke: {launches} launches summed as expected, with and without reads")
 
 
 def main(argv=None) -> int:
@@ -107,6 +189,8 @@ def main(argv=None) -> int:
                    help="the chain's length (default: an 8B step's)")
     p.add_argument("--programs", type=int, nargs="+", help="grid sizes (default: 1, the SM count, 4 × it)")
     p.add_argument("--width", type=int, default=256, help="float32 values a program adds to (a power of two)")
+    p.add_argument("--mb", type=float, nargs="*", default=[4, 8, 16, 32, 64, 128],
+                   help="MB each launch of the reading chain reads (at 50%% skipped, an 8B layer reads 25 (q/k/v) to 117 (gate/up); the 70B rank 8 to 59)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: check the chain's arithmetic")
@@ -133,6 +217,17 @@ def main(argv=None) -> int:
             b = r["floor_bound"]
             print(f"{programs:5d} programs, PDL {'on ' if pdl else 'off'}: {r['us_per_launch']:.3f} µs a launch; "
                   f"floor bound 8B {b['llama-3-8b']:.3f}x, 70B rank {b['llama-3-70b-tp8']:.3f}x", flush=True)
+    res["copy_GBps"] = copy = copy_GBps()
+    res["reads"] = []
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    for mb in a.mb:
+        for pdl, early in ((False, False), (True, False), (True, True)) if sm90 else ((False, False),):
+            r = time_chain(4 * sms, a.width, a.launches, pdl, a.replays, a.repeats, mb=mb, early=early)
+            r.update(read_efficiency(r, copy))
+            res["reads"].append(r)
+            print(f"{r['bytes_per_launch'] / 2**20:6.2f} MB a launch, PDL {'on ' if pdl else 'off'}"
+                  f"{', reads early' if early else ''}: {r['us_per_launch']:.2f} µs, {r['over_floor']:.3f}x its bytes "
+                  f"at the copy bandwidth (+{r['extra_us']:.2f} µs)", flush=True)
     if a.out:
         from dejavu.fileio import atomic_path
 

@@ -33,3 +33,18 @@ def test_floor_bound_is_ten_launches_a_layer_over_the_floor():
 def test_without_a_gpu_one_line_and_exit_2(capsys):
     assert lc.main([]) == 2
     assert capsys.readouterr().err.strip() == "launch_chain: needs a GPU (or --smoke under TRITON_INTERPRET=1)"
+
+
+def test_weight_slices_are_whole_blocks_a_program_cycled_over_the_pool():
+    ws = lc.weight_slices(programs=4, mb=0.05, launches=7, pool_bytes=3 * 2 * 4 * lc.READ_BLOCK * 6, device="cpu")
+    per = ws[0].numel()
+    assert per % (4 * lc.READ_BLOCK) == 0 and abs(2 * per - 0.05 * 2**20) <= 2 * 4 * lc.READ_BLOCK
+    assert all(w.numel() == per for w in ws)
+    starts = [w.storage_offset() for w in ws]
+    assert starts == [(i % 3) * per for i in range(7)]  # three slices fit the pool; launch i reads slice i mod 3
+
+
+def test_read_efficiency_against_the_copy_bandwidth():
+    r = {"bytes_per_launch": 8_000_000, "us_per_launch": 3.0}
+    got = lc.read_efficiency(r, copy=4000.0)  # GB/s: 8 MB take 2 µs
+    assert got == {"at_copy_us": 2.0, "over_floor": 1.5, "extra_us": 1.0}
