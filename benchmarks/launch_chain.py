@@ -10,17 +10,19 @@ launch (PDL, sm_90: each kernel waits for its predecessor by griddepcontrol.wait
 launch early, as the decode kernels do) and without; P of one program, one a streaming multiprocessor
 and four (the GEMV's grid is about that).
 
-A Llama decode layer is ten such dependent launches (docs/llama.md: select, q/k/v GEMV, sum + RoPE,
-attention, select, o, select, gate/up, select, down). Ten launches a layer at the measured cost, added to
-the bandwidth floor of the H200 run (2aeff05: Llama-3-8B at 50% skipped 1.924 ms, the 70B TP-8 rank
-2.099 ms), bound from below the ratio to the floor any kernels of that structure reach: reading no byte
-more than the floor and doing nothing else, they still wait that long for each other.
-
 The second chain (--mb) makes each launch also read its own MB of fp16 weights (4 programs a streaming
 multiprocessor, each summing a contiguous slice; the launches cycle through a pool past the L2), as a GEMV
 does: the time a launch over its bytes at the copy bandwidth is how near a launch of that size can come to
 its floor. `early` issues the reads before waiting for the previous launch (the weights never depend on it;
 only the rows a sparse GEMV keeps do), `late` after, as the decode kernels do now.
+
+From both chains, the structure's bound (`structure_bound`): a Llama decode layer is ten dependent launches
+(docs/llama.md: select, q/k/v GEMV, sum + RoPE, attention, select, o, select, gate/up, select, down). With each
+GEMV a reading launch of its kept bytes (50% skipped; the reading chain's time, interpolated in bytes), the six
+others at the cost of a launch of one program a streaming multiprocessor, and the LM head at the copy
+bandwidth, the step takes at least that long against the floor (every byte at the copy bandwidth). It is a
+bound from below on what kernels of this structure reach: they read no byte more and do nothing else.
+`--from RAW` recomputes it from a run's file.
 """
 from __future__ import annotations
 
@@ -33,8 +35,7 @@ from pathlib import Path
 
 import torch
 
-PHASES_PER_LAYER = 10
-FLOORS_MS = {"llama-3-8b": (32, 1.924), "llama-3-70b-tp8": (80, 2.099)}  # layers, floor (H200, 2aeff05)
+PHASES_PER_LAYER = 10  # four of them GEMVs
 
 _kernel = None
 
@@ -156,10 +157,55 @@ def read_efficiency(r: dict, copy: float) -> dict:
             "extra_us": round(r["us_per_launch"] - at_copy_us, 3)}
 
 
-def floor_bound(us_per_launch: float) -> dict:
-    """Per Llama shape: the floor plus ten dependent launches a layer, over the floor."""
-    return {m: round((f + PHASES_PER_LAYER * layers * us_per_launch / 1000) / f, 3)
-            for m, (layers, f) in FLOORS_MS.items()}
+def gemv_bytes(shape: dict, skip: float = 0.5, esize: int = 2) -> tuple[float, ...]:
+    """Bytes of a decode layer's four input-sparse GEMVs (q/k/v, o, gate/up, down) at `skip`."""
+    d, hd, i = shape["hidden_size"], shape["head_dim"], shape["intermediate_size"]
+    h, hkv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    rows_cols = ((d, (h + 2 * hkv) * hd), (h * hd, d), (d, 2 * i), (i, d))
+    return tuple((1 - skip) * n * m * esize for n, m in rows_cols)
+
+
+def structure_bound(res: dict, shapes: dict, pdl: bool = True, early: bool = False) -> dict:
+    """Per Llama shape: the ten-launch layer's least step time (ms) and its ratio to the floor, from a run's
+    chains (res: this script's JSON)."""
+    reads = sorted((r["bytes_per_launch"], r["us_per_launch"]) for r in res["reads"]
+                   if r["pdl"] == pdl and r["early"] == early)
+    sms = res.get("sms") or res["reads"][0]["programs"] // 4  # the reading chain runs 4 programs an SM
+    small = [r["us_per_launch"] for r in res["runs"] if r["pdl"] == pdl and r["programs"] == sms]
+    if len(reads) < 2 or not small:
+        raise ValueError("structure_bound: the run has no reading chain or no one-program-an-SM chain of that kind")
+    xs, ys = zip(*reads)
+    copy = res["copy_GBps"] * 1e3  # bytes a µs
+
+    def read_us(n: float) -> float:  # linear in bytes between the measured sizes, and past them
+        j = min(max(1, sum(x <= n for x in xs)), len(xs) - 1)
+        return ys[j - 1] + (ys[j] - ys[j - 1]) * (n - xs[j - 1]) / (xs[j] - xs[j - 1])
+
+    out = {}
+    for name, c in shapes.items():
+        per, head = gemv_bytes(c), 2 * c["vocab_size"] * c["hidden_size"]
+        layer_us = sum(read_us(n) for n in per) + (PHASES_PER_LAYER - len(per)) * small[0]
+        step_ms = (c["num_hidden_layers"] * layer_us + head / copy) / 1e3
+        floor_ms = (c["num_hidden_layers"] * sum(per) + head) / copy / 1e3
+        out[name] = {"layer_us": round(layer_us, 2), "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
+                     "over_floor": round(step_ms / floor_ms, 3)}
+    return out
+
+
+def llama_shapes() -> dict:
+    """e2e_llama.py's real Llama shapes (the script's folder imported as the other benchmarks do)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from e2e_llama import SHAPES
+
+    return {k: v for k, v in SHAPES.items() if k != "tiny"}
+
+
+def print_bounds(res: dict) -> None:
+    for pdl, early in sorted({(r["pdl"], r["early"]) for r in res["reads"]} - {(False, False)}) or [(False, False)]:
+        for name, b in structure_bound(res, llama_shapes(), pdl, early).items():
+            print(f"{name}: ten launches a layer, reads {'early' if early else 'after the wait'}: a layer "
+                  f"{b['layer_us']:.1f} µs, a step {b['step_ms']:.3f} ms against its floor {b['floor_ms']:.3f} "
+                  f"({b['over_floor']:.3f}x)", flush=True)
 
 
 def smoke(launches: int = 5) -> None:
@@ -195,7 +241,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: check the chain's arithmetic")
     p.add_argument("--out")
+    p.add_argument("--from", dest="src", metavar="RAW", help="no run: the structure's bound from a run's JSON")
     a = p.parse_args(argv)
+    if a.src:
+        print_bounds(json.loads(Path(a.src).read_text(encoding="utf-8")))
+        return 0
     if a.smoke:
         smoke()
         return 0
@@ -207,16 +257,14 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sm90 = torch.cuda.get_device_capability()[0] >= 9
     res = {"gpu": torch.cuda.get_device_name(), "commit": tree_commit(Path(__file__)), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(a),
-           "floors_ms": FLOORS_MS, "phases_per_layer": PHASES_PER_LAYER, "runs": []}
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(a), "sms": sms, "sm90": sm90,
+           "phases_per_layer": PHASES_PER_LAYER, "runs": []}
     for programs in a.programs or [1, sms, 4 * sms]:
         for pdl in (False, True) if sm90 else (False,):
             r = time_chain(programs, a.width, a.launches, pdl, a.replays, a.repeats)
-            r["floor_bound"] = floor_bound(r["us_per_launch"])
             res["runs"].append(r)
-            b = r["floor_bound"]
-            print(f"{programs:5d} programs, PDL {'on ' if pdl else 'off'}: {r['us_per_launch']:.3f} µs a launch; "
-                  f"floor bound 8B {b['llama-3-8b']:.3f}x, 70B rank {b['llama-3-70b-tp8']:.3f}x", flush=True)
+            print(f"{programs:5d} programs, PDL {'on ' if pdl else 'off'}: {r['us_per_launch']:.3f} µs a launch",
+                  flush=True)
     res["copy_GBps"] = copy = copy_GBps()
     res["reads"] = []
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
@@ -229,10 +277,10 @@ def main(argv=None) -> int:
                   f"{', reads early' if early else ''}: {r['us_per_launch']:.2f} µs, {r['over_floor']:.3f}x its bytes "
                   f"at the copy bandwidth (+{r['extra_us']:.2f} µs)", flush=True)
     if a.out:
-        from dejavu.fileio import atomic_path
+        from dejavu.fileio import write_json
 
-        with atomic_path(Path(a.out)) as tmp:  # no partial file if the run is cut short
-            tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(a.out, res)
+    print_bounds(res)
     return 0
 
 
