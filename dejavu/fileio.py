@@ -30,3 +30,14 @@ def atomic_path(path: str | os.PathLike):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: str | os.PathLike, obj, indent: int | None = 2, **dumps_kw) -> Path:
+    """`obj` as JSON (and a final newline) at `path`, atomically: no partial file if it fails midway.
+    dumps_kw: json.dumps' other options (sort_keys, default)."""
+    import json
+
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=indent, **dumps_kw) + "\n", encoding="utf-8")
+    return path
