@@ -73,49 +73,71 @@ NONE, NORM, SWIGLU, ATTN = 0, 1, 2, 3  # the select's PRODUCER: x as it is, norm
 # the attention's split partials combined (gqa_attention.GQAPartials)
 
 
+@helper
+def _keep(h, offs, inside, t, idx_ptr, val_ptr, b, N, lo, base):
+    # the slice's kept (index, value) pairs of this step, after the `base` kept before it; the new count
+    keep = (tl.abs(h.to(tl.float32)) > t) & inside
+    k = keep.to(tl.int32)
+    pos = b * N + lo + base + tl.cumsum(k, 0) - 1  # this slice's segment, ascending
+    tl.store(idx_ptr + pos, offs, mask=keep)
+    tl.store(val_ptr + pos, h, mask=keep)
+    return base + tl.sum(k, 0)
+
+
+@helper
+def _norm_h(xv, nw, rstd, dt):
+    # NORM's h, rounded as PyTorch rounds: rms_norm's output in h's dtype dt (val's: x's, or the engine's from an
+    # fp32 x), then the weight product
+    return (nw.to(tl.float32) * (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+
+
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
                           PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, BLOCK_S=1, HD=1):
+                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, BLOCK_S=1, HD=1, EARLY: tl.constexpr = 1):
     # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), the splits that hold slots
-    # <= pos[b] (gqa_attention._split_span of NC splits of BLOCK_S-slot tiles)
+    # <= pos[b] (gqa_attention._split_span of NC splits of BLOCK_S-slot tiles). EARLY (NORM): the slice's first
+    # step peeled, its weights loaded before the wait and its x beside the row's sum of squares
     b, ps = tl.program_id(0), tl.program_id(1)
+    lo = ps * PER
+    hi = tl.minimum(lo + PER, N)
+    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: kept so far in this slice
     if PRODUCER == 3:
         _, n_splits = _split_span(tl.load(pos_ptr + b).to(tl.int32), NC, BLOCK_S)  # before the wait
+    if PRODUCER == 1 and EARLY:  # NORM: the slice's first step of weights before the wait (no kernel writes them)
+        offs0 = lo + tl.arange(0, BLOCK)
+        nw0 = tl.load(nw_ptr + offs0, mask=offs0 < hi, other=0.0)
     gdc_enter(GDC)
-    if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2)
+    start = lo
+    if PRODUCER == 1:  # NORM: the whole row's sum of squares (each slice's program reads the row: N * 2 bytes, L2),
+        # the slice's first step of x loaded beside it
+        if EARLY:
+            x0 = _src(x_ptr, b * XS + offs0, offs0 < hi, PLANE, val_ptr, SRC_SPLIT)
         ss = tl.zeros([ROW], dtype=tl.float32)
         for n0 in range(0, N, ROW):
             offs = n0 + tl.arange(0, ROW)
             xv = _src(x_ptr, b * XS + offs, offs < N, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
             ss += xv * xv
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / N + eps)
-    lo = ps * PER
-    hi = tl.minimum(lo + PER, N)
-    base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: kept so far in this slice
-    for n0 in range(lo, hi, BLOCK):
+        if EARLY:
+            base = _keep(_norm_h(x0, nw0, rstd, val_ptr.dtype.element_ty), offs0, offs0 < hi, t, idx_ptr, val_ptr, b,
+                         N, lo, base)
+            start = lo + BLOCK
+    for n0 in range(start, hi, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         inside = offs < hi
         if PRODUCER != 3:
             xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
             h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
-        elif PRODUCER == 1:  # NORM, rounded as PyTorch rounds: rms_norm's output in h's dtype (val's: x's, or
-            # the engine's from an fp32 x), then the weight product
-            dt = val_ptr.dtype.element_ty
-            nw = tl.load(nw_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-            h = (nw * (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+        elif PRODUCER == 1:  # NORM's later steps
+            h = _norm_h(xv, tl.load(nw_ptr + offs, mask=inside, other=0.0), rstd, val_ptr.dtype.element_ty)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
             g = xv.to(tl.float32)
             u = _src(x_ptr, b * XS + N + offs, inside, PLANE, val_ptr, SRC_SPLIT).to(tl.float32)
             h = ((g / (1.0 + tl.exp(-g))).to(xv.dtype).to(tl.float32) * u).to(xv.dtype)
         else:
             h = xv
-        keep = (tl.abs(h.to(tl.float32)) > t) & inside
-        k = keep.to(tl.int32)
-        pos = b * N + lo + base + tl.cumsum(k, 0) - 1  # this slice's segment, ascending
-        tl.store(idx_ptr + pos, offs, mask=keep)
-        tl.store(val_ptr + pos, h, mask=keep)
-        base += tl.sum(k, 0)
+        base = _keep(h, offs, inside, t, idx_ptr, val_ptr, b, N, lo, base)
     tl.store(count_ptr + b * tl.num_programs(1) + ps, base)
 
 
@@ -229,7 +251,7 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
         x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[-1], B * x.shape[-1], per, float(t),
         float(eps), PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM,
         SRC_SPLIT=x.shape[0] if x.dim() == 3 else 0, BLOCK=min(config.block_select, next_pow2(per)),
-        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps,
+        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps, EARLY=int(config.select_early),
         **pdl_args(x.device, "is_select", (settings or DEFAULT).pdl))
     return idx, val, count
 

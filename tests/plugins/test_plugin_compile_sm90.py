@@ -237,7 +237,8 @@ SCRIPT = textwrap.dedent('''
             assert "st.global" not in ptx[:wait], fn.__name__
             if not looped:  # loads before the wait: LayerNorm's weights, attention's / the finish's reads
                 early = fn in (LN._layer_norm_kernel, SA._attn_decode_kernel, DK._qkv_finish_kernel,
-                               GA._gqa_combine_kernel) or consts.get("PRODUCER") == IS.ATTN  # pos: the step's input
+                               GA._gqa_combine_kernel) or consts.get("PRODUCER") in (IS.ATTN, IS.NORM)
+                # (ATTN: pos, the step's input; NORM: the RMSNorm weights of the slice's first step)
                 assert ("ld.global" in ptx[:wait]) == early, fn.__name__
             if gdc == 2 or looped:  # the next kernel is let in only after the wait
                 assert ptx.index("griddepcontrol.launch_dependents") > wait, fn.__name__
