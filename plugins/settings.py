@@ -154,9 +154,6 @@ class InputSparseSettings:
     (the GEMV is bandwidth-bound: it wants every SM busy), each at least `min_split_inputs` inputs long."""
     block_select: int = 4096  # a Llama-3-8B row of 4096 inputs in one step (a NORM select reads the row)
     select_warps: int = 8
-    # the RMSNorm selects' first step peeled: its norm weights loaded before the PDL wait, its x beside the row's
-    # sum of squares (two dependent round trips fewer); off: every step loaded in the slice's loop
-    select_early: bool = True
     block_m: int = 64  # 128 / 64: 7.10 -> 5.92 ms/step with block_k 128 (Llama-3-8B, 50% skipped; docs/llama.md)
     block_k: int = 128
     split_k: int | None = None

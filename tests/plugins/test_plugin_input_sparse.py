@@ -49,8 +49,7 @@ PRODUCERS = ["none", "norm", "swiglu"]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("producer", PRODUCERS)
 @pytest.mark.parametrize("B,N,split,t,config", [(1, 77, 3, 0.6, SMALL), (3, 200, 5, 0.9, SMALL), (2, 130, 1, 0.6, _s()),
-                                                (2, 33, 4, 50.0, SMALL), (1, 64, 2, 0.0, SMALL),
-                                                (3, 200, 5, 0.9, dataclasses.replace(SMALL, select_early=False))])
+                                                (2, 33, 4, 50.0, SMALL), (1, 64, 2, 0.0, SMALL)])
 def test_select_slices_pairs_each_split_in_order(triton_interp, dtype, producer, B, N, split, t, config):
     """Per split: the kept inputs of h ascending, their values, their count; t 50: none kept, t 0: every
     non-zero input; N not a multiple of the split or the block."""
