@@ -34,11 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def _save_predictors(preds, path: Path):
     from safetensors.torch import save_file
 
+    from dejavu.fileio import write_json
+
     save_file({k: v.contiguous() for k, v in preds.state_dict().items()}, str(path) + ".safetensors")
     meta = {"predictor_input": preds.predictor_input,
             "recall_curves": {k: [list(map(float, c)) for c in v] for k, v in preds.recall_curves.items()},
             "calibration": preds.metrics.get("calibration")}
-    Path(str(path) + ".json").write_text(json.dumps(meta))
+    write_json(str(path) + ".json", meta, indent=None)
 
 
 def _load_predictors(path: Path):
@@ -97,6 +99,7 @@ def main(argv=None) -> int:
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
     from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.fileio import write_json
     from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text
 
     text = read_text(WIKITEXT2_TEST)
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
                "test_ppl": r["perplexity"], "test_increase_pct": 100 * (r["perplexity"] / out["dense_ppl"] - 1),
                "seconds": round(time.perf_counter() - t, 1)}
         out["rows"].append(row)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out, indent=1)
         print(f"{name:28s} bytes {row['bytes_per_token']['fraction']:.4f} held-out "
               f"{row['heldout']['increase_pct']:+7.2f}% test {row['test_ppl']:.3f} ({row['test_increase_pct']:+.2f}%)"
               f"  mlp_k {row['mlp_k']} attn_k {row['attn_k']}", flush=True)

@@ -64,6 +64,8 @@ def write_checkpoint(name: str, folder: Path, shard_bytes: int = 2 << 30, seed: 
     import torch
     from safetensors.torch import save_file
 
+    from dejavu.fileio import write_json
+
     if (folder / "model.safetensors.index.json").is_file():
         return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -96,9 +98,9 @@ def write_checkpoint(name: str, folder: Path, shard_bytes: int = 2 << 30, seed: 
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
         total += (folder / fname).stat().st_size
         del shard
-    (folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (folder / "config.json").write_text(json.dumps(hf_config(name), indent=1))
+    write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map},
+               indent=1)
+    write_json(folder / "config.json", hf_config(name), indent=1)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "models" / "opt-mini" / f, folder / f)
     return total
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         ap.error("--out is required")
+    from dejavu.fileio import write_json
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out / "work"
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
         rows = [r for r in rows if not (r["shape"] == row["shape"] and r["device"] == row["device"]
                                         and r["predictors"] == row["predictors"]
                                         and r.get("onnx_out", False) == row["onnx_out"])] + [row]
-        jpath.write_text(json.dumps({"runs": rows}, indent=1))
+        write_json(jpath, {"runs": rows}, indent=1)
         print(json.dumps({k: row[k] for k in ("shape", "rc", "wall_s", "peak_host_bytes", "child_ru_maxrss_bytes",
                                                "bound_bytes")}),
               flush=True)

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler.config import PREDICTOR_DTYPES, TOKEN_K_ROWS, BuildConfig, PredictorSettings
+from dejavu.fileio import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PREDICTOR_DTYPE = PredictorSettings.dtype  # the random engines' MLP predictors: as the compiler's default
@@ -82,9 +83,7 @@ class Run:
 
     def save(self):
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        os.replace(tmp, self.out)
+        write_json(self.out, self.data, indent=1, default=str)
 
     def add(self, key, value):
         self.data[key].append(value) if isinstance(self.data[key], list) else self.data.__setitem__(key, value)

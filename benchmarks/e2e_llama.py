@@ -83,11 +83,10 @@ class Run:
                                     "skipped": []}
 
     def save(self):
-        from dejavu.fileio import atomic_path
+        from dejavu.fileio import write_json
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(self.out) as tmp:
-            tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        write_json(self.out, self.data, indent=1, default=str)
 
     def add(self, key, value):
         self.data[key].append(value) if isinstance(self.data[key], list) else self.data.__setitem__(key, value)

@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float16" if DEV == "cuda" else "float32")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "e2e_tp.json"))
     a = p.parse_args(argv)
+    from dejavu.fileio import write_json
     from dejavu.runtime.tp import TPEngine, init_distributed
 
     if DEV == "cuda" and os.environ.get("NCCL_NVLS_ENABLE") != "0":
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
                 "device": DEV, "dtype": a.dtype, "predictor_ranks": ranks,
                 "gpu": torch.cuda.get_device_name() if DEV == "cuda" else None,
                 "note": "random weights and predictors; per-shard top-k (docs/tensor_parallel.md)"}
-        Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_json(a.out, {"meta": meta, "results": results}, indent=1)
     dist.destroy_process_group()
     return 0
 

@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     from dejavu.compiler.config import CalibSettings, PredictorSettings
     from dejavu.compiler.masking import masked_sparsity
     from dejavu.compiler.predictors import Predictors, _fit, _fit_heads, _head_labels
+    from dejavu.fileio import write_json
 
     t0 = time.perf_counter()
     model, cfg, tok = load_opt(a.model)
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     for label, pr in preds.items():
         res[f"predicted_{label}"] = ppl(lambda pr=pr: masked_sparsity(model, mk, ak, "predicted", pr))
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    write_json(a.out, res, indent=1)
     print(json.dumps(res, indent=1))
     return 0
 

@@ -24,7 +24,6 @@ that every step's sets are seen): how many of a step's layers have a selected he
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -182,10 +181,10 @@ def main_random(a) -> int:
     if a.plot:
         plot_by_step(rows, a.plot)
     if a.out:
+        from dejavu.fileio import write_json
+
         out = Path(a.out)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "results": rows}, indent=1))
-        tmp.replace(out)
+        write_json(out, {"prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "results": rows}, indent=1)
         print(f"JSON: {out}")
     return 0
 
@@ -218,10 +217,10 @@ def main(argv=None) -> int:
                   f"{s['mean_gap']:.2f} | {s['frac_gap']:.1%} | {s[f'frac_gap_over_{SLOW_AFTER}']:.1%} | "
                   f"{s['turnover']:.1%} |")
     if a.out:
+        from dejavu.fileio import write_json
+
         out = Path(a.out)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        tmp.replace(out)
+        write_json(out, res, indent=1)
         print(f"JSON: {out}")
     return 0
 

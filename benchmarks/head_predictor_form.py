@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -193,6 +191,7 @@ def main(argv=None) -> int:
     from dejavu.compiler.config import CalibSettings, PredictorSettings
     from dejavu.compiler.masking import masked_sparsity
     from dejavu.compiler.predictors import _fit_heads, _head_labels, holdout_split
+    from dejavu.fileio import write_json
 
     t0 = time.perf_counter()
     model, cfg, tok = load_opt(a.model)
@@ -257,7 +256,7 @@ def main(argv=None) -> int:
             res["forms"][str(hidden)]["ppl"] = v
             print(f"hidden {hidden}: perplexity {v:.3f}", flush=True)
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    write_json(a.out, res, indent=1)
     return 0
 
 

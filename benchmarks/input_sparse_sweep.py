@@ -231,11 +231,10 @@ class Sweep:
         self.seen: dict = {}  # (shape, launch key) -> result
 
     def save(self):
-        from dejavu.fileio import atomic_path
+        from dejavu.fileio import write_json
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(self.out) as tmp:
-            tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        write_json(self.out, self.data, indent=1, default=str)
 
     def measure(self, s: Shape, cfg, stage: str, measure_s: float) -> dict | None:
         """The time of cfg on s (None: an error, recorded); a launch measured before is not timed again."""

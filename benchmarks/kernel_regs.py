@@ -13,7 +13,6 @@ ablations first (e.g. `nounfolded`), each in a fresh process-wide kernel cache e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -55,6 +54,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("kernel_regs: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from dejavu.fileio import write_json
     from dejavu.runtime import Engine
 
     c = {**e2e.SHAPES[a.model], "num_hidden_layers": a.layers}
@@ -83,9 +83,7 @@ def main(argv=None) -> int:
                   f"smem {r['shared']:6d}  per SM (regs) {r['programs_per_sm_by_regs']}")
     path = Path(a.out or Path(os.environ.get("OUT", ".")) / "kernel-regs.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    os.replace(tmp, path)
+    write_json(path, out, indent=1)
     print("JSON:", path)
     return 0
 

@@ -911,6 +911,9 @@ def main(argv=None):
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
+
+    from dejavu.fileio import write_json  # importable: _import_plugins() ran at import
+
     if args.no_pdl:
         Run.settings = with_settings(pdl=dict(ENABLED=False))
     t0 = time.time()
@@ -922,7 +925,7 @@ def main(argv=None):
 
     def save(section):  # partial results survive a timeout
         res["wall_s"] = time.time() - t0
-        Path(out).write_text(json.dumps(res, indent=1, default=str))
+        write_json(out, res, indent=1, default=str)
         print(f"[{res['wall_s']:.0f}s] {section} done", flush=True)
 
     def in_budget(section):

@@ -18,7 +18,6 @@ byte density, all scored by masked dense (fp32, the predicted selections) on Wik
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -68,6 +67,7 @@ def main(argv=None) -> int:
                                           allocate_uniform, candidate_ks, heldout_nll, heldout_windows, model_parts)
     from dejavu.compiler.text import encode_text
     from dejavu.datafiles import WIKITEXT2_TEST
+    from dejavu.fileio import write_json
     from dejavu.models.loader import load_model, load_tokenizer
     from dejavu.models.presets import resolve
     from dejavu.runtime.evaluation.evaluate import read_text
@@ -130,9 +130,9 @@ def main(argv=None) -> int:
             res["rows"].append(row)
             print(f"{d} {name:20s} test {t:.3f} ({row['test_increase_pct']:+.2f}%) check "
                   f"{row['check_increase_pct']:+.2f}% mlp_k {list(mk)} attn_k {list(ak)}", flush=True)
-            Path(a.out).write_text(json.dumps(res, indent=1))
+            write_json(a.out, res, indent=1)
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    write_json(a.out, res, indent=1)
     return 0
 
 

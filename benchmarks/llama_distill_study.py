@@ -37,7 +37,7 @@ from dejavu.compiler.allocate_llama import heldout_nll, kind_thresholds
 from dejavu.compiler.distill_llama import kl_to_dense
 from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
 
@@ -239,8 +239,7 @@ def main(argv=None) -> None:
     def save():
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
+        write_json(path, res, indent=2)
 
     cache = Path(args.calib_cache) if args.calib_cache else None
     if cache is not None and cache.is_file():

@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import dejavu
     from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.fileio import write_json
     from dejavu.models.auto import load_llama, load_text_tokenizer
     from dejavu.runtime import Engine
 
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
            "distilled": distilled}
     print(json.dumps(res, indent=1))
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(a.out, res, indent=1)
     return 0
 
 

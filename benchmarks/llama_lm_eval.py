@@ -20,7 +20,7 @@ import torch
 
 from dejavu.compiler.gated_sparsity import GatedSparsity, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, TASKS_DIR
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, text_ids
 from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
 
@@ -82,9 +82,7 @@ def main(argv=None) -> None:
                    "dejavu_acc": ours.acc, "n": ours.n}
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
-    path = Path(args.out)
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
+    write_json(args.out, res, indent=2)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ source model (--model) scores the same tokens for the reference.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import time
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.datafiles import WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, text_ids
 
@@ -117,8 +116,7 @@ def main(argv=None) -> dict:
               f"{f['nll']:.4f} (dense {f['nll_dense']:.4f}), KL {f['kl']:.4f}, argmax agrees {f['argmax_agrees']:.3f}",
               flush=True)
     if args.out:
-        with atomic_path(Path(args.out)) as tmp:
-            tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, res, indent=2)
     return res
 
 

@@ -23,7 +23,7 @@ import torch
 
 from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity, projection_bytes, thresholds
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, text_ids
 from dejavu.runtime.evaluation.tasks import TASKS, load_task, tokenize_pair
@@ -123,8 +123,7 @@ def main(argv=None) -> dict:
         res["texts"].append(measure(model, t, args.skip, name, batches, w))
         print(json.dumps(res["texts"][-1]), flush=True)
     if args.out:
-        with atomic_path(Path(args.out)) as tmp:
-            tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, res, indent=2)
     return res
 
 

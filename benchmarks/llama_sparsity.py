@@ -33,7 +33,7 @@ import torch
 from dejavu.compiler.allocate_llama import Sensitivity, allocate_skips, input_bytes, kind_thresholds, measure_sensitivity
 from dejavu.compiler.gated_sparsity import METHODS, GatedSparsity, Reads, calibrate, gated_sparsity
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.provenance import tree_commit
 from dejavu.runtime.evaluation.evaluate import eval_perplexity, load_scoring_model, read_text, text_ids
 from dejavu.runtime.evaluation.tasks import TASKS, evaluate_task, load_task
@@ -86,8 +86,7 @@ def main(argv=None) -> None:
     def save():
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
+        write_json(path, res, indent=2)
 
     if args.rotate_keep is not None:
         from dejavu.compiler.rotate_llama import rotate_llama
@@ -161,7 +160,7 @@ def _sensitivity(sm, calib, args, res: dict) -> Sensitivity:
         sens = measure_sensitivity(sm.info["model"], calib, ids[:n].view(-1, args.window),
                                    progress=lambda k, s, d: print(f"sensitivity {k} {s:g}: {d:+.5f}", flush=True))
         if cache is not None:
-            cache.write_text(json.dumps(sens.to_dict()))
+            write_json(cache, sens.to_dict(), indent=None)
     res["sensitivity"] = {**sens.to_dict(), "tokens": [_calib_end(args), _calib_end(args) + args.heldout_tokens],
                           "seconds": round(time.perf_counter() - t0, 1)}
     return sens

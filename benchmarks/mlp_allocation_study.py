@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import pickle
 from pathlib import Path
@@ -42,7 +41,7 @@ from dejavu.compiler.masking import masked_sparsity
 from dejavu.compiler.text import encode_text
 from dejavu.compiler.token_k import TokenK, fit_token_k, token_counts
 from dejavu.datafiles import WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity
 
@@ -238,8 +237,7 @@ def main(argv=None) -> dict:
                     row["taus"] = taus
                 res["quality"][f"{name}@{d}"] = row
                 print(name, d, round(row["increase_pct"], 3), ks, row.get("mean_k_test"), flush=True)
-    with atomic_path(Path(args.out)) as tmp:
-        tmp.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res, indent=1)
     return res
 
 

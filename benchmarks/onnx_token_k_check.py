@@ -131,10 +131,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     r = {"engine": a.engine, "onnx_dir": a.onnx_dir, **compare(a.engine, a.onnx_dir, a.tokens)}
-    text = json.dumps(r, indent=2)
-    print(text)
+    print(json.dumps(r, indent=2))
     if a.out:
-        Path(a.out).write_text(text + "\n")
+        from dejavu.fileio import write_json
+
+        write_json(a.out, r, indent=2)
     return 0
 
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,7 +35,7 @@ from dejavu.compiler.masking import masked_sparsity
 from dejavu.compiler.predictors import _curve, _fit, default_ranks, holdout_split, mlp_contributions, mlp_ranks
 from dejavu.compiler.text import encode_text
 from dejavu.datafiles import WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity
 
@@ -182,8 +180,7 @@ def main(argv=None) -> dict:
                 res["quality"][f"{name}@{d}"] = {**got, "mlp_k": mk,
                                                  "increase_pct": 100 * (got["perplexity"] / dense["perplexity"] - 1)}
                 print(name, d, round(res["quality"][f"{name}@{d}"]["increase_pct"], 2), mk, flush=True)
-    with atomic_path(Path(args.out)) as tmp:
-        tmp.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res, indent=1)
     return res
 
 

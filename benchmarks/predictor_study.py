@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ from dejavu.compiler.masking import masked_sparsity
 from dejavu.compiler.predictors import _curve, _rrr_init, default_ranks
 from dejavu.compiler.text import encode_text
 from dejavu.datafiles import WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity
 
@@ -230,8 +229,7 @@ def main(argv=None) -> dict:
     res = {"model": args.model, "calib_tokens": cal.n_tokens, "holdout_tokens": cal.n_tokens - split,
            "eval_tokens": dense["tokens"], "rank": rank, "densities": args.densities, "ks": ks,
            "variants": vs, "rows": rows, "quality": quality, "settings": {"max_epochs": s.max_epochs}}
-    with atomic_path(Path(args.out)) as tmp:
-        tmp.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res, indent=1)
     print(table(res))
     return res
 

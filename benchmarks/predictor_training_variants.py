@@ -9,7 +9,6 @@ epochs=N | patience=N | batch=N. Layer l is seeded with l.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 
@@ -18,6 +17,7 @@ import torch
 from dejavu.compiler.calibrate import calibrate
 from dejavu.compiler.config import CalibSettings, PredictorSettings
 from dejavu.compiler.predictors import _fit, _layer_data, mlp_ranks
+from dejavu.fileio import write_json
 from dejavu.models.loader import load_model, load_tokenizer
 
 FIELDS = {"lr": ("lr", float), "epochs": ("max_epochs", int), "patience": ("patience", int),
@@ -57,8 +57,7 @@ def main(argv=None) -> dict:
                 cum = cv.gather(-1, sc.argsort(-1, descending=True)).sum(0).cumsum(0) / cv.sum()
             out[f"{l}:{v}"] = {k: round(float(cum[k - 1]), 4) for k in (77, 154, 230, 307, 461)}
             print(l, v, out[f"{l}:{v}"], round(time.time() - t), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out, indent=1)
     return out
 
 

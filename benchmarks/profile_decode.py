@@ -304,6 +304,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_decode: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from dejavu.fileio import write_json
     from dejavu.runtime import Engine
     from dejavu.runtime.generate import right_pad
 
@@ -349,10 +350,8 @@ def main(argv=None) -> int:
                 undo()
         r["config"] = name
         data["configs"].append(r)
-        tmp = out.with_suffix(".tmp")
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, out)
+        write_json(out, data, indent=1)
         print(f"\n## {name}: wall {r['wall_ms_per_step']:.3f} ms/step, kernels {r['kernel_ms_per_step']:.3f} ms, "
               f"{r['launches_per_step']:.0f} launches/step")
         for k in r["kernels"][:25]:

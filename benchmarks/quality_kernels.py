@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import platform
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 
 from dejavu.compiler.build import build_engine
 from dejavu.compiler.config import BuildConfig
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.runtime.evaluation.evaluate import PATHS, EvalSettings, _expand_tasks, evaluate, load_scoring_model
 
 
@@ -138,9 +137,8 @@ def main(argv=None) -> int:
 
     def save() -> None:  # after every run: what finished survives a later failure or a time limit
         if a.out:
-            with atomic_path(Path(a.out)) as tmp:
-                tmp.write_text(json.dumps({"meta": meta, "engines": engines, "results": rows,
-                                           "agreement": agreement(rows), "errors": errors}, indent=1))
+            write_json(a.out, {"meta": meta, "engines": engines, "results": rows,
+                               "agreement": agreement(rows), "errors": errors}, indent=1)
 
     def run(spec: str, dev: str, path: str | None, extra: dict) -> None:  # path None: the dense model
         t0 = time.perf_counter()

@@ -56,6 +56,7 @@ def main() -> None:
     from dejavu.compiler.config import BuildConfig
     from dejavu.compiler.predictors import Predictors
     from dejavu.engine_file import read_engine
+    from dejavu.fileio import write_json
     from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
 
@@ -90,8 +91,7 @@ def main() -> None:
         got_k = {t: allocate_knapsack(costs, s, math.floor(d * costs.dense)) for t, s in sens.items()}
         res["knapsack"][str(d)] = {**got_k, "same": got_k["float32"] == got_k["bfloat16"]}
     print(json.dumps(res["summary"]), {d: v["same"] for d, v in res["knapsack"].items()})
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, res, indent=1)
 
 
 if __name__ == "__main__":

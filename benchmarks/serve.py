@@ -170,10 +170,10 @@ class Run:
         self.save()
 
     def save(self) -> None:
+        from dejavu.fileio import write_json
+
         self.res["elapsed_s"] = round(time.time() - self.t0, 1)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.res, indent=1))
-        tmp.replace(self.path)
+        write_json(self.path, self.res, indent=1)
 
 
 def bench_engine(kind: str, clients: list[int], args, run: Run) -> None:

@@ -26,7 +26,7 @@ from dejavu.compiler.masking import masked_sparsity
 from dejavu.compiler.predictors import CANDIDATE_INPUTS, train_predictors
 from dejavu.compiler.text import encode_text
 from dejavu.datafiles import WIKITEXT2_TEST
-from dejavu.fileio import atomic_path
+from dejavu.fileio import atomic_path, write_json
 from dejavu.models.loader import load_model, load_tokenizer
 from dejavu.models.metrics import perplexity
 
@@ -240,8 +240,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "img").mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "results" / "sparsity_quality.json") as tmp:
-        tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
+    write_json(out / "results" / "sparsity_quality.json", results, indent=1, sort_keys=True)
     with atomic_path(out / "results" / "sparsity_quality.md") as tmp:
         tmp.write_text(table(results))
     plot(results, out / "img" / "ppl_vs_density.png")

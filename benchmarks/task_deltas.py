@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from dejavu.errors import DejavuError
+from dejavu.fileio import write_json
 from dejavu.runtime.evaluation.tasks import TASKS, load_task, paired_difference
 
 PART = re.compile(r"^(?P<task>.+)_(?P<a>\d+)_(?P<b>\d+)$")
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
             se = "" if t["paired_se"] is None else f" ± {t['paired_se']:.1f}"
             print(f"| {task} | {t['n']} | {t['dense']:.1f} | {t['run']:.1f} | {t['diff']:+.1f}{se} | {t['changed']} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, out, indent=2)
     return 0
 
 

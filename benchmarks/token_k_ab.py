@@ -154,6 +154,7 @@ def main(argv=None) -> None:
         ap.error(f"--rows: unknown {sorted(wanted - known)} (known: {', '.join(SYSTEMS + PARTS + PREDICTOR_ROWS)}, "
                  f"or {', '.join(ROW_SETS)})")
     from dejavu.compiler.token_k import fit_theta, fit_theta_read, read_rows, share_counts, share_mask
+    from dejavu.fileio import write_json
     from dejavu.plugins import predictor_topk, sparse_fc1, sparse_fc2
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -226,10 +227,8 @@ def main(argv=None) -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.out:  # rewritten after every row (a run cut short by its timeout keeps what it measured)
-                tmp = Path(args.out + ".tmp")
-                tmp.write_text(json.dumps({"argv": sys.argv[1:], "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-                                           "rows": rows}, indent=1))
-                tmp.replace(args.out)
+                write_json(args.out, {"argv": sys.argv[1:], "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+                                      "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -530,15 +530,14 @@ def cached_sensitivity(name: str, to_dict: Callable, from_dict: Callable, measur
     import json
 
     from dejavu.compiler.calibrate import default_cache_dir
-    from dejavu.fileio import atomic_path
+    from dejavu.fileio import write_json
 
     path = default_cache_dir().parent / "sensitivity" / f"{name}.json"
     if path.is_file():
         return from_dict(json.loads(path.read_text()))
     sens = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(to_dict(sens)))
+    write_json(path, to_dict(sens), indent=None)
     return sens
 
 

@@ -26,7 +26,7 @@ import torch
 from dejavu.compiler.config import CalibSettings
 from dejavu.compiler.text import corpus_tokens, fingerprint_tokens
 from dejavu.errors import DejavuError
-from dejavu.fileio import atomic_path
+from dejavu.fileio import write_json
 from dejavu.models.opt import OPTConfig, OPTForCausalLM
 
 CACHE_VERSION = 2  # 2: head_norm is the head's contribution norm (1: the norm of its out_proj input slice)
@@ -107,11 +107,6 @@ def _cache_key(model_fp: str, tokens_fp: str, settings: CalibSettings) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-
-
 def _create(folder: Path, cfg: OPTConfig, ids: np.ndarray, manifest: dict) -> None:
     """Allocate the memory maps and write the manifest (progress 0) of a new cache folder."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -122,8 +117,8 @@ def _create(folder: Path, cfg: OPTConfig, ids: np.ndarray, manifest: dict) -> No
     for name, (shape, dt) in shapes.items():
         np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=dt, shape=shape).flush()
     np.save(folder / "tokens.npy", ids.astype(np.int32))
-    _write_json(folder / "progress.json", {"windows_done": 0})
-    _write_json(folder / "manifest.json", manifest)  # last: its presence marks a usable folder
+    write_json(folder / "progress.json", {"windows_done": 0}, indent=1, sort_keys=True)
+    write_json(folder / "manifest.json", manifest, indent=1, sort_keys=True)  # last: its presence marks a usable folder
 
 
 def _install_hooks(model: OPTForCausalLM, maps: dict, where: dict) -> list:
@@ -229,7 +224,7 @@ def calibrate(model: OPTForCausalLM, tokenizer, settings: CalibSettings | None =
             for m in maps.values():
                 m.flush()
             done, new = done + b, new + b
-            _write_json(folder / "progress.json", {"windows_done": done})
+            write_json(folder / "progress.json", {"windows_done": done}, indent=1, sort_keys=True)
             if bar is not None:
                 bar.update(b)
     finally:

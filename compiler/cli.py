@@ -193,9 +193,8 @@ def main(argv=None) -> int:
     else:
         print(format_summary(summary))
     if args.summary_json:
-        from dejavu.fileio import atomic_path
-        with atomic_path(args.summary_json) as tmp:
-            Path(tmp).write_text(json.dumps(summary, indent=2, sort_keys=True))
+        from dejavu.fileio import write_json
+        write_json(args.summary_json, summary, indent=2, sort_keys=True)
     return 0
 
 

@@ -32,7 +32,7 @@ import torch
 from dejavu.compiler.calibrate import head_contribution, head_gram
 from dejavu.engine_file import TensorPart
 from dejavu.errors import DejavuError
-from dejavu.fileio import atomic_path
+from dejavu.fileio import atomic_path, write_json
 from dejavu.models.opt import POSITION_OFFSET
 
 STATE_VERSION = 2  # 2: the MLP targets are stored in bfloat16 (1: float32)
@@ -144,8 +144,7 @@ class BuildState:
             self._json("key.json", {"key": self.key})
 
     def _json(self, name: str, obj) -> None:
-        with atomic_path(self.folder / name) as tmp:
-            tmp.write_text(json.dumps(obj, sort_keys=True))
+        write_json(self.folder / name, obj, indent=None, sort_keys=True)
 
     @property
     def layers_done(self) -> int:

@@ -11,7 +11,8 @@ from dejavu.errors import DejavuError
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
-    """Yield a temporary path in the target's folder; rename it to `path` on success.
+    """Yield a temporary path in the target's folder; rename it to `path` on success, with the mode a plain
+    open would give it (the umask's: mkstemp makes its files 0600).
 
     On any exception the temporary file is removed, so no partial output is left behind.
     """
@@ -25,6 +26,9 @@ def atomic_path(path: str | os.PathLike):
     os.close(fd)
     try:
         yield Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dejavu.fileio import write_json
 from dejavu.models.metrics import encode_document
 
 ARCH = dict(vocab_size=6144, hidden_size=384, num_hidden_layers=7, num_attention_heads=12,
@@ -61,7 +62,7 @@ def prepare(data: Path, work: Path) -> None:
     for name, arr in [("train", train), ("valid", valid), ("test", test)]:
         arr.tofile(work / f"{name}.u16")
     stats = {k: int(v.size) for k, v in [("train", train), ("valid", valid), ("test", test)]}
-    (work / "stats.json").write_text(json.dumps(stats, indent=1))
+    write_json(work / "stats.json", stats, indent=1)
     print("tokens:", stats)
 
 
@@ -126,16 +127,15 @@ def save_hf_folder(model, cfg, tok_path: Path, out: Path, card: str, shard_bytes
         for k in group:
             weight_map[k] = fn
             total += sd[k].numel() * 2
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1, sort_keys=True))
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1, sort_keys=True))
+    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map},
+               indent=1, sort_keys=True)
+    write_json(out / "config.json", cfg.to_hf_dict(), indent=1, sort_keys=True)
     (out / "tokenizer.json").write_text(tok_path.read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({
+    write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "</s>", "eos_token": "</s>",
         "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": cfg.max_position_embeddings,
-        "add_bos_token": True}, indent=1))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1}, indent=1))
+        "add_bos_token": True}, indent=1)
+    write_json(out / "generation_config.json", {"bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1}, indent=1)
     (out / "README.md").write_text(card)
 
 
@@ -222,7 +222,7 @@ def train(work: Path, out: Path, budget_s: float, batch: int, lr: float, epochs:
               "train_seconds": round(time.time() - t0, 1), "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
               "torch": torch.__version__, "batch": batch, "lr": lr, "seed": SEED}
     save_hf_folder(model, cfg, work / "tokenizer.json", out, model_card(cfg, result))
-    (out / "training_log.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "training_log.json", result, indent=1)
     (out / "raw-state.safetensors").unlink()
     return result
 

@@ -2,7 +2,6 @@
 metric-vs-density plot, from the result dicts `dejavu.runtime.evaluation.evaluate.evaluate` returns."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dejavu.runtime.evaluation.evaluate import EvalSettings, _shown_path
@@ -118,7 +117,7 @@ def _chance(results: list[dict], task: str) -> str:
 
 def write_report(results: list[dict], folder: str | Path, settings: EvalSettings, tasks: list[str]) -> Path:
     """folder/README.md (table + settings) and folder/metrics_vs_density.png; returns the md path."""
-    from dejavu.fileio import atomic_path
+    from dejavu.fileio import atomic_path, write_json
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -148,8 +147,7 @@ def write_report(results: list[dict], folder: str | Path, settings: EvalSettings
     with atomic_path(out) as tmp:
         tmp.write_text("\n".join(md), encoding="utf-8")
     saved = [{**r, **{k: _relative_to(r[k], folder) for k in ("model", "ppl_file") if k in r}} for r in results]
-    (folder / "results.json").write_text(json.dumps(saved, indent=2, sort_keys=True), encoding="utf-8")
-    _readable(out, png)
+    write_json(folder / "results.json", saved, indent=2, sort_keys=True)
     return out
 
 
@@ -161,16 +159,6 @@ def _relative_to(p: str, folder: Path) -> str:
     if p.startswith("dejavu/data/") or not Path(p).exists():
         return p
     return Path(os.path.relpath(Path(p).resolve(), folder.resolve())).as_posix()
-
-
-def _readable(*paths: Path) -> None:
-    """Temporary files are created 0600; a report is for everyone (the umask decides)."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    for p in paths:
-        os.chmod(p, 0o666 & ~umask)
 
 
 def _series(results: list[dict], task: str | None, key: str) -> dict[str, list[tuple[float, float]]]:
