@@ -58,10 +58,7 @@ def _split_span(pos, NS, BLOCK_S):
 
 def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, HD, NS, scale,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr,
-                      PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0,
-                      EARLY: tl.constexpr = 1):
-    # EARLY: the split's first tile of K and V loaded before the wait (slots < pos were written steps ago; the
-    # previous kernel wrote only slot pos, patched in after the wait), each later tile one loop step ahead
+                      PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0):
     b, j, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HKV, B = tl.num_programs(1), tl.num_programs(0)
     pos = tl.load(pos_ptr + b).to(tl.int32)  # the step's input: written before the graph's first kernel
@@ -71,34 +68,21 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, H
         end = tl.minimum(start + per * BLOCK_S, pos + 1)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_HD)
-        d_ok = offs_d < HD
-        gd = (offs_g < G)[:, None] & d_ok[None, :]
+        gd = (offs_g < G)[:, None] & (offs_d < HD)[None, :]
         row = (b * HKV + j) * G + offs_g  # query heads b * H + j * G + g
         base = (b * HKV + j).to(tl.int64) * T * HD
-        if EARLY:
-            offs_s = start + tl.arange(0, BLOCK_S)
-            tile = base + offs_s[:, None].to(tl.int64) * HD + offs_d[None, :]
-            mask = (offs_s < end)[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + tile, mask=mask, other=0.0)
-            v = tl.load(v_ptr + tile, mask=mask, other=0.0)
         gdc_enter(GDC)
         q = tl.load(q_ptr + row[:, None] * HD + offs_d[None, :], mask=gd, other=0.0)
-        if EARLY:  # slot pos as the previous kernel wrote it, where the first tile holds it
-            at = base + pos.to(tl.int64) * HD + offs_d
-            is_pos = (offs_s == pos)[:, None] & d_ok[None, :]
-            k = tl.where(is_pos, tl.load(k_ptr + at, mask=d_ok, other=0.0)[None, :], k)
-            v = tl.where(is_pos, tl.load(v_ptr + at, mask=d_ok, other=0.0)[None, :], v)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_HD], dtype=tl.float32)
         for s0 in range(start, end, BLOCK_S):  # the first tile holds slot start <= pos: m_i finite after it
             offs_s = s0 + tl.arange(0, BLOCK_S)
             sm = offs_s < end
-            if not EARLY:
-                tile = base + offs_s[:, None].to(tl.int64) * HD + offs_d[None, :]
-                mask = sm[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + tile, mask=mask, other=0.0)
-                v = tl.load(v_ptr + tile, mask=mask, other=0.0)
+            tile = base + offs_s[:, None].to(tl.int64) * HD + offs_d[None, :]
+            mask = sm[:, None] & (offs_d < HD)[None, :]
+            k = tl.load(k_ptr + tile, mask=mask, other=0.0)
+            v = tl.load(v_ptr + tile, mask=mask, other=0.0)
             if DOT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -113,12 +97,6 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, H
             else:
                 acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
-            if EARLY:  # the next tile (past end: masked, nothing read)
-                nxt = offs_s + BLOCK_S
-                tile = base + nxt[:, None].to(tl.int64) * HD + offs_d[None, :]
-                mask = (nxt < end)[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + tile, mask=mask, other=0.0)
-                v = tl.load(v_ptr + tile, mask=mask, other=0.0)
         gdc_release(GDC)
         if PARTIAL:  # acc [B, NS, H * hd]; m, l [2, B, NS, H]
             head = j * G + offs_g
@@ -206,8 +184,7 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
     jit(_gqa_split_kernel, q.device)[(B, Hkv, ns)](
         q, k_cache, v_cache, pos, o, acc, ml, T, hd, ns, LOG2E / math.sqrt(hd), G=G,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_S=cfg.block_s, BLOCK_HD=max(16, next_pow2(hd)), PARTIAL=ns > 1,
-        DOT_FP32=dot_fp32(q.dtype, q.device), num_warps=cfg.num_warps, EARLY=int(cfg.early_tile),
-        **pdl_args(q.device, "gqa_attn", s.pdl))
+        DOT_FP32=dot_fp32(q.dtype, q.device), num_warps=cfg.num_warps, **pdl_args(q.device, "gqa_attn", s.pdl))
     if ns == 1:
         return o
     if not combine:

@@ -192,8 +192,6 @@ class GQAAttnSettings:
     max_splits: int = 32
     num_warps: int = 4
     fuse_combine: bool = True
-    # the split's first K/V tile loaded before the PDL wait (slot pos patched after it), later tiles a step ahead
-    early_tile: bool = True
 
 
 @dataclass(frozen=True)
