@@ -9,6 +9,18 @@ from pathlib import Path
 from dejavu.errors import DejavuError
 
 
+_UMASK = None
+
+
+def _umask() -> int:
+    """The process's umask. Read once (setting it to read it is not thread-safe: a server's threads write files)."""
+    global _UMASK
+    if _UMASK is None:
+        _UMASK = os.umask(0)
+        os.umask(_UMASK)
+    return _UMASK
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
     """Yield a temporary path in the target's folder; rename it to `path` on success, with the mode a plain
@@ -26,9 +38,7 @@ def atomic_path(path: str | os.PathLike):
     os.close(fd)
     try:
         yield Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

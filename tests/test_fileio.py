@@ -31,9 +31,13 @@ def test_write_json_indent_sort_keys_and_nothing_left_on_failure(tmp_path):
 def test_atomic_files_take_the_umasks_mode_not_mkstemps(tmp_path):
     import os
 
-    old = os.umask(0o027)
+    from dejavu import fileio
+
+    old, cached = os.umask(0o027), fileio._UMASK
+    fileio._UMASK = None  # read once per process: read again under this umask
     try:
         write_json(tmp_path / "a.json", [1])
     finally:
         os.umask(old)
+        fileio._UMASK = cached
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640  # as open() would make it under that umask
