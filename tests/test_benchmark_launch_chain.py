@@ -92,3 +92,18 @@ def test_read_efficiency_against_the_copy_bandwidth():
     r = {"bytes_per_launch": 8_000_000, "us_per_launch": 3.0}
     got = lc.read_efficiency(r, copy=4000.0)  # GB/s: 8 MB take 2 µs
     assert got == {"at_copy_us": 2.0, "over_floor": 1.5, "extra_us": 1.0}
+
+
+def test_plot_draws_the_reading_chains(tmp_path):
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("plot_launch_chain", SCRIPT.parent / "plot_launch_chain.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    run = _run(1.0, 0.5, copy_GBps=3000.0)
+    for r in run["reads"]:
+        r.update(lc.read_efficiency(r, 3000.0))
+    raw = tmp_path / "run.json"
+    raw.write_text(__import__("json").dumps(run))
+    assert plot.main([str(raw), "-o", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["p.png", "run.json"]  # no temporary file left
