@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity, thresholds
+from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity, input_hooks, thresholds
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import write_json
 from dejavu.provenance import tree_commit
@@ -31,24 +31,15 @@ from dejavu.runtime.evaluation.evaluate import load_scoring_model, read_text, te
 
 
 class OverlapCounter:
-    """Pre-hooks on the first projection of each input (q, o, gate, down), after the masking hooks: per kind and
-    layer, sums over consecutive positions of |K_s|, |K_(s-1)|, |K_s ∩ K_(s-1)| and N."""
+    """`hook` for gated_sparsity.input_hooks, after the masking hooks: per kind and layer, sums over consecutive
+    positions of |K_s|, |K_(s-1)|, |K_s ∩ K_(s-1)| and N."""
 
     def __init__(self, model, t: dict):
         self.model, self.t = model, t
         L = len(model.layers)
         self.sums = {k: torch.zeros(L, 4, dtype=torch.float64) for k in KEYS}  # now, before, both, entries
 
-    def hooks(self) -> list:
-        out = []
-        for l, layer in enumerate(self.model.layers):
-            at, mlp = layer.self_attn, layer.mlp
-            for key, mod in (("attn_in", at.q_proj), ("o_in", at.o_proj), ("mlp_in", mlp.gate_proj),
-                             ("down_in", mlp.down_proj)):
-                out.append(mod.register_forward_pre_hook(self._hook(key, l)))
-        return out
-
-    def _hook(self, key: str, l: int):
+    def hook(self, key: str, l: int):
         def f(m, a):
             keep = a[0].abs() > self.t[key][l]  # [B, S, N]: masked inputs keep exactly the kept entries
             now, before = keep[:, 1:], keep[:, :-1]
@@ -70,14 +61,9 @@ class OverlapCounter:
 @torch.no_grad()
 def measure(model, t: dict, skip: float, batches) -> dict:
     counter = OverlapCounter(model, t)
-    with gated_sparsity(model, t, GatedSparsity("teal", skip)):
-        handles = counter.hooks()
-        try:
-            for ids in batches:
-                model(ids)
-        finally:
-            for h in handles:
-                h.remove()
+    with gated_sparsity(model, t, GatedSparsity("teal", skip)), input_hooks(model, counter.hook):
+        for ids in batches:  # the counter's hooks after the masking hooks: they see the masked inputs
+            model(ids)
     return counter.summary()
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dejavu.compiler.gated_sparsity import KEYS, GatedSparsity, calibrate, gated_sparsity, projection_bytes, thresholds
+from dejavu.compiler.gated_sparsity import (KEYS, GatedSparsity, calibrate, gated_sparsity, input_hooks,
+                                           projection_bytes, thresholds)
 from dejavu.datafiles import CALIB_TEXT, WIKITEXT2_TEST
 from dejavu.fileio import write_json
 from dejavu.provenance import tree_commit
@@ -33,8 +34,8 @@ WINDOW = 512
 
 
 class PositionCounter:
-    """Pre-hooks on the first projection of each input (q, o, gate, down) that count, per position, the
-    input entries kept (|x| > t) and the weight bytes they read against dense."""
+    """`hook` for gated_sparsity.input_hooks (the first projection of each input: q, o, gate, down): per position,
+    the input entries kept (|x| > t) and the weight bytes they read against dense."""
 
     def __init__(self, model, t: dict, max_pos: int):
         b = projection_bytes(model.config)
@@ -47,16 +48,7 @@ class PositionCounter:
         self.read, self.dense, self.rows = z(), z(), z()
         self.kept = {k: z() for k in KEYS}
 
-    def hooks(self) -> list:
-        out = []
-        for l, layer in enumerate(self.model.layers):
-            at, mlp = layer.self_attn, layer.mlp
-            for key, mod in (("attn_in", at.q_proj), ("o_in", at.o_proj), ("mlp_in", mlp.gate_proj),
-                             ("down_in", mlp.down_proj)):
-                out.append(mod.register_forward_pre_hook(self._hook(key, l)))
-        return out
-
-    def _hook(self, key: str, l: int):
+    def hook(self, key: str, l: int):
         def f(m, a):
             keep = (a[0].abs() > self.t[key][l]).double().mean(-1)  # [B, S]: the kept fraction of the entries
             s = keep.shape[1]
@@ -83,14 +75,9 @@ def measure(model, t: dict, skip: float, name: str, batches, max_pos: int) -> di
     """The skip by position on one text (batches of ids [B, S], S <= max_pos) under thresholds t, with
     gated_sparsity's own count of the whole text beside it ("skip_counted")."""
     counter = PositionCounter(model, t, max_pos)
-    with gated_sparsity(model, t, GatedSparsity("teal", skip)) as reads:
-        handles = counter.hooks()  # after the masking hooks: they see the masked input (skipped entries 0)
-        try:
-            for ids in batches:
-                model(ids)
-        finally:
-            for h in handles:
-                h.remove()
+    with gated_sparsity(model, t, GatedSparsity("teal", skip)) as reads, input_hooks(model, counter.hook):
+        for ids in batches:  # the counter's hooks after the masking hooks: they see the masked input (skipped 0)
+            model(ids)
     return {**counter.summary(name), "skip_counted": round(reads.skipped, 4)}
 
 

@@ -90,32 +90,39 @@ def quantiles(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return part[below].lerp(part[above], ranks - below)
 
 
+@contextlib.contextmanager
+def input_hooks(model, hook):
+    """Forward pre-hooks on the first projection of each input (q for attn_in, o, gate for mlp_in, down) of every
+    layer: hook(key, layer) gives the one for that input, called with the module and its args; removed on exit."""
+    handles = []
+    try:
+        for l, layer in enumerate(model.layers):
+            at, mlp = layer.self_attn, layer.mlp
+            for key, mod in (("attn_in", at.q_proj), ("o_in", at.o_proj), ("mlp_in", mlp.gate_proj),
+                             ("down_in", mlp.down_proj)):
+                handles.append(mod.register_forward_pre_hook(hook(key, l)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def calibrate(model, ids: torch.Tensor) -> Calibration:
     """Quantile tables of every projection input from one dense forward of ids [B, S]."""
     L = len(model.layers)
     tables = {k: torch.zeros(L, len(LEVELS)) for k in KEYS}
-    handles = []
 
-    def record(key, l, x):
-        a = x.detach().float().abs().flatten()
-        if a.numel() > 4_000_000:  # torch.quantile's size limit: a fixed stride subsample
-            a = a[:: a.numel() // 4_000_000 + 1]
-        tables[key][l] = quantiles(a.cpu(), LEVELS)
+    def record(key, l):
+        def f(m, args):
+            a = args[0].detach().float().abs().flatten()
+            if a.numel() > 4_000_000:  # torch.quantile's size limit: a fixed stride subsample
+                a = a[:: a.numel() // 4_000_000 + 1]
+            tables[key][l] = quantiles(a.cpu(), LEVELS)
+        return f
 
-    for l, layer in enumerate(model.layers):
-        at, mlp = layer.self_attn, layer.mlp
-        handles += [
-            at.q_proj.register_forward_pre_hook(lambda m, a, l=l: record("attn_in", l, a[0])),
-            at.o_proj.register_forward_pre_hook(lambda m, a, l=l: record("o_in", l, a[0])),
-            mlp.gate_proj.register_forward_pre_hook(lambda m, a, l=l: record("mlp_in", l, a[0])),
-            mlp.down_proj.register_forward_pre_hook(lambda m, a, l=l: record("down_in", l, a[0])),
-        ]
-    try:
+    with input_hooks(model, record):
         model(ids)
-    finally:
-        for h in handles:
-            h.remove()
     return Calibration(tables)
 
 

@@ -22,7 +22,7 @@ def test_counter_by_hand():
     t = {k: [0.5] * len(model.layers) for k in ("attn_in", "o_in", "mlp_in", "down_in")}
     counter = study.OverlapCounter(model, t)
     x = torch.tensor([[[0.9, 0.6, 0.0, 0.1], [0.2, -0.7, 0.8, -0.9], [0.0, 0.3, 0.51, 0.5]]])
-    counter._hook("attn_in", 0)(None, (x,))
+    counter.hook("attn_in", 0)(None, (x,))
     assert counter.sums["attn_in"][0].tolist() == [4.0, 5.0, 2.0, 8.0]
     got = counter.summary()["attn_in"]
     assert got["by_layer"]["reuse"][0] == 0.5 and got["by_layer"]["waste"][0] == pytest.approx(0.6)

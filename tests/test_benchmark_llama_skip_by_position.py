@@ -40,7 +40,7 @@ def test_counter_counts_kept_entries_per_position():
     L = len(model.layers)
     t = {k: [0.5] * L for k in study.KEYS}
     c = study.PositionCounter(model, t, 4)
-    hook = c._hook("attn_in", 0)
+    hook = c.hook("attn_in", 0)
     x = torch.tensor([[[0.1, 0.9, -0.7, 0.2], [1.0, 1.0, 1.0, -0.6]]])
     hook(None, (x,))
     assert c.kept["attn_in"][:2].tolist() == [0.5, 1.0] and c.rows[:2].tolist() == [1.0, 1.0]
