@@ -135,21 +135,6 @@ def time_chain(programs: int, width: int, launches: int, pdl: bool, replays: int
             "us_per_launch": statistics.median(us), "us_all": [round(u, 4) for u in us]}
 
 
-def copy_GBps(nbytes: int = 2 << 30, reps: int = 20) -> float:
-    """Device-to-device copy: (bytes read + bytes written) / median time, as e2e_llama.py measures it."""
-    x = torch.ones(nbytes // 2, dtype=torch.float16, device="cuda")
-    y = torch.empty_like(x)
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        y.copy_(x)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return 2 * nbytes / statistics.median(times[3:]) / 1e9
-
-
 def read_efficiency(r: dict, copy: float) -> dict:
     """A reading launch against its bytes at the copy bandwidth: the ratio, and the µs beyond."""
     at_copy_us = r["bytes_per_launch"] / copy / 1e3
@@ -192,12 +177,18 @@ def structure_bound(res: dict, shapes: dict, pdl: bool = True, early: bool = Fal
     return out
 
 
-def llama_shapes() -> dict:
-    """e2e_llama.py's real Llama shapes (the script's folder imported as the other benchmarks do)."""
+def e2e_llama():
+    """benchmarks/e2e_llama.py (the script's folder imported as the other benchmarks do): its shapes, its copy
+    bandwidth."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from e2e_llama import SHAPES
+    import e2e_llama
 
-    return {k: v for k, v in SHAPES.items() if k != "tiny"}
+    return e2e_llama
+
+
+def llama_shapes() -> dict:
+    """e2e_llama.py's real Llama shapes."""
+    return {k: v for k, v in e2e_llama().SHAPES.items() if k != "tiny"}
 
 
 def print_bounds(res: dict) -> None:
@@ -265,7 +256,7 @@ def main(argv=None) -> int:
             res["runs"].append(r)
             print(f"{programs:5d} programs, PDL {'on ' if pdl else 'off'}: {r['us_per_launch']:.3f} µs a launch",
                   flush=True)
-    res["copy_GBps"] = copy = copy_GBps()
+    res["copy_GBps"] = copy = e2e_llama().copy_bandwidth(torch.device("cuda"))["copy_GBps"]
     res["reads"] = []
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     for mb in a.mb:
