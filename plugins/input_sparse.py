@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, gdc_release, helper, jit,
                                     next_pow2, pdl_args)
-from dejavu.plugins.gqa_attention import GQAPartials, _combine_splits, _split_span, gqa_partials_ref
+from dejavu.plugins.gqa_attention import GQAPartials, _combine_splits, _split_span, combine_block, gqa_partials_ref
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
@@ -93,7 +93,7 @@ def _norm_h(xv, nw, rstd, dt):
 
 def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
                           PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, BLOCK_S=1, HD=1):
+                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, BLOCK_S=1, HD=1, BLOCK_C: tl.constexpr = 0):
     # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), the splits that hold slots
     # <= pos[b] (gqa_attention._split_span of NC splits of BLOCK_S-slot tiles). NORM: the slice's first step
     # peeled, its weights loaded before the wait and its x beside the row's sum of squares (two dependent round
@@ -128,7 +128,8 @@ def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLA
         if PRODUCER != 3:
             xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
-            h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
+            h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE, BLOCK_C).to(
+                val_ptr.dtype.element_ty)
         elif PRODUCER == 1:  # NORM's later steps
             h = _norm_h(xv, tl.load(nw_ptr + offs, mask=inside, other=0.0), rstd, val_ptr.dtype.element_ty)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
@@ -270,12 +271,12 @@ def _select_attn(p: GQAPartials, t: float, split: int, settings: KernelSettings 
     dev = p.acc.device
     idx, val = torch.empty(B, N, dtype=torch.int32, device=dev), torch.empty(B, N, dtype=p.dtype, device=dev)
     count = torch.empty(B, split, dtype=torch.int32, device=dev)
-    per = -(-N // split)
+    per, bc = -(-N // split), combine_block(nc, (settings or DEFAULT).gqa_attn)
+    block = min(config.block_select, next_pow2(per), max(128, 4096 // max(bc, 1)))  # [bc, block] tiles of m, l, acc
     jit(_select_slices_kernel, dev)[(B, split)](
         p.acc, p.ml, idx, val, count, N, N, B * nc * (N // p.head_dim), per, float(t), 0.0, PRODUCER=ATTN,
-        SRC_SPLIT=0, BLOCK=min(config.block_select, next_pow2(per)), ROW=16, num_warps=config.select_warps,
-        pos_ptr=p.pos, NC=nc, BLOCK_S=p.block_s, HD=p.head_dim,
-        **pdl_args(dev, "is_select", (settings or DEFAULT).pdl))
+        SRC_SPLIT=0, BLOCK=block, ROW=16, num_warps=config.select_warps, pos_ptr=p.pos, NC=nc, BLOCK_S=p.block_s,
+        HD=p.head_dim, BLOCK_C=bc, **pdl_args(dev, "is_select", (settings or DEFAULT).pdl))
     return idx, val, count
 
 

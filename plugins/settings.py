@@ -192,6 +192,9 @@ class GQAAttnSettings:
     max_splits: int = 32
     num_warps: int = 4
     fuse_combine: bool = True
+    # splits whose partials a combine (the combine launch, or the o projection's select) loads at once; 0: one at a
+    # time (each split's loads after the last one's)
+    combine_splits: int = 8
 
 
 @dataclass(frozen=True)

@@ -214,10 +214,12 @@ SCRIPT = textwrap.dedent('''
         (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
         (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), False),
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16), False),
+        (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16, BLOCK_C=8), False),
         (GA, GA._gqa_split_kernel, dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False), True),
         (GA, GA._gqa_split_kernel, dict(G=8, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=False, DOT_FP32=False),
          True),
         (GA, GA._gqa_combine_kernel, dict(BLOCK=1024), False),
+        (GA, GA._gqa_combine_kernel, dict(BLOCK=512, BLOCK_C=8), False),
     ]
     gqa = {"q_ptr": "*fp16", "o_ptr": "*fp16", "acc_ptr": "*fp32", "pos_ptr": "*i64", "scale": "fp32"}
     typed = {IS._select_slices_kernel: {"count_ptr": "*i32", "t": "fp32"}, IS._sliced_gemv_kernel:
