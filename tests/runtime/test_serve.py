@@ -439,3 +439,51 @@ def test_graph_per_bucket_path_with_a_stand_in(tiny, ref, monkeypatch):
         assert [got[i] for i in range(3)] == [solo(ref, p, 8) for p in prompts]
     finally:
         sched.stop()
+
+
+def test_llama_engine_served_equals_solo(tmp_path):
+    """A Llama-family engine (GQA, thresholded inputs) behind the server: 24 streaming requests from 8 concurrent
+    clients, prompts prefilled in chunks of 4 (the first chunk holds the thresholded first position) while other
+    rows decode, every completion equal to its prompt's solo greedy run."""
+    from llama_helpers import write_tiny_llama
+
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+
+    folder = write_tiny_llama(tmp_path / "llama", seed=3)
+    path = tmp_path / "llama.engine"
+    build_engine(folder, BuildConfig(density=0.6, calib_tokens=512, calib_window=128, dtype="float32"), path,
+                 progress=False)
+    ref = Engine.load(path)
+    assert type(ref).__name__ == "LlamaEngine"
+    rng = random.Random(1)
+    cases = [([rng.randrange(3, 320) for _ in range(rng.randint(1, 9))], rng.randint(1, 10)) for _ in range(24)]
+    want = [solo(ref, p, n) for p, n in cases]
+    srv = Live(Engine.load(path), name="llama", api_key=KEY, max_batch=4, max_queue=64, max_context=64,
+               prefill_chunk=4)
+    try:
+        async def clients():
+            c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+            async def one(case):
+                prompt, n = case
+                stream = await c.completions.create(model="llama", prompt=prompt, max_tokens=n, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True})
+                chunks = [ch async for ch in stream]
+                return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
+
+            async def worker(k):
+                return [await one(case) for case in cases[k::8]]
+
+            per = await asyncio.gather(*(worker(k) for k in range(8)))
+            await c.close()
+            out = [None] * len(cases)
+            for k, rs in enumerate(per):
+                out[k::8] = rs
+            return out
+
+        got = asyncio.run(clients())
+    finally:
+        srv.close()
+    for case, w, (text, n) in zip(cases, want, got):
+        assert (text, n) == (ref.tokenizer.decode(w), len(w)), case
