@@ -249,19 +249,33 @@ def llama_header(name: str, cfg, config, target: dict, skips: dict, thresholds: 
     }
 
 
+def load_build_model(model_name_or_path, config, rewrites: bool = False):
+    """(model, config) for the build on config.device, computing in fp32. Its weights stay in the checkpoint's
+    dtype (models.llama.compute_in_fp32: a bf16 Llama-3-8B takes 16 GB, not 32) unless the build changes them
+    (--distill-steps, --rotate-keep) or traces them (`rewrites`: the ONNX export), which load them in fp32;
+    the thresholds, the allocation and the engine are the same either way."""
+    from dejavu.models.auto import load_llama
+    from dejavu.models.llama import compute_in_fp32
+
+    if config.distill_steps or config.rotate_keep is not None or rewrites:
+        return load_llama(model_name_or_path, dtype=torch.float32, device=config.device)
+    model, cfg = load_llama(model_name_or_path, dtype=None, device=config.device)
+    return compute_in_fp32(model), cfg
+
+
 def build_llama_engine(model_name_or_path, config, out, progress: bool = True, onnx_out=None) -> dict:
     """Build a Llama-family `.engine` (called by compiler/build.build_engine); a summary dict.
     onnx_out: a folder for the dense and TEAL-sparse ONNX graphs (compiler/onnx_llama.py)."""
     from dejavu.compiler.allocate_llama import block_skip, input_bytes, kind_thresholds, resolve_skips
     from dejavu.compiler.build import _check_output, _Stages, target_info
     from dejavu.engine_file import write_engine
-    from dejavu.models.auto import load_llama, load_text_tokenizer
+    from dejavu.models.auto import load_text_tokenizer
 
     out = _check_output(out)
     target = target_info(config.device)  # kernel_settings.input_sparse: the input-sparse kernels' blocks
     stages, t0 = _Stages(progress), time.perf_counter()
     with stages("load model"):
-        model, cfg = load_llama(model_name_or_path, dtype=torch.float32, device=config.device)
+        model, cfg = load_build_model(model_name_or_path, config, rewrites=onnx_out is not None)
         tokenizer = load_text_tokenizer(model_name_or_path)
     _check_supported(cfg, config)
     skip = skip_for_density(cfg, config.density) if config.max_ppl_increase is None else None

@@ -68,7 +68,7 @@ def _fill(cfg: LlamaConfig, tensors, where: str, dtype, device) -> LlamaForCausa
         if tuple(t.shape) != expected[key]:
             raise DejavuError(f"{where}: tensor {key!r} has shape {list(t.shape)}, but the config "
                               f"implies {list(expected[key])}")
-        state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        state[key] = t.to(device=device, dtype=dtype if t.is_floating_point() and dtype is not None else t.dtype)
     if unexpected:
         raise DejavuError(f"{where}: unexpected tensors in the checkpoint: {_name_some(unexpected)}")
     missing = set(expected) - set(state) - ({"lm_head.weight"} if tied else set())
@@ -83,7 +83,8 @@ def _fill(cfg: LlamaConfig, tensors, where: str, dtype, device) -> LlamaForCausa
 
 def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """A Llama-family model from a GGUF file / preset or a Hugging Face folder (safetensors or .bin)."""
+    """A Llama-family model from a GGUF file / preset or a Hugging Face folder (safetensors or .bin); its
+    floating tensors in `dtype`, or as the file stores them where dtype is None (GGUF: dequantized to fp32)."""
     from dejavu.models.loader import check_device
 
     device = check_device(device)

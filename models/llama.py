@@ -240,6 +240,28 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class _ReadInFp32(nn.Module):
+    """A parametrization (compute_in_fp32): the tensor as stored, read as fp32."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.float()
+
+
+def compute_in_fp32(model: nn.Module) -> nn.Module:
+    """Keep `model`'s weights in the dtype they were loaded in and compute in fp32: every floating parameter
+    that is not fp32 is cast to fp32 where it is used (torch.nn.utils.parametrize), one tensor at a time. A
+    bf16 or fp16 value is an fp32 value, so every forward equals the fp32-loaded model's bit for bit while a
+    half checkpoint takes its own bytes in memory, not twice them. For reading only: training or rewriting
+    the weights (distillation, rotation) wants them loaded in fp32. In place; returns model."""
+    from torch.nn.utils import parametrize
+
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point() and p.dtype != torch.float32:
+                parametrize.register_parametrization(module, name, _ReadInFp32(), unsafe=True)
+    return model
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama with an LM head (tied when the config says so). State-dict keys equal transformers'."""
 

@@ -154,3 +154,34 @@ def test_folder_with_missing_tensor_is_one_error(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DejavuError, match="missing from the checkpoint: model.layers.1.mlp.up_proj.weight"):
         load_any(tmp_path)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_compute_in_fp32_keeps_the_stored_bytes_and_equals_fp32(tmp_path, half):
+    """A half checkpoint loaded as stored (load_llama dtype None) and read through compute_in_fp32: its
+    parameters take the half bytes (the tied head shares the embedding's), and its logits, cached decode
+    included, equal those of the same checkpoint loaded in fp32, bit for bit."""
+    from llama_helpers import write_tiny_llama
+    from safetensors.torch import load_file, save_file
+
+    from dejavu.models.auto import load_llama
+    from dejavu.models.llama import compute_in_fp32
+
+    folder = write_tiny_llama(tmp_path / "m", seed=5)
+    sd = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.to(half) for k, v in sd.items()}, str(folder / "model.safetensors"))
+    ref, _ = load_llama(folder, dtype=torch.float32)
+    model, _ = load_llama(folder, dtype=None)
+    assert {p.dtype for p in model.parameters()} == {half}
+    compute_in_fp32(model)
+    stored = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert stored * 2 == sum(p.numel() * p.element_size() for p in ref.parameters())
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    ids = torch.randint(3, 320, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+        for m in (model, ref):
+            m.setup_caches(2, 24)
+        a = [model(ids[:, :12]), model(ids[:, 12:13], start_pos=12)]
+        b = [ref(ids[:, :12]), ref(ids[:, 12:13], start_pos=12)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -512,3 +512,24 @@ def test_distill_steps_bad_values_are_one_error(built, tmp_path):
         build_engine(built[0], BuildConfig(density=0.6, distill_steps=100000, **CALIB), tmp_path / "x.engine",
                      progress=False)
     assert not (tmp_path / "x.engine").exists()
+
+
+def test_a_half_checkpoint_builds_from_its_own_bytes(tmp_path):
+    """A bf16 checkpoint builds with its weights held in bf16 (compiler.build_llama.load_build_model) into the
+    engine the same values give as an fp32 checkpoint: the same thresholds, skips and kernel-layout tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from dejavu.compiler.build_llama import load_build_model
+
+    engines = {}
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        folder = write_tiny_llama(tmp_path / name, seed=4)
+        sd = load_file(str(folder / "model.safetensors"))
+        save_file({k: v.to(torch.bfloat16).to(dt) for k, v in sd.items()}, str(folder / "model.safetensors"))
+        build_engine(folder, BuildConfig(density=0.6, **CALIB), tmp_path / f"{name}.engine", progress=False)
+        engines[name] = read_engine(tmp_path / f"{name}.engine")
+    model, _ = load_build_model(tmp_path / "bf16", BuildConfig(density=0.6, **CALIB))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    (hb, tb), (hf, tf) = engines["bf16"], engines["fp32"]
+    assert hb["sparsity"] == hf["sparsity"] and hb["sparsity"]["skip"] > 0
+    assert tb.keys() == tf.keys() and all(torch.equal(tb[k], tf[k]) for k in tb)
