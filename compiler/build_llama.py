@@ -198,22 +198,51 @@ def distill_inputs(model, tokenizer, config, calib, skips: dict, calib_tokens: i
     return new, report
 
 
-def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
-    """The kernel-layout tensors (module docstring) of a LlamaForCausalLM, in `dtype` on `device`."""
-    cfg = model.config
-    c = lambda t: t.detach().to(device, dtype).contiguous()  # noqa: E731
-    t = {"embed_tokens": c(model.model.embed_tokens.weight), "final_norm": c(model.model.norm.weight)}
+def _stored_shape(module, name: str = "weight") -> tuple[int, ...]:
+    """A parameter's shape without reading it (a compute_in_fp32 parameter would be cast to be read)."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, name):
+        return tuple(getattr(module.parametrizations, name).original.shape)
+    return tuple(getattr(module, name).shape)
+
+
+def _layout(model) -> list[tuple[str, tuple[int, ...], object]]:
+    """(name, shape, make) of every kernel-layout tensor (module docstring): make() builds it from the model's
+    weights, in their compute dtype, on their device."""
+    cfg, m = model.config, model.model
+    V, D = _stored_shape(m.embed_tokens)
+    out = [("embed_tokens", (V, D), lambda: m.embed_tokens.weight), ("final_norm", (D,), lambda: m.norm.weight)]
     if not cfg.tie_word_embeddings:
-        t["lm_head"] = c(model.lm_head.weight)
+        out.append(("lm_head", (V, D), lambda: model.lm_head.weight))
     for l, layer in enumerate(model.layers):
         at, mlp, p = layer.self_attn, layer.mlp, f"layers.{l}."
-        t[p + "attn_norm"] = c(layer.input_layernorm.weight)
-        t[p + "mlp_norm"] = c(layer.post_attention_layernorm.weight)
-        t[p + "attn.wqkv_t"] = c(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]).T)
-        t[p + "attn.wo_t"] = c(at.o_proj.weight.T)
-        t[p + "mlp.wgu_t"] = c(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T)
-        t[p + "mlp.wd_t"] = c(mlp.down_proj.weight.T)
-    return t
+        qkv = sum(_stored_shape(x)[0] for x in (at.q_proj, at.k_proj, at.v_proj))
+        F2, HD = 2 * _stored_shape(mlp.gate_proj)[0], _stored_shape(at.o_proj)[1]
+        out += [(p + "attn_norm", (D,), lambda n=layer.input_layernorm: n.weight),
+                (p + "mlp_norm", (D,), lambda n=layer.post_attention_layernorm: n.weight),
+                (p + "attn.wqkv_t", (D, qkv), lambda a=at: torch.cat([a.q_proj.weight, a.k_proj.weight,
+                                                                       a.v_proj.weight]).T),
+                (p + "attn.wo_t", (HD, D), lambda a=at: a.o_proj.weight.T),
+                (p + "mlp.wgu_t", (D, F2), lambda x=mlp: torch.cat([x.gate_proj.weight, x.up_proj.weight]).T),
+                (p + "mlp.wd_t", (F2 // 2, D), lambda x=mlp: x.down_proj.weight.T)]
+    return out
+
+
+def llama_tensors(model, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
+    """The kernel-layout tensors (module docstring) of a LlamaForCausalLM, in `dtype` on `device`."""
+    return {name: make().detach().to(device, dtype).contiguous() for name, _, make in _layout(model)}
+
+
+def llama_parts(model, dtype: torch.dtype) -> dict:
+    """`llama_tensors` as engine_file.TensorParts: each tensor made from the model's weights when the writer
+    reaches it, so writing an engine holds one layout tensor at a time beside the model."""
+    from dejavu.engine_file import TensorPart, _tensor_bytes
+
+    def chunks(make):
+        return lambda: iter((_tensor_bytes(make().detach().to("cpu", dtype)),))
+
+    return {name: TensorPart(dtype, shape, chunks(make)) for name, shape, make in _layout(model)}
 
 
 def llama_header(name: str, cfg, config, target: dict, skips: dict, thresholds: dict, calibration,
@@ -249,18 +278,75 @@ def llama_header(name: str, cfg, config, target: dict, skips: dict, thresholds: 
     }
 
 
-def load_build_model(model_name_or_path, config, rewrites: bool = False):
+OFFLOAD_RESERVE = 8 << 30  # device bytes an offload decision leaves to the build's activations (held-out logits)
+
+
+def offload_needed(weight_bytes: int, device: torch.device) -> bool:
+    """Whether a model of weight_bytes (as stored) leaves too little of `device`'s free memory for the build:
+    more than 85% of it less OFFLOAD_RESERVE. Never on the CPU."""
+    if device.type != "cuda":
+        return False
+    free = torch.cuda.mem_get_info(device)[0]
+    return weight_bytes > 0.85 * free - OFFLOAD_RESERVE
+
+
+def offload_layers(model, device) -> None:
+    """Run `model` on `device` with its decoder layers' weights left where they are (host memory): the
+    embedding, final norm and LM head move to device; each layer's parameters are copied there by a forward
+    pre-hook and dropped after its forward, so the device holds one layer at a time (a bf16 Llama-3-70B
+    layer: 1.7 GB). For reading only: the calibration and held-out forwards; each forward moves the layers'
+    bytes across the bus once."""
+    device = torch.device(device)
+    for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        mod.to(device)
+    model.inv_freq = model.inv_freq.to(device)
+
+    def bring(home):
+        def hook(layer, args):
+            for p in layer.parameters():
+                home.append(p.data)
+                p.data = p.data.to(device, copy=True)  # a copy on the CPU too (the tests' device)
+        return hook
+
+    def back(home):
+        def hook(layer, args, out):
+            for p, h in zip(layer.parameters(), home):
+                p.data = h
+            home.clear()
+        return hook
+
+    for layer in model.layers:
+        home = []
+        layer.register_forward_pre_hook(bring(home))
+        layer.register_forward_hook(back(home))
+
+
+def load_build_model(model_name_or_path, config, rewrites: bool = False, say=None):
     """(model, config) for the build on config.device, computing in fp32. Its weights stay in the checkpoint's
     dtype (models.llama.compute_in_fp32: a bf16 Llama-3-8B takes 16 GB, not 32) unless the build changes them
     (--distill-steps, --rotate-keep) or traces them (`rewrites`: the ONNX export), which load them in fp32;
-    the thresholds, the allocation and the engine are the same either way."""
-    from dejavu.models.auto import load_llama
+    the thresholds, the allocation and the engine are the same either way. A Hugging Face folder whose weight
+    files do not fit the CUDA device (`offload_needed`) is held in host memory and its layers brought to the
+    device one at a time (`offload_layers`); say(line) reports it."""
+    from dejavu.models.auto import gguf_path, load_llama, resolve
     from dejavu.models.llama import compute_in_fp32
+    from dejavu.models.loader import check_device, weight_files
 
+    device = check_device(config.device)
     if config.distill_steps or config.rotate_keep is not None or rewrites:
-        return load_llama(model_name_or_path, dtype=torch.float32, device=config.device)
-    model, cfg = load_llama(model_name_or_path, dtype=None, device=config.device)
-    return compute_in_fp32(model), cfg
+        return load_llama(model_name_or_path, dtype=torch.float32, device=device)
+    offload = False
+    if gguf_path(model_name_or_path) is None and device.type == "cuda":
+        need = sum(f.stat().st_size for f in weight_files(resolve(model_name_or_path)))
+        offload = offload_needed(need, device)
+        if offload and say is not None:
+            say(f"the weights ({need / 2**30:.1f} GiB) do not fit {device}: held in host memory, "
+                "each layer brought to the device for its forward")
+    model, cfg = load_llama(model_name_or_path, dtype=None, device="cpu" if offload else device)
+    compute_in_fp32(model)
+    if offload:
+        offload_layers(model, device)
+    return model, cfg
 
 
 def build_llama_engine(model_name_or_path, config, out, progress: bool = True, onnx_out=None) -> dict:
@@ -268,14 +354,15 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     onnx_out: a folder for the dense and TEAL-sparse ONNX graphs (compiler/onnx_llama.py)."""
     from dejavu.compiler.allocate_llama import block_skip, input_bytes, kind_thresholds, resolve_skips
     from dejavu.compiler.build import _check_output, _Stages, target_info
-    from dejavu.engine_file import write_engine
+    from dejavu.engine_file import write_engine_parts
     from dejavu.models.auto import load_text_tokenizer
 
     out = _check_output(out)
     target = target_info(config.device)  # kernel_settings.input_sparse: the input-sparse kernels' blocks
     stages, t0 = _Stages(progress), time.perf_counter()
     with stages("load model"):
-        model, cfg = load_build_model(model_name_or_path, config, rewrites=onnx_out is not None)
+        say = (lambda line: print(f"[dejavu-compile]   {line}", file=sys.stderr, flush=True)) if progress else None
+        model, cfg = load_build_model(model_name_or_path, config, rewrites=onnx_out is not None, say=say)
         tokenizer = load_text_tokenizer(model_name_or_path)
     _check_supported(cfg, config)
     skip = skip_for_density(cfg, config.density) if config.max_ppl_increase is None else None
@@ -284,7 +371,6 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
             calib, calibration = calibrate_inputs(model, tokenizer, config)
     cfg = model.config  # a rotated model's LM head is untied from the embedding
     with stages("allocate budget"):
-        say = (lambda line: print(f"[dejavu-compile]   {line}", file=sys.stderr, flush=True)) if progress else None
         used = calibration.get("rotation_tokens", [0, calibration["n_tokens"]])[1]  # held-out text starts past it
         skips, heldout = resolve_skips(model, calib, tokenizer, config, skip, used, say)
     if config.distill_steps and block_skip(skips, input_bytes(cfg)) > 0:
@@ -296,19 +382,18 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     if onnx_out is not None:
         with stages("export ONNX"):
             onnx_report = _export_onnx(model, thresholds, skip, Path(onnx_out))
-    with stages("kernel layout"):
-        tensors = llama_tensors(model, getattr(torch, config.dtype))
-        del model
+    parts = llama_parts(model, getattr(torch, config.dtype))  # laid out as the writer reaches each tensor
     header = llama_header(str(model_name_or_path), cfg, config, target, skips, thresholds, calibration,
                           tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id),
                           heldout)
     with stages("write engine"):
-        size = write_engine(out, header, tensors)
+        size = write_engine_parts(out, header, parts)
+    del model
     if progress:
         print(f"[dejavu-compile] wrote {out}", file=sys.stderr, flush=True)
     return {"engine": str(out), "model_family": FAMILY, **({"onnx": onnx_report} if onnx_report else {}),
             "engine_bytes": size,
-            "weight_bytes": sum(t.nbytes for t in tensors.values()), "dtype": config.dtype, "target": target,
+            "weight_bytes": sum(t.nbytes for t in parts.values()), "dtype": config.dtype, "target": target,
             "density": header["build_config"]["density"], "allocation": header["build_config"]["allocation"],
             "skip": header["sparsity"]["skip"], "skips": header["sparsity"]["skips"], "heldout": heldout,
             "bytes_per_token": header["build_config"]["bytes_per_token"], "thresholds": thresholds,

@@ -4,7 +4,8 @@
 # both on the GPU against float64 at real shapes (Llama-3-8B and the 70B TP-8 rank's heads, 4096 slots, several
 # positions: 1 to 32 splits); then both Llama shapes at 50% skipped, the dense graph, the defaults and the variant,
 # each profiled, after the smoke check; then Llama-3-8B at a 3968-token prompt (32 splits) both ways; then
-# launch_chain.py (the ten-launch layer's bound on this GPU). Under 9 minutes.
+# launch_chain.py (the ten-launch layer's bound on this GPU). Before the A/B, a tiny Llama engine built on the GPU
+# with its layers offloaded (forced) against one built on the device. Under 9 minutes.
 #   bash benchmarks/gpu/llama_combine.sh
 set -euo pipefail
 source benchmarks/device_env.sh
@@ -49,6 +50,24 @@ for H, Hkv in ((32, 8), (8, 1)):
                 got[0, idx[0, j * per:j * per + n].long()] = val[0, j * per:j * per + n]
             assert torch.equal(got, o8), (H, Hkv, pos, (got.float() - o8.float()).abs().max().item())
 print(f"combine chunks on the GPU: every case within bounds, worst |o - float64| {worst:.2e}")
+PY
+timeout 120 python3 - <<'PY' || echo "llama_combine: the offloaded build check failed"
+# a Llama build whose layers are offloaded (compiler.build_llama.offload_layers, forced) against one on the device
+import sys, torch
+sys.path.insert(0, "tests")
+from llama_helpers import write_tiny_llama
+import dejavu.compiler.build_llama as BL
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
+from dejavu.engine_file import read_engine
+f = write_tiny_llama("/tmp/tiny-llama", seed=4)
+cfg = dict(density=0.6, calib_tokens=512, calib_window=128, dtype="float16", device="cuda")
+build_engine(f, BuildConfig(**cfg), "/tmp/on-device.engine", progress=False)
+BL.offload_needed = lambda n, d: True
+build_engine(f, BuildConfig(**cfg), "/tmp/offloaded.engine", progress=True)
+(ha, ta), (hb, tb) = read_engine("/tmp/on-device.engine"), read_engine("/tmp/offloaded.engine")
+same = ha["sparsity"] == hb["sparsity"] and all(torch.equal(ta[k], tb[k]) for k in ta)
+print("offloaded build equals the on-device build:", same, ha["sparsity"]["skips"], hb["sparsity"]["skips"])
 PY
 timeout 240 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
     --variant-models llama-3-8b,llama-3-70b-tp8 --skips 0.5 --no-hf --profile-steps 20 --profile-variants \

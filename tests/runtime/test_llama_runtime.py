@@ -533,3 +533,25 @@ def test_a_half_checkpoint_builds_from_its_own_bytes(tmp_path):
     (hb, tb), (hf, tf) = engines["bf16"], engines["fp32"]
     assert hb["sparsity"] == hf["sparsity"] and hb["sparsity"]["skip"] > 0
     assert tb.keys() == tf.keys() and all(torch.equal(tb[k], tf[k]) for k in tb)
+
+
+def test_offloaded_layers_compute_what_the_model_computes():
+    """offload_layers (a build whose weights do not fit its device): each layer computes on copies of its
+    parameters made for its forward, and its parameters are the home tensors again after it; the logits and
+    calibration tables equal the model's own. The GPU run of benchmarks/gpu/llama_combine.sh builds an engine
+    both ways on CUDA."""
+    from dejavu.compiler.build_llama import _Blocks, offload_layers
+    from dejavu.compiler.gated_sparsity import calibrate
+
+    ref, model = tiny_llama(seed=6, tie_word_embeddings=False), tiny_llama(seed=6, tie_word_embeddings=False)
+    home = [p.data_ptr() for p in model.layers.parameters()]
+    offload_layers(model, "cpu")
+    ids = _ids()
+    seen = []
+    model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.data_ptr()))
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+        a, b = calibrate(_Blocks(model), ids).tables, calibrate(_Blocks(ref), ids).tables
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [p.data_ptr() for p in model.layers.parameters()] == home
+    assert len(seen) == 2 and home[-1] not in seen  # the forward read a copy (down_proj's weight: the last)
