@@ -12,7 +12,8 @@ source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 D=$(date -u +%F)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
-TRITON_INTERPRET=0 timeout 100 python3 - <<'PY'
+if [ "${1:-}" != long ]; then
+TRITON_INTERPRET=0 timeout 100 python3 - <<'PY' || echo "llama_combine: the combine check failed"
 import dataclasses, torch
 from dejavu.plugins import DEFAULT
 from dejavu.plugins.gqa_attention import gqa_decode
@@ -51,6 +52,30 @@ for H, Hkv in ((32, 8), (8, 1)):
             assert torch.equal(got, o8), (H, Hkv, pos, (got.float() - o8.float()).abs().max().item())
 print(f"combine chunks on the GPU: every case within bounds, worst |o - float64| {worst:.2e}")
 PY
+TRITON_INTERPRET=0 timeout 100 python3 - <<'PY' || echo "llama_combine: the fused select check failed"
+# input_sparse.fused_parts (each GEMV program selecting its split's pairs) against the select + GEMV, bit for bit,
+# on every projection shape of Llama-3-8B and the 70B TP-8 rank, 20 times over (the barrier between its select
+# and its loop on real hardware)
+import torch
+from dejavu.plugins import DEFAULT
+from dejavu.plugins.input_sparse import fused_parts, select_slices, sliced_parts, split_k_for
+torch.manual_seed(0)
+for N, M, kind in ((4096, 6144, "norm"), (4096, 28672, "norm"), (14336, 4096, "swiglu"), (8192, 1280, "norm"),
+                   (8192, 7168, "norm"), (3584, 8192, "swiglu"), (4096, 4096, "none")):
+    w_t = (torch.randn(N, M, device="cuda") / N ** 0.5).half()
+    nw = (1 + 0.1 * torch.randn(N, device="cuda")).half() if kind == "norm" else None
+    x = torch.randn(2, 1, 2 * N, device="cuda") if kind == "swiglu" else torch.randn(1, N, device="cuda")
+    if kind == "none":
+        x = x.half()
+    split = split_k_for(1, N, M, DEFAULT.input_sparse)
+    kw = dict(norm_w=nw, eps=1e-5, swiglu=kind == "swiglu")
+    t = 0.67 if kind == "norm" else 0.4
+    want = sliced_parts(*select_slices(x, t, split, dtype=torch.float16, **kw), w_t)
+    for _ in range(20):
+        got = fused_parts(x, t, split, w_t, **kw)
+        assert torch.equal(got, want), (N, M, kind, (got - want).abs().max().item())
+    print(f"fused select {N} x {M} ({kind}, {split} splits): equal to select + GEMV over 20 runs")
+PY
 timeout 120 python3 - <<'PY' || echo "llama_combine: the offloaded build check failed"
 # a Llama build whose layers are offloaded (compiler.build_llama.offload_layers, forced) against one on the device
 import sys, torch
@@ -69,12 +94,13 @@ build_engine(f, BuildConfig(**cfg), "/tmp/offloaded.engine", progress=True)
 same = ha["sparsity"] == hb["sparsity"] and all(torch.equal(ta[k], tb[k]) for k in ta)
 print("offloaded build equals the on-device build:", same, ha["sparsity"]["skips"], hb["sparsity"]["skips"])
 PY
-timeout 240 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
+timeout 330 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
     --variant-models llama-3-8b,llama-3-70b-tp8 --skips 0.5 --no-hf --profile-steps 20 --profile-variants \
-    --kernel-variants '[{"gqa_attn": {"combine_splits": 0}}]' --out "$OUT/e2e-llama-combine-$D.json" | tail -8 \
-    || echo "llama_combine: e2e_llama ended early"
-timeout 120 python3 benchmarks/e2e_llama.py --models llama-3-8b --skips 0.5 --no-hf --prompt-len 3968 \
-    --new-tokens 128 --profile-steps 20 --profile-variants --no-smoke \
-    --kernel-variants '[{"gqa_attn": {"combine_splits": 0}}]' --out "$OUT/e2e-llama-combine-long-$D.json" | tail -4 \
-    || echo "llama_combine: the long run ended early"
+    --budget-s 280 --kernel-variants '[{"gqa_attn": {"combine_splits": 0}}, {"fuse_select": true}]' \
+    --out "$OUT/e2e-llama-combine-$D.json" | tail -10 || echo "llama_combine: e2e_llama ended early"
 exec timeout 60 python3 benchmarks/launch_chain.py --out "$OUT/launch-chain-$D.json" | tail -4
+fi
+timeout 150 python3 benchmarks/e2e_llama.py --models llama-3-8b --skips 0.5 --no-hf --prompt-len 3968 \
+    --new-tokens 128 --profile-steps 20 --profile-variants --no-smoke \
+    --kernel-variants '[{"gqa_attn": {"combine_splits": 0}}, {"fuse_select": true}]' \
+    --out "$OUT/e2e-llama-combine-long-$D.json" | tail -4

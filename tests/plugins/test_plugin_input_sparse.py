@@ -282,3 +282,42 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv,
     written = torch.zeros(B, Hkv, T, dtype=torch.bool)
     written[rows, :, pos] = True
     assert kc[~written].isnan().all() and vc[~written].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("producer", PRODUCERS + ["norm_fp32", "swiglu_parts"])
+@pytest.mark.parametrize("B,N,M,split,t,config", [(1, 77, 45, 3, 0.6, SMALL), (2, 130, 64, 1, 0.6, WIDE_K),
+                                                  (3, 90, 200, 4, 0.9, WIDE_M), (2, 33, 20, 2, 50.0, SMALL)])
+def test_fused_parts_equal_the_select_and_the_gemv(triton_interp, dtype, producer, B, N, M, split, t, config):
+    """fused_parts (each GEMV program selecting its split's pairs itself) gives the partials of select_slices +
+    sliced_parts bit for bit, and adds into an fp32 stream as sliced_gemv_add does; x as it is, through RMSNorm
+    (of an fp32 stream too), through SwiGLU (of the previous GEMV's partials too); t 50: nothing kept. Rows of
+    w_t outside the kept inputs are NaN: the fused form reads only its pairs' rows."""
+    from dejavu.plugins.input_sparse import fused_parts
+
+    g = torch.Generator().manual_seed(N * M + split)
+    base = producer.split("_")[0]
+    x, nw = _producer_input(B, N, base, dtype, g)
+    if producer == "norm_fp32":
+        x = x.float()
+    if producer == "swiglu_parts":  # gate | up as 2 fp32 partials of a previous GEMV
+        x = torch.stack([x.float() * 0.5, x.float() * 0.5 + 0.01])
+    kw = dict(norm_w=nw, eps=1e-5, swiglu=base == "swiglu")
+    w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
+    idx, val, count = select_slices(x, t, split, dtype=dtype, settings=_ks(config), **kw)
+    kept = torch.zeros(N, dtype=torch.bool)
+    for b in range(B):
+        for s in range(split):
+            per = -(-N // split)
+            kept[idx[b, s * per:s * per + int(count[b, s])].long()] = True
+    w_t = torch.where(kept[:, None], w_t, torch.full_like(w_t, float("nan")))
+    want = sliced_parts(idx, val, count, w_t, settings=_ks(config))
+    got = fused_parts(x, t, split, w_t, settings=_ks(config), **kw)
+    assert got.shape == (split, B, M) and torch.equal(got, want)
+    stream = torch.randn(B, M, generator=g)
+    before = stream.clone()
+    out = fused_parts(x, t, split, w_t, settings=_ks(config), acc=stream, **kw)
+    assert out is stream and torch.isfinite(stream).all()
+    torch.testing.assert_close(stream, before + want.sum(0), rtol=1e-6, atol=1e-6)  # the adds' order is not fixed
+    with pytest.raises(DejavuError, match="split must be in"):
+        fused_parts(x, t, N + 1, w_t, settings=_ks(config), **kw)
