@@ -205,6 +205,32 @@ def test_metrics_prometheus_text(live):
         assert vals[f'{h}_bucket{{le="+Inf"}}'] == vals[f"{h}_count"] >= 1
 
 
+def stream_all(url, model, cases, clients):
+    """(text, completion tokens) of each (prompt, max_tokens) case, streamed greedily by `clients` concurrent
+    clients on one event loop (threads would fight the server for the GIL), client k taking cases k, k + clients..."""
+    async def run():
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+        async def one(case):
+            prompt, n = case
+            stream = await c.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+            chunks = [ch async for ch in stream]
+            return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
+
+        async def worker(k):
+            return [await one(case) for case in cases[k::clients]]
+
+        per = await asyncio.gather(*(worker(k) for k in range(clients)))
+        await c.close()
+        out = [None] * len(cases)
+        for k, rs in enumerate(per):
+            out[k::clients] = rs
+        return out
+
+    return asyncio.run(run())
+
+
 def test_load_32_streaming_clients_equal_solo(live, ref):
     """200 short streaming requests from 32 concurrent clients (max batch 8): every one completes,
     its streamed text is its tokens' text, and its tokens are the solo greedy run's."""
@@ -213,27 +239,7 @@ def test_load_32_streaming_clients_equal_solo(live, ref):
     cases = [(rng.choice(words) + " " * rng.randint(0, 2), rng.randint(1, 12)) for _ in range(200)]
     full = {w: solo(ref, w, 12) for w in {w for w, _ in cases}}  # greedy: n tokens = the first n of 12
     want = {(w, n): full[w][:n] for w, n in set(cases)}
-    async def clients():  # 32 concurrent clients on one event loop (threads would fight the server for the GIL)
-        c = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-        async def one(case):
-            prompt, n = case
-            stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
-            chunks = [ch async for ch in stream]
-            return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
-
-        async def worker(k):
-            return [await one(case) for case in cases[k::32]]
-
-        per = await asyncio.gather(*(worker(k) for k in range(32)))
-        await c.close()
-        out = [None] * len(cases)
-        for k, rs in enumerate(per):
-            out[k::32] = rs
-        return out
-
-    got = asyncio.run(clients())
+    got = stream_all(live.url, "tiny", cases, clients=32)
     for case, (text, n) in zip(cases, got):
         assert (text, n) == (ref.tokenizer.decode(want[case]), len(want[case])), case
     h = live.server.metrics.batch_size
@@ -462,27 +468,7 @@ def test_llama_engine_served_equals_solo(tmp_path):
     srv = Live(Engine.load(path), name="llama", api_key=KEY, max_batch=4, max_queue=64, max_context=64,
                prefill_chunk=4)
     try:
-        async def clients():
-            c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-            async def one(case):
-                prompt, n = case
-                stream = await c.completions.create(model="llama", prompt=prompt, max_tokens=n, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True})
-                chunks = [ch async for ch in stream]
-                return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage.completion_tokens
-
-            async def worker(k):
-                return [await one(case) for case in cases[k::8]]
-
-            per = await asyncio.gather(*(worker(k) for k in range(8)))
-            await c.close()
-            out = [None] * len(cases)
-            for k, rs in enumerate(per):
-                out[k::8] = rs
-            return out
-
-        got = asyncio.run(clients())
+        got = stream_all(srv.url, "llama", cases, clients=8)
     finally:
         srv.close()
     for case, w, (text, n) in zip(cases, want, got):
