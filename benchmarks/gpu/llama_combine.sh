@@ -105,5 +105,4 @@ exit 0
 fi
 timeout 150 python3 benchmarks/e2e_llama.py --models llama-3-8b --skips 0.5 --no-hf --prompt-len 3968 \
     --new-tokens 128 --profile-steps 20 --profile-variants --no-smoke \
-    --kernel-variants '[{"gqa_attn": {"combine_splits": 0}}, {"fuse_select": true}]' \
-    --out "$OUT/e2e-llama-combine-long-$D.json" | tail -4
+    --kernel-variants '[{"gqa_attn": {"combine_splits": 0}}]' --out "$OUT/e2e-llama-combine-long-$D.json" | tail -4
