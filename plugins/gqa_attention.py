@@ -110,52 +110,35 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, H
 
 
 @helper
-def _combine_splits(acc_ptr, ml_ptr, b, offs, mask, n, NC, HH, HD, PLANE, BLOCK_C: tl.constexpr):
+def _combine_splits(acc_ptr, ml_ptr, b, offs, mask, n, NC, HH, HD, PLANE):
     # o at offs of row b (fp32): the n splits' partials (acc [B, NC, HH], m / l PLANE apart, [B, NC, HH / HD])
-    # combined online over chunks of BLOCK_C splits, each chunk's loads issued together (0: one split at a time);
-    # each element reads its own head's m and l (a gather: L1/L2)
+    # combined online over c; each element reads its own head's m and l (a gather: L1/L2)
     H = HH // HD
     head = offs // HD
     a = tl.zeros_like(offs).to(tl.float32)
     big_l = a
     big_m = a - float("inf")
-    if BLOCK_C == 0:
-        for c in range(0, n):
-            slot = b * NC + c
-            m = tl.load(ml_ptr + slot * H + head, mask=mask, other=0.0)
-            l_c = tl.load(ml_ptr + PLANE + slot * H + head, mask=mask, other=0.0)
-            x = tl.load(acc_ptr + slot.to(tl.int64) * HH + offs, mask=mask, other=0.0)
-            m_new = tl.maximum(big_m, m)
-            sa = tl.exp2(big_m - m_new)  # 0 at the first split (big_m -inf, m finite)
-            sc = tl.exp2(m - m_new)
-            a = a * sa + x * sc
-            big_l = big_l * sa + l_c * sc
-            big_m = m_new
-    else:
-        for c0 in range(0, n, BLOCK_C):
-            cs = c0 + tl.arange(0, BLOCK_C)
-            ok = (cs < n)[:, None] & mask[None, :]
-            slot = (b * NC + cs)[:, None]  # [BLOCK_C, 1]
-            m = tl.load(ml_ptr + slot * H + head[None, :], mask=ok, other=float("-inf"))
-            m = tl.where(mask[None, :], m, 0.0)  # masked elements finite; splits past n -inf: weight 0
-            l_c = tl.load(ml_ptr + PLANE + slot * H + head[None, :], mask=ok, other=0.0)
-            x = tl.load(acc_ptr + slot.to(tl.int64) * HH + offs[None, :], mask=ok, other=0.0)
-            m_new = tl.maximum(big_m, tl.max(m, 0))  # finite: split c0 < n is in every chunk
-            sa = tl.exp2(big_m - m_new)  # 0 at the first chunk
-            sc = tl.exp2(m - m_new[None, :])
-            a = a * sa + tl.sum(x * sc, 0)
-            big_l = big_l * sa + tl.sum(l_c * sc, 0)
-            big_m = m_new
+    for c in range(0, n):
+        slot = b * NC + c
+        m = tl.load(ml_ptr + slot * H + head, mask=mask, other=0.0)
+        l_c = tl.load(ml_ptr + PLANE + slot * H + head, mask=mask, other=0.0)
+        x = tl.load(acc_ptr + slot.to(tl.int64) * HH + offs, mask=mask, other=0.0)
+        m_new = tl.maximum(big_m, m)
+        sa = tl.exp2(big_m - m_new)  # 0 at the first split (big_m -inf, m finite)
+        sc = tl.exp2(m - m_new)
+        a = a * sa + x * sc
+        big_l = big_l * sa + l_c * sc
+        big_m = m_new
     return a / tl.where(mask, big_l, 1.0)
 
 
 def _gqa_combine_kernel(acc_ptr, ml_ptr, pos_ptr, o_ptr, HH, HD, NS, BLOCK_S, BLOCK: tl.constexpr,
-                        GDC: tl.constexpr = 0, BLOCK_C: tl.constexpr = 0):
+                        GDC: tl.constexpr = 0):
     b, offs = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < HH
     _, n = _split_span(tl.load(pos_ptr + b).to(tl.int32), NS, BLOCK_S)
     gdc_enter(GDC)
-    o = _combine_splits(acc_ptr, ml_ptr, b, offs, ok, n, NS, HH, HD, tl.num_programs(0) * NS * (HH // HD), BLOCK_C)
+    o = _combine_splits(acc_ptr, ml_ptr, b, offs, ok, n, NS, HH, HD, tl.num_programs(0) * NS * (HH // HD))
     tl.store(o_ptr + b * HH + offs, o.to(o_ptr.dtype.element_ty), mask=ok)
 
 
@@ -189,8 +172,6 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
     s = settings or DEFAULT
     cfg = s.gqa_attn
     B, H, Hkv, T, hd = check_gqa(q, k_cache, v_cache, pos)
-    if cfg.combine_splits < 0 or cfg.combine_splits & (cfg.combine_splits - 1):
-        raise DejavuError(f"gqa_attn settings: combine_splits must be 0 or a power of two, got {cfg.combine_splits}")
     if cfg.block_s < 16 or cfg.block_s & (cfg.block_s - 1) or cfg.max_splits < 1 or cfg.target_programs < 1:
         raise DejavuError(f"gqa_attn settings: block_s must be a power of two >= 16 (tl.dot), max_splits and "
                           f"target_programs >= 1, got {cfg.block_s}, {cfg.max_splits}, {cfg.target_programs}")
@@ -208,18 +189,11 @@ def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, po
         return o
     if not combine:
         return GQAPartials(acc, ml, pos, cfg.block_s, hd, q.dtype)
-    bc = combine_block(ns, cfg)
-    block = min(1024, next_pow2(H * hd), max(128, 4096 // max(bc, 1)))  # [bc, block] tiles of m, l and acc
+    block = min(1024, next_pow2(H * hd))
     jit(_gqa_combine_kernel, q.device)[(B, -(-H * hd // block))](
-        acc, ml, pos, o, H * hd, hd, ns, cfg.block_s, BLOCK=block, BLOCK_C=bc, num_warps=4,
+        acc, ml, pos, o, H * hd, hd, ns, cfg.block_s, BLOCK=block, num_warps=4,
         **pdl_args(q.device, "gqa_combine", s.pdl))
     return o
-
-
-def combine_block(ns: int, cfg) -> int:
-    """Splits whose partials a combine loads at once (settings.GQAAttnSettings.combine_splits; 0: one at a
-    time): the combine kernel and the o projection's select pass the same, so both round o alike."""
-    return min(cfg.combine_splits, next_pow2(ns)) if cfg.combine_splits else 0
 
 
 def used_splits(pos: int, ns: int, block_s: int) -> int:

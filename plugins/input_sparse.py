@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from dejavu.errors import DejavuError
 from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, gdc_release, helper, jit,
                                     next_pow2, pdl_args)
-from dejavu.plugins.gqa_attention import GQAPartials, _combine_splits, _split_span, combine_block, gqa_partials_ref
+from dejavu.plugins.gqa_attention import GQAPartials, _combine_splits, _split_span, gqa_partials_ref
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
 
@@ -91,16 +91,17 @@ def _norm_h(xv, nw, rstd, dt):
     return (nw.to(tl.float32) * (xv.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
 
 
-@helper
-def _select_slice(x_ptr, nw_ptr, idx_ptr, val_ptr, b, lo, hi, N, XS, PLANE, t, eps, PRODUCER: tl.constexpr,
-                  SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, GDC: tl.constexpr, pos_ptr, NC,
-                  BLOCK_S, HD, BLOCK_C: tl.constexpr):
-    # The kept (index, value) pairs of inputs [lo, hi) of row b, written in order at idx_ptr / val_ptr + b * N + lo;
-    # their count. Waits for the previous kernel (gdc_enter) itself. ATTN: x_ptr the partials' acc [B, NC, N],
-    # nw_ptr their m / l (PLANE apart), the splits that hold slots <= pos[b] (gqa_attention._split_span of NC
-    # splits of BLOCK_S-slot tiles). NORM: the slice's first step peeled, its weights loaded before the wait and
-    # its x beside the row's sum of squares (two dependent round trips fewer: Llama-3-8B at 50% skipped 3.642 vs
-    # 3.692 ms a step, the 70B TP-8 rank 5.517 vs 5.579; H100, 2026-12-06, ad930ee, docs/llama.md)
+def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
+                          PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
+                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, BLOCK_S=1, HD=1):
+    # ATTN: x_ptr the partials' acc [B, NC, N], nw_ptr their m / l (PLANE apart), the splits that hold slots
+    # <= pos[b] (gqa_attention._split_span of NC splits of BLOCK_S-slot tiles). NORM: the slice's first step
+    # peeled, its weights loaded before the wait and its x beside the row's sum of squares (two dependent round
+    # trips fewer: Llama-3-8B at 50% skipped 3.642 vs 3.692 ms a step, the 70B TP-8 rank 5.517 vs 5.579; H100,
+    # 2026-12-06, ad930ee, docs/llama.md)
+    b, ps = tl.program_id(0), tl.program_id(1)
+    lo = ps * PER
+    hi = tl.minimum(lo + PER, N)
     base = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), 0)  # an int32 scalar: kept so far in this slice
     if PRODUCER == 3:
         _, n_splits = _split_span(tl.load(pos_ptr + b).to(tl.int32), NC, BLOCK_S)  # before the wait
@@ -127,8 +128,7 @@ def _select_slice(x_ptr, nw_ptr, idx_ptr, val_ptr, b, lo, hi, N, XS, PLANE, t, e
         if PRODUCER != 3:
             xv = _src(x_ptr, b * XS + offs, inside, PLANE, val_ptr, SRC_SPLIT)
         if PRODUCER == 3:  # ATTN: o as gqa_attention's combine kernel computes and rounds it
-            h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE, BLOCK_C).to(
-                val_ptr.dtype.element_ty)
+            h = _combine_splits(x_ptr, nw_ptr, b, offs, inside, n_splits, NC, N, HD, PLANE).to(val_ptr.dtype.element_ty)
         elif PRODUCER == 1:  # NORM's later steps
             h = _norm_h(xv, tl.load(nw_ptr + offs, mask=inside, other=0.0), rstd, val_ptr.dtype.element_ty)
         elif PRODUCER == 2:  # SWIGLU: x [B, 2N] = gate | up; silu rounded to x's dtype, then the product
@@ -138,17 +138,7 @@ def _select_slice(x_ptr, nw_ptr, idx_ptr, val_ptr, b, lo, hi, N, XS, PLANE, t, e
         else:
             h = xv
         base = _keep(h, offs, inside, t, idx_ptr, val_ptr, b, N, lo, base)
-    return base
-
-
-def _select_slices_kernel(x_ptr, nw_ptr, idx_ptr, val_ptr, count_ptr, N, XS, PLANE, PER, t, eps,
-                          PRODUCER: tl.constexpr, SRC_SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr,
-                          GDC: tl.constexpr = 0, pos_ptr=None, NC=1, BLOCK_S=1, HD=1, BLOCK_C: tl.constexpr = 0):
-    b, ps = tl.program_id(0), tl.program_id(1)
-    lo = ps * PER
-    n = _select_slice(x_ptr, nw_ptr, idx_ptr, val_ptr, b, lo, tl.minimum(lo + PER, N), N, XS, PLANE, t, eps, PRODUCER,
-                      SRC_SPLIT, BLOCK, ROW, GDC, pos_ptr, NC, BLOCK_S, HD, BLOCK_C)
-    tl.store(count_ptr + b * tl.num_programs(1) + ps, n)
+    tl.store(count_ptr + b * tl.num_programs(1) + ps, base)
 
 
 @helper
@@ -167,30 +157,15 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, ATOMIC: tl.constexpr = 0,
-                        FUSED: tl.constexpr = 0, x_ptr=None, nw_ptr=None, XS=1, PLANE=1, t=0.0, eps=0.0,
-                        PRODUCER: tl.constexpr = 0, SRC_SPLIT: tl.constexpr = 0, BLOCK_SEL: tl.constexpr = 1,
-                        ROW: tl.constexpr = 1):
-    # ATOMIC: part_ptr an fp32 [B, M] that every split adds its sum into (sliced_gemv_add), else the partials.
-    # FUSED (fused_parts): no select launch before; the program selects its split's pairs from x itself
-    # (_select_slice, as select_slices' program for that split would) into its own rows of idx / val
-    # [B, programs along M, N], then reads them back after a barrier
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, ATOMIC: tl.constexpr = 0):
+    # ATOMIC: part_ptr an fp32 [B, M] that every split adds its sum into (sliced_gemv_add), else the partials
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if EVEN_M:
         m_ok = offs_m >= 0  # all true, and known to be: unpredicated vector loads
-    if FUSED:
-        own = (b * tl.num_programs(1) + pm - b) * N  # this program's rows, less the b * N that _keep adds
-        lo = ps * PER
-        n = _select_slice(x_ptr, nw_ptr, idx_ptr + own, val_ptr + own, b, lo, tl.minimum(lo + PER, N), N, XS, PLANE,
-                          t, eps, PRODUCER, SRC_SPLIT, BLOCK_SEL, ROW, GDC, None, 1, 1, 1, 0)
-        tl.debug_barrier()  # the program's stores visible to all of its threads
-        idx_ptr += own
-        val_ptr += own
-    else:
-        gdc_enter(GDC)
-        n = tl.load(count_ptr + b * tl.num_programs(2) + ps)
+    gdc_enter(GDC)
+    n = tl.load(count_ptr + b * tl.num_programs(2) + ps)
     idx_ptr += b * N + ps * PER  # this split's n (index, value) pairs
     val_ptr += b * N + ps * PER
     # A step reads 2 * SUB kept rows as two loads of SUB pairs: fewer pairs than the program has threads,
@@ -249,20 +224,6 @@ def select_slices(x: torch.Tensor, t: float, split: int, norm_w: torch.Tensor | 
     config = (settings or DEFAULT).input_sparse
     if isinstance(x, GQAPartials):
         return _select_attn(x, t, split, settings)
-    B, N, dtype = _check_select(x, split, norm_w, swiglu, dtype)
-    idx, val = torch.empty(B, N, dtype=torch.int32, device=x.device), torch.empty(B, N, dtype=dtype, device=x.device)
-    count = torch.empty(B, split, dtype=torch.int32, device=x.device)
-    per = -(-N // split)
-    jit(_select_slices_kernel, x.device)[(B, split)](
-        x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[-1], B * x.shape[-1], per, float(t),
-        float(eps), **_producer(x, norm_w, swiglu), BLOCK=min(config.block_select, next_pow2(per)),
-        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps,
-        **pdl_args(x.device, "is_select", (settings or DEFAULT).pdl))
-    return idx, val, count
-
-
-def _check_select(x, split: int, norm_w, swiglu: bool, dtype):
-    # select_slices' inputs checked: (B, N, the dtype of h)
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 3:
         check_tensor("x", x, dtype=torch.float32)  # partials
@@ -283,13 +244,16 @@ def _check_select(x, split: int, norm_w, swiglu: bool, dtype):
         check_tensor("norm_w", norm_w, shape=(N,), dtype=dtype, device=x.device)
     if not 1 <= split <= max(N, 1):
         raise DejavuError(f"split must be in [1, {N}], got {split}")
-    return B, N, dtype
-
-
-def _producer(x, norm_w, swiglu: bool) -> dict:
-    # the select's PRODUCER and SRC_SPLIT launch arguments for x
-    return dict(PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM,
-                SRC_SPLIT=x.shape[0] if x.dim() == 3 else 0)
+    idx, val = torch.empty(B, N, dtype=torch.int32, device=x.device), torch.empty(B, N, dtype=dtype, device=x.device)
+    count = torch.empty(B, split, dtype=torch.int32, device=x.device)
+    per = -(-N // split)
+    jit(_select_slices_kernel, x.device)[(B, split)](
+        x, x if norm_w is None else norm_w, idx, val, count, N, x.shape[-1], B * x.shape[-1], per, float(t),
+        float(eps), PRODUCER=SWIGLU if swiglu else NONE if norm_w is None else NORM,
+        SRC_SPLIT=x.shape[0] if x.dim() == 3 else 0, BLOCK=min(config.block_select, next_pow2(per)),
+        ROW=min(config.block_select, next_pow2(N)), num_warps=config.select_warps,
+        **pdl_args(x.device, "is_select", (settings or DEFAULT).pdl))
+    return idx, val, count
 
 
 def _select_attn(p: GQAPartials, t: float, split: int, settings: KernelSettings | None):
@@ -306,12 +270,12 @@ def _select_attn(p: GQAPartials, t: float, split: int, settings: KernelSettings 
     dev = p.acc.device
     idx, val = torch.empty(B, N, dtype=torch.int32, device=dev), torch.empty(B, N, dtype=p.dtype, device=dev)
     count = torch.empty(B, split, dtype=torch.int32, device=dev)
-    per, bc = -(-N // split), combine_block(nc, (settings or DEFAULT).gqa_attn)
-    block = min(config.block_select, next_pow2(per), max(128, 4096 // max(bc, 1)))  # [bc, block] tiles of m, l, acc
+    per = -(-N // split)
     jit(_select_slices_kernel, dev)[(B, split)](
         p.acc, p.ml, idx, val, count, N, N, B * nc * (N // p.head_dim), per, float(t), 0.0, PRODUCER=ATTN,
-        SRC_SPLIT=0, BLOCK=block, ROW=16, num_warps=config.select_warps, pos_ptr=p.pos, NC=nc, BLOCK_S=p.block_s,
-        HD=p.head_dim, BLOCK_C=bc, **pdl_args(dev, "is_select", (settings or DEFAULT).pdl))
+        SRC_SPLIT=0, BLOCK=min(config.block_select, next_pow2(per)), ROW=16, num_warps=config.select_warps,
+        pos_ptr=p.pos, NC=nc, BLOCK_S=p.block_s, HD=p.head_dim,
+        **pdl_args(dev, "is_select", (settings or DEFAULT).pdl))
     return idx, val, count
 
 
@@ -371,48 +335,17 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
     check_tensor("w_t", w_t, ndim=2, dtype=val.dtype, device=val.device)
     M = w_t.shape[1]
     check_tensor("w_t", w_t, shape=(N, M))  # a row per input
-    part = _parts_out(acc, split, B, M, val.device)
+    if acc is None:
+        part = torch.empty(split, B, M, dtype=torch.float32, device=val.device)
+    else:
+        check_tensor("acc", acc, shape=(B, M), dtype=torch.float32, device=val.device)
+        part = acc
     grid = (B, -(-M // config.block_m), split)
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
                                                EVEN_M=M % config.block_m == 0, ATOMIC=acc is not None,
                                                num_warps=config.num_warps,
                                                **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
-    return part
-
-
-def _parts_out(acc, split: int, B: int, M: int, device):
-    # the GEMV's output: fp32 partials [split, B, M], or acc [B, M] to add into
-    if acc is None:
-        return torch.empty(split, B, M, dtype=torch.float32, device=device)
-    check_tensor("acc", acc, shape=(B, M), dtype=torch.float32, device=device)
-    return acc
-
-
-def fused_parts(x: torch.Tensor, t: float, split: int, w_t: torch.Tensor, norm_w: torch.Tensor | None = None,
-                eps: float = 0.0, swiglu: bool = False, settings: KernelSettings | None = None,
-                acc: torch.Tensor | None = None) -> torch.Tensor:
-    """`sliced_parts(*select_slices(x, t, split, norm_w, eps, swiglu, w_t.dtype), w_t, acc=acc)` in one launch:
-    every GEMV program selects its own split's pairs from x (as that split's select program would: the same
-    pairs, the same sums) into rows of its own, then reads them (InputSparseSettings.fuse_select; not for the
-    attention's partials, whose combine stays in its select). No select launch and no count to wait for, at
-    the price of each program reading the row (RMSNorm's sum of squares) and writing its pairs."""
-    config = (settings or DEFAULT).input_sparse
-    B, N, dtype = _check_select(x, split, norm_w, swiglu, w_t.dtype)
-    check_tensor("w_t", w_t, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
-    M = w_t.shape[1]
-    check_tensor("w_t", w_t, shape=(N, M))
-    part = _parts_out(acc, split, B, M, x.device)
-    n_m, per = -(-M // config.block_m), -(-N // split)
-    idx = torch.empty(B, n_m, N, dtype=torch.int32, device=x.device)  # each program's own pairs
-    val = torch.empty(B, n_m, N, dtype=dtype, device=x.device)
-    jit(_sliced_gemv_kernel, x.device)[(B, n_m, split)](
-        idx, val, idx, w_t, part, B, N, M, per, BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
-        EVEN_M=M % config.block_m == 0, ATOMIC=acc is not None, FUSED=1, x_ptr=x,
-        nw_ptr=x if norm_w is None else norm_w, XS=x.shape[-1], PLANE=B * x.shape[-1], t=float(t), eps=float(eps),
-        **_producer(x, norm_w, swiglu), BLOCK_SEL=min(config.block_select, next_pow2(per)),
-        ROW=min(config.block_select, next_pow2(N)), num_warps=config.num_warps,
-        **pdl_args(x.device, "is_gemv", (settings or DEFAULT).pdl))
     return part
 
 
@@ -429,20 +362,15 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
                 settings: KernelSettings | None = None):
     """y [B, M] (val's dtype) = residual + sum over the pairs of `select_slices` of val * w_t[idx, :];
     w_t [N, M] (W^T, val's dtype): a kept input's row, contiguous; only kept rows are read."""
-    return sum_splits(sliced_parts(idx, val, count, w_t, settings), val.dtype, residual, out, settings)
-
-
-def sum_splits(part: torch.Tensor, dtype: torch.dtype, residual: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, settings: KernelSettings | None = None) -> torch.Tensor:
-    """y [B, M] in dtype = residual + the in-order sum of the fp32 partials [split, B, M] (one launch)."""
     config = (settings or DEFAULT).input_sparse
+    part = sliced_parts(idx, val, count, w_t, settings)
     split, B, M = part.shape
     if residual is not None:
-        check_tensor("residual", residual, shape=(B, M), dtype=dtype, device=part.device)
-    out = check_out(out, (B, M), dtype, part.device, "out")
-    jit(_sum_splits_kernel, part.device)[(B, -(-M // config.block_m))](
+        check_tensor("residual", residual, shape=(B, M), dtype=val.dtype, device=val.device)
+    out = check_out(out, (B, M), val.dtype, val.device, "out")
+    jit(_sum_splits_kernel, val.device)[(B, -(-M // config.block_m))](
         part, out, out if residual is None else residual, B, M, BLOCK_M=config.block_m, SPLIT_K=split,
-        HAS_RES=residual is not None, **pdl_args(part.device, "is_sum", (settings or DEFAULT).pdl))
+        HAS_RES=residual is not None, **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
     return out
 
 
@@ -453,35 +381,22 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     (cos, sin [B, hd]: sin with rotate_half's sign, -sin on the first half), k and v written into
     k_cache, v_cache [B, Hkv, T, hd] at slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch
     after the GEMV."""
-    check_qkv_rope(w_t, cos, sin, pos, k_cache, v_cache)
-    return qkv_rope_parts(sliced_parts(idx, val, count, w_t, settings), cos, sin, pos, k_cache, v_cache, settings)
-
-
-def check_qkv_rope(w_t, cos, sin, pos, k_cache, v_cache) -> None:
-    """The q/k/v projection's weights, rotary tables, positions and caches checked (before its GEMV)."""
+    config = (settings or DEFAULT).input_sparse
     B, Hkv, T, hd = k_cache.shape
-    check_tensor("k_cache", k_cache, dtype=w_t.dtype, device=w_t.device)
-    check_tensor("v_cache", v_cache, shape=(B, Hkv, T, hd), dtype=w_t.dtype, device=w_t.device)
+    check_tensor("k_cache", k_cache, dtype=val.dtype, device=val.device)
+    check_tensor("v_cache", v_cache, shape=(B, Hkv, T, hd), dtype=val.dtype, device=val.device)
     for name, c in (("cos", cos), ("sin", sin)):
-        check_tensor(name, c, shape=(B, hd), dtype=w_t.dtype, device=w_t.device)
-    check_tensor("pos", pos, shape=(B,), dtype=torch.int64, device=w_t.device)
+        check_tensor(name, c, shape=(B, hd), dtype=val.dtype, device=val.device)
+    check_tensor("pos", pos, shape=(B,), dtype=torch.int64, device=val.device)
     M = w_t.shape[1] if w_t.dim() == 2 else -1
     if hd % 2 or M % hd or M // hd <= 2 * Hkv:
         raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
-
-
-def qkv_rope_parts(part: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, settings: KernelSettings | None = None) -> torch.Tensor:
-    """`sliced_qkv_rope` after its GEMV: q [B, H, hd] from the q/k/v partials [split, B, M] (check_qkv_rope
-    first), k and v into the caches at pos."""
-    config = (settings or DEFAULT).input_sparse
-    B, Hkv, T, hd = k_cache.shape
-    M = part.shape[2]
+    part = sliced_parts(idx, val, count, w_t, settings)
     H = M // hd - 2 * Hkv
-    q = torch.empty(B, H, hd, dtype=k_cache.dtype, device=part.device)
-    jit(_sum_rope_kernel, part.device)[(B, -(-M // config.block_m))](
+    q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
+    jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](
         part, q, k_cache, v_cache, cos, sin, pos, B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=config.block_m,
-        SPLIT_K=part.shape[0], **pdl_args(part.device, "is_sum", (settings or DEFAULT).pdl))
+        SPLIT_K=part.shape[0], **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
     return q
 
 

@@ -172,9 +172,6 @@ class InputSparseSettings:
     # the 70B TP-8 rank 28.7 vs 27.7 us, 6.486 vs 6.416 ms (H100, 2026-12-05, 94b1fda: `bash
     # benchmarks/gpu/input_sparse_sweep.sh` and e2e_llama.py's confirmation run; docs/llama.md)
     projections: tuple = (("gate_up", "block_k", 64),)
-    # the GEMV selects its own split's pairs (input_sparse.fused_parts: no select launch) for q/k/v, gate/up and
-    # down; o keeps its select (it combines the attention's splits). To be measured
-    fuse_select: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,9 +192,6 @@ class GQAAttnSettings:
     max_splits: int = 32
     num_warps: int = 4
     fuse_combine: bool = True
-    # splits whose partials a combine (the combine launch, or the o projection's select) loads at once; 0: one at a
-    # time (each split's loads after the last one's)
-    combine_splits: int = 8
 
 
 @dataclass(frozen=True)

@@ -142,36 +142,26 @@ class LlamaOps:
         with projection `kind`'s settings."""
         if t <= 0 or self.backend == "ref":
             return linear_ref(x.to(w_t.dtype), w_t, t, norm, swiglu, residual)  # an fp32 residual stream's x rounded
-        return self._project(x, w_t, t, residual, kind, norm, swiglu)
+        return self._project(self._select(x, w_t, t, kind, norm, swiglu, w_t.dtype), w_t, residual, kind)
 
-    def _parts(self, x, w_t: torch.Tensor, t: float, kind: str, norm=None, swiglu: bool = False, acc=None):
-        # kind's thresholded product of x as fp32 partials [S, B, M] (or added into acc): the select and the
-        # pairs' GEMV, or one GEMV launch selecting its own pairs (fuse_select; never for the attention's partials)
-        from dejavu.plugins import input_sparse as IS
-
-        settings = self.kinds[kind]
-        if settings.input_sparse.fuse_select and not isinstance(x, IS.GQAPartials):
-            split = IS.split_k_for(x.shape[-2], w_t.shape[0], w_t.shape[1], settings.input_sparse)
-            return IS.fused_parts(x, t, split, w_t, *(norm or (None, 0.0)), swiglu, settings=settings, acc=acc)
-        return IS.sliced_parts(*self._select(x, w_t, t, kind, norm, swiglu, w_t.dtype), w_t, settings=settings,
-                               acc=acc)
-
-    def _project(self, x, w_t: torch.Tensor, t: float, residual: torch.Tensor | None, kind: str, norm=None,
-                 swiglu: bool = False) -> torch.Tensor:
-        # residual + kind's thresholded product of x: its partials summed by the split-K sum launch, or added
-        # into the fp32 residual stream in place (fp32_residual)
-        from dejavu.plugins.input_sparse import sum_splits
+    def _project(self, sel, w_t: torch.Tensor, residual: torch.Tensor | None, kind: str) -> torch.Tensor:
+        # the pairs' GEMV of select `sel`: residual + y by the split-K sum launch, or added into the fp32 residual
+        # stream in place (fp32_residual)
+        from dejavu.plugins.input_sparse import sliced_gemv, sliced_gemv_add
 
         if self.fp32_residual and residual is not None:
-            return self._parts(x, w_t, t, kind, norm, swiglu, acc=residual)
-        return sum_splits(self._parts(x, w_t, t, kind, norm, swiglu), w_t.dtype, residual, settings=self.kinds[kind])
+            return sliced_gemv_add(*sel, w_t, residual, settings=self.kinds[kind])
+        return sliced_gemv(*sel, w_t, residual, settings=self.kinds[kind])
 
     def gate_up(self, x: torch.Tensor, wgu_t: torch.Tensor, t: float, norm) -> torch.Tensor:
         """The fused gate/up projection of x [B, D] through the MLP's RMSNorm (norm: (w, eps)), unsummed: fp32
         partials [S, B, 2I] (triton, t > 0; down's select sums them), else gate | up [B, 2I]."""
         if t <= 0 or self.backend == "ref":
             return self.linear(x, wgu_t, t, norm=norm, kind="gate_up")
-        return self._parts(x, wgu_t, t, "gate_up", norm)
+        from dejavu.plugins.input_sparse import sliced_parts
+
+        return sliced_parts(*self._select(x, wgu_t, t, "gate_up", norm, dtype=wgu_t.dtype), wgu_t,
+                            settings=self.kinds["gate_up"])
 
     def down(self, gu: torch.Tensor, wd_t: torch.Tensor, t: float, x: torch.Tensor) -> torch.Tensor:
         """x + down(SiLU(gate) * up) from gate_up's output gu (its partials [S, B, 2I] or [B, 2I])."""
@@ -180,7 +170,7 @@ class LlamaOps:
 
             if t <= 0:
                 return self.linear(sum_parts_ref(gu, wd_t.dtype), wd_t, t, swiglu=True, residual=x, kind="down")
-            return self._project(gu, wd_t, t, x, "down", swiglu=True)
+            return self._project(self._select(gu, wd_t, t, "down", swiglu=True, dtype=wd_t.dtype), wd_t, x, "down")
         return self.linear(gu, wd_t, t, swiglu=True, residual=x, kind="down")
 
     def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
@@ -198,9 +188,8 @@ class LlamaOps:
         if t <= 0 or self.backend == "ref":
             return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
                                           rows)
-        IS.check_qkv_rope(w_t, cos, sin, pos, k_cache, v_cache)
-        return IS.qkv_rope_parts(self._parts(x, w_t, t, "qkv", norm), cos, sin, pos, k_cache, v_cache,
-                                 settings=self.kinds["qkv"])
+        return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
+                                  k_cache, v_cache, settings=self.kinds["qkv"])
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float, residual: torch.Tensor) -> torch.Tensor:
@@ -215,7 +204,7 @@ class LlamaOps:
         o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
         if isinstance(o, torch.Tensor):
             return self.linear(o, wo_t, t, residual=residual, kind="o")
-        return self._project(o, wo_t, t, residual, "o")
+        return self._project(self._select(o, wo_t, t, "o"), wo_t, residual, "o")
 
     def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
         """The kernel path once against the reference: the GEMV on layer 0's MLP weights, its input through

@@ -158,17 +158,6 @@ SCRIPT = textwrap.dedent('''
         assert loops and not any("bar.sync" in body or "shared" in body for body in loops)
     compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6),
                  overrides={"part_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*fp16"})
-    # the GEMV selecting its own split's pairs (input_sparse.fused_parts): RMSNorm of the fp32 stream, SwiGLU of
-    # gate/up's fp32 partials, x as it is; one barrier after its select, none in its loop
-    for producer, src_split, x in ((IS.NORM, 0, "*fp32"), (IS.SWIGLU, 2, "*fp32"), (IS.NONE, 0, "*fp16")):
-        k = compile_sm90(IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=32, EVEN_M=True, FUSED=1, PRODUCER=producer,
-                                                          SRC_SPLIT=src_split, BLOCK_SEL=2048, ROW=4096, ATOMIC=1),
-                         overrides={"count_ptr": "*i32", "part_ptr": "*fp32", "x_ptr": x, "t": "fp32"},
-                         div16={"N", "M"})
-        ptx = k.asm["ptx"]
-        loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
-                 if f"$L__BB0_{m.group(1)};" in ptx[m.end():]]
-        assert "bar.sync" in ptx and loops and "bar.sync" not in loops[-1]
     # the fp32 residual stream (input_sparse.fp32_residual): the RMSNorm select of an fp32 x writing fp16 pairs, and
     # the GEMV adding each split's sum into the stream with fp32 reductions at gpu scope, no partials stored
     compile_sm90(IS, IS._select_slices_kernel, dict(PRODUCER=IS.NORM, SRC_SPLIT=0, BLOCK=1024, ROW=4096),
@@ -222,21 +211,17 @@ SCRIPT = textwrap.dedent('''
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.NORM, SRC_SPLIT=0, BLOCK=1024, ROW=4096), False),
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.SWIGLU, SRC_SPLIT=2, BLOCK=1024, ROW=4096), False),
         (IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True), True),
-        (IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True, FUSED=1, PRODUCER=IS.NORM, BLOCK_SEL=1024,
-                                          ROW=4096), True),
         (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
         (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6), False),
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16), False),
-        (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16, BLOCK_C=8), False),
         (GA, GA._gqa_split_kernel, dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False), True),
         (GA, GA._gqa_split_kernel, dict(G=8, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=False, DOT_FP32=False),
          True),
         (GA, GA._gqa_combine_kernel, dict(BLOCK=1024), False),
-        (GA, GA._gqa_combine_kernel, dict(BLOCK=512, BLOCK_C=8), False),
     ]
     gqa = {"q_ptr": "*fp16", "o_ptr": "*fp16", "acc_ptr": "*fp32", "pos_ptr": "*i64", "scale": "fp32"}
     typed = {IS._select_slices_kernel: {"count_ptr": "*i32", "t": "fp32"}, IS._sliced_gemv_kernel:
-             {"count_ptr": "*i32", "part_ptr": "*fp32", "t": "fp32", "x_ptr": "*fp32"}, IS._sum_splits_kernel: {"part_ptr": "*fp32"},
+             {"count_ptr": "*i32", "part_ptr": "*fp32"}, IS._sum_splits_kernel: {"part_ptr": "*fp32"},
              IS._sum_rope_kernel: {"part_ptr": "*fp32", "pos_ptr": "*i64"}, GA._gqa_split_kernel: gqa,
              GA._gqa_combine_kernel: {k: gqa[k] for k in ("o_ptr", "acc_ptr", "pos_ptr")}}
     for mod, fn, consts, looped in cases:  # looped: a main loop over weights (gdc_release after it)

@@ -43,7 +43,6 @@ CASES = [  # B, H, Hkv, hd, T, pos (None: random per row), block_s, max_splits, 
     (2, 8, 1, 40, 70, [69, 32], 32, 32, 132),  # G 8 (a 70B TP-8 rank's), pos at a tile's first slot
     (2, 3, 3, 8, 40, None, 16, 2, 132),  # G 1 (multi-head KV), hd 8 padded to 16
     (1, 4, 2, 16, 100, [99], 16, 32, 4),  # target_programs 4 over 2 KV heads: 2 splits of 4 tiles
-    (1, 4, 2, 16, 300, [299], 16, 32, 132),  # 19 splits: the combine's chunks of 8, 8 and 3
 ]
 
 
@@ -114,28 +113,21 @@ def test_bad_inputs_are_dejavu_errors(triton_interp):
     for bad in (dict(block_s=12), dict(block_s=8), dict(max_splits=0)):
         with pytest.raises(DejavuError, match="block_s must be a power of two >= 16"):
             gqa_decode(q, k, v, pos, settings=_ks(**bad))
-    for bad in (3, -2):
-        with pytest.raises(DejavuError, match=f"combine_splits must be 0 or a power of two, got {bad}"):
-            gqa_decode(q, k, v, pos, settings=_ks(combine_splits=bad))
     with pytest.raises(DejavuError, match="head dim 512"):
         gqa_decode(torch.zeros(1, 2, 512), torch.zeros(1, 1, 4, 512), torch.zeros(1, 1, 4, 512), pos[:1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,H,Hkv,hd,T,max_splits,split,chunk", [(2, 8, 2, 24, 37, 3, 5, 8), (3, 4, 1, 16, 70, 2, 1, 8),
-                                                                (2, 4, 2, 16, 300, 32, 3, 8), (2, 4, 2, 16, 300, 32, 3, 2),
-                                                                (2, 8, 2, 24, 37, 3, 5, 0)])
-def test_o_projections_select_combines_the_partials(triton_interp, close, dtype, B, H, Hkv, hd, T, max_splits, split,
-                                                    chunk):
+@pytest.mark.parametrize("B,H,Hkv,hd,T,max_splits,split", [(2, 8, 2, 24, 37, 3, 5), (3, 4, 1, 16, 70, 2, 1)])
+def test_o_projections_select_combines_the_partials(triton_interp, close, dtype, B, H, Hkv, hd, T, max_splits, split):
     """select_slices on the splits' partials (PRODUCER ATTN, the combine fused into the select) picks what it
-    picks from the combine kernel's o, with the same values; per-row positions, pos 0 and T - 1 among them; the
-    splits' partials loaded `chunk` at a time (19 splits: several chunks, the last one short; 0: one by one)."""
+    picks from the combine kernel's o, with the same values; per-row positions, pos 0 and T - 1 among them."""
     from dejavu.plugins.input_sparse import select_slices, select_slices_ref
 
     g = torch.Generator().manual_seed(B * T + split)
     q, k, v = _inputs(B, H, Hkv, hd, T, dtype, g)
     pos = torch.tensor([T - 1, 0, 9][:B])
-    ks = dataclasses.replace(_ks(block_s=16, max_splits=max_splits, combine_splits=chunk),
+    ks = dataclasses.replace(_ks(block_s=16, max_splits=max_splits),
                              input_sparse=dataclasses.replace(DEFAULT.input_sparse, block_select=32))
     parts = gqa_decode(q, k, v, pos, combine=False, settings=ks)
     o = gqa_decode(q, k, v, pos, settings=ks)
