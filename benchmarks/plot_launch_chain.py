@@ -32,14 +32,20 @@ def main(argv=None) -> int:
     from dejavu.fileio import atomic_path
 
     fig, ax = plt.subplots(figsize=(6.0, 3.8))
-    for n, path in enumerate(a.raw):
-        res = json.loads(Path(path).read_text(encoding="utf-8"))
+    runs = [json.loads(Path(path).read_text(encoding="utf-8")) for path in a.raw]
+    gpus = sorted({res.get("gpu", "?") for res in runs})
+    labelled = set()
+    for res in runs:  # each GPU's runs a line width of its own (the first GPU's thinnest), labelled once
+        gpu = res.get("gpu", "?")
+        n_gpu = sum(r.get("gpu", "?") == gpu for r in runs)
         for (pdl, early), (label, style, color) in FORMS.items():
             pts = sorted((r["bytes_per_launch"] / 2**20, r["over_floor"]) for r in res["reads"]
                          if r["pdl"] == pdl and r["early"] == early)
             if pts:
-                ax.plot(*zip(*pts), style, color=color, alpha=0.7, ms=4, lw=1,
-                        label=None if n else f"{label} ({len(a.raw)} runs)")
+                key = (gpu, pdl, early)
+                ax.plot(*zip(*pts), style, color=color, alpha=0.7, ms=4, lw=1 + 1.5 * gpus.index(gpu),
+                        label=None if key in labelled else f"{label}, {gpu.removeprefix('NVIDIA ')} ({n_gpu} run{'s' * (n_gpu > 1)})")
+                labelled.add(key)
     for name, shape in llama_shapes().items():
         for mb in gemv_bytes(shape):
             ax.axvline(mb / 2**20, color="gray", lw=0.6, ls=":" if "70b" in name else "-")
