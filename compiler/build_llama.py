@@ -327,21 +327,28 @@ def load_build_model(model_name_or_path, config, rewrites: bool = False, say=Non
     (--distill-steps, --rotate-keep) or traces them (`rewrites`: the ONNX export), which load them in fp32;
     the thresholds, the allocation and the engine are the same either way. A Hugging Face folder whose weight
     files do not fit the CUDA device (`offload_needed`) is held in host memory and its layers brought to the
-    device one at a time (`offload_layers`); say(line) reports it."""
+    device one at a time (`offload_layers`); say(line) reports it. Such a folder with a flag that needs the whole
+    model in fp32 on the device is one DejavuError line."""
     from dejavu.models.auto import gguf_path, load_llama, resolve
     from dejavu.models.llama import compute_in_fp32
     from dejavu.models.loader import check_device, weight_files
 
     device = check_device(config.device)
-    if config.distill_steps or config.rotate_keep is not None or rewrites:
-        return load_llama(model_name_or_path, dtype=torch.float32, device=device)
     offload = False
-    if gguf_path(model_name_or_path) is None and device.type == "cuda":
+    if gguf_path(model_name_or_path) is None:
         need = sum(f.stat().st_size for f in weight_files(resolve(model_name_or_path)))
         offload = offload_needed(need, device)
-        if offload and say is not None:
-            say(f"the weights ({need / 2**30:.1f} GiB) do not fit {device}: held in host memory, "
-                "each layer brought to the device for its forward")
+    rewrite = [f for f, on in (("--distill-steps", config.distill_steps), ("--rotate-keep", config.rotate_keep is not None),
+                               ("--onnx-out", rewrites)) if on]
+    if offload and rewrite:
+        raise DejavuError(f"the weights ({need / 2**30:.1f} GiB) do not fit {device}, and {rewrite[0]} needs the whole "
+                          "model there in fp32; leave it out (the build then brings the layers to the device one at a "
+                          "time) or use a larger device")
+    if rewrite:
+        return load_llama(model_name_or_path, dtype=torch.float32, device=device)
+    if offload and say is not None:
+        say(f"the weights ({need / 2**30:.1f} GiB) do not fit {device}: held in host memory, "
+            "each layer brought to the device for its forward")
     model, cfg = load_llama(model_name_or_path, dtype=None, device="cpu" if offload else device)
     compute_in_fp32(model)
     if offload:

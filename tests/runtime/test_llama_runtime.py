@@ -569,3 +569,21 @@ def test_offloaded_build_equals_the_on_device_build(tmp_path, monkeypatch):
     build_engine(folder, BuildConfig(**cfg), tmp_path / "b.engine", progress=False)
     (ha, ta), (hb, tb) = read_engine(tmp_path / "a.engine"), read_engine(tmp_path / "b.engine")
     assert ha["sparsity"] == hb["sparsity"] and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_offloaded_build_on_the_cpu_and_what_it_refuses(tmp_path, monkeypatch, capsys):
+    """The build path with offload_needed forced on the CPU (layers copied for their forwards) writes the engine a
+    plain build writes, and says so in one progress line; with a flag that needs the whole model in fp32 on the
+    device (--distill-steps) it is one DejavuError line and no file."""
+    import dejavu.compiler.build_llama as BL
+
+    folder = write_tiny_llama(tmp_path / "m", seed=4)
+    build_engine(folder, BuildConfig(density=0.6, **CALIB), tmp_path / "a.engine", progress=False)
+    monkeypatch.setattr(BL, "offload_needed", lambda need, device: True)
+    build_engine(folder, BuildConfig(density=0.6, **CALIB), tmp_path / "b.engine", progress=True)
+    assert "held in host memory, each layer brought to the device" in capsys.readouterr().err
+    (ha, ta), (hb, tb) = read_engine(tmp_path / "a.engine"), read_engine(tmp_path / "b.engine")
+    assert ha["sparsity"] == hb["sparsity"] and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    with pytest.raises(DejavuError, match=r"do not fit cpu, and --distill-steps needs the whole model there"):
+        build_engine(folder, BuildConfig(density=0.6, distill_steps=2, **CALIB), tmp_path / "c.engine", progress=False)
+    assert not (tmp_path / "c.engine").exists()
