@@ -77,11 +77,14 @@ def density_for_skip(cfg, skip: float) -> float:
 def _check_supported(cfg, config) -> None:
     if cfg.attention_bias or cfg.mlp_bias:
         raise DejavuError("Llama engines do not support attention_bias / mlp_bias checkpoints yet")
-    unsupported = {"mlp_density": None, "attn_density": None, "tp": 1, "no_predictors": False}
+    unsupported = {"mlp_density": None, "attn_density": None, "no_predictors": False}
     for name, default in unsupported.items():
         if getattr(config, name) != default:
             raise DejavuError(f"--{name.replace('_', '-')} is not supported for Llama-family models yet "
                               "(TEAL thresholds from --density or --max-ppl-increase)")
+    if config.tp > 1 and (cfg.num_key_value_heads % config.tp or cfg.intermediate_size % config.tp):
+        raise DejavuError(f"--tp {config.tp} must divide num_key_value_heads ({cfg.num_key_value_heads}) and "
+                          f"intermediate_size ({cfg.intermediate_size})")
 
 
 class _Blocks(torch.nn.Module):
@@ -394,7 +397,13 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
                           tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id),
                           heldout)
     with stages("write engine"):
-        size = write_engine_parts(out, header, parts)
+        if config.tp > 1:  # one file per rank (dejavu.shards.shard_path), a tensor at a time
+            from dejavu.compiler.tensor_parallel import write_shards
+
+            size, files = write_shards(out, header, parts, config.tp)
+            out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"
+        else:
+            size = write_engine_parts(out, header, parts)
     del model
     if progress:
         print(f"[dejavu-compile] wrote {out}", file=sys.stderr, flush=True)

@@ -44,6 +44,8 @@ def k_per_rank(k: int, n: int, tp: int) -> int:
 
 def _split_rule(header: dict, tp: int):
     """(rank headers, split(name, w, r) -> rank r's part of tensor w) for a single-rank engine."""
+    if header.get("model_family") == "llama":
+        return _llama_split_rule(header, tp)
     mc, bc = header["model_config"], header["build_config"]
     H, F, D = mc["num_attention_heads"], mc["ffn_dim"], mc["hidden_size"]
     check_tp(H, F, tp)
@@ -80,15 +82,58 @@ def _split_rule(header: dict, tp: int):
     return headers, split
 
 
+_LLAMA_REPLICATED = re.compile(r"(embed_tokens|lm_head|final_norm|layers\.\d+\.(attn_norm|mlp_norm))$")
+
+
+def _llama_split_rule(header: dict, tp: int):
+    """The Llama family's split (a TEAL engine: no predictors, the thresholds the same on every rank): rank r
+    holds query heads [r H/n, (r+1) H/n) with their KV heads [r Hkv/n, ...) and neurons [r F/n, ...);
+    q/k/v and gate/up are split by output column, o and down by input row (their outputs summed by the
+    all-reduce). Each rank's header is a Llama engine of H/n heads, Hkv/n KV heads and F/n neurons with the
+    full hidden size, so its thresholds select on its own inputs: o's and down's thresholded inputs are
+    the rank's own heads' and neurons', q/k/v's and gate/up's the replicated hidden state."""
+    mc = header["model_config"]
+    H, Hkv, F, D = mc["num_attention_heads"], mc["num_key_value_heads"], mc["intermediate_size"], mc["hidden_size"]
+    hd = mc.get("head_dim") or D // H
+    if type(tp) is not int or tp < 1:
+        raise DejavuError(f"--tp must be a positive integer, got {tp!r}")
+    if Hkv % tp or F % tp:
+        raise DejavuError(f"--tp {tp} must divide num_key_value_heads ({Hkv}) and intermediate_size ({F})")
+    if header["build_config"].get("tp"):
+        raise DejavuError("engine is already a tensor-parallel shard")
+    Hr, Kr, Fr = H // tp, Hkv // tp, F // tp
+
+    def split(name: str, w: torch.Tensor, r: int) -> torch.Tensor:
+        kind = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        q, kv, f = slice(r * Hr * hd, (r + 1) * Hr * hd), slice(r * Kr * hd, (r + 1) * Kr * hd), slice(r * Fr, (r + 1) * Fr)
+        if _LLAMA_REPLICATED.match(name):
+            return w
+        if kind == "attn.wqkv_t":  # columns: q heads, then k heads, then v heads
+            return torch.cat([w[:, :H * hd][:, q], w[:, H * hd:(H + Hkv) * hd][:, kv], w[:, (H + Hkv) * hd:][:, kv]], 1)
+        if kind == "attn.wo_t":
+            return w[q].contiguous()
+        if kind == "mlp.wgu_t":  # columns: gate, then up
+            return torch.cat([w[:, :F][:, f], w[:, F:][:, f]], 1)
+        if kind == "mlp.wd_t":
+            return w[f].contiguous()
+        raise DejavuError(f"shard_engine: no split rule for tensor {name!r}")
+
+    headers = []
+    for r in range(tp):
+        hr = copy.deepcopy(header)
+        hr["model_config"].update(num_attention_heads=Hr, num_key_value_heads=Kr, intermediate_size=Fr, head_dim=hd)
+        hr["build_config"]["tp"] = {"size": tp, "rank": r, "num_heads": Hr, "num_kv_heads": Kr, "ffn_dim": Fr}
+        headers.append(hr)
+    return headers, split
+
+
 def shard_engine(header: dict, tensors: dict[str, torch.Tensor], tp: int) -> list[tuple[dict, dict]]:
     """[(header_r, tensors_r)] for r in 0..tp-1 from a single-rank engine (kernel layout).
 
     tp == 1 returns the engine unchanged. Raises DejavuError when tp does not divide the
     heads and the MLP width, or on a tensor this function does not know how to split."""
     if tp == 1:
-        check_tp(header["model_config"]["num_attention_heads"], header["model_config"]["ffn_dim"], tp)
-        if header["build_config"].get("tp"):
-            raise DejavuError("engine is already a tensor-parallel shard")
+        _split_rule(header, 1)  # its checks
         return [(header, tensors)]
     headers, split = _split_rule(header, tp)
     return [(hr, {n: split(n, w, r).contiguous() for n, w in tensors.items()}) for r, hr in enumerate(headers)]

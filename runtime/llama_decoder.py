@@ -163,8 +163,9 @@ class LlamaOps:
         return sliced_parts(*self._select(x, wgu_t, t, "gate_up", norm, dtype=wgu_t.dtype), wgu_t,
                             settings=self.kinds["gate_up"])
 
-    def down(self, gu: torch.Tensor, wd_t: torch.Tensor, t: float, x: torch.Tensor) -> torch.Tensor:
-        """x + down(SiLU(gate) * up) from gate_up's output gu (its partials [S, B, 2I] or [B, 2I])."""
+    def down(self, gu: torch.Tensor, wd_t: torch.Tensor, t: float, x: torch.Tensor | None) -> torch.Tensor:
+        """x + down(SiLU(gate) * up) from gate_up's output gu (its partials [S, B, 2I] or [B, 2I]); x None: the
+        product alone."""
         if gu.dim() == 3:  # partials: t > 0 on triton
             from dejavu.plugins.input_sparse import sum_parts_ref
 
@@ -174,10 +175,11 @@ class LlamaOps:
         return self.linear(gu, wd_t, t, swiglu=True, residual=x, kind="down")
 
     def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
-            norm) -> torch.Tensor:
+            norm, add: bool = True) -> torch.Tensor:
         """x + down(SiLU(gate) * up) of x [B, D] (norm: the MLP's RMSNorm (w, eps)): gate/up's partials go
-        straight into down's SwiGLU select, which sums them (no split-K sum launch between)."""
-        return self.down(self.gate_up(x, wgu_t, t_in, norm), wd_t, t_down, x)
+        straight into down's SwiGLU select, which sums them (no split-K sum launch between). add False: down's
+        output alone (tensor parallel: a rank's part, added after the all-reduce)."""
+        return self.down(self.gate_up(x, wgu_t, t_in, norm), wd_t, t_down, x if add else None)
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -192,8 +194,9 @@ class LlamaOps:
                                   k_cache, v_cache, settings=self.kinds["qkv"])
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                       mask: torch.Tensor | None, wo_t: torch.Tensor, t: float, residual: torch.Tensor) -> torch.Tensor:
-        """residual + linear(o, wo_t, t): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
+                       mask: torch.Tensor | None, wo_t: torch.Tensor, t: float,
+                       residual: torch.Tensor | None) -> torch.Tensor:
+        """residual + linear(o, wo_t, t) (residual None: the product alone): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
         <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
         from dejavu.plugins import gqa_attention as GA
 
@@ -267,6 +270,9 @@ class LlamaDecoder:
         self.v_cache: list[torch.Tensor] = []
         self.batch = self.max_seq = 0
         self._all = None
+        # tensor parallel (runtime/tp.py): reduce(y) sums o's and down's outputs over the ranks, and the residual
+        # is added after it (the ops then keep a plain residual stream: no fp32 stream adding in place)
+        self.reduce = None
 
     # ------------------------------------------------------------------ cache
     def setup(self, batch: int, max_seq: int) -> None:
@@ -322,6 +328,8 @@ class LlamaDecoder:
         # x: [..., D] residual -> x + down(SiLU(gate) * up), each projection thresholded on its input
         eps = self.spec.rms_norm_eps
         gu = linear(x, w.wgu_t, w.t["mlp_in"], norm=(w.mlp_norm, eps))
+        if self.reduce is not None:
+            return x + self.reduce(linear(gu, w.wd_t, w.t["down_in"], swiglu=True))
         return linear(gu, w.wd_t, w.t["down_in"], swiglu=True, residual=x)
 
     # ------------------------------------------------------------------ decode
@@ -346,8 +354,13 @@ class LlamaDecoder:
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
                                   self.rows)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
-            x = self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x)
-            x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
+            if self.reduce is None:
+                x = self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x)
+                x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
+                continue
+            x = x + self.reduce(self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], None))
+            x = x + self.reduce(self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"],
+                                             (w.mlp_norm, s.rms_norm_eps), add=False))
         return self.head(x)
 
     # ------------------------------------------------------------------ sequences
@@ -383,7 +396,11 @@ class LlamaDecoder:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
-            x = lin(o.transpose(1, 2).reshape(B, S, H * hd), w.wo_t, w.t["o_in"], residual=x)
+            o = o.transpose(1, 2).reshape(B, S, H * hd)
+            if self.reduce is None:
+                x = lin(o, w.wo_t, w.t["o_in"], residual=x)
+            else:
+                x = x + self.reduce(lin(o, w.wo_t, w.t["o_in"]))
             x = self._mlp(w, x, lin)
         if last is not None:
             x = x[torch.arange(B, device=x.device), last]  # [B, D]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.runtime.engine import Engine
+from dejavu.runtime.llama_engine import LlamaEngine
 from dejavu.runtime.spec import EngineSpec, spec_from_header
 from dejavu.shards import shard_path, tp_info
 
@@ -78,23 +79,17 @@ def _rank_device(device) -> torch.device:
     return dev
 
 
-class TPEngine(Engine):
-    """One rank of a tensor-parallel engine; the same API as `Engine` (generate, logits, ...)."""
+class _Rank:
+    """What one rank of a tensor-parallel engine adds to an engine: its process group, the all-reduce its
+    decoder sums o's / the MLP's partial outputs with, rank 0's sampled tokens on every rank, and `load`."""
 
-    _spec = staticmethod(shard_spec)
-
-    def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", group=None,
-                 use_graphs: bool = False, **kw):
+    def _join(self, group, size: int, rank: int) -> None:
         if not dist.is_initialized():
             raise DejavuError("TPEngine needs torch.distributed initialised (init_distributed or torchrun)")
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        spec = shard_spec(header)
-        if (spec.tp_size, spec.tp_rank) != (self.world, self.rank):
-            raise DejavuError(f"engine is shard {spec.tp_rank} of {spec.tp_size} but this process is rank "
-                              f"{self.rank} of {self.world}")
-        super().__init__(header, tensors, device, use_graphs=use_graphs, **kw)
-        self.decoder.reduce = self._all_reduce
+        if (size, rank) != (self.world, self.rank):
+            raise DejavuError(f"engine is shard {rank} of {size} but this process is rank {self.rank} of {self.world}")
 
     def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         # y: [..., D] partial sum of this rank's heads / neurons (+ the bias on rank 0)
@@ -109,9 +104,9 @@ class TPEngine(Engine):
         return tokens
 
     @classmethod
-    def load(cls, path_pattern_or_paths, device="cpu", overlap: bool = True, **kw) -> "TPEngine":
-        """This rank's engine: a list of paths (one per rank), a pattern with `{rank}` (and
-        `{size}`), or the base name `OUT.engine` of `OUT.rank{r}-of-{n}.engine`."""
+    def load(cls, path_pattern_or_paths, device="cpu", overlap: bool = True, **kw):
+        """This rank's engine (a `LlamaTPEngine` for a Llama-family shard): a list of paths (one per rank), a
+        pattern with `{rank}` (and `{size}`), or the base name `OUT.engine` of `OUT.rank{r}-of-{n}.engine`."""
         from dejavu.engine_file import read_engine
 
         init_distributed(device)
@@ -126,10 +121,38 @@ class TPEngine(Engine):
             raise DejavuError(f"engine file not found for rank {rank} of {world}: {path}")
         dev = _rank_device(device)
         header, tensors = read_engine(path, "cpu" if dev.type == "cpu" else dev)
-        return cls(header, tensors, dev, overlap=overlap, **kw)
+        klass = LlamaTPEngine if header.get("model_family") == "llama" else cls
+        return klass(header, tensors, dev, overlap=overlap, **kw)
 
     def describe(self) -> dict:
         return {**super().describe(), "tp": {"size": self.world, "rank": self.rank}}
+
+
+class TPEngine(_Rank, Engine):
+    """One rank of a tensor-parallel engine; the same API as `Engine` (generate, logits, ...)."""
+
+    _spec = staticmethod(shard_spec)
+
+    def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", group=None,
+                 use_graphs: bool = False, **kw):
+        spec = shard_spec(header)
+        self._join(group, spec.tp_size, spec.tp_rank)
+        super().__init__(header, tensors, device, use_graphs=use_graphs, **kw)
+        self.decoder.reduce = self._all_reduce
+
+
+class LlamaTPEngine(_Rank, LlamaEngine):
+    """One rank of a tensor-parallel Llama engine (compiler/tensor_parallel: H/n heads, Hkv/n KV heads, F/n
+    neurons, the thresholds of the whole model): o's and down's outputs all-reduced before the residual add, the
+    residual stream in the engine dtype (not the fp32 stream that o and down add into in place on one GPU)."""
+
+    def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", group=None,
+                 use_graphs: bool = False, **kw):
+        tp = header.get("build_config", {}).get("tp") or {"size": 1, "rank": 0}
+        self._join(group, tp["size"], tp["rank"])
+        super().__init__(header, tensors, device, use_graphs=use_graphs, **kw)
+        self.ops.fp32_residual = False
+        self.decoder.reduce = self._all_reduce
 
 
 # ----------------------------------------------------------------------------- entry point
