@@ -211,3 +211,25 @@ def tiny_tokenizer_json(vocab_size: int = 300) -> str:
     from tiny_tokenizer import tiny_tokenizer_json as bpe
 
     return bpe(vocab_size, chars=20_000)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback (the gloo rendezvous of the tensor-parallel tests)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_gloo(rank: int, port: int, world: int) -> None:
+    """In an mp.spawn worker: torchrun's environment for rank of world on the loopback, Triton's interpreter (read
+    when triton is first imported in this process), one thread; then the gloo process group."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      TRITON_INTERPRET="1")
+    torch.set_num_threads(1)
+    from dejavu.runtime.tp import init_distributed
+
+    init_distributed("cpu")

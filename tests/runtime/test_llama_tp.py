@@ -3,7 +3,6 @@ shards run by 2 gloo processes (mp.spawn) through `TPEngine.load`, against the s
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from dejavu.engine_file import read_engine
 from dejavu.errors import DejavuError
 from dejavu.runtime import Engine
 from llama_helpers import write_tiny_llama
+from runtime_helpers import free_port, join_gloo
 
 TP = 2
 PROMPTS = [[0, 9, 4, 200, 17], [7, 1, 3]]
@@ -24,19 +24,10 @@ IDS = torch.randint(0, 320, (2, 14), generator=torch.Generator().manual_seed(3))
 CALIB = dict(calib_tokens=512, calib_window=128, dtype="float32")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(TP),
-                      TRITON_INTERPRET="1")
-    torch.set_num_threads(1)
-    from dejavu.runtime.tp import TPEngine, init_distributed
+    join_gloo(rank, port, TP)
+    from dejavu.runtime.tp import TPEngine
 
-    init_distributed("cpu")
     try:
         eng = TPEngine.load(os.path.join(folder, "tp.engine"), "cpu")
         res = {"class": type(eng).__name__, "describe": eng.describe(), "logits": eng.logits(IDS),
@@ -59,7 +50,7 @@ def tp_run(tmp_path_factory):
     model = write_tiny_llama(folder / "m", seed=3)
     build_engine(model, BuildConfig(density=0.6, **CALIB), folder / "one.engine", progress=False)
     build_engine(model, BuildConfig(density=0.6, tp=TP, **CALIB), folder / "tp.engine", progress=False)
-    mp.spawn(_worker, args=(_free_port(), str(folder)), nprocs=TP, join=True)
+    mp.spawn(_worker, args=(free_port(), str(folder)), nprocs=TP, join=True)
     ranks = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(TP)]
     return folder, ranks
 

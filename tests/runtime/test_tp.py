@@ -5,7 +5,6 @@ results with single-rank references computed here."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from dejavu.engine_file import read_engine
 from dejavu.errors import DejavuError
 from dejavu.runtime import Engine
 from dejavu.shards import shard_path
-from runtime_helpers import MaskedDense, engine_from_dense, tiny_model
+from runtime_helpers import MaskedDense, engine_from_dense, free_port, join_gloo, tiny_model
 
 TP = 2
 PROMPT = [2, 17, 40, 5, 88, 63, 9]
@@ -25,19 +24,10 @@ IDS = [PROMPT + [11, 12, 13, 70]]
 CASES = {"dense": (1.0, 1.0), "sparse": (0.4, 0.5)}  # (mlp density, attn density)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(TP),
-                      TRITON_INTERPRET="1")  # read when triton is first imported (the Ops of this process)
-    torch.set_num_threads(1)
-    from dejavu.runtime.tp import TPEngine, init_distributed
+    join_gloo(rank, port, TP)
+    from dejavu.runtime.tp import TPEngine
 
-    init_distributed("cpu")
     try:
         res = {}
         for name in CASES:
@@ -88,7 +78,7 @@ def tp_run(tmp_path_factory):
         _, files = write_shards(folder / f"{name}.engine", header, tensors, TP)
         assert files == [str(folder / f"{name}.rank{r}-of-{TP}.engine") for r in range(TP)]
         refs[name] = (model, header, tensors)
-    mp.spawn(_worker, args=(_free_port(), str(folder)), nprocs=TP, join=True)
+    mp.spawn(_worker, args=(free_port(), str(folder)), nprocs=TP, join=True)
     ranks = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(TP)]
     return refs, ranks, folder
 
@@ -177,7 +167,7 @@ def test_torchrun_entry_point(tmp_path):
     want = prompt + Engine.from_tensors(header, tensors, "cpu").complete([prompt], 8)[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), "-m", "dejavu.runtime.tp",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "dejavu.runtime.tp",
            str(tmp_path / "m.engine"), "--prompt", prompt, "--max-new-tokens", "8"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
