@@ -43,8 +43,9 @@ def main(argv=None) -> int:
                          if r["pdl"] == pdl and r["early"] == early)
             if pts:
                 key = (gpu, pdl, early)
+                runs_of = f"{n_gpu} run{'s' * (n_gpu > 1)}"
                 ax.plot(*zip(*pts), style, color=color, alpha=0.7, ms=4, lw=1 + 1.5 * gpus.index(gpu),
-                        label=None if key in labelled else f"{label}, {gpu.removeprefix('NVIDIA ')} ({n_gpu} run{'s' * (n_gpu > 1)})")
+                        label=None if key in labelled else f"{label}, {gpu.removeprefix('NVIDIA ')} ({runs_of})")
                 labelled.add(key)
     for name, shape in llama_shapes().items():
         for mb in gemv_bytes(shape):

@@ -341,8 +341,8 @@ def load_build_model(model_name_or_path, config, rewrites: bool = False, say=Non
     if gguf_path(model_name_or_path) is None:
         need = sum(f.stat().st_size for f in weight_files(resolve(model_name_or_path)))
         offload = offload_needed(need, device)
-    rewrite = [f for f, on in (("--distill-steps", config.distill_steps), ("--rotate-keep", config.rotate_keep is not None),
-                               ("--onnx-out", rewrites)) if on]
+    rewrite = [f for f, on in (("--distill-steps", config.distill_steps),
+                               ("--rotate-keep", config.rotate_keep is not None), ("--onnx-out", rewrites)) if on]
     if offload and rewrite:
         raise DejavuError(f"the weights ({need / 2**30:.1f} GiB) do not fit {device}, and {rewrite[0]} needs the whole "
                           "model there in fp32; leave it out (the build then brings the layers to the device one at a "

@@ -105,7 +105,8 @@ def _llama_split_rule(header: dict, tp: int):
 
     def split(name: str, w: torch.Tensor, r: int) -> torch.Tensor:
         kind = name.split(".", 2)[-1] if name.startswith("layers.") else name
-        q, kv, f = slice(r * Hr * hd, (r + 1) * Hr * hd), slice(r * Kr * hd, (r + 1) * Kr * hd), slice(r * Fr, (r + 1) * Fr)
+        q, kv = slice(r * Hr * hd, (r + 1) * Hr * hd), slice(r * Kr * hd, (r + 1) * Kr * hd)
+        f = slice(r * Fr, (r + 1) * Fr)
         if _LLAMA_REPLICATED.match(name):
             return w
         if kind == "attn.wqkv_t":  # columns: q heads, then k heads, then v heads

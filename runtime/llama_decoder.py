@@ -196,8 +196,9 @@ class LlamaOps:
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float,
                        residual: torch.Tensor | None) -> torch.Tensor:
-        """residual + linear(o, wo_t, t) (residual None: the product alone): o [B, H * hd] the attention of the rotated q [B, H, hd] over slots
-        <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask, None where attn_kernel)."""
+        """residual + linear(o, wo_t, t) (residual None: the product alone): o [B, H * hd] the attention of the
+        rotated q [B, H, hd] over slots <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask,
+        None where attn_kernel)."""
         from dejavu.plugins import gqa_attention as GA
 
         if not self.attn_kernel:
