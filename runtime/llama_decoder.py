@@ -272,7 +272,7 @@ class LlamaDecoder:
         self.batch = self.max_seq = 0
         self._all = None
         # tensor parallel (runtime/tp.py): reduce(y) sums o's and down's outputs over the ranks, and the residual
-        # is added after it (the ops then keep a plain residual stream: no fp32 stream adding in place)
+        # is added after it (a plain residual stream in the engine dtype: no fp32 stream adding in place)
         self.reduce = None
 
     # ------------------------------------------------------------------ cache
@@ -347,8 +347,8 @@ class LlamaDecoder:
 
             mask = decode_mask(pos, self.max_seq, s.dtype, self.slots)
         x = F.embedding(tokens, self.t["embed_tokens"])  # [B, D]
-        if self.ops.fp32_residual:
-            x = x.float()  # o and down add into it in place
+        if self.ops.fp32_residual and self.reduce is None:
+            x = x.float()  # o and down add into it in place (under TP they return their part: no residual given)
         for l, w in enumerate(self.layers):
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]

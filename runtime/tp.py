@@ -149,9 +149,10 @@ class LlamaTPEngine(_Rank, LlamaEngine):
     def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", group=None,
                  use_graphs: bool = False, **kw):
         tp = header.get("build_config", {}).get("tp") or {"size": 1, "rank": 0}
+        if not (isinstance(tp, dict) and type(tp.get("size")) is int and type(tp.get("rank")) is int):
+            raise DejavuError(f"engine header: build_config.tp is not a shard's {{size, rank}}: {tp!r}")
         self._join(group, tp["size"], tp["rank"])
         super().__init__(header, tensors, device, use_graphs=use_graphs, **kw)
-        self.ops.fp32_residual = False
         self.decoder.reduce = self._all_reduce
 
 
