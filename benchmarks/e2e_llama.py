@@ -25,6 +25,9 @@ Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, 
                  settings is one argparse line before anything runs);
                  on the --variant-models only, and only while the run is inside --budget-s (later ones are
                  recorded as skipped)
+Tune (--tune, GPU): on the --variant-models, runtime/tune.py's search from the defaults at --variant-skip (its
+trials recorded), then teal_s{S}+tuned timed as the others, then teal_s{S} (again): the two timings of the
+defaults' engine bound the drift.
 Profile (--profile-steps N, GPU): the dense graph and teal_s{--variant-skip} at the default blocks (with
 --profile-variants the variants too), N
 graph replays under torch.profiler (benchmarks/profile_decode.profile_steps: per-kernel GPU time and
@@ -44,6 +47,7 @@ does). Benchmarks assert nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -147,7 +151,6 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
     """[(system, skip, LlamaEngine)] sharing one weight set (skip 0: the dense graph), then one engine
     per kernel-settings variant (InputSparseSettings fields over the defaults, recorded in the header
     as a build would) at variant_skip; and the calibration record."""
-    import dataclasses
 
     from dejavu.compiler.config import BuildConfig
     from dejavu.compiler.build import target_info
@@ -416,6 +419,8 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
                 row["profile"] = profile_engine(eng, c, a.prompt_len, a.profile_steps, bw, row["skip_realized"])
                 run.save()  # the timed row is already recorded: a failing profile only adds an error
                 print(profile_summary(row["profile"]), flush=True)
+            if a.tune and dev.type == "cuda" and system == f"teal_s{a.variant_skip:g}" and name in a.variant_models:
+                tuned_rows(run, name, eng, c, a, row)
         except Exception as e:  # noqa: BLE001 - record and go on to the next system
             run.add("errors", {"model": name, "system": system, "error": f"{type(e).__name__}: {e}",
                                "trace": traceback.format_exc()[-3000:]})
@@ -437,6 +442,33 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
         run.add("errors", {"model": name, "system": "hf_eager", "error": f"{type(e).__name__}: {e}",
                            "trace": traceback.format_exc()[-3000:]})
     free(dev)
+
+
+def tuned_rows(run: Run, name: str, eng, c: dict, a, row: dict) -> None:
+    """runtime/tune.tune_engine on the engine at the defaults (its trials recorded), then the tuned engine timed
+    as generate runs it, then the defaults' engine again (the drift between the two timings of one engine)."""
+    from dejavu.runtime import Engine
+    from dejavu.runtime.tune import TuneSettings, tune_engine
+
+    t = time.perf_counter()
+    got = tune_engine(eng, TuneSettings(prompt_len=a.prompt_len, budget_s=a.tune_budget_s),
+                      say=lambda line: print(f"    {line}", flush=True))
+    eng.release()
+    tuned = Engine.from_tensors(eng.header, eng.tensors, device=eng.device, kernel_settings=got.settings)
+    extra = {k: row[k] for k in ("batch", "skip_target", "shape", "calibration", "density", "skip_realized",
+                                 "floor_bytes", "floor_ms", "floor_ms_nominal")}
+    trow = {"model": name, "system": f"{row['system']}+tuned", **extra,
+            "kernel_settings": got.settings.to_dict()["input_sparse"], "gqa_attn": got.settings.to_dict()["gqa_attn"],
+            "tune": {"start_ms": got.start_ms, "ms": got.ms, "s": time.perf_counter() - t,
+                     "trials": [dataclasses.asdict(x) for x in got.trials]}}
+    trow.update(time_engine(tuned, c, a.prompt_len, a.new_tokens))
+    tuned.release()
+    run.add("results", trow)
+    print(f"{name:16} {trow['system']:12} {trow['ms_per_step']:8.3f} ms/step", flush=True)
+    again = {"model": name, "system": f"{row['system']} (again)", **extra,
+             "kernel_settings": row["kernel_settings"], **time_engine(eng, c, a.prompt_len, a.new_tokens)}
+    run.add("results", again)
+    print(f"{name:16} {again['system']:12} {again['ms_per_step']:8.3f} ms/step", flush=True)
 
 
 def table(results: list[dict]) -> str:
@@ -473,6 +505,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--no-smoke", action="store_true")
     p.add_argument("--profile-steps", type=int, default=20, help="graph replays profiled per profiled system (0: none)")
+    p.add_argument("--tune", action="store_true",
+                   help="on the --variant-models: runtime/tune.py's search from the defaults at --variant-skip, then "
+                        "the tuned engine timed, then the defaults again")
+    p.add_argument("--tune-budget-s", type=float, default=240.0, help="the search's budget per model")
     p.add_argument("--profile-variants", action="store_true",
                    help="profile the --kernel-variants engines too (default: the dense graph and teal at the defaults)")
     a = p.parse_args(argv)

@@ -1,4 +1,5 @@
 """`dejavu-run FILE.engine --prompt TEXT`: generate with a sparse engine, streaming tokens.
+`dejavu-tune FILE.engine`: its launch shapes timed on this GPU and recorded in it (runtime/tune.py).
 
 The parser and every check that needs no model (prompts, sampling values) run before torch
 is imported; the prompt length is checked against the engine header before the weights load.
@@ -173,6 +174,44 @@ def main(argv=None) -> int:
     out.flush()
     if stats and fmt != "json":
         print(format_stats(stats) if fmt == "text" else json.dumps({"stats": stats}), file=sys.stderr)
+    return 0
+
+
+def build_tune_parser() -> Parser:
+    from dejavu.cli_common import add_quiet
+
+    p = Parser("dejavu-tune", "Time a Llama engine's launch shapes on this GPU (the whole decode step per candidate) "
+                              "and record the fastest in the engine's header.")
+    p.add_argument("engine", help="the .engine file (from dejavu-compile)")
+    p.add_argument("-o", "--output", default=None, help="write the tuned engine here (default: in place)")
+    add_device(p, "cuda", "the GPU to tune for: cuda | cuda:N")
+    p.add_argument("--budget-s", type=float, default=300.0, metavar="S", help="start no trial after S seconds")
+    p.add_argument("--prompt-len", type=int, default=128, metavar="N",
+                   help="tokens of the random prompt before the timed step (its context)")
+    p.add_argument("--min-gain", type=float, default=0.005, metavar="F",
+                   help="keep a change only where the step is faster by more than this fraction")
+    add_quiet(p, "no line per trial")
+    return p
+
+
+@cli_entry
+def tune_main(argv=None) -> int:
+    args = build_tune_parser().parse_args(argv)
+    if not Path(args.engine).is_file():
+        raise DejavuError(f"engine file not found: {args.engine}")
+    if args.budget_s <= 0 or not 0 <= args.min_gain < 1 or args.prompt_len < 1:
+        raise DejavuError("--budget-s must be > 0, --min-gain in [0, 1), --prompt-len >= 1")
+    if not args.device.startswith("cuda"):
+        raise DejavuError("dejavu-tune times launches on a GPU: --device must be cuda or cuda:N")
+
+    from dejavu.runtime.tune import TuneSettings, tune_file
+
+    config = TuneSettings(prompt_len=args.prompt_len, min_gain=args.min_gain, budget_s=args.budget_s)
+    say = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    tuned = tune_file(args.engine, args.output, args.device, config, say=say)
+    before, after = tuned["step_ms"]
+    print(f"dejavu-tune: {args.output or args.engine}: {before:.3f} -> {after:.3f} ms a decode step on {tuned['gpu']} "
+          f"({sum(t['outcome'] == 'kept' for t in tuned['trials'])} changes kept)")
     return 0
 
 
