@@ -148,6 +148,9 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--onnx-out", default=None, metavar="DIR",
                    help="folder for the ONNX graphs (dense, form a, plugin form)")
     p.add_argument("--summary-json", default=None, metavar="FILE", help="also write the summary as JSON to this file")
+    p.add_argument("--tune", action="store_true",
+                   help="Llama engines built on a GPU: then time their launch shapes there and record the fastest "
+                        "in the engine (what dejavu-tune does to an engine file)")
     add_quiet(p, "no progress bars or log lines (the summary still prints)")
     return p
 
@@ -182,6 +185,14 @@ def main(argv=None) -> int:
     if args.summary_json and Path(args.summary_json).resolve() == out.resolve():
         raise DejavuError("--summary-json must differ from the engine path")
     config = _config(args)
+    if args.tune:
+        from dejavu.models.auto import model_type
+
+        if not str(config.device).startswith("cuda") or config.tp > 1:
+            raise DejavuError("--tune times launches on the GPU the engine is built on: it needs --device cuda "
+                              "and one engine (no --tp)")
+        if model_type(args.model) == "opt":
+            raise DejavuError("--tune: only Llama-family engines have launch shapes to tune")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     from dejavu.compiler.build import build_engine
 
@@ -192,6 +203,12 @@ def main(argv=None) -> int:
         print(format_llama_summary(summary))
     else:
         print(format_summary(summary))
+    if args.tune:
+        from dejavu.runtime.tune import tune_file
+
+        tuned = tune_file(out, device=config.device, say=None if args.quiet else print)
+        summary["tuned"] = {"gpu": tuned["gpu"], "step_ms": tuned["step_ms"]}
+        print(f"tuned       {tuned['step_ms'][0]:.3f} -> {tuned['step_ms'][1]:.3f} ms a decode step on {tuned['gpu']}")
     if args.summary_json:
         from dejavu.fileio import write_json
         write_json(args.summary_json, summary, indent=2, sort_keys=True)

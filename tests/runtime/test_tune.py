@@ -175,6 +175,22 @@ def test_dejavu_tune_refuses_in_one_line(engine_path, tmp_path, capsys):
     assert engine_path.read_bytes() == before and list(tmp_path.iterdir()) == []
 
 
+def test_dejavu_compile_tune_refuses_before_building(tmp_path, capsys):
+    """--tune without a GPU target, with --tp, or for an OPT model: one line, exit 2, nothing written."""
+    from dejavu.compiler.cli import main as compile_main
+
+    folder = write_tiny_llama(tmp_path / "m", seed=1)
+    out = tmp_path / "x.engine"
+    for argv, why in (([str(folder), "--tune"], "needs --device cuda"),
+                      ([str(folder), "--tune", "--device", "cuda", "--tp", "2"], "no --tp"),
+                      (["opt-mini", "--tune", "--device", "cuda"], "only Llama-family")):
+        with pytest.raises(SystemExit) as e:
+            compile_main([*argv, "--density", "0.6", "-o", str(out), "-q"])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.count("\n") == 0 and why in err
+    assert not out.exists()
+
+
 def test_every_candidate_launch_computes_the_step_under_the_interpreter(engine_path):
     """Each launch shape of the search space, applied in turn (a bench that takes every candidate as 1% faster
     than the last, so each is kept and the next is tried on top of it), runs the decode step with the real
