@@ -29,7 +29,7 @@ SCRIPTS = console_scripts()
 PARSERS = {"dejavu-generate": "dejavu.models.cli:build_parser",
            "dejavu-compile": "dejavu.compiler.cli:compile_parser", "dejavu-inspect": "dejavu.compiler.cli:inspect_parser", "dejavu-run": "dejavu.runtime.cli:build_parser",
            "dejavu-compare": "dejavu.runtime.evaluation.compare:build_parser", "dejavu-eval": "dejavu.runtime.evaluation.evaluate:build_parser",
-           "dejavu-serve": "dejavu.runtime.serve:build_parser"}
+           "dejavu-serve": "dejavu.runtime.serve:build_parser", "dejavu-tune": "dejavu.runtime.cli:build_tune_parser"}
 MINIMAL = {"dejavu-generate": ["m", "--prompt", "y"], "dejavu-compile": ["m", "--density", "0.5"],
            "dejavu-run": ["x.engine", "--prompt", "y"], "dejavu-serve": ["x.engine"], "dejavu-eval": ["x.engine"],
            "dejavu-compare": ["x.engine"]}
