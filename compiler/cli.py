@@ -250,6 +250,17 @@ def _tensor_lines(tensors: dict) -> list[str]:
     return lines
 
 
+def _tuned_text(target: dict) -> str:
+    """', tuned on GPU (date): before -> after ms a decode step, the changes kept' where dejavu-tune ran."""
+    tu = target.get("tuned")
+    if not isinstance(tu, dict):
+        return ""
+    kept = [f"{x['where']}.{x['field']}={x['value']}" for x in tu.get("trials", []) if x.get("outcome") == "kept"]
+    before, after = (tu.get("step_ms") or [0.0, 0.0])[:2]
+    return (f", tuned on {tu.get('gpu')} ({str(tu.get('date_utc', ''))[:10]}): {before:.3f} -> {after:.3f} ms a "
+            f"decode step; kept {', '.join(kept) or 'nothing'}")
+
+
 def format_llama_header(h: dict, path: str, size: int) -> str:
     """dejavu-inspect's lines for a Llama-family engine (TEAL thresholds per layer and input)."""
     mc, bc, sp, t = h["model_config"], h.get("build_config", {}), h["sparsity"], h.get("target", {})
@@ -259,7 +270,7 @@ def format_llama_header(h: dict, path: str, size: int) -> str:
              f"hidden {mc['hidden_size']}, intermediate {mc['intermediate_size']}, heads {mc['num_attention_heads']} "
              f"/ kv {mc['num_key_value_heads']}, vocab {mc['vocab_size']}",
              f"dtype       {h.get('dtype')}",
-             f"target      {t.get('device')} arch={t.get('arch')}",
+             f"target      {t.get('device')} arch={t.get('arch')}" + _tuned_text(t),
              f"density     {bc.get('density')} of the bytes ({b.get('fraction')} read: {b.get('engine')} of "
              f"{b.get('dense')} bytes per token; allocation {bc.get('allocation')})"]
     h_out = bc.get("heldout")

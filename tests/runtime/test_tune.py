@@ -159,6 +159,10 @@ def test_a_tuned_header_is_what_the_runtime_reads(engine_path, tmp_path):
     assert h2["target"]["tuned"] == json.loads(json.dumps(rec)) and rec["step_ms"] == [5.0, 4.9]
     assert h2["target"]["arch"] == "sm_90" and h2["sparsity"] == header["sparsity"]
     assert settings_for(h2["target"], torch.device("cpu")) == DEFAULT  # another device: its own settings
+    from dejavu.compiler.cli import format_llama_header
+
+    assert ("target      cuda arch=sm_90, tuned on NVIDIA H200 (" in format_llama_header(h2, "t", 1)
+            and "5.000 -> 4.900 ms a decode step; kept o.block_m=32" in format_llama_header(h2, "t", 1))
 
 
 def test_dejavu_tune_refuses_in_one_line(engine_path, tmp_path, capsys):
