@@ -345,7 +345,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         tokenizer = load_tokenizer(folder)
     if config.tp > 1:  # before the long stages
         from dejavu.compiler.tensor_parallel import check_tp
-        check_tp(cfg.num_attention_heads, cfg.ffn_dim, config.tp)
+        check_tp(config.tp, num_attention_heads=cfg.num_attention_heads, ffn_dim=cfg.ffn_dim)
     calib = _calibration(tokenizer, cfg, config) if predictors is None and not config.no_predictors else None
     if calib is not None:  # a budget below the least engine fails before the long stages
         from dejavu.compiler.allocate import check_budget

@@ -29,12 +29,13 @@ _REPLICATED = re.compile(r"(embed_tokens|embed_positions|project_in|project_out|
                          r"|layers\.\d+\.(ln_attn|ln_mlp)\.(weight|bias)|layers\.\d+\.pred_(mlp|attn)\.a(_scale)?)$")
 
 
-def check_tp(num_heads: int, ffn_dim: int, tp: int) -> None:
-    """DejavuError unless tp >= 1 divides both the head count and the MLP width."""
+def check_tp(tp: int, **dims: int) -> None:
+    """DejavuError unless tp >= 1 divides every one of dims (config field name -> value), named as the model's
+    config names them: check_tp(2, num_attention_heads=12, ffn_dim=3072)."""
     if type(tp) is not int or tp < 1:
         raise DejavuError(f"--tp must be a positive integer, got {tp!r}")
-    if num_heads % tp or ffn_dim % tp:
-        raise DejavuError(f"--tp {tp} must divide num_attention_heads ({num_heads}) and ffn_dim ({ffn_dim})")
+    if any(v % tp for v in dims.values()):
+        raise DejavuError(f"--tp {tp} must divide " + " and ".join(f"{k} ({v})" for k, v in dims.items()))
 
 
 def k_per_rank(k: int, n: int, tp: int) -> int:
@@ -48,7 +49,7 @@ def _split_rule(header: dict, tp: int):
         return _llama_split_rule(header, tp)
     mc, bc = header["model_config"], header["build_config"]
     H, F, D = mc["num_attention_heads"], mc["ffn_dim"], mc["hidden_size"]
-    check_tp(H, F, tp)
+    check_tp(tp, num_attention_heads=H, ffn_dim=F)
     if bc.get("tp"):
         raise DejavuError("engine is already a tensor-parallel shard")
     Hr, Fr = H // tp, F // tp
@@ -95,10 +96,7 @@ def _llama_split_rule(header: dict, tp: int):
     mc = header["model_config"]
     H, Hkv, F, D = mc["num_attention_heads"], mc["num_key_value_heads"], mc["intermediate_size"], mc["hidden_size"]
     hd = mc.get("head_dim") or D // H
-    if type(tp) is not int or tp < 1:
-        raise DejavuError(f"--tp must be a positive integer, got {tp!r}")
-    if Hkv % tp or F % tp:
-        raise DejavuError(f"--tp {tp} must divide num_key_value_heads ({Hkv}) and intermediate_size ({F})")
+    check_tp(tp, num_key_value_heads=Hkv, intermediate_size=F)
     if header["build_config"].get("tp"):
         raise DejavuError("engine is already a tensor-parallel shard")
     Hr, Kr, Fr = H // tp, Hkv // tp, F // tp
