@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dejavu.errors import DejavuError
+from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
 
 MODEL_TYPES = ("llama", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -159,22 +160,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, H, S, hd]; cos, sin: [B, 1, S, hd] (Hugging Face's half-split layout)
     return x * cos + _rotate_half(x) * sin
-
-
-class KVCache(nn.Module):
-    """Static key/value cache for one layer: k, v: [B, H_kv, S_max, hd]."""
-
-    def __init__(self, batch: int, max_seq: int, kv_heads: int, head_dim: int, dtype, device=None):
-        super().__init__()
-        shape = (batch, kv_heads, max_seq, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v: [B, H_kv, S, hd] at positions pos: [S]; return the full cache."""
-        self.k.index_copy_(2, pos, k)
-        self.v.index_copy_(2, pos, v)
-        return self.k, self.v
 
 
 class LlamaAttention(nn.Module):

@@ -105,7 +105,7 @@ class OPTConfig:
 
 
 class KVCache(nn.Module):
-    """Static key/value cache for one layer: k, v: [B, H, S_max, hd]."""
+    """Static key/value cache for one layer: k, v: [B, H, S_max, hd] (H: the KV heads; the Llama model's too)."""
 
     def __init__(self, batch: int, max_seq: int, heads: int, head_dim: int, dtype, device=None):
         super().__init__()
