@@ -8,8 +8,8 @@ source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 D=$(date -u +%F)
 nvidia-smi --query-gpu=name --format=csv,noheader
-TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:warnings tests/runtime/test_tune.py -k gpu 2>&1 | tail -2 \
+TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:warnings tests/runtime/test_tune.py -k gpu 2>&1 | tail -2 \
     || echo "llama_tune: the GPU test failed"
 exec timeout 420 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
     --variant-models llama-3-8b,llama-3-70b-tp8 --skips 0.5 --no-hf --no-smoke --profile-steps 0 --kernel-variants '[]' \
-    --tune --tune-budget-s 150 --out "$OUT/e2e-llama-tune-$D.json"
+    --tune --tune-budget-s 130 --out "$OUT/e2e-llama-tune-$D.json"
