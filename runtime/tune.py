@@ -228,10 +228,13 @@ def tune_engine(engine, config: TuneSettings = TuneSettings(), bench=None,
 
 def _trial(bench, inc, ref, cand, where, field, value, config):
     # (the Trial, the candidate's runner where it ran)
+    runner = None
     try:
         runner = bench.load(cand)
         why = _agrees(runner.logits(), ref)
     except Exception as e:  # noqa: BLE001 - a launch shape this GPU or shape refuses: not a candidate
+        if runner is not None:
+            runner.release()
         return Trial(where, field, value, None, None, f"refused: {type(e).__name__}: {str(e)[:120]}"), None
     if why:
         return Trial(where, field, value, None, None, why), runner
