@@ -210,17 +210,22 @@ class LlamaOps:
             return self.linear(o, wo_t, t, residual=residual, kind="o")
         return self._project(self._select(o, wo_t, t, "o"), wo_t, residual, "o")
 
-    def verify(self, spec: LlamaSpec, tensors: dict) -> dict | None:
-        """The kernel path once against the reference: the GEMV on layer 0's MLP weights, its input through
-        the MLP's RMSNorm (sparse engines); the attention kernel on random q / caches of the engine's heads,
-        over three tiles of its slots, rows at different positions (None on "ref")."""
+    def verify(self, spec: LlamaSpec, tensors: dict, kinds=("gate_up",)) -> dict | None:
+        """The kernel path once against the reference: the GEMV of each projection kind in `kinds` on layer 0's
+        weights with that kind's settings, its input through the RMSNorm or SwiGLU before it (sparse engines;
+        "input_sparse_gemv" is gate/up's, "input_sparse_gemv.KIND" another's); the attention kernel on random
+        q / caches of the engine's heads, over three tiles of its slots, rows at different positions (None on
+        "ref")."""
         out = {}
-        if self.backend != "ref" and spec.skip > 0:
-            w, nw = tensors["layers.0.mlp.wgu_t"], tensors["layers.0.mlp_norm"]
-            x = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
-            t, norm = spec.thresholds["mlp_in"][0], (nw, spec.rms_norm_eps)
-            ref = linear_ref(x.float(), w.float(), t, (nw.float(), spec.rms_norm_eps))
-            out["input_sparse_gemv"] = _checked("input_sparse_gemv", self.linear(x, w, t, norm, kind="gate_up"), ref)
+        for kind in kinds if self.backend != "ref" and spec.skip > 0 else ():
+            name, key, norm_name, inp = _VERIFIED[kind]
+            w = tensors[f"layers.0.{name}"]
+            n = w.shape[0] * (2 if kind == "down" else 1)
+            x = torch.randn(2, n, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+            t = spec.thresholds[inp][0]
+            norm = (tensors[f"layers.0.{norm_name}"], spec.rms_norm_eps) if norm_name else None
+            ref = linear_ref(x.float(), w.float(), t, norm and (norm[0].float(), norm[1]), swiglu=kind == "down")
+            out[key] = _checked(key, self.linear(x, w, t, norm, swiglu=kind == "down", kind=kind), ref)
         if self.attn_kernel:
             from dejavu.plugins import gqa_attention as GA
 
@@ -234,6 +239,13 @@ class LlamaOps:
             ref = GA.gqa_decode_ref(q.float(), k.float(), v.float(), pos)
             out["gqa_attention"] = _checked("gqa_attention", GA.gqa_decode(q, k, v, pos, settings=self.settings), ref)
         return out or None
+
+
+# projection kind -> (its weight, the check's name, the norm before it or None, its thresholded input)
+_VERIFIED = {"gate_up": ("mlp.wgu_t", "input_sparse_gemv", "mlp_norm", "mlp_in"),
+             "qkv": ("attn.wqkv_t", "input_sparse_gemv.qkv", "attn_norm", "attn_in"),
+             "o": ("attn.wo_t", "input_sparse_gemv.o", None, "o_in"),
+             "down": ("mlp.wd_t", "input_sparse_gemv.down", None, "down_in")}
 
 
 def _checked(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
