@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # runtime/tune.py (dejavu-tune) on both Llama shapes at 50% skipped: the search from the defaults (each trial the
 # whole decode step in a CUDA graph against the incumbent), then the tuned engine timed as generate runs it, then
-# the defaults again; the dense graph first. On any GPU first: the GPU test of dejavu-tune. Under 8 minutes.
+# the defaults again; the dense graph first. On any GPU first: the GPU test of dejavu-tune. Under 7 minutes.
 #   bash benchmarks/gpu/llama_tune.sh
 set -euo pipefail
 source benchmarks/device_env.sh
 OUT=${OUT:-/tmp/dejavu-out}; mkdir -p "$OUT"
 D=$(date -u +%F)
 nvidia-smi --query-gpu=name --format=csv,noheader
-TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:warnings tests/runtime/test_tune.py -k gpu 2>&1 | tail -2 \
+TRITON_INTERPRET=0 timeout 80 python3 -m pytest -q -p no:warnings tests/runtime/test_tune.py -k gpu 2>&1 | tail -2 \
     || echo "llama_tune: the GPU test failed"
-exec timeout 380 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
+exec timeout 330 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
     --variant-models llama-3-8b,llama-3-70b-tp8 --skips 0.5 --no-hf --no-smoke --profile-steps 0 --kernel-variants '[]' \
-    --tune --tune-budget-s 100 --out "$OUT/e2e-llama-tune-$D.json"
+    --tune --tune-budget-s 80 --out "$OUT/e2e-llama-tune-$D.json"
