@@ -10,6 +10,6 @@ D=$(date -u +%F)
 nvidia-smi --query-gpu=name --format=csv,noheader
 TRITON_INTERPRET=0 timeout 80 python3 -m pytest -q -p no:warnings tests/runtime/test_tune.py -k gpu 2>&1 | tail -2 \
     || echo "llama_tune: the GPU test failed"
-exec timeout 330 python3 benchmarks/e2e_llama.py --models llama-3-8b,llama-3-70b-tp8 \
-    --variant-models llama-3-8b,llama-3-70b-tp8 --skips 0.5 --no-hf --no-smoke --profile-steps 0 --kernel-variants '[]' \
+exec timeout 330 python3 benchmarks/e2e_llama.py --models llama-3-70b-tp8,llama-3-8b \
+    --variant-models llama-3-70b-tp8,llama-3-8b --skips 0.5 --no-hf --no-smoke --profile-steps 0 --kernel-variants '[]' \
     --tune --tune-budget-s 80 --out "$OUT/e2e-llama-tune-$D.json"
