@@ -150,7 +150,8 @@ def compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", default=None, metavar="FILE", help="also write the summary as JSON to this file")
     p.add_argument("--tune", action="store_true",
                    help="Llama engines built on a GPU: then time their launch shapes there and record the fastest "
-                        "in the engine (what dejavu-tune does to an engine file)")
+                        "in the engine (what dejavu-tune does to an engine file; with --tp, rank 0's shard timed alone "
+                        "and its settings given to every rank)")
     add_quiet(p, "no progress bars or log lines (the summary still prints)")
     return p
 
@@ -188,9 +189,8 @@ def main(argv=None) -> int:
     if args.tune:
         from dejavu.models.auto import model_type
 
-        if not str(config.device).startswith("cuda") or config.tp > 1:
-            raise DejavuError("--tune times launches on the GPU the engine is built on: it needs --device cuda "
-                              "and one engine (no --tp)")
+        if not str(config.device).startswith("cuda"):
+            raise DejavuError("--tune times launches on the GPU the engine is built on: it needs --device cuda")
         if model_type(args.model) == "opt":
             raise DejavuError("--tune: only Llama-family engines have launch shapes to tune")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
@@ -206,7 +206,11 @@ def main(argv=None) -> int:
     if args.tune:
         from dejavu.runtime.tune import tune_file
 
-        tuned = tune_file(out, device=config.device, say=None if args.quiet else print)
+        from dejavu.shards import shard_path
+
+        files = [shard_path(out, r, config.tp) for r in range(config.tp)] if config.tp > 1 else [out]
+        # every rank's shard has the same shapes: rank 0's tuned alone (no all-reduce), its settings given to all
+        tuned = tune_file(files[0], device=config.device, say=None if args.quiet else print, same_for=files[1:])
         summary["tuned"] = {"gpu": tuned["gpu"], "step_ms": tuned["step_ms"]}
         print(f"tuned       {tuned['step_ms'][0]:.3f} -> {tuned['step_ms'][1]:.3f} ms a decode step on {tuned['gpu']}")
     if args.summary_json:

@@ -36,6 +36,14 @@ DEFAULT_BATCH_POLICY = None
 DEFAULT_KV_POLICY = "deferred"  # K/V of the selected heads only, missing slots recomputed (same output)
 
 
+def refuse_shard(header) -> None:
+    """DejavuError for a tensor-parallel shard's header: one rank's heads and neurons are not a model."""
+    tp = (header.get("build_config") or {}).get("tp") if isinstance(header, dict) else None
+    if tp:
+        raise DejavuError(f"this engine is tensor-parallel shard {tp.get('rank')} of {tp.get('size')}: "
+                          "run it with dejavu.runtime.tp (torchrun), see docs/tensor_parallel.md")
+
+
 def _device(device) -> torch.device:
     try:
         dev = torch.device(device)
@@ -106,10 +114,7 @@ class Engine:
     @staticmethod
     def _spec(header: dict):
         """The decoder's spec (runtime/tp.py overrides this for a shard's heads and neurons)."""
-        tp = (header.get("build_config") or {}).get("tp") if isinstance(header, dict) else None
-        if tp:
-            raise DejavuError(f"this engine is tensor-parallel shard {tp.get('rank')} of {tp.get('size')}: "
-                              "run it with dejavu.runtime.tp (torchrun), see docs/tensor_parallel.md")
+        refuse_shard(header)
         return spec_from_header(header)
 
     @classmethod

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.runtime.engine import Engine, _device
+from dejavu.runtime.engine import Engine, _device, refuse_shard
 from dejavu.runtime.ops import settings_for
 from dejavu.runtime.llama_decoder import LlamaDecoder, LlamaOps, check_llama_tensors, llama_spec_from_header
 from dejavu.runtime.spec import DTYPES
@@ -32,7 +32,7 @@ class LlamaEngine(Engine):
                 raise DejavuError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
             dtype = DTYPES[dtype]
         self.header = header
-        spec = llama_spec_from_header(header)
+        spec = self._spec(header)
         if dtype is not None and dtype != spec.dtype:
             spec = dataclasses.replace(spec, dtype=dtype)
         check_llama_tensors(header, tensors)
@@ -49,6 +49,12 @@ class LlamaEngine(Engine):
         self._graph = None
         self._tokenizer = None
         self.stats = None
+
+    @staticmethod
+    def _spec(header: dict):
+        """The Llama spec; a tensor-parallel shard is refused, as Engine's is (runtime/tp.LlamaTPEngine reads it)."""
+        refuse_shard(header)
+        return llama_spec_from_header(header)
 
     def describe(self) -> dict:
         s = self.spec

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.runtime.engine import Engine
+from dejavu.runtime.llama_decoder import llama_spec_from_header
 from dejavu.runtime.llama_engine import LlamaEngine
 from dejavu.runtime.spec import EngineSpec, spec_from_header
 from dejavu.shards import shard_path, tp_info
@@ -145,6 +146,8 @@ class LlamaTPEngine(_Rank, LlamaEngine):
     """One rank of a tensor-parallel Llama engine (compiler/tensor_parallel: H/n heads, Hkv/n KV heads, F/n
     neurons, the thresholds of the whole model): o's and down's outputs all-reduced before the residual add, the
     residual stream in the engine dtype (not the fp32 stream that o and down add into in place on one GPU)."""
+
+    _spec = staticmethod(llama_spec_from_header)  # a shard's own header: H/n heads, Hkv/n KV heads, F/n neurons
 
     def __init__(self, header: dict, tensors: dict[str, torch.Tensor], device="cpu", group=None,
                  use_graphs: bool = False, **kw):

@@ -185,7 +185,8 @@ def tune_engine(engine, config: TuneSettings = TuneSettings(), bench=None,
     if engine.header.get("model_family") != "llama":
         raise DejavuError("tune: only Llama-family engines have launch shapes to tune (their input-sparse GEMVs)")
     if getattr(engine, "decoder", None) is not None and engine.decoder.reduce is not None:
-        raise DejavuError("tune: a tensor-parallel rank is tuned as the single engine of its shape")
+        raise DejavuError("tune: a running tensor-parallel rank is not tuned; its shard file is (tune_file times it "
+                          "as the single engine of its shape)")
     if engine.spec.skip <= 0:
         raise DejavuError("tune: a dense engine (nothing skipped) runs no input-sparse launch")
     say = say or (lambda s: None)
@@ -246,9 +247,11 @@ def _trial(bench, inc, cand, where, field, value, config):
 
 
 def tune_file(path, out=None, device: str = "cuda", config: TuneSettings = TuneSettings(),
-              say: Callable[[str], None] | None = None) -> dict:
+              say: Callable[[str], None] | None = None, same_for=()) -> dict:
     """Tune the engine file `path` on `device` and write it to `out` (default: in place) with the tuned settings
-    in its header (write_tuned). Returns the header's target.tuned."""
+    in its header (write_tuned). A tensor-parallel shard is tuned as the single engine of its shape (its
+    all-reduces not run); `same_for`: other files of the same shapes (the other ranks' shards), given the same
+    settings in place. Returns the header's target.tuned."""
     import os
 
     from dejavu.engine_file import read_engine
@@ -257,16 +260,27 @@ def tune_file(path, out=None, device: str = "cuda", config: TuneSettings = TuneS
     dev = _device(device)
     if dev.type != "cuda":
         raise DejavuError("tune: launch shapes are timed on a GPU: give --device cuda (or cuda:N)")
-    if not os.path.isfile(path):
-        raise DejavuError(f"engine file not found: {path}")
+    for p in (path, *same_for):
+        if not os.path.isfile(p):
+            raise DejavuError(f"engine file not found: {p}")
     header, tensors = read_engine(path, "cpu")
     if header.get("model_family") != "llama":
         raise DejavuError("tune: only Llama-family engines have launch shapes to tune (their input-sparse GEMVs)")
-    engine = Engine.from_tensors(header, tensors, device=dev)  # a copy on the GPU; the file's tensors stay here
+    engine = Engine.from_tensors(_standalone(header), tensors, device=dev)  # a GPU copy; the file's stay here
     result = tune_engine(engine, config, say=say)
     engine.release()
     del engine
-    return write_tuned(out or path, header, tensors, result, torch.cuda.get_device_name(dev), config.prompt_len)
+    gpu = torch.cuda.get_device_name(dev)
+    tuned = write_tuned(out or path, header, tensors, result, gpu, config.prompt_len)
+    for p in same_for:
+        write_tuned(p, *read_engine(p, "cpu"), result, gpu, config.prompt_len)
+    return tuned
+
+
+def _standalone(header: dict) -> dict:
+    # a shard's header as the single engine of its shape (H/n heads, Hkv/n KV heads, F/n neurons); others as they are
+    bc = header.get("build_config") or {}
+    return {**header, "build_config": {k: v for k, v in bc.items() if k != "tp"}} if bc.get("tp") else header
 
 
 def write_tuned(path, header: dict, tensors: dict, result: Tuned, gpu: str, prompt_len: int) -> dict:

@@ -95,3 +95,16 @@ def test_llama_shards_split_heads_and_neurons(tp_run):
         assert torch.equal(tr["embed_tokens"], t["embed_tokens"]) and torch.equal(tr["final_norm"], t["final_norm"])
     with pytest.raises(DejavuError, match=r"--tp 4 must divide num_key_value_heads \(2\)"):
         shard_engine(h, t, 4)
+
+
+def test_a_llama_shard_is_not_a_model(tp_run):
+    """A shard file loaded as a single engine is one error, as an OPT shard is (one rank's heads and neurons are
+    not the model); `dejavu-run` says so in one line."""
+    from dejavu.runtime.cli import main as run_main
+
+    folder, _ = tp_run
+    with pytest.raises(DejavuError, match="tensor-parallel shard 1 of 2: run it with dejavu.runtime.tp"):
+        Engine.load(folder / f"tp.rank1-of-{TP}.engine")
+    with pytest.raises(SystemExit) as e:
+        run_main([str(folder / f"tp.rank0-of-{TP}.engine"), "--prompt", "a"])
+    assert e.value.code == 2

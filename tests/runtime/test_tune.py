@@ -165,6 +165,31 @@ def test_a_tuned_header_is_what_the_runtime_reads(engine_path, tmp_path):
             and "5.000 -> 4.900 ms a decode step; kept o.block_m=32" in format_llama_header(h2, "t", 1))
 
 
+def test_a_shard_is_tuned_as_the_engine_of_its_shape(tmp_path):
+    """A tensor-parallel shard (refused as a model by Engine) is timed as the single engine of its shape (H/n heads,
+    Hkv/n KV heads, F/n neurons, its all-reduces not run); its header keeps build_config.tp when written back."""
+    from dejavu.runtime import Engine
+    from dejavu.runtime.tune import _standalone, write_tuned
+    from dejavu.shards import shard_path
+
+    out = tmp_path / "tp.engine"
+    build_engine(write_tiny_llama(tmp_path / "m", seed=3), BuildConfig(density=0.6, tp=2, calib_tokens=512,
+                                                                          calib_window=128, dtype="float32"),
+                 out, progress=False)
+    path = shard_path(out, 1, 2)
+    header, tensors = read_engine(path)
+    with pytest.raises(DejavuError, match="tensor-parallel shard 1 of 2"):
+        Engine.from_tensors(header, tensors)
+    eng = Engine.from_tensors(_standalone(header), tensors)
+    assert eng.describe()["heads"] == 3 and eng.describe()["kv_heads"] == 1 and eng.describe()["ffn"] == 40
+    got = tune_engine(eng, TuneSettings(rounds=1), bench=_ModelBench({("o", "block_m", 64): 0.2}))
+    assert setting(got.settings, "o", "block_m") == 32
+    write_tuned(path, header, tensors, got, "NVIDIA H200", 128)
+    h2, _ = read_engine(path)
+    assert h2["build_config"] == header["build_config"] and h2["build_config"]["tp"]["rank"] == 1
+    assert KernelSettings.from_dict(h2["target"]["kernel_settings"]) == got.settings
+
+
 def test_dejavu_tune_refuses_in_one_line(engine_path, tmp_path, capsys):
     from dejavu.runtime.cli import tune_main
 
@@ -180,13 +205,12 @@ def test_dejavu_tune_refuses_in_one_line(engine_path, tmp_path, capsys):
 
 
 def test_dejavu_compile_tune_refuses_before_building(tmp_path, capsys):
-    """--tune without a GPU target, with --tp, or for an OPT model: one line, exit 2, nothing written."""
+    """--tune without a GPU target or for an OPT model: one line, exit 2, nothing written."""
     from dejavu.compiler.cli import main as compile_main
 
     folder = write_tiny_llama(tmp_path / "m", seed=1)
     out = tmp_path / "x.engine"
     for argv, why in (([str(folder), "--tune"], "needs --device cuda"),
-                      ([str(folder), "--tune", "--device", "cuda", "--tp", "2"], "no --tp"),
                       (["opt-mini", "--tune", "--device", "cuda"], "only Llama-family")):
         with pytest.raises(SystemExit) as e:
             compile_main([*argv, "--density", "0.6", "-o", str(out), "-q"])
