@@ -210,10 +210,11 @@ class LlamaOps:
             return self.linear(o, wo_t, t, residual=residual, kind="o")
         return self._project(self._select(o, wo_t, t, "o"), wo_t, residual, "o")
 
-    def verify(self, spec: LlamaSpec, tensors: dict, kinds=("gate_up",)) -> dict | None:
+    def verify(self, spec: LlamaSpec, tensors: dict, kinds=("qkv", "o", "gate_up", "down")) -> dict | None:
         """The kernel path once against the reference: the GEMV of each projection kind in `kinds` on layer 0's
-        weights with that kind's settings, its input through the RMSNorm or SwiGLU before it (sparse engines;
-        "input_sparse_gemv" is gate/up's, "input_sparse_gemv.KIND" another's); the attention kernel on random
+        weights with that kind's settings (each kind launches with its own), its input through the RMSNorm or
+        SwiGLU before it (sparse engines; "input_sparse_gemv" is gate/up's, "input_sparse_gemv.KIND" another's); the
+        attention kernel on random
         q / caches of the engine's heads, over three tiles of its slots, rows at different positions (None on
         "ref")."""
         out = {}

@@ -279,6 +279,8 @@ for min_split, projections, attn, fp32 in runs:
     assert [r["fp32_residual"] for r in rows] == [True, False, True, True]
     for r in rows:
         assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
+        # every projection kind's GEMV with its own settings, checked as the engine loads
+        assert all(r["check"][f"input_sparse_gemv.{k}"] < 1e-4 for k in ("qkv", "o", "down"))
         # the engine's load-time check of the attention kernel (on: against SDPA, over three tiles)
         assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
         assert r["check"].get("gqa_attention", 0.0) < 1e-4
