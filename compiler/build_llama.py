@@ -328,19 +328,24 @@ def load_build_model(model_name_or_path, config, rewrites: bool = False, say=Non
     """(model, config) for the build on config.device, computing in fp32. Its weights stay in the checkpoint's
     dtype (models.llama.compute_in_fp32: a bf16 Llama-3-8B takes 16 GB, not 32) unless the build changes them
     (--distill-steps, --rotate-keep) or traces them (`rewrites`: the ONNX export), which load them in fp32;
-    the thresholds, the allocation and the engine are the same either way. A Hugging Face folder whose weight
-    files do not fit the CUDA device (`offload_needed`) is held in host memory and its layers brought to the
-    device one at a time (`offload_layers`); say(line) reports it. Such a folder with a flag that needs the whole
-    model in fp32 on the device is one DejavuError line."""
+    the thresholds, the allocation and the engine are the same either way. A checkpoint whose weights do not fit
+    the CUDA device (`offload_needed`: a folder's weight files, a GGUF file's fp32 dequantization) is held in host
+    memory (a GGUF file's quantized tensors dequantized to fp16) and its layers brought to the device one at a time (`offload_layers`);
+    say(line) reports it. Such a checkpoint with a flag that needs the whole model in fp32 on the device is one
+    DejavuError line."""
     from dejavu.models.auto import gguf_path, load_llama, resolve
     from dejavu.models.llama import compute_in_fp32
     from dejavu.models.loader import check_device, weight_files
 
     device = check_device(config.device)
-    offload = False
-    if gguf_path(model_name_or_path) is None:
+    gp = gguf_path(model_name_or_path)
+    if gp is None:
         need = sum(f.stat().st_size for f in weight_files(resolve(model_name_or_path)))
-        offload = offload_needed(need, device)
+    else:  # a GGUF file is dequantized to fp32
+        from dejavu.models import gguf
+
+        need = 4 * gguf.n_elements(gguf.open_gguf(gp))
+    offload = offload_needed(need, device)
     rewrite = [f for f, on in (("--distill-steps", config.distill_steps),
                                ("--rotate-keep", config.rotate_keep is not None), ("--onnx-out", rewrites)) if on]
     if offload and rewrite:
@@ -350,9 +355,12 @@ def load_build_model(model_name_or_path, config, rewrites: bool = False, say=Non
     if rewrite:
         return load_llama(model_name_or_path, dtype=torch.float32, device=device)
     if offload and say is not None:
-        say(f"the weights ({need / 2**30:.1f} GiB) do not fit {device}: held in host memory, "
-            "each layer brought to the device for its forward")
-    model, cfg = load_llama(model_name_or_path, dtype=None, device="cpu" if offload else device)
+        say(f"the weights ({need / 2**30:.1f} GiB) do not fit {device}: held in host memory"
+            + (" (the GGUF file's quantized tensors dequantized to fp16)" if gp is not None else "")
+            + ", each layer brought to the device for its forward")
+    # a GGUF file that does not fit is held on the host in the types it stores, its quantized tensors dequantized to
+    # fp16: half their fp32 dequantization (a quantized 70B: 140 GB)
+    model, cfg = load_llama(model_name_or_path, dtype=None, device="cpu" if offload else device, gguf_stored=offload)
     compute_in_fp32(model)
     if offload:
         offload_layers(model, device)

@@ -82,9 +82,10 @@ def _fill(cfg: LlamaConfig, tensors, where: str, dtype, device) -> LlamaForCausa
 
 
 def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[LlamaForCausalLM, LlamaConfig]:
+               device: str | torch.device = "cpu", gguf_stored: bool = False) -> tuple[LlamaForCausalLM, LlamaConfig]:
     """A Llama-family model from a GGUF file / preset or a Hugging Face folder (safetensors or .bin); its
-    floating tensors in `dtype`, or as the file stores them where dtype is None (GGUF: dequantized to fp32)."""
+    floating tensors in `dtype`, or as the file stores them where dtype is None (GGUF: dequantized to fp32, or
+    with gguf_stored in the type the file stores, a quantized type dequantized to fp16)."""
     from dejavu.models.loader import check_device
 
     device = check_device(device)
@@ -95,7 +96,8 @@ def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
         reader = gguf.open_gguf(gp)
         d = gguf.config_dict(reader, gp)
         cfg = _config(d, gp)
-        return _fill(cfg, gguf.iter_tensors(reader, d, torch.float32, gp), str(gp), dtype, device), cfg
+        held = None if gguf_stored and dtype is None else torch.float32
+        return _fill(cfg, gguf.iter_tensors(reader, d, held, gp), str(gp), dtype, device), cfg
     from dejavu.models.loader import iter_weights, weight_files
 
     folder = resolve(name_or_path)

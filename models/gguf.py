@@ -133,10 +133,17 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def iter_tensors(reader, cfg: dict, dtype: torch.dtype = torch.float32,
+def n_elements(reader) -> int:
+    """Elements of every tensor of the file (dequantized: 4 bytes each in fp32)."""
+    return sum(int(t.n_elements) for t in reader.tensors)
+
+
+def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
                  path="GGUF file") -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor in `dtype`) for every tensor of the file, one at a time."""
+    """(Hugging Face name, tensor in `dtype`) for every tensor of the file, one at a time; dtype None: in the type
+    the file stores it (F32, F16, BF16), a quantized type dequantized to fp16."""
     gguf = _gguf()
+    stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -150,7 +157,7 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype = torch.float32,
             w = _unpermute(w, cfg["num_attention_heads"])
         elif ".attn_k." in t.name:
             w = _unpermute(w, cfg["num_key_value_heads"])
-        yield name, w.to(dtype)
+        yield name, w.to(dtype or stored.get(t.tensor_type.name, torch.float16))
 
 
 def build_tokenizer(reader, path="GGUF file"):

@@ -122,6 +122,15 @@ def test_quantized_gguf_is_dequantized_not_misread(tmp_path):
     got = model.model.layers[1].mlp.up_proj.weight
     err = (got - ref).abs().max().item()
     assert 0 < err <= ref.abs().max().item() / 127 + 1e-6
+    # held as stored (an offloaded build): the quantized tensors' fp32 dequantization rounded to fp16, F32 kept
+    from dejavu.models import gguf as G
+
+    reader = G.open_gguf(tmp_path / "q8.gguf")
+    d = G.config_dict(reader)
+    held, full = dict(G.iter_tensors(reader, d, None)), dict(G.iter_tensors(reader, d))
+    up = "model.layers.1.mlp.up_proj.weight"
+    assert held[up].dtype == torch.float16 and torch.equal(held[up], full[up].half())
+    assert {str(t.dtype) for k, t in held.items() if "norm" in k} == {"torch.float32"}
 
 
 def test_tiny_gguf_tokenizer_equals_the_bpe_it_was_written_from(tiny_gguf):
@@ -239,3 +248,26 @@ def test_dejavu_compile_builds_an_engine_from_a_gguf_file(tiny_gguf, tmp_path):
     tok = auto.load_text_tokenizer(str(path))
     assert (eng.spec.bos_id, eng.spec.eos_id) == (tok.bos_id, tok.eos_id)
     assert eng.tokenizer.encode("The game") == tok.encode("The game")
+
+
+def test_a_gguf_file_larger_than_the_device_builds_offloaded(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """With offload_needed forced (a GGUF file's fp32 dequantization is what is weighed: 4 bytes an element), the
+    file is held on the host in the types it stores (quantized ones dequantized to fp16) and its layers brought to
+    the device one at a time: one progress line, and the engine an on-device build writes (this file stores F16
+    and F32 tensors: held exactly, computed in fp32)."""
+    import dejavu.compiler.build_llama as BL
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.engine_file import read_engine
+    from dejavu.models import gguf as G
+
+    path, _, _ = tiny_gguf
+    weighed = []
+    cfg = BuildConfig(density=0.6, calib_tokens=128, calib_window=32, dtype="float16")
+    build_engine(str(path), cfg, tmp_path / "a.engine", progress=False)
+    monkeypatch.setattr(BL, "offload_needed", lambda need, device: weighed.append(need) or True)
+    build_engine(str(path), cfg, tmp_path / "b.engine", progress=True)
+    assert weighed == [4 * G.n_elements(G.open_gguf(path))]
+    assert "(the GGUF file's quantized tensors dequantized to fp16), each layer brought" in capsys.readouterr().err
+    (ha, ta), (hb, tb) = read_engine(tmp_path / "a.engine"), read_engine(tmp_path / "b.engine")
+    assert ha["sparsity"] == hb["sparsity"] and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
