@@ -126,25 +126,46 @@ def layer_settings_for(target: dict | None, device: torch.device, spec,
 
 def _settings_for(target, device) -> tuple[P.KernelSettings, bool]:
     """settings_for's settings, and whether they are the header's own."""
-    arch = sm = None
+    gpu = None
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        arch, sm = f"sm_{major}{minor}", torch.cuda.get_device_properties(device).multi_processor_count
+        gpu = (f"sm_{major}{minor}", torch.cuda.get_device_properties(device).multi_processor_count,
+               torch.cuda.get_device_name(device))
+    return header_settings(target, gpu)
+
+
+def header_settings(target: dict | None, gpu: tuple[str, int, str] | None) -> tuple[P.KernelSettings, bool]:
+    """(settings, whether they are the header's own) for the GPU (arch, SM count, name), None for the CPU: the
+    header's target.kernel_settings where they were made for this GPU, else those resolved here, with a logged
+    line. Made for it: the same arch, and where the header names its GPU (target.name), the same GPU, or settings
+    equal to those resolved here. Launch shapes tuned on one GPU (target.tuned) are not taken on another: as
+    tuned tables keyed by device name are, they fall back to the defaults, with a warning naming dejavu-tune."""
+    arch, sm, name = gpu or (None, None, None)
     here = P.resolve_kernel_settings(arch, sm)
+    log = logging.getLogger("dejavu")
     recorded = (target or {}).get("kernel_settings") or None
     if recorded is None:
         if arch is not None:
-            logging.getLogger("dejavu").info("engine records no kernel settings: using those resolved for %s", arch)
+            log.info("engine records no kernel settings: using those resolved for %s", arch)
         return here, False
     try:
         settings = P.KernelSettings.from_dict(recorded)
     except Exception as e:  # noqa: BLE001 - an older header format: the defaults of this version
-        logging.getLogger("dejavu").warning("engine kernel settings unreadable (%s): using those resolved for %s",
-                                            e, arch or "cpu")
+        log.warning("engine kernel settings unreadable (%s): using those resolved for %s", e, arch or "cpu")
         return here, False
     if settings.arch != arch:
-        logging.getLogger("dejavu").warning("engine built for %s, running on %s: kernel settings resolved for %s",
-                                            settings.arch, arch or "cpu", arch or "cpu")
+        log.warning("engine built for %s, running on %s: kernel settings resolved for %s",
+                    settings.arch, arch or "cpu", arch or "cpu")
+        return here, False
+    made_on = target.get("name")
+    if made_on is None or made_on == name:
+        return settings, True
+    if target.get("tuned"):
+        log.warning("engine tuned on %s, running on %s: its launch shapes are not used here (the defaults for this "
+                    "GPU are); `dejavu-tune FILE.engine` times them on it", made_on, name)
+        return here, False
+    if settings != here:
+        log.info("engine's kernel settings resolved for %s, running on %s: resolved for this GPU", made_on, name)
         return here, False
     return settings, True
 

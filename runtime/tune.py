@@ -285,8 +285,8 @@ def _standalone(header: dict) -> dict:
 
 def write_tuned(path, header: dict, tensors: dict, result: Tuned, gpu: str, prompt_len: int) -> dict:
     """The engine (header, tensors) written to `path` with result's settings as its target's (target.kernel_settings;
-    the runtime takes them on a GPU of their arch) and target.tuned: the GPU, the date, the step before and after,
-    every trial. Atomic: no partial file. Returns target.tuned."""
+    the runtime takes them on the GPU they were timed on: runtime/ops.header_settings) and target.tuned: the GPU,
+    the date, the step before and after, every trial. Atomic: no partial file. Returns target.tuned."""
     from dejavu.engine_file import write_engine
     from dejavu.fileio import atomic_path
 

@@ -107,3 +107,52 @@ def test_settings_passed_to_the_engine_are_resolved_per_layer(built):
     ks = dataclasses.replace(DEFAULT, fc2_dot1=dataclasses.replace(DEFAULT.fc2_dot1, TARGET_PROGRAMS=2))
     eng = _engine(built, DEFAULT.to_dict(), [{"fc2_dot1": {"SPLIT": 7}}] * 2, kernel_settings=ks)
     assert _layers(eng) == _resolved_here(eng, ks) and eng.ops.settings is ks
+
+
+H100, H100_PCIE = ("sm_90", 132, "NVIDIA H100 80GB HBM3"), ("sm_90", 114, "NVIDIA H100 PCIe")
+
+
+def _target(gpu, settings, tuned=False):
+    t = {"device": "cuda", "arch": gpu[0], "name": gpu[2], "kernel_settings": settings.to_dict()}
+    return {**t, "tuned": {"gpu": gpu[2], "step_ms": [5.0, 4.9], "trials": []}} if tuned else t
+
+
+def test_settings_resolved_for_another_gpu_of_the_arch_are_resolved_again_where_they_differ(caplog):
+    """An untuned engine built on a GPU of the same arch: its settings where the resolution here is the same (same
+    SM count), those resolved for this GPU where it is not (the grid targets scale with the SM count)."""
+    from dejavu.runtime.ops import header_settings
+
+    built_on = resolve_kernel_settings("sm_90", 132)
+    assert header_settings(_target(H100, built_on), H100) == (built_on, True)
+    assert header_settings(_target(("sm_90", 132, "NVIDIA H200"), built_on), H100) == (built_on, True)
+    with caplog.at_level(logging.INFO, logger="dejavu"):
+        got, own = header_settings(_target(H100, built_on), H100_PCIE)
+    assert not own and got == resolve_kernel_settings("sm_90", 114) != built_on
+    assert got.input_sparse.target_programs == round(528 * 114 / 132)
+    assert any("resolved for NVIDIA H100 80GB HBM3, running on NVIDIA H100 PCIe" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_launch_shapes_tuned_on_one_gpu_are_used_on_that_gpu_only(caplog):
+    """dejavu-tune's settings (target.tuned) on the GPU they were timed on; on another (even of the same arch and
+    SM count) the defaults resolved there, with a warning naming dejavu-tune, as vLLM's tuned tables by device name."""
+    from dejavu.runtime.ops import header_settings
+    from dejavu.runtime.tune import with_setting
+
+    base = resolve_kernel_settings("sm_90", 132)
+    tuned = with_setting(with_setting(base, "qkv", "target_programs", 396), "gate_up", "block_k", 128)
+    assert tuned != base
+    with caplog.at_level(logging.INFO, logger="dejavu"):
+        assert header_settings(_target(H100, tuned, tuned=True), H100) == (tuned, True)
+    assert not caplog.records
+    for elsewhere in (("sm_90", 132, "NVIDIA H200"), H100_PCIE):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dejavu"):
+            got, own = header_settings(_target(H100, tuned, tuned=True), elsewhere)
+        assert not own and got == resolve_kernel_settings("sm_90", elsewhere[1])
+        [rec] = caplog.records
+        assert rec.levelno == logging.WARNING and f"tuned on {H100[2]}, running on {elsewhere[2]}" in rec.getMessage()
+        assert "dejavu-tune" in rec.getMessage()
+    # a header that names no GPU (before target.name): the arch alone decides, as before
+    old = {k: v for k, v in _target(H100, tuned, tuned=True).items() if k != "name"}
+    assert header_settings(old, H100_PCIE) == (tuned, True)
