@@ -14,8 +14,8 @@ engine's decode step captured in a CUDA graph after a prompt, timed in alternati
 over several rounds, and kept only where the median of the rounds' ratios gains more than `min_gain`.
 
 The search is coordinate descent over `search_space(sm_count)`: per projection kind (plugins.PROJECTIONS) its GEMV
-programs (3, 4 or 6 a streaming multiprocessor), block_k and block_m, then the attention's tile of slots; passes
-repeat while one changes something, until `budget_s`. A candidate is first checked kernel by kernel: each
+programs (2, 3, 4 or 6 a streaming multiprocessor), block_k and block_m (16, 32, 64), then the attention's tile of
+slots; passes repeat while one changes something, until `budget_s`. A candidate is first checked kernel by kernel: each
 projection kind's GEMV on layer 0's weights and the attention kernel against their references (LlamaOps.verify,
 the engine's load-time check), and refused where one disagrees or fails to launch. Settings change the order of
 sums and no selection, so a tuned engine decodes what the untuned one does, to rounding.
@@ -34,7 +34,8 @@ from dejavu.errors import DejavuError
 from dejavu.plugins.settings import PROJECTIONS, KernelSettings, resolve_projection_settings
 
 ATTN = "gqa_attn"  # the attention's part of KernelSettings, beside the projection kinds
-PROGRAMS_PER_SM = (3, 4, 6)
+PROGRAMS_PER_SM = (2, 3, 4, 6)
+BLOCK_M = (16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def search_space(sm_count: int) -> list[tuple[str, str, tuple]]:
     space = []
     for kind in PROJECTIONS:
         space += [(kind, "target_programs", tuple(n * sm_count for n in PROGRAMS_PER_SM)),
-                  (kind, "block_k", (64, 128)), (kind, "block_m", (32, 64))]
+                  (kind, "block_k", (64, 128)), (kind, "block_m", BLOCK_M)]
     return space + [(ATTN, "block_s", (32, 64))]
 
 

@@ -12,4 +12,4 @@ TRITON_INTERPRET=0 timeout 80 python3 -m pytest -q -p no:warnings tests/runtime/
     || echo "llama_tune: the GPU test failed"
 exec timeout 330 python3 benchmarks/e2e_llama.py --models llama-3-70b-tp8,llama-3-8b \
     --variant-models llama-3-70b-tp8,llama-3-8b --skips 0.5 --no-hf --no-smoke --profile-steps 0 --kernel-variants '[]' \
-    --tune --tune-budget-s 80 --out "$OUT/e2e-llama-tune-$D.json"
+    --tune --tune-budget-s 120 --out "$OUT/e2e-llama-tune-$D.json"

@@ -52,7 +52,7 @@ def test_a_setting_is_what_the_kinds_launches_read():
     back = with_setting(with_setting(H200, "gate_up", "block_k", 128), "gate_up", "block_k", 64)
     assert back == H200 and H200.input_sparse.projections == (("gate_up", "block_k", 64),)
     assert with_setting(H200, "gate_up", "block_k", 128).input_sparse.projections == ()  # 128 is the table's
-    assert [v for w, f, v in search_space(132) if (w, f) == ("o", "target_programs")] == [(396, 528, 792)]
+    assert [v for w, f, v in search_space(132) if (w, f) == ("o", "target_programs")] == [(264, 396, 528, 792)]
     with pytest.raises(DejavuError, match="projection kind"):
         with_setting(H200, "lm_head", "block_k", 64)
 
@@ -104,8 +104,9 @@ def test_descent_keeps_what_the_step_gains_and_refuses_what_disagrees():
     than min_gain; a gain inside it, a candidate whose kernels disagree with their references (even a faster one)
     and one that fails to launch are not kept; the reported times are the model's."""
     costs = {("gate_up", "block_k", 64): 0.10,  # the engine's own gate/up block_k is 0.10 ms slower than 128
-             ("gate_up", "target_programs", 396): 0.05, ("gate_up", "target_programs", 528): 0.08,
-             ("o", "block_m", 64): 0.04,  # o's block_m 32 gains 0.8%
+             ("gate_up", "target_programs", 264): 0.06, ("gate_up", "target_programs", 396): 0.05,
+             ("gate_up", "target_programs", 528): 0.08,
+             ("o", "block_m", 64): 0.04, ("o", "block_m", 16): 0.02,  # o's block_m 32 gains 0.8%
              ("down", "block_m", 64): 0.01,  # 0.2%: inside min_gain 0.5%
              (ATTN, "block_s", 32): 0.0, (ATTN, "block_s", 64): -0.3}  # faster, but its logits disagree
     bench = _ModelBench(costs, wrong={(ATTN, "block_s", 64)}, fail={("qkv", "block_k", 64)})
@@ -182,7 +183,7 @@ def test_a_shard_is_tuned_as_the_engine_of_its_shape(tmp_path):
         Engine.from_tensors(header, tensors)
     eng = Engine.from_tensors(_standalone(header), tensors)
     assert eng.describe()["heads"] == 3 and eng.describe()["kv_heads"] == 1 and eng.describe()["ffn"] == 40
-    got = tune_engine(eng, TuneSettings(rounds=1), bench=_ModelBench({("o", "block_m", 64): 0.2}))
+    got = tune_engine(eng, TuneSettings(rounds=1), bench=_ModelBench({("o", "block_m", 64): 0.2, ("o", "block_m", 16): 0.1}))
     assert setting(got.settings, "o", "block_m") == 32
     write_tuned(path, header, tensors, got, "NVIDIA H200", 128)
     h2, _ = read_engine(path)
