@@ -183,7 +183,8 @@ def test_a_shard_is_tuned_as_the_engine_of_its_shape(tmp_path):
         Engine.from_tensors(header, tensors)
     eng = Engine.from_tensors(_standalone(header), tensors)
     assert eng.describe()["heads"] == 3 and eng.describe()["kv_heads"] == 1 and eng.describe()["ffn"] == 40
-    got = tune_engine(eng, TuneSettings(rounds=1), bench=_ModelBench({("o", "block_m", 64): 0.2, ("o", "block_m", 16): 0.1}))
+    costs = {("o", "block_m", 64): 0.2, ("o", "block_m", 16): 0.1}
+    got = tune_engine(eng, TuneSettings(rounds=1), bench=_ModelBench(costs))
     assert setting(got.settings, "o", "block_m") == 32
     write_tuned(path, header, tensors, got, "NVIDIA H200", 128)
     h2, _ = read_engine(path)
