@@ -387,12 +387,11 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
     state_bytes = state.nbytes()
-    consume = config.tp == 1  # --tp reads each spilled tensor once per rank
-    parts = state.parts("shell", consume=consume)
+    parts = state.parts("shell", consume=True)  # each spilled tensor read once (--tp: for every rank at once)
     for l in range(cfg.num_hidden_layers):
-        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=consume))
+        parts.update(state.parts(f"layer_{l:05d}", prefix="layers.", consume=True))
     with stages("write engine"):
-        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path, a tensor at a time
+        if config.tp > 1:  # one file per rank, named by dejavu.shards.shard_path, written side by side
             from dejavu.compiler.tensor_parallel import write_shards
             size, files = write_shards(out, header, parts, config.tp)
             out = f"{files[0]} .. {files[-1]} (tp={config.tp}, sizes summed)"

@@ -405,7 +405,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
                           tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id),
                           heldout)
     with stages("write engine"):
-        if config.tp > 1:  # one file per rank (dejavu.shards.shard_path), a tensor at a time
+        if config.tp > 1:  # one file per rank (dejavu.shards.shard_path), written side by side
             from dejavu.compiler.tensor_parallel import write_shards
 
             size, files = write_shards(out, header, parts, config.tp)

@@ -141,27 +141,39 @@ def shard_engine(header: dict, tensors: dict[str, torch.Tensor], tp: int) -> lis
 def write_shards(out, header: dict, parts: dict, tp: int) -> tuple[int, list[str]]:
     """Shard and write one engine per rank (`dejavu.shards.shard_path` names); (total bytes, paths).
 
-    parts: {name: engine_file.TensorPart or torch.Tensor}. Each rank's file is written a tensor
-    at a time: a part is read whole, split, written and dropped (memory: a few of the largest
-    tensor, never the engine); each part is read once per rank."""
-    from dejavu.engine_file import TensorPart, write_engine_parts
+    parts: {name: engine_file.TensorPart or torch.Tensor}. The ranks' files are written side by side in one pass
+    over the tensors: each part is read (laid out) once, split, its slices written to their files and dropped
+    (memory: a few of the largest tensor, never the engine). Atomic as a set: on any failure no rank's file is
+    left."""
+    import contextlib
+
+    from dejavu.engine_file import PartsWriter, TensorPart
+    from dejavu.fileio import atomic_path
 
     parts = {n: TensorPart.of(n, p) if isinstance(p, torch.Tensor) else p for n, p in parts.items()}
     headers, split = _split_rule(header, tp)
-    total, paths = 0, []
-    for r, hr in enumerate(headers):
-        rank_parts = {}
-        for name, p in parts.items():
-            shape = split(name, torch.empty(p.shape, dtype=p.dtype, device="meta"), r).shape
-            rank_parts[name] = TensorPart(p.dtype, shape, lambda n=name, p=p, r=r: _split_chunks(split, n, p, r))
-        paths.append(shard_path(out, r, tp))
-        total += write_engine_parts(paths[-1], hr, rank_parts)
-    return total, paths
+    paths = [shard_path(out, r, tp) for r in range(tp)]
+    try:
+        with contextlib.ExitStack() as stack:
+            files = [stack.enter_context(open(stack.enter_context(atomic_path(p)), "wb")) for p in paths]
+            writers = []
+            for r, (hr, f) in enumerate(zip(headers, files)):
+                layout = {n: (p.dtype, split(n, torch.empty(p.shape, dtype=p.dtype, device="meta"), r).shape)
+                          for n, p in parts.items()}
+                writers.append(PartsWriter(f, hr, layout))
+            for name in sorted(parts):
+                w = _whole(parts[name])
+                for r, writer in enumerate(writers):
+                    writer.tensor(name, TensorPart.of(name, split(name, w, r).contiguous()).chunks())
+                del w
+            sizes = [writer.close() for writer in writers]
+    except OSError as e:
+        raise DejavuError(f"cannot write engine shards {paths[0]} ..: {e.strerror or e}") from None
+    return sum(sizes), [str(p) for p in paths]
 
 
-def _split_chunks(split, name: str, part, r: int):
-    from dejavu.engine_file import TensorPart
-
-    data = bytearray(b"".join(part.chunks()))
-    w = torch.frombuffer(data, dtype=part.dtype).view(part.shape) if part.nbytes else torch.empty(part.shape, dtype=part.dtype)
-    yield from TensorPart.of(name, split(name, w, r).contiguous()).chunks()
+def _whole(part) -> torch.Tensor:
+    # a TensorPart's bytes as one tensor of its dtype and shape
+    if not part.nbytes:
+        return torch.empty(part.shape, dtype=part.dtype)
+    return torch.frombuffer(bytearray(b"".join(part.chunks())), dtype=part.dtype).view(part.shape)

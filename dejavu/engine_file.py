@@ -107,42 +107,64 @@ def _header_text(header: dict) -> str:
         raise DejavuError(f"engine header is not JSON-serialisable: {e}") from None
 
 
-def write_parts(f, header: dict, parts: dict[str, TensorPart]) -> int:
-    """Write an engine to the seekable binary file `f` from tensor parts; return its size.
+class PartsWriter:
+    """An engine written to the seekable binary file `f` a tensor at a time: the tensors' names, dtypes and
+    shapes up front ({name: (dtype, shape)}), then `tensor(name, chunks)` in name order, then `close()` -> the
+    size. The data are streamed while the checksum is computed; the safetensors header, whose length does not
+    depend on the checksum's value (64 hex digits), is written first with a placeholder and rewritten in place
+    at the end. Several writers can be fed from one pass over the tensors (tensor-parallel shards)."""
 
-    The data are streamed in name order while the checksum is computed; the safetensors
-    header, whose length does not depend on the checksum's value (64 hex digits), is written
-    first with a placeholder and rewritten in place at the end."""
-    header_text = _header_text(header)
-    entries, off = {}, 0
-    for name in sorted(parts):
-        p = parts[name]
-        entries[name] = {"dtype": _NAMES[p.dtype], "shape": p.shape, "data_offsets": [off, off + p.nbytes]}
-        off += p.nbytes
-    meta = {"dejavu_header": header_text,
-            "dejavu_header_checksum": hashlib.sha256(header_text.encode()).hexdigest(),
-            "dejavu_checksum": "0" * 64}
-    blob = _header_blob(meta, entries)
-    start = f.tell()
-    f.write(struct.pack("<Q", len(blob)) + blob)
-    h = hashlib.sha256()
-    for name in sorted(parts):
-        p, n = parts[name], 0
-        h.update(f"{name}\0{_NAMES[p.dtype]}\0{json.dumps(p.shape)}\0".encode())
-        for chunk in p.chunks():
-            h.update(chunk)
-            f.write(chunk)
+    def __init__(self, f, header: dict, layout: dict[str, tuple[torch.dtype, list]]):
+        header_text = _header_text(header)
+        self.f, self.entries, self.order, off = f, {}, sorted(layout), 0
+        for name in self.order:
+            dtype, shape = layout[name]
+            p = TensorPart(dtype, shape, None)
+            self.entries[name] = {"dtype": _NAMES[dtype], "shape": p.shape, "data_offsets": [off, off + p.nbytes]}
+            off += p.nbytes
+        self.meta = {"dejavu_header": header_text,
+                     "dejavu_header_checksum": hashlib.sha256(header_text.encode()).hexdigest(),
+                     "dejavu_checksum": "0" * 64}
+        self.blob = _header_blob(self.meta, self.entries)
+        self.start = f.tell()
+        f.write(struct.pack("<Q", len(self.blob)) + self.blob)
+        self.h, self.next = hashlib.sha256(), 0
+
+    def tensor(self, name: str, chunks) -> None:
+        """The next tensor (name order): its raw bytes in chunks."""
+        if self.next >= len(self.order) or self.order[self.next] != name:
+            raise DejavuError(f"engine tensor {name!r} written out of order")
+        e = self.entries[name]
+        self.h.update(f"{name}\0{e['dtype']}\0{json.dumps(e['shape'])}\0".encode())
+        n = 0
+        for chunk in chunks:
+            self.h.update(chunk)
+            self.f.write(chunk)
             n += len(chunk)
-        if n != p.nbytes:
-            raise DejavuError(f"engine tensor {name!r}: {n} bytes written, {p.nbytes} expected")
-    end = f.tell()
-    meta["dejavu_checksum"] = h.hexdigest()
-    final = _header_blob(meta, entries)
-    assert len(final) == len(blob)  # same length: the header is rewritten in place
-    f.seek(start + 8)
-    f.write(final)
-    f.seek(end)
-    return end - start
+        want = e["data_offsets"][1] - e["data_offsets"][0]
+        if n != want:
+            raise DejavuError(f"engine tensor {name!r}: {n} bytes written, {want} expected")
+        self.next += 1
+
+    def close(self) -> int:
+        if self.next != len(self.order):
+            raise DejavuError(f"engine tensor {self.order[self.next]!r} was not written")
+        end = self.f.tell()
+        self.meta["dejavu_checksum"] = self.h.hexdigest()
+        final = _header_blob(self.meta, self.entries)
+        assert len(final) == len(self.blob)  # same length: the header is rewritten in place
+        self.f.seek(self.start + 8)
+        self.f.write(final)
+        self.f.seek(end)
+        return end - self.start
+
+
+def write_parts(f, header: dict, parts: dict[str, TensorPart]) -> int:
+    """Write an engine to the seekable binary file `f` from tensor parts; return its size (PartsWriter)."""
+    w = PartsWriter(f, header, {n: (p.dtype, p.shape) for n, p in parts.items()})
+    for name in sorted(parts):
+        w.tensor(name, parts[name].chunks())
+    return w.close()
 
 
 def encode_engine(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:

@@ -69,3 +69,40 @@ def test_a_gpu_target_records_each_layers_kernel_settings_for_each_rank():
     ranks, _ = _split_rule(header, 2)
     want = resolve_layer_settings(ks, 7168, 128, [1434, 4301], [3, 9])
     assert all(hr["target"]["layer_kernel_settings"] == want for hr in ranks)
+
+
+def test_shards_are_written_in_one_pass_byte_for_byte_and_all_or_none(tiny_opt_dir, tmp_path):
+    """write_shards lays each tensor out once for every rank (a part's chunks read once), its files equal
+    byte for byte the single-file writer's on shard_engine's tensors, and a part that fails midway leaves no
+    rank's file (not even the ranks before it)."""
+    from dejavu.compiler.tensor_parallel import write_shards
+    from dejavu.engine_file import TensorPart, encode_engine
+
+    build_engine(tiny_opt_dir, BuildConfig(mlp_density=0.5, attn_density=0.5, dtype="float32"),
+                 tmp_path / "one.engine", progress=False,
+                 predictors=Predictors.from_state_dict(random_predictors(load_config(tiny_opt_dir), rank=8,
+                                                                         rank_attn=4),
+                                                       {"source": "attn_in", "lookahead": 1}))
+    header, tensors = read_engine(tmp_path / "one.engine")
+    reads = {}
+
+    def counted(name, t):
+        def chunks():
+            reads[name] = reads.get(name, 0) + 1
+            return TensorPart.of(name, t).chunks()
+        return TensorPart(t.dtype, t.shape, chunks)
+
+    size, files = write_shards(tmp_path / "m.engine", header, {n: counted(n, t) for n, t in tensors.items()}, 2)
+    assert reads == {n: 1 for n in tensors}
+    want = [encode_engine(hr, tr) for hr, tr in shard_engine(header, tensors, 2)]
+    assert [open(f, "rb").read() for f in files] == want and size == sum(map(len, want))
+
+    def broken():
+        yield b"\0" * 8
+        raise OSError(28, "No space left on device")
+
+    last = sorted(tensors)[-1]
+    parts = {**tensors, last: TensorPart(tensors[last].dtype, tensors[last].shape, broken)}
+    with pytest.raises(DejavuError, match="cannot write engine shards .*No space left on device"):
+        write_shards(tmp_path / "x.engine", header, parts, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["one.engine", *(p.split("/")[-1] for p in files)])
