@@ -1,16 +1,17 @@
 """benchmarks/write_shards.py: both shard writers on a tiny Llama, the same bytes, one layout a tensor against tp."""
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+_spec = importlib.util.spec_from_file_location(  # by file: benchmarks/kernels.py must not shadow HF's `kernels`
+    "write_shards", Path(__file__).resolve().parents[1] / "benchmarks" / "write_shards.py")
+write_shards = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(write_shards)
 
 
 def test_one_pass_lays_each_tensor_out_once_and_writes_the_per_rank_bytes(tmp_path):
-    import write_shards
-
     out = tmp_path / "ws.json"
     assert write_shards.main(["--hidden", "64", "--ffn", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
                               "--vocab", "97", "--tp", "2", "--repeats", "1", "--out", str(out)]) == 0
