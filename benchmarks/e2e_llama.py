@@ -244,10 +244,11 @@ class _CountingOps:
     def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
         return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)
 
-    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows):
+    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows, bias=None):
         from dejavu.plugins.input_sparse import sliced_qkv_rope_ref
 
-        return sliced_qkv_rope_ref(self.linear(x, w_t, t, norm), cos, sin, pos, k_cache, v_cache, rows)
+        qkv = self.linear(x, w_t, t, norm)
+        return sliced_qkv_rope_ref(qkv if bias is None else qkv + bias, cos, sin, pos, k_cache, v_cache, rows)
 
 
 def realized_skip(eng, c: dict, P: int, steps: int) -> float:

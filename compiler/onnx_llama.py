@@ -14,7 +14,8 @@ Graphs: prefill `input_ids [B,S]` → `logits [B,S,V]`, `present.{l}.key/.value 
 decode `input_ids [B,1]`, `position_ids [B,1]`, `past.{l}.key/.value [B,Hkv,T,hd]` → `logits
 [B,1,V]`, `present.{l}.* [B,Hkv,T+1,hd]`. Names, per layer l: tensors `layers.{l}.attn_in`,
 `layers.{l}.mlp_in` (the residual into each block), nodes `layers.{l}.{q,k,v,o,gate,up,down}_proj/MatMul`
-with initializers `layers.{l}.{...}_proj.weight_t` (W^T), masks `layers.{l}.{input}/mask`.
+with initializers `layers.{l}.{...}_proj.weight_t` (W^T) and, where the checkpoint has them, `.bias` (added after
+the MatMul by `{...}_proj/Add`: Qwen2's q/k/v, Llama's attention_bias / mlp_bias), masks `layers.{l}.{input}/mask`.
 """
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def _masked(g: GraphBuilder, x: str, thresholds, key: str, l: int) -> str:
 
 
 def _proj(g: GraphBuilder, x: str, linear, name: str) -> str:
-    return g.op("MatMul", [x, g.const(f"{name}.weight_t", g.weight(linear.weight).T)], f"{name}/MatMul")
+    y = g.op("MatMul", [x, g.const(f"{name}.weight_t", g.weight(linear.weight).T)], f"{name}/MatMul")
+    if linear.bias is None:
+        return y
+    return g.op("Add", [y, g.const(f"{name}.bias", g.weight(linear.bias))], f"{name}/Add")
 
 
 def _rope_tables(g: GraphBuilder, model, positions: str) -> tuple[str, str]:
@@ -136,8 +140,6 @@ def build_llama_graph(model, mode: str = "prefill", thresholds: dict | None = No
     if mode not in ("prefill", "decode"):
         raise DejavuError(f"ONNX graph mode must be 'prefill' or 'decode', got {mode!r}")
     cfg = model.config
-    if cfg.attention_bias or cfg.mlp_bias:
-        raise DejavuError("ONNX export of Llama checkpoints with attention_bias / mlp_bias is not supported")
     decode = mode == "decode"
     L, Hkv, hd, V = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
     name = f"llama_{mode}" + ("_teal" if thresholds is not None else "")

@@ -107,8 +107,9 @@ def _llama_split_rule(header: dict, tp: int):
         f = slice(r * Fr, (r + 1) * Fr)
         if _LLAMA_REPLICATED.match(name):
             return w
-        if kind == "attn.wqkv_t":  # columns: q heads, then k heads, then v heads
-            return torch.cat([w[:, :H * hd][:, q], w[:, H * hd:(H + Hkv) * hd][:, kv], w[:, (H + Hkv) * hd:][:, kv]], 1)
+        if kind in ("attn.wqkv_t", "attn.bqkv"):  # columns: q heads, then k heads, then v heads
+            return torch.cat([w[..., :H * hd][..., q], w[..., H * hd:(H + Hkv) * hd][..., kv],
+                              w[..., (H + Hkv) * hd:][..., kv]], -1)
         if kind == "attn.wo_t":
             return w[q].contiguous()
         if kind == "mlp.wgu_t":  # columns: gate, then up

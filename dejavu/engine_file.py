@@ -344,6 +344,8 @@ def llama_shapes(header: dict) -> dict[str, list[int]]:
         p = f"layers.{l}."
         s.update({p + "attn_norm": [D], p + "mlp_norm": [D], p + "attn.wqkv_t": [D, qo + 2 * kv],
                   p + "attn.wo_t": [qo, D], p + "mlp.wgu_t": [D, 2 * F], p + "mlp.wd_t": [F, D]})
+        if cfg.qkv_bias:
+            s[p + "attn.bqkv"] = [qo + 2 * kv]
     return s
 
 

@@ -1,7 +1,7 @@
 """Dense Llama-family decoder in plain PyTorch (gpt-fast style), parameter names as in Hugging Face.
 
-Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama, and mistral while a
-sequence stays inside its sliding window): RMSNorm, rotary positions (rope_theta, "linear"
+Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral and qwen2, whose q/k/v
+projections carry biases, while a sequence stays inside the sliding window where they have one): RMSNorm, rotary positions (rope_theta, "linear"
 and Llama-3 "llama3" rope_scaling), grouped-query attention, SwiGLU MLP, optional tied LM
 head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV cache,
 `forward(ids, start_pos, attention_mask)`), so `dejavu.models.generate` drives both.
@@ -20,7 +20,8 @@ from torch import nn
 from dejavu.errors import DejavuError
 from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
 
-MODEL_TYPES = ("llama", "mistral")
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -40,8 +41,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple | None = None  # sorted (key, value) pairs of config.json's dict
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v and o biases (Llama's attention_bias)
     mlp_bias: bool = False
+    qkv_bias: bool = False  # q, k and v biases, o none (Qwen2)
     sliding_window: int | None = None
     model_type: str = "llama"
     pad_token_id: int | None = None
@@ -98,7 +100,7 @@ class LlamaConfig:
             rope_theta=float(theta), rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-            sliding_window=d.get("sliding_window") if mt == "mistral" else None, model_type=mt,
+            qkv_bias=mt == "qwen2", sliding_window=_sliding_window(d, mt), model_type=mt,
             pad_token_id=d.get("pad_token_id"), bos_token_id=bos, eos_token_id=eos,
         )
 
@@ -106,17 +108,29 @@ class LlamaConfig:
         """The config.json that transformers' LlamaForCausalLM reads."""
         d = dataclasses.asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
-        d.update(architectures=["LlamaForCausalLM" if self.model_type == "llama" else "MistralForCausalLM"],
-                 hidden_act="silu", attention_dropout=0.0)
+        d.update(architectures=[ARCHITECTURES[self.model_type]], hidden_act="silu", attention_dropout=0.0)
+        if self.model_type == "qwen2":
+            d["use_sliding_window"] = self.sliding_window is not None
         return d
 
     def num_params(self) -> int:
         d, f, L, hd = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.head_dim
         qo, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         layer = d * (2 * qo + 2 * kv) + 3 * d * f + 2 * d
-        layer += (qo + 2 * kv + d if self.attention_bias else 0) + (2 * f + d if self.mlp_bias else 0)
+        layer += (qo + 2 * kv + d if self.attention_bias else qo + 2 * kv if self.qkv_bias else 0)
+        layer += 2 * f + d if self.mlp_bias else 0
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return L * layer + self.vocab_size * d + head + d
+
+
+def _sliding_window(d: dict, model_type: str) -> int | None:
+    # Mistral's window, or Qwen2's where use_sliding_window turns it on (its config.json writes a window either way)
+    if model_type == "mistral" or (model_type == "qwen2" and d.get("use_sliding_window")):
+        w = d.get("sliding_window")
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
+            raise DejavuError(f"config.json field 'sliding_window' must be a positive integer or null, got {w!r}")
+        return w
+    return None
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -165,12 +179,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        d, b, hd = cfg.hidden_size, cfg.attention_bias, cfg.head_dim
+        d, hd = cfg.hidden_size, cfg.head_dim
+        b = cfg.attention_bias or cfg.qkv_bias
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=b)
         self.k_proj = nn.Linear(d, self.n_kv * hd, bias=b)
         self.v_proj = nn.Linear(d, self.n_kv * hd, bias=b)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=b)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.attention_bias)
         self.cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,

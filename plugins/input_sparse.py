@@ -188,10 +188,11 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
         tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
-def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, B, M, QD, KD, T, HKV,
-                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, GDC: tl.constexpr = 0):
-    # q/k/v's split-K sum, RoPE on q and k, k and v into the caches at pos[b]: columns [0, QD) are q, then
-    # KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
+def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, bias_ptr, B, M, QD, KD, T, HKV,
+                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GDC: tl.constexpr = 0):
+    # q/k/v's split-K sum (+ their biases), RoPE on q and k, k and v into the caches at pos[b]: columns [0, QD) are
+    # q, then KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
     b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = offs < M
     d = offs % HEAD_D
@@ -200,6 +201,9 @@ def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr,
     dt = q_ptr.dtype.element_ty  # q/k/v in the engine dtype, summed as _sum_splits_kernel sums
     y = _src(part_ptr, b * M + offs, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
     y_mate = _src(part_ptr, b * M + mate, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
+    if HAS_BIAS:  # the product rounded, then its bias added and rounded again, as PyTorch's qkv + bias rounds
+        y = (y + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        y_mate = (y_mate + tl.load(bias_ptr + mate, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
     c = tl.load(cos_ptr + b * HEAD_D + d).to(tl.float32)
     sn = tl.load(sin_ptr + b * HEAD_D + d).to(tl.float32)  # rotate_half's sign folded in
     rot = ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
@@ -376,8 +380,10 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
 
 def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, settings: KernelSettings | None = None) -> torch.Tensor:
-    """q [B, H, hd] of a fused q/k/v projection (the pairs' GEMV, w_t [N, (H + 2 Hkv) hd]), RoPE on q and k
+                    v_cache: torch.Tensor, settings: KernelSettings | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, hd] of a fused q/k/v projection (the pairs' GEMV, w_t [N, (H + 2 Hkv) hd]; + bias [(H + 2 Hkv) hd],
+    the q/k/v biases where a checkpoint has them, added to the rounded product before RoPE), RoPE on q and k
     (cos, sin [B, hd]: sin with rotate_half's sign, -sin on the first half), k and v written into
     k_cache, v_cache [B, Hkv, T, hd] at slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch
     after the GEMV."""
@@ -391,12 +397,15 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     M = w_t.shape[1] if w_t.dim() == 2 else -1
     if hd % 2 or M % hd or M // hd <= 2 * Hkv:
         raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(M,), dtype=val.dtype, device=val.device)
     part = sliced_parts(idx, val, count, w_t, settings)
     H = M // hd - 2 * Hkv
     q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
     jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](
-        part, q, k_cache, v_cache, cos, sin, pos, B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=config.block_m,
-        SPLIT_K=part.shape[0], **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
+        part, q, k_cache, v_cache, cos, sin, pos, q if bias is None else bias, B, M, H * hd, Hkv * hd, T, Hkv,
+        HEAD_D=hd, BLOCK_M=config.block_m, SPLIT_K=part.shape[0], HAS_BIAS=bias is not None,
+        **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
     return q
 
 

@@ -13,7 +13,7 @@ Same design as the OPT decoder (runtime/decoder.py):
   host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
-Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache,
+Decode step: RMSNorm, fused q/k/v (their biases, where the checkpoint has them, added before RoPE), RoPE on the new token, GQA over a [B, H_kv, T, hd] cache,
 fused gate/up, SwiGLU, down. No side stream: TEAL has no predictor to overlap (the thresholds
 are the selection, computed where the input is).
 """
@@ -182,16 +182,18 @@ class LlamaOps:
         return self.down(self.gate_up(x, wgu_t, t_in, norm), wd_t, t_down, x if add else None)
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
-                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """q [B, H, hd] of linear(x, w_t, t, norm) (the fused q/k/v projection), RoPE on q and k (cos, sin
-        [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot pos[b]."""
+                 pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, hd] of linear(x, w_t, t, norm) (+ bias: q/k/v's biases [M], Qwen2), the fused q/k/v
+        projection, RoPE on q and k (cos, sin [B, hd], sin signed for rotate_half), k and v written into the
+        caches [B, Hkv, T, hd] at slot pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
         if t <= 0 or self.backend == "ref":
-            return IS.sliced_qkv_rope_ref(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
-                                          rows)
+            qkv = self.linear(x, w_t, t, norm, kind="qkv")
+            return IS.sliced_qkv_rope_ref(qkv if bias is None else qkv + bias, cos, sin, pos, k_cache, v_cache, rows)
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
-                                  k_cache, v_cache, settings=self.kinds["qkv"])
+                                  k_cache, v_cache, settings=self.kinds["qkv"], bias=bias)
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float,
@@ -275,7 +277,8 @@ class LlamaDecoder:
         th = spec.thresholds
         self.layers = [SimpleNamespace(
             attn_norm=tensors[f"layers.{l}.attn_norm"], mlp_norm=tensors[f"layers.{l}.mlp_norm"],
-            wqkv_t=tensors[f"layers.{l}.attn.wqkv_t"], wo_t=tensors[f"layers.{l}.attn.wo_t"],
+            wqkv_t=tensors[f"layers.{l}.attn.wqkv_t"], bqkv=tensors.get(f"layers.{l}.attn.bqkv"),
+            wo_t=tensors[f"layers.{l}.attn.wo_t"],
             wgu_t=tensors[f"layers.{l}.mlp.wgu_t"], wd_t=tensors[f"layers.{l}.mlp.wd_t"],
             t={k: th[k][l] for k in INPUTS}) for l in range(spec.num_layers)]
         self.lm_head = tensors.get("lm_head", tensors["embed_tokens"])
@@ -366,7 +369,7 @@ class LlamaDecoder:
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
-                                  self.rows)
+                                  self.rows, w.bqkv)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
             if self.reduce is None:
                 x = self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x)
@@ -397,7 +400,8 @@ class LlamaDecoder:
         x = F.embedding(ids, self.t["embed_tokens"])  # [B, S, D]
         at = slice(None) if rows is None else rows
         for l, w in enumerate(self.layers):
-            q, k, v = self._split_qkv(lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps)))
+            qkv = lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps))
+            q, k, v = self._split_qkv(qkv if w.bqkv is None else qkv + w.bqkv)
             q = _rotate(q.view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
             k = _rotate(k.view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
             v = v.view(B, S, Hkv, hd).transpose(1, 2)

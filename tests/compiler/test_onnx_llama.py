@@ -16,7 +16,9 @@ pytest.importorskip("onnxruntime")
 
 VARIANTS = {"gqa_tied": {}, "mha_untied": dict(num_key_value_heads=6, tie_word_embeddings=False),
             "llama3_rope": dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                  high_freq_factor=4.0, original_max_position_embeddings=16))}
+                                                  high_freq_factor=4.0, original_max_position_embeddings=16)),
+            "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),  # q/k/v biases, o none
+            "llama_biases": dict(attention_bias=True, mlp_bias=True)}
 
 
 def _thresholds(m, skip=0.4):
@@ -73,6 +75,9 @@ def test_sparse_graph_masks_every_projection_input_by_name():
         for proj in ("q", "k", "v", "o", "gate", "up", "down"):
             assert f"layers.{l}.{proj}_proj/MatMul" in names
     assert not any(n.op_type == "Where" for n in build_llama_graph(m, "decode").graph.node)
+    assert not any(n.endswith("_proj/Add") for n in names)  # no biases, no Add
+    q = {n.name for n in build_llama_graph(tiny_llama(model_type="qwen2"), "decode", th).graph.node}
+    assert {n for n in q if n.endswith("_proj/Add")} == {f"layers.{l}.{p}_proj/Add" for l in range(2) for p in "qkv"}
 
 
 def test_dejavu_compile_onnx_out_writes_dense_and_sparse_graphs(tmp_path):

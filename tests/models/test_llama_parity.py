@@ -1,4 +1,5 @@
-"""Our dense Llama equals transformers.LlamaForCausalLM on the same weights (fp32, max abs <= 1e-4)."""
+"""Our dense Llama equals transformers.LlamaForCausalLM (Qwen2ForCausalLM for model_type qwen2) on the same
+weights (fp32, max abs <= 1e-4)."""
 from __future__ import annotations
 
 import pytest
@@ -27,15 +28,22 @@ CONFIGS = {
                                           high_freq_factor=4.0, original_max_position_embeddings=16)),
     "linear_rope": dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
                         rope_scaling=dict(type="linear", factor=2.0)),
+    # Qwen2: q/k/v biases without o's, untied head, rope_theta 1e6, a window it does not use
+    "qwen2": dict(model_type="qwen2", hidden_size=48, intermediate_size=72, num_attention_heads=6,
+                  num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                  use_sliding_window=False, sliding_window=32, bos_token_id=0, eos_token_id=0),
 }
 
 
 
 def make_pair(overrides: dict, seed: int = 0):
     """(hf_model, our_model) with the same random weights (norm weights included)."""
-    hf_cfg = transformers.LlamaConfig(**{**BASE, **overrides}, attn_implementation="eager")
+    over = dict(overrides)
+    family = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[over.pop("model_type", "llama")]
+    hf_cfg = family[0](**{**BASE, **over}, attn_implementation="eager")
     torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf = family[1](hf_cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
@@ -121,7 +129,7 @@ def test_num_params_counts_the_state_dict():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope"])
+@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope", "qwen2"])
 def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
     """save_pretrained's folder (safetensors, config.json of this transformers) -> load_any equal."""
     from tiny_tokenizer import tiny_tokenizer_json
@@ -131,8 +139,9 @@ def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
     hf, _ = make_pair(CONFIGS[name], seed=6)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json(97 + 263))
-    assert model_type(tmp_path) == "llama"
+    assert model_type(tmp_path) == CONFIGS[name].get("model_type", "llama")
     model, cfg = load_any(tmp_path)
+    assert cfg.qkv_bias == (name == "qwen2") and cfg.sliding_window is None
     assert isinstance(model, LlamaForCausalLM) and not any(p.is_meta for p in model.parameters())
     ids = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(7))
     assert (model(ids) - hf(input_ids=ids).logits).abs().max().item() <= ATOL
@@ -185,3 +194,19 @@ def test_compute_in_fp32_keeps_the_stored_bytes_and_equals_fp32(tmp_path, half):
         a = [model(ids[:, :12]), model(ids[:, 12:13], start_pos=12)]
         b = [ref(ids[:, :12]), ref(ids[:, 12:13], start_pos=12)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_qwen2_window_only_where_it_is_used_and_the_config_round_trips():
+    """Qwen2's config.json writes a sliding_window either way; it applies where use_sliding_window is set,
+    and our config.json (an engine header's model_config) reads back the same config."""
+    d = transformers.Qwen2Config(**{**BASE, **CONFIGS["qwen2"]}).to_dict()
+    d["sliding_window"] = 32  # transformers drops it when unused; checkpoints keep it
+    cfg = LlamaConfig.from_hf_dict(d)
+    assert cfg.sliding_window is None and cfg.qkv_bias and not cfg.attention_bias
+    used = LlamaConfig.from_hf_dict({**d, "use_sliding_window": True})
+    assert used.sliding_window == 32
+    for c in (cfg, used):
+        assert LlamaConfig.from_hf_dict(c.to_hf_dict()) == c
+        assert c.to_hf_dict()["architectures"] == ["Qwen2ForCausalLM"]
+    with pytest.raises(DejavuError, match="sliding_window"):
+        LlamaConfig.from_hf_dict({**d, "use_sliding_window": True, "sliding_window": "x"})

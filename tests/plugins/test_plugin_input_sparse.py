@@ -245,6 +245,9 @@ def test_sliced_launchers_check_their_inputs(triton_interp):
     with pytest.raises(DejavuError, match="pos: expected dtype torch.int64"):
         sliced_qkv_rope(idx, val, count, torch.randn(16, 12), torch.ones(2, 4), torch.ones(2, 4),
                         torch.zeros(2, dtype=torch.int32), kc, kc.clone())
+    with pytest.raises(DejavuError, match=r"bias: expected shape \(12,\)"):
+        sliced_qkv_rope(idx, val, count, torch.randn(16, 12), torch.ones(2, 4), torch.ones(2, 4),
+                        torch.zeros(2, dtype=torch.long), kc, kc.clone(), bias=torch.zeros(8))
 
 
 def _rope64(qkv, cos, sin, H, Hkv, hd):
@@ -255,10 +258,12 @@ def _rope64(qkv, cos, sin, H, Hkv, hd):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,H,Hkv,hd,config", [(1, 4, 2, 16, SMALL), (3, 6, 2, 8, SMALL), (2, 2, 1, 32, _s())])
-def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config):
+@pytest.mark.parametrize("B,H,Hkv,hd,config,with_bias", [(1, 4, 2, 16, SMALL, False), (3, 6, 2, 8, SMALL, True),
+                                                         (2, 2, 1, 32, _s(), True)])
+def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config, with_bias):
     """q rotated, and k (rotated) and v written into the caches at pos[b] only: poisoned caches keep their NaN
-    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32)."""
+    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32); q/k/v biases (Qwen2) added before
+    RoPE."""
     g = torch.Generator().manual_seed(H * hd + B)
     N, M, T = 40, (H + 2 * Hkv) * hd, 7
     x, nw = _producer_input(B, N, "norm", dtype, g)
@@ -267,14 +272,18 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv,
     cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
     pos = torch.randint(0, T, (B,), generator=g)
     kc, vc = (torch.full((B, Hkv, T, hd), float("nan"), dtype=dtype) for _ in range(2))
+    bias = torch.randn(M, generator=g).to(dtype) if with_bias else None
     t = 0.6
     split = split_k_for(B, N, M, config)
     idx, val, count = select_slices(x, t, split, nw, 1e-5, settings=_ks(config))
-    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config))
+    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config), bias=bias)
     h = produce_ref(x, nw, 1e-5)
-    q64, k64, v64 = _rope64((h.double() * (h.float().abs() > t)) @ w_t.double(), cos, sin, H, Hkv, hd)
+    y64, y = (h.double() * (h.float().abs() > t)) @ w_t.double(), input_sparse_gemv_ref(h, w_t, t)
+    if with_bias:
+        y64, y = y64 + bias.double(), y + bias
+    q64, k64, v64 = _rope64(y64, cos, sin, H, Hkv, hd)
     kt, vt = (torch.full_like(kc, float("nan")) for _ in range(2))
-    qt = sliced_qkv_rope_ref(input_sparse_gemv_ref(h, w_t, t), cos, sin, pos, kt, vt)
+    qt = sliced_qkv_rope_ref(y, cos, sin, pos, kt, vt)
     rows = torch.arange(B)
     close(q, q64, qt)
     close(kc[rows, :, pos], k64, kt[rows, :, pos])

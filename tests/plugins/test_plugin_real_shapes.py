@@ -192,9 +192,9 @@ def check_sliced_add(N, M, B, dtype, t):
                                  "kept": float((x.float().abs() > t).float().mean())}
 
 
-def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64):
+def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False):
     """The fused q/k/v TEAL GEMV with RoPE and the cache writes over 20 CUDA-graph replays on new inputs and
-    positions: q and both caches bit-equal to an eager step's; q vs float64."""
+    positions: q and both caches bit-equal to an eager step's; q vs float64. bias: q/k/v biases (Qwen2)."""
     from dejavu.plugins import input_sparse as IS
 
     M = (H + 2 * Hkv) * hd
@@ -202,12 +202,13 @@ def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64):
     ang = torch.rand(B, hd // 2, device=DEV) * 6
     cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
     pos = torch.randint(0, T, (B,), device=DEV)
+    b = randn(M, dtype=dtype) if bias else None
     split = IS.split_k_for(B, N, M, DEFAULT.input_sparse)
     caches = {k: [torch.zeros(B, Hkv, T, hd, dtype=dtype, device=DEV) for _ in range(2)] for k in ("graph", "eager")}
     qs = {}
 
     def step(which):
-        qs[which] = IS.sliced_qkv_rope(*IS.select_slices(x, t, split), w_t, cos, sin, pos, *caches[which])
+        qs[which] = IS.sliced_qkv_rope(*IS.select_slices(x, t, split), w_t, cos, sin, pos, *caches[which], bias=b)
         return qs[which]
 
     step("graph")  # compiles
@@ -224,9 +225,11 @@ def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64):
         same &= torch.equal(qs["graph"], qs["eager"]) and all(torch.equal(a, b) for a, b in zip(*caches.values()))
     torch.cuda.synchronize()
     h = x * (x.float().abs() > t)
-    qkv64 = (h.double() @ w_t.double()).view(B, -1, hd)[:, :H]
+    qkv64, qkvt = h.double() @ w_t.double(), h @ w_t
+    if bias:
+        qkv64, qkvt = qkv64 + b.double(), qkvt + b
+    qkv64, qkvt = qkv64.view(B, -1, hd)[:, :H], qkvt.view(B, -1, hd)[:, :H]
     q64 = qkv64 * cos.double()[:, None] + qkv64.roll(hd // 2, -1) * sin.double()[:, None]
-    qkvt = (h @ w_t).view(B, -1, hd)[:, :H]
     qt = qkvt * cos[:, None] + qkvt.roll(hd // 2, -1) * sin[:, None]
     ok, e = _err_ok(qs["graph"], q64, qt, *TOL[dtype])
     return ok and same, {"q": e, "graph_equal_eager": same, "split": split}
@@ -374,6 +377,9 @@ def cases():
     # q/k/v with RoPE: Llama-3-8B (32 / 8 heads of 128), the 70B TP-8 rank (8 / 1), heads of 64 at batch 2
     for N, H, Hkv, hd, B in ((4096, 32, 8, 128, 1), (8192, 8, 1, 128, 1), (2048, 16, 4, 64, 2)):
         cases.append(("sliced_qkv", dict(N=N, H=H, Hkv=Hkv, hd=hd, B=B, dtype=torch.float16, t=0.67)))
+    # with q/k/v biases: Qwen2-7B (28 / 4 heads of 128), bf16 at batch 3
+    cases.append(("sliced_qkv", dict(N=3584, H=28, Hkv=4, hd=128, B=1, dtype=torch.float16, t=0.67, bias=True)))
+    cases.append(("sliced_qkv", dict(N=896, H=14, Hkv=2, hd=64, B=3, dtype=torch.bfloat16, t=0.67, bias=True)))
     # fc2 + the next LayerNorm (split reduction, then the layer_norm kernel): dot path at B 1 and 8, the
     # GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
