@@ -1,11 +1,12 @@
-"""Read a llama.cpp GGUF file (Llama architecture) into `dejavu.models.llama`, with its tokenizer.
+"""Read a llama.cpp GGUF file (Llama or Qwen2 architecture) into `dejavu.models.llama`, with its tokenizer.
 
 Uses the `gguf` package (`pip install gguf`, or the `smollm2` extra) and nothing else:
-- config: the `llama.*` metadata turned into the Hugging Face config.json fields;
+- config: the `llama.*` (`qwen2.*`) metadata turned into the Hugging Face config.json fields;
 - weights: every tensor dequantized (Q4_0/Q4_1/Q8_0/K-quants/F16/F32, whatever `gguf.quants`
   knows) to fp32, then cast to the requested dtype, renamed to Hugging Face names. llama.cpp's
-  converter permutes the rows of Q and K (rotary pairs interleaved, not split in halves);
-  `_unpermute` undoes it so the weights fit the half-split RoPE of `dejavu.models.llama`;
+  converter permutes the rows of Q and K of Llama files (rotary pairs interleaved, not split in halves);
+  `_unpermute` undoes it so the weights fit the half-split RoPE of `dejavu.models.llama` (Qwen2 files keep
+  the checkpoint's rows: llama.cpp runs them with the half-split "NEOX" rotation);
 - tokenizer: a byte-level BPE `tokenizers.Tokenizer` from `tokenizer.ggml.tokens/merges`, with
   the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`.
 The file is memory-mapped by `gguf.GGUFReader`; one tensor at a time is dequantized.
@@ -36,7 +37,10 @@ _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.wei
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), by `tokenizer.ggml.pre`
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3")
+# Qwen2's tokenizer.json regex: Llama-3's, but every digit its own piece
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
+ARCHITECTURES = ("llama", "qwen2")  # general.architecture -> model_type of the same name
 
 
 def _gguf():
@@ -73,16 +77,18 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def _check_arch(reader, path) -> None:
+def _check_arch(reader, path) -> str:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise DejavuError(f"{path}: GGUF architecture is {arch!r}; dejavu reads 'llama' GGUF files")
+    if arch not in ARCHITECTURES:
+        raise DejavuError(f"{path}: GGUF architecture is {arch!r}; dejavu reads {' and '.join(ARCHITECTURES)} "
+                          "GGUF files")
+    return arch
 
 
 def config_dict(reader, path="GGUF file") -> dict:
-    """The Hugging Face config.json fields of a Llama GGUF file's metadata."""
-    _check_arch(reader, path)
-    a = "llama."
+    """The Hugging Face config.json fields of a Llama (Qwen2) GGUF file's metadata."""
+    arch = _check_arch(reader, path)
+    a = arch + "."
 
     def need(key):
         v = _field(reader, a + key)
@@ -97,7 +103,7 @@ def config_dict(reader, path="GGUF file") -> dict:
         raise DejavuError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported")
     vocab = _field(reader, a + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     d = {
-        "model_type": "llama", "hidden_act": "silu", "vocab_size": int(vocab), "hidden_size": hidden,
+        "model_type": arch, "hidden_act": "silu", "vocab_size": int(vocab), "hidden_size": hidden,
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, a + "attention.head_count_kv", heads)),
         "intermediate_size": int(need("feed_forward_length")),
@@ -106,7 +112,7 @@ def config_dict(reader, path="GGUF file") -> dict:
         "rms_norm_eps": float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, a + "rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,  # Qwen2: q/k/v biases by its type
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
@@ -153,7 +159,9 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
         except Exception as e:  # noqa: BLE001 - unknown quantization types raise NotImplementedError
             raise DejavuError(f"{path}: cannot dequantize {t.name!r} ({t.tensor_type.name}: {e})") from None
         w = torch.from_numpy(arr.copy()).float()
-        if ".attn_q." in t.name:
+        if cfg["model_type"] != "llama":
+            pass  # Qwen2: the checkpoint's rows
+        elif ".attn_q." in t.name:
             w = _unpermute(w, cfg["num_attention_heads"])
         elif ".attn_k." in t.name:
             w = _unpermute(w, cfg["num_key_value_heads"])
@@ -176,8 +184,8 @@ def build_tokenizer(reader, path="GGUF file"):
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    if pre in ("llama-bpe", "llama3", "llama-v3"):
-        steps = [pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+    if pre in ("llama-bpe", "llama3", "llama-v3", "qwen2"):
+        steps = [pre_tokenizers.Split(Regex(_QWEN2_REGEX if pre == "qwen2" else _LLAMA3_REGEX), behavior="isolated"),
                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     else:  # GPT-2's regex (ByteLevel's own); smollm: llama.cpp isolates every digit first
         steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]

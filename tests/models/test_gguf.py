@@ -34,16 +34,19 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, quant_mlp: bool = False):
-    """A random tiny Llama as a GGUF file; returns the transformers model holding the same weights."""
+def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama"):
+    """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer) as a
+    GGUF file; returns the transformers model holding the same weights."""
     from tiny_tokenizer import tiny_tokenizer_json
 
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG, attn_implementation="eager")).eval()
+    family = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    hf = family[1](family[0](**CFG, attn_implementation="eager")).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(CFG["num_hidden_layers"])
     w.add_context_length(CFG["max_position_embeddings"])
     w.add_embedding_length(CFG["hidden_size"])
@@ -56,7 +59,7 @@ def write_tiny_gguf(path, quant_mlp: bool = False):
     vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([3 if t in ("<s>", "<pad>", "</s>", "<unk>") else 1 for t, _ in vocab])
     w.add_token_merges(merges)
@@ -73,7 +76,9 @@ def write_tiny_gguf(path, quant_mlp: bool = False):
         else:
             _, _, i, *rest = name.split(".")
             gname = f"blk.{i}.{GG_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
-        if ".attn_q." in gname:
+        if arch == "qwen2":
+            pass  # convert_hf_to_gguf.py's Qwen2Model keeps the rows
+        elif ".attn_q." in gname:
             a = llama_cpp_permute(a, CFG["num_attention_heads"])
         elif ".attn_k." in gname:
             a = llama_cpp_permute(a, CFG["num_key_value_heads"])
@@ -145,6 +150,27 @@ def test_tiny_gguf_tokenizer_equals_the_bpe_it_was_written_from(tiny_gguf):
         assert tok.decode(want, skip_special=False) == ref.decode(want, skip_special_tokens=False)
     assert tok.encode("12", add_bos=False) == [ref.token_to_id("1"), ref.token_to_id("2")]  # digits split
     assert (tok.bos_id, tok.eos_id) == (0, 2)
+
+
+@torch.no_grad()
+def test_qwen2_gguf_equals_transformers_and_its_own_gguf_reader(tmp_path):
+    """A Qwen2 GGUF file (q/k/v biases, rows as the checkpoint's): our load equals the transformers model it was
+    written from; our tokenizer of the file (Qwen2's pre-tokenizer: every digit a piece, contractions in any
+    case) equals transformers' own GGUF tokenizer reader on it."""
+    path = tmp_path / "qwen2.gguf"
+    hf, _ = write_tiny_gguf(path, arch="qwen2")
+    model, cfg = auto.load_any(str(path))
+    assert cfg.model_type == "qwen2" and cfg.qkv_bias and not cfg.attention_bias
+    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits
+    assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
+    tok = auto.load_text_tokenizer(str(path))
+    pieces = [p for p, _ in tok.tokenizer.pre_tokenizer.pre_tokenize_str("IT'S 2026!\n\nok")]
+    assert pieces == ["IT", "'S", "Ġ", "2", "0", "2", "6", "!ĊĊ", "ok"]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["IT'S 2026!\n\nok", "Hello world, it's 12345 o'clock\r\n  x", "Ünïcödé ☃ 3.14"]:
+        assert tok.encode(text, add_bos=False) == theirs.encode(text, add_special_tokens=False)
 
 
 def test_gguf_errors_are_one_line(tmp_path):
