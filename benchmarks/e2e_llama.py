@@ -241,8 +241,9 @@ class _CountingOps:
 
         return self.linear(gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual)
 
-    def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm):
-        return self.linear(self.linear(x, wgu_t, t_in, norm=norm), wd_t, t_down, swiglu=True, residual=x)
+    def mlp(self, x, wgu_t, wd_t, t_in, t_down, norm, bgu=None):
+        gu = self.linear(x, wgu_t, t_in, norm=norm)
+        return self.linear(gu if bgu is None else gu + bgu, wd_t, t_down, swiglu=True, residual=x)
 
     def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows, bias=None):
         from dejavu.plugins.input_sparse import sliced_qkv_rope_ref

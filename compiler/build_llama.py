@@ -13,7 +13,9 @@ Kernel layout (the runtime reads columns of W as contiguous rows of W^T):
     embed_tokens [V, D], lm_head [V, D] (untied only), final_norm [D]
     layers.l.attn_norm [D], layers.l.mlp_norm [D]
     layers.l.attn.wqkv_t [D, (H + 2 Hkv) hd]   q, k, v fused (one input: attn_in)
-    layers.l.attn.bqkv   [(H + 2 Hkv) hd]      their biases (checkpoints with q/k/v biases only: Qwen2)
+    layers.l.attn.bqkv   [(H + 2 Hkv) hd]      their biases (checkpoints with q/k/v biases: Qwen2, attention_bias)
+    layers.l.attn.bo     [D]                   (attention_bias)
+    layers.l.mlp.bgu     [2 F], mlp.bd [D]     (mlp_bias)
     layers.l.attn.wo_t   [H hd, D]             (o_in)
     layers.l.mlp.wgu_t   [D, 2 F]              gate, up fused (mlp_in)
     layers.l.mlp.wd_t    [F, D]                (down_in)
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler.summary import accuracy_lines
+from dejavu.engine_file import llama_bias_shapes
 from dejavu.errors import DejavuError
 
 FAMILY = "llama"
@@ -47,14 +50,13 @@ MAX_SKIP = 0.99  # the top of gated_sparsity's calibrated quantile grid
 def step_bytes(cfg, elem: int = 2) -> dict:
     """Weight bytes of one dense decode token: {"fixed", "block", "dense"}.
 
-    fixed: the embedding row, the LM head (all V rows), every RMSNorm and q/k/v bias; block: the projections
+    fixed: the embedding row, the LM head (all V rows), every RMSNorm and bias; block: the projections
     q, k, v, o, gate, up, down of every layer (what the thresholds skip)."""
     from dejavu.compiler.gated_sparsity import projection_bytes
 
     d = cfg.hidden_size
     fixed = d + cfg.vocab_size * d + (2 * cfg.num_hidden_layers + 1) * d
-    if cfg.qkv_bias:
-        fixed += cfg.num_hidden_layers * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    fixed += cfg.num_hidden_layers * sum(n for _, n in llama_bias_shapes(cfg))
     block = cfg.num_hidden_layers * sum(projection_bytes(cfg).values())
     return {"fixed": elem * fixed, "block": elem * block, "dense": elem * (fixed + block)}
 
@@ -78,9 +80,6 @@ def density_for_skip(cfg, skip: float) -> float:
 
 
 def _check_supported(cfg, config) -> None:
-    if cfg.attention_bias or cfg.mlp_bias:  # q/k/v biases alone (qkv_bias: Qwen2) are supported
-        raise DejavuError("Llama engines do not support checkpoints with o_proj or MLP biases "
-                          "(attention_bias / mlp_bias) yet")
     unsupported = {"mlp_density": None, "attn_density": None, "no_predictors": False}
     for name, default in unsupported.items():
         if getattr(config, name) != default:
@@ -230,11 +229,14 @@ def _layout(model) -> list[tuple[str, tuple[int, ...], object]]:
                 (p + "mlp_norm", (D,), lambda n=layer.post_attention_layernorm: n.weight),
                 (p + "attn.wqkv_t", (D, qkv), lambda a=at: torch.cat([a.q_proj.weight, a.k_proj.weight,
                                                                        a.v_proj.weight]).T),
-                *([(p + "attn.bqkv", (qkv,), lambda a=at: torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))]
-                  if cfg.qkv_bias else []),
                 (p + "attn.wo_t", (HD, D), lambda a=at: a.o_proj.weight.T),
                 (p + "mlp.wgu_t", (D, F2), lambda x=mlp: torch.cat([x.gate_proj.weight, x.up_proj.weight]).T),
                 (p + "mlp.wd_t", (F2 // 2, D), lambda x=mlp: x.down_proj.weight.T)]
+        biases = {"attn.bqkv": lambda a=at: torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                  "attn.bo": lambda a=at: a.o_proj.bias,
+                  "mlp.bgu": lambda x=mlp: torch.cat([x.gate_proj.bias, x.up_proj.bias]),
+                  "mlp.bd": lambda x=mlp: x.down_proj.bias}
+        out += [(p + name, (n,), biases[name]) for name, n in llama_bias_shapes(cfg)]
     return out
 
 

@@ -83,7 +83,8 @@ def _split_rule(header: dict, tp: int):
     return headers, split
 
 
-_LLAMA_REPLICATED = re.compile(r"(embed_tokens|lm_head|final_norm|layers\.\d+\.(attn_norm|mlp_norm))$")
+# o's and down's biases too: added once, after the all-reduce
+_LLAMA_REPLICATED = re.compile(r"(embed_tokens|lm_head|final_norm|layers\.\d+\.(attn_norm|mlp_norm|attn\.bo|mlp\.bd))$")
 
 
 def _llama_split_rule(header: dict, tp: int):
@@ -112,8 +113,8 @@ def _llama_split_rule(header: dict, tp: int):
                               w[..., (H + Hkv) * hd:][..., kv]], -1)
         if kind == "attn.wo_t":
             return w[q].contiguous()
-        if kind == "mlp.wgu_t":  # columns: gate, then up
-            return torch.cat([w[:, :F][:, f], w[:, F:][:, f]], 1)
+        if kind in ("mlp.wgu_t", "mlp.bgu"):  # columns: gate, then up
+            return torch.cat([w[..., :F][..., f], w[..., F:][..., f]], -1)
         if kind == "mlp.wd_t":
             return w[f].contiguous()
         raise DejavuError(f"shard_engine: no split rule for tensor {name!r}")

@@ -13,8 +13,9 @@ Same design as the OPT decoder (runtime/decoder.py):
   host sync, so one CUDA graph captures it (runtime/graphs.py).
 - `forward_tokens(ids)`: token-parallel logits, each position thresholded on its own inputs:
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
-Decode step: RMSNorm, fused q/k/v (their biases, where the checkpoint has them, added before RoPE), RoPE on the new token, GQA over a [B, H_kv, T, hd] cache,
-fused gate/up, SwiGLU, down. No side stream: TEAL has no predictor to overlap (the thresholds
+Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache, fused gate/up,
+SwiGLU, down. Biases where the checkpoint has them: q/k/v's added before RoPE in their sum kernel (Qwen2, Llama's
+attention_bias), o's, gate/up's and down's (attention_bias, mlp_bias) one launch each. No side stream: TEAL has no predictor to overlap (the thresholds
 are the selection, computed where the input is).
 """
 from __future__ import annotations
@@ -175,11 +176,18 @@ class LlamaOps:
         return self.linear(gu, wd_t, t, swiglu=True, residual=x, kind="down")
 
     def mlp(self, x: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor, t_in: float, t_down: float,
-            norm, add: bool = True) -> torch.Tensor:
+            norm, add: bool = True, bgu: torch.Tensor | None = None) -> torch.Tensor:
         """x + down(SiLU(gate) * up) of x [B, D] (norm: the MLP's RMSNorm (w, eps)): gate/up's partials go
         straight into down's SwiGLU select, which sums them (no split-K sum launch between). add False: down's
-        output alone (tensor parallel: a rank's part, added after the all-reduce)."""
-        return self.down(self.gate_up(x, wgu_t, t_in, norm), wd_t, t_down, x if add else None)
+        output alone (tensor parallel: a rank's part, added after the all-reduce). bgu: gate/up's biases [2I]
+        (mlp_bias checkpoints), added before the SwiGLU (into the first split's partials); down's bias is the
+        caller's, as every output bias is."""
+        gu = self.gate_up(x, wgu_t, t_in, norm)
+        if bgu is not None and gu.dim() == 3:
+            gu[0] += bgu  # one launch; the partials are this step's own tensor
+        elif bgu is not None:
+            gu = gu + bgu
+        return self.down(gu, wd_t, t_down, x if add else None)
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
@@ -259,6 +267,14 @@ def _checked(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
     return round(err, 6)
 
 
+# a layer's biases (compiler/build_llama.py's layout): attribute -> tensor name after "layers.l."
+BIASES = {"bqkv": "attn.bqkv", "bo": "attn.bo", "bgu": "mlp.bgu", "bd": "mlp.bd"}
+
+
+def _plus(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [..., hd]; cos, sin broadcast to it (Hugging Face's half-split rotary layout)
     x1, x2 = x.chunk(2, dim=-1)
@@ -277,10 +293,12 @@ class LlamaDecoder:
         th = spec.thresholds
         self.layers = [SimpleNamespace(
             attn_norm=tensors[f"layers.{l}.attn_norm"], mlp_norm=tensors[f"layers.{l}.mlp_norm"],
-            wqkv_t=tensors[f"layers.{l}.attn.wqkv_t"], bqkv=tensors.get(f"layers.{l}.attn.bqkv"),
-            wo_t=tensors[f"layers.{l}.attn.wo_t"],
+            wqkv_t=tensors[f"layers.{l}.attn.wqkv_t"], wo_t=tensors[f"layers.{l}.attn.wo_t"],
             wgu_t=tensors[f"layers.{l}.mlp.wgu_t"], wd_t=tensors[f"layers.{l}.mlp.wd_t"],
-            t={k: th[k][l] for k in INPUTS}) for l in range(spec.num_layers)]
+            t={k: th[k][l] for k in INPUTS},
+            # biases where the checkpoint has them (else None): q/k/v's before RoPE, gate/up's before the SwiGLU,
+            # o's and down's added to the residual stream after the projection (under TP after the all-reduce)
+            **{k: tensors.get(f"layers.{l}.{name}") for k, name in BIASES.items()}) for l in range(spec.num_layers)]
         self.lm_head = tensors.get("lm_head", tensors["embed_tokens"])
         self.inv_freq = rope_inv_freq(spec.config).to(device)  # [hd / 2] fp32
         self.k_cache: list[torch.Tensor] = []
@@ -344,10 +362,10 @@ class LlamaDecoder:
     def _mlp(self, w, x: torch.Tensor, linear) -> torch.Tensor:
         # x: [..., D] residual -> x + down(SiLU(gate) * up), each projection thresholded on its input
         eps = self.spec.rms_norm_eps
-        gu = linear(x, w.wgu_t, w.t["mlp_in"], norm=(w.mlp_norm, eps))
+        gu = _plus(linear(x, w.wgu_t, w.t["mlp_in"], norm=(w.mlp_norm, eps)), w.bgu)
         if self.reduce is not None:
-            return x + self.reduce(linear(gu, w.wd_t, w.t["down_in"], swiglu=True))
-        return linear(gu, w.wd_t, w.t["down_in"], swiglu=True, residual=x)
+            return _plus(x + self.reduce(linear(gu, w.wd_t, w.t["down_in"], swiglu=True)), w.bd)
+        return _plus(linear(gu, w.wd_t, w.t["down_in"], swiglu=True, residual=x), w.bd)
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -371,13 +389,14 @@ class LlamaDecoder:
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
                                   self.rows, w.bqkv)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
+            norm = (w.mlp_norm, s.rms_norm_eps)
             if self.reduce is None:
-                x = self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x)
-                x = self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], (w.mlp_norm, s.rms_norm_eps))
+                x = _plus(self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], x), w.bo)
+                x = _plus(self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], norm, bgu=w.bgu), w.bd)
                 continue
-            x = x + self.reduce(self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], None))
-            x = x + self.reduce(self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"],
-                                             (w.mlp_norm, s.rms_norm_eps), add=False))
+            x = _plus(x + self.reduce(self.ops.attend_project(q, kc, vc, pos, mask, w.wo_t, w.t["o_in"], None)), w.bo)
+            x = _plus(x + self.reduce(self.ops.mlp(x, w.wgu_t, w.wd_t, w.t["mlp_in"], w.t["down_in"], norm, add=False,
+                                                   bgu=w.bgu)), w.bd)
         return self.head(x)
 
     # ------------------------------------------------------------------ sequences
@@ -401,7 +420,7 @@ class LlamaDecoder:
         at = slice(None) if rows is None else rows
         for l, w in enumerate(self.layers):
             qkv = lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps))
-            q, k, v = self._split_qkv(qkv if w.bqkv is None else qkv + w.bqkv)
+            q, k, v = self._split_qkv(_plus(qkv, w.bqkv))
             q = _rotate(q.view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
             k = _rotate(k.view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
             v = v.view(B, S, Hkv, hd).transpose(1, 2)
@@ -416,9 +435,9 @@ class LlamaDecoder:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
             o = o.transpose(1, 2).reshape(B, S, H * hd)
             if self.reduce is None:
-                x = lin(o, w.wo_t, w.t["o_in"], residual=x)
+                x = _plus(lin(o, w.wo_t, w.t["o_in"], residual=x), w.bo)
             else:
-                x = x + self.reduce(lin(o, w.wo_t, w.t["o_in"]))
+                x = _plus(x + self.reduce(lin(o, w.wo_t, w.t["o_in"])), w.bo)
             x = self._mlp(w, x, lin)
         if last is not None:
             x = x[torch.arange(B, device=x.device), last]  # [B, D]

@@ -1,5 +1,6 @@
-"""Tensor-parallel Llama engines on CPU: `dejavu-compile --tp 2` of a tiny GQA Llama (6 query / 2 KV heads), the
-shards run by 2 gloo processes (mp.spawn) through `TPEngine.load`, against the single-rank engine of the same build."""
+"""Tensor-parallel Llama engines on CPU: `dejavu-compile --tp 2` of a tiny GQA Llama (6 query / 2 KV heads; with
+attention_bias and mlp_bias, so the biases' split and their adds after the all-reduce are in it too), the shards run
+by 2 gloo processes (mp.spawn) through `TPEngine.load`, against the single-rank engine of the same build."""
 from __future__ import annotations
 
 import os
@@ -47,7 +48,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama_tp")
-    model = write_tiny_llama(folder / "m", seed=3)
+    model = write_tiny_llama(folder / "m", seed=3, attention_bias=True, mlp_bias=True)
     build_engine(model, BuildConfig(density=0.6, **CALIB), folder / "one.engine", progress=False)
     build_engine(model, BuildConfig(density=0.6, tp=TP, **CALIB), folder / "tp.engine", progress=False)
     mp.spawn(_worker, args=(free_port(), str(folder)), nprocs=TP, join=True)

@@ -1,0 +1,140 @@
+"""Llama-family checkpoints with biases through `dejavu-compile` and the Llama runtime: Qwen2 (q/k/v biases, no o
+bias) and Llama's attention_bias + mlp_bias (q/k/v, o, gate/up, down). The dense engine against transformers'
+model on the same folder, the sparse engine against the compiler's simulation, the Triton decode step (q/k/v's
+bias added before RoPE in their sum kernel, gate/up's into the first split's partials, o's and down's after their
+GEMVs) under the interpreter against the reference ops, and the biases' tensor-parallel split."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
+from dejavu.engine_file import read_engine
+from dejavu.runtime import Engine
+from llama_helpers import write_tiny_llama
+
+ATOL = 1e-4
+CALIB = dict(calib_tokens=512, calib_window=128, dtype="float32")
+VARIANTS = {"qwen2": dict(model_type="qwen2", rope_theta=1000000.0, rms_norm_eps=1e-6),
+            "llama_biases": dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)}
+BIASES = {"qwen2": ["attn.bqkv"], "llama_biases": ["attn.bqkv", "attn.bo", "mlp.bgu", "mlp.bd"]}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def built(tmp_path_factory, request):
+    """(variant, folder, {density: engine path}) for a tiny random checkpoint (6 query / 2 KV heads) of each
+    variant."""
+    root = tmp_path_factory.mktemp(request.param)
+    folder = write_tiny_llama(root / "tiny", seed=7, **VARIANTS[request.param])
+    paths = {}
+    for d in (1.0, 0.6):
+        paths[d] = root / f"d{d}.engine"
+        build_engine(folder, BuildConfig(density=d, **CALIB), paths[d], progress=False)
+    return request.param, folder, paths
+
+
+def _ids(n=2, s=24, seed=0):
+    return torch.randint(0, 320, (n, s), generator=torch.Generator().manual_seed(seed))
+
+
+def test_dense_engine_equals_transformers(built):
+    transformers = pytest.importorskip("transformers")
+    variant, folder, paths = built
+    cls = transformers.Qwen2ForCausalLM if variant == "qwen2" else transformers.LlamaForCausalLM
+    hf = cls.from_pretrained(folder, attn_implementation="eager").eval()
+    at, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
+    assert at.q_proj.bias is not None and (at.o_proj.bias is None) == (variant == "qwen2")
+    eng = Engine.load(paths[1.0])
+    assert eng.header["model_config"]["model_type"] == VARIANTS[variant].get("model_type", "llama")
+    h, t = read_engine(paths[1.0])
+    assert sorted(k.split(".", 2)[2] for k in t if k.startswith("layers.1.") and ".b" in k) == sorted(BIASES[variant])
+    assert torch.equal(t["layers.1.attn.bqkv"], torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]).detach())
+    if variant == "llama_biases":
+        assert torch.equal(t["layers.1.mlp.bgu"], torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach())
+        assert torch.equal(t["layers.1.attn.bo"], at.o_proj.bias.detach())
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    assert ref.std() > 0.1
+    assert (eng.logits(ids) - ref).abs().max() <= ATOL
+    assert (eng.decode_logits(ids) - ref).abs().max() <= ATOL  # cached decode steps, bias before RoPE
+
+
+def test_sparse_engine_equals_the_compilers_simulation(built):
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.models.auto import load_llama
+
+    _, folder, paths = built
+    eng = Engine.load(paths[0.6])
+    model = load_llama(folder)[0]
+    ids = _ids(seed=1)
+    sp = eng.header["sparsity"]
+    with torch.no_grad(), gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])) as reads:
+        sim = model(ids)
+    assert 0.3 < reads.skipped < 0.7
+    assert (eng.logits(ids) - sim).abs().max() <= ATOL
+    assert (eng.decode_logits(ids) - sim).abs().max() <= ATOL
+    with torch.no_grad():
+        assert (model(ids) - sim).abs().max() > 100 * ATOL
+    # the biases are fixed bytes: density counts them read every step
+    from dejavu.compiler.build_llama import step_bytes
+
+    cfg = model.config
+    nb = sum(t.numel() for n, t in read_engine(paths[0.6])[1].items() if ".b" in n)
+    plain = type(cfg).from_hf_dict({**cfg.to_hf_dict(), "model_type": "llama", "attention_bias": False,
+                                    "mlp_bias": False})
+    assert nb > 0 and step_bytes(cfg, 1)["fixed"] == step_bytes(plain, 1)["fixed"] + nb
+
+
+def test_triton_decode_under_the_interpreter_equals_the_reference(built):
+    """The decode step's q/k/v sum kernel adds the biases before RoPE: batched steps' logits and greedy tokens
+    through plugins/input_sparse (small blocks, several splits; and the engine's own settings) equal the reference
+    ops', in a subprocess (TRITON_INTERPRET set before triton is imported)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = f"""
+import json, torch
+from dejavu.plugins import InputSparseSettings, KernelSettings
+from dejavu.runtime import Engine
+path = {str(built[2][0.6])!r}
+ref = Engine.load(path)
+ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(5))
+prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]
+a, want = ref.decode_logits(ids), ref.generate(prompts, 5, stop_at_eos=False)
+for ks in (KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=8)), None):
+    tri = Engine.load(path, backend="triton", kernel_settings=ks)
+    print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()),
+                      "same": want == tri.generate(prompts, 5, stop_at_eos=False)}}))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-2:]]
+    assert len(rows) == 2 and all(r["diff"] <= ATOL and r["same"] for r in rows)
+
+
+def test_biases_split_with_their_columns_across_ranks(built):
+    """q/k/v's and gate/up's biases split as their weights' columns (the bias as one more input row gives the
+    same shard); o's and down's replicated (added once, after the all-reduce)."""
+    from dejavu.compiler.tensor_parallel import shard_engine
+
+    _, _, paths = built
+    h, t = read_engine(paths[0.6])
+    shards = shard_engine(h, t, 2)
+    for l in range(2):
+        for w_name, b_name in (("attn.wqkv_t", "attn.bqkv"), ("mlp.wgu_t", "mlp.bgu")):
+            w, b = t.get(f"layers.{l}.{w_name}"), t.get(f"layers.{l}.{b_name}")
+            if b is None:
+                continue
+            with_row = shard_engine(h, {**t, f"layers.{l}.{w_name}": torch.cat([w, b[None]])}, 2)
+            for (_, tr), (_, wr) in zip(shards, with_row):
+                got = torch.cat([tr[f"layers.{l}.{w_name}"], tr[f"layers.{l}.{b_name}"][None]])
+                assert torch.equal(got, wr[f"layers.{l}.{w_name}"]) and got.shape[1] == w.shape[1] // 2
+        for name in ("attn.bo", "mlp.bd"):
+            if f"layers.{l}.{name}" in t:
+                assert all(torch.equal(tr[f"layers.{l}.{name}"], t[f"layers.{l}.{name}"]) for _, tr in shards)
