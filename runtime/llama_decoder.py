@@ -15,8 +15,8 @@ Same design as the OPT decoder (runtime/decoder.py):
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
 Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache, fused gate/up,
 SwiGLU, down. Biases where the checkpoint has them: q/k/v's added before RoPE in their sum kernel (Qwen2, Llama's
-attention_bias), o's, gate/up's and down's (attention_bias, mlp_bias) one launch each. No side stream: TEAL has no predictor to overlap (the thresholds
-are the selection, computed where the input is).
+attention_bias), o's, gate/up's and down's (attention_bias, mlp_bias) one launch each. No side stream: TEAL has
+no predictor to overlap (the thresholds are the selection, computed where the input is).
 """
 from __future__ import annotations
 
