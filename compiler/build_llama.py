@@ -13,12 +13,13 @@ Kernel layout (the runtime reads columns of W as contiguous rows of W^T):
     embed_tokens [V, D], lm_head [V, D] (untied only), final_norm [D]
     layers.l.attn_norm [D], layers.l.mlp_norm [D]
     layers.l.attn.wqkv_t [D, (H + 2 Hkv) hd]   q, k, v fused (one input: attn_in)
-    layers.l.attn.bqkv   [(H + 2 Hkv) hd]      their biases (checkpoints with q/k/v biases: Qwen2, attention_bias)
-    layers.l.attn.bo     [D]                   (attention_bias)
-    layers.l.mlp.bgu     [2 F], mlp.bd [D]     (mlp_bias)
     layers.l.attn.wo_t   [H hd, D]             (o_in)
     layers.l.mlp.wgu_t   [D, 2 F]              gate, up fused (mlp_in)
     layers.l.mlp.wd_t    [F, D]                (down_in)
+    biases, where the checkpoint has them (engine_file.llama_bias_shapes):
+    layers.l.attn.bqkv   [(H + 2 Hkv) hd]      q, k, v's (Qwen2; Llama's attention_bias)
+    layers.l.attn.bo     [D]                   (attention_bias)
+    layers.l.mlp.bgu     [2 F], mlp.bd [D]     (mlp_bias)
 """
 from __future__ import annotations
 
