@@ -11,6 +11,8 @@ downloaded here):
                   a vocabulary-parallel head of 128256 / 8 rows): every weight one rank reads per
                   token. The all-reduces (2 per layer) are not run: this is the per-GPU weight
                   stream, a lower bound of a TP decode step.
+  qwen2-7b        Qwen/Qwen2-7B's config.json: 28 layers, hidden 3584, 28 / 4 KV heads of 128, SwiGLU
+                  18944, vocabulary 152064, untied head, q/k/v biases (added in the q/k/v sum kernel)
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
@@ -64,6 +66,9 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, intermediate_size=14336, rope_theta=500000.0),
     "llama-3-70b-tp8": dict(vocab_size=128256 // 8, hidden_size=8192, num_hidden_layers=80, num_attention_heads=8,
                             num_key_value_heads=1, head_dim=128, intermediate_size=28672 // 8, rope_theta=500000.0),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, head_dim=128, intermediate_size=18944,
+                     rope_theta=1000000.0),
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
@@ -322,15 +327,17 @@ def profile_summary(prof: dict, top: int = 8) -> str:
 
 
 def hf_model(c: dict, dtype, dev):
-    """transformers LlamaForCausalLM of shape c, its own random init, built on the device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' model of shape c (LlamaForCausalLM, Qwen2ForCausalLM: c's model_type), its own random init,
+    built on the device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig(**{**COMMON, **c}, attn_implementation="eager")
+    d = {**COMMON, **c}
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d, attn_implementation="eager")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(dev):
-            m = LlamaForCausalLM(cfg)
+            m = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(prev)
     return m.eval()
