@@ -198,8 +198,8 @@ class LlamaOps:
         from dejavu.plugins import input_sparse as IS
 
         if t <= 0 or self.backend == "ref":
-            qkv = self.linear(x, w_t, t, norm, kind="qkv")
-            return IS.sliced_qkv_rope_ref(qkv if bias is None else qkv + bias, cos, sin, pos, k_cache, v_cache, rows)
+            return IS.sliced_qkv_rope_ref(_plus(self.linear(x, w_t, t, norm, kind="qkv"), bias), cos, sin, pos,
+                                          k_cache, v_cache, rows)
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
                                   k_cache, v_cache, settings=self.kinds["qkv"], bias=bias)
 
