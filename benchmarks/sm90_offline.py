@@ -82,7 +82,7 @@ KERNELS = {
     "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel",
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel",
-                              dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, HAS_BIAS=False, GDC=2), 3,
+                              dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, HAS_BIAS=False, QK_NORM=False, GDC=2), 3,
                               {"pos_ptr": "*i64", "q_ptr": "*fp16"}),
     # the Llama decode step's attention (gqa_attention.py): Llama-3-8B's G 4 (a 70B TP-8 rank: G 8), padded to 16
     # rows for tl.dot, at the default block_s, its partials; the combine kernel, or the o projection's select

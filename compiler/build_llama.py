@@ -16,10 +16,11 @@ Kernel layout (the runtime reads columns of W as contiguous rows of W^T):
     layers.l.attn.wo_t   [H hd, D]             (o_in)
     layers.l.mlp.wgu_t   [D, 2 F]              gate, up fused (mlp_in)
     layers.l.mlp.wd_t    [F, D]                (down_in)
-    biases, where the checkpoint has them (engine_file.llama_bias_shapes):
-    layers.l.attn.bqkv   [(H + 2 Hkv) hd]      q, k, v's (Qwen2; Llama's attention_bias)
-    layers.l.attn.bo     [D]                   (attention_bias)
-    layers.l.mlp.bgu     [2 F], mlp.bd [D]     (mlp_bias)
+    vectors, where the checkpoint has them (engine_file.llama_vector_shapes):
+    layers.l.attn.bqkv   [(H + 2 Hkv) hd]      q, k, v's biases (Qwen2; Llama's attention_bias)
+    layers.l.attn.bo     [D]                   o's bias (attention_bias)
+    layers.l.attn.q_norm [hd], attn.k_norm [hd]  the q and k heads' RMSNorm weights (Qwen3)
+    layers.l.mlp.bgu     [2 F], mlp.bd [D]     gate/up's and down's biases (mlp_bias)
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from dejavu.compiler.summary import accuracy_lines
-from dejavu.engine_file import llama_bias_shapes
+from dejavu.engine_file import llama_vector_shapes
 from dejavu.errors import DejavuError
 
 FAMILY = "llama"
@@ -51,13 +52,13 @@ MAX_SKIP = 0.99  # the top of gated_sparsity's calibrated quantile grid
 def step_bytes(cfg, elem: int = 2) -> dict:
     """Weight bytes of one dense decode token: {"fixed", "block", "dense"}.
 
-    fixed: the embedding row, the LM head (all V rows), every RMSNorm and bias; block: the projections
+    fixed: the embedding row, the LM head (all V rows), every RMSNorm weight and bias; block: the projections
     q, k, v, o, gate, up, down of every layer (what the thresholds skip)."""
     from dejavu.compiler.gated_sparsity import projection_bytes
 
     d = cfg.hidden_size
     fixed = d + cfg.vocab_size * d + (2 * cfg.num_hidden_layers + 1) * d
-    fixed += cfg.num_hidden_layers * sum(n for _, n in llama_bias_shapes(cfg))
+    fixed += cfg.num_hidden_layers * sum(n for _, n in llama_vector_shapes(cfg))
     block = cfg.num_hidden_layers * sum(projection_bytes(cfg).values())
     return {"fixed": elem * fixed, "block": elem * block, "dense": elem * (fixed + block)}
 
@@ -233,11 +234,12 @@ def _layout(model) -> list[tuple[str, tuple[int, ...], object]]:
                 (p + "attn.wo_t", (HD, D), lambda a=at: a.o_proj.weight.T),
                 (p + "mlp.wgu_t", (D, F2), lambda x=mlp: torch.cat([x.gate_proj.weight, x.up_proj.weight]).T),
                 (p + "mlp.wd_t", (F2 // 2, D), lambda x=mlp: x.down_proj.weight.T)]
-        biases = {"attn.bqkv": lambda a=at: torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
-                  "attn.bo": lambda a=at: a.o_proj.bias,
-                  "mlp.bgu": lambda x=mlp: torch.cat([x.gate_proj.bias, x.up_proj.bias]),
-                  "mlp.bd": lambda x=mlp: x.down_proj.bias}
-        out += [(p + name, (n,), biases[name]) for name, n in llama_bias_shapes(cfg)]
+        vectors = {"attn.bqkv": lambda a=at: torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                   "attn.bo": lambda a=at: a.o_proj.bias,
+                   "attn.q_norm": lambda a=at: a.q_norm.weight, "attn.k_norm": lambda a=at: a.k_norm.weight,
+                   "mlp.bgu": lambda x=mlp: torch.cat([x.gate_proj.bias, x.up_proj.bias]),
+                   "mlp.bd": lambda x=mlp: x.down_proj.bias}
+        out += [(p + name, (n,), vectors[name]) for name, n in llama_vector_shapes(cfg)]
     return out
 
 

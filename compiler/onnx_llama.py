@@ -15,7 +15,8 @@ decode `input_ids [B,1]`, `position_ids [B,1]`, `past.{l}.key/.value [B,Hkv,T,hd
 [B,1,V]`, `present.{l}.* [B,Hkv,T+1,hd]`. Names, per layer l: tensors `layers.{l}.attn_in`,
 `layers.{l}.mlp_in` (the residual into each block), nodes `layers.{l}.{q,k,v,o,gate,up,down}_proj/MatMul`
 with initializers `layers.{l}.{...}_proj.weight_t` (W^T) and, where the checkpoint has them, `.bias` (added after
-the MatMul by `{...}_proj/Add`: Qwen2's q/k/v, Llama's attention_bias / mlp_bias), masks `layers.{l}.{input}/mask`.
+the MatMul by `{...}_proj/Add`: Qwen2's q/k/v, Llama's attention_bias / mlp_bias), masks `layers.{l}.{input}/mask`;
+Qwen3's heads' RMSNorm `layers.{l}.{q,k}_norm/...` between the projection and RoPE.
 """
 from __future__ import annotations
 
@@ -95,8 +96,12 @@ def _attention(g: GraphBuilder, layer, l: int, h: str, cos: str, sin: str, decod
         t = g.op("Reshape", [t, g.ints(f"{name}.shape", [0, 0, n, hd])], f"{name}/split")
         return g.op("Transpose", [t], f"{name}/heads", perm=[0, 2, 1, 3])
 
-    q = _rotate(g, heads(_proj(g, h, a.q_proj, f"{p}.q_proj"), H, f"{p}.q_proj"), cos, sin, hd, f"{p}.q_rope")
-    k = _rotate(g, heads(_proj(g, h, a.k_proj, f"{p}.k_proj"), Hkv, f"{p}.k_proj"), cos, sin, hd, f"{p}.k_rope")
+    q, k = heads(_proj(g, h, a.q_proj, f"{p}.q_proj"), H, f"{p}.q_proj"), heads(_proj(g, h, a.k_proj, f"{p}.k_proj"),
+                                                                               Hkv, f"{p}.k_proj")
+    if cfg.qk_norm:  # each head's RMSNorm over its hd values (Qwen3)
+        q = _rms_norm(g, q, a.q_norm.weight, cfg.rms_norm_eps, f"{p}.q_norm")
+        k = _rms_norm(g, k, a.k_norm.weight, cfg.rms_norm_eps, f"{p}.k_norm")
+    q, k = _rotate(g, q, cos, sin, hd, f"{p}.q_rope"), _rotate(g, k, cos, sin, hd, f"{p}.k_rope")
     v = heads(_proj(g, h, a.v_proj, f"{p}.v_proj"), Hkv, f"{p}.v_proj")
     kv = []
     for kind, t in (("key", k), ("value", v)):

@@ -83,8 +83,9 @@ def _split_rule(header: dict, tp: int):
     return headers, split
 
 
-# o's and down's biases too: added once, after the all-reduce
-_LLAMA_REPLICATED = re.compile(r"(embed_tokens|lm_head|final_norm|layers\.\d+\.(attn_norm|mlp_norm|attn\.bo|mlp\.bd))$")
+# o's and down's biases too (added once, after the all-reduce), and the q and k heads' norm weights (one for all heads)
+_LLAMA_REPLICATED = re.compile(r"(embed_tokens|lm_head|final_norm"
+                               r"|layers\.\d+\.(attn_norm|mlp_norm|attn\.bo|attn\.[qk]_norm|mlp\.bd))$")
 
 
 def _llama_split_rule(header: dict, tp: int):

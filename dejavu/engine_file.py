@@ -330,12 +330,14 @@ def expected_shapes(header: dict) -> dict[str, list[int]]:
     return s
 
 
-def llama_bias_shapes(cfg) -> list[tuple[str, int]]:
-    """(tensor name after "layers.l.", length) of a Llama-family layer's biases (a LlamaConfig's; none for
-    Llama-2/3): q/k/v's (Qwen2, attention_bias), o's (attention_bias), gate/up's and down's (mlp_bias)."""
+def llama_vector_shapes(cfg) -> list[tuple[str, int]]:
+    """(tensor name after "layers.l.", length) of a Llama-family layer's optional vectors (a LlamaConfig's; none
+    for Llama-2/3): the biases of q/k/v (Qwen2, attention_bias), o (attention_bias), gate/up and down (mlp_bias),
+    and the q and k heads' RMSNorm weights (Qwen3)."""
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     out = [("attn.bqkv", qkv)] if cfg.attention_bias or cfg.qkv_bias else []
     out += [("attn.bo", cfg.hidden_size)] if cfg.attention_bias else []
+    out += [("attn.q_norm", cfg.head_dim), ("attn.k_norm", cfg.head_dim)] if cfg.qk_norm else []
     return out + ([("mlp.bgu", 2 * cfg.intermediate_size), ("mlp.bd", cfg.hidden_size)] if cfg.mlp_bias else [])
 
 
@@ -353,7 +355,7 @@ def llama_shapes(header: dict) -> dict[str, list[int]]:
         p = f"layers.{l}."
         s.update({p + "attn_norm": [D], p + "mlp_norm": [D], p + "attn.wqkv_t": [D, qo + 2 * kv],
                   p + "attn.wo_t": [qo, D], p + "mlp.wgu_t": [D, 2 * F], p + "mlp.wd_t": [F, D]})
-        s.update({p + name: [n] for name, n in llama_bias_shapes(cfg)})
+        s.update({p + name: [n] for name, n in llama_vector_shapes(cfg)})
     return s
 
 

@@ -1,10 +1,11 @@
 """Dense Llama-family decoder in plain PyTorch (gpt-fast style), parameter names as in Hugging Face.
 
-Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral and qwen2, whose q/k/v
-projections carry biases, while a sequence stays inside the sliding window where they have one):
-RMSNorm, rotary positions (rope_theta, "linear" and Llama-3 "llama3" rope_scaling), grouped-query
-attention, SwiGLU MLP, optional tied LM head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV cache,
-`forward(ids, start_pos, attention_mask)`), so `dejavu.models.generate` drives both.
+Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral; qwen2, whose q/k/v projections
+carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; a sequence stays inside the
+sliding window where they have one): RMSNorm, rotary positions (rope_theta, "linear" and Llama-3 "llama3"
+rope_scaling), grouped-query attention, SwiGLU MLP, optional tied LM head. Same calling convention as
+`dejavu.models.opt.OPTForCausalLM` (static KV cache, `forward(ids, start_pos, attention_mask)`), so
+`dejavu.models.generate` drives both.
 Sparsity is never written here: the compiler applies it from outside (hooks, rewrites).
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ from torch import nn
 from dejavu.errors import DejavuError
 from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -44,6 +46,7 @@ class LlamaConfig:
     attention_bias: bool = False  # q, k, v and o biases (Llama's attention_bias)
     mlp_bias: bool = False
     qkv_bias: bool = False  # q, k and v biases, o none (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: int | None = None
     model_type: str = "llama"
     pad_token_id: int | None = None
@@ -100,7 +103,7 @@ class LlamaConfig:
             rope_theta=float(theta), rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-            qkv_bias=mt == "qwen2", sliding_window=_sliding_window(d, mt), model_type=mt,
+            qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", sliding_window=_sliding_window(d, mt), model_type=mt,
             pad_token_id=d.get("pad_token_id"), bos_token_id=bos, eos_token_id=eos,
         )
 
@@ -109,7 +112,7 @@ class LlamaConfig:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         d.update(architectures=[ARCHITECTURES[self.model_type]], hidden_act="silu", attention_dropout=0.0)
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen3"):
             d["use_sliding_window"] = self.sliding_window is not None
         return d
 
@@ -119,13 +122,15 @@ class LlamaConfig:
         layer = d * (2 * qo + 2 * kv) + 3 * d * f + 2 * d
         layer += (qo + 2 * kv + d if self.attention_bias else qo + 2 * kv if self.qkv_bias else 0)
         layer += 2 * f + d if self.mlp_bias else 0
+        layer += 2 * hd if self.qk_norm else 0
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return L * layer + self.vocab_size * d + head + d
 
 
 def _sliding_window(d: dict, model_type: str) -> int | None:
-    # Mistral's window, or Qwen2's where use_sliding_window turns it on (its config.json writes a window either way)
-    if model_type == "mistral" or (model_type == "qwen2" and d.get("use_sliding_window")):
+    # Mistral's window, or Qwen2's / Qwen3's where use_sliding_window turns it on (their config.json writes a window
+    # either way)
+    if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and d.get("use_sliding_window")):
         w = d.get("sliding_window")
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
             raise DejavuError(f"config.json field 'sliding_window' must be a positive integer or null, got {w!r}")
@@ -186,6 +191,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv * hd, bias=b)
         self.v_proj = nn.Linear(d, self.n_kv * hd, bias=b)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.attention_bias)
+        if cfg.qk_norm:  # over each head's hd values, one weight for all heads (Qwen3)
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_norm_eps), RMSNorm(hd, cfg.rms_norm_eps)
         self.cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
@@ -193,8 +200,11 @@ class LlamaAttention(nn.Module):
         # x: [B, S, D]; mask: [B, 1, S, T] boolean (True = attend) or None (causal); cache_pos: [S] or None
         B, S, _ = x.shape
         H, Hkv, hd = self.n_heads, self.n_kv, self.head_dim
-        q = apply_rope(self.q_proj(x).view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
-        k = apply_rope(self.k_proj(x).view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
+        q, k = self.q_proj(x).view(B, S, H, hd), self.k_proj(x).view(B, S, Hkv, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, S, hd]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
         v = self.v_proj(x).view(B, S, Hkv, hd).transpose(1, 2)
         if self.cache is not None and cache_pos is not None:
             k, v = self.cache.update(cache_pos, k, v)  # [B, Hkv, S_max, hd]

@@ -188,11 +188,12 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
         tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
-def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, bias_ptr, B, M, QD, KD, T, HKV,
-                     HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     GDC: tl.constexpr = 0):
-    # q/k/v's split-K sum (+ their biases), RoPE on q and k, k and v into the caches at pos[b]: columns [0, QD) are
-    # q, then KD of k, then v; rotate_half's partner of a column is the one hd / 2 away in its head
+def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, bias_ptr, qn_ptr, kn_ptr, eps, B, M,
+                     QD, KD, T, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, GDC: tl.constexpr = 0):
+    # q/k/v's split-K sum (+ their biases; QK_NORM: each q and k head's RMSNorm), RoPE on q and k, k and v into the
+    # caches at pos[b]: columns [0, QD) are q, then KD of k, then v; rotate_half's partner of a column is the one
+    # hd / 2 away in its head (QK_NORM: BLOCK_M a multiple of HEAD_D, so a program holds whole heads)
     b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = offs < M
     d = offs % HEAD_D
@@ -204,9 +205,22 @@ def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr,
     if HAS_BIAS:  # the product rounded, then its bias added and rounded again, as PyTorch's qkv + bias rounds
         y = (y + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
         y_mate = (y_mate + tl.load(bias_ptr + mate, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    if QK_NORM:  # Qwen3: w * (y * rsqrt(mean over the head of y^2 + eps)) rounded, as models/llama.RMSNorm rounds
+        NH: tl.constexpr = BLOCK_M // HEAD_D
+        ms = tl.sum(tl.reshape(y * y, [NH, HEAD_D]), axis=1) / HEAD_D  # a head's mean square; its mate's the same
+        r = tl.reshape(tl.broadcast_to(tl.rsqrt(ms + eps)[:, None], [NH, HEAD_D]), [BLOCK_M])
+        is_qc = offs < QD
+        d_mate = mate % HEAD_D
+        w = tl.where(is_qc, tl.load(qn_ptr + d), tl.load(kn_ptr + d)).to(tl.float32)
+        w_mate = tl.where(is_qc, tl.load(qn_ptr + d_mate), tl.load(kn_ptr + d_mate)).to(tl.float32)
+        normed = (w * (y * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        normed_mate = (w_mate * (y_mate * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y_rot, y_rot_mate = tl.where(offs < QD + KD, normed, y), tl.where(offs < QD + KD, normed_mate, y_mate)
+    else:
+        y_rot, y_rot_mate = y, y_mate
     c = tl.load(cos_ptr + b * HEAD_D + d).to(tl.float32)
     sn = tl.load(sin_ptr + b * HEAD_D + d).to(tl.float32)  # rotate_half's sign folded in
-    rot = ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
+    rot = ((y_rot * c).to(dt).to(tl.float32) + y_rot_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
     is_q, is_k, is_v = ok & (offs < QD), ok & (offs >= QD) & (offs < QD + KD), ok & (offs >= QD + KD)
     p = tl.load(pos_ptr + b)
     tl.store(q_ptr + b * QD + tl.where(is_q, offs, 0), rot, mask=is_q)
@@ -381,12 +395,12 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
 def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, settings: KernelSettings | None = None,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, qk_norm: tuple | None = None) -> torch.Tensor:
     """q [B, H, hd] of a fused q/k/v projection (the pairs' GEMV, w_t [N, (H + 2 Hkv) hd]; + bias [(H + 2 Hkv) hd],
-    the q/k/v biases where a checkpoint has them, added to the rounded product before RoPE), RoPE on q and k
-    (cos, sin [B, hd]: sin with rotate_half's sign, -sin on the first half), k and v written into
-    k_cache, v_cache [B, Hkv, T, hd] at slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch
-    after the GEMV."""
+    the q/k/v biases where a checkpoint has them, added to the rounded product before RoPE; qk_norm (q_w [hd],
+    k_w [hd], eps): each q and k head through RMSNorm before RoPE, Qwen3), RoPE on q and k (cos, sin [B, hd]: sin
+    with rotate_half's sign, -sin on the first half), k and v written into k_cache, v_cache [B, Hkv, T, hd] at
+    slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch after the GEMV."""
     config = (settings or DEFAULT).input_sparse
     B, Hkv, T, hd = k_cache.shape
     check_tensor("k_cache", k_cache, dtype=val.dtype, device=val.device)
@@ -399,24 +413,37 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
         raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
     if bias is not None:
         check_tensor("bias", bias, shape=(M,), dtype=val.dtype, device=val.device)
+    block, (q_w, k_w, eps) = config.block_m, qk_norm or (None, None, 0.0)
+    if qk_norm is not None:
+        if hd & (hd - 1):
+            raise DejavuError(f"sliced_qkv_rope: q/k norms need a power-of-two head dimension, got {hd}")
+        for name, w in (("q_norm", q_w), ("k_norm", k_w)):
+            check_tensor(name, w, shape=(hd,), dtype=val.dtype, device=val.device)
+        block = max(block, hd)  # whole heads per program
     part = sliced_parts(idx, val, count, w_t, settings)
     H = M // hd - 2 * Hkv
     q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
-    jit(_sum_rope_kernel, val.device)[(B, -(-M // config.block_m))](
-        part, q, k_cache, v_cache, cos, sin, pos, q if bias is None else bias, B, M, H * hd, Hkv * hd, T, Hkv,
-        HEAD_D=hd, BLOCK_M=config.block_m, SPLIT_K=part.shape[0], HAS_BIAS=bias is not None,
+    jit(_sum_rope_kernel, val.device)[(B, -(-M // block))](
+        part, q, k_cache, v_cache, cos, sin, pos, q if bias is None else bias, q if q_w is None else q_w,
+        q if k_w is None else k_w, float(eps), B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=block,
+        SPLIT_K=part.shape[0], HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None,
         **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
     return q
 
 
 def sliced_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None = None,
+                        qk_norm: tuple | None = None) -> torch.Tensor:
     """PyTorch reference of `sliced_qkv_rope` after its GEMV: q [B, H, hd] from qkv [B, (H + 2 Hkv) hd]
-    (rows: arange(B) on the device, made once by a caller that runs it every step)."""
+    (rows: arange(B) on the device, made once by a caller that runs it every step; qk_norm (q_w, k_w, eps): the
+    q and k heads' RMSNorm before RoPE)."""
     B, Hkv, _, hd = k_cache.shape
     qkv = qkv.view(B, -1, hd)
     H = qkv.shape[1] - 2 * Hkv
     qkr = qkv[:, :H + Hkv]  # q and k heads rotated in one pass: x cos + rotate_half(x) sin
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        qkr = torch.cat([produce_ref(qkr[:, :H], q_w, eps), produce_ref(qkr[:, H:], k_w, eps)], 1)
     qk = torch.addcmul(qkr * cos[:, None], qkr.roll(hd // 2, -1), sin[:, None])
     rows = torch.arange(B, device=qkv.device) if rows is None else rows
     k_cache[rows, :, pos] = qk[:, H:]  # [B, Hkv, hd] at slot pos[b]

@@ -15,7 +15,8 @@ Same design as the OPT decoder (runtime/decoder.py):
   the compiler's simulation (compiler/gated_sparsity.py) on the engine's weights.
 Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache, fused gate/up,
 SwiGLU, down. Biases where the checkpoint has them: q/k/v's added before RoPE in their sum kernel (Qwen2, Llama's
-attention_bias), o's, gate/up's and down's (attention_bias, mlp_bias) one launch each. No side stream: TEAL has
+attention_bias), o's, gate/up's and down's (attention_bias, mlp_bias) one launch each. Qwen3's RMSNorm of each
+query and key head: in the same sum kernel, after the biases and before RoPE. No side stream: TEAL has
 no predictor to overlap (the thresholds are the selection, computed where the input is).
 """
 from __future__ import annotations
@@ -191,17 +192,18 @@ class LlamaOps:
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, qk_norm: tuple | None = None) -> torch.Tensor:
         """q [B, H, hd] of linear(x, w_t, t, norm) (+ bias: q/k/v's biases [M], Qwen2), the fused q/k/v
-        projection, RoPE on q and k (cos, sin [B, hd], sin signed for rotate_half), k and v written into the
-        caches [B, Hkv, T, hd] at slot pos[b]."""
+        projection, each q and k head through RMSNorm (qk_norm: (q_w [hd], k_w [hd], eps), Qwen3), RoPE on q and k
+        (cos, sin [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot
+        pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
         if t <= 0 or self.backend == "ref":
             return IS.sliced_qkv_rope_ref(_plus(self.linear(x, w_t, t, norm, kind="qkv"), bias), cos, sin, pos,
-                                          k_cache, v_cache, rows)
+                                          k_cache, v_cache, rows, qk_norm)
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
-                                  k_cache, v_cache, settings=self.kinds["qkv"], bias=bias)
+                                  k_cache, v_cache, settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm)
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float,
@@ -267,8 +269,9 @@ def _checked(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
     return round(err, 6)
 
 
-# a layer's biases (compiler/build_llama.py's layout): attribute -> tensor name after "layers.l."
-BIASES = {"bqkv": "attn.bqkv", "bo": "attn.bo", "bgu": "mlp.bgu", "bd": "mlp.bd"}
+# a layer's optional vectors (compiler/build_llama.py's layout): attribute -> tensor name after "layers.l."
+VECTORS = {"bqkv": "attn.bqkv", "bo": "attn.bo", "bgu": "mlp.bgu", "bd": "mlp.bd", "q_norm": "attn.q_norm",
+           "k_norm": "attn.k_norm"}
 
 
 def _plus(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -297,8 +300,11 @@ class LlamaDecoder:
             wgu_t=tensors[f"layers.{l}.mlp.wgu_t"], wd_t=tensors[f"layers.{l}.mlp.wd_t"],
             t={k: th[k][l] for k in INPUTS},
             # biases where the checkpoint has them (else None): q/k/v's before RoPE, gate/up's before the SwiGLU,
-            # o's and down's added to the residual stream after the projection (under TP after the all-reduce)
-            **{k: tensors.get(f"layers.{l}.{name}") for k, name in BIASES.items()}) for l in range(spec.num_layers)]
+            # o's and down's added to the residual stream after the projection (under TP after the all-reduce);
+            # the q and k heads' RMSNorm weights (Qwen3), between q/k/v's bias and RoPE
+            **{k: tensors.get(f"layers.{l}.{name}") for k, name in VECTORS.items()}) for l in range(spec.num_layers)]
+        for w in self.layers:
+            w.qk_norm = None if w.q_norm is None else (w.q_norm, w.k_norm, spec.rms_norm_eps)
         self.lm_head = tensors.get("lm_head", tensors["embed_tokens"])
         self.inv_freq = rope_inv_freq(spec.config).to(device)  # [hd / 2] fp32
         self.k_cache: list[torch.Tensor] = []
@@ -387,7 +393,7 @@ class LlamaDecoder:
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
-                                  self.rows, w.bqkv)
+                                  self.rows, w.bqkv, w.qk_norm)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
             norm = (w.mlp_norm, s.rms_norm_eps)
             if self.reduce is None:
@@ -408,6 +414,8 @@ class LlamaDecoder:
         sparse: each position's projections thresholded on its own inputs (masked dense, the
         compiler's simulation); False: the dense model (prefill). write_cache: K/V at slots
         start..start+S-1 of rows `rows` (default 0..B-1); start > 0 attends to the cached slots too."""
+        from dejavu.plugins.input_sparse import produce_ref  # the q and k heads' RMSNorm (Qwen3)
+
         s = self.spec
         B, S = ids.shape
         H, Hkv, hd = s.num_attention_heads, s.num_key_value_heads, s.head_dim
@@ -421,8 +429,11 @@ class LlamaDecoder:
         for l, w in enumerate(self.layers):
             qkv = lin(x, w.wqkv_t, w.t["attn_in"], norm=(w.attn_norm, s.rms_norm_eps))
             q, k, v = self._split_qkv(_plus(qkv, w.bqkv))
-            q = _rotate(q.view(B, S, H, hd).transpose(1, 2), cos, sin)  # [B, H, S, hd]
-            k = _rotate(k.view(B, S, Hkv, hd).transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
+            q, k = q.view(B, S, H, hd), k.view(B, S, Hkv, hd)
+            if w.qk_norm is not None:
+                q, k = produce_ref(q, w.q_norm, s.rms_norm_eps), produce_ref(k, w.k_norm, s.rms_norm_eps)
+            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, H, S, hd]
+            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
             v = v.view(B, S, Hkv, hd).transpose(1, 2)
             if write_cache:
                 self.k_cache[l][at, :, start:start + S] = k

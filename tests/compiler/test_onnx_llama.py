@@ -18,7 +18,8 @@ VARIANTS = {"gqa_tied": {}, "mha_untied": dict(num_key_value_heads=6, tie_word_e
             "llama3_rope": dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                   high_freq_factor=4.0, original_max_position_embeddings=16)),
             "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),  # q/k/v biases, o none
-            "llama_biases": dict(attention_bias=True, mlp_bias=True)}
+            "llama_biases": dict(attention_bias=True, mlp_bias=True),
+            "qwen3": dict(model_type="qwen3", head_dim=16)}  # the q and k heads' RMSNorm, q 96 wide in a hidden of 48
 
 
 def _thresholds(m, skip=0.4):
@@ -78,6 +79,9 @@ def test_sparse_graph_masks_every_projection_input_by_name():
     assert not any(n.endswith("_proj/Add") for n in names)  # no biases, no Add
     q = {n.name for n in build_llama_graph(tiny_llama(model_type="qwen2"), "decode", th).graph.node}
     assert {n for n in q if n.endswith("_proj/Add")} == {f"layers.{l}.{p}_proj/Add" for l in range(2) for p in "qkv"}
+    assert not any(n.startswith(("layers.0.q_norm/", "layers.0.k_norm/")) for n in names)
+    q3 = {n.name for n in build_llama_graph(tiny_llama(model_type="qwen3"), "decode", th).graph.node}
+    assert {f"layers.{l}.{p}_norm/Scale" for l in range(2) for p in "qk"} <= q3
 
 
 def test_dejavu_compile_onnx_out_writes_dense_and_sparse_graphs(tmp_path):

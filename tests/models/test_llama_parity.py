@@ -1,5 +1,5 @@
-"""Our dense Llama equals transformers.LlamaForCausalLM (Qwen2ForCausalLM for model_type qwen2) on the same
-weights (fp32, max abs <= 1e-4)."""
+"""Our dense Llama equals transformers.LlamaForCausalLM (Qwen2ForCausalLM / Qwen3ForCausalLM for model_type qwen2 /
+qwen3) on the same weights (fp32, max abs <= 1e-4)."""
 from __future__ import annotations
 
 import pytest
@@ -32,6 +32,14 @@ CONFIGS = {
     "qwen2": dict(model_type="qwen2", hidden_size=48, intermediate_size=72, num_attention_heads=6,
                   num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
                   use_sliding_window=False, sliding_window=32, bos_token_id=0, eos_token_id=0),
+    # Qwen3: per-head q/k RMSNorm before RoPE, head_dim 16 with 6 heads in a hidden of 64 (q is 96 wide), tied
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=80, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True,
+                  rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0),
+    # Qwen3 with attention_bias (q/k/v and o biases) and a window it does not use
+    "qwen3_bias": dict(model_type="qwen3", hidden_size=48, intermediate_size=72, num_attention_heads=4,
+                       num_key_value_heads=4, head_dim=8, attention_bias=True, tie_word_embeddings=False,
+                       use_sliding_window=False, sliding_window=32),
 }
 
 
@@ -40,7 +48,8 @@ def make_pair(overrides: dict, seed: int = 0):
     """(hf_model, our_model) with the same random weights (norm weights included)."""
     over = dict(overrides)
     family = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[over.pop("model_type", "llama")]
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[over.pop("model_type", "llama")]
     hf_cfg = family[0](**{**BASE, **over}, attn_implementation="eager")
     torch.manual_seed(seed)
     hf = family[1](hf_cfg).eval()
@@ -129,7 +138,7 @@ def test_num_params_counts_the_state_dict():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope", "qwen2"])
+@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope", "qwen2", "qwen3"])
 def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
     """save_pretrained's folder (safetensors, config.json of this transformers) -> load_any equal."""
     from tiny_tokenizer import tiny_tokenizer_json
@@ -141,7 +150,7 @@ def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
     (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json(97 + 263))
     assert model_type(tmp_path) == CONFIGS[name].get("model_type", "llama")
     model, cfg = load_any(tmp_path)
-    assert cfg.qkv_bias == (name == "qwen2") and cfg.sliding_window is None
+    assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3") and cfg.sliding_window is None
     assert isinstance(model, LlamaForCausalLM) and not any(p.is_meta for p in model.parameters())
     ids = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(7))
     assert (model(ids) - hf(input_ids=ids).logits).abs().max().item() <= ATOL
@@ -196,17 +205,20 @@ def test_compute_in_fp32_keeps_the_stored_bytes_and_equals_fp32(tmp_path, half):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_qwen2_window_only_where_it_is_used_and_the_config_round_trips():
-    """Qwen2's config.json writes a sliding_window either way; it applies where use_sliding_window is set,
-    and our config.json (an engine header's model_config) reads back the same config."""
-    d = transformers.Qwen2Config(**{**BASE, **CONFIGS["qwen2"]}).to_dict()
+@pytest.mark.parametrize("name, family", [("qwen2", "Qwen2"), ("qwen3_bias", "Qwen3")])
+def test_qwen_window_only_where_it_is_used_and_the_config_round_trips(name, family):
+    """Qwen2's and Qwen3's config.json write a sliding_window either way; it applies where use_sliding_window
+    is set, and our config.json (an engine header's model_config) reads back the same config."""
+    over = {k: v for k, v in CONFIGS[name].items() if k != "model_type"}
+    d = getattr(transformers, f"{family}Config")(**{**BASE, **over}).to_dict()
     d["sliding_window"] = 32  # transformers drops it when unused; checkpoints keep it
     cfg = LlamaConfig.from_hf_dict(d)
-    assert cfg.sliding_window is None and cfg.qkv_bias and not cfg.attention_bias
+    assert cfg.sliding_window is None and cfg.qkv_bias == (family == "Qwen2")
+    assert cfg.attention_bias == (family == "Qwen3") and cfg.qk_norm == (family == "Qwen3")
     used = LlamaConfig.from_hf_dict({**d, "use_sliding_window": True})
     assert used.sliding_window == 32
     for c in (cfg, used):
         assert LlamaConfig.from_hf_dict(c.to_hf_dict()) == c
-        assert c.to_hf_dict()["architectures"] == ["Qwen2ForCausalLM"]
+        assert c.to_hf_dict()["architectures"] == [f"{family}ForCausalLM"]
     with pytest.raises(DejavuError, match="sliding_window"):
         LlamaConfig.from_hf_dict({**d, "use_sliding_window": True, "sliding_window": "x"})

@@ -156,8 +156,8 @@ SCRIPT = textwrap.dedent('''
         loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
                  if f"$L__BB0_{m.group(1)};" in ptx[m.end():]]
         assert loops and not any("bar.sync" in body or "shared" in body for body in loops)
-    for bias in (False, True):  # Qwen2's q/k/v biases
-        compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, HAS_BIAS=bias),
+    for bias, norm, block in ((False, False, 64), (True, False, 64), (False, True, 128)):  # Qwen2's bias, Qwen3's norm
+        compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=block, SPLIT_K=6, HAS_BIAS=bias, QK_NORM=norm),
                      overrides={"part_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*fp16"})
     # the fp32 residual stream (input_sparse.fp32_residual): the RMSNorm select of an fp32 x writing fp16 pairs, and
     # the GEMV adding each split's sum into the stream with fp32 reductions at gpu scope, no partials stored
@@ -213,7 +213,7 @@ SCRIPT = textwrap.dedent('''
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.SWIGLU, SRC_SPLIT=2, BLOCK=1024, ROW=4096), False),
         (IS, IS._sliced_gemv_kernel, dict(BLOCK_M=64, SUB=64, EVEN_M=True), True),
         (IS, IS._sum_splits_kernel, dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True), False),
-        (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, HAS_BIAS=False), False),
+        (IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=64, SPLIT_K=6, HAS_BIAS=False, QK_NORM=False), False),
         (IS, IS._select_slices_kernel, dict(PRODUCER=IS.ATTN, SRC_SPLIT=0, BLOCK=512, ROW=16), False),
         (GA, GA._gqa_split_kernel, dict(G=4, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=True, DOT_FP32=False), True),
         (GA, GA._gqa_split_kernel, dict(G=8, BLOCK_G=16, BLOCK_S=32, BLOCK_HD=128, PARTIAL=False, DOT_FP32=False),

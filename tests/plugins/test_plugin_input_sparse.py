@@ -248,22 +248,36 @@ def test_sliced_launchers_check_their_inputs(triton_interp):
     with pytest.raises(DejavuError, match=r"bias: expected shape \(12,\)"):
         sliced_qkv_rope(idx, val, count, torch.randn(16, 12), torch.ones(2, 4), torch.ones(2, 4),
                         torch.zeros(2, dtype=torch.long), kc, kc.clone(), bias=torch.zeros(8))
+    with pytest.raises(DejavuError, match=r"k_norm: expected shape \(4,\)"):
+        sliced_qkv_rope(idx, val, count, torch.randn(16, 12), torch.ones(2, 4), torch.ones(2, 4),
+                        torch.zeros(2, dtype=torch.long), kc, kc.clone(), qk_norm=(torch.ones(4), torch.ones(3), 1e-6))
+    kc6, ones6 = torch.zeros(2, 1, 4, 6), torch.ones(6)
+    with pytest.raises(DejavuError, match="power-of-two head dimension, got 6"):
+        sliced_qkv_rope(idx, val, count, torch.randn(16, 18), torch.ones(2, 6), torch.ones(2, 6),
+                        torch.zeros(2, dtype=torch.long), kc6, kc6.clone(), qk_norm=(ones6, ones6, 1e-6))
 
 
-def _rope64(qkv, cos, sin, H, Hkv, hd):
-    """q, k rotated and v of qkv [B, (H + 2 Hkv) hd] in float64 (sin signed for rotate_half)."""
+def _rope64(qkv, cos, sin, H, Hkv, hd, qk_norm=None):
+    """q, k rotated and v of qkv [B, (H + 2 Hkv) hd] in float64 (sin signed for rotate_half; qk_norm (q_w, k_w,
+    eps): each q and k head's RMSNorm first)."""
     x = qkv.double().view(qkv.shape[0], -1, hd)
-    r = x[:, :H + Hkv] * cos.double()[:, None] + x[:, :H + Hkv].roll(hd // 2, -1) * sin.double()[:, None]
+    qk = x[:, :H + Hkv]
+    if qk_norm is not None:
+        w = torch.cat([qk_norm[0].double().expand(H, hd), qk_norm[1].double().expand(Hkv, hd)])
+        qk = qk / (qk.pow(2).mean(-1, keepdim=True) + qk_norm[2]).sqrt() * w
+    r = qk * cos.double()[:, None] + qk.roll(hd // 2, -1) * sin.double()[:, None]
     return r[:, :H], r[:, H:], x[:, H + Hkv:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,H,Hkv,hd,config,with_bias", [(1, 4, 2, 16, SMALL, False), (3, 6, 2, 8, SMALL, True),
-                                                         (2, 2, 1, 32, _s(), True)])
-def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config, with_bias):
+@pytest.mark.parametrize("B,H,Hkv,hd,config,with_bias,with_norm", [
+    (1, 4, 2, 16, SMALL, False, False), (3, 6, 2, 8, SMALL, True, False), (2, 2, 1, 32, _s(), True, False),
+    (2, 4, 2, 8, SMALL, False, True), (1, 2, 1, 32, SMALL, True, True), (3, 6, 3, 16, _s(), False, True)])
+def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config, with_bias, with_norm):
     """q rotated, and k (rotated) and v written into the caches at pos[b] only: poisoned caches keep their NaN
     elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32); q/k/v biases (Qwen2) added before
-    RoPE."""
+    RoPE; each q and k head's RMSNorm before RoPE (Qwen3), two heads a block (hd 8 in 16; 16 in 64, the last
+    block part masked) or a block widened to the head (hd 32 against block_m 16)."""
     g = torch.Generator().manual_seed(H * hd + B)
     N, M, T = 40, (H + 2 * Hkv) * hd, 7
     x, nw = _producer_input(B, N, "norm", dtype, g)
@@ -273,17 +287,19 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv,
     pos = torch.randint(0, T, (B,), generator=g)
     kc, vc = (torch.full((B, Hkv, T, hd), float("nan"), dtype=dtype) for _ in range(2))
     bias = torch.randn(M, generator=g).to(dtype) if with_bias else None
+    qk_norm = (tuple((1 + 0.3 * torch.randn(hd, generator=g)).to(dtype) for _ in range(2)) + (1e-6,)
+               if with_norm else None)
     t = 0.6
     split = split_k_for(B, N, M, config)
     idx, val, count = select_slices(x, t, split, nw, 1e-5, settings=_ks(config))
-    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config), bias=bias)
+    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config), bias=bias, qk_norm=qk_norm)
     h = produce_ref(x, nw, 1e-5)
     y64, y = (h.double() * (h.float().abs() > t)) @ w_t.double(), input_sparse_gemv_ref(h, w_t, t)
     if with_bias:
         y64, y = y64 + bias.double(), y + bias
-    q64, k64, v64 = _rope64(y64, cos, sin, H, Hkv, hd)
+    q64, k64, v64 = _rope64(y64, cos, sin, H, Hkv, hd, qk_norm)
     kt, vt = (torch.full_like(kc, float("nan")) for _ in range(2))
-    qt = sliced_qkv_rope_ref(y, cos, sin, pos, kt, vt)
+    qt = sliced_qkv_rope_ref(y, cos, sin, pos, kt, vt, qk_norm=qk_norm)
     rows = torch.arange(B)
     close(q, q64, qt)
     close(kc[rows, :, pos], k64, kt[rows, :, pos])

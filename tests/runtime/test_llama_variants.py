@@ -1,8 +1,10 @@
-"""Llama-family checkpoints with biases through `dejavu-compile` and the Llama runtime: Qwen2 (q/k/v biases, no o
-bias) and Llama's attention_bias + mlp_bias (q/k/v, o, gate/up, down). The dense engine against transformers'
+"""Llama-family checkpoints with per-layer vectors beyond Llama-2/3's through `dejavu-compile` and the Llama runtime:
+Qwen2 (q/k/v biases, no o bias), Llama's attention_bias + mlp_bias (q/k/v, o, gate/up, down) and Qwen3 (an RMSNorm
+over each query and key head before RoPE; head_dim 16 with a hidden of 48). The dense engine against transformers'
 model on the same folder, the sparse engine against the compiler's simulation, the Triton decode step (q/k/v's
-bias added before RoPE in their sum kernel, gate/up's into the first split's partials, o's and down's after their
-GEMVs) under the interpreter against the reference ops, and the biases' tensor-parallel split."""
+bias and the heads' norm before RoPE in their sum kernel, gate/up's bias into the first split's partials, o's and
+down's after their GEMVs) under the interpreter against the reference ops, and the vectors' tensor-parallel
+split."""
 from __future__ import annotations
 
 import pytest
@@ -17,8 +19,11 @@ from llama_helpers import write_tiny_llama
 ATOL = 1e-4
 CALIB = dict(calib_tokens=512, calib_window=128, dtype="float32")
 VARIANTS = {"qwen2": dict(model_type="qwen2", rope_theta=1000000.0, rms_norm_eps=1e-6),
-            "llama_biases": dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)}
-BIASES = {"qwen2": ["attn.bqkv"], "llama_biases": ["attn.bqkv", "attn.bo", "mlp.bgu", "mlp.bd"]}
+            "llama_biases": dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+            "qwen3": dict(model_type="qwen3", head_dim=16, rope_theta=1000000.0, rms_norm_eps=1e-6)}
+VECTORS = {"qwen2": ["attn.bqkv"], "llama_biases": ["attn.bqkv", "attn.bo", "mlp.bgu", "mlp.bd"],
+           "qwen3": ["attn.k_norm", "attn.q_norm"]}
+PROJECTIONS = ("attn_norm", "mlp_norm", "attn.wqkv_t", "attn.wo_t", "mlp.wgu_t", "mlp.wd_t")
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -41,15 +46,22 @@ def _ids(n=2, s=24, seed=0):
 def test_dense_engine_equals_transformers(built):
     transformers = pytest.importorskip("transformers")
     variant, folder, paths = built
-    cls = transformers.Qwen2ForCausalLM if variant == "qwen2" else transformers.LlamaForCausalLM
+    cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}.get(
+        variant, transformers.LlamaForCausalLM)
     hf = cls.from_pretrained(folder, attn_implementation="eager").eval()
     at, mlp = hf.model.layers[1].self_attn, hf.model.layers[1].mlp
-    assert at.q_proj.bias is not None and (at.o_proj.bias is None) == (variant == "qwen2")
+    assert (at.q_proj.bias is None) == (variant == "qwen3") and (at.o_proj.bias is None) == (variant != "llama_biases")
     eng = Engine.load(paths[1.0])
     assert eng.header["model_config"]["model_type"] == VARIANTS[variant].get("model_type", "llama")
     h, t = read_engine(paths[1.0])
-    assert sorted(k.split(".", 2)[2] for k in t if k.startswith("layers.1.") and ".b" in k) == sorted(BIASES[variant])
-    assert torch.equal(t["layers.1.attn.bqkv"], torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]).detach())
+    extra = [k.split(".", 2)[2] for k in t if k.startswith("layers.1.")]
+    assert sorted(set(extra) - set(PROJECTIONS)) == sorted(VECTORS[variant])
+    if variant == "qwen3":
+        assert torch.equal(t["layers.1.attn.q_norm"], at.q_norm.weight.detach())
+        assert torch.equal(t["layers.1.attn.k_norm"], at.k_norm.weight.detach())
+        assert t["layers.1.attn.wqkv_t"].shape == (48, (6 + 2 * 2) * 16)
+    else:
+        assert torch.equal(t["layers.1.attn.bqkv"], torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
     if variant == "llama_biases":
         assert torch.equal(t["layers.1.mlp.bgu"], torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach())
         assert torch.equal(t["layers.1.attn.bo"], at.o_proj.bias.detach())
@@ -58,14 +70,14 @@ def test_dense_engine_equals_transformers(built):
         ref = hf(input_ids=ids).logits
     assert ref.std() > 0.1
     assert (eng.logits(ids) - ref).abs().max() <= ATOL
-    assert (eng.decode_logits(ids) - ref).abs().max() <= ATOL  # cached decode steps, bias before RoPE
+    assert (eng.decode_logits(ids) - ref).abs().max() <= ATOL  # cached decode steps, bias and norm before RoPE
 
 
 def test_sparse_engine_equals_the_compilers_simulation(built):
     from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
     from dejavu.models.auto import load_llama
 
-    _, folder, paths = built
+    variant, folder, paths = built
     eng = Engine.load(paths[0.6])
     model = load_llama(folder)[0]
     ids = _ids(seed=1)
@@ -77,20 +89,20 @@ def test_sparse_engine_equals_the_compilers_simulation(built):
     assert (eng.decode_logits(ids) - sim).abs().max() <= ATOL
     with torch.no_grad():
         assert (model(ids) - sim).abs().max() > 100 * ATOL
-    # the biases are fixed bytes: density counts them read every step
+    # the vectors are fixed bytes: density counts them read every step
     from dejavu.compiler.build_llama import step_bytes
 
     cfg = model.config
-    nb = sum(t.numel() for n, t in read_engine(paths[0.6])[1].items() if ".b" in n)
+    nb = sum(t.numel() for n, t in read_engine(paths[0.6])[1].items() if n.split(".", 2)[-1] in VECTORS[variant])
     plain = type(cfg).from_hf_dict({**cfg.to_hf_dict(), "model_type": "llama", "attention_bias": False,
                                     "mlp_bias": False})
     assert nb > 0 and step_bytes(cfg, 1)["fixed"] == step_bytes(plain, 1)["fixed"] + nb
 
 
 def test_triton_decode_under_the_interpreter_equals_the_reference(built):
-    """The decode step's q/k/v sum kernel adds the biases before RoPE: batched steps' logits and greedy tokens
-    through plugins/input_sparse (small blocks, several splits; and the engine's own settings) equal the reference
-    ops', in a subprocess (TRITON_INTERPRET set before triton is imported)."""
+    """The decode step's q/k/v sum kernel adds the biases and normalises the q and k heads before RoPE: batched
+    steps' logits and greedy tokens through plugins/input_sparse (small blocks, several splits; and the engine's
+    own settings) equal the reference ops', in a subprocess (TRITON_INTERPRET set before triton is imported)."""
     import json
     import os
     import subprocess
@@ -118,9 +130,10 @@ for ks in (KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8
     assert len(rows) == 2 and all(r["diff"] <= ATOL and r["same"] for r in rows)
 
 
-def test_biases_split_with_their_columns_across_ranks(built):
+def test_vectors_split_with_their_columns_across_ranks(built):
     """q/k/v's and gate/up's biases split as their weights' columns (the bias as one more input row gives the
-    same shard); o's and down's replicated (added once, after the all-reduce)."""
+    same shard); o's and down's replicated (added once, after the all-reduce), and the q and k heads' norm
+    weights (one for every head)."""
     from dejavu.compiler.tensor_parallel import shard_engine
 
     _, _, paths = built
@@ -135,6 +148,19 @@ def test_biases_split_with_their_columns_across_ranks(built):
             for (_, tr), (_, wr) in zip(shards, with_row):
                 got = torch.cat([tr[f"layers.{l}.{w_name}"], tr[f"layers.{l}.{b_name}"][None]])
                 assert torch.equal(got, wr[f"layers.{l}.{w_name}"]) and got.shape[1] == w.shape[1] // 2
-        for name in ("attn.bo", "mlp.bd"):
+        for name in ("attn.bo", "mlp.bd", "attn.q_norm", "attn.k_norm"):
             if f"layers.{l}.{name}" in t:
                 assert all(torch.equal(tr[f"layers.{l}.{name}"], t[f"layers.{l}.{name}"]) for _, tr in shards)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
+def test_triton_decode_on_the_gpu_equals_the_cpu_reference(built):
+    """On the GPU: the sparse engine's Triton decode steps (the q/k/v sum kernel with the biases or the heads' norm
+    compiled for the device) and its CUDA-graph generate equal the CPU reference engine's logits and tokens."""
+    pytest.importorskip("triton")
+    path = built[2][0.6]
+    ref, tri = Engine.load(path), Engine.load(path, "cuda", backend="triton")
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(5))
+    prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]
+    assert (tri.decode_logits(ids).cpu() - ref.decode_logits(ids)).abs().max() <= 1e-3
+    assert tri.generate(prompts, 8, stop_at_eos=False) == ref.generate(prompts, 8, stop_at_eos=False)
