@@ -1,12 +1,12 @@
-"""Read a llama.cpp GGUF file (Llama or Qwen2 architecture) into `dejavu.models.llama`, with its tokenizer.
+"""Read a llama.cpp GGUF file (Llama, Qwen2 or Qwen3 architecture) into `dejavu.models.llama`, with its tokenizer.
 
 Uses the `gguf` package (`pip install gguf`, or the `smollm2` extra) and nothing else:
-- config: the `llama.*` (`qwen2.*`) metadata turned into the Hugging Face config.json fields;
+- config: the `llama.*` (`qwen2.*`, `qwen3.*`) metadata turned into the Hugging Face config.json fields;
 - weights: every tensor dequantized (Q4_0/Q4_1/Q8_0/K-quants/F16/F32, whatever `gguf.quants`
   knows) to fp32, then cast to the requested dtype, renamed to Hugging Face names. llama.cpp's
   converter permutes the rows of Q and K of Llama files (rotary pairs interleaved, not split in halves);
-  `_unpermute` undoes it so the weights fit the half-split RoPE of `dejavu.models.llama` (Qwen2 files keep
-  the checkpoint's rows: llama.cpp runs them with the half-split "NEOX" rotation);
+  `_unpermute` undoes it so the weights fit the half-split RoPE of `dejavu.models.llama` (Qwen2 and Qwen3 files
+  keep the checkpoint's rows: llama.cpp runs them with the half-split "NEOX" rotation);
 - tokenizer: a byte-level BPE `tokenizers.Tokenizer` from `tokenizer.ggml.tokens/merges`, with
   the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`.
 The file is memory-mapped by `gguf.GGUFReader`; one tensor at a time is dequantized.
@@ -28,7 +28,7 @@ INSTALL_HINT = "pip install gguf"
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -40,7 +40,7 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 # Qwen2's tokenizer.json regex: Llama-3's, but every digit its own piece
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
-ARCHITECTURES = ("llama", "qwen2")  # general.architecture -> model_type of the same name
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture -> model_type of the same name
 
 
 def _gguf():
@@ -80,13 +80,13 @@ def _field(reader, key: str, default=None):
 def _check_arch(reader, path) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise DejavuError(f"{path}: GGUF architecture is {arch!r}; dejavu reads {' and '.join(ARCHITECTURES)} "
+        raise DejavuError(f"{path}: GGUF architecture is {arch!r}; dejavu reads {', '.join(ARCHITECTURES)} "
                           "GGUF files")
     return arch
 
 
 def config_dict(reader, path="GGUF file") -> dict:
-    """The Hugging Face config.json fields of a Llama (Qwen2) GGUF file's metadata."""
+    """The Hugging Face config.json fields of a Llama (Qwen2, Qwen3) GGUF file's metadata."""
     arch = _check_arch(reader, path)
     a = arch + "."
 
@@ -112,7 +112,8 @@ def config_dict(reader, path="GGUF file") -> dict:
         "rms_norm_eps": float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, a + "rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,  # Qwen2: q/k/v biases by its type
+        # Qwen2: q/k/v biases by its type; Llama's and Qwen3's attention_bias: q/k/v's and o's where the file has them
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
@@ -160,7 +161,7 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
             raise DejavuError(f"{path}: cannot dequantize {t.name!r} ({t.tensor_type.name}: {e})") from None
         w = torch.from_numpy(arr.copy()).float()
         if cfg["model_type"] != "llama":
-            pass  # Qwen2: the checkpoint's rows
+            pass  # Qwen2, Qwen3: the checkpoint's rows
         elif ".attn_q." in t.name:
             w = _unpermute(w, cfg["num_attention_heads"])
         elif ".attn_k." in t.name:

@@ -25,7 +25,7 @@ CFG = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_laye
 GG_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down"}
+            "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 
@@ -35,14 +35,17 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama"):
-    """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer) as a
-    GGUF file; returns the transformers model holding the same weights."""
+    """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
+    Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted) as a GGUF file; returns the
+    transformers model holding the same weights."""
     from tiny_tokenizer import tiny_tokenizer_json
 
     torch.manual_seed(0)
     family = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
-    hf = family[1](family[0](**CFG, attn_implementation="eager")).eval()
+              "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    head_dim = 32 if arch == "qwen3" else CFG["hidden_size"] // CFG["num_attention_heads"]
+    hf = family[1](family[0](**CFG, head_dim=head_dim, attn_implementation="eager")).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
@@ -55,11 +58,14 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama"):
     w.add_head_count_kv(CFG["num_key_value_heads"])
     w.add_rope_freq_base(CFG["rope_theta"])
     w.add_layer_norm_rms_eps(CFG["rms_norm_eps"])
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     tj = json.loads(tiny_tokenizer_json())
     vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_tokenizer_pre("smollm" if arch == "llama" else "qwen2")  # llama.cpp names Qwen3's pre-tokenizer qwen2
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([3 if t in ("<s>", "<pad>", "</s>", "<unk>") else 1 for t, _ in vocab])
     w.add_token_merges(merges)
@@ -76,8 +82,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama"):
         else:
             _, _, i, *rest = name.split(".")
             gname = f"blk.{i}.{GG_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
-        if arch == "qwen2":
-            pass  # convert_hf_to_gguf.py's Qwen2Model keeps the rows
+        if arch != "llama":
+            pass  # convert_hf_to_gguf.py's Qwen2Model and Qwen3Model keep the rows
         elif ".attn_q." in gname:
             a = llama_cpp_permute(a, CFG["num_attention_heads"])
         elif ".attn_k." in gname:
@@ -171,6 +177,22 @@ def test_qwen2_gguf_equals_transformers_and_its_own_gguf_reader(tmp_path):
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in ["IT'S 2026!\n\nok", "Hello world, it's 12345 o'clock\r\n  x", "Ünïcödé ☃ 3.14"]:
         assert tok.encode(text, add_bos=False) == theirs.encode(text, add_special_tokens=False)
+
+
+@torch.no_grad()
+def test_qwen3_gguf_equals_transformers(tmp_path):
+    """A Qwen3 GGUF file (the q and k heads' RMSNorm weights, head_dim from attention.key_length, rows as the
+    checkpoint's): our load equals the transformers model it was written from."""
+    path = tmp_path / "qwen3.gguf"
+    hf, _ = write_tiny_gguf(path, arch="qwen3")
+    model, cfg = auto.load_any(str(path))
+    assert (cfg.model_type, cfg.qk_norm, cfg.head_dim, cfg.qkv_bias, cfg.attention_bias) == ("qwen3", True, 32,
+                                                                                          False, False)
+    assert torch.equal(model.model.layers[1].self_attn.k_norm.weight, hf.model.layers[1].self_attn.k_norm.weight)
+    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits
+    assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
 
 
 def test_gguf_errors_are_one_line(tmp_path):
