@@ -13,6 +13,8 @@ downloaded here):
                   stream, a lower bound of a TP decode step.
   qwen2-7b        Qwen/Qwen2-7B's config.json: 28 layers, hidden 3584, 28 / 4 KV heads of 128, SwiGLU
                   18944, vocabulary 152064, untied head, q/k/v biases (added in the q/k/v sum kernel)
+  qwen3-8b        Qwen/Qwen3-8B's config.json: 36 layers, hidden 4096, 32 / 8 KV heads of 128, SwiGLU 12288,
+                  vocabulary 151936, untied head, each q and k head's RMSNorm (in the q/k/v sum kernel)
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
@@ -68,6 +70,9 @@ SHAPES = {
                             num_key_value_heads=1, head_dim=128, intermediate_size=28672 // 8, rope_theta=500000.0),
     "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, head_dim=128, intermediate_size=18944,
+                     rope_theta=1000000.0),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
                      rope_theta=1000000.0),
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),

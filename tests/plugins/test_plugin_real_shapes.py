@@ -192,9 +192,10 @@ def check_sliced_add(N, M, B, dtype, t):
                                  "kept": float((x.float().abs() > t).float().mean())}
 
 
-def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False):
+def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False, norm=False):
     """The fused q/k/v TEAL GEMV with RoPE and the cache writes over 20 CUDA-graph replays on new inputs and
-    positions: q and both caches bit-equal to an eager step's; q vs float64. bias: q/k/v biases (Qwen2)."""
+    positions: q and both caches bit-equal to an eager step's; q vs float64. bias: q/k/v biases (Qwen2); norm:
+    each q and k head's RMSNorm before RoPE (Qwen3)."""
     from dejavu.plugins import input_sparse as IS
 
     M = (H + 2 * Hkv) * hd
@@ -203,12 +204,14 @@ def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False):
     cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
     pos = torch.randint(0, T, (B,), device=DEV)
     b = randn(M, dtype=dtype) if bias else None
+    qk_norm = (1 + 0.3 * randn(hd, dtype=dtype), 1 + 0.3 * randn(hd, dtype=dtype), 1e-6) if norm else None
     split = IS.split_k_for(B, N, M, DEFAULT.input_sparse)
     caches = {k: [torch.zeros(B, Hkv, T, hd, dtype=dtype, device=DEV) for _ in range(2)] for k in ("graph", "eager")}
     qs = {}
 
     def step(which):
-        qs[which] = IS.sliced_qkv_rope(*IS.select_slices(x, t, split), w_t, cos, sin, pos, *caches[which], bias=b)
+        qs[which] = IS.sliced_qkv_rope(*IS.select_slices(x, t, split), w_t, cos, sin, pos, *caches[which], bias=b,
+                                       qk_norm=qk_norm)
         return qs[which]
 
     step("graph")  # compiles
@@ -229,6 +232,9 @@ def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False):
     if bias:
         qkv64, qkvt = qkv64 + b.double(), qkvt + b
     qkv64, qkvt = qkv64.view(B, -1, hd)[:, :H], qkvt.view(B, -1, hd)[:, :H]
+    if norm:
+        qkv64 = qkv64 / (qkv64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * qk_norm[0].double()
+        qkvt = IS.produce_ref(qkvt, qk_norm[0], 1e-6)
     q64 = qkv64 * cos.double()[:, None] + qkv64.roll(hd // 2, -1) * sin.double()[:, None]
     qt = qkvt * cos[:, None] + qkvt.roll(hd // 2, -1) * sin[:, None]
     ok, e = _err_ok(qs["graph"], q64, qt, *TOL[dtype])
@@ -380,6 +386,9 @@ def cases():
     # with q/k/v biases: Qwen2-7B (28 / 4 heads of 128), bf16 at batch 3
     cases.append(("sliced_qkv", dict(N=3584, H=28, Hkv=4, hd=128, B=1, dtype=torch.float16, t=0.67, bias=True)))
     cases.append(("sliced_qkv", dict(N=896, H=14, Hkv=2, hd=64, B=3, dtype=torch.bfloat16, t=0.67, bias=True)))
+    # with the q and k heads' RMSNorm: Qwen3-8B (32 / 8 heads of 128), bf16 at batch 2
+    cases.append(("sliced_qkv", dict(N=4096, H=32, Hkv=8, hd=128, B=1, dtype=torch.float16, t=0.67, norm=True)))
+    cases.append(("sliced_qkv", dict(N=4096, H=32, Hkv=8, hd=128, B=2, dtype=torch.bfloat16, t=0.67, norm=True)))
     # fc2 + the next LayerNorm (split reduction, then the layer_norm kernel): dot path at B 1 and 8, the
     # GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
