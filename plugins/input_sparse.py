@@ -401,33 +401,56 @@ def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     k_w [hd], eps): each q and k head through RMSNorm before RoPE, Qwen3), RoPE on q and k (cos, sin [B, hd]: sin
     with rotate_half's sign, -sin on the first half), k and v written into k_cache, v_cache [B, Hkv, T, hd] at
     slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch after the GEMV."""
-    config = (settings or DEFAULT).input_sparse
+    M = w_t.shape[1] if w_t.dim() == 2 else -1
+    _check_qkv_rope(M, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm)
+    return _sum_rope(sliced_parts(idx, val, count, w_t, settings), val.dtype, cos, sin, pos, k_cache, v_cache,
+                     settings, bias, qk_norm)
+
+
+def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, settings: KernelSettings | None = None, bias: torch.Tensor | None = None,
+             qk_norm: tuple | None = None) -> torch.Tensor:
+    """`sliced_qkv_rope` after a dense q/k/v product qkv [B, (H + 2 Hkv) hd] (the dense decode step): the bias,
+    the heads' norms, RoPE and the cache writes in one launch; sliced_qkv_rope_ref's result."""
+    check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
+    _check_qkv_rope(qkv.shape[1], qkv, cos, sin, pos, k_cache, v_cache, bias, qk_norm)
+    return _sum_rope(qkv, qkv.dtype, cos, sin, pos, k_cache, v_cache, settings, bias, qk_norm)
+
+
+def _check_qkv_rope(M: int, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm) -> None:
+    # the q/k/v sum kernel's inputs: M outputs of q, k and v heads, in val's dtype and on its device
     B, Hkv, T, hd = k_cache.shape
     check_tensor("k_cache", k_cache, dtype=val.dtype, device=val.device)
     check_tensor("v_cache", v_cache, shape=(B, Hkv, T, hd), dtype=val.dtype, device=val.device)
     for name, c in (("cos", cos), ("sin", sin)):
         check_tensor(name, c, shape=(B, hd), dtype=val.dtype, device=val.device)
     check_tensor("pos", pos, shape=(B,), dtype=torch.int64, device=val.device)
-    M = w_t.shape[1] if w_t.dim() == 2 else -1
     if hd % 2 or M % hd or M // hd <= 2 * Hkv:
-        raise DejavuError(f"w_t: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
+        raise DejavuError(f"q/k/v: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
     if bias is not None:
         check_tensor("bias", bias, shape=(M,), dtype=val.dtype, device=val.device)
-    block, (q_w, k_w, eps) = config.block_m, qk_norm or (None, None, 0.0)
     if qk_norm is not None:
         if hd & (hd - 1):
-            raise DejavuError(f"sliced_qkv_rope: q/k norms need a power-of-two head dimension, got {hd}")
-        for name, w in (("q_norm", q_w), ("k_norm", k_w)):
+            raise DejavuError(f"q/k norms in the q/k/v sum kernel need a power-of-two head dimension, got {hd}")
+        for name, w in (("q_norm", qk_norm[0]), ("k_norm", qk_norm[1])):
             check_tensor(name, w, shape=(hd,), dtype=val.dtype, device=val.device)
-        block = max(block, hd)  # whole heads per program
-    part = sliced_parts(idx, val, count, w_t, settings)
+
+
+def _sum_rope(part: torch.Tensor, dtype, cos, sin, pos, k_cache, v_cache, settings, bias, qk_norm) -> torch.Tensor:
+    # _sum_rope_kernel over the GEMV's fp32 partials [S, B, M] (summed in order, rounded to dtype) or a product [B, M]
+    config = (settings or DEFAULT).input_sparse
+    B, Hkv, T, hd = k_cache.shape
+    M = part.shape[-1]
     H = M // hd - 2 * Hkv
-    q = torch.empty(B, H, hd, dtype=val.dtype, device=val.device)
-    jit(_sum_rope_kernel, val.device)[(B, -(-M // block))](
+    block, (q_w, k_w, eps) = config.block_m, qk_norm or (None, None, 0.0)
+    if qk_norm is not None:
+        block = max(block, hd)  # whole heads per program
+    q = torch.empty(B, H, hd, dtype=dtype, device=part.device)
+    jit(_sum_rope_kernel, part.device)[(B, -(-M // block))](
         part, q, k_cache, v_cache, cos, sin, pos, q if bias is None else bias, q if q_w is None else q_w,
         q if k_w is None else k_w, float(eps), B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=block,
-        SPLIT_K=part.shape[0], HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None,
-        **pdl_args(val.device, "is_sum", (settings or DEFAULT).pdl))
+        SPLIT_K=part.shape[0] if part.dim() == 3 else 0, HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None,
+        **pdl_args(part.device, "is_sum", (settings or DEFAULT).pdl))
     return q
 
 

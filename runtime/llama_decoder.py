@@ -199,9 +199,12 @@ class LlamaOps:
         pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
-        if t <= 0 or self.backend == "ref":
+        if self.backend == "ref":
             return IS.sliced_qkv_rope_ref(_plus(self.linear(x, w_t, t, norm, kind="qkv"), bias), cos, sin, pos,
                                           k_cache, v_cache, rows, qk_norm)
+        if t <= 0:  # the dense product, then the same sum kernel: bias, norms, RoPE and the cache writes in one launch
+            return IS.qkv_rope(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
+                               settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm)
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
                                   k_cache, v_cache, settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm)
 

@@ -156,9 +156,12 @@ SCRIPT = textwrap.dedent('''
         loops = [ptx[m.end():ptx.rindex(f"$L__BB0_{m.group(1)};")] for m in re.finditer(r"\\$L__BB0_(\\d+):", ptx)
                  if f"$L__BB0_{m.group(1)};" in ptx[m.end():]]
         assert loops and not any("bar.sync" in body or "shared" in body for body in loops)
-    for bias, norm, block in ((False, False, 64), (True, False, 64), (False, True, 128)):  # Qwen2's bias, Qwen3's norm
-        compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=block, SPLIT_K=6, HAS_BIAS=bias, QK_NORM=norm),
-                     overrides={"part_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": "*fp16"})
+    # Qwen2's bias, Qwen3's norm; split 0: after a dense product (fp16, the dense decode step)
+    for bias, norm, block, split in ((False, False, 64, 6), (True, False, 64, 6), (False, True, 128, 6),
+                                     (True, True, 128, 0)):
+        compile_sm90(IS, IS._sum_rope_kernel, dict(HEAD_D=128, BLOCK_M=block, SPLIT_K=split, HAS_BIAS=bias,
+                                                   QK_NORM=norm),
+                     overrides={"part_ptr": "*fp32" if split else "*fp16", "pos_ptr": "*i64", "q_ptr": "*fp16"})
     # the fp32 residual stream (input_sparse.fp32_residual): the RMSNorm select of an fp32 x writing fp16 pairs, and
     # the GEMV adding each split's sum into the stream with fp32 reductions at gpu scope, no partials stored
     compile_sm90(IS, IS._select_slices_kernel, dict(PRODUCER=IS.NORM, SRC_SPLIT=0, BLOCK=1024, ROW=4096),

@@ -10,7 +10,7 @@ import torch
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, InputSparseSettings as _s
 from dejavu.plugins.input_sparse import (input_sparse_gemv_ref, produce_ref, select_slices, select_slices_ref,
-                                         sliced_gemv, sliced_gemv_add, sliced_parts, sliced_qkv_rope,
+                                         qkv_rope, sliced_gemv, sliced_gemv_add, sliced_parts, sliced_qkv_rope,
                                          sliced_qkv_rope_ref, split_k_for, sum_parts_ref)
 from conftest import DTYPES
 
@@ -274,10 +274,11 @@ def _rope64(qkv, cos, sin, H, Hkv, hd, qk_norm=None):
     (1, 4, 2, 16, SMALL, False, False), (3, 6, 2, 8, SMALL, True, False), (2, 2, 1, 32, _s(), True, False),
     (2, 4, 2, 8, SMALL, False, True), (1, 2, 1, 32, SMALL, True, True), (3, 6, 3, 16, _s(), False, True)])
 def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config, with_bias, with_norm):
-    """q rotated, and k (rotated) and v written into the caches at pos[b] only: poisoned caches keep their NaN
-    elsewhere; blocks that straddle heads (block_m 16 against hd 8 / 32); q/k/v biases (Qwen2) added before
-    RoPE; each q and k head's RMSNorm before RoPE (Qwen3), two heads a block (hd 8 in 16; 16 in 64, the last
-    block part masked) or a block widened to the head (hd 32 against block_m 16)."""
+    """q rotated, and k (rotated) and v written into the caches at pos[b] only (after the sliced GEMV, and after a
+    dense product: `qkv_rope`): poisoned caches keep their NaN elsewhere; blocks that straddle heads (block_m 16
+    against hd 8 / 32); q/k/v biases (Qwen2) added before RoPE; each q and k head's RMSNorm before RoPE (Qwen3),
+    two heads a block (hd 8 in 16; 16 in 64, the last block part masked) or a block widened to the head (hd 32
+    against block_m 16)."""
     g = torch.Generator().manual_seed(H * hd + B)
     N, M, T = 40, (H + 2 * Hkv) * hd, 7
     x, nw = _producer_input(B, N, "norm", dtype, g)
@@ -307,3 +308,11 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv,
     written = torch.zeros(B, Hkv, T, dtype=torch.bool)
     written[rows, :, pos] = True
     assert kc[~written].isnan().all() and vc[~written].isnan().all()
+    # the same launch after a dense product (the dense decode step): the masked product in, its bias added there
+    kd, vd = (torch.full_like(kc, float("nan")) for _ in range(2))
+    qd = qkv_rope(input_sparse_gemv_ref(h, w_t, t), cos, sin, pos, kd, vd, settings=_ks(config), bias=bias,
+                  qk_norm=qk_norm)
+    close(qd, q64, qt)
+    close(kd[rows, :, pos], k64, kt[rows, :, pos])
+    close(vd[rows, :, pos], v64, vt[rows, :, pos])
+    assert kd[~written].isnan().all() and vd[~written].isnan().all()

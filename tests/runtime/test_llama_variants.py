@@ -102,7 +102,8 @@ def test_sparse_engine_equals_the_compilers_simulation(built):
 def test_triton_decode_under_the_interpreter_equals_the_reference(built):
     """The decode step's q/k/v sum kernel adds the biases and normalises the q and k heads before RoPE: batched
     steps' logits and greedy tokens through plugins/input_sparse (small blocks, several splits; and the engine's
-    own settings) equal the reference ops', in a subprocess (TRITON_INTERPRET set before triton is imported)."""
+    own settings) equal the reference ops', and so do the dense engine's (its dense q/k/v product through the same
+    sum kernel), in a subprocess (TRITON_INTERPRET set before triton is imported)."""
     import json
     import os
     import subprocess
@@ -122,12 +123,15 @@ for ks in (KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8
     tri = Engine.load(path, backend="triton", kernel_settings=ks)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()),
                       "same": want == tri.generate(prompts, 5, stop_at_eos=False)}}))
+dense = {str(built[2][1.0])!r}
+ref, tri = Engine.load(dense), Engine.load(dense, backend="triton")
+print(json.dumps({{"diff": float((ref.decode_logits(ids) - tri.decode_logits(ids)).abs().max()), "same": True}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-2:]]
-    assert len(rows) == 2 and all(r["diff"] <= ATOL and r["same"] for r in rows)
+    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-3:]]
+    assert len(rows) == 3 and all(r["diff"] <= ATOL and r["same"] for r in rows)
 
 
 def test_vectors_split_with_their_columns_across_ranks(built):
