@@ -159,12 +159,13 @@ def test_vectors_split_with_their_columns_across_ranks(built):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
 def test_triton_decode_on_the_gpu_equals_the_cpu_reference(built):
-    """On the GPU: the sparse engine's Triton decode steps (the q/k/v sum kernel with the biases or the heads' norm
-    compiled for the device) and its CUDA-graph generate equal the CPU reference engine's logits and tokens."""
+    """On the GPU: the sparse and the dense engine's Triton decode steps (the q/k/v sum kernel with the biases or the
+    heads' norm compiled for the device, after the sliced GEMV or the dense product) and their CUDA-graph generate
+    equal the CPU reference engine's logits and tokens."""
     pytest.importorskip("triton")
-    path = built[2][0.6]
-    ref, tri = Engine.load(path), Engine.load(path, "cuda", backend="triton")
     ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(5))
     prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]
-    assert (tri.decode_logits(ids).cpu() - ref.decode_logits(ids)).abs().max() <= 1e-3
-    assert tri.generate(prompts, 8, stop_at_eos=False) == ref.generate(prompts, 8, stop_at_eos=False)
+    for path in (built[2][0.6], built[2][1.0]):
+        ref, tri = Engine.load(path), Engine.load(path, "cuda", backend="triton")
+        assert (tri.decode_logits(ids).cpu() - ref.decode_logits(ids)).abs().max() <= 1e-3
+        assert tri.generate(prompts, 8, stop_at_eos=False) == ref.generate(prompts, 8, stop_at_eos=False)
