@@ -17,7 +17,9 @@ downloaded here):
                   vocabulary 151936, untied head, each q and k head's RMSNorm (in the q/k/v sum kernel)
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
-  dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step
+  dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step: PyTorch's RMSNorm, products
+                 and SwiGLU, the GQA attention kernel, q/k/v's bias, heads' norms, RoPE and cache writes in the sum
+                 kernel the sparse step uses (since 21ab4d1; before it, separate PyTorch ops)
   teal_s{S}      TEAL at S of every projection input skipped (--skips, default 0.25,0.4,0.5):
                  plugins/input_sparse kernels (per-split selects fused with RMSNorm / SwiGLU, the pairs'
                  GEMV, fused split-K sums), CUDA graph
