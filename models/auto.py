@@ -37,7 +37,8 @@ def gguf_path(name_or_path: str | os.PathLike) -> Path | None:
 
 
 def model_type(name_or_path: str | os.PathLike) -> str:
-    """'opt', 'llama' or 'mistral': a folder's config.json `model_type` ('llama' for GGUF files)."""
+    """A folder's config.json `model_type`: 'opt' or one of the Llama family's (models.llama.MODEL_TYPES); 'llama'
+    for a GGUF file (the family, which is all callers pick by; its loader reads the file's own architecture)."""
     if gguf_path(name_or_path) is not None:
         return "llama"
     path = resolve(name_or_path) / "config.json"
