@@ -19,7 +19,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.models.llama import MODEL_TYPES as LLAMA_TYPES
-from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq, unfuse
 from dejavu.models.presets import gguf_preset_path, resolve
 
 
@@ -108,7 +108,7 @@ def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DejavuError(f"{path}: not valid JSON ({e})") from None
     cfg = _config(d, path)
-    pairs = iter_weights(weight_files(folder))
+    pairs = unfuse(iter_weights(weight_files(folder)), cfg)  # Phi-3's fused q/k/v and gate/up split
     return _fill(cfg, pairs, str(folder), dtype, device), cfg
 
 

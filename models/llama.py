@@ -1,8 +1,8 @@
 """Dense Llama-family decoder in plain PyTorch (gpt-fast style), parameter names as in Hugging Face.
 
 Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral; qwen2, whose q/k/v projections
-carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; a sequence stays inside the
-sliding window where they have one): RMSNorm, rotary positions (rope_theta, "linear" and Llama-3 "llama3"
+carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; phi3, whose checkpoints fuse
+q/k/v and gate/up (split on load: `unfuse`); a sequence stays inside the sliding window where they have one): RMSNorm, rotary positions (rope_theta, "linear" and Llama-3 "llama3"
 rope_scaling), grouped-query attention, SwiGLU MLP, optional tied LM head. Same calling convention as
 `dejavu.models.opt.OPTForCausalLM` (static KV cache, `forward(ids, start_pos, attention_mask)`), so
 `dejavu.models.generate` drives both.
@@ -21,9 +21,9 @@ from torch import nn
 from dejavu.errors import DejavuError
 from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -81,6 +81,12 @@ class LlamaConfig:
         params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
         theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
         scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"} or None
+        partial = d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise DejavuError(f"config.json: partial_rotary_factor {partial!r} is not supported (rotary positions "
+                              "over the whole head only)")
+        if isinstance(scaling, dict):
+            scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"} or None
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
             scaling = None
         if scaling is not None:
@@ -128,14 +134,30 @@ class LlamaConfig:
 
 
 def _sliding_window(d: dict, model_type: str) -> int | None:
-    # Mistral's window, or Qwen2's / Qwen3's where use_sliding_window turns it on (their config.json writes a window
-    # either way)
-    if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and d.get("use_sliding_window")):
+    # Mistral's and Phi-3's window, or Qwen2's / Qwen3's where use_sliding_window turns it on (their config.json
+    # writes a window either way)
+    if model_type in ("mistral", "phi3") or (model_type in ("qwen2", "qwen3") and d.get("use_sliding_window")):
         w = d.get("sliding_window")
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
             raise DejavuError(f"config.json field 'sliding_window' must be a positive integer or null, got {w!r}")
         return w
     return None
+
+
+def unfuse(pairs, cfg: LlamaConfig):
+    """(Hugging Face name, tensor) pairs with fused projections split into this module's names: Phi-3's
+    `self_attn.qkv_proj` [(H + 2 Hkv) hd, D] into q/k/v_proj and `mlp.gate_up_proj` [2 F, D] into gate/up_proj
+    (gate first, as Phi3MLP chunks it); every other pair as it comes."""
+    qo, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for name, t in pairs:
+        if name.endswith(".self_attn.qkv_proj.weight") and t.shape[0] == qo + 2 * kv:
+            stem = name[:-len("qkv_proj.weight")]
+            yield from ((stem + f"{p}_proj.weight", w) for p, w in zip("qkv", t.split([qo, kv, kv])))
+        elif name.endswith(".mlp.gate_up_proj.weight") and t.shape[0] == 2 * cfg.intermediate_size:
+            stem = name[:-len("gate_up_proj.weight")]
+            yield from ((stem + f"{p}_proj.weight", w) for p, w in zip(("gate", "up"), t.chunk(2)))
+        else:
+            yield name, t
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:

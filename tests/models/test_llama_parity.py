@@ -122,6 +122,8 @@ def test_greedy_generate_matches_transformers():
     ({"num_key_value_heads": 4, "num_attention_heads": 6}, "multiple"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
     ({"hidden_size": 0}, "positive"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.75}}, "0.75"),
 ])
 def test_bad_config_is_one_clear_error(change, match):
     d = transformers.LlamaConfig(**{**BASE, **CONFIGS["gqa_tied"]}).to_dict()
@@ -222,3 +224,31 @@ def test_qwen_window_only_where_it_is_used_and_the_config_round_trips(name, fami
         assert c.to_hf_dict()["architectures"] == [f"{family}ForCausalLM"]
     with pytest.raises(DejavuError, match="sliding_window"):
         LlamaConfig.from_hf_dict({**d, "use_sliding_window": True, "sliding_window": "x"})
+
+
+@torch.no_grad()
+def test_phi3_folder_splits_its_fused_projections_and_equals_transformers(tmp_path):
+    """A Phi3ForCausalLM folder (q/k/v fused in qkv_proj, gate/up in gate_up_proj; GQA 6 / 2, a window longer than
+    the text) loads split into this model's projections and equals transformers', cached decode included."""
+    from dejavu.models.auto import load_any
+
+    cfg = transformers.Phi3Config(**BASE, hidden_size=48, intermediate_size=80, num_attention_heads=6,
+                                  num_key_value_heads=2, sliding_window=48, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, attn_implementation="eager")
+    torch.manual_seed(9)
+    hf = transformers.Phi3ForCausalLM(cfg).eval()
+    for name, p in hf.named_parameters():
+        p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model, ours = load_any(tmp_path)
+    assert (ours.model_type, ours.sliding_window, ours.num_key_value_heads) == ("phi3", 48, 2)
+    qkv = hf.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(model.model.layers[1].self_attn.k_proj.weight, qkv[48:64])
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, hf.model.layers[1].mlp.gate_up_proj.weight[80:])
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits
+    assert (model(ids) - ref).abs().max().item() <= ATOL and ref.std() > 0.1
+    model.setup_caches(2, 21)
+    steps = torch.cat([model(ids[:, :9], 0)] + [model(ids[:, t:t + 1], t) for t in range(9, 21)], 1)
+    assert (steps - ref).abs().max().item() <= ATOL
+    assert LlamaConfig.from_hf_dict(ours.to_hf_dict()) == ours

@@ -157,6 +157,43 @@ def test_vectors_split_with_their_columns_across_ranks(built):
                 assert all(torch.equal(tr[f"layers.{l}.{name}"], t[f"layers.{l}.{name}"]) for _, tr in shards)
 
 
+def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
+    """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
+    engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_tokenizer import tiny_tokenizer_json
+
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.models.auto import load_llama
+
+    cfg = transformers.Phi3Config(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                                  pad_token_id=1, bos_token_id=0, eos_token_id=2, attn_implementation="eager")
+    torch.manual_seed(3)
+    hf = transformers.Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
+    folder = tmp_path / "phi3"
+    hf.save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
+    ids = _ids(seed=2)
+    for d in (1.0, 0.6):
+        build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
+        eng = Engine.load(tmp_path / f"d{d}.engine")
+        with torch.no_grad():
+            if d == 1.0:
+                ref = hf(input_ids=ids).logits
+            else:
+                sp = eng.header["sparsity"]
+                model = load_llama(folder)[0]
+                with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
+                    ref = model(ids)
+                assert (ref - hf(input_ids=ids).logits).abs().max() > 100 * ATOL  # the thresholds change the logits
+        assert eng.header["model_config"]["model_type"] == "phi3"
+        assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
 def test_triton_decode_on_the_gpu_equals_the_cpu_reference(built):
     """On the GPU: the sparse and the dense engine's Triton decode steps (the q/k/v sum kernel with the biases or the
