@@ -4,7 +4,7 @@ over each query and key head before RoPE; head_dim 16 with a hidden of 48). The 
 model on the same folder, the sparse engine against the compiler's simulation, the Triton decode step (q/k/v's
 bias and the heads' norm before RoPE in their sum kernel, gate/up's bias into the first split's partials, o's and
 down's after their GEMVs) under the interpreter against the reference ops, and the vectors' tensor-parallel
-split."""
+split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load) built from a transformers folder."""
 from __future__ import annotations
 
 import pytest
