@@ -96,8 +96,8 @@ def _attention(g: GraphBuilder, layer, l: int, h: str, cos: str, sin: str, decod
         t = g.op("Reshape", [t, g.ints(f"{name}.shape", [0, 0, n, hd])], f"{name}/split")
         return g.op("Transpose", [t], f"{name}/heads", perm=[0, 2, 1, 3])
 
-    q, k = heads(_proj(g, h, a.q_proj, f"{p}.q_proj"), H, f"{p}.q_proj"), heads(_proj(g, h, a.k_proj, f"{p}.k_proj"),
-                                                                               Hkv, f"{p}.k_proj")
+    q = heads(_proj(g, h, a.q_proj, f"{p}.q_proj"), H, f"{p}.q_proj")
+    k = heads(_proj(g, h, a.k_proj, f"{p}.k_proj"), Hkv, f"{p}.k_proj")
     if cfg.qk_norm:  # each head's RMSNorm over its hd values (Qwen3)
         q = _rms_norm(g, q, a.q_norm.weight, cfg.rms_norm_eps, f"{p}.q_norm")
         k = _rms_norm(g, k, a.k_norm.weight, cfg.rms_norm_eps, f"{p}.k_norm")
