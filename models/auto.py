@@ -98,7 +98,7 @@ def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
         d = gguf.config_dict(reader, gp)
         cfg = _config(d, gp)
         held = None if gguf_stored and dtype is None else torch.float32
-        return _fill(cfg, gguf.iter_tensors(reader, d, held, gp), str(gp), dtype, device), cfg
+        return _fill(cfg, unfuse(gguf.iter_tensors(reader, d, held, gp), cfg), str(gp), dtype, device), cfg
     from dejavu.models.loader import iter_weights, weight_files
 
     folder = resolve(name_or_path)

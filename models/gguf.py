@@ -1,19 +1,25 @@
-"""Read a llama.cpp GGUF file (Llama, Qwen2 or Qwen3 architecture) into `dejavu.models.llama`, with its tokenizer.
+"""Read a llama.cpp GGUF file (Llama, Qwen2, Qwen3 or Phi-3 architecture) into `dejavu.models.llama`, with its
+tokenizer.
 
 Uses the `gguf` package (`pip install gguf`, or the `smollm2` extra) and nothing else:
-- config: the `llama.*` (`qwen2.*`, `qwen3.*`) metadata turned into the Hugging Face config.json fields;
+- config: the `llama.*` (`qwen2.*`, `qwen3.*`, `phi3.*`) metadata turned into the Hugging Face config.json fields;
 - weights: every tensor dequantized (Q4_0/Q4_1/Q8_0/K-quants/F16/F32, whatever `gguf.quants`
   knows) to fp32, then cast to the requested dtype, renamed to Hugging Face names. llama.cpp's
   converter permutes the rows of Q and K of Llama files (rotary pairs interleaved, not split in halves);
-  `_unpermute` undoes it so the weights fit the half-split RoPE of `dejavu.models.llama` (Qwen2 and Qwen3 files
-  keep the checkpoint's rows: llama.cpp runs them with the half-split "NEOX" rotation);
-- tokenizer: a byte-level BPE `tokenizers.Tokenizer` from `tokenizer.ggml.tokens/merges`, with
-  the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`.
+  `_unpermute` undoes it so the weights fit the half-split RoPE of `dejavu.models.llama` (Qwen2, Qwen3 and Phi-3
+  files keep the checkpoint's rows: llama.cpp runs them with the half-split "NEOX" rotation). Phi-3's fused
+  `attn_qkv` and `ffn_up` (gate | up) come out under Hugging Face's fused names, which `models.llama.unfuse` splits;
+- tokenizer: from `tokenizer.ggml.model` "gpt2", a byte-level BPE `tokenizers.Tokenizer` from
+  `tokenizer.ggml.tokens/merges` with the pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`
+  (Llama-3, Qwen, SmolLM2 files); from "llama", SentencePiece's BPE (Llama-2, Mistral, TinyLlama, Phi-3 files):
+  merges recovered from the tokens' scores, a "▁" before the text and for every space, bytes of a character
+  outside the vocabulary as `<0xXX>` tokens, as llama.cpp's SPM tokenizer reads the file.
 The file is memory-mapped by `gguf.GGUFReader`; one tensor at a time is dequantized.
 """
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 from typing import Iterator
@@ -40,7 +46,9 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 # Qwen2's tokenizer.json regex: Llama-3's, but every digit its own piece
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture -> model_type of the same name
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # general.architecture -> model_type of the same name
+# Phi-3's fused tensors (after "blk.N.") -> Hugging Face's fused names (models.llama.unfuse splits them)
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def _gguf():
@@ -86,7 +94,7 @@ def _check_arch(reader, path) -> str:
 
 
 def config_dict(reader, path="GGUF file") -> dict:
-    """The Hugging Face config.json fields of a Llama (Qwen2, Qwen3) GGUF file's metadata."""
+    """The Hugging Face config.json fields of a Llama (Qwen2, Qwen3, Phi-3) GGUF file's metadata."""
     arch = _check_arch(reader, path)
     a = arch + "."
 
@@ -98,19 +106,24 @@ def config_dict(reader, path="GGUF file") -> dict:
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
+    head_dim = int(_field(reader, a + "attention.key_length", hidden // heads))
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise DejavuError(f"{path}: per-frequency RoPE factors (rope_freqs) are not supported")
+    rot = _field(reader, a + "rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise DejavuError(f"{path}: rotary positions over {int(rot)} of a head's {head_dim} dimensions (a partial "
+                          "rotary) are not supported")
+    if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise DejavuError(f"{path}: LongRoPE factors (rope_factors_long / rope_factors_short) are not supported")
     vocab = _field(reader, a + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    theta = float(_field(reader, a + "rope.freq_base", 10000.0))
     d = {
         "model_type": arch, "hidden_act": "silu", "vocab_size": int(vocab), "hidden_size": hidden,
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, a + "attention.head_count_kv", heads)),
         "intermediate_size": int(need("feed_forward_length")),
-        "max_position_embeddings": int(need("context_length")),
-        "head_dim": int(_field(reader, a + "attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(need("context_length")), "head_dim": head_dim,
         "rms_norm_eps": float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, a + "rope.freq_base", 10000.0)),
+        "rope_theta": theta,
         "tie_word_embeddings": "output.weight" not in names,
         # Qwen2: q/k/v biases by its type; Llama's and Qwen3's attention_bias: q/k/v's and o's where the file has them
         "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
@@ -118,10 +131,41 @@ def config_dict(reader, path="GGUF file") -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
+    window = _field(reader, a + "attention.sliding_window")
+    if arch == "phi3" and window:  # llama.cpp writes 0 for none (Phi-4)
+        d["sliding_window"] = int(window)
     kind = _field(reader, a + "rope.scaling.type")
     if kind not in (None, "none"):
         d["rope_scaling"] = {"rope_type": kind, "factor": float(_field(reader, a + "rope.scaling.factor", 1.0))}
+    if "rope_freqs.weight" in names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = torch.from_numpy(_gguf().quants.dequantize(t.data, t.tensor_type).copy()).double().reshape(-1)
+        old = _field(reader, a + "rope.scaling.original_context_length")
+        d["rope_scaling"] = llama3_scaling(factors, head_dim, theta, old, path)
     return d
+
+
+def llama3_factors(head_dim: int, theta: float, factor: float, low: float, high: float, old: int) -> torch.Tensor:
+    """The per-frequency divisors [head_dim / 2] of Llama 3.1's "llama3" rope_scaling, as llama.cpp's converter
+    writes them into `rope_freqs` (float64)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return torch.where(wavelen < old / high, 1.0, torch.where(wavelen > old / low, factor, blended))
+
+
+def llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float, old: int | None, path) -> dict:
+    """The "llama3" rope_scaling whose per-frequency divisors are the file's `rope_freqs` (Llama 3.1, 3.2 and 3.3
+    files: low / high frequency factors 1 / 4, an original context of 8,192 unless the file names one); any other
+    factors: one error line (they are not a rope_scaling this loader knows)."""
+    factor, old = float(factors.max()), int(old or 8192)
+    if factors.numel() == head_dim // 2:
+        want = llama3_factors(head_dim, theta, factor, 1.0, 4.0, old)
+        if torch.allclose(factors, want, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": old}
+    raise DejavuError(f"{path}: per-frequency RoPE factors (rope_freqs) other than Llama 3.1's are not supported")
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -130,13 +174,15 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor name (None: not a Llama tensor)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor name (None: not a Llama tensor). Phi-3's fused tensors
+    keep its fused names (`models.llama.unfuse` splits them)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_LAYER_NAMES, **_PHI3_NAMES} if arch == "phi3" else _LAYER_NAMES
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -152,7 +198,9 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
     gguf = _gguf()
     stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name == "rope_freqs.weight":
+            continue  # read into config_dict's rope_scaling
+        name = hf_name(t.name, cfg["model_type"])
         if name is None:
             raise DejavuError(f"{path}: unexpected GGUF tensor {t.name!r}")
         try:
@@ -161,7 +209,7 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
             raise DejavuError(f"{path}: cannot dequantize {t.name!r} ({t.tensor_type.name}: {e})") from None
         w = torch.from_numpy(arr.copy()).float()
         if cfg["model_type"] != "llama":
-            pass  # Qwen2, Qwen3: the checkpoint's rows
+            pass  # Qwen2, Qwen3, Phi-3: the checkpoint's rows
         elif ".attn_q." in t.name:
             w = _unpermute(w, cfg["num_attention_heads"])
         elif ".attn_k." in t.name:
@@ -170,20 +218,33 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
 
 
 def build_tokenizer(reader, path="GGUF file"):
-    """A byte-level BPE `tokenizers.Tokenizer` from the file's vocabulary, merges and token types."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """The file's `tokenizers.Tokenizer`: byte-level BPE (`tokenizer.ggml.model` "gpt2") or SentencePiece's BPE
+    ("llama")."""
+    from tokenizers import AddedToken
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise DejavuError(f"{path}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
-                          "'gpt2'); use the Hugging Face folder's tokenizer.json")
+    if kind not in ("gpt2", "llama"):
+        raise DejavuError(f"{path}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' or "
+                          "SentencePiece 'llama'); use the Hugging Face folder's tokenizer.json")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    tok = _byte_level_bpe(reader, tokens, path) if kind == "gpt2" else _sentencepiece_bpe(reader, tokens, types)
+    # CONTROL (3) and USER_DEFINED (4) tokens are matched whole, before BPE
+    special = [AddedToken(t, special=ty == 3, normalized=False)
+               for t, ty in zip(tokens, types) if ty in (3, 4)]
+    tok.add_tokens(special)
+    return tok
+
+
+def _byte_level_bpe(reader, tokens: list, path):
+    # tokens and merges as written, the pre-tokenizer llama.cpp names by tokenizer.ggml.pre
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise DejavuError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
                           f"(supported: {', '.join(PRE_TOKENIZERS)})")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     if pre in ("llama-bpe", "llama3", "llama-v3", "qwen2"):
         steps = [pre_tokenizers.Split(Regex(_QWEN2_REGEX if pre == "qwen2" else _LLAMA3_REGEX), behavior="isolated"),
@@ -194,17 +255,49 @@ def build_tokenizer(reader, path="GGUF file"):
             steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
-    # CONTROL (3) and USER_DEFINED (4) tokens are matched whole, before BPE
-    special = [AddedToken(t, special=ty == 3, normalized=False)
-               for t, ty in zip(tokens, types) if ty in (3, 4)]
-    tok.add_tokens(special)
     return tok
+
+
+def _sentencepiece_bpe(reader, tokens: list, types: list):
+    # SentencePiece's BPE as llama.cpp's SPM tokenizer runs it: spaces as "▁" and one before the text (after each
+    # special token too: tokenizers normalizes every segment between added tokens) unless add_space_prefix is
+    # false; adjacent pieces merged best score first (a merge for every split of a token into two tokens, ranked
+    # by the token's score, as transformers recovers them); a character outside the vocabulary as its bytes'
+    # <0xXX> tokens; the unknown token (type 2) otherwise
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])] or \
+        _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    space = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if prefix else space
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
+    return tok
+
+
+def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:
+    # every (left, right) of two tokens whose concatenation is a token, best-scoring concatenation first; within a
+    # score the longer left piece first, then the pieces' ids (transformers' generate_merges, the same order)
+    merges = []
+    for merged, score in scores.items():
+        pairs = [(merged[:i], merged[i:]) for i in range(1, len(merged)) if merged[:i] in vocab and merged[i:] in vocab]
+        merges += [(left, right, score) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def special_ids(reader) -> dict:
     """bos / eos / pad ids of the file, and the document separator used to start scored text."""
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    eot = tokens.index("<|endoftext|>") if "<|endoftext|>" in tokens else None
+    # a byte-level vocabulary's <|endoftext|> (SmolLM2's, Qwen's); SentencePiece files start text with BOS, as
+    # the folders of Llama-2, Mistral and Phi-3 do
+    byte_level = _field(reader, "tokenizer.ggml.model") == "gpt2"
+    eot = tokens.index("<|endoftext|>") if byte_level and "<|endoftext|>" in tokens else None
     return {"bos_id": _field(reader, "tokenizer.ggml.bos_token_id"),
             "eos_id": _field(reader, "tokenizer.ggml.eos_token_id"),
             "pad_id": _field(reader, "tokenizer.ggml.padding_token_id"),

