@@ -76,7 +76,11 @@ def _rope_tables(g: GraphBuilder, model, positions: str) -> tuple[str, str]:
                        g.const("rope.inv_freq", g.weight(model.inv_freq))], "rope/angles")  # [B, S, hd/2]
     ang = g.op("Concat", [ang, ang], "rope/angles2", axis=-1)
     ang = g.op("Unsqueeze", [ang, _c(g, "c.axis1", np.array([1], np.int64))], "rope/angles_heads")  # [B, 1, S, hd]
-    return g.op("Cos", [ang], "rope/cos"), g.op("Sin", [ang], "rope/sin")
+    cos, sin = g.op("Cos", [ang], "rope/cos"), g.op("Sin", [ang], "rope/sin")
+    if model.rope_scale == 1.0:
+        return cos, sin
+    scale = _c(g, "rope.attention_factor", np.array(model.rope_scale, np.float32))  # YaRN's
+    return g.op("Mul", [cos, scale], "rope/cos_scaled"), g.op("Mul", [sin, scale], "rope/sin_scaled")
 
 
 def _rotate(g: GraphBuilder, x: str, cos: str, sin: str, hd: int, name: str) -> str:

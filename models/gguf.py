@@ -137,6 +137,9 @@ def config_dict(reader, path="GGUF file") -> dict:
     kind = _field(reader, a + "rope.scaling.type")
     if kind not in (None, "none"):
         d["rope_scaling"] = {"rope_type": kind, "factor": float(_field(reader, a + "rope.scaling.factor", 1.0))}
+        if _field(reader, a + "rope.scaling.original_context_length"):  # YaRN's
+            d["rope_scaling"]["original_max_position_embeddings"] = int(
+                _field(reader, a + "rope.scaling.original_context_length"))
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         factors = torch.from_numpy(_gguf().quants.dequantize(t.data, t.tensor_type).copy()).double().reshape(-1)

@@ -3,7 +3,7 @@
 Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral; qwen2, whose q/k/v projections
 carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; phi3, whose checkpoints fuse
 q/k/v and gate/up (split on load: `unfuse`); a sequence stays inside the sliding window where they have one):
-RMSNorm, rotary positions (rope_theta, "linear" and Llama-3 "llama3" rope_scaling), grouped-query attention,
+RMSNorm, rotary positions (rope_theta; "linear", Llama-3 "llama3" and "yarn" rope_scaling), grouped-query attention,
 SwiGLU MLP, optional tied LM head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV
 cache, `forward(ids, start_pos, attention_mask)`), so `dejavu.models.generate` drives both.
 Sparsity is never written here: the compiler applies it from outside (hooks, rewrites).
@@ -24,7 +24,7 @@ from dejavu.models.opt import KVCache  # one static cache layer for both familie
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class LlamaConfig:
             if kind not in ROPE_TYPES:
                 raise DejavuError(f"config.json: rope_scaling type {kind!r} is not supported "
                                   f"(supported: {', '.join(ROPE_TYPES)})")
+            if kind == "yarn":  # transformers: the config's own original_max_position_embeddings first (Phi-3 style)
+                old = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                scaling = {**scaling, "original_max_position_embeddings": old or d["max_position_embeddings"]}
+                if scaling.get("factor") is None:
+                    scaling["factor"] = d["max_position_embeddings"] / scaling["original_max_position_embeddings"]
             scaling = tuple(sorted({**scaling, "rope_type": kind}.items()))
         bos, eos = d.get("bos_token_id", 1), d.get("eos_token_id", 2)
         if isinstance(eos, list):
@@ -177,7 +182,37 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         return torch.where(medium, blended, scaled)
+    if kind == "yarn":  # YaRN: interpolated below the ramp's low end, extrapolated above its high end, linear between
+        factor, old = float(s["factor"]), float(s["original_max_position_embeddings"])
+        fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+        def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
+            return hd * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        lo, hi = dim_of(fast), dim_of(slow)
+        if s.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, hd - 1)
+        ramp = ((torch.arange(hd // 2, dtype=torch.float32) - lo) / (hi - lo if hi != lo else 0.001)).clamp(0, 1)
+        pos_freqs = cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        extrapolated = 1 - ramp
+        return 1.0 / (factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
     return inv
+
+
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+    """The factor cos and sin are scaled by (YaRN's attention temperature; 1.0 for every other rope type)."""
+    s = dict(cfg.rope_scaling or ())
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = float(s["factor"]), s.get("mscale"), s.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 class RMSNorm(nn.Module):
@@ -305,6 +340,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg)  # cos and sin scaled by it (YaRN)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -329,6 +365,8 @@ class LlamaForCausalLM(nn.Module):
         # positions: [B, S] -> cos, sin: [B, 1, S, hd], angles in fp32
         ang = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, S, hd/2]
         ang = torch.cat((ang, ang), dim=-1)[:, None]
+        if self.rope_scale != 1.0:
+            return (ang.cos() * self.rope_scale).to(dtype), (ang.sin() * self.rope_scale).to(dtype)
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0,

@@ -293,7 +293,7 @@ class LlamaDecoder:
     graph_priority = None  # runtime/graphs.DecodeGraph: capture on the highest-priority stream
 
     def __init__(self, spec: LlamaSpec, tensors: dict[str, torch.Tensor], device: torch.device, ops: LlamaOps):
-        from dejavu.models.llama import rope_inv_freq
+        from dejavu.models.llama import rope_attention_factor, rope_inv_freq
 
         self.spec, self.t, self.device, self.ops = spec, tensors, device, ops
         th = spec.thresholds
@@ -310,6 +310,7 @@ class LlamaDecoder:
             w.qk_norm = None if w.q_norm is None else (w.q_norm, w.k_norm, spec.rms_norm_eps)
         self.lm_head = tensors.get("lm_head", tensors["embed_tokens"])
         self.inv_freq = rope_inv_freq(spec.config).to(device)  # [hd / 2] fp32
+        self.rope_scale = rope_attention_factor(spec.config)  # cos and sin scaled by it (YaRN)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.batch = self.max_seq = 0
@@ -354,6 +355,8 @@ class LlamaDecoder:
         # positions: [...] -> cos, sin: [..., hd] in the engine dtype (angles in fp32)
         ang = positions[..., None].float() * self.inv_freq
         ang = torch.cat((ang, ang), dim=-1)
+        if self.rope_scale != 1.0:
+            return (ang.cos() * self.rope_scale).to(self.spec.dtype), (ang.sin() * self.rope_scale).to(self.spec.dtype)
         return ang.cos().to(self.spec.dtype), ang.sin().to(self.spec.dtype)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

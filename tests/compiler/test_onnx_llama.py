@@ -19,7 +19,10 @@ VARIANTS = {"gqa_tied": {}, "mha_untied": dict(num_key_value_heads=6, tie_word_e
                                                   high_freq_factor=4.0, original_max_position_embeddings=16)),
             "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),  # q/k/v biases, o none
             "llama_biases": dict(attention_bias=True, mlp_bias=True),
-            "qwen3": dict(model_type="qwen3", head_dim=16)}  # the q and k heads' RMSNorm, q 96 wide in a hidden of 48
+            "qwen3": dict(model_type="qwen3", head_dim=16),  # the q and k heads' RMSNorm, q 96 wide in a hidden of 48
+            # YaRN: ramped frequencies over an original context of 4, cos and sin scaled by its attention factor
+            "qwen2_yarn": dict(model_type="qwen2", rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                                      original_max_position_embeddings=4))}
 
 
 def _thresholds(m, skip=0.4):

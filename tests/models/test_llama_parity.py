@@ -28,6 +28,11 @@ CONFIGS = {
                                           high_freq_factor=4.0, original_max_position_embeddings=16)),
     "linear_rope": dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
                         rope_scaling=dict(type="linear", factor=2.0)),
+    # Qwen2 with YaRN (the long-context setting Qwen's model cards give): frequencies ramped between interpolated
+    # and extrapolated over an original context of 16, cos and sin scaled by the attention factor
+    "qwen2_yarn": dict(model_type="qwen2", hidden_size=48, intermediate_size=72, num_attention_heads=6,
+                       num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
+                       rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=16)),
     # Qwen2: q/k/v biases without o's, untied head, rope_theta 1e6, a window it does not use
     "qwen2": dict(model_type="qwen2", hidden_size=48, intermediate_size=72, num_attention_heads=6,
                   num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -120,7 +125,7 @@ def test_greedy_generate_matches_transformers():
     ({"model_type": "opt"}, "model_type"),
     ({"hidden_act": "gelu"}, "silu"),
     ({"num_key_value_heads": 4, "num_attention_heads": 6}, "multiple"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"hidden_size": 0}, "positive"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.75}}, "0.75"),

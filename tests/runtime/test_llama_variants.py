@@ -4,7 +4,8 @@ over each query and key head before RoPE; head_dim 16 with a hidden of 48). The 
 model on the same folder, the sparse engine against the compiler's simulation, the Triton decode step (q/k/v's
 bias and the heads' norm before RoPE in their sum kernel, gate/up's bias into the first split's partials, o's and
 down's after their GEMVs) under the interpreter against the reference ops, and the vectors' tensor-parallel
-split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load) built from a transformers folder."""
+split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load) and a Qwen2 with YaRN rope scaling built
+from transformers folders."""
 from __future__ import annotations
 
 import pytest
@@ -191,6 +192,33 @@ def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulatio
                     ref = model(ids)
                 assert (ref - hf(input_ids=ids).logits).abs().max() > 100 * ATOL  # the thresholds change the logits
         assert eng.header["model_config"]["model_type"] == "phi3"
+        assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+
+
+def test_yarn_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
+    """A Qwen2 folder with YaRN rope scaling (frequencies ramped over an original context of 16, cos and sin scaled by
+    its attention factor): the dense engine equals transformers' model, the sparse one the compiler's simulation,
+    token-parallel and through cached decode steps over 40 positions (past the original context)."""
+    transformers = pytest.importorskip("transformers")
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.models.auto import load_llama
+
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+    folder = write_tiny_llama(tmp_path / "yarn", seed=5, model_type="qwen2", rope_scaling=yarn)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert hf.model.rotary_emb.attention_scaling > 1.1  # the factor is in play
+    ids = _ids(s=40, seed=3)
+    for d in (1.0, 0.6):
+        build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
+        eng = Engine.load(tmp_path / f"d{d}.engine")
+        with torch.no_grad():
+            if d == 1.0:
+                ref = hf(input_ids=ids).logits
+            else:
+                sp = eng.header["sparsity"]
+                model = load_llama(folder)[0]
+                with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
+                    ref = model(ids)
         assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
 
 
