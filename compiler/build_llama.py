@@ -314,6 +314,8 @@ def offload_layers(model, device) -> None:
     for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
         mod.to(device)
     model.inv_freq = model.inv_freq.to(device)
+    if model.inv_freq_long is not None:  # LongRoPE
+        model.inv_freq_long = model.inv_freq_long.to(device)
 
     def bring(home):
         def hook(layer, args):

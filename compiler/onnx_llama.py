@@ -72,8 +72,13 @@ def _proj(g: GraphBuilder, x: str, linear, name: str) -> str:
 def _rope_tables(g: GraphBuilder, model, positions: str) -> tuple[str, str]:
     """cos, sin [B|1, 1, S, hd] of the positions [B|1, S] (angles in fp32, half-split layout)."""
     pos = g.op("Cast", [positions], "rope/pos_f", to=TensorProto.FLOAT)
+    inv = g.const("rope.inv_freq", g.weight(model.inv_freq))
+    if model.long_after is not None:  # LongRoPE: the long factors' frequencies where the furthest position is past it
+        last = g.op("ReduceMax", [positions], "rope/last_position", keepdims=0)
+        past = g.op("Greater", [last, _c(g, "rope.long_after", np.array(model.long_after - 1, np.int64))], "rope/long")
+        inv = g.op("Where", [past, g.const("rope.inv_freq_long", g.weight(model.inv_freq_long)), inv], "rope/inv_freq")
     ang = g.op("Mul", [g.op("Unsqueeze", [pos, _c(g, "c.axis_last", np.array([-1], np.int64))], "rope/pos_col"),
-                       g.const("rope.inv_freq", g.weight(model.inv_freq))], "rope/angles")  # [B, S, hd/2]
+                       inv], "rope/angles")  # [B, S, hd/2]
     ang = g.op("Concat", [ang, ang], "rope/angles2", axis=-1)
     ang = g.op("Unsqueeze", [ang, _c(g, "c.axis1", np.array([1], np.int64))], "rope/angles_heads")  # [B, 1, S, hd]
     cos, sin = g.op("Cos", [ang], "rope/cos"), g.op("Sin", [ang], "rope/sin")

@@ -78,7 +78,9 @@ def _fill(cfg: LlamaConfig, tensors, where: str, dtype, device) -> LlamaForCausa
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight  # assign=True broke the tie
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # a non-persistent buffer: still on meta
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffers: still on meta
+    if model.long_after is not None:  # LongRoPE
+        model.inv_freq_long = rope_inv_freq(cfg, long=True).to(device)
     return model.eval()
 
 

@@ -47,6 +47,9 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # general.architecture -> model_type of the same name
+# rope factor tensors read into the config (config_dict), not weights: LongRoPE's -> rope_scaling key; Llama 3.1's
+_LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+_ROPE_TENSORS = {*_LONGROPE, "rope_freqs.weight"}
 # Phi-3's fused tensors (after "blk.N.") -> Hugging Face's fused names (models.llama.unfuse splits them)
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
@@ -112,8 +115,6 @@ def config_dict(reader, path="GGUF file") -> dict:
     if rot is not None and int(rot) != head_dim:
         raise DejavuError(f"{path}: rotary positions over {int(rot)} of a head's {head_dim} dimensions (a partial "
                           "rotary) are not supported")
-    if names & {"rope_factors_long.weight", "rope_factors_short.weight"}:
-        raise DejavuError(f"{path}: LongRoPE factors (rope_factors_long / rope_factors_short) are not supported")
     vocab = _field(reader, a + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     theta = float(_field(reader, a + "rope.freq_base", 10000.0))
     d = {
@@ -140,12 +141,26 @@ def config_dict(reader, path="GGUF file") -> dict:
         if _field(reader, a + "rope.scaling.original_context_length"):  # YaRN's
             d["rope_scaling"]["original_max_position_embeddings"] = int(
                 _field(reader, a + "rope.scaling.original_context_length"))
+    if names & set(_LONGROPE):  # Phi-3's LongRoPE (128k and 3.5 files): its factors, its original context
+        old = _field(reader, a + "rope.scaling.original_context_length")
+        if not (names >= set(_LONGROPE) and old):
+            raise DejavuError(f"{path}: LongRoPE needs rope_factors_long, rope_factors_short and "
+                              f"{a}rope.scaling.original_context_length")
+        d["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(old),
+                             **{key: _vector(reader, name) for name, key in _LONGROPE.items()}}
+        if _field(reader, a + "rope.scaling.attn_factor"):
+            d["rope_scaling"]["attention_factor"] = float(_field(reader, a + "rope.scaling.attn_factor"))
     if "rope_freqs.weight" in names:
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        factors = torch.from_numpy(_gguf().quants.dequantize(t.data, t.tensor_type).copy()).double().reshape(-1)
+        factors = torch.tensor(_vector(reader, "rope_freqs.weight"), dtype=torch.float64)
         old = _field(reader, a + "rope.scaling.original_context_length")
         d["rope_scaling"] = llama3_scaling(factors, head_dim, theta, old, path)
     return d
+
+
+def _vector(reader, name: str) -> list[float]:
+    # a small tensor of the file (rope factors) as floats
+    t = next(t for t in reader.tensors if t.name == name)
+    return [float(v) for v in _gguf().quants.dequantize(t.data, t.tensor_type).reshape(-1)]
 
 
 def llama3_factors(head_dim: int, theta: float, factor: float, low: float, high: float, old: int) -> torch.Tensor:
@@ -201,7 +216,7 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
     gguf = _gguf()
     stored = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _ROPE_TENSORS:
             continue  # read into config_dict's rope_scaling
         name = hf_name(t.name, cfg["model_type"])
         if name is None:

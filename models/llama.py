@@ -3,7 +3,8 @@
 Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral; qwen2, whose q/k/v projections
 carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; phi3, whose checkpoints fuse
 q/k/v and gate/up (split on load: `unfuse`); a sequence stays inside the sliding window where they have one):
-RMSNorm, rotary positions (rope_theta; "linear", Llama-3 "llama3" and "yarn" rope_scaling), grouped-query attention,
+RMSNorm, rotary positions (rope_theta; "linear", Llama-3 "llama3", "yarn" and Phi-3 "longrope" rope_scaling),
+grouped-query attention,
 SwiGLU MLP, optional tied LM head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV
 cache, `forward(ids, start_pos, attention_mask)`), so `dejavu.models.generate` drives both.
 Sparsity is never written here: the compiler applies it from outside (hooks, rewrites).
@@ -24,7 +25,7 @@ from dejavu.models.opt import KVCache  # one static cache layer for both familie
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -96,11 +97,19 @@ class LlamaConfig:
             if kind not in ROPE_TYPES:
                 raise DejavuError(f"config.json: rope_scaling type {kind!r} is not supported "
                                   f"(supported: {', '.join(ROPE_TYPES)})")
-            if kind == "yarn":  # transformers: the config's own original_max_position_embeddings first (Phi-3 style)
+            if kind in ("yarn", "longrope"):  # transformers: the config's own original_max_position_embeddings first
                 old = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
                 scaling = {**scaling, "original_max_position_embeddings": old or d["max_position_embeddings"]}
                 if scaling.get("factor") is None:
                     scaling["factor"] = d["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+            if kind == "longrope":
+                for key in ("short_factor", "long_factor"):
+                    v = scaling.get(key)
+                    if not (isinstance(v, (list, tuple)) and len(v) == head_dim // 2
+                            and all(type(f) in (int, float) and f > 0 for f in v)):
+                        raise DejavuError(f"config.json: longrope rope_scaling needs {key!r}, {head_dim // 2} positive "
+                                          "numbers (one per rotary frequency)")
+                    scaling[key] = tuple(float(f) for f in v)
             scaling = tuple(sorted({**scaling, "rope_type": kind}.items()))
         bos, eos = d.get("bos_token_id", 1), d.get("eos_token_id", 2)
         if isinstance(eos, list):
@@ -165,12 +174,16 @@ def unfuse(pairs, cfg: LlamaConfig):
             yield name, t
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Rotary frequencies [head_dim / 2] in fp32, with the config's rope_scaling applied."""
+def rope_inv_freq(cfg: LlamaConfig, long: bool = False) -> torch.Tensor:
+    """Rotary frequencies [head_dim / 2] in fp32, with the config's rope_scaling applied (longrope: its short
+    factors' frequencies, or with `long` its long factors')."""
     hd = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     s = dict(cfg.rope_scaling or ())
     kind = s.get("rope_type", "default")
+    if kind == "longrope":  # Phi-3's LongRoPE: a factor per frequency
+        factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if kind == "linear":
         return inv / float(s["factor"])
     if kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones, blend between
@@ -200,13 +213,34 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv
 
 
-def rope_attention_factor(cfg: LlamaConfig) -> float:
-    """The factor cos and sin are scaled by (YaRN's attention temperature; 1.0 for every other rope type)."""
+def rope_long_after(cfg: LlamaConfig) -> int | None:
+    """LongRoPE's original context: a call whose furthest position is past it rotates every position by the long
+    factors' frequencies, else by the short ones' (transformers' choice, per call: a cache written before the
+    switch keeps its keys as they were rotated); None for every other rope type."""
     s = dict(cfg.rope_scaling or ())
-    if s.get("rope_type") != "yarn":
+    return int(s["original_max_position_embeddings"]) if s.get("rope_type") == "longrope" else None
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, inv_long: torch.Tensor | None = None,
+                long_after: int | None = None) -> torch.Tensor:
+    """Angles [..., hd / 2] (fp32) of positions [...]; with inv_long (LongRoPE), its frequencies where the furthest
+    position is past long_after (on the device: no host sync, a CUDA graph can hold it)."""
+    if inv_long is not None:
+        inv_freq = torch.where(positions.max() + 1 > long_after, inv_long, inv_freq)
+    return positions[..., None].float() * inv_freq
+
+
+def rope_attention_factor(cfg: LlamaConfig) -> float:
+    """The factor cos and sin are scaled by (YaRN's attention temperature, LongRoPE's; 1.0 for every other rope
+    type)."""
+    s = dict(cfg.rope_scaling or ())
+    if s.get("rope_type") not in ("yarn", "longrope"):
         return 1.0
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
+    if s["rope_type"] == "longrope":
+        factor, old = float(s["factor"]), float(s["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
 
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -340,7 +374,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.rope_scale = rope_attention_factor(cfg)  # cos and sin scaled by it (YaRN)
+        self.rope_scale = rope_attention_factor(cfg)  # cos and sin scaled by it (YaRN, LongRoPE)
+        self.long_after = rope_long_after(cfg)  # LongRoPE: its long factors' frequencies past this context
+        self.register_buffer("inv_freq_long", None if self.long_after is None else rope_inv_freq(cfg, long=True),
+                             persistent=False)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -363,7 +400,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, S] -> cos, sin: [B, 1, S, hd], angles in fp32
-        ang = positions[..., None].float() * self.inv_freq.to(positions.device)  # [B, S, hd/2]
+        inv_long = None if self.inv_freq_long is None else self.inv_freq_long.to(positions.device)
+        ang = rope_angles(positions, self.inv_freq.to(positions.device), inv_long, self.long_after)  # [B, S, hd/2]
         ang = torch.cat((ang, ang), dim=-1)[:, None]
         if self.rope_scale != 1.0:
             return (ang.cos() * self.rope_scale).to(dtype), (ang.sin() * self.rope_scale).to(dtype)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.errors import DejavuError
+from dejavu.models.llama import rope_angles
 from dejavu.runtime.spec import DTYPES
 
 INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")
@@ -293,7 +294,7 @@ class LlamaDecoder:
     graph_priority = None  # runtime/graphs.DecodeGraph: capture on the highest-priority stream
 
     def __init__(self, spec: LlamaSpec, tensors: dict[str, torch.Tensor], device: torch.device, ops: LlamaOps):
-        from dejavu.models.llama import rope_attention_factor, rope_inv_freq
+        from dejavu.models.llama import rope_attention_factor, rope_inv_freq, rope_long_after
 
         self.spec, self.t, self.device, self.ops = spec, tensors, device, ops
         th = spec.thresholds
@@ -310,7 +311,9 @@ class LlamaDecoder:
             w.qk_norm = None if w.q_norm is None else (w.q_norm, w.k_norm, spec.rms_norm_eps)
         self.lm_head = tensors.get("lm_head", tensors["embed_tokens"])
         self.inv_freq = rope_inv_freq(spec.config).to(device)  # [hd / 2] fp32
-        self.rope_scale = rope_attention_factor(spec.config)  # cos and sin scaled by it (YaRN)
+        self.rope_scale = rope_attention_factor(spec.config)  # cos and sin scaled by it (YaRN, LongRoPE)
+        self.long_after = rope_long_after(spec.config)  # LongRoPE: its long factors' frequencies past this context
+        self.inv_freq_long = None if self.long_after is None else rope_inv_freq(spec.config, long=True).to(device)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.batch = self.max_seq = 0
@@ -353,7 +356,7 @@ class LlamaDecoder:
     # ------------------------------------------------------------------ pieces
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [...] -> cos, sin: [..., hd] in the engine dtype (angles in fp32)
-        ang = positions[..., None].float() * self.inv_freq
+        ang = rope_angles(positions, self.inv_freq, self.inv_freq_long, self.long_after)
         ang = torch.cat((ang, ang), dim=-1)
         if self.rope_scale != 1.0:
             return (ang.cos() * self.rope_scale).to(self.spec.dtype), (ang.sin() * self.rope_scale).to(self.spec.dtype)

@@ -22,7 +22,13 @@ VARIANTS = {"gqa_tied": {}, "mha_untied": dict(num_key_value_heads=6, tie_word_e
             "qwen3": dict(model_type="qwen3", head_dim=16),  # the q and k heads' RMSNorm, q 96 wide in a hidden of 48
             # YaRN: ramped frequencies over an original context of 4, cos and sin scaled by its attention factor
             "qwen2_yarn": dict(model_type="qwen2", rope_scaling=dict(rope_type="yarn", factor=4.0,
-                                                                      original_max_position_embeddings=4))}
+                                                                      original_max_position_embeddings=4)),
+            # LongRoPE: the 10 and 11 positions scored are all past an original context of 8 (the long factors),
+            # or all inside one of 12 (the short ones)
+            **{f"longrope_{kind}": dict(rope_scaling=dict(rope_type="longrope", original_max_position_embeddings=n,
+                                                          short_factor=[1.0, 1.2, 1.5, 2.0],
+                                                          long_factor=[1.0, 2.0, 6.0, 16.0]))
+               for kind, n in (("long", 8), ("short", 12))}}
 
 
 def _thresholds(m, skip=0.4):

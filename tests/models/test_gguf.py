@@ -42,7 +42,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
     Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
     gate/up fused, rows not permuted) as a GGUF file; rope_scaling (llama): the config's, written as llama.cpp's
-    converter writes Llama 3.1's, per-frequency factors in `rope_freqs`; tokenizer: (tokens, scores, types) of a
+    converter writes Llama 3.1's, per-frequency factors in `rope_freqs` (phi3 and "longrope": Phi-3's LongRoPE
+    factors in `rope_factors_long` / `rope_factors_short`); tokenizer: (tokens, scores, types) of a
     SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; config: CFG's fields replaced. Returns
     the transformers model holding the same weights and the byte-level BPE's tokenizer.json dict."""
     from tiny_tokenizer import tiny_tokenizer_json
@@ -96,7 +97,13 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         w.add_token_types(types)
         w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    if rope_scaling is not None:  # LlamaModel.generate_extra_tensors: one divisor per rotary frequency
+    if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":  # Phi3MiniModel's, as llama.cpp writes
+        old = rope_scaling["original_max_position_embeddings"]
+        w.add_tensor("rope_factors_long.weight", np.array(rope_scaling["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope_scaling["short_factor"], np.float32))
+        w.add_rope_scaling_orig_ctx_len(old)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg["max_position_embeddings"] / old) / math.log(old)))
+    elif rope_scaling is not None:  # LlamaModel.generate_extra_tensors: one divisor per rotary frequency
         w.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(rope_scaling, head_dim, cfg["rope_theta"]))
         if rope_scaling["original_max_position_embeddings"] != 8192:  # the loader's default
             w.add_rope_scaling_orig_ctx_len(rope_scaling["original_max_position_embeddings"])
@@ -518,8 +525,28 @@ def test_phi3_gguf_equals_transformers(tmp_path):
     with pytest.raises(DejavuError, match="rotary positions over 8 of a head's 16 dimensions"):
         auto.load_any(str(bad))
     _copy_gguf(reader, bad, {}, extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
-    with pytest.raises(DejavuError, match="LongRoPE factors"):
+    with pytest.raises(DejavuError, match="LongRoPE needs rope_factors_long, rope_factors_short and"):
         auto.load_any(str(bad))
+
+
+@torch.no_grad()
+def test_phi3_longrope_gguf_equals_transformers(tmp_path):
+    """A Phi-3 file with LongRoPE (Phi-3-128k, Phi-3.5: `rope_factors_long` / `rope_factors_short`, the original
+    context and the attention factor in the metadata): our load equals transformers' Phi3ForCausalLM with that
+    rope_scaling over 23 tokens, past the original context of 16 (the long factors)."""
+    path = tmp_path / "phi3-longrope.gguf"
+    rope = dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0],
+                long_factor=[1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0], original_max_position_embeddings=16)
+    hf, _ = write_tiny_gguf(path, arch="phi3", rope_scaling=rope, original_max_position_embeddings=16)
+    model, cfg = auto.load_any(str(path))
+    s = dict(cfg.rope_scaling)
+    assert (s["rope_type"], s["original_max_position_embeddings"], s["long_factor"]) == ("longrope", 16,
+                                                                                         tuple(rope["long_factor"]))
+    assert model.rope_scale == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-6)
+    ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits
+    assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
+    assert (model(ids[:, :16]) - ref[:, :16]).abs().max().item() > 100 * 1e-4  # 16 tokens: the short factors
 
 
 def _copy_gguf(reader, path, fields: dict, extra_tensors: dict | None = None):

@@ -28,6 +28,12 @@ CONFIGS = {
                                           high_freq_factor=4.0, original_max_position_embeddings=16)),
     "linear_rope": dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=1,
                         rope_scaling=dict(type="linear", factor=2.0)),
+    # Phi-3's LongRoPE: a factor per frequency, short ones while a call stays inside the original context of 16,
+    # long ones past it; cos and sin scaled by sqrt(1 + ln(64 / 16) / ln 16)
+    "longrope": dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                     original_max_position_embeddings=16,
+                     rope_scaling=dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0],
+                                       long_factor=[1.0, 2.0, 6.0, 16.0])),
     # Qwen2 with YaRN (the long-context setting Qwen's model cards give): frequencies ramped between interpolated
     # and extrapolated over an original context of 16, cos and sin scaled by the attention factor
     "qwen2_yarn": dict(model_type="qwen2", hidden_size=48, intermediate_size=72, num_attention_heads=6,
@@ -102,6 +108,9 @@ def test_left_padded_batch_matches_transformers(pair):
 @torch.no_grad()
 def test_cached_decode_equals_full_recompute(pair):
     _, ours = pair
+    if ours.long_after is not None:
+        pytest.skip("LongRoPE rotates a call's every position by the long factors once it passes the original "
+                    "context, cached keys not: test_longrope_cached_decode_equals_transformers_cached_decode")
     ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(3))
     full = ours(ids)
     ours.setup_caches(2, 20)
@@ -110,6 +119,28 @@ def test_cached_decode_equals_full_recompute(pair):
     finally:
         ours.clear_caches()
     assert (torch.cat(steps, 1) - full).abs().max().item() <= ATOL
+
+
+@torch.no_grad()
+def test_longrope_cached_decode_equals_transformers_cached_decode():
+    """LongRoPE through a cache, one token a step across the switch to the long factors (positions 16 and on), as
+    transformers' own cached decode runs it; the full recompute differs (the cached keys keep their short factors)."""
+    hf, ours = make_pair(CONFIGS["longrope"], seed=9)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    out = hf(input_ids=ids[:, :8], use_cache=True)
+    ref, past = [out.logits], out.cache
+    for t in range(8, 24):
+        out = hf(input_ids=ids[:, t:t + 1], cache=past, use_cache=True)
+        ref.append(out.logits)
+        past = out.cache
+    ref = torch.cat(ref, 1)
+    ours.setup_caches(2, 24)
+    try:
+        steps = torch.cat([ours(ids[:, :8], 0)] + [ours(ids[:, t:t + 1], t) for t in range(8, 24)], 1)
+    finally:
+        ours.clear_caches()
+    assert (steps - ref).abs().max().item() <= ATOL
+    assert (ours(ids)[:, 16:] - ref[:, 16:]).abs().max().item() > 100 * ATOL  # the full recompute is not this
 
 
 @torch.no_grad()

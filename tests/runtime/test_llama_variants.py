@@ -4,8 +4,8 @@ over each query and key head before RoPE; head_dim 16 with a hidden of 48). The 
 model on the same folder, the sparse engine against the compiler's simulation, the Triton decode step (q/k/v's
 bias and the heads' norm before RoPE in their sum kernel, gate/up's bias into the first split's partials, o's and
 down's after their GEMVs) under the interpreter against the reference ops, and the vectors' tensor-parallel
-split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load) and a Qwen2 with YaRN rope scaling built
-from transformers folders."""
+split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load), a Qwen2 with YaRN rope scaling and a
+Llama with Phi-3's LongRoPE built from folders."""
 from __future__ import annotations
 
 import pytest
@@ -220,6 +220,45 @@ def test_yarn_folder_builds_and_its_engines_equal_transformers_and_the_simulatio
                 with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
                     ref = model(ids)
         assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+
+
+def test_longrope_engines_decode_as_transformers_and_the_simulation_do(tmp_path):
+    """A folder with Phi-3's LongRoPE (short factors while a call stays inside the original context of 16, long ones
+    past it, cos and sin scaled): the dense engine's decode steps equal transformers' cached decode one token at a
+    time over 24 positions, its token-parallel logits transformers' forward; the sparse engine's equal the
+    compiler's simulation run the same two ways."""
+    transformers = pytest.importorskip("transformers")
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.models.auto import load_llama
+
+    rope = dict(rope_type="longrope", original_max_position_embeddings=16, short_factor=[1.0, 1.2, 1.5, 2.0],
+                long_factor=[1.0, 2.0, 6.0, 16.0])  # head_dim 8: 4 frequencies
+    folder = write_tiny_llama(tmp_path / "longrope", seed=5, rope_scaling=rope)
+    ids = _ids(s=24, seed=3)
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert hf.model.rotary_emb.attention_scaling > 1.1
+    for d in (1.0, 0.6):
+        build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
+        eng = Engine.load(tmp_path / f"d{d}.engine")
+        with torch.no_grad():
+            if d == 1.0:  # transformers' cached decode, one token a step from an empty cache
+                whole, steps, cache = hf(input_ids=ids).logits, [], None
+                for t in range(ids.shape[1]):
+                    out = hf(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+                    steps.append(out.logits)
+                    cache = out.cache
+            else:  # the simulation, token-parallel and one token a step through its cache
+                sp = eng.header["sparsity"]
+                model = load_llama(folder)[0]
+                with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
+                    whole = model(ids)
+                    model.setup_caches(2, 24)
+                    steps = [model(ids[:, t:t + 1], t) for t in range(ids.shape[1])]
+                    model.clear_caches()
+            steps = torch.cat(steps, 1)
+            assert (steps[:, 16:] - whole[:, 16:]).abs().max() > 100 * ATOL  # the two ways differ past the switch
+            assert (eng.logits(ids) - whole).abs().max() <= ATOL
+            assert (eng.decode_logits(ids) - steps).abs().max() <= ATOL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
