@@ -70,7 +70,8 @@ def _proj(g: GraphBuilder, x: str, linear, name: str) -> str:
 
 
 def _rope_tables(g: GraphBuilder, model, positions: str) -> tuple[str, str]:
-    """cos, sin [B|1, 1, S, hd] of the positions [B|1, S] (angles in fp32, half-split layout)."""
+    """cos, sin [B|1, 1, S, hd] of the positions [B|1, S] (angles in fp32; models.llama.rope_cos_sin's layout: the
+    half-split rotary dimensions scaled, then cos 1 and sin 0 for a partial rotary's other dimensions)."""
     pos = g.op("Cast", [positions], "rope/pos_f", to=TensorProto.FLOAT)
     inv = g.const("rope.inv_freq", g.weight(model.inv_freq))
     if model.long_after is not None:  # LongRoPE: the long factors' frequencies where the furthest position is past it
@@ -78,21 +79,30 @@ def _rope_tables(g: GraphBuilder, model, positions: str) -> tuple[str, str]:
         past = g.op("Greater", [last, _c(g, "rope.long_after", np.array(model.long_after - 1, np.int64))], "rope/long")
         inv = g.op("Where", [past, g.const("rope.inv_freq_long", g.weight(model.inv_freq_long)), inv], "rope/inv_freq")
     ang = g.op("Mul", [g.op("Unsqueeze", [pos, _c(g, "c.axis_last", np.array([-1], np.int64))], "rope/pos_col"),
-                       inv], "rope/angles")  # [B, S, hd/2]
+                       inv], "rope/angles")  # [B, S, rot/2]
     ang = g.op("Concat", [ang, ang], "rope/angles2", axis=-1)
-    ang = g.op("Unsqueeze", [ang, _c(g, "c.axis1", np.array([1], np.int64))], "rope/angles_heads")  # [B, 1, S, hd]
+    ang = g.op("Unsqueeze", [ang, _c(g, "c.axis1", np.array([1], np.int64))], "rope/angles_heads")  # [B, 1, S, rot]
     cos, sin = g.op("Cos", [ang], "rope/cos"), g.op("Sin", [ang], "rope/sin")
-    if model.rope_scale == 1.0:
-        return cos, sin
-    scale = _c(g, "rope.attention_factor", np.array(model.rope_scale, np.float32))  # YaRN's
-    return g.op("Mul", [cos, scale], "rope/cos_scaled"), g.op("Mul", [sin, scale], "rope/sin_scaled")
+    if model.rope_scale != 1.0:  # YaRN's, LongRoPE's attention factor
+        scale = _c(g, "rope.attention_factor", np.array(model.rope_scale, np.float32))
+        cos, sin = g.op("Mul", [cos, scale], "rope/cos_scaled"), g.op("Mul", [sin, scale], "rope/sin_scaled")
+    pad = model.config.head_dim - model.config.rope_dim
+    if pad:  # a partial rotary: the other dimensions pass through (cos 1, sin 0), padded to [B, 1, S, hd]
+        pads = _c(g, "rope.pass_pads", np.array([0, 0, 0, 0, 0, 0, 0, pad], np.int64))
+        cos = g.op("Pad", [cos, pads, _c(g, "c.fone", np.array(1.0, np.float32))], "rope/cos_pass")
+        sin = g.op("Pad", [sin, pads, _c(g, "c.fzero", np.array(0.0, np.float32))], "rope/sin_pass")
+    return cos, sin
 
 
-def _rotate(g: GraphBuilder, x: str, cos: str, sin: str, hd: int, name: str) -> str:
-    half = _c(g, "c.rope_split", np.array([hd // 2, hd // 2], np.int64))
-    x1, x2 = g.op("Split", [x, half], f"{name}/split", n_out=2, axis=-1)
-    rot = g.op("Concat", [g.op("Neg", [x2], f"{name}/neg"), x1], f"{name}/rotate_half", axis=-1)
-    return g.op("Add", [g.op("Mul", [x, cos], f"{name}/cos"), g.op("Mul", [rot, sin], f"{name}/sin")], name)
+def _rotate(g: GraphBuilder, x: str, cos: str, sin: str, hd: int, name: str, rot: int | None = None) -> str:
+    # x cos + rotate_half(x) sin, rotate_half over the first rot dimensions (a partial rotary), the rest as they are
+    rot = rot or hd
+    sizes = [rot // 2, rot // 2] + ([hd - rot] if rot < hd else [])
+    parts = g.op("Split", [x, _c(g, "c.rope_split", np.array(sizes, np.int64))], f"{name}/split",
+                 n_out=len(sizes), axis=-1)
+    rot_half = [g.op("Neg", [parts[1]], f"{name}/neg"), parts[0], *parts[2:]]
+    rot_x = g.op("Concat", rot_half, f"{name}/rotate_half", axis=-1)
+    return g.op("Add", [g.op("Mul", [x, cos], f"{name}/cos"), g.op("Mul", [rot_x, sin], f"{name}/sin")], name)
 
 
 def _attention(g: GraphBuilder, layer, l: int, h: str, cos: str, sin: str, decode: bool, cfg, th) -> str:
@@ -110,7 +120,8 @@ def _attention(g: GraphBuilder, layer, l: int, h: str, cos: str, sin: str, decod
     if cfg.qk_norm:  # each head's RMSNorm over its hd values (Qwen3)
         q = _rms_norm(g, q, a.q_norm.weight, cfg.rms_norm_eps, f"{p}.q_norm")
         k = _rms_norm(g, k, a.k_norm.weight, cfg.rms_norm_eps, f"{p}.k_norm")
-    q, k = _rotate(g, q, cos, sin, hd, f"{p}.q_rope"), _rotate(g, k, cos, sin, hd, f"{p}.k_rope")
+    rot = cfg.rope_dim
+    q, k = _rotate(g, q, cos, sin, hd, f"{p}.q_rope", rot), _rotate(g, k, cos, sin, hd, f"{p}.k_rope", rot)
     v = heads(_proj(g, h, a.v_proj, f"{p}.v_proj"), Hkv, f"{p}.v_proj")
     kv = []
     for kind, t in (("key", k), ("value", v)):

@@ -111,10 +111,7 @@ def config_dict(reader, path="GGUF file") -> dict:
     hidden = int(need("embedding_length"))
     head_dim = int(_field(reader, a + "attention.key_length", hidden // heads))
     names = {t.name for t in reader.tensors}
-    rot = _field(reader, a + "rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
-        raise DejavuError(f"{path}: rotary positions over {int(rot)} of a head's {head_dim} dimensions (a partial "
-                          "rotary) are not supported")
+    rot = int(_field(reader, a + "rope.dimension_count", head_dim))
     vocab = _field(reader, a + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     theta = float(_field(reader, a + "rope.freq_base", 10000.0))
     d = {
@@ -132,6 +129,8 @@ def config_dict(reader, path="GGUF file") -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
+    if rot != head_dim:  # rotary positions over a head's first rot dimensions (Phi-4-mini)
+        d["partial_rotary_factor"] = rot / head_dim
     window = _field(reader, a + "attention.sliding_window")
     if arch == "phi3" and window:  # llama.cpp writes 0 for none (Phi-4)
         d["sliding_window"] = int(window)

@@ -49,6 +49,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # q, k and v biases, o none (Qwen2)
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: int | None = None
+    rotary_dim: int | None = None  # RoPE over a head's first rotary_dim dimensions (Phi-4-mini); None: all
     model_type: str = "llama"
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -83,9 +84,12 @@ class LlamaConfig:
         theta = d.get("rope_theta", params.get("rope_theta", 10000.0))
         scaling = d.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"} or None
         partial = d.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            raise DejavuError(f"config.json: partial_rotary_factor {partial!r} is not supported (rotary positions "
-                              "over the whole head only)")
+        if partial is None:
+            partial = 1.0
+        rotary = int(round(head_dim * partial, 6)) if type(partial) in (int, float) and 0 < partial <= 1 else -1
+        if rotary <= 0 or rotary % 2:
+            raise DejavuError(f"config.json: partial_rotary_factor {partial!r} does not give an even number of a "
+                              f"head's {head_dim} dimensions")
         if isinstance(scaling, dict):
             scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"} or None
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
@@ -105,9 +109,9 @@ class LlamaConfig:
             if kind == "longrope":
                 for key in ("short_factor", "long_factor"):
                     v = scaling.get(key)
-                    if not (isinstance(v, (list, tuple)) and len(v) == head_dim // 2
+                    if not (isinstance(v, (list, tuple)) and len(v) == rotary // 2
                             and all(type(f) in (int, float) and f > 0 for f in v)):
-                        raise DejavuError(f"config.json: longrope rope_scaling needs {key!r}, {head_dim // 2} positive "
+                        raise DejavuError(f"config.json: longrope rope_scaling needs {key!r}, {rotary // 2} positive "
                                           "numbers (one per rotary frequency)")
                     scaling[key] = tuple(float(f) for f in v)
             scaling = tuple(sorted({**scaling, "rope_type": kind}.items()))
@@ -124,6 +128,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
             qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", sliding_window=_sliding_window(d, mt), model_type=mt,
+            rotary_dim=None if rotary == head_dim else rotary,
             pad_token_id=d.get("pad_token_id"), bos_token_id=bos, eos_token_id=eos,
         )
 
@@ -131,10 +136,17 @@ class LlamaConfig:
         """The config.json that transformers' LlamaForCausalLM reads."""
         d = dataclasses.asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        if d.pop("rotary_dim") is not None:
+            d["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         d.update(architectures=[ARCHITECTURES[self.model_type]], hidden_act="silu", attention_dropout=0.0)
         if self.model_type in ("qwen2", "qwen3"):
             d["use_sliding_window"] = self.sliding_window is not None
         return d
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotary dimensions of a head (head_dim but for a partial rotary)."""
+        return self.rotary_dim or self.head_dim
 
     def num_params(self) -> int:
         d, f, L, hd = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.head_dim
@@ -176,8 +188,8 @@ def unfuse(pairs, cfg: LlamaConfig):
 
 def rope_inv_freq(cfg: LlamaConfig, long: bool = False) -> torch.Tensor:
     """Rotary frequencies [head_dim / 2] in fp32, with the config's rope_scaling applied (longrope: its short
-    factors' frequencies, or with `long` its long factors')."""
-    hd = cfg.head_dim
+    factors' frequencies, or with `long` its long factors'); over the rotary dimensions (cfg.rope_dim)."""
+    hd = cfg.rope_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     s = dict(cfg.rope_scaling or ())
     kind = s.get("rope_type", "default")
@@ -262,14 +274,30 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rope_cos_sin(ang: torch.Tensor, scale: float, head_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., head_dim] in dtype from the angles [..., rotary_dim / 2] (fp32): Hugging Face's half-split
+    layout over the rotary dimensions, scaled by `scale` (YaRN, LongRoPE); past them (a partial rotary) cos 1 and
+    sin 0, so x * cos + rotate_half(x) * sin passes those dimensions through exactly."""
+    ang = torch.cat((ang, ang), dim=-1)
+    cos, sin = ang.cos(), ang.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    pad = head_dim - ang.shape[-1]
+    if pad:
+        cos = torch.cat((cos, cos.new_ones(*cos.shape[:-1], pad)), -1)
+        sin = torch.cat((sin, sin.new_zeros(*sin.shape[:-1], pad)), -1)
+    return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, S, hd]; cos, sin: [B, 1, S, hd] (Hugging Face's half-split layout)
-    return x * cos + _rotate_half(x) * sin
+def rotate_half(x: torch.Tensor, rot: int | None = None) -> torch.Tensor:
+    """Hugging Face's rotate_half over x's first `rot` dimensions (None: all of them), the rest as they are."""
+    rot = rot or x.shape[-1]
+    return torch.cat((-x[..., rot // 2:rot], x[..., :rot // 2], x[..., rot:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int | None = None) -> torch.Tensor:
+    # x: [B, H, S, hd]; cos, sin: [B, 1, S, hd] (rope_cos_sin's layout); rot: the rotary dimensions
+    return x * cos + rotate_half(x, rot) * sin
 
 
 class LlamaAttention(nn.Module):
@@ -278,6 +306,7 @@ class LlamaAttention(nn.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         b = cfg.attention_bias or cfg.qkv_bias
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.rot = cfg.rope_dim  # the rotary dimensions of a head (a partial rotary: fewer than hd)
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=b)
         self.k_proj = nn.Linear(d, self.n_kv * hd, bias=b)
         self.v_proj = nn.Linear(d, self.n_kv * hd, bias=b)
@@ -294,8 +323,8 @@ class LlamaAttention(nn.Module):
         q, k = self.q_proj(x).view(B, S, H, hd), self.k_proj(x).view(B, S, Hkv, hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, S, hd]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
+        q = apply_rope(q.transpose(1, 2), cos, sin, self.rot)  # [B, H, S, hd]
+        k = apply_rope(k.transpose(1, 2), cos, sin, self.rot)  # [B, Hkv, S, hd]
         v = self.v_proj(x).view(B, S, Hkv, hd).transpose(1, 2)
         if self.cache is not None and cache_pos is not None:
             k, v = self.cache.update(cache_pos, k, v)  # [B, Hkv, S_max, hd]
@@ -401,11 +430,8 @@ class LlamaForCausalLM(nn.Module):
     def _rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, S] -> cos, sin: [B, 1, S, hd], angles in fp32
         inv_long = None if self.inv_freq_long is None else self.inv_freq_long.to(positions.device)
-        ang = rope_angles(positions, self.inv_freq.to(positions.device), inv_long, self.long_after)  # [B, S, hd/2]
-        ang = torch.cat((ang, ang), dim=-1)[:, None]
-        if self.rope_scale != 1.0:
-            return (ang.cos() * self.rope_scale).to(dtype), (ang.sin() * self.rope_scale).to(dtype)
-        return ang.cos().to(dtype), ang.sin().to(dtype)
+        ang = rope_angles(positions, self.inv_freq.to(positions.device), inv_long, self.long_after)  # [B, S, rot/2]
+        return rope_cos_sin(ang[:, None], self.rope_scale, self.config.head_dim, dtype)
 
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -190,14 +190,18 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
 
 def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, bias_ptr, qn_ptr, kn_ptr, eps, B, M,
                      QD, KD, T, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, GDC: tl.constexpr = 0):
+                     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, GDC: tl.constexpr = 0, ROT_D: tl.constexpr = 0):
     # q/k/v's split-K sum (+ their biases; QK_NORM: each q and k head's RMSNorm), RoPE on q and k, k and v into the
     # caches at pos[b]: columns [0, QD) are q, then KD of k, then v; rotate_half's partner of a column is the one
-    # hd / 2 away in its head (QK_NORM: BLOCK_M a multiple of HEAD_D, so a program holds whole heads)
+    # ROT_D / 2 away in its head's first ROT_D (the rotary dimensions; 0: all HEAD_D); a column past them is its own
+    # (cos 1 and sin 0 there pass it through) (QK_NORM: BLOCK_M a multiple of HEAD_D, so a program holds whole heads)
     b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = offs < M
     d = offs % HEAD_D
-    mate = offs - d + (d + HEAD_D // 2) % HEAD_D
+    if ROT_D == 0 or ROT_D == HEAD_D:
+        mate = offs - d + (d + HEAD_D // 2) % HEAD_D
+    else:
+        mate = offs - d + tl.where(d < ROT_D, (d + ROT_D // 2) % ROT_D, d)
     gdc_enter(GDC)
     dt = q_ptr.dtype.element_ty  # q/k/v in the engine dtype, summed as _sum_splits_kernel sums
     y = _src(part_ptr, b * M + offs, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
@@ -395,29 +399,31 @@ def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: 
 def sliced_qkv_rope(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, settings: KernelSettings | None = None,
-                    bias: torch.Tensor | None = None, qk_norm: tuple | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, qk_norm: tuple | None = None,
+                    rot: int | None = None) -> torch.Tensor:
     """q [B, H, hd] of a fused q/k/v projection (the pairs' GEMV, w_t [N, (H + 2 Hkv) hd]; + bias [(H + 2 Hkv) hd],
     the q/k/v biases where a checkpoint has them, added to the rounded product before RoPE; qk_norm (q_w [hd],
     k_w [hd], eps): each q and k head through RMSNorm before RoPE, Qwen3), RoPE on q and k (cos, sin [B, hd]: sin
-    with rotate_half's sign, -sin on the first half), k and v written into k_cache, v_cache [B, Hkv, T, hd] at
-    slot pos[b] (int64 [B]): sliced_qkv_rope_ref's result in one launch after the GEMV."""
+    with rotate_half's sign, -sin on the first half; rot: the rotary dimensions of a head, its first rot (None: all
+    hd), cos 1 and sin 0 past them), k and v written into k_cache, v_cache [B, Hkv, T, hd] at slot pos[b] (int64
+    [B]): sliced_qkv_rope_ref's result in one launch after the GEMV."""
     M = w_t.shape[1] if w_t.dim() == 2 else -1
-    _check_qkv_rope(M, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm)
+    _check_qkv_rope(M, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm, rot)
     return _sum_rope(sliced_parts(idx, val, count, w_t, settings), val.dtype, cos, sin, pos, k_cache, v_cache,
-                     settings, bias, qk_norm)
+                     settings, bias, qk_norm, rot)
 
 
 def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, settings: KernelSettings | None = None, bias: torch.Tensor | None = None,
-             qk_norm: tuple | None = None) -> torch.Tensor:
+             qk_norm: tuple | None = None, rot: int | None = None) -> torch.Tensor:
     """`sliced_qkv_rope` after a dense q/k/v product qkv [B, (H + 2 Hkv) hd] (the dense decode step): the bias,
     the heads' norms, RoPE and the cache writes in one launch; sliced_qkv_rope_ref's result."""
     check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
-    _check_qkv_rope(qkv.shape[1], qkv, cos, sin, pos, k_cache, v_cache, bias, qk_norm)
-    return _sum_rope(qkv, qkv.dtype, cos, sin, pos, k_cache, v_cache, settings, bias, qk_norm)
+    _check_qkv_rope(qkv.shape[1], qkv, cos, sin, pos, k_cache, v_cache, bias, qk_norm, rot)
+    return _sum_rope(qkv, qkv.dtype, cos, sin, pos, k_cache, v_cache, settings, bias, qk_norm, rot)
 
 
-def _check_qkv_rope(M: int, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm) -> None:
+def _check_qkv_rope(M: int, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm, rot=None) -> None:
     # the q/k/v sum kernel's inputs: M outputs of q, k and v heads, in val's dtype and on its device
     B, Hkv, T, hd = k_cache.shape
     check_tensor("k_cache", k_cache, dtype=val.dtype, device=val.device)
@@ -427,6 +433,8 @@ def _check_qkv_rope(M: int, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm)
     check_tensor("pos", pos, shape=(B,), dtype=torch.int64, device=val.device)
     if hd % 2 or M % hd or M // hd <= 2 * Hkv:
         raise DejavuError(f"q/k/v: {M} outputs are not q, k and v heads of {hd} with {Hkv} KV heads")
+    if rot is not None and not (0 < rot <= hd and rot % 2 == 0):
+        raise DejavuError(f"q/k/v: {rot} rotary dimensions are not an even number of a head's {hd}")
     if bias is not None:
         check_tensor("bias", bias, shape=(M,), dtype=val.dtype, device=val.device)
     if qk_norm is not None:
@@ -436,7 +444,8 @@ def _check_qkv_rope(M: int, val, cos, sin, pos, k_cache, v_cache, bias, qk_norm)
             check_tensor(name, w, shape=(hd,), dtype=val.dtype, device=val.device)
 
 
-def _sum_rope(part: torch.Tensor, dtype, cos, sin, pos, k_cache, v_cache, settings, bias, qk_norm) -> torch.Tensor:
+def _sum_rope(part: torch.Tensor, dtype, cos, sin, pos, k_cache, v_cache, settings, bias, qk_norm,
+              rot=None) -> torch.Tensor:
     # _sum_rope_kernel over the GEMV's fp32 partials [S, B, M] (summed in order, rounded to dtype) or a product [B, M]
     config = (settings or DEFAULT).input_sparse
     B, Hkv, T, hd = k_cache.shape
@@ -450,16 +459,16 @@ def _sum_rope(part: torch.Tensor, dtype, cos, sin, pos, k_cache, v_cache, settin
         part, q, k_cache, v_cache, cos, sin, pos, q if bias is None else bias, q if q_w is None else q_w,
         q if k_w is None else k_w, float(eps), B, M, H * hd, Hkv * hd, T, Hkv, HEAD_D=hd, BLOCK_M=block,
         SPLIT_K=part.shape[0] if part.dim() == 3 else 0, HAS_BIAS=bias is not None, QK_NORM=qk_norm is not None,
-        **pdl_args(part.device, "is_sum", (settings or DEFAULT).pdl))
+        ROT_D=0 if rot in (None, hd) else rot, **pdl_args(part.device, "is_sum", (settings or DEFAULT).pdl))
     return q
 
 
 def sliced_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None = None,
-                        qk_norm: tuple | None = None) -> torch.Tensor:
+                        qk_norm: tuple | None = None, rot: int | None = None) -> torch.Tensor:
     """PyTorch reference of `sliced_qkv_rope` after its GEMV: q [B, H, hd] from qkv [B, (H + 2 Hkv) hd]
     (rows: arange(B) on the device, made once by a caller that runs it every step; qk_norm (q_w, k_w, eps): the
-    q and k heads' RMSNorm before RoPE)."""
+    q and k heads' RMSNorm before RoPE; rot: the rotary dimensions, a head's first rot, None: all)."""
     B, Hkv, _, hd = k_cache.shape
     qkv = qkv.view(B, -1, hd)
     H = qkv.shape[1] - 2 * Hkv
@@ -467,7 +476,9 @@ def sliced_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if qk_norm is not None:
         q_w, k_w, eps = qk_norm
         qkr = torch.cat([produce_ref(qkr[:, :H], q_w, eps), produce_ref(qkr[:, H:], k_w, eps)], 1)
-    qk = torch.addcmul(qkr * cos[:, None], qkr.roll(hd // 2, -1), sin[:, None])
+    rot = rot or hd  # rotate_half's partner of a rotary column (sin 0 past them)
+    mate = torch.cat((qkr[..., :rot].roll(rot // 2, -1), qkr[..., rot:]), -1) if rot < hd else qkr.roll(hd // 2, -1)
+    qk = torch.addcmul(qkr * cos[:, None], mate, sin[:, None])
     rows = torch.arange(B, device=qkv.device) if rows is None else rows
     k_cache[rows, :, pos] = qk[:, H:]  # [B, Hkv, hd] at slot pos[b]
     v_cache[rows, :, pos] = qkv[:, H + Hkv:]

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.errors import DejavuError
-from dejavu.models.llama import rope_angles
+from dejavu.models.llama import apply_rope, rope_angles, rope_cos_sin
 from dejavu.runtime.spec import DTYPES
 
 INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")
@@ -193,21 +193,22 @@ class LlamaOps:
 
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                 bias: torch.Tensor | None = None, qk_norm: tuple | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, qk_norm: tuple | None = None,
+                 rot: int | None = None) -> torch.Tensor:
         """q [B, H, hd] of linear(x, w_t, t, norm) (+ bias: q/k/v's biases [M], Qwen2), the fused q/k/v
         projection, each q and k head through RMSNorm (qk_norm: (q_w [hd], k_w [hd], eps), Qwen3), RoPE on q and k
-        (cos, sin [B, hd], sin signed for rotate_half), k and v written into the caches [B, Hkv, T, hd] at slot
-        pos[b]."""
+        (cos, sin [B, hd], sin signed for rotate_half; rot: the rotary dimensions of a head, None: all), k and v
+        written into the caches [B, Hkv, T, hd] at slot pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
         if self.backend == "ref":
             return IS.sliced_qkv_rope_ref(_plus(self.linear(x, w_t, t, norm, kind="qkv"), bias), cos, sin, pos,
-                                          k_cache, v_cache, rows, qk_norm)
+                                          k_cache, v_cache, rows, qk_norm, rot)
         if t <= 0:  # the dense product, then the same sum kernel: bias, norms, RoPE and the cache writes in one launch
             return IS.qkv_rope(self.linear(x, w_t, t, norm, kind="qkv"), cos, sin, pos, k_cache, v_cache,
-                               settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm)
+                               settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm, rot=rot)
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
-                                  k_cache, v_cache, settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm)
+                                  k_cache, v_cache, settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm, rot=rot)
 
     def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float,
@@ -282,12 +283,6 @@ def _plus(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x if bias is None else x + bias
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [..., hd]; cos, sin broadcast to it (Hugging Face's half-split rotary layout)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class LlamaDecoder:
     """Weights, static KV cache and the TEAL thresholds of one Llama engine."""
 
@@ -357,10 +352,7 @@ class LlamaDecoder:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [...] -> cos, sin: [..., hd] in the engine dtype (angles in fp32)
         ang = rope_angles(positions, self.inv_freq, self.inv_freq_long, self.long_after)
-        ang = torch.cat((ang, ang), dim=-1)
-        if self.rope_scale != 1.0:
-            return (ang.cos() * self.rope_scale).to(self.spec.dtype), (ang.sin() * self.rope_scale).to(self.spec.dtype)
-        return ang.cos().to(self.spec.dtype), ang.sin().to(self.spec.dtype)
+        return rope_cos_sin(ang, self.rope_scale, self.spec.head_dim, self.spec.dtype)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """logits [..., V] from the last hidden state x [..., D]."""
@@ -387,9 +379,9 @@ class LlamaDecoder:
         """logits [B, V] for tokens [B] at cache slots / positions pos [B] (int64, device);
         writes this token's K/V at slot pos[b] and attends to slots <= pos[b]."""
         s = self.spec
-        hd = s.head_dim
+        half = s.rope_dim // 2
         cos, sin = self._rope(pos)  # [B, hd]
-        sin = torch.cat((-sin[..., :hd // 2], sin[..., hd // 2:]), -1)  # rotate_half's sign, once per step
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)  # rotate_half's sign, once per step
         mask = None  # the kernel reads slots <= pos[b] only; SDPA: an additive mask [B, 1, 1, T], once per step
         if not self.ops.attn_kernel:
             from dejavu.plugins.gqa_attention import decode_mask
@@ -402,7 +394,7 @@ class LlamaDecoder:
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
-                                  self.rows, w.bqkv, w.qk_norm)
+                                  self.rows, w.bqkv, w.qk_norm, s.rotary_dim)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
             norm = (w.mlp_norm, s.rms_norm_eps)
             if self.reduce is None:
@@ -441,8 +433,8 @@ class LlamaDecoder:
             q, k = q.view(B, S, H, hd), k.view(B, S, Hkv, hd)
             if w.qk_norm is not None:
                 q, k = produce_ref(q, w.q_norm, s.rms_norm_eps), produce_ref(k, w.k_norm, s.rms_norm_eps)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, H, S, hd]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, Hkv, S, hd]
+            q = apply_rope(q.transpose(1, 2), cos, sin, s.rope_dim)  # [B, H, S, hd]
+            k = apply_rope(k.transpose(1, 2), cos, sin, s.rope_dim)  # [B, Hkv, S, hd]
             v = v.view(B, S, Hkv, hd).transpose(1, 2)
             if write_cache:
                 self.k_cache[l][at, :, start:start + S] = k

@@ -28,7 +28,8 @@ VARIANTS = {"gqa_tied": {}, "mha_untied": dict(num_key_value_heads=6, tie_word_e
             **{f"longrope_{kind}": dict(rope_scaling=dict(rope_type="longrope", original_max_position_embeddings=n,
                                                           short_factor=[1.0, 1.2, 1.5, 2.0],
                                                           long_factor=[1.0, 2.0, 6.0, 16.0]))
-               for kind, n in (("long", 8), ("short", 12))}}
+               for kind, n in (("long", 8), ("short", 12))},
+            "partial_rotary": dict(partial_rotary_factor=0.75)}  # RoPE over 6 of a head's 8 dimensions (Phi-4-mini)
 
 
 def _thresholds(m, skip=0.4):

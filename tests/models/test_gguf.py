@@ -72,7 +72,7 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "qwen3":
         w.add_key_length(head_dim)
@@ -521,12 +521,31 @@ def test_phi3_gguf_equals_transformers(tmp_path):
 
     reader = G.open_gguf(path)
     bad = tmp_path / "partial.gguf"
-    _copy_gguf(reader, bad, {"phi3.rope.dimension_count": 8})
-    with pytest.raises(DejavuError, match="rotary positions over 8 of a head's 16 dimensions"):
+    _copy_gguf(reader, bad, {"phi3.rope.dimension_count": 7})
+    with pytest.raises(DejavuError, match="does not give an even number of a head's 16 dimensions"):
         auto.load_any(str(bad))
     _copy_gguf(reader, bad, {}, extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
     with pytest.raises(DejavuError, match="LongRoPE needs rope_factors_long, rope_factors_short and"):
         auto.load_any(str(bad))
+
+
+@torch.no_grad()
+def test_phi4_mini_gguf_partial_rotary_and_longrope_equal_transformers(tmp_path):
+    """A Phi-4-mini-like file: rotary positions over 12 of a head's 16 dimensions (`rope.dimension_count`), LongRoPE
+    factors for those 12: our load equals transformers' Phi3ForCausalLM with partial_rotary_factor 0.75, the short
+    factors over 16 tokens and the long ones over 23."""
+    path = tmp_path / "phi4-mini.gguf"
+    rope = dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                long_factor=[1.0, 2.0, 4.0, 6.0, 8.0, 16.0], original_max_position_embeddings=16)
+    hf, _ = write_tiny_gguf(path, arch="phi3", rope_scaling=rope, original_max_position_embeddings=16,
+                            partial_rotary_factor=0.75)
+    assert hf.model.rotary_emb.inv_freq.numel() == 6
+    model, cfg = auto.load_any(str(path))
+    assert (cfg.rotary_dim, cfg.head_dim) == (12, 16)
+    ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
+    for n in (16, 23):
+        ref = hf(input_ids=ids[:, :n]).logits
+        assert (model(ids[:, :n]) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
 
 
 @torch.no_grad()

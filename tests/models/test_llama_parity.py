@@ -158,8 +158,9 @@ def test_greedy_generate_matches_transformers():
     ({"num_key_value_heads": 4, "num_attention_heads": 6}, "multiple"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"hidden_size": 0}, "positive"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
-    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.75}}, "0.75"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor 1.5"),  # more than the head
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.1}}, "0.1"),  # 0.8
+    ({"partial_rotary_factor": 0.375}, "an even number of a head's 8"),  # 3 dimensions
 ])
 def test_bad_config_is_one_clear_error(change, match):
     d = transformers.LlamaConfig(**{**BASE, **CONFIGS["gqa_tied"]}).to_dict()

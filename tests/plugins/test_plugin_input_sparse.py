@@ -257,34 +257,42 @@ def test_sliced_launchers_check_their_inputs(triton_interp):
                         torch.zeros(2, dtype=torch.long), kc6, kc6.clone(), qk_norm=(ones6, ones6, 1e-6))
 
 
-def _rope64(qkv, cos, sin, H, Hkv, hd, qk_norm=None):
+def _rope64(qkv, cos, sin, H, Hkv, hd, qk_norm=None, rot=None):
     """q, k rotated and v of qkv [B, (H + 2 Hkv) hd] in float64 (sin signed for rotate_half; qk_norm (q_w, k_w,
-    eps): each q and k head's RMSNorm first)."""
+    eps): each q and k head's RMSNorm first; rot: the rotary dimensions, a head's first rot, the rest as they are)."""
     x = qkv.double().view(qkv.shape[0], -1, hd)
     qk = x[:, :H + Hkv]
     if qk_norm is not None:
         w = torch.cat([qk_norm[0].double().expand(H, hd), qk_norm[1].double().expand(Hkv, hd)])
         qk = qk / (qk.pow(2).mean(-1, keepdim=True) + qk_norm[2]).sqrt() * w
-    r = qk * cos.double()[:, None] + qk.roll(hd // 2, -1) * sin.double()[:, None]
+    rot = rot or hd
+    r = qk[..., :rot] * cos.double()[:, None, :rot] + qk[..., :rot].roll(rot // 2, -1) * sin.double()[:, None, :rot]
+    r = torch.cat((r, qk[..., rot:]), -1)
     return r[:, :H], r[:, H:], x[:, H + Hkv:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,H,Hkv,hd,config,with_bias,with_norm", [
-    (1, 4, 2, 16, SMALL, False, False), (3, 6, 2, 8, SMALL, True, False), (2, 2, 1, 32, _s(), True, False),
-    (2, 4, 2, 8, SMALL, False, True), (1, 2, 1, 32, SMALL, True, True), (3, 6, 3, 16, _s(), False, True)])
-def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config, with_bias, with_norm):
+@pytest.mark.parametrize("B,H,Hkv,hd,config,with_bias,with_norm,rot", [
+    (1, 4, 2, 16, SMALL, False, False, None), (3, 6, 2, 8, SMALL, True, False, None),
+    (2, 2, 1, 32, _s(), True, False, None), (2, 4, 2, 8, SMALL, False, True, None),
+    (1, 2, 1, 32, SMALL, True, True, None), (3, 6, 3, 16, _s(), False, True, None),
+    (2, 4, 2, 16, SMALL, True, False, 12), (1, 2, 1, 32, _s(), False, False, 24), (2, 6, 2, 8, SMALL, False, True, 6)])
+def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv, hd, config, with_bias, with_norm,
+                                         rot):
     """q rotated, and k (rotated) and v written into the caches at pos[b] only (after the sliced GEMV, and after a
     dense product: `qkv_rope`): poisoned caches keep their NaN elsewhere; blocks that straddle heads (block_m 16
     against hd 8 / 32); q/k/v biases (Qwen2) added before RoPE; each q and k head's RMSNorm before RoPE (Qwen3),
     two heads a block (hd 8 in 16; 16 in 64, the last block part masked) or a block widened to the head (hd 32
-    against block_m 16)."""
+    against block_m 16); a partial rotary (rot of hd: Phi-4-mini), cos 1 and sin 0 past it."""
     g = torch.Generator().manual_seed(H * hd + B)
     N, M, T = 40, (H + 2 * Hkv) * hd, 7
     x, nw = _producer_input(B, N, "norm", dtype, g)
     w_t = (torch.randn(N, M, generator=g) / N ** 0.5).to(dtype)
-    ang = torch.rand(B, hd // 2, generator=g) * 6
-    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    r = rot or hd
+    ang = torch.rand(B, r // 2, generator=g) * 6
+    ones, zeros = torch.ones(B, hd - r), torch.zeros(B, hd - r)
+    cos = torch.cat((ang.cos(), ang.cos(), ones), -1).to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin(), zeros), -1).to(dtype)
     pos = torch.randint(0, T, (B,), generator=g)
     kc, vc = (torch.full((B, Hkv, T, hd), float("nan"), dtype=dtype) for _ in range(2))
     bias = torch.randn(M, generator=g).to(dtype) if with_bias else None
@@ -293,14 +301,15 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv,
     t = 0.6
     split = split_k_for(B, N, M, config)
     idx, val, count = select_slices(x, t, split, nw, 1e-5, settings=_ks(config))
-    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config), bias=bias, qk_norm=qk_norm)
+    q = sliced_qkv_rope(idx, val, count, w_t, cos, sin, pos, kc, vc, settings=_ks(config), bias=bias, qk_norm=qk_norm,
+                        rot=rot)
     h = produce_ref(x, nw, 1e-5)
     y64, y = (h.double() * (h.float().abs() > t)) @ w_t.double(), input_sparse_gemv_ref(h, w_t, t)
     if with_bias:
         y64, y = y64 + bias.double(), y + bias
-    q64, k64, v64 = _rope64(y64, cos, sin, H, Hkv, hd, qk_norm)
+    q64, k64, v64 = _rope64(y64, cos, sin, H, Hkv, hd, qk_norm, rot)
     kt, vt = (torch.full_like(kc, float("nan")) for _ in range(2))
-    qt = sliced_qkv_rope_ref(y, cos, sin, pos, kt, vt, qk_norm=qk_norm)
+    qt = sliced_qkv_rope_ref(y, cos, sin, pos, kt, vt, qk_norm=qk_norm, rot=rot)
     rows = torch.arange(B)
     close(q, q64, qt)
     close(kc[rows, :, pos], k64, kt[rows, :, pos])
@@ -311,7 +320,7 @@ def test_sliced_qkv_rope_matches_float64(triton_interp, close, dtype, B, H, Hkv,
     # the same launch after a dense product (the dense decode step): the masked product in, its bias added there
     kd, vd = (torch.full_like(kc, float("nan")) for _ in range(2))
     qd = qkv_rope(input_sparse_gemv_ref(h, w_t, t), cos, sin, pos, kd, vd, settings=_ks(config), bias=bias,
-                  qk_norm=qk_norm)
+                  qk_norm=qk_norm, rot=rot)
     close(qd, q64, qt)
     close(kd[rows, :, pos], k64, kt[rows, :, pos])
     close(vd[rows, :, pos], v64, vt[rows, :, pos])

@@ -192,16 +192,19 @@ def check_sliced_add(N, M, B, dtype, t):
                                  "kept": float((x.float().abs() > t).float().mean())}
 
 
-def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False, norm=False):
+def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False, norm=False, rot=None):
     """The fused q/k/v TEAL GEMV with RoPE and the cache writes over 20 CUDA-graph replays on new inputs and
     positions: q and both caches bit-equal to an eager step's; q vs float64. bias: q/k/v biases (Qwen2); norm:
-    each q and k head's RMSNorm before RoPE (Qwen3)."""
+    each q and k head's RMSNorm before RoPE (Qwen3); rot: RoPE over a head's first rot dimensions (Phi-4-mini)."""
     from dejavu.plugins import input_sparse as IS
 
     M = (H + 2 * Hkv) * hd
     x, w_t = randn(B, N, dtype=dtype), randn(N, M, dtype=dtype, scale=(N / 2) ** -0.5)
-    ang = torch.rand(B, hd // 2, device=DEV) * 6
-    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    r = rot or hd
+    ang = torch.rand(B, r // 2, device=DEV) * 6
+    pad = torch.ones(B, hd - r, device=DEV), torch.zeros(B, hd - r, device=DEV)  # past the rotary dimensions
+    cos = torch.cat((ang.cos(), ang.cos(), pad[0]), -1).to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin(), pad[1]), -1).to(dtype)
     pos = torch.randint(0, T, (B,), device=DEV)
     b = randn(M, dtype=dtype) if bias else None
     qk_norm = (1 + 0.3 * randn(hd, dtype=dtype), 1 + 0.3 * randn(hd, dtype=dtype), 1e-6) if norm else None
@@ -211,7 +214,7 @@ def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False, norm=False):
 
     def step(which):
         qs[which] = IS.sliced_qkv_rope(*IS.select_slices(x, t, split), w_t, cos, sin, pos, *caches[which], bias=b,
-                                       qk_norm=qk_norm)
+                                       qk_norm=qk_norm, rot=rot)
         return qs[which]
 
     step("graph")  # compiles
@@ -235,8 +238,12 @@ def check_sliced_qkv(N, H, Hkv, hd, B, dtype, t, T=64, bias=False, norm=False):
     if norm:
         qkv64 = qkv64 / (qkv64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * qk_norm[0].double()
         qkvt = IS.produce_ref(qkvt, qk_norm[0], 1e-6)
-    q64 = qkv64 * cos.double()[:, None] + qkv64.roll(hd // 2, -1) * sin.double()[:, None]
-    qt = qkvt * cos[:, None] + qkvt.roll(hd // 2, -1) * sin[:, None]
+
+    def mate(v):  # rotate_half's partner over the first r dimensions (sin 0 past them)
+        return torch.cat((v[..., :r].roll(r // 2, -1), v[..., r:]), -1)
+
+    q64 = qkv64 * cos.double()[:, None] + mate(qkv64) * sin.double()[:, None]
+    qt = qkvt * cos[:, None] + mate(qkvt) * sin[:, None]
     ok, e = _err_ok(qs["graph"], q64, qt, *TOL[dtype])
     return ok and same, {"q": e, "graph_equal_eager": same, "split": split}
 
@@ -389,6 +396,9 @@ def cases():
     # with the q and k heads' RMSNorm: Qwen3-8B (32 / 8 heads of 128), bf16 at batch 2
     cases.append(("sliced_qkv", dict(N=4096, H=32, Hkv=8, hd=128, B=1, dtype=torch.float16, t=0.67, norm=True)))
     cases.append(("sliced_qkv", dict(N=4096, H=32, Hkv=8, hd=128, B=2, dtype=torch.bfloat16, t=0.67, norm=True)))
+    # RoPE over 96 of a head's 128 dimensions: Phi-4-mini (24 / 8 heads), bf16 at batch 2
+    cases.append(("sliced_qkv", dict(N=3072, H=24, Hkv=8, hd=128, B=1, dtype=torch.float16, t=0.67, rot=96)))
+    cases.append(("sliced_qkv", dict(N=3072, H=24, Hkv=8, hd=128, B=2, dtype=torch.bfloat16, t=0.67, rot=96)))
     # fc2 + the next LayerNorm (split reduction, then the layer_norm kernel): dot path at B 1 and 8, the
     # GEMV-T path (B 8 per sequence), SPLIT 1, more programs than fit at once; repeats
     for dtype in (torch.float16, torch.bfloat16, torch.float32):

@@ -4,8 +4,8 @@ over each query and key head before RoPE; head_dim 16 with a hidden of 48). The 
 model on the same folder, the sparse engine against the compiler's simulation, the Triton decode step (q/k/v's
 bias and the heads' norm before RoPE in their sum kernel, gate/up's bias into the first split's partials, o's and
 down's after their GEMVs) under the interpreter against the reference ops, and the vectors' tensor-parallel
-split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load), a Qwen2 with YaRN rope scaling and a
-Llama with Phi-3's LongRoPE built from folders."""
+split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load), a Phi-4-mini-like partial rotary, a
+Qwen2 with YaRN rope scaling and a Llama with Phi-3's LongRoPE built from folders."""
 from __future__ import annotations
 
 import pytest
@@ -158,26 +158,31 @@ def test_vectors_split_with_their_columns_across_ranks(built):
                 assert all(torch.equal(tr[f"layers.{l}.{name}"], t[f"layers.{l}.{name}"]) for _, tr in shards)
 
 
-def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
-    """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
-    engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
+def _phi3_folder(folder, **config):
+    """A random tiny Phi3ForCausalLM (6 query / 2 KV heads of 8 unless config says otherwise) saved as a folder with
+    the tests' tokenizer; (model, folder)."""
     transformers = pytest.importorskip("transformers")
     from tiny_tokenizer import tiny_tokenizer_json
 
-    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
-    from dejavu.models.auto import load_llama
-
-    cfg = transformers.Phi3Config(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
-                                  pad_token_id=1, bos_token_id=0, eos_token_id=2, attn_implementation="eager")
+    base = dict(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=2, max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     torch.manual_seed(3)
-    hf = transformers.Phi3ForCausalLM(cfg).eval()
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**base, **config}, attn_implementation="eager"))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
-    folder = tmp_path / "phi3"
     hf.save_pretrained(folder, safe_serialization=True)
     (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
+    return hf.eval(), folder
+
+
+def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
+    """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
+    engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.models.auto import load_llama
+
+    hf, folder = _phi3_folder(tmp_path / "phi3")
     ids = _ids(seed=2)
     for d in (1.0, 0.6):
         build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
@@ -193,6 +198,52 @@ def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulatio
                 assert (ref - hf(input_ids=ids).logits).abs().max() > 100 * ATOL  # the thresholds change the logits
         assert eng.header["model_config"]["model_type"] == "phi3"
         assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+
+
+def test_partial_rotary_folder_engines_equal_transformers_and_the_simulation_and_triton(tmp_path):
+    """A Phi-4-mini-like folder (Phi3ForCausalLM, rotary positions over 12 of a head's 16 dimensions): the dense
+    engine equals transformers' model, token-parallel and through cached decode steps, the sparse one the compiler's
+    simulation; the Triton decode step of both (the q/k/v sum kernel pairing each rotary column with the one 6 away
+    and passing the last 4 through) equals the reference ops' under the interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
+    from dejavu.models.auto import load_llama
+
+    hf, folder = _phi3_folder(tmp_path / "phi4mini", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)
+    assert hf.model.rotary_emb.inv_freq.numel() == 6
+    ids = _ids(seed=2)
+    for d in (1.0, 0.6):
+        build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
+        eng = Engine.load(tmp_path / f"d{d}.engine")
+        assert eng.spec.config.rotary_dim == 12
+        with torch.no_grad():
+            if d == 1.0:
+                ref = hf(input_ids=ids).logits
+            else:
+                sp = eng.header["sparsity"]
+                model = load_llama(folder)[0]
+                with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
+                    ref = model(ids)
+        assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+    pytest.importorskip("triton")
+    script = f"""
+import json, torch
+from dejavu.runtime import Engine
+ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(5))
+for d in (0.6, 1.0):
+    path = {str(tmp_path)!r} + f"/d{{d}}.engine"
+    ref, tri = Engine.load(path), Engine.load(path, backend="triton")
+    print(json.dumps({{"diff": float((ref.decode_logits(ids) - tri.decode_logits(ids)).abs().max())}}))
+"""
+    p = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="1"),
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-2:]]
+    assert len(rows) == 2 and all(r["diff"] <= ATOL for r in rows)
 
 
 def test_yarn_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
@@ -259,6 +310,28 @@ def test_longrope_engines_decode_as_transformers_and_the_simulation_do(tmp_path)
             assert (steps[:, 16:] - whole[:, 16:]).abs().max() > 100 * ATOL  # the two ways differ past the switch
             assert (eng.logits(ids) - whole).abs().max() <= ATOL
             assert (eng.decode_logits(ids) - steps).abs().max() <= ATOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
+def test_rope_variants_triton_decode_on_the_gpu_equals_the_cpu_reference(tmp_path):
+    """On the GPU: sparse engines of a partial rotary (Phi-4-mini-like), YaRN and LongRoPE folder decode (the q/k/v
+    sum kernel's partial pairing; cos and sin scaled; LongRoPE's switch on the device inside the CUDA graph, over 24
+    positions past its original context of 16) as the CPU reference engine does."""
+    pytest.importorskip("triton")
+    longrope = dict(rope_type="longrope", original_max_position_embeddings=16, short_factor=[1.0, 1.2, 1.5, 2.0],
+                    long_factor=[1.0, 2.0, 6.0, 16.0])
+    folders = [_phi3_folder(tmp_path / "partial", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)[1],
+               write_tiny_llama(tmp_path / "yarn", seed=5, model_type="qwen2",
+                                rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
+               write_tiny_llama(tmp_path / "longrope", seed=5, rope_scaling=longrope)]
+    ids = _ids(s=24, seed=3)
+    prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]
+    for i, folder in enumerate(folders):
+        build_engine(folder, BuildConfig(density=0.6, **CALIB), tmp_path / f"{i}.engine", progress=False)
+        path = tmp_path / f"{i}.engine"
+        ref, tri = Engine.load(path), Engine.load(path, "cuda", backend="triton")
+        assert (tri.decode_logits(ids).cpu() - ref.decode_logits(ids)).abs().max() <= 1e-3, folder.name
+        assert tri.generate(prompts, 20, stop_at_eos=False) == ref.generate(prompts, 20, stop_at_eos=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
