@@ -176,28 +176,36 @@ def _phi3_folder(folder, **config):
     return hf.eval(), folder
 
 
-def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
-    """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
-    engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
+def _engines_equal_their_references(folder, hf, ids, tmp_path) -> dict:
+    """Build a dense and a 0.6 engine of `folder`: the dense one's logits, token-parallel and through cached decode
+    steps, equal transformers' model `hf`; the sparse one's the compiler's simulation (which the thresholds move
+    away from the dense model). Returns {density: engine}."""
     from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
     from dejavu.models.auto import load_llama
 
-    hf, folder = _phi3_folder(tmp_path / "phi3")
-    ids = _ids(seed=2)
+    engines = {}
     for d in (1.0, 0.6):
         build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
-        eng = Engine.load(tmp_path / f"d{d}.engine")
+        eng = engines[d] = Engine.load(tmp_path / f"d{d}.engine")
         with torch.no_grad():
-            if d == 1.0:
-                ref = hf(input_ids=ids).logits
-            else:
+            ref = hf(input_ids=ids).logits
+            if d < 1.0:
                 sp = eng.header["sparsity"]
                 model = load_llama(folder)[0]
                 with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
-                    ref = model(ids)
-                assert (ref - hf(input_ids=ids).logits).abs().max() > 100 * ATOL  # the thresholds change the logits
-        assert eng.header["model_config"]["model_type"] == "phi3"
+                    sim = model(ids)
+                assert (sim - ref).abs().max() > 100 * ATOL  # the thresholds change the logits
+                ref = sim
         assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+    return engines
+
+
+def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
+    """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
+    engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
+    hf, folder = _phi3_folder(tmp_path / "phi3")
+    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
+    assert all(e.header["model_config"]["model_type"] == "phi3" for e in engines.values())
 
 
 def test_partial_rotary_folder_engines_equal_transformers_and_the_simulation_and_triton(tmp_path):
@@ -210,25 +218,10 @@ def test_partial_rotary_folder_engines_equal_transformers_and_the_simulation_and
     import subprocess
     import sys
 
-    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
-    from dejavu.models.auto import load_llama
-
     hf, folder = _phi3_folder(tmp_path / "phi4mini", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)
     assert hf.model.rotary_emb.inv_freq.numel() == 6
-    ids = _ids(seed=2)
-    for d in (1.0, 0.6):
-        build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
-        eng = Engine.load(tmp_path / f"d{d}.engine")
-        assert eng.spec.config.rotary_dim == 12
-        with torch.no_grad():
-            if d == 1.0:
-                ref = hf(input_ids=ids).logits
-            else:
-                sp = eng.header["sparsity"]
-                model = load_llama(folder)[0]
-                with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
-                    ref = model(ids)
-        assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
+    assert all(e.spec.config.rotary_dim == 12 for e in engines.values())
     pytest.importorskip("triton")
     script = f"""
 import json, torch
@@ -251,26 +244,11 @@ def test_yarn_folder_builds_and_its_engines_equal_transformers_and_the_simulatio
     its attention factor): the dense engine equals transformers' model, the sparse one the compiler's simulation,
     token-parallel and through cached decode steps over 40 positions (past the original context)."""
     transformers = pytest.importorskip("transformers")
-    from dejavu.compiler.gated_sparsity import GatedSparsity, gated_sparsity
-    from dejavu.models.auto import load_llama
-
     yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
     folder = write_tiny_llama(tmp_path / "yarn", seed=5, model_type="qwen2", rope_scaling=yarn)
     hf = transformers.Qwen2ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     assert hf.model.rotary_emb.attention_scaling > 1.1  # the factor is in play
-    ids = _ids(s=40, seed=3)
-    for d in (1.0, 0.6):
-        build_engine(folder, BuildConfig(density=d, **CALIB), tmp_path / f"d{d}.engine", progress=False)
-        eng = Engine.load(tmp_path / f"d{d}.engine")
-        with torch.no_grad():
-            if d == 1.0:
-                ref = hf(input_ids=ids).logits
-            else:
-                sp = eng.header["sparsity"]
-                model = load_llama(folder)[0]
-                with gated_sparsity(model, sp["thresholds"], GatedSparsity(skip=sp["skip"])):
-                    ref = model(ids)
-        assert (eng.logits(ids) - ref).abs().max() <= ATOL and (eng.decode_logits(ids) - ref).abs().max() <= ATOL
+    _engines_equal_their_references(folder, hf, _ids(s=40, seed=3), tmp_path)
 
 
 def test_longrope_engines_decode_as_transformers_and_the_simulation_do(tmp_path):
