@@ -257,11 +257,12 @@ class _CountingOps:
         gu = self.linear(x, wgu_t, t_in, norm=norm)
         return self.linear(gu if bgu is None else gu + bgu, wd_t, t_down, swiglu=True, residual=x)
 
-    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows, bias=None, qk_norm=None):
+    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows, bias=None, qk_norm=None, rot=None):
         from dejavu.plugins.input_sparse import sliced_qkv_rope_ref
 
         qkv = self.linear(x, w_t, t, norm)
-        return sliced_qkv_rope_ref(qkv if bias is None else qkv + bias, cos, sin, pos, k_cache, v_cache, rows, qk_norm)
+        return sliced_qkv_rope_ref(qkv if bias is None else qkv + bias, cos, sin, pos, k_cache, v_cache, rows, qk_norm,
+                                   rot)
 
 
 def realized_skip(eng, c: dict, P: int, steps: int) -> float:
