@@ -15,6 +15,9 @@ downloaded here):
                   18944, vocabulary 152064, untied head, q/k/v biases (added in the q/k/v sum kernel)
   qwen3-8b        Qwen/Qwen3-8B's config.json: 36 layers, hidden 4096, 32 / 8 KV heads of 128, SwiGLU 12288,
                   vocabulary 151936, untied head, each q and k head's RMSNorm (in the q/k/v sum kernel)
+  phi-4-mini      microsoft/Phi-4-mini-instruct's config.json: 32 layers, hidden 3072, 24 / 8 KV heads of 128 with
+                  RoPE over 96 of them (partial rotary), SwiGLU 8192, vocabulary 200064, tied head, LongRoPE past
+                  4096 positions (its factors set to 1 here: the timing is the same)
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step: PyTorch's RMSNorm, products
@@ -76,6 +79,11 @@ SHAPES = {
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
                      rope_theta=1000000.0),
+    "phi-4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, head_dim=128, intermediate_size=8192,
+                       rope_theta=10000.0, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 48, long_factor=[1.0] * 48)),
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
