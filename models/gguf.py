@@ -152,7 +152,7 @@ def config_dict(reader, path="GGUF file") -> dict:
     if "rope_freqs.weight" in names:
         factors = torch.tensor(_vector(reader, "rope_freqs.weight"), dtype=torch.float64)
         old = _field(reader, a + "rope.scaling.original_context_length")
-        d["rope_scaling"] = llama3_scaling(factors, head_dim, theta, old, path)
+        d["rope_scaling"] = llama3_scaling(factors, rot, theta, old, path)
     return d
 
 
@@ -163,8 +163,8 @@ def _vector(reader, name: str) -> list[float]:
 
 
 def llama3_factors(head_dim: int, theta: float, factor: float, low: float, high: float, old: int) -> torch.Tensor:
-    """The per-frequency divisors [head_dim / 2] of Llama 3.1's "llama3" rope_scaling, as llama.cpp's converter
-    writes them into `rope_freqs` (float64)."""
+    """The per-frequency divisors [head_dim / 2] (head_dim: the rotary dimensions) of Llama 3.1's "llama3"
+    rope_scaling, as llama.cpp's converter writes them into `rope_freqs` (float64)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     wavelen = 2 * math.pi / inv
     smooth = (old / wavelen - low) / (high - low)

@@ -3,10 +3,10 @@
 Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral; qwen2, whose q/k/v projections
 carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; phi3, whose checkpoints fuse
 q/k/v and gate/up (split on load: `unfuse`); a sequence stays inside the sliding window where they have one):
-RMSNorm, rotary positions (rope_theta; "linear", Llama-3 "llama3", "yarn" and Phi-3 "longrope" rope_scaling),
-grouped-query attention,
-SwiGLU MLP, optional tied LM head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV
-cache, `forward(ids, start_pos, attention_mask)`), so `dejavu.models.generate` drives both.
+RMSNorm, rotary positions (rope_theta; "linear", Llama-3 "llama3", "yarn" and Phi-3 "longrope" rope_scaling; over
+part of each head where partial_rotary_factor says so), grouped-query attention, SwiGLU MLP, optional tied LM
+head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV cache, `forward(ids, start_pos,
+attention_mask)`), so `dejavu.models.generate` drives both.
 Sparsity is never written here: the compiler applies it from outside (hooks, rewrites).
 """
 from __future__ import annotations
