@@ -313,9 +313,7 @@ def offload_layers(model, device) -> None:
     device = torch.device(device)
     for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
         mod.to(device)
-    model.inv_freq = model.inv_freq.to(device)
-    if model.inv_freq_long is not None:  # LongRoPE
-        model.inv_freq_long = model.inv_freq_long.to(device)
+    model.rope_to(device)
 
     def bring(home):
         def hook(layer, args):

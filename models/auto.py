@@ -19,7 +19,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.models.llama import MODEL_TYPES as LLAMA_TYPES
-from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq, unfuse
+from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, unfuse
 from dejavu.models.presets import gguf_preset_path, resolve
 
 
@@ -78,9 +78,7 @@ def _fill(cfg: LlamaConfig, tensors, where: str, dtype, device) -> LlamaForCausa
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight  # assign=True broke the tie
-    model.inv_freq = rope_inv_freq(cfg).to(device)  # non-persistent buffers: still on meta
-    if model.long_after is not None:  # LongRoPE
-        model.inv_freq_long = rope_inv_freq(cfg, long=True).to(device)
+    model.rope_to(device)  # non-persistent buffers: still on meta
     return model.eval()
 
 

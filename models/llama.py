@@ -402,11 +402,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_scale = rope_attention_factor(cfg)  # cos and sin scaled by it (YaRN, LongRoPE)
         self.long_after = rope_long_after(cfg)  # LongRoPE: its long factors' frequencies past this context
-        self.register_buffer("inv_freq_long", None if self.long_after is None else rope_inv_freq(cfg, long=True),
-                             persistent=False)
+        self.register_buffer("inv_freq", None, persistent=False)
+        self.register_buffer("inv_freq_long", None, persistent=False)
+        self.rope_to(None)
+
+    def rope_to(self, device) -> None:
+        """The rotary frequencies (non-persistent buffers: a model built on meta gets them here) on `device`."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        if self.long_after is not None:
+            self.inv_freq_long = rope_inv_freq(self.config, long=True).to(device)
 
     @property
     def layers(self) -> nn.ModuleList:
