@@ -129,6 +129,8 @@ def jit(fn, device: torch.device):
         if device.type == "cpu":
             _patch_interpreter_index()
             _patch_interpreter_bf16()
+            _patch_interpreter_helper_calls()
+            _interpreter_overflow_checks()
         globals()["tl"] = triton.language
         bind_helpers(fn.__globals__, triton)
         kernel = _JITTED[fn] = triton.jit(fn)
@@ -177,6 +179,66 @@ def _patch_interpreter_index():
 
     patched._dejavu_index_fix = True
     interp._patch_lang_tensor = patched
+
+
+def _patch_interpreter_helper_calls():
+    """Patch a language module once per launch in Triton's interpreter, not again at every helper call.
+
+    The interpreter patches the language modules a kernel's globals hold (every builtin of tl, tl.tensor and
+    tl.math, found by inspect.getmembers) when a launch starts and restores them when it ends; each call of a
+    @jit helper patches the modules its own globals hold again, inside that launch, and never restores them.
+    For modules the launch already patched that is the same work again: a third of the interpreter's time
+    in the helper-heavy kernels (input_sparse). A helper call now patches only modules not yet patched in
+    this launch (tl.core, from triton.language.standard's helpers, the first time); the rest is unchanged.
+    """
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang
+    if getattr(original, "_dejavu_once", False):
+        return
+    done: set = set()  # ids of the language modules patched in the running launch (empty between launches)
+
+    def langs(fn):
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang(fn):
+        if done:  # a helper called inside a launch
+            if langs(fn) <= done:
+                return interp._LangPatchScope()
+            done.update(langs(fn))
+            return original(fn)
+        scope = original(fn)
+        done.update(langs(fn))
+        restore = scope.restore
+
+        def restore_and_end():
+            done.clear()
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+    patch_lang._dejavu_once, patch_lang.original = True, original
+    interp._patch_lang = patch_lang
+
+
+def _interpreter_overflow_checks():
+    """Stop Triton's interpreter computing overflow checks it then throws away.
+
+    Every int32 add / sub / mul of a kernel is checked for overflow (redone in int64 and compared) when the
+    builder's sanitize_overflow is on, its default; the assert the check feeds is only made under the builder's
+    debug option, off in the interpreter (a compiled kernel keeps it only in a debug build). So the interpreter
+    computed the checks and dropped them: about half of its time in the kernels' index arithmetic. With debug off
+    the checks are now not computed; nothing a kernel computes changes.
+    """
+    import dataclasses
+
+    import triton.runtime.interpreter as interp
+
+    builder = interp.interpreter_builder
+    if builder.options.sanitize_overflow and not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
 def _patch_interpreter_bf16():

@@ -66,3 +66,53 @@ def test_reg_cap_only_for_cuda_launches(triton_interp, monkeypatch):
     assert C.reg_cap({"maxnreg": 168}, torch.device("cpu")) == {}
     monkeypatch.setattr(C, "interpreting", lambda: True)
     assert C.reg_cap({"maxnreg": 168}, cuda) == {}
+
+
+def _wrap_kernel(x_ptr, y_ptr):
+    x = tl.load(x_ptr)
+    tl.store(y_ptr, x * 65536)  # int32: 2^16 * 2^16 wraps, as the GPU computes it
+
+
+def test_interpreter_computes_no_overflow_check_it_would_drop(triton_interp):
+    """The interpreter's int32 arithmetic wraps as before (its overflow asserts need the builder's debug
+    option, off), and the checks feeding those asserts are no longer computed (sanitize_overflow off)."""
+    import triton.runtime.interpreter as interp
+
+    x, y = torch.tensor([65536, 3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    jit(_wrap_kernel, x.device)[(1,)](x, y)
+    assert int(y) == 0  # 2^32 mod 2^32
+    assert not interp.interpreter_builder.options.debug
+    assert not interp.interpreter_builder.options.sanitize_overflow
+
+
+def _helper_sum(x):
+    return tl.sum(tl.zeros_like(x) + x, 0)  # tl.zeros_like: a helper of triton.language.standard (tl.core)
+
+
+def _helper_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr, _helper_sum(tl.load(x_ptr + offs)) + tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0))
+
+
+def test_interpreter_patches_the_language_once_per_launch(triton_interp, monkeypatch):
+    """A kernel calling helpers (its own module's, triton.language.standard's) patches each language module
+    once per launch, not at every helper call (_patch_interpreter_helper_calls), computes what it did before,
+    and leaves triton.language as it found it after the launch."""
+    import triton.language as tlang
+    import triton.runtime.interpreter as interp
+
+    import dejavu.plugins._common as C
+
+    _helper_sum._dejavu_helper = True
+    x, y = torch.arange(16, dtype=torch.float32), torch.zeros(1)
+    kernel = jit(_helper_kernel, x.device)
+    calls = []
+    original = interp._patch_lang.original  # the interpreter's own
+    monkeypatch.setattr(interp, "_patch_lang", lambda fn: (calls.append(fn), original(fn))[1])
+    C._patch_interpreter_helper_calls()  # around the counting one
+    before = tlang.sum
+    for _ in range(3):
+        kernel[(1,)](x, y, BLOCK=16)
+    assert float(y) == 120.0 and tlang.sum is before
+    # per launch: the kernel's module (tl), then standard.py's helpers' (tl.core) once; never _helper_sum's
+    assert len(calls) == 3 * 2, [getattr(f, "__name__", f) for f in calls]
