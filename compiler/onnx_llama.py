@@ -120,8 +120,9 @@ def _attention(g: GraphBuilder, layer, l: int, h: str, cos: str, sin: str, decod
     if cfg.qk_norm:  # each head's RMSNorm over its hd values (Qwen3)
         q = _rms_norm(g, q, a.q_norm.weight, cfg.rms_norm_eps, f"{p}.q_norm")
         k = _rms_norm(g, k, a.k_norm.weight, cfg.rms_norm_eps, f"{p}.k_norm")
-    rot = cfg.rope_dim
-    q, k = _rotate(g, q, cos, sin, hd, f"{p}.q_rope", rot), _rotate(g, k, cos, sin, hd, f"{p}.k_rope", rot)
+    if l not in cfg.nope_layers:  # a NoPE layer (SmolLM3): q and k as projected
+        rot = cfg.rope_dim
+        q, k = _rotate(g, q, cos, sin, hd, f"{p}.q_rope", rot), _rotate(g, k, cos, sin, hd, f"{p}.k_rope", rot)
     v = heads(_proj(g, h, a.v_proj, f"{p}.v_proj"), Hkv, f"{p}.v_proj")
     kv = []
     for kind, t in (("key", k), ("value", v)):

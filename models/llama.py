@@ -2,7 +2,8 @@
 
 Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral; qwen2, whose q/k/v projections
 carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; phi3, whose checkpoints fuse
-q/k/v and gate/up (split on load: `unfuse`); a sequence stays inside the sliding window where they have one):
+q/k/v and gate/up (split on load: `unfuse`); smollm3, whose no_rope_layers take no rotary positions; a sequence
+stays inside the sliding window where they have one):
 RMSNorm, rotary positions (rope_theta; "linear", Llama-3 "llama3", "yarn" and Phi-3 "longrope" rope_scaling; over
 part of each head where partial_rotary_factor says so), grouped-query attention, SwiGLU MLP, optional tied LM
 head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV cache, `forward(ids, start_pos,
@@ -22,9 +23,9 @@ from torch import nn
 from dejavu.errors import DejavuError
 from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -50,6 +51,7 @@ class LlamaConfig:
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     sliding_window: int | None = None
     rotary_dim: int | None = None  # RoPE over a head's first rotary_dim dimensions (Phi-4-mini); None: all
+    nope_layers: tuple = ()  # the layers whose attention takes no rotary positions (SmolLM3's NoPE layers)
     model_type: str = "llama"
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -128,7 +130,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
             qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", sliding_window=_sliding_window(d, mt), model_type=mt,
-            rotary_dim=None if rotary == head_dim else rotary,
+            rotary_dim=None if rotary == head_dim else rotary, nope_layers=_nope_layers(d, mt),
             pad_token_id=d.get("pad_token_id"), bos_token_id=bos, eos_token_id=eos,
         )
 
@@ -138,8 +140,10 @@ class LlamaConfig:
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         if d.pop("rotary_dim") is not None:
             d["partial_rotary_factor"] = self.rotary_dim / self.head_dim
+        if d.pop("nope_layers") or self.model_type == "smollm3":
+            d["no_rope_layers"] = [int(l not in self.nope_layers) for l in range(self.num_hidden_layers)]
         d.update(architectures=[ARCHITECTURES[self.model_type]], hidden_act="silu", attention_dropout=0.0)
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "smollm3"):
             d["use_sliding_window"] = self.sliding_window is not None
         return d
 
@@ -162,12 +166,29 @@ class LlamaConfig:
 def _sliding_window(d: dict, model_type: str) -> int | None:
     # Mistral's and Phi-3's window, or Qwen2's / Qwen3's where use_sliding_window turns it on (their config.json
     # writes a window either way)
-    if model_type in ("mistral", "phi3") or (model_type in ("qwen2", "qwen3") and d.get("use_sliding_window")):
+    if model_type in ("mistral", "phi3") or (model_type in ("qwen2", "qwen3", "smollm3")
+                                             and d.get("use_sliding_window")):
         w = d.get("sliding_window")
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
             raise DejavuError(f"config.json field 'sliding_window' must be a positive integer or null, got {w!r}")
         return w
     return None
+
+
+def _nope_layers(d: dict, model_type: str) -> tuple:
+    # SmolLM3's layers without RoPE: config.json's no_rope_layers (1: RoPE, 0: none, one per layer), else every
+    # no_rope_layer_interval-th layer (transformers' default: the 4th, 8th, ...)
+    if model_type != "smollm3":
+        return ()
+    L, flags = d["num_hidden_layers"], d.get("no_rope_layers")
+    if flags is None:
+        step = d.get("no_rope_layer_interval", 4)
+        if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+            raise DejavuError(f"config.json field 'no_rope_layer_interval' must be a positive integer, got {step!r}")
+        flags = [int((l + 1) % step != 0) for l in range(L)]
+    if not (isinstance(flags, list) and len(flags) == L and all(f in (0, 1) and type(f) in (int, bool) for f in flags)):
+        raise DejavuError(f"config.json field 'no_rope_layers' must list {L} flags (1: RoPE, 0: none)")
+    return tuple(l for l, f in enumerate(flags) if not f)
 
 
 def unfuse(pairs, cfg: LlamaConfig):
@@ -301,8 +322,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int |
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, rope: bool = True):
         super().__init__()
+        self.rope = rope  # False: no rotary positions (a NoPE layer)
         d, hd = cfg.hidden_size, cfg.head_dim
         b = cfg.attention_bias or cfg.qkv_bias
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
@@ -323,8 +345,9 @@ class LlamaAttention(nn.Module):
         q, k = self.q_proj(x).view(B, S, H, hd), self.k_proj(x).view(B, S, Hkv, hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin, self.rot)  # [B, H, S, hd]
-        k = apply_rope(k.transpose(1, 2), cos, sin, self.rot)  # [B, Hkv, S, hd]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, hd], [B, Hkv, S, hd]
+        if self.rope:
+            q, k = apply_rope(q, cos, sin, self.rot), apply_rope(k, cos, sin, self.rot)
         v = self.v_proj(x).view(B, S, Hkv, hd).transpose(1, 2)
         if self.cache is not None and cache_pos is not None:
             k, v = self.cache.update(cache_pos, k, v)  # [B, Hkv, S_max, hd]
@@ -349,10 +372,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, rope=layer not in cfg.nope_layers)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -366,7 +389,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, l) for l in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -16,7 +16,8 @@ Same design as the OPT decoder (runtime/decoder.py):
 Decode step: RMSNorm, fused q/k/v, RoPE on the new token, GQA over a [B, H_kv, T, hd] cache, fused gate/up,
 SwiGLU, down. Biases where the checkpoint has them: q/k/v's added before RoPE in their sum kernel (Qwen2, Llama's
 attention_bias), o's, gate/up's and down's (attention_bias, mlp_bias) one launch each. Qwen3's RMSNorm of each
-query and key head: in the same sum kernel, after the biases and before RoPE. No side stream: TEAL has
+query and key head: in the same sum kernel, after the biases and before RoPE. A layer without RoPE (SmolLM3's
+NoPE layers): the same kernel with cos 1 and sin 0, which leave q and k as projected. No side stream: TEAL has
 no predictor to overlap (the thresholds are the selection, computed where the input is).
 """
 from __future__ import annotations
@@ -302,8 +303,9 @@ class LlamaDecoder:
             # o's and down's added to the residual stream after the projection (under TP after the all-reduce);
             # the q and k heads' RMSNorm weights (Qwen3), between q/k/v's bias and RoPE
             **{k: tensors.get(f"layers.{l}.{name}") for k, name in VECTORS.items()}) for l in range(spec.num_layers)]
-        for w in self.layers:
+        for l, w in enumerate(self.layers):
             w.qk_norm = None if w.q_norm is None else (w.q_norm, w.k_norm, spec.rms_norm_eps)
+            w.rope = l not in spec.nope_layers  # False: a NoPE layer (SmolLM3), its q and k as projected
         self.lm_head = tensors.get("lm_head", tensors["embed_tokens"])
         self.inv_freq = rope_inv_freq(spec.config).to(device)  # [hd / 2] fp32
         self.rope_scale = rope_attention_factor(spec.config)  # cos and sin scaled by it (YaRN, LongRoPE)
@@ -382,6 +384,8 @@ class LlamaDecoder:
         half = s.rope_dim // 2
         cos, sin = self._rope(pos)  # [B, hd]
         sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)  # rotate_half's sign, once per step
+        # a NoPE layer's q and k through the same sum kernel unrotated: cos 1 and sin 0 give x * 1 + mate * 0 = x
+        nope = (torch.ones_like(cos), torch.zeros_like(sin)) if s.nope_layers else None
         mask = None  # the kernel reads slots <= pos[b] only; SDPA: an additive mask [B, 1, 1, T], once per step
         if not self.ops.attn_kernel:
             from dejavu.plugins.gqa_attention import decode_mask
@@ -393,8 +397,9 @@ class LlamaDecoder:
         for l, w in enumerate(self.layers):
             kc, vc = self.k_cache[l], self.v_cache[l]
             # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
-            q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps), cos, sin, pos, kc, vc,
-                                  self.rows, w.bqkv, w.qk_norm, s.rotary_dim)
+            q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps),
+                                  *((cos, sin) if w.rope else nope), pos, kc, vc, self.rows, w.bqkv, w.qk_norm,
+                                  s.rotary_dim)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
             norm = (w.mlp_norm, s.rms_norm_eps)
             if self.reduce is None:
@@ -433,8 +438,9 @@ class LlamaDecoder:
             q, k = q.view(B, S, H, hd), k.view(B, S, Hkv, hd)
             if w.qk_norm is not None:
                 q, k = produce_ref(q, w.q_norm, s.rms_norm_eps), produce_ref(k, w.k_norm, s.rms_norm_eps)
-            q = apply_rope(q.transpose(1, 2), cos, sin, s.rope_dim)  # [B, H, S, hd]
-            k = apply_rope(k.transpose(1, 2), cos, sin, s.rope_dim)  # [B, Hkv, S, hd]
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, hd], [B, Hkv, S, hd]
+            if w.rope:
+                q, k = apply_rope(q, cos, sin, s.rope_dim), apply_rope(k, cos, sin, s.rope_dim)
             v = v.view(B, S, Hkv, hd).transpose(1, 2)
             if write_cache:
                 self.k_cache[l][at, :, start:start + S] = k

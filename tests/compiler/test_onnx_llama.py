@@ -29,7 +29,8 @@ VARIANTS = {"gqa_tied": {}, "mha_untied": dict(num_key_value_heads=6, tie_word_e
                                                           short_factor=[1.0, 1.2, 1.5, 2.0],
                                                           long_factor=[1.0, 2.0, 6.0, 16.0]))
                for kind, n in (("long", 8), ("short", 12))},
-            "partial_rotary": dict(partial_rotary_factor=0.75)}  # RoPE over 6 of a head's 8 dimensions (Phi-4-mini)
+            "partial_rotary": dict(partial_rotary_factor=0.75),  # RoPE over 6 of a head's 8 dimensions (Phi-4-mini)
+            "smollm3": dict(model_type="smollm3", no_rope_layers=[0, 1])}  # layer 0 without RoPE (NoPE)
 
 
 def _thresholds(m, skip=0.4):

@@ -1,5 +1,5 @@
-"""Our dense Llama equals transformers.LlamaForCausalLM (Qwen2ForCausalLM / Qwen3ForCausalLM for model_type qwen2 /
-qwen3) on the same weights (fp32, max abs <= 1e-4)."""
+"""Our dense Llama equals transformers.LlamaForCausalLM (Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM for
+model_type qwen2 / qwen3 / smollm3) on the same weights (fp32, max abs <= 1e-4)."""
 from __future__ import annotations
 
 import pytest
@@ -51,6 +51,10 @@ CONFIGS = {
     "qwen3_bias": dict(model_type="qwen3", hidden_size=48, intermediate_size=72, num_attention_heads=4,
                        num_key_value_heads=4, head_dim=8, attention_bias=True, tie_word_embeddings=False,
                        use_sliding_window=False, sliding_window=32),
+    # SmolLM3: layers 1 and 3 without RoPE (NoPE), GQA, tied, rope_theta 2e6
+    "smollm3": dict(model_type="smollm3", hidden_size=48, intermediate_size=72, num_attention_heads=6,
+                    num_key_value_heads=2, num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0], rope_theta=2000000.0,
+                    tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=None),
 }
 
 
@@ -60,7 +64,8 @@ def make_pair(overrides: dict, seed: int = 0):
     over = dict(overrides)
     family = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[over.pop("model_type", "llama")]
+              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+              "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM)}[over.pop("model_type", "llama")]
     hf_cfg = family[0](**{**BASE, **over}, attn_implementation="eager")
     torch.manual_seed(seed)
     hf = family[1](hf_cfg).eval()
@@ -161,6 +166,8 @@ def test_greedy_generate_matches_transformers():
     ({"partial_rotary_factor": 1.5}, "partial_rotary_factor 1.5"),  # more than the head
     ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.1}}, "0.1"),  # 0.8
     ({"partial_rotary_factor": 0.375}, "an even number of a head's 8"),  # 3 dimensions
+    ({"model_type": "smollm3", "no_rope_layers": [1, 0, 1]}, "must list 2 flags"),
+    ({"model_type": "smollm3", "no_rope_layers": None, "no_rope_layer_interval": 0}, "positive integer"),
 ])
 def test_bad_config_is_one_clear_error(change, match):
     d = transformers.LlamaConfig(**{**BASE, **CONFIGS["gqa_tied"]}).to_dict()
@@ -177,7 +184,7 @@ def test_num_params_counts_the_state_dict():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["gqa_tied", "llama3_rope", "qwen2", "qwen3", "smollm3"])
 def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
     """save_pretrained's folder (safetensors, config.json of this transformers) -> load_any equal."""
     from tiny_tokenizer import tiny_tokenizer_json
@@ -190,6 +197,7 @@ def test_hf_folder_loads_through_the_family_dispatch(tmp_path, name):
     assert model_type(tmp_path) == CONFIGS[name].get("model_type", "llama")
     model, cfg = load_any(tmp_path)
     assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3") and cfg.sliding_window is None
+    assert cfg.nope_layers == ((1, 3) if name == "smollm3" else ())
     assert isinstance(model, LlamaForCausalLM) and not any(p.is_meta for p in model.parameters())
     ids = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(7))
     assert (model(ids) - hf(input_ids=ids).logits).abs().max().item() <= ATOL
@@ -289,3 +297,18 @@ def test_phi3_folder_splits_its_fused_projections_and_equals_transformers(tmp_pa
     steps = torch.cat([model(ids[:, :9], 0)] + [model(ids[:, t:t + 1], t) for t in range(9, 21)], 1)
     assert (steps - ref).abs().max().item() <= ATOL
     assert LlamaConfig.from_hf_dict(ours.to_hf_dict()) == ours
+
+
+def test_smollm3_nope_layers_from_the_interval_and_the_config_round_trips():
+    """Without no_rope_layers, every no_rope_layer_interval-th layer takes no RoPE (transformers' default, what
+    llama.cpp hard-codes); to_hf_dict writes the flags back, and transformers' SmolLM3Config reads the same."""
+    d = transformers.SmolLM3Config(**{**BASE, **CONFIGS["smollm3"], "num_hidden_layers": 9, "no_rope_layers": None,
+                                      "no_rope_layer_interval": 3}).to_dict()
+    d.pop("no_rope_layers", None)
+    cfg = LlamaConfig.from_hf_dict(d)
+    assert cfg.nope_layers == (2, 5, 8)
+    back = cfg.to_hf_dict()
+    assert back["no_rope_layers"] == [1, 1, 0, 1, 1, 0, 1, 1, 0] and back["architectures"] == ["SmolLM3ForCausalLM"]
+    assert transformers.SmolLM3Config(**back).no_rope_layers == back["no_rope_layers"]
+    assert LlamaConfig.from_hf_dict(back) == cfg
+    assert LlamaConfig.from_hf_dict({**d, "model_type": "llama"}).nope_layers == ()  # a Llama rotates every layer

@@ -4,8 +4,8 @@ over each query and key head before RoPE; head_dim 16 with a hidden of 48). The 
 model on the same folder, the sparse engine against the compiler's simulation, the Triton decode step (q/k/v's
 bias and the heads' norm before RoPE in their sum kernel, gate/up's bias into the first split's partials, o's and
 down's after their GEMVs) under the interpreter against the reference ops, and the vectors' tensor-parallel
-split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load), a Phi-4-mini-like partial rotary, a
-Qwen2 with YaRN rope scaling and a Llama with Phi-3's LongRoPE built from folders."""
+split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load), a Phi-4-mini-like partial rotary,
+SmolLM3 (a layer without RoPE), a Qwen2 with YaRN rope scaling and a Llama with Phi-3's LongRoPE built from folders."""
 from __future__ import annotations
 
 import pytest
@@ -200,28 +200,14 @@ def _engines_equal_their_references(folder, hf, ids, tmp_path) -> dict:
     return engines
 
 
-def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
-    """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
-    engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
-    hf, folder = _phi3_folder(tmp_path / "phi3")
-    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
-    assert all(e.header["model_config"]["model_type"] == "phi3" for e in engines.values())
-
-
-def test_partial_rotary_folder_engines_equal_transformers_and_the_simulation_and_triton(tmp_path):
-    """A Phi-4-mini-like folder (Phi3ForCausalLM, rotary positions over 12 of a head's 16 dimensions): the dense
-    engine equals transformers' model, token-parallel and through cached decode steps, the sparse one the compiler's
-    simulation; the Triton decode step of both (the q/k/v sum kernel pairing each rotary column with the one 6 away
-    and passing the last 4 through) equals the reference ops' under the interpreter."""
+def _interpreter_decode_equals_the_reference(tmp_path):
+    # the d0.6 and d1.0 engines in tmp_path: the Triton decode step under the interpreter (a subprocess: the
+    # variable must be set before triton is imported) against the reference ops, over 12 positions of 2 rows
     import json
     import os
     import subprocess
     import sys
 
-    hf, folder = _phi3_folder(tmp_path / "phi4mini", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)
-    assert hf.model.rotary_emb.inv_freq.numel() == 6
-    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
-    assert all(e.spec.config.rotary_dim == 12 for e in engines.values())
     pytest.importorskip("triton")
     script = f"""
 import json, torch
@@ -237,6 +223,41 @@ for d in (0.6, 1.0):
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-2:]]
     assert len(rows) == 2 and all(r["diff"] <= ATOL for r in rows)
+
+
+def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
+    """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
+    engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
+    hf, folder = _phi3_folder(tmp_path / "phi3")
+    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
+    assert all(e.header["model_config"]["model_type"] == "phi3" for e in engines.values())
+
+
+def test_partial_rotary_folder_engines_equal_transformers_and_the_simulation_and_triton(tmp_path):
+    """A Phi-4-mini-like folder (Phi3ForCausalLM, rotary positions over 12 of a head's 16 dimensions): the dense
+    engine equals transformers' model, token-parallel and through cached decode steps, the sparse one the compiler's
+    simulation; the Triton decode step of both (the q/k/v sum kernel pairing each rotary column with the one 6 away
+    and passing the last 4 through) equals the reference ops' under the interpreter."""
+    hf, folder = _phi3_folder(tmp_path / "phi4mini", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)
+    assert hf.model.rotary_emb.inv_freq.numel() == 6
+    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
+    assert all(e.spec.config.rotary_dim == 12 for e in engines.values())
+    _interpreter_decode_equals_the_reference(tmp_path)
+
+
+def test_smollm3_folder_engines_equal_transformers_and_the_simulation_and_triton(tmp_path):
+    """A SmolLM3 folder (layer 0 without RoPE, layer 1 with it): the dense engine equals transformers'
+    SmolLM3ForCausalLM, token-parallel and through cached decode steps, the sparse one the compiler's simulation;
+    the Triton decode step of both (the NoPE layer's q and k through the sum kernel with cos 1 and sin 0) equals the
+    reference ops' under the interpreter."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_llama(tmp_path / "smollm3", seed=4, model_type="smollm3", no_rope_layers=[0, 1])
+    hf = transformers.SmolLM3ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert [layer.self_attn.use_rope for layer in hf.model.layers] == [0, 1]
+    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
+    assert all(e.spec.config.nope_layers == (0,) for e in engines.values())
+    assert all(e.header["model_config"]["no_rope_layers"] == [0, 1] for e in engines.values())
+    _interpreter_decode_equals_the_reference(tmp_path)
 
 
 def test_yarn_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
