@@ -313,16 +313,17 @@ def test_longrope_engines_decode_as_transformers_and_the_simulation_do(tmp_path)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device")
 def test_rope_variants_triton_decode_on_the_gpu_equals_the_cpu_reference(tmp_path):
-    """On the GPU: sparse engines of a partial rotary (Phi-4-mini-like), YaRN and LongRoPE folder decode (the q/k/v
-    sum kernel's partial pairing; cos and sin scaled; LongRoPE's switch on the device inside the CUDA graph, over 24
-    positions past its original context of 16) as the CPU reference engine does."""
+    """On the GPU: sparse engines of a partial rotary (Phi-4-mini-like), YaRN, LongRoPE and SmolLM3 folder decode (the
+    q/k/v sum kernel's partial pairing; cos and sin scaled; LongRoPE's switch on the device inside the CUDA graph, over
+    24 positions past its original context of 16; a NoPE layer's cos 1 and sin 0) as the CPU reference engine does."""
     pytest.importorskip("triton")
     longrope = dict(rope_type="longrope", original_max_position_embeddings=16, short_factor=[1.0, 1.2, 1.5, 2.0],
                     long_factor=[1.0, 2.0, 6.0, 16.0])
     folders = [_phi3_folder(tmp_path / "partial", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)[1],
                write_tiny_llama(tmp_path / "yarn", seed=5, model_type="qwen2",
                                 rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
-               write_tiny_llama(tmp_path / "longrope", seed=5, rope_scaling=longrope)]
+               write_tiny_llama(tmp_path / "longrope", seed=5, rope_scaling=longrope),
+               write_tiny_llama(tmp_path / "smollm3", seed=4, model_type="smollm3", no_rope_layers=[0, 1])]
     ids = _ids(s=24, seed=3)
     prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]
     for i, folder in enumerate(folders):
