@@ -163,3 +163,53 @@ def test_bad_partials_are_dejavu_errors(triton_interp):
         select_slices(parts._replace(ml=parts.ml[:, :1].contiguous()), 0.1, 2)
     with pytest.raises(DejavuError, match="not heads of 24"):
         select_slices(parts._replace(head_dim=24), 0.1, 2)
+
+
+FUSED = [  # B, H, Hkv, hd, T, pos, block_s, max_splits, S (0: a dense product), bias, qk_norm, rot, dtype
+    (2, 8, 2, 16, 40, [39, 3], 16, 4, 3, False, False, None, torch.float16),  # pos in the last split of 3 / the first
+    (1, 8, 1, 32, 20, [16], 16, 8, 5, True, False, None, torch.bfloat16),  # G 8, q/k/v biases (Qwen2)
+    (2, 6, 3, 16, 33, [32, 17], 16, 2, 2, False, True, None, torch.float32),  # the heads' norms (Qwen3)
+    (1, 4, 2, 16, 50, [45], 16, 4, 0, True, True, None, torch.float16),  # the dense product, bias and norms
+    (2, 4, 2, 24, 30, [29, 0], 16, 3, 4, False, False, 16, torch.float16),  # partial rotary, hd 24 padded to 32
+    (1, 4, 1, 16, 20, [7], 16, 1, 3, False, False, None, torch.float32),  # one split: o written by the kernel
+]
+
+
+@pytest.mark.parametrize("B,H,Hkv,hd,T,pos,block_s,max_splits,S,bias,qk_norm,rot,dtype", FUSED)
+def test_split_kernel_takes_the_qkv_output_itself(triton_interp, close, B, H, Hkv, hd, T, pos, block_s, max_splits, S,
+                                                  bias, qk_norm, rot, dtype):
+    """gqa_decode(qkv=QKVParts): the split kernel sums the q/k/v GEMV's partials (or takes the dense product), adds
+    the biases, norms the heads, rotates q, and the split holding slot pos writes this token's rotated k and v
+    there before reading it: o equals the float64 attention of the reference q (input_sparse.sliced_qkv_rope_ref)
+    over the reference caches, the caches equal the reference's (slot pos written, nothing else), and o equals the
+    sum kernel's path (input_sparse.qkv_rope / sliced_qkv_rope's sum, then gqa_decode on its q)."""
+    from dejavu.plugins import input_sparse as IS
+    from dejavu.plugins.gqa_attention import QKVParts
+
+    g = torch.Generator().manual_seed(7 * T + hd + S)
+    M = (H + 2 * Hkv) * hd
+    part = torch.randn(S, B, M, generator=g) if S else torch.randn(B, M, generator=g).to(dtype)
+    b_vec = (0.5 * torch.randn(M, generator=g)).to(dtype) if bias else None
+    norm = (1 + 0.1 * torch.randn(hd, generator=g)).to(dtype), (1 + 0.1 * torch.randn(hd, generator=g)).to(dtype)
+    norm = (*norm, 1e-6) if qk_norm else None
+    _, k, v = _inputs(B, H, Hkv, hd, T, dtype, g)
+    pos = torch.tensor(pos)
+    ang = pos[:, None].float() * torch.linspace(0.02, 1.0, (rot or hd) // 2)[None]
+    cos = torch.cat([ang.cos(), ang.cos(), torch.ones(B, hd - (rot or hd))], 1).to(dtype)
+    sin = torch.cat([-ang.sin(), ang.sin(), torch.zeros(B, hd - (rot or hd))], 1).to(dtype)
+    qkv = (IS.sum_parts_ref(part, dtype) if S else part)
+    kr, vr = k.clone(), v.clone()
+    q_ref = IS.sliced_qkv_rope_ref(qkv if b_vec is None else qkv + b_vec, cos, sin, pos, kr, vr, qk_norm=norm, rot=rot)
+    ks = _ks(block_s=block_s, max_splits=max_splits)
+    kf, vf = k.clone(), v.clone()
+    o = gqa_decode(None, kf, vf, pos, settings=ks, qkv=QKVParts(part, dtype, cos, sin, b_vec, norm, rot))
+    written = torch.zeros_like(k, dtype=torch.bool)
+    written[torch.arange(B), :, pos] = True
+    assert torch.equal(vf, vr) and torch.equal(kf[~written], k[~written])  # slot pos written, nothing else
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # the heads' norms: the reference's rounding steps, not ours
+    assert (kf.float() - kr.float()).abs().max() <= tol * (1 + kr.float().abs().max())
+    close(o, ref64(q_ref, kr, vr, pos), gqa_decode_ref(q_ref, kr, vr, pos))
+    kt, vt = k.clone(), v.clone()  # the sum kernel's path, on the same inputs: the same k, v, q, o
+    q = IS._sum_rope(part, dtype, cos, sin, pos, kt, vt, ks, b_vec, norm, rot)
+    assert torch.equal(kt, kf) and torch.equal(vt, vf)
+    assert torch.equal(gqa_decode(q, kt, vt, pos, settings=ks), o)
