@@ -265,8 +265,7 @@ class _CountingOps:
         gu = self.linear(x, wgu_t, t_in, norm=norm)
         return self.linear(gu if bgu is None else gu + bgu, wd_t, t_down, swiglu=True, residual=x)
 
-    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows, bias=None, qk_norm=None, rot=None,
-                 defer=False):
+    def qkv_rope(self, x, w_t, t, norm, cos, sin, pos, k_cache, v_cache, rows, bias=None, qk_norm=None, rot=None):
         from dejavu.plugins.input_sparse import sliced_qkv_rope_ref
 
         qkv = self.linear(x, w_t, t, norm)
@@ -394,15 +393,13 @@ def smoke(dev) -> dict:
     """Kernels vs reference ops and graph vs eager on a tiny fp32 model (GPU only), at the default settings,
     with fewer splits (min_split_inputs 64), with the fp16 residual stream summed by launches (fp32_residual off),
     with the attention kernel in tiles of 16 slots (two splits per row of 24, combined by the o projection's
-    select), with the q/k/v sum kernel launched before the attention kernel (gqa_attn.fuse_qkv off), and with
-    PyTorch's masked SDPA as the attention."""
+    select), and with PyTorch's masked SDPA as the attention."""
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     c = SHAPES["tiny"]
     ref = engines(c, [0.4], torch.float32, dev, 64, backend="ref")[0][-1][2]  # the same seeded weights
     tris = engines(c, [0.4], torch.float32, dev, 64, variants=[{"min_split_inputs": 64}, {"fp32_residual": False},
                                                                {"gqa_attn": {"block_s": 16, "max_splits": 4}},
-                                                               {"gqa_attn": {"fuse_qkv": False}},
                                                                {"gqa_attn": {"kernel": False}}],
                    variant_skip=0.4)[0][1:]
     ids = torch.randint(4, c["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))

@@ -104,19 +104,6 @@ def gdc_release(GDC: tl.constexpr):
 
 
 @helper
-def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
-    # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
-    # (every split-K sum of input_sparse's GEMVs goes through here, wherever it is summed: one rounding)
-    # (one return: x may be fp32 where val is not, the fp32 residual stream)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if SRC_SPLIT > 0:
-        for s in tl.static_range(1, SRC_SPLIT):
-            x += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
-        x = x.to(val_ptr.dtype.element_ty)
-    return x
-
-
-@helper
 def group_rows(idx_row, offs, mask, GROUP: tl.constexpr):
     # Weight rows of positions offs: idx[offs // GROUP] * GROUP + offs % GROUP, int64; masked
     # positions give row 0 (in bounds; what is computed from them is never stored).

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, _src, check_tensor, dot_fp32, gdc_enter, gdc_release, helper, jit,
+from dejavu.plugins._common import (FLOAT_DTYPES, check_tensor, dot_fp32, gdc_enter, gdc_release, helper, jit,
                                     next_pow2, pdl_args)
 from dejavu.plugins.settings import DEFAULT, KernelSettings
 
@@ -48,76 +48,6 @@ class GQAPartials(NamedTuple):
     dtype: torch.dtype  # o's (q's)
 
 
-class QKVParts(NamedTuple):
-    """A fused q/k/v projection's output before its sum kernel (LlamaOps.qkv_rope(..., defer=True)): the split
-    kernel sums it, RoPE and the heads' norms included, and writes this token's k and v (`gqa_decode(qkv=...)`)."""
-    part: torch.Tensor  # the GEMV's fp32 partials [S, B, M], or the dense product [B, M] in dtype
-    dtype: torch.dtype  # q's, the caches'
-    cos: torch.Tensor  # [B, hd] in dtype
-    sin: torch.Tensor  # [B, hd], rotate_half's sign folded in
-    bias: torch.Tensor | None  # [M]: q/k/v's biases (Qwen2, attention_bias)
-    qk_norm: tuple | None  # (q_w [hd], k_w [hd], eps): each q and k head's RMSNorm (Qwen3)
-    rot: int | None  # a head's rotary dimensions (None: all)
-
-
-@helper
-def rope_mate(d, HEAD_D, ROT_D: tl.constexpr):
-    # rotate_half's partner of in-head dimension d: half the rotary width away within a head's first ROT_D
-    # dimensions (0 or HEAD_D: all); a dimension past them is its own (cos 1 and sin 0 pass it through)
-    if ROT_D == 0:
-        return (d + HEAD_D // 2) % HEAD_D
-    else:
-        return tl.where(d < ROT_D, (d + ROT_D // 2) % ROT_D, d)
-
-
-@helper
-def qkv_sum(part_ptr, b, cols, ok, B, M, bias_ptr, dt_ptr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # the fused q/k/v projection's outputs at columns cols of row b, in fp32 holding values of dt_ptr's dtype: the
-    # GEMV's SPLIT_K partials [S, B, M] summed in order (SPLIT_K 0: the product [B, M]), rounded, + the columns'
-    # biases rounded again, as PyTorch's qkv + bias rounds
-    y = _src(part_ptr, b * M + cols, ok, B * M, dt_ptr, SPLIT_K).to(tl.float32)
-    if HAS_BIAS:
-        dt = dt_ptr.dtype.element_ty
-        y = (y + tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
-    return y
-
-
-@helper
-def qkv_rotate(y, y_mate, r, cols, d, d_mate, ok, QD, qn_ptr, kn_ptr, c, sn, dt_ptr, QK_NORM: tl.constexpr):
-    # q or k columns cols (in-head dimensions d, their partners' d_mate) from qkv_sum's y and the partners' y_mate:
-    # QK_NORM: w * (y * r) rounded, as models/llama.RMSNorm rounds (r: rsqrt of the head's mean square + eps, the
-    # caller's, whose layout knows the heads), then RoPE: y cos + y_mate sin (sin signed), rounded as
-    # addcmul(x * cos, rotate_half(x), sin) rounds; in dt_ptr's dtype
-    dt = dt_ptr.dtype.element_ty
-    if QK_NORM:
-        is_q = cols < QD
-        w = tl.where(is_q, tl.load(qn_ptr + d, mask=ok, other=0.0), tl.load(kn_ptr + d, mask=ok, other=0.0))
-        w_mate = tl.where(is_q, tl.load(qn_ptr + d_mate, mask=ok, other=0.0),
-                          tl.load(kn_ptr + d_mate, mask=ok, other=0.0))
-        y = (w.to(tl.float32) * (y * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        y_mate = (w_mate.to(tl.float32) * (y_mate * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    return ((y * c).to(dt).to(tl.float32) + y_mate * sn).to(dt)
-
-
-@helper
-def qkv_head_rows(part_ptr, b, heads, offs_d, ok, B, M, HD, QD, bias_ptr, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr,
-                  dt_ptr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, ROT_D: tl.constexpr):
-    # rows `heads` [R] (q heads, or k heads counted from 0 after the q columns: heads H + j) of the rotated q/k
-    # output of row b, [R, BLOCK_HD] in dt_ptr's dtype: qkv_sum, each head's RMSNorm (QK_NORM), RoPE
-    d = offs_d[None, :]
-    dm = rope_mate(offs_d, HD, ROT_D)[None, :]
-    cols, mcols = heads[:, None] * HD + d, heads[:, None] * HD + dm
-    y = qkv_sum(part_ptr, b, cols, ok, B, M, bias_ptr, dt_ptr, SPLIT_K, HAS_BIAS)
-    y_mate = qkv_sum(part_ptr, b, mcols, ok, B, M, bias_ptr, dt_ptr, SPLIT_K, HAS_BIAS)
-    r = 1.0
-    if QK_NORM:  # a head's mean square; its partner's is the same head's
-        r = tl.rsqrt(tl.sum(y * y, axis=1) / HD + eps)[:, None]
-    dok = d < HD
-    c = tl.load(cos_ptr + b * HD + d, mask=dok, other=1.0).to(tl.float32)
-    sn = tl.load(sin_ptr + b * HD + d, mask=dok, other=0.0).to(tl.float32)
-    return qkv_rotate(y, y_mate, r, cols, d, dm, ok, QD, qn_ptr, kn_ptr, c, sn, dt_ptr, QK_NORM)
-
-
 @helper
 def _split_span(pos, NS, BLOCK_S):
     # (tiles per split, splits used) of a row whose last slot is pos: its tiles of BLOCK_S slots in NS ranges
@@ -127,11 +57,8 @@ def _split_span(pos, NS, BLOCK_S):
 
 
 def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, HD, NS, scale,
-                      part_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, eps, M, QD, KD,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HD: tl.constexpr,
-                      PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0, QKV: tl.constexpr = 0,
-                      SPLIT_K: tl.constexpr = 0, HAS_BIAS: tl.constexpr = 0, QK_NORM: tl.constexpr = 0,
-                      ROT_D: tl.constexpr = 0):
+                      PARTIAL: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr = 0):
     b, j, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HKV, B = tl.num_programs(1), tl.num_programs(0)
     pos = tl.load(pos_ptr + b).to(tl.int32)  # the step's input: written before the graph's first kernel
@@ -145,22 +72,7 @@ def _gqa_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, acc_ptr, ml_ptr, T, H
         row = (b * HKV + j) * G + offs_g  # query heads b * H + j * G + g
         base = (b * HKV + j).to(tl.int64) * T * HD
         gdc_enter(GDC)
-        if QKV:  # q from the q/k/v GEMV's output: summed, normed, rotated here (QKVParts); q_ptr is its dtype's
-            q = qkv_head_rows(part_ptr, b, j * G + offs_g, offs_d, gd, B, M, HD, QD, bias_ptr, qn_ptr, kn_ptr, eps,
-                              cos_ptr, sin_ptr, q_ptr, SPLIT_K, HAS_BIAS, QK_NORM, ROT_D)
-            if c == used - 1:  # the split holding slot pos: this token's k (rotated) and v into the caches
-                dk = (offs_d < HD)[None, :]  # [1, BLOCK_HD]: KV head j's one row
-                k_new = qkv_head_rows(part_ptr, b, tl.zeros([1], dtype=tl.int32) + QD // HD + j, offs_d, dk, B, M, HD,
-                                      QD, bias_ptr, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, q_ptr, SPLIT_K, HAS_BIAS,
-                                      QK_NORM, ROT_D)
-                v_new = qkv_sum(part_ptr, b, (QD + KD + j * HD + offs_d)[None, :], dk, B, M, bias_ptr, q_ptr, SPLIT_K,
-                                HAS_BIAS)
-                slot = (base + pos.to(tl.int64) * HD + offs_d)[None, :]
-                tl.store(k_ptr + slot, k_new, mask=dk)
-                tl.store(v_ptr + slot, v_new.to(q_ptr.dtype.element_ty), mask=dk)
-                tl.debug_barrier()  # the loop below reads slot pos: this program's stores first
-        else:
-            q = tl.load(q_ptr + row[:, None] * HD + offs_d[None, :], mask=gd, other=0.0)
+        q = tl.load(q_ptr + row[:, None] * HD + offs_d[None, :], mask=gd, other=0.0)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_HD], dtype=tl.float32)
@@ -251,29 +163,14 @@ def splits_for(B: int, Hkv: int, T: int, cfg) -> int:
     return max(1, min(cfg.max_splits, -(-cfg.target_programs // (B * Hkv)), -(-T // cfg.block_s)))
 
 
-def gqa_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-               combine: bool = True, settings: KernelSettings | None = None, qkv: QKVParts | None = None):
+def gqa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+               combine: bool = True, settings: KernelSettings | None = None):
     """o [B, H * hd] in q's dtype: softmax(q k^T / sqrt(hd)) v of the new token's rotated q [B, H, hd] over
     slots 0..pos[b] of k_cache, v_cache [B, Hkv, T, hd] (query head h reads KV head h // (H / Hkv));
     pos [B] int64 on q's device. combine False and more than one split: the splits' GQAPartials instead
-    (for input_sparse.select_slices, which combines them). qkv (q None): the q/k/v projection's output before its
-    sum kernel; the split kernel computes q from it as input_sparse.sliced_qkv_rope would, and the split holding
-    slot pos writes this token's k and v there first (no sum launch between the GEMV and the attention)."""
+    (for input_sparse.select_slices, which combines them)."""
     s = settings or DEFAULT
     cfg = s.gqa_attn
-    if qkv is not None:
-        from dejavu.plugins.input_sparse import _check_qkv_rope
-
-        if q is not None:
-            raise DejavuError("gqa_decode: give q or qkv, not both")
-        check_tensor("part", qkv.part, dtypes=(torch.float32, qkv.dtype), device=k_cache.device)
-        _check_qkv_rope(qkv.part.shape[-1], k_cache, qkv.cos, qkv.sin, pos, k_cache, v_cache, qkv.bias, qkv.qk_norm,
-                        qkv.rot)
-        if k_cache.dtype != qkv.dtype or qkv.part.shape[-2] != k_cache.shape[0]:
-            raise DejavuError(f"gqa_decode: q/k/v output {tuple(qkv.part.shape)} in {qkv.dtype} does not fit the "
-                              f"caches {tuple(k_cache.shape)} in {k_cache.dtype}")
-        Bk, Hkv, _, hd = k_cache.shape
-        q = torch.empty(Bk, qkv.part.shape[-1] // hd - 2 * Hkv, hd, dtype=qkv.dtype, device=k_cache.device)
     B, H, Hkv, T, hd = check_gqa(q, k_cache, v_cache, pos)
     if cfg.block_s < 16 or cfg.block_s & (cfg.block_s - 1) or cfg.max_splits < 1 or cfg.target_programs < 1:
         raise DejavuError(f"gqa_attn settings: block_s must be a power of two >= 16 (tl.dot), max_splits and "
@@ -284,21 +181,10 @@ def gqa_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Ten
     if ns > 1:
         acc = torch.empty(B, ns, H * hd, dtype=torch.float32, device=q.device)
         ml = torch.empty(2, B, ns, H, dtype=torch.float32, device=q.device)
-    fused = {}
-    if qkv is not None:  # q (never written: its dtype) from the q/k/v output, this token's k and v written here
-        q_w, k_w, eps = qkv.qk_norm or (None, None, 0.0)
-        M = qkv.part.shape[-1]
-        fused = dict(QKV=1, SPLIT_K=qkv.part.shape[0] if qkv.part.dim() == 3 else 0, HAS_BIAS=qkv.bias is not None,
-                     QK_NORM=qkv.qk_norm is not None, ROT_D=0 if qkv.rot in (None, hd) else qkv.rot)
-        extra = (qkv.part, o if qkv.bias is None else qkv.bias, o if q_w is None else q_w, o if k_w is None else k_w,
-                 qkv.cos, qkv.sin, float(eps), M, H * hd, Hkv * hd)
-    else:
-        extra = (o, o, o, o, o, o, 0.0, 0, 0, 0)
     jit(_gqa_split_kernel, q.device)[(B, Hkv, ns)](
-        q, k_cache, v_cache, pos, o, acc, ml, T, hd, ns, LOG2E / math.sqrt(hd), *extra, G=G,
+        q, k_cache, v_cache, pos, o, acc, ml, T, hd, ns, LOG2E / math.sqrt(hd), G=G,
         BLOCK_G=max(16, next_pow2(G)), BLOCK_S=cfg.block_s, BLOCK_HD=max(16, next_pow2(hd)), PARTIAL=ns > 1,
-        DOT_FP32=dot_fp32(q.dtype, q.device), num_warps=cfg.num_warps, **pdl_args(q.device, "gqa_attn", s.pdl),
-        **fused)
+        DOT_FP32=dot_fp32(q.dtype, q.device), num_warps=cfg.num_warps, **pdl_args(q.device, "gqa_attn", s.pdl))
     if ns == 1:
         return o
     if not combine:

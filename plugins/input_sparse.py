@@ -25,11 +25,23 @@ import torch
 import torch.nn.functional as F
 
 from dejavu.errors import DejavuError
-from dejavu.plugins._common import (FLOAT_DTYPES, _src, check_out, check_tensor, gdc_enter, gdc_release, helper,
-                                    jit, next_pow2, pdl_args)
-from dejavu.plugins.gqa_attention import (GQAPartials, _combine_splits, _split_span, gqa_partials_ref, qkv_rotate,
-                                          qkv_sum, rope_mate)
+from dejavu.plugins._common import (FLOAT_DTYPES, check_out, check_tensor, gdc_enter, gdc_release, helper, jit,
+                                    next_pow2, pdl_args)
+from dejavu.plugins.gqa_attention import GQAPartials, _combine_splits, _split_span, gqa_partials_ref
 from dejavu.plugins.settings import DEFAULT, KernelSettings
+
+
+@helper
+def _src(x_ptr, offs, mask, PLANE, val_ptr, SRC_SPLIT: tl.constexpr):
+    # x at offs: x itself, or the in-order sum of SRC_SPLIT fp32 partials PLANE apart, rounded to val's dtype
+    # (every split-K sum of this file goes through here: one rounding)
+    # (one return: x may be fp32 where val is not, the fp32 residual stream)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if SRC_SPLIT > 0:
+        for s in tl.static_range(1, SRC_SPLIT):
+            x += tl.load(x_ptr + s * PLANE + offs, mask=mask, other=0.0)
+        x = x.to(val_ptr.dtype.element_ty)
+    return x
 
 
 def _sum_splits_kernel(part_ptr, y_ptr, res_ptr, B, M, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -180,26 +192,39 @@ def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr,
                      QD, KD, T, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
                      HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, GDC: tl.constexpr = 0, ROT_D: tl.constexpr = 0):
     # q/k/v's split-K sum (+ their biases; QK_NORM: each q and k head's RMSNorm), RoPE on q and k, k and v into the
-    # caches at pos[b]: columns [0, QD) are q, then KD of k, then v (gqa_attention's qkv_sum / qkv_rotate, which the
-    # attention kernel runs on its own heads where it takes the q/k/v output itself: QKVParts) (QK_NORM: BLOCK_M a
-    # multiple of HEAD_D, so a program holds whole heads)
+    # caches at pos[b]: columns [0, QD) are q, then KD of k, then v; rotate_half's partner of a column is the one
+    # ROT_D / 2 away in its head's first ROT_D (the rotary dimensions; 0: all HEAD_D); a column past them is its own
+    # (cos 1 and sin 0 there pass it through) (QK_NORM: BLOCK_M a multiple of HEAD_D, so a program holds whole heads)
     b, offs = tl.program_id(0), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = offs < M
     d = offs % HEAD_D
-    d_mate = rope_mate(d, HEAD_D, ROT_D)
-    mate = offs - d + d_mate
+    if ROT_D == 0 or ROT_D == HEAD_D:
+        mate = offs - d + (d + HEAD_D // 2) % HEAD_D
+    else:
+        mate = offs - d + tl.where(d < ROT_D, (d + ROT_D // 2) % ROT_D, d)
     gdc_enter(GDC)
     dt = q_ptr.dtype.element_ty  # q/k/v in the engine dtype, summed as _sum_splits_kernel sums
-    y = qkv_sum(part_ptr, b, offs, ok, B, M, bias_ptr, q_ptr, SPLIT_K, HAS_BIAS)
-    y_mate = qkv_sum(part_ptr, b, mate, ok, B, M, bias_ptr, q_ptr, SPLIT_K, HAS_BIAS)
-    r = 1.0
-    if QK_NORM:  # a head's mean square; its mate's the same
+    y = _src(part_ptr, b * M + offs, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
+    y_mate = _src(part_ptr, b * M + mate, ok, B * M, q_ptr, SPLIT_K).to(tl.float32)
+    if HAS_BIAS:  # the product rounded, then its bias added and rounded again, as PyTorch's qkv + bias rounds
+        y = (y + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        y_mate = (y_mate + tl.load(bias_ptr + mate, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    if QK_NORM:  # Qwen3: w * (y * rsqrt(mean over the head of y^2 + eps)) rounded, as models/llama.RMSNorm rounds
         NH: tl.constexpr = BLOCK_M // HEAD_D
-        ms = tl.sum(tl.reshape(y * y, [NH, HEAD_D]), axis=1) / HEAD_D
+        ms = tl.sum(tl.reshape(y * y, [NH, HEAD_D]), axis=1) / HEAD_D  # a head's mean square; its mate's the same
         r = tl.reshape(tl.broadcast_to(tl.rsqrt(ms + eps)[:, None], [NH, HEAD_D]), [BLOCK_M])
+        is_qc = offs < QD
+        d_mate = mate % HEAD_D
+        w = tl.where(is_qc, tl.load(qn_ptr + d), tl.load(kn_ptr + d)).to(tl.float32)
+        w_mate = tl.where(is_qc, tl.load(qn_ptr + d_mate), tl.load(kn_ptr + d_mate)).to(tl.float32)
+        normed = (w * (y * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        normed_mate = (w_mate * (y_mate * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y_rot, y_rot_mate = tl.where(offs < QD + KD, normed, y), tl.where(offs < QD + KD, normed_mate, y_mate)
+    else:
+        y_rot, y_rot_mate = y, y_mate
     c = tl.load(cos_ptr + b * HEAD_D + d).to(tl.float32)
     sn = tl.load(sin_ptr + b * HEAD_D + d).to(tl.float32)  # rotate_half's sign folded in
-    rot = qkv_rotate(y, y_mate, r, offs, d, d_mate, ok, QD, qn_ptr, kn_ptr, c, sn, q_ptr, QK_NORM)
+    rot = ((y_rot * c).to(dt).to(tl.float32) + y_rot_mate * sn).to(dt)  # as addcmul(x * cos, roll(x), sin) rounds
     is_q, is_k, is_v = ok & (offs < QD), ok & (offs >= QD) & (offs < QD + KD), ok & (offs >= QD + KD)
     p = tl.load(pos_ptr + b)
     tl.store(q_ptr + b * QD + tl.where(is_q, offs, 0), rot, mask=is_q)

@@ -181,9 +181,7 @@ class GQAAttnSettings:
     with a mask (every slot read). A row's slots <= pos in tiles of block_s (tl.dot: >= 16), the tiles in NS
     splits of whole tiles, one program each, NS = min(max_splits, ceil(target_programs / (B * Hkv)), the
     cache's tiles); fuse_combine: where o is thresholded (the o projection's input sparse), the splits'
-    partials are combined by its select (input_sparse PRODUCER ATTN) instead of a combine launch; fuse_qkv: the
-    split kernel takes the q/k/v GEMV's output itself (sum, biases, the heads' norms, RoPE, this token's k and v
-    written by the split holding its slot: gqa_attention.QKVParts) instead of after the sum kernel's launch."""
+    partials are combined by its select (input_sparse PRODUCER ATTN) instead of a combine launch."""
     # the kernel on: measured in its form before the splits (fixed chunks of 32 slots, T / 32 programs a KV head
     # and row): Llama-3-8B at 50% skipped 4.161 vs 4.274 ms a step (`bash benchmarks/gpu/llama_speed.sh ab`) and
     # 4.180 vs 4.293 (e2e_llama.py's confirmation run); slower on the 70B TP-8 rank (G = 8 query heads of one KV
@@ -194,7 +192,6 @@ class GQAAttnSettings:
     max_splits: int = 32
     num_warps: int = 4
     fuse_combine: bool = True
-    fuse_qkv: bool = True
 
 
 @dataclass(frozen=True)

@@ -195,24 +195,13 @@ class LlamaOps:
     def qkv_rope(self, x: torch.Tensor, w_t: torch.Tensor, t: float, norm, cos: torch.Tensor, sin: torch.Tensor,
                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                  bias: torch.Tensor | None = None, qk_norm: tuple | None = None,
-                 rot: int | None = None, defer: bool = False):
+                 rot: int | None = None) -> torch.Tensor:
         """q [B, H, hd] of linear(x, w_t, t, norm) (+ bias: q/k/v's biases [M], Qwen2), the fused q/k/v
         projection, each q and k head through RMSNorm (qk_norm: (q_w [hd], k_w [hd], eps), Qwen3), RoPE on q and k
         (cos, sin [B, hd], sin signed for rotate_half; rot: the rotary dimensions of a head, None: all), k and v
-        written into the caches [B, Hkv, T, hd] at slot pos[b]. defer, where the attention kernel takes the q/k/v
-        output itself (gqa_attn.fuse_qkv): the projection's output as gqa_attention.QKVParts, for attend_project,
-        which does the rest; nothing written yet."""
+        written into the caches [B, Hkv, T, hd] at slot pos[b]."""
         from dejavu.plugins import input_sparse as IS
 
-        if defer and self.attn_kernel and self.settings.gqa_attn.fuse_qkv:
-            from dejavu.plugins.gqa_attention import QKVParts
-
-            if t <= 0:
-                part = self.linear(x, w_t, t, norm, kind="qkv")  # the dense product [B, M]
-            else:
-                part = IS.sliced_parts(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t,
-                                       settings=self.kinds["qkv"])
-            return QKVParts(part, w_t.dtype, cos, sin, bias, qk_norm, rot)
         if self.backend == "ref":
             return IS.sliced_qkv_rope_ref(_plus(self.linear(x, w_t, t, norm, kind="qkv"), bias), cos, sin, pos,
                                           k_cache, v_cache, rows, qk_norm, rot)
@@ -222,22 +211,19 @@ class LlamaOps:
         return IS.sliced_qkv_rope(*self._select(x, w_t, t, "qkv", norm, dtype=w_t.dtype), w_t, cos, sin, pos,
                                   k_cache, v_cache, settings=self.kinds["qkv"], bias=bias, qk_norm=qk_norm, rot=rot)
 
-    def attend_project(self, q, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+    def attend_project(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                        mask: torch.Tensor | None, wo_t: torch.Tensor, t: float,
                        residual: torch.Tensor | None) -> torch.Tensor:
         """residual + linear(o, wo_t, t) (residual None: the product alone): o [B, H * hd] the attention of the
         rotated q [B, H, hd] over slots <= pos[b] of the caches [B, Hkv, T, hd] (mask: gqa_attention.decode_mask,
-        None where attn_kernel); q may be qkv_rope(..., defer=True)'s QKVParts, which the attention kernel finishes
-        (q, and this token's k and v into the caches) itself."""
+        None where attn_kernel)."""
         from dejavu.plugins import gqa_attention as GA
 
         if not self.attn_kernel:
             return self.linear(GA.gqa_decode_ref(q, k_cache, v_cache, pos, mask), wo_t, t, residual=residual, kind="o")
         # o thresholded: its select combines the splits' partials (no combine launch; one split: o itself)
         fuse = t > 0 and self.settings.gqa_attn.fuse_combine
-        qkv = q if isinstance(q, GA.QKVParts) else None
-        o = GA.gqa_decode(None if qkv else q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings,
-                          qkv=qkv)
+        o = GA.gqa_decode(q, k_cache, v_cache, pos, combine=not fuse, settings=self.settings)
         if isinstance(o, torch.Tensor):
             return self.linear(o, wo_t, t, residual=residual, kind="o")
         return self._project(self._select(o, wo_t, t, "o"), wo_t, residual, "o")
@@ -410,11 +396,10 @@ class LlamaDecoder:
             x = x.float()  # o and down add into it in place (under TP they return their part: no residual given)
         for l, w in enumerate(self.layers):
             kc, vc = self.k_cache[l], self.v_cache[l]
-            # q [B, H, hd] rotated, this token's k (rotated) and v written at slot pos[b]; or (the attention kernel's
-            # fuse_qkv) the q/k/v output, which attend_project's attention kernel finishes so itself
+            # q [B, H, hd] rotated; this token's k (rotated) and v written at slot pos[b]
             q = self.ops.qkv_rope(x, w.wqkv_t, w.t["attn_in"], (w.attn_norm, s.rms_norm_eps),
                                   *((cos, sin) if w.rope else nope), pos, kc, vc, self.rows, w.bqkv, w.qk_norm,
-                                  s.rotary_dim, defer=True)
+                                  s.rotary_dim)
             # query head h reads KV head h // (H / Hkv); o [B, H * hd] through the o projection
             norm = (w.mlp_norm, s.rms_norm_eps)
             if self.reduce is None:
