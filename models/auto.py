@@ -19,7 +19,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.models.llama import MODEL_TYPES as LLAMA_TYPES
-from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, unfuse
+from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, fold_multipliers, unfuse
 from dejavu.models.presets import gguf_preset_path, resolve
 
 
@@ -98,7 +98,8 @@ def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
         d = gguf.config_dict(reader, gp)
         cfg = _config(d, gp)
         held = None if gguf_stored and dtype is None else torch.float32
-        return _fill(cfg, unfuse(gguf.iter_tensors(reader, d, held, gp), cfg), str(gp), dtype, device), cfg
+        pairs, cfg = fold_multipliers(unfuse(gguf.iter_tensors(reader, d, held, gp), cfg), cfg)  # Granite's
+        return _fill(cfg, pairs, str(gp), dtype, device), cfg
     from dejavu.models.loader import iter_weights, weight_files
 
     folder = resolve(name_or_path)
@@ -109,6 +110,7 @@ def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
         raise DejavuError(f"{path}: not valid JSON ({e})") from None
     cfg = _config(d, path)
     pairs = unfuse(iter_weights(weight_files(folder)), cfg)  # Phi-3's fused q/k/v and gate/up split
+    pairs, cfg = fold_multipliers(pairs, cfg)  # Granite's multipliers into the weights
     return _fill(cfg, pairs, str(folder), dtype, device), cfg
 
 

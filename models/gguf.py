@@ -1,12 +1,13 @@
-"""Read a llama.cpp GGUF file (Llama, Qwen2, Qwen3, Phi-3 or SmolLM3 architecture) into `dejavu.models.llama`,
-with its tokenizer.
+"""Read a llama.cpp GGUF file (Llama, Qwen2, Qwen3, Phi-3, SmolLM3 or Granite architecture) into
+`dejavu.models.llama`, with its tokenizer.
 
 Uses the `gguf` package (`pip install gguf`, or the `smollm2` extra) and nothing else:
-- config: the `llama.*` (`qwen2.*`, `qwen3.*`, `phi3.*`, `smollm3.*`) metadata turned into the Hugging Face
-  config.json fields (SmolLM3's layers without RoPE: every 4th, as llama.cpp hard-codes them);
+- config: the `llama.*` (`qwen2.*`, `qwen3.*`, `phi3.*`, `smollm3.*`, `granite.*`) metadata turned into the Hugging
+  Face config.json fields (SmolLM3's layers without RoPE: every 4th, as llama.cpp hard-codes them; Granite's
+  embedding, residual, attention and logit scales: its four multipliers);
 - weights: every tensor dequantized (Q4_0/Q4_1/Q8_0/K-quants/F16/F32, whatever `gguf.quants`
   knows) to fp32, then cast to the requested dtype, renamed to Hugging Face names. llama.cpp's
-  converter permutes the rows of Q and K of Llama (and SmolLM3) files (rotary pairs interleaved, not split in halves);
+  converter permutes the rows of Q and K of Llama (SmolLM3, Granite) files (rotary pairs interleaved, not halves);
   `_unpermute` undoes it so the weights fit the half-split RoPE of `dejavu.models.llama` (Qwen2, Qwen3 and Phi-3
   files keep the checkpoint's rows: llama.cpp runs them with the half-split "NEOX" rotation). Phi-3's fused
   `attn_qkv` and `ffn_up` (gate | up) come out under Hugging Face's fused names, which `models.llama.unfuse` splits;
@@ -47,7 +48,7 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 # Qwen2's tokenizer.json regex: Llama-3's, but every digit its own piece
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "smollm3")  # general.architecture -> model_type of the same name
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "granite")  # general.architecture -> model_type
 # rope factor tensors read into the config (config_dict), not weights: LongRoPE's -> rope_scaling key; Llama 3.1's
 _LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _ROPE_TENSORS = {*_LONGROPE, "rope_freqs.weight"}
@@ -98,7 +99,7 @@ def _check_arch(reader, path) -> str:
 
 
 def config_dict(reader, path="GGUF file") -> dict:
-    """The Hugging Face config.json fields of a Llama (Qwen2, Qwen3, Phi-3, SmolLM3) GGUF file's metadata."""
+    """The Hugging Face config.json fields of a Llama (Qwen2, Qwen3, Phi-3, SmolLM3, Granite) GGUF file's metadata."""
     arch = _check_arch(reader, path)
     a = arch + "."
 
@@ -134,6 +135,11 @@ def config_dict(reader, path="GGUF file") -> dict:
         d["partial_rotary_factor"] = rot / head_dim
     if arch == "smollm3":  # no metadata key: llama.cpp skips RoPE in every 4th layer, as transformers' default
         d["no_rope_layer_interval"] = 4
+    if arch == "granite":  # its multipliers (an attention scale of 0 or none: head_dim^-0.5, as llama.cpp reads it)
+        d.update(embedding_multiplier=float(_field(reader, a + "embedding_scale", 1.0)),
+                 residual_multiplier=float(_field(reader, a + "residual_scale", 1.0)),
+                 attention_multiplier=float(_field(reader, a + "attention.scale", 0.0)) or head_dim ** -0.5,
+                 logits_scaling=float(_field(reader, a + "logit_scale", 1.0)))
     window = _field(reader, a + "attention.sliding_window")
     if arch == "phi3" and window:  # llama.cpp writes 0 for none (Phi-4)
         d["sliding_window"] = int(window)
@@ -228,7 +234,7 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
         except Exception as e:  # noqa: BLE001 - unknown quantization types raise NotImplementedError
             raise DejavuError(f"{path}: cannot dequantize {t.name!r} ({t.tensor_type.name}: {e})") from None
         w = torch.from_numpy(arr.copy()).float()
-        if cfg["model_type"] not in ("llama", "smollm3"):
+        if cfg["model_type"] not in ("llama", "smollm3", "granite"):
             pass  # Qwen2, Qwen3, Phi-3: the checkpoint's rows
         elif ".attn_q." in t.name:
             w = _unpermute(w, cfg["num_attention_heads"])

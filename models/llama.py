@@ -2,8 +2,9 @@
 
 Covers Llama-2/3 and SmolLM2-like checkpoints (`model_type` llama; mistral; qwen2, whose q/k/v projections
 carry biases; qwen3, whose queries and keys get a per-head RMSNorm before RoPE; phi3, whose checkpoints fuse
-q/k/v and gate/up (split on load: `unfuse`); smollm3, whose no_rope_layers take no rotary positions; a sequence
-stays inside the sliding window where they have one):
+q/k/v and gate/up (split on load: `unfuse`); smollm3, whose no_rope_layers take no rotary positions; granite,
+whose embedding, residual, attention and logit multipliers are folded into the weights on load: `fold_multipliers`;
+a sequence stays inside the sliding window where they have one):
 RMSNorm, rotary positions (rope_theta; "linear", Llama-3 "llama3", "yarn" and Phi-3 "longrope" rope_scaling; over
 part of each head where partial_rotary_factor says so), grouped-query attention, SwiGLU MLP, optional tied LM
 head. Same calling convention as `dejavu.models.opt.OPTForCausalLM` (static KV cache, `forward(ids, start_pos,
@@ -23,9 +24,11 @@ from torch import nn
 from dejavu.errors import DejavuError
 from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "granite": "GraniteForCausalLM"}
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -52,6 +55,9 @@ class LlamaConfig:
     sliding_window: int | None = None
     rotary_dim: int | None = None  # RoPE over a head's first rotary_dim dimensions (Phi-4-mini); None: all
     nope_layers: tuple = ()  # the layers whose attention takes no rotary positions (SmolLM3's NoPE layers)
+    # Granite's (embedding, residual, attention, logits) multipliers where they are not the Llama's own; the loader
+    # folds them into the weights (fold_multipliers) and the model it builds has none left
+    multipliers: tuple = ()
     model_type: str = "llama"
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
@@ -131,6 +137,7 @@ class LlamaConfig:
             attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
             qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", sliding_window=_sliding_window(d, mt), model_type=mt,
             rotary_dim=None if rotary == head_dim else rotary, nope_layers=_nope_layers(d, mt),
+            multipliers=_granite_multipliers(d, mt, head_dim),
             pad_token_id=d.get("pad_token_id"), bos_token_id=bos, eos_token_id=eos,
         )
 
@@ -142,6 +149,8 @@ class LlamaConfig:
             d["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         if d.pop("nope_layers") or self.model_type == "smollm3":
             d["no_rope_layers"] = [int(l not in self.nope_layers) for l in range(self.num_hidden_layers)]
+        if d.pop("multipliers") or self.model_type == "granite":
+            d.update(zip(GRANITE_MULTIPLIERS, self.multipliers or (1.0, 1.0, self.head_dim ** -0.5, 1.0)))
         d.update(architectures=[ARCHITECTURES[self.model_type]], hidden_act="silu", attention_dropout=0.0)
         if self.model_type in ("qwen2", "qwen3", "smollm3"):
             d["use_sliding_window"] = self.sliding_window is not None
@@ -189,6 +198,50 @@ def _nope_layers(d: dict, model_type: str) -> tuple:
     if not (isinstance(flags, list) and len(flags) == L and all(f in (0, 1) and type(f) in (int, bool) for f in flags)):
         raise DejavuError(f"config.json field 'no_rope_layers' must list {L} flags (1: RoPE, 0: none)")
     return tuple(l for l, f in enumerate(flags) if not f)
+
+
+def _granite_multipliers(d: dict, model_type: str, head_dim: int) -> tuple:
+    # Granite's four multipliers (transformers' defaults 1.0); () where they are the Llama's own (1, 1, hd^-0.5, 1)
+    if model_type != "granite":
+        return ()
+    m = tuple(d.get(k, 1.0) for k in GRANITE_MULTIPLIERS)
+    for k, v in zip(GRANITE_MULTIPLIERS, m):
+        if type(v) not in (int, float) or not v > 0:
+            raise DejavuError(f"config.json field {k!r} must be a positive number, got {v!r}")
+    m = tuple(float(v) for v in m)
+    return () if m == (1.0, 1.0, head_dim ** -0.5, 1.0) else m
+
+
+def fold_multipliers(pairs, cfg: LlamaConfig):
+    """((Hugging Face name, tensor) pairs, config) with Granite's multipliers folded into the weights, so the Llama
+    model computes what GraniteForCausalLM does: the embedding times its multiplier (a tied head keeps the table as
+    it was: the pair is untied), q_proj (weight and bias) times attention_multiplier * sqrt(head_dim) (RoPE is
+    linear; the attention then scales by head_dim^-0.5 as every Llama's), o_proj's and down_proj's outputs times
+    residual_multiplier, the final norm's weight over logits_scaling. Each product in fp32, rounded once to the
+    tensor's dtype. Every other config: the pairs as they come."""
+    if not cfg.multipliers:
+        return pairs, cfg
+    emb, res, att, logits = cfg.multipliers
+    scale = {"self_attn.q_proj.weight": att * math.sqrt(cfg.head_dim), "self_attn.q_proj.bias": att *
+             math.sqrt(cfg.head_dim), "self_attn.o_proj.weight": res, "self_attn.o_proj.bias": res,
+             "mlp.down_proj.weight": res, "mlp.down_proj.bias": res}
+    untie = cfg.tie_word_embeddings and emb != 1.0
+
+    def times(t, f):
+        return t if f == 1.0 else (t.float() * f).to(t.dtype)
+
+    def folded():
+        for name, t in pairs:
+            if name == "model.embed_tokens.weight":
+                if untie:
+                    yield "lm_head.weight", t
+                yield name, times(t, emb)
+            elif name == "model.norm.weight":
+                yield name, times(t, 1.0 / logits)
+            else:
+                yield name, times(t, scale.get(name.split(".", 3)[-1] if name.startswith("model.layers.") else "", 1.0))
+
+    return folded(), dataclasses.replace(cfg, multipliers=(), tie_word_embeddings=cfg.tie_word_embeddings and not untie)
 
 
 def unfuse(pairs, cfg: LlamaConfig):
@@ -420,6 +473,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        if cfg.multipliers:
+            raise DejavuError("Granite's multipliers are folded into the weights as they load (models.auto.load_llama, "
+                              "models.llama.fold_multipliers); this model is built from the folded config")
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

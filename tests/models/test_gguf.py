@@ -42,7 +42,7 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
     Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
     gate/up fused, rows not permuted; "smollm3": a SmolLM3, every 4th layer without RoPE, rows permuted as
-    Llama's) as a GGUF file; rope_scaling (llama): the config's, written as llama.cpp's
+    Llama's; "granite": a Granite, its multipliers (config) written as scales, rows permuted) as a GGUF file; rope_scaling (llama): the config's, written as llama.cpp's
     converter writes Llama 3.1's, per-frequency factors in `rope_freqs` (phi3 and "longrope": Phi-3's LongRoPE
     factors in `rope_factors_long` / `rope_factors_short`); tokenizer: (tokens, scores, types) of a
     SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; config: CFG's fields replaced. Returns
@@ -55,9 +55,10 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-              "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM)}[arch]
+              "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+              "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM)}[arch]
     head_dim = 32 if arch == "qwen3" else cfg["hidden_size"] // cfg["num_attention_heads"]
-    extra = {"pad_token_id": 1} if arch in ("phi3", "smollm3") else {}
+    extra = {"pad_token_id": 1} if arch in ("phi3", "smollm3", "granite") else {}
     if rope_scaling is not None:
         extra["rope_scaling"] = dict(rope_scaling)  # transformers adds to the dict it is given
     if tokenizer is not None:
@@ -81,11 +82,16 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         w.add_value_length(head_dim)
     if arch == "phi3":
         w.add_sliding_window(0)  # convert_hf_to_gguf.py's Phi3MiniModel: 0 for none
+    if arch == "granite":  # GraniteModel.set_gguf_parameters: the multipliers as scales
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     tj = json.loads(tiny_tokenizer_json())
     if tokenizer is None:
         vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm" if arch in ("llama", "smollm3") else "qwen2")  # llama.cpp names Qwen3's pre-tokenizer qwen2
+        w.add_tokenizer_pre("smollm" if arch in ("llama", "smollm3", "granite") else "qwen2")  # llama.cpp names Qwen3's pre-tokenizer qwen2
         w.add_token_list([t for t, _ in vocab])
         w.add_token_types([3 if t in ("<s>", "<pad>", "</s>", "<unk>") else 1 for t, _ in vocab])
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
@@ -120,7 +126,7 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         else:
             _, _, i, *rest = name.split(".")
             gname = f"blk.{i}.{GG_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
-        if arch not in ("llama", "smollm3"):
+        if arch not in ("llama", "smollm3", "granite"):
             pass  # convert_hf_to_gguf.py's Qwen2Model, Qwen3Model and Phi3MiniModel keep the rows
         elif ".attn_q." in gname:
             a = llama_cpp_permute(a, cfg["num_attention_heads"])
@@ -262,6 +268,20 @@ def test_smollm3_gguf_skips_rope_in_every_fourth_layer_as_llama_cpp(tmp_path):
     ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids).logits
     assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
+
+
+def test_granite_gguf_folds_its_scales_as_transformers_multiplies(tmp_path):
+    """A Granite GGUF file (embedding, residual, attention and logit scales; q and k rows permuted as Llama's; a tied
+    head): our load folds the scales into the weights and equals the transformers model it was written from."""
+    path = tmp_path / "granite.gguf"
+    hf, _ = write_tiny_gguf(path, arch="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+                            attention_multiplier=0.0078125, logits_scaling=8.0)
+    model, cfg = auto.load_any(str(path))
+    assert (cfg.model_type, cfg.multipliers, cfg.tie_word_embeddings) == ("granite", (), False)
+    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
+    ref = hf(input_ids=ids).logits
+    assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.05
 
 
 def test_gguf_errors_are_one_line(tmp_path):

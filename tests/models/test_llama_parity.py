@@ -1,5 +1,5 @@
-"""Our dense Llama equals transformers.LlamaForCausalLM (Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM for
-model_type qwen2 / qwen3 / smollm3) on the same weights (fp32, max abs <= 1e-4)."""
+"""Our dense Llama equals transformers.LlamaForCausalLM (Qwen2ForCausalLM / Qwen3ForCausalLM / SmolLM3ForCausalLM /
+GraniteForCausalLM for model_type qwen2 / qwen3 / smollm3 / granite) on the same weights (fp32, max abs <= 1e-4)."""
 from __future__ import annotations
 
 import pytest
@@ -168,6 +168,7 @@ def test_greedy_generate_matches_transformers():
     ({"partial_rotary_factor": 0.375}, "an even number of a head's 8"),  # 3 dimensions
     ({"model_type": "smollm3", "no_rope_layers": [1, 0, 1]}, "must list 2 flags"),
     ({"model_type": "smollm3", "no_rope_layers": None, "no_rope_layer_interval": 0}, "positive integer"),
+    ({"model_type": "granite", "residual_multiplier": -0.5}, "'residual_multiplier' must be a positive number"),
 ])
 def test_bad_config_is_one_clear_error(change, match):
     d = transformers.LlamaConfig(**{**BASE, **CONFIGS["gqa_tied"]}).to_dict()
@@ -312,3 +313,50 @@ def test_smollm3_nope_layers_from_the_interval_and_the_config_round_trips():
     assert transformers.SmolLM3Config(**back).no_rope_layers == back["no_rope_layers"]
     assert LlamaConfig.from_hf_dict(back) == cfg
     assert LlamaConfig.from_hf_dict({**d, "model_type": "llama"}).nope_layers == ()  # a Llama rotates every layer
+
+
+GRANITE = dict(hidden_size=48, intermediate_size=72, num_attention_heads=6, num_key_value_heads=2, rope_theta=10000.0,
+               embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+               logits_scaling=8.0, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tied, bias", [(True, False), (False, True)], ids=["tied", "untied_bias"])
+def test_granite_folder_folds_its_multipliers_and_equals_transformers(tmp_path, tied, bias):
+    """A GraniteForCausalLM folder (embedding, residual, attention and logit multipliers far from 1): load_any folds
+    them into the weights (a tied head untied: the embedding is scaled, the head is not) and equals transformers,
+    token-parallel, through cached decode steps and greedy; the folded config is a Granite config transformers
+    reads as the same model; a Llama model is never built with the multipliers still to apply."""
+    from tiny_tokenizer import tiny_tokenizer_json
+
+    from dejavu.models.auto import load_any
+
+    hf_cfg = transformers.GraniteConfig(**{**BASE, **GRANITE}, tie_word_embeddings=tied, attention_bias=bias,
+                                        mlp_bias=bias, attn_implementation="eager")
+    torch.manual_seed(4)
+    hf = transformers.GraniteForCausalLM(hf_cfg).eval()
+    for name, p in hf.named_parameters():
+        p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.1 if p.dim() == 1 else 0.15)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json(97 + 263))
+    model, cfg = load_any(tmp_path)
+    assert (cfg.model_type, cfg.multipliers, cfg.tie_word_embeddings) == ("granite", (), False)
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(7))
+    ref = hf(input_ids=ids).logits
+    assert (model(ids) - ref).abs().max().item() <= ATOL and ref.std() > 0.05
+    model.setup_caches(2, 19)
+    try:
+        steps = [model(ids[:, :7], 0)] + [model(ids[:, t:t + 1], t) for t in range(7, 19)]
+    finally:
+        model.clear_caches()
+    assert (torch.cat(steps, 1) - ref).abs().max().item() <= ATOL
+    assert generate(model, [[3, 5, 7]], 8) == [hf.generate(torch.tensor([[3, 5, 7]]), max_new_tokens=8,
+                                                           do_sample=False, min_new_tokens=8)[0, 3:].tolist()]
+    folded = transformers.GraniteForCausalLM(transformers.GraniteConfig(**cfg.to_hf_dict(),
+                                                                        attn_implementation="eager")).eval()
+    folded.load_state_dict(model.state_dict())
+    assert (folded(input_ids=ids).logits - ref).abs().max().item() <= ATOL
+    raw = LlamaConfig.from_hf_dict(hf_cfg.to_dict())
+    assert raw.multipliers == (12.0, 0.22, 0.0078125, 8.0)
+    with pytest.raises(DejavuError, match="folded into the weights"):
+        LlamaForCausalLM(raw)

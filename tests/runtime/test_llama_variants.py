@@ -158,16 +158,17 @@ def test_vectors_split_with_their_columns_across_ranks(built):
                 assert all(torch.equal(tr[f"layers.{l}.{name}"], t[f"layers.{l}.{name}"]) for _, tr in shards)
 
 
-def _phi3_folder(folder, **config):
-    """A random tiny Phi3ForCausalLM (6 query / 2 KV heads of 8 unless config says otherwise) saved as a folder with
-    the tests' tokenizer; (model, folder)."""
+def _phi3_folder(folder, family="Phi3", **config):
+    """A random tiny Phi3ForCausalLM (family "Granite": a GraniteForCausalLM) (6 query / 2 KV heads of 8 unless config
+    says otherwise) saved as a folder with the tests' tokenizer; (model, folder)."""
     transformers = pytest.importorskip("transformers")
     from tiny_tokenizer import tiny_tokenizer_json
 
     base = dict(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
                 num_key_value_heads=2, max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     torch.manual_seed(3)
-    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**base, **config}, attn_implementation="eager"))
+    cls, config_cls = getattr(transformers, f"{family}ForCausalLM"), getattr(transformers, f"{family}Config")
+    hf = cls(config_cls(**{**base, **config}, attn_implementation="eager"))
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
@@ -258,6 +259,20 @@ def test_smollm3_folder_engines_equal_transformers_and_the_simulation_and_triton
     assert all(e.spec.config.nope_layers == (0,) for e in engines.values())
     assert all(e.header["model_config"]["no_rope_layers"] == [0, 1] for e in engines.values())
     _interpreter_decode_equals_the_reference(tmp_path)
+
+
+def test_granite_folder_engines_equal_transformers_and_the_simulation(tmp_path):
+    """A Granite folder (embedding, residual, attention and logit multipliers, folded into the weights as they load;
+    a tied head untied): the dense engine equals transformers' GraniteForCausalLM, token-parallel and through cached
+    decode steps, the sparse one the compiler's simulation; the header's config is the folded model's."""
+    hf, folder = _phi3_folder(tmp_path / "granite", family="Granite", embedding_multiplier=12.0,
+                              residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
+                              tie_word_embeddings=True)
+    engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
+    for e in engines.values():
+        mc = e.header["model_config"]
+        assert (mc["model_type"], mc["residual_multiplier"], mc["tie_word_embeddings"]) == ("granite", 1.0, False)
+        assert "lm_head" in read_engine(tmp_path / f"d{e.header['build_config']['density']}.engine")[1]
 
 
 def test_yarn_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
