@@ -222,24 +222,19 @@ def fold_multipliers(pairs, cfg: LlamaConfig):
     if not cfg.multipliers:
         return pairs, cfg
     emb, res, att, logits = cfg.multipliers
-    scale = {"self_attn.q_proj.weight": att * math.sqrt(cfg.head_dim), "self_attn.q_proj.bias": att *
-             math.sqrt(cfg.head_dim), "self_attn.o_proj.weight": res, "self_attn.o_proj.bias": res,
-             "mlp.down_proj.weight": res, "mlp.down_proj.bias": res}
+    q = att * math.sqrt(cfg.head_dim)
+    # a layer's tensor (the name after "model.layers.N.") -> its factor
+    layer = {f"{proj}.{kind}": f for proj, f in (("self_attn.q_proj", q), ("self_attn.o_proj", res),
+                                                 ("mlp.down_proj", res)) for kind in ("weight", "bias")}
+    top = {"model.embed_tokens.weight": emb, "model.norm.weight": 1.0 / logits}
     untie = cfg.tie_word_embeddings and emb != 1.0
-
-    def times(t, f):
-        return t if f == 1.0 else (t.float() * f).to(t.dtype)
 
     def folded():
         for name, t in pairs:
-            if name == "model.embed_tokens.weight":
-                if untie:
-                    yield "lm_head.weight", t
-                yield name, times(t, emb)
-            elif name == "model.norm.weight":
-                yield name, times(t, 1.0 / logits)
-            else:
-                yield name, times(t, scale.get(name.split(".", 3)[-1] if name.startswith("model.layers.") else "", 1.0))
+            f = layer.get(name.split(".", 3)[-1], 1.0) if name.startswith("model.layers.") else top.get(name, 1.0)
+            if untie and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", t
+            yield name, t if f == 1.0 else (t.float() * f).to(t.dtype)
 
     return folded(), dataclasses.replace(cfg, multipliers=(), tie_word_embeddings=cfg.tie_word_embeddings and not untie)
 
