@@ -84,6 +84,14 @@ SHAPES = {
                        rope_theta=10000.0, partial_rotary_factor=0.75, tie_word_embeddings=True,
                        max_position_embeddings=131072, original_max_position_embeddings=4096,
                        rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 48, long_factor=[1.0] * 48)),
+    # HuggingFaceTB/SmolLM3-3B's config (every 4th layer without RoPE) and ibm-granite/granite-3.1-8b-instruct's (its
+    # multipliers are folded into the weights on load: the shape alone, random weights)
+    "smollm3-3b": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=128, intermediate_size=11008,
+                       rope_theta=5000000.0, tie_word_embeddings=True, no_rope_layer_interval=4),
+    "granite-3-8b": dict(model_type="granite", vocab_size=49155, hidden_size=4096, num_hidden_layers=40,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12800,
+                         rope_theta=10000000.0, tie_word_embeddings=True, attention_multiplier=128 ** -0.5),
     "tiny": dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=320, rope_theta=10000.0),
 }
