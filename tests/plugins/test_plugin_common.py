@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from dejavu.plugins._common import jit
+from dejavu.plugins._common import helper, jit
 
 tl = None  # bound by jit
 
@@ -85,6 +85,7 @@ def test_interpreter_computes_no_overflow_check_it_would_drop(triton_interp):
     assert not interp.interpreter_builder.options.sanitize_overflow
 
 
+@helper
 def _helper_sum(x):
     return tl.sum(tl.zeros_like(x) + x, 0)  # tl.zeros_like: a helper of triton.language.standard (tl.core)
 
@@ -103,7 +104,6 @@ def test_interpreter_patches_the_language_once_per_launch(triton_interp, monkeyp
 
     import dejavu.plugins._common as C
 
-    _helper_sum._dejavu_helper = True
     x, y = torch.arange(16, dtype=torch.float32), torch.zeros(1)
     kernel = jit(_helper_kernel, x.device)
     calls = []
