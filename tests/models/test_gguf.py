@@ -42,8 +42,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
     Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
     gate/up fused, rows not permuted; "smollm3": a SmolLM3, every 4th layer without RoPE, rows permuted as
-    Llama's; "granite": a Granite, its multipliers (config) written as scales, rows permuted) as a GGUF file; rope_scaling (llama): the config's, written as llama.cpp's
-    converter writes Llama 3.1's, per-frequency factors in `rope_freqs` (phi3 and "longrope": Phi-3's LongRoPE
+    Llama's; "granite": a Granite, its multipliers (config) written as scales, rows permuted) as a GGUF file;
+    rope_scaling (llama): the config's, written as llama.cpp's converter writes Llama 3.1's, per-frequency factors in `rope_freqs` (phi3 and "longrope": Phi-3's LongRoPE
     factors in `rope_factors_long` / `rope_factors_short`); tokenizer: (tokens, scores, types) of a
     SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; config: CFG's fields replaced. Returns
     the transformers model holding the same weights and the byte-level BPE's tokenizer.json dict."""
@@ -91,7 +91,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     if tokenizer is None:
         vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm" if arch in ("llama", "smollm3", "granite") else "qwen2")  # llama.cpp names Qwen3's pre-tokenizer qwen2
+        # llama.cpp names Qwen3's pre-tokenizer qwen2
+        w.add_tokenizer_pre("smollm" if arch in ("llama", "smollm3", "granite") else "qwen2")
         w.add_token_list([t for t, _ in vocab])
         w.add_token_types([3 if t in ("<s>", "<pad>", "</s>", "<unk>") else 1 for t, _ in vocab])
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])

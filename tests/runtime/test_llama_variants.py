@@ -5,7 +5,8 @@ model on the same folder, the sparse engine against the compiler's simulation, t
 bias and the heads' norm before RoPE in their sum kernel, gate/up's bias into the first split's partials, o's and
 down's after their GEMVs) under the interpreter against the reference ops, and the vectors' tensor-parallel
 split. Also Phi-3 (q/k/v and gate/up fused in its checkpoint, split on load), a Phi-4-mini-like partial rotary,
-SmolLM3 (a layer without RoPE), a Qwen2 with YaRN rope scaling and a Llama with Phi-3's LongRoPE built from folders."""
+SmolLM3 (a layer without RoPE), Granite (its multipliers folded on load), a Qwen2 with YaRN rope scaling and a Llama
+with Phi-3's LongRoPE built from folders."""
 from __future__ import annotations
 
 import pytest
@@ -158,7 +159,7 @@ def test_vectors_split_with_their_columns_across_ranks(built):
                 assert all(torch.equal(tr[f"layers.{l}.{name}"], t[f"layers.{l}.{name}"]) for _, tr in shards)
 
 
-def _phi3_folder(folder, family="Phi3", **config):
+def _hf_folder(folder, family="Phi3", **config):
     """A random tiny Phi3ForCausalLM (family "Granite": a GraniteForCausalLM) (6 query / 2 KV heads of 8 unless config
     says otherwise) saved as a folder with the tests' tokenizer; (model, folder)."""
     transformers = pytest.importorskip("transformers")
@@ -229,7 +230,7 @@ for d in (0.6, 1.0):
 def test_phi3_folder_builds_and_its_engines_equal_transformers_and_the_simulation(tmp_path):
     """`dejavu-compile` on a Phi3ForCausalLM folder (fused qkv_proj and gate_up_proj, split on load): the dense
     engine equals transformers' model, the sparse one the compiler's simulation, cached decode steps included."""
-    hf, folder = _phi3_folder(tmp_path / "phi3")
+    hf, folder = _hf_folder(tmp_path / "phi3")
     engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
     assert all(e.header["model_config"]["model_type"] == "phi3" for e in engines.values())
 
@@ -239,7 +240,7 @@ def test_partial_rotary_folder_engines_equal_transformers_and_the_simulation_and
     engine equals transformers' model, token-parallel and through cached decode steps, the sparse one the compiler's
     simulation; the Triton decode step of both (the q/k/v sum kernel pairing each rotary column with the one 6 away
     and passing the last 4 through) equals the reference ops' under the interpreter."""
-    hf, folder = _phi3_folder(tmp_path / "phi4mini", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)
+    hf, folder = _hf_folder(tmp_path / "phi4mini", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)
     assert hf.model.rotary_emb.inv_freq.numel() == 6
     engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
     assert all(e.spec.config.rotary_dim == 12 for e in engines.values())
@@ -265,7 +266,7 @@ def test_granite_folder_engines_equal_transformers_and_the_simulation(tmp_path):
     """A Granite folder (embedding, residual, attention and logit multipliers, folded into the weights as they load;
     a tied head untied): the dense engine equals transformers' GraniteForCausalLM, token-parallel and through cached
     decode steps, the sparse one the compiler's simulation; the header's config is the folded model's."""
-    hf, folder = _phi3_folder(tmp_path / "granite", family="Granite", embedding_multiplier=12.0,
+    hf, folder = _hf_folder(tmp_path / "granite", family="Granite", embedding_multiplier=12.0,
                               residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0,
                               tie_word_embeddings=True)
     engines = _engines_equal_their_references(folder, hf, _ids(seed=2), tmp_path)
@@ -334,7 +335,7 @@ def test_rope_variants_triton_decode_on_the_gpu_equals_the_cpu_reference(tmp_pat
     pytest.importorskip("triton")
     longrope = dict(rope_type="longrope", original_max_position_embeddings=16, short_factor=[1.0, 1.2, 1.5, 2.0],
                     long_factor=[1.0, 2.0, 6.0, 16.0])
-    folders = [_phi3_folder(tmp_path / "partial", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)[1],
+    folders = [_hf_folder(tmp_path / "partial", hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.75)[1],
                write_tiny_llama(tmp_path / "yarn", seed=5, model_type="qwen2",
                                 rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
                write_tiny_llama(tmp_path / "longrope", seed=5, rope_scaling=longrope),
