@@ -262,8 +262,9 @@ def llama_parts(model, dtype: torch.dtype) -> dict:
 def llama_header(name: str, cfg, config, target: dict, skips: dict, thresholds: dict, calibration,
                  tokenizer_json: str, special_ids: tuple | None = None, heldout: dict | None = None) -> dict:
     """The Llama engine header: the family, the TEAL setting and thresholds, bytes per token.
-    skips: {input: skip} (one per input kind); special_ids: the tokenizer's (bos, eos, pad), written
-    over the model config's; heldout: allocate_llama.resolve_skips's report."""
+    skips: {input: skip} (one per input kind); special_ids: the tokenizer's (bos, stop ids, pad), written
+    over the model config's (several stop ids: eos_token_id a list, as config.json writes it); heldout:
+    allocate_llama.resolve_skips's report."""
     from dejavu.compiler.allocate_llama import block_skip, input_bytes
     from dejavu.engine_file import FORMAT_NAME, FORMAT_VERSION
 
@@ -272,7 +273,8 @@ def llama_header(name: str, cfg, config, target: dict, skips: dict, thresholds: 
     read = b["fixed"] + (1 - skip) * b["block"]
     mc = cfg.to_hf_dict()
     if special_ids is not None:  # the ids text starts / ends / pads with (GGUF: the document separator)
-        mc.update(bos_token_id=special_ids[0], eos_token_id=special_ids[1], pad_token_id=special_ids[2])
+        bos, stops, pad = special_ids
+        mc.update(bos_token_id=bos, eos_token_id=stops[0] if len(stops) == 1 else list(stops), pad_token_id=pad)
     uniform = len(set(skips.values())) == 1
     kept = (heldout or {}).get("allocation_check", {}).get("kept", "uniform" if uniform else "sensitivity")
     return {
@@ -413,7 +415,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
             onnx_report = _export_onnx(model, thresholds, skip, Path(onnx_out))
     parts = llama_parts(model, getattr(torch, config.dtype))  # laid out as the writer reaches each tensor
     header = llama_header(str(model_name_or_path), cfg, config, target, skips, thresholds, calibration,
-                          tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id),
+                          tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.stop_ids, tokenizer.pad_id),
                           heldout)
     with stages("write engine"):
         if config.tp > 1:  # one file per rank (dejavu.shards.shard_path), written side by side

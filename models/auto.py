@@ -21,6 +21,7 @@ from dejavu.errors import DejavuError
 from dejavu.models.llama import MODEL_TYPES as LLAMA_TYPES
 from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, fold_multipliers, unfuse
 from dejavu.models.presets import gguf_preset_path, resolve
+from dejavu.models.tokenizer import end_ids
 
 
 def gguf_path(name_or_path: str | os.PathLike) -> Path | None:
@@ -103,15 +104,36 @@ def load_llama(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
     from dejavu.models.loader import iter_weights, weight_files
 
     folder = resolve(name_or_path)
-    path = folder / "config.json"
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DejavuError(f"{path}: not valid JSON ({e})") from None
-    cfg = _config(d, path)
+    cfg = _config(folder_config(folder), folder / "config.json")
     pairs = unfuse(iter_weights(weight_files(folder)), cfg)  # Phi-3's fused q/k/v and gate/up split
     pairs, cfg = fold_multipliers(pairs, cfg)  # Granite's multipliers into the weights
     return _fill(cfg, pairs, str(folder), dtype, device), cfg
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DejavuError(f"{path}: not valid JSON ({e})") from None
+
+
+def folder_config(folder: Path) -> dict:
+    """A Hugging Face folder's config.json, its eos_token_id joined by generation_config.json's where that names
+    others (Llama-3-8B-Instruct: <|eot_id|>; Qwen2.5-Instruct: <|endoftext|>): the ids transformers' and vLLM's
+    generate stop at. config.json's first id stays the first."""
+    d = _json(folder / "config.json")
+    gen = folder / "generation_config.json"
+    if isinstance(d, dict) and gen.is_file():
+        g = _json(gen)
+        extra = g.get("eos_token_id") if isinstance(g, dict) else None
+        if extra is not None:
+            try:
+                ids = end_ids(d.get("eos_token_id")) + end_ids(extra)
+            except DejavuError as e:
+                raise DejavuError(f"{folder}: {e}") from None
+            ids = list(dict.fromkeys(ids))
+            d = {**d, "eos_token_id": ids[0] if len(ids) == 1 else ids}
+    return d
 
 
 def _config(d: dict, where) -> LlamaConfig:
@@ -142,8 +164,7 @@ def load_text_tokenizer(name_or_path: str | os.PathLike):
         from dejavu.models.loader import load_tokenizer
 
         folder = resolve(name_or_path)
-        d = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        cfg = _config(d, folder / "config.json")
+        cfg = _config(folder_config(folder), folder / "config.json")
         return TextTokenizer(load_tokenizer(folder), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
     from dejavu.models import gguf
 

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     sys.stdout.write(args.prompt)
     t0 = time.perf_counter()
     new = generate(model, [ids], n, temperature=temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, eos_id=tok.eos_id, stream=streamer)[0]
+                   top_p=args.top_p, seed=args.seed, eos_id=tok.stop_ids, stream=streamer)[0]
     dt = time.perf_counter() - t0
     streamer.finish()
     print(f"[{len(new)} tokens in {dt:.2f} s, {len(new) / max(dt, 1e-9):.1f} tok/s, "

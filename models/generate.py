@@ -9,6 +9,7 @@ from dejavu.errors import DejavuError
 from dejavu.generation import GENERATION, resolve_temperature
 from dejavu.models.opt import OPTForCausalLM
 from dejavu.models.sampling import sample_next
+from dejavu.models.tokenizer import end_ids
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -27,9 +28,10 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 @torch.inference_mode()
 def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[int]],
              max_new_tokens: int, temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
-             top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed, eos_id: int | None = None,
+             top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed, eos_id=None,
              stream: Callable[[list[int | None]], None] | None = None) -> list[list[int]]:
-    """New tokens for each prompt (prompt not included; ends with eos_id when it was produced).
+    """New tokens for each prompt (prompt not included; ends with eos_id when it was produced: one id, or several
+    of which any ends a sequence).
 
     input_ids: [B, S] (all real tokens) or a list of B token lists of any lengths (left-padded
     with an attention mask). Greedy when temperature == 0 (or None without top_k / top_p:
@@ -67,6 +69,7 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
 
+    stops = frozenset(end_ids(eos_id))
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     model.setup_caches(B, total)
@@ -82,7 +85,7 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
                     continue
                 out[b].append(t)
                 emitted.append(t)
-                done[b] = eos_id is not None and t == eos_id
+                done[b] = t in stops
             if stream is not None:
                 stream(emitted)
             if all(done) or step == max_new_tokens - 1:

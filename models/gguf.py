@@ -128,7 +128,7 @@ def config_dict(reader, path="GGUF file") -> dict:
         # Qwen2: q/k/v biases by its type; Llama's and Qwen3's attention_bias: q/k/v's and o's where the file has them
         "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": end_of_generation(reader),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
     if rot != head_dim:  # rotary positions over a head's first rot dimensions (Phi-4-mini)
@@ -317,6 +317,14 @@ def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:
     return [(left, right) for left, right, _ in merges]
 
 
+def end_of_generation(reader) -> int | list[int] | None:
+    """The file's EOS, then its end-of-turn and end-of-message ids where it names them (llama.cpp stops at any of
+    them: a Llama 3.1 file's <|eot_id|> and <|eom_id|>): one id, or a list of several."""
+    ids = [i for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if i is not None]
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
 def special_ids(reader) -> dict:
     """bos / eos / pad ids of the file, and the document separator used to start scored text."""
     tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -325,6 +333,6 @@ def special_ids(reader) -> dict:
     byte_level = _field(reader, "tokenizer.ggml.model") == "gpt2"
     eot = tokens.index("<|endoftext|>") if byte_level and "<|endoftext|>" in tokens else None
     return {"bos_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-            "eos_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+            "eos_id": end_of_generation(reader),
             "pad_id": _field(reader, "tokenizer.ggml.padding_token_id"),
             "document_id": eot}

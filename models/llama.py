@@ -23,6 +23,7 @@ from torch import nn
 
 from dejavu.errors import DejavuError
 from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
+from dejavu.models.tokenizer import end_ids
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -61,7 +62,7 @@ class LlamaConfig:
     model_type: str = "llama"
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    eos_token_id: int | tuple | None = 2  # one id, or every id that ends a generation (Llama 3.1: three)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "LlamaConfig":
@@ -123,9 +124,8 @@ class LlamaConfig:
                                           "numbers (one per rotary frequency)")
                     scaling[key] = tuple(float(f) for f in v)
             scaling = tuple(sorted({**scaling, "rope_type": kind}.items()))
-        bos, eos = d.get("bos_token_id", 1), d.get("eos_token_id", 2)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        bos, eos = d.get("bos_token_id", 1), end_ids(d.get("eos_token_id", 2))
+        eos = eos[0] if len(eos) == 1 else eos or None  # several: a tuple, every one ends a generation
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,

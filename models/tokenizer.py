@@ -8,11 +8,23 @@ from __future__ import annotations
 import os
 
 
-class TextTokenizer:
-    """encode / decode with OPT's special ids (bos = eos = `</s>`, pad = `<pad>`)."""
+def end_ids(eos) -> tuple[int, ...]:
+    """The ids that end a generation, from a config's `eos_token_id`: one id, a list of them (Llama 3.1's
+    end_of_text, eom and eot; transformers and vLLM stop at any), or None (none). The first is the tokenizer's
+    EOS. DejavuError for anything else."""
+    from dejavu.errors import DejavuError
 
-    def __init__(self, tokenizer, bos_id: int | None = None, eos_id: int | None = None,
-                 pad_id: int | None = None):
+    ids = [] if eos is None else [eos] if not isinstance(eos, (list, tuple)) else list(eos)
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise DejavuError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(dict.fromkeys(ids))
+
+
+class TextTokenizer:
+    """encode / decode with OPT's special ids (bos = eos = `</s>`, pad = `<pad>`). eos_id: one id or several
+    (`stop_ids`: every id that ends a generation; `eos_id`: the first)."""
+
+    def __init__(self, tokenizer, bos_id: int | None = None, eos_id=None, pad_id: int | None = None):
         from tokenizers import Tokenizer
 
         from dejavu.errors import DejavuError
@@ -25,7 +37,8 @@ class TextTokenizer:
         self.tokenizer = tokenizer
         eos_tok = tokenizer.token_to_id("</s>")
         self.bos_id = bos_id if bos_id is not None else eos_tok
-        self.eos_id = eos_id if eos_id is not None else eos_tok
+        self.stop_ids = end_ids(eos_id) or end_ids(eos_tok)
+        self.eos_id = self.stop_ids[0] if self.stop_ids else None
         self.pad_id = pad_id if pad_id is not None else tokenizer.token_to_id("<pad>")
         if self.bos_id is None or self.eos_id is None:
             raise DejavuError("tokenizer has no '</s>' token; pass bos_id and eos_id explicitly")

@@ -143,7 +143,7 @@ class Engine:
             if not tj:
                 raise DejavuError("this engine carries no tokenizer (header field tokenizer_json); pass token ids")
             s = self.spec
-            self._tokenizer = TextTokenizer(tj, s.bos_id, s.eos_id, s.pad_id)
+            self._tokenizer = TextTokenizer(tj, s.bos_id, s.stop_ids, s.pad_id)
         return self._tokenizer
 
     # ------------------------------------------------------------------ running

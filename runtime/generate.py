@@ -87,14 +87,14 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     step_fn = engine.activate(B, need)
     ids, pos = ids.to(dev), lengths.to(dev)
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
-    eos = spec.eos_id if stop_at_eos else None
+    stops = frozenset(spec.stop_ids if stop_at_eos else ())
     t1 = _sync(dev)
     logits = dec.prefill(ids, pos)  # [B, V]
     t2 = _sync(dev)
     out_dev = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    host_loop = stream is not None or eos is not None
+    host_loop = stream is not None or bool(stops)
     agree = getattr(engine, "agree_tokens", None)  # tensor parallel: rank 0's tokens on every rank
     steps = made = 0
     for step in range(max_new_tokens):
@@ -111,7 +111,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                     continue
                 out[b].append(t)
                 emitted.append(t)
-                done[b] = eos is not None and t == eos
+                done[b] = t in stops
             if stream is not None:
                 stream(emitted)
             if all(done):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from dejavu.errors import DejavuError
 from dejavu.models.llama import apply_rope, rope_angles, rope_cos_sin
+from dejavu.models.tokenizer import end_ids
 from dejavu.runtime.spec import DTYPES
 
 INPUTS = ("attn_in", "o_in", "mlp_in", "down_in")
@@ -46,6 +47,7 @@ class LlamaSpec:
     eos_id: int | None
     bos_id: int | None
     pad_id: int | None
+    stop_ids: tuple[int, ...] = ()  # every id that ends a generation (eos_id first)
 
     def __getattr__(self, name):  # vocab_size, hidden_size, ... read through to the model config
         if name == "config":
@@ -81,8 +83,9 @@ def llama_spec_from_header(header: dict) -> LlamaSpec:
     dtype = header.get("dtype", "float32")
     if dtype not in DTYPES:
         raise DejavuError(f"engine header: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    stops = end_ids(cfg.eos_token_id)
     return LlamaSpec(cfg, float(sp.get("skip", 0.0)), {k: tuple(float(t) for t in th[k]) for k in INPUTS},
-                     DTYPES[dtype], cfg.eos_token_id, cfg.bos_token_id, cfg.pad_token_id)
+                     DTYPES[dtype], stops[0] if stops else None, cfg.bos_token_id, cfg.pad_token_id, stops)
 
 
 def check_llama_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> None:

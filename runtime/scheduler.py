@@ -317,7 +317,7 @@ class Scheduler:
             self.metrics.token(now - r.arrival if len(seq.tokens) == 1 else None,
                                now - seq.last_t if len(seq.tokens) > 1 else None)
         seq.last_t = now
-        eos = r.stop_at_eos and token == self.spec.eos_id
+        eos = r.stop_at_eos and token in self.spec.stop_ids
         stopped = False
         delta = ""
         if seq.text is not None and not eos:

@@ -11,6 +11,7 @@ import torch
 
 from dejavu.engine_file import predictor_dtypes
 from dejavu.errors import DejavuError
+from dejavu.models.tokenizer import end_ids
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SOURCES = ("attn_in", "mlp_in")
@@ -42,6 +43,7 @@ class EngineSpec:
     eos_id: int | None
     bos_id: int | None
     pad_id: int | None
+    stop_ids: tuple[int, ...] = ()  # every id that ends a generation (eos_id first)
     # per-token MLP K (build_config.token_k, form "share"): per layer (min_share, k_max); None: K_l
     # rows for every token (engines without the field). The predictor selects the top k_max rows and
     # a token keeps those whose predicted share is >= min_share (at least its best: plugins.share_keep)
@@ -137,9 +139,10 @@ def spec_from_header(header: dict) -> EngineSpec:
     dtype = header.get("dtype", "float32")
     if dtype not in DTYPES:
         raise DejavuError(f"engine header: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    eos = mc.get("eos_token_id", 2)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    try:
+        stops = end_ids(mc.get("eos_token_id", 2))
+    except DejavuError as e:
+        raise DejavuError(f"engine header: model_config: {e}") from None
     return EngineSpec(
         vocab_size=_int(mc, "vocab_size"), hidden_size=D, ffn_dim=F, num_heads=H, num_layers=L,
         max_positions=_int(mc, "max_position_embeddings"),
@@ -147,7 +150,7 @@ def spec_from_header(header: dict) -> EngineSpec:
         pre_ln=bool(mc.get("do_layer_norm_before", True)),
         final_ln=bool(mc.get("do_layer_norm_before", True)) and not bool(mc.get("_remove_final_layer_norm", False)),
         mlp_k=ks["mlp_k"], attn_k=ks["attn_k"], has_predictors=has_pred, source=source,
-        lookahead=lookahead, dtype=DTYPES[dtype], eos_id=eos,
+        lookahead=lookahead, dtype=DTYPES[dtype], eos_id=stops[0] if stops else None, stop_ids=stops,
         bos_id=mc.get("bos_token_id", 2), pad_id=mc.get("pad_token_id", 1),
         token_k=_token_k(bc, ks["mlp_k"], F),
         int8_predictors=frozenset(k for k, v in predictor_dtypes(header).items() if v == "int8"))

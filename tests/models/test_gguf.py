@@ -38,14 +38,15 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_scaling: dict | None = None,
-                    tokenizer=None, **config):
+                    tokenizer=None, eot_id: int | None = None, eom_id: int | None = None, **config):
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
     Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
     gate/up fused, rows not permuted; "smollm3": a SmolLM3, every 4th layer without RoPE, rows permuted as
     Llama's; "granite": a Granite, its multipliers (config) written as scales, rows permuted) as a GGUF file;
     rope_scaling (llama): the config's, written as llama.cpp's converter writes Llama 3.1's, per-frequency factors in `rope_freqs` (phi3 and "longrope": Phi-3's LongRoPE
     factors in `rope_factors_long` / `rope_factors_short`); tokenizer: (tokens, scores, types) of a
-    SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; config: CFG's fields replaced. Returns
+    SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; eot_id / eom_id: end-of-turn and
+    end-of-message ids written beside EOS 2 (a Llama 3.1 file's); config: CFG's fields replaced. Returns
     the transformers model holding the same weights and the byte-level BPE's tokenizer.json dict."""
     from tiny_tokenizer import tiny_tokenizer_json
 
@@ -106,6 +107,10 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         w.add_token_types(types)
         w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if eot_id is not None:
+        w.add_eot_token_id(eot_id)
+    if eom_id is not None:
+        w.add_eom_token_id(eom_id)
     if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":  # Phi3MiniModel's, as llama.cpp writes
         old = rope_scaling["original_max_position_embeddings"]
         w.add_tensor("rope_factors_long.weight", np.array(rope_scaling["long_factor"], np.float32))
@@ -666,3 +671,13 @@ def test_llama31_gguf_rope_freqs_are_its_llama3_scaling(tmp_path):
     assert (unscaled.eval()(input_ids=ids).logits - ref).abs().max().item() > 100 * 1e-4
     with pytest.raises(DejavuError, match="rope_freqs"):
         G.llama3_scaling(factors * 1.1, 128, theta, None, "f.gguf")
+
+
+@torch.no_grad()
+def test_gguf_eot_and_eom_ids_end_a_generation(tmp_path):
+    path = tmp_path / "eot.gguf"
+    write_tiny_gguf(path, eot_id=5, eom_id=7)
+    assert auto.load_text_tokenizer(str(path)).stop_ids == (2, 5, 7)
+    assert auto.load_any(str(path))[1].eos_token_id == (2, 5, 7)
+    write_tiny_gguf(path, eot_id=2)  # the same id as EOS: one
+    assert auto.load_text_tokenizer(str(path)).stop_ids == (2,) and auto.load_any(str(path))[1].eos_token_id == 2
