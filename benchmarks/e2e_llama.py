@@ -20,6 +20,9 @@ downloaded here):
                   4096 positions (its factors set to 1 here: the timing is the same)
 Systems, batch 1, --prompt-len 128 prompt tokens, --new-tokens 128 new (greedy, no EOS stop):
   hf_eager       transformers LlamaForCausalLM fp16, eager, model.generate (dynamic cache)
+  hf_static_compile (--hf-compile) the same model with a StaticCache, the one-token forward under torch.compile
+                 (inductor, mode reduce-overhead: CUDA graphs), the decode loop of transformers' "LLM inference
+                 optimization" guide; its greedy tokens compared with model.generate's (tokens_agree)
   dense_graph    our Llama decode step, dense (thresholds 0), one CUDA graph per step: PyTorch's RMSNorm, products
                  and SwiGLU, the GQA attention kernel, q/k/v's bias, heads' norms, RoPE and cache writes in the sum
                  kernel the sparse step uses (since 21ab4d1; before it, separate PyTorch ops)
@@ -367,9 +370,22 @@ def hf_model(c: dict, dtype, dev):
     return m.eval()
 
 
+def _hf_prompt(c: dict, P: int, dev) -> torch.Tensor:
+    return torch.randint(4, c["vocab_size"], (1, P), generator=torch.Generator().manual_seed(0)).to(dev)
+
+
+def hf_greedy(m, c: dict, P: int, N: int, dev) -> list[int]:
+    """model.generate's N greedy tokens after the timed prompt."""
+    ids = _hf_prompt(c, P, dev)
+    with torch.inference_mode():
+        out = m.generate(input_ids=ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0,
+                         attention_mask=torch.ones_like(ids))
+    return out[0, P:].tolist()
+
+
 def time_hf(m, c: dict, P: int, N: int, dev) -> dict:
     """Per-step decode latency of model.generate: (T(N) - T(1)) / (N - 1)."""
-    ids = torch.randint(4, c["vocab_size"], (1, P), generator=torch.Generator().manual_seed(0)).to(dev)
+    ids = _hf_prompt(c, P, dev)
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
 
     def gen(n):
@@ -383,6 +399,44 @@ def time_hf(m, c: dict, P: int, N: int, dev) -> dict:
     gen(2)
     tn, t1 = gen(N), gen(1)
     return {"ms_per_step": 1e3 * (tn - t1) / (N - 1), "prefill_ms": 1e3 * t1, "total_s": tn}
+
+
+def time_hf_compiled(m, c: dict, P: int, N: int, dev, backend: str = "inductor") -> dict:
+    """Per-step decode latency of transformers' static cache with the one-token forward under torch.compile
+    (mode reduce-overhead: CUDA graphs; fullgraph), greedy, the loop of transformers' "LLM inference optimization"
+    guide and gpt-fast: T(N) / N over the decode steps alone, the prefill an untimed eager forward into the same
+    StaticCache. The first loop compiles and records; the second is timed. `tokens` are the N greedy tokens
+    (equal to model.generate's where the arithmetic is: the caller checks)."""
+    from transformers import StaticCache
+
+    ids = _hf_prompt(c, P, dev)
+    cache = StaticCache(config=m.config, max_cache_len=P + N)
+
+    def one(tok, pos):
+        return m(tok, position_ids=pos[None], cache_position=pos, past_key_values=cache, use_cache=True,
+                 return_dict=False)[0]
+
+    step = torch.compile(one, backend=backend, fullgraph=True,
+                         **({"mode": "reduce-overhead"} if backend == "inductor" else {}))
+
+    def decode():
+        cache.reset()
+        with torch.no_grad():
+            tok = one(ids, torch.arange(P, device=dev))[:, -1:].argmax(-1)
+            out = [tok]
+            sync(dev)
+            t = time.perf_counter()
+            for i in range(N - 1):
+                tok = step(tok, torch.tensor([P + i], device=dev))[:, -1:].argmax(-1)
+                out.append(tok)
+            sync(dev)
+        return time.perf_counter() - t, torch.cat(out, 1)[0].tolist()
+
+    t = time.perf_counter()
+    decode()  # compile, record the graphs
+    warm = time.perf_counter() - t
+    dt, tokens = decode()
+    return {"ms_per_step": 1e3 * dt / (N - 1), "warmup_s": warm, "backend": backend, "tokens": tokens}
 
 
 def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dict:
@@ -460,20 +514,37 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
         eng.release()
     del engs
     free(dev)
-    if a.no_hf:
-        return
-    try:
-        m = hf_model(c, dtype, dev)
-        row = {"model": name, "system": "hf_eager", "batch": 1, "skip_target": 0.0, "shape": c}
-        row.update(time_hf(m, c, a.prompt_len, a.new_tokens, dev))
-        fl = floor(c, 0.0, ctx, bw)
-        row.update(floor_bytes=fl["bytes"], floor_ms=fl["ms"])
-        run.add("results", row)
-        print(f"{name:16} {'hf_eager':12} {row['ms_per_step']:8.3f} ms/step", flush=True)
-        del m
-    except Exception as e:  # noqa: BLE001
-        run.add("errors", {"model": name, "system": "hf_eager", "error": f"{type(e).__name__}: {e}",
-                           "trace": traceback.format_exc()[-3000:]})
+    if not a.no_hf:
+        hf_rows(run, name, c, a, dev, floor(c, 0.0, ctx, bw), dtype)
+
+
+def hf_rows(run: Run, name: str, c: dict, a, dev, fl: dict, dtype) -> None:
+    """transformers' model of shape c: eager generate, then (--hf-compile) the static cache + torch.compile loop,
+    its greedy tokens checked against generate's (`tokens_agree`: how many of the first agree; with random
+    weights the logits are near ties, so rounding can part them)."""
+    m = None
+    systems = ["hf_eager"] + (["hf_static_compile"] if a.hf_compile else [])
+    for system in systems:
+        try:
+            if m is None:
+                m = hf_model(c, dtype, dev)
+            row = {"model": name, "system": system, "batch": 1, "skip_target": 0.0, "shape": c,
+                   "floor_bytes": fl["bytes"], "floor_ms": fl["ms"]}
+            if system == "hf_eager":
+                row.update(time_hf(m, c, a.prompt_len, a.new_tokens, dev))
+            else:
+                row.update(time_hf_compiled(m, c, a.prompt_len, a.new_tokens, dev, a.hf_compile_backend))
+                want = hf_greedy(m, c, a.prompt_len, a.new_tokens, dev)
+                row["tokens_agree"] = next((i for i, (x, y) in enumerate(zip(row["tokens"], want)) if x != y),
+                                           len(want))
+            run.add("results", row)
+            print(f"{name:16} {system:12} {row['ms_per_step']:8.3f} ms/step", flush=True)
+        except Exception as e:  # noqa: BLE001
+            run.add("errors", {"model": name, "system": system, "error": f"{type(e).__name__}: {e}",
+                               "trace": traceback.format_exc()[-3000:]})
+    del m
+    if a.hf_compile:  # compiled code keeps references to the model's weights
+        torch._dynamo.reset()
     free(dev)
 
 
@@ -535,7 +606,13 @@ def main(argv=None) -> int:
     p.add_argument("--calib-tokens", type=int, default=512, help="random tokens the thresholds are taken from")
     p.add_argument("--skip-steps", type=int, default=16, help="decode steps that count the realized skip")
     p.add_argument("--peak-GBps", type=float, default=4800.0, help="nominal HBM bandwidth (H200: 4800)")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also transformers' static cache with the one-token forward under torch.compile (the "
+                        "compile takes minutes on the real shapes)")
+    p.add_argument("--hf-compile-backend", default="inductor",
+                   help="torch.compile backend of --hf-compile (inductor, with mode reduce-overhead; 'eager': "
+                        "the same loop uncompiled, what the CPU test runs)")
     p.add_argument("--no-smoke", action="store_true")
     p.add_argument("--profile-steps", type=int, default=20, help="graph replays profiled per profiled system (0: none)")
     p.add_argument("--tune", action="store_true",

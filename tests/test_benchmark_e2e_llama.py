@@ -42,6 +42,20 @@ def test_cpu_dry_run_writes_every_system_with_its_floor(tmp_path):
     assert rows["dense_graph"]["skip_realized"] == 0.0
 
 
+def test_hf_static_compile_loop_generates_what_generate_does(tmp_path):
+    """--hf-compile's loop (StaticCache, one token a call; here uncompiled, backend eager: inductor takes a minute
+    on this CPU) gives model.generate's greedy tokens, every one of them in fp32."""
+    out = tmp_path / "r.json"
+    assert e2e_llama.main(["--device", "cpu", "--out", str(out), "--prompt-len", "8", "--new-tokens", "6",
+                           "--calib-tokens", "64", "--skip-steps", "2", "--no-smoke", "--skips", "0.5",
+                           "--kernel-variants", "[]", "--hf-compile", "--hf-compile-backend", "eager"]) == 0
+    d = json.loads(out.read_text())
+    rows = {r["system"]: r for r in d["results"]}
+    assert d["errors"] == [] and {"hf_eager", "hf_static_compile"} <= set(rows)
+    r = rows["hf_static_compile"]
+    assert r["backend"] == "eager" and r["ms_per_step"] > 0 and len(r["tokens"]) == 6 and r["tokens_agree"] == 6
+
+
 def test_variants_past_the_budget_are_recorded_as_skipped(tmp_path):
     out = tmp_path / "r.json"
     assert e2e_llama.main(["--device", "cpu", "--out", str(out), "--prompt-len", "4", "--new-tokens", "3",
