@@ -81,18 +81,6 @@ def _tokenizer_json(folder: Path, tokenizer) -> str:
     return tj.read_text(encoding="utf-8") if tj.is_file() else tokenizer.to_str()
 
 
-def _chat_template(folder: Path) -> str | None:
-    """tokenizer_config.json's `chat_template` (a Jinja string; dejavu-serve's chat endpoint), if any."""
-    tc = folder / "tokenizer_config.json"
-    if not tc.is_file():
-        return None
-    try:
-        t = json.loads(tc.read_text(encoding="utf-8")).get("chat_template")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    return t if isinstance(t, str) and t else None
-
-
 def _recall_at(curves, ks) -> list[float | None]:
     if not curves:
         return [None] * len(ks)
@@ -383,7 +371,9 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     if onnx_out is not None:
         with stages("export ONNX + passes"):
             onnx_report = _export_onnx(ckpt, state, cfg, info, mlp_k, attn_k, config, Path(onnx_out), token_k)
-    chat = _chat_template(folder)
+    from dejavu.models.auto import folder_chat_template
+
+    chat = folder_chat_template(folder)
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
     state_bytes = state.nbytes()

@@ -386,7 +386,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     from dejavu.compiler.allocate_llama import block_skip, input_bytes, kind_thresholds, resolve_skips
     from dejavu.compiler.build import _check_output, _Stages, target_info
     from dejavu.engine_file import write_engine_parts
-    from dejavu.models.auto import load_text_tokenizer
+    from dejavu.models.auto import load_chat_template, load_text_tokenizer
 
     out = _check_output(out)
     target = target_info(config.device)  # kernel_settings.input_sparse: the input-sparse kernels' blocks
@@ -417,6 +417,9 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     header = llama_header(str(model_name_or_path), cfg, config, target, skips, thresholds, calibration,
                           tokenizer.tokenizer.to_str(), (tokenizer.bos_id, tokenizer.stop_ids, tokenizer.pad_id),
                           heldout)
+    chat = load_chat_template(model_name_or_path)
+    if chat is not None:  # dejavu-serve's chat endpoint; headers of models without one are unchanged
+        header["chat_template"] = chat
     with stages("write engine"):
         if config.tp > 1:  # one file per rank (dejavu.shards.shard_path), written side by side
             from dejavu.compiler.tensor_parallel import write_shards

@@ -153,6 +153,37 @@ def load_any(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32
     return load_llama(name_or_path, dtype=dtype, device=device)
 
 
+def folder_chat_template(folder: Path) -> str | None:
+    """A Hugging Face folder's chat template, as transformers loads it: `chat_template.jinja` (transformers >= 4.50
+    writes it there), else tokenizer_config.json's `chat_template` (a string, or a list of named templates: the
+    "default" one); None where it has none (an unreadable tokenizer_config.json has none)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8") or None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DejavuError(f"{jinja}: unreadable ({type(e).__name__})") from None
+    try:
+        t = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) and t else None
+
+
+def load_chat_template(name_or_path: str | os.PathLike) -> str | None:
+    """The chat template of any supported model (dejavu-serve's chat endpoint): a GGUF file's
+    `tokenizer.chat_template`, a folder's (folder_chat_template); None where it has none."""
+    gp = gguf_path(name_or_path)
+    if gp is None:
+        return folder_chat_template(resolve(name_or_path))
+    from dejavu.models import gguf
+
+    t = gguf._field(gguf.open_gguf(gp), "tokenizer.chat_template")
+    return t if isinstance(t, str) and t else None
+
+
 def load_text_tokenizer(name_or_path: str | os.PathLike):
     """The `TextTokenizer` of any supported model (GGUF: built from the file's metadata)."""
     from dejavu.models.tokenizer import TextTokenizer

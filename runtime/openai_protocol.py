@@ -8,6 +8,8 @@ echo false, no logprobs, penalties 0, ...); unknown fields are rejected, as Open
 """
 from __future__ import annotations
 
+import datetime
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -254,14 +256,33 @@ def now() -> int:
     return int(time.time())
 
 
+def _raise_exception(message):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 class ChatTemplate:
     """An engine header's `chat_template` (a Jinja template, as in a Hugging Face
-    tokenizer_config.json), rendered in Jinja's sandbox: messages -> prompt token ids."""
+    tokenizer_config.json), rendered in Jinja's sandbox: messages -> prompt token ids. The environment is
+    transformers' apply_chat_template's: loop controls, `raise_exception` (Mistral's templates refuse roles
+    that do not alternate with it), `strftime_now` (Llama 3.2's date line), its `tojson` filter."""
 
     def __init__(self, source: str, tokenizer):
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         self.template = env.from_string(source)
         self.tok = tokenizer
         ids = tokenizer.tokenizer

@@ -38,7 +38,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_scaling: dict | None = None,
-                    tokenizer=None, eot_id: int | None = None, eom_id: int | None = None, **config):
+                    tokenizer=None, eot_id: int | None = None, eom_id: int | None = None,
+                    chat_template: str | None = None, **config):
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
     Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
     gate/up fused, rows not permuted; "smollm3": a SmolLM3, every 4th layer without RoPE, rows permuted as
@@ -46,7 +47,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     rope_scaling (llama): the config's, written as llama.cpp's converter writes Llama 3.1's, per-frequency factors in `rope_freqs` (phi3 and "longrope": Phi-3's LongRoPE
     factors in `rope_factors_long` / `rope_factors_short`); tokenizer: (tokens, scores, types) of a
     SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; eot_id / eom_id: end-of-turn and
-    end-of-message ids written beside EOS 2 (a Llama 3.1 file's); config: CFG's fields replaced. Returns
+    end-of-message ids written beside EOS 2 (a Llama 3.1 file's); chat_template: `tokenizer.chat_template`;
+    config: CFG's fields replaced. Returns
     the transformers model holding the same weights and the byte-level BPE's tokenizer.json dict."""
     from tiny_tokenizer import tiny_tokenizer_json
 
@@ -107,6 +109,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         w.add_token_types(types)
         w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     if eot_id is not None:
         w.add_eot_token_id(eot_id)
     if eom_id is not None:
@@ -169,10 +173,13 @@ def llama_cpp_rope_freqs(r: dict, head_dim: int, theta: float) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    hf, tj = write_tiny_gguf(path)
+    hf, tj = write_tiny_gguf(path, chat_template=CHAT)
     return path, hf, tj
 
 
@@ -347,6 +354,16 @@ def test_smollm2_loads_tokenizes_and_continues():
     tok = auto.load_text_tokenizer("smollm2-135m")
     assert tok.encode("Hello world, it's 2026!", add_bos=False) == [19556, 905, 28, 357, 506, 216, 34, 32, 34, 38, 17]
     assert tok.encode("<|im_start|>user\nhi<|im_end|>", add_bos=False) == [1, 4093, 198, 6004, 2]
+    # the file's chat template, rendered as transformers renders it, the text's document separator first
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from dejavu.runtime.openai_protocol import ChatTemplate
+
+    template, msgs = auto.load_chat_template("smollm2-135m"), [{"role": "user", "content": "hi"}]
+    want = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=True,
+                                 bos_token="<|im_start|>", eos_token="<|im_end|>")[0][0]
+    assert want.startswith("<|im_start|>system\n") and want.endswith("<|im_start|>assistant\n")
+    assert ChatTemplate(template, tok).encode(msgs) == [0] + tok.encode(want, add_bos=False)
     from dejavu.models.generate import generate
 
     new = generate(model, [tok.encode("The capital of France is")], 3)[0]
@@ -373,8 +390,8 @@ def test_dejavu_eval_scores_a_gguf_file_as_a_dense_model(tiny_gguf):
 
 def test_dejavu_compile_builds_an_engine_from_a_gguf_file(tiny_gguf, tmp_path):
     """A GGUF file compiles like a folder; density 1.0 is the file's dense model (its F16 tensors
-    rounded, as the loader reads them), and the engine's special ids are the ones text is encoded
-    with (load_text_tokenizer's)."""
+    rounded, as the loader reads them), the engine's special ids are the ones text is encoded
+    with (load_text_tokenizer's), and its chat template is the file's."""
     from dejavu.compiler.build import build_engine
     from dejavu.compiler.config import BuildConfig
     from dejavu.runtime import Engine
@@ -391,6 +408,7 @@ def test_dejavu_compile_builds_an_engine_from_a_gguf_file(tiny_gguf, tmp_path):
     tok = auto.load_text_tokenizer(str(path))
     assert (eng.spec.bos_id, eng.spec.eos_id) == (tok.bos_id, tok.eos_id)
     assert eng.tokenizer.encode("The game") == tok.encode("The game")
+    assert eng.header["chat_template"] == CHAT
 
 
 def test_a_gguf_file_larger_than_the_device_builds_offloaded(tiny_gguf, tmp_path, monkeypatch, capsys):

@@ -447,6 +447,39 @@ def test_graph_per_bucket_path_with_a_stand_in(tiny, ref, monkeypatch):
         sched.stop()
 
 
+def test_llama_engine_chat_from_its_folders_template(tmp_path):
+    """A Llama folder's chat_template.jinja reaches the engine header; /v1/chat/completions renders it as
+    transformers does (the template writes BOS: no second one) and completes as the engine does alone."""
+    from llama_helpers import write_tiny_llama
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from dejavu.compiler.build import build_engine
+    from dejavu.compiler.config import BuildConfig
+
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] | trim }}\n"
+                "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    folder = write_tiny_llama(tmp_path / "llama", seed=3)
+    (folder / "chat_template.jinja").write_text(template)
+    path = tmp_path / "llama.engine"
+    build_engine(folder, BuildConfig(density=0.6, calib_tokens=512, calib_window=128, dtype="float32"), path,
+                 progress=False)
+    ref = Engine.load(path)
+    assert ref.header["chat_template"] == template
+    msgs = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "The game"}]
+    text = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=True,
+                                 bos_token="<s>", eos_token="</s>")[0][0]
+    ids = ref.tokenizer.encode(text, add_bos=False)
+    assert ids[0] == ref.spec.bos_id and ids.count(ref.spec.bos_id) == 1
+    want = ref.tokenizer.decode(solo(ref, ids, 8))
+    srv = Live(Engine.load(path), name="llama-chat")
+    try:
+        r = srv.client().chat.completions.create(model="llama-chat", messages=msgs, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    finally:
+        srv.close()
+
+
 def test_llama_engine_served_equals_solo(tmp_path):
     """A Llama-family engine (GQA, thresholded inputs) behind the server: 24 streaming requests from 8 concurrent
     clients, prompts prefilled in chunks of 4 (the first chunk holds the thresholded first position) while other

@@ -1,0 +1,105 @@
+"""Chat templates: where the compiler finds them (a folder's chat_template.jinja or tokenizer_config.json, a GGUF
+file's tokenizer.chat_template), and how dejavu-serve renders them (against transformers' renderer)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dejavu.errors import DejavuError
+
+pytest.importorskip("jinja2")
+
+# templates in the forms real checkpoints ship: Llama 3.2's date line (strftime_now, bos_token written by the
+# template), Mistral's alternation check (raise_exception), a tool-style one (tojson with its arguments, a
+# loop control); each reduced to what it exercises
+LLAMA = ("{{- bos_token }}\n{%- if not date_string is defined %}\n{%- if strftime_now is defined %}\n"
+         "{%- set date_string = strftime_now(\"%d %b %Y\") %}\n{%- else %}\n{%- set date_string = \"26 Jul 2024\" %}\n"
+         "{%- endif %}\n{%- endif %}\n{%- if messages[0]['role'] == 'system' %}\n"
+         "{%- set system_message = messages[0]['content']|trim %}\n{%- set messages = messages[1:] %}\n{%- else %}\n"
+         "{%- set system_message = \"\" %}\n{%- endif %}\n"
+         "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}\n{{- \"Today Date: \" + date_string + \"\\n\\n\" }}\n"
+         "{{- system_message }}\n{{- \"<|eot_id|>\" }}\n{%- for message in messages %}\n"
+         "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+         "'<|eot_id|>' }}\n{%- endfor %}\n{%- if add_generation_prompt %}\n"
+         "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n{%- endif %}\n")
+MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+           "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+           "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% endif %}{% endfor %}")
+TOOLS = ("{%- for m in messages %}{%- if m['content'] == 'STOP' %}{%- break %}{%- endif %}<|im_start|>{{ m['role'] }}\n"
+         "{{ m | tojson }}|{{ m | tojson(indent=2) }}<|im_end|>\n{% endfor %}"
+         "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "system", "content": "  Be brief <b>&'é  "}, {"role": "user", "content": "The game"},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "STOP"},
+            {"role": "user", "content": "after"}]
+
+
+def _tok():
+    from tiny_tokenizer import tiny_tokenizer_json
+
+    from dejavu.models.tokenizer import TextTokenizer
+
+    return TextTokenizer(tiny_tokenizer_json(), 0, 2, 1)
+
+
+@pytest.mark.parametrize("template", [LLAMA, TOOLS, MISTRAL], ids=["llama", "tools", "mistral"])
+def test_rendered_as_transformers_renders(template):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from dejavu.runtime.openai_protocol import ChatTemplate
+
+    tok = _tok()
+    msgs = MESSAGES[1:3] + MESSAGES[4:] if template is MISTRAL else MESSAGES
+    want = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=True,
+                                 bos_token="<s>", eos_token="</s>")[0][0]
+    ct = ChatTemplate(template, tok)
+    assert ct.template.render(messages=msgs, add_generation_prompt=True, bos_token="<s>", eos_token="</s>") == want
+    # the template writes BOS itself (llama, mistral): no second one; otherwise the tokenizer's
+    assert ct.encode(msgs) == tok.encode(want, add_bos=not want.startswith("<s>"))
+    assert (want.count("<s>"), ct.encode(msgs)[:2].count(0)) == ((1, 1) if template is not TOOLS else (0, 1))
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_with_its_message():
+    from dejavu.runtime.openai_protocol import ChatTemplate
+
+    with pytest.raises(Exception, match="rejected the messages: Conversation roles must alternate") as e:
+        ChatTemplate(MISTRAL, _tok()).encode(MESSAGES[1:2] * 2)
+    assert getattr(e.value, "status", None) == 400
+
+
+def test_folder_chat_template_as_transformers_loads_it(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from dejavu.models.auto import folder_chat_template
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "f")
+    assert folder_chat_template(folder) is None
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": TOOLS}, {"name": "default", "template": MISTRAL}]}))
+    assert folder_chat_template(folder) == MISTRAL
+    assert PreTrainedTokenizerFast.from_pretrained(folder).get_chat_template() == MISTRAL  # the same pick
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA}))
+    assert folder_chat_template(folder) == LLAMA
+    (folder / "chat_template.jinja").write_text(TOOLS)  # transformers >= 4.50 writes it here; it comes first
+    assert folder_chat_template(folder) == TOOLS
+    assert PreTrainedTokenizerFast.from_pretrained(folder).get_chat_template() == TOOLS
+    (folder / "chat_template.jinja").write_bytes(b"\xff\xfe bad")
+    with pytest.raises(DejavuError, match="chat_template.jinja: unreadable"):
+        folder_chat_template(folder)
+
+
+def test_gguf_chat_template(tmp_path):
+    import gguf
+
+    from dejavu.models.auto import load_chat_template
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_chat_template(LLAMA)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert load_chat_template(str(path)) == LLAMA
