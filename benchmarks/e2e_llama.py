@@ -406,7 +406,9 @@ def time_hf_compiled(m, c: dict, P: int, N: int, dev, backend: str = "inductor")
     (mode reduce-overhead: CUDA graphs; fullgraph), greedy, the loop of transformers' "LLM inference optimization"
     guide and gpt-fast: T(N) / N over the decode steps alone, the prefill an untimed eager forward into the same
     StaticCache. The first loop compiles and records; the second is timed. `tokens` are the N greedy tokens
-    (equal to model.generate's where the arithmetic is: the caller checks)."""
+    (equal to model.generate's where the arithmetic is: the caller checks); `cudagraph_skips`: the times inductor
+    ran a compiled graph without CUDA graphs (0: the whole step replayed as one)."""
+    from torch._dynamo.utils import counters
     from transformers import StaticCache
 
     ids = _hf_prompt(c, P, dev)
@@ -432,11 +434,12 @@ def time_hf_compiled(m, c: dict, P: int, N: int, dev, backend: str = "inductor")
             sync(dev)
         return time.perf_counter() - t, torch.cat(out, 1)[0].tolist()
 
-    t = time.perf_counter()
+    t, skips = time.perf_counter(), counters["inductor"]["cudagraph_skips"]
     decode()  # compile, record the graphs
     warm = time.perf_counter() - t
     dt, tokens = decode()
-    return {"ms_per_step": 1e3 * dt / (N - 1), "warmup_s": warm, "backend": backend, "tokens": tokens}
+    return {"ms_per_step": 1e3 * dt / (N - 1), "warmup_s": warm, "backend": backend, "tokens": tokens,
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips}
 
 
 def floor(c: dict, skip: float, ctx: int, bw_GBps: float, esize: int = 2) -> dict:
