@@ -323,6 +323,7 @@ def _predictor_info(state, cfg, config: BuildConfig, calib, predictors) -> dict 
 def _build(model_name_or_path, config, out, onnx_out, progress, predictors, target, stages, t_start) -> dict:
     from dejavu.compiler.stream import BuildState, gpu_peak_bytes, memory_bound, rss_peak_bytes
     from dejavu.engine_file import write_engine_parts
+    from dejavu.models.auto import load_sampling_defaults
     from dejavu.models.loader import Checkpoint, load_tokenizer
     from dejavu.models.presets import resolve
 
@@ -331,6 +332,7 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
         ckpt = Checkpoint(folder)  # every key and shape checked before the long stages
         cfg = ckpt.cfg
         tokenizer = load_tokenizer(folder)
+        sampling = load_sampling_defaults(folder)
     if config.tp > 1:  # before the long stages
         from dejavu.compiler.tensor_parallel import check_tp
         check_tp(config.tp, num_attention_heads=cfg.num_attention_heads, ffn_dim=cfg.ffn_dim)
@@ -376,6 +378,8 @@ def _build(model_name_or_path, config, out, onnx_out, progress, predictors, targ
     chat = folder_chat_template(folder)
     if chat is not None:  # only then: headers of models without one are unchanged
         header["chat_template"] = chat
+    if sampling:  # dejavu-serve's defaults where a request leaves them out
+        header["sampling_defaults"] = sampling
     state_bytes = state.nbytes()
     parts = state.parts("shell", consume=True)  # each spilled tensor read once (--tp: for every rank at once)
     for l in range(cfg.num_hidden_layers):

@@ -386,7 +386,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     from dejavu.compiler.allocate_llama import block_skip, input_bytes, kind_thresholds, resolve_skips
     from dejavu.compiler.build import _check_output, _Stages, target_info
     from dejavu.engine_file import write_engine_parts
-    from dejavu.models.auto import load_chat_template, load_text_tokenizer
+    from dejavu.models.auto import load_chat_template, load_sampling_defaults, load_text_tokenizer
 
     out = _check_output(out)
     target = target_info(config.device)  # kernel_settings.input_sparse: the input-sparse kernels' blocks
@@ -395,6 +395,7 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
         say = (lambda line: print(f"[dejavu-compile]   {line}", file=sys.stderr, flush=True)) if progress else None
         model, cfg = load_build_model(model_name_or_path, config, rewrites=onnx_out is not None, say=say)
         tokenizer = load_text_tokenizer(model_name_or_path)
+        sampling = load_sampling_defaults(model_name_or_path)  # a bad value fails before the long stages
     _check_supported(cfg, config)
     skip = skip_for_density(cfg, config.density) if config.max_ppl_increase is None else None
     with stages("calibrate thresholds"):
@@ -420,6 +421,8 @@ def build_llama_engine(model_name_or_path, config, out, progress: bool = True, o
     chat = load_chat_template(model_name_or_path)
     if chat is not None:  # dejavu-serve's chat endpoint; headers of models without one are unchanged
         header["chat_template"] = chat
+    if sampling:  # dejavu-serve's defaults where a request leaves them out
+        header["sampling_defaults"] = sampling
     with stages("write engine"):
         if config.tp > 1:  # one file per rank (dejavu.shards.shard_path), written side by side
             from dejavu.compiler.tensor_parallel import write_shards

@@ -34,6 +34,23 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise DejavuError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def model_sampling(d, where) -> dict:
+    """The temperature / top_p / top_k a checkpoint's authors ship (generation_config.json, a GGUF file's
+    general.sampling.*, an engine header's sampling_defaults): the ones present in d, checked (temperature in
+    [0, 2], the OpenAI API's range; top_p in (0, 1]; top_k >= 0). DejavuError naming `where`."""
+    out = {}
+    for key, ok, want in (("temperature", lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),
+                          ("top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+                          ("top_k", lambda v: type(v) is int and v >= 0, "an integer >= 0")):
+        v = d.get(key) if isinstance(d, dict) else None
+        if v is None:
+            continue
+        if type(v) not in (int, float) or not ok(v):
+            raise DejavuError(f"{where}: {key} {v!r} is not {want}")
+        out[key] = v if key == "top_k" else float(v)
+    return out
+
+
 def resolve_temperature(temperature: float | None, top_k: int = 0, top_p: float = 1.0) -> float:
     """The temperature to sample with: None -> 0 (greedy), or 1.0 when top_k / top_p are set.
 

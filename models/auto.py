@@ -184,6 +184,27 @@ def load_chat_template(name_or_path: str | os.PathLike) -> str | None:
     return t if isinstance(t, str) and t else None
 
 
+_GGUF_SAMPLING = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
+                  "top_k": "general.sampling.top_k"}
+
+
+def load_sampling_defaults(name_or_path: str | os.PathLike) -> dict:
+    """The sampling settings the checkpoint's authors ship, of those dejavu samples with (temperature, top_p,
+    top_k): what a folder's generation_config.json names (fields it leaves out are not filled in), or a GGUF file's
+    `general.sampling.*`; vLLM and TensorRT-LLM serve with them where a request leaves them out. {} where there
+    are none; DejavuError for a value out of range (dejavu.generation.model_sampling)."""
+    from dejavu.generation import model_sampling
+
+    gp = gguf_path(name_or_path)
+    if gp is not None:
+        from dejavu.models import gguf
+
+        reader = gguf.open_gguf(gp)
+        return model_sampling({k: gguf._field(reader, key) for k, key in _GGUF_SAMPLING.items()}, gp)
+    path = resolve(name_or_path) / "generation_config.json"
+    return model_sampling(_json(path), path) if path.is_file() else {}
+
+
 def load_text_tokenizer(name_or_path: str | os.PathLike):
     """The `TextTokenizer` of any supported model (GGUF: built from the file's metadata)."""
     from dejavu.models.tokenizer import TextTokenizer

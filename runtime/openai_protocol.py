@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from dejavu.generation import GENERATION
+from dejavu.generation import GENERATION, model_sampling
 
 
 class ApiError(Exception):
@@ -46,6 +46,16 @@ class SamplingDefaults:
     top_k: int = GENERATION.top_k  # an extension (vLLM's): 0 or -1 = off
     completion_max_tokens: int = 16
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
+
+    @classmethod
+    def of_engine(cls, header: dict) -> "SamplingDefaults":
+        """OpenAI's defaults, with temperature / top_p / top_k replaced by the engine header's `sampling_defaults`
+        where it names them (the checkpoint's generation_config.json, copied by the compiler), as vLLM and
+        TensorRT-LLM serve a model."""
+        import dataclasses
+
+        return dataclasses.replace(cls(), **model_sampling(header.get("sampling_defaults"),
+                                                           "engine header: sampling_defaults"))
 
 
 @dataclass

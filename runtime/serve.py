@@ -58,6 +58,9 @@ class ServeSettings:
     max_body_bytes: int = 1 << 22
     log_level: str = "warning"
     quiet: bool = False  # no start line on stderr (warnings and errors still show)
+    # a request's temperature / top_p / top_k where it leaves them out: "model", the engine's sampling_defaults
+    # (its checkpoint's generation_config.json) over OpenAI's; "openai", OpenAI's alone
+    sampling_defaults: str = "model"
 
 
 def _error(e: ApiError):
@@ -109,13 +112,16 @@ class Server:
     """The ASGI app around one engine and its scheduler (`Server(...).app`)."""
 
     def __init__(self, engine, settings: ServeSettings, model_name: str,
-                 defaults: SamplingDefaults = SamplingDefaults()):
+                 defaults: SamplingDefaults | None = None):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
         from starlette.routing import Route
 
         from dejavu.runtime.scheduler import Scheduler  # imports torch
 
+        if defaults is None:
+            model = settings.sampling_defaults == "model"
+            defaults = SamplingDefaults.of_engine(engine.header) if model else SamplingDefaults()
         self.engine, self.settings, self.name, self.defaults = engine, settings, model_name, defaults
         self.metrics = ServeMetrics(settings.max_batch)
         self.scheduler = Scheduler(engine, settings.max_batch, settings.max_queue, settings.max_context, self.metrics,
@@ -333,6 +339,9 @@ def build_parser() -> Parser:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level")
+    p.add_argument("--sampling-defaults", default=d.sampling_defaults, choices=["model", "openai"],
+                   help="a request's temperature / top_p / top_k where it leaves them out: the model's (its "
+                        "generation_config.json, kept in the engine; OpenAI's where it names none) or OpenAI's")
     add_quiet(p, "no start line on stderr (warnings and errors still show)")
     return p
 
@@ -342,7 +351,8 @@ def _settings(args) -> ServeSettings:
                       max_context=args.max_context, prefill_chunk=args.prefill_chunk, api_key=args.api_key,
                       model_name=args.model_name,
                       device=args.device, dtype=args.dtype, batch_policy=args.batch_policy,
-                      shutdown_grace_s=args.shutdown_grace, log_level=args.log_level, quiet=args.quiet)
+                      shutdown_grace_s=args.shutdown_grace, log_level=args.log_level, quiet=args.quiet,
+                      sampling_defaults=args.sampling_defaults)
     if not 0 <= s.port <= 65535:
         raise DejavuError(f"--port must be in [0, 65535], got {s.port}")
     if s.max_batch < 1:
@@ -406,6 +416,11 @@ def main(argv=None) -> int:
         print(f"dejavu-serve: {server.name} on http://{host}:{port} (device {engine.device}, batch policy "
               f"{engine.batch_policy}, max batch {settings.max_batch}, context {server.context}, chat "
               f"{'on' if server.template else 'off'})", file=sys.stderr, flush=True)
+        if settings.sampling_defaults == "model" and engine.header.get("sampling_defaults"):
+            d = server.defaults
+            print(f"dejavu-serve: sampling defaults from the model: temperature {d.temperature:g}, top_p "
+                  f"{d.top_p:g}, top_k {d.top_k} (--sampling-defaults openai for OpenAI's)", file=sys.stderr,
+                  flush=True)
     if host not in ("127.0.0.1", "::1", "localhost") and settings.api_key is None:
         print("dejavu-serve: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
     run(server, sock, settings)

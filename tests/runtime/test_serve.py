@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 from dejavu.engine_file import write_engine  # noqa: E402
 from dejavu.runtime import Engine  # noqa: E402
 from dejavu.runtime.serve import ServeSettings, Server, bind, main  # noqa: E402
+from dejavu.runtime.openai_protocol import SamplingDefaults  # noqa: E402
 from runtime_helpers import engine_from_dense, tiny_model, tiny_tokenizer_json  # noqa: E402
 
 KEY = "sk-test"
@@ -449,7 +450,9 @@ def test_graph_per_bucket_path_with_a_stand_in(tiny, ref, monkeypatch):
 
 def test_llama_engine_chat_from_its_folders_template(tmp_path):
     """A Llama folder's chat_template.jinja reaches the engine header; /v1/chat/completions renders it as
-    transformers does (the template writes BOS: no second one) and completes as the engine does alone."""
+    transformers does (the template writes BOS: no second one) and completes as the engine does alone. Its
+    generation_config.json's temperature and top_p are the server's defaults (a request that leaves them out
+    samples as one that names them), OpenAI's with --sampling-defaults openai."""
     from llama_helpers import write_tiny_llama
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -461,11 +464,13 @@ def test_llama_engine_chat_from_its_folders_template(tmp_path):
                 "{% if add_generation_prompt %}assistant:{% endif %}")
     folder = write_tiny_llama(tmp_path / "llama", seed=3)
     (folder / "chat_template.jinja").write_text(template)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9}))
     path = tmp_path / "llama.engine"
     build_engine(folder, BuildConfig(density=0.6, calib_tokens=512, calib_window=128, dtype="float32"), path,
                  progress=False)
     ref = Engine.load(path)
     assert ref.header["chat_template"] == template
+    assert ref.header["sampling_defaults"] == {"temperature": 0.6, "top_p": 0.9}
     msgs = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "The game"}]
     text = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=True,
                                  bos_token="<s>", eos_token="</s>")[0][0]
@@ -474,10 +479,18 @@ def test_llama_engine_chat_from_its_folders_template(tmp_path):
     want = ref.tokenizer.decode(solo(ref, ids, 8))
     srv = Live(Engine.load(path), name="llama-chat")
     try:
-        r = srv.client().chat.completions.create(model="llama-chat", messages=msgs, max_tokens=8, temperature=0)
+        c = srv.client()
+        r = c.chat.completions.create(model="llama-chat", messages=msgs, max_tokens=8, temperature=0)
         assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+        assert srv.server.defaults == SamplingDefaults(temperature=0.6, top_p=0.9)
+
+        def sampled(**kw):
+            return c.completions.create(model="llama-chat", prompt="The game", max_tokens=12, seed=5, **kw
+                                        ).choices[0].text
+        assert sampled() == sampled(temperature=0.6, top_p=0.9) != sampled(temperature=1.0, top_p=1.0)
     finally:
         srv.close()
+    assert Server(ref, ServeSettings(sampling_defaults="openai"), "x").defaults == SamplingDefaults()
 
 
 def test_llama_engine_served_equals_solo(tmp_path):
