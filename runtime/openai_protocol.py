@@ -73,6 +73,7 @@ class Params:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
     chat: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -82,7 +83,7 @@ NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs"
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos"}  # top_k, ignore_eos: vLLM's extensions
+          "ignore_eos", "stop_token_ids"}  # top_k, ignore_eos, stop_token_ids: vLLM's extensions
 COMPLETION_FIELDS = COMMON | {"prompt"} | (NEUTRAL.keys() - {"top_logprobs", "tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
@@ -148,13 +149,17 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+    stop_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_ids, list) and all(type(t) is int and t >= 0 for t in stop_ids)):
+        raise _bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
     top_k = _int(body, "top_k", defaults.top_k)
     if top_k < -1:
         raise _bad(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
     return dict(model=model, temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
                 top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
                 stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
-                include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos)
+                include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos,
+                stop_token_ids=tuple(stop_ids))
 
 
 def _prompts(prompt, tokenizer, vocab: int) -> list[list[int]]:

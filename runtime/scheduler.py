@@ -70,6 +70,7 @@ class Request:
     stop: tuple[str, ...] = ()
     seed: int | None = GENERATION.seed
     stop_at_eos: bool = True
+    stop_ids: tuple[int, ...] = ()  # more ids that end it (vLLM's stop_token_ids: their text is kept, as vLLM keeps it)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
 
@@ -318,13 +319,13 @@ class Scheduler:
                                now - seq.last_t if len(seq.tokens) > 1 else None)
         seq.last_t = now
         eos = r.stop_at_eos and token in self.spec.stop_ids
-        stopped = False
+        stopped = False  # by a stop string
         delta = ""
         if seq.text is not None and not eos:
             delta, stopped = seq.text.add(token)
         if delta or (seq.text is None and not eos):
             r.sink(("token", delta, token))
-        if eos or stopped:
+        if eos or stopped or token in r.stop_ids:
             reason = "stop"
         elif len(seq.tokens) >= r.max_tokens or seq.pos >= self.context:
             reason = "length"

@@ -203,6 +203,8 @@ class Server:
         vocab = self.engine.spec.vocab_size
         p = (chat_params(body, self.tokenizer, self.template, self.defaults) if chat else
              completion_params(body, self.tokenizer, vocab, self.defaults))
+        if any(t >= vocab for t in p.stop_token_ids):
+            raise ApiError(400, f"'stop_token_ids' must be token ids below the vocabulary's {vocab}", "stop_token_ids")
         if p.model is not None and p.model != self.name:
             raise ApiError(404, f"The model `{p.model}` does not exist (this server serves `{self.name}`).",
                            "model", "model_not_found")
@@ -221,7 +223,8 @@ class Server:
             reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids),
                             sink=self._relay.sink(events, i),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                            seed=p.seed, stop_at_eos=not p.ignore_eos) for i, ids in enumerate(p.prompts)]
+                            seed=p.seed, stop_at_eos=not p.ignore_eos, stop_ids=p.stop_token_ids)
+                    for i, ids in enumerate(p.prompts)]
             try:
                 self.scheduler.submit(reqs)
             except QueueFull as e:

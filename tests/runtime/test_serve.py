@@ -132,6 +132,21 @@ def test_sampling_seeded_and_stop(live, ref):
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (20, "length")
 
 
+def test_stop_token_ids_end_at_the_token_and_keep_its_text(live, ref):
+    """vLLM's stop_token_ids: the completion ends at the first of them, its text kept (vLLM keeps a stop token's
+    text unless it is special), finish_reason stop; streamed the same; ignore_eos does not turn them off."""
+    c = live.client()
+    free = solo(ref, "The game", 16)
+    k = next(i for i in range(3, 16) if free[i] not in free[:i] and free[i] not in ref.spec.stop_ids)
+    want = ref.tokenizer.decode(free[:k + 1])
+    for extra in ({"stop_token_ids": [free[k], 7]}, {"stop_token_ids": [free[k]], "ignore_eos": True}):
+        r = c.completions.create(model="tiny", prompt="The game", max_tokens=16, temperature=0, extra_body=extra)
+        assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (want, "stop", k + 1)
+    s = c.completions.create(model="tiny", prompt="The game", max_tokens=16, temperature=0, stream=True,
+                             extra_body={"stop_token_ids": [free[k]]})
+    assert "".join(ch.choices[0].text for ch in s) == want
+
+
 def test_sse_framing(live):
     body = {"model": "tiny", "prompt": "The game", "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30,
@@ -163,6 +178,9 @@ def test_sse_framing(live):
     ({"prompt": "x", "stop": ["a", 3]}, 400, "stop"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos"),
+    ({"prompt": "x", "stop_token_ids": [3, "a"]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
     ({"prompt": "x", "top_k": -2}, 400, "top_k"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
