@@ -9,7 +9,6 @@ import json
 import threading
 
 import pytest
-import torch
 
 from dejavu.errors import DejavuError
 from dejavu.models.tokenizer import end_ids
