@@ -273,8 +273,9 @@ def llama_header(name: str, cfg, config, target: dict, skips: dict, thresholds: 
     read = b["fixed"] + (1 - skip) * b["block"]
     mc = cfg.to_hf_dict()
     if special_ids is not None:  # the ids text starts / ends / pads with (GGUF: the document separator)
-        bos, stops, pad = special_ids
-        mc.update(bos_token_id=bos, eos_token_id=stops[0] if len(stops) == 1 else list(stops), pad_token_id=pad)
+        from dejavu.models.tokenizer import eos_field
+
+        mc.update(bos_token_id=special_ids[0], eos_token_id=eos_field(special_ids[1]), pad_token_id=special_ids[2])
     uniform = len(set(skips.values())) == 1
     kept = (heldout or {}).get("allocation_check", {}).get("kept", "uniform" if uniform else "sensitivity")
     return {

@@ -21,7 +21,7 @@ from dejavu.errors import DejavuError
 from dejavu.models.llama import MODEL_TYPES as LLAMA_TYPES
 from dejavu.models.llama import LlamaConfig, LlamaForCausalLM, fold_multipliers, unfuse
 from dejavu.models.presets import gguf_preset_path, resolve
-from dejavu.models.tokenizer import end_ids
+from dejavu.models.tokenizer import end_ids, eos_field
 
 
 def gguf_path(name_or_path: str | os.PathLike) -> Path | None:
@@ -128,11 +128,9 @@ def folder_config(folder: Path) -> dict:
         extra = g.get("eos_token_id") if isinstance(g, dict) else None
         if extra is not None:
             try:
-                ids = end_ids(d.get("eos_token_id")) + end_ids(extra)
+                d = {**d, "eos_token_id": eos_field(end_ids(d.get("eos_token_id")) + end_ids(extra))}
             except DejavuError as e:
                 raise DejavuError(f"{folder}: {e}") from None
-            ids = list(dict.fromkeys(ids))
-            d = {**d, "eos_token_id": ids[0] if len(ids) == 1 else ids}
     return d
 
 

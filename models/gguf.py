@@ -29,6 +29,7 @@ from typing import Iterator
 import torch
 
 from dejavu.errors import DejavuError
+from dejavu.models.tokenizer import eos_field
 
 INSTALL_HINT = "pip install gguf"
 
@@ -317,12 +318,11 @@ def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:
     return [(left, right) for left, right, _ in merges]
 
 
-def end_of_generation(reader) -> int | list[int] | None:
+def end_of_generation(reader) -> int | tuple[int, ...] | None:
     """The file's EOS, then its end-of-turn and end-of-message ids where it names them (llama.cpp stops at any of
     them: a Llama 3.1 file's <|eot_id|> and <|eom_id|>): one id, or a list of several."""
-    ids = [i for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if i is not None]
-    ids = list(dict.fromkeys(int(i) for i in ids))
-    return ids[0] if len(ids) == 1 else ids or None
+    return eos_field(int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+                     if i is not None)
 
 
 def special_ids(reader) -> dict:

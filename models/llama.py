@@ -23,7 +23,7 @@ from torch import nn
 
 from dejavu.errors import DejavuError
 from dejavu.models.opt import KVCache  # one static cache layer for both families: [B, H_kv, S_max, hd]
-from dejavu.models.tokenizer import end_ids
+from dejavu.models.tokenizer import end_ids, eos_field
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -124,8 +124,7 @@ class LlamaConfig:
                                           "numbers (one per rotary frequency)")
                     scaling[key] = tuple(float(f) for f in v)
             scaling = tuple(sorted({**scaling, "rope_type": kind}.items()))
-        bos, eos = d.get("bos_token_id", 1), end_ids(d.get("eos_token_id", 2))
-        eos = eos[0] if len(eos) == 1 else eos or None  # several: a tuple, every one ends a generation
+        bos, eos = d.get("bos_token_id", 1), eos_field(end_ids(d.get("eos_token_id", 2)))  # several: a tuple
         return cls(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,

@@ -20,6 +20,13 @@ def end_ids(eos) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def eos_field(ids) -> int | tuple[int, ...] | None:
+    """`eos_token_id` as a config writes it, of the ids end_ids reads (in any number, repeats once): one id, several
+    (a tuple; JSON writes a list), or None."""
+    ids = end_ids(list(ids))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
 class TextTokenizer:
     """encode / decode with OPT's special ids (bos = eos = `</s>`, pad = `<pad>`). eos_id: one id or several
     (`stop_ids`: every id that ends a generation; `eos_id`: the first)."""
