@@ -310,5 +310,6 @@ class ChatTemplate:
                                         eos_token=self.eos)
         except Exception as e:  # noqa: BLE001 - a template may raise on messages it refuses
             raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
-        # a template that writes the BOS token itself gets no second one
-        return self.tok.encode(text, add_bos=not (self.bos and text.startswith(self.bos)))
+        # tokenized as transformers' apply_chat_template and vLLM tokenize it: no special token added, the template
+        # writes those its model expects (Llama's and Mistral's write BOS, ChatML's none)
+        return self.tok.encode(text, add_bos=False)

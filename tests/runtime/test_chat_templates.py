@@ -45,6 +45,7 @@ def _tok():
 
 @pytest.mark.parametrize("template", [LLAMA, TOOLS, MISTRAL], ids=["llama", "tools", "mistral"])
 def test_rendered_as_transformers_renders(template):
+    from transformers import PreTrainedTokenizerFast
     from transformers.utils.chat_template_utils import render_jinja_template
 
     from dejavu.runtime.openai_protocol import ChatTemplate
@@ -55,9 +56,13 @@ def test_rendered_as_transformers_renders(template):
                                  bos_token="<s>", eos_token="</s>")[0][0]
     ct = ChatTemplate(template, tok)
     assert ct.template.render(messages=msgs, add_generation_prompt=True, bos_token="<s>", eos_token="</s>") == want
-    # the template writes BOS itself (llama, mistral): no second one; otherwise the tokenizer's
-    assert ct.encode(msgs) == tok.encode(want, add_bos=not want.startswith("<s>"))
-    assert (want.count("<s>"), ct.encode(msgs)[:2].count(0)) == ((1, 1) if template is not TOOLS else (0, 1))
+    # the ids transformers' apply_chat_template gives (vLLM's chat prompt too): BOS where the template writes it
+    # (llama, mistral), none where it does not (tools: ChatML's form)
+    ref = PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer, bos_token="<s>", eos_token="</s>")
+    ids = ref.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"]
+    assert ct.encode(msgs) == ids
+    assert ids[:2].count(0) == (0 if template is TOOLS else 1) and ids.count(0) == want.count("<s>")
 
 
 def test_a_template_that_refuses_the_messages_is_a_400_with_its_message():

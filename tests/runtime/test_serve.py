@@ -327,7 +327,7 @@ def test_chat_template_engine(tiny, ref):
     try:
         c = srv.client()
         msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The game"}]
-        ids = ref.tokenizer.encode("system: Be brief.\nuser: The game\nassistant:")
+        ids = ref.tokenizer.encode("system: Be brief.\nuser: The game\nassistant:", add_bos=False)  # as the template writes it
         want = ref.tokenizer.decode(solo(ref, ids, 8))
         r = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=8, temperature=0)
         assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
