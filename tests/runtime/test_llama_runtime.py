@@ -230,17 +230,28 @@ def test_dejavu_run_and_inspect_on_a_llama_engine(built, capsys):
     assert f"{th['attn_in'][1]:.4f}" in row and "held-out    ppl" in text
 
 
-def test_triton_path_under_the_interpreter_equals_the_reference(built):
+# (min_split_inputs, per-kind settings, attention settings, fp32 residual); None: the engine's own settings
+_KINDS = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
+          ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
+_TRITON_RUNS = {"splits": (8, (), dict(block_s=16), True),
+                "per_kind": (4096, _KINDS, dict(block_s=16, fuse_combine=False), False),
+                "sdpa": (4096, (), dict(kernel=False), True),
+                "defaults": None}
+
+
+@pytest.mark.parametrize("run", list(_TRITON_RUNS))
+def test_triton_path_under_the_interpreter_equals_the_reference(built, run):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
-    smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8) and one,
-    and with settings per projection kind (input_sparse.projections: other blocks, splits), o and down adding
-    into an fp32 residual stream (input_sparse.fp32_residual) or summed by their launches, the attention by
-    plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o projection's select, or by the
-    combine kernel) or by SDPA over the whole cache (gqa_attn.kernel off), and at the engine's own settings (the
-    defaults: gate/up's block_k 64, the attention kernel's tiles of 32, the fp32 residual stream), run by
-    Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported): logits of
-    batched steps and greedy tokens (two rows at different positions) equal the reference ops'."""
+    smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8: `splits`) and
+    one, and with settings per projection kind (input_sparse.projections: other blocks, splits: `per_kind`), o and
+    down adding into an fp32 residual stream (input_sparse.fp32_residual) or summed by their launches
+    (`per_kind`), the attention by plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o
+    projection's select, or by the combine kernel: `per_kind`) or by SDPA over the whole cache (gqa_attn.kernel
+    off: `sdpa`), and at the engine's own settings (`defaults`: gate/up's block_k 64, the attention kernel's tiles
+    of 32, the fp32 residual stream), run by Triton's interpreter in a subprocess (TRITON_INTERPRET must be set
+    before triton is imported): logits of batched steps and greedy tokens (two rows at different positions)
+    equal the reference ops'."""
     import os
     import subprocess
     import sys
@@ -254,37 +265,30 @@ ref = Engine.load({str(built[1][0.6])!r})
 ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(5))  # 20 slots: two tiles of 16
 prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
-kinds = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
-         ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-runs = ((8, (), dict(block_s=16), True), (4096, kinds, dict(block_s=16, fuse_combine=False), False),
-        (4096, (), dict(kernel=False), True), (None, (), None, None))  # the last: the engine's own settings
-for min_split, projections, attn, fp32 in runs:
-    ks = None if min_split is None else KernelSettings(gqa_attn=GQAAttnSettings(**attn), input_sparse=(
-        InputSparseSettings(block_m=16, block_k=8, min_split_inputs=min_split, projections=projections,
-                            fp32_residual=fp32)))
-    tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
-    assert tri.ops.kinds["down"].input_sparse.block_m == (32 if projections else 16 if ks else 64)
-    print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
-                      "fp32_residual": tri.ops.fp32_residual,
-                      "kernels": tri.describe()["kernels"],
-                      "gate_up_block_k": tri.ops.kinds["gate_up"].input_sparse.block_k,
-                      "same": want == tri.generate(prompts, 6, stop_at_eos=False)}}))
+run = {_TRITON_RUNS[run]!r}
+ks = None if run is None else KernelSettings(gqa_attn=GQAAttnSettings(**run[2]), input_sparse=(
+    InputSparseSettings(block_m=16, block_k=8, min_split_inputs=run[0], projections=run[1], fp32_residual=run[3])))
+tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
+print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
+                  "fp32_residual": tri.ops.fp32_residual, "kernels": tri.describe()["kernels"],
+                  "down_block_m": tri.ops.kinds["down"].input_sparse.block_m,
+                  "gate_up_block_k": tri.ops.kinds["gate_up"].input_sparse.block_k,
+                  "same": want == tri.generate(prompts, 6, stop_at_eos=False)}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = [json.loads(line) for line in p.stdout.strip().splitlines()[-4:]]
-    assert [r["kernels"]["gqa_attention"] for r in rows] == ["triton", "triton", "torch", "triton"]
-    assert [r["gate_up_block_k"] for r in rows] == [8, 16, 8, 64]
-    assert [r["fp32_residual"] for r in rows] == [True, False, True, True]
-    for r in rows:
-        assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
-        # every projection kind's GEMV with its own settings, checked as the engine loads
-        assert all(r["check"][f"input_sparse_gemv.{k}"] < 1e-4 for k in ("qkv", "o", "down"))
-        # the engine's load-time check of the attention kernel (on: against SDPA, over three tiles)
-        assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
-        assert r["check"].get("gqa_attention", 0.0) < 1e-4
-        assert r["diff"] <= ATOL and r["same"]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    want = {"splits": ("triton", 8, True, 16), "per_kind": ("triton", 16, False, 32), "sdpa": ("torch", 8, True, 16),
+            "defaults": ("triton", 64, True, 64)}[run]
+    assert (r["kernels"]["gqa_attention"], r["gate_up_block_k"], r["fp32_residual"], r["down_block_m"]) == want
+    assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
+    # every projection kind's GEMV with its own settings, checked as the engine loads
+    assert all(r["check"][f"input_sparse_gemv.{k}"] < 1e-4 for k in ("qkv", "o", "down"))
+    # the engine's load-time check of the attention kernel (on: against SDPA, over three tiles)
+    assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
+    assert r["check"].get("gqa_attention", 0.0) < 1e-4
+    assert r["diff"] <= ATOL and r["same"]
 
 
 def test_dejavu_compile_bad_density_is_one_line_and_no_file(built, tmp_path, capsys):
