@@ -363,7 +363,8 @@ def test_smollm2_loads_tokenizes_and_continues():
     want = render_jinja_template(conversations=[msgs], chat_template=template, add_generation_prompt=True,
                                  bos_token="<|im_start|>", eos_token="<|im_end|>")[0][0]
     assert want.startswith("<|im_start|>system\n") and want.endswith("<|im_start|>assistant\n")
-    assert ChatTemplate(template, tok).encode(msgs) == [0] + tok.encode(want, add_bos=False)
+    # no BOS added (the template writes none), as transformers' apply_chat_template and vLLM tokenize it
+    assert ChatTemplate(template, tok).encode(msgs) == tok.encode(want, add_bos=False)
     from dejavu.models.generate import generate
 
     new = generate(model, [tok.encode("The capital of France is")], 3)[0]
