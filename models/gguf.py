@@ -246,8 +246,10 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
 
 def build_tokenizer(reader, path="GGUF file"):
     """The file's `tokenizers.Tokenizer`: byte-level BPE (`tokenizer.ggml.model` "gpt2") or SentencePiece's BPE
-    ("llama")."""
+    ("llama", as `spm.bpe_tokenizer` builds a folder's tokenizer.model)."""
     from tokenizers import AddedToken
+
+    from dejavu.models.spm import CONTROL, USER_DEFINED, bpe_tokenizer
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -255,11 +257,15 @@ def build_tokenizer(reader, path="GGUF file"):
                           "SentencePiece 'llama'); use the Hugging Face folder's tokenizer.json")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    tok = _byte_level_bpe(reader, tokens, path) if kind == "gpt2" else _sentencepiece_bpe(reader, tokens, types)
-    # CONTROL (3) and USER_DEFINED (4) tokens are matched whole, before BPE
-    special = [AddedToken(t, special=ty == 3, normalized=False)
-               for t, ty in zip(tokens, types) if ty in (3, 4)]
-    tok.add_tokens(special)
+    if kind == "llama":
+        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+        return bpe_tokenizer(tokens, _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                             add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+                             merges=merges or None)
+    tok = _byte_level_bpe(reader, tokens, path)
+    # CONTROL and USER_DEFINED tokens are matched whole, before BPE
+    tok.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False)
+                    for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
     return tok
 
 
@@ -283,39 +289,6 @@ def _byte_level_bpe(reader, tokens: list, path):
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     return tok
-
-
-def _sentencepiece_bpe(reader, tokens: list, types: list):
-    # SentencePiece's BPE as llama.cpp's SPM tokenizer runs it: spaces as "▁" and one before the text (after each
-    # special token too: tokenizers normalizes every segment between added tokens) unless add_space_prefix is
-    # false; adjacent pieces merged best score first (a merge for every split of a token into two tokens, ranked
-    # by the token's score, as transformers recovers them); a character outside the vocabulary as its bytes'
-    # <0xXX> tokens; the unknown token (type 2) otherwise
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
-    scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])] or \
-        _merges_from_scores(vocab, dict(zip(tokens, scores)))
-    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
-    tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
-    space = normalizers.Replace(" ", "\u2581")
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if prefix else space
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
-    return tok
-
-
-def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:
-    # every (left, right) of two tokens whose concatenation is a token, best-scoring concatenation first; within a
-    # score the longer left piece first, then the pieces' ids (transformers' generate_merges, the same order)
-    merges = []
-    for merged, score in scores.items():
-        pairs = [(merged[:i], merged[i:]) for i in range(1, len(merged)) if merged[:i] in vocab and merged[i:] in vocab]
-        merges += [(left, right, score) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
 
 
 def end_of_generation(reader) -> int | tuple[int, ...] | None:

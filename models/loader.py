@@ -294,7 +294,8 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
 
 
 def load_tokenizer(name_or_path: str | os.PathLike):
-    """A `tokenizers.Tokenizer` from tokenizer.json, or built from GPT-2 vocab.json + merges.txt."""
+    """A `tokenizers.Tokenizer` from tokenizer.json, or built from GPT-2 vocab.json + merges.txt, or from a
+    SentencePiece tokenizer.model (as transformers converts one: `spm.folder_tokenizer`)."""
     from tokenizers import Tokenizer
 
     folder = resolve(name_or_path)
@@ -307,7 +308,11 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if vocab.is_file() and merges.is_file():
         return gpt2_bpe_tokenizer(vocab, merges)
-    raise DejavuError(f"{folder}: no tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+    if (folder / "tokenizer.model").is_file():
+        from dejavu.models.spm import folder_tokenizer
+
+        return folder_tokenizer(folder)
+    raise DejavuError(f"{folder}: no tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model)")
 
 
 def gpt2_bpe_tokenizer(vocab: Path, merges: Path, bos_token: str = "</s>"):
