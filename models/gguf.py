@@ -48,7 +48,14 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Qwen2's tokenizer.json regex: Llama-3's, but every digit its own piece
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
-PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "llama-bpe", "llama3", "llama-v3", "qwen2")
+# tokenizer.ggml.pre -> the pre-tokenizer group llama.cpp gives it (llama-vocab.cpp): Llama 3's regex (falcon3: the
+# Falcon3 Llama models; dbrx, smaug-bpe: the same regex), Qwen2's (deepseek-r1-qwen: the DeepSeek-R1 distills of
+# Qwen2.5; megrez), every digit isolated then GPT-2's (smollm, and starcoder / refact, whose group llama.cpp splits
+# alike), GPT-2's
+PRE_GROUPS = {"default": "gpt-2", "gpt-2": "gpt-2", "smollm": "smollm", "starcoder": "smollm", "refact": "smollm",
+              "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3", "dbrx": "dbrx",
+              "smaug-bpe": "dbrx", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2"}
+PRE_TOKENIZERS = tuple(PRE_GROUPS)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "granite")  # general.architecture -> model_type
 # rope factor tensors read into the config (config_dict), not weights: LongRoPE's -> rope_scaling key; Llama 3.1's
 _LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
@@ -277,14 +284,18 @@ def _byte_level_bpe(reader, tokens: list, path):
     if pre not in PRE_TOKENIZERS:
         raise DejavuError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
                           f"(supported: {', '.join(PRE_TOKENIZERS)})")
+    group = PRE_GROUPS[pre]
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    if pre in ("llama-bpe", "llama3", "llama-v3", "qwen2"):
-        steps = [pre_tokenizers.Split(Regex(_QWEN2_REGEX if pre == "qwen2" else _LLAMA3_REGEX), behavior="isolated"),
+    # llama.cpp's Llama 3 group takes a word that is a token whole, before any merge (Llama 3's tokenizer.json
+    # sets ignore_merges too)
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                               ignore_merges=group == "llama3"))
+    if group in ("llama3", "dbrx", "qwen2"):
+        steps = [pre_tokenizers.Split(Regex(_QWEN2_REGEX if group == "qwen2" else _LLAMA3_REGEX), behavior="isolated"),
                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     else:  # GPT-2's regex (ByteLevel's own); smollm: llama.cpp isolates every digit first
         steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        if pre == "smollm":
+        if group == "smollm":
             steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()

@@ -700,3 +700,48 @@ def test_gguf_eot_and_eom_ids_end_a_generation(tmp_path):
     assert auto.load_any(str(path))[1].eos_token_id == (2, 5, 7)
     write_tiny_gguf(path, eot_id=2)  # the same id as EOS: one
     assert auto.load_text_tokenizer(str(path)).stop_ids == (2,) and auto.load_any(str(path))[1].eos_token_id == 2
+
+
+def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str]):
+    # a file holding only a byte-level vocabulary, as convert_hf_to_gguf.py writes one
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from dejavu.models import gguf as G
+
+    return G.build_tokenizer(G.open_gguf(path))
+
+
+@pytest.mark.parametrize("pre,group", [("deepseek-r1-qwen", "qwen2"), ("megrez", "qwen2"), ("falcon3", "llama-bpe"),
+                                       ("dbrx", "llama-bpe"), ("smaug-bpe", "llama-bpe"), ("refact", "smollm"),
+                                       ("starcoder", "smollm")])
+def test_gguf_pre_tokenizer_names_split_as_their_llama_cpp_group(tmp_path, pre, group):
+    """llama.cpp's names for the pre-tokenizers it runs alike (llama-vocab.cpp: DeepSeek-R1's Qwen2.5 distills,
+    Falcon3, StarCoder-style vocabularies) split text as the group's first name does."""
+    from tiny_tokenizer import tiny_tokenizer_json
+
+    tj = json.loads(tiny_tokenizer_json())
+    tokens = [t for t, _ in sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    ours, want = (_vocab_gguf(tmp_path / f"{p}.gguf", p, tokens, merges) for p in (pre, group))
+    for text in ["IT'S 2026!\n\nok", "Hello world, it's 12345 o'clock\r\n  x", "Ünïcödé ☃ 3.14", "don't  stop"]:
+        assert ours.pre_tokenizer.pre_tokenize_str(text) == want.pre_tokenizer.pre_tokenize_str(text)
+        assert ours.encode(text).ids == want.encode(text).ids
+    with pytest.raises(DejavuError, match="GGUF pre-tokenizer 'tekken' is not supported"):
+        _vocab_gguf(tmp_path / "t.gguf", "tekken", tokens, merges)
+
+
+def test_llama3_gguf_takes_a_word_that_is_a_token_whole(tmp_path):
+    """llama.cpp's Llama 3 group (ignore_merges, as Llama 3's tokenizer.json sets it): a word in the vocabulary is
+    one token even where the merges do not build it; its dbrx / smaug-bpe names, and other groups, merge as BPE."""
+    tokens, merges = ["a", "b", "c", "bc", "abc", "Ġ"], ["b c"]
+    for pre, want in (("llama-bpe", [4]), ("llama3", [4]), ("falcon3", [4]), ("dbrx", [0, 3]), ("smollm", [0, 3]),
+                      ("qwen2", [0, 3])):
+        assert _vocab_gguf(tmp_path / f"{pre}.gguf", pre, tokens, merges).encode("abc").ids == want, pre
