@@ -302,11 +302,32 @@ def _byte_level_bpe(reader, tokens: list, path):
     return tok
 
 
+# what else llama.cpp ends a generation at (llama-vocab.cpp): tokens by their text (its end-of-generation list, and
+# DeepSeek's end of sentence, which it takes as the end of turn), and the fill-in-the-middle pad, repository and
+# file-separator tokens, by their metadata id or else by their text
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+              "<|end_of_text|>", "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
+_FIM_EOG = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+            "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+            "fim_sep": ("<|file_sep|>",)}
+
+
 def end_of_generation(reader) -> int | tuple[int, ...] | None:
-    """The file's EOS, then its end-of-turn and end-of-message ids where it names them (llama.cpp stops at any of
-    them: a Llama 3.1 file's <|eot_id|> and <|eom_id|>): one id, or a list of several."""
-    return eos_field(int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
-                     if i is not None)
+    """Every id llama.cpp ends a generation at: the file's EOS, then its end-of-turn and end-of-message ids where
+    it names them (a Llama 3.1 file's <|eot_id|> and <|eom_id|>), then the tokens it recognises by their text
+    (`_EOG_TEXTS`, `_FIM_EOG`: a Qwen2.5 file's <|endoftext|> beside its EOS <|im_end|>) in id order: one id, or a
+    list of several."""
+    named = [int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+             if i is not None]
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    texts = set(_EOG_TEXTS)
+    for key, fim_texts in _FIM_EOG.items():
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if i is None:
+            texts.update(fim_texts)
+        else:
+            named.append(int(i))
+    return eos_field(named + [i for i, t in enumerate(tokens) if t in texts])
 
 
 def special_ids(reader) -> dict:

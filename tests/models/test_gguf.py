@@ -702,14 +702,17 @@ def test_gguf_eot_and_eom_ids_end_a_generation(tmp_path):
     assert auto.load_text_tokenizer(str(path)).stop_ids == (2,) and auto.load_any(str(path))[1].eos_token_id == 2
 
 
-def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str]):
-    # a file holding only a byte-level vocabulary, as convert_hf_to_gguf.py writes one
+def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str], **ids):
+    # a file holding only a byte-level vocabulary, as convert_hf_to_gguf.py writes one; ids: special token ids by
+    # their metadata name (eos, eot, fim_pad, ...)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([1] * len(tokens))
     w.add_token_merges(merges)
+    for key, i in ids.items():
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", i)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -745,3 +748,23 @@ def test_llama3_gguf_takes_a_word_that_is_a_token_whole(tmp_path):
     for pre, want in (("llama-bpe", [4]), ("llama3", [4]), ("falcon3", [4]), ("dbrx", [0, 3]), ("smollm", [0, 3]),
                       ("qwen2", [0, 3])):
         assert _vocab_gguf(tmp_path / f"{pre}.gguf", pre, tokens, merges).encode("abc").ids == want, pre
+
+
+def test_gguf_generation_ends_where_llama_cpp_ends_it(tmp_path):
+    """llama.cpp ends a generation at the metadata's EOS / EOT / EOM ids and at tokens it recognises by their text
+    (llama-vocab.cpp): its end-of-generation texts, and the fill-in-the-middle pad / repository / file-separator
+    tokens where the metadata names none. SmolLM2's file: <|im_end|> (EOS), <|endoftext|> and <reponame>."""
+    from dejavu.models import gguf as G
+
+    tokens = ["a", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+              "<end_of_turn>", "<|end_of_text|>", "<pad>", "<|eot_id|>", "<\uff5cend\u2581of\u2581sentence\uff5c>"]
+
+    def ends(**ids):
+        _vocab_gguf(tmp_path / "v.gguf", "gpt-2", tokens, [], **ids)
+        return G.end_of_generation(G.open_gguf(tmp_path / "v.gguf"))
+
+    assert ends(eos=3) == (3, 1, 4, 5, 6, 7, 8, 10, 11)
+    assert ends(eos=3, eot=10, fim_pad=9) == (3, 10, 9, 1, 5, 6, 7, 8, 11)  # <|fim_pad|> not by its text now
+    assert ends() == (1, 3, 4, 5, 6, 7, 8, 10, 11)
+    if SMOL is not None:
+        assert auto.load_text_tokenizer("smollm2-135m").stop_ids == (2, 0, 4)
