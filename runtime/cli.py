@@ -1,4 +1,5 @@
-"""`dejavu-run FILE.engine --prompt TEXT`: generate with a sparse engine, streaming tokens.
+"""`dejavu-run FILE.engine --prompt TEXT [--chat]`: generate with a sparse engine, streaming tokens (--chat: the
+prompt as a user message in the engine's chat template).
 `dejavu-tune FILE.engine`: its launch shapes timed on this GPU and recorded in it (runtime/tune.py).
 
 The parser and every check that needs no model (prompts, sampling values) run before torch
@@ -53,6 +54,10 @@ def build_parser() -> Parser:
     p.add_argument("--batch-file", metavar="FILE",
                    help="UTF-8 text file, one prompt per line, generated as one batch; a blank line is an "
                         "empty prompt, so output index i is line i (0-based) of the file")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered by the engine's chat template (as dejavu-serve's "
+                        "/v1/chat/completions renders it); the reply alone is printed")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     add_sampling(p, g, " per prompt")
     add_device(p, d.device)
     add_dtype(p, None, "run in this dtype instead of the engine's (e.g. float32 on CPU)")
@@ -86,9 +91,34 @@ def read_prompts(args) -> list[str]:
     return lines
 
 
-def _encode_checked(engine_path: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Token ids of the prompts, with the prompt length checked against the engine header
-    before any weight is read."""
+def _chat_encoder(engine_path: str, header: dict, tok, system: str | None):
+    """prompt -> ids of [system,] user message rendered by the header's chat template, as dejavu-serve renders it."""
+    src = header.get("chat_template")
+    if not src:
+        raise DejavuError(f"{engine_path}: this engine carries no chat template (its checkpoint has none); "
+                          "drop --chat and write the prompt in the model's format")
+    try:
+        from dejavu.runtime.openai_protocol import ApiError, ChatTemplate
+
+        template = ChatTemplate(src, tok)
+    except ImportError:
+        raise DejavuError("--chat renders the chat template with jinja2: pip install jinja2") from None
+    except Exception as e:  # noqa: BLE001 - a template Jinja cannot parse
+        raise DejavuError(f"{engine_path}: the engine's chat template does not parse ({e})") from None
+    head = [{"role": "system", "content": system}] if system is not None else []
+
+    def encode(prompt: str) -> list[int]:
+        try:
+            return template.encode(head + [{"role": "user", "content": prompt}])
+        except ApiError as e:
+            raise DejavuError(e.message) from None
+    return encode
+
+
+def _encode_checked(engine_path: str, prompts: list[str], max_new_tokens: int, chat: bool = False,
+                    system: str | None = None) -> list[list[int]]:
+    """Token ids of the prompts (chat: each a user message in the engine's chat template), with the prompt length
+    checked against the engine header before any weight is read."""
     from dejavu.engine_file import read_header
     from dejavu.models.tokenizer import TextTokenizer
 
@@ -98,7 +128,8 @@ def _encode_checked(engine_path: str, prompts: list[str], max_new_tokens: int) -
     if not tj:
         raise DejavuError(f"{engine_path}: this engine carries no tokenizer; dejavu-run needs text prompts tokenised")
     tok = TextTokenizer(tj, mc.get("bos_token_id"), mc.get("eos_token_id"), mc.get("pad_token_id"))
-    ids = [tok.encode(p) for p in prompts]
+    encode = _chat_encoder(engine_path, header, tok, system) if chat else tok.encode
+    ids = [encode(p) for p in prompts]
     limit = int(mc.get("max_position_embeddings", 0)) or None
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
     if limit is not None and len(ids[longest]) + max_new_tokens > limit:
@@ -137,11 +168,13 @@ def _one_line(text: str) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
+    if args.system is not None and not args.chat:
+        raise DejavuError("--system is a chat message: give --chat too")
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
     temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
     if not Path(args.engine).is_file():
         raise DejavuError(f"engine file not found: {args.engine}")
-    ids = _encode_checked(args.engine, prompts, n)
+    ids = _encode_checked(args.engine, prompts, n, args.chat, args.system)
 
     from dejavu.runtime.engine import Engine
 
@@ -151,8 +184,9 @@ def main(argv=None) -> int:
     kw = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     out, fmt = sys.stdout, args.output_format
     if fmt == "text" and args.prompt is not None:
-        out.write(prompts[0])
-        out.flush()
+        if not args.chat:  # a completion continues the prompt; a chat reply stands alone
+            out.write(prompts[0])
+            out.flush()
         eng.generate(ids, n, stream=_TextStream(tok, out), **kw)
         out.write("\n")
         new = None
@@ -164,7 +198,8 @@ def main(argv=None) -> int:
                 for i, (p, t) in enumerate(zip(prompts, new))]
         if fmt == "text":
             for r in rows:
-                out.write(f"[{r['index']}] {_one_line(r['prompt'] + r['completion'])}\n")
+                text = r["completion"] if args.chat else r["prompt"] + r["completion"]
+                out.write(f"[{r['index']}] {_one_line(text)}\n")
         elif fmt == "jsonl":
             for r in rows:
                 out.write(json.dumps(r, ensure_ascii=False) + "\n")

@@ -230,6 +230,42 @@ def test_dejavu_run_and_inspect_on_a_llama_engine(built, capsys):
     assert f"{th['attn_in'][1]:.4f}" in row and "held-out    ppl" in text
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_dejavu_run_chat_renders_the_engines_template(built, tmp_path, capsys):
+    """`dejavu-run --chat [--system]`: the prompt as a user message in the engine's chat template, tokenized as
+    transformers' apply_chat_template tokenizes it; the reply alone printed. Without a template, and --system
+    without --chat: one error line, exit 2."""
+    pytest.importorskip("jinja2")
+    from transformers import PreTrainedTokenizerFast
+
+    from dejavu.runtime.cli import main as run_main
+
+    header, tensors = read_engine(built[1][0.6])
+    path = tmp_path / "chat.engine"
+    write_engine(path, {**header, "chat_template": CHATML}, tensors)
+    eng = Engine.load(path)
+    ref = PreTrainedTokenizerFast(tokenizer_object=eng.tokenizer.tokenizer)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The game"}]
+    ids = ref.apply_chat_template(msgs, chat_template=CHATML, add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"]
+    want = eng.generate([ids], 5, stop_at_eos=False)[0]
+    args = [str(path), "--chat", "--system", "Be brief.", "--prompt", "The game", "--max-new-tokens", "5"]
+    assert run_main(args + ["--output-format", "jsonl"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["tokens"] and row["tokens"] == want[:len(row["tokens"])] and row["completion"] == eng.tokenizer.decode(row["tokens"])
+    assert run_main(args) == 0
+    assert capsys.readouterr().out == row["completion"] + "\n"  # the reply, not the prompt
+    for bad, why in (([str(built[1][0.6]), "--chat", "--prompt", "x"], "carries no chat template"),
+                     ([str(path), "--system", "s", "--prompt", "x"], "--system is a chat message: give --chat")):
+        with pytest.raises(SystemExit) as e:
+            run_main(bad)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and why in err[0]
+
+
 # (min_split_inputs, per-kind settings, attention settings, fp32 residual); None: the engine's own settings
 _KINDS = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
           ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
