@@ -108,3 +108,40 @@ def add_output_format(p: argparse.ArgumentParser, choices: tuple[str, ...], help
 def comma_list(values) -> list[str]:
     """['a,b', 'c'] -> ['a', 'b', 'c'] (empty items dropped)."""
     return [v.strip() for item in values or [] for v in str(item).split(",") if v.strip()]
+
+
+def add_chat(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument("--chat", action="store_true",
+                   help=f"the prompt is a user message, rendered by the {whose} chat template (as dejavu-serve's "
+                        "/v1/chat/completions renders it); the reply alone is printed")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
+
+
+def chat_encoder(source: str | None, tok, system: str | None, owner: str):
+    """prompt -> ids of the [system,] user messages rendered by the chat template `source` and tokenized as
+    dejavu-serve and transformers' apply_chat_template tokenize them; `owner` ("FILE: this engine") names what
+    has no template in the error line."""
+    if not source:
+        raise DejavuError(f"{owner} carries no chat template (its checkpoint has none); drop --chat and write the "
+                          "prompt in the model's format")
+    try:
+        from dejavu.runtime.openai_protocol import ApiError, ChatTemplate
+
+        template = ChatTemplate(source, tok)
+    except ImportError:
+        raise DejavuError("--chat renders the chat template with jinja2: pip install jinja2") from None
+    except Exception as e:  # noqa: BLE001 - a template Jinja cannot parse
+        raise DejavuError(f"{owner}'s chat template does not parse ({e})") from None
+    head = [{"role": "system", "content": system}] if system is not None else []
+
+    def encode(prompt: str) -> list[int]:
+        try:
+            return template.encode(head + [{"role": "user", "content": prompt}])
+        except ApiError as e:
+            raise DejavuError(e.message) from None
+    return encode
+
+
+def check_chat_args(args) -> None:
+    if args.system is not None and not args.chat:
+        raise DejavuError("--system is a chat message: give --chat too")

@@ -1,11 +1,12 @@
-"""`dejavu-generate MODEL --prompt TEXT`: text from a dense OPT or Llama-family model, streamed to stdout."""
+"""`dejavu-generate MODEL --prompt TEXT [--chat]`: text from a dense OPT or Llama-family model, streamed to stdout
+(--chat: the prompt as a user message in the model's chat template)."""
 from __future__ import annotations
 
 import sys
 import time
 from dataclasses import dataclass
 
-from dejavu.cli_common import Parser, add_device, add_dtype, add_sampling
+from dejavu.cli_common import Parser, add_chat, add_device, add_dtype, add_sampling, chat_encoder, check_chat_args
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
 
@@ -32,6 +33,7 @@ def build_parser() -> Parser:
     p.add_argument("model", help="model folder, .gguf file, preset name (opt-mini, opt-125m, smollm2-135m, ...) "
                                  "or Hugging Face id")
     p.add_argument("--prompt", required=True, help="text to continue")
+    add_chat(p, "model's")
     add_sampling(p, g)
     add_dtype(p, d.dtype, "weights and compute dtype")
     add_device(p, d.device)
@@ -71,25 +73,32 @@ def _check_length(prompt: int, n: int, positions: int) -> None:
 @cli_entry
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_chat_args(args)
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
     temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
-    from dejavu.models.auto import load_any, load_text_tokenizer, model_type
+    from dejavu.models.auto import load_any, load_chat_template, load_text_tokenizer, model_type
     from dejavu.models.generate import generate
+
+    def encode(tok) -> list[int]:
+        if not args.chat:
+            return tok.encode(args.prompt)
+        return chat_encoder(load_chat_template(args.model), tok, args.system, f"{args.model}")(args.prompt)
 
     if model_type(args.model) == "opt":  # OPT's config alone: the length checked before the weights load
         from dejavu.models.loader import load_config
 
         tok = load_text_tokenizer(args.model)
-        ids = tok.encode(args.prompt)
+        ids = encode(tok)
         _check_length(len(ids), n, load_config(args.model).max_position_embeddings)
         model, cfg = load_any(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     else:  # the config is checked by the load (one line for a bad one), then the tokenizer
         model, cfg = load_any(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         tok = load_text_tokenizer(args.model)
-        ids = tok.encode(args.prompt)
+        ids = encode(tok)
     _check_length(len(ids), n, cfg.max_position_embeddings)  # before the prompt is echoed
     streamer = _Streamer(tok)
-    sys.stdout.write(args.prompt)
+    if not args.chat:  # a completion continues the prompt; a chat reply stands alone
+        sys.stdout.write(args.prompt)
     t0 = time.perf_counter()
     new = generate(model, [ids], n, temperature=temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, eos_id=tok.stop_ids, stream=streamer)[0]

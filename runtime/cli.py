@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dejavu.cli_common import Parser, add_device, add_dtype, add_sampling, add_output_format
+from dejavu.cli_common import (Parser, add_chat, add_device, add_dtype, add_output_format, add_sampling, chat_encoder,
+                                check_chat_args)
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
 
@@ -54,10 +55,7 @@ def build_parser() -> Parser:
     p.add_argument("--batch-file", metavar="FILE",
                    help="UTF-8 text file, one prompt per line, generated as one batch; a blank line is an "
                         "empty prompt, so output index i is line i (0-based) of the file")
-    p.add_argument("--chat", action="store_true",
-                   help="each prompt is a user message, rendered by the engine's chat template (as dejavu-serve's "
-                        "/v1/chat/completions renders it); the reply alone is printed")
-    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
+    add_chat(p, "engine's")
     add_sampling(p, g, " per prompt")
     add_device(p, d.device)
     add_dtype(p, None, "run in this dtype instead of the engine's (e.g. float32 on CPU)")
@@ -91,30 +89,6 @@ def read_prompts(args) -> list[str]:
     return lines
 
 
-def _chat_encoder(engine_path: str, header: dict, tok, system: str | None):
-    """prompt -> ids of [system,] user message rendered by the header's chat template, as dejavu-serve renders it."""
-    src = header.get("chat_template")
-    if not src:
-        raise DejavuError(f"{engine_path}: this engine carries no chat template (its checkpoint has none); "
-                          "drop --chat and write the prompt in the model's format")
-    try:
-        from dejavu.runtime.openai_protocol import ApiError, ChatTemplate
-
-        template = ChatTemplate(src, tok)
-    except ImportError:
-        raise DejavuError("--chat renders the chat template with jinja2: pip install jinja2") from None
-    except Exception as e:  # noqa: BLE001 - a template Jinja cannot parse
-        raise DejavuError(f"{engine_path}: the engine's chat template does not parse ({e})") from None
-    head = [{"role": "system", "content": system}] if system is not None else []
-
-    def encode(prompt: str) -> list[int]:
-        try:
-            return template.encode(head + [{"role": "user", "content": prompt}])
-        except ApiError as e:
-            raise DejavuError(e.message) from None
-    return encode
-
-
 def _encode_checked(engine_path: str, prompts: list[str], max_new_tokens: int, chat: bool = False,
                     system: str | None = None) -> list[list[int]]:
     """Token ids of the prompts (chat: each a user message in the engine's chat template), with the prompt length
@@ -128,7 +102,8 @@ def _encode_checked(engine_path: str, prompts: list[str], max_new_tokens: int, c
     if not tj:
         raise DejavuError(f"{engine_path}: this engine carries no tokenizer; dejavu-run needs text prompts tokenised")
     tok = TextTokenizer(tj, mc.get("bos_token_id"), mc.get("eos_token_id"), mc.get("pad_token_id"))
-    encode = _chat_encoder(engine_path, header, tok, system) if chat else tok.encode
+    encode = chat_encoder(header.get("chat_template"), tok, system, f"{engine_path}: this engine") if chat \
+        else tok.encode
     ids = [encode(p) for p in prompts]
     limit = int(mc.get("max_position_embeddings", 0)) or None
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
@@ -168,8 +143,7 @@ def _one_line(text: str) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
-    if args.system is not None and not args.chat:
-        raise DejavuError("--system is a chat message: give --chat too")
+    check_chat_args(args)
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
     temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
     if not Path(args.engine).is_file():

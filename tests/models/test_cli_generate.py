@@ -104,3 +104,33 @@ def test_cli_subprocess_incomplete_llama_config(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "vocab_size" in lines[0] and lines[0].startswith("dejavu: error:")
+
+
+def test_chat_renders_the_models_template(make_tiny_opt_dir, capsys):
+    """--chat [--system]: the prompt as a user message in the folder's chat template (tokenizer_config.json),
+    tokenized as transformers' apply_chat_template tokenizes it; the reply alone printed. A folder without a
+    template, and --system without --chat: one error line, exit 2."""
+    import json
+
+    pytest.importorskip("jinja2")
+    from transformers import PreTrainedTokenizerFast
+
+    folder = make_tiny_opt_dir()
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    for bad, why in (([str(folder), "--chat", "--prompt", "x"], "carries no chat template"),
+                     ([str(folder), "--system", "s", "--prompt", "x"], "--system is a chat message: give --chat")):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and why in err[0]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert main([str(folder), "--chat", "--system", "Be brief.", "--prompt", "The city", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    tok = TextTokenizer.from_pretrained(folder)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The city"}]
+    ids = PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer).apply_chat_template(
+        msgs, chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert ids[0] != tok.bos_id  # the template writes no BOS, and none is added
+    want = generate(load_model(folder)[0], [ids], 6, eos_id=tok.eos_id)[0]
+    assert out == tok.decode(want) + "\n" and want
