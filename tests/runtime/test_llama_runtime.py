@@ -269,7 +269,7 @@ def test_dejavu_run_chat_renders_the_engines_template(built, tmp_path, capsys):
 # (min_split_inputs, per-kind settings, attention settings, fp32 residual); None: the engine's own settings
 _KINDS = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps", 2), ("gate_up", "block_m", 32),
           ("gate_up", "block_k", 16), ("down", "block_m", 32), ("down", "min_split_inputs", 16))
-_TRITON_RUNS = {"splits": (8, (), dict(block_s=16), True),
+_TRITON_RUNS = {"splits": (16, (), dict(block_s=16), True),
                 "per_kind": (4096, _KINDS, dict(block_s=16, fuse_combine=False), False),
                 "sdpa": (4096, (), dict(kernel=False), True),
                 "defaults": None}
@@ -279,7 +279,7 @@ _TRITON_RUNS = {"splits": (8, (), dict(block_s=16), True),
 def test_triton_path_under_the_interpreter_equals_the_reference(built, run):
     """The decode step through plugins/input_sparse (selects fused with RMSNorm / SwiGLU, gate/up's partials
     summed by down's select, the pairs' GEMV, the residual / RoPE and cache write in the split-K sums), blocks
-    smaller than the defaults so the shapes take several, with several splits (min_split_inputs 8: `splits`) and
+    smaller than the defaults so the shapes take several, with several splits (min_split_inputs 16: `splits`) and
     one, and with settings per projection kind (input_sparse.projections: other blocks, splits: `per_kind`), o and
     down adding into an fp32 residual stream (input_sparse.fp32_residual) or summed by their launches
     (`per_kind`), the attention by plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o

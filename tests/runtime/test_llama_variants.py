@@ -121,7 +121,7 @@ ref = Engine.load(path)
 ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(5))
 prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]
 a, want = ref.decode_logits(ids), ref.generate(prompts, 5, stop_at_eos=False)
-for ks in (KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=8)), None):
+for ks in (KernelSettings(input_sparse=InputSparseSettings(block_m=16, block_k=8, min_split_inputs=16)), None):
     tri = Engine.load(path, backend="triton", kernel_settings=ks)
     print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()),
                       "same": want == tri.generate(prompts, 5, stop_at_eos=False)}}))
