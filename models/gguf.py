@@ -48,13 +48,18 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Qwen2's tokenizer.json regex: Llama-3's, but every digit its own piece
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+# the o200k regex of Phi-4-mini's tokenizer.json (llama.cpp's gpt-4o group): a word split at a lower-to-upper case
+# change, contractions kept with it, up to 3 digits a piece
+_GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the pre-tokenizer group llama.cpp gives it (llama-vocab.cpp): Llama 3's regex (falcon3: the
 # Falcon3 Llama models; dbrx, smaug-bpe: the same regex), Qwen2's (deepseek-r1-qwen: the DeepSeek-R1 distills of
-# Qwen2.5; megrez), every digit isolated then GPT-2's (smollm, and starcoder / refact, whose group llama.cpp splits
-# alike), GPT-2's
+# Qwen2.5; megrez), o200k's (gpt-4o: Phi-4-mini), every digit isolated then GPT-2's (smollm, and starcoder / refact,
+# whose group llama.cpp splits alike), GPT-2's
 PRE_GROUPS = {"default": "gpt-2", "gpt-2": "gpt-2", "smollm": "smollm", "starcoder": "smollm", "refact": "smollm",
               "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3", "dbrx": "dbrx",
-              "smaug-bpe": "dbrx", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2"}
+              "smaug-bpe": "dbrx", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2", "gpt-4o": "gpt-4o"}
 PRE_TOKENIZERS = tuple(PRE_GROUPS)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "granite")  # general.architecture -> model_type
 # rope factor tensors read into the config (config_dict), not weights: LongRoPE's -> rope_scaling key; Llama 3.1's
@@ -290,8 +295,9 @@ def _byte_level_bpe(reader, tokens: list, path):
     # sets ignore_merges too)
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
                                ignore_merges=group == "llama3"))
-    if group in ("llama3", "dbrx", "qwen2"):
-        steps = [pre_tokenizers.Split(Regex(_QWEN2_REGEX if group == "qwen2" else _LLAMA3_REGEX), behavior="isolated"),
+    if group in ("llama3", "dbrx", "qwen2", "gpt-4o"):
+        regex = {"qwen2": _QWEN2_REGEX, "gpt-4o": _GPT4O_REGEX}.get(group, _LLAMA3_REGEX)
+        steps = [pre_tokenizers.Split(Regex(regex), behavior="isolated"),
                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     else:  # GPT-2's regex (ByteLevel's own); smollm: llama.cpp isolates every digit first
         steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]

@@ -768,3 +768,25 @@ def test_gguf_generation_ends_where_llama_cpp_ends_it(tmp_path):
     assert ends() == (1, 3, 4, 5, 6, 7, 8, 10, 11)
     if SMOL is not None:
         assert auto.load_text_tokenizer("smollm2-135m").stop_ids == (2, 0, 4)
+
+
+def test_gpt4o_gguf_splits_as_its_regex(tmp_path):
+    """Phi-4-mini's files (pre-tokenizer gpt-4o: o200k's regex, llama.cpp's GPT4O group): pieces as the `regex`
+    package finds them with tokenizer.json's pattern: a word split where lower case turns upper, contractions kept
+    with their word in any case, digits three at a time."""
+    regex = pytest.importorskip("regex")
+    from tokenizers import pre_tokenizers
+
+    from dejavu.models import gguf as G
+    from tiny_tokenizer import tiny_tokenizer_json
+
+    tj = json.loads(tiny_tokenizer_json())
+    tokens = [t for t, _ in sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    tok = _vocab_gguf(tmp_path / "p.gguf", "gpt-4o", tokens, [])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for text in ["HelloWorld's CAMELCase x2 1234567 DON'T\n\n  hi/\nok", "naïve Ünïcödé ☃ 3.14  end", "a\r\n\r\nb  "]:
+        want = [byte_level.pre_tokenize_str(p)[0][0] for p in regex.findall(G._GPT4O_REGEX, text)]
+        got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+        assert got == want and len(want) >= 4, text
+    assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("HelloWorld's 1234567")] == \
+        ["Hello", "World's", "Ġ", "123", "456", "7"]
