@@ -87,7 +87,11 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
 COMPLETION_FIELDS = COMMON | {"prompt"} | (NEUTRAL.keys() - {"top_logprobs", "tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | (NEUTRAL.keys() - {"best_of", "echo", "suffix"})
+# add_generation_prompt, chat_template_kwargs: vLLM's extensions (Qwen3's {"enable_thinking": false}, ...)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs"} | (
+    NEUTRAL.keys() - {"best_of", "echo", "suffix"})
+# the variables the server gives every render; a request's chat_template_kwargs may not set them
+_TEMPLATE_VARS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -217,9 +221,20 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": m["role"], "content": content})
+    gen = body.get("add_generation_prompt", True)
+    if not isinstance(gen, bool):
+        raise _bad(f"'add_generation_prompt' must be a boolean, got {type(gen).__name__}", "add_generation_prompt")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    taken = sorted(set(kwargs) & set(_TEMPLATE_VARS))
+    if taken:
+        raise _bad(f"'chat_template_kwargs' may not set {', '.join(taken)}: the server sets them",
+                   "chat_template_kwargs")
     mt = _int(body, "max_completion_tokens")
     mt = _int(body, "max_tokens") if mt is None else mt
-    return Params(prompts=[template.encode(clean)], max_tokens=mt, chat=True, **c)
+    return Params(prompts=[template.encode(clean, add_generation_prompt=gen, **kwargs)], max_tokens=mt, chat=True,
+                  **c)
 
 
 def check_lengths(p: Params, context: int) -> None:
@@ -304,10 +319,12 @@ class ChatTemplate:
         self.bos = ids.id_to_token(tokenizer.bos_id) or ""
         self.eos = ids.id_to_token(tokenizer.eos_id) or ""
 
-    def encode(self, messages: list[dict]) -> list[int]:
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """kwargs: more template variables (a request's chat_template_kwargs, as transformers'
+        apply_chat_template takes them)."""
         try:
-            text = self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos,
-                                        eos_token=self.eos)
+            text = self.template.render(**kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos, eos_token=self.eos)
         except Exception as e:  # noqa: BLE001 - a template may raise on messages it refuses
             raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
         # tokenized as transformers' apply_chat_template and vLLM tokenize it: no special token added, the template

@@ -108,3 +108,41 @@ def test_gguf_chat_template(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert load_chat_template(str(path)) == LLAMA
+
+
+# Qwen3's switch, reduced: thinking on unless the request's chat_template_kwargs turn it off
+QWEN3 = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
+         "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+         "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+         "{%- endif %}")
+
+
+def test_chat_request_template_kwargs_and_generation_prompt_as_transformers_renders():
+    """vLLM's chat request extensions: chat_template_kwargs become template variables (Qwen3's enable_thinking)
+    and add_generation_prompt may be turned off, each equal to transformers' apply_chat_template with the same
+    arguments; a kwarg the server sets itself, or a wrong type, is a 400 naming the field."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dejavu.runtime.openai_protocol import ChatTemplate, SamplingDefaults, chat_params
+
+    tok = _tok()
+    ct, ref = ChatTemplate(QWEN3, tok), PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer, bos_token="<s>",
+                                                                eos_token="</s>")
+    msgs = MESSAGES[:3]
+
+    def want(**kw):
+        return ref.apply_chat_template(msgs, chat_template=QWEN3, tokenize=True, return_dict=True, **kw)["input_ids"]
+
+    def got(**body):
+        return chat_params({"messages": msgs, **body}, tok, ct, SamplingDefaults()).prompts[0]
+
+    assert got() == want(add_generation_prompt=True)
+    off = got(chat_template_kwargs={"enable_thinking": False})
+    assert off == want(add_generation_prompt=True, enable_thinking=False) and len(off) > len(got())
+    assert got(add_generation_prompt=False) == want(add_generation_prompt=False)
+    for body, param in (({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                        ({"add_generation_prompt": "yes"}, "add_generation_prompt")):
+        with pytest.raises(Exception) as e:
+            got(**body)
+        assert (getattr(e.value, "status", None), getattr(e.value, "param", None)) == (400, param)
