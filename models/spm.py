@@ -171,6 +171,8 @@ def folder_tokenizer(folder: Path):
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise DejavuError(f"{cfg_path}: not JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise DejavuError(f"{cfg_path}: not a JSON object")
     tok = bpe_tokenizer(m.pieces, m.scores, m.types, add_space_prefix=m.add_dummy_prefix,
                         byte_fallback=m.byte_fallback, prepend_scheme="always" if cfg.get("legacy") else "first")
     added = cfg.get("added_tokens_decoder") or {}

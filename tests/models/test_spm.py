@@ -107,6 +107,10 @@ def test_bad_tokenizer_models_are_one_error(proto, tmp_path):
     f = _folder(tmp_path / "gap", proto, added_tokens_decoder={"605": {"content": "<|y|>"}})
     with pytest.raises(DejavuError, match="has id 605, not the next id 600"):
         load_tokenizer(f)
+    f = _folder(tmp_path / "list", proto)
+    (f / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(DejavuError, match="tokenizer_config.json: not a JSON object"):
+        load_tokenizer(f)
     (tmp_path / "none").mkdir()
     with pytest.raises(DejavuError, match=r"no tokenizer \(tokenizer.json, vocab.json \+ merges.txt, or tokenizer"):
         load_tokenizer(tmp_path / "none")
