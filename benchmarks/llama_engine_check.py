@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     model, _ = load_llama(a.model)
     tok = load_text_tokenizer(a.model)
     text = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
-    ids = torch.tensor(tok.encode(text[: 40 * a.tokens])[: a.tokens // a.window * a.window]).view(-1, a.window)
+    ids = torch.tensor(tok.encode(text[: 40 * a.tokens], add_bos=True)[: a.tokens // a.window * a.window]).view(-1, a.window)
     sp = eng.header["sparsity"]
     calib = sp["thresholds"]  # the engine's thresholds, {key: [L]}
     keep = eng.header["build_config"]["calibration"].get("rotate_keep")

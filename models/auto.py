@@ -215,12 +215,13 @@ def load_text_tokenizer(name_or_path: str | os.PathLike):
 
         folder = resolve(name_or_path)
         cfg = _config(folder_config(folder), folder / "config.json")
-        return TextTokenizer(load_tokenizer(folder), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+        return TextTokenizer(load_tokenizer(folder), cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id,
+                             add_bos=None)
     from dejavu.models import gguf
 
     reader = gguf.open_gguf(gp)
     ids = gguf.special_ids(reader)
-    # Scored and generated text starts with the document separator when the vocabulary has one
-    # (the file says add_bos_token false; SmolLM2 separates its training documents so).
+    # Scored text starts with the document separator when the vocabulary has one (SmolLM2 separates its training
+    # documents so); a prompt starts as llama.cpp starts it (gguf.build_tokenizer's post-processor).
     bos = ids["document_id"] if ids["document_id"] is not None else ids["bos_id"]
-    return TextTokenizer(gguf.build_tokenizer(reader, gp), bos, ids["eos_id"], ids["pad_id"])
+    return TextTokenizer(gguf.build_tokenizer(reader, gp), bos, ids["eos_id"], ids["pad_id"], add_bos=None)

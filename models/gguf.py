@@ -61,6 +61,9 @@ PRE_GROUPS = {"default": "gpt-2", "gpt-2": "gpt-2", "smollm": "smollm", "starcod
               "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3", "dbrx": "dbrx",
               "smaug-bpe": "dbrx", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2", "gpt-4o": "gpt-4o"}
 PRE_TOKENIZERS = tuple(PRE_GROUPS)
+# the byte-level pre-tokenizers after which llama.cpp adds BOS where the file does not say (llama-vocab.cpp)
+_PRE_ADD_BOS = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "tekken",
+                "chameleon")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "smollm3", "granite")  # general.architecture -> model_type
 # rope factor tensors read into the config (config_dict), not weights: LongRoPE's -> rope_scaling key; Llama 3.1's
 _LONGROPE = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
@@ -261,7 +264,7 @@ def build_tokenizer(reader, path="GGUF file"):
     ("llama", as `spm.bpe_tokenizer` builds a folder's tokenizer.model)."""
     from tokenizers import AddedToken
 
-    from dejavu.models.spm import CONTROL, USER_DEFINED, bpe_tokenizer
+    from dejavu.models.spm import CONTROL, USER_DEFINED, bpe_tokenizer, with_bos
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -271,14 +274,28 @@ def build_tokenizer(reader, path="GGUF file"):
     types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     if kind == "llama":
         merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-        return bpe_tokenizer(tokens, _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens), types,
-                             add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
-                             merges=merges or None)
-    tok = _byte_level_bpe(reader, tokens, path)
-    # CONTROL and USER_DEFINED tokens are matched whole, before BPE
-    tok.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False)
-                    for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+        tok = bpe_tokenizer(tokens, _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                            add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+                            merges=merges or None)
+    else:
+        tok = _byte_level_bpe(reader, tokens, path)
+        # CONTROL and USER_DEFINED tokens are matched whole, before BPE
+        tok.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False)
+                        for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if adds_bos(reader) and isinstance(bos, int) and 0 <= bos < len(tokens):
+        tok = with_bos(tok, tokens[bos], bos)
     return tok
+
+
+def adds_bos(reader) -> bool:
+    """Whether llama.cpp starts a prompt with BOS (llama-vocab.cpp): the file's tokenizer.ggml.add_bos_token, else
+    yes for SentencePiece vocabularies and for the byte-level ones whose pre-tokenizer is Llama 3's, Tekken's or
+    Chameleon's."""
+    add = _field(reader, "tokenizer.ggml.add_bos_token")
+    if add is not None:
+        return bool(add)
+    return _field(reader, "tokenizer.ggml.model") == "llama" or _field(reader, "tokenizer.ggml.pre") in _PRE_ADD_BOS
 
 
 def _byte_level_bpe(reader, tokens: list, path):

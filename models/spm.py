@@ -187,4 +187,29 @@ def folder_tokenizer(folder: Path):
                                        lstrip=bool(a.get("lstrip")), rstrip=bool(a.get("rstrip")))])
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise DejavuError(f"{cfg_path}: unreadable added_tokens_decoder ({e!r})") from None
+    # a prompt starts with BOS unless add_bos_token says not, as SentencePiece Llamas were trained and as
+    # transformers 4 and llama.cpp read such a folder (transformers 5 adds none where add_bos_token is unset)
+    bos = cfg.get("bos_token", "<s>")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    if cfg.get("add_bos_token", True) is not False and isinstance(bos, str) and tok.token_to_id(bos) is not None:
+        tok = with_bos(tok, bos, tok.token_to_id(bos))
     return tok
+
+
+def with_bos(tok, bos: str, bos_id: int):
+    """Give a `tokenizers.Tokenizer` the post-processor that writes BOS before a text (what
+    models.tokenizer.special_prefix reads back)."""
+    import json
+
+    from tokenizers import Tokenizer, processors
+
+    if ":" not in bos:  # the string form reads "name:n" as a type id
+        tok.post_processor = processors.TemplateProcessing(single=[bos, "$A"], pair=[bos, "$A", bos, "$B"],
+                                                           special_tokens=[(bos, bos_id)])
+        return tok
+    t, a, b = ({"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+               {"Sequence": {"id": "B", "type_id": 1}})
+    d = json.loads(tok.to_str())
+    d["post_processor"] = {"type": "TemplateProcessing", "single": [t, a], "pair": [t, a, t, b],
+                           "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    return Tokenizer.from_str(json.dumps(d))

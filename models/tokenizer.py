@@ -1,7 +1,9 @@
 """A small text <-> ids wrapper over a `tokenizers.Tokenizer` (what the CLIs and runtime use).
 
-BOS is added here, not by the tokenizer's post-processor, so a tokenizer.json with or
-without OPT's `</s>` template gives the same ids: `encode(text)` = [bos] + BPE ids.
+What goes before a prompt's ids is chosen once, by `add_bos`: OPT's `</s>` always (a tokenizer.json with or without
+OPT's template gives the same ids), or for the Llama family what the tokenizer's own post-processor writes
+(`special_prefix`: Llama's BOS, nothing for Qwen's or SmolLM2's byte-level vocabularies), as transformers and vLLM
+encode a prompt.
 """
 from __future__ import annotations
 
@@ -27,11 +29,25 @@ def eos_field(ids) -> int | tuple[int, ...] | None:
     return ids[0] if len(ids) == 1 else ids or None
 
 
+def special_prefix(tokenizer) -> list[int]:
+    """The ids a `tokenizers.Tokenizer`'s post-processor writes before a text (its BOS, where it adds one)."""
+    bare = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    return next((full[:i] for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), [])
+
+
+def prompt_bos(header: dict) -> bool | None:
+    """`TextTokenizer`'s add_bos for an engine header: OPT's </s> always; a Llama-family engine's as its tokenizer's
+    post-processor."""
+    return None if header.get("model_family", "opt") == "llama" else True
+
+
 class TextTokenizer:
     """encode / decode with OPT's special ids (bos = eos = `</s>`, pad = `<pad>`). eos_id: one id or several
     (`stop_ids`: every id that ends a generation; `eos_id`: the first)."""
 
-    def __init__(self, tokenizer, bos_id: int | None = None, eos_id=None, pad_id: int | None = None):
+    def __init__(self, tokenizer, bos_id: int | None = None, eos_id=None, pad_id: int | None = None,
+                 add_bos: bool | None = True):
         from tokenizers import Tokenizer
 
         from dejavu.errors import DejavuError
@@ -49,6 +65,8 @@ class TextTokenizer:
         self.pad_id = pad_id if pad_id is not None else tokenizer.token_to_id("<pad>")
         if self.bos_id is None or self.eos_id is None:
             raise DejavuError("tokenizer has no '</s>' token; pass bos_id and eos_id explicitly")
+        # before a prompt: bos_id (add_bos True), nothing (False), or what the post-processor writes (None)
+        self.prefix = [self.bos_id] if add_bos else special_prefix(tokenizer) if add_bos is None else []
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike) -> "TextTokenizer":
@@ -66,9 +84,10 @@ class TextTokenizer:
         """The whole tokenizer.json text (what an engine header stores)."""
         return self.tokenizer.to_str()
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """add_bos None: the prefix this tokenizer was made with; True: bos_id first; False: the text's ids alone."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return [self.bos_id] + ids if add_bos else ids
+        return (self.prefix if add_bos is None else [self.bos_id] if add_bos else []) + ids
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)

@@ -94,14 +94,15 @@ def _encode_checked(engine_path: str, prompts: list[str], max_new_tokens: int, c
     """Token ids of the prompts (chat: each a user message in the engine's chat template), with the prompt length
     checked against the engine header before any weight is read."""
     from dejavu.engine_file import read_header
-    from dejavu.models.tokenizer import TextTokenizer
+    from dejavu.models.tokenizer import TextTokenizer, prompt_bos
 
     header = read_header(engine_path)
     mc = header.get("model_config", {})
     tj = header.get("tokenizer_json")
     if not tj:
         raise DejavuError(f"{engine_path}: this engine carries no tokenizer; dejavu-run needs text prompts tokenised")
-    tok = TextTokenizer(tj, mc.get("bos_token_id"), mc.get("eos_token_id"), mc.get("pad_token_id"))
+    tok = TextTokenizer(tj, mc.get("bos_token_id"), mc.get("eos_token_id"), mc.get("pad_token_id"),
+                        add_bos=prompt_bos(header))
     encode = chat_encoder(header.get("chat_template"), tok, system, f"{engine_path}: this engine") if chat \
         else tok.encode
     ids = [encode(p) for p in prompts]

@@ -137,13 +137,13 @@ class Engine:
     def tokenizer(self):
         """`dejavu.models.tokenizer.TextTokenizer` from the header's `tokenizer_json`."""
         if self._tokenizer is None:
-            from dejavu.models.tokenizer import TextTokenizer
+            from dejavu.models.tokenizer import TextTokenizer, prompt_bos
 
             tj = self.header.get("tokenizer_json")
             if not tj:
                 raise DejavuError("this engine carries no tokenizer (header field tokenizer_json); pass token ids")
             s = self.spec
-            self._tokenizer = TextTokenizer(tj, s.bos_id, s.stop_ids, s.pad_id)
+            self._tokenizer = TextTokenizer(tj, s.bos_id, s.stop_ids, s.pad_id, add_bos=prompt_bos(self.header))
         return self._tokenizer
 
     # ------------------------------------------------------------------ running

@@ -352,7 +352,8 @@ def test_smollm2_loads_tokenizes_and_continues():
     ref = LlamaTensorProcessor()._reverse_permute_weights(deq, 9, 3)
     assert torch.equal(model.model.layers[3].self_attn.k_proj.weight, torch.from_numpy(np.ascontiguousarray(ref)))
     tok = auto.load_text_tokenizer("smollm2-135m")
-    assert tok.encode("Hello world, it's 2026!", add_bos=False) == [19556, 905, 28, 357, 506, 216, 34, 32, 34, 38, 17]
+    # a prompt starts with no special token: the file's add_bos_token is false
+    assert tok.encode("Hello world, it's 2026!") == [19556, 905, 28, 357, 506, 216, 34, 32, 34, 38, 17]
     assert tok.encode("<|im_start|>user\nhi<|im_end|>", add_bos=False) == [1, 4093, 198, 6004, 2]
     # the file's chat template, rendered as transformers renders it, the text's document separator first
     from transformers.utils.chat_template_utils import render_jinja_template
@@ -536,7 +537,7 @@ def test_sentencepiece_gguf_tokenizer_equals_llama_cpp_and_transformers(tmp_path
     path = tmp_path / "spm.gguf"
     write_tiny_gguf(path, tokenizer=vocab)
     tok = auto.load_text_tokenizer(str(path))
-    assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.encode("a")[0] == 1
+    assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.encode("a")[0] == 1  # llama.cpp's default for SentencePiece
     lines = (Path(dejavu.__file__).parent / "data" / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
     lines = [ln.strip() for ln in lines[100_000:140_000].splitlines() if ln.strip()][:150]
     n_ids = n_chars = 0
@@ -702,7 +703,7 @@ def test_gguf_eot_and_eom_ids_end_a_generation(tmp_path):
     assert auto.load_text_tokenizer(str(path)).stop_ids == (2,) and auto.load_any(str(path))[1].eos_token_id == 2
 
 
-def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str], **ids):
+def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str], add_bos: bool | None = None, **ids):
     # a file holding only a byte-level vocabulary, as convert_hf_to_gguf.py writes one; ids: special token ids by
     # their metadata name (eos, eot, fim_pad, ...)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -711,6 +712,8 @@ def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str], **ids):
     w.add_token_list(tokens)
     w.add_token_types([1] * len(tokens))
     w.add_token_merges(merges)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     for key, i in ids.items():
         w.add_uint32(f"tokenizer.ggml.{key}_token_id", i)
     w.write_header_to_file()
@@ -790,3 +793,21 @@ def test_gpt4o_gguf_splits_as_its_regex(tmp_path):
         assert got == want and len(want) >= 4, text
     assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("HelloWorld's 1234567")] == \
         ["Hello", "World's", "Ġ", "123", "456", "7"]
+
+
+@pytest.mark.parametrize("pre,add_bos,starts", [("llama-bpe", None, True), ("falcon3", None, True),
+                                                ("qwen2", None, False), ("smollm", None, False),
+                                                ("qwen2", True, True), ("llama-bpe", False, False)])
+def test_gguf_prompt_starts_with_bos_where_llama_cpp_adds_it(tmp_path, pre, add_bos, starts):
+    """A prompt starts as llama.cpp starts it (llama-vocab.cpp): the file's tokenizer.ggml.add_bos_token, else BOS
+    for the Llama 3 group's byte-level vocabularies and none for the others'; SentencePiece files, BOS (the test
+    above); SmolLM2's file says false (its test)."""
+    from tiny_tokenizer import tiny_tokenizer_json
+
+    from dejavu.models.tokenizer import special_prefix
+
+    tj = json.loads(tiny_tokenizer_json())
+    tokens = [t for t, _ in sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    tok = _vocab_gguf(tmp_path / "v.gguf", pre, tokens, merges, add_bos=add_bos, bos=3)
+    assert special_prefix(tok) == ([3] if starts else [])

@@ -136,3 +136,22 @@ def test_a_tokenizer_model_folder_compiles_and_generates(proto, tmp_path):
     assert engine.tokenizer.encode(prompt) == [1] + ref(prompt, add_special_tokens=False)["input_ids"]
     ids = engine.generate([prompt], 6, stop_at_eos=False)[0]
     assert len(ids) == 6 and engine.tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("add", [None, True, False], ids=["unset", "true", "false"])
+def test_folder_prompt_starts_with_bos_unless_add_bos_token_says_not(proto, tmp_path, add):
+    """A prompt starts with BOS as tokenizer_config.json's add_bos_token says, as transformers starts it; where the
+    field is unset, with BOS, as SentencePiece Llamas were trained, transformers 4 and llama.cpp read such a folder
+    (transformers 5 adds none there)."""
+    from transformers import AutoTokenizer
+
+    from dejavu.models.loader import load_tokenizer
+    from dejavu.models.tokenizer import TextTokenizer
+
+    folder = _folder(tmp_path / "f", proto, **({} if add is None else {"add_bos_token": add}))
+    ours, ref = TextTokenizer(load_tokenizer(folder), 1, 2, add_bos=None), AutoTokenizer.from_pretrained(folder)
+    for text in TEXTS:
+        bare = ref(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text) == ([] if add is False else [1]) + bare, text
+        if add is not None:
+            assert ours.encode(text) == ref(text)["input_ids"], text

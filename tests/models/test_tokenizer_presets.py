@@ -129,3 +129,40 @@ def test_opt_mini_preset():
     assert err <= 1e-4
     hf_tok = transformers.AutoTokenizer.from_pretrained(presets.OPT_MINI_DIR)
     assert hf_tok("The king said unto them,", add_special_tokens=False)["input_ids"] == ids[1:]
+
+
+@pytest.mark.parametrize("form", ["llama3", "qwen2", "none"])
+def test_llama_prompt_starts_as_transformers_encodes_it(tmp_path, form):
+    """A Llama-family prompt starts with what its tokenizer.json's post-processor writes, as transformers'
+    tokenizer(text) and vLLM encode a prompt: Llama 3's template its BOS, Qwen2's ByteLevel step and a missing one
+    nothing. An engine's tokenizer (the header's tokenizer_json) starts it alike; OPT's engines keep their </s>."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from dejavu.models.auto import load_text_tokenizer
+    from dejavu.models.tokenizer import prompt_bos
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from llama_helpers import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path / "f", seed=0, bos_token_id=0, eos_token_id=2)
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tj["post_processor"] = {
+        "llama3": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                            {"Sequence": {"id": "A", "type_id": 0}}],
+                   "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                   "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+        "qwen2": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "none": None}[form]
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    ref, ours = AutoTokenizer.from_pretrained(folder), load_text_tokenizer(folder)
+    engine_tok = TextTokenizer(ours.to_json(), 0, 2, None, add_bos=prompt_bos({"model_family": "llama"}))
+    for text in (TEXT, "x", "<s> hi"):
+        want = ref(text)["input_ids"]
+        assert ours.encode(text) == engine_tok.encode(text) == want, text
+        bare = ref(text, add_special_tokens=False)["input_ids"]
+        assert want == ([0] if form == "llama3" else []) + bare
+        assert ours.encode(text, add_bos=False) == bare and ours.encode(text, add_bos=True) == [0] + bare
+    opt = TextTokenizer(ours.to_json(), 0, 2, None, add_bos=prompt_bos({"model_family": "opt"}))
+    assert opt.encode("x") == [0] + ours.encode("x", add_bos=False)
