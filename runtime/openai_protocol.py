@@ -88,10 +88,12 @@ COMPLETION_FIELDS = COMMON | {"prompt"} | (NEUTRAL.keys() - {"top_logprobs", "to
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
 # add_generation_prompt, chat_template_kwargs: vLLM's extensions (Qwen3's {"enable_thinking": false}, ...)
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs"} | (
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
+                        "chat_template_kwargs"} | (
     NEUTRAL.keys() - {"best_of", "echo", "suffix"})
 # the variables the server gives every render; a request's chat_template_kwargs may not set them
 _TEMPLATE_VARS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker (render_jinja_template)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -221,9 +223,13 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
         clean.append({"role": m["role"], "content": content})
-    gen = body.get("add_generation_prompt", True)
-    if not isinstance(gen, bool):
-        raise _bad(f"'add_generation_prompt' must be a boolean, got {type(gen).__name__}", "add_generation_prompt")
+    gen, cont = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
+    for name, v in (("add_generation_prompt", gen), ("continue_final_message", cont)):
+        if not isinstance(v, bool):
+            raise _bad(f"'{name}' must be a boolean, got {type(v).__name__}", name)
+    if gen and cont:  # transformers' apply_chat_template refuses the two together, so vLLM does
+        raise _bad("'continue_final_message' continues the last message; it needs 'add_generation_prompt' false",
+                   "continue_final_message")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
@@ -233,8 +239,8 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params
                    "chat_template_kwargs")
     mt = _int(body, "max_completion_tokens")
     mt = _int(body, "max_tokens") if mt is None else mt
-    return Params(prompts=[template.encode(clean, add_generation_prompt=gen, **kwargs)], max_tokens=mt, chat=True,
-                  **c)
+    return Params(prompts=[template.encode(clean, add_generation_prompt=gen, continue_final_message=cont, **kwargs)],
+                  max_tokens=mt, chat=True, **c)
 
 
 def check_lengths(p: Params, context: int) -> None:
@@ -319,14 +325,26 @@ class ChatTemplate:
         self.bos = ids.id_to_token(tokenizer.bos_id) or ""
         self.eos = ids.id_to_token(tokenizer.eos_id) or ""
 
-    def encode(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **kwargs) -> list[int]:
         """kwargs: more template variables (a request's chat_template_kwargs, as transformers'
-        apply_chat_template takes them)."""
+        apply_chat_template takes them). continue_final_message: the text ends with the last message's content,
+        for the model to go on with it (what the template writes after it, the end of its turn, cut as
+        transformers cuts it: at a marker appended to the content)."""
+        if continue_final_message:
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         try:
             text = self.template.render(**kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
                                         bos_token=self.bos, eos_token=self.eos)
         except Exception as e:  # noqa: BLE001 - a template may raise on messages it refuses
             raise _bad(f"the chat template rejected the messages: {e}", "messages") from None
+        if continue_final_message:
+            at = text.rfind(_CONTINUE_TAG.strip())
+            if at < 0:
+                raise _bad("continue_final_message: the chat template does not write the last message's content",
+                           "messages")
+            # a template that strips the content drops the marker's space: strip what it strips
+            text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         # tokenized as transformers' apply_chat_template and vLLM tokenize it: no special token added, the template
         # writes those its model expects (Llama's and Mistral's write BOS, ChatML's none)
         return self.tok.encode(text, add_bos=False)

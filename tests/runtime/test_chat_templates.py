@@ -146,3 +146,30 @@ def test_chat_request_template_kwargs_and_generation_prompt_as_transformers_rend
         with pytest.raises(Exception) as e:
             got(**body)
         assert (getattr(e.value, "status", None), getattr(e.value, "param", None)) == (400, param)
+
+
+@pytest.mark.parametrize("template", [QWEN3, LLAMA, MISTRAL], ids=["qwen3", "llama-trims", "mistral"])
+def test_continue_final_message_as_transformers_cuts_it(template):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, for the model to go on
+    with it, equal to transformers' apply_chat_template(continue_final_message=True), also where the template
+    trims the content (Llama's `| trim`) and the message ends in spaces; with add_generation_prompt (the default)
+    it is a 400, as transformers refuses the two together."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dejavu.runtime.openai_protocol import ChatTemplate, SamplingDefaults, chat_params
+
+    tok = _tok()
+    ct, ref = ChatTemplate(template, tok), PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer, bos_token="<s>",
+                                                                   eos_token="</s>")
+    for last in ("The answer is", "The answer is  ", "x\n"):
+        msgs = [MESSAGES[1], {"role": "assistant", "content": last}]
+        want = ref.apply_chat_template(msgs, chat_template=template, tokenize=True, return_dict=True,
+                                       continue_final_message=True)["input_ids"]
+        got = chat_params({"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}, tok,
+                          ct, SamplingDefaults()).prompts[0]
+        assert got == want, last
+        assert tok.decode(got).rstrip().endswith(last.strip())
+    for body in ({"continue_final_message": True}, {"continue_final_message": 1, "add_generation_prompt": False}):
+        with pytest.raises(Exception) as e:
+            chat_params({"messages": msgs, **body}, tok, ct, SamplingDefaults())
+        assert (getattr(e.value, "status", None), getattr(e.value, "param", None)) == (400, "continue_final_message")
