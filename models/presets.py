@@ -42,7 +42,8 @@ def gguf_preset_path(name: str) -> Path | None:
 
 # What a model folder needs from the hub; .bin weights only when there are no safetensors.
 _HUB_COMMON = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja"]
+               "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+               "chat_template.jinja"]
 _HUB_SAFETENSORS = ["*.safetensors", "model.safetensors.index.json"]
 _HUB_BIN = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 

@@ -175,18 +175,21 @@ def folder_tokenizer(folder: Path):
             raise DejavuError(f"{cfg_path}: not a JSON object")
     tok = bpe_tokenizer(m.pieces, m.scores, m.types, add_space_prefix=m.add_dummy_prefix,
                         byte_fallback=m.byte_fallback, prepend_scheme="always" if cfg.get("legacy") else "first")
-    added = cfg.get("added_tokens_decoder") or {}
+    added, source = cfg.get("added_tokens_decoder"), cfg_path
+    if added is None and (folder / "added_tokens.json").is_file():
+        added, source = _added_tokens_json(folder / "added_tokens.json", cfg), folder / "added_tokens.json"
+    added = added or {}
     try:
         extra = sorted((int(i), a) for i, a in added.items() if int(i) >= len(m.pieces))
         for want, a in extra:
             content = a["content"]
             if want != tok.get_vocab_size(with_added_tokens=True):
-                raise DejavuError(f"{cfg_path}: added token {content!r} has id {want}, not the next id "
+                raise DejavuError(f"{source}: added token {content!r} has id {want}, not the next id "
                                   f"{tok.get_vocab_size(with_added_tokens=True)}")
             tok.add_tokens([AddedToken(content, special=bool(a.get("special")), normalized=False,
                                        lstrip=bool(a.get("lstrip")), rstrip=bool(a.get("rstrip")))])
     except (TypeError, KeyError, ValueError, AttributeError) as e:
-        raise DejavuError(f"{cfg_path}: unreadable added_tokens_decoder ({e!r})") from None
+        raise DejavuError(f"{source}: unreadable added tokens ({e!r})") from None
     # a prompt starts with BOS unless add_bos_token says not, as SentencePiece Llamas were trained and as
     # transformers 4 and llama.cpp read such a folder (transformers 5 adds none where add_bos_token is unset)
     bos = cfg.get("bos_token", "<s>")
@@ -194,6 +197,23 @@ def folder_tokenizer(folder: Path):
     if cfg.get("add_bos_token", True) is not False and isinstance(bos, str) and tok.token_to_id(bos) is not None:
         tok = with_bos(tok, bos, tok.token_to_id(bos))
     return tok
+
+
+def _added_tokens_json(path: Path, cfg: dict) -> dict:
+    """An older folder's added_tokens.json ({token: id}) in added_tokens_decoder's form, read as transformers reads
+    it where tokenizer_config.json has no added_tokens_decoder: special where it is one of the config's named
+    special tokens."""
+    import json
+
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DejavuError(f"{path}: not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise DejavuError(f"{path}: not a JSON object")
+    named = {v.get("content") if isinstance(v, dict) else v for k, v in cfg.items()
+             if k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
+    return {i: {"content": t, "special": t in named} for t, i in d.items()}
 
 
 def with_bos(tok, bos: str, bos_id: int):

@@ -155,3 +155,29 @@ def test_folder_prompt_starts_with_bos_unless_add_bos_token_says_not(proto, tmp_
         assert ours.encode(text) == ([] if add is False else [1]) + bare, text
         if add is not None:
             assert ours.encode(text) == ref(text)["input_ids"], text
+
+
+def test_added_tokens_json_of_older_folders(proto, tmp_path):
+    """An older folder lists its added tokens in added_tokens.json ({token: id}) instead of tokenizer_config.json's
+    added_tokens_decoder: read as transformers reads it (special where it names a special token of the config),
+    the ids and text equal transformers'; a malformed file is one error line."""
+    from transformers import AutoTokenizer
+
+    from dejavu.models.loader import load_tokenizer
+
+    folder = _folder(tmp_path / "f", proto, pad_token="<|pad|>")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    del cfg["added_tokens_decoder"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "added_tokens.json").write_text(json.dumps({"<|im_start|>": 600, "<|pad|>": 601, "<s>": 1}))
+    ref, ours = AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+    assert ours.get_vocab_size(with_added_tokens=True) == len(ref) == 602
+    for text in TEXTS + ["a<|pad|>b <|im_start|>x"]:
+        ids = ref(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False).ids == ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+    for bad, msg in (("[1]", "added_tokens.json: not a JSON object"), ("{", "added_tokens.json: not JSON"),
+                     ('{"<|y|>": 605}', "added token '<|y|>' has id 605, not the next id 600")):
+        (folder / "added_tokens.json").write_text(bad)
+        with pytest.raises(DejavuError, match=msg):
+            load_tokenizer(folder)
