@@ -159,20 +159,11 @@ def folder_tokenizer(folder: Path):
     tokenizer_config.json adds after the model's pieces (`added_tokens_decoder`) and its `legacy` flag, read as
     transformers 5 reads such a folder (legacy false, its default: no "▁" before the text after a special token,
     as SentencePiece itself tokenizes)."""
-    import json
-
     from tokenizers import AddedToken
 
     m = read_model_proto(folder / "tokenizer.model")
     cfg_path = folder / "tokenizer_config.json"
-    cfg = {}
-    if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise DejavuError(f"{cfg_path}: not JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise DejavuError(f"{cfg_path}: not a JSON object")
+    cfg = _json_object(cfg_path) if cfg_path.is_file() else {}
     tok = bpe_tokenizer(m.pieces, m.scores, m.types, add_space_prefix=m.add_dummy_prefix,
                         byte_fallback=m.byte_fallback, prepend_scheme="always" if cfg.get("legacy") else "first")
     added, source = cfg.get("added_tokens_decoder"), cfg_path
@@ -203,6 +194,13 @@ def _added_tokens_json(path: Path, cfg: dict) -> dict:
     """An older folder's added_tokens.json ({token: id}) in added_tokens_decoder's form, read as transformers reads
     it where tokenizer_config.json has no added_tokens_decoder: special where it is one of the config's named
     special tokens."""
+    d = _json_object(path)
+    named = {v.get("content") if isinstance(v, dict) else v for k, v in cfg.items()
+             if k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
+    return {i: {"content": t, "special": t in named} for t, i in d.items()}
+
+
+def _json_object(path: Path) -> dict:
     import json
 
     try:
@@ -211,9 +209,7 @@ def _added_tokens_json(path: Path, cfg: dict) -> dict:
         raise DejavuError(f"{path}: not JSON ({e})") from None
     if not isinstance(d, dict):
         raise DejavuError(f"{path}: not a JSON object")
-    named = {v.get("content") if isinstance(v, dict) else v for k, v in cfg.items()
-             if k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")}
-    return {i: {"content": t, "special": t in named} for t, i in d.items()}
+    return d
 
 
 def with_bos(tok, bos: str, bos_id: int):
