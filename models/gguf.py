@@ -53,11 +53,16 @@ _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 _GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's default, for a file without tokenizer.ggml.pre (converted before llama.cpp wrote it) or with "default":
+# runs of punctuation, then GPT-2's regex, then runs of digits, then three digits at a time, each regex splitting
+# the pieces the one before it left
+_DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                    r"\p{N}+", r"[0-9][0-9][0-9]")
 # tokenizer.ggml.pre -> the pre-tokenizer group llama.cpp gives it (llama-vocab.cpp): Llama 3's regex (falcon3: the
 # Falcon3 Llama models; dbrx, smaug-bpe: the same regex), Qwen2's (deepseek-r1-qwen: the DeepSeek-R1 distills of
 # Qwen2.5; megrez), o200k's (gpt-4o: Phi-4-mini), every digit isolated then GPT-2's (smollm, and starcoder / refact,
 # whose group llama.cpp splits alike), GPT-2's
-PRE_GROUPS = {"default": "gpt-2", "gpt-2": "gpt-2", "smollm": "smollm", "starcoder": "smollm", "refact": "smollm",
+PRE_GROUPS = {"default": "default", "gpt-2": "gpt-2", "smollm": "smollm", "starcoder": "smollm", "refact": "smollm",
               "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3", "dbrx": "dbrx",
               "smaug-bpe": "dbrx", "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2", "gpt-4o": "gpt-4o"}
 PRE_TOKENIZERS = tuple(PRE_GROUPS)
@@ -262,9 +267,7 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
 def build_tokenizer(reader, path="GGUF file"):
     """The file's `tokenizers.Tokenizer`: byte-level BPE (`tokenizer.ggml.model` "gpt2") or SentencePiece's BPE
     ("llama", as `spm.bpe_tokenizer` builds a folder's tokenizer.model)."""
-    from tokenizers import AddedToken
-
-    from dejavu.models.spm import CONTROL, USER_DEFINED, bpe_tokenizer, with_bos
+    from dejavu.models.spm import bpe_tokenizer, matched_whole, with_bos
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -279,9 +282,7 @@ def build_tokenizer(reader, path="GGUF file"):
                             merges=merges or None)
     else:
         tok = _byte_level_bpe(reader, tokens, path)
-        # CONTROL and USER_DEFINED tokens are matched whole, before BPE
-        tok.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False)
-                        for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+        tok.add_tokens(matched_whole(tokens, types))  # before BPE
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     if adds_bos(reader) and isinstance(bos, int) and 0 <= bos < len(tokens):
         tok = with_bos(tok, tokens[bos], bos)
@@ -312,7 +313,10 @@ def _byte_level_bpe(reader, tokens: list, path):
     # sets ignore_merges too)
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
                                ignore_merges=group == "llama3"))
-    if group in ("llama3", "dbrx", "qwen2", "gpt-4o"):
+    if group == "default":
+        steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _DEFAULT_REGEXES]
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    elif group in ("llama3", "dbrx", "qwen2", "gpt-4o"):
         regex = {"qwen2": _QWEN2_REGEX, "gpt-4o": _GPT4O_REGEX}.get(group, _LLAMA3_REGEX)
         steps = [pre_tokenizers.Split(Regex(regex), behavior="isolated"),
                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]

@@ -20,7 +20,7 @@ from pathlib import Path
 from dejavu.errors import DejavuError
 
 BPE = 2
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 
 
 @dataclass
@@ -123,8 +123,9 @@ def bpe_tokenizer(tokens: list[str], scores: list[float], types: list[int], add_
     / not legacy: before every segment / the first one, and never before one that starts with a space). Adjacent
     pieces merged best score first (a merge for every split of a token into two tokens, ranked by the token's
     score, as transformers recovers them); a character outside the vocabulary as its bytes' <0xXX> tokens
-    (byte_fallback), the unknown token (type 2) otherwise. CONTROL and USER_DEFINED tokens are matched whole."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    (byte_fallback), the unknown token (type 2) otherwise. UNKNOWN, CONTROL and USER_DEFINED tokens are matched
+    whole, the first two as special tokens (llama.cpp's special-token parsing, transformers' `<unk>`)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = merges or _merges_from_scores(vocab, dict(zip(tokens, scores)))
@@ -138,9 +139,17 @@ def bpe_tokenizer(tokens: list[str], scores: list[float], types: list[int], add_
                                                      prepend_scheme=prepend_scheme if add_space_prefix else "never")
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_space_prefix else steps)
-    tok.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False)
-                    for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)])
+    tok.add_tokens(matched_whole(tokens, types))
     return tok
+
+
+def matched_whole(tokens: list[str], types: list[int]) -> list:
+    """The `AddedToken`s of a vocabulary's UNKNOWN, CONTROL and USER_DEFINED tokens: matched whole before the model
+    runs, as llama.cpp parses special tokens (the first two special)."""
+    from tokenizers import AddedToken
+
+    return [AddedToken(t, special=ty != USER_DEFINED, normalized=False)
+            for t, ty in zip(tokens, types) if ty in (UNKNOWN, CONTROL, USER_DEFINED)]
 
 
 def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:

@@ -39,7 +39,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_scaling: dict | None = None,
                     tokenizer=None, eot_id: int | None = None, eom_id: int | None = None,
-                    chat_template: str | None = None, **config):
+                    chat_template: str | None = None, pre: str | None = "", **config):
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
     Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
     gate/up fused, rows not permuted; "smollm3": a SmolLM3, every 4th layer without RoPE, rows permuted as
@@ -48,7 +48,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     factors in `rope_factors_long` / `rope_factors_short`); tokenizer: (tokens, scores, types) of a
     SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; eot_id / eom_id: end-of-turn and
     end-of-message ids written beside EOS 2 (a Llama 3.1 file's); chat_template: `tokenizer.chat_template`;
-    config: CFG's fields replaced. Returns
+    pre: the byte-level vocabulary's `tokenizer.ggml.pre` in place of the architecture's (None: none written, as
+    files converted before llama.cpp wrote it); config: CFG's fields replaced. Returns
     the transformers model holding the same weights and the byte-level BPE's tokenizer.json dict."""
     from tiny_tokenizer import tiny_tokenizer_json
 
@@ -95,7 +96,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
         w.add_tokenizer_model("gpt2")
         # llama.cpp names Qwen3's pre-tokenizer qwen2
-        w.add_tokenizer_pre("smollm" if arch in ("llama", "smollm3", "granite") else "qwen2")
+        if pre is not None:
+            w.add_tokenizer_pre(pre or ("smollm" if arch in ("llama", "smollm3", "granite") else "qwen2"))
         w.add_token_list([t for t, _ in vocab])
         w.add_token_types([3 if t in ("<s>", "<pad>", "</s>", "<unk>") else 1 for t, _ in vocab])
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
@@ -465,14 +467,15 @@ def spm_vocab(vocab_size: int = 700, chars: int = 60_000):
 
 def llama_cpp_spm(text: str, tokens, scores, types, add_space_prefix: bool = True) -> list[int]:
     """llama.cpp's SPM tokenizer (llama-vocab.cpp, llm_tokenizer_spm_session), as the reference: the text split at
-    control tokens; before each raw fragment that opens the text or follows a control token a space; spaces as
+    unknown and control tokens (its special-token parsing; test_gguf_llama_cpp.py checks against llama.cpp itself);
+    before each raw fragment that opens the text or follows such a token a space; spaces as
     "▁"; adjacent symbols merged while some pair's concatenation is a token, the best-scoring first (the leftmost
     of equals); a symbol that is no token as its bytes' <0xXX> tokens."""
     import heapq
     import re
 
     ids = {t: i for i, t in enumerate(tokens)}
-    control = [t for t, ty in zip(tokens, types) if ty == 3]
+    control = [t for t, ty in zip(tokens, types) if ty in (2, 3)]
     out, prev_special = [], True
     for frag in re.split("(" + "|".join(map(re.escape, control)) + ")", text):
         if frag in ids and frag in control:
