@@ -147,7 +147,7 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         if quant_mlp and ".ffn_" in gname and a.ndim == 2:
             w.add_tensor(gname, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        elif ".attn_v." in gname:
+        elif ".attn_v." in gname and a.ndim == 2:  # biases and norms stay F32, as the converter keeps them
             w.add_tensor(gname, a.astype(np.float16))
         else:
             w.add_tensor(gname, a)

@@ -87,3 +87,49 @@ def test_smollm2_logits_near_llama_cpps():
     nll = [-lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item() for lp in (ours, ref)]
     assert kl.mean() < 0.01 and (ours.argmax(-1) == ref.argmax(-1)).double().mean() >= 0.9, kl.mean()
     assert abs(np.exp(nll[0]) / np.exp(nll[1]) - 1) < 0.01, nll
+
+
+_LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0],
+                 long_factor=[1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0], original_max_position_embeddings=16)
+_ARCHS = {
+    "llama": dict(arch="llama"),
+    "llama3-rope": dict(arch="llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                        high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "qwen2": dict(arch="qwen2"), "qwen3": dict(arch="qwen3"),
+    "phi3": dict(arch="phi3"),
+    "phi3-longrope": dict(arch="phi3", rope_scaling=_LONGROPE, original_max_position_embeddings=16),
+    "phi4-mini-partial": dict(arch="phi3", partial_rotary_factor=0.75, original_max_position_embeddings=16,
+                              rope_scaling={**_LONGROPE, "short_factor": _LONGROPE["short_factor"][:6],
+                                            "long_factor": _LONGROPE["long_factor"][:6]}),
+    "smollm3-nope": dict(arch="smollm3", num_hidden_layers=4),
+    "granite": dict(arch="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+                    attention_multiplier=0.0078125, logits_scaling=8.0),
+}
+
+
+@pytest.mark.parametrize("case", list(_ARCHS))
+def test_tiny_files_run_as_llama_cpp_runs_them(tmp_path, case):
+    """Each architecture dejavu reads from GGUF, written as llama.cpp's converter writes it (Q/K rows permuted for
+    Llama, SmolLM3 and Granite, kept for Qwen and Phi-3; Llama 3.1's rope_freqs; LongRoPE factors; a partial rotary;
+    layers without RoPE; Granite's scales): dejavu's model of the file gives llama.cpp's logits over 40 tokens (its
+    K/V cache in fp32; within 0.01 where the file stores attn_v in F16 and llama.cpp multiplies it in F16, of logits
+    whose spread is about 1.2 (Granite's 0.16): a wrong row order, rope or scale moves them by far more)."""
+    import numpy as np
+    import torch
+
+    from dejavu.models import auto
+
+    kw = dict(_ARCHS[case])
+    if kw["arch"] == "phi3":
+        kw["tokenizer"] = spm_vocab()
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, **kw)
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, type_k=0, type_v=0)  # 0: F32
+    llm.eval(ids)
+    ref = torch.tensor(np.array(llm.scores[:len(ids)]), dtype=torch.float64)
+    llm.close()
+    model, _ = auto.load_any(str(path))
+    with torch.no_grad():
+        ours = model(torch.tensor([ids]))[0].double()
+    assert (ours - ref).abs().max().item() < 0.01 * ref.std().item() / 1.2 + 1e-4, (ours - ref).abs().max().item()
