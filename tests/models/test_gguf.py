@@ -191,7 +191,7 @@ def test_tiny_gguf_equals_transformers(tiny_gguf):
     model, cfg = auto.load_any(str(path))
     assert (cfg.num_key_value_heads, cfg.tie_word_embeddings, cfg.rope_theta) == (2, True, 50000.0)
     # v was stored in fp16: compare against the same rounding
-    sd = {k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()}
+    sd = {k: (v.half().float() if ".v_proj.weight" in k else v) for k, v in hf.state_dict().items()}
     hf.load_state_dict(sd)
     ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids).logits
@@ -243,7 +243,7 @@ def test_qwen2_gguf_equals_transformers_and_its_own_gguf_reader(tmp_path):
     hf, _ = write_tiny_gguf(path, arch="qwen2")
     model, cfg = auto.load_any(str(path))
     assert cfg.model_type == "qwen2" and cfg.qkv_bias and not cfg.attention_bias
-    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    hf.load_state_dict({k: (v.half().float() if ".v_proj.weight" in k else v) for k, v in hf.state_dict().items()})
     ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids).logits
     assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
@@ -265,7 +265,7 @@ def test_qwen3_gguf_equals_transformers(tmp_path):
     assert (cfg.model_type, cfg.qk_norm, cfg.head_dim, cfg.qkv_bias, cfg.attention_bias) == ("qwen3", True, 32,
                                                                                           False, False)
     assert torch.equal(model.model.layers[1].self_attn.k_norm.weight, hf.model.layers[1].self_attn.k_norm.weight)
-    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    hf.load_state_dict({k: (v.half().float() if ".v_proj.weight" in k else v) for k, v in hf.state_dict().items()})
     ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids).logits
     assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
@@ -279,7 +279,7 @@ def test_smollm3_gguf_skips_rope_in_every_fourth_layer_as_llama_cpp(tmp_path):
     assert [layer.self_attn.use_rope for layer in hf.model.layers] == [1, 1, 1, 0]
     model, cfg = auto.load_any(str(path))
     assert (cfg.model_type, cfg.nope_layers) == ("smollm3", (3,))
-    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    hf.load_state_dict({k: (v.half().float() if ".v_proj.weight" in k else v) for k, v in hf.state_dict().items()})
     ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids).logits
     assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.1
@@ -293,7 +293,7 @@ def test_granite_gguf_folds_its_scales_as_transformers_multiplies(tmp_path):
                             attention_multiplier=0.0078125, logits_scaling=8.0)
     model, cfg = auto.load_any(str(path))
     assert (cfg.model_type, cfg.multipliers, cfg.tie_word_embeddings) == ("granite", (), False)
-    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    hf.load_state_dict({k: (v.half().float() if ".v_proj.weight" in k else v) for k, v in hf.state_dict().items()})
     ids = torch.randint(0, 320, (2, 23), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids).logits
     assert (model(ids) - ref).abs().max().item() <= 1e-4 and ref.std() > 0.05
@@ -685,7 +685,7 @@ def test_llama31_gguf_rope_freqs_are_its_llama3_scaling(tmp_path):
     hf, _ = write_tiny_gguf(path, rope_scaling=short, rope_theta=100.0)
     model, cfg = auto.load_any(str(path))
     assert dict(cfg.rope_scaling) == short
-    hf.load_state_dict({k: (v.half().float() if ".v_proj." in k else v) for k, v in hf.state_dict().items()})
+    hf.load_state_dict({k: (v.half().float() if ".v_proj.weight" in k else v) for k, v in hf.state_dict().items()})
     ids = torch.randint(0, 320, (2, 60), generator=torch.Generator().manual_seed(1))
     ref = hf(input_ids=ids).logits
     assert (model(ids) - ref).abs().max().item() <= 1e-4
