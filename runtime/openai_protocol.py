@@ -4,11 +4,12 @@ objects it returns (the legacy completions and the chat completions API).
 A mistake raises `ApiError(status, message, param)`, which the server turns into OpenAI's
 error object: {"error": {"message", "type", "param", "code"}}. Fields that the OpenAI API
 defines but this server does not implement are accepted only at their neutral value (n = 1,
-echo false, no logprobs, penalties 0, ...); unknown fields are rejected, as OpenAI does.
+echo false, penalties 0, ...); unknown fields are rejected, as OpenAI does.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import time
 import uuid
@@ -46,6 +47,7 @@ class SamplingDefaults:
     top_k: int = GENERATION.top_k  # an extension (vLLM's): 0 or -1 = off
     completion_max_tokens: int = 16
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
+    max_logprobs: int = 20  # alternatives per token a request may ask for (vLLM's default max_logprobs)
 
     @classmethod
     def of_engine(cls, header: dict) -> "SamplingDefaults":
@@ -75,21 +77,22 @@ class Params:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     chat: bool = False
+    logprobs: int | None = None  # the most likely alternatives to list with each token's logprob; None: no logprobs
     extra: dict = field(default_factory=dict)
 
 
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "presence_penalty": 0,
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0,
            "frequency_penalty": 0, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "stop_token_ids"}  # top_k, ignore_eos, stop_token_ids: vLLM's extensions
-COMPLETION_FIELDS = COMMON | {"prompt"} | (NEUTRAL.keys() - {"top_logprobs", "tools", "tool_choice",
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"} | (NEUTRAL.keys() - {"tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
 # add_generation_prompt, chat_template_kwargs: vLLM's extensions (Qwen3's {"enable_thinking": false}, ...)
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
-                        "chat_template_kwargs"} | (
+                        "chat_template_kwargs", "logprobs", "top_logprobs"} | (
     NEUTRAL.keys() - {"best_of", "echo", "suffix"})
 # the variables the server gives every render; a request's chat_template_kwargs may not set them
 _TEMPLATE_VARS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
@@ -198,7 +201,10 @@ def completion_params(body, tokenizer, vocab: int, defaults: SamplingDefaults) -
     if "prompt" not in body:
         raise _bad("'prompt' is required", "prompt")
     max_tokens = _int(body, "max_tokens", defaults.completion_max_tokens)
-    return Params(prompts=_prompts(body["prompt"], tokenizer, vocab), max_tokens=max_tokens, **c)
+    n = _int(body, "logprobs")  # completions: how many alternatives (0: the sampled token's logprob alone)
+    if n is not None and not 0 <= n <= defaults.max_logprobs:
+        raise _bad(f"'logprobs' must be in [0, {defaults.max_logprobs}], got {n}", "logprobs")
+    return Params(prompts=_prompts(body["prompt"], tokenizer, vocab), max_tokens=max_tokens, logprobs=n, **c)
 
 
 def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params:
@@ -239,8 +245,14 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params
                    "chat_template_kwargs")
     mt = _int(body, "max_completion_tokens")
     mt = _int(body, "max_tokens") if mt is None else mt
+    want, top = body.get("logprobs"), _int(body, "top_logprobs")  # chat: a switch, then how many alternatives
+    if want is not None and not isinstance(want, bool):
+        raise _bad(f"'logprobs' must be a boolean, got {type(want).__name__}", "logprobs")
+    if top is not None and not (want and 0 <= top <= defaults.max_logprobs):
+        raise _bad(f"'top_logprobs' must be in [0, {defaults.max_logprobs}] and needs 'logprobs': true",
+                   "top_logprobs")
     return Params(prompts=[template.encode(clean, add_generation_prompt=gen, continue_final_message=cont, **kwargs)],
-                  max_tokens=mt, chat=True, **c)
+                  max_tokens=mt, chat=True, logprobs=(top or 0) if want else None, **c)
 
 
 def check_lengths(p: Params, context: int) -> None:
@@ -274,18 +286,67 @@ def completion_object(rid: str, model: str, created: int, choices: list[dict], u
     return out
 
 
-def choice(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool, role: bool = False) -> dict:
+def choice(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool, role: bool = False,
+           logprobs: dict | None = None) -> dict:
     if not chat:
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if chunk:
         delta = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-    return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
             "finish_reason": finish}
+
+
+def logprobs_object(entries: list, tokenizer, chat: bool) -> dict:
+    """OpenAI's logprobs of the tokens `entries` lists, each (token id, logprob, [(id, logprob) of the most likely
+    tokens], the characters of text before it): chat's {"content": [{token, logprob, bytes, top_logprobs}]};
+    completions' {tokens, token_logprobs, top_logprobs (the alternatives and the token itself), text_offset}. A
+    token's text is its decoding; one that is a piece of a character is "bytes:\\xNN..." of its bytes, as OpenAI
+    writes it (so two such tokens never share a key)."""
+    def raw(t) -> bytes:
+        return token_bytes(tokenizer, t) if tokenizer is not None else str(t).encode()
+
+    def text(t) -> str:
+        b = raw(t)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+    if chat:
+        def one(t, lp):
+            return {"token": text(t), "logprob": lp, "bytes": list(raw(t))}
+        return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in top]}
+                            for t, lp, top, _ in entries]}
+    return {"tokens": [text(e[0]) for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [{**{text(a): alp for a, alp in top}, text(t): lp} for t, lp, top, _ in entries],
+            "text_offset": [e[3] for e in entries]}
+
+
+def token_bytes(tokenizer, t: int) -> bytes:
+    """A token's own bytes: its decoding, or where that is a piece of a character (U+FFFD), the bytes its vocabulary
+    entry stands for (SentencePiece's <0xNN>; a byte-level BPE's characters mapped back to bytes)."""
+    s = tokenizer.decode([t], skip_special=False)
+    if "\ufffd" not in s:
+        return s.encode("utf-8")
+    piece = tokenizer.tokenizer.id_to_token(t) or ""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    inv = _byte_level_chars()
+    return bytes(inv[c] for c in piece) if piece and all(c in inv for c in piece) else s.encode("utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    # GPT-2's byte-level alphabet (the tokenizers library's ByteLevel): printable bytes as themselves, the others
+    # shifted past 255, in byte order
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
 
 def now() -> int:

@@ -57,8 +57,9 @@ class QueueFull(Exception):
 @dataclass
 class Request:
     """One prompt to complete. `sink(event)` is called from the scheduler thread with
-    ("token", text delta, token id) as text becomes ready (a token ending mid-character waits for
-    the next), then once ("done", finish_reason, number of tokens, the token ids) or
+    ("token", text delta, token id, logprobs) as text becomes ready (a token ending mid-character waits for
+    the next; logprobs: (id, logprob, [(id, logprob) of the `logprobs` most likely], the characters of text before
+    it) of each token since the last event, where `logprobs` is set), then once ("done", finish_reason, number of tokens, the token ids) or
     ("error", message)."""
 
     prompt: list[int]
@@ -71,6 +72,9 @@ class Request:
     seed: int | None = GENERATION.seed
     stop_at_eos: bool = True
     stop_ids: tuple[int, ...] = ()  # more ids that end it (vLLM's stop_token_ids: their text is kept, as vLLM keeps it)
+    # each token's logprob under the model (before temperature, top-k and top-p, as vLLM's default reports it) and
+    # this many most likely alternatives; None: none computed
+    logprobs: int | None = None
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
 
@@ -105,6 +109,10 @@ class TextTracker:
         delta, self.sent = self.text[self.sent:end], end
         return delta, False
 
+    def length(self) -> int:
+        """The characters the tokens added so far decode to (a held piece of a character as U+FFFD)."""
+        return len(self.text) + (len(self.tok.decode(self.pending)) if self.pending else 0)
+
     def flush(self) -> str:
         """All text not yet sent (at the end: an incomplete character too, as decode gives it)."""
         if self.pending:
@@ -122,6 +130,7 @@ class _Seq:
         self.pos = len(req.prompt)  # the slot the next decode step writes
         self.prefilled = 0  # prompt tokens in the cache
         self.tokens: list[int] = []
+        self.logprobs: list[tuple] = []  # the tokens' logprobs not yet sent
         self.text = TextTracker(tokenizer, req.stop) if tokenizer is not None else None
         self.gen = None
         if req.temperature > 0:
@@ -278,7 +287,7 @@ class Scheduler:
             self.metrics.prompt_tokens(b - a)
         if b == len(prompt):
             self._prefilling = None
-            self._emit(seq, self._sample(seq, logits[0], None))
+            self._emit(seq, self._sample(seq, logits[0], None), logits[0])
         return b - a
 
     def _step(self, live: list[_Seq]) -> None:
@@ -302,7 +311,7 @@ class Scheduler:
             self.metrics.batch(len(live))
         for s in live:
             s.pos += 1
-            self._emit(s, self._sample(s, logits[s.row], greedy[s.row]))
+            self._emit(s, self._sample(s, logits[s.row], greedy[s.row]), logits[s.row])
 
     def _sample(self, seq: _Seq, logits: torch.Tensor, greedy: int | None) -> int:
         r = seq.req
@@ -310,7 +319,7 @@ class Scheduler:
             return int(logits.argmax()) if greedy is None else greedy
         return int(sample_next(logits[None], r.temperature, r.top_k, r.top_p, seq.gen)[0])
 
-    def _emit(self, seq: _Seq, token: int) -> None:
+    def _emit(self, seq: _Seq, token: int, logits: torch.Tensor) -> None:
         """Hand token to the request; free its row when it is done."""
         r, now = seq.req, time.perf_counter()
         seq.tokens.append(token)
@@ -319,23 +328,33 @@ class Scheduler:
                                now - seq.last_t if len(seq.tokens) > 1 else None)
         seq.last_t = now
         eos = r.stop_at_eos and token in self.spec.stop_ids
+        if r.logprobs is not None and not eos:  # the end token is not text, so not listed
+            lp = torch.log_softmax(logits.float(), -1)
+            top = lp.topk(r.logprobs) if r.logprobs else None
+            seq.logprobs.append((token, float(lp[token]),
+                                 list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+                                 seq.text.length() if seq.text is not None else len(seq.tokens) - 1))
         stopped = False  # by a stop string
         delta = ""
         if seq.text is not None and not eos:
             delta, stopped = seq.text.add(token)
         if delta or (seq.text is None and not eos):
-            r.sink(("token", delta, token))
+            r.sink(("token", delta, token, self._take(seq)))
         if eos or stopped or token in r.stop_ids:
             reason = "stop"
         elif len(seq.tokens) >= r.max_tokens or seq.pos >= self.context:
             reason = "length"
         else:
             return
-        if seq.text is not None and not stopped:
-            tail = seq.text.flush()
-            if tail:
-                r.sink(("token", tail, None))
+        tail = seq.text.flush() if seq.text is not None and not stopped else ""
+        if tail or seq.logprobs:  # the text still held, and the logprobs of tokens whose text a stop string cut
+            r.sink(("token", tail, None, self._take(seq)))
         self._finish(seq.row, ("done", reason, len(seq.tokens), list(seq.tokens)))
+
+    @staticmethod
+    def _take(seq: _Seq) -> list[tuple]:
+        out, seq.logprobs = seq.logprobs, []
+        return out
 
     def _finish(self, row: int, event: tuple | None) -> None:
         seq, self.rows[row] = self.rows[row], None

@@ -31,7 +31,8 @@ from pathlib import Path
 from dejavu.cli_common import Parser, add_device, add_dtype, add_quiet
 from dejavu.errors import DejavuError, cli_entry
 from dejavu.runtime.openai_protocol import (ApiError, ChatTemplate, SamplingDefaults, chat_params, check_lengths,
-                                            choice, completion_object, completion_params, new_id, now, usage)
+                                            choice, completion_object, completion_params, logprobs_object, new_id,
+                                            now, usage)
 from dejavu.runtime.serve_metrics import ServeMetrics
 
 log = logging.getLogger("dejavu.serve")
@@ -223,7 +224,8 @@ class Server:
             reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids),
                             sink=self._relay.sink(events, i),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                            seed=p.seed, stop_at_eos=not p.ignore_eos, stop_ids=p.stop_token_ids)
+                            seed=p.seed, stop_at_eos=not p.ignore_eos, stop_ids=p.stop_token_ids,
+                            logprobs=p.logprobs)
                     for i, ids in enumerate(p.prompts)]
             try:
                 self.scheduler.submit(reqs)
@@ -247,7 +249,7 @@ class Server:
         from starlette.responses import JSONResponse
 
         k = len(reqs)
-        texts, ntok, reasons = [""] * k, [0] * k, [None] * k
+        texts, ntok, reasons, lps = [""] * k, [0] * k, [None] * k, [[] for _ in range(k)]
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             for _ in range(k):
@@ -261,6 +263,7 @@ class Server:
                     i, ev = get.result()
                     if ev[0] == "token":
                         texts[i] += ev[1]
+                        lps[i] += ev[3]
                         continue
                     if ev[0] == "error":
                         e = ApiError(503, ev[1])
@@ -273,9 +276,13 @@ class Server:
             for r in reqs:
                 r.cancel()  # no-op for finished ones
         self.metrics.request(endpoint, 200)
-        choices = [choice(i, texts[i], reasons[i], p.chat, False) for i in range(k)]
+        choices = [choice(i, texts[i], reasons[i], p.chat, False, logprobs=self._logprobs(p, lps[i]))
+                   for i in range(k)]
         return JSONResponse(completion_object(rid, self.name, created, choices, usage(prompt_tokens, sum(ntok)),
                                               p.chat, False))
+
+    def _logprobs(self, p, entries: list) -> dict | None:
+        return None if p.logprobs is None else logprobs_object(entries, self.tokenizer, p.chat)
 
     async def _stream(self, reqs, events, p, rid, created, prompt_tokens):
         k, left, total = len(reqs), len(reqs), 0
@@ -294,7 +301,7 @@ class Server:
                     items.append(events.get_nowait())
                 for i, ev in items:
                     if ev[0] == "token":
-                        out.append(chunk([choice(i, ev[1], None, p.chat, True)]))
+                        out.append(chunk([choice(i, ev[1], None, p.chat, True, logprobs=self._logprobs(p, ev[3]))]))
                         continue
                     left -= 1
                     if ev[0] == "error":

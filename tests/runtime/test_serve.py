@@ -537,3 +537,69 @@ def test_llama_engine_served_equals_solo(tmp_path):
         srv.close()
     for case, w, (text, n) in zip(cases, want, got):
         assert (text, n) == (ref.tokenizer.decode(w), len(w)), case
+
+
+def _want_logprobs(ref, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    # each token's log-softmax row through the decode loop generate runs (the prompt prefilled, then decode steps)
+    lg = ref.decode_logits([prompt + tokens], prompt_len=len(prompt))[0].double().log_softmax(-1)
+    return lg[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
+def _raw(token: str) -> bytes:
+    # a completions token string back to its bytes (OpenAI's "bytes:\\xNN..." for a piece of a character)
+    return bytes.fromhex(token[6:].replace("\\x", "")) if token.startswith("bytes:") else token.encode()
+
+
+def test_logprobs_of_completions_and_chat_equal_the_engines(tiny, ref, live):
+    """OpenAI's logprobs (vLLM's: the model's distribution before temperature / top-k / top-p): completions'
+    `logprobs: n` and chat's `logprobs: true, top_logprobs: n` list each generated token's logprob, equal to the
+    engine's own decode-loop logits, with the n most likely tokens (the greedy token the first of them), streamed or
+    not; the tokens' bytes make the text (a piece of a character as "bytes:\\xNN", OpenAI's form); completions'
+    text_offset counts the characters before each token; a bad count is a 400."""
+    c = live.client()
+    prompt = ref.tokenizer.encode("The game")
+    tokens = solo(ref, prompt, 10)
+    want = _want_logprobs(ref, prompt, tokens)
+    n_text = len([t for t in tokens if t not in ref.spec.stop_ids])
+    r = c.completions.create(model="tiny", prompt="The game", max_tokens=10, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == n_text == r.usage.completion_tokens - (n_text < len(tokens))
+    text = ref.tokenizer.decode(tokens[:n_text], skip_special=False)  # the random model writes a lone byte
+    assert b"".join(_raw(t) for t in lp.tokens).decode(errors="replace") == text
+    assert any(t.startswith("bytes:") for t in lp.tokens + [k for top in lp.top_logprobs for k in top])
+    assert torch.allclose(torch.tensor(lp.token_logprobs, dtype=torch.float64),
+                          want[torch.arange(n_text), torch.tensor(tokens[:n_text])], atol=1e-3)
+    for i, top in enumerate(lp.top_logprobs):
+        best = want[i].topk(3)
+        assert len(top) == 3 and max(top.values()) == pytest.approx(best.values[0].item(), abs=1e-3)
+        assert top[lp.tokens[i]] == lp.token_logprobs[i] == max(top.values())  # greedy: the most likely
+    assert lp.text_offset == [len(ref.tokenizer.decode(tokens[:i])) for i in range(n_text)]
+    chunks = list(c.completions.create(model="tiny", prompt="The game", max_tokens=10, temperature=0, logprobs=3,
+                                       stream=True))
+    got = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert sum((g.tokens for g in got), []) == lp.tokens and sum((g.text_offset for g in got), []) == lp.text_offset
+    assert c.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].logprobs is None
+    header = {**tiny[1], "chat_template": CHAT_TEMPLATE}
+    srv = Live(Engine.from_tensors(header, tiny[2]), name="tiny-chat")
+    try:
+        msgs = [{"role": "user", "content": "The game"}]
+        ids = ref.tokenizer.encode("user: The game\nassistant:", add_bos=False)
+        tokens = solo(ref, ids, 6)
+        want = _want_logprobs(ref, ids, tokens)
+        r = srv.client().chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2)
+        content = r.choices[0].logprobs.content
+        text = ref.tokenizer.decode(tokens[:len(content)], skip_special=False)
+        assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == text
+        for i, e in enumerate(content):
+            assert e.logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-3) and _raw(e.token) == bytes(e.bytes)
+            assert [a.logprob for a in e.top_logprobs] == pytest.approx(want[i].topk(2).values.tolist(), abs=1e-3)
+        for body in ({"logprobs": 1}, {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+            with pytest.raises(openai.BadRequestError):
+                srv.client().chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=2, extra_body=body)
+    finally:
+        srv.close()
+    for body, param in (({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+                        ({"top_logprobs": 2}, "top_logprobs")):
+        r = post(live, "/v1/completions", {"prompt": "x", **body})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
