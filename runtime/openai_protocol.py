@@ -3,7 +3,7 @@ objects it returns (the legacy completions and the chat completions API).
 
 A mistake raises `ApiError(status, message, param)`, which the server turns into OpenAI's
 error object: {"error": {"message", "type", "param", "code"}}. Fields that the OpenAI API
-defines but this server does not implement are accepted only at their neutral value (n = 1,
+defines but this server does not implement are accepted only at their neutral value (best_of 1,
 echo false, penalties 0, ...); unknown fields are rejected, as OpenAI does.
 """
 from __future__ import annotations
@@ -48,6 +48,7 @@ class SamplingDefaults:
     completion_max_tokens: int = 16
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
     max_logprobs: int = 20  # alternatives per token a request may ask for (vLLM's default max_logprobs)
+    max_n: int = 128  # choices per prompt (OpenAI's limit)
 
     @classmethod
     def of_engine(cls, header: dict) -> "SamplingDefaults":
@@ -78,15 +79,16 @@ class Params:
     stop_token_ids: tuple[int, ...] = ()
     chat: bool = False
     logprobs: int | None = None  # the most likely alternatives to list with each token's logprob; None: no logprobs
+    n: int = 1  # choices per prompt
     extra: dict = field(default_factory=dict)
 
 
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0,
+NEUTRAL = {"best_of": 1, "echo": False, "presence_penalty": 0,
            "frequency_penalty": 0, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "stop_token_ids"}  # top_k, ignore_eos, stop_token_ids: vLLM's extensions
+          "ignore_eos", "stop_token_ids", "n"}  # top_k, ignore_eos, stop_token_ids: vLLM's extensions
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"} | (NEUTRAL.keys() - {"tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
@@ -164,11 +166,14 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     top_k = _int(body, "top_k", defaults.top_k)
     if top_k < -1:
         raise _bad(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
+    n = _int(body, "n", 1)
+    if not 1 <= n <= defaults.max_n:
+        raise _bad(f"'n' must be in [1, {defaults.max_n}], got {n}", "n")
     return dict(model=model, temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
                 top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
                 stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
                 include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos,
-                stop_token_ids=tuple(stop_ids))
+                stop_token_ids=tuple(stop_ids), n=n)
 
 
 def _prompts(prompt, tokenizer, vocab: int) -> list[list[int]]:

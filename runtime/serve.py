@@ -221,12 +221,14 @@ class Server:
             self._auth(request)
             p = self._params(await self._body(request), chat)
 
+            # n choices a prompt, indexed prompt by prompt as OpenAI orders them; choice j of a seeded request
+            # samples with seed + j (each as a request with that seed would)
             reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids),
-                            sink=self._relay.sink(events, i),
+                            sink=self._relay.sink(events, i * p.n + j),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
-                            seed=p.seed, stop_at_eos=not p.ignore_eos, stop_ids=p.stop_token_ids,
-                            logprobs=p.logprobs)
-                    for i, ids in enumerate(p.prompts)]
+                            seed=None if p.seed is None else p.seed + j, stop_at_eos=not p.ignore_eos,
+                            stop_ids=p.stop_token_ids, logprobs=p.logprobs)
+                    for i, ids in enumerate(p.prompts) for j in range(p.n)]
             try:
                 self.scheduler.submit(reqs)
             except QueueFull as e:
@@ -236,7 +238,7 @@ class Server:
             self.metrics.request(endpoint, e.status)
             return _error(e)
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
-        prompt_tokens = sum(len(r.prompt) for r in reqs)
+        prompt_tokens = sum(len(ids) for ids in p.prompts)  # a prompt counts once, whatever its n
         if p.stream:
             from starlette.responses import StreamingResponse
 

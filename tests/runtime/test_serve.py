@@ -174,7 +174,9 @@ def test_sse_framing(live):
     ({"prompt": "x", "temperature": 3}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 129}, 400, "n"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
     ({"prompt": "x", "stop": ["a", 3]}, 400, "stop"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos"),
@@ -603,3 +605,23 @@ def test_logprobs_of_completions_and_chat_equal_the_engines(tiny, ref, live):
                         ({"top_logprobs": 2}, "top_logprobs")):
         r = post(live, "/v1/completions", {"prompt": "x", **body})
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+
+
+def test_n_choices_per_prompt(live, ref):
+    """`n` choices a prompt, indexed prompt by prompt (OpenAI's order); greedy ones are alike; choice j of a seeded
+    request equals the request with seed + j; the prompt's tokens count once in usage; streamed too."""
+    c = live.client()
+    r = c.completions.create(model="tiny", prompt=["The game", [5, 17, 42]], max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    want = [ref.tokenizer.decode(solo(ref, p, 6)) for p in ("The game", [5, 17, 42])]
+    assert [ch.text for ch in r.choices] == [want[0], want[0], want[1], want[1]]
+    assert r.usage.prompt_tokens == len(ref.tokenizer.encode("The game")) + 3
+    assert r.usage.completion_tokens == sum(len(solo(ref, p, 6)) for p in ("The game", [5, 17, 42])) * 2
+    kw = dict(model="tiny", prompt="In 1990", max_tokens=8, temperature=1.0)
+    many = c.completions.create(**kw, n=3, seed=7)
+    single = [c.completions.create(**kw, seed=7 + j).choices[0].text for j in range(3)]
+    assert [ch.text for ch in many.choices] == single and len(set(single)) > 1
+    chunks = list(c.completions.create(**kw, n=3, seed=7, stream=True))
+    streamed = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == j)
+                for j in range(3)]
+    assert streamed == single
