@@ -80,15 +80,20 @@ class Params:
     chat: bool = False
     logprobs: int | None = None  # the most likely alternatives to list with each token's logprob; None: no logprobs
     n: int = 1  # choices per prompt
+    # OpenAI's, over the tokens generated so far (subtracted from a seen token's logit: once / per occurrence), and
+    # vLLM's repetition_penalty over the prompt's and generated tokens (a seen token's logit divided by it where
+    # positive, multiplied where negative); all before temperature, top-k and top-p, as vLLM applies them
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     extra: dict = field(default_factory=dict)
 
 
-NEUTRAL = {"best_of": 1, "echo": False, "presence_penalty": 0,
-           "frequency_penalty": 0, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
+NEUTRAL = {"best_of": 1, "echo": False, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "stop_token_ids", "n"}  # top_k, ignore_eos, stop_token_ids: vLLM's extensions
+          "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty"}  # top_k, ignore_eos, stop_token_ids: vLLM's extensions
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"} | (NEUTRAL.keys() - {"tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
@@ -166,6 +171,8 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     top_k = _int(body, "top_k", defaults.top_k)
     if top_k < -1:
         raise _bad(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
+    penalties = {k: _number(body, k, 0.0, -2.0, 2.0) for k in ("presence_penalty", "frequency_penalty")}
+    penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
     n = _int(body, "n", 1)
     if not 1 <= n <= defaults.max_n:
         raise _bad(f"'n' must be in [1, {defaults.max_n}], got {n}", "n")
@@ -173,7 +180,7 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
                 top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
                 stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
                 include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos,
-                stop_token_ids=tuple(stop_ids), n=n)
+                stop_token_ids=tuple(stop_ids), n=n, **penalties)
 
 
 def _prompts(prompt, tokenizer, vocab: int) -> list[list[int]]:

@@ -75,6 +75,9 @@ class Request:
     # each token's logprob under the model (before temperature, top-k and top-p, as vLLM's default reports it) and
     # this many most likely alternatives; None: none computed
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # openai_protocol.Params says how each applies
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
 
@@ -120,6 +123,22 @@ class TextTracker:
             self.pending = []
         delta, self.sent = self.text[self.sent:], len(self.text)
         return delta
+
+
+def penalized(logits: torch.Tensor, r: Request, generated: list[int]) -> torch.Tensor:
+    """logits [V] with the request's penalties applied, as vLLM applies them: the repetition penalty to every token
+    of the prompt and the generation (a positive logit divided by it, a negative one multiplied), then the
+    frequency penalty times each token's count in the generation and the presence penalty once per generated
+    token, subtracted."""
+    x = logits.float().clone()
+    if r.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt) | set(generated)), dtype=torch.long, device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / r.repetition_penalty, v * r.repetition_penalty)
+    if generated and (r.frequency_penalty or r.presence_penalty):
+        counts = torch.bincount(torch.tensor(generated, device=x.device), minlength=x.numel()).float()
+        x -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).float()
+    return x
 
 
 class _Seq:
@@ -315,6 +334,8 @@ class Scheduler:
 
     def _sample(self, seq: _Seq, logits: torch.Tensor, greedy: int | None) -> int:
         r = seq.req
+        if r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0:
+            logits, greedy = penalized(logits, r, seq.tokens), None
         if r.temperature == 0.0:
             return int(logits.argmax()) if greedy is None else greedy
         return int(sample_next(logits[None], r.temperature, r.top_k, r.top_p, seq.gen)[0])

@@ -227,7 +227,8 @@ class Server:
                             sink=self._relay.sink(events, i * p.n + j),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
                             seed=None if p.seed is None else p.seed + j, stop_at_eos=not p.ignore_eos,
-                            stop_ids=p.stop_token_ids, logprobs=p.logprobs)
+                            stop_ids=p.stop_token_ids, logprobs=p.logprobs, presence_penalty=p.presence_penalty,
+                            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty)
                     for i, ids in enumerate(p.prompts) for j in range(p.n)]
             try:
                 self.scheduler.submit(reqs)

@@ -625,3 +625,32 @@ def test_n_choices_per_prompt(live, ref):
     streamed = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == j)
                 for j in range(3)]
     assert streamed == single
+
+
+@pytest.mark.parametrize("pen", [{"repetition_penalty": 1.5}, {"frequency_penalty": 1.2, "presence_penalty": 0.7},
+                                 {"repetition_penalty": 0.8, "presence_penalty": -1.0}])
+def test_penalties_steer_greedy_as_vllm_applies_them(live, ref, pen):
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty: the served greedy tokens equal a
+    reference loop over the engine's decode-loop logits with transformers' RepetitionPenaltyLogitsProcessor (prompt
+    and generated tokens) and OpenAI's formula (logit - frequency * count - presence * [count > 0], generated
+    tokens) applied at every step; each changes the text; out of range is a 400."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    prompt, n = ref.tokenizer.encode("The tower"), 12  # its greedy tokens repeat
+    rp = RepetitionPenaltyLogitsProcessor(pen.get("repetition_penalty", 1.0))
+    out = []
+    for _ in range(n):
+        lg = ref.decode_logits([prompt + out], prompt_len=len(prompt))[0, -1].double()  # as generate runs them
+        lg = rp(torch.tensor([prompt + out]), lg[None])[0]
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=lg.numel()).double()
+        lg = lg - pen.get("frequency_penalty", 0) * counts - pen.get("presence_penalty", 0) * (counts > 0).double()
+        out.append(int(lg.argmax()))
+        if out[-1] in ref.spec.stop_ids:
+            break
+    c = live.client()
+    r = c.completions.create(model="tiny", prompt="The tower", max_tokens=n, temperature=0, extra_body=pen)
+    assert r.choices[0].text == ref.tokenizer.decode(out)
+    assert r.choices[0].text != ref.tokenizer.decode(solo(ref, prompt, n))
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": "x"}, {"repetition_penalty": 0}):
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=bad)
