@@ -35,13 +35,15 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
 
 
 def model_sampling(d, where) -> dict:
-    """The temperature / top_p / top_k a checkpoint's authors ship (generation_config.json, a GGUF file's
-    general.sampling.*, an engine header's sampling_defaults): the ones present in d, checked (temperature in
-    [0, 2], the OpenAI API's range; top_p in (0, 1]; top_k >= 0). DejavuError naming `where`."""
+    """The temperature / top_p / top_k / repetition_penalty a checkpoint's authors ship (generation_config.json, a
+    GGUF file's general.sampling.*, an engine header's sampling_defaults): the ones present in d, checked
+    (temperature in [0, 2], the OpenAI API's range; top_p in (0, 1]; top_k >= 0; repetition_penalty > 0).
+    DejavuError naming `where`."""
     out = {}
     for key, ok, want in (("temperature", lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),
                           ("top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
-                          ("top_k", lambda v: type(v) is int and v >= 0, "an integer >= 0")):
+                          ("top_k", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+                          ("repetition_penalty", lambda v: v > 0.0, "a number > 0")):
         v = d.get(key) if isinstance(d, dict) else None
         if v is None:
             continue

@@ -183,7 +183,7 @@ def load_chat_template(name_or_path: str | os.PathLike) -> str | None:
 
 
 _GGUF_SAMPLING = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p",
-                  "top_k": "general.sampling.top_k"}
+                  "top_k": "general.sampling.top_k", "repetition_penalty": "general.sampling.penalty_repeat"}
 
 
 def load_sampling_defaults(name_or_path: str | os.PathLike) -> dict:

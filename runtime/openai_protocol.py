@@ -49,6 +49,7 @@ class SamplingDefaults:
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
     max_logprobs: int = 20  # alternatives per token a request may ask for (vLLM's default max_logprobs)
     max_n: int = 128  # choices per prompt (OpenAI's limit)
+    repetition_penalty: float = 1.0  # vLLM's extension; the model's (generation_config.json) where it sets one
 
     @classmethod
     def of_engine(cls, header: dict) -> "SamplingDefaults":
@@ -172,7 +173,8 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     if top_k < -1:
         raise _bad(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
     penalties = {k: _number(body, k, 0.0, -2.0, 2.0) for k in ("presence_penalty", "frequency_penalty")}
-    penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
+    penalties["repetition_penalty"] = _number(body, "repetition_penalty", defaults.repetition_penalty, 0.0,
+                                              float("inf"), lo_open=True)
     n = _int(body, "n", 1)
     if not 1 <= n <= defaults.max_n:
         raise _bad(f"'n' must be in [1, {defaults.max_n}], got {n}", "n")

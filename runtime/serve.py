@@ -432,8 +432,8 @@ def main(argv=None) -> int:
         if settings.sampling_defaults == "model" and engine.header.get("sampling_defaults"):
             d = server.defaults
             print(f"dejavu-serve: sampling defaults from the model: temperature {d.temperature:g}, top_p "
-                  f"{d.top_p:g}, top_k {d.top_k} (--sampling-defaults openai for OpenAI's)", file=sys.stderr,
-                  flush=True)
+                  f"{d.top_p:g}, top_k {d.top_k}, repetition_penalty {d.repetition_penalty:g} (--sampling-defaults "
+                  "openai for OpenAI's)", file=sys.stderr, flush=True)
     if host not in ("127.0.0.1", "::1", "localhost") and settings.api_key is None:
         print("dejavu-serve: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
     run(server, sock, settings)

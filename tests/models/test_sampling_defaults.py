@@ -29,8 +29,10 @@ def test_folder_generation_config(tmp_path):
     folder = write_tiny_llama(tmp_path / "f")
     assert load_sampling_defaults(folder) == {}
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [2, 5],
-                                                               "temperature": 0.7, "top_p": 0.8, "top_k": 20}))
-    assert load_sampling_defaults(folder) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+                                                               "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                               "repetition_penalty": 1.05}))  # Qwen2.5-Instruct's
+    assert load_sampling_defaults(folder) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                              "repetition_penalty": 1.05}
     (folder / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
     with pytest.raises(DejavuError, match="generation_config.json: top_p 1.5 is not a number in"):
         load_sampling_defaults(folder)
@@ -51,8 +53,23 @@ def test_gguf_general_sampling(tmp_path):
         w.close()
 
     write(tmp_path / "a.gguf", **{"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
-                                 "general.sampling.top_p": 0.95})
+                                 "general.sampling.top_p": 0.95, "general.sampling.penalty_repeat": 1.1})
     got = load_sampling_defaults(str(tmp_path / "a.gguf"))
-    assert got == {"temperature": pytest.approx(0.6), "top_p": pytest.approx(0.95), "top_k": 20}
+    assert got == {"temperature": pytest.approx(0.6), "top_p": pytest.approx(0.95), "top_k": 20,
+                   "repetition_penalty": pytest.approx(1.1)}
     write(tmp_path / "b.gguf")
     assert load_sampling_defaults(str(tmp_path / "b.gguf")) == {}
+
+
+def test_a_models_repetition_penalty_is_the_servers_default():
+    """The engine header's repetition_penalty (its checkpoint's generation_config.json) is a request's default, as
+    vLLM takes the model's; a request's own value wins; a value <= 0 in the config is one error line."""
+    from dejavu.runtime.openai_protocol import SamplingDefaults, completion_params
+
+    d = SamplingDefaults.of_engine({"sampling_defaults": {"temperature": 0.7, "repetition_penalty": 1.05}})
+    assert (d.temperature, d.repetition_penalty) == (0.7, 1.05)
+    assert completion_params({"prompt": [1]}, None, 10, d).repetition_penalty == 1.05
+    assert completion_params({"prompt": [1], "repetition_penalty": 1.0}, None, 10, d).repetition_penalty == 1.0
+    assert completion_params({"prompt": [1]}, None, 10, SamplingDefaults()).repetition_penalty == 1.0
+    with pytest.raises(DejavuError, match="repetition_penalty 0 is not a number > 0"):
+        SamplingDefaults.of_engine({"sampling_defaults": {"repetition_penalty": 0}})
