@@ -93,8 +93,9 @@ class Params:
 NEUTRAL = {"best_of": 1, "echo": False, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
+# top_k, ignore_eos, stop_token_ids, repetition_penalty: vLLM's extensions
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty"}  # top_k, ignore_eos, stop_token_ids: vLLM's extensions
+          "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"} | (NEUTRAL.keys() - {"tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})

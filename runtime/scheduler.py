@@ -59,8 +59,8 @@ class Request:
     """One prompt to complete. `sink(event)` is called from the scheduler thread with
     ("token", text delta, token id, logprobs) as text becomes ready (a token ending mid-character waits for
     the next; logprobs: (id, logprob, [(id, logprob) of the `logprobs` most likely], the characters of text before
-    it) of each token since the last event, where `logprobs` is set), then once ("done", finish_reason, number of tokens, the token ids) or
-    ("error", message)."""
+    it) of each token since the last event, where `logprobs` is set), then once ("done", finish_reason, number of
+    tokens, the token ids) or ("error", message)."""
 
     prompt: list[int]
     max_tokens: int
