@@ -87,15 +87,17 @@ class Params:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple = ()  # OpenAI's: (token id, bias in [-100, 100]) pairs added to the logits before sampling
     extra: dict = field(default_factory=dict)
 
 
-NEUTRAL = {"best_of": 1, "echo": False, "logit_bias": None, "suffix": None, "user": None, "response_format": None,
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
 # top_k, ignore_eos, stop_token_ids, repetition_penalty: vLLM's extensions
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+          "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"} | (NEUTRAL.keys() - {"tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
@@ -176,6 +178,13 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     penalties = {k: _number(body, k, 0.0, -2.0, 2.0) for k in ("presence_penalty", "frequency_penalty")}
     penalties["repetition_penalty"] = _number(body, "repetition_penalty", defaults.repetition_penalty, 0.0,
                                               float("inf"), lo_open=True)
+    bias = body.get("logit_bias") or {}
+    try:
+        pairs = tuple(sorted((int(k), float(v)) for k, v in bias.items() if type(v) in (int, float)))
+    except (AttributeError, ValueError):
+        pairs = None
+    if pairs is None or len(pairs) != len(bias) or not all(t >= 0 and -100 <= v <= 100 for t, v in pairs):
+        raise _bad("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
     n = _int(body, "n", 1)
     if not 1 <= n <= defaults.max_n:
         raise _bad(f"'n' must be in [1, {defaults.max_n}], got {n}", "n")
@@ -183,7 +192,7 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
                 top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
                 stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
                 include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos,
-                stop_token_ids=tuple(stop_ids), n=n, **penalties)
+                stop_token_ids=tuple(stop_ids), n=n, logit_bias=pairs, **penalties)
 
 
 def _prompts(prompt, tokenizer, vocab: int) -> list[list[int]]:

@@ -78,6 +78,7 @@ class Request:
     presence_penalty: float = 0.0  # openai_protocol.Params says how each applies
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple = ()  # (token id, bias) pairs added to the logits, after the penalties
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
 
@@ -129,7 +130,7 @@ def penalized(logits: torch.Tensor, r: Request, generated: list[int]) -> torch.T
     """logits [V] with the request's penalties applied, as vLLM applies them: the repetition penalty to every token
     of the prompt and the generation (a positive logit divided by it, a negative one multiplied), then the
     frequency penalty times each token's count in the generation and the presence penalty once per generated
-    token, subtracted."""
+    token, subtracted; then the logit bias added."""
     x = logits.float().clone()
     if r.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(r.prompt) | set(generated)), dtype=torch.long, device=x.device)
@@ -138,6 +139,9 @@ def penalized(logits: torch.Tensor, r: Request, generated: list[int]) -> torch.T
     if generated and (r.frequency_penalty or r.presence_penalty):
         counts = torch.bincount(torch.tensor(generated, device=x.device), minlength=x.numel()).float()
         x -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).float()
+    if r.logit_bias:
+        ids, bias = zip(*r.logit_bias)
+        x[torch.tensor(ids, device=x.device)] += torch.tensor(bias, device=x.device)
     return x
 
 
@@ -334,7 +338,7 @@ class Scheduler:
 
     def _sample(self, seq: _Seq, logits: torch.Tensor, greedy: int | None) -> int:
         r = seq.req
-        if r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0:
+        if r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0 or r.logit_bias:
             logits, greedy = penalized(logits, r, seq.tokens), None
         if r.temperature == 0.0:
             return int(logits.argmax()) if greedy is None else greedy

@@ -206,6 +206,8 @@ class Server:
              completion_params(body, self.tokenizer, vocab, self.defaults))
         if any(t >= vocab for t in p.stop_token_ids):
             raise ApiError(400, f"'stop_token_ids' must be token ids below the vocabulary's {vocab}", "stop_token_ids")
+        if any(t >= vocab for t, _ in p.logit_bias):
+            raise ApiError(400, f"'logit_bias' names a token id beyond the vocabulary's {vocab}", "logit_bias")
         if p.model is not None and p.model != self.name:
             raise ApiError(404, f"The model `{p.model}` does not exist (this server serves `{self.name}`).",
                            "model", "model_not_found")
@@ -228,7 +230,8 @@ class Server:
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
                             seed=None if p.seed is None else p.seed + j, stop_at_eos=not p.ignore_eos,
                             stop_ids=p.stop_token_ids, logprobs=p.logprobs, presence_penalty=p.presence_penalty,
-                            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty)
+                            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                            logit_bias=p.logit_bias)
                     for i, ids in enumerate(p.prompts) for j in range(p.n)]
             try:
                 self.scheduler.submit(reqs)

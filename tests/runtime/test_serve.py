@@ -654,3 +654,21 @@ def test_penalties_steer_greedy_as_vllm_applies_them(live, ref, pen):
     for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": "x"}, {"repetition_penalty": 0}):
         with pytest.raises(openai.BadRequestError):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=bad)
+
+
+def test_logit_bias_moves_the_choice(live, ref):
+    """OpenAI's logit_bias: +100 on a token makes every greedy step choose it; −100 on the greedy first token makes
+    the first token the engine's second most likely; keys that are not token ids, or values beyond ±100, are a
+    400."""
+    c = live.client()
+    prompt = ref.tokenizer.encode("The game")
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logit_bias={"42": 100})
+    assert r.choices[0].text == ref.tokenizer.decode([42] * 5)
+    first = solo(ref, prompt, 1)[0]
+    second = int(ref.decode_logits([prompt], prompt_len=len(prompt))[0, -1].topk(2).indices[1])
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(first): -100},
+                             logprobs=0)
+    assert r.choices[0].logprobs.tokens == [ref.tokenizer.decode([second], skip_special=False)]
+    for bad in ({"x": 1}, {"5": 101}, {"5": "1"}, {"300": 1}, [5]):
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"logit_bias": bad})
