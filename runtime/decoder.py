@@ -370,8 +370,9 @@ class SparseDecoder:
         return self.head(x)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None = None,
-                start: int = 0) -> torch.Tensor:
-        """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V].
+                start: int = 0, every: bool = False) -> torch.Tensor:
+        """Dense prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V] (every: each
+        position's, [B, S, V]).
 
         Every head's K/V is written at slots 0..S-1, so (deferred policy) valid_len[b, :] =
         lengths[b]: a sequence's padding slots count as missing and are recomputed from its
@@ -379,6 +380,7 @@ class SparseDecoder:
         (default 0..B-1); the other rows are left as they are (a server admitting a newcomer
         beside running sequences). start: ids continue a prompt whose first `start` tokens are
         in the cache already (chunked prefill; then valid_len = start + lengths)."""
-        out = self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows, start=start)
+        out = self.forward_tokens(ids, sparse=False, write_cache=True, last=None if every else lengths - 1, rows=rows,
+                                  start=start)
         self.cache.filled(lengths, rows, start)
         return out

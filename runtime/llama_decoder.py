@@ -465,8 +465,9 @@ class LlamaDecoder:
         return self.head(x)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None = None,
-                start: int = 0) -> torch.Tensor:
-        """Prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V]. Dense, except a
+                start: int = 0, every: bool = False) -> torch.Tensor:
+        """Prefill of right-padded ids [B, S] (real lengths [B]): last-token logits [B, V] (every: each position's,
+        [B, S, V]). Dense, except a
         sequence's first position (start 0), which gets the decode steps' thresholds as every position has
         them token-parallel: it holds the attention sink, 74% of whose inputs sit under SmolLM2-135M's 25%
         thresholds, and the sparse tokens decoded after it do better reading it thresholded. The 25% engine on
@@ -474,10 +475,12 @@ class LlamaDecoder:
         tokens -0.88% against the dense model where a dense prefill measured +2.44%; a 256-token prompt then
         256 decoded +0.47%, against +0.74% for a prompt thresholded whole and +2.25% dense."""
         if start > 0:  # a later chunk of the prompt
-            return self.forward_tokens(ids, sparse=False, write_cache=True, last=lengths - 1, rows=rows, start=start)
-        first = self.forward_tokens(ids[:, :1], sparse=True, write_cache=True, last=torch.zeros_like(lengths), rows=rows)
+            return self.forward_tokens(ids, sparse=False, write_cache=True, last=None if every else lengths - 1,
+                                       rows=rows, start=start)
+        first = self.forward_tokens(ids[:, :1], sparse=True, write_cache=True,
+                                    last=None if every else torch.zeros_like(lengths), rows=rows)
         if ids.shape[1] == 1:
             return first
-        rest = self.forward_tokens(ids[:, 1:], sparse=False, write_cache=True, last=(lengths - 2).clamp(min=0),
-                                   rows=rows, start=1)
-        return torch.where((lengths == 1)[:, None], first, rest)
+        rest = self.forward_tokens(ids[:, 1:], sparse=False, write_cache=True,
+                                   last=None if every else (lengths - 2).clamp(min=0), rows=rows, start=1)
+        return torch.cat([first, rest], 1) if every else torch.where((lengths == 1)[:, None], first, rest)

@@ -4,7 +4,7 @@ objects it returns (the legacy completions and the chat completions API).
 A mistake raises `ApiError(status, message, param)`, which the server turns into OpenAI's
 error object: {"error": {"message", "type", "param", "code"}}. Fields that the OpenAI API
 defines but this server does not implement are accepted only at their neutral value (best_of 1,
-echo false, penalties 0, ...); unknown fields are rejected, as OpenAI does.
+suffix none, ...); unknown fields are rejected, as OpenAI does.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ class Params:
     chat: bool = False
     logprobs: int | None = None  # the most likely alternatives to list with each token's logprob; None: no logprobs
     n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt's text (and with logprobs its tokens' logprobs) before the completion
     # OpenAI's, over the tokens generated so far (subtracted from a seen token's logit: once / per occurrence), and
     # vLLM's repetition_penalty over the prompt's and generated tokens (a seen token's logit divided by it where
     # positive, multiplied where negative); all before temperature, top-k and top-p, as vLLM applies them
@@ -91,14 +92,14 @@ class Params:
     extra: dict = field(default_factory=dict)
 
 
-NEUTRAL = {"best_of": 1, "echo": False, "suffix": None, "user": None, "response_format": None,
+NEUTRAL = {"best_of": 1, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
 # top_k, ignore_eos, stop_token_ids, repetition_penalty: vLLM's extensions
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias"}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"} | (NEUTRAL.keys() - {"tools", "tool_choice",
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"} | (NEUTRAL.keys() - {"tools", "tool_choice",
                                                               "parallel_tool_calls", "response_format", "store",
                                                               "metadata", "service_tier"})
 # add_generation_prompt, chat_template_kwargs: vLLM's extensions (Qwen3's {"enable_thinking": false}, ...)
@@ -228,7 +229,11 @@ def completion_params(body, tokenizer, vocab: int, defaults: SamplingDefaults) -
     n = _int(body, "logprobs")  # completions: how many alternatives (0: the sampled token's logprob alone)
     if n is not None and not 0 <= n <= defaults.max_logprobs:
         raise _bad(f"'logprobs' must be in [0, {defaults.max_logprobs}], got {n}", "logprobs")
-    return Params(prompts=_prompts(body["prompt"], tokenizer, vocab), max_tokens=max_tokens, logprobs=n, **c)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise _bad(f"'echo' must be a boolean, got {type(echo).__name__}", "echo")
+    return Params(prompts=_prompts(body["prompt"], tokenizer, vocab), max_tokens=max_tokens, logprobs=n, echo=echo,
+                  **c)
 
 
 def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params:
@@ -346,8 +351,10 @@ def logprobs_object(entries: list, tokenizer, chat: bool) -> dict:
             return {"token": text(t), "logprob": lp, "bytes": list(raw(t))}
         return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in top]}
                             for t, lp, top, _ in entries]}
+    # a prompt's first token has no logprob (nothing before it predicts it): null, as OpenAI writes it
     return {"tokens": [text(e[0]) for e in entries], "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [{**{text(a): alp for a, alp in top}, text(t): lp} for t, lp, top, _ in entries],
+            "top_logprobs": [None if lp is None else {**{text(a): alp for a, alp in top}, text(t): lp}
+                             for t, lp, top, _ in entries],
             "text_offset": [e[3] for e in entries]}
 
 

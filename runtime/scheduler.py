@@ -60,7 +60,8 @@ class Request:
     ("token", text delta, token id, logprobs) as text becomes ready (a token ending mid-character waits for
     the next; logprobs: (id, logprob, [(id, logprob) of the `logprobs` most likely], the characters of text before
     it) of each token since the last event, where `logprobs` is set), then once ("done", finish_reason, number of
-    tokens, the token ids) or ("error", message)."""
+    tokens, the token ids) or ("error", message). With `prompt_logprobs`, ("prompt", logprobs of the prompt's
+    tokens, the first one's logprob None) comes before the first token."""
 
     prompt: list[int]
     max_tokens: int
@@ -79,6 +80,8 @@ class Request:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple = ()  # (token id, bias) pairs added to the logits, after the penalties
+    # the prompt's tokens' logprobs under the prefill's logits with this many alternatives (OpenAI's echo)
+    prompt_logprobs: int | None = None
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
 
@@ -154,6 +157,7 @@ class _Seq:
         self.prefilled = 0  # prompt tokens in the cache
         self.tokens: list[int] = []
         self.logprobs: list[tuple] = []  # the tokens' logprobs not yet sent
+        self.prompt_logprobs: list[tuple] = []
         self.text = TextTracker(tokenizer, req.stop) if tokenizer is not None else None
         self.gen = None
         if req.temperature > 0:
@@ -303,15 +307,36 @@ class Scheduler:
         b = min(len(prompt), a + self.chunk)
         ids = torch.tensor([prompt[a:b]], dtype=torch.long, device=dev)
         self.dec.use_rows(self.max_batch)
+        every = seq.req.prompt_logprobs is not None
         logits = self.dec.prefill(ids, torch.tensor([b - a], device=dev), rows=torch.tensor([seq.row], device=dev),
-                                  start=a)  # [1, V]
+                                  start=a, every=every)  # [1, V] (every: [1, b - a, V])
+        if every:
+            self._prompt_logprobs(seq, logits[0], a)
+            logits = logits[:, -1]
         seq.prefilled = b
         if self.metrics is not None:
             self.metrics.prompt_tokens(b - a)
         if b == len(prompt):
             self._prefilling = None
+            if every:
+                seq.req.sink(("prompt", seq.prompt_logprobs))
             self._emit(seq, self._sample(seq, logits[0], None), logits[0])
         return b - a
+
+    def _prompt_logprobs(self, seq: _Seq, logits: torch.Tensor, a: int) -> None:
+        """Entries (as _emit's) of the prompt tokens that positions a.. of logits [S, V] predict; the first token's
+        logprob None. Offsets: the characters of the prompt's text before each token."""
+        prompt, n = seq.req.prompt, seq.req.prompt_logprobs
+        dec = (lambda ids: len(self.tokenizer.decode(ids))) if self.tokenizer is not None else len
+        if a == 0:
+            seq.prompt_logprobs.append((prompt[0], None, [], 0))
+        lp = torch.log_softmax(logits.float(), -1)
+        nxt = torch.tensor(prompt[a + 1:a + 1 + lp.shape[0]], device=lp.device)
+        own = lp[torch.arange(nxt.numel(), device=lp.device), nxt].tolist()
+        top = lp[:nxt.numel()].topk(n) if n else None
+        for i, (t, v) in enumerate(zip(nxt.tolist(), own)):
+            alts = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else []
+            seq.prompt_logprobs.append((t, v, alts, dec(prompt[:a + 1 + i])))
 
     def _step(self, live: list[_Seq]) -> None:
         n = next(b for b in self.buckets if b > max(s.row for s in live))

@@ -231,7 +231,7 @@ class Server:
                             seed=None if p.seed is None else p.seed + j, stop_at_eos=not p.ignore_eos,
                             stop_ids=p.stop_token_ids, logprobs=p.logprobs, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                            logit_bias=p.logit_bias)
+                            logit_bias=p.logit_bias, prompt_logprobs=p.logprobs if p.echo else None)
                     for i, ids in enumerate(p.prompts) for j in range(p.n)]
             try:
                 self.scheduler.submit(reqs)
@@ -256,6 +256,7 @@ class Server:
 
         k = len(reqs)
         texts, ntok, reasons, lps = [""] * k, [0] * k, [None] * k, [[] for _ in range(k)]
+        echo = [self._echo(p, r) for r in reqs]  # (the prompt's text, its logprobs) or None
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             for _ in range(k):
@@ -271,6 +272,9 @@ class Server:
                         texts[i] += ev[1]
                         lps[i] += ev[3]
                         continue
+                    if ev[0] == "prompt":
+                        echo[i] = (echo[i][0], ev[1])
+                        continue
                     if ev[0] == "error":
                         e = ApiError(503, ev[1])
                         self.metrics.request(endpoint, e.status)
@@ -282,10 +286,18 @@ class Server:
             for r in reqs:
                 r.cancel()  # no-op for finished ones
         self.metrics.request(endpoint, 200)
+        if p.echo:  # the prompt's text first, its tokens' logprobs first, the completion's offsets after it
+            texts = [e[0] + t for e, t in zip(echo, texts)]
+            lps = [e[1] + _shifted(lp, len(e[0])) for e, lp in zip(echo, lps)]
         choices = [choice(i, texts[i], reasons[i], p.chat, False, logprobs=self._logprobs(p, lps[i]))
                    for i in range(k)]
         return JSONResponse(completion_object(rid, self.name, created, choices, usage(prompt_tokens, sum(ntok)),
                                               p.chat, False))
+
+    def _echo(self, p, r) -> tuple[str, list] | None:
+        if not p.echo:
+            return None
+        return (self.tokenizer.decode(r.prompt) if self.tokenizer is not None else ""), []
 
     def _logprobs(self, p, entries: list) -> dict | None:
         return None if p.logprobs is None else logprobs_object(entries, self.tokenizer, p.chat)
@@ -296,18 +308,28 @@ class Server:
         def chunk(choices, use=None):
             return _sse(completion_object(rid, self.name, created, choices, use, p.chat, True))
 
+        shift = [0] * k  # echo: the completion's text offsets start after the prompt's text
         try:
             if p.chat:  # OpenAI's first chunk: the role
                 for i in range(k):
                     yield chunk([choice(i, "", None, True, True, role=True)])
+            if p.echo:  # the prompt's text first; with logprobs its tokens' logprobs follow when the prefill ends
+                for i, r in enumerate(reqs):
+                    text = self._echo(p, r)[0]
+                    shift[i] = len(text)
+                    yield chunk([choice(i, text, None, False, True)])
             while left:
                 out = []  # every event already here goes out in one write
                 items = [await events.get()]
                 while not events.empty():
                     items.append(events.get_nowait())
                 for i, ev in items:
+                    if ev[0] == "prompt":
+                        out.append(chunk([choice(i, "", None, False, True, logprobs=self._logprobs(p, ev[1]))]))
+                        continue
                     if ev[0] == "token":
-                        out.append(chunk([choice(i, ev[1], None, p.chat, True, logprobs=self._logprobs(p, ev[3]))]))
+                        lp = self._logprobs(p, _shifted(ev[3], shift[i]))
+                        out.append(chunk([choice(i, ev[1], None, p.chat, True, logprobs=lp)]))
                         continue
                     left -= 1
                     if ev[0] == "error":
@@ -325,6 +347,11 @@ class Server:
         finally:  # also when the client disconnects (the task is cancelled): free the rows
             for r in reqs:
                 r.cancel()
+
+
+def _shifted(entries: list, by: int) -> list:
+    """Logprob entries with their text offsets moved by `by` characters."""
+    return [(t, lp, top, off + by) for t, lp, top, off in entries] if by else entries
 
 
 # ---------------------------------------------------------------------- CLI

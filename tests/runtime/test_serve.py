@@ -535,6 +535,20 @@ def test_llama_engine_served_equals_solo(tmp_path):
                prefill_chunk=4)
     try:
         got = stream_all(srv.url, "llama", cases, clients=8)
+        # echo's prompt logprobs from the chunked prefill equal one whole prefill's (the first position thresholded,
+        # the rest dense), and the last one the logits generate samples the first token from
+        prompt = [rng.randrange(3, 320) for _ in range(11)]
+        lp = srv.client().completions.create(model="llama", prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                             logprobs=1).choices[0].logprobs
+        with torch.inference_mode():  # the engine's cache is an inference tensor
+            ref.decoder.use_rows(1)
+            whole = ref.decoder.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), every=True)[0]
+        whole = whole.double().log_softmax(-1)
+        want_lp = whole[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(torch.tensor(lp.token_logprobs[1:len(prompt)], dtype=torch.float64), want_lp, atol=1e-4)
+        last = ref.decode_logits([prompt], prompt_len=len(prompt))[0, -1].double().log_softmax(-1)
+        assert torch.allclose(whole[-1], last, atol=1e-4) and lp.token_logprobs[-1] == pytest.approx(
+            last.max().item(), abs=1e-4)
     finally:
         srv.close()
     for case, w, (text, n) in zip(cases, want, got):
@@ -672,3 +686,36 @@ def test_logit_bias_moves_the_choice(live, ref):
     for bad in ({"x": 1}, {"5": 101}, {"5": "1"}, {"300": 1}, [5]):
         with pytest.raises(openai.BadRequestError):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"logit_bias": bad})
+
+
+def test_echo_with_prompt_logprobs_as_lm_eval_reads_them(live, ref):
+    """OpenAI's echo: the prompt's text before the completion; with logprobs, the prompt's tokens first (the first
+    one's logprob null), each the dense model's log-probability given the tokens before it (the prefill's logits:
+    what lm-eval's local-completions reads as a continuation's loglikelihood, with max_tokens 1), then the generated
+    ones, their offsets after the prompt's text; streamed alike; prompts prefilled in chunks of 4."""
+    from runtime_helpers import tiny_model
+
+    dense = tiny_model(seed=11, vocab_size=300)
+    c = live.client()
+    prompt = ref.tokenizer.encode("The game began in 1990 and")
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp, text = r.choices[0].logprobs, ref.tokenizer.decode(prompt)
+    gen = solo(ref, prompt, 3)
+    assert r.choices[0].text == text + ref.tokenizer.decode(gen)
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        want = dense(torch.tensor([prompt]))[0].double().log_softmax(-1)
+    got = torch.tensor(lp.token_logprobs[1:len(prompt)], dtype=torch.float64)
+    assert torch.allclose(got, want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4)
+    for i in range(1, len(prompt)):
+        assert list(lp.top_logprobs[i].values())[:2] == pytest.approx(want[i - 1].topk(2).values.tolist(), abs=1e-4)
+    assert lp.text_offset[:len(prompt)] == [len(ref.tokenizer.decode(prompt[:i])) for i in range(len(prompt))]
+    assert lp.text_offset[len(prompt)] == len(text)
+    chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                       logprobs=2, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    parts = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+    plain = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == r.choices[0].text and plain.choices[0].logprobs is None
