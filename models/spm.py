@@ -165,7 +165,8 @@ def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:
 
 def folder_tokenizer(folder: Path):
     """The tokenizer of a folder whose vocabulary is its `tokenizer.model` alone, with the tokens its
-    tokenizer_config.json adds after the model's pieces (`added_tokens_decoder`) and its `legacy` flag, read as
+    tokenizer_config.json adds after the model's pieces (`added_tokens_decoder`, else an older folder's
+    added_tokens.json), its `add_bos_token` (prompts start with BOS unless it is false) and its `legacy` flag, read as
     transformers 5 reads such a folder (legacy false, its default: no "▁" before the text after a special token,
     as SentencePiece itself tokenizes)."""
     from tokenizers import AddedToken
@@ -222,8 +223,8 @@ def _json_object(path: Path) -> dict:
 
 
 def with_bos(tok, bos: str, bos_id: int):
-    """Give a `tokenizers.Tokenizer` the post-processor that writes BOS before a text (what
-    models.tokenizer.special_prefix reads back)."""
+    """The `tokenizers.Tokenizer` with a post-processor that writes BOS before a text (what
+    models.tokenizer.special_prefix reads back): tok itself, or a copy where the BOS's text holds a colon."""
     import json
 
     from tokenizers import Tokenizer, processors
