@@ -158,6 +158,7 @@ class _Seq:
         self.tokens: list[int] = []
         self.logprobs: list[tuple] = []  # the tokens' logprobs not yet sent
         self.prompt_logprobs: list[tuple] = []
+        self.prompt_text: TextTracker | None = None  # echo: the prompt's text, for its tokens' offsets
         self.text = TextTracker(tokenizer, req.stop) if tokenizer is not None else None
         self.gen = None
         if req.temperature > 0:
@@ -327,16 +328,23 @@ class Scheduler:
         """Entries (as _emit's) of the prompt tokens that positions a.. of logits [S, V] predict; the first token's
         logprob None. Offsets: the characters of the prompt's text before each token."""
         prompt, n = seq.req.prompt, seq.req.prompt_logprobs
-        dec = (lambda ids: len(self.tokenizer.decode(ids))) if self.tokenizer is not None else len
         if a == 0:
+            seq.prompt_text = TextTracker(self.tokenizer, ()) if self.tokenizer is not None else None
             seq.prompt_logprobs.append((prompt[0], None, [], 0))
+            self._count_text(seq, prompt[0])
         lp = torch.log_softmax(logits.float(), -1)
         nxt = torch.tensor(prompt[a + 1:a + 1 + lp.shape[0]], device=lp.device)
         own = lp[torch.arange(nxt.numel(), device=lp.device), nxt].tolist()
         top = lp[:nxt.numel()].topk(n) if n else None
         for i, (t, v) in enumerate(zip(nxt.tolist(), own)):
             alts = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else []
-            seq.prompt_logprobs.append((t, v, alts, dec(prompt[:a + 1 + i])))
+            seq.prompt_logprobs.append((t, v, alts, seq.prompt_text.length() if seq.prompt_text else a + 1 + i))
+            self._count_text(seq, t)
+
+    @staticmethod
+    def _count_text(seq: _Seq, token: int) -> None:
+        if seq.prompt_text is not None:  # the prompt's text so far, a token at a time (no decode of every prefix)
+            seq.prompt_text.add(token)
 
     def _step(self, live: list[_Seq]) -> None:
         n = next(b for b in self.buckets if b > max(s.row for s in live))
