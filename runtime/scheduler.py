@@ -129,23 +129,38 @@ class TextTracker:
         return delta
 
 
-def penalized(logits: torch.Tensor, r: Request, generated: list[int]) -> torch.Tensor:
-    """logits [V] with the request's penalties applied, as vLLM applies them: the repetition penalty to every token
-    of the prompt and the generation (a positive logit divided by it, a negative one multiplied), then the
-    frequency penalty times each token's count in the generation and the presence penalty once per generated
-    token, subtracted; then the logit bias added."""
-    x = logits.float().clone()
-    if r.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(r.prompt) | set(generated)), dtype=torch.long, device=x.device)
-        v = x[seen]
-        x[seen] = torch.where(v > 0, v / r.repetition_penalty, v * r.repetition_penalty)
-    if generated and (r.frequency_penalty or r.presence_penalty):
-        counts = torch.bincount(torch.tensor(generated, device=x.device), minlength=x.numel()).float()
-        x -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).float()
-    if r.logit_bias:
-        ids, bias = zip(*r.logit_bias)
-        x[torch.tensor(ids, device=x.device)] += torch.tensor(bias, device=x.device)
-    return x
+class Penalties:
+    """A request's penalties, as vLLM applies them, with their state kept a token at a time (`add`): the
+    repetition penalty on every token of the prompt and the generation (a positive logit divided by it, a negative
+    one multiplied), then the frequency penalty times each token's count in the generation and the presence
+    penalty once per generated token, subtracted; then the logit bias added."""
+
+    def __init__(self, r: Request, vocab: int, device):
+        self.r = r
+        self.counts = torch.zeros(vocab, device=device)  # generated tokens
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # prompt and generated tokens
+        self.seen[torch.tensor(r.prompt, dtype=torch.long, device=device)] = True
+        ids, bias = zip(*r.logit_bias) if r.logit_bias else ((), ())
+        self.bias_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.bias = torch.tensor(bias, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def wanted(r: Request) -> bool:
+        return bool(r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0 or r.logit_bias)
+
+    def add(self, token: int) -> None:
+        self.counts[token] += 1
+        self.seen[token] = True
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        r, x = self.r, logits.float()
+        if r.repetition_penalty != 1.0:
+            x = torch.where(self.seen, torch.where(x > 0, x / r.repetition_penalty, x * r.repetition_penalty), x)
+        if r.frequency_penalty or r.presence_penalty:
+            x = x - (r.frequency_penalty * self.counts + r.presence_penalty * (self.counts > 0).float())
+        if r.logit_bias:
+            x = x.index_add(0, self.bias_ids, self.bias)
+        return x
 
 
 class _Seq:
@@ -159,6 +174,7 @@ class _Seq:
         self.logprobs: list[tuple] = []  # the tokens' logprobs not yet sent
         self.prompt_logprobs: list[tuple] = []
         self.prompt_text: TextTracker | None = None  # echo: the prompt's text, for its tokens' offsets
+        self.penalties: Penalties | None = None  # made at the first sample, where the request has any
         self.text = TextTracker(tokenizer, req.stop) if tokenizer is not None else None
         self.gen = None
         if req.temperature > 0:
@@ -371,8 +387,10 @@ class Scheduler:
 
     def _sample(self, seq: _Seq, logits: torch.Tensor, greedy: int | None) -> int:
         r = seq.req
-        if r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0 or r.logit_bias:
-            logits, greedy = penalized(logits, r, seq.tokens), None
+        if Penalties.wanted(r):
+            if seq.penalties is None:
+                seq.penalties = Penalties(r, logits.numel(), logits.device)
+            logits, greedy = seq.penalties(logits), None
         if r.temperature == 0.0:
             return int(logits.argmax()) if greedy is None else greedy
         return int(sample_next(logits[None], r.temperature, r.top_k, r.top_p, seq.gen)[0])
@@ -381,6 +399,8 @@ class Scheduler:
         """Hand token to the request; free its row when it is done."""
         r, now = seq.req, time.perf_counter()
         seq.tokens.append(token)
+        if seq.penalties is not None:
+            seq.penalties.add(token)
         if self.metrics is not None:
             self.metrics.token(now - r.arrival if len(seq.tokens) == 1 else None,
                                now - seq.last_t if len(seq.tokens) > 1 else None)
