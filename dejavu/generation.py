@@ -19,6 +19,9 @@ class GenerationSettings:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None
+    # None: the checkpoint's (generation_config.json, a GGUF file's general.sampling.penalty_repeat), as
+    # transformers' generate applies it; 1.0 where it names none (off)
+    repetition_penalty: float | None = None
 
 
 GENERATION = GenerationSettings()
@@ -32,6 +35,11 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise DejavuError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise DejavuError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_repetition_penalty(p: float) -> None:
+    if not p > 0.0:
+        raise DejavuError(f"repetition_penalty must be > 0 (1.0 = off), got {p}")
 
 
 def model_sampling(d, where) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from dejavu.cli_common import Parser, add_chat, add_device, add_dtype, add_sampling, chat_encoder, check_chat_args
 from dejavu.errors import DejavuError, cli_entry
-from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
+from dejavu.generation import GENERATION, check_max_new_tokens, check_repetition_penalty, resolve_temperature
 
 
 @dataclass
@@ -76,7 +76,10 @@ def main(argv=None) -> int:
     check_chat_args(args)
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
     temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
-    from dejavu.models.auto import load_any, load_chat_template, load_text_tokenizer, model_type
+    penalty = args.repetition_penalty
+    if penalty is not None:
+        check_repetition_penalty(penalty)
+    from dejavu.models.auto import load_any, load_chat_template, load_sampling_defaults, load_text_tokenizer, model_type
     from dejavu.models.generate import generate
 
     def encode(tok) -> list[int]:
@@ -96,12 +99,15 @@ def main(argv=None) -> int:
         tok = load_text_tokenizer(args.model)
         ids = encode(tok)
     _check_length(len(ids), n, cfg.max_position_embeddings)  # before the prompt is echoed
+    if penalty is None:  # the checkpoint's, as transformers' generate applies its generation_config
+        penalty = load_sampling_defaults(args.model).get("repetition_penalty", 1.0)
     streamer = _Streamer(tok)
     if not args.chat:  # a completion continues the prompt; a chat reply stands alone
         sys.stdout.write(args.prompt)
     t0 = time.perf_counter()
     new = generate(model, [ids], n, temperature=temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, eos_id=tok.stop_ids, stream=streamer)[0]
+                   top_p=args.top_p, seed=args.seed, eos_id=tok.stop_ids, stream=streamer,
+                   repetition_penalty=penalty)[0]
     dt = time.perf_counter() - t0
     streamer.finish()
     print(f"[{len(new)} tokens in {dt:.2f} s, {len(new) / max(dt, 1e-9):.1f} tok/s, "

@@ -6,9 +6,9 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.generation import GENERATION, resolve_temperature
+from dejavu.generation import GENERATION, check_repetition_penalty, resolve_temperature
 from dejavu.models.opt import OPTForCausalLM
-from dejavu.models.sampling import sample_next
+from dejavu.models.sampling import Penalties, sample_next
 from dejavu.models.tokenizer import end_ids
 
 
@@ -29,7 +29,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[int]],
              max_new_tokens: int, temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
              top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed, eos_id=None,
-             stream: Callable[[list[int | None]], None] | None = None) -> list[list[int]]:
+             stream: Callable[[list[int | None]], None] | None = None,
+             repetition_penalty: float = 1.0) -> list[list[int]]:
     """New tokens for each prompt (prompt not included; ends with eos_id when it was produced: one id, or several
     of which any ends a sequence).
 
@@ -37,9 +38,12 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     with an attention mask). Greedy when temperature == 0 (or None without top_k / top_p:
     `dejavu.generation.resolve_temperature`); otherwise sampled with top_k/top_p
     from a generator seeded with `seed`. `stream`, if given, is called after each step with one
-    entry per sequence: the new token, or None once that sequence has finished.
+    entry per sequence: the new token, or None once that sequence has finished. repetition_penalty: a prompt's
+    or generated token's logit divided by it where positive, multiplied where negative, before sampling
+    (transformers' RepetitionPenaltyLogitsProcessor over the real tokens; 1.0: off).
     """
     temperature = resolve_temperature(temperature, top_k, top_p)
+    check_repetition_penalty(repetition_penalty)
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     cfg = model.config
@@ -69,6 +73,10 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
 
+    penalties = None
+    if repetition_penalty != 1.0:
+        real = ids.tolist() if mask is None else [p[len(p) - int(m.sum()):] for p, m in zip(ids.tolist(), mask)]
+        penalties = Penalties(real, cfg.vocab_size, device, repetition_penalty)
     stops = frozenset(end_ids(eos_id))
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -76,7 +84,9 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     try:
         logits = model(ids, 0, full_mask[:, :S] if full_mask is not None else None)[:, -1]  # [B, V]
         for step in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_k, top_p, gen)  # [B]
+            nxt = sample_next(logits if penalties is None else penalties(logits), temperature, top_k, top_p, gen)
+            if penalties is not None:
+                penalties.add(nxt)
             toks = nxt.tolist()
             emitted: list[int | None] = []
             for b, t in enumerate(toks):

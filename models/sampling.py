@@ -1,6 +1,8 @@
 """Next-token choice from logits, shared by dense generation and the sparse runtime (pure torch)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from dejavu.generation import check_sampling  # noqa: F401 - re-exported (torch-free home)
@@ -30,3 +32,46 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
         x = x.masked_fill(drop, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class Penalties:
+    """Penalties over a batch's tokens, as transformers and vLLM apply them, their state kept a token at a time
+    (`add`): the repetition penalty on every token a row has seen, its prompt's and its generated ones (a positive
+    logit divided by it, a negative one multiplied: transformers' RepetitionPenaltyLogitsProcessor, vLLM's
+    repetition_penalty), then OpenAI's frequency penalty times each token's count in the row's generation and its
+    presence penalty once per token generated, subtracted; then the logit bias ((id, bias) pairs) added."""
+
+    def __init__(self, prompts: Sequence[Sequence[int]], vocab: int, device, repetition: float = 1.0,
+                 presence: float = 0.0, frequency: float = 0.0, logit_bias: Sequence[tuple[int, float]] = ()):
+        self.repetition, self.presence, self.frequency = repetition, presence, frequency
+        rows = torch.tensor([b for b, p in enumerate(prompts) for _ in p], dtype=torch.long)
+        cols = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        self.seen = torch.zeros(len(prompts), vocab, dtype=torch.bool)  # prompt and generated tokens
+        self.seen[rows, cols] = True
+        self.seen = self.seen.to(device)
+        self.counts = torch.zeros(len(prompts), vocab, device=device) if presence or frequency else None
+        ids, bias = zip(*logit_bias) if logit_bias else ((), ())
+        self.bias_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.bias = torch.tensor(bias, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def wanted(repetition: float = 1.0, presence: float = 0.0, frequency: float = 0.0, logit_bias=()) -> bool:
+        return bool(presence or frequency or repetition != 1.0 or logit_bias)
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """The tokens [B] just generated, one a row."""
+        col = tokens.to(self.seen.device, torch.long)[:, None]
+        self.seen.scatter_(1, col, True)
+        if self.counts is not None:
+            self.counts.scatter_add_(1, col, torch.ones_like(col, dtype=self.counts.dtype))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalized float32 logits [B, V] of logits [B, V]."""
+        x, p = logits.float(), self.repetition
+        if p != 1.0:
+            x = torch.where(self.seen, torch.where(x > 0, x / p, x * p), x)
+        if self.counts is not None:
+            x = x - (self.frequency * self.counts + self.presence * (self.counts > 0).float())
+        if len(self.bias):
+            x = x.index_add(1, self.bias_ids, self.bias.expand(x.shape[0], -1))
+        return x

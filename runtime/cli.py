@@ -15,7 +15,7 @@ from pathlib import Path
 from dejavu.cli_common import (Parser, add_chat, add_device, add_dtype, add_output_format, add_sampling, chat_encoder,
                                 check_chat_args)
 from dejavu.errors import DejavuError, cli_entry
-from dejavu.generation import GENERATION, check_max_new_tokens, resolve_temperature
+from dejavu.generation import GENERATION, check_max_new_tokens, check_repetition_penalty, resolve_temperature
 
 OUTPUT_FORMATS = ("text", "jsonl", "json")
 
@@ -147,6 +147,8 @@ def main(argv=None) -> int:
     check_chat_args(args)
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
     temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
+    if args.repetition_penalty is not None:
+        check_repetition_penalty(args.repetition_penalty)
     if not Path(args.engine).is_file():
         raise DejavuError(f"engine file not found: {args.engine}")
     ids = _encode_checked(args.engine, prompts, n, args.chat, args.system)
@@ -156,7 +158,8 @@ def main(argv=None) -> int:
     eng = Engine.load(args.engine, device=args.device, overlap=not args.no_overlap,
                       batch_policy=args.batch_policy, dtype=args.dtype)
     tok = eng.tokenizer
-    kw = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    kw = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              repetition_penalty=args.repetition_penalty)  # None: the checkpoint's
     out, fmt = sys.stdout, args.output_format
     if fmt == "text" and args.prompt is not None:
         if not args.chat:  # a completion continues the prompt; a chat reply stands alone

@@ -9,8 +9,8 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.generation import GENERATION, resolve_temperature
-from dejavu.models.sampling import sample_next
+from dejavu.generation import GENERATION, check_repetition_penalty, resolve_temperature
+from dejavu.models.sampling import Penalties, sample_next
 
 
 @dataclass
@@ -61,7 +61,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
              top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed,
              stream: Callable[[list[int | None]], None] | None = None,
-             stop_at_eos: bool = True) -> list[list[int]]:
+             stop_at_eos: bool = True, repetition_penalty: float = 1.0) -> list[list[int]]:
     """New tokens per prompt (the prompt excluded; ends with EOS when one was produced).
 
     The first new token comes from the dense prefill (a Llama engine thresholds each sequence's first
@@ -69,8 +69,11 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     step (a CUDA-graph replay on GPU). `stream`, if given, is called after each step with one
     entry per sequence: its new token, or None once it has finished. Without `stream` and
     with stop_at_eos=False the loop never waits for the device (benchmark mode). temperature
-    None: greedy, or 1.0 when top_k / top_p ask for sampling (`dejavu.generation`)."""
+    None: greedy, or 1.0 when top_k / top_p ask for sampling (`dejavu.generation`). repetition_penalty: a
+    prompt's or generated token's logit divided by it where positive, multiplied where negative, before sampling
+    (transformers' RepetitionPenaltyLogitsProcessor; 1.0: off)."""
     temperature = resolve_temperature(temperature, top_k, top_p)
+    check_repetition_penalty(repetition_penalty)
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     spec, dec, dev = engine.spec, engine.decoder, engine.device
@@ -92,15 +95,18 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     logits = dec.prefill(ids, pos)  # [B, V]
     t2 = _sync(dev)
     out_dev = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
+    penalties = Penalties(prompts, spec.vocab_size, dev, repetition_penalty) if repetition_penalty != 1.0 else None
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     host_loop = stream is not None or bool(stops)
     agree = getattr(engine, "agree_tokens", None)  # tensor parallel: rank 0's tokens on every rank
     steps = made = 0
     for step in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_k, top_p, gen)  # [B]
+        nxt = sample_next(logits if penalties is None else penalties(logits), temperature, top_k, top_p, gen)  # [B]
         if agree is not None:
             nxt = agree(nxt)
+        if penalties is not None:
+            penalties.add(nxt)
         out_dev[:, step] = nxt
         made += 1
         if host_loop:

@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from dejavu.generation import GENERATION
-from dejavu.models.sampling import sample_next
+from dejavu.models.sampling import Penalties, sample_next
 
 log = logging.getLogger("dejavu.serve")
 
@@ -127,40 +127,6 @@ class TextTracker:
             self.pending = []
         delta, self.sent = self.text[self.sent:], len(self.text)
         return delta
-
-
-class Penalties:
-    """A request's penalties, as vLLM applies them, with their state kept a token at a time (`add`): the
-    repetition penalty on every token of the prompt and the generation (a positive logit divided by it, a negative
-    one multiplied), then the frequency penalty times each token's count in the generation and the presence
-    penalty once per generated token, subtracted; then the logit bias added."""
-
-    def __init__(self, r: Request, vocab: int, device):
-        self.r = r
-        self.counts = torch.zeros(vocab, device=device)  # generated tokens
-        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # prompt and generated tokens
-        self.seen[torch.tensor(r.prompt, dtype=torch.long, device=device)] = True
-        ids, bias = zip(*r.logit_bias) if r.logit_bias else ((), ())
-        self.bias_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        self.bias = torch.tensor(bias, dtype=torch.float32, device=device)
-
-    @staticmethod
-    def wanted(r: Request) -> bool:
-        return bool(r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1.0 or r.logit_bias)
-
-    def add(self, token: int) -> None:
-        self.counts[token] += 1
-        self.seen[token] = True
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        r, x = self.r, logits.float()
-        if r.repetition_penalty != 1.0:
-            x = torch.where(self.seen, torch.where(x > 0, x / r.repetition_penalty, x * r.repetition_penalty), x)
-        if r.frequency_penalty or r.presence_penalty:
-            x = x - (r.frequency_penalty * self.counts + r.presence_penalty * (self.counts > 0).float())
-        if r.logit_bias:
-            x = x.index_add(0, self.bias_ids, self.bias)
-        return x
 
 
 class _Seq:
@@ -387,10 +353,11 @@ class Scheduler:
 
     def _sample(self, seq: _Seq, logits: torch.Tensor, greedy: int | None) -> int:
         r = seq.req
-        if Penalties.wanted(r):
+        if Penalties.wanted(r.repetition_penalty, r.presence_penalty, r.frequency_penalty, r.logit_bias):
             if seq.penalties is None:
-                seq.penalties = Penalties(r, logits.numel(), logits.device)
-            logits, greedy = seq.penalties(logits), None
+                seq.penalties = Penalties([r.prompt], logits.numel(), logits.device, r.repetition_penalty,
+                                          r.presence_penalty, r.frequency_penalty, r.logit_bias)
+            logits, greedy = seq.penalties(logits[None])[0], None
         if r.temperature == 0.0:
             return int(logits.argmax()) if greedy is None else greedy
         return int(sample_next(logits[None], r.temperature, r.top_k, r.top_p, seq.gen)[0])
@@ -400,7 +367,7 @@ class Scheduler:
         r, now = seq.req, time.perf_counter()
         seq.tokens.append(token)
         if seq.penalties is not None:
-            seq.penalties.add(token)
+            seq.penalties.add(torch.tensor([token]))
         if self.metrics is not None:
             self.metrics.token(now - r.arrival if len(seq.tokens) == 1 else None,
                                now - seq.last_t if len(seq.tokens) > 1 else None)

@@ -1,0 +1,144 @@
+"""The repetition penalty of `Engine.generate`, `dejavu-run`, the dense `generate` and the server's scheduler
+(models/sampling.Penalties) against transformers' RepetitionPenaltyLogitsProcessor and its `generate`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dejavu.compiler.build import build_engine
+from dejavu.compiler.config import BuildConfig
+from dejavu.engine_file import read_engine, write_engine
+from dejavu.errors import DejavuError
+from dejavu.models.generate import generate as dense_generate
+from dejavu.models.sampling import Penalties
+from dejavu.runtime import Engine
+from llama_helpers import write_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[0, 17, 93, 5, 17, 60, 2], [0, 44, 8]]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(folder, dense engine path, transformers' model of the folder) for a tiny random GQA Llama."""
+    root = tmp_path_factory.mktemp("rp")
+    folder = write_tiny_llama(root / "tiny", seed=7)
+    path = root / "dense.engine"
+    build_engine(folder, BuildConfig(density=1.0, calib_tokens=256, calib_window=64, dtype="float32"), path,
+                 progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return folder, path, hf
+
+
+def _hf_greedy(hf, prompt: list[int], n: int, penalty: float) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, repetition_penalty=penalty)
+    return out[0, len(prompt):].tolist()
+
+
+def test_penalties_equal_transformers_processor_as_tokens_come():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (3, 9), generator=g)
+    pen = Penalties(ids.tolist(), 50, "cpu", repetition=1.7)
+    ref = RepetitionPenaltyLogitsProcessor(1.7)
+    for _ in range(4):
+        logits = 3 * torch.randn(3, 50, generator=g)
+        got = pen(logits)
+        assert torch.equal(got, ref(ids, logits.clone()))
+        assert not torch.equal(got, logits)  # some seen token's logit moved
+        nxt = torch.randint(0, 50, (3,), generator=g)
+        pen.add(nxt)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+
+
+def test_penalties_frequency_presence_and_bias_follow_openais_formula():
+    g = torch.Generator().manual_seed(1)
+    pen = Penalties([[4, 4, 9]], 20, "cpu", presence=0.5, frequency=0.25, logit_bias=[(3, 2.0), (4, -1.0)])
+    for t in (4, 7, 4):
+        pen.add(torch.tensor([t]))
+    logits = torch.randn(1, 20, generator=g)
+    want = logits.clone()
+    want[0, 4] -= 2 * 0.25 + 0.5  # generated twice (the prompt's don't count)
+    want[0, 7] -= 0.25 + 0.5
+    want[0, 3] += 2.0
+    want[0, 4] -= 1.0
+    assert torch.allclose(pen(logits), want)
+
+
+def test_dense_generate_equals_transformers_generate_with_a_penalty(built):
+    from dejavu.models.auto import load_llama
+
+    folder, _, hf = built
+    model = load_llama(folder)[0]
+    for prompt in PROMPTS:
+        want = _hf_greedy(hf, prompt, 12, 1.8)
+        assert dense_generate(model, [prompt], 12, repetition_penalty=1.8)[0] == want
+        assert want != _hf_greedy(hf, prompt, 12, 1.0)  # the penalty changed the tokens
+
+
+def test_engine_generate_equals_transformers_generate_with_a_penalty(built):
+    _, path, hf = built
+    eng = Engine.load(path)
+    together = eng.generate(PROMPTS, 12, stop_at_eos=False, repetition_penalty=1.8)  # right-padded batch
+    assert together == [_hf_greedy(hf, p, 12, 1.8) for p in PROMPTS]
+    assert together != eng.generate(PROMPTS, 12, stop_at_eos=False, repetition_penalty=1.0)
+
+
+def test_engine_takes_the_checkpoints_penalty_unless_given(built, tmp_path):
+    _, path, hf = built
+    header, tensors = read_engine(path)
+    header["sampling_defaults"] = {"repetition_penalty": 1.8}
+    own = tmp_path / "own.engine"
+    write_engine(own, header, tensors)
+    eng = Engine.load(own)
+    assert eng.generate(PROMPTS[:1], 12, stop_at_eos=False) == [_hf_greedy(hf, PROMPTS[0], 12, 1.8)]
+    assert eng.generate(PROMPTS[:1], 12, stop_at_eos=False, repetition_penalty=1.0) == \
+        [_hf_greedy(hf, PROMPTS[0], 12, 1.0)]
+    with pytest.raises(DejavuError, match="repetition_penalty must be > 0"):
+        eng.generate(PROMPTS[:1], 4, repetition_penalty=0.0)
+
+
+def test_dejavu_run_repetition_penalty(built, capsys):
+    from dejavu.runtime.cli import main as run_main
+
+    _, path, _ = built
+    args = [str(path), "--prompt", "The game", "--max-new-tokens", "8", "--output-format", "json"]
+    assert run_main(args + ["--repetition-penalty", "1.8"]) == 0
+    got = json.loads(capsys.readouterr().out)["outputs"][0]["tokens"]
+    eng = Engine.load(path)
+    assert got == eng.generate(["The game"], 8, repetition_penalty=1.8)[0]
+    with pytest.raises(SystemExit) as e:
+        run_main(args + ["--repetition-penalty", "-1"])
+    assert e.value.code != 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().count("\n") == 0 and "repetition_penalty" in captured.err
+
+
+def test_dejavu_generate_takes_the_folders_generation_config(built, tmp_path, capsys):
+    """dejavu-generate (the dense model) applies generation_config.json's repetition_penalty, as transformers'
+    generate does, and --repetition-penalty overrides it."""
+    import shutil
+
+    from dejavu.models.auto import load_text_tokenizer
+    from dejavu.models.cli import main as gen_main
+
+    folder, _, hf = built
+    own = tmp_path / "own"
+    shutil.copytree(folder, own)
+    cfg = json.loads((own / "generation_config.json").read_text()) if (own / "generation_config.json").is_file() else {}
+    (own / "generation_config.json").write_text(json.dumps({**cfg, "repetition_penalty": 1.8}))
+    tok = load_text_tokenizer(own)
+    ids = tok.encode("The game")
+    outs = []
+    for extra, penalty in (([], 1.8), (["--repetition-penalty", "1.0"], 1.0)):
+        assert gen_main([str(own), "--prompt", "The game", "--max-new-tokens", "8", "--device", "cpu",
+                         "--dtype", "float32"] + extra) == 0
+        outs.append(capsys.readouterr().out)
+        assert outs[-1] == "The game" + tok.decode(_hf_greedy(hf, ids, 8, penalty)) + "\n"
+    assert outs[0] != outs[1]
