@@ -88,6 +88,9 @@ class Params:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # chat: the parser that reads tool calls out of each reply (tool_choice "auto" with the server's
+    # --tool-call-parser; runtime/tool_calls.py); None: the reply is content
+    tool_parser: str | None = None
     logit_bias: tuple = ()  # OpenAI's: (token id, bias in [-100, 100]) pairs added to the logits before sampling
     extra: dict = field(default_factory=dict)
 
@@ -106,8 +109,10 @@ COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"} | (NEUTRAL.keys() - 
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
                         "chat_template_kwargs", "logprobs", "top_logprobs"} | (
     NEUTRAL.keys() - {"best_of", "echo", "suffix"})
+# chat's tool fields, checked by chat_params (runtime/tool_calls.py) rather than held at a neutral value
+_CHAT_TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 # the variables the server gives every render; a request's chat_template_kwargs may not set them
-_TEMPLATE_VARS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+_TEMPLATE_VARS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker (render_jinja_template)
 
 
@@ -143,7 +148,8 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     if unknown:
         raise _bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
     for name, neutral in NEUTRAL.items():
-        if name in allowed and body.get(name) not in (None, neutral):
+        if name in allowed and body.get(name) not in (None, neutral) and not (
+                "messages" in allowed and name in _CHAT_TOOLS):
             raise _bad(f"'{name}' = {body[name]!r} is not supported by dejavu-serve (only {neutral!r})", name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -236,8 +242,12 @@ def completion_params(body, tokenizer, vocab: int, defaults: SamplingDefaults) -
                   **c)
 
 
-def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params:
-    """template: a `chat_template.ChatTemplate` (None: the engine has none -> 400)."""
+def chat_params(body, tokenizer, template, defaults: SamplingDefaults, tool_parser: str | None = None) -> Params:
+    """template: a `chat_template.ChatTemplate` (None: the engine has none -> 400). tool_parser: the server's
+    --tool-call-parser where --enable-auto-tool-choice is on (runtime/tool_calls.py), which tool_choice "auto"
+    needs, as vLLM's does."""
+    from dejavu.runtime import tool_calls as TC
+
     c = _common(body, CHAT_FIELDS, defaults)
     if template is None:
         raise _bad("this engine's tokenizer has no chat template (engine header field 'chat_template'); "
@@ -255,9 +265,43 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params
                        for p in content):
                 raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
+        calls = m.get("tool_calls")
+        if content is None and m["role"] == "assistant" and calls:  # a turn of calls alone
+            content = ""
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        clean.append({"role": m["role"], "content": content})
+        one = {"role": m["role"], "content": content}
+        try:
+            if calls is not None and m["role"] == "assistant":
+                one["tool_calls"] = TC.template_calls(calls, f"messages[{i}]")
+        except ValueError as e:
+            raise _bad(str(e), "messages") from None
+        for key in ("tool_call_id", "name"):  # a tool message's call id (and a function's name, older form)
+            if isinstance(m.get(key), str):
+                one[key] = m[key]
+        clean.append(one)
+    tools, choice_ = body.get("tools"), body.get("tool_choice")
+    try:
+        tools = TC.check_tools(tools) if tools is not None else None
+    except ValueError as e:
+        raise _bad(str(e), "tools") from None
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if choice_ is None:
+        choice_ = "auto" if tools else "none"  # OpenAI's defaults
+    if choice_ not in ("none", "auto", "required") and not (
+            isinstance(choice_, dict) and choice_.get("type") == "function"
+            and isinstance((choice_.get("function") or {}).get("name"), str)):
+        raise _bad("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}", "tool_choice")
+    if choice_ != "none" and not tools:
+        raise _bad("'tool_choice' needs 'tools'", "tool_choice")
+    if choice_ == "auto" and tool_parser is None:  # vLLM's answer, word for word
+        raise _bad('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                   "tool_choice")
+    if choice_ not in ("none", "auto"):
+        raise _bad("tool_choice \"required\" or a named function constrains decoding to the tools' JSON schema, "
+                   "which dejavu-serve does not do; use \"auto\"", "tool_choice")
     gen, cont = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
     for name, v in (("add_generation_prompt", gen), ("continue_final_message", cont)):
         if not isinstance(v, bool):
@@ -272,6 +316,8 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params
     if taken:
         raise _bad(f"'chat_template_kwargs' may not set {', '.join(taken)}: the server sets them",
                    "chat_template_kwargs")
+    if tools:  # the template sees them with tool_choice "none" too, as vLLM's does
+        kwargs = {**kwargs, "tools": tools}
     mt = _int(body, "max_completion_tokens")
     mt = _int(body, "max_tokens") if mt is None else mt
     want, top = body.get("logprobs"), _int(body, "top_logprobs")  # chat: a switch, then how many alternatives
@@ -281,7 +327,8 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults) -> Params
         raise _bad(f"'top_logprobs' must be in [0, {defaults.max_logprobs}] and needs 'logprobs': true",
                    "top_logprobs")
     return Params(prompts=[template.encode(clean, add_generation_prompt=gen, continue_final_message=cont, **kwargs)],
-                  max_tokens=mt, chat=True, logprobs=(top or 0) if want else None, **c)
+                  max_tokens=mt, chat=True, logprobs=(top or 0) if want else None,
+                  tool_parser=tool_parser if choice_ == "auto" else None, **c)
 
 
 def check_lengths(p: Params, context: int) -> None:
@@ -316,7 +363,9 @@ def completion_object(rid: str, model: str, created: int, choices: list[dict], u
 
 
 def choice(index: int, text: str | None, finish: str | None, chat: bool, chunk: bool, role: bool = False,
-           logprobs: dict | None = None) -> dict:
+           logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """One choice of a response (chunk: of a stream). tool_calls: chat's calls (runtime/tool_calls.ToolCall.as_dict;
+    in a chunk each with its index); with them a message's content may be None, as OpenAI's is."""
     if not chat:
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if chunk:
@@ -325,9 +374,13 @@ def choice(index: int, text: str | None, finish: str | None, chat: bool, chunk: 
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-    return {"index": index, "message": {"role": "assistant", "content": text or ""}, "logprobs": logprobs,
-            "finish_reason": finish}
+    message = {"role": "assistant", "content": text if tool_calls else text or ""}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def logprobs_object(entries: list, tokenizer, chat: bool) -> dict:

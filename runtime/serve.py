@@ -33,6 +33,7 @@ from dejavu.errors import DejavuError, cli_entry
 from dejavu.runtime.openai_protocol import (ApiError, ChatTemplate, SamplingDefaults, chat_params, check_lengths,
                                             choice, completion_object, completion_params, logprobs_object, new_id,
                                             now, usage)
+from dejavu.runtime import tool_calls
 from dejavu.runtime.serve_metrics import ServeMetrics
 
 log = logging.getLogger("dejavu.serve")
@@ -62,6 +63,9 @@ class ServeSettings:
     # a request's temperature / top_p / top_k where it leaves them out: "model", the engine's sampling_defaults
     # (its checkpoint's generation_config.json) over OpenAI's; "openai", OpenAI's alone
     sampling_defaults: str = "model"
+    # tool_choice "auto": the format tool calls are read in (runtime/tool_calls.PARSERS), as vLLM's
+    # --enable-auto-tool-choice --tool-call-parser NAME; None: "auto" is a 400
+    tool_call_parser: str | None = None
 
 
 def _error(e: ApiError):
@@ -202,7 +206,7 @@ class Server:
 
     def _params(self, body, chat: bool):
         vocab = self.engine.spec.vocab_size
-        p = (chat_params(body, self.tokenizer, self.template, self.defaults) if chat else
+        p = (chat_params(body, self.tokenizer, self.template, self.defaults, self.settings.tool_call_parser) if chat else
              completion_params(body, self.tokenizer, vocab, self.defaults))
         if any(t >= vocab for t in p.stop_token_ids):
             raise ApiError(400, f"'stop_token_ids' must be token ids below the vocabulary's {vocab}", "stop_token_ids")
@@ -289,8 +293,11 @@ class Server:
         if p.echo:  # the prompt's text first, its tokens' logprobs first, the completion's offsets after it
             texts = [e[0] + t for e, t in zip(echo, texts)]
             lps = [e[1] + _shifted(lp, len(e[0])) for e, lp in zip(echo, lps)]
-        choices = [choice(i, texts[i], reasons[i], p.chat, False, logprobs=self._logprobs(p, lps[i]))
-                   for i in range(k)]
+        choices = []
+        for i in range(k):
+            content, calls = tool_calls.parse(p.tool_parser, texts[i]) if p.tool_parser else (texts[i], [])
+            choices.append(choice(i, content, "tool_calls" if calls else reasons[i], p.chat, False,
+                                  logprobs=self._logprobs(p, lps[i]), tool_calls=[c.as_dict() for c in calls]))
         return JSONResponse(completion_object(rid, self.name, created, choices, usage(prompt_tokens, sum(ntok)),
                                               p.chat, False))
 
@@ -309,6 +316,7 @@ class Server:
             return _sse(completion_object(rid, self.name, created, choices, use, p.chat, True))
 
         shift = [0] * k  # echo: the completion's text offsets start after the prompt's text
+        gates = [tool_calls.StreamGate(p.tool_parser) for _ in range(k)] if p.tool_parser else None
         try:
             if p.chat:  # OpenAI's first chunk: the role
                 for i in range(k):
@@ -329,15 +337,25 @@ class Server:
                         continue
                     if ev[0] == "token":
                         lp = self._logprobs(p, _shifted(ev[3], shift[i]))
-                        out.append(chunk([choice(i, ev[1], None, p.chat, True, logprobs=lp)]))
+                        text = ev[1] if gates is None else gates[i].add(ev[1])
+                        if text or lp is not None or gates is None:
+                            out.append(chunk([choice(i, text, None, p.chat, True, logprobs=lp)]))
                         continue
                     left -= 1
                     if ev[0] == "error":
                         out.append(_sse(ApiError(503, ev[1]).body()))
                         continue
                     total += ev[2]
+                    reason = ev[1]
+                    if gates is not None:  # what was held back: content, or the calls whole, one delta each
+                        rest, calls = gates[i].finish()
+                        if rest:
+                            out.append(chunk([choice(i, rest, None, True, True)]))
+                        for j, c in enumerate(calls):
+                            out.append(chunk([choice(i, None, None, True, True, tool_calls=[c.as_dict(j)])]))
+                        reason = "tool_calls" if calls else reason
                     last = left == 0 and not p.include_usage
-                    out.append(chunk([choice(i, None if p.chat else "", ev[1], p.chat, True)],
+                    out.append(chunk([choice(i, None if p.chat else "", reason, p.chat, True)],
                                      usage(prompt_tokens, total) if last else None))
                 if left == 0:
                     if p.include_usage:
@@ -385,6 +403,12 @@ def build_parser() -> Parser:
     p.add_argument("--sampling-defaults", default=d.sampling_defaults, choices=["model", "openai"],
                    help="a request's temperature / top_p / top_k where it leaves them out: the model's (its "
                         "generation_config.json, kept in the engine; OpenAI's where it names none) or OpenAI's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool_choice \"auto\" (the default where a chat request has tools): the model's "
+                        "tool calls read back by --tool-call-parser, as vLLM's flag")
+    p.add_argument("--tool-call-parser", choices=tool_calls.PARSERS, default=None,
+                   help="the checkpoint's tool-call format: hermes (Qwen2.5 / Qwen3, Hermes, SmolLM3), "
+                        "llama3_json (Llama 3.1-3.3)")
     add_quiet(p, "no start line on stderr (warnings and errors still show)")
     return p
 
@@ -395,7 +419,10 @@ def _settings(args) -> ServeSettings:
                       model_name=args.model_name,
                       device=args.device, dtype=args.dtype, batch_policy=args.batch_policy,
                       shutdown_grace_s=args.shutdown_grace, log_level=args.log_level, quiet=args.quiet,
-                      sampling_defaults=args.sampling_defaults)
+                      sampling_defaults=args.sampling_defaults,
+                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     if not 0 <= s.port <= 65535:
         raise DejavuError(f"--port must be in [0, 65535], got {s.port}")
     if s.max_batch < 1:

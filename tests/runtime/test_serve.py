@@ -719,3 +719,195 @@ def test_echo_with_prompt_logprobs_as_lm_eval_reads_them(live, ref):
     assert sum((p.text_offset for p in parts), []) == lp.text_offset
     plain = c.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
     assert plain.choices[0].text == r.choices[0].text and plain.choices[0].logprobs is None
+
+
+# Qwen2.5's chat template, its tool parts as the checkpoint ships them (the system prompt shortened)
+QWEN_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object within <tool_call></tool_call> XML tags"
+    "<|im_end|>\\n\" }}{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == \"assistant\" %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == \"tool\" %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}]
+TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": None,
+               "tool_calls": [{"id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+              {"role": "user", "content": "And Lyon?"}]
+
+
+class Scripted(Live):
+    """A Live server whose model's tokens are a script (the tokens of `reply`, then EOS), whatever the logits say:
+    what is under test is how the server reads the reply, not the model."""
+
+    def __init__(self, engine, reply: str, **settings):
+        super().__init__(engine, **settings)
+        script = engine.tokenizer.encode(reply, add_bos=False) + [engine.spec.eos_id]
+        self.server.scheduler._sample = lambda seq, logits, greedy: script[len(seq.tokens)]
+
+
+@pytest.fixture(scope="module")
+def tool_engine():
+    """The tiny engine with 2,048 positions (a prompt with tools is long) and Qwen2.5's tool template."""
+    model = tiny_model(seed=11, vocab_size=300, max_position_embeddings=2048)
+    header, tensors = engine_from_dense(model, 0.5, 0.5, tokenizer_json=tiny_tokenizer_json())
+    return {**header, "chat_template": QWEN_TOOLS}, tensors
+
+
+def test_tools_reach_the_template_as_transformers_renders_them(tool_engine):
+    """A request's tools and its earlier calls (arguments sent as JSON text, handed to the template as objects, as
+    vLLM hands them) and tool results render as transformers' apply_chat_template renders them."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from dejavu.runtime.openai_protocol import ChatTemplate, SamplingDefaults, chat_params
+
+    eng = Engine.from_tensors(*tool_engine)
+    template = ChatTemplate(QWEN_TOOLS, eng.tokenizer)
+    as_objects = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": {"city": "Paris"}}}
+                                       for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in TOOL_TURNS]
+    text = render_jinja_template(conversations=[as_objects], tools=WEATHER, chat_template=QWEN_TOOLS,
+                                 add_generation_prompt=True)[0][0]
+    assert '"arguments": {"city": "Paris"}' in text and '<tools>\n{"type": "function"' in text
+    for choice_ in ("auto", "none"):
+        p = chat_params({"messages": TOOL_TURNS, "tools": WEATHER, "tool_choice": choice_}, eng.tokenizer, template,
+                        SamplingDefaults(), "hermes")
+        assert p.prompts[0] == eng.tokenizer.encode(text, add_bos=False)
+        assert p.tool_parser == ("hermes" if choice_ == "auto" else None)
+    plain = chat_params({"messages": TOOL_TURNS[:1]}, eng.tokenizer, template, SamplingDefaults(), "hermes")
+    assert plain.tool_parser is None and "<tools>" not in eng.tokenizer.decode(plain.prompts[0])
+
+
+def test_tool_calls_as_vllms_hermes_parser_returns_them(tool_engine):
+    """A reply of text then two <tool_call> blocks (the model's tokens scripted): the openai client reads the
+    content, both calls and finish_reason "tool_calls", whole and streamed; streamed, no tool markup reaches the
+    content."""
+    reply = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Nice", "unit": "°C"}}\n</tool_call>')
+    srv = Scripted(Engine.from_tensors(*tool_engine), reply, tool_call_parser="hermes")
+    try:
+        c = srv.client()
+        r = c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, max_tokens=200)
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and m.content == "Let me check."
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
+            ("get_weather", {"city": "Lyon"}), ("get_weather", {"city": "Nice", "unit": "°C"})]
+        assert len({t.id for t in m.tool_calls}) == 2 and all(t.type == "function" for t in m.tool_calls)
+        chunks = list(c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, max_tokens=200,
+                                                stream=True))
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+        assert content == "Let me check." and [t.index for t in calls] == [0, 1]
+        assert [json.loads(t.function.arguments)["city"] for t in calls] == ["Lyon", "Nice"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # the conversation goes on with the calls sent back
+        again = TOOL_TURNS + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id,
+                                                                  "content": "15 C"}]
+        assert c.chat.completions.create(model="tiny", messages=again, tools=WEATHER, max_tokens=200).choices
+    finally:
+        srv.close()
+
+
+def test_a_reply_without_calls_is_content_and_llama3_json_calls(tool_engine):
+    """With tools the reply stays content where it holds no call (finish "stop"), streamed alike; Llama 3.1's form
+    ("parameters", calls separated by "; ") under llama3_json."""
+    srv = Scripted(Engine.from_tensors(*tool_engine), "It is <b>sunny</b> {maybe}.", tool_call_parser="hermes")
+    try:
+        c = srv.client()
+        r = c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, max_tokens=100)
+        assert r.choices[0].message.content == "It is <b>sunny</b> {maybe}." and r.choices[0].finish_reason == "stop"
+        assert not r.choices[0].message.tool_calls
+        chunks = list(c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, max_tokens=100,
+                                                stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "It is <b>sunny</b> {maybe}."
+    finally:
+        srv.close()
+    reply = '{"name": "get_weather", "parameters": {"city": "Lyon"}}; {"name": "get_time", "parameters": {}}'
+    srv = Scripted(Engine.from_tensors(*tool_engine), reply, tool_call_parser="llama3_json")
+    try:
+        for stream in (False, True):
+            out = srv.client().chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER,
+                                                       max_tokens=100, stream=stream)
+            if stream:
+                chunks = list(out)
+                calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+                assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                calls, finish = out.choices[0].message.tool_calls, out.choices[0].finish_reason
+                assert out.choices[0].message.content is None
+            assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+                ("get_weather", {"city": "Lyon"}), ("get_time", {})] and finish == "tool_calls"
+    finally:
+        srv.close()
+
+
+def test_tool_requests_the_server_cannot_answer_are_400(tiny, tool_engine):
+    """tool_choice "auto" (the default with tools) without --enable-auto-tool-choice is vLLM's 400; "required" and a
+    named function (constrained decoding) are a 400; malformed tools or calls are a 400."""
+    srv = Live(Engine.from_tensors(*tool_engine))
+    try:
+        c = srv.client()
+        with pytest.raises(openai.BadRequestError, match="requires --enable-auto-tool-choice"):
+            c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, max_tokens=2)
+        r = c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, tool_choice="none",
+                                      max_tokens=2)
+        assert r.choices[0].message.tool_calls is None
+        bad = [dict(tools=WEATHER, tool_choice="required"),
+               dict(tools=WEATHER, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+               dict(tools=[{"type": "function"}], tool_choice="none"), dict(tool_choice="none", tools=[]),
+               dict(extra_body={"tool_choice": "auto"}), dict(extra_body={"tool_choice": "sometimes"})]
+        for kw in bad:
+            with pytest.raises(openai.BadRequestError):
+                c.chat.completions.create(model="tiny", messages=TOOL_TURNS, max_tokens=2, **kw)
+        broken = [dict(TOOL_TURNS[1], tool_calls=[{"id": "x", "type": "function",
+                                                   "function": {"name": "f", "arguments": "{not json"}}])]
+        with pytest.raises(openai.BadRequestError, match="not JSON"):
+            c.chat.completions.create(model="tiny", messages=TOOL_TURNS[:1] + broken, max_tokens=2)
+    finally:
+        srv.close()
+    with pytest.raises(SystemExit):
+        main([str(tiny[0]), "--enable-auto-tool-choice"])
+
+
+@pytest.mark.parametrize("parser, reply", [
+    ("hermes", 'ok <tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call><tool_call>{"name": "g", '
+               '"arguments": {}}'),  # the second block unclosed (vLLM reads it too)
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>"),
+    ("hermes", "a < b and <tool_ is not a call"),
+    ("llama3_json", '<|python_tag|>{"name": "f", "arguments": {"a": 1}}'),
+    ("llama3_json", ' {"name": "f"} starts with a space: content'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}} trailing'),
+])
+def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
+    """Fed a character at a time, the streamed content and the calls at the end equal parsing the whole reply."""
+    from dejavu.runtime.tool_calls import StreamGate, parse
+
+    gate = StreamGate(parser)
+    sent = "".join(gate.add(ch) for ch in reply)
+    rest, calls = gate.finish()
+    content, want = parse(parser, reply)
+    assert sent + rest == (content or "")
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+    if want:
+        assert "<tool" not in sent and "{" not in sent

@@ -1,0 +1,139 @@
+"""Tool calls in chat completions, as vLLM serves them.
+
+A request's `tools` go to the chat template (transformers' apply_chat_template variable `tools`), the messages'
+earlier calls with their arguments as objects (OpenAI sends them as JSON text; templates write them with
+`tojson`). With `tool_choice` "auto", the reply is read back in the checkpoint's format, named by
+`dejavu-serve --enable-auto-tool-choice --tool-call-parser NAME` as vLLM names it:
+
+- `hermes` (Hermes 2 Pro, Qwen2.5 / Qwen3, SmolLM3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  one block per call, after any text (the reply's content);
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3): the reply is `{"name": ..., "parameters": {...}}` (or "arguments"),
+  calls separated by "; ", after Llama's `<|python_tag|>` where the model writes it.
+
+A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
+may have begun (`StreamGate`); the calls follow whole, one delta each, when the reply ends.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+PARSERS = ("hermes", "llama3_json")
+_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+    id: str
+
+    def as_dict(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def _call(name, arguments) -> ToolCall:
+    if not isinstance(name, str) or not name:
+        raise ValueError("a call without a name")
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+
+def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a reply: content None where the reply is all calls; no calls where it holds none or
+    they do not parse (then the whole reply is content)."""
+    try:
+        if parser == "hermes":
+            if _HERMES_START not in text:
+                return text, []
+            calls = []
+            for closed, open_ in _HERMES.findall(text):
+                d = json.loads(closed or open_)
+                calls.append(_call(d["name"], d.get("arguments", {})))
+            content = text[:text.find(_HERMES_START)]
+            return content or None, calls
+        if parser == "llama3_json":
+            if not (text.startswith(_PYTHON_TAG) or text.startswith("{")):
+                return text, []
+            dec, at, calls = json.JSONDecoder(), len(_PYTHON_TAG) if text.startswith(_PYTHON_TAG) else 0, []
+            while at < len(text):
+                d, end = dec.raw_decode(text[at:])
+                calls.append(_call(d["name"], d["arguments"] if "arguments" in d else d.get("parameters", {})))
+                at += end + len("; ")
+            return None, calls
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return text, []
+    raise ValueError(f"unknown tool-call parser {parser!r}")
+
+
+class StreamGate:
+    """A streamed reply's content, held back from where a call may begin: `add(delta)` -> content to send now;
+    `finish()` -> (the content not yet sent, the calls)."""
+
+    def __init__(self, parser: str):
+        self.parser, self.text, self.sent = parser, "", 0
+
+    def _safe(self) -> int:
+        # how many characters of the text are content for sure
+        if self.parser == "hermes":
+            at = self.text.find(_HERMES_START)
+            if at >= 0:
+                return at
+            hold = max((k for k in range(1, len(_HERMES_START)) if self.text.endswith(_HERMES_START[:k])), default=0)
+            return len(self.text) - hold
+        # llama3_json: the reply is calls or content as a whole, decided by its start
+        head = self.text[:len(_PYTHON_TAG)]
+        undecided = _PYTHON_TAG.startswith(head) or head.startswith("{")
+        return 0 if undecided else len(self.text)
+
+    def add(self, delta: str) -> str:
+        self.text += delta
+        end = max(self.sent, self._safe())
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        content, calls = parse(self.parser, self.text)
+        if not calls:
+            return self.text[self.sent:], []
+        content = content or ""
+        return content[self.sent:] if len(content) > self.sent else "", calls
+
+
+def check_tools(tools, param: str = "tools") -> list[dict]:
+    """OpenAI's tools list, checked: [{"type": "function", "function": {"name", "description"?, "parameters"?}}].
+    ValueError with the reason."""
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"'{param}' must be a non-empty list")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(f, dict)
+                and isinstance(f.get("name"), str) and f["name"]):
+            raise ValueError(f"'{param}[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        if not isinstance(f.get("parameters", {}), dict):
+            raise ValueError(f"'{param}[{i}].function.parameters' must be a JSON schema object")
+    return tools
+
+
+def template_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls as templates read them: each call's arguments an object (OpenAI sends
+    JSON text), as vLLM hands them to a template. ValueError with the reason."""
+    if not isinstance(calls, list):
+        raise ValueError(f"'{where}.tool_calls' must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str)):
+            raise ValueError(f"'{where}.tool_calls[{j}]' must hold a function with a name")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"'{where}.tool_calls[{j}].function.arguments' is not JSON ({e})") from None
+        out.append({**c, "function": {**f, "arguments": args}})
+    return out
