@@ -159,6 +159,14 @@ class SparseDecoder:
         recompute the slots a selected head is missing). rows: only these cache rows."""
         self.cache.empty(rows)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """A server's prefix cache: row dst holds row src's first n slots (a prefill's) and nothing after."""
+        self.cache.copy_prefix(src, dst, n)
+
+    def keep_prefix(self, row: int, n: int) -> None:
+        """A server's prefix cache: row `row` keeps its first n slots (a prefill's), nothing after."""
+        self.cache.keep_prefix(row, n)
+
     def release(self) -> None:
         """Drop the caches (the next `setup` allocates again)."""
         self.cache.release()

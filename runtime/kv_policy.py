@@ -69,6 +69,22 @@ class KVCache:
                 else:
                     vl[rows] = 0
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Row dst's slots [0, n) become row src's, which a prefill wrote (every head), and hold all dst holds."""
+        k, v, x, _, _, _ = self._all_rows
+        for t in (*k, *v):
+            t[dst, :, :n] = t[src, :, :n]
+        for t in x:
+            if t is not None:
+                t[dst, :n] = t[src, :n]
+        self.keep_prefix(dst, n)
+
+    def keep_prefix(self, row: int, n: int) -> None:
+        """Row `row` holds every head's K/V of slots [0, n) (a prefill wrote them) and none after."""
+        for vl in self._all_rows[3]:
+            if vl is not None:
+                vl[row] = n
+
     def use_rows(self, n: int) -> None:
         """The caches become views of rows 0..n-1 of those `setup` allocated (no copy)."""
         k, v, x, vl, rows, full = self._all_rows

@@ -345,6 +345,16 @@ class LlamaDecoder:
         """Start the next sequence at slot 0: nothing to reset (a step reads slots <= pos only,
         each written before it is read)."""
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """A server's prefix cache: row dst holds row src's first n slots (a prefill's)."""
+        k, v, _, _ = self._all
+        for t in (*k, *v):
+            t[dst, :, :n] = t[src, :, :n]
+
+    def keep_prefix(self, row: int, n: int) -> None:
+        """A server's prefix cache: row `row` keeps its first n slots; nothing to mark (a step reads slots <= pos
+        only, each written before it is read)."""
+
     def use_rows(self, n: int) -> None:
         """Decode steps run on the first n rows of the cache `setup` allocated (views, no copy)."""
         k, v, rows, full = self._all

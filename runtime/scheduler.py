@@ -2,10 +2,17 @@
 the running decode batch between steps.
 
 Slots: the decoder's static cache is allocated once, for `max_batch` rows of the model's whole
-context (`SparseDecoder.setup`); a request holds one row from its prefill to its last token,
-the lowest row free when it is admitted. Nothing is cleared when a row is freed: the next
-prefill overwrites the row's K/V, attention inputs and valid lengths (`prefill(rows=)`), and
-a decode step reads a row's slots only up to its own position.
+context (`SparseDecoder.setup`); a request holds one row from its prefill to its last token, the
+lowest row free when it is admitted.
+Prefix caching (`_admit`, on unless `prefix_caching=False`): a row keeps the K/V of the prompt
+tokens it prefilled after its request ends. A newcomer takes the lowest free row, and the first
+whole prefill chunks of its prompt that some row holds (its own, or another's, free or running,
+copied: `copy_prefix`, a device copy far cheaper than the prefill) are not prefilled again; whole chunks
+only, and never the prompt's last token, so what is left is cut where a prefill from slot 0 cuts
+it and computed the same way (a test: the same first logits, bit for bit). A prompt whose
+logprobs are asked for (echo) is prefilled whole. Nothing else is cleared when a row is freed:
+the next prefill overwrites the row's K/V after the prefix it keeps (`keep_prefix`), and a
+decode step reads a row's slots only up to its own position.
 
 One loop iteration (`Scheduler._iteration`):
 1. rows of finished or cancelled requests are freed;
@@ -21,7 +28,7 @@ One loop iteration (`Scheduler._iteration`):
 3. one decode step over rows 0..n-1, n the smallest bucket (powers of two, and max_batch)
    holding the highest decoding row (`SparseDecoder.use_rows`): decoding rows feed their last
    token at their position; a row being prefilled feeds a pad token at the slot its next chunk
-   overwrites; a free row a pad token at position 0 (emptied when freed: `empty_cache(rows=)`).
+   overwrites; a free row a pad token at the slot after the prefix it keeps.
    Every row's cache is its own, so none of this reaches another row's K/V.
    On CUDA each bucket's step is one CUDA-graph replay, every bucket's graph
    captured at start, before any request holds a row.
@@ -82,6 +89,7 @@ class Request:
     logit_bias: tuple = ()  # (token id, bias) pairs added to the logits, after the penalties
     # the prompt's tokens' logprobs under the prefill's logits with this many alternatives (OpenAI's echo)
     prompt_logprobs: int | None = None
+    cached_tokens: int = 0  # set at admission: the prompt's tokens a row held already (not prefilled again)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
 
@@ -152,6 +160,11 @@ class _Seq:
         self.last_t = 0.0
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def buckets(max_batch: int) -> list[int]:
     """Decode batch sizes: powers of two below max_batch, and max_batch."""
     out, n = [], 1
@@ -165,9 +178,10 @@ class Scheduler:
     """Owns `engine` on its own thread; `submit` requests from any thread."""
 
     def __init__(self, engine, max_batch: int, max_queue: int, context: int | None = None, metrics=None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, prefix_caching: bool = True):
         """context: cache slots per row (prompt + completion), at most the model's positions
-        (None: all of them); prefill_chunk: prompt tokens per prefill pass (None: whole prompts)."""
+        (None: all of them); prefill_chunk: prompt tokens per prefill pass (None: whole prompts);
+        prefix_caching: a prompt's first whole chunks that a row already holds are not prefilled again."""
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         self.engine, self.spec, self.dec = engine, engine.spec, engine.decoder
@@ -181,6 +195,9 @@ class Scheduler:
         self.context = min(context or self.spec.max_positions, self.spec.max_positions)
         self.buckets = buckets(max_batch)
         self.rows: list[_Seq | None] = [None] * max_batch
+        # the prompt tokens whose K/V each row holds from its prefills (kept after the request ends)
+        self.cached: list[list[int]] = [[] for _ in range(max_batch)]
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.cv = threading.Condition()
         self._stop = False
@@ -274,14 +291,34 @@ class Scheduler:
                     while self.waiting and self._prefilling is None:
                         req = self.waiting.popleft()
                         if not req.cancelled:
-                            row = self.rows.index(None)
-                            self._prefilling = self.rows[row] = _Seq(req, row, self.tokenizer, self.engine.device)
+                            self._prefilling = self._admit(req)
             if self._prefilling is None:
                 break
             spent += self._prefill(self._prefilling)
         live = [s for s in self.rows if s is not None and s.tokens]
         if live:
             self._step(live)
+
+    def _admit(self, req: Request) -> _Seq:
+        """req's row: the lowest free one (decode steps run on rows 0..n-1), the first whole chunks of its prompt
+        that a row holds copied there where another holds more, and not prefilled again (prefix caching)."""
+        row = self.rows.index(None)
+        common = [_common_prefix(c, req.prompt) for c in self.cached]
+        seq = self.rows[row] = _Seq(req, row, self.tokenizer, self.engine.device)
+        # whole chunks only, so the rest is cut where a prefill from slot 0 cuts it (the same computation); at
+        # least one token prefilled (its logits give the first new token); prompt logprobs need every position
+        src = max(range(self.max_batch), key=lambda r: (common[r], r == row))
+        n = min(common[src], len(req.prompt) - 1) // self.chunk * self.chunk
+        if not self.prefix_caching or req.prompt_logprobs is not None:
+            n = 0
+        if n and src != row:
+            self.dec.copy_prefix(src, row, n)
+        self.dec.keep_prefix(row, n)
+        self.cached[row] = req.prompt[:n]
+        seq.prefilled = req.cached_tokens = n
+        if self.metrics is not None and n:
+            self.metrics.cached_tokens(n)
+        return seq
 
     def _prefill(self, seq: _Seq) -> int:
         """The next chunk of seq's prompt into its row (after the last, its first token); its tokens."""
@@ -297,6 +334,7 @@ class Scheduler:
             self._prompt_logprobs(seq, logits[0], a)
             logits = logits[:, -1]
         seq.prefilled = b
+        self.cached[seq.row] = prompt[:b]
         if self.metrics is not None:
             self.metrics.prompt_tokens(b - a)
         if b == len(prompt):
@@ -315,7 +353,7 @@ class Scheduler:
             seq.prompt_logprobs.append((prompt[0], None, [], 0))
             self._count_text(seq, prompt[0])
         lp = torch.log_softmax(logits.float(), -1)
-        nxt = torch.tensor(prompt[a + 1:a + 1 + lp.shape[0]], device=lp.device)
+        nxt = torch.tensor(prompt[a + 1:a + 1 + lp.shape[0]], dtype=torch.long, device=lp.device)
         own = lp[torch.arange(nxt.numel(), device=lp.device), nxt].tolist()
         top = lp[:nxt.numel()].topk(n) if n else None
         for i, (t, v) in enumerate(zip(nxt.tolist(), own)):
@@ -335,6 +373,9 @@ class Scheduler:
         pos = [0] * n
         for s in live:
             tokens[s.row], pos[s.row] = s.tokens[-1], s.pos
+        for r in range(n):  # a free row: the slot after the prefix it holds (left as it is for the next prompt)
+            if self.rows[r] is None:
+                pos[r] = len(self.cached[r])
         pre = self._prefilling
         if pre is not None and pre.row < n:  # the slot its next chunk overwrites
             pos[pre.row] = pre.prefilled
@@ -405,9 +446,9 @@ class Scheduler:
         seq, self.rows[row] = self.rows[row], None
         if seq is self._prefilling:
             self._prefilling = None
-        # an idle row decodes a pad token at position 0 until the next prefill: from an empty row
-        self.dec.use_rows(self.max_batch)
-        self.dec.empty_cache(torch.tensor([row], device=self.engine.device))
+        # an idle row keeps its prompt's K/V (prefix caching) and decodes a pad token after them until the next
+        # prefill: nothing after them counts as held
+        self.dec.keep_prefix(row, len(self.cached[row]))
         if event is not None:
             seq.req.sink(event)
         if self.metrics is not None:

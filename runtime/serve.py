@@ -19,6 +19,7 @@ No torch at module level: the parser and the settings checks answer before torch
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -66,6 +67,9 @@ class ServeSettings:
     # tool_choice "auto": the format tool calls are read in (runtime/tool_calls.PARSERS), as vLLM's
     # --enable-auto-tool-choice --tool-call-parser NAME; None: "auto" is a 400
     tool_call_parser: str | None = None
+    # a prompt's first whole prefill chunks that a cache row holds already are copied, not prefilled again
+    # (runtime/scheduler.Scheduler._admit); vLLM's --enable-prefix-caching, on by default as there
+    prefix_caching: bool = True
 
 
 def _error(e: ApiError):
@@ -130,7 +134,7 @@ class Server:
         self.engine, self.settings, self.name, self.defaults = engine, settings, model_name, defaults
         self.metrics = ServeMetrics(settings.max_batch)
         self.scheduler = Scheduler(engine, settings.max_batch, settings.max_queue, settings.max_context, self.metrics,
-                                   settings.prefill_chunk)
+                                   settings.prefill_chunk, settings.prefix_caching)
         self.metrics.queue_depth = lambda: self.scheduler.queue_depth
         self.metrics.running = lambda: self.scheduler.running
         self.context = self.scheduler.context
@@ -298,7 +302,7 @@ class Server:
             content, calls = tool_calls.parse(p.tool_parser, texts[i]) if p.tool_parser else (texts[i], [])
             choices.append(choice(i, content, "tool_calls" if calls else reasons[i], p.chat, False,
                                   logprobs=self._logprobs(p, lps[i]), tool_calls=[c.as_dict() for c in calls]))
-        return JSONResponse(completion_object(rid, self.name, created, choices, usage(prompt_tokens, sum(ntok)),
+        return JSONResponse(completion_object(rid, self.name, created, choices, usage(prompt_tokens, sum(ntok), _cached(reqs, p.n)),
                                               p.chat, False))
 
     def _echo(self, p, r) -> tuple[str, list] | None:
@@ -356,15 +360,20 @@ class Server:
                         reason = "tool_calls" if calls else reason
                     last = left == 0 and not p.include_usage
                     out.append(chunk([choice(i, None if p.chat else "", reason, p.chat, True)],
-                                     usage(prompt_tokens, total) if last else None))
+                                     usage(prompt_tokens, total, _cached(reqs, p.n)) if last else None))
                 if left == 0:
                     if p.include_usage:
-                        out.append(chunk([], usage(prompt_tokens, total)))
+                        out.append(chunk([], usage(prompt_tokens, total, _cached(reqs, p.n))))
                     out.append("data: [DONE]\n\n")
                 yield "".join(out)
         finally:  # also when the client disconnects (the task is cancelled): free the rows
             for r in reqs:
                 r.cancel()
+
+
+def _cached(reqs, n: int) -> int:
+    """The prompt tokens a cache row held already, a prompt counted once (as its usage counts it)."""
+    return sum(r.cached_tokens for r in reqs[::n])
 
 
 def _shifted(entries: list, by: int) -> list:
@@ -403,6 +412,9 @@ def build_parser() -> Parser:
     p.add_argument("--sampling-defaults", default=d.sampling_defaults, choices=["model", "openai"],
                    help="a request's temperature / top_p / top_k where it leaves them out: the model's (its "
                         "generation_config.json, kept in the engine; OpenAI's where it names none) or OpenAI's")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+                   help="a prompt's first whole --prefill-chunk chunks that a cache row holds already (an earlier "
+                        "prompt's) are copied, not prefilled again")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="answer tool_choice \"auto\" (the default where a chat request has tools): the model's "
                         "tool calls read back by --tool-call-parser, as vLLM's flag")
@@ -420,7 +432,8 @@ def _settings(args) -> ServeSettings:
                       device=args.device, dtype=args.dtype, batch_policy=args.batch_policy,
                       shutdown_grace_s=args.shutdown_grace, log_level=args.log_level, quiet=args.quiet,
                       sampling_defaults=args.sampling_defaults,
-                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                      prefix_caching=args.enable_prefix_caching)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     if not 0 <= s.port <= 65535:

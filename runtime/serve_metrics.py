@@ -37,7 +37,7 @@ class ServeMetrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (endpoint, HTTP status) -> count
         self.finish: dict[str, int] = defaultdict(int)  # finish reason -> sequences
-        self.prompt_total = self.generation_total = self.steps = 0
+        self.prompt_total = self.cached_total = self.generation_total = self.steps = 0
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.itl = Histogram(LATENCY_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS + (60.0, 120.0))
@@ -49,6 +49,10 @@ class ServeMetrics:
     def prompt_tokens(self, n: int) -> None:
         with self.lock:
             self.prompt_total += n
+
+    def cached_tokens(self, n: int) -> None:
+        with self.lock:
+            self.cached_total += n
 
     def token(self, ttft: float | None, itl: float | None) -> None:
         with self.lock:
@@ -87,6 +91,8 @@ class ServeMetrics:
             out += [f'dejavu_sequences_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.finish.items())]
             for name, help_, v in (
                     ("dejavu_prompt_tokens_total", "Prompt tokens prefilled.", self.prompt_total),
+                    ("dejavu_prefix_cache_hit_tokens_total", "Prompt tokens a row held already (not prefilled).",
+                     self.cached_total),
                     ("dejavu_generation_tokens_total", "Tokens generated.", self.generation_total),
                     ("dejavu_decode_steps_total", "Batched decode steps run.", self.steps)):
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {v}"]

@@ -911,3 +911,22 @@ def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
     if want:
         assert "<tool" not in sent and "{" not in sent
+
+
+def test_prefix_cache_reaches_usage_and_metrics(live, ref):
+    """A prompt sent again is served from the row that holds it: usage's prompt_tokens_details.cached_tokens counts
+    its whole prefill chunks (4 tokens each here) but the last token, /metrics counts them, the text is the same."""
+    c = live.client()
+    prompt = list(range(40, 53))  # 13 tokens: three whole chunks before the last token
+    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    again = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens in (0, 12)  # another test's prompt may share its start
+    assert again.usage.prompt_tokens_details.cached_tokens == 12
+    assert again.choices[0].text == first.choices[0].text == ref.tokenizer.decode(solo(ref, prompt, 5))
+    text = httpx.get(live.url + "/metrics").text
+    hits = [line for line in text.splitlines() if line.startswith("dejavu_prefix_cache_hit_tokens_total ")]
+    assert hits and int(hits[0].split()[1]) >= 12
+    from dejavu.runtime.serve import _settings, build_parser
+
+    assert _settings(build_parser().parse_args(["x.engine"])).prefix_caching
+    assert not _settings(build_parser().parse_args(["x.engine", "--no-enable-prefix-caching"])).prefix_caching
