@@ -92,7 +92,7 @@ def serve_main(args) -> int:
     eng = build_engine(args, args._serve == "dense")
     direct = direct_ms_per_token(eng, args)
     settings = ServeSettings(max_batch=args.max_batch, max_queue=4096, max_context=args.max_context, port=0,
-                             shutdown_grace_s=5)
+                             shutdown_grace_s=5, prefix_caching=not args.no_prefix_caching)
     server = Server(eng, settings, "bench")
     sock = bind("127.0.0.1", 0)
     print(json.dumps({"port": sock.getsockname()[1], "direct_ms_per_token": direct, "vocab": eng.spec.vocab_size,
@@ -103,6 +103,17 @@ def serve_main(args) -> int:
 
 
 # ---------------------------------------------------------------------- clients
+def make_prompts(n_clients: int, args, vocab: int) -> list[list[int]]:
+    """Each client's requests' prompts: --shared-prefix random ids common to every prompt of the run (a system
+    prompt), then --prompt-len of its own."""
+    import random
+
+    rng = random.Random(n_clients)
+    shared = [random.Random(-1).randrange(4, vocab) for _ in range(args.shared_prefix)]
+    return [shared + [rng.randrange(4, vocab) for _ in range(args.prompt_len)]
+            for _ in range(n_clients * args.requests)]
+
+
 async def one_request(client, url, prompt, args):
     body = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -124,12 +135,9 @@ async def one_request(client, url, prompt, args):
 
 
 async def level(url, n_clients, args, vocab):
-    import random
-
     import httpx
 
-    rng = random.Random(n_clients)
-    prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(n_clients * args.requests)]
+    prompts = make_prompts(n_clients, args, vocab)
     limits = httpx.Limits(max_connections=n_clients + 4, max_keepalive_connections=n_clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await one_request(client, url, prompts[0], args)  # warm-up
@@ -225,13 +233,11 @@ def bench_engine(kind: str, clients: list[int], args, run: Run) -> None:
 def level_scheduler(sched, n_clients, args, vocab):
     """The same load straight into the scheduler (no HTTP, no child process): n client threads,
     each submitting its requests one after another; token times taken in the sink."""
-    import random
     import threading
 
     from dejavu.runtime.scheduler import Request
 
-    rng = random.Random(n_clients)
-    prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(n_clients * args.requests)]
+    prompts = make_prompts(n_clients, args, vocab)
     res = []
 
     def one(prompt):
@@ -283,7 +289,7 @@ def bench_engine_scheduler(kind: str, clients: list[int], args, run: Run) -> Non
     t_start = time.time()
     eng = build_engine(args, kind == "dense")
     direct = direct_ms_per_token(eng, args)
-    sched = Scheduler(eng, args.max_batch, 4096, args.max_context)
+    sched = Scheduler(eng, args.max_batch, 4096, args.max_context, prefix_caching=not args.no_prefix_caching)
     sched.start()
     e = run.res["engines"].setdefault(kind, {"direct_ms_per_token": round(direct, 3), "describe": eng.describe(),
                                               "startup_s": [], "levels": []})
@@ -388,6 +394,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="N random ids before every prompt, the same for all (a system prompt: prefix caching)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="the server prefills every prompt whole")
     p.add_argument("--engines", nargs="*", default=["dense", "sparse"], choices=["dense", "sparse"],
                    help="which engines to load-test (one child server each)")
     p.add_argument("--agreement", type=int, default=0, help="prompts for the solo-vs-batch comparison (0: skip)")
