@@ -420,7 +420,7 @@ def build_parser() -> Parser:
                         "tool calls read back by --tool-call-parser, as vLLM's flag")
     p.add_argument("--tool-call-parser", choices=tool_calls.PARSERS, default=None,
                    help="the checkpoint's tool-call format: hermes (Qwen2.5 / Qwen3, Hermes, SmolLM3), "
-                        "llama3_json (Llama 3.1-3.3)")
+                        "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 / 4 pythonic templates)")
     add_quiet(p, "no start line on stderr (warnings and errors still show)")
     return p
 
@@ -435,7 +435,7 @@ def _settings(args) -> ServeSettings:
                       tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                       prefix_caching=args.enable_prefix_caching)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic)")
     if not 0 <= s.port <= 65535:
         raise DejavuError(f"--port must be in [0, 65535], got {s.port}")
     if s.max_batch < 1:

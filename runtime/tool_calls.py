@@ -8,19 +8,22 @@ earlier calls with their arguments as objects (OpenAI sends them as JSON text; t
 - `hermes` (Hermes 2 Pro, Qwen2.5 / Qwen3, SmolLM3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   one block per call, after any text (the reply's content);
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the reply is `{"name": ..., "parameters": {...}}` (or "arguments"),
-  calls separated by "; ", after Llama's `<|python_tag|>` where the model writes it.
+  calls separated by "; ", after Llama's `<|python_tag|>` where the model writes it;
+- `pythonic` (Llama 3.2's and Llama 4's pythonic templates): the reply is a Python list of calls with keyword
+  arguments, `[get_weather(city="Paris"), get_time()]`, read with `ast` (literals only, nothing evaluated).
 
 A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
 may have begun (`StreamGate`); the calls follow whole, one delta each, when the reply ends.
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "pythonic")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
@@ -65,7 +68,19 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
                 calls.append(_call(d["name"], d["arguments"] if "arguments" in d else d.get("parameters", {})))
                 at += end + len("; ")
             return None, calls
-    except (ValueError, KeyError, TypeError, AttributeError):
+        if parser == "pythonic":
+            if not (text.startswith("[") and text.rstrip().endswith("]")):
+                return text, []
+            tree = ast.parse(text.strip(), mode="eval").body
+            if not (isinstance(tree, ast.List) and tree.elts):
+                return text, []
+            calls = []
+            for c in tree.elts:
+                if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args):
+                    return text, []
+                calls.append(_call(c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords}))
+            return None, calls
+    except (ValueError, KeyError, TypeError, AttributeError, SyntaxError, RecursionError):
         return text, []
     raise ValueError(f"unknown tool-call parser {parser!r}")
 
@@ -85,7 +100,9 @@ class StreamGate:
                 return at
             hold = max((k for k in range(1, len(_HERMES_START)) if self.text.endswith(_HERMES_START[:k])), default=0)
             return len(self.text) - hold
-        # llama3_json: the reply is calls or content as a whole, decided by its start
+        # llama3_json, pythonic: the reply is calls or content as a whole, decided by its start
+        if self.parser == "pythonic":
+            return 0 if self.text[:1] in ("", "[") else len(self.text)
         head = self.text[:len(_PYTHON_TAG)]
         undecided = _PYTHON_TAG.startswith(head) or head.startswith("{")
         return 0 if undecided else len(self.text)

@@ -830,7 +830,7 @@ def test_tool_calls_as_vllms_hermes_parser_returns_them(tool_engine):
 
 def test_a_reply_without_calls_is_content_and_llama3_json_calls(tool_engine):
     """With tools the reply stays content where it holds no call (finish "stop"), streamed alike; Llama 3.1's form
-    ("parameters", calls separated by "; ") under llama3_json."""
+    ("parameters", calls separated by "; ") under llama3_json; Llama 3.2's pythonic list under pythonic."""
     srv = Scripted(Engine.from_tensors(*tool_engine), "It is <b>sunny</b> {maybe}.", tool_call_parser="hermes")
     try:
         c = srv.client()
@@ -858,6 +858,15 @@ def test_a_reply_without_calls_is_content_and_llama3_json_calls(tool_engine):
                 assert out.choices[0].message.content is None
             assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
                 ("get_weather", {"city": "Lyon"}), ("get_time", {})] and finish == "tool_calls"
+    finally:
+        srv.close()
+    srv = Scripted(Engine.from_tensors(*tool_engine), '[get_weather(city="Lyon", days=[1, 2]), get_time()]',
+                   tool_call_parser="pythonic")
+    try:
+        m = srv.client().chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER,
+                                                 max_tokens=100).choices[0].message
+        assert m.content is None and [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
+            ("get_weather", {"city": "Lyon", "days": [1, 2]}), ("get_time", {})]
     finally:
         srv.close()
 
@@ -898,6 +907,9 @@ def test_tool_requests_the_server_cannot_answer_are_400(tiny, tool_engine):
     ("llama3_json", '<|python_tag|>{"name": "f", "arguments": {"a": 1}}'),
     ("llama3_json", ' {"name": "f"} starts with a space: content'),
     ("llama3_json", '{"name": "f", "parameters": {"a": 1}} trailing'),
+    ("pythonic", '[get_weather(city="Lyon", days=[1, 2]), get_time()]'),
+    ("pythonic", '[__import__("os").system("ls")]'),  # not a call of a name with literals: content, never run
+    ("pythonic", "Sure: [a list] of things"),
 ])
 def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
     """Fed a character at a time, the streamed content and the calls at the end equal parsing the whole reply."""
