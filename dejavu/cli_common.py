@@ -94,6 +94,8 @@ def add_sampling(p: argparse.ArgumentParser, g, per: str = "") -> None:
                    help="0 = greedy; unset: greedy, or 1.0 when --top-k / --top-p ask for sampling")
     p.add_argument("--top-k", type=int, default=g.top_k, help="sample from the K most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=g.top_p, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--min-p", type=float, default=g.min_p,
+                   help="drop tokens less likely than this times the most likely one (0 = off)")
     p.add_argument("--seed", type=int, default=g.seed, help="sampling seed (unset: not reproducible)")
     p.add_argument("--repetition-penalty", type=float, default=g.repetition_penalty, metavar="P",
                    help="a seen token's logit divided by P where positive, multiplied where negative (1.0 = off; "

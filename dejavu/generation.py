@@ -18,6 +18,7 @@ class GenerationSettings:
     temperature: float | None = None
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0 = off: tokens less likely than min_p times the most likely one are not drawn
     seed: int | None = None
     # None: the checkpoint's (generation_config.json, a GGUF file's general.sampling.penalty_repeat), as
     # transformers' generate applies it; 1.0 where it names none (off)
@@ -27,8 +28,10 @@ class GenerationSettings:
 GENERATION = GenerationSettings()
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> None:
     """Reject settings that have no meaning (one-line DejavuError)."""
+    if not 0.0 <= min_p <= 1.0:
+        raise DejavuError(f"min_p must be in [0, 1], got {min_p}")
     if not temperature >= 0.0:
         raise DejavuError(f"temperature must be >= 0, got {temperature}")
     if top_k < 0:
@@ -43,7 +46,7 @@ def check_repetition_penalty(p: float) -> None:
 
 
 def model_sampling(d, where) -> dict:
-    """The temperature / top_p / top_k / repetition_penalty a checkpoint's authors ship (generation_config.json, a
+    """The temperature / top_p / top_k / min_p / repetition_penalty a checkpoint's authors ship (generation_config.json, a
     GGUF file's general.sampling.*, an engine header's sampling_defaults): the ones present in d, checked
     (temperature in [0, 2], the OpenAI API's range; top_p in (0, 1]; top_k >= 0; repetition_penalty > 0).
     DejavuError naming `where`."""
@@ -51,6 +54,7 @@ def model_sampling(d, where) -> dict:
     for key, ok, want in (("temperature", lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),
                           ("top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
                           ("top_k", lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+                          ("min_p", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
                           ("repetition_penalty", lambda v: v > 0.0, "a number > 0")):
         v = d.get(key) if isinstance(d, dict) else None
         if v is None:
@@ -61,17 +65,17 @@ def model_sampling(d, where) -> dict:
     return out
 
 
-def resolve_temperature(temperature: float | None, top_k: int = 0, top_p: float = 1.0) -> float:
-    """The temperature to sample with: None -> 0 (greedy), or 1.0 when top_k / top_p are set.
+def resolve_temperature(temperature: float | None, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> float:
+    """The temperature to sample with: None -> 0 (greedy), or 1.0 when top_k / top_p / min_p are set.
 
-    temperature 0 with top_k > 0 or top_p < 1 is a DejavuError: greedy decoding ignores both,
-    and a user who asked for them wants sampling."""
-    sampling = top_k > 0 or top_p < 1.0
+    temperature 0 with top_k > 0, top_p < 1 or min_p > 0 is a DejavuError: greedy decoding ignores
+    them, and a user who asked for them wants sampling."""
+    sampling = top_k > 0 or top_p < 1.0 or min_p > 0.0
     t = (1.0 if sampling else 0.0) if temperature is None else float(temperature)
-    check_sampling(t, top_k, top_p)
+    check_sampling(t, top_k, top_p, min_p)
     if t == 0.0 and sampling:
-        raise DejavuError(f"top_k={top_k} / top_p={top_p} need sampling, but temperature is 0 (greedy); "
-                          "give a temperature > 0, or leave it unset for 1.0")
+        raise DejavuError(f"top_k={top_k} / top_p={top_p} / min_p={min_p} need sampling, but temperature is 0 "
+                          "(greedy); give a temperature > 0, or leave it unset for 1.0")
     return t
 
 

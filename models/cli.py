@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_chat_args(args)
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
-    temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
+    temperature = resolve_temperature(args.temperature, args.top_k, args.top_p, args.min_p)
     penalty = args.repetition_penalty
     if penalty is not None:
         check_repetition_penalty(penalty)
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         sys.stdout.write(args.prompt)
     t0 = time.perf_counter()
     new = generate(model, [ids], n, temperature=temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, eos_id=tok.stop_ids, stream=streamer,
+                   top_p=args.top_p, seed=args.seed, eos_id=tok.stop_ids, stream=streamer, min_p=args.min_p,
                    repetition_penalty=penalty)[0]
     dt = time.perf_counter() - t0
     streamer.finish()

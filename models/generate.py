@@ -30,7 +30,7 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
              max_new_tokens: int, temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
              top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed, eos_id=None,
              stream: Callable[[list[int | None]], None] | None = None,
-             repetition_penalty: float = 1.0) -> list[list[int]]:
+             repetition_penalty: float = 1.0, min_p: float = GENERATION.min_p) -> list[list[int]]:
     """New tokens for each prompt (prompt not included; ends with eos_id when it was produced: one id, or several
     of which any ends a sequence).
 
@@ -42,7 +42,7 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     or generated token's logit divided by it where positive, multiplied where negative, before sampling
     (transformers' RepetitionPenaltyLogitsProcessor over the real tokens; 1.0: off).
     """
-    temperature = resolve_temperature(temperature, top_k, top_p)
+    temperature = resolve_temperature(temperature, top_k, top_p, min_p)
     check_repetition_penalty(repetition_penalty)
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -84,7 +84,8 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     try:
         logits = model(ids, 0, full_mask[:, :S] if full_mask is not None else None)[:, -1]  # [B, V]
         for step in range(max_new_tokens):
-            nxt = sample_next(logits if penalties is None else penalties(logits), temperature, top_k, top_p, gen)
+            nxt = sample_next(logits if penalties is None else penalties(logits), temperature, top_k, top_p, gen,
+                              min_p)
             if penalties is not None:
                 penalties.add(nxt)
             toks = nxt.tolist()

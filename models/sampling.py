@@ -9,14 +9,15 @@ from dejavu.generation import check_sampling  # noqa: F401 - re-exported (torch-
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, min_p: float = 0.0) -> torch.Tensor:
     """Next token ids [B] (int64) from logits [B, V].
 
     temperature == 0 is greedy (argmax; top_k / top_p ignored). Otherwise logits / temperature,
     keep the top_k largest (0 = all), then the smallest set whose probability reaches top_p
-    (always at least one token), and draw with `generator` (seeded => reproducible).
+    (always at least one token), then drop the tokens less likely than min_p times the most likely one
+    (transformers' MinPLogitsWarper, vLLM's min_p; 0 = off), and draw with `generator` (seeded => reproducible).
     """
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, min_p)
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     x = logits.float() / temperature  # [B, V]
@@ -31,6 +32,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    if min_p > 0.0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     prompts = read_prompts(args)
     check_chat_args(args)
     n = check_max_new_tokens(args.max_new_tokens, 1, "--max-new-tokens")
-    temperature = resolve_temperature(args.temperature, args.top_k, args.top_p)
+    temperature = resolve_temperature(args.temperature, args.top_k, args.top_p, args.min_p)
     if args.repetition_penalty is not None:
         check_repetition_penalty(args.repetition_penalty)
     if not Path(args.engine).is_file():
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     eng = Engine.load(args.engine, device=args.device, overlap=not args.no_overlap,
                       batch_policy=args.batch_policy, dtype=args.dtype)
     tok = eng.tokenizer
-    kw = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    kw = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, min_p=args.min_p,
               repetition_penalty=args.repetition_penalty)  # None: the checkpoint's
     out, fmt = sys.stdout, args.output_format
     if fmt == "text" and args.prompt is not None:

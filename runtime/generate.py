@@ -61,7 +61,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
              top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed,
              stream: Callable[[list[int | None]], None] | None = None,
-             stop_at_eos: bool = True, repetition_penalty: float = 1.0) -> list[list[int]]:
+             stop_at_eos: bool = True, repetition_penalty: float = 1.0, min_p: float = GENERATION.min_p
+             ) -> list[list[int]]:
     """New tokens per prompt (the prompt excluded; ends with EOS when one was produced).
 
     The first new token comes from the dense prefill (a Llama engine thresholds each sequence's first
@@ -72,7 +73,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     None: greedy, or 1.0 when top_k / top_p ask for sampling (`dejavu.generation`). repetition_penalty: a
     prompt's or generated token's logit divided by it where positive, multiplied where negative, before sampling
     (transformers' RepetitionPenaltyLogitsProcessor; 1.0: off)."""
-    temperature = resolve_temperature(temperature, top_k, top_p)
+    temperature = resolve_temperature(temperature, top_k, top_p, min_p)
     check_repetition_penalty(repetition_penalty)
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -102,7 +103,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     agree = getattr(engine, "agree_tokens", None)  # tensor parallel: rank 0's tokens on every rank
     steps = made = 0
     for step in range(max_new_tokens):
-        nxt = sample_next(logits if penalties is None else penalties(logits), temperature, top_k, top_p, gen)  # [B]
+        nxt = sample_next(logits if penalties is None else penalties(logits), temperature, top_k, top_p, gen,
+                          min_p)  # [B]
         if agree is not None:
             nxt = agree(nxt)
         if penalties is not None:

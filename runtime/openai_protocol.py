@@ -45,6 +45,7 @@ class SamplingDefaults:
     temperature: float = 1.0  # OpenAI's
     top_p: float = GENERATION.top_p  # 1.0 = off (OpenAI's default too)
     top_k: int = GENERATION.top_k  # an extension (vLLM's): 0 or -1 = off
+    min_p: float = 0.0  # vLLM's extension: 0 = off
     completion_max_tokens: int = 16
     max_stop: int = 4  # stop strings per request (OpenAI's limit)
     max_logprobs: int = 20  # alternatives per token a request may ask for (vLLM's default max_logprobs)
@@ -77,6 +78,8 @@ class Params:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the most likely one are not drawn
+    min_tokens: int = 0  # vLLM's: the end-of-generation and stop_token_ids ids are not chosen before this many
     stop_token_ids: tuple[int, ...] = ()
     chat: bool = False
     logprobs: int | None = None  # the most likely alternatives to list with each token's logprob; None: no logprobs
@@ -99,7 +102,8 @@ NEUTRAL = {"best_of": 1, "suffix": None, "user": None, "response_format": None,
            "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
            "service_tier": None}
 # top_k, ignore_eos, stop_token_ids, repetition_penalty: vLLM's extensions
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens", "stop", "seed", "stream",
+          "stream_options",
           "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"} | (NEUTRAL.keys() - {"tools", "tool_choice",
@@ -192,11 +196,15 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
         pairs = None
     if pairs is None or len(pairs) != len(bias) or not all(t >= 0 and -100 <= v <= 100 for t, v in pairs):
         raise _bad("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+    min_tokens = _int(body, "min_tokens", 0)
+    if min_tokens < 0:
+        raise _bad(f"'min_tokens' must be >= 0, got {min_tokens}", "min_tokens")
     n = _int(body, "n", 1)
     if not 1 <= n <= defaults.max_n:
         raise _bad(f"'n' must be in [1, {defaults.max_n}], got {n}", "n")
     return dict(model=model, temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
                 top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
+                min_p=_number(body, "min_p", defaults.min_p, 0.0, 1.0), min_tokens=min_tokens,
                 stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
                 include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos,
                 stop_token_ids=tuple(stop_ids), n=n, logit_bias=pairs, **penalties)

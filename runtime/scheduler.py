@@ -76,6 +76,8 @@ class Request:
     temperature: float = 0.0  # already resolved (0 = greedy); the server passes the request's
     top_p: float = GENERATION.top_p
     top_k: int = GENERATION.top_k
+    min_p: float = 0.0  # vLLM's; models/sampling.sample_next
+    min_tokens: int = 0  # vLLM's: no end-of-generation or stop_ids token before this many tokens
     stop: tuple[str, ...] = ()
     seed: int | None = GENERATION.seed
     stop_at_eos: bool = True
@@ -399,9 +401,13 @@ class Scheduler:
                 seq.penalties = Penalties([r.prompt], logits.numel(), logits.device, r.repetition_penalty,
                                           r.presence_penalty, r.frequency_penalty, r.logit_bias)
             logits, greedy = seq.penalties(logits[None])[0], None
+        if r.min_tokens > len(seq.tokens):  # the ends held back, as vLLM holds them
+            ends = (*(self.spec.stop_ids if r.stop_at_eos else ()), *r.stop_ids)
+            ends = torch.tensor(ends, dtype=torch.long, device=logits.device)
+            logits, greedy = logits.index_fill(0, ends, float("-inf")), None
         if r.temperature == 0.0:
             return int(logits.argmax()) if greedy is None else greedy
-        return int(sample_next(logits[None], r.temperature, r.top_k, r.top_p, seq.gen)[0])
+        return int(sample_next(logits[None], r.temperature, r.top_k, r.top_p, seq.gen, r.min_p)[0])
 
     def _emit(self, seq: _Seq, token: int, logits: torch.Tensor) -> None:
         """Hand token to the request; free its row when it is done."""

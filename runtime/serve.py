@@ -235,7 +235,8 @@ class Server:
             # samples with seed + j (each as a request with that seed would)
             reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids),
                             sink=self._relay.sink(events, i * p.n + j),
-                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=p.stop,
+                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                            min_tokens=p.min_tokens, stop=p.stop,
                             seed=None if p.seed is None else p.seed + j, stop_at_eos=not p.ignore_eos,
                             stop_ids=p.stop_token_ids, logprobs=p.logprobs, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
@@ -502,7 +503,7 @@ def main(argv=None) -> int:
         if settings.sampling_defaults == "model" and engine.header.get("sampling_defaults"):
             d = server.defaults
             print(f"dejavu-serve: sampling defaults from the model: temperature {d.temperature:g}, top_p "
-                  f"{d.top_p:g}, top_k {d.top_k}, repetition_penalty {d.repetition_penalty:g} (--sampling-defaults "
+                  f"{d.top_p:g}, top_k {d.top_k}, min_p {d.min_p:g}, repetition_penalty {d.repetition_penalty:g} (--sampling-defaults "
                   "openai for OpenAI's)", file=sys.stderr, flush=True)
     if host not in ("127.0.0.1", "::1", "localhost") and settings.api_key is None:
         print("dejavu-serve: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ def test_model_sampling_keeps_the_fields_present_and_checks_them():
     assert model_sampling(None, "f") == {} and model_sampling({"temperature": None}, "f") == {}
     for bad, why in (({"temperature": 2.5}, "temperature 2.5 is not a number in"), ({"top_p": 0}, "top_p 0 is not"),
                      ({"top_k": 2.0}, "top_k 2.0 is not an integer"), ({"temperature": "0.7"}, "temperature '0.7'"),
-                     ({"top_k": True}, "top_k True")):
+                     ({"top_k": True}, "top_k True"), ({"min_p": 1.2}, "min_p 1.2 is not a number in")):
         with pytest.raises(DejavuError, match=f"^where: {why}"):
             model_sampling(bad, "where")
 
@@ -30,9 +30,10 @@ def test_folder_generation_config(tmp_path):
     assert load_sampling_defaults(folder) == {}
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [2, 5],
                                                                "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                                                               "repetition_penalty": 1.05}))  # Qwen2.5-Instruct's
+                                                               "repetition_penalty": 1.05,  # Qwen2.5-Instruct's
+                                                               "min_p": 0.05}))
     assert load_sampling_defaults(folder) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                                              "repetition_penalty": 1.05}
+                                              "repetition_penalty": 1.05, "min_p": 0.05}
     (folder / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
     with pytest.raises(DejavuError, match="generation_config.json: top_p 1.5 is not a number in"):
         load_sampling_defaults(folder)
@@ -53,10 +54,11 @@ def test_gguf_general_sampling(tmp_path):
         w.close()
 
     write(tmp_path / "a.gguf", **{"general.sampling.temp": 0.6, "general.sampling.top_k": 20,
-                                 "general.sampling.top_p": 0.95, "general.sampling.penalty_repeat": 1.1})
+                                 "general.sampling.top_p": 0.95, "general.sampling.penalty_repeat": 1.1,
+                                 "general.sampling.min_p": 0.05})
     got = load_sampling_defaults(str(tmp_path / "a.gguf"))
     assert got == {"temperature": pytest.approx(0.6), "top_p": pytest.approx(0.95), "top_k": 20,
-                   "repetition_penalty": pytest.approx(1.1)}
+                   "repetition_penalty": pytest.approx(1.1), "min_p": pytest.approx(0.05)}
     write(tmp_path / "b.gguf")
     assert load_sampling_defaults(str(tmp_path / "b.gguf")) == {}
 

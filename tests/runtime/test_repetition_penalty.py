@@ -142,3 +142,20 @@ def test_dejavu_generate_takes_the_folders_generation_config(built, tmp_path, ca
         outs.append(capsys.readouterr().out)
         assert outs[-1] == "The game" + tok.decode(_hf_greedy(hf, ids, 8, penalty)) + "\n"
     assert outs[0] != outs[1]
+
+
+def test_min_p_draws_from_transformers_kept_set():
+    """sample_next's min_p keeps the tokens transformers' MinPLogitsWarper keeps (after temperature): 4,000 draws
+    cover that set and nothing outside it; min_p 0 draws outside it."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    from dejavu.models.sampling import sample_next
+
+    logits = torch.tensor([[3.0, 2.6, 2.2, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(4000, 1)
+    kept = set(torch.isfinite(MinPLogitsWarper(0.3)(None, logits[:1] / 0.8)).nonzero()[:, 1].tolist())
+    g = torch.Generator().manual_seed(0)
+    drawn = set(sample_next(logits, 0.8, 0, 1.0, g, min_p=0.3).tolist())
+    assert drawn == kept and 2 <= len(kept) < 8
+    assert set(sample_next(logits, 0.8, 0, 1.0, g).tolist()) - kept
+    with pytest.raises(DejavuError, match="min_p"):
+        sample_next(logits, 1.0, 0, 1.0, g, min_p=2.0)

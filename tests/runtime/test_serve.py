@@ -942,3 +942,23 @@ def test_prefix_cache_reaches_usage_and_metrics(live, ref):
 
     assert _settings(build_parser().parse_args(["x.engine"])).prefix_caching
     assert not _settings(build_parser().parse_args(["x.engine", "--no-enable-prefix-caching"])).prefix_caching
+
+
+def test_min_p_and_min_tokens_as_vllm_applies_them(live, ref):
+    """vLLM's min_p: at 1.0 only the most likely token stays, so sampling at temperature 1 is greedy; min_tokens: the
+    end-of-generation id is not chosen before that many tokens (here EOS is pushed to +100 by logit_bias, so without
+    it the completion is EOS alone); out of range is a 400."""
+    c = live.client()
+    prompt = ref.tokenizer.encode("The tower")
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=5,
+                             extra_body={"min_p": 1.0, "ignore_eos": True})
+    assert r.choices[0].text == ref.tokenizer.decode(ref.generate([prompt], 8, stop_at_eos=False)[0])
+    eos = {str(ref.spec.eos_id): 100}
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logit_bias=eos)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logit_bias=eos,
+                             extra_body={"min_tokens": 4})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
+    for bad in ({"min_p": 1.5}, {"min_p": -0.1}, {"min_tokens": -1}):
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=bad)
