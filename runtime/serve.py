@@ -5,7 +5,8 @@
          -d '{"prompt": "The king said", "max_tokens": 32, "stream": true}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (engines whose header carries a
-`chat_template`), GET /v1/models, GET /health, GET /metrics (Prometheus text). Streaming is
+`chat_template`), GET /v1/models, POST /tokenize and /detokenize (vLLM's), GET /health, GET /metrics
+(Prometheus text). Streaming is
 server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 
 The stack is Starlette on uvicorn: the ASGI toolkit FastAPI itself is built on, without
@@ -151,6 +152,8 @@ class Server:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ], exception_handlers={HTTPException: http_error}, lifespan=self._lifespan)
@@ -180,6 +183,65 @@ class Server:
             return _error(e)
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
                                                          "owned_by": "dejavu", "max_model_len": self.context}]})
+
+    async def tokenize(self, request):
+        """vLLM's /tokenize: {"prompt"} (add_special_tokens: the tokenizer's BOS rule, default true) or a chat
+        request's {"messages", ...} rendered as /v1/chat/completions renders them -> {"count", "max_model_len",
+        "tokens"} (and "token_strs", the vocabulary's pieces, with return_token_strs)."""
+        from starlette.responses import JSONResponse
+
+        try:
+            self._auth(request)
+            body = await self._body(request)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            if self.tokenizer is None:
+                raise ApiError(400, "this engine carries no tokenizer")
+            body = dict(body)
+            strs, special = body.pop("return_token_strs", False), body.pop("add_special_tokens", None)
+            for name, v in (("return_token_strs", strs), ("add_special_tokens", special)):
+                if v is not None and not isinstance(v, bool):
+                    raise ApiError(400, f"'{name}' must be a boolean", name)
+            if "messages" in body:  # what the chat endpoint would prefill (tools rendered, never parsed here)
+                if special:
+                    raise ApiError(400, "a chat template writes its own special tokens: 'add_special_tokens' must "
+                                   "be false with 'messages'", "add_special_tokens")
+                ids = chat_params(body, self.tokenizer, self.template, self.defaults, "hermes").prompts[0]
+            else:
+                prompt = body.pop("prompt", None)
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt")
+                unknown = sorted(set(body) - {"model"})
+                if unknown:
+                    raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+                ids = self.tokenizer.encode(prompt, add_bos=None if special in (None, True) else False)
+        except ApiError as e:
+            self.metrics.request("/tokenize", e.status)
+            return _error(e)
+        self.metrics.request("/tokenize", 200)
+        out = {"count": len(ids), "max_model_len": self.context, "tokens": ids}
+        if strs:
+            out["token_strs"] = [self.tokenizer.tokenizer.id_to_token(t) for t in ids]
+        return JSONResponse(out)
+
+    async def detokenize(self, request):
+        """vLLM's /detokenize: {"tokens"} -> {"prompt"}: their text, special tokens written."""
+        from starlette.responses import JSONResponse
+
+        try:
+            self._auth(request)
+            body = await self._body(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            vocab = self.engine.spec.vocab_size
+            if not (isinstance(tokens, list) and all(type(t) is int and 0 <= t < vocab for t in tokens)):
+                raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+            if self.tokenizer is None:
+                raise ApiError(400, "this engine carries no tokenizer")
+        except ApiError as e:
+            self.metrics.request("/detokenize", e.status)
+            return _error(e)
+        self.metrics.request("/detokenize", 200)
+        return JSONResponse({"prompt": self.tokenizer.decode(tokens, skip_special=False)})
 
     async def health(self, request):
         from starlette.responses import JSONResponse

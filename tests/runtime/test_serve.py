@@ -962,3 +962,32 @@ def test_min_p_and_min_tokens_as_vllm_applies_them(live, ref):
     for bad in ({"min_p": 1.5}, {"min_p": -0.1}, {"min_tokens": -1}):
         with pytest.raises(openai.BadRequestError):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body=bad)
+
+
+def test_tokenize_and_detokenize_as_vllm_answers(live, ref, tool_engine):
+    """vLLM's /tokenize (a prompt with the tokenizer's special-token rule or without; a chat request rendered as the
+    chat endpoint renders it, tools included) and /detokenize (special tokens written); bad bodies are a 400, and the
+    API key is needed."""
+    text = "The game began"
+    r = post(live, "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True}).json()
+    ids = ref.tokenizer.encode(text)
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == 64
+    assert r["token_strs"] == [ref.tokenizer.tokenizer.id_to_token(t) for t in ids]
+    bare = post(live, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == ref.tokenizer.encode(text, add_bos=False)
+    assert post(live, "/detokenize", {"tokens": ids}).json()["prompt"] == ref.tokenizer.decode(ids, skip_special=False)
+    for path, body in (("/tokenize", {"prompt": 5}), ("/tokenize", {"prompt": "x", "max_tokens": 3}),
+                       ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}), ("/detokenize", {"tokens": [-1]}),
+                       ("/detokenize", {"tokens": [10 ** 6]}), ("/detokenize", {"tokens": "1 2"})):
+        assert post(live, path, body).status_code == 400
+    assert post(live, "/tokenize", {"prompt": text}, key=None).status_code == 401
+    srv = Live(Engine.from_tensors(*tool_engine))
+    try:
+        got = httpx.post(srv.url + "/tokenize", json={"messages": TOOL_TURNS, "tools": WEATHER}).json()["tokens"]
+        from dejavu.runtime.openai_protocol import SamplingDefaults, chat_params
+
+        want = chat_params({"messages": TOOL_TURNS, "tools": WEATHER, "tool_choice": "none"}, srv.server.tokenizer,
+                           srv.server.template, SamplingDefaults()).prompts[0]
+        assert got == want and "<tools>" in srv.server.tokenizer.decode(got)
+    finally:
+        srv.close()
