@@ -162,11 +162,6 @@ class _Seq:
         self.last_t = 0.0
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 def buckets(max_batch: int) -> list[int]:
     """Decode batch sizes: powers of two below max_batch, and max_batch."""
     out, n = [], 1
@@ -305,14 +300,12 @@ class Scheduler:
         """req's row: the lowest free one (decode steps run on rows 0..n-1), the first whole chunks of its prompt
         that a row holds copied there where another holds more, and not prefilled again (prefix caching)."""
         row = self.rows.index(None)
-        common = [_common_prefix(c, req.prompt) for c in self.cached]
         seq = self.rows[row] = _Seq(req, row, self.tokenizer, self.engine.device)
-        # whole chunks only, so the rest is cut where a prefill from slot 0 cuts it (the same computation); at
-        # least one token prefilled (its logits give the first new token); prompt logprobs need every position
-        src = max(range(self.max_batch), key=lambda r: (common[r], r == row))
-        n = min(common[src], len(req.prompt) - 1) // self.chunk * self.chunk
-        if not self.prefix_caching or req.prompt_logprobs is not None:
-            n = 0
+        held = [0] * self.max_batch
+        if self.prefix_caching and req.prompt_logprobs is None:  # prompt logprobs need every position's logits
+            held = [self._held(c, req.prompt) for c in self.cached]
+        src = max(range(self.max_batch), key=lambda r: (held[r], r == row))
+        n = held[src]
         if n and src != row:
             self.dec.copy_prefix(src, row, n)
         self.dec.keep_prefix(row, n)
@@ -321,6 +314,14 @@ class Scheduler:
         if self.metrics is not None and n:
             self.metrics.cached_tokens(n)
         return seq
+
+    def _held(self, cached: list[int], prompt: list[int]) -> int:
+        # the tokens of prompt's first whole chunks that `cached` starts with (the rest is then cut where a prefill
+        # from slot 0 cuts it: the same computation), its last token never (its logits give the first new token)
+        n, c, end = 0, self.chunk, min(len(cached), len(prompt) - 1)
+        while n + c <= end and cached[n:n + c] == prompt[n:n + c]:
+            n += c
+        return n
 
     def _prefill(self, seq: _Seq) -> int:
         """The next chunk of seq's prompt into its row (after the last, its first token); its tokens."""
