@@ -80,6 +80,7 @@ class Params:
     ignore_eos: bool = False
     min_p: float = 0.0  # vLLM's: tokens less likely than min_p times the most likely one are not drawn
     min_tokens: int = 0  # vLLM's: the end-of-generation and stop_token_ids ids are not chosen before this many
+    skip_special_tokens: bool = True  # vLLM's: special tokens are not text
     stop_token_ids: tuple[int, ...] = ()
     chat: bool = False
     logprobs: int | None = None  # the most likely alternatives to list with each token's logprob; None: no logprobs
@@ -103,7 +104,7 @@ NEUTRAL = {"best_of": 1, "suffix": None, "user": None, "response_format": None,
            "service_tier": None}
 # top_k, ignore_eos, stop_token_ids, repetition_penalty: vLLM's extensions
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens", "stop", "seed", "stream",
-          "stream_options",
+          "stream_options", "skip_special_tokens",
           "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"} | (NEUTRAL.keys() - {"tools", "tool_choice",
@@ -196,6 +197,9 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
         pairs = None
     if pairs is None or len(pairs) != len(bias) or not all(t >= 0 and -100 <= v <= 100 for t, v in pairs):
         raise _bad("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
+    skip = body.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise _bad("'skip_special_tokens' must be a boolean", "skip_special_tokens")
     min_tokens = _int(body, "min_tokens", 0)
     if min_tokens < 0:
         raise _bad(f"'min_tokens' must be >= 0, got {min_tokens}", "min_tokens")
@@ -205,6 +209,7 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     return dict(model=model, temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
                 top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True), top_k=max(top_k, 0),
                 min_p=_number(body, "min_p", defaults.min_p, 0.0, 1.0), min_tokens=min_tokens,
+                skip_special_tokens=skip,
                 stop=tuple(stop), seed=_int(body, "seed"), stream=bool(stream),
                 include_usage=bool((opts or {}).get("include_usage", False)), ignore_eos=ignore_eos,
                 stop_token_ids=tuple(stop_ids), n=n, logit_bias=pairs, **penalties)
@@ -334,6 +339,8 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults, tool_pars
     if top is not None and not (want and 0 <= top <= defaults.max_logprobs):
         raise _bad(f"'top_logprobs' must be in [0, {defaults.max_logprobs}] and needs 'logprobs': true",
                    "top_logprobs")
+    if choice_ == "auto" and tool_parser == "mistral":  # its calls begin with the special token [TOOL_CALLS]
+        c["skip_special_tokens"] = False
     return Params(prompts=[template.encode(clean, add_generation_prompt=gen, continue_final_message=cont, **kwargs)],
                   max_tokens=mt, chat=True, logprobs=(top or 0) if want else None,
                   tool_parser=tool_parser if choice_ == "auto" else None, **c)

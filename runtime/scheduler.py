@@ -91,6 +91,7 @@ class Request:
     logit_bias: tuple = ()  # (token id, bias) pairs added to the logits, after the penalties
     # the prompt's tokens' logprobs under the prefill's logits with this many alternatives (OpenAI's echo)
     prompt_logprobs: int | None = None
+    skip_special: bool = True  # special tokens are not text (vLLM's skip_special_tokens)
     cached_tokens: int = 0  # set at admission: the prompt's tokens a row held already (not prefilled again)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set by the server (client gone); the row is freed at the next step
@@ -102,16 +103,17 @@ class Request:
 class TextTracker:
     """Incremental detokenization with stop strings: `add(token)` -> (text to send, stopped).
     Text waits while it ends in an incomplete UTF-8 character or in a prefix of a stop string;
-    a stop string ends the text before it."""
+    a stop string ends the text before it. skip_special: special tokens are not text (vLLM's
+    skip_special_tokens)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.tok, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special: bool = True):
+        self.tok, self.stop, self.skip_special = tokenizer, stop, skip_special
         self.pending: list[int] = []  # tokens not yet in text (an incomplete character)
         self.text, self.sent = "", 0
 
     def add(self, token: int) -> tuple[str, bool]:
         self.pending.append(token)
-        piece = self.tok.decode(self.pending)
+        piece = self.tok.decode(self.pending, skip_special=self.skip_special)
         if piece.endswith("\ufffd"):
             return "", False
         self.pending = []
@@ -128,12 +130,13 @@ class TextTracker:
 
     def length(self) -> int:
         """The characters the tokens added so far decode to (a held piece of a character as U+FFFD)."""
-        return len(self.text) + (len(self.tok.decode(self.pending)) if self.pending else 0)
+        return len(self.text) + (len(self.tok.decode(self.pending, skip_special=self.skip_special))
+                                 if self.pending else 0)
 
     def flush(self) -> str:
         """All text not yet sent (at the end: an incomplete character too, as decode gives it)."""
         if self.pending:
-            self.text += self.tok.decode(self.pending)
+            self.text += self.tok.decode(self.pending, skip_special=self.skip_special)
             self.pending = []
         delta, self.sent = self.text[self.sent:], len(self.text)
         return delta
@@ -151,7 +154,7 @@ class _Seq:
         self.prompt_logprobs: list[tuple] = []
         self.prompt_text: TextTracker | None = None  # echo: the prompt's text, for its tokens' offsets
         self.penalties: Penalties | None = None  # made at the first sample, where the request has any
-        self.text = TextTracker(tokenizer, req.stop) if tokenizer is not None else None
+        self.text = TextTracker(tokenizer, req.stop, req.skip_special) if tokenizer is not None else None
         self.gen = None
         if req.temperature > 0:
             self.gen = torch.Generator(device=device)

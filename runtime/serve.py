@@ -298,7 +298,7 @@ class Server:
             reqs = [Request(prompt=ids, max_tokens=p.max_tokens or self.context - len(ids),
                             sink=self._relay.sink(events, i * p.n + j),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                            min_tokens=p.min_tokens, stop=p.stop,
+                            min_tokens=p.min_tokens, skip_special=p.skip_special_tokens, stop=p.stop,
                             seed=None if p.seed is None else p.seed + j, stop_at_eos=not p.ignore_eos,
                             stop_ids=p.stop_token_ids, logprobs=p.logprobs, presence_penalty=p.presence_penalty,
                             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
@@ -483,7 +483,8 @@ def build_parser() -> Parser:
                         "tool calls read back by --tool-call-parser, as vLLM's flag")
     p.add_argument("--tool-call-parser", choices=tool_calls.PARSERS, default=None,
                    help="the checkpoint's tool-call format: hermes (Qwen2.5 / Qwen3, Hermes, SmolLM3), "
-                        "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 / 4 pythonic templates)")
+                        "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 / 4 pythonic templates), mistral "
+                        "(Mistral 7B v0.3, Nemo, Small)")
     add_quiet(p, "no start line on stderr (warnings and errors still show)")
     return p
 
@@ -498,7 +499,8 @@ def _settings(args) -> ServeSettings:
                       tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                       prefix_caching=args.enable_prefix_caching)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic)")
+        raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, pythonic or "
+                          "mistral)")
     if not 0 <= s.port <= 65535:
         raise DejavuError(f"--port must be in [0, 65535], got {s.port}")
     if s.max_batch < 1:

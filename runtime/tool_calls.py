@@ -10,7 +10,10 @@ earlier calls with their arguments as objects (OpenAI sends them as JSON text; t
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the reply is `{"name": ..., "parameters": {...}}` (or "arguments"),
   calls separated by "; ", after Llama's `<|python_tag|>` where the model writes it;
 - `pythonic` (Llama 3.2's and Llama 4's pythonic templates): the reply is a Python list of calls with keyword
-  arguments, `[get_weather(city="Paris"), get_time()]`, read with `ast` (literals only, nothing evaluated).
+  arguments, `[get_weather(city="Paris"), get_time()]`, read with `ast` (literals only, nothing evaluated);
+- `mistral` (Mistral 7B v0.3, Nemo, Small): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any text,
+  `[TOOL_CALLS]` a special token (so the reply is detokenized with special tokens, as vLLM does), the calls' ids
+  nine letters and digits (Mistral's templates refuse others when the calls come back).
 
 A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
 may have begun (`StreamGate`); the calls follow whole, one delta each, when the reply ends.
@@ -23,10 +26,13 @@ import re
 import uuid
 from dataclasses import dataclass
 
-PARSERS = ("hermes", "llama3_json", "pythonic")
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_START = "[TOOL_CALLS]"
+_MISTRAL_ARRAY = re.compile(r"\[{.*}\]", re.DOTALL)
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
 @dataclass(frozen=True)
@@ -40,10 +46,15 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
-def _call(name, arguments) -> ToolCall:
+def _call(name, arguments, short_id: bool = False) -> ToolCall:
     if not isinstance(name, str) or not name:
         raise ValueError("a call without a name")
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), f"chatcmpl-tool-{uuid.uuid4().hex}")
+    if short_id:  # Mistral's: nine letters and digits
+        n = uuid.uuid4().int
+        ident = "".join(_ALNUM[(n >> (6 * i)) % len(_ALNUM)] for i in range(9))
+    else:
+        ident = f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), ident)
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -80,7 +91,18 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
                     return text, []
                 calls.append(_call(c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords}))
             return None, calls
-    except (ValueError, KeyError, TypeError, AttributeError, SyntaxError, RecursionError):
+        if parser == "mistral":
+            if _MISTRAL_START not in text:
+                return text, []
+            body = text.replace(_MISTRAL_START, "").strip()
+            try:
+                arr = json.loads(body)
+            except json.JSONDecodeError:  # text after the calls: the array alone, as vLLM finds it
+                arr = json.loads(_MISTRAL_ARRAY.findall(body)[0])
+            calls = [_call(d["name"], d.get("arguments", {}), short_id=True) for d in arr]
+            content = text.split(_MISTRAL_START)[0]
+            return content or None, calls
+    except (ValueError, KeyError, TypeError, AttributeError, SyntaxError, RecursionError, IndexError):
         return text, []
     raise ValueError(f"unknown tool-call parser {parser!r}")
 
@@ -94,11 +116,12 @@ class StreamGate:
 
     def _safe(self) -> int:
         # how many characters of the text are content for sure
-        if self.parser == "hermes":
-            at = self.text.find(_HERMES_START)
+        if self.parser in ("hermes", "mistral"):
+            start = _HERMES_START if self.parser == "hermes" else _MISTRAL_START
+            at = self.text.find(start)
             if at >= 0:
                 return at
-            hold = max((k for k in range(1, len(_HERMES_START)) if self.text.endswith(_HERMES_START[:k])), default=0)
+            hold = max((k for k in range(1, len(start)) if self.text.endswith(start[:k])), default=0)
             return len(self.text) - hold
         # llama3_json, pythonic: the reply is calls or content as a whole, decided by its start
         if self.parser == "pythonic":

@@ -758,12 +758,13 @@ TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
 
 
 class Scripted(Live):
-    """A Live server whose model's tokens are a script (the tokens of `reply`, then EOS), whatever the logits say:
-    what is under test is how the server reads the reply, not the model."""
+    """A Live server whose model's tokens are a script (the tokens of `reply`, or the ids themselves, then EOS),
+    whatever the logits say: what is under test is how the server reads the reply, not the model."""
 
-    def __init__(self, engine, reply: str, **settings):
+    def __init__(self, engine, reply: str | list[int], **settings):
         super().__init__(engine, **settings)
-        script = engine.tokenizer.encode(reply, add_bos=False) + [engine.spec.eos_id]
+        ids = engine.tokenizer.encode(reply, add_bos=False) if isinstance(reply, str) else reply
+        script = ids + [engine.spec.eos_id]
         self.server.scheduler._sample = lambda seq, logits, greedy: script[len(seq.tokens)]
 
 
@@ -910,6 +911,9 @@ def test_tool_requests_the_server_cannot_answer_are_400(tiny, tool_engine):
     ("pythonic", '[get_weather(city="Lyon", days=[1, 2]), get_time()]'),
     ("pythonic", '[__import__("os").system("ls")]'),  # not a call of a name with literals: content, never run
     ("pythonic", "Sure: [a list] of things"),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": "x"}}, {"name": "g", "arguments": {}}]'),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {}}] and text after'),
+    ("mistral", "[TOOL_ is not [TOOL_CALLS] followed by calls"),
 ])
 def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
     """Fed a character at a time, the streamed content and the calls at the end equal parsing the whole reply."""
@@ -989,5 +993,37 @@ def test_tokenize_and_detokenize_as_vllm_answers(live, ref, tool_engine):
         want = chat_params({"messages": TOOL_TURNS, "tools": WEATHER, "tool_choice": "none"}, srv.server.tokenizer,
                            srv.server.template, SamplingDefaults()).prompts[0]
         assert got == want and "<tools>" in srv.server.tokenizer.decode(got)
+    finally:
+        srv.close()
+
+
+def test_mistral_tool_calls_keep_special_tokens_and_short_ids(tool_engine):
+    """Under the mistral parser the reply is detokenized with its special tokens (vLLM's skip_special_tokens false:
+    Mistral's [TOOL_CALLS] is one), the calls' ids are nine letters and digits; without tools, and by default, a
+    special token is not text, and skip_special_tokens false (a request's own) keeps it."""
+    eng = Engine.from_tensors(*tool_engine)
+    tok = eng.tokenizer
+    call = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon"}}]'
+    script = tok.encode("Hi", add_bos=False) + [1] + tok.encode(call, add_bos=False)  # id 1: <pad>, special
+    srv = Scripted(eng, script, tool_call_parser="mistral")
+    try:
+        c = srv.client()
+        for stream in (False, True):
+            out = c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, max_tokens=100,
+                                            stream=stream)
+            if stream:
+                chunks = list(out)
+                content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+                calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+            else:
+                content, calls = out.choices[0].message.content, out.choices[0].message.tool_calls
+            assert content == "Hi<pad>" and len(calls) == 1
+            assert json.loads(calls[0].function.arguments) == {"city": "Lyon"}
+            assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+        plain = c.chat.completions.create(model="tiny", messages=TOOL_TURNS, max_tokens=100)
+        assert plain.choices[0].message.content == "Hi" + call
+        kept = c.chat.completions.create(model="tiny", messages=TOOL_TURNS, max_tokens=100,
+                                         extra_body={"skip_special_tokens": False})
+        assert kept.choices[0].message.content == "Hi<pad>" + call
     finally:
         srv.close()
