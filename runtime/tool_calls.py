@@ -87,7 +87,8 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
                 return text, []
             calls = []
             for c in tree.elts:
-                if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args):
+                if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args
+                        and all(k.arg is not None for k in c.keywords)):  # f(**d) names no argument
                     return text, []
                 calls.append(_call(c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords}))
             return None, calls

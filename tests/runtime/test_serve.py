@@ -911,6 +911,7 @@ def test_tool_requests_the_server_cannot_answer_are_400(tiny, tool_engine):
     ("pythonic", '[get_weather(city="Lyon", days=[1, 2]), get_time()]'),
     ("pythonic", '[__import__("os").system("ls")]'),  # not a call of a name with literals: content, never run
     ("pythonic", "Sure: [a list] of things"),
+    ("pythonic", '[f(**{"a": 1})]'),
     ("mistral", 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": "x"}}, {"name": "g", "arguments": {}}]'),
     ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {}}] and text after'),
     ("mistral", "[TOOL_ is not [TOOL_CALLS] followed by calls"),
