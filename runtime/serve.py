@@ -71,6 +71,8 @@ class ServeSettings:
     # a prompt's first whole prefill chunks that a cache row holds already are copied, not prefilled again
     # (runtime/scheduler.Scheduler._admit); vLLM's --enable-prefix-caching, on by default as there
     prefix_caching: bool = True
+    # a Jinja chat template (vLLM's --chat-template: a file's text) served instead of the engine's; None: the engine's
+    chat_template: str | None = None
 
 
 def _error(e: ApiError):
@@ -140,7 +142,7 @@ class Server:
         self.metrics.running = lambda: self.scheduler.running
         self.context = self.scheduler.context
         self.tokenizer = self.scheduler.tokenizer
-        src = engine.header.get("chat_template")
+        src = settings.chat_template or engine.header.get("chat_template")
         self.template = ChatTemplate(src, self.tokenizer) if src and self.tokenizer is not None else None
         self.created = now()
         self._relay = _Relay()
@@ -475,6 +477,9 @@ def build_parser() -> Parser:
     p.add_argument("--sampling-defaults", default=d.sampling_defaults, choices=["model", "openai"],
                    help="a request's temperature / top_p / top_k where it leaves them out: the model's (its "
                         "generation_config.json, kept in the engine; OpenAI's where it names none) or OpenAI's")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template file served instead of the engine's (vLLM's flag: a checkpoint without "
+                        "one, or a tool-calling template)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="a prompt's first whole --prefill-chunk chunks that a cache row holds already (an earlier "
                         "prompt's) are copied, not prefilled again")
@@ -497,7 +502,7 @@ def _settings(args) -> ServeSettings:
                       shutdown_grace_s=args.shutdown_grace, log_level=args.log_level, quiet=args.quiet,
                       sampling_defaults=args.sampling_defaults,
                       tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                      prefix_caching=args.enable_prefix_caching)
+                      prefix_caching=args.enable_prefix_caching, chat_template=_template_file(args.chat_template))
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, pythonic or "
                           "mistral)")
@@ -514,6 +519,25 @@ def _settings(args) -> ServeSettings:
     if s.api_key is not None and not s.api_key:
         raise DejavuError("--api-key must not be empty")
     return s
+
+
+def _template_file(path: str | None) -> str | None:
+    """--chat-template's text, checked to parse as Jinja (one DejavuError line otherwise)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DejavuError(f"--chat-template {path}: cannot read it ({e})") from None
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except ImportError:
+        raise DejavuError("--chat-template renders with jinja2: pip install jinja2") from None
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError
+        raise DejavuError(f"--chat-template {path}: not a Jinja template ({e})") from None
+    return text
 
 
 def bind(host: str, port: int) -> socket.socket:

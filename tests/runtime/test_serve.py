@@ -1028,3 +1028,28 @@ def test_mistral_tool_calls_keep_special_tokens_and_short_ids(tool_engine):
         assert kept.choices[0].message.content == "Hi<pad>" + call
     finally:
         srv.close()
+
+
+def test_chat_template_file_replaces_the_engines(tiny, ref, tmp_path):
+    """vLLM's --chat-template FILE: an engine without a template answers chat requests rendered by the file's; a file
+    that is not Jinja, or not there, is one error line."""
+    from dejavu.errors import DejavuError
+    from dejavu.runtime.serve import _settings, build_parser
+
+    f = tmp_path / "t.jinja"
+    f.write_text(CHAT_TEMPLATE)
+    settings = _settings(build_parser().parse_args([str(tiny[0]), "--chat-template", str(f)]))
+    assert settings.chat_template == CHAT_TEMPLATE and "chat_template" not in tiny[1]
+    srv = Live(Engine.from_tensors(tiny[1], tiny[2]), chat_template=settings.chat_template)
+    try:
+        msgs = [{"role": "user", "content": "The game"}]
+        r = srv.client().chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+        prompt = ref.tokenizer.encode("user: The game\nassistant:", add_bos=False)
+        assert r.usage.prompt_tokens == len(prompt)
+        assert r.choices[0].message.content == ref.tokenizer.decode(solo(ref, prompt, 4))
+    finally:
+        srv.close()
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    for path, why in ((tmp_path / "bad.jinja", "not a Jinja template"), (tmp_path / "none.jinja", "cannot read")):
+        with pytest.raises(DejavuError, match=why):
+            _settings(build_parser().parse_args([str(tiny[0]), "--chat-template", str(path)]))
