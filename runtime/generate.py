@@ -61,8 +61,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
              top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed,
              stream: Callable[[list[int | None]], None] | None = None,
-             stop_at_eos: bool = True, repetition_penalty: float = 1.0, min_p: float = GENERATION.min_p
-             ) -> list[list[int]]:
+             stop_at_eos: bool = True, repetition_penalty: float = 1.0, min_p: float = GENERATION.min_p,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[list[int]]:
     """New tokens per prompt (the prompt excluded; ends with EOS when one was produced).
 
     The first new token comes from the dense prefill (a Llama engine thresholds each sequence's first
@@ -72,7 +72,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     with stop_at_eos=False the loop never waits for the device (benchmark mode). temperature
     None: greedy, or 1.0 when top_k / top_p ask for sampling (`dejavu.generation`). repetition_penalty: a
     prompt's or generated token's logit divided by it where positive, multiplied where negative, before sampling
-    (transformers' RepetitionPenaltyLogitsProcessor; 1.0: off)."""
+    (transformers' RepetitionPenaltyLogitsProcessor; 1.0: off); presence_penalty / frequency_penalty:
+    OpenAI's, subtracted from a generated token's logit once / per occurrence (models/sampling.Penalties)."""
     temperature = resolve_temperature(temperature, top_k, top_p, min_p)
     check_repetition_penalty(repetition_penalty)
     if max_new_tokens < 0:
@@ -96,7 +97,9 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     logits = dec.prefill(ids, pos)  # [B, V]
     t2 = _sync(dev)
     out_dev = torch.empty(B, max_new_tokens, dtype=torch.long, device=dev)
-    penalties = Penalties(prompts, spec.vocab_size, dev, repetition_penalty) if repetition_penalty != 1.0 else None
+    penalties = None
+    if Penalties.wanted(repetition_penalty, presence_penalty, frequency_penalty):
+        penalties = Penalties(prompts, spec.vocab_size, dev, repetition_penalty, presence_penalty, frequency_penalty)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     host_loop = stream is not None or bool(stops)

@@ -159,3 +159,21 @@ def test_min_p_draws_from_transformers_kept_set():
     assert set(sample_next(logits, 0.8, 0, 1.0, g).tolist()) - kept
     with pytest.raises(DejavuError, match="min_p"):
         sample_next(logits, 1.0, 0, 1.0, g, min_p=2.0)
+
+
+def test_engine_presence_and_frequency_penalties_follow_openais_formula(built):
+    """Engine.generate's presence / frequency penalties: its greedy tokens equal a reference loop over the dense
+    model's logits minus OpenAI's formula over the generated tokens, and differ from the unpenalized ones."""
+    from dejavu.models.auto import load_llama
+
+    folder, path, _ = built
+    eng, model = Engine.load(path), load_llama(folder)[0]
+    prompt, out = PROMPTS[0], []
+    with torch.no_grad():
+        for _ in range(12):
+            lg = model(torch.tensor([prompt + out]))[0, -1].double()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=lg.numel()).double()
+            out.append(int((lg - 0.9 * counts - 0.6 * (counts > 0).double()).argmax()))
+    got = eng.generate([prompt], 12, stop_at_eos=False, repetition_penalty=1.0, presence_penalty=0.6,
+                       frequency_penalty=0.9)[0]
+    assert got == out and got != eng.generate([prompt], 12, stop_at_eos=False, repetition_penalty=1.0)[0]
