@@ -46,9 +46,10 @@ def check_repetition_penalty(p: float) -> None:
 
 
 def model_sampling(d, where) -> dict:
-    """The temperature / top_p / top_k / min_p / repetition_penalty a checkpoint's authors ship (generation_config.json, a
-    GGUF file's general.sampling.*, an engine header's sampling_defaults): the ones present in d, checked
-    (temperature in [0, 2], the OpenAI API's range; top_p in (0, 1]; top_k >= 0; repetition_penalty > 0).
+    """The temperature / top_p / top_k / min_p / repetition_penalty a checkpoint's authors ship (generation_config.json,
+    a GGUF file's general.sampling.*, an engine header's sampling_defaults): the ones present in d, checked
+    (temperature in [0, 2], the OpenAI API's range; top_p in (0, 1]; top_k >= 0; min_p in [0, 1];
+    repetition_penalty > 0).
     DejavuError naming `where`."""
     out = {}
     for key, ok, want in (("temperature", lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),

@@ -189,9 +189,9 @@ _GGUF_SAMPLING = {"temperature": "general.sampling.temp", "top_p": "general.samp
 
 def load_sampling_defaults(name_or_path: str | os.PathLike) -> dict:
     """The sampling settings the checkpoint's authors ship, of those dejavu samples with (temperature, top_p,
-    top_k, min_p, repetition_penalty): what a folder's generation_config.json names (fields it leaves out are not filled in), or a GGUF file's
-    `general.sampling.*`; vLLM and TensorRT-LLM serve with them where a request leaves them out. {} where there
-    are none; DejavuError for a value out of range (dejavu.generation.model_sampling)."""
+    top_k, min_p, repetition_penalty): what a folder's generation_config.json names (fields it leaves out are not
+    filled in), or a GGUF file's `general.sampling.*`; vLLM and TensorRT-LLM serve with them where a request
+    leaves them out. {} where there are none; DejavuError for a value out of range (dejavu.generation.model_sampling)."""
     from dejavu.generation import model_sampling
 
     gp = gguf_path(name_or_path)

@@ -366,7 +366,8 @@ def new_id(prefix: str) -> str:
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage; cached_tokens: the prompt tokens a cache row held already (prefix caching)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_object(rid: str, model: str, created: int, choices: list[dict], use: dict | None,

@@ -204,7 +204,8 @@ class Server:
             for name, v in (("return_token_strs", strs), ("add_special_tokens", special)):
                 if v is not None and not isinstance(v, bool):
                     raise ApiError(400, f"'{name}' must be a boolean", name)
-            if "messages" in body:  # what the chat endpoint would prefill (tools rendered, never parsed here)
+            if "messages" in body:  # what the chat endpoint would prefill: tools rendered; any parser name lets
+                # tool_choice "auto" through, since nothing is parsed here
                 if special:
                     raise ApiError(400, "a chat template writes its own special tokens: 'add_special_tokens' must "
                                    "be false with 'messages'", "add_special_tokens")
@@ -274,8 +275,10 @@ class Server:
 
     def _params(self, body, chat: bool):
         vocab = self.engine.spec.vocab_size
-        p = (chat_params(body, self.tokenizer, self.template, self.defaults, self.settings.tool_call_parser) if chat else
-             completion_params(body, self.tokenizer, vocab, self.defaults))
+        if chat:
+            p = chat_params(body, self.tokenizer, self.template, self.defaults, self.settings.tool_call_parser)
+        else:
+            p = completion_params(body, self.tokenizer, vocab, self.defaults)
         if any(t >= vocab for t in p.stop_token_ids):
             raise ApiError(400, f"'stop_token_ids' must be token ids below the vocabulary's {vocab}", "stop_token_ids")
         if any(t >= vocab for t, _ in p.logit_bias):
@@ -367,8 +370,8 @@ class Server:
             content, calls = tool_calls.parse(p.tool_parser, texts[i]) if p.tool_parser else (texts[i], [])
             choices.append(choice(i, content, "tool_calls" if calls else reasons[i], p.chat, False,
                                   logprobs=self._logprobs(p, lps[i]), tool_calls=[c.as_dict() for c in calls]))
-        return JSONResponse(completion_object(rid, self.name, created, choices, usage(prompt_tokens, sum(ntok), _cached(reqs, p.n)),
-                                              p.chat, False))
+        use = usage(prompt_tokens, sum(ntok), _cached(reqs, p.n))
+        return JSONResponse(completion_object(rid, self.name, created, choices, use, p.chat, False))
 
     def _echo(self, p, r) -> tuple[str, list] | None:
         if not p.echo:
@@ -591,7 +594,8 @@ def main(argv=None) -> int:
         if settings.sampling_defaults == "model" and engine.header.get("sampling_defaults"):
             d = server.defaults
             print(f"dejavu-serve: sampling defaults from the model: temperature {d.temperature:g}, top_p "
-                  f"{d.top_p:g}, top_k {d.top_k}, min_p {d.min_p:g}, repetition_penalty {d.repetition_penalty:g} (--sampling-defaults "
+                  f"{d.top_p:g}, top_k {d.top_k}, min_p {d.min_p:g}, repetition_penalty {d.repetition_penalty:g} "
+                  "(--sampling-defaults "
                   "openai for OpenAI's)", file=sys.stderr, flush=True)
     if host not in ("127.0.0.1", "::1", "localhost") and settings.api_key is None:
         print("dejavu-serve: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
