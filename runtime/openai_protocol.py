@@ -255,10 +255,12 @@ def completion_params(body, tokenizer, vocab: int, defaults: SamplingDefaults) -
                   **c)
 
 
-def chat_params(body, tokenizer, template, defaults: SamplingDefaults, tool_parser: str | None = None) -> Params:
+def chat_params(body, tokenizer, template, defaults: SamplingDefaults, tool_parser: str | None = None,
+                render_only: bool = False) -> Params:
     """template: a `chat_template.ChatTemplate` (None: the engine has none -> 400). tool_parser: the server's
     --tool-call-parser where --enable-auto-tool-choice is on (runtime/tool_calls.py), which tool_choice "auto"
-    needs, as vLLM's does."""
+    needs, as vLLM's does. render_only: the prompt alone is wanted (/tokenize): no reply is read, so "auto" needs
+    no parser."""
     from dejavu.runtime import tool_calls as TC
 
     c = _common(body, CHAT_FIELDS, defaults)
@@ -309,7 +311,7 @@ def chat_params(body, tokenizer, template, defaults: SamplingDefaults, tool_pars
                    "\"function\": {\"name\": ...}}", "tool_choice")
     if choice_ != "none" and not tools:
         raise _bad("'tool_choice' needs 'tools'", "tool_choice")
-    if choice_ == "auto" and tool_parser is None:  # vLLM's answer, word for word
+    if choice_ == "auto" and tool_parser is None and not render_only:  # vLLM's answer, word for word
         raise _bad('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                    "tool_choice")
     if choice_ not in ("none", "auto"):

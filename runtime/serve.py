@@ -204,12 +204,11 @@ class Server:
             for name, v in (("return_token_strs", strs), ("add_special_tokens", special)):
                 if v is not None and not isinstance(v, bool):
                     raise ApiError(400, f"'{name}' must be a boolean", name)
-            if "messages" in body:  # what the chat endpoint would prefill: tools rendered; any parser name lets
-                # tool_choice "auto" through, since nothing is parsed here
+            if "messages" in body:  # what the chat endpoint would prefill, tools rendered
                 if special:
                     raise ApiError(400, "a chat template writes its own special tokens: 'add_special_tokens' must "
                                    "be false with 'messages'", "add_special_tokens")
-                ids = chat_params(body, self.tokenizer, self.template, self.defaults, "hermes").prompts[0]
+                ids = chat_params(body, self.tokenizer, self.template, self.defaults, render_only=True).prompts[0]
             else:
                 prompt = body.pop("prompt", None)
                 if not isinstance(prompt, str):
