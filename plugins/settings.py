@@ -166,6 +166,11 @@ class InputSparseSettings:
     # benchmarks/gpu/llama_fp32_residual.sh`). The order of the splits' adds is not fixed, so the last bits vary
     # run to run; False is the bit-reproducible form (an fp16 stream, the sums by their launches)
     fp32_residual: bool = True
+    # gate/up, down's SwiGLU select and down in one launch (input_sparse.fused_mlp_add; fp32_residual's stream):
+    # a program's mlp_block_i neurons over every kept input, then their kept rows of down, mlp_block_d columns a step
+    fuse_mlp: bool = False
+    mlp_block_i: int = 32
+    mlp_block_d: int = 256
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings). gate/up with block_k 64: 45.8 vs 54.6 us a
     # launch on Llama-3-8B, 3.909 vs 4.180 ms a step with the attention kernel (1.75x the dense graph's 6.850);
