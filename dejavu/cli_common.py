@@ -86,8 +86,8 @@ def add_device(p: argparse.ArgumentParser, default, help: str = "where to run: c
 
 
 def add_sampling(p: argparse.ArgumentParser, g, per: str = "") -> None:
-    """--max-new-tokens, --temperature, --top-k, --top-p, --seed with the defaults of `g` (a
-    GenerationSettings); `per`: e.g. " per prompt" in the --max-new-tokens help."""
+    """--max-new-tokens, --temperature, --top-k, --top-p, --min-p, --seed and the penalties with the defaults of `g`
+    (a GenerationSettings); `per`: e.g. " per prompt" in the --max-new-tokens help."""
     p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens, metavar="N",
                    help=f"tokens to generate{per} (fewer when EOS comes first)")
     p.add_argument("--temperature", type=float, default=g.temperature,
@@ -100,6 +100,11 @@ def add_sampling(p: argparse.ArgumentParser, g, per: str = "") -> None:
     p.add_argument("--repetition-penalty", type=float, default=g.repetition_penalty, metavar="P",
                    help="a seen token's logit divided by P where positive, multiplied where negative (1.0 = off; "
                         "unset: the checkpoint's generation_config.json or GGUF value, else off)")
+    p.add_argument("--presence-penalty", type=float, default=g.presence_penalty, metavar="P",
+                   help="OpenAI's: P subtracted from the logit of every token generated so far, in [-2, 2] (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=g.frequency_penalty, metavar="P",
+                   help="OpenAI's: P times its count so far subtracted from a generated token's logit, in [-2, 2] "
+                        "(0 = off)")
 
 
 def add_quiet(p: argparse.ArgumentParser, help: str = "no progress bars or progress lines") -> None:

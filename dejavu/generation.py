@@ -23,6 +23,9 @@ class GenerationSettings:
     # None: the checkpoint's (generation_config.json, a GGUF file's general.sampling.penalty_repeat), as
     # transformers' generate applies it; 1.0 where it names none (off)
     repetition_penalty: float | None = None
+    # OpenAI's, over the generated tokens: subtracted from a seen token's logit once / per occurrence (0 = off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 GENERATION = GenerationSettings()
@@ -43,6 +46,13 @@ def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float = 
 def check_repetition_penalty(p: float) -> None:
     if not p > 0.0:
         raise DejavuError(f"repetition_penalty must be > 0 (1.0 = off), got {p}")
+
+
+def check_openai_penalty(v, name: str) -> float:
+    """A presence or frequency penalty as a float: a number in [-2, 2], OpenAI's range. DejavuError naming `name`."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:  # NaN fails too
+        raise DejavuError(f"{name} must be a number in [-2, 2], got {v!r}")
+    return float(v)
 
 
 def model_sampling(d, where) -> dict:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from dejavu.cli_common import Parser, add_chat, add_device, add_dtype, add_sampling, chat_encoder, check_chat_args
 from dejavu.errors import DejavuError, cli_entry
-from dejavu.generation import GENERATION, check_max_new_tokens, check_repetition_penalty, resolve_temperature
+from dejavu.generation import (GENERATION, check_max_new_tokens, check_openai_penalty, check_repetition_penalty,
+                               resolve_temperature)
 
 
 @dataclass
@@ -79,6 +80,8 @@ def main(argv=None) -> int:
     penalty = args.repetition_penalty
     if penalty is not None:
         check_repetition_penalty(penalty)
+    presence = check_openai_penalty(args.presence_penalty, "--presence-penalty")
+    frequency = check_openai_penalty(args.frequency_penalty, "--frequency-penalty")
     from dejavu.models.auto import load_any, load_chat_template, load_sampling_defaults, load_text_tokenizer, model_type
     from dejavu.models.generate import generate
 
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     new = generate(model, [ids], n, temperature=temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, eos_id=tok.stop_ids, stream=streamer, min_p=args.min_p,
-                   repetition_penalty=penalty)[0]
+                   repetition_penalty=penalty, presence_penalty=presence, frequency_penalty=frequency)[0]
     dt = time.perf_counter() - t0
     streamer.finish()
     print(f"[{len(new)} tokens in {dt:.2f} s, {len(new) / max(dt, 1e-9):.1f} tok/s, "

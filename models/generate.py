@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.generation import GENERATION, check_repetition_penalty, resolve_temperature
+from dejavu.generation import GENERATION, check_openai_penalty, check_repetition_penalty, resolve_temperature
 from dejavu.models.opt import OPTForCausalLM
 from dejavu.models.sampling import Penalties, sample_next
 from dejavu.models.tokenizer import end_ids
@@ -30,7 +30,9 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
              max_new_tokens: int, temperature: float | None = GENERATION.temperature, top_k: int = GENERATION.top_k,
              top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed, eos_id=None,
              stream: Callable[[list[int | None]], None] | None = None,
-             repetition_penalty: float = 1.0, min_p: float = GENERATION.min_p) -> list[list[int]]:
+             repetition_penalty: float = 1.0, min_p: float = GENERATION.min_p,
+             presence_penalty: float = GENERATION.presence_penalty,
+             frequency_penalty: float = GENERATION.frequency_penalty) -> list[list[int]]:
     """New tokens for each prompt (prompt not included; ends with eos_id when it was produced: one id, or several
     of which any ends a sequence).
 
@@ -40,10 +42,14 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
     from a generator seeded with `seed`. `stream`, if given, is called after each step with one
     entry per sequence: the new token, or None once that sequence has finished. repetition_penalty: a prompt's
     or generated token's logit divided by it where positive, multiplied where negative, before sampling
-    (transformers' RepetitionPenaltyLogitsProcessor over the real tokens; 1.0: off).
+    (transformers' RepetitionPenaltyLogitsProcessor over the real tokens; 1.0: off); presence_penalty /
+    frequency_penalty: OpenAI's, in [-2, 2], subtracted from a generated token's logit once / per occurrence, after
+    the repetition penalty (models/sampling.Penalties; 0: off).
     """
     temperature = resolve_temperature(temperature, top_k, top_p, min_p)
     check_repetition_penalty(repetition_penalty)
+    presence_penalty = check_openai_penalty(presence_penalty, "presence_penalty")
+    frequency_penalty = check_openai_penalty(frequency_penalty, "frequency_penalty")
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     cfg = model.config
@@ -74,9 +80,9 @@ def generate(model: OPTForCausalLM, input_ids: torch.Tensor | Sequence[Sequence[
         gen = torch.Generator(device=device).manual_seed(seed)
 
     penalties = None
-    if repetition_penalty != 1.0:
+    if Penalties.wanted(repetition_penalty, presence_penalty, frequency_penalty):
         real = ids.tolist() if mask is None else [p[len(p) - int(m.sum()):] for p, m in zip(ids.tolist(), mask)]
-        penalties = Penalties(real, cfg.vocab_size, device, repetition_penalty)
+        penalties = Penalties(real, cfg.vocab_size, device, repetition_penalty, presence_penalty, frequency_penalty)
     stops = frozenset(end_ids(eos_id))
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B

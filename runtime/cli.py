@@ -15,7 +15,8 @@ from pathlib import Path
 from dejavu.cli_common import (Parser, add_chat, add_device, add_dtype, add_output_format, add_sampling, chat_encoder,
                                 check_chat_args)
 from dejavu.errors import DejavuError, cli_entry
-from dejavu.generation import GENERATION, check_max_new_tokens, check_repetition_penalty, resolve_temperature
+from dejavu.generation import (GENERATION, check_max_new_tokens, check_openai_penalty, check_repetition_penalty,
+                               resolve_temperature)
 
 OUTPUT_FORMATS = ("text", "jsonl", "json")
 
@@ -149,6 +150,8 @@ def main(argv=None) -> int:
     temperature = resolve_temperature(args.temperature, args.top_k, args.top_p, args.min_p)
     if args.repetition_penalty is not None:
         check_repetition_penalty(args.repetition_penalty)
+    presence = check_openai_penalty(args.presence_penalty, "--presence-penalty")
+    frequency = check_openai_penalty(args.frequency_penalty, "--frequency-penalty")
     if not Path(args.engine).is_file():
         raise DejavuError(f"engine file not found: {args.engine}")
     ids = _encode_checked(args.engine, prompts, n, args.chat, args.system)
@@ -159,7 +162,8 @@ def main(argv=None) -> int:
                       batch_policy=args.batch_policy, dtype=args.dtype)
     tok = eng.tokenizer
     kw = dict(temperature=temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, min_p=args.min_p,
-              repetition_penalty=args.repetition_penalty)  # None: the checkpoint's
+              repetition_penalty=args.repetition_penalty,  # None: the checkpoint's
+              presence_penalty=presence, frequency_penalty=frequency)
     out, fmt = sys.stdout, args.output_format
     if fmt == "text" and args.prompt is not None:
         if not args.chat:  # a completion continues the prompt; a chat reply stands alone

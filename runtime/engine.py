@@ -193,8 +193,8 @@ class Engine:
                  top_k: int = GENERATION.top_k, top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed,
                  stream: Callable[[list[int | None]], None] | None = None,
                  stop_at_eos: bool = True, repetition_penalty: float | None = GENERATION.repetition_penalty,
-                 min_p: float = GENERATION.min_p, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0) -> list[list[int]]:
+                 min_p: float = GENERATION.min_p, presence_penalty: float = GENERATION.presence_penalty,
+                 frequency_penalty: float = GENERATION.frequency_penalty) -> list[list[int]]:
         """New token ids for each prompt (one text, texts, or token-id lists). Defaults:
         `dejavu.generation.GenerationSettings` (temperature None: greedy, or 1.0 with top_k /
         top_p; repetition_penalty None: the checkpoint's, as transformers' generate applies its

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from dejavu.errors import DejavuError
-from dejavu.generation import GENERATION, check_repetition_penalty, resolve_temperature
+from dejavu.generation import GENERATION, check_openai_penalty, check_repetition_penalty, resolve_temperature
 from dejavu.models.sampling import Penalties, sample_next
 
 
@@ -62,7 +62,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              top_p: float = GENERATION.top_p, seed: int | None = GENERATION.seed,
              stream: Callable[[list[int | None]], None] | None = None,
              stop_at_eos: bool = True, repetition_penalty: float = 1.0, min_p: float = GENERATION.min_p,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> list[list[int]]:
+             presence_penalty: float = GENERATION.presence_penalty,
+             frequency_penalty: float = GENERATION.frequency_penalty) -> list[list[int]]:
     """New tokens per prompt (the prompt excluded; ends with EOS when one was produced).
 
     The first new token comes from the dense prefill (a Llama engine thresholds each sequence's first
@@ -72,10 +73,12 @@ def generate(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     with stop_at_eos=False the loop never waits for the device (benchmark mode). temperature
     None: greedy, or 1.0 when top_k / top_p ask for sampling (`dejavu.generation`). repetition_penalty: a
     prompt's or generated token's logit divided by it where positive, multiplied where negative, before sampling
-    (transformers' RepetitionPenaltyLogitsProcessor; 1.0: off); presence_penalty / frequency_penalty:
-    OpenAI's, subtracted from a generated token's logit once / per occurrence (models/sampling.Penalties)."""
+    (transformers' RepetitionPenaltyLogitsProcessor; 1.0: off); presence_penalty / frequency_penalty: OpenAI's, in
+    [-2, 2], subtracted from a generated token's logit once / per occurrence (models/sampling.Penalties; 0: off)."""
     temperature = resolve_temperature(temperature, top_k, top_p, min_p)
     check_repetition_penalty(repetition_penalty)
+    presence_penalty = check_openai_penalty(presence_penalty, "presence_penalty")
+    frequency_penalty = check_openai_penalty(frequency_penalty, "frequency_penalty")
     if max_new_tokens < 0:
         raise DejavuError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     spec, dec, dev = engine.spec, engine.decoder, engine.device

@@ -15,7 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from dejavu.generation import GENERATION, model_sampling
+from dejavu.errors import DejavuError
+from dejavu.generation import GENERATION, check_openai_penalty, model_sampling
 
 
 class ApiError(Exception):
@@ -146,6 +147,14 @@ def _int(body, name, default=None):
     return v
 
 
+def _penalty(body, name) -> float:
+    v = body.get(name)
+    try:
+        return getattr(GENERATION, name) if v is None else check_openai_penalty(v, f"'{name}'")
+    except DejavuError as e:
+        raise _bad(str(e), name) from None
+
+
 def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
@@ -187,7 +196,7 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
     top_k = _int(body, "top_k", defaults.top_k)
     if top_k < -1:
         raise _bad(f"'top_k' must be -1, 0 (off) or positive, got {top_k}", "top_k")
-    penalties = {k: _number(body, k, 0.0, -2.0, 2.0) for k in ("presence_penalty", "frequency_penalty")}
+    penalties = {k: _penalty(body, k) for k in ("presence_penalty", "frequency_penalty")}
     penalties["repetition_penalty"] = _number(body, "repetition_penalty", defaults.repetition_penalty, 0.0,
                                               float("inf"), lo_open=True)
     bias = body.get("logit_bias") or {}

@@ -11,9 +11,11 @@ earlier calls with their arguments as objects (OpenAI sends them as JSON text; t
   calls separated by "; ", after Llama's `<|python_tag|>` where the model writes it;
 - `pythonic` (Llama 3.2's and Llama 4's pythonic templates): the reply is a Python list of calls with keyword
   arguments, `[get_weather(city="Paris"), get_time()]`, read with `ast` (literals only, nothing evaluated);
-- `mistral` (Mistral 7B v0.3, Nemo, Small): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any text,
-  `[TOOL_CALLS]` a special token (so the reply is detokenized with special tokens, as vLLM does), the calls' ids
-  nine letters and digits (Mistral's templates refuse others when the calls come back).
+- `mistral`, after any text, in either of Mistral's forms: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+  (tokenizers before v11: Mistral 7B v0.3, Nemo) or `[TOOL_CALLS]name[ARGS]{...}`, once per call (v11 on: Mistral
+  Small 3.2, Magistral, Devstral); `[TOOL_CALLS]` and `[ARGS]` special tokens (so the reply is detokenized with special
+  tokens, as vLLM does), the calls' ids nine letters and digits (Mistral's templates refuse others when the calls
+  come back).
 
 A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
 may have begun (`StreamGate`); the calls follow whole, one delta each, when the reply ends.
@@ -30,8 +32,9 @@ PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
-_MISTRAL_START = "[TOOL_CALLS]"
+_MISTRAL_START, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _MISTRAL_ARRAY = re.compile(r"\[{.*}\]", re.DOTALL)
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
@@ -95,13 +98,24 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
         if parser == "mistral":
             if _MISTRAL_START not in text:
                 return text, []
-            body = text.replace(_MISTRAL_START, "").strip()
-            try:
-                arr = json.loads(body)
-            except json.JSONDecodeError:  # text after the calls: the array alone, as vLLM finds it
-                arr = json.loads(_MISTRAL_ARRAY.findall(body)[0])
-            calls = [_call(d["name"], d.get("arguments", {}), short_id=True) for d in arr]
-            content = text.split(_MISTRAL_START)[0]
+            content, *raws = text.split(_MISTRAL_START)
+            if raws[0].lstrip().startswith("["):  # before v11: one JSON array
+                body = text.replace(_MISTRAL_START, "").strip()
+                try:
+                    arr = json.loads(body)
+                except json.JSONDecodeError:  # text after the calls: the array alone, as vLLM finds it
+                    arr = json.loads(_MISTRAL_ARRAY.findall(body)[0])
+                calls = [_call(d["name"], d.get("arguments", {}), short_id=True) for d in arr]
+            else:  # v11 on: name[ARGS]{...} after each [TOOL_CALLS]
+                calls = []
+                for raw in raws:
+                    name, sep, args = raw.partition(_MISTRAL_ARGS)
+                    args = json.loads(args) if sep else None
+                    if not isinstance(args, dict):
+                        raise ValueError("a call without [ARGS] and a JSON object")
+                    if not _FUNCTION_NAME.fullmatch(name.strip()):  # another token between ([CALL_ID], ...)
+                        raise ValueError(f"{name!r} is not a function's name")
+                    calls.append(_call(name.strip(), args, short_id=True))
             return content or None, calls
     except (ValueError, KeyError, TypeError, AttributeError, SyntaxError, RecursionError, IndexError):
         return text, []

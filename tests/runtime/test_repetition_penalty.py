@@ -1,5 +1,6 @@
 """The repetition penalty of `Engine.generate`, `dejavu-run`, the dense `generate` and the server's scheduler
-(models/sampling.Penalties) against transformers' RepetitionPenaltyLogitsProcessor and its `generate`."""
+(models/sampling.Penalties) against transformers' RepetitionPenaltyLogitsProcessor and its `generate`; OpenAI's
+presence / frequency penalties of the same against a reference loop."""
 from __future__ import annotations
 
 import json
@@ -161,19 +162,102 @@ def test_min_p_draws_from_transformers_kept_set():
         sample_next(logits, 1.0, 0, 1.0, g, min_p=2.0)
 
 
+def _openai_greedy(model, prompt: list[int], n: int, presence: float, frequency: float) -> list[int]:
+    """Greedy tokens by hand: the dense model's logits (the whole sequence recomputed each step, in float64) minus
+    OpenAI's formula over the tokens generated so far, frequency * count + presence * [count > 0]."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            lg = model(torch.tensor([prompt + out]))[0, -1].double()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=lg.numel()).double()
+            out.append(int((lg - frequency * counts - presence * (counts > 0).double()).argmax()))
+    return out
+
+
 def test_engine_presence_and_frequency_penalties_follow_openais_formula(built):
     """Engine.generate's presence / frequency penalties: its greedy tokens equal a reference loop over the dense
-    model's logits minus OpenAI's formula over the generated tokens, and differ from the unpenalized ones."""
+    model's logits minus OpenAI's formula over the generated tokens, and differ from the unpenalized ones; a value
+    outside [-2, 2] is a DejavuError."""
     from dejavu.models.auto import load_llama
 
     folder, path, _ = built
     eng, model = Engine.load(path), load_llama(folder)[0]
-    prompt, out = PROMPTS[0], []
-    with torch.no_grad():
-        for _ in range(12):
-            lg = model(torch.tensor([prompt + out]))[0, -1].double()
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=lg.numel()).double()
-            out.append(int((lg - 0.9 * counts - 0.6 * (counts > 0).double()).argmax()))
+    prompt, out = PROMPTS[0], _openai_greedy(model, PROMPTS[0], 12, 0.6, 0.9)
     got = eng.generate([prompt], 12, stop_at_eos=False, repetition_penalty=1.0, presence_penalty=0.6,
                        frequency_penalty=0.9)[0]
     assert got == out and got != eng.generate([prompt], 12, stop_at_eos=False, repetition_penalty=1.0)[0]
+    with pytest.raises(DejavuError, match=r"frequency_penalty must be a number in \[-2, 2\], got -3"):
+        eng.generate([prompt], 4, frequency_penalty=-3)
+
+
+def test_dense_generate_presence_and_frequency_penalties_follow_openais_formula(built):
+    """The dense `generate`: with presence penalty 2 the greedy tokens never repeat where the unpenalized ones do,
+    and equal the reference loop; presence and frequency together on a left-padded batch equal the loop per prompt;
+    a value outside [-2, 2] is a DejavuError."""
+    from dejavu.models.auto import load_llama
+
+    model = load_llama(built[0])[0]
+    for prompt in PROMPTS:
+        plain = dense_generate(model, [prompt], 16)[0]
+        got = dense_generate(model, [prompt], 16, presence_penalty=2.0)[0]
+        assert len(set(plain)) < 16 and len(set(got)) == 16
+        assert got == _openai_greedy(model, prompt, 16, 2.0, 0.0)
+    assert dense_generate(model, PROMPTS, 12, presence_penalty=0.6, frequency_penalty=0.9) == \
+        [_openai_greedy(model, p, 12, 0.6, 0.9) for p in PROMPTS]
+    with pytest.raises(DejavuError, match="presence_penalty must be a number in"):
+        dense_generate(model, PROMPTS, 4, presence_penalty=2.5)
+
+
+BAD_PENALTIES = [("--presence-penalty", "2.5"), ("--frequency-penalty", "-3"), ("--presence-penalty", "nan")]
+
+
+def _one_error_line(capsys, e, flag: str) -> None:
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"dejavu: error: {flag} must be a number in [-2, 2], got "), err
+
+
+def test_dejavu_run_presence_and_frequency_penalties(built, capsys):
+    """dejavu-run --presence-penalty 2: greedy tokens that never repeat (the unpenalized ones do), equal to the
+    reference loop; --frequency-penalty alone too; a value outside [-2, 2] (or NaN) is one error line, exit 2."""
+    from dejavu.models.auto import load_llama
+    from dejavu.runtime.cli import main as run_main
+
+    folder, path, _ = built
+    model, prompt = load_llama(folder)[0], Engine.load(path).tokenizer.encode("The game")
+    args = [str(path), "--prompt", "The game", "--max-new-tokens", "12", "--output-format", "json"]
+    got = {}
+    for extra in ([], ["--presence-penalty", "2"], ["--frequency-penalty", "1.5"]):
+        assert run_main(args + extra) == 0
+        got[tuple(extra)] = json.loads(capsys.readouterr().out)["outputs"][0]["tokens"]
+    assert len(set(got[()])) < 12 and len(set(got[("--presence-penalty", "2")])) == 12
+    assert got[("--presence-penalty", "2")] == _openai_greedy(model, prompt, 12, 2.0, 0.0)
+    assert got[("--frequency-penalty", "1.5")] == _openai_greedy(model, prompt, 12, 0.0, 1.5) != got[()]
+    for flag, value in BAD_PENALTIES:
+        with pytest.raises(SystemExit) as e:
+            run_main(args + [flag, value])
+        _one_error_line(capsys, e, flag)
+
+
+def test_dejavu_generate_presence_and_frequency_penalties(built, capsys):
+    """dejavu-generate (the dense model) --presence-penalty / --frequency-penalty: the text of the reference loop's
+    tokens, other than the unpenalized text; a value outside [-2, 2] (or NaN) is one error line before the load."""
+    from dejavu.models.auto import load_llama, load_text_tokenizer
+    from dejavu.models.cli import main as gen_main
+
+    folder = built[0]
+    model, tok = load_llama(folder)[0], load_text_tokenizer(folder)
+    ids = tok.encode("The game")
+    args = [str(folder), "--prompt", "The game", "--max-new-tokens", "12", "--device", "cpu", "--dtype", "float32"]
+    assert gen_main(args) == 0
+    plain = capsys.readouterr().out
+    for extra, presence, frequency in ((["--presence-penalty", "2"], 2.0, 0.0),
+                                       (["--presence-penalty", "0.5", "--frequency-penalty", "1"], 0.5, 1.0)):
+        assert gen_main(args + extra) == 0
+        out = capsys.readouterr().out
+        assert out == "The game" + tok.decode(_openai_greedy(model, ids, 12, presence, frequency)) + "\n" != plain
+    for flag, value in BAD_PENALTIES:
+        with pytest.raises(SystemExit) as e:
+            gen_main(args + [flag, value])
+        _one_error_line(capsys, e, flag)

@@ -915,6 +915,9 @@ def test_tool_requests_the_server_cannot_answer_are_400(tiny, tool_engine):
     ("mistral", 'Sure.[TOOL_CALLS][{"name": "f", "arguments": {"a": "x"}}, {"name": "g", "arguments": {}}]'),
     ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {}}] and text after'),
     ("mistral", "[TOOL_ is not [TOOL_CALLS] followed by calls"),
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par'),  # cut short: content
+    ("mistral", "[TOOL_CALLS]get_time{}"),  # no [ARGS]: content
 ])
 def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
     """Fed a character at a time, the streamed content and the calls at the end equal parsing the whole reply."""
@@ -996,6 +999,30 @@ def test_tokenize_and_detokenize_as_vllm_answers(live, ref, tool_engine):
         assert got == want and "<tools>" in srv.server.tokenizer.decode(got)
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("reply, content, want", [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [("get_weather", {"city": "Paris"})]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}', None,
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ('Let me look.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}', "Let me look.\n",
+     [("get_weather", {"city": "Paris", "days": [1, 2]})]),
+    ('Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+     '"arguments": {}}]', "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": CET}', None, []),
+    ('[TOOL_CALLS]get_weather[ARGS]["Paris"]', None, []),
+    ('[TOOL_CALLS][ARGS]{"city": "Paris"}', None, []),
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', None, []),  # a form not read: content
+])
+def test_mistral_parser_reads_both_forms(reply, content, want):
+    """The mistral parser reads v11's `[TOOL_CALLS]name[ARGS]{...}` (repeated per call) and the older JSON array;
+    the text before the first [TOOL_CALLS] is content; a call that does not parse makes the whole reply content."""
+    from dejavu.runtime.tool_calls import parse
+
+    got_content, calls = parse("mistral", reply)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want
+    assert got_content == (content if want else reply)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
 
 
 def test_mistral_tool_calls_keep_special_tokens_and_short_ids(tool_engine):
