@@ -181,13 +181,15 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
             variant_skip: float = 0.5) -> tuple[list, dict]:
     """[(system, skip, LlamaEngine)] sharing one weight set (skip 0: the dense graph), then one engine
     per kernel-settings variant (InputSparseSettings fields over the defaults, recorded in the header
-    as a build would) at variant_skip; and the calibration record."""
+    as a build would) at variant_skip (the DejavuError in its place where its load-time kernel check refuses it);
+    and the calibration record."""
 
     from dejavu.compiler.config import BuildConfig
     from dejavu.compiler.build import target_info
     from dejavu.plugins import InputSparseSettings
     from dejavu.compiler.build_llama import (INPUTS, _Blocks, density_for_skip, llama_header, llama_tensors)
     from dejavu.compiler.gated_sparsity import calibrate
+    from dejavu.errors import DejavuError
     from dejavu.runtime import Engine
 
     model = random_model(c, dtype, dev)
@@ -211,7 +213,12 @@ def engines(c: dict, skips: list[float], dtype, dev, calib_tokens: int, backend=
         target["kernel_settings"] = with_variant(ks, variant)
         header = llama_header(f"random-{c['hidden_size']}", cfg, bc, target, {k: s for k in INPUTS}, th,
                               {"corpus": "random tokens", "n_tokens": calib_tokens}, "")
-        out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
+        try:
+            out.append((system, s, Engine.from_tensors(header, tensors, device=dev, backend=backend)))
+        except DejavuError as e:  # a variant its load-time kernel check refuses: recorded, the others run
+            if not variant:
+                raise
+            out.append((system, s, e))
     return out, {"tokens": calib_tokens, "source": "uniform random token ids"}
 
 
@@ -485,6 +492,10 @@ def bench_shape(run: Run, name: str, c: dict, a, dev, bw: float) -> None:
     variants = a.kernel_variants if name in a.variant_models else []
     engs, calib = engines(c, a.skips, dtype, dev, a.calib_tokens, variants=variants, variant_skip=a.variant_skip)
     for i, (system, s, eng) in enumerate(engs):
+        if isinstance(eng, Exception):
+            run.add("errors", {"model": name, "system": system, "error": f"refused as it loads: {eng}"})
+            print(f"{name:16} {system:12} refused: {eng}", flush=True)
+            continue
         if i > len(a.skips) and a.budget_s and time.perf_counter() - a.t0 > a.budget_s:  # a variant, past the budget
             run.add("skipped", {"model": name, "system": system, "reason": f"past --budget-s {a.budget_s:g}"})
             eng.release()
