@@ -28,6 +28,35 @@ FORMS = [("unfused", {}), ("fused", {"fuse_mlp": True}), ("fused_i16", {"fuse_ml
          ("fused_w1", {"fuse_mlp": True, "num_warps": 1})]
 
 
+def diagnose(dev, dt) -> dict:
+    """The fused kernel with down = the identity on its first I outputs (D 8192 > I 3584): the output less x is h
+    where kept, so a wrong neuron shows by its index; with no neuron kept (t_down huge) x must come back unchanged,
+    and with every one kept (t_down -1) the whole product."""
+    D, I = 8192, 3584
+    g = torch.Generator(device=dev).manual_seed(1)
+    wgu = torch.randn(D, 2 * I, device=dev, dtype=dt, generator=g) * 0.02
+    wd = torch.zeros(I, D, device=dev, dtype=dt)
+    wd[:, :I] = torch.eye(I, device=dev, dtype=dt)
+    nw = torch.ones(D, device=dev, dtype=dt)
+    x = torch.randn(2, D, device=dev, generator=g)
+    gu = linear_ref(x, wgu.float(), 0.5, (nw.float(), 1e-5)).to(dt)
+    h = IS.produce_ref(gu, swiglu=True).float()
+    out = {}
+    for fields in ({"fuse_mlp": True}, {"fuse_mlp": True, "num_warps": 1}):
+        ops = LlamaOps("triton", DEFAULT.with_overrides({"input_sparse": fields}))
+        for t_down in (0.05, -1.0, 1e9):
+            y = ops.mlp(x.clone(), wgu, wd, 0.5, t_down, (nw, 1e-5))
+            torch.cuda.synchronize()
+            want = h * (h.abs() > t_down)
+            got = (y - x)[:, :I]
+            bad = ((got - want).abs() > 1e-2 * (want.abs() + 1e-3)).nonzero().tolist()
+            out[f"{json.dumps(fields)} t_down {t_down:g}"] = {
+                "max_err": float((got - want).abs().max()), "rest_max": float((y - x)[:, I:].abs().max()),
+                "n_bad": len(bad), "bad_first": bad[:12], "ratio_first": [
+                    round(float(got[b, j] / want[b, j]), 4) if float(want[b, j]) else None for b, j in bad[:12]]}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -64,7 +93,10 @@ def main() -> int:
                      "max_down": float(down.abs().max()), "alpha": round(alpha, 4), "us": round(us, 2)}
                 print(json.dumps(r), flush=True)
                 rows.append(r)
-    Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    diag = diagnose(dev, dt)
+    print(json.dumps(diag), flush=True)
+    Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows, "diagnosis": diag},
+                                      indent=1))
     return 0
 
 
