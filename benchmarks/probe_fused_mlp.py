@@ -28,11 +28,10 @@ FORMS = [("unfused", {}), ("fused", {"fuse_mlp": True}), ("fused_i16", {"fuse_ml
          ("fused_w1", {"fuse_mlp": True, "num_warps": 1})]
 
 
-def diagnose(dev, dt) -> dict:
+def diagnose(dev, dt, D: int = 8192, I: int = 3584) -> dict:
     """The fused kernel with down = the identity on its first I outputs (D 8192 > I 3584): the output less x is h
     where kept, so a wrong neuron shows by its index; with no neuron kept (t_down huge) x must come back unchanged,
     and with every one kept (t_down -1) the whole product."""
-    D, I = 8192, 3584
     g = torch.Generator(device=dev).manual_seed(1)
     wgu = torch.randn(D, 2 * I, device=dev, dtype=dt, generator=g) * 0.02
     wd = torch.zeros(I, D, device=dev, dtype=dt)
@@ -42,10 +41,23 @@ def diagnose(dev, dt) -> dict:
     gu = linear_ref(x, wgu.float(), 0.5, (nw.float(), 1e-5)).to(dt)
     h = IS.produce_ref(gu, swiglu=True).float()
     out = {}
-    for fields in ({"fuse_mlp": True}, {"fuse_mlp": True, "num_warps": 1}):
-        ops = LlamaOps("triton", DEFAULT.with_overrides({"input_sparse": fields}))
+    for fields in ({"fuse_mlp": True}, {"fuse_mlp": True, "num_warps": 1}, {"fuse_mlp": True, "sync": 1},
+                   {"fuse_mlp": True, "pdl": 0}):
+        ks = DEFAULT.with_overrides({"input_sparse": {k: v for k, v in fields.items() if k not in ("sync", "pdl")}})
+        if "pdl" in fields:
+            ks = dataclasses.replace(ks, pdl=PDLSettings(ENABLED=False))
+        ops = LlamaOps("triton", ks)
         for t_down in (0.05, -1.0, 1e9):
-            y = ops.mlp(x.clone(), wgu, wd, 0.5, t_down, (nw, 1e-5))
+            if "sync" in fields:  # a barrier after each step of down's loop (the launcher's launch, SYNC 1)
+                y = x.clone()
+                sel = ops._select(y, wgu, 0.5, "gate_up", (nw, 1e-5), dtype=dt)
+                cfg = ops.kinds["gate_up"].input_sparse
+                IS.jit(IS._fused_mlp_kernel, dev)[(2, -(-I // cfg.mlp_block_i))](
+                    *sel, wgu, wd, wgu, y, D, I, D, -(-D // sel[2].shape[1]), sel[2].shape[1], float(t_down),
+                    BLOCK_I=cfg.mlp_block_i, SUB=cfg.block_k // 2, BLOCK_D=cfg.mlp_block_d, HAS_BIAS=False, SYNC=1,
+                    num_warps=cfg.num_warps, **IS.pdl_args(dev, "is_gemv", ks.pdl))
+            else:
+                y = ops.mlp(x.clone(), wgu, wd, 0.5, t_down, (nw, 1e-5))
             torch.cuda.synchronize()
             want = h * (h.abs() > t_down)
             got = (y - x)[:, :I]

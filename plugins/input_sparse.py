@@ -190,7 +190,7 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
 
 def _fused_mlp_kernel(idx_ptr, val_ptr, count_ptr, wgu_ptr, wd_ptr, bias_ptr, acc_ptr, N, I, D, PER, S, t,
                       BLOCK_I: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      GDC: tl.constexpr = 0):
+                      GDC: tl.constexpr = 0, SYNC: tl.constexpr = 0):
     # A SwiGLU MLP in one launch: program (b, pi) owns neurons [pi * BLOCK_I, ...): gate and up over every split's
     # pairs (the whole reduction: no partials), h = silu(gate) * up rounded as down's SwiGLU select rounds it, its
     # neurons with |h| > t, and their rows of wd_t [I, D] times h added into acc [B, D] (fp32) with atomics
@@ -227,6 +227,8 @@ def _fused_mlp_kernel(idx_ptr, val_ptr, count_ptr, wgu_ptr, wd_ptr, bias_ptr, ac
         d_ok = offs_d < D
         w = tl.load(wd_ptr + rows + offs_d[None, :], mask=keep[:, None] & d_ok[None, :], other=0.0)  # kept rows only
         tl.atomic_add(acc_ptr + b * D + offs_d, tl.sum(w.to(tl.float32) * h[:, None], 0), mask=d_ok, sem="relaxed")
+        if SYNC:
+            tl.debug_barrier()
 
 
 def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, bias_ptr, qn_ptr, kn_ptr, eps, B, M,
