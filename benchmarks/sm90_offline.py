@@ -79,8 +79,6 @@ KERNELS = {
                                    {"x_ptr": "*fp32"}),
     "sliced_gemv": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=64, EVEN_M=True, GDC=1), 3),
     "sliced_gemv_k64": ("input_sparse", "_sliced_gemv_kernel", dict(BLOCK_M=64, SUB=32, EVEN_M=True, GDC=1), 3),
-    "fused_mlp": ("input_sparse", "_fused_mlp_kernel", dict(BLOCK_I=32, SUB=32, BLOCK_D=256, HAS_BIAS=False, GDC=1),
-                  3, {"acc_ptr": "*fp32"}),
     "input_sparse_sum_res": ("input_sparse", "_sum_splits_kernel",
                              dict(BLOCK_M=64, SPLIT_K=9, HAS_RES=True, GDC=2), 3),
     "input_sparse_sum_rope": ("input_sparse", "_sum_rope_kernel",

@@ -188,49 +188,6 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
         tl.store(part_ptr + (ps * B + b) * M + offs_m, tl.sum(acc, 0), mask=m_ok)
 
 
-def _fused_mlp_kernel(idx_ptr, val_ptr, count_ptr, wgu_ptr, wd_ptr, bias_ptr, acc_ptr, N, I, D, PER, S, t,
-                      BLOCK_I: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      GDC: tl.constexpr = 0, SYNC: tl.constexpr = 0):
-    # A SwiGLU MLP in one launch: program (b, pi) owns neurons [pi * BLOCK_I, ...): gate and up over every split's
-    # pairs (the whole reduction: no partials), h = silu(gate) * up rounded as down's SwiGLU select rounds it, its
-    # neurons with |h| > t, and their rows of wd_t [I, D] times h added into acc [B, D] (fp32) with atomics
-    b, pi = tl.program_id(0), tl.program_id(1)
-    offs_i = pi * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = offs_i < I
-    dt = val_ptr.dtype.element_ty
-    ar = tl.arange(0, SUB)
-    gdc_enter(GDC)
-    acc_g = tl.zeros([SUB, BLOCK_I], dtype=tl.float32)
-    acc_u = tl.zeros([SUB, BLOCK_I], dtype=tl.float32)
-    for s in range(0, S):  # the select's splits, each's pairs in order
-        n = tl.load(count_ptr + b * S + s)
-        ip, vp = idx_ptr + b * N + s * PER, val_ptr + b * N + s * PER
-        i0, v0 = _pairs(ip, vp, ar, n)
-        for k0 in range(0, n, SUB):
-            pg = _rows_times(wgu_ptr, i0, v0, k0 + ar, n, offs_i, i_ok, 2 * I)
-            pu = _rows_times(wgu_ptr + I, i0, v0, k0 + ar, n, offs_i, i_ok, 2 * I)
-            i0, v0 = _pairs(ip, vp, k0 + SUB + ar, n)
-            acc_g += pg
-            acc_u += pu
-    gdc_release(GDC)
-    g, u = tl.sum(acc_g, 0), tl.sum(acc_u, 0)
-    if HAS_BIAS:  # gate/up's biases, added to the fp32 sums before their rounding (as into the first split's partials)
-        g += tl.load(bias_ptr + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-        u += tl.load(bias_ptr + I + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-    g, u = g.to(dt).to(tl.float32), u.to(dt).to(tl.float32)
-    h = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
-    keep = (tl.abs(h) > t) & i_ok
-    h = tl.where(keep, h, 0.0)
-    rows = offs_i.to(tl.int64)[:, None] * D
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        w = tl.load(wd_ptr + rows + offs_d[None, :], mask=keep[:, None] & d_ok[None, :], other=0.0)  # kept rows only
-        tl.atomic_add(acc_ptr + b * D + offs_d, tl.sum(w.to(tl.float32) * h[:, None], 0), mask=d_ok, sem="relaxed")
-        if SYNC:
-            tl.debug_barrier()
-
-
 def _sum_rope_kernel(part_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, bias_ptr, qn_ptr, kn_ptr, eps, B, M,
                      QD, KD, T, HKV, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
                      HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, GDC: tl.constexpr = 0, ROT_D: tl.constexpr = 0):
@@ -420,39 +377,6 @@ def sliced_gemv_add(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w
     an atomic (no split-K sum launch, no partials; the order of the splits' adds is not fixed, so the last
     bits vary from run to run). The fp32 residual stream's o and down (input_sparse.fp32_residual)."""
     return sliced_parts(idx, val, count, w_t, settings, acc=acc)
-
-
-def fused_mlp_add(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, wgu_t: torch.Tensor, wd_t: torch.Tensor,
-                  t: float, acc: torch.Tensor, bias: torch.Tensor | None = None,
-                  settings: KernelSettings | None = None) -> torch.Tensor:
-    """acc [B, D] (fp32) += down(h) in place, and returned: h = silu(gate) * up of the pairs' gate/up GEMV (wgu_t
-    [N, 2I] = gate | up; + bias [2I]), its inputs with |h| > t times their rows of wd_t [I, D]; one launch where
-    sliced_parts, down's SwiGLU select and sliced_gemv_add take three (input_sparse.fuse_mlp). Atomic adds: the
-    last bits vary from run to run."""
-    config = (settings or DEFAULT).input_sparse
-    check_tensor("val", val, ndim=2, dtypes=FLOAT_DTYPES)
-    B, N = val.shape
-    check_tensor("idx", idx, shape=(B, N), dtype=torch.int32, device=val.device)
-    check_tensor("count", count, ndim=2, dtype=torch.int32, device=val.device)
-    check_tensor("wgu_t", wgu_t, ndim=2, dtype=val.dtype, device=val.device)
-    I = wgu_t.shape[1] // 2
-    check_tensor("wgu_t", wgu_t, shape=(N, 2 * I))
-    check_tensor("wd_t", wd_t, ndim=2, dtype=val.dtype, device=val.device)
-    D = wd_t.shape[1]
-    check_tensor("wd_t", wd_t, shape=(I, D))
-    check_tensor("acc", acc, shape=(B, D), dtype=torch.float32, device=val.device)
-    if bias is not None:
-        check_tensor("bias", bias, shape=(2 * I,), dtype=val.dtype, device=val.device)
-    split = count.shape[1]
-    if count.shape[0] != B or not 1 <= split <= max(N, 1):
-        raise DejavuError(f"count: expected shape ({B}, split <= {N}), got {tuple(count.shape)}")
-    block_i = config.mlp_block_i
-    jit(_fused_mlp_kernel, val.device)[(B, -(-I // block_i))](
-        idx, val, count, wgu_t, wd_t, wgu_t if bias is None else bias, acc, N, I, D, -(-N // split), split,
-        float(t), BLOCK_I=block_i, SUB=max(1, config.block_k // 2), BLOCK_D=config.mlp_block_d,
-        HAS_BIAS=bias is not None, num_warps=config.num_warps,
-        **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
-    return acc
 
 
 def sliced_gemv(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t: torch.Tensor,

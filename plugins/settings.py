@@ -166,11 +166,6 @@ class InputSparseSettings:
     # benchmarks/gpu/llama_fp32_residual.sh`). The order of the splits' adds is not fixed, so the last bits vary
     # run to run; False is the bit-reproducible form (an fp16 stream, the sums by their launches)
     fp32_residual: bool = True
-    # gate/up, down's SwiGLU select and down in one launch (input_sparse.fused_mlp_add; fp32_residual's stream):
-    # a program's mlp_block_i neurons over every kept input, then their kept rows of down, mlp_block_d columns a step
-    fuse_mlp: bool = False
-    mlp_block_i: int = 32
-    mlp_block_d: int = 256
     # per projection kind of a Llama block (PROJECTIONS), the fields that differ from this table there:
     # (kind, field, value) triples (resolve_projection_settings). gate/up with block_k 64: 45.8 vs 54.6 us a
     # launch on Llama-3-8B, 3.909 vs 4.180 ms a step with the attention kernel (1.75x the dense graph's 6.850);
@@ -243,8 +238,10 @@ class KernelSettings:
 
 
 # InputSparseSettings fields of older headers, at the value of the one form left: the mask mode's removal (select),
-# the GEMV's rows a step ahead and its pipelined loop (prefetch_w, loop_stages; measured slower, f72ba62 holds them)
-REMOVED_INPUT_SPARSE = (("select", "list"), ("prefetch_w", False), ("loop_stages", None))
+# the GEMV's rows a step ahead and its pipelined loop (prefetch_w, loop_stages; measured slower, f72ba62 holds them),
+# the SwiGLU MLP in one launch (fuse_mlp and its blocks; measured slower, ea722ab holds it)
+REMOVED_INPUT_SPARSE = (("select", "list"), ("prefetch_w", False), ("loop_stages", None), ("fuse_mlp", False),
+                        ("mlp_block_i", 32), ("mlp_block_d", 256))
 
 
 def _from_dict(cls, d, where: str):

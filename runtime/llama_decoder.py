@@ -132,8 +132,6 @@ class LlamaOps:
         self.attn_kernel = backend == "triton" and self.settings.gqa_attn.kernel
         # the residual stream in fp32, o and down adding into it (input_sparse.fp32_residual; decode steps only)
         self.fp32_residual = backend == "triton" and self.settings.input_sparse.fp32_residual
-        # gate/up, down's select and down in one launch on that stream (input_sparse.fuse_mlp)
-        self.fuse_mlp = self.fp32_residual and self.settings.input_sparse.fuse_mlp
         self.kernels = {"input_sparse_gemv": backend, "gqa_attention": "triton" if self.attn_kernel else "torch"}
 
     def _select(self, x, w_t: torch.Tensor, t: float, kind: str, norm=None, swiglu: bool = False, dtype=None):
@@ -190,11 +188,6 @@ class LlamaOps:
         output alone (tensor parallel: a rank's part, added after the all-reduce). bgu: gate/up's biases [2I]
         (mlp_bias checkpoints), added before the SwiGLU (into the first split's partials); down's bias is the
         caller's, as every output bias is."""
-        if self.fuse_mlp and add and t_in > 0 and x.dtype == torch.float32:  # one launch after the select
-            from dejavu.plugins.input_sparse import fused_mlp_add
-
-            sel = self._select(x, wgu_t, t_in, "gate_up", norm, dtype=wgu_t.dtype)
-            return fused_mlp_add(*sel, wgu_t, wd_t, t_down, x, bgu, settings=self.kinds["gate_up"])
         gu = self.gate_up(x, wgu_t, t_in, norm)
         if bgu is not None and gu.dim() == 3:
             gu[0] += bgu  # one launch; the partials are this step's own tensor
@@ -255,14 +248,6 @@ class LlamaOps:
             norm = (tensors[f"layers.0.{norm_name}"], spec.rms_norm_eps) if norm_name else None
             ref = linear_ref(x.float(), w.float(), t, norm and (norm[0].float(), norm[1]), swiglu=kind == "down")
             out[key] = _checked(key, self.linear(x, w, t, norm, swiglu=kind == "down", kind=kind), ref)
-        if self.fuse_mlp and "gate_up" in kinds and spec.skip > 0:  # the MLP in one launch, from the fp32 stream
-            wgu, wd, nw = (tensors[f"layers.0.{n}"] for n in ("mlp.wgu_t", "mlp.wd_t", "mlp_norm"))
-            x = torch.randn(2, wgu.shape[0], generator=torch.Generator().manual_seed(2)).to(wgu.device)
-            t_in, t_down = (spec.thresholds[k][0] for k in ("mlp_in", "down_in"))
-            gu = linear_ref(x, wgu.float(), t_in, (nw.float(), spec.rms_norm_eps))
-            ref = linear_ref(gu.to(wgu.dtype).float(), wd.float(), t_down, swiglu=True, residual=x)
-            out["fused_mlp"] = _checked("fused_mlp", self.mlp(x.clone(), wgu, wd, t_in, t_down,
-                                                              (nw, spec.rms_norm_eps)), ref)
         if self.attn_kernel:
             from dejavu.plugins import gqa_attention as GA
 

@@ -9,7 +9,7 @@ import torch
 
 from dejavu.errors import DejavuError
 from dejavu.plugins import DEFAULT, InputSparseSettings as _s
-from dejavu.plugins.input_sparse import (fused_mlp_add, input_sparse_gemv_ref, produce_ref, select_slices, select_slices_ref,
+from dejavu.plugins.input_sparse import (input_sparse_gemv_ref, produce_ref, select_slices, select_slices_ref,
                                          qkv_rope, sliced_gemv, sliced_gemv_add, sliced_parts, sliced_qkv_rope,
                                          sliced_qkv_rope_ref, split_k_for, sum_parts_ref)
 from conftest import DTYPES
@@ -182,71 +182,6 @@ def test_select_slices_sums_the_previous_gemvs_partials(triton_interp, close, dt
     out = sliced_gemv(idx, val, count, w2, settings=_ks(SMALL))
     h = produce_ref(y, nw, 1e-5, producer == "swiglu")
     close(out, (h.double() * (h.float().abs() > t)) @ w2.double(), input_sparse_gemv_ref(h, w2, t))
-
-
-def _clear_threshold(h: torch.Tensor, q: float) -> float:
-    """A threshold near the q-quantile of |h| in the widest gap between its values there: no value within rounding
-    of it, so every rounding of h keeps the same inputs."""
-    a = h.double().abs().flatten().sort().values
-    lo, hi = int(q * len(a)) - len(a) // 8, int(q * len(a)) + len(a) // 8
-    gaps = a[lo + 1:hi + 1] - a[lo:hi]
-    j = lo + int(gaps.argmax())
-    return float((a[j] + a[j + 1]) / 2)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,D,I,split,bias,config", [
-    (1, 72, 40, 3, False, dataclasses.replace(SMALL, mlp_block_i=16, mlp_block_d=32)),
-    (2, 130, 96, 1, True, dataclasses.replace(SMALL, mlp_block_i=32, mlp_block_d=64)),
-    (3, 64, 50, 4, False, dataclasses.replace(WIDE_K, mlp_block_i=8, mlp_block_d=128))])
-def test_fused_mlp_adds_down_of_the_kept_swiglu_into_the_stream(triton_interp, dtype, B, D, I, split, bias,
-                                                                config):
-    """gate/up over the select's pairs, SwiGLU, down's threshold and down's kept rows in one launch, added into the
-    fp32 stream in place: against float64 (h as the unfused path rounds it, thresholds clear of every h), against
-    the unfused launches on the same pairs, with gate/up's biases; rows of w_t, wgu_t's columns past I (none) and
-    wd_t's rows of neurons not kept are NaN, so reading one would poison the stream."""
-    g = torch.Generator().manual_seed(D * I + split)
-    x = torch.randn(B, D, generator=g) * 2
-    x[:, ::5] = 0.0  # never kept
-    wgu = (torch.randn(D, 2 * I, generator=g) / D ** 0.5).to(dtype)
-    wd = (torch.randn(I, D, generator=g) / I ** 0.5).to(dtype)
-    bgu = (0.1 * torch.randn(2 * I, generator=g)).to(dtype) if bias else None
-    t_in = _clear_threshold(x, 0.5)
-    idx, val, count = select_slices(x.to(dtype), t_in, split, settings=_ks(config))
-    gu = input_sparse_gemv_ref(x.to(dtype), wgu, t_in).float() + (0 if bgu is None else bgu.float())
-    gu = gu.to(dtype)  # rounded once from the fp32 sum, as the kernels round it
-    h = produce_ref(gu, swiglu=True)
-    t_down = _clear_threshold(h, 0.4)
-    kept_in, kept = x.abs() > t_in, h.float().abs() > t_down
-    stream = torch.randn(B, D, generator=g)
-    before = stream.clone()
-    wgu_p = torch.where(kept_in.any(0)[:, None], wgu, torch.full_like(wgu, float("nan")))
-    wd_p = torch.where(kept.any(0)[:, None], wd, torch.full_like(wd, float("nan")))
-    assert fused_mlp_add(idx, val, count, wgu_p, wd_p, t_down, stream, bgu, settings=_ks(config)) is stream
-    ref64 = before.double() + (h.double() * kept) @ wd.double()
-    part = sliced_parts(idx, val, count, wgu, settings=_ks(config))
-    if bgu is not None:
-        part[0] += bgu.float()
-    unfused = before.clone()
-    sliced_gemv_add(*select_slices(part, t_down, 2, swiglu=True, dtype=dtype, settings=_ks(config)), wd, unfused,
-                    settings=_ks(config))
-    assert torch.isfinite(stream).all()
-    bound = _ROUNDED[dtype]["rtol"] * float(ref64.abs().max())  # a rounding of gate / up in dtype: one ulp of h
-    for got in (stream, unfused):
-        assert float((got.double() - ref64).abs().max()) <= bound
-    assert float((stream - unfused).abs().max()) <= bound
-
-
-def test_fused_mlp_checks_its_inputs(triton_interp):
-    x = torch.randn(1, 16)
-    idx, val, count = select_slices(x, 0.5, 2, settings=_ks(SMALL))
-    wgu, wd, acc = torch.randn(16, 24), torch.randn(12, 16), torch.zeros(1, 16)
-    with pytest.raises(DejavuError, match=r"wd_t: expected shape \(12, 16\)"):
-        fused_mlp_add(idx, val, count, wgu, wd[:10], 0.1, acc)
-    with pytest.raises(DejavuError, match="acc: expected dtype torch.float32"):
-        fused_mlp_add(idx, val, count, wgu, wd, 0.1, acc.double())
-    with pytest.raises(DejavuError, match=r"bias: expected shape \(24,\)"):
-        fused_mlp_add(idx, val, count, wgu, wd, 0.1, acc, torch.zeros(12))
 
 
 @pytest.mark.parametrize("config", [SMALL, WIDE_K, WIDE_M])

@@ -272,7 +272,6 @@ _KINDS = (("qkv", "block_m", 32), ("o", "min_split_inputs", 8), ("o", "num_warps
 _TRITON_RUNS = {"splits": (16, (), dict(block_s=16), True),
                 "per_kind": (4096, _KINDS, dict(block_s=16, fuse_combine=False), False),
                 "sdpa": (4096, (), dict(kernel=False), True),
-                "fused_mlp": (16, (), dict(block_s=16), True, dict(fuse_mlp=True, mlp_block_i=16, mlp_block_d=32)),
                 "defaults": None}
 
 
@@ -285,8 +284,7 @@ def test_triton_path_under_the_interpreter_equals_the_reference(built, run):
     down adding into an fp32 residual stream (input_sparse.fp32_residual) or summed by their launches
     (`per_kind`), the attention by plugins/gqa_attention (tiles of 16 slots: two splits per row, combined by the o
     projection's select, or by the combine kernel: `per_kind`) or by SDPA over the whole cache (gqa_attn.kernel
-    off: `sdpa`), with gate/up, down's select and down in one launch (input_sparse.fuse_mlp: `fused_mlp`), and at
-    the engine's own settings (`defaults`: gate/up's block_k 64, the attention kernel's tiles
+    off: `sdpa`), and at the engine's own settings (`defaults`: gate/up's block_k 64, the attention kernel's tiles
     of 32, the fp32 residual stream), run by Triton's interpreter in a subprocess (TRITON_INTERPRET must be set
     before triton is imported): logits of batched steps and greedy tokens (two rows at different positions)
     equal the reference ops'."""
@@ -305,21 +303,20 @@ prompts = [[0, 9, 4], [7, 1, 3, 8, 2]]  # rows at different positions
 a, want = ref.decode_logits(ids), ref.generate(prompts, 6, stop_at_eos=False)
 run = {_TRITON_RUNS[run]!r}
 ks = None if run is None else KernelSettings(gqa_attn=GQAAttnSettings(**run[2]), input_sparse=(
-    InputSparseSettings(block_m=16, block_k=8, min_split_inputs=run[0], projections=run[1], fp32_residual=run[3],
-    **(run[4] if len(run) > 4 else {{}}))))
+    InputSparseSettings(block_m=16, block_k=8, min_split_inputs=run[0], projections=run[1], fp32_residual=run[3])))
 tri = Engine.load({str(built[1][0.6])!r}, backend="triton", kernel_settings=ks)
 print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "check": tri.kernel_check,
                   "fp32_residual": tri.ops.fp32_residual, "kernels": tri.describe()["kernels"],
                   "down_block_m": tri.ops.kinds["down"].input_sparse.block_m,
                   "gate_up_block_k": tri.ops.kinds["gate_up"].input_sparse.block_k,
-                  "fuse_mlp": tri.ops.fuse_mlp, "same": want == tri.generate(prompts, 6, stop_at_eos=False)}}))
+                  "same": want == tri.generate(prompts, 6, stop_at_eos=False)}}))
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     want = {"splits": ("triton", 8, True, 16), "per_kind": ("triton", 16, False, 32), "sdpa": ("torch", 8, True, 16),
-            "fused_mlp": ("triton", 8, True, 16), "defaults": ("triton", 64, True, 64)}[run]
+            "defaults": ("triton", 64, True, 64)}[run]
     assert (r["kernels"]["gqa_attention"], r["gate_up_block_k"], r["fp32_residual"], r["down_block_m"]) == want
     assert r["kernels"]["input_sparse_gemv"] == "triton" and r["check"]["input_sparse_gemv"] < 1e-4
     # every projection kind's GEMV with its own settings, checked as the engine loads
@@ -327,9 +324,6 @@ print(json.dumps({{"diff": float((a - tri.decode_logits(ids)).abs().max()), "che
     # the engine's load-time check of the attention kernel (on: against SDPA, over three tiles)
     assert ("gqa_attention" in r["check"]) == (r["kernels"]["gqa_attention"] == "triton")
     assert r["check"].get("gqa_attention", 0.0) < 1e-4
-    # gate/up, down's select and down in one launch (input_sparse.fuse_mlp), checked as the engine loads
-    assert r["fuse_mlp"] == (run == "fused_mlp") and ("fused_mlp" in r["check"]) == r["fuse_mlp"]
-    assert r["check"].get("fused_mlp", 0.0) < 1e-4
     assert r["diff"] <= ATOL and r["same"]
 
 
@@ -366,7 +360,10 @@ def test_kernel_settings_are_read_from_the_header(built):
     got = settings_for({"kernel_settings": {"input_sparse": old, "gqa_attn": {"kernel": False}}}, torch.device("cpu"))
     assert got.input_sparse == InputSparseSettings(block_m=32, projections=(("o", "num_warps", 2),))
     assert got.gqa_attn.kernel is False and LlamaOps("triton", got).kinds["o"].input_sparse.num_warps == 2
-    for removed in ({"prefetch_w": True}, {"loop_stages": 3}):
+    # and headers written while the fused MLP was a setting (its off value and blocks)
+    fused = {"fuse_mlp": False, "mlp_block_i": 32, "mlp_block_d": 256}
+    assert KernelSettings.from_dict({"input_sparse": {**old, **fused}}).input_sparse == got.input_sparse
+    for removed in ({"prefetch_w": True}, {"loop_stages": 3}, {"fuse_mlp": True}):
         with pytest.raises(DejavuError, match=f"kernel_settings.input_sparse: unknown key.s. {next(iter(removed))}"):
             KernelSettings.from_dict({"input_sparse": {**old, **removed}})
 
