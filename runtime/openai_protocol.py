@@ -132,7 +132,7 @@ def _number(body, name, default, lo, hi, lo_open=False):
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(f"'{name}' must be a number, got {type(v).__name__}", name)
-    if v < lo or (lo_open and v == lo) or v > hi:
+    if not lo <= v <= hi or (lo_open and v == lo):  # NaN (JSON's NaN literal) fails too
         rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise _bad(f"'{name}' must be in {rng}, got {v}", name)
     return float(v)

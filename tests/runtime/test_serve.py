@@ -173,6 +173,11 @@ def test_sse_framing(live):
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "x", "temperature": 3}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    (b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),  # Python's json reads NaN
+    (b'{"prompt": "x", "top_p": NaN}', 400, "top_p"),
+    (b'{"prompt": "x", "min_p": NaN}', 400, "min_p"),
+    (b'{"prompt": "x", "repetition_penalty": NaN}', 400, "repetition_penalty"),
+    (b'{"prompt": "x", "presence_penalty": NaN}', 400, "presence_penalty"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": 129}, 400, "n"),
