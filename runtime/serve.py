@@ -411,6 +411,8 @@ class Server:
                         text = ev[1] if gates is None else gates[i].add(ev[1])
                         if text or lp is not None or gates is None:
                             out.append(chunk([choice(i, text, None, p.chat, True, logprobs=lp)]))
+                        for d in gates[i].tool_deltas() if gates is not None else ():  # hermes: calls as written
+                            out.append(chunk([choice(i, None, None, True, True, tool_calls=[d])]))
                         continue
                     left -= 1
                     if ev[0] == "error":
@@ -418,13 +420,13 @@ class Server:
                         continue
                     total += ev[2]
                     reason = ev[1]
-                    if gates is not None:  # what was held back: content, or the calls whole, one delta each
-                        rest, calls = gates[i].finish()
+                    if gates is not None:  # what was held back: content, or the calls' deltas not yet sent
+                        rest, deltas, has_calls = gates[i].finish()
                         if rest:
                             out.append(chunk([choice(i, rest, None, True, True)]))
-                        for j, c in enumerate(calls):
-                            out.append(chunk([choice(i, None, None, True, True, tool_calls=[c.as_dict(j)])]))
-                        reason = "tool_calls" if calls else reason
+                        for d in deltas:
+                            out.append(chunk([choice(i, None, None, True, True, tool_calls=[d])]))
+                        reason = "tool_calls" if has_calls else reason
                     last = left == 0 and not p.include_usage
                     out.append(chunk([choice(i, None if p.chat else "", reason, p.chat, True)],
                                      usage(prompt_tokens, total, _cached(reqs, p.n)) if last else None))

@@ -18,7 +18,10 @@ earlier calls with their arguments as objects (OpenAI sends them as JSON text; t
   come back).
 
 A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
-may have begun (`StreamGate`); the calls follow whole, one delta each, when the reply ends.
+may have begun (`StreamGate`). Under `hermes` a call goes out as it is written, as vLLM streams it: its id and name
+once the name is whole, then its arguments object's text as it comes (a call whose JSON then fails to parse leaves
+the reply content, after its first deltas went out); under the other parsers the calls follow whole, one delta
+each, when the reply ends.
 """
 from __future__ import annotations
 
@@ -49,15 +52,69 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
+def _call_id(short: bool = False) -> str:
+    if short:  # Mistral's: nine letters and digits
+        n = uuid.uuid4().int
+        return "".join(_ALNUM[(n >> (6 * i)) % len(_ALNUM)] for i in range(9))
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 def _call(name, arguments, short_id: bool = False) -> ToolCall:
     if not isinstance(name, str) or not name:
         raise ValueError("a call without a name")
-    if short_id:  # Mistral's: nine letters and digits
-        n = uuid.uuid4().int
-        ident = "".join(_ALNUM[(n >> (6 * i)) % len(_ALNUM)] for i in range(9))
-    else:
-        ident = f"chatcmpl-tool-{uuid.uuid4().hex}"
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), ident)
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), _call_id(short_id))
+
+
+def _scan_call(s: str) -> tuple[str | None, int | None, int | None]:
+    """A call object `{"name": ..., "arguments": ...}` as far as it is written in s: its name once that string is
+    whole (else None), and where its "arguments" value starts and ends in s (None: not yet; the end is past the
+    value's last character)."""
+    name = start = end = None
+    depth, in_str, esc, expect_key, key, at, value_key, pending = 0, False, False, False, None, 0, None, False
+    for i, ch in enumerate(s):
+        if pending and not ch.isspace():  # a value's first character at depth 1
+            pending = False
+            if value_key == "arguments":
+                start = i
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if depth == 1:
+                    try:
+                        lit = json.loads(s[at:i + 1])
+                    except ValueError:  # a control character in the string: not JSON, nothing known from it
+                        lit = None
+                    if expect_key:
+                        key, expect_key = lit, False
+                    elif value_key == "name" and isinstance(lit, str):
+                        name = lit
+                    if value_key == "arguments" and start == at:
+                        end = i + 1
+            continue
+        if ch == '"':
+            in_str, at = True, i
+        elif ch in "{[":
+            depth += 1
+            expect_key = depth == 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 1 and value_key == "arguments" and start is not None and s[start] in "{[" and end is None:
+                end = i + 1
+            if depth <= 0:
+                if value_key == "arguments" and start is not None and end is None:  # a number, true, ... last
+                    end = start + len(s[start:i].rstrip())
+                break
+        elif depth == 1 and ch == ":":
+            value_key, pending = key, True
+        elif depth == 1 and ch == ",":
+            if value_key == "arguments" and start is not None and end is None:
+                end = start + len(s[start:i].rstrip())
+            value_key, expect_key = None, True
+    return name, start, end
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -124,10 +181,45 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
 
 class StreamGate:
     """A streamed reply's content, held back from where a call may begin: `add(delta)` -> content to send now;
-    `finish()` -> (the content not yet sent, the calls)."""
+    `tool_deltas()` -> the calls' stream deltas to send now (hermes: each call as it is written); `finish()` ->
+    (the content not yet sent, the deltas left, whether the reply holds calls)."""
 
     def __init__(self, parser: str):
         self.parser, self.text, self.sent = parser, "", 0
+        # per call begun in the stream: [its id, the characters of its arguments sent, whether they are all sent]
+        self.streamed: list[list] = []
+
+    def _segments(self) -> list[str]:
+        # hermes: the text of each call begun, from its <tool_call> to its </tool_call> or the end
+        return [seg.split(_HERMES_END)[0] for seg in self.text.split(_HERMES_START)[1:]]
+
+    def _arguments(self, seg: str, whole: bool) -> str | None:
+        # the text of a call's arguments object written so far (whole: only once it is complete); None: no object
+        _, a, b = _scan_call(seg)
+        if a is None or seg[a] != "{" or (whole and b is None):
+            return None
+        return seg[a:len(seg) if b is None else b]
+
+    def tool_deltas(self) -> list[dict]:
+        if self.parser != "hermes":
+            return []
+        out = []
+        for j, seg in enumerate(self._segments()):
+            if j < len(self.streamed) and self.streamed[j][2]:
+                continue
+            if j == len(self.streamed):  # a call's first delta: its id and name, once the name is whole
+                name = _scan_call(seg)[0]
+                if name is None:
+                    break
+                self.streamed.append([_call_id(), 0, False])
+                out.append({"index": j, "id": self.streamed[j][0], "type": "function",
+                            "function": {"name": name, "arguments": ""}})
+            raw = self._arguments(seg, whole=False)
+            if raw is not None and len(raw) > self.streamed[j][1]:
+                out.append({"index": j, "function": {"arguments": raw[self.streamed[j][1]:]}})
+                self.streamed[j][1] = len(raw)
+            self.streamed[j][2] = raw is not None and raw == self._arguments(seg, whole=True)  # the object closed
+        return out
 
     def _safe(self) -> int:
         # how many characters of the text are content for sure
@@ -151,12 +243,20 @@ class StreamGate:
         out, self.sent = self.text[self.sent:end], end
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[dict], bool]:
         content, calls = parse(self.parser, self.text)
         if not calls:
-            return self.text[self.sent:], []
-        content = content or ""
-        return content[self.sent:] if len(content) > self.sent else "", calls
+            return self.text[self.sent:], [], False
+        content, segs, out = content or "", self._segments() if self.streamed else [], []
+        for j, c in enumerate(calls):
+            if j >= len(self.streamed):  # not begun in the stream: whole
+                out.append(c.as_dict(j))
+                continue
+            raw, sent = self._arguments(segs[j], whole=True), self.streamed[j][1]
+            rest = raw[sent:] if raw is not None else c.arguments if sent == 0 else ""  # not an object: whole, last
+            if rest:
+                out.append({"index": j, "function": {"arguments": rest}})
+        return content[self.sent:] if len(content) > self.sent else "", out, True
 
 
 def check_tools(tools, param: str = "tools") -> list[dict]:

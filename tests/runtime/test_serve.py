@@ -822,9 +822,10 @@ def test_tool_calls_as_vllms_hermes_parser_returns_them(tool_engine):
         chunks = list(c.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=WEATHER, max_tokens=200,
                                                 stream=True))
         content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-        calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
-        assert content == "Let me check." and [t.index for t in calls] == [0, 1]
-        assert [json.loads(t.function.arguments)["city"] for t in calls] == ["Lyon", "Nice"]
+        calls = _merged([t.model_dump(exclude_none=True) for ch in chunks for t in ch.choices[0].delta.tool_calls
+                         or []])
+        assert content == "Let me check." and [c["name"] for c in calls] == ["get_weather", "get_weather"]
+        assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Lyon"}, {"city": "Nice", "unit": "°C"}]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         # the conversation goes on with the calls sent back
         again = TOOL_TURNS + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id,
@@ -905,6 +906,29 @@ def test_tool_requests_the_server_cannot_answer_are_400(tiny, tool_engine):
         main([str(tiny[0]), "--enable-auto-tool-choice"])
 
 
+def _merged(deltas: list[dict]) -> list[dict]:
+    # a stream's tool-call deltas merged by index as the openai client merges them: the first holds the id, type and
+    # name, the arguments are the concatenation of every delta's
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"id": d.get("id"), "type": d.get("type"), "name": None, "arguments": ""})
+        c["name"] = c["name"] or d["function"].get("name")
+        c["arguments"] += d["function"].get("arguments", "")
+        assert ("id" in d) == (d is next(x for x in deltas if x["index"] == d["index"]))  # the id once, first
+    return [calls[j] for j in sorted(calls)]
+
+
+def _stream_gate(parser: str, reply: str, step: int = 1):
+    # reply fed `step` characters at a time: (content sent, deltas sent as the reply went, finish's result)
+    from dejavu.runtime.tool_calls import StreamGate
+
+    gate, sent, early = StreamGate(parser), "", []
+    for a in range(0, len(reply), step):
+        sent += gate.add(reply[a:a + step])
+        early += gate.tool_deltas()
+    return sent, early, gate.finish()
+
+
 @pytest.mark.parametrize("parser, reply", [
     ("hermes", 'ok <tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call><tool_call>{"name": "g", '
                '"arguments": {}}'),  # the second block unclosed (vLLM reads it too)
@@ -925,17 +949,56 @@ def test_tool_requests_the_server_cannot_answer_are_400(tiny, tool_engine):
     ("mistral", "[TOOL_CALLS]get_time{}"),  # no [ARGS]: content
 ])
 def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
-    """Fed a character at a time, the streamed content and the calls at the end equal parsing the whole reply."""
-    from dejavu.runtime.tool_calls import StreamGate, parse
+    """Fed a character at a time, the streamed content and the calls (their deltas merged by index, as the openai
+    client merges them) equal parsing the whole reply."""
+    from dejavu.runtime.tool_calls import parse
 
-    gate = StreamGate(parser)
-    sent = "".join(gate.add(ch) for ch in reply)
-    rest, calls = gate.finish()
+    sent, early, (rest, late, has_calls) = _stream_gate(parser, reply)
     content, want = parse(parser, reply)
-    assert sent + rest == (content or "")
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+    assert sent + rest == (content or "") and has_calls == bool(want)
     if want:
+        got = _merged(early + late)
+        assert [(c["name"], json.loads(c["arguments"])) for c in got] == [
+            (c.name, json.loads(c.arguments)) for c in want]
+        assert all(c["type"] == "function" and c["id"] for c in got) and len({c["id"] for c in got}) == len(got)
         assert "<tool" not in sent and "{" not in sent
+    elif parser != "hermes":
+        assert not early
+
+
+def test_hermes_calls_stream_as_they_are_written():
+    """Under hermes a call's id and name go out once its name is whole and its arguments object as it is written,
+    before the reply ends, whatever the key order or the braces and quotes inside strings; the deltas merge into the
+    whole parse's calls, their arguments the object's text as the model wrote it. A call whose JSON then breaks
+    leaves the reply content (the deltas already sent stay sent, as under vLLM)."""
+    from dejavu.runtime.tool_calls import parse
+
+    reply = ('Checking.<tool_call>\n{"name": "search", "arguments": {"query": "a \\"}\\" {x}", "limit": 5, '
+             '"tags": ["x", {"y": null}]}}\n</tool_call>\n<tool_call>\n{"arguments": {"n": 1}, "name": "count"}'
+             '\n</tool_call>')
+    content, want = parse("hermes", reply)
+    assert content == "Checking." and [c.name for c in want] == ["search", "count"]
+    for step in (1, 3, 7):
+        sent, early, (rest, late, has_calls) = _stream_gate("hermes", reply, step)
+        got = _merged(early + late)
+        assert sent + rest == "Checking." and has_calls
+        assert [(c["name"], json.loads(c["arguments"])) for c in got] == [
+            (c.name, json.loads(c.arguments)) for c in want]
+        assert got[0]["arguments"] == '{"query": "a \\"}\\" {x}", "limit": 5, "tags": ["x", {"y": null}]}'
+        first = [d for d in early if d["index"] == 0 and d["function"].get("arguments")]
+        assert len(first) >= (8 if step == 1 else 3)  # the first call's arguments in many pieces, as written
+        assert all(d["index"] == 1 for d in late) or not late  # the first call was whole before the reply ended
+    # arguments written before the name: they go out after the name's delta, from where the stream stands
+    sent, early, (_, late, _) = _stream_gate("hermes", '<tool_call>{"arguments": {"a": [1, 2]}, "name": "f"}')
+    assert early[0]["function"] == {"name": "f", "arguments": ""} and _merged(early + late)[0]["arguments"] == (
+        '{"a": [1, 2]}')
+    # arguments that are not an object go out whole at the end, as the whole parse writes them
+    _, early, (_, late, _) = _stream_gate("hermes", '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>')
+    assert _merged(early + late)[0]["arguments"] == '"{}"' and late
+    # the JSON breaks after the name went out: the reply is content
+    broken = '<tool_call>{"name": "f", "arguments": {"a": 1}, oops}</tool_call>'
+    sent, early, (rest, late, has_calls) = _stream_gate("hermes", broken)
+    assert early and not has_calls and not late and sent + rest == broken
 
 
 def test_prefix_cache_reaches_usage_and_metrics(live, ref):
