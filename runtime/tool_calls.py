@@ -18,10 +18,10 @@ earlier calls with their arguments as objects (OpenAI sends them as JSON text; t
   come back).
 
 A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
-may have begun (`StreamGate`). Under `hermes` a call goes out as it is written, as vLLM streams it: its id and name
-once the name is whole, then its arguments object's text as it comes (a call whose JSON then fails to parse leaves
-the reply content, after its first deltas went out); under the other parsers the calls follow whole, one delta
-each, when the reply ends.
+may have begun (`StreamGate`). Under `hermes` and Mistral's v11 form a call goes out as it is written, as vLLM
+streams it: its id and name once the name is whole, then its arguments object's text as it comes (a call whose JSON
+then fails to parse leaves the reply content, after its first deltas went out); otherwise the calls follow whole,
+one delta each, when the reply ends.
 """
 from __future__ import annotations
 
@@ -117,6 +117,24 @@ def _scan_call(s: str) -> tuple[str | None, int | None, int | None]:
     return name, start, end
 
 
+def _value_end(s: str, a: int) -> int | None:
+    """Past the last character of the JSON object or array that starts at s[a]; None while it is not closed."""
+    depth, in_str, esc = 0, False, False
+    for i in range(a, len(s)):
+        ch = s[i]
+        if in_str:
+            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a reply: content None where the reply is all calls; no calls where it holds none or
     they do not parse (then the whole reply is content)."""
@@ -181,7 +199,8 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
 
 class StreamGate:
     """A streamed reply's content, held back from where a call may begin: `add(delta)` -> content to send now;
-    `tool_deltas()` -> the calls' stream deltas to send now (hermes: each call as it is written); `finish()` ->
+    `tool_deltas()` -> the calls' stream deltas to send now (hermes, mistral's v11 form: each call as it is
+    written); `finish()` ->
     (the content not yet sent, the deltas left, whether the reply holds calls)."""
 
     def __init__(self, parser: str):
@@ -190,28 +209,44 @@ class StreamGate:
         self.streamed: list[list] = []
 
     def _segments(self) -> list[str]:
-        # hermes: the text of each call begun, from its <tool_call> to its </tool_call> or the end
-        return [seg.split(_HERMES_END)[0] for seg in self.text.split(_HERMES_START)[1:]]
+        # the text of each call begun: hermes from its <tool_call> to its </tool_call> or the end; mistral's v11 form
+        # from its [TOOL_CALLS] to the next (the array form before v11 is not read as it comes: no segments)
+        if self.parser == "hermes":
+            return [seg.split(_HERMES_END)[0] for seg in self.text.split(_HERMES_START)[1:]]
+        segs = self.text.split(_MISTRAL_START)[1:]
+        return [] if segs and segs[0].lstrip().startswith("[") else segs
+
+    def _begun(self, seg: str) -> tuple[str | None, int | None]:
+        # a call's name once it is whole (else None), and where its arguments start (None: not yet)
+        if self.parser == "hermes":
+            name, a, _ = _scan_call(seg)
+            return name, a
+        name, sep, args = seg.partition(_MISTRAL_ARGS)
+        if not sep or not _FUNCTION_NAME.fullmatch(name.strip()):
+            return None, None
+        a = len(seg) - len(args.lstrip())
+        return name.strip(), a if a < len(seg) else None
 
     def _arguments(self, seg: str, whole: bool) -> str | None:
         # the text of a call's arguments object written so far (whole: only once it is complete); None: no object
-        _, a, b = _scan_call(seg)
-        if a is None or seg[a] != "{" or (whole and b is None):
+        a = self._begun(seg)[1]
+        if a is None or seg[a] != "{":
             return None
-        return seg[a:len(seg) if b is None else b]
+        b = _value_end(seg, a)
+        return None if whole and b is None else seg[a:len(seg) if b is None else b]
 
     def tool_deltas(self) -> list[dict]:
-        if self.parser != "hermes":
+        if self.parser not in ("hermes", "mistral"):
             return []
         out = []
         for j, seg in enumerate(self._segments()):
             if j < len(self.streamed) and self.streamed[j][2]:
                 continue
             if j == len(self.streamed):  # a call's first delta: its id and name, once the name is whole
-                name = _scan_call(seg)[0]
+                name = self._begun(seg)[0]
                 if name is None:
                     break
-                self.streamed.append([_call_id(), 0, False])
+                self.streamed.append([_call_id(short=self.parser == "mistral"), 0, False])
                 out.append({"index": j, "id": self.streamed[j][0], "type": "function",
                             "function": {"name": name, "arguments": ""}})
             raw = self._arguments(seg, whole=False)

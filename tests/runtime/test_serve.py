@@ -962,15 +962,15 @@ def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
             (c.name, json.loads(c.arguments)) for c in want]
         assert all(c["type"] == "function" and c["id"] for c in got) and len({c["id"] for c in got}) == len(got)
         assert "<tool" not in sent and "{" not in sent
-    elif parser != "hermes":
+    elif parser not in ("hermes", "mistral"):  # a call cut short under these two sent its first deltas already
         assert not early
 
 
-def test_hermes_calls_stream_as_they_are_written():
+def test_calls_stream_as_they_are_written():
     """Under hermes a call's id and name go out once its name is whole and its arguments object as it is written,
     before the reply ends, whatever the key order or the braces and quotes inside strings; the deltas merge into the
     whole parse's calls, their arguments the object's text as the model wrote it. A call whose JSON then breaks
-    leaves the reply content (the deltas already sent stay sent, as under vLLM)."""
+    leaves the reply content (the deltas already sent stay sent, as under vLLM). Mistral's v11 form likewise."""
     from dejavu.runtime.tool_calls import parse
 
     reply = ('Checking.<tool_call>\n{"name": "search", "arguments": {"query": "a \\"}\\" {x}", "limit": 5, '
@@ -999,6 +999,17 @@ def test_hermes_calls_stream_as_they_are_written():
     broken = '<tool_call>{"name": "f", "arguments": {"a": 1}, oops}</tool_call>'
     sent, early, (rest, late, has_calls) = _stream_gate("hermes", broken)
     assert early and not has_calls and not late and sent + rest == broken
+    # Mistral's v11 form likewise, its ids nine letters and digits; its array form before v11 whole at the end
+    reply = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}[TOOL_CALLS]get_time[ARGS]{}'
+    content, want = parse("mistral", reply)
+    sent, early, (rest, late, has_calls) = _stream_gate("mistral", reply)
+    got = _merged(early + late)
+    assert sent + rest == content == "Sure." and has_calls and [(c["name"], json.loads(c["arguments"])) for c in got] \
+        == [(c.name, json.loads(c.arguments)) for c in want] and all(len(c["id"]) == 9 for c in got)
+    assert got[0]["arguments"] == '{"city": "Paris", "days": [1, 2]}'
+    assert len([d for d in early if d["index"] == 0 and d["function"].get("arguments")]) >= 8
+    _, early, (_, late, _) = _stream_gate("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')
+    assert not early and [d["function"]["name"] for d in late] == ["f"]
 
 
 def test_prefix_cache_reaches_usage_and_metrics(live, ref):
