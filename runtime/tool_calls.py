@@ -65,11 +65,10 @@ def _call(name, arguments, short_id: bool = False) -> ToolCall:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False), _call_id(short_id))
 
 
-def _scan_call(s: str) -> tuple[str | None, int | None, int | None]:
+def _scan_call(s: str) -> tuple[str | None, int | None]:
     """A call object `{"name": ..., "arguments": ...}` as far as it is written in s: its name once that string is
-    whole (else None), and where its "arguments" value starts and ends in s (None: not yet; the end is past the
-    value's last character)."""
-    name = start = end = None
+    whole (else None), and where its "arguments" value starts in s (None: not yet)."""
+    name = start = None
     depth, in_str, esc, expect_key, key, at, value_key, pending = 0, False, False, False, None, 0, None, False
     for i, ch in enumerate(s):
         if pending and not ch.isspace():  # a value's first character at depth 1
@@ -92,8 +91,6 @@ def _scan_call(s: str) -> tuple[str | None, int | None, int | None]:
                         key, expect_key = lit, False
                     elif value_key == "name" and isinstance(lit, str):
                         name = lit
-                    if value_key == "arguments" and start == at:
-                        end = i + 1
             continue
         if ch == '"':
             in_str, at = True, i
@@ -102,19 +99,13 @@ def _scan_call(s: str) -> tuple[str | None, int | None, int | None]:
             expect_key = depth == 1
         elif ch in "}]":
             depth -= 1
-            if depth == 1 and value_key == "arguments" and start is not None and s[start] in "{[" and end is None:
-                end = i + 1
             if depth <= 0:
-                if value_key == "arguments" and start is not None and end is None:  # a number, true, ... last
-                    end = start + len(s[start:i].rstrip())
                 break
         elif depth == 1 and ch == ":":
             value_key, pending = key, True
         elif depth == 1 and ch == ",":
-            if value_key == "arguments" and start is not None and end is None:
-                end = start + len(s[start:i].rstrip())
             value_key, expect_key = None, True
-    return name, start, end
+    return name, start
 
 
 def _value_end(s: str, a: int) -> int | None:
@@ -219,8 +210,7 @@ class StreamGate:
     def _begun(self, seg: str) -> tuple[str | None, int | None]:
         # a call's name once it is whole (else None), and where its arguments start (None: not yet)
         if self.parser == "hermes":
-            name, a, _ = _scan_call(seg)
-            return name, a
+            return _scan_call(seg)
         name, sep, args = seg.partition(_MISTRAL_ARGS)
         if not sep or not _FUNCTION_NAME.fullmatch(name.strip()):
             return None, None
