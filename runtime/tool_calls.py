@@ -18,10 +18,10 @@ earlier calls with their arguments as objects (OpenAI sends them as JSON text; t
   come back).
 
 A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
-may have begun (`StreamGate`). Under `hermes` and Mistral's v11 form a call goes out as it is written, as vLLM
-streams it: its id and name once the name is whole, then its arguments object's text as it comes (a call whose JSON
-then fails to parse leaves the reply content, after its first deltas went out); otherwise the calls follow whole,
-one delta each, when the reply ends.
+may have begun (`StreamGate`). Under `hermes`, `llama3_json` and Mistral's v11 form a call goes out as it is
+written, as vLLM streams it: its id and name once the name is whole, then its arguments object's text as it comes
+(a call whose JSON then fails to parse leaves the reply content, after its first deltas went out); under `pythonic`
+and Mistral's array form the calls follow whole, one delta each, when the reply ends.
 """
 from __future__ import annotations
 
@@ -67,13 +67,13 @@ def _call(name, arguments, short_id: bool = False) -> ToolCall:
 
 def _scan_call(s: str) -> tuple[str | None, int | None]:
     """A call object `{"name": ..., "arguments": ...}` as far as it is written in s: its name once that string is
-    whole (else None), and where its "arguments" value starts in s (None: not yet)."""
+    whole (else None), and where its "arguments" (or "parameters") value starts in s (None: not yet)."""
     name = start = None
     depth, in_str, esc, expect_key, key, at, value_key, pending = 0, False, False, False, None, 0, None, False
     for i, ch in enumerate(s):
         if pending and not ch.isspace():  # a value's first character at depth 1
             pending = False
-            if value_key == "arguments":
+            if value_key in ("arguments", "parameters"):  # llama3_json's Llama 3.1 writes "parameters"
                 start = i
         if in_str:
             if esc:
@@ -190,8 +190,8 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
 
 class StreamGate:
     """A streamed reply's content, held back from where a call may begin: `add(delta)` -> content to send now;
-    `tool_deltas()` -> the calls' stream deltas to send now (hermes, mistral's v11 form: each call as it is
-    written); `finish()` ->
+    `tool_deltas()` -> the calls' stream deltas to send now (hermes, llama3_json, mistral's v11 form: each call
+    as it is written); `finish()` ->
     (the content not yet sent, the deltas left, whether the reply holds calls)."""
 
     def __init__(self, parser: str):
@@ -204,12 +204,22 @@ class StreamGate:
         # from its [TOOL_CALLS] to the next (the array form before v11 is not read as it comes: no segments)
         if self.parser == "hermes":
             return [seg.split(_HERMES_END)[0] for seg in self.text.split(_HERMES_START)[1:]]
+        if self.parser == "llama3_json":  # objects one after another, "; " between, after the python tag if any
+            t, segs = self.text.removeprefix(_PYTHON_TAG), []
+            at = 0
+            while at < len(t) and t[at] == "{":
+                end = _value_end(t, at)
+                segs.append(t[at:end])
+                if end is None:
+                    break
+                at = end + len("; ")
+            return segs
         segs = self.text.split(_MISTRAL_START)[1:]
         return [] if segs and segs[0].lstrip().startswith("[") else segs
 
     def _begun(self, seg: str) -> tuple[str | None, int | None]:
         # a call's name once it is whole (else None), and where its arguments start (None: not yet)
-        if self.parser == "hermes":
+        if self.parser in ("hermes", "llama3_json"):
             return _scan_call(seg)
         name, sep, args = seg.partition(_MISTRAL_ARGS)
         if not sep or not _FUNCTION_NAME.fullmatch(name.strip()):
@@ -226,7 +236,7 @@ class StreamGate:
         return None if whole and b is None else seg[a:len(seg) if b is None else b]
 
     def tool_deltas(self) -> list[dict]:
-        if self.parser not in ("hermes", "mistral"):
+        if self.parser == "pythonic":
             return []
         out = []
         for j, seg in enumerate(self._segments()):

@@ -857,13 +857,16 @@ def test_a_reply_without_calls_is_content_and_llama3_json_calls(tool_engine):
                                                        max_tokens=100, stream=stream)
             if stream:
                 chunks = list(out)
-                calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+                calls = _merged([t.model_dump(exclude_none=True) for ch in chunks
+                                 for t in ch.choices[0].delta.tool_calls or []])
                 assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
                 finish = chunks[-1].choices[0].finish_reason
             else:
-                calls, finish = out.choices[0].message.tool_calls, out.choices[0].finish_reason
+                calls = [{"name": t.function.name, "arguments": t.function.arguments}
+                         for t in out.choices[0].message.tool_calls]
+                finish = out.choices[0].finish_reason
                 assert out.choices[0].message.content is None
-            assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+            assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
                 ("get_weather", {"city": "Lyon"}), ("get_time", {})] and finish == "tool_calls"
     finally:
         srv.close()
@@ -962,7 +965,7 @@ def test_stream_gate_sends_what_the_whole_parse_returns(parser, reply):
             (c.name, json.loads(c.arguments)) for c in want]
         assert all(c["type"] == "function" and c["id"] for c in got) and len({c["id"] for c in got}) == len(got)
         assert "<tool" not in sent and "{" not in sent
-    elif parser not in ("hermes", "mistral"):  # a call cut short under these two sent its first deltas already
+    elif parser == "pythonic":  # a call that breaks under the others sent its first deltas already (as vLLM's)
         assert not early
 
 
@@ -970,7 +973,8 @@ def test_calls_stream_as_they_are_written():
     """Under hermes a call's id and name go out once its name is whole and its arguments object as it is written,
     before the reply ends, whatever the key order or the braces and quotes inside strings; the deltas merge into the
     whole parse's calls, their arguments the object's text as the model wrote it. A call whose JSON then breaks
-    leaves the reply content (the deltas already sent stay sent, as under vLLM). Mistral's v11 form likewise."""
+    leaves the reply content (the deltas already sent stay sent, as under vLLM). Mistral's v11 form and
+    llama3_json likewise."""
     from dejavu.runtime.tool_calls import parse
 
     reply = ('Checking.<tool_call>\n{"name": "search", "arguments": {"query": "a \\"}\\" {x}", "limit": 5, '
@@ -1010,6 +1014,15 @@ def test_calls_stream_as_they_are_written():
     assert len([d for d in early if d["index"] == 0 and d["function"].get("arguments")]) >= 8
     _, early, (_, late, _) = _stream_gate("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')
     assert not early and [d["function"]["name"] for d in late] == ["f"]
+    # llama3_json's calls one after another ("parameters", "; " between, after the python tag)
+    reply = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lyon", "days": [1, 2]}}; {"name": "t"}'
+    content, want = parse("llama3_json", reply)
+    sent, early, (rest, late, has_calls) = _stream_gate("llama3_json", reply)
+    got = _merged(early + late)
+    assert sent + rest == "" and content is None and has_calls and [
+        (c["name"], json.loads(c["arguments"])) for c in got] == [(c.name, json.loads(c.arguments)) for c in want]
+    assert got[0]["arguments"] == '{"city": "Lyon", "days": [1, 2]}' and got[1]["arguments"] == "{}"
+    assert len([d for d in early if d["index"] == 0 and d["function"].get("arguments")]) >= 8
 
 
 def test_prefix_cache_reaches_usage_and_metrics(live, ref):
