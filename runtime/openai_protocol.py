@@ -100,21 +100,22 @@ class Params:
     extra: dict = field(default_factory=dict)
 
 
-NEUTRAL = {"best_of": 1, "suffix": None, "user": None, "response_format": None,
-           "tools": None, "tool_choice": None, "parallel_tool_calls": None, "store": None, "metadata": None,
-           "service_tier": None}
+NEUTRAL = {"best_of": 1, "suffix": None, "response_format": {"type": "text"},
+           "tools": None, "tool_choice": None, "parallel_tool_calls": None}
+# OpenAI's fields that ask nothing of the model (the end user's id, the stored-completion flag and its tags, the
+# service tier): accepted at any value of their type and ignored, as vLLM ignores them
+IGNORED = {"user": str, "store": bool, "metadata": dict, "service_tier": str}
 # top_k, ignore_eos, stop_token_ids, repetition_penalty: vLLM's extensions
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens", "stop", "seed", "stream",
           "stream_options", "skip_special_tokens",
           "ignore_eos", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias"}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"} | (NEUTRAL.keys() - {"tools", "tool_choice",
-                                                              "parallel_tool_calls", "response_format", "store",
-                                                              "metadata", "service_tier"})
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "user"} | (
+    NEUTRAL.keys() - {"tools", "tool_choice", "parallel_tool_calls", "response_format"})
 # add_generation_prompt, chat_template_kwargs: vLLM's extensions (Qwen3's {"enable_thinking": false}, ...)
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
                         "chat_template_kwargs", "logprobs", "top_logprobs"} | (
-    NEUTRAL.keys() - {"best_of", "echo", "suffix"})
+    NEUTRAL.keys() - {"best_of", "echo", "suffix"}) | IGNORED.keys()
 # chat's tool fields, checked by chat_params (runtime/tool_calls.py) rather than held at a neutral value
 _CHAT_TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 # the variables the server gives every render; a request's chat_template_kwargs may not set them
@@ -165,6 +166,9 @@ def _common(body: dict, allowed: set, defaults: SamplingDefaults) -> dict:
         if name in allowed and body.get(name) not in (None, neutral) and not (
                 "messages" in allowed and name in _CHAT_TOOLS):
             raise _bad(f"'{name}' = {body[name]!r} is not supported by dejavu-serve (only {neutral!r})", name)
+    for name, kind in IGNORED.items():
+        if name in allowed and body.get(name) is not None and not isinstance(body[name], kind):
+            raise _bad(f"'{name}' must be a {kind.__name__}, got {type(body[name]).__name__}", name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")

@@ -182,6 +182,8 @@ def test_sse_framing(live):
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "n": 129}, 400, "n"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "user": 5}, 400, "user"),
+    ({"prompt": "x", "response_format": {"type": "text"}}, 400, "response_format"),  # chat's field
     ({"prompt": "x", "stop": ["a", 3]}, 400, "stop"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos"),
@@ -831,6 +833,27 @@ def test_tool_calls_as_vllms_hermes_parser_returns_them(tool_engine):
         again = TOOL_TURNS + [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id,
                                                                   "content": "15 C"}]
         assert c.chat.completions.create(model="tiny", messages=again, tools=WEATHER, max_tokens=200).choices
+    finally:
+        srv.close()
+
+
+def test_fields_that_ask_nothing_of_the_model_are_accepted_and_ignored(tool_engine):
+    """OpenAI's `user`, `store`, `metadata` and `service_tier`, and `response_format` {"type": "text"}, change
+    nothing (the reply is the same), as vLLM ignores them; a value of another type, or a structured response_format
+    (which needs constrained decoding), is a 400 naming the field."""
+    srv = Scripted(Engine.from_tensors(*tool_engine), "Lyon is cloudy.")
+    try:
+        c = srv.client()
+        base = dict(model="tiny", messages=TOOL_TURNS, max_tokens=20)
+        plain = c.chat.completions.create(**base).choices[0].message.content
+        extra = dict(user="alice", store=False, metadata={"app": "test"}, service_tier="auto",
+                     response_format={"type": "text"})
+        assert plain == "Lyon is cloudy." == c.chat.completions.create(**base, **extra).choices[0].message.content
+        assert c.completions.create(model="tiny", prompt="x", max_tokens=3, user="alice").choices[0].text
+        for bad, param in (({"user": 5}, "user"), ({"store": "yes"}, "store"), ({"metadata": [1]}, "metadata"),
+                           ({"response_format": {"type": "json_object"}}, "response_format")):
+            r = post(srv, "/v1/chat/completions", {**base, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     finally:
         srv.close()
 
