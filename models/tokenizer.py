@@ -2,8 +2,8 @@
 
 What goes before a prompt's ids is chosen once, by `add_bos`: OPT's `</s>` always (a tokenizer.json with or without
 OPT's template gives the same ids), or for the Llama family what the tokenizer's own post-processor writes
-(`special_prefix`: Llama's BOS, nothing for Qwen's or SmolLM2's byte-level vocabularies), as transformers and vLLM
-encode a prompt.
+(`special_affixes`: Llama's BOS, nothing for Qwen's or SmolLM2's byte-level vocabularies; and an EOS after the text
+where its template appends one), as transformers and vLLM encode a prompt.
 """
 from __future__ import annotations
 
@@ -29,11 +29,18 @@ def eos_field(ids) -> int | tuple[int, ...] | None:
     return ids[0] if len(ids) == 1 else ids or None
 
 
-def special_prefix(tokenizer) -> list[int]:
-    """The ids a `tokenizers.Tokenizer`'s post-processor writes before a text (its BOS, where it adds one)."""
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids a `tokenizers.Tokenizer`'s post-processor writes before a text (its BOS, where it adds one) and after
+    it (its EOS, where a template appends one: a tokenizer that adds EOS to every text)."""
     bare = tokenizer.encode("a", add_special_tokens=False).ids
     full = tokenizer.encode("a", add_special_tokens=True).ids
-    return next((full[:i] for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), [])
+    i = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    return ([], []) if i is None else (full[:i], full[i + len(bare):])
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids a `tokenizers.Tokenizer`'s post-processor writes before a text (its BOS, where it adds one)."""
+    return special_affixes(tokenizer)[0]
 
 
 def prompt_bos(header: dict) -> bool | None:
@@ -65,8 +72,11 @@ class TextTokenizer:
         self.pad_id = pad_id if pad_id is not None else tokenizer.token_to_id("<pad>")
         if self.bos_id is None or self.eos_id is None:
             raise DejavuError("tokenizer has no '</s>' token; pass bos_id and eos_id explicitly")
-        # before a prompt: bos_id (add_bos True), nothing (False), or what the post-processor writes (None)
-        self.prefix = [self.bos_id] if add_bos else special_prefix(tokenizer) if add_bos is None else []
+        # before a prompt: bos_id (add_bos True), nothing (False), or what the post-processor writes (None), and
+        # after it what the post-processor writes there (None only)
+        self.prefix, self.suffix = [self.bos_id] if add_bos else [], []
+        if add_bos is None:
+            self.prefix, self.suffix = special_affixes(tokenizer)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike) -> "TextTokenizer":
@@ -85,9 +95,12 @@ class TextTokenizer:
         return self.tokenizer.to_str()
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """add_bos None: the prefix this tokenizer was made with; True: bos_id first; False: the text's ids alone."""
+        """add_bos None: the prefix (and suffix) this tokenizer was made with; True: bos_id first; False: the text's
+        ids alone."""
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return (self.prefix if add_bos is None else [self.bos_id] if add_bos else []) + ids
+        if add_bos is None:
+            return self.prefix + ids + self.suffix
+        return ([self.bos_id] if add_bos else []) + ids
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)

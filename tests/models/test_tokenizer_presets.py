@@ -131,11 +131,13 @@ def test_opt_mini_preset():
     assert hf_tok("The king said unto them,", add_special_tokens=False)["input_ids"] == ids[1:]
 
 
-@pytest.mark.parametrize("form", ["llama3", "qwen2", "none"])
+@pytest.mark.parametrize("form", ["llama3", "qwen2", "none", "bos_eos"])
 def test_llama_prompt_starts_as_transformers_encodes_it(tmp_path, form):
     """A Llama-family prompt starts with what its tokenizer.json's post-processor writes, as transformers'
     tokenizer(text) and vLLM encode a prompt: Llama 3's template its BOS, Qwen2's ByteLevel step and a missing one
-    nothing. An engine's tokenizer (the header's tokenizer_json) starts it alike; OPT's engines keep their </s>."""
+    nothing; a template that also appends EOS ends it with EOS (a tokenizer that adds EOS to every text). An
+    engine's tokenizer (the header's tokenizer_json) encodes it alike; OPT's engines keep their </s>; a chat's
+    rendered text (add_bos False) is the text's ids alone, as transformers' apply_chat_template encodes it."""
     import sys
 
     from transformers import AutoTokenizer
@@ -154,7 +156,13 @@ def test_llama_prompt_starts_as_transformers_encodes_it(tmp_path, form):
                    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
                    "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
         "qwen2": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "none": None}[form]
+        "none": None,
+        "bos_eos": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                             {"Sequence": {"id": "A", "type_id": 0}},
+                                                             {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]},
+                                       "</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]}}}}[form]
     (folder / "tokenizer.json").write_text(json.dumps(tj))
     ref, ours = AutoTokenizer.from_pretrained(folder), load_text_tokenizer(folder)
     engine_tok = TextTokenizer(ours.to_json(), 0, 2, None, add_bos=prompt_bos({"model_family": "llama"}))
@@ -162,7 +170,7 @@ def test_llama_prompt_starts_as_transformers_encodes_it(tmp_path, form):
         want = ref(text)["input_ids"]
         assert ours.encode(text) == engine_tok.encode(text) == want, text
         bare = ref(text, add_special_tokens=False)["input_ids"]
-        assert want == ([0] if form == "llama3" else []) + bare
+        assert want == ([0] if form in ("llama3", "bos_eos") else []) + bare + ([2] if form == "bos_eos" else [])
         assert ours.encode(text, add_bos=False) == bare and ours.encode(text, add_bos=True) == [0] + bare
     opt = TextTokenizer(ours.to_json(), 0, 2, None, add_bos=prompt_bos({"model_family": "opt"}))
     assert opt.encode("x") == [0] + ours.encode("x", add_bos=False)
