@@ -227,13 +227,14 @@ class StreamGate:
         a = len(seg) - len(args.lstrip())
         return name.strip(), a if a < len(seg) else None
 
-    def _arguments(self, seg: str, whole: bool) -> str | None:
-        # the text of a call's arguments object written so far (whole: only once it is complete); None: no object
-        a = self._begun(seg)[1]
+    @staticmethod
+    def _arguments(seg: str, a: int | None) -> tuple[str | None, bool]:
+        # the text of a call's arguments object that starts at seg[a], as far as it is written (None: not an
+        # object), and whether it is closed
         if a is None or seg[a] != "{":
-            return None
+            return None, False
         b = _value_end(seg, a)
-        return None if whole and b is None else seg[a:len(seg) if b is None else b]
+        return seg[a:len(seg) if b is None else b], b is not None
 
     def tool_deltas(self) -> list[dict]:
         if self.parser == "pythonic":
@@ -242,18 +243,18 @@ class StreamGate:
         for j, seg in enumerate(self._segments()):
             if j < len(self.streamed) and self.streamed[j][2]:
                 continue
+            name, a = self._begun(seg)
             if j == len(self.streamed):  # a call's first delta: its id and name, once the name is whole
-                name = self._begun(seg)[0]
                 if name is None:
                     break
                 self.streamed.append([_call_id(short=self.parser == "mistral"), 0, False])
                 out.append({"index": j, "id": self.streamed[j][0], "type": "function",
                             "function": {"name": name, "arguments": ""}})
-            raw = self._arguments(seg, whole=False)
+            raw, closed = self._arguments(seg, a)
             if raw is not None and len(raw) > self.streamed[j][1]:
                 out.append({"index": j, "function": {"arguments": raw[self.streamed[j][1]:]}})
                 self.streamed[j][1] = len(raw)
-            self.streamed[j][2] = raw is not None and raw == self._arguments(seg, whole=True)  # the object closed
+            self.streamed[j][2] = closed
         return out
 
     def _safe(self) -> int:
@@ -287,7 +288,8 @@ class StreamGate:
             if j >= len(self.streamed):  # not begun in the stream: whole
                 out.append(c.as_dict(j))
                 continue
-            raw, sent = self._arguments(segs[j], whole=True), self.streamed[j][1]
+            raw, closed = self._arguments(segs[j], self._begun(segs[j])[1])
+            raw, sent = raw if closed else None, self.streamed[j][1]
             rest = raw[sent:] if raw is not None else c.arguments if sent == 0 else ""  # not an object: whole, last
             if rest:
                 out.append({"index": j, "function": {"arguments": rest}})
