@@ -92,7 +92,8 @@ def serve_main(args) -> int:
     eng = build_engine(args, args._serve == "dense")
     direct = direct_ms_per_token(eng, args)
     settings = ServeSettings(max_batch=args.max_batch, max_queue=4096, max_context=args.max_context, port=0,
-                             shutdown_grace_s=5, prefix_caching=not args.no_prefix_caching)
+                             shutdown_grace_s=5, prefix_caching=not args.no_prefix_caching,
+                             prefix_block=args.prefix_block)
     server = Server(eng, settings, "bench")
     sock = bind("127.0.0.1", 0)
     print(json.dumps({"port": sock.getsockname()[1], "direct_ms_per_token": direct, "vocab": eng.spec.vocab_size,
@@ -289,7 +290,8 @@ def bench_engine_scheduler(kind: str, clients: list[int], args, run: Run) -> Non
     t_start = time.time()
     eng = build_engine(args, kind == "dense")
     direct = direct_ms_per_token(eng, args)
-    sched = Scheduler(eng, args.max_batch, 4096, args.max_context, prefix_caching=not args.no_prefix_caching)
+    sched = Scheduler(eng, args.max_batch, 4096, args.max_context, prefix_caching=not args.no_prefix_caching,
+                      prefix_block=args.prefix_block)
     sched.start()
     e = run.res["engines"].setdefault(kind, {"direct_ms_per_token": round(direct, 3), "describe": eng.describe(),
                                               "startup_s": [], "levels": []})
@@ -397,6 +399,8 @@ def main() -> int:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="N random ids before every prompt, the same for all (a system prompt: prefix caching)")
     p.add_argument("--no-prefix-caching", action="store_true", help="the server prefills every prompt whole")
+    p.add_argument("--prefix-block", type=int, default=16, metavar="N",
+                   help="prefix caching's granularity in tokens (dejavu-serve's --prefix-block)")
     p.add_argument("--engines", nargs="*", default=["dense", "sparse"], choices=["dense", "sparse"],
                    help="which engines to load-test (one child server each)")
     p.add_argument("--agreement", type=int, default=0, help="prompts for the solo-vs-batch comparison (0: skip)")

@@ -6,13 +6,16 @@ context (`SparseDecoder.setup`); a request holds one row from its prefill to its
 lowest row free when it is admitted.
 Prefix caching (`_admit`, on unless `prefix_caching=False`): a row keeps the K/V of the prompt
 tokens it prefilled after its request ends. A newcomer takes the lowest free row, and the first
-whole prefill chunks of its prompt that some row holds (its own, or another's, free or running,
-copied: `copy_prefix`, a device copy far cheaper than the prefill) are not prefilled again; whole chunks
-only, and never the prompt's last token, so what is left is cut where a prefill from slot 0 cuts
-it and computed the same way (a test: the same first logits, bit for bit). A prompt whose
-logprobs are asked for (echo) is prefilled whole. Nothing else is cleared when a row is freed:
-the next prefill overwrites the row's K/V after the prefix it keeps (`keep_prefix`), and a
-decode step reads a row's slots only up to its own position.
+whole blocks of `prefix_block` tokens of its prompt that some row holds (its own, or another's,
+free or running, copied: `copy_prefix`, a device copy far cheaper than the prefill) are not
+prefilled again, never the prompt's last token (its logits give the first new token). The rest is
+prefilled up to the next multiple of `prefill_chunk`, then cut where a prefill from slot 0 cuts it.
+With blocks of a whole chunk (`prefix_block` None) the rest is computed as a prefill from slot 0
+computes it (a test: the same first logits, bit for bit); finer blocks (the server's 16 tokens, as
+vLLM's) reuse more of a prompt, and its first prefill pass is shorter, so equal within rounding. A
+prompt whose logprobs are asked for (echo) is prefilled whole. Nothing else is cleared when a row
+is freed: the next prefill overwrites the row's K/V after the prefix it keeps (`keep_prefix`), and
+a decode step reads a row's slots only up to its own position.
 
 One loop iteration (`Scheduler._iteration`):
 1. rows of finished or cancelled requests are freed;
@@ -178,12 +181,15 @@ class Scheduler:
     """Owns `engine` on its own thread; `submit` requests from any thread."""
 
     def __init__(self, engine, max_batch: int, max_queue: int, context: int | None = None, metrics=None,
-                 prefill_chunk: int | None = None, prefix_caching: bool = True):
+                 prefill_chunk: int | None = None, prefix_caching: bool = True, prefix_block: int | None = None):
         """context: cache slots per row (prompt + completion), at most the model's positions
         (None: all of them); prefill_chunk: prompt tokens per prefill pass (None: whole prompts);
-        prefix_caching: a prompt's first whole chunks that a row already holds are not prefilled again."""
+        prefix_caching: a prompt's first whole blocks of prefix_block tokens (None: of prefill_chunk) that a row
+        already holds are not prefilled again."""
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        if prefix_block is not None and prefix_block < 1:
+            raise ValueError(f"prefix_block must be >= 1, got {prefix_block}")
         self.engine, self.spec, self.dec = engine, engine.spec, engine.decoder
         self.max_batch, self.max_queue, self.metrics = max_batch, max_queue, metrics
         self.chunk = prefill_chunk or self.spec.max_positions  # None: whole prompts
@@ -198,6 +204,7 @@ class Scheduler:
         # the prompt tokens whose K/V each row holds from its prefills (kept after the request ends)
         self.cached: list[list[int]] = [[] for _ in range(max_batch)]
         self.prefix_caching = prefix_caching
+        self.block = prefix_block or self.chunk
         self.waiting: deque[Request] = deque()
         self.cv = threading.Condition()
         self._stop = False
@@ -300,7 +307,7 @@ class Scheduler:
             self._step(live)
 
     def _admit(self, req: Request) -> _Seq:
-        """req's row: the lowest free one (decode steps run on rows 0..n-1), the first whole chunks of its prompt
+        """req's row: the lowest free one (decode steps run on rows 0..n-1), the first whole blocks of its prompt
         that a row holds copied there where another holds more, and not prefilled again (prefix caching)."""
         row = self.rows.index(None)
         seq = self.rows[row] = _Seq(req, row, self.tokenizer, self.engine.device)
@@ -319,18 +326,19 @@ class Scheduler:
         return seq
 
     def _held(self, cached: list[int], prompt: list[int]) -> int:
-        # the tokens of prompt's first whole chunks that `cached` starts with (the rest is then cut where a prefill
-        # from slot 0 cuts it: the same computation), its last token never (its logits give the first new token)
-        n, c, end = 0, self.chunk, min(len(cached), len(prompt) - 1)
+        # the tokens of prompt's first whole blocks that `cached` starts with, its last token never (its logits give
+        # the first new token)
+        n, c, end = 0, self.block, min(len(cached), len(prompt) - 1)
         while n + c <= end and cached[n:n + c] == prompt[n:n + c]:
             n += c
         return n
 
     def _prefill(self, seq: _Seq) -> int:
-        """The next chunk of seq's prompt into its row (after the last, its first token); its tokens."""
+        """The next chunk of seq's prompt into its row (after the last, its first token); its tokens. Chunks end at
+        multiples of the chunk from the prompt's start, where a prefix it holds ends elsewhere too."""
         dev, prompt = self.engine.device, seq.req.prompt
         a = seq.prefilled
-        b = min(len(prompt), a + self.chunk)
+        b = min(len(prompt), (a // self.chunk + 1) * self.chunk)
         ids = torch.tensor([prompt[a:b]], dtype=torch.long, device=dev)
         self.dec.use_rows(self.max_batch)
         every = seq.req.prompt_logprobs is not None

@@ -68,9 +68,11 @@ class ServeSettings:
     # tool_choice "auto": the format tool calls are read in (runtime/tool_calls.PARSERS), as vLLM's
     # --enable-auto-tool-choice --tool-call-parser NAME; None: "auto" is a 400
     tool_call_parser: str | None = None
-    # a prompt's first whole prefill chunks that a cache row holds already are copied, not prefilled again
-    # (runtime/scheduler.Scheduler._admit); vLLM's --enable-prefix-caching, on by default as there
+    # a prompt's first whole blocks of prefix_block tokens that a cache row holds already are copied, not prefilled
+    # again (runtime/scheduler.Scheduler._admit); vLLM's --enable-prefix-caching, on by default as there, and its
+    # 16-token blocks. Blocks of prefill_chunk tokens give the first logits bit for bit those of no cache
     prefix_caching: bool = True
+    prefix_block: int = 16
     # a Jinja chat template (vLLM's --chat-template: a file's text) served instead of the engine's; None: the engine's
     chat_template: str | None = None
 
@@ -137,7 +139,7 @@ class Server:
         self.engine, self.settings, self.name, self.defaults = engine, settings, model_name, defaults
         self.metrics = ServeMetrics(settings.max_batch)
         self.scheduler = Scheduler(engine, settings.max_batch, settings.max_queue, settings.max_context, self.metrics,
-                                   settings.prefill_chunk, settings.prefix_caching)
+                                   settings.prefill_chunk, settings.prefix_caching, settings.prefix_block)
         self.metrics.queue_depth = lambda: self.scheduler.queue_depth
         self.metrics.running = lambda: self.scheduler.running
         self.context = self.scheduler.context
@@ -485,8 +487,11 @@ def build_parser() -> Parser:
                    help="a Jinja chat template file served instead of the engine's (vLLM's flag: a checkpoint without "
                         "one, or a tool-calling template)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
-                   help="a prompt's first whole --prefill-chunk chunks that a cache row holds already (an earlier "
+                   help="a prompt's first whole --prefix-block blocks that a cache row holds already (an earlier "
                         "prompt's) are copied, not prefilled again")
+    p.add_argument("--prefix-block", type=int, default=d.prefix_block, metavar="N",
+                   help="prefix caching's granularity in tokens (vLLM's block size); --prefill-chunk's value: the first "
+                        "logits bit for bit those of a server without the cache")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="answer tool_choice \"auto\" (the default where a chat request has tools): the model's "
                         "tool calls read back by --tool-call-parser, as vLLM's flag")
@@ -506,7 +511,8 @@ def _settings(args) -> ServeSettings:
                       shutdown_grace_s=args.shutdown_grace, log_level=args.log_level, quiet=args.quiet,
                       sampling_defaults=args.sampling_defaults,
                       tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                      prefix_caching=args.enable_prefix_caching, chat_template=_template_file(args.chat_template))
+                      prefix_caching=args.enable_prefix_caching, prefix_block=args.prefix_block,
+                      chat_template=_template_file(args.chat_template))
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise DejavuError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, pythonic or "
                           "mistral)")
@@ -520,6 +526,8 @@ def _settings(args) -> ServeSettings:
         raise DejavuError(f"--max-context must be >= 2, got {s.max_context}")
     if s.prefill_chunk < 1:
         raise DejavuError(f"--prefill-chunk must be >= 1, got {s.prefill_chunk}")
+    if s.prefix_block < 1:
+        raise DejavuError(f"--prefix-block must be >= 1, got {s.prefix_block}")
     if s.api_key is not None and not s.api_key:
         raise DejavuError("--api-key must not be empty")
     return s

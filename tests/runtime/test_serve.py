@@ -76,7 +76,8 @@ def ref(tiny):
 def live(tiny):
     torch.set_num_threads(1)
     srv = Live(Engine.from_tensors(tiny[1], tiny[2]), api_key=KEY, max_batch=8, max_queue=512, max_context=64,
-               prefill_chunk=4)  # prompts of 3-7 tokens: many are prefilled in chunks
+               prefill_chunk=4, prefix_block=3)  # prompts of 3-7 tokens: many are prefilled in chunks, some
+    # after a cached prefix that ends inside a chunk
     yield srv
     srv.close()
 
@@ -1050,9 +1051,9 @@ def test_calls_stream_as_they_are_written():
 
 def test_prefix_cache_reaches_usage_and_metrics(live, ref):
     """A prompt sent again is served from the row that holds it: usage's prompt_tokens_details.cached_tokens counts
-    its whole prefill chunks (4 tokens each here) but the last token, /metrics counts them, the text is the same."""
+    its whole prefix blocks (3 tokens each here) but the last token, /metrics counts them, the text is the same."""
     c = live.client()
-    prompt = list(range(40, 53))  # 13 tokens: three whole chunks before the last token
+    prompt = list(range(40, 53))  # 13 tokens: four whole blocks before the last token
     first = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
     again = c.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens in (0, 12)  # another test's prompt may share its start
@@ -1063,8 +1064,14 @@ def test_prefix_cache_reaches_usage_and_metrics(live, ref):
     assert hits and int(hits[0].split()[1]) >= 12
     from dejavu.runtime.serve import _settings, build_parser
 
-    assert _settings(build_parser().parse_args(["x.engine"])).prefix_caching
+    default = _settings(build_parser().parse_args(["x.engine"]))
+    assert default.prefix_caching and default.prefix_block == 16  # vLLM's block size
     assert not _settings(build_parser().parse_args(["x.engine", "--no-enable-prefix-caching"])).prefix_caching
+    assert _settings(build_parser().parse_args(["x.engine", "--prefix-block", "256"])).prefix_block == 256
+    from dejavu.errors import DejavuError
+
+    with pytest.raises(DejavuError, match="--prefix-block must be >= 1"):
+        _settings(build_parser().parse_args(["x.engine", "--prefix-block", "0"]))
 
 
 def test_min_p_and_min_tokens_as_vllm_applies_them(live, ref):
