@@ -39,6 +39,7 @@ _MISTRAL_START, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _MISTRAL_ARRAY = re.compile(r"\[{.*}\]", re.DOTALL)
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+_SPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -65,65 +66,81 @@ def _call(name, arguments, short_id: bool = False) -> ToolCall:
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False), _call_id(short_id))
 
 
-def _scan_call(s: str) -> tuple[str | None, int | None]:
-    """A call object `{"name": ..., "arguments": ...}` as far as it is written in s: its name once that string is
-    whole (else None), and where its "arguments" (or "parameters") value starts in s (None: not yet)."""
-    name = start = None
-    depth, in_str, esc, expect_key, key, at, value_key, pending = 0, False, False, False, None, 0, None, False
-    for i, ch in enumerate(s):
-        if pending and not ch.isspace():  # a value's first character at depth 1
-            pending = False
-            if value_key in ("arguments", "parameters"):  # llama3_json's Llama 3.1 writes "parameters"
-                start = i
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
+class _CallScan:
+    """A call object `{"name": ..., "arguments": ...}` as far as it is written, read from s[a:] of a text s that only
+    grows: each call scans what was added since the last. (name once that string is whole, else None; where its
+    "arguments" (or "parameters") value starts in s, None: not yet)."""
+
+    def __init__(self, a: int):
+        self.i, self.name, self.start, self.done = a, None, None, False
+        self.depth, self.in_str, self.esc, self.expect_key, self.key, self.at = 0, False, False, False, None, 0
+        self.value_key, self.pending = None, False
+
+    def __call__(self, s: str, stop: int) -> tuple[str | None, int | None]:
+        i = self.i
+        while not self.done and i < stop:
+            ch = s[i]
+            if self.pending and not ch.isspace():  # a value's first character at depth 1
+                self.pending = False
+                if self.value_key in ("arguments", "parameters"):  # llama3_json's Llama 3.1 writes "parameters"
+                    self.start = i
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    if self.depth == 1:
+                        try:
+                            lit = json.loads(s[self.at:i + 1])
+                        except ValueError:  # a control character in the string: not JSON, nothing known from it
+                            lit = None
+                        if self.expect_key:
+                            self.key, self.expect_key = lit, False
+                        elif self.value_key == "name" and isinstance(lit, str):
+                            self.name = lit
             elif ch == '"':
-                in_str = False
-                if depth == 1:
-                    try:
-                        lit = json.loads(s[at:i + 1])
-                    except ValueError:  # a control character in the string: not JSON, nothing known from it
-                        lit = None
-                    if expect_key:
-                        key, expect_key = lit, False
-                    elif value_key == "name" and isinstance(lit, str):
-                        name = lit
-            continue
-        if ch == '"':
-            in_str, at = True, i
-        elif ch in "{[":
-            depth += 1
-            expect_key = depth == 1
-        elif ch in "}]":
-            depth -= 1
-            if depth <= 0:
-                break
-        elif depth == 1 and ch == ":":
-            value_key, pending = key, True
-        elif depth == 1 and ch == ",":
-            value_key, expect_key = None, True
-    return name, start
+                self.in_str, self.at = True, i
+            elif ch in "{[":
+                self.depth += 1
+                self.expect_key = self.depth == 1
+            elif ch in "}]":
+                self.depth -= 1
+                self.done = self.depth <= 0
+            elif self.depth == 1 and ch == ":":
+                self.value_key, self.pending = self.key, True
+            elif self.depth == 1 and ch == ",":
+                self.value_key, self.expect_key = None, True
+            i += 1
+        self.i = i
+        return self.name, self.start
 
 
-def _value_end(s: str, a: int) -> int | None:
-    """Past the last character of the JSON object or array that starts at s[a]; None while it is not closed."""
-    depth, in_str, esc = 0, False, False
-    for i in range(a, len(s)):
-        ch = s[i]
-        if in_str:
-            esc, in_str = (False, True) if esc else (ch == "\\", ch != '"')
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+class _ValueEnd:
+    """Past the last character of the JSON object or array that starts at s[a], for a text s that only grows: each
+    call scans what was added since the last (None while it is not closed)."""
+
+    def __init__(self, a: int):
+        self.i, self.depth, self.in_str, self.esc, self.end = a, 0, False, False, None
+
+    def __call__(self, s: str, stop: int | None = None) -> int | None:
+        i, stop = self.i, len(s) if stop is None else stop
+        while self.end is None and i < stop:
+            ch = s[i]
+            if self.in_str:
+                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i + 1
+            i += 1
+        self.i = i
+        return self.end
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -192,65 +209,84 @@ class StreamGate:
     """A streamed reply's content, held back from where a call may begin: `add(delta)` -> content to send now;
     `tool_deltas()` -> the calls' stream deltas to send now (hermes, llama3_json, mistral's v11 form: each call
     as it is written); `finish()` ->
-    (the content not yet sent, the deltas left, whether the reply holds calls)."""
+    (the content not yet sent, the deltas left, whether the reply holds calls). Each call's text is scanned once, as
+    it comes (the scanners resume where they stopped), so a reply costs time in proportion to its length."""
 
     def __init__(self, parser: str):
         self.parser, self.text, self.sent = parser, "", 0
         # per call begun in the stream: [its id, the characters of its arguments sent, whether they are all sent]
         self.streamed: list[list] = []
+        self._scans: dict[int, tuple] = {}  # a call's scanners, by where its text starts
+        self._ends: dict[int, _ValueEnd] = {}  # llama3_json: each call object's end, by where it starts
+        self._args: dict[int, _ValueEnd] = {}  # each arguments object's end, by where it starts
 
-    def _segments(self) -> list[str]:
-        # the text of each call begun: hermes from its <tool_call> to its </tool_call> or the end; mistral's v11 form
-        # from its [TOOL_CALLS] to the next (the array form before v11 is not read as it comes: no segments)
-        if self.parser == "hermes":
-            return [seg.split(_HERMES_END)[0] for seg in self.text.split(_HERMES_START)[1:]]
+    def _segments(self) -> list[tuple[int, int]]:
+        # (start, stop) in the text of each call begun: hermes from its <tool_call> to its </tool_call> or the end;
+        # mistral's v11 form from its [TOOL_CALLS] to the next (the array form before v11 is not read as it comes: no
+        # segments)
+        t, out = self.text, []
         if self.parser == "llama3_json":  # objects one after another, "; " between, after the python tag if any
-            t, segs = self.text.removeprefix(_PYTHON_TAG), []
-            at = 0
+            at = len(_PYTHON_TAG) if t.startswith(_PYTHON_TAG) else 0
             while at < len(t) and t[at] == "{":
-                end = _value_end(t, at)
-                segs.append(t[at:end])
+                end = self._ends.setdefault(at, _ValueEnd(at))(t)
+                out.append((at, len(t) if end is None else end))
                 if end is None:
                     break
                 at = end + len("; ")
-            return segs
-        segs = self.text.split(_MISTRAL_START)[1:]
-        return [] if segs and segs[0].lstrip().startswith("[") else segs
+            return out
+        start = _HERMES_START if self.parser == "hermes" else _MISTRAL_START
+        at = t.find(start)
+        while at >= 0:
+            a = at + len(start)
+            at = t.find(start, a)
+            stop = len(t) if at < 0 else at
+            if self.parser == "hermes":
+                end = t.find(_HERMES_END, a, stop)
+                stop = stop if end < 0 else end
+            out.append((a, stop))
+        if out and self.parser == "mistral":
+            first = _SPACE.match(t, out[0][0]).end()
+            if first < out[0][1] and t[first] == "[":
+                return []
+        return out
 
-    def _begun(self, seg: str) -> tuple[str | None, int | None]:
+    def _begun(self, a: int, stop: int) -> tuple[str | None, int | None]:
         # a call's name once it is whole (else None), and where its arguments start (None: not yet)
+        t = self.text
         if self.parser in ("hermes", "llama3_json"):
-            return _scan_call(seg)
-        name, sep, args = seg.partition(_MISTRAL_ARGS)
-        if not sep or not _FUNCTION_NAME.fullmatch(name.strip()):
+            name, start = self._scans.setdefault(a, (_CallScan(a),))[0](t, stop)
+            return name, start if start is not None and start < stop else None
+        sep = t.find(_MISTRAL_ARGS, a, stop)
+        if sep < 0 or not _FUNCTION_NAME.fullmatch(t[a:sep].strip()):
             return None, None
-        a = len(seg) - len(args.lstrip())
-        return name.strip(), a if a < len(seg) else None
+        start = _SPACE.match(t, sep + len(_MISTRAL_ARGS)).end()
+        return t[a:sep].strip(), start if start < stop else None
 
-    @staticmethod
-    def _arguments(seg: str, a: int | None) -> tuple[str | None, bool]:
-        # the text of a call's arguments object that starts at seg[a], as far as it is written (None: not an
+    def _arguments(self, a: int | None, stop: int) -> tuple[str | None, bool]:
+        # the text of a call's arguments object that starts at a, as far as it is written before stop (None: not an
         # object), and whether it is closed
-        if a is None or seg[a] != "{":
+        t = self.text
+        if a is None or t[a] != "{":
             return None, False
-        b = _value_end(seg, a)
-        return seg[a:len(seg) if b is None else b], b is not None
+        b = self._args.setdefault(a, _ValueEnd(a))(t, stop)
+        b = b if b is not None and b <= stop else None
+        return t[a:stop if b is None else b], b is not None
 
     def tool_deltas(self) -> list[dict]:
         if self.parser == "pythonic":
             return []
         out = []
-        for j, seg in enumerate(self._segments()):
+        for j, (a, stop) in enumerate(self._segments()):
             if j < len(self.streamed) and self.streamed[j][2]:
                 continue
-            name, a = self._begun(seg)
+            name, start = self._begun(a, stop)
             if j == len(self.streamed):  # a call's first delta: its id and name, once the name is whole
                 if name is None:
                     break
                 self.streamed.append([_call_id(short=self.parser == "mistral"), 0, False])
                 out.append({"index": j, "id": self.streamed[j][0], "type": "function",
                             "function": {"name": name, "arguments": ""}})
-            raw, closed = self._arguments(seg, a)
+            raw, closed = self._arguments(start, stop)
             if raw is not None and len(raw) > self.streamed[j][1]:
                 out.append({"index": j, "function": {"arguments": raw[self.streamed[j][1]:]}})
                 self.streamed[j][1] = len(raw)
@@ -261,7 +297,7 @@ class StreamGate:
         # how many characters of the text are content for sure
         if self.parser in ("hermes", "mistral"):
             start = _HERMES_START if self.parser == "hermes" else _MISTRAL_START
-            at = self.text.find(start)
+            at = self.text.find(start, max(0, self.sent - len(start)))
             if at >= 0:
                 return at
             hold = max((k for k in range(1, len(start)) if self.text.endswith(start[:k])), default=0)
@@ -288,7 +324,7 @@ class StreamGate:
             if j >= len(self.streamed):  # not begun in the stream: whole
                 out.append(c.as_dict(j))
                 continue
-            raw, closed = self._arguments(segs[j], self._begun(segs[j])[1])
+            raw, closed = self._arguments(self._begun(*segs[j])[1], segs[j][1])
             raw, sent = raw if closed else None, self.streamed[j][1]
             rest = raw[sent:] if raw is not None else c.arguments if sent == 0 else ""  # not an object: whole, last
             if rest:

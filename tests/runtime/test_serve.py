@@ -1049,6 +1049,30 @@ def test_calls_stream_as_they_are_written():
     assert len([d for d in early if d["index"] == 0 and d["function"].get("arguments")]) >= 8
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_stream_gate_scans_each_character_once(parser, monkeypatch):
+    """A long call streamed a character at a time: the scanners step over each character of the reply a bounded
+    number of times (once for the call, once more for its arguments, once more for llama3_json's object), not again
+    on every token, so a 16 KB call costs what its length costs; its arguments arrive whole and in order."""
+    from dejavu.runtime import tool_calls
+
+    steps = [0]
+    for cls in (tool_calls._CallScan, tool_calls._ValueEnd):
+        def counted(self, s, stop=None, _orig=cls.__call__):
+            before = self.i
+            out = _orig(self, s, stop) if stop is not None else _orig(self, s)
+            steps[0] += self.i - before
+            return out
+        monkeypatch.setattr(cls, "__call__", counted)
+    args = json.dumps({"text": 'a \\"}{[ ' * 1600, "n": [1, {"b": "]"}]})
+    reply = {"hermes": '<tool_call>{"name": "write", "arguments": ' + args + "}</tool_call>",
+             "llama3_json": '{"name": "write", "parameters": ' + args + "}",
+             "mistral": "[TOOL_CALLS]write[ARGS]" + args}[parser]
+    sent, early, (rest, late, has_calls) = _stream_gate(parser, reply)
+    assert has_calls and _merged(early + late)[0]["arguments"] == args and len(early) > 1000
+    assert len(reply) > 16_000 and steps[0] <= 3 * len(reply)
+
+
 def test_prefix_cache_reaches_usage_and_metrics(live, ref):
     """A prompt sent again is served from the row that holds it: usage's prompt_tokens_details.cached_tokens counts
     its whole prefix blocks (3 tokens each here) but the last token, /metrics counts them, the text is the same."""
