@@ -267,7 +267,7 @@ def iter_tensors(reader, cfg: dict, dtype: torch.dtype | None = torch.float32,
 def build_tokenizer(reader, path="GGUF file"):
     """The file's `tokenizers.Tokenizer`: byte-level BPE (`tokenizer.ggml.model` "gpt2") or SentencePiece's BPE
     ("llama", as `spm.bpe_tokenizer` builds a folder's tokenizer.model)."""
-    from dejavu.models.spm import bpe_tokenizer, matched_whole, with_bos
+    from dejavu.models.spm import bpe_tokenizer, matched_whole, with_affixes
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -283,10 +283,15 @@ def build_tokenizer(reader, path="GGUF file"):
     else:
         tok = _byte_level_bpe(reader, tokens, path)
         tok.add_tokens(matched_whole(tokens, types))  # before BPE
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if adds_bos(reader) and isinstance(bos, int) and 0 <= bos < len(tokens):
-        tok = with_bos(tok, tokens[bos], bos)
-    return tok
+    bos, eos = (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
+    # EOS after a prompt too where the file says so (tokenizer.ggml.add_eos_token), as llama.cpp tokenizes it
+    bos = (tokens[bos], bos) if adds_bos(reader) and _id_in(bos, tokens) else None
+    eos = (tokens[eos], eos) if _field(reader, "tokenizer.ggml.add_eos_token") and _id_in(eos, tokens) else None
+    return with_affixes(tok, bos, eos) if bos or eos else tok
+
+
+def _id_in(i, tokens: list) -> bool:
+    return isinstance(i, int) and 0 <= i < len(tokens)
 
 
 def adds_bos(reader) -> bool:

@@ -166,7 +166,8 @@ def _merges_from_scores(vocab: dict, scores: dict) -> list[tuple[str, str]]:
 def folder_tokenizer(folder: Path):
     """The tokenizer of a folder whose vocabulary is its `tokenizer.model` alone, with the tokens its
     tokenizer_config.json adds after the model's pieces (`added_tokens_decoder`, else an older folder's
-    added_tokens.json), its `add_bos_token` (prompts start with BOS unless it is false) and its `legacy` flag, read as
+    added_tokens.json), its `add_bos_token` (prompts start with BOS unless it is false), its `add_eos_token` (they
+    end with EOS where it is true) and its `legacy` flag, read as
     transformers 5 reads such a folder (legacy false, its default: no "▁" before the text after a special token,
     as SentencePiece itself tokenizes)."""
     from tokenizers import AddedToken
@@ -193,11 +194,14 @@ def folder_tokenizer(folder: Path):
         raise DejavuError(f"{source}: unreadable added tokens ({e!r})") from None
     # a prompt starts with BOS unless add_bos_token says not, as SentencePiece Llamas were trained and as
     # transformers 4 and llama.cpp read such a folder (transformers 5 adds none where add_bos_token is unset)
-    bos = cfg.get("bos_token", "<s>")
-    bos = bos.get("content") if isinstance(bos, dict) else bos
-    if cfg.get("add_bos_token", True) is not False and isinstance(bos, str) and tok.token_to_id(bos) is not None:
-        tok = with_bos(tok, bos, tok.token_to_id(bos))
-    return tok
+    # and ends with EOS where add_eos_token says so (transformers reads both flags of such a folder)
+    ends = []
+    for key, default, add in (("bos_token", "<s>", cfg.get("add_bos_token", True) is not False),
+                              ("eos_token", "</s>", cfg.get("add_eos_token") is True)):
+        t = cfg.get(key, default)
+        t = t.get("content") if isinstance(t, dict) else t
+        ends.append((t, tok.token_to_id(t)) if add and isinstance(t, str) and tok.token_to_id(t) is not None else None)
+    return with_affixes(tok, *ends) if any(ends) else tok
 
 
 def _added_tokens_json(path: Path, cfg: dict) -> dict:
@@ -222,20 +226,20 @@ def _json_object(path: Path) -> dict:
     return d
 
 
-def with_bos(tok, bos: str, bos_id: int):
-    """The `tokenizers.Tokenizer` with a post-processor that writes BOS before a text (what
-    models.tokenizer.special_prefix reads back): tok itself, or a copy where the BOS's text holds a colon."""
+def with_affixes(tok, bos: tuple[str, int] | None, eos: tuple[str, int] | None = None):
+    """The `tokenizers.Tokenizer` with a post-processor that writes BOS (its text and id) before a text and EOS after
+    it, each where given (what models.tokenizer.special_affixes reads back)."""
     import json
 
-    from tokenizers import Tokenizer, processors
+    from tokenizers import Tokenizer
 
-    if ":" not in bos:  # the string form reads "name:n" as a type id
-        tok.post_processor = processors.TemplateProcessing(single=[bos, "$A"], pair=[bos, "$A", bos, "$B"],
-                                                           special_tokens=[(bos, bos_id)])
-        return tok
-    t, a, b = ({"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-               {"Sequence": {"id": "B", "type_id": 1}})
-    d = json.loads(tok.to_str())
-    d["post_processor"] = {"type": "TemplateProcessing", "single": [t, a], "pair": [t, a, t, b],
-                           "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    def seq(x: str, type_id: int) -> list[dict]:
+        return [*([{"SpecialToken": {"id": bos[0], "type_id": type_id}}] if bos else []),
+                {"Sequence": {"id": x, "type_id": type_id}},
+                *([{"SpecialToken": {"id": eos[0], "type_id": type_id}}] if eos else [])]
+
+    special = {t: {"id": t, "ids": [i], "tokens": [t]} for t, i in filter(None, (bos, eos))}
+    d = json.loads(tok.to_str())  # the JSON form: a token's text may hold a colon (the string form's type id)
+    d["post_processor"] = {"type": "TemplateProcessing", "single": seq("A", 0), "pair": seq("A", 0) + seq("B", 1),
+                           "special_tokens": special}
     return Tokenizer.from_str(json.dumps(d))

@@ -39,7 +39,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_scaling: dict | None = None,
                     tokenizer=None, eot_id: int | None = None, eom_id: int | None = None,
-                    chat_template: str | None = None, pre: str | None = "", **config):
+                    chat_template: str | None = None, pre: str | None = "", add_eos: bool | None = None, **config):
     """A random tiny Llama (arch "qwen2": a Qwen2, q/k/v biases, rows not permuted, Qwen2's pre-tokenizer; "qwen3": a
     Qwen3, the q and k heads' norms, head_dim 32 in a hidden of 64, rows not permuted; "phi3": a Phi-3, q/k/v and
     gate/up fused, rows not permuted; "smollm3": a SmolLM3, every 4th layer without RoPE, rows permuted as
@@ -48,6 +48,7 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
     factors in `rope_factors_long` / `rope_factors_short`); tokenizer: (tokens, scores, types) of a
     SentencePiece vocabulary (`spm_vocab`) in place of the byte-level BPE; eot_id / eom_id: end-of-turn and
     end-of-message ids written beside EOS 2 (a Llama 3.1 file's); chat_template: `tokenizer.chat_template`;
+    add_eos: `tokenizer.ggml.add_eos_token` (None: not written);
     pre: the byte-level vocabulary's `tokenizer.ggml.pre` in place of the architecture's (None: none written, as
     files converted before llama.cpp wrote it); config: CFG's fields replaced. Returns
     the transformers model holding the same weights and the byte-level BPE's tokenizer.json dict."""
@@ -111,6 +112,8 @@ def write_tiny_gguf(path, quant_mlp: bool = False, arch: str = "llama", rope_sca
         w.add_token_types(types)
         w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     if eot_id is not None:
@@ -706,7 +709,8 @@ def test_gguf_eot_and_eom_ids_end_a_generation(tmp_path):
     assert auto.load_text_tokenizer(str(path)).stop_ids == (2,) and auto.load_any(str(path))[1].eos_token_id == 2
 
 
-def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str], add_bos: bool | None = None, **ids):
+def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str], add_bos: bool | None = None,
+                add_eos: bool | None = None, **ids):
     # a file holding only a byte-level vocabulary, as convert_hf_to_gguf.py writes one; ids: special token ids by
     # their metadata name (eos, eot, fim_pad, ...)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -717,6 +721,8 @@ def _vocab_gguf(path, pre: str, tokens: list[str], merges: list[str], add_bos: b
     w.add_token_merges(merges)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     for key, i in ids.items():
         w.add_uint32(f"tokenizer.ggml.{key}_token_id", i)
     w.write_header_to_file()
@@ -807,10 +813,16 @@ def test_gguf_prompt_starts_with_bos_where_llama_cpp_adds_it(tmp_path, pre, add_
     above); SmolLM2's file says false (its test)."""
     from tiny_tokenizer import tiny_tokenizer_json
 
-    from dejavu.models.tokenizer import special_prefix
+    from dejavu.models.tokenizer import special_affixes, special_prefix
 
     tj = json.loads(tiny_tokenizer_json())
     tokens = [t for t, _ in sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     tok = _vocab_gguf(tmp_path / "v.gguf", pre, tokens, merges, add_bos=add_bos, bos=3)
     assert special_prefix(tok) == ([3] if starts else [])
+    # EOS after a prompt too where the file's tokenizer.ggml.add_eos_token says so (llama.cpp's add_eos), with BOS
+    # or alone
+    tok = _vocab_gguf(tmp_path / "e.gguf", pre, tokens, merges, add_bos=add_bos, add_eos=True, bos=3, eos=5)
+    assert special_affixes(tok) == ([3] if starts else [], [5])
+    tok = _vocab_gguf(tmp_path / "e.gguf", pre, tokens, merges, add_bos=add_bos, add_eos=False, bos=3, eos=5)
+    assert special_affixes(tok) == ([3] if starts else [], [])

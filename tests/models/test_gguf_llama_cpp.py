@@ -45,6 +45,19 @@ def test_byte_level_ids_equal_llama_cpps(tmp_path, pre):
     assert ours.encode("x") == ref.tokenize(b"x", add_bos=True, special=True)
 
 
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_add_eos_token_ends_a_prompt_as_llama_cpp_ends_it(tmp_path, pre):
+    """A file whose tokenizer.ggml.add_eos_token is true: a prompt ends with EOS, after BOS where one starts it
+    (llama-bpe) or alone (qwen2), as llama.cpp's add_special tokenization writes them."""
+    path = tmp_path / "v.gguf"
+    write_tiny_gguf(path, pre=pre, add_eos=True)
+    ours, ref = _both(path)
+    for text in ["x", "Hello , world!", ""]:
+        want = ref.tokenize(text.encode(), add_bos=True, special=True)
+        assert ours.encode(text) == want and want[-1] == 2, text
+    assert ours.encode("x", add_bos=False) == ref.tokenize(b"x", add_bos=False, special=True)
+
+
 def test_sentencepiece_ids_equal_llama_cpps(tmp_path):
     """A SentencePiece vocabulary: ids as llama.cpp's SPM tokenizer gives them, BOS first."""
     path = tmp_path / "spm.gguf"

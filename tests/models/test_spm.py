@@ -139,22 +139,25 @@ def test_a_tokenizer_model_folder_compiles_and_generates(proto, tmp_path):
 
 
 @pytest.mark.parametrize("add", [None, True, False], ids=["unset", "true", "false"])
-def test_folder_prompt_starts_with_bos_unless_add_bos_token_says_not(proto, tmp_path, add):
+@pytest.mark.parametrize("eos", [None, True], ids=["", "eos"])
+def test_folder_prompt_starts_with_bos_unless_add_bos_token_says_not(proto, tmp_path, add, eos):
     """A prompt starts with BOS as tokenizer_config.json's add_bos_token says, as transformers starts it; where the
     field is unset, with BOS, as SentencePiece Llamas were trained, transformers 4 and llama.cpp read such a folder
-    (transformers 5 adds none there)."""
+    (transformers 5 adds none there). It ends with EOS where add_eos_token is true, as transformers ends it."""
     from transformers import AutoTokenizer
 
     from dejavu.models.loader import load_tokenizer
     from dejavu.models.tokenizer import TextTokenizer
 
-    folder = _folder(tmp_path / "f", proto, **({} if add is None else {"add_bos_token": add}))
+    flags = {**({} if add is None else {"add_bos_token": add}), **({} if eos is None else {"add_eos_token": eos})}
+    folder = _folder(tmp_path / "f", proto, **flags)
     ours, ref = TextTokenizer(load_tokenizer(folder), 1, 2, add_bos=None), AutoTokenizer.from_pretrained(folder)
     for text in TEXTS:
         bare = ref(text, add_special_tokens=False)["input_ids"]
-        assert ours.encode(text) == ([] if add is False else [1]) + bare, text
+        assert ours.encode(text) == ([] if add is False else [1]) + bare + ([2] if eos else []), text
         if add is not None:
             assert ours.encode(text) == ref(text)["input_ids"], text
+        assert ours.encode(text, add_bos=False) == bare
 
 
 def test_added_tokens_json_of_older_folders(proto, tmp_path):
