@@ -284,8 +284,8 @@ def build_tokenizer(reader, path="GGUF file"):
         tok = _byte_level_bpe(reader, tokens, path)
         tok.add_tokens(matched_whole(tokens, types))  # before BPE
     bos, eos = (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
-    # EOS after a prompt too where the file says so (tokenizer.ggml.add_eos_token), as llama.cpp tokenizes it
     bos = (tokens[bos], bos) if adds_bos(reader) and _id_in(bos, tokens) else None
+    # EOS after a prompt too where the file says so (tokenizer.ggml.add_eos_token), as llama.cpp tokenizes it
     eos = (tokens[eos], eos) if _field(reader, "tokenizer.ggml.add_eos_token") and _id_in(eos, tokens) else None
     return with_affixes(tok, bos, eos) if bos or eos else tok
 
