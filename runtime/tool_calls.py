@@ -18,10 +18,10 @@ earlier calls with their arguments as objects (OpenAI sends them as JSON text; t
   come back).
 
 A reply that does not parse is content, as vLLM returns it. Streamed, content goes out as it comes until a call
-may have begun (`StreamGate`). Under `hermes`, `llama3_json` and Mistral's v11 form a call goes out as it is
+may have begun (`StreamGate`). Under `hermes`, `llama3_json` and both of Mistral's forms a call goes out as it is
 written, as vLLM streams it: its id and name once the name is whole, then its arguments object's text as it comes
 (a call whose JSON then fails to parse leaves the reply content, after its first deltas went out); under `pythonic`
-and Mistral's array form the calls follow whole, one delta each, when the reply ends.
+the calls follow whole, one delta each, when the reply ends.
 """
 from __future__ import annotations
 
@@ -222,8 +222,7 @@ class StreamGate:
 
     def _segments(self) -> list[tuple[int, int]]:
         # (start, stop) in the text of each call begun: hermes from its <tool_call> to its </tool_call> or the end;
-        # mistral's v11 form from its [TOOL_CALLS] to the next (the array form before v11 is not read as it comes: no
-        # segments)
+        # mistral's v11 form from its [TOOL_CALLS] to the next; the array form before v11 each object in the array
         t, out = self.text, []
         if self.parser == "llama3_json":  # objects one after another, "; " between, after the python tag if any
             at = len(_PYTHON_TAG) if t.startswith(_PYTHON_TAG) else 0
@@ -246,14 +245,31 @@ class StreamGate:
             out.append((a, stop))
         if out and self.parser == "mistral":
             first = _SPACE.match(t, out[0][0]).end()
-            if first < out[0][1] and t[first] == "[":
-                return []
+            if first < out[0][1] and t[first] == "[":  # the array form before v11: its objects, "," between
+                return self._objects(first + 1, out[0][1], ",")
         return out
+
+    def _objects(self, at: int, stop: int, sep: str) -> list[tuple[int, int]]:
+        # (start, stop) of each call object from t[at] on, one after another with sep between (spaces around it
+        # skipped), the last as far as it is written
+        t, out = self.text, []
+        while True:
+            at = _SPACE.match(t, at, stop).end()
+            if at >= stop or t[at] != "{":
+                return out
+            end = self._ends.setdefault(at, _ValueEnd(at))(t, stop)
+            out.append((at, stop if end is None else end))
+            if end is None:
+                return out
+            at = _SPACE.match(t, end, stop).end()
+            if not t.startswith(sep, at):
+                return out
+            at += len(sep)
 
     def _begun(self, a: int, stop: int) -> tuple[str | None, int | None]:
         # a call's name once it is whole (else None), and where its arguments start (None: not yet)
         t = self.text
-        if self.parser in ("hermes", "llama3_json"):
+        if self.parser in ("hermes", "llama3_json") or t.startswith("{", a):  # mistral's array form: JSON objects as well
             name, start = self._scans.setdefault(a, (_CallScan(a),))[0](t, stop)
             return name, start if start is not None and start < stop else None
         sep = t.find(_MISTRAL_ARGS, a, stop)

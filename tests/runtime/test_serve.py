@@ -997,8 +997,8 @@ def test_calls_stream_as_they_are_written():
     """Under hermes a call's id and name go out once its name is whole and its arguments object as it is written,
     before the reply ends, whatever the key order or the braces and quotes inside strings; the deltas merge into the
     whole parse's calls, their arguments the object's text as the model wrote it. A call whose JSON then breaks
-    leaves the reply content (the deltas already sent stay sent, as under vLLM). Mistral's v11 form and
-    llama3_json likewise."""
+    leaves the reply content (the deltas already sent stay sent, as under vLLM). Mistral's forms and llama3_json
+    likewise."""
     from dejavu.runtime.tool_calls import parse
 
     reply = ('Checking.<tool_call>\n{"name": "search", "arguments": {"query": "a \\"}\\" {x}", "limit": 5, '
@@ -1036,8 +1036,16 @@ def test_calls_stream_as_they_are_written():
         == [(c.name, json.loads(c.arguments)) for c in want] and all(len(c["id"]) == 9 for c in got)
     assert got[0]["arguments"] == '{"city": "Paris", "days": [1, 2]}'
     assert len([d for d in early if d["index"] == 0 and d["function"].get("arguments")]) >= 8
-    _, early, (_, late, _) = _stream_gate("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')
-    assert not early and [d["function"]["name"] for d in late] == ["f"]
+    # its array form before v11 likewise, object by object (spaces around the commas, text after the array)
+    reply = 'Ok.[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, "]"]}} ,\n {"arguments": {}, "name": "g"}] then'
+    content, want = parse("mistral", reply)
+    for step in (1, 5):
+        sent, early, (rest, late, has_calls) = _stream_gate("mistral", reply, step)
+        got = _merged(early + late)
+        assert sent + rest == content == "Ok." and has_calls and [(c["name"], json.loads(c["arguments"]))
+                                                                   for c in got] == [("f", {"a": [1, "]"]}), ("g", {})]
+        assert got[0]["arguments"] == '{"a": [1, "]"]}' and all(len(c["id"]) == 9 for c in got)
+        assert [d["function"]["name"] for d in early if "id" in d] == ["f", "g"] and not late
     # llama3_json's calls one after another ("parameters", "; " between, after the python tag)
     reply = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lyon", "days": [1, 2]}}; {"name": "t"}'
     content, want = parse("llama3_json", reply)
