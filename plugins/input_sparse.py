@@ -157,11 +157,8 @@ def _rows_times(w_ptr, i, v, ks, n, offs_m, m_ok, M):
 
 
 def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, PER, BLOCK_M: tl.constexpr,
-                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, ATOMIC: tl.constexpr = 0,
-                        EARLY_PAIRS: tl.constexpr = 0):
-    # ATOMIC: part_ptr an fp32 [B, M] that every split adds its sum into (sliced_gemv_add), else the partials.
-    # EARLY_PAIRS: the first step's pairs loaded beside the count, bounded by the split's slots instead of by it
-    # (one round trip to L2 fewer before the first rows; pairs past the count zeroed once it is in)
+                        SUB: tl.constexpr, EVEN_M: tl.constexpr, GDC: tl.constexpr = 0, ATOMIC: tl.constexpr = 0):
+    # ATOMIC: part_ptr an fp32 [B, M] that every split adds its sum into (sliced_gemv_add), else the partials
     b, pm, ps = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -175,15 +172,8 @@ def _sliced_gemv_kernel(idx_ptr, val_ptr, count_ptr, w_ptr, part_ptr, B, N, M, P
     # so Triton loads them straight into the tile's row layout (no shared-memory conversion, no barrier in
     # the loop); the next step's pairs load before this step's rows are summed (one round trip a step).
     ar = tl.arange(0, SUB)
-    if EARLY_PAIRS:
-        room = tl.minimum(PER, N - ps * PER)  # the split's slots: known without the count
-        i0, v0 = _pairs(idx_ptr, val_ptr, ar, room)
-        i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, room)
-        v0 = tl.where(ar < n, v0, 0.0)  # slots past the count hold anything (a NaN times a masked 0 row)
-        v1 = tl.where(SUB + ar < n, v1, 0.0)
-    else:
-        i0, v0 = _pairs(idx_ptr, val_ptr, ar, n)
-        i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, n)
+    i0, v0 = _pairs(idx_ptr, val_ptr, ar, n)
+    i1, v1 = _pairs(idx_ptr, val_ptr, SUB + ar, n)
     acc = tl.zeros([SUB, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, n, 2 * SUB):
         p0 = _rows_times(w_ptr, i0, v0, k0 + ar, n, offs_m, m_ok, M)
@@ -376,7 +366,7 @@ def sliced_parts(idx: torch.Tensor, val: torch.Tensor, count: torch.Tensor, w_t:
     jit(_sliced_gemv_kernel, val.device)[grid](idx, val, count, w_t, part, B, N, M, -(-N // split),
                                                BLOCK_M=config.block_m, SUB=max(1, config.block_k // 2),
                                                EVEN_M=M % config.block_m == 0, ATOMIC=acc is not None,
-                                               EARLY_PAIRS=int(config.early_pairs), num_warps=config.num_warps,
+                                               num_warps=config.num_warps,
                                                **pdl_args(val.device, "is_gemv", (settings or DEFAULT).pdl))
     return part
 

@@ -172,8 +172,6 @@ class InputSparseSettings:
     # the 70B TP-8 rank 28.7 vs 27.7 us, 6.486 vs 6.416 ms (H100, 2026-12-05, 94b1fda: `bash
     # benchmarks/gpu/input_sparse_sweep.sh` and e2e_llama.py's confirmation run; docs/llama.md)
     projections: tuple = (("gate_up", "block_k", 64),)
-    # the GEMV's first pairs loaded beside their count (bounded by the split's slots), not after it
-    early_pairs: bool = False
 
 
 @dataclass(frozen=True)

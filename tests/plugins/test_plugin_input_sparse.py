@@ -17,7 +17,6 @@ from conftest import DTYPES
 SMALL = _s(block_select=32, block_m=16, block_k=8)  # many blocks on small shapes
 WIDE_K = dataclasses.replace(SMALL, block_m=32, block_k=64, num_warps=2)  # 32 pairs a load: past most splits' counts
 WIDE_M = dataclasses.replace(SMALL, block_m=128, block_k=16)  # one column block, wider than M: masked columns
-EARLY = dataclasses.replace(WIDE_K, early_pairs=True)  # the first pairs loaded beside the count, past it
 
 
 def _ks(blocks):
@@ -85,9 +84,7 @@ def test_select_slices_pairs_each_split_in_order(triton_interp, dtype, producer,
                                                      (1, 130, 64, 0.3, WIDE_K, False),
                                                      (2, 50, 48, 50.0, WIDE_K, True),
                                                      (2, 40, 33, 0.0, WIDE_K, False),
-                                                     (2, 200, 45, 0.6, WIDE_M, True),
-                                                     (2, 200, 45, 0.6, EARLY, True),
-                                                     (2, 40, 33, 0.0, EARLY, False)])
+                                                     (2, 200, 45, 0.6, WIDE_M, True)])
 def test_sliced_gemv_matches_float64(triton_interp, close, dtype, producer, B, N, M, t, config, residual):
     """residual + the kept inputs of h times their rows of w_t: M a multiple of block_m (unmasked loads)
     and not, several splits, none kept (y = residual), every input kept (t 0)."""
@@ -187,7 +184,7 @@ def test_select_slices_sums_the_previous_gemvs_partials(triton_interp, close, dt
     close(out, (h.double() * (h.float().abs() > t)) @ w2.double(), input_sparse_gemv_ref(h, w2, t))
 
 
-@pytest.mark.parametrize("config", [SMALL, WIDE_K, WIDE_M, EARLY])
+@pytest.mark.parametrize("config", [SMALL, WIDE_K, WIDE_M])
 def test_sliced_gemv_reads_only_the_kept_rows(triton_interp, config):
     """Rows of w_t outside the pairs are NaN: a read of any of them would poison y (nor a row past a split's
     count: a load of more pairs than the split holds, WIDE_K)."""
@@ -202,7 +199,7 @@ def test_sliced_gemv_reads_only_the_kept_rows(triton_interp, config):
     assert torch.isfinite(y).all() and (y.double() - ref).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("config", [SMALL, WIDE_K, EARLY])
+@pytest.mark.parametrize("config", [SMALL, WIDE_K])
 def test_sliced_gemv_ignores_stale_pairs_past_the_count(triton_interp, config):
     """Past each split's count the pair buffers hold what an earlier launch left there: NaN values and
     indices out of range must not reach y."""
