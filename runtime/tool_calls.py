@@ -207,7 +207,7 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
 
 class StreamGate:
     """A streamed reply's content, held back from where a call may begin: `add(delta)` -> content to send now;
-    `tool_deltas()` -> the calls' stream deltas to send now (hermes, llama3_json, mistral's v11 form: each call
+    `tool_deltas()` -> the calls' stream deltas to send now (hermes, llama3_json, both of mistral's forms: each call
     as it is written); `finish()` ->
     (the content not yet sent, the deltas left, whether the reply holds calls). Each call's text is scanned once, as
     it comes (the scanners resume where they stopped), so a reply costs time in proportion to its length."""
@@ -216,8 +216,8 @@ class StreamGate:
         self.parser, self.text, self.sent = parser, "", 0
         # per call begun in the stream: [its id, the characters of its arguments sent, whether they are all sent]
         self.streamed: list[list] = []
-        self._scans: dict[int, tuple] = {}  # a call's scanners, by where its text starts
-        self._ends: dict[int, _ValueEnd] = {}  # llama3_json: each call object's end, by where it starts
+        self._scans: dict[int, _CallScan] = {}  # a call object's scanner, by where its text starts
+        self._ends: dict[int, _ValueEnd] = {}  # a call object's end (llama3_json, mistral's array), by its start
         self._args: dict[int, _ValueEnd] = {}  # each arguments object's end, by where it starts
 
     def _segments(self) -> list[tuple[int, int]]:
@@ -269,8 +269,8 @@ class StreamGate:
     def _begun(self, a: int, stop: int) -> tuple[str | None, int | None]:
         # a call's name once it is whole (else None), and where its arguments start (None: not yet)
         t = self.text
-        if self.parser in ("hermes", "llama3_json") or t.startswith("{", a):  # mistral's array form: JSON objects as well
-            name, start = self._scans.setdefault(a, (_CallScan(a),))[0](t, stop)
+        if self.parser in ("hermes", "llama3_json") or t.startswith("{", a):  # mistral's array form: objects too
+            name, start = self._scans.setdefault(a, _CallScan(a))(t, stop)
             return name, start if start is not None and start < stop else None
         sep = t.find(_MISTRAL_ARGS, a, stop)
         if sep < 0 or not _FUNCTION_NAME.fullmatch(t[a:sep].strip()):
