@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU-measurements run 4: no speed lost to the shipped-path refactor. The same e2e measurement from
-# two trees in one lease, interleaved (before, after, before, after) so clock drift shows as spread:
+# two trees on one GPU in one run, interleaved (before, after, before, after) so clock drift shows as spread:
 # BEFORE = the tree before the refactor (default 9826d98, which still holds the removed modes),
 # AFTER = this checkout. The device run gets no git history, so pack the old tree here first:
 #   bash benchmarks/gpu/refactor_ab.sh --pack [COMMIT]   # here: writes benchmarks/gpu/before.tar.gz (untracked, ~0.3 MB)
