@@ -490,8 +490,8 @@ def build_parser() -> Parser:
                    help="a prompt's first whole --prefix-block blocks that a cache row holds already (an earlier "
                         "prompt's) are copied, not prefilled again")
     p.add_argument("--prefix-block", type=int, default=d.prefix_block, metavar="N",
-                   help="prefix caching's granularity in tokens (vLLM's block size); --prefill-chunk's value: the first "
-                        "logits bit for bit those of a server without the cache")
+                   help="prefix caching's granularity in tokens (vLLM's block size); --prefill-chunk's value: the "
+                        "first logits bit for bit those of a server without the cache")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="answer tool_choice \"auto\" (the default where a chat request has tools): the model's "
                         "tool calls read back by --tool-call-parser, as vLLM's flag")
